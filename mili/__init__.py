@@ -1,0 +1,1 @@
+"""MILI: Qwen3 serving over gRPC with disaggregated prefill and decode."""

@@ -1,0 +1,1 @@
+"""Common gRPC server plumbing shared by every MILI service."""
