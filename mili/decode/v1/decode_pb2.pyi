@@ -1,0 +1,79 @@
+from mili.common.v1 import sampling_pb2 as _sampling_pb2
+from mili.kv.v1 import kv_pb2 as _kv_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "prefill_layout", "kv_lease_ms")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    KV_LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _sampling_pb2.SamplingParams
+    prefill_layout: _kv_pb2.KvLayout
+    kv_lease_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., prefill_layout: _Optional[_Union[_kv_pb2.KvLayout, _Mapping]] = ..., kv_lease_ms: _Optional[int] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("admitted", "tokens")
+    ADMITTED_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    admitted: Admitted
+    tokens: Tokens
+    def __init__(self, admitted: _Optional[_Union[Admitted, _Mapping]] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ...) -> None: ...
+
+class Admitted(_message.Message):
+    __slots__ = ("block_ids", "kv_lease_ms")
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    KV_LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    kv_lease_ms: int
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., kv_lease_ms: _Optional[int] = ...) -> None: ...
+
+class Tokens(_message.Message):
+    __slots__ = ("token_ids", "logprobs", "finish_reason")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedCompositeFieldContainer[_sampling_pb2.Logprobs]
+    finish_reason: _sampling_pb2.FinishReason
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_sampling_pb2.Logprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[_sampling_pb2.FinishReason, str]] = ...) -> None: ...
+
+class InfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class InfoResponse(_message.Message):
+    __slots__ = ("model", "dtype", "device", "kv_layout", "attention_backend", "max_context_tokens", "max_running", "num_total_blocks", "num_free_blocks", "num_running", "num_waiting")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    dtype: str
+    device: str
+    kv_layout: _kv_pb2.KvLayout
+    attention_backend: str
+    max_context_tokens: int
+    max_running: int
+    num_total_blocks: int
+    num_free_blocks: int
+    num_running: int
+    num_waiting: int
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., kv_layout: _Optional[_Union[_kv_pb2.KvLayout, _Mapping]] = ..., attention_backend: _Optional[str] = ..., max_context_tokens: _Optional[int] = ..., max_running: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ...) -> None: ...

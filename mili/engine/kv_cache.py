@@ -1,0 +1,157 @@
+"""Paged KV cache tensors: per-layer K and V blocks, slot arithmetic, whole-block gather/scatter.
+
+Layout (one K and one V tensor per layer, separate, contiguous):
+
+    k[layer], v[layer]: [num_blocks, block_size, num_kv_heads, head_dim]
+
+    block_table = [7, 2, 9]           (a request's block ids, in position order; block_size 4)
+    position:      0 1 2 3 | 4 5 6 7 | 8 9
+    block:         7 7 7 7 | 2 2 2 2 | 9 9
+    slot = block_table[pos // block_size] * block_size + pos % block_size
+         = 28 29 30 31 | 8 9 10 11 | 36 37
+
+Why this layout: one block of one layer is a single contiguous run of
+`block_size * num_kv_heads * head_dim` elements, so shipping a request's KV to another process is
+an `index_select` on dim 0 per layer (`gather_blocks`) and bytes on the wire are exactly
+`num_blocks x block bytes`; token-major inside a block makes writing one new token a single
+contiguous `[num_kv_heads, head_dim]` row at its slot. It is the layout of vLLM's FlashAttention
+backend, and it is what the KV transfer ships and the Mojo attention kernels read: changing it
+changes the wire format (see `KVLayout`, which both sides publish and compare).
+
+Which blocks are free is not this module's business: `BlockPool` (pure Python) owns that.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from mili.engine.config import Qwen3Config
+
+DEFAULT_BLOCK_SIZE = 16
+
+
+class KVLayout(NamedTuple):
+    """What two processes must agree on before KV blocks can move between them."""
+
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str  # e.g. "bfloat16"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def bytes_per_block(config: Qwen3Config, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block id occupies across all layers, K and V together."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    per_layer = block_size * config.num_key_value_heads * config.head_dim * itemsize
+    return 2 * config.num_hidden_layers * per_layer
+
+
+def num_blocks_for_budget(
+    config: Qwen3Config, block_size: int, dtype: torch.dtype, budget_bytes: int
+) -> int:
+    """How many blocks fit in `budget_bytes` of cache memory (rounded down)."""
+    if budget_bytes < 0:
+        raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
+    return budget_bytes // bytes_per_block(config, block_size, dtype)
+
+
+def slot_mapping(
+    block_tables: torch.Tensor, seq_indices: torch.Tensor, positions: torch.Tensor, block_size: int
+) -> torch.Tensor:
+    """Cache slot of each token.
+
+    block_tables: [B, max_blocks] int (rows padded with any valid id), seq_indices: [T] int (row of
+    `block_tables` each token belongs to), positions: [T] int -> slots: [T] int64.
+    """
+    block_ids = block_tables[seq_indices, torch.div(positions, block_size, rounding_mode="floor")]
+    return block_ids.long() * block_size + positions.long() % block_size
+
+
+def slots_for_range(block_table: Sequence[int], start: int, end: int, block_size: int) -> list[int]:
+    """Slots of positions [start, end) of one request (plain-Python twin of `slot_mapping`)."""
+    return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+
+
+class KVCache:
+    """The K and V block tensors of every layer, allocated once at start-up."""
+
+    def __init__(
+        self,
+        config: Qwen3Config,
+        num_blocks: int,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be > 0")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
+        # Zeros, not empty: a bug that reads an unwritten slot then gives stable wrong numbers
+        # instead of NaNs that depend on what the allocator left behind.
+        self.k = [
+            torch.zeros(shape, dtype=dtype, device=self.device)
+            for _ in range(config.num_hidden_layers)
+        ]
+        self.v = [torch.zeros_like(k) for k in self.k]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.k)
+
+    @property
+    def layout(self) -> KVLayout:
+        return KVLayout(
+            self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, dtype_name(self.dtype)
+        )
+
+    def write(
+        self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """Store new tokens' K/V. slot_mapping: [T] int64, k/v: [T, num_kv_heads, head_dim]."""
+        flat_shape = (-1, self.num_kv_heads, self.head_dim)
+        self.k[layer].view(flat_shape).index_copy_(0, slot_mapping, k.to(self.dtype))
+        self.v[layer].view(flat_shape).index_copy_(0, slot_mapping, v.to(self.dtype))
+
+    def gather_blocks(
+        self, layer: int, block_ids: Sequence[int] | torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copy whole blocks out: (k, v), each [n, block_size, num_kv_heads, head_dim], contiguous."""
+        index = self._index(block_ids)
+        return self.k[layer].index_select(0, index), self.v[layer].index_select(0, index)
+
+    def scatter_blocks(
+        self,
+        layer: int,
+        block_ids: Sequence[int] | torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+    ) -> None:
+        """Copy whole blocks in (inverse of `gather_blocks`); k/v: [n, block_size, kv_heads, D]."""
+        index = self._index(block_ids)
+        expected = (index.numel(), self.block_size, self.num_kv_heads, self.head_dim)
+        for name, t in (("k", k), ("v", v)):
+            if tuple(t.shape) != expected:
+                raise ValueError(f"scatter_blocks: {name} has shape {tuple(t.shape)}, expected {expected}")
+        self.k[layer].index_copy_(0, index, k.to(device=self.device, dtype=self.dtype))
+        self.v[layer].index_copy_(0, index, v.to(device=self.device, dtype=self.dtype))
+
+    def _index(self, block_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        index = torch.as_tensor(block_ids, dtype=torch.int64, device=self.device).reshape(-1)
+        if index.numel() and (int(index.min()) < 0 or int(index.max()) >= self.num_blocks):
+            raise IndexError(f"block ids must be in [0, {self.num_blocks}), got {index.tolist()}")
+        return index

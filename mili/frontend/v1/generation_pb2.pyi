@@ -1,0 +1,101 @@
+from mili.common.v1 import chat_pb2 as _chat_pb2
+from mili.common.v1 import sampling_pb2 as _sampling_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("request_id", "prompt", "messages", "token_ids", "sampling", "enable_thinking")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    ENABLE_THINKING_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt: str
+    messages: _containers.RepeatedCompositeFieldContainer[_chat_pb2.ChatMessage]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _sampling_pb2.SamplingParams
+    enable_thinking: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_chat_pb2.ChatMessage, _Mapping]]] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., enable_thinking: _Optional[bool] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("request_id", "token_ids", "text", "logprobs", "finish_reason", "usage")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    logprobs: _containers.RepeatedCompositeFieldContainer[_sampling_pb2.Logprobs]
+    finish_reason: _sampling_pb2.FinishReason
+    usage: Usage
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_sampling_pb2.Logprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[_sampling_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+
+class Usage(_message.Message):
+    __slots__ = ("prompt_tokens", "completion_tokens")
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    completion_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
+
+class CompleteRequest(_message.Message):
+    __slots__ = ("request_id", "prompt", "messages", "token_ids", "sampling", "enable_thinking")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    ENABLE_THINKING_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt: str
+    messages: _containers.RepeatedCompositeFieldContainer[_chat_pb2.ChatMessage]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _sampling_pb2.SamplingParams
+    enable_thinking: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_chat_pb2.ChatMessage, _Mapping]]] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., enable_thinking: _Optional[bool] = ...) -> None: ...
+
+class CompleteResponse(_message.Message):
+    __slots__ = ("request_id", "token_ids", "text", "logprobs", "finish_reason", "usage")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    logprobs: _containers.RepeatedCompositeFieldContainer[_sampling_pb2.Logprobs]
+    finish_reason: _sampling_pb2.FinishReason
+    usage: Usage
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_sampling_pb2.Logprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[_sampling_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+
+class InfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class InfoResponse(_message.Message):
+    __slots__ = ("model", "max_context_tokens", "max_tokens_limit", "default_max_tokens", "prefill_addresses", "decode_addresses")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    DECODE_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    max_context_tokens: int
+    max_tokens_limit: int
+    default_max_tokens: int
+    prefill_addresses: _containers.RepeatedScalarFieldContainer[str]
+    decode_addresses: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., max_context_tokens: _Optional[int] = ..., max_tokens_limit: _Optional[int] = ..., default_max_tokens: _Optional[int] = ..., prefill_addresses: _Optional[_Iterable[str]] = ..., decode_addresses: _Optional[_Iterable[str]] = ...) -> None: ...

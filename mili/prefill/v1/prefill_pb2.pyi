@@ -1,0 +1,75 @@
+from mili.common.v1 import sampling_pb2 as _sampling_pb2
+from mili.kv.v1 import kv_pb2 as _kv_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class KvDestination(_message.Message):
+    __slots__ = ("address", "block_ids")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("request_id", "token_ids", "sampling", "destination")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    DESTINATION_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _sampling_pb2.SamplingParams
+    destination: KvDestination
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., destination: _Optional[_Union[KvDestination, _Mapping]] = ...) -> None: ...
+
+class PrefillResponse(_message.Message):
+    __slots__ = ("first_token_id", "first_logprobs", "num_prompt_tokens", "queue_ms", "compute_ms", "transfer_ms", "kv_bytes")
+    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    first_token_id: int
+    first_logprobs: _sampling_pb2.Logprobs
+    num_prompt_tokens: int
+    queue_ms: float
+    compute_ms: float
+    transfer_ms: float
+    kv_bytes: int
+    def __init__(self, first_token_id: _Optional[int] = ..., first_logprobs: _Optional[_Union[_sampling_pb2.Logprobs, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., kv_bytes: _Optional[int] = ...) -> None: ...
+
+class InfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class InfoResponse(_message.Message):
+    __slots__ = ("model", "dtype", "device", "kv_layout", "attention_backend", "max_prompt_tokens", "max_batch_tokens", "num_queued_tokens", "num_total_blocks", "num_free_blocks")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    MAX_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_QUEUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    dtype: str
+    device: str
+    kv_layout: _kv_pb2.KvLayout
+    attention_backend: str
+    max_prompt_tokens: int
+    max_batch_tokens: int
+    num_queued_tokens: int
+    num_total_blocks: int
+    num_free_blocks: int
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., kv_layout: _Optional[_Union[_kv_pb2.KvLayout, _Mapping]] = ..., attention_backend: _Optional[str] = ..., max_prompt_tokens: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., num_queued_tokens: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ...) -> None: ...
