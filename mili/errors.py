@@ -74,3 +74,8 @@ class Cancelled(MiliError):
 
 class DataLoss(MiliError):
     """Bytes arrived corrupt, short or out of order, e.g. a KV chunk's checksum (DATA_LOSS)."""
+
+
+class StartupError(Exception):
+    """A service cannot start (bad model directory, bad flag). The CLI prints the message as one
+    line and exits non-zero, without a traceback: the message must say what is wrong and where."""

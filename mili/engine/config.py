@@ -52,10 +52,12 @@ class Qwen3Config:
     eos_token_id: int | list[int] | None = None
 
     def __post_init__(self) -> None:
-        for name in _REQUIRED + ("head_dim",):
+        for name in (*_REQUIRED, "head_dim"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"config field {name!r} must be a positive integer, got {value!r}")
+                raise ConfigError(
+                    f"config field {name!r} must be a positive integer, got {value!r}"
+                )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "

@@ -1,0 +1,3 @@
+from mili.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,113 @@
+"""The embedded demo model: a small Qwen3 checkpoint MILI builds offline, deterministically.
+
+It has the exact Qwen3 architecture (q/k norm, GQA, head_dim independent of hidden/heads, tied
+embeddings) with random weights, and a byte-level BPE tokenizer trained on `corpus.txt`. Its
+output is gibberish, but every code path — loading, templating, prefill, KV transfer, decode —
+runs as it would on a real checkpoint. It is the default model wherever no `--model DIR` is
+given, built once into a cache directory keyed by a hash of everything that shapes it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from mili.demo import tokenizer as demo_tokenizer
+from mili.engine import checkpoint
+from mili.engine.config import Qwen3Config
+
+_LOG = logging.getLogger("mili.demo")
+SEED = 20261121
+MAX_POSITION_EMBEDDINGS = 4096
+
+
+def demo_config(vocab_size: int, eos_token_id: int, pad_token_id: int) -> Qwen3Config:
+    """Qwen3 shapes scaled down: 8 q heads of 64 over a 256-wide residual (8*64 != 256)."""
+    return Qwen3Config(
+        vocab_size=(vocab_size + 63) // 64 * 64,  # padded like Qwen's 151936 > 151669 tokens
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        max_position_embeddings=MAX_POSITION_EMBEDDINGS,
+        rms_norm_eps=1e-6,
+        rope_theta=1_000_000.0,
+        tie_word_embeddings=True,
+        torch_dtype="bfloat16",
+        bos_token_id=pad_token_id,
+        eos_token_id=eos_token_id,
+    )
+
+
+def build_demo_model(directory: Path) -> Path:
+    """Write the demo checkpoint into `directory` (created); same bytes every time."""
+    tokenizer = demo_tokenizer.train_tokenizer()
+    config = demo_config(
+        tokenizer.get_vocab_size(with_added_tokens=True),
+        eos_token_id=demo_tokenizer.token_id(tokenizer, demo_tokenizer.EOS_TOKEN),
+        pad_token_id=demo_tokenizer.token_id(tokenizer, demo_tokenizer.PAD_TOKEN),
+    )
+    checkpoint.write_random_checkpoint(directory, config, seed=SEED, dtype=torch.bfloat16)
+    demo_tokenizer.write_tokenizer_files(directory, tokenizer, MAX_POSITION_EMBEDDINGS)
+    return directory
+
+
+def _fingerprint() -> str:
+    """Hash of every input that shapes the demo checkpoint: corpus, template and the code."""
+    digest = hashlib.sha256()
+    here = Path(__file__).resolve().parent
+    sources = [*sorted(here.glob("*.py")), demo_tokenizer.CORPUS, demo_tokenizer.CHAT_TEMPLATE]
+    sources += [Path(checkpoint.__file__), Path(checkpoint.__file__).with_name("config.py")]
+    for path in sources:
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+def cache_root(environ: Mapping[str, str] | None = None) -> Path:
+    """$MILI_CACHE_DIR, else $XDG_CACHE_HOME/mili, else ~/.cache/mili."""
+    env = os.environ if environ is None else environ
+    if env.get("MILI_CACHE_DIR"):
+        return Path(env["MILI_CACHE_DIR"])
+    base = Path(env["XDG_CACHE_HOME"]) if env.get("XDG_CACHE_HOME") else Path.home() / ".cache"
+    return base / "mili"
+
+
+def default_model_dir(environ: Mapping[str, str] | None = None) -> Path:
+    """The demo checkpoint in the cache, built on first use (safe against concurrent builders)."""
+    target = cache_root(environ) / f"demo-model-{_fingerprint()}"
+    if (target / "config.json").exists() and (target / "tokenizer.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    _LOG.info("building the demo model into %s", target)
+    staging = Path(tempfile.mkdtemp(prefix=".demo-build-", dir=target.parent))
+    try:
+        build_demo_model(staging)
+        try:
+            staging.rename(target)  # atomic: readers never see a half-written checkpoint
+        except OSError:
+            if not (target / "config.json").exists():  # not a lost race with another builder
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def describe(directory: Path) -> str:
+    config = json.loads((directory / "config.json").read_text())
+    return (
+        f"Qwen3 demo model at {directory}: {config['num_hidden_layers']} layers, hidden "
+        f"{config['hidden_size']}, {config['num_attention_heads']}/"
+        f"{config['num_key_value_heads']} q/kv heads of {config['head_dim']}, "
+        f"vocab {config['vocab_size']}"
+    )

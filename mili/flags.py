@@ -1,0 +1,73 @@
+"""Command-line flags every service shares, and the configs built from them."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+from mili.rpc.server import ServerConfig
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def add_server_arguments(parser: argparse.ArgumentParser, default_port: int) -> None:
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    group.add_argument(
+        "--port",
+        type=int,
+        default=default_port,
+        help="port to bind; 0 picks a free one (default: %(default)s)",
+    )
+    group.add_argument(
+        "--max-message-bytes",
+        type=int,
+        default=64 * 1024 * 1024,
+        help="largest gRPC message sent or received (default: %(default)s)",
+    )
+    group.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="seconds in-flight calls get to finish after SIGTERM (default: %(default)s)",
+    )
+    group.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="log level (default: %(default)s)",
+    )
+
+
+def add_model_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="HF checkpoint directory (default: the embedded demo model, built once into the "
+        "cache: $MILI_CACHE_DIR, else ~/.cache/mili)",
+    )
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(
+        host=args.host,
+        port=args.port,
+        max_message_bytes=args.max_message_bytes,
+        drain_timeout_s=args.drain_timeout,
+    )
+
+
+def setup_logging(args: argparse.Namespace) -> None:
+    logging.basicConfig(level=args.log_level, format=LOG_FORMAT)
+
+
+def resolve_model(args: argparse.Namespace) -> Path:
+    """--model, or the demo model (built on first use)."""
+    if args.model is not None:
+        return Path(args.model)
+    from mili.demo.model import default_model_dir  # imports torch: only when needed
+
+    return default_model_dir()

@@ -1,0 +1,55 @@
+"""Incremental detokenization: token ids in, text deltas out, never half a character.
+
+With byte-level BPE one character (an emoji, a CJK ideograph) can be split over several tokens;
+decoding the tokens seen so far then ends in U+FFFD until the rest arrives. We keep two offsets
+into the ids and re-decode only a short window:
+
+    ids:  [ ... emitted ... | prefix window | read window (not yet emitted) ]
+                            ^prefix_offset  ^read_offset                   ^len(ids)
+
+    delta = decode(ids[prefix_offset:]) minus its prefix decode(ids[prefix_offset:read_offset])
+
+and emit the delta only when it does not end in U+FFFD. Both offsets sit on character
+boundaries, so the concatenated deltas equal one decode of all the ids. The cost per step is
+the window, not the whole sequence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+_REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """One stream's state. `decode(ids)` must be the tokenizer's (lossy) decode of `ids`."""
+
+    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+        self._decode = decode
+        self._ids: list[int] = []
+        self._prefix_offset = 0
+        self._read_offset = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._ids)
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        """Add ids; return the text they complete ("" while a character is incomplete)."""
+        self._ids.extend(token_ids)
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        """Return everything held back, incomplete characters as U+FFFD (end of stream)."""
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
+        if self._read_offset == len(self._ids):
+            return ""
+        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        text = self._decode(self._ids[self._prefix_offset :])
+        if not final and (len(text) <= len(prefix) or text.endswith(_REPLACEMENT)):
+            return ""
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        return text[len(prefix) :]

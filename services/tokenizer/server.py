@@ -1,0 +1,147 @@
+"""gRPC edge of the tokenizer service: proto <-> domain, limits, and nothing else."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+
+from mili.common.v1 import chat_pb2
+from mili.errors import InvalidArgument
+from mili.rpc.server import RpcServer
+from mili.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from services.tokenizer.chat_template import Message
+from services.tokenizer.detokenizer import IncrementalDetokenizer
+from services.tokenizer.tokenizer import ModelTokenizer
+
+SERVICE_NAME = tokenizer_pb2.DESCRIPTOR.services_by_name["TokenizerService"].full_name
+
+
+@dataclass(frozen=True)
+class TokenizerLimits:
+    # Largest text (or sum of chat message contents) accepted, in characters. Qwen3's 40960-token
+    # context is ~160k characters of English; the default leaves room for longer contexts.
+    max_input_chars: int = 1_000_000
+    # Most token ids in one Detokenize / DetokenizeStream message.
+    max_token_ids: int = 262_144
+
+    def __post_init__(self) -> None:
+        if self.max_input_chars <= 0 or self.max_token_ids <= 0:
+            raise ValueError("tokenizer limits must be positive")
+
+
+def _messages(protos: list[chat_pb2.ChatMessage]) -> list[Message]:
+    return [
+        Message(
+            role=m.role,
+            content=m.content,
+            reasoning_content=m.reasoning_content if m.HasField("reasoning_content") else None,
+        )
+        for m in protos
+    ]
+
+
+class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
+    def __init__(self, tokenizer: ModelTokenizer, limits: TokenizerLimits) -> None:
+        self._tokenizer = tokenizer
+        self._limits = limits
+
+    def _check_chars(self, field: str, num_chars: int) -> None:
+        if num_chars > self._limits.max_input_chars:
+            raise InvalidArgument(
+                field,
+                f"{num_chars} characters",
+                f"longer than the limit of {self._limits.max_input_chars} characters",
+            )
+
+    def _check_ids(self, token_ids: list[int]) -> None:
+        if len(token_ids) > self._limits.max_token_ids:
+            raise InvalidArgument(
+                "token_ids",
+                f"{len(token_ids)} ids",
+                f"more than the limit of {self._limits.max_token_ids} ids per message",
+            )
+        self._tokenizer.check_ids(token_ids)
+
+    async def Tokenize(
+        self, request: tokenizer_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> tokenizer_pb2.TokenizeResponse:
+        if request.messages:
+            if request.text:
+                raise InvalidArgument(
+                    "text",
+                    f"{len(request.text)} characters",
+                    "set either text or messages, not both",
+                )
+            messages = _messages(list(request.messages))
+            self._check_chars(
+                "messages", sum(len(m.content) + len(m.reasoning_content or "") for m in messages)
+            )
+            add_generation_prompt = (
+                request.add_generation_prompt if request.HasField("add_generation_prompt") else True
+            )
+            enable_thinking = (
+                request.enable_thinking if request.HasField("enable_thinking") else None
+            )
+            prompt = self._tokenizer.render_chat(messages, add_generation_prompt, enable_thinking)
+        else:
+            self._check_chars("text", len(request.text))
+            prompt = request.text
+        # Encoding a long text takes milliseconds: keep it off the event loop.
+        token_ids = await asyncio.to_thread(self._tokenizer.encode, prompt)
+        return tokenizer_pb2.TokenizeResponse(token_ids=token_ids, prompt=prompt)
+
+    async def Detokenize(
+        self, request: tokenizer_pb2.DetokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> tokenizer_pb2.DetokenizeResponse:
+        token_ids = list(request.token_ids)
+        self._check_ids(token_ids)
+        text = await asyncio.to_thread(
+            self._tokenizer.decode, token_ids, request.skip_special_tokens
+        )
+        return tokenizer_pb2.DetokenizeResponse(text=text)
+
+    async def DetokenizeStream(
+        self,
+        request_iterator: AsyncIterator[tokenizer_pb2.DetokenizeStreamRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[tokenizer_pb2.DetokenizeStreamResponse]:
+        detokenizer: IncrementalDetokenizer | None = None
+        async for request in request_iterator:
+            if detokenizer is None:
+                skip = request.skip_special_tokens
+                detokenizer = IncrementalDetokenizer(
+                    lambda ids, skip=skip: self._tokenizer.decode(ids, skip)  # type: ignore[misc]
+                )
+            token_ids = list(request.token_ids)
+            self._check_ids(token_ids)
+            text = detokenizer.push(token_ids)
+            if request.final:
+                yield tokenizer_pb2.DetokenizeStreamResponse(text=text + detokenizer.flush())
+                return
+            yield tokenizer_pb2.DetokenizeStreamResponse(text=text)
+
+    async def Info(
+        self, request: tokenizer_pb2.InfoRequest, context: grpc.aio.ServicerContext
+    ) -> tokenizer_pb2.InfoResponse:
+        tok = self._tokenizer
+        return tokenizer_pb2.InfoResponse(
+            model=tok.model_name,
+            vocab_size=tok.vocab_size,
+            special_tokens=[
+                tokenizer_pb2.SpecialToken(content=t.content, id=t.id) for t in tok.special_tokens
+            ],
+            eos_token_ids=tok.eos_token_ids,
+            chat_template_source=tok.chat_template.source,
+            max_input_chars=self._limits.max_input_chars,
+            max_token_ids=self._limits.max_token_ids,
+        )
+
+
+def add_to_server(server: RpcServer, servicer: TokenizerServicer) -> None:
+    server.add_service(
+        SERVICE_NAME,
+        lambda s: tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server(servicer, s),
+    )

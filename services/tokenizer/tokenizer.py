@@ -1,0 +1,125 @@
+"""A checkpoint's tokenizer: HF `tokenizers` plus the checkpoint's chat template and EOS ids.
+
+Loads from an HF model directory:
+    tokenizer.json          required: the fast tokenizer (vocabulary, merges, added tokens)
+    tokenizer_config.json   optional: chat_template, eos_token
+    generation_config.json  optional: eos_token_id (int or list), which ends generation
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer
+
+from mili.errors import InvalidArgument, StartupError
+from services.tokenizer.chat_template import ChatTemplate, Message
+
+
+@dataclass(frozen=True)
+class SpecialToken:
+    content: str
+    id: int
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise StartupError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise StartupError(f"{path} must hold a JSON object, found {type(data).__name__}")
+    return data
+
+
+class ModelTokenizer:
+    """Encode/decode with one checkpoint's tokenizer; every method is safe to call from threads."""
+
+    def __init__(self, model_dir: Path) -> None:
+        if not model_dir.is_dir():
+            raise StartupError(f"model directory {model_dir} does not exist")
+        path = model_dir / "tokenizer.json"
+        if not path.exists():
+            raise StartupError(f"model directory {model_dir} has no tokenizer.json")
+        try:
+            self._tokenizer = Tokenizer.from_file(str(path))
+        except Exception as e:  # the Rust loader raises a bare Exception with a parse message
+            raise StartupError(f"{path} is not a valid tokenizer file: {e}") from None
+        config = _read_json(model_dir / "tokenizer_config.json") or {}
+        generation = _read_json(model_dir / "generation_config.json") or {}
+
+        self.model_name = model_dir.resolve().name
+        self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
+        self.special_tokens = sorted(
+            (
+                SpecialToken(t.content, i)
+                for i, t in self._tokenizer.get_added_tokens_decoder().items()
+            ),
+            key=lambda t: t.id,
+        )
+        self.eos_token_ids = self._eos_ids(config, generation, path)
+        template = config.get("chat_template")
+        if isinstance(
+            template, list
+        ):  # HF allows named templates: [{"name": ..., "template": ...}]
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default")
+        try:
+            self.chat_template = ChatTemplate(
+                template if isinstance(template, str) else None,
+                bos_token=_token_text(config.get("bos_token")),
+                eos_token=_token_text(config.get("eos_token")),
+            )
+        except ValueError as e:
+            raise StartupError(
+                f"{model_dir / 'tokenizer_config.json'}: chat_template: {e}"
+            ) from None
+
+    def _eos_ids(self, config: dict[str, Any], generation: dict[str, Any], path: Path) -> list[int]:
+        ids = generation.get("eos_token_id")
+        if ids is None:
+            eos = _token_text(config.get("eos_token"))
+            token_id = self._tokenizer.token_to_id(eos) if eos else None
+            return [] if token_id is None else [token_id]
+        ids = [ids] if isinstance(ids, int) else list(ids)
+        bad = [i for i in ids if not isinstance(i, int) or not 0 <= i < self.vocab_size]
+        if bad:
+            raise StartupError(
+                f"generation_config.json beside {path}: eos_token_id {bad} not in vocab"
+            )
+        return ids
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, with no special tokens added (Qwen adds none anyway)."""
+        return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def render_chat(
+        self, messages: list[Message], add_generation_prompt: bool, enable_thinking: bool | None
+    ) -> str:
+        return self.chat_template.render(messages, add_generation_prompt, enable_thinking)
+
+    def check_ids(self, token_ids: list[int], field: str = "token_ids") -> None:
+        """Raise InvalidArgument naming the first id outside the vocabulary."""
+        for i, token_id in enumerate(token_ids):
+            if not 0 <= token_id < self.vocab_size:
+                raise InvalidArgument(
+                    f"{field}[{i}]",
+                    token_id,
+                    f"outside the vocabulary (ids 0..{self.vocab_size - 1})",
+                )
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        """Text of `token_ids`; bytes of an incomplete character become U+FFFD."""
+        return self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+
+def _token_text(value: object) -> str | None:
+    """tokenizer_config.json writes a token as a string or as {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None

@@ -1,0 +1,35 @@
+"""Fixtures shared by every test folder: the demo checkpoint and real service processes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from mili.demo.model import build_demo_model
+from tests.service_process import ServiceProcess
+
+
+@pytest.fixture(scope="session")
+def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The embedded demo checkpoint, built fresh for this test session."""
+    return build_demo_model(tmp_path_factory.mktemp("demo-model"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer_service(demo_model_dir: Path) -> Iterator[ServiceProcess]:
+    """A tokenizer service on the demo model, with small input limits to test them."""
+    service = ServiceProcess(
+        "serve-tokenizer",
+        "--model",
+        str(demo_model_dir),
+        "--port",
+        "0",
+        "--max-input-chars",
+        "5000",
+        "--max-token-ids",
+        "4096",
+    )
+    yield service
+    assert service.terminate() == 0, service.stderr

@@ -1,0 +1,75 @@
+"""A MILI service run as a real process, the way an operator starts it."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+_LISTENING = re.compile(r"(\w+) service listening on (\S+)")
+
+
+class ServiceProcess:
+    """A MILI service started as `python -m mili COMMAND ...` on port 0, as an operator would.
+
+    Its stdout announces the bound address; stderr (logs) is kept for assertions and failures.
+    """
+
+    def __init__(self, *args: str, timeout_s: float = 60.0) -> None:
+        self.args = args
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "mili", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+            env=env,
+        )
+        self.stderr_lines: list[str] = []
+        self._stderr_reader = threading.Thread(target=self._read_stderr, daemon=True)
+        self._stderr_reader.start()
+        self.address = self._wait_for_address(timeout_s)
+
+    def _read_stderr(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.stderr_lines.append(line)
+
+    def _wait_for_address(self, timeout_s: float) -> str:
+        assert self.proc.stdout is not None
+        timer = threading.Timer(timeout_s, self.proc.kill)
+        timer.start()
+        try:
+            for line in self.proc.stdout:
+                match = _LISTENING.search(line)
+                if match:
+                    return match.group(2)
+        finally:
+            timer.cancel()
+        self.proc.wait()
+        self._stderr_reader.join(timeout=5)
+        raise RuntimeError(
+            f"mili {' '.join(self.args)} exited {self.proc.returncode} before listening:\n"
+            + "".join(self.stderr_lines[-30:])
+        )
+
+    @property
+    def stderr(self) -> str:
+        return "".join(self.stderr_lines)
+
+    def terminate(self, timeout_s: float = 30.0) -> int:
+        """SIGTERM (graceful drain), then wait; returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise

@@ -1,0 +1,157 @@
+"""The tokenizer service over real gRPC: round trips, streaming, limits and errors."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from tokenizers import Tokenizer
+
+from mili.common.v1 import chat_pb2
+from mili.rpc.status import bad_request_of
+from mili.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from tests.service_process import ServiceProcess
+
+MULTILINGUAL = [
+    "Hello, world! It's 2026.",
+    "Café, naïve, Ångström, façade, jalapeño, Größe.",
+    "服务器会很快回答。今天天气很好。",
+    "こんにちは、世界。안녕하세요.",
+    "Emoji: 🙂🚀👍🏽 family 👩‍👩‍👧 flag 🇯🇵 and ❤️.",
+    "def f(x):\n    return {'k': [x ** 2 for x in range(10)]}  # code\n\tTabbed;",
+    "Mixed: Привет мир, مرحبا, שלום, नमस्ते, ∑∫√∞ ≠ ≤.",
+    "",
+    "   leading and trailing spaces   \n\n",
+]
+
+
+@pytest.fixture(scope="module")
+def stub(tokenizer_service: ServiceProcess) -> Iterator[tokenizer_pb2_grpc.TokenizerServiceStub]:
+    with grpc.insecure_channel(tokenizer_service.address) as channel:
+        yield tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+
+
+@pytest.fixture(scope="module")
+def reference(demo_model_dir: Path) -> Tokenizer:
+    return Tokenizer.from_file(str(demo_model_dir / "tokenizer.json"))
+
+
+@pytest.mark.parametrize("text", MULTILINGUAL)
+def test_round_trip_equals_hf_tokenizers(stub, reference: Tokenizer, text: str) -> None:
+    ids = list(stub.Tokenize(tokenizer_pb2.TokenizeRequest(text=text)).token_ids)
+    assert ids == reference.encode(text, add_special_tokens=False).ids
+    decoded = stub.Detokenize(tokenizer_pb2.DetokenizeRequest(token_ids=ids)).text
+    assert decoded == reference.decode(ids, skip_special_tokens=False) == text
+
+
+def test_chat_tokenize_returns_rendered_prompt(stub, reference: Tokenizer) -> None:
+    response = stub.Tokenize(
+        tokenizer_pb2.TokenizeRequest(
+            messages=[chat_pb2.ChatMessage(role="user", content="Hi")], enable_thinking=False
+        )
+    )
+    assert response.prompt == (
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    )
+    assert list(response.token_ids) == reference.encode(response.prompt).ids
+    assert reference.token_to_id("<|im_start|>") in response.token_ids
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_detokenize_stream_adds_up(stub, reference: Tokenizer, seed: int) -> None:
+    rng = random.Random(seed)
+    vocab = reference.get_vocab_size(with_added_tokens=True)
+    ids = [rng.randrange(vocab) for _ in range(120)]
+    chunks = [ids[i : i + 3] for i in range(0, len(ids), 3)]
+    requests = [tokenizer_pb2.DetokenizeStreamRequest(token_ids=c) for c in chunks]
+    requests.append(tokenizer_pb2.DetokenizeStreamRequest(final=True))
+    deltas = [r.text for r in stub.DetokenizeStream(iter(requests))]
+    assert len(deltas) == len(requests)  # one response per message
+    assert "".join(deltas) == reference.decode(ids, skip_special_tokens=False)
+    assert not any(d.endswith("\ufffd") for d in deltas[:-1])
+
+
+def test_info(stub, reference: Tokenizer) -> None:
+    info = stub.Info(tokenizer_pb2.InfoRequest())
+    assert info.vocab_size == reference.get_vocab_size(with_added_tokens=True)
+    specials = {t.content: t.id for t in info.special_tokens}
+    assert specials["<|im_end|>"] == reference.token_to_id("<|im_end|>")
+    assert "<think>" in specials
+    assert list(info.eos_token_ids) == [specials["<|im_end|>"], specials["<|endoftext|>"]]
+    assert info.chat_template_source == "checkpoint"
+    assert (info.max_input_chars, info.max_token_ids) == (5000, 4096)
+
+
+def _invalid(call, request) -> tuple[str, str]:
+    with pytest.raises(grpc.RpcError) as err:
+        call(request)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+    bad_request = bad_request_of(err.value)
+    assert bad_request is not None and len(bad_request.field_violations) == 1
+    violation = bad_request.field_violations[0]
+    assert violation.field in err.value.details()
+    return violation.field, violation.description
+
+
+def test_unknown_role(stub) -> None:
+    field, description = _invalid(
+        stub.Tokenize,
+        tokenizer_pb2.TokenizeRequest(
+            messages=[
+                chat_pb2.ChatMessage(role="user", content="hi"),
+                chat_pb2.ChatMessage(role="wizard", content="zap"),
+            ]
+        ),
+    )
+    assert field == "messages[1].role"
+    assert "'wizard'" in description and "system, user, assistant, tool" in description
+
+
+def test_id_outside_vocabulary(stub, reference: Tokenizer) -> None:
+    vocab = reference.get_vocab_size(with_added_tokens=True)
+    field, description = _invalid(
+        stub.Detokenize, tokenizer_pb2.DetokenizeRequest(token_ids=[1, 2, vocab + 5])
+    )
+    assert field == "token_ids[2]"
+    assert str(vocab + 5) in description
+
+
+def test_id_outside_vocabulary_in_stream(stub, reference: Tokenizer) -> None:
+    vocab = reference.get_vocab_size(with_added_tokens=True)
+    requests = iter([tokenizer_pb2.DetokenizeStreamRequest(token_ids=[vocab])])
+    field, _ = _invalid(lambda r: list(stub.DetokenizeStream(r)), requests)
+    assert field == "token_ids[0]"
+
+
+def test_text_over_limit(stub) -> None:
+    field, description = _invalid(stub.Tokenize, tokenizer_pb2.TokenizeRequest(text="a" * 5001))
+    assert field == "text"
+    assert "5001 characters" in description and "5000" in description
+
+
+def test_messages_over_limit(stub) -> None:
+    messages = [chat_pb2.ChatMessage(role="user", content="b" * 2600) for _ in range(2)]
+    field, description = _invalid(stub.Tokenize, tokenizer_pb2.TokenizeRequest(messages=messages))
+    assert field == "messages"
+    assert "5200 characters" in description
+
+
+def test_too_many_ids(stub) -> None:
+    field, description = _invalid(
+        stub.Detokenize, tokenizer_pb2.DetokenizeRequest(token_ids=[1] * 4097)
+    )
+    assert field == "token_ids"
+    assert "4097" in description
+
+
+def test_text_and_messages_together(stub) -> None:
+    field, _ = _invalid(
+        stub.Tokenize,
+        tokenizer_pb2.TokenizeRequest(
+            text="x", messages=[chat_pb2.ChatMessage(role="user", content="y")]
+        ),
+    )
+    assert field == "text"
