@@ -1,0 +1,87 @@
+"""Per-request sampling parameters: a frozen, validated dataclass shared by every service.
+
+Validation happens once, in `__post_init__`, so the engine never sees a bad value. Every
+violation is reported (not just the first), each naming its field; the transport layer prefixes
+the names with `sampling.` when it builds the gRPC BadRequest details.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from mili.errors import InvalidArgument
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit; top-n logprobs cost a [B, n] top-k per step
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    """A finite int or float (bools and NaN/inf rejected)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 = greedy (argmax of the penalized logits)
+    top_p: float = 1.0  # (0, 1]; smallest set of tokens whose probability mass reaches top_p
+    top_k: int = 0  # 0 = off; otherwise keep the k most likely tokens (and ties with the k-th)
+    min_p: float = 0.0  # [0, 1]; drop tokens with prob < min_p * (prob of the most likely token)
+    # HF semantics, on every token seen in the prompt or the output: l > 0 -> l / p, else l * p.
+    repetition_penalty: float = 1.0
+    # OpenAI semantics, on generated tokens only: l -= presence * (count > 0) + frequency * count.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None  # None = a fresh random seed per request
+    max_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None = none; 0 = chosen token only; n = chosen + top-n
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop_token_ids, list):  # accept a list, store a hashable tuple
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        errors: list[InvalidArgument] = []
+
+        def check(is_ok: bool, field: str, reason: str) -> None:
+            if not is_ok:
+                errors.append(InvalidArgument(field, getattr(self, field), reason))
+
+        # Each check tests the type first, so a wrong type never reaches a comparison.
+        t, p, k, m = self.temperature, self.top_p, self.top_k, self.min_p
+        check(_is_real(t) and t >= 0, "temperature", "must be a finite number >= 0")
+        check(_is_real(p) and 0 < p <= 1, "top_p", "must be in (0, 1]")
+        check(_is_int(k) and k >= 0, "top_k", "must be an integer >= 0 (0 = off)")
+        check(_is_real(m) and 0 <= m <= 1, "min_p", "must be in [0, 1]")
+        r = self.repetition_penalty
+        check(_is_real(r) and r > 0, "repetition_penalty", "must be a finite number > 0")
+        for field in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, field)
+            check(_is_real(v) and -2 <= v <= 2, field, "must be in [-2, 2]")
+        s = self.seed
+        check(s is None or (_is_int(s) and -(2**63) <= s < 2**64), "seed", "must fit in 64 bits")
+        check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "must be >= 1")
+        check(
+            isinstance(self.stop_token_ids, tuple)
+            and all(_is_int(i) and i >= 0 for i in self.stop_token_ids),
+            "stop_token_ids",
+            "must be a list of token ids >= 0",
+        )
+        check(isinstance(self.ignore_eos, bool), "ignore_eos", "must be a bool")
+        n = self.logprobs
+        check(
+            n is None or (_is_int(n) and 0 <= n <= MAX_TOP_LOGPROBS),
+            "logprobs",
+            f"must be unset or in [0, {MAX_TOP_LOGPROBS}]",
+        )
+        if len(errors) == 1:
+            raise errors[0]
+        if errors:
+            raise InvalidArgument.many([v for e in errors for v in e.violations])
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0

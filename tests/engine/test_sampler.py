@@ -1,0 +1,337 @@
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mili.engine.sampler import (
+    Sampler,
+    SamplingParams,
+    SequenceSampling,
+    apply_penalties,
+    filter_logits,
+    min_p_mask,
+    top_k_mask,
+    top_p_mask,
+)
+from mili.errors import InvalidArgument
+
+PROBS = [0.5, 0.2, 0.15, 0.1, 0.05]
+TIED = [0.4, 0.2, 0.2, 0.1, 0.1]
+
+
+def sorted_rows(probs: list[float], num_rows: int) -> torch.Tensor:
+    """[num_rows, V] copies of log(probs) (already sorted descending)."""
+    return torch.tensor(probs).log().expand(num_rows, -1)
+
+
+def kept(remove: torch.Tensor) -> list[set[int]]:
+    """Per row, the token positions a [B, V] removal mask keeps."""
+    return [set((~row).nonzero().flatten().tolist()) for row in remove]
+
+
+def column(values: list[float] | list[int]) -> torch.Tensor:
+    return torch.tensor(values).unsqueeze(-1)
+
+
+def run(sampler: Sampler, logits: torch.Tensor, seqs: list[SequenceSampling]) -> list[int]:
+    """One step: sample, then record each token as the engine does."""
+    token_ids = sampler(logits, seqs).token_ids
+    for seq, token_id in zip(seqs, token_ids, strict=True):
+        seq.append(token_id)
+    return token_ids
+
+
+# -- masks ----------------------------------------------------------------------------------------
+
+
+def test_top_k_mask_exact_sets() -> None:
+    ks = [1, 2, 3, 5]
+    assert kept(top_k_mask(sorted_rows(PROBS, 4), column(ks))) == [
+        {0},
+        {0, 1},
+        {0, 1, 2},
+        {0, 1, 2, 3, 4},
+    ]
+    # Ties with the k-th token are kept.
+    ks = [1, 2, 4]
+    assert kept(top_k_mask(sorted_rows(TIED, 3), column(ks))) == [
+        {0},
+        {0, 1, 2},
+        {0, 1, 2, 3, 4},
+    ]
+
+
+def test_top_p_mask_exact_sets() -> None:
+    ps = [0.3, 0.6, 0.75, 0.9, 0.97, 1.0]
+    assert kept(top_p_mask(sorted_rows(PROBS, 6), column(ps))) == [
+        {0},
+        {0, 1},
+        {0, 1, 2},
+        {0, 1, 2, 3},
+        {0, 1, 2, 3, 4},
+        {0, 1, 2, 3, 4},
+    ]
+    # Ties with the last token of the nucleus are kept: 0.4 + 0.2 = 0.6 >= 0.5 would stop at
+    # token 1, but token 2 has the same probability.
+    ps = [0.5, 0.85]
+    assert kept(top_p_mask(sorted_rows(TIED, 2), column(ps))) == [{0, 1, 2}, {0, 1, 2, 3, 4}]
+
+
+def test_top_p_one_keeps_a_tail_that_float_cumsum_rounds_away() -> None:
+    # cumsum reaches 1.0 in float32 long before these 1e-12 tokens.
+    probs = torch.tensor([[0.999999] + [1e-12] * 100])
+    assert kept(top_p_mask(probs.log(), column([1.0]))) == [set(range(101))]
+
+
+def test_min_p_mask_exact_sets() -> None:
+    ms = [0.0, 0.15, 0.25, 0.35, 0.5, 1.0]
+    assert kept(min_p_mask(sorted_rows(PROBS, 6), column(ms))) == [
+        {0, 1, 2, 3, 4},
+        {0, 1, 2, 3},  # threshold 0.075
+        {0, 1, 2},  # 0.125
+        {0, 1},  # 0.175
+        {0},  # 0.25
+        {0},
+    ]
+    assert kept(min_p_mask(torch.tensor([[0.3, 0.3, 0.2, 0.1, 0.1]]).log(), column([1.0]))) == [
+        {0, 1}
+    ]
+
+
+def test_filter_logits_works_in_vocab_order_and_renormalizes_for_top_p() -> None:
+    perm = torch.tensor([3, 0, 4, 1, 2])  # vocab id perm[j] holds PROBS[j]
+    logits = torch.empty(3, 5)
+    logits[:, perm] = torch.tensor(PROBS).log()
+    out = filter_logits(
+        logits,
+        top_k=column([5, 2, 5]),
+        top_p=column([0.65, 0.65, 1.0]),
+        min_p=column([0.0, 0.0, 0.25]),
+    )
+    # Row 0: top-p 0.65 keeps PROBS[0:2]. Row 1: top-2 leaves [0.71, 0.29] renormalized, so
+    # top-p 0.65 keeps only the first. Row 2: min-p 0.25 keeps prob >= 0.125.
+    assert kept(out.isinf()) == [{3, 0}, {3}, {3, 0, 4}]
+    assert torch.equal(out[~out.isinf()], logits[~out.isinf()])  # kept logits unchanged
+
+
+# -- penalties ------------------------------------------------------------------------------------
+
+
+def test_penalties_match_hand_computed_values() -> None:
+    logits = torch.tensor([[2.0, -1.0, 0.5, -0.5, 1.0]])
+    prompt_mask = torch.tensor([[True, True, False, False, False]])
+    counts = torch.tensor([[0.0, 0.0, 2.0, 1.0, 0.0]])
+
+    def penalize(rep: float, pres: float, freq: float) -> list[float]:
+        out = apply_penalties(logits, prompt_mask, counts, *map(column, ([rep], [pres], [freq])))
+        return out[0].tolist()
+
+    # Repetition (prompt and output tokens): positive / 2, negative * 2; token 4 unseen.
+    assert penalize(2.0, 0.0, 0.0) == [1.0, -2.0, 0.25, -1.0, 1.0]
+    # Presence: generated tokens 2 and 3 only, once each.
+    assert penalize(1.0, 0.25, 0.0) == [2.0, -1.0, 0.25, -0.75, 1.0]
+    # Frequency: times the count (2 and 1).
+    assert penalize(1.0, 0.0, 0.5) == [2.0, -1.0, -0.5, -1.0, 1.0]
+    # All three: 0.25 - 0.5*2 - 0.25 = -1.0 ; -1.0 - 0.5*1 - 0.25 = -1.75
+    assert penalize(2.0, 0.25, 0.5) == [1.0, -2.0, -1.0, -1.75, 1.0]
+    # Defaults leave the row bit-for-bit unchanged.
+    assert penalize(1.0, 0.0, 0.0) == logits[0].tolist()
+
+
+def test_sampler_builds_penalty_state_from_prompt_and_outputs() -> None:
+    sampler = Sampler()
+    logits = torch.tensor([[3.0, 2.9, 2.05, -1.0]]).repeat(3, 1)
+    greedy_rep = SamplingParams(temperature=0, repetition_penalty=1.5)
+    seqs = [
+        SequenceSampling(greedy_rep, prompt_token_ids=[0, 0, 3], vocab_size=4),  # 3.0 -> 2.0
+        SequenceSampling(SamplingParams(temperature=0, frequency_penalty=0.6), [0], 4, [0, 1, 0]),
+        SequenceSampling(SamplingParams(temperature=0), [0], 4),  # no penalties: plain argmax
+    ]
+    # Row 1: 3.0 - 1.2 = 1.8, 2.9 - 0.6 = 2.3, 2.05 untouched -> token 1.
+    assert sampler(logits, seqs).token_ids == [1, 1, 0]
+    seqs[0].append(1)  # 2.9 / 1.5 = 1.93; 2.05 wins -> token 2
+    assert sampler(logits, seqs).token_ids[0] == 2
+    # The caller's tensor is not modified.
+    assert torch.equal(logits, torch.tensor([[3.0, 2.9, 2.05, -1.0]]).repeat(3, 1))
+
+
+# -- greedy ---------------------------------------------------------------------------------------
+
+
+def test_temperature_zero_is_argmax_whatever_else_is_set() -> None:
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(16, 100, generator=gen)
+    greedy = SamplingParams(temperature=0, top_k=40, top_p=0.99, min_p=0.01, seed=5, logprobs=2)
+    hot = SamplingParams(temperature=2.0, top_p=0.5, seed=1)
+    seqs = [SequenceSampling(greedy if i % 2 else hot, [], 100) for i in range(16)]
+    token_ids = Sampler()(logits, seqs).token_ids
+    assert token_ids[1::2] == logits.argmax(-1)[1::2].tolist()
+
+
+# -- seeds ----------------------------------------------------------------------------------------
+
+
+def step_logits(step: int, num_rows: int, vocab_size: int = 50) -> torch.Tensor:
+    """The same pseudo-model output for a given step, whatever the batch."""
+    return torch.randn(num_rows, vocab_size, generator=torch.Generator().manual_seed(step))
+
+
+def generate(params: SamplingParams, position: int, company: list[SamplingParams]) -> list[int]:
+    """20 tokens for `params` sampled at batch `position` among `company` (other rows)."""
+    rows = [*company[:position], params, *company[position:]]
+    seqs = [SequenceSampling(p, [1, 2, 3], 50) for p in rows]
+    sampler, tokens = Sampler(), []
+    for step in range(20):
+        logits = step_logits(step, len(rows))
+        logits[position] = step_logits(step, 1)[0]  # our row sees the same logits every run
+        tokens.append(run(sampler, logits, seqs)[position])
+    return tokens
+
+
+def test_same_seed_same_tokens_in_any_batch_position_and_company() -> None:
+    params = SamplingParams(temperature=0.8, top_p=0.95, repetition_penalty=1.2, seed=1234)
+    alone = generate(params, 0, [])
+    others = [
+        SamplingParams(temperature=0),
+        SamplingParams(top_k=5, seed=1234),
+        SamplingParams(min_p=0.1, presence_penalty=1.0),
+    ]
+    assert generate(params, 2, others) == alone
+    assert generate(params, 3, others) == alone
+    assert len(set(alone)) > 5  # actually random, not stuck on one token
+    other_seed = SamplingParams(temperature=0.8, top_p=0.95, repetition_penalty=1.2, seed=1235)
+    assert generate(other_seed, 0, []) != alone
+    unseeded = SamplingParams(temperature=0.8)
+    assert generate(unseeded, 0, []) != generate(unseeded, 0, [])
+
+
+def test_resumed_sequence_continues_the_same_tokens() -> None:
+    """Decode resuming what prefill started samples what a colocated run samples."""
+    params = SamplingParams(frequency_penalty=0.5, seed=99)
+    sampler = Sampler()
+    whole = SequenceSampling(params, [4, 5], 50)
+    tokens = [run(sampler, step_logits(step, 1), [whole])[0] for step in range(8)]
+    resumed = SequenceSampling(params, [4, 5], 50, output_token_ids=tokens[:3])
+    assert [run(sampler, step_logits(step, 1), [resumed])[0] for step in range(3, 8)] == tokens[3:]
+
+
+# -- distribution ---------------------------------------------------------------------------------
+
+
+def chi_square(token_ids: list[int], expected_probs: list[float]) -> float:
+    n = len(token_ids)
+    counts = torch.bincount(torch.tensor(token_ids), minlength=len(expected_probs)).tolist()
+    return sum((c - n * p) ** 2 / (n * p) for c, p in zip(counts, expected_probs, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("params", "expected"),
+    [
+        (SamplingParams(), PROBS),
+        # T = 0.5 squares the probabilities; top-k 3 renormalizes over the first three.
+        (SamplingParams(temperature=0.5, top_k=3), [0.25 / 0.3125, 0.04 / 0.3125, 0.0225 / 0.3125]),
+    ],
+)
+def test_sampled_frequencies_match_softmax(params: SamplingParams, expected: list[float]) -> None:
+    num_draws = 20_000
+    seqs = [
+        SequenceSampling(SamplingParams(**{**params.__dict__, "seed": i}), [], 5)
+        for i in range(num_draws)
+    ]
+    token_ids = Sampler()(sorted_rows(PROBS, num_draws), seqs).token_ids
+    assert max(token_ids) < len(expected)  # filtered tokens never drawn
+    # 99.9% quantile of chi-square with 4 (resp. 2) degrees of freedom: 18.47 (13.82).
+    assert chi_square(token_ids, expected) < {5: 18.47, 3: 13.82}[len(expected)]
+
+
+# -- logprobs -------------------------------------------------------------------------------------
+
+
+def test_logprobs_are_raw_log_softmax_with_sorted_top_n() -> None:
+    logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(3))
+    rows = [
+        SamplingParams(logprobs=3, temperature=0.5, repetition_penalty=1.5, seed=0),
+        SamplingParams(logprobs=0, temperature=0),
+        SamplingParams(),
+        SamplingParams(logprobs=20, top_k=2, seed=1),
+    ]
+    seqs = [SequenceSampling(p, [0, 1, 2], 30) for p in rows]
+    out = Sampler()(logits.to(torch.bfloat16), seqs)
+    expected = logits.to(torch.bfloat16).float().log_softmax(-1)
+    assert out.logprobs is not None and out.top_logprobs is not None
+    chosen = expected[torch.arange(4), torch.tensor(out.token_ids)]
+    torch.testing.assert_close(torch.tensor(out.logprobs), chosen)
+    assert [len(top) for top in out.top_logprobs] == [3, 0, 0, 20]
+    for i in (0, 3):
+        values, ids = expected[i].topk(len(out.top_logprobs[i]))
+        assert [t for t, _ in out.top_logprobs[i]] == ids.tolist()
+        torch.testing.assert_close(torch.tensor([v for _, v in out.top_logprobs[i]]), values)
+        assert [v for _, v in out.top_logprobs[i]] == sorted(
+            (v for _, v in out.top_logprobs[i]), reverse=True
+        )
+
+
+def test_no_logprobs_when_nobody_asks() -> None:
+    out = Sampler()(torch.zeros(2, 8), [SequenceSampling(SamplingParams(), [], 8)] * 2)
+    assert out.logprobs is None and out.top_logprobs is None
+    assert all(0 <= t < 8 for t in out.token_ids)
+
+
+def test_shape_mismatch_rejected() -> None:
+    seq = SequenceSampling(SamplingParams(), [], 8)
+    with pytest.raises(ValueError, match="do not match"):
+        Sampler()(torch.zeros(2, 8), [seq])
+    with pytest.raises(ValueError, match="vocab_size"):
+        Sampler()(torch.zeros(1, 9), [seq])
+    with pytest.raises(ValueError, match="prompt token ids"):
+        SequenceSampling(SamplingParams(), [3, 8], 8)
+
+
+# -- validation -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("temperature", -0.1),
+        ("temperature", math.inf),
+        ("temperature", "hot"),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_p", math.nan),
+        ("top_k", -1),
+        ("top_k", 2.5),
+        ("min_p", 1.1),
+        ("repetition_penalty", 0.0),
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -3.0),
+        ("seed", 2**64),
+        ("seed", 1.5),
+        ("max_tokens", 0),
+        ("max_tokens", True),
+        ("stop_token_ids", (1, -2)),
+        ("ignore_eos", 1),
+        ("logprobs", 21),
+        ("logprobs", -1),
+    ],
+)
+def test_validation_names_the_field(field: str, value: object) -> None:
+    with pytest.raises(InvalidArgument) as info:
+        SamplingParams(**{field: value})  # type: ignore[arg-type]
+    assert [v.field for v in info.value.violations] == [field]
+    assert str(info.value).startswith(f"{field}: ")
+
+
+def test_validation_reports_every_bad_field() -> None:
+    with pytest.raises(InvalidArgument) as info:
+        SamplingParams(temperature=-1, top_p=2, logprobs=50)
+    assert [v.field for v in info.value.violations] == ["temperature", "top_p", "logprobs"]
+
+
+def test_valid_params() -> None:
+    params = SamplingParams(stop_token_ids=[7, 8], seed=-5, logprobs=20, top_p=1, temperature=0)  # type: ignore[arg-type]
+    assert params.stop_token_ids == (7, 8)
+    assert params.is_greedy
+    assert hash(params)  # frozen and hashable
