@@ -1,1 +1,26 @@
-"""Common gRPC server plumbing shared by every MILI service."""
+"""Common gRPC server plumbing shared by every MILI service.
+
+- `server`: `RpcServer` (grpc.aio + health + reflection + graceful drain) and `serve_forever`.
+- `interceptor`: exception -> status mapping, in-flight counting, refusing calls while draining.
+- `status`: domain errors -> gRPC codes with `google.rpc` details, and readers for clients.
+- `client`: channel options, `insecure_channel`, `wait_for_serving`.
+"""
+
+from __future__ import annotations
+
+from mili.rpc.client import channel_options, insecure_channel, wait_for_serving
+from mili.rpc.server import RpcServer, ServerConfig, serve_forever
+from mili.rpc.status import bad_request_of, details_of, retry_info_of, status_of
+
+__all__ = [
+    "RpcServer",
+    "ServerConfig",
+    "bad_request_of",
+    "channel_options",
+    "details_of",
+    "insecure_channel",
+    "retry_info_of",
+    "serve_forever",
+    "status_of",
+    "wait_for_serving",
+]

@@ -1,0 +1,165 @@
+"""The server interceptor every MILI service runs behind.
+
+For each application call it
+  (a) turns an exception raised by the servicer into its status (see `mili.rpc.status`); calls
+      the servicer already ended with `context.abort` pass through untouched,
+  (b) counts the call as in flight until its handler returns, so a drain knows when to stop,
+  (c) refuses it with UNAVAILABLE once the server is draining, so clients retry elsewhere.
+Health and reflection calls are infrastructure: never counted, never refused, so a load balancer
+can watch a draining server go NOT_SERVING.
+
+Handlers must be coroutines or async generators (the event loop never blocks). A plain `def`
+handler is passed through unwrapped: grpc runs it in its thread pool with its own error handling.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, NoReturn
+
+import grpc
+
+from mili.rpc.status import is_internal, status_of
+
+_LOG = logging.getLogger("mili.rpc")
+
+# Method paths start with "/<service>/"; these services keep answering while we drain.
+_INFRASTRUCTURE = (
+    "/grpc.health.v1.Health/",
+    "/grpc.reflection.v1alpha.ServerReflection/",
+    "/grpc.reflection.v1.ServerReflection/",
+)
+
+Behavior = Callable[[Any, Any], Any]
+
+
+class CallInterceptor(grpc.aio.ServerInterceptor):
+    """Maps exceptions to statuses, counts in-flight calls and gates new ones while draining.
+
+    `name` is the service's short name ("tokenizer", "prefill", ...) used in messages.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._num_in_flight = 0
+        self._is_draining = False
+        self._idle: asyncio.Event | None = None  # made on first wait, inside the running loop
+
+    @property
+    def num_in_flight(self) -> int:
+        return self._num_in_flight
+
+    @property
+    def is_draining(self) -> bool:
+        return self._is_draining
+
+    def start_draining(self) -> None:
+        """From now on every new application call is refused with UNAVAILABLE."""
+        self._is_draining = True
+
+    async def wait_idle(self) -> None:
+        """Return once no application call is in flight (callers bound this with a timeout)."""
+        while self._num_in_flight > 0:
+            if self._idle is None or self._idle.is_set():
+                self._idle = asyncio.Event()
+            await self._idle.wait()
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = await continuation(handler_call_details)
+        method: str = handler_call_details.method
+        if handler is None or method.startswith(_INFRASTRUCTURE):
+            return handler  # None: grpc answers UNIMPLEMENTED itself
+        return self._wrap(handler, method)
+
+    # ---- wrapping ----------------------------------------------------------------------------
+
+    def _wrap(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+        if handler.request_streaming and handler.response_streaming:
+            behavior, make = handler.stream_stream, grpc.stream_stream_rpc_method_handler
+        elif handler.request_streaming:
+            behavior, make = handler.stream_unary, grpc.stream_unary_rpc_method_handler
+        elif handler.response_streaming:
+            behavior, make = handler.unary_stream, grpc.unary_stream_rpc_method_handler
+        else:
+            behavior, make = handler.unary_unary, grpc.unary_unary_rpc_method_handler
+        # grpc picks how to drive a handler (await it, iterate it, or run it in a thread) from
+        # the function's kind, so the wrapper must be of the same kind as what it wraps.
+        if inspect.isasyncgenfunction(behavior):
+            wrapped: Behavior = self._wrap_generator(behavior, method)
+        elif inspect.iscoroutinefunction(behavior):
+            wrapped = self._wrap_coroutine(behavior, method)
+        else:
+            return handler
+        return make(
+            wrapped,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+    def _wrap_coroutine(self, behavior: Behavior, method: str) -> Behavior:
+        async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await self._admit(context)
+            self._num_in_flight += 1  # no await between admit and here: nothing can slip in
+            try:
+                return await behavior(request, context)
+            except grpc.aio.AbortError:
+                raise  # the servicer chose its status with context.abort
+            except Exception as exc:
+                await self._abort_with(exc, context, method)
+            finally:
+                self._leave()
+
+        return call
+
+    def _wrap_generator(self, behavior: Behavior, method: str) -> Behavior:
+        async def call(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            await self._admit(context)
+            self._num_in_flight += 1
+            responses = behavior(request, context)
+            try:
+                async for response in responses:
+                    yield response
+            except grpc.aio.AbortError:
+                raise
+            except Exception as exc:
+                await self._abort_with(exc, context, method)
+            finally:
+                # If grpc stops iterating early (cancelled call), close the servicer's generator
+                # now so its `finally` blocks (freeing KV blocks, say) run at once, not at GC.
+                await responses.aclose()
+                self._leave()
+
+        return call
+
+    # ---- helpers -----------------------------------------------------------------------------
+
+    async def _admit(self, context: grpc.aio.ServicerContext) -> None:
+        if self._is_draining:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"{self._name} is draining; retry on another instance",
+            )
+
+    def _leave(self) -> None:
+        self._num_in_flight -= 1
+        if self._num_in_flight == 0 and self._idle is not None:
+            self._idle.set()
+
+    async def _abort_with(
+        self, exc: Exception, context: grpc.aio.ServicerContext, method: str
+    ) -> NoReturn:
+        status = status_of(exc, method)
+        if is_internal(exc):
+            # The one place a bug's traceback is logged; the caller only gets a pointer to it.
+            _LOG.error("%s: %s", self._name, status.details, exc_info=exc)
+        else:
+            _LOG.debug("%s %s -> %s: %s", self._name, method, status.code.name, status.details)
+        await context.abort(status.code, status.details, status.trailing_metadata)
+        raise AssertionError("context.abort returned")  # it always raises AbortError

@@ -1,0 +1,256 @@
+"""The grpc.aio server every MILI service runs: health, reflection, error mapping, graceful drain.
+
+Life of a server:
+
+    RpcServer(config, name="tokenizer")
+      .add_service("mili.tokenizer.v1.TokenizerService", lambda s: add_..._to_server(servicer, s))
+      .start()          bind, start; health SERVING for "" and every added service
+      ... SIGTERM ...
+      .drain()          health NOT_SERVING; new application calls -> UNAVAILABLE ("draining");
+                        wait for in-flight calls (at most drain_timeout_s); then stop(grace_s).
+                        Health and reflection keep answering until that final stop, so a load
+                        balancer (or a test) sees NOT_SERVING rather than a closed port.
+
+A service's `__main__` builds the config from its CLI flags and calls `serve_forever(server)`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from mili.errors import StartupError
+from mili.rpc.interceptor import CallInterceptor
+
+_LOG = logging.getLogger("mili.rpc")
+
+Register = Callable[[grpc.aio.Server], None]
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """How a service's gRPC server listens and shuts down."""
+
+    host: str = "127.0.0.1"
+    port: int = 0  # 0 = pick a free port; `RpcServer.start` returns the one bound
+    max_message_bytes: int = 64 * 1024 * 1024  # both send and receive
+    drain_timeout_s: float = 30.0  # how long in-flight calls get to finish after SIGTERM
+    grace_s: float = 5.0  # grpc's own server.stop(grace) after draining
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535] (0 = any free port), got {self.port}")
+        if self.max_message_bytes <= 0:
+            raise ValueError(f"max_message_bytes must be > 0, got {self.max_message_bytes}")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        if self.grace_s < 0:
+            raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
+
+
+def format_address(host: str, port: int) -> str:
+    """`host:port`, with IPv6 hosts bracketed (`[::1]:50051`)."""
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"{host}:{port}"
+
+
+class RpcServer:
+    """One service's grpc.aio server. Not reusable: start once, drain once."""
+
+    def __init__(self, config: ServerConfig, *, name: str) -> None:
+        self.config = config
+        self.name = name
+        self._registrations: list[tuple[str, Register]] = []
+        self._interceptor = CallInterceptor(name)
+        self._health = health.aio.HealthServicer()
+        self._server: grpc.aio.Server | None = None
+        self._port = 0
+        self._drain_task: asyncio.Task[None] | None = None
+        self._hurry: asyncio.Event | None = None  # set by a second signal: skip the drain wait
+        self._stopped: asyncio.Event | None = None
+
+    def add_service(self, full_name: str, register: Register) -> None:
+        """Register one service before `start`; `full_name` is its proto name (for health,
+        reflection and logs), `register` adds its servicer to the grpc server."""
+        if self._server is not None:
+            raise RuntimeError(f"{self.name}: add_service({full_name!r}) after start()")
+        if any(name == full_name for name, _ in self._registrations):
+            raise ValueError(f"{self.name}: service {full_name!r} added twice")
+        self._registrations.append((full_name, register))
+
+    @property
+    def service_names(self) -> list[str]:
+        return [name for name, _ in self._registrations]
+
+    @property
+    def port(self) -> int:
+        """The bound port (useful when the config asked for port 0); 0 before `start`."""
+        return self._port
+
+    @property
+    def address(self) -> str:
+        return format_address(self.config.host, self._port)
+
+    @property
+    def num_in_flight(self) -> int:
+        """Application calls (not health/reflection) whose handlers are running."""
+        return self._interceptor.num_in_flight
+
+    @property
+    def is_draining(self) -> bool:
+        return self._interceptor.is_draining
+
+    async def start(self) -> int:
+        """Bind, start serving, mark every service SERVING; return the bound port."""
+        if self._server is not None:
+            raise RuntimeError(f"{self.name}: start() called twice")
+        limit = self.config.max_message_bytes
+        server = grpc.aio.server(
+            interceptors=[self._interceptor],
+            options=[
+                ("grpc.max_send_message_length", limit),
+                ("grpc.max_receive_message_length", limit),
+                # A second process on a fixed port must fail to bind, not silently share it.
+                ("grpc.so_reuseport", 0),
+                # Ping idle clients so calls from vanished peers end (and free their blocks) ...
+                ("grpc.keepalive_time_ms", 60_000),
+                ("grpc.keepalive_timeout_ms", 20_000),
+                # ... and accept our clients' 30 s keepalive pings (the default floor of 5 min
+                # would answer them with GOAWAY "too_many_pings" on long, quiet streams).
+                ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+            ],
+        )
+        self._server = server
+        self._hurry = asyncio.Event()
+        self._stopped = asyncio.Event()
+        for _, register in self._registrations:
+            register(server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection(
+            [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
+        )
+        address = format_address(self.config.host, self.config.port)
+        try:
+            self._port = server.add_insecure_port(address)
+        except RuntimeError as exc:
+            raise StartupError(f"{self.name}: cannot listen on {address}; is it in use?") from exc
+        await server.start()
+        for name in ["", *self.service_names]:
+            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        _LOG.info(
+            "%s listening on %s serving %s", self.name, self.address, ", ".join(self.service_names)
+        )
+        return self._port
+
+    async def drain(self) -> None:
+        """Stop taking calls, let in-flight ones finish (up to drain_timeout_s), then stop.
+
+        Idempotent and safe to call concurrently: every caller returns once the server stopped.
+        """
+        if self._server is None:
+            raise RuntimeError(f"{self.name}: drain() before start()")
+        # shield: a caller that gives up waiting must not cancel the drain itself.
+        await asyncio.shield(self._start_drain())
+
+    async def wait(self) -> None:
+        """Return once the server has stopped (after `drain`)."""
+        if self._stopped is None:
+            raise RuntimeError(f"{self.name}: wait() before start()")
+        await self._stopped.wait()
+
+    async def run_until_signal(self) -> None:
+        """Drain on SIGTERM or SIGINT; a second signal skips the rest of the drain wait.
+
+        Returns once stopped. Must run in the main thread (asyncio signal handlers).
+        """
+        loop = asyncio.get_running_loop()
+        signals = (signal.SIGTERM, signal.SIGINT)
+        for signum in signals:
+            loop.add_signal_handler(signum, self._on_signal, signum)
+        try:
+            await self.wait()
+            if self._drain_task is not None:
+                await self._drain_task  # re-raise whatever went wrong while draining
+        finally:
+            for signum in signals:
+                loop.remove_signal_handler(signum)
+
+    # ---- internals ---------------------------------------------------------------------------
+
+    def _start_drain(self) -> asyncio.Task[None]:
+        if self._drain_task is None:
+            assert self._server is not None
+            self._drain_task = asyncio.create_task(self._drain(self._server))
+        return self._drain_task
+
+    def _on_signal(self, signum: int) -> None:
+        signame = signal.Signals(signum).name
+        if self._drain_task is None:
+            _LOG.info("%s: got %s, draining", self.name, signame)
+            self._start_drain()
+        else:
+            _LOG.warning("%s: got %s again, skipping the rest of the drain", self.name, signame)
+            assert self._hurry is not None
+            self._hurry.set()
+
+    async def _drain(self, server: grpc.aio.Server) -> None:
+        assert self._hurry is not None and self._stopped is not None
+        started = time.monotonic()
+        self._interceptor.start_draining()
+        await self._health.enter_graceful_shutdown()
+        timeout_s = self.config.drain_timeout_s
+        _LOG.info(
+            "%s: draining; %d calls in flight, waiting up to %.1f s",
+            self.name,
+            self.num_in_flight,
+            timeout_s,
+        )
+        idle = asyncio.create_task(self._interceptor.wait_idle())
+        hurry = asyncio.create_task(self._hurry.wait())
+        first = asyncio.FIRST_COMPLETED
+        try:
+            await asyncio.wait({idle, hurry}, timeout=timeout_s, return_when=first)
+        finally:
+            idle.cancel()
+            hurry.cancel()
+        grace_s = 0.0 if self._hurry.is_set() else self.config.grace_s
+        left = self.num_in_flight
+        _LOG.log(
+            logging.WARNING if left else logging.INFO,
+            "%s: drained in %.2f s; %d calls still in flight, stopping with %.1f s grace",
+            self.name,
+            time.monotonic() - started,
+            left,
+            grace_s,
+        )
+        try:
+            await server.stop(grace_s)
+        finally:
+            self._stopped.set()
+            _LOG.info("%s: stopped", self.name)
+
+
+def _print_line(line: str) -> None:
+    print(line, flush=True)  # flushed: tests and launchers read the port from this line
+
+
+async def serve_forever(
+    server: RpcServer, *, announce: Callable[[str], None] = _print_line
+) -> None:
+    """Start `server`, announce `<name> service listening on HOST:PORT`, serve until a signal.
+
+    For a service's `__main__`: `asyncio.run(serve_forever(server))` returns after a SIGTERM
+    or SIGINT drain, so the process exits 0.
+    """
+    await server.start()
+    announce(f"{server.name} service listening on {server.address}")
+    await server.run_until_signal()

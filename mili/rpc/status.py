@@ -1,0 +1,165 @@
+"""Exceptions -> gRPC statuses with `google.rpc` details, and the client-side readers of them.
+
+Server side, `status_of` turns any exception a servicer raised into a `grpc.Status` whose
+trailing metadata carries a serialized `google.rpc.Status` in `grpc-status-details-bin` (the
+standard place every gRPC language reads rich errors from). Client side, `details_of`,
+`bad_request_of` and `retry_info_of` read them back from a failed call.
+
+    InvalidArgument    -> INVALID_ARGUMENT    + BadRequest (one FieldViolation per violation)
+    NotFound           -> NOT_FOUND
+    FailedPrecondition -> FAILED_PRECONDITION
+    ResourceExhausted  -> RESOURCE_EXHAUSTED  + RetryInfo when retry_after_s is set
+    Unavailable        -> UNAVAILABLE
+    DeadlineExceeded   -> DEADLINE_EXCEEDED
+    Cancelled          -> CANCELLED
+    DataLoss           -> DATA_LOSS
+    NotImplementedError-> UNIMPLEMENTED       (what generated servicer stubs raise)
+    anything else      -> INTERNAL, naming the method and exception type
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+from google.protobuf import any_pb2, descriptor_pool, message, message_factory
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+from mili import errors
+
+DETAILS_KEY = "grpc-status-details-bin"
+
+# Status text travels twice in the trailers (grpc-message and inside grpc-status-details-bin) and
+# clients refuse trailers over 8 KiB by default, so an oversized exception text would turn a
+# clear error into an opaque "metadata too large". Keep both well under that.
+_MAX_MESSAGE_CHARS = 1500
+_MAX_VIOLATIONS = 16
+_MAX_DESCRIPTION_CHARS = 200
+
+_CODES: tuple[tuple[type[errors.MiliError], grpc.StatusCode], ...] = (
+    (errors.InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
+    (errors.NotFound, grpc.StatusCode.NOT_FOUND),
+    (errors.FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
+    (errors.ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (errors.Unavailable, grpc.StatusCode.UNAVAILABLE),
+    (errors.DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (errors.Cancelled, grpc.StatusCode.CANCELLED),
+    (errors.DataLoss, grpc.StatusCode.DATA_LOSS),
+)
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def code_of(exc: BaseException) -> grpc.StatusCode:
+    """The status code `exc` maps to; INTERNAL for anything that is not a known domain error."""
+    for cls, code in _CODES:
+        if isinstance(exc, cls):
+            return code
+    if isinstance(exc, NotImplementedError):
+        return grpc.StatusCode.UNIMPLEMENTED
+    return grpc.StatusCode.INTERNAL
+
+
+def is_internal(exc: BaseException) -> bool:
+    """True when `exc` is a bug (INTERNAL) rather than an error meant for the caller."""
+    return code_of(exc) is grpc.StatusCode.INTERNAL
+
+
+def _describe(exc: BaseException) -> str:
+    """`ValueError: boom`; a downstream gRPC failure shows its code and details, not a repr."""
+    if isinstance(exc, grpc.RpcError) and callable(getattr(exc, "code", None)):
+        return f"{type(exc).__name__}: {exc.code().name}: {exc.details()}"
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _message(exc: BaseException, code: grpc.StatusCode, method: str) -> str:
+    if code is grpc.StatusCode.INTERNAL:
+        return f"internal error in {method}: {_clip(_describe(exc), 1000)}; see server log"
+    if code is grpc.StatusCode.UNIMPLEMENTED:
+        return f"{method} is not implemented" + (f": {exc}" if str(exc) else "")
+    return str(exc) or code.name.lower().replace("_", " ")
+
+
+def _details(exc: BaseException) -> list[message.Message]:
+    if isinstance(exc, errors.InvalidArgument):
+        violations = [
+            error_details_pb2.BadRequest.FieldViolation(
+                field=v.field, description=_clip(v.description, _MAX_DESCRIPTION_CHARS)
+            )
+            for v in exc.violations[:_MAX_VIOLATIONS]
+        ]
+        return [error_details_pb2.BadRequest(field_violations=violations)]
+    if isinstance(exc, errors.ResourceExhausted) and exc.retry_after_s is not None:
+        info = error_details_pb2.RetryInfo()
+        info.retry_delay.FromNanoseconds(round(max(0.0, exc.retry_after_s) * 1e9))
+        return [info]
+    return []
+
+
+def status_of(exc: BaseException, method: str) -> grpc.Status:
+    """The status a call to `method` (e.g. `/pkg.Service/Method`) ends with when it raised `exc`.
+
+    The result is ready for `context.abort(status.code, status.details, status.trailing_metadata)`.
+    """
+    code = code_of(exc)
+    proto = status_pb2.Status(
+        code=code.value[0], message=_clip(_message(exc, code, method), _MAX_MESSAGE_CHARS)
+    )
+    for detail in _details(exc):
+        proto.details.add().Pack(detail)
+    status: grpc.Status = rpc_status.to_status(proto)
+    return status
+
+
+# ---- client side ------------------------------------------------------------------------------
+
+
+def _status_proto(err: grpc.RpcError) -> status_pb2.Status | None:
+    """The `google.rpc.Status` a failed call carries, or None when it has none (or a stale one)."""
+    # Every RpcError raised by a call is also a Call; a hand-made RpcError may not be.
+    has_trailers = callable(getattr(err, "trailing_metadata", None))
+    trailing: Any = err.trailing_metadata() if has_trailers else None
+    for key, value in trailing or ():
+        if key == DETAILS_KEY:
+            proto = status_pb2.Status.FromString(value)
+            # A proxy may rewrite the status but forward trailers; details of another code lie.
+            if proto.code != err.code().value[0]:
+                return None
+            return proto
+    return None
+
+
+def _unpack(packed: any_pb2.Any) -> message.Message:
+    """The typed message inside `packed`; the Any itself when its type is not linked in."""
+    try:
+        descriptor = descriptor_pool.Default().FindMessageTypeByName(packed.TypeName())
+    except KeyError:
+        return packed
+    unpacked: message.Message = message_factory.GetMessageClass(descriptor)()
+    packed.Unpack(unpacked)
+    return unpacked
+
+
+def details_of(err: grpc.RpcError) -> list[message.Message]:
+    """The `google.rpc` detail messages (BadRequest, RetryInfo, ...) of a failed call, in order.
+
+    Works for `grpc.aio.AioRpcError` and the sync `grpc.RpcError`; [] when there are none.
+    """
+    proto = _status_proto(err)
+    return [] if proto is None else [_unpack(packed) for packed in proto.details]
+
+
+def bad_request_of(err: grpc.RpcError) -> error_details_pb2.BadRequest | None:
+    """The BadRequest detail of an INVALID_ARGUMENT failure (one entry per bad field), if any."""
+    found = [d for d in details_of(err) if isinstance(d, error_details_pb2.BadRequest)]
+    return found[0] if found else None
+
+
+def retry_info_of(err: grpc.RpcError) -> error_details_pb2.RetryInfo | None:
+    """The RetryInfo detail (how long to back off) of a RESOURCE_EXHAUSTED failure, if any."""
+    found = [d for d in details_of(err) if isinstance(d, error_details_pb2.RetryInfo)]
+    return found[0] if found else None

@@ -1,0 +1,150 @@
+"""RpcServer: config validation, health, reflection, message limits, binding."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import pytest
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from mili.errors import StartupError
+from mili.rpc.client import channel_options, insecure_channel, wait_for_serving
+from mili.rpc.server import RpcServer, ServerConfig, format_address
+
+SERVICE = "mili.test.v1.EchoService"
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"port": -1},
+        {"port": 70000},
+        {"max_message_bytes": 0},
+        {"drain_timeout_s": -1.0},
+        {"grace_s": -0.5},
+    ],
+)
+def test_config_rejects_bad_values(kwargs: dict[str, Any]) -> None:
+    (field,) = kwargs
+    with pytest.raises(ValueError, match=field):
+        ServerConfig(**kwargs)
+
+
+def test_format_address_brackets_ipv6() -> None:
+    assert format_address("127.0.0.1", 50051) == "127.0.0.1:50051"
+    assert format_address("::", 7) == "[::]:7"
+    assert format_address("[::1]", 7) == "[::1]:7"
+
+
+def test_channel_options_match_limits() -> None:
+    options = dict(channel_options(1234))
+    assert options["grpc.max_send_message_length"] == 1234
+    assert options["grpc.max_receive_message_length"] == 1234
+    assert options["grpc.keepalive_time_ms"] > 0
+    with pytest.raises(ValueError):
+        channel_options(0)
+
+
+def test_health_serving_after_start(echo_server: Any) -> None:
+    async def main() -> None:
+        async with echo_server() as h:
+            assert h.server.port > 0
+            assert await h.health("") == "SERVING"
+            assert await h.health(SERVICE) == "SERVING"
+            await wait_for_serving(h.channel, SERVICE, timeout_s=2.0)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await h.health("mili.test.v1.NoSuchService")
+            assert info.value.code() is grpc.StatusCode.NOT_FOUND
+            assert await h.unary()(b"ping") == b"ping"
+            assert h.server.num_in_flight == 0
+
+    asyncio.run(main())
+
+
+def test_wait_for_serving_times_out_with_last_status(echo_server: Any) -> None:
+    async def main() -> None:
+        async with echo_server() as h:
+            with pytest.raises(TimeoutError, match=r"'mili.test.v1.Nope' not SERVING.*NOT_FOUND"):
+                await wait_for_serving(h.channel, "mili.test.v1.Nope", timeout_s=0.2)
+
+    asyncio.run(main())
+
+
+def test_wait_for_serving_without_server_times_out() -> None:
+    async def main() -> None:
+        # Bind then stop a server to learn a port nobody listens on.
+        server = RpcServer(ServerConfig(grace_s=0), name="gone")
+        port = await server.start()
+        await server.drain()
+        async with insecure_channel(f"127.0.0.1:{port}") as channel:
+            with pytest.raises(TimeoutError, match=r"server not SERVING.*UNAVAILABLE"):
+                await wait_for_serving(channel, timeout_s=0.3)
+
+    asyncio.run(main())
+
+
+def test_reflection_lists_services(echo_server: Any) -> None:
+    async def main() -> None:
+        async with echo_server() as h:
+            stub = reflection_pb2_grpc.ServerReflectionStub(h.channel)
+
+            async def ask() -> AsyncIterator[reflection_pb2.ServerReflectionRequest]:
+                yield reflection_pb2.ServerReflectionRequest(list_services="")
+
+            replies = [r async for r in stub.ServerReflectionInfo(ask())]
+            names = {s.name for s in replies[0].list_services_response.service}
+            assert names == {
+                SERVICE,
+                "grpc.health.v1.Health",
+                "grpc.reflection.v1alpha.ServerReflection",
+            }
+
+    asyncio.run(main())
+
+
+def test_message_size_limit(echo_server: Any) -> None:
+    async def main() -> None:
+        async with echo_server(ServerConfig(max_message_bytes=1024)) as h:
+            assert await h.unary()(b"x" * 1000) == b"x" * 1000
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await h.unary()(b"x" * 2048)
+            assert info.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "1024" in (info.value.details() or "")
+            # grpc rejected it before any handler ran: nothing leaked into the count.
+            assert h.server.num_in_flight == 0
+
+    asyncio.run(main())
+
+
+def test_port_in_use_is_a_startup_error(echo_server: Any) -> None:
+    async def main() -> None:
+        async with echo_server() as h:
+            other = RpcServer(ServerConfig(port=h.server.port), name="second")
+            with pytest.raises(
+                StartupError, match=f"second: cannot listen on 127.0.0.1:{h.server.port}"
+            ):
+                await other.start()
+
+    asyncio.run(main())
+
+
+def test_lifecycle_misuse_is_refused() -> None:
+    async def main() -> None:
+        server = RpcServer(ServerConfig(grace_s=0), name="once")
+        with pytest.raises(RuntimeError, match="before start"):
+            await server.drain()
+        server.add_service(SERVICE, lambda s: None)
+        with pytest.raises(ValueError, match="added twice"):
+            server.add_service(SERVICE, lambda s: None)
+        await server.start()
+        with pytest.raises(RuntimeError, match="after start"):
+            server.add_service("mili.test.v1.Other", lambda s: None)
+        with pytest.raises(RuntimeError, match="twice"):
+            await server.start()
+        await server.drain()
+        await server.wait()
+
+    asyncio.run(main())
