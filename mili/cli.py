@@ -1,12 +1,22 @@
-"""The `mili` command: start services, build the demo model."""
+"""The `mili` command: start services, build the demo model.
+
+Each `serve-*` command lives in its service's `__main__` module, which provides
+`add_arguments(parser)` and `run(args) -> int` and keeps heavy imports (torch) inside `run`.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from pathlib import Path
 
 from mili.errors import StartupError
+
+# command -> (module providing add_arguments/run, help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "serve-tokenizer": ("services.tokenizer.__main__", "run the tokenizer service"),
+}
 
 
 def _demo_model(args: argparse.Namespace) -> int:
@@ -20,15 +30,7 @@ def _demo_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve_tokenizer(args: argparse.Namespace) -> int:
-    from services.tokenizer.__main__ import run
-
-    return run(args)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    from services.tokenizer.__main__ import add_arguments as tokenizer_arguments
-
     parser = argparse.ArgumentParser(
         prog="mili", description="Serve Qwen3 models over gRPC with disaggregated prefill/decode."
     )
@@ -40,9 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("dir", metavar="DIR")
     demo.set_defaults(func=_demo_model)
 
-    tokenizer = commands.add_parser("serve-tokenizer", help="run the tokenizer service")
-    tokenizer_arguments(tokenizer)
-    tokenizer.set_defaults(func=_serve_tokenizer)
+    for name, (module_name, help_text) in COMMANDS.items():
+        module = importlib.import_module(module_name)
+        sub = commands.add_parser(name, help=help_text, description=module.__doc__)
+        module.add_arguments(sub)
+        sub.set_defaults(func=module.run)
     return parser
 
 
