@@ -19,7 +19,9 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	touch $@
 
 node_modules/.installed: package.json package-lock.json
-	npm ci --no-audit --no-fund --loglevel=error
+	# npm ci rejects the lock file over optional per-platform buf packages (npm 11); the
+	# version is pinned exactly in package.json, so a no-save install is reproducible.
+	npm install --no-save --no-audit --no-fund --loglevel=error
 	touch $@
 
 setup: $(VENV)/.installed node_modules/.installed
