@@ -116,7 +116,11 @@ class KVCache:
     @property
     def layout(self) -> KVLayout:
         return KVLayout(
-            self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, dtype_name(self.dtype)
+            self.num_layers,
+            self.block_size,
+            self.num_kv_heads,
+            self.head_dim,
+            dtype_name(self.dtype),
         )
 
     def write(
@@ -130,7 +134,7 @@ class KVCache:
     def gather_blocks(
         self, layer: int, block_ids: Sequence[int] | torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copy whole blocks out: (k, v), each [n, block_size, num_kv_heads, head_dim], contiguous."""
+        """Copy whole blocks out: (k, v), each [n, block_size, kv_heads, head_dim], contiguous."""
         index = self._index(block_ids)
         return self.k[layer].index_select(0, index), self.v[layer].index_select(0, index)
 
@@ -146,7 +150,9 @@ class KVCache:
         expected = (index.numel(), self.block_size, self.num_kv_heads, self.head_dim)
         for name, t in (("k", k), ("v", v)):
             if tuple(t.shape) != expected:
-                raise ValueError(f"scatter_blocks: {name} has shape {tuple(t.shape)}, expected {expected}")
+                raise ValueError(
+                    f"scatter_blocks: {name} has shape {tuple(t.shape)}, expected {expected}"
+                )
         self.k[layer].index_copy_(0, index, k.to(device=self.device, dtype=self.dtype))
         self.v[layer].index_copy_(0, index, v.to(device=self.device, dtype=self.dtype))
 

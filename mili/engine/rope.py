@@ -77,7 +77,8 @@ def _yarn(
     pos_freqs = base**exponents
     inv_freq_extrapolation = 1.0 / pos_freqs
     inv_freq_interpolation = 1.0 / (factor * pos_freqs)
-    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    ramp_x = torch.arange(dim // 2, dtype=torch.float32, device="cpu")
+    ramp = torch.clamp((ramp_x - low) / (high - low), 0, 1)
     extrapolation_weight = 1 - ramp
     inv_freq = (
         inv_freq_interpolation * (1 - extrapolation_weight)
@@ -96,7 +97,9 @@ class RotaryEmbedding:
     def __init__(self, config: Qwen3Config) -> None:
         self.inv_freq, self.attention_scaling = rope_parameters(config)
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [T] int -> (cos, sin): [T, head_dim] in `dtype` (computed in float32)."""
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)

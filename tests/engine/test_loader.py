@@ -1,0 +1,168 @@
+"""Checkpoint writing and loading: sharding, determinism, and errors that name what is wrong."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from mili.engine.checkpoint import INDEX_FILE, SINGLE_FILE, write_random_checkpoint
+from mili.engine.config import ConfigError, Qwen3Config
+from mili.engine.kv_cache import KVCache
+from mili.engine.loader import CheckpointError, CheckpointWarning, load_model, tensor_files
+from mili.engine.model import PrefillBatch, Qwen3ForCausalLM
+
+CONFIG = Qwen3Config(
+    vocab_size=128,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+    torch_dtype="float32",
+)
+PROMPT = [5, 17, 99, 3, 64, 20, 21, 8, 100, 42, 7]
+
+
+def prompt_logits(model: Qwen3ForCausalLM) -> torch.Tensor:
+    cache = KVCache(model.config, 4, 16, dtype=model.dtype)
+    batch = PrefillBatch.build([PROMPT], [[2]], 16)
+    return model.prefill(batch, cache, all_logits=True)  # [11, vocab] float32
+
+
+def files_of(path: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(path.iterdir())}
+
+
+def test_same_seed_gives_byte_identical_files(tmp_path: Path) -> None:
+    a = write_random_checkpoint(tmp_path / "a", CONFIG, seed=3)
+    b = write_random_checkpoint(tmp_path / "b", CONFIG, seed=3)
+    c = write_random_checkpoint(tmp_path / "c", CONFIG, seed=4)
+    assert files_of(a) == files_of(b)
+    assert files_of(a)[SINGLE_FILE] != files_of(c)[SINGLE_FILE]
+
+
+def test_written_checkpoint_has_hf_names_and_unit_norms(tmp_path: Path) -> None:
+    path = write_random_checkpoint(tmp_path, CONFIG, seed=0)
+    tensors = load_file(path / SINGLE_FILE)
+    assert "lm_head.weight" in tensors and tensors["lm_head.weight"].shape == (128, 32)
+    assert tensors["model.layers.1.self_attn.k_norm.weight"].shape == (16,)
+    assert tensors["model.layers.0.mlp.gate_proj.weight"].shape == (64, 32)
+    norm = tensors["model.norm.weight"]
+    assert (norm - 1).abs().max() < 0.2 and (norm != 1).any()
+    assert tensors["model.embed_tokens.weight"].std().item() == pytest.approx(0.02, rel=0.1)
+    assert json.loads((path / "config.json").read_text())["model_type"] == "qwen3"
+
+    tied = write_random_checkpoint(tmp_path / "tied", _tied(CONFIG), seed=0)
+    assert "lm_head.weight" not in load_file(tied / SINGLE_FILE)
+
+
+def _tied(config: Qwen3Config) -> Qwen3Config:
+    return Qwen3Config(**{**config.__dict__, "tie_word_embeddings": True})
+
+
+def test_sharded_checkpoint_loads_same_logits(tmp_path: Path) -> None:
+    single = write_random_checkpoint(tmp_path / "single", CONFIG, seed=5)
+    sharded = write_random_checkpoint(tmp_path / "sharded", CONFIG, seed=5, max_shard_bytes=20_000)
+    shards = sorted(p.name for p in sharded.glob("*.safetensors"))
+    assert len(shards) > 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    index = json.loads((sharded / INDEX_FILE).read_text())
+    assert set(index["weight_map"].values()) == set(shards)
+    assert index["metadata"]["total_size"] == (single / SINGLE_FILE).stat().st_size - (
+        8 + int.from_bytes((single / SINGLE_FILE).read_bytes()[:8], "little")
+    )
+    assert torch.equal(prompt_logits(load_model(single)), prompt_logits(load_model(sharded)))
+
+
+def test_missing_tensor_is_named(tmp_path: Path) -> None:
+    path = write_random_checkpoint(tmp_path, CONFIG)
+    tensors = load_file(path / SINGLE_FILE)
+    del tensors["model.layers.1.self_attn.q_norm.weight"]
+    save_file(tensors, path / SINGLE_FILE)
+    with pytest.raises(CheckpointError, match=r"model\.layers\.1\.self_attn\.q_norm\.weight"):
+        load_model(path)
+
+
+def test_wrong_shape_names_tensor_and_file(tmp_path: Path) -> None:
+    path = write_random_checkpoint(tmp_path, CONFIG, max_shard_bytes=20_000)
+    files = tensor_files(path)
+    name = "model.layers.0.mlp.up_proj.weight"
+    shard = files[name]
+    tensors = load_file(shard)
+    tensors[name] = torch.zeros(63, 32)
+    save_file(tensors, shard, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError) as err:
+        load_model(path)
+    assert name in str(err.value) and shard.name in str(err.value)
+    assert "[63, 32]" in str(err.value) and "[64, 32]" in str(err.value)
+
+
+def test_tensor_missing_from_its_indexed_shard_is_named(tmp_path: Path) -> None:
+    path = write_random_checkpoint(tmp_path, CONFIG, max_shard_bytes=20_000)
+    name = "model.norm.weight"
+    shard = tensor_files(path)[name]
+    tensors = load_file(shard)
+    del tensors[name]
+    save_file(tensors, shard, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=rf"{name}.*{shard.name}"):
+        load_model(path)
+
+
+def test_missing_shard_file_is_named(tmp_path: Path) -> None:
+    path = write_random_checkpoint(tmp_path, CONFIG, max_shard_bytes=20_000)
+    shard = sorted(path.glob("model-00002-of-*.safetensors"))[0]
+    shard.unlink()
+    with pytest.raises(CheckpointError, match=shard.name):
+        load_model(path)
+
+
+def test_missing_config_field_is_named(tmp_path: Path) -> None:
+    path = write_random_checkpoint(tmp_path, CONFIG)
+    config = json.loads((path / "config.json").read_text())
+    del config["num_key_value_heads"]
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="num_key_value_heads"):
+        load_model(path)
+
+
+def test_no_weights_is_an_error(tmp_path: Path) -> None:
+    path = write_random_checkpoint(tmp_path, CONFIG)
+    (path / SINGLE_FILE).unlink()
+    with pytest.raises(CheckpointError, match=SINGLE_FILE):
+        load_model(path)
+
+
+def test_unexpected_tensor_warns_with_its_name(tmp_path: Path) -> None:
+    path = write_random_checkpoint(tmp_path, CONFIG)
+    tensors = load_file(path / SINGLE_FILE)
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
+    save_file(tensors, path / SINGLE_FILE)
+    with pytest.warns(
+        CheckpointWarning, match=r"model\.layers\.0\.self_attn\.rotary_emb\.inv_freq"
+    ):
+        model = load_model(path)
+    assert not any(p.is_meta for p in model.parameters())
+
+
+def test_bf16_checkpoint_and_bf16_load(tmp_path: Path) -> None:
+    fp32 = write_random_checkpoint(tmp_path / "fp32", CONFIG, seed=9, std=0.1)
+    bf16 = write_random_checkpoint(tmp_path / "bf16", CONFIG, seed=9, std=0.1, dtype=torch.bfloat16)
+    assert (bf16 / SINGLE_FILE).stat().st_size < (fp32 / SINGLE_FILE).stat().st_size
+    reference = prompt_logits(load_model(fp32))
+    for path, dtype in ((bf16, None), (fp32, torch.bfloat16)):
+        model = load_model(path, dtype=dtype)
+        assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+        logits = prompt_logits(model)
+        assert logits.dtype == torch.float32
+        assert (logits - reference).abs().max() < 0.1 * reference.abs().max()
+    # An fp32 model from bf16 files holds exactly the rounded weights.
+    up = load_model(bf16, dtype=torch.float32).get_parameter("model.layers.0.mlp.up_proj.weight")
+    assert up.dtype == torch.float32
+    exact = load_model(fp32).get_parameter("model.layers.0.mlp.up_proj.weight")
+    assert torch.equal(up, exact.bfloat16().float())
