@@ -1,0 +1,51 @@
+"""`mili serve-decode`: the decode service (DecodeService + KvTransferService) as a process.
+
+Owns one model and one KV block pool; admits requests by reserving their blocks, receives each
+prompt's KV from a prefill instance, and streams tokens from a continuously batched decode loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from mili import flags
+from mili.errors import StartupError
+from services.decode import config as decode_config
+
+DEFAULT_PORT = 50054
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    flags.add_model_argument(parser)
+    decode_config.add_arguments(parser)
+    flags.add_server_arguments(parser, DEFAULT_PORT)
+
+
+def run(args: argparse.Namespace) -> int:
+    flags.setup_logging(args)
+    model_dir = flags.resolve_model(args)
+    try:
+        config = decode_config.DecodeConfig.from_args(args, model_dir)
+    except ValueError as e:
+        raise StartupError(str(e)) from None
+    # Heavy imports (torch, the model) only when actually serving, not for `mili --help`.
+    from mili.rpc.server import RpcServer, serve_forever
+    from services.decode.instance import DecodeInstance
+    from services.decode.server import add_to_server
+
+    instance = DecodeInstance.load(config)  # StartupError naming what is wrong
+    server = RpcServer(flags.server_config(args), name="decode")
+    add_to_server(server, instance)
+    instance.start()  # logs model, device, dtype, KV blocks and attention backend
+    try:
+        asyncio.run(serve_forever(server))
+    finally:
+        instance.stop()  # fails what is left and frees its blocks
+    return 0
+
+
+if __name__ == "__main__":
+    from mili.cli import main
+
+    raise SystemExit(main(["serve-decode", *__import__("sys").argv[1:]]))

@@ -1,0 +1,244 @@
+"""Continuous batching: one thread owns the model, the KV cache tensors and the sampler.
+
+Every iteration of the loop:
+
+    1. take the requests whose KV landed since the last step (`join`): stream their first
+       token (prefill's), and add those that did not already stop to the running batch;
+    2. drop requests cancelled since the last step (caller gone, deadline) and free their blocks;
+    3. one decode step over all running sequences: DecodeBatch -> model.decode -> one Sampler
+       call (each row with its own SequenceSampling) -> append, finish the ones that stop;
+    4. hand the step's events to the event loop (`deliver_threadsafe`, one wake-up per step).
+
+Blocks are freed (`RequestTable.finish`) before a request's last event is handed over, so a
+caller that reads its last token and then asks Info sees the blocks back.
+
+Nothing here waits for the event loop and nothing on the event loop waits for this thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from mili.engine.block_pool import blocks_needed
+from mili.engine.kv_cache import KVCache
+from mili.engine.model import DecodeBatch, Qwen3ForCausalLM
+from mili.engine.sampler import Sampler, SequenceSampling
+from mili.errors import Unavailable
+from services.decode.requests import DecodeRequest, RequestTable
+from services.decode.stream import (
+    FINISH_LENGTH,
+    FINISH_STOP,
+    Delivery,
+    TokenEvent,
+    TokenLogprobs,
+    deliver_threadsafe,
+)
+
+_LOG = logging.getLogger("mili.decode")
+
+
+@dataclass(frozen=True)
+class _Join:
+    request: DecodeRequest
+    first_token_id: int
+    first_logprobs: TokenLogprobs | None
+
+
+@dataclass(eq=False)
+class _Sequence:
+    request: DecodeRequest
+    sampling: SequenceSampling  # its output_token_ids are the tokens generated so far
+    stop_ids: frozenset[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.request.num_prompt_tokens + len(self.sampling.output_token_ids)
+
+
+class Batcher:
+    """The decode loop thread. `join` and `scatter` may be called from any thread."""
+
+    def __init__(
+        self,
+        model: Qwen3ForCausalLM,
+        cache: KVCache,
+        table: RequestTable,
+        *,
+        eos_token_ids: frozenset[int],
+        max_context_tokens: int,
+    ) -> None:
+        self._model = model
+        self._cache = cache
+        self._table = table
+        self._eos_token_ids = eos_token_ids
+        self._max_context_tokens = max_context_tokens
+        self._sampler = Sampler()
+        self._cond = threading.Condition()
+        self._inbox: list[_Join] = []  # guarded by _cond
+        self._is_stopping = False  # guarded by _cond
+        self._running: list[_Sequence] = []  # batch thread only
+        self._thread = threading.Thread(target=self._run, name="decode-batcher", daemon=True)
+        # Observability (written by the batch thread, read anywhere).
+        self.num_steps = 0
+        self.max_batch_size = 0
+
+    # ---- any thread ----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Finish the current step, fail what is left (UNAVAILABLE), free its blocks, join."""
+        with self._cond:
+            self._is_stopping = True
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    def join(
+        self, request: DecodeRequest, first_token_id: int, first_logprobs: TokenLogprobs | None
+    ) -> None:
+        """Add a RUNNING request (its KV is in the cache) to the batch from the next step on."""
+        with self._cond:
+            if self._is_stopping:
+                raise Unavailable("decode instance is shutting down")
+            self._inbox.append(_Join(request, first_token_id, first_logprobs))
+            self._cond.notify()
+
+    def scatter(self, layer: int, block_ids: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write whole prompt blocks of one layer into the cache (k, v: [n, S, KVH, D]).
+
+        Called from a transfer thread while this loop runs: safe because the blocks belong to a
+        request that is not in the batch yet, and no step reads or writes them.
+        """
+        with torch.inference_mode():
+            self._cache.scatter_blocks(layer, block_ids, k, v)
+
+    # ---- batch thread --------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not (self._inbox or self._running or self._is_stopping):
+                        self._cond.wait()
+                    if self._is_stopping:
+                        return
+                    joins, self._inbox = self._inbox, []
+                out: list[Delivery] = []
+                for join in joins:
+                    self._add(join, out)
+                self._drop_cancelled()
+                if self._running:
+                    self._step(out)
+                deliver_threadsafe(out)
+        finally:
+            with self._cond:  # also when a bug killed the loop: refuse joins from now on
+                self._is_stopping = True
+            self._fail_all(Unavailable("decode instance is shutting down; retry elsewhere"))
+
+    def _add(self, join: _Join, out: list[Delivery]) -> None:
+        """Stream prefill's first token; keep the request unless that token already ends it."""
+        request = join.request
+        params = request.params
+        try:
+            sampling = SequenceSampling(
+                params,
+                request.prompt_token_ids,
+                self._model.config.vocab_size,
+                output_token_ids=[join.first_token_id],
+            )
+        except ValueError as e:  # validated at the transfer edge; a bug if it happens
+            self._table.finish(request)
+            out.append((request.stream, e))
+            return
+        stop_ids = frozenset(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids |= self._eos_token_ids
+        seq = _Sequence(request, sampling, stop_ids)
+        reason = self._finish_reason(seq, join.first_token_id)
+        if reason or request.is_cancelled:
+            self._table.finish(request)
+        else:
+            self._running.append(seq)
+        logprobs = None
+        if params.logprobs is not None and join.first_logprobs is not None:
+            logprobs = [join.first_logprobs]
+        out.append((request.stream, TokenEvent([join.first_token_id], logprobs, reason)))
+
+    def _drop_cancelled(self) -> None:
+        kept = []
+        for seq in self._running:
+            if seq.request.is_cancelled:
+                self._table.finish(seq.request)
+            else:
+                kept.append(seq)
+        self._running = kept
+
+    def _step(self, out: list[Delivery]) -> None:
+        seqs = self._running
+        block_size = self._cache.block_size
+        self.num_steps += 1
+        self.max_batch_size = max(self.max_batch_size, len(seqs))
+        try:
+            # Each sequence feeds its newest token, at position num_tokens - 1; its block table
+            # is cut to the blocks holding positions [0, num_tokens) so attention gathers no
+            # reserved-but-unwritten blocks.
+            batch = DecodeBatch.build(
+                [s.sampling.output_token_ids[-1] for s in seqs],
+                [s.num_tokens - 1 for s in seqs],
+                [s.request.block_ids[: blocks_needed(s.num_tokens, block_size)] for s in seqs],
+                block_size,
+                device=self._model.device,
+            )
+            with torch.inference_mode():
+                logits = self._model.decode(batch, self._cache)  # [B, vocab] float32
+                result = self._sampler(logits, [s.sampling for s in seqs])
+        except Exception as e:
+            _LOG.exception("decode step over %d sequences failed", len(seqs))
+            for seq in seqs:
+                self._table.finish(seq.request)
+                out.append((seq.request.stream, e))
+            self._running = []
+            return
+        kept = []
+        for i, seq in enumerate(seqs):
+            token_id = result.token_ids[i]
+            seq.sampling.append(token_id)
+            logprobs = None
+            if seq.request.params.logprobs is not None and result.logprobs is not None:
+                top = result.top_logprobs[i] if result.top_logprobs is not None else []
+                logprobs = [TokenLogprobs(result.logprobs[i], top)]
+            reason = self._finish_reason(seq, token_id)
+            if reason:
+                self._table.finish(seq.request)
+            else:
+                kept.append(seq)
+            out.append((seq.request.stream, TokenEvent([token_id], logprobs, reason)))
+        self._running = kept
+
+    def _finish_reason(self, seq: _Sequence, token_id: int) -> str:
+        """Stop token first (it is returned), then max_tokens (the first token counts), then
+        a full context window: the same order as mili.engine.generate."""
+        if token_id in seq.stop_ids:
+            return FINISH_STOP
+        if len(seq.sampling.output_token_ids) >= seq.request.params.max_tokens:
+            return FINISH_LENGTH
+        if seq.num_tokens >= self._max_context_tokens:
+            return FINISH_LENGTH
+        return ""
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self._cond:
+            joins, self._inbox = self._inbox, []
+        requests = [s.request for s in self._running] + [j.request for j in joins]
+        self._running = []
+        out: list[Delivery] = []
+        for request in requests:
+            self._table.finish(request)
+            out.append((request.stream, error))
+        deliver_threadsafe(out)

@@ -1,0 +1,253 @@
+"""Admitted requests: block reservations, leases and who may free what. Pure Python, thread-safe.
+
+Life of a request (every arrow is one RequestTable method, taken under the table's lock):
+
+    admit ──▶ WAITING ──begin_transfer──▶ TRANSFERRING ──start_running──▶ RUNNING ──finish──▶ DONE
+                 │                            │                              │
+                 └──── cancel / expire ───────┴──────────▶ DONE              └─ cancel: flag only;
+                       (blocks freed now, or when the last pin drops)           the batch thread
+                                                                                drops it, finish
+Who frees the blocks:
+- WAITING / TRANSFERRING: whoever ends the request (Generate's lease timer or cancellation, a
+  failed transfer). A chunk being scattered into the cache at that moment *pins* the request, and
+  the blocks are freed by the unpin instead: a block must never be handed to a new request while
+  a stale copy is still being written into it.
+- RUNNING: only the batch thread (`finish`), after it has dropped the request from its batch: the
+  model may be writing a new token's K/V into those blocks right now.
+
+The lock also guards the BlockPool: the event loop, the batch thread and scatter threads all
+reach it through this table.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from mili.engine.block_pool import BlockPool, BlockPoolExhausted, blocks_needed
+from mili.engine.sampling_params import SamplingParams
+from mili.errors import InvalidArgument, NotFound, ResourceExhausted
+from services.decode.stream import TokenStream
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"  # blocks reserved, waiting for prefill's transfer
+    TRANSFERRING = "transferring"  # a TransferKv call is writing the prompt's KV
+    RUNNING = "running"  # KV landed; the batch thread owns it
+    DONE = "done"  # finished, failed or cancelled
+
+
+@dataclass(eq=False)
+class DecodeRequest:
+    """One admitted request. `block_ids` covers every position whose K/V will be written."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    block_ids: list[int]  # the whole reservation, in token order
+    num_prompt_blocks: int  # block_ids[:num_prompt_blocks] hold the prompt (prefill fills them)
+    lease_deadline: float  # monotonic seconds; the KV must be committed before
+    lease_ms: int
+    stream: TokenStream = field(default_factory=TokenStream)
+    state: RequestState = RequestState.WAITING
+    is_cancelled: bool = False  # RUNNING only: the batch thread drops it at its next step
+    num_pins: int = 0  # scatters in flight into its blocks
+    is_freed: bool = False
+
+    @property
+    def prompt_block_ids(self) -> list[int]:
+        return self.block_ids[: self.num_prompt_blocks]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+def blocks_to_reserve(num_prompt_tokens: int, max_tokens: int, block_size: int) -> int:
+    """Blocks for every position whose K/V is ever written: prompt + max_tokens - 1.
+
+    The last generated token is streamed but never fed back, so its K/V is never written::
+
+        prompt 5 tokens, max_tokens 4, block_size 4:
+        position   0  1  2  3 | 4  5  6  7
+        token     p0 p1 p2 p3 |p4 o1 o2 o3   (o4 is sampled from position 7's logits)
+        -> 8 positions, 2 blocks
+    """
+    return blocks_needed(num_prompt_tokens + max_tokens - 1, block_size)
+
+
+class RequestTable:
+    """The active requests of one decode instance and the block pool they draw from."""
+
+    def __init__(self, pool: BlockPool, block_size: int, max_requests: int) -> None:
+        self._pool = pool
+        self.block_size = block_size
+        self.max_requests = max_requests
+        self._lock = threading.Lock()
+        self._requests: dict[str, DecodeRequest] = {}
+
+    # ---- counts (for Info) ---------------------------------------------------------------------
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self._pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        with self._lock:
+            return self._pool.num_free
+
+    def _count(self, *states: RequestState) -> int:
+        with self._lock:
+            return sum(r.state in states for r in self._requests.values())
+
+    @property
+    def num_waiting(self) -> int:
+        return self._count(RequestState.WAITING, RequestState.TRANSFERRING)
+
+    @property
+    def num_running(self) -> int:
+        return self._count(RequestState.RUNNING)
+
+    def get(self, request_id: str) -> DecodeRequest | None:
+        with self._lock:
+            return self._requests.get(request_id)
+
+    # ---- transitions ---------------------------------------------------------------------------
+
+    def admit(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        lease_ms: int,
+        now: float,
+        stream: TokenStream | None = None,
+        retry_after_s: float | None = None,
+    ) -> DecodeRequest:
+        """Reserve blocks for the whole generation (all or nothing) and register the request.
+
+        Raises InvalidArgument for an id already active, ResourceExhausted (with
+        `retry_after_s`) when the request bound is reached or the blocks do not fit.
+        """
+        num_blocks = blocks_to_reserve(len(prompt_token_ids), params.max_tokens, self.block_size)
+        with self._lock:
+            if request_id in self._requests:
+                raise InvalidArgument(
+                    "request_id", request_id, "already exists: a request with this id is active"
+                )
+            if len(self._requests) >= self.max_requests:
+                raise ResourceExhausted(
+                    f"decode instance is full: {len(self._requests)} requests admitted "
+                    f"(limit {self.max_requests}); retry later or on another instance",
+                    retry_after_s,
+                )
+            try:
+                block_ids = self._pool.allocate(num_blocks)
+            except BlockPoolExhausted as e:
+                raise ResourceExhausted(
+                    f"not enough KV blocks for request {request_id!r}: needs {num_blocks} "
+                    f"({len(prompt_token_ids)} prompt tokens + max_tokens {params.max_tokens}), "
+                    f"{e.num_free} of {self._pool.num_blocks} free",
+                    retry_after_s,
+                ) from None
+            request = DecodeRequest(
+                request_id=request_id,
+                prompt_token_ids=list(prompt_token_ids),
+                params=params,
+                block_ids=block_ids,
+                num_prompt_blocks=blocks_needed(len(prompt_token_ids), self.block_size),
+                lease_deadline=now + lease_ms / 1000,
+                lease_ms=lease_ms,
+                stream=stream if stream is not None else TokenStream(),
+            )
+            self._requests[request_id] = request
+            return request
+
+    def begin_transfer(self, request_id: str) -> DecodeRequest:
+        """WAITING -> TRANSFERRING for the transfer naming `request_id`; NotFound otherwise."""
+        with self._lock:
+            request = self._requests.get(request_id)
+            if request is None:
+                raise NotFound(
+                    f"no reservation for request {request_id!r} on this decode instance "
+                    "(never admitted, or it expired, was cancelled or failed)"
+                )
+            if request.state is not RequestState.WAITING:
+                raise NotFound(
+                    f"request {request_id!r} is not waiting for KV (it is {request.state.value})"
+                )
+            request.state = RequestState.TRANSFERRING
+            return request
+
+    def pin(self, request: DecodeRequest) -> bool:
+        """Hold the blocks of a TRANSFERRING request while a chunk is written into them.
+
+        False (nothing pinned) when the request has already ended.
+        """
+        with self._lock:
+            if request.state is not RequestState.TRANSFERRING:
+                return False
+            request.num_pins += 1
+            return True
+
+    def unpin(self, request: DecodeRequest) -> None:
+        with self._lock:
+            request.num_pins -= 1
+            if request.state is RequestState.DONE:
+                self._free(request)
+
+    def start_running(self, request: DecodeRequest) -> bool:
+        """TRANSFERRING -> RUNNING (the batch thread owns it now); False if it already ended."""
+        with self._lock:
+            if request.state is not RequestState.TRANSFERRING:
+                return False
+            request.state = RequestState.RUNNING
+            return True
+
+    def cancel(self, request: DecodeRequest) -> bool:
+        """End `request` early; True when this call ended it (the caller then fails its stream).
+
+        WAITING / TRANSFERRING: done now, blocks freed (after the last pin). RUNNING: flagged;
+        the batch thread drops it within one step and calls `finish`.
+        """
+        with self._lock:
+            if request.state is RequestState.RUNNING:
+                was_cancelled, request.is_cancelled = request.is_cancelled, True
+                return not was_cancelled
+            if request.state is RequestState.DONE:
+                return False
+            self._end(request)
+            return True
+
+    def expire(self, request: DecodeRequest, now: float) -> bool:
+        """End a request still waiting for its KV past its lease; True when it did."""
+        with self._lock:
+            if request.state not in (RequestState.WAITING, RequestState.TRANSFERRING):
+                return False
+            if now < request.lease_deadline:
+                return False
+            self._end(request)
+            return True
+
+    def finish(self, request: DecodeRequest) -> None:
+        """Batch thread: `request` has left the batch (finished or cancelled); free its blocks."""
+        with self._lock:
+            if request.state is not RequestState.DONE:
+                self._end(request)
+
+    # ---- internals (lock held) -----------------------------------------------------------------
+
+    def _end(self, request: DecodeRequest) -> None:
+        request.state = RequestState.DONE
+        if self._requests.get(request.request_id) is request:
+            del self._requests[request.request_id]
+        self._free(request)
+
+    def _free(self, request: DecodeRequest) -> None:
+        if request.num_pins == 0 and not request.is_freed:
+            self._pool.free(request.block_ids)
+            request.is_freed = True

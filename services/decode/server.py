@@ -1,0 +1,159 @@
+"""gRPC edge of the decode service: DecodeService (Generate, Info), and registration of both
+services (KvTransferService lives in transfer.py) on one RpcServer."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+
+from mili.decode.v1 import decode_pb2, decode_pb2_grpc
+from mili.errors import Cancelled, DeadlineExceeded, InvalidArgument, Unavailable
+from mili.kv.v1 import kv_pb2, kv_pb2_grpc
+from mili.rpc.kv_codec import check_compatible
+from mili.rpc.server import RpcServer
+from services.decode import convert
+from services.decode.instance import DecodeInstance
+from services.decode.requests import DecodeRequest, RequestState
+from services.decode.stream import TokenEvent, TokenStream
+from services.decode.transfer import KvTransferServicer
+
+DECODE_SERVICE = decode_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name
+KV_TRANSFER_SERVICE = kv_pb2.DESCRIPTOR.services_by_name["KvTransferService"].full_name
+
+# While a request waits for its KV, Generate wakes this often to notice a drain: a draining server
+# refuses new TransferKv calls, so a request still WAITING then can never get its KV.
+_WAIT_POLL_S = 0.25
+_KV_PENDING = (RequestState.WAITING, RequestState.TRANSFERRING)
+
+
+class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
+    def __init__(
+        self,
+        instance: DecodeInstance,
+        *,
+        is_draining: Callable[[], bool] = lambda: False,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._instance = instance
+        self._layout = convert.layout(instance.layout, instance.fingerprint)
+        self._is_draining = is_draining
+        self._clock = clock
+
+    async def Generate(
+        self, request: decode_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[decode_pb2.GenerateResponse]:
+        inst = self._instance
+        request_id = request.request_id
+        prompt = list(request.prompt_token_ids)
+        if not request_id:
+            raise InvalidArgument("request_id", request_id, "must be non-empty")
+        self._check_prompt(prompt)
+        params = convert.sampling_params(request.sampling)
+        if len(prompt) + params.max_tokens > inst.max_context_tokens:
+            raise InvalidArgument(
+                "sampling.max_tokens",
+                params.max_tokens,
+                f"{len(prompt)} prompt tokens + max_tokens exceed the model's context of "
+                f"{inst.max_context_tokens} tokens",
+            )
+        if request.HasField("prefill_layout"):
+            check_compatible(
+                self._layout,
+                request.prefill_layout,
+                local_name="this decode instance",
+                remote_name="the prefill instance",
+            )
+        # A caller may ask for a shorter lease, never a longer one: the operator's --kv-lease-ms
+        # bounds how long a vanished prefill can strand blocks. Admitted reports the one in force.
+        lease_ms = min(request.kv_lease_ms or inst.config.kv_lease_ms, inst.config.kv_lease_ms)
+        stream = TokenStream(asyncio.get_running_loop())
+        req = inst.table.admit(
+            request_id,
+            prompt,
+            params,
+            lease_ms=lease_ms,
+            now=self._clock(),
+            stream=stream,
+            retry_after_s=inst.config.retry_after_s,
+        )
+        try:
+            yield convert.admitted(req.prompt_block_ids, lease_ms)
+            async for event in self._events(req):
+                yield convert.tokens(event)
+        finally:
+            # Caller cancelled, deadline passed, or an error: free the blocks (a RUNNING request
+            # leaves the batch within one step). A no-op when the request already ended.
+            if inst.table.cancel(req):
+                # Tells a transfer still streaming into its blocks to stop.
+                req.stream.fail(Cancelled(f"request {request_id!r} was cancelled by its caller"))
+
+    async def _events(self, req: DecodeRequest) -> AsyncIterator[TokenEvent]:
+        """The request's token events until the last; raises its failure (lease, transfer...)."""
+        table = self._instance.table
+        while True:
+            timeout_s = None
+            if req.state in _KV_PENDING:
+                if req.state is RequestState.WAITING and self._is_draining() and table.cancel(req):
+                    req.stream.fail(Unavailable("decode instance is draining; retry elsewhere"))
+                timeout_s = min(_WAIT_POLL_S, max(0.0, req.lease_deadline - self._clock()))
+            try:
+                event = await req.stream.next(timeout_s)
+            except TimeoutError:
+                if table.expire(req, self._clock()):
+                    error = DeadlineExceeded(
+                        f"the KV of request {req.request_id!r} did not arrive within its lease "
+                        f"of {req.lease_ms} ms; its {len(req.block_ids)} KV blocks were released"
+                    )
+                    req.stream.fail(error)  # a transfer still running reports the same error
+                    raise error from None
+                continue
+            yield event
+            if event.finish_reason:
+                return
+
+    def _check_prompt(self, prompt: list[int]) -> None:
+        if not prompt:
+            raise InvalidArgument("prompt_token_ids", prompt, "must hold at least one token id")
+        vocab_size = self._instance.vocab_size
+        bad = [t for t in prompt if t >= vocab_size]
+        if bad:
+            raise InvalidArgument(
+                "prompt_token_ids",
+                bad[:8],
+                f"{len(bad)} token id(s) outside the vocabulary [0, {vocab_size})",
+            )
+
+    async def Info(
+        self, request: decode_pb2.InfoRequest, context: grpc.aio.ServicerContext
+    ) -> decode_pb2.InfoResponse:
+        inst = self._instance
+        table = inst.table
+        return decode_pb2.InfoResponse(
+            model=inst.model_name,
+            dtype=inst.dtype,
+            device=inst.device,
+            kv_layout=self._layout,
+            attention_backend=inst.attention_backend,
+            max_context_tokens=inst.max_context_tokens,
+            max_running=inst.config.max_running,
+            num_total_blocks=table.num_total_blocks,
+            num_free_blocks=table.num_free_blocks,
+            num_running=table.num_running,
+            num_waiting=table.num_waiting,
+        )
+
+
+def add_to_server(server: RpcServer, instance: DecodeInstance) -> None:
+    """Register DecodeService and KvTransferService (one address: prefill sends KV here)."""
+    decode = DecodeServicer(instance, is_draining=lambda: server.is_draining)
+    transfer = KvTransferServicer(instance)
+    server.add_service(
+        DECODE_SERVICE, lambda s: decode_pb2_grpc.add_DecodeServiceServicer_to_server(decode, s)
+    )
+    server.add_service(
+        KV_TRANSFER_SERVICE,
+        lambda s: kv_pb2_grpc.add_KvTransferServiceServicer_to_server(transfer, s),
+    )

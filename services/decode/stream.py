@@ -1,0 +1,122 @@
+"""Token events and their hand-off from the batch thread to each request's Generate call.
+
+    batch thread                                   event loop
+    ────────────                                   ──────────
+    step k: tokens for r1, r2, r3 ──deliver_threadsafe──▶ one loop.call_soon_threadsafe
+                                                     └─▶ r1.stream.push(ev), r2..., r3...
+                                                   Generate(r1): await stream.next()  -> Tokens
+
+One `call_soon_threadsafe` per step (not per request) keeps the wake-ups of the loop to one per
+step. A consumer that lags (slow client) is not a problem for the batch thread: events pile up
+in the stream and the next `next()` returns all of them merged into one event, so a request
+never holds more than its max_tokens worth of pending tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+FINISH_STOP = "stop"  # EOS, a stop token id
+FINISH_LENGTH = "length"  # max_tokens, or the context window is full
+
+
+class TokenLogprobs(NamedTuple):
+    """Log-probabilities reported for one generated token (see mili.engine.sampler)."""
+
+    logprob: float  # of the chosen token under the raw distribution
+    top: list[tuple[int, float]]  # (token_id, logprob), most likely first
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """Tokens generated since the previous event of one request."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None = None  # one per token id, when the request asked
+    finish_reason: str = ""  # "" while running; FINISH_STOP or FINISH_LENGTH on the last event
+
+
+def merge(events: Sequence[TokenEvent]) -> TokenEvent:
+    """Events in order, as one: tokens concatenated, the last finish reason."""
+    if len(events) == 1:
+        return events[0]
+    token_ids = [t for e in events for t in e.token_ids]
+    has_logprobs = any(e.logprobs is not None for e in events)
+    logprobs = [lp for e in events for lp in (e.logprobs or [])] if has_logprobs else None
+    return TokenEvent(token_ids, logprobs, events[-1].finish_reason)
+
+
+class TokenStream:
+    """A request's events, read by its Generate call; written on the event loop's thread only.
+
+    `loop` is where the reader runs; other threads reach the stream through `deliver_threadsafe`.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self.loop = loop
+        self._pending: list[TokenEvent] = []
+        self._error: BaseException | None = None
+        self._ready = asyncio.Event()
+        self._failed = asyncio.Event()
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
+    def push(self, event: TokenEvent) -> None:
+        self._pending.append(event)
+        self._ready.set()
+
+    def fail(self, error: BaseException) -> None:
+        """End the stream with `error` (after any tokens already pushed); the first error wins."""
+        if self._error is None:
+            self._error = error
+            self._ready.set()
+            self._failed.set()
+
+    async def wait_failed(self) -> BaseException:
+        """Return the stream's error once it has one (a transfer stops when its request ends)."""
+        await self._failed.wait()
+        assert self._error is not None
+        return self._error
+
+    async def next(self, timeout_s: float | None = None) -> TokenEvent:
+        """Everything pushed since the last call, merged; raises the stream's error once drained.
+
+        Raises TimeoutError when nothing arrives within `timeout_s` (None: wait forever).
+        """
+        if not self._pending and self._error is None:
+            await asyncio.wait_for(self._ready.wait(), timeout_s)
+        self._ready.clear()
+        if self._pending:
+            events, self._pending = self._pending, []
+            return merge(events)
+        assert self._error is not None
+        raise self._error
+
+
+Delivery = tuple[TokenStream, TokenEvent | BaseException]
+
+
+def _deliver(items: list[Delivery]) -> None:
+    for stream, item in items:
+        if isinstance(item, BaseException):
+            stream.fail(item)
+        else:
+            stream.push(item)
+
+
+def deliver_threadsafe(items: list[Delivery]) -> None:
+    """Hand events (or errors) to their streams from any thread: one loop wake-up per loop."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[Delivery]] = {}
+    for stream, item in items:
+        if stream.loop is not None:
+            by_loop.setdefault(stream.loop, []).append((stream, item))
+    for loop, group in by_loop.items():
+        # RuntimeError: the loop is closed, the server stopped and nobody reads these streams.
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(_deliver, group)

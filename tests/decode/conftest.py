@@ -1,0 +1,61 @@
+"""Fixtures of the decode tests: a tiny checkpoint, a decode server on it, a stand-in prefill.
+
+pytest-asyncio is not a dependency: each test runs its client with `asyncio.run(...)` against a
+server whose event loop lives in a background thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from mili.engine.checkpoint import write_random_checkpoint
+from mili.engine.config import Qwen3Config
+from services.decode.config import DecodeConfig
+from tests.decode.harness import DecodeServerThread, PrefillPlayer
+
+BLOCK_SIZE = 8
+NUM_BLOCKS = 128
+MAX_RUNNING = 10
+
+# Tied embeddings, GQA 2, head_dim 32 != 64 / 4. std 0.1 makes logits peaked enough that greedy
+# argmax never sits on a near-tie that batch-size-dependent float rounding could flip.
+TINY = Qwen3Config(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=256,
+    rope_theta=10_000.0,
+    tie_word_embeddings=True,
+    torch_dtype="float32",
+    eos_token_id=1,
+)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_random_checkpoint(tmp_path_factory.mktemp("decode-tiny"), TINY, seed=3, std=0.1)
+
+
+@pytest.fixture(scope="module")
+def player(tiny_model_dir: Path) -> PrefillPlayer:
+    return PrefillPlayer(tiny_model_dir, BLOCK_SIZE)
+
+
+@pytest.fixture(scope="module")
+def decode_server(tiny_model_dir: Path) -> Iterator[DecodeServerThread]:
+    config = DecodeConfig(
+        model_dir=tiny_model_dir,
+        block_size=BLOCK_SIZE,
+        num_blocks=NUM_BLOCKS,
+        max_running=MAX_RUNNING,
+    )
+    server = DecodeServerThread(config)
+    yield server
+    server.close()

@@ -1,0 +1,360 @@
+"""Every way a request can fail ends with a clear status and gives back every block."""
+
+from __future__ import annotations
+
+import asyncio
+import zlib
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+import pytest
+
+from mili.common.v1 import sampling_pb2
+from mili.decode.v1 import decode_pb2
+from mili.engine.sampling_params import SamplingParams
+from mili.kv.v1 import kv_pb2
+from mili.rpc.client import insecure_channel
+from mili.rpc.status import bad_request_of, retry_info_of
+from tests.decode.conftest import NUM_BLOCKS
+from tests.decode.harness import (
+    Client,
+    DecodeServerThread,
+    PrefillPlayer,
+    blocks_back,
+    random_prompt,
+    sampling,
+)
+
+LONG = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+SHORT = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+Code = grpc.StatusCode
+
+
+def generate_request(
+    request_id: str, prompt: list[int], params: SamplingParams, **fields: Any
+) -> decode_pb2.GenerateRequest:
+    return decode_pb2.GenerateRequest(
+        request_id=request_id, prompt_token_ids=prompt, sampling=sampling(params), **fields
+    )
+
+
+async def expect_error(awaitable: Awaitable[Any], code: grpc.StatusCode) -> grpc.aio.AioRpcError:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await awaitable
+    assert info.value.code() == code, info.value.details()
+    return info.value
+
+
+def run(server: DecodeServerThread, body: Callable[[Client], Awaitable[None]]) -> None:
+    async def main() -> None:
+        async with insecure_channel(server.address) as channel:
+            client = Client(channel)
+            assert (await client.info()).num_free_blocks == NUM_BLOCKS
+            await body(client)
+            await blocks_back(client, NUM_BLOCKS)
+
+    server.run(main())
+
+
+# ---- cancellation, deadlines, leases ---------------------------------------------------------
+
+
+def test_cancel_mid_stream_frees_blocks_within_a_step(
+    decode_server: DecodeServerThread, player: PrefillPlayer
+) -> None:
+    prompt = random_prompt(10, player.vocab_size, seed=1)
+    batcher = decode_server.instance.batcher
+
+    async def body(client: Client) -> None:
+        call, block_ids = await client.admit(generate_request("cancel", prompt, LONG))
+        prefilled = await asyncio.to_thread(player.prefill, prompt, LONG)
+        await client.kv.TransferKv(iter(player.messages("cancel", prompt, block_ids, prefilled)))
+        first = await call.read()
+        assert list(first.tokens.token_ids)
+        steps_before = batcher.num_steps
+        call.cancel()
+        await blocks_back(client, NUM_BLOCKS, timeout_s=2.0)
+        # Dropped early, not run to the end of its 200 tokens.
+        assert batcher.num_steps - steps_before < 150
+
+    run(decode_server, body)
+
+
+def test_generate_deadline_while_waiting_for_kv_frees_blocks(
+    decode_server: DecodeServerThread,
+) -> None:
+    async def body(client: Client) -> None:
+        call = client.decode.Generate(generate_request("deadline", [5, 6, 7], LONG), timeout=0.3)
+        assert (await call.read()).WhichOneof("event") == "admitted"
+        await expect_error(call.read(), Code.DEADLINE_EXCEEDED)
+
+    run(decode_server, body)
+
+
+def test_lease_expiry_fails_request_and_frees_blocks(
+    decode_server: DecodeServerThread, player: PrefillPlayer
+) -> None:
+    prompt = random_prompt(12, player.vocab_size, seed=2)
+
+    async def body(client: Client) -> None:
+        request = generate_request("lease", prompt, LONG, kv_lease_ms=150)
+        call, block_ids = await client.admit(request)
+        err = await expect_error(call.read(), Code.DEADLINE_EXCEEDED)
+        assert "lease of 150 ms" in err.details()
+        await blocks_back(client, NUM_BLOCKS)
+        # A transfer arriving after the lease finds no reservation.
+        prefilled = await asyncio.to_thread(player.prefill, prompt, LONG)
+        messages = player.messages("lease", prompt, block_ids, prefilled)
+        await expect_error(client.kv.TransferKv(iter(messages)), Code.NOT_FOUND)
+
+    run(decode_server, body)
+
+
+def test_lease_expiry_mid_transfer_stops_the_transfer(
+    decode_server: DecodeServerThread, player: PrefillPlayer
+) -> None:
+    prompt = random_prompt(12, player.vocab_size, seed=3)
+
+    async def body(client: Client) -> None:
+        request = generate_request("lease2", prompt, LONG, kv_lease_ms=300)
+        call, block_ids = await client.admit(request)
+        prefilled = await asyncio.to_thread(player.prefill, prompt, LONG)
+        messages = player.messages("lease2", prompt, block_ids, prefilled)
+        transfer = client.kv.TransferKv(timeout=10)
+        await transfer.write(messages[0])  # header
+        await transfer.write(messages[1])  # layer 0
+        # The sender goes quiet; the lease ends both calls without waiting for its next chunk.
+        await expect_error(call.read(), Code.DEADLINE_EXCEEDED)
+        err = await expect_error(transfer, Code.DEADLINE_EXCEEDED)
+        assert "lease" in err.details()
+
+    run(decode_server, body)
+
+
+# ---- broken transfers --------------------------------------------------------------------------
+
+
+def _flip_byte(chunk: kv_pb2.KvChunk) -> None:
+    data = bytearray(chunk.data)
+    data[len(data) // 2] ^= 0x40
+    chunk.data = bytes(data)  # crc32 left as it was: corrupt in transit
+
+
+def _truncate(chunk: kv_pb2.KvChunk) -> None:
+    chunk.data = chunk.data[:-8]
+    chunk.crc32 = zlib.crc32(chunk.data)  # consistent checksum, wrong length
+
+
+def _foreign_block(chunk: kv_pb2.KvChunk) -> None:
+    """Point the chunk's last block at one the request does not hold (someone else's)."""
+    chunk.block_ids[-1] = next(b for b in range(NUM_BLOCKS) if b not in chunk.block_ids)
+
+
+Mangle = Callable[[list[kv_pb2.TransferKvRequest]], list[kv_pb2.TransferKvRequest]]
+
+
+def _mangle_chunk(index: int, edit: Callable[[kv_pb2.KvChunk], None]) -> Mangle:
+    def mangle(messages: list[kv_pb2.TransferKvRequest]) -> list[kv_pb2.TransferKvRequest]:
+        edit(messages[index].chunk)
+        return messages
+
+    return mangle
+
+
+def _set_chunk(index: int, **fields: Any) -> Mangle:
+    def edit(chunk: kv_pb2.KvChunk) -> None:
+        for name, value in fields.items():
+            if name == "block_ids":
+                del chunk.block_ids[:]
+                chunk.block_ids.extend(value)
+            else:
+                setattr(chunk, name, value)
+
+    return _mangle_chunk(index, edit)
+
+
+# messages: [header, chunk layer 0, chunk layer 1, commit]
+CORRUPTIONS: dict[str, tuple[Mangle, str]] = {
+    "bad-crc": (_mangle_chunk(1, _flip_byte), "checksum mismatch"),
+    "short-data": (_mangle_chunk(2, _truncate), "bytes for"),
+    "duplicate": (lambda m: [m[0], m[1], m[1], m[2], m[3]], "expected chunk 1"),
+    "reordered": (lambda m: [m[0], m[2], m[1], m[3]], "expected chunk 0"),
+    "missing-chunk": (lambda m: [m[0], m[1], m[3]], "commit after 1 chunks"),
+    "no-commit": (lambda m: m[:3], "without a commit"),
+    "wrong-request-id": (_set_chunk(1, request_id="someone-else"), "carries request id"),
+    "foreign-block": (_mangle_chunk(2, _foreign_block), "not among"),
+    "same-layer-twice": (_set_chunk(2, layer=0), "sent more than once"),
+}
+
+
+@pytest.mark.parametrize("corruption", list(CORRUPTIONS))
+def test_corrupt_transfer_is_data_loss_on_both_calls_and_frees_blocks(
+    decode_server: DecodeServerThread, player: PrefillPlayer, corruption: str
+) -> None:
+    mangle, message = CORRUPTIONS[corruption]
+    prompt = random_prompt(13, player.vocab_size, seed=4)  # 2 prompt blocks
+    request_id = f"corrupt-{corruption}"
+
+    async def body(client: Client) -> None:
+        call, block_ids = await client.admit(generate_request(request_id, prompt, SHORT))
+        assert len(block_ids) == 2
+        prefilled = await asyncio.to_thread(player.prefill, prompt, SHORT)
+        messages = mangle(player.messages(request_id, prompt, block_ids, prefilled))
+        err = await expect_error(client.kv.TransferKv(iter(messages)), Code.DATA_LOSS)
+        assert message in err.details()
+        err = await expect_error(call.read(), Code.DATA_LOSS)
+        assert message in err.details()
+
+    run(decode_server, body)
+
+
+def test_sender_dying_mid_transfer_fails_request_and_frees_blocks(
+    decode_server: DecodeServerThread, player: PrefillPlayer
+) -> None:
+    prompt = random_prompt(20, player.vocab_size, seed=5)
+
+    async def body(client: Client) -> None:
+        call, block_ids = await client.admit(generate_request("sender-dies", prompt, LONG))
+        prefilled = await asyncio.to_thread(player.prefill, prompt, LONG)
+        messages = player.messages("sender-dies", prompt, block_ids, prefilled)
+        transfer = client.kv.TransferKv(timeout=10)
+        await transfer.write(messages[0])
+        await transfer.write(messages[1])
+        await client.info()  # a round trip, so the chunk has surely been read
+        transfer.cancel()  # the stream breaks as if the prefill process died
+        err = await expect_error(call.read(), Code.UNAVAILABLE)
+        assert "broke off" in err.details()
+
+    run(decode_server, body)
+
+
+def test_layout_mismatch_is_refused_naming_both(
+    decode_server: DecodeServerThread, player: PrefillPlayer
+) -> None:
+    async def body(client: Client) -> None:
+        for field, ours, theirs in [("block_size", 8, 16), ("dtype", "float32", "bfloat16")]:
+            layout = player.layout(**{field: theirs})
+            request = generate_request("layout", [5, 6], SHORT, prefill_layout=layout)
+            call = client.decode.Generate(request, timeout=5)
+            err = await expect_error(call.read(), Code.FAILED_PRECONDITION)
+            assert f"{field}={ours}" in err.details() and f"{field}={theirs}" in err.details()
+        # The same check on the transfer's header fails the request too.
+        prompt = [5, 6, 7]
+        call, block_ids = await client.admit(generate_request("layout2", prompt, SHORT))
+        prefilled = await asyncio.to_thread(player.prefill, prompt, SHORT)
+        layout = player.layout(num_kv_heads=4)
+        messages = player.messages("layout2", prompt, block_ids, prefilled, layout=layout)
+        err = await expect_error(client.kv.TransferKv(iter(messages)), Code.FAILED_PRECONDITION)
+        assert "num_kv_heads=2" in err.details() and "num_kv_heads=4" in err.details()
+        await expect_error(call.read(), Code.FAILED_PRECONDITION)
+
+    run(decode_server, body)
+
+
+def test_transfer_for_unknown_or_busy_request_is_not_found(
+    decode_server: DecodeServerThread, player: PrefillPlayer
+) -> None:
+    async def body(client: Client) -> None:
+        header = kv_pb2.TransferHeader(request_id="nobody", layout=player.layout(), num_tokens=1)
+        messages = [kv_pb2.TransferKvRequest(header=header)]
+        await expect_error(client.kv.TransferKv(iter(messages)), Code.NOT_FOUND)
+        # A second transfer for a request already receiving one.
+        call, _ = await client.admit(generate_request("busy", [5, 6], SHORT))
+        header = kv_pb2.TransferHeader(request_id="busy", layout=player.layout(), num_tokens=2)
+        first = client.kv.TransferKv(timeout=10)
+        await first.write(kv_pb2.TransferKvRequest(header=header))
+        await client.info()
+        second = [kv_pb2.TransferKvRequest(header=header)]
+        err = await expect_error(client.kv.TransferKv(iter(second)), Code.NOT_FOUND)
+        assert "transferring" in err.details()
+        call.cancel()  # the caller goes away: the transfer into its blocks stops at once
+        err = await expect_error(first, Code.CANCELLED)
+        assert "cancelled by its caller" in err.details()
+
+    run(decode_server, body)
+
+
+# ---- admission -----------------------------------------------------------------------------------
+
+
+def test_pool_too_small_is_resource_exhausted_with_retry_info(
+    decode_server: DecodeServerThread,
+) -> None:
+    big = SamplingParams(temperature=0, max_tokens=240, ignore_eos=True)  # 8 + 239 -> 31 blocks
+
+    async def body(client: Client) -> None:
+        calls = [
+            (await client.admit(generate_request(f"big-{i}", [5] * 8, big)))[0] for i in range(4)
+        ]
+        assert (await client.info()).num_free_blocks == NUM_BLOCKS - 4 * 31
+        assert (await client.info()).num_waiting == 4
+        call = client.decode.Generate(generate_request("big-4", [5] * 8, big), timeout=5)
+        err = await expect_error(call.read(), Code.RESOURCE_EXHAUSTED)
+        assert "needs 31" in err.details()
+        info = retry_info_of(err)
+        assert info is not None and info.retry_delay.ToNanoseconds() > 0
+        for call in calls:
+            call.cancel()
+
+    run(decode_server, body)
+
+
+def test_admitted_request_bound_is_resource_exhausted(decode_server: DecodeServerThread) -> None:
+    async def body(client: Client) -> None:
+        max_running = decode_server.instance.config.max_running
+        calls = [
+            (await client.admit(generate_request(f"small-{i}", [5], SHORT)))[0]
+            for i in range(max_running)
+        ]
+        call = client.decode.Generate(generate_request("one-too-many", [5], SHORT), timeout=5)
+        err = await expect_error(call.read(), Code.RESOURCE_EXHAUSTED)
+        assert f"limit {max_running}" in err.details() and retry_info_of(err) is not None
+        for call in calls:
+            call.cancel()
+
+    run(decode_server, body)
+
+
+INVALID: dict[str, tuple[decode_pb2.GenerateRequest, list[str]]] = {
+    "empty-id": (generate_request("", [5], SHORT), ["request_id"]),
+    "empty-prompt": (generate_request("r", [], SHORT), ["prompt_token_ids"]),
+    "out-of-vocab": (generate_request("r", [5, 256], SHORT), ["prompt_token_ids"]),
+    "bad-sampling": (
+        decode_pb2.GenerateRequest(
+            request_id="r",
+            prompt_token_ids=[5],
+            sampling=sampling_pb2.SamplingParams(top_p=0, temperature=-1, max_tokens=0),
+        ),
+        ["sampling.temperature", "sampling.top_p", "sampling.max_tokens"],
+    ),
+    "past-context": (
+        generate_request("r", [5] * 10, SamplingParams(max_tokens=247)),
+        ["sampling.max_tokens"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(INVALID))
+def test_invalid_requests_name_their_fields(decode_server: DecodeServerThread, case: str) -> None:
+    request, fields = INVALID[case]
+
+    async def body(client: Client) -> None:
+        call = client.decode.Generate(request, timeout=5)
+        err = await expect_error(call.read(), Code.INVALID_ARGUMENT)
+        bad_request = bad_request_of(err)
+        assert bad_request is not None
+        assert [v.field for v in bad_request.field_violations] == fields
+
+    run(decode_server, body)
+
+
+def test_duplicate_active_request_id_is_refused(decode_server: DecodeServerThread) -> None:
+    async def body(client: Client) -> None:
+        call, _ = await client.admit(generate_request("twin", [5], SHORT))
+        twin = client.decode.Generate(generate_request("twin", [6], SHORT), timeout=5)
+        err = await expect_error(twin.read(), Code.INVALID_ARGUMENT)
+        assert "already exists" in err.details()
+        call.cancel()
+
+    run(decode_server, body)

@@ -1,0 +1,118 @@
+"""RequestTable bookkeeping with exact block ids: admission, leases, pins, who frees what."""
+
+from __future__ import annotations
+
+import pytest
+
+from mili.engine.block_pool import BlockPool
+from mili.engine.sampling_params import SamplingParams
+from mili.errors import InvalidArgument, NotFound, ResourceExhausted
+from services.decode.requests import RequestState, RequestTable, blocks_to_reserve
+
+
+def params(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens)
+
+
+def table(num_blocks: int = 10, max_requests: int = 8) -> RequestTable:
+    return RequestTable(BlockPool(num_blocks), block_size=4, max_requests=max_requests)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "max_tokens", "blocks"),
+    [(5, 4, 2), (1, 1, 1), (4, 1, 1), (4, 2, 2), (3, 6, 2), (8, 1, 2), (8, 2, 3)],
+)
+def test_blocks_to_reserve_covers_every_written_position(
+    prompt: int, max_tokens: int, blocks: int
+) -> None:
+    # Positions written: prompt + max_tokens - 1 (the last token is never fed back).
+    assert blocks_to_reserve(prompt, max_tokens, block_size=4) == blocks
+
+
+def test_admit_reserves_prompt_and_output_blocks_in_order() -> None:
+    t = table()
+    a = t.admit("a", [1] * 5, params(4), lease_ms=1000, now=10.0)
+    b = t.admit("b", [1] * 3, params(6), lease_ms=500, now=10.0)
+    assert (a.block_ids, a.prompt_block_ids) == ([0, 1], [0, 1])
+    assert (b.block_ids, b.prompt_block_ids) == ([2, 3], [2])
+    assert a.lease_deadline == 11.0 and b.lease_deadline == 10.5
+    assert (t.num_free_blocks, t.num_waiting, t.num_running) == (6, 2, 0)
+
+
+def test_admit_is_all_or_nothing_with_retry_hint() -> None:
+    t = table(num_blocks=6)
+    t.admit("a", [1] * 4, params(5), lease_ms=1000, now=0.0)  # 8 positions: blocks 0, 1
+    with pytest.raises(ResourceExhausted, match="needs 5") as info:
+        t.admit("b", [1] * 10, params(10), lease_ms=1000, now=0.0, retry_after_s=0.5)
+    assert info.value.retry_after_s == 0.5
+    assert t.num_free_blocks == 4
+    assert t.admit("c", [1] * 16, params(1), lease_ms=1000, now=0.0).block_ids == [2, 3, 4, 5]
+
+
+def test_admit_refuses_duplicate_ids_and_past_the_request_bound() -> None:
+    t = table(max_requests=2)
+    t.admit("a", [1], params(1), lease_ms=1000, now=0.0)
+    with pytest.raises(InvalidArgument, match="already exists"):
+        t.admit("a", [1], params(1), lease_ms=1000, now=0.0)
+    t.admit("b", [1], params(1), lease_ms=1000, now=0.0)
+    with pytest.raises(ResourceExhausted, match="limit 2"):
+        t.admit("c", [1], params(1), lease_ms=1000, now=0.0)
+    assert t.num_free_blocks == 8
+
+
+def test_lease_expires_only_while_waiting_for_kv_and_frees_to_the_back() -> None:
+    t = table()
+    a = t.admit("a", [1] * 5, params(4), lease_ms=1000, now=0.0)  # blocks 0, 1
+    assert not t.expire(a, now=0.999)
+    assert t.expire(a, now=1.0)
+    assert a.state is RequestState.DONE and t.get("a") is None
+    assert not t.expire(a, now=2.0)  # already ended: nothing freed twice
+    assert t.num_free_blocks == 10
+    # Freed blocks went to the back of the free queue.
+    assert t.admit("b", [1] * 36, params(1), lease_ms=1000, now=0.0).block_ids == [
+        *range(2, 10),
+        0,
+    ]
+
+
+def test_transfer_pins_blocks_until_the_scatter_is_over() -> None:
+    t = table()
+    a = t.admit("a", [1] * 5, params(4), lease_ms=1000, now=0.0)
+    assert t.begin_transfer("a") is a
+    assert t.pin(a)
+    assert t.cancel(a)  # e.g. the caller went away mid-chunk
+    assert a.state is RequestState.DONE
+    assert t.num_free_blocks == 8  # still held: the copy into blocks 0, 1 is running
+    assert not t.pin(a)  # no new chunk for an ended request
+    t.unpin(a)
+    assert t.num_free_blocks == 10
+
+
+def test_running_requests_are_freed_by_the_batch_thread_only() -> None:
+    t = table()
+    a = t.admit("a", [1] * 5, params(4), lease_ms=1000, now=0.0)
+    t.begin_transfer("a")
+    assert t.start_running(a)
+    assert (t.num_waiting, t.num_running) == (0, 1)
+    assert not t.expire(a, now=100.0)  # the lease covers the wait for KV only
+    assert t.cancel(a) and a.is_cancelled
+    assert not t.cancel(a)  # flagged once
+    assert t.num_free_blocks == 8  # the model may be writing into them this very step
+    t.finish(a)
+    assert (t.num_free_blocks, t.num_running) == (10, 0)
+    t.finish(a)  # idempotent
+    assert t.num_free_blocks == 10
+
+
+def test_begin_transfer_needs_a_waiting_reservation() -> None:
+    t = table()
+    with pytest.raises(NotFound, match="no reservation"):
+        t.begin_transfer("nobody")
+    a = t.admit("a", [1], params(1), lease_ms=1000, now=0.0)
+    t.begin_transfer("a")
+    with pytest.raises(NotFound, match="transferring"):
+        t.begin_transfer("a")
+    assert t.cancel(a)
+    assert not t.start_running(a)  # a commit after the request ended changes nothing
+    with pytest.raises(NotFound):
+        t.begin_transfer("a")
