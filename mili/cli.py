@@ -16,6 +16,7 @@ from mili.errors import StartupError
 # command -> (module providing add_arguments/run, help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve-tokenizer": ("services.tokenizer.__main__", "run the tokenizer service"),
+    "serve-decode": ("services.decode.__main__", "run a decode service"),
 }
 
 
