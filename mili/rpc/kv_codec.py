@@ -109,10 +109,11 @@ def decode_chunk(
     if chunk.layer >= layout.num_layers:
         raise DataLoss(f"{where}: layer out of range (model has {layout.num_layers})")
     n = len(chunk.block_ids)
+    data = chunk.data  # each read of a bytes field copies it: read the megabytes once
     expected = 2 * n * block_bytes(layout)
-    if len(chunk.data) != expected:
-        raise DataLoss(f"{where}: {len(chunk.data)} bytes for {n} blocks, expected {expected}")
-    if zlib.crc32(chunk.data) != chunk.crc32:
+    if len(data) != expected:
+        raise DataLoss(f"{where}: {len(data)} bytes for {n} blocks, expected {expected}")
+    if zlib.crc32(data) != chunk.crc32:
         raise DataLoss(f"{where}: checksum mismatch (data corrupted in transit)")
     shape = (n, layout.block_size, layout.num_kv_heads, layout.head_dim)
     if n == 0:
@@ -120,7 +121,7 @@ def decode_chunk(
         return empty, empty.clone()
     with warnings.catch_warnings():  # bytes are read-only; we only read them (then copy)
         warnings.simplefilter("ignore", UserWarning)
-        flat = torch.frombuffer(chunk.data, dtype=torch.uint8)
+        flat = torch.frombuffer(data, dtype=torch.uint8)
     values = flat.view(torch_dtype(layout))
     half = values.numel() // 2
     return values[:half].view(shape), values[half:].view(shape)

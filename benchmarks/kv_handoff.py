@@ -1,0 +1,407 @@
+"""Prefill -> decode KV hand-off on CPU: does streaming the KV hide behind the prefill's compute?
+
+Random-weight Qwen3-0.6B (preset "qwen3-0.6b", bf16, written once into --cache-dir and reused,
+shared with generate_cpu.py), one prompt of --prompt-len tokens (512 tokens x 112 KiB = 58.7 MB
+of KV in 28 layer chunks of 2.1 MB). Medians over --repeats runs after one warm-up:
+
+  compute alone   model.prefill in this process: no layer callback, no transfer
+  start -> ack    a Prefill call to the prefill service (in this process, real gRPC on loopback)
+                  until the receiver acknowledged the commit; compute alone is measured right
+                  before each call so that load from other processes hits both alike
+  KV path alone   the same KV, already computed, through the sender (KvSender fed every layer
+                  at once): encode + CRC-32 + gRPC + the receiver's checks and scatter -> GB/s
+
+Receivers, each a separate process on loopback:
+  checker   validates every chunk (kv_codec.decode_chunk) and scatters it into its own KV
+            cache on a worker thread, pipelined with reading the stream
+  discard   counts bytes only: the prefill side's own ceiling
+  decode    the real `mili serve-decode` (a Generate call reserves the blocks first); skipped
+            with --no-decode
+
+Targets: KV path >= 0.5 GB/s, start -> ack <= 1.3 x compute alone.
+
+    .venv/bin/python benchmarks/kv_handoff.py
+    .venv/bin/python benchmarks/kv_handoff.py --prompt-len 1024 --repeats 5 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import grpc
+import torch
+
+from mili.common.v1 import sampling_pb2
+from mili.decode.v1 import decode_pb2, decode_pb2_grpc
+from mili.engine.checkpoint import write_random_checkpoint
+from mili.engine.config import PRESETS
+from mili.engine.fingerprint import model_fingerprint
+from mili.engine.kv_cache import KVCache
+from mili.engine.loader import load_model
+from mili.engine.model import PrefillBatch, Qwen3ForCausalLM
+from mili.engine.sampling_params import SamplingParams
+from mili.kv.v1 import kv_pb2, kv_pb2_grpc
+from mili.prefill.v1 import prefill_pb2, prefill_pb2_grpc
+from mili.rpc.client import insecure_channel
+from mili.rpc.kv_codec import check_compatible, decode_chunk
+from mili.rpc.server import RpcServer, ServerConfig
+from services.prefill.config import PrefillConfig
+from services.prefill.sender import KvSender
+from services.prefill.server import PrefillServicer, add_to_server
+from services.prefill.task import FirstToken, PrefillTask
+
+MODEL = "qwen3-0.6b"
+BLOCK_SIZE = 16
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def checkpoint_dir(cache_dir: Path) -> Path:
+    """The bf16 checkpoint, written on first use (atomically)."""
+    target = cache_dir / f"{MODEL}-bf16-seed0"
+    if (target / "config.json").exists():
+        return target
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=cache_dir))
+    try:
+        write_random_checkpoint(staging, PRESETS[MODEL], seed=0, dtype=torch.bfloat16)
+        staging.rename(target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+# ---- receiver processes (checker, discard) ---------------------------------------------------
+
+
+class _Receiver(kv_pb2_grpc.KvTransferServiceServicer):
+    """Any request may write blocks 0..N-1; `cache` None counts bytes and checks nothing."""
+
+    def __init__(self, layout: kv_pb2.KvLayout, cache: KVCache | None) -> None:
+        self.layout, self.cache = layout, cache
+        self.lander = ThreadPoolExecutor(1)  # one thread: chunks land in order
+
+    def _land(self, chunk: kv_pb2.KvChunk) -> None:
+        assert self.cache is not None
+        k, v = decode_chunk(chunk, self.layout)
+        self.cache.scatter_blocks(chunk.layer, list(chunk.block_ids), k, v)
+
+    async def TransferKv(self, requests: Any, context: Any) -> kv_pb2.TransferKvResponse:
+        loop = asyncio.get_running_loop()
+        iterator = aiter(requests)
+        header = (await anext(iterator)).header
+        check_compatible(self.layout, header.layout, local_name="decode", remote_name="prefill")
+        num_bytes = 0
+        landing: list[asyncio.Future[None]] = []
+        async for message in iterator:
+            if message.WhichOneof("kind") == "commit":
+                await asyncio.gather(*landing)  # raises DataLoss from any chunk
+                return kv_pb2.TransferKvResponse(num_bytes=num_bytes)
+            chunk = message.chunk
+            if self.cache is not None:  # checks and copy off the event loop, not awaited here
+                landing.append(loop.run_in_executor(self.lander, self._land, chunk))
+            num_bytes += len(chunk.data)
+        await context.abort(grpc.StatusCode.DATA_LOSS, "no commit")
+        raise AssertionError
+
+
+async def _serve_receiver(layout_hex: str, num_blocks: int) -> None:
+    layout = kv_pb2.KvLayout.FromString(bytes.fromhex(layout_hex))
+    cache = None
+    if num_blocks:
+        cache = KVCache(PRESETS[MODEL], num_blocks, layout.block_size, dtype=torch.bfloat16)
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 256 << 20)])
+    kv_pb2_grpc.add_KvTransferServiceServicer_to_server(_Receiver(layout, cache), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    print(f"listening on 127.0.0.1:{port}", flush=True)
+    await server.wait_for_termination()
+
+
+def _start(command: list[str]) -> tuple[subprocess.Popen[str], str]:
+    """A process that announces `... listening on HOST:PORT` on stdout."""
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if "listening on" in line:
+            return proc, line.split()[-1]
+    raise RuntimeError(f"{command[:4]} exited {proc.wait()} before listening")
+
+
+# ---- where the KV goes: a fixed block range, or a reservation made with decode --------------
+
+# reserve(request_id) -> block ids; the context holds the reservation for the transfer.
+Reserve = Callable[[str], contextlib.AbstractAsyncContextManager[list[int]]]
+
+
+def fixed_blocks(num_blocks: int) -> Reserve:
+    @contextlib.asynccontextmanager
+    async def reserve(request_id: str) -> AsyncIterator[list[int]]:
+        yield list(range(num_blocks))
+
+    return reserve
+
+
+def decode_reservation(
+    channel: grpc.aio.Channel, prompt: list[int], layout: kv_pb2.KvLayout
+) -> Reserve:
+    stub = decode_pb2_grpc.DecodeServiceStub(channel)
+
+    @contextlib.asynccontextmanager
+    async def reserve(request_id: str) -> AsyncIterator[list[int]]:
+        stream = stub.Generate(
+            decode_pb2.GenerateRequest(
+                request_id=request_id,
+                prompt_token_ids=prompt,
+                sampling=sampling_pb2.SamplingParams(temperature=0.0, max_tokens=1),
+                prefill_layout=layout,
+            ),
+            timeout=600,
+        )
+        events = aiter(stream)
+        admitted = (await anext(events)).admitted
+        yield list(admitted.block_ids)
+        async for _ in events:  # decode's token event: the request is done, blocks freed
+            pass
+
+    return reserve
+
+
+# ---- measurements ----------------------------------------------------------------------------
+
+
+def compute_alone(model: Qwen3ForCausalLM, prompt: list[int]) -> float:
+    """Seconds of one model.prefill of `prompt`: no layer callback, no transfer."""
+    blocks = list(range(-(-len(prompt) // BLOCK_SIZE)))
+    cache = KVCache(model.config, len(blocks), BLOCK_SIZE, dtype=model.dtype)
+    batch = PrefillBatch.build([prompt], [blocks], BLOCK_SIZE)
+    start = time.perf_counter()
+    model.prefill(batch, cache)
+    return time.perf_counter() - start
+
+
+async def compute_and_handoff(
+    stub: prefill_pb2_grpc.PrefillServiceStub,
+    model: Qwen3ForCausalLM,
+    address: str,
+    reserve: Reserve,
+    prompt: list[int],
+    repeats: int,
+) -> list[tuple[float, float, prefill_pb2.PrefillResponse]]:
+    """(compute alone s, start -> ack s, reply) per run, after one warm-up run."""
+    results = []
+    for i in range(repeats + 1):
+        # In a thread, like the service's worker; the event loop idles meanwhile.
+        alone = await asyncio.to_thread(compute_alone, model, prompt)
+        request_id = f"full-{i}-{time.monotonic_ns()}"
+        async with reserve(request_id) as block_ids:
+            request = prefill_pb2.PrefillRequest(
+                request_id=request_id,
+                token_ids=prompt,
+                sampling=sampling_pb2.SamplingParams(temperature=0.0),
+                destination=prefill_pb2.KvDestination(address=address, block_ids=block_ids),
+            )
+            start = time.perf_counter()
+            reply = await stub.Prefill(request, timeout=600)
+            results.append((alone, time.perf_counter() - start, reply))
+    return results[1:]
+
+
+async def kv_path_alone(
+    servicer: PrefillServicer, address: str, reserve: Reserve, prompt: list[int], repeats: int
+) -> list[tuple[float, int]]:
+    """(seconds, KV bytes) per run: every layer's blocks handed to a KvSender at once."""
+    cache = servicer.worker.kv_cache
+    blocks = list(range(-(-len(prompt) // BLOCK_SIZE)))
+    layers = [cache.gather_blocks(i, blocks) for i in range(cache.num_layers)]
+    results = []
+    with ThreadPoolExecutor(2) as encoder:
+        async with insecure_channel(address, max_message_bytes=256 << 20) as channel:
+            for i in range(repeats + 1):
+                request_id = f"path-{i}-{time.monotonic_ns()}"
+                async with reserve(request_id) as block_ids:
+                    task = PrefillTask(request_id, prompt, SamplingParams(), address, block_ids)
+                    sender = KvSender(
+                        task,
+                        channel=channel,
+                        encoder=encoder,
+                        layout=servicer.layout,
+                        num_chunks=len(layers),
+                        timeout_s=600,
+                    )
+
+                    def push(sender: KvSender = sender) -> None:
+                        for layer, (k, v) in enumerate(layers):
+                            sender.send_blocks(layer, 0, k, v, None)
+                        sender.finish(FirstToken(0, None, None, 0.0, 0.0))
+
+                    start = time.perf_counter()
+                    result = await sender.run(push)
+                    results.append((time.perf_counter() - start, result.kv_bytes))
+    return results[1:]
+
+
+def summarize(name: str, path_runs: list[Any], full_runs: list[Any] | None) -> dict[str, Any]:
+    kv_bytes = path_runs[0][1]
+    path_s = statistics.median(t for t, _ in path_runs)
+    row: dict[str, Any] = {
+        "receiver": name,
+        "kv_mb": kv_bytes / 1e6,
+        "kv_path_ms": path_s * 1e3,
+        "kv_path_gb_s": kv_bytes / path_s / 1e9,
+        "runs_kv_path_ms": [round(t * 1e3) for t, _ in path_runs],
+    }
+    if full_runs:
+        replies = [r for _, _, r in full_runs]
+        row |= {
+            "compute_alone_ms": statistics.median(a for a, _, _ in full_runs) * 1e3,
+            "start_to_ack_ms": statistics.median(t for _, t, _ in full_runs) * 1e3,
+            "ratio": statistics.median(t / a for a, t, _ in full_runs),
+            "service_compute_ms": statistics.median(r.compute_ms for r in replies),
+            "tail_ms": statistics.median(
+                t * 1e3 - r.compute_ms - r.queue_ms for _, t, r in full_runs
+            ),
+            "runs_compute_alone_ms": [round(a * 1e3) for a, _, _ in full_runs],
+            "runs_start_to_ack_ms": [round(t * 1e3) for _, t, _ in full_runs],
+        }
+    return row
+
+
+async def measure(args: argparse.Namespace, path: Path) -> list[dict[str, Any]]:
+    model = load_model(path, dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, model.config.vocab_size, (args.prompt_len,), generator=g).tolist()
+    num_blocks = -(-args.prompt_len // BLOCK_SIZE)
+    config = PrefillConfig(
+        num_blocks=num_blocks,
+        block_size=BLOCK_SIZE,
+        max_batch_tokens=max(2048, args.prompt_len),
+        max_queued_tokens=max(8192, args.prompt_len),
+        transfer_timeout_s=600,
+    )
+    servicer = PrefillServicer(
+        model,
+        config,
+        model_name=path.name,
+        fingerprint=model_fingerprint(path),
+        max_message_bytes=256 << 20,
+    )
+    layout_hex = servicer.layout.SerializeToString().hex()
+    me = [sys.executable, __file__, "--receiver-threads", str(args.receiver_threads)]
+    procs: list[subprocess.Popen[str]] = []
+    server = RpcServer(ServerConfig(max_message_bytes=256 << 20), name="prefill")
+    add_to_server(server, servicer)
+    port = await server.start()
+    rows = []
+    try:
+        async with insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = prefill_pb2_grpc.PrefillServiceStub(channel)
+            for name, blocks in (("discard", 0), ("checker", num_blocks)):
+                proc, address = _start([*me, "--serve-receiver", layout_hex, str(blocks)])
+                procs.append(proc)
+                reserve = fixed_blocks(num_blocks)
+                path_runs = await kv_path_alone(servicer, address, reserve, prompt, args.repeats)
+                full_runs = None
+                if name == "checker":
+                    full_runs = await compute_and_handoff(
+                        stub, model, address, reserve, prompt, args.repeats
+                    )
+                rows.append(summarize(name, path_runs, full_runs))
+            if args.decode:
+                decode_args = ["--port", "0", "--num-blocks", str(2 * num_blocks + 8)]
+                decode_args += ["--block-size", str(BLOCK_SIZE), "--log-level", "WARNING"]
+                mili = [sys.executable, "-m", "mili", "serve-decode", "--model", str(path)]
+                proc, address = _start([*mili, *decode_args])
+                procs.append(proc)
+                async with insecure_channel(address) as decode_channel:
+                    reserve = decode_reservation(decode_channel, prompt, servicer.layout)
+                    path_runs = await kv_path_alone(
+                        servicer, address, reserve, prompt, args.repeats
+                    )
+                    full_runs = await compute_and_handoff(
+                        stub, model, address, reserve, prompt, args.repeats
+                    )
+                rows.append(summarize("decode", path_runs, full_runs))
+    finally:
+        await server.drain()
+        await servicer.close()
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache/mili/bench")
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads of the prefill (default: %(default)s; on a small shared "
+        "CPU a second spinning OpenMP thread slows the forward and starves the transfer)",
+    )
+    parser.add_argument(
+        "--receiver-threads", type=int, default=1, help="torch threads of the checker receiver"
+    )
+    parser.add_argument(
+        "--no-decode", dest="decode", action="store_false", help="skip the real decode service"
+    )
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--serve-receiver", nargs=2, metavar=("LAYOUT_HEX", "NUM_BLOCKS"))
+    args = parser.parse_args()
+    if args.serve_receiver:
+        torch.set_num_threads(args.receiver_threads)
+        asyncio.run(_serve_receiver(args.serve_receiver[0], int(args.serve_receiver[1])))
+        return
+    torch.set_num_threads(args.threads)
+    path = checkpoint_dir(args.cache_dir)
+    rows = asyncio.run(measure(args, path))
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return
+    print(
+        f"KV hand-off: {MODEL} bf16, {args.prompt_len}-token prompt, {rows[0]['kv_mb']:.1f} MB of"
+        f" KV, torch threads {args.threads}, medians of {args.repeats} runs (ms unless noted)\n"
+    )
+    header = ("receiver", "KV path", "GB/s", "compute", "start->ack", "ratio", "tail")
+    print("{:<9}{:>9}{:>7}{:>10}{:>12}{:>7}{:>7}".format(*header))
+    for r in rows:
+        full = (
+            [
+                f"{r['compute_alone_ms']:.0f}",
+                f"{r['start_to_ack_ms']:.0f}",
+                f"{r['ratio']:.2f}",
+                f"{r['tail_ms']:.1f}",
+            ]
+            if "ratio" in r
+            else ["-"] * 4
+        )
+        print(
+            "{:<9}{:>9.0f}{:>7.2f}{:>10}{:>12}{:>7}{:>7}".format(
+                r["receiver"], r["kv_path_ms"], r["kv_path_gb_s"], *full
+            )
+        )
+    print("\ntargets: KV path >= 0.5 GB/s; start->ack <= 1.3 x compute alone (ratio = median of")
+    print("per-run ratios; tail = start->ack - queue - compute inside the service)")
+    for r in rows:
+        runs = {k: v for k, v in r.items() if k.startswith("runs_")}
+        print(f"{r['receiver']}: {runs}")
+
+
+if __name__ == "__main__":
+    main()

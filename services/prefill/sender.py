@@ -1,0 +1,285 @@
+"""The KV transfer client: streams one prompt's KV to decode's KvTransferService.TransferKv.
+
+    worker thread ──send_blocks/finish/fail──▶ call_soon_threadsafe ─▶ asyncio.Queue
+                                                                          │ (event loop)
+    TransferKv stream:  header ─▶ chunk seq 0, 1, ... (one per layer per prompt chunk) ─▶ commit
+                                  ▲ serialized (one copy + CRC-32, wire.py) on the encoder
+                                    threads, in order
+
+The header goes out as soon as `run` starts, before the prompt's first forward, so decode checks
+the layout and its reservation while we compute; each layer's chunk follows as the layer
+completes. Decode's verdict ends the transfer at any point: the call's done-callback wakes the
+loop, so a rejection is seen even while we wait for compute. Errors come back as domain errors
+with decode's code and a message naming its address.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor
+from typing import NamedTuple
+
+import grpc
+import torch
+
+from mili.common.v1 import sampling_pb2
+from mili.errors import (
+    DataLoss,
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    MiliError,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
+from mili.kv.v1 import kv_pb2
+from mili.rpc.client import insecure_channel
+from services.prefill.task import FirstToken, PrefillTask
+from services.prefill.wire import chunk_request
+
+_SERVICE = kv_pb2.DESCRIPTOR.services_by_name["KvTransferService"]
+# Messages go out pre-serialized (see wire.py), so the call is made without the generated stub.
+_TRANSFER_KV = f"/{_SERVICE.full_name}/{_SERVICE.methods_by_name['TransferKv'].name}"
+
+
+class TransferResult(NamedTuple):
+    first: FirstToken
+    kv_bytes: int  # payload bytes of every chunk
+    transfer_ms: float  # first chunk written -> decode's acknowledgement
+
+
+class ChannelPool:
+    """One channel per decode address, shared by every transfer to it (one HTTP/2 connection,
+    reconnected by grpc when it drops)."""
+
+    def __init__(self, max_message_bytes: int) -> None:
+        self._max_message_bytes = max_message_bytes
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def get(self, address: str) -> grpc.aio.Channel:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = insecure_channel(address, max_message_bytes=self._max_message_bytes)
+            self._channels[address] = channel
+        return channel
+
+    async def close(self) -> None:
+        channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:
+            await channel.close()
+
+
+class _Blocks(NamedTuple):
+    layer: int
+    first_block: int
+    k: torch.Tensor  # [n, block_size, num_kv_heads, head_dim]
+    v: torch.Tensor
+    ready: Callable[[], None] | None
+
+
+class _Failed(NamedTuple):
+    exc: BaseException
+
+
+_CALL_ENDED = object()  # the TransferKv call finished (decode answered or the stream broke)
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+# Decode's status -> the error our caller gets (same code; anything unexpected reads as decode
+# being unusable, which the frontend handles by trying another instance).
+_ERRORS: dict[grpc.StatusCode, type[MiliError]] = {
+    grpc.StatusCode.NOT_FOUND: NotFound,
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
+    grpc.StatusCode.DATA_LOSS: DataLoss,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
+}
+
+
+class KvSender:
+    """One prompt's transfer; a `KvSink` for the worker. Use once: `await run()`."""
+
+    def __init__(
+        self,
+        task: PrefillTask,
+        *,
+        channel: grpc.aio.Channel,
+        encoder: Executor,
+        layout: kv_pb2.KvLayout,
+        num_chunks: int,
+        timeout_s: float,
+    ) -> None:
+        self._task = task
+        self._channel = channel
+        self._encoder = encoder
+        self._layout = layout
+        self._num_chunks = num_chunks
+        self._timeout_s = timeout_s
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue[object] = asyncio.Queue()
+        self._is_closed = False
+        self._first_status: tuple[grpc.StatusCode, str] | None = None
+
+    # ---- KvSink: called from the worker thread -----------------------------------------------
+
+    def send_blocks(
+        self,
+        layer: int,
+        first_block: int,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        ready: Callable[[], None] | None,
+    ) -> None:
+        self._post(_Blocks(layer, first_block, k, v, ready))
+
+    def finish(self, first: FirstToken) -> None:
+        self._post(first)
+
+    def fail(self, exc: BaseException) -> None:
+        self._post(_Failed(exc))
+
+    def _post(self, item: object) -> None:
+        if self._is_closed:
+            return  # the transfer already ended; drop the late KV
+        # RuntimeError: the event loop is closed, the process is shutting down.
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+
+    # ---- the transfer ------------------------------------------------------------------------
+
+    async def run(self, start_compute: Callable[[], None]) -> TransferResult:
+        """Open the stream, send the header, then call `start_compute` (which hands the prompt
+        to the worker), stream its chunks and the commit; return once decode acknowledged.
+
+        Raises a MiliError carrying decode's status code (UNAVAILABLE when it is unreachable or
+        went away), or what `start_compute` or the worker failed with. Cancelling `run` cancels
+        the call, which tells decode to drop the reservation.
+        """
+        transfer_kv = self._channel.stream_unary(
+            _TRANSFER_KV, response_deserializer=kv_pb2.TransferKvResponse.FromString
+        )
+        call = transfer_kv(timeout=self._timeout_s)
+        call.add_done_callback(self._on_done)
+        task = self._task
+        header = kv_pb2.TransferHeader(
+            request_id=task.request_id,
+            layout=self._layout,
+            num_tokens=len(task.token_ids),
+            num_chunks=self._num_chunks,
+        )
+        try:
+            # The header is on the wire before the prompt can reach a forward: decode checks
+            # the layout and its reservation while we compute.
+            await self._write(call, kv_pb2.TransferKvRequest(header=header).SerializeToString())
+            start_compute()
+            return await self._stream(call)
+        except grpc.aio.AioRpcError as err:
+            raise self._error(err) from None
+        finally:
+            self._is_closed = True
+            if not call.done():
+                call.cancel()
+
+    async def _stream(self, call: grpc.aio.StreamUnaryCall) -> TransferResult:
+        seq = kv_bytes = 0
+        first_sent_at: float | None = None
+        while True:
+            item = await self._queue.get()
+            if item is _CALL_ENDED:
+                await self._ended(call)
+            elif isinstance(item, _Failed):
+                raise item.exc
+            elif isinstance(item, _Blocks):
+                message, num_data = await self._loop.run_in_executor(
+                    self._encoder, self._encode, seq, item
+                )
+                first_sent_at = first_sent_at or time.perf_counter()
+                await self._write(call, message)
+                seq += 1
+                kv_bytes += num_data
+            else:
+                assert isinstance(item, FirstToken)
+                if seq != self._num_chunks:
+                    raise AssertionError(f"sent {seq} KV chunks, announced {self._num_chunks}")
+                commit = kv_pb2.TransferKvRequest(commit=_commit(item))
+                await self._write(call, commit.SerializeToString())
+                await call.done_writing()
+                await call  # decode's acknowledgement (raises its error status)
+                sent_at = first_sent_at or time.perf_counter()
+                return TransferResult(item, kv_bytes, (time.perf_counter() - sent_at) * 1e3)
+
+    def _encode(self, seq: int, blocks: _Blocks) -> tuple[bytes, int]:
+        """Runs on an encoder thread: the byte copy and CRC-32 stay off the model thread and the
+        event loop (zlib releases the GIL on large buffers). Block j of the prompt goes to
+        decode's block dest_block_ids[j]."""
+        if blocks.ready is not None:
+            blocks.ready()
+        n = blocks.k.shape[0]
+        block_ids = self._task.dest_block_ids[blocks.first_block : blocks.first_block + n]
+        return chunk_request(
+            self._task.request_id, seq, blocks.layer, block_ids, blocks.k, blocks.v
+        )
+
+    def _on_done(self, call: grpc.aio.StreamUnaryCall) -> None:
+        """The call finished: wake `_stream`, and keep the status as first set.
+
+        grpc.aio quirk: a write that races decode's error status fails, and grpc then sets the
+        call's status to INTERNAL "Internal error from Core", sometimes after decode's real
+        status had arrived (overwriting it). The status seen here is whichever came first;
+        `_error` prefers it over a late INTERNAL, so decode's DATA_LOSS stays DATA_LOSS.
+        """
+        status = getattr(getattr(call, "_cython_call", None), "_status", None)  # private API
+        if status is not None:
+            code = _CODES.get(status.code(), grpc.StatusCode.UNKNOWN)
+            self._first_status = (code, status.details())
+        self._queue.put_nowait(_CALL_ENDED)
+
+    async def _write(self, call: grpc.aio.StreamUnaryCall, message: bytes) -> None:
+        # InvalidStateError: the call had ended; AioRpcError: it ended during this write (see
+        # `_on_done`). Either way `_ended` reports decode's status.
+        with contextlib.suppress(asyncio.InvalidStateError, grpc.aio.AioRpcError):
+            await call.write(message)
+        if call.done():
+            await self._ended(call)
+
+    async def _ended(self, call: grpc.aio.StreamUnaryCall) -> None:
+        """The call finished before our commit: raise decode's error status."""
+        await call  # raises AioRpcError unless decode answered OK
+        raise DataLoss(
+            f"decode at {self._task.address} acknowledged the KV transfer of request "
+            f"{self._task.request_id!r} before its commit"
+        )
+
+    def _error(self, err: grpc.aio.AioRpcError) -> MiliError:
+        code, details = err.code(), err.details()
+        first = self._first_status
+        if code is grpc.StatusCode.INTERNAL and first and first[0] is not grpc.StatusCode.INTERNAL:
+            code, details = first  # decode's status, overwritten by a racing write (`_on_done`)
+        what = (
+            f"KV transfer of request {self._task.request_id!r} to decode at "
+            f"{self._task.address} failed: {code.name}: {details}"
+        )
+        if code is grpc.StatusCode.INVALID_ARGUMENT:
+            return InvalidArgument("destination", self._task.address, what)
+        if code is grpc.StatusCode.CANCELLED:
+            what += " (decode cancelled the transfer: it stopped or restarted)"
+        return _ERRORS.get(code, Unavailable)(what)
+
+
+def _commit(first: FirstToken) -> kv_pb2.TransferCommit:
+    return kv_pb2.TransferCommit(first_token_id=first.token_id, first_logprobs=logprobs(first))
+
+
+def logprobs(first: FirstToken) -> sampling_pb2.Logprobs | None:
+    """The first token's Logprobs message, or None when none were asked for."""
+    if first.logprob is None:
+        return None
+    return sampling_pb2.Logprobs(
+        chosen=sampling_pb2.TokenLogprob(token_id=first.token_id, logprob=first.logprob),
+        top=[
+            sampling_pb2.TokenLogprob(token_id=t, logprob=lp) for t, lp in first.top_logprobs or ()
+        ],
+    )

@@ -1,0 +1,64 @@
+"""What the servicer hands the worker (a validated prompt and where its KV goes), and back.
+
+Plain dataclasses: the worker never sees protobuf, and the KV transfer stays behind `KvSink`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol
+
+import torch
+
+from mili.engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class PrefillTask:
+    """One validated prompt. `dest_block_ids[j]` on the decode instance receives block j."""
+
+    request_id: str
+    token_ids: list[int]
+    sampling: SamplingParams
+    address: str  # host:port of the decode instance's KvTransferService
+    dest_block_ids: list[int]
+
+
+class FirstToken(NamedTuple):
+    """The token sampled from the prompt's last position, with the prompt's timings."""
+
+    token_id: int
+    logprob: float | None  # raw-model logprob of token_id, when logprobs were asked for
+    top_logprobs: list[tuple[int, float]] | None  # most likely first
+    queue_ms: float  # accepted -> first forward
+    compute_ms: float  # first forward -> token sampled
+
+
+class KvSink(Protocol):
+    """Where the worker thread pushes one prompt's KV; every method is called from that thread
+    and must return at once (hand off, never wait on the network)."""
+
+    def send_blocks(
+        self,
+        layer: int,
+        first_block: int,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        ready: Callable[[], None] | None,
+    ) -> None:
+        """K/V of the prompt's blocks first_block, first_block + 1, ... of `layer`.
+
+        k, v: [n, block_size, num_kv_heads, head_dim] on the CPU, owned by the sink. `ready`, when
+        given, must be called (from any thread) before reading them: it waits for an
+        asynchronous device-to-host copy.
+        """
+        ...
+
+    def finish(self, first: FirstToken) -> None:
+        """Every layer of every chunk was sent; this is the first generated token."""
+        ...
+
+    def fail(self, exc: BaseException) -> None:
+        """The prompt's compute failed; nothing more will be sent."""
+        ...

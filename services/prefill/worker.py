@@ -1,0 +1,249 @@
+"""The thread that owns the model and the KV cache: runs steps, ships KV per layer, samples.
+
+    event loop (servicer)                     worker thread
+    ─────────────────────                     ─────────────
+    submit(task, sink) ─┐                     loop:
+    remove(request_id) ─┼─ lock ─ Scheduler ─▶  step = schedule()       (admits, allocates)
+                        │                       model.prefill(step, layer_callback=...)
+                        │                         after layer i: gather each chunk's blocks
+                        │                         ──▶ sink.send_blocks(i, ...)   (hand-off)
+                        │                       sample first tokens of finished prompts
+                        └────────────────────── complete(step); sink.finish(first)
+
+The lock guards only bookkeeping (microseconds), never a forward, so the event loop's calls
+into `submit` and `remove` do not wait on compute. Blocks are freed only by `remove` (the
+transfer ended: acknowledged, failed or cancelled) or when a step fails.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from mili.engine.kv_cache import KVCache
+from mili.engine.model import PrefillBatch, Qwen3ForCausalLM
+from mili.engine.sampler import Sampler, SequenceSampling
+from mili.errors import Unavailable
+from services.prefill.scheduler import ScheduledChunk, Scheduler, Step
+from services.prefill.task import FirstToken, KvSink, PrefillTask
+
+_LOG = logging.getLogger("mili.prefill")
+
+
+class StepRecord(NamedTuple):
+    """What one forward ran, kept for tests and debugging (times are time.perf_counter())."""
+
+    chunks: tuple[tuple[str, int, int], ...]  # (request_id, start, end) per chunk, packed order
+    started_at: float
+    layer_done_at: list[float]  # when each layer's K/V was in the cache and handed off
+
+
+@dataclass
+class _Job:
+    task: PrefillTask
+    sink: KvSink
+    accepted_at: float
+    first_forward_at: float | None = None
+    # Set under the lock by `remove`; read without it by the layer callback, where a stale
+    # False only means one more gather whose result the closed sink drops.
+    is_removed: bool = False
+
+
+class PrefillWorker:
+    """Runs the scheduler's steps on `model` in one thread; see the module docstring."""
+
+    def __init__(
+        self,
+        model: Qwen3ForCausalLM,
+        kv_cache: KVCache,
+        scheduler: Scheduler,
+        *,
+        history: int = 1024,
+    ) -> None:
+        if scheduler.pool.num_blocks != kv_cache.num_blocks:
+            raise ValueError("scheduler pool and KV cache differ in size")
+        self.model = model
+        self.kv_cache = kv_cache
+        self._scheduler = scheduler
+        self._sampler = Sampler()
+        self._cond = threading.Condition()
+        self._jobs: dict[str, _Job] = {}
+        self._is_stopping = False
+        self._tokens_per_s = 0.0  # moving average, for RESOURCE_EXHAUSTED's retry hint
+        self.steps: deque[StepRecord] = deque(maxlen=history)
+        self._thread = threading.Thread(target=self._run, name="prefill-worker", daemon=True)
+
+    # ---- called from the event loop ----------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Finish the running step, fail every prompt left, and join the thread (blocking)."""
+        with self._cond:
+            self._is_stopping = True
+            jobs = list(self._jobs.values())
+            for job in jobs:
+                self._forget(job.task.request_id)
+            self._cond.notify_all()
+        for job in jobs:
+            job.sink.fail(Unavailable("prefill instance is shutting down; retry elsewhere"))
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    def check_capacity(self, task: PrefillTask) -> None:
+        """Raise what `submit` would for a full queue or a duplicate id, queueing nothing."""
+        with self._cond:
+            self._scheduler.check(
+                task.request_id, len(task.token_ids), retry_after_s=self._retry_after_s()
+            )
+
+    def submit(self, task: PrefillTask, sink: KvSink) -> None:
+        """Queue a prompt; raises ResourceExhausted when the queue is full (nothing queued)."""
+        with self._cond:
+            if self._is_stopping:
+                raise Unavailable("prefill instance is shutting down; retry elsewhere")
+            self._scheduler.add(
+                task.request_id, len(task.token_ids), retry_after_s=self._retry_after_s()
+            )
+            self._jobs[task.request_id] = _Job(task, sink, accepted_at=time.perf_counter())
+            self._cond.notify()
+
+    def remove(self, request_id: str) -> None:
+        """The request ended (any way): stop computing it and free its blocks. Idempotent."""
+        with self._cond:
+            if self._forget(request_id):
+                self._cond.notify()  # freed blocks may admit a waiting prompt
+
+    @property
+    def num_queued_tokens(self) -> int:
+        with self._cond:
+            return self._scheduler.num_queued_tokens
+
+    @property
+    def num_free_blocks(self) -> int:
+        with self._cond:
+            return self._scheduler.pool.num_free
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self._scheduler.pool.num_blocks
+
+    # ---- the thread --------------------------------------------------------------------------
+
+    def _forget(self, request_id: str) -> bool:
+        job = self._jobs.pop(request_id, None)
+        if job is not None:
+            job.is_removed = True
+        return self._scheduler.remove(request_id)
+
+    def _retry_after_s(self) -> float:
+        if self._tokens_per_s <= 0:
+            return 1.0
+        return min(60.0, max(0.05, self._scheduler.num_queued_tokens / self._tokens_per_s))
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                step = None
+                while not self._is_stopping and (step := self._scheduler.schedule()) is None:
+                    self._cond.wait()
+                if step is None:
+                    return
+                jobs = [self._jobs[chunk.request_id] for chunk in step.chunks]
+            started = time.perf_counter()
+            try:
+                firsts = self._execute(step, jobs)
+            except Exception as exc:  # a bug or OOM: fail this step's prompts, keep serving
+                _LOG.exception("prefill step of %d tokens failed", step.num_tokens)
+                with self._cond:
+                    for job in jobs:
+                        self._forget(job.task.request_id)
+                for job in jobs:
+                    job.sink.fail(exc)
+                continue
+            elapsed = time.perf_counter() - started
+            with self._cond:
+                self._scheduler.complete(step)
+                rate = step.num_tokens / max(elapsed, 1e-6)
+                self._tokens_per_s = (
+                    rate if not self._tokens_per_s else (0.8 * self._tokens_per_s + 0.2 * rate)
+                )
+            for job, first in firsts:
+                job.sink.finish(first)
+
+    def _execute(self, step: Step, jobs: list[_Job]) -> list[tuple[_Job, FirstToken]]:
+        model, cache = self.model, self.kv_cache
+        block_size = cache.block_size
+        started = time.perf_counter()
+        for job in jobs:
+            if job.first_forward_at is None:
+                job.first_forward_at = started
+        batch = PrefillBatch.build(
+            [job.task.token_ids[c.start : c.end] for c, job in zip(step.chunks, jobs, strict=True)],
+            [c.block_table for c in step.chunks],
+            block_size,
+            start_positions=[c.start for c in step.chunks],
+            device=model.device,
+        )
+        record = StepRecord(tuple((c.request_id, c.start, c.end) for c in step.chunks), started, [])
+        self.steps.append(record)
+
+        def on_layer(layer: int) -> None:
+            for chunk, job in zip(step.chunks, jobs, strict=True):
+                if not job.is_removed:
+                    self._ship(layer, chunk, job.sink, block_size)
+            record.layer_done_at.append(time.perf_counter())
+
+        logits = model.prefill(batch, cache, layer_callback=on_layer)  # [B, vocab] float32
+        rows = [
+            i
+            for i, (c, job) in enumerate(zip(step.chunks, jobs, strict=True))
+            if c.is_last and not job.is_removed
+        ]
+        if not rows:
+            return []
+        finished = [jobs[i] for i in rows]
+        seqs = [
+            SequenceSampling(j.task.sampling, j.task.token_ids, model.config.vocab_size)
+            for j in finished
+        ]
+        out = self._sampler(logits[rows], seqs)
+        done_at = time.perf_counter()
+        results = []
+        for i, job in enumerate(finished):
+            assert job.first_forward_at is not None
+            first = FirstToken(
+                token_id=out.token_ids[i],
+                logprob=None if out.logprobs is None else out.logprobs[i],
+                top_logprobs=None if out.top_logprobs is None else out.top_logprobs[i],
+                queue_ms=(job.first_forward_at - job.accepted_at) * 1e3,
+                compute_ms=(done_at - job.first_forward_at) * 1e3,
+            )
+            results.append((job, first))
+        return results
+
+    def _ship(self, layer: int, chunk: ScheduledChunk, sink: KvSink, block_size: int) -> None:
+        first, last = chunk.block_range(block_size)
+        k, v = self.kv_cache.gather_blocks(layer, chunk.block_table[first:last])
+        ready: Callable[[], None] | None = None
+        if k.device.type == "cuda":
+            # Copy to pinned host memory without waiting for the GPU: the sender's encoder
+            # thread waits on the event, the model thread goes on to launch layer i+1.
+            k_host = torch.empty(k.shape, dtype=k.dtype, pin_memory=True)
+            v_host = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
+            k_host.copy_(k, non_blocking=True)
+            v_host.copy_(v, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            k, v, ready = k_host, v_host, event.synchronize
+        elif k.device.type != "cpu":
+            k, v = k.cpu(), v.cpu()
+        sink.send_blocks(layer, first, k, v, ready)

@@ -1,0 +1,171 @@
+"""The prefill scheduler's plans, exactly: which chunks of which prompts go in which forward."""
+
+from __future__ import annotations
+
+import pytest
+
+from mili.engine.block_pool import BlockPool
+from mili.errors import InvalidArgument, ResourceExhausted
+from services.prefill.scheduler import ScheduledChunk, Scheduler, Step
+
+
+def make(num_blocks: int = 64, max_batch_tokens: int = 16, max_queued: int = 1000) -> Scheduler:
+    # block_size 4: chunk_tokens = 16 here, small numbers keep the expectations readable.
+    return Scheduler(
+        BlockPool(num_blocks),
+        block_size=4,
+        max_batch_tokens=max_batch_tokens,
+        max_queued_tokens=max_queued,
+    )
+
+
+def plan(step: Step | None) -> list[tuple[str, int, int]]:
+    assert step is not None
+    return [(c.request_id, c.start, c.end) for c in step.chunks]
+
+
+def run_all(s: Scheduler) -> list[list[tuple[str, int, int]]]:
+    steps = []
+    while (step := s.schedule()) is not None:
+        steps.append(plan(step))
+        s.complete(step)
+    return steps
+
+
+def test_chunk_plan_is_fixed_by_length_and_ends_on_block_boundaries() -> None:
+    s = make(max_batch_tokens=18)  # 18 rounds down to 16 = 4 whole blocks of 4
+    assert s.chunk_tokens == 16
+    assert s.chunk_bounds(5) == [(0, 5)]
+    assert s.chunk_bounds(16) == [(0, 16)]
+    assert s.chunk_bounds(17) == [(0, 16), (16, 17)]
+    assert s.chunk_bounds(40) == [(0, 16), (16, 32), (32, 40)]
+    assert [s.num_chunks(n) for n in (1, 16, 17, 40)] == [1, 1, 2, 3]
+
+
+def test_block_range_ships_completed_blocks_and_the_last_partial_one() -> None:
+    table = [10, 11, 12, 13, 14, 15]
+    # block_size 4, prompt of 22 tokens: chunks [0,16) [16,22); blocks |0-3|4-7|...|20-21|
+    assert ScheduledChunk("r", 0, 16, 22, table).block_range(4) == (0, 4)
+    assert ScheduledChunk("r", 16, 22, 22, table).block_range(4) == (4, 6)
+    assert ScheduledChunk("r", 0, 3, 3, table).block_range(4) == (0, 1)  # shorter than a block
+    assert ScheduledChunk("r", 0, 8, 8, table).block_range(4) == (0, 2)  # exactly two blocks
+
+
+def test_concurrent_prompts_share_one_forward_under_the_budget() -> None:
+    s = make()
+    for rid, n in (("a", 5), ("b", 6), ("c", 5), ("d", 3)):
+        s.add(rid, n)
+    step = s.schedule()
+    assert plan(step) == [("a", 0, 5), ("b", 0, 6), ("c", 0, 5)]  # 16 tokens: the budget
+    assert step is not None and step.num_tokens == 16
+    # Blocks are taken in admission order, all of a prompt's at once.
+    assert [c.block_table for c in step.chunks] == [[0, 1], [2, 3], [4, 5]]
+    assert s.complete(step) == ["a", "b", "c"]
+    assert plan(s.schedule()) == [("d", 0, 3)]
+
+
+def test_long_prompt_is_chunked_and_its_last_chunk_shares_a_forward() -> None:
+    s = make()
+    s.add("long", 40)
+    s.add("short", 7)
+    s.add("tiny", 1)
+    # long takes the whole budget twice; short (7) and tiny (1) fill what its last chunk leaves.
+    assert run_all(s) == [
+        [("long", 0, 16)],
+        [("long", 16, 32)],
+        [("long", 32, 40), ("short", 0, 7), ("tiny", 0, 1)],
+    ]
+
+
+def test_running_prompts_go_first_then_waiting_ones_first_fit() -> None:
+    s = make()
+    s.add("a", 20)  # 16 + 4
+    step = s.schedule()
+    assert plan(step) == [("a", 0, 16)]
+    s.add("big", 14)  # does not fit the 12 tokens a's last chunk leaves: skipped
+    s.add("small", 10)  # fits: jumps ahead of big for this forward only
+    assert step is not None
+    s.complete(step)
+    step = s.schedule()
+    assert plan(step) == [("a", 16, 20), ("small", 0, 10)]
+    assert step is not None
+    s.complete(step)
+    assert plan(s.schedule()) == [("big", 0, 14)]
+
+
+def test_blocks_run_out_and_waiting_prompts_wait_for_removed_ones() -> None:
+    s = make(num_blocks=6)
+    s.add("a", 12)  # 3 blocks
+    s.add("b", 12)  # 3 blocks, but only 4 tokens of budget are left after a: skipped
+    s.add("c", 4)  # 1 block, fits the 4 tokens left
+    step = s.schedule()
+    assert plan(step) == [("a", 0, 12), ("c", 0, 4)]
+    assert step is not None and [c.block_table for c in step.chunks] == [[0, 1, 2], [3]]
+    assert s.complete(step) == ["a", "c"]
+    assert s.schedule() is None  # b needs 3 blocks, 2 are free: a and c hold theirs
+    s.remove("a")  # a's transfer was acknowledged
+    step = s.schedule()
+    assert plan(step) == [("b", 0, 12)]
+    assert step is not None and step.chunks[0].block_table == [4, 5, 0]
+
+
+def test_fifo_by_memory_when_the_head_cannot_get_blocks() -> None:
+    s = make(num_blocks=4)
+    s.add("a", 8)  # 2 blocks, computed and held (its transfer is in flight)
+    step = s.schedule()
+    assert step is not None and s.complete(step) == ["a"]
+    s.add("big", 12)  # needs 3, only 2 free
+    s.add("small", 4)  # needs 1 and fits: must still not take blocks ahead of big
+    assert s.schedule() is None
+    s.remove("a")
+    assert run_all(s) == [[("big", 0, 12), ("small", 0, 4)]]
+    assert s.pool.num_free == 0
+
+
+def test_blocks_are_held_after_compute_until_removed() -> None:
+    s = make(num_blocks=8)
+    s.add("a", 9)  # 3 blocks
+    step = s.schedule()
+    assert step is not None and s.pool.num_free == 5
+    assert s.complete(step) == ["a"]
+    assert s.pool.num_free == 5 and s.num_queued_tokens == 9  # transfer still in flight
+    assert s.schedule() is None
+    assert s.remove("a") is True
+    assert s.pool.num_free == 8 and s.num_queued_tokens == 0
+    assert s.remove("a") is False  # idempotent
+
+
+def test_remove_while_computing_drops_the_rest_of_the_prompt() -> None:
+    s = make()
+    s.add("long", 40)
+    s.add("other", 4)
+    step = s.schedule()
+    assert plan(step) == [("long", 0, 16)]
+    s.remove("long")  # the caller went away mid-forward
+    assert step is not None
+    assert s.complete(step) == []  # its finished chunk is ignored
+    assert run_all(s) == [[("other", 0, 4)]]
+    s.remove("other")
+    assert s.pool.num_free == s.pool.num_blocks and s.num_queued_tokens == 0
+
+
+def test_queue_bound_counts_queued_computing_and_transferring_tokens() -> None:
+    s = make(max_queued=20)
+    s.add("a", 12)
+    with pytest.raises(ResourceExhausted, match="12 prompt tokens queued") as info:
+        s.add("b", 9, retry_after_s=0.5)
+    assert info.value.retry_after_s == 0.5
+    s.add("c", 8)  # exactly at the bound
+    assert s.num_queued_tokens == 20
+    s.remove("a")
+    s.add("b", 9)
+
+
+def test_prompts_that_can_never_fit_and_duplicates_are_invalid() -> None:
+    s = make(num_blocks=4, max_queued=100)  # the pool holds 16 tokens
+    assert s.max_prompt_tokens() == 16
+    with pytest.raises(InvalidArgument, match="1 to 16 tokens"):
+        s.add("huge", 17)
+    s.add("a", 3)
+    with pytest.raises(InvalidArgument, match="already being prefilled"):
+        s.add("a", 3)

@@ -1,0 +1,338 @@
+"""Every way a prefill can fail ends with the right status at the caller, fast, and with the
+prefill's blocks freed (`prefill_service` asserts the free count on exit of every test)."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+
+from mili.common.v1 import sampling_pb2
+from mili.engine.sampling_params import SamplingParams
+from mili.errors import DataLoss
+from mili.prefill.v1 import prefill_pb2
+from mili.rpc.client import insecure_channel
+from mili.rpc.status import bad_request_of, retry_info_of
+from services.prefill.sender import KvSender
+from services.prefill.task import FirstToken, PrefillTask
+from tests.prefill.harness import (
+    TinyModel,
+    prefill_request,
+    prefill_service,
+    random_ids,
+    receiver_for,
+    until,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def prompt(tiny: TinyModel, n: int = 40, seed: int = 1) -> list[int]:
+    return random_ids(n, tiny.model.config.vocab_size, seed=seed)
+
+
+async def failed(call: object) -> grpc.aio.AioRpcError:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await call  # type: ignore[misc]
+    return info.value
+
+
+def test_layout_mismatch_is_failed_precondition_naming_both_layouts(tiny: TinyModel) -> None:
+    async def main() -> None:
+        async with prefill_service(tiny) as h:
+            other = type(h.servicer.layout)()
+            other.CopyFrom(h.servicer.layout)
+            other.block_size = 32
+            async with receiver_for(h, layout=other) as (receiver, server):
+                receiver.reserve("r", [0, 1, 2])
+                request = prefill_request("r", prompt(tiny), server.address, [0, 1, 2])
+                err = await failed(h.stub.Prefill(request))
+        assert err.code() is grpc.StatusCode.FAILED_PRECONDITION, err.details()
+        assert server.address in err.details()
+        assert "block_size=16" in err.details() and "block_size=32" in err.details()
+        assert receiver.transfers["r"].chunks == []  # refused at the header
+
+    asyncio.run(main())
+
+
+def test_missing_reservation_is_not_found(tiny: TinyModel) -> None:
+    async def main() -> None:
+        async with prefill_service(tiny) as h, receiver_for(h) as (_, server):
+            request = prefill_request("ghost", prompt(tiny), server.address, [0, 1, 2])
+            err = await failed(h.stub.Prefill(request))
+        assert err.code() is grpc.StatusCode.NOT_FOUND, err.details()
+        assert server.address in err.details() and "ghost" in err.details()
+
+    asyncio.run(main())
+
+
+def test_corrupt_chunk_is_data_loss(tiny: TinyModel) -> None:
+    async def main() -> None:
+        async with prefill_service(tiny) as h, receiver_for(h) as (receiver, server):
+            receiver.reserve("r", [0, 1, 2])
+            receiver.corrupt_seq = 3
+            request = prefill_request("r", prompt(tiny), server.address, [0, 1, 2])
+            err = await failed(h.stub.Prefill(request))
+        assert err.code() is grpc.StatusCode.DATA_LOSS, err.details()
+        assert server.address in err.details() and "checksum" in err.details()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("corrupt_seq", [0, 5])
+def test_decode_error_racing_our_writes_keeps_its_code(tiny: TinyModel, corrupt_seq: int) -> None:
+    """Chunks written back to back while decode aborts the stream: grpc turns such a write into
+    INTERNAL "Internal error from Core" and may overwrite decode's status with it; the caller
+    must still get decode's DATA_LOSS, every time."""
+    num_layers = tiny.model.config.num_hidden_layers
+
+    async def main() -> None:
+        async with prefill_service(tiny) as h:
+            kv_cache = h.servicer.worker.kv_cache
+            layers = [kv_cache.gather_blocks(i, [0, 1, 2]) for i in range(num_layers)]
+            async with receiver_for(h) as (receiver, server):
+                receiver.corrupt_seq = corrupt_seq
+                channel = insecure_channel(server.address)
+                with ThreadPoolExecutor(2) as encoder:
+                    for i in range(15):
+                        rid = f"race-{i}"
+                        receiver.reserve(rid, [0, 1, 2])
+                        sender = KvSender(
+                            PrefillTask(
+                                rid, prompt(tiny), SamplingParams(), server.address, [0, 1, 2]
+                            ),
+                            channel=channel,
+                            encoder=encoder,
+                            layout=h.servicer.layout,
+                            num_chunks=num_layers,
+                            timeout_s=10,
+                        )
+
+                        def push(sender: KvSender = sender) -> None:
+                            for layer, (k, v) in enumerate(layers):
+                                sender.send_blocks(layer, 0, k, v, None)
+                            sender.finish(FirstToken(0, None, None, 0.0, 0.0))
+
+                        with pytest.raises(DataLoss, match="checksum"):
+                            await sender.run(push)
+                await channel.close()
+
+    asyncio.run(main())
+
+
+def test_unreachable_decode_is_unavailable(tiny: TinyModel) -> None:
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+
+    async def main() -> None:
+        async with prefill_service(tiny) as h:
+            started = time.monotonic()
+            err = await failed(
+                h.stub.Prefill(prefill_request("r", prompt(tiny), address, [0, 1, 2]))
+            )
+            assert err.code() is grpc.StatusCode.UNAVAILABLE, err.details()
+            assert address in err.details()
+            assert time.monotonic() - started < 5
+
+    asyncio.run(main())
+
+
+def test_decode_stopped_mid_transfer_is_unavailable(tiny: TinyModel) -> None:
+    async def main() -> None:
+        async with prefill_service(tiny) as h, receiver_for(h) as (receiver, server):
+            receiver.reserve("r", [0, 1, 2])
+            receiver.stall_after = 2
+            request = prefill_request("r", prompt(tiny), server.address, [0, 1, 2])
+            call = asyncio.ensure_future(h.stub.Prefill(request))
+            await asyncio.wait_for(receiver.got_chunk.wait(), 5)
+            started = time.monotonic()
+            await server.stop(None)  # decode goes away with the transfer half done
+            err = await failed(call)
+            assert time.monotonic() - started < 5
+        assert err.code() is grpc.StatusCode.UNAVAILABLE, err.details()
+        assert server.address in err.details()
+
+    asyncio.run(main())
+
+
+def test_decode_process_killed_mid_transfer_is_unavailable(tiny: TinyModel) -> None:
+    async def main() -> None:
+        async with prefill_service(tiny) as h:
+            layout_hex = h.servicer.layout.SerializeToString().hex()
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "tests.prefill.receiver", layout_hex],
+                stdout=subprocess.PIPE,
+                text=True,
+                cwd=ROOT,
+            )
+            try:
+                assert proc.stdout is not None
+                line = await asyncio.to_thread(proc.stdout.readline)
+                address = line.split()[-1]
+                request = prefill_request("r", prompt(tiny), address, [0, 1, 2])
+                call = asyncio.ensure_future(h.stub.Prefill(request))
+                assert (await asyncio.to_thread(proc.stdout.readline)).startswith("chunk 0")
+                started = time.monotonic()
+                proc.send_signal(signal.SIGKILL)
+                err = await failed(call)
+                assert time.monotonic() - started < 5
+            finally:
+                proc.kill()
+                proc.wait()
+        assert err.code() is grpc.StatusCode.UNAVAILABLE, err.details()
+        assert address in err.details()
+
+    asyncio.run(main())
+
+
+def test_caller_deadline_ends_the_transfer_and_frees_blocks(tiny: TinyModel) -> None:
+    async def main() -> None:
+        async with prefill_service(tiny) as h, receiver_for(h) as (receiver, server):
+            receiver.reserve("r", [0, 1, 2])
+            receiver.stall_after = 1  # decode hangs: no ack ever comes
+            request = prefill_request("r", prompt(tiny), server.address, [0, 1, 2])
+            started = time.monotonic()
+            err = await failed(h.stub.Prefill(request, timeout=1.0))
+            assert err.code() is grpc.StatusCode.DEADLINE_EXCEEDED, err.details()
+            assert time.monotonic() - started < 3
+            # The transfer carried the deadline: decode's side of it ends too.
+            await until(lambda: receiver.transfers["r"].status != "open")
+            assert "r" not in receiver.reservations
+
+    asyncio.run(main())
+
+
+def test_caller_cancel_cancels_the_transfer_and_frees_blocks(tiny: TinyModel) -> None:
+    async def main() -> None:
+        async with prefill_service(tiny) as h, receiver_for(h) as (receiver, server):
+            receiver.reserve("r", [0, 1, 2])
+            receiver.stall_after = 1
+            call = h.stub.Prefill(prefill_request("r", prompt(tiny), server.address, [0, 1, 2]))
+            await asyncio.wait_for(receiver.got_chunk.wait(), 5)
+            assert h.num_free_blocks < h.num_total_blocks  # held while in flight
+            call.cancel()
+            await until(lambda: receiver.transfers["r"].status == "cancelled")
+            await until(lambda: h.num_free_blocks == h.num_total_blocks)
+
+    asyncio.run(main())
+
+
+def test_full_queue_is_resource_exhausted_with_retry_info(tiny: TinyModel) -> None:
+    async def main() -> None:
+        async with (
+            prefill_service(tiny, max_queued_tokens=64) as h,
+            receiver_for(h) as (receiver, server),
+        ):
+            receiver.reserve("a", [0, 1, 2])
+            receiver.reserve("b", [3, 4, 5])
+            receiver.hold_ack.clear()  # a's tokens stay in flight until decode acks
+            first = asyncio.ensure_future(
+                h.stub.Prefill(prefill_request("a", prompt(tiny), server.address, [0, 1, 2]))
+            )
+            await until(lambda: receiver.transfers.get("a") and receiver.transfers["a"].commit)
+            info = await h.stub.Info(prefill_pb2.InfoRequest())
+            assert info.num_queued_tokens == 40
+            assert info.num_free_blocks == info.num_total_blocks - 3
+            second = prefill_request("b", prompt(tiny, seed=2), server.address, [3, 4, 5])
+            err = await failed(h.stub.Prefill(second))
+            assert err.code() is grpc.StatusCode.RESOURCE_EXHAUSTED, err.details()
+            assert "64" in err.details()
+            retry = retry_info_of(err)
+            assert retry is not None and retry.retry_delay.ToNanoseconds() > 0
+            assert "b" not in receiver.transfers  # refused before opening a transfer
+            receiver.hold_ack.set()
+            await first
+            await h.stub.Prefill(second)  # room again
+
+    asyncio.run(main())
+
+
+def test_duplicate_request_id_is_refused_without_touching_the_first(tiny: TinyModel) -> None:
+    async def main() -> None:
+        async with (
+            prefill_service(tiny) as h,
+            receiver_for(h) as (receiver, server),
+        ):
+            receiver.reserve("dup", [0, 1, 2])
+            receiver.hold_ack.clear()
+            request = prefill_request("dup", prompt(tiny), server.address, [0, 1, 2])
+            first = asyncio.ensure_future(h.stub.Prefill(request))
+            await until(lambda: receiver.transfers.get("dup") and receiver.transfers["dup"].commit)
+            err = await failed(h.stub.Prefill(request))
+            assert err.code() is grpc.StatusCode.INVALID_ARGUMENT, err.details()
+            assert "already being prefilled" in err.details()
+            assert h.num_free_blocks == h.num_total_blocks - 3  # the first still holds its own
+            receiver.hold_ack.set()
+            assert (await first).num_prompt_tokens == 40
+
+    asyncio.run(main())
+
+
+def _bad(tiny: TinyModel, **changes: object) -> prefill_pb2.PrefillRequest:
+    """A valid 20-token request with `changes` applied."""
+    fields: dict[str, object] = {
+        "request_id": "r",
+        "token_ids": prompt(tiny, n=20),
+        "address": "127.0.0.1:1",
+        "block_ids": [0, 1],
+        "sampling": sampling_pb2.SamplingParams(temperature=0.0),
+        **changes,
+    }
+    return prefill_pb2.PrefillRequest(
+        request_id=fields["request_id"],
+        token_ids=fields["token_ids"],
+        sampling=fields["sampling"],
+        destination=prefill_pb2.KvDestination(
+            address=fields["address"], block_ids=fields["block_ids"]
+        ),
+    )
+
+
+@pytest.mark.parametrize(
+    ("changes", "fields"),
+    [
+        ({"request_id": ""}, ["request_id"]),
+        ({"token_ids": []}, ["token_ids"]),
+        ({"token_ids": [5, 6, 512, 7]}, ["token_ids[2]"]),
+        ({"token_ids": [5] * 1025}, ["token_ids"]),
+        ({"address": ""}, ["destination.address"]),
+        ({"block_ids": [0]}, ["destination.block_ids"]),
+        (
+            {"sampling": sampling_pb2.SamplingParams(top_p=2.0, temperature=-1.0)},
+            ["sampling.temperature", "sampling.top_p"],
+        ),
+        ({"request_id": "", "address": ""}, ["request_id", "destination.address"]),
+    ],
+)
+def test_bad_requests_are_invalid_argument_naming_the_field(
+    tiny: TinyModel, changes: dict[str, object], fields: list[str]
+) -> None:
+    async def main() -> None:
+        async with prefill_service(tiny, num_blocks=128, max_queued_tokens=2048) as h:
+            err = await failed(h.stub.Prefill(_bad(tiny, **changes)))
+        assert err.code() is grpc.StatusCode.INVALID_ARGUMENT, err.details()
+        bad_request = bad_request_of(err)
+        assert bad_request is not None
+        assert [v.field for v in bad_request.field_violations] == fields
+
+    asyncio.run(main())
+
+
+def test_prompt_longer_than_the_pool_is_invalid_argument(tiny: TinyModel) -> None:
+    async def main() -> None:
+        async with prefill_service(tiny, num_blocks=4, max_queued_tokens=1000) as h:
+            ids = prompt(tiny, n=65)  # the pool holds 4 x 16 = 64 tokens
+            err = await failed(h.stub.Prefill(prefill_request("r", ids, "x:1", list(range(5)))))
+        assert err.code() is grpc.StatusCode.INVALID_ARGUMENT, err.details()
+        assert "max_prompt_tokens 64" in err.details()
+
+    asyncio.run(main())
