@@ -27,7 +27,7 @@ node_modules/.installed: package.json package-lock.json
 setup: $(VENV)/.installed node_modules/.installed
 
 serve: $(VENV)/.installed
-	$(VENV)/bin/mili serve-tokenizer
+	$(VENV)/bin/mili serve
 
 # Regenerate the Python stubs after editing protos/.
 protos: $(VENV)/.installed

@@ -16,7 +16,12 @@ from mili.errors import StartupError
 # command -> (module providing add_arguments/run, help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve-tokenizer": ("services.tokenizer.__main__", "run the tokenizer service"),
+    "serve-prefill": ("services.prefill.__main__", "run a prefill service"),
     "serve-decode": ("services.decode.__main__", "run a decode service"),
+    "serve-frontend": ("services.frontend.__main__", "run the frontend (public GenerationService)"),
+    "serve": ("mili.launcher", "run tokenizer, prefill, decode and frontend on this machine"),
+    "generate": ("mili.client.generate", "generate text through a running frontend"),
+    "bench": ("mili.client.bench", "benchmark a running deployment (TTFT, ITL, tokens/s)"),
 }
 
 
@@ -31,7 +36,12 @@ def _demo_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser; only the command named in `argv` has its module imported.
+
+    Importing a service pulls in torch and the service's own code, so `mili --help` or
+    `mili serve-tokenizer` never pays for (or breaks on) the other commands.
+    """
     parser = argparse.ArgumentParser(
         prog="mili", description="Serve Qwen3 models over gRPC with disaggregated prefill/decode."
     )
@@ -43,16 +53,20 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("dir", metavar="DIR")
     demo.set_defaults(func=_demo_model)
 
+    chosen = next((a for a in (argv or []) if not a.startswith("-")), None)
     for name, (module_name, help_text) in COMMANDS.items():
-        module = importlib.import_module(module_name)
-        sub = commands.add_parser(name, help=help_text, description=module.__doc__)
-        module.add_arguments(sub)
-        sub.set_defaults(func=module.run)
+        sub = commands.add_parser(name, help=help_text)
+        if name == chosen:
+            module = importlib.import_module(module_name)
+            sub.description = module.__doc__
+            module.add_arguments(sub)
+            sub.set_defaults(func=module.run)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     try:
         return int(args.func(args))
     except StartupError as e:

@@ -1,0 +1,1 @@
+"""Operator clients of a running MILI deployment: `mili generate` and `mili bench`."""

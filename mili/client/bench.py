@@ -1,0 +1,227 @@
+"""`mili bench`: load a running deployment with concurrent streaming requests and measure it.
+
+    mili bench --address 127.0.0.1:50051 --concurrency 8 --num-requests 64 \\
+               --prompt-tokens 512 --output-tokens 128 --json out.json
+
+N workers share M requests; each request is a token_ids prompt of P random ids (seeded per
+request, so runs repeat and no two prompts share a prefix), ignore_eos, max_tokens O,
+temperature 0. Measured at the client, so it works against any deployment:
+
+    TTFT           send -> first message carrying token ids
+    ITL            gap between messages carrying tokens, per token (a message with k tokens
+                   counts k gaps of gap/k)
+    output tok/s   completion tokens of all requests / wall time of the whole run
+
+KV transfer GB/s is not visible to a client (the KV moves between prefill and decode); the
+frontend logs it per request (prefill's kv_bytes / transfer_ms).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+KV_NOTE = (
+    "not measurable from a client: KV moves prefill -> decode directly; the frontend logs "
+    "each request's KV bytes, transfer ms and GB/s"
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--address", default=DEFAULT_ADDRESS, help="frontend address")
+    parser.add_argument("--concurrency", type=int, default=1, metavar="N")
+    parser.add_argument("--num-requests", type=int, default=16, metavar="M")
+    parser.add_argument("--prompt-tokens", type=int, default=128, metavar="P")
+    parser.add_argument("--output-tokens", type=int, default=64, metavar="O")
+    parser.add_argument(
+        "--token-id-range",
+        default="0:256",
+        metavar="LO:HI",
+        help="prompt ids are drawn from [LO, HI); must be inside the model's vocabulary "
+        "(default: %(default)s, the byte tokens of any byte-level BPE)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="prompt seed (default: 0)")
+    parser.add_argument(
+        "--timeout", type=float, default=600.0, help="deadline per request, seconds"
+    )
+    parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="write results")
+
+
+@dataclass
+class RequestResult:
+    ttft_s: float | None = None
+    itl_s: list[float] = field(default_factory=list)
+    latency_s: float = 0.0
+    num_prompt_tokens: int = 0
+    num_completion_tokens: int = 0
+    error: str | None = None
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Linear interpolation between closest ranks (numpy's default); None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100
+    low, high = math.floor(position), math.ceil(position)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def summarize(values: list[float]) -> dict[str, float | None]:
+    """p50/p90/p99 and mean, in milliseconds."""
+    out: dict[str, float | None] = {}
+    for q in (50, 90, 99):
+        v = percentile(values, q)
+        out[f"p{q}_ms"] = None if v is None else v * 1e3
+    out["mean_ms"] = sum(values) / len(values) * 1e3 if values else None
+    return out
+
+
+def prompt_ids(index: int, num_tokens: int, low: int, high: int, seed: int) -> list[int]:
+    rng = random.Random(seed * 1_000_003 + index)
+    return [rng.randrange(low, high) for _ in range(num_tokens)]
+
+
+async def _one(stub: object, request: object, timeout_s: float) -> RequestResult:
+    import grpc
+
+    result = RequestResult()
+    start = time.perf_counter()
+    last: float | None = None
+    try:
+        call = stub.Generate(request, timeout=timeout_s)  # type: ignore[attr-defined]
+        async for response in call:
+            now = time.perf_counter()
+            n = len(response.token_ids)
+            if n:
+                if last is None:
+                    result.ttft_s = now - start
+                else:
+                    result.itl_s.extend([(now - last) / n] * n)
+                last = now
+                result.num_completion_tokens += n
+            if response.finish_reason:
+                result.num_prompt_tokens = response.usage.prompt_tokens
+    except grpc.aio.AioRpcError as err:
+        result.error = f"{err.code().name}: {err.details()}"
+    result.latency_s = time.perf_counter() - start
+    return result
+
+
+async def bench(args: argparse.Namespace) -> dict[str, Any]:
+    from mili.common.v1 import sampling_pb2
+    from mili.frontend.v1 import generation_pb2, generation_pb2_grpc
+    from mili.rpc.client import insecure_channel
+
+    low, high = (int(x) for x in args.token_id_range.split(":"))
+    channel = insecure_channel(args.address)
+    stub = generation_pb2_grpc.GenerationServiceStub(channel)
+    info = await stub.Info(generation_pb2.InfoRequest(), timeout=10)
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for i in range(args.num_requests):
+        queue.put_nowait(i)
+    results: list[RequestResult] = []
+
+    async def worker() -> None:
+        while not queue.empty():
+            i = queue.get_nowait()
+            request = generation_pb2.GenerateRequest(
+                request_id=f"bench-{i}",
+                token_ids=prompt_ids(i, args.prompt_tokens, low, high, args.seed),
+                sampling=sampling_pb2.SamplingParams(
+                    max_tokens=args.output_tokens, temperature=0.0, ignore_eos=True
+                ),
+            )
+            results.append(await _one(stub, request, args.timeout))
+
+    started = time.perf_counter()
+    try:
+        await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+    finally:
+        await channel.close()
+    wall_s = time.perf_counter() - started
+    ok = [r for r in results if r.error is None]
+    errors = [r.error for r in results if r.error is not None]
+    num_tokens = sum(r.num_completion_tokens for r in ok)
+    return {
+        "config": {
+            "address": args.address,
+            "model": info.model,
+            "prefill_instances": list(info.prefill_addresses),
+            "decode_instances": list(info.decode_addresses),
+            "concurrency": args.concurrency,
+            "num_requests": args.num_requests,
+            "prompt_tokens": args.prompt_tokens,
+            "output_tokens": args.output_tokens,
+        },
+        "num_ok": len(ok),
+        "num_errors": len(errors),
+        "errors": sorted(set(errors))[:5],
+        "wall_s": wall_s,
+        "output_tokens_per_s": num_tokens / wall_s if wall_s > 0 else 0.0,
+        "requests_per_s": len(ok) / wall_s if wall_s > 0 else 0.0,
+        "ttft": summarize([r.ttft_s for r in ok if r.ttft_s is not None]),
+        "itl": summarize([x for r in ok for x in r.itl_s]),
+        "latency": summarize([r.latency_s for r in ok]),
+        "kv_transfer_gbps": None,
+        "kv_transfer_note": KV_NOTE,
+    }
+
+
+def _fmt(value: object) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def report(summary: dict[str, Any]) -> str:
+    lines = [
+        f"requests   {summary['num_ok']} ok, {summary['num_errors']} failed "
+        f"in {summary['wall_s']:.2f} s",
+        f"output     {summary['output_tokens_per_s']:.1f} tokens/s, "
+        f"{summary['requests_per_s']:.2f} requests/s",
+    ]
+    for name in ("ttft", "itl", "latency"):
+        stats = summary[name]
+        assert isinstance(stats, dict)
+        lines.append(
+            f"{name:<10} p50 {_fmt(stats['p50_ms'])} ms, p90 {_fmt(stats['p90_ms'])} ms, "
+            f"p99 {_fmt(stats['p99_ms'])} ms"
+        )
+    lines.append(f"KV GB/s    {KV_NOTE}")
+    for error in summary["errors"]:
+        lines.append(f"error      {error}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    for name in ("concurrency", "num_requests", "prompt_tokens", "output_tokens"):
+        if getattr(args, name) < 1:
+            print(f"mili bench: error: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
+            return 2
+    try:
+        low, high = (int(x) for x in args.token_id_range.split(":"))
+        if not 0 <= low < high:
+            raise ValueError
+    except ValueError:
+        message = "--token-id-range must be LO:HI with 0 <= LO < HI"
+        print(f"mili bench: error: {message}", file=sys.stderr)
+        return 2
+    import grpc
+
+    try:
+        summary = asyncio.run(bench(args))
+    except grpc.aio.AioRpcError as err:
+        print(f"mili bench: {err.code().name}: {err.details()}", file=sys.stderr)
+        return 1
+    print(report(summary))
+    if args.json is not None:
+        args.json.write_text(json.dumps(summary, indent=2) + "\n")
+    return 0 if summary["num_errors"] == 0 else 1

@@ -1,0 +1,108 @@
+"""`mili generate "text"`: stream one generation from a running frontend to stdout.
+
+The text goes to stdout as it arrives; the finish reason and token usage go to stderr at the
+end, so `mili generate "..." > out.txt` captures only the text. An error is one stderr line
+with its status code, and a non-zero exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("prompt", help="the prompt (with --chat: the user message)")
+    parser.add_argument(
+        "--address", default=DEFAULT_ADDRESS, help="frontend address (default: %(default)s)"
+    )
+    parser.add_argument("--max-tokens", type=int, default=None, help="default: the server's")
+    parser.add_argument("--temperature", type=float, default=None, help="0 = greedy")
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument(
+        "--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)"
+    )
+    parser.add_argument("--ignore-eos", action="store_true", help="keep going past EOS")
+    parser.add_argument(
+        "--chat", action="store_true", help="send the prompt as a user message (chat template)"
+    )
+    parser.add_argument("--system", default=None, help="system message (implies --chat)")
+    parser.add_argument(
+        "--no-thinking", action="store_true", help="chat: ask Qwen3 to answer without thinking"
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=None, metavar="SECONDS", help="deadline of the call"
+    )
+
+
+def build_request(args: argparse.Namespace) -> object:
+    from mili.common.v1 import chat_pb2, sampling_pb2
+    from mili.frontend.v1 import generation_pb2
+
+    sampling = sampling_pb2.SamplingParams(stop=args.stop, ignore_eos=args.ignore_eos)
+    for flag, field in (
+        ("max_tokens", "max_tokens"),
+        ("temperature", "temperature"),
+        ("top_p", "top_p"),
+        ("top_k", "top_k"),
+        ("seed", "seed"),
+    ):
+        value = getattr(args, flag)
+        if value is not None:
+            setattr(sampling, field, value)
+    request = generation_pb2.GenerateRequest(sampling=sampling)
+    if args.chat or args.system is not None or args.no_thinking:
+        if args.system is not None:
+            request.messages.append(chat_pb2.ChatMessage(role="system", content=args.system))
+        request.messages.append(chat_pb2.ChatMessage(role="user", content=args.prompt))
+        if args.no_thinking:
+            request.enable_thinking = False
+    else:
+        request.prompt = args.prompt
+    return request
+
+
+def run(args: argparse.Namespace) -> int:
+    import grpc
+
+    from mili.common.v1 import sampling_pb2
+    from mili.frontend.v1 import generation_pb2_grpc
+
+    if args.seed is not None and args.seed < 0:
+        print("mili generate: error: --seed must be >= 0", file=sys.stderr)
+        return 2
+    request = build_request(args)
+    last = None
+    wrote_text = ""
+    with grpc.insecure_channel(args.address) as channel:
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
+        try:
+            for response in stub.Generate(request, timeout=args.timeout):
+                if response.text:
+                    sys.stdout.write(response.text)
+                    sys.stdout.flush()
+                    wrote_text = response.text
+                if response.finish_reason:
+                    last = response
+        except grpc.RpcError as err:
+            if wrote_text:
+                sys.stdout.write("\n")
+            code = err.code().name if callable(getattr(err, "code", None)) else "UNKNOWN"
+            details = err.details() if callable(getattr(err, "details", None)) else str(err)
+            print(f"mili generate: {code}: {details}", file=sys.stderr)
+            return 1
+    if wrote_text and not wrote_text.endswith("\n") and sys.stdout.isatty():
+        sys.stdout.write("\n")
+    if last is not None:
+        reason = sampling_pb2.FinishReason.Name(last.finish_reason)
+        reason = reason.removeprefix("FINISH_REASON_").lower()
+        print(
+            f"[finish: {reason}; prompt tokens {last.usage.prompt_tokens}, "
+            f"completion tokens {last.usage.completion_tokens}; request {last.request_id}]",
+            file=sys.stderr,
+        )
+    return 0

@@ -1,0 +1,414 @@
+"""`mili serve`: tokenizer, prefill, decode and frontend as separate processes on this machine.
+
+    mili serve [--model DIR] [--device cuda:0] [--prefill-instances 2] [--decode-instances 2]
+
+Start-up: the demo model (or --model) is resolved once here and passed to every child; the
+tokenizer, prefill and decode instances start together on free ports (or --*-port), then the
+frontend with their addresses on --port (default 50051). Each child announces its address on
+stdout and must then answer grpc.health.v1 SERVING; one that exits first has its last log lines
+printed and `mili serve` exits non-zero. Children's logs go to stderr, each line prefixed with
+the child's name.
+
+Shut-down (Ctrl-C or SIGTERM; a second one hurries every drain): the frontend drains first, so
+no new work reaches the rest; then prefill and decode; the tokenizer last, since the frontend's
+last requests still detokenize through it. Children run in their own session so a terminal's
+Ctrl-C reaches only us and the order holds; on Linux they also die with us if we are killed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import os
+import re
+import shlex
+import signal
+import sys
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mili import flags
+from mili.errors import StartupError
+
+DEFAULT_PORT = 50051
+_LISTENING = re.compile(r"(\w+) service listening on (\S+)")
+_TAIL_LINES = 40
+_ROOT = Path(__file__).resolve().parent.parent  # holds the `mili` and `services` packages
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    flags.add_model_argument(parser)
+    parser.add_argument("--host", default="127.0.0.1", help="address every service binds")
+    parser.add_argument(
+        "--port", type=int, default=DEFAULT_PORT, help="frontend port (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--device", default=None, help="prefill/decode device: cpu, cuda or cuda:N (default: cpu)"
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default=None,
+        help="prefill/decode weights' and KV's element type (default: the checkpoint's)",
+    )
+    parser.add_argument("--prefill-instances", type=int, default=1, metavar="N")
+    parser.add_argument("--decode-instances", type=int, default=1, metavar="N")
+    ports = parser.add_argument_group("internal ports (0 = any free port)")
+    ports.add_argument("--tokenizer-port", type=int, default=0)
+    ports.add_argument(
+        "--prefill-port", type=int, default=0, help="first prefill port; instance i gets +i"
+    )
+    ports.add_argument(
+        "--decode-port", type=int, default=0, help="first decode port; instance i gets +i"
+    )
+    extra = parser.add_argument_group(
+        "extra flags for the children",
+        "one quoted string each, e.g. --decode-args='--num-blocks 4096 --max-running 128'",
+    )
+    for kind in ("tokenizer", "prefill", "decode", "frontend"):
+        extra.add_argument(f"--{kind}-args", default="", metavar="ARGS")
+    parser.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=600.0,
+        help="seconds each child gets to load and answer health checks (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="seconds each child gets to finish in-flight calls on shut-down (default: "
+        "%(default)s)",
+    )
+    parser.add_argument(
+        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
+    )
+
+
+def _say(message: str) -> None:
+    print(f"mili serve: {message}", file=sys.stderr, flush=True)
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+@dataclass
+class Child:
+    """One service process; `address` is set once it announced where it listens."""
+
+    name: str  # "tokenizer", "prefill-0", ...
+    argv: list[str]
+    proc: asyncio.subprocess.Process | None = None
+    address: str | None = None
+    tail: deque[str] = field(default_factory=lambda: deque(maxlen=_TAIL_LINES))
+    announced: asyncio.Event = field(default_factory=asyncio.Event)
+    readers: list[asyncio.Task[None]] = field(default_factory=list)
+
+    async def start(self) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_ROOT), env.get("PYTHONPATH")) if p)
+        self.proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "mili",
+            *self.argv,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=env,
+            start_new_session=True,
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            limit=1 << 20,
+        )
+        assert self.proc.stdout is not None and self.proc.stderr is not None
+        self.readers = [
+            asyncio.create_task(self._forward(self.proc.stdout, self._on_stdout)),
+            asyncio.create_task(self._forward(self.proc.stderr, None)),
+        ]
+
+    def _on_stdout(self, line: str) -> None:
+        match = _LISTENING.search(line)
+        if match and self.address is None:
+            self.address = match.group(2)
+            self.announced.set()
+
+    async def _forward(
+        self, stream: asyncio.StreamReader, on_line: Callable[[str], None] | None
+    ) -> None:
+        while raw := await stream.readline():
+            line = raw.decode(errors="replace").rstrip("\n")
+            self.tail.append(line)
+            sys.stderr.write(f"[{self.name}] {line}\n")
+            sys.stderr.flush()
+            if on_line is not None:
+                on_line(line)
+
+    @property
+    def returncode(self) -> int | None:
+        return None if self.proc is None else self.proc.returncode
+
+    async def wait_ready(self, timeout_s: float) -> str:
+        """Wait until it announced its address and answers SERVING; StartupError if it died."""
+        from mili.rpc.client import insecure_channel, wait_for_serving
+
+        assert self.proc is not None
+        announced = asyncio.create_task(self.announced.wait())
+        exited = asyncio.create_task(self.proc.wait())
+        try:
+            await asyncio.wait(
+                {announced, exited}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            announced.cancel()
+            exited.cancel()
+        if self.address is None:
+            with contextlib.suppress(TimeoutError):  # let the readers catch the last lines
+                await asyncio.wait_for(asyncio.gather(*self.readers), 2.0)
+            if self.proc.returncode is None:
+                raise StartupError(self._failure(f"did not start within {timeout_s:.0f} s"))
+            raise StartupError(self._failure(f"exited with code {self.proc.returncode}"))
+        channel = insecure_channel(self.address)
+        try:
+            await wait_for_serving(channel, timeout_s=min(timeout_s, 60.0))
+        except TimeoutError as e:
+            raise StartupError(self._failure(str(e))) from None
+        finally:
+            await channel.close()
+        return self.address
+
+    def _failure(self, what: str) -> str:
+        lines = "\n".join(f"    {line}" for line in self.tail) or "    (no output)"
+        return f"{self.name} {what} during start-up; its last log lines:\n{lines}"
+
+    def signal(self, signum: int) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signum)
+
+    async def stop(self, timeout_s: float) -> int | None:
+        """SIGTERM (drain), then SIGKILL after `timeout_s`; returns the exit code."""
+        if self.proc is None:
+            return None
+        self.signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(self.proc.wait(), timeout_s)
+        except TimeoutError:
+            _say(f"{self.name} did not stop within {timeout_s:.0f} s; killing it")
+            self.signal(signal.SIGKILL)
+            await self.proc.wait()
+        for reader in self.readers:
+            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(reader, 2.0)
+        return self.proc.returncode
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What to start: built once from the flags."""
+
+    tokenizer: list[str]
+    prefills: list[list[str]]
+    decodes: list[list[str]]
+    frontend: list[str]  # without the instance addresses, known only once they are up
+    startup_timeout_s: float
+    drain_timeout_s: float
+
+
+def _port(base: int, i: int) -> str:
+    return str(base + i if base else 0)
+
+
+def make_plan(args: argparse.Namespace, model_dir: Path) -> Plan:
+    if args.prefill_instances < 1 or args.decode_instances < 1:
+        raise StartupError("--prefill-instances and --decode-instances must be >= 1")
+    common = ["--host", args.host, "--log-level", args.log_level]
+    common += ["--drain-timeout", str(args.drain_timeout)]
+    model = ["--model", str(model_dir)]
+    engine: list[str] = []
+    if args.device is not None:
+        engine += ["--device", args.device]
+    if args.dtype is not None:
+        engine += ["--dtype", args.dtype]
+
+    def extra(kind: str) -> list[str]:
+        return shlex.split(getattr(args, f"{kind}_args"))
+
+    return Plan(
+        tokenizer=[
+            "serve-tokenizer",
+            *model,
+            *common,
+            "--port",
+            str(args.tokenizer_port),
+            *extra("tokenizer"),
+        ],
+        prefills=[
+            [
+                "serve-prefill",
+                *model,
+                *engine,
+                *common,
+                "--port",
+                _port(args.prefill_port, i),
+                *extra("prefill"),
+            ]
+            for i in range(args.prefill_instances)
+        ],
+        decodes=[
+            [
+                "serve-decode",
+                *model,
+                *engine,
+                *common,
+                "--port",
+                _port(args.decode_port, i),
+                *extra("decode"),
+            ]
+            for i in range(args.decode_instances)
+        ],
+        frontend=["serve-frontend", *common, "--port", str(args.port), *extra("frontend")],
+        startup_timeout_s=args.startup_timeout,
+        drain_timeout_s=args.drain_timeout,
+    )
+
+
+class Launcher:
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+        self.tokenizer = Child("tokenizer", plan.tokenizer)
+        self.prefills = [Child(f"prefill-{i}", argv) for i, argv in enumerate(plan.prefills)]
+        self.decodes = [Child(f"decode-{i}", argv) for i, argv in enumerate(plan.decodes)]
+        self.frontend: Child | None = None
+        self._stop = asyncio.Event()
+        self._num_signals = 0
+
+    @property
+    def children(self) -> list[Child]:
+        rest = [self.tokenizer, *self.prefills, *self.decodes]
+        return rest if self.frontend is None else [self.frontend, *rest]
+
+    def _on_signal(self, signum: int) -> None:
+        self._num_signals += 1
+        if self._num_signals == 1:
+            name = signal.Signals(signum).name
+            _say(f"got {name}: stopping frontend, then prefill/decode, then tokenizer")
+            self._stop.set()
+        else:
+            _say("got another signal: hurrying every drain")
+            for child in self.children:
+                child.signal(signal.SIGTERM)  # a second SIGTERM skips the rest of a drain
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, self._on_signal, signum)
+        try:
+            started = await self._start_all()
+            if not started:
+                return 0  # stopped by a signal during start-up
+            return await self._supervise()
+        except StartupError as e:
+            _say(f"error: {e}")
+            return 1
+        finally:
+            await self._stop_all()
+
+    async def _start_all(self) -> bool:
+        backends = [self.tokenizer, *self.prefills, *self.decodes]
+        if not await self._start(backends):
+            return False
+        frontend_argv = [
+            *self.plan.frontend,
+            "--tokenizer",
+            self._address(self.tokenizer),
+            "--prefill",
+            ",".join(self._address(c) for c in self.prefills),
+            "--decode",
+            ",".join(self._address(c) for c in self.decodes),
+        ]
+        self.frontend = Child("frontend", frontend_argv)
+        if not await self._start([self.frontend]):
+            return False
+        for child in backends:
+            print(f"mili serve: {child.name:<10} {child.address}", flush=True)
+        # Last, in the form every service announces itself: scripts and tests read this line.
+        print(f"frontend service listening on {self.frontend.address}", flush=True)
+        return True
+
+    @staticmethod
+    def _address(child: Child) -> str:
+        assert child.address is not None
+        return child.address
+
+    async def _start(self, children: Sequence[Child]) -> bool:
+        """Start `children` together and wait until all are ready (False: a signal came first)."""
+        for child in children:
+            await child.start()
+        ready = asyncio.gather(*(c.wait_ready(self.plan.startup_timeout_s) for c in children))
+        stop = asyncio.create_task(self._stop.wait())
+        waiters: set[asyncio.Future[Any]] = {ready, stop}
+        try:
+            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+        if not ready.done():
+            ready.cancel()
+            with contextlib.suppress(asyncio.CancelledError, StartupError):
+                await ready
+            return False
+        ready.result()  # raises the first child's StartupError
+        return True
+
+    async def _supervise(self) -> int:
+        """Until a signal (exit 0) or a child's unexpected exit (exit 1)."""
+        exits = {asyncio.create_task(c.proc.wait()): c for c in self.children if c.proc is not None}
+        stop = asyncio.create_task(self._stop.wait())
+        try:
+            done, _ = await asyncio.wait({stop, *exits}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in [stop, *exits]:
+                task.cancel()
+        if self._stop.is_set():
+            return 0
+        dead = [exits[t] for t in done if t in exits]
+        for child in dead:
+            lines = "\n".join(f"    {line}" for line in child.tail)
+            _say(f"{child.name} exited with code {child.returncode}; last log lines:\n{lines}")
+        _say("stopping the others")
+        return 1
+
+    async def _stop_all(self) -> None:
+        grace_s = self.plan.drain_timeout_s + 15.0  # the child's drain, grpc grace, start-up
+        stages = [
+            [self.frontend] if self.frontend is not None else [],
+            [*self.prefills, *self.decodes],
+            [self.tokenizer],
+        ]
+        for stage in stages:
+            running = [c for c in stage if c.proc is not None and c.returncode is None]
+            codes = await asyncio.gather(*(c.stop(grace_s) for c in running))
+            for child, code in zip(running, codes, strict=True):
+                # -SIGTERM: stopped while still loading, before it handles signals; -SIGKILL
+                # was announced when sent.
+                if code not in (0, None, -signal.SIGTERM, -signal.SIGKILL):
+                    _say(f"{child.name} exited with code {code}")
+
+
+def run(args: argparse.Namespace) -> int:
+    flags.setup_logging(args)
+    model_dir = flags.resolve_model(args)  # the demo model is built here once, not per child
+    if not model_dir.is_dir():
+        raise StartupError(f"model directory {model_dir} does not exist")
+    plan = make_plan(args, model_dir)
+
+    async def main() -> int:
+        return await Launcher(plan).run()
+
+    return asyncio.run(main())

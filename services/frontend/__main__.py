@@ -1,0 +1,129 @@
+"""`mili serve-frontend`: the public GenerationService, scheduling onto tokenizer, prefill and
+decode instances. It holds no model and no KV: only addresses, limits and routing state."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+from mili import flags
+from mili.errors import StartupError
+
+DEFAULT_PORT = 50051
+DEFAULT_TOKENIZER = "127.0.0.1:50052"
+DEFAULT_PREFILL = "127.0.0.1:50053"
+DEFAULT_DECODE = "127.0.0.1:50054"
+
+
+def _addresses(text: str) -> tuple[str, ...]:
+    return tuple(a.strip() for a in text.split(",") if a.strip())
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("instances")
+    group.add_argument(
+        "--tokenizer",
+        default=DEFAULT_TOKENIZER,
+        metavar="ADDR",
+        help="tokenizer service address (default: %(default)s)",
+    )
+    group.add_argument(
+        "--prefill",
+        default=DEFAULT_PREFILL,
+        metavar="ADDR[,ADDR...]",
+        help="prefill instance addresses, comma-separated (default: %(default)s)",
+    )
+    group.add_argument(
+        "--decode",
+        default=DEFAULT_DECODE,
+        metavar="ADDR[,ADDR...]",
+        help="decode instance addresses, comma-separated (default: %(default)s)",
+    )
+    limits = parser.add_argument_group("limits")
+    limits.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=256,
+        help="max_tokens of a request that leaves it unset (default: %(default)s)",
+    )
+    limits.add_argument(
+        "--max-tokens-limit",
+        type=int,
+        default=None,
+        metavar="N",
+        help="largest max_tokens accepted (default: the model's context window)",
+    )
+    limits.add_argument(
+        "--max-concurrent-requests",
+        type=int,
+        default=512,
+        help="requests in flight at once; more get RESOURCE_EXHAUSTED (default: %(default)s)",
+    )
+    routing = parser.add_argument_group("routing")
+    routing.add_argument(
+        "--poll-interval",
+        type=float,
+        default=1.0,
+        metavar="SECONDS",
+        help="how often each instance's Info (load, layout) is polled (default: %(default)s)",
+    )
+    routing.add_argument(
+        "--kv-lease-ms",
+        type=int,
+        default=0,
+        help="how long decode holds a reservation waiting for the KV; 0 = decode's default",
+    )
+    flags.add_server_arguments(parser, DEFAULT_PORT)
+
+
+def run(args: argparse.Namespace) -> int:
+    flags.setup_logging(args)
+    # Imported here: `mili --help` must not pay for the frontend's imports.
+    from mili.rpc.server import RpcServer, serve_forever
+    from services.frontend.backends import Backends
+    from services.frontend.config import FrontendConfig
+    from services.frontend.router import Router
+    from services.frontend.server import GenerationServicer, add_to_server
+    from services.frontend.validation import Limits
+
+    try:
+        config = FrontendConfig(
+            tokenizer_address=args.tokenizer,
+            prefill_addresses=_addresses(args.prefill),
+            decode_addresses=_addresses(args.decode),
+            limits=Limits(
+                default_max_tokens=args.default_max_tokens,
+                max_tokens_limit=args.max_tokens_limit,
+            ),
+            poll_interval_s=args.poll_interval,
+            kv_lease_ms=args.kv_lease_ms,
+            max_concurrent_requests=args.max_concurrent_requests,
+        )
+    except ValueError as e:
+        raise StartupError(str(e)) from None
+    logging.getLogger("mili.frontend").info(
+        "frontend: tokenizer %s, prefill %s, decode %s",
+        config.tokenizer_address,
+        ", ".join(config.prefill_addresses),
+        ", ".join(config.decode_addresses),
+    )
+
+    async def main() -> None:
+        backends = Backends(config, Router(config.prefill_addresses, config.decode_addresses))
+        server = RpcServer(flags.server_config(args), name="frontend")
+        add_to_server(server, GenerationServicer(backends))
+        await backends.start()
+        try:
+            await serve_forever(server)
+        finally:
+            await backends.close()
+
+    asyncio.run(main())
+    return 0
+
+
+if __name__ == "__main__":
+    from mili.cli import main
+
+    raise SystemExit(main(["serve-frontend", *__import__("sys").argv[1:]]))

@@ -1,0 +1,57 @@
+"""The frontend's configuration, built once from CLI flags in `__main__`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.frontend.validation import Limits
+
+
+@dataclass(frozen=True)
+class FrontendConfig:
+    tokenizer_address: str
+    prefill_addresses: tuple[str, ...]
+    decode_addresses: tuple[str, ...]
+    limits: Limits = field(default_factory=Limits)
+    # How often each instance's Info is polled: free blocks and queue lengths for routing, and
+    # (re)discovery of instances that were down, whose KV layouts are then checked.
+    poll_interval_s: float = 1.0
+    # Timeout of one Info call; an instance slower than this counts as down until it answers.
+    info_timeout_s: float = 2.0
+    # How long a decode instance gets to admit or refuse a request (it answers at once unless
+    # it is stuck); past it, the instance counts as down and the next one is tried.
+    admit_timeout_s: float = 5.0
+    # Timeout of a Tokenize call when the caller set no deadline.
+    tokenize_timeout_s: float = 30.0
+    # How long decode holds a reservation waiting for the KV (0 = decode's own default).
+    kv_lease_ms: int = 0
+    # Requests running through this frontend at once; more are RESOURCE_EXHAUSTED.
+    max_concurrent_requests: int = 512
+    # RetryInfo sent with RESOURCE_EXHAUSTED when no decode instance had one of its own.
+    retry_after_s: float = 0.5
+    # After decode finished, how long to wait for prefill's reply (it only carries statistics).
+    prefill_reply_grace_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.tokenizer_address:
+            raise ValueError("a tokenizer address is required")
+        for kind, addresses in (
+            ("prefill", self.prefill_addresses),
+            ("decode", self.decode_addresses),
+        ):
+            if not addresses or not all(addresses):
+                raise ValueError(f"at least one {kind} address is required")
+            if len(set(addresses)) != len(addresses):
+                raise ValueError(f"{kind} addresses repeat: {', '.join(addresses)}")
+        shared = set(self.prefill_addresses) & set(self.decode_addresses)
+        if shared:
+            raise ValueError(f"addresses given as both prefill and decode: {sorted(shared)}")
+        for name in ("poll_interval_s", "info_timeout_s", "admit_timeout_s", "tokenize_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not 0 <= self.kv_lease_ms < 2**32:
+            raise ValueError(f"kv_lease_ms must be in [0, 2^32), got {self.kv_lease_ms}")
+        if self.max_concurrent_requests < 1:
+            raise ValueError("max_concurrent_requests must be >= 1")
+        if self.retry_after_s < 0 or self.prefill_reply_grace_s < 0:
+            raise ValueError("retry_after_s and prefill_reply_grace_s must be >= 0")

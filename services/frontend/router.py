@@ -1,0 +1,209 @@
+"""Which prefill and decode instance a request goes to: instance state and the choice, pure.
+
+The view of each instance comes from two sources:
+
+    polled Info (every poll_interval_s)   free KV blocks (decode), queued prompt tokens (prefill)
+    local accounting (every request)      work routed since that poll, requests in flight
+
+so a burst of requests between two polls spreads out instead of piling onto the instance that
+looked emptiest at the last poll. Decode is chosen first (it owns the scarce KV memory): most
+free blocks net of blocks routed since the poll, then fewest requests in flight, then the one
+chosen longest ago. The prefill is the compatible one with the fewest queued prompt tokens
+(polled plus routed since), then the same tie-breaks.
+
+A (prefill, decode) pair is routable only once both are up and their KV layouts were checked
+equal (`set_pair_error(p, d, None)`); a pair with a layout mismatch keeps its error message,
+which requests get as FAILED_PRECONDITION when no compatible pair is left.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+from mili.errors import FailedPrecondition, Unavailable
+
+
+@dataclass
+class DecodeView:
+    address: str
+    is_up: bool = False
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    max_context_tokens: int = 0
+    num_blocks_since_poll: int = 0  # blocks of requests routed here since the last Info
+    num_in_flight: int = 0
+    last_chosen: int = 0  # a sequence number; lower = longer ago
+
+    @property
+    def free_estimate(self) -> int:
+        return self.num_free_blocks - self.num_blocks_since_poll
+
+
+@dataclass
+class PrefillView:
+    address: str
+    is_up: bool = False
+    num_queued_tokens: int = 0
+    max_prompt_tokens: int = 0
+    num_tokens_since_poll: int = 0  # prompt tokens routed here since the last Info
+    num_in_flight: int = 0
+    last_chosen: int = 0
+
+    @property
+    def queued_estimate(self) -> int:
+        return self.num_queued_tokens + self.num_tokens_since_poll
+
+
+@dataclass(frozen=True)
+class Route:
+    prefill: str
+    decode: str
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """A request's accounting on its route; hand it back to `Router.finish`."""
+
+    route: Route
+    num_prompt_tokens: int
+    num_blocks: int  # KV blocks the request holds on decode at its longest
+
+
+class Router:
+    def __init__(self, prefill_addresses: Sequence[str], decode_addresses: Sequence[str]) -> None:
+        if not prefill_addresses or not decode_addresses:
+            raise ValueError("need at least one prefill and one decode address")
+        self.prefills = {a: PrefillView(a) for a in prefill_addresses}
+        self.decodes = {a: DecodeView(a) for a in decode_addresses}
+        # (prefill, decode) -> None when the layouts were checked equal, else the mismatch
+        self._pair_errors: dict[tuple[str, str], str | None] = {}
+        self._clock = itertools.count(1)
+
+    # ---- updates from Info polling -----------------------------------------------------------
+
+    def update_prefill(
+        self, address: str, *, num_queued_tokens: int, max_prompt_tokens: int
+    ) -> None:
+        view = self.prefills[address]
+        view.is_up = True
+        view.num_queued_tokens = num_queued_tokens
+        view.max_prompt_tokens = max_prompt_tokens
+        view.num_tokens_since_poll = 0
+
+    def update_decode(
+        self,
+        address: str,
+        *,
+        num_free_blocks: int,
+        num_total_blocks: int,
+        max_context_tokens: int,
+    ) -> None:
+        view = self.decodes[address]
+        view.is_up = True
+        view.num_free_blocks = num_free_blocks
+        view.num_total_blocks = num_total_blocks
+        view.max_context_tokens = max_context_tokens
+        view.num_blocks_since_poll = 0
+
+    def mark_down(self, address: str) -> None:
+        """The instance did not answer: route around it until an Info call succeeds again."""
+        view = self.prefills.get(address) or self.decodes.get(address)
+        if view is None:
+            raise KeyError(address)
+        view.is_up = False
+
+    def set_pair_error(self, prefill: str, decode: str, error: str | None) -> None:
+        """Record the layout check of a pair: None = compatible, else why not."""
+        self._pair_errors[(prefill, decode)] = error
+
+    def pair_error(self, prefill: str, decode: str) -> str | None:
+        return self._pair_errors.get((prefill, decode))
+
+    def is_compatible(self, prefill: str, decode: str) -> bool:
+        key = (prefill, decode)
+        return key in self._pair_errors and self._pair_errors[key] is None
+
+    # ---- the choice --------------------------------------------------------------------------
+
+    @property
+    def max_context_tokens(self) -> int | None:
+        """The smallest context window among up decode instances (None when none is up)."""
+        windows = [d.max_context_tokens for d in self.decodes.values() if d.is_up]
+        return min(windows) if windows else None
+
+    @property
+    def max_prompt_tokens(self) -> int | None:
+        limits = [p.max_prompt_tokens for p in self.prefills.values() if p.is_up]
+        return min(limits) if limits else None
+
+    def candidates(self, exclude: Collection[str] = ()) -> list[Route]:
+        """Routes to try, best first: one per up decode instance (not in `exclude`) that has an
+        up, layout-compatible prefill instance.
+
+        Raises Unavailable when no instance of a kind is up, FailedPrecondition (with the
+        layouts) when instances are up but no pair is compatible. Returns [] when every
+        candidate is excluded (the caller knows why it excluded them).
+        """
+        up_decodes = [d for d in self.decodes.values() if d.is_up]
+        up_prefills = [p for p in self.prefills.values() if p.is_up]
+        if not up_decodes:
+            raise Unavailable(f"no decode instance is reachable (tried {', '.join(self.decodes)})")
+        if not up_prefills:
+            raise Unavailable(
+                f"no prefill instance is reachable (tried {', '.join(self.prefills)})"
+            )
+        routes: list[Route] = []
+        mismatch: str | None = None
+        for decode in sorted(up_decodes, key=_decode_order):
+            compatible = [p for p in up_prefills if self.is_compatible(p.address, decode.address)]
+            if not compatible:
+                mismatch = mismatch or next(
+                    (e for p in up_prefills if (e := self.pair_error(p.address, decode.address))),
+                    None,
+                )
+                continue
+            if decode.address in exclude:
+                continue
+            prefill = min(compatible, key=_prefill_order)
+            routes.append(Route(prefill.address, decode.address))
+        if not routes and mismatch is not None and len(exclude) == 0:
+            raise FailedPrecondition(mismatch)
+        if not routes and not exclude:
+            raise Unavailable("no prefill/decode pair has had its KV layouts checked yet")
+        return routes
+
+    def start(self, route: Route, num_prompt_tokens: int, num_blocks: int) -> Ticket:
+        """Count a request on `route` as soon as it is chosen, so concurrent choices see it."""
+        now = next(self._clock)
+        decode = self.decodes[route.decode]
+        decode.num_in_flight += 1
+        decode.num_blocks_since_poll += num_blocks
+        decode.last_chosen = now
+        prefill = self.prefills[route.prefill]
+        prefill.num_in_flight += 1
+        prefill.num_tokens_since_poll += num_prompt_tokens
+        prefill.last_chosen = now
+        return Ticket(route, num_prompt_tokens, num_blocks)
+
+    def finish(self, ticket: Ticket, *, is_refused: bool = False) -> None:
+        """The request left its route; `is_refused`: the decode instance never admitted it, so
+        its blocks do not count against that instance either."""
+        decode = self.decodes[ticket.route.decode]
+        prefill = self.prefills[ticket.route.prefill]
+        decode.num_in_flight -= 1
+        prefill.num_in_flight -= 1
+        if is_refused:
+            decode.num_blocks_since_poll = max(0, decode.num_blocks_since_poll - ticket.num_blocks)
+            prefill.num_tokens_since_poll = max(
+                0, prefill.num_tokens_since_poll - ticket.num_prompt_tokens
+            )
+
+
+def _decode_order(d: DecodeView) -> tuple[int, int, int]:
+    return (-d.free_estimate, d.num_in_flight, d.last_chosen)
+
+
+def _prefill_order(p: PrefillView) -> tuple[int, int, int]:
+    return (p.queued_estimate, p.num_in_flight, p.last_chosen)

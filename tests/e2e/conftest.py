@@ -1,0 +1,183 @@
+"""The whole pipeline as real processes on port 0: tokenizer, prefill(s), decode(s), frontend.
+
+Processes of one deployment start in parallel (each loads torch and the demo model; on two
+cores that is most of an e2e test's time), the frontend last, with the others' addresses.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import pytest
+
+from mili.decode.v1 import decode_pb2, decode_pb2_grpc
+from mili.frontend.v1 import generation_pb2, generation_pb2_grpc
+from mili.prefill.v1 import prefill_pb2, prefill_pb2_grpc
+from tests.service_process import ServiceProcess
+
+# Small KV pools: the defaults (1 GiB per decode instance) are for real serving, not for tests.
+DECODE_ARGS = ("--num-blocks", "1024")
+PREFILL_ARGS = ("--num-blocks", "512")
+
+
+def start_all(specs: Sequence[Sequence[str]]) -> list[ServiceProcess]:
+    """Start `mili ARGS...` for every spec at once; all or none (a failed start stops the rest)."""
+    with ThreadPoolExecutor(max_workers=max(1, len(specs))) as pool:
+        futures = [pool.submit(ServiceProcess, *spec) for spec in specs]
+    started = [f.result() for f in futures if f.exception() is None]
+    errors = [f.exception() for f in futures if f.exception() is not None]
+    if errors:
+        for service in started:
+            service.proc.kill()
+        raise errors[0]  # type: ignore[misc]
+    return started
+
+
+@dataclass
+class Deployment:
+    tokenizer: ServiceProcess
+    prefills: list[ServiceProcess]
+    decodes: list[ServiceProcess]
+    frontend: ServiceProcess
+    owns_tokenizer: bool = False
+    _channels: list[grpc.Channel] = field(default_factory=list)
+
+    def channel(self, address: str | None = None) -> grpc.Channel:
+        channel = grpc.insecure_channel(address or self.frontend.address)
+        self._channels.append(channel)
+        return channel
+
+    def stub(self) -> generation_pb2_grpc.GenerationServiceStub:
+        return generation_pb2_grpc.GenerationServiceStub(self.channel())
+
+    def free_blocks(self, services: Sequence[ServiceProcess] | None = None) -> dict[str, int]:
+        """num_free_blocks of every (or the given) prefill and decode instance, by address."""
+        wanted = list(services) if services is not None else [*self.prefills, *self.decodes]
+        counts = {}
+        for service in wanted:
+            with grpc.insecure_channel(service.address) as channel:
+                if service in self.decodes:
+                    info = decode_pb2_grpc.DecodeServiceStub(channel).Info(
+                        decode_pb2.InfoRequest(), timeout=5
+                    )
+                else:
+                    info = prefill_pb2_grpc.PrefillServiceStub(channel).Info(
+                        prefill_pb2.InfoRequest(), timeout=5
+                    )
+            counts[service.address] = info.num_free_blocks
+        return counts
+
+    def decode_info(self, index: int = 0) -> decode_pb2.InfoResponse:
+        with grpc.insecure_channel(self.decodes[index].address) as channel:
+            return decode_pb2_grpc.DecodeServiceStub(channel).Info(
+                decode_pb2.InfoRequest(), timeout=5
+            )
+
+    def wait_free_blocks(
+        self,
+        expected: dict[str, int],
+        services: Sequence[ServiceProcess] | None = None,
+        timeout_s: float = 10.0,
+    ) -> None:
+        """Wait until the free counts are back to `expected`; fail showing the last counts."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            counts = self.free_blocks(services)
+            if counts == expected:
+                return
+            if time.monotonic() > deadline:
+                pytest.fail(f"free KV blocks did not recover: {counts}, expected {expected}")
+            time.sleep(0.05)
+
+    def wait_until_routable(self, timeout_s: float = 20.0) -> None:
+        """The frontend serves before its first Info poll is in: wait until it has a route."""
+        stub = self.stub()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            info = stub.Info(generation_pb2.InfoRequest(), timeout=5)
+            if info.max_context_tokens > 0:
+                return
+            time.sleep(0.1)
+        pytest.fail("the frontend never saw a decode instance up")
+
+    def stop(self) -> None:
+        for channel in self._channels:
+            channel.close()
+        stages = [[self.frontend], [*self.prefills, *self.decodes]]
+        if self.owns_tokenizer:
+            stages.append([self.tokenizer])
+        for stage in stages:
+            for service in stage:
+                if service.proc.poll() is None:
+                    service.proc.send_signal(15)
+            for service in stage:
+                try:
+                    service.terminate(timeout_s=30)
+                except Exception:
+                    service.proc.kill()
+
+
+def deploy(
+    model_dir: Path,
+    tokenizer: ServiceProcess,
+    *,
+    num_prefills: int = 1,
+    num_decodes: int = 1,
+    engine_args: Sequence[str] = (),
+    prefill_args: Callable[[int], Sequence[str]] = lambda i: (),
+    decode_args: Sequence[str] = DECODE_ARGS,
+    frontend_args: Sequence[str] = (),
+) -> Deployment:
+    """Prefill and decode instances (with `engine_args` each, e.g. a dtype) and a frontend."""
+    model = ("--model", str(model_dir), "--port", "0", *engine_args)
+    specs = [
+        ("serve-prefill", *model, *PREFILL_ARGS, *prefill_args(i)) for i in range(num_prefills)
+    ]
+    specs += [("serve-decode", *model, *decode_args) for _ in range(num_decodes)]
+    services = start_all(specs)
+    prefills, decodes = services[:num_prefills], services[num_prefills:]
+    try:
+        frontend = ServiceProcess(
+            "serve-frontend",
+            "--port",
+            "0",
+            "--tokenizer",
+            tokenizer.address,
+            "--prefill",
+            ",".join(p.address for p in prefills),
+            "--decode",
+            ",".join(d.address for d in decodes),
+            "--poll-interval",
+            "0.5",
+            *frontend_args,
+        )
+    except Exception:
+        for service in services:
+            service.proc.kill()
+        raise
+    deployment = Deployment(tokenizer, prefills, decodes, frontend)
+    deployment.wait_until_routable()
+    return deployment
+
+
+@pytest.fixture(scope="session")
+def e2e_tokenizer(demo_model_dir: Path) -> Iterator[ServiceProcess]:
+    service = ServiceProcess("serve-tokenizer", "--model", str(demo_model_dir), "--port", "0")
+    yield service
+    assert service.terminate() == 0, service.stderr
+
+
+@pytest.fixture(scope="session")
+def pipeline(demo_model_dir: Path, e2e_tokenizer: ServiceProcess) -> Iterator[Deployment]:
+    """One prefill, one decode and a frontend, in float32: the demo model's next-token
+    distributions are nearly flat, and in bfloat16 a near-tie (log-prob gap ~0.004) flips with
+    the batch a prompt is prefilled in, in the single-process reference as much as in the
+    services; float32 keeps greedy comparisons exact."""
+    d = deploy(demo_model_dir, e2e_tokenizer, engine_args=("--dtype", "float32"))
+    yield d
+    d.stop()

@@ -1,0 +1,76 @@
+"""`mili generate` and `mili bench` against a running deployment, as an operator runs them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.e2e.conftest import Deployment
+from tests.service_process import ROOT
+
+
+def mili(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "mili", *args],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_generate_streams_text_and_reports_usage(pipeline: Deployment) -> None:
+    result = mili(
+        "generate", "Hello", "--address", pipeline.frontend.address, "--max-tokens", "8",
+        "--temperature", "0", "--ignore-eos",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout  # the text (8 tokens of the demo model: some characters)
+    assert "[finish: length; prompt tokens" in result.stderr
+    assert "completion tokens 8" in result.stderr
+
+
+def test_generate_chat_with_stop(pipeline: Deployment) -> None:
+    result = mili(
+        "generate", "Hi", "--chat", "--system", "Be brief.", "--no-thinking", "--address",
+        pipeline.frontend.address, "--max-tokens", "16", "--temperature", "0", "--stop", "\n",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "\n" not in result.stdout  # cut before the stop string (no newline added: not a tty)
+    assert "[finish: " in result.stderr
+
+
+def test_generate_error_is_one_line_with_the_code(pipeline: Deployment) -> None:
+    result = mili("generate", "Hi", "--address", pipeline.frontend.address, "--top-p", "2")
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        "mili generate: INVALID_ARGUMENT: sampling.top_p: must be in (0, 1] (got 2.0)"
+    ]
+
+
+def test_generate_unreachable_frontend_is_unavailable() -> None:
+    result = mili("generate", "Hi", "--address", "127.0.0.1:1", "--timeout", "5")
+    assert result.returncode == 1
+    assert result.stderr.startswith("mili generate: UNAVAILABLE")
+
+
+def test_bench_reports_latencies_and_writes_json(pipeline: Deployment, tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    result = mili(
+        "bench", "--address", pipeline.frontend.address, "--concurrency", "3",
+        "--num-requests", "6", "--prompt-tokens", "24", "--output-tokens", "8",
+        "--json", str(out),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "ttft" in result.stdout and "itl" in result.stdout
+    summary = json.loads(out.read_text())
+    assert summary["num_ok"] == 6 and summary["num_errors"] == 0
+    assert summary["output_tokens_per_s"] > 0
+    for name in ("ttft", "itl"):
+        stats = summary[name]
+        assert 0 < stats["p50_ms"] <= stats["p90_ms"] <= stats["p99_ms"]
+    assert summary["kv_transfer_gbps"] is None and summary["kv_transfer_note"]

@@ -1,0 +1,136 @@
+"""Refusals and failures: a KV layout mismatch is refused when the pair is set up (never
+routed; FAILED_PRECONDITION naming both layouts once no compatible pair is left), a full decode
+instance is RESOURCE_EXHAUSTED with RetryInfo, and a prefill killed mid-prefill fails its
+request within seconds while decode gives back the reserved blocks.
+
+prefill-0 matches the decode instance; prefill-1 runs with another block size. The decode
+instance has 300 blocks of 16 tokens: one request of 4000 max_tokens fills it.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from mili.common.v1 import sampling_pb2
+from mili.frontend.v1 import generation_pb2
+from mili.rpc.status import retry_info_of
+from tests.e2e.conftest import Deployment, deploy
+from tests.service_process import ServiceProcess
+
+_ROUTE = re.compile(r"done: prefill (\S+) -> decode (\S+),")
+
+
+@pytest.fixture(scope="module")
+def deployment(demo_model_dir: Path, e2e_tokenizer: ServiceProcess) -> Iterator[Deployment]:
+    d = deploy(
+        demo_model_dir,
+        e2e_tokenizer,
+        num_prefills=2,
+        prefill_args=lambda i: ("--block-size", "32") if i == 1 else (),
+        decode_args=("--num-blocks", "300"),
+    )
+    yield d
+    d.stop()
+
+
+def request(max_tokens: int = 4) -> generation_pb2.GenerateRequest:
+    """40 prompt tokens: with max_tokens 4000, 253 of the decode instance's 300 blocks."""
+    return generation_pb2.GenerateRequest(
+        token_ids=list(range(100, 140)),
+        sampling=sampling_pb2.SamplingParams(
+            max_tokens=max_tokens, temperature=0.0, ignore_eos=True
+        ),
+    )
+
+
+def test_mismatched_pair_is_refused_loudly_and_never_routed(deployment: Deployment) -> None:
+    good, bad = deployment.prefills
+    log = deployment.frontend.stderr
+    refusal = next(line for line in log.splitlines() if "REFUSING PAIR" in line)
+    assert bad.address in refusal and deployment.decodes[0].address in refusal
+    assert "block_size=32" in refusal and "block_size=16" in refusal
+    for _ in range(4):
+        responses = list(deployment.stub().Generate(request(), timeout=30))
+        assert responses[-1].usage.completion_tokens == 4
+    time.sleep(0.2)
+    routes = [m.group(1) for m in map(_ROUTE.search, deployment.frontend.stderr_lines) if m]
+    assert routes[:4] == [good.address] * 4
+
+
+def test_full_decode_is_resource_exhausted_with_retry_info(deployment: Deployment) -> None:
+    start = deployment.free_blocks()
+    stub = deployment.stub()
+    holder = stub.Generate(request(4000), timeout=60)
+    assert next(holder).token_ids
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Generate(request(4000), timeout=30))
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, info.value.details()
+    retry = retry_info_of(info.value)
+    assert retry is not None and retry.retry_delay.ToNanoseconds() > 0
+    # A request that fits still goes through beside it.
+    assert list(stub.Generate(request(4), timeout=30))[-1].usage.completion_tokens == 4
+    holder.cancel()
+    deployment.wait_free_blocks(start)
+
+
+def test_prefill_killed_mid_prefill_fails_the_request_fast(deployment: Deployment) -> None:
+    decode = deployment.decodes[0]
+    start = deployment.free_blocks([decode])
+    victim = deployment.prefills[0]
+    outcome: list[object] = []
+
+    def call() -> None:
+        try:
+            outcome.append(list(deployment.stub().Generate(request(64), timeout=60)))
+        except grpc.RpcError as err:
+            outcome.append((err, time.monotonic()))
+
+    # Frozen, the prefill holds the call without answering: the request is admitted by decode
+    # (blocks reserved, waiting for KV) and sits in prefill when it dies.
+    victim.proc.send_signal(signal.SIGSTOP)
+    caller = threading.Thread(target=call)
+    caller.start()
+    deadline = time.monotonic() + 10
+    while deployment.decode_info().num_waiting != 1:
+        assert time.monotonic() < deadline, "decode never admitted the request"
+        time.sleep(0.02)
+    assert deployment.free_blocks([decode])[decode.address] < start[decode.address]
+    killed_at = time.monotonic()
+    victim.proc.kill()
+    caller.join(timeout=30)
+    assert outcome and isinstance(outcome[0], tuple), outcome
+    err, failed_at = outcome[0]
+    assert err.code() == grpc.StatusCode.UNAVAILABLE, err.details()
+    assert "prefill" in err.details()
+    assert failed_at - killed_at < 5
+    deployment.wait_free_blocks(start, [decode])  # decode's reservation given back at once
+
+
+def test_no_compatible_pair_left_is_failed_precondition_naming_both_layouts(
+    deployment: Deployment,
+) -> None:
+    good = deployment.prefills[0]
+    if good.proc.poll() is None:  # run alone, without the previous test
+        good.proc.kill()
+    # Only the mismatched prefill-1 is left; the frontend notices prefill-0 is gone within a
+    # poll (a request racing that may still see UNAVAILABLE from it).
+    deadline = time.monotonic() + 10
+    while True:
+        with pytest.raises(grpc.RpcError) as info:
+            list(deployment.stub().Generate(request(), timeout=30))
+        code = info.value.code()
+        if code == grpc.StatusCode.FAILED_PRECONDITION or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert code == grpc.StatusCode.FAILED_PRECONDITION, info.value.details()
+    details = info.value.details()
+    assert "block_size=32" in details and "block_size=16" in details
+    assert deployment.prefills[1].address in details

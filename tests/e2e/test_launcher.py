@@ -1,0 +1,86 @@
+"""`mili serve`: four processes up and healthy, one generation through them, a clean SIGTERM
+stop in order (frontend, then prefill/decode, then tokenizer); a child failing at start-up is
+reported with its last log lines and a non-zero exit."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+
+from mili.common.v1 import sampling_pb2
+from mili.frontend.v1 import generation_pb2, generation_pb2_grpc
+from tests.service_process import ROOT, ServiceProcess
+
+
+def _index(lines: list[str], text: str) -> int:
+    return next(i for i, line in enumerate(lines) if text in line)
+
+
+def test_serve_answers_and_stops_cleanly_on_sigterm(demo_model_dir: Path) -> None:
+    serve = ServiceProcess(
+        "serve",
+        "--model",
+        str(demo_model_dir),
+        "--port",
+        "0",
+        "--prefill-args",
+        "--num-blocks 256",
+        "--decode-args",
+        "--num-blocks 256",
+        timeout_s=180,
+    )
+    try:
+        with grpc.insecure_channel(serve.address) as channel:
+            stub = generation_pb2_grpc.GenerationServiceStub(channel)
+            responses = list(
+                stub.Generate(
+                    generation_pb2.GenerateRequest(
+                        prompt="Hello",
+                        sampling=sampling_pb2.SamplingParams(max_tokens=8, temperature=0),
+                    ),
+                    timeout=60,
+                )
+            )
+        assert responses[-1].finish_reason != sampling_pb2.FINISH_REASON_UNSPECIFIED
+        assert responses[-1].usage.completion_tokens >= 1
+    finally:
+        code = serve.terminate(timeout_s=90)
+    assert code == 0, serve.stderr[-3000:]
+    lines = serve.stderr_lines
+    stopped = {
+        name: _index(lines, f"{name}: stopped") for name in ("frontend", "prefill", "decode")
+    }
+    stopped["tokenizer"] = _index(lines, "tokenizer: stopped")
+    assert stopped["frontend"] < stopped["prefill"] < stopped["tokenizer"]
+    assert stopped["frontend"] < stopped["decode"] < stopped["tokenizer"]
+    assert all(line.startswith("[") or "mili serve" in line for line in lines)
+
+
+def test_serve_reports_a_child_failing_at_startup(demo_model_dir: Path) -> None:
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mili",
+            "serve",
+            "--model",
+            str(demo_model_dir),
+            "--port",
+            "0",
+            "--prefill-args",
+            "--block-size 0",
+        ],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode != 0
+    assert "prefill-0 exited with code" in result.stderr
+    assert "its last log lines" in result.stderr and "block_size" in result.stderr
+    assert "frontend service listening" not in result.stdout

@@ -1,0 +1,110 @@
+"""Two prefill and two decode instances behind one frontend: work spreads over all of them, and
+a decode instance killed mid-request fails only its own request, fast, leaking no block."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+
+from mili.common.v1 import sampling_pb2
+from mili.frontend.v1 import generation_pb2
+from tests.e2e.conftest import Deployment, deploy
+from tests.service_process import ServiceProcess
+
+_ROUTE = re.compile(r"done: prefill (\S+) -> decode (\S+),")
+
+
+@pytest.fixture(scope="module")
+def deployment(demo_model_dir: Path, e2e_tokenizer: ServiceProcess) -> Iterator[Deployment]:
+    d = deploy(demo_model_dir, e2e_tokenizer, num_prefills=2, num_decodes=2)
+    yield d
+    d.stop()
+
+
+def request(n: int, max_tokens: int, seed: int = 0) -> generation_pb2.GenerateRequest:
+    return generation_pb2.GenerateRequest(
+        token_ids=[(seed * 31 + 7 * i) % 800 for i in range(n)],
+        sampling=sampling_pb2.SamplingParams(
+            max_tokens=max_tokens, temperature=0.0, ignore_eos=True
+        ),
+    )
+
+
+def test_every_request_completes_and_every_instance_gets_work(deployment: Deployment) -> None:
+    start = deployment.free_blocks()
+
+    def run(i: int) -> list[generation_pb2.GenerateResponse]:
+        return list(deployment.stub().Generate(request(10 + 5 * i, 8, seed=i), timeout=60))
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        results = list(pool.map(run, range(8)))
+    for responses in results:
+        assert responses[-1].finish_reason == sampling_pb2.FINISH_REASON_LENGTH
+        assert responses[-1].usage.completion_tokens == 8
+    # The frontend logs each finished request's route: the tokens of each came from that
+    # decode instance's stream, the KV from that prefill instance.
+    time.sleep(0.2)
+    routes = [m.groups() for m in map(_ROUTE.search, deployment.frontend.stderr_lines) if m]
+    assert len(routes) == 8
+    assert {p for p, _ in routes} == {p.address for p in deployment.prefills}
+    assert {d for _, d in routes} == {d.address for d in deployment.decodes}
+    deployment.wait_free_blocks(start)
+
+
+def test_decode_killed_mid_request_fails_only_its_request(deployment: Deployment) -> None:
+    start = deployment.free_blocks()
+    stub = deployment.stub()
+    calls = [stub.Generate(request(40, 3000, seed=s), timeout=60) for s in (1, 2)]
+    for call in calls:
+        assert next(call).token_ids  # both running
+    running = [deployment.decode_info(i).num_running for i in (0, 1)]
+    assert running == [1, 1], "the two requests should have gone to different decode instances"
+
+    killed = threading.Event()
+    outcomes: list[object] = [None, None]
+
+    def follow(i: int) -> None:
+        """Read until the call fails, or until it streamed 30 tokens after the kill."""
+        num_after_kill = 0
+        try:
+            for response in calls[i]:
+                if killed.is_set():
+                    num_after_kill += len(response.token_ids)
+                    if num_after_kill >= 30:
+                        outcomes[i] = "alive"
+                        return
+            outcomes[i] = "finished"
+        except grpc.RpcError as err:
+            outcomes[i] = (err, time.monotonic())
+
+    readers = [threading.Thread(target=follow, args=(i,)) for i in (0, 1)]
+    for reader in readers:
+        reader.start()
+    victim, survivor = deployment.decodes
+    killed_at = time.monotonic()
+    victim.proc.kill()
+    killed.set()
+    for reader in readers:
+        reader.join(timeout=30)
+    failed = [o for o in outcomes if isinstance(o, tuple)]
+    assert len(failed) == 1 and "alive" in outcomes, outcomes
+    err, failed_at = failed[0]
+    assert err.code() == grpc.StatusCode.UNAVAILABLE, err.details()
+    assert "decode" in err.details()
+    assert failed_at - killed_at < 5
+    for call in calls:
+        call.cancel()
+
+    # Nothing leaked on the instances still alive; new requests go to the surviving decode.
+    alive = [*deployment.prefills, survivor]
+    deployment.wait_free_blocks({a: start[a] for a in (s.address for s in alive)}, alive)
+    for i in range(3):
+        responses = list(stub.Generate(request(12, 4, seed=10 + i), timeout=30))
+        assert responses[-1].usage.completion_tokens == 4

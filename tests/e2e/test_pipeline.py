@@ -1,0 +1,232 @@
+"""The disaggregated pipeline end to end on the demo model: one tokenizer, prefill, decode and
+frontend, each a real process. Greedy tokens equal the single-process reference; bad requests
+name their field; cancellation and deadlines give every KV block back."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from mili.common.v1 import chat_pb2, sampling_pb2
+from mili.engine.generate import generate
+from mili.engine.loader import load_model
+from mili.engine.sampling_params import SamplingParams
+from mili.frontend.v1 import generation_pb2
+from mili.rpc.status import bad_request_of
+from tests.e2e.conftest import Deployment
+from tests.reflection_client import ReflectionClient
+
+NUM_TOKENS = 32
+SERVICE = "mili.frontend.v1.GenerationService"
+
+
+@pytest.fixture(scope="module")
+def deployment(pipeline: Deployment) -> Deployment:
+    return pipeline
+
+
+def random_prompt(n: int, seed: int, vocab: int = 800) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n,), generator=g).tolist()
+
+
+def greedy(token_ids: list[int], max_tokens: int = NUM_TOKENS) -> generation_pb2.GenerateRequest:
+    return generation_pb2.GenerateRequest(
+        token_ids=token_ids,
+        sampling=sampling_pb2.SamplingParams(
+            max_tokens=max_tokens, temperature=0.0, ignore_eos=True
+        ),
+    )
+
+
+def stream_tokens(deployment: Deployment, request: generation_pb2.GenerateRequest) -> list[int]:
+    responses = list(deployment.stub().Generate(request, timeout=60))
+    assert responses[-1].finish_reason == sampling_pb2.FINISH_REASON_LENGTH
+    assert responses[-1].usage.prompt_tokens == len(request.token_ids)
+    assert responses[-1].usage.completion_tokens == NUM_TOKENS
+    assert all(not r.finish_reason for r in responses[:-1])
+    return [t for r in responses for t in r.token_ids]
+
+
+@pytest.fixture(scope="module")
+def prompts(deployment: Deployment) -> list[list[int]]:
+    block_size = deployment.decode_info().kv_layout.block_size
+    # shorter than one block, exactly one block, several blocks (and not block-aligned)
+    lengths = [block_size // 2 - 1, block_size, 3 * block_size + 5]
+    return [random_prompt(n, seed=n) for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def reference(demo_model_dir: Path, deployment: Deployment) -> object:
+    dtype = getattr(torch, deployment.decode_info().dtype)
+    model = load_model(demo_model_dir, dtype=dtype)
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+
+    def tokens(prompt: list[int]) -> list[int]:
+        # One thread: beside the services' processes on a small machine, two OpenMP threads
+        # spin against each other and a 32-token run takes seconds instead of ~0.3 s.
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return generate(model, [prompt], params)[0].token_ids  # one at a time: canonical
+        finally:
+            torch.set_num_threads(threads)
+
+    return tokens
+
+
+def test_greedy_tokens_equal_single_process_reference(
+    deployment: Deployment, prompts: list[list[int]], reference
+) -> None:
+    for prompt in prompts:
+        assert stream_tokens(deployment, greedy(prompt)) == reference(prompt), len(prompt)
+
+
+def test_greedy_tokens_equal_reference_with_8_concurrent_requests(
+    deployment: Deployment, prompts: list[list[int]], reference
+) -> None:
+    batch = [*prompts, *(random_prompt(7 + 9 * i, seed=100 + i) for i in range(5))]
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        streamed = list(pool.map(lambda p: stream_tokens(deployment, greedy(p)), batch))
+    for prompt, tokens in zip(batch, streamed, strict=True):
+        assert tokens == reference(prompt), len(prompt)
+
+
+def test_complete_equals_the_stream(deployment: Deployment, prompts: list[list[int]]) -> None:
+    request = greedy(prompts[1], max_tokens=8)
+    streamed = list(deployment.stub().Generate(request, timeout=60))
+    complete = deployment.stub().Complete(
+        generation_pb2.CompleteRequest(
+            request_id="complete-1", token_ids=request.token_ids, sampling=request.sampling
+        ),
+        timeout=60,
+    )
+    assert complete.request_id == "complete-1"
+    assert list(complete.token_ids) == [t for r in streamed for t in r.token_ids]
+    assert complete.text == "".join(r.text for r in streamed)
+    assert complete.finish_reason == sampling_pb2.FINISH_REASON_LENGTH
+    assert complete.usage.completion_tokens == 8
+
+
+def test_chat_prompt_and_stop_string(deployment: Deployment) -> None:
+    chat = generation_pb2.GenerateRequest(
+        messages=[chat_pb2.ChatMessage(role="user", content="Hello there")],
+        enable_thinking=False,
+        sampling=sampling_pb2.SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
+    )
+    full = list(deployment.stub().Generate(chat, timeout=60))
+    text = "".join(r.text for r in full)
+    assert full[-1].usage.prompt_tokens > 5  # the chat template's tokens
+    # Stop at a piece of text the model does produce (after the first character): the reply is
+    # cut right before it, with finish reason STOP.
+    assert len(text) > 3, text
+    stop = text[2:4]
+    chat.sampling.stop.append(stop)
+    cut = list(deployment.stub().Generate(chat, timeout=60))
+    assert "".join(r.text for r in cut) == text[: text.index(stop)]
+    assert cut[-1].finish_reason == sampling_pb2.FINISH_REASON_STOP
+
+
+@pytest.mark.parametrize(
+    ("request_fields", "field"),
+    [
+        ({"prompt": "Hi", "sampling": {"top_p": 2.0}}, "sampling.top_p"),
+        ({"prompt": "Hi", "sampling": {"max_tokens": 0}}, "sampling.max_tokens"),
+        ({"prompt": "Hi", "sampling": {"temperature": -1}}, "sampling.temperature"),
+        ({"prompt": "Hi", "sampling": {"logprobs": 21}}, "sampling.logprobs"),
+        ({}, "prompt"),
+        ({"prompt": "Hi", "token_ids": [1]}, "token_ids"),
+        ({"token_ids": [1, 100000]}, "token_ids[1]"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+        ({"prompt": "Hi", "sampling": {"max_tokens": 4096}}, "sampling.max_tokens"),
+        ({"token_ids": [1] * 4096}, "token_ids"),
+    ],
+)
+def test_bad_requests_are_invalid_argument_naming_the_field(
+    deployment: Deployment, request_fields: dict, field: str
+) -> None:
+    from google.protobuf import json_format
+
+    request = json_format.ParseDict(request_fields, generation_pb2.GenerateRequest())
+    with pytest.raises(grpc.RpcError) as info:
+        list(deployment.stub().Generate(request, timeout=30))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    bad = bad_request_of(info.value)
+    assert bad is not None
+    assert [v.field for v in bad.field_violations] == [field]
+
+
+def test_context_error_names_the_numbers(deployment: Deployment) -> None:
+    request = generation_pb2.GenerateRequest(
+        token_ids=[1] * 100, sampling=sampling_pb2.SamplingParams(max_tokens=4000)
+    )
+    with pytest.raises(grpc.RpcError) as info:
+        list(deployment.stub().Generate(request, timeout=30))
+    assert all(n in info.value.details() for n in ("100", "4000", "4096", "3996"))
+
+
+def test_reflection_only_client_generates_from_json(deployment: Deployment) -> None:
+    client = ReflectionClient(deployment.channel())
+    assert SERVICE in client.services()
+    assert "grpc.health.v1.Health" in client.services()
+    responses = client.stream_json(
+        f"{SERVICE}/Generate", '{"prompt":"Hello","sampling":{"max_tokens":16,"temperature":0}}'
+    )
+    last = responses[-1]
+    assert last["finishReason"] in ("FINISH_REASON_LENGTH", "FINISH_REASON_STOP")
+    assert last["usage"]["promptTokens"] > 0
+    generated = sum(len(r.get("tokenIds", [])) for r in responses)
+    assert last["usage"]["completionTokens"] == generated
+    assert 1 <= generated <= 16
+    info = client.call_json(f"{SERVICE}/Info", "{}")
+    assert info["maxContextTokens"] == 4096 and info["decodeAddresses"]
+    json.dumps(info)
+
+
+def _long_request() -> generation_pb2.GenerateRequest:
+    return generation_pb2.GenerateRequest(
+        token_ids=random_prompt(40, seed=7),
+        sampling=sampling_pb2.SamplingParams(max_tokens=3000, temperature=0.0, ignore_eos=True),
+    )
+
+
+def test_client_cancel_frees_every_block(deployment: Deployment) -> None:
+    start = deployment.free_blocks()
+    call = deployment.stub().Generate(_long_request(), timeout=60)
+    for _, response in zip(range(3), call, strict=False):
+        assert response.token_ids
+    decode = deployment.decodes[0].address
+    assert deployment.free_blocks()[decode] < start[decode]  # the request holds decode blocks
+    call.cancel()
+    deployment.wait_free_blocks(start)
+
+
+def test_deadline_is_deadline_exceeded_and_frees_every_block(deployment: Deployment) -> None:
+    start = deployment.free_blocks()
+    began = time.monotonic()
+    with pytest.raises(grpc.RpcError) as info:
+        list(deployment.stub().Generate(_long_request(), timeout=1.0))
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert time.monotonic() - began < 5
+    deployment.wait_free_blocks(start)
+
+
+def test_cancel_during_prefill_handoff_frees_every_block(deployment: Deployment) -> None:
+    """Cancel while the request is anywhere between admission and its first tokens."""
+    start = deployment.free_blocks()
+    for delay in (0.0, 0.01, 0.03, 0.06):
+        stream = deployment.stub().Generate(_long_request(), timeout=60)
+        timer = threading.Timer(delay, stream.cancel)
+        timer.start()
+        with pytest.raises(grpc.RpcError):
+            for _ in stream:
+                pass
+        timer.join()
+    deployment.wait_free_blocks(start)

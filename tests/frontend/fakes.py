@@ -1,0 +1,229 @@
+"""Scriptable fake tokenizer, prefill and decode services (no model), and a frontend in front of
+them, all in one event loop on real gRPC servers: for the frontend's edge cases, in milliseconds.
+
+Fake tokenizer: one token per printable ASCII character, id = ord(c) - 32 (vocab 100, EOS 99).
+Fake decode: admits with blocks [1, 2], waits for the fake prefill's "transfer" (an event), then
+streams `script` (lists of token ids, one Tokens event each) and finishes with LENGTH, unless
+`full` (RESOURCE_EXHAUSTED) or `fail_after` (UNAVAILABLE after that many events).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from mili import errors
+from mili.common.v1 import sampling_pb2
+from mili.decode.v1 import decode_pb2, decode_pb2_grpc
+from mili.frontend.v1 import generation_pb2_grpc
+from mili.kv.v1 import kv_pb2
+from mili.prefill.v1 import prefill_pb2, prefill_pb2_grpc
+from mili.rpc.client import insecure_channel
+from mili.rpc.server import RpcServer, ServerConfig
+from mili.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from services.frontend.backends import Backends
+from services.frontend.config import FrontendConfig
+from services.frontend.router import Router
+from services.frontend.server import GenerationServicer, add_to_server
+from services.frontend.validation import Limits
+
+EOS = 99
+
+
+def layout(block_size: int = 16) -> kv_pb2.KvLayout:
+    return kv_pb2.KvLayout(
+        block_size=block_size,
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=8,
+        dtype="float32",
+        block_order="block,slot,head,dim",
+        model_fingerprint="fake",
+    )
+
+
+def ids(text: str) -> list[int]:
+    return [ord(c) - 32 for c in text]
+
+
+def text_of(token_ids: list[int]) -> str:
+    return "".join(chr(i + 32) for i in token_ids if i != EOS)
+
+
+class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServiceServicer):
+    async def Tokenize(self, request: Any, context: Any) -> Any:
+        text = request.text or "".join(m.content for m in request.messages)
+        return tokenizer_pb2.TokenizeResponse(token_ids=ids(text), prompt=text)
+
+    async def DetokenizeStream(self, requests: Any, context: Any) -> AsyncIterator[Any]:
+        async for request in requests:
+            yield tokenizer_pb2.DetokenizeStreamResponse(text=text_of(list(request.token_ids)))
+            if request.final:
+                return
+
+    async def Info(self, request: Any, context: Any) -> Any:
+        return tokenizer_pb2.InfoResponse(model="fake", vocab_size=100, eos_token_ids=[EOS])
+
+
+@dataclass
+class FakeDecode(decode_pb2_grpc.DecodeServiceServicer):
+    script: list[list[int]] = field(default_factory=lambda: [ids("ab"), ids("c")])
+    kv_layout: kv_pb2.KvLayout = field(default_factory=layout)
+    full: bool = False
+    fail_after: int | None = None
+    requests: list[Any] = field(default_factory=list)
+    num_closed: int = 0  # Generate calls that ended, however they ended
+    kv_landed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def Generate(self, request: Any, context: Any) -> AsyncIterator[Any]:
+        self.requests.append(request)
+        try:
+            if self.full:
+                raise errors.ResourceExhausted("fake decode is full", retry_after_s=0.25)
+            yield decode_pb2.GenerateResponse(admitted=decode_pb2.Admitted(block_ids=[1, 2]))
+            await self.kv_landed.wait()
+            for i, token_ids in enumerate(self.script):
+                if self.fail_after is not None and i >= self.fail_after:
+                    raise errors.Unavailable("fake decode lost its device")
+                last = i == len(self.script) - 1
+                yield decode_pb2.GenerateResponse(
+                    tokens=decode_pb2.Tokens(
+                        token_ids=token_ids,
+                        finish_reason=sampling_pb2.FINISH_REASON_LENGTH if last else 0,
+                    )
+                )
+                await asyncio.sleep(0.001)
+        finally:
+            self.num_closed += 1
+
+    async def Info(self, request: Any, context: Any) -> Any:
+        return decode_pb2.InfoResponse(
+            model="fake",
+            kv_layout=self.kv_layout,
+            max_context_tokens=4096,
+            num_total_blocks=100,
+            num_free_blocks=100,
+        )
+
+
+@dataclass
+class FakePrefill(prefill_pb2_grpc.PrefillServiceServicer):
+    decodes: dict[str, FakeDecode] = field(default_factory=dict)  # by address, to "transfer"
+    kv_layout: kv_pb2.KvLayout = field(default_factory=layout)
+    error: Exception | None = None
+    requests: list[Any] = field(default_factory=list)
+
+    async def Prefill(self, request: Any, context: Any) -> Any:
+        self.requests.append(request)
+        await asyncio.sleep(0.01)
+        if self.error is not None:
+            raise self.error
+        self.decodes[request.destination.address].kv_landed.set()
+        return prefill_pb2.PrefillResponse(num_prompt_tokens=len(request.token_ids), kv_bytes=64)
+
+    async def Info(self, request: Any, context: Any) -> Any:
+        return prefill_pb2.InfoResponse(
+            model="fake", kv_layout=self.kv_layout, max_prompt_tokens=4096
+        )
+
+
+async def _serve(name: str, service: str, register: Any) -> RpcServer:
+    server = RpcServer(ServerConfig(drain_timeout_s=0.5, grace_s=0.1), name=name)
+    server.add_service(service, register)
+    await server.start()
+    return server
+
+
+@dataclass
+class Stack:
+    """Fakes plus a real frontend servicer; `stub` talks to the frontend over gRPC."""
+
+    stub: generation_pb2_grpc.GenerationServiceStub
+    backends: Backends
+    decodes: list[FakeDecode]
+    prefill: FakePrefill
+    servers: dict[str, RpcServer]  # by address
+
+
+@contextlib.asynccontextmanager
+async def stack(
+    decodes: list[FakeDecode] | None = None,
+    prefill: FakePrefill | None = None,
+    limits: Limits | None = None,
+) -> AsyncIterator[Stack]:
+    decodes = decodes if decodes is not None else [FakeDecode()]
+    prefill = prefill or FakePrefill()
+    servers: dict[str, RpcServer] = {}
+
+    async def serve(name: str, service: str, register: Any) -> str:
+        server = await _serve(name, service, register)
+        servers[server.address] = server
+        return server.address
+
+    tokenizer = FakeTokenizer()
+    tokenizer_address = await serve(
+        "tokenizer",
+        "mili.tokenizer.v1.TokenizerService",
+        lambda s: tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server(tokenizer, s),
+    )
+    prefill_address = await serve(
+        "prefill",
+        "mili.prefill.v1.PrefillService",
+        lambda s: prefill_pb2_grpc.add_PrefillServiceServicer_to_server(prefill, s),
+    )
+    decode_addresses = []
+    for decode in decodes:
+        address = await serve(
+            "decode",
+            "mili.decode.v1.DecodeService",
+            lambda s, d=decode: decode_pb2_grpc.add_DecodeServiceServicer_to_server(d, s),
+        )
+        prefill.decodes[address] = decode
+        decode_addresses.append(address)
+    config = FrontendConfig(
+        tokenizer_address=tokenizer_address,
+        prefill_addresses=(prefill_address,),
+        decode_addresses=tuple(decode_addresses),
+        limits=limits or Limits(default_max_tokens=16),
+        poll_interval_s=0.05,
+        info_timeout_s=0.5,
+    )
+    backends = Backends(config, Router(config.prefill_addresses, config.decode_addresses))
+    frontend = RpcServer(ServerConfig(drain_timeout_s=0.5, grace_s=0.1), name="frontend")
+    add_to_server(frontend, GenerationServicer(backends))
+    await backends.start()
+    await frontend.start()
+    channel = insecure_channel(frontend.address)
+    try:
+        yield Stack(
+            generation_pb2_grpc.GenerationServiceStub(channel), backends, decodes, prefill, servers
+        )
+    finally:
+        await channel.close()
+        await frontend.drain()
+        await backends.close()
+        for server in servers.values():
+            with contextlib.suppress(Exception):
+                await server.drain()
+
+
+async def wait_until(predicate: Any, timeout_s: float = 2.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.01)
+
+
+async def collect(call: Any) -> list[Any]:
+    return [r async for r in call]
+
+
+def code_of(err: grpc.aio.AioRpcError) -> grpc.StatusCode:
+    code: grpc.StatusCode = err.code()
+    return code

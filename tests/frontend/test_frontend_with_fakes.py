@@ -1,0 +1,233 @@
+"""The frontend over real gRPC against scripted fake services: what it sends downstream, and
+how it handles full, failing and mismatched instances (see fakes.py for the fakes' rules)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from mili import errors
+from mili.common.v1 import sampling_pb2
+from mili.frontend.v1 import generation_pb2
+from mili.rpc.status import retry_info_of
+from services.frontend.validation import Limits
+from tests.frontend.fakes import (
+    EOS,
+    FakeDecode,
+    FakePrefill,
+    code_of,
+    collect,
+    ids,
+    layout,
+    stack,
+    wait_until,
+)
+
+OPTIONAL_SAMPLING = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+)
+
+
+def prompt(text: str = "hi", **sampling: object) -> generation_pb2.GenerateRequest:
+    return generation_pb2.GenerateRequest(
+        prompt=text, sampling=sampling_pb2.SamplingParams(**sampling)
+    )
+
+
+def test_streams_text_and_sends_fully_resolved_sampling_downstream() -> None:
+    async def main() -> None:
+        async with stack() as s:
+            responses = await collect(s.stub.Generate(prompt("hi", top_k=5), timeout=5))
+            assert [list(r.token_ids) for r in responses] == [ids("ab"), ids("c")]
+            assert "".join(r.text for r in responses) == "abc"
+            last = responses[-1]
+            assert last.finish_reason == sampling_pb2.FINISH_REASON_LENGTH
+            assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (2, 3)
+            assert len({r.request_id for r in responses}) == 1
+
+            decoded = s.decodes[0].requests[0]
+            prefilled = s.prefill.requests[0]
+            for sent in (decoded.sampling, prefilled.sampling):
+                assert all(sent.HasField(f) for f in OPTIONAL_SAMPLING)
+                assert sent.max_tokens == 16 and sent.top_k == 5 and sent.top_p == 1.0
+                assert list(sent.stop_token_ids) == [EOS]  # the tokenizer's EOS ids
+            assert decoded.sampling == prefilled.sampling  # same seed on both sides
+            assert decoded.request_id == prefilled.request_id == last.request_id
+            assert list(decoded.prompt_token_ids) == list(prefilled.token_ids) == ids("hi")
+            assert decoded.prefill_layout == layout()
+            assert list(prefilled.destination.block_ids) == [1, 2]
+            assert prefilled.destination.address in s.servers
+
+    asyncio.run(main())
+
+
+def test_complete_gathers_the_stream() -> None:
+    async def main() -> None:
+        async with stack() as s:
+            reply = await s.stub.Complete(
+                generation_pb2.CompleteRequest(request_id="r1", prompt="hi"), timeout=5
+            )
+            assert (reply.request_id, reply.text) == ("r1", "abc")
+            assert list(reply.token_ids) == ids("abc")
+            assert reply.usage.completion_tokens == 3
+
+    asyncio.run(main())
+
+
+def test_stop_string_across_events_cuts_text_and_cancels_decode() -> None:
+    async def main() -> None:
+        decode = FakeDecode(script=[ids("he"), ids("ll"), ids("o wor"), ids("ld"), ids("!!")])
+        async with stack([decode]) as s:
+            request = prompt("x")
+            request.sampling.stop.append("lo w")
+            responses = await collect(s.stub.Generate(request, timeout=5))
+            assert "".join(r.text for r in responses) == "hel"
+            assert responses[-1].finish_reason == sampling_pb2.FINISH_REASON_STOP
+            assert responses[-1].usage.completion_tokens == 9  # tokens up to the matching event
+            await wait_until(lambda: decode.num_closed == 1)  # decode stopped, not drained
+
+    asyncio.run(main())
+
+
+def test_max_tokens_and_eos_enforced_even_if_decode_overruns() -> None:
+    async def main() -> None:
+        decode = FakeDecode(script=[ids("abc"), ids("def"), ids("ghi")])
+        async with stack([decode]) as s:
+            responses = await collect(s.stub.Generate(prompt(max_tokens=4), timeout=5))
+            assert [t for r in responses for t in r.token_ids] == ids("abcd")
+            assert responses[-1].finish_reason == sampling_pb2.FINISH_REASON_LENGTH
+            decode.script = [ids("ab"), [*ids("c"), EOS, *ids("d")]]
+            responses = await collect(s.stub.Generate(prompt(max_tokens=10), timeout=5))
+            assert [t for r in responses for t in r.token_ids] == [*ids("abc"), EOS]
+            assert responses[-1].finish_reason == sampling_pb2.FINISH_REASON_STOP
+            assert "".join(r.text for r in responses) == "abc"
+
+    asyncio.run(main())
+
+
+def test_full_decode_is_skipped_for_the_next_one() -> None:
+    async def main() -> None:
+        full, free = FakeDecode(full=True), FakeDecode()
+        async with stack([full, free]) as s:
+            for _ in range(3):
+                responses = await collect(s.stub.Generate(prompt(), timeout=5))
+                assert responses[-1].usage.completion_tokens == 3
+            assert len(free.requests) == 3
+            assert 1 <= len(full.requests) <= 3  # tried when it looked emptier
+
+    asyncio.run(main())
+
+
+def test_every_decode_full_is_resource_exhausted_with_retry_info() -> None:
+    async def main() -> None:
+        async with stack([FakeDecode(full=True), FakeDecode(full=True)]) as s:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await collect(s.stub.Generate(prompt(), timeout=5))
+            assert code_of(info.value) == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "every decode instance is full" in info.value.details()
+            retry = retry_info_of(info.value)
+            assert retry is not None and retry.retry_delay.ToNanoseconds() == 250_000_000
+            assert all(len(d.requests) == 1 for d in s.decodes)
+
+    asyncio.run(main())
+
+
+def test_prefill_failure_fails_the_request_at_once_and_releases_decode() -> None:
+    async def main() -> None:
+        prefill = FakePrefill(error=errors.Unavailable("fake prefill crashed"))
+        async with stack(prefill=prefill) as s:
+            began = time.monotonic()
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await collect(s.stub.Generate(prompt(), timeout=10))
+            assert time.monotonic() - began < 2  # decode's KV lease is not waited out
+            assert code_of(info.value) == grpc.StatusCode.UNAVAILABLE
+            assert "prefill at" in info.value.details()
+            assert "fake prefill crashed" in info.value.details()
+            await wait_until(lambda: s.decodes[0].num_closed == 1)
+
+    asyncio.run(main())
+
+
+def test_decode_failure_mid_stream_names_decode() -> None:
+    async def main() -> None:
+        decode = FakeDecode(script=[ids("a"), ids("b"), ids("c")], fail_after=2)
+        async with stack([decode]) as s:
+            call = s.stub.Generate(prompt(), timeout=5)
+            got = []
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                async for response in call:
+                    got.extend(response.token_ids)
+            assert got == ids("ab")
+            assert code_of(info.value) == grpc.StatusCode.UNAVAILABLE
+            assert "decode at" in info.value.details() and "lost its device" in info.value.details()
+
+    asyncio.run(main())
+
+
+def test_layout_mismatch_is_failed_precondition_naming_both() -> None:
+    async def main() -> None:
+        async with stack([FakeDecode(kv_layout=layout(block_size=32))]) as s:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await collect(s.stub.Generate(prompt(), timeout=5))
+            assert code_of(info.value) == grpc.StatusCode.FAILED_PRECONDITION
+            details = info.value.details()
+            assert "block_size=16" in details and "block_size=32" in details
+            assert "prefill at" in details and "decode at" in details
+            assert s.decodes[0].requests == []  # refused before any reservation
+
+    asyncio.run(main())
+
+
+def test_layout_fixed_after_restart_is_rediscovered() -> None:
+    async def main() -> None:
+        decode = FakeDecode(kv_layout=layout(block_size=32))
+        async with stack([decode]) as s:
+            with pytest.raises(grpc.aio.AioRpcError):
+                await collect(s.stub.Generate(prompt(), timeout=5))
+            decode.kv_layout = layout()  # as if restarted with the right block size
+            await asyncio.sleep(0.2)  # a few polls
+            responses = await collect(s.stub.Generate(prompt(), timeout=5))
+            assert responses[-1].usage.completion_tokens == 3
+
+    asyncio.run(main())
+
+
+def test_decode_down_is_unavailable_naming_it() -> None:
+    async def main() -> None:
+        async with stack() as s:
+            decode_address = next(iter(s.backends.config.decode_addresses))
+            await s.servers.pop(decode_address).drain()
+            await asyncio.sleep(0.2)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await collect(s.stub.Generate(prompt(), timeout=5))
+            assert code_of(info.value) == grpc.StatusCode.UNAVAILABLE
+            assert decode_address in info.value.details()
+            info_reply = await s.stub.Info(generation_pb2.InfoRequest(), timeout=5)
+            assert list(info_reply.decode_addresses) == [decode_address]
+
+    asyncio.run(main())
+
+
+def test_info_reports_limits_and_instances() -> None:
+    async def main() -> None:
+        async with stack(limits=Limits(default_max_tokens=16, max_tokens_limit=64)) as s:
+            reply = await s.stub.Info(generation_pb2.InfoRequest(), timeout=5)
+            assert (reply.model, reply.max_context_tokens) == ("fake", 4096)
+            assert (reply.default_max_tokens, reply.max_tokens_limit) == (16, 64)
+            assert len(reply.prefill_addresses) == len(reply.decode_addresses) == 1
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await collect(s.stub.Generate(prompt(max_tokens=65), timeout=5))
+            assert code_of(info.value) == grpc.StatusCode.INVALID_ARGUMENT
+
+    asyncio.run(main())

@@ -1,0 +1,121 @@
+"""Routing choices: most free decode blocks, least queued prefill tokens, compatible pairs only."""
+
+from __future__ import annotations
+
+import pytest
+
+from mili.errors import FailedPrecondition, Unavailable
+from services.frontend.router import Route, Router
+
+P0, P1 = "p0:1", "p1:1"
+D0, D1 = "d0:1", "d1:1"
+
+
+def router(free: dict[str, int] | None = None, queued: dict[str, int] | None = None) -> Router:
+    r = Router([P0, P1], [D0, D1])
+    for address, n in (queued or {P0: 0, P1: 0}).items():
+        r.update_prefill(address, num_queued_tokens=n, max_prompt_tokens=4096)
+    for address, n in (free or {D0: 100, D1: 100}).items():
+        r.update_decode(address, num_free_blocks=n, num_total_blocks=100, max_context_tokens=4096)
+    for p in r.prefills:
+        for d in r.decodes:
+            r.set_pair_error(p, d, None)
+    return r
+
+
+def test_decode_with_most_free_blocks_and_prefill_with_least_queue() -> None:
+    r = router(free={D0: 10, D1: 50}, queued={P0: 300, P1: 20})
+    assert r.candidates() == [Route(P1, D1), Route(P1, D0)]
+
+
+def test_routed_work_counts_until_the_next_poll() -> None:
+    r = router(free={D0: 50, D1: 45}, queued={P0: 0, P1: 10})
+    first = r.candidates()[0]
+    assert first == Route(P0, D0)
+    r.start(first, num_prompt_tokens=100, num_blocks=7)  # D0: 43 left, P0: 100 queued
+    assert r.candidates()[0] == Route(P1, D1)
+    # A poll replaces the estimate with what the instance reports.
+    r.update_decode(D0, num_free_blocks=50, num_total_blocks=100, max_context_tokens=4096)
+    r.update_prefill(P0, num_queued_tokens=0, max_prompt_tokens=4096)
+    assert r.candidates()[0] == Route(P0, D0)
+
+
+def test_ties_go_to_fewest_in_flight_then_longest_ago() -> None:
+    r = router()
+    routes = []
+    for _ in range(4):
+        route = r.candidates()[0]
+        ticket = r.start(route, num_prompt_tokens=1, num_blocks=0)
+        r.finish(ticket)
+        routes.append(route)
+    assert [x.decode for x in routes] == [D0, D1, D0, D1]  # sequential requests alternate
+    assert [x.prefill for x in routes] == [P0, P1, P0, P1]
+    busy = r.start(Route(P0, D0), num_prompt_tokens=0, num_blocks=0)
+    assert r.candidates()[0] == Route(P1, D1)
+    r.finish(busy)
+
+
+def test_refused_requests_do_not_count_against_the_instance() -> None:
+    r = router(free={D0: 50, D1: 45})
+    ticket = r.start(Route(P0, D0), num_prompt_tokens=10, num_blocks=20)
+    r.finish(ticket, is_refused=True)
+    assert r.decodes[D0].free_estimate == 50
+    assert r.decodes[D0].num_in_flight == 0
+
+
+def test_down_instances_are_skipped_and_all_down_is_unavailable() -> None:
+    r = router(free={D0: 90, D1: 10})
+    r.mark_down(D0)
+    assert [x.decode for x in r.candidates()] == [D1]
+    r.mark_down(D1)
+    with pytest.raises(Unavailable, match="no decode instance"):
+        r.candidates()
+    r = router()
+    r.mark_down(P0)
+    r.mark_down(P1)
+    with pytest.raises(Unavailable, match="no prefill instance"):
+        r.candidates()
+
+
+def test_excluded_decodes_are_skipped() -> None:
+    r = router(free={D0: 90, D1: 10})
+    assert [x.decode for x in r.candidates(exclude={D0})] == [D1]
+    assert r.candidates(exclude={D0, D1}) == []
+
+
+def test_incompatible_pairs_are_never_routed() -> None:
+    r = router(queued={P0: 0, P1: 1000})
+    r.set_pair_error(P0, D0, "layouts differ: P0 vs D0")
+    # D0 still reachable through P1, D1 through either (P0 preferred: shorter queue)
+    assert r.candidates() == [Route(P1, D0), Route(P0, D1)]
+    r.set_pair_error(P1, D0, "layouts differ: P1 vs D0")
+    assert r.candidates() == [Route(P0, D1)]
+
+
+def test_no_compatible_pair_is_failed_precondition_with_the_layouts() -> None:
+    r = Router([P0], [D0])
+    r.update_prefill(P0, num_queued_tokens=0, max_prompt_tokens=4096)
+    r.update_decode(D0, num_free_blocks=1, num_total_blocks=1, max_context_tokens=4096)
+    r.set_pair_error(P0, D0, "prefill has [block_size=16], decode has [block_size=32]")
+    with pytest.raises(FailedPrecondition, match=r"block_size=16.*block_size=32"):
+        r.candidates()
+    r.set_pair_error(P0, D0, None)  # fixed (an instance restarted with the right layout)
+    assert r.candidates() == [Route(P0, D0)]
+
+
+def test_unchecked_pairs_are_not_routed() -> None:
+    r = Router([P0], [D0])
+    r.update_prefill(P0, num_queued_tokens=0, max_prompt_tokens=4096)
+    r.update_decode(D0, num_free_blocks=1, num_total_blocks=1, max_context_tokens=4096)
+    with pytest.raises(Unavailable, match="checked"):
+        r.candidates()
+
+
+def test_context_is_the_smallest_among_up_decodes() -> None:
+    r = Router([P0], [D0, D1])
+    assert r.max_context_tokens is None
+    r.update_decode(D0, num_free_blocks=1, num_total_blocks=1, max_context_tokens=4096)
+    r.update_decode(D1, num_free_blocks=1, num_total_blocks=1, max_context_tokens=2048)
+    assert r.max_context_tokens == 2048
+    r.mark_down(D1)
+    assert r.max_context_tokens == 4096

@@ -1,0 +1,195 @@
+"""Request validation: every bad field is an InvalidArgument naming it; defaults are resolved."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from mili.errors import InvalidArgument
+from services.frontend.validation import (
+    ChatTurn,
+    Limits,
+    RequestInput,
+    SamplingInput,
+    ValidRequest,
+    check_token_ids,
+    fit_context,
+    validate,
+    with_eos,
+)
+
+LIMITS = Limits(default_max_tokens=256, max_tokens_limit=1000)
+
+
+def fields_of(err: InvalidArgument) -> list[str]:
+    return [v.field for v in err.violations]
+
+
+def sampled(**fields: object) -> RequestInput:
+    return RequestInput(prompt="Hello", sampling=SamplingInput(**fields))  # type: ignore[arg-type]
+
+
+def check(request: RequestInput, limits: Limits = LIMITS) -> ValidRequest:
+    return validate(request, limits, new_seed=lambda: 1234, new_request_id=lambda: "rid")
+
+
+@pytest.mark.parametrize(
+    ("fields", "bad_field"),
+    [
+        ({"max_tokens": 0}, "sampling.max_tokens"),
+        ({"max_tokens": -5}, "sampling.max_tokens"),
+        ({"max_tokens": 1001}, "sampling.max_tokens"),
+        ({"temperature": -0.1}, "sampling.temperature"),
+        ({"temperature": math.nan}, "sampling.temperature"),
+        ({"temperature": math.inf}, "sampling.temperature"),
+        ({"top_p": 0.0}, "sampling.top_p"),
+        ({"top_p": 1.5}, "sampling.top_p"),
+        ({"top_p": -1.0}, "sampling.top_p"),
+        ({"top_k": -1}, "sampling.top_k"),
+        ({"min_p": -0.01}, "sampling.min_p"),
+        ({"min_p": 1.01}, "sampling.min_p"),
+        ({"repetition_penalty": 0.0}, "sampling.repetition_penalty"),
+        ({"repetition_penalty": -1.0}, "sampling.repetition_penalty"),
+        ({"presence_penalty": 2.5}, "sampling.presence_penalty"),
+        ({"presence_penalty": -2.01}, "sampling.presence_penalty"),
+        ({"frequency_penalty": 3.0}, "sampling.frequency_penalty"),
+        ({"frequency_penalty": -3.0}, "sampling.frequency_penalty"),
+        ({"logprobs": -1}, "sampling.logprobs"),
+        ({"logprobs": 21}, "sampling.logprobs"),
+        ({"stop": ("ok", "")}, "sampling.stop[1]"),
+        ({"stop": ("x" * 257,)}, "sampling.stop[0]"),
+        ({"stop": tuple(str(i) for i in range(17))}, "sampling.stop"),
+        ({"stop_token_ids": tuple(range(65))}, "sampling.stop_token_ids"),
+    ],
+)
+def test_each_bad_sampling_field_is_named(fields: dict[str, object], bad_field: str) -> None:
+    with pytest.raises(InvalidArgument) as info:
+        check(sampled(**fields))
+    assert fields_of(info.value) == [bad_field]
+    assert bad_field in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"max_tokens": 1},
+        {"max_tokens": 1000},
+        {"temperature": 0.0},
+        {"top_p": 1.0},
+        {"top_p": 1e-6},
+        {"top_k": 0},
+        {"min_p": 0.0},
+        {"min_p": 1.0},
+        {"repetition_penalty": 1e-3},
+        {"presence_penalty": -2.0},
+        {"frequency_penalty": 2.0},
+        {"logprobs": 0},
+        {"logprobs": 20},
+    ],
+)
+def test_boundary_values_are_accepted(fields: dict[str, object]) -> None:
+    check(sampled(**fields))
+
+
+def test_all_violations_reported_at_once() -> None:
+    with pytest.raises(InvalidArgument) as info:
+        check(sampled(temperature=-1.0, top_p=2.0, top_k=-3))
+    assert fields_of(info.value) == ["sampling.temperature", "sampling.top_p", "sampling.top_k"]
+
+
+@pytest.mark.parametrize(
+    ("request_input", "bad_fields"),
+    [
+        (RequestInput(), ["prompt"]),
+        (RequestInput(prompt=""), ["prompt"]),
+        (RequestInput(prompt="hi", token_ids=(1, 2)), ["token_ids"]),
+        (
+            RequestInput(prompt="hi", messages=(ChatTurn("user", "x"),), token_ids=(1,)),
+            ["messages", "token_ids"],
+        ),
+        (RequestInput(messages=(ChatTurn("robot", "x"),)), ["messages[0].role"]),
+        (RequestInput(prompt="hi", request_id="r" * 300), ["request_id"]),
+    ],
+)
+def test_bad_input_names_the_field(request_input: RequestInput, bad_fields: list[str]) -> None:
+    with pytest.raises(InvalidArgument) as info:
+        check(request_input)
+    assert fields_of(info.value) == bad_fields
+
+
+def test_defaults_are_filled() -> None:
+    valid = check(RequestInput(prompt="Hello"))
+    s = valid.sampling
+    assert (s.max_tokens, s.temperature, s.top_p, s.top_k, s.min_p) == (256, 1.0, 1.0, 0, 0.0)
+    assert (s.repetition_penalty, s.presence_penalty, s.frequency_penalty) == (1.0, 0.0, 0.0)
+    assert s.seed == 1234  # a fresh seed, so prefill and decode draw from the same one
+    assert s.logprobs is None and s.is_default_max_tokens
+    assert valid.request_id == "rid" and valid.prompt_field == "prompt"
+
+
+def test_given_values_and_request_id_are_kept() -> None:
+    valid = check(
+        RequestInput(
+            request_id="mine",
+            token_ids=(5, 6),
+            sampling=SamplingInput(max_tokens=7, temperature=0.0, seed=99, logprobs=3),
+        )
+    )
+    assert valid.request_id == "mine" and valid.prompt_field == "token_ids"
+    s = valid.sampling
+    assert (s.max_tokens, s.temperature, s.seed, s.logprobs) == (7, 0.0, 99, 3)
+    assert not s.is_default_max_tokens
+
+
+def test_no_limit_means_only_the_context_bounds_max_tokens() -> None:
+    check(sampled(max_tokens=10**6), Limits(default_max_tokens=16, max_tokens_limit=None))
+
+
+def test_limits_reject_a_default_above_the_limit() -> None:
+    with pytest.raises(ValueError, match="max_tokens_limit"):
+        Limits(default_max_tokens=100, max_tokens_limit=50)
+
+
+def test_token_ids_outside_vocab_are_named_by_index() -> None:
+    valid = check(RequestInput(token_ids=(1, 900, 2, 1000), sampling=SamplingInput()))
+    with pytest.raises(InvalidArgument) as info:
+        check_token_ids(valid, vocab_size=836)
+    assert fields_of(info.value) == ["token_ids[1]", "token_ids[3]"]
+    assert "835" in str(info.value)
+    check_token_ids(check(RequestInput(token_ids=(0, 835))), vocab_size=836)
+
+
+def test_stop_token_ids_outside_vocab_are_named() -> None:
+    valid = check(sampled(stop_token_ids=(3, 5000)))
+    with pytest.raises(InvalidArgument) as info:
+        check_token_ids(valid, vocab_size=836)
+    assert fields_of(info.value) == ["sampling.stop_token_ids[1]"]
+
+
+def test_fit_context() -> None:
+    explicit = check(sampled(max_tokens=100)).sampling
+    assert fit_context(explicit, 50, 150, "prompt").max_tokens == 100
+    with pytest.raises(InvalidArgument) as info:
+        fit_context(explicit, 51, 150, "prompt")
+    assert fields_of(info.value) == ["sampling.max_tokens"]
+    assert all(n in str(info.value) for n in ("51", "100", "150", "99"))
+    # The prompt alone fills the context: the prompt is what is wrong.
+    with pytest.raises(InvalidArgument) as info:
+        fit_context(explicit, 150, 150, "messages")
+    assert fields_of(info.value) == ["messages"]
+    with pytest.raises(InvalidArgument) as info:
+        fit_context(explicit, 60, 4096, "token_ids", max_prompt_tokens=50)
+    assert fields_of(info.value) == ["token_ids"]
+    with pytest.raises(InvalidArgument):
+        fit_context(explicit, 0, 150, "prompt")
+    # An unset max_tokens shrinks to what the context leaves.
+    default = check(RequestInput(prompt="x")).sampling
+    assert fit_context(default, 4000, 4096, "prompt").max_tokens == 96
+
+
+def test_with_eos_adds_eos_ids_unless_ignore_eos() -> None:
+    s = check(sampled(stop_token_ids=(7, 9))).sampling
+    assert with_eos(s, [9, 11]).stop_token_ids == (7, 9, 11)
+    ignoring = check(sampled(stop_token_ids=(7,), ignore_eos=True)).sampling
+    assert with_eos(ignoring, [9, 11]).stop_token_ids == (7,)
