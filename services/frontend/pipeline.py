@@ -271,6 +271,10 @@ class Generation:
         finally:
             if not read.done():
                 read.cancel()
+            elif not read.cancelled():
+                # When prefill's failure wins the race, decode's read may have failed too;
+                # retrieve it so asyncio does not log it as an unhandled task error.
+                read.exception()
         if event is grpc.aio.EOF:
             raise Unavailable(
                 f"decode at {admission.route.decode} ended the stream without a finish reason"

@@ -1,0 +1,314 @@
+"""A gRPC proxy in front of a decode instance that can damage chosen KV transfers.
+
+Every call (DecodeService.Generate/Info, KvTransferService.TransferKv, health) is forwarded as
+raw bytes to the real decode instance; the proxy runs a grpc.aio server on its own event loop
+in a daemon thread, so tests stay synchronous. A frontend started with `--decode <proxy>` sends
+both its own Generate calls and prefill's KV destination through it.
+
+For TransferKv, each message is parsed; for a request id with a fault armed (`arm`) the proxy
+
+    corrupt_first / corrupt_last   flips one byte of that chunk's `data`, crc32 left as sent
+    drop_commit                    swallows the commit and half-closes the stream to decode
+    cut_after_first_chunk          after chunk 0, cancels the call to decode (a broken
+                                   connection) and fails prefill's call with UNAVAILABLE
+
+and records what it did (`events`), so a test can check the fault really happened.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2
+
+from mili.decode.v1 import decode_pb2
+from mili.kv.v1 import kv_pb2
+from mili.rpc.client import channel_options
+
+TRANSFER_KV = "/mili.kv.v1.KvTransferService/TransferKv"
+FAULTS = ("corrupt_first", "corrupt_last", "drop_commit", "cut_after_first_chunk")
+
+# Method path -> (client streaming, server streaming), from the protos the decode server serves.
+_KINDS = {
+    f"/{service.full_name}/{method.name}": (method.client_streaming, method.server_streaming)
+    for file in (decode_pb2.DESCRIPTOR, kv_pb2.DESCRIPTOR, health_pb2.DESCRIPTOR)
+    for service in file.services_by_name.values()
+    for method in service.methods
+}
+
+
+class _Transfer:
+    """What the proxy does to one TransferKv stream."""
+
+    def __init__(self, proxy: FaultProxy) -> None:
+        self._proxy = proxy
+        self.request_id = ""
+        self.fault: str | None = None
+        self.num_chunks = 0
+        self.is_cut = False
+
+    def rewrite(self, raw: bytes) -> bytes | None:
+        """The bytes to forward for one message; None: forward nothing (and stop sending)."""
+        message = kv_pb2.TransferKvRequest.FromString(raw)
+        kind = message.WhichOneof("kind")
+        if kind == "header":
+            self.request_id = message.header.request_id
+            self.num_chunks = message.header.num_chunks
+            self.fault = self._proxy.fault_of(self.request_id)
+            return raw
+        if self.fault is None:
+            return raw
+        if kind == "chunk":
+            seq = message.chunk.seq
+            last = self.num_chunks - 1
+            if (self.fault, seq) in (("corrupt_first", 0), ("corrupt_last", last)):
+                data = bytearray(message.chunk.data)
+                data[len(data) // 2] ^= 0x5A
+                message.chunk.data = bytes(data)  # crc32 stays the sender's
+                self._proxy.record(self.request_id, f"corrupted chunk {seq}")
+                return message.SerializeToString()
+            if self.fault == "cut_after_first_chunk" and seq == 1:
+                self._proxy.record(self.request_id, "cut before chunk 1")
+                self.is_cut = True
+                return None
+        if kind == "commit" and self.fault == "drop_commit":
+            self._proxy.record(self.request_id, "dropped the commit")
+            return None
+        return raw
+
+
+class FaultProxy:
+    """Forwards every call to `upstream`; `address` is where it listens. Use as a context."""
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream = upstream
+        self._lock = threading.Lock()
+        self._faults: dict[str, str] = {}
+        self._events: list[tuple[str, str]] = []
+        self._statuses: list[tuple[str, grpc.StatusCode, str]] = []
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        self._server: grpc.aio.Server | None = None
+        self._channel: grpc.aio.Channel | None = None
+        self.address = self._call(self._start())
+
+    # ---- control, from the test's thread ------------------------------------------------------
+
+    def arm(self, request_id: str, fault: str) -> None:
+        assert fault in FAULTS, fault
+        with self._lock:
+            self._faults[request_id] = fault
+
+    def fault_of(self, request_id: str) -> str | None:
+        with self._lock:
+            return self._faults.get(request_id)
+
+    def record(self, request_id: str, what: str) -> None:
+        with self._lock:
+            self._events.append((request_id, what))
+
+    def record_status(self, request_id: str, code: grpc.StatusCode, details: str) -> None:
+        """The status decode ended a transfer with (what the proxy relays to prefill)."""
+        with self._lock:
+            self._statuses.append((request_id, code, details))
+
+    def statuses(self, request_id: str) -> list[tuple[grpc.StatusCode, str]]:
+        with self._lock:
+            return [(code, details) for rid, code, details in self._statuses if rid == request_id]
+
+    def events(self, request_id: str | None = None) -> list[str]:
+        with self._lock:
+            return [what for rid, what in self._events if request_id in (None, rid)]
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        with contextlib.suppress(Exception):
+            self._call(self._stop())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        self._loop.close()
+
+    def __enter__(self) -> FaultProxy:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout=30)
+
+    # ---- the server, on the proxy's loop -----------------------------------------------------
+
+    async def _start(self) -> str:
+        options = channel_options()
+        self._channel = grpc.aio.insecure_channel(self.upstream, options=options)
+        self._server = grpc.aio.server(options=options[:2])
+        self._server.add_generic_rpc_handlers([_Handler(self)])
+        port = self._server.add_insecure_port("127.0.0.1:0")
+        await self._server.start()
+        return f"127.0.0.1:{port}"
+
+    async def _stop(self) -> None:
+        if self._server is not None:
+            await self._server.stop(grace=None)
+        if self._channel is not None:
+            await self._channel.close()
+
+    @property
+    def channel(self) -> grpc.aio.Channel:
+        assert self._channel is not None
+        return self._channel
+
+
+def _forwarded(context: grpc.aio.ServicerContext) -> dict[str, Any]:
+    """Timeout and metadata of the incoming call, for the outgoing one."""
+    metadata = tuple(
+        (m.key, m.value)
+        for m in context.invocation_metadata() or ()
+        if not m.key.startswith((":", "grpc-")) and m.key not in ("user-agent", "te")
+    )
+    return {"timeout": context.time_remaining(), "metadata": metadata}
+
+
+async def _relay_error(context: grpc.aio.ServicerContext, err: grpc.aio.AioRpcError) -> None:
+    """End the incoming call with the upstream call's status (rich details included)."""
+    await _abort(context, err.code(), err.details() or "", err.trailing_metadata())
+
+
+async def _abort(
+    context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str, trailers: Any
+) -> None:
+    kept = tuple(
+        (key, value)
+        for key, value in trailers or ()
+        if not key.startswith("grpc-") or key == "grpc-status-details-bin"
+    )
+    await context.abort(code, details, kept)
+
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+class _FirstStatus:
+    """The first status a client-streaming call got, so the proxy relays decode's own.
+
+    grpc.aio quirk (services/prefill/sender.py works around it the same way): a write racing
+    the server's status fails, and grpc then sets the call's status to INTERNAL "Internal error
+    from Core" -- also after the server's real status had arrived, overwriting it. The done
+    callback runs once, with the status set first. Without this the proxy would now and then
+    turn decode's DATA_LOSS into an INTERNAL of its own making.
+    """
+
+    def __init__(self, call: grpc.aio.Call) -> None:
+        self._first: tuple[grpc.StatusCode, str, Any] | None = None
+        call.add_done_callback(self._on_done)
+
+    def _on_done(self, call: grpc.aio.Call) -> None:
+        status = getattr(getattr(call, "_cython_call", None), "_status", None)  # private API
+        if status is not None and self._first is None:
+            code = _CODES.get(status.code(), grpc.StatusCode.UNKNOWN)
+            self._first = (code, status.details(), status.trailing_metadata())
+
+    def of(self, err: grpc.aio.AioRpcError) -> tuple[grpc.StatusCode, str, Any]:
+        first = self._first
+        if err.code() is grpc.StatusCode.INTERNAL and first and first[0] is not err.code():
+            return first
+        return err.code(), err.details() or "", err.trailing_metadata()
+
+
+class _Handler(grpc.GenericRpcHandler):
+    def __init__(self, proxy: FaultProxy) -> None:
+        self._proxy = proxy
+
+    def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        method = details.method
+        kind = _KINDS.get(method)
+        if kind is None:
+            return None  # UNIMPLEMENTED
+        channel = self._proxy.channel
+        if kind == (False, False):
+
+            async def unary_unary(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+                try:
+                    return await channel.unary_unary(method)(request, **_forwarded(context))
+                except grpc.aio.AioRpcError as err:
+                    await _relay_error(context, err)
+                    raise
+
+            return grpc.unary_unary_rpc_method_handler(unary_unary)
+        if kind == (False, True):
+
+            async def unary_stream(
+                request: bytes, context: grpc.aio.ServicerContext
+            ) -> AsyncIterator[bytes]:
+                call = channel.unary_stream(method)(request, **_forwarded(context))
+                try:
+                    async for response in call:
+                        yield response
+                except grpc.aio.AioRpcError as err:
+                    await _relay_error(context, err)
+                finally:
+                    call.cancel()  # our caller went away: so does the call to decode
+
+            return grpc.unary_stream_rpc_method_handler(unary_stream)
+        if kind == (True, False):
+            return grpc.stream_unary_rpc_method_handler(self._stream_unary(method))
+        return None  # no bidirectional method is served by decode
+
+    def _stream_unary(self, method: str) -> Any:
+        proxy = self._proxy
+
+        async def stream_unary(
+            requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
+        ) -> bytes:
+            call = proxy.channel.stream_unary(method)(**_forwarded(context))
+            first_status = _FirstStatus(call)
+            transfer = _Transfer(proxy) if method == TRANSFER_KV else None
+
+            async def pump() -> None:
+                async for raw in requests:
+                    out = raw if transfer is None else transfer.rewrite(raw)
+                    if out is None:
+                        break
+                    if call.done():
+                        return
+                    await call.write(out)
+                if transfer is not None and transfer.is_cut:
+                    call.cancel()  # the connection to decode "breaks"
+                    return
+                with contextlib.suppress(asyncio.InvalidStateError, grpc.aio.AioRpcError):
+                    await call.done_writing()
+
+            pumping = asyncio.ensure_future(pump())
+            finished = asyncio.ensure_future(call.code())
+            try:
+                # The pump ends when the sender half-closes, or at a cut; decode may answer (its
+                # error) before either, ending the call.
+                await asyncio.wait({pumping, finished}, return_when=asyncio.FIRST_COMPLETED)
+                if transfer is not None and transfer.is_cut:
+                    await context.abort(
+                        grpc.StatusCode.UNAVAILABLE, "fault proxy: connection to decode lost"
+                    )
+                try:
+                    return await call
+                except grpc.aio.AioRpcError as err:
+                    code, details, trailers = first_status.of(err)
+                    if transfer is not None:
+                        proxy.record_status(transfer.request_id, code, details)
+                    await _abort(context, code, details, trailers)
+                    raise
+            finally:
+                for task in (pumping, finished):
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, Exception):
+                        await task
+                call.cancel()
+
+        return stream_unary
