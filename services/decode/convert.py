@@ -3,54 +3,18 @@ imports generated *_pb2 modules)."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from mili.common.v1 import sampling_pb2
 from mili.decode.v1 import decode_pb2
 from mili.engine.kv_cache import KVLayout
-from mili.engine.sampling_params import SamplingParams
-from mili.errors import FieldViolation, InvalidArgument
 from mili.kv.v1 import kv_pb2
 from mili.rpc.kv_codec import layout_to_proto
 from services.decode.stream import FINISH_LENGTH, FINISH_STOP, TokenEvent, TokenLogprobs
-
-# proto3 `optional` fields copied as they are when set; unset ones keep SamplingParams' default.
-_OPTIONAL_FIELDS = (
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "seed",
-    "logprobs",
-)
 
 _FINISH_REASONS = {
     "": sampling_pb2.FINISH_REASON_UNSPECIFIED,
     FINISH_STOP: sampling_pb2.FINISH_REASON_STOP,
     FINISH_LENGTH: sampling_pb2.FINISH_REASON_LENGTH,
 }
-
-
-def sampling_params(proto: sampling_pb2.SamplingParams) -> SamplingParams:
-    """The engine's SamplingParams; InvalidArgument names each bad field as `sampling.<field>`.
-
-    `stop` strings are not applied here: decode works on token ids, and the frontend matches stop
-    strings on the detokenized text (cancelling the call once one matches).
-    """
-    kwargs: dict[str, Any] = {name: getattr(proto, name) for name in _OPTIONAL_FIELDS}
-    kwargs = {name: value for name, value in kwargs.items() if proto.HasField(name)}
-    try:
-        return SamplingParams(
-            **kwargs, stop_token_ids=tuple(proto.stop_token_ids), ignore_eos=proto.ignore_eos
-        )
-    except InvalidArgument as e:
-        raise InvalidArgument.many(
-            [FieldViolation(f"sampling.{v.field}", v.description) for v in e.violations]
-        ) from None
 
 
 def layout(kv_layout: KVLayout, model_fingerprint: str) -> kv_pb2.KvLayout:

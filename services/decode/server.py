@@ -13,6 +13,7 @@ from mili.decode.v1 import decode_pb2, decode_pb2_grpc
 from mili.errors import Cancelled, DeadlineExceeded, InvalidArgument, Unavailable
 from mili.kv.v1 import kv_pb2, kv_pb2_grpc
 from mili.rpc.kv_codec import check_compatible
+from mili.rpc.sampling import sampling_params
 from mili.rpc.server import RpcServer
 from services.decode import convert
 from services.decode.instance import DecodeInstance
@@ -51,7 +52,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         if not request_id:
             raise InvalidArgument("request_id", request_id, "must be non-empty")
         self._check_prompt(prompt)
-        params = convert.sampling_params(request.sampling)
+        params = sampling_params(request.sampling)
         if len(prompt) + params.max_tokens > inst.max_context_tokens:
             raise InvalidArgument(
                 "sampling.max_tokens",

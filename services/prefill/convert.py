@@ -6,43 +6,13 @@ Every violation is reported at once, each naming its field (`token_ids[3]`, `sam
 
 from __future__ import annotations
 
-from typing import Any
-
-from mili.common.v1 import sampling_pb2
 from mili.engine.block_pool import blocks_needed
-from mili.engine.sampling_params import SamplingParams
 from mili.errors import FieldViolation, InvalidArgument
 from mili.prefill.v1 import prefill_pb2
+from mili.rpc.sampling import sampling_params
 from services.prefill.task import PrefillTask
 
-# Optional proto fields copied when set; unset ones take SamplingParams' defaults. Stop strings
-# are decode's business (they need text); the first token never stops on one.
-_OPTIONAL_SAMPLING = (
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "seed",
-    "logprobs",
-)
 _MAX_REQUEST_ID_CHARS = 256
-
-
-def sampling_params(proto: sampling_pb2.SamplingParams) -> SamplingParams:
-    """Engine SamplingParams; InvalidArgument with fields named `sampling.<field>`."""
-    kwargs: dict[str, Any] = {f: getattr(proto, f) for f in _OPTIONAL_SAMPLING if proto.HasField(f)}
-    try:
-        return SamplingParams(
-            stop_token_ids=tuple(proto.stop_token_ids), ignore_eos=proto.ignore_eos, **kwargs
-        )
-    except InvalidArgument as err:
-        raise InvalidArgument.many(
-            [FieldViolation(f"sampling.{v.field}", v.description) for v in err.violations]
-        ) from None
 
 
 def prefill_task(
