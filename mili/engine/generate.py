@@ -85,8 +85,9 @@ def generate(
 ) -> list[GenerationResult]:
     """Generate for each prompt (token ids) with its SamplingParams; results in prompt order.
 
-    `kv_cache` and `pool` default to a fresh pair sized by `blocks_for_requests`; pass your own
-    to observe them (the pool is back to all-free when this returns). `prefill_chunk_size` splits
+    `kv_cache` and `pool` default to a fresh pair sized by `blocks_for_requests` (with
+    `block_size`); pass your own to observe them (the pool is back to all-free when this
+    returns; the cache's own block size then applies). `prefill_chunk_size` splits
     prompts into chunks of at most that many tokens, each attending to the cached ones before it.
     `stats`, when given, accumulates timings.
     """
