@@ -15,6 +15,7 @@ Receivers, each a separate process on loopback:
   checker   validates every chunk (kv_codec.decode_chunk) and scatters it into its own KV
             cache on a worker thread, pipelined with reading the stream
   discard   counts bytes only: the prefill side's own ceiling
+  (both read chunks in place, with kv_codec.parse_transfer_request, as decode does)
   decode    the real `mili serve-decode` (a Generate call reserves the blocks first); skipped
             with --no-decode
 
@@ -22,6 +23,7 @@ Targets: KV path >= 0.5 GB/s, start -> ack <= 1.3 x compute alone.
 
     .venv/bin/python benchmarks/kv_handoff.py
     .venv/bin/python benchmarks/kv_handoff.py --prompt-len 1024 --repeats 5 --json
+    .venv/bin/python benchmarks/kv_handoff.py --receivers decode --path-only --repeats 15
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ from mili.engine.sampling_params import SamplingParams
 from mili.kv.v1 import kv_pb2, kv_pb2_grpc
 from mili.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from mili.rpc.client import insecure_channel
-from mili.rpc.kv_codec import check_compatible, decode_chunk
+from mili.rpc.kv_codec import ChunkView, check_compatible, decode_chunk, parse_transfer_request
 from mili.rpc.server import RpcServer, ServerConfig
 from services.prefill.config import PrefillConfig
 from services.prefill.sender import KvSender
@@ -64,6 +66,7 @@ from services.prefill.server import PrefillServicer, add_to_server
 from services.prefill.task import FirstToken, PrefillTask
 
 MODEL = "qwen3-0.6b"
+RECEIVERS = ("discard", "checker", "decode")
 BLOCK_SIZE = 16
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -93,7 +96,7 @@ class _Receiver(kv_pb2_grpc.KvTransferServiceServicer):
         self.layout, self.cache = layout, cache
         self.lander = ThreadPoolExecutor(1)  # one thread: chunks land in order
 
-    def _land(self, chunk: kv_pb2.KvChunk) -> None:
+    def _land(self, chunk: ChunkView) -> None:
         assert self.cache is not None
         k, v = decode_chunk(chunk, self.layout)
         self.cache.scatter_blocks(chunk.layer, list(chunk.block_ids), k, v)
@@ -105,11 +108,10 @@ class _Receiver(kv_pb2_grpc.KvTransferServiceServicer):
         check_compatible(self.layout, header.layout, local_name="decode", remote_name="prefill")
         num_bytes = 0
         landing: list[asyncio.Future[None]] = []
-        async for message in iterator:
-            if message.WhichOneof("kind") == "commit":
+        async for chunk in iterator:
+            if not isinstance(chunk, ChunkView):  # the commit
                 await asyncio.gather(*landing)  # raises DataLoss from any chunk
                 return kv_pb2.TransferKvResponse(num_bytes=num_bytes)
-            chunk = message.chunk
             if self.cache is not None:  # checks and copy off the event loop, not awaited here
                 landing.append(loop.run_in_executor(self.lander, self._land, chunk))
             num_bytes += len(chunk.data)
@@ -123,7 +125,17 @@ async def _serve_receiver(layout_hex: str, num_blocks: int) -> None:
     if num_blocks:
         cache = KVCache(PRESETS[MODEL], num_blocks, layout.block_size, dtype=torch.bfloat16)
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 256 << 20)])
-    kv_pb2_grpc.add_KvTransferServiceServicer_to_server(_Receiver(layout, cache), server)
+    receiver = _Receiver(layout, cache)
+    # As decode reads them: each chunk's bytes left in place (kv_codec.parse_transfer_request).
+    handler = grpc.stream_unary_rpc_method_handler(
+        receiver.TransferKv,
+        request_deserializer=parse_transfer_request,
+        response_serializer=kv_pb2.TransferKvResponse.SerializeToString,
+    )
+    service = kv_pb2.DESCRIPTOR.services_by_name["KvTransferService"].full_name
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(service, {"TransferKv": handler}),)
+    )
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     print(f"listening on 127.0.0.1:{port}", flush=True)
@@ -309,17 +321,19 @@ async def measure(args: argparse.Namespace, path: Path) -> list[dict[str, Any]]:
         async with insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = prefill_pb2_grpc.PrefillServiceStub(channel)
             for name, blocks in (("discard", 0), ("checker", num_blocks)):
+                if name not in args.receivers:
+                    continue
                 proc, address = _start([*me, "--serve-receiver", layout_hex, str(blocks)])
                 procs.append(proc)
                 reserve = fixed_blocks(num_blocks)
                 path_runs = await kv_path_alone(servicer, address, reserve, prompt, args.repeats)
                 full_runs = None
-                if name == "checker":
+                if name == "checker" and args.full:
                     full_runs = await compute_and_handoff(
                         stub, model, address, reserve, prompt, args.repeats
                     )
                 rows.append(summarize(name, path_runs, full_runs))
-            if args.decode:
+            if "decode" in args.receivers:
                 decode_args = ["--port", "0", "--num-blocks", str(2 * num_blocks + 8)]
                 decode_args += ["--block-size", str(BLOCK_SIZE), "--log-level", "WARNING"]
                 mili = [sys.executable, "-m", "mili", "serve-decode", "--model", str(path)]
@@ -330,9 +344,11 @@ async def measure(args: argparse.Namespace, path: Path) -> list[dict[str, Any]]:
                     path_runs = await kv_path_alone(
                         servicer, address, reserve, prompt, args.repeats
                     )
-                    full_runs = await compute_and_handoff(
-                        stub, model, address, reserve, prompt, args.repeats
-                    )
+                    full_runs = None
+                    if args.full:
+                        full_runs = await compute_and_handoff(
+                            stub, model, address, reserve, prompt, args.repeats
+                        )
                 rows.append(summarize("decode", path_runs, full_runs))
     finally:
         await server.drain()
@@ -359,11 +375,27 @@ def main() -> None:
         "--receiver-threads", type=int, default=1, help="torch threads of the checker receiver"
     )
     parser.add_argument(
+        "--receivers",
+        type=lambda s: s.split(","),
+        default=list(RECEIVERS),
+        help=f"comma-separated subset of {','.join(RECEIVERS)} (default: all)",
+    )
+    parser.add_argument(
         "--no-decode", dest="decode", action="store_false", help="skip the real decode service"
+    )
+    parser.add_argument(
+        "--path-only",
+        dest="full",
+        action="store_false",
+        help="measure the KV path alone (no prefill compute runs: much quicker)",
     )
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--serve-receiver", nargs=2, metavar=("LAYOUT_HEX", "NUM_BLOCKS"))
     args = parser.parse_args()
+    if unknown := set(args.receivers) - set(RECEIVERS):
+        parser.error(f"--receivers: unknown {sorted(unknown)}; choose from {RECEIVERS}")
+    if not args.decode:
+        args.receivers = [r for r in args.receivers if r != "decode"]
     if args.serve_receiver:
         torch.set_num_threads(args.receiver_threads)
         asyncio.run(_serve_receiver(args.serve_receiver[0], int(args.serve_receiver[1])))

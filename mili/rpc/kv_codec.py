@@ -8,6 +8,25 @@ One chunk carries the K and V of some whole blocks of one layer (see mili/kv/v1/
 
 Both sides publish a KvLayout; `check_compatible` refuses a pair that differs in any field,
 naming both layouts, so a mismatch is a FAILED_PRECONDITION at set-up, never garbage tokens.
+
+Chunks are megabytes each, so both ends handle the serialized `TransferKvRequest{chunk}` bytes
+themselves rather than through protobuf objects, which copy the data at every step:
+
+    prefill   encode_chunk_request  K, V -> message bytes: one copy (the final join), CRC-32 over
+                                    the tensors in place
+    decode    parse_transfer_request  message bytes -> ChunkView: data a view of those bytes
+              decode_chunk          length and CRC-32 checks; K, V as views of the same bytes
+
+Both write and read exactly the protobuf wire format (tests/rpc/test_kv_codec.py checks them
+against protobuf byte for byte and field for field), so either end may use protobuf instead.
+Wire format of a chunk message (proto3: a field at its default value is not written):
+
+    TransferKvRequest  0x12 len  KvChunk                      (field 2, length-delimited)
+    KvChunk            0x0a len request_id                    (1, string)
+                       0x10 seq | 0x18 layer                  (2, 3: varints)
+                       0x22 len packed block_ids              (4, packed varints)
+                       0x2a len K bytes V bytes               (5, bytes)
+                       0x30 crc32                             (6, varint)
 """
 
 from __future__ import annotations
@@ -15,6 +34,7 @@ from __future__ import annotations
 import warnings
 import zlib
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -71,9 +91,63 @@ def torch_dtype(layout: kv_pb2.KvLayout) -> torch.dtype:
         raise FailedPrecondition(f"unsupported KV dtype {layout.dtype!r}") from None
 
 
-def _tensor_bytes(t: torch.Tensor) -> bytes:
-    # uint8 view of the raw elements: works for bf16, which numpy cannot represent.
-    return t.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
+# ---- encoding (prefill) -----------------------------------------------------------------------
+
+
+def _write_varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _raw(t: torch.Tensor) -> memoryview:
+    """The tensor's bytes in C order, little-endian as torch stores them; no copy when it is
+    already a contiguous CPU tensor. (A uint8 view: numpy has no bf16.)"""
+    flat = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+    return memoryview(flat.numpy().data)
+
+
+def encode_chunk_request(
+    request_id: str,
+    seq: int,
+    layer: int,
+    block_ids: Sequence[int],
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> tuple[bytes, int]:
+    """(serialized `TransferKvRequest{chunk}`, payload bytes); k, v: [len(block_ids),
+    block_size, num_kv_heads, head_dim] of the cache's dtype.
+
+    One copy of the KV instead of protobuf's five (out of the tensors, their concatenation, into
+    the KvChunk, into the TransferKvRequest, serializing): K and V stay views of the tensors
+    until one `bytes.join` writes the whole message, and the CRC-32 runs over them in place
+    (zlib releases the GIL on large buffers: run this on an encoder thread).
+    """
+    if k.shape != v.shape or k.shape[0] != len(block_ids):
+        raise ValueError(f"k {tuple(k.shape)} / v {tuple(v.shape)} vs {len(block_ids)} block ids")
+    k_bytes, v_bytes = _raw(k), _raw(v)
+    num_data = len(k_bytes) + len(v_bytes)
+    crc = zlib.crc32(v_bytes, zlib.crc32(k_bytes))
+    head = bytearray()
+    if request_id:
+        encoded_id = request_id.encode()
+        head += b"\x0a" + _write_varint(len(encoded_id)) + encoded_id
+    if seq:
+        head += b"\x10" + _write_varint(seq)
+    if layer:
+        head += b"\x18" + _write_varint(layer)
+    if block_ids:
+        packed = b"".join(_write_varint(b) for b in block_ids)
+        head += b"\x22" + _write_varint(len(packed)) + packed
+    if num_data:
+        head += b"\x2a" + _write_varint(num_data)
+    tail = b"\x30" + _write_varint(crc) if crc else b""
+    body = len(head) + num_data + len(tail)
+    message = b"".join((b"\x12", _write_varint(body), head, k_bytes, v_bytes, tail))
+    return message, num_data
 
 
 def encode_chunk(
@@ -84,22 +158,118 @@ def encode_chunk(
     k: torch.Tensor,
     v: torch.Tensor,
 ) -> kv_pb2.KvChunk:
-    """k, v: [len(block_ids), block_size, num_kv_heads, head_dim] of the cache's dtype."""
-    if k.shape != v.shape or k.shape[0] != len(block_ids):
-        raise ValueError(f"k {tuple(k.shape)} / v {tuple(v.shape)} vs {len(block_ids)} block ids")
-    data = _tensor_bytes(k) + _tensor_bytes(v)
-    return kv_pb2.KvChunk(
-        request_id=request_id,
-        seq=seq,
-        layer=layer,
-        block_ids=block_ids,
-        data=data,
-        crc32=zlib.crc32(data),
-    )
+    """The chunk `encode_chunk_request` sends, as a message (for tests and tools: slow)."""
+    message, _ = encode_chunk_request(request_id, seq, layer, block_ids, k, v)
+    return kv_pb2.TransferKvRequest.FromString(message).chunk
+
+
+# ---- decoding (decode) -------------------------------------------------------------------------
+
+
+class ChunkView(NamedTuple):
+    """A KvChunk read in place from a serialized `TransferKvRequest{chunk}`: `data` is a view of
+    the message's bytes, not a copy (see `parse_transfer_request`)."""
+
+    request_id: str
+    seq: int
+    layer: int
+    block_ids: list[int]
+    data: memoryview
+    crc32: int
+
+
+def parse_transfer_request(raw: bytes) -> kv_pb2.TransferKvRequest | ChunkView:
+    """The request deserializer of TransferKv's receiving end: a chunk comes back as a
+    ChunkView, its megabytes left where grpc put them; anything else (the header, the commit)
+    as protobuf parses it. Reading the chunk through protobuf costs two copies of its data: one
+    when parsing the message, one when reading its `data` field.
+
+    Reads any encoding protobuf writes or accepts, field for field as protobuf would; a message
+    it does not read itself (a repeated `chunk` field, a group, a malformed one) goes to
+    protobuf, which also raises the DecodeError for bad input.
+    """
+    chunk = _parse_chunk(raw)
+    return chunk if chunk is not None else kv_pb2.TransferKvRequest.FromString(raw)
+
+
+_UINT32 = 0xFFFFFFFF  # protobuf keeps the low 32 bits of a varint read into a uint32 field
+
+
+def _read_varint(buf: bytes, pos: int) -> tuple[int, int]:
+    """(value, position after it); ValueError past the end or beyond 10 bytes."""
+    value = shift = 0
+    while True:
+        byte = buf[pos]  # IndexError past the end
+        value |= (byte & 0x7F) << shift
+        pos += 1
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+        if shift >= 70:
+            raise ValueError("varint longer than 10 bytes")
+
+
+def _parse_chunk(raw: bytes) -> ChunkView | None:
+    """A TransferKvRequest made of exactly one `chunk` field, as a ChunkView; else None."""
+    try:
+        if not raw or raw[0] != 0x12:  # field 2 (chunk), length-delimited
+            return None
+        size, pos = _read_varint(raw, 1)
+        end = len(raw)
+        if pos + size != end:  # more fields follow (or too few bytes): protobuf's to merge
+            return None
+        request_id = b""
+        seq = layer = crc32 = 0
+        block_ids: list[int] = []
+        data = memoryview(raw)[0:0]
+        while pos < end:
+            key, pos = _read_varint(raw, pos)
+            field, wire_type = key >> 3, key & 7
+            if wire_type == 0:  # varint
+                value, pos = _read_varint(raw, pos)
+                if field in (0, 1, 5):
+                    return None  # no field 0; a string or bytes as a varint: protobuf's call
+                if field == 2:
+                    seq = value & _UINT32
+                elif field == 3:
+                    layer = value & _UINT32
+                elif field == 4:  # an unpacked repeated uint32
+                    block_ids.append(value & _UINT32)
+                elif field == 6:
+                    crc32 = value & _UINT32
+            elif wire_type == 2:  # length-delimited
+                size, pos = _read_varint(raw, pos)
+                if pos + size > end:
+                    return None
+                if field == 1:
+                    request_id = raw[pos : pos + size]
+                elif field == 4:  # packed uint32s
+                    packed, stop = pos, pos + size
+                    while packed < stop:
+                        value, packed = _read_varint(raw, packed)
+                        block_ids.append(value & _UINT32)
+                    if packed != stop:
+                        return None
+                elif field == 5:
+                    data = memoryview(raw)[pos : pos + size]
+                elif field in (0, 2, 3, 6):
+                    return None  # no field 0; a scalar sent length-delimited: protobuf's call
+                pos += size
+            elif wire_type == 1 and field > 6:
+                pos += 8  # unknown fixed64
+            elif wire_type == 5 and field > 6:
+                pos += 4  # unknown fixed32
+            else:
+                return None  # groups, reserved wire types, known fields mistyped: protobuf's call
+        if pos != end:
+            return None
+        return ChunkView(request_id.decode(), seq, layer, block_ids, data, crc32)
+    except (IndexError, ValueError):  # truncated; bad varint; request_id not UTF-8
+        return None
 
 
 def decode_chunk(
-    chunk: kv_pb2.KvChunk, layout: kv_pb2.KvLayout
+    chunk: kv_pb2.KvChunk | ChunkView, layout: kv_pb2.KvLayout
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Validate a chunk against `layout`; return (k, v), each [n, block_size, kv_heads, D].
 
@@ -109,7 +279,7 @@ def decode_chunk(
     if chunk.layer >= layout.num_layers:
         raise DataLoss(f"{where}: layer out of range (model has {layout.num_layers})")
     n = len(chunk.block_ids)
-    data = chunk.data  # each read of a bytes field copies it: read the megabytes once
+    data = chunk.data  # each read of a KvChunk's bytes field copies it: read it once
     expected = 2 * n * block_bytes(layout)
     if len(data) != expected:
         raise DataLoss(f"{where}: {len(data)} bytes for {n} blocks, expected {expected}")

@@ -41,6 +41,29 @@ from services.decode.stream import (
 _LOG = logging.getLogger("mili.decode")
 
 
+def _row_copy_fits(dst: torch.Tensor, block_ids: list[int], src: torch.Tensor) -> bool:
+    """Whether `_copy_rows` can do dst[block_ids] = src: contiguous CPU tensors of one dtype,
+    whole blocks, ids in range."""
+    n = len(block_ids)
+    return (
+        dst.device.type == src.device.type == "cpu"
+        and src.dtype == dst.dtype
+        and tuple(src.shape) == (n, *dst.shape[1:])
+        and src.is_contiguous()
+        and dst.is_contiguous()
+        and (n == 0 or 0 <= min(block_ids) <= max(block_ids) < dst.shape[0])
+    )
+
+
+def _copy_rows(dst: torch.Tensor, block_ids: list[int], src: torch.Tensor) -> None:
+    """dst[block_ids] = src as a numpy copy of raw byte rows: 5-10x faster than torch's
+    index_copy_ on bf16, which goes element by element (1 MB: ~0.06 vs ~0.4 ms on a 2-core
+    x86 box); like it, the copy runs with the GIL released. Bit-exact: bytes are copied."""
+    if block_ids:
+        rows = dst.view(torch.uint8).view(dst.shape[0], -1).numpy()
+        rows[block_ids] = src.view(torch.uint8).view(len(block_ids), -1).numpy()
+
+
 @dataclass(frozen=True)
 class _Join:
     request: DecodeRequest
@@ -115,8 +138,14 @@ class Batcher:
         Called from a transfer thread while this loop runs: safe because the blocks belong to a
         request that is not in the batch yet, and no step reads or writes them.
         """
+        cache = self._cache
+        pairs = ((cache.k[layer], k), (cache.v[layer], v))
+        if all(_row_copy_fits(dst, block_ids, src) for dst, src in pairs):
+            for dst, src in pairs:
+                _copy_rows(dst, block_ids, src)
+            return
         with torch.inference_mode():
-            self._cache.scatter_blocks(layer, block_ids, k, v)
+            cache.scatter_blocks(layer, block_ids, k, v)  # CUDA, or input it will refuse
 
     # ---- batch thread --------------------------------------------------------------------------
 

@@ -11,8 +11,8 @@ import grpc
 
 from mili.decode.v1 import decode_pb2, decode_pb2_grpc
 from mili.errors import Cancelled, DeadlineExceeded, InvalidArgument, Unavailable
-from mili.kv.v1 import kv_pb2, kv_pb2_grpc
-from mili.rpc.kv_codec import check_compatible
+from mili.kv.v1 import kv_pb2
+from mili.rpc.kv_codec import check_compatible, parse_transfer_request
 from mili.rpc.sampling import sampling_params
 from mili.rpc.server import RpcServer
 from services.decode import convert
@@ -154,7 +154,20 @@ def add_to_server(server: RpcServer, instance: DecodeInstance) -> None:
     server.add_service(
         DECODE_SERVICE, lambda s: decode_pb2_grpc.add_DecodeServiceServicer_to_server(decode, s)
     )
-    server.add_service(
-        KV_TRANSFER_SERVICE,
-        lambda s: kv_pb2_grpc.add_KvTransferServiceServicer_to_server(transfer, s),
+    server.add_service(KV_TRANSFER_SERVICE, lambda s: _add_transfer(transfer, s))
+
+
+def _add_transfer(transfer: KvTransferServicer, server: grpc.aio.Server) -> None:
+    """kv_pb2_grpc.add_KvTransferServiceServicer_to_server, but with a request deserializer
+    that leaves each chunk's bytes in place (kv_codec.parse_transfer_request)."""
+    handlers = {
+        "TransferKv": grpc.stream_unary_rpc_method_handler(
+            transfer.TransferKv,
+            request_deserializer=parse_transfer_request,
+            response_serializer=kv_pb2.TransferKvResponse.SerializeToString,
+        )
+    }
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(KV_TRANSFER_SERVICE, handlers),)
     )
+    server.add_registered_method_handlers(KV_TRANSFER_SERVICE, handlers)

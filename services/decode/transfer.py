@@ -1,31 +1,59 @@
 """gRPC edge of KV transfer: prefill streams a request's prompt KV into its reserved blocks.
 
     header  request must be WAITING (-> TRANSFERRING), layouts equal, num_tokens = prompt length
-    chunk*  seq 0, 1, 2, ... ; request id matches ; blocks within the prompt's reservation ;
-            CRC and length checked (kv_codec.decode_chunk) ; scattered into the cache in a
-            worker thread, the request pinned meanwhile
-    commit  every (layer, prompt block) written exactly once, chunk count = header.num_chunks;
-            then the request joins the batch with prefill's first token
+    chunk*  seq 0, 1, 2, ... ; request id matches ; blocks within the prompt's reservation
+            (checked on the event loop, in order) ; then CRC and length checked
+            (kv_codec.decode_chunk) and scattered into the cache on a landing thread, the
+            request pinned meanwhile
+    commit  once every chunk has landed: every (layer, prompt block) written exactly once,
+            chunk count = header.num_chunks; then the request joins the batch with prefill's
+            first token
+
+Receiving, checking and scattering overlap: the event loop reads chunk i+1 (and the sender
+keeps streaming) while chunk i is checked and copied on a landing thread (zlib.crc32 and the
+copy release the GIL). At most _MAX_LANDING_BYTES of one transfer's chunks wait to land; past
+that the loop stops reading, and HTTP/2 flow control holds the sender back.
+
+    event loop   read ─ check order ─ pin ─ submit ─▶ read ─ ...      commit: wait for all
+    landing                           └─▶ CRC, length, scatter, unpin
+
+A chunk is read in place (kv_codec.parse_transfer_request is the method's deserializer, see
+server.py): its data stays in the bytes grpc delivered, and the scatter is the one copy of it.
 
 Any failure after the header fails the request too: its Generate stream ends with the same
-status and its blocks are freed. So does a stream that breaks off (the sender died).
+status and its blocks are freed. So does a stream that breaks off (the sender died). A chunk
+that fails on a landing thread is seen at once, also while the loop waits for the next message.
+Blocks are freed only after the last landing into them is over (pins, see requests.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import threading
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Executor, ThreadPoolExecutor
+from typing import Any
 
 import grpc
 
 from mili.errors import Cancelled, DataLoss, InvalidArgument, Unavailable
 from mili.kv.v1 import kv_pb2, kv_pb2_grpc
-from mili.rpc.kv_codec import check_compatible, decode_chunk
+from mili.rpc.kv_codec import ChunkView, block_bytes, check_compatible, decode_chunk
 from services.decode import convert
 from services.decode.instance import DecodeInstance
 from services.decode.requests import DecodeRequest, RequestState
 
+# What TransferKv reads: chunks arrive as ChunkViews (mili.rpc.kv_codec.parse_transfer_request
+# is the method's request deserializer, see server.py), the rest as protobuf messages.
+Message = kv_pb2.TransferKvRequest | ChunkView
+Chunk = kv_pb2.KvChunk | ChunkView
+
 _CANCEL_GRACE_S = 0.1
+# Payload of one transfer's chunks received but not landed yet (always at least one chunk):
+# bounds the memory a transfer holds beyond the cache itself. Two or more chunks keep both
+# landing threads busy; on the benchmark (2.1 MB chunks) 8 and 32 MiB measured the same.
+_MAX_LANDING_BYTES = 16 << 20
+_LANDING_THREADS = 2  # shared by all transfers: two chunks are checked and copied at a time
 
 
 class _Progress:
@@ -40,7 +68,7 @@ class _Progress:
         self._expected = {(layer, b) for layer in range(num_layers) for b in self._prompt_blocks}
         self._written: set[tuple[int, int]] = set()
 
-    def check_chunk(self, chunk: kv_pb2.KvChunk) -> None:
+    def check_chunk(self, chunk: Chunk) -> None:
         where = f"request {self.request.request_id!r} chunk {chunk.seq}"
         if chunk.seq != self.num_chunks:
             raise DataLoss(
@@ -62,10 +90,11 @@ class _Progress:
                 raise DataLoss(f"{where}: layer {chunk.layer} block {block} sent more than once")
             seen.add(block)
 
-    def record(self, chunk: kv_pb2.KvChunk) -> None:
+    def record(self, chunk: Chunk, num_bytes: int) -> None:
+        """`chunk` passed `check_chunk` and is landing: a later duplicate is refused."""
         self._written.update((chunk.layer, b) for b in chunk.block_ids)
         self.num_chunks += 1
-        self.num_bytes += len(chunk.data)
+        self.num_bytes += num_bytes
 
     def check_complete(self) -> None:
         where = f"request {self.request.request_id!r}"
@@ -83,6 +112,63 @@ class _Progress:
             )
 
 
+class _Landing:
+    """One transfer's chunks being checked and scattered on the landing threads.
+
+    The loop submits jobs in seq order and never cancels one: each job unpins its request
+    itself, so the blocks stay held until its copy is over whatever happens to the call. The
+    first job to fail sets `failed` (its result is the exception), which the loop watches.
+    """
+
+    def __init__(self, executor: Executor, max_bytes: int) -> None:
+        self._executor = executor
+        self._max_bytes = max_bytes
+        self._in_flight: dict[asyncio.Future[None], int] = {}  # job -> payload bytes
+        self._num_bytes = 0
+        self._is_aborted = threading.Event()
+        self.failed: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
+
+    async def make_room(self, num_bytes: int) -> None:
+        """Until the bytes in flight leave room for `num_bytes` more (or nothing is in flight);
+        raises the failure of an earlier job, if any."""
+        self.raise_failure()
+        while self._in_flight and self._num_bytes + num_bytes > self._max_bytes:
+            await asyncio.wait(self._in_flight, return_when=asyncio.FIRST_COMPLETED)
+            self.raise_failure()
+
+    def submit(self, job: Callable[[], None], num_bytes: int) -> None:
+        """Run `job` on a landing thread. Once this returns, the job runs whatever happens to
+        the call: it must release what it holds itself. It may check `is_aborted`."""
+        future = asyncio.wrap_future(self._executor.submit(job))
+        self._in_flight[future] = num_bytes
+        self._num_bytes += num_bytes
+        future.add_done_callback(self._landed)
+
+    async def wait_all(self) -> None:
+        """Until every submitted job is over; raises the first failure as soon as it comes."""
+        if self._in_flight:
+            # asyncio.wait, not gather: cancelling this call must not cancel a job.
+            await asyncio.wait(self._in_flight, return_when=asyncio.FIRST_EXCEPTION)
+        self.raise_failure()
+
+    def raise_failure(self) -> None:
+        if self.failed.done():
+            raise self.failed.result()
+
+    def abort(self) -> None:
+        """The transfer is over (failed or cancelled): jobs not started yet may skip their work."""
+        self._is_aborted.set()
+
+    def is_aborted(self) -> bool:
+        return self._is_aborted.is_set()
+
+    def _landed(self, future: asyncio.Future[None]) -> None:
+        self._num_bytes -= self._in_flight.pop(future)
+        error = None if future.cancelled() else future.exception()
+        if error is not None and not self.failed.done():
+            self.failed.set_result(error)
+
+
 def _ended_error(request: DecodeRequest) -> BaseException:
     """Why a request ended while its KV was arriving (the error its Generate stream got)."""
     return request.stream.error or Cancelled(
@@ -91,18 +177,28 @@ def _ended_error(request: DecodeRequest) -> BaseException:
 
 
 class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
-    def __init__(self, instance: DecodeInstance) -> None:
+    def __init__(
+        self,
+        instance: DecodeInstance,
+        *,
+        landing_threads: int = _LANDING_THREADS,
+        max_landing_bytes: int = _MAX_LANDING_BYTES,
+    ) -> None:
         self._instance = instance
         self._layout = convert.layout(instance.layout, instance.fingerprint)
+        self._block_bytes = block_bytes(self._layout)
+        self._max_landing_bytes = max_landing_bytes
+        # Threads start on first use and idle between transfers.
+        self._landing = ThreadPoolExecutor(landing_threads, thread_name_prefix="kv-landing")
 
     async def TransferKv(
         self,
-        request_iterator: AsyncIterator[kv_pb2.TransferKvRequest],
+        request_iterator: AsyncIterator[Message],
         context: grpc.aio.ServicerContext,
     ) -> kv_pb2.TransferKvResponse:
         messages = aiter(request_iterator)
         first = await anext(messages, None)
-        if first is None or first.WhichOneof("kind") != "header":
+        if not isinstance(first, kv_pb2.TransferKvRequest) or first.WhichOneof("kind") != "header":
             raise DataLoss("a KV transfer must start with a header message")
         header = first.header
         request = self._instance.table.begin_transfer(header.request_id)  # NotFound
@@ -125,7 +221,7 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
         self,
         request: DecodeRequest,
         header: kv_pb2.TransferHeader,
-        messages: AsyncIterator[kv_pb2.TransferKvRequest],
+        messages: AsyncIterator[Message],
     ) -> kv_pb2.TransferKvResponse:
         check_compatible(
             self._layout,
@@ -140,64 +236,92 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
                 f"request {request.request_id!r} has {request.num_prompt_tokens} prompt tokens",
             )
         progress = _Progress(request, self._layout.num_layers, header.num_chunks)
-        while (message := await self._next(request, messages)) is not None:
-            kind = message.WhichOneof("kind")
-            if kind == "chunk":
-                await self._write_chunk(progress, message.chunk)
-            elif kind == "commit":
-                progress.check_complete()
-                self._commit(request, message.commit)
-                return kv_pb2.TransferKvResponse(
-                    num_blocks=request.num_prompt_blocks, num_bytes=progress.num_bytes
-                )
-            else:
-                raise DataLoss(f"request {request.request_id!r}: a second header mid-transfer")
-        # The stream ended without a commit. A sender that died ends it too, and grpc reports
-        # that cancel separately, a moment later: wait for it, so a dead sender is UNAVAILABLE
-        # (retry elsewhere) and only a sender that really closed early is DATA_LOSS.
-        await asyncio.sleep(_CANCEL_GRACE_S)
-        raise DataLoss(
-            f"the KV transfer of request {request.request_id!r} ended after "
-            f"{progress.num_chunks} chunks without a commit"
-        )
+        landing = _Landing(self._landing, self._max_landing_bytes)
+        try:
+            while (message := await self._next(request, messages, landing)) is not None:
+                if isinstance(message, ChunkView):
+                    await self._land_chunk(progress, landing, message)
+                    continue
+                kind = message.WhichOneof("kind")
+                if kind == "chunk":  # one that parse_transfer_request left to protobuf
+                    await self._land_chunk(progress, landing, message.chunk)
+                elif kind == "commit":
+                    await landing.wait_all()  # DataLoss of any chunk
+                    progress.check_complete()
+                    self._commit(request, message.commit)
+                    return kv_pb2.TransferKvResponse(
+                        num_blocks=request.num_prompt_blocks, num_bytes=progress.num_bytes
+                    )
+                else:
+                    raise DataLoss(f"request {request.request_id!r}: a second header mid-transfer")
+            # The stream ended without a commit. A sender that died ends it too, and grpc
+            # reports that cancel separately, a moment later: wait for it, so a dead sender is
+            # UNAVAILABLE (retry elsewhere) and only a sender that really closed early is
+            # DATA_LOSS. A chunk that failed to land meanwhile is the better reason.
+            await asyncio.wait({landing.failed}, timeout=_CANCEL_GRACE_S)
+            landing.raise_failure()
+            raise DataLoss(
+                f"the KV transfer of request {request.request_id!r} ended after "
+                f"{progress.num_chunks} chunks without a commit"
+            )
+        finally:
+            landing.abort()  # no-op after a commit: every job is over by then
 
     async def _next(
-        self, request: DecodeRequest, messages: AsyncIterator[kv_pb2.TransferKvRequest]
-    ) -> kv_pb2.TransferKvRequest | None:
+        self,
+        request: DecodeRequest,
+        messages: AsyncIterator[Message],
+        landing: _Landing,
+    ) -> Message | None:
         """The next message, or None at the end of the stream; raises as soon as the request
-        ends (lease, caller gone), so a quiet sender learns at once, not at its next chunk."""
+        ends (lease, caller gone) or a chunk fails to land, so a quiet sender learns at once,
+        not at its next chunk."""
+        landing.raise_failure()
         read = asyncio.ensure_future(anext(messages, None))
         ended = asyncio.ensure_future(request.stream.wait_failed())
+        waits: set[asyncio.Future[Any]] = {read, ended, landing.failed}
         try:
-            await asyncio.wait({read, ended}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         finally:
             ended.cancel()
             if not read.done():
                 read.cancel()  # the handler is ending: nobody reads this stream again
+        landing.raise_failure()
         if read.cancelled() or not read.done():
             raise _ended_error(request)
         return read.result()
 
-    async def _write_chunk(self, progress: _Progress, chunk: kv_pb2.KvChunk) -> None:
+    async def _land_chunk(self, progress: _Progress, landing: _Landing, chunk: Chunk) -> None:
+        """Check the chunk's place in the transfer here, in order; hand its bytes to a landing
+        thread (CRC, length, scatter) and return without waiting for them."""
         progress.check_chunk(chunk)
-        k, v = decode_chunk(chunk, self._layout)  # DataLoss: short or corrupt
         request = progress.request
         table = self._instance.table
-        if not table.pin(request):
-            raise _ended_error(request)
+        layout = self._layout
+        scatter = self._instance.batcher.scatter
+        layer = chunk.layer
         block_ids = list(chunk.block_ids)
-        batcher = self._instance.batcher
+        num_bytes = 2 * len(block_ids) * self._block_bytes  # decode_chunk checks it is so
 
-        def scatter() -> None:
-            # Unpinned here, not in the handler: if the call is cancelled mid-copy, the blocks
-            # must stay held until the copy is over (see requests.py).
+        def land() -> None:
+            # Unpinned here, never by the handler: if the call ends mid-copy, the blocks stay
+            # held until the copy is over (see requests.py).
             try:
-                batcher.scatter(chunk.layer, block_ids, k, v)
+                if not landing.is_aborted():  # else the request failed: nothing more to write
+                    k, v = decode_chunk(chunk, layout)  # DataLoss: short or corrupt
+                    scatter(layer, block_ids, k, v)
             finally:
                 table.unpin(request)
 
-        await asyncio.to_thread(scatter)  # a copy of up to many MB: never on the event loop
-        progress.record(chunk)
+        await landing.make_room(num_bytes)  # raises an earlier chunk's failure
+        if not table.pin(request):
+            raise _ended_error(request)
+        try:
+            landing.submit(land, num_bytes)
+        except BaseException:  # not submitted (the executor is shut down): nothing will unpin
+            table.unpin(request)
+            raise
+        progress.record(chunk, num_bytes)
 
     def _commit(self, request: DecodeRequest, commit: kv_pb2.TransferCommit) -> None:
         inst = self._instance

@@ -7,7 +7,6 @@ reserved blocks for it.
     scheduler.py  Scheduler: FIFO queue, token-budget batching, fixed chunk plans (pure Python)
     worker.py     PrefillWorker: the thread that owns the model and KV cache, ships each layer
     sender.py     KvSender: the TransferKv client stream (header, chunks, commit) to decode
-    wire.py       one-copy serialization of a KV chunk message (same bytes as kv_codec + protobuf)
     task.py       PrefillTask, FirstToken, KvSink: what the servicer, worker and sender exchange
     server.py     PrefillService servicer (Prefill, Info)
     convert.py    proto -> domain, with every bad field named

@@ -3,7 +3,7 @@
     worker thread ──send_blocks/finish/fail──▶ call_soon_threadsafe ─▶ asyncio.Queue
                                                                           │ (event loop)
     TransferKv stream:  header ─▶ chunk seq 0, 1, ... (one per layer per prompt chunk) ─▶ commit
-                                  ▲ serialized (one copy + CRC-32, wire.py) on the encoder
+                                  ▲ serialized (one copy + CRC-32, kv_codec) on the encoder
                                     threads, in order
 
 The header goes out as soon as `run` starts, before the prompt's first forward, so decode checks
@@ -38,11 +38,12 @@ from mili.errors import (
 )
 from mili.kv.v1 import kv_pb2
 from mili.rpc.client import insecure_channel
+from mili.rpc.kv_codec import encode_chunk_request
 from services.prefill.task import FirstToken, PrefillTask
-from services.prefill.wire import chunk_request
 
 _SERVICE = kv_pb2.DESCRIPTOR.services_by_name["KvTransferService"]
-# Messages go out pre-serialized (see wire.py), so the call is made without the generated stub.
+# Messages go out pre-serialized (kv_codec.encode_chunk_request), so the call is made
+# without the generated stub.
 _TRANSFER_KV = f"/{_SERVICE.full_name}/{_SERVICE.methods_by_name['TransferKv'].name}"
 
 
@@ -219,7 +220,7 @@ class KvSender:
             blocks.ready()
         n = blocks.k.shape[0]
         block_ids = self._task.dest_block_ids[blocks.first_block : blocks.first_block + n]
-        return chunk_request(
+        return encode_chunk_request(
             self._task.request_id, seq, blocks.layer, block_ids, blocks.k, blocks.v
         )
 

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
 import torch
+from google.protobuf.message import DecodeError
 
 from mili.engine.kv_cache import KVLayout
 from mili.errors import DataLoss, FailedPrecondition
+from mili.kv.v1 import kv_pb2
 from mili.rpc import kv_codec
 
 LAYOUT = KVLayout(num_layers=4, block_size=16, num_kv_heads=2, head_dim=32, dtype="bfloat16")
@@ -61,3 +65,190 @@ def test_layout_mismatch_names_both_layouts() -> None:
         kv_codec.check_compatible(decode, prefill, local_name="decode", remote_name="prefill")
     message = str(err.value)
     assert "decode has [block_size=32" in message and "prefill has [block_size=16" in message
+
+
+# ---- the chunk message on the wire: both ends against protobuf -----------------------------------
+
+ENCODINGS = [
+    ("r", 0, 0, [0]),  # zero-valued fields are not written
+    ("req-é", 1, 27, [5, 3, 200, 70000]),  # non-ASCII id, multi-byte varints
+    ("x" * 300, 130, 128, list(range(40))),  # a length prefix of two bytes
+    ("", 0, 0, []),  # every field at its default: an empty KvChunk
+]
+
+
+def _protobuf_chunk(
+    request_id: str, seq: int, layer: int, block_ids: list[int], k: torch.Tensor, v: torch.Tensor
+) -> kv_pb2.KvChunk:
+    """The reference: the chunk built the generic way, through protobuf."""
+    data = b"".join(t.contiguous().view(torch.uint8).numpy().tobytes() for t in (k, v))
+    return kv_pb2.KvChunk(
+        request_id=request_id,
+        seq=seq,
+        layer=layer,
+        block_ids=block_ids,
+        data=data,
+        crc32=zlib.crc32(data),
+    )
+
+
+def _kv(n: int, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    shape = (n, 4, 2, 8)
+    return torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype)
+
+
+def _fields(chunk: kv_pb2.KvChunk | kv_codec.ChunkView) -> tuple[object, ...]:
+    return (
+        chunk.request_id,
+        chunk.seq,
+        chunk.layer,
+        list(chunk.block_ids),
+        bytes(chunk.data),
+        chunk.crc32,
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("request_id", "seq", "layer", "block_ids"), ENCODINGS)
+def test_encoder_writes_the_bytes_protobuf_writes(
+    dtype: torch.dtype, request_id: str, seq: int, layer: int, block_ids: list[int]
+) -> None:
+    k, v = _kv(len(block_ids), dtype, seed=seq)
+    message, num_data = kv_codec.encode_chunk_request(request_id, seq, layer, block_ids, k, v)
+    reference = _protobuf_chunk(request_id, seq, layer, block_ids, k, v)
+    assert message == kv_pb2.TransferKvRequest(chunk=reference).SerializeToString()
+    assert num_data == len(reference.data)
+    assert kv_codec.encode_chunk(request_id, seq, layer, block_ids, k, v) == reference
+
+
+def test_encoder_writes_non_contiguous_input_in_c_order() -> None:
+    k = torch.arange(2 * 4 * 2 * 8, dtype=torch.float32).reshape(2, 8, 2, 4).transpose(1, 3)
+    v = k + 1
+    message, _ = kv_codec.encode_chunk_request("r", 1, 1, [0, 1], k, v)
+    reference = _protobuf_chunk("r", 1, 1, [0, 1], k, v)
+    assert message == kv_pb2.TransferKvRequest(chunk=reference).SerializeToString()
+
+
+def test_encoder_refuses_a_shape_mismatch() -> None:
+    k = torch.zeros(2, 4, 2, 8)
+    with pytest.raises(ValueError, match="block ids"):
+        kv_codec.encode_chunk_request("r", 0, 0, [0], k, k)
+
+
+@pytest.mark.parametrize(("request_id", "seq", "layer", "block_ids"), ENCODINGS)
+def test_parser_reads_what_protobuf_reads_and_copies_no_data(
+    request_id: str, seq: int, layer: int, block_ids: list[int]
+) -> None:
+    k, v = _kv(len(block_ids), torch.bfloat16)
+    raw, _ = kv_codec.encode_chunk_request(request_id, seq, layer, block_ids, k, v)
+    view = kv_codec.parse_transfer_request(raw)
+    assert isinstance(view, kv_codec.ChunkView)
+    assert _fields(view) == _fields(kv_pb2.TransferKvRequest.FromString(raw).chunk)
+    assert view.data.obj is raw  # a view of grpc's bytes, not a copy
+
+
+def _key(field: int, wire_type: int) -> bytes:
+    return _varint((field << 3) | wire_type)
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    return bytes(out + bytes([value]))
+
+
+def _len(field: int, payload: bytes) -> bytes:
+    return _key(field, 2) + _varint(len(payload)) + payload
+
+
+def _chunk_message(body: bytes) -> bytes:
+    return _len(2, body)
+
+
+# Encodings protobuf accepts but never writes itself: the parser must read them the same way.
+UNUSUAL = {
+    "fields-reversed": [
+        _key(6, 0) + _varint(77),
+        _len(5, b"abcd"),
+        _len(4, b"\x01\x02"),
+        _key(3, 0) + _varint(2),
+        _key(2, 0) + _varint(9),
+        _len(1, b"req"),
+    ],
+    "unpacked-block-ids": [_key(4, 0) + b"\x07", _len(4, b"\x08\x09"), _key(4, 0) + b"\x0a"],
+    "last-one-wins": [
+        _key(2, 0) + b"\x01",
+        _key(2, 0) + b"\x02",
+        _len(5, b"x"),
+        _len(5, b"yz"),
+        _len(1, b"a"),
+        _len(1, b"b"),
+    ],
+    "unknown-fields": [
+        _key(7, 0) + _varint(1 << 40),
+        _key(8, 1) + bytes(8),
+        _len(9, b"??"),
+        _key(10, 5) + bytes(4),
+        _len(1, b"id"),
+    ],
+    "uint32-truncation": [_key(2, 0) + _varint((1 << 35) + 5), _key(6, 0) + _varint(1 << 32)],
+    "default-values-written": [_len(1, b""), _key(2, 0) + b"\x00", _len(5, b"")],
+}
+
+
+@pytest.mark.parametrize("case", list(UNUSUAL))
+def test_parser_reads_unusual_encodings_as_protobuf_does(case: str) -> None:
+    raw = _chunk_message(b"".join(UNUSUAL[case]))
+    view = kv_codec.parse_transfer_request(raw)
+    assert isinstance(view, kv_codec.ChunkView)
+    assert _fields(view) == _fields(kv_pb2.TransferKvRequest.FromString(raw).chunk)
+
+
+def test_parser_leaves_other_messages_to_protobuf() -> None:
+    header = kv_pb2.TransferKvRequest(header=kv_pb2.TransferHeader(request_id="h", num_chunks=3))
+    commit = kv_pb2.TransferKvRequest(commit=kv_pb2.TransferCommit(first_token_id=5))
+    for message in (header, commit, kv_pb2.TransferKvRequest()):
+        parsed = kv_codec.parse_transfer_request(message.SerializeToString())
+        assert isinstance(parsed, kv_pb2.TransferKvRequest) and parsed == message
+    # Two chunk fields merge (protobuf's rule for a repeated message field): left to protobuf.
+    twice = _chunk_message(_len(1, b"a") + _len(5, b"xy")) + _chunk_message(_key(2, 0) + b"\x04")
+    parsed = kv_codec.parse_transfer_request(twice)
+    assert isinstance(parsed, kv_pb2.TransferKvRequest)
+    assert (parsed.chunk.request_id, parsed.chunk.data, parsed.chunk.seq) == ("a", b"xy", 4)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        _chunk_message(_len(5, b"abc"))[:-1],  # truncated
+        _chunk_message(_len(1, b"\xff\xfe")),  # request_id not UTF-8
+        _chunk_message(_key(2, 0) + b"\xff" * 11),  # varint too long
+        _chunk_message(_key(0, 0) + b"\x01"),  # field number 0
+        _chunk_message(_key(4, 2) + b"\x02\x80\x80"),  # packed varint runs past its field
+    ],
+)
+def test_parser_leaves_malformed_input_to_protobuf(raw: bytes) -> None:
+    with pytest.raises(DecodeError):
+        kv_codec.parse_transfer_request(raw)
+
+
+def test_decode_chunk_reads_a_view_as_it_reads_a_message() -> None:
+    layout = kv_codec.layout_to_proto(LAYOUT, "fp")
+    k, v = _blocks(3, torch.bfloat16)
+    raw, _ = kv_codec.encode_chunk_request("req-3", 4, 2, [7, 8, 9], k, v)
+    view = kv_codec.parse_transfer_request(raw)
+    assert isinstance(view, kv_codec.ChunkView)
+    k2, v2 = kv_codec.decode_chunk(view, layout)
+    assert torch.equal(k2, k) and torch.equal(v2, v)
+
+    flipped = bytearray(raw)
+    flipped[len(raw) // 2] ^= 1
+    view = kv_codec.parse_transfer_request(bytes(flipped))
+    assert isinstance(view, kv_codec.ChunkView)
+    with pytest.raises(DataLoss, match=r"request 'req-3' chunk 4 \(layer 2\): checksum"):
+        kv_codec.decode_chunk(view, layout)
+    with pytest.raises(DataLoss, match="bytes for 3 blocks"):
+        kv_codec.decode_chunk(view._replace(data=view.data[:-2]), layout)
