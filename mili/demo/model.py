@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import shutil
 import tempfile
 from collections.abc import Mapping
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from mili.cache import cache_root
 from mili.demo import tokenizer as demo_tokenizer
 from mili.engine import checkpoint
 from mili.engine.config import Qwen3Config
@@ -72,15 +72,6 @@ def _fingerprint() -> str:
         digest.update(path.name.encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()[:12]
-
-
-def cache_root(environ: Mapping[str, str] | None = None) -> Path:
-    """$MILI_CACHE_DIR, else $XDG_CACHE_HOME/mili, else ~/.cache/mili."""
-    env = os.environ if environ is None else environ
-    if env.get("MILI_CACHE_DIR"):
-        return Path(env["MILI_CACHE_DIR"])
-    base = Path(env["XDG_CACHE_HOME"]) if env.get("XDG_CACHE_HOME") else Path.home() / ".cache"
-    return base / "mili"
 
 
 def default_model_dir(environ: Mapping[str, str] | None = None) -> Path:

@@ -1,0 +1,16 @@
+"""Where MILI keeps what it builds once per machine: the demo model and the compiled kernels."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+
+def cache_root(environ: Mapping[str, str] | None = None) -> Path:
+    """$MILI_CACHE_DIR, else $XDG_CACHE_HOME/mili, else ~/.cache/mili."""
+    env = os.environ if environ is None else environ
+    if env.get("MILI_CACHE_DIR"):
+        return Path(env["MILI_CACHE_DIR"])
+    base = Path(env["XDG_CACHE_HOME"]) if env.get("XDG_CACHE_HOME") else Path.home() / ".cache"
+    return base / "mili"
