@@ -9,7 +9,7 @@ BUF := node_modules/.bin/buf
 # pull several GB of CUDA wheels.
 TORCH_PIN := torch==2.13.0
 
-.PHONY: setup serve test lint typecheck protos check-protos pytest clean
+.PHONY: setup serve test lint typecheck protos check-protos pytest kernels clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -26,7 +26,12 @@ node_modules/.installed: package.json package-lock.json
 
 setup: $(VENV)/.installed node_modules/.installed
 
-serve: $(VENV)/.installed
+# Compile the Mojo attention kernels into the cache (seconds to a few minutes the first time for
+# a given kernel source; a no-op afterwards). Services would build on first use anyway.
+kernels: $(VENV)/.installed
+	$(VENV)/bin/mili kernels build
+
+serve: $(VENV)/.installed kernels
 	$(VENV)/bin/mili serve
 
 # Regenerate the Python stubs after editing protos/.
@@ -44,7 +49,7 @@ lint: $(VENV)/.installed
 typecheck: $(VENV)/.installed
 	$(VENV)/bin/mypy
 
-pytest: $(VENV)/.installed
+pytest: $(VENV)/.installed kernels
 	$(VENV)/bin/pytest -q
 
 test: check-protos lint typecheck pytest

@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("mili.launcher", "run tokenizer, prefill, decode and frontend on this machine"),
     "generate": ("mili.client.generate", "generate text through a running frontend"),
     "bench": ("mili.client.bench", "benchmark a running deployment (TTFT, ITL, tokens/s)"),
+    "kernels": ("kernels.cli", "build the Mojo attention kernels ahead of first use"),
 }
 
 

@@ -1,0 +1,129 @@
+"""The CPU binding of the Mojo attention kernels: validate in Python, then hand over pointers.
+
+`mili_attention.prefill/decode` (kernels/mojo/mili_attention.mojo) take raw data pointers, so
+every assumption they make — dtype, device, contiguity, shapes, index ranges — is checked first by
+kernels/checks.py. They parallelise over the Mojo runtime's workers; we pass torch's thread count
+so the two pools never ask for more cores than torch was given.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import os
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from kernels.build import CPU_MODULE
+from kernels.checks import check_decode, check_prefill
+
+# Mojo's runtime, when the module initialises, setenv()s these for its own Python interop, below
+# os.environ's notice. Children would inherit them: PYTHONEXECUTABLE (the interpreter Mojo found
+# first, e.g. a pyenv shim) moves a child's sys.executable out of our venv, so a service started
+# from this process, or the `mojo` compiler's own Python entry point, can no longer import its
+# packages. We put the process environment back as it was.
+_RUNTIME_ENV = ("PYTHONPATH", "PYTHONEXECUTABLE", "PYTHONHOME", "MOJO_PYTHON_LIBRARY")
+
+
+def load_module(path: Path) -> ModuleType:
+    """Import the compiled extension module at `path` (its PyInit name is `mili_attention`)."""
+    loader = importlib.machinery.ExtensionFileLoader(CPU_MODULE, str(path))
+    spec = importlib.util.spec_from_file_location(CPU_MODULE, str(path), loader=loader)
+    if spec is None:
+        raise ImportError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    try:
+        loader.exec_module(module)
+    finally:
+        _restore_environment()
+    return module
+
+
+def _restore_environment() -> None:
+    for name in _RUNTIME_ENV:
+        if name in os.environ:
+            os.putenv(name, os.environ[name])
+        else:
+            os.unsetenv(name)
+
+
+class CpuKernels:
+    """`prefill`/`decode` of the AttentionBackend contract on CPU tensors."""
+
+    def __init__(self, module: ModuleType, num_threads: int | None = None) -> None:
+        self._module = module
+        self._num_threads = num_threads  # None: torch.get_num_threads() at each call
+
+    @classmethod
+    def from_path(cls, path: Path, num_threads: int | None = None) -> CpuKernels:
+        return cls(load_module(path), num_threads)
+
+    def _threads(self) -> int:
+        return max(1, self._num_threads or torch.get_num_threads())
+
+    def prefill(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        start_positions: torch.Tensor,
+        block_tables: torch.Tensor,
+        *,
+        scale: float,
+    ) -> torch.Tensor:
+        """q: [T, H, D] -> out [T, H, D]; keys/values (prefix and new tokens) from the cache."""
+        _require_cpu(q)
+        dims = check_prefill(q, k_cache, v_cache, cu_seqlens, start_positions, block_tables)
+        out = torch.empty_like(q)
+        if dims.num_tokens == 0:
+            return out
+        ptrs = (
+            out.data_ptr(),
+            q.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            cu_seqlens.data_ptr(),
+            start_positions.data_ptr(),
+            block_tables.data_ptr(),
+        )
+        self._module.prefill(ptrs, (*dims, self._threads()), float(scale))
+        return out
+
+    def decode(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        *,
+        scale: float,
+        num_splits: int = 0,
+    ) -> torch.Tensor:
+        """q: [B, H, D] -> out [B, H, D]; `num_splits` 0 lets the kernel split long contexts."""
+        _require_cpu(q)
+        if num_splits < 0:
+            raise ValueError(f"num_splits must be >= 0, got {num_splits}")
+        dims = check_decode(q, k_cache, v_cache, block_tables, seq_lens)
+        out = torch.empty_like(q)
+        if dims.num_seqs == 0:
+            return out
+        ptrs = (
+            out.data_ptr(),
+            q.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            block_tables.data_ptr(),
+            seq_lens.data_ptr(),
+        )
+        self._module.decode(ptrs, (*dims, self._threads(), num_splits), float(scale))
+        return out
+
+
+def _require_cpu(q: torch.Tensor) -> None:
+    if not isinstance(q, torch.Tensor) or q.device.type != "cpu":
+        where = q.device if isinstance(q, torch.Tensor) else type(q).__name__
+        raise ValueError(f"the CPU kernels need CPU tensors, q is on {where}")

@@ -1,0 +1,435 @@
+"""Loader and launcher of the ahead-of-time PTX attention kernels (see kernels/ptx.py).
+
+The GPU host needs no Mojo toolchain: the PTX built by `kernels.ptx.build_ptx` is JIT-compiled by
+the CUDA driver (`cuModuleLoadData`) and launched with `cuLaunchKernel` on torch's current stream
+with torch tensors' device pointers. Nothing here synchronises the host: index tensors are not
+read back (`check_values=False`), scratch comes from torch's caching allocator on the same stream.
+
+The driver is reached through `cuda.bindings.driver` (cuda-python); if that is missing, through
+CuPy's `RawModule`. Both are imported lazily, on the first launch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kernels.checks import check_decode, check_prefill
+from kernels.ptx import (
+    DECODE_HEADS_PER_CTA,
+    SIGNATURES,
+    THREADS,
+    check_signature,
+    load_manifest,
+    parse_entries,
+)
+
+_LOG2E = 1.4426950408889634
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_MAX_GRID_YZ = 65535
+_MAX_GRID_X = 2**31 - 1
+_MAX_SPLITS = 64
+
+
+def _is_null(handle: Any) -> bool:
+    return int(handle) == 0
+
+
+class _CudaPythonDriver:
+    """Module loading and launches through cuda-python's driver bindings."""
+
+    def __init__(self) -> None:
+        try:
+            from cuda.bindings import driver
+        except ImportError:  # cuda-python < 12.6 spelled it `cuda.cuda`
+            from cuda import cuda as driver
+        self.drv = driver
+        self._ctx: dict[int, Any] = {}
+        self._modules: list[Any] = []
+
+    def _check(self, result: tuple, what: str) -> Any:
+        err = result[0]
+        if err != self.drv.CUresult.CUDA_SUCCESS:
+            _, msg = self.drv.cuGetErrorString(err)
+            text = msg.decode() if isinstance(msg, bytes) else str(msg)
+            hint = ""
+            if "PTX" in str(err) or "ptx" in text.lower():
+                hint = (
+                    " (the PTX is ISA 8.5 for sm_90a: the driver must support CUDA >= 12.5 and "
+                    "the GPU must be sm_90, i.e. H100/H200)"
+                )
+            raise RuntimeError(f"{what} failed: {err} {text}{hint}")
+        return result[1] if len(result) == 2 else result[1:]
+
+    def _context(self, device: int) -> Any:
+        """The device's primary context (the one torch uses), made current on this thread."""
+        ctx = self._ctx.get(device)
+        if ctx is None:
+            dev = self._check(self.drv.cuDeviceGet(device), "cuDeviceGet")
+            ctx = self._check(self.drv.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+            self._ctx[device] = ctx
+        current = self._check(self.drv.cuCtxGetCurrent(), "cuCtxGetCurrent")
+        if current is None or _is_null(current) or int(current) != int(ctx):
+            self._check(self.drv.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+        return ctx
+
+    def load(self, device: int, ptx: str, entry: str) -> Any:
+        self._context(device)
+        image = ctypes.create_string_buffer(ptx.encode())  # NUL-terminated, alive for the call
+        module = self._check(
+            self.drv.cuModuleLoadData(ctypes.addressof(image)), f"cuModuleLoadData({entry})"
+        )
+        self._modules.append(module)  # never unloaded: functions live as long as the process
+        return self._check(
+            self.drv.cuModuleGetFunction(module, entry.encode()), f"cuModuleGetFunction({entry})"
+        )
+
+    def launch(
+        self,
+        device: int,
+        func: Any,
+        grid: tuple[int, int, int],
+        block: tuple[int, int, int],
+        stream: int,
+        args: list[ctypes._SimpleCData],
+    ) -> None:
+        self._context(device)
+        ptrs = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
+        self._check(
+            self.drv.cuLaunchKernel(
+                func,
+                grid[0],
+                grid[1],
+                grid[2],
+                block[0],
+                block[1],
+                block[2],
+                0,  # all shared memory is static
+                self.drv.CUstream(stream),
+                ctypes.addressof(ptrs),
+                0,
+            ),
+            "cuLaunchKernel",
+        )
+
+
+class _CupyDriver:
+    """Fallback through CuPy (runtime API; same primary context as torch)."""
+
+    def __init__(self) -> None:
+        import cupy
+
+        self.cupy = cupy
+
+    def load(self, device: int, ptx: str, entry: str) -> Any:
+        import os
+        import tempfile
+
+        with self.cupy.cuda.Device(device):
+            fd, path = tempfile.mkstemp(suffix=".ptx")
+            try:
+                with os.fdopen(fd, "w") as f:
+                    f.write(ptx)
+                module = self.cupy.RawModule(path=path)
+                func = module.get_function(entry)
+            finally:
+                os.unlink(path)
+            return (module, func)  # keep the module alive with its function
+
+    def launch(
+        self,
+        device: int,
+        func: Any,
+        grid: tuple[int, int, int],
+        block: tuple[int, int, int],
+        stream: int,
+        args: list[ctypes._SimpleCData],
+    ) -> None:
+        import numpy as np
+
+        conv = {
+            ctypes.c_uint64: np.uint64,
+            ctypes.c_int32: np.int32,
+            ctypes.c_float: np.float32,
+        }
+        values = tuple(conv[type(a)](a.value) for a in args)
+        with self.cupy.cuda.Device(device):
+            ext = self.cupy.cuda.ExternalStream(stream, device)
+            func[1](grid, block, values, stream=ext)
+
+
+def _make_driver() -> _CudaPythonDriver | _CupyDriver:
+    try:
+        return _CudaPythonDriver()
+    except ImportError:
+        pass
+    try:
+        return _CupyDriver()
+    except ImportError as e:
+        raise RuntimeError(
+            "the GPU kernels need cuda-python (`cuda.bindings.driver`) or CuPy to load PTX"
+        ) from e
+
+
+def _pack(kernel: str, values: dict[str, int | float]) -> list[ctypes._SimpleCData]:
+    """Launch arguments in the entry's parameter order (kernels.ptx.SIGNATURES)."""
+    if set(values) != {name for name, _ in SIGNATURES[kernel]}:
+        raise AssertionError(f"{kernel}: arguments {sorted(values)} do not match its signature")
+    packed: list[ctypes._SimpleCData] = []
+    for name, kind in SIGNATURES[kernel]:
+        value = values[name]
+        if kind == "ptr":
+            packed.append(ctypes.c_uint64(int(value)))
+        elif kind == "i32":
+            if not -(2**31) <= int(value) < 2**31:
+                raise ValueError(f"{kernel}: {name}={value} does not fit int32")
+            packed.append(ctypes.c_int32(int(value)))
+        else:
+            packed.append(ctypes.c_float(float(value)))
+    return packed
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    return t.data_ptr() % 16 == 0
+
+
+class GpuKernels:
+    """MILI's Mojo attention kernels on an NVIDIA sm_90 GPU, from a directory of built PTX."""
+
+    def __init__(self, kernel_dir: str | Path) -> None:
+        self.kernel_dir = Path(kernel_dir)
+        self._manifest: dict | None = None
+        self._driver: _CudaPythonDriver | _CupyDriver | None = None
+        self._functions: dict[tuple[int, str, str, int], Any] = {}
+        self._sms: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    # -- loading ---------------------------------------------------------------------------
+
+    @property
+    def manifest(self) -> dict:
+        if self._manifest is None:
+            self._manifest = load_manifest(self.kernel_dir)
+        return self._manifest
+
+    def _record(self, kernel: str, dtype: str, head_dim: int) -> dict:
+        for rec in self.manifest["kernels"]:
+            if (rec["kernel"], rec["dtype"], rec["head_dim"]) == (kernel, dtype, head_dim):
+                return rec
+        raise RuntimeError(f"{self.kernel_dir}/manifest.json has no {kernel} {dtype} D={head_dim}")
+
+    def _function(self, device: int, kernel: str, dtype: str, head_dim: int) -> Any:
+        key = (device, kernel, dtype, head_dim)
+        func = self._functions.get(key)
+        if func is not None:
+            return func
+        with self._lock:
+            func = self._functions.get(key)
+            if func is None:
+                rec = self._record(kernel, dtype, head_dim)
+                ptx = (self.kernel_dir / rec["file"]).read_text()
+                entries = parse_entries(ptx)
+                if rec["entry"] not in entries:
+                    raise RuntimeError(
+                        f"{rec['file']} has no entry {rec['entry']} (found {sorted(entries)}): "
+                        "the PTX directory is inconsistent; rebuild it"
+                    )
+                check_signature(kernel, entries[rec["entry"]])
+                if self._driver is None:
+                    self._driver = _make_driver()
+                func = self._driver.load(device, ptx, rec["entry"])
+                self._functions[key] = func
+        return func
+
+    def _launch(
+        self,
+        device: int,
+        kernel: str,
+        dtype: str,
+        head_dim: int,
+        grid: tuple[int, int, int],
+        block: tuple[int, int, int],
+        values: dict[str, int | float],
+    ) -> None:
+        if not (
+            0 < grid[0] <= _MAX_GRID_X
+            and 0 < grid[1] <= _MAX_GRID_YZ
+            and 0 < grid[2] <= _MAX_GRID_YZ
+        ):
+            raise ValueError(f"{kernel}: grid {grid} out of the CUDA limits")
+        args = _pack(kernel, values)
+        with torch.cuda.device(device):
+            func = self._function(device, kernel, dtype, head_dim)
+            stream = torch.cuda.current_stream(device).cuda_stream
+            assert self._driver is not None
+            self._driver.launch(device, func, grid, block, stream, args)
+
+    def _num_sms(self, device: int) -> int:
+        if device not in self._sms:
+            self._sms[device] = torch.cuda.get_device_properties(device).multi_processor_count
+        return self._sms[device]
+
+    @staticmethod
+    def _device(q: torch.Tensor) -> int:
+        if not q.is_cuda:
+            raise ValueError(f"GpuKernels needs CUDA tensors, q is on {q.device}")
+        return q.device.index if q.device.index is not None else torch.cuda.current_device()
+
+    @staticmethod
+    def _check_alignment(**tensors: torch.Tensor) -> None:
+        for name, t in tensors.items():
+            if t.numel() and not _aligned(t):
+                raise ValueError(f"{name}'s data pointer must be 16-byte aligned")
+
+    # -- kernels ---------------------------------------------------------------------------
+
+    def prefill(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        start_positions: torch.Tensor,
+        block_tables: torch.Tensor,
+        *,
+        scale: float,
+    ) -> torch.Tensor:
+        """Causal GQA prefill over the paged cache: q [T, H, D] -> out [T, H, D] (q's dtype)."""
+        device = self._device(q)
+        dims = check_prefill(
+            q, k_cache, v_cache, cu_seqlens, start_positions, block_tables, check_values=False
+        )
+        if not _aligned(q):
+            q = q.clone()  # a contiguous view at an odd offset: the kernel loads 16 bytes at once
+        self._check_alignment(k_cache=k_cache, v_cache=v_cache)
+        out = torch.empty_like(q)
+        if dims.num_tokens == 0 or dims.num_seqs == 0:
+            return out
+        block_m = int(self.manifest["prefill_block_m"][str(dims.head_dim)])
+        grid = (math.ceil(dims.num_tokens / block_m), dims.num_q_heads, dims.num_seqs)
+        self._launch(
+            device,
+            "prefill",
+            _DTYPE_NAMES[q.dtype],
+            dims.head_dim,
+            grid,
+            (THREADS, 1, 1),
+            {
+                "out": out.data_ptr(),
+                "q": q.data_ptr(),
+                "k_cache": k_cache.data_ptr(),
+                "v_cache": v_cache.data_ptr(),
+                "cu_seqlens": cu_seqlens.data_ptr(),
+                "start_positions": start_positions.data_ptr(),
+                "block_tables": block_tables.data_ptr(),
+                "num_q_heads": dims.num_q_heads,
+                "num_kv_heads": dims.num_kv_heads,
+                "block_size": dims.block_size,
+                "max_blocks": dims.max_blocks,
+                "scale_log2": scale * _LOG2E,
+            },
+        )
+        return out
+
+    def decode_splits(
+        self, device: int, num_seqs: int, num_kv_heads: int, num_q_heads: int, max_context: int
+    ) -> int:
+        """Splits per sequence when the caller asks for automatic (num_splits=0): enough CTAs
+        for about two per SM, each split at least 256 keys of the longest possible context
+        (max_blocks * block_size: the real lengths stay on the device)."""
+        chunks = math.ceil((num_q_heads // num_kv_heads) / DECODE_HEADS_PER_CTA)
+        ctas = num_seqs * num_kv_heads * chunks
+        want = math.ceil(2 * self._num_sms(device) / max(ctas, 1))
+        useful = max(1, math.ceil(max_context / 256))
+        return max(1, min(want, useful, _MAX_SPLITS))
+
+    def decode(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        *,
+        scale: float,
+        num_splits: int = 0,
+    ) -> torch.Tensor:
+        """GQA decode over the paged cache: q [B, H, D] -> out [B, H, D] (q's dtype).
+
+        num_splits: chunks each sequence is cut into (flash-decoding); 0 picks it from the
+        batch size and the block table width.
+        """
+        device = self._device(q)
+        dims = check_decode(q, k_cache, v_cache, block_tables, seq_lens, check_values=False)
+        if num_splits < 0:
+            raise ValueError(f"num_splits must be >= 0, got {num_splits}")
+        if not _aligned(q):
+            q = q.clone()
+        self._check_alignment(k_cache=k_cache, v_cache=v_cache)
+        out = torch.empty_like(q)
+        num_seqs, heads, kv_heads, head_dim = (
+            dims.num_seqs,
+            dims.num_q_heads,
+            dims.num_kv_heads,
+            dims.head_dim,
+        )
+        if num_seqs == 0:
+            return out
+        splits = num_splits or self.decode_splits(
+            device, num_seqs, kv_heads, heads, dims.max_blocks * dims.block_size
+        )
+        chunks = math.ceil((heads // kv_heads) / DECODE_HEADS_PER_CTA)
+        dtype = _DTYPE_NAMES[q.dtype]
+        if splits > 1:
+            part_o = torch.empty(
+                (num_seqs, heads, splits, head_dim), dtype=torch.float32, device=q.device
+            )
+            part_lse = torch.empty((num_seqs, heads, splits), dtype=torch.float32, device=q.device)
+            part_o_ptr, part_lse_ptr = part_o.data_ptr(), part_lse.data_ptr()
+        else:  # the kernel writes `out` directly and never touches the scratch pointers
+            part_o_ptr = part_lse_ptr = out.data_ptr()
+        self._launch(
+            device,
+            "decode",
+            dtype,
+            head_dim,
+            (splits, kv_heads * chunks, num_seqs),
+            (THREADS, 1, 1),
+            {
+                "out": out.data_ptr(),
+                "part_o": part_o_ptr,
+                "part_lse": part_lse_ptr,
+                "q": q.data_ptr(),
+                "k_cache": k_cache.data_ptr(),
+                "v_cache": v_cache.data_ptr(),
+                "block_tables": block_tables.data_ptr(),
+                "seq_lens": seq_lens.data_ptr(),
+                "num_q_heads": heads,
+                "num_kv_heads": kv_heads,
+                "block_size": dims.block_size,
+                "max_blocks": dims.max_blocks,
+                "num_splits": splits,
+                "scale_log2": scale * _LOG2E,
+            },
+        )
+        if splits > 1:
+            self._launch(
+                device,
+                "decode_combine",
+                dtype,
+                head_dim,
+                (num_seqs * heads, 1, 1),
+                (head_dim, 1, 1),
+                {
+                    "out": out.data_ptr(),
+                    "part_o": part_o_ptr,
+                    "part_lse": part_lse_ptr,
+                    "num_splits": splits,
+                },
+            )
+        return out
