@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kernels import ATTENTION_CHOICES
 from mili import flags
 from mili.errors import StartupError
 
@@ -55,6 +56,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["float32", "bfloat16", "float16"],
         default=None,
         help="prefill/decode weights' and KV's element type (default: the checkpoint's)",
+    )
+    parser.add_argument(
+        "--attention",
+        choices=ATTENTION_CHOICES,
+        default=None,
+        help="prefill/decode attention backend (default: the services' own, auto = Mojo kernels "
+        "where they build, else torch)",
     )
     parser.add_argument("--prefill-instances", type=int, default=1, metavar="N")
     parser.add_argument("--decode-instances", type=int, default=1, metavar="N")
@@ -236,6 +244,8 @@ def make_plan(args: argparse.Namespace, model_dir: Path) -> Plan:
         engine += ["--device", args.device]
     if args.dtype is not None:
         engine += ["--dtype", args.dtype]
+    if args.attention is not None:
+        engine += ["--attention", args.attention]
 
     def extra(kind: str) -> list[str]:
         return shlex.split(getattr(args, f"{kind}_args"))

@@ -11,8 +11,10 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from kernels import ATTENTION_CHOICES, DEFAULT_ATTENTION
+
 DTYPES = ("float32", "bfloat16", "float16")
-ATTENTION_BACKENDS = ("torch",)  # the Mojo backend joins once kernels/ lands
+ATTENTION_BACKENDS = ATTENTION_CHOICES
 DEFAULT_KV_CACHE_BYTES = 1 << 30  # when neither --kv-cache-bytes nor --num-blocks is given
 _DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 
@@ -36,7 +38,7 @@ class DecodeConfig:
     # there is no second queue between "KV landed" and "running".
     max_running: int = 64
     kv_lease_ms: int = 30_000  # default lease; a GenerateRequest may ask for another
-    attention: str = "torch"
+    attention: str = DEFAULT_ATTENTION  # auto: Mojo kernels where they build, else torch
     retry_after_s: float = 0.5  # RetryInfo hint sent with RESOURCE_EXHAUSTED
 
     def __post_init__(self) -> None:
@@ -115,5 +117,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--attention",
         default=defaults.attention,
         choices=ATTENTION_BACKENDS,
-        help="attention backend (default: %(default)s)",
+        help="attention backend: mojo kernels, the torch reference, or auto = mojo where the "
+        "kernels build for the device, else torch (default: %(default)s)",
     )

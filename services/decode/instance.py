@@ -10,7 +10,8 @@ from pathlib import Path
 
 import torch
 
-from mili.engine.attention import TorchAttention
+from kernels.backend import select_attention
+from kernels.build import KernelBuildError
 from mili.engine.block_pool import BlockPool
 from mili.engine.config import ConfigError, Qwen3Config
 from mili.engine.fingerprint import model_fingerprint
@@ -74,10 +75,13 @@ class DecodeInstance:
             raise StartupError(f"--device {config.device}: no CUDA device is available")
         try:
             dtype = resolve_dtype(config.dtype) if config.dtype is not None else None
-            model = load_model(
-                config.model_dir, device=config.device, dtype=dtype, attention=TorchAttention()
+            model = load_model(config.model_dir, device=config.device, dtype=dtype)
+            model.attention = select_attention(
+                config.attention, model.device, head_dim=model.config.head_dim
             )
             fingerprint = model_fingerprint(config.model_dir)
+        except KernelBuildError as e:
+            raise StartupError(f"--attention {config.attention}: {e}") from None
         except (CheckpointError, ConfigError, OSError) as e:
             raise StartupError(f"cannot load model from {config.model_dir}: {e}") from None
         model_config = model.config

@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import logging
 
+from kernels import ATTENTION_CHOICES, DEFAULT_ATTENTION
 from mili import flags
 from mili.errors import StartupError
 from services.prefill.config import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_BATCH_TOKENS
@@ -64,9 +65,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--attention",
-        choices=["torch"],
-        default="torch",
-        help="attention backend (default: %(default)s)",
+        choices=ATTENTION_CHOICES,
+        default=DEFAULT_ATTENTION,
+        help="attention backend: mojo kernels, the torch reference, or auto = mojo where the "
+        "kernels build for the device, else torch (default: %(default)s)",
     )
     flags.add_server_arguments(parser, DEFAULT_PORT)
 
@@ -101,7 +103,8 @@ def run(args: argparse.Namespace) -> int:
 
     import torch  # heavy imports only once the flags are known to be good
 
-    from mili.engine.attention import TorchAttention
+    from kernels.backend import select_attention
+    from kernels.build import KernelBuildError
     from mili.engine.block_pool import blocks_needed
     from mili.engine.fingerprint import model_fingerprint
     from mili.engine.kv_cache import bytes_per_block
@@ -128,7 +131,11 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as e:
             raise StartupError(f"--kv-cache-bytes: {e}") from None
     try:
-        model = load_model(model_dir, device=device, dtype=dtype, attention=TorchAttention())
+        attention = select_attention(args.attention, device, head_dim=model_config.head_dim)
+    except KernelBuildError as e:
+        raise StartupError(f"--attention {args.attention}: {e}") from None
+    try:
+        model = load_model(model_dir, device=device, dtype=dtype, attention=attention)
     except (CheckpointError, ConfigError, RuntimeError) as e:
         raise StartupError(f"cannot load {model_dir}: {e}") from None
     try:

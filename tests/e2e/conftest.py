@@ -72,6 +72,12 @@ class Deployment:
             counts[service.address] = info.num_free_blocks
         return counts
 
+    def prefill_info(self, index: int = 0) -> prefill_pb2.InfoResponse:
+        with grpc.insecure_channel(self.prefills[index].address) as channel:
+            return prefill_pb2_grpc.PrefillServiceStub(channel).Info(
+                prefill_pb2.InfoRequest(), timeout=5
+            )
+
     def decode_info(self, index: int = 0) -> decode_pb2.InfoResponse:
         with grpc.insecure_channel(self.decodes[index].address) as channel:
             return decode_pb2_grpc.DecodeServiceStub(channel).Info(

@@ -84,3 +84,18 @@ def test_serve_reports_a_child_failing_at_startup(demo_model_dir: Path) -> None:
     assert "prefill-0 exited with code" in result.stderr
     assert "its last log lines" in result.stderr and "block_size" in result.stderr
     assert "frontend service listening" not in result.stdout
+
+
+def test_attention_flag_reaches_prefill_and_decode_only(tmp_path: Path) -> None:
+    import argparse
+
+    from mili.launcher import add_arguments, make_plan
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    plan = make_plan(parser.parse_args(["--attention", "torch"]), tmp_path)
+    for argv in (*plan.prefills, *plan.decodes):
+        assert argv[argv.index("--attention") + 1] == "torch"
+    assert "--attention" not in plan.tokenizer and "--attention" not in plan.frontend
+    default = make_plan(parser.parse_args([]), tmp_path)  # the services' own default (auto)
+    assert not any("--attention" in argv for argv in (*default.prefills, *default.decodes))

@@ -82,6 +82,15 @@ def reference(demo_model_dir: Path, deployment: Deployment) -> object:
     return tokens
 
 
+def test_services_run_the_mojo_kernels_by_default(deployment: Deployment) -> None:
+    # The deployment passes no --attention: the default puts the Mojo kernels under the greedy
+    # tests below, while `reference` runs the torch backend.
+    assert deployment.prefill_info().attention_backend == "mojo"
+    assert deployment.decode_info().attention_backend == "mojo"
+    for service in (*deployment.prefills, *deployment.decodes):
+        assert "attention mojo" in service.stderr, service.stderr
+
+
 def test_greedy_tokens_equal_single_process_reference(
     deployment: Deployment, prompts: list[list[int]], reference
 ) -> None:
