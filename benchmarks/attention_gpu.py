@@ -1,0 +1,183 @@
+"""GPU attention benchmark: MILI's PTX kernels (kernels/gpu.py) against torch SDPA on one GPU.
+
+    MILI_CACHE_DIR=<dir> python benchmarks/attention_gpu.py
+
+where <dir> holds the PTX built on a machine with the Mojo toolchain by
+`MILI_CACHE_DIR=<dir> mili kernels build --gpu --no-cpu` (or pass --kernel-dir).
+
+Prefill: bf16, causal, D=128, 32 q / 8 kv heads, one sequence of T new tokens (start 0) read from a
+paged cache (block 16, random block table), T in 1024 / 4096 / 16384. TFLOP/s counts the causal
+half: 4 * T * T * D * H / 2. The same q/k/v go to torch SDPA restricted to the flash backend
+(contiguous [1, H, T, D], k/v heads repeated to H) in the same run.
+
+Decode: bf16, batch 64, context 4096, 32 q / 8 kv heads, D=128, block 16, random block tables.
+GB/s counts the K and V bytes read: B * context * KVH * D * 2 (K and V) * 2 bytes, as a share of
+the H200's 4.8 TB/s.
+
+Each measurement: a parity spot check first, warm-up, then CUDA events around repeated launches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kernels.build import gpu_kernel_dir
+from kernels.gpu import GpuKernels
+
+PEAK_BANDWIDTH = 4.8e12  # H200 HBM3e, bytes/s
+
+
+def time_ms(fn: Callable[[], object], *, warmup: int = 3, iters: int = 10) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def paged(
+    k: torch.Tensor, v: torch.Tensor, block_size: int, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Scatter [B, L, KVH, D] keys/values into a cache of randomly permuted blocks."""
+    batch, length, kv_heads, head_dim = k.shape
+    per_seq = -(-length // block_size)
+    num_blocks = batch * per_seq
+    perm = torch.randperm(num_blocks, generator=gen).to(torch.int32)
+    table = perm.view(batch, per_seq).to(k.device)
+    pad = per_seq * block_size - length
+    shape = (batch, per_seq, block_size, kv_heads, head_dim)
+    k_blocks = F.pad(k, (0, 0, 0, 0, 0, pad)).reshape(shape)
+    v_blocks = F.pad(v, (0, 0, 0, 0, 0, pad)).reshape(shape)
+    k_cache = torch.empty(
+        (num_blocks, block_size, kv_heads, head_dim), dtype=k.dtype, device=k.device
+    )
+    v_cache = torch.empty_like(k_cache)
+    k_cache[table.long().flatten()] = k_blocks.flatten(0, 1)
+    v_cache[table.long().flatten()] = v_blocks.flatten(0, 1)
+    return k_cache, v_cache, table
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6)).item()
+
+
+def bench_prefill(kernels: GpuKernels, length: int, args: argparse.Namespace) -> dict:
+    heads, kv_heads, head_dim, block = 32, 8, 128, 16
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    gen = torch.Generator().manual_seed(length)
+    q = torch.randn(length, heads, head_dim, generator=gen).to(dev, dtype)
+    k = torch.randn(1, length, kv_heads, head_dim, generator=gen).to(dev, dtype)
+    v = torch.randn(1, length, kv_heads, head_dim, generator=gen).to(dev, dtype)
+    k_cache, v_cache, table = paged(k, v, block, gen)
+    cu = torch.tensor([0, length], dtype=torch.int32, device=dev)
+    starts = torch.zeros(1, dtype=torch.int32, device=dev)
+    scale = head_dim**-0.5
+
+    def ours() -> torch.Tensor:
+        return kernels.prefill(q, k_cache, v_cache, cu, starts, table, scale=scale)
+
+    group = heads // kv_heads
+    qs = q.transpose(0, 1).unsqueeze(0).contiguous()  # [1, H, T, D]
+    ks = k[0].repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0).contiguous()
+    vs = v[0].repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0).contiguous()
+
+    def sdpa() -> torch.Tensor:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
+
+    reference = sdpa()[0].transpose(0, 1)
+    err = rel_err(ours(), reference)
+    iters = args.iters if length <= 4096 else max(2, args.iters // 4)
+    ms_ours = time_ms(ours, iters=iters)
+    ms_sdpa = time_ms(sdpa, iters=iters)
+    flops = 4 * length * length * head_dim * heads / 2
+    return {
+        "T": length,
+        "ours_ms": ms_ours,
+        "sdpa_ms": ms_sdpa,
+        "ours_tflops": flops / ms_ours / 1e9,
+        "sdpa_tflops": flops / ms_sdpa / 1e9,
+        "max_rel_err": err,
+    }
+
+
+def bench_decode(kernels: GpuKernels, args: argparse.Namespace) -> dict:
+    batch, context, heads, kv_heads, head_dim, block = 64, 4096, 32, 8, 128, 16
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(batch, heads, head_dim, generator=gen).to(dev, dtype)
+    k = torch.randn(batch, context, kv_heads, head_dim, generator=gen).to(dev, dtype)
+    v = torch.randn(batch, context, kv_heads, head_dim, generator=gen).to(dev, dtype)
+    k_cache, v_cache, table = paged(k, v, block, gen)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=dev)
+    scale = head_dim**-0.5
+
+    def ours() -> torch.Tensor:
+        return kernels.decode(q, k_cache, v_cache, table, seq_lens, scale=scale)
+
+    # Reference on the unpaged k/v (SDPA, any backend), GQA by repeating kv heads.
+    group = heads // kv_heads
+    ks = k.repeat_interleave(group, dim=2).transpose(1, 2)  # [B, H, L, D]
+    vs = v.repeat_interleave(group, dim=2).transpose(1, 2)
+    reference = F.scaled_dot_product_attention(q[:, :, None, :], ks, vs, scale=scale)[:, :, 0]
+    err = rel_err(ours(), reference)
+    del ks, vs
+    ms = time_ms(ours, warmup=5, iters=args.iters * 5)
+    kv_bytes = batch * context * kv_heads * head_dim * 2 * k.element_size()
+    gbs = kv_bytes / (ms * 1e-3) / 1e9
+    return {"ms": ms, "gbs": gbs, "pct_peak": 100 * gbs * 1e9 / PEAK_BANDWIDTH, "max_rel_err": err}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--kernel-dir",
+        type=Path,
+        default=None,
+        help="PTX directory (default: this source's, in the kernel cache)",
+    )
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
+    parser.add_argument("--iters", type=int, default=10)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("no CUDA GPU", file=sys.stderr)
+        return 1
+    kernels = GpuKernels(args.kernel_dir or gpu_kernel_dir())
+    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
+    print("\nprefill  bf16 causal D=128 H=32 KVH=8 B=1 (paged cache, block 16)")
+    print(
+        f"{'T':>6} {'ours ms':>9} {'ours TF/s':>10} {'sdpa ms':>9} {'sdpa TF/s':>10} "
+        f"{'ours/sdpa':>9} {'max rel err':>12}"
+    )
+    for length in args.lengths:
+        r = bench_prefill(kernels, length, args)
+        print(
+            f"{r['T']:>6} {r['ours_ms']:>9.3f} {r['ours_tflops']:>10.1f} {r['sdpa_ms']:>9.3f} "
+            f"{r['sdpa_tflops']:>10.1f} {r['ours_tflops'] / r['sdpa_tflops']:>9.2f} "
+            f"{r['max_rel_err']:>12.2e}"
+        )
+    print("\ndecode  bf16 B=64 context=4096 H=32 KVH=8 D=128 block 16 (random block tables)")
+    r = bench_decode(kernels, args)
+    print(f"{'ms':>9} {'GB/s':>9} {'% of 4.8 TB/s':>14} {'max rel err':>12}")
+    print(f"{r['ms']:>9.3f} {r['gbs']:>9.0f} {r['pct_peak']:>14.1f} {r['max_rel_err']:>12.2e}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
