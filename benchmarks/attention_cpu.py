@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernels.build import build_cpu
 from kernels.cpu import CpuKernels
 from mili.engine.attention import TorchAttention
-from tests.kernels.cases import make_case
+from tests.kernels.cases import make_case, run_decode, run_prefill
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 16, 8, 128, 16
@@ -82,15 +82,7 @@ def bench_prefill(kernels: CpuKernels, dtype: str, length: int, repeats: int) ->
     v_t = case.v.transpose(0, 1).contiguous()
 
     def ours() -> object:
-        return kernels.prefill(
-            case.q,
-            case.k_cache,
-            case.v_cache,
-            case.cu_seqlens,
-            case.start_positions,
-            case.block_tables,
-            scale=case.scale,
-        )
+        return run_prefill(kernels, case)
 
     def theirs() -> object:
         return F.scaled_dot_product_attention(
@@ -132,9 +124,7 @@ def bench_decode(
     reference = TorchAttention()
 
     def ours() -> object:
-        return kernels.decode(
-            case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, scale=case.scale
-        )
+        return run_decode(kernels, case)
 
     def theirs() -> object:
         return reference.decode(

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.backend import AttentionKernels
 from mili.engine.attention import TorchAttention
 
 
@@ -85,6 +86,30 @@ def make_case(
         block_tables=table.to(device),
         seq_lens=torch.tensor(totals, dtype=torch.int32).to(device),
         scale=head_dim**-0.5,
+    )
+
+
+def run_prefill(kernels: AttentionKernels, case: PagedCase) -> torch.Tensor:
+    return kernels.prefill(
+        case.q,
+        case.k_cache,
+        case.v_cache,
+        case.cu_seqlens,
+        case.start_positions,
+        case.block_tables,
+        scale=case.scale,
+    )
+
+
+def run_decode(kernels: AttentionKernels, case: PagedCase, num_splits: int = 0) -> torch.Tensor:
+    return kernels.decode(
+        case.q,
+        case.k_cache,
+        case.v_cache,
+        case.block_tables,
+        case.seq_lens,
+        scale=case.scale,
+        num_splits=num_splits,
     )
 
 

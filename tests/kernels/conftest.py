@@ -1,13 +1,40 @@
-"""The CPU kernels, built once per test session into the normal cache (as `make test` prebuilds)."""
+"""The kernels under test: CPU (built once per session into the normal cache, as `make test`
+prebuilds it) and, where a CUDA GPU is present, the sm_90 PTX of this source."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
-from kernels.build import build_cpu
+from kernels import build
+from kernels.backend import AttentionKernels
 from kernels.cpu import CpuKernels
 
 
 @pytest.fixture(scope="session")
 def cpu_kernels() -> CpuKernels:
-    return CpuKernels.from_path(build_cpu(), num_threads=2)
+    return CpuKernels.from_path(build.build_cpu(), num_threads=2)
+
+
+@pytest.fixture(scope="session")
+def gpu_kernels() -> AttentionKernels:
+    """PTX from the kernel cache: built here with the toolchain, or carried to a GPU host
+    (`MILI_CACHE_DIR=<dir> mili kernels build --gpu` where Mojo is, then MILI_CACHE_DIR=<dir>)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from kernels.gpu import GpuKernels
+
+    kernel_dir = build.gpu_kernel_dir()
+    if not (kernel_dir / "manifest.json").exists():
+        try:
+            kernel_dir = build.build_gpu()
+        except build.KernelBuildError as exc:
+            pytest.skip(f"no PTX at {kernel_dir} and it cannot be built here: {exc}")
+    return GpuKernels(kernel_dir)
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device_kernels(request: pytest.FixtureRequest) -> tuple[str, AttentionKernels]:
+    """(device, kernels) for every kernel implementation: the parity grid runs on each."""
+    name = "cpu_kernels" if request.param == "cpu" else "gpu_kernels"
+    return request.param, request.getfixturevalue(name)

@@ -5,9 +5,10 @@ The build test runs on every CI machine: it compiles every (kernel, dtype, head_
 parameters against what `kernels.gpu` passes, and (where `ptxas` is installed) that the PTX
 assembles for sm_90a without spills within the static shared-memory limit.
 
-The parity tests need a CUDA GPU. They load the PTX of this source from the kernel cache
-(`MILI_CACHE_DIR=<dir> mili kernels build --gpu` on a machine with the toolchain, then carry
-<dir> and set MILI_CACHE_DIR to it on the GPU host), or build it there when mojo is installed.
+The GPU parity grid lives in test_parity.py; it and the stream test here need a CUDA GPU and
+load the PTX of this source from the kernel cache (`MILI_CACHE_DIR=<dir> mili kernels build
+--gpu` on a machine with the toolchain, then carry <dir> and set MILI_CACHE_DIR to it on the GPU
+host), or build it there when mojo is installed.
 """
 
 from __future__ import annotations
@@ -23,7 +24,13 @@ import torch
 
 from kernels import build, ptx
 from kernels.gpu import GpuKernels, _pack
-from tests.kernels.cases import assert_close, make_case, reference_decode, reference_prefill
+from tests.kernels.cases import (
+    assert_close,
+    make_case,
+    reference_decode,
+    run_decode,
+    run_prefill,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCE_DIR = ROOT / "kernels" / "mojo"
@@ -136,214 +143,17 @@ def test_rejects_cpu_tensors(tmp_path: Path) -> None:
     )
     kernels = GpuKernels(tmp_path)
     with pytest.raises(ValueError, match="CUDA"):
-        kernels.prefill(
-            case.q,
-            case.k_cache,
-            case.v_cache,
-            case.cu_seqlens,
-            case.start_positions,
-            case.block_tables,
-            scale=case.scale,
-        )
+        run_prefill(kernels, case)
+    with pytest.raises(ValueError, match="CUDA"):
+        run_decode(kernels, case)
 
 
-# ---- GPU parity ---------------------------------------------------------------------------
-
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-
-@pytest.fixture(scope="module")
-def kernels(tmp_path_factory: pytest.TempPathFactory) -> GpuKernels:
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    kernel_dir = build.gpu_kernel_dir()
-    if not (kernel_dir / "manifest.json").exists():
-        if _mojo() is None:
-            pytest.skip(
-                f"no PTX at {kernel_dir} and no mojo compiler here: build it elsewhere with "
-                "`MILI_CACHE_DIR=<dir> mili kernels build --gpu` and set MILI_CACHE_DIR=<dir>"
-            )
-        kernel_dir = build.build_gpu()
-    return GpuKernels(kernel_dir)
+# ---- on a GPU -------------------------------------------------------------------------------
+# The parity grid itself runs on the GPU kernels in test_parity.py (fixture `device_kernels`).
 
 
-LENGTHS = (1, 7, 16, 17, 100, 513)
-RATIOS = (1, 2, 4, 8)
-DTYPES = (torch.bfloat16, torch.float32)
-
-
-def _heads(ratio: int) -> tuple[int, int]:
-    return 2 * ratio, 2  # (q heads, kv heads)
-
-
-def _prefill(kernels: GpuKernels, case) -> torch.Tensor:  # type: ignore[no-untyped-def]
-    return kernels.prefill(
-        case.q,
-        case.k_cache,
-        case.v_cache,
-        case.cu_seqlens,
-        case.start_positions,
-        case.block_tables,
-        scale=case.scale,
-    )
-
-
-@gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("head_dim", (64, 128))
-@pytest.mark.parametrize("block_size", (16, 32))
-@pytest.mark.parametrize("ratio", RATIOS)
-@pytest.mark.parametrize("length", LENGTHS)
-def test_prefill_parity(
-    kernels: GpuKernels,
-    length: int,
-    ratio: int,
-    block_size: int,
-    head_dim: int,
-    dtype: torch.dtype,
-) -> None:
-    heads, kv_heads = _heads(ratio)
-    case = make_case(
-        [length],
-        [0],
-        num_q_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        block_size=block_size,
-        dtype=dtype,
-        device="cuda",
-        seed=length * 7 + ratio,
-    )
-    assert_close(_prefill(kernels, case), reference_prefill(case), dtype)
-
-
-@gpu
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("head_dim", (64, 128))
-@pytest.mark.parametrize("block_size", (16, 32))
-@pytest.mark.parametrize("ratio", RATIOS)
-def test_prefill_mixed_batch_chunked(
-    kernels: GpuKernels, ratio: int, block_size: int, head_dim: int, dtype: torch.dtype
-) -> None:
-    """Mixed lengths in one packed batch, some continuing a cached prefix (start > 0)."""
-    heads, kv_heads = _heads(ratio)
-    case = make_case(
-        [1, 7, 16, 17, 100, 513, 3],
-        [0, 5, 16, 0, 37, 200, 1000],
-        num_q_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        block_size=block_size,
-        dtype=dtype,
-        device="cuda",
-        seed=ratio + block_size,
-    )
-    assert_close(_prefill(kernels, case), reference_prefill(case), dtype)
-
-
-@gpu
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16, torch.float32), ids=str)
-@pytest.mark.parametrize("head_dim", (64, 128, 256))
-def test_prefill_all_specialisations(
-    kernels: GpuKernels, head_dim: int, dtype: torch.dtype
-) -> None:
-    case = make_case(
-        [33, 1, 70],
-        [0, 40, 9],
-        num_q_heads=12,
-        num_kv_heads=4,
-        head_dim=head_dim,
-        block_size=16,
-        dtype=dtype,
-        device="cuda",
-        seed=head_dim,
-    )
-    assert_close(_prefill(kernels, case), reference_prefill(case), dtype)
-
-
-@gpu
-@pytest.mark.gpu
-@pytest.mark.parametrize("num_splits", (0, 1, 3))
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("head_dim", (64, 128))
-@pytest.mark.parametrize("block_size", (16, 32))
-@pytest.mark.parametrize("ratio", RATIOS)
-@pytest.mark.parametrize("length", LENGTHS)
-def test_decode_parity(
-    kernels: GpuKernels,
-    length: int,
-    ratio: int,
-    block_size: int,
-    head_dim: int,
-    dtype: torch.dtype,
-    num_splits: int,
-) -> None:
-    heads, kv_heads = _heads(ratio)
-    # A mixed batch: this length plus a few others, each a single new (cached) token.
-    contexts = [length, 1, 17, 300]
-    case = make_case(
-        [1] * len(contexts),
-        [c - 1 for c in contexts],
-        num_q_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        block_size=block_size,
-        dtype=dtype,
-        device="cuda",
-        seed=length + ratio,
-    )
-    out = kernels.decode(
-        case.q,
-        case.k_cache,
-        case.v_cache,
-        case.block_tables,
-        case.seq_lens,
-        scale=case.scale,
-        num_splits=num_splits,
-    )
-    assert_close(out, reference_decode(case), dtype)
-
-
-@gpu
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16, torch.float32), ids=str)
-@pytest.mark.parametrize("head_dim", (64, 128, 256))
-@pytest.mark.parametrize("heads", ((16, 1), (40, 8), (6, 2)))
-def test_decode_all_specialisations(
-    kernels: GpuKernels, head_dim: int, dtype: torch.dtype, heads: tuple[int, int]
-) -> None:
-    """Every dtype/head_dim, and q/kv ratios above 8 (16: two CTAs per kv head) and odd (5, 3)."""
-    contexts = [1, 64, 1000]
-    case = make_case(
-        [1] * len(contexts),
-        [c - 1 for c in contexts],
-        num_q_heads=heads[0],
-        num_kv_heads=heads[1],
-        head_dim=head_dim,
-        block_size=16,
-        dtype=dtype,
-        device="cuda",
-        seed=head_dim + heads[0],
-    )
-    for splits in (0, 1, 7):
-        out = kernels.decode(
-            case.q,
-            case.k_cache,
-            case.v_cache,
-            case.block_tables,
-            case.seq_lens,
-            scale=case.scale,
-            num_splits=splits,
-        )
-        assert_close(out, reference_decode(case), dtype)
-
-
-@gpu
-@pytest.mark.gpu
-def test_no_host_sync_and_current_stream(kernels: GpuKernels) -> None:
+def test_launches_on_the_current_stream(gpu_kernels) -> None:
     """Launches go on torch's current stream (a side stream here) and results are right."""
     case = make_case(
         [1, 1],
@@ -358,8 +168,6 @@ def test_no_host_sync_and_current_stream(kernels: GpuKernels) -> None:
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        out = kernels.decode(
-            case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, scale=case.scale
-        )
+        out = run_decode(gpu_kernels, case)
     stream.synchronize()
     assert_close(out, reference_decode(case), torch.bfloat16)
