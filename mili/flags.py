@@ -38,6 +38,27 @@ def add_server_arguments(parser: argparse.ArgumentParser, default_port: int) -> 
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
         help="log level (default: %(default)s)",
     )
+    telemetry = parser.add_argument_group("telemetry")
+    telemetry.add_argument(
+        "--otlp-endpoint",
+        default=None,
+        metavar="URL",
+        help="export traces over OTLP/gRPC to URL, e.g. http://127.0.0.1:4317 (default: "
+        "$OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or $OTEL_EXPORTER_OTLP_ENDPOINT if set, else off)",
+    )
+    telemetry.add_argument(
+        "--trace-console",
+        action="store_true",
+        help="also print every finished span to stderr (debugging)",
+    )
+    telemetry.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="serve Prometheus metrics on http://HOST:PORT/metrics; 0 picks a free port "
+        "(default: off)",
+    )
 
 
 def add_model_argument(parser: argparse.ArgumentParser) -> None:
@@ -57,6 +78,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         port=args.port,
         max_message_bytes=args.max_message_bytes,
         drain_timeout_s=args.drain_timeout,
+        metrics_port=args.metrics_port,
     )
 
 

@@ -9,6 +9,12 @@ stdout and must then answer grpc.health.v1 SERVING; one that exits first has its
 printed and `mili serve` exits non-zero. Children's logs go to stderr, each line prefixed with
 the child's name.
 
+Metrics: with --metrics-port BASE every child serves Prometheus metrics on --host: the frontend
+on BASE, the tokenizer on BASE+1, prefill instance i on BASE+2+i, decode instance j on
+BASE+2+P+j (P = --prefill-instances); BASE 0 gives each a free port. Each child announces
+`<name> metrics on http://HOST:PORT/metrics` (forwarded to stderr), and the summary printed
+once all are up lists every child's metrics URL.
+
 Shut-down (Ctrl-C or SIGTERM; a second one hurries every drain): the frontend drains first, so
 no new work reaches the rest; then prefill and decode; the tokenizer last, since the frontend's
 last requests still detokenize through it. Children run in their own session so a terminal's
@@ -38,6 +44,7 @@ from mili.errors import StartupError
 
 DEFAULT_PORT = 50051
 _LISTENING = re.compile(r"(\w+) service listening on (\S+)")
+_METRICS = re.compile(r"(\w+) metrics on (\S+)")
 _TAIL_LINES = 40
 _ROOT = Path(__file__).resolve().parent.parent  # holds the `mili` and `services` packages
 
@@ -63,6 +70,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="prefill/decode attention backend (default: the services' own, auto = Mojo kernels "
         "where they build, else torch)",
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="BASE",
+        help="serve each child's Prometheus metrics: frontend on BASE, tokenizer BASE+1, "
+        "prefill i BASE+2+i, decode j BASE+2+P+j; 0 = free ports (default: off)",
     )
     parser.add_argument("--prefill-instances", type=int, default=1, metavar="N")
     parser.add_argument("--decode-instances", type=int, default=1, metavar="N")
@@ -96,6 +111,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
     )
+    parser.add_argument(
+        "--otlp-endpoint",
+        default=None,
+        metavar="URL",
+        help="every child exports traces over OTLP/gRPC to URL (default: the OTEL_* "
+        "environment, which the children inherit; else off)",
+    )
+    parser.add_argument(
+        "--trace-console", action="store_true", help="every child prints its spans to stderr"
+    )
 
 
 def _say(message: str) -> None:
@@ -115,6 +140,7 @@ class Child:
     argv: list[str]
     proc: asyncio.subprocess.Process | None = None
     address: str | None = None
+    metrics_url: str | None = None  # set when it announced a metrics endpoint
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=_TAIL_LINES))
     announced: asyncio.Event = field(default_factory=asyncio.Event)
     readers: list[asyncio.Task[None]] = field(default_factory=list)
@@ -142,6 +168,9 @@ class Child:
         ]
 
     def _on_stdout(self, line: str) -> None:
+        metrics = _METRICS.search(line)
+        if metrics and self.metrics_url is None:
+            self.metrics_url = metrics.group(2)
         match = _LISTENING.search(line)
         if match and self.address is None:
             self.address = match.group(2)
@@ -233,11 +262,22 @@ def _port(base: int, i: int) -> str:
     return str(base + i if base else 0)
 
 
+def _metrics(base: int | None, offset: int) -> list[str]:
+    """A child's --metrics-port flag: BASE+offset, 0 for every child when BASE is 0."""
+    return [] if base is None else ["--metrics-port", _port(base, offset)]
+
+
 def make_plan(args: argparse.Namespace, model_dir: Path) -> Plan:
     if args.prefill_instances < 1 or args.decode_instances < 1:
         raise StartupError("--prefill-instances and --decode-instances must be >= 1")
+    metrics_base: int | None = args.metrics_port
+    first_decode = 2 + args.prefill_instances  # metrics port offsets, see the module docstring
     common = ["--host", args.host, "--log-level", args.log_level]
     common += ["--drain-timeout", str(args.drain_timeout)]
+    if args.otlp_endpoint:
+        common += ["--otlp-endpoint", args.otlp_endpoint]
+    if args.trace_console:
+        common.append("--trace-console")
     model = ["--model", str(model_dir)]
     engine: list[str] = []
     if args.device is not None:
@@ -257,6 +297,7 @@ def make_plan(args: argparse.Namespace, model_dir: Path) -> Plan:
             *common,
             "--port",
             str(args.tokenizer_port),
+            *_metrics(metrics_base, 1),
             *extra("tokenizer"),
         ],
         prefills=[
@@ -267,6 +308,7 @@ def make_plan(args: argparse.Namespace, model_dir: Path) -> Plan:
                 *common,
                 "--port",
                 _port(args.prefill_port, i),
+                *_metrics(metrics_base, 2 + i),
                 *extra("prefill"),
             ]
             for i in range(args.prefill_instances)
@@ -279,11 +321,19 @@ def make_plan(args: argparse.Namespace, model_dir: Path) -> Plan:
                 *common,
                 "--port",
                 _port(args.decode_port, i),
+                *_metrics(metrics_base, first_decode + i),
                 *extra("decode"),
             ]
             for i in range(args.decode_instances)
         ],
-        frontend=["serve-frontend", *common, "--port", str(args.port), *extra("frontend")],
+        frontend=[
+            "serve-frontend",
+            *common,
+            "--port",
+            str(args.port),
+            *_metrics(metrics_base, 0),
+            *extra("frontend"),
+        ],
         startup_timeout_s=args.startup_timeout,
         drain_timeout_s=args.drain_timeout,
     )
@@ -347,7 +397,10 @@ class Launcher:
         if not await self._start([self.frontend]):
             return False
         for child in backends:
-            print(f"mili serve: {child.name:<10} {child.address}", flush=True)
+            metrics = "" if child.metrics_url is None else f" metrics {child.metrics_url}"
+            print(f"mili serve: {child.name:<10} {child.address}{metrics}", flush=True)
+        if self.frontend.metrics_url is not None:
+            print(f"mili serve: frontend metrics {self.frontend.metrics_url}", flush=True)
         # Last, in the form every service announces itself: scripts and tests read this line.
         print(f"frontend service listening on {self.frontend.address}", flush=True)
         return True

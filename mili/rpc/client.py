@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -31,10 +32,20 @@ def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[
 
 
 def insecure_channel(
-    address: str, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    address: str,
+    *,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
 ) -> grpc.aio.Channel:
-    """A plaintext grpc.aio channel to `address` ("host:port"); close it when done."""
-    return grpc.aio.insecure_channel(address, options=channel_options(max_message_bytes))
+    """A plaintext grpc.aio channel to `address` ("host:port"); close it when done.
+
+    `interceptors`: e.g. tracing's (mili.telemetry.tracing); none keeps grpc's direct calls.
+    """
+    return grpc.aio.insecure_channel(
+        address,
+        options=channel_options(max_message_bytes),
+        interceptors=list(interceptors) or None,
+    )
 
 
 _STATUS_NAMES = {

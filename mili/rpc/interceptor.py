@@ -4,7 +4,9 @@ For each application call it
   (a) turns an exception raised by the servicer into its status (see `mili.rpc.status`); calls
       the servicer already ended with `context.abort` pass through untouched,
   (b) counts the call as in flight until its handler returns, so a drain knows when to stop,
-  (c) refuses it with UNAVAILABLE once the server is draining, so clients retry elsewhere.
+  (c) refuses it with UNAVAILABLE once the server is draining, so clients retry elsewhere,
+  (d) counts it once it ends, by method and final status code (`mili_requests_total`): the code
+      it was aborted with, OK when the handler returned, else CANCELLED or DEADLINE_EXCEEDED.
 Health and reflection calls are infrastructure: never counted, never refused, so a load balancer
 can watch a draining server go NOT_SERVING.
 
@@ -23,6 +25,7 @@ from typing import Any, NoReturn
 import grpc
 
 from mili.rpc.status import is_internal, status_of
+from mili.telemetry.metrics import RequestMetrics
 
 _LOG = logging.getLogger("mili.rpc")
 
@@ -42,8 +45,9 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
     `name` is the service's short name ("tokenizer", "prefill", ...) used in messages.
     """
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, metrics: RequestMetrics) -> None:
         self._name = name
+        self._metrics = metrics
         self._num_in_flight = 0
         self._is_draining = False
         self._idle: asyncio.Event | None = None  # made on first wait, inside the running loop
@@ -105,32 +109,40 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
 
     def _wrap_coroutine(self, behavior: Behavior, method: str) -> Behavior:
         async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            await self._admit(context)
+            await self._admit(context, method)
             self._num_in_flight += 1  # no await between admit and here: nothing can slip in
+            is_done = False
             try:
-                return await behavior(request, context)
+                response = await behavior(request, context)
+                is_done = True
+                return response
             except grpc.aio.AbortError:
                 raise  # the servicer chose its status with context.abort
             except Exception as exc:
                 await self._abort_with(exc, context, method)
             finally:
+                self._count(method, context, is_done)
                 self._leave()
 
         return call
 
     def _wrap_generator(self, behavior: Behavior, method: str) -> Behavior:
         async def call(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            await self._admit(context)
+            await self._admit(context, method)
             self._num_in_flight += 1
             responses = behavior(request, context)
+            is_done = False
             try:
                 async for response in responses:
                     yield response
+                is_done = True
             except grpc.aio.AbortError:
                 raise
             except Exception as exc:
                 await self._abort_with(exc, context, method)
             finally:
+                # Counted before grpc sends the status: a caller that saw it can see the count.
+                self._count(method, context, is_done)
                 # If grpc stops iterating early (cancelled call), close the servicer's generator
                 # now so its `finally` blocks (freeing KV blocks, say) run at once, not at GC.
                 await responses.aclose()
@@ -140,12 +152,26 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
 
     # ---- helpers -----------------------------------------------------------------------------
 
-    async def _admit(self, context: grpc.aio.ServicerContext) -> None:
+    async def _admit(self, context: grpc.aio.ServicerContext, method: str) -> None:
         if self._is_draining:
+            self._metrics.record(method, grpc.StatusCode.UNAVAILABLE.name)
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE,
                 f"{self._name} is draining; retry on another instance",
             )
+
+    def _count(self, method: str, context: grpc.aio.ServicerContext, is_done: bool) -> None:
+        """Record the call's final status: the one set by an abort (ours or the servicer's),
+        else OK when its handler returned, else it was cut short (caller gone, deadline)."""
+        code = context.code()
+        if code is None:
+            if is_done:
+                code = grpc.StatusCode.OK
+            else:
+                remaining = context.time_remaining()
+                is_late = remaining is not None and remaining <= 0
+                code = grpc.StatusCode.DEADLINE_EXCEEDED if is_late else grpc.StatusCode.CANCELLED
+        self._metrics.record(method, code.name if isinstance(code, grpc.StatusCode) else str(code))
 
     def _leave(self) -> None:
         self._num_in_flight -= 1

@@ -20,15 +20,17 @@ import asyncio
 import logging
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry
 
 from mili.errors import StartupError
 from mili.rpc.interceptor import CallInterceptor
+from mili.telemetry.metrics import MetricsServer, RequestMetrics, start_metrics_server
 
 _LOG = logging.getLogger("mili.rpc")
 
@@ -44,6 +46,7 @@ class ServerConfig:
     max_message_bytes: int = 64 * 1024 * 1024  # both send and receive
     drain_timeout_s: float = 30.0  # how long in-flight calls get to finish after SIGTERM
     grace_s: float = 5.0  # grpc's own server.stop(grace) after draining
+    metrics_port: int | None = None  # Prometheus /metrics on host:metrics_port; None = off, 0 = any
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -54,6 +57,8 @@ class ServerConfig:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         if self.grace_s < 0:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
 
 
 def format_address(host: str, port: int) -> str:
@@ -66,11 +71,24 @@ def format_address(host: str, port: int) -> str:
 class RpcServer:
     """One service's grpc.aio server. Not reusable: start once, drain once."""
 
-    def __init__(self, config: ServerConfig, *, name: str) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        *,
+        name: str,
+        interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+        registry: CollectorRegistry | None = None,
+    ) -> None:
         self.config = config
         self.name = name
+        # The process's metrics (the service's own are added to it by its entry point); served
+        # on config.metrics_port from `start` until the server stopped.
+        self.registry = CollectorRegistry() if registry is None else registry
+        self._metrics_server: MetricsServer | None = None
+        # Run before our own (tracing): their spans then see the status our interceptor sets.
+        self._outer_interceptors = list(interceptors)
         self._registrations: list[tuple[str, Register]] = []
-        self._interceptor = CallInterceptor(name)
+        self._interceptor = CallInterceptor(name, RequestMetrics(self.registry))
         self._health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
         self._port = 0
@@ -101,6 +119,11 @@ class RpcServer:
         return format_address(self.config.host, self._port)
 
     @property
+    def metrics_url(self) -> str | None:
+        """http://HOST:PORT/metrics once started with a metrics_port, else None."""
+        return None if self._metrics_server is None else self._metrics_server.url
+
+    @property
     def num_in_flight(self) -> int:
         """Application calls (not health/reflection) whose handlers are running."""
         return self._interceptor.num_in_flight
@@ -115,7 +138,7 @@ class RpcServer:
             raise RuntimeError(f"{self.name}: start() called twice")
         limit = self.config.max_message_bytes
         server = grpc.aio.server(
-            interceptors=[self._interceptor],
+            interceptors=[*self._outer_interceptors, self._interceptor],
             options=[
                 ("grpc.max_send_message_length", limit),
                 ("grpc.max_receive_message_length", limit),
@@ -143,6 +166,14 @@ class RpcServer:
             self._port = server.add_insecure_port(address)
         except RuntimeError as exc:
             raise StartupError(f"{self.name}: cannot listen on {address}; is it in use?") from exc
+        if self.config.metrics_port is not None:
+            try:
+                self._metrics_server = start_metrics_server(
+                    self.registry, self.config.host, self.config.metrics_port
+                )
+            except OSError as exc:
+                where = format_address(self.config.host, self.config.metrics_port)
+                raise StartupError(f"{self.name}: cannot serve metrics on {where}: {exc}") from exc
         await server.start()
         for name in ["", *self.service_names]:
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -235,6 +266,8 @@ class RpcServer:
         try:
             await server.stop(grace_s)
         finally:
+            if self._metrics_server is not None:  # scrapes kept answering through the drain
+                self._metrics_server.close()
             self._stopped.set()
             _LOG.info("%s: stopped", self.name)
 
@@ -248,9 +281,13 @@ async def serve_forever(
 ) -> None:
     """Start `server`, announce `<name> service listening on HOST:PORT`, serve until a signal.
 
+    With a metrics_port, `<name> metrics on http://HOST:PORT/metrics` is announced first.
+
     For a service's `__main__`: `asyncio.run(serve_forever(server))` returns after a SIGTERM
     or SIGINT drain, so the process exits 0.
     """
     await server.start()
+    if server.metrics_url is not None:
+        announce(f"{server.name} metrics on {server.metrics_url}")
     announce(f"{server.name} service listening on {server.address}")
     await server.run_until_signal()

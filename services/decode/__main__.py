@@ -30,18 +30,30 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise StartupError(str(e)) from None
     # Heavy imports (torch, the model) only when actually serving, not for `mili --help`.
+    from prometheus_client import CollectorRegistry
+
     from mili.rpc.server import RpcServer, serve_forever
+    from mili.telemetry.metrics import DecodeMetrics
+    from mili.telemetry.tracing import start_tracing
     from services.decode.instance import DecodeInstance
     from services.decode.server import add_to_server
 
-    instance = DecodeInstance.load(config)  # StartupError naming what is wrong
-    server = RpcServer(flags.server_config(args), name="decode")
+    registry = CollectorRegistry()  # this process's metrics, served on --metrics-port
+    instance = DecodeInstance.load(config, DecodeMetrics(registry))  # StartupError: what is wrong
+    tracing = start_tracing(args, "decode")
+    server = RpcServer(
+        flags.server_config(args),
+        name="decode",
+        interceptors=tracing.server_interceptors(),
+        registry=registry,
+    )
     add_to_server(server, instance)
     instance.start()  # logs model, device, dtype, KV blocks and attention backend
     try:
         asyncio.run(serve_forever(server))
     finally:
         instance.stop()  # fails what is left and frees its blocks
+        tracing.shutdown()  # last: flushes the spans of the final steps too
     return 0
 
 

@@ -19,15 +19,21 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
+from opentelemetry import trace
+from opentelemetry.trace import Span
+from prometheus_client import CollectorRegistry
 
 from mili.engine.block_pool import blocks_needed
 from mili.engine.kv_cache import KVCache
 from mili.engine.model import DecodeBatch, Qwen3ForCausalLM
 from mili.engine.sampler import Sampler, SequenceSampling
 from mili.errors import Unavailable
+from mili.telemetry.metrics import DecodeMetrics
+from mili.telemetry.tracing import start_batch_span
 from services.decode.requests import DecodeRequest, RequestTable
 from services.decode.stream import (
     FINISH_LENGTH,
@@ -39,6 +45,7 @@ from services.decode.stream import (
 )
 
 _LOG = logging.getLogger("mili.decode")
+_TRACER = trace.get_tracer("mili.decode")  # a no-op until tracing installs a provider
 
 
 def _row_copy_fits(dst: torch.Tensor, block_ids: list[int], src: torch.Tensor) -> bool:
@@ -62,6 +69,17 @@ def _copy_rows(dst: torch.Tensor, block_ids: list[int], src: torch.Tensor) -> No
     if block_ids:
         rows = dst.view(torch.uint8).view(dst.shape[0], -1).numpy()
         rows[block_ids] = src.view(torch.uint8).view(len(block_ids), -1).numpy()
+
+
+def _start_step_span(seqs: list[_Sequence], step: int) -> Span | None:
+    """One span per batched step, linked to the `decode request` span of every traced sequence
+    in it (a step serves many requests: none of them is its parent). None when none is traced,
+    so with tracing off a step costs one scan of the batch and no span."""
+    contexts = [s.request.span_context for s in seqs if s.request.span_context is not None]
+    if not contexts:
+        return None
+    attributes = {"mili.decode.step": step, "mili.batch_size": len(seqs)}
+    return start_batch_span(_TRACER, "decode step", contexts, attributes)
 
 
 @dataclass(frozen=True)
@@ -93,6 +111,7 @@ class Batcher:
         *,
         eos_token_ids: frozenset[int],
         max_context_tokens: int,
+        metrics: DecodeMetrics | None = None,
     ) -> None:
         self._model = model
         self._cache = cache
@@ -100,6 +119,7 @@ class Batcher:
         self._eos_token_ids = eos_token_ids
         self._max_context_tokens = max_context_tokens
         self._sampler = Sampler()
+        self._metrics = DecodeMetrics(CollectorRegistry()) if metrics is None else metrics
         self._cond = threading.Condition()
         self._inbox: list[_Join] = []  # guarded by _cond
         self._is_stopping = False  # guarded by _cond
@@ -213,6 +233,8 @@ class Batcher:
         block_size = self._cache.block_size
         self.num_steps += 1
         self.max_batch_size = max(self.max_batch_size, len(seqs))
+        span = _start_step_span(seqs, self.num_steps)
+        started = time.perf_counter()
         try:
             # Each sequence feeds its newest token, at position num_tokens - 1; its block table
             # is cut to the blocks holding positions [0, num_tokens) so attention gathers no
@@ -227,7 +249,11 @@ class Batcher:
             with torch.inference_mode():
                 logits = self._model.decode(batch, self._cache)  # [B, vocab] float32
                 result = self._sampler(logits, [s.sampling for s in seqs])
+            self._metrics.record_step(time.perf_counter() - started, len(seqs))
         except Exception as e:
+            if span is not None:
+                span.record_exception(e)
+                span.end()
             _LOG.exception("decode step over %d sequences failed", len(seqs))
             for seq in seqs:
                 self._table.finish(seq.request)
@@ -249,6 +275,8 @@ class Batcher:
                 kept.append(seq)
             out.append((seq.request.stream, TokenEvent([token_id], logprobs, reason)))
         self._running = kept
+        if span is not None:
+            span.end()
 
     def _finish_reason(self, seq: _Sequence, token_id: int) -> str:
         """Stop token first (it is returned), then max_tokens (the first token counts), then

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from prometheus_client import CollectorRegistry
 
 from kernels.backend import select_attention
 from kernels.build import KernelBuildError
@@ -25,6 +26,7 @@ from mili.engine.kv_cache import (
 from mili.engine.loader import CheckpointError, load_model, resolve_dtype
 from mili.engine.model import Qwen3ForCausalLM
 from mili.errors import StartupError
+from mili.telemetry.metrics import DecodeMetrics
 from services.decode.batcher import Batcher
 from services.decode.config import DecodeConfig
 from services.decode.requests import RequestTable
@@ -67,10 +69,14 @@ class DecodeInstance:
     batcher: Batcher
     fingerprint: str  # mili.engine.fingerprint.model_fingerprint of the checkpoint
     eos_token_ids: frozenset[int]
+    metrics: DecodeMetrics
 
     @classmethod
-    def load(cls, config: DecodeConfig) -> DecodeInstance:
-        """Load the checkpoint and allocate the KV pool; StartupError naming what is wrong."""
+    def load(cls, config: DecodeConfig, metrics: DecodeMetrics | None = None) -> DecodeInstance:
+        """Load the checkpoint and allocate the KV pool; StartupError naming what is wrong.
+
+        `metrics`: where the batch loop and KV transfers record (default: a private registry).
+        """
         if config.device.startswith("cuda") and not torch.cuda.is_available():
             raise StartupError(f"--device {config.device}: no CUDA device is available")
         try:
@@ -105,6 +111,14 @@ class DecodeInstance:
                 "lower --num-blocks or --kv-cache-bytes"
             ) from None
         table = RequestTable(BlockPool(num_blocks), config.block_size, config.max_running)
+        if metrics is None:
+            metrics = DecodeMetrics(CollectorRegistry())
+        metrics.watch(
+            num_waiting_requests=lambda: table.num_waiting,
+            num_running_requests=lambda: table.num_running,
+            num_total_blocks=lambda: table.num_total_blocks,
+            num_free_blocks=lambda: table.num_free_blocks,
+        )
         eos = eos_token_ids(config.model_dir, model_config)
         batcher = Batcher(
             model,
@@ -112,8 +126,9 @@ class DecodeInstance:
             table,
             eos_token_ids=eos,
             max_context_tokens=model_config.max_position_embeddings,
+            metrics=metrics,
         )
-        return cls(config, model, cache, table, batcher, fingerprint, eos)
+        return cls(config, model, cache, table, batcher, fingerprint, eos, metrics)
 
     # ---- what Info reports ---------------------------------------------------------------------
 

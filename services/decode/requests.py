@@ -26,6 +26,8 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from opentelemetry.trace import SpanContext
+
 from mili.engine.block_pool import BlockPool, BlockPoolExhausted, blocks_needed
 from mili.engine.sampling_params import SamplingParams
 from mili.errors import InvalidArgument, NotFound, ResourceExhausted
@@ -55,6 +57,8 @@ class DecodeRequest:
     is_cancelled: bool = False  # RUNNING only: the batch thread drops it at its next step
     num_pins: int = 0  # scatters in flight into its blocks
     is_freed: bool = False
+    # Its `decode request` span, when traced: batched steps link to it (mili.telemetry.tracing).
+    span_context: SpanContext | None = None
 
     @property
     def prompt_block_ids(self) -> list[int]:

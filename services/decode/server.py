@@ -8,6 +8,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 import grpc
+from opentelemetry import trace
 
 from mili.decode.v1 import decode_pb2, decode_pb2_grpc
 from mili.errors import Cancelled, DeadlineExceeded, InvalidArgument, Unavailable
@@ -20,6 +21,8 @@ from services.decode.instance import DecodeInstance
 from services.decode.requests import DecodeRequest, RequestState
 from services.decode.stream import TokenEvent, TokenStream
 from services.decode.transfer import KvTransferServicer
+
+_TRACER = trace.get_tracer("mili.decode")  # a no-op until tracing installs a provider
 
 DECODE_SERVICE = decode_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name
 KV_TRANSFER_SERVICE = kv_pb2.DESCRIPTOR.services_by_name["KvTransferService"].full_name
@@ -80,11 +83,32 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             stream=stream,
             retry_after_s=inst.config.retry_after_s,
         )
+        span = _TRACER.start_span(
+            "decode request",
+            attributes={
+                "mili.request_id": request_id,
+                "mili.decode.num_prompt_tokens": len(prompt),
+                "mili.decode.num_blocks": len(req.block_ids),
+            },
+        )
+        is_traced = span.is_recording()
+        if is_traced:  # batched steps link to this span
+            req.span_context = span.get_span_context()
+        num_tokens = 0
         try:
             yield convert.admitted(req.prompt_block_ids, lease_ms)
             async for event in self._events(req):
+                if is_traced:
+                    if not num_tokens:
+                        span.add_event("first token")  # prefill's, once the KV landed
+                    num_tokens += len(event.token_ids)
+                    if event.finish_reason:
+                        span.set_attribute("mili.decode.finish_reason", event.finish_reason)
                 yield convert.tokens(event)
         finally:
+            if is_traced:
+                span.set_attribute("mili.decode.num_output_tokens", num_tokens)
+            span.end()
             # Caller cancelled, deadline passed, or an error: free the blocks (a RUNNING request
             # leaves the batch within one step). A no-op when the request already ended.
             if inst.table.cancel(req):

@@ -30,11 +30,13 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any
 
 import grpc
+from opentelemetry import trace
 
 from mili.errors import Cancelled, DataLoss, InvalidArgument, Unavailable
 from mili.kv.v1 import kv_pb2, kv_pb2_grpc
@@ -110,6 +112,20 @@ class _Progress:
                 f"{where}: {len(missing)} (layer, block) pairs never sent, e.g. layer {layer} "
                 f"block {block}"
             )
+
+
+def _annotate_span(progress: _Progress) -> None:
+    """What landed, on the TransferKv server span (a child of prefill's `kv transfer`)."""
+    span = trace.get_current_span()
+    if span.is_recording():
+        span.set_attributes(
+            {
+                "mili.request_id": progress.request.request_id,
+                "mili.kv.bytes": progress.num_bytes,
+                "mili.kv.num_chunks": progress.num_chunks,
+                "mili.kv.num_blocks": progress.request.num_prompt_blocks,
+            }
+        )
 
 
 class _Landing:
@@ -223,6 +239,7 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
         header: kv_pb2.TransferHeader,
         messages: AsyncIterator[Message],
     ) -> kv_pb2.TransferKvResponse:
+        started = time.perf_counter()  # the header is in
         check_compatible(
             self._layout,
             header.layout,
@@ -249,6 +266,9 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
                     await landing.wait_all()  # DataLoss of any chunk
                     progress.check_complete()
                     self._commit(request, message.commit)
+                    _annotate_span(progress)
+                    elapsed = time.perf_counter() - started
+                    self._instance.metrics.record_transfer(progress.num_bytes, elapsed)
                     return kv_pb2.TransferKvResponse(
                         num_blocks=request.num_prompt_blocks, num_bytes=progress.num_bytes
                     )

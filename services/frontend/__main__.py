@@ -81,6 +81,8 @@ def run(args: argparse.Namespace) -> int:
     flags.setup_logging(args)
     # Imported here: `mili --help` must not pay for the frontend's imports.
     from mili.rpc.server import RpcServer, serve_forever
+    from mili.telemetry.metrics import FrontendMetrics
+    from mili.telemetry.tracing import start_tracing
     from services.frontend.backends import Backends
     from services.frontend.config import FrontendConfig
     from services.frontend.router import Router
@@ -109,17 +111,28 @@ def run(args: argparse.Namespace) -> int:
         ", ".join(config.decode_addresses),
     )
 
+    tracing = start_tracing(args, "frontend")
+
     async def main() -> None:
-        backends = Backends(config, Router(config.prefill_addresses, config.decode_addresses))
-        server = RpcServer(flags.server_config(args), name="frontend")
-        add_to_server(server, GenerationServicer(backends))
+        backends = Backends(
+            config,
+            Router(config.prefill_addresses, config.decode_addresses),
+            interceptors=tracing.client_interceptors(),
+        )
+        server = RpcServer(
+            flags.server_config(args), name="frontend", interceptors=tracing.server_interceptors()
+        )
+        add_to_server(server, GenerationServicer(backends, FrontendMetrics(server.registry)))
         await backends.start()
         try:
             await serve_forever(server)
         finally:
             await backends.close()
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    finally:
+        tracing.shutdown()  # after the drain: flush the last requests' spans
     return 0
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -44,11 +45,19 @@ class TokenizerFacts:
 class Backends:
     """Channels and stubs to every downstream instance, and the poller feeding the router."""
 
-    def __init__(self, config: FrontendConfig, router: Router) -> None:
+    def __init__(
+        self,
+        config: FrontendConfig,
+        router: Router,
+        *,
+        interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
+    ) -> None:
         self.config = config
         self.router = router
         addresses = [config.tokenizer_address, *config.prefill_addresses, *config.decode_addresses]
-        self._channels = {a: insecure_channel(a) for a in dict.fromkeys(addresses)}
+        self._channels = {
+            a: insecure_channel(a, interceptors=interceptors) for a in dict.fromkeys(addresses)
+        }
         self.tokenizer = tokenizer_pb2_grpc.TokenizerServiceStub(
             self._channels[config.tokenizer_address]
         )

@@ -29,6 +29,7 @@ from mili.common.v1 import sampling_pb2
 from mili.decode.v1 import decode_pb2
 from mili.errors import ResourceExhausted, Unavailable
 from mili.prefill.v1 import prefill_pb2
+from mili.telemetry.tracing import trace_ids
 from services.frontend import convert
 from services.frontend.backends import Backends
 from services.frontend.detokenize import TextStream
@@ -86,6 +87,8 @@ class Generation:
         request_id: str,
         prompt: Prompt,
         deadline: Deadline,
+        *,
+        received_at: float | None = None,
     ) -> None:
         self._backends = backends
         self._config = backends.config
@@ -96,7 +99,8 @@ class Generation:
         self._prefill_call: grpc.aio.UnaryUnaryCall | None = None
         self._prefill_task: asyncio.Future[prefill_pb2.PrefillResponse] | None = None
         self._prefill_reply: prefill_pb2.PrefillResponse | None = None
-        self._started = time.monotonic()
+        # time.monotonic() when the frontend received the call: TTFT and total time count from it.
+        self._started = time.monotonic() if received_at is None else received_at
         self._first_token_s: float | None = None
 
     async def run(self) -> AsyncGenerator[Delta, None]:
@@ -118,7 +122,7 @@ class Generation:
                     yield delta
             if is_finished:
                 await self._await_prefill_reply()
-                self._log_done(admission)
+                self._log_done(admission, delta)
         finally:
             admission.call.cancel()  # no-op when decode already finished
             if text is not None:
@@ -317,7 +321,8 @@ class Generation:
 
     # ---- 4. log ------------------------------------------------------------------------------
 
-    def _log_done(self, admission: _Admission) -> None:
+    def _log_done(self, admission: _Admission, last: Delta) -> None:
+        """The request's one log line (INFO), with the ids of its trace when tracing is on."""
         reply = self._prefill_reply
         kv = ""
         if reply is not None:
@@ -328,12 +333,22 @@ class Generation:
             )
         ttft = "-" if self._first_token_s is None else f"{self._first_token_s * 1e3:.1f} ms"
         _LOG.info(
-            "%s done: prefill %s -> decode %s, %d prompt tokens, ttft %s, total %.1f ms%s",
+            "%s done: prefill %s -> decode %s, %d prompt tokens, %d output tokens, finish %s, "
+            "ttft %s, total %.1f ms%s%s",
             self._request_id,
             admission.route.prefill,
             admission.route.decode,
             len(self._prompt.token_ids),
+            last.num_completion_tokens,
+            finish_reason_name(last.finish_reason),
             ttft,
             (time.monotonic() - self._started) * 1e3,
             kv,
+            trace_ids(),
         )
+
+
+def finish_reason_name(finish_reason: int) -> str:
+    """ "stop", "length" (as OpenTelemetry's gen_ai.response.finish_reasons spells them)."""
+    name: str = sampling_pb2.FinishReason.Name(finish_reason)
+    return name.removeprefix("FINISH_REASON_").lower()

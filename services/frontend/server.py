@@ -8,26 +8,39 @@ bad fields, RESOURCE_EXHAUSTED with RetryInfo, UNAVAILABLE naming the service th
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
 import grpc
+from opentelemetry import trace
+from opentelemetry.trace import Span
+from prometheus_client import CollectorRegistry
 
 from mili.errors import ResourceExhausted
 from mili.frontend.v1 import generation_pb2, generation_pb2_grpc
 from mili.rpc.server import RpcServer
+from mili.rpc.status import code_of
+from mili.telemetry.metrics import FrontendMetrics
+from mili.telemetry.tracing import trace_ids
 from services.frontend import convert
 from services.frontend.backends import Backends
-from services.frontend.pipeline import Delta, Generation
+from services.frontend.pipeline import Delta, Generation, finish_reason_name
 from services.frontend.prompt import Deadline, tokenize
 from services.frontend.validation import ValidRequest, validate
+
+_LOG = logging.getLogger("mili.frontend")
+# The global provider's tracer: a no-op until mili.telemetry.tracing installs one.
+_TRACER = trace.get_tracer("mili.frontend")
 
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
-    def __init__(self, backends: Backends) -> None:
+    def __init__(self, backends: Backends, metrics: FrontendMetrics | None = None) -> None:
         self._backends = backends
+        self._metrics = FrontendMetrics(CollectorRegistry()) if metrics is None else metrics
         self._config = backends.config
         self._num_running = 0
 
@@ -88,7 +101,23 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     ) -> tuple[str, AsyncGenerator[Delta, None]]:
         """Validate now (so the request id is known), generate lazily."""
         valid = validate(convert.request_input(request), self._config.limits)
-        return valid.request_id, self._run(valid, context)
+        return valid.request_id, self._timed(self._run(valid, context))
+
+    async def _timed(self, deltas: AsyncGenerator[Delta, None]) -> AsyncGenerator[Delta, None]:
+        """`deltas`, observing time to first token and time per output token once per request
+        (never per token: the histograms' cost stays off the streaming path)."""
+        started = time.monotonic()  # the request's handler starts iterating here
+        first_at: float | None = None
+        async with aclosing(deltas):
+            async for delta in deltas:
+                if first_at is None and delta.token_ids:
+                    first_at = time.monotonic()
+                    self._metrics.time_to_first_token.observe(first_at - started)
+                num_tokens = delta.num_completion_tokens
+                if delta.finish_reason and first_at is not None and num_tokens > 1:
+                    per_token_s = (time.monotonic() - first_at) / (num_tokens - 1)
+                    self._metrics.time_per_output_token.observe(per_token_s)
+                yield delta
 
     async def _run(
         self, valid: ValidRequest, context: grpc.aio.ServicerContext
@@ -100,15 +129,61 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 retry_after_s=self._config.retry_after_s,
             )
         self._num_running += 1
-        try:
-            deadline = Deadline(context.time_remaining())
-            prompt = await tokenize(self._backends, valid, deadline)
-            generation = Generation(self._backends, valid.request_id, prompt, deadline)
-            async with aclosing(generation.run()) as deltas:
-                async for delta in deltas:
-                    yield delta
-        finally:
-            self._num_running -= 1
+        received_at = time.monotonic()
+        model = self._backends.model
+        # The trace's root on our side: every downstream call below is a child of this span.
+        with _TRACER.start_as_current_span(
+            f"generate {model}", attributes=_request_attributes(model, valid)
+        ) as span:
+            try:
+                deadline = Deadline(context.time_remaining())
+                prompt = await tokenize(self._backends, valid, deadline)
+                span.set_attribute("gen_ai.usage.input_tokens", len(prompt.token_ids))
+                generation = Generation(
+                    self._backends, valid.request_id, prompt, deadline, received_at=received_at
+                )
+                is_first = True
+                async with aclosing(generation.run()) as deltas:
+                    async for delta in deltas:
+                        if is_first and delta.token_ids:
+                            is_first = False
+                            ttft_s = time.monotonic() - received_at
+                            span.set_attribute("gen_ai.server.time_to_first_token", ttft_s)
+                            span.add_event("first token")
+                        if delta.finish_reason:
+                            _record_finish(span, delta)
+                        yield delta
+            except Exception as exc:
+                # The request's one log line when it fails (a finished one logs in Generation).
+                _LOG.info(
+                    "%s failed after %.1f ms: %s: %s%s",
+                    valid.request_id,
+                    (time.monotonic() - received_at) * 1e3,
+                    code_of(exc).name,
+                    exc,
+                    trace_ids(span),
+                )
+                raise
+            finally:
+                self._num_running -= 1
+
+
+def _request_attributes(model: str, valid: ValidRequest) -> dict[str, str | int | float]:
+    return {
+        "gen_ai.operation.name": "generate",
+        "gen_ai.system": "mili",
+        "gen_ai.request.model": model,
+        "gen_ai.request.max_tokens": valid.sampling.max_tokens,
+        "gen_ai.request.temperature": valid.sampling.temperature,
+        "gen_ai.request.top_p": valid.sampling.top_p,
+        "gen_ai.response.id": valid.request_id,
+    }
+
+
+def _record_finish(span: Span, delta: Delta) -> None:
+    span.set_attribute("gen_ai.usage.input_tokens", delta.num_prompt_tokens)
+    span.set_attribute("gen_ai.usage.output_tokens", delta.num_completion_tokens)
+    span.set_attribute("gen_ai.response.finish_reasons", [finish_reason_name(delta.finish_reason)])
 
 
 def _usage(delta: Delta) -> generation_pb2.Usage | None:

@@ -102,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
         raise StartupError(str(e)) from None
 
     import torch  # heavy imports only once the flags are known to be good
+    from prometheus_client import CollectorRegistry
 
     from kernels.backend import select_attention
     from kernels.build import KernelBuildError
@@ -110,6 +111,8 @@ def run(args: argparse.Namespace) -> int:
     from mili.engine.kv_cache import bytes_per_block
     from mili.engine.loader import CheckpointError, load_model, resolve_dtype
     from mili.rpc.server import RpcServer, serve_forever
+    from mili.telemetry.metrics import PrefillMetrics
+    from mili.telemetry.tracing import start_tracing
     from services.prefill.server import PrefillServicer, add_to_server
 
     try:
@@ -138,6 +141,8 @@ def run(args: argparse.Namespace) -> int:
         model = load_model(model_dir, device=device, dtype=dtype, attention=attention)
     except (CheckpointError, ConfigError, RuntimeError) as e:
         raise StartupError(f"cannot load {model_dir}: {e}") from None
+    tracing = start_tracing(args, "prefill")
+    registry = CollectorRegistry()  # this process's metrics, served on --metrics-port
     try:
         server_config = flags.server_config(args)
         servicer = PrefillServicer(
@@ -146,6 +151,8 @@ def run(args: argparse.Namespace) -> int:
             model_name=model_dir.name,
             fingerprint=model_fingerprint(model_dir),
             max_message_bytes=server_config.max_message_bytes,
+            client_interceptors=tracing.client_interceptors(),
+            metrics=PrefillMetrics(registry),
         )
     except ValueError as e:
         raise StartupError(str(e)) from None
@@ -161,7 +168,12 @@ def run(args: argparse.Namespace) -> int:
         config.max_batch_tokens,
         config.max_queued_tokens,
     )
-    server = RpcServer(server_config, name="prefill")
+    server = RpcServer(
+        server_config,
+        name="prefill",
+        interceptors=tracing.server_interceptors(),
+        registry=registry,
+    )
     add_to_server(server, servicer)
 
     async def serve() -> None:
@@ -170,7 +182,10 @@ def run(args: argparse.Namespace) -> int:
         finally:
             await servicer.close()
 
-    asyncio.run(serve())
+    try:
+        asyncio.run(serve())
+    finally:
+        tracing.shutdown()  # after the drain: flush the last prompts' spans
     return 0
 
 

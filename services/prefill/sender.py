@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from typing import NamedTuple
 
@@ -57,14 +57,22 @@ class ChannelPool:
     """One channel per decode address, shared by every transfer to it (one HTTP/2 connection,
     reconnected by grpc when it drops)."""
 
-    def __init__(self, max_message_bytes: int) -> None:
+    def __init__(
+        self,
+        max_message_bytes: int,
+        *,
+        interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
+    ) -> None:
         self._max_message_bytes = max_message_bytes
+        self._interceptors = list(interceptors)  # tracing's, which carry the trace to decode
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def get(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            channel = insecure_channel(address, max_message_bytes=self._max_message_bytes)
+            channel = insecure_channel(
+                address, max_message_bytes=self._max_message_bytes, interceptors=self._interceptors
+            )
             self._channels[address] = channel
         return channel
 

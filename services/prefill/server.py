@@ -12,9 +12,15 @@ Life of one Prefill call (all awaits; the model runs only in the worker thread):
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+from opentelemetry import trace
+from opentelemetry.trace import Span
+from prometheus_client import CollectorRegistry
 
 from mili.engine.block_pool import BlockPool
 from mili.engine.kv_cache import KVCache, dtype_name
@@ -22,11 +28,16 @@ from mili.engine.model import Qwen3ForCausalLM
 from mili.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from mili.rpc.kv_codec import block_bytes, layout_to_proto
 from mili.rpc.server import RpcServer
+from mili.telemetry.metrics import PrefillMetrics
+from mili.telemetry.tracing import current_span_context
 from services.prefill import convert
 from services.prefill.config import PrefillConfig
 from services.prefill.scheduler import Scheduler
-from services.prefill.sender import ChannelPool, KvSender, logprobs
+from services.prefill.sender import ChannelPool, KvSender, TransferResult, logprobs
+from services.prefill.task import FirstToken
 from services.prefill.worker import PrefillWorker
+
+_TRACER = trace.get_tracer("mili.prefill")  # a no-op until tracing installs a provider
 
 SERVICE_NAME = prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name
 
@@ -43,6 +54,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         fingerprint: str,
         max_message_bytes: int,
         num_encoder_threads: int = 2,
+        client_interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
+        metrics: PrefillMetrics | None = None,
     ) -> None:
         self.config = config
         self.model = model
@@ -60,7 +73,16 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             max_batch_tokens=config.max_batch_tokens,
             max_queued_tokens=config.max_queued_tokens,
         )
-        self.worker = PrefillWorker(model, kv_cache, self.scheduler)
+        self.metrics = PrefillMetrics(CollectorRegistry()) if metrics is None else metrics
+        self.worker = PrefillWorker(model, kv_cache, self.scheduler, metrics=self.metrics)
+        worker = self.worker
+        self.metrics.watch(
+            num_queued_tokens=lambda: worker.num_queued_tokens,
+            num_queued_requests=lambda: worker.num_queued_requests,
+            num_waiting_requests=lambda: worker.num_waiting_requests,
+            num_total_blocks=lambda: worker.num_total_blocks,
+            num_free_blocks=lambda: worker.num_free_blocks,
+        )
         self.layout = layout_to_proto(kv_cache.layout, fingerprint)
         self.max_prompt_tokens = min(
             model.config.max_position_embeddings, self.scheduler.max_prompt_tokens()
@@ -72,7 +94,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 f"a KV chunk of max_batch_tokens {config.max_batch_tokens} is {largest} bytes, "
                 f"more than max_message_bytes {max_message_bytes}; lower --max-batch-tokens"
             )
-        self._channels = ChannelPool(max_message_bytes)
+        self._channels = ChannelPool(max_message_bytes, interceptors=client_interceptors)
         self._encoder = ThreadPoolExecutor(num_encoder_threads, thread_name_prefix="kv-encode")
         self.worker.start()
 
@@ -91,6 +113,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             max_prompt_tokens=self.max_prompt_tokens,
             block_size=self.config.block_size,
         )
+        span_context = current_span_context()  # None when tracing is off
+        if span_context is not None:
+            task = dataclasses.replace(task, span_context=span_context)
         timeout_s = self.config.transfer_timeout_s
         remaining = context.time_remaining()
         if remaining is not None:  # end the transfer with the caller's deadline
@@ -107,17 +132,27 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         # decode; `submit` checks again.
         self.worker.check_capacity(task)
         is_submitted = False
+        submitted_ns = 0
 
         def submit() -> None:
-            nonlocal is_submitted
+            nonlocal is_submitted, submitted_ns
+            submitted_ns = time.time_ns()
             self.worker.submit(task, sender)
             is_submitted = True
 
         try:
-            result = await sender.run(submit)
+            # The stream to decode runs inside this span, so decode's TransferKv joins the
+            # trace under it; it overlaps the compute (layer i ships while i+1 runs).
+            with _TRACER.start_as_current_span(
+                "kv transfer", attributes={"mili.kv.destination": task.address}
+            ) as span:
+                result = await sender.run(submit)
+                _record_transfer(span, result, len(task.dest_block_ids), self.layout.num_layers)
         finally:
             if is_submitted:  # never remove another call's prompt that has the same id
                 self.worker.remove(task.request_id)
+        _record_compute(len(task.token_ids), result.first, submitted_ns)
+        self.metrics.record_transfer(result.kv_bytes, result.transfer_ms / 1e3)
         first = result.first
         return prefill_pb2.PrefillResponse(
             first_token_id=first.token_id,
@@ -144,6 +179,40 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             num_total_blocks=self.worker.num_total_blocks,
             num_free_blocks=self.worker.num_free_blocks,
         )
+
+
+def _record_transfer(span: Span, result: TransferResult, num_blocks: int, num_layers: int) -> None:
+    if not span.is_recording():
+        return
+    seconds = result.transfer_ms / 1e3
+    span.set_attributes(
+        {
+            "mili.kv.bytes": result.kv_bytes,
+            "mili.kv.num_blocks": num_blocks,  # prompt blocks, each sent once per layer
+            "mili.kv.num_layers": num_layers,
+            "mili.kv.transfer_ms": result.transfer_ms,
+            "mili.kv.gb_per_s": result.kv_bytes / seconds / 1e9 if seconds > 0 else 0.0,
+        }
+    )
+
+
+def _record_compute(num_prompt_tokens: int, first: FirstToken, submitted_ns: int) -> None:
+    """The prompt's compute as a span, from the worker's timings (the worker thread runs it
+    batched with others; `prefill step` spans link back to this request)."""
+    if not trace.get_current_span().is_recording():
+        return
+    start_ns = submitted_ns + int(first.queue_ms * 1e6)
+    span = _TRACER.start_span(
+        "prefill compute",
+        start_time=start_ns,
+        attributes={
+            "mili.prefill.num_prompt_tokens": num_prompt_tokens,
+            "mili.prefill.batch_size": first.batch_size,
+            "mili.prefill.queue_ms": first.queue_ms,
+            "mili.prefill.compute_ms": first.compute_ms,
+        },
+    )
+    span.end(end_time=start_ns + int(first.compute_ms * 1e6))
 
 
 def add_to_server(server: RpcServer, servicer: PrefillServicer) -> None:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 import torch
+from opentelemetry.trace import SpanContext
 
 from mili.engine.sampling_params import SamplingParams
 
@@ -23,6 +24,9 @@ class PrefillTask:
     sampling: SamplingParams
     address: str  # host:port of the decode instance's KvTransferService
     dest_block_ids: list[int]
+    # The request's span on this instance, when traced: the batched step that computes the
+    # prompt links to it (mili.telemetry.tracing). None when tracing is off.
+    span_context: SpanContext | None = None
 
 
 class FirstToken(NamedTuple):
@@ -33,6 +37,7 @@ class FirstToken(NamedTuple):
     top_logprobs: list[tuple[int, float]] | None  # most likely first
     queue_ms: float  # accepted -> first forward
     compute_ms: float  # first forward -> token sampled
+    batch_size: int = 1  # prompts in the step that finished this one
 
 
 class KvSink(Protocol):

@@ -26,15 +26,21 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+from opentelemetry import trace
+from opentelemetry.trace import Span
+from prometheus_client import CollectorRegistry
 
 from mili.engine.kv_cache import KVCache
 from mili.engine.model import PrefillBatch, Qwen3ForCausalLM
 from mili.engine.sampler import Sampler, SequenceSampling
 from mili.errors import Unavailable
+from mili.telemetry.metrics import PrefillMetrics
+from mili.telemetry.tracing import start_batch_span
 from services.prefill.scheduler import ScheduledChunk, Scheduler, Step
 from services.prefill.task import FirstToken, KvSink, PrefillTask
 
 _LOG = logging.getLogger("mili.prefill")
+_TRACER = trace.get_tracer("mili.prefill")  # a no-op until tracing installs a provider
 
 
 class StepRecord(NamedTuple):
@@ -66,12 +72,14 @@ class PrefillWorker:
         scheduler: Scheduler,
         *,
         history: int = 1024,
+        metrics: PrefillMetrics | None = None,
     ) -> None:
         if scheduler.pool.num_blocks != kv_cache.num_blocks:
             raise ValueError("scheduler pool and KV cache differ in size")
         self.model = model
         self.kv_cache = kv_cache
         self._scheduler = scheduler
+        self._metrics = PrefillMetrics(CollectorRegistry()) if metrics is None else metrics
         self._sampler = Sampler()
         self._cond = threading.Condition()
         self._jobs: dict[str, _Job] = {}
@@ -128,6 +136,18 @@ class PrefillWorker:
             return self._scheduler.num_queued_tokens
 
     @property
+    def num_queued_requests(self) -> int:
+        """Prompts submitted and not removed yet: waiting, computing or transferring."""
+        with self._cond:
+            return len(self._jobs)
+
+    @property
+    def num_waiting_requests(self) -> int:
+        """Prompts not admitted to a step yet (they hold no blocks)."""
+        with self._cond:
+            return self._scheduler.num_waiting
+
+    @property
     def num_free_blocks(self) -> int:
         with self._cond:
             return self._scheduler.pool.num_free
@@ -159,9 +179,13 @@ class PrefillWorker:
                     return
                 jobs = [self._jobs[chunk.request_id] for chunk in step.chunks]
             started = time.perf_counter()
+            span = self._start_span(step, jobs)
             try:
                 firsts = self._execute(step, jobs)
             except Exception as exc:  # a bug or OOM: fail this step's prompts, keep serving
+                if span is not None:
+                    span.record_exception(exc)
+                    span.end()
                 _LOG.exception("prefill step of %d tokens failed", step.num_tokens)
                 with self._cond:
                     for job in jobs:
@@ -170,6 +194,9 @@ class PrefillWorker:
                     job.sink.fail(exc)
                 continue
             elapsed = time.perf_counter() - started
+            if span is not None:
+                span.end()
+            self._metrics.record_step(elapsed, len(step.chunks), step.num_tokens)
             with self._cond:
                 self._scheduler.complete(step)
                 rate = step.num_tokens / max(elapsed, 1e-6)
@@ -178,6 +205,15 @@ class PrefillWorker:
                 )
             for job, first in firsts:
                 job.sink.finish(first)
+
+    def _start_span(self, step: Step, jobs: list[_Job]) -> Span | None:
+        """The step's span, linked to each traced prompt's request; None when none is traced
+        (tracing off: no span work at all)."""
+        contexts = [job.task.span_context for job in jobs if job.task.span_context is not None]
+        if not contexts:
+            return None
+        attributes = {"mili.batch_size": len(step.chunks), "mili.num_tokens": step.num_tokens}
+        return start_batch_span(_TRACER, "prefill step", contexts, attributes)
 
     def _execute(self, step: Step, jobs: list[_Job]) -> list[tuple[_Job, FirstToken]]:
         model, cache = self.model, self.kv_cache
@@ -226,6 +262,7 @@ class PrefillWorker:
                 top_logprobs=None if out.top_logprobs is None else out.top_logprobs[i],
                 queue_ms=(job.first_forward_at - job.accepted_at) * 1e3,
                 compute_ms=(done_at - job.first_forward_at) * 1e3,
+                batch_size=len(step.chunks),
             )
             results.append((job, first))
         return results

@@ -44,9 +44,17 @@ def run(args: argparse.Namespace) -> int:
         tokenizer.eos_token_ids,
         tokenizer.chat_template.source,
     )
-    server = RpcServer(flags.server_config(args), name="tokenizer")
+    from mili.telemetry.tracing import start_tracing
+
+    tracing = start_tracing(args, "tokenizer")
+    server = RpcServer(
+        flags.server_config(args), name="tokenizer", interceptors=tracing.server_interceptors()
+    )
     add_to_server(server, TokenizerServicer(tokenizer, limits))
-    asyncio.run(serve_forever(server))
+    try:
+        asyncio.run(serve_forever(server))
+    finally:
+        tracing.shutdown()  # after the drain: flush the last calls' spans
     return 0
 
 

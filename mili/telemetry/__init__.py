@@ -1,0 +1,1 @@
+"""Observability: OpenTelemetry tracing (`tracing`) and Prometheus metrics (`metrics`)."""

@@ -1,0 +1,252 @@
+"""Prometheus metrics: one registry per process, the metrics each service kind records, and the
+HTTP endpoint that serves them.
+
+Every metric lives in a `CollectorRegistry` made by the service's entry point and passed in
+(never prometheus_client's global one), so tests that run several servers in one process do not
+collide. Names start with `mili_`, carry their unit (`_seconds`, `_bytes`) and counters end in
+`_total`. What each service records, and where:
+
+    every service  mili_requests_total{method,status}   mili.rpc.interceptor, once per call
+    frontend       time to first token, time per output token   services/frontend/server.py
+    prefill        step time and size, queue, KV blocks, KV sent   worker.py, server.py
+    decode         step time and batch size, queue, KV blocks, KV received   batcher.py, transfer.py
+
+Recording stays off the per-token path: histograms are observed once per step or per request,
+and gauges that mirror state (free blocks, queue depth) are read by a callback at scrape time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+# Bucket bounds (seconds unless noted), wide enough for a CPU test model and an H200 alike.
+STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # sequences
+BATCH_TOKEN_BUCKETS = (16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384)  # tokens
+
+Read = Callable[[], float]
+
+
+class MetricsServer:
+    """The `/metrics` HTTP endpoint of one registry, served from a daemon thread."""
+
+    def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
+        self._httpd, self._thread = start_http_server(port, addr=host, registry=registry)
+        self.host = host
+        self.port: int = self._httpd.server_port  # the bound one when `port` was 0
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host  # IPv6
+        return f"http://{host}:{self.port}/metrics"
+
+    def close(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(timeout=5.0)
+
+
+def start_metrics_server(registry: CollectorRegistry, host: str, port: int) -> MetricsServer:
+    """Serve `registry` on http://HOST:PORT/metrics (port 0: a free one, see `.port`)."""
+    return MetricsServer(registry, host, port)
+
+
+def _callback_gauge(registry: CollectorRegistry, name: str, documentation: str, read: Read) -> None:
+    gauge = Gauge(name, documentation, registry=registry)
+    gauge.set_function(read)
+
+
+class RequestMetrics:
+    """Calls by method and final status; recorded by the server interceptor."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = Counter(
+            "mili_requests_total",
+            "Application RPCs handled, by full method name and final gRPC status code name "
+            "(health and reflection are not counted)",
+            ["method", "status"],
+            registry=registry,
+        )
+
+    def record(self, method: str, status: str) -> None:
+        self.requests.labels(method, status).inc()
+
+
+class FrontendMetrics:
+    """Latencies a client sees, observed once per request."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.time_to_first_token = Histogram(
+            "mili_frontend_time_to_first_token_seconds",
+            "From the frontend receiving a request to its first generated token being ready "
+            "to send",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.time_per_output_token = Histogram(
+            "mili_frontend_time_per_output_token_seconds",
+            "Per request with at least 2 output tokens: (last token time - first token time) "
+            "/ (output tokens - 1)",
+            buckets=TOKEN_BUCKETS,
+            registry=registry,
+        )
+
+
+class PrefillMetrics:
+    """Steps, queue, KV block pool and KV sent of one prefill instance."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.step_seconds = Histogram(
+            "mili_prefill_step_seconds",
+            "Wall time of one prefill forward (all layers, KV handed off, first tokens sampled)",
+            buckets=STEP_BUCKETS,
+            registry=registry,
+        )
+        self.batch_size = Histogram(
+            "mili_prefill_batch_size",
+            "Prompt chunks packed into one prefill forward",
+            buckets=BATCH_SIZE_BUCKETS,
+            registry=registry,
+        )
+        self.batch_tokens = Histogram(
+            "mili_prefill_batch_tokens",
+            "Prompt tokens computed in one prefill forward",
+            buckets=BATCH_TOKEN_BUCKETS,
+            registry=registry,
+        )
+        self.tokens = Counter(
+            "mili_prefill_tokens_total", "Prompt tokens computed", registry=registry
+        )
+        self.kv_sent_bytes = Counter(
+            "mili_prefill_kv_sent_bytes_total",
+            "KV payload bytes of transfers decode acknowledged",
+            registry=registry,
+        )
+        self.kv_transfer_seconds = Histogram(
+            "mili_prefill_kv_transfer_seconds",
+            "Per acknowledged transfer: first KV chunk written -> decode's acknowledgement",
+            buckets=TRANSFER_BUCKETS,
+            registry=registry,
+        )
+
+    def record_step(self, seconds: float, num_chunks: int, num_tokens: int) -> None:
+        self.step_seconds.observe(seconds)
+        self.batch_size.observe(num_chunks)
+        self.batch_tokens.observe(num_tokens)
+        self.tokens.inc(num_tokens)
+
+    def record_transfer(self, num_bytes: int, seconds: float) -> None:
+        self.kv_sent_bytes.inc(num_bytes)
+        self.kv_transfer_seconds.observe(seconds)
+
+    def watch(
+        self,
+        *,
+        num_queued_tokens: Read,
+        num_queued_requests: Read,
+        num_waiting_requests: Read,
+        num_total_blocks: Read,
+        num_free_blocks: Read,
+    ) -> None:
+        """Gauges read from the instance at scrape time (call once per registry)."""
+        r = self.registry
+        _callback_gauge(
+            r,
+            "mili_prefill_queued_tokens",
+            "Prompt tokens accepted and not yet done (waiting, computing or transferring)",
+            num_queued_tokens,
+        )
+        _callback_gauge(
+            r,
+            "mili_prefill_queued_requests",
+            "Prompts accepted and not yet done (waiting, computing or transferring)",
+            num_queued_requests,
+        )
+        _callback_gauge(
+            r,
+            "mili_prefill_waiting_requests",
+            "Prompts waiting for their first forward (no KV blocks yet)",
+            num_waiting_requests,
+        )
+        _pool_gauges(r, "prefill", num_total_blocks, num_free_blocks)
+
+
+class DecodeMetrics:
+    """Steps, batch, queue, KV block pool and KV received of one decode instance."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.step_seconds = Histogram(
+            "mili_decode_step_seconds",
+            "Wall time of one decode step over the running batch (forward and sampling)",
+            buckets=STEP_BUCKETS,
+            registry=registry,
+        )
+        self.batch_size = Histogram(
+            "mili_decode_batch_size",
+            "Sequences in one decode step",
+            buckets=BATCH_SIZE_BUCKETS,
+            registry=registry,
+        )
+        self.kv_received_bytes = Counter(
+            "mili_decode_kv_received_bytes_total",
+            "KV payload bytes of committed transfers",
+            registry=registry,
+        )
+        self.kv_transfer_seconds = Histogram(
+            "mili_decode_kv_transfer_seconds",
+            "Per committed transfer: header received -> every chunk landed and committed",
+            buckets=TRANSFER_BUCKETS,
+            registry=registry,
+        )
+
+    def record_step(self, seconds: float, batch_size: int) -> None:
+        self.step_seconds.observe(seconds)
+        self.batch_size.observe(batch_size)
+
+    def record_transfer(self, num_bytes: int, seconds: float) -> None:
+        self.kv_received_bytes.inc(num_bytes)
+        self.kv_transfer_seconds.observe(seconds)
+
+    def watch(
+        self,
+        *,
+        num_waiting_requests: Read,
+        num_running_requests: Read,
+        num_total_blocks: Read,
+        num_free_blocks: Read,
+    ) -> None:
+        """Gauges read from the instance at scrape time (call once per registry)."""
+        r = self.registry
+        _callback_gauge(
+            r,
+            "mili_decode_waiting_requests",
+            "Requests admitted (blocks reserved) whose KV has not all arrived yet",
+            num_waiting_requests,
+        )
+        _callback_gauge(
+            r,
+            "mili_decode_running_requests",
+            "Requests in the running batch",
+            num_running_requests,
+        )
+        _pool_gauges(r, "decode", num_total_blocks, num_free_blocks)
+
+
+def _pool_gauges(
+    registry: CollectorRegistry, service: str, num_total: Read, num_free: Read
+) -> None:
+    _callback_gauge(registry, f"mili_{service}_kv_blocks_total", "KV blocks in the pool", num_total)
+    _callback_gauge(registry, f"mili_{service}_kv_blocks_free", "KV blocks free", num_free)
+    _callback_gauge(
+        registry,
+        f"mili_{service}_kv_blocks_used",
+        "KV blocks held by requests (reserved, being written or in use)",
+        lambda: num_total() - num_free(),
+    )

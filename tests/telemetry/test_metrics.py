@@ -1,0 +1,268 @@
+"""Prometheus metrics of real services: `mili serve --metrics-port 0` starts the four services as
+processes, each serving /metrics; one greedy generation moves every counter and histogram by
+exactly what it did, and an invalid request is counted under its status. Without
+--metrics-port a service listens on its gRPC port alone."""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from mili.common.v1 import sampling_pb2
+from mili.frontend.v1 import generation_pb2, generation_pb2_grpc
+from mili.prefill.v1 import prefill_pb2, prefill_pb2_grpc
+from tests.service_process import ServiceProcess
+
+# A sample's name plus its labels, e.g. ("mili_requests_total", (("method", ...), ...)).
+Key = tuple[str, tuple[tuple[str, str], ...]]
+Samples = dict[Key, float]
+
+_CHILD_METRICS = re.compile(r"^\[(\S+)\] \w+ metrics on (http://\S+)")
+_PROMPT_TOKENS = 21  # two blocks of 16: one whole, one partial
+_MAX_TOKENS = 8
+_GENERATE = "/mili.frontend.v1.GenerationService/Generate"
+_ITEM_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def scrape(url: str) -> Samples:
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        text = reply.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    """A sample's value; 0 for a labelled counter not created yet."""
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def wait_until(check: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def serve(demo_model_dir: Path) -> Iterator[tuple[ServiceProcess, dict[str, str]]]:
+    """`mili serve` with every child's metrics on a free port; yields it and child -> URL."""
+    service = ServiceProcess(
+        "serve",
+        "--model",
+        str(demo_model_dir),
+        "--port",
+        "0",
+        "--metrics-port",
+        "0",
+        "--prefill-args",
+        "--num-blocks 64",
+        "--decode-args",
+        "--num-blocks 64",
+        timeout_s=180,
+    )
+    try:
+        urls: dict[str, str] = {}
+        # The children's lines reach the launcher's stderr before its own listening line.
+        for _ in range(100):
+            urls = {
+                m.group(1): m.group(2)
+                for line in list(service.stderr_lines)
+                if (m := _CHILD_METRICS.match(line))
+            }
+            if len(urls) == 4:
+                break
+            time.sleep(0.05)
+        assert set(urls) == {"frontend", "tokenizer", "prefill-0", "decode-0"}, service.stderr
+        yield service, urls
+    finally:
+        assert service.terminate(timeout_s=90) == 0, service.stderr[-3000:]
+
+
+def test_one_generation_moves_every_metric_by_what_it_did(
+    serve: tuple[ServiceProcess, dict[str, str]],
+) -> None:
+    service, urls = serve
+    with grpc.insecure_channel(service.address) as channel:
+        frontend = generation_pb2_grpc.GenerationServiceStub(channel)
+        info = frontend.Info(generation_pb2.InfoRequest(), timeout=30)
+        with grpc.insecure_channel(info.prefill_addresses[0]) as prefill_channel:
+            prefill = prefill_pb2_grpc.PrefillServiceStub(prefill_channel)
+            layout = prefill.Info(prefill_pb2.InfoRequest(), timeout=30).kv_layout
+        before = {name: scrape(url) for name, url in urls.items()}
+        responses = list(
+            frontend.Generate(
+                generation_pb2.GenerateRequest(
+                    token_ids=list(range(1, _PROMPT_TOKENS + 1)),
+                    sampling=sampling_pb2.SamplingParams(
+                        max_tokens=_MAX_TOKENS, temperature=0, ignore_eos=True
+                    ),
+                ),
+                timeout=60,
+            )
+        )
+    assert responses[-1].usage.completion_tokens == _MAX_TOKENS
+
+    def after_settled() -> bool:  # prefill frees its blocks after decode's ack, in parallel
+        after.update({name: scrape(url) for name, url in urls.items()})
+        return all(
+            value(after[name], f"mili_{kind}_kv_blocks_free")
+            == value(after[name], f"mili_{kind}_kv_blocks_total")
+            for name, kind in (("prefill-0", "prefill"), ("decode-0", "decode"))
+        ) and value(
+            after["prefill-0"],
+            "mili_requests_total",
+            method="/mili.prefill.v1.PrefillService/Prefill",
+            status="OK",
+        ) > value(
+            before["prefill-0"],
+            "mili_requests_total",
+            method="/mili.prefill.v1.PrefillService/Prefill",
+            status="OK",
+        )
+
+    after: dict[str, Samples] = {}
+    wait_until(after_settled)
+
+    def moved(child: str, name: str, **labels: str) -> float:
+        return value(after[child], name, **labels) - value(before[child], name, **labels)
+
+    # Requests by method and status, on each service.
+    assert moved("frontend", "mili_requests_total", method=_GENERATE, status="OK") == 1
+    assert (
+        moved("frontend", "mili_requests_total", method=_GENERATE, status="INVALID_ARGUMENT") == 0
+    )
+    tokenize = "/mili.tokenizer.v1.TokenizerService/Tokenize"
+    assert moved("tokenizer", "mili_requests_total", method=tokenize, status="OK") == 0  # ids given
+    prefill_rpc = "/mili.prefill.v1.PrefillService/Prefill"
+    assert moved("prefill-0", "mili_requests_total", method=prefill_rpc, status="OK") == 1
+    decode_rpc = "/mili.decode.v1.DecodeService/Generate"
+    assert moved("decode-0", "mili_requests_total", method=decode_rpc, status="OK") == 1
+    transfer_rpc = "/mili.kv.v1.KvTransferService/TransferKv"
+    assert moved("decode-0", "mili_requests_total", method=transfer_rpc, status="OK") == 1
+
+    # Frontend latencies: one request, one first token, 8 tokens -> one time-per-output-token.
+    ttft = "mili_frontend_time_to_first_token_seconds"
+    assert moved("frontend", f"{ttft}_count") == 1
+    assert moved("frontend", f"{ttft}_sum") > 0
+    tpot = "mili_frontend_time_per_output_token_seconds"
+    assert moved("frontend", f"{tpot}_count") == 1
+    assert moved("frontend", f"{tpot}_sum") > 0
+
+    # Prefill: the 21-token prompt in one forward of one chunk.
+    assert moved("prefill-0", "mili_prefill_tokens_total") == _PROMPT_TOKENS
+    assert moved("prefill-0", "mili_prefill_batch_tokens_count") == 1
+    assert moved("prefill-0", "mili_prefill_batch_tokens_sum") == _PROMPT_TOKENS
+    assert moved("prefill-0", "mili_prefill_batch_size_sum") == 1
+    assert moved("prefill-0", "mili_prefill_step_seconds_count") == 1
+    assert moved("prefill-0", "mili_prefill_step_seconds_sum") > 0
+
+    # KV: every layer's K and V of the prompt's blocks, sent once and received once.
+    num_blocks = -(-_PROMPT_TOKENS // layout.block_size)
+    block_bytes = (
+        layout.block_size * layout.num_kv_heads * layout.head_dim * _ITEM_SIZES[layout.dtype]
+    )
+    kv_bytes = layout.num_layers * num_blocks * 2 * block_bytes
+    assert moved("prefill-0", "mili_prefill_kv_sent_bytes_total") == kv_bytes
+    assert moved("decode-0", "mili_decode_kv_received_bytes_total") == kv_bytes
+    assert moved("prefill-0", "mili_prefill_kv_transfer_seconds_count") == 1
+    assert moved("decode-0", "mili_decode_kv_transfer_seconds_count") == 1
+
+    # Decode: prefill sampled the first token, so 7 steps of a batch of one made the rest.
+    assert moved("decode-0", "mili_decode_step_seconds_count") == _MAX_TOKENS - 1
+    assert moved("decode-0", "mili_decode_batch_size_sum") == _MAX_TOKENS - 1
+
+    # Gauges back at rest: every block free, nothing queued, waiting or running.
+    for child, kind in (("prefill-0", "prefill"), ("decode-0", "decode")):
+        assert value(after[child], f"mili_{kind}_kv_blocks_total") == 64
+        assert value(after[child], f"mili_{kind}_kv_blocks_free") == 64
+        assert value(after[child], f"mili_{kind}_kv_blocks_used") == 0
+    assert value(after["prefill-0"], "mili_prefill_queued_tokens") == 0
+    assert value(after["prefill-0"], "mili_prefill_queued_requests") == 0
+    assert value(after["prefill-0"], "mili_prefill_waiting_requests") == 0
+    assert value(after["decode-0"], "mili_decode_waiting_requests") == 0
+    assert value(after["decode-0"], "mili_decode_running_requests") == 0
+
+
+def test_a_refused_request_is_counted_under_its_status(
+    serve: tuple[ServiceProcess, dict[str, str]],
+) -> None:
+    service, urls = serve
+    before = scrape(urls["frontend"])
+    with grpc.insecure_channel(service.address) as channel:
+        frontend = generation_pb2_grpc.GenerationServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as caught:
+            list(
+                frontend.Generate(
+                    generation_pb2.GenerateRequest(
+                        token_ids=[1, 2, 3],
+                        sampling=sampling_pb2.SamplingParams(max_tokens=4, temperature=-1),
+                    ),
+                    timeout=30,
+                )
+            )
+    assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    after = scrape(urls["frontend"])
+    bad = dict(method=_GENERATE, status="INVALID_ARGUMENT")
+    assert (
+        value(after, "mili_requests_total", **bad) - value(before, "mili_requests_total", **bad)
+        == 1
+    )
+    ok = dict(method=_GENERATE, status="OK")
+    assert value(after, "mili_requests_total", **ok) == value(before, "mili_requests_total", **ok)
+    ttft = "mili_frontend_time_to_first_token_seconds_count"
+    assert value(after, ttft) == value(before, ttft)
+
+
+def _listening_ports(pid: int) -> set[int]:
+    """TCP ports process `pid` listens on (Linux: its socket inodes in /proc/PID/net/tcp*)."""
+    fds = Path(f"/proc/{pid}/fd")
+    inodes = set()
+    for fd in fds.iterdir():
+        try:
+            target = fd.readlink().as_posix()
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:[") : -1])
+    ports = set()
+    for table in ("tcp", "tcp6"):
+        path = Path(f"/proc/{pid}/net/{table}")
+        if not path.exists():
+            continue
+        for line in path.read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("with_metrics", [False, True])
+def test_metrics_listen_only_when_asked(demo_model_dir: Path, with_metrics: bool) -> None:
+    flags = ["--metrics-port", "0"] if with_metrics else []
+    service = ServiceProcess(
+        "serve-tokenizer", "--model", str(demo_model_dir), "--port", "0", *flags
+    )
+    try:
+        grpc_port = int(service.address.rsplit(":", 1)[1])
+        ports = _listening_ports(service.proc.pid)
+        assert grpc_port in ports
+        if not with_metrics:
+            assert ports == {grpc_port}
+            return
+        (metrics_port,) = ports - {grpc_port}
+        samples = scrape(f"http://127.0.0.1:{metrics_port}/metrics")
+        # Health checks are infrastructure: not counted, so nothing was yet.
+        assert not any(name == "mili_requests_total" for name, _ in samples)
+    finally:
+        assert service.terminate() == 0, service.stderr

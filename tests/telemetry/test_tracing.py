@@ -1,0 +1,241 @@
+"""Tracing end to end: `mili serve --otlp-endpoint` exports one connected trace per Generate call
+to a real OTLP/gRPC receiver, and with tracing off nothing is installed."""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+from collections.abc import Iterator
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from opentelemetry.proto.trace.v1 import trace_pb2
+
+from mili.common.v1 import sampling_pb2
+from mili.engine.config import Qwen3Config
+from mili.frontend.v1 import generation_pb2, generation_pb2_grpc
+from mili.telemetry.tracing import TracingConfig, setup_tracing
+from tests.service_process import ServiceProcess
+
+BLOCK_SIZE = 4  # small: the 1-token demo prompt still spans a block boundary or two
+SERVICES = ("mili-frontend", "mili-tokenizer", "mili-prefill", "mili-decode")
+
+
+class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
+    """An OTLP trace collector keeping every span with its resource's service.name."""
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[str, trace_pb2.Span]] = []
+        self._lock = threading.Lock()
+
+    def Export(
+        self, request: trace_service_pb2.ExportTraceServiceRequest, context: grpc.ServicerContext
+    ) -> trace_service_pb2.ExportTraceServiceResponse:
+        with self._lock:
+            for resource_spans in request.resource_spans:
+                service = next(
+                    (
+                        a.value.string_value
+                        for a in resource_spans.resource.attributes
+                        if a.key == "service.name"
+                    ),
+                    "",
+                )
+                for scope_spans in resource_spans.scope_spans:
+                    self.spans.extend((service, span) for span in scope_spans.spans)
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+    def snapshot(self) -> list[tuple[str, trace_pb2.Span]]:
+        with self._lock:
+            return list(self.spans)
+
+
+@pytest.fixture
+def receiver() -> Iterator[tuple[Receiver, int]]:
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    collector = Receiver()
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(collector, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield collector, port
+    finally:
+        server.stop(0)
+
+
+def _attrs(span: trace_pb2.Span) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for a in span.attributes:
+        value = a.value
+        kind = value.WhichOneof("value")
+        if kind == "array_value":
+            out[a.key] = [getattr(v, v.WhichOneof("value")) for v in value.array_value.values]
+        else:
+            out[a.key] = getattr(value, kind) if kind else None
+    return out
+
+
+def _one(spans: list[tuple[str, trace_pb2.Span]], service: str, name: str) -> trace_pb2.Span:
+    found = [s for svc, s in spans if svc == service and s.name == name]
+    assert len(found) == 1, f"{service} {name!r}: {len(found)} spans; have " + ", ".join(
+        sorted({f"{svc}:{s.name}" for svc, s in spans})
+    )
+    return found[0]
+
+
+def test_one_generate_is_one_connected_trace(
+    demo_model_dir: Path, receiver: tuple[Receiver, int]
+) -> None:
+    collector, port = receiver
+    serve = ServiceProcess(
+        "serve",
+        "--model",
+        str(demo_model_dir),
+        "--port",
+        "0",
+        "--otlp-endpoint",
+        f"http://127.0.0.1:{port}",
+        "--prefill-args",
+        f"--num-blocks 256 --block-size {BLOCK_SIZE}",
+        "--decode-args",
+        f"--num-blocks 256 --block-size {BLOCK_SIZE}",
+        timeout_s=180,
+    )
+    try:
+        with grpc.insecure_channel(serve.address) as channel:
+            responses = list(
+                generation_pb2_grpc.GenerationServiceStub(channel).Generate(
+                    generation_pb2.GenerateRequest(
+                        prompt="Hello",
+                        sampling=sampling_pb2.SamplingParams(
+                            max_tokens=8, temperature=0, ignore_eos=True
+                        ),
+                    ),
+                    timeout=60,
+                )
+            )
+    finally:
+        code = serve.terminate(timeout_s=90)  # SIGTERM: every child drains, then flushes
+    assert code == 0, serve.stderr[-3000:]
+    usage = responses[-1].usage
+    assert usage.completion_tokens == 8
+    num_prompt_tokens = usage.prompt_tokens
+    assert num_prompt_tokens >= 1
+
+    deadline = time.monotonic() + 15  # the exporters flushed on exit; allow a late batch
+    while True:
+        spans = collector.snapshot()
+        if {svc for svc, _ in spans} >= set(SERVICES) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert {svc for svc, _ in spans} >= set(SERVICES)
+
+    by_id = {s.span_id: (svc, s) for svc, s in spans}
+    request = _one(spans, "mili-frontend", f"generate {demo_model_dir.name}")
+    trace_id = request.trace_id
+    in_trace = [(svc, s) for svc, s in spans if s.trace_id == trace_id]
+
+    def ancestors(span: trace_pb2.Span) -> list[tuple[str, str]]:
+        chain = []
+        while span.parent_span_id:
+            svc, span = by_id[span.parent_span_id]
+            chain.append((svc, span.name))
+        return chain
+
+    # Across services: each downstream SERVER span's parent is the frontend's CLIENT span.
+    for service, method in [
+        ("mili-tokenizer", "mili.tokenizer.v1.TokenizerService/Tokenize"),
+        ("mili-prefill", "mili.prefill.v1.PrefillService/Prefill"),
+        ("mili-decode", "mili.decode.v1.DecodeService/Generate"),
+    ]:
+        server = _one(in_trace, service, f"/{method}")
+        assert server.kind == trace_pb2.Span.SPAN_KIND_SERVER
+        parent_service, parent = by_id[server.parent_span_id]
+        assert (parent_service, parent.name, parent.kind) == (
+            "mili-frontend",
+            method,
+            trace_pb2.Span.SPAN_KIND_CLIENT,
+        )
+        assert ("mili-frontend", request.name) in ancestors(server)
+
+    # The KV stream carries the trace: decode's TransferKv is under prefill's `kv transfer`.
+    transfer = _one(in_trace, "mili-prefill", "kv transfer")
+    received = _one(in_trace, "mili-decode", "/mili.kv.v1.KvTransferService/TransferKv")
+    chain = ancestors(received)
+    assert chain[:2] == [
+        ("mili-prefill", "mili.kv.v1.KvTransferService/TransferKv"),
+        ("mili-prefill", "kv transfer"),
+    ]
+    assert ("mili-prefill", "/mili.prefill.v1.PrefillService/Prefill") in chain
+    assert ("mili-frontend", request.name) in chain
+    sent = _attrs(transfer)
+    assert sent["mili.kv.bytes"] == _attrs(received)["mili.kv.bytes"]
+    gb_per_s = sent["mili.kv.gb_per_s"]
+    assert isinstance(gb_per_s, float) and gb_per_s > 0
+    # Every prompt block of every layer, K and V: exactly the bytes the caches hold for it.
+    model = Qwen3Config.from_file(demo_model_dir / "config.json")
+    itemsize = torch.empty((), dtype=getattr(torch, model.torch_dtype)).element_size()
+    block_bytes = BLOCK_SIZE * model.num_key_value_heads * model.head_dim * itemsize
+    num_blocks = -(-num_prompt_tokens // BLOCK_SIZE)
+    assert sent["mili.kv.num_blocks"] == num_blocks
+    assert sent["mili.kv.num_layers"] == model.num_hidden_layers
+    assert sent["mili.kv.bytes"] == 2 * model.num_hidden_layers * num_blocks * block_bytes
+
+    compute = _one(in_trace, "mili-prefill", "prefill compute")
+    assert _attrs(compute)["mili.prefill.num_prompt_tokens"] == num_prompt_tokens
+    assert _attrs(compute)["mili.prefill.batch_size"] == 1
+
+    # Batched steps are roots in their own traces, linked to the requests they served.
+    decode_request = _one(in_trace, "mili-decode", "decode request")
+    assert _attrs(decode_request)["mili.decode.num_output_tokens"] == 8
+    steps = [s for svc, s in spans if svc == "mili-decode" and s.name == "decode step"]
+    linked = [s for s in steps if any(link.span_id == decode_request.span_id for link in s.links)]
+    assert len(linked) == 7  # the first token is prefill's; 7 decode steps make the rest
+    assert all(not s.parent_span_id and s.trace_id != trace_id for s in linked)
+    prefill_server = _one(in_trace, "mili-prefill", "/mili.prefill.v1.PrefillService/Prefill")
+    prefill_steps = [s for svc, s in spans if svc == "mili-prefill" and s.name == "prefill step"]
+    assert any(link.span_id == prefill_server.span_id for s in prefill_steps for link in s.links)
+
+    # The request span: gen_ai attributes and time to first token.
+    attrs = _attrs(request)
+    assert attrs["gen_ai.operation.name"] == "generate"
+    assert attrs["gen_ai.request.model"] == demo_model_dir.name
+    assert attrs["gen_ai.request.max_tokens"] == 8
+    assert attrs["gen_ai.request.temperature"] == 0.0
+    assert attrs["gen_ai.usage.input_tokens"] == num_prompt_tokens
+    assert attrs["gen_ai.usage.output_tokens"] == 8
+    assert attrs["gen_ai.response.finish_reasons"] == ["length"]
+    ttft = attrs["gen_ai.server.time_to_first_token"]
+    assert isinstance(ttft, float) and 0 < ttft < 60
+    assert any(event.name == "first token" for event in request.events)
+
+    # One log line for the request, carrying the trace id.
+    done = [line for line in serve.stderr_lines if " done: " in line]
+    assert len(done) == 1 and f"trace_id={trace_id.hex()}" in done[0], done
+
+
+def test_tracing_off_installs_nothing() -> None:
+    args = argparse.Namespace(otlp_endpoint=None, trace_console=False)
+    config = TracingConfig.from_args(args, {}, "decode")
+    assert not config.is_enabled and config.service_name == "mili-decode"
+    tracing = setup_tracing(config)
+    assert tracing.provider is None
+    assert tracing.server_interceptors() == [] and tracing.client_interceptors() == []
+    tracing.shutdown()
+
+
+def test_config_from_flags_and_environment() -> None:
+    args = argparse.Namespace(otlp_endpoint=None, trace_console=False)
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4317", "OTEL_SERVICE_NAME": "x"}
+    config = TracingConfig.from_args(args, env, "frontend")
+    assert (config.otlp_endpoint, config.service_name) == ("http://collector:4317", "x")
+    flagged = argparse.Namespace(otlp_endpoint="http://flag:4317", trace_console=True)
+    config = TracingConfig.from_args(flagged, env, "frontend")
+    assert config.otlp_endpoint == "http://flag:4317" and config.is_console
+    off = TracingConfig.from_args(flagged, {**env, "OTEL_SDK_DISABLED": "true"}, "frontend")
+    assert not off.is_enabled
