@@ -20,7 +20,7 @@ import contextlib
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import grpc
 import torch
@@ -240,7 +240,7 @@ class KvSender:
         status had arrived (overwriting it). The status seen here is whichever came first;
         `_error` prefers it over a late INTERNAL, so decode's DATA_LOSS stays DATA_LOSS.
         """
-        status = getattr(getattr(call, "_cython_call", None), "_status", None)  # private API
+        status = getattr(getattr(_base_call(call), "_cython_call", None), "_status", None)
         if status is not None:
             code = _CODES.get(status.code(), grpc.StatusCode.UNKNOWN)
             self._first_status = (code, status.details())
@@ -292,3 +292,15 @@ def logprobs(first: FirstToken) -> sampling_pb2.Logprobs | None:
             sampling_pb2.TokenLogprob(token_id=t, logprob=lp) for t, lp in first.top_logprobs or ()
         ],
     )
+
+
+def _base_call(call: Any) -> Any:
+    """grpc's own call object under an intercepted one (tracing installs client interceptors).
+
+    Private API, like the `_cython_call._status` it serves: an InterceptedCall's
+    `_interceptors_task` resolves to what the interceptors returned — ours return the call.
+    """
+    task = getattr(call, "_interceptors_task", None)
+    if task is not None and task.done() and not task.cancelled() and task.exception() is None:
+        return task.result()
+    return call

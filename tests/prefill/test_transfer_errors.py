@@ -14,6 +14,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from opentelemetry import trace
 
 from mili.common.v1 import sampling_pb2
 from mili.engine.sampling_params import SamplingParams
@@ -21,6 +22,7 @@ from mili.errors import DataLoss
 from mili.prefill.v1 import prefill_pb2
 from mili.rpc.client import insecure_channel
 from mili.rpc.status import bad_request_of, retry_info_of
+from mili.telemetry.tracing import client_interceptors
 from services.prefill.sender import KvSender
 from services.prefill.task import FirstToken, PrefillTask
 from tests.prefill.harness import (
@@ -87,11 +89,16 @@ def test_corrupt_chunk_is_data_loss(tiny: TinyModel) -> None:
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("traced", [False, True], ids=["plain", "traced"])
 @pytest.mark.parametrize("corrupt_seq", [0, 5])
-def test_decode_error_racing_our_writes_keeps_its_code(tiny: TinyModel, corrupt_seq: int) -> None:
+def test_decode_error_racing_our_writes_keeps_its_code(
+    tiny: TinyModel, corrupt_seq: int, traced: bool
+) -> None:
     """Chunks written back to back while decode aborts the stream: grpc turns such a write into
     INTERNAL "Internal error from Core" and may overwrite decode's status with it; the caller
-    must still get decode's DATA_LOSS, every time."""
+    must still get decode's DATA_LOSS, every time — also through tracing's client interceptors,
+    which wrap the call."""
+    interceptors = client_interceptors(trace.get_tracer(__name__)) if traced else ()
     num_layers = tiny.model.config.num_hidden_layers
 
     async def main() -> None:
@@ -100,7 +107,7 @@ def test_decode_error_racing_our_writes_keeps_its_code(tiny: TinyModel, corrupt_
             layers = [kv_cache.gather_blocks(i, [0, 1, 2]) for i in range(num_layers)]
             async with receiver_for(h) as (receiver, server):
                 receiver.corrupt_seq = corrupt_seq
-                channel = insecure_channel(server.address)
+                channel = insecure_channel(server.address, interceptors=interceptors)
                 with ThreadPoolExecutor(2) as encoder:
                     for i in range(15):
                         rid = f"race-{i}"
