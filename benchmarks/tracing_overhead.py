@@ -3,9 +3,12 @@
 Two `mili serve` deployments of the embedded demo model run side by side: one with no tracing,
 one with `--otlp-endpoint` pointed at an OTLP/gRPC receiver in this process (it counts spans and
 drops them) and OTEL_TRACES_SAMPLER=always_on. --rounds rounds alternate the same `mili bench`
-load (token-id prompts, ignore_eos, temperature 0) against each, off first, so the machine's
-other load hits both alike. Reported: output tokens/s per round, medians, and
-ratio = median(on) / median(off). Target: >= 0.95 (within 5%).
+load (token-id prompts, ignore_eos, temperature 0) against each, the order flipping every round
+(off/on, on/off, ...) so drift and the machine's other load hit both alike. Reported per round:
+output tokens/s of each and their ratio; overall the median of the per-round ratios on/off
+(target >= 0.95: within 5%), and the CPU seconds the four service processes of each deployment
+spent per output token (user + system from /proc, over all rounds): a second view of the cost
+that a noisy shared host disturbs less than throughput.
 
 Others benchmark on the same machine: run it under the shared lock, e.g.
 
@@ -79,6 +82,29 @@ class _Serve:
         return code
 
 
+def _cpu_seconds(root_pid: int) -> float:
+    """User + system CPU seconds of `root_pid` and all its descendants (Linux /proc)."""
+    parents: dict[int, int] = {}
+    times: dict[int, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # exited meanwhile
+        parents[int(entry.name)] = int(fields[1])
+        times[int(entry.name)] = (int(fields[11]) + int(fields[12])) / tick
+    family, frontier = {root_pid}, [root_pid]
+    while frontier:
+        pid = frontier.pop()
+        children = [c for c, p in parents.items() if p == pid and c not in family]
+        family.update(children)
+        frontier.extend(children)
+    return sum(times.get(pid, 0.0) for pid in family)
+
+
 def _bench(address: str, args: argparse.Namespace, out: Path) -> float:
     subprocess.run(
         [
@@ -109,14 +135,18 @@ def _bench(address: str, args: argparse.Namespace, out: Path) -> float:
     return float(summary["output_tokens_per_s"])
 
 
+def _tokens(args: argparse.Namespace) -> int:
+    return args.num_requests * args.output_tokens
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--num-requests", type=int, default=32)
+    parser.add_argument("--num-requests", type=int, default=16)
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--output-tokens", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=2, help="OMP/MKL threads per child")
+    parser.add_argument("--threads", type=int, default=1, help="OMP/MKL threads per child")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
 
@@ -136,30 +166,40 @@ def main() -> int:
         tmp / "on.log",
     )
     rates: dict[str, list[float]] = {"off": [], "on": []}
+    cpu = {"off": 0.0, "on": 0.0}
+    serves = {"off": off, "on": on}
+    print(f"load average {os.getloadavg()[0]:.2f}", flush=True)
     try:
         _bench(off.address, args, tmp / "warm.json")  # first-call costs out of the rounds
         _bench(on.address, args, tmp / "warm.json")
         for i in range(args.rounds):
-            for name, serve in (("off", off), ("on", on)):
-                rates[name].append(_bench(serve.address, args, tmp / f"{name}-{i}.json"))
+            for name in ("off", "on") if i % 2 == 0 else ("on", "off"):
+                before = _cpu_seconds(serves[name].proc.pid)
+                rates[name].append(_bench(serves[name].address, args, tmp / f"{name}-{i}.json"))
+                cpu[name] += _cpu_seconds(serves[name].proc.pid) - before
             print(
-                f"round {i}: off {rates['off'][-1]:.1f} tok/s, on {rates['on'][-1]:.1f} tok/s",
+                f"round {i}: off {rates['off'][-1]:.1f} tok/s, on {rates['on'][-1]:.1f} tok/s, "
+                f"on/off {rates['on'][-1] / rates['off'][-1]:.3f}",
                 flush=True,
             )
     finally:
         codes = [off.stop(), on.stop()]
         server.stop(1)
-    median_off = statistics.median(rates["off"])
-    median_on = statistics.median(rates["on"])
-    ratio = median_on / median_off
+    ratios = [x / y for x, y in zip(rates["on"], rates["off"], strict=True)]  # on / off
+    ratio = statistics.median(ratios)
+    tokens = _tokens(args) * args.rounds
+    cpu_ms = {name: 1e3 * seconds / tokens for name, seconds in cpu.items()}
     print(
-        f"tracing off {median_off:.1f} tok/s, on {median_on:.1f} tok/s (median of {args.rounds}); "
-        f"ratio on/off {ratio:.3f} (target >= 0.95); {receiver.num_spans} spans received; "
-        f"exit codes {codes}"
+        f"tracing off {statistics.median(rates['off']):.1f} tok/s, on "
+        f"{statistics.median(rates['on']):.1f} tok/s (medians of {args.rounds}); median of the "
+        f"per-round ratios on/off {ratio:.3f} (target >= 0.95)\n"
+        f"service CPU per output token: off {cpu_ms['off']:.2f} ms, on {cpu_ms['on']:.2f} ms "
+        f"(on/off {cpu_ms['on'] / cpu_ms['off']:.3f}); {receiver.num_spans} spans received; "
+        f"exit codes {codes}; load average {os.getloadavg()[0]:.2f}"
     )
     if args.json is not None:
-        result = {"rates": rates, "median_off": median_off, "median_on": median_on}
-        result |= {"ratio": ratio, "num_spans": receiver.num_spans, "config": vars(args)}
+        result = {"rates": rates, "ratios": ratios, "ratio": ratio, "cpu_ms_per_token": cpu_ms}
+        result |= {"num_spans": receiver.num_spans, "config": vars(args)}
         args.json.write_text(json.dumps(result, indent=2, default=str))
     return 0
 

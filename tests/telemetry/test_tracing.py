@@ -163,6 +163,11 @@ def test_one_generate_is_one_connected_trace(
         )
         assert ("mili-frontend", request.name) in ancestors(server)
 
+    # No stray traces: every tokenizer and frontend span belongs to this request's trace (the
+    # per-token DetokenizeStream is not traced, rather than starting a trace of its own).
+    for service in ("mili-tokenizer", "mili-frontend"):
+        assert {s.trace_id for svc, s in spans if svc == service} == {trace_id}, service
+
     # The KV stream carries the trace: decode's TransferKv is under prefill's `kv transfer`.
     transfer = _one(in_trace, "mili-prefill", "kv transfer")
     received = _one(in_trace, "mili-decode", "/mili.kv.v1.KvTransferService/TransferKv")
