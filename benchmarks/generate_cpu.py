@@ -1,11 +1,12 @@
 """Single-process generate() throughput on CPU: the baseline the services are measured against.
 
 Rows: the embedded demo model and a random-weight Qwen3-0.6B (preset "qwen3-0.6b", written once
-as a bf16 checkpoint into --cache-dir and reused), in fp32 and bf16, at each batch size; greedy,
-EOS ignored, so every request makes exactly --output-len tokens.
+as a bf16 checkpoint into --cache-dir and reused), in fp32 and bf16, with each attention backend
+(torch reference, Mojo kernels), at each batch size; greedy, EOS ignored, so every request makes
+exactly --output-len tokens.
 
-Each (model, dtype) group runs in a fresh process so its peak RSS (getrusage ru_maxrss) is its
-own, not the maximum over everything measured before it.
+Each (model, dtype, attention) group runs in a fresh process so its peak RSS (getrusage
+ru_maxrss) is its own, not the maximum over everything measured before it.
 
     .venv/bin/python benchmarks/generate_cpu.py --threads 2
     .venv/bin/python benchmarks/generate_cpu.py --models demo --batch 1 --json
@@ -41,6 +42,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 class Row:
     model: str
     dtype: str
+    attention: str  # backend: torch (reference) or mojo (kernels/)
     batch: int
     prompt_len: int
     output_len: int
@@ -73,10 +75,15 @@ def checkpoint_dir(model: str, cache_dir: Path) -> Path:
     return target
 
 
-def run_group(path: Path, model_name: str, dtype_name: str, args: argparse.Namespace) -> list[Row]:
-    """All batch sizes of one (model, dtype) in this (fresh) process."""
+def run_group(
+    path: Path, model_name: str, dtype_name: str, attention: str, args: argparse.Namespace
+) -> list[Row]:
+    """All batch sizes of one (model, dtype, attention) in this (fresh) process."""
+    from kernels.backend import select_attention
+
     torch.set_num_threads(args.threads)
     model = load_model(path, dtype=DTYPES[dtype_name])
+    model.attention = select_attention(attention, "cpu", head_dim=model.config.head_dim)
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(0)
     # Warm-up: first calls allocate and pick kernels; keep them out of the numbers.
@@ -102,6 +109,7 @@ def run_group(path: Path, model_name: str, dtype_name: str, args: argparse.Names
             Row(
                 model=model_name,
                 dtype=dtype_name,
+                attention=attention,
                 batch=batch,
                 prompt_len=args.prompt_len,
                 output_len=output_len,
@@ -118,14 +126,15 @@ def run_group(path: Path, model_name: str, dtype_name: str, args: argparse.Names
 
 
 def _format(rows: list[Row], header: bool = True) -> str:
-    names = "model dtype batch prompt output prefill_tok/s decode_tok/s e2e_out_tok/s total_s"
-    names += " rss_GiB load1"
+    names = "model dtype attention batch prompt output prefill_tok/s decode_tok/s"
+    names += " e2e_out_tok/s total_s rss_GiB load1"
     cols = names.split()
     lines = [f"| {' | '.join(cols)} |", "|" + " --- |" * len(cols)] if header else []
     for r in rows:
         cells = [
             r.model,
             r.dtype,
+            r.attention,
             str(r.batch),
             str(r.prompt_len),
             str(r.output_len),
@@ -144,6 +153,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="demo,qwen3-0.6b", help="comma list: demo, presets")
     parser.add_argument("--dtypes", default="fp32,bf16", help="comma list of fp32, bf16")
+    parser.add_argument(
+        "--attention", default="torch,mojo", help="comma list of attention backends: torch, mojo"
+    )
     parser.add_argument("--batch", default="1,16", type=lambda s: [int(x) for x in s.split(",")])
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
@@ -169,8 +181,10 @@ def main() -> None:
     for model_name in args.models.split(","):
         path = checkpoint_dir(model_name, args.cache_dir)
         for dtype_name in args.dtypes.split(","):
-            with ProcessPoolExecutor(max_workers=1, mp_context=spawn) as pool:
-                rows += pool.submit(run_group, path, model_name, dtype_name, args).result()
+            for attention in args.attention.split(","):
+                with ProcessPoolExecutor(max_workers=1, mp_context=spawn) as pool:
+                    group = pool.submit(run_group, path, model_name, dtype_name, attention, args)
+                    rows += group.result()
     load = {"loadavg_before": load_before, "loadavg_after": os.getloadavg()}
     if args.json:
         print(json.dumps({"rows": [asdict(r) for r in rows], "threads": args.threads, **load}))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 # Codes the Mojo entry points dispatch on (kernels/mojo/*.mojo: DTYPE_F32 ...).
@@ -112,14 +113,14 @@ def check_prefill(
         raise ValueError(f"start_positions has {start_positions.shape[0]} entries, want {num_seqs}")
     max_blocks = _check_block_tables(block_tables, num_seqs, q.device)
     if check_values and num_seqs > 0:
-        bounds = cu_seqlens.cpu()
-        starts = start_positions.cpu()
+        bounds = _host(cu_seqlens)
+        starts = _host(start_positions)
         lengths = bounds[1:] - bounds[:-1]
-        if int(bounds[0]) != 0 or int(bounds[-1]) != num_tokens or bool((lengths < 0).any()):
+        if bounds[0] != 0 or bounds[-1] != num_tokens or (lengths < 0).any():
             raise ValueError(
                 f"cu_seqlens must rise from 0 to q's {num_tokens} tokens, got {bounds.tolist()}"
             )
-        if bool((starts < 0).any()):
+        if (starts < 0).any():
             raise ValueError(f"start_positions must be >= 0, got {starts.tolist()}")
         _check_block_ids(block_tables, starts + lengths, num_blocks, block_size, max_blocks)
     return AttentionDims(
@@ -153,8 +154,8 @@ def check_decode(
         raise ValueError(f"seq_lens has {seq_lens.shape[0]} entries, q has {num_seqs} sequences")
     max_blocks = _check_block_tables(block_tables, num_seqs, q.device)
     if check_values and num_seqs > 0:
-        lens = seq_lens.cpu()
-        if bool((lens < 1).any()):
+        lens = _host(seq_lens)
+        if (lens < 1).any():
             raise ValueError(f"seq_lens must be >= 1 (the new token is cached): {lens.tolist()}")
         _check_block_ids(block_tables, lens, num_blocks, block_size, max_blocks)
     return AttentionDims(
@@ -170,9 +171,15 @@ def check_decode(
     )
 
 
+def _host(t: torch.Tensor) -> np.ndarray:
+    """A host view of an int32 index tensor. numpy, not torch ops: these checks run per layer
+    and per step, and a torch op here would wake torch's OpenMP pool between kernel calls."""
+    return t.cpu().numpy()
+
+
 def _check_block_ids(
     block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
+    context_lens: np.ndarray,
     num_blocks: int,
     block_size: int,
     max_blocks: int,
@@ -186,9 +193,8 @@ def _check_block_ids(
         )
     if most == 0:
         return
-    table = block_tables[:, :most].cpu()
-    used = torch.arange(most)[None, :] < needed[:, None]
-    ids = table[used]
-    if bool(((ids < 0) | (ids >= num_blocks)).any()):
-        bad = ids[(ids < 0) | (ids >= num_blocks)][:4].tolist()
-        raise ValueError(f"block_tables holds ids outside [0, {num_blocks}): {bad}")
+    table = _host(block_tables)[:, :most]
+    ids = table[np.arange(most)[None, :] < needed[:, None]]
+    bad = ids[(ids < 0) | (ids >= num_blocks)]
+    if bad.size:
+        raise ValueError(f"block_tables holds ids outside [0, {num_blocks}): {bad[:4].tolist()}")

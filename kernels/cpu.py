@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 from types import ModuleType
 
+import numpy as np
 import torch
 
 from kernels.build import CPU_MODULE
@@ -49,19 +50,39 @@ def _restore_environment() -> None:
             os.unsetenv(name)
 
 
+# Below these, a call runs on one Mojo worker (measured crossovers on the 2-core dev VM: decode
+# 2 workers win from ~2 MB of K/V read, prefill from ~10 MFLOP of causal attention).
+DECODE_ONE_THREAD_BYTES = 2 * 2**20
+PREFILL_ONE_THREAD_FLOPS = 10e6
+
+
 class CpuKernels:
     """`prefill`/`decode` of the AttentionBackend contract on CPU tensors."""
 
-    def __init__(self, module: ModuleType, num_threads: int | None = None) -> None:
+    def __init__(
+        self, module: ModuleType, num_threads: int | None = None, *, always_parallel: bool = False
+    ) -> None:
         self._module = module
         self._num_threads = num_threads  # None: torch.get_num_threads() at each call
+        self._always_parallel = always_parallel  # tests: every call on all workers
 
     @classmethod
     def from_path(cls, path: Path, num_threads: int | None = None) -> CpuKernels:
         return cls(load_module(path), num_threads)
 
-    def _threads(self) -> int:
-        return max(1, self._num_threads or torch.get_num_threads())
+    def with_options(self, *, num_threads: int | None, always_parallel: bool) -> CpuKernels:
+        """The same module with other threading options."""
+        return CpuKernels(self._module, num_threads, always_parallel=always_parallel)
+
+    def _threads(self, work: float, one_thread_below: float) -> int:
+        """Workers for a call of `work` units: one below the threshold, else all we were given.
+
+        Waking a second Mojo worker costs ~100 us on these VMs, more than small calls take
+        (demo-model decode at batch 1: 2 workers 161 us, 1 worker 79 us). Thresholds measured
+        on the 2-core dev VM (see DECODE_ONE_THREAD_BYTES / PREFILL_ONE_THREAD_FLOPS).
+        """
+        threads = max(1, self._num_threads or torch.get_num_threads())
+        return 1 if work < one_thread_below and not self._always_parallel else threads
 
     def prefill(
         self,
@@ -89,7 +110,12 @@ class CpuKernels:
             start_positions.data_ptr(),
             block_tables.data_ptr(),
         )
-        self._module.prefill(ptrs, (*dims, self._threads()), float(scale))
+        # Causal score pairs: sequence i's n new tokens each attend start + j + 1 positions.
+        lengths = np.diff(cu_seqlens.numpy()).astype(np.float64)
+        pairs = float((lengths * (start_positions.numpy() + (lengths + 1) / 2)).sum())
+        flops = 4 * dims.num_q_heads * dims.head_dim * pairs
+        threads = self._threads(flops, PREFILL_ONE_THREAD_FLOPS)
+        self._module.prefill(ptrs, (*dims, threads), float(scale))
         return out
 
     def decode(
@@ -119,7 +145,10 @@ class CpuKernels:
             block_tables.data_ptr(),
             seq_lens.data_ptr(),
         )
-        self._module.decode(ptrs, (*dims, self._threads(), num_splits), float(scale))
+        contexts = float(seq_lens.numpy().sum(dtype=np.int64))
+        kv_bytes = 2 * contexts * dims.num_kv_heads * dims.head_dim * q.element_size()
+        threads = self._threads(kv_bytes, DECODE_ONE_THREAD_BYTES)
+        self._module.decode(ptrs, (*dims, threads, num_splits), float(scale))
         return out
 
 

@@ -239,12 +239,15 @@ def _worker[dt: DType, D: Int](w: Int, a: _Args):
 
 
 def _run[dt: DType, D: Int](a: _Args, nthreads: Int):
+    # Always through `parallelize`, even for one worker: run inline on the caller's (Python)
+    # thread the same loop measured 8-12x slower (T=64..512), most likely the floating-point
+    # environment — the runtime's workers flush denormals, which online softmax's exp() of
+    # far-below-max scores produces in quantity.
     var n = nthreads
     if n > a.n_items:
         n = a.n_items
-    if n <= 1:
-        _worker[dt, D](0, a)
-        return
+    if n < 1:
+        n = 1
 
     def work(w: Int) {var a}:
         _worker[dt, D](w, a)

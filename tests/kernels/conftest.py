@@ -33,8 +33,17 @@ def gpu_kernels() -> AttentionKernels:
     return GpuKernels(kernel_dir)
 
 
-@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.fixture(params=["cpu", "cpu-3-workers", pytest.param("cuda", marks=pytest.mark.gpu)])
 def device_kernels(request: pytest.FixtureRequest) -> tuple[str, AttentionKernels]:
-    """(device, kernels) for every kernel implementation: the parity grid runs on each."""
-    name = "cpu_kernels" if request.param == "cpu" else "gpu_kernels"
-    return request.param, request.getfixturevalue(name)
+    """(device, kernels) for every kernel implementation: the parity grid runs on each.
+
+    "cpu" is what serving runs (small calls on one worker); "cpu-3-workers" forces every call
+    onto three workers, so the multi-worker paths (work split across workers, decode's split
+    combine) meet every shape too, and with an odd worker count.
+    """
+    if request.param == "cuda":
+        return "cuda", request.getfixturevalue("gpu_kernels")
+    kernels: CpuKernels = request.getfixturevalue("cpu_kernels")
+    if request.param == "cpu-3-workers":
+        kernels = kernels.with_options(num_threads=3, always_parallel=True)
+    return "cpu", kernels
