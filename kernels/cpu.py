@@ -77,9 +77,10 @@ class CpuKernels:
     def _threads(self, work: float, one_thread_below: float) -> int:
         """Workers for a call of `work` units: one below the threshold, else all we were given.
 
-        Waking a second Mojo worker costs ~100 us on these VMs, more than small calls take
-        (demo-model decode at batch 1: 2 workers 161 us, 1 worker 79 us). Thresholds measured
-        on the 2-core dev VM (see DECODE_ONE_THREAD_BYTES / PREFILL_ONE_THREAD_FLOPS).
+        Waking Mojo's workers costs ~100 us on these VMs, more than small calls take (demo-model
+        decode at batch 1: 2 workers 161 us, 1 worker 79 us), and the woken workers spin a
+        while afterwards beside torch's threads. One thread means the caller's: the kernels run
+        inline, no runtime worker involved.
         """
         threads = max(1, self._num_threads or torch.get_num_threads())
         return 1 if work < one_thread_below and not self._always_parallel else threads

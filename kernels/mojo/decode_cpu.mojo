@@ -27,6 +27,7 @@ from std.math import exp2
 from std.python import PythonObject
 from std.sys import PrefetchOptions, prefetch, simd_width_of, size_of
 
+from std.utils.numerics import FlushDenormals
 from max.algorithm import parallelize
 
 comptime _F32 = DType.float32
@@ -129,7 +130,9 @@ def _choose_splits(a: _Args, lens: Pointer[Int32, MutAnyOrigin]) -> Int:
         var blocks = (Int(lens[unsafe_offset=b]) + a.block_size - 1) // a.block_size
         longest = max(longest, blocks)
         total += blocks
-    var want = (longest * 4 * max(a.num_threads, 1) + total - 1) // max(total, 1)
+    if a.num_threads <= 1:
+        return 1  # one worker: splits only add the partials' writes and a combine pass
+    var want = (longest * 4 * a.num_threads + total - 1) // max(total, 1)
     return max(1, min(want, longest // 8))
 
 
@@ -277,7 +280,14 @@ def _decode[dt: DType, D: Int](a: _Args) raises:
         _ = len(scratch)  # keep the scratch alive past its last raw-pointer use
 
     var threads = max(a.num_threads, 1)
-    parallelize(item, a.num_seqs * NCH * P, threads)
+    if threads == 1:
+        # On the caller's thread: no runtime worker to wake or to leave spinning beside torch's
+        # threads; denormals flushed as on the runtime's workers (see prefill_cpu.mojo).
+        with FlushDenormals():
+            for i in range(a.num_seqs * NCH * P):
+                item(i)
+    else:
+        parallelize(item, a.num_seqs * NCH * P, threads)
     if P == 1:
         return
 
@@ -300,6 +310,11 @@ def _decode[dt: DType, D: Int](a: _Args) raises:
                 o += w * part_acc.unsafe_load[width=_W](part * D + c * _W)
             out.unsafe_store(r * D + c * _W, (o * inv).cast[dt]())
 
-    parallelize(combine, a.num_seqs * H, threads)
+    if threads == 1:
+        with FlushDenormals():
+            for r in range(a.num_seqs * H):
+                combine(r)
+    else:
+        parallelize(combine, a.num_seqs * H, threads)
     _ = len(part_acc_buf)  # keep the partials alive until the combine pass is done
     _ = len(part_ml_buf)

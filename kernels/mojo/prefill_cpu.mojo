@@ -27,6 +27,7 @@ from std.sys import simd_width_of
 from std.math import exp, iota
 from std.collections import Array
 from std.python import PythonObject
+from std.utils.numerics import FlushDenormals
 from max.algorithm import parallelize
 
 comptime _F32 = DType.float32
@@ -239,15 +240,17 @@ def _worker[dt: DType, D: Int](w: Int, a: _Args):
 
 
 def _run[dt: DType, D: Int](a: _Args, nthreads: Int):
-    # Always through `parallelize`, even for one worker: run inline on the caller's (Python)
-    # thread the same loop measured 8-12x slower (T=64..512), most likely the floating-point
-    # environment — the runtime's workers flush denormals, which online softmax's exp() of
-    # far-below-max scores produces in quantity.
     var n = nthreads
     if n > a.n_items:
         n = a.n_items
-    if n < 1:
-        n = 1
+    if n <= 1:
+        # On the caller's thread: no runtime worker to wake (~100 us here) or to leave spinning
+        # beside torch's threads. Denormals flushed as on the runtime's workers: online
+        # softmax's exp() of far-below-max scores makes many, and with gradual underflow this
+        # loop ran 8-12x slower (T=64..512).
+        with FlushDenormals():
+            _worker[dt, D](0, a)
+        return
 
     def work(w: Int) {var a}:
         _worker[dt, D](w, a)
