@@ -69,7 +69,7 @@ from mili.engine.checkpoint import write_random_checkpoint
 from mili.engine.config import PRESETS
 from mili.engine.generate import generate
 from mili.engine.kv_cache import KVCache
-from mili.engine.loader import load_model
+from mili.engine.loader import load_model as _load_weights
 from mili.engine.model import DecodeBatch, PrefillBatch, Qwen3ForCausalLM
 from mili.engine.sampler import Sampler, SequenceSampling
 from mili.engine.sampling_params import SamplingParams
@@ -126,6 +126,20 @@ def servable(weights: Path) -> Iterator[Path]:
             if (tokenizer / name).exists():
                 (model_dir / name).symlink_to(tokenizer / name)
         yield model_dir
+
+
+# The attention backend of the in-process (bare, engine) runs: the services' own choice, so the
+# ratios compare like with like. Set from --attention in main().
+ATTENTION = "auto"
+
+
+def load_model(path: Path, *, dtype: torch.dtype) -> Any:
+    """The checkpoint with the attention backend `mili serve` runs (--attention)."""
+    from kernels.backend import select_attention
+
+    model = _load_weights(path, dtype=dtype)
+    model.attention = select_attention(ATTENTION, "cpu", head_dim=model.config.head_dim)
+    return model
 
 
 # ---- mili serve ------------------------------------------------------------------------------
@@ -192,6 +206,7 @@ def thread_env(threads: int) -> dict[str, str]:
 def mili_serve(model_dir: Path, dtype: str, threads: int, extra: list[str]) -> Iterator[Served]:
     """`mili serve` on free ports; yields once the frontend is listening; drains it on exit."""
     command = [sys.executable, "-m", "mili", "serve", "--model", str(model_dir), "--port", "0"]
+    command += ["--attention", ATTENTION]
     command += ["--dtype", dtype, "--log-level", "WARNING", *extra]
     with tempfile.TemporaryFile("w+") as log:  # children's logs: shown only if start-up fails
         proc = subprocess.Popen(
@@ -596,6 +611,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--only", choices=["batching", "overhead"], default=None)
     parser.add_argument(
+        "--attention",
+        choices=["auto", "mojo", "torch"],
+        default="auto",
+        help="attention backend of the services and of the in-process runs (default: auto)",
+    )
+    parser.add_argument(
         "--threads",
         type=int,
         default=1,
@@ -634,12 +655,15 @@ def main() -> None:
     args = parser.parse_args()
     if args.overhead_output < 3:
         parser.error("--overhead-output must be >= 3 (CPU is counted from the 2nd token on)")
+    global ATTENTION
+    ATTENTION = args.attention
 
     result: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d"),
         "machine": f"{os.cpu_count()}-core {platform.machine()} CPU, no GPU",
         "torch": torch.__version__,
         "threads": args.threads,
+        "attention": args.attention,
         "loadavg_before": [round(x, 2) for x in os.getloadavg()],
     }
     if args.only in (None, "batching"):
