@@ -19,17 +19,14 @@ import json
 import multiprocessing
 import os
 import resource
-import shutil
 import sys
-import tempfile
-import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from mili.engine.checkpoint import write_random_checkpoint
+from mili.engine.checkpoint import cached_random_checkpoint
 from mili.engine.config import PRESETS
 from mili.engine.generate import GenerationStats, generate
 from mili.engine.loader import load_model
@@ -55,24 +52,12 @@ class Row:
 
 
 def checkpoint_dir(model: str, cache_dir: Path) -> Path:
-    """The model's checkpoint directory, written on first use (atomically, via a rename)."""
+    """The demo model, or a random-weight bf16 preset written once into `cache_dir`."""
     if model == "demo":
         from mili.demo.model import default_model_dir
 
         return default_model_dir()
-    target = cache_dir / f"{model}-bf16-seed0"
-    if (target / "config.json").exists():
-        return target
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=cache_dir))
-    try:
-        start = time.perf_counter()
-        write_random_checkpoint(staging, PRESETS[model], seed=0, dtype=torch.bfloat16)
-        print(f"wrote {model} to {target} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
-        staging.rename(target)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
+    return cached_random_checkpoint(PRESETS[model], model, cache_dir)
 
 
 def run_group(

@@ -32,11 +32,9 @@ import argparse
 import asyncio
 import contextlib
 import json
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -48,7 +46,7 @@ import torch
 
 from mili.common.v1 import sampling_pb2
 from mili.decode.v1 import decode_pb2, decode_pb2_grpc
-from mili.engine.checkpoint import write_random_checkpoint
+from mili.engine.checkpoint import cached_random_checkpoint
 from mili.engine.config import PRESETS
 from mili.engine.fingerprint import model_fingerprint
 from mili.engine.kv_cache import KVCache
@@ -72,18 +70,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def checkpoint_dir(cache_dir: Path) -> Path:
-    """The bf16 checkpoint, written on first use (atomically)."""
-    target = cache_dir / f"{MODEL}-bf16-seed0"
-    if (target / "config.json").exists():
-        return target
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=cache_dir))
-    try:
-        write_random_checkpoint(staging, PRESETS[MODEL], seed=0, dtype=torch.bfloat16)
-        staging.rename(target)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
+    """The bf16 Qwen3-0.6B checkpoint (seed 0), written once (shared with the other benchmarks)."""
+    return cached_random_checkpoint(PRESETS[MODEL], MODEL, cache_dir)
 
 
 # ---- receiver processes (checker, discard) ---------------------------------------------------

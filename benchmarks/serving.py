@@ -50,7 +50,6 @@ import json
 import os
 import platform
 import resource
-import shutil
 import signal
 import statistics
 import subprocess
@@ -65,7 +64,7 @@ from typing import Any, TextIO
 import torch
 
 from mili.client import bench as client
-from mili.engine.checkpoint import write_random_checkpoint
+from mili.engine.checkpoint import cached_random_checkpoint
 from mili.engine.config import PRESETS
 from mili.engine.generate import generate
 from mili.engine.kv_cache import KVCache
@@ -86,20 +85,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config
 
 
 def checkpoint_dir(cache_dir: Path) -> Path:
-    """The bf16 Qwen3-0.6B checkpoint (seed 0), written on first use (atomically)."""
-    target = cache_dir / f"{MODEL}-bf16-seed0"
-    if (target / "config.json").exists():
-        return target
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=cache_dir))
-    try:
-        start = time.perf_counter()
-        write_random_checkpoint(staging, PRESETS[MODEL], seed=0, dtype=torch.bfloat16)
-        print(f"wrote {MODEL} to {target} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
-        staging.rename(target)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
+    """The bf16 Qwen3-0.6B checkpoint (seed 0), written once (shared with the other benchmarks)."""
+    return cached_random_checkpoint(PRESETS[MODEL], MODEL, cache_dir)
 
 
 def demo_dir() -> Path:
@@ -128,17 +115,13 @@ def servable(weights: Path) -> Iterator[Path]:
         yield model_dir
 
 
-# The attention backend of the in-process (bare, engine) runs: the services' own choice, so the
-# ratios compare like with like. Set from --attention in main().
-ATTENTION = "auto"
-
-
-def load_model(path: Path, *, dtype: torch.dtype) -> Any:
-    """The checkpoint with the attention backend `mili serve` runs (--attention)."""
+def load_model(path: Path, *, dtype: torch.dtype, attention: str) -> Any:
+    """The checkpoint with the attention backend `mili serve --attention` runs: the in-process
+    (bare, engine) runs then compare like with like."""
     from kernels.backend import select_attention
 
     model = _load_weights(path, dtype=dtype)
-    model.attention = select_attention(ATTENTION, "cpu", head_dim=model.config.head_dim)
+    model.attention = select_attention(attention, "cpu", head_dim=model.config.head_dim)
     return model
 
 
@@ -203,10 +186,12 @@ def thread_env(threads: int) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def mili_serve(model_dir: Path, dtype: str, threads: int, extra: list[str]) -> Iterator[Served]:
+def mili_serve(
+    model_dir: Path, dtype: str, threads: int, attention: str, extra: list[str]
+) -> Iterator[Served]:
     """`mili serve` on free ports; yields once the frontend is listening; drains it on exit."""
     command = [sys.executable, "-m", "mili", "serve", "--model", str(model_dir), "--port", "0"]
-    command += ["--attention", ATTENTION]
+    command += ["--attention", attention]
     command += ["--dtype", dtype, "--log-level", "WARNING", *extra]
     with tempfile.TemporaryFile("w+") as log:  # children's logs: shown only if start-up fails
         proc = subprocess.Popen(
@@ -285,12 +270,12 @@ def measure_batching(args: argparse.Namespace) -> dict[str, Any]:
     extra = [f"--decode-args=--num-blocks {num_blocks} --max-running {max(n, 16)}"]
     model_dir = demo_dir()
     torch.set_num_threads(args.threads)
-    model = load_model(model_dir, dtype=DTYPES[args.batching_dtype])
+    model = load_model(model_dir, dtype=DTYPES[args.batching_dtype], attention=args.attention)
     low, high = (int(x) for x in TOKEN_ID_RANGE.split(":"))
     prompts = [client.prompt_ids(i, prompt, low, high, seed=0) for i in range(n)]  # bench's
     engine_tok_s(model, prompts[:2], 4)  # warm-up
     engine: list[tuple[float, float]] = []
-    with mili_serve(model_dir, args.batching_dtype, args.threads, extra) as served:
+    with mili_serve(model_dir, args.batching_dtype, args.threads, args.attention, extra) as served:
         # Warm-up: first calls allocate and pick kernels; one burst at full width, one alone.
         run_bench(bench_args(served.address, n, n, prompt, 8, seed=99))
         run_bench(bench_args(served.address, 1, 1, prompt, 8, seed=98))
@@ -383,7 +368,7 @@ class BareDecode:
 
 
 def pick_dtype(
-    weights: Path, prompt: list[int], steps: int, cpu_clock: Callable[[], float]
+    weights: Path, prompt: list[int], steps: int, cpu_clock: Callable[[], float], attention: str
 ) -> tuple[str, dict[str, dict[str, float]]]:
     """The dtype whose batch-1 decode step takes less CPU: single steps of each, alternated.
 
@@ -391,7 +376,7 @@ def pick_dtype(
     nothing about the dtype.
     """
     seqs = {
-        name: BareDecode(load_model(weights, dtype=dt), prompt, steps + 2)
+        name: BareDecode(load_model(weights, dtype=dt, attention=attention), prompt, steps + 2)
         for name, dt in DTYPES.items()
     }
     runs: dict[str, list[tuple[float, float, float]]] = {name: [] for name in seqs}
@@ -467,8 +452,8 @@ def measure_overhead(args: argparse.Namespace) -> dict[str, Any]:
     probe: dict[str, dict[str, float]] = {}
     dtype = args.overhead_dtype
     if dtype == "auto":
-        dtype, probe = pick_dtype(weights, prompt, args.probe_steps, cpu_clock)
-    model = load_model(weights, dtype=DTYPES[dtype])
+        dtype, probe = pick_dtype(weights, prompt, args.probe_steps, cpu_clock, args.attention)
+    model = load_model(weights, dtype=DTYPES[dtype], attention=args.attention)
     num_blocks = -(-(args.overhead_prompt + steps) // BLOCK_SIZE) + 4
     extra = [
         f"--decode-args=--num-blocks {num_blocks} --max-running 4",
@@ -481,7 +466,10 @@ def measure_overhead(args: argparse.Namespace) -> dict[str, Any]:
     cpu: dict[str, float] = {}
     idle_cpu: dict[str, float] = {}
     bare_cpu_s = 0.0
-    with servable(weights) as model_dir, mili_serve(model_dir, dtype, args.threads, extra) as s:
+    with (
+        servable(weights) as model_dir,
+        mili_serve(model_dir, dtype, args.threads, args.attention, extra) as s,
+    ):
         warm = BareDecode(model, prompt[:16], 4)  # warm-up, both sides
         for _ in range(4):
             warm.step(cpu_clock)
@@ -655,8 +643,6 @@ def main() -> None:
     args = parser.parse_args()
     if args.overhead_output < 3:
         parser.error("--overhead-output must be >= 3 (CPU is counted from the 2nd token on)")
-    global ATTENTION
-    ATTENTION = args.attention
 
     result: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d"),

@@ -54,8 +54,9 @@ def _check_int32(name: str, t: torch.Tensor, ndim: int, device: torch.device) ->
 
 
 def _check_q_and_cache(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
-) -> tuple[int, int, int, int, int, int]:
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor
+) -> AttentionDims:
+    """The dims q, the cache and the block table fix; num_seqs is the table's row count."""
     _check_tensor("q", q, 3, q.device)
     if q.dtype not in DTYPE_CODES:
         supported = ", ".join(str(d).removeprefix("torch.") for d in DTYPE_CODES)
@@ -80,14 +81,24 @@ def _check_q_and_cache(
         )
     if num_blocks == 0 or block_size == 0:
         raise ValueError(f"empty KV cache {tuple(k_cache.shape)}")
-    return q.shape[0], num_q_heads, num_kv_heads, head_dim, num_blocks, block_size
+    _check_int32("block_tables", block_tables, 2, q.device)
+    num_seqs, max_blocks = block_tables.shape
+    return AttentionDims(
+        DTYPE_CODES[q.dtype],
+        num_seqs,
+        q.shape[0],
+        num_q_heads,
+        num_kv_heads,
+        head_dim,
+        num_blocks,
+        block_size,
+        max_blocks,
+    )
 
 
-def _check_block_tables(block_tables: torch.Tensor, num_seqs: int, device: torch.device) -> int:
-    _check_int32("block_tables", block_tables, 2, device)
-    if block_tables.shape[0] != num_seqs:
-        raise ValueError(f"block_tables has {block_tables.shape[0]} rows, expected {num_seqs}")
-    return block_tables.shape[1]
+def _check_table_rows(dims: AttentionDims, num_seqs: int) -> None:
+    if dims.num_seqs != num_seqs:
+        raise ValueError(f"block_tables has {dims.num_seqs} rows, expected {num_seqs}")
 
 
 def check_prefill(
@@ -101,9 +112,7 @@ def check_prefill(
     check_values: bool = True,
 ) -> AttentionDims:
     """Validate a prefill call; `check_values` also reads the index tensors (host sync on GPU)."""
-    num_tokens, heads, kv_heads, head_dim, num_blocks, block_size = _check_q_and_cache(
-        q, k_cache, v_cache
-    )
+    dims = _check_q_and_cache(q, k_cache, v_cache, block_tables)
     _check_int32("cu_seqlens", cu_seqlens, 1, q.device)
     num_seqs = cu_seqlens.shape[0] - 1
     if num_seqs < 0:
@@ -111,29 +120,20 @@ def check_prefill(
     _check_int32("start_positions", start_positions, 1, q.device)
     if start_positions.shape[0] != num_seqs:
         raise ValueError(f"start_positions has {start_positions.shape[0]} entries, want {num_seqs}")
-    max_blocks = _check_block_tables(block_tables, num_seqs, q.device)
+    _check_table_rows(dims, num_seqs)
     if check_values and num_seqs > 0:
         bounds = _host(cu_seqlens)
         starts = _host(start_positions)
         lengths = bounds[1:] - bounds[:-1]
-        if bounds[0] != 0 or bounds[-1] != num_tokens or (lengths < 0).any():
+        if bounds[0] != 0 or bounds[-1] != dims.num_tokens or (lengths < 0).any():
             raise ValueError(
-                f"cu_seqlens must rise from 0 to q's {num_tokens} tokens, got {bounds.tolist()}"
+                f"cu_seqlens must rise from 0 to q's {dims.num_tokens} tokens, "
+                f"got {bounds.tolist()}"
             )
         if (starts < 0).any():
             raise ValueError(f"start_positions must be >= 0, got {starts.tolist()}")
-        _check_block_ids(block_tables, starts + lengths, num_blocks, block_size, max_blocks)
-    return AttentionDims(
-        DTYPE_CODES[q.dtype],
-        num_seqs,
-        num_tokens,
-        heads,
-        kv_heads,
-        head_dim,
-        num_blocks,
-        block_size,
-        max_blocks,
-    )
+        _check_block_ids(block_tables, starts + lengths, dims)
+    return dims
 
 
 def check_decode(
@@ -146,29 +146,18 @@ def check_decode(
     check_values: bool = True,
 ) -> AttentionDims:
     """Validate a decode call; `check_values` also reads the index tensors (host sync on GPU)."""
-    num_seqs, heads, kv_heads, head_dim, num_blocks, block_size = _check_q_and_cache(
-        q, k_cache, v_cache
-    )
+    dims = _check_q_and_cache(q, k_cache, v_cache, block_tables)
+    num_seqs = dims.num_tokens  # one query per sequence
     _check_int32("seq_lens", seq_lens, 1, q.device)
     if seq_lens.shape[0] != num_seqs:
         raise ValueError(f"seq_lens has {seq_lens.shape[0]} entries, q has {num_seqs} sequences")
-    max_blocks = _check_block_tables(block_tables, num_seqs, q.device)
+    _check_table_rows(dims, num_seqs)
     if check_values and num_seqs > 0:
         lens = _host(seq_lens)
         if (lens < 1).any():
             raise ValueError(f"seq_lens must be >= 1 (the new token is cached): {lens.tolist()}")
-        _check_block_ids(block_tables, lens, num_blocks, block_size, max_blocks)
-    return AttentionDims(
-        DTYPE_CODES[q.dtype],
-        num_seqs,
-        num_seqs,
-        heads,
-        kv_heads,
-        head_dim,
-        num_blocks,
-        block_size,
-        max_blocks,
-    )
+        _check_block_ids(block_tables, lens, dims)
+    return dims
 
 
 def _host(t: torch.Tensor) -> np.ndarray:
@@ -178,13 +167,10 @@ def _host(t: torch.Tensor) -> np.ndarray:
 
 
 def _check_block_ids(
-    block_tables: torch.Tensor,
-    context_lens: np.ndarray,
-    num_blocks: int,
-    block_size: int,
-    max_blocks: int,
+    block_tables: torch.Tensor, context_lens: np.ndarray, dims: AttentionDims
 ) -> None:
     """Every block a sequence's context touches must exist in the table and in the cache."""
+    num_blocks, block_size, max_blocks = dims.num_blocks, dims.block_size, dims.max_blocks
     needed = (context_lens + block_size - 1) // block_size  # [B] blocks each sequence reads
     most = int(needed.max())
     if most > max_blocks:

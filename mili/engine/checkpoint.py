@@ -17,13 +17,20 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
+import shutil
 import struct
+import tempfile
+import time
 from pathlib import Path
 
 import torch
 
 from mili.engine.config import Qwen3Config
 from mili.engine.kv_cache import dtype_name
+
+_LOG = logging.getLogger("mili.engine")
+_SHORT_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -91,6 +98,31 @@ def write_random_checkpoint(
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     return out
+
+
+def cached_random_checkpoint(
+    config: Qwen3Config,
+    name: str,
+    cache_dir: Path,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.bfloat16,
+) -> Path:
+    """`config` with random weights in `cache_dir/<name>-<dtype>-seed<seed>`, written on first
+    use (into a staging directory, then renamed: no reader sees half a checkpoint)."""
+    target = Path(cache_dir) / f"{name}-{_SHORT_DTYPE[dtype]}-seed{seed}"
+    if (target / CONFIG_FILE).exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=target.parent))
+    try:
+        start = time.perf_counter()
+        write_random_checkpoint(staging, config, seed=seed, dtype=dtype)
+        staging.rename(target)
+        _LOG.info("wrote %s to %s in %.1f s", name, target, time.perf_counter() - start)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
 
 
 def random_tensor(

@@ -9,7 +9,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from mili.engine.checkpoint import INDEX_FILE, SINGLE_FILE, write_random_checkpoint
+from mili.engine.checkpoint import (
+    INDEX_FILE,
+    SINGLE_FILE,
+    cached_random_checkpoint,
+    write_random_checkpoint,
+)
 from mili.engine.config import ConfigError, Qwen3Config
 from mili.engine.kv_cache import KVCache
 from mili.engine.loader import CheckpointError, CheckpointWarning, load_model, tensor_files
@@ -166,3 +171,14 @@ def test_bf16_checkpoint_and_bf16_load(tmp_path: Path) -> None:
     assert up.dtype == torch.float32
     exact = load_model(fp32).get_parameter("model.layers.0.mlp.up_proj.weight")
     assert torch.equal(up, exact.bfloat16().float())
+
+
+def test_cached_random_checkpoint_is_written_once(tmp_path: Path) -> None:
+    first = cached_random_checkpoint(CONFIG, "tiny", tmp_path, seed=7)
+    assert first == tmp_path / "tiny-bf16-seed7"
+    stamp = (first / SINGLE_FILE).stat().st_mtime_ns
+    assert cached_random_checkpoint(CONFIG, "tiny", tmp_path, seed=7) == first
+    assert (first / SINGLE_FILE).stat().st_mtime_ns == stamp  # reused, not rewritten
+    assert [p.name for p in tmp_path.iterdir()] == ["tiny-bf16-seed7"]  # no staging left
+    reference = write_random_checkpoint(tmp_path / "direct", CONFIG, seed=7, dtype=torch.bfloat16)
+    assert (first / SINGLE_FILE).read_bytes() == (reference / SINGLE_FILE).read_bytes()
