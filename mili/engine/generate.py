@@ -12,7 +12,7 @@ pool with `blocks_for_requests` (the default) to make that impossible.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 import torch
@@ -20,8 +20,9 @@ import torch
 from mili.engine.block_pool import BlockPool, blocks_needed
 from mili.engine.kv_cache import DEFAULT_BLOCK_SIZE, KVCache
 from mili.engine.model import DecodeBatch, PrefillBatch, Qwen3ForCausalLM
-from mili.engine.sampler import Sampler, SequenceSampling
+from mili.engine.sampler import Sampler
 from mili.engine.sampling_params import SamplingParams
+from mili.engine.sequence import Sequence
 
 
 @dataclass
@@ -45,27 +46,8 @@ class GenerationStats:
     num_decode_tokens: int = 0  # sum of batch sizes over decode steps
 
 
-@dataclass
-class _Sequence:
-    prompt: list[int]
-    params: SamplingParams
-    sampling: SequenceSampling
-    stop_ids: frozenset[int]
-    block_table: list[int] = field(default_factory=list)
-    num_prefilled: int = 0  # prompt tokens whose K/V are in the cache
-    result: GenerationResult = field(default_factory=GenerationResult)
-
-    @property
-    def is_finished(self) -> bool:
-        return bool(self.result.finish_reason)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt) + len(self.result.token_ids)
-
-
 def blocks_for_requests(
-    prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams], block_size: int
+    prompts: Seq[Seq[int]], params: Seq[SamplingParams], block_size: int
 ) -> int:
     """Blocks that hold every request at its longest (prompt + max_tokens), all at once."""
     pairs = zip(prompts, params, strict=True)
@@ -74,8 +56,8 @@ def blocks_for_requests(
 
 def generate(
     model: Qwen3ForCausalLM,
-    prompts: Sequence[Sequence[int]],
-    params: SamplingParams | Sequence[SamplingParams],
+    prompts: Seq[Seq[int]],
+    params: SamplingParams | Seq[SamplingParams],
     *,
     block_size: int = DEFAULT_BLOCK_SIZE,
     kv_cache: KVCache | None = None,
@@ -112,30 +94,29 @@ def generate(
         raise ValueError(f"pool has {pool.num_blocks} blocks, cache {kv_cache.num_blocks}")
 
     eos = config.eos_token_id
-    eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+    eos_ids = [eos] if isinstance(eos, int) else (eos or [])
     seqs = [
-        _Sequence(
-            prompt=list(prompt),
-            params=sp,
-            sampling=SequenceSampling(sp, prompt, config.vocab_size),
-            stop_ids=frozenset(sp.stop_token_ids) | (frozenset() if sp.ignore_eos else eos_ids),
-            result=GenerationResult(
-                logprobs=None if sp.logprobs is None else [],
-                top_logprobs=None if sp.logprobs is None else [],
-            ),
-        )
+        Sequence.new(prompt, sp, vocab_size=config.vocab_size, eos_token_ids=eos_ids)
         for prompt, sp in zip(prompts, all_params, strict=True)
+    ]
+    results = [
+        GenerationResult(
+            token_ids=s.output_token_ids,
+            logprobs=None if sp.logprobs is None else [],
+            top_logprobs=None if sp.logprobs is None else [],
+        )
+        for s, sp in zip(seqs, all_params, strict=True)
     ]
     sampler = Sampler()
     stats = stats if stats is not None else GenerationStats()
     try:
         start = time.perf_counter()
-        _prefill(model, kv_cache, pool, sampler, seqs, prefill_chunk_size)
+        _prefill(model, kv_cache, pool, sampler, seqs, results, prefill_chunk_size)
         stats.prefill_s += time.perf_counter() - start
-        stats.num_prefill_tokens += sum(len(s.prompt) for s in seqs)
-        while active := [s for s in seqs if not s.is_finished]:
+        stats.num_prefill_tokens += sum(len(s.prompt_token_ids) for s in seqs)
+        while active := [i for i, s in enumerate(seqs) if not s.is_finished]:
             start = time.perf_counter()
-            _decode_step(model, kv_cache, pool, sampler, active)
+            _decode_step(model, kv_cache, pool, sampler, seqs, results, active)
             stats.decode_s += time.perf_counter() - start
             stats.num_decode_steps += 1
             stats.num_decode_tokens += len(active)
@@ -143,7 +124,9 @@ def generate(
         for s in seqs:
             pool.free(s.block_table)
             s.block_table = []
-    return [s.result for s in seqs]
+    for s, result in zip(seqs, results, strict=True):
+        result.finish_reason = s.finish_reason or ""
+    return results
 
 
 def _prefill(
@@ -151,34 +134,40 @@ def _prefill(
     kv_cache: KVCache,
     pool: BlockPool,
     sampler: Sampler,
-    seqs: list[_Sequence],
+    seqs: list[Sequence],
+    results: list[GenerationResult],
     chunk_size: int | None,
 ) -> None:
     """Prefill rounds: each round sends every unfinished prompt's next chunk in one batch."""
     block_size = kv_cache.block_size
-    while pending := [s for s in seqs if s.num_prefilled < len(s.prompt)]:
+    while pending := [
+        i for i, s in enumerate(seqs) if s.num_computed_tokens < len(s.prompt_token_ids)
+    ]:
         chunks = []
-        for s in pending:
-            end = (
-                len(s.prompt)
-                if chunk_size is None
-                else min(len(s.prompt), s.num_prefilled + chunk_size)
-            )
+        for i in pending:
+            s = seqs[i]
+            end = len(s.prompt_token_ids)
+            if chunk_size is not None:
+                end = min(end, s.num_computed_tokens + chunk_size)
             _grow(pool, s, end, block_size)
-            chunks.append(s.prompt[s.num_prefilled : end])
+            chunks.append(s.prompt_token_ids[s.num_computed_tokens : end])
         batch = PrefillBatch.build(
             chunks,
-            [s.block_table for s in pending],
+            [seqs[i].block_table for i in pending],
             block_size,
-            start_positions=[s.num_prefilled for s in pending],
+            start_positions=[seqs[i].num_computed_tokens for i in pending],
             device=model.device,
         )
         logits = model.prefill(batch, kv_cache)  # [B, vocab]
-        for s, chunk in zip(pending, chunks, strict=True):
-            s.num_prefilled += len(chunk)
-        done = [i for i, s in enumerate(pending) if s.num_prefilled == len(s.prompt)]
+        for i, chunk in zip(pending, chunks, strict=True):
+            seqs[i].num_computed_tokens += len(chunk)
+        done = [
+            j
+            for j, i in enumerate(pending)
+            if seqs[i].num_computed_tokens == len(seqs[i].prompt_token_ids)
+        ]
         if done:
-            _sample(sampler, logits[done], [pending[i] for i in done])
+            _sample(sampler, logits[done], seqs, results, [pending[j] for j in done])
 
 
 def _decode_step(
@@ -186,41 +175,44 @@ def _decode_step(
     kv_cache: KVCache,
     pool: BlockPool,
     sampler: Sampler,
-    active: list[_Sequence],
+    seqs: list[Sequence],
+    results: list[GenerationResult],
+    active: list[int],
 ) -> None:
-    """Feed each sequence's newest token (at position num_tokens - 1) and sample the next."""
+    """Feed each active sequence's newest token (at position num_tokens - 1); sample the next."""
     block_size = kv_cache.block_size
-    for s in active:
-        _grow(pool, s, s.num_tokens, block_size)
+    for i in active:
+        _grow(pool, seqs[i], seqs[i].num_tokens, block_size)
     batch = DecodeBatch.build(
-        [s.result.token_ids[-1] for s in active],
-        [s.num_tokens - 1 for s in active],
-        [s.block_table for s in active],
+        [seqs[i].output_token_ids[-1] for i in active],
+        [seqs[i].num_tokens - 1 for i in active],
+        [seqs[i].block_table for i in active],
         block_size,
         device=model.device,
     )
-    _sample(sampler, model.decode(batch, kv_cache), active)
+    _sample(sampler, model.decode(batch, kv_cache), seqs, results, active)
 
 
-def _grow(pool: BlockPool, s: _Sequence, num_tokens: int, block_size: int) -> None:
+def _grow(pool: BlockPool, s: Sequence, num_tokens: int, block_size: int) -> None:
     """Make `s.block_table` cover `num_tokens` positions."""
     missing = blocks_needed(num_tokens, block_size) - len(s.block_table)
     if missing > 0:
         s.block_table.extend(pool.allocate(missing))
 
 
-def _sample(sampler: Sampler, logits: torch.Tensor, seqs: list[_Sequence]) -> None:
-    out = sampler(logits, [s.sampling for s in seqs])
-    for i, s in enumerate(seqs):
-        token = out.token_ids[i]
-        result = s.result
-        result.token_ids.append(token)
-        s.sampling.append(token)
+def _sample(
+    sampler: Sampler,
+    logits: torch.Tensor,
+    seqs: list[Sequence],
+    results: list[GenerationResult],
+    rows: list[int],
+) -> None:
+    """Sample one token for each of seqs[rows] (logits row j is seqs[rows[j]])."""
+    out = sampler(logits, [seqs[i].sampling for i in rows])
+    for j, i in enumerate(rows):
+        seqs[i].append(out.token_ids[j])  # its output list is results[i].token_ids
+        result = results[i]
         if result.logprobs is not None and out.logprobs is not None:
-            result.logprobs.append(out.logprobs[i])
+            result.logprobs.append(out.logprobs[j])
         if result.top_logprobs is not None and out.top_logprobs is not None:
-            result.top_logprobs.append(out.top_logprobs[i])
-        if token in s.stop_ids:
-            result.finish_reason = "stop"
-        elif len(result.token_ids) >= s.params.max_tokens:
-            result.finish_reason = "length"
+            result.top_logprobs.append(out.top_logprobs[j])

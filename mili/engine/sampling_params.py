@@ -1,8 +1,10 @@
-"""Per-request sampling parameters: a frozen, validated dataclass shared by every service.
+"""Per-request sampling parameters: one frozen, validated dataclass shared by every service.
 
-Validation happens once, in `__post_init__`, so the engine never sees a bad value. Every
-violation is reported (not just the first), each naming its field; the transport layer prefixes
-the names with `sampling.` when it builds the gRPC BadRequest details.
+The frontend builds it from a caller's request (filling every default), prefill and decode from
+the SamplingParams proto; all three get the same range checks from `__post_init__`, so no value
+is judged twice by two rules. Every violation is reported (not just the first), each naming its
+field; the transport layer prefixes the names with `sampling.` for the gRPC BadRequest details.
+Pure Python (no torch): the frontend and tokenizer processes import it too.
 """
 
 from __future__ import annotations
@@ -40,10 +42,14 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None = none; 0 = chosen token only; n = chosen + top-n
+    # Stop strings, matched on the detokenized text: only the frontend sees text, so prefill
+    # and decode carry none (the frontend never sends them downstream).
+    stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop_token_ids, list):  # accept a list, store a hashable tuple
-            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        for name in ("stop_token_ids", "stop"):  # accept a list, store a hashable tuple
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
         errors: list[InvalidArgument] = []
 
         def check(is_ok: bool, field: str, reason: str) -> None:
@@ -77,6 +83,12 @@ class SamplingParams:
             "logprobs",
             f"must be unset or in [0, {MAX_TOP_LOGPROBS}]",
         )
+        if not (isinstance(self.stop, tuple) and all(isinstance(t, str) for t in self.stop)):
+            check(False, "stop", "must be a list of strings")
+        else:
+            for i, text in enumerate(self.stop):
+                if not text:
+                    errors.append(InvalidArgument(f"stop[{i}]", text, "must not be empty"))
         if len(errors) == 1:
             raise errors[0]
         if errors:

@@ -1,7 +1,8 @@
-"""SamplingParams proto -> the engine's SamplingParams, shared by the prefill and decode edges.
+"""mili.common.v1 sampling messages <-> the engine's domain types, shared by every service's edge:
+SamplingParams, per-token Logprobs and FinishReason.
 
-Stop strings are not converted: prefill and decode work on token ids, and the frontend matches
-stop strings on the detokenized text.
+Stop strings are not sent: prefill and decode work on token ids, and the frontend matches stop
+strings on the detokenized text.
 """
 
 from __future__ import annotations
@@ -9,7 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 from mili.common.v1 import sampling_pb2
+from mili.engine.logprobs import TokenLogprobs
 from mili.engine.sampling_params import SamplingParams
+from mili.engine.stop import FinishReason
 from mili.errors import FieldViolation, InvalidArgument
 
 # proto3 `optional` fields copied when set; unset ones keep SamplingParams' defaults.
@@ -26,6 +29,13 @@ _OPTIONAL_FIELDS = (
     "logprobs",
 )
 
+_FINISH_REASONS = {
+    None: sampling_pb2.FINISH_REASON_UNSPECIFIED,
+    FinishReason.STOP: sampling_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: sampling_pb2.FINISH_REASON_LENGTH,
+}
+_FINISH_REASONS_FROM_PROTO = {value: reason for reason, value in _FINISH_REASONS.items()}
+
 
 def sampling_params(proto: sampling_pb2.SamplingParams) -> SamplingParams:
     """The engine's SamplingParams; InvalidArgument names each bad field as `sampling.<field>`."""
@@ -38,3 +48,44 @@ def sampling_params(proto: sampling_pb2.SamplingParams) -> SamplingParams:
         raise InvalidArgument.many(
             [FieldViolation(f"sampling.{v.field}", v.description) for v in err.violations]
         ) from None
+
+
+def sampling_params_to_proto(params: SamplingParams) -> sampling_pb2.SamplingParams:
+    """Every field set (the seed when there is one), so the receiver applies no default."""
+    proto = sampling_pb2.SamplingParams(
+        max_tokens=params.max_tokens,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        min_p=params.min_p,
+        repetition_penalty=params.repetition_penalty,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        stop_token_ids=params.stop_token_ids,
+        ignore_eos=params.ignore_eos,
+    )
+    if params.seed is not None:
+        proto.seed = params.seed
+    if params.logprobs is not None:
+        proto.logprobs = params.logprobs
+    return proto
+
+
+def logprobs_from_proto(proto: sampling_pb2.Logprobs) -> TokenLogprobs:
+    return TokenLogprobs(proto.chosen.logprob, [(t.token_id, t.logprob) for t in proto.top])
+
+
+def logprobs_to_proto(token_id: int, logprobs: TokenLogprobs) -> sampling_pb2.Logprobs:
+    return sampling_pb2.Logprobs(
+        chosen=sampling_pb2.TokenLogprob(token_id=token_id, logprob=logprobs.logprob),
+        top=[sampling_pb2.TokenLogprob(token_id=t, logprob=lp) for t, lp in logprobs.top],
+    )
+
+
+def finish_reason_to_proto(reason: FinishReason | None) -> sampling_pb2.FinishReason:
+    return _FINISH_REASONS[reason]
+
+
+def finish_reason_from_proto(value: int) -> FinishReason | None:
+    """None for FINISH_REASON_UNSPECIFIED (and for a value this version does not know)."""
+    return _FINISH_REASONS_FROM_PROTO.get(value)  # type: ignore[call-overload]

@@ -21,6 +21,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from opentelemetry import trace
@@ -29,20 +30,15 @@ from prometheus_client import CollectorRegistry
 
 from mili.engine.block_pool import blocks_needed
 from mili.engine.kv_cache import KVCache
+from mili.engine.logprobs import TokenLogprobs
 from mili.engine.model import DecodeBatch, Qwen3ForCausalLM
-from mili.engine.sampler import Sampler, SequenceSampling
+from mili.engine.sampler import Sampler
+from mili.engine.sequence import Sequence
 from mili.errors import Unavailable
 from mili.telemetry.metrics import DecodeMetrics
 from mili.telemetry.tracing import start_batch_span
 from services.decode.requests import DecodeRequest, RequestTable
-from services.decode.stream import (
-    FINISH_LENGTH,
-    FINISH_STOP,
-    Delivery,
-    TokenEvent,
-    TokenLogprobs,
-    deliver_threadsafe,
-)
+from services.decode.stream import Delivery, TokenEvent, deliver_threadsafe
 
 _LOG = logging.getLogger("mili.decode")
 _TRACER = trace.get_tracer("mili.decode")  # a no-op until tracing installs a provider
@@ -71,14 +67,14 @@ def _copy_rows(dst: torch.Tensor, block_ids: list[int], src: torch.Tensor) -> No
         rows[block_ids] = src.view(torch.uint8).view(len(block_ids), -1).numpy()
 
 
-def _start_step_span(seqs: list[_Sequence], step: int) -> Span | None:
-    """One span per batched step, linked to the `decode request` span of every traced sequence
+def _start_step_span(requests: list[DecodeRequest], step: int) -> Span | None:
+    """One span per batched step, linked to the `decode request` span of every traced request
     in it (a step serves many requests: none of them is its parent). None when none is traced,
     so with tracing off a step costs one scan of the batch and no span."""
-    contexts = [s.request.span_context for s in seqs if s.request.span_context is not None]
+    contexts = [r.span_context for r in requests if r.span_context is not None]
     if not contexts:
         return None
-    attributes = {"mili.decode.step": step, "mili.batch_size": len(seqs)}
+    attributes = {"mili.decode.step": step, "mili.batch_size": len(requests)}
     return start_batch_span(_TRACER, "decode step", contexts, attributes)
 
 
@@ -89,15 +85,11 @@ class _Join:
     first_logprobs: TokenLogprobs | None
 
 
-@dataclass(eq=False)
-class _Sequence:
-    request: DecodeRequest
-    sampling: SequenceSampling  # its output_token_ids are the tokens generated so far
-    stop_ids: frozenset[int]
+class _Running(NamedTuple):
+    """A request in the batch and its engine sequence (block_table: the request's)."""
 
-    @property
-    def num_tokens(self) -> int:
-        return self.request.num_prompt_tokens + len(self.sampling.output_token_ids)
+    request: DecodeRequest
+    seq: Sequence
 
 
 class Batcher:
@@ -123,7 +115,7 @@ class Batcher:
         self._cond = threading.Condition()
         self._inbox: list[_Join] = []  # guarded by _cond
         self._is_stopping = False  # guarded by _cond
-        self._running: list[_Sequence] = []  # batch thread only
+        self._running: list[_Running] = []  # batch thread only
         self._thread = threading.Thread(target=self._run, name="decode-batcher", daemon=True)
         # Observability (written by the batch thread, read anywhere).
         self.num_steps = 0
@@ -195,25 +187,23 @@ class Batcher:
         request = join.request
         params = request.params
         try:
-            sampling = SequenceSampling(
-                params,
+            seq = Sequence.new(
                 request.prompt_token_ids,
-                self._model.config.vocab_size,
-                output_token_ids=[join.first_token_id],
+                params,
+                vocab_size=self._model.config.vocab_size,
+                eos_token_ids=self._eos_token_ids,
+                max_context_tokens=self._max_context_tokens,
+                block_table=request.block_table,
             )
+            reason = seq.append(join.first_token_id)
         except ValueError as e:  # validated at the transfer edge; a bug if it happens
             self._table.finish(request)
             out.append((request.stream, e))
             return
-        stop_ids = frozenset(params.stop_token_ids)
-        if not params.ignore_eos:
-            stop_ids |= self._eos_token_ids
-        seq = _Sequence(request, sampling, stop_ids)
-        reason = self._finish_reason(seq, join.first_token_id)
         if reason or request.is_cancelled:
             self._table.finish(request)
         else:
-            self._running.append(seq)
+            self._running.append(_Running(request, seq))
         logprobs = None
         if params.logprobs is not None and join.first_logprobs is not None:
             logprobs = [join.first_logprobs]
@@ -221,28 +211,29 @@ class Batcher:
 
     def _drop_cancelled(self) -> None:
         kept = []
-        for seq in self._running:
-            if seq.request.is_cancelled:
-                self._table.finish(seq.request)
+        for running in self._running:
+            if running.request.is_cancelled:
+                self._table.finish(running.request)
             else:
-                kept.append(seq)
+                kept.append(running)
         self._running = kept
 
     def _step(self, out: list[Delivery]) -> None:
-        seqs = self._running
+        running = self._running
+        seqs = [r.seq for r in running]
         block_size = self._cache.block_size
         self.num_steps += 1
         self.max_batch_size = max(self.max_batch_size, len(seqs))
-        span = _start_step_span(seqs, self.num_steps)
+        span = _start_step_span([r.request for r in running], self.num_steps)
         started = time.perf_counter()
         try:
             # Each sequence feeds its newest token, at position num_tokens - 1; its block table
             # is cut to the blocks holding positions [0, num_tokens) so attention gathers no
             # reserved-but-unwritten blocks.
             batch = DecodeBatch.build(
-                [s.sampling.output_token_ids[-1] for s in seqs],
+                [s.output_token_ids[-1] for s in seqs],
                 [s.num_tokens - 1 for s in seqs],
-                [s.request.block_ids[: blocks_needed(s.num_tokens, block_size)] for s in seqs],
+                [s.block_table[: blocks_needed(s.num_tokens, block_size)] for s in seqs],
                 block_size,
                 device=self._model.device,
             )
@@ -255,44 +246,32 @@ class Batcher:
                 span.record_exception(e)
                 span.end()
             _LOG.exception("decode step over %d sequences failed", len(seqs))
-            for seq in seqs:
-                self._table.finish(seq.request)
-                out.append((seq.request.stream, e))
+            for r in running:
+                self._table.finish(r.request)
+                out.append((r.request.stream, e))
             self._running = []
             return
         kept = []
-        for i, seq in enumerate(seqs):
+        for i, (request, seq) in enumerate(running):
             token_id = result.token_ids[i]
-            seq.sampling.append(token_id)
+            reason = seq.append(token_id)
             logprobs = None
-            if seq.request.params.logprobs is not None and result.logprobs is not None:
+            if request.params.logprobs is not None and result.logprobs is not None:
                 top = result.top_logprobs[i] if result.top_logprobs is not None else []
                 logprobs = [TokenLogprobs(result.logprobs[i], top)]
-            reason = self._finish_reason(seq, token_id)
             if reason:
-                self._table.finish(seq.request)
+                self._table.finish(request)
             else:
-                kept.append(seq)
-            out.append((seq.request.stream, TokenEvent([token_id], logprobs, reason)))
+                kept.append(running[i])
+            out.append((request.stream, TokenEvent([token_id], logprobs, reason)))
         self._running = kept
         if span is not None:
             span.end()
 
-    def _finish_reason(self, seq: _Sequence, token_id: int) -> str:
-        """Stop token first (it is returned), then max_tokens (the first token counts), then
-        a full context window: the same order as mili.engine.generate."""
-        if token_id in seq.stop_ids:
-            return FINISH_STOP
-        if len(seq.sampling.output_token_ids) >= seq.request.params.max_tokens:
-            return FINISH_LENGTH
-        if seq.num_tokens >= self._max_context_tokens:
-            return FINISH_LENGTH
-        return ""
-
     def _fail_all(self, error: BaseException) -> None:
         with self._cond:
             joins, self._inbox = self._inbox, []
-        requests = [s.request for s in self._running] + [j.request for j in joins]
+        requests = [r.request for r in self._running] + [j.request for j in joins]
         self._running = []
         out: list[Delivery] = []
         for request in requests:

@@ -43,13 +43,13 @@ class RequestState(enum.Enum):
 
 @dataclass(eq=False)
 class DecodeRequest:
-    """One admitted request. `block_ids` covers every position whose K/V will be written."""
+    """One admitted request. `block_table` covers every position whose K/V will be written."""
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    block_ids: list[int]  # the whole reservation, in token order
-    num_prompt_blocks: int  # block_ids[:num_prompt_blocks] hold the prompt (prefill fills them)
+    block_table: list[int]  # the whole reservation, in token order
+    num_prompt_blocks: int  # block_table[:num_prompt_blocks] hold the prompt (prefill fills them)
     lease_deadline: float  # monotonic seconds; the KV must be committed before
     lease_ms: int
     stream: TokenStream = field(default_factory=TokenStream)
@@ -62,7 +62,7 @@ class DecodeRequest:
 
     @property
     def prompt_block_ids(self) -> list[int]:
-        return self.block_ids[: self.num_prompt_blocks]
+        return self.block_table[: self.num_prompt_blocks]
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -150,7 +150,7 @@ class RequestTable:
                     retry_after_s,
                 )
             try:
-                block_ids = self._pool.allocate(num_blocks)
+                block_table = self._pool.allocate(num_blocks)
             except BlockPoolExhausted as e:
                 raise ResourceExhausted(
                     f"not enough KV blocks for request {request_id!r}: needs {num_blocks} "
@@ -162,7 +162,7 @@ class RequestTable:
                 request_id=request_id,
                 prompt_token_ids=list(prompt_token_ids),
                 params=params,
-                block_ids=block_ids,
+                block_table=block_table,
                 num_prompt_blocks=blocks_needed(len(prompt_token_ids), self.block_size),
                 lease_deadline=now + lease_ms / 1000,
                 lease_ms=lease_ms,
@@ -253,5 +253,5 @@ class RequestTable:
 
     def _free(self, request: DecodeRequest) -> None:
         if request.num_pins == 0 and not request.is_freed:
-            self._pool.free(request.block_ids)
+            self._pool.free(request.block_table)
             request.is_freed = True

@@ -88,7 +88,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             attributes={
                 "mili.request_id": request_id,
                 "mili.decode.num_prompt_tokens": len(prompt),
-                "mili.decode.num_blocks": len(req.block_ids),
+                "mili.decode.num_blocks": len(req.block_table),
             },
         )
         is_traced = span.is_recording()
@@ -130,7 +130,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 if table.expire(req, self._clock()):
                     error = DeadlineExceeded(
                         f"the KV of request {req.request_id!r} did not arrive within its lease "
-                        f"of {req.lease_ms} ms; its {len(req.block_ids)} KV blocks were released"
+                        f"of {req.lease_ms} ms; its {len(req.block_table)} KV blocks were released"
                     )
                     req.stream.fail(error)  # a transfer still running reports the same error
                     raise error from None

@@ -18,17 +18,9 @@ import asyncio
 import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
-FINISH_STOP = "stop"  # EOS, a stop token id
-FINISH_LENGTH = "length"  # max_tokens, or the context window is full
-
-
-class TokenLogprobs(NamedTuple):
-    """Log-probabilities reported for one generated token (see mili.engine.sampler)."""
-
-    logprob: float  # of the chosen token under the raw distribution
-    top: list[tuple[int, float]]  # (token_id, logprob), most likely first
+from mili.engine.logprobs import TokenLogprobs
+from mili.engine.stop import FinishReason
 
 
 @dataclass(frozen=True)
@@ -37,7 +29,7 @@ class TokenEvent:
 
     token_ids: list[int]
     logprobs: list[TokenLogprobs] | None = None  # one per token id, when the request asked
-    finish_reason: str = ""  # "" while running; FINISH_STOP or FINISH_LENGTH on the last event
+    finish_reason: FinishReason | None = None  # set on the last event
 
 
 def merge(events: Sequence[TokenEvent]) -> TokenEvent:

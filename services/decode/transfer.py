@@ -41,6 +41,7 @@ from opentelemetry import trace
 from mili.errors import Cancelled, DataLoss, InvalidArgument, Unavailable
 from mili.kv.v1 import kv_pb2, kv_pb2_grpc
 from mili.rpc.kv_codec import ChunkView, block_bytes, check_compatible, decode_chunk
+from mili.rpc.sampling import logprobs_from_proto
 from services.decode import convert
 from services.decode.instance import DecodeInstance
 from services.decode.requests import DecodeRequest, RequestState
@@ -357,7 +358,7 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
                 raise InvalidArgument(
                     "commit.first_logprobs", None, "the request asked for logprobs"
                 )
-            first_logprobs = convert.logprobs_from_proto(commit.first_logprobs)
+            first_logprobs = logprobs_from_proto(commit.first_logprobs)
         if not inst.table.start_running(request):
             raise _ended_error(request)
         try:

@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import grpc
 
@@ -28,18 +27,12 @@ from mili.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from mili.rpc.client import insecure_channel
 from mili.rpc.kv_codec import check_compatible, describe
 from mili.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from services.frontend.calls import TokenizerFacts
 from services.frontend.config import FrontendConfig
 from services.frontend.downstream import error_from
 from services.frontend.router import Router
 
 _LOG = logging.getLogger("mili.frontend")
-
-
-@dataclass(frozen=True)
-class TokenizerFacts:
-    model: str
-    vocab_size: int
-    eos_token_ids: tuple[int, ...]
 
 
 class Backends:

@@ -1,16 +1,31 @@
-"""Proto <-> domain conversion for the frontend: the only place request protos are unpacked."""
+"""Proto <-> domain conversion for the frontend: the only frontend module besides the servicer
+(server.py) and the clients (clients.py, backends.py, detokenize.py) that touches generated
+`*_pb2`. Requests come in as `RequestInput`, go downstream from domain types, and come back as
+`calls.Admitted` / `calls.Tokens` / `calls.PrefillStats`; `Delta`s go out as responses."""
 
 from __future__ import annotations
 
-from mili.common.v1 import chat_pb2, sampling_pb2
-from mili.frontend.v1 import generation_pb2
-from services.frontend.validation import ChatTurn, RequestInput, Sampling, SamplingInput
+from collections.abc import Sequence
 
-FINISH_REASONS = {
-    "stop": sampling_pb2.FINISH_REASON_STOP,
-    "length": sampling_pb2.FINISH_REASON_LENGTH,
-}
-FINISH_NAMES = {value: name for name, value in FINISH_REASONS.items()}
+from mili.common.v1 import chat_pb2, sampling_pb2
+from mili.decode.v1 import decode_pb2
+from mili.engine.sampling_params import SamplingParams
+from mili.frontend.v1 import generation_pb2
+from mili.kv.v1 import kv_pb2
+from mili.prefill.v1 import prefill_pb2
+from mili.rpc.sampling import (
+    finish_reason_from_proto,
+    finish_reason_to_proto,
+    logprobs_from_proto,
+    logprobs_to_proto,
+    sampling_params_to_proto,
+)
+from mili.tokenizer.v1 import tokenizer_pb2
+from services.frontend.calls import Admitted, PrefillStats, Tokens
+from services.frontend.pipeline import Delta
+from services.frontend.validation import ChatTurn, RequestInput, SamplingInput, ValidRequest
+
+# ---- the caller's request ----------------------------------------------------------------------
 
 
 def sampling_input(s: sampling_pb2.SamplingParams) -> SamplingInput:
@@ -51,6 +66,58 @@ def request_input(
     )
 
 
+# ---- our replies ------------------------------------------------------------------------------
+
+
+def _logprobs(delta: Delta) -> list[sampling_pb2.Logprobs]:
+    if not delta.logprobs:  # none asked for
+        return []
+    return [logprobs_to_proto(t, lp) for t, lp in zip(delta.token_ids, delta.logprobs, strict=True)]
+
+
+def generate_response(request_id: str, delta: Delta) -> generation_pb2.GenerateResponse:
+    response = generation_pb2.GenerateResponse(
+        request_id=request_id,
+        token_ids=delta.token_ids,
+        text=delta.text,
+        logprobs=_logprobs(delta),
+        finish_reason=finish_reason_to_proto(delta.finish_reason),
+    )
+    if delta.finish_reason is not None:
+        response.usage.prompt_tokens = delta.num_prompt_tokens
+        response.usage.completion_tokens = delta.num_completion_tokens
+    return response
+
+
+def complete_response(request_id: str, deltas: Sequence[Delta]) -> generation_pb2.CompleteResponse:
+    """The deltas of one generation (the last one finished it) in one reply."""
+    reply = generation_pb2.CompleteResponse(request_id=request_id)
+    for delta in deltas:
+        reply.token_ids.extend(delta.token_ids)
+        reply.logprobs.extend(_logprobs(delta))
+        if delta.finish_reason is not None:
+            reply.finish_reason = finish_reason_to_proto(delta.finish_reason)
+            reply.usage.prompt_tokens = delta.num_prompt_tokens
+            reply.usage.completion_tokens = delta.num_completion_tokens
+    reply.text = "".join(d.text for d in deltas)
+    return reply
+
+
+# ---- downstream -------------------------------------------------------------------------------
+
+
+def tokenize_request(request: ValidRequest) -> tokenizer_pb2.TokenizeRequest:
+    """The tokenizer's request for a text prompt, or for messages through the chat template."""
+    if request.prompt_field != "messages":
+        return tokenizer_pb2.TokenizeRequest(text=request.prompt)
+    proto = tokenizer_pb2.TokenizeRequest(
+        messages=chat_messages(request.messages), add_generation_prompt=True
+    )
+    if request.enable_thinking is not None:
+        proto.enable_thinking = request.enable_thinking
+    return proto
+
+
 def chat_messages(turns: tuple[ChatTurn, ...]) -> list[chat_pb2.ChatMessage]:
     messages = []
     for t in turns:
@@ -61,24 +128,56 @@ def chat_messages(turns: tuple[ChatTurn, ...]) -> list[chat_pb2.ChatMessage]:
     return messages
 
 
-def sampling_proto(s: Sampling) -> sampling_pb2.SamplingParams:
-    """Every field set, so prefill and decode apply no default of their own.
-
-    Stop strings stay here: they are matched on text, which only the frontend sees.
-    """
-    proto = sampling_pb2.SamplingParams(
-        max_tokens=s.max_tokens,
-        temperature=s.temperature,
-        top_p=s.top_p,
-        top_k=s.top_k,
-        min_p=s.min_p,
-        repetition_penalty=s.repetition_penalty,
-        presence_penalty=s.presence_penalty,
-        frequency_penalty=s.frequency_penalty,
-        seed=s.seed,
-        stop_token_ids=s.stop_token_ids,
-        ignore_eos=s.ignore_eos,
+def decode_request(
+    request_id: str,
+    prompt_token_ids: Sequence[int],
+    sampling: SamplingParams,
+    prefill_layout: kv_pb2.KvLayout,
+    kv_lease_ms: int,
+) -> decode_pb2.GenerateRequest:
+    return decode_pb2.GenerateRequest(
+        request_id=request_id,
+        prompt_token_ids=prompt_token_ids,
+        sampling=sampling_params_to_proto(sampling),
+        prefill_layout=prefill_layout,
+        kv_lease_ms=kv_lease_ms,
     )
-    if s.logprobs is not None:
-        proto.logprobs = s.logprobs
-    return proto
+
+
+def decode_event(event: decode_pb2.GenerateResponse) -> Admitted | Tokens | None:
+    """None for an event this version does not know."""
+    kind = event.WhichOneof("event")
+    if kind == "admitted":
+        return Admitted(list(event.admitted.block_ids))
+    if kind == "tokens":
+        tokens = event.tokens
+        return Tokens(
+            list(tokens.token_ids),
+            [logprobs_from_proto(lp) for lp in tokens.logprobs],
+            finish_reason_from_proto(tokens.finish_reason),
+        )
+    return None
+
+
+def prefill_request(
+    request_id: str,
+    prompt_token_ids: Sequence[int],
+    sampling: SamplingParams,
+    decode_address: str,
+    prompt_block_ids: Sequence[int],
+) -> prefill_pb2.PrefillRequest:
+    return prefill_pb2.PrefillRequest(
+        request_id=request_id,
+        token_ids=prompt_token_ids,
+        sampling=sampling_params_to_proto(sampling),
+        destination=prefill_pb2.KvDestination(address=decode_address, block_ids=prompt_block_ids),
+    )
+
+
+def prefill_stats(reply: prefill_pb2.PrefillResponse) -> PrefillStats:
+    return PrefillStats(
+        queue_ms=reply.queue_ms,
+        compute_ms=reply.compute_ms,
+        transfer_ms=reply.transfer_ms,
+        kv_bytes=reply.kv_bytes,
+    )

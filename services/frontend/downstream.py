@@ -12,6 +12,7 @@ import grpc
 
 from mili import errors
 from mili.rpc.status import bad_request_of, retry_info_of
+from services.frontend.calls import InstanceDown
 
 
 def error_from(
@@ -55,8 +56,10 @@ def error_from(
         return errors.DataLoss(text)
     if code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.UNIMPLEMENTED):
         return DownstreamBug(text)
-    # UNAVAILABLE (down, draining, connection lost), CANCELLED (not by our caller: the peer went
-    # away), NOT_FOUND (a reservation vanished with its peer), ABORTED...: retrying may work.
+    if code is grpc.StatusCode.UNAVAILABLE:  # down, draining, connection lost: route around it
+        return InstanceDown(text)
+    # CANCELLED (not by our caller: the peer went away), NOT_FOUND (a reservation vanished with
+    # its peer), ABORTED...: retrying may work.
     return errors.Unavailable(text)
 
 

@@ -26,8 +26,10 @@ from mili.telemetry.metrics import FrontendMetrics
 from mili.telemetry.tracing import trace_ids
 from services.frontend import convert
 from services.frontend.backends import Backends
-from services.frontend.pipeline import Delta, Generation, finish_reason_name
-from services.frontend.prompt import Deadline, tokenize
+from services.frontend.calls import Deadline
+from services.frontend.clients import GrpcDownstream
+from services.frontend.pipeline import Delta, Generation
+from services.frontend.prompt import tokenize
 from services.frontend.validation import ValidRequest, validate
 
 _LOG = logging.getLogger("mili.frontend")
@@ -40,6 +42,7 @@ SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].f
 class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     def __init__(self, backends: Backends, metrics: FrontendMetrics | None = None) -> None:
         self._backends = backends
+        self._downstream = GrpcDownstream(backends)
         self._metrics = FrontendMetrics(CollectorRegistry()) if metrics is None else metrics
         self._config = backends.config
         self._num_running = 0
@@ -52,32 +55,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         # (cancelling decode and prefill calls) runs now, not when they are garbage-collected.
         async with aclosing(deltas):
             async for delta in deltas:
-                yield generation_pb2.GenerateResponse(
-                    request_id=request_id,
-                    token_ids=delta.token_ids,
-                    text=delta.text,
-                    logprobs=delta.logprobs,
-                    finish_reason=delta.finish_reason,  # type: ignore[arg-type]
-                    usage=_usage(delta),
-                )
+                yield convert.generate_response(request_id, delta)
 
     async def Complete(
         self, request: generation_pb2.CompleteRequest, context: grpc.aio.ServicerContext
     ) -> generation_pb2.CompleteResponse:
         request_id, deltas = self._generate(request, context)
-        reply = generation_pb2.CompleteResponse(request_id=request_id)
-        texts = []
         async with aclosing(deltas):
-            async for delta in deltas:
-                reply.token_ids.extend(delta.token_ids)
-                reply.logprobs.extend(delta.logprobs)
-                texts.append(delta.text)
-                if delta.finish_reason:
-                    reply.finish_reason = delta.finish_reason  # type: ignore[assignment]
-                    reply.usage.prompt_tokens = delta.num_prompt_tokens
-                    reply.usage.completion_tokens = delta.num_completion_tokens
-        reply.text = "".join(texts)
-        return reply
+            return convert.complete_response(request_id, [delta async for delta in deltas])
 
     async def Info(
         self, request: generation_pb2.InfoRequest, context: grpc.aio.ServicerContext
@@ -114,7 +99,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                     first_at = time.monotonic()
                     self._metrics.time_to_first_token.observe(first_at - started)
                 num_tokens = delta.num_completion_tokens
-                if delta.finish_reason and first_at is not None and num_tokens > 1:
+                if delta.finish_reason is not None and first_at is not None and num_tokens > 1:
                     per_token_s = (time.monotonic() - first_at) / (num_tokens - 1)
                     self._metrics.time_per_output_token.observe(per_token_s)
                 yield delta
@@ -137,10 +122,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         ) as span:
             try:
                 deadline = Deadline(context.time_remaining())
-                prompt = await tokenize(self._backends, valid, deadline)
+                prompt = await tokenize(self._downstream, self._config, valid, deadline)
                 span.set_attribute("gen_ai.usage.input_tokens", len(prompt.token_ids))
                 generation = Generation(
-                    self._backends, valid.request_id, prompt, deadline, received_at=received_at
+                    self._downstream,
+                    self._config,
+                    valid.request_id,
+                    prompt,
+                    deadline,
+                    received_at=received_at,
                 )
                 is_first = True
                 async with aclosing(generation.run()) as deltas:
@@ -150,7 +140,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                             ttft_s = time.monotonic() - received_at
                             span.set_attribute("gen_ai.server.time_to_first_token", ttft_s)
                             span.add_event("first token")
-                        if delta.finish_reason:
+                        if delta.finish_reason is not None:
                             _record_finish(span, delta)
                         yield delta
             except Exception as exc:
@@ -183,15 +173,7 @@ def _request_attributes(model: str, valid: ValidRequest) -> dict[str, str | int 
 def _record_finish(span: Span, delta: Delta) -> None:
     span.set_attribute("gen_ai.usage.input_tokens", delta.num_prompt_tokens)
     span.set_attribute("gen_ai.usage.output_tokens", delta.num_completion_tokens)
-    span.set_attribute("gen_ai.response.finish_reasons", [finish_reason_name(delta.finish_reason)])
-
-
-def _usage(delta: Delta) -> generation_pb2.Usage | None:
-    if not delta.finish_reason:
-        return None
-    return generation_pb2.Usage(
-        prompt_tokens=delta.num_prompt_tokens, completion_tokens=delta.num_completion_tokens
-    )
+    span.set_attribute("gen_ai.response.finish_reasons", [str(delta.finish_reason)])
 
 
 def add_to_server(server: RpcServer, servicer: GenerationServicer) -> None:

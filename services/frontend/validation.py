@@ -8,23 +8,22 @@ Three stages, because the frontend learns what it needs in three steps:
 
 Every failure is an `InvalidArgument` whose violations name the request field as a caller writes
 it (`sampling.top_p`, `token_ids[3]`), so the gRPC BadRequest details point at what to fix.
-The result is a fully resolved `Sampling`: prefill and decode never apply a default of their own.
+The result holds a fully resolved `SamplingParams` (mili.engine.sampling_params, whose own checks
+judge every range): prefill and decode never apply a default of their own.
 """
 
 from __future__ import annotations
 
-import math
 import secrets
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from mili.engine.sampling_params import SamplingParams
 from mili.errors import FieldViolation, InvalidArgument
 
 ROLES = ("system", "user", "assistant", "tool")
-MAX_LOGPROBS = 20
-MAX_SEED = 2**64  # the proto field is uint64
 _MAX_VIOLATIONS = 16  # a caller fixes a few at a time; the status trailer stays small
 
 PromptField = Literal["prompt", "messages", "token_ids"]
@@ -100,35 +99,16 @@ class RequestInput:
 
 
 @dataclass(frozen=True)
-class Sampling:
-    """Every sampling field resolved; what prefill and decode receive."""
-
-    max_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
-    min_p: float
-    repetition_penalty: float
-    presence_penalty: float
-    frequency_penalty: float
-    seed: int
-    stop: tuple[str, ...]
-    stop_token_ids: tuple[int, ...]
-    ignore_eos: bool
-    logprobs: int | None
-    # The caller left max_tokens unset: fit_context may lower it to what the context leaves.
-    is_default_max_tokens: bool = False
-
-
-@dataclass(frozen=True)
 class ValidRequest:
     request_id: str
     prompt_field: PromptField  # which input the caller used; named in prompt-length errors
     prompt: str
     messages: tuple[ChatTurn, ...]
     token_ids: tuple[int, ...]
-    sampling: Sampling
+    sampling: SamplingParams  # every field resolved: what prefill and decode receive
     enable_thinking: bool | None
+    # The caller left max_tokens unset: fit_context may lower it to what the context leaves.
+    is_default_max_tokens: bool = False
 
 
 def _new_seed() -> int:
@@ -163,7 +143,7 @@ def validate(
             f"longer than {limits.max_request_id_chars} characters",
         )
     prompt_field = _check_input(request, bad)
-    sampling = _resolve_sampling(request.sampling, limits, new_seed, bad)
+    sampling = _resolve_sampling(request.sampling, limits, new_seed, bad, violations)
     _raise_if_any(violations)
     assert sampling is not None and prompt_field is not None
     return ValidRequest(
@@ -174,6 +154,7 @@ def validate(
         token_ids=request.token_ids,
         sampling=sampling,
         enable_thinking=request.enable_thinking,
+        is_default_max_tokens=request.sampling.max_tokens is None,
     )
 
 
@@ -199,72 +180,55 @@ def _check_input(request: RequestInput, bad: Bad) -> PromptField | None:
     return given[0]
 
 
-def _is_real(value: float) -> bool:
-    return isinstance(value, int | float) and math.isfinite(value)
+# SamplingParams fields a caller may leave unset (None in SamplingInput): SamplingParams'
+# defaults apply, except for max_tokens (this server's default) and seed (a fresh one).
+_OPTIONAL_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "logprobs",
+)
 
 
 def _resolve_sampling(
-    s: SamplingInput, limits: Limits, new_seed: Callable[[], int], bad: Bad
-) -> Sampling | None:
-    def pick(field: str, value: float | None, default: float, ok: bool, reason: str) -> float:
-        if value is None:
-            return default
-        if not (_is_real(value) and ok):
-            bad(f"sampling.{field}", value, reason)
-        return value
-
-    max_tokens = limits.default_max_tokens if s.max_tokens is None else s.max_tokens
-    if s.max_tokens is not None:
-        if s.max_tokens < 1:
-            bad("sampling.max_tokens", s.max_tokens, "must be >= 1")
-        elif limits.max_tokens_limit is not None and s.max_tokens > limits.max_tokens_limit:
-            bad(
-                "sampling.max_tokens",
-                s.max_tokens,
-                f"must be <= {limits.max_tokens_limit}, this server's limit",
-            )
-    t, p, m, r = s.temperature, s.top_p, s.min_p, s.repetition_penalty
-    temperature = pick("temperature", t, 1.0, t is not None and t >= 0, "must be >= 0")
-    top_p = pick("top_p", p, 1.0, p is not None and 0 < p <= 1, "must be in (0, 1]")
-    min_p = pick("min_p", m, 0.0, m is not None and 0 <= m <= 1, "must be in [0, 1]")
-    repetition = pick("repetition_penalty", r, 1.0, r is not None and r > 0, "must be > 0")
-    penalties = {}
-    for name in ("presence_penalty", "frequency_penalty"):
-        v = getattr(s, name)
-        penalties[name] = pick(name, v, 0.0, v is not None and -2 <= v <= 2, "must be in [-2, 2]")
-    top_k = 0 if s.top_k is None else s.top_k
-    if top_k < 0:
-        bad("sampling.top_k", top_k, "must be >= 0 (0 = off)")
-    if s.logprobs is not None and not 0 <= s.logprobs <= MAX_LOGPROBS:
-        bad("sampling.logprobs", s.logprobs, f"must be unset or in [0, {MAX_LOGPROBS}]")
-    if s.seed is not None and not 0 <= s.seed < MAX_SEED:
-        bad("sampling.seed", s.seed, "must fit in 64 bits")
+    s: SamplingInput,
+    limits: Limits,
+    new_seed: Callable[[], int],
+    bad: Bad,
+    violations: list[FieldViolation],
+) -> SamplingParams | None:
+    """The request's SamplingParams with every default filled in. Ranges are SamplingParams'
+    own checks; this server's limits (max_tokens, stop strings) are checked here."""
+    limit = limits.max_tokens_limit
+    if s.max_tokens is not None and limit is not None and s.max_tokens > limit:
+        bad("sampling.max_tokens", s.max_tokens, f"must be <= {limit}, this server's limit")
     _check_stops(s, limits, bad)
-    return Sampling(
-        max_tokens=max_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        min_p=min_p,
-        repetition_penalty=repetition,
-        presence_penalty=penalties["presence_penalty"],
-        frequency_penalty=penalties["frequency_penalty"],
-        seed=new_seed() if s.seed is None else s.seed,
-        stop=s.stop,
-        stop_token_ids=s.stop_token_ids,
-        ignore_eos=s.ignore_eos,
-        logprobs=s.logprobs,
-        is_default_max_tokens=s.max_tokens is None,
-    )
+    given = {f: getattr(s, f) for f in _OPTIONAL_FIELDS if getattr(s, f) is not None}
+    try:
+        return SamplingParams(
+            max_tokens=limits.default_max_tokens if s.max_tokens is None else s.max_tokens,
+            seed=new_seed() if s.seed is None else s.seed,
+            stop=s.stop,
+            stop_token_ids=s.stop_token_ids,
+            ignore_eos=s.ignore_eos,
+            **given,
+        )
+    except InvalidArgument as err:
+        violations.extend(
+            FieldViolation(f"sampling.{v.field}", v.description) for v in err.violations
+        )
+        return None
 
 
 def _check_stops(s: SamplingInput, limits: Limits, bad: Bad) -> None:
     if len(s.stop) > limits.max_stop_strings:
         bad("sampling.stop", f"{len(s.stop)} strings", f"at most {limits.max_stop_strings}")
-    for i, stop in enumerate(s.stop):
-        if not stop:
-            bad(f"sampling.stop[{i}]", stop, "must not be empty")
-        elif len(stop) > limits.max_stop_chars:
+    for i, stop in enumerate(s.stop):  # empty ones are SamplingParams' to refuse
+        if len(stop) > limits.max_stop_chars:
             bad(
                 f"sampling.stop[{i}]",
                 f"{len(stop)} characters",
@@ -298,13 +262,16 @@ def check_token_ids(request: ValidRequest, vocab_size: int) -> None:
 
 
 def fit_context(
-    sampling: Sampling,
+    sampling: SamplingParams,
     num_prompt_tokens: int,
     max_context_tokens: int,
     prompt_field: PromptField,
     max_prompt_tokens: int | None = None,
-) -> Sampling:
-    """Check prompt + max_tokens fits the context window; an unset max_tokens shrinks to fit.
+    *,
+    may_shrink: bool = False,
+) -> SamplingParams:
+    """Check prompt + max_tokens fits the context window; with `may_shrink` (the caller left
+    max_tokens unset) max_tokens shrinks to fit instead.
 
     Raises InvalidArgument naming the prompt (when it alone is too long for prefill, or leaves
     no room for one token) or `sampling.max_tokens`, with the numbers a caller needs to fix it.
@@ -327,7 +294,7 @@ def fit_context(
         )
     if sampling.max_tokens <= room:
         return sampling
-    if sampling.is_default_max_tokens:
+    if may_shrink:
         return replace(sampling, max_tokens=room)
     raise InvalidArgument(
         "sampling.max_tokens",
@@ -337,7 +304,7 @@ def fit_context(
     )
 
 
-def with_eos(sampling: Sampling, eos_token_ids: Sequence[int]) -> Sampling:
+def with_eos(sampling: SamplingParams, eos_token_ids: Sequence[int]) -> SamplingParams:
     """Add the model's EOS ids to the stop ids (unless ignore_eos), so decode stops on exactly
     the tokenizer's list (generation_config.json), whatever its own config says."""
     if sampling.ignore_eos:

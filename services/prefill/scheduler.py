@@ -69,7 +69,7 @@ class Step(NamedTuple):
 class _Prompt:
     request_id: str
     num_tokens: int
-    num_computed: int = 0  # prompt tokens whose KV is in the cache
+    num_computed_tokens: int = 0  # prompt tokens whose KV is in the cache
     block_table: list[int] = field(default_factory=list)  # [] while waiting
 
 
@@ -207,9 +207,9 @@ class Scheduler:
         done: list[str] = []
         for chunk in step.chunks:
             prompt = self._running.get(chunk.request_id)
-            if prompt is None or prompt.num_computed != chunk.start:
+            if prompt is None or prompt.num_computed_tokens != chunk.start:
                 continue
-            prompt.num_computed = chunk.end
+            prompt.num_computed_tokens = chunk.end
             if chunk.is_last:
                 del self._running[chunk.request_id]
                 self._computed[chunk.request_id] = prompt
@@ -217,6 +217,6 @@ class Scheduler:
         return done
 
     def _next_chunk(self, prompt: _Prompt) -> ScheduledChunk:
-        start = prompt.num_computed
+        start = prompt.num_computed_tokens
         end = min(start + self.chunk_tokens, prompt.num_tokens)
         return ScheduledChunk(prompt.request_id, start, end, prompt.num_tokens, prompt.block_table)

@@ -33,8 +33,8 @@ def test_admit_reserves_prompt_and_output_blocks_in_order() -> None:
     t = table()
     a = t.admit("a", [1] * 5, params(4), lease_ms=1000, now=10.0)
     b = t.admit("b", [1] * 3, params(6), lease_ms=500, now=10.0)
-    assert (a.block_ids, a.prompt_block_ids) == ([0, 1], [0, 1])
-    assert (b.block_ids, b.prompt_block_ids) == ([2, 3], [2])
+    assert (a.block_table, a.prompt_block_ids) == ([0, 1], [0, 1])
+    assert (b.block_table, b.prompt_block_ids) == ([2, 3], [2])
     assert a.lease_deadline == 11.0 and b.lease_deadline == 10.5
     assert (t.num_free_blocks, t.num_waiting, t.num_running) == (6, 2, 0)
 
@@ -46,7 +46,7 @@ def test_admit_is_all_or_nothing_with_retry_hint() -> None:
         t.admit("b", [1] * 10, params(10), lease_ms=1000, now=0.0, retry_after_s=0.5)
     assert info.value.retry_after_s == 0.5
     assert t.num_free_blocks == 4
-    assert t.admit("c", [1] * 16, params(1), lease_ms=1000, now=0.0).block_ids == [2, 3, 4, 5]
+    assert t.admit("c", [1] * 16, params(1), lease_ms=1000, now=0.0).block_table == [2, 3, 4, 5]
 
 
 def test_admit_refuses_duplicate_ids_and_past_the_request_bound() -> None:
@@ -69,7 +69,7 @@ def test_lease_expires_only_while_waiting_for_kv_and_frees_to_the_back() -> None
     assert not t.expire(a, now=2.0)  # already ended: nothing freed twice
     assert t.num_free_blocks == 10
     # Freed blocks went to the back of the free queue.
-    assert t.admit("b", [1] * 36, params(1), lease_ms=1000, now=0.0).block_ids == [
+    assert t.admit("b", [1] * 36, params(1), lease_ms=1000, now=0.0).block_table == [
         *range(2, 10),
         0,
     ]

@@ -7,14 +7,12 @@ import threading
 
 import pytest
 
+from mili.engine.logprobs import TokenLogprobs
+from mili.engine.stop import FinishReason
 from mili.errors import DataLoss
-from services.decode.stream import (
-    FINISH_LENGTH,
-    TokenEvent,
-    TokenLogprobs,
-    TokenStream,
-    deliver_threadsafe,
-)
+from services.decode.stream import TokenEvent, TokenStream, deliver_threadsafe
+
+FINISH_LENGTH = FinishReason.LENGTH
 
 
 def test_a_lagging_reader_gets_everything_in_one_event() -> None:

@@ -6,9 +6,12 @@ import grpc
 import pytest
 
 from mili import errors
+from mili.engine.stop import FinishReason
 from mili.rpc.status import status_of
 from services.frontend.downstream import DownstreamBug, error_from
-from services.frontend.pipeline import LENGTH, STOP, clip_tokens
+from services.frontend.pipeline import clip_tokens
+
+STOP, LENGTH = FinishReason.STOP, FinishReason.LENGTH
 
 
 class FakeError(grpc.RpcError):
@@ -79,7 +82,7 @@ def test_codes_map_and_name_the_service(exc: BaseException, expected: type) -> N
 
 def test_clip_tokens_stops_at_stop_ids_and_max_tokens() -> None:
     stops = frozenset({9})
-    assert clip_tokens([1, 2, 3], stops, room=10) == (3, 0)
+    assert clip_tokens([1, 2, 3], stops, room=10) == (3, None)
     assert clip_tokens([1, 9, 3], stops, room=10) == (2, STOP)  # the stop id is kept
     assert clip_tokens([1, 2, 3], stops, room=2) == (2, LENGTH)
     assert clip_tokens([1, 2, 9], stops, room=3) == (3, STOP)

@@ -124,7 +124,7 @@ def test_defaults_are_filled() -> None:
     assert (s.max_tokens, s.temperature, s.top_p, s.top_k, s.min_p) == (256, 1.0, 1.0, 0, 0.0)
     assert (s.repetition_penalty, s.presence_penalty, s.frequency_penalty) == (1.0, 0.0, 0.0)
     assert s.seed == 1234  # a fresh seed, so prefill and decode draw from the same one
-    assert s.logprobs is None and s.is_default_max_tokens
+    assert s.logprobs is None and valid.is_default_max_tokens
     assert valid.request_id == "rid" and valid.prompt_field == "prompt"
 
 
@@ -139,7 +139,7 @@ def test_given_values_and_request_id_are_kept() -> None:
     assert valid.request_id == "mine" and valid.prompt_field == "token_ids"
     s = valid.sampling
     assert (s.max_tokens, s.temperature, s.seed, s.logprobs) == (7, 0.0, 99, 3)
-    assert not s.is_default_max_tokens
+    assert not valid.is_default_max_tokens
 
 
 def test_no_limit_means_only_the_context_bounds_max_tokens() -> None:
@@ -184,8 +184,11 @@ def test_fit_context() -> None:
     with pytest.raises(InvalidArgument):
         fit_context(explicit, 0, 150, "prompt")
     # An unset max_tokens shrinks to what the context leaves.
-    default = check(RequestInput(prompt="x")).sampling
-    assert fit_context(default, 4000, 4096, "prompt").max_tokens == 96
+    default = check(RequestInput(prompt="x"))
+    fitted = fit_context(
+        default.sampling, 4000, 4096, "prompt", may_shrink=default.is_default_max_tokens
+    )
+    assert fitted.max_tokens == 96
 
 
 def test_with_eos_adds_eos_ids_unless_ignore_eos() -> None:

@@ -1,0 +1,11 @@
+"""Log-probabilities reported for one generated token (see mili.engine.sampler for what they
+describe: the model's raw distribution, before penalties, temperature and filters). Pure Python."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class TokenLogprobs(NamedTuple):
+    logprob: float  # of the chosen token
+    top: list[tuple[int, float]]  # (token_id, logprob) of the most likely tokens, most likely first

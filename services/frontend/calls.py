@@ -1,0 +1,160 @@
+"""What the frontend's generation logic needs from the services behind it, as plain types.
+
+`Generation` (pipeline.py) and `tokenize` (prompt.py) talk to tokenizer, prefill and decode only
+through the `Downstream` protocol below, in domain types: no protobuf, no sockets. The gRPC
+implementation is `clients.GrpcDownstream` (with conversions in convert.py); tests can drive the
+logic with an in-memory one.
+
+Every method raises domain errors (mili.errors) naming the instance that failed; `InstanceDown`
+(an Unavailable) means the instance did not answer at all, so the caller should route around it.
+A downstream DEADLINE_EXCEEDED is DeadlineExceeded only once the caller's own `Deadline` passed;
+before that it means a peer is stuck (Unavailable).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+from mili.engine.logprobs import TokenLogprobs
+from mili.engine.sampling_params import SamplingParams
+from mili.engine.stop import FinishReason
+from mili.errors import Unavailable
+from services.frontend.router import Route, Router
+from services.frontend.validation import ValidRequest
+
+
+class InstanceDown(Unavailable):
+    """The instance answered UNAVAILABLE or not at all (down, draining, unreachable): retry on
+    another, and re-poll it before routing to it again."""
+
+
+class Deadline:
+    """The caller's deadline, handed to every downstream call as its timeout."""
+
+    def __init__(self, time_remaining_s: float | None) -> None:
+        self._at = None if time_remaining_s is None else time.monotonic() + time_remaining_s
+
+    def remaining(self) -> float | None:
+        """Seconds left (never 0: grpc treats a timeout of 0 as already expired, as it is)."""
+        if self._at is None:
+            return None
+        return max(0.001, self._at - time.monotonic())
+
+    @property
+    def has_passed(self) -> bool:
+        return self._at is not None and time.monotonic() >= self._at
+
+
+@dataclass(frozen=True)
+class TokenizerFacts:
+    model: str
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """Decode reserved the request's KV blocks; prefill writes the prompt's into these."""
+
+    prompt_block_ids: list[int]
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """Tokens decode generated since its previous event."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs]  # one per token id when asked for, else empty
+    finish_reason: FinishReason | None = None  # set on decode's last event
+
+
+@dataclass(frozen=True)
+class PrefillStats:
+    """Prefill's reply: timings and bytes only (its first token reaches us through decode)."""
+
+    queue_ms: float
+    compute_ms: float
+    transfer_ms: float
+    kv_bytes: int
+
+
+class DecodeStream(Protocol):
+    """One request's Generate call on a decode instance."""
+
+    async def read(self) -> Admitted | Tokens | None:
+        """The next event; None when decode ended the stream. Raises decode's error."""
+        ...
+
+    def cancel(self) -> None:
+        """End the call (decode frees the request's blocks); a no-op once it ended."""
+        ...
+
+
+class TextStream(Protocol):
+    """One request's incremental detokenization."""
+
+    async def push(self, token_ids: list[int]) -> str:
+        """The text these ids complete ("" while a character is still incomplete)."""
+        ...
+
+    async def finish(self) -> str:
+        """Everything still held back; closes the stream."""
+        ...
+
+    def cancel(self) -> None: ...
+
+
+class Downstream(Protocol):
+    @property
+    def router(self) -> Router: ...
+
+    async def tokenizer_facts(self) -> TokenizerFacts:
+        """The tokenizer's vocabulary size and EOS ids (cached); raises Unavailable."""
+        ...
+
+    async def tokenize(self, request: ValidRequest, deadline: Deadline) -> tuple[int, ...]:
+        """The prompt of `request` (text, or messages through the chat template) as token ids."""
+        ...
+
+    async def refresh(self) -> None:
+        """Poll every instance's Info now."""
+        ...
+
+    def request_refresh(self, down: str | None = None) -> None:
+        """An instance failed a request: route around it now and re-poll soon."""
+        ...
+
+    def decode_block_size(self, address: str) -> int:
+        """Tokens per KV block of a decode instance (from its polled layout)."""
+        ...
+
+    def generate(
+        self,
+        route: Route,
+        request_id: str,
+        prompt_token_ids: tuple[int, ...],
+        sampling: SamplingParams,
+        deadline: Deadline,
+    ) -> DecodeStream:
+        """Open decode's Generate for `route` (with route.prefill's KV layout to check)."""
+        ...
+
+    def prefill(
+        self,
+        route: Route,
+        request_id: str,
+        prompt_token_ids: tuple[int, ...],
+        sampling: SamplingParams,
+        prompt_block_ids: list[int],
+        deadline: Deadline,
+    ) -> asyncio.Future[PrefillStats]:
+        """Start prefill's call that sends the prompt's KV into decode's `prompt_block_ids`;
+        cancelling the future cancels the call."""
+        ...
+
+    def detokenize(self, vocab_size: int, deadline: Deadline) -> TextStream:
+        """Open a DetokenizeStream for one request's text."""
+        ...

@@ -1,0 +1,144 @@
+"""`calls.Downstream` over gRPC: the stubs of every instance (backends.py), requests and replies
+converted in convert.py, failures turned into domain errors naming the instance (downstream.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import grpc
+
+from mili.engine.sampling_params import SamplingParams
+from services.frontend import convert
+from services.frontend.backends import Backends
+from services.frontend.calls import (
+    Admitted,
+    Deadline,
+    InstanceDown,
+    PrefillStats,
+    TokenizerFacts,
+    Tokens,
+)
+from services.frontend.detokenize import TextStream
+from services.frontend.downstream import error_from
+from services.frontend.router import Route, Router
+from services.frontend.validation import ValidRequest
+
+# Tokenizer's name for a field -> ours (it tokenizes `text`; callers send `prompt`).
+_TOKENIZER_FIELDS = {"text": "prompt"}
+
+
+class GrpcDownstream:
+    def __init__(self, backends: Backends) -> None:
+        self._backends = backends
+        self._config = backends.config
+
+    @property
+    def router(self) -> Router:
+        return self._backends.router
+
+    async def tokenizer_facts(self) -> TokenizerFacts:
+        return await self._backends.tokenizer_facts()
+
+    async def tokenize(self, request: ValidRequest, deadline: Deadline) -> tuple[int, ...]:
+        who = f"tokenizer at {self._config.tokenizer_address}"
+        timeout_s = deadline.remaining() or self._config.tokenize_timeout_s
+        try:
+            reply = await self._backends.tokenizer.Tokenize(
+                convert.tokenize_request(request), timeout=timeout_s
+            )
+        except grpc.aio.AioRpcError as err:
+            error = error_from(
+                err, who, field_names=_TOKENIZER_FIELDS, is_own_deadline_passed=deadline.has_passed
+            )
+            if isinstance(error, InstanceDown):
+                self._backends.forget_tokenizer()
+            raise error from None
+        return tuple(reply.token_ids)
+
+    async def refresh(self) -> None:
+        await self._backends.refresh()
+
+    def request_refresh(self, down: str | None = None) -> None:
+        self._backends.request_refresh(down=down)
+
+    def decode_block_size(self, address: str) -> int:
+        return self._backends.decode_layouts[address].block_size or 1
+
+    def generate(
+        self,
+        route: Route,
+        request_id: str,
+        prompt_token_ids: tuple[int, ...],
+        sampling: SamplingParams,
+        deadline: Deadline,
+    ) -> _DecodeStream:
+        request = convert.decode_request(
+            request_id,
+            prompt_token_ids,
+            sampling,
+            self._backends.prefill_layouts[route.prefill],
+            self._config.kv_lease_ms,
+        )
+        call = self._backends.decode(route.decode).Generate(request, timeout=deadline.remaining())
+        return _DecodeStream(call, f"decode at {route.decode}", deadline)
+
+    def prefill(
+        self,
+        route: Route,
+        request_id: str,
+        prompt_token_ids: tuple[int, ...],
+        sampling: SamplingParams,
+        prompt_block_ids: list[int],
+        deadline: Deadline,
+    ) -> asyncio.Future[PrefillStats]:
+        request = convert.prefill_request(
+            request_id, prompt_token_ids, sampling, route.decode, prompt_block_ids
+        )
+        call = self._backends.prefill(route.prefill).Prefill(request, timeout=deadline.remaining())
+        task = asyncio.ensure_future(_prefill_reply(call, f"prefill at {route.prefill}", deadline))
+        # Cancelling the task before it first ran would leave the call running: cancel it too.
+        task.add_done_callback(lambda t: call.cancel() if t.cancelled() else None)
+        return task
+
+    def detokenize(self, vocab_size: int, deadline: Deadline) -> TextStream:
+        return TextStream(
+            self._backends.tokenizer,
+            f"tokenizer at {self._config.tokenizer_address}",
+            vocab_size,
+            timeout_s=deadline.remaining(),
+        )
+
+
+async def _prefill_reply(call: Any, who: str, deadline: Deadline) -> PrefillStats:
+    try:
+        return convert.prefill_stats(await call)
+    except grpc.aio.AioRpcError as err:
+        raise error_from(err, who, is_own_deadline_passed=deadline.has_passed) from None
+
+
+class _DecodeStream:
+    """decode's Generate call as `calls.DecodeStream`."""
+
+    def __init__(self, call: Any, who: str, deadline: Deadline) -> None:
+        self._call = call
+        self._who = who
+        self._deadline = deadline
+
+    async def read(self) -> Admitted | Tokens | None:
+        while True:
+            try:
+                event = await self._call.read()
+            except grpc.aio.AioRpcError as err:
+                raise error_from(
+                    err, self._who, is_own_deadline_passed=self._deadline.has_passed
+                ) from None
+            if event is grpc.aio.EOF:
+                return None
+            converted = convert.decode_event(event)
+            if converted is not None:  # skip an event kind this version does not know
+                return converted
+
+    def cancel(self) -> None:
+        self._call.cancel()

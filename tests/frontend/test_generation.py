@@ -1,0 +1,303 @@
+"""The frontend's generation logic on domain types, without sockets: `Generation` driven through
+an in-memory `calls.Downstream` (admission across decode instances, the stop rule, stop strings,
+prefill failures, cancellation of every downstream call, the router's accounting)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import pytest
+
+from mili.engine.logprobs import TokenLogprobs
+from mili.engine.sampling_params import SamplingParams
+from mili.engine.stop import FinishReason
+from mili.errors import DataLoss, ResourceExhausted, Unavailable
+from services.frontend.calls import (
+    Admitted,
+    Deadline,
+    InstanceDown,
+    PrefillStats,
+    TokenizerFacts,
+    Tokens,
+)
+from services.frontend.config import FrontendConfig
+from services.frontend.pipeline import Delta, Generation
+from services.frontend.prompt import Prompt
+from services.frontend.router import Route, Router
+from services.frontend.validation import ValidRequest
+
+PREFILL = "p:1"
+EOS = 0
+
+HANG = "hang"  # a decode event: never answer (until cancelled)
+Event = Admitted | Tokens | BaseException | str
+
+
+class ScriptedDecode:
+    """One decode Generate call: returns `events` in order (raising exceptions), then None."""
+
+    def __init__(self, events: list[Event]) -> None:
+        self._events = list(events)
+        self.is_cancelled = False
+
+    async def read(self) -> Admitted | Tokens | None:
+        await asyncio.sleep(0)
+        if self.is_cancelled:
+            raise Unavailable("cancelled")
+        if not self._events:
+            return None
+        event = self._events.pop(0)
+        if event == HANG:
+            await asyncio.sleep(3600)
+        if isinstance(event, BaseException):
+            raise event
+        assert isinstance(event, Admitted | Tokens)
+        return event
+
+    def cancel(self) -> None:
+        self.is_cancelled = True
+
+
+class LetterText:
+    """Detokenizer: id i is chr(ord('a') + i - 1); EOS has no text."""
+
+    def __init__(self) -> None:
+        self.is_cancelled = False
+
+    async def push(self, token_ids: list[int]) -> str:
+        return "".join(chr(ord("a") + i - 1) for i in token_ids if i != EOS)
+
+    async def finish(self) -> str:
+        return ""
+
+    def cancel(self) -> None:
+        self.is_cancelled = True
+
+
+@dataclass
+class FakeDownstream:
+    decodes: dict[str, list[Event]]  # address -> the events its Generate call returns
+    prefill_outcome: Callable[[], PrefillStats] = lambda: PrefillStats(1.0, 2.0, 3.0, 4096)
+    router: Router = field(init=False)
+    calls: list[tuple[str, str]] = field(default_factory=list)  # (kind, address) in call order
+    streams: list[ScriptedDecode] = field(default_factory=list)
+    prefills: list[asyncio.Future[PrefillStats]] = field(default_factory=list)
+    prefill_blocks: list[list[int]] = field(default_factory=list)
+    texts: list[LetterText] = field(default_factory=list)
+    down: list[str | None] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.router = Router([PREFILL], list(self.decodes))
+        self.router.update_prefill(PREFILL, num_queued_tokens=0, max_prompt_tokens=100)
+        for i, address in enumerate(self.decodes):
+            # More free blocks first: the router tries decodes in the order given.
+            self.router.update_decode(
+                address, num_free_blocks=100 - i, num_total_blocks=100, max_context_tokens=64
+            )
+            self.router.set_pair_error(PREFILL, address, None)
+
+    async def tokenizer_facts(self) -> TokenizerFacts:
+        return TokenizerFacts("fake", vocab_size=30, eos_token_ids=(EOS,))
+
+    async def tokenize(self, request: ValidRequest, deadline: Deadline) -> tuple[int, ...]:
+        raise AssertionError("not used: prompts are given as ids")
+
+    async def refresh(self) -> None:
+        pass
+
+    def request_refresh(self, down: str | None = None) -> None:
+        self.down.append(down)
+
+    def decode_block_size(self, address: str) -> int:
+        return 4
+
+    def generate(
+        self,
+        route: Route,
+        request_id: str,
+        prompt_token_ids: tuple[int, ...],
+        sampling: SamplingParams,
+        deadline: Deadline,
+    ) -> ScriptedDecode:
+        self.calls.append(("decode", route.decode))
+        stream = ScriptedDecode(self.decodes[route.decode])
+        self.streams.append(stream)
+        return stream
+
+    def prefill(
+        self,
+        route: Route,
+        request_id: str,
+        prompt_token_ids: tuple[int, ...],
+        sampling: SamplingParams,
+        prompt_block_ids: list[int],
+        deadline: Deadline,
+    ) -> asyncio.Future[PrefillStats]:
+        self.calls.append(("prefill", route.prefill))
+        self.prefill_blocks.append(prompt_block_ids)
+
+        async def reply() -> PrefillStats:
+            await asyncio.sleep(0)
+            return self.prefill_outcome()
+
+        future = asyncio.ensure_future(reply())
+        self.prefills.append(future)
+        return future
+
+    def detokenize(self, vocab_size: int, deadline: Deadline) -> LetterText:
+        text = LetterText()
+        self.texts.append(text)
+        return text
+
+
+CONFIG = FrontendConfig(
+    tokenizer_address="t:1",
+    prefill_addresses=(PREFILL,),
+    decode_addresses=("d:1", "d:2"),
+    admit_timeout_s=0.5,
+    prefill_reply_grace_s=0.5,
+)
+
+
+def tokens(*ids: int, finish: FinishReason | None = None) -> Tokens:
+    return Tokens(list(ids), [], finish)
+
+
+def run(
+    downstream: FakeDownstream, sampling: SamplingParams, prompt: tuple[int, ...] = (5, 6, 7)
+) -> list[Delta]:
+    async def main() -> list[Delta]:
+        generation = Generation(downstream, CONFIG, "r1", Prompt(prompt, sampling), Deadline(5.0))
+        return [delta async for delta in generation.run()]
+
+    return asyncio.run(main())
+
+
+def in_flight(router: Router) -> int:
+    views = [*router.decodes.values(), *router.prefills.values()]
+    return sum(v.num_in_flight for v in views)
+
+
+def test_streams_text_and_clips_at_max_tokens_with_usage() -> None:
+    # Decode misbehaves and streams past max_tokens: the frontend's stop rule cuts it.
+    down = FakeDownstream({"d:1": [Admitted([3, 4]), tokens(1, 2), tokens(3, 4, 5)]})
+    deltas = run(down, SamplingParams(max_tokens=4, stop_token_ids=(EOS,)))
+    assert [d.token_ids for d in deltas] == [[1, 2], [3, 4]]
+    assert "".join(d.text for d in deltas) == "abcd"
+    last = deltas[-1]
+    assert last.finish_reason is FinishReason.LENGTH
+    assert (last.num_prompt_tokens, last.num_completion_tokens) == (3, 4)
+    assert down.prefill_blocks == [[3, 4]]  # prefill writes into what decode reserved
+    assert down.streams[0].is_cancelled and down.texts[0].is_cancelled
+    assert in_flight(down.router) == 0
+
+
+def test_a_stop_id_is_kept_and_ends_the_generation() -> None:
+    down = FakeDownstream({"d:1": [Admitted([1]), tokens(2, EOS, 3)]})
+    deltas = run(down, SamplingParams(max_tokens=10, stop_token_ids=(EOS,)))
+    assert deltas[-1].token_ids == [2, EOS]
+    assert deltas[-1].finish_reason is FinishReason.STOP
+    assert deltas[-1].text == "b"
+
+
+def test_a_stop_string_split_across_events_matches_once() -> None:
+    down = FakeDownstream(
+        {"d:1": [Admitted([1]), tokens(1, 2), tokens(3), tokens(4, 5), tokens(6)]}
+    )
+    deltas = run(down, SamplingParams(max_tokens=10, stop=("cd",)))
+    assert "".join(d.text for d in deltas) == "ab"
+    assert deltas[-1].finish_reason is FinishReason.STOP
+    assert sum(len(d.token_ids) for d in deltas) == 5  # tokens up to the one completing "cd"
+
+
+def test_logprobs_are_clipped_with_their_tokens() -> None:
+    lp = [TokenLogprobs(-0.1 * i, [(i, -0.1 * i)]) for i in range(1, 4)]
+    down = FakeDownstream({"d:1": [Admitted([1]), Tokens([1, 2, 3], lp, None)]})
+    deltas = run(down, SamplingParams(max_tokens=2, logprobs=1))
+    assert deltas[-1].token_ids == [1, 2] and deltas[-1].logprobs == lp[:2]
+
+
+def test_a_full_decode_is_skipped_for_the_next() -> None:
+    full = ResourceExhausted("decode at d:1: full", retry_after_s=0.2)
+    down = FakeDownstream(
+        {"d:1": [full], "d:2": [Admitted([7]), tokens(1, finish=FinishReason.LENGTH)]}
+    )
+    deltas = run(down, SamplingParams(max_tokens=5))
+    assert deltas[-1].finish_reason is FinishReason.LENGTH
+    assert [c for c in down.calls if c[0] == "decode"] == [("decode", "d:1"), ("decode", "d:2")]
+    assert down.prefill_blocks == [[7]]
+    assert down.down == []  # full is not down
+    assert in_flight(down.router) == 0
+    # The refused instance's blocks were taken back from its since-poll estimate.
+    assert down.router.decodes["d:1"].num_blocks_since_poll == 0
+
+
+def test_every_decode_full_is_resource_exhausted_with_the_shortest_retry() -> None:
+    down = FakeDownstream(
+        {
+            "d:1": [ResourceExhausted("d1 full", retry_after_s=0.7)],
+            "d:2": [ResourceExhausted("d2 full", retry_after_s=0.3)],
+        }
+    )
+    with pytest.raises(ResourceExhausted) as info:
+        run(down, SamplingParams(max_tokens=5))
+    assert info.value.retry_after_s == 0.3
+    assert "d1 full" in str(info.value) and "d2 full" in str(info.value)
+    assert not any(kind == "prefill" for kind, _ in down.calls)  # nothing to prefill into
+
+
+def test_a_down_decode_is_routed_around_and_reported() -> None:
+    down = FakeDownstream(
+        {"d:1": [InstanceDown("decode at d:1: gone")], "d:2": [Admitted([2]), tokens(1, 2)]}
+    )
+    deltas = run(down, SamplingParams(max_tokens=2))
+    assert deltas[-1].num_completion_tokens == 2
+    assert down.down == ["d:1"]
+
+
+def test_other_admission_errors_fail_the_request_without_trying_more() -> None:
+    down = FakeDownstream({"d:1": [DataLoss("odd")], "d:2": [Admitted([2])]})
+    with pytest.raises(DataLoss):
+        run(down, SamplingParams(max_tokens=2))
+    assert [c for c in down.calls if c[0] == "decode"] == [("decode", "d:1")]
+    assert in_flight(down.router) == 0
+
+
+def test_a_prefill_failure_fails_the_request_and_cancels_decode() -> None:
+    def fail() -> PrefillStats:
+        raise InstanceDown("prefill at p:1: gone")
+
+    # Decode never sends tokens: only prefill's failure can end the request.
+    down = FakeDownstream({"d:1": [Admitted([1]), HANG]}, prefill_outcome=fail)
+    with pytest.raises(InstanceDown, match="prefill at p:1"):
+        run(down, SamplingParams(max_tokens=5))
+    assert down.streams[-1].is_cancelled
+    assert down.down == ["p:1"]
+    assert in_flight(down.router) == 0
+
+
+def test_decode_ending_without_a_finish_reason_is_unavailable() -> None:
+    down = FakeDownstream({"d:1": [Admitted([1]), tokens(1)]})
+    with pytest.raises(Unavailable, match="without a finish reason"):
+        run(down, SamplingParams(max_tokens=5))
+
+
+def test_a_caller_leaving_mid_stream_cancels_every_downstream_call() -> None:
+    down = FakeDownstream({"d:1": [Admitted([1]), tokens(1), HANG]})
+    down.prefill_outcome = lambda: PrefillStats(0.0, 0.0, 0.0, 0)
+
+    async def main() -> None:
+        generation = Generation(
+            down, CONFIG, "r1", Prompt((5,), SamplingParams(max_tokens=9)), Deadline(5.0)
+        )
+        deltas = generation.run()
+        first = await anext(deltas)
+        assert first.token_ids == [1]
+        await deltas.aclose()  # what grpc does when the caller cancels
+
+    asyncio.run(main())
+    assert down.streams[0].is_cancelled and down.texts[0].is_cancelled
+    assert down.prefills[0].done()
+    assert in_flight(down.router) == 0
