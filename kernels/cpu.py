@@ -50,8 +50,8 @@ def _restore_environment() -> None:
             os.unsetenv(name)
 
 
-# Below these, a call runs on one Mojo worker (measured crossovers on the 2-core dev VM: decode
-# 2 workers win from ~2 MB of K/V read, prefill from ~10 MFLOP of causal attention).
+# Below these, a call runs on one Mojo worker: the measured crossovers where two workers start
+# to win (docs/benchmarks.md, "Measurements behind choices in the code").
 DECODE_ONE_THREAD_BYTES = 2 * 2**20
 PREFILL_ONE_THREAD_FLOPS = 10e6
 
@@ -77,9 +77,9 @@ class CpuKernels:
     def _threads(self, work: float, one_thread_below: float) -> int:
         """Workers for a call of `work` units: one below the threshold, else all we were given.
 
-        Waking Mojo's workers costs ~100 us on these VMs, more than small calls take (demo-model
-        decode at batch 1: 2 workers 161 us, 1 worker 79 us), and the woken workers spin a
-        while afterwards beside torch's threads. One thread means the caller's: the kernels run
+        Waking Mojo's workers costs more than small calls take (docs/benchmarks.md,
+        "Measurements behind choices in the code"), and the woken workers spin a while
+        afterwards beside torch's threads. One thread means the caller's: the kernels run
         inline, no runtime worker involved.
         """
         threads = max(1, self._num_threads or torch.get_num_threads())

@@ -11,8 +11,9 @@
 # - One work item = (sequence b, kv-head chunk, split s). The G = H // KVH query heads that share
 #   a kv head are processed together, so each K/V row is loaded once per group, not once per head.
 #   A chunk is normally all KVH kv heads: rows [t, 0:KVH, :] of a block are then one contiguous
-#   run, which measured 4x faster than one kv head per item (512 B strided reads every 4 KB
-#   starve the hardware prefetcher). Chunks of fewer kv heads only fill idle threads.
+#   run, far faster than one kv head per item (512 B strided reads every 4 KB starve the
+#   hardware prefetcher; docs/benchmarks.md, "Measurements behind choices in the code").
+#   Chunks of fewer kv heads only fill idle threads.
 # - Per cache block: all scores of the block first (q pre-scaled by scale*log2(e), so exp2 is the
 #   softmax exponent), then one online-softmax update (max, rescale, sum) per head, then the P.V
 #   accumulation. K/V rows are loaded as one D-wide SIMD value (D is a compile-time parameter;

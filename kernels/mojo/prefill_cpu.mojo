@@ -244,10 +244,10 @@ def _run[dt: DType, D: Int](a: _Args, nthreads: Int):
     if n > a.n_items:
         n = a.n_items
     if n <= 1:
-        # On the caller's thread: no runtime worker to wake (~100 us here) or to leave spinning
-        # beside torch's threads. Denormals flushed as on the runtime's workers: online
-        # softmax's exp() of far-below-max scores makes many, and with gradual underflow this
-        # loop ran 8-12x slower (T=64..512).
+        # On the caller's thread: no runtime worker to wake or to leave spinning beside
+        # torch's threads. Denormals flushed as on the runtime's workers: online softmax's
+        # exp() of far-below-max scores makes many, and gradual underflow slows this loop
+        # several times (docs/benchmarks.md, "Measurements behind choices in the code").
         with FlushDenormals():
             _worker[dt, D](0, a)
         return

@@ -248,8 +248,8 @@ def client_interceptors(tracer: trace.Tracer) -> list[grpc.aio.ClientInterceptor
 
     No stream-stream interceptor: our only bidi call is the per-token DetokenizeStream, and
     grpc.aio routes every message of an intercepted bidi call through an extra queue and task
-    (measured: ~9% of the frontend's busy time under `mili bench`) for a call the trace does
-    not need — the tokenizer joins each trace through Tokenize.
+    (a measurable share of the frontend's busy time: docs/benchmarks.md, "Tracing overhead")
+    for a call the trace does not need — the tokenizer joins each trace through Tokenize.
     """
     return [_UnaryUnary(tracer), _UnaryStream(tracer), _StreamUnary(tracer)]
 

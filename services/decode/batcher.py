@@ -59,9 +59,10 @@ def _row_copy_fits(dst: torch.Tensor, block_ids: list[int], src: torch.Tensor) -
 
 
 def _copy_rows(dst: torch.Tensor, block_ids: list[int], src: torch.Tensor) -> None:
-    """dst[block_ids] = src as a numpy copy of raw byte rows: 5-10x faster than torch's
-    index_copy_ on bf16, which goes element by element (1 MB: ~0.06 vs ~0.4 ms on a 2-core
-    x86 box); like it, the copy runs with the GIL released. Bit-exact: bytes are copied."""
+    """dst[block_ids] = src as a numpy copy of raw byte rows: much faster than torch's
+    index_copy_ on bf16, which goes element by element (docs/benchmarks.md, "Measurements
+    behind choices in the code"); like it, the copy runs with the GIL released. Bit-exact:
+    bytes are copied."""
     if block_ids:
         rows = dst.view(torch.uint8).view(dst.shape[0], -1).numpy()
         rows[block_ids] = src.view(torch.uint8).view(len(block_ids), -1).numpy()

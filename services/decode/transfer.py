@@ -54,7 +54,8 @@ Chunk = kv_pb2.KvChunk | ChunkView
 _CANCEL_GRACE_S = 0.1
 # Payload of one transfer's chunks received but not landed yet (always at least one chunk):
 # bounds the memory a transfer holds beyond the cache itself. Two or more chunks keep both
-# landing threads busy; on the benchmark (2.1 MB chunks) 8 and 32 MiB measured the same.
+# landing threads busy; larger bounds bought nothing (docs/benchmarks.md, "Measurements behind
+# choices in the code").
 _MAX_LANDING_BYTES = 16 << 20
 _LANDING_THREADS = 2  # shared by all transfers: two chunks are checked and copied at a time
 
