@@ -172,7 +172,7 @@ def decode_reservation(
         )
         events = aiter(stream)
         admitted = (await anext(events)).admitted
-        yield list(admitted.block_ids)
+        yield list(admitted.prompt_block_ids)
         async for _ in events:  # decode's token event: the request is done, blocks freed
             pass
 
@@ -209,9 +209,9 @@ async def compute_and_handoff(
         async with reserve(request_id) as block_ids:
             request = prefill_pb2.PrefillRequest(
                 request_id=request_id,
-                token_ids=prompt,
+                prompt_token_ids=prompt,
                 sampling=sampling_pb2.SamplingParams(temperature=0.0),
-                destination=prefill_pb2.KvDestination(address=address, block_ids=block_ids),
+                destination=prefill_pb2.KvDestination(address=address, prompt_block_ids=block_ids),
             )
             start = time.perf_counter()
             reply = await stub.Prefill(request, timeout=600)

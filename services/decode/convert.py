@@ -15,9 +15,9 @@ def layout(kv_layout: KVLayout, model_fingerprint: str) -> kv_pb2.KvLayout:
     return layout_to_proto(kv_layout, model_fingerprint)
 
 
-def admitted(block_ids: list[int], kv_lease_ms: int) -> decode_pb2.GenerateResponse:
+def admitted(prompt_block_ids: list[int], kv_lease_ms: int) -> decode_pb2.GenerateResponse:
     return decode_pb2.GenerateResponse(
-        admitted=decode_pb2.Admitted(block_ids=block_ids, kv_lease_ms=kv_lease_ms)
+        admitted=decode_pb2.Admitted(prompt_block_ids=prompt_block_ids, kv_lease_ms=kv_lease_ms)
     )
 
 

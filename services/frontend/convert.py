@@ -148,7 +148,9 @@ def decode_event(event: decode_pb2.GenerateResponse) -> Admitted | Tokens | None
     """None for an event this version does not know."""
     kind = event.WhichOneof("event")
     if kind == "admitted":
-        return Admitted(list(event.admitted.block_ids))
+        admitted = event.admitted
+        # block_ids: the deprecated name, from a decode instance older than this frontend.
+        return Admitted(list(admitted.prompt_block_ids or admitted.block_ids))
     if kind == "tokens":
         tokens = event.tokens
         return Tokens(
@@ -168,9 +170,11 @@ def prefill_request(
 ) -> prefill_pb2.PrefillRequest:
     return prefill_pb2.PrefillRequest(
         request_id=request_id,
-        token_ids=prompt_token_ids,
+        prompt_token_ids=prompt_token_ids,
         sampling=sampling_params_to_proto(sampling),
-        destination=prefill_pb2.KvDestination(address=decode_address, block_ids=prompt_block_ids),
+        destination=prefill_pb2.KvDestination(
+            address=decode_address, prompt_block_ids=prompt_block_ids
+        ),
     )
 
 

@@ -1,7 +1,9 @@
 """Proto -> domain for the prefill service: a PrefillRequest becomes a validated PrefillTask.
 
-Every violation is reported at once, each naming its field (`token_ids[3]`, `sampling.top_p`,
-`destination.block_ids`), as INVALID_ARGUMENT with BadRequest details.
+Every violation is reported at once, each naming its field as the caller set it
+(`prompt_token_ids[3]`, `sampling.top_p`, `destination.prompt_block_ids`), as INVALID_ARGUMENT
+with BadRequest details. The deprecated `token_ids` and `destination.block_ids` are read when
+their replacements are empty (a frontend older than this service), and then named in errors.
 """
 
 from __future__ import annotations
@@ -32,12 +34,13 @@ def prefill_task(
         bad("request_id", request.request_id, "must be set")
     elif len(request.request_id) > _MAX_REQUEST_ID_CHARS:
         bad("request_id", request.request_id, f"longer than {_MAX_REQUEST_ID_CHARS} characters")
-    token_ids = list(request.token_ids)
+    ids_field = "prompt_token_ids" if request.prompt_token_ids else "token_ids"
+    token_ids = list(getattr(request, ids_field))
     if not token_ids:
-        bad("token_ids", token_ids, "must hold at least one token")
+        bad(ids_field, token_ids, "must hold at least one token (set prompt_token_ids)")
     elif len(token_ids) > max_prompt_tokens:
         bad(
-            "token_ids",
+            ids_field,
             f"{len(token_ids)} tokens",
             f"longer than this instance's max_prompt_tokens {max_prompt_tokens}",
         )
@@ -45,15 +48,17 @@ def prefill_task(
         outside = [i for i, t in enumerate(token_ids) if t >= vocab_size]
         if outside:
             i = outside[0]
-            bad(f"token_ids[{i}]", token_ids[i], f"outside the vocabulary [0, {vocab_size})")
+            bad(f"{ids_field}[{i}]", token_ids[i], f"outside the vocabulary [0, {vocab_size})")
     destination = request.destination
     if not destination.address:
         bad("destination.address", destination.address, "must be the decode's host:port")
+    blocks_field = "prompt_block_ids" if destination.prompt_block_ids else "block_ids"
+    prompt_block_ids = list(getattr(destination, blocks_field))
     need = blocks_needed(len(token_ids), block_size)
-    if not violations and len(destination.block_ids) < need:  # judged only for a valid prompt
+    if not violations and len(prompt_block_ids) < need:  # judged only for a valid prompt
         bad(
-            "destination.block_ids",
-            f"{len(destination.block_ids)} block ids",
+            f"destination.{blocks_field}",
+            f"{len(prompt_block_ids)} block ids",
             f"a {len(token_ids)}-token prompt needs {need} blocks of {block_size} tokens",
         )
     try:
@@ -67,5 +72,5 @@ def prefill_task(
         token_ids=token_ids,
         sampling=sampling,
         address=destination.address,
-        dest_block_ids=list(destination.block_ids[:need]),
+        dest_block_ids=prompt_block_ids[:need],
     )

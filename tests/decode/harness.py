@@ -195,7 +195,7 @@ class Client:
         call = self.decode.Generate(request, timeout=30)
         first = await call.read()
         assert first.WhichOneof("event") == "admitted", first
-        return call, list(first.admitted.block_ids)
+        return call, list(first.admitted.prompt_block_ids)
 
     async def collect(self, call: Any, outcome: Outcome) -> Outcome:
         while (response := await call.read()) is not grpc.aio.EOF:

@@ -85,7 +85,7 @@ class FakeDecode(decode_pb2_grpc.DecodeServiceServicer):
         try:
             if self.full:
                 raise errors.ResourceExhausted("fake decode is full", retry_after_s=0.25)
-            yield decode_pb2.GenerateResponse(admitted=decode_pb2.Admitted(block_ids=[1, 2]))
+            yield decode_pb2.GenerateResponse(admitted=decode_pb2.Admitted(prompt_block_ids=[1, 2]))
             await self.kv_landed.wait()
             for i, token_ids in enumerate(self.script):
                 if self.fail_after is not None and i >= self.fail_after:
@@ -124,7 +124,9 @@ class FakePrefill(prefill_pb2_grpc.PrefillServiceServicer):
         if self.error is not None:
             raise self.error
         self.decodes[request.destination.address].kv_landed.set()
-        return prefill_pb2.PrefillResponse(num_prompt_tokens=len(request.token_ids), kv_bytes=64)
+        return prefill_pb2.PrefillResponse(
+            num_prompt_tokens=len(request.prompt_token_ids), kv_bytes=64
+        )
 
     async def Info(self, request: Any, context: Any) -> Any:
         return prefill_pb2.InfoResponse(

@@ -64,9 +64,9 @@ def test_streams_text_and_sends_fully_resolved_sampling_downstream() -> None:
                 assert list(sent.stop_token_ids) == [EOS]  # the tokenizer's EOS ids
             assert decoded.sampling == prefilled.sampling  # same seed on both sides
             assert decoded.request_id == prefilled.request_id == last.request_id
-            assert list(decoded.prompt_token_ids) == list(prefilled.token_ids) == ids("hi")
+            assert list(decoded.prompt_token_ids) == list(prefilled.prompt_token_ids) == ids("hi")
             assert decoded.prefill_layout == layout()
-            assert list(prefilled.destination.block_ids) == [1, 2]
+            assert list(prefilled.destination.prompt_block_ids) == [1, 2]
             assert prefilled.destination.address in s.servers
 
     asyncio.run(main())

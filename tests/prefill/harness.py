@@ -131,9 +131,9 @@ def prefill_request(
 
     return prefill_pb2.PrefillRequest(
         request_id=request_id,
-        token_ids=token_ids,
+        prompt_token_ids=token_ids,
         sampling=sampling_pb2.SamplingParams(**{"temperature": 0.0, **sampling}),
-        destination=prefill_pb2.KvDestination(address=address, block_ids=block_ids),
+        destination=prefill_pb2.KvDestination(address=address, prompt_block_ids=block_ids),
     )
 
 

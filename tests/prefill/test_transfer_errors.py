@@ -334,6 +334,43 @@ def test_bad_requests_are_invalid_argument_naming_the_field(
     asyncio.run(main())
 
 
+@pytest.mark.parametrize(
+    ("request_fields", "fields"),
+    [
+        ({"prompt_token_ids": [5, 6, 512]}, ["prompt_token_ids[2]"]),
+        ({"prompt_token_ids": [5] * 20, "prompt_block_ids": [0]}, ["destination.prompt_block_ids"]),
+        # Both names set: the current ones win, the deprecated ones are not read.
+        ({"prompt_token_ids": [5] * 20, "token_ids": [512]}, []),
+    ],
+)
+def test_current_field_names_are_read_and_named(
+    tiny: TinyModel, request_fields: dict[str, list[int]], fields: list[str]
+) -> None:
+    request = prefill_pb2.PrefillRequest(
+        request_id="r",
+        prompt_token_ids=request_fields["prompt_token_ids"],
+        token_ids=request_fields.get("token_ids", []),
+        sampling=sampling_pb2.SamplingParams(temperature=0.0),
+        destination=prefill_pb2.KvDestination(
+            address="127.0.0.1:1", prompt_block_ids=request_fields.get("prompt_block_ids", [0, 1])
+        ),
+    )
+
+    async def main() -> None:
+        async with prefill_service(tiny, num_blocks=128, max_queued_tokens=2048) as h:
+            if not fields:  # valid: it fails later, reaching the (absent) decode instance
+                err = await failed(h.stub.Prefill(request))
+                assert err.code() is not grpc.StatusCode.INVALID_ARGUMENT, err.details()
+                return
+            err = await failed(h.stub.Prefill(request))
+        assert err.code() is grpc.StatusCode.INVALID_ARGUMENT, err.details()
+        bad_request = bad_request_of(err)
+        assert bad_request is not None
+        assert [v.field for v in bad_request.field_violations] == fields
+
+    asyncio.run(main())
+
+
 def test_prompt_longer_than_the_pool_is_invalid_argument(tiny: TinyModel) -> None:
     async def main() -> None:
         async with prefill_service(tiny, num_blocks=4, max_queued_tokens=1000) as h:

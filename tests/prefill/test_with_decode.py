@@ -72,7 +72,9 @@ def test_decode_continues_from_prefill_kv(
             )
             events = aiter(stream)
             admitted = (await anext(events)).admitted
-            request = prefill_request(request_id, prompt, decode.address, list(admitted.block_ids))
+            request = prefill_request(
+                request_id, prompt, decode.address, list(admitted.prompt_block_ids)
+            )
             reply = await prefill.stub.Prefill(request, timeout=30)
             tokens: list[int] = []
             async for event in events:
