@@ -142,14 +142,15 @@ def _start(command: list[str]) -> tuple[subprocess.Popen[str], str]:
 
 # ---- where the KV goes: a fixed block range, or a reservation made with decode --------------
 
-# reserve(request_id) -> block ids; the context holds the reservation for the transfer.
-Reserve = Callable[[str], contextlib.AbstractAsyncContextManager[list[int]]]
+# reserve(request_id) -> the reservation (prompt block ids and transfer token); the context
+# holds it for the transfer.
+Reserve = Callable[[str], contextlib.AbstractAsyncContextManager[decode_pb2.Admitted]]
 
 
 def fixed_blocks(num_blocks: int) -> Reserve:
     @contextlib.asynccontextmanager
-    async def reserve(request_id: str) -> AsyncIterator[list[int]]:
-        yield list(range(num_blocks))
+    async def reserve(request_id: str) -> AsyncIterator[decode_pb2.Admitted]:
+        yield decode_pb2.Admitted(prompt_block_ids=range(num_blocks))
 
     return reserve
 
@@ -160,7 +161,7 @@ def decode_reservation(
     stub = decode_pb2_grpc.DecodeServiceStub(channel)
 
     @contextlib.asynccontextmanager
-    async def reserve(request_id: str) -> AsyncIterator[list[int]]:
+    async def reserve(request_id: str) -> AsyncIterator[decode_pb2.Admitted]:
         stream = stub.Generate(
             decode_pb2.GenerateRequest(
                 request_id=request_id,
@@ -172,7 +173,7 @@ def decode_reservation(
         )
         events = aiter(stream)
         admitted = (await anext(events)).admitted
-        yield list(admitted.prompt_block_ids)
+        yield admitted
         async for _ in events:  # decode's token event: the request is done, blocks freed
             pass
 
@@ -206,12 +207,16 @@ async def compute_and_handoff(
         # In a thread, like the service's worker; the event loop idles meanwhile.
         alone = await asyncio.to_thread(compute_alone, model, prompt)
         request_id = f"full-{i}-{time.monotonic_ns()}"
-        async with reserve(request_id) as block_ids:
+        async with reserve(request_id) as admitted:
             request = prefill_pb2.PrefillRequest(
                 request_id=request_id,
                 prompt_token_ids=prompt,
                 sampling=sampling_pb2.SamplingParams(temperature=0.0),
-                destination=prefill_pb2.KvDestination(address=address, prompt_block_ids=block_ids),
+                destination=prefill_pb2.KvDestination(
+                    address=address,
+                    prompt_block_ids=admitted.prompt_block_ids,
+                    transfer_token=admitted.transfer_token,
+                ),
             )
             start = time.perf_counter()
             reply = await stub.Prefill(request, timeout=600)
@@ -231,8 +236,15 @@ async def kv_path_alone(
         async with insecure_channel(address, max_message_bytes=256 << 20) as channel:
             for i in range(repeats + 1):
                 request_id = f"path-{i}-{time.monotonic_ns()}"
-                async with reserve(request_id) as block_ids:
-                    task = PrefillTask(request_id, prompt, SamplingParams(), address, block_ids)
+                async with reserve(request_id) as admitted:
+                    task = PrefillTask(
+                        request_id,
+                        prompt,
+                        SamplingParams(),
+                        address,
+                        list(admitted.prompt_block_ids),
+                        transfer_token=admitted.transfer_token,
+                    )
                     sender = KvSender(
                         task,
                         channel=channel,

@@ -44,6 +44,11 @@ class InvalidArgument(MiliError):
         return err
 
 
+class PermissionDenied(MiliError):
+    """The caller may not do this, e.g. send KV without the request's transfer token, or ask
+    prefill to send KV to an address it may not talk to (PERMISSION_DENIED)."""
+
+
 class NotFound(MiliError):
     """A named entity (request id, model) does not exist (NOT_FOUND)."""
 

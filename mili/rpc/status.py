@@ -40,6 +40,7 @@ _MAX_DESCRIPTION_CHARS = 200
 _CODES: tuple[tuple[type[errors.MiliError], grpc.StatusCode], ...] = (
     (errors.InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
     (errors.NotFound, grpc.StatusCode.NOT_FOUND),
+    (errors.PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
     (errors.FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
     (errors.ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (errors.Unavailable, grpc.StatusCode.UNAVAILABLE),

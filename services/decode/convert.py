@@ -8,6 +8,7 @@ from mili.engine.kv_cache import KVLayout
 from mili.kv.v1 import kv_pb2
 from mili.rpc.kv_codec import layout_to_proto
 from mili.rpc.sampling import finish_reason_to_proto, logprobs_to_proto
+from services.decode.requests import DecodeRequest
 from services.decode.stream import TokenEvent
 
 
@@ -15,9 +16,13 @@ def layout(kv_layout: KVLayout, model_fingerprint: str) -> kv_pb2.KvLayout:
     return layout_to_proto(kv_layout, model_fingerprint)
 
 
-def admitted(prompt_block_ids: list[int], kv_lease_ms: int) -> decode_pb2.GenerateResponse:
+def admitted(request: DecodeRequest) -> decode_pb2.GenerateResponse:
     return decode_pb2.GenerateResponse(
-        admitted=decode_pb2.Admitted(prompt_block_ids=prompt_block_ids, kv_lease_ms=kv_lease_ms)
+        admitted=decode_pb2.Admitted(
+            prompt_block_ids=request.prompt_block_ids,
+            kv_lease_ms=request.lease_ms,
+            transfer_token=request.transfer_token,
+        )
     )
 
 

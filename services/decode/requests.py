@@ -22,6 +22,8 @@ reach it through this table.
 from __future__ import annotations
 
 import enum
+import hmac
+import secrets
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -30,7 +32,7 @@ from opentelemetry.trace import SpanContext
 
 from mili.engine.block_pool import BlockPool, BlockPoolExhausted, blocks_needed
 from mili.engine.sampling_params import SamplingParams
-from mili.errors import InvalidArgument, NotFound, ResourceExhausted
+from mili.errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 from services.decode.stream import TokenStream
 
 
@@ -52,6 +54,10 @@ class DecodeRequest:
     num_prompt_blocks: int  # block_table[:num_prompt_blocks] hold the prompt (prefill fills them)
     lease_deadline: float  # monotonic seconds; the KV must be committed before
     lease_ms: int
+    # The secret a transfer's header must carry (handed out in Admitted): whoever else learns
+    # the request's id cannot fill, or end, its reservation.
+    transfer_token: str = field(default_factory=lambda: secrets.token_hex(16))
+    client_request_id: str = ""  # the caller's own id, a label for logs and traces
     stream: TokenStream = field(default_factory=TokenStream)
     state: RequestState = RequestState.WAITING
     is_cancelled: bool = False  # RUNNING only: the batch thread drops it at its next step
@@ -131,6 +137,7 @@ class RequestTable:
         now: float,
         stream: TokenStream | None = None,
         retry_after_s: float | None = None,
+        client_request_id: str = "",
     ) -> DecodeRequest:
         """Reserve blocks for the whole generation (all or nothing) and register the request.
 
@@ -167,18 +174,28 @@ class RequestTable:
                 lease_deadline=now + lease_ms / 1000,
                 lease_ms=lease_ms,
                 stream=stream if stream is not None else TokenStream(),
+                client_request_id=client_request_id,
             )
             self._requests[request_id] = request
             return request
 
-    def begin_transfer(self, request_id: str) -> DecodeRequest:
-        """WAITING -> TRANSFERRING for the transfer naming `request_id`; NotFound otherwise."""
+    def begin_transfer(self, request_id: str, transfer_token: str) -> DecodeRequest:
+        """WAITING -> TRANSFERRING for the transfer naming `request_id` with its token.
+
+        NotFound when no such request waits; PermissionDenied, changing nothing, when the token
+        is not the request's (a forged or misdirected header must not end someone's request).
+        """
         with self._lock:
             request = self._requests.get(request_id)
             if request is None:
                 raise NotFound(
                     f"no reservation for request {request_id!r} on this decode instance "
                     "(never admitted, or it expired, was cancelled or failed)"
+                )
+            if not hmac.compare_digest(request.transfer_token, transfer_token):
+                raise PermissionDenied(
+                    f"the KV transfer for request {request_id!r} does not carry the request's "
+                    "transfer token: only the prefill instance the frontend chose may send it"
                 )
             if request.state is not RequestState.WAITING:
                 raise NotFound(

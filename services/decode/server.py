@@ -63,13 +63,18 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 f"{len(prompt)} prompt tokens + max_tokens exceed the model's context of "
                 f"{inst.max_context_tokens} tokens",
             )
-        if request.HasField("prefill_layout"):
-            check_compatible(
-                self._layout,
-                request.prefill_layout,
-                local_name="this decode instance",
-                remote_name="the prefill instance",
+        if not request.HasField("prefill_layout"):
+            # Without it a mismatch would surface only as a failed transfer, after the blocks
+            # were held for a whole lease.
+            raise InvalidArgument(
+                "prefill_layout", None, "required: the KV layout of the prefill instance"
             )
+        check_compatible(
+            self._layout,
+            request.prefill_layout,
+            local_name="this decode instance",
+            remote_name="the prefill instance",
+        )
         # A caller may ask for a shorter lease, never a longer one: the operator's --kv-lease-ms
         # bounds how long a vanished prefill can strand blocks. Admitted reports the one in force.
         lease_ms = min(request.kv_lease_ms or inst.config.kv_lease_ms, inst.config.kv_lease_ms)
@@ -82,11 +87,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             now=self._clock(),
             stream=stream,
             retry_after_s=inst.config.retry_after_s,
+            client_request_id=request.client_request_id,
         )
         span = _TRACER.start_span(
             "decode request",
             attributes={
                 "mili.request_id": request_id,
+                "mili.client_request_id": request.client_request_id,
                 "mili.decode.num_prompt_tokens": len(prompt),
                 "mili.decode.num_blocks": len(req.block_table),
             },
@@ -96,7 +103,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             req.span_context = span.get_span_context()
         num_tokens = 0
         try:
-            yield convert.admitted(req.prompt_block_ids, lease_ms)
+            yield convert.admitted(req)
             async for event in self._events(req):
                 if is_traced:
                     if not num_tokens:

@@ -219,7 +219,8 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
         if not isinstance(first, kv_pb2.TransferKvRequest) or first.WhichOneof("kind") != "header":
             raise DataLoss("a KV transfer must start with a header message")
         header = first.header
-        request = self._instance.table.begin_transfer(header.request_id)  # NotFound
+        # NotFound, PermissionDenied (then the request is left as it was)
+        request = self._instance.table.begin_transfer(header.request_id, header.transfer_token)
         try:
             return await self._receive(request, header, messages)
         except asyncio.CancelledError:

@@ -56,10 +56,28 @@ class TokenizerFacts:
 
 
 @dataclass(frozen=True)
+class RequestIds:
+    """A request's two ids. Prefill and decode key on `request_id`, minted by this frontend and
+    unique per process start; the caller's own id is only a label (two callers may both send
+    "1"), echoed back and logged."""
+
+    request_id: str
+    client_request_id: str
+
+
+@dataclass(frozen=True)
+class Prompt:
+    token_ids: tuple[int, ...]
+    sampling: SamplingParams  # max_tokens fitted to the context, EOS ids among the stop ids
+
+
+@dataclass(frozen=True)
 class Admitted:
-    """Decode reserved the request's KV blocks; prefill writes the prompt's into these."""
+    """Decode reserved the request's KV blocks; prefill writes the prompt's into these, and its
+    transfer must carry `transfer_token` (decode refuses it otherwise)."""
 
     prompt_block_ids: list[int]
+    transfer_token: str
 
 
 @dataclass(frozen=True)
@@ -132,12 +150,7 @@ class Downstream(Protocol):
         ...
 
     def generate(
-        self,
-        route: Route,
-        request_id: str,
-        prompt_token_ids: tuple[int, ...],
-        sampling: SamplingParams,
-        deadline: Deadline,
+        self, route: Route, ids: RequestIds, prompt: Prompt, deadline: Deadline
     ) -> DecodeStream:
         """Open decode's Generate for `route` (with route.prefill's KV layout to check)."""
         ...
@@ -145,13 +158,12 @@ class Downstream(Protocol):
     def prefill(
         self,
         route: Route,
-        request_id: str,
-        prompt_token_ids: tuple[int, ...],
-        sampling: SamplingParams,
-        prompt_block_ids: list[int],
+        ids: RequestIds,
+        prompt: Prompt,
+        admitted: Admitted,
         deadline: Deadline,
     ) -> asyncio.Future[PrefillStats]:
-        """Start prefill's call that sends the prompt's KV into decode's `prompt_block_ids`;
+        """Start prefill's call that sends the prompt's KV into the blocks decode `admitted`;
         cancelling the future cancels the call."""
         ...
 

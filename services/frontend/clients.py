@@ -9,7 +9,6 @@ from typing import Any
 
 import grpc
 
-from mili.engine.sampling_params import SamplingParams
 from services.frontend import convert
 from services.frontend.backends import Backends
 from services.frontend.calls import (
@@ -17,6 +16,8 @@ from services.frontend.calls import (
     Deadline,
     InstanceDown,
     PrefillStats,
+    Prompt,
+    RequestIds,
     TokenizerFacts,
     Tokens,
 )
@@ -67,19 +68,10 @@ class GrpcDownstream:
         return self._backends.decode_layouts[address].block_size or 1
 
     def generate(
-        self,
-        route: Route,
-        request_id: str,
-        prompt_token_ids: tuple[int, ...],
-        sampling: SamplingParams,
-        deadline: Deadline,
+        self, route: Route, ids: RequestIds, prompt: Prompt, deadline: Deadline
     ) -> _DecodeStream:
         request = convert.decode_request(
-            request_id,
-            prompt_token_ids,
-            sampling,
-            self._backends.prefill_layouts[route.prefill],
-            self._config.kv_lease_ms,
+            ids, prompt, self._backends.prefill_layouts[route.prefill], self._config.kv_lease_ms
         )
         call = self._backends.decode(route.decode).Generate(request, timeout=deadline.remaining())
         return _DecodeStream(call, f"decode at {route.decode}", deadline)
@@ -87,15 +79,12 @@ class GrpcDownstream:
     def prefill(
         self,
         route: Route,
-        request_id: str,
-        prompt_token_ids: tuple[int, ...],
-        sampling: SamplingParams,
-        prompt_block_ids: list[int],
+        ids: RequestIds,
+        prompt: Prompt,
+        admitted: Admitted,
         deadline: Deadline,
     ) -> asyncio.Future[PrefillStats]:
-        request = convert.prefill_request(
-            request_id, prompt_token_ids, sampling, route.decode, prompt_block_ids
-        )
+        request = convert.prefill_request(ids, prompt, route.decode, admitted)
         call = self._backends.prefill(route.prefill).Prefill(request, timeout=deadline.remaining())
         task = asyncio.ensure_future(_prefill_reply(call, f"prefill at {route.prefill}", deadline))
         # Cancelling the task before it first ran would leave the call running: cancel it too.

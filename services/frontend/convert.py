@@ -9,7 +9,6 @@ from collections.abc import Sequence
 
 from mili.common.v1 import chat_pb2, sampling_pb2
 from mili.decode.v1 import decode_pb2
-from mili.engine.sampling_params import SamplingParams
 from mili.frontend.v1 import generation_pb2
 from mili.kv.v1 import kv_pb2
 from mili.prefill.v1 import prefill_pb2
@@ -21,7 +20,7 @@ from mili.rpc.sampling import (
     sampling_params_to_proto,
 )
 from mili.tokenizer.v1 import tokenizer_pb2
-from services.frontend.calls import Admitted, PrefillStats, Tokens
+from services.frontend.calls import Admitted, PrefillStats, Prompt, RequestIds, Tokens
 from services.frontend.pipeline import Delta
 from services.frontend.validation import ChatTurn, RequestInput, SamplingInput, ValidRequest
 
@@ -129,16 +128,13 @@ def chat_messages(turns: tuple[ChatTurn, ...]) -> list[chat_pb2.ChatMessage]:
 
 
 def decode_request(
-    request_id: str,
-    prompt_token_ids: Sequence[int],
-    sampling: SamplingParams,
-    prefill_layout: kv_pb2.KvLayout,
-    kv_lease_ms: int,
+    ids: RequestIds, prompt: Prompt, prefill_layout: kv_pb2.KvLayout, kv_lease_ms: int
 ) -> decode_pb2.GenerateRequest:
     return decode_pb2.GenerateRequest(
-        request_id=request_id,
-        prompt_token_ids=prompt_token_ids,
-        sampling=sampling_params_to_proto(sampling),
+        request_id=ids.request_id,
+        client_request_id=ids.client_request_id,
+        prompt_token_ids=prompt.token_ids,
+        sampling=sampling_params_to_proto(prompt.sampling),
         prefill_layout=prefill_layout,
         kv_lease_ms=kv_lease_ms,
     )
@@ -150,7 +146,9 @@ def decode_event(event: decode_pb2.GenerateResponse) -> Admitted | Tokens | None
     if kind == "admitted":
         admitted = event.admitted
         # block_ids: the deprecated name, from a decode instance older than this frontend.
-        return Admitted(list(admitted.prompt_block_ids or admitted.block_ids))
+        return Admitted(
+            list(admitted.prompt_block_ids or admitted.block_ids), admitted.transfer_token
+        )
     if kind == "tokens":
         tokens = event.tokens
         return Tokens(
@@ -162,18 +160,17 @@ def decode_event(event: decode_pb2.GenerateResponse) -> Admitted | Tokens | None
 
 
 def prefill_request(
-    request_id: str,
-    prompt_token_ids: Sequence[int],
-    sampling: SamplingParams,
-    decode_address: str,
-    prompt_block_ids: Sequence[int],
+    ids: RequestIds, prompt: Prompt, decode_address: str, admitted: Admitted
 ) -> prefill_pb2.PrefillRequest:
     return prefill_pb2.PrefillRequest(
-        request_id=request_id,
-        prompt_token_ids=prompt_token_ids,
-        sampling=sampling_params_to_proto(sampling),
+        request_id=ids.request_id,
+        client_request_id=ids.client_request_id,
+        prompt_token_ids=prompt.token_ids,
+        sampling=sampling_params_to_proto(prompt.sampling),
         destination=prefill_pb2.KvDestination(
-            address=decode_address, prompt_block_ids=prompt_block_ids
+            address=decode_address,
+            prompt_block_ids=admitted.prompt_block_ids,
+            transfer_token=admitted.transfer_token,
         ),
     )
 

@@ -38,11 +38,12 @@ from services.frontend.calls import (
     Downstream,
     InstanceDown,
     PrefillStats,
+    Prompt,
+    RequestIds,
     TextStream,
     Tokens,
 )
 from services.frontend.config import FrontendConfig
-from services.frontend.prompt import Prompt
 from services.frontend.router import Route, Ticket
 from services.frontend.stop import StopMatcher
 
@@ -66,7 +67,7 @@ class _Admission:
     route: Route
     ticket: Ticket
     stream: DecodeStream
-    prompt_block_ids: list[int]
+    admitted: Admitted
 
 
 def clip_tokens(
@@ -92,7 +93,7 @@ class Generation:
         self,
         downstream: Downstream,
         config: FrontendConfig,
-        request_id: str,
+        ids: RequestIds,
         prompt: Prompt,
         deadline: Deadline,
         *,
@@ -101,7 +102,7 @@ class Generation:
         self._downstream = downstream
         self._config = config
         self._router = downstream.router
-        self._request_id = request_id
+        self._ids = ids
         self._prompt = prompt
         self._deadline = deadline
         self._prefill: asyncio.Future[PrefillStats] | None = None
@@ -180,9 +181,7 @@ class Generation:
         block_size = self._downstream.decode_block_size(route.decode)
         longest = len(prompt.token_ids) + prompt.sampling.max_tokens
         ticket = self._router.start(route, len(prompt.token_ids), -(-longest // block_size))
-        stream = self._downstream.generate(
-            route, self._request_id, prompt.token_ids, prompt.sampling, self._deadline
-        )
+        stream = self._downstream.generate(route, self._ids, prompt, self._deadline)
         who = f"decode at {route.decode}"
         try:
             first = await asyncio.wait_for(stream.read(), self._config.admit_timeout_s)
@@ -199,25 +198,21 @@ class Generation:
                 self._downstream.request_refresh(down=route.decode)
             raise
         _LOG.debug(
-            "%s: %d prompt tokens, prefill %s -> decode %s, blocks %s",
-            self._request_id,
+            "%s (id %s): %d prompt tokens, prefill %s -> decode %s, blocks %s",
+            self._ids.client_request_id,
+            self._ids.request_id,
             len(prompt.token_ids),
             route.prefill,
             route.decode,
             first.prompt_block_ids,
         )
-        return _Admission(route, ticket, stream, first.prompt_block_ids)
+        return _Admission(route, ticket, stream, first)
 
     # ---- 2. prefill --------------------------------------------------------------------------
 
     def _start_prefill(self, admission: _Admission) -> None:
         self._prefill = self._downstream.prefill(
-            admission.route,
-            self._request_id,
-            self._prompt.token_ids,
-            self._prompt.sampling,
-            admission.prompt_block_ids,
-            self._deadline,
+            admission.route, self._ids, self._prompt, admission.admitted, self._deadline
         )
 
     def _check_prefill(self, admission: _Admission) -> None:
@@ -316,9 +311,10 @@ class Generation:
             )
         ttft = "-" if self._first_token_s is None else f"{self._first_token_s * 1e3:.1f} ms"
         _LOG.info(
-            "%s done: prefill %s -> decode %s, %d prompt tokens, %d output tokens, finish %s, "
-            "ttft %s, total %.1f ms%s%s",
-            self._request_id,
+            "%s (id %s) done: prefill %s -> decode %s, %d prompt tokens, %d output tokens, "
+            "finish %s, ttft %s, total %.1f ms%s%s",
+            self._ids.client_request_id,
+            self._ids.request_id,
             admission.route.prefill,
             admission.route.decode,
             len(self._prompt.token_ids),

@@ -4,19 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from dataclasses import dataclass
 
-from mili.engine.sampling_params import SamplingParams
 from mili.errors import Unavailable
-from services.frontend.calls import Deadline, Downstream
+from services.frontend.calls import Deadline, Downstream, Prompt
 from services.frontend.config import FrontendConfig
 from services.frontend.validation import ValidRequest, check_token_ids, fit_context, with_eos
-
-
-@dataclass(frozen=True)
-class Prompt:
-    token_ids: tuple[int, ...]
-    sampling: SamplingParams  # max_tokens fitted to the context, EOS ids among the stop ids
 
 
 async def tokenize(

@@ -8,7 +8,10 @@ bad fields, RESOURCE_EXHAUSTED with RetryInfo, UNAVAILABLE naming the service th
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import logging
+import secrets
 import time
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
@@ -26,7 +29,7 @@ from mili.telemetry.metrics import FrontendMetrics
 from mili.telemetry.tracing import trace_ids
 from services.frontend import convert
 from services.frontend.backends import Backends
-from services.frontend.calls import Deadline
+from services.frontend.calls import Deadline, RequestIds
 from services.frontend.clients import GrpcDownstream
 from services.frontend.pipeline import Delta, Generation
 from services.frontend.prompt import tokenize
@@ -35,6 +38,9 @@ from services.frontend.validation import ValidRequest, validate
 _LOG = logging.getLogger("mili.frontend")
 # The global provider's tracer: a no-op until mili.telemetry.tracing installs one.
 _TRACER = trace.get_tracer("mili.frontend")
+
+# A call grpc ends this close to its deadline ended because of it (clocks differ a little).
+_DEADLINE_SLACK_S = 0.05
 
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
 
@@ -46,6 +52,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self._metrics = FrontendMetrics(CollectorRegistry()) if metrics is None else metrics
         self._config = backends.config
         self._num_running = 0
+        # Request ids for prefill and decode: this process's random prefix and a counter, so
+        # they never collide with another caller's, another frontend's or a restart's.
+        self._id_prefix = secrets.token_hex(6)
+        self._id_counter = itertools.count(1)
 
     async def Generate(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -115,19 +125,20 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             )
         self._num_running += 1
         received_at = time.monotonic()
+        ids = RequestIds(f"{self._id_prefix}-{next(self._id_counter)}", valid.request_id)
         model = self._backends.model
+        deadline = Deadline(context.time_remaining())
         # The trace's root on our side: every downstream call below is a child of this span.
         with _TRACER.start_as_current_span(
-            f"generate {model}", attributes=_request_attributes(model, valid)
+            f"generate {model}", attributes=_request_attributes(model, valid, ids)
         ) as span:
             try:
-                deadline = Deadline(context.time_remaining())
                 prompt = await tokenize(self._downstream, self._config, valid, deadline)
                 span.set_attribute("gen_ai.usage.input_tokens", len(prompt.token_ids))
                 generation = Generation(
                     self._downstream,
                     self._config,
-                    valid.request_id,
+                    ids,
                     prompt,
                     deadline,
                     received_at=received_at,
@@ -146,11 +157,29 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             except Exception as exc:
                 # The request's one log line when it fails (a finished one logs in Generation).
                 _LOG.info(
-                    "%s failed after %.1f ms: %s: %s%s",
-                    valid.request_id,
+                    "%s (id %s) failed after %.1f ms: %s: %s%s",
+                    ids.client_request_id,
+                    ids.request_id,
                     (time.monotonic() - received_at) * 1e3,
                     code_of(exc).name,
                     exc,
+                    trace_ids(span),
+                )
+                raise
+            except (asyncio.CancelledError, GeneratorExit):
+                # grpc ends the handler when the caller cancels or its deadline passes: the
+                # request's one log line says which (every downstream call is cancelled below).
+                code, why = "CANCELLED", "the caller cancelled"
+                remaining_s = context.time_remaining()  # grpc's own clock, which fired the end
+                if remaining_s is not None and remaining_s < _DEADLINE_SLACK_S:
+                    code, why = "DEADLINE_EXCEEDED", "the caller's deadline passed"
+                _LOG.info(
+                    "%s (id %s) %s after %.1f ms: %s%s",
+                    ids.client_request_id,
+                    ids.request_id,
+                    code,
+                    (time.monotonic() - received_at) * 1e3,
+                    why,
                     trace_ids(span),
                 )
                 raise
@@ -158,7 +187,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 self._num_running -= 1
 
 
-def _request_attributes(model: str, valid: ValidRequest) -> dict[str, str | int | float]:
+def _request_attributes(
+    model: str, valid: ValidRequest, ids: RequestIds
+) -> dict[str, str | int | float]:
     return {
         "gen_ai.operation.name": "generate",
         "gen_ai.system": "mili",
@@ -167,6 +198,7 @@ def _request_attributes(model: str, valid: ValidRequest) -> dict[str, str | int 
         "gen_ai.request.temperature": valid.sampling.temperature,
         "gen_ai.request.top_p": valid.sampling.top_p,
         "gen_ai.response.id": valid.request_id,
+        "mili.request_id": ids.request_id,
     }
 
 

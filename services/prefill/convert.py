@@ -73,4 +73,6 @@ def prefill_task(
         sampling=sampling,
         address=destination.address,
         dest_block_ids=prompt_block_ids[:need],
+        transfer_token=destination.transfer_token,
+        client_request_id=request.client_request_id,
     )

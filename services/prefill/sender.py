@@ -178,6 +178,7 @@ class KvSender:
             layout=self._layout,
             num_tokens=len(task.token_ids),
             num_chunks=self._num_chunks,
+            transfer_token=task.transfer_token,
         )
         try:
             # The header is on the wire before the prompt can reach a forward: decode checks

@@ -24,6 +24,8 @@ class PrefillTask:
     sampling: SamplingParams
     address: str  # host:port of the decode instance's KvTransferService
     dest_block_ids: list[int]
+    transfer_token: str = ""  # decode's secret for this request, sent back in the header
+    client_request_id: str = ""  # the caller's own id: a label for logs and traces
     # The request's span on this instance, when traced: the batched step that computes the
     # prompt links to it (mili.telemetry.tracing). None when tracing is off.
     span_context: SpanContext | None = None

@@ -133,7 +133,8 @@ class PrefillPlayer:
         prefilled: Prefilled,
         layout: kv_pb2.KvLayout | None = None,
     ) -> list[kv_pb2.TransferKvRequest]:
-        """header, one chunk per layer (into the decode side's `block_ids`), commit."""
+        """header, one chunk per layer (into the decode side's `block_ids`), commit. The header
+        carries the reservation's transfer token when `block_ids` is a `Reserved`."""
         chunks = [
             encode_chunk(request_id, layer, layer, list(block_ids), k, v)
             for layer, (k, v) in enumerate(prefilled.kv)
@@ -143,6 +144,7 @@ class PrefillPlayer:
             layout=layout if layout is not None else self.layout(),
             num_tokens=len(prompt),
             num_chunks=len(chunks),
+            transfer_token=getattr(block_ids, "transfer_token", ""),
         )
         commit = kv_pb2.TransferCommit(first_token_id=prefilled.first_token_id)
         if prefilled.first_logprobs is not None:
@@ -180,22 +182,44 @@ class Outcome:
     num_events: int = 0
 
 
+class Reserved(list[int]):
+    """The prompt block ids decode reserved, and the token its transfer must carry."""
+
+    def __init__(self, block_ids: Sequence[int], transfer_token: str) -> None:
+        super().__init__(block_ids)
+        self.transfer_token = transfer_token
+
+
 class Client:
     """Stubs for both services on one channel."""
 
     def __init__(self, channel: grpc.aio.Channel) -> None:
         self.decode = decode_pb2_grpc.DecodeServiceStub(channel)
         self.kv = kv_pb2_grpc.KvTransferServiceStub(channel)
+        self.layout: kv_pb2.KvLayout | None = None  # the instance's, once Info was called
 
     async def info(self) -> decode_pb2.InfoResponse:
-        return await self.decode.Info(decode_pb2.InfoRequest(), timeout=5)
+        info = await self.decode.Info(decode_pb2.InfoRequest(), timeout=5)
+        self.layout = info.kv_layout
+        return info
 
-    async def admit(self, request: decode_pb2.GenerateRequest) -> tuple[Any, list[int]]:
-        """Start Generate; return the call and the reserved prompt block ids."""
-        call = self.decode.Generate(request, timeout=30)
+    def generate(self, request: decode_pb2.GenerateRequest, timeout: float) -> Any:
+        """decode.Generate with the instance's own layout as prefill's (what a frontend sends
+        for a compatible pair) unless `request` names one; call `info()` once first."""
+        if not request.HasField("prefill_layout"):
+            assert self.layout is not None, "call info() first"
+            request.prefill_layout.CopyFrom(self.layout)
+        return self.decode.Generate(request, timeout=timeout)
+
+    async def admit(self, request: decode_pb2.GenerateRequest) -> tuple[Any, Reserved]:
+        """Start Generate; return the call and the reservation."""
+        if self.layout is None:
+            await self.info()
+        call = self.generate(request, timeout=30)
         first = await call.read()
         assert first.WhichOneof("event") == "admitted", first
-        return call, list(first.admitted.prompt_block_ids)
+        admitted = first.admitted
+        return call, Reserved(admitted.prompt_block_ids, admitted.transfer_token)
 
     async def collect(self, call: Any, outcome: Outcome) -> Outcome:
         while (response := await call.read()) is not grpc.aio.EOF:
@@ -232,7 +256,7 @@ class Client:
         await transfer.done_writing()
         reply = await transfer
         assert reply.num_blocks == len(block_ids)
-        return await self.collect(call, Outcome(block_ids=block_ids))
+        return await self.collect(call, Outcome(block_ids=list(block_ids)))
 
 
 def random_prompt(n: int, vocab_size: int, seed: int) -> list[int]:

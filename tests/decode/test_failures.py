@@ -20,6 +20,7 @@ from tests.decode.conftest import NUM_BLOCKS
 from tests.decode.harness import (
     Client,
     DecodeServerThread,
+    Outcome,
     PrefillPlayer,
     blocks_back,
     random_prompt,
@@ -85,7 +86,7 @@ def test_generate_deadline_while_waiting_for_kv_frees_blocks(
     decode_server: DecodeServerThread,
 ) -> None:
     async def body(client: Client) -> None:
-        call = client.decode.Generate(generate_request("deadline", [5, 6, 7], LONG), timeout=0.3)
+        call = client.generate(generate_request("deadline", [5, 6, 7], LONG), timeout=0.3)
         assert (await call.read()).WhichOneof("event") == "admitted"
         await expect_error(call.read(), Code.DEADLINE_EXCEEDED)
 
@@ -236,7 +237,7 @@ def test_layout_mismatch_is_refused_naming_both(
         for field, ours, theirs in [("block_size", 8, 16), ("dtype", "float32", "bfloat16")]:
             layout = player.layout(**{field: theirs})
             request = generate_request("layout", [5, 6], SHORT, prefill_layout=layout)
-            call = client.decode.Generate(request, timeout=5)
+            call = client.generate(request, timeout=5)
             err = await expect_error(call.read(), Code.FAILED_PRECONDITION)
             assert f"{field}={ours}" in err.details() and f"{field}={theirs}" in err.details()
         # The same check on the transfer's header fails the request too.
@@ -260,8 +261,13 @@ def test_transfer_for_unknown_or_busy_request_is_not_found(
         messages = [kv_pb2.TransferKvRequest(header=header)]
         await expect_error(client.kv.TransferKv(iter(messages)), Code.NOT_FOUND)
         # A second transfer for a request already receiving one.
-        call, _ = await client.admit(generate_request("busy", [5, 6], SHORT))
-        header = kv_pb2.TransferHeader(request_id="busy", layout=player.layout(), num_tokens=2)
+        call, reserved = await client.admit(generate_request("busy", [5, 6], SHORT))
+        header = kv_pb2.TransferHeader(
+            request_id="busy",
+            layout=player.layout(),
+            num_tokens=2,
+            transfer_token=reserved.transfer_token,
+        )
         first = client.kv.TransferKv(timeout=10)
         await first.write(kv_pb2.TransferKvRequest(header=header))
         await client.info()
@@ -271,6 +277,33 @@ def test_transfer_for_unknown_or_busy_request_is_not_found(
         call.cancel()  # the caller goes away: the transfer into its blocks stops at once
         err = await expect_error(first, Code.CANCELLED)
         assert "cancelled by its caller" in err.details()
+
+    run(decode_server, body)
+
+
+def test_a_forged_header_is_refused_and_leaves_the_request_alone(
+    decode_server: DecodeServerThread, player: PrefillPlayer
+) -> None:
+    """Whoever learns a request's id cannot fill or end its reservation: without the transfer
+    token from Admitted the header is PERMISSION_DENIED, and the real transfer still lands."""
+    prompt = random_prompt(9, player.vocab_size, seed=41)
+
+    async def body(client: Client) -> None:
+        call, reserved = await client.admit(generate_request("victim", prompt, SHORT))
+        prefilled = await asyncio.to_thread(player.prefill, prompt, SHORT)
+        genuine = player.messages("victim", prompt, reserved, prefilled)
+        for token in ("", "0" * 32, reserved.transfer_token[:-1] + "x"):
+            forged = [kv_pb2.TransferKvRequest() for _ in genuine]
+            for mine, theirs in zip(forged, genuine, strict=True):
+                mine.CopyFrom(theirs)
+            forged[0].header.transfer_token = token
+            err = await expect_error(client.kv.TransferKv(iter(forged)), Code.PERMISSION_DENIED)
+            assert "transfer token" in err.details()
+        assert (await client.info()).num_waiting == 1  # still waiting for its KV
+        reply = await client.kv.TransferKv(iter(genuine), timeout=30)
+        assert reply.num_blocks == len(reserved)
+        outcome = await client.collect(call, Outcome())
+        assert outcome.token_ids == player.reference(prompt, SHORT)
 
     run(decode_server, body)
 
@@ -289,7 +322,7 @@ def test_pool_too_small_is_resource_exhausted_with_retry_info(
         ]
         assert (await client.info()).num_free_blocks == NUM_BLOCKS - 4 * 31
         assert (await client.info()).num_waiting == 4
-        call = client.decode.Generate(generate_request("big-4", [5] * 8, big), timeout=5)
+        call = client.generate(generate_request("big-4", [5] * 8, big), timeout=5)
         err = await expect_error(call.read(), Code.RESOURCE_EXHAUSTED)
         assert "needs 31" in err.details()
         info = retry_info_of(err)
@@ -307,7 +340,7 @@ def test_admitted_request_bound_is_resource_exhausted(decode_server: DecodeServe
             (await client.admit(generate_request(f"small-{i}", [5], SHORT)))[0]
             for i in range(max_running)
         ]
-        call = client.decode.Generate(generate_request("one-too-many", [5], SHORT), timeout=5)
+        call = client.generate(generate_request("one-too-many", [5], SHORT), timeout=5)
         err = await expect_error(call.read(), Code.RESOURCE_EXHAUSTED)
         assert f"limit {max_running}" in err.details() and retry_info_of(err) is not None
         for call in calls:
@@ -340,7 +373,7 @@ def test_invalid_requests_name_their_fields(decode_server: DecodeServerThread, c
     request, fields = INVALID[case]
 
     async def body(client: Client) -> None:
-        call = client.decode.Generate(request, timeout=5)
+        call = client.generate(request, timeout=5)
         err = await expect_error(call.read(), Code.INVALID_ARGUMENT)
         bad_request = bad_request_of(err)
         assert bad_request is not None
@@ -352,7 +385,7 @@ def test_invalid_requests_name_their_fields(decode_server: DecodeServerThread, c
 def test_duplicate_active_request_id_is_refused(decode_server: DecodeServerThread) -> None:
     async def body(client: Client) -> None:
         call, _ = await client.admit(generate_request("twin", [5], SHORT))
-        twin = client.decode.Generate(generate_request("twin", [6], SHORT), timeout=5)
+        twin = client.generate(generate_request("twin", [6], SHORT), timeout=5)
         err = await expect_error(twin.read(), Code.INVALID_ARGUMENT)
         assert "already exists" in err.details()
         call.cancel()

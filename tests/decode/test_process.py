@@ -80,6 +80,7 @@ def test_kv_lease_flag_is_the_default_and_longest_lease(service: ServiceProcess)
     async def body() -> None:
         async with insecure_channel(service.address) as channel:
             client = Client(channel)
+            await client.info()
             for asked, granted in [(0, LEASE_MS), (60_000, LEASE_MS), (300, 300)]:
                 request = decode_pb2.GenerateRequest(
                     request_id=f"lease-{asked}",
@@ -87,7 +88,7 @@ def test_kv_lease_flag_is_the_default_and_longest_lease(service: ServiceProcess)
                     sampling=sampling(GREEDY),
                     kv_lease_ms=asked,
                 )
-                call = client.decode.Generate(request, timeout=10)
+                call = client.generate(request, timeout=10)
                 admitted = (await call.read()).admitted
                 assert admitted.kv_lease_ms == granted
                 started = time.monotonic()
@@ -104,12 +105,13 @@ def test_drain_fails_requests_waiting_for_kv_and_exits_zero(service: ServiceProc
     async def body() -> None:
         async with insecure_channel(service.address) as channel:
             client = Client(channel)
+            await client.info()
             request = decode_pb2.GenerateRequest(
                 request_id="drain",
                 prompt_token_ids=[5, 6, 7],
                 sampling=sampling(GREEDY),
             )
-            call = client.decode.Generate(request, timeout=30)
+            call = client.generate(request, timeout=30)
             await call.read()  # admitted
             started = time.monotonic()
             service.proc.send_signal(signal.SIGTERM)

@@ -6,7 +6,7 @@ import pytest
 
 from mili.engine.block_pool import BlockPool
 from mili.engine.sampling_params import SamplingParams
-from mili.errors import InvalidArgument, NotFound, ResourceExhausted
+from mili.errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 from services.decode.requests import RequestState, RequestTable, blocks_to_reserve
 
 
@@ -78,7 +78,7 @@ def test_lease_expires_only_while_waiting_for_kv_and_frees_to_the_back() -> None
 def test_transfer_pins_blocks_until_the_scatter_is_over() -> None:
     t = table()
     a = t.admit("a", [1] * 5, params(4), lease_ms=1000, now=0.0)
-    assert t.begin_transfer("a") is a
+    assert t.begin_transfer("a", a.transfer_token) is a
     assert t.pin(a)
     assert t.cancel(a)  # e.g. the caller went away mid-chunk
     assert a.state is RequestState.DONE
@@ -91,7 +91,7 @@ def test_transfer_pins_blocks_until_the_scatter_is_over() -> None:
 def test_running_requests_are_freed_by_the_batch_thread_only() -> None:
     t = table()
     a = t.admit("a", [1] * 5, params(4), lease_ms=1000, now=0.0)
-    t.begin_transfer("a")
+    t.begin_transfer("a", a.transfer_token)
     assert t.start_running(a)
     assert (t.num_waiting, t.num_running) == (0, 1)
     assert not t.expire(a, now=100.0)  # the lease covers the wait for KV only
@@ -107,12 +107,24 @@ def test_running_requests_are_freed_by_the_batch_thread_only() -> None:
 def test_begin_transfer_needs_a_waiting_reservation() -> None:
     t = table()
     with pytest.raises(NotFound, match="no reservation"):
-        t.begin_transfer("nobody")
+        t.begin_transfer("nobody", "")
     a = t.admit("a", [1], params(1), lease_ms=1000, now=0.0)
-    t.begin_transfer("a")
+    t.begin_transfer("a", a.transfer_token)
     with pytest.raises(NotFound, match="transferring"):
-        t.begin_transfer("a")
+        t.begin_transfer("a", a.transfer_token)
     assert t.cancel(a)
     assert not t.start_running(a)  # a commit after the request ended changes nothing
     with pytest.raises(NotFound):
-        t.begin_transfer("a")
+        t.begin_transfer("a", a.transfer_token)
+
+
+def test_begin_transfer_needs_the_request_token_and_changes_nothing_without_it() -> None:
+    t = table()
+    a = t.admit("a", [1] * 5, params(4), lease_ms=1000, now=0.0)
+    b = t.admit("b", [1] * 5, params(4), lease_ms=1000, now=0.0)
+    assert len(a.transfer_token) == 32 and a.transfer_token != b.transfer_token
+    for token in ("", b.transfer_token, a.transfer_token.upper()):
+        with pytest.raises(PermissionDenied, match="transfer token"):
+            t.begin_transfer("a", token)
+    assert a.state is RequestState.WAITING and t.num_waiting == 2
+    assert t.begin_transfer("a", a.transfer_token) is a

@@ -239,3 +239,62 @@ def test_cancel_during_prefill_handoff_frees_every_block(deployment: Deployment)
                 pass
         timer.join()
     deployment.wait_free_blocks(start)
+
+
+def test_two_callers_with_the_same_request_id_both_succeed(
+    deployment: Deployment, prompts: list[list[int]], reference
+) -> None:
+    """Prefill and decode key on ids the frontend mints: callers that number their requests
+    alike (two `mili bench` runs, two backends counting from 1) never collide."""
+    batch = [prompts[0], prompts[2], prompts[1], prompts[0]]
+
+    def run(prompt: list[int]) -> tuple[list[int], set[str]]:
+        request = greedy(prompt)
+        request.request_id = "same-id"
+        responses = list(deployment.stub().Generate(request, timeout=60))
+        return [t for r in responses for t in r.token_ids], {r.request_id for r in responses}
+
+    with ThreadPoolExecutor(max_workers=len(batch)) as pool:
+        results = list(pool.map(run, batch))
+    for prompt, (tokens, echoed) in zip(batch, results, strict=True):
+        assert echoed == {"same-id"}  # the caller's id comes back as sent
+        assert tokens == reference(prompt)
+    done = [
+        line
+        for line in deployment.frontend.stderr_lines
+        if "same-id (id " in line and " done:" in line
+    ]
+    minted = {line.split("(id ")[1].split(")")[0] for line in done}
+    assert len(minted) == len(batch)  # one internal id per request, each logged with the label
+
+
+def _wait_for_log(deployment: Deployment, text: str, timeout_s: float = 5.0) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        lines = [line for line in deployment.frontend.stderr_lines if text in line]
+        if lines:
+            return lines[-1]
+        time.sleep(0.05)
+    raise AssertionError(f"no frontend log line with {text!r}")
+
+
+def test_cancelled_and_late_requests_get_their_one_log_line(deployment: Deployment) -> None:
+    start = deployment.free_blocks()
+    request = _long_request()
+    request.request_id = "walks-away"
+    call = deployment.stub().Generate(request, timeout=60)
+    next(iter(call))
+    call.cancel()
+    line = _wait_for_log(deployment, "walks-away (id ")
+    assert "CANCELLED after" in line and "the caller cancelled" in line, line
+    # Deadlines in every phase: before admission, during prefill, while streaming.
+    for i, timeout_s in enumerate((0.02, 0.3, 1.0)):
+        request = _long_request()
+        request.request_id = f"late-{i}"
+        with pytest.raises(grpc.RpcError) as info:
+            list(deployment.stub().Generate(request, timeout=timeout_s))
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        line = _wait_for_log(deployment, f"late-{i} (id ")
+        assert "DEADLINE_EXCEEDED" in line, line
+    deployment.wait_free_blocks(start)
+    assert "Task exception was never retrieved" not in deployment.frontend.stderr

@@ -85,7 +85,11 @@ class FakeDecode(decode_pb2_grpc.DecodeServiceServicer):
         try:
             if self.full:
                 raise errors.ResourceExhausted("fake decode is full", retry_after_s=0.25)
-            yield decode_pb2.GenerateResponse(admitted=decode_pb2.Admitted(prompt_block_ids=[1, 2]))
+            yield decode_pb2.GenerateResponse(
+                admitted=decode_pb2.Admitted(
+                    prompt_block_ids=[1, 2], transfer_token="token-of-fake-decode"
+                )
+            )
             await self.kv_landed.wait()
             for i, token_ids in enumerate(self.script):
                 if self.fail_after is not None and i >= self.fail_after:

@@ -63,7 +63,10 @@ def test_streams_text_and_sends_fully_resolved_sampling_downstream() -> None:
                 assert sent.max_tokens == 16 and sent.top_k == 5 and sent.top_p == 1.0
                 assert list(sent.stop_token_ids) == [EOS]  # the tokenizer's EOS ids
             assert decoded.sampling == prefilled.sampling  # same seed on both sides
-            assert decoded.request_id == prefilled.request_id == last.request_id
+            # Prefill and decode key on the frontend's own id; the caller's is a label.
+            assert decoded.request_id == prefilled.request_id != last.request_id
+            assert decoded.client_request_id == prefilled.client_request_id == last.request_id
+            assert prefilled.destination.transfer_token == "token-of-fake-decode"
             assert list(decoded.prompt_token_ids) == list(prefilled.prompt_token_ids) == ids("hi")
             assert decoded.prefill_layout == layout()
             assert list(prefilled.destination.prompt_block_ids) == [1, 2]

@@ -19,16 +19,18 @@ from services.frontend.calls import (
     Deadline,
     InstanceDown,
     PrefillStats,
+    Prompt,
+    RequestIds,
     TokenizerFacts,
     Tokens,
 )
 from services.frontend.config import FrontendConfig
 from services.frontend.pipeline import Delta, Generation
-from services.frontend.prompt import Prompt
 from services.frontend.router import Route, Router
 from services.frontend.validation import ValidRequest
 
 PREFILL = "p:1"
+IDS = RequestIds("frontend-1", "client-1")
 EOS = 0
 
 HANG = "hang"  # a decode event: never answer (until cancelled)
@@ -114,13 +116,9 @@ class FakeDownstream:
         return 4
 
     def generate(
-        self,
-        route: Route,
-        request_id: str,
-        prompt_token_ids: tuple[int, ...],
-        sampling: SamplingParams,
-        deadline: Deadline,
+        self, route: Route, ids: RequestIds, prompt: Prompt, deadline: Deadline
     ) -> ScriptedDecode:
+        assert ids == IDS
         self.calls.append(("decode", route.decode))
         stream = ScriptedDecode(self.decodes[route.decode])
         self.streams.append(stream)
@@ -129,14 +127,14 @@ class FakeDownstream:
     def prefill(
         self,
         route: Route,
-        request_id: str,
-        prompt_token_ids: tuple[int, ...],
-        sampling: SamplingParams,
-        prompt_block_ids: list[int],
+        ids: RequestIds,
+        prompt: Prompt,
+        admitted: Admitted,
         deadline: Deadline,
     ) -> asyncio.Future[PrefillStats]:
+        assert ids == IDS and admitted.transfer_token == "token"
         self.calls.append(("prefill", route.prefill))
-        self.prefill_blocks.append(prompt_block_ids)
+        self.prefill_blocks.append(admitted.prompt_block_ids)
 
         async def reply() -> PrefillStats:
             await asyncio.sleep(0)
@@ -169,7 +167,7 @@ def run(
     downstream: FakeDownstream, sampling: SamplingParams, prompt: tuple[int, ...] = (5, 6, 7)
 ) -> list[Delta]:
     async def main() -> list[Delta]:
-        generation = Generation(downstream, CONFIG, "r1", Prompt(prompt, sampling), Deadline(5.0))
+        generation = Generation(downstream, CONFIG, IDS, Prompt(prompt, sampling), Deadline(5.0))
         return [delta async for delta in generation.run()]
 
     return asyncio.run(main())
@@ -182,7 +180,7 @@ def in_flight(router: Router) -> int:
 
 def test_streams_text_and_clips_at_max_tokens_with_usage() -> None:
     # Decode misbehaves and streams past max_tokens: the frontend's stop rule cuts it.
-    down = FakeDownstream({"d:1": [Admitted([3, 4]), tokens(1, 2), tokens(3, 4, 5)]})
+    down = FakeDownstream({"d:1": [Admitted([3, 4], "token"), tokens(1, 2), tokens(3, 4, 5)]})
     deltas = run(down, SamplingParams(max_tokens=4, stop_token_ids=(EOS,)))
     assert [d.token_ids for d in deltas] == [[1, 2], [3, 4]]
     assert "".join(d.text for d in deltas) == "abcd"
@@ -195,7 +193,7 @@ def test_streams_text_and_clips_at_max_tokens_with_usage() -> None:
 
 
 def test_a_stop_id_is_kept_and_ends_the_generation() -> None:
-    down = FakeDownstream({"d:1": [Admitted([1]), tokens(2, EOS, 3)]})
+    down = FakeDownstream({"d:1": [Admitted([1], "token"), tokens(2, EOS, 3)]})
     deltas = run(down, SamplingParams(max_tokens=10, stop_token_ids=(EOS,)))
     assert deltas[-1].token_ids == [2, EOS]
     assert deltas[-1].finish_reason is FinishReason.STOP
@@ -204,7 +202,7 @@ def test_a_stop_id_is_kept_and_ends_the_generation() -> None:
 
 def test_a_stop_string_split_across_events_matches_once() -> None:
     down = FakeDownstream(
-        {"d:1": [Admitted([1]), tokens(1, 2), tokens(3), tokens(4, 5), tokens(6)]}
+        {"d:1": [Admitted([1], "token"), tokens(1, 2), tokens(3), tokens(4, 5), tokens(6)]}
     )
     deltas = run(down, SamplingParams(max_tokens=10, stop=("cd",)))
     assert "".join(d.text for d in deltas) == "ab"
@@ -214,7 +212,7 @@ def test_a_stop_string_split_across_events_matches_once() -> None:
 
 def test_logprobs_are_clipped_with_their_tokens() -> None:
     lp = [TokenLogprobs(-0.1 * i, [(i, -0.1 * i)]) for i in range(1, 4)]
-    down = FakeDownstream({"d:1": [Admitted([1]), Tokens([1, 2, 3], lp, None)]})
+    down = FakeDownstream({"d:1": [Admitted([1], "token"), Tokens([1, 2, 3], lp, None)]})
     deltas = run(down, SamplingParams(max_tokens=2, logprobs=1))
     assert deltas[-1].token_ids == [1, 2] and deltas[-1].logprobs == lp[:2]
 
@@ -222,7 +220,7 @@ def test_logprobs_are_clipped_with_their_tokens() -> None:
 def test_a_full_decode_is_skipped_for_the_next() -> None:
     full = ResourceExhausted("decode at d:1: full", retry_after_s=0.2)
     down = FakeDownstream(
-        {"d:1": [full], "d:2": [Admitted([7]), tokens(1, finish=FinishReason.LENGTH)]}
+        {"d:1": [full], "d:2": [Admitted([7], "token"), tokens(1, finish=FinishReason.LENGTH)]}
     )
     deltas = run(down, SamplingParams(max_tokens=5))
     assert deltas[-1].finish_reason is FinishReason.LENGTH
@@ -250,7 +248,10 @@ def test_every_decode_full_is_resource_exhausted_with_the_shortest_retry() -> No
 
 def test_a_down_decode_is_routed_around_and_reported() -> None:
     down = FakeDownstream(
-        {"d:1": [InstanceDown("decode at d:1: gone")], "d:2": [Admitted([2]), tokens(1, 2)]}
+        {
+            "d:1": [InstanceDown("decode at d:1: gone")],
+            "d:2": [Admitted([2], "token"), tokens(1, 2)],
+        }
     )
     deltas = run(down, SamplingParams(max_tokens=2))
     assert deltas[-1].num_completion_tokens == 2
@@ -258,7 +259,7 @@ def test_a_down_decode_is_routed_around_and_reported() -> None:
 
 
 def test_other_admission_errors_fail_the_request_without_trying_more() -> None:
-    down = FakeDownstream({"d:1": [DataLoss("odd")], "d:2": [Admitted([2])]})
+    down = FakeDownstream({"d:1": [DataLoss("odd")], "d:2": [Admitted([2], "token")]})
     with pytest.raises(DataLoss):
         run(down, SamplingParams(max_tokens=2))
     assert [c for c in down.calls if c[0] == "decode"] == [("decode", "d:1")]
@@ -270,7 +271,7 @@ def test_a_prefill_failure_fails_the_request_and_cancels_decode() -> None:
         raise InstanceDown("prefill at p:1: gone")
 
     # Decode never sends tokens: only prefill's failure can end the request.
-    down = FakeDownstream({"d:1": [Admitted([1]), HANG]}, prefill_outcome=fail)
+    down = FakeDownstream({"d:1": [Admitted([1], "token"), HANG]}, prefill_outcome=fail)
     with pytest.raises(InstanceDown, match="prefill at p:1"):
         run(down, SamplingParams(max_tokens=5))
     assert down.streams[-1].is_cancelled
@@ -279,18 +280,18 @@ def test_a_prefill_failure_fails_the_request_and_cancels_decode() -> None:
 
 
 def test_decode_ending_without_a_finish_reason_is_unavailable() -> None:
-    down = FakeDownstream({"d:1": [Admitted([1]), tokens(1)]})
+    down = FakeDownstream({"d:1": [Admitted([1], "token"), tokens(1)]})
     with pytest.raises(Unavailable, match="without a finish reason"):
         run(down, SamplingParams(max_tokens=5))
 
 
 def test_a_caller_leaving_mid_stream_cancels_every_downstream_call() -> None:
-    down = FakeDownstream({"d:1": [Admitted([1]), tokens(1), HANG]})
+    down = FakeDownstream({"d:1": [Admitted([1], "token"), tokens(1), HANG]})
     down.prefill_outcome = lambda: PrefillStats(0.0, 0.0, 0.0, 0)
 
     async def main() -> None:
         generation = Generation(
-            down, CONFIG, "r1", Prompt((5,), SamplingParams(max_tokens=9)), Deadline(5.0)
+            down, CONFIG, IDS, Prompt((5,), SamplingParams(max_tokens=9)), Deadline(5.0)
         )
         deltas = generation.run()
         first = await anext(deltas)

@@ -125,6 +125,7 @@ def prefill_request(
     token_ids: list[int],
     address: str,
     block_ids: list[int],
+    transfer_token: str = "",
     **sampling: Any,
 ) -> prefill_pb2.PrefillRequest:
     from mili.common.v1 import sampling_pb2
@@ -133,7 +134,9 @@ def prefill_request(
         request_id=request_id,
         prompt_token_ids=token_ids,
         sampling=sampling_pb2.SamplingParams(**{"temperature": 0.0, **sampling}),
-        destination=prefill_pb2.KvDestination(address=address, prompt_block_ids=block_ids),
+        destination=prefill_pb2.KvDestination(
+            address=address, prompt_block_ids=block_ids, transfer_token=transfer_token
+        ),
     )
 
 

@@ -73,7 +73,11 @@ def test_decode_continues_from_prefill_kv(
             events = aiter(stream)
             admitted = (await anext(events)).admitted
             request = prefill_request(
-                request_id, prompt, decode.address, list(admitted.prompt_block_ids)
+                request_id,
+                prompt,
+                decode.address,
+                list(admitted.prompt_block_ids),
+                admitted.transfer_token,
             )
             reply = await prefill.stub.Prefill(request, timeout=30)
             tokens: list[int] = []

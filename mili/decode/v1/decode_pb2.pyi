@@ -9,18 +9,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "prefill_layout", "kv_lease_ms")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "prefill_layout", "kv_lease_ms", "client_request_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PREFILL_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     KV_LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _sampling_pb2.SamplingParams
     prefill_layout: _kv_pb2.KvLayout
     kv_lease_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., prefill_layout: _Optional[_Union[_kv_pb2.KvLayout, _Mapping]] = ..., kv_lease_ms: _Optional[int] = ...) -> None: ...
+    client_request_id: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., prefill_layout: _Optional[_Union[_kv_pb2.KvLayout, _Mapping]] = ..., kv_lease_ms: _Optional[int] = ..., client_request_id: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("admitted", "tokens")
@@ -31,14 +33,16 @@ class GenerateResponse(_message.Message):
     def __init__(self, admitted: _Optional[_Union[Admitted, _Mapping]] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ...) -> None: ...
 
 class Admitted(_message.Message):
-    __slots__ = ("block_ids", "kv_lease_ms", "prompt_block_ids")
+    __slots__ = ("block_ids", "kv_lease_ms", "prompt_block_ids", "transfer_token")
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     KV_LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     kv_lease_ms: int
     prompt_block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., kv_lease_ms: _Optional[int] = ..., prompt_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    transfer_token: str
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., kv_lease_ms: _Optional[int] = ..., prompt_block_ids: _Optional[_Iterable[int]] = ..., transfer_token: _Optional[str] = ...) -> None: ...
 
 class Tokens(_message.Message):
     __slots__ = ("token_ids", "logprobs", "finish_reason")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from mili.common.v1 import sampling_pb2 as mili_dot_common_dot_v1_dot_sampling__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13mili/kv/v1/kv.proto\x12\nmili.kv.v1\x1a\x1dmili/common/v1/sampling.proto\"\x99\x01\n\x08KvLayout\x12\x12\n\nblock_size\x18\x01 \x01(\r\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x13\n\x0b\x62lock_order\x18\x06 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x07 \x01(\t\"\x9d\x01\n\x11TransferKvRequest\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1a.mili.kv.v1.TransferHeaderH\x00\x12$\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x13.mili.kv.v1.KvChunkH\x00\x12,\n\x06\x63ommit\x18\x03 \x01(\x0b\x32\x1a.mili.kv.v1.TransferCommitH\x00\x42\x06\n\x04kind\"r\n\x0eTransferHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x06layout\x18\x02 \x01(\x0b\x32\x14.mili.kv.v1.KvLayout\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x12\n\nnum_chunks\x18\x04 \x01(\r\"i\n\x07KvChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\r\x12\r\n\x05layer\x18\x03 \x01(\r\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x06 \x01(\r\"Z\n\x0eTransferCommit\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x30\n\x0e\x66irst_logprobs\x18\x02 \x01(\x0b\x32\x18.mili.common.v1.Logprobs\";\n\x12TransferKvResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x11\n\tnum_bytes\x18\x02 \x01(\x04\x32\x62\n\x11KvTransferService\x12M\n\nTransferKv\x12\x1d.mili.kv.v1.TransferKvRequest\x1a\x1e.mili.kv.v1.TransferKvResponse(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13mili/kv/v1/kv.proto\x12\nmili.kv.v1\x1a\x1dmili/common/v1/sampling.proto\"\x99\x01\n\x08KvLayout\x12\x12\n\nblock_size\x18\x01 \x01(\r\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x13\n\x0b\x62lock_order\x18\x06 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x07 \x01(\t\"\x9d\x01\n\x11TransferKvRequest\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1a.mili.kv.v1.TransferHeaderH\x00\x12$\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x13.mili.kv.v1.KvChunkH\x00\x12,\n\x06\x63ommit\x18\x03 \x01(\x0b\x32\x1a.mili.kv.v1.TransferCommitH\x00\x42\x06\n\x04kind\"\x8a\x01\n\x0eTransferHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x06layout\x18\x02 \x01(\x0b\x32\x14.mili.kv.v1.KvLayout\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x12\n\nnum_chunks\x18\x04 \x01(\r\x12\x16\n\x0etransfer_token\x18\x05 \x01(\t\"i\n\x07KvChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\r\x12\r\n\x05layer\x18\x03 \x01(\r\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x06 \x01(\r\"Z\n\x0eTransferCommit\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x30\n\x0e\x66irst_logprobs\x18\x02 \x01(\x0b\x32\x18.mili.common.v1.Logprobs\";\n\x12TransferKvResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x11\n\tnum_bytes\x18\x02 \x01(\x04\x32\x62\n\x11KvTransferService\x12M\n\nTransferKv\x12\x1d.mili.kv.v1.TransferKvRequest\x1a\x1e.mili.kv.v1.TransferKvResponse(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,14 +36,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_KVLAYOUT']._serialized_end=220
   _globals['_TRANSFERKVREQUEST']._serialized_start=223
   _globals['_TRANSFERKVREQUEST']._serialized_end=380
-  _globals['_TRANSFERHEADER']._serialized_start=382
-  _globals['_TRANSFERHEADER']._serialized_end=496
-  _globals['_KVCHUNK']._serialized_start=498
-  _globals['_KVCHUNK']._serialized_end=603
-  _globals['_TRANSFERCOMMIT']._serialized_start=605
-  _globals['_TRANSFERCOMMIT']._serialized_end=695
-  _globals['_TRANSFERKVRESPONSE']._serialized_start=697
-  _globals['_TRANSFERKVRESPONSE']._serialized_end=756
-  _globals['_KVTRANSFERSERVICE']._serialized_start=758
-  _globals['_KVTRANSFERSERVICE']._serialized_end=856
+  _globals['_TRANSFERHEADER']._serialized_start=383
+  _globals['_TRANSFERHEADER']._serialized_end=521
+  _globals['_KVCHUNK']._serialized_start=523
+  _globals['_KVCHUNK']._serialized_end=628
+  _globals['_TRANSFERCOMMIT']._serialized_start=630
+  _globals['_TRANSFERCOMMIT']._serialized_end=720
+  _globals['_TRANSFERKVRESPONSE']._serialized_start=722
+  _globals['_TRANSFERKVRESPONSE']._serialized_end=781
+  _globals['_KVTRANSFERSERVICE']._serialized_start=783
+  _globals['_KVTRANSFERSERVICE']._serialized_end=881
 # @@protoc_insertion_point(module_scope)

@@ -36,16 +36,18 @@ class TransferKvRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[TransferHeader, _Mapping]] = ..., chunk: _Optional[_Union[KvChunk, _Mapping]] = ..., commit: _Optional[_Union[TransferCommit, _Mapping]] = ...) -> None: ...
 
 class TransferHeader(_message.Message):
-    __slots__ = ("request_id", "layout", "num_tokens", "num_chunks")
+    __slots__ = ("request_id", "layout", "num_tokens", "num_chunks", "transfer_token")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     layout: KvLayout
     num_tokens: int
     num_chunks: int
-    def __init__(self, request_id: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., num_tokens: _Optional[int] = ..., num_chunks: _Optional[int] = ...) -> None: ...
+    transfer_token: str
+    def __init__(self, request_id: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., num_tokens: _Optional[int] = ..., num_chunks: _Optional[int] = ..., transfer_token: _Optional[str] = ...) -> None: ...
 
 class KvChunk(_message.Message):
     __slots__ = ("request_id", "seq", "layer", "block_ids", "data", "crc32")

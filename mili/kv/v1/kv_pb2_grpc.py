@@ -56,7 +56,8 @@ class KvTransferServiceServicer:
         Returns once every chunk has landed. Errors: NOT_FOUND when the decode instance holds no
         reservation for the request (it expired or was cancelled), FAILED_PRECONDITION when the
         layouts differ (both are named), DATA_LOSS for a chunk that is corrupt, short, duplicated or
-        out of order; the decode side then fails the request and frees its blocks.
+        out of order; the decode side then fails the request and frees its blocks. PERMISSION_DENIED
+        when the header's transfer_token is not the request's: nothing about the request changes.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
