@@ -67,6 +67,13 @@ class DecodeRequest:
     span_context: SpanContext | None = None
 
     @property
+    def name(self) -> str:
+        """How messages name it: the caller's id first (what they know), then ours."""
+        if self.client_request_id and self.client_request_id != self.request_id:
+            return f"{self.client_request_id!r} (id {self.request_id})"
+        return repr(self.request_id)
+
+    @property
     def prompt_block_ids(self) -> list[int]:
         return self.block_table[: self.num_prompt_blocks]
 
@@ -160,7 +167,8 @@ class RequestTable:
                 block_table = self._pool.allocate(num_blocks)
             except BlockPoolExhausted as e:
                 raise ResourceExhausted(
-                    f"not enough KV blocks for request {request_id!r}: needs {num_blocks} "
+                    f"not enough KV blocks for request {client_request_id or request_id!r}: "
+                    f"needs {num_blocks} "
                     f"({len(prompt_token_ids)} prompt tokens + max_tokens {params.max_tokens}), "
                     f"{e.num_free} of {self._pool.num_blocks} free",
                     retry_after_s,
@@ -194,12 +202,12 @@ class RequestTable:
                 )
             if not hmac.compare_digest(request.transfer_token, transfer_token):
                 raise PermissionDenied(
-                    f"the KV transfer for request {request_id!r} does not carry the request's "
+                    f"the KV transfer for request {request.name} does not carry the request's "
                     "transfer token: only the prefill instance the frontend chose may send it"
                 )
             if request.state is not RequestState.WAITING:
                 raise NotFound(
-                    f"request {request_id!r} is not waiting for KV (it is {request.state.value})"
+                    f"request {request.name} is not waiting for KV (it is {request.state.value})"
                 )
             request.state = RequestState.TRANSFERRING
             return request

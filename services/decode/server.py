@@ -120,7 +120,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             # leaves the batch within one step). A no-op when the request already ended.
             if inst.table.cancel(req):
                 # Tells a transfer still streaming into its blocks to stop.
-                req.stream.fail(Cancelled(f"request {request_id!r} was cancelled by its caller"))
+                req.stream.fail(Cancelled(f"request {req.name} was cancelled by its caller"))
 
     async def _events(self, req: DecodeRequest) -> AsyncIterator[TokenEvent]:
         """The request's token events until the last; raises its failure (lease, transfer...)."""
@@ -136,7 +136,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             except TimeoutError:
                 if table.expire(req, self._clock()):
                     error = DeadlineExceeded(
-                        f"the KV of request {req.request_id!r} did not arrive within its lease "
+                        f"the KV of request {req.name} did not arrive within its lease "
                         f"of {req.lease_ms} ms; its {len(req.block_table)} KV blocks were released"
                     )
                     req.stream.fail(error)  # a transfer still running reports the same error

@@ -73,7 +73,7 @@ class _Progress:
         self._written: set[tuple[int, int]] = set()
 
     def check_chunk(self, chunk: Chunk) -> None:
-        where = f"request {self.request.request_id!r} chunk {chunk.seq}"
+        where = f"request {self.request.name} chunk {chunk.seq}"
         if chunk.seq != self.num_chunks:
             raise DataLoss(
                 f"{where}: expected chunk {self.num_chunks} (chunk lost, duplicated or reordered)"
@@ -101,7 +101,7 @@ class _Progress:
         self.num_bytes += num_bytes
 
     def check_complete(self) -> None:
-        where = f"request {self.request.request_id!r}"
+        where = f"request {self.request.name}"
         if self.num_chunks != self.num_chunks_expected:
             raise DataLoss(
                 f"{where}: commit after {self.num_chunks} chunks, the header announced "
@@ -190,7 +190,7 @@ class _Landing:
 def _ended_error(request: DecodeRequest) -> BaseException:
     """Why a request ended while its KV was arriving (the error its Generate stream got)."""
     return request.stream.error or Cancelled(
-        f"request {request.request_id!r} was cancelled while its KV was arriving"
+        f"request {request.name} was cancelled while its KV was arriving"
     )
 
 
@@ -227,7 +227,7 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
             self._fail(
                 request,
                 Unavailable(
-                    f"the KV transfer of request {request.request_id!r} broke off mid-way "
+                    f"the KV transfer of request {request.name} broke off mid-way "
                     "(the prefill instance went away?); retry the request"
                 ),
             )
@@ -253,7 +253,7 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
             raise InvalidArgument(
                 "header.num_tokens",
                 header.num_tokens,
-                f"request {request.request_id!r} has {request.num_prompt_tokens} prompt tokens",
+                f"request {request.name} has {request.num_prompt_tokens} prompt tokens",
             )
         progress = _Progress(request, self._layout.num_layers, header.num_chunks)
         landing = _Landing(self._landing, self._max_landing_bytes)
@@ -276,7 +276,7 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
                         num_blocks=request.num_prompt_blocks, num_bytes=progress.num_bytes
                     )
                 else:
-                    raise DataLoss(f"request {request.request_id!r}: a second header mid-transfer")
+                    raise DataLoss(f"request {request.name}: a second header mid-transfer")
             # The stream ended without a commit. A sender that died ends it too, and grpc
             # reports that cancel separately, a moment later: wait for it, so a dead sender is
             # UNAVAILABLE (retry elsewhere) and only a sender that really closed early is
@@ -284,7 +284,7 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
             await asyncio.wait({landing.failed}, timeout=_CANCEL_GRACE_S)
             landing.raise_failure()
             raise DataLoss(
-                f"the KV transfer of request {request.request_id!r} ended after "
+                f"the KV transfer of request {request.name} ended after "
                 f"{progress.num_chunks} chunks without a commit"
             )
         finally:

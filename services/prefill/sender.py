@@ -260,7 +260,7 @@ class KvSender:
         await call  # raises AioRpcError unless decode answered OK
         raise DataLoss(
             f"decode at {self._task.address} acknowledged the KV transfer of request "
-            f"{self._task.request_id!r} before its commit"
+            f"{self._task.name} before its commit"
         )
 
     def _error(self, err: grpc.aio.AioRpcError) -> MiliError:
@@ -269,7 +269,7 @@ class KvSender:
         if code is grpc.StatusCode.INTERNAL and first and first[0] is not grpc.StatusCode.INTERNAL:
             code, details = first  # decode's status, overwritten by a racing write (`_on_done`)
         what = (
-            f"KV transfer of request {self._task.request_id!r} to decode at "
+            f"KV transfer of request {self._task.name} to decode at "
             f"{self._task.address} failed: {code.name}: {details}"
         )
         if code is grpc.StatusCode.INVALID_ARGUMENT:

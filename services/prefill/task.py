@@ -30,6 +30,13 @@ class PrefillTask:
     # prompt links to it (mili.telemetry.tracing). None when tracing is off.
     span_context: SpanContext | None = None
 
+    @property
+    def name(self) -> str:
+        """How messages name it: the caller's id first (what they know), then ours."""
+        if self.client_request_id and self.client_request_id != self.request_id:
+            return f"{self.client_request_id!r} (id {self.request_id})"
+        return repr(self.request_id)
+
 
 class FirstToken(NamedTuple):
     """The token sampled from the prompt's last position, with the prompt's timings."""

@@ -12,7 +12,9 @@ For TransferKv, each message is parsed; for a request id with a fault armed (`ar
     cut_after_first_chunk          after chunk 0, cancels the call to decode (a broken
                                    connection) and fails prefill's call with UNAVAILABLE
 
-and records what it did (`events`), so a test can check the fault really happened.
+and records what it did (`events`), so a test can check the fault really happened. Requests
+are named by the caller's request_id: the proxy learns which id the frontend minted for each
+from the decode Generate calls it forwards (their client_request_id).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from mili.kv.v1 import kv_pb2
 from mili.rpc.client import channel_options
 
 TRANSFER_KV = "/mili.kv.v1.KvTransferService/TransferKv"
+GENERATE = "/mili.decode.v1.DecodeService/Generate"
 FAULTS = ("corrupt_first", "corrupt_last", "drop_commit", "cut_after_first_chunk")
 
 # Method path -> (client streaming, server streaming), from the protos the decode server serves.
@@ -57,7 +60,7 @@ class _Transfer:
         message = kv_pb2.TransferKvRequest.FromString(raw)
         kind = message.WhichOneof("kind")
         if kind == "header":
-            self.request_id = message.header.request_id
+            self.request_id = self._proxy.label_of(message.header.request_id)
             self.num_chunks = message.header.num_chunks
             self.fault = self._proxy.fault_of(self.request_id)
             return raw
@@ -89,6 +92,7 @@ class FaultProxy:
         self.upstream = upstream
         self._lock = threading.Lock()
         self._faults: dict[str, str] = {}
+        self._labels: dict[str, str] = {}  # minted request id -> the caller's request_id
         self._events: list[tuple[str, str]] = []
         self._statuses: list[tuple[str, grpc.StatusCode, str]] = []
         self._loop = asyncio.new_event_loop()
@@ -104,6 +108,16 @@ class FaultProxy:
         assert fault in FAULTS, fault
         with self._lock:
             self._faults[request_id] = fault
+
+    def learn(self, raw_generate_request: bytes) -> None:
+        """Remember the caller's id of a request from its decode GenerateRequest."""
+        request = decode_pb2.GenerateRequest.FromString(raw_generate_request)
+        with self._lock:
+            self._labels[request.request_id] = request.client_request_id or request.request_id
+
+    def label_of(self, request_id: str) -> str:
+        with self._lock:
+            return self._labels.get(request_id, request_id)
 
     def fault_of(self, request_id: str) -> str | None:
         with self._lock:
@@ -248,6 +262,8 @@ class _Handler(grpc.GenericRpcHandler):
             async def unary_stream(
                 request: bytes, context: grpc.aio.ServicerContext
             ) -> AsyncIterator[bytes]:
+                if method == GENERATE:
+                    self._proxy.learn(request)
                 call = channel.unary_stream(method)(request, **_forwarded(context))
                 try:
                     async for response in call:
