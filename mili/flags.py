@@ -6,6 +6,7 @@ import argparse
 import logging
 from pathlib import Path
 
+from mili import ports
 from mili.rpc.server import ServerConfig
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -80,6 +81,14 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         drain_timeout_s=args.drain_timeout,
         metrics_port=args.metrics_port,
     )
+
+
+def check_ports(args: argparse.Namespace) -> None:
+    """--port and --metrics-port: StartupError now if another process holds one, before the
+    service spends seconds loading a model only to fail binding it."""
+    ports.check_free(args.host, args.port, "--port")
+    if args.metrics_port is not None:
+        ports.check_free(args.host, args.metrics_port, "--metrics-port")
 
 
 def setup_logging(args: argparse.Namespace) -> None:

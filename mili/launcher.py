@@ -2,12 +2,13 @@
 
     mili serve [--model DIR] [--device cuda:0] [--prefill-instances 2] [--decode-instances 2]
 
-Start-up: the demo model (or --model) is resolved once here and passed to every child; the
-tokenizer, prefill and decode instances start together on free ports (or --*-port), then the
-frontend with their addresses on --port (default 50051). Each child announces its address on
-stdout and must then answer grpc.health.v1 SERVING; one that exits first has its last log lines
-printed and `mili serve` exits non-zero. Children's logs go to stderr, each line prefixed with
-the child's name.
+Start-up: --port (and any fixed --*-port) is checked free first, so a taken port fails in a
+second, not after loading models; then the demo model (or --model) is resolved once here and
+passed to every child; the tokenizer, prefill and decode instances start together on free
+ports (or --*-port), then the frontend with their addresses on --port (default 50051). Each
+child announces its address on stdout and must then answer grpc.health.v1 SERVING; one that
+exits first has its last log lines printed and `mili serve` exits non-zero. Children's logs
+go to stderr, each line prefixed with the child's name.
 
 Metrics: with --metrics-port BASE every child serves Prometheus metrics on --host: the frontend
 on BASE, the tokenizer on BASE+1, prefill instance i on BASE+2+i, decode instance j on
@@ -39,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from kernels import ATTENTION_CHOICES
-from mili import flags
+from mili import flags, ports
 from mili.errors import StartupError
 
 DEFAULT_PORT = 50051
@@ -259,7 +260,7 @@ class Plan:
 
 
 def _port(base: int, i: int) -> str:
-    return str(base + i if base else 0)
+    return str(_offset(base, i))
 
 
 def _metrics(base: int | None, offset: int) -> list[str]:
@@ -464,8 +465,28 @@ class Launcher:
                     _say(f"{child.name} exited with code {code}")
 
 
+def check_ports(args: argparse.Namespace) -> None:
+    """Fixed ports taken by another process fail now, before any model loads (seconds)."""
+    fixed = [("--port", args.port)]
+    fixed += [("--tokenizer-port", args.tokenizer_port)]
+    fixed += [
+        ("--prefill-port", _offset(args.prefill_port, i)) for i in range(args.prefill_instances)
+    ]
+    fixed += [("--decode-port", _offset(args.decode_port, i)) for i in range(args.decode_instances)]
+    if args.metrics_port:
+        num_children = 2 + args.prefill_instances + args.decode_instances
+        fixed += [("--metrics-port", args.metrics_port + i) for i in range(num_children)]
+    for flag, port in fixed:
+        ports.check_free(args.host, port, flag)
+
+
+def _offset(base: int, i: int) -> int:
+    return base + i if base else 0
+
+
 def run(args: argparse.Namespace) -> int:
     flags.setup_logging(args)
+    check_ports(args)
     model_dir = flags.resolve_model(args)  # the demo model is built here once, not per child
     if not model_dir.is_dir():
         raise StartupError(f"model directory {model_dir} does not exist")

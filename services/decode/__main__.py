@@ -24,6 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     flags.setup_logging(args)
+    flags.check_ports(args)  # a taken port fails now, not after loading the model
     model_dir = flags.resolve_model(args)
     try:
         config = decode_config.DecodeConfig.from_args(args, model_dir)

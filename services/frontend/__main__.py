@@ -79,6 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     flags.setup_logging(args)
+    flags.check_ports(args)  # a taken port fails now, not after start-up work
     # Imported here: `mili --help` must not pay for the frontend's imports.
     from mili.rpc.server import RpcServer, serve_forever
     from mili.telemetry.metrics import FrontendMetrics

@@ -75,6 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     flags.setup_logging(args)
+    flags.check_ports(args)  # a taken port fails now, not after loading the model
     from mili.engine.config import ConfigError, Qwen3Config
     from services.prefill.config import PrefillConfig
 

@@ -34,6 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     flags.setup_logging(args)
+    flags.check_ports(args)  # a taken port fails now, not after start-up work
     model_dir = flags.resolve_model(args)
     tokenizer = ModelTokenizer(model_dir)  # raises StartupError naming what is missing
     limits = TokenizerLimits(args.max_input_chars, args.max_token_ids)

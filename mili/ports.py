@@ -1,0 +1,45 @@
+"""Checking a listening port is free before the slow part of a start-up.
+
+Loading a model takes seconds to minutes; a port that is taken should fail the start in well
+under a second, before the load, not after it. The check binds a throwaway socket the way the
+gRPC server will (SO_REUSEADDR, so connections left in TIME_WAIT by a previous run do not
+count, no SO_REUSEPORT) and closes it again. Another process can still take the port between
+the check and the real bind; that bind then fails as before, just later.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+
+from mili.errors import StartupError
+from mili.rpc.server import format_address
+
+
+def check_free(host: str, port: int, flag: str = "--port") -> None:
+    """StartupError naming `flag` when nothing may listen on host:port; port 0 always passes."""
+    if port == 0:
+        return
+    where = format_address(host, port)
+    try:
+        infos = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except socket.gaierror as e:
+        raise StartupError(f"{flag} {port}: cannot resolve {host!r}: {e}") from None
+    for family, kind, proto, _, address in infos:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:  # as gRPC binds: IPv6 and IPv4 checked separately
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                probe.bind(address)
+            except OSError as e:
+                if e.errno == errno.EADDRNOTAVAIL:  # e.g. "localhost" on a host without IPv6
+                    continue
+                if e.errno == errno.EADDRINUSE:
+                    raise StartupError(
+                        f"{flag} {port}: {where} is already in use by another process; stop "
+                        "it or choose another port (0 picks a free one)"
+                    ) from None
+                raise StartupError(f"{flag} {port}: cannot listen on {where}: {e}") from None

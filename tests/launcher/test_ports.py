@@ -1,0 +1,86 @@
+"""A taken port fails a start-up at once, before any model loads; TIME_WAIT does not count."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from mili.errors import StartupError
+from mili.ports import check_free
+from tests.service_process import ROOT
+
+
+@pytest.fixture
+def taken() -> Iterator[int]:
+    """A port some other socket listens on."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        yield holder.getsockname()[1]
+
+
+def test_a_listening_port_is_taken(taken: int) -> None:
+    with pytest.raises(StartupError, match=f"--decode-port {taken}: 127.0.0.1:{taken} is already"):
+        check_free("127.0.0.1", taken, "--decode-port")
+
+
+def test_free_port_zero_and_time_wait_pass() -> None:
+    check_free("127.0.0.1", 0)
+    with socket.socket() as server:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind(("127.0.0.1", 0))
+        port = server.getsockname()[1]
+        server.listen()
+        client = socket.create_connection(("127.0.0.1", port))
+        accepted, _ = server.accept()
+        accepted.close()  # the server side closes first: its end goes to TIME_WAIT
+        client.close()
+    check_free("127.0.0.1", port)  # as the restarted child's gRPC bind will succeed
+
+
+def mili(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "mili", *args],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@pytest.mark.parametrize("command", ["serve-prefill", "serve-decode", "serve-tokenizer"])
+def test_a_service_fails_before_loading_its_model(
+    command: str, taken: int, demo_model_dir: Path
+) -> None:
+    result = mili(command, "--model", str(demo_model_dir), "--port", str(taken))
+    assert result.returncode == 2
+    # One line, and nothing logged before it: no model (or dtype) was loaded.
+    assert result.stderr.strip().splitlines() == [
+        f"mili {command}: error: --port {taken}: 127.0.0.1:{taken} is already in use by another "
+        "process; stop it or choose another port (0 picks a free one)"
+    ]
+
+
+def test_serve_fails_before_starting_any_child(taken: int, demo_model_dir: Path) -> None:
+    result = mili("serve", "--model", str(demo_model_dir), "--port", str(taken))
+    assert result.returncode == 2
+    assert f"--port {taken}: 127.0.0.1:{taken} is already in use" in result.stderr
+    assert "[tokenizer]" not in result.stderr and "[decode-0]" not in result.stderr
+
+
+def test_serve_checks_fixed_metrics_ports_too(taken: int, demo_model_dir: Path) -> None:
+    # BASE+1 is the tokenizer's metrics port.
+    result = mili(
+        "serve", "--model", str(demo_model_dir), "--port", "0", "--metrics-port", str(taken - 1)
+    )
+    assert result.returncode == 2
+    # (BASE itself, the frontend's, could be someone else's by chance: either is refused.)
+    assert "--metrics-port" in result.stderr and "is already in use" in result.stderr
+    assert "[tokenizer]" not in result.stderr
