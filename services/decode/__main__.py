@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import logging
 
 from mili import flags
 from mili.errors import StartupError
 from services.decode import config as decode_config
 
 DEFAULT_PORT = 50054
+_LOG = logging.getLogger("mili.decode")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,6 +31,7 @@ def run(args: argparse.Namespace) -> int:
     model_dir = flags.resolve_model(args)
     try:
         config = decode_config.DecodeConfig.from_args(args, model_dir)
+        config = dataclasses.replace(config, dtype=flags.choose_dtype(args, _LOG))
     except ValueError as e:
         raise StartupError(str(e)) from None
     # Heavy imports (torch, the model) only when actually serving, not for `mili --help`.

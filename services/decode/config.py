@@ -85,7 +85,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--dtype",
         default=None,
         choices=DTYPES,
-        help="weights and KV element type (default: the checkpoint's torch_dtype)",
+        help="weights and KV element type (default: the fastest on the device: float32 on "
+        "CPU, bfloat16 on CUDA)",
     )
     parser.add_argument(
         "--block-size",

@@ -100,6 +100,8 @@ def test_one_generate_is_one_connected_trace(
         "0",
         "--otlp-endpoint",
         f"http://127.0.0.1:{port}",
+        "--dtype",  # the checkpoint's: the byte count below is computed from its torch_dtype
+        "bfloat16",
         "--prefill-args",
         f"--num-blocks 256 --block-size {BLOCK_SIZE}",
         "--decode-args",
