@@ -10,6 +10,14 @@ child announces its address on stdout and must then answer grpc.health.v1 SERVIN
 exits first has its last log lines printed and `mili serve` exits non-zero. Children's logs
 go to stderr, each line prefixed with the child's name.
 
+Supervision: once all are up, a child that exits is restarted on the same address (the
+frontend's instance lists are fixed, so it finds the instance again where it left it) after a
+backoff: 0.5 s, doubling per failure in a row up to 30 s, back to 0.5 s once a run stayed up
+60 s. Its exit, its log lines since it last started (with the time of each) and its return are
+printed. Meanwhile the others keep serving: the frontend routes around the missing instance,
+and requests that were on it fail with UNAVAILABLE. --fail-fast instead stops everything and
+exits 1 on the first exit.
+
 Metrics: with --metrics-port BASE every child serves Prometheus metrics on --host: the frontend
 on BASE, the tokenizer on BASE+1, prefill instance i on BASE+2+i, decode instance j on
 BASE+2+P+j (P = --prefill-instances); BASE 0 gives each a free port. Each child announces
@@ -27,27 +35,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ctypes
-import os
-import re
 import shlex
 import signal
 import sys
-from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kernels import ATTENTION_CHOICES
 from mili import flags, ports
+from mili.backoff import Backoff, RestartPolicy
+from mili.child import Child, describe_exit
 from mili.errors import StartupError
 
 DEFAULT_PORT = 50051
-_LISTENING = re.compile(r"(\w+) service listening on (\S+)")
-_METRICS = re.compile(r"(\w+) metrics on (\S+)")
-_TAIL_LINES = 40
-_ROOT = Path(__file__).resolve().parent.parent  # holds the `mili` and `services` packages
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -83,6 +85,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--prefill-instances", type=int, default=1, metavar="N")
     parser.add_argument("--decode-instances", type=int, default=1, metavar="N")
+    parser.add_argument(
+        "--fail-fast",
+        action="store_true",
+        help="a child that exits stops all the others and `mili serve` exits 1 (default: the "
+        "child is restarted on the same port, with backoff, while the others keep serving)",
+    )
     ports = parser.add_argument_group("internal ports (0 = any free port)")
     ports.add_argument("--tokenizer-port", type=int, default=0)
     ports.add_argument(
@@ -129,125 +137,6 @@ def _say(message: str) -> None:
     print(f"mili serve: {message}", file=sys.stderr, flush=True)
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-@dataclass
-class Child:
-    """One service process; `address` is set once it announced where it listens."""
-
-    name: str  # "tokenizer", "prefill-0", ...
-    argv: list[str]
-    proc: asyncio.subprocess.Process | None = None
-    address: str | None = None
-    metrics_url: str | None = None  # set when it announced a metrics endpoint
-    tail: deque[str] = field(default_factory=lambda: deque(maxlen=_TAIL_LINES))
-    announced: asyncio.Event = field(default_factory=asyncio.Event)
-    readers: list[asyncio.Task[None]] = field(default_factory=list)
-
-    async def start(self) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_ROOT), env.get("PYTHONPATH")) if p)
-        self.proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "mili",
-            *self.argv,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            env=env,
-            start_new_session=True,
-            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
-            limit=1 << 20,
-        )
-        assert self.proc.stdout is not None and self.proc.stderr is not None
-        self.readers = [
-            asyncio.create_task(self._forward(self.proc.stdout, self._on_stdout)),
-            asyncio.create_task(self._forward(self.proc.stderr, None)),
-        ]
-
-    def _on_stdout(self, line: str) -> None:
-        metrics = _METRICS.search(line)
-        if metrics and self.metrics_url is None:
-            self.metrics_url = metrics.group(2)
-        match = _LISTENING.search(line)
-        if match and self.address is None:
-            self.address = match.group(2)
-            self.announced.set()
-
-    async def _forward(
-        self, stream: asyncio.StreamReader, on_line: Callable[[str], None] | None
-    ) -> None:
-        while raw := await stream.readline():
-            line = raw.decode(errors="replace").rstrip("\n")
-            self.tail.append(line)
-            sys.stderr.write(f"[{self.name}] {line}\n")
-            sys.stderr.flush()
-            if on_line is not None:
-                on_line(line)
-
-    @property
-    def returncode(self) -> int | None:
-        return None if self.proc is None else self.proc.returncode
-
-    async def wait_ready(self, timeout_s: float) -> str:
-        """Wait until it announced its address and answers SERVING; StartupError if it died."""
-        from mili.rpc.client import insecure_channel, wait_for_serving
-
-        assert self.proc is not None
-        announced = asyncio.create_task(self.announced.wait())
-        exited = asyncio.create_task(self.proc.wait())
-        try:
-            await asyncio.wait(
-                {announced, exited}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED
-            )
-        finally:
-            announced.cancel()
-            exited.cancel()
-        if self.address is None:
-            with contextlib.suppress(TimeoutError):  # let the readers catch the last lines
-                await asyncio.wait_for(asyncio.gather(*self.readers), 2.0)
-            if self.proc.returncode is None:
-                raise StartupError(self._failure(f"did not start within {timeout_s:.0f} s"))
-            raise StartupError(self._failure(f"exited with code {self.proc.returncode}"))
-        channel = insecure_channel(self.address)
-        try:
-            await wait_for_serving(channel, timeout_s=min(timeout_s, 60.0))
-        except TimeoutError as e:
-            raise StartupError(self._failure(str(e))) from None
-        finally:
-            await channel.close()
-        return self.address
-
-    def _failure(self, what: str) -> str:
-        lines = "\n".join(f"    {line}" for line in self.tail) or "    (no output)"
-        return f"{self.name} {what} during start-up; its last log lines:\n{lines}"
-
-    def signal(self, signum: int) -> None:
-        if self.proc is not None and self.proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.send_signal(signum)
-
-    async def stop(self, timeout_s: float) -> int | None:
-        """SIGTERM (drain), then SIGKILL after `timeout_s`; returns the exit code."""
-        if self.proc is None:
-            return None
-        self.signal(signal.SIGTERM)
-        try:
-            await asyncio.wait_for(self.proc.wait(), timeout_s)
-        except TimeoutError:
-            _say(f"{self.name} did not stop within {timeout_s:.0f} s; killing it")
-            self.signal(signal.SIGKILL)
-            await self.proc.wait()
-        for reader in self.readers:
-            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
-                await asyncio.wait_for(reader, 2.0)
-        return self.proc.returncode
-
-
 @dataclass(frozen=True)
 class Plan:
     """What to start: built once from the flags."""
@@ -258,6 +147,8 @@ class Plan:
     frontend: list[str]  # without the instance addresses, known only once they are up
     startup_timeout_s: float
     drain_timeout_s: float
+    fail_fast: bool = False  # a child that exits stops everything (exit 1) instead of restarting
+    restart: RestartPolicy = field(default_factory=RestartPolicy)
 
 
 def _port(base: int, i: int) -> str:
@@ -338,6 +229,7 @@ def make_plan(args: argparse.Namespace, model_dir: Path) -> Plan:
         ],
         startup_timeout_s=args.startup_timeout,
         drain_timeout_s=args.drain_timeout,
+        fail_fast=args.fail_fast,
     )
 
 
@@ -349,7 +241,8 @@ class Launcher:
         self.decodes = [Child(f"decode-{i}", argv) for i, argv in enumerate(plan.decodes)]
         self.frontend: Child | None = None
         self._stop = asyncio.Event()
-        self._num_signals = 0
+        self._signals: list[int] = []
+        self._failed = False  # --fail-fast: a child exited
 
     @property
     def children(self) -> list[Child]:
@@ -357,13 +250,13 @@ class Launcher:
         return rest if self.frontend is None else [self.frontend, *rest]
 
     def _on_signal(self, signum: int) -> None:
-        self._num_signals += 1
-        if self._num_signals == 1:
+        self._signals.append(signum)
+        if len(self._signals) == 1:
             name = signal.Signals(signum).name
             _say(f"got {name}: stopping frontend, then prefill/decode, then tokenizer")
             self._stop.set()
         else:
-            _say("got another signal: hurrying every drain")
+            _say("got another signal: hurrying every drain (calls in flight are cut off)")
             for child in self.children:
                 child.signal(signal.SIGTERM)  # a second SIGTERM skips the rest of a drain
 
@@ -371,18 +264,19 @@ class Launcher:
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, self._on_signal, signum)
+        code = 0
         try:
-            started = await self._start_all()
-            if not started:
-                return 0  # stopped by a signal during start-up
-            return await self._supervise()
+            if await self._start_all():
+                code = await self._supervise()
         except StartupError as e:
             _say(f"error: {e}")
-            return 1
+            code = 1
         finally:
             await self._stop_all()
+        return code
 
     async def _start_all(self) -> bool:
+        """Everything up (True), or a signal came first (False); StartupError if a child failed."""
         backends = [self.tokenizer, *self.prefills, *self.decodes]
         if not await self._start(backends):
             return False
@@ -400,7 +294,10 @@ class Launcher:
             return False
         for child in backends:
             metrics = "" if child.metrics_url is None else f" metrics {child.metrics_url}"
-            print(f"mili serve: {child.name:<10} {child.address}{metrics}", flush=True)
+            print(
+                f"mili serve: {child.name:<10} {child.address} pid {child.pid}{metrics}",
+                flush=True,
+            )
         if self.frontend.metrics_url is not None:
             print(f"mili serve: frontend metrics {self.frontend.metrics_url}", flush=True)
         # Last, in the form every service announces itself: scripts and tests read this line.
@@ -412,42 +309,80 @@ class Launcher:
         assert child.address is not None
         return child.address
 
+    async def _ready(self, child: Child) -> None:
+        await child.wait_ready(self.plan.startup_timeout_s)
+
     async def _start(self, children: Sequence[Child]) -> bool:
         """Start `children` together and wait until all are ready (False: a signal came first)."""
         for child in children:
             await child.start()
-        ready = asyncio.gather(*(c.wait_ready(self.plan.startup_timeout_s) for c in children))
+        ready = asyncio.gather(*(self._ready(c) for c in children))
+        return await self._unless_stopped(ready)
+
+    async def _unless_stopped(self, work: asyncio.Future[Any]) -> bool:
+        """Await `work` (True), or cancel it when a stop signal comes first (False)."""
         stop = asyncio.create_task(self._stop.wait())
-        waiters: set[asyncio.Future[Any]] = {ready, stop}
         try:
-            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({work, stop}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             stop.cancel()
-        if not ready.done():
-            ready.cancel()
+        if not work.done():
+            work.cancel()
             with contextlib.suppress(asyncio.CancelledError, StartupError):
-                await ready
+                await work
             return False
-        ready.result()  # raises the first child's StartupError
+        work.result()  # raises what went wrong
         return True
 
     async def _supervise(self) -> int:
-        """Until a signal (exit 0) or a child's unexpected exit (exit 1)."""
-        exits = {asyncio.create_task(c.proc.wait()): c for c in self.children if c.proc is not None}
+        """Until a signal (0), or with --fail-fast a child's unexpected exit (1)."""
+        watchers = [asyncio.create_task(self._watch(c)) for c in self.children]
         stop = asyncio.create_task(self._stop.wait())
         try:
-            done, _ = await asyncio.wait({stop, *exits}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait({stop, *watchers}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for task in [stop, *exits]:
+            for task in [stop, *watchers]:
                 task.cancel()
-        if self._stop.is_set():
-            return 0
-        dead = [exits[t] for t in done if t in exits]
-        for child in dead:
-            lines = "\n".join(f"    {line}" for line in child.tail)
-            _say(f"{child.name} exited with code {child.returncode}; last log lines:\n{lines}")
-        _say("stopping the others")
-        return 1
+            await asyncio.gather(stop, *watchers, return_exceptions=True)
+        for task in done:
+            error = None if task is stop or task.cancelled() else task.exception()
+            if error is not None:
+                raise error  # a bug in watching: stop everything rather than watch no more
+        return 1 if self._failed else 0
+
+    async def _watch(self, child: Child) -> None:
+        """Restart `child` whenever it exits (with backoff); return only under --fail-fast."""
+        backoff = Backoff(self.plan.restart)
+        while True:
+            pid = child.pid
+            code = await child.wait_exit()
+            up_s = child.up_s
+            if child.ready_at is None:
+                when = f"{child.run_s:.1f} s after starting, before it was ready"
+            else:
+                when = f"after {up_s:.1f} s up"
+            what = f"{child.name} (pid {pid}) {describe_exit(code)} {when}"
+            lines = f"its last {len(child.tail)} log lines since it started:\n{child.tail.format()}"
+            if self.plan.fail_fast:
+                _say(f"{what}; {lines}")
+                _say("stopping the others (--fail-fast)")
+                self._failed = True
+                return
+            delay_s = backoff.next_delay(up_s)
+            _say(
+                f"{what}; restarting it on {child.address} in {delay_s:.1f} s (restart "
+                f"{backoff.num_failures} in a row; the others keep serving); {lines}"
+            )
+            await asyncio.sleep(delay_s)  # cancelled by a stop signal
+            await child.start()
+            try:
+                await self._ready(child)
+            except StartupError as e:
+                if child.returncode is None:  # alive but stuck: the next turn reports its exit
+                    _say(f"{str(e).partition(';')[0]}; killing it")
+                    child.signal(signal.SIGKILL)
+                continue
+            _say(f"{child.name} is back on {child.address} (pid {child.pid})")
 
     async def _stop_all(self) -> None:
         grace_s = self.plan.drain_timeout_s + 15.0  # the child's drain, grpc grace, start-up
@@ -458,12 +393,12 @@ class Launcher:
         ]
         for stage in stages:
             running = [c for c in stage if c.proc is not None and c.returncode is None]
-            codes = await asyncio.gather(*(c.stop(grace_s) for c in running))
+            codes = await asyncio.gather(*(c.stop(grace_s, _say) for c in running))
             for child, code in zip(running, codes, strict=True):
                 # -SIGTERM: stopped while still loading, before it handles signals; -SIGKILL
                 # was announced when sent.
                 if code not in (0, None, -signal.SIGTERM, -signal.SIGKILL):
-                    _say(f"{child.name} exited with code {code}")
+                    _say(f"{child.name} {describe_exit(code)}")
 
 
 def check_ports(args: argparse.Namespace) -> None:

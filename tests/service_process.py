@@ -32,6 +32,7 @@ class ServiceProcess:
             env=env,
         )
         self.stderr_lines: list[str] = []
+        self.stdout_lines: list[str] = []  # up to and including the listening line
         self._stderr_reader = threading.Thread(target=self._read_stderr, daemon=True)
         self._stderr_reader.start()
         self.address = self._wait_for_address(timeout_s)
@@ -47,6 +48,7 @@ class ServiceProcess:
         timer.start()
         try:
             for line in self.proc.stdout:
+                self.stdout_lines.append(line)
                 match = _LISTENING.search(line)
                 if match:
                     return match.group(2)

@@ -18,6 +18,10 @@ def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[
     Keepalive pings every 30 s (only while calls are open) let a long, quiet stream notice a
     dead peer in ~40 s instead of the kernel's TCP timeout; servers built by `RpcServer` accept
     pings that often.
+
+    Reconnect backoff is capped at 2 s (grpc's default grows to 120 s): a peer that died and
+    came back on the same address (`mili serve` restarts it there) is reached again within
+    seconds, not minutes, by a caller that kept trying meanwhile (the frontend's Info polls).
     """
     if max_message_bytes <= 0:
         raise ValueError(f"max_message_bytes must be > 0, got {max_message_bytes}")
@@ -28,6 +32,8 @@ def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[
         ("grpc.keepalive_timeout_ms", 10_000),
         ("grpc.keepalive_permit_without_calls", 0),
         ("grpc.http2.max_pings_without_data", 0),  # keep pinging on streams with no data
+        ("grpc.initial_reconnect_backoff_ms", 250),
+        ("grpc.max_reconnect_backoff_ms", 2_000),
     ]
 
 

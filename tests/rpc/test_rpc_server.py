@@ -44,6 +44,8 @@ def test_channel_options_match_limits() -> None:
     assert options["grpc.max_send_message_length"] == 1234
     assert options["grpc.max_receive_message_length"] == 1234
     assert options["grpc.keepalive_time_ms"] > 0
+    # A peer restarted on its address is found again within seconds (grpc's default: 120 s).
+    assert options["grpc.max_reconnect_backoff_ms"] <= 2_000
     with pytest.raises(ValueError):
         channel_options(0)
 

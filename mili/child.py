@@ -1,0 +1,268 @@
+"""One service process of `mili serve`: start it, forward its output, know when it is ready.
+
+A child announces `<name> service listening on HOST:PORT` on stdout (and `<name> metrics on URL`
+with a metrics port). The first address it announces is kept: every restart passes the same
+`--port` (and `--metrics-port`), because the frontend's instance lists are fixed at its start
+and a restarted instance must come back where the frontend polls for it. gRPC servers bind
+with SO_REUSEADDR, so the connections a killed child leaves in TIME_WAIT do not hold the port.
+
+Each run's output lines are kept in a small ring with the time each arrived, cleared at every
+start: what is printed when the child dies is what *this* run said, never a traceback left by
+an earlier one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import os
+import re
+import signal
+import sys
+import time
+from collections import deque
+from collections.abc import Callable
+from datetime import datetime
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from mili.errors import StartupError
+
+_LISTENING = re.compile(r"(\w+) service listening on (\S+)")
+_METRICS = re.compile(r"(\w+) metrics on (\S+)")
+_ROOT = Path(__file__).resolve().parent.parent  # holds the `mili` and `services` packages
+TAIL_LINES = 40
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def describe_exit(code: int | None) -> str:
+    """`exited with code 1`, `exited with code -9 (SIGKILL)`."""
+    if code is not None and code < 0:
+        with contextlib.suppress(ValueError):
+            return f"exited with code {code} ({signal.Signals(-code).name})"
+    return f"exited with code {code}"
+
+
+class LogTail:
+    """The last `max_lines` lines of one run of a child, each with the wall time it arrived."""
+
+    def __init__(self, max_lines: int = TAIL_LINES) -> None:
+        self._lines: deque[tuple[float, str]] = deque(maxlen=max_lines)
+
+    def append(self, line: str) -> None:
+        self._lines.append((time.time(), line))
+
+    def clear(self) -> None:
+        self._lines.clear()
+
+    def __len__(self) -> int:
+        return len(self._lines)
+
+    def format(self, indent: str = "    ") -> str:
+        if not self._lines:
+            return f"{indent}(no output)"
+        return "\n".join(f"{indent}{_clock(at)} {line}" for at, line in self._lines)
+
+
+def _clock(at: float) -> str:
+    return datetime.fromtimestamp(at).strftime("%H:%M:%S.%f")[:-3]
+
+
+class Child:
+    """One service process, started (and restarted) as `python -m mili ARGV...`."""
+
+    def __init__(self, name: str, argv: list[str]) -> None:
+        self.name = name  # "tokenizer", "prefill-0", ...
+        self.argv = argv
+        self.proc: asyncio.subprocess.Process | None = None
+        self.address: str | None = None  # where it listens: set by its first run, then pinned
+        self.metrics_url: str | None = None  # likewise, when it serves metrics
+        self.tail = LogTail()
+        self.num_starts = 0
+        self.started_at = 0.0  # time.monotonic() of the current run's start
+        self.ready_at: float | None = None  # ... and of it answering health, None until then
+        self._run_address: str | None = None  # what the current run announced
+        self._announced = asyncio.Event()
+        self._readers: list[asyncio.Task[None]] = []
+
+    def command(self) -> list[str]:
+        """Its argv, with the port (and metrics port) of its first run pinned once known.
+
+        Appended last, so they win over the same flags earlier in argv (argparse keeps the last).
+        """
+        pins: list[str] = []
+        if self.address is not None:
+            pins += ["--port", self.address.rpartition(":")[2]]
+        if self.metrics_url is not None and (port := urlsplit(self.metrics_url).port):
+            pins += ["--metrics-port", str(port)]
+        return [*self.argv, *pins]
+
+    async def start(self) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_ROOT), env.get("PYTHONPATH")) if p)
+        self.tail.clear()
+        self._run_address = None
+        self._announced = asyncio.Event()
+        self.ready_at = None
+        self.started_at = time.monotonic()
+        self.num_starts += 1
+        self.proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "mili",
+            *self.command(),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=env,
+            start_new_session=True,
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            limit=1 << 20,
+        )
+        assert self.proc.stdout is not None and self.proc.stderr is not None
+        self._readers = [
+            asyncio.create_task(self._forward(self.proc.stdout, self._on_stdout)),
+            asyncio.create_task(self._forward(self.proc.stderr, None)),
+        ]
+
+    def _on_stdout(self, line: str) -> None:
+        metrics = _METRICS.search(line)
+        if metrics and self.metrics_url is None:
+            self.metrics_url = metrics.group(2)
+        match = _LISTENING.search(line)
+        if match and self._run_address is None:
+            self._run_address = match.group(2)
+            self._announced.set()
+
+    async def _forward(
+        self, stream: asyncio.StreamReader, on_line: Callable[[str], None] | None
+    ) -> None:
+        while raw := await stream.readline():
+            line = raw.decode(errors="replace").rstrip("\n")
+            self.tail.append(line)
+            sys.stderr.write(f"[{self.name}] {line}\n")
+            sys.stderr.flush()
+            if on_line is not None:
+                on_line(line)
+
+    @property
+    def returncode(self) -> int | None:
+        return None if self.proc is None else self.proc.returncode
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+    @property
+    def run_s(self) -> float:
+        """How long ago the current run started."""
+        return time.monotonic() - self.started_at
+
+    @property
+    def up_s(self) -> float:
+        """How long the current run has been ready (0 if it never was)."""
+        return 0.0 if self.ready_at is None else time.monotonic() - self.ready_at
+
+    async def wait_exit(self) -> int:
+        """Wait until the current run exits and its last lines are read; its exit code."""
+        assert self.proc is not None
+        code = await self.proc.wait()
+        await self._drain_readers()
+        return code
+
+    async def _drain_readers(self) -> None:
+        # A grandchild holding the pipes open must not hold us: 2 s, then go on without.
+        with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+            await asyncio.wait_for(asyncio.gather(*self._readers), 2.0)
+
+    async def wait_ready(self, timeout_s: float, *, is_serving_required: bool = True) -> str:
+        """Wait until it announced its address and answers health; StartupError if it died or
+        took longer than `timeout_s` to announce. Returns the health status it answered.
+
+        `is_serving_required=False` accepts NOT_SERVING too: the frontend's health follows
+        its backends, and it is up even while they are not.
+        """
+        assert self.proc is not None
+        announced = asyncio.create_task(self._announced.wait())
+        exited = asyncio.create_task(self.proc.wait())
+        try:
+            await asyncio.wait(
+                {announced, exited}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            announced.cancel()
+            exited.cancel()
+        if self._run_address is None:
+            await self._drain_readers()
+            if self.proc.returncode is None:
+                raise StartupError(self.failure(f"did not start within {timeout_s:.0f} s"))
+            raise StartupError(self.failure(describe_exit(self.proc.returncode)))
+        if self.address is None:
+            self.address = self._run_address
+        elif self._run_address != self.address:  # --port pinned it: only a bug gets here
+            raise StartupError(
+                self.failure(f"came back on {self._run_address}, not on {self.address}")
+            )
+        accepted = ("SERVING",) if is_serving_required else ("SERVING", "NOT_SERVING")
+        status = await _wait_for_health(self.address, accepted, min(timeout_s, 60.0))
+        if status not in accepted:
+            what = f"was not {' or '.join(accepted)} within {min(timeout_s, 60.0):.0f} s"
+            raise StartupError(self.failure(f"{what} (last health check: {status})"))
+        self.ready_at = time.monotonic()
+        return status
+
+    def failure(self, what: str) -> str:
+        return f"{self.name} {what} during start-up; its last log lines:\n{self.tail.format()}"
+
+    def signal(self, signum: int) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signum)
+
+    async def stop(self, timeout_s: float, say: Callable[[str], None]) -> int | None:
+        """SIGTERM (drain), then SIGKILL after `timeout_s`; returns the exit code."""
+        if self.proc is None:
+            return None
+        self.signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(self.proc.wait(), timeout_s)
+        except TimeoutError:
+            say(f"{self.name} did not stop within {timeout_s:.0f} s; killing it")
+            self.signal(signal.SIGKILL)
+            await self.proc.wait()
+        await self._drain_readers()
+        return self.proc.returncode
+
+
+async def _wait_for_health(address: str, accepted: tuple[str, ...], timeout_s: float) -> str:
+    """Poll grpc.health.v1 Check ("" = the whole server) until its status is in `accepted`;
+    returns that status, or the last one seen (an error's code name) after `timeout_s`."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from mili.rpc.client import insecure_channel
+
+    channel = insecure_channel(address)
+    stub = health_pb2_grpc.HealthStub(channel)
+    deadline = time.monotonic() + timeout_s
+    delay_s = 0.02
+    last = "no answer"
+    try:
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=min(left, 1.0))
+                last = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+            except grpc.aio.AioRpcError as err:
+                last = err.code().name
+            if last in accepted:
+                return last
+            await asyncio.sleep(min(delay_s, max(0.0, deadline - time.monotonic())))
+            delay_s = min(delay_s * 2, 0.5)
+    finally:
+        await channel.close()
+    return last
