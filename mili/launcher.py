@@ -6,9 +6,10 @@ Start-up: --port (and any fixed --*-port) is checked free first, so a taken port
 second, not after loading models; then the demo model (or --model) is resolved once here and
 passed to every child; the tokenizer, prefill and decode instances start together on free
 ports (or --*-port), then the frontend with their addresses on --port (default 50051). Each
-child announces its address on stdout and must then answer grpc.health.v1 SERVING; one that
-exits first has its last log lines printed and `mili serve` exits non-zero. Children's logs
-go to stderr, each line prefixed with the child's name.
+child announces its address on stdout and must then answer grpc.health.v1 SERVING (the
+frontend: any answer, as it is NOT_SERVING while it has no usable tokenizer or prefill/decode
+pair); one that exits first has its last log lines printed and `mili serve` exits non-zero.
+Children's logs go to stderr, each line prefixed with the child's name.
 
 Supervision: once all are up, a child that exits is restarted on the same address (the
 frontend's instance lists are fixed, so it finds the instance again where it left it) after a
@@ -310,7 +311,17 @@ class Launcher:
         return child.address
 
     async def _ready(self, child: Child) -> None:
-        await child.wait_ready(self.plan.startup_timeout_s)
+        # The frontend's health follows its backends (NOT_SERVING while it has no usable
+        # pair), so for it any answer means up.
+        is_frontend = child is self.frontend
+        status = await child.wait_ready(
+            self.plan.startup_timeout_s, is_serving_required=not is_frontend
+        )
+        if status != "SERVING":
+            _say(
+                f"{child.name} is up but {status}: it has no usable tokenizer or prefill/decode "
+                "pair yet (its log says why)"
+            )
 
     async def _start(self, children: Sequence[Child]) -> bool:
         """Start `children` together and wait until all are ready (False: a signal came first)."""

@@ -5,6 +5,8 @@ Life of a server:
     RpcServer(config, name="tokenizer")
       .add_service("mili.tokenizer.v1.TokenizerService", lambda s: add_..._to_server(servicer, s))
       .start()          bind, start; health SERVING for "" and every added service
+      .set_serving(b)   optional: SERVING / NOT_SERVING while running, for a service that is
+                        useless without others (the frontend with no backend up)
       ... SIGTERM ...
       .drain()          health NOT_SERVING; new application calls -> UNAVAILABLE ("draining");
                         wait for in-flight calls (at most drain_timeout_s); then stop(grace_s).
@@ -95,6 +97,7 @@ class RpcServer:
         self._drain_task: asyncio.Task[None] | None = None
         self._hurry: asyncio.Event | None = None  # set by a second signal: skip the drain wait
         self._stopped: asyncio.Event | None = None
+        self._is_serving = True  # what health reports until drained; see set_serving
 
     def add_service(self, full_name: str, register: Register) -> None:
         """Register one service before `start`; `full_name` is its proto name (for health,
@@ -175,12 +178,22 @@ class RpcServer:
                 where = format_address(self.config.host, self.config.metrics_port)
                 raise StartupError(f"{self.name}: cannot serve metrics on {where}: {exc}") from exc
         await server.start()
-        for name in ["", *self.service_names]:
-            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await self._set_health()
         _LOG.info(
             "%s listening on %s serving %s", self.name, self.address, ", ".join(self.service_names)
         )
         return self._port
+
+    async def set_serving(self, is_serving: bool) -> None:
+        """Report the server (and each of its services) SERVING or NOT_SERVING in
+        grpc.health.v1, so a load balancer routes away while it cannot do useful work.
+
+        Callable before `start` (which then starts with it). A drain wins: once draining,
+        health stays NOT_SERVING whatever this is told.
+        """
+        self._is_serving = is_serving
+        if self._server is not None:
+            await self._set_health()
 
     async def drain(self) -> None:
         """Stop taking calls, let in-flight ones finish (up to drain_timeout_s), then stop.
@@ -216,6 +229,15 @@ class RpcServer:
                 loop.remove_signal_handler(signum)
 
     # ---- internals ---------------------------------------------------------------------------
+
+    async def _set_health(self) -> None:
+        if self.is_draining:  # grpc's servicer also ignores set() after a graceful shutdown
+            return
+        status = health_pb2.HealthCheckResponse.NOT_SERVING
+        if self._is_serving:
+            status = health_pb2.HealthCheckResponse.SERVING
+        for name in ["", *self.service_names]:
+            await self._health.set(name, status)
 
     def _start_drain(self) -> asyncio.Task[None]:
         if self._drain_task is None:

@@ -115,13 +115,14 @@ def run(args: argparse.Namespace) -> int:
     tracing = start_tracing(args, "frontend")
 
     async def main() -> None:
+        server = RpcServer(
+            flags.server_config(args), name="frontend", interceptors=tracing.server_interceptors()
+        )
         backends = Backends(
             config,
             Router(config.prefill_addresses, config.decode_addresses),
             interceptors=tracing.client_interceptors(),
-        )
-        server = RpcServer(
-            flags.server_config(args), name="frontend", interceptors=tracing.server_interceptors()
+            on_health=server.set_serving,  # NOT_SERVING while no usable backends
         )
         add_to_server(server, GenerationServicer(backends, FrontendMetrics(server.registry)))
         await backends.start()

@@ -8,7 +8,12 @@ decode instance's Info is fetched concurrently:
                   loudly and the pair is never routed; a fixed one becomes routable again)
     no answer  -> router.mark_down: routed around until it answers again
 
-The tokenizer's Info (vocabulary size, EOS ids) is fetched once and again only after a failure.
+The tokenizer's Info (vocabulary size, EOS ids) is polled with them.
+
+After each round the frontend's grpc.health.v1 status follows: SERVING while the tokenizer is
+up and at least one prefill/decode pair is up with matching KV layouts, NOT_SERVING (with a
+warning saying what is missing) otherwise, so a load balancer routes away from a frontend that
+could only fail requests. Calls are still taken meanwhile and fail with the usual status.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
 
@@ -44,9 +49,13 @@ class Backends:
         router: Router,
         *,
         interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
+        on_health: Callable[[bool], Awaitable[None]] | None = None,
     ) -> None:
+        """`on_health(is_serving)` is awaited whenever usability changes (and after the first
+        round), e.g. RpcServer.set_serving."""
         self.config = config
         self.router = router
+        self._on_health = on_health
         addresses = [config.tokenizer_address, *config.prefill_addresses, *config.decode_addresses]
         self._channels = {
             a: insecure_channel(a, interceptors=interceptors) for a in dict.fromkeys(addresses)
@@ -64,7 +73,9 @@ class Backends:
         self.prefill_layouts: dict[str, kv_pb2.KvLayout] = {}
         self.decode_layouts: dict[str, kv_pb2.KvLayout] = {}
         self.models: dict[str, str] = {}  # address -> model name its Info reported
-        self._tokenizer_facts: TokenizerFacts | None = None
+        self._tokenizer_facts: TokenizerFacts | None = None  # None: down, or not asked yet
+        self._problem: str | None = None  # why it is not usable; None when it is
+        self._is_health_reported = False
         self._wake: asyncio.Event | None = None
         self._poller: asyncio.Task[None] | None = None
 
@@ -103,18 +114,27 @@ class Backends:
     async def tokenizer_facts(self) -> TokenizerFacts:
         """The tokenizer's vocabulary size and EOS ids; raises Unavailable when it is down."""
         if self._tokenizer_facts is None:
-            who = f"tokenizer at {self.config.tokenizer_address}"
-            try:
-                info = await self.tokenizer.Info(
-                    tokenizer_pb2.InfoRequest(), timeout=self.config.info_timeout_s
-                )
-            except grpc.aio.AioRpcError as err:
-                raise error_from(err, who) from None
-            self._tokenizer_facts = TokenizerFacts(
-                model=info.model,
-                vocab_size=info.vocab_size,
-                eos_token_ids=tuple(info.eos_token_ids),
+            await self._fetch_tokenizer_facts()
+            assert self._tokenizer_facts is not None
+        return self._tokenizer_facts
+
+    async def _fetch_tokenizer_facts(self) -> None:
+        who = f"tokenizer at {self.config.tokenizer_address}"
+        try:
+            info = await self.tokenizer.Info(
+                tokenizer_pb2.InfoRequest(), timeout=self.config.info_timeout_s
             )
+        except grpc.aio.AioRpcError as err:
+            if self._tokenizer_facts is not None:
+                _LOG.warning("%s is down: %s: %s", who, err.code().name, err.details())
+            self._tokenizer_facts = None
+            raise error_from(err, who) from None
+        facts = TokenizerFacts(
+            model=info.model,
+            vocab_size=info.vocab_size,
+            eos_token_ids=tuple(info.eos_token_ids),
+        )
+        if facts != self._tokenizer_facts:
             _LOG.info(
                 "%s is up: model %s, vocab %d, eos %s",
                 who,
@@ -122,11 +142,17 @@ class Backends:
                 info.vocab_size,
                 list(info.eos_token_ids),
             )
-        return self._tokenizer_facts
+        self._tokenizer_facts = facts
 
     def forget_tokenizer(self) -> None:
         """The tokenizer failed: fetch its Info again next time (it may have restarted)."""
         self._tokenizer_facts = None
+        self.request_refresh()
+
+    @property
+    def problem(self) -> str | None:
+        """Why this frontend cannot serve a request (as of the last poll); None when it can."""
+        return self._problem
 
     @property
     def model(self) -> str:
@@ -139,9 +165,26 @@ class Backends:
     async def refresh(self) -> None:
         polls = [self._poll_prefill(a) for a in self._prefills]
         polls += [self._poll_decode(a) for a in self._decodes]
-        if self._tokenizer_facts is None:
-            polls.append(self._poll_tokenizer())
+        polls.append(self._poll_tokenizer())
         await asyncio.gather(*polls)
+        await self._report_health()
+
+    async def _report_health(self) -> None:
+        problem: str | None
+        if self._tokenizer_facts is None:
+            problem = f"the tokenizer at {self.config.tokenizer_address} is down"
+        else:
+            problem = self.router.route_problem()
+        if self._is_health_reported and problem == self._problem:
+            return
+        self._problem = problem
+        self._is_health_reported = True
+        if problem is None:
+            _LOG.info("health SERVING: the tokenizer and a prefill/decode pair are up")
+        else:
+            _LOG.warning("health NOT_SERVING: %s", problem)
+        if self._on_health is not None:
+            await self._on_health(problem is None)
 
     async def _poll_forever(self) -> None:
         assert self._wake is not None
@@ -156,7 +199,7 @@ class Backends:
 
     async def _poll_tokenizer(self) -> None:
         with contextlib.suppress(Exception):
-            await self.tokenizer_facts()
+            await self._fetch_tokenizer_facts()
 
     async def _poll_prefill(self, address: str) -> None:
         try:

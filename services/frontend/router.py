@@ -125,6 +125,19 @@ class Router:
         key = (prefill, decode)
         return key in self._pair_errors and self._pair_errors[key] is None
 
+    def route_problem(self) -> str | None:
+        """None when some up prefill and up decode instance form a compatible pair; else why
+        not (the frontend then reports NOT_SERVING)."""
+        up_decodes = [d.address for d in self.decodes.values() if d.is_up]
+        up_prefills = [p.address for p in self.prefills.values() if p.is_up]
+        if not up_decodes:
+            return f"no decode instance is up (of {', '.join(self.decodes)})"
+        if not up_prefills:
+            return f"no prefill instance is up (of {', '.join(self.prefills)})"
+        if any(self.is_compatible(p, d) for p in up_prefills for d in up_decodes):
+            return None
+        return "no up prefill/decode pair has matching KV layouts"
+
     # ---- the choice --------------------------------------------------------------------------
 
     @property

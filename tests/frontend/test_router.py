@@ -119,3 +119,21 @@ def test_context_is_the_smallest_among_up_decodes() -> None:
     assert r.max_context_tokens == 2048
     r.mark_down(D1)
     assert r.max_context_tokens == 4096
+
+
+def test_route_problem_says_why_nothing_is_routable() -> None:
+    r = router()
+    assert r.route_problem() is None
+    r.mark_down(D0)
+    assert r.route_problem() is None  # D1 still pairs
+    r.mark_down(D1)
+    assert r.route_problem() == f"no decode instance is up (of {D0}, {D1})"
+    r.update_decode(D1, num_free_blocks=9, num_total_blocks=9, max_context_tokens=64)
+    r.mark_down(P0)
+    r.mark_down(P1)
+    assert r.route_problem() == f"no prefill instance is up (of {P0}, {P1})"
+    r.update_prefill(P1, num_queued_tokens=0, max_prompt_tokens=64)
+    r.set_pair_error(P1, D1, "block_size=16 vs block_size=32")
+    assert r.route_problem() == "no up prefill/decode pair has matching KV layouts"
+    r.set_pair_error(P1, D1, None)
+    assert r.route_problem() is None

@@ -8,6 +8,7 @@ from typing import Any
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from mili.errors import StartupError
@@ -62,6 +63,44 @@ def test_health_serving_after_start(echo_server: Any) -> None:
             assert info.value.code() is grpc.StatusCode.NOT_FOUND
             assert await h.unary()(b"ping") == b"ping"
             assert h.server.num_in_flight == 0
+
+    asyncio.run(main())
+
+
+def test_set_serving_switches_health_until_a_drain_wins(echo_server: Any, until: Any) -> None:
+    async def main() -> None:
+        async with echo_server() as h:
+            await h.server.set_serving(False)
+            assert await h.health("") == await h.health(SERVICE) == "NOT_SERVING"
+            assert await h.unary()(b"ping") == b"ping"  # calls are still taken
+            await h.server.set_serving(True)
+            assert await h.health("") == await h.health(SERVICE) == "SERVING"
+
+            held = h.server_stream("Hold")(b"")
+            assert await held.read() == b"started"  # keeps the drain going
+            drain = asyncio.create_task(h.server.drain())
+            await until(lambda: h.server.is_draining)
+            await h.server.set_serving(True)  # a late "backends are back" must not undo it
+            assert await h.health("") == await h.health(SERVICE) == "NOT_SERVING"
+            h.echo.release.set()
+            await drain
+
+    asyncio.run(main())
+
+
+def test_set_serving_before_start_is_where_it_starts() -> None:
+    async def main() -> None:
+        server = RpcServer(ServerConfig(), name="echo")
+        server.add_service(SERVICE, lambda s: None)
+        await server.set_serving(False)
+        port = await server.start()
+        try:
+            async with insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = health_pb2_grpc.HealthStub(channel)
+                reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=2)
+                assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
+        finally:
+            await server.drain()
 
     asyncio.run(main())
 
