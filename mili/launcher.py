@@ -25,10 +25,12 @@ BASE+2+P+j (P = --prefill-instances); BASE 0 gives each a free port. Each child 
 `<name> metrics on http://HOST:PORT/metrics` (forwarded to stderr), and the summary printed
 once all are up lists every child's metrics URL.
 
-Shut-down (Ctrl-C or SIGTERM; a second one hurries every drain): the frontend drains first, so
-no new work reaches the rest; then prefill and decode; the tokenizer last, since the frontend's
-last requests still detokenize through it. Children run in their own session so a terminal's
-Ctrl-C reaches only us and the order holds; on Linux they also die with us if we are killed.
+Shut-down (Ctrl-C or SIGTERM): the frontend drains first, so no new work reaches the rest;
+then prefill and decode; the tokenizer last, since the frontend's last requests still
+detokenize through it; exit 0. A second signal cuts every drain short, cancelling calls still
+in flight, and `mili serve` exits 128 + the signal's number (130 for Ctrl-C). Children run in
+their own session so a terminal's Ctrl-C reaches only us and the order holds; on Linux they also
+die with us if we are killed.
 """
 
 from __future__ import annotations
@@ -84,8 +86,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="serve each child's Prometheus metrics: frontend on BASE, tokenizer BASE+1, "
         "prefill i BASE+2+i, decode j BASE+2+P+j; 0 = free ports (default: off)",
     )
-    parser.add_argument("--prefill-instances", type=int, default=1, metavar="N")
-    parser.add_argument("--decode-instances", type=int, default=1, metavar="N")
+    parser.add_argument(
+        "--prefill-instances",
+        type=int,
+        default=1,
+        metavar="N",
+        help="prefill processes to run, each with its own model copy and KV pool (default: "
+        "%(default)s)",
+    )
+    parser.add_argument(
+        "--decode-instances",
+        type=int,
+        default=1,
+        metavar="N",
+        help="decode processes to run, each with its own model copy and KV pool; the frontend "
+        "spreads requests over them (default: %(default)s)",
+    )
     parser.add_argument(
         "--fail-fast",
         action="store_true",
@@ -274,6 +290,10 @@ class Launcher:
             code = 1
         finally:
             await self._stop_all()
+        if len(self._signals) > 1:
+            # The drains were cut short: whatever was in flight failed, which is no clean stop.
+            _say("aborted: a second signal cut the drains short; calls in flight were cancelled")
+            return 128 + self._signals[-1]
         return code
 
     async def _start_all(self) -> bool:

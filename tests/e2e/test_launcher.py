@@ -1,12 +1,17 @@
 """`mili serve`: four processes up and healthy, one generation through them, a clean SIGTERM
 stop in order (frontend, then prefill/decode, then tokenizer); a child failing at start-up is
-reported with its last log lines and a non-zero exit."""
+reported with its last log lines and a non-zero exit; a second signal aborts what is in flight
+and exits 130; --help explains the instance counts and supervision (tests/e2e/test_supervise.py
+has the restarts)."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import grpc
@@ -99,3 +104,64 @@ def test_attention_flag_reaches_prefill_and_decode_only(tmp_path: Path) -> None:
     assert "--attention" not in plan.tokenizer and "--attention" not in plan.frontend
     default = make_plan(parser.parse_args([]), tmp_path)  # the services' own default (auto)
     assert not any("--attention" in argv for argv in (*default.prefills, *default.decodes))
+
+
+def test_a_second_signal_aborts_in_flight_calls_and_exits_non_zero(demo_model_dir: Path) -> None:
+    serve = ServiceProcess(
+        "serve", "--model", str(demo_model_dir), "--port", "0",
+        "--prefill-args", "--num-blocks 256", "--decode-args", "--num-blocks 256",
+        timeout_s=180,
+    )  # fmt: skip
+    outcome: list[object] = []
+    first_token = threading.Event()
+
+    def long_call() -> None:
+        with grpc.insecure_channel(serve.address) as channel:
+            stub = generation_pb2_grpc.GenerationServiceStub(channel)
+            request = generation_pb2.GenerateRequest(
+                prompt="Hello",
+                sampling=sampling_pb2.SamplingParams(
+                    max_tokens=3000, temperature=0, ignore_eos=True
+                ),
+            )
+            try:
+                for _ in stub.Generate(request, timeout=120):
+                    first_token.set()
+                outcome.append("finished")
+            except grpc.RpcError as err:
+                outcome.append(err.code())
+
+    caller = threading.Thread(target=long_call)
+    caller.start()
+    try:
+        assert first_token.wait(timeout=60)
+        serve.proc.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + 30
+        while not any("draining; 1 calls in flight" in line for line in serve.stderr_lines):
+            assert time.monotonic() < deadline, serve.stderr[-3000:]
+            time.sleep(0.05)
+        serve.proc.send_signal(signal.SIGINT)  # the impatient operator's second Ctrl-C
+        code = serve.proc.wait(timeout=90)
+    finally:
+        if serve.proc.poll() is None:
+            serve.proc.kill()
+        caller.join(timeout=60)
+    assert code == 130, serve.stderr[-3000:]
+    assert "mili serve: aborted" in serve.stderr
+    assert outcome and outcome[0] != "finished"  # it was cut off, not drained
+
+
+def test_serve_help_explains_instances_and_supervision() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "mili", "serve", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0
+    text = " ".join(result.stdout.split())  # argparse wraps to the terminal width
+    assert "--prefill-instances N prefill processes to run" in text
+    assert "--decode-instances N decode processes to run" in text
+    assert "--fail-fast a child that exits stops all the others" in text
+    assert "restarted on the same address" in text
