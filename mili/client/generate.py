@@ -1,14 +1,17 @@
 """`mili generate "text"`: stream one generation from a running frontend to stdout.
 
 The text goes to stdout as it arrives; the finish reason and token usage go to stderr at the
-end, so `mili generate "..." > out.txt` captures only the text. An error is one stderr line
-with its status code, and a non-zero exit.
+end, on a line of their own, so `mili generate "..." > out.txt` captures only the text and
+`mili generate "..." 2>&1 | less` shows the text, then `[finish: ...]` below it. An error is
+one stderr line with its status code, and a non-zero exit.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from typing import TextIO
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 
@@ -89,14 +92,12 @@ def run(args: argparse.Namespace) -> int:
                 if response.finish_reason:
                     last = response
         except grpc.RpcError as err:
-            if wrote_text:
-                sys.stdout.write("\n")
             code = err.code().name if callable(getattr(err, "code", None)) else "UNKNOWN"
             details = err.details() if callable(getattr(err, "details", None)) else str(err)
+            _end_text(wrote_text)
             print(f"mili generate: {code}: {details}", file=sys.stderr)
             return 1
-    if wrote_text and not wrote_text.endswith("\n") and sys.stdout.isatty():
-        sys.stdout.write("\n")
+    _end_text(wrote_text)
     if last is not None:
         reason = sampling_pb2.FinishReason.Name(last.finish_reason)
         reason = reason.removeprefix("FINISH_REASON_").lower()
@@ -106,3 +107,26 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def _end_text(last_text: str) -> None:
+    """Start a new line before our stderr lines where the text left one open.
+
+    On a terminal the newline goes to stdout (as a shell prompt would need); where stdout and
+    stderr are one file or pipe (`2>&1`), it goes to stderr, so stdout stays exactly the
+    generated text while the finish line still gets a line of its own.
+    """
+    if not last_text or last_text.endswith("\n"):
+        return
+    if sys.stdout.isatty():
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    elif _same_file(sys.stdout, sys.stderr):
+        sys.stderr.write("\n")
+
+
+def _same_file(a: TextIO, b: TextIO) -> bool:
+    try:
+        return os.path.sameopenfile(a.fileno(), b.fileno())
+    except (OSError, ValueError):  # not a real file (a test's StringIO), or closed
+        return False

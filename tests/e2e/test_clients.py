@@ -74,3 +74,24 @@ def test_bench_reports_latencies_and_writes_json(pipeline: Deployment, tmp_path:
         stats = summary[name]
         assert 0 < stats["p50_ms"] <= stats["p90_ms"] <= stats["p99_ms"]
     assert summary["kv_transfer_gbps"] is None and summary["kv_transfer_note"]
+
+
+def test_generate_finish_line_is_a_line_of_its_own_in_a_shared_stream(
+    pipeline: Deployment,
+) -> None:
+    args = ("generate", "Hello", "--address", pipeline.frontend.address, "--max-tokens", "8",
+            "--temperature", "0", "--ignore-eos")  # fmt: skip
+    text = mili(*args).stdout
+    assert text and not text.endswith("\n")  # the case that glued `[finish: ...]` to it
+    shared = subprocess.run(
+        [sys.executable, "-m", "mili", *args],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,  # `mili generate ... 2>&1 | less`
+        text=True,
+        timeout=120,
+    )
+    assert shared.returncode == 0, shared.stdout
+    assert shared.stdout.startswith(text + "\n[finish: length; prompt tokens")
+    assert shared.stdout.count("\n") == 2
