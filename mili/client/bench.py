@@ -14,6 +14,10 @@ temperature 0. Measured at the client, so it works against any deployment:
 
 KV transfer GB/s is not visible to a client (the KV moves between prefill and decode); the
 frontend logs it per request (prefill's kv_bytes / transfer_ms).
+
+While it runs, a progress line goes to stderr at every 10% of the requests and at least every
+5 s: requests done of all, errors, output tokens/s so far. Failed requests are grouped by
+their error (status and message, request ids masked) and counted, in the report and the JSON.
 """
 
 from __future__ import annotations
@@ -23,8 +27,10 @@ import asyncio
 import json
 import math
 import random
+import re
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -86,6 +92,59 @@ def summarize(values: list[float]) -> dict[str, float | None]:
     return out
 
 
+class Progress:
+    """Prints `done/total, errors, tokens/s` to stderr at every `step` of the requests and at
+    least every `interval_s` (from `tick`, which the caller runs on a timer)."""
+
+    def __init__(self, num_total: int, *, step: float = 0.1, interval_s: float = 5.0) -> None:
+        self.num_total = num_total
+        self.num_done = 0
+        self.num_errors = 0
+        self.num_tokens = 0
+        self._every = max(1, math.ceil(num_total * step))  # requests between two lines
+        self._interval_s = interval_s
+        self._started = time.perf_counter()
+        self._printed_at = self._started
+        self._printed_done = 0
+
+    def record(self, result: RequestResult) -> None:
+        self.num_done += 1
+        if result.error is not None:
+            self.num_errors += 1
+        self.num_tokens += result.num_completion_tokens
+        if self.num_done - self._printed_done >= self._every or self.num_done == self.num_total:
+            self._print()
+
+    def tick(self) -> None:
+        if time.perf_counter() - self._printed_at >= self._interval_s:
+            self._print()
+
+    def _print(self) -> None:
+        now = time.perf_counter()
+        elapsed = now - self._started
+        rate = self.num_tokens / elapsed if elapsed > 0 else 0.0
+        print(
+            f"mili bench: {self.num_done}/{self.num_total} done, {self.num_errors} errors, "
+            f"{rate:.1f} output tokens/s, {elapsed:.1f} s",
+            file=sys.stderr,
+            flush=True,
+        )
+        self._printed_at = now
+        self._printed_done = self.num_done
+
+
+_REQUEST_ID = re.compile(r"bench-\d+")
+
+
+def group_errors(errors: list[str]) -> list[dict[str, Any]]:
+    """Distinct errors with how often each happened, most frequent first; our request ids are
+    masked so one failure mode is one group."""
+    counts = Counter(_REQUEST_ID.sub("bench-*", e) for e in errors)
+    return [
+        {"error": e, "count": n} for e, n in sorted(counts.items(), key=lambda x: (-x[1], x[0]))
+    ]
+
+
 def prompt_ids(index: int, num_tokens: int, low: int, high: int, seed: int) -> list[int]:
     rng = random.Random(seed * 1_000_003 + index)
     return [rng.randrange(low, high) for _ in range(num_tokens)]
@@ -130,6 +189,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     for i in range(args.num_requests):
         queue.put_nowait(i)
     results: list[RequestResult] = []
+    progress = Progress(args.num_requests)
 
     async def worker() -> None:
         while not queue.empty():
@@ -141,12 +201,21 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                     max_tokens=args.output_tokens, temperature=0.0, ignore_eos=True
                 ),
             )
-            results.append(await _one(stub, request, args.timeout))
+            result = await _one(stub, request, args.timeout)
+            results.append(result)
+            progress.record(result)
+
+    async def ticker() -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            progress.tick()
 
     started = time.perf_counter()
+    ticking = asyncio.create_task(ticker())
     try:
         await asyncio.gather(*(worker() for _ in range(args.concurrency)))
     finally:
+        ticking.cancel()
         await channel.close()
     wall_s = time.perf_counter() - started
     ok = [r for r in results if r.error is None]
@@ -165,7 +234,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         },
         "num_ok": len(ok),
         "num_errors": len(errors),
-        "errors": sorted(set(errors))[:5],
+        "errors": group_errors(errors),  # [{"error": ..., "count": ...}], most frequent first
         "wall_s": wall_s,
         "output_tokens_per_s": num_tokens / wall_s if wall_s > 0 else 0.0,
         "requests_per_s": len(ok) / wall_s if wall_s > 0 else 0.0,
@@ -196,8 +265,8 @@ def report(summary: dict[str, Any]) -> str:
             f"p99 {_fmt(stats['p99_ms'])} ms"
         )
     lines.append(f"KV GB/s    {KV_NOTE}")
-    for error in summary["errors"]:
-        lines.append(f"error      {error}")
+    for group in summary["errors"]:
+        lines.append(f"error      {group['count']} x {group['error']}")
     return "\n".join(lines)
 
 

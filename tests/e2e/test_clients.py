@@ -95,3 +95,36 @@ def test_generate_finish_line_is_a_line_of_its_own_in_a_shared_stream(
     assert shared.returncode == 0, shared.stdout
     assert shared.stdout.startswith(text + "\n[finish: length; prompt tokens")
     assert shared.stdout.count("\n") == 2
+
+
+def test_bench_shows_progress_and_counts_each_error(pipeline: Deployment, tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    result = mili(
+        "bench", "--address", pipeline.frontend.address, "--concurrency", "2",
+        "--num-requests", "4", "--prompt-tokens", "5000", "--output-tokens", "8",
+        "--json", str(out),
+    )  # fmt: skip
+    assert result.returncode == 1
+    progress = [line for line in result.stderr.splitlines() if line.startswith("mili bench: ")]
+    assert progress and progress[-1].startswith("mili bench: 4/4 done, 4 errors,")
+    summary = json.loads(out.read_text())
+    assert summary["num_errors"] == 4
+    [group] = summary["errors"]  # one failure mode, however many requests hit it
+    assert group["count"] == 4 and group["error"].startswith("INVALID_ARGUMENT")
+    assert f"error      4 x {group['error']}" in result.stdout
+
+
+def test_bench_errors_group_with_request_ids_masked() -> None:
+    from mili.client.bench import group_errors
+
+    errors = [
+        "UNAVAILABLE: decode at 127.0.0.1:1 is down",
+        "DEADLINE_EXCEEDED: request bench-3 timed out",
+        "UNAVAILABLE: decode at 127.0.0.1:1 is down",
+        "DEADLINE_EXCEEDED: request bench-12 timed out",
+        "DEADLINE_EXCEEDED: request bench-7 timed out",
+    ]
+    assert group_errors(errors) == [
+        {"error": "DEADLINE_EXCEEDED: request bench-* timed out", "count": 3},
+        {"error": "UNAVAILABLE: decode at 127.0.0.1:1 is down", "count": 2},
+    ]
