@@ -313,14 +313,12 @@ class Launcher:
         self.frontend = Child("frontend", frontend_argv)
         if not await self._start([self.frontend]):
             return False
-        for child in backends:
+        for child in [*backends, self.frontend]:
             metrics = "" if child.metrics_url is None else f" metrics {child.metrics_url}"
             print(
                 f"mili serve: {child.name:<10} {child.address} pid {child.pid}{metrics}",
                 flush=True,
             )
-        if self.frontend.metrics_url is not None:
-            print(f"mili serve: frontend metrics {self.frontend.metrics_url}", flush=True)
         # Last, in the form every service announces itself: scripts and tests read this line.
         print(f"frontend service listening on {self.frontend.address}", flush=True)
         return True

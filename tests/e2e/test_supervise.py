@@ -239,3 +239,34 @@ def test_fail_fast_stops_everything_when_a_child_dies(demo_model_dir: Path) -> N
     assert f"decode-0 (pid {children.pids['decode-0']}) exited with code -9" in serve.stderr
     assert "stopping the others (--fail-fast)" in serve.stderr
     assert "restarting" not in serve.stderr
+
+
+def test_a_killed_frontend_comes_back_on_the_public_port(
+    served: tuple[ServiceProcess, Children],
+) -> None:
+    serve, children = served
+    assert children.addresses["frontend"] == serve.address
+    start = len(serve.stderr_lines)
+    os.kill(children.pids["frontend"], signal.SIGKILL)
+    back = f"mili serve: frontend is back on {serve.address}"
+    wait_for(
+        "the frontend back",
+        lambda: index_of(serve.stderr_lines, back, start) is not None,
+        60,
+        serve,
+    )
+    # Clients of the public address need nothing new: the same address answers again.
+    with grpc.insecure_channel(serve.address) as channel:
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
+        request = generation_pb2.GenerateRequest(
+            prompt="Hi", sampling=sampling_pb2.SamplingParams(max_tokens=4, temperature=0)
+        )
+        deadline = time.monotonic() + 20  # its first Info poll may still be on its way
+        while True:
+            try:
+                replies = list(stub.Generate(request, timeout=30))
+                break
+            except grpc.RpcError as err:
+                assert time.monotonic() < deadline, err
+                time.sleep(0.2)
+    assert replies[-1].usage.completion_tokens >= 1
