@@ -95,8 +95,8 @@ def default_dtype(device: str) -> tuple[str, str]:
     """The element type prefill and decode run in on `device` without --dtype, and why."""
     if device.startswith("cuda"):
         return "bfloat16", "GPUs run bfloat16 at full tensor-core rate, on half the bytes"
-    # Measured with the demo model on CPU: float32 gave 1.4x the throughput and a 2.7x lower
-    # TTFT p50 than bfloat16 (CPUs without bfloat16 matrix units convert in every matmul).
+    # CPUs without bfloat16 matrix units convert in every matmul; the measurement is in
+    # docs/benchmarks.md ("Measurements behind choices in the code").
     return "float32", "CPU matmuls run faster in float32 than in bfloat16"
 
 
