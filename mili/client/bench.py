@@ -134,12 +134,13 @@ class Progress:
 
 
 _REQUEST_ID = re.compile(r"bench-\d+")
+_MINTED_ID = re.compile(r"\(id [^)\s]+\)")  # the frontend's own id, as services name a request
 
 
 def group_errors(errors: list[str]) -> list[dict[str, Any]]:
-    """Distinct errors with how often each happened, most frequent first; our request ids are
-    masked so one failure mode is one group."""
-    counts = Counter(_REQUEST_ID.sub("bench-*", e) for e in errors)
+    """Distinct errors with how often each happened, most frequent first; request ids (ours and
+    the ones the frontend mints) are masked so one failure mode is one group."""
+    counts = Counter(_MINTED_ID.sub("(id *)", _REQUEST_ID.sub("bench-*", e)) for e in errors)
     return [
         {"error": e, "count": n} for e, n in sorted(counts.items(), key=lambda x: (-x[1], x[0]))
     ]

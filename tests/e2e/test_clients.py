@@ -123,8 +123,11 @@ def test_bench_errors_group_with_request_ids_masked() -> None:
         "UNAVAILABLE: decode at 127.0.0.1:1 is down",
         "DEADLINE_EXCEEDED: request bench-12 timed out",
         "DEADLINE_EXCEEDED: request bench-7 timed out",
+        "DATA_LOSS: KV transfer of request 'bench-4' (id 3f9a0c1b2d4e-17) failed",
+        "DATA_LOSS: KV transfer of request 'bench-9' (id 3f9a0c1b2d4e-22) failed",
     ]
     assert group_errors(errors) == [
         {"error": "DEADLINE_EXCEEDED: request bench-* timed out", "count": 3},
+        {"error": "DATA_LOSS: KV transfer of request 'bench-*' (id *) failed", "count": 2},
         {"error": "UNAVAILABLE: decode at 127.0.0.1:1 is down", "count": 2},
     ]
