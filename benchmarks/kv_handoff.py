@@ -58,7 +58,7 @@ from mili.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from mili.rpc.client import insecure_channel
 from mili.rpc.kv_codec import ChunkView, check_compatible, decode_chunk, parse_transfer_request
 from mili.rpc.server import RpcServer, ServerConfig
-from services.prefill.config import PrefillConfig
+from services.prefill.config import ANY_DECODE, PrefillConfig
 from services.prefill.sender import KvSender
 from services.prefill.server import PrefillServicer, add_to_server
 from services.prefill.task import FirstToken, PrefillTask
@@ -302,6 +302,7 @@ async def measure(args: argparse.Namespace, path: Path) -> list[dict[str, Any]]:
         max_batch_tokens=max(2048, args.prompt_len),
         max_queued_tokens=max(8192, args.prompt_len),
         transfer_timeout_s=600,
+        allowed_decodes=(ANY_DECODE,),  # the receiver's and decode's ports are chosen later
     )
     servicer = PrefillServicer(
         model,

@@ -51,6 +51,7 @@ from mili import flags, ports
 from mili.backoff import Backoff, RestartPolicy
 from mili.child import Child, describe_exit
 from mili.errors import StartupError
+from mili.rpc.server import format_address
 
 DEFAULT_PORT = 50051
 
@@ -200,6 +201,14 @@ def make_plan(args: argparse.Namespace, model_dir: Path) -> Plan:
     def extra(kind: str) -> list[str]:
         return shlex.split(getattr(args, f"{kind}_args"))
 
+    # Decode ports are fixed before anything starts: each prefill instance is told the decode
+    # instances it may send KV to (its --decode), and they all load their models at once.
+    decode_ports = [
+        int(_port(args.decode_port, i)) if args.decode_port else ports.pick_free(args.host)
+        for i in range(args.decode_instances)
+    ]
+    decode_addresses = ",".join(format_address(args.host, p) for p in decode_ports)
+
     return Plan(
         tokenizer=[
             "serve-tokenizer",
@@ -219,6 +228,8 @@ def make_plan(args: argparse.Namespace, model_dir: Path) -> Plan:
                 "--port",
                 _port(args.prefill_port, i),
                 *_metrics(metrics_base, 2 + i),
+                "--decode",
+                decode_addresses,
                 *extra("prefill"),
             ]
             for i in range(args.prefill_instances)
@@ -230,7 +241,7 @@ def make_plan(args: argparse.Namespace, model_dir: Path) -> Plan:
                 *engine,
                 *common,
                 "--port",
-                _port(args.decode_port, i),
+                str(decode_ports[i]),
                 *_metrics(metrics_base, first_decode + i),
                 *extra("decode"),
             ]

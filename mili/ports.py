@@ -16,6 +16,18 @@ from mili.errors import StartupError
 from mili.rpc.server import format_address
 
 
+def pick_free(host: str) -> int:
+    """A port nothing listens on now, for a child that must be named before it starts (a
+    prefill instance is told its decode instances' addresses up front). Another process could
+    take it before the child binds; the child's start then fails with a clear error."""
+    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind((host.strip("[]"), 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
 def check_free(host: str, port: int, flag: str = "--port") -> None:
     """StartupError naming `flag` when nothing may listen on host:port; port 0 always passes."""
     if port == 0:

@@ -10,7 +10,12 @@ import logging
 from kernels import ATTENTION_CHOICES, DEFAULT_ATTENTION
 from mili import flags
 from mili.errors import StartupError
-from services.prefill.config import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_BATCH_TOKENS
+from services.prefill.config import (
+    ANY_DECODE,
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_MAX_BATCH_TOKENS,
+    parse_allowed_decodes,
+)
 
 DEFAULT_PORT = 50053
 _LOG = logging.getLogger("mili.prefill")
@@ -65,6 +70,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "caller's deadline is later or unset (default: %(default)s)",
     )
     parser.add_argument(
+        "--decode",
+        metavar="ADDR[,ADDR...]",
+        action="append",
+        default=[],
+        help="decode instances this prefill may send KV to, host:port as the frontend names "
+        "them (repeatable); a request naming any other destination is refused with "
+        f"PERMISSION_DENIED before any connection is made. '{ANY_DECODE}' allows any (only "
+        "where every peer is trusted). Required",
+    )
+    parser.add_argument(
         "--attention",
         choices=ATTENTION_CHOICES,
         default=DEFAULT_ATTENTION,
@@ -99,9 +114,10 @@ def run(args: argparse.Namespace) -> int:
                 else args.max_queued_tokens
             ),
             transfer_timeout_s=args.transfer_timeout,
+            allowed_decodes=parse_allowed_decodes(args.decode),
         )
     except ValueError as e:
-        raise StartupError(str(e)) from None
+        raise StartupError(f"--decode: {e}" if "allowed decode" in str(e) else str(e)) from None
 
     import torch  # heavy imports only once the flags are known to be good
     from prometheus_client import CollectorRegistry
@@ -135,6 +151,13 @@ def run(args: argparse.Namespace) -> int:
             config = dataclasses.replace(config, num_blocks=num_blocks)
         except ValueError as e:
             raise StartupError(f"--kv-cache-bytes: {e}") from None
+    if not config.allowed_decodes:
+        raise StartupError(
+            "--decode is required: the decode instances this prefill may send KV to "
+            f"(host:port, as the frontend names them), or '{ANY_DECODE}' for any"
+        )
+    if ANY_DECODE in config.allowed_decodes:
+        _LOG.warning("--decode '%s': KV goes to any destination a caller names", ANY_DECODE)
     try:
         attention = select_attention(args.attention, device, head_dim=model_config.head_dim)
     except KernelBuildError as e:
@@ -160,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
         raise StartupError(str(e)) from None
     _LOG.info(
         "prefill for %s on %s: dtype %s, %d KV blocks of %d tokens, attention %s, "
-        "max_batch_tokens %d, max_queued_tokens %d",
+        "max_batch_tokens %d, max_queued_tokens %d, KV to %s",
         model_dir,
         device,
         str(dtype).removeprefix("torch."),
@@ -169,6 +192,7 @@ def run(args: argparse.Namespace) -> int:
         model.attention.name,
         config.max_batch_tokens,
         config.max_queued_tokens,
+        ", ".join(config.allowed_decodes),
     )
     server = RpcServer(
         server_config,

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 
+ANY_DECODE = "*"  # allows every destination: only for networks where every peer is trusted
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_MAX_BATCH_TOKENS = 2048
 
@@ -25,6 +27,11 @@ class PrefillConfig:
     # Longest wait for decode's acknowledgement, counted from accepting the prompt, when the
     # Prefill caller's deadline is later (or unset): a stuck decode cannot strand our blocks.
     transfer_timeout_s: float = 60.0
+    # The decode instances (host:port, as the frontend names them) this instance may send KV
+    # to. A Prefill call names its destination, and anyone who reaches our port can call
+    # Prefill: without this list we would dial whatever it names. Empty: none; ANY_DECODE: any.
+    allowed_decodes: tuple[str, ...] = ()
+    _allowed: frozenset[str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_batch_tokens", "max_queued_tokens"):
@@ -39,3 +46,31 @@ class PrefillConfig:
             )
         if not self.transfer_timeout_s > 0:
             raise ValueError(f"transfer_timeout_s must be > 0, got {self.transfer_timeout_s}")
+        allowed = set()
+        for address in self.allowed_decodes:
+            normal = address.strip() if address.strip() == ANY_DECODE else normal_address(address)
+            if normal is None:
+                raise ValueError(f"allowed decode {address!r} is not host:port")
+            allowed.add(normal)
+        object.__setattr__(self, "_allowed", frozenset(allowed))
+
+    def may_send_to(self, address: str) -> bool:
+        """Whether KV may go to `address` (compared as host:port, host case-insensitive)."""
+        if ANY_DECODE in self._allowed:
+            return True
+        normal = normal_address(address)
+        return normal is not None and normal in self._allowed
+
+
+def normal_address(address: str) -> str | None:
+    """`host:port` in one spelling (host lower-cased, port without leading zeros), or None when
+    `address` is not host:port with a port in 1..65535."""
+    host, sep, port = address.strip().rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        return None
+    return f"{host.lower()}:{int(port)}"
+
+
+def parse_allowed_decodes(values: Iterable[str]) -> tuple[str, ...]:
+    """`--decode` values (each comma-separated) as one tuple, blanks dropped."""
+    return tuple(a.strip() for v in values for a in v.split(",") if a.strip())

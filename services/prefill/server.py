@@ -25,6 +25,7 @@ from prometheus_client import CollectorRegistry
 from mili.engine.block_pool import BlockPool
 from mili.engine.kv_cache import KVCache, dtype_name
 from mili.engine.model import Qwen3ForCausalLM
+from mili.errors import PermissionDenied
 from mili.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from mili.rpc.kv_codec import block_bytes, layout_to_proto
 from mili.rpc.server import RpcServer
@@ -113,6 +114,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             max_prompt_tokens=self.max_prompt_tokens,
             block_size=self.config.block_size,
         )
+        if not self.config.may_send_to(task.address):
+            # Checked before any channel exists: a caller cannot make us dial anything else.
+            raise PermissionDenied(
+                f"destination.address {task.address!r} is not a decode instance this prefill "
+                "instance may send KV to (its --decode list)"
+            )
         span_context = current_span_context()  # None when tracing is off
         if span_context is not None:
             task = dataclasses.replace(task, span_context=span_context)

@@ -17,6 +17,7 @@ import pytest
 
 from mili.decode.v1 import decode_pb2, decode_pb2_grpc
 from mili.frontend.v1 import generation_pb2, generation_pb2_grpc
+from mili.ports import pick_free
 from mili.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from tests.service_process import ServiceProcess
 
@@ -45,6 +46,9 @@ class Deployment:
     decodes: list[ServiceProcess]
     frontend: ServiceProcess
     owns_tokenizer: bool = False
+    # Addresses the prefill instances may also send KV to, for stand-ins started later (a
+    # fault proxy in front of a decode instance binds one of these).
+    spare_decode_addresses: list[str] = field(default_factory=list)
     _channels: list[grpc.Channel] = field(default_factory=list)
 
     def channel(self, address: str | None = None) -> grpc.Channel:
@@ -138,13 +142,25 @@ def deploy(
     prefill_args: Callable[[int], Sequence[str]] = lambda i: (),
     decode_args: Sequence[str] = DECODE_ARGS,
     frontend_args: Sequence[str] = (),
+    num_spare_decodes: int = 0,
 ) -> Deployment:
-    """Prefill and decode instances (with `engine_args` each, e.g. a dtype) and a frontend."""
-    model = ("--model", str(model_dir), "--port", "0", *engine_args)
+    """Prefill and decode instances (with `engine_args` each, e.g. a dtype) and a frontend.
+
+    Decode ports are picked first, as `mili serve` does: each prefill instance is told the
+    decode instances it may send KV to (plus `num_spare_decodes` addresses for stand-ins).
+    """
+    model = ("--model", str(model_dir), *engine_args)
+    decode_ports = [pick_free("127.0.0.1") for _ in range(num_decodes + num_spare_decodes)]
+    decode_addresses = [f"127.0.0.1:{port}" for port in decode_ports]
+    allowed = ("--decode", ",".join(decode_addresses))
     specs = [
-        ("serve-prefill", *model, *PREFILL_ARGS, *prefill_args(i)) for i in range(num_prefills)
+        ("serve-prefill", *model, "--port", "0", *PREFILL_ARGS, *allowed, *prefill_args(i))
+        for i in range(num_prefills)
     ]
-    specs += [("serve-decode", *model, *decode_args) for _ in range(num_decodes)]
+    specs += [
+        ("serve-decode", *model, "--port", str(port), *decode_args)
+        for port in decode_ports[:num_decodes]
+    ]
     services = start_all(specs)
     prefills, decodes = services[:num_prefills], services[num_prefills:]
     try:
@@ -166,7 +182,13 @@ def deploy(
         for service in services:
             service.proc.kill()
         raise
-    deployment = Deployment(tokenizer, prefills, decodes, frontend)
+    deployment = Deployment(
+        tokenizer,
+        prefills,
+        decodes,
+        frontend,
+        spare_decode_addresses=decode_addresses[num_decodes:],
+    )
     deployment.wait_until_routable()
     return deployment
 
@@ -184,6 +206,8 @@ def pipeline(demo_model_dir: Path, e2e_tokenizer: ServiceProcess) -> Iterator[De
     distributions are nearly flat, and in bfloat16 a near-tie (log-prob gap ~0.004) flips with
     the batch a prompt is prefilled in, in the single-process reference as much as in the
     services; float32 keeps greedy comparisons exact."""
-    d = deploy(demo_model_dir, e2e_tokenizer, engine_args=("--dtype", "float32"))
+    d = deploy(
+        demo_model_dir, e2e_tokenizer, engine_args=("--dtype", "float32"), num_spare_decodes=1
+    )
     yield d
     d.stop()

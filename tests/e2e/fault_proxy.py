@@ -88,8 +88,9 @@ class _Transfer:
 class FaultProxy:
     """Forwards every call to `upstream`; `address` is where it listens. Use as a context."""
 
-    def __init__(self, upstream: str) -> None:
+    def __init__(self, upstream: str, port: int = 0) -> None:
         self.upstream = upstream
+        self._port = port
         self._lock = threading.Lock()
         self._faults: dict[str, str] = {}
         self._labels: dict[str, str] = {}  # minted request id -> the caller's request_id
@@ -165,7 +166,7 @@ class FaultProxy:
         self._channel = grpc.aio.insecure_channel(self.upstream, options=options)
         self._server = grpc.aio.server(options=options[:2])
         self._server.add_generic_rpc_handlers([_Handler(self)])
-        port = self._server.add_insecure_port("127.0.0.1:0")
+        port = self._server.add_insecure_port(f"127.0.0.1:{self._port}")
         await self._server.start()
         return f"127.0.0.1:{port}"
 

@@ -31,7 +31,10 @@ def test_prefill_and_decode_pick_and_log_their_dtype(
 ) -> None:
     model = ("--model", str(demo_model_dir), "--port", "0", *flags)
     prefill, decode = start_all(
-        [("serve-prefill", *model, *PREFILL_ARGS), ("serve-decode", *model, *DECODE_ARGS)]
+        [
+            ("serve-prefill", *model, *PREFILL_ARGS, "--decode", "*"),
+            ("serve-decode", *model, *DECODE_ARGS),
+        ]
     )
     try:
         with grpc.insecure_channel(prefill.address) as channel:

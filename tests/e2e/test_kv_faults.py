@@ -105,7 +105,9 @@ def faulty(pipeline: Deployment) -> Iterator[Faulty]:
     own whose decode address is the proxy (greedy tokens then do not depend on which requests
     share a batch)."""
     wait_idle(pipeline)
-    with FaultProxy(pipeline.decodes[0].address) as proxy:
+    # On the address the prefill instances were told they may send KV to.
+    port = int(pipeline.spare_decode_addresses[0].rpartition(":")[2])
+    with FaultProxy(pipeline.decodes[0].address, port=port) as proxy:
         frontend = ServiceProcess(
             "serve-frontend",
             "--port",

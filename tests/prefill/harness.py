@@ -24,7 +24,7 @@ from mili.kv.v1 import kv_pb2
 from mili.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from mili.rpc.client import insecure_channel
 from mili.rpc.server import RpcServer, ServerConfig
-from services.prefill.config import PrefillConfig
+from services.prefill.config import ANY_DECODE, PrefillConfig
 from services.prefill.server import PrefillServicer, add_to_server
 from tests.prefill.receiver import KvReceiver, serve_receiver
 
@@ -77,7 +77,14 @@ class PrefillHarness:
 @contextlib.asynccontextmanager
 async def prefill_service(tiny: TinyModel, **config: Any) -> AsyncIterator[PrefillHarness]:
     """A started prefill server; on exit asserts every block is free and nothing is queued."""
-    settings = {"num_blocks": 128, "block_size": BLOCK_SIZE, "max_batch_tokens": 64, **config}
+    # Any destination by default: these tests aim at receivers on ports chosen as they run.
+    settings = {
+        "num_blocks": 128,
+        "block_size": BLOCK_SIZE,
+        "max_batch_tokens": 64,
+        "allowed_decodes": (ANY_DECODE,),
+        **config,
+    }
     servicer = PrefillServicer(
         tiny.model,
         PrefillConfig(**settings),

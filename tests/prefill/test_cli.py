@@ -30,6 +30,8 @@ def test_serve_prefill_process(tiny: TinyModel) -> None:
         "48",
         "--max-batch-tokens",
         "64",
+        "--decode",
+        "*",  # the stand-in decode below listens on a port chosen later
     )
     try:
         prompt = random_ids(40, TINY.vocab_size, seed=9)
