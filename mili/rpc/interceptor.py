@@ -1,14 +1,20 @@
 """The server interceptor every MILI service runs behind.
 
-For each application call it
+For each call it
   (a) turns an exception raised by the servicer into its status (see `mili.rpc.status`); calls
       the servicer already ended with `context.abort` pass through untouched,
   (b) counts the call as in flight until its handler returns, so a drain knows when to stop,
   (c) refuses it with UNAVAILABLE once the server is draining, so clients retry elsewhere,
-  (d) counts it once it ends, by method and final status code (`mili_requests_total`): the code
-      it was aborted with, OK when the handler returned, else CANCELLED or DEADLINE_EXCEEDED.
-Health and reflection calls are infrastructure: never counted, never refused, so a load balancer
-can watch a draining server go NOT_SERVING.
+  (d) counts it once it ends, by service, method and final status code: the code it was
+      aborted with, OK when the handler returned, else CANCELLED or DEADLINE_EXCEEDED.
+Three kinds of call:
+
+    traffic          everything else           (a)-(d), in mili_requests_total
+    control          every service's Info      (a)-(d), in mili_control_requests_total
+    infrastructure   health, reflection        (a), (d) in mili_control_requests_total;
+                                               never in flight, never refused, so a load
+                                               balancer can watch a draining server go
+                                               NOT_SERVING
 
 Handlers must be coroutines or async generators (the event loop never blocks). A plain `def`
 handler is passed through unwrapped: grpc runs it in its thread pool with its own error handling.
@@ -20,6 +26,7 @@ import asyncio
 import inspect
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import grpc
@@ -35,6 +42,9 @@ _INFRASTRUCTURE = (
     "/grpc.reflection.v1alpha.ServerReflection/",
     "/grpc.reflection.v1.ServerReflection/",
 )
+# Every MILI service has an Info RPC: a cheap read of its state that the frontend polls on each
+# instance every --poll-interval (and tracing leaves untraced for the same reason).
+_CONTROL_SUFFIX = "/Info"
 
 Behavior = Callable[[Any, Any], Any]
 
@@ -77,14 +87,20 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler | None:
         handler = await continuation(handler_call_details)
+        if handler is None:
+            return None  # grpc answers UNIMPLEMENTED itself
         method: str = handler_call_details.method
-        if handler is None or method.startswith(_INFRASTRUCTURE):
-            return handler  # None: grpc answers UNIMPLEMENTED itself
         return self._wrap(handler, method)
 
     # ---- wrapping ----------------------------------------------------------------------------
 
     def _wrap(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+        is_infrastructure = method.startswith(_INFRASTRUCTURE)
+        call = _Call(
+            method,
+            is_gated=not is_infrastructure,
+            is_control=is_infrastructure or method.endswith(_CONTROL_SUFFIX),
+        )
         if handler.request_streaming and handler.response_streaming:
             behavior, make = handler.stream_stream, grpc.stream_stream_rpc_method_handler
         elif handler.request_streaming:
@@ -96,9 +112,9 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
         # grpc picks how to drive a handler (await it, iterate it, or run it in a thread) from
         # the function's kind, so the wrapper must be of the same kind as what it wraps.
         if inspect.isasyncgenfunction(behavior):
-            wrapped: Behavior = self._wrap_generator(behavior, method)
+            wrapped: Behavior = self._wrap_generator(behavior, call)
         elif inspect.iscoroutinefunction(behavior):
-            wrapped = self._wrap_coroutine(behavior, method)
+            wrapped = self._wrap_coroutine(behavior, call)
         else:
             return handler
         return make(
@@ -107,10 +123,10 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
             response_serializer=handler.response_serializer,
         )
 
-    def _wrap_coroutine(self, behavior: Behavior, method: str) -> Behavior:
-        async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            await self._admit(context, method)
-            self._num_in_flight += 1  # no await between admit and here: nothing can slip in
+    def _wrap_coroutine(self, behavior: Behavior, call: _Call) -> Behavior:
+        async def run(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await self._admit(context, call)
+            self._enter(call)  # no await between admit and here: nothing can slip in
             is_done = False
             try:
                 response = await behavior(request, context)
@@ -119,48 +135,63 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
             except grpc.aio.AbortError:
                 raise  # the servicer chose its status with context.abort
             except Exception as exc:
-                await self._abort_with(exc, context, method)
+                await self._abort_with(exc, context, call.method)
             finally:
-                self._count(method, context, is_done)
-                self._leave()
+                self._count(call, context, is_done)
+                self._leave(call)
 
-        return call
+        return run
 
-    def _wrap_generator(self, behavior: Behavior, method: str) -> Behavior:
-        async def call(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            await self._admit(context, method)
-            self._num_in_flight += 1
-            responses = behavior(request, context)
+    def _wrap_generator(self, behavior: Behavior, call: _Call) -> Behavior:
+        async def run(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            await self._admit(context, call)
+            self._enter(call)
             is_done = False
+            responses: Any = None
             try:
+                responses = behavior(request, context)
                 async for response in responses:
                     yield response
                 is_done = True
             except grpc.aio.AbortError:
                 raise
             except Exception as exc:
-                await self._abort_with(exc, context, method)
+                await self._abort_with(exc, context, call.method)
             finally:
                 # Counted before grpc sends the status: a caller that saw it can see the count.
-                self._count(method, context, is_done)
+                self._count(call, context, is_done)
                 # If grpc stops iterating early (cancelled call), close the servicer's generator
                 # now so its `finally` blocks (freeing KV blocks, say) run at once, not at GC.
-                await responses.aclose()
-                self._leave()
+                if responses is not None:
+                    await responses.aclose()
+                self._leave(call)
 
-        return call
+        return run
 
     # ---- helpers -----------------------------------------------------------------------------
 
-    async def _admit(self, context: grpc.aio.ServicerContext, method: str) -> None:
-        if self._is_draining:
-            self._metrics.record(method, grpc.StatusCode.UNAVAILABLE.name)
+    async def _admit(self, context: grpc.aio.ServicerContext, call: _Call) -> None:
+        if self._is_draining and call.is_gated:
+            self._metrics.record(
+                call.method, grpc.StatusCode.UNAVAILABLE.name, is_control=call.is_control
+            )
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE,
                 f"{self._name} is draining; retry on another instance",
             )
 
-    def _count(self, method: str, context: grpc.aio.ServicerContext, is_done: bool) -> None:
+    def _enter(self, call: _Call) -> None:
+        if call.is_gated:
+            self._num_in_flight += 1
+
+    def _leave(self, call: _Call) -> None:
+        if not call.is_gated:
+            return
+        self._num_in_flight -= 1
+        if self._num_in_flight == 0 and self._idle is not None:
+            self._idle.set()
+
+    def _count(self, call: _Call, context: grpc.aio.ServicerContext, is_done: bool) -> None:
         """Record the call's final status: the one set by an abort (ours or the servicer's),
         else OK when its handler returned, else it was cut short (caller gone, deadline)."""
         code = context.code()
@@ -171,12 +202,8 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
                 remaining = context.time_remaining()
                 is_late = remaining is not None and remaining <= 0
                 code = grpc.StatusCode.DEADLINE_EXCEEDED if is_late else grpc.StatusCode.CANCELLED
-        self._metrics.record(method, code.name if isinstance(code, grpc.StatusCode) else str(code))
-
-    def _leave(self) -> None:
-        self._num_in_flight -= 1
-        if self._num_in_flight == 0 and self._idle is not None:
-            self._idle.set()
+        status = code.name if isinstance(code, grpc.StatusCode) else str(code)
+        self._metrics.record(call.method, status, is_control=call.is_control)
 
     async def _abort_with(
         self, exc: Exception, context: grpc.aio.ServicerContext, method: str
@@ -189,3 +216,12 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
             _LOG.debug("%s %s -> %s: %s", self._name, method, status.code.name, status.details)
         await context.abort(status.code, status.details, status.trailing_metadata)
         raise AssertionError("context.abort returned")  # it always raises AbortError
+
+
+@dataclass(frozen=True)
+class _Call:
+    """How the interceptor treats calls to one method (see the module docstring)."""
+
+    method: str  # /pkg.Service/Method
+    is_gated: bool  # refused while draining, counted in flight
+    is_control: bool  # counted in mili_control_requests_total, not mili_requests_total

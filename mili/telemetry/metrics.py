@@ -3,10 +3,11 @@ HTTP endpoint that serves them.
 
 Every metric lives in a `CollectorRegistry` made by the service's entry point and passed in
 (never prometheus_client's global one), so tests that run several servers in one process do not
-collide. Names start with `mili_`, carry their unit (`_seconds`, `_bytes`) and counters end in
-`_total`. What each service records, and where:
+collide. Names start with `mili_`, carry their
+unit (`_seconds`, `_bytes`) and counters end in `_total`. What each service records, and where:
 
-    every service  mili_requests_total{method,status}   mili.rpc.interceptor, once per call
+    every service  mili_requests_total{grpc_service,grpc_method,status}   mili.rpc.interceptor,
+                   and mili_control_requests_total (Info, health, reflection), once per call
     frontend       time to first token, time per output token   services/frontend/server.py
     prefill        step time and size, queue, KV blocks, KV sent   worker.py, server.py
     decode         step time and batch size, queue, KV blocks, KV received   batcher.py, transfer.py
@@ -19,7 +20,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    start_http_server,
+)
 
 # Bucket bounds (seconds unless noted), wide enough for a CPU test model and an H200 alike.
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -61,20 +68,44 @@ def _callback_gauge(registry: CollectorRegistry, name: str, documentation: str, 
     gauge.set_function(read)
 
 
+def split_method(method: str) -> tuple[str, str]:
+    """`/pkg.Service/Method` -> ("pkg.Service", "Method"), the grpc_service and grpc_method
+    labels (the names gRPC's Prometheus integrations use)."""
+    service, _, name = method.removeprefix("/").rpartition("/")
+    return service, name
+
+
 class RequestMetrics:
-    """Calls by method and final status; recorded by the server interceptor."""
+    """Calls by service, method and final status; recorded by the server interceptor.
+
+    Two counters, so that `sum(rate(mili_requests_total[1m]))` is the traffic a service
+    serves without every dashboard having to filter: the frontend polls each instance's Info
+    every --poll-interval and load balancers probe health, which would otherwise outnumber
+    real requests on a quiet deployment and dilute its error ratio. Those calls are counted,
+    by the same labels, in mili_control_requests_total.
+    """
 
     def __init__(self, registry: CollectorRegistry) -> None:
+        labels = ["grpc_service", "grpc_method", "status"]
         self.requests = Counter(
             "mili_requests_total",
-            "Application RPCs handled, by full method name and final gRPC status code name "
-            "(health and reflection are not counted)",
-            ["method", "status"],
+            "Application RPCs handled, by service, method and final gRPC status code name "
+            "(Info, health and reflection are counted in mili_control_requests_total)",
+            labels,
+            registry=registry,
+        )
+        self.control_requests = Counter(
+            "mili_control_requests_total",
+            "Info, health and reflection RPCs handled (polling by the frontend and load "
+            "balancers), by service, method and final gRPC status code name",
+            labels,
             registry=registry,
         )
 
-    def record(self, method: str, status: str) -> None:
-        self.requests.labels(method, status).inc()
+    def record(self, method: str, status: str, *, is_control: bool = False) -> None:
+        """Count one call to `method` (`/pkg.Service/Method`) that ended with `status`."""
+        counter = self.control_requests if is_control else self.requests
+        counter.labels(*split_method(method), status).inc()
 
 
 class FrontendMetrics:

@@ -94,6 +94,7 @@ class Echo:
                 "ClientStream": grpc.stream_unary_rpc_method_handler(self.client_stream),
                 "BidiStream": grpc.stream_stream_rpc_method_handler(self.bidi_stream),
                 "Abort": grpc.unary_unary_rpc_method_handler(self.abort),
+                "Info": grpc.unary_unary_rpc_method_handler(self.unary),  # a control call
                 "Hold": grpc.unary_stream_rpc_method_handler(self.hold),
                 "SyncUnary": grpc.unary_unary_rpc_method_handler(self.sync_unary),
             },

@@ -1,16 +1,18 @@
-"""RpcServer's request counter (mili_requests_total{method,status}) and /metrics endpoint, on
-a real server: each call is counted once under its final status; health checks are not."""
+"""RpcServer's request counters and /metrics endpoint, on a real server: each call is counted
+once under its final status, in mili_requests_total{grpc_service,grpc_method,status}, or in
+mili_control_requests_total for Info, health and reflection (polling, not traffic)."""
 
 from __future__ import annotations
 
 import asyncio
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
 import pytest
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -19,14 +21,19 @@ from mili.rpc.server import ServerConfig
 from tests.rpc.conftest import SERVICE, EchoServer
 
 
-def _counts(text: str) -> dict[tuple[str, str], float]:
+def _counts(text: str, name: str = "mili_requests") -> dict[tuple[str, str], float]:
+    """{(path, status): count} of counter `name`, from its grpc_service and grpc_method labels."""
     return {
-        (s.labels["method"], s.labels["status"]): s.value
+        (f"/{s.labels['grpc_service']}/{s.labels['grpc_method']}", s.labels["status"]): s.value
         for family in text_string_to_metric_families(text)
-        if family.name == "mili_requests"
+        if family.name == name
         for s in family.samples
-        if s.name == "mili_requests_total"
+        if s.name == f"{name}_total"
     }
+
+
+def _control_counts(text: str) -> dict[tuple[str, str], float]:
+    return _counts(text, "mili_control_requests")
 
 
 def _get(url: str) -> str:
@@ -55,7 +62,9 @@ def test_calls_are_counted_by_method_and_final_status(
             assert await held.read() == b"started"
             held.cancel()
             await until(lambda: h.echo.num_holds_closed == 1)
-            counts = await asyncio.to_thread(lambda: _counts(_get(url)))
+            text = await asyncio.to_thread(_get, url)
+            assert _control_counts(text) == {("/grpc.health.v1.Health/Check", "OK"): 1}
+            counts = _counts(text)
             assert counts == {
                 (f"/{SERVICE}/Unary", "OK"): 1,
                 (f"/{SERVICE}/ServerStream", "OK"): 1,
@@ -77,5 +86,52 @@ def test_no_metrics_port_serves_no_metrics(echo_server: EchoServer) -> None:
             await h.unary()(b"x")  # still counted in the registry, just not served
             counts = _counts(generate_latest(h.server.registry).decode())
             assert counts == {(f"/{SERVICE}/Unary", "OK"): 1}
+
+    asyncio.run(main())
+
+
+def test_labels_split_service_and_method(echo_server: EchoServer) -> None:
+    async def main() -> None:
+        async with echo_server() as h:
+            await h.unary()(b"x")
+            samples = [
+                s
+                for family in text_string_to_metric_families(
+                    generate_latest(h.server.registry).decode()
+                )
+                if family.name == "mili_requests"
+                for s in family.samples
+                if s.name == "mili_requests_total"
+            ]
+            assert [s.labels for s in samples] == [
+                {"grpc_service": SERVICE, "grpc_method": "Unary", "status": "OK"}
+            ]
+
+    asyncio.run(main())
+
+
+def test_info_health_and_reflection_are_control_not_traffic(echo_server: EchoServer) -> None:
+    """The frontend polls every instance's Info each --poll-interval and load balancers probe
+    health: counted apart, so mili_requests_total is the traffic a service serves."""
+
+    async def main() -> None:
+        async with echo_server() as h:
+            for _ in range(3):
+                await h.unary("Info")(b"x")
+            assert await h.health() == "SERVING"
+            stub = reflection_pb2_grpc.ServerReflectionStub(h.channel)
+
+            async def ask() -> AsyncIterator[reflection_pb2.ServerReflectionRequest]:
+                yield reflection_pb2.ServerReflectionRequest(list_services="")
+
+            assert len([r async for r in stub.ServerReflectionInfo(ask())]) == 1
+            await h.unary()(b"x")
+            text = generate_latest(h.server.registry).decode()
+            assert _counts(text) == {(f"/{SERVICE}/Unary", "OK"): 1}
+            assert _control_counts(text) == {
+                (f"/{SERVICE}/Info", "OK"): 3,
+                ("/grpc.health.v1.Health/Check", "OK"): 1,
+                ("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", "OK"): 1,
+            }
 
     asyncio.run(main())

@@ -21,7 +21,7 @@ from mili.frontend.v1 import generation_pb2, generation_pb2_grpc
 from mili.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from tests.service_process import ServiceProcess
 
-# A sample's name plus its labels, e.g. ("mili_requests_total", (("method", ...), ...)).
+# A sample's name plus its labels, e.g. ("mili_requests_total", (("grpc_method", ...), ...)).
 Key = tuple[str, tuple[tuple[str, str], ...]]
 Samples = dict[Key, float]
 
@@ -40,6 +40,12 @@ def scrape(url: str) -> Samples:
         for family in text_string_to_metric_families(text)
         for s in family.samples
     }
+
+
+def rpc(path: str) -> dict[str, str]:
+    """The grpc_service and grpc_method labels of `/pkg.Service/Method`."""
+    service, method = path.removeprefix("/").split("/")
+    return {"grpc_service": service, "grpc_method": method}
 
 
 def value(samples: Samples, name: str, **labels: str) -> float:
@@ -121,12 +127,12 @@ def test_one_generation_moves_every_metric_by_what_it_did(
         ) and value(
             after["prefill-0"],
             "mili_requests_total",
-            method="/mili.prefill.v1.PrefillService/Prefill",
+            **rpc("/mili.prefill.v1.PrefillService/Prefill"),
             status="OK",
         ) > value(
             before["prefill-0"],
             "mili_requests_total",
-            method="/mili.prefill.v1.PrefillService/Prefill",
+            **rpc("/mili.prefill.v1.PrefillService/Prefill"),
             status="OK",
         )
 
@@ -137,18 +143,32 @@ def test_one_generation_moves_every_metric_by_what_it_did(
         return value(after[child], name, **labels) - value(before[child], name, **labels)
 
     # Requests by method and status, on each service.
-    assert moved("frontend", "mili_requests_total", method=_GENERATE, status="OK") == 1
+    assert moved("frontend", "mili_requests_total", **rpc(_GENERATE), status="OK") == 1
     assert (
-        moved("frontend", "mili_requests_total", method=_GENERATE, status="INVALID_ARGUMENT") == 0
+        moved("frontend", "mili_requests_total", **rpc(_GENERATE), status="INVALID_ARGUMENT") == 0
     )
     tokenize = "/mili.tokenizer.v1.TokenizerService/Tokenize"
-    assert moved("tokenizer", "mili_requests_total", method=tokenize, status="OK") == 0  # ids given
+    assert moved("tokenizer", "mili_requests_total", **rpc(tokenize), status="OK") == 0  # ids given
     prefill_rpc = "/mili.prefill.v1.PrefillService/Prefill"
-    assert moved("prefill-0", "mili_requests_total", method=prefill_rpc, status="OK") == 1
+    assert moved("prefill-0", "mili_requests_total", **rpc(prefill_rpc), status="OK") == 1
     decode_rpc = "/mili.decode.v1.DecodeService/Generate"
-    assert moved("decode-0", "mili_requests_total", method=decode_rpc, status="OK") == 1
+    assert moved("decode-0", "mili_requests_total", **rpc(decode_rpc), status="OK") == 1
     transfer_rpc = "/mili.kv.v1.KvTransferService/TransferKv"
-    assert moved("decode-0", "mili_requests_total", method=transfer_rpc, status="OK") == 1
+    assert moved("decode-0", "mili_requests_total", **rpc(transfer_rpc), status="OK") == 1
+
+    # The frontend's Info polling of prefill and decode (and our own Info calls) is control
+    # traffic: counted apart, never in mili_requests_total.
+    for child in ("frontend", "tokenizer", "prefill-0", "decode-0"):
+        traffic = [labels for name, labels in after[child] if name == "mili_requests_total"]
+        assert not [labels for labels in traffic if ("grpc_method", "Info") in labels], child
+    for child, service in (
+        ("prefill-0", "prefill.v1.PrefillService"),
+        ("decode-0", "decode.v1.DecodeService"),
+    ):
+        polls = value(
+            after[child], "mili_control_requests_total", **rpc(f"/mili.{service}/Info"), status="OK"
+        )
+        assert polls > 0, child
 
     # Frontend latencies: one request, one first token, 8 tokens -> one time-per-output-token.
     ttft = "mili_frontend_time_to_first_token_seconds"
@@ -212,12 +232,12 @@ def test_a_refused_request_is_counted_under_its_status(
             )
     assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT
     after = scrape(urls["frontend"])
-    bad = dict(method=_GENERATE, status="INVALID_ARGUMENT")
+    bad = dict(**rpc(_GENERATE), status="INVALID_ARGUMENT")
     assert (
         value(after, "mili_requests_total", **bad) - value(before, "mili_requests_total", **bad)
         == 1
     )
-    ok = dict(method=_GENERATE, status="OK")
+    ok = dict(**rpc(_GENERATE), status="OK")
     assert value(after, "mili_requests_total", **ok) == value(before, "mili_requests_total", **ok)
     ttft = "mili_frontend_time_to_first_token_seconds_count"
     assert value(after, ttft) == value(before, ttft)
