@@ -2,6 +2,7 @@
 
 - `server`: `RpcServer` (grpc.aio + health + reflection + graceful drain) and `serve_forever`.
 - `interceptor`: exception -> status mapping, in-flight counting, refusing calls while draining.
+- `malformed`: requests whose bytes do not parse, refused as INVALID_ARGUMENT by the interceptor.
 - `status`: domain errors -> gRPC codes with `google.rpc` details, and readers for clients.
 - `client`: channel options, `insecure_channel`, `wait_for_serving`.
 """

@@ -3,15 +3,17 @@
 For each call it
   (a) turns an exception raised by the servicer into its status (see `mili.rpc.status`); calls
       the servicer already ended with `context.abort` pass through untouched,
-  (b) counts the call as in flight until its handler returns, so a drain knows when to stop,
-  (c) refuses it with UNAVAILABLE once the server is draining, so clients retry elsewhere,
-  (d) counts it once it ends, by service, method and final status code: the code it was
+  (b) refuses a request whose bytes do not parse with INVALID_ARGUMENT and one WARNING line
+      (see `mili.rpc.malformed`), instead of grpc's UNKNOWN and a traceback per call,
+  (c) counts the call as in flight until its handler returns, so a drain knows when to stop,
+  (d) refuses it with UNAVAILABLE once the server is draining, so clients retry elsewhere,
+  (e) counts it once it ends, by service, method and final status code: the code it was
       aborted with, OK when the handler returned, else CANCELLED or DEADLINE_EXCEEDED.
 Three kinds of call:
 
-    traffic          everything else           (a)-(d), in mili_requests_total
-    control          every service's Info      (a)-(d), in mili_control_requests_total
-    infrastructure   health, reflection        (a), (d) in mili_control_requests_total;
+    traffic          everything else           (a)-(e), in mili_requests_total
+    control          every service's Info      (a)-(e), in mili_control_requests_total
+    infrastructure   health, reflection        (a), (b), (e) in mili_control_requests_total;
                                                never in flight, never refused, so a load
                                                balancer can watch a draining server go
                                                NOT_SERVING
@@ -31,6 +33,7 @@ from typing import Any, NoReturn
 
 import grpc
 
+from mili.rpc.malformed import CheckedRequests, Malformed, guard
 from mili.rpc.status import is_internal, status_of
 from mili.telemetry.metrics import RequestMetrics
 
@@ -100,6 +103,7 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
             method,
             is_gated=not is_infrastructure,
             is_control=is_infrastructure or method.endswith(_CONTROL_SUFFIX),
+            is_request_streaming=handler.request_streaming,
         )
         if handler.request_streaming and handler.response_streaming:
             behavior, make = handler.stream_stream, grpc.stream_stream_rpc_method_handler
@@ -119,7 +123,7 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
             return handler
         return make(
             wrapped,
-            request_deserializer=handler.request_deserializer,
+            request_deserializer=guard(handler.request_deserializer),
             response_serializer=handler.response_serializer,
         )
 
@@ -129,12 +133,14 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
             self._enter(call)  # no await between admit and here: nothing can slip in
             is_done = False
             try:
+                request = await self._checked(request, context, call)
                 response = await behavior(request, context)
                 is_done = True
                 return response
             except grpc.aio.AbortError:
                 raise  # the servicer chose its status with context.abort
             except Exception as exc:
+                _raise_if_refused(request)
                 await self._abort_with(exc, context, call.method)
             finally:
                 self._count(call, context, is_done)
@@ -149,6 +155,7 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
             is_done = False
             responses: Any = None
             try:
+                request = await self._checked(request, context, call)
                 responses = behavior(request, context)
                 async for response in responses:
                     yield response
@@ -156,6 +163,7 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
             except grpc.aio.AbortError:
                 raise
             except Exception as exc:
+                _raise_if_refused(request)
                 await self._abort_with(exc, context, call.method)
             finally:
                 # Counted before grpc sends the status: a caller that saw it can see the count.
@@ -167,6 +175,19 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
                 self._leave(call)
 
         return run
+
+    async def _checked(self, request: Any, context: grpc.aio.ServicerContext, call: _Call) -> Any:
+        """The request to hand the servicer: a unary one that did not parse is refused here;
+        a request stream is checked message by message as the servicer reads it."""
+
+        async def refuse(malformed: Malformed) -> NoReturn:
+            await self._refuse_malformed(malformed, context, call.method)
+
+        if call.is_request_streaming:
+            return CheckedRequests(request, refuse)
+        if isinstance(request, Malformed):
+            await refuse(request)
+        return request
 
     # ---- helpers -----------------------------------------------------------------------------
 
@@ -205,6 +226,22 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
         status = code.name if isinstance(code, grpc.StatusCode) else str(code)
         self._metrics.record(call.method, status, is_control=call.is_control)
 
+    async def _refuse_malformed(
+        self, malformed: Malformed, context: grpc.aio.ServicerContext, method: str
+    ) -> NoReturn:
+        # One line, no traceback: the caller's mistake (or probe), not our bug.
+        _LOG.warning(
+            "%s: malformed request to %s from %s: %s",
+            self._name,
+            method,
+            context.peer(),
+            malformed.reason,
+        )
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT, f"malformed request to {method}: {malformed.reason}"
+        )
+        raise AssertionError("context.abort returned")  # it always raises AbortError
+
     async def _abort_with(
         self, exc: Exception, context: grpc.aio.ServicerContext, method: str
     ) -> NoReturn:
@@ -225,3 +262,11 @@ class _Call:
     method: str  # /pkg.Service/Method
     is_gated: bool  # refused while draining, counted in flight
     is_control: bool  # counted in mili_control_requests_total, not mili_requests_total
+    is_request_streaming: bool
+
+
+def _raise_if_refused(request: Any) -> None:
+    """A streamed request was refused as malformed and the servicer turned grpc's AbortError
+    into another exception: the status is sent; hand grpc back its own AbortError."""
+    if isinstance(request, CheckedRequests) and request.abort is not None:
+        raise request.abort

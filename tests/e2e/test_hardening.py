@@ -1,0 +1,85 @@
+"""Hardening from a break-test, on the whole pipeline as real processes: undecodable bytes sent
+to every method of every service are INVALID_ARGUMENT with one WARNING line each (no
+traceback, nothing from grpc at ERROR)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+
+from mili.decode.v1 import decode_pb2
+from mili.frontend.v1 import generation_pb2
+from mili.kv.v1 import kv_pb2
+from mili.prefill.v1 import prefill_pb2
+from mili.tokenizer.v1 import tokenizer_pb2
+from tests.e2e.conftest import Deployment
+from tests.service_process import ServiceProcess
+
+GARBAGE = b"\xff\xff\xff\xff"  # no message parses this: a truncated field number
+
+
+def _wait_for_lines(service: ServiceProcess, start: int, text: str, count: int) -> list[str]:
+    """service's log lines from `start` on, once `count` of them contain `text` (or 10 s)."""
+    deadline = time.monotonic() + 10
+    while True:
+        lines = service.stderr_lines[start:]
+        if sum(text in line for line in lines) >= count or time.monotonic() > deadline:
+            return lines
+        time.sleep(0.05)
+
+
+def _send_garbage(channel: grpc.Channel, path: str, method: Any) -> tuple[grpc.StatusCode, str]:
+    """Call `path` with one GARBAGE message, as a unary request or as a stream of one."""
+
+    def one() -> Iterator[bytes]:
+        yield GARBAGE
+
+    try:
+        if method.client_streaming and method.server_streaming:
+            list(channel.stream_stream(path)(one(), timeout=10))
+        elif method.client_streaming:
+            channel.stream_unary(path)(one(), timeout=10)
+        elif method.server_streaming:
+            list(channel.unary_stream(path)(GARBAGE, timeout=10))
+        else:
+            channel.unary_unary(path)(GARBAGE, timeout=10)
+    except grpc.RpcError as err:
+        return err.code(), err.details() or ""
+    raise AssertionError(f"{path} accepted {GARBAGE!r}")
+
+
+def test_every_method_refuses_malformed_bytes_with_one_warning(pipeline: Deployment) -> None:
+    processes = {
+        "frontend": pipeline.frontend,
+        "tokenizer": pipeline.tokenizer,
+        "prefill": pipeline.prefills[0],
+        "decode": pipeline.decodes[0],
+    }
+    services = [
+        ("frontend", generation_pb2.DESCRIPTOR.services_by_name["GenerationService"]),
+        ("tokenizer", tokenizer_pb2.DESCRIPTOR.services_by_name["TokenizerService"]),
+        ("prefill", prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"]),
+        ("decode", decode_pb2.DESCRIPTOR.services_by_name["DecodeService"]),
+        ("decode", kv_pb2.DESCRIPTOR.services_by_name["KvTransferService"]),
+    ]
+    starts = {name: len(p.stderr_lines) for name, p in processes.items()}
+    sent: dict[str, list[str]] = {name: [] for name in processes}
+    for name, service in services:
+        with grpc.insecure_channel(processes[name].address) as channel:
+            for method in service.methods:
+                path = f"/{service.full_name}/{method.name}"
+                code, details = _send_garbage(channel, path, method)
+                assert code is grpc.StatusCode.INVALID_ARGUMENT, (path, code, details)
+                assert details.startswith(f"malformed request to {path}: "), details
+                sent[name].append(path)
+    assert sum(len(paths) for paths in sent.values()) == 12  # every method of every service
+    for name, paths in sent.items():
+        lines = _wait_for_lines(processes[name], starts[name], "malformed request to", len(paths))
+        warnings = [line for line in lines if "malformed request to" in line]
+        assert len(warnings) == len(paths), warnings
+        for path, line in zip(paths, warnings, strict=True):
+            assert f" WARNING mili.rpc: {name}: malformed request to {path} from " in line
+        assert not [line for line in lines if " ERROR " in line or "Traceback" in line], lines
