@@ -32,7 +32,12 @@ from prometheus_client import CollectorRegistry
 
 from mili.errors import StartupError
 from mili.rpc.interceptor import CallInterceptor
-from mili.telemetry.metrics import MetricsServer, RequestMetrics, start_metrics_server
+from mili.telemetry.metrics import (
+    MetricsServer,
+    RequestMetrics,
+    start_metrics_server,
+    watch_process,
+)
 
 _LOG = logging.getLogger("mili.rpc")
 
@@ -83,9 +88,11 @@ class RpcServer:
     ) -> None:
         self.config = config
         self.name = name
-        # The process's metrics (the service's own are added to it by its entry point); served
-        # on config.metrics_port from `start` until the server stopped.
+        # The process's metrics (process_*, the calls counted by the interceptor; the service's
+        # own are added by its entry point); served on config.metrics_port from `start` until
+        # the server stopped.
         self.registry = CollectorRegistry() if registry is None else registry
+        watch_process(self.registry)
         self._metrics_server: MetricsServer | None = None
         # Run before our own (tracing): their spans then see the status our interceptor sets.
         self._outer_interceptors = list(interceptors)

@@ -3,17 +3,20 @@ HTTP endpoint that serves them.
 
 Every metric lives in a `CollectorRegistry` made by the service's entry point and passed in
 (never prometheus_client's global one), so tests that run several servers in one process do not
-collide. Names start with `mili_`, carry their
+collide. Names start with `mili_` (prometheus_client's standard `process_*` aside), carry their
 unit (`_seconds`, `_bytes`) and counters end in `_total`. What each service records, and where:
 
     every service  mili_requests_total{grpc_service,grpc_method,status}   mili.rpc.interceptor,
-                   and mili_control_requests_total (Info, health, reflection), once per call
-    frontend       time to first token, time per output token   services/frontend/server.py
+                   and mili_control_requests_total (Info, health, reflection), once per call;
+                   process_* (RSS, CPU seconds, open fds; Linux)   mili.rpc.server
+    frontend       requests in flight, tokens streamed, time to first token, time per output
+                   token   services/frontend/server.py
     prefill        step time and size, queue, KV blocks, KV sent   worker.py, server.py
     decode         step time and batch size, queue, KV blocks, KV received   batcher.py, transfer.py
 
 Recording stays off the per-token path: histograms are observed once per step or per request,
-and gauges that mirror state (free blocks, queue depth) are read by a callback at scrape time.
+counters moved at most once per step or per response message, and gauges that mirror state
+(free blocks, queue depth, requests in flight) are read by a callback at scrape time.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    ProcessCollector,
     start_http_server,
 )
 
@@ -108,10 +112,24 @@ class RequestMetrics:
         counter.labels(*split_method(method), status).inc()
 
 
+def watch_process(registry: CollectorRegistry) -> None:
+    """process_resident_memory_bytes, process_cpu_seconds_total, process_open_fds and the
+    rest of prometheus_client's process metrics (read from /proc at scrape time; none
+    elsewhere). Call once per registry."""
+    ProcessCollector(registry=registry)
+
+
 class FrontendMetrics:
-    """Latencies a client sees, observed once per request."""
+    """What a client sees: requests in flight, tokens streamed, latencies (once per request)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.generated_tokens = Counter(
+            "mili_frontend_generated_tokens_total",
+            "Generated token ids sent to clients (Generate's stream and Complete's reply); a "
+            "request cut short counts what it sent",
+            registry=registry,
+        )
         self.time_to_first_token = Histogram(
             "mili_frontend_time_to_first_token_seconds",
             "From the frontend receiving a request to its first generated token being ready "
@@ -125,6 +143,16 @@ class FrontendMetrics:
             "/ (output tokens - 1)",
             buckets=TOKEN_BUCKETS,
             registry=registry,
+        )
+
+    def watch(self, *, num_in_flight_requests: Read) -> None:
+        """Gauges read from the servicer at scrape time (call once per registry)."""
+        _callback_gauge(
+            self.registry,
+            "mili_frontend_in_flight_requests",
+            "Generate and Complete requests admitted and not yet finished (tokenizing, "
+            "prefilling or streaming)",
+            num_in_flight_requests,
         )
 
 

@@ -52,6 +52,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self._metrics = FrontendMetrics(CollectorRegistry()) if metrics is None else metrics
         self._config = backends.config
         self._num_running = 0
+        self._metrics.watch(num_in_flight_requests=lambda: self._num_running)
         # Request ids for prefill and decode: this process's random prefix and a counter, so
         # they never collide with another caller's, another frontend's or a restart's.
         self._id_prefix = secrets.token_hex(6)
@@ -63,16 +64,22 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         request_id, deltas = self._generate(request, context)
         # aclosing: when the caller cancels while we wait to send, the inner generators' clean-up
         # (cancelling decode and prefill calls) runs now, not when they are garbage-collected.
+        generated_tokens = self._metrics.generated_tokens
         async with aclosing(deltas):
             async for delta in deltas:
                 yield convert.generate_response(request_id, delta)
+                # Resumed once grpc took the message: counted once per message sent.
+                if delta.token_ids:
+                    generated_tokens.inc(len(delta.token_ids))
 
     async def Complete(
         self, request: generation_pb2.CompleteRequest, context: grpc.aio.ServicerContext
     ) -> generation_pb2.CompleteResponse:
         request_id, deltas = self._generate(request, context)
         async with aclosing(deltas):
-            return convert.complete_response(request_id, [delta async for delta in deltas])
+            response = convert.complete_response(request_id, [delta async for delta in deltas])
+        self._metrics.generated_tokens.inc(len(response.token_ids))
+        return response
 
     async def Info(
         self, request: generation_pb2.InfoRequest, context: grpc.aio.ServicerContext

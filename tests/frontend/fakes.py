@@ -25,6 +25,7 @@ from mili.kv.v1 import kv_pb2
 from mili.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from mili.rpc.client import insecure_channel
 from mili.rpc.server import RpcServer, ServerConfig
+from mili.telemetry.metrics import FrontendMetrics
 from mili.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from services.frontend.backends import Backends
 from services.frontend.config import FrontendConfig
@@ -154,6 +155,7 @@ class Stack:
     decodes: list[FakeDecode]
     prefill: FakePrefill
     servers: dict[str, RpcServer]  # by address
+    frontend: RpcServer  # its registry holds the frontend's metrics
 
 
 @contextlib.asynccontextmanager
@@ -201,13 +203,18 @@ async def stack(
     )
     backends = Backends(config, Router(config.prefill_addresses, config.decode_addresses))
     frontend = RpcServer(ServerConfig(drain_timeout_s=0.5, grace_s=0.1), name="frontend")
-    add_to_server(frontend, GenerationServicer(backends))
+    add_to_server(frontend, GenerationServicer(backends, FrontendMetrics(frontend.registry)))
     await backends.start()
     await frontend.start()
     channel = insecure_channel(frontend.address)
     try:
         yield Stack(
-            generation_pb2_grpc.GenerationServiceStub(channel), backends, decodes, prefill, servers
+            generation_pb2_grpc.GenerationServiceStub(channel),
+            backends,
+            decodes,
+            prefill,
+            servers,
+            frontend,
         )
     finally:
         await channel.close()

@@ -1,10 +1,12 @@
 """RpcServer's request counters and /metrics endpoint, on a real server: each call is counted
 once under its final status, in mili_requests_total{grpc_service,grpc_method,status}, or in
-mili_control_requests_total for Info, health and reflection (polling, not traffic)."""
+mili_control_requests_total for Info, health and reflection (polling, not traffic); and the
+process_* metrics."""
 
 from __future__ import annotations
 
 import asyncio
+import sys
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Callable
@@ -133,5 +135,23 @@ def test_info_health_and_reflection_are_control_not_traffic(echo_server: EchoSer
                 ("/grpc.health.v1.Health/Check", "OK"): 1,
                 ("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", "OK"): 1,
             }
+
+    asyncio.run(main())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="read from /proc")
+def test_process_metrics(echo_server: EchoServer) -> None:
+    async def main() -> None:
+        async with echo_server() as h:
+            samples = {
+                s.name: s.value
+                for family in text_string_to_metric_families(
+                    generate_latest(h.server.registry).decode()
+                )
+                for s in family.samples
+            }
+            assert samples["process_resident_memory_bytes"] > 10 * 2**20
+            assert samples["process_cpu_seconds_total"] > 0
+            assert samples["process_open_fds"] > 3
 
     asyncio.run(main())

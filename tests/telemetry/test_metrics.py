@@ -170,6 +170,17 @@ def test_one_generation_moves_every_metric_by_what_it_did(
         )
         assert polls > 0, child
 
+    # Tokens streamed to the client; nothing left in flight.
+    assert moved("frontend", "mili_frontend_generated_tokens_total") == _MAX_TOKENS
+    assert value(after["frontend"], "mili_frontend_in_flight_requests") == 0
+
+    # Every service's process metrics (Linux: read from /proc).
+    if sys.platform.startswith("linux"):
+        for child in ("frontend", "tokenizer", "prefill-0", "decode-0"):
+            assert value(after[child], "process_resident_memory_bytes") > 10 * 2**20, child
+            assert value(after[child], "process_cpu_seconds_total") > 0, child
+            assert value(after[child], "process_open_fds") > 3, child
+
     # Frontend latencies: one request, one first token, 8 tokens -> one time-per-output-token.
     ttft = "mili_frontend_time_to_first_token_seconds"
     assert moved("frontend", f"{ttft}_count") == 1
