@@ -5,11 +5,39 @@ from __future__ import annotations
 import argparse
 import logging
 from pathlib import Path
+from typing import Any
 
 from mili import ports
 from mili.rpc.server import ServerConfig
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+# C0 controls, DEL, C1 controls and the Unicode line/paragraph separators: whatever a terminal or
+# a log viewer may take as a line break, a carriage return or an escape sequence. Each becomes
+# its Python escape (\n, \r, \x1b, \u2028), so it stays visible and inert.
+_CONTROLS = [*range(0x20), *range(0x7F, 0xA0), 0x2028, 0x2029]
+_ESCAPES = {code: repr(chr(code))[1:-1] for code in _CONTROLS}
+_ESCAPES_BUT_NEWLINE = {code: escape for code, escape in _ESCAPES.items() if code != ord("\n")}
+
+
+class OneLineFormatter(logging.Formatter):
+    """One log record, one line: control characters in the record's line (its message with the
+    args merged in, e.g. a client's request id) are escaped, so no client string can forge a
+    log line or send the terminal an escape sequence.
+
+    A traceback (exc_info, stack_info), which `format` appends after the record's line, keeps
+    its lines; only its other control characters are escaped. Its exception message can still
+    hold a newline: tracebacks are for our bugs, logged at ERROR.
+    """
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        return super().formatMessage(record).translate(_ESCAPES)
+
+    def formatException(self, ei: Any) -> str:
+        return super().formatException(ei).translate(_ESCAPES_BUT_NEWLINE)
+
+    def formatStack(self, stack_info: str) -> str:
+        return super().formatStack(stack_info).translate(_ESCAPES_BUT_NEWLINE)
 
 
 def add_server_arguments(parser: argparse.ArgumentParser, default_port: int) -> None:
@@ -111,7 +139,11 @@ def choose_dtype(args: argparse.Namespace, log: logging.Logger) -> str:
 
 
 def setup_logging(args: argparse.Namespace) -> None:
-    logging.basicConfig(level=args.log_level, format=LOG_FORMAT)
+    """Every record of the process (ours, grpc's, any library's) through one stderr handler
+    with the OneLineFormatter. Each service's (and `mili serve`'s) `run` calls this first."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(OneLineFormatter(LOG_FORMAT))
+    logging.basicConfig(level=args.log_level, handlers=[handler], force=True)
 
 
 def resolve_model(args: argparse.Namespace) -> Path:

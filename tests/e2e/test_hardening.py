@@ -1,6 +1,6 @@
 """Hardening from a break-test, on the whole pipeline as real processes: undecodable bytes sent
 to every method of every service are INVALID_ARGUMENT with one WARNING line each (no
-traceback, nothing from grpc at ERROR)."""
+traceback, nothing from grpc at ERROR); a client's request id cannot forge a log line."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import grpc
+import pytest
 
+from mili.common.v1 import sampling_pb2
 from mili.decode.v1 import decode_pb2
 from mili.frontend.v1 import generation_pb2
 from mili.kv.v1 import kv_pb2
@@ -83,3 +85,37 @@ def test_every_method_refuses_malformed_bytes_with_one_warning(pipeline: Deploym
         for path, line in zip(paths, warnings, strict=True):
             assert f" WARNING mili.rpc: {name}: malformed request to {path} from " in line
         assert not [line for line in lines if " ERROR " in line or "Traceback" in line], lines
+
+
+# A request id that, written raw, would end its log line, forge one at ERROR, return the
+# carriage, color the terminal and break the line again for viewers that honour U+2028.
+FORGED = "id\n2026-01-01 00:00:00,000 ERROR mili.frontend: FORGED\r\x1b[31mred\x1b[0m\u2028end"
+FORGED_ESCAPED = (
+    "id\\n2026-01-01 00:00:00,000 ERROR mili.frontend: FORGED\\r\\x1b[31mred\\x1b[0m\\u2028end"
+)
+
+
+def test_client_strings_cannot_forge_log_lines(pipeline: Deployment) -> None:
+    frontend = pipeline.frontend
+    start = len(frontend.stderr_lines)
+    stub = pipeline.stub()
+    sampling = sampling_pb2.SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    # One request that finishes (its "done" line) and one that fails once tokenized (its
+    # "failed" line); the prompt carries control characters too.
+    done = generation_pb2.GenerateRequest(
+        request_id=f"{FORGED}-ok", prompt="hi\n\x1b[2J\r", sampling=sampling
+    )
+    assert list(stub.Generate(done, timeout=60))[-1].usage.completion_tokens == 2
+    failed = generation_pb2.GenerateRequest(
+        request_id=f"{FORGED}-bad", token_ids=[1, 10**9], sampling=sampling
+    )
+    with pytest.raises(grpc.RpcError) as caught:
+        list(stub.Generate(failed, timeout=60))
+    assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    lines = _wait_for_lines(frontend, start, FORGED_ESCAPED, 2)
+    # Exactly one line per logged event, the id escaped in it; no stray piece of it anywhere.
+    for suffix, event in (("ok", " done: "), ("bad", " failed after ")):
+        logged = [line for line in lines if f"{FORGED_ESCAPED}-{suffix} (id " in line]
+        assert len(logged) == 1 and event in logged[0], lines
+    assert [line for line in lines if "FORGED" in line and FORGED_ESCAPED not in line] == []
+    assert not [line for line in lines if "\x1b" in line or "\u2028" in line or "\r" in line]
