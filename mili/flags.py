@@ -40,7 +40,19 @@ class OneLineFormatter(logging.Formatter):
         return super().formatStack(stack_info).translate(_ESCAPES_BUT_NEWLINE)
 
 
-def add_server_arguments(parser: argparse.ArgumentParser, default_port: int) -> None:
+_PROBED = "none: grown by grpc's bandwidth probe"
+
+
+def add_server_arguments(
+    parser: argparse.ArgumentParser,
+    default_port: int,
+    *,
+    max_receive_message_bytes: int | None = None,
+    receive_window_bytes: int | None = None,
+) -> None:
+    """The flags of `server_config`. A service whose requests are small (the public frontend)
+    passes its own defaults for the last two; None keeps grpc's behaviour (requests up to
+    --max-message-bytes, a receive window grown by grpc's bandwidth probe)."""
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     group.add_argument(
@@ -53,7 +65,24 @@ def add_server_arguments(parser: argparse.ArgumentParser, default_port: int) -> 
         "--max-message-bytes",
         type=int,
         default=64 * 1024 * 1024,
-        help="largest gRPC message sent or received (default: %(default)s)",
+        help="largest gRPC message sent, and received unless --max-receive-message-bytes is "
+        "set (default: %(default)s)",
+    )
+    group.add_argument(
+        "--max-receive-message-bytes",
+        type=int,
+        default=max_receive_message_bytes,
+        metavar="BYTES",
+        help="largest request message accepted; a larger one is RESOURCE_EXHAUSTED before it "
+        f"is read (default: {max_receive_message_bytes or '--max-message-bytes'})",
+    )
+    group.add_argument(
+        "--receive-window-bytes",
+        type=int,
+        default=receive_window_bytes,
+        metavar="BYTES",
+        help="fixed per-call HTTP/2 receive window, which bounds what a refused oversized "
+        f"request makes the server buffer (default: {receive_window_bytes or _PROBED})",
     )
     group.add_argument(
         "--drain-timeout",
@@ -106,6 +135,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         host=args.host,
         port=args.port,
         max_message_bytes=args.max_message_bytes,
+        max_receive_message_bytes=args.max_receive_message_bytes,
+        receive_window_bytes=args.receive_window_bytes,
         drain_timeout_s=args.drain_timeout,
         metrics_port=args.metrics_port,
     )

@@ -50,7 +50,18 @@ class ServerConfig:
 
     host: str = "127.0.0.1"
     port: int = 0  # 0 = pick a free port; `RpcServer.start` returns the one bound
-    max_message_bytes: int = 64 * 1024 * 1024  # both send and receive
+    # Largest message sent, and received unless max_receive_message_bytes is set. KV chunks
+    # between prefill and decode are megabytes each.
+    max_message_bytes: int = 64 * 1024 * 1024
+    # Largest request message accepted, when tighter than max_message_bytes (the frontend's
+    # public port: its largest valid request is a few MB, its replies can be tens). grpc refuses
+    # a larger one with RESOURCE_EXHAUSTED from the message's length prefix, before reading it.
+    max_receive_message_bytes: int | None = None
+    # Per-call receive window (HTTP/2 flow control). None: grpc grows it with its bandwidth
+    # probe, which the megabyte KV chunks prefill streams to decode want; but then a client can
+    # push tens of MB of a message grpc is about to refuse, and the process keeps the buffers
+    # (+130 MiB of RSS after ten 60 MB prompts). A number fixes it (probe off), bounding that.
+    receive_window_bytes: int | None = None
     drain_timeout_s: float = 30.0  # how long in-flight calls get to finish after SIGTERM
     grace_s: float = 5.0  # grpc's own server.stop(grace) after draining
     metrics_port: int | None = None  # Prometheus /metrics on host:metrics_port; None = off, 0 = any
@@ -60,12 +71,24 @@ class ServerConfig:
             raise ValueError(f"port must be in [0, 65535] (0 = any free port), got {self.port}")
         if self.max_message_bytes <= 0:
             raise ValueError(f"max_message_bytes must be > 0, got {self.max_message_bytes}")
+        receive = self.max_receive_message_bytes
+        if receive is not None and receive <= 0:
+            raise ValueError(f"max_receive_message_bytes must be > 0, got {receive}")
+        window = self.receive_window_bytes
+        if window is not None and window <= 0:
+            raise ValueError(f"receive_window_bytes must be > 0, got {window}")
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         if self.grace_s < 0:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
+
+    @property
+    def receive_limit(self) -> int:
+        """The largest message the server accepts, in bytes."""
+        receive = self.max_receive_message_bytes
+        return self.max_message_bytes if receive is None else receive
 
 
 def format_address(host: str, port: int) -> str:
@@ -146,12 +169,18 @@ class RpcServer:
         """Bind, start serving, mark every service SERVING; return the bound port."""
         if self._server is not None:
             raise RuntimeError(f"{self.name}: start() called twice")
-        limit = self.config.max_message_bytes
+        window: list[tuple[str, int]] = []
+        if self.config.receive_window_bytes is not None:
+            window = [
+                ("grpc.http2.bdp_probe", 0),
+                ("grpc.http2.lookahead_bytes", self.config.receive_window_bytes),
+            ]
         server = grpc.aio.server(
             interceptors=[*self._outer_interceptors, self._interceptor],
             options=[
-                ("grpc.max_send_message_length", limit),
-                ("grpc.max_receive_message_length", limit),
+                *window,
+                ("grpc.max_send_message_length", self.config.max_message_bytes),
+                ("grpc.max_receive_message_length", self.config.receive_limit),
                 # A second process on a fixed port must fail to bind, not silently share it.
                 ("grpc.so_reuseport", 0),
                 # Ping idle clients so calls from vanished peers end (and free their blocks) ...

@@ -15,6 +15,22 @@ DEFAULT_TOKENIZER = "127.0.0.1:50052"
 DEFAULT_PREFILL = "127.0.0.1:50053"
 DEFAULT_DECODE = "127.0.0.1:50054"
 
+# The public port's request limit: the largest valid request plus headroom, not grpc's 64 MiB
+# (a 60 MB prompt used to be read, copied and forwarded before the tokenizer refused it, adding
+# ~130 MB of RSS each time). The largest valid GenerateRequest/CompleteRequest:
+#   text          the tokenizer's --max-input-chars (1,000,000) characters of prompt, or of chat
+#                 contents plus reasoning, at up to 4 bytes of UTF-8 each      4,000,000 B
+#   chat framing  ~26 B per message (tags, lengths, a role); each message takes >= 5 tokens of
+#                 context, so <= 52,429 messages in a 262,144-token window     1,363,154 B
+#   (token_ids    <= 262,144 ids of <= 5 B each instead of text: less        1,310,720 B)
+#   the rest      request id 256 chars, 16 stop strings of 256 chars, 64 stop ids  ~18 KB
+# ~5.4 MB in all; 8 MiB leaves room. Raise it with the tokenizer's --max-input-chars.
+MAX_REQUEST_BYTES = 8 * 1024 * 1024
+# A fixed 1 MiB receive window: refused 60 MB prompts leave no buffers behind (with grpc's
+# bandwidth probe, ten of them still left ~130 MiB), and a valid 4 MB prompt needs only a few
+# round trips.
+REQUEST_WINDOW_BYTES = 1024 * 1024
+
 
 def _addresses(text: str) -> tuple[str, ...]:
     return tuple(a.strip() for a in text.split(",") if a.strip())
@@ -74,7 +90,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="how long decode holds a reservation waiting for the KV; 0 = decode's default",
     )
-    flags.add_server_arguments(parser, DEFAULT_PORT)
+    flags.add_server_arguments(
+        parser,
+        DEFAULT_PORT,
+        max_receive_message_bytes=MAX_REQUEST_BYTES,
+        receive_window_bytes=REQUEST_WINDOW_BYTES,
+    )
 
 
 def run(args: argparse.Namespace) -> int:

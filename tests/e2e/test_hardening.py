@@ -1,9 +1,11 @@
 """Hardening from a break-test, on the whole pipeline as real processes: undecodable bytes sent
 to every method of every service are INVALID_ARGUMENT with one WARNING line each (no
-traceback, nothing from grpc at ERROR); a client's request id cannot forge a log line."""
+traceback, nothing from grpc at ERROR); a client's request id cannot forge a log line; a
+prompt far over every limit is refused before the frontend holds it."""
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -119,3 +121,53 @@ def test_client_strings_cannot_forge_log_lines(pipeline: Deployment) -> None:
         assert len(logged) == 1 and event in logged[0], lines
     assert [line for line in lines if "FORGED" in line and FORGED_ESCAPED not in line] == []
     assert not [line for line in lines if "\x1b" in line or "\u2028" in line or "\r" in line]
+
+
+def _rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        line = next(line for line in status if line.startswith("VmRSS:"))
+    return int(line.split()[1]) * 1024  # "VmRSS:   123456 kB"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_60_mb_prompt_is_refused_at_once_and_leaves_the_frontend_rss_alone(
+    pipeline: Deployment,
+) -> None:
+    """60 MB: under grpc's old 64 MiB default, 60 times the tokenizer's 1 M characters."""
+    pid = pipeline.frontend.proc.pid
+    stub = pipeline.stub()
+    request = generation_pb2.GenerateRequest(
+        prompt="x" * 60_000_000, sampling=sampling_pb2.SamplingParams(max_tokens=1)
+    )
+    list(stub.Generate(generation_pb2.GenerateRequest(prompt="warm up"), timeout=60))
+    before = _rss_bytes(pid)
+    started = time.monotonic()
+    for _ in range(10):
+        with pytest.raises(grpc.RpcError) as caught:
+            list(stub.Generate(request, timeout=60))
+        code, details = caught.value.code(), caught.value.details() or ""
+        assert code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT)
+        assert "larger than max" in details or "limit" in details, details
+    elapsed_s = time.monotonic() - started
+    grown = _rss_bytes(pid) - before
+    print(
+        f"10 x 60 MB prompts: refused in {elapsed_s:.2f} s, frontend RSS {before / 2**20:.0f} "
+        f"MiB -> {(before + grown) / 2**20:.0f} MiB"
+    )
+    assert grown < 32 * 2**20, f"the frontend grew by {grown / 2**20:.0f} MiB"
+    assert elapsed_s < 30, f"10 refusals took {elapsed_s:.1f} s"  # mostly our own 60 MB copies
+
+
+def test_the_largest_valid_prompt_is_not_refused_for_its_size(pipeline: Deployment) -> None:
+    """1 M characters (the tokenizer's limit) of 4-byte UTF-8: the frontend reads it, the
+    tokenizer tokenizes it, and the request fails only for what it is: far more prompt tokens
+    than the demo deployment takes."""
+    prompt = "\U0001f600" * 1_000_000
+    assert len(prompt.encode()) == 4_000_000
+    request = generation_pb2.GenerateRequest(
+        prompt=prompt, sampling=sampling_pb2.SamplingParams(max_tokens=1)
+    )
+    with pytest.raises(grpc.RpcError) as caught:
+        list(pipeline.stub().Generate(request, timeout=120))
+    assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT, caught.value.details()
+    assert "prompt tokens (got '3000000 tokens')" in (caught.value.details() or "")

@@ -24,6 +24,8 @@ SERVICE = "mili.test.v1.EchoService"
         {"port": -1},
         {"port": 70000},
         {"max_message_bytes": 0},
+        {"max_receive_message_bytes": 0},
+        {"receive_window_bytes": -1},
         {"drain_timeout_s": -1.0},
         {"grace_s": -0.5},
     ],
@@ -156,6 +158,35 @@ def test_message_size_limit(echo_server: Any) -> None:
             assert "1024" in (info.value.details() or "")
             # grpc rejected it before any handler ran: nothing leaked into the count.
             assert h.server.num_in_flight == 0
+
+    asyncio.run(main())
+
+
+def test_receive_limit_tighter_than_send_limit(echo_server: Any) -> None:
+    """The frontend's case: small requests, large replies."""
+
+    async def main() -> None:
+        config = ServerConfig(max_message_bytes=1 << 20, max_receive_message_bytes=1024)
+        async with echo_server(config) as h:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await h.unary()(b"x" * 2048)
+            assert info.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "1024" in (info.value.details() or "")
+
+            async def parts() -> AsyncIterator[bytes]:
+                for _ in range(8):
+                    yield b"y" * 1000
+
+            assert await h.client_stream()(parts()) == b"y" * 8000  # a reply over 1024 B
+
+    asyncio.run(main())
+
+
+def test_fixed_receive_window_still_takes_messages_larger_than_it(echo_server: Any) -> None:
+    async def main() -> None:
+        async with echo_server(ServerConfig(receive_window_bytes=64 * 1024)) as h:
+            big = b"z" * (1 << 20)
+            assert await h.unary()(big) == big
 
     asyncio.run(main())
 
