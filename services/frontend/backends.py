@@ -133,6 +133,7 @@ class Backends:
             model=info.model,
             vocab_size=info.vocab_size,
             eos_token_ids=tuple(info.eos_token_ids),
+            max_input_chars=info.max_input_chars,
         )
         if facts != self._tokenizer_facts:
             _LOG.info(

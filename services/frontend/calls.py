@@ -53,6 +53,7 @@ class TokenizerFacts:
     model: str
     vocab_size: int
     eos_token_ids: tuple[int, ...]
+    max_input_chars: int = 0  # the longest text (or messages' content) it tokenizes; 0: unknown
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,13 @@ import contextlib
 from mili.errors import Unavailable
 from services.frontend.calls import Deadline, Downstream, Prompt
 from services.frontend.config import FrontendConfig
-from services.frontend.validation import ValidRequest, check_token_ids, fit_context, with_eos
+from services.frontend.validation import (
+    ValidRequest,
+    check_input_chars,
+    check_token_ids,
+    fit_context,
+    with_eos,
+)
 
 
 async def tokenize(
@@ -18,6 +24,7 @@ async def tokenize(
     naming the field, or Unavailable when the tokenizer or every decode instance is down."""
     facts = await downstream.tokenizer_facts()
     check_token_ids(request, facts.vocab_size)
+    check_input_chars(request, facts.max_input_chars)  # refused here, not after a round trip
     if request.prompt_field == "token_ids":
         token_ids = request.token_ids
     else:

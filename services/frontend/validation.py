@@ -247,6 +247,23 @@ def _raise_if_any(violations: list[FieldViolation]) -> None:
         raise InvalidArgument.many(violations[:_MAX_VIOLATIONS])
 
 
+def check_input_chars(request: ValidRequest, max_input_chars: int) -> None:
+    """The text the tokenizer would refuse, refused before sending it (0: no known limit).
+    Counted as the tokenizer counts: the prompt, or the messages' content and reasoning."""
+    if request.prompt_field == "prompt":
+        num_chars = len(request.prompt)
+    elif request.prompt_field == "messages":
+        num_chars = sum(len(m.content) + len(m.reasoning_content or "") for m in request.messages)
+    else:
+        return
+    if max_input_chars and num_chars > max_input_chars:
+        raise InvalidArgument(
+            request.prompt_field,
+            f"{num_chars} characters",
+            f"longer than the tokenizer's limit of {max_input_chars} characters",
+        )
+
+
 def check_token_ids(request: ValidRequest, vocab_size: int) -> None:
     """Every id the caller sent (prompt and stop ids) must be below the tokenizer's vocab size."""
     violations: list[FieldViolation] = []

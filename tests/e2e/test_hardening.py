@@ -171,3 +171,18 @@ def test_the_largest_valid_prompt_is_not_refused_for_its_size(pipeline: Deployme
         list(pipeline.stub().Generate(request, timeout=120))
     assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT, caught.value.details()
     assert "prompt tokens (got '3000000 tokens')" in (caught.value.details() or "")
+
+
+def test_text_over_the_tokenizers_limit_is_refused_by_the_frontend(pipeline: Deployment) -> None:
+    """Under the message limit but over the tokenizer's 1 M characters: the frontend knows the
+    limit from the tokenizer's Info and refuses the prompt without forwarding it."""
+    tokenizer_lines = len(pipeline.tokenizer.stderr_lines)
+    request = generation_pb2.GenerateRequest(
+        prompt="x" * 1_000_001, sampling=sampling_pb2.SamplingParams(max_tokens=1)
+    )
+    with pytest.raises(grpc.RpcError) as caught:
+        list(pipeline.stub().Generate(request, timeout=60))
+    assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT, caught.value.details()
+    details = caught.value.details() or ""
+    assert "prompt: longer than the tokenizer's limit of 1000000 characters" in details, details
+    assert len(pipeline.tokenizer.stderr_lines) == tokenizer_lines  # nothing reached it

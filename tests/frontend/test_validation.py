@@ -13,6 +13,7 @@ from services.frontend.validation import (
     RequestInput,
     SamplingInput,
     ValidRequest,
+    check_input_chars,
     check_token_ids,
     fit_context,
     validate,
@@ -196,3 +197,16 @@ def test_with_eos_adds_eos_ids_unless_ignore_eos() -> None:
     assert with_eos(s, [9, 11]).stop_token_ids == (7, 9, 11)
     ignoring = check(sampled(stop_token_ids=(7,), ignore_eos=True)).sampling
     assert with_eos(ignoring, [9, 11]).stop_token_ids == (7,)
+
+
+def test_text_over_the_tokenizers_limit_is_refused_before_tokenizing() -> None:
+    check_input_chars(check(RequestInput(prompt="x" * 10)), max_input_chars=10)
+    with pytest.raises(InvalidArgument) as info:
+        check_input_chars(check(RequestInput(prompt="x" * 11)), max_input_chars=10)
+    assert fields_of(info.value) == ["prompt"] and "10 characters" in str(info.value)
+    turns = (ChatTurn("user", "abcdef"), ChatTurn("assistant", "ghij", reasoning_content="k"))
+    with pytest.raises(InvalidArgument) as info:
+        check_input_chars(check(RequestInput(messages=turns)), max_input_chars=10)
+    assert fields_of(info.value) == ["messages"] and "11 characters" in str(info.value)
+    check_input_chars(check(RequestInput(prompt="x" * 11)), max_input_chars=0)  # unknown: sent
+    check_input_chars(check(RequestInput(token_ids=(1,) * 50)), max_input_chars=10)  # no text
