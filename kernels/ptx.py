@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from kernels.build import compiler_output_tail, source_key
+from mili.engine.kv_layout import DTYPES  # one specialisation per dtype a service may run
 
-DTYPES = ("float32", "bfloat16", "float16")
 HEAD_DIMS = (64, 128, 256)
 KERNELS = ("prefill", "decode", "decode_combine")
 MANIFEST_FORMAT = 1

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -20,11 +21,14 @@ class ServiceProcess:
     Its stdout announces the bound address; stderr (logs) is kept for assertions and failures.
     """
 
-    def __init__(self, *args: str, timeout_s: float = 60.0) -> None:
+    def __init__(
+        self, *args: str, timeout_s: float = 60.0, python_args: Sequence[str] = ("-m", "mili")
+    ) -> None:
+        """`python_args` replace `-m mili` (e.g. `-c CODE` that wraps `mili.cli.main`)."""
         self.args = args
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mili", *args],
+            [sys.executable, *python_args, *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -66,12 +70,14 @@ class ServiceProcess:
         return "".join(self.stderr_lines)
 
     def terminate(self, timeout_s: float = 30.0) -> int:
-        """SIGTERM (graceful drain), then wait; returns the exit code."""
+        """SIGTERM (graceful drain), then wait; returns the exit code. `stderr` is then whole."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         try:
-            return self.proc.wait(timeout=timeout_s)
+            code = self.proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
             raise
+        self._stderr_reader.join(timeout=5)
+        return code

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 import torch
 
 from mili.engine.block_pool import BlockPool, blocks_needed
-from mili.engine.kv_cache import DEFAULT_BLOCK_SIZE, KVCache
+from mili.engine.kv_cache import KVCache
+from mili.engine.kv_layout import DEFAULT_BLOCK_SIZE
 from mili.engine.model import DecodeBatch, PrefillBatch, Qwen3ForCausalLM
 from mili.engine.sampler import Sampler
 from mili.engine.sampling_params import SamplingParams

@@ -18,29 +18,22 @@ contiguous `[num_kv_heads, head_dim]` row at its slot. It is the layout of vLLM'
 backend, and it is what the KV transfer ships and the Mojo attention kernels read: changing it
 changes the wire format (see `KVLayout`, which both sides publish and compare).
 
-Which blocks are free is not this module's business: `BlockPool` (pure Python) owns that.
+Which blocks are free is not this module's business: `BlockPool` (pure Python) owns that; what
+two processes must agree on (`KVLayout`, the dtypes, the default block size) is `kv_layout`'s,
+which needs no torch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import torch
 
 from mili.engine.config import Qwen3Config
+from mili.engine.kv_layout import DEFAULT_BLOCK_SIZE, DTYPES, KVLayout
 
-DEFAULT_BLOCK_SIZE = 16
-
-
-class KVLayout(NamedTuple):
-    """What two processes must agree on before KV blocks can move between them."""
-
-    num_layers: int
-    block_size: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: str  # e.g. "bfloat16"
+# kv_layout.DTYPES as torch dtypes: each name there is torch's own (torch.bfloat16, ...).
+TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPES}
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -22,11 +22,11 @@ from torch import nn
 from mili.engine.attention import AttentionBackend
 from mili.engine.checkpoint import CONFIG_FILE, INDEX_FILE, SINGLE_FILE
 from mili.engine.config import ConfigError, Qwen3Config
+from mili.engine.kv_cache import TORCH_DTYPES
+from mili.engine.kv_layout import DTYPES
 from mili.engine.model import Qwen3ForCausalLM
 
 log = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class CheckpointError(ValueError):
@@ -65,9 +65,9 @@ def tensor_files(path: Path | str) -> dict[str, Path]:
 
 def resolve_dtype(name: str) -> torch.dtype:
     try:
-        return _DTYPES[name]
+        return TORCH_DTYPES[name]
     except KeyError:
-        raise ConfigError(f"unsupported dtype {name!r}; expected one of {list(_DTYPES)}") from None
+        raise ConfigError(f"unsupported dtype {name!r}; expected one of {list(DTYPES)}") from None
 
 
 def load_model(

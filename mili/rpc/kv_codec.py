@@ -1,4 +1,4 @@
-"""KV blocks on the wire: layout messages, layout checks, and KvChunk encode/decode with CRC-32.
+"""KV blocks on the wire: KvChunk encode/decode with CRC-32 (tensors <-> bytes).
 
 One chunk carries the K and V of some whole blocks of one layer (see mili/kv/v1/kv.proto):
 
@@ -6,8 +6,8 @@ One chunk carries the K and V of some whole blocks of one layer (see mili/kv/v1/
            tensor of the layout's dtype (little-endian, as torch stores it on x86/ARM and CUDA)
     crc32 = zlib.crc32(data)
 
-Both sides publish a KvLayout; `check_compatible` refuses a pair that differs in any field,
-naming both layouts, so a mismatch is a FAILED_PRECONDITION at set-up, never garbage tokens.
+The layout both sides agree on first (KvLayout, `check_compatible`, `block_bytes`) is
+`mili.rpc.kv_layout`'s, which needs no torch: the frontend imports that one, never this.
 
 Chunks are megabytes each, so both ends handle the serialized `TransferKvRequest{chunk}` bytes
 themselves rather than through protobuf objects, which copy the data at every step:
@@ -38,55 +38,15 @@ from typing import NamedTuple
 
 import torch
 
-from mili.engine.kv_cache import KVLayout
+from mili.engine.kv_cache import TORCH_DTYPES
 from mili.errors import DataLoss, FailedPrecondition
 from mili.kv.v1 import kv_pb2
-
-BLOCK_ORDER = "block,slot,head,dim"  # [num_blocks, block_size, num_kv_heads, head_dim]
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def layout_to_proto(layout: KVLayout, model_fingerprint: str) -> kv_pb2.KvLayout:
-    return kv_pb2.KvLayout(
-        block_size=layout.block_size,
-        num_layers=layout.num_layers,
-        num_kv_heads=layout.num_kv_heads,
-        head_dim=layout.head_dim,
-        dtype=layout.dtype,
-        block_order=BLOCK_ORDER,
-        model_fingerprint=model_fingerprint,
-    )
-
-
-def describe(layout: kv_pb2.KvLayout) -> str:
-    return (
-        f"block_size={layout.block_size} num_layers={layout.num_layers} "
-        f"num_kv_heads={layout.num_kv_heads} head_dim={layout.head_dim} dtype={layout.dtype} "
-        f"block_order={layout.block_order} model={layout.model_fingerprint}"
-    )
-
-
-def check_compatible(
-    local: kv_pb2.KvLayout, remote: kv_pb2.KvLayout, *, local_name: str, remote_name: str
-) -> None:
-    """Raise FailedPrecondition naming both layouts unless they are equal in every field."""
-    if local != remote:
-        raise FailedPrecondition(
-            f"KV layouts differ, so KV blocks cannot move between {local_name} and "
-            f"{remote_name}: {local_name} has [{describe(local)}], {remote_name} has "
-            f"[{describe(remote)}]"
-        )
-
-
-def block_bytes(layout: kv_pb2.KvLayout) -> int:
-    """Bytes of one block of one layer, K or V alone."""
-    itemsize = torch.empty((), dtype=torch_dtype(layout)).element_size()
-    return layout.block_size * layout.num_kv_heads * layout.head_dim * itemsize
+from mili.rpc.kv_layout import block_bytes
 
 
 def torch_dtype(layout: kv_pb2.KvLayout) -> torch.dtype:
     try:
-        return _DTYPES[layout.dtype]
+        return TORCH_DTYPES[layout.dtype]
     except KeyError:
         raise FailedPrecondition(f"unsupported KV dtype {layout.dtype!r}") from None
 

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kernels import ATTENTION_CHOICES, DEFAULT_ATTENTION
+from mili.engine.kv_layout import DEFAULT_BLOCK_SIZE, DTYPES
 
-DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ATTENTION_CHOICES
 DEFAULT_KV_CACHE_BYTES = 1 << 30  # when neither --kv-cache-bytes nor --num-blocks is given
 _DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
@@ -30,7 +30,7 @@ class DecodeConfig:
     model_dir: Path
     device: str = "cpu"
     dtype: str | None = None  # None: the checkpoint's torch_dtype
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
     num_blocks: int | None = None
     # Bound on admitted requests (waiting for KV + running). Every admitted request already holds

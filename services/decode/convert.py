@@ -4,9 +4,9 @@ imports generated *_pb2 modules)."""
 from __future__ import annotations
 
 from mili.decode.v1 import decode_pb2
-from mili.engine.kv_cache import KVLayout
+from mili.engine.kv_layout import KVLayout
 from mili.kv.v1 import kv_pb2
-from mili.rpc.kv_codec import layout_to_proto
+from mili.rpc.kv_layout import layout_to_proto
 from mili.rpc.sampling import finish_reason_to_proto, logprobs_to_proto
 from services.decode.requests import DecodeRequest
 from services.decode.stream import TokenEvent

@@ -16,13 +16,8 @@ from kernels.build import KernelBuildError
 from mili.engine.block_pool import BlockPool
 from mili.engine.config import ConfigError, Qwen3Config
 from mili.engine.fingerprint import model_fingerprint
-from mili.engine.kv_cache import (
-    KVCache,
-    KVLayout,
-    bytes_per_block,
-    dtype_name,
-    num_blocks_for_budget,
-)
+from mili.engine.kv_cache import KVCache, bytes_per_block, dtype_name, num_blocks_for_budget
+from mili.engine.kv_layout import KVLayout
 from mili.engine.loader import CheckpointError, load_model, resolve_dtype
 from mili.engine.model import Qwen3ForCausalLM
 from mili.errors import StartupError

@@ -13,7 +13,8 @@ from opentelemetry import trace
 from mili.decode.v1 import decode_pb2, decode_pb2_grpc
 from mili.errors import Cancelled, DeadlineExceeded, InvalidArgument, Unavailable
 from mili.kv.v1 import kv_pb2
-from mili.rpc.kv_codec import check_compatible, parse_transfer_request
+from mili.rpc.kv_codec import parse_transfer_request
+from mili.rpc.kv_layout import check_compatible
 from mili.rpc.sampling import sampling_params
 from mili.rpc.server import RpcServer
 from services.decode import convert

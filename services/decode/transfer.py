@@ -40,7 +40,8 @@ from opentelemetry import trace
 
 from mili.errors import Cancelled, DataLoss, InvalidArgument, Unavailable
 from mili.kv.v1 import kv_pb2, kv_pb2_grpc
-from mili.rpc.kv_codec import ChunkView, block_bytes, check_compatible, decode_chunk
+from mili.rpc.kv_codec import ChunkView, decode_chunk
+from mili.rpc.kv_layout import block_bytes, check_compatible
 from mili.rpc.sampling import logprobs_from_proto
 from services.decode import convert
 from services.decode.instance import DecodeInstance

@@ -4,7 +4,7 @@ Every `poll_interval_s` (and at once when a request saw an instance fail) each p
 decode instance's Info is fetched concurrently:
 
     answered   -> router.update_*(load), its KV layout stored, and every pair it forms with the
-                  other side re-checked with kv_codec.check_compatible (a mismatch is logged
+                  other side re-checked with kv_layout.check_compatible (a mismatch is logged
                   loudly and the pair is never routed; a fixed one becomes routable again)
     no answer  -> router.mark_down: routed around until it answers again
 
@@ -30,7 +30,7 @@ from mili.errors import FailedPrecondition
 from mili.kv.v1 import kv_pb2
 from mili.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from mili.rpc.client import insecure_channel
-from mili.rpc.kv_codec import check_compatible, describe
+from mili.rpc.kv_layout import check_compatible, describe
 from mili.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from services.frontend.calls import TokenizerFacts
 from services.frontend.config import FrontendConfig

@@ -9,10 +9,10 @@ import logging
 
 from kernels import ATTENTION_CHOICES, DEFAULT_ATTENTION
 from mili import flags
+from mili.engine.kv_layout import DEFAULT_BLOCK_SIZE, DTYPES
 from mili.errors import StartupError
 from services.prefill.config import (
     ANY_DECODE,
-    DEFAULT_BLOCK_SIZE,
     DEFAULT_MAX_BATCH_TOKENS,
     parse_allowed_decodes,
 )
@@ -28,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--dtype",
-        choices=["float32", "bfloat16", "float16"],
+        choices=DTYPES,
         default=None,
         help="weights' and KV cache's element type (default: the fastest on the device: "
         "float32 on CPU, bfloat16 on CUDA)",

@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from mili.engine.kv_layout import DEFAULT_BLOCK_SIZE
+
 ANY_DECODE = "*"  # allows every destination: only for networks where every peer is trusted
-DEFAULT_BLOCK_SIZE = 16
 DEFAULT_MAX_BATCH_TOKENS = 2048
 
 

@@ -27,7 +27,7 @@ from mili.engine.kv_cache import KVCache, dtype_name
 from mili.engine.model import Qwen3ForCausalLM
 from mili.errors import PermissionDenied
 from mili.prefill.v1 import prefill_pb2, prefill_pb2_grpc
-from mili.rpc.kv_codec import block_bytes, layout_to_proto
+from mili.rpc.kv_layout import block_bytes, layout_to_proto
 from mili.rpc.server import RpcServer
 from mili.telemetry.metrics import PrefillMetrics
 from mili.telemetry.tracing import current_span_context

@@ -32,7 +32,8 @@ from mili.engine.model import PrefillBatch
 from mili.engine.sampler import Sampler, SequenceSampling
 from mili.engine.sampling_params import SamplingParams
 from mili.kv.v1 import kv_pb2, kv_pb2_grpc
-from mili.rpc.kv_codec import encode_chunk, layout_to_proto
+from mili.rpc.kv_codec import encode_chunk
+from mili.rpc.kv_layout import layout_to_proto
 from mili.rpc.server import RpcServer, ServerConfig
 from services.decode.config import DecodeConfig
 from services.decode.instance import DecodeInstance

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from mili.kv.v1 import kv_pb2, kv_pb2_grpc
+from mili.rpc.kv_layout import check_compatible
 
 if TYPE_CHECKING:  # the killable script runs without torch
     from mili.engine.kv_cache import KVCache
@@ -100,8 +101,6 @@ class KvReceiver(kv_pb2_grpc.KvTransferServiceServicer):
             await context.abort(code, message)
 
         if self.validate:
-            from mili.rpc.kv_codec import check_compatible  # imports torch: not in the script
-
             try:
                 check_compatible(
                     self.layout, header.layout, local_name="decode", remote_name="prefill"
