@@ -8,7 +8,10 @@ For each call it
   (c) counts the call as in flight until its handler returns, so a drain knows when to stop,
   (d) refuses it with UNAVAILABLE once the server is draining, so clients retry elsewhere,
   (e) counts it once it ends, by service, method and final status code: the code it was
-      aborted with, OK when the handler returned, else CANCELLED or DEADLINE_EXCEEDED.
+      aborted with, OK when the handler returned, else CANCELLED or DEADLINE_EXCEEDED,
+  (f) when the client streams requests, announces the status it fails with (a, b or d) in the
+      initial metadata too, where a client whose write raced the status still finds it (see
+      `mili.rpc.status.status_header`; a servicer's own `context.abort` does not get this).
 Three kinds of call:
 
     traffic          everything else           (a)-(e), in mili_requests_total
@@ -25,6 +28,7 @@ handler is passed through unwrapped: grpc runs it in its thread pool with its ow
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -34,7 +38,7 @@ from typing import Any, NoReturn
 import grpc
 
 from mili.rpc.malformed import CheckedRequests, Malformed, guard
-from mili.rpc.status import is_internal, status_of
+from mili.rpc.status import is_internal, status_header, status_of
 from mili.telemetry.metrics import RequestMetrics
 
 _LOG = logging.getLogger("mili.rpc")
@@ -141,7 +145,7 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
                 raise  # the servicer chose its status with context.abort
             except Exception as exc:
                 _raise_if_refused(request)
-                await self._abort_with(exc, context, call.method)
+                await self._abort_with(exc, context, call.method, call.is_request_streaming)
             finally:
                 self._count(call, context, is_done)
                 self._leave(call)
@@ -164,7 +168,7 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
                 raise
             except Exception as exc:
                 _raise_if_refused(request)
-                await self._abort_with(exc, context, call.method)
+                await self._abort_with(exc, context, call.method, call.is_request_streaming)
             finally:
                 # Counted before grpc sends the status: a caller that saw it can see the count.
                 self._count(call, context, is_done)
@@ -181,7 +185,7 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
         a request stream is checked message by message as the servicer reads it."""
 
         async def refuse(malformed: Malformed) -> NoReturn:
-            await self._refuse_malformed(malformed, context, call.method)
+            await self._refuse_malformed(malformed, context, call.method, call.is_request_streaming)
 
         if call.is_request_streaming:
             return CheckedRequests(request, refuse)
@@ -196,9 +200,12 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
             self._metrics.record(
                 call.method, grpc.StatusCode.UNAVAILABLE.name, is_control=call.is_control
             )
-            await context.abort(
+            await _abort(
+                context,
                 grpc.StatusCode.UNAVAILABLE,
                 f"{self._name} is draining; retry on another instance",
+                (),
+                call.is_request_streaming,
             )
 
     def _enter(self, call: _Call) -> None:
@@ -227,7 +234,11 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
         self._metrics.record(call.method, status, is_control=call.is_control)
 
     async def _refuse_malformed(
-        self, malformed: Malformed, context: grpc.aio.ServicerContext, method: str
+        self,
+        malformed: Malformed,
+        context: grpc.aio.ServicerContext,
+        method: str,
+        is_request_streaming: bool,
     ) -> NoReturn:
         # One line, no traceback: the caller's mistake (or probe), not our bug.
         _LOG.warning(
@@ -237,13 +248,16 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
             context.peer(),
             malformed.reason,
         )
-        await context.abort(
-            grpc.StatusCode.INVALID_ARGUMENT, f"malformed request to {method}: {malformed.reason}"
+        await _abort(
+            context,
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"malformed request to {method}: {malformed.reason}",
+            (),
+            is_request_streaming,
         )
-        raise AssertionError("context.abort returned")  # it always raises AbortError
 
     async def _abort_with(
-        self, exc: Exception, context: grpc.aio.ServicerContext, method: str
+        self, exc: Exception, context: grpc.aio.ServicerContext, method: str, streaming: bool
     ) -> NoReturn:
         status = status_of(exc, method)
         if is_internal(exc):
@@ -251,8 +265,7 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
             _LOG.error("%s: %s", self._name, status.details, exc_info=exc)
         else:
             _LOG.debug("%s %s -> %s: %s", self._name, method, status.code.name, status.details)
-        await context.abort(status.code, status.details, status.trailing_metadata)
-        raise AssertionError("context.abort returned")  # it always raises AbortError
+        await _abort(context, status.code, status.details, status.trailing_metadata, streaming)
 
 
 @dataclass(frozen=True)
@@ -270,3 +283,21 @@ def _raise_if_refused(request: Any) -> None:
     into another exception: the status is sent; hand grpc back its own AbortError."""
     if isinstance(request, CheckedRequests) and request.abort is not None:
         raise request.abort
+
+
+async def _abort(
+    context: grpc.aio.ServicerContext,
+    code: grpc.StatusCode,
+    details: str,
+    trailing_metadata: Any,
+    is_request_streaming: bool,
+) -> NoReturn:
+    """End the call with this status; first announce it in the initial metadata when the client
+    streams requests (a write of theirs racing the status would lose it, see mili.rpc.status)."""
+    if is_request_streaming:
+        # Fails when the initial metadata already went out (a bidi call that had answered) or
+        # the call is over (the client went away): the status alone is all we can still send.
+        with contextlib.suppress(Exception):
+            await context.send_initial_metadata(status_header(code, details, trailing_metadata))
+    await context.abort(code, details, trailing_metadata)
+    raise AssertionError("context.abort returned")  # it always raises AbortError

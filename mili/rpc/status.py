@@ -5,6 +5,19 @@ trailing metadata carries a serialized `google.rpc.Status` in `grpc-status-detai
 standard place every gRPC language reads rich errors from). Client side, `details_of`,
 `bad_request_of` and `retry_info_of` read them back from a failed call.
 
+A call whose client streams requests (TransferKv, DetokenizeStream) can lose the server's
+status on the client: a write that races the status fails, and grpc.aio then sets the call's
+status to INTERNAL "Internal error from Core" (trailers and all), also over the server's status
+when that had already arrived. Initial metadata is another matter: grpc.aio keeps the first it
+gets, and the server's goes out before its trailers, so it is in before the write that fails
+on them (tests/rpc/test_rpc_status.py races such writes). So such a call that fails sends its
+status twice:
+
+    server   initial metadata  mili-status-bin: google.rpc.Status  (`status_header`)
+             trailers          grpc-status, grpc-message, grpc-status-details-bin
+    client   `server_status_of(err)`: err's own status, unless it is INTERNAL while the initial
+             metadata says the server ended the call otherwise
+
     InvalidArgument    -> INVALID_ARGUMENT    + BadRequest (one FieldViolation per violation)
     NotFound           -> NOT_FOUND
     FailedPrecondition -> FAILED_PRECONDITION
@@ -19,7 +32,7 @@ standard place every gRPC language reads rich errors from). Client side, `detail
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 from google.protobuf import any_pb2, descriptor_pool, message, message_factory
@@ -29,6 +42,7 @@ from grpc_status import rpc_status
 from mili import errors
 
 DETAILS_KEY = "grpc-status-details-bin"
+STATUS_HEADER_KEY = "mili-status-bin"  # initial metadata: the status, as DETAILS_KEY carries it
 
 # Status text travels twice in the trailers (grpc-message and inside grpc-status-details-bin) and
 # clients refuse trailers over 8 KiB by default, so an oversized exception text would turn a
@@ -116,6 +130,21 @@ def status_of(exc: BaseException, method: str) -> grpc.Status:
     return status
 
 
+def status_header(
+    code: grpc.StatusCode, details: str, trailing_metadata: Any
+) -> tuple[tuple[str, bytes]]:
+    """Initial metadata announcing the status a call is about to end with (see the top).
+
+    The google.rpc.Status of `trailing_metadata` when it carries one (details included), else
+    one made of `code` and `details`.
+    """
+    for key, value in trailing_metadata or ():
+        if key == DETAILS_KEY:
+            return ((STATUS_HEADER_KEY, bytes(value)),)
+    proto = status_pb2.Status(code=code.value[0], message=details)
+    return ((STATUS_HEADER_KEY, proto.SerializeToString()),)
+
+
 # ---- client side ------------------------------------------------------------------------------
 
 
@@ -132,6 +161,38 @@ def _status_proto(err: grpc.RpcError) -> status_pb2.Status | None:
                 return None
             return proto
     return None
+
+
+class CallStatus(NamedTuple):
+    """How the server ended a call (see `server_status_of`)."""
+
+    code: grpc.StatusCode
+    details: str
+    trailing_metadata: tuple[tuple[str, str | bytes], ...]  # with DETAILS_KEY when it sent one
+
+
+_GRPC_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def server_status_of(err: grpc.RpcError) -> CallStatus:
+    """The status the server ended the call with: `err`'s own, unless grpc replaced it by INTERNAL
+    after a write raced it and the server announced another one in its initial metadata."""
+    code: grpc.StatusCode = err.code()
+    trailing = err.trailing_metadata() if callable(getattr(err, "trailing_metadata", None)) else ()
+    own = CallStatus(code, err.details() or "", tuple(trailing or ()))
+    if code is not grpc.StatusCode.INTERNAL or not callable(getattr(err, "initial_metadata", None)):
+        return own
+    for key, value in err.initial_metadata() or ():
+        if key == STATUS_HEADER_KEY:
+            announced = status_pb2.Status.FromString(value)
+            if announced.code == code.value[0]:
+                return own  # the server's own INTERNAL: its trailers are the ones that count
+            return CallStatus(
+                _GRPC_CODES.get(announced.code, grpc.StatusCode.UNKNOWN),
+                announced.message,
+                ((DETAILS_KEY, bytes(value)),),
+            )
+    return own
 
 
 def _unpack(packed: any_pb2.Any) -> message.Message:

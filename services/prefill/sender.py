@@ -20,7 +20,7 @@ import contextlib
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import grpc
 import torch
@@ -39,6 +39,7 @@ from mili.errors import (
 from mili.kv.v1 import kv_pb2
 from mili.rpc.client import insecure_channel
 from mili.rpc.kv_codec import encode_chunk_request
+from mili.rpc.status import server_status_of
 from services.prefill.task import FirstToken, PrefillTask
 
 _SERVICE = kv_pb2.DESCRIPTOR.services_by_name["KvTransferService"]
@@ -95,7 +96,6 @@ class _Failed(NamedTuple):
 
 
 _CALL_ENDED = object()  # the TransferKv call finished (decode answered or the stream broke)
-_CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 # Decode's status -> the error our caller gets (same code; anything unexpected reads as decode
 # being unusable, which the frontend handles by trying another instance).
@@ -130,7 +130,6 @@ class KvSender:
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[object] = asyncio.Queue()
         self._is_closed = False
-        self._first_status: tuple[grpc.StatusCode, str] | None = None
 
     # ---- KvSink: called from the worker thread -----------------------------------------------
 
@@ -234,22 +233,12 @@ class KvSender:
         )
 
     def _on_done(self, call: grpc.aio.StreamUnaryCall) -> None:
-        """The call finished: wake `_stream`, and keep the status as first set.
-
-        grpc.aio quirk: a write that races decode's error status fails, and grpc then sets the
-        call's status to INTERNAL "Internal error from Core", sometimes after decode's real
-        status had arrived (overwriting it). The status seen here is whichever came first;
-        `_error` prefers it over a late INTERNAL, so decode's DATA_LOSS stays DATA_LOSS.
-        """
-        status = getattr(getattr(_base_call(call), "_cython_call", None), "_status", None)
-        if status is not None:
-            code = _CODES.get(status.code(), grpc.StatusCode.UNKNOWN)
-            self._first_status = (code, status.details())
+        """The call finished: wake `_stream` (also while it waits for compute)."""
         self._queue.put_nowait(_CALL_ENDED)
 
     async def _write(self, call: grpc.aio.StreamUnaryCall, message: bytes) -> None:
         # InvalidStateError: the call had ended; AioRpcError: it ended during this write (see
-        # `_on_done`). Either way `_ended` reports decode's status.
+        # `_error`). Either way `_ended` reports decode's status.
         with contextlib.suppress(asyncio.InvalidStateError, grpc.aio.AioRpcError):
             await call.write(message)
         if call.done():
@@ -264,10 +253,11 @@ class KvSender:
         )
 
     def _error(self, err: grpc.aio.AioRpcError) -> MiliError:
-        code, details = err.code(), err.details()
-        first = self._first_status
-        if code is grpc.StatusCode.INTERNAL and first and first[0] is not grpc.StatusCode.INTERNAL:
-            code, details = first  # decode's status, overwritten by a racing write (`_on_done`)
+        # grpc.aio quirk: a write that races decode's error status fails, and grpc then sets the
+        # call's status to INTERNAL "Internal error from Core", also over decode's status when
+        # that had arrived first. Decode announces its status in the initial metadata as well
+        # (mili.rpc.interceptor), which grpc never overwrites: server_status_of reads it there.
+        code, details, _ = server_status_of(err)
         what = (
             f"KV transfer of request {self._task.name} to decode at "
             f"{self._task.address} failed: {code.name}: {details}"
@@ -293,15 +283,3 @@ def logprobs(first: FirstToken) -> sampling_pb2.Logprobs | None:
             sampling_pb2.TokenLogprob(token_id=t, logprob=lp) for t, lp in first.top_logprobs or ()
         ],
     )
-
-
-def _base_call(call: Any) -> Any:
-    """grpc's own call object under an intercepted one (tracing installs client interceptors).
-
-    Private API, like the `_cython_call._status` it serves: an InterceptedCall's
-    `_interceptors_task` resolves to what the interceptors returned — ours return the call.
-    """
-    task = getattr(call, "_interceptors_task", None)
-    if task is not None and task.done() and not task.cancelled() and task.exception() is None:
-        return task.result()
-    return call

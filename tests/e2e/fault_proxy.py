@@ -31,6 +31,7 @@ from grpc_health.v1 import health_pb2
 from mili.decode.v1 import decode_pb2
 from mili.kv.v1 import kv_pb2
 from mili.rpc.client import channel_options
+from mili.rpc.status import server_status_of, status_header
 
 TRANSFER_KV = "/mili.kv.v1.KvTransferService/TransferKv"
 GENERATE = "/mili.decode.v1.DecodeService/Generate"
@@ -194,48 +195,29 @@ def _forwarded(context: grpc.aio.ServicerContext) -> dict[str, Any]:
 
 async def _relay_error(context: grpc.aio.ServicerContext, err: grpc.aio.AioRpcError) -> None:
     """End the incoming call with the upstream call's status (rich details included)."""
-    await _abort(context, err.code(), err.details() or "", err.trailing_metadata())
+    code, details, trailers = server_status_of(err)
+    await _abort(context, code, details, trailers)
 
 
 async def _abort(
-    context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str, trailers: Any
+    context: grpc.aio.ServicerContext,
+    code: grpc.StatusCode,
+    details: str,
+    trailers: Any,
+    *,
+    announce: bool = False,
 ) -> None:
+    """`announce`: the incoming call streams requests, so the status goes in its initial
+    metadata too, as decode's server sends it (see mili.rpc.status): prefill's writes racing
+    our status must not lose it either."""
     kept = tuple(
         (key, value)
         for key, value in trailers or ()
         if not key.startswith("grpc-") or key == "grpc-status-details-bin"
     )
+    if announce:
+        await context.send_initial_metadata(status_header(code, details, kept))
     await context.abort(code, details, kept)
-
-
-_CODES = {code.value[0]: code for code in grpc.StatusCode}
-
-
-class _FirstStatus:
-    """The first status a client-streaming call got, so the proxy relays decode's own.
-
-    grpc.aio quirk (services/prefill/sender.py works around it the same way): a write racing
-    the server's status fails, and grpc then sets the call's status to INTERNAL "Internal error
-    from Core" -- also after the server's real status had arrived, overwriting it. The done
-    callback runs once, with the status set first. Without this the proxy would now and then
-    turn decode's DATA_LOSS into an INTERNAL of its own making.
-    """
-
-    def __init__(self, call: grpc.aio.Call) -> None:
-        self._first: tuple[grpc.StatusCode, str, Any] | None = None
-        call.add_done_callback(self._on_done)
-
-    def _on_done(self, call: grpc.aio.Call) -> None:
-        status = getattr(getattr(call, "_cython_call", None), "_status", None)  # private API
-        if status is not None and self._first is None:
-            code = _CODES.get(status.code(), grpc.StatusCode.UNKNOWN)
-            self._first = (code, status.details(), status.trailing_metadata())
-
-    def of(self, err: grpc.aio.AioRpcError) -> tuple[grpc.StatusCode, str, Any]:
-        first = self._first
-        if err.code() is grpc.StatusCode.INTERNAL and first and first[0] is not err.code():
-            return first
-        return err.code(), err.details() or "", err.trailing_metadata()
 
 
 class _Handler(grpc.GenericRpcHandler):
@@ -286,7 +268,6 @@ class _Handler(grpc.GenericRpcHandler):
             requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
         ) -> bytes:
             call = proxy.channel.stream_unary(method)(**_forwarded(context))
-            first_status = _FirstStatus(call)
             transfer = _Transfer(proxy) if method == TRANSFER_KV else None
 
             async def pump() -> None:
@@ -310,16 +291,21 @@ class _Handler(grpc.GenericRpcHandler):
                 # error) before either, ending the call.
                 await asyncio.wait({pumping, finished}, return_when=asyncio.FIRST_COMPLETED)
                 if transfer is not None and transfer.is_cut:
-                    await context.abort(
-                        grpc.StatusCode.UNAVAILABLE, "fault proxy: connection to decode lost"
+                    await _abort(
+                        context,
+                        grpc.StatusCode.UNAVAILABLE,
+                        "fault proxy: connection to decode lost",
+                        (),
+                        announce=True,
                     )
                 try:
                     return await call
                 except grpc.aio.AioRpcError as err:
-                    code, details, trailers = first_status.of(err)
+                    # decode's status, also when our write raced it (see mili.rpc.status)
+                    code, details, trailers = server_status_of(err)
                     if transfer is not None:
                         proxy.record_status(transfer.request_id, code, details)
-                    await _abort(context, code, details, trailers)
+                    await _abort(context, code, details, trailers, announce=True)
                     raise
             finally:
                 for task in (pumping, finished):

@@ -21,6 +21,7 @@ import grpc
 
 from mili.kv.v1 import kv_pb2, kv_pb2_grpc
 from mili.rpc.kv_layout import check_compatible
+from mili.rpc.status import status_header
 
 if TYPE_CHECKING:  # the killable script runs without torch
     from mili.engine.kv_cache import KVCache
@@ -90,7 +91,7 @@ class KvReceiver(kv_pb2_grpc.KvTransferServiceServicer):
         iterator = aiter(requests)
         first = await anext(iterator)
         if first.WhichOneof("kind") != "header":
-            await context.abort(grpc.StatusCode.DATA_LOSS, "first message is not a header")
+            await _abort(context, grpc.StatusCode.DATA_LOSS, "first message is not a header")
         header = first.header
         transfer = self.transfers[header.request_id] = Transfer(header)
         opened.append(transfer)
@@ -98,7 +99,7 @@ class KvReceiver(kv_pb2_grpc.KvTransferServiceServicer):
         async def fail(code: grpc.StatusCode, message: str) -> None:
             transfer.status = code.name
             self.reservations.pop(header.request_id, None)  # decode frees on failure
-            await context.abort(code, message)
+            await _abort(context, code, message)
 
         if self.validate:
             try:
@@ -156,6 +157,13 @@ class KvReceiver(kv_pb2_grpc.KvTransferServiceServicer):
                 await self.resume.wait()
         await fail(grpc.StatusCode.DATA_LOSS, "stream ended without a commit")
         raise AssertionError("unreachable")
+
+
+async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
+    """End the call as decode's server does (mili.rpc.interceptor): the status announced in the
+    initial metadata too, where prefill finds it when a write of its raced the status."""
+    await context.send_initial_metadata(status_header(code, message, ()))
+    await context.abort(code, message)
 
 
 @contextlib.asynccontextmanager

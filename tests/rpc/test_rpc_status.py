@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -10,10 +11,18 @@ from typing import Any
 import grpc
 import pytest
 from google.protobuf import duration_pb2
-from google.rpc import error_details_pb2
+from google.rpc import error_details_pb2, status_pb2
 
 from mili import errors
-from mili.rpc.status import bad_request_of, details_of, retry_info_of, status_of
+from mili.rpc.server import ServerConfig
+from mili.rpc.status import (
+    STATUS_HEADER_KEY,
+    bad_request_of,
+    details_of,
+    retry_info_of,
+    server_status_of,
+    status_of,
+)
 
 METHOD = "/mili.test.v1.EchoService/Unary"
 
@@ -275,3 +284,112 @@ def test_bad_request_detail_type_is_the_public_one() -> None:
     )
     [detail] = details_of(err)
     assert isinstance(detail, error_details_pb2.BadRequest)
+
+
+# ---- a client-streaming call announces its status in the initial metadata too ---------------
+
+
+def _announced(err: grpc.aio.AioRpcError) -> status_pb2.Status | None:
+    found = [v for k, v in err.initial_metadata() or () if k == STATUS_HEADER_KEY]
+    return status_pb2.Status.FromString(found[0]) if found else None
+
+
+def test_client_stream_error_is_announced_in_the_initial_metadata(echo_server: Any) -> None:
+    async def main() -> None:
+        async with echo_server() as h:
+            h.echo.error = errors.ResourceExhausted("no free KV blocks", retry_after_s=0.5)
+            err = await _fail(h.client_stream()(_requests(b"a", b"b")))
+            announced = _announced(err)
+            assert announced is not None
+            assert (announced.code, announced.message) == (
+                grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
+                "no free KV blocks",
+            )
+            assert len(announced.details) == 1  # the RetryInfo, as in the trailers
+            assert server_status_of(err).code is grpc.StatusCode.RESOURCE_EXHAUSTED
+
+            h.echo.error = errors.DataLoss("chunk 3: checksum mismatch")  # bidi, mid-stream:
+            got, err = await _fail_stream(h.bidi_stream()(_requests(b"a")))
+            assert got == [b"a"] and err.code() is grpc.StatusCode.DATA_LOSS
+            assert _announced(err) is None  # the initial metadata went out with b"a"
+
+            h.echo.error = errors.NotFound("r-7")  # unary requests cannot race: nothing sent
+            err = await _fail(h.unary()(b"hi"))
+            assert err.code() is grpc.StatusCode.NOT_FOUND and _announced(err) is None
+
+    asyncio.run(main())
+
+
+def test_draining_refusal_of_a_client_stream_is_announced(echo_server: Any, until: Any) -> None:
+    async def main() -> None:
+        async with echo_server(ServerConfig(drain_timeout_s=5.0, grace_s=1.0)) as h:
+            held = h.server_stream("Hold")(b"")  # keeps the drain going
+            assert await held.read() == b"started"
+            drain = asyncio.create_task(h.server.drain())
+            await until(lambda: h.server.is_draining)
+            err = await _fail(h.client_stream()(_requests(b"a")))
+            assert err.code() is grpc.StatusCode.UNAVAILABLE
+            announced = _announced(err)
+            assert announced is not None
+            assert announced.code == grpc.StatusCode.UNAVAILABLE.value[0]
+            h.echo.release.set()
+            await drain
+
+    asyncio.run(main())
+
+
+def _internal_from_core(initial: tuple[tuple[str, bytes], ...]) -> grpc.aio.AioRpcError:
+    """What grpc.aio raises when a write raced the server's status: that status is gone."""
+    return grpc.aio.AioRpcError(
+        grpc.StatusCode.INTERNAL,
+        grpc.aio.Metadata(*initial),
+        grpc.aio.Metadata(),
+        "Internal error from Core",
+    )
+
+
+def test_server_status_of_prefers_the_announced_status_over_grpcs_internal() -> None:
+    status = status_of(errors.InvalidArgument("block_ids", [3, 3], "must be distinct"), "/m")
+    [(key, value)] = status.trailing_metadata
+    err = _internal_from_core(((STATUS_HEADER_KEY, value),))
+    found = server_status_of(err)
+    assert found.code is grpc.StatusCode.INVALID_ARGUMENT
+    assert found.details == "block_ids: must be distinct (got [3, 3])"
+    assert found.trailing_metadata == ((key, value),)  # the details, for details_of & co
+
+    # No announcement, or the server's own INTERNAL: the error's own status stands.
+    assert server_status_of(_internal_from_core(())).details == "Internal error from Core"
+    own = status_pb2.Status(code=grpc.StatusCode.INTERNAL.value[0], message="bug")
+    found = server_status_of(_internal_from_core(((STATUS_HEADER_KEY, own.SerializeToString()),)))
+    assert (found.code, found.details) == (grpc.StatusCode.INTERNAL, "Internal error from Core")
+
+    # Any other code is the call's real end (e.g. our own deadline): never replaced.
+    late = grpc.aio.AioRpcError(
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.aio.Metadata((STATUS_HEADER_KEY, value)),
+        grpc.aio.Metadata(),
+        "Deadline Exceeded",
+    )
+    assert server_status_of(late).code is grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def test_client_stream_writes_racing_the_error_still_get_its_code(echo_server: Any) -> None:
+    """Writes back to back while the server fails the call: grpc.aio turns a write that races the
+    status into INTERNAL "Internal error from Core", at times over the server's status; the
+    server's DATA_LOSS must still be what `server_status_of` finds, every time."""
+    payload = bytes(1 << 20)
+
+    async def main() -> None:
+        async with echo_server() as h:
+            h.echo.error = errors.DataLoss("chunk 0: checksum mismatch")
+            for _ in range(20):
+                call = h.client_stream()()
+                with contextlib.suppress(asyncio.InvalidStateError, grpc.aio.AioRpcError):
+                    while not call.done():
+                        await call.write(payload)
+                err = await _fail(call)
+                found = server_status_of(err)
+                assert found.code is grpc.StatusCode.DATA_LOSS, (err.code(), err.details())
+                assert found.details == "chunk 0: checksum mismatch"
+
+    asyncio.run(main())
