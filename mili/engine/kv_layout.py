@@ -1,8 +1,9 @@
 """What two processes must agree on before KV blocks move between them, in pure Python.
 
 No torch here on purpose: the frontend compares layouts and every service's flag parser lists
-the dtypes, and neither should load torch (~2 s, ~300 MB) to do it. The tensors themselves are
-`mili.engine.kv_cache`'s business; its name -> torch.dtype table is built from `DTYPES` below.
+the dtypes, and neither should load torch (~2 s of CPU and ~190 MiB, see docs/benchmarks.md)
+to do it. The tensors themselves are `mili.engine.kv_cache`'s business; its name -> torch.dtype
+table is built from `DTYPES` below.
 
 One block of one layer, K or V alone (see kv_cache for why this order):
 
