@@ -50,6 +50,7 @@ from kernels import ATTENTION_CHOICES
 from mili import flags, ports
 from mili.backoff import Backoff, RestartPolicy
 from mili.child import Child, describe_exit
+from mili.engine.kv_layout import DTYPES
 from mili.errors import StartupError
 from mili.rpc.server import format_address
 
@@ -67,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--dtype",
-        choices=["float32", "bfloat16", "float16"],
+        choices=DTYPES,
         default=None,
         help="prefill/decode weights' and KV's element type (default: the fastest on the "
         "device: float32 on CPU, bfloat16 on CUDA)",
