@@ -14,7 +14,20 @@ from dataclasses import dataclass
 
 from mili.errors import InvalidArgument
 
-MAX_TOP_LOGPROBS = 20  # OpenAI's limit; top-n logprobs cost a [B, n] top-k per step
+MAX_TOP_LOGPROBS = 20
+# Fields a caller may leave unset (proto3 `optional` on the wire): unset means the default below.
+OPTIONAL_FIELDS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "logprobs",
+)  # OpenAI's limit; top-n logprobs cost a [B, n] top-k per step
 
 
 def _is_int(value: object) -> bool:

@@ -11,23 +11,9 @@ from typing import Any
 
 from mili.common.v1 import sampling_pb2
 from mili.engine.logprobs import TokenLogprobs
-from mili.engine.sampling_params import SamplingParams
+from mili.engine.sampling_params import OPTIONAL_FIELDS, SamplingParams
 from mili.engine.stop import FinishReason
 from mili.errors import FieldViolation, InvalidArgument
-
-# proto3 `optional` fields copied when set; unset ones keep SamplingParams' defaults.
-_OPTIONAL_FIELDS = (
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "seed",
-    "logprobs",
-)
 
 _FINISH_REASONS = {
     None: sampling_pb2.FINISH_REASON_UNSPECIFIED,
@@ -39,7 +25,7 @@ _FINISH_REASONS_FROM_PROTO = {value: reason for reason, value in _FINISH_REASONS
 
 def sampling_params(proto: sampling_pb2.SamplingParams) -> SamplingParams:
     """The engine's SamplingParams; InvalidArgument names each bad field as `sampling.<field>`."""
-    kwargs: dict[str, Any] = {f: getattr(proto, f) for f in _OPTIONAL_FIELDS if proto.HasField(f)}
+    kwargs: dict[str, Any] = {f: getattr(proto, f) for f in OPTIONAL_FIELDS if proto.HasField(f)}
     try:
         return SamplingParams(
             stop_token_ids=tuple(proto.stop_token_ids), ignore_eos=proto.ignore_eos, **kwargs

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from mili.engine.sampling_params import SamplingParams
+from mili.engine.sampling_params import OPTIONAL_FIELDS, SamplingParams
 from mili.errors import FieldViolation, InvalidArgument
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -180,18 +180,9 @@ def _check_input(request: RequestInput, bad: Bad) -> PromptField | None:
     return given[0]
 
 
-# SamplingParams fields a caller may leave unset (None in SamplingInput): SamplingParams'
-# defaults apply, except for max_tokens (this server's default) and seed (a fresh one).
-_OPTIONAL_FIELDS = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "logprobs",
-)
+# Unset fields keep SamplingParams' defaults, except max_tokens (this server's default) and seed
+# (a fresh one), resolved below.
+_DEFAULTED_FIELDS = tuple(f for f in OPTIONAL_FIELDS if f not in ("max_tokens", "seed"))
 
 
 def _resolve_sampling(
@@ -207,7 +198,7 @@ def _resolve_sampling(
     if s.max_tokens is not None and limit is not None and s.max_tokens > limit:
         bad("sampling.max_tokens", s.max_tokens, f"must be <= {limit}, this server's limit")
     _check_stops(s, limits, bad)
-    given = {f: getattr(s, f) for f in _OPTIONAL_FIELDS if getattr(s, f) is not None}
+    given = {f: getattr(s, f) for f in _DEFAULTED_FIELDS if getattr(s, f) is not None}
     try:
         return SamplingParams(
             max_tokens=limits.default_max_tokens if s.max_tokens is None else s.max_tokens,

@@ -34,6 +34,7 @@ from mili.engine.sampling_params import SamplingParams
 from mili.kv.v1 import kv_pb2, kv_pb2_grpc
 from mili.rpc.kv_codec import encode_chunk
 from mili.rpc.kv_layout import layout_to_proto
+from mili.rpc.sampling import sampling_params_to_proto
 from mili.rpc.server import RpcServer, ServerConfig
 from services.decode.config import DecodeConfig
 from services.decode.instance import DecodeInstance
@@ -159,17 +160,7 @@ class PrefillPlayer:
 
 def sampling(params: SamplingParams) -> sampling_pb2.SamplingParams:
     """The proto form of engine params (what the frontend sends)."""
-    proto = sampling_pb2.SamplingParams(
-        max_tokens=params.max_tokens,
-        temperature=params.temperature,
-        stop_token_ids=list(params.stop_token_ids),
-        ignore_eos=params.ignore_eos,
-    )
-    if params.seed is not None:
-        proto.seed = params.seed
-    if params.logprobs is not None:
-        proto.logprobs = params.logprobs
-    return proto
+    return sampling_params_to_proto(params)
 
 
 @dataclass
