@@ -84,15 +84,19 @@ def _chain_to_torch(importtime: str) -> list[str]:
 
 def _served_without_torch(service: ServiceProcess) -> None:
     # An answered call means serve_forever got past the announcement and handles SIGTERM.
-    with grpc.insecure_channel(service.address) as channel:
-        health = health_pb2_grpc.HealthStub(channel)
-        reply = health.Check(health_pb2.HealthCheckRequest(), timeout=10)
+    try:
+        with grpc.insecure_channel(service.address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            reply = health.Check(health_pb2.HealthCheckRequest(), timeout=10)
         # A frontend with no reachable backends answers NOT_SERVING: an answer is what counts.
         answered = (
             health_pb2.HealthCheckResponse.SERVING,
             health_pb2.HealthCheckResponse.NOT_SERVING,
         )
         assert reply.status in answered
+    except BaseException:
+        service.proc.kill()  # a failed check must not leave the process behind
+        raise
     assert service.terminate() == 0, service.stderr
     assert "torch in sys.modules: False" in service.stderr, service.stderr[-3000:]
 
