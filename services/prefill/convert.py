@@ -69,10 +69,10 @@ def prefill_task(
         raise InvalidArgument.many(violations)
     return PrefillTask(
         request_id=request.request_id,
-        token_ids=token_ids,
+        prompt_token_ids=token_ids,
         sampling=sampling,
         address=destination.address,
-        dest_block_ids=prompt_block_ids[:need],
+        prompt_block_ids=prompt_block_ids[:need],
         transfer_token=destination.transfer_token,
         client_request_id=request.client_request_id,
     )

@@ -175,7 +175,7 @@ class KvSender:
         header = kv_pb2.TransferHeader(
             request_id=task.request_id,
             layout=self._layout,
-            num_tokens=len(task.token_ids),
+            num_tokens=len(task.prompt_token_ids),
             num_chunks=self._num_chunks,
             transfer_token=task.transfer_token,
         )
@@ -223,11 +223,11 @@ class KvSender:
     def _encode(self, seq: int, blocks: _Blocks) -> tuple[bytes, int]:
         """Runs on an encoder thread: the byte copy and CRC-32 stay off the model thread and the
         event loop (zlib releases the GIL on large buffers). Block j of the prompt goes to
-        decode's block dest_block_ids[j]."""
+        decode's block prompt_block_ids[j]."""
         if blocks.ready is not None:
             blocks.ready()
         n = blocks.k.shape[0]
-        block_ids = self._task.dest_block_ids[blocks.first_block : blocks.first_block + n]
+        block_ids = self._task.prompt_block_ids[blocks.first_block : blocks.first_block + n]
         return encode_chunk_request(
             self._task.request_id, seq, blocks.layer, block_ids, blocks.k, blocks.v
         )

@@ -127,12 +127,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         remaining = context.time_remaining()
         if remaining is not None:  # end the transfer with the caller's deadline
             timeout_s = min(timeout_s, max(remaining, 0.001))
+        num_chunks = self.scheduler.num_chunks(len(task.prompt_token_ids))
         sender = KvSender(
             task,
             channel=self._channels.get(task.address),
             encoder=self._encoder,
             layout=self.layout,
-            num_chunks=self.layout.num_layers * self.scheduler.num_chunks(len(task.token_ids)),
+            num_chunks=self.layout.num_layers * num_chunks,
             timeout_s=timeout_s,
         )
         # Refuse a full queue (or a request id already here) before opening a stream to
@@ -154,17 +155,17 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 "kv transfer", attributes={"mili.kv.destination": task.address}
             ) as span:
                 result = await sender.run(submit)
-                _record_transfer(span, result, len(task.dest_block_ids), self.layout.num_layers)
+                _record_transfer(span, result, len(task.prompt_block_ids), self.layout.num_layers)
         finally:
             if is_submitted:  # never remove another call's prompt that has the same id
                 self.worker.remove(task.request_id)
-        _record_compute(len(task.token_ids), result.first, submitted_ns)
+        _record_compute(len(task.prompt_token_ids), result.first, submitted_ns)
         self.metrics.record_transfer(result.kv_bytes, result.transfer_ms / 1e3)
         first = result.first
         return prefill_pb2.PrefillResponse(
             first_token_id=first.token_id,
             first_logprobs=logprobs(first),
-            num_prompt_tokens=len(task.token_ids),
+            num_prompt_tokens=len(task.prompt_token_ids),
             queue_ms=first.queue_ms,
             compute_ms=first.compute_ms,
             transfer_ms=result.transfer_ms,

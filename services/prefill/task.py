@@ -17,13 +17,14 @@ from mili.engine.sampling_params import SamplingParams
 
 @dataclass(frozen=True)
 class PrefillTask:
-    """One validated prompt. `dest_block_ids[j]` on the decode instance receives block j."""
+    """One validated prompt. Block j of the prompt goes to `prompt_block_ids[j]` on the decode
+    instance (the blocks it reserved for this prompt)."""
 
     request_id: str
-    token_ids: list[int]
+    prompt_token_ids: list[int]
     sampling: SamplingParams
     address: str  # host:port of the decode instance's KvTransferService
-    dest_block_ids: list[int]
+    prompt_block_ids: list[int]  # on the decode instance, in token order
     transfer_token: str = ""  # decode's secret for this request, sent back in the header
     client_request_id: str = ""  # the caller's own id: a label for logs and traces
     # The request's span on this instance, when traced: the batched step that computes the

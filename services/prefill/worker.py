@@ -110,7 +110,7 @@ class PrefillWorker:
         """Raise what `submit` would for a full queue or a duplicate id, queueing nothing."""
         with self._cond:
             self._scheduler.check(
-                task.request_id, len(task.token_ids), retry_after_s=self._retry_after_s()
+                task.request_id, len(task.prompt_token_ids), retry_after_s=self._retry_after_s()
             )
 
     def submit(self, task: PrefillTask, sink: KvSink) -> None:
@@ -119,7 +119,7 @@ class PrefillWorker:
             if self._is_stopping:
                 raise Unavailable("prefill instance is shutting down; retry elsewhere")
             self._scheduler.add(
-                task.request_id, len(task.token_ids), retry_after_s=self._retry_after_s()
+                task.request_id, len(task.prompt_token_ids), retry_after_s=self._retry_after_s()
             )
             self._jobs[task.request_id] = _Job(task, sink, accepted_at=time.perf_counter())
             self._cond.notify()
@@ -223,7 +223,10 @@ class PrefillWorker:
             if job.first_forward_at is None:
                 job.first_forward_at = started
         batch = PrefillBatch.build(
-            [job.task.token_ids[c.start : c.end] for c, job in zip(step.chunks, jobs, strict=True)],
+            [
+                job.task.prompt_token_ids[c.start : c.end]
+                for c, job in zip(step.chunks, jobs, strict=True)
+            ],
             [c.block_table for c in step.chunks],
             block_size,
             start_positions=[c.start for c in step.chunks],
@@ -248,7 +251,7 @@ class PrefillWorker:
             return []
         finished = [jobs[i] for i in rows]
         seqs = [
-            SequenceSampling(j.task.sampling, j.task.token_ids, model.config.vocab_size)
+            SequenceSampling(j.task.sampling, j.task.prompt_token_ids, model.config.vocab_size)
             for j in finished
         ]
         out = self._sampler(logits[rows], seqs)
