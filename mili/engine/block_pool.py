@@ -12,6 +12,14 @@ Allocation order is deterministic, so tests (and logs) can name exact ids:
   (within one `free()` call: the order of the ids given), and are reused after every block that
   was already free. FIFO reuse keeps recently freed blocks untouched longest, which is what a
   prefix cache built on top of this pool wants.
+
+The null block: a pool made with `null_block=True` owns one more id, `null_block_id` =
+`num_blocks`, that it never hands out, never frees and never shares. Padded rows of a
+fixed-size decode batch (CUDA graphs) point their block table and their new token's slot at it,
+so their writes land where no request reads:
+
+    BlockPool(4, null_block=True)       ids 0 1 2 3 | 4
+                                        handed out  | null: the KV cache's 5th block
 """
 
 from __future__ import annotations
@@ -41,12 +49,19 @@ class BlockPool:
     Invariant: a block is in the free queue exactly when its ref count is 0.
     """
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, *, null_block: bool = False) -> None:
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
             raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
-        self.num_blocks = num_blocks
+        self.num_blocks = num_blocks  # blocks it hands out (the null block not counted)
+        # The reserved id (see the module docstring), or None.
+        self.null_block_id: int | None = num_blocks if null_block else None
         self._free_ids: deque[int] = deque(range(num_blocks))
         self._ref_counts = [0] * num_blocks
+
+    @property
+    def num_ids(self) -> int:
+        """Block ids in use by this pool, the null block included: the KV cache's block count."""
+        return self.num_blocks + (self.null_block_id is not None)
 
     @property
     def num_free(self) -> int:
@@ -102,15 +117,15 @@ class BlockPool:
         return self._ref_counts[block_id]
 
     def _check_id(self, block_id: int) -> None:
-        if (
-            isinstance(block_id, bool)
-            or not isinstance(block_id, int)
-            or not 0 <= block_id < self.num_blocks
-        ):
+        is_int = isinstance(block_id, int) and not isinstance(block_id, bool)
+        if is_int and block_id == self.null_block_id:
+            raise ValueError(f"KV block {block_id} is the null block: never allocated or freed")
+        if not is_int or not 0 <= block_id < self.num_blocks:
             raise ValueError(f"unknown KV block id {block_id!r} (pool has {self.num_blocks})")
 
     def __repr__(self) -> str:
-        return f"BlockPool(num_blocks={self.num_blocks}, num_free={self.num_free})"
+        null = "" if self.null_block_id is None else f", null_block_id={self.null_block_id}"
+        return f"BlockPool(num_blocks={self.num_blocks}, num_free={self.num_free}{null})"
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:

@@ -135,3 +135,20 @@ def test_blocks_needed_rejects_bad_arguments() -> None:
         blocks_needed(-1, 16)
     with pytest.raises(ValueError, match="block_size"):
         blocks_needed(4, 0)
+
+
+def test_null_block_is_never_allocated_freed_or_shared() -> None:
+    pool = BlockPool(4, null_block=True)
+    assert (pool.num_blocks, pool.num_ids, pool.null_block_id, pool.num_free) == (4, 5, 4, 4)
+    assert pool.allocate(4) == [0, 1, 2, 3]  # the same ids as a pool without one
+    with pytest.raises(BlockPoolExhausted):
+        pool.allocate(1)  # the null block is not a spare
+    for call in (pool.free, pool.incref):
+        with pytest.raises(ValueError, match="null block"):
+            call([4])
+    with pytest.raises(ValueError, match="null block"):
+        pool.free([0, 4])  # nothing changes when one id is bad
+    assert pool.ref_count(0) == 1
+    pool.free([2, 0, 3, 1])
+    assert pool.allocate(4) == [2, 0, 3, 1]  # round trips never bring the null block in
+    assert BlockPool(4).null_block_id is None and BlockPool(4).num_ids == 4
