@@ -1,25 +1,29 @@
 """Sampler: one next token per row of a logits batch, each row with its own SamplingParams.
 
-Vectorized over the batch: per-row parameters become [B, 1] columns, filters are masks over one
-sort of the logits, and only the random noise is drawn row by row (from each row's generator)::
+Vectorized over the batch and run entirely on the logits' device: per-row parameters travel in
+one pinned host->device copy as [B, 1] columns, filters are masks over one sort of the logits,
+and the chosen ids (with logprobs when asked) come back in one non-blocking copy. Nothing in
+`Sampler.launch` waits for the device; `PendingSample.result()` is the one wait::
 
     raw logits ─┬─ log_softmax ──────────────────────────────────────────────▶ logprobs
                 └─ penalties ─┬─ argmax ─────────────────────────────────────▶ greedy rows (T = 0)
-                              └─ / T ─ top-k ─ top-p ─ min-p ─ softmax ─ race ─▶ random rows
+                              └─ / T ─ top-k ─ top-p ─ min-p ─ softmax ─ CDF ─▶ random rows
 
 Choices worth knowing:
 
 - Logprobs describe the model's raw distribution: log_softmax of the logits before penalties,
   temperature and filters (vLLM's default too). They stay comparable across requests with
   different sampling settings, and equal what HF transformers reports for the same weights.
-- Random rows use the exponential race `argmax(probs / E)`, E ~ Exp(1) per token, which draws
-  exactly from `probs`. E comes from the row's own generator, reseeded for every output position
-  from (seed, position): a row's token depends only on its logits, params, seed and position —
-  not on its batch neighbours, and not on how many draws came before, so a decode service that
-  resumes a request prefill started (passing `output_token_ids`) samples what a colocated run
-  samples.
+- Random rows draw by inverse CDF: the first token, in vocabulary order, whose cumulative
+  probability (float64) exceeds u x the row's total, which draws exactly from `probs` (a token
+  of probability 0 is never chosen). u in [0, 1) is a counter-based draw: splitmix64 of (seed,
+  output position), computed on the host without any generator state. A row's token therefore
+  depends only on its logits, params, seed and position — not on its batch neighbours, not on
+  how many draws came before, not on the device — so a decode service that resumes a request
+  prefill started (passing `output_token_ids`) samples what a colocated run samples, and a
+  seeded request samples the same tokens alone or in any batch.
 - The sampler does not record the tokens it returns: the caller calls `seq.append(token_id)`
-  for each row before the next step (penalties and the noise position depend on it).
+  for each row before the next step (penalties and the draw's position depend on it).
 """
 
 from __future__ import annotations
@@ -30,9 +34,11 @@ from dataclasses import dataclass
 
 import torch
 
+from mili.engine.pinned import DeviceToHost, to_device
 from mili.engine.sampling_params import SamplingParams
 
 __all__ = [
+    "PendingSample",
     "Sampler",
     "SamplerOutput",
     "SamplingParams",
@@ -40,6 +46,7 @@ __all__ = [
     "apply_penalties",
     "filter_logits",
     "min_p_mask",
+    "sample_inverse_cdf",
     "top_k_mask",
     "top_p_mask",
 ]
@@ -48,10 +55,7 @@ _MASK64 = (1 << 64) - 1
 
 
 def _step_seed(seed: int, position: int) -> int:
-    """splitmix64 of (seed, position): the seed of the noise for output token `position`.
-
-    Mixing all 64 bits matters: torch's CPU generator keeps only the low 32 bits of a seed.
-    """
+    """splitmix64 of (seed, position): 64 random bits for output token `position`."""
     x = (seed + (position + 1) * 0x9E3779B97F4A7C15) & _MASK64
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
@@ -77,14 +81,13 @@ class SequenceSampling:
         self.params = params
         self.vocab_size = vocab_size
         self.seed: int = params.seed if params.seed is not None else secrets.randbits(64)
-        # Distinct prompt ids (CPU): the rows of the prompt-presence mask repetition penalty uses.
-        self.prompt_token_ids = torch.tensor(list(prompt_token_ids), dtype=torch.long).unique()
-        if len(self.prompt_token_ids) and not (
+        # Distinct prompt ids, ascending: the prompt-presence mask repetition penalty uses.
+        self.prompt_token_ids = sorted(set(prompt_token_ids))
+        if self.prompt_token_ids and not (
             self.prompt_token_ids[0] >= 0 and self.prompt_token_ids[-1] < vocab_size
         ):
             raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
         self.output_token_ids: list[int] = []
-        self._generator: torch.Generator | None = None
         for token_id in output_token_ids:
             self.append(token_id)
 
@@ -94,12 +97,10 @@ class SequenceSampling:
             raise ValueError(f"token id {token_id} outside the vocabulary [0, {self.vocab_size})")
         self.output_token_ids.append(token_id)
 
-    def generator(self, device: torch.device) -> torch.Generator:
-        """This request's generator on `device`, seeded for its next output position."""
-        if self._generator is None or self._generator.device != device:
-            self._generator = torch.Generator(device)
-        self._generator.manual_seed(_step_seed(self.seed, len(self.output_token_ids)))
-        return self._generator
+    def uniform(self) -> float:
+        """The draw u in [0, 1) for this request's next output position (52 bits, so that
+        u x total stays below total in float64)."""
+        return (_step_seed(self.seed, len(self.output_token_ids)) >> 12) / 2.0**52
 
 
 @dataclass(frozen=True)
@@ -184,6 +185,19 @@ def filter_logits(
     return logits.masked_fill(remove, float("-inf"))
 
 
+def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row drawn from `probs` [B, V] with the uniforms `u` [B] in [0, 1).
+
+    The first token whose cumulative probability (float64) exceeds u x the row's total: a token
+    of probability 0 is never chosen (its cumulative value equals its predecessor's), and the
+    total absorbs the rounding of the softmax. -> [B] int64.
+    """
+    cdf = probs.double().cumsum(-1)  # [B, V]
+    target = (u.double() * cdf[:, -1]).unsqueeze(-1)  # [B, 1], < the total
+    token_ids = torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    return token_ids.clamp_(max=probs.shape[-1] - 1)
+
+
 # -- batch assembly -------------------------------------------------------------------------------
 
 
@@ -195,71 +209,88 @@ def _has_filters(p: SamplingParams) -> bool:
     return p.top_k != 0 or p.top_p < 1 or p.min_p > 0
 
 
-def _counts(ids_per_row: dict[int, torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+def _counts(ids_per_row: dict[int, Sequence[int]], like: torch.Tensor) -> torch.Tensor:
     """[B, V] float like `like`: how often each id occurs in each listed row (others stay 0)."""
-    counts, device = torch.zeros_like(like), like.device
-    if ids_per_row:
-        lengths = torch.tensor([len(ids) for ids in ids_per_row.values()])
-        rows = torch.repeat_interleave(torch.tensor(list(ids_per_row)), lengths).to(device)
-        cols = torch.cat(list(ids_per_row.values())).to(device)
-        counts.index_put_((rows, cols), torch.ones(len(cols), device=device), accumulate=True)
+    counts = torch.zeros_like(like)
+    flat: list[int] = []  # row * V + id, one entry per occurrence
+    vocab_size = like.shape[-1]
+    for row, ids in ids_per_row.items():
+        flat.extend(row * vocab_size + i for i in ids)
+    if flat:
+        index = to_device(flat, torch.int64, like.device)
+        counts.view(-1).scatter_add_(0, index, torch.ones_like(index, dtype=like.dtype))
     return counts
 
 
-def _penalize(logits: torch.Tensor, seqs: Sequence[SequenceSampling]) -> torch.Tensor:
-    """apply_penalties with the prompt mask and output counts built from the rows that use them."""
-    rows = [i for i, s in enumerate(seqs) if _has_penalties(s.params)]
-    if not rows:
-        return logits
-    prompt_ids = {i: seqs[i].prompt_token_ids for i in rows}
-    output_ids = {i: torch.tensor(seqs[i].output_token_ids, dtype=torch.long) for i in rows}
+# Rows of the per-row parameter block sent to the device in one copy (float64, [8, B]).
+_PARAMS = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "u",
+)
+
+
+def _param_rows(seqs: Sequence[SequenceSampling], vocab_size: int) -> list[list[float]]:
+    """The rows of `_PARAMS`, one list each (top-k 0 = off = V; u = 0 for greedy rows)."""
     params = [s.params for s in seqs]
-    return apply_penalties(
-        logits,
-        _counts(prompt_ids, logits) > 0,
-        _counts(output_ids, logits),
-        _column([p.repetition_penalty for p in params], logits.device),
-        _column([p.presence_penalty for p in params], logits.device),
-        _column([p.frequency_penalty for p in params], logits.device),
-    )
-
-
-def _column(values: Sequence[float] | Sequence[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, device=device).unsqueeze(-1)  # [B, 1]
-
-
-def _exponential_noise(seqs: Sequence[SequenceSampling], probs: torch.Tensor) -> torch.Tensor:
-    """[B, V] Exp(1) noise for random rows, each from its own generator; 1 for greedy rows."""
-    noise = torch.ones_like(probs)
-    for i, seq in enumerate(seqs):
-        if not seq.params.is_greedy:
-            noise[i].exponential_(generator=seq.generator(probs.device))
-    # Exp(1) can return exactly 0; probs / 0 would make a removed token's 0 / 0 = NaN win argmax.
-    return noise.clamp_min_(torch.finfo(probs.dtype).tiny)
-
-
-def _logprobs(
-    logits: torch.Tensor, token_ids: torch.Tensor, params: Sequence[SamplingParams]
-) -> tuple[list[float] | None, list[list[tuple[int, float]]] | None]:
-    """Chosen-token and top-n logprobs of the raw logits, for rows that asked (see module doc)."""
-    wanted = [p.logprobs for p in params]
-    if all(n is None for n in wanted):
-        return None, None
-    logprobs = logits.log_softmax(-1)  # [B, V]
-    chosen = logprobs.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)  # [B]
-    top_values, top_ids = logprobs.topk(max(n or 0 for n in wanted), dim=-1)  # [B, n_max]
-    top = [
-        list(zip(ids[: n or 0], values[: n or 0], strict=True))
-        for ids, values, n in zip(top_ids.tolist(), top_values.tolist(), wanted, strict=True)
+    return [
+        [p.temperature for p in params],
+        [min(p.top_k, vocab_size) or vocab_size for p in params],
+        [p.top_p for p in params],
+        [p.min_p for p in params],
+        [p.repetition_penalty for p in params],
+        [p.presence_penalty for p in params],
+        [p.frequency_penalty for p in params],
+        [0.0 if p.is_greedy else s.uniform() for p, s in zip(params, seqs, strict=True)],
     ]
-    return chosen.tolist(), top
+
+
+class PendingSample:
+    """A launched sampling step: `result()` waits for its ids (and logprobs) to reach the host."""
+
+    def __init__(
+        self,
+        token_ids: torch.Tensor,
+        logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+        wanted: list[int | None],
+    ) -> None:
+        tensors = [token_ids] if logprobs is None else [token_ids, *logprobs]
+        self._copy = DeviceToHost(tensors)
+        self._wanted = wanted
+
+    def is_ready(self) -> bool:
+        return self._copy.is_ready()
+
+    def result(self) -> SamplerOutput:
+        host = self._copy.wait()
+        token_ids = host[0].tolist()
+        if len(host) == 1:
+            return SamplerOutput(token_ids, None, None)
+        chosen, top_values, top_ids = (t.tolist() for t in host[1:])
+        top = [
+            list(zip(ids[: n or 0], values[: n or 0], strict=True))
+            for ids, values, n in zip(top_ids, top_values, self._wanted, strict=True)
+        ]
+        return SamplerOutput(token_ids, chosen, top)
 
 
 class Sampler:
     """Stateless: all per-request state lives in the SequenceSampling objects passed in."""
 
     def __call__(self, logits: torch.Tensor, seqs: Sequence[SequenceSampling]) -> SamplerOutput:
-        # logits: [B, V], row i sampled with seqs[i].params
+        """Sample and wait for the result (tests, prefill's first tokens, generate())."""
+        return self.launch(logits, seqs).result()
+
+    def launch(self, logits: torch.Tensor, seqs: Sequence[SequenceSampling]) -> PendingSample:
+        """Queue the sampling of one token per row on the logits' device; no host sync.
+
+        logits: [B, V], row i sampled with seqs[i].params.
+        """
         if logits.dim() != 2 or logits.shape[0] != len(seqs):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(seqs)} sequences")
         if any(s.vocab_size != logits.shape[-1] for s in seqs):
@@ -267,24 +298,46 @@ class Sampler:
         logits = logits.float()  # a no-op for float32: nothing below writes into it
         params = [s.params for s in seqs]
         device, vocab_size = logits.device, logits.shape[1]
+        is_random = not all(p.is_greedy for p in params)
+        rows = [i for i, p in enumerate(params) if _has_penalties(p)]
 
-        penalized = _penalize(logits, seqs)  # [B, V]
+        penalized = logits
+        columns: torch.Tensor | None = None  # [8, B, 1], see _PARAMS
+        if rows or is_random:
+            block = to_device(_param_rows(seqs, vocab_size), torch.float64, device)
+            columns = block.unsqueeze(-1)
+        if rows:
+            assert columns is not None
+            penalized = apply_penalties(
+                logits,
+                _counts({i: seqs[i].prompt_token_ids for i in rows}, logits) > 0,
+                _counts({i: seqs[i].output_token_ids for i in rows}, logits),
+                *columns[4:7].float(),
+            )
         token_ids = penalized.argmax(-1)  # [B]; final for greedy rows
-        if not all(p.is_greedy for p in params):
+        if is_random:
+            assert columns is not None
+            temperature, top_k, top_p, min_p = columns[:4].float()
+            is_greedy = temperature == 0  # [B, 1]
             # Greedy rows ride along with T = 1; their sampled token is discarded below.
-            scaled = penalized / _column([p.temperature or 1.0 for p in params], device)
+            scaled = penalized / torch.where(is_greedy, 1.0, temperature)
             if any(_has_filters(p) for p in params):
-                top_k = [min(p.top_k, vocab_size) or vocab_size for p in params]  # 0 = off = V
-                scaled = filter_logits(
-                    scaled,
-                    _column(top_k, device),
-                    _column([p.top_p for p in params], device),
-                    _column([p.min_p for p in params], device),
-                )
-            probs = scaled.softmax(-1)  # [B, V]
-            sampled = (probs / _exponential_noise(seqs, probs)).argmax(-1)  # [B]
-            is_greedy = torch.tensor([p.is_greedy for p in params], device=device)
-            token_ids = torch.where(is_greedy, token_ids, sampled)
+                scaled = filter_logits(scaled, top_k.long(), top_p, min_p)
+            sampled = sample_inverse_cdf(scaled.softmax(-1), columns[7, :, 0])  # [B]
+            token_ids = torch.where(is_greedy[:, 0], token_ids, sampled)
 
-        logprobs, top_logprobs = _logprobs(logits, token_ids, params)
-        return SamplerOutput(token_ids.tolist(), logprobs, top_logprobs)
+        wanted = [p.logprobs for p in params]
+        return PendingSample(token_ids, _logprobs(logits, token_ids, wanted), wanted)
+
+
+def _logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, wanted: list[int | None]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Chosen-token [B] and top-n [B, n_max] logprobs (values, ids) of the raw logits, when
+    any row asked (see the module docstring); rows cut their own n on the host."""
+    if all(n is None for n in wanted):
+        return None
+    logprobs = logits.log_softmax(-1)  # [B, V]
+    chosen = logprobs.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)  # [B]
+    top_values, top_ids = logprobs.topk(max(n or 0 for n in wanted), dim=-1)  # [B, n_max]
+    return chosen, top_values, top_ids

@@ -1,0 +1,64 @@
+"""Host <-> device copies that never make the host wait for the device.
+
+A copy from pageable memory, `torch.tensor(values, device="cuda")` or `.tolist()` of a CUDA
+tensor each synchronize the host with the GPU: the host then stops launching the next kernels
+until the device is idle. Here host data goes through pinned (page-locked) memory and
+`non_blocking=True` copies, which the device runs in stream order while the host moves on;
+the one wait of a step is `DeviceToHost.wait`, after everything is launched.
+
+On CPU every function works the same with plain tensors: pinning and events are skipped and a
+copy is done when it returns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def is_pinnable(device: torch.device) -> bool:
+    """Whether host data bound for `device` goes through pinned memory (CUDA only)."""
+    return device.type == "cuda"
+
+
+def to_device(
+    values: Sequence[int] | Sequence[float] | Sequence[Sequence[int]] | Sequence[Sequence[float]],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
+    """A tensor of `values` on `device`, copied from pinned memory without a host sync.
+
+    The pinned buffer comes from torch's caching host allocator, which keeps it from being
+    reused until the copy has run (it records the copy's stream), so no caller bookkeeping.
+    """
+    host = torch.tensor(values, dtype=dtype, pin_memory=is_pinnable(device))
+    return host.to(device, non_blocking=True)
+
+
+class DeviceToHost:
+    """Device tensors copied into pinned host memory, all behind one event.
+
+    `wait()` blocks until the copies have landed (CUDA) and returns the host tensors.
+    """
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        self._event: torch.cuda.Event | None = None
+        if tensors and tensors[0].device.type == "cuda":
+            self._host = []
+            for t in tensors:
+                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                host.copy_(t, non_blocking=True)
+                self._host.append(host)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = [t.cpu() for t in tensors]  # CPU tensors: no copy at all
+
+    def is_ready(self) -> bool:
+        return self._event is None or self._event.query()
+
+    def wait(self) -> list[torch.Tensor]:
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host
