@@ -48,10 +48,12 @@ from mili.common.v1 import sampling_pb2
 from mili.decode.v1 import decode_pb2, decode_pb2_grpc
 from mili.engine.checkpoint import cached_random_checkpoint
 from mili.engine.config import PRESETS
+from mili.engine.engine_config import EngineConfig
 from mili.engine.fingerprint import model_fingerprint
 from mili.engine.kv_cache import KVCache
 from mili.engine.loader import load_model
 from mili.engine.model import PrefillBatch, Qwen3ForCausalLM
+from mili.engine.runner import ModelRunner
 from mili.engine.sampling_params import SamplingParams
 from mili.kv.v1 import kv_pb2, kv_pb2_grpc
 from mili.prefill.v1 import prefill_pb2, prefill_pb2_grpc
@@ -60,6 +62,7 @@ from mili.rpc.kv_codec import ChunkView, decode_chunk, parse_transfer_request
 from mili.rpc.kv_layout import check_compatible
 from mili.rpc.server import RpcServer, ServerConfig
 from services.prefill.config import ANY_DECODE, PrefillConfig
+from services.prefill.instance import PrefillInstance
 from services.prefill.sender import KvSender
 from services.prefill.server import PrefillServicer, add_to_server
 from services.prefill.task import FirstToken, PrefillTask
@@ -298,20 +301,19 @@ async def measure(args: argparse.Namespace, path: Path) -> list[dict[str, Any]]:
     prompt = torch.randint(0, model.config.vocab_size, (args.prompt_len,), generator=g).tolist()
     num_blocks = -(-args.prompt_len // BLOCK_SIZE)
     config = PrefillConfig(
-        num_blocks=num_blocks,
-        block_size=BLOCK_SIZE,
+        engine=EngineConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks),
         max_batch_tokens=max(2048, args.prompt_len),
         max_queued_tokens=max(8192, args.prompt_len),
         transfer_timeout_s=600,
         allowed_decodes=(ANY_DECODE,),  # the receiver's and decode's ports are chosen later
     )
-    servicer = PrefillServicer(
-        model,
+    instance = PrefillInstance.create(
+        ModelRunner.create(model, num_blocks, BLOCK_SIZE),
         config,
         model_name=path.name,
         fingerprint=model_fingerprint(path),
-        max_message_bytes=256 << 20,
     )
+    servicer = PrefillServicer(instance, max_message_bytes=256 << 20)
     layout_hex = servicer.layout.SerializeToString().hex()
     me = [sys.executable, __file__, "--receiver-threads", str(args.receiver_threads)]
     procs: list[subprocess.Popen[str]] = []

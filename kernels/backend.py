@@ -64,6 +64,12 @@ class MojoAttention:
     def __init__(self, kernels: AttentionKernels, device_type: str) -> None:
         self._kernels = kernels
         self._device_type = device_type
+        # Graph-safe only where the kernels object says so (mili.engine.attention's contract):
+        # never on CPU (CUDA graphs are CUDA's), on the GPU once its kernels declare
+        # `is_graph_safe = True`.
+        self.is_graph_safe = device_type == "cuda" and bool(
+            getattr(kernels, "is_graph_safe", False)
+        )
 
     def _check_device(self, q: torch.Tensor) -> None:
         if q.device.type != self._device_type:

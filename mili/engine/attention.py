@@ -36,6 +36,11 @@ class AttentionBackend(Protocol):
     """Causal GQA attention over packed prompt chunks (`prefill`) and the paged cache (`decode`)."""
 
     name: str
+    # Whether `decode` may be captured in a CUDA graph and replayed: no host syncs, no
+    # validation that reads values, allocations and launch grids that depend only on shapes
+    # (the block table's full width, not the lengths in it), the same on every replay. The
+    # engine captures decode steps only over a backend that says so (mili.engine.cuda_graphs).
+    is_graph_safe: bool
 
     def prefill(
         self,
@@ -78,12 +83,16 @@ class AttentionBackend(Protocol):
 class TorchAttention:
     """Reference backend on `F.scaled_dot_product_attention`: any device and dtype torch supports.
 
+    Not graph-safe: prefill's shapes follow the prompts, and decode gathers every block of the
+    table's width (all of max context, in a graph) for every sequence.
+
     Correctness first: prefill loops over sequences (packed prompts have different lengths and
     prefixes, and a dense block-diagonal mask would cost T^2 memory); decode gathers every
     sequence's blocks into a padded `[B, KVH, max_blocks * S, D]` tensor and masks the tail.
     """
 
     name = "torch"
+    is_graph_safe = False
 
     def prefill(
         self,

@@ -31,7 +31,8 @@ def run(args: argparse.Namespace) -> int:
     model_dir = flags.resolve_model(args)
     try:
         config = decode_config.DecodeConfig.from_args(args, model_dir)
-        config = dataclasses.replace(config, dtype=flags.choose_dtype(args, _LOG))
+        engine = dataclasses.replace(config.engine, dtype=flags.choose_dtype(args, _LOG))
+        config = dataclasses.replace(config, engine=engine)
     except ValueError as e:
         raise StartupError(str(e)) from None
     # Heavy imports (torch, the model) only when actually serving, not for `mili --help`.
@@ -53,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
         registry=registry,
     )
     add_to_server(server, instance)
-    instance.start()  # logs model, device, dtype, KV blocks and attention backend
+    instance.start()  # logs model, device, dtype, KV pool, CUDA graphs and attention backend
     try:
         asyncio.run(serve_forever(server))
     finally:

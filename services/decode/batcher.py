@@ -5,8 +5,10 @@ Every iteration of the loop:
     1. take the requests whose KV landed since the last step (`join`): stream their first
        token (prefill's), and add those that did not already stop to the running batch;
     2. drop requests cancelled since the last step (caller gone, deadline) and free their blocks;
-    3. one decode step over all running sequences: DecodeBatch -> model.decode -> one Sampler
-       call (each row with its own SequenceSampling) -> append, finish the ones that stop;
+    3. one decode step over all running sequences (ModelRunner.decode: static inputs, a CUDA
+       graph or an eager forward, sampling on the device, the ids' copy back queued); while the
+       device computes it, take the requests that joined meanwhile (they run from the next
+       step); then wait for the ids, append them, finish the ones that stop;
     4. hand the step's events to the event loop (`deliver_threadsafe`, one wake-up per step).
 
 Blocks are freed (`RequestTable.finish`) before a request's last event is handed over, so a
@@ -28,11 +30,8 @@ from opentelemetry import trace
 from opentelemetry.trace import Span
 from prometheus_client import CollectorRegistry
 
-from mili.engine.block_pool import blocks_needed
-from mili.engine.kv_cache import KVCache
 from mili.engine.logprobs import TokenLogprobs
-from mili.engine.model import DecodeBatch, Qwen3ForCausalLM
-from mili.engine.sampler import Sampler
+from mili.engine.runner import ModelRunner
 from mili.engine.sequence import Sequence
 from mili.errors import Unavailable
 from mili.telemetry.metrics import DecodeMetrics
@@ -98,20 +97,17 @@ class Batcher:
 
     def __init__(
         self,
-        model: Qwen3ForCausalLM,
-        cache: KVCache,
+        runner: ModelRunner,
         table: RequestTable,
         *,
         eos_token_ids: frozenset[int],
         max_context_tokens: int,
         metrics: DecodeMetrics | None = None,
     ) -> None:
-        self._model = model
-        self._cache = cache
+        self._runner = runner
         self._table = table
         self._eos_token_ids = eos_token_ids
         self._max_context_tokens = max_context_tokens
-        self._sampler = Sampler()
         self._metrics = DecodeMetrics(CollectorRegistry()) if metrics is None else metrics
         self._cond = threading.Condition()
         self._inbox: list[_Join] = []  # guarded by _cond
@@ -151,7 +147,7 @@ class Batcher:
         Called from a transfer thread while this loop runs: safe because the blocks belong to a
         request that is not in the batch yet, and no step reads or writes them.
         """
-        cache = self._cache
+        cache = self._runner.kv_cache
         pairs = ((cache.k[layer], k), (cache.v[layer], v))
         if all(_row_copy_fits(dst, block_ids, src) for dst, src in pairs):
             for dst, src in pairs:
@@ -170,10 +166,8 @@ class Batcher:
                         self._cond.wait()
                     if self._is_stopping:
                         return
-                    joins, self._inbox = self._inbox, []
                 out: list[Delivery] = []
-                for join in joins:
-                    self._add(join, out)
+                self._take_joins(out)
                 self._drop_cancelled()
                 if self._running:
                     self._step(out)
@@ -183,6 +177,13 @@ class Batcher:
                 self._is_stopping = True
             self._fail_all(Unavailable("decode instance is shutting down; retry elsewhere"))
 
+    def _take_joins(self, out: list[Delivery]) -> None:
+        """Add the requests that joined since the last look to `self._running`."""
+        with self._cond:
+            joins, self._inbox = self._inbox, []
+        for join in joins:
+            self._add(join, out)
+
     def _add(self, join: _Join, out: list[Delivery]) -> None:
         """Stream prefill's first token; keep the request unless that token already ends it."""
         request = join.request
@@ -191,9 +192,11 @@ class Batcher:
             seq = Sequence.new(
                 request.prompt_token_ids,
                 params,
-                vocab_size=self._model.config.vocab_size,
+                vocab_size=self._runner.model.config.vocab_size,
                 eos_token_ids=self._eos_token_ids,
                 max_context_tokens=self._max_context_tokens,
+                # The whole reservation: the runner copies it to the device once, and reads
+                # only the blocks under each step's position.
                 block_table=request.block_table,
             )
             reason = seq.append(join.first_token_id)
@@ -220,27 +223,16 @@ class Batcher:
         self._running = kept
 
     def _step(self, out: list[Delivery]) -> None:
-        running = self._running
+        running, self._running = self._running, []  # requests joining meanwhile go here
         seqs = [r.seq for r in running]
-        block_size = self._cache.block_size
         self.num_steps += 1
         self.max_batch_size = max(self.max_batch_size, len(seqs))
         span = _start_step_span([r.request for r in running], self.num_steps)
         started = time.perf_counter()
         try:
-            # Each sequence feeds its newest token, at position num_tokens - 1; its block table
-            # is cut to the blocks holding positions [0, num_tokens) so attention gathers no
-            # reserved-but-unwritten blocks.
-            batch = DecodeBatch.build(
-                [s.output_token_ids[-1] for s in seqs],
-                [s.num_tokens - 1 for s in seqs],
-                [s.block_table[: blocks_needed(s.num_tokens, block_size)] for s in seqs],
-                block_size,
-                device=self._model.device,
-            )
-            with torch.inference_mode():
-                logits = self._model.decode(batch, self._cache)  # [B, vocab] float32
-                result = self._sampler(logits, [s.sampling for s in seqs])
+            pending = self._runner.decode(seqs)  # launched; on CUDA the device works on
+            self._take_joins(out)  # ...while the host admits the next step's newcomers
+            result = pending.result()
             self._metrics.record_step(time.perf_counter() - started, len(seqs))
         except Exception as e:
             if span is not None:
@@ -250,7 +242,6 @@ class Batcher:
             for r in running:
                 self._table.finish(r.request)
                 out.append((r.request.stream, e))
-            self._running = []
             return
         kept = []
         for i, (request, seq) in enumerate(running):
@@ -265,7 +256,7 @@ class Batcher:
             else:
                 kept.append(running[i])
             out.append((request.stream, TokenEvent([token_id], logprobs, reason)))
-        self._running = kept
+        self._running = kept + self._running
         if span is not None:
             span.end()
 

@@ -1,5 +1,5 @@
-"""A decode instance's engine side, built once from DecodeConfig: model, KV cache, block pool,
-request table and batch loop, plus what Info reports about them."""
+"""A decode instance's engine side, built once from DecodeConfig: the model runner (model, KV
+cache, CUDA graphs), block pool, request table and batch loop, plus what Info reports."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from prometheus_client import CollectorRegistry
 
 from kernels.backend import select_attention
@@ -16,14 +15,15 @@ from kernels.build import KernelBuildError
 from mili.engine.block_pool import BlockPool
 from mili.engine.config import ConfigError, Qwen3Config
 from mili.engine.fingerprint import model_fingerprint
-from mili.engine.kv_cache import KVCache, bytes_per_block, dtype_name, num_blocks_for_budget
+from mili.engine.kv_cache import dtype_name
 from mili.engine.kv_layout import KVLayout
-from mili.engine.loader import CheckpointError, load_model, resolve_dtype
+from mili.engine.loader import load_config
 from mili.engine.model import Qwen3ForCausalLM
+from mili.engine.runner import ModelRunner, require_device
 from mili.errors import StartupError
 from mili.telemetry.metrics import DecodeMetrics
 from services.decode.batcher import Batcher
-from services.decode.config import DecodeConfig
+from services.decode.config import DEFAULT_KV_CACHE_BYTES, DecodeConfig
 from services.decode.requests import RequestTable
 
 _LOG = logging.getLogger("mili.decode")
@@ -58,8 +58,7 @@ def eos_token_ids(model_dir: Path, config: Qwen3Config) -> frozenset[int]:
 @dataclass
 class DecodeInstance:
     config: DecodeConfig
-    model: Qwen3ForCausalLM
-    cache: KVCache
+    runner: ModelRunner
     table: RequestTable
     batcher: Batcher
     fingerprint: str  # mili.engine.fingerprint.model_fingerprint of the checkpoint
@@ -68,44 +67,33 @@ class DecodeInstance:
 
     @classmethod
     def load(cls, config: DecodeConfig, metrics: DecodeMetrics | None = None) -> DecodeInstance:
-        """Load the checkpoint and allocate the KV pool; StartupError naming what is wrong.
+        """Load the checkpoint, size and allocate the KV pool, capture the decode step's CUDA
+        graphs; StartupError naming what is wrong.
 
         `metrics`: where the batch loop and KV transfers record (default: a private registry).
         """
-        if config.device.startswith("cuda") and not torch.cuda.is_available():
-            raise StartupError(f"--device {config.device}: no CUDA device is available")
+        engine = config.engine
+        require_device(engine.device)
         try:
-            dtype = resolve_dtype(config.dtype) if config.dtype is not None else None
-            model = load_model(config.model_dir, device=config.device, dtype=dtype)
-            model.attention = select_attention(
-                config.attention, model.device, head_dim=model.config.head_dim
+            model_config = load_config(config.model_dir)
+            attention = select_attention(
+                engine.attention, engine.device, head_dim=model_config.head_dim
             )
             fingerprint = model_fingerprint(config.model_dir)
         except KernelBuildError as e:
-            raise StartupError(f"--attention {config.attention}: {e}") from None
-        except (CheckpointError, ConfigError, OSError) as e:
+            raise StartupError(f"--attention {engine.attention}: {e}") from None
+        except (ConfigError, OSError) as e:
             raise StartupError(f"cannot load model from {config.model_dir}: {e}") from None
-        model_config = model.config
-        num_blocks = config.num_blocks
-        if num_blocks is None:
-            num_blocks = num_blocks_for_budget(
-                model_config, config.block_size, model.dtype, config.kv_cache_bytes
-            )
-            if num_blocks == 0:
-                raise StartupError(
-                    f"--kv-cache-bytes {config.kv_cache_bytes} holds no KV block of this model"
-                )
-        try:
-            cache = KVCache(
-                model_config, num_blocks, config.block_size, dtype=model.dtype, device=model.device
-            )
-        except (torch.OutOfMemoryError, RuntimeError) as e:
-            size = num_blocks * bytes_per_block(model_config, config.block_size, model.dtype)
-            raise StartupError(
-                f"cannot allocate {num_blocks} KV blocks ({size} bytes) on {config.device}: {e}; "
-                "lower --num-blocks or --kv-cache-bytes"
-            ) from None
-        table = RequestTable(BlockPool(num_blocks), config.block_size, config.max_running)
+        runner = ModelRunner.load(
+            config.model_dir,
+            engine,
+            attention=attention,
+            max_decode_batch=config.max_running,
+            capture_graphs=True,
+            default_kv_bytes=DEFAULT_KV_CACHE_BYTES,
+        )
+        pool = BlockPool(runner.num_blocks, null_block=True)
+        table = RequestTable(pool, engine.block_size, config.max_running)
         if metrics is None:
             metrics = DecodeMetrics(CollectorRegistry())
         metrics.watch(
@@ -114,18 +102,21 @@ class DecodeInstance:
             num_total_blocks=lambda: table.num_total_blocks,
             num_free_blocks=lambda: table.num_free_blocks,
         )
-        eos = eos_token_ids(config.model_dir, model_config)
+        eos = eos_token_ids(config.model_dir, runner.model.config)
         batcher = Batcher(
-            model,
-            cache,
+            runner,
             table,
             eos_token_ids=eos,
-            max_context_tokens=model_config.max_position_embeddings,
+            max_context_tokens=runner.model.config.max_position_embeddings,
             metrics=metrics,
         )
-        return cls(config, model, cache, table, batcher, fingerprint, eos, metrics)
+        return cls(config, runner, table, batcher, fingerprint, eos, metrics)
 
     # ---- what Info reports ---------------------------------------------------------------------
+
+    @property
+    def model(self) -> Qwen3ForCausalLM:
+        return self.runner.model
 
     @property
     def model_name(self) -> str:
@@ -153,14 +144,22 @@ class DecodeInstance:
 
     @property
     def layout(self) -> KVLayout:
-        return self.cache.layout
+        return self.runner.kv_cache.layout
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.runner.kv_cache_bytes
+
+    @property
+    def num_cuda_graphs(self) -> int:
+        graphs = self.runner.graphs
+        return 0 if graphs is None else len(graphs.batch_sizes)
 
     def describe(self) -> str:
         return (
             f"model {self.model_name} ({self.config.model_dir}) on {self.device} in {self.dtype}; "
-            f"{self.cache.num_blocks} KV blocks of {self.cache.block_size} tokens; "
-            f"attention {self.attention_backend}; max_running {self.config.max_running}; "
-            f"eos {sorted(self.eos_token_ids)}"
+            f"{self.runner.describe()}; attention {self.attention_backend}; "
+            f"max_running {self.config.max_running}; eos {sorted(self.eos_token_ids)}"
         )
 
     # ---- life cycle ----------------------------------------------------------------------------

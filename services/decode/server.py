@@ -176,6 +176,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             num_free_blocks=table.num_free_blocks,
             num_running=table.num_running,
             num_waiting=table.num_waiting,
+            kv_cache_bytes=inst.kv_cache_bytes,
+            num_cuda_graphs=inst.num_cuda_graphs,
         )
 
 

@@ -1,11 +1,15 @@
-"""Limits of one prefill instance, built once from CLI flags and validated here."""
+"""Limits of one prefill instance, built once from CLI flags and validated here.
+
+Torch-free: the parser's defaults come from here. The engine's flags (device, dtype, KV pool)
+are the ones decode shares: mili.engine.engine_config.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from mili.engine.kv_layout import DEFAULT_BLOCK_SIZE
+from mili.engine.engine_config import EngineConfig
 
 ANY_DECODE = "*"  # allows every destination: only for networks where every peer is trusted
 DEFAULT_MAX_BATCH_TOKENS = 2048
@@ -15,14 +19,14 @@ DEFAULT_MAX_BATCH_TOKENS = 2048
 class PrefillConfig:
     """How the prefill worker batches, chunks and bounds its work.
 
-    `num_blocks` sizes this instance's own KV pool (the prompt's KV lives here from its first
-    forward until decode acknowledges the transfer). `max_queued_tokens` bounds the prompt tokens
-    admitted and not yet finished (queued, computing or transferring): it bounds both the queue
-    and the KV held for in-flight transfers.
+    `engine` sizes this instance's own KV pool among the rest (the prompt's KV lives here from
+    its first forward until decode acknowledges the transfer). `max_queued_tokens` bounds the
+    prompt tokens admitted and not yet finished (queued, computing or transferring): it bounds
+    both the queue and the KV held for in-flight transfers, so the pool never needs more than
+    `max_queued_blocks`.
     """
 
-    num_blocks: int
-    block_size: int = DEFAULT_BLOCK_SIZE
+    engine: EngineConfig = field(default_factory=EngineConfig)
     max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS
     max_queued_tokens: int = 4 * DEFAULT_MAX_BATCH_TOKENS
     # Longest wait for decode's acknowledgement, counted from accepting the prompt, when the
@@ -35,15 +39,15 @@ class PrefillConfig:
     _allowed: frozenset[str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        for name in ("num_blocks", "block_size", "max_batch_tokens", "max_queued_tokens"):
+        for name in ("max_batch_tokens", "max_queued_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.max_batch_tokens < self.block_size:
+        if self.max_batch_tokens < self.engine.block_size:
             # Chunks of a long prompt end on block boundaries, so a forward must hold one block.
             raise ValueError(
                 f"max_batch_tokens ({self.max_batch_tokens}) must be >= block_size "
-                f"({self.block_size})"
+                f"({self.engine.block_size})"
             )
         if not self.transfer_timeout_s > 0:
             raise ValueError(f"transfer_timeout_s must be > 0, got {self.transfer_timeout_s}")
@@ -54,6 +58,13 @@ class PrefillConfig:
                 raise ValueError(f"allowed decode {address!r} is not host:port")
             allowed.add(normal)
         object.__setattr__(self, "_allowed", frozenset(allowed))
+
+    @property
+    def max_queued_blocks(self) -> int:
+        """The queue bound's tokens in whole blocks: the pool's default size, and the most a
+        pool sized from device memory gets (prompts that each round up to whole blocks may
+        wait for blocks: the scheduler admits by memory too)."""
+        return -(-self.max_queued_tokens // self.engine.block_size)
 
     def may_send_to(self, address: str) -> bool:
         """Whether KV may go to `address` (compared as host:port, host case-insensitive)."""

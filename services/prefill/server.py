@@ -20,11 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 from opentelemetry import trace
 from opentelemetry.trace import Span
-from prometheus_client import CollectorRegistry
 
-from mili.engine.block_pool import BlockPool
-from mili.engine.kv_cache import KVCache, dtype_name
-from mili.engine.model import Qwen3ForCausalLM
 from mili.errors import PermissionDenied
 from mili.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from mili.rpc.kv_layout import block_bytes, layout_to_proto
@@ -33,6 +29,7 @@ from mili.telemetry.metrics import PrefillMetrics
 from mili.telemetry.tracing import current_span_context
 from services.prefill import convert
 from services.prefill.config import PrefillConfig
+from services.prefill.instance import PrefillInstance
 from services.prefill.scheduler import Scheduler
 from services.prefill.sender import ChannelPool, KvSender, TransferResult, logprobs
 from services.prefill.task import FirstToken
@@ -44,64 +41,49 @@ SERVICE_NAME = prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_na
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
-    """Owns the worker (and through it the model and KV pool) and the decode channels."""
+    """The gRPC edge over a PrefillInstance (which owns the model, the KV pool and the worker);
+    owns the decode channels and the KV encoder threads."""
 
     def __init__(
         self,
-        model: Qwen3ForCausalLM,
-        config: PrefillConfig,
+        instance: PrefillInstance,
         *,
-        model_name: str,
-        fingerprint: str,
         max_message_bytes: int,
         num_encoder_threads: int = 2,
         client_interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
-        metrics: PrefillMetrics | None = None,
     ) -> None:
-        self.config = config
-        self.model = model
-        self._model_name = model_name
-        kv_cache = KVCache(
-            model.config,
-            config.num_blocks,
-            config.block_size,
-            dtype=model.dtype,
-            device=model.device,
-        )
-        self.scheduler = Scheduler(
-            BlockPool(config.num_blocks),
-            block_size=config.block_size,
-            max_batch_tokens=config.max_batch_tokens,
-            max_queued_tokens=config.max_queued_tokens,
-        )
-        self.metrics = PrefillMetrics(CollectorRegistry()) if metrics is None else metrics
-        self.worker = PrefillWorker(model, kv_cache, self.scheduler, metrics=self.metrics)
-        worker = self.worker
-        self.metrics.watch(
-            num_queued_tokens=lambda: worker.num_queued_tokens,
-            num_queued_requests=lambda: worker.num_queued_requests,
-            num_waiting_requests=lambda: worker.num_waiting_requests,
-            num_total_blocks=lambda: worker.num_total_blocks,
-            num_free_blocks=lambda: worker.num_free_blocks,
-        )
-        self.layout = layout_to_proto(kv_cache.layout, fingerprint)
-        self.max_prompt_tokens = min(
-            model.config.max_position_embeddings, self.scheduler.max_prompt_tokens()
-        )
+        self.instance = instance
+        self.config: PrefillConfig = instance.config
+        self.layout = layout_to_proto(instance.layout, instance.fingerprint)
+        self.max_prompt_tokens = instance.max_prompt_tokens
         # One message carries one layer of one chunk: it must fit the gRPC message limit.
-        largest = 2 * block_bytes(self.layout) * (self.scheduler.chunk_tokens // config.block_size)
+        chunk_blocks = self.scheduler.chunk_tokens // self.config.engine.block_size
+        largest = 2 * block_bytes(self.layout) * chunk_blocks
         if largest + 4096 > max_message_bytes:
             raise ValueError(
-                f"a KV chunk of max_batch_tokens {config.max_batch_tokens} is {largest} bytes, "
-                f"more than max_message_bytes {max_message_bytes}; lower --max-batch-tokens"
+                f"a KV chunk of max_batch_tokens {self.config.max_batch_tokens} is {largest} "
+                f"bytes, more than max_message_bytes {max_message_bytes}; lower "
+                "--max-batch-tokens"
             )
         self._channels = ChannelPool(max_message_bytes, interceptors=client_interceptors)
         self._encoder = ThreadPoolExecutor(num_encoder_threads, thread_name_prefix="kv-encode")
-        self.worker.start()
+        instance.start()
+
+    @property
+    def worker(self) -> PrefillWorker:
+        return self.instance.worker
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.instance.scheduler
+
+    @property
+    def metrics(self) -> PrefillMetrics:
+        return self.instance.metrics
 
     async def close(self) -> None:
         """Stop the worker (failing what is left), close channels and the encoder threads."""
-        await asyncio.to_thread(self.worker.stop)
+        await asyncio.to_thread(self.instance.stop)
         await self._channels.close()
         self._encoder.shutdown(wait=False, cancel_futures=True)
 
@@ -110,9 +92,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     ) -> prefill_pb2.PrefillResponse:
         task = convert.prefill_task(
             request,
-            vocab_size=self.model.config.vocab_size,
+            vocab_size=self.instance.model.config.vocab_size,
             max_prompt_tokens=self.max_prompt_tokens,
-            block_size=self.config.block_size,
+            block_size=self.config.engine.block_size,
         )
         if not self.config.may_send_to(task.address):
             # Checked before any channel exists: a caller cannot make us dial anything else.
@@ -175,17 +157,19 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     async def Info(
         self, request: prefill_pb2.InfoRequest, context: grpc.aio.ServicerContext
     ) -> prefill_pb2.InfoResponse:
+        instance = self.instance
         return prefill_pb2.InfoResponse(
-            model=self._model_name,
-            dtype=dtype_name(self.model.dtype),
-            device=str(self.model.device),
+            model=instance.model_name,
+            dtype=instance.dtype,
+            device=instance.device,
             kv_layout=self.layout,
-            attention_backend=self.model.attention.name,
+            attention_backend=instance.attention_backend,
             max_prompt_tokens=self.max_prompt_tokens,
             max_batch_tokens=self.config.max_batch_tokens,
             num_queued_tokens=self.worker.num_queued_tokens,
             num_total_blocks=self.worker.num_total_blocks,
             num_free_blocks=self.worker.num_free_blocks,
+            kv_cache_bytes=instance.runner.kv_cache_bytes,
         )
 
 

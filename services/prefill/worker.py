@@ -4,7 +4,7 @@
     ─────────────────────                     ─────────────
     submit(task, sink) ─┐                     loop:
     remove(request_id) ─┼─ lock ─ Scheduler ─▶  step = schedule()       (admits, allocates)
-                        │                       model.prefill(step, layer_callback=...)
+                        │                       runner.prefill(step, layer_callback=...)
                         │                         after layer i: gather each chunk's blocks
                         │                         ──▶ sink.send_blocks(i, ...)   (hand-off)
                         │                       sample first tokens of finished prompts
@@ -31,8 +31,8 @@ from opentelemetry.trace import Span
 from prometheus_client import CollectorRegistry
 
 from mili.engine.kv_cache import KVCache
-from mili.engine.model import PrefillBatch, Qwen3ForCausalLM
-from mili.engine.sampler import Sampler, SequenceSampling
+from mili.engine.runner import ModelRunner
+from mili.engine.sampler import SequenceSampling
 from mili.errors import Unavailable
 from mili.telemetry.metrics import PrefillMetrics
 from mili.telemetry.tracing import start_batch_span
@@ -63,24 +63,21 @@ class _Job:
 
 
 class PrefillWorker:
-    """Runs the scheduler's steps on `model` in one thread; see the module docstring."""
+    """Runs the scheduler's steps on `runner` in one thread; see the module docstring."""
 
     def __init__(
         self,
-        model: Qwen3ForCausalLM,
-        kv_cache: KVCache,
+        runner: ModelRunner,
         scheduler: Scheduler,
         *,
         history: int = 1024,
         metrics: PrefillMetrics | None = None,
     ) -> None:
-        if scheduler.pool.num_blocks != kv_cache.num_blocks:
+        if scheduler.pool.num_ids != runner.kv_cache.num_blocks:
             raise ValueError("scheduler pool and KV cache differ in size")
-        self.model = model
-        self.kv_cache = kv_cache
+        self.runner = runner
         self._scheduler = scheduler
         self._metrics = PrefillMetrics(CollectorRegistry()) if metrics is None else metrics
-        self._sampler = Sampler()
         self._cond = threading.Condition()
         self._jobs: dict[str, _Job] = {}
         self._is_stopping = False
@@ -129,6 +126,10 @@ class PrefillWorker:
         with self._cond:
             if self._forget(request_id):
                 self._cond.notify()  # freed blocks may admit a waiting prompt
+
+    @property
+    def kv_cache(self) -> KVCache:
+        return self.runner.kv_cache
 
     @property
     def num_queued_tokens(self) -> int:
@@ -216,22 +217,12 @@ class PrefillWorker:
         return start_batch_span(_TRACER, "prefill step", contexts, attributes)
 
     def _execute(self, step: Step, jobs: list[_Job]) -> list[tuple[_Job, FirstToken]]:
-        model, cache = self.model, self.kv_cache
-        block_size = cache.block_size
+        runner = self.runner
+        block_size = runner.block_size
         started = time.perf_counter()
         for job in jobs:
             if job.first_forward_at is None:
                 job.first_forward_at = started
-        batch = PrefillBatch.build(
-            [
-                job.task.prompt_token_ids[c.start : c.end]
-                for c, job in zip(step.chunks, jobs, strict=True)
-            ],
-            [c.block_table for c in step.chunks],
-            block_size,
-            start_positions=[c.start for c in step.chunks],
-            device=model.device,
-        )
         record = StepRecord(tuple((c.request_id, c.start, c.end) for c in step.chunks), started, [])
         self.steps.append(record)
 
@@ -241,7 +232,15 @@ class PrefillWorker:
                     self._ship(layer, chunk, job.sink, block_size)
             record.layer_done_at.append(time.perf_counter())
 
-        logits = model.prefill(batch, cache, layer_callback=on_layer)  # [B, vocab] float32
+        logits = runner.prefill(
+            [
+                job.task.prompt_token_ids[c.start : c.end]
+                for c, job in zip(step.chunks, jobs, strict=True)
+            ],
+            [c.block_table for c in step.chunks],
+            [c.start for c in step.chunks],
+            layer_callback=on_layer,
+        )  # [B, vocab] float32
         rows = [
             i
             for i, (c, job) in enumerate(zip(step.chunks, jobs, strict=True))
@@ -250,11 +249,11 @@ class PrefillWorker:
         if not rows:
             return []
         finished = [jobs[i] for i in rows]
+        vocab_size = runner.model.config.vocab_size
         seqs = [
-            SequenceSampling(j.task.sampling, j.task.prompt_token_ids, model.config.vocab_size)
-            for j in finished
+            SequenceSampling(j.task.sampling, j.task.prompt_token_ids, vocab_size) for j in finished
         ]
-        out = self._sampler(logits[rows], seqs)
+        out = runner.sample(logits[rows], seqs).result()
         done_at = time.perf_counter()
         results = []
         for i, job in enumerate(finished):

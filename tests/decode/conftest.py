@@ -13,6 +13,7 @@ import pytest
 
 from mili.engine.checkpoint import write_random_checkpoint
 from mili.engine.config import Qwen3Config
+from mili.engine.engine_config import EngineConfig
 from services.decode.config import DecodeConfig
 from tests.decode.harness import DecodeServerThread, PrefillPlayer
 
@@ -52,8 +53,7 @@ def player(tiny_model_dir: Path) -> PrefillPlayer:
 def decode_server(tiny_model_dir: Path) -> Iterator[DecodeServerThread]:
     config = DecodeConfig(
         model_dir=tiny_model_dir,
-        block_size=BLOCK_SIZE,
-        num_blocks=NUM_BLOCKS,
+        engine=EngineConfig(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS),
         max_running=MAX_RUNNING,
     )
     server = DecodeServerThread(config)

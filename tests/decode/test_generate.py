@@ -11,9 +11,11 @@ from pathlib import Path
 import pytest
 
 from mili.common.v1 import sampling_pb2
+from mili.engine.engine_config import EngineConfig
 from mili.engine.generate import generate
 from mili.engine.sampling_params import SamplingParams
 from mili.rpc.client import insecure_channel
+from mili.rpc.kv_layout import block_bytes
 from services.decode.config import DecodeConfig
 from tests.decode.conftest import BLOCK_SIZE, NUM_BLOCKS
 from tests.decode.harness import (
@@ -171,7 +173,7 @@ def eos_setup(
         json.dumps({"eos_token_id": [reference[i], 2]})
     )
     server = DecodeServerThread(
-        DecodeConfig(model_dir=model_dir, block_size=BLOCK_SIZE, num_blocks=32)
+        DecodeConfig(model_dir=model_dir, engine=EngineConfig(block_size=BLOCK_SIZE, num_blocks=32))
     )
     yield server, prompt, reference, i
     server.close()
@@ -212,5 +214,9 @@ def test_info_describes_the_instance(
             assert info.max_context_tokens == 256
             assert info.max_running == 10
             assert info.num_total_blocks == NUM_BLOCKS
+            assert info.kv_cache_bytes == NUM_BLOCKS * 2 * info.kv_layout.num_layers * block_bytes(
+                info.kv_layout
+            )
+            assert info.num_cuda_graphs == 0  # CPU: every step eager
 
     decode_server.run(body())

@@ -18,13 +18,16 @@ import grpc
 import torch
 
 from mili.engine.config import Qwen3Config
+from mili.engine.engine_config import EngineConfig
 from mili.engine.kv_cache import KVCache
 from mili.engine.model import DecodeBatch, Qwen3ForCausalLM
+from mili.engine.runner import ModelRunner
 from mili.kv.v1 import kv_pb2
 from mili.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from mili.rpc.client import insecure_channel
 from mili.rpc.server import RpcServer, ServerConfig
 from services.prefill.config import ANY_DECODE, PrefillConfig
+from services.prefill.instance import PrefillInstance
 from services.prefill.server import PrefillServicer, add_to_server
 from tests.prefill.receiver import KvReceiver, serve_receiver
 
@@ -78,20 +81,14 @@ class PrefillHarness:
 async def prefill_service(tiny: TinyModel, **config: Any) -> AsyncIterator[PrefillHarness]:
     """A started prefill server; on exit asserts every block is free and nothing is queued."""
     # Any destination by default: these tests aim at receivers on ports chosen as they run.
-    settings = {
-        "num_blocks": 128,
-        "block_size": BLOCK_SIZE,
-        "max_batch_tokens": 64,
-        "allowed_decodes": (ANY_DECODE,),
-        **config,
-    }
-    servicer = PrefillServicer(
-        tiny.model,
-        PrefillConfig(**settings),
-        model_name=tiny.path.name,
-        fingerprint=tiny.fingerprint,
-        max_message_bytes=64 << 20,
+    num_blocks = config.pop("num_blocks", 128)
+    settings = {"max_batch_tokens": 64, "allowed_decodes": (ANY_DECODE,), **config}
+    prefill_config = PrefillConfig(engine=EngineConfig(block_size=BLOCK_SIZE), **settings)
+    runner = ModelRunner.create(tiny.model, num_blocks, BLOCK_SIZE)
+    instance = PrefillInstance.create(
+        runner, prefill_config, model_name=tiny.path.name, fingerprint=tiny.fingerprint
     )
+    servicer = PrefillServicer(instance, max_message_bytes=64 << 20)
     server = RpcServer(ServerConfig(drain_timeout_s=2.0, grace_s=0.5), name="prefill")
     add_to_server(server, servicer)
     port = await server.start()

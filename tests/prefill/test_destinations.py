@@ -49,14 +49,14 @@ def test_normal_address(address: str, expected: str | None) -> None:
 
 
 def test_the_allowed_list() -> None:
-    config = PrefillConfig(num_blocks=4, allowed_decodes=("127.0.0.1:5000", "Decode:6000"))
+    config = PrefillConfig(allowed_decodes=("127.0.0.1:5000", "Decode:6000"))
     assert config.may_send_to("127.0.0.1:5000") and config.may_send_to("decode:06000")
     for other in ("127.0.0.1:5001", "127.0.0.2:5000", "127.0.0.1:1", "garbage", ""):
         assert not config.may_send_to(other), other
-    assert not PrefillConfig(num_blocks=4).may_send_to("127.0.0.1:5000")  # empty: none
-    assert PrefillConfig(num_blocks=4, allowed_decodes=(ANY_DECODE,)).may_send_to("x:1")
+    assert not PrefillConfig().may_send_to("127.0.0.1:5000")  # empty: none
+    assert PrefillConfig(allowed_decodes=(ANY_DECODE,)).may_send_to("x:1")
     with pytest.raises(ValueError, match="not host:port"):
-        PrefillConfig(num_blocks=4, allowed_decodes=("decode-0",))
+        PrefillConfig(allowed_decodes=("decode-0",))
 
 
 @contextlib.contextmanager

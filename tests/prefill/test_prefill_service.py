@@ -155,6 +155,7 @@ def test_info_describes_model_layout_limits_and_load(tiny: TinyModel) -> None:
             assert info.max_batch_tokens == 64
             assert info.num_queued_tokens == 0
             assert info.num_total_blocks == info.num_free_blocks == 40
+            assert info.kv_cache_bytes == 40 * 2 * layout.num_layers * block_bytes(layout)
 
     asyncio.run(main())
 

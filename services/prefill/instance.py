@@ -1,0 +1,156 @@
+"""A prefill instance's engine side, built once from PrefillConfig: the model runner (model,
+KV cache), block pool, scheduler and worker thread, plus what Info reports about them.
+
+The mirror of services/decode/instance.py: the servicer (server.py) only converts messages and
+drives the KV transfer.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry
+
+from kernels.backend import select_attention
+from kernels.build import KernelBuildError
+from mili.engine.block_pool import BlockPool
+from mili.engine.config import ConfigError
+from mili.engine.fingerprint import model_fingerprint
+from mili.engine.kv_cache import dtype_name
+from mili.engine.kv_layout import KVLayout
+from mili.engine.loader import load_config
+from mili.engine.model import Qwen3ForCausalLM
+from mili.engine.runner import ModelRunner, require_device
+from mili.errors import StartupError
+from mili.telemetry.metrics import PrefillMetrics
+from services.prefill.config import PrefillConfig
+from services.prefill.scheduler import Scheduler
+from services.prefill.worker import PrefillWorker
+
+_LOG = logging.getLogger("mili.prefill")
+
+
+@dataclass
+class PrefillInstance:
+    config: PrefillConfig
+    runner: ModelRunner
+    scheduler: Scheduler
+    worker: PrefillWorker
+    model_name: str
+    fingerprint: str  # mili.engine.fingerprint.model_fingerprint of the checkpoint
+    metrics: PrefillMetrics
+
+    @classmethod
+    def load(
+        cls, config: PrefillConfig, model_dir: Path, metrics: PrefillMetrics | None = None
+    ) -> PrefillInstance:
+        """Load the checkpoint and allocate the KV pool; StartupError naming what is wrong.
+
+        The pool: --num-blocks or --kv-cache-bytes; else on CUDA what device memory leaves,
+        at most `config.max_queued_blocks`; else (CPU) exactly that many.
+        """
+        engine = config.engine
+        require_device(engine.device)
+        try:
+            model_config = load_config(model_dir)
+            attention = select_attention(
+                engine.attention, engine.device, head_dim=model_config.head_dim
+            )
+            fingerprint = model_fingerprint(model_dir)
+        except KernelBuildError as e:
+            raise StartupError(f"--attention {engine.attention}: {e}") from None
+        except (ConfigError, OSError) as e:
+            raise StartupError(f"cannot load model from {model_dir}: {e}") from None
+        runner = ModelRunner.load(
+            model_dir,
+            engine,
+            attention=attention,
+            max_decode_batch=1,  # prefill runs no decode step
+            capture_graphs=False,
+            max_prefill_tokens=config.max_batch_tokens,
+            default_num_blocks=config.max_queued_blocks,
+            max_useful_blocks=config.max_queued_blocks,
+        )
+        return cls.create(
+            runner, config, model_name=model_dir.name, fingerprint=fingerprint, metrics=metrics
+        )
+
+    @classmethod
+    def create(
+        cls,
+        runner: ModelRunner,
+        config: PrefillConfig,
+        *,
+        model_name: str,
+        fingerprint: str,
+        metrics: PrefillMetrics | None = None,
+    ) -> PrefillInstance:
+        """An instance over a runner already built (tests and benchmarks share one model)."""
+        if runner.block_size != config.engine.block_size:
+            raise ValueError(
+                f"the runner's block size {runner.block_size} is not the config's "
+                f"{config.engine.block_size}"
+            )
+        scheduler = Scheduler(
+            BlockPool(runner.num_blocks, null_block=True),
+            block_size=runner.block_size,
+            max_batch_tokens=config.max_batch_tokens,
+            max_queued_tokens=config.max_queued_tokens,
+        )
+        metrics = PrefillMetrics(CollectorRegistry()) if metrics is None else metrics
+        worker = PrefillWorker(runner, scheduler, metrics=metrics)
+        metrics.watch(
+            num_queued_tokens=lambda: worker.num_queued_tokens,
+            num_queued_requests=lambda: worker.num_queued_requests,
+            num_waiting_requests=lambda: worker.num_waiting_requests,
+            num_total_blocks=lambda: worker.num_total_blocks,
+            num_free_blocks=lambda: worker.num_free_blocks,
+        )
+        return cls(config, runner, scheduler, worker, model_name, fingerprint, metrics)
+
+    # ---- what Info reports ---------------------------------------------------------------------
+
+    @property
+    def model(self) -> Qwen3ForCausalLM:
+        return self.runner.model
+
+    @property
+    def dtype(self) -> str:
+        return dtype_name(self.model.dtype)
+
+    @property
+    def device(self) -> str:
+        return str(self.model.device)
+
+    @property
+    def attention_backend(self) -> str:
+        return self.model.attention.name
+
+    @property
+    def layout(self) -> KVLayout:
+        return self.runner.kv_cache.layout
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        """Longest prompt accepted: the model's context, the queue bound and the whole pool."""
+        return min(self.model.config.max_position_embeddings, self.scheduler.max_prompt_tokens())
+
+    def describe(self) -> str:
+        config = self.config
+        return (
+            f"on {self.device}: dtype {self.dtype}, "
+            f"{self.runner.describe(decode=False)}, attention {self.attention_backend}, "
+            f"max_batch_tokens {config.max_batch_tokens}, "
+            f"max_queued_tokens {config.max_queued_tokens}, "
+            f"KV to {', '.join(config.allowed_decodes)}"
+        )
+
+    # ---- life cycle ----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.worker.start()
+
+    def stop(self) -> None:
+        self.worker.stop()
