@@ -19,6 +19,13 @@ printed. Meanwhile the others keep serving: the frontend routes around the missi
 and requests that were on it fail with UNAVAILABLE. --fail-fast instead stops everything and
 exits 1 on the first exit.
 
+One GPU, several engines: with --device cuda every prefill and decode process loads its own
+model copy and sizes its own KV pool from device memory (mili.engine.kv_memory), each within
+its share of --gpu-memory-utilization: --prefill-memory-share of it split evenly over the
+prefill instances, the rest over the decode instances, whose KV pools are what concurrency
+needs. E.g. 0.9 with share 0.2, one of each: prefill 0.18, decode 0.72 of the device.
+--kv-cache-bytes/--num-blocks in --prefill-args/--decode-args still override.
+
 Metrics: with --metrics-port BASE every child serves Prometheus metrics on --host: the frontend
 on BASE, the tokenizer on BASE+1, prefill instance i on BASE+2+i, decode instance j on
 BASE+2+P+j (P = --prefill-instances); BASE 0 gives each a free port. Each child announces
@@ -50,11 +57,15 @@ from kernels import ATTENTION_CHOICES
 from mili import flags, ports
 from mili.backoff import Backoff, RestartPolicy
 from mili.child import Child, describe_exit
+from mili.engine.engine_config import DEFAULT_GPU_MEMORY_UTILIZATION
 from mili.engine.kv_layout import DTYPES
 from mili.errors import StartupError
 from mili.rpc.server import format_address
 
 DEFAULT_PORT = 50051
+# Prefill's pool holds only the prompts in flight (its queue bound); decode's holds every running
+# request's whole context, so decode gets most of a shared GPU.
+DEFAULT_PREFILL_MEMORY_SHARE = 0.2
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -79,6 +90,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="prefill/decode attention backend (default: the services' own, auto = Mojo kernels "
         "where they build, else torch)",
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=DEFAULT_GPU_MEMORY_UTILIZATION,
+        metavar="FRACTION",
+        help="CUDA: fraction of the device's memory all prefill and decode processes together "
+        "fill (weights, activations, CUDA graphs, KV pools) (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--prefill-memory-share",
+        type=float,
+        default=DEFAULT_PREFILL_MEMORY_SHARE,
+        metavar="FRACTION",
+        help="CUDA: the part of --gpu-memory-utilization the prefill instances get together; "
+        "decode instances share the rest (default: %(default)s)",
     )
     parser.add_argument(
         "--metrics-port",
@@ -179,6 +206,20 @@ def _metrics(base: int | None, offset: int) -> list[str]:
     return [] if base is None else ["--metrics-port", _port(base, offset)]
 
 
+def memory_shares(
+    utilization: float, prefill_share: float, num_prefills: int, num_decodes: int
+) -> tuple[float, float]:
+    """--gpu-memory-utilization of one prefill and of one decode process on a shared GPU."""
+    if not 0 < utilization <= 1:
+        raise StartupError(f"--gpu-memory-utilization must be in (0, 1], got {utilization}")
+    if not 0 < prefill_share < 1:
+        raise StartupError(f"--prefill-memory-share must be in (0, 1), got {prefill_share}")
+    return (
+        utilization * prefill_share / num_prefills,
+        utilization * (1 - prefill_share) / num_decodes,
+    )
+
+
 def make_plan(args: argparse.Namespace, model_dir: Path) -> Plan:
     if args.prefill_instances < 1 or args.decode_instances < 1:
         raise StartupError("--prefill-instances and --decode-instances must be >= 1")
@@ -198,6 +239,17 @@ def make_plan(args: argparse.Namespace, model_dir: Path) -> Plan:
         engine += ["--dtype", args.dtype]
     if args.attention is not None:
         engine += ["--attention", args.attention]
+
+    prefill_memory, decode_memory = memory_shares(
+        args.gpu_memory_utilization,
+        args.prefill_memory_share,
+        args.prefill_instances,
+        args.decode_instances,
+    )
+    is_cuda = args.device is not None and args.device.startswith("cuda")
+
+    def memory(fraction: float) -> list[str]:
+        return ["--gpu-memory-utilization", f"{fraction:.4f}"] if is_cuda else []
 
     def extra(kind: str) -> list[str]:
         return shlex.split(getattr(args, f"{kind}_args"))
@@ -225,6 +277,7 @@ def make_plan(args: argparse.Namespace, model_dir: Path) -> Plan:
                 "serve-prefill",
                 *model,
                 *engine,
+                *memory(prefill_memory),
                 *common,
                 "--port",
                 _port(args.prefill_port, i),
@@ -240,6 +293,7 @@ def make_plan(args: argparse.Namespace, model_dir: Path) -> Plan:
                 "serve-decode",
                 *model,
                 *engine,
+                *memory(decode_memory),
                 *common,
                 "--port",
                 str(decode_ports[i]),
