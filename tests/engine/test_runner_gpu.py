@@ -1,0 +1,113 @@
+"""ModelRunner on a CUDA GPU: CUDA-graph replay = eager, and no host sync inside a step.
+
+The graphs here run over the torch reference's decode marked graph-safe (`CapturableTorch`):
+over full-width block tables it has fixed shapes and no host syncs, so it captures (slowly:
+it gathers every block of the width); this tests the graph machinery independently of the
+Mojo GPU kernels, which declare `is_graph_safe` themselves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from mili.engine.attention import TorchAttention
+from mili.engine.block_pool import BlockPool, blocks_needed
+from mili.engine.loader import load_model
+from mili.engine.model import Qwen3ForCausalLM
+from mili.engine.runner import ModelRunner
+from mili.engine.sampling_params import SamplingParams
+from mili.engine.sequence import Sequence
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+BLOCK_SIZE = 16
+MAX_TOKENS = 8
+
+
+class CapturableTorch(TorchAttention):
+    is_graph_safe = True
+
+
+@pytest.fixture(scope="module")
+def cuda_model(checkpoint_dirs: dict[str, Path]) -> Qwen3ForCausalLM:
+    model = load_model(checkpoint_dirs["untied_gqa4"], device="cuda", dtype=torch.float32)
+    model.attention = CapturableTorch()
+    # Keep the full block-table width (max context / block size) small for the torch gather.
+    model.config = dataclasses.replace(model.config, max_position_embeddings=256)
+    return model
+
+
+def greedy_tokens(runner: ModelRunner, batch: int) -> list[list[int]]:
+    vocab_size = runner.model.config.vocab_size
+    g = torch.Generator().manual_seed(batch)
+    pool = BlockPool(runner.num_blocks, null_block=True)
+    seqs = []
+    for _ in range(batch):
+        prompt = torch.randint(3, vocab_size, (int(torch.randint(4, 40, (1,), generator=g)),),
+                               generator=g).tolist()  # fmt: skip
+        s = Sequence.new(prompt, SamplingParams(max_tokens=MAX_TOKENS), vocab_size=vocab_size,
+                         eos_token_ids=[])  # fmt: skip
+        s.block_table = pool.allocate(blocks_needed(len(prompt) + MAX_TOKENS, BLOCK_SIZE))
+        seqs.append(s)
+    logits = runner.prefill([s.prompt_token_ids for s in seqs], [s.block_table for s in seqs],
+                            [0] * batch)  # fmt: skip
+    for s, t in zip(seqs, runner.sample(logits, [s.sampling for s in seqs]).result().token_ids,
+                    strict=True):  # fmt: skip
+        s.append(t)
+    while active := [s for s in seqs if not s.is_finished]:
+        for s, t in zip(active, runner.decode(active).result().token_ids, strict=True):
+            s.append(t)
+    return [s.output_token_ids for s in seqs]
+
+
+@pytest.mark.parametrize("batch", [1, 3, 17, 64])
+def test_graph_replay_gives_the_eager_greedy_tokens(
+    cuda_model: Qwen3ForCausalLM, batch: int
+) -> None:
+    num_blocks = 64 * blocks_needed(40 + MAX_TOKENS, BLOCK_SIZE)
+    eager = ModelRunner.create(cuda_model, num_blocks, BLOCK_SIZE, max_decode_batch=64)
+    graphs = ModelRunner.create(cuda_model, num_blocks, BLOCK_SIZE, max_decode_batch=64)
+    graphs.capture_graphs()
+    assert graphs.graphs is not None and graphs.graphs.batch_sizes[-1] == 64
+    assert greedy_tokens(graphs, batch) == greedy_tokens(eager, batch)
+
+
+@pytest.mark.parametrize("use_graphs", [False, True])
+def test_no_host_sync_inside_a_decode_step(cuda_model: Qwen3ForCausalLM, use_graphs: bool) -> None:
+    runner = ModelRunner.create(cuda_model, 64, BLOCK_SIZE, max_decode_batch=8)
+    if use_graphs:
+        runner.capture_graphs()
+    vocab_size = cuda_model.config.vocab_size
+    pool = BlockPool(runner.num_blocks, null_block=True)
+    params = [
+        SamplingParams(),
+        SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.01, seed=3),
+        SamplingParams(temperature=1.0, repetition_penalty=1.2, presence_penalty=0.3),
+    ]
+    seqs = []
+    for i, sp in enumerate(params):
+        s = Sequence.new([5 + i, 6, 7], sp, vocab_size=vocab_size, eos_token_ids=[])
+        s.block_table = pool.allocate(2)
+        seqs.append(s)
+    logits = runner.prefill([s.prompt_token_ids for s in seqs], [s.block_table for s in seqs],
+                            [0, 0, 0])  # fmt: skip
+    for s, t in zip(seqs, runner.sample(logits, [s.sampling for s in seqs]).result().token_ids,
+                    strict=True):  # fmt: skip
+        s.append(t)
+    runner.decode(seqs).result()  # first step: lazy initialisation may sync
+    for s in seqs:
+        s.append(1)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        pending = runner.decode(seqs)  # launches everything; raises on any synchronizing call
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert len(pending.result().token_ids) == 3
