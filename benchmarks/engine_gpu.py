@@ -1,0 +1,356 @@
+"""The engine on one device: decode TPOT eager vs CUDA graphs, prefill tokens/s, kernel launches
+per decode step, and HF transformers' `generate` on the same weights, all in one run.
+
+    python benchmarks/engine_gpu.py                                  # GPU: Qwen3-0.6B shapes
+    python benchmarks/engine_gpu.py --device cpu --preset tiny       # CPU check, small shapes
+
+Weights: random, `--preset`'s shapes (qwen3-0.6b: 28 layers, hidden 1024, vocab 151936), written
+once as a bf16 checkpoint by mili.engine.checkpoint.cached_random_checkpoint into --cache-dir
+(the one the other benchmarks share); `tiny` is 2 layers of hidden 64, vocab 256.
+
+decode   B sequences of --context prompt tokens each (prefilled first), then --steps decode
+         steps through ModelRunner.decode (static inputs, sampling on the device, the ids'
+         copy back: what decode's batch thread runs), greedy; TPOT = median step wall time.
+         Modes: eager, and graphs (CUDA only, over a graph-safe attention backend; `--attention
+         torch-graphs` marks the torch reference graph-safe: correct over full-width block
+         tables, slow since it gathers all of them, so it measures the graph machinery only).
+launches kernels launched per decode step, from one step under torch.profiler: CUDA runtime
+         and driver launch calls (cudaLaunchKernel, cuLaunchKernel, cudaGraphLaunch ...); on
+         CPU the aten ops a step runs instead.
+prefill  --prefill-batch prompts of --prefill-tokens tokens in one ModelRunner.prefill;
+         tokens/s = prompt tokens / median wall time.
+hf       transformers.Qwen3ForCausalLM (sdpa attention) `generate` on the same checkpoint and
+         dtype, greedy, batch B of the same prompts: TPOT = (time of --steps + 1 new tokens -
+         time of 1) / --steps, so its prefill is left out.
+
+Prints one table (and --json writes the rows); the numbers belong in docs/benchmarks.md with the
+date, machine and command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kernels.backend import select_attention
+from mili.engine.attention import TorchAttention
+from mili.engine.block_pool import BlockPool, blocks_needed
+from mili.engine.checkpoint import cached_random_checkpoint
+from mili.engine.config import PRESETS, Qwen3Config
+from mili.engine.loader import load_model
+from mili.engine.model import Qwen3ForCausalLM
+from mili.engine.runner import ModelRunner
+from mili.engine.sampling_params import SamplingParams
+from mili.engine.sequence import Sequence
+
+DEFAULT_CACHE = Path.home() / ".cache" / "mili" / "bench"
+TINY = Qwen3Config(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=2048,
+    tie_word_embeddings=True,
+    torch_dtype="bfloat16",
+)
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+LAUNCH_KEYS = ("LaunchKernel", "GraphLaunch", "cuLaunch", "LaunchCooperativeKernel")
+
+
+class _GraphSafeTorch(TorchAttention):
+    """The torch reference declared graph-safe (see the module docstring: `torch-graphs`)."""
+
+    name = "torch-graphs"
+    is_graph_safe = True
+
+
+@dataclass
+class Row:
+    batch: int
+    eager_tpot_ms: float | None = None
+    graphs_tpot_ms: float | None = None
+    hf_tpot_ms: float | None = None
+    eager_launches: int | None = None
+    graphs_launches: int | None = None
+
+    def cells(self) -> list[str]:
+        def ms(x: float | None) -> str:
+            return "-" if x is None else f"{x:.2f}"
+
+        def tok_s(x: float | None) -> str:
+            return "-" if x is None else f"{self.batch / x * 1e3:.0f}"
+
+        def n(x: int | None) -> str:
+            return "-" if x is None else str(x)
+
+        best = min((x for x in (self.eager_tpot_ms, self.graphs_tpot_ms) if x), default=None)
+        return [
+            str(self.batch),
+            ms(self.eager_tpot_ms),
+            ms(self.graphs_tpot_ms),
+            ms(self.hf_tpot_ms),
+            tok_s(best),
+            tok_s(self.hf_tpot_ms),
+            n(self.eager_launches),
+            n(self.graphs_launches),
+        ]
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def prompts(batch: int, length: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab_size, (batch, length), generator=g).tolist()
+
+
+def start(runner: ModelRunner, pool: BlockPool, ids: list[list[int]], steps: int) -> list[Sequence]:
+    """Prefill `ids` (in chunks of at most 8192 tokens), first tokens sampled; every sequence
+    holds the blocks of all its tokens."""
+    vocab_size = runner.model.config.vocab_size
+    params = SamplingParams(max_tokens=steps + 1, ignore_eos=True)
+    seqs = []
+    for prompt in ids:
+        s = Sequence.new(prompt, params, vocab_size=vocab_size, eos_token_ids=[])
+        s.block_table = pool.allocate(blocks_needed(len(prompt) + steps + 1, runner.block_size))
+        seqs.append(s)
+    per_call = max(1, 8192 // len(ids[0]))
+    for i in range(0, len(seqs), per_call):
+        part = seqs[i : i + per_call]
+        logits = runner.prefill(
+            [s.prompt_token_ids for s in part], [s.block_table for s in part], [0] * len(part)
+        )
+        out = runner.sample(logits, [s.sampling for s in part]).result()
+        for s, t in zip(part, out.token_ids, strict=True):
+            s.append(t)
+    return seqs
+
+
+def step(runner: ModelRunner, seqs: list[Sequence]) -> None:
+    out = runner.decode(seqs).result()
+    for s, t in zip(seqs, out.token_ids, strict=True):
+        s.append(t)
+
+
+def count_launches(fn: Callable[[], None], device: torch.device) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        fn()
+        sync(device)
+    events = prof.key_averages()
+    if device.type == "cuda":
+        return sum(e.count for e in events if any(k in e.key for k in LAUNCH_KEYS))
+    return sum(e.count for e in events if e.key.startswith("aten::"))
+
+
+def decode_tpot(runner: ModelRunner, batch: int, args: argparse.Namespace) -> tuple[float, int]:
+    """Median decode step (ms) at `batch` and launches in one step."""
+    device = runner.device
+    pool = BlockPool(runner.num_blocks, null_block=True)
+    seqs = start(
+        runner,
+        pool,
+        prompts(batch, args.context, runner.model.config.vocab_size),
+        args.warmup + args.steps + 1,
+    )
+    for _ in range(args.warmup):
+        step(runner, seqs)
+    times = []
+    for _ in range(args.steps):
+        sync(device)
+        t0 = time.perf_counter()
+        step(runner, seqs)  # ends with the ids on the host: the step's one wait
+        times.append(time.perf_counter() - t0)
+    launches = count_launches(lambda: step(runner, seqs), device)
+    for s in seqs:
+        pool.free(s.block_table)
+    return statistics.median(times) * 1e3, launches
+
+
+def prefill_tokens_per_s(runner: ModelRunner, args: argparse.Namespace) -> float:
+    device = runner.device
+    pool = BlockPool(runner.num_blocks, null_block=True)
+    ids = prompts(args.prefill_batch, args.prefill_tokens, runner.model.config.vocab_size, 1)
+    tables = [pool.allocate(blocks_needed(len(p), runner.block_size)) for p in ids]
+    times = []
+    with torch.inference_mode():
+        for i in range(args.warmup + args.repeats):
+            sync(device)
+            t0 = time.perf_counter()
+            runner.prefill(ids, tables, [0] * len(ids))
+            sync(device)
+            if i >= args.warmup:
+                times.append(time.perf_counter() - t0)
+    for t in tables:
+        pool.free(t)
+    return args.prefill_batch * args.prefill_tokens / statistics.median(times)
+
+
+def hf_tpot(
+    path: Path, dtype: torch.dtype, device: torch.device, batch: int, args: argparse.Namespace
+) -> float | None:
+    try:
+        import transformers
+    except ImportError:
+        return None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        transformers.logging.set_verbosity_error()
+        model = (
+            transformers.Qwen3ForCausalLM.from_pretrained(
+                path, dtype=dtype, attn_implementation="sdpa"
+            )
+            .to(device)
+            .eval()
+        )
+    ids = torch.tensor(prompts(batch, args.context, model.config.vocab_size), device=device)
+
+    def run(new: int) -> float:
+        sync(device)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        sync(device)
+        return time.perf_counter() - t0
+
+    run(2)  # warm-up
+    one = statistics.median(run(1) for _ in range(args.repeats))
+    many = statistics.median(run(args.steps + 1) for _ in range(args.repeats))
+    return (many - one) / args.steps * 1e3
+
+
+def checkpoint(args: argparse.Namespace) -> Path:
+    config = TINY if args.preset == "tiny" else PRESETS[args.preset]
+    return cached_random_checkpoint(config, args.preset, args.cache_dir)
+
+
+def load(path: Path, args: argparse.Namespace) -> Qwen3ForCausalLM:
+    device = torch.device(args.device)
+    model = load_model(path, device=device, dtype=DTYPES[args.dtype])
+    if args.attention == "torch-graphs":
+        model.attention = _GraphSafeTorch()
+    else:
+        model.attention = select_attention(args.attention, device, head_dim=model.config.head_dim)
+    return model
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--preset", default="qwen3-0.6b", choices=["tiny", *PRESETS])
+    parser.add_argument("--dtype", default="bf16", choices=list(DTYPES))
+    parser.add_argument(
+        "--attention", default="auto", choices=["auto", "mojo", "torch", "torch-graphs"]
+    )
+    parser.add_argument("--batches", default="1,16,64,256")
+    parser.add_argument("--context", type=int, default=512, help="prompt tokens per sequence")
+    parser.add_argument("--steps", type=int, default=32, help="timed decode steps")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--prefill-tokens", type=int, default=512)
+    parser.add_argument("--prefill-batch", type=int, default=4)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--no-hf", action="store_true", help="skip HF transformers")
+    parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    batches = [int(b) for b in args.batches.split(",")]
+    device = torch.device(args.device)
+
+    path = checkpoint(args)
+    model = load(path, args)
+    attention = model.attention.name
+    tokens = args.context + args.warmup + args.steps + 2
+    num_blocks = max(batches) * blocks_needed(tokens, args.block_size)
+    num_blocks = max(num_blocks, args.prefill_batch * blocks_needed(args.prefill_tokens, 16))
+    eager = ModelRunner.create(model, num_blocks, args.block_size, max_decode_batch=max(batches))
+    prefill = prefill_tokens_per_s(eager, args)
+    rows = [Row(b) for b in batches]
+    for row in rows:
+        row.eager_tpot_ms, row.eager_launches = decode_tpot(eager, row.batch, args)
+    note = ""
+    if device.type != "cuda":
+        note = "graphs: n/a on CPU"
+    elif not getattr(model.attention, "is_graph_safe", False):
+        note = f"graphs: n/a, attention {model.attention.name} is not graph-safe"
+    else:
+        del eager
+        graphs = ModelRunner.create(
+            model, num_blocks, args.block_size, max_decode_batch=max(batches)
+        )
+        t0 = time.perf_counter()
+        graphs.capture_graphs()
+        assert graphs.graphs is not None
+        note = (
+            f"graphs: {len(graphs.graphs.batch_sizes)} captured in "
+            f"{time.perf_counter() - t0:.1f} s, "
+            f"{graphs.graphs.memory_bytes / 2**20:.0f} MiB"
+        )
+        for row in rows:
+            row.graphs_tpot_ms, row.graphs_launches = decode_tpot(graphs, row.batch, args)
+    if not args.no_hf:
+        del model
+        for row in rows:
+            row.hf_tpot_ms = hf_tpot(path, DTYPES[args.dtype], device, row.batch, args)
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
+    print(
+        f"# {args.preset} {args.dtype} on {args.device} ({name}), torch {torch.__version__}, "
+        f"attention {attention}, context {args.context}, {args.steps} steps; {note}"
+    )
+    print(f"prefill: {args.prefill_batch} x {args.prefill_tokens} tokens: {prefill:.0f} tok/s")
+    what = "launches" if device.type == "cuda" else "aten ops"
+    header = [
+        "batch",
+        "eager TPOT ms",
+        "graphs TPOT ms",
+        "HF TPOT ms",
+        "tok/s (best)",
+        "HF tok/s",
+        f"eager {what}/step",
+        f"graphs {what}/step",
+    ]
+    print("| " + " | ".join(header) + " |")
+    print("|" + " --- |" * len(header))
+    for row in rows:
+        print("| " + " | ".join(row.cells()) + " |")
+    if args.json:
+        result: dict[str, Any] = {
+            "args": {k: str(v) for k, v in vars(args).items()},
+            "prefill_tokens_per_s": prefill,
+            "note": note,
+            "rows": [asdict(r) for r in rows],
+        }
+        args.json.write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
