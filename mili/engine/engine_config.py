@@ -48,7 +48,7 @@ class EngineConfig:
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.block_size <= 0:
-            raise ValueError(f"--block-size must be > 0, got {self.block_size}")
+            raise ValueError(f"block_size (--block-size) must be > 0, got {self.block_size}")
         if self.attention not in ATTENTION_CHOICES:
             choices = ", ".join(ATTENTION_CHOICES)
             raise ValueError(f"--attention must be one of {choices}, got {self.attention!r}")
