@@ -46,11 +46,13 @@ _SAFETENSORS_DTYPES = {
 
 def tensor_shapes(config: Qwen3Config) -> dict[str, tuple[int, ...]]:
     """HF tensor name -> shape for every weight of `config`'s model (in module order)."""
-    from mili.engine.model import Qwen3ForCausalLM  # model imports nothing from here; no cycle
+    # model and weight_map import nothing from here; no cycle
+    from mili.engine.model import Qwen3ForCausalLM
+    from mili.engine.weight_map import weight_map
 
     with torch.device("meta"):
         model = Qwen3ForCausalLM(config)
-    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+    return {name: target.shape for name, target in weight_map(model).items()}
 
 
 def shard_file_name(index: int, num_shards: int) -> str:

@@ -1,7 +1,9 @@
-"""Qwen3's position-independent building blocks: RMSNorm and the SwiGLU MLP.
+"""Qwen3's position-independent building blocks: RMSNorm, merged projections, the SwiGLU MLP.
 
-Parameter names match HF transformers (`weight`, `gate_proj`, `up_proj`, `down_proj`) so a module
-tree built from these classes has exactly the checkpoint's tensor names.
+Projections that read the same input run as one GEMM over weights stacked along the output
+dimension (`MergedLinear`: q/k/v, gate/up), one launch instead of two or three. Their
+checkpoints keep HF's separate tensors; `MergedLinear.parts` says which rows each one fills, and
+mili/engine/weight_map.py turns that into the loader's HF name -> (parameter, rows) table.
 """
 
 from __future__ import annotations
@@ -10,13 +12,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mili.engine.fused_ops import FusedOps, rms_norm
+
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight over the last dimension, computed in float32.
-
-    The cast back to the input dtype happens *before* the weight multiply, as in HF's
-    `Qwen3RMSNorm`; doing it after would change bf16 results in the last bit.
-    """
+    """Holds an RMSNorm's weight and eps; the model applies it through its FusedOps."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -24,21 +24,45 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+class MergedLinear(nn.Module):
+    """Several HF projections of one input as one GEMM: y = x @ W.T (+ b), W = [W_a; W_b; ...].
+
+    `parts` maps each HF module name (relative to this module's parent: "q_proj", ...) to its
+    output rows, in stacking order; y's columns come out in that order.
+    """
+
+    def __init__(self, in_features: int, parts: dict[str, int], *, bias: bool) -> None:
+        super().__init__()
+        self.parts = dict(parts)
+        out_features = sum(self.parts.values())
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+
+    def row_slices(self) -> dict[str, slice]:
+        """HF module name -> its rows of `weight` (and entries of `bias`)."""
+        slices, start = {}, 0
+        for name, rows in self.parts.items():
+            slices[name] = slice(start, start + rows)
+            start += rows
+        return slices
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up as one GEMM."""
 
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.gate_up_proj = MergedLinear(
+            hidden_size, {"gate_proj": intermediate_size, "up_proj": intermediate_size}, bias=False
+        )
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, hidden] -> [T, hidden]
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, ops: FusedOps) -> torch.Tensor:
+        # x: [T, hidden] -> gate_up [T, 2 I] -> [T, I] -> [T, hidden]
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))

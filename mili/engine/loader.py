@@ -2,9 +2,11 @@
 
 Reads `config.json` and either `model.safetensors` or the shards listed in
 `model.safetensors.index.json`. The model is built on the `meta` device (no memory), every
-expected tensor is checked for presence and shape from the safetensors headers alone, and only
-then is each parameter materialized from its memory-mapped file, one tensor at a time, directly
-on the target device: there is never a second full copy of the weights in RAM.
+expected tensor (HF names: mili/engine/weight_map.py) is checked for presence and shape from the
+safetensors headers alone, and only then is each parameter materialized from its memory-mapped
+file, one tensor at a time, directly on the target device: there is never a second full copy of
+the weights in RAM. A merged parameter (q/k/v, gate/up) is allocated once and each HF tensor is
+copied into its rows.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ from mili.engine.checkpoint import CONFIG_FILE, INDEX_FILE, SINGLE_FILE
 from mili.engine.config import ConfigError, Qwen3Config
 from mili.engine.kv_cache import TORCH_DTYPES
 from mili.engine.kv_layout import DTYPES
+from mili.engine.fused_ops import FusedOps
 from mili.engine.model import Qwen3ForCausalLM
+from mili.engine.weight_map import WeightTarget, weight_map
 
 log = logging.getLogger(__name__)
 
@@ -76,14 +80,15 @@ def load_model(
     device: torch.device | str = "cpu",
     dtype: torch.dtype | None = None,
     attention: AttentionBackend | None = None,
+    fused_ops: FusedOps | None = None,
 ) -> Qwen3ForCausalLM:
     """Build the model from `path` on `device` in `dtype` (default: config's torch_dtype)."""
     config = load_config(path)
     target_dtype = dtype if dtype is not None else resolve_dtype(config.torch_dtype)
     files = tensor_files(path)
     with torch.device("meta"):
-        model = Qwen3ForCausalLM(config, attention)
-    expected = dict(model.named_parameters())
+        model = Qwen3ForCausalLM(config, attention, fused_ops)
+    expected = weight_map(model)
 
     missing = [name for name in expected if name not in files]
     if missing:
@@ -113,7 +118,7 @@ def load_model(
                 if name not in present:
                     raise CheckpointError(f"tensor {name} is not in {file.name} (as indexed)")
                 shape = tuple(f.get_slice(name).get_shape())
-                want = tuple(expected[name].shape)
+                want = expected[name].shape
                 if shape != want:
                     raise CheckpointError(
                         f"tensor {name} in {file.name} has shape {list(shape)}, "
@@ -124,7 +129,8 @@ def load_model(
         with _open(file, str(target)) as f:
             for name in names:
                 tensor = f.get_tensor(name).to(dtype=target_dtype)
-                _set_parameter(model, name, tensor)
+                _set_parameter(model, expected[name], tensor)
+    model.rotary.cos_sin_table(target)  # built once here, not in the first step
     return model
 
 
@@ -135,7 +141,16 @@ def _open(file: Path, device: str) -> Any:  # safetensors' safe_open has no type
         raise CheckpointError(f"cannot read {file}: {e}") from e
 
 
-def _set_parameter(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
-    module_name, _, attr = name.rpartition(".")
+def _set_parameter(model: nn.Module, target: WeightTarget, tensor: torch.Tensor) -> None:
+    module_name, _, attr = target.parameter.rpartition(".")
     module = model.get_submodule(module_name)
-    setattr(module, attr, nn.Parameter(tensor, requires_grad=False))
+    if target.rows is None:
+        setattr(module, attr, nn.Parameter(tensor, requires_grad=False))
+        return
+    param = getattr(module, attr)
+    if param.is_meta:  # the first part of a merged parameter allocates all of it
+        param = nn.Parameter(
+            torch.empty(param.shape, dtype=tensor.dtype, device=tensor.device), requires_grad=False
+        )
+        setattr(module, attr, param)
+    param[target.rows].copy_(tensor)

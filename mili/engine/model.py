@@ -1,16 +1,28 @@
 """Qwen3 dense decoder in torch, over a paged KV cache: one code path for CPU and CUDA.
 
-Module and parameter names are HF transformers' (`model.layers.3.self_attn.q_proj.weight`, ...),
-so `model.named_parameters()` is the list of tensors a checkpoint must hold (`lm_head.weight` only
-when embeddings are untied).
+Module names are HF transformers' (`model.layers.3.self_attn.o_proj.weight`, ...) except where
+projections are merged into one GEMM (`self_attn.qkv_proj` holds q_proj/k_proj/v_proj,
+`mlp.gate_up_proj` holds gate_proj/up_proj); mili/engine/weight_map.py maps every HF tensor name
+to its parameter and rows, and is the list of tensors a checkpoint must hold (`lm_head.weight`
+only when embeddings are untied).
 
 Two entry points, both `torch.inference_mode`, both returning float32 logits:
 
     prefill(PrefillBatch, kv_cache)  packed prompt chunks -> [B, vocab] (or [T, vocab])
     decode(DecodeBatch, kv_cache)    one token per sequence -> [B, vocab]
 
-Per layer: x -> RMSNorm -> q/k/v proj -> per-head RMSNorm on q, k -> RoPE -> write K/V at
-slot_mapping -> attention backend -> o_proj -> +x -> RMSNorm -> SwiGLU -> +residual.
+Per layer, each line one kernel where the FusedOps are fused (mili/engine/fused_ops.py):
+
+    h = add_rms_norm(x, residual)           residual += x; h = RMSNorm(residual)
+    qkv = h @ W_qkv                         q | k | v projections
+    q, k, v = qk_norm_rope_kv(qkv)          per-head RMSNorm, RoPE, K/V into the cache
+    o = attention(q, cache) @ W_o           attention backend, o_proj
+    h = add_rms_norm(o, residual)
+    x = silu_mul(h @ W_gate_up) @ W_down    SwiGLU
+
+The residual stream is carried as (x, residual): x the last sublayer's output, residual the sum
+before it, so each residual add fuses with the norm after it (the last with the final norm).
+Nothing in a step reads a device tensor back to the host.
 """
 
 from __future__ import annotations
@@ -24,12 +36,13 @@ from torch import nn
 
 from mili.engine.attention import AttentionBackend, TorchAttention
 from mili.engine.config import Qwen3Config
+from mili.engine.fused_ops import FusedOps, TorchFusedOps
 from mili.engine.kv_cache import KVCache, slots_for_range
-from mili.engine.layers import MLP, RMSNorm
-from mili.engine.rope import RotaryEmbedding, apply_rope
+from mili.engine.layers import MLP, MergedLinear, RMSNorm
+from mili.engine.rope import RotaryEmbedding
 
-# attend(q [T, H, D], k [T, KVH, D], v [T, KVH, D]) -> [T, H, D]; one closure per layer and step.
-Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# attend(layer, q [T, H, D], k [T, KVH, D], v [T, KVH, D]) -> [T, H, D]: one closure per step.
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class PrefillBatch(NamedTuple):
@@ -117,8 +130,19 @@ def _pad_block_tables(
     return torch.tensor(rows, dtype=torch.int32, device=device).reshape(len(rows), width)
 
 
+class _Step(NamedTuple):
+    """What every layer of one prefill or decode call shares."""
+
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64
+    cos_sin: torch.Tensor  # [max_position_embeddings, head_dim] float32 (rope.py)
+    kv_cache: KVCache
+    attend: Attend
+    ops: FusedOps
+
+
 class SelfAttention(nn.Module):
-    """Projections and per-head norms of Qwen3 attention; the attention itself is `attend`."""
+    """Projections and per-head norms of Qwen3 attention; the attention itself is `step.attend`."""
 
     def __init__(self, config: Qwen3Config) -> None:
         super().__init__()
@@ -127,23 +151,35 @@ class SelfAttention(nn.Module):
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = d
         bias = config.attention_bias
-        self.q_proj = nn.Linear(hidden, self.num_heads * d, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * d, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * d, bias=bias)
+        # q, k and v as one GEMM: output columns [q: H*D | k: KVH*D | v: KVH*D].
+        self.qkv_proj = MergedLinear(
+            hidden,
+            {
+                "q_proj": self.num_heads * d,
+                "k_proj": self.num_kv_heads * d,
+                "v_proj": self.num_kv_heads * d,
+            },
+            bias=bias,
+        )
         self.o_proj = nn.Linear(self.num_heads * d, hidden, bias=bias)
         # Qwen3's QK-norm: RMSNorm over head_dim of every head, before RoPE.
         self.q_norm = RMSNorm(d, config.rms_norm_eps)
         self.k_norm = RMSNorm(d, config.rms_norm_eps)
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend
-    ) -> torch.Tensor:
-        num_tokens = x.shape[0]  # x: [T, hidden]
-        q = self.q_norm(self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # [T, H, D], [T, KVH, D]
-        out = attend(q, k, v)  # [T, H, D]
+    def forward(self, h: torch.Tensor, step: _Step, layer: int) -> torch.Tensor:
+        num_tokens = h.shape[0]  # h: [T, hidden]
+        q, k, v = step.ops.qk_norm_rope_kv(
+            self.qkv_proj(h),  # [T, (H + 2 KVH) * D]
+            self.q_norm.weight,
+            self.k_norm.weight,
+            self.q_norm.eps,
+            step.cos_sin,
+            step.positions,
+            step.slot_mapping,
+            step.kv_cache.k[layer],
+            step.kv_cache.v[layer],
+        )  # q: [T, H, D]; k, v: [T, KVH, D], already in the cache
+        out = step.attend(layer, q, k, v)  # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 
@@ -156,10 +192,23 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        self, x: torch.Tensor, residual: torch.Tensor | None, step: _Step, layer: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) -> (x, residual) of the next layer; x, residual: [T, hidden].
+
+        HF's layer is `r = x + attn(norm1(x)); x = r + mlp(norm2(r))`; here the pending add of
+        the previous sublayer happens inside the next norm. residual is None on layer 0, whose
+        x is the embeddings.
+        """
+        ops, norm = step.ops, self.input_layernorm
+        if residual is None:
+            residual, h = x, ops.rms_norm(x, norm.weight, norm.eps)
+        else:
+            h = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
+        x = self.self_attn(h, step, layer)
+        norm = self.post_attention_layernorm
+        h = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
+        return self.mlp(h, ops), residual
 
 
 class Qwen3Model(nn.Module):
@@ -174,12 +223,22 @@ class Qwen3Model(nn.Module):
 
 
 class Qwen3ForCausalLM(nn.Module):
-    """Qwen3 with a language-model head; build on `meta` and let the loader materialize weights."""
+    """Qwen3 with a language-model head; build on `meta` and let the loader materialize weights.
 
-    def __init__(self, config: Qwen3Config, attention: AttentionBackend | None = None) -> None:
+    `attention` and `fused_ops` are the kernels it runs on (torch references by default);
+    services choose them once at start-up (kernels/backend.py, kernels/fused/backend.py).
+    """
+
+    def __init__(
+        self,
+        config: Qwen3Config,
+        attention: AttentionBackend | None = None,
+        fused_ops: FusedOps | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
         self.attention: AttentionBackend = attention if attention is not None else TorchAttention()
+        self.fused_ops: FusedOps = fused_ops if fused_ops is not None else TorchFusedOps()
         self.model = Qwen3Model(config)
         # Tied: the head reuses embed_tokens.weight and no `lm_head.weight` exists, as in HF files.
         self.lm_head = (
@@ -215,24 +274,21 @@ class Qwen3ForCausalLM(nn.Module):
         K/V is in the cache, so a caller can start shipping it while layer i+1 computes.
         """
 
-        def attend_fn(layer: int) -> Attend:
-            def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-                kv_cache.write(layer, batch.slot_mapping, k, v)
-                return self.attention.prefill(
-                    q,
-                    k,
-                    v,
-                    batch.cu_seqlens,
-                    batch.start_positions,
-                    kv_cache.k[layer],
-                    kv_cache.v[layer],
-                    batch.block_tables,
-                    scale=self.scale,
-                )
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return self.attention.prefill(
+                q,
+                k,
+                v,
+                batch.cu_seqlens,
+                batch.start_positions,
+                kv_cache.k[layer],
+                kv_cache.v[layer],
+                batch.block_tables,
+                scale=self.scale,
+            )
 
-            return attend
-
-        hidden = self._layers(batch.input_ids, batch.positions, attend_fn, layer_callback)
+        step = self._step(batch.positions, batch.slot_mapping, kv_cache, attend)
+        hidden = self._layers(batch.input_ids, step, layer_callback)
         if not all_logits:
             hidden = hidden[batch.cu_seqlens[1:].long() - 1]  # last token of each sequence
         return self._logits(hidden)
@@ -241,36 +297,45 @@ class Qwen3ForCausalLM(nn.Module):
     def decode(self, batch: DecodeBatch, kv_cache: KVCache) -> torch.Tensor:
         """One step for B sequences: writes each new token's K/V, returns [B, vocab] float32."""
 
-        def attend_fn(layer: int) -> Attend:
-            def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-                kv_cache.write(layer, batch.slot_mapping, k, v)
-                return self.attention.decode(
-                    q,
-                    kv_cache.k[layer],
-                    kv_cache.v[layer],
-                    batch.block_tables,
-                    batch.seq_lens,
-                    scale=self.scale,
-                )
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return self.attention.decode(
+                q,
+                kv_cache.k[layer],
+                kv_cache.v[layer],
+                batch.block_tables,
+                batch.seq_lens,
+                scale=self.scale,
+            )
 
-            return attend
+        step = self._step(batch.positions, batch.slot_mapping, kv_cache, attend)
+        return self._logits(self._layers(batch.input_ids, step, None))
 
-        return self._logits(self._layers(batch.input_ids, batch.positions, attend_fn, None))
+    def _step(
+        self,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        kv_cache: KVCache,
+        attend: Attend,
+    ) -> _Step:
+        cos_sin = self.rotary.cos_sin_table(positions.device)
+        return _Step(positions, slot_mapping, cos_sin, kv_cache, attend, self.fused_ops)
 
     def _layers(
         self,
         input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        attend_fn: Callable[[int], Attend],
+        step: _Step,
         layer_callback: Callable[[int], None] | None,
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)  # [T, D]
+        residual: torch.Tensor | None = None
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, attend_fn(i))
+            x, residual = layer(x, residual, step, i)
             if layer_callback is not None:
                 layer_callback(i)
-        return self.model.norm(x)
+        norm = self.model.norm
+        if residual is None:  # no layers
+            return step.ops.rms_norm(x, norm.weight, norm.eps)
+        return step.ops.add_rms_norm(x, residual, norm.weight, norm.eps)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -49,6 +49,21 @@ CONFIGS = {
         torch_dtype="float32",
         eos_token_id=[1, 2],
     ),
+    # attention_bias: q/k/v/o biases (merged into qkv_proj's bias like the weights).
+    "bias_gqa2": Qwen3Config(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=512,
+        rope_theta=10_000.0,
+        tie_word_embeddings=False,
+        attention_bias=True,
+        torch_dtype="float32",
+    ),
     # YaRN: 4x over an original context of 32, so the 100-token prompt is well past it.
     "yarn": Qwen3Config(
         vocab_size=256,

@@ -19,6 +19,7 @@ from mili.engine.config import ConfigError, Qwen3Config
 from mili.engine.kv_cache import KVCache
 from mili.engine.loader import CheckpointError, CheckpointWarning, load_model, tensor_files
 from mili.engine.model import PrefillBatch, Qwen3ForCausalLM
+from mili.engine.weight_map import hf_tensor
 
 CONFIG = Qwen3Config(
     vocab_size=128,
@@ -167,9 +168,9 @@ def test_bf16_checkpoint_and_bf16_load(tmp_path: Path) -> None:
         assert logits.dtype == torch.float32
         assert (logits - reference).abs().max() < 0.1 * reference.abs().max()
     # An fp32 model from bf16 files holds exactly the rounded weights.
-    up = load_model(bf16, dtype=torch.float32).get_parameter("model.layers.0.mlp.up_proj.weight")
+    up = hf_tensor(load_model(bf16, dtype=torch.float32), "model.layers.0.mlp.up_proj.weight")
     assert up.dtype == torch.float32
-    exact = load_model(fp32).get_parameter("model.layers.0.mlp.up_proj.weight")
+    exact = hf_tensor(load_model(fp32), "model.layers.0.mlp.up_proj.weight")
     assert torch.equal(up, exact.bfloat16().float())
 
 
