@@ -24,9 +24,9 @@ from torch import nn
 from mili.engine.attention import AttentionBackend
 from mili.engine.checkpoint import CONFIG_FILE, INDEX_FILE, SINGLE_FILE
 from mili.engine.config import ConfigError, Qwen3Config
+from mili.engine.fused_ops import FusedOps
 from mili.engine.kv_cache import TORCH_DTYPES
 from mili.engine.kv_layout import DTYPES
-from mili.engine.fused_ops import FusedOps
 from mili.engine.model import Qwen3ForCausalLM
 from mili.engine.weight_map import WeightTarget, weight_map
 
