@@ -10,12 +10,16 @@
 #                               dims = prefill's dims + (num_splits,)  (0: the kernel chooses)
 #
 # dtype_code: 0 float32, 1 bfloat16, 2 float16 (kernels/checks.py DTYPE_CODES).
+#
+# It also carries the fused elementwise kernels of a layer (fused_cpu.mojo; kernels/fused/cpu.py
+# binds them): add_rms_norm, qk_norm_rope, silu_mul.
 from std.os import abort
 from std.python import PythonObject
 from std.python.bindings import PythonModuleBuilder
 
 from prefill_cpu import prefill_cpu
 from decode_cpu import decode_cpu
+from fused_cpu import add_rms_norm_cpu, qk_norm_rope_cpu, silu_mul_cpu
 
 
 @export
@@ -28,6 +32,13 @@ def PyInit_mili_attention() abi("C") -> PythonObject:
         m.def_function[decode_cpu](
             "decode", docstring="Paged decode attention: one query per sequence over its blocks"
         )
+        m.def_function[add_rms_norm_cpu](
+            "add_rms_norm", docstring="residual += x; out = RMSNorm(residual) (or RMSNorm(x))"
+        )
+        m.def_function[qk_norm_rope_cpu](
+            "qk_norm_rope", docstring="Per-head RMSNorm of q and k, RoPE, K/V into the paged cache"
+        )
+        m.def_function[silu_mul_cpu]("silu_mul", docstring="out = silu(gate) * up")
         return m.finalize()
     except e:
         abort(String("failed to create module mili_attention: ", e))

@@ -9,6 +9,8 @@ import torch
 from kernels import build
 from kernels.backend import AttentionKernels
 from kernels.cpu import CpuKernels
+from kernels.fused.cpu import CpuFusedKernels
+from mili.engine.fused_ops import FusedOps
 
 
 @pytest.fixture(scope="session")
@@ -47,3 +49,17 @@ def device_kernels(request: pytest.FixtureRequest) -> tuple[str, AttentionKernel
     if request.param == "cpu-3-workers":
         kernels = kernels.with_options(num_threads=3, always_parallel=True)
     return "cpu", kernels
+
+
+@pytest.fixture(scope="session")
+def cpu_fused_kernels() -> CpuFusedKernels:
+    return CpuFusedKernels.from_path(build.build_cpu(), num_threads=2)
+
+
+@pytest.fixture(params=["cpu", "cpu-3-workers"])
+def fused_kernels(request: pytest.FixtureRequest, cpu_fused_kernels: CpuFusedKernels) -> FusedOps:
+    """Every fused-kernel implementation: inline on the caller's thread (what a decode step
+    runs) and forced onto three workers (what big prefill chunks run)."""
+    if request.param == "cpu-3-workers":
+        return cpu_fused_kernels.with_options(num_threads=3, always_parallel=True)
+    return cpu_fused_kernels

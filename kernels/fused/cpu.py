@@ -1,0 +1,152 @@
+"""The CPU binding of the fused kernels (kernels/mojo/fused_cpu.mojo): a `FusedOps`.
+
+The kernels live in the `mili_attention` extension module beside the attention kernels (one
+build, one load). Arguments are validated by kernels/fused/checks.py before pointers cross.
+`num_calls` counts kernel calls, for launch-count tests and benchmarks (torch's profiler does
+not see them).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from kernels.cpu import load_module
+from kernels.fused.checks import check_norm, check_qk_norm_rope, check_silu_mul
+
+# Below this many bytes read and written, a call runs inline on the caller's thread: waking the
+# Mojo runtime's workers costs more than the pass (a decode step's rows are a few KiB).
+ONE_THREAD_BYTES = 1 << 20
+
+
+class CpuFusedKernels:
+    """`FusedOps` on CPU tensors (fp32, bf16, fp16; head_dim 64, 128, 256)."""
+
+    name = "mojo"
+    is_graph_safe = False  # CPU tensors: there is no CUDA graph to capture
+
+    def __init__(
+        self, module: ModuleType, num_threads: int | None = None, *, always_parallel: bool = False
+    ) -> None:
+        self._module = module
+        self._num_threads = num_threads  # None: torch.get_num_threads() at each call
+        self._always_parallel = always_parallel  # tests: every call on all workers
+        self.num_calls = 0
+
+    @classmethod
+    def from_path(cls, path: Path, num_threads: int | None = None) -> CpuFusedKernels:
+        return cls(load_module(path), num_threads)
+
+    def with_options(self, *, num_threads: int | None, always_parallel: bool) -> CpuFusedKernels:
+        return CpuFusedKernels(self._module, num_threads, always_parallel=always_parallel)
+
+    def _threads(self, num_bytes: int, rows: int) -> int:
+        if num_bytes < ONE_THREAD_BYTES and not self._always_parallel:
+            return 1
+        return max(1, min(rows, self._num_threads or torch.get_num_threads()))
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        _require_cpu(x)
+        out = torch.empty_like(x)
+        self._norm(out, x, None, weight, eps)
+        return out
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        _require_cpu(x)
+        self._norm(x, x, residual, weight, eps)  # the result over x, as FusedOps allows
+        return x
+
+    def _norm(
+        self,
+        out: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        weight: torch.Tensor,
+        eps: float,
+    ) -> None:
+        code = check_norm(x, residual, weight)
+        rows, dim = x.shape
+        if rows == 0:
+            return
+        ptrs = (
+            out.data_ptr(),
+            x.data_ptr(),
+            0 if residual is None else residual.data_ptr(),
+            weight.data_ptr(),
+        )
+        passes = 3 if residual is None else 5  # tensors of x's size read or written
+        threads = self._threads(passes * x.numel() * x.element_size(), rows)
+        self.num_calls += 1
+        self._module.add_rms_norm(
+            ptrs, (code, rows, dim, int(residual is not None), threads), float(eps)
+        )
+
+    def qk_norm_rope_kv(
+        self,
+        qkv: torch.Tensor,
+        q_weight: torch.Tensor,
+        k_weight: torch.Tensor,
+        eps: float,
+        cos_sin: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        _require_cpu(qkv)
+        dims = check_qk_norm_rope(
+            qkv, q_weight, k_weight, cos_sin, positions, slot_mapping, k_cache, v_cache
+        )
+        num_tokens, heads, kv_heads, head_dim = (
+            dims.num_tokens,
+            dims.num_q_heads,
+            dims.num_kv_heads,
+            dims.head_dim,
+        )
+        q = torch.empty((num_tokens, heads, head_dim), dtype=qkv.dtype)
+        if num_tokens:
+            ptrs = (
+                q.data_ptr(),
+                qkv.data_ptr(),
+                q_weight.data_ptr(),
+                k_weight.data_ptr(),
+                cos_sin.data_ptr(),
+                positions.data_ptr(),
+                slot_mapping.data_ptr(),
+                k_cache.data_ptr(),
+                v_cache.data_ptr(),
+            )
+            threads = self._threads(2 * qkv.numel() * qkv.element_size(), num_tokens)
+            self.num_calls += 1
+            self._module.qk_norm_rope(
+                ptrs,
+                (dims.dtype_code, num_tokens, heads, kv_heads, head_dim, threads),
+                float(eps),
+            )
+        _, k, v = qkv.view(num_tokens, heads + 2 * kv_heads, head_dim).split(
+            (heads, kv_heads, kv_heads), dim=1
+        )
+        return q, k, v
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        _require_cpu(gate_up)
+        code = check_silu_mul(gate_up)
+        rows, width = gate_up.shape
+        out = torch.empty((rows, width // 2), dtype=gate_up.dtype)
+        if rows:
+            threads = self._threads(3 * out.numel() * out.element_size(), rows)
+            self.num_calls += 1
+            self._module.silu_mul(
+                (out.data_ptr(), gate_up.data_ptr()), (code, rows, width // 2, threads)
+            )
+        return out
+
+
+def _require_cpu(t: torch.Tensor) -> None:
+    if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+        where = t.device if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"the CPU fused kernels need CPU tensors, got one on {where}")
