@@ -32,6 +32,7 @@ from mili.engine.config import ConfigError
 from mili.engine.cuda_graphs import DecodeGraphs
 from mili.engine.decode_inputs import DecodeInputs
 from mili.engine.engine_config import EngineConfig
+from mili.engine.fused_ops import FusedOps
 from mili.engine.kv_cache import KVCache, bytes_per_block
 from mili.engine.kv_memory import GIB, DeviceMemory, KvPoolSize, plan_kv_pool
 from mili.engine.loader import CheckpointError, load_model, resolve_dtype
@@ -224,6 +225,7 @@ class ModelRunner:
         config: EngineConfig,
         *,
         attention: AttentionBackend,
+        fused_ops: FusedOps | None = None,
         max_decode_batch: int,
         capture_graphs: bool,
         max_prefill_tokens: int | None = None,
@@ -242,7 +244,9 @@ class ModelRunner:
         device = torch.device(config.device)
         try:
             dtype = resolve_dtype(config.dtype) if config.dtype is not None else None
-            model = load_model(model_dir, device=device, dtype=dtype, attention=attention)
+            model = load_model(
+                model_dir, device=device, dtype=dtype, attention=attention, fused_ops=fused_ops
+            )
         except (CheckpointError, ConfigError, OSError, RuntimeError) as e:
             raise StartupError(f"cannot load model from {model_dir}: {e}") from None
         use_graphs = capture_graphs and device.type == "cuda" and _graphs_allowed(config, model)
@@ -297,6 +301,12 @@ def _graphs_allowed(config: EngineConfig, model: Qwen3ForCausalLM) -> bool:
     """Whether decode steps may be captured; logs why not."""
     if config.enforce_eager:
         _LOG.info("CUDA graphs off (--enforce-eager): decode steps run eagerly")
+        return False
+    if not model.fused_ops.is_graph_safe:
+        _LOG.warning(
+            "CUDA graphs off: fused ops %s are not graph-safe; decode steps run eagerly",
+            model.fused_ops.name,
+        )
         return False
     if not getattr(model.attention, "is_graph_safe", False):
         _LOG.warning(

@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry
 
 from kernels.backend import select_attention
 from kernels.build import KernelBuildError
+from kernels.fused.backend import select_fused_ops
 from mili.engine.block_pool import BlockPool
 from mili.engine.config import ConfigError, Qwen3Config
 from mili.engine.fingerprint import model_fingerprint
@@ -79,6 +80,10 @@ class DecodeInstance:
             attention = select_attention(
                 engine.attention, engine.device, head_dim=model_config.head_dim
             )
+            # One flag, one kernel family: --attention picks the fused elementwise ops too.
+            fused_ops = select_fused_ops(
+                engine.attention, engine.device, head_dim=model_config.head_dim
+            )
             fingerprint = model_fingerprint(config.model_dir)
         except KernelBuildError as e:
             raise StartupError(f"--attention {engine.attention}: {e}") from None
@@ -88,6 +93,7 @@ class DecodeInstance:
             config.model_dir,
             engine,
             attention=attention,
+            fused_ops=fused_ops,
             max_decode_batch=config.max_running,
             capture_graphs=True,
             default_kv_bytes=DEFAULT_KV_CACHE_BYTES,

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 
 from kernels.backend import select_attention
 from kernels.build import KernelBuildError
+from kernels.fused.backend import select_fused_ops
 from mili.engine.block_pool import BlockPool
 from mili.engine.config import ConfigError
 from mili.engine.fingerprint import model_fingerprint
@@ -58,6 +59,10 @@ class PrefillInstance:
             attention = select_attention(
                 engine.attention, engine.device, head_dim=model_config.head_dim
             )
+            # One flag, one kernel family: --attention picks the fused elementwise ops too.
+            fused_ops = select_fused_ops(
+                engine.attention, engine.device, head_dim=model_config.head_dim
+            )
             fingerprint = model_fingerprint(model_dir)
         except KernelBuildError as e:
             raise StartupError(f"--attention {engine.attention}: {e}") from None
@@ -67,6 +72,7 @@ class PrefillInstance:
             model_dir,
             engine,
             attention=attention,
+            fused_ops=fused_ops,
             max_decode_batch=1,  # prefill runs no decode step
             capture_graphs=False,
             max_prefill_tokens=config.max_batch_tokens,
