@@ -65,6 +65,8 @@ class CpuKernels:
         self._module = module
         self._num_threads = num_threads  # None: torch.get_num_threads() at each call
         self._always_parallel = always_parallel  # tests: every call on all workers
+        # Kernel calls made, for launch-count tests (torch's profiler does not see them).
+        self.num_calls = 0
 
     @classmethod
     def from_path(cls, path: Path, num_threads: int | None = None) -> CpuKernels:
@@ -116,6 +118,7 @@ class CpuKernels:
         pairs = float((lengths * (start_positions.numpy() + (lengths + 1) / 2)).sum())
         flops = 4 * dims.num_q_heads * dims.head_dim * pairs
         threads = self._threads(flops, PREFILL_ONE_THREAD_FLOPS)
+        self.num_calls += 1
         self._module.prefill(ptrs, (*dims, threads), float(scale))
         return out
 
@@ -149,6 +152,7 @@ class CpuKernels:
         contexts = float(seq_lens.numpy().sum(dtype=np.int64))
         kv_bytes = 2 * contexts * dims.num_kv_heads * dims.head_dim * q.element_size()
         threads = self._threads(kv_bytes, DECODE_ONE_THREAD_BYTES)
+        self.num_calls += 1
         self._module.decode(ptrs, (*dims, threads, num_splits), float(scale))
         return out
 
