@@ -1,0 +1,173 @@
+"""Fused elementwise ops (Mojo CPU kernels) against their torch reference, then a whole decode
+step with each, side by side in one run.
+
+Ops at Qwen3-0.6B's shapes (hidden 1024, 16 q / 8 kv heads, D=128, intermediate 3072) for T
+tokens: T=1 and 16 (decode steps), 512 (a prefill chunk). Each row alternates Mojo and the
+reference (mili.engine.fused_ops.TorchFusedOps) for --repeats rounds and reports the best of each
+and their ratio; --compile adds `torch.compile` of the reference as a third column.
+
+Decode step: a random-weight model with Qwen3-0.6B's layer shapes (--layers of them, a small
+vocabulary so the head does not dominate), Mojo attention in both; `torch ops` runs the fused ops
+as the torch reference, `Mojo ops` as the Mojo kernels. Context --context tokens per sequence.
+
+    flock /tmp/mili-bench.lock .venv/bin/python benchmarks/fused_cpu.py --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kernels.backend import MojoAttention
+from kernels.build import build_cpu
+from kernels.cpu import CpuKernels
+from kernels.fused.cpu import CpuFusedKernels
+from mili.engine.checkpoint import write_random_checkpoint
+from mili.engine.config import PRESETS
+from mili.engine.fused_ops import FusedOps, TorchFusedOps
+from mili.engine.kv_cache import KVCache
+from mili.engine.loader import load_model
+from mili.engine.model import DecodeBatch, PrefillBatch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER = 1024, 16, 8, 128, 3072
+BLOCK = 16
+EPS = 1e-6
+
+
+def best_of(fns: list[Callable[[], object]], repeats: int) -> list[float]:
+    for fn in fns:
+        fn()  # warm-up: first touch, thread pools, compilation
+    best = [float("inf")] * len(fns)
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            start = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - start)
+    return best
+
+
+def op_cases(ops: FusedOps, dtype: torch.dtype, tokens: int) -> dict[str, Callable[[], object]]:
+    """name -> a call of `ops` on fresh-enough inputs (in-place ops rewrite their own buffers)."""
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, HIDDEN, generator=g).to(dtype)
+    residual = torch.randn(tokens, HIDDEN, generator=g).to(dtype)
+    weight = torch.randn(HIDDEN, generator=g).to(dtype)
+    qkv = torch.randn(tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM, generator=g).to(dtype)
+    head_weight = torch.randn(HEAD_DIM, generator=g).to(dtype)
+    cos_sin = torch.rand(4096, HEAD_DIM, generator=g)
+    positions = torch.randint(0, 4096, (tokens,), generator=g)
+    num_blocks = tokens // BLOCK + 2
+    slots = torch.randperm(num_blocks * BLOCK, generator=g)[:tokens]
+    k_cache = torch.zeros(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    gate_up = torch.randn(tokens, 2 * INTER, generator=g).to(dtype)
+    return {
+        "add_rms_norm": lambda: ops.add_rms_norm(x, residual, weight, EPS),
+        "qk_norm_rope_kv": lambda: ops.qk_norm_rope_kv(
+            qkv, head_weight, head_weight, EPS, cos_sin, positions, slots, k_cache, v_cache
+        ),
+        "silu_mul": lambda: ops.silu_mul(gate_up),
+    }
+
+
+class CompiledOps(TorchFusedOps):
+    """torch.compile of the reference ops (inductor's fused C++ loops on CPU)."""
+
+    name = "compiled"
+
+    def __init__(self) -> None:
+        reference = TorchFusedOps()
+        self.add_rms_norm = torch.compile(reference.add_rms_norm, dynamic=False)  # type: ignore[method-assign]
+        self.qk_norm_rope_kv = torch.compile(reference.qk_norm_rope_kv, dynamic=False)  # type: ignore[method-assign]
+        self.silu_mul = torch.compile(reference.silu_mul, dynamic=False)  # type: ignore[method-assign]
+
+
+def bench_ops(args: argparse.Namespace, mojo: CpuFusedKernels) -> None:
+    implementations: list[FusedOps] = [mojo, TorchFusedOps()]
+    if args.compile:
+        implementations.append(CompiledOps())
+    names = [impl.name for impl in implementations]
+    print(f"{'op':16} {'dtype':5} {'T':>4} " + " ".join(f"{n + ' us':>12}" for n in names), end="")
+    print(f" {'torch/mojo':>10}")
+    for dtype_name in args.dtypes:
+        for tokens in args.tokens:
+            cases = [op_cases(impl, DTYPES[dtype_name], tokens) for impl in implementations]
+            for op in cases[0]:
+                times = best_of([case[op] for case in cases], args.repeats)
+                print(f"{op:16} {dtype_name:5} {tokens:4d} ", end="")
+                print(" ".join(f"{t * 1e6:12.1f}" for t in times), end="")
+                print(f" {times[1] / times[0]:9.2f}x")
+
+
+def bench_step(args: argparse.Namespace, mojo: CpuFusedKernels, attention: MojoAttention) -> None:
+    config = dataclasses.replace(
+        PRESETS["qwen3-0.6b"], num_hidden_layers=args.layers, vocab_size=4096
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        for dtype_name in args.dtypes:
+            dtype = DTYPES[dtype_name]
+            path = write_random_checkpoint(Path(tmp) / dtype_name, config, dtype=dtype)
+            models = {
+                "torch ops": load_model(path, attention=attention, fused_ops=TorchFusedOps()),
+                "Mojo ops": load_model(path, attention=attention, fused_ops=mojo),
+            }
+            for batch in args.batch:
+                steps = []
+                for model in models.values():
+                    blocks = -(-(args.context + 1) // BLOCK)
+                    cache = KVCache(config, batch * blocks, BLOCK, dtype=dtype)
+                    tables = [list(range(i * blocks, (i + 1) * blocks)) for i in range(batch)]
+                    prompts = [[7] * args.context] * batch
+                    model.prefill(PrefillBatch.build(prompts, tables, BLOCK), cache)
+                    step = DecodeBatch.build([5] * batch, [args.context] * batch, tables, BLOCK)
+                    steps.append(lambda m=model, s=step, c=cache: m.decode(s, c))
+                before, after = best_of(steps, args.repeats)
+                print(
+                    f"decode step {dtype_name} B={batch} ctx={args.context} "
+                    f"{args.layers} layers: torch ops {before * 1e3:.2f} ms, "
+                    f"Mojo ops {after * 1e3:.2f} ms, {before / after:.2f}x"
+                )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2, help="torch and Mojo worker threads")
+    parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    parser.add_argument("--tokens", nargs="+", type=int, default=[1, 16, 512])
+    parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--compile", action="store_true", help="add torch.compile'd reference")
+    parser.add_argument("--layers", type=int, default=28)
+    parser.add_argument("--batch", nargs="+", type=int, default=[1, 16])
+    parser.add_argument("--context", type=int, default=128)
+    parser.add_argument("--no-step", action="store_true", help="only the ops")
+    args = parser.parse_args()
+
+    torch.set_num_threads(args.threads)
+    module = build_cpu()
+    mojo = CpuFusedKernels.from_path(module, num_threads=args.threads)
+    attention = MojoAttention(CpuKernels.from_path(module, num_threads=args.threads), "cpu")
+    print(
+        f"threads {args.threads}, load average {os.getloadavg()[0]:.2f}, torch {torch.__version__}"
+    )
+    with torch.inference_mode():
+        bench_ops(args, mojo)
+    if not args.no_step:
+        args.repeats = max(3, args.repeats // 10)
+        bench_step(args, mojo, attention)
+    print(f"load average after: {os.getloadavg()[0]:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
