@@ -36,6 +36,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"cpu: {build.build_cpu(args.cache_dir)}")
         if args.gpu:
             print(f"{build.GPU_ARCH}: {build.build_gpu(args.cache_dir)}")
+            from kernels.fused.ptx import build_fused_gpu
+
+            print(f"{build.GPU_ARCH} fused: {build_fused_gpu(args.cache_dir)}")
     except build.KernelBuildError as exc:
         raise StartupError(str(exc)) from exc
     print(f"kernels for source {build.source_key()} ready in {time.monotonic() - started:.1f} s")

@@ -1,8 +1,8 @@
 """`select_fused_ops`: the FusedOps a service runs, chosen like its attention backend.
 
     torch   mili.engine.fused_ops.TorchFusedOps, the reference
-    mojo    the Mojo kernels of the device (kernels/fused/cpu.py; no sm_90 version yet, so a
-            GPU falls back to torch); a missing or failing toolchain stops the service
+    mojo    the Mojo kernels of the device (kernels/fused/cpu.py, kernels/fused/gpu.py); a
+            missing or failing toolchain (or missing PTX on a GPU host) stops the service
     auto    Mojo where the kernels build for the device and the model's head_dim, else torch
 
 Services pass their `--attention` choice: one flag picks the kernel family of a process, so
@@ -29,6 +29,15 @@ def load_mojo_fused_ops(device: torch.device | str, root: Path | None = None) ->
     device = torch.device(device)
     if device.type == "cpu":
         return CpuFusedKernels.from_path(build.build_cpu(root))
+    if device.type == "cuda":
+        from kernels.fused.gpu import GpuFusedKernels
+        from kernels.fused.ptx import build_fused_gpu, fused_kernel_dir
+
+        ptx_dir = fused_kernel_dir(root)
+        if not (ptx_dir / "manifest.json").exists():
+            # GPU hosts usually lack the toolchain: PTX is built where Mojo is and carried over.
+            ptx_dir = build_fused_gpu(root)
+        return GpuFusedKernels(ptx_dir)
     raise build.KernelBuildError(f"no Mojo fused kernels for device type {device.type!r}")
 
 
@@ -44,10 +53,6 @@ def select_fused_ops(
             f"kernel choice must be one of {', '.join(ATTENTION_CHOICES)}, got {choice}"
         )
     if choice == "torch":
-        return TorchFusedOps()
-    if torch.device(device).type != "cpu":
-        # No sm_90 fused kernels yet: the attention kernels alone decide what `mojo` requires.
-        _LOG.info("no Mojo fused kernels for %s: using the torch reference ops", device)
         return TorchFusedOps()
     try:
         if head_dim not in HEAD_DIMS:

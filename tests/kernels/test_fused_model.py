@@ -38,8 +38,6 @@ def test_choice() -> None:
     assert isinstance(select_fused_ops("torch", "cpu", head_dim=128), TorchFusedOps)
     assert isinstance(select_fused_ops("auto", "cpu", head_dim=64), CpuFusedKernels)
     assert isinstance(select_fused_ops("mojo", "cpu", head_dim=128), CpuFusedKernels)
-    # No sm_90 fused kernels yet: a GPU runs the reference ops whatever the choice.
-    assert isinstance(select_fused_ops("mojo", "cuda", head_dim=128), TorchFusedOps)
     with pytest.raises(ValueError, match="must be one of auto, mojo, torch"):
         select_fused_ops("fast", "cpu", head_dim=64)
 
@@ -52,6 +50,10 @@ def test_auto_falls_back_to_torch_and_says_why(tmp_path, monkeypatch, caplog) ->
     assert "Mojo toolchain not found" in caplog.text
     with pytest.raises(build.KernelBuildError, match="Mojo toolchain not found"):
         select_fused_ops("mojo", "cpu", head_dim=64, root=tmp_path)
+    # A GPU host without the toolchain needs PTX carried over; without it, the same rule.
+    assert isinstance(select_fused_ops("auto", "cuda", head_dim=64, root=tmp_path), TorchFusedOps)
+    with pytest.raises(build.KernelBuildError, match="Mojo toolchain not found"):
+        select_fused_ops("mojo", "cuda", head_dim=64, root=tmp_path)
 
 
 def test_unsupported_head_dim(caplog) -> None:

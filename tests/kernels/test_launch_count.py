@@ -74,16 +74,12 @@ def _kernels_per_step(path: Path, kind: str) -> tuple[int, Counter[str]]:
     attention_kernels = CpuKernels.from_path(module_path)
     fused = CpuFusedKernels.from_path(module_path)
     if kind == "mojo":
-        model = load_model(
-            path, attention=MojoAttention(attention_kernels, "cpu"), fused_ops=fused
-        )
+        model = load_model(path, attention=MojoAttention(attention_kernels, "cpu"), fused_ops=fused)
     else:
         model = load_model(path, attention=TorchAttention(), fused_ops=TorchFusedOps())
     cache = KVCache(model.config, 8, BLOCK_SIZE, dtype=model.dtype)
     tables = [[0], [1, 2], [3]]
-    model.prefill(
-        PrefillBatch.build([[1, 2, 3], list(range(20)), [4]], tables, BLOCK_SIZE), cache
-    )
+    model.prefill(PrefillBatch.build([[1, 2, 3], list(range(20)), [4]], tables, BLOCK_SIZE), cache)
     batch = DecodeBatch.build([5, 6, 7], [3, 20, 1], tables, BLOCK_SIZE)
     model.decode(batch, cache)  # warm: first calls may allocate or pick kernels
     calls_before = attention_kernels.num_calls + fused.num_calls

@@ -1,5 +1,5 @@
-"""Fused elementwise ops (Mojo CPU kernels) against their torch reference, then a whole decode
-step with each, side by side in one run.
+"""Fused elementwise ops (Mojo kernels) against their torch reference, then a whole decode step
+with each, side by side in one run, on the CPU or (--device cuda) a GPU.
 
 Ops at Qwen3-0.6B's shapes (hidden 1024, 16 q / 8 kv heads, D=128, intermediate 3072) for T
 tokens: T=1 and 16 (decode steps), 512 (a prefill chunk). Each row alternates Mojo and the
@@ -10,7 +10,12 @@ Decode step: a random-weight model with Qwen3-0.6B's layer shapes (--layers of t
 vocabulary so the head does not dominate), Mojo attention in both; `torch ops` runs the fused ops
 as the torch reference, `Mojo ops` as the Mojo kernels. Context --context tokens per sequence.
 
-    flock /tmp/mili-bench.lock .venv/bin/python benchmarks/fused_cpu.py --threads 2
+On a GPU each timing is the mean of --inner back-to-back calls between two synchronisations
+(single small kernels are launch-bound), and the step section also counts the CUDA kernels one
+decode step launches (torch.profiler), per layer: (count at --layers) / layers, head included.
+
+    flock /tmp/mili-bench.lock .venv/bin/python benchmarks/fused_ops.py --threads 2
+    python3 benchmarks/fused_ops.py --device cuda --compile       # GPU host, PTX carried over
 """
 
 from __future__ import annotations
@@ -28,10 +33,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels.backend import MojoAttention
-from kernels.build import build_cpu
-from kernels.cpu import CpuKernels
-from kernels.fused.cpu import CpuFusedKernels
+from kernels.backend import select_attention
+from kernels.fused.backend import select_fused_ops
+from mili.engine.attention import AttentionBackend
 from mili.engine.checkpoint import write_random_checkpoint
 from mili.engine.config import PRESETS
 from mili.engine.fused_ops import FusedOps, TorchFusedOps
@@ -45,33 +49,49 @@ BLOCK = 16
 EPS = 1e-6
 
 
-def best_of(fns: list[Callable[[], object]], repeats: int) -> list[float]:
+def best_of(fns: list[Callable[[], object]], repeats: int, device: str, inner: int) -> list[float]:
+    """Best time of one call of each fn over `repeats` alternating rounds (seconds)."""
+    inner = inner if device == "cuda" else 1
     for fn in fns:
-        fn()  # warm-up: first touch, thread pools, compilation
+        fn()  # warm-up: first touch, thread pools, compilation, module loading
     best = [float("inf")] * len(fns)
     for _ in range(repeats):
         for i, fn in enumerate(fns):
+            _sync(device)
             start = time.perf_counter()
-            fn()
-            best[i] = min(best[i], time.perf_counter() - start)
+            for _ in range(inner):
+                fn()
+            _sync(device)
+            best[i] = min(best[i], (time.perf_counter() - start) / inner)
     return best
 
 
-def op_cases(ops: FusedOps, dtype: torch.dtype, tokens: int) -> dict[str, Callable[[], object]]:
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def op_cases(
+    ops: FusedOps, dtype: torch.dtype, tokens: int, device: str
+) -> dict[str, Callable[[], object]]:
     """name -> a call of `ops` on fresh-enough inputs (in-place ops rewrite their own buffers)."""
     g = torch.Generator().manual_seed(tokens)
-    x = torch.randn(tokens, HIDDEN, generator=g).to(dtype)
-    residual = torch.randn(tokens, HIDDEN, generator=g).to(dtype)
-    weight = torch.randn(HIDDEN, generator=g).to(dtype)
-    qkv = torch.randn(tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM, generator=g).to(dtype)
-    head_weight = torch.randn(HEAD_DIM, generator=g).to(dtype)
-    cos_sin = torch.rand(4096, HEAD_DIM, generator=g)
-    positions = torch.randint(0, 4096, (tokens,), generator=g)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
+
+    x = randn(tokens, HIDDEN)
+    residual = randn(tokens, HIDDEN)
+    weight = randn(HIDDEN)
+    qkv = randn(tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM)
+    head_weight = randn(HEAD_DIM)
+    cos_sin = torch.rand(4096, HEAD_DIM, generator=g).to(device)
+    positions = torch.randint(0, 4096, (tokens,), generator=g).to(device)
     num_blocks = tokens // BLOCK + 2
-    slots = torch.randperm(num_blocks * BLOCK, generator=g)[:tokens]
-    k_cache = torch.zeros(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype=dtype)
+    slots = torch.randperm(num_blocks * BLOCK, generator=g)[:tokens].to(device)
+    k_cache = torch.zeros(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype=dtype, device=device)
     v_cache = torch.zeros_like(k_cache)
-    gate_up = torch.randn(tokens, 2 * INTER, generator=g).to(dtype)
+    gate_up = randn(tokens, 2 * INTER)
     return {
         "add_rms_norm": lambda: ops.add_rms_norm(x, residual, weight, EPS),
         "qk_norm_rope_kv": lambda: ops.qk_norm_rope_kv(
@@ -93,7 +113,7 @@ class CompiledOps(TorchFusedOps):
         self.silu_mul = torch.compile(reference.silu_mul, dynamic=False)  # type: ignore[method-assign]
 
 
-def bench_ops(args: argparse.Namespace, mojo: CpuFusedKernels) -> None:
+def bench_ops(args: argparse.Namespace, mojo: FusedOps) -> None:
     implementations: list[FusedOps] = [mojo, TorchFusedOps()]
     if args.compile:
         implementations.append(CompiledOps())
@@ -102,15 +122,18 @@ def bench_ops(args: argparse.Namespace, mojo: CpuFusedKernels) -> None:
     print(f" {'torch/mojo':>10}")
     for dtype_name in args.dtypes:
         for tokens in args.tokens:
-            cases = [op_cases(impl, DTYPES[dtype_name], tokens) for impl in implementations]
+            cases = [
+                op_cases(impl, DTYPES[dtype_name], tokens, args.device) for impl in implementations
+            ]
             for op in cases[0]:
-                times = best_of([case[op] for case in cases], args.repeats)
+                fns = [case[op] for case in cases]
+                times = best_of(fns, args.repeats, args.device, args.inner)
                 print(f"{op:16} {dtype_name:5} {tokens:4d} ", end="")
                 print(" ".join(f"{t * 1e6:12.1f}" for t in times), end="")
                 print(f" {times[1] / times[0]:9.2f}x")
 
 
-def bench_step(args: argparse.Namespace, mojo: CpuFusedKernels, attention: MojoAttention) -> None:
+def bench_step(args: argparse.Namespace, mojo: FusedOps, attention: AttentionBackend) -> None:
     config = dataclasses.replace(
         PRESETS["qwen3-0.6b"], num_hidden_layers=args.layers, vocab_size=4096
     )
@@ -119,25 +142,43 @@ def bench_step(args: argparse.Namespace, mojo: CpuFusedKernels, attention: MojoA
             dtype = DTYPES[dtype_name]
             path = write_random_checkpoint(Path(tmp) / dtype_name, config, dtype=dtype)
             models = {
-                "torch ops": load_model(path, attention=attention, fused_ops=TorchFusedOps()),
-                "Mojo ops": load_model(path, attention=attention, fused_ops=mojo),
+                name: load_model(path, device=args.device, attention=attention, fused_ops=ops)
+                for name, ops in (("torch ops", TorchFusedOps()), ("Mojo ops", mojo))
             }
             for batch in args.batch:
                 steps = []
                 for model in models.values():
                     blocks = -(-(args.context + 1) // BLOCK)
-                    cache = KVCache(config, batch * blocks, BLOCK, dtype=dtype)
+                    cache = KVCache(config, batch * blocks, BLOCK, dtype=dtype, device=args.device)
                     tables = [list(range(i * blocks, (i + 1) * blocks)) for i in range(batch)]
                     prompts = [[7] * args.context] * batch
-                    model.prefill(PrefillBatch.build(prompts, tables, BLOCK), cache)
-                    step = DecodeBatch.build([5] * batch, [args.context] * batch, tables, BLOCK)
+                    prefill = PrefillBatch.build(prompts, tables, BLOCK, device=args.device)
+                    model.prefill(prefill, cache)
+                    step = DecodeBatch.build(
+                        [5] * batch, [args.context] * batch, tables, BLOCK, device=args.device
+                    )
                     steps.append(lambda m=model, s=step, c=cache: m.decode(s, c))
-                before, after = best_of(steps, args.repeats)
+                    if args.device == "cuda":
+                        print(f"  {model.fused_ops.name}: {count_cuda_kernels(steps[-1])} kernels")
+                before, after = best_of(steps, args.repeats, args.device, 1)
                 print(
                     f"decode step {dtype_name} B={batch} ctx={args.context} "
                     f"{args.layers} layers: torch ops {before * 1e3:.2f} ms, "
                     f"Mojo ops {after * 1e3:.2f} ms, {before / after:.2f}x"
                 )
+
+
+def count_cuda_kernels(step: Callable[[], object]) -> str:
+    """CUDA kernels one call launches, as torch.profiler sees them (Mojo's PTX launches too)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return f"{len(kernels)} per step"
 
 
 def main() -> int:
@@ -151,12 +192,13 @@ def main() -> int:
     parser.add_argument("--batch", nargs="+", type=int, default=[1, 16])
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--no-step", action="store_true", help="only the ops")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--inner", type=int, default=100, help="calls per timing on a GPU")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
-    module = build_cpu()
-    mojo = CpuFusedKernels.from_path(module, num_threads=args.threads)
-    attention = MojoAttention(CpuKernels.from_path(module, num_threads=args.threads), "cpu")
+    mojo = select_fused_ops("mojo", args.device, head_dim=HEAD_DIM)
+    attention = select_attention("mojo", args.device, head_dim=HEAD_DIM)
     print(
         f"threads {args.threads}, load average {os.getloadavg()[0]:.2f}, torch {torch.__version__}"
     )

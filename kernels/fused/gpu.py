@@ -1,0 +1,241 @@
+"""GpuFusedKernels: the fused ops (mili/engine/fused_ops.py) on the sm_90 PTX of
+kernels/mojo/fused_gpu.mojo, launched on torch's current stream (kernels/fused/ptx.py builds it).
+
+The driver route (cuda-python, else CuPy) is the attention kernels' (kernels/gpu.py). Nothing
+here reads a device tensor back: index ranges are not checked (`check_values=False`), outputs
+come from torch's caching allocator on the current stream, so a CUDA graph can capture a step.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kernels.fused.checks import check_norm, check_qk_norm_rope, check_silu_mul
+from kernels.fused.ptx import (
+    NORM_THREADS,
+    ROPE_THREADS,
+    SIGNATURES,
+    SILU_THREADS,
+    check_signature,
+    load_manifest,
+)
+from kernels.gpu import _make_driver
+from kernels.ptx import parse_entries
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_MAX_GRID_X = 2**31 - 1
+_MAX_GRID_YZ = 65535
+
+
+def pack(kernel: str, values: dict[str, int | float]) -> list[ctypes._SimpleCData]:
+    """Launch arguments in the entry's parameter order (kernels.fused.ptx.SIGNATURES)."""
+    if set(values) != {name for name, _ in SIGNATURES[kernel]}:
+        raise AssertionError(f"{kernel}: arguments {sorted(values)} do not match its signature")
+    packed: list[ctypes._SimpleCData] = []
+    for name, kind in SIGNATURES[kernel]:
+        value = values[name]
+        if kind == "ptr":
+            packed.append(ctypes.c_uint64(int(value)))
+        elif kind == "i32":
+            if not -(2**31) <= int(value) < 2**31:
+                raise ValueError(f"{kernel}: {name}={value} does not fit int32")
+            packed.append(ctypes.c_int32(int(value)))
+        else:
+            packed.append(ctypes.c_float(float(value)))
+    return packed
+
+
+class GpuFusedKernels:
+    """`FusedOps` on CUDA tensors (fp32, bf16, fp16; head_dim 64, 128, 256)."""
+
+    name = "mojo"
+    is_graph_safe = True  # no host sync, allocations from torch's allocator on its stream
+
+    def __init__(self, kernel_dir: str | Path) -> None:
+        self.kernel_dir = Path(kernel_dir)
+        self._manifest: dict | None = None
+        self._driver: Any = None
+        self._functions: dict[tuple[int, str, str, int], Any] = {}
+        self._lock = threading.Lock()
+        self.num_calls = 0  # launches, for launch-count tests and benchmarks
+
+    @property
+    def manifest(self) -> dict:
+        if self._manifest is None:
+            self._manifest = load_manifest(self.kernel_dir)
+        return self._manifest
+
+    def _function(self, device: int, kernel: str, dtype: str, head_dim: int) -> Any:
+        key = (device, kernel, dtype, head_dim)
+        func = self._functions.get(key)
+        if func is not None:
+            return func
+        with self._lock:
+            if key not in self._functions:
+                records = [
+                    r
+                    for r in self.manifest["kernels"]
+                    if (r["kernel"], r["dtype"], r["head_dim"]) == (kernel, dtype, head_dim)
+                ]
+                if len(records) != 1:
+                    raise RuntimeError(
+                        f"{self.kernel_dir}/manifest.json has no {kernel} {dtype} D={head_dim}"
+                    )
+                rec = records[0]
+                text = (self.kernel_dir / rec["file"]).read_text()
+                entries = parse_entries(text)
+                if rec["entry"] not in entries:
+                    raise RuntimeError(f"{rec['file']} has no entry {rec['entry']}; rebuild it")
+                check_signature(kernel, entries[rec["entry"]])
+                if self._driver is None:
+                    self._driver = _make_driver()
+                self._functions[key] = self._driver.load(device, text, rec["entry"])
+        return self._functions[key]
+
+    def _launch(
+        self,
+        like: torch.Tensor,
+        kernel: str,
+        head_dim: int,
+        grid: tuple[int, int, int],
+        threads: int,
+        values: dict[str, int | float],
+    ) -> None:
+        if not (0 < grid[0] <= _MAX_GRID_X and 0 < grid[1] <= _MAX_GRID_YZ and grid[2] == 1):
+            raise ValueError(f"{kernel}: grid {grid} out of the CUDA limits")
+        device = like.device.index if like.device.index is not None else torch.cuda.current_device()
+        args = pack(kernel, values)
+        with torch.cuda.device(device):
+            func = self._function(device, kernel, _DTYPE_NAMES[like.dtype], head_dim)
+            stream = torch.cuda.current_stream(device).cuda_stream
+            self.num_calls += 1
+            self._driver.launch(device, func, grid, (threads, 1, 1), stream, args)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        _require_cuda(x)
+        out = torch.empty_like(x)
+        self._norm(out, x, None, weight, eps)
+        return out
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        _require_cuda(x)
+        self._norm(x, x, residual, weight, eps)  # the result over x, as FusedOps allows
+        return x
+
+    def _norm(
+        self,
+        out: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        weight: torch.Tensor,
+        eps: float,
+    ) -> None:
+        check_norm(x, residual, weight)
+        rows, dim = x.shape
+        if rows == 0:
+            return
+        self._launch(
+            x,
+            "add_rms_norm",
+            0,
+            (rows, 1, 1),
+            NORM_THREADS,
+            {
+                "out": out.data_ptr(),
+                "x": x.data_ptr(),
+                "residual": x.data_ptr() if residual is None else residual.data_ptr(),
+                "weight": weight.data_ptr(),
+                "dim": dim,
+                "has_residual": int(residual is not None),
+                "eps": eps,
+            },
+        )
+
+    def qk_norm_rope_kv(
+        self,
+        qkv: torch.Tensor,
+        q_weight: torch.Tensor,
+        k_weight: torch.Tensor,
+        eps: float,
+        cos_sin: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        _require_cuda(qkv)
+        dims = check_qk_norm_rope(
+            qkv,
+            q_weight,
+            k_weight,
+            cos_sin,
+            positions,
+            slot_mapping,
+            k_cache,
+            v_cache,
+            check_values=False,
+        )
+        tokens, heads, kv_heads, head_dim = (
+            dims.num_tokens,
+            dims.num_q_heads,
+            dims.num_kv_heads,
+            dims.head_dim,
+        )
+        q = torch.empty((tokens, heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+        if tokens:
+            self._launch(
+                qkv,
+                "qk_norm_rope",
+                head_dim,
+                (tokens, 1, 1),
+                ROPE_THREADS,
+                {
+                    "q_out": q.data_ptr(),
+                    "qkv": qkv.data_ptr(),
+                    "q_weight": q_weight.data_ptr(),
+                    "k_weight": k_weight.data_ptr(),
+                    "cos_sin": cos_sin.data_ptr(),
+                    "positions": positions.data_ptr(),
+                    "slot_mapping": slot_mapping.data_ptr(),
+                    "k_cache": k_cache.data_ptr(),
+                    "v_cache": v_cache.data_ptr(),
+                    "num_q_heads": heads,
+                    "num_kv_heads": kv_heads,
+                    "eps": eps,
+                },
+            )
+        _, k, v = qkv.view(tokens, heads + 2 * kv_heads, head_dim).split(
+            (heads, kv_heads, kv_heads), dim=1
+        )
+        return q, k, v
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        _require_cuda(gate_up)
+        check_silu_mul(gate_up)
+        rows, width = gate_up.shape
+        inter = width // 2
+        out = torch.empty((rows, inter), dtype=gate_up.dtype, device=gate_up.device)
+        if rows and inter:
+            self._launch(
+                gate_up,
+                "silu_mul",
+                0,
+                (rows, math.ceil(inter / SILU_THREADS), 1),
+                SILU_THREADS,
+                {"out": out.data_ptr(), "gate_up": gate_up.data_ptr(), "intermediate": inter},
+            )
+        return out
+
+
+def _require_cuda(t: torch.Tensor) -> None:
+    if not isinstance(t, torch.Tensor) or not t.is_cuda:
+        where = t.device if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"GpuFusedKernels needs CUDA tensors, got one on {where}")

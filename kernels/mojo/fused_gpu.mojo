@@ -1,0 +1,170 @@
+# Fused elementwise kernels of a Qwen3 decoder layer for NVIDIA GPUs (sm_90), compiled ahead of
+# time to PTX by kernels/fused/ptx.py and launched by kernels/fused/gpu.py. Semantics, shapes and
+# rounding: mili/engine/fused_ops.py (TorchFusedOps is the reference) and fused_cpu.mojo, whose
+# rounding steps these repeat: widen to fp32, round to the activation dtype wherever torch's
+# ops would (`_round`), so bf16 results match torch's to the last bit except where RMSNorm's
+# fp32 sum of squares (a tree here, another order in torch) or exp tip a rounding.
+#
+#   add_rms_norm_kernel   grid (rows), block NORM_THREADS: one row per CTA, two passes over it
+#   qk_norm_rope_kernel   grid (T), block ROPE_THREADS: one warp per head of one token
+#   silu_mul_kernel       grid (rows, ceil(I / SILU_THREADS)), block SILU_THREADS
+
+from std.math import exp, sqrt
+from max.gpu import thread_idx, block_idx, barrier, lane_id
+from max.gpu.memory import AddressSpace
+from max.gpu.primitives import warp
+from std.memory import stack_allocation
+
+comptime NORM_THREADS = 256
+comptime ROPE_THREADS = 128
+comptime SILU_THREADS = 256
+comptime _F32 = DType.float32
+
+
+@always_inline
+def _round[dt: DType](x: Float32) -> Float32:
+    """x rounded to dt (nearest even, as torch) and widened back; the identity for float32."""
+    comptime if dt == _F32:
+        return x
+    else:
+        return x.cast[dt]().cast[_F32]()
+
+
+def add_rms_norm_kernel[
+    dtype: DType
+](
+    out_ptr: Pointer[Scalar[dtype], MutAnyOrigin],
+    x: Pointer[Scalar[dtype], MutAnyOrigin],
+    residual: Pointer[Scalar[dtype], MutAnyOrigin],
+    weight: Pointer[Scalar[dtype], MutAnyOrigin],
+    dim: Int32,
+    has_residual: Int32,
+    eps: Float32,
+):
+    """Row r: with has_residual, residual += x and out = norm(residual); else out = norm(x).
+
+    out may be x: each thread reads and writes only its own elements of the row.
+    """
+    comptime NUM_WARPS = NORM_THREADS // 32
+    var row = Int(block_idx.x)
+    var tid = Int(thread_idx.x)
+    var n = Int(dim)
+    var base = row * n
+    var add = has_residual != 0
+    var src = residual if add else x
+    var acc = Float32(0)
+    for i in range(tid, n, NORM_THREADS):
+        var v = x[unsafe_offset=base + i].cast[_F32]()
+        if add:
+            v = _round[dtype](v + residual[unsafe_offset=base + i].cast[_F32]())
+            residual[unsafe_offset=base + i] = v.cast[dtype]()
+        acc += v * v
+    var sums = stack_allocation[NUM_WARPS, Float32, address_space=AddressSpace.SHARED]()
+    acc = warp.sum(acc)
+    if Int(lane_id()) == 0:
+        sums[unsafe_offset=tid // 32] = acc
+    barrier()
+    var total = Float32(0)
+    comptime for w in range(NUM_WARPS):
+        total += sums[unsafe_offset=w]
+    var inv = 1 / sqrt(total / Float32(n) + eps)
+    # HF's order: normalise in fp32, round, then multiply by the weight and round.
+    for i in range(tid, n, NORM_THREADS):
+        var y = _round[dtype](src[unsafe_offset=base + i].cast[_F32]() * inv)
+        out_ptr[unsafe_offset=base + i] = (y * weight[unsafe_offset=i].cast[_F32]()).cast[dtype]()
+
+
+def qk_norm_rope_kernel[
+    dtype: DType, D: Int
+](
+    q_out: Pointer[Scalar[dtype], MutAnyOrigin],
+    qkv: Pointer[Scalar[dtype], MutAnyOrigin],
+    q_weight: Pointer[Scalar[dtype], MutAnyOrigin],
+    k_weight: Pointer[Scalar[dtype], MutAnyOrigin],
+    cos_sin: Pointer[Float32, MutAnyOrigin],
+    positions: Pointer[Int64, MutAnyOrigin],
+    slot_mapping: Pointer[Int64, MutAnyOrigin],
+    k_cache: Pointer[Scalar[dtype], MutAnyOrigin],
+    v_cache: Pointer[Scalar[dtype], MutAnyOrigin],
+    num_q_heads: Int32,
+    num_kv_heads: Int32,
+    eps: Float32,
+):
+    """Token t = block_idx.x. Heads 0..H-1 are q (normalised, rotated, into q_out [T, H, D]),
+    H..H+KVH-1 k (normalised, rotated, written back into qkv and into k_cache at the token's
+    slot), H+KVH..H+2KVH-1 v (copied into v_cache). Warp w takes heads w, w + 4, ...
+
+    Lane l holds elements l + 32 j (j < D / 32): element i's RoPE partner i + D/2 is then the
+    same lane's j + D/64, so the rotation needs no shuffles.
+    """
+    comptime assert D % 64 == 0, "head_dim must be a multiple of 64"
+    comptime PER_LANE = D // 32
+    comptime HALF_J = PER_LANE // 2  # j < HALF_J: first half of the head
+    comptime NUM_WARPS = ROPE_THREADS // 32
+    var t = Int(block_idx.x)
+    var w = Int(thread_idx.x) // 32
+    var lane = Int(lane_id())
+    var H = Int(num_q_heads)
+    var KVH = Int(num_kv_heads)
+    var pos = Int(positions[unsafe_offset=t])
+    var slot = Int(slot_mapping[unsafe_offset=t])
+    var row = t * (H + 2 * KVH) * D
+    for head in range(w, H + 2 * KVH, NUM_WARPS):
+        var src = row + head * D
+        if head >= H + KVH:  # v: straight into the cache
+            var cache_off = (slot * KVH + head - H - KVH) * D
+            comptime for j in range(PER_LANE):
+                v_cache[unsafe_offset=cache_off + lane + 32 * j] = qkv[
+                    unsafe_offset=src + lane + 32 * j
+                ]
+            continue
+        var is_q = head < H
+        var wt = q_weight if is_q else k_weight
+        var x = SIMD[_F32, PER_LANE](0)
+        comptime for j in range(PER_LANE):
+            x[j] = qkv[unsafe_offset=src + lane + 32 * j].cast[_F32]()
+        var inv = 1 / sqrt(warp.sum((x * x).reduce_add()) / Float32(D) + eps)
+        var y = SIMD[_F32, PER_LANE](0)
+        comptime for j in range(PER_LANE):
+            var i = lane + 32 * j
+            y[j] = _round[dtype](_round[dtype](x[j] * inv) * wt[unsafe_offset=i].cast[_F32]())
+        var o = SIMD[_F32, PER_LANE](0)
+        comptime for j in range(HALF_J):
+            var i = lane + 32 * j  # < D / 2
+            # HF casts cos/sin to the activation dtype before rotating.
+            var c = _round[dtype](cos_sin[unsafe_offset=pos * D + i])
+            var s = _round[dtype](cos_sin[unsafe_offset=pos * D + D // 2 + i])
+            var x1 = y[j]
+            var x2 = y[j + HALF_J]
+            o[j] = _round[dtype](_round[dtype](x1 * c) - _round[dtype](x2 * s))
+            o[j + HALF_J] = _round[dtype](_round[dtype](x2 * c) + _round[dtype](x1 * s))
+        if is_q:
+            var dst = (t * H + head) * D
+            comptime for j in range(PER_LANE):
+                q_out[unsafe_offset=dst + lane + 32 * j] = o[j].cast[dtype]()
+        else:
+            var cache_off = (slot * KVH + head - H) * D
+            comptime for j in range(PER_LANE):
+                var value = o[j].cast[dtype]()
+                qkv[unsafe_offset=src + lane + 32 * j] = value  # the returned k view
+                k_cache[unsafe_offset=cache_off + lane + 32 * j] = value
+
+
+def silu_mul_kernel[
+    dtype: DType
+](
+    out_ptr: Pointer[Scalar[dtype], MutAnyOrigin],
+    gate_up: Pointer[Scalar[dtype], MutAnyOrigin],
+    intermediate: Int32,
+):
+    """out[r, i] = silu(gate[r, i]) * up[r, i]; gate_up rows are gate | up, each I wide."""
+    var inter = Int(intermediate)
+    var r = Int(block_idx.x)  # rows on x: a prefill chunk may have more than 65535 tokens
+    var i = Int(block_idx.y) * SILU_THREADS + Int(thread_idx.x)
+    if i >= inter:
+        return
+    var g = gate_up[unsafe_offset=r * 2 * inter + i].cast[_F32]()
+    var u = gate_up[unsafe_offset=r * 2 * inter + inter + i].cast[_F32]()
+    # torch's silu: x / (1 + exp(-x)) in fp32, rounded to dtype; then the multiply in dtype.
+    var s = _round[dtype](g / (1 + exp(-g)))
+    out_ptr[unsafe_offset=r * inter + i] = (s * u).cast[dtype]()

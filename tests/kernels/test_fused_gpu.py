@@ -1,0 +1,168 @@
+"""The sm_90 fused kernels: their PTX build and manifest (any machine with mojo, so CPU CI checks
+them) and their parity with the torch reference (marked gpu: needs a CUDA GPU and the PTX of this
+source in the kernel cache, `MILI_CACHE_DIR=<dir> mili kernels build --gpu` where Mojo is).
+
+GPU tolerances: fp32 within 4e-6 of the output's magnitude (torch's CUDA rsqrt/exp and sum order
+differ from ours by an ulp or two), bf16/fp16 within 2e-2.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels import build
+from kernels.fused import ptx
+from kernels.fused.gpu import GpuFusedKernels, pack
+from mili.engine.fused_ops import FusedOps, TorchFusedOps
+from tests.kernels.test_fused_parity import TOKENS, _randn, _rope_case, _run_rope, assert_close
+
+EPS = 1e-6
+
+
+@pytest.fixture(scope="session")
+def built_fused_ptx(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    try:
+        mojo = build.find_mojo()
+    except build.KernelBuildError:
+        pytest.skip("no mojo compiler in this environment")
+    out = tmp_path_factory.mktemp("fused-ptx") / "sm_90-fused"
+    ptx.build_fused_ptx(mojo, build.SOURCE_DIR, out)
+    return out
+
+
+@pytest.mark.slow
+def test_build_fused_ptx_manifest(built_fused_ptx: Path) -> None:
+    manifest = json.loads((built_fused_ptx / "manifest.json").read_text())
+    assert manifest["format"] == ptx.MANIFEST_FORMAT and manifest["arch"] == "sm_90"
+    assert manifest["source_key"] == build.source_key()
+    seen = {(r["kernel"], r["dtype"], r["head_dim"]): r for r in manifest["kernels"]}
+    for kernel in ("add_rms_norm", "qk_norm_rope", "silu_mul"):
+        for dtype in ("float32", "bfloat16", "float16"):
+            for head_dim in (64, 128, 256) if kernel == "qk_norm_rope" else (0,):
+                rec = seen.pop((kernel, dtype, head_dim))
+                text = (built_fused_ptx / rec["file"]).read_text()
+                assert ".target sm_90" in text and ".extern .func" not in text
+                entries = ptx.parse_entries(text)
+                assert list(entries) == [rec["entry"]]  # one self-contained kernel per file
+                assert entries[rec["entry"]] == rec["params"]
+                ptx.check_signature(kernel, rec["params"])
+                assert ".local" not in text  # no per-thread arrays spilled to local memory
+    assert not seen, f"unexpected manifest records {sorted(seen)}"
+    assert sorted(p.name for p in built_fused_ptx.iterdir()) == sorted(
+        [*(r["file"] for r in manifest["kernels"]), "manifest.json"]
+    )
+
+
+@pytest.mark.slow
+def test_launch_arguments_match_ptx_params(built_fused_ptx: Path) -> None:
+    sizes = {".u64": 8, ".b32": 4}
+    kinds = {"ptr": ctypes.c_uint64, "i32": ctypes.c_int32, "f32": ctypes.c_float}
+    manifest = json.loads((built_fused_ptx / "manifest.json").read_text())
+    for rec in manifest["kernels"]:
+        signature = ptx.SIGNATURES[rec["kernel"]]
+        packed = pack(rec["kernel"], {name: 1 for name, _ in signature})
+        assert [ctypes.sizeof(a) for a in packed] == [sizes[p] for p in rec["params"]]
+        assert [type(a) for a in packed] == [kinds[kind] for _, kind in signature]
+
+
+@pytest.mark.slow
+def test_ptx_assembles_without_spills(built_fused_ptx: Path, tmp_path: Path) -> None:
+    ptxas = shutil.which("ptxas") or (
+        "/usr/local/cuda/bin/ptxas" if Path("/usr/local/cuda/bin/ptxas").exists() else None
+    )
+    if ptxas is None:
+        pytest.skip("ptxas not installed")
+    manifest = json.loads((built_fused_ptx / "manifest.json").read_text())
+    for rec in manifest["kernels"]:
+        proc = subprocess.run(
+            [ptxas, "-arch=sm_90a", "-v", str(built_fused_ptx / rec["file"]), "-o", "/dev/null"],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert "0 bytes spill stores" in proc.stderr, (rec["file"], proc.stderr[-1000:])
+
+
+def test_pack_rejects_wrong_arguments() -> None:
+    with pytest.raises(AssertionError):
+        pack("silu_mul", {"out": 0, "gate_up": 0})
+    with pytest.raises(ValueError, match="int32"):
+        pack("silu_mul", {"out": 0, "gate_up": 0, "intermediate": 2**31})
+
+
+def test_rejects_cpu_tensors(tmp_path: Path) -> None:
+    kernels = GpuFusedKernels(tmp_path)  # nothing is loaded before the device check
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        kernels.silu_mul(torch.zeros(2, 8))
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        kernels.add_rms_norm(torch.zeros(2, 8), torch.zeros(2, 8), torch.ones(8), EPS)
+
+
+# ---- parity on a GPU --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def gpu_fused() -> FusedOps:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    kernel_dir = ptx.fused_kernel_dir()
+    if not (kernel_dir / "manifest.json").exists():
+        try:
+            kernel_dir = ptx.build_fused_gpu()
+        except build.KernelBuildError as exc:
+            pytest.skip(f"no fused PTX at {kernel_dir} and it cannot be built here: {exc}")
+    return GpuFusedKernels(kernel_dir)
+
+
+REFERENCE = TorchFusedOps()
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dim", (64, 100, 1024, 5120))
+@pytest.mark.parametrize("rows", TOKENS)
+def test_gpu_add_rms_norm(gpu_fused: FusedOps, rows: int, dim: int, dtype: torch.dtype) -> None:
+    x = _randn(rows, dim, dtype=dtype, seed=rows).cuda()
+    residual = _randn(rows, dim, dtype=dtype, seed=dim).cuda()
+    weight = _randn(dim, dtype=dtype, seed=1).cuda()
+    assert_close(gpu_fused.rms_norm(x, weight, EPS), REFERENCE.rms_norm(x, weight, EPS))
+    expected_residual = residual.clone()
+    expected = REFERENCE.add_rms_norm(x.clone(), expected_residual, weight, EPS)
+    actual = gpu_fused.add_rms_norm(x.clone(), residual, weight, EPS)
+    assert torch.equal(residual, expected_residual)
+    assert_close(actual, expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("intermediate", (96, 99, 3072))
+@pytest.mark.parametrize("rows", TOKENS)
+def test_gpu_silu_mul(
+    gpu_fused: FusedOps, rows: int, intermediate: int, dtype: torch.dtype
+) -> None:
+    gate_up = (_randn(rows, 2 * intermediate, dtype=dtype, seed=intermediate) * 4).cuda()
+    assert_close(gpu_fused.silu_mul(gate_up), REFERENCE.silu_mul(gate_up))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim", (64, 128, 256))
+@pytest.mark.parametrize("ratio", (1, 2, 4, 8))
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_gpu_qk_norm_rope_kv(
+    gpu_fused: FusedOps, tokens: int, ratio: int, head_dim: int, dtype: torch.dtype
+) -> None:
+    case = {name: t.cuda() for name, t in _rope_case(tokens, ratio, head_dim, dtype).items()}
+    expected = _run_rope(REFERENCE, case)
+    actual = _run_rope(gpu_fused, case)
+    for a, e in zip(actual, expected, strict=True):
+        assert_close(a.contiguous(), e.contiguous())
