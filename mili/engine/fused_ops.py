@@ -46,7 +46,7 @@ class FusedOps(Protocol):
 
     name: str
     # True where a call does no host sync and allocates only from torch's caching allocator on
-    # the current stream, so a CUDA graph can capture it (the AttentionBackend's attribute too).
+    # the current stream, so a CUDA graph can capture it.
     is_graph_safe: bool
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
