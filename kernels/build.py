@@ -17,6 +17,7 @@ and decode starting together) serialise on a file lock and the loser finds the w
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import logging
 import os
@@ -86,7 +87,7 @@ def find_mojo() -> Path:
 
 def toolchain_key(mojo: Path) -> str:
     """12 hex digits over the compiler's version, its location and this CPU's features."""
-    version = _run([str(mojo), "--version"], timeout=60).stdout.strip()
+    version = _compiler_version(mojo)
     digest = hashlib.sha256(f"{version}\n{mojo.resolve()}\n{platform.machine()}\n".encode())
     digest.update(_cpu_flags().encode())
     return digest.hexdigest()[:12]
@@ -167,6 +168,13 @@ def compiler_output_tail(output: str, lines: int = 40) -> str:
     """The end of the compiler's output without the toolchain's crash-reporter chatter."""
     kept = [line for line in output.splitlines() if "Crashpad" not in line]
     return "\n".join(kept[-lines:])
+
+
+@functools.cache
+def _compiler_version(mojo: Path) -> str:
+    # Once per process and compiler: `mojo --version` takes seconds (tens on a loaded machine),
+    # and a service asks for the CPU module twice (attention kernels, then the fused ops).
+    return _run([str(mojo), "--version"], timeout=60).stdout.strip()
 
 
 def _run(command: list[str], *, timeout: float) -> subprocess.CompletedProcess[str]:
