@@ -9,6 +9,13 @@ names), finds each wrapper's PTX by its entry name, checks the entry's parameter
     out_dir/<kernel>_<dtype>_<head_dim>.ptx
     out_dir/manifest.json
 
+Kernels: `prefill`, `decode`, `decode_combine` (CUDA cores, every dtype; fp32 runs on them) and the
+tensor-core / FlashInfer-style `flash_prefill` and `paged_decode_g<GC>` (bf16/fp16 only; GC query
+heads per CTA, a compile-time parameter). The latter take dynamic shared memory beyond the 48 KB
+default: the manifest carries each kernel's `dynamic_shared_bytes` and the loader raises the
+function's limit to it. Where `ptxas` is installed the build also assembles every PTX file for
+sm_90a and records its registers, spills and shared memory (`ptxas` in each record).
+
 The GPU host needs no Mojo toolchain: `kernels.gpu.GpuKernels` loads the PTX through the CUDA
 driver (which JIT-compiles it to SASS) and launches it with the parameters listed here.
 
@@ -31,8 +38,18 @@ from kernels.build import compiler_output_tail, source_key
 from mili.engine.kv_layout import DTYPES  # one specialisation per dtype a service may run
 
 HEAD_DIMS = (64, 128, 256)
-KERNELS = ("prefill", "decode", "decode_combine")
-MANIFEST_FORMAT = 1
+DECODE_GROUP_SIZES = (1, 2, 4, 8)  # GC of paged_decode_g<GC>: query heads one CTA serves
+KERNELS = (
+    "prefill",
+    "decode",
+    "decode_combine",
+    "flash_prefill",
+    *(f"paged_decode_g{gc}" for gc in DECODE_GROUP_SIZES),
+)
+# Where spills cost the most: a build whose ptxas reports a spill here fails the CI check.
+HOT_KERNELS = frozenset(k for k in KERNELS if k == "flash_prefill" or k.startswith("paged_"))
+TENSOR_CORE_DTYPES = ("bfloat16", "float16")
+MANIFEST_FORMAT = 2
 
 # Mojo spelling of each dtype.
 _MOJO_DTYPE = {"float32": "DType.float32", "bfloat16": "DType.bfloat16", "float16": "DType.float16"}
@@ -78,6 +95,9 @@ SIGNATURES: dict[str, tuple[tuple[str, str], ...]] = {
         ("num_splits", "i32"),
     ),
 }
+SIGNATURES["flash_prefill"] = SIGNATURES["prefill"]
+for _gc in DECODE_GROUP_SIZES:
+    SIGNATURES[f"paged_decode_g{_gc}"] = SIGNATURES["decode"]
 PTX_PARAM_TYPE = {"ptr": ".u64", "i32": ".b32", "f32": ".b32"}
 _MOJO_PARAM_TYPE = {"i32": "Int32", "f32": "Float32"}
 
@@ -85,14 +105,51 @@ _MOJO_PARAM_TYPE = {"i32": "Int32", "f32": "Float32"}
 THREADS = 128  # prefill and decode CTAs
 PREFILL_BLOCK_M = {64: 16, 128: 16, 256: 8}  # query rows per prefill CTA: grid.x = ceil(T / BM)
 DECODE_HEADS_PER_CTA = 8  # grid.y = KVH * ceil((H / KVH) / 8)
+FLASH_PREFILL_BLOCK_M = 64  # rows (token x head of one kv group) per flash_prefill CTA
+PAGED_DECODE_MIN_SPLIT_KEYS = 64  # paged_decode never cuts a split shorter than this
+_PAD = 8  # flash_prefill's shared-memory row padding (elements)
+_PAGED_DECODE_STAGES = 3
+_PAGED_DECODE_KEYS_PER_GROUP = 4
+_PAGED_DECODE_IDS_WINDOW = 512
 
-_SOURCES = ("prefill_gpu.mojo", "decode_gpu.mojo")
+
+def kernel_dtypes(kernel: str) -> tuple[str, ...]:
+    """The dtypes a kernel is built for: tensor-core kernels take 2-byte inputs only."""
+    return DTYPES if kernel in ("prefill", "decode", "decode_combine") else TENSOR_CORE_DTYPES
+
+
+def dynamic_shared_bytes(kernel: str, head_dim: int) -> int:
+    """Dynamic shared memory a launch of `kernel` needs (2-byte dtypes), mirrored from the Mojo
+    sources and asserted against them at compile time (see _entry_source)."""
+    if kernel == "flash_prefill":  # Qs [BM][D + 8], 2 x (Ks, Vs) [BN][D + 8], Rb [2][BN] int64
+        block_n = 32 if head_dim == 256 else 64
+        rows = FLASH_PREFILL_BLOCK_M + 4 * block_n
+        return rows * (head_dim + _PAD) * 2 + 2 * block_n * 8
+    if kernel.startswith("paged_decode"):  # K/V ring [STAGES][2][TK][D], block ids [512] int32
+        keys_per_tile = (THREADS // (head_dim // 8)) * _PAGED_DECODE_KEYS_PER_GROUP
+        ring = _PAGED_DECODE_STAGES * 2 * keys_per_tile * head_dim * 2
+        return ring + _PAGED_DECODE_IDS_WINDOW * 4
+    return 0  # static shared memory only
+
+
+_SOURCES = (
+    "prefill_gpu.mojo",
+    "decode_gpu.mojo",
+    "flash_prefill_gpu.mojo",
+    "paged_decode_gpu.mojo",
+)
 _ENTRY_MODULE = "mk"
 
 
 # The compiler keeps only about the first 30 characters of a kernel's name in its PTX entry
 # name (then a mangled tail and a hash), so the wrappers have short, prefix-free names.
-_SHORT_KERNEL = {"prefill": "pf", "decode": "dc", "decode_combine": "cb"}
+_SHORT_KERNEL = {
+    "prefill": "pf",
+    "decode": "dc",
+    "decode_combine": "cb",
+    "flash_prefill": "fa",
+    **{f"paged_decode_g{gc}": f"pd{gc}" for gc in DECODE_GROUP_SIZES},
+}
 _SHORT_DTYPE = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 
 
@@ -115,16 +172,21 @@ def _entry_source() -> str:
         "from max.gpu.host import DeviceContext",
         "from prefill_gpu import prefill_kernel, prefill_block_m, PREFILL_THREADS",
         "from decode_gpu import decode_kernel, decode_combine_kernel, DECODE_THREADS, GM",
+        "from flash_prefill_gpu import flash_prefill_kernel, flash_prefill_block_m",
+        "from flash_prefill_gpu import flash_prefill_smem_bytes, FLASH_PREFILL_THREADS",
+        "from paged_decode_gpu import paged_decode_kernel, paged_decode_smem_bytes",
+        "from paged_decode_gpu import PAGED_DECODE_THREADS, MIN_SPLIT_KEYS",
         "",
     ]
     generic = {
         "prefill": "prefill_kernel",
         "decode": "decode_kernel",
         "decode_combine": "decode_combine_kernel",
+        "flash_prefill": "flash_prefill_kernel",
     }
     names = []
     for kernel in KERNELS:
-        for dtype in DTYPES:
+        for dtype in kernel_dtypes(kernel):
             for head_dim in HEAD_DIMS:
                 name = wrapper_name(kernel, dtype, head_dim)
                 names.append(name)
@@ -149,7 +211,30 @@ def _entry_source() -> str:
                         f'    comptime assert GM == {DECODE_HEADS_PER_CTA}, "heads per CTA stale"',
                         f'    comptime assert DECODE_THREADS == {THREADS}, "THREADS is stale"',
                     ]
-                lines += [f"    {generic[kernel]}[{_MOJO_DTYPE[dtype]}, {head_dim}]({args})", ""]
+                elif kernel == "flash_prefill":
+                    smem = dynamic_shared_bytes(kernel, head_dim)
+                    lines += [
+                        f"    comptime assert flash_prefill_block_m({head_dim}) == "
+                        f'{FLASH_PREFILL_BLOCK_M}, "kernels/ptx.py FLASH_PREFILL_BLOCK_M is stale"',
+                        f"    comptime assert flash_prefill_smem_bytes({head_dim}) == {smem}, "
+                        '"kernels/ptx.py dynamic_shared_bytes is stale"',
+                        f'    comptime assert FLASH_PREFILL_THREADS == {THREADS}, "THREADS stale"',
+                    ]
+                elif kernel.startswith("paged_decode_g"):
+                    smem = dynamic_shared_bytes(kernel, head_dim)
+                    lines += [
+                        f"    comptime assert paged_decode_smem_bytes({head_dim}) == {smem}, "
+                        '"kernels/ptx.py dynamic_shared_bytes is stale"',
+                        f"    comptime assert MIN_SPLIT_KEYS == {PAGED_DECODE_MIN_SPLIT_KEYS}, "
+                        '"kernels/ptx.py PAGED_DECODE_MIN_SPLIT_KEYS is stale"',
+                        f'    comptime assert PAGED_DECODE_THREADS == {THREADS}, "THREADS stale"',
+                    ]
+                if kernel.startswith("paged_decode_g"):
+                    gc = int(kernel.removeprefix("paged_decode_g"))
+                    call = f"paged_decode_kernel[{_MOJO_DTYPE[dtype]}, {head_dim}, {gc}]"
+                else:
+                    call = f"{generic[kernel]}[{_MOJO_DTYPE[dtype]}, {head_dim}]"
+                lines += [f"    {call}({args})", ""]
     lines += ["", "def main() raises:", "    var ctx = DeviceContext()"]
     lines += [f"    _ = ctx.compile_function[{name}]()" for name in names]
     return "\n".join(lines) + "\n"
@@ -174,13 +259,60 @@ def _static_shared_bytes(ptx: str) -> int:
     return sum(int(n) for n in re.findall(r"\.shared\s+\.align\s+\d+\s+\.b8\s+\S+\[(\d+)\]", ptx))
 
 
+def find_ptxas() -> Path | None:
+    """CUDA's PTX assembler where one is installed (GPU hosts, some CI images), else None."""
+    found = shutil.which("ptxas")
+    if found:
+        return Path(found)
+    default = Path("/usr/local/cuda/bin/ptxas")
+    return default if default.is_file() else None
+
+
+_PTXAS_REGS = re.compile(r"Used (\d+) registers")
+_PTXAS_SPILLS = re.compile(
+    r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads"
+)
+_PTXAS_SMEM = re.compile(r"(\d+) bytes smem")
+
+
+def parse_ptxas(stderr: str) -> dict[str, int]:
+    """`ptxas -v` output of one entry -> registers, stack/spill bytes and static shared memory."""
+    regs = _PTXAS_REGS.search(stderr)
+    spills = _PTXAS_SPILLS.search(stderr)
+    if regs is None or spills is None:
+        raise RuntimeError(f"unexpected ptxas -v output:\n{stderr[-2000:]}")
+    smem = _PTXAS_SMEM.search(stderr)
+    return {
+        "registers": int(regs.group(1)),
+        "stack_bytes": int(spills.group(1)),
+        "spill_store_bytes": int(spills.group(2)),
+        "spill_load_bytes": int(spills.group(3)),
+        "static_shared_bytes": int(smem.group(1)) if smem else 0,
+    }
+
+
+def ptxas_info(ptxas: Path, ptx_file: Path, arch: str = "sm_90") -> dict[str, int]:
+    """Assemble one PTX file for `arch`a (the PTX targets sm_90a) and parse `ptxas -v`."""
+    with tempfile.TemporaryDirectory() as tmp:
+        proc = subprocess.run(
+            [str(ptxas), f"-arch={arch}a", "-v", str(ptx_file), "-o", str(Path(tmp) / "k.cubin")],
+            capture_output=True,
+            text=True,
+        )
+    if proc.returncode != 0:
+        raise RuntimeError(f"ptxas rejected {ptx_file.name}:\n{proc.stderr[-2000:]}")
+    return parse_ptxas(proc.stderr)
+
+
 def build_ptx(mojo: Path, source_dir: Path, out_dir: Path, *, arch: str = "sm_90") -> dict:
     """Compile every (kernel, dtype, head_dim) to out_dir/<kernel>_<dtype>_<head_dim>.ptx.
 
     Returns the manifest (also written to out_dir/manifest.json, last, atomically):
     {"format", "arch", "source_key", "compile_seconds", "threads", "prefill_block_m",
-     "decode_heads_per_cta", "signatures", "kernels": [{"kernel", "dtype", "head_dim", "file",
-     "entry", "params", "shared_bytes"}, ...]}.
+     "decode_heads_per_cta", "flash_prefill_block_m", "paged_decode_min_split_keys", "ptxas",
+     "signatures", "kernels": [{"kernel", "dtype", "head_dim", "file", "entry", "params",
+     "shared_bytes", "dynamic_shared_bytes", "ptxas"?}, ...]}; each record's "ptxas" (present
+    when an assembler was found) is ptxas_info's dict.
     """
     source_dir, out_dir = Path(source_dir).resolve(), Path(out_dir).resolve()
     mojo = Path(mojo) if Path(mojo).parent == Path() else Path(mojo).resolve()  # bare name: PATH
@@ -225,7 +357,7 @@ def build_ptx(mojo: Path, source_dir: Path, out_dir: Path, *, arch: str = "sm_90
         final.mkdir()
         records: list[dict[str, Any]] = []
         for kernel in KERNELS:
-            for dtype in DTYPES:
+            for dtype in kernel_dtypes(kernel):
                 for head_dim in HEAD_DIMS:
                     prefix = f"{_ENTRY_MODULE}_{wrapper_name(kernel, dtype, head_dim)}"
                     matches = [n for n in found if n.startswith(prefix)]
@@ -252,8 +384,13 @@ def build_ptx(mojo: Path, source_dir: Path, out_dir: Path, *, arch: str = "sm_90
                             "entry": name,
                             "params": params,
                             "shared_bytes": _static_shared_bytes(text),
+                            "dynamic_shared_bytes": dynamic_shared_bytes(kernel, head_dim),
                         }
                     )
+        assembler = find_ptxas()
+        if assembler is not None:
+            for rec in records:
+                rec["ptxas"] = ptxas_info(assembler, final / rec["file"], arch)
         manifest = {
             "format": MANIFEST_FORMAT,
             "arch": arch,
@@ -262,6 +399,9 @@ def build_ptx(mojo: Path, source_dir: Path, out_dir: Path, *, arch: str = "sm_90
             "threads": THREADS,
             "prefill_block_m": {str(k): v for k, v in PREFILL_BLOCK_M.items()},
             "decode_heads_per_cta": DECODE_HEADS_PER_CTA,
+            "flash_prefill_block_m": FLASH_PREFILL_BLOCK_M,
+            "paged_decode_min_split_keys": PAGED_DECODE_MIN_SPLIT_KEYS,
+            "ptxas": None if assembler is None else str(assembler),
             "signatures": {k: [list(p) for p in v] for k, v in SIGNATURES.items()},
             "kernels": records,
         }
