@@ -5,6 +5,17 @@ the CUDA driver (`cuModuleLoadData`) and launched with `cuLaunchKernel` on torch
 with torch tensors' device pointers. Nothing here synchronises the host: index tensors are not
 read back (`check_values=False`), scratch comes from torch's caching allocator on the same stream.
 
+bf16/fp16 run the tensor-core `flash_prefill` and the FlashInfer-style `paged_decode_g<GC>`
+(launch geometry: kernels/geometry.py); fp32 keeps the CUDA-core `prefill` and `decode`. Both new
+kernels take dynamic shared memory beyond 48 KB: each function's limit is raised to the manifest's
+`dynamic_shared_bytes` when it is loaded.
+
+CUDA graphs (`is_graph_safe`): a decode call reads nothing back from the device, picks its split
+plan from shapes only, and writes split partials into preallocated per-device scratch that only
+grows (old buffers stay alive, so graphs captured earlier keep valid pointers; growing during a
+capture is refused: warm up at the largest batch first). Functions are loaded on the first call,
+which must therefore precede any capture (the usual warm-up does it).
+
 The driver is reached through `cuda.bindings.driver` (cuda-python); if that is missing, through
 CuPy's `RawModule`. Both are imported lazily, on the first launch.
 """
@@ -20,6 +31,7 @@ from typing import Any
 import torch
 
 from kernels.checks import check_decode, check_prefill
+from kernels.geometry import decode_group_size, decode_splits, prefill_tiling
 from kernels.ptx import (
     DECODE_HEADS_PER_CTA,
     SIGNATURES,
@@ -34,6 +46,8 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.floa
 _MAX_GRID_YZ = 65535
 _MAX_GRID_X = 2**31 - 1
 _MAX_SPLITS = 64
+_DEFAULT_DYNAMIC_SHARED_LIMIT = 48 * 1024
+_TENSOR_CORE_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def _is_null(handle: Any) -> bool:
@@ -78,16 +92,23 @@ class _CudaPythonDriver:
             self._check(self.drv.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
         return ctx
 
-    def load(self, device: int, ptx: str, entry: str) -> Any:
+    def load(self, device: int, ptx: str, entry: str, dynamic_shared: int) -> Any:
         self._context(device)
         image = ctypes.create_string_buffer(ptx.encode())  # NUL-terminated, alive for the call
         module = self._check(
             self.drv.cuModuleLoadData(ctypes.addressof(image)), f"cuModuleLoadData({entry})"
         )
         self._modules.append(module)  # never unloaded: functions live as long as the process
-        return self._check(
+        func = self._check(
             self.drv.cuModuleGetFunction(module, entry.encode()), f"cuModuleGetFunction({entry})"
         )
+        if dynamic_shared > _DEFAULT_DYNAMIC_SHARED_LIMIT:
+            attr = self.drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            self._check(
+                self.drv.cuFuncSetAttribute(func, attr, dynamic_shared),
+                f"cuFuncSetAttribute({entry}, MAX_DYNAMIC_SHARED_SIZE_BYTES={dynamic_shared})",
+            )
+        return func
 
     def launch(
         self,
@@ -97,6 +118,7 @@ class _CudaPythonDriver:
         block: tuple[int, int, int],
         stream: int,
         args: list[ctypes._SimpleCData],
+        shared: int,
     ) -> None:
         self._context(device)
         ptrs = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
@@ -109,7 +131,7 @@ class _CudaPythonDriver:
                 block[0],
                 block[1],
                 block[2],
-                0,  # all shared memory is static
+                shared,  # dynamic shared memory bytes (0: static only)
                 self.drv.CUstream(stream),
                 ctypes.addressof(ptrs),
                 0,
@@ -126,7 +148,7 @@ class _CupyDriver:
 
         self.cupy = cupy
 
-    def load(self, device: int, ptx: str, entry: str) -> Any:
+    def load(self, device: int, ptx: str, entry: str, dynamic_shared: int) -> Any:
         import os
         import tempfile
 
@@ -137,6 +159,8 @@ class _CupyDriver:
                     f.write(ptx)
                 module = self.cupy.RawModule(path=path)
                 func = module.get_function(entry)
+                if dynamic_shared > _DEFAULT_DYNAMIC_SHARED_LIMIT:
+                    func.max_dynamic_shared_size_bytes = dynamic_shared
             finally:
                 os.unlink(path)
             return (module, func)  # keep the module alive with its function
@@ -149,6 +173,7 @@ class _CupyDriver:
         block: tuple[int, int, int],
         stream: int,
         args: list[ctypes._SimpleCData],
+        shared: int,
     ) -> None:
         import numpy as np
 
@@ -160,7 +185,7 @@ class _CupyDriver:
         values = tuple(conv[type(a)](a.value) for a in args)
         with self.cupy.cuda.Device(device):
             ext = self.cupy.cuda.ExternalStream(stream, device)
-            func[1](grid, block, values, stream=ext)
+            func[1](grid, block, values, stream=ext, shared_mem=shared)
 
 
 def _make_driver() -> _CudaPythonDriver | _CupyDriver:
@@ -201,12 +226,19 @@ def _aligned(t: torch.Tensor) -> bool:
 class GpuKernels:
     """MILI's Mojo attention kernels on an NVIDIA sm_90 GPU, from a directory of built PTX."""
 
+    # Decode can be captured in a CUDA graph (see the module docstring); MojoAttention reads it.
+    is_graph_safe = True
+
     def __init__(self, kernel_dir: str | Path) -> None:
         self.kernel_dir = Path(kernel_dir)
         self._manifest: dict | None = None
         self._driver: _CudaPythonDriver | _CupyDriver | None = None
-        self._functions: dict[tuple[int, str, str, int], Any] = {}
+        # (device, kernel, dtype, head_dim) -> (function, dynamic shared bytes)
+        self._functions: dict[tuple[int, str, str, int], tuple[Any, int]] = {}
         self._sms: dict[int, int] = {}
+        # device -> fp32 split scratch (flat); grown, never freed (captured graphs point into it)
+        self._scratch: dict[int, torch.Tensor] = {}
+        self._retired: list[torch.Tensor] = []
         self._lock = threading.Lock()
 
     # -- loading ---------------------------------------------------------------------------
@@ -223,7 +255,7 @@ class GpuKernels:
                 return rec
         raise RuntimeError(f"{self.kernel_dir}/manifest.json has no {kernel} {dtype} D={head_dim}")
 
-    def _function(self, device: int, kernel: str, dtype: str, head_dim: int) -> Any:
+    def _function(self, device: int, kernel: str, dtype: str, head_dim: int) -> tuple[Any, int]:
         key = (device, kernel, dtype, head_dim)
         func = self._functions.get(key)
         if func is not None:
@@ -242,7 +274,8 @@ class GpuKernels:
                 check_signature(kernel, entries[rec["entry"]])
                 if self._driver is None:
                     self._driver = _make_driver()
-                func = self._driver.load(device, ptx, rec["entry"])
+                shared = int(rec.get("dynamic_shared_bytes", 0))
+                func = (self._driver.load(device, ptx, rec["entry"], shared), shared)
                 self._functions[key] = func
         return func
 
@@ -264,10 +297,10 @@ class GpuKernels:
             raise ValueError(f"{kernel}: grid {grid} out of the CUDA limits")
         args = _pack(kernel, values)
         with torch.cuda.device(device):
-            func = self._function(device, kernel, dtype, head_dim)
+            func, shared = self._function(device, kernel, dtype, head_dim)
             stream = torch.cuda.current_stream(device).cuda_stream
             assert self._driver is not None
-            self._driver.launch(device, func, grid, block, stream, args)
+            self._driver.launch(device, func, grid, block, stream, args, shared)
 
     def _num_sms(self, device: int) -> int:
         if device not in self._sms:
@@ -310,11 +343,18 @@ class GpuKernels:
         out = torch.empty_like(q)
         if dims.num_tokens == 0 or dims.num_seqs == 0:
             return out
-        block_m = int(self.manifest["prefill_block_m"][str(dims.head_dim)])
-        grid = (math.ceil(dims.num_tokens / block_m), dims.num_q_heads, dims.num_seqs)
+        if q.dtype in _TENSOR_CORE_DTYPES:
+            kernel = "flash_prefill"  # a CTA: a tile of tokens x a kv group's query heads
+            grid = prefill_tiling(
+                dims.num_tokens, dims.num_q_heads, dims.num_kv_heads, dims.num_seqs
+            ).grid
+        else:
+            kernel = "prefill"  # fp32 on CUDA cores: a CTA is a tile of tokens x one head
+            block_m = int(self.manifest["prefill_block_m"][str(dims.head_dim)])
+            grid = (math.ceil(dims.num_tokens / block_m), dims.num_q_heads, dims.num_seqs)
         self._launch(
             device,
-            "prefill",
+            kernel,
             _DTYPE_NAMES[q.dtype],
             dims.head_dim,
             grid,
@@ -336,12 +376,32 @@ class GpuKernels:
         )
         return out
 
+    def _split_scratch(self, device: int, numel: int) -> torch.Tensor:
+        """At least `numel` fp32 of this device's split scratch (part_o, then part_lse).
+
+        Decode calls on one device are stream-ordered (one engine loop), so they share it."""
+        buf = self._scratch.get(device)
+        if buf is None or buf.numel() < numel:
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    f"decode needs {numel} floats of split scratch during a CUDA graph capture "
+                    f"but has {0 if buf is None else buf.numel()}: run decode once at the "
+                    "largest captured batch before capturing"
+                )
+            if buf is not None:
+                self._retired.append(buf)  # graphs captured on it still write there
+            size = max(numel, 2 * (0 if buf is None else buf.numel()))
+            buf = torch.empty(size, dtype=torch.float32, device=torch.device("cuda", device))
+            self._scratch[device] = buf
+        return buf
+
     def decode_splits(
         self, device: int, num_seqs: int, num_kv_heads: int, num_q_heads: int, max_context: int
     ) -> int:
-        """Splits per sequence when the caller asks for automatic (num_splits=0): enough CTAs
-        for about two per SM, each split at least 256 keys of the longest possible context
-        (max_blocks * block_size: the real lengths stay on the device)."""
+        """Splits per sequence of the fp32 `decode` kernel when the caller asks for automatic
+        (num_splits=0): enough CTAs for about two per SM, each split at least 256 keys of the
+        longest possible context (max_blocks * block_size: the real lengths stay on the
+        device). bf16/fp16 use kernels.geometry.decode_splits."""
         chunks = math.ceil((num_q_heads // num_kv_heads) / DECODE_HEADS_PER_CTA)
         ctas = num_seqs * num_kv_heads * chunks
         want = math.ceil(2 * self._num_sms(device) / max(ctas, 1))
@@ -380,22 +440,33 @@ class GpuKernels:
         )
         if num_seqs == 0:
             return out
-        splits = num_splits or self.decode_splits(
-            device, num_seqs, kv_heads, heads, dims.max_blocks * dims.block_size
-        )
-        chunks = math.ceil((heads // kv_heads) / DECODE_HEADS_PER_CTA)
+        max_context = dims.max_blocks * dims.block_size
+        group = heads // kv_heads
+        if q.dtype in _TENSOR_CORE_DTYPES:
+            per_cta = decode_group_size(group)  # paged_decode_g<per_cta>: all of G <= 8
+            kernel = f"paged_decode_g{per_cta}"
+            splits = num_splits or decode_splits(
+                num_seqs, kv_heads, heads, max_context, self._num_sms(device)
+            )
+        else:
+            per_cta = DECODE_HEADS_PER_CTA
+            kernel = "decode"
+            splits = num_splits or self.decode_splits(
+                device, num_seqs, kv_heads, heads, max_context
+            )
+        chunks = math.ceil(group / per_cta)
         dtype = _DTYPE_NAMES[q.dtype]
         if splits > 1:
-            part_o = torch.empty(
-                (num_seqs, heads, splits, head_dim), dtype=torch.float32, device=q.device
-            )
-            part_lse = torch.empty((num_seqs, heads, splits), dtype=torch.float32, device=q.device)
-            part_o_ptr, part_lse_ptr = part_o.data_ptr(), part_lse.data_ptr()
+            # part_o [B, H, splits, D] then part_lse [B, H, splits], fp32, in the scratch
+            rows = num_seqs * heads * splits
+            scratch = self._split_scratch(device, rows * (head_dim + 1))
+            part_o_ptr = scratch.data_ptr()
+            part_lse_ptr = part_o_ptr + rows * head_dim * 4
         else:  # the kernel writes `out` directly and never touches the scratch pointers
             part_o_ptr = part_lse_ptr = out.data_ptr()
         self._launch(
             device,
-            "decode",
+            kernel,
             dtype,
             head_dim,
             (splits, kv_heads * chunks, num_seqs),

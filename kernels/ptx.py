@@ -31,6 +31,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -388,9 +389,13 @@ def build_ptx(mojo: Path, source_dir: Path, out_dir: Path, *, arch: str = "sm_90
                         }
                     )
         assembler = find_ptxas()
-        if assembler is not None:
-            for rec in records:
-                rec["ptxas"] = ptxas_info(assembler, final / rec["file"], arch)
+        if assembler is not None:  # one ptxas process per file, as many at once as CPUs
+            with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+                infos = pool.map(
+                    lambda rec: ptxas_info(assembler, final / rec["file"], arch), records
+                )
+                for rec, info in zip(records, infos, strict=True):
+                    rec["ptxas"] = info
         manifest = {
             "format": MANIFEST_FORMAT,
             "arch": arch,

@@ -28,7 +28,7 @@
 #   thread t:  tx = t % 16 owns dims [8 tx, 8 tx + 8) of a row (one 16-byte vector)
 #              grp = t / 16 (0..7) is a row group: the 16 lanes of one half-warp
 #   registers: q[GC][8] (fp32, pre-scaled by scale * log2 e), o[GC][8], m[GC], l[GC]
-#   tile:      TK = NG * KPG = 32 keys (KPG = 4; 2 for GC = 8, with a 6-deep ring instead of 3);
+#   tile:      TK = NG * KPG = 32 keys (KPG = 4; 1 for GC = 8, with a 12-deep ring instead of 3);
 #              group grp takes keys [grp * KPG, grp * KPG + KPG)
 #
 #   smem:  ring  [STAGES][2 (K, V)][TK][D] dtype    cp.async destination, STAGES-deep
@@ -66,9 +66,10 @@ comptime MIN_SPLIT_KEYS = 64  # a split reads at least this many keys (host plan
 
 
 def paged_decode_keys_per_group(group: Int) -> Int:
-    """KPG: keys per row group per tile. GC = 8 takes 2 (4 spills: 8 x 4 scores next to 64 query
-    and 64 output registers exceed 255), with a deeper ring so it holds as many keys."""
-    return 2 if group == 8 else 4
+    """KPG: keys per row group per tile. GC = 8 takes 1 (4 and, for fp16, 2 spill: 8 x KPG scores
+    next to 64 query and 64 output registers exceed 255), with a deeper ring (12 stages) so it
+    holds as many keys."""
+    return 1 if group == 8 else 4
 
 
 def paged_decode_stages(group: Int) -> Int:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import ctypes
 import json
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -25,9 +24,11 @@ import torch
 from kernels import build, ptx
 from kernels.gpu import GpuKernels, _pack
 from tests.kernels.cases import (
+    PagedCase,
     assert_close,
     make_case,
     reference_decode,
+    reference_prefill,
     run_decode,
     run_prefill,
 )
@@ -35,6 +36,7 @@ from tests.kernels.cases import (
 ROOT = Path(__file__).resolve().parents[2]
 SOURCE_DIR = ROOT / "kernels" / "mojo"
 STATIC_SHARED_LIMIT = 48 * 1024
+SM90_DYNAMIC_SHARED_LIMIT = 227 * 1024  # per block, opt-in (cuFuncSetAttribute)
 
 
 def _mojo() -> Path | None:
@@ -60,8 +62,10 @@ def test_build_ptx_manifest(built_ptx: Path) -> None:
     assert manifest["format"] == ptx.MANIFEST_FORMAT
     assert manifest["arch"] == "sm_90"
     seen = {(r["kernel"], r["dtype"], r["head_dim"]): r for r in manifest["kernels"]}
-    for kernel in ("prefill", "decode", "decode_combine"):
-        for dtype in ("float32", "bfloat16", "float16"):
+    tensor_core = ("flash_prefill", *(f"paged_decode_g{gc}" for gc in (1, 2, 4, 8)))
+    for kernel in ("prefill", "decode", "decode_combine", *tensor_core):
+        dtypes = ("bfloat16", "float16") if kernel in tensor_core else ptx.DTYPES
+        for dtype in dtypes:
             for head_dim in (64, 128, 256):
                 rec = seen.pop((kernel, dtype, head_dim))
                 assert rec["file"] == f"{kernel}_{dtype}_{head_dim}.ptx"
@@ -74,6 +78,16 @@ def test_build_ptx_manifest(built_ptx: Path) -> None:
                 ptx.check_signature(kernel, rec["params"])
                 assert ".extern .func" not in text
                 assert rec["shared_bytes"] <= STATIC_SHARED_LIMIT
+                dynamic = rec["dynamic_shared_bytes"]
+                assert dynamic == ptx.dynamic_shared_bytes(kernel, head_dim)
+                assert (dynamic > 0) == (kernel in tensor_core)
+                assert rec["shared_bytes"] + dynamic <= SM90_DYNAMIC_SHARED_LIMIT
+                if kernel in tensor_core:  # the whole point of them: tensor cores, async copies
+                    assert "cp.async.cg.shared.global" in text
+                    assert ".extern .shared" in text  # dynamic shared memory
+                if kernel == "flash_prefill":
+                    assert "mma.sync.aligned.m16n8k16.row.col.f32" in text
+                    assert "ldmatrix.sync.aligned" in text and ".trans" in text
     assert not seen, f"unexpected manifest records {sorted(seen)}"
     # No stray build files next to the published ones.
     assert sorted(p.name for p in built_ptx.iterdir()) == sorted(
@@ -100,20 +114,56 @@ def test_launch_arguments_match_ptx_params(built_ptx: Path) -> None:
 
 @pytest.mark.slow
 def test_ptx_assembles_without_spills(built_ptx: Path, tmp_path: Path) -> None:
-    ptxas = shutil.which("ptxas") or (
-        "/usr/local/cuda/bin/ptxas" if Path("/usr/local/cuda/bin/ptxas").exists() else None
-    )
+    """Where ptxas exists the build assembled every kernel for sm_90a and recorded its registers,
+    spills and shared memory (`ptxas -v`) in the manifest; none may spill, the hot tensor-core
+    kernels above all. A few files are assembled again here to check what was recorded."""
+    ptxas = ptx.find_ptxas()
     if ptxas is None:
         pytest.skip("ptxas not installed")
     manifest = json.loads((built_ptx / "manifest.json").read_text())
+    assert manifest["ptxas"] == str(ptxas)
     for rec in manifest["kernels"]:
-        proc = subprocess.run(
-            [ptxas, "-arch=sm_90a", "-v", str(built_ptx / rec["file"]), "-o", str(tmp_path / "k")],
-            capture_output=True,
-            text=True,
-        )
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        assert "0 bytes spill stores" in proc.stderr, (rec["file"], proc.stderr[-1000:])
+        info = rec["ptxas"]
+        assert 0 < info["registers"] <= 255, rec["file"]
+        assert info["spill_store_bytes"] == 0 and info["spill_load_bytes"] == 0, (rec["file"], info)
+        if rec["dtype"] == "bfloat16" and rec["head_dim"] == 128:
+            proc = subprocess.run(
+                [
+                    ptxas,
+                    "-arch=sm_90a",
+                    "-v",
+                    str(built_ptx / rec["file"]),
+                    "-o",
+                    str(tmp_path / "k"),
+                ],
+                capture_output=True,
+                text=True,
+            )
+            assert proc.returncode == 0, proc.stderr[-2000:]
+            assert "0 bytes spill stores" in proc.stderr, (rec["file"], proc.stderr[-1000:])
+            assert ptx.parse_ptxas(proc.stderr) == info, rec["file"]
+    assert {rec["kernel"] for rec in manifest["kernels"]} >= ptx.HOT_KERNELS
+
+
+def test_parse_ptxas_reads_registers_spills_and_shared_memory() -> None:
+    # One entry of real `ptxas -v -arch=sm_90a` output (CUDA 13.0), with a spill.
+    stderr = (
+        "ptxas info    : 0 bytes gmem\n"
+        "ptxas info    : Compiling entry function 'mk_fa_bf16_d256_x' for 'sm_90a'\n"
+        "ptxas info    : Function properties for mk_fa_bf16_d256_x\n"
+        "    224 bytes stack frame, 260 bytes spill stores, 1404 bytes spill loads\n"
+        "ptxas info    : Used 255 registers, used 1 barriers, 224 bytes cumulative stack size, "
+        "43776 bytes smem\n"
+    )
+    assert ptx.parse_ptxas(stderr) == {
+        "registers": 255,
+        "stack_bytes": 224,
+        "spill_store_bytes": 260,
+        "spill_load_bytes": 1404,
+        "static_shared_bytes": 43776,
+    }
+    with pytest.raises(RuntimeError, match="unexpected ptxas"):
+        ptx.parse_ptxas("ptxas fatal   : Unresolved extern function")
 
 
 def test_build_failure_reports_compiler_stderr(tmp_path: Path) -> None:
@@ -123,7 +173,8 @@ def test_build_failure_reports_compiler_stderr(tmp_path: Path) -> None:
     src = tmp_path / "src"
     src.mkdir()
     (src / "prefill_gpu.mojo").write_text("def broken(\n")
-    (src / "decode_gpu.mojo").write_text("")
+    for name in ("decode_gpu.mojo", "flash_prefill_gpu.mojo", "paged_decode_gpu.mojo"):
+        (src / name).write_text("")
     with pytest.raises(RuntimeError, match="mojo build of the GPU kernels failed") as info:
         ptx.build_ptx(mojo, src, tmp_path / "out")
     assert "Crashpad" not in str(info.value)
@@ -171,3 +222,83 @@ def test_launches_on_the_current_stream(gpu_kernels) -> None:
         out = run_decode(gpu_kernels, case)
     stream.synchronize()
     assert_close(out, reference_decode(case), torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=str)
+@pytest.mark.parametrize("head_dim", (64, 128, 256))
+def test_tensor_core_kernels_on_the_parity_grid(gpu_kernels, head_dim: int, dtype) -> None:
+    """flash_prefill and paged_decode in fp16 (test_parity.py's grid runs bf16) over lengths
+    1 .. 513, ratios 1 .. 16 and odd, both block sizes, cached prefixes and forced splits."""
+    lengths = (1, 7, 16, 17, 100, 513)
+    for ratio in (1, 2, 3, 4, 5, 8, 16):
+        for block_size in (16, 32):
+            seed = ratio * 1000 + head_dim + block_size
+            prefill = make_case(
+                [*lengths, 0, 7],
+                [0, 3, 16, 5, 0, 0, 9, 513],
+                num_q_heads=2 * ratio,
+                num_kv_heads=2,
+                head_dim=head_dim,
+                block_size=block_size,
+                dtype=dtype,
+                device="cuda",
+                seed=seed,
+            )
+            assert_close(run_prefill(gpu_kernels, prefill), reference_prefill(prefill), dtype)
+            decode = make_case(
+                [1] * len(lengths),
+                [n - 1 for n in lengths],
+                num_q_heads=2 * ratio,
+                num_kv_heads=2,
+                head_dim=head_dim,
+                block_size=block_size,
+                dtype=dtype,
+                device="cuda",
+                seed=seed + 1,
+            )
+            expected = reference_decode(decode)
+            for splits in (0, 1, 3, 64):
+                assert_close(run_decode(gpu_kernels, decode, splits), expected, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 64])
+def test_decode_captured_in_a_cuda_graph_replays_new_inputs(gpu_kernels, batch: int) -> None:
+    """A decode step captured once replays right after q, the cache and the lengths change in
+    place (the split plan depends on shapes only; scratch is preallocated)."""
+    assert gpu_kernels.is_graph_safe
+    contexts = [(97 * i) % 4000 + 1 for i in range(1, batch + 1)]
+
+    def case(seed: int) -> PagedCase:
+        return make_case(
+            [1] * batch,
+            [c - 1 for c in contexts],
+            num_q_heads=32,
+            num_kv_heads=8,
+            head_dim=128,
+            block_size=16,
+            dtype=torch.bfloat16,
+            device="cuda",
+            seed=seed,
+        )
+
+    first = case(1)
+    run_decode(gpu_kernels, first)  # warm-up: loads the functions and sizes the scratch
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run_decode(gpu_kernels, first)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_close(out, reference_decode(first), torch.bfloat16)
+
+    second = case(2)  # same shapes, new values: copy them into the captured tensors
+    shorter = torch.clamp(second.seq_lens - 50, min=1)
+    for name in ("q", "k_cache", "v_cache", "block_tables"):
+        getattr(first, name).copy_(getattr(second, name))
+    first.seq_lens.copy_(shorter)
+    second.seq_lens = shorter
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_close(out, reference_decode(second), torch.bfloat16)
