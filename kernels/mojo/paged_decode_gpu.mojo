@@ -9,7 +9,7 @@
 # h // (H // KVH).
 #
 # Launch (kernels/gpu.py): grid (num_splits, KVH * ceil(G / GC), B), 128 threads, dynamic shared
-# memory paged_decode_smem_bytes[dtype, D]() (> 48 KB: the loader raises the function's limit).
+# memory paged_decode_smem_bytes(D) (50 KB: the loader raises the function's limit).
 # G = H / KVH; GC (a compile-time parameter, 1/2/4/8) is the number of query heads of one kv
 # group a CTA serves: every K/V byte a CTA reads serves GC heads (G <= 8: the whole group, so
 # K/V is read once). Heads r0 + GC .. of a group with G > GC go to the next grid.y; a group with
