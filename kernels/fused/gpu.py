@@ -95,7 +95,8 @@ class GpuFusedKernels:
                 check_signature(kernel, entries[rec["entry"]])
                 if self._driver is None:
                     self._driver = _make_driver()
-                self._functions[key] = self._driver.load(device, text, rec["entry"])
+                # Static shared memory only: no dynamic shared-memory limit to raise.
+                self._functions[key] = self._driver.load(device, text, rec["entry"], 0)
         return self._functions[key]
 
     def _launch(
@@ -115,7 +116,7 @@ class GpuFusedKernels:
             func = self._function(device, kernel, _DTYPE_NAMES[like.dtype], head_dim)
             stream = torch.cuda.current_stream(device).cuda_stream
             self.num_calls += 1
-            self._driver.launch(device, func, grid, (threads, 1, 1), stream, args)
+            self._driver.launch(device, func, grid, (threads, 1, 1), stream, args, 0)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         _require_cuda(x)
