@@ -244,3 +244,18 @@ class PeerSet:
                         addresses[target.address(ip)] = target
             self._addresses, self._hosts = addresses, hosts
             self._resolved_at = self._clock()
+
+
+async def is_trusted_peer(peer: str, peers: PeerSet | None) -> bool:
+    """Whether a caller (grpc's `context.peer()`) is one `peers` names by host; `peers` None:
+    only this machine (loopback addresses, unix sockets). A plaintext port can only tell
+    callers apart by source address: anyone who can send from a listed host (or spoof it on
+    the network) passes; mTLS (a client certificate the CA signed) is the stronger check."""
+    if peer.startswith("unix:"):
+        return peers is None or peers.is_any
+    host = host_of(peer)
+    if host is None:
+        return False
+    if peers is None:
+        return ipaddress.ip_address(host).is_loopback
+    return await peers.has_host(host)
