@@ -359,8 +359,11 @@ class Backends:
     async def _poll_forever(self) -> None:
         assert self._wake is not None
         while True:
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for loses a cancel that lands
+            # as the wake-up does, and close() then waits on this loop forever.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.config.poll_interval_s)
+                async with asyncio.timeout(self.config.poll_interval_s):
+                    await self._wake.wait()
             self._wake.clear()
             try:
                 await self.refresh()
