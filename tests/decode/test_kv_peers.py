@@ -14,6 +14,7 @@ import grpc
 
 from mili.decode.v1 import decode_pb2
 from mili.discovery import PeerSet, parse_targets
+from mili.engine.engine_config import EngineConfig
 from mili.engine.sampling_params import SamplingParams
 from mili.kv.v1 import kv_pb2
 from mili.rpc.certs import Authority, CertFiles
@@ -86,7 +87,9 @@ async def _refused_then_accepted(
 
 
 def _config(model_dir: Path) -> DecodeConfig:
-    return DecodeConfig(model_dir=model_dir, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS)
+    return DecodeConfig(
+        model_dir=model_dir, engine=EngineConfig(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS)
+    )
 
 
 def test_plaintext_kv_only_from_the_hosts_of_the_prefill_name(
