@@ -1,8 +1,9 @@
 """A throwaway certificate authority for local mTLS: one CA, and certificates it signs for the
 services (server and client use both), written as PEM files.
 
-For demos and tests only (`mili serve --tls-demo`, tests/rpc/test_tls.py): keys are made fresh
-each time and never leave the directory they are written to. A real deployment brings its own
+For tests and local demos only (tests/rpc/test_tls.py, tests/e2e/test_topology.py; a
+`mili serve --tls-demo` on top of it is not written yet): keys are made fresh each time and
+never leave the directory they are written to. A real deployment brings its own
 CA (cert-manager, a Kubernetes Secret; see deploy/kubernetes/).
 """
 
