@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from mili import ports
-from mili.rpc.server import ServerConfig
+from mili.rpc.server import ServerConfig, ServerTls
+from mili.rpc.tls import Tls, TlsFiles
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -85,6 +86,16 @@ def add_server_arguments(
         f"request makes the server buffer (default: {receive_window_bytes or _PROBED})",
     )
     group.add_argument(
+        "--health-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="also serve grpc.health.v1 alone, in plaintext, on this port, for probes that "
+        "cannot speak TLS (Kubernetes' grpc probes); service '' and each service name follow "
+        "the main port's health, 'liveness' stays SERVING while the process runs, drains "
+        "included (default: off)",
+    )
+    group.add_argument(
         "--drain-timeout",
         type=float,
         default=30.0,
@@ -96,6 +107,7 @@ def add_server_arguments(
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
         help="log level (default: %(default)s)",
     )
+    add_tls_arguments(parser)
     telemetry = parser.add_argument_group("telemetry")
     telemetry.add_argument(
         "--otlp-endpoint",
@@ -119,6 +131,45 @@ def add_server_arguments(
     )
 
 
+def add_tls_arguments(parser: argparse.ArgumentParser, *, is_server: bool = True) -> None:
+    """--tls-cert, --tls-key, --tls-ca (mili.rpc.tls)."""
+    group = parser.add_argument_group("TLS")
+    own = "the port serves TLS and " if is_server else ""
+    group.add_argument(
+        "--tls-cert",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help=f"this process's certificate chain (PEM): {own}calls to other services present "
+        "it (default: plaintext)",
+    )
+    group.add_argument(
+        "--tls-key", type=Path, default=None, metavar="FILE", help="its private key (PEM)"
+    )
+    ca_server = (
+        "the port then requires client certificates it signed (mTLS), and " if is_server else ""
+    )
+    group.add_argument(
+        "--tls-ca",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help=f"the CA certificate (PEM) of the deployment: {ca_server}servers are verified "
+        "against it (default: the system's roots)",
+    )
+
+
+def tls_files(args: argparse.Namespace) -> TlsFiles:
+    return TlsFiles(cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca)
+
+
+def client_tls(args: argparse.Namespace) -> Tls | None:
+    """What this process dials other services with: None = plaintext. ValueError when a file
+    is missing or the flags do not fit together."""
+    files = tls_files(args)
+    return files.load() if files.is_enabled else None
+
+
 def add_model_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
@@ -130,7 +181,19 @@ def add_model_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def server_config(args: argparse.Namespace) -> ServerConfig:
+def server_config(
+    args: argparse.Namespace, *, require_client_auth: bool | None = None
+) -> ServerConfig:
+    """The server's config from the shared flags. TLS when --tls-cert is given, requiring
+    client certificates when --tls-ca is (unless `require_client_auth` says otherwise: the
+    frontend's public port). ValueError when TLS files are missing or do not fit together."""
+    tls = client_tls(args)
+    server_tls = None
+    if tls is not None and tls.cert is not None:
+        require = tls.ca is not None if require_client_auth is None else require_client_auth
+        server_tls = ServerTls(tls, require_client_auth=require)
+    elif require_client_auth:
+        raise ValueError("client certificates are verified only on a TLS port: add --tls-cert")
     return ServerConfig(
         host=args.host,
         port=args.port,
@@ -139,6 +202,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         receive_window_bytes=args.receive_window_bytes,
         drain_timeout_s=args.drain_timeout,
         metrics_port=args.metrics_port,
+        health_port=args.health_port,
+        tls=server_tls,
     )
 
 
@@ -148,6 +213,8 @@ def check_ports(args: argparse.Namespace) -> None:
     ports.check_free(args.host, args.port, "--port")
     if args.metrics_port is not None:
         ports.check_free(args.host, args.metrics_port, "--metrics-port")
+    if args.health_port is not None:
+        ports.check_free(args.host, args.health_port, "--health-port")
 
 
 def default_dtype(device: str) -> tuple[str, str]:

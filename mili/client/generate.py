@@ -40,6 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--timeout", type=float, default=None, metavar="SECONDS", help="deadline of the call"
     )
+    from mili.flags import add_tls_arguments
+
+    add_tls_arguments(parser, is_server=False)
 
 
 def build_request(args: argparse.Namespace) -> object:
@@ -78,10 +81,23 @@ def run(args: argparse.Namespace) -> int:
     if args.seed is not None and args.seed < 0:
         print("mili generate: error: --seed must be >= 0", file=sys.stderr)
         return 2
+    from mili.flags import client_tls
+    from mili.rpc.client import connection_hint
+
+    try:
+        tls = client_tls(args)
+    except ValueError as e:
+        print(f"mili generate: error: {e}", file=sys.stderr)
+        return 2
     request = build_request(args)
     last = None
     wrote_text = ""
-    with grpc.insecure_channel(args.address) as channel:
+    channel = (
+        grpc.insecure_channel(args.address)
+        if tls is None
+        else grpc.secure_channel(args.address, tls.channel_credentials())
+    )
+    with channel:
         stub = generation_pb2_grpc.GenerationServiceStub(channel)
         try:
             for response in stub.Generate(request, timeout=args.timeout):
@@ -94,8 +110,9 @@ def run(args: argparse.Namespace) -> int:
         except grpc.RpcError as err:
             code = err.code().name if callable(getattr(err, "code", None)) else "UNKNOWN"
             details = err.details() if callable(getattr(err, "details", None)) else str(err)
+            hint = connection_hint(err, is_tls=tls is not None)
             _end_text(wrote_text)
-            print(f"mili generate: {code}: {details}", file=sys.stderr)
+            print(f"mili generate: {code}: {details}{hint}", file=sys.stderr)
             return 1
     _end_text(wrote_text)
     if last is not None:

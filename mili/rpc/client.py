@@ -9,6 +9,8 @@ from collections.abc import Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from mili.rpc.tls import Tls
+
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
@@ -52,6 +54,51 @@ def insecure_channel(
         options=channel_options(max_message_bytes),
         interceptors=list(interceptors) or None,
     )
+
+
+def channel(
+    address: str,
+    *,
+    tls: Tls | None = None,
+    server_name: str | None = None,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
+) -> grpc.aio.Channel:
+    """A grpc.aio channel to `address`: TLS when `tls` is given (verifying the server as
+    `server_name`, default the address's host), else plaintext."""
+    if tls is None:
+        return insecure_channel(
+            address, max_message_bytes=max_message_bytes, interceptors=interceptors
+        )
+    options: list[tuple[str, str | int]] = [*channel_options(max_message_bytes)]
+    if server_name:
+        options.append(("grpc.ssl_target_name_override", server_name))
+    return grpc.aio.secure_channel(
+        address,
+        tls.channel_credentials(),
+        options=options,
+        interceptors=list(interceptors) or None,
+    )
+
+
+def connection_hint(err: grpc.RpcError, *, is_tls: bool) -> str:
+    """A sentence for an UNAVAILABLE that looks like a TLS mismatch (grpc only says "Socket
+    closed" when a handshake was refused), else ""."""
+    details = (err.details() or "") if callable(getattr(err, "details", None)) else ""
+    code = err.code() if callable(getattr(err, "code", None)) else None
+    if code != grpc.StatusCode.UNAVAILABLE:
+        return ""
+    lowered = details.lower()
+    if "handshake" in lowered or "ssl" in lowered or "certificate" in lowered:
+        return " (TLS handshake failed: check --tls-ca, --tls-cert and --tls-key)"
+    if "socket closed" in lowered or "connection reset" in lowered:
+        if is_tls:
+            return (
+                " (the server closed the connection during the TLS handshake: it refused our "
+                "certificate, wants one (--tls-cert/--tls-key), or does not speak TLS)"
+            )
+        return " (the server closed the connection at once: does it require TLS? pass --tls-ca)"
+    return ""
 
 
 _STATUS_NAMES = {

@@ -32,6 +32,7 @@ from prometheus_client import CollectorRegistry
 
 from mili.errors import StartupError
 from mili.rpc.interceptor import CallInterceptor
+from mili.rpc.tls import Tls
 from mili.telemetry.metrics import (
     MetricsServer,
     RequestMetrics,
@@ -42,6 +43,19 @@ from mili.telemetry.metrics import (
 _LOG = logging.getLogger("mili.rpc")
 
 Register = Callable[[grpc.aio.Server], None]
+
+# The service name that a --health-port server reports SERVING from start to stop, drains
+# included: a liveness probe on it restarts a process that hangs, never one that drains.
+LIVENESS = "liveness"
+
+
+@dataclass(frozen=True)
+class ServerTls:
+    """The port speaks TLS with `tls.cert`; `require_client_auth`: only clients holding a
+    certificate `tls.ca` signed complete the handshake (mTLS)."""
+
+    tls: Tls
+    require_client_auth: bool
 
 
 @dataclass(frozen=True)
@@ -65,6 +79,10 @@ class ServerConfig:
     drain_timeout_s: float = 30.0  # how long in-flight calls get to finish after SIGTERM
     grace_s: float = 5.0  # grpc's own server.stop(grace) after draining
     metrics_port: int | None = None  # Prometheus /metrics on host:metrics_port; None = off, 0 = any
+    # grpc.health.v1 alone, plaintext, on host:health_port (None = off, 0 = any): for probes
+    # that cannot speak TLS, such as Kubernetes' grpc probes.
+    health_port: int | None = None
+    tls: ServerTls | None = None  # None: plaintext
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -83,6 +101,10 @@ class ServerConfig:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
+        if self.health_port is not None and not 0 <= self.health_port <= 65535:
+            raise ValueError(f"health_port must be in [0, 65535], got {self.health_port}")
+        if self.tls is not None:
+            self.tls.tls.server_credentials(require_client_auth=self.tls.require_client_auth)
 
     @property
     def receive_limit(self) -> int:
@@ -122,8 +144,12 @@ class RpcServer:
         self._registrations: list[tuple[str, Register]] = []
         self._interceptor = CallInterceptor(name, RequestMetrics(self.registry))
         self._health = health.aio.HealthServicer()
+        # The --health-port server's own: its LIVENESS entry survives the drain.
+        self._probe_health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
+        self._probe_server: grpc.aio.Server | None = None
         self._port = 0
+        self._health_port = 0
         self._drain_task: asyncio.Task[None] | None = None
         self._hurry: asyncio.Event | None = None  # set by a second signal: skip the drain wait
         self._stopped: asyncio.Event | None = None
@@ -150,6 +176,13 @@ class RpcServer:
     @property
     def address(self) -> str:
         return format_address(self.config.host, self._port)
+
+    @property
+    def health_address(self) -> str | None:
+        """HOST:PORT of the plaintext health-only server, once started with a health_port."""
+        if self._probe_server is None:
+            return None
+        return format_address(self.config.host, self._health_port)
 
     @property
     def metrics_url(self) -> str | None:
@@ -201,10 +234,19 @@ class RpcServer:
             [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
         )
         address = format_address(self.config.host, self.config.port)
+        tls = self.config.tls
         try:
-            self._port = server.add_insecure_port(address)
+            if tls is None:
+                self._port = server.add_insecure_port(address)
+            else:
+                credentials = tls.tls.server_credentials(
+                    require_client_auth=tls.require_client_auth
+                )
+                self._port = server.add_secure_port(address, credentials)
         except RuntimeError as exc:
             raise StartupError(f"{self.name}: cannot listen on {address}; is it in use?") from exc
+        if self.config.health_port is not None:
+            await self._start_probe_server()
         if self.config.metrics_port is not None:
             try:
                 self._metrics_server = start_metrics_server(
@@ -215,10 +257,30 @@ class RpcServer:
                 raise StartupError(f"{self.name}: cannot serve metrics on {where}: {exc}") from exc
         await server.start()
         await self._set_health()
+        security = "plaintext"
+        if tls is not None:
+            security = "mTLS" if tls.require_client_auth else "TLS"
         _LOG.info(
-            "%s listening on %s serving %s", self.name, self.address, ", ".join(self.service_names)
+            "%s listening on %s (%s) serving %s",
+            self.name,
+            self.address,
+            security,
+            ", ".join(self.service_names),
         )
         return self._port
+
+    async def _start_probe_server(self) -> None:
+        assert self.config.health_port is not None
+        probe = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        health_pb2_grpc.add_HealthServicer_to_server(self._probe_health, probe)
+        address = format_address(self.config.host, self.config.health_port)
+        try:
+            self._health_port = probe.add_insecure_port(address)
+        except RuntimeError as exc:
+            raise StartupError(f"{self.name}: cannot serve health on {address}") from exc
+        await self._probe_health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
+        await probe.start()
+        self._probe_server = probe
 
     async def set_serving(self, is_serving: bool) -> None:
         """Report the server (and each of its services) SERVING or NOT_SERVING in
@@ -274,6 +336,7 @@ class RpcServer:
             status = health_pb2.HealthCheckResponse.SERVING
         for name in ["", *self.service_names]:
             await self._health.set(name, status)
+            await self._probe_health.set(name, status)
 
     def _start_drain(self) -> asyncio.Task[None]:
         if self._drain_task is None:
@@ -296,6 +359,8 @@ class RpcServer:
         started = time.monotonic()
         self._interceptor.start_draining()
         await self._health.enter_graceful_shutdown()
+        for name in ["", *self.service_names]:  # not LIVENESS: draining is not hanging
+            await self._probe_health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         timeout_s = self.config.drain_timeout_s
         _LOG.info(
             "%s: draining; %d calls in flight, waiting up to %.1f s",
@@ -323,6 +388,8 @@ class RpcServer:
         )
         try:
             await server.stop(grace_s)
+            if self._probe_server is not None:
+                await self._probe_server.stop(0)
         finally:
             if self._metrics_server is not None:  # scrapes kept answering through the drain
                 self._metrics_server.close()
@@ -347,5 +414,7 @@ async def serve_forever(
     await server.start()
     if server.metrics_url is not None:
         announce(f"{server.name} metrics on {server.metrics_url}")
+    if server.health_address is not None:
+        announce(f"{server.name} health on {server.health_address}")
     announce(f"{server.name} service listening on {server.address}")
     await server.run_until_signal()

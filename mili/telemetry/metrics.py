@@ -10,7 +10,8 @@ unit (`_seconds`, `_bytes`) and counters end in `_total`. What each service reco
                    and mili_control_requests_total (Info, health, reflection), once per call;
                    process_* (RSS, CPU seconds, open fds; Linux)   mili.rpc.server
     frontend       requests in flight, tokens streamed, time to first token, time per output
-                   token   services/frontend/server.py
+                   token   services/frontend/server.py; instances by state and membership
+                   changes   services/frontend/backends.py
     prefill        step time and size, queue, KV blocks, KV sent   worker.py, server.py
     decode         step time and batch size, queue, KV blocks, KV received   batcher.py, transfer.py
 
@@ -21,7 +22,7 @@ counters moved at most once per step or per response message, and gauges that mi
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import (
     CollectorRegistry,
@@ -31,6 +32,8 @@ from prometheus_client import (
     ProcessCollector,
     start_http_server,
 )
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 # Bucket bounds (seconds unless noted), wide enough for a CPU test model and an H200 alike.
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -145,6 +148,15 @@ class FrontendMetrics:
             registry=registry,
         )
 
+        self.instance_changes = Counter(
+            "mili_frontend_instance_changes_total",
+            "Prefill and decode instances that joined (added), left with requests still on "
+            "them (draining), left for good (dropped) or came back while draining (returned), "
+            "as discovery saw them",
+            ["kind", "change"],
+            registry=registry,
+        )
+
     def watch(self, *, num_in_flight_requests: Read) -> None:
         """Gauges read from the servicer at scrape time (call once per registry)."""
         _callback_gauge(
@@ -154,6 +166,34 @@ class FrontendMetrics:
             "prefilling or streaming)",
             num_in_flight_requests,
         )
+
+    def watch_instances(self, read: Callable[[], Iterable[tuple[str, str]]]) -> None:
+        """mili_frontend_instances{kind, state}: `read()` gives one (kind, state) per instance
+        the frontend knows, at scrape time (call once per registry)."""
+        self.registry.register(_InstancesCollector(read))
+
+
+class _InstancesCollector(Collector):
+    KINDS = ("prefill", "decode")
+    STATES = ("up", "down", "draining")
+
+    def __init__(self, read: Callable[[], Iterable[tuple[str, str]]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(
+            "mili_frontend_instances",
+            "Prefill and decode instances the frontend knows (fixed or discovered by DNS), by "
+            "state: up (routed), down (not answering Info, or not checked yet), draining (gone "
+            "from discovery, finishing its requests)",
+            labels=["kind", "state"],
+        )
+        counts = dict.fromkeys(((k, s) for k in self.KINDS for s in self.STATES), 0)
+        for kind, state in self._read():
+            counts[(kind, state)] = counts.get((kind, state), 0) + 1
+        for (kind, state), n in counts.items():
+            family.add_metric([kind, state], n)
+        yield family
 
 
 class PrefillMetrics:

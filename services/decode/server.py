@@ -11,6 +11,7 @@ import grpc
 from opentelemetry import trace
 
 from mili.decode.v1 import decode_pb2, decode_pb2_grpc
+from mili.discovery import PeerSet
 from mili.errors import Cancelled, DeadlineExceeded, InvalidArgument, Unavailable
 from mili.kv.v1 import kv_pb2
 from mili.rpc.kv_codec import parse_transfer_request
@@ -181,10 +182,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         )
 
 
-def add_to_server(server: RpcServer, instance: DecodeInstance) -> None:
-    """Register DecodeService and KvTransferService (one address: prefill sends KV here)."""
+def add_to_server(
+    server: RpcServer, instance: DecodeInstance, *, kv_senders: PeerSet | None = None
+) -> None:
+    """Register DecodeService and KvTransferService (one address: prefill sends KV here).
+    `kv_senders`: the hosts KV is accepted from (None: this machine only)."""
     decode = DecodeServicer(instance, is_draining=lambda: server.is_draining)
-    transfer = KvTransferServicer(instance)
+    transfer = KvTransferServicer(instance, senders=kv_senders)
     server.add_service(
         DECODE_SERVICE, lambda s: decode_pb2_grpc.add_DecodeServiceServicer_to_server(decode, s)
     )

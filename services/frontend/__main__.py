@@ -9,6 +9,7 @@ import logging
 
 from mili import flags
 from mili.errors import StartupError
+from mili.rpc.server import ServerConfig
 
 DEFAULT_PORT = 50051
 DEFAULT_TOKENIZER = "127.0.0.1:50052"
@@ -32,6 +33,9 @@ MAX_REQUEST_BYTES = 8 * 1024 * 1024
 REQUEST_WINDOW_BYTES = 1024 * 1024
 
 
+PUBLIC_TLS = ("mtls", "tls", "off")
+
+
 def _addresses(text: str) -> tuple[str, ...]:
     return tuple(a.strip() for a in text.split(",") if a.strip())
 
@@ -47,14 +51,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--prefill",
         default=DEFAULT_PREFILL,
-        metavar="ADDR[,ADDR...]",
-        help="prefill instance addresses, comma-separated (default: %(default)s)",
+        metavar="TARGET[,TARGET...]",
+        help="prefill instances, comma-separated: host:port, or dns:///NAME:PORT for every "
+        "address NAME resolves to (looked up again every --resolve-interval) (default: "
+        "%(default)s)",
     )
     group.add_argument(
         "--decode",
         default=DEFAULT_DECODE,
-        metavar="ADDR[,ADDR...]",
-        help="decode instance addresses, comma-separated (default: %(default)s)",
+        metavar="TARGET[,TARGET...]",
+        help="decode instances, as --prefill (default: %(default)s)",
+    )
+    group.add_argument(
+        "--resolve-interval",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="how often dns:/// targets are looked up again: new instances join once their "
+        "Info and KV layout check out, vanished ones drain (default: %(default)s)",
     )
     limits = parser.add_argument_group("limits")
     limits.add_argument(
@@ -96,6 +110,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         max_receive_message_bytes=MAX_REQUEST_BYTES,
         receive_window_bytes=REQUEST_WINDOW_BYTES,
     )
+    parser.add_argument(
+        "--public-tls",
+        choices=PUBLIC_TLS,
+        default=None,
+        help="the public port: mtls (clients need a certificate --tls-ca signed), tls (any "
+        "client, the port proves itself with --tls-cert) or off (plaintext, e.g. behind a "
+        "TLS-terminating proxy); calls to the other services use the --tls-* flags either way "
+        "(default: mtls with --tls-ca and --tls-cert, tls with --tls-cert alone, else off)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -121,9 +144,12 @@ def run(args: argparse.Namespace) -> int:
                 max_tokens_limit=args.max_tokens_limit,
             ),
             poll_interval_s=args.poll_interval,
+            resolve_interval_s=args.resolve_interval,
             kv_lease_ms=args.kv_lease_ms,
             max_concurrent_requests=args.max_concurrent_requests,
         )
+        tls = flags.client_tls(args)
+        server_config = _server_config(args)
     except ValueError as e:
         raise StartupError(str(e)) from None
     logging.getLogger("mili.frontend").info(
@@ -137,15 +163,20 @@ def run(args: argparse.Namespace) -> int:
 
     async def main() -> None:
         server = RpcServer(
-            flags.server_config(args), name="frontend", interceptors=tracing.server_interceptors()
+            server_config, name="frontend", interceptors=tracing.server_interceptors()
         )
+        metrics = FrontendMetrics(server.registry)
         backends = Backends(
             config,
-            Router(config.prefill_addresses, config.decode_addresses),
+            Router(),  # members come from the targets, fixed or looked up
             interceptors=tracing.client_interceptors(),
             on_health=server.set_serving,  # NOT_SERVING while no usable backends
+            tls=tls,
+            metrics=metrics,
         )
-        add_to_server(server, GenerationServicer(backends, FrontendMetrics(server.registry)))
+        router = backends.router
+        metrics.watch_instances(lambda: [(m.kind, m.state.value) for m in router.members()])
+        add_to_server(server, GenerationServicer(backends, metrics))
         await backends.start()
         try:
             await serve_forever(server)
@@ -157,6 +188,19 @@ def run(args: argparse.Namespace) -> int:
     finally:
         tracing.shutdown()  # after the drain: flush the last requests' spans
     return 0
+
+
+def _server_config(args: argparse.Namespace) -> ServerConfig:
+    """The public port: --public-tls decides, the --tls-* files serve it."""
+    mode = args.public_tls
+    if mode is None:
+        mode = "off" if args.tls_cert is None else "mtls" if args.tls_ca is not None else "tls"
+    if mode == "off":
+        public = argparse.Namespace(**{**vars(args), "tls_cert": None, "tls_key": None})
+        return flags.server_config(public, require_client_auth=False)
+    if args.tls_cert is None:
+        raise ValueError(f"--public-tls {mode} needs --tls-cert and --tls-key")
+    return flags.server_config(args, require_client_auth=mode == "mtls")
 
 
 if __name__ == "__main__":

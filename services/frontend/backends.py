@@ -10,6 +10,15 @@ decode instance's Info is fetched concurrently:
 
 The tokenizer's Info (vocabulary size, EOS ids) is polled with them.
 
+Membership: `--prefill` / `--decode` targets are fixed addresses or `dns:///NAME:PORT` names
+(mili.discovery). Every `resolve_interval_s` each name is looked up again and the router told
+the instances there are now (Router.set_members): a new one gets a channel and an Info poll at
+once, and is routed once that Info answered and its layouts checked out; a vanished one drains
+(its requests in flight finish there) and its channel is closed once it is dropped. A failed
+lookup keeps what the name resolved to before: a resolver hiccup must not drain every instance.
+Each instance's first failure to answer is logged with its reason once (a TLS handshake
+refused, say), not at every poll.
+
 After each round the frontend's grpc.health.v1 status follows: SERVING while the tokenizer is
 up and at least one prefill/decode pair is up with matching KV layouts, NOT_SERVING (with a
 warning saying what is missing) otherwise, so a load balancer routes away from a frontend that
@@ -26,16 +35,19 @@ from collections.abc import Awaitable, Callable, Sequence
 import grpc
 
 from mili.decode.v1 import decode_pb2, decode_pb2_grpc
+from mili.discovery import LookupFailed, Resolve, Target, parse_targets, resolve_host
 from mili.errors import FailedPrecondition
 from mili.kv.v1 import kv_pb2
 from mili.prefill.v1 import prefill_pb2, prefill_pb2_grpc
-from mili.rpc.client import insecure_channel
+from mili.rpc.client import channel, connection_hint
 from mili.rpc.kv_layout import check_compatible, describe
+from mili.rpc.tls import Tls
+from mili.telemetry.metrics import FrontendMetrics
 from mili.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from services.frontend.calls import TokenizerFacts
 from services.frontend.config import FrontendConfig
 from services.frontend.downstream import error_from
-from services.frontend.router import Router
+from services.frontend.router import MemberChanges, Router
 
 _LOG = logging.getLogger("mili.frontend")
 
@@ -50,26 +62,37 @@ class Backends:
         *,
         interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
         on_health: Callable[[bool], Awaitable[None]] | None = None,
+        tls: Tls | None = None,
+        metrics: FrontendMetrics | None = None,
+        resolve: Resolve = resolve_host,
     ) -> None:
         """`on_health(is_serving)` is awaited whenever usability changes (and after the first
-        round), e.g. RpcServer.set_serving."""
+        round), e.g. RpcServer.set_serving. `tls`: dial every service over TLS with these
+        certificates. `resolve`: the DNS lookup (tests pass their own)."""
         self.config = config
         self.router = router
         self._on_health = on_health
-        addresses = [config.tokenizer_address, *config.prefill_addresses, *config.decode_addresses]
-        self._channels = {
-            a: insecure_channel(a, interceptors=interceptors) for a in dict.fromkeys(addresses)
+        self._interceptors = interceptors
+        self._tls = tls
+        self._metrics = metrics
+        self._resolve = resolve
+        self._targets = {
+            "prefill": parse_targets(config.prefill_addresses),
+            "decode": parse_targets(config.decode_addresses),
         }
+        # Each target's instance addresses as last resolved (fixed ones: themselves).
+        self._resolved: dict[Target, tuple[str, ...]] = {
+            t: (t.spec,) for targets in self._targets.values() for t in targets if not t.is_dns
+        }
+        self._server_names: dict[str, str] = {}  # instance -> the DNS name that verifies it
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._prefills: dict[str, prefill_pb2_grpc.PrefillServiceStub] = {}
+        self._decodes: dict[str, decode_pb2_grpc.DecodeServiceStub] = {}
+        self._unreachable: set[str] = set()  # instances whose failure to answer was logged
+        self._lookup_failures: set[Target] = set()  # names whose failed lookup was logged
         self.tokenizer = tokenizer_pb2_grpc.TokenizerServiceStub(
-            self._channels[config.tokenizer_address]
+            self._channel(config.tokenizer_address)
         )
-        self._prefills = {
-            a: prefill_pb2_grpc.PrefillServiceStub(self._channels[a])
-            for a in config.prefill_addresses
-        }
-        self._decodes = {
-            a: decode_pb2_grpc.DecodeServiceStub(self._channels[a]) for a in config.decode_addresses
-        }
         self.prefill_layouts: dict[str, kv_pb2.KvLayout] = {}
         self.decode_layouts: dict[str, kv_pb2.KvLayout] = {}
         self.models: dict[str, str] = {}  # address -> model name its Info reported
@@ -77,7 +100,14 @@ class Backends:
         self._problem: str | None = None  # why it is not usable; None when it is
         self._is_health_reported = False
         self._wake: asyncio.Event | None = None
+        self._closing: set[asyncio.Future[None]] = set()  # channels of dropped instances
         self._poller: asyncio.Task[None] | None = None
+        self._resolver: asyncio.Task[None] | None = None
+        for address in router.prefills:  # members the router came with
+            self._add_stub("prefill", address)
+        for address in router.decodes:
+            self._add_stub("decode", address)
+        self._apply(self._members())  # the fixed addresses, known before any lookup
 
     def prefill(self, address: str) -> prefill_pb2_grpc.PrefillServiceStub:
         return self._prefills[address]
@@ -85,23 +115,161 @@ class Backends:
     def decode(self, address: str) -> decode_pb2_grpc.DecodeServiceStub:
         return self._decodes[address]
 
+    def targets(self, kind: str) -> tuple[Target, ...]:
+        """The --prefill or --decode targets, as configured."""
+        return self._targets[kind]
+
+    def target_of(self, address: str) -> str:
+        """The target (as configured) that instance `address` came from."""
+        for target, addresses in self._resolved.items():
+            if address in addresses:
+                return target.spec
+        return address  # it left every target's answer and is draining
+
     async def start(self) -> None:
-        """One round of discovery (instances not up yet are found by later polls), then poll."""
+        """One round of lookups and Info polls (instances not up yet are found by later
+        ones), then keep doing both."""
         self._wake = asyncio.Event()
+        await self.discover()
         await self.refresh()
         missing = [a for a, v in self.router.prefills.items() if not v.is_up]
         missing += [a for a, v in self.router.decodes.items() if not v.is_up]
         if missing:
             _LOG.warning("not reachable yet (polling on): %s", ", ".join(missing))
         self._poller = asyncio.create_task(self._poll_forever())
+        if any(t.is_dns for targets in self._targets.values() for t in targets):
+            self._resolver = asyncio.create_task(self._discover_forever())
 
     async def close(self) -> None:
-        if self._poller is not None:
-            self._poller.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._poller
-        for channel in self._channels.values():
-            await channel.close()
+        for task in (self._resolver, self._poller):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        for ch in self._channels.values():
+            await ch.close()
+
+    # ---- membership --------------------------------------------------------------------------
+
+    async def discover(self) -> MemberChanges:
+        """Look every DNS target up again and apply what changed."""
+        names = [t for targets in self._targets.values() for t in targets if t.is_dns]
+        answers = await asyncio.gather(*(self._lookup(t) for t in names))
+        for target, ips in zip(names, answers, strict=True):
+            if ips is None:
+                continue  # lookup failed: keep the last answer
+            self._resolved[target] = tuple(target.address(ip) for ip in ips)
+            for address in self._resolved[target]:
+                self._server_names[address] = target.host
+        changes = self._apply(self._members())
+        if changes.added and self._wake is not None:
+            self._wake.set()  # poll the newcomers' Info now, not at the next interval
+        if changes and self._is_health_reported:
+            await self._report_health()  # the last instance of a kind may have left
+        return changes
+
+    async def _lookup(self, target: Target) -> tuple[str, ...] | None:
+        try:
+            ips = await self._resolve(target.host)
+        except LookupFailed as e:
+            if target not in self._lookup_failures:
+                self._lookup_failures.add(target)
+                _LOG.warning("looking up %s failed (keeping its last answer): %s", target, e)
+            return None
+        if target in self._lookup_failures:
+            self._lookup_failures.discard(target)
+            _LOG.info("looking up %s works again", target)
+        if not ips:
+            _LOG.log(
+                logging.WARNING if self._resolved.get(target) else logging.DEBUG,
+                "%s resolves to no address: none of its instances is left",
+                target,
+            )
+        return ips
+
+    def _members(self) -> dict[str, list[str]]:
+        members: dict[str, list[str]] = {}
+        for kind, targets in self._targets.items():
+            addresses = (a for t in targets for a in self._resolved.get(t, ()))
+            members[kind] = list(dict.fromkeys(addresses))
+        return members
+
+    def _apply(self, members: dict[str, list[str]]) -> MemberChanges:
+        changes = self.router.set_members(members["prefill"], members["decode"])
+        for address in changes.added:
+            kind = "prefill" if address in self.router.prefills else "decode"
+            self._add_stub(kind, address)
+            self._count(kind, "added")
+            if self._is_started:
+                _LOG.info("%s at %s joined: checking its Info", kind, address)
+        for address in changes.draining:
+            kind = "prefill" if address in self.router.prefills else "decode"
+            self._count(kind, "draining")
+            num = (self.router.prefills.get(address) or self.router.decodes[address]).num_in_flight
+            _LOG.info("%s at %s left: draining its %d requests in flight", kind, address, num)
+        for address in changes.returned:
+            kind = "prefill" if address in self.router.prefills else "decode"
+            self._count(kind, "returned")
+            _LOG.info("%s at %s is back while draining: serving again", kind, address)
+        for address in changes.dropped:
+            self._dropped(address)
+        return changes
+
+    def _add_stub(self, kind: str, address: str) -> None:
+        ch = self._channel(address)
+        if kind == "prefill":
+            self._prefills[address] = prefill_pb2_grpc.PrefillServiceStub(ch)
+        else:
+            self._decodes[address] = decode_pb2_grpc.DecodeServiceStub(ch)
+
+    @property
+    def _is_started(self) -> bool:
+        return self._wake is not None
+
+    def _dropped(self, address: str) -> None:
+        """Forget an instance that left and has no request left on it."""
+        kind = "prefill" if address in self._prefills else "decode"
+        self._prefills.pop(address, None)
+        self._decodes.pop(address, None)
+        self.prefill_layouts.pop(address, None)
+        self.decode_layouts.pop(address, None)
+        self.models.pop(address, None)
+        self._unreachable.discard(address)
+        self._count(kind, "dropped")
+        _LOG.info("%s at %s left: dropped", kind, address)
+        ch = self._channels.pop(address, None)
+        if ch is not None:
+            task = asyncio.ensure_future(ch.close())
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+
+    def _collect_drained(self) -> None:
+        for address in self.router.take_dropped():
+            self._dropped(address)
+
+    def _count(self, kind: str, change: str) -> None:
+        if self._metrics is not None:
+            self._metrics.instance_changes.labels(kind, change).inc()
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = channel(
+                address,
+                tls=self._tls,
+                server_name=self._server_names.get(address),
+                interceptors=self._interceptors,
+            )
+            self._channels[address] = ch
+        return ch
+
+    async def _discover_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.resolve_interval_s)
+            try:
+                await self.discover()
+            except Exception:  # a bug here must not stop discovery for good
+                _LOG.exception("discovering instances failed")
 
     def request_refresh(self, down: str | None = None) -> None:
         """An instance failed a request: route around it now and re-poll soon."""
@@ -164,8 +332,9 @@ class Backends:
     # ---- polling -----------------------------------------------------------------------------
 
     async def refresh(self) -> None:
-        polls = [self._poll_prefill(a) for a in self._prefills]
-        polls += [self._poll_decode(a) for a in self._decodes]
+        self._collect_drained()
+        polls = [self._poll_prefill(a) for a in list(self._prefills)]
+        polls += [self._poll_decode(a) for a in list(self._decodes)]
         polls.append(self._poll_tokenizer())
         await asyncio.gather(*polls)
         await self._report_health()
@@ -190,8 +359,11 @@ class Backends:
     async def _poll_forever(self) -> None:
         assert self._wake is not None
         while True:
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for loses a cancel that lands
+            # as the wake-up does, and close() then waits on this loop forever.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.config.poll_interval_s)
+                async with asyncio.timeout(self.config.poll_interval_s):
+                    await self._wake.wait()
             self._wake.clear()
             try:
                 await self.refresh()
@@ -208,9 +380,13 @@ class Backends:
                 prefill_pb2.InfoRequest(), timeout=self.config.info_timeout_s
             )
         except grpc.aio.AioRpcError as err:
-            self._went_down("prefill", address, self.router.prefills[address].is_up, err)
+            self._went_down("prefill", address, err)
             return
-        was_up = self.router.prefills[address].is_up
+        view = self.router.prefills.get(address)
+        if view is None:
+            return  # dropped while the call was out
+        was_up = view.is_up
+        self._unreachable.discard(address)
         self.prefill_layouts[address] = info.kv_layout
         self.models[address] = info.model
         # No await from here on: the router never sees the instance up with unchecked pairs.
@@ -238,9 +414,13 @@ class Backends:
                 decode_pb2.InfoRequest(), timeout=self.config.info_timeout_s
             )
         except grpc.aio.AioRpcError as err:
-            self._went_down("decode", address, self.router.decodes[address].is_up, err)
+            self._went_down("decode", address, err)
             return
-        was_up = self.router.decodes[address].is_up
+        view = self.router.decodes.get(address)
+        if view is None:
+            return
+        was_up = view.is_up
+        self._unreachable.discard(address)
         self.decode_layouts[address] = info.kv_layout
         self.models[address] = info.model
         self._check_pairs(prefills=list(self.prefill_layouts), decodes=[address])
@@ -264,10 +444,21 @@ class Backends:
                 describe(info.kv_layout),
             )
 
-    def _went_down(self, kind: str, address: str, was_up: bool, err: grpc.aio.AioRpcError) -> None:
+    def _went_down(self, kind: str, address: str, err: grpc.aio.AioRpcError) -> None:
+        views = self.router.prefills if kind == "prefill" else self.router.decodes
+        view = views.get(address)
+        if view is None:
+            return
+        was_up = view.is_up
         self.router.mark_down(address)
-        if was_up:
-            _LOG.warning("%s at %s is down: %s: %s", kind, address, err.code().name, err.details())
+        # Once per outage (not at every poll): a refused TLS handshake repeats forever.
+        if was_up or address not in self._unreachable:
+            self._unreachable.add(address)
+            what = "is down" if was_up else "does not answer"
+            hint = connection_hint(err, is_tls=self._tls is not None)
+            _LOG.warning(
+                "%s at %s %s: %s: %s%s", kind, address, what, err.code().name, err.details(), hint
+            )
 
     def _check_pairs(self, *, prefills: list[str], decodes: list[str]) -> None:
         for p in prefills:

@@ -4,18 +4,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from mili.discovery import parse_targets
 from services.frontend.validation import Limits
 
 
 @dataclass(frozen=True)
 class FrontendConfig:
     tokenizer_address: str
+    # Targets (mili.discovery): host:port, or dns:///NAME:PORT for every address NAME has.
     prefill_addresses: tuple[str, ...]
     decode_addresses: tuple[str, ...]
     limits: Limits = field(default_factory=Limits)
     # How often each instance's Info is polled: free blocks and queue lengths for routing, and
     # (re)discovery of instances that were down, whose KV layouts are then checked.
     poll_interval_s: float = 1.0
+    # How often dns:/// targets are looked up again: instances that appeared join (once their
+    # Info and layouts check out), vanished ones drain and are dropped.
+    resolve_interval_s: float = 5.0
     # Timeout of one Info call; an instance slower than this counts as down until it answers.
     info_timeout_s: float = 2.0
     # How long a decode instance gets to admit or refuse a request (it answers at once unless
@@ -43,10 +48,20 @@ class FrontendConfig:
                 raise ValueError(f"at least one {kind} address is required")
             if len(set(addresses)) != len(addresses):
                 raise ValueError(f"{kind} addresses repeat: {', '.join(addresses)}")
+            try:
+                parse_targets(addresses)
+            except ValueError as e:
+                raise ValueError(f"--{kind}: {e}") from None
         shared = set(self.prefill_addresses) & set(self.decode_addresses)
         if shared:
             raise ValueError(f"addresses given as both prefill and decode: {sorted(shared)}")
-        for name in ("poll_interval_s", "info_timeout_s", "admit_timeout_s", "tokenize_timeout_s"):
+        for name in (
+            "poll_interval_s",
+            "resolve_interval_s",
+            "info_timeout_s",
+            "admit_timeout_s",
+            "tokenize_timeout_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if not 0 <= self.kv_lease_ms < 2**32:

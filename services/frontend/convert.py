@@ -22,6 +22,7 @@ from mili.rpc.sampling import (
 from mili.tokenizer.v1 import tokenizer_pb2
 from services.frontend.calls import Admitted, PrefillStats, Prompt, RequestIds, Tokens
 from services.frontend.pipeline import Delta
+from services.frontend.router import Member, State
 from services.frontend.validation import ChatTurn, RequestInput, SamplingInput, ValidRequest
 
 # ---- the caller's request ----------------------------------------------------------------------
@@ -181,4 +182,26 @@ def prefill_stats(reply: prefill_pb2.PrefillResponse) -> PrefillStats:
         compute_ms=reply.compute_ms,
         transfer_ms=reply.transfer_ms,
         kv_bytes=reply.kv_bytes,
+    )
+
+
+_KINDS = {
+    "prefill": generation_pb2.INSTANCE_KIND_PREFILL,
+    "decode": generation_pb2.INSTANCE_KIND_DECODE,
+}
+_STATES = {
+    State.UP: generation_pb2.INSTANCE_STATE_UP,
+    State.DOWN: generation_pb2.INSTANCE_STATE_DOWN,
+    State.DRAINING: generation_pb2.INSTANCE_STATE_DRAINING,
+}
+
+
+def instance(member: Member, target: str) -> generation_pb2.Instance:
+    """One router member as Info reports it (`target`: the --prefill/--decode entry)."""
+    return generation_pb2.Instance(
+        kind=_KINDS[member.kind],
+        address=member.address,
+        state=_STATES[member.state],
+        target=target,
+        num_in_flight=member.num_in_flight,
     )

@@ -14,27 +14,52 @@ chosen longest ago. The prefill is the compatible one with the fewest queued pro
 A (prefill, decode) pair is routable only once both are up and their KV layouts were checked
 equal (`set_pair_error(p, d, None)`); a pair with a layout mismatch keeps its error message,
 which requests get as FAILED_PRECONDITION when no compatible pair is left.
+
+Membership changes while serving (instances found by DNS come and go, see backends.py):
+
+    set_members(prefills, decodes)
+      new address        joins DOWN: routed only once an Info answered and its pairs checked
+      vanished, idle     dropped at once
+      vanished, busy     DRAINING: no new requests; its requests in flight finish there, and
+                         the last one's `finish` drops it (`take_dropped` hands it to the
+                         caller, which then closes its channel)
+      back while draining  serves again as it was
 """
 
 from __future__ import annotations
 
+import enum
 import itertools
-from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TypeVar
 
 from mili.errors import FailedPrecondition, Unavailable
+
+
+class State(enum.Enum):
+    """An instance as the frontend sees it (reported in Info and metrics)."""
+
+    DOWN = "down"  # no Info answer yet, or the last one failed: not routed
+    UP = "up"  # answering: routed (with the pairs whose layouts match)
+    DRAINING = "draining"  # gone from discovery: no new requests, its own ones finish
 
 
 @dataclass
 class DecodeView:
     address: str
     is_up: bool = False
+    is_draining: bool = False  # left the membership; dropped once num_in_flight is 0
     num_free_blocks: int = 0
     num_total_blocks: int = 0
     max_context_tokens: int = 0
     num_blocks_since_poll: int = 0  # blocks of requests routed here since the last Info
     num_in_flight: int = 0
     last_chosen: int = 0  # a sequence number; lower = longer ago
+
+    @property
+    def is_routable(self) -> bool:
+        return self.is_up and not self.is_draining
 
     @property
     def free_estimate(self) -> int:
@@ -45,6 +70,7 @@ class DecodeView:
 class PrefillView:
     address: str
     is_up: bool = False
+    is_draining: bool = False
     num_queued_tokens: int = 0
     max_prompt_tokens: int = 0
     num_tokens_since_poll: int = 0  # prompt tokens routed here since the last Info
@@ -52,8 +78,15 @@ class PrefillView:
     last_chosen: int = 0
 
     @property
+    def is_routable(self) -> bool:
+        return self.is_up and not self.is_draining
+
+    @property
     def queued_estimate(self) -> int:
         return self.num_queued_tokens + self.num_tokens_since_poll
+
+
+_V = TypeVar("_V", PrefillView, DecodeView)
 
 
 @dataclass(frozen=True)
@@ -71,22 +104,102 @@ class Ticket:
     num_blocks: int  # KV blocks the request holds on decode at its longest
 
 
+@dataclass(frozen=True)
+class MemberChanges:
+    """What one `set_members` changed, each list in the order given."""
+
+    added: list[str] = field(default_factory=list)  # new: DOWN until their Info answers
+    draining: list[str] = field(default_factory=list)  # vanished with requests in flight
+    dropped: list[str] = field(default_factory=list)  # vanished and idle: gone now
+    returned: list[str] = field(default_factory=list)  # were draining, members again
+
+    def __bool__(self) -> bool:
+        return bool(self.added or self.draining or self.dropped or self.returned)
+
+
+@dataclass(frozen=True)
+class Member:
+    kind: str  # "prefill" or "decode"
+    address: str
+    state: State
+    num_in_flight: int
+
+
 class Router:
-    def __init__(self, prefill_addresses: Sequence[str], decode_addresses: Sequence[str]) -> None:
-        if not prefill_addresses or not decode_addresses:
-            raise ValueError("need at least one prefill and one decode address")
+    def __init__(
+        self, prefill_addresses: Sequence[str] = (), decode_addresses: Sequence[str] = ()
+    ) -> None:
+        """Start with these members (more come and go with `set_members`)."""
         self.prefills = {a: PrefillView(a) for a in prefill_addresses}
         self.decodes = {a: DecodeView(a) for a in decode_addresses}
         # (prefill, decode) -> None when the layouts were checked equal, else the mismatch
         self._pair_errors: dict[tuple[str, str], str | None] = {}
         self._clock = itertools.count(1)
+        self._dropped: list[str] = []  # drained since the last take_dropped
+
+    # ---- membership --------------------------------------------------------------------------
+
+    def set_members(self, prefills: Sequence[str], decodes: Sequence[str]) -> MemberChanges:
+        """The instances discovery now knows: add the new, drain or drop the vanished."""
+        changes = MemberChanges()
+        self._set_members(self.prefills, prefills, PrefillView, changes)
+        self._set_members(self.decodes, decodes, DecodeView, changes)
+        return changes
+
+    def _set_members(
+        self,
+        views: dict[str, _V],
+        addresses: Sequence[str],
+        make: Callable[[str], _V],
+        changes: MemberChanges,
+    ) -> None:
+        wanted = dict.fromkeys(addresses)
+        for address in wanted:
+            view = views.get(address)
+            if view is None:
+                views[address] = make(address)
+                changes.added.append(address)
+            elif view.is_draining:
+                view.is_draining = False
+                changes.returned.append(address)
+        for address, view in list(views.items()):
+            if address in wanted or view.is_draining:
+                continue
+            if view.num_in_flight == 0:
+                self._drop(address)
+                changes.dropped.append(address)
+            else:
+                view.is_draining = True
+                changes.draining.append(address)
+
+    def take_dropped(self) -> list[str]:
+        """Instances dropped by `finish` once drained, since the last call (close their
+        channels)."""
+        dropped, self._dropped = self._dropped, []
+        return dropped
+
+    def members(self) -> list[Member]:
+        """Every known instance, prefill first, each kind in the order it joined."""
+        return [
+            Member(kind, v.address, _state(v), v.num_in_flight)
+            for kind, views in (("prefill", self.prefills), ("decode", self.decodes))
+            for v in views.values()
+        ]
+
+    def _drop(self, address: str) -> None:
+        self.prefills.pop(address, None)
+        self.decodes.pop(address, None)
+        for pair in [p for p in self._pair_errors if address in p]:
+            del self._pair_errors[pair]
 
     # ---- updates from Info polling -----------------------------------------------------------
 
     def update_prefill(
         self, address: str, *, num_queued_tokens: int, max_prompt_tokens: int
     ) -> None:
-        view = self.prefills[address]
+        view = self.prefills.get(address)
+        if view is None:  # dropped while its Info call was out
+            return
         view.is_up = True
         view.num_queued_tokens = num_queued_tokens
         view.max_prompt_tokens = max_prompt_tokens
@@ -100,7 +213,9 @@ class Router:
         num_total_blocks: int,
         max_context_tokens: int,
     ) -> None:
-        view = self.decodes[address]
+        view = self.decodes.get(address)
+        if view is None:
+            return
         view.is_up = True
         view.num_free_blocks = num_free_blocks
         view.num_total_blocks = num_total_blocks
@@ -116,7 +231,8 @@ class Router:
 
     def set_pair_error(self, prefill: str, decode: str, error: str | None) -> None:
         """Record the layout check of a pair: None = compatible, else why not."""
-        self._pair_errors[(prefill, decode)] = error
+        if prefill in self.prefills and decode in self.decodes:
+            self._pair_errors[(prefill, decode)] = error
 
     def pair_error(self, prefill: str, decode: str) -> str | None:
         return self._pair_errors.get((prefill, decode))
@@ -128,12 +244,12 @@ class Router:
     def route_problem(self) -> str | None:
         """None when some up prefill and up decode instance form a compatible pair; else why
         not (the frontend then reports NOT_SERVING)."""
-        up_decodes = [d.address for d in self.decodes.values() if d.is_up]
-        up_prefills = [p.address for p in self.prefills.values() if p.is_up]
+        up_decodes = [d.address for d in self.decodes.values() if d.is_routable]
+        up_prefills = [p.address for p in self.prefills.values() if p.is_routable]
         if not up_decodes:
-            return f"no decode instance is up (of {', '.join(self.decodes)})"
+            return f"no decode instance is up (of {_names(self.decodes)})"
         if not up_prefills:
-            return f"no prefill instance is up (of {', '.join(self.prefills)})"
+            return f"no prefill instance is up (of {_names(self.prefills)})"
         if any(self.is_compatible(p, d) for p in up_prefills for d in up_decodes):
             return None
         return "no up prefill/decode pair has matching KV layouts"
@@ -143,12 +259,12 @@ class Router:
     @property
     def max_context_tokens(self) -> int | None:
         """The smallest context window among up decode instances (None when none is up)."""
-        windows = [d.max_context_tokens for d in self.decodes.values() if d.is_up]
+        windows = [d.max_context_tokens for d in self.decodes.values() if d.is_routable]
         return min(windows) if windows else None
 
     @property
     def max_prompt_tokens(self) -> int | None:
-        limits = [p.max_prompt_tokens for p in self.prefills.values() if p.is_up]
+        limits = [p.max_prompt_tokens for p in self.prefills.values() if p.is_routable]
         return min(limits) if limits else None
 
     def candidates(self, exclude: Collection[str] = ()) -> list[Route]:
@@ -159,14 +275,12 @@ class Router:
         layouts) when instances are up but no pair is compatible. Returns [] when every
         candidate is excluded (the caller knows why it excluded them).
         """
-        up_decodes = [d for d in self.decodes.values() if d.is_up]
-        up_prefills = [p for p in self.prefills.values() if p.is_up]
+        up_decodes = [d for d in self.decodes.values() if d.is_routable]
+        up_prefills = [p for p in self.prefills.values() if p.is_routable]
         if not up_decodes:
-            raise Unavailable(f"no decode instance is reachable (tried {', '.join(self.decodes)})")
+            raise Unavailable(f"no decode instance is reachable (tried {_names(self.decodes)})")
         if not up_prefills:
-            raise Unavailable(
-                f"no prefill instance is reachable (tried {', '.join(self.prefills)})"
-            )
+            raise Unavailable(f"no prefill instance is reachable (tried {_names(self.prefills)})")
         routes: list[Route] = []
         mismatch: str | None = None
         for decode in sorted(up_decodes, key=_decode_order):
@@ -212,6 +326,23 @@ class Router:
             prefill.num_tokens_since_poll = max(
                 0, prefill.num_tokens_since_poll - ticket.num_prompt_tokens
             )
+        for view in (decode, prefill):
+            if view.is_draining and view.num_in_flight == 0:
+                self._drop(view.address)
+                self._dropped.append(view.address)
+
+
+_View = PrefillView | DecodeView
+
+
+def _state(view: _View) -> State:
+    if view.is_draining:
+        return State.DRAINING
+    return State.UP if view.is_up else State.DOWN
+
+
+def _names(views: Mapping[str, object]) -> str:
+    return ", ".join(views) or "none known: discovery found no instance"
 
 
 def _decode_order(d: DecodeView) -> tuple[int, int, int]:

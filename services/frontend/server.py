@@ -87,13 +87,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         router = self._backends.router
         context_tokens = router.max_context_tokens or 0
         limit = self._config.limits.max_tokens_limit or context_tokens
+        members = router.members()
         return generation_pb2.InfoResponse(
             model=self._backends.model,
             max_context_tokens=context_tokens,
             max_tokens_limit=limit,
             default_max_tokens=self._config.limits.default_max_tokens,
-            prefill_addresses=self._config.prefill_addresses,
-            decode_addresses=self._config.decode_addresses,
+            prefill_addresses=[m.address for m in members if m.kind == "prefill"],
+            decode_addresses=[m.address for m in members if m.kind == "decode"],
+            prefill_targets=[t.spec for t in self._backends.targets("prefill")],
+            decode_targets=[t.spec for t in self._backends.targets("decode")],
+            instances=[convert.instance(m, self._backends.target_of(m.address)) for m in members],
         )
 
     def _generate(

@@ -46,11 +46,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--decode",
-        metavar="ADDR[,ADDR...]",
+        metavar="TARGET[,TARGET...]",
         action="append",
         default=[],
         help="decode instances this prefill may send KV to, host:port as the frontend names "
-        "them (repeatable); a request naming any other destination is refused with "
+        "them, or dns:///NAME:PORT for every address NAME resolves to (repeatable); a "
+        "request naming any other destination is refused with "
         f"PERMISSION_DENIED before any connection is made. '{ANY_DECODE}' allows any (only "
         "where every peer is trusted). Required",
     )
@@ -106,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
             instance,
             max_message_bytes=server_config.max_message_bytes,
             client_interceptors=tracing.client_interceptors(),
+            tls=flags.client_tls(args),
         )
     except ValueError as e:
         raise StartupError(str(e)) from None

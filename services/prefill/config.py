@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from mili.discovery import DNS_SCHEME, Target, parse_target
 from mili.engine.engine_config import EngineConfig
 
 ANY_DECODE = "*"  # allows every destination: only for networks where every peer is trusted
@@ -35,8 +36,10 @@ class PrefillConfig:
     # The decode instances (host:port, as the frontend names them) this instance may send KV
     # to. A Prefill call names its destination, and anyone who reaches our port can call
     # Prefill: without this list we would dial whatever it names. Empty: none; ANY_DECODE: any.
+    # A dns:///NAME:PORT entry allows every address NAME resolves to (`decode_names`).
     allowed_decodes: tuple[str, ...] = ()
     _allowed: frozenset[str] = field(init=False, repr=False, compare=False)
+    _names: tuple[Target, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("max_batch_tokens", "max_queued_tokens"):
@@ -52,12 +55,22 @@ class PrefillConfig:
         if not self.transfer_timeout_s > 0:
             raise ValueError(f"transfer_timeout_s must be > 0, got {self.transfer_timeout_s}")
         allowed = set()
+        names = []
         for address in self.allowed_decodes:
+            if address.strip().lower().startswith(DNS_SCHEME):
+                names.append(parse_target(address))  # ValueError says what is wrong
+                continue
             normal = address.strip() if address.strip() == ANY_DECODE else normal_address(address)
             if normal is None:
                 raise ValueError(f"allowed decode {address!r} is not host:port")
             allowed.add(normal)
         object.__setattr__(self, "_allowed", frozenset(allowed))
+        object.__setattr__(self, "_names", tuple(names))
+
+    @property
+    def decode_names(self) -> tuple[Target, ...]:
+        """The dns:/// entries of allowed_decodes: checked by looking the names up."""
+        return self._names
 
     @property
     def max_queued_blocks(self) -> int:
@@ -67,7 +80,8 @@ class PrefillConfig:
         return -(-self.max_queued_tokens // self.engine.block_size)
 
     def may_send_to(self, address: str) -> bool:
-        """Whether KV may go to `address` (compared as host:port, host case-insensitive)."""
+        """Whether KV may go to `address` (compared as host:port, host case-insensitive), by
+        the fixed entries alone (`decode_names` are looked up by the caller)."""
         if ANY_DECODE in self._allowed:
             return True
         normal = normal_address(address)

@@ -37,9 +37,10 @@ from mili.errors import (
     Unavailable,
 )
 from mili.kv.v1 import kv_pb2
-from mili.rpc.client import insecure_channel
+from mili.rpc.client import channel as make_channel
 from mili.rpc.kv_codec import encode_chunk_request
 from mili.rpc.status import server_status_of
+from mili.rpc.tls import Tls
 from services.prefill.task import FirstToken, PrefillTask
 
 _SERVICE = kv_pb2.DESCRIPTOR.services_by_name["KvTransferService"]
@@ -56,23 +57,33 @@ class TransferResult(NamedTuple):
 
 class ChannelPool:
     """One channel per decode address, shared by every transfer to it (one HTTP/2 connection,
-    reconnected by grpc when it drops)."""
+    reconnected by grpc when it drops). With `tls`, channels are TLS and present our
+    certificate; `server_name(address)` gives the name to verify decode's certificate against
+    (the DNS name an instance was found by; None: the address's host)."""
 
     def __init__(
         self,
         max_message_bytes: int,
         *,
         interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
+        tls: Tls | None = None,
+        server_name: Callable[[str], str | None] = lambda address: None,
     ) -> None:
         self._max_message_bytes = max_message_bytes
         self._interceptors = list(interceptors)  # tracing's, which carry the trace to decode
+        self._tls = tls
+        self._server_name = server_name
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def get(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            channel = insecure_channel(
-                address, max_message_bytes=self._max_message_bytes, interceptors=self._interceptors
+            channel = make_channel(
+                address,
+                tls=self._tls,
+                server_name=self._server_name(address),
+                max_message_bytes=self._max_message_bytes,
+                interceptors=self._interceptors,
             )
             self._channels[address] = channel
         return channel

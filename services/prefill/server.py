@@ -21,10 +21,12 @@ import grpc
 from opentelemetry import trace
 from opentelemetry.trace import Span
 
+from mili.discovery import PeerSet, Resolve, resolve_host
 from mili.errors import PermissionDenied
 from mili.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from mili.rpc.kv_layout import block_bytes, layout_to_proto
 from mili.rpc.server import RpcServer
+from mili.rpc.tls import Tls
 from mili.telemetry.metrics import PrefillMetrics
 from mili.telemetry.tracing import current_span_context
 from services.prefill import convert
@@ -51,9 +53,15 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         max_message_bytes: int,
         num_encoder_threads: int = 2,
         client_interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
+        tls: Tls | None = None,
+        resolve: Resolve = resolve_host,
     ) -> None:
+        """`tls`: KV goes to decode over TLS with these certificates. `resolve`: the lookup of
+        dns:/// entries in --decode (tests pass their own)."""
         self.instance = instance
         self.config: PrefillConfig = instance.config
+        # Decode instances allowed by DNS name: an address is looked up when not known yet.
+        self._decode_names = PeerSet(self.config.decode_names, resolve=resolve)
         self.layout = layout_to_proto(instance.layout, instance.fingerprint)
         self.max_prompt_tokens = instance.max_prompt_tokens
         # One message carries one layer of one chunk: it must fit the gRPC message limit.
@@ -65,7 +73,15 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 f"bytes, more than max_message_bytes {max_message_bytes}; lower "
                 "--max-batch-tokens"
             )
-        self._channels = ChannelPool(max_message_bytes, interceptors=client_interceptors)
+        names = self._decode_names
+
+        def server_name(address: str) -> str | None:
+            target = names.target_of(address)
+            return None if target is None else target.host
+
+        self._channels = ChannelPool(
+            max_message_bytes, interceptors=client_interceptors, tls=tls, server_name=server_name
+        )
         self._encoder = ThreadPoolExecutor(num_encoder_threads, thread_name_prefix="kv-encode")
         instance.start()
 
@@ -96,7 +112,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             max_prompt_tokens=self.max_prompt_tokens,
             block_size=self.config.engine.block_size,
         )
-        if not self.config.may_send_to(task.address):
+        if not self.config.may_send_to(task.address) and not (
+            self.config.decode_names and await self._decode_names.has_address(task.address)
+        ):
             # Checked before any channel exists: a caller cannot make us dial anything else.
             raise PermissionDenied(
                 f"destination.address {task.address!r} is not a decode instance this prefill "

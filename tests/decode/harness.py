@@ -23,6 +23,7 @@ import torch
 
 from mili.common.v1 import sampling_pb2
 from mili.decode.v1 import decode_pb2, decode_pb2_grpc
+from mili.discovery import PeerSet
 from mili.engine.block_pool import blocks_needed
 from mili.engine.fingerprint import model_fingerprint
 from mili.engine.generate import generate
@@ -46,11 +47,18 @@ T = TypeVar("T")
 class DecodeServerThread:
     """A decode service in this process; `close()` drains it and stops the batch thread."""
 
-    def __init__(self, config: DecodeConfig) -> None:
+    def __init__(
+        self,
+        config: DecodeConfig,
+        *,
+        server_config: ServerConfig | None = None,
+        kv_senders: PeerSet | None = None,
+    ) -> None:
         self.instance = DecodeInstance.load(config)
         self.instance.start()
-        self.server = RpcServer(ServerConfig(drain_timeout_s=2.0, grace_s=0.5), name="decode")
-        add_to_server(self.server, self.instance)
+        server_config = server_config or ServerConfig(drain_timeout_s=2.0, grace_s=0.5)
+        self.server = RpcServer(server_config, name="decode")
+        add_to_server(self.server, self.instance, kv_senders=kv_senders)
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._loop.run_until_complete, args=(self._main(),))

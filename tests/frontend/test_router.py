@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mili.errors import FailedPrecondition, Unavailable
-from services.frontend.router import Route, Router
+from services.frontend.router import Route, Router, State
 
 P0, P1 = "p0:1", "p1:1"
 D0, D1 = "d0:1", "d1:1"
@@ -137,3 +137,90 @@ def test_route_problem_says_why_nothing_is_routable() -> None:
     assert r.route_problem() == "no up prefill/decode pair has matching KV layouts"
     r.set_pair_error(P1, D1, None)
     assert r.route_problem() is None
+
+
+# ---- membership: instances found by DNS come and go ------------------------------------------
+
+P2, D2 = "p2:1", "d2:1"
+
+
+def test_new_members_join_down_and_route_once_their_info_and_pairs_are_in() -> None:
+    r = router()
+    changes = r.set_members([P0, P1], [D0, D1, D2])
+    assert changes.added == [D2] and not changes.dropped and not changes.draining
+    assert r.decodes[D2].is_up is False
+    assert [x.decode for x in r.candidates()] == [D0, D1]  # D2 not yet
+    r.update_decode(D2, num_free_blocks=500, num_total_blocks=500, max_context_tokens=4096)
+    assert [x.decode for x in r.candidates()] == [D0, D1]  # up, but no pair checked yet
+    r.set_pair_error(P0, D2, None)
+    assert r.candidates()[0] == Route(P0, D2)
+
+
+def test_vanished_idle_members_are_dropped_at_once_with_their_pairs() -> None:
+    r = router()
+    changes = r.set_members([P0], [D1])
+    assert changes.dropped == [P1, D0] and not changes.draining
+    assert list(r.prefills) == [P0] and list(r.decodes) == [D1]
+    assert r.candidates() == [Route(P0, D1)]
+    assert r.pair_error(P1, D1) is None and not r.is_compatible(P1, D1)
+    # Back later: a new member, routed only after a fresh check.
+    assert r.set_members([P0, P1], [D0, D1]).added == [P1, D0]
+    assert not r.is_compatible(P1, D0)
+
+
+def test_vanished_busy_members_drain_then_drop_when_their_last_request_ends() -> None:
+    r = router(free={D0: 90, D1: 10})
+    first = r.start(Route(P0, D0), num_prompt_tokens=5, num_blocks=1)
+    second = r.start(Route(P0, D0), num_prompt_tokens=5, num_blocks=1)
+    changes = r.set_members([P0, P1], [D1])
+    assert changes.draining == [D0] and not changes.dropped
+    assert r.decodes[D0].is_draining
+    # No new request goes to D0, though it has the most free blocks.
+    assert [x.decode for x in r.candidates()] == [D1]
+    assert [(m.address, m.state, m.num_in_flight) for m in r.members() if m.kind == "decode"] == [
+        (D0, State.DRAINING, 2),
+        (D1, State.UP, 0),
+    ]
+    r.finish(first)
+    assert D0 in r.decodes and r.take_dropped() == []
+    r.finish(second)  # the last one: dropped now
+    assert D0 not in r.decodes
+    assert r.take_dropped() == [D0]
+    assert r.take_dropped() == []
+
+
+def test_a_draining_member_that_comes_back_serves_again() -> None:
+    r = router(free={D0: 90, D1: 10})
+    ticket = r.start(Route(P1, D0), num_prompt_tokens=5, num_blocks=1)
+    assert r.set_members([P0], [D0, D1]).draining == [P1]
+    assert [x.prefill for x in r.candidates()] == [P0, P0]
+    changes = r.set_members([P0, P1], [D0, D1])
+    assert changes.returned == [P1] and not changes.added
+    assert r.prefills[P1].is_draining is False
+    r.finish(ticket)
+    assert P1 in r.prefills and r.take_dropped() == []
+
+
+def test_no_members_yet_says_so() -> None:
+    r = Router()
+    assert r.route_problem() == (
+        "no decode instance is up (of none known: discovery found no instance)"
+    )
+    with pytest.raises(Unavailable, match="none known"):
+        r.candidates()
+    r.set_members([P0], [D0])
+    assert r.route_problem() == f"no decode instance is up (of {D0})"
+    assert [(m.kind, m.address, m.state) for m in r.members()] == [
+        ("prefill", P0, State.DOWN),
+        ("decode", D0, State.DOWN),
+    ]
+
+
+def test_an_info_answer_for_a_dropped_member_is_ignored() -> None:
+    r = router()
+    r.set_members([P0], [D0])
+    r.update_decode(D1, num_free_blocks=1, num_total_blocks=1, max_context_tokens=1)
+    r.update_prefill(P1, num_queued_tokens=0, max_prompt_tokens=1)
+    r.set_pair_error(P1, D1, None)
+    assert list(r.decodes) == [D0] and list(r.prefills) == [P0]
+    assert not r.is_compatible(P1, D1)

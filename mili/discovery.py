@@ -1,0 +1,261 @@
+"""Instances named by address or by DNS name: parsing, resolving, and sets of peers.
+
+A target is what an operator writes in --prefill / --decode:
+
+    host:port            one instance, as spelled (grpc resolves the host itself)
+    dns:///NAME:PORT     every address NAME resolves to, each an instance on PORT: a
+                         Kubernetes headless Service answers with one A record per ready pod
+    dns:NAME:PORT        the same (gRPC's naming spec allows both spellings)
+
+Names are resolved with the system resolver (getaddrinfo: /etc/resolv.conf, search domains,
+/etc/hosts), as every other program in the pod or on the host resolves them; `dns://AUTHORITY/`
+(a resolver of one's own) is refused rather than silently ignored.
+
+A failed lookup is not an empty answer: `resolve` says which. A name that does not exist (or
+has no addresses) means its instances are gone; a resolver that is down or slow means nothing,
+and callers keep what they knew (draining every instance because DNS hiccuped would fail every
+request).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import socket
+import time
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+DNS_SCHEME = "dns:"
+ANY = "*"  # a peer set that admits everyone (only where every peer is trusted)
+
+
+@dataclass(frozen=True)
+class Target:
+    """One --prefill / --decode entry: a fixed address, or a DNS name to resolve."""
+
+    spec: str  # as written (normalised: host lower-cased, port without leading zeros)
+    host: str  # without brackets
+    port: int
+    is_dns: bool
+
+    def __str__(self) -> str:
+        return self.spec
+
+    def address(self, host: str | None = None) -> str:
+        """`host:port` (IPv6 bracketed) of this target's host, or of `host` resolved from it."""
+        return format_address(self.host if host is None else host, self.port)
+
+
+def format_address(host: str, port: int) -> str:
+    """`host:port`, IPv6 hosts bracketed (as mili.rpc.server's; this module stays grpc-free, so
+    the frontend's config can parse targets without the transport layer)."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+class LookupFailed(Exception):
+    """The resolver did not answer (down, slow, refused): not the same as no addresses."""
+
+
+def parse_target(text: str) -> Target:
+    """`host:port`, `dns:///NAME:PORT` or `dns:NAME:PORT`; ValueError saying what is wrong."""
+    raw = text.strip()
+    is_dns = raw.lower().startswith(DNS_SCHEME)
+    rest = raw[len(DNS_SCHEME) :] if is_dns else raw
+    if is_dns and rest.startswith("//"):
+        authority, slash, rest = rest[2:].partition("/")
+        if not slash:
+            raise ValueError(f"{text!r}: write dns:///NAME:PORT")
+        if authority:
+            raise ValueError(
+                f"{text!r}: dns://{authority}/ names a DNS server of its own; only the system "
+                "resolver is used (write dns:///NAME:PORT)"
+            )
+    host, port = _split_host_port(rest, text)
+    spec = f"{DNS_SCHEME}///{format_address(host, port)}" if is_dns else format_address(host, port)
+    return Target(spec=spec, host=host, port=port, is_dns=is_dns)
+
+
+def parse_targets(values: Iterable[str]) -> tuple[Target, ...]:
+    """Comma-separated lists (and repeated flags) of targets, blanks dropped, repeats refused."""
+    targets = tuple(parse_target(t) for v in values for t in v.split(",") if t.strip())
+    specs = [t.spec for t in targets]
+    repeated = sorted({s for s in specs if specs.count(s) > 1})
+    if repeated:
+        raise ValueError(f"repeated: {', '.join(repeated)}")
+    return targets
+
+
+def normal_address(address: str) -> str | None:
+    """`host:port` in one spelling (host lower-cased, port without leading zeros, IPv6
+    bracketed), or None when `address` is not host:port with a port in 1..65535."""
+    try:
+        host, port = _split_host_port(address.strip(), address)
+    except ValueError:
+        return None
+    return format_address(host, port)
+
+
+def host_of(peer: str) -> str | None:
+    """The IP of a grpc peer string (`ipv4:10.0.0.3:51234`, `ipv6:[::1]:51234`), else None."""
+    kind, _, rest = peer.partition(":")
+    if kind not in ("ipv4", "ipv6"):
+        return None
+    host, _, _ = rest.rpartition(":")
+    return host.strip("[]") or None
+
+
+def _split_host_port(text: str, original: str) -> tuple[str, int]:
+    if text.startswith("["):
+        host, bracket, rest = text[1:].partition("]")
+        port = rest[1:] if rest.startswith(":") else ""
+        if not bracket:
+            raise ValueError(f"{original!r}: unclosed '[' in the host")
+    else:
+        host, sep, port = text.rpartition(":")
+        if not sep:
+            host, port = text, ""
+    if not host or any(c.isspace() or c in "/@" for c in host):
+        raise ValueError(f"{original!r} is not host:port")
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{original!r} needs a port in 1..65535 (host:port)")
+    return host.lower(), int(port)
+
+
+Resolve = Callable[[str], Awaitable[tuple[str, ...]]]
+
+
+def is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+async def resolve_host(host: str) -> tuple[str, ...]:
+    """Every address `host` resolves to (sorted, IPv4 and IPv6), () when it does not exist or
+    has none; LookupFailed when the resolver did not answer."""
+    if is_ip(host):
+        return (host,)
+    loop = asyncio.get_running_loop()
+    try:
+        infos = await loop.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        if e.errno in (socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)):
+            return ()
+        raise LookupFailed(f"{host}: {e.strerror or e}") from None
+    return tuple(sorted({str(info[4][0]) for info in infos}))
+
+
+async def resolve_target(target: Target, resolve: Resolve = resolve_host) -> tuple[str, ...]:
+    """The instance addresses of `target`: itself when fixed, one per address of its name."""
+    if not target.is_dns:
+        return (target.spec,)
+    return tuple(target.address(ip) for ip in await resolve(target.host))
+
+
+class PeerSet:
+    """Which peers a service accepts (or may dial), from targets, resolved lazily.
+
+    A fixed `host:port` target admits that address as spelled (and, for `has_host`, whatever its
+    host resolves to); a DNS target admits every address its name resolves to. Answers are kept
+    `max_age_s`; an address not in the set makes one fresh lookup (at most every `retry_s`)
+    before it is refused, so an instance that just appeared in DNS is not refused for a whole
+    `max_age_s`. A lookup that fails keeps the previous answer.
+    """
+
+    def __init__(
+        self,
+        targets: Sequence[Target],
+        *,
+        is_any: bool = False,
+        max_age_s: float = 5.0,
+        retry_s: float = 0.5,
+        resolve: Resolve = resolve_host,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.targets = tuple(targets)
+        self.is_any = is_any
+        self._max_age_s = max_age_s
+        self._retry_s = retry_s
+        self._resolve = resolve
+        self._clock = clock
+        self._addresses: dict[str, Target] = {t.spec: t for t in targets if not t.is_dns}
+        self._hosts: set[str] = set()
+        self._last: dict[Target, tuple[str, ...]] = {}  # each target's last answer
+        self._resolved_at: float | None = None
+        self._lock = asyncio.Lock()
+
+    @classmethod
+    def parse(cls, values: Iterable[str], **kwargs: object) -> PeerSet:
+        """From flag values: targets, or ANY alone."""
+        texts = [t.strip() for v in values for t in v.split(",") if t.strip()]
+        if ANY in texts:
+            if len(texts) > 1:
+                raise ValueError(f"'{ANY}' allows any peer: give it alone")
+            return cls((), is_any=True, **kwargs)  # type: ignore[arg-type]
+        return cls(parse_targets(texts), **kwargs)  # type: ignore[arg-type]
+
+    def __str__(self) -> str:
+        return ANY if self.is_any else ", ".join(t.spec for t in self.targets)
+
+    async def has_address(self, address: str) -> bool:
+        """Whether `address` (host:port, as a frontend names an instance) is in the set."""
+        if self.is_any:
+            return True
+        normal = normal_address(address)
+        if normal is None:
+            return False
+        return await self._check(lambda: normal in self._addresses)
+
+    async def has_host(self, host: str) -> bool:
+        """Whether `host` (a peer's IP; its port is ephemeral) is a host of the set."""
+        if self.is_any:
+            return True
+        return await self._check(lambda: host.lower() in self._hosts)
+
+    def target_of(self, address: str) -> Target | None:
+        """The target that `address` came from (its DNS name verifies a TLS peer), if known."""
+        normal = normal_address(address)
+        return None if normal is None else self._addresses.get(normal)
+
+    async def _check(self, is_in: Callable[[], bool]) -> bool:
+        now = self._clock()
+        age = None if self._resolved_at is None else now - self._resolved_at
+        if age is None or age >= self._max_age_s or (not is_in() and age >= self._retry_s):
+            await self.refresh()
+        return is_in()
+
+    async def refresh(self) -> None:
+        """Look every name up again (one refresh at a time)."""
+        async with self._lock:
+            addresses = {t.spec: t for t in self.targets if not t.is_dns}
+            hosts: set[str] = set()
+            for target in self.targets:
+                try:
+                    ips = (target.host,) if is_ip(target.host) else await self._resolve(target.host)
+                except LookupFailed:
+                    ips = self._last.get(target, ())  # keep what the last answer said
+                self._last[target] = ips
+                for ip in ips:
+                    hosts.add(ip.lower())
+                    if target.is_dns:
+                        addresses[target.address(ip)] = target
+            self._addresses, self._hosts = addresses, hosts
+            self._resolved_at = self._clock()
+
+
+async def is_trusted_peer(peer: str, peers: PeerSet | None) -> bool:
+    """Whether a caller (grpc's `context.peer()`) is one `peers` names by host; `peers` None:
+    only this machine (loopback addresses, unix sockets). A plaintext port can only tell
+    callers apart by source address: anyone who can send from a listed host (or spoof it on
+    the network) passes; mTLS (a client certificate the CA signed) is the stronger check."""
+    if peer.startswith("unix:"):
+        return peers is None or peers.is_any
+    host = host_of(peer)
+    if host is None:
+        return False
+    if peers is None:
+        return ipaddress.ip_address(host).is_loopback
+    return await peers.has_host(host)

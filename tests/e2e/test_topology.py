@@ -1,0 +1,325 @@
+"""A multi-host topology on one machine: every instance on its own loopback address
+(127.0.0.x), found through a real DNS server for the test domain that answers each headless
+name with one A record per instance, mTLS between all of them.
+
+    tokenizer 127.0.0.1        prefill.mili.test -> 127.0.0.11, 127.0.0.12  (one port)
+    frontend  (this process)   decode.mili.test  -> 127.0.0.21, 127.0.0.22  (+ .23 later)
+
+Prefill, decode and the tokenizer are real processes (`python -m mili serve-*` with --host and
+--tls-*); the frontend runs here with the DNS server as its resolver (the one seam discovery
+leaves open: a process would use the system resolver). The separate-network-namespace variant
+(one veth + bridge per instance) is not written yet; see the report of branch `cluster`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import torch
+
+from mili.common.v1 import sampling_pb2
+from mili.engine.generate import generate
+from mili.engine.loader import load_model
+from mili.engine.sampling_params import SamplingParams
+from mili.frontend.v1 import generation_pb2, generation_pb2_grpc
+from mili.ports import pick_free
+from mili.rpc.certs import Authority, CertFiles
+from mili.rpc.server import RpcServer, ServerConfig, ServerTls
+from mili.rpc.tls import Tls, TlsFiles
+from mili.telemetry.metrics import FrontendMetrics
+from services.frontend.backends import Backends
+from services.frontend.config import FrontendConfig
+from services.frontend.router import Router
+from services.frontend.server import GenerationServicer, add_to_server
+from tests.dns_server import DnsServer
+from tests.e2e.conftest import DECODE_ARGS, PREFILL_ARGS
+from tests.service_process import ServiceProcess
+
+PREFILL_NAME, DECODE_NAME = "prefill.mili.test", "decode.mili.test"
+PREFILL_IPS = ["127.0.0.11", "127.0.0.12"]
+DECODE_IPS = ["127.0.0.21", "127.0.0.22"]
+SPARE_DECODE_IP = "127.0.0.23"  # started with the others, in DNS only when a test adds it
+RESOLVE_INTERVAL_S = 0.5
+_ROUTE = re.compile(r"done: prefill (\S+) -> decode (\S+),")
+
+
+class _Routes(logging.Handler):
+    """The frontend's per-request lines: which prefill and decode served each request."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.routes: list[tuple[str, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        match = _ROUTE.search(record.getMessage())
+        if match:
+            self.routes.append((match.group(1), match.group(2)))
+
+
+class FrontendThread:
+    """The frontend's RpcServer and Backends on an event loop of their own."""
+
+    def __init__(self, config: FrontendConfig, tls: Tls, dns: DnsServer) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._config, self._tls, self._dns = config, tls, dns
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._loop.run_until_complete, args=(self._main(),))
+        self._thread.start()
+        if not self._ready.wait(30):
+            raise RuntimeError("frontend did not start")
+
+    async def _main(self) -> None:
+        self._closing = asyncio.Event()
+        server_tls = ServerTls(self._tls, require_client_auth=True)
+        self.server = RpcServer(
+            ServerConfig(tls=server_tls, drain_timeout_s=2.0, grace_s=0.5), name="frontend"
+        )
+        metrics = FrontendMetrics(self.server.registry)
+        self.backends = Backends(
+            self._config, Router(), tls=self._tls, metrics=metrics, resolve=self._dns.resolve
+        )
+        add_to_server(self.server, GenerationServicer(self.backends, metrics))
+        await self.backends.start()
+        await self.server.start()
+        self._ready.set()
+        await self._closing.wait()
+        await self.server.drain()
+        await self.backends.close()
+
+    @property
+    def address(self) -> str:
+        return f"localhost:{self.server.port}"
+
+    def close(self) -> None:
+        self._loop.call_soon_threadsafe(self._closing.set)
+        self._thread.join(30)
+        self._loop.close()
+
+
+@dataclass
+class Topology:
+    pki: dict[str, CertFiles]
+    dns: DnsServer
+    tokenizer: ServiceProcess
+    prefills: dict[str, ServiceProcess]  # by address
+    decodes: dict[str, ServiceProcess]
+    frontend: FrontendThread
+    routes: _Routes
+    decode_port: int
+
+    def stub(self) -> generation_pb2_grpc.GenerationServiceStub:
+        client = self.pki["client"]
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=client.ca.read_bytes(),
+            private_key=client.key.read_bytes(),
+            certificate_chain=client.cert.read_bytes(),
+        )
+        channel = grpc.secure_channel(self.frontend.address, credentials)
+        return generation_pb2_grpc.GenerationServiceStub(channel)
+
+    def decode_view(self, address: str) -> Any:
+        return self.frontend.backends.router.decodes.get(address)
+
+
+def _tls_args(files: CertFiles) -> tuple[str, ...]:
+    return ("--tls-cert", str(files.cert), "--tls-key", str(files.key), "--tls-ca", str(files.ca))
+
+
+@pytest.fixture(scope="module")
+def topology(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Topology]:
+    ca = Authority()
+    root = tmp_path_factory.mktemp("topology-pki")
+    # Prefill's --decode '*' (its system resolver cannot see the test domain) dials decode by
+    # IP and verifies it as that IP: the certificate carries the IPs too, as per-pod
+    # certificates do. With dns:/// entries (the manifests) the name is verified instead.
+    names = ["localhost", "127.0.0.1", PREFILL_NAME, DECODE_NAME, *DECODE_IPS, SPARE_DECODE_IP]
+    pki = {
+        "services": ca.write(root, "services", names),
+        "frontend": ca.write(root, "frontend", ["localhost", "frontend.mili.test"]),
+        "client": ca.write(root, "client", ["client"]),
+    }
+    dns = DnsServer({PREFILL_NAME: list(PREFILL_IPS), DECODE_NAME: list(DECODE_IPS)})
+    dns.start()
+    prefill_port, decode_port = pick_free(PREFILL_IPS[0]), pick_free(DECODE_IPS[0])
+    # torch attention: six processes compiling kernels at once on two cores would outlast the
+    # start-up timeout; the kernels are not what this test is about.
+    model = ("--model", str(demo_model_dir), "--dtype", "float32", "--attention", "torch")
+    tls = _tls_args(pki["services"])
+    specs: list[tuple[str, ...]] = [("serve-tokenizer", *model[:2], "--port", "0", *tls)]
+    # KV goes to any decode the frontend names: the mTLS handshake is the check here (every
+    # peer holds a certificate our CA signed), as the manifests do.
+    prefill = (*PREFILL_ARGS, "--decode", "*", *tls)
+    specs += [
+        ("serve-prefill", *model, "--host", ip, "--port", str(prefill_port), *prefill)
+        for ip in PREFILL_IPS
+    ]
+    specs += [
+        ("serve-decode", *model, "--host", ip, "--port", str(decode_port), *DECODE_ARGS, *tls)
+        for ip in [*DECODE_IPS, SPARE_DECODE_IP]
+    ]
+    services = _start_all(specs)
+    tokenizer, prefills, decodes = services[0], services[1:3], services[3:]
+    config = FrontendConfig(
+        tokenizer_address=f"localhost:{tokenizer.address.rpartition(':')[2]}",
+        prefill_addresses=(f"dns:///{PREFILL_NAME}:{prefill_port}",),
+        decode_addresses=(f"dns:///{DECODE_NAME}:{decode_port}",),
+        poll_interval_s=0.2,
+        resolve_interval_s=RESOLVE_INTERVAL_S,
+    )
+    routes = _Routes()
+    logging.getLogger("mili.frontend").addHandler(routes)
+    logging.getLogger("mili.frontend").setLevel(logging.INFO)
+    frontend = FrontendThread(config, TlsFiles(*_files(pki["frontend"])).load(), dns)
+    t = Topology(
+        pki,
+        dns,
+        tokenizer,
+        {p.address: p for p in prefills},
+        {d.address: d for d in decodes},
+        frontend,
+        routes,
+        decode_port,
+    )
+    try:
+        _wait(lambda: frontend.backends.problem is None, 30)
+        yield t
+    finally:
+        logging.getLogger("mili.frontend").removeHandler(routes)
+        frontend.close()
+        for service in services:
+            if service.proc.poll() is None:
+                service.terminate(timeout_s=30)
+        dns.stop()
+
+
+def _start_all(specs: list[tuple[str, ...]]) -> list[ServiceProcess]:
+    """start_all's all-or-none start, with a start-up limit for six processes loading torch at
+    once on a shared two-core machine."""
+    with ThreadPoolExecutor(max_workers=len(specs)) as pool:
+        futures = [pool.submit(lambda s=spec: ServiceProcess(*s, timeout_s=300)) for spec in specs]
+    errors = [f.exception() for f in futures if f.exception() is not None]
+    if errors:
+        for f in futures:
+            if f.exception() is None:
+                f.result().proc.kill()
+        raise errors[0]  # type: ignore[misc]
+    return [f.result() for f in futures]
+
+
+def _files(files: CertFiles) -> tuple[Path, Path, Path]:
+    return files.cert, files.key, files.ca
+
+
+def _wait(check: Any, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not reached in {timeout_s} s")
+        time.sleep(0.05)
+
+
+def _request(n: int, max_tokens: int, seed: int) -> generation_pb2.GenerateRequest:
+    return generation_pb2.GenerateRequest(
+        token_ids=[(seed * 31 + 7 * i) % 800 + 3 for i in range(n)],
+        sampling=sampling_pb2.SamplingParams(
+            max_tokens=max_tokens, temperature=0.0, ignore_eos=True
+        ),
+    )
+
+
+def _token_ids(responses: list[generation_pb2.GenerateResponse]) -> list[int]:
+    return [t for r in responses for t in r.token_ids]
+
+
+def test_greedy_tokens_equal_generate_across_every_instance(
+    topology: Topology, demo_model_dir: Path
+) -> None:
+    model = load_model(demo_model_dir, dtype=torch.float32)
+    requests = [_request(9 + 4 * i, 8, seed=i) for i in range(8)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    expected = [generate(model, [list(r.token_ids)], params)[0].token_ids for r in requests]
+    stub = topology.stub()
+    before = len(topology.routes.routes)
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        results = list(pool.map(lambda r: list(stub.Generate(r, timeout=60)), requests))
+    assert [_token_ids(r) for r in results] == expected
+    routes = topology.routes.routes[before:]
+    assert {p for p, _ in routes} == {
+        f"{ip}:{p.rpartition(':')[2]}" for ip, p in zip(PREFILL_IPS, topology.prefills, strict=True)
+    }
+    assert {d for _, d in routes} == {f"{ip}:{topology.decode_port}" for ip in DECODE_IPS}
+
+
+def test_a_decode_added_to_dns_gets_work_within_the_interval(topology: Topology) -> None:
+    spare = f"{SPARE_DECODE_IP}:{topology.decode_port}"
+    added_at = time.monotonic()
+    topology.dns.records[DECODE_NAME] = [*DECODE_IPS, SPARE_DECODE_IP]
+    _wait(lambda: (v := topology.decode_view(spare)) is not None and v.is_routable, 5)
+    assert time.monotonic() - added_at < 2 * RESOLVE_INTERVAL_S + 1.0
+    stub = topology.stub()
+    before = len(topology.routes.routes)
+    for i in range(3):  # the newcomer has the most free blocks: it is chosen at once
+        list(stub.Generate(_request(12, 4, seed=50 + i), timeout=60))
+    assert spare in {d for _, d in topology.routes.routes[before:]}
+
+
+def test_a_decode_removed_from_dns_drains_without_failing_its_request(
+    topology: Topology,
+) -> None:
+    leaving = f"{DECODE_IPS[0]}:{topology.decode_port}"
+    view = topology.decode_view(leaving)
+    view.num_blocks_since_poll = -100_000  # make it the best choice for the next request
+    stub = topology.stub()
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        held = pool.submit(lambda: list(stub.Generate(_request(16, 120, seed=77), timeout=120)))
+        _wait(lambda: view.num_in_flight == 1, 10)
+        topology.dns.records[DECODE_NAME] = [
+            ip for ip in topology.dns.records[DECODE_NAME] if ip != DECODE_IPS[0]
+        ]
+        _wait(lambda: view.is_draining, 5)
+        responses = held.result(timeout=120)
+    assert responses[-1].finish_reason == sampling_pb2.FINISH_REASON_LENGTH
+    assert len(_token_ids(responses)) == 120
+    _wait(lambda: topology.decode_view(leaving) is None, 5)  # dropped once drained
+
+
+def test_a_decode_killed_mid_stream_fails_only_its_own_request(topology: Topology) -> None:
+    victim_address = f"{SPARE_DECODE_IP}:{topology.decode_port}"
+    victim = topology.decodes[victim_address]
+    survivor = f"{DECODE_IPS[1]}:{topology.decode_port}"
+    stub = topology.stub()
+    outcomes: dict[str, Any] = {}
+
+    def run(name: str, seed: int) -> None:
+        try:
+            outcomes[name] = list(stub.Generate(_request(16, 200, seed=seed), timeout=120))
+        except grpc.RpcError as e:
+            outcomes[name] = e
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        topology.decode_view(victim_address).num_blocks_since_poll = -100_000
+        first = pool.submit(run, "victim", 91)
+        _wait(lambda: topology.decode_view(victim_address).num_in_flight == 1, 10)
+        topology.decode_view(survivor).num_blocks_since_poll = -200_000
+        second = pool.submit(run, "survivor", 92)
+        _wait(lambda: topology.decode_view(survivor).num_in_flight == 1, 10)
+        time.sleep(0.3)  # both streaming
+        victim.proc.kill()
+        first.result(timeout=60)
+        second.result(timeout=120)
+    error = outcomes["victim"]
+    assert isinstance(error, grpc.RpcError), error
+    assert error.code() == grpc.StatusCode.UNAVAILABLE, error
+    assert victim_address in (error.details() or ""), error.details()
+    assert outcomes["survivor"][-1].finish_reason == sampling_pb2.FINISH_REASON_LENGTH

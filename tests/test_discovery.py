@@ -1,0 +1,149 @@
+"""Targets (host:port or dns:///NAME:PORT), lookups, and peer sets resolved lazily."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from mili.discovery import (
+    LookupFailed,
+    PeerSet,
+    host_of,
+    normal_address,
+    parse_target,
+    parse_targets,
+    resolve_host,
+    resolve_target,
+)
+
+
+def test_targets_parse_in_both_grpc_spellings() -> None:
+    t = parse_target("dns:///Mili-Decode.mili.svc.cluster.local:50061")
+    assert (t.spec, t.host, t.port, t.is_dns) == (
+        "dns:///mili-decode.mili.svc.cluster.local:50061",
+        "mili-decode.mili.svc.cluster.local",
+        50061,
+        True,
+    )
+    assert parse_target("dns:decode.test:7") == parse_target("dns:///decode.test:07")
+    fixed = parse_target(" 10.0.0.3:50061 ")
+    assert (fixed.spec, fixed.is_dns) == ("10.0.0.3:50061", False)
+    assert parse_target("[::1]:5").spec == "[::1]:5"
+    assert parse_target("dns:///[fd00::1]:5").address("fd00::2") == "[fd00::2]:5"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("dns://8.8.8.8/decode.test:1", "DNS server of its own"),
+        ("dns:///decode.test", "port"),
+        ("decode.test:0", "port"),
+        ("decode.test:http", "port"),
+        ("dns://decode.test:1", "dns:///NAME:PORT"),
+        (":5", "host:port"),
+        ("[::1:5", "unclosed"),
+    ],
+)
+def test_bad_targets_say_what_is_wrong(text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_target(text)
+
+
+def test_target_lists_are_comma_separated_and_never_repeat() -> None:
+    assert [t.spec for t in parse_targets(["a:1, dns:///b:2", "c:3"])] == [
+        "a:1",
+        "dns:///b:2",
+        "c:3",
+    ]
+    with pytest.raises(ValueError, match="repeated: a:1"):
+        parse_targets(["a:1,A:01"])
+
+
+def test_addresses_and_peers() -> None:
+    assert normal_address("Host:0080") == "host:80"
+    assert normal_address("host") is None
+    assert host_of("ipv4:10.1.2.3:51234") == "10.1.2.3"
+    assert host_of("ipv6:[::1]:51234") == "::1"
+    assert host_of("unix:/tmp/x") is None
+
+
+def test_the_system_resolver_answers_literals_localhost_and_missing_names() -> None:
+    async def main() -> None:
+        assert await resolve_host("10.0.0.7") == ("10.0.0.7",)
+        assert "127.0.0.1" in await resolve_host("localhost")
+        assert await resolve_host("no-such-host.invalid") == ()
+
+    asyncio.run(main())
+
+
+class FakeDns:
+    def __init__(self, records: dict[str, tuple[str, ...]]) -> None:
+        self.records = records
+        self.lookups: list[str] = []
+        self.is_down = False
+
+    async def __call__(self, host: str) -> tuple[str, ...]:
+        self.lookups.append(host)
+        if self.is_down:
+            raise LookupFailed(f"{host}: resolver down")
+        return self.records.get(host, ())
+
+
+def test_a_dns_target_is_every_address_of_its_name() -> None:
+    dns = FakeDns({"decode.test": ("10.0.0.4", "10.0.0.3")})
+
+    async def main() -> None:
+        target = parse_target("dns:///decode.test:50061")
+        assert await resolve_target(target, dns) == ("10.0.0.4:50061", "10.0.0.3:50061")
+        assert await resolve_target(parse_target("x:1"), dns) == ("x:1",)
+
+    asyncio.run(main())
+
+
+def test_peer_sets_look_up_again_when_old_or_on_a_miss_and_keep_answers_through_outages() -> None:
+    dns = FakeDns({"decode.test": ("10.0.0.3",)})
+    now = [0.0]
+    peers = PeerSet.parse(
+        ["dns:///decode.test:50061,127.0.0.1:7"],
+        max_age_s=5.0,
+        retry_s=0.5,
+        resolve=dns,
+        clock=lambda: now[0],
+    )
+
+    async def main() -> None:
+        assert await peers.has_address("10.0.0.3:50061")
+        assert await peers.has_address("127.0.0.1:7")
+        assert dns.lookups == ["decode.test"]  # an IP is not looked up
+        # A new instance: refused until a lookup shows it; a miss looks up at most every 0.5 s.
+        dns.records["decode.test"] = ("10.0.0.3", "10.0.0.9")
+        assert not await peers.has_address("10.0.0.9:50061")  # answer 0 s old: no lookup
+        now[0] = 0.6
+        assert await peers.has_address("10.0.0.9:50061")
+        assert not await peers.has_address("10.0.0.9:1")  # right host, wrong port
+        assert await peers.has_host("10.0.0.9") and await peers.has_host("127.0.0.1")
+        assert peers.target_of("10.0.0.9:50061") == parse_target("dns:///decode.test:50061")
+        # The resolver goes down: what it said last still holds.
+        dns.is_down = True
+        now[0] = 10.0
+        assert await peers.has_address("10.0.0.9:50061")
+        # It comes back without 10.0.0.3: gone once the answer is older than max_age_s.
+        dns.is_down = False
+        dns.records["decode.test"] = ("10.0.0.9",)
+        assert await peers.has_address("10.0.0.3:50061")  # 0 s old: not looked up again
+        now[0] = 15.1
+        assert not await peers.has_address("10.0.0.3:50061")
+        assert not await peers.has_host("10.0.0.3")
+
+    asyncio.run(main())
+
+
+def test_any_admits_everyone_and_stands_alone() -> None:
+    async def main() -> None:
+        peers = PeerSet.parse(["*"])
+        assert await peers.has_address("203.0.113.9:1") and await peers.has_host("203.0.113.9")
+
+    asyncio.run(main())
+    with pytest.raises(ValueError, match="alone"):
+        PeerSet.parse(["*,a:1"])
