@@ -8,7 +8,8 @@ decode instance's Info is fetched concurrently:
                   loudly and the pair is never routed; a fixed one becomes routable again)
     no answer  -> router.mark_down: routed around until it answers again
 
-The tokenizer's Info (vocabulary size, EOS ids) is polled with them.
+The tokenizer's Info (vocabulary size, EOS ids) is polled with them; when it names a tokenizer
+file this frontend has not loaded, the file is fetched and loaded to detokenize here (text.py).
 
 After each round the frontend's grpc.health.v1 status follows: SERVING while the tokenizer is
 up and at least one prefill/decode pair is up with matching KV layouts, NOT_SERVING (with a
@@ -35,7 +36,9 @@ from mili.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from services.frontend.calls import TokenizerFacts
 from services.frontend.config import FrontendConfig
 from services.frontend.downstream import error_from
+from services.frontend.multiplex import DecodeMultiplexer
 from services.frontend.router import Router
+from services.frontend.text import LocalDetokenizer
 
 _LOG = logging.getLogger("mili.frontend")
 
@@ -70,10 +73,16 @@ class Backends:
         self._decodes = {
             a: decode_pb2_grpc.DecodeServiceStub(self._channels[a]) for a in config.decode_addresses
         }
+        # Every request on a decode instance shares one GenerateStream (multiplex.py).
+        self._multiplexers = {
+            a: DecodeMultiplexer(stub, f"decode at {a}") for a, stub in self._decodes.items()
+        }
         self.prefill_layouts: dict[str, kv_pb2.KvLayout] = {}
         self.decode_layouts: dict[str, kv_pb2.KvLayout] = {}
         self.models: dict[str, str] = {}  # address -> model name its Info reported
         self._tokenizer_facts: TokenizerFacts | None = None  # None: down, or not asked yet
+        # The tokenizer's file, loaded to detokenize here; None: detokenize through the service.
+        self.local_detokenizer: LocalDetokenizer | None = None
         self._problem: str | None = None  # why it is not usable; None when it is
         self._is_health_reported = False
         self._wake: asyncio.Event | None = None
@@ -84,6 +93,9 @@ class Backends:
 
     def decode(self, address: str) -> decode_pb2_grpc.DecodeServiceStub:
         return self._decodes[address]
+
+    def multiplexer(self, address: str) -> DecodeMultiplexer:
+        return self._multiplexers[address]
 
     async def start(self) -> None:
         """One round of discovery (instances not up yet are found by later polls), then poll."""
@@ -100,6 +112,8 @@ class Backends:
             self._poller.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._poller
+        for multiplexer in self._multiplexers.values():
+            await multiplexer.close()
         for channel in self._channels.values():
             await channel.close()
 
@@ -134,6 +148,7 @@ class Backends:
             vocab_size=info.vocab_size,
             eos_token_ids=tuple(info.eos_token_ids),
             max_input_chars=info.max_input_chars,
+            tokenizer_file_sha256=info.tokenizer_file_sha256,
         )
         if facts != self._tokenizer_facts:
             _LOG.info(
@@ -201,6 +216,32 @@ class Backends:
     async def _poll_tokenizer(self) -> None:
         with contextlib.suppress(Exception):
             await self._fetch_tokenizer_facts()
+            await self._sync_detokenizer()
+
+    async def _sync_detokenizer(self) -> None:
+        """Load the tokenizer's file for detokenizing in this process (text.py) when its digest
+        is new; without one (a tokenizer that does not hand it out), detokenize through it."""
+        facts = self._tokenizer_facts
+        sha256 = "" if facts is None else facts.tokenizer_file_sha256
+        if not sha256:
+            self.local_detokenizer = None
+            return
+        if self.local_detokenizer is not None and self.local_detokenizer.sha256 == sha256:
+            return
+        who = f"tokenizer at {self.config.tokenizer_address}"
+        try:
+            reply = await self.tokenizer.GetTokenizerFile(
+                tokenizer_pb2.GetTokenizerFileRequest(), timeout=self.config.info_timeout_s * 10
+            )
+            # Parsing a 150k-token vocabulary takes most of a second: off the event loop.
+            local = await asyncio.to_thread(LocalDetokenizer, reply.tokenizer_json, reply.sha256)
+        except (grpc.aio.AioRpcError, ValueError) as err:
+            self.local_detokenizer = None
+            why = f"{err.code().name}: {err.details()}" if isinstance(err, grpc.RpcError) else err
+            _LOG.warning("%s: no tokenizer file (%s); detokenizing through it", who, why)
+            return
+        self.local_detokenizer = local
+        _LOG.info("detokenizing in process with the tokenizer file of %s (%s)", who, sha256[:12])
 
     async def _poll_prefill(self, address: str) -> None:
         try:
