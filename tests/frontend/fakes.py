@@ -204,6 +204,7 @@ async def stack(
     decodes: list[FakeDecode] | None = None,
     prefill: FakePrefill | None = None,
     limits: Limits | None = None,
+    max_buffered_tokens: int = 1024,
 ) -> AsyncIterator[Stack]:
     decodes = decodes if decodes is not None else [FakeDecode()]
     prefill = prefill or FakePrefill()
@@ -241,6 +242,7 @@ async def stack(
         limits=limits or Limits(default_max_tokens=16),
         poll_interval_s=0.05,
         info_timeout_s=0.5,
+        max_buffered_tokens=max_buffered_tokens,
     )
     backends = Backends(config, Router(config.prefill_addresses, config.decode_addresses))
     frontend = RpcServer(ServerConfig(drain_timeout_s=0.5, grace_s=0.1), name="frontend")
