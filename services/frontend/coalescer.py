@@ -49,6 +49,7 @@ async def coalesced(
     num_buffered = 0  # token ids in `buffer` (a delta without any counts as one)
     error: BaseException | None = None
     is_done = False
+    is_closing = False  # the consumer went away: stop pulling, close the generation
     ready = asyncio.Event()  # something to take, or the generation ended
     room = asyncio.Event()  # the buffer is below its bound
     room.set()
@@ -58,12 +59,16 @@ async def coalesced(
         try:
             async with aclosing(deltas):
                 async for delta in deltas:
+                    if is_closing:
+                        break
                     buffer.append(delta)
                     num_buffered += len(delta.token_ids) or 1
                     ready.set()
                     if num_buffered >= max_buffered_tokens:
                         room.clear()
                         await room.wait()
+                        if is_closing:
+                            break
         except BaseException as exc:  # raised to the consumer once it took what came before
             error = exc
         finally:
@@ -86,6 +91,12 @@ async def coalesced(
                     raise error
                 return
     finally:
+        # Cancelling the task is not enough: an await deep in the generation may swallow the
+        # cancellation (asyncio.wait_for in Python 3.11 does when its result comes at the same
+        # moment), and the generation would then go on holding decode's blocks. The flag stops
+        # the task at its next delta at the latest; leaving the loop closes the generation.
+        is_closing = True
+        room.set()
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task

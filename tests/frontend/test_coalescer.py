@@ -5,6 +5,7 @@ frontend (coalescer.py), in isolation and over real gRPC with a deliberately slo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncGenerator
 
 import grpc
@@ -143,5 +144,38 @@ def test_a_stop_string_split_across_coalesced_messages_is_matched_once() -> None
         assert responses[-1].finish_reason == sampling_pb2.FINISH_REASON_STOP
         assert responses[-1].usage.completion_tokens == len(token_ids)
         assert max(len(r.token_ids) for r in responses) > 3  # several events merged
+
+    asyncio.run(main())
+
+
+def test_closing_closes_a_generation_that_swallowed_its_cancellation() -> None:
+    """asyncio.wait_for (Python 3.11) can return a result that came at the moment it was
+    cancelled, swallowing the cancellation; the generation must still be closed."""
+
+    async def main() -> None:
+        closed = asyncio.Event()
+        admitted = asyncio.Event()
+
+        async def generation() -> AsyncGenerator[Delta, None]:
+            try:
+                # "Waiting for decode's admission": the cancellation is swallowed, as wait_for
+                # does when the result is already there.
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.sleep(3600)
+                admitted.set()
+                while True:
+                    yield Delta([1], "a")
+                    await asyncio.sleep(0.01)
+            finally:
+                closed.set()
+
+        merged = coalesced(generation(), max_buffered_tokens=8)
+        first = asyncio.ensure_future(anext(merged))
+        await asyncio.sleep(0.05)
+        first.cancel()  # the client went away while nothing was sent yet
+        await asyncio.wait({first}, timeout=5)
+        assert first.done(), "closing waits forever on a generation that goes on"
+        await asyncio.wait_for(closed.wait(), 5)
+        assert admitted.is_set()
 
     asyncio.run(main())
