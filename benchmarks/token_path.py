@@ -222,13 +222,19 @@ class Deployment:
     services: dict[str, _Service] = field(default_factory=dict)
 
     @classmethod
-    def start(cls, tree: Path, model: Path, logs: Path, name: str) -> Deployment:
+    def start(
+        cls, tree: Path, model: Path, logs: Path, name: str, device: str | None = None
+    ) -> Deployment:
         deployment = cls(tree)
         common = ["--model", str(model)]
         try:
             for kind, extra in (
                 ("tokenizer", []),
-                ("decode", ["--num-blocks", "16384", "--max-running", "512"]),
+                (
+                    "decode",
+                    ["--num-blocks", "16384", "--max-running", "512"]
+                    + ([] if device is None else ["--device", device]),
+                ),
                 ("prefill", ["--num-blocks", "4096"]),
             ):
                 argv = [f"serve-{kind}", *common, *extra]
@@ -284,6 +290,12 @@ def main() -> int:
     parser.add_argument("--output-tokens", type=int, default=256)
     parser.add_argument("--model-vocab", type=int, default=4096)
     parser.add_argument("--model-dir", type=Path, default=None, help="default: a cache dir")
+    parser.add_argument(
+        "--decode-device",
+        default=None,
+        help="decode's --device (cuda: a decode fast enough "
+        "to load one frontend with >= 10k tokens/s; default: the service's own, cpu)",
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     trees = [t.resolve() for t in args.tree or [ROOT]]
@@ -295,7 +307,10 @@ def main() -> int:
     )
     logs = Path(tempfile.mkdtemp(prefix="mili-token-path-"))
     print(f"model {model}; logs {logs}; load average {os.getloadavg()[0]:.2f}", flush=True)
-    deployments = [Deployment.start(t, model, logs, f"tree{i}") for i, t in enumerate(trees)]
+    deployments = [
+        Deployment.start(t, model, logs, f"tree{i}", args.decode_device)
+        for i, t in enumerate(trees)
+    ]
     rates: dict[tuple[int, int], list[float]] = {}
     itl: dict[tuple[int, int], list[tuple[float, float]]] = {}
     cpu: dict[tuple[int, int], dict[str, float]] = {}
