@@ -49,8 +49,10 @@ _UNTRACED_PREFIXES = (
     "/grpc.reflection.v1.ServerReflection/",
 )
 _TRACEPARENT = "traceparent"
-# Server methods traced only when the call carries a trace context (see _is_traced_call).
-_CONTEXT_ONLY_SUFFIXES = ("/Info", "/DetokenizeStream")
+# Server methods traced only when the call carries a trace context (see _is_traced_call):
+# background polls, per-token streams, and the streams that carry many requests (each request
+# on a GenerateStream is traced on its own, from the context it was started with).
+_CONTEXT_ONLY_SUFFIXES = ("/Info", "/DetokenizeStream", "/GetTokenizerFile", "/GenerateStream")
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ import math
 from typing import Any
 
 import grpc
+from opentelemetry import context as otel_context
 
 from mili.decode.v1 import decode_pb2, decode_pb2_grpc
 from mili.rpc.status import DETAILS_KEY, server_status_of
@@ -50,7 +51,13 @@ class DecodeMultiplexer:
         """Start `request` on decode (sent with the next write); its events come through the
         returned stream."""
         if self._session is None or self._session.is_ended:
-            self._session = _Session(self._stub, self._who)
+            # Opened outside the request's trace: the call outlives it and carries others (each
+            # request sends its own trace context with its start).
+            token = otel_context.attach(otel_context.Context())
+            try:
+                self._session = _Session(self._stub, self._who)
+            finally:
+                otel_context.detach(token)
         return self._session.open(request, deadline)
 
     async def close(self) -> None:
