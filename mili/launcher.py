@@ -1,6 +1,7 @@
 """`mili serve`: tokenizer, prefill, decode and frontend as separate processes on this machine.
 
     mili serve [--model DIR] [--device cuda:0] [--prefill-instances 2] [--decode-instances 2]
+               [--frontends 2]
 
 Start-up: --port (and any fixed --*-port) is checked free first, so a taken port fails in a
 second, not after loading models; then the demo model (or --model) is resolved once here and
@@ -9,6 +10,10 @@ ports (or --*-port), then the frontend with their addresses on --port (default 5
 child announces its address on stdout and must then answer grpc.health.v1 SERVING (the
 frontend: any answer, as it is NOT_SERVING while it has no usable tokenizer or prefill/decode
 pair); one that exits first has its last log lines printed and `mili serve` exits non-zero.
+--frontends N runs N frontend processes on --port, --port+1, ... (each a free port with
+--port 0), sharing nothing but the downstream services: one process's Python is the limit of
+the token rate it streams (docs/benchmarks.md), so clients spread over them (`mili bench
+--address A,B`).
 Children's logs go to stderr, each line prefixed with the child's name.
 
 Supervision: once all are up, a child that exits is restarted on the same address (the
@@ -28,7 +33,8 @@ needs. E.g. 0.9 with share 0.2, one of each: prefill 0.18, decode 0.72 of the de
 
 Metrics: with --metrics-port BASE every child serves Prometheus metrics on --host: the frontend
 on BASE, the tokenizer on BASE+1, prefill instance i on BASE+2+i, decode instance j on
-BASE+2+P+j (P = --prefill-instances); BASE 0 gives each a free port. Each child announces
+BASE+2+P+j (P = --prefill-instances), frontend k >= 1 on BASE+1+P+D+k (D =
+--decode-instances); BASE 0 gives each a free port. Each child announces
 `<name> metrics on http://HOST:PORT/metrics` (forwarded to stderr), and the summary printed
 once all are up lists every child's metrics URL.
 
@@ -132,6 +138,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "spreads requests over them (default: %(default)s)",
     )
     parser.add_argument(
+        "--frontends",
+        type=int,
+        default=1,
+        metavar="N",
+        help="frontend processes to run, on --port, --port+1, ...; they share only the "
+        "downstream services (default: %(default)s)",
+    )
+    parser.add_argument(
         "--fail-fast",
         action="store_true",
         help="a child that exits stops all the others and `mili serve` exits 1 (default: the "
@@ -190,11 +204,16 @@ class Plan:
     tokenizer: list[str]
     prefills: list[list[str]]
     decodes: list[list[str]]
-    frontend: list[str]  # without the instance addresses, known only once they are up
+    frontends: list[list[str]]  # without the instance addresses, known only once they are up
     startup_timeout_s: float
     drain_timeout_s: float
     fail_fast: bool = False  # a child that exits stops everything (exit 1) instead of restarting
     restart: RestartPolicy = field(default_factory=RestartPolicy)
+
+    @property
+    def frontend(self) -> list[str]:
+        """The first frontend's argv."""
+        return self.frontends[0]
 
 
 def _port(base: int, i: int) -> str:
@@ -221,10 +240,11 @@ def memory_shares(
 
 
 def make_plan(args: argparse.Namespace, model_dir: Path) -> Plan:
-    if args.prefill_instances < 1 or args.decode_instances < 1:
-        raise StartupError("--prefill-instances and --decode-instances must be >= 1")
+    if args.prefill_instances < 1 or args.decode_instances < 1 or args.frontends < 1:
+        raise StartupError("--prefill-instances, --decode-instances and --frontends must be >= 1")
     metrics_base: int | None = args.metrics_port
     first_decode = 2 + args.prefill_instances  # metrics port offsets, see the module docstring
+    after_decodes = first_decode + args.decode_instances  # frontend k >= 1: after_decodes+k-1
     common = ["--host", args.host, "--log-level", args.log_level]
     common += ["--drain-timeout", str(args.drain_timeout)]
     if args.otlp_endpoint:
@@ -302,13 +322,16 @@ def make_plan(args: argparse.Namespace, model_dir: Path) -> Plan:
             ]
             for i in range(args.decode_instances)
         ],
-        frontend=[
-            "serve-frontend",
-            *common,
-            "--port",
-            str(args.port),
-            *_metrics(metrics_base, 0),
-            *extra("frontend"),
+        frontends=[
+            [
+                "serve-frontend",
+                *common,
+                "--port",
+                _port(args.port, k),
+                *_metrics(metrics_base, 0 if k == 0 else after_decodes + k - 1),
+                *extra("frontend"),
+            ]
+            for k in range(args.frontends)
         ],
         startup_timeout_s=args.startup_timeout,
         drain_timeout_s=args.drain_timeout,
@@ -322,7 +345,7 @@ class Launcher:
         self.tokenizer = Child("tokenizer", plan.tokenizer)
         self.prefills = [Child(f"prefill-{i}", argv) for i, argv in enumerate(plan.prefills)]
         self.decodes = [Child(f"decode-{i}", argv) for i, argv in enumerate(plan.decodes)]
-        self.frontend: Child | None = None
+        self.frontends: list[Child] = []  # started once the rest is up
         self._stop = asyncio.Event()
         self._signals: list[int] = []
         self._failed = False  # --fail-fast: a child exited
@@ -330,7 +353,7 @@ class Launcher:
     @property
     def children(self) -> list[Child]:
         rest = [self.tokenizer, *self.prefills, *self.decodes]
-        return rest if self.frontend is None else [self.frontend, *rest]
+        return [*self.frontends, *rest]
 
     def _on_signal(self, signum: int) -> None:
         self._signals.append(signum)
@@ -367,8 +390,7 @@ class Launcher:
         backends = [self.tokenizer, *self.prefills, *self.decodes]
         if not await self._start(backends):
             return False
-        frontend_argv = [
-            *self.plan.frontend,
+        downstream = [
             "--tokenizer",
             self._address(self.tokenizer),
             "--prefill",
@@ -376,17 +398,23 @@ class Launcher:
             "--decode",
             ",".join(self._address(c) for c in self.decodes),
         ]
-        self.frontend = Child("frontend", frontend_argv)
-        if not await self._start([self.frontend]):
+        many = len(self.plan.frontends) > 1
+        self.frontends = [
+            Child(f"frontend-{k}" if many else "frontend", [*argv, *downstream])
+            for k, argv in enumerate(self.plan.frontends)
+        ]
+        if not await self._start(self.frontends):
             return False
-        for child in [*backends, self.frontend]:
+        for child in [*backends, *self.frontends]:
             metrics = "" if child.metrics_url is None else f" metrics {child.metrics_url}"
             print(
                 f"mili serve: {child.name:<10} {child.address} pid {child.pid}{metrics}",
                 flush=True,
             )
-        # Last, in the form every service announces itself: scripts and tests read this line.
-        print(f"frontend service listening on {self.frontend.address}", flush=True)
+        # Last, in the form every service announces itself: scripts and tests read this line
+        # (the first frontend's comes first).
+        for frontend in self.frontends:
+            print(f"frontend service listening on {frontend.address}", flush=True)
         return True
 
     @staticmethod
@@ -397,7 +425,7 @@ class Launcher:
     async def _ready(self, child: Child) -> None:
         # The frontend's health follows its backends (NOT_SERVING while it has no usable
         # pair), so for it any answer means up.
-        is_frontend = child is self.frontend
+        is_frontend = child in self.frontends
         status = await child.wait_ready(
             self.plan.startup_timeout_s, is_serving_required=not is_frontend
         )
@@ -482,7 +510,7 @@ class Launcher:
     async def _stop_all(self) -> None:
         grace_s = self.plan.drain_timeout_s + 15.0  # the child's drain, grpc grace, start-up
         stages = [
-            [self.frontend] if self.frontend is not None else [],
+            self.frontends,
             [*self.prefills, *self.decodes],
             [self.tokenizer],
         ]
@@ -498,14 +526,14 @@ class Launcher:
 
 def check_ports(args: argparse.Namespace) -> None:
     """Fixed ports taken by another process fail now, before any model loads (seconds)."""
-    fixed = [("--port", args.port)]
+    fixed = [("--port", _offset(args.port, k)) for k in range(args.frontends)]
     fixed += [("--tokenizer-port", args.tokenizer_port)]
     fixed += [
         ("--prefill-port", _offset(args.prefill_port, i)) for i in range(args.prefill_instances)
     ]
     fixed += [("--decode-port", _offset(args.decode_port, i)) for i in range(args.decode_instances)]
     if args.metrics_port:
-        num_children = 2 + args.prefill_instances + args.decode_instances
+        num_children = 1 + args.frontends + args.prefill_instances + args.decode_instances
         fixed += [("--metrics-port", args.metrics_port + i) for i in range(num_children)]
     for flag, port in fixed:
         ports.check_free(args.host, port, flag)

@@ -43,7 +43,12 @@ KV_NOTE = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--address", default=DEFAULT_ADDRESS, help="frontend address")
+    parser.add_argument(
+        "--address",
+        default=DEFAULT_ADDRESS,
+        help="frontend address; several, comma-separated (`mili serve --frontends N`): client i "
+        "uses address i mod their number",
+    )
     parser.add_argument("--concurrency", type=int, default=1, metavar="N")
     parser.add_argument("--num-requests", type=int, default=16, metavar="M")
     parser.add_argument("--prompt-tokens", type=int, default=128, metavar="P")
@@ -183,16 +188,16 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     from mili.rpc.client import insecure_channel
 
     low, high = (int(x) for x in args.token_id_range.split(":"))
-    channel = insecure_channel(args.address)
-    stub = generation_pb2_grpc.GenerationServiceStub(channel)
-    info = await stub.Info(generation_pb2.InfoRequest(), timeout=10)
+    channels = [insecure_channel(a) for a in args.address.split(",")]
+    stubs = [generation_pb2_grpc.GenerationServiceStub(c) for c in channels]
+    info = await stubs[0].Info(generation_pb2.InfoRequest(), timeout=10)
     queue: asyncio.Queue[int] = asyncio.Queue()
     for i in range(args.num_requests):
         queue.put_nowait(i)
     results: list[RequestResult] = []
     progress = Progress(args.num_requests)
 
-    async def worker() -> None:
+    async def worker(stub: Any) -> None:
         while not queue.empty():
             i = queue.get_nowait()
             request = generation_pb2.GenerateRequest(
@@ -214,10 +219,11 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     started = time.perf_counter()
     ticking = asyncio.create_task(ticker())
     try:
-        await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+        await asyncio.gather(*(worker(stubs[i % len(stubs)]) for i in range(args.concurrency)))
     finally:
         ticking.cancel()
-        await channel.close()
+        for channel in channels:
+            await channel.close()
     wall_s = time.perf_counter() - started
     ok = [r for r in results if r.error is None]
     errors = [r.error for r in results if r.error is not None]

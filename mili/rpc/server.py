@@ -142,7 +142,10 @@ class RpcServer:
         # Run before our own (tracing): their spans then see the status our interceptor sets.
         self._outer_interceptors = list(interceptors)
         self._registrations: list[tuple[str, Register]] = []
-        self._interceptor = CallInterceptor(name, RequestMetrics(self.registry))
+        # Calls by method and status; a servicer that carries many requests on one call (decode's
+        # GenerateStream) counts each of them here as the call it stands for.
+        self.request_metrics = RequestMetrics(self.registry)
+        self._interceptor = CallInterceptor(name, self.request_metrics)
         self._health = health.aio.HealthServicer()
         # The --health-port server's own: its LIVENESS entry survives the drain.
         self._probe_health = health.aio.HealthServicer()

@@ -49,8 +49,10 @@ _UNTRACED_PREFIXES = (
     "/grpc.reflection.v1.ServerReflection/",
 )
 _TRACEPARENT = "traceparent"
-# Server methods traced only when the call carries a trace context (see _is_traced_call).
-_CONTEXT_ONLY_SUFFIXES = ("/Info", "/DetokenizeStream")
+# Server methods traced only when the call carries a trace context (see _is_traced_call):
+# background polls, per-token streams, and the streams that carry many requests (each request
+# on a GenerateStream is traced on its own, from the context it was started with).
+_CONTEXT_ONLY_SUFFIXES = ("/Info", "/DetokenizeStream", "/GetTokenizerFile", "/GenerateStream")
 
 
 @dataclass(frozen=True)
@@ -314,3 +316,29 @@ def trace_ids(span: Span | None = None) -> str:
     if not context.is_valid:
         return ""
     return f" trace_id={context.trace_id:032x} span_id={context.span_id:016x}"
+
+
+# ---- calls carried on a shared stream -----------------------------------------------------------
+
+
+def start_carried_call_span(method: str) -> tuple[Span | None, dict[str, str]]:
+    """A CLIENT span for one request carried on a stream shared with others (decode's
+    GenerateStream), as `client_interceptors` makes for a call of its own, and the trace context
+    to send with the request. (None, {}) when no recorded span is current (tracing off, or a
+    background call)."""
+    if not trace.get_current_span().is_recording():
+        return None, {}
+    service, _, name = method.lstrip("/").partition("/")
+    span = trace.get_tracer("mili.rpc.client").start_span(
+        method.lstrip("/"),
+        kind=SpanKind.CLIENT,
+        attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": name},
+    )
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier, trace.set_span_in_context(span))
+    return span, carrier
+
+
+def end_carried_call_span(span: Span, code: grpc.StatusCode, details: str | None = None) -> None:
+    """End a `start_carried_call_span` span with the status its request ended with."""
+    _end_span(span, code, details)

@@ -3,11 +3,14 @@ imports generated *_pb2 modules)."""
 
 from __future__ import annotations
 
+import grpc
+
 from mili.decode.v1 import decode_pb2
 from mili.engine.kv_layout import KVLayout
 from mili.kv.v1 import kv_pb2
 from mili.rpc.kv_layout import layout_to_proto
 from mili.rpc.sampling import finish_reason_to_proto, logprobs_to_proto
+from mili.rpc.status import DETAILS_KEY
 from services.decode.requests import DecodeRequest
 from services.decode.stream import TokenEvent
 
@@ -16,26 +19,56 @@ def layout(kv_layout: KVLayout, model_fingerprint: str) -> kv_pb2.KvLayout:
     return layout_to_proto(kv_layout, model_fingerprint)
 
 
-def admitted(request: DecodeRequest) -> decode_pb2.GenerateResponse:
-    return decode_pb2.GenerateResponse(
-        admitted=decode_pb2.Admitted(
-            prompt_block_ids=request.prompt_block_ids,
-            kv_lease_ms=request.lease_ms,
-            transfer_token=request.transfer_token,
-        )
+def _admitted(request: DecodeRequest) -> decode_pb2.Admitted:
+    return decode_pb2.Admitted(
+        prompt_block_ids=request.prompt_block_ids,
+        kv_lease_ms=request.lease_ms,
+        transfer_token=request.transfer_token,
     )
 
 
-def tokens(event: TokenEvent) -> decode_pb2.GenerateResponse:
+def _tokens(event: TokenEvent) -> decode_pb2.Tokens:
     logprobs = []
     if event.logprobs is not None:
         logprobs = [
             logprobs_to_proto(t, lp) for t, lp in zip(event.token_ids, event.logprobs, strict=True)
         ]
-    return decode_pb2.GenerateResponse(
-        tokens=decode_pb2.Tokens(
-            token_ids=event.token_ids,
-            logprobs=logprobs,
-            finish_reason=finish_reason_to_proto(event.finish_reason),
-        )
+    return decode_pb2.Tokens(
+        token_ids=event.token_ids,
+        logprobs=logprobs,
+        finish_reason=finish_reason_to_proto(event.finish_reason),
+    )
+
+
+def admitted(request: DecodeRequest) -> decode_pb2.GenerateResponse:
+    return decode_pb2.GenerateResponse(admitted=_admitted(request))
+
+
+def tokens(event: TokenEvent) -> decode_pb2.GenerateResponse:
+    return decode_pb2.GenerateResponse(tokens=_tokens(event))
+
+
+# ---- GenerateStream ---------------------------------------------------------------------------
+
+
+def streamed_admitted(request: DecodeRequest) -> decode_pb2.StreamedEvent:
+    return decode_pb2.StreamedEvent(request_id=request.request_id, admitted=_admitted(request))
+
+
+def streamed_tokens(request_id: str, event: TokenEvent) -> decode_pb2.StreamedEvent:
+    return decode_pb2.StreamedEvent(request_id=request_id, tokens=_tokens(event))
+
+
+def streamed_error(request_id: str, status: grpc.Status) -> decode_pb2.StreamedEvent:
+    """The status a Generate call would have ended with (mili.rpc.status.status_of), with the
+    google.rpc.Status its trailers carry."""
+    details = b""
+    for key, value in status.trailing_metadata or ():
+        if key == DETAILS_KEY:
+            details = bytes(value)
+    return decode_pb2.StreamedEvent(
+        request_id=request_id,
+        error=decode_pb2.RequestError(
+            code=status.code.value[0], message=status.details or "", status_details=details
+        ),
     )

@@ -1,27 +1,31 @@
-"""gRPC edge of the decode service: DecodeService (Generate, Info), and registration of both
-services (KvTransferService lives in transfer.py) on one RpcServer."""
+"""gRPC edge of the decode service: DecodeService (Generate, GenerateStream, Info), and
+registration of both services (KvTransferService lives in transfer.py) on one RpcServer.
+
+Generate serves one request per call; GenerateStream many requests of one caller on one stream
+(multiplex.py), each admitted the same way (admission.py)."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 
 import grpc
 from opentelemetry import trace
 
 from mili.decode.v1 import decode_pb2, decode_pb2_grpc
 from mili.discovery import PeerSet
-from mili.errors import Cancelled, DeadlineExceeded, InvalidArgument, Unavailable
+from mili.errors import Cancelled, Unavailable
 from mili.kv.v1 import kv_pb2
 from mili.rpc.kv_codec import parse_transfer_request
-from mili.rpc.kv_layout import check_compatible
-from mili.rpc.sampling import sampling_params
 from mili.rpc.server import RpcServer
+from mili.telemetry.metrics import RequestMetrics
 from services.decode import convert
+from services.decode.admission import Admission, lease_expired
 from services.decode.instance import DecodeInstance
+from services.decode.multiplex import Multiplexer
 from services.decode.requests import DecodeRequest, RequestState
-from services.decode.stream import TokenEvent, TokenStream
+from services.decode.stream import TokenEvent
 from services.decode.transfer import KvTransferServicer
 
 _TRACER = trace.get_tracer("mili.decode")  # a no-op until tracing installs a provider
@@ -42,55 +46,23 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         *,
         is_draining: Callable[[], bool] = lambda: False,
         clock: Callable[[], float] = time.monotonic,
+        request_metrics: RequestMetrics | None = None,
     ) -> None:
         self._instance = instance
         self._layout = convert.layout(instance.layout, instance.fingerprint)
+        self._admission = Admission(instance, self._layout, clock=clock)
         self._is_draining = is_draining
         self._clock = clock
+        # Calls counted by the server; requests on a GenerateStream are counted as Generate calls.
+        self._request_metrics = request_metrics
 
     async def Generate(
         self, request: decode_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[decode_pb2.GenerateResponse]:
         inst = self._instance
         request_id = request.request_id
-        prompt = list(request.prompt_token_ids)
-        if not request_id:
-            raise InvalidArgument("request_id", request_id, "must be non-empty")
-        self._check_prompt(prompt)
-        params = sampling_params(request.sampling)
-        if len(prompt) + params.max_tokens > inst.max_context_tokens:
-            raise InvalidArgument(
-                "sampling.max_tokens",
-                params.max_tokens,
-                f"{len(prompt)} prompt tokens + max_tokens exceed the model's context of "
-                f"{inst.max_context_tokens} tokens",
-            )
-        if not request.HasField("prefill_layout"):
-            # Without it a mismatch would surface only as a failed transfer, after the blocks
-            # were held for a whole lease.
-            raise InvalidArgument(
-                "prefill_layout", None, "required: the KV layout of the prefill instance"
-            )
-        check_compatible(
-            self._layout,
-            request.prefill_layout,
-            local_name="this decode instance",
-            remote_name="the prefill instance",
-        )
-        # A caller may ask for a shorter lease, never a longer one: the operator's --kv-lease-ms
-        # bounds how long a vanished prefill can strand blocks. Admitted reports the one in force.
-        lease_ms = min(request.kv_lease_ms or inst.config.kv_lease_ms, inst.config.kv_lease_ms)
-        stream = TokenStream(asyncio.get_running_loop())
-        req = inst.table.admit(
-            request_id,
-            prompt,
-            params,
-            lease_ms=lease_ms,
-            now=self._clock(),
-            stream=stream,
-            retry_after_s=inst.config.retry_after_s,
-            client_request_id=request.client_request_id,
-        )
+        req = self._admission.admit(request)
+        prompt = req.prompt_token_ids
         span = _TRACER.start_span(
             "decode request",
             attributes={
@@ -137,10 +109,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 event = await req.stream.next(timeout_s)
             except TimeoutError:
                 if table.expire(req, self._clock()):
-                    error = DeadlineExceeded(
-                        f"the KV of request {req.name} did not arrive within its lease "
-                        f"of {req.lease_ms} ms; its {len(req.block_table)} KV blocks were released"
-                    )
+                    error = lease_expired(req)
                     req.stream.fail(error)  # a transfer still running reports the same error
                     raise error from None
                 continue
@@ -148,17 +117,21 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             if event.finish_reason:
                 return
 
-    def _check_prompt(self, prompt: list[int]) -> None:
-        if not prompt:
-            raise InvalidArgument("prompt_token_ids", prompt, "must hold at least one token id")
-        vocab_size = self._instance.vocab_size
-        bad = [t for t in prompt if t >= vocab_size]
-        if bad:
-            raise InvalidArgument(
-                "prompt_token_ids",
-                bad[:8],
-                f"{len(bad)} token id(s) outside the vocabulary [0, {vocab_size})",
-            )
+    async def GenerateStream(
+        self,
+        request_iterator: AsyncIterator[decode_pb2.GenerateStreamRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[decode_pb2.GenerateStreamResponse]:
+        multiplexer = Multiplexer(
+            self._admission,
+            self._instance.table,
+            metrics=self._request_metrics,
+            is_draining=self._is_draining,
+            clock=self._clock,
+        )
+        async with aclosing(multiplexer.run(request_iterator)) as responses:
+            async for response in responses:
+                yield response
 
     async def Info(
         self, request: decode_pb2.InfoRequest, context: grpc.aio.ServicerContext
@@ -187,7 +160,9 @@ def add_to_server(
 ) -> None:
     """Register DecodeService and KvTransferService (one address: prefill sends KV here).
     `kv_senders`: the hosts KV is accepted from (None: this machine only)."""
-    decode = DecodeServicer(instance, is_draining=lambda: server.is_draining)
+    decode = DecodeServicer(
+        instance, is_draining=lambda: server.is_draining, request_metrics=server.request_metrics
+    )
     transfer = KvTransferServicer(instance, senders=kv_senders)
     server.add_service(
         DECODE_SERVICE, lambda s: decode_pb2_grpc.add_DecodeServiceServicer_to_server(decode, s)

@@ -10,13 +10,17 @@ One `call_soon_threadsafe` per step (not per request) keeps the wake-ups of the 
 step. A consumer that lags (slow client) is not a problem for the batch thread: events pile up
 in the stream and the next `next()` returns all of them merged into one event, so a request
 never holds more than its max_tokens worth of pending tokens.
+
+A GenerateStream serves many requests from one task: instead of awaiting each stream's
+`next()`, it `watch`es them (a callback marks the stream ready) and `take`s what is pending
+from every ready stream once per wake-up, so one step's events go out in one message.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from mili.engine.logprobs import TokenLogprobs
@@ -54,6 +58,7 @@ class TokenStream:
         self._error: BaseException | None = None
         self._ready = asyncio.Event()
         self._failed = asyncio.Event()
+        self._on_ready: Callable[[], None] | None = None
 
     @property
     def error(self) -> BaseException | None:
@@ -62,6 +67,8 @@ class TokenStream:
     def push(self, event: TokenEvent) -> None:
         self._pending.append(event)
         self._ready.set()
+        if self._on_ready is not None:
+            self._on_ready()
 
     def fail(self, error: BaseException) -> None:
         """End the stream with `error` (after any tokens already pushed); the first error wins."""
@@ -69,6 +76,27 @@ class TokenStream:
             self._error = error
             self._ready.set()
             self._failed.set()
+            if self._on_ready is not None:
+                self._on_ready()
+
+    def watch(self, on_ready: Callable[[], None] | None) -> None:
+        """Call `on_ready()` (on the loop's thread) whenever an event or the error arrives, for a
+        reader that `take`s instead of awaiting `next`; at once if something is pending. None
+        stops watching."""
+        self._on_ready = on_ready
+        if on_ready is not None and (self._pending or self._error is not None):
+            on_ready()
+
+    def take(self) -> TokenEvent | None:
+        """Everything pushed since the last call, merged, without waiting (None: nothing yet);
+        raises the stream's error once drained."""
+        if self._pending:
+            events, self._pending = self._pending, []
+            self._ready.clear()
+            return merge(events)
+        if self._error is not None:
+            raise self._error
+        return None
 
     async def wait_failed(self) -> BaseException:
         """Return the stream's error once it has one (a transfer stops when its request ends)."""

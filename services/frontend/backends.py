@@ -8,7 +8,8 @@ decode instance's Info is fetched concurrently:
                   loudly and the pair is never routed; a fixed one becomes routable again)
     no answer  -> router.mark_down: routed around until it answers again
 
-The tokenizer's Info (vocabulary size, EOS ids) is polled with them.
+The tokenizer's Info (vocabulary size, EOS ids) is polled with them; when it names a tokenizer
+file this frontend has not loaded, the file is fetched and loaded to detokenize here (text.py).
 
 Membership: `--prefill` / `--decode` targets are fixed addresses or `dns:///NAME:PORT` names
 (mili.discovery). Every `resolve_interval_s` each name is looked up again and the router told
@@ -47,7 +48,9 @@ from mili.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from services.frontend.calls import TokenizerFacts
 from services.frontend.config import FrontendConfig
 from services.frontend.downstream import error_from
+from services.frontend.multiplex import DecodeMultiplexer
 from services.frontend.router import MemberChanges, Router
+from services.frontend.text import LocalDetokenizer
 
 _LOG = logging.getLogger("mili.frontend")
 
@@ -93,10 +96,14 @@ class Backends:
         self.tokenizer = tokenizer_pb2_grpc.TokenizerServiceStub(
             self._channel(config.tokenizer_address)
         )
+        # Every request on a decode instance shares one GenerateStream (multiplex.py).
+        self._multiplexers: dict[str, DecodeMultiplexer] = {}
         self.prefill_layouts: dict[str, kv_pb2.KvLayout] = {}
         self.decode_layouts: dict[str, kv_pb2.KvLayout] = {}
         self.models: dict[str, str] = {}  # address -> model name its Info reported
         self._tokenizer_facts: TokenizerFacts | None = None  # None: down, or not asked yet
+        # The tokenizer's file, loaded to detokenize here; None: detokenize through the service.
+        self.local_detokenizer: LocalDetokenizer | None = None
         self._problem: str | None = None  # why it is not usable; None when it is
         self._is_health_reported = False
         self._wake: asyncio.Event | None = None
@@ -126,6 +133,9 @@ class Backends:
                 return target.spec
         return address  # it left every target's answer and is draining
 
+    def multiplexer(self, address: str) -> DecodeMultiplexer:
+        return self._multiplexers[address]
+
     async def start(self) -> None:
         """One round of lookups and Info polls (instances not up yet are found by later
         ones), then keep doing both."""
@@ -146,6 +156,8 @@ class Backends:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+        for multiplexer in self._multiplexers.values():
+            await multiplexer.close()
         for ch in self._channels.values():
             await ch.close()
 
@@ -220,7 +232,9 @@ class Backends:
         if kind == "prefill":
             self._prefills[address] = prefill_pb2_grpc.PrefillServiceStub(ch)
         else:
-            self._decodes[address] = decode_pb2_grpc.DecodeServiceStub(ch)
+            stub = decode_pb2_grpc.DecodeServiceStub(ch)
+            self._decodes[address] = stub
+            self._multiplexers[address] = DecodeMultiplexer(stub, f"decode at {address}")
 
     @property
     def _is_started(self) -> bool:
@@ -231,6 +245,11 @@ class Backends:
         kind = "prefill" if address in self._prefills else "decode"
         self._prefills.pop(address, None)
         self._decodes.pop(address, None)
+        multiplexer = self._multiplexers.pop(address, None)
+        if multiplexer is not None:  # no request is left on it
+            closing = asyncio.ensure_future(multiplexer.close())
+            self._closing.add(closing)
+            closing.add_done_callback(self._closing.discard)
         self.prefill_layouts.pop(address, None)
         self.decode_layouts.pop(address, None)
         self.models.pop(address, None)
@@ -302,6 +321,7 @@ class Backends:
             vocab_size=info.vocab_size,
             eos_token_ids=tuple(info.eos_token_ids),
             max_input_chars=info.max_input_chars,
+            tokenizer_file_sha256=info.tokenizer_file_sha256,
         )
         if facts != self._tokenizer_facts:
             _LOG.info(
@@ -373,6 +393,32 @@ class Backends:
     async def _poll_tokenizer(self) -> None:
         with contextlib.suppress(Exception):
             await self._fetch_tokenizer_facts()
+            await self._sync_detokenizer()
+
+    async def _sync_detokenizer(self) -> None:
+        """Load the tokenizer's file for detokenizing in this process (text.py) when its digest
+        is new; without one (a tokenizer that does not hand it out), detokenize through it."""
+        facts = self._tokenizer_facts
+        sha256 = "" if facts is None else facts.tokenizer_file_sha256
+        if not sha256:
+            self.local_detokenizer = None
+            return
+        if self.local_detokenizer is not None and self.local_detokenizer.sha256 == sha256:
+            return
+        who = f"tokenizer at {self.config.tokenizer_address}"
+        try:
+            reply = await self.tokenizer.GetTokenizerFile(
+                tokenizer_pb2.GetTokenizerFileRequest(), timeout=self.config.info_timeout_s * 10
+            )
+            # Parsing a 150k-token vocabulary takes most of a second: off the event loop.
+            local = await asyncio.to_thread(LocalDetokenizer, reply.tokenizer_json, reply.sha256)
+        except (grpc.aio.AioRpcError, ValueError) as err:
+            self.local_detokenizer = None
+            why = f"{err.code().name}: {err.details()}" if isinstance(err, grpc.RpcError) else err
+            _LOG.warning("%s: no tokenizer file (%s); detokenizing through it", who, why)
+            return
+        self.local_detokenizer = local
+        _LOG.info("detokenizing in process with the tokenizer file of %s (%s)", who, sha256[:12])
 
     async def _poll_prefill(self, address: str) -> None:
         try:

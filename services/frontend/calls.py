@@ -54,6 +54,8 @@ class TokenizerFacts:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     max_input_chars: int = 0  # the longest text (or messages' content) it tokenizes; 0: unknown
+    # SHA-256 of the tokenizer file it hands out for detokenizing here; "": it hands none out.
+    tokenizer_file_sha256: str = ""
 
 
 @dataclass(frozen=True)

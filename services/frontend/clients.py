@@ -1,5 +1,6 @@
 """`calls.Downstream` over gRPC: the stubs of every instance (backends.py), requests and replies
 converted in convert.py, failures turned into domain errors naming the instance (downstream.py).
+Decode requests share one GenerateStream per decode instance (multiplex.py).
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ from services.frontend.calls import (
     Prompt,
     RequestIds,
     TokenizerFacts,
-    Tokens,
 )
 from services.frontend.detokenize import TextStream
 from services.frontend.downstream import error_from
+from services.frontend.multiplex import RequestStream
 from services.frontend.router import Route, Router
+from services.frontend.text import LocalTextStream
 from services.frontend.validation import ValidRequest
 
 # Tokenizer's name for a field -> ours (it tokenizes `text`; callers send `prompt`).
@@ -69,12 +71,11 @@ class GrpcDownstream:
 
     def generate(
         self, route: Route, ids: RequestIds, prompt: Prompt, deadline: Deadline
-    ) -> _DecodeStream:
+    ) -> RequestStream:
         request = convert.decode_request(
             ids, prompt, self._backends.prefill_layouts[route.prefill], self._config.kv_lease_ms
         )
-        call = self._backends.decode(route.decode).Generate(request, timeout=deadline.remaining())
-        return _DecodeStream(call, f"decode at {route.decode}", deadline)
+        return self._backends.multiplexer(route.decode).open(request, deadline)
 
     def prefill(
         self,
@@ -91,7 +92,10 @@ class GrpcDownstream:
         task.add_done_callback(lambda t: call.cancel() if t.cancelled() else None)
         return task
 
-    def detokenize(self, vocab_size: int, deadline: Deadline) -> TextStream:
+    def detokenize(self, vocab_size: int, deadline: Deadline) -> LocalTextStream | TextStream:
+        local = self._backends.local_detokenizer
+        if local is not None:
+            return local.stream(vocab_size)
         return TextStream(
             self._backends.tokenizer,
             f"tokenizer at {self._config.tokenizer_address}",
@@ -105,29 +109,3 @@ async def _prefill_reply(call: Any, who: str, deadline: Deadline) -> PrefillStat
         return convert.prefill_stats(await call)
     except grpc.aio.AioRpcError as err:
         raise error_from(err, who, is_own_deadline_passed=deadline.has_passed) from None
-
-
-class _DecodeStream:
-    """decode's Generate call as `calls.DecodeStream`."""
-
-    def __init__(self, call: Any, who: str, deadline: Deadline) -> None:
-        self._call = call
-        self._who = who
-        self._deadline = deadline
-
-    async def read(self) -> Admitted | Tokens | None:
-        while True:
-            try:
-                event = await self._call.read()
-            except grpc.aio.AioRpcError as err:
-                raise error_from(
-                    err, self._who, is_own_deadline_passed=self._deadline.has_passed
-                ) from None
-            if event is grpc.aio.EOF:
-                return None
-            converted = convert.decode_event(event)
-            if converted is not None:  # skip an event kind this version does not know
-                return converted
-
-    def cancel(self) -> None:
-        self._call.cancel()

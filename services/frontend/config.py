@@ -36,6 +36,9 @@ class FrontendConfig:
     retry_after_s: float = 0.5
     # After decode finished, how long to wait for prefill's reply (it only carries statistics).
     prefill_reply_grace_s: float = 1.0
+    # Token ids a streamed request holds for a client that reads slower than they come, merged
+    # into its next message (coalescer.py); past it, the request stops pulling from decode.
+    max_buffered_tokens: int = 1024
 
     def __post_init__(self) -> None:
         if not self.tokenizer_address:
@@ -68,5 +71,7 @@ class FrontendConfig:
             raise ValueError(f"kv_lease_ms must be in [0, 2^32), got {self.kv_lease_ms}")
         if self.max_concurrent_requests < 1:
             raise ValueError("max_concurrent_requests must be >= 1")
+        if self.max_buffered_tokens < 1:
+            raise ValueError("max_buffered_tokens must be >= 1")
         if self.retry_after_s < 0 or self.prefill_reply_grace_s < 0:
             raise ValueError("retry_after_s and prefill_reply_grace_s must be >= 0")

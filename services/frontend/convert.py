@@ -145,19 +145,41 @@ def decode_event(event: decode_pb2.GenerateResponse) -> Admitted | Tokens | None
     """None for an event this version does not know."""
     kind = event.WhichOneof("event")
     if kind == "admitted":
-        admitted = event.admitted
-        # block_ids: the deprecated name, from a decode instance older than this frontend.
-        return Admitted(
-            list(admitted.prompt_block_ids or admitted.block_ids), admitted.transfer_token
-        )
+        return _admitted(event.admitted)
     if kind == "tokens":
-        tokens = event.tokens
-        return Tokens(
-            list(tokens.token_ids),
-            [logprobs_from_proto(lp) for lp in tokens.logprobs],
-            finish_reason_from_proto(tokens.finish_reason),
-        )
+        return _tokens(event.tokens)
     return None
+
+
+def streamed_generate(
+    request: decode_pb2.GenerateRequest, timeout_ms: int, trace_context: dict[str, str]
+) -> decode_pb2.StreamedGenerate:
+    return decode_pb2.StreamedGenerate(
+        request=request, timeout_ms=timeout_ms, trace_context=trace_context
+    )
+
+
+def streamed_event(event: decode_pb2.StreamedEvent) -> Admitted | Tokens | None:
+    """A GenerateStream event that is not an error; None for a kind this version does not know."""
+    kind = event.WhichOneof("event")
+    if kind == "tokens":
+        return _tokens(event.tokens)
+    if kind == "admitted":
+        return _admitted(event.admitted)
+    return None
+
+
+def _admitted(admitted: decode_pb2.Admitted) -> Admitted:
+    # block_ids: the deprecated name, from a decode instance older than this frontend.
+    return Admitted(list(admitted.prompt_block_ids or admitted.block_ids), admitted.transfer_token)
+
+
+def _tokens(tokens: decode_pb2.Tokens) -> Tokens:
+    return Tokens(
+        list(tokens.token_ids),
+        [logprobs_from_proto(lp) for lp in tokens.logprobs],
+        finish_reason_from_proto(tokens.finish_reason),
+    )
 
 
 def prefill_request(

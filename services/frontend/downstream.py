@@ -11,7 +11,7 @@ from collections.abc import Mapping
 import grpc
 
 from mili import errors
-from mili.rpc.status import bad_request_of, retry_info_of
+from mili.rpc.status import DETAILS_KEY, bad_request_of, retry_info_of
 from services.frontend.calls import InstanceDown
 
 
@@ -61,6 +61,38 @@ def error_from(
     # CANCELLED (not by our caller: the peer went away), NOT_FOUND (a reservation vanished with
     # its peer), ABORTED...: retrying may work.
     return errors.Unavailable(text)
+
+
+def error_from_status(
+    code: grpc.StatusCode,
+    message: str,
+    status_details: bytes,
+    who: str,
+    *,
+    is_own_deadline_passed: bool = False,
+) -> Exception:
+    """`error_from` for a status carried in a message rather than ending a call: a request's
+    error on decode's GenerateStream (`status_details`: its serialized google.rpc.Status)."""
+    carried = _CarriedStatus(code, message, status_details)
+    return error_from(carried, who, is_own_deadline_passed=is_own_deadline_passed)
+
+
+class _CarriedStatus(grpc.RpcError):
+    """A status read from a message, shaped as the failed call `error_from` reads."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, status_details: bytes) -> None:
+        self._code = code
+        self._message = message
+        self._trailers = ((DETAILS_KEY, status_details),) if status_details else ()
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._message
+
+    def trailing_metadata(self) -> tuple[tuple[str, bytes], ...]:
+        return self._trailers
 
 
 class DownstreamBug(Exception):

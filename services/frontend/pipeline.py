@@ -240,18 +240,37 @@ class Generation:
 
     async def _next_event(self, admission: _Admission) -> Admitted | Tokens:
         """decode's next event, while watching prefill: its failure ends the request now."""
+        if self._prefill_reply is None:
+            event = await self._read_watching_prefill(admission)
+        else:
+            # Prefill is done (the usual case past the first token): a plain read, without the
+            # task and the wait that watching prefill takes for every event.
+            event = await self._read(admission)
+        if event is None:
+            raise Unavailable(
+                f"decode at {admission.route.decode} ended the stream without a finish reason"
+            )
+        return event
+
+    async def _read(
+        self, admission: _Admission, read: asyncio.Future[Admitted | Tokens | None] | None = None
+    ) -> Admitted | Tokens | None:
+        """decode's next event (`read`, when already started); decode being down is noted."""
+        try:
+            return await (admission.stream.read() if read is None else read)
+        except InstanceDown:
+            self._downstream.request_refresh(down=admission.route.decode)
+            raise
+
+    async def _read_watching_prefill(self, admission: _Admission) -> Admitted | Tokens | None:
         read = asyncio.ensure_future(admission.stream.read())
         try:
             while not read.done() and self._prefill_reply is None:
                 assert self._prefill is not None
                 watched: set[asyncio.Future[Any]] = {read, self._prefill}
                 await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
-                self._check_prefill(admission)
-            try:
-                event = await read
-            except InstanceDown:
-                self._downstream.request_refresh(down=admission.route.decode)
-                raise
+                self._check_prefill(admission)  # raises prefill's error
+            return await self._read(admission, read)
         finally:
             if not read.done():
                 read.cancel()
@@ -259,11 +278,6 @@ class Generation:
                 # When prefill's failure wins the race, decode's read may have failed too;
                 # retrieve it so asyncio does not log it as an unhandled task error.
                 read.exception()
-        if event is None:
-            raise Unavailable(
-                f"decode at {admission.route.decode} ended the stream without a finish reason"
-            )
-        return event
 
     async def _stream(self, admission: _Admission, text: TextStream) -> AsyncGenerator[Delta, None]:
         sampling = self._prompt.sampling

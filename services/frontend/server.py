@@ -1,6 +1,7 @@
 """gRPC edge of the frontend: mili.frontend.v1.GenerationService.
 
-Generate: validate -> tokenize -> Generation (route, hand off, stream) -> GenerateResponse.
+Generate: validate -> tokenize -> Generation (route, hand off, stream) -> GenerateResponse,
+several deltas in one when the client lags (coalescer.py).
 Complete: the same deltas gathered into one CompleteResponse. Info: model, limits, instances.
 Exceptions become statuses in the server interceptor (mili.rpc): INVALID_ARGUMENT with the
 bad fields, RESOURCE_EXHAUSTED with RetryInfo, UNAVAILABLE naming the service that is down.
@@ -31,6 +32,7 @@ from services.frontend import convert
 from services.frontend.backends import Backends
 from services.frontend.calls import Deadline, RequestIds
 from services.frontend.clients import GrpcDownstream
+from services.frontend.coalescer import coalesced
 from services.frontend.pipeline import Delta, Generation
 from services.frontend.prompt import tokenize
 from services.frontend.validation import ValidRequest, validate
@@ -62,11 +64,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncGenerator[generation_pb2.GenerateResponse, None]:
         request_id, deltas = self._generate(request, context)
+        # A client that reads slower than tokens come gets everything pending in one message.
+        merged = coalesced(deltas, max_buffered_tokens=self._config.max_buffered_tokens)
         # aclosing: when the caller cancels while we wait to send, the inner generators' clean-up
         # (cancelling decode and prefill calls) runs now, not when they are garbage-collected.
         generated_tokens = self._metrics.generated_tokens
-        async with aclosing(deltas):
-            async for delta in deltas:
+        async with aclosing(merged):
+            async for delta in merged:
                 yield convert.generate_response(request_id, delta)
                 # Resumed once grpc took the message: counted once per message sent.
                 if delta.token_ids:

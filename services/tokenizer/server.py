@@ -137,6 +137,15 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
             chat_template_source=tok.chat_template.source,
             max_input_chars=self._limits.max_input_chars,
             max_token_ids=self._limits.max_token_ids,
+            tokenizer_file_sha256=tok.file_sha256,
+        )
+
+    async def GetTokenizerFile(
+        self, request: tokenizer_pb2.GetTokenizerFileRequest, context: grpc.aio.ServicerContext
+    ) -> tokenizer_pb2.GetTokenizerFileResponse:
+        tok = self._tokenizer
+        return tokenizer_pb2.GetTokenizerFileResponse(
+            tokenizer_json=tok.file_bytes, sha256=tok.file_sha256
         )
 
 

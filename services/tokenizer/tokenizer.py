@@ -8,6 +8,7 @@ Loads from an HF model directory:
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,9 +48,12 @@ class ModelTokenizer:
         if not path.exists():
             raise StartupError(f"model directory {model_dir} has no tokenizer.json")
         try:
-            self._tokenizer = Tokenizer.from_file(str(path))
+            # Kept as read: the frontend detokenizes with the same file (GetTokenizerFile).
+            self.file_bytes = path.read_bytes()
+            self._tokenizer = Tokenizer.from_str(self.file_bytes.decode("utf-8"))
         except Exception as e:  # the Rust loader raises a bare Exception with a parse message
             raise StartupError(f"{path} is not a valid tokenizer file: {e}") from None
+        self.file_sha256 = hashlib.sha256(self.file_bytes).hexdigest()
         config = _read_json(model_dir / "tokenizer_config.json") or {}
         generation = _read_json(model_dir / "generation_config.json") or {}
 

@@ -1,6 +1,7 @@
 """A gRPC proxy in front of a decode instance that can damage chosen KV transfers.
 
-Every call (DecodeService.Generate/Info, KvTransferService.TransferKv, health) is forwarded as
+Every call (DecodeService.Generate/GenerateStream/Info, KvTransferService.TransferKv, health)
+is forwarded as
 raw bytes to the real decode instance; the proxy runs a grpc.aio server on its own event loop
 in a daemon thread, so tests stay synchronous. A frontend started with `--decode <proxy>` sends
 both its own Generate calls and prefill's KV destination through it.
@@ -14,7 +15,8 @@ For TransferKv, each message is parsed; for a request id with a fault armed (`ar
 
 and records what it did (`events`), so a test can check the fault really happened. Requests
 are named by the caller's request_id: the proxy learns which id the frontend minted for each
-from the decode Generate calls it forwards (their client_request_id).
+from the decode requests it forwards (their client_request_id), on Generate calls or started on
+the frontend's GenerateStream.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from mili.rpc.status import server_status_of, status_header
 
 TRANSFER_KV = "/mili.kv.v1.KvTransferService/TransferKv"
 GENERATE = "/mili.decode.v1.DecodeService/Generate"
+GENERATE_STREAM = "/mili.decode.v1.DecodeService/GenerateStream"
 FAULTS = ("corrupt_first", "corrupt_last", "drop_commit", "cut_after_first_chunk")
 
 # Method path -> (client streaming, server streaming), from the protos the decode server serves.
@@ -259,7 +262,40 @@ class _Handler(grpc.GenericRpcHandler):
             return grpc.unary_stream_rpc_method_handler(unary_stream)
         if kind == (True, False):
             return grpc.stream_unary_rpc_method_handler(self._stream_unary(method))
-        return None  # no bidirectional method is served by decode
+        if method == GENERATE_STREAM:
+            return grpc.stream_stream_rpc_method_handler(self._generate_stream())
+        return None
+
+    def _generate_stream(self) -> Any:
+        """GenerateStream, forwarded both ways; the proxy learns each started request's id."""
+        proxy = self._proxy
+
+        async def stream_stream(
+            requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
+        ) -> AsyncIterator[bytes]:
+            call = proxy.channel.stream_stream(GENERATE_STREAM)(**_forwarded(context))
+
+            async def pump() -> None:
+                async for raw in requests:
+                    for start in decode_pb2.GenerateStreamRequest.FromString(raw).starts:
+                        proxy.learn(start.request.SerializeToString())
+                    await call.write(raw)
+                with contextlib.suppress(asyncio.InvalidStateError, grpc.aio.AioRpcError):
+                    await call.done_writing()
+
+            pumping = asyncio.ensure_future(pump())
+            try:
+                async for response in call:
+                    yield response
+            except grpc.aio.AioRpcError as err:
+                await _relay_error(context, err)
+            finally:
+                pumping.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await pumping
+                call.cancel()  # our caller went away: so does the call to decode
+
+        return stream_stream
 
     def _stream_unary(self, method: str) -> Any:
         proxy = self._proxy

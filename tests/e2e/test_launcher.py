@@ -6,7 +6,9 @@ has the restarts)."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -165,3 +167,71 @@ def test_serve_help_explains_instances_and_supervision() -> None:
     assert "--decode-instances N decode processes to run" in text
     assert "--fail-fast a child that exits stops all the others" in text
     assert "restarted on the same address" in text
+
+
+def test_serve_runs_several_frontends_that_bench_spreads_clients_over(
+    demo_model_dir: Path, tmp_path: Path
+) -> None:
+    serve = ServiceProcess(
+        "serve", "--model", str(demo_model_dir), "--port", "0", "--frontends", "2",
+        "--prefill-args", "--num-blocks 256", "--decode-args", "--num-blocks 256",
+        timeout_s=180,
+    )  # fmt: skip
+    try:
+        summary = "".join(serve.stdout_lines)
+        addresses = [
+            re.search(rf"mili serve: frontend-{k}\s+(\S+)", summary).group(1)  # type: ignore[union-attr]
+            for k in (0, 1)
+        ]
+        assert serve.address == addresses[0] and addresses[0] != addresses[1]
+        for address in addresses:  # each a frontend of its own over the same services
+            with grpc.insecure_channel(address) as channel:
+                stub = generation_pb2_grpc.GenerationServiceStub(channel)
+                responses = list(
+                    stub.Generate(
+                        generation_pb2.GenerateRequest(
+                            prompt="Hello",
+                            sampling=sampling_pb2.SamplingParams(max_tokens=4, ignore_eos=True),
+                        ),
+                        timeout=60,
+                    )
+                )
+                assert responses[-1].usage.completion_tokens == 4
+        out = tmp_path / "bench.json"
+        bench = subprocess.run(
+            [sys.executable, "-m", "mili", "bench", "--address", ",".join(addresses),
+             "--concurrency", "4", "--num-requests", "8", "--prompt-tokens", "8",
+             "--output-tokens", "4", "--json", str(out)],
+            cwd=ROOT, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert bench.returncode == 0, bench.stdout + bench.stderr
+        assert json.loads(out.read_text())["num_ok"] == 8
+    finally:
+        code = serve.terminate(timeout_s=90)
+    assert code == 0, serve.stderr[-3000:]
+    lines = serve.stderr_lines
+    prefill_stopped = _index(lines, "prefill: stopped")
+    for k in (0, 1):  # both drain before the services they use stop
+        stopped = next(
+            i for i, line in enumerate(lines) if f"[frontend-{k}]" in line and "stopped" in line
+        )
+        assert stopped < prefill_stopped
+
+
+def test_frontends_get_consecutive_ports_and_metrics_ports_after_the_rest(tmp_path: Path) -> None:
+    import argparse
+
+    from mili.launcher import add_arguments, make_plan
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = ["--frontends", "3", "--port", "6000", "--metrics-port", "7000"]
+    plan = make_plan(parser.parse_args(args), tmp_path)
+
+    def flag(argv: list[str], name: str) -> str:
+        return argv[argv.index(name) + 1]
+
+    assert [flag(a, "--port") for a in plan.frontends] == ["6000", "6001", "6002"]
+    # tokenizer 7001, prefill 7002, decode 7003: the extra frontends come after them
+    assert [flag(a, "--metrics-port") for a in plan.frontends] == ["7000", "7004", "7005"]
+    assert plan.frontend == plan.frontends[0]

@@ -4,7 +4,8 @@ them, all in one event loop on real gRPC servers: for the frontend's edge cases,
 Fake tokenizer: one token per printable ASCII character, id = ord(c) - 32 (vocab 100, EOS 99).
 Fake decode: admits with blocks [1, 2], waits for the fake prefill's "transfer" (an event), then
 streams `script` (lists of token ids, one Tokens event each) and finishes with LENGTH, unless
-`full` (RESOURCE_EXHAUSTED) or `fail_after` (UNAVAILABLE after that many events).
+`full` (RESOURCE_EXHAUSTED) or `fail_after` (UNAVAILABLE after that many events). Its
+GenerateStream (what the frontend calls) runs that Generate per started request.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from mili.kv.v1 import kv_pb2
 from mili.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from mili.rpc.client import insecure_channel
 from mili.rpc.server import RpcServer, ServerConfig
+from mili.rpc.status import DETAILS_KEY, status_of
 from mili.telemetry.metrics import FrontendMetrics
 from mili.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from services.frontend.backends import Backends
@@ -106,6 +108,45 @@ class FakeDecode(decode_pb2_grpc.DecodeServiceServicer):
         finally:
             self.num_closed += 1
 
+    async def GenerateStream(self, requests: Any, context: Any) -> AsyncIterator[Any]:
+        """Generate, multiplexed: each started request runs `Generate` in a task of its own."""
+        events: asyncio.Queue[Any] = asyncio.Queue()
+        running: dict[str, asyncio.Task[None]] = {}
+
+        async def run(request: Any) -> None:
+            rid = request.request_id
+            try:
+                async for response in self.Generate(request, context):
+                    kind = response.WhichOneof("event")
+                    event = decode_pb2.StreamedEvent(request_id=rid)
+                    getattr(event, kind).CopyFrom(getattr(response, kind))
+                    events.put_nowait(event)
+            except Exception as exc:
+                status = status_of(exc, "/mili.decode.v1.DecodeService/Generate")
+                details = dict(status.trailing_metadata).get(DETAILS_KEY, b"")
+                error = decode_pb2.RequestError(
+                    code=status.code.value[0], message=status.details, status_details=details
+                )
+                events.put_nowait(decode_pb2.StreamedEvent(request_id=rid, error=error))
+
+        async def read() -> None:
+            async for message in requests:
+                for start in message.starts:
+                    rid = start.request.request_id
+                    running[rid] = asyncio.create_task(run(start.request))
+                for rid in message.cancel_request_ids:
+                    if rid in running:
+                        running[rid].cancel()
+
+        reader = asyncio.create_task(read())
+        try:
+            while True:
+                yield decode_pb2.GenerateStreamResponse(events=[await events.get()])
+        finally:
+            reader.cancel()
+            for task in running.values():
+                task.cancel()
+
     async def Info(self, request: Any, context: Any) -> Any:
         return decode_pb2.InfoResponse(
             model="fake",
@@ -163,6 +204,7 @@ async def stack(
     decodes: list[FakeDecode] | None = None,
     prefill: FakePrefill | None = None,
     limits: Limits | None = None,
+    max_buffered_tokens: int = 1024,
 ) -> AsyncIterator[Stack]:
     decodes = decodes if decodes is not None else [FakeDecode()]
     prefill = prefill or FakePrefill()
@@ -200,6 +242,7 @@ async def stack(
         limits=limits or Limits(default_max_tokens=16),
         poll_interval_s=0.05,
         info_timeout_s=0.5,
+        max_buffered_tokens=max_buffered_tokens,
     )
     backends = Backends(config, Router(config.prefill_addresses, config.decode_addresses))
     frontend = RpcServer(ServerConfig(drain_timeout_s=0.5, grace_s=0.1), name="frontend")

@@ -155,3 +155,43 @@ def test_text_and_messages_together(stub) -> None:
         ),
     )
     assert field == "text"
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_file_it_hands_out_detokenizes_in_process_exactly_as_its_stream(
+    stub, demo_model_dir: Path, seed: int
+) -> None:
+    import asyncio
+    import hashlib
+
+    from services.frontend.text import LocalDetokenizer
+
+    reply = stub.GetTokenizerFile(tokenizer_pb2.GetTokenizerFileRequest())
+    assert reply.tokenizer_json == (demo_model_dir / "tokenizer.json").read_bytes()
+    assert reply.sha256 == hashlib.sha256(reply.tokenizer_json).hexdigest()
+    info = stub.Info(tokenizer_pb2.InfoRequest())
+    assert info.tokenizer_file_sha256 == reply.sha256
+
+    rng = random.Random(seed)
+    # Text with multi-byte characters split over several tokens, plus arbitrary ids (special
+    # ones included, skipped as the frontend asks), pushed in chunks of 1 to 4 ids.
+    text = "".join(MULTILINGUAL)
+    ids = list(stub.Tokenize(tokenizer_pb2.TokenizeRequest(text=text)).token_ids)
+    ids += [rng.randrange(info.vocab_size) for _ in range(60)]
+    chunks = []
+    while len(ids) > sum(map(len, chunks)):
+        start = sum(map(len, chunks))
+        chunks.append(ids[start : start + rng.randint(1, 4)])
+    requests = [tokenizer_pb2.DetokenizeStreamRequest(token_ids=c) for c in chunks]
+    requests[0].skip_special_tokens = True
+    requests.append(tokenizer_pb2.DetokenizeStreamRequest(final=True))
+    remote = [r.text for r in stub.DetokenizeStream(iter(requests))]
+
+    local_stream = LocalDetokenizer(reply.tokenizer_json, reply.sha256).stream(info.vocab_size)
+
+    async def local() -> list[str]:
+        return [*[await local_stream.push(c) for c in chunks], await local_stream.finish()]
+
+    assert asyncio.run(local()) == remote  # delta for delta, never half a character
+    with pytest.raises(ValueError, match="SHA-256"):
+        LocalDetokenizer(reply.tokenizer_json + b" ", reply.sha256)

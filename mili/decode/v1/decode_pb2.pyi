@@ -24,6 +24,59 @@ class GenerateRequest(_message.Message):
     client_request_id: str
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., prefill_layout: _Optional[_Union[_kv_pb2.KvLayout, _Mapping]] = ..., kv_lease_ms: _Optional[int] = ..., client_request_id: _Optional[str] = ...) -> None: ...
 
+class GenerateStreamRequest(_message.Message):
+    __slots__ = ("starts", "cancel_request_ids")
+    STARTS_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    starts: _containers.RepeatedCompositeFieldContainer[StreamedGenerate]
+    cancel_request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, starts: _Optional[_Iterable[_Union[StreamedGenerate, _Mapping]]] = ..., cancel_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class StreamedGenerate(_message.Message):
+    __slots__ = ("request", "timeout_ms", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    request: GenerateRequest
+    timeout_ms: int
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, request: _Optional[_Union[GenerateRequest, _Mapping]] = ..., timeout_ms: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class GenerateStreamResponse(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[StreamedEvent]
+    def __init__(self, events: _Optional[_Iterable[_Union[StreamedEvent, _Mapping]]] = ...) -> None: ...
+
+class StreamedEvent(_message.Message):
+    __slots__ = ("request_id", "admitted", "tokens", "error")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ADMITTED_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    admitted: Admitted
+    tokens: Tokens
+    error: RequestError
+    def __init__(self, request_id: _Optional[str] = ..., admitted: _Optional[_Union[Admitted, _Mapping]] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ..., error: _Optional[_Union[RequestError, _Mapping]] = ...) -> None: ...
+
+class RequestError(_message.Message):
+    __slots__ = ("code", "message", "status_details")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_DETAILS_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    status_details: bytes
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., status_details: _Optional[bytes] = ...) -> None: ...
+
 class GenerateResponse(_message.Message):
     __slots__ = ("admitted", "tokens")
     ADMITTED_FIELD_NUMBER: _ClassVar[int]

@@ -42,6 +42,11 @@ class DecodeServiceStub:
                 request_serializer=mili_dot_decode_dot_v1_dot_decode__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=mili_dot_decode_dot_v1_dot_decode__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GenerateStream = channel.stream_stream(
+                '/mili.decode.v1.DecodeService/GenerateStream',
+                request_serializer=mili_dot_decode_dot_v1_dot_decode__pb2.GenerateStreamRequest.SerializeToString,
+                response_deserializer=mili_dot_decode_dot_v1_dot_decode__pb2.GenerateStreamResponse.FromString,
+                _registered_method=True)
         self.Info = channel.unary_unary(
                 '/mili.decode.v1.DecodeService/Info',
                 request_serializer=mili_dot_decode_dot_v1_dot_decode__pb2.InfoRequest.SerializeToString,
@@ -68,6 +73,20 @@ class DecodeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GenerateStream(self, request_iterator, context):
+        """Many requests of one caller on one long-lived stream, each exactly as its own Generate call
+        would be (same admission, events, errors, cancellation and deadline), with the events of all
+        of them that are ready sent together: one message per decode step for all of a frontend's
+        requests instead of one per request and token. The caller starts requests and cancels them
+        with GenerateStreamRequest messages; a request's error ends that request only (its
+        RequestEvent.error), never the stream. Ending the stream (the caller closing it, going away)
+        cancels every request still open on it. A draining instance refuses new requests on it with
+        UNAVAILABLE and ends the stream once no request is left on it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Info(self, request, context):
         """Describes this instance: model, KV layout, limits and current load.
         """
@@ -82,6 +101,11 @@ def add_DecodeServiceServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=mili_dot_decode_dot_v1_dot_decode__pb2.GenerateRequest.FromString,
                     response_serializer=mili_dot_decode_dot_v1_dot_decode__pb2.GenerateResponse.SerializeToString,
+            ),
+            'GenerateStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateStream,
+                    request_deserializer=mili_dot_decode_dot_v1_dot_decode__pb2.GenerateStreamRequest.FromString,
+                    response_serializer=mili_dot_decode_dot_v1_dot_decode__pb2.GenerateStreamResponse.SerializeToString,
             ),
             'Info': grpc.unary_unary_rpc_method_handler(
                     servicer.Info,
@@ -119,6 +143,33 @@ class DecodeService:
             '/mili.decode.v1.DecodeService/Generate',
             mili_dot_decode_dot_v1_dot_decode__pb2.GenerateRequest.SerializeToString,
             mili_dot_decode_dot_v1_dot_decode__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/mili.decode.v1.DecodeService/GenerateStream',
+            mili_dot_decode_dot_v1_dot_decode__pb2.GenerateStreamRequest.SerializeToString,
+            mili_dot_decode_dot_v1_dot_decode__pb2.GenerateStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -70,7 +70,7 @@ class SpecialToken(_message.Message):
     def __init__(self, content: _Optional[str] = ..., id: _Optional[int] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model", "vocab_size", "special_tokens", "eos_token_ids", "chat_template_source", "max_input_chars", "max_token_ids")
+    __slots__ = ("model", "vocab_size", "special_tokens", "eos_token_ids", "chat_template_source", "max_input_chars", "max_token_ids", "tokenizer_file_sha256")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +78,7 @@ class InfoResponse(_message.Message):
     CHAT_TEMPLATE_SOURCE_FIELD_NUMBER: _ClassVar[int]
     MAX_INPUT_CHARS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FILE_SHA256_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     special_tokens: _containers.RepeatedCompositeFieldContainer[SpecialToken]
@@ -85,4 +86,17 @@ class InfoResponse(_message.Message):
     chat_template_source: str
     max_input_chars: int
     max_token_ids: int
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., special_tokens: _Optional[_Iterable[_Union[SpecialToken, _Mapping]]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., chat_template_source: _Optional[str] = ..., max_input_chars: _Optional[int] = ..., max_token_ids: _Optional[int] = ...) -> None: ...
+    tokenizer_file_sha256: str
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., special_tokens: _Optional[_Iterable[_Union[SpecialToken, _Mapping]]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., chat_template_source: _Optional[str] = ..., max_input_chars: _Optional[int] = ..., max_token_ids: _Optional[int] = ..., tokenizer_file_sha256: _Optional[str] = ...) -> None: ...
+
+class GetTokenizerFileRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetTokenizerFileResponse(_message.Message):
+    __slots__ = ("tokenizer_json", "sha256")
+    TOKENIZER_JSON_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    tokenizer_json: bytes
+    sha256: str
+    def __init__(self, tokenizer_json: _Optional[bytes] = ..., sha256: _Optional[str] = ...) -> None: ...

@@ -56,6 +56,11 @@ class TokenizerServiceStub:
                 request_serializer=mili_dot_tokenizer_dot_v1_dot_tokenizer__pb2.InfoRequest.SerializeToString,
                 response_deserializer=mili_dot_tokenizer_dot_v1_dot_tokenizer__pb2.InfoResponse.FromString,
                 _registered_method=True)
+        self.GetTokenizerFile = channel.unary_unary(
+                '/mili.tokenizer.v1.TokenizerService/GetTokenizerFile',
+                request_serializer=mili_dot_tokenizer_dot_v1_dot_tokenizer__pb2.GetTokenizerFileRequest.SerializeToString,
+                response_deserializer=mili_dot_tokenizer_dot_v1_dot_tokenizer__pb2.GetTokenizerFileResponse.FromString,
+                _registered_method=True)
 
 
 class TokenizerServiceServicer:
@@ -94,6 +99,16 @@ class TokenizerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetTokenizerFile(self, request, context):
+        """The tokenizer's own file (tokenizer.json), for a caller that detokenizes generated tokens
+        in its own process with the same incremental algorithm as DetokenizeStream (the frontend:
+        no round trip per token). Tokenization and chat templates stay here. InfoResponse's
+        tokenizer_file_sha256 tells a caller when its copy is stale.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TokenizerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -116,6 +131,11 @@ def add_TokenizerServiceServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=mili_dot_tokenizer_dot_v1_dot_tokenizer__pb2.InfoRequest.FromString,
                     response_serializer=mili_dot_tokenizer_dot_v1_dot_tokenizer__pb2.InfoResponse.SerializeToString,
+            ),
+            'GetTokenizerFile': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTokenizerFile,
+                    request_deserializer=mili_dot_tokenizer_dot_v1_dot_tokenizer__pb2.GetTokenizerFileRequest.FromString,
+                    response_serializer=mili_dot_tokenizer_dot_v1_dot_tokenizer__pb2.GetTokenizerFileResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -228,6 +248,33 @@ class TokenizerService:
             '/mili.tokenizer.v1.TokenizerService/Info',
             mili_dot_tokenizer_dot_v1_dot_tokenizer__pb2.InfoRequest.SerializeToString,
             mili_dot_tokenizer_dot_v1_dot_tokenizer__pb2.InfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTokenizerFile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mili.tokenizer.v1.TokenizerService/GetTokenizerFile',
+            mili_dot_tokenizer_dot_v1_dot_tokenizer__pb2.GetTokenizerFileRequest.SerializeToString,
+            mili_dot_tokenizer_dot_v1_dot_tokenizer__pb2.GetTokenizerFileResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,96 @@
+"""Admission of one decode request, whichever call carries it: a Generate call of its own or a
+GenerateStream shared with the caller's other requests (multiplex.py). Both check the request
+and reserve its blocks here, so both refuse and admit exactly alike."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+from mili.decode.v1 import decode_pb2
+from mili.errors import DeadlineExceeded, InvalidArgument
+from mili.kv.v1 import kv_pb2
+from mili.rpc.kv_layout import check_compatible
+from mili.rpc.sampling import sampling_params
+from services.decode.instance import DecodeInstance
+from services.decode.requests import DecodeRequest
+from services.decode.stream import TokenStream
+
+
+class Admission:
+    """Checks `decode_pb2.GenerateRequest`s against one instance and admits them to its table."""
+
+    def __init__(
+        self,
+        instance: DecodeInstance,
+        layout: kv_pb2.KvLayout,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._instance = instance
+        self._layout = layout  # this instance's, as Info reports it
+        self._clock = clock
+
+    def admit(self, request: decode_pb2.GenerateRequest) -> DecodeRequest:
+        """Reserve the request's blocks; raises InvalidArgument, FailedPrecondition (layouts
+        differ) or ResourceExhausted (with RetryInfo) without reserving anything."""
+        inst = self._instance
+        request_id = request.request_id
+        prompt = list(request.prompt_token_ids)
+        if not request_id:
+            raise InvalidArgument("request_id", request_id, "must be non-empty")
+        self._check_prompt(prompt)
+        params = sampling_params(request.sampling)
+        if len(prompt) + params.max_tokens > inst.max_context_tokens:
+            raise InvalidArgument(
+                "sampling.max_tokens",
+                params.max_tokens,
+                f"{len(prompt)} prompt tokens + max_tokens exceed the model's context of "
+                f"{inst.max_context_tokens} tokens",
+            )
+        if not request.HasField("prefill_layout"):
+            # Without it a mismatch would surface only as a failed transfer, after the blocks
+            # were held for a whole lease.
+            raise InvalidArgument(
+                "prefill_layout", None, "required: the KV layout of the prefill instance"
+            )
+        check_compatible(
+            self._layout,
+            request.prefill_layout,
+            local_name="this decode instance",
+            remote_name="the prefill instance",
+        )
+        # A caller may ask for a shorter lease, never a longer one: the operator's --kv-lease-ms
+        # bounds how long a vanished prefill can strand blocks. Admitted reports the one in force.
+        lease_ms = min(request.kv_lease_ms or inst.config.kv_lease_ms, inst.config.kv_lease_ms)
+        return inst.table.admit(
+            request_id,
+            prompt,
+            params,
+            lease_ms=lease_ms,
+            now=self._clock(),
+            stream=TokenStream(asyncio.get_running_loop()),
+            retry_after_s=inst.config.retry_after_s,
+            client_request_id=request.client_request_id,
+        )
+
+    def _check_prompt(self, prompt: list[int]) -> None:
+        if not prompt:
+            raise InvalidArgument("prompt_token_ids", prompt, "must hold at least one token id")
+        vocab_size = self._instance.vocab_size
+        bad = [t for t in prompt if t >= vocab_size]
+        if bad:
+            raise InvalidArgument(
+                "prompt_token_ids",
+                bad[:8],
+                f"{len(bad)} token id(s) outside the vocabulary [0, {vocab_size})",
+            )
+
+
+def lease_expired(request: DecodeRequest) -> DeadlineExceeded:
+    """The error of a request whose KV did not arrive within its lease (its blocks are freed)."""
+    return DeadlineExceeded(
+        f"the KV of request {request.name} did not arrive within its lease of "
+        f"{request.lease_ms} ms; its {len(request.block_table)} KV blocks were released"
+    )

@@ -1,0 +1,102 @@
+"""A request's deltas for a client that reads slower than they come: one message with everything
+pending instead of a queue of one message per token.
+
+    Generation.run ──pull──▶ buffer (at most max_buffered_tokens) ──take all──▶ one Delta ──▶ grpc
+
+A task pulls deltas from the generation while the previous message is being written; each write
+that completes takes everything that arrived meanwhile, merged (token ids, text and logprobs
+concatenated in order; the finish reason and usage of the last). A client that keeps up gets one
+message per delta, as before; one that lags gets fewer, larger ones, each token exactly once and
+in order. Once the buffer holds max_buffered_tokens the task stops pulling, so what waits for the
+client in this process is bounded: the generation's own back-pressure (decode's events for the
+request, at most its max_tokens ids) takes over from there.
+
+An error of the generation is raised after the deltas that came before it were taken, as the
+status after the messages; closing the merged generator (the client cancelled, its deadline
+passed) cancels the task, which closes the generation (its downstream calls are cancelled).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncGenerator, Sequence
+from contextlib import aclosing
+
+from services.frontend.pipeline import Delta
+
+
+def merge(deltas: Sequence[Delta]) -> Delta:
+    """`deltas` in one: what a client reading them all at once would have read."""
+    if len(deltas) == 1:
+        return deltas[0]
+    last = deltas[-1]
+    return Delta(
+        [t for d in deltas for t in d.token_ids],
+        "".join(d.text for d in deltas),
+        [lp for d in deltas for lp in d.logprobs],
+        last.finish_reason,
+        last.num_prompt_tokens,
+        last.num_completion_tokens,
+    )
+
+
+async def coalesced(
+    deltas: AsyncGenerator[Delta, None], *, max_buffered_tokens: int
+) -> AsyncGenerator[Delta, None]:
+    """`deltas`, with those that arrive while the consumer is busy merged into one."""
+    buffer: list[Delta] = []
+    num_buffered = 0  # token ids in `buffer` (a delta without any counts as one)
+    error: BaseException | None = None
+    is_done = False
+    is_closing = False  # the consumer went away: stop pulling, close the generation
+    ready = asyncio.Event()  # something to take, or the generation ended
+    room = asyncio.Event()  # the buffer is below its bound
+    room.set()
+
+    async def pull() -> None:
+        nonlocal num_buffered, error, is_done
+        try:
+            async with aclosing(deltas):
+                async for delta in deltas:
+                    if is_closing:
+                        break
+                    buffer.append(delta)
+                    num_buffered += len(delta.token_ids) or 1
+                    ready.set()
+                    if num_buffered >= max_buffered_tokens:
+                        room.clear()
+                        await room.wait()
+                        if is_closing:
+                            break
+        except BaseException as exc:  # raised to the consumer once it took what came before
+            error = exc
+        finally:
+            is_done = True
+            ready.set()
+
+    task = asyncio.create_task(pull())
+    try:
+        while True:
+            if not buffer and not is_done:
+                await ready.wait()
+                ready.clear()
+            if buffer:
+                taken, buffer = buffer, []
+                num_buffered = 0
+                room.set()
+                yield merge(taken)
+            elif is_done:
+                if error is not None:
+                    raise error
+                return
+    finally:
+        # Cancelling the task is not enough: an await deep in the generation may swallow the
+        # cancellation (asyncio.wait_for in Python 3.11 does when its result comes at the same
+        # moment), and the generation would then go on holding decode's blocks. The flag stops
+        # the task at its next delta at the latest; leaving the loop closes the generation.
+        is_closing = True
+        room.set()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

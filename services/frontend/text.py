@@ -1,0 +1,57 @@
+"""Detokenization in the frontend's own process, with the tokenizer service's own file.
+
+The tokenizer service owns tokenization and chat templates; turning generated ids back into
+text needs only its vocabulary and decoder, and doing that here saves a DetokenizeStream round
+trip per token (docs/benchmarks.md, "Token path"). The frontend fetches tokenizer.json once
+(GetTokenizerFile, again whenever Info's digest changes) and runs the very incremental
+detokenizer the service runs (services/tokenizer/detokenizer.py) on it, so the text is the same
+byte for byte: never half a character, deltas that concatenate to one decode of all the ids.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+from tokenizers import Tokenizer
+
+from services.tokenizer.detokenizer import IncrementalDetokenizer
+
+
+class LocalDetokenizer:
+    """A tokenizer file, loaded; make one `LocalTextStream` per request from it."""
+
+    def __init__(self, tokenizer_json: bytes, sha256: str) -> None:
+        """Raises ValueError when the bytes are not the file `sha256` names, or not a tokenizer."""
+        if hashlib.sha256(tokenizer_json).hexdigest() != sha256:
+            raise ValueError("the tokenizer file does not match its SHA-256")
+        try:
+            self._tokenizer = Tokenizer.from_str(tokenizer_json.decode("utf-8"))
+        except Exception as e:  # the Rust loader raises a bare Exception with a parse message
+            raise ValueError(f"not a tokenizer file: {e}") from None
+        self.sha256 = sha256
+
+    def stream(self, vocab_size: int, *, skip_special_tokens: bool = True) -> LocalTextStream:
+        return LocalTextStream(self._tokenizer, vocab_size, skip_special_tokens)
+
+
+class LocalTextStream:
+    """One request's text, as `calls.TextStream`. Ids the tokenizer does not know are left out of
+    the text, as the service's stream does (a model's embedding table is often padded past the
+    vocabulary: Qwen3 has 151936 rows for 151669 tokens)."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, skip_special_tokens: bool) -> None:
+        self._vocab_size = vocab_size
+        self._detokenizer = IncrementalDetokenizer(
+            lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        )
+
+    async def push(self, token_ids: Sequence[int]) -> str:
+        vocab_size = self._vocab_size
+        return self._detokenizer.push([i for i in token_ids if i < vocab_size])
+
+    async def finish(self) -> str:
+        return self._detokenizer.flush()
+
+    def cancel(self) -> None:
+        pass  # nothing held outside this object

@@ -1,0 +1,145 @@
+"""GenerateStream: many requests of one caller on one stream, each as its own Generate call
+(tokens equal to the engine's, errors per request, cancellation, deadline, the stream's end
+freeing what is open), with one message per step carrying the tokens of all of them."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import grpc
+
+from mili.decode.v1 import decode_pb2
+from mili.engine.sampling_params import SamplingParams
+from mili.rpc.client import insecure_channel
+from tests.decode.conftest import NUM_BLOCKS
+from tests.decode.harness import (
+    Client,
+    DecodeServerThread,
+    PrefillPlayer,
+    blocks_back,
+    random_prompt,
+    sampling,
+)
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+class _Stream:
+    """One GenerateStream call: `start`/`cancel` write, `read` returns the next message."""
+
+    def __init__(self, client: Client) -> None:
+        self._client = client
+        self.call: Any = client.decode.GenerateStream(timeout=60)
+
+    async def start(self, request_id: str, prompt: list[int], timeout_ms: int = 0) -> None:
+        assert self._client.layout is not None
+        request = decode_pb2.GenerateRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            sampling=sampling(GREEDY),
+            prefill_layout=self._client.layout,
+        )
+        start = decode_pb2.StreamedGenerate(request=request, timeout_ms=timeout_ms)
+        await self.call.write(decode_pb2.GenerateStreamRequest(starts=[start]))
+
+    async def cancel(self, request_id: str) -> None:
+        await self.call.write(decode_pb2.GenerateStreamRequest(cancel_request_ids=[request_id]))
+
+    async def read(self) -> decode_pb2.GenerateStreamResponse:
+        message = await asyncio.wait_for(self.call.read(), 30)
+        assert message is not grpc.aio.EOF
+        return message
+
+
+async def _transfer(
+    client: Client, player: PrefillPlayer, request_id: str, prompt: list[int], event: Any
+) -> None:
+    """Play prefill for an admitted request: its KV into the blocks decode reserved."""
+    prefilled = await asyncio.to_thread(player.prefill, prompt, GREEDY)
+    admitted = event.admitted
+    blocks = list(admitted.prompt_block_ids)
+    messages = player.messages(request_id, prompt, blocks, prefilled)
+    messages[0].header.transfer_token = admitted.transfer_token
+    transfer = client.kv.TransferKv(timeout=30)
+    for message in messages:
+        await transfer.write(message)
+    await transfer.done_writing()
+    await transfer
+
+
+def test_requests_share_one_stream_and_equal_the_engine_with_errors_per_request(
+    decode_server: DecodeServerThread, player: PrefillPlayer
+) -> None:
+    prompts = {f"mux-{i}": random_prompt(5 + 3 * i, player.vocab_size, seed=40 + i) for i in (0, 1)}
+    expected = {rid: player.reference(p, GREEDY) for rid, p in prompts.items()}
+
+    async def body() -> None:
+        async with insecure_channel(decode_server.address) as channel:
+            client = Client(channel)
+            await client.info()
+            stream = _Stream(client)
+            for rid, prompt in prompts.items():
+                await stream.start(rid, prompt)
+            await stream.start("mux-bad", [])  # refused alone: the stream and the rest go on
+            tokens: dict[str, list[int]] = {rid: [] for rid in prompts}
+            finished: set[str] = set()
+            errors: dict[str, decode_pb2.RequestError] = {}
+            num_shared = 0  # messages carrying tokens of both requests: one per step
+            while len(finished) < len(prompts):
+                message = await stream.read()
+                with_tokens = set()
+                for event in message.events:
+                    kind = event.WhichOneof("event")
+                    if kind == "admitted":
+                        rid = event.request_id
+                        await _transfer(client, player, rid, prompts[rid], event)
+                    elif kind == "error":
+                        errors[event.request_id] = event.error
+                    else:
+                        with_tokens.add(event.request_id)
+                        tokens[event.request_id].extend(event.tokens.token_ids)
+                        if event.tokens.finish_reason:
+                            finished.add(event.request_id)
+                num_shared += with_tokens == set(prompts)
+            assert tokens == expected
+            assert num_shared >= 1
+            assert set(errors) == {"mux-bad"}
+            assert errors["mux-bad"].code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+            assert "prompt_token_ids" in errors["mux-bad"].message
+            await stream.call.done_writing()
+            assert await stream.call.read() is grpc.aio.EOF  # nothing open: the stream ends
+            await blocks_back(client, NUM_BLOCKS)
+
+    decode_server.run(body())
+
+
+def test_cancel_deadline_and_the_stream_ending_free_each_request(
+    decode_server: DecodeServerThread, player: PrefillPlayer
+) -> None:
+    prompt = random_prompt(20, player.vocab_size, seed=7)
+
+    async def body() -> None:
+        async with insecure_channel(decode_server.address) as channel:
+            client = Client(channel)
+            await client.info()
+            stream = _Stream(client)
+            await stream.start("mux-cancelled", prompt)
+            assert (await stream.read()).events[0].WhichOneof("event") == "admitted"
+            assert (await client.info()).num_free_blocks < NUM_BLOCKS
+            await stream.cancel("mux-cancelled")
+            await blocks_back(client, NUM_BLOCKS)  # freed, while the stream stays open
+
+            await stream.start("mux-late", prompt, timeout_ms=200)  # no KV ever comes
+            assert (await stream.read()).events[0].WhichOneof("event") == "admitted"
+            event = (await stream.read()).events[0]
+            assert event.request_id == "mux-late"
+            assert event.error.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+            await blocks_back(client, NUM_BLOCKS)
+
+            await stream.start("mux-orphan", prompt)
+            assert (await stream.read()).events[0].WhichOneof("event") == "admitted"
+            stream.call.cancel()  # the caller goes away: as cancelling each call on it
+            await blocks_back(client, NUM_BLOCKS)
+
+    decode_server.run(body())
