@@ -77,15 +77,19 @@ class PrefixCache:
         """Blocks an allocation can get: free ones plus evictable cached ones."""
         return self.pool.num_free + len(self._evictable)
 
-    def match(self, token_ids: Sequence[int], *, max_blocks: int | None = None) -> list[int]:
+    def match(
+        self, token_ids: Sequence[int], *, max_blocks: int | None = None, record: bool = True
+    ) -> list[int]:
         """Block ids holding the longest cached full-block prefix of `token_ids`, in order.
 
         The caller gets one reference on each returned block (free them with `free`). At most
         `max_blocks` are matched: a prefill must compute at least the prompt's last token to
-        get its logits, so it asks for at most (len - 1) // block_size blocks.
+        get its logits, so it asks for at most (len - 1) // block_size blocks. `record=False`
+        leaves the hit counters to the caller (a scheduler that may give the blocks back).
         """
-        self.stats.queries += 1
-        self.stats.query_tokens += len(token_ids)
+        if record:
+            self.stats.queries += 1
+            self.stats.query_tokens += len(token_ids)
         if not self.enabled:
             return []
         matched: list[int] = []
@@ -97,7 +101,8 @@ class PrefixCache:
                 break
             matched.append(block_id)
         self._acquire(matched)
-        self.stats.hit_tokens += len(matched) * self.block_size
+        if record:
+            self.stats.hit_tokens += len(matched) * self.block_size
         return matched
 
     def num_cached_prefix_blocks(self, token_ids: Sequence[int]) -> int:
@@ -133,8 +138,13 @@ class PrefixCache:
         """
         if not self.enabled:
             return 0
+        keys = block_hashes(token_ids, self.block_size)
+        if len(block_table) < len(keys):
+            raise ValueError(
+                f"{len(keys)} full blocks of tokens but a block table of {len(block_table)}"
+            )
         added = 0
-        for key, block_id in zip(block_hashes(token_ids, self.block_size), block_table):
+        for key, block_id in zip(keys, block_table[: len(keys)], strict=True):
             if key in self._block_of_key or block_id in self._key_of_block:
                 continue
             self.pool.incref([block_id])  # the cache's own reference

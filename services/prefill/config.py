@@ -36,6 +36,10 @@ class PrefillConfig:
     # to. A Prefill call names its destination, and anyone who reaches our port can call
     # Prefill: without this list we would dial whatever it names. Empty: none; ANY_DECODE: any.
     allowed_decodes: tuple[str, ...] = ()
+    # Reuse the KV of full blocks earlier prompts computed (mili.engine.prefix_cache): a prompt
+    # computes only what follows its longest cached prefix. Cached blocks no request holds are
+    # evicted, least recently used first, when a prompt needs the room.
+    prefix_caching: bool = True
     _allowed: frozenset[str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

@@ -25,7 +25,7 @@ from mili.errors import PermissionDenied
 from mili.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from mili.rpc.kv_layout import block_bytes, layout_to_proto
 from mili.rpc.server import RpcServer
-from mili.telemetry.metrics import PrefillMetrics
+from mili.telemetry.metrics import PrefillMetrics, PrefixCacheCollector
 from mili.telemetry.tracing import current_span_context
 from services.prefill import convert
 from services.prefill.config import PrefillConfig
