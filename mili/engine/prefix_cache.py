@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from mili.engine.block_hash import block_hashes
 from mili.engine.block_pool import BlockPool, BlockPoolExhausted
@@ -43,6 +44,15 @@ class PrefixCacheStats:
     @property
     def hit_rate(self) -> float:
         return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+
+class PrefixCacheReading(NamedTuple):
+    """One consistent read of a cache's size and counters (taken under its owner's lock)."""
+
+    cached_blocks: int
+    query_tokens: int
+    hit_tokens: int
+    evicted_blocks: int
 
 
 class PrefixCache:
@@ -71,6 +81,10 @@ class PrefixCache:
     @property
     def num_evictable(self) -> int:
         return len(self._evictable)
+
+    def reading(self) -> PrefixCacheReading:
+        s = self.stats
+        return PrefixCacheReading(self.num_cached, s.query_tokens, s.hit_tokens, s.evicted_blocks)
 
     @property
     def num_available(self) -> int:

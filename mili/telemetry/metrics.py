@@ -23,7 +23,6 @@ counters moved at most once per step or per response message, and gauges that mi
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import NamedTuple
 
 from prometheus_client import (
     CollectorRegistry,
@@ -35,6 +34,8 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from mili.engine.prefix_cache import PrefixCacheReading
 
 # Bucket bounds (seconds unless noted), wide enough for a CPU test model and an H200 alike.
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -313,15 +314,6 @@ def _pool_gauges(
         "KV blocks held by requests (reserved, being written or in use)",
         lambda: num_total() - num_free(),
     )
-
-
-class PrefixCacheReading(NamedTuple):
-    """One consistent read of a prefix cache's counters (taken under its owner's lock)."""
-
-    cached_blocks: int
-    query_tokens: int
-    hit_tokens: int
-    evicted_blocks: int
 
 
 class PrefixCacheCollector(Collector):

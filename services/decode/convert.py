@@ -22,6 +22,7 @@ def admitted(request: DecodeRequest) -> decode_pb2.GenerateResponse:
             prompt_block_ids=request.prompt_block_ids,
             kv_lease_ms=request.lease_ms,
             transfer_token=request.transfer_token,
+            num_cached_blocks=request.num_cached_blocks,
         )
     )
 

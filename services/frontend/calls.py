@@ -79,6 +79,7 @@ class Admitted:
 
     prompt_block_ids: list[int]
     transfer_token: str
+    num_cached_blocks: int = 0  # leading prompt blocks decode already holds: not sent
 
 
 @dataclass(frozen=True)

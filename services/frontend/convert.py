@@ -147,7 +147,9 @@ def decode_event(event: decode_pb2.GenerateResponse) -> Admitted | Tokens | None
         admitted = event.admitted
         # block_ids: the deprecated name, from a decode instance older than this frontend.
         return Admitted(
-            list(admitted.prompt_block_ids or admitted.block_ids), admitted.transfer_token
+            list(admitted.prompt_block_ids or admitted.block_ids),
+            admitted.transfer_token,
+            admitted.num_cached_blocks,
         )
     if kind == "tokens":
         tokens = event.tokens
@@ -171,6 +173,7 @@ def prefill_request(
             address=decode_address,
             prompt_block_ids=admitted.prompt_block_ids,
             transfer_token=admitted.transfer_token,
+            num_cached_blocks=admitted.num_cached_blocks,
         ),
     )
 

@@ -198,13 +198,14 @@ class Generation:
                 self._downstream.request_refresh(down=route.decode)
             raise
         _LOG.debug(
-            "%s (id %s): %d prompt tokens, prefill %s -> decode %s, blocks %s",
+            "%s (id %s): %d prompt tokens, prefill %s -> decode %s, blocks %s (%d cached)",
             self._ids.client_request_id,
             self._ids.request_id,
             len(prompt.token_ids),
             route.prefill,
             route.decode,
             first.prompt_block_ids,
+            first.num_cached_blocks,
         )
         return _Admission(route, ticket, stream, first)
 

@@ -137,6 +137,15 @@ class Scheduler:
     def num_chunks(self, num_tokens: int) -> int:
         return -(-num_tokens // self.chunk_tokens)
 
+    def num_shipped_chunks(self, num_tokens: int, num_skipped_blocks: int) -> int:
+        """Chunks that ship any block when decode already holds the first `num_skipped_blocks`
+        (a chunk whose blocks are all held ships nothing and is not counted)."""
+        shipped = 0
+        for start, end in self.chunk_bounds(num_tokens):
+            chunk = ScheduledChunk("", start, end, num_tokens, [])
+            shipped += chunk.block_range(self.block_size)[1] > num_skipped_blocks
+        return shipped
+
     def max_prompt_tokens(self) -> int:
         """Longest prompt that can ever be admitted: the queue bound and the whole pool."""
         return min(self.max_queued_tokens, self.pool.num_blocks * self.block_size)

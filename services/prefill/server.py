@@ -25,7 +25,7 @@ from mili.errors import PermissionDenied
 from mili.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from mili.rpc.kv_layout import block_bytes, layout_to_proto
 from mili.rpc.server import RpcServer
-from mili.telemetry.metrics import PrefillMetrics, PrefixCacheCollector
+from mili.telemetry.metrics import PrefillMetrics
 from mili.telemetry.tracing import current_span_context
 from services.prefill import convert
 from services.prefill.config import PrefillConfig
@@ -109,7 +109,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         remaining = context.time_remaining()
         if remaining is not None:  # end the transfer with the caller's deadline
             timeout_s = min(timeout_s, max(remaining, 0.001))
-        num_chunks = self.scheduler.num_chunks(len(task.prompt_token_ids))
+        num_chunks = self.scheduler.num_shipped_chunks(
+            len(task.prompt_token_ids), task.num_cached_blocks
+        )
         sender = KvSender(
             task,
             channel=self._channels.get(task.address),
@@ -137,7 +139,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 "kv transfer", attributes={"mili.kv.destination": task.address}
             ) as span:
                 result = await sender.run(submit)
-                _record_transfer(span, result, len(task.prompt_block_ids), self.layout.num_layers)
+                _record_transfer(
+                    span,
+                    result,
+                    len(task.prompt_block_ids) - task.num_cached_blocks,
+                    self.layout.num_layers,
+                )
         finally:
             if is_submitted:  # never remove another call's prompt that has the same id
                 self.worker.remove(task.request_id)

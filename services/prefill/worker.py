@@ -31,10 +31,11 @@ from opentelemetry.trace import Span
 from prometheus_client import CollectorRegistry
 
 from mili.engine.kv_cache import KVCache
+from mili.engine.prefix_cache import PrefixCacheReading
 from mili.engine.runner import ModelRunner
 from mili.engine.sampler import SequenceSampling
 from mili.errors import Unavailable
-from mili.telemetry.metrics import PrefillMetrics, PrefixCacheReading
+from mili.telemetry.metrics import PrefillMetrics
 from mili.telemetry.tracing import start_batch_span
 from services.prefill.scheduler import ScheduledChunk, Scheduler, Step
 from services.prefill.task import FirstToken, KvSink, PrefillTask
@@ -159,11 +160,7 @@ class PrefillWorker:
 
     def prefix_cache_reading(self) -> PrefixCacheReading:
         with self._cond:
-            cache = self._scheduler.prefix_cache
-            stats = cache.stats
-            return PrefixCacheReading(
-                cache.num_cached, stats.query_tokens, stats.hit_tokens, stats.evicted_blocks
-            )
+            return self._scheduler.prefix_cache.reading()
 
     @property
     def num_total_blocks(self) -> int:
@@ -244,7 +241,7 @@ class PrefillWorker:
         def on_layer(layer: int) -> None:
             for chunk, job in zip(step.chunks, jobs, strict=True):
                 if not job.is_removed:
-                    self._ship(layer, chunk, job.sink, block_size)
+                    self._ship(layer, chunk, job.sink, block_size, job.task.num_cached_blocks)
             record.layer_done_at.append(time.perf_counter())
 
         logits = runner.prefill(
@@ -284,8 +281,15 @@ class PrefillWorker:
             results.append((job, first))
         return results
 
-    def _ship(self, layer: int, chunk: ScheduledChunk, sink: KvSink, block_size: int) -> None:
+    def _ship(
+        self, layer: int, chunk: ScheduledChunk, sink: KvSink, block_size: int, num_skipped: int
+    ) -> None:
+        """Send layer `layer` of the blocks `chunk` completes, except the first `num_skipped` of
+        the prompt (decode holds them already)."""
         first, last = chunk.block_range(block_size)
+        first = max(first, num_skipped)
+        if first >= last:
+            return
         k, v = self.kv_cache.gather_blocks(layer, chunk.block_table[first:last])
         ready: Callable[[], None] | None = None
         if k.device.type == "cuda":

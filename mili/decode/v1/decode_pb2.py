@@ -26,7 +26,7 @@ from mili.common.v1 import sampling_pb2 as mili_dot_common_dot_v1_dot_sampling__
 from mili.kv.v1 import kv_pb2 as mili_dot_kv_dot_v1_dot_kv__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bmili/decode/v1/decode.proto\x12\x0emili.decode.v1\x1a\x1dmili/common/v1/sampling.proto\x1a\x13mili/kv/v1/kv.proto\"\xcf\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.mili.common.v1.SamplingParams\x12,\n\x0eprefill_layout\x18\x04 \x01(\x0b\x32\x14.mili.kv.v1.KvLayout\x12\x13\n\x0bkv_lease_ms\x18\x05 \x01(\r\x12\x19\n\x11\x63lient_request_id\x18\x06 \x01(\t\"s\n\x10GenerateResponse\x12,\n\x08\x61\x64mitted\x18\x01 \x01(\x0b\x32\x18.mili.decode.v1.AdmittedH\x00\x12(\n\x06tokens\x18\x02 \x01(\x0b\x32\x16.mili.decode.v1.TokensH\x00\x42\x07\n\x05\x65vent\"h\n\x08\x41\x64mitted\x12\x15\n\tblock_ids\x18\x01 \x03(\rB\x02\x18\x01\x12\x13\n\x0bkv_lease_ms\x18\x02 \x01(\r\x12\x18\n\x10prompt_block_ids\x18\x03 \x03(\r\x12\x16\n\x0etransfer_token\x18\x04 \x01(\t\"|\n\x06Tokens\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12*\n\x08logprobs\x18\x02 \x03(\x0b\x32\x18.mili.common.v1.Logprobs\x12\x33\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1c.mili.common.v1.FinishReason\"\r\n\x0bInfoRequest\"\xbf\x02\n\x0cInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\'\n\tkv_layout\x18\x04 \x01(\x0b\x32\x14.mili.kv.v1.KvLayout\x12\x19\n\x11\x61ttention_backend\x18\x05 \x01(\t\x12\x1a\n\x12max_context_tokens\x18\x06 \x01(\r\x12\x13\n\x0bmax_running\x18\x07 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x08 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\t \x01(\r\x12\x13\n\x0bnum_running\x18\n \x01(\r\x12\x13\n\x0bnum_waiting\x18\x0b \x01(\r\x12\x16\n\x0ekv_cache_bytes\x18\x0c \x01(\x04\x12\x17\n\x0fnum_cuda_graphs\x18\r \x01(\r2\xa3\x01\n\rDecodeService\x12O\n\x08Generate\x12\x1f.mili.decode.v1.GenerateRequest\x1a .mili.decode.v1.GenerateResponse0\x01\x12\x41\n\x04Info\x12\x1b.mili.decode.v1.InfoRequest\x1a\x1c.mili.decode.v1.InfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bmili/decode/v1/decode.proto\x12\x0emili.decode.v1\x1a\x1dmili/common/v1/sampling.proto\x1a\x13mili/kv/v1/kv.proto\"\xcf\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.mili.common.v1.SamplingParams\x12,\n\x0eprefill_layout\x18\x04 \x01(\x0b\x32\x14.mili.kv.v1.KvLayout\x12\x13\n\x0bkv_lease_ms\x18\x05 \x01(\r\x12\x19\n\x11\x63lient_request_id\x18\x06 \x01(\t\"s\n\x10GenerateResponse\x12,\n\x08\x61\x64mitted\x18\x01 \x01(\x0b\x32\x18.mili.decode.v1.AdmittedH\x00\x12(\n\x06tokens\x18\x02 \x01(\x0b\x32\x16.mili.decode.v1.TokensH\x00\x42\x07\n\x05\x65vent\"\x83\x01\n\x08\x41\x64mitted\x12\x15\n\tblock_ids\x18\x01 \x03(\rB\x02\x18\x01\x12\x13\n\x0bkv_lease_ms\x18\x02 \x01(\r\x12\x18\n\x10prompt_block_ids\x18\x03 \x03(\r\x12\x16\n\x0etransfer_token\x18\x04 \x01(\t\x12\x19\n\x11num_cached_blocks\x18\x05 \x01(\r\"|\n\x06Tokens\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12*\n\x08logprobs\x18\x02 \x03(\x0b\x32\x18.mili.common.v1.Logprobs\x12\x33\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1c.mili.common.v1.FinishReason\"\r\n\x0bInfoRequest\"\xbf\x02\n\x0cInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\'\n\tkv_layout\x18\x04 \x01(\x0b\x32\x14.mili.kv.v1.KvLayout\x12\x19\n\x11\x61ttention_backend\x18\x05 \x01(\t\x12\x1a\n\x12max_context_tokens\x18\x06 \x01(\r\x12\x13\n\x0bmax_running\x18\x07 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x08 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\t \x01(\r\x12\x13\n\x0bnum_running\x18\n \x01(\r\x12\x13\n\x0bnum_waiting\x18\x0b \x01(\r\x12\x16\n\x0ekv_cache_bytes\x18\x0c \x01(\x04\x12\x17\n\x0fnum_cuda_graphs\x18\r \x01(\r2\xa3\x01\n\rDecodeService\x12O\n\x08Generate\x12\x1f.mili.decode.v1.GenerateRequest\x1a .mili.decode.v1.GenerateResponse0\x01\x12\x41\n\x04Info\x12\x1b.mili.decode.v1.InfoRequest\x1a\x1c.mili.decode.v1.InfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,14 +39,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_end=307
   _globals['_GENERATERESPONSE']._serialized_start=309
   _globals['_GENERATERESPONSE']._serialized_end=424
-  _globals['_ADMITTED']._serialized_start=426
-  _globals['_ADMITTED']._serialized_end=530
-  _globals['_TOKENS']._serialized_start=532
-  _globals['_TOKENS']._serialized_end=656
-  _globals['_INFOREQUEST']._serialized_start=658
-  _globals['_INFOREQUEST']._serialized_end=671
-  _globals['_INFORESPONSE']._serialized_start=674
-  _globals['_INFORESPONSE']._serialized_end=993
-  _globals['_DECODESERVICE']._serialized_start=996
-  _globals['_DECODESERVICE']._serialized_end=1159
+  _globals['_ADMITTED']._serialized_start=427
+  _globals['_ADMITTED']._serialized_end=558
+  _globals['_TOKENS']._serialized_start=560
+  _globals['_TOKENS']._serialized_end=684
+  _globals['_INFOREQUEST']._serialized_start=686
+  _globals['_INFOREQUEST']._serialized_end=699
+  _globals['_INFORESPONSE']._serialized_start=702
+  _globals['_INFORESPONSE']._serialized_end=1021
+  _globals['_DECODESERVICE']._serialized_start=1024
+  _globals['_DECODESERVICE']._serialized_end=1187
 # @@protoc_insertion_point(module_scope)

@@ -9,16 +9,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KvDestination(_message.Message):
-    __slots__ = ("address", "block_ids", "prompt_block_ids", "transfer_token")
+    __slots__ = ("address", "block_ids", "prompt_block_ids", "transfer_token", "num_cached_blocks")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     address: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     prompt_block_ids: _containers.RepeatedScalarFieldContainer[int]
     transfer_token: str
-    def __init__(self, address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., prompt_block_ids: _Optional[_Iterable[int]] = ..., transfer_token: _Optional[str] = ...) -> None: ...
+    num_cached_blocks: int
+    def __init__(self, address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., prompt_block_ids: _Optional[_Iterable[int]] = ..., transfer_token: _Optional[str] = ..., num_cached_blocks: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "token_ids", "sampling", "destination", "prompt_token_ids", "client_request_id")
