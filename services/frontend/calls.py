@@ -99,6 +99,7 @@ class PrefillStats:
     compute_ms: float
     transfer_ms: float
     kv_bytes: int
+    num_cached_tokens: int = 0  # prompt tokens prefill took from its prefix cache
 
 
 class DecodeStream(Protocol):

@@ -184,4 +184,5 @@ def prefill_stats(reply: prefill_pb2.PrefillResponse) -> PrefillStats:
         compute_ms=reply.compute_ms,
         transfer_ms=reply.transfer_ms,
         kv_bytes=reply.kv_bytes,
+        num_cached_tokens=reply.num_cached_tokens,
     )

@@ -59,6 +59,7 @@ class ScheduledChunk(NamedTuple):
     num_tokens: int  # the whole prompt's length
     block_table: list[int]  # this instance's block ids of the whole prompt
     ship_start: int = -1  # the fixed chunk's first position; -1: same as start
+    num_cached_tokens: int = 0  # the prompt's tokens taken from the prefix cache
 
     @property
     def is_last(self) -> bool:
@@ -97,6 +98,7 @@ class _Prompt:
     num_computed_tokens: int = 0  # prompt tokens whose KV is in the cache
     block_table: list[int] = field(default_factory=list)  # [] while waiting
     prompt_token_ids: Sequence[int] | None = None  # None: not looked up in the prefix cache
+    num_cached_tokens: int = 0  # set at admission
 
 
 class Scheduler:
@@ -248,7 +250,7 @@ class Scheduler:
                     continue
                 break
             prompt.block_table = cached + self.prefix_cache.allocate(need)
-            prompt.num_computed_tokens = num_cached_tokens
+            prompt.num_computed_tokens = prompt.num_cached_tokens = num_cached_tokens
             self.prefix_cache.stats.hit_tokens += num_cached_tokens
             self.prefix_cache.stats.query_tokens += prompt.num_tokens
             self.prefix_cache.stats.queries += 1
@@ -305,5 +307,11 @@ class Scheduler:
         ship_start = start // self.chunk_tokens * self.chunk_tokens
         end = min(ship_start + self.chunk_tokens, prompt.num_tokens)
         return ScheduledChunk(
-            prompt.request_id, start, end, prompt.num_tokens, prompt.block_table, ship_start
+            prompt.request_id,
+            start,
+            end,
+            prompt.num_tokens,
+            prompt.block_table,
+            ship_start,
+            prompt.num_cached_tokens,
         )

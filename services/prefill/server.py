@@ -159,6 +159,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             compute_ms=first.compute_ms,
             transfer_ms=result.transfer_ms,
             kv_bytes=result.kv_bytes,
+            num_cached_tokens=first.num_cached_tokens,
         )
 
     async def Info(

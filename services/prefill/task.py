@@ -50,6 +50,7 @@ class FirstToken(NamedTuple):
     queue_ms: float  # accepted -> first forward
     compute_ms: float  # first forward -> token sampled
     batch_size: int = 1  # prompts in the step that finished this one
+    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache, not computed
 
 
 class KvSink(Protocol):

@@ -277,6 +277,7 @@ class PrefillWorker:
                 queue_ms=(job.first_forward_at - job.accepted_at) * 1e3,
                 compute_ms=(done_at - job.first_forward_at) * 1e3,
                 batch_size=len(computed),
+                num_cached_tokens=step.chunks[computed[rows[i]]].num_cached_tokens,
             )
             results.append((job, first))
         return results
