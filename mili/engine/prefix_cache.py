@@ -53,6 +53,7 @@ class PrefixCacheReading(NamedTuple):
     query_tokens: int
     hit_tokens: int
     evicted_blocks: int
+    enabled: bool = True
 
 
 class PrefixCache:
@@ -84,7 +85,9 @@ class PrefixCache:
 
     def reading(self) -> PrefixCacheReading:
         s = self.stats
-        return PrefixCacheReading(self.num_cached, s.query_tokens, s.hit_tokens, s.evicted_blocks)
+        return PrefixCacheReading(
+            self.num_cached, s.query_tokens, s.hit_tokens, s.evicted_blocks, self.enabled
+        )
 
     @property
     def num_available(self) -> int:

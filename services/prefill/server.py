@@ -24,6 +24,7 @@ from opentelemetry.trace import Span
 from mili.errors import PermissionDenied
 from mili.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from mili.rpc.kv_layout import block_bytes, layout_to_proto
+from mili.rpc.prefix_cache import prefix_cache_to_proto
 from mili.rpc.server import RpcServer
 from mili.telemetry.metrics import PrefillMetrics
 from mili.telemetry.tracing import current_span_context
@@ -178,6 +179,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             num_total_blocks=self.worker.num_total_blocks,
             num_free_blocks=self.worker.num_free_blocks,
             kv_cache_bytes=instance.runner.kv_cache_bytes,
+            prefix_cache=prefix_cache_to_proto(instance.worker.prefix_cache_reading()),
         )
 
 

@@ -183,6 +183,6 @@ def test_cached_blocks_are_evicted_when_admission_needs_them() -> None:
     run_to_end(t, "a", list(range(8)), list(range(12)))  # 3 full blocks cached
     r = t.admit("b", [5] * 13, params(1), lease_ms=1000, now=0.0)  # 4 blocks
     assert r.num_cached_blocks == 0 and sorted(r.block_table) == [0, 1, 2, 3]
-    assert t.prefix_cache_reading() == (0, 8 + 13, 0, 3)
+    assert t.prefix_cache_reading() == (0, 8 + 13, 0, 3, True)
     with pytest.raises(ResourceExhausted, match="0 of 4 free"):
         t.admit("c", [1], params(1), lease_ms=1000, now=0.0)

@@ -13,6 +13,7 @@ from mili.common.v1 import sampling_pb2
 from mili.decode.v1 import decode_pb2, decode_pb2_grpc
 from mili.engine.generate import generate
 from mili.engine.sampling_params import SamplingParams
+from mili.prefill.v1 import prefill_pb2
 from mili.rpc.client import insecure_channel
 from tests.prefill.harness import (
     BLOCK_SIZE,
@@ -139,6 +140,7 @@ def test_second_turn_sends_only_the_blocks_decode_lacks(
             insecure_channel(decode.address) as channel,
         ):
             stub = decode_pb2_grpc.DecodeServiceStub(channel)
+            before = (await stub.Info(decode_pb2.InfoRequest())).prefix_cache
             tokens, cached, kv_bytes_1 = await turn(prefill, stub, "turn-1", first_prompt)
             assert tokens == first_answer and cached == 0
             tokens, cached, kv_bytes_2 = await turn(prefill, stub, "turn-2", second_prompt)
@@ -148,6 +150,15 @@ def test_second_turn_sends_only_the_blocks_decode_lacks(
             assert cached == 4
             per_block = kv_bytes_1 // 3  # turn 1 sent its 3 prompt blocks
             assert kv_bytes_2 == per_block * (6 - 4)  # 83 tokens = 6 blocks, 4 held
+            after = (await stub.Info(decode_pb2.InfoRequest())).prefix_cache
+            assert after.enabled
+            assert after.hit_tokens - before.hit_tokens == 4 * BLOCK_SIZE
+            assert after.query_tokens - before.query_tokens == 40 + 83
+            assert after.num_cached_blocks >= 4
+            # prefill had turn 1's 2 full prompt blocks and computed the rest of turn 2
+            info = (await prefill.stub.Info(prefill_pb2.InfoRequest())).prefix_cache
+            assert (info.hit_tokens, info.query_tokens) == (2 * BLOCK_SIZE, 123)
+            assert info.enabled and info.num_cached_blocks == 5  # turn 2's full blocks, 2 shared
 
     try:
         asyncio.run(main())

@@ -63,7 +63,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model", "dtype", "device", "kv_layout", "attention_backend", "max_prompt_tokens", "max_batch_tokens", "num_queued_tokens", "num_total_blocks", "num_free_blocks", "kv_cache_bytes")
+    __slots__ = ("model", "dtype", "device", "kv_layout", "attention_backend", "max_prompt_tokens", "max_batch_tokens", "num_queued_tokens", "num_total_blocks", "num_free_blocks", "kv_cache_bytes", "prefix_cache")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +75,7 @@ class InfoResponse(_message.Message):
     NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     model: str
     dtype: str
     device: str
@@ -86,4 +87,5 @@ class InfoResponse(_message.Message):
     num_total_blocks: int
     num_free_blocks: int
     kv_cache_bytes: int
-    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., kv_layout: _Optional[_Union[_kv_pb2.KvLayout, _Mapping]] = ..., attention_backend: _Optional[str] = ..., max_prompt_tokens: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., num_queued_tokens: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ...) -> None: ...
+    prefix_cache: _kv_pb2.PrefixCacheInfo
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., kv_layout: _Optional[_Union[_kv_pb2.KvLayout, _Mapping]] = ..., attention_backend: _Optional[str] = ..., max_prompt_tokens: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., num_queued_tokens: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., prefix_cache: _Optional[_Union[_kv_pb2.PrefixCacheInfo, _Mapping]] = ...) -> None: ...
