@@ -114,3 +114,72 @@ def test_caching_off_computes_everything(tiny: TinyModel) -> None:
             assert h.servicer.scheduler.prefix_cache.num_cached == 0
 
     asyncio.run(main())
+
+
+def test_a_prefix_still_being_computed_is_reused_chunk_by_chunk(tiny: TinyModel) -> None:
+    """Two prompts sharing 140 tokens arrive together: the second reuses each chunk of the
+    first as soon as that chunk's step ended, and both decode to their references."""
+    vocab = tiny.model.config.vocab_size
+    shared = random_ids(140, vocab, seed=5)
+    prompts = {
+        "a": shared + random_ids(10, vocab, seed=6),
+        "b": shared + random_ids(20, vocab, seed=7),
+    }
+    params = SamplingParams(temperature=0, max_tokens=NUM_GENERATED, ignore_eos=True)
+    expected = {rid: generate(tiny.model, [p], params)[0].token_ids for rid, p in prompts.items()}
+
+    async def main() -> None:
+        async with prefill_service(tiny, max_batch_tokens=64) as h:
+            cache = receiver_cache(tiny, num_blocks=40)
+            async with receiver_for(h, cache=cache) as (receiver, server):
+                tables = {"a": list(range(0, 12)), "b": list(range(12, 24))}
+                calls = {}
+                for rid, prompt in prompts.items():
+                    receiver.reserve(rid, tables[rid])
+                    request = prefill_request(rid, prompt, server.address, tables[rid])
+                    calls[rid] = asyncio.ensure_future(h.stub.Prefill(request))
+                replies = {rid: await call for rid, call in calls.items()}
+            hit = h.servicer.worker.prefix_cache_reading().hit_tokens
+            assert 0 < hit <= 128  # b found some of a's chunks computed (at most 8 blocks)
+            for rid, prompt in prompts.items():
+                assert replies[rid].first_token_id == expected[rid][0]
+                tokens = greedy_continue(
+                    tiny.model,
+                    cache,
+                    tables[rid],
+                    len(prompt),
+                    replies[rid].first_token_id,
+                    NUM_GENERATED,
+                )
+                assert tokens == expected[rid], rid
+
+    asyncio.run(main())
+
+
+def test_reuse_after_evictions_still_decodes_to_the_reference(tiny: TinyModel) -> None:
+    """A pool of 12 blocks: each new 100-token prompt (7 blocks) evicts what the previous left;
+    a prompt repeated after that reuses only what survived, and its tokens are still right."""
+    vocab = tiny.model.config.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=NUM_GENERATED, ignore_eos=True)
+    prompts = [random_ids(100, vocab, seed=20 + i) for i in range(3)] + [
+        random_ids(100, vocab, seed=20)
+    ]
+
+    async def main() -> None:
+        async with prefill_service(tiny, num_blocks=12, max_queued_tokens=128) as h:
+            for i, prompt in enumerate(prompts):
+                cache = receiver_cache(tiny, num_blocks=16)
+                async with receiver_for(h, cache=cache) as (receiver, server):
+                    table = list(range(16))[::-1][:7]
+                    receiver.reserve(f"r{i}", table)
+                    reply = await h.stub.Prefill(
+                        prefill_request(f"r{i}", prompt, server.address, table)
+                    )
+                tokens = greedy_continue(
+                    tiny.model, cache, table, 100, reply.first_token_id, NUM_GENERATED
+                )
+                assert tokens == generate(tiny.model, [prompt], params)[0].token_ids, i
+            reading = h.servicer.worker.prefix_cache_reading()
+            assert reading.evicted_blocks > 0
+
+    asyncio.run(main())
