@@ -82,6 +82,12 @@ def deployment(args: argparse.Namespace, *, cache: bool) -> Iterator[tuple[str, 
     command += ["--port", "0", "--log-level", "WARNING", "--metrics-port", str(metrics_base)]
     command += ["--prefill-instances", str(args.prefills)]
     command += ["--decode-instances", str(args.decodes)]
+    # Every conversation's first turn arrives at once: room for all of them in the prefill
+    # queues (the default, 4 x --max-batch-tokens, would refuse some with RESOURCE_EXHAUSTED).
+    queue = args.conversations * (
+        args.system_tokens + args.turns * (args.user_tokens + args.output_tokens)
+    )
+    command += ["--prefill-args", f"--max-queued-tokens {queue}"]
     if not cache:
         command.append("--no-prefix-cache")
     urls = [
