@@ -5,7 +5,7 @@
     history (system prompt, every earlier user message and answer) plus a new user message of
     --user-tokens U (48) tokens and asks for --output-tokens O (32), greedy, ignore_eos.
 
-Two `mili serve` deployments of the embedded demo model with --prefill-instances and
+Two `mili serve` deployments of the embedded demo model's architecture with --prefill-instances and
 --decode-instances (2 each), started one after the other, the second with --no-prefix-cache,
 run the identical workload. Reported side by side:
 
@@ -17,6 +17,11 @@ run the identical workload. Reported side by side:
                     blocks of its prompt that prompts *finished before it was sent* already
                     held (at most all but the last token, as the cache allows), summed
     output tokens   identical with the cache on and off (asserted: greedy equality)
+
+The model is the demo model's shapes and tokenizer with its vocabulary left unpadded (random
+weights, written once under --cache-dir): the demo checkpoint pads its embedding rows like Qwen3
+does, and random weights, unlike trained ones, do sample those pad ids, which a client may not
+send back as history (they are outside the tokenizer's vocabulary).
 
 Targets (issue 18): TTFT p50 >= 3x lower with the cache, KV bytes >= 5x fewer, prefill hit rate
 >= 90% of the maximum.
@@ -72,13 +77,37 @@ def tokens(seed: int, n: int) -> list[int]:
     return [(seed * 7919 + 104729 * i) % (VOCAB - 3) + 3 for i in range(n)]
 
 
+def model_dir(cache_dir: Path) -> Path:
+    """Demo shapes, unpadded vocabulary, the demo tokenizer's files linked beside the weights."""
+    import dataclasses
+
+    from mili.demo.model import default_model_dir, demo_config
+    from mili.engine.checkpoint import cached_random_checkpoint
+    from mili.engine.config import Qwen3Config
+
+    demo = default_model_dir()
+    padded = Qwen3Config.from_file(demo / "config.json")
+    vocab = json.loads((demo / "tokenizer.json").read_text())
+    num_tokens = len(vocab["model"]["vocab"]) + len(vocab.get("added_tokens", []))
+    config = dataclasses.replace(
+        demo_config(num_tokens, padded.eos_token_id, padded.bos_token_id), vocab_size=num_tokens
+    )
+    weights = cached_random_checkpoint(config, "demo-unpadded", cache_dir)
+    for path in demo.iterdir():
+        if (
+            path.suffix == ".json"
+            and path.name != "config.json"
+            and not (weights / path.name).exists()
+        ):
+            (weights / path.name).symlink_to(path)
+    return weights
+
+
 @contextlib.contextmanager
 def deployment(args: argparse.Namespace, *, cache: bool) -> Iterator[tuple[str, list[str]]]:
     """`mili serve`; yields (frontend address, decode and prefill /metrics URLs)."""
-    from mili.demo.model import default_model_dir
-
     metrics_base = _free_run(2 + args.prefills + args.decodes)
-    command = [sys.executable, "-m", "mili", "serve", "--model", str(default_model_dir())]
+    command = [sys.executable, "-m", "mili", "serve", "--model", str(args.model_dir)]
     command += ["--port", "0", "--log-level", "WARNING", "--metrics-port", str(metrics_base)]
     command += ["--prefill-instances", str(args.prefills)]
     command += ["--decode-instances", str(args.decodes)]
@@ -234,7 +263,9 @@ def main() -> None:
     parser.add_argument("--decodes", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="OMP threads per service")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "mili" / "bench")
     args = parser.parse_args()
+    args.model_dir = model_dir(args.cache_dir)
 
     on = run(args, cache=True)
     off = run(args, cache=False)
@@ -242,7 +273,7 @@ def main() -> None:
     result = {
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "machine": f"{platform.machine()} {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}",
-        "args": vars(args) | {"json": str(args.json)},
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "on": on,
         "off": off,
         "ttft_p50_ratio": off["ttft_p50_ms"] / on["ttft_p50_ms"],
