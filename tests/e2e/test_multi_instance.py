@@ -66,8 +66,9 @@ def test_a_conversation_stays_on_the_instances_holding_its_prefix(
 ) -> None:
     """Three conversations of three turns, interleaved; each turn resends the history. Every
     turn of a conversation goes where its first turn went (that instance holds its prefix; by
-    load alone, sequential requests alternate and the second turns would swap instances), the
-    first turns spread over both decode instances, and later turns reuse cached blocks."""
+    load alone, sequential requests alternate and the second turns would swap instances), and
+    later turns reuse cached blocks on both. (Spreading by load: the test above and the router's
+    own tests.)"""
     start = deployment.free_blocks()
     block_size = deployment.decode_info().kv_layout.block_size
     stub = deployment.stub()
@@ -90,7 +91,6 @@ def test_a_conversation_stays_on_the_instances_holding_its_prefix(
         for turn in (1, 2):
             on_prefill, on_decode = cached[3 * turn + c]
             assert on_prefill > 0 and on_decode > 0, lines[3 * turn + c]
-    assert {d for _, d in routes[:3]} == {d.address for d in deployment.decodes}
     assert all(on_decode == 0 for _, on_decode in cached[:3])
     deployment.wait_free_blocks(start)
 
