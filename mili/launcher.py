@@ -114,6 +114,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "decode instances share the rest (default: %(default)s)",
     )
     parser.add_argument(
+        "--no-prefix-cache",
+        dest="prefix_caching",
+        action="store_false",
+        help="prefill and decode compute and send every prompt in full instead of reusing the "
+        "KV of prefixes they hold",
+    )
+    parser.add_argument(
         "--metrics-port",
         type=int,
         default=None,
@@ -259,6 +266,8 @@ def make_plan(args: argparse.Namespace, model_dir: Path) -> Plan:
         engine += ["--dtype", args.dtype]
     if args.attention is not None:
         engine += ["--attention", args.attention]
+    if not args.prefix_caching:
+        engine.append("--no-prefix-cache")
 
     prefill_memory, decode_memory = memory_shares(
         args.gpu_memory_utilization,

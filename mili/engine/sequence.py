@@ -65,6 +65,11 @@ class Sequence:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
+    def written_token_ids(self) -> list[int]:
+        """The tokens whose K/V is in the cache: all but the newest, which is never fed back
+        until the next step (positions [0, num_tokens - 1))."""
+        return (self.prompt_token_ids + self.output_token_ids)[: self.num_tokens - 1]
+
     @property
     def is_finished(self) -> bool:
         return self.finish_reason is not None

@@ -12,7 +12,8 @@ unit (`_seconds`, `_bytes`) and counters end in `_total`. What each service reco
     frontend       requests in flight, tokens streamed, time to first token, time per output
                    token   services/frontend/server.py; instances by state and membership
                    changes   services/frontend/backends.py
-    prefill        step time and size, queue, KV blocks, KV sent   worker.py, server.py
+    prefill        step time and size, queue, KV blocks, KV sent, prefix cache   worker.py,
+                   server.py
     decode         step time and batch size, queue, KV blocks, KV received   batcher.py, transfer.py
 
 Recording stays off the per-token path: histograms are observed once per step or per request,
@@ -32,8 +33,10 @@ from prometheus_client import (
     ProcessCollector,
     start_http_server,
 )
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from mili.engine.prefix_cache import PrefixCacheReading
 
 # Bucket bounds (seconds unless noted), wide enough for a CPU test model and an H200 alike.
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -349,3 +352,34 @@ def _pool_gauges(
         "KV blocks held by requests (reserved, being written or in use)",
         lambda: num_total() - num_free(),
     )
+
+
+class PrefixCacheCollector(Collector):
+    """`mili_<service>_prefix_cache_*`: read from the cache at scrape time, so the prompt path
+    moves no metric. The counters are the cache's own (monotonic since start)."""
+
+    def __init__(
+        self, registry: CollectorRegistry, service: str, read: Callable[[], PrefixCacheReading]
+    ) -> None:
+        self._prefix = f"mili_{service}_prefix_cache"
+        self._read = read
+        registry.register(self)
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        r = self._read()
+        p = self._prefix
+        yield GaugeMetricFamily(
+            f"{p}_blocks", "Full KV blocks indexed by the prefix cache", r.cached_blocks
+        )
+        yield CounterMetricFamily(
+            f"{p}_query_tokens", "Prompt tokens looked up in the prefix cache", r.query_tokens
+        )
+        yield CounterMetricFamily(
+            f"{p}_hit_tokens", "Prompt tokens whose KV came from the prefix cache", r.hit_tokens
+        )
+        yield CounterMetricFamily(
+            f"{p}_evicted_blocks", "Cached KV blocks evicted to make room", r.evicted_blocks
+        )
+
+    def describe(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        return iter(())  # names are fixed, but reading at registration would run `read` early

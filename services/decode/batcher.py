@@ -205,7 +205,7 @@ class Batcher:
             out.append((request.stream, e))
             return
         if reason or request.is_cancelled:
-            self._table.finish(request)
+            self._table.finish(request, seq.written_token_ids())
         else:
             self._running.append(_Running(request, seq))
         logprobs = None
@@ -217,7 +217,7 @@ class Batcher:
         kept = []
         for running in self._running:
             if running.request.is_cancelled:
-                self._table.finish(running.request)
+                self._table.finish(running.request, running.seq.written_token_ids())
             else:
                 kept.append(running)
         self._running = kept
@@ -252,7 +252,7 @@ class Batcher:
                 top = result.top_logprobs[i] if result.top_logprobs is not None else []
                 logprobs = [TokenLogprobs(result.logprobs[i], top)]
             if reason:
-                self._table.finish(request)
+                self._table.finish(request, seq.written_token_ids())
             else:
                 kept.append(running[i])
             out.append((request.stream, TokenEvent([token_id], logprobs, reason)))

@@ -29,6 +29,9 @@ class DecodeConfig:
     max_running: int = 64
     kv_lease_ms: int = 30_000  # default lease; a GenerateRequest may ask for another
     retry_after_s: float = 0.5  # RetryInfo hint sent with RESOURCE_EXHAUSTED
+    # Keep finished requests' full blocks (prompt and output) for later prompts that share
+    # their prefix: prefill then sends only the rest (services/decode/requests.py).
+    prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.max_running <= 0:
@@ -43,6 +46,7 @@ class DecodeConfig:
             engine=EngineConfig.from_args(args),
             max_running=args.max_running,
             kv_lease_ms=args.kv_lease_ms,
+            prefix_caching=args.prefix_caching,
         )
 
 
@@ -62,4 +66,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=defaults.kv_lease_ms,
         help="how long a reservation waits for prefill's KV (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--no-prefix-cache",
+        dest="prefix_caching",
+        action="store_false",
+        help="free every finished request's blocks instead of keeping them for shared prefixes",
     )

@@ -24,6 +24,7 @@ def _admitted(request: DecodeRequest) -> decode_pb2.Admitted:
         prompt_block_ids=request.prompt_block_ids,
         kv_lease_ms=request.lease_ms,
         transfer_token=request.transfer_token,
+        num_cached_blocks=request.num_cached_blocks,
     )
 
 

@@ -22,7 +22,7 @@ from mili.engine.loader import load_config
 from mili.engine.model import Qwen3ForCausalLM
 from mili.engine.runner import ModelRunner, require_device
 from mili.errors import StartupError
-from mili.telemetry.metrics import DecodeMetrics
+from mili.telemetry.metrics import DecodeMetrics, PrefixCacheCollector
 from services.decode.batcher import Batcher
 from services.decode.config import DEFAULT_KV_CACHE_BYTES, DecodeConfig
 from services.decode.requests import RequestTable
@@ -99,7 +99,9 @@ class DecodeInstance:
             default_kv_bytes=DEFAULT_KV_CACHE_BYTES,
         )
         pool = BlockPool(runner.num_blocks, null_block=True)
-        table = RequestTable(pool, engine.block_size, config.max_running)
+        table = RequestTable(
+            pool, engine.block_size, config.max_running, prefix_caching=config.prefix_caching
+        )
         if metrics is None:
             metrics = DecodeMetrics(CollectorRegistry())
         metrics.watch(
@@ -108,6 +110,7 @@ class DecodeInstance:
             num_total_blocks=lambda: table.num_total_blocks,
             num_free_blocks=lambda: table.num_free_blocks,
         )
+        PrefixCacheCollector(metrics.registry, "decode", table.prefix_cache_reading)
         eos = eos_token_ids(config.model_dir, runner.model.config)
         batcher = Batcher(
             runner,

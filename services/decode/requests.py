@@ -17,6 +17,11 @@ Who frees the blocks:
 
 The lock also guards the BlockPool: the event loop, the batch thread and scatter threads all
 reach it through this table.
+
+Prefix cache. With caching on, admission reuses the longest cached run of full blocks of the
+prompt (`num_cached_blocks`, never the block holding the last prompt token: prefill always sends
+that one), so prefill sends only the blocks after them; a request that ran keeps the full blocks
+of every token whose K/V it wrote (prompt and output) in the cache when it finishes.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from dataclasses import dataclass, field
 from opentelemetry.trace import SpanContext
 
 from mili.engine.block_pool import BlockPool, BlockPoolExhausted, blocks_needed
+from mili.engine.prefix_cache import PrefixCache, PrefixCacheReading
 from mili.engine.sampling_params import SamplingParams
 from mili.errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 from services.decode.stream import TokenStream
@@ -65,6 +71,8 @@ class DecodeRequest:
     is_freed: bool = False
     # Its `decode request` span, when traced: batched steps link to it (mili.telemetry.tracing).
     span_context: SpanContext | None = None
+    # block_table[:num_cached_blocks] came from the prefix cache, their KV already in place.
+    num_cached_blocks: int = 0
 
     @property
     def name(self) -> str:
@@ -80,6 +88,11 @@ class DecodeRequest:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def received_block_ids(self) -> list[int]:
+        """The prompt blocks prefill fills: those after the cached ones."""
+        return self.block_table[self.num_cached_blocks : self.num_prompt_blocks]
 
 
 def blocks_to_reserve(num_prompt_tokens: int, max_tokens: int, block_size: int) -> int:
@@ -98,8 +111,11 @@ def blocks_to_reserve(num_prompt_tokens: int, max_tokens: int, block_size: int) 
 class RequestTable:
     """The active requests of one decode instance and the block pool they draw from."""
 
-    def __init__(self, pool: BlockPool, block_size: int, max_requests: int) -> None:
+    def __init__(
+        self, pool: BlockPool, block_size: int, max_requests: int, *, prefix_caching: bool = False
+    ) -> None:
         self._pool = pool
+        self._cache = PrefixCache(pool, block_size, enabled=prefix_caching)
         self.block_size = block_size
         self.max_requests = max_requests
         self._lock = threading.Lock()
@@ -113,8 +129,13 @@ class RequestTable:
 
     @property
     def num_free_blocks(self) -> int:
+        """Blocks a new request can get: free ones and cached ones no request holds."""
         with self._lock:
-            return self._pool.num_free
+            return self._cache.num_available
+
+    def prefix_cache_reading(self) -> PrefixCacheReading:
+        with self._lock:
+            return self._cache.reading()
 
     def _count(self, *states: RequestState) -> int:
         with self._lock:
@@ -163,16 +184,23 @@ class RequestTable:
                     f"(limit {self.max_requests}); retry later or on another instance",
                     retry_after_s,
                 )
+            max_cached = (len(prompt_token_ids) - 1) // self.block_size
+            cached = self._cache.match(prompt_token_ids, max_blocks=max_cached, record=False)
             try:
-                block_table = self._pool.allocate(num_blocks)
+                block_table = cached + self._cache.allocate(num_blocks - len(cached))
             except BlockPoolExhausted as e:
+                self._cache.free(cached)
                 raise ResourceExhausted(
                     f"not enough KV blocks for request {client_request_id or request_id!r}: "
                     f"needs {num_blocks} "
                     f"({len(prompt_token_ids)} prompt tokens + max_tokens {params.max_tokens}), "
-                    f"{e.num_free} of {self._pool.num_blocks} free",
+                    f"{e.num_free + len(cached)} of {self._pool.num_blocks} free",
                     retry_after_s,
                 ) from None
+            stats = self._cache.stats
+            stats.queries += 1
+            stats.query_tokens += len(prompt_token_ids)
+            stats.hit_tokens += len(cached) * self.block_size
             request = DecodeRequest(
                 request_id=request_id,
                 prompt_token_ids=list(prompt_token_ids),
@@ -183,6 +211,7 @@ class RequestTable:
                 lease_ms=lease_ms,
                 stream=stream if stream is not None else TokenStream(),
                 client_request_id=client_request_id,
+                num_cached_blocks=len(cached),
             )
             self._requests[request_id] = request
             return request
@@ -262,9 +291,16 @@ class RequestTable:
             self._end(request)
             return True
 
-    def finish(self, request: DecodeRequest) -> None:
-        """Batch thread: `request` has left the batch (finished or cancelled); free its blocks."""
+    def finish(self, request: DecodeRequest, written_token_ids: Sequence[int] = ()) -> None:
+        """Batch thread: `request` has left the batch (finished or cancelled); free its blocks.
+
+        `written_token_ids`: the tokens whose K/V the request's blocks hold, in order (prompt and
+        every output token but the last, which was never fed back); their full blocks join the
+        prefix cache.
+        """
         with self._lock:
+            if request.state is RequestState.RUNNING and written_token_ids:
+                self._cache.insert(written_token_ids, request.block_table)
             if request.state is not RequestState.DONE:
                 self._end(request)
 
@@ -278,5 +314,5 @@ class RequestTable:
 
     def _free(self, request: DecodeRequest) -> None:
         if request.num_pins == 0 and not request.is_freed:
-            self._pool.free(request.block_table)
+            self._cache.free(request.block_table)
             request.is_freed = True

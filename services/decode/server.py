@@ -18,6 +18,7 @@ from mili.discovery import PeerSet
 from mili.errors import Cancelled, Unavailable
 from mili.kv.v1 import kv_pb2
 from mili.rpc.kv_codec import parse_transfer_request
+from mili.rpc.prefix_cache import prefix_cache_to_proto
 from mili.rpc.server import RpcServer
 from mili.telemetry.metrics import RequestMetrics
 from services.decode import convert
@@ -152,6 +153,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             num_waiting=table.num_waiting,
             kv_cache_bytes=inst.kv_cache_bytes,
             num_cuda_graphs=inst.num_cuda_graphs,
+            prefix_cache=prefix_cache_to_proto(table.prefix_cache_reading()),
         )
 
 

@@ -70,7 +70,7 @@ class _Progress:
         self.num_chunks_expected = num_chunks
         self.num_chunks = 0
         self.num_bytes = 0
-        self._prompt_blocks = set(request.prompt_block_ids)
+        self._prompt_blocks = set(request.received_block_ids)  # cached blocks are not sent
         self._expected = {(layer, b) for layer in range(num_layers) for b in self._prompt_blocks}
         self._written: set[tuple[int, int]] = set()
 
@@ -88,7 +88,7 @@ class _Progress:
         if foreign:
             raise DataLoss(
                 f"{where}: block ids {foreign[:8]} are not among the request's prompt blocks "
-                f"{self.request.prompt_block_ids}"
+                f"to receive {self.request.received_block_ids}"
             )
         seen: set[int] = set()
         for block in chunk.block_ids:
@@ -127,7 +127,7 @@ def _annotate_span(progress: _Progress) -> None:
                 "mili.request_id": progress.request.request_id,
                 "mili.kv.bytes": progress.num_bytes,
                 "mili.kv.num_chunks": progress.num_chunks,
-                "mili.kv.num_blocks": progress.request.num_prompt_blocks,
+                "mili.kv.num_blocks": len(progress.request.received_block_ids),
             }
         )
 
@@ -285,7 +285,7 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
                     elapsed = time.perf_counter() - started
                     self._instance.metrics.record_transfer(progress.num_bytes, elapsed)
                     return kv_pb2.TransferKvResponse(
-                        num_blocks=request.num_prompt_blocks, num_bytes=progress.num_bytes
+                        num_blocks=len(request.received_block_ids), num_bytes=progress.num_bytes
                     )
                 else:
                     raise DataLoss(f"request {request.name}: a second header mid-transfer")

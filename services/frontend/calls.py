@@ -81,6 +81,7 @@ class Admitted:
 
     prompt_block_ids: list[int]
     transfer_token: str
+    num_cached_blocks: int = 0  # leading prompt blocks decode already holds: not sent
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,7 @@ class PrefillStats:
     compute_ms: float
     transfer_ms: float
     kv_bytes: int
+    num_cached_tokens: int = 0  # prompt tokens prefill took from its prefix cache
 
 
 class DecodeStream(Protocol):

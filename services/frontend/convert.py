@@ -171,7 +171,11 @@ def streamed_event(event: decode_pb2.StreamedEvent) -> Admitted | Tokens | None:
 
 def _admitted(admitted: decode_pb2.Admitted) -> Admitted:
     # block_ids: the deprecated name, from a decode instance older than this frontend.
-    return Admitted(list(admitted.prompt_block_ids or admitted.block_ids), admitted.transfer_token)
+    return Admitted(
+        list(admitted.prompt_block_ids or admitted.block_ids),
+        admitted.transfer_token,
+        admitted.num_cached_blocks,
+    )
 
 
 def _tokens(tokens: decode_pb2.Tokens) -> Tokens:
@@ -194,6 +198,7 @@ def prefill_request(
             address=decode_address,
             prompt_block_ids=admitted.prompt_block_ids,
             transfer_token=admitted.transfer_token,
+            num_cached_blocks=admitted.num_cached_blocks,
         ),
     )
 
@@ -204,6 +209,7 @@ def prefill_stats(reply: prefill_pb2.PrefillResponse) -> PrefillStats:
         compute_ms=reply.compute_ms,
         transfer_ms=reply.transfer_ms,
         kv_bytes=reply.kv_bytes,
+        num_cached_tokens=reply.num_cached_tokens,
     )
 
 

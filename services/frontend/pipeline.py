@@ -110,6 +110,11 @@ class Generation:
         # time.monotonic() when the frontend received the call: TTFT and total time count from it.
         self._started = time.monotonic() if received_at is None else received_at
         self._first_token_s: float | None = None
+        # Cache-aware routing: the prompt's prefix keys and which instances probably hold them.
+        index = self._router.prefix_index
+        self._prefix_keys = index.keys(prompt.token_ids)
+        self._affinity = index.matches(self._prefix_keys, time.monotonic())
+        self._output_token_ids: list[int] = []
 
     async def run(self) -> AsyncGenerator[Delta, None]:
         admission = await self._admit()
@@ -125,6 +130,7 @@ class Generation:
                     yield delta
             if is_finished:
                 await self._await_prefill_reply()
+                self._learn_finished(admission)
                 self._log_done(admission, delta)
         finally:
             admission.stream.cancel()  # no-op when decode already finished
@@ -165,7 +171,11 @@ class Generation:
 
     def _next_route(self, tried: set[str]) -> Route | None:
         try:
-            routes = self._router.candidates(exclude=tried)
+            index = self._router.prefix_index
+            longest = len(self._prompt.token_ids) + self._prompt.sampling.max_tokens
+            routes = self._router.candidates(
+                exclude=tried, affinity=self._affinity, num_blocks=-(-longest // index.block_size)
+            )
         except Unavailable:
             if not tried:
                 raise
@@ -198,15 +208,49 @@ class Generation:
                 self._downstream.request_refresh(down=route.decode)
             raise
         _LOG.debug(
-            "%s (id %s): %d prompt tokens, prefill %s -> decode %s, blocks %s",
+            "%s (id %s): %d prompt tokens, prefill %s -> decode %s, blocks %s (%d cached)",
             self._ids.client_request_id,
             self._ids.request_id,
             len(prompt.token_ids),
             route.prefill,
             route.decode,
             first.prompt_block_ids,
+            first.num_cached_blocks,
         )
+        self._learn_admitted(route, first, block_size)
         return _Admission(route, ticket, stream, first)
+
+    def _learn_admitted(self, route: Route, admitted: Admitted, block_size: int) -> None:
+        """Decode said how much of the prompt it holds: correct the index, then count the
+        prompt as held by both instances (they hold it once this request is through)."""
+        index = self._router.prefix_index
+        self._correct(route.decode, admitted.num_cached_blocks * block_size)
+        now = time.monotonic()
+        index.record(route.decode, self._prefix_keys, now)
+        index.record(route.prefill, self._prefix_keys, now)
+
+    def _correct(self, address: str, num_held_tokens: int) -> None:
+        """`address` holds the prompt's first `num_held_tokens` tokens, and the index expected
+        more: it evicted them, or (holding nothing) restarted and lost everything it held."""
+        index = self._router.prefix_index
+        held = num_held_tokens // index.block_size
+        if self._affinity.get(address, 0) <= held:
+            return
+        if held == 0:
+            index.forget(address)
+        else:
+            index.forget_from(address, self._prefix_keys, held)
+
+    def _learn_finished(self, admission: _Admission) -> None:
+        """Decode keeps the K/V of the prompt and of every output token but the last; prefill
+        said how much of the prompt it had cached."""
+        index = self._router.prefix_index
+        written = [*self._prompt.token_ids, *self._output_token_ids][:-1]
+        index.record(admission.route.decode, index.keys(written), time.monotonic())
+        reply = self._prefill_reply
+        if reply is not None:
+            self._correct(admission.route.prefill, reply.num_cached_tokens)
+            index.record(admission.route.prefill, self._prefix_keys, time.monotonic())
 
     # ---- 2. prefill --------------------------------------------------------------------------
 
@@ -296,6 +340,7 @@ class Generation:
             logprobs = event.logprobs[:keep]
             finish = finish or event.finish_reason
             num_generated += len(token_ids)
+            self._output_token_ids.extend(token_ids)
             if token_ids and self._first_token_s is None:
                 self._first_token_s = time.monotonic() - self._started
             pushed = matcher.push(await text.push(token_ids))
@@ -321,7 +366,9 @@ class Generation:
             rate = reply.kv_bytes / (reply.transfer_ms * 1e6) if reply.transfer_ms > 0 else 0.0
             kv = (
                 f"; prefill queue {reply.queue_ms:.1f} ms, compute {reply.compute_ms:.1f} ms, "
-                f"KV {reply.kv_bytes} B in {reply.transfer_ms:.1f} ms ({rate:.3f} GB/s)"
+                f"KV {reply.kv_bytes} B in {reply.transfer_ms:.1f} ms ({rate:.3f} GB/s); "
+                f"prefix cached: {reply.num_cached_tokens} tokens on prefill, "
+                f"{admission.admitted.num_cached_blocks} blocks on decode"
             )
         ttft = "-" if self._first_token_s is None else f"{self._first_token_s * 1e3:.1f} ms"
         _LOG.info(

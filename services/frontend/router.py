@@ -11,6 +11,14 @@ free blocks net of blocks routed since the poll, then fewest requests in flight,
 chosen longest ago. The prefill is the compatible one with the fewest queued prompt tokens
 (polled plus routed since), then the same tie-breaks.
 
+Prefix affinity. Given how many leading prompt chunks each instance probably holds (from the
+frontend's `PrefixIndex`), the decode instance with the longest match goes first, and among the
+compatible prefills the one with the longest match, unless that instance is loaded past the
+others: decode with more than `affinity_slack_requests` requests in flight above the least loaded
+candidate (or fewer free blocks than the request needs), prefill with more than
+`affinity_slack_tokens` queued tokens above the least queued. Then the load order decides, so a
+popular prefix spreads once its instance is busy.
+
 A (prefill, decode) pair is routable only once both are up and their KV layouts were checked
 equal (`set_pair_error(p, d, None)`); a pair with a layout mismatch keeps its error message,
 which requests get as FAILED_PRECONDITION when no compatible pair is left.
@@ -35,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from mili.errors import FailedPrecondition, Unavailable
+from services.frontend.prefix_index import PrefixIndex
 
 
 class State(enum.Enum):
@@ -127,9 +136,18 @@ class Member:
 
 class Router:
     def __init__(
-        self, prefill_addresses: Sequence[str] = (), decode_addresses: Sequence[str] = ()
+        self,
+        prefill_addresses: Sequence[str] = (),
+        decode_addresses: Sequence[str] = (),
+        *,
+        prefix_index: PrefixIndex | None = None,
+        affinity_slack_requests: int = 8,
+        affinity_slack_tokens: int = 8192,
     ) -> None:
         """Start with these members (more come and go with `set_members`)."""
+        self.prefix_index = PrefixIndex() if prefix_index is None else prefix_index
+        self.affinity_slack_requests = affinity_slack_requests
+        self.affinity_slack_tokens = affinity_slack_tokens
         self.prefills = {a: PrefillView(a) for a in prefill_addresses}
         self.decodes = {a: DecodeView(a) for a in decode_addresses}
         # (prefill, decode) -> None when the layouts were checked equal, else the mismatch
@@ -191,6 +209,7 @@ class Router:
         self.decodes.pop(address, None)
         for pair in [p for p in self._pair_errors if address in p]:
             del self._pair_errors[pair]
+        self.prefix_index.forget(address)
 
     # ---- updates from Info polling -----------------------------------------------------------
 
@@ -227,6 +246,8 @@ class Router:
         view = self.prefills.get(address) or self.decodes.get(address)
         if view is None:
             raise KeyError(address)
+        if view.is_up:  # a restart empties its prefix cache
+            self.prefix_index.forget(address)
         view.is_up = False
 
     def set_pair_error(self, prefill: str, decode: str, error: str | None) -> None:
@@ -267,9 +288,15 @@ class Router:
         limits = [p.max_prompt_tokens for p in self.prefills.values() if p.is_routable]
         return min(limits) if limits else None
 
-    def candidates(self, exclude: Collection[str] = ()) -> list[Route]:
+    def candidates(
+        self,
+        exclude: Collection[str] = (),
+        affinity: Mapping[str, int] | None = None,
+        num_blocks: int = 0,
+    ) -> list[Route]:
         """Routes to try, best first: one per up decode instance (not in `exclude`) that has an
-        up, layout-compatible prefill instance.
+        up, layout-compatible prefill instance. `affinity`: leading prompt chunks each instance
+        probably holds (absent: none); `num_blocks`: what the request needs on decode.
 
         Raises Unavailable when no instance of a kind is up, FailedPrecondition (with the
         layouts) when instances are up but no pair is compatible. Returns [] when every
@@ -283,7 +310,8 @@ class Router:
             raise Unavailable(f"no prefill instance is reachable (tried {_names(self.prefills)})")
         routes: list[Route] = []
         mismatch: str | None = None
-        for decode in sorted(up_decodes, key=_decode_order):
+        affinity = affinity or {}
+        for decode in self._decode_order(up_decodes, affinity, num_blocks):
             compatible = [p for p in up_prefills if self.is_compatible(p.address, decode.address)]
             if not compatible:
                 mismatch = mismatch or next(
@@ -293,13 +321,42 @@ class Router:
                 continue
             if decode.address in exclude:
                 continue
-            prefill = min(compatible, key=_prefill_order)
+            prefill = self._best_prefill(compatible, affinity)
             routes.append(Route(prefill.address, decode.address))
         if not routes and mismatch is not None and len(exclude) == 0:
             raise FailedPrecondition(mismatch)
         if not routes and not exclude:
             raise Unavailable("no prefill/decode pair has had its KV layouts checked yet")
         return routes
+
+    def _decode_order(
+        self, decodes: list[DecodeView], affinity: Mapping[str, int], num_blocks: int
+    ) -> list[DecodeView]:
+        ordered = sorted(decodes, key=_decode_order)
+        least_in_flight = min(d.num_in_flight for d in decodes)
+        fits = [
+            d
+            for d in ordered
+            if affinity.get(d.address, 0) > 0
+            and d.num_in_flight <= least_in_flight + self.affinity_slack_requests
+            and d.free_estimate >= num_blocks
+        ]
+        if not fits:
+            return ordered
+        best = max(fits, key=lambda d: affinity[d.address])  # stable: ties keep load order
+        return [best] + [d for d in ordered if d is not best]
+
+    def _best_prefill(
+        self, prefills: list[PrefillView], affinity: Mapping[str, int]
+    ) -> PrefillView:
+        by_load = min(prefills, key=_prefill_order)
+        fits = [
+            p
+            for p in sorted(prefills, key=_prefill_order)
+            if affinity.get(p.address, 0) > 0
+            and p.queued_estimate <= by_load.queued_estimate + self.affinity_slack_tokens
+        ]
+        return max(fits, key=lambda p: affinity[p.address]) if fits else by_load
 
     def start(self, route: Route, num_prompt_tokens: int, num_blocks: int) -> Ticket:
         """Count a request on `route` as soon as it is chosen, so concurrent choices see it."""

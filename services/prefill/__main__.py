@@ -55,6 +55,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"PERMISSION_DENIED before any connection is made. '{ANY_DECODE}' allows any (only "
         "where every peer is trusted). Required",
     )
+    parser.add_argument(
+        "--no-prefix-cache",
+        dest="prefix_caching",
+        action="store_false",
+        help="compute every prompt in full instead of reusing the KV of cached prefixes",
+    )
     flags.add_server_arguments(parser, DEFAULT_PORT)
 
 
@@ -76,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
             ),
             transfer_timeout_s=args.transfer_timeout,
             allowed_decodes=parse_allowed_decodes(args.decode),
+            prefix_caching=args.prefix_caching,
         )
     except ValueError as e:
         raise StartupError(f"--decode: {e}" if "allowed decode" in str(e) else str(e)) from None

@@ -61,6 +61,14 @@ def prefill_task(
             f"{len(prompt_block_ids)} block ids",
             f"a {len(token_ids)}-token prompt needs {need} blocks of {block_size} tokens",
         )
+    num_cached_blocks = destination.num_cached_blocks
+    if not violations and num_cached_blocks > (len(token_ids) - 1) // block_size:
+        # The block holding the last prompt token is always sent: decode never caches it.
+        bad(
+            "destination.num_cached_blocks",
+            num_cached_blocks,
+            f"at most {(len(token_ids) - 1) // block_size} for a {len(token_ids)}-token prompt",
+        )
     try:
         sampling = sampling_params(request.sampling)
     except InvalidArgument as err:
@@ -74,5 +82,6 @@ def prefill_task(
         address=destination.address,
         prompt_block_ids=prompt_block_ids[:need],
         transfer_token=destination.transfer_token,
+        num_cached_blocks=num_cached_blocks,
         client_request_id=request.client_request_id,
     )

@@ -25,7 +25,7 @@ from mili.engine.loader import load_config
 from mili.engine.model import Qwen3ForCausalLM
 from mili.engine.runner import ModelRunner, require_device
 from mili.errors import StartupError
-from mili.telemetry.metrics import PrefillMetrics
+from mili.telemetry.metrics import PrefillMetrics, PrefixCacheCollector
 from services.prefill.config import PrefillConfig
 from services.prefill.scheduler import Scheduler
 from services.prefill.worker import PrefillWorker
@@ -104,6 +104,7 @@ class PrefillInstance:
             block_size=runner.block_size,
             max_batch_tokens=config.max_batch_tokens,
             max_queued_tokens=config.max_queued_tokens,
+            prefix_caching=config.prefix_caching,
         )
         metrics = PrefillMetrics(CollectorRegistry()) if metrics is None else metrics
         worker = PrefillWorker(runner, scheduler, metrics=metrics)
@@ -114,6 +115,7 @@ class PrefillInstance:
             num_total_blocks=lambda: worker.num_total_blocks,
             num_free_blocks=lambda: worker.num_free_blocks,
         )
+        PrefixCacheCollector(metrics.registry, "prefill", worker.prefix_cache_reading)
         return cls(config, runner, scheduler, worker, model_name, fingerprint, metrics)
 
     # ---- what Info reports ---------------------------------------------------------------------

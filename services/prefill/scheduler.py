@@ -20,37 +20,62 @@ A step (one forward) is built from:
      blocks stops admission (FIFO by memory, so a long prompt is not starved by short ones).
 A prompt gets all of its blocks when admitted and keeps them until `remove` (the transfer was
 acknowledged, failed or cancelled): a running prompt can never deadlock waiting for blocks.
+
+Prefix cache. A prompt added with its token ids reuses the longest cached run of full blocks
+(`PrefixCache`, at most all but the last token, whose logits the first token needs). The chunk
+plan does not change: chunks wholly inside the cached prefix are *ship-only* (nothing to
+compute, their blocks still go to decode in the admitting step), and the chunk where the cached
+prefix ends computes only from there. Every chunk's computed full blocks join the cache when the
+step ends, so a later prompt with the same prefix finds them.
+
+    C = 8, block_size 4, 12 cached tokens, prompt of 19:
+    fixed chunks  [0, 8)        [8, 16)              [16, 19)
+    this prompt   ship-only     compute [12, 16)     compute [16, 19)
+                  blocks b0 b1  ships b2 b3          ships b4
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from mili.engine.block_pool import BlockPool, blocks_needed
+from mili.engine.prefix_cache import PrefixCache
 from mili.errors import InvalidArgument, ResourceExhausted
 
 
 class ScheduledChunk(NamedTuple):
-    """Prompt positions [start, end) of one request, computed in one step."""
+    """One fixed chunk [ship_start, end) of one request; positions [start, end) computed now.
+
+    `start == ship_start` unless a cached prefix covers the chunk's beginning; `start == end`
+    for a ship-only chunk (wholly cached: nothing to compute, its blocks are shipped).
+    """
 
     request_id: str
     start: int
     end: int
     num_tokens: int  # the whole prompt's length
     block_table: list[int]  # this instance's block ids of the whole prompt
+    ship_start: int = -1  # the fixed chunk's first position; -1: same as start
+    num_cached_tokens: int = 0  # the prompt's tokens taken from the prefix cache
 
     @property
     def is_last(self) -> bool:
         return self.end == self.num_tokens
 
+    @property
+    def num_compute_tokens(self) -> int:
+        return self.end - self.start
+
     def block_range(self, block_size: int) -> tuple[int, int]:
-        """Indices [first, last) into the prompt's blocks that this chunk completes.
+        """Indices [first, last) into the prompt's blocks that this chunk ships.
 
         A non-last chunk ends on a block boundary; the last one also covers the partial block.
         """
-        first = self.start // block_size
+        ship_start = self.start if self.ship_start < 0 else self.ship_start
+        first = ship_start // block_size
         last = blocks_needed(self.end, block_size) if self.is_last else self.end // block_size
         return first, last
 
@@ -62,6 +87,7 @@ class Step(NamedTuple):
 
     @property
     def num_tokens(self) -> int:
+        """Tokens computed (ship-only chunks count 0)."""
         return sum(c.end - c.start for c in self.chunks)
 
 
@@ -71,6 +97,8 @@ class _Prompt:
     num_tokens: int
     num_computed_tokens: int = 0  # prompt tokens whose KV is in the cache
     block_table: list[int] = field(default_factory=list)  # [] while waiting
+    prompt_token_ids: Sequence[int] | None = None  # None: not looked up in the prefix cache
+    num_cached_tokens: int = 0  # set at admission
 
 
 class Scheduler:
@@ -86,10 +114,12 @@ class Scheduler:
         block_size: int,
         max_batch_tokens: int,
         max_queued_tokens: int,
+        prefix_caching: bool = False,
     ) -> None:
         if max_batch_tokens < block_size:
             raise ValueError(f"max_batch_tokens {max_batch_tokens} < block_size {block_size}")
         self.pool = pool
+        self.prefix_cache = PrefixCache(pool, block_size, enabled=prefix_caching)
         self.block_size = block_size
         self.max_batch_tokens = max_batch_tokens
         self.max_queued_tokens = max_queued_tokens
@@ -109,16 +139,39 @@ class Scheduler:
     def num_chunks(self, num_tokens: int) -> int:
         return -(-num_tokens // self.chunk_tokens)
 
+    def num_shipped_chunks(self, num_tokens: int, num_skipped_blocks: int) -> int:
+        """Chunks that ship any block when decode already holds the first `num_skipped_blocks`
+        (a chunk whose blocks are all held ships nothing and is not counted)."""
+        shipped = 0
+        for start, end in self.chunk_bounds(num_tokens):
+            chunk = ScheduledChunk("", start, end, num_tokens, [])
+            shipped += chunk.block_range(self.block_size)[1] > num_skipped_blocks
+        return shipped
+
     def max_prompt_tokens(self) -> int:
         """Longest prompt that can ever be admitted: the queue bound and the whole pool."""
         return min(self.max_queued_tokens, self.pool.num_blocks * self.block_size)
 
     # ---- queue -------------------------------------------------------------------------------
 
-    def add(self, request_id: str, num_tokens: int, *, retry_after_s: float | None = None) -> None:
-        """Queue a prompt; RESOURCE_EXHAUSTED when the queued tokens would pass the bound."""
+    def add(
+        self,
+        request_id: str,
+        num_tokens: int,
+        *,
+        prompt_token_ids: Sequence[int] | None = None,
+        retry_after_s: float | None = None,
+    ) -> None:
+        """Queue a prompt; RESOURCE_EXHAUSTED when the queued tokens would pass the bound.
+
+        With `prompt_token_ids` (len == num_tokens) the prompt may reuse cached blocks.
+        """
         self.check(request_id, num_tokens, retry_after_s=retry_after_s)
-        self._waiting[request_id] = _Prompt(request_id, num_tokens)
+        if prompt_token_ids is not None and len(prompt_token_ids) != num_tokens:
+            raise ValueError(f"{len(prompt_token_ids)} prompt token ids for {num_tokens} tokens")
+        self._waiting[request_id] = _Prompt(
+            request_id, num_tokens, prompt_token_ids=prompt_token_ids
+        )
         self.num_queued_tokens += num_tokens
 
     def check(
@@ -154,7 +207,7 @@ class Scheduler:
         )
         if prompt is None:
             return False
-        self.pool.free(prompt.block_table)
+        self.prefix_cache.free(prompt.block_table)
         prompt.block_table = []
         self.num_queued_tokens -= prompt.num_tokens
         return True
@@ -186,18 +239,44 @@ class Scheduler:
                 chunks.append(chunk)
                 budget -= chunk.end - chunk.start
         for prompt in list(self._waiting.values()):
-            size = min(self.chunk_tokens, prompt.num_tokens)
-            if size > budget:
-                continue
-            need = blocks_needed(prompt.num_tokens, self.block_size)
-            if need > self.pool.num_free:
+            cached = self._match(prompt)
+            num_cached_tokens = len(cached) * self.block_size
+            c = self.chunk_tokens
+            size = min((num_cached_tokens // c + 1) * c, prompt.num_tokens) - num_cached_tokens
+            need = blocks_needed(prompt.num_tokens, self.block_size) - len(cached)
+            if size > budget or need > self.prefix_cache.num_available:
+                self.prefix_cache.free(cached)
+                if size > budget:
+                    continue
                 break
-            prompt.block_table = self.pool.allocate(need)
+            prompt.block_table = cached + self.prefix_cache.allocate(need)
+            prompt.num_computed_tokens = prompt.num_cached_tokens = num_cached_tokens
+            self.prefix_cache.stats.hit_tokens += num_cached_tokens
+            self.prefix_cache.stats.query_tokens += prompt.num_tokens
+            self.prefix_cache.stats.queries += 1
             del self._waiting[prompt.request_id]
             self._running[prompt.request_id] = prompt
+            for ship_start in range(0, num_cached_tokens - num_cached_tokens % c, c):
+                chunks.append(  # ship-only: wholly cached
+                    ScheduledChunk(
+                        prompt.request_id,
+                        ship_start + c,
+                        ship_start + c,
+                        prompt.num_tokens,
+                        prompt.block_table,
+                        ship_start,
+                    )
+                )
             chunks.append(self._next_chunk(prompt))
             budget -= size
         return Step(chunks) if chunks else None
+
+    def _match(self, prompt: _Prompt) -> list[int]:
+        """Cached leading blocks for a waiting prompt (one reference each); [] without ids."""
+        if prompt.prompt_token_ids is None or not self.prefix_cache.enabled:
+            return []
+        max_blocks = (prompt.num_tokens - 1) // self.block_size
+        return self.prefix_cache.match(prompt.prompt_token_ids, max_blocks=max_blocks, record=False)
 
     def complete(self, step: Step) -> list[str]:
         """Record a finished forward; return the request ids whose whole prompt is now computed.
@@ -207,9 +286,15 @@ class Scheduler:
         done: list[str] = []
         for chunk in step.chunks:
             prompt = self._running.get(chunk.request_id)
-            if prompt is None or prompt.num_computed_tokens != chunk.start:
+            if (
+                prompt is None
+                or chunk.start == chunk.end
+                or prompt.num_computed_tokens != chunk.start
+            ):
                 continue
             prompt.num_computed_tokens = chunk.end
+            if prompt.prompt_token_ids is not None:
+                self.prefix_cache.insert(prompt.prompt_token_ids[: chunk.end], prompt.block_table)
             if chunk.is_last:
                 del self._running[chunk.request_id]
                 self._computed[chunk.request_id] = prompt
@@ -217,6 +302,16 @@ class Scheduler:
         return done
 
     def _next_chunk(self, prompt: _Prompt) -> ScheduledChunk:
+        """The fixed chunk holding the first position not yet computed."""
         start = prompt.num_computed_tokens
-        end = min(start + self.chunk_tokens, prompt.num_tokens)
-        return ScheduledChunk(prompt.request_id, start, end, prompt.num_tokens, prompt.block_table)
+        ship_start = start // self.chunk_tokens * self.chunk_tokens
+        end = min(ship_start + self.chunk_tokens, prompt.num_tokens)
+        return ScheduledChunk(
+            prompt.request_id,
+            start,
+            end,
+            prompt.num_tokens,
+            prompt.block_table,
+            ship_start,
+            prompt.num_cached_tokens,
+        )

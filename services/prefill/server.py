@@ -25,6 +25,7 @@ from mili.discovery import PeerSet, Resolve, resolve_host
 from mili.errors import PermissionDenied
 from mili.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from mili.rpc.kv_layout import block_bytes, layout_to_proto
+from mili.rpc.prefix_cache import prefix_cache_to_proto
 from mili.rpc.server import RpcServer
 from mili.rpc.tls import Tls
 from mili.telemetry.metrics import PrefillMetrics
@@ -127,7 +128,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         remaining = context.time_remaining()
         if remaining is not None:  # end the transfer with the caller's deadline
             timeout_s = min(timeout_s, max(remaining, 0.001))
-        num_chunks = self.scheduler.num_chunks(len(task.prompt_token_ids))
+        num_chunks = self.scheduler.num_shipped_chunks(
+            len(task.prompt_token_ids), task.num_cached_blocks
+        )
         sender = KvSender(
             task,
             channel=self._channels.get(task.address),
@@ -155,7 +158,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 "kv transfer", attributes={"mili.kv.destination": task.address}
             ) as span:
                 result = await sender.run(submit)
-                _record_transfer(span, result, len(task.prompt_block_ids), self.layout.num_layers)
+                _record_transfer(
+                    span,
+                    result,
+                    len(task.prompt_block_ids) - task.num_cached_blocks,
+                    self.layout.num_layers,
+                )
         finally:
             if is_submitted:  # never remove another call's prompt that has the same id
                 self.worker.remove(task.request_id)
@@ -170,6 +178,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             compute_ms=first.compute_ms,
             transfer_ms=result.transfer_ms,
             kv_bytes=result.kv_bytes,
+            num_cached_tokens=first.num_cached_tokens,
         )
 
     async def Info(
@@ -188,6 +197,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             num_total_blocks=self.worker.num_total_blocks,
             num_free_blocks=self.worker.num_free_blocks,
             kv_cache_bytes=instance.runner.kv_cache_bytes,
+            prefix_cache=prefix_cache_to_proto(instance.worker.prefix_cache_reading()),
         )
 
 

@@ -26,6 +26,8 @@ class PrefillTask:
     address: str  # host:port of the decode instance's KvTransferService
     prompt_block_ids: list[int]  # on the decode instance, in token order
     transfer_token: str = ""  # decode's secret for this request, sent back in the header
+    # Leading prompt blocks decode already holds: computed here if need be, never sent.
+    num_cached_blocks: int = 0
     client_request_id: str = ""  # the caller's own id: a label for logs and traces
     # The request's span on this instance, when traced: the batched step that computes the
     # prompt links to it (mili.telemetry.tracing). None when tracing is off.
@@ -48,6 +50,7 @@ class FirstToken(NamedTuple):
     queue_ms: float  # accepted -> first forward
     compute_ms: float  # first forward -> token sampled
     batch_size: int = 1  # prompts in the step that finished this one
+    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache, not computed
 
 
 class KvSink(Protocol):

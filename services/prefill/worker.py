@@ -31,6 +31,7 @@ from opentelemetry.trace import Span
 from prometheus_client import CollectorRegistry
 
 from mili.engine.kv_cache import KVCache
+from mili.engine.prefix_cache import PrefixCacheReading
 from mili.engine.runner import ModelRunner
 from mili.engine.sampler import SequenceSampling
 from mili.errors import Unavailable
@@ -116,7 +117,10 @@ class PrefillWorker:
             if self._is_stopping:
                 raise Unavailable("prefill instance is shutting down; retry elsewhere")
             self._scheduler.add(
-                task.request_id, len(task.prompt_token_ids), retry_after_s=self._retry_after_s()
+                task.request_id,
+                len(task.prompt_token_ids),
+                prompt_token_ids=task.prompt_token_ids,
+                retry_after_s=self._retry_after_s(),
             )
             self._jobs[task.request_id] = _Job(task, sink, accepted_at=time.perf_counter())
             self._cond.notify()
@@ -150,8 +154,13 @@ class PrefillWorker:
 
     @property
     def num_free_blocks(self) -> int:
+        """Blocks a new prompt can get: free ones and cached ones no request holds."""
         with self._cond:
-            return self._scheduler.pool.num_free
+            return self._scheduler.prefix_cache.num_available
+
+    def prefix_cache_reading(self) -> PrefixCacheReading:
+        with self._cond:
+            return self._scheduler.prefix_cache.reading()
 
     @property
     def num_total_blocks(self) -> int:
@@ -223,32 +232,35 @@ class PrefillWorker:
         for job in jobs:
             if job.first_forward_at is None:
                 job.first_forward_at = started
+        # Ship-only chunks (wholly in a cached prefix) have nothing to compute: they are not
+        # rows of the batch, only shipped by `on_layer`.
+        computed = [i for i, c in enumerate(step.chunks) if c.num_compute_tokens > 0]
         record = StepRecord(tuple((c.request_id, c.start, c.end) for c in step.chunks), started, [])
         self.steps.append(record)
 
         def on_layer(layer: int) -> None:
             for chunk, job in zip(step.chunks, jobs, strict=True):
                 if not job.is_removed:
-                    self._ship(layer, chunk, job.sink, block_size)
+                    self._ship(layer, chunk, job.sink, block_size, job.task.num_cached_blocks)
             record.layer_done_at.append(time.perf_counter())
 
         logits = runner.prefill(
             [
-                job.task.prompt_token_ids[c.start : c.end]
-                for c, job in zip(step.chunks, jobs, strict=True)
+                jobs[i].task.prompt_token_ids[step.chunks[i].start : step.chunks[i].end]
+                for i in computed
             ],
-            [c.block_table for c in step.chunks],
-            [c.start for c in step.chunks],
+            [step.chunks[i].block_table for i in computed],
+            [step.chunks[i].start for i in computed],
             layer_callback=on_layer,
-        )  # [B, vocab] float32
+        )  # [len(computed), vocab] float32
         rows = [
-            i
-            for i, (c, job) in enumerate(zip(step.chunks, jobs, strict=True))
-            if c.is_last and not job.is_removed
+            row
+            for row, i in enumerate(computed)
+            if step.chunks[i].is_last and not jobs[i].is_removed
         ]
         if not rows:
             return []
-        finished = [jobs[i] for i in rows]
+        finished = [jobs[computed[row]] for row in rows]
         vocab_size = runner.model.config.vocab_size
         seqs = [
             SequenceSampling(j.task.sampling, j.task.prompt_token_ids, vocab_size) for j in finished
@@ -264,13 +276,21 @@ class PrefillWorker:
                 top_logprobs=None if out.top_logprobs is None else out.top_logprobs[i],
                 queue_ms=(job.first_forward_at - job.accepted_at) * 1e3,
                 compute_ms=(done_at - job.first_forward_at) * 1e3,
-                batch_size=len(step.chunks),
+                batch_size=len(computed),
+                num_cached_tokens=step.chunks[computed[rows[i]]].num_cached_tokens,
             )
             results.append((job, first))
         return results
 
-    def _ship(self, layer: int, chunk: ScheduledChunk, sink: KvSink, block_size: int) -> None:
+    def _ship(
+        self, layer: int, chunk: ScheduledChunk, sink: KvSink, block_size: int, num_skipped: int
+    ) -> None:
+        """Send layer `layer` of the blocks `chunk` completes, except the first `num_skipped` of
+        the prompt (decode holds them already)."""
         first, last = chunk.block_range(block_size)
+        first = max(first, num_skipped)
+        if first >= last:
+            return
         k, v = self.kv_cache.gather_blocks(layer, chunk.block_table[first:last])
         ready: Callable[[], None] | None = None
         if k.device.type == "cuda":

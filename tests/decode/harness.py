@@ -144,9 +144,11 @@ class PrefillPlayer:
         layout: kv_pb2.KvLayout | None = None,
     ) -> list[kv_pb2.TransferKvRequest]:
         """header, one chunk per layer (into the decode side's `block_ids`), commit. The header
-        carries the reservation's transfer token when `block_ids` is a `Reserved`."""
+        carries the reservation's transfer token when `block_ids` is a `Reserved`, whose leading
+        `num_cached_blocks` (decode's prefix cache has them) are not sent, as prefill does."""
+        skip = getattr(block_ids, "num_cached_blocks", 0)
         chunks = [
-            encode_chunk(request_id, layer, layer, list(block_ids), k, v)
+            encode_chunk(request_id, layer, layer, list(block_ids)[skip:], k[skip:], v[skip:])
             for layer, (k, v) in enumerate(prefilled.kv)
         ]
         header = kv_pb2.TransferHeader(
@@ -185,9 +187,12 @@ class Outcome:
 class Reserved(list[int]):
     """The prompt block ids decode reserved, and the token its transfer must carry."""
 
-    def __init__(self, block_ids: Sequence[int], transfer_token: str) -> None:
+    def __init__(
+        self, block_ids: Sequence[int], transfer_token: str, num_cached_blocks: int = 0
+    ) -> None:
         super().__init__(block_ids)
         self.transfer_token = transfer_token
+        self.num_cached_blocks = num_cached_blocks  # decode holds these already: not sent
 
 
 class Client:
@@ -219,7 +224,9 @@ class Client:
         first = await call.read()
         assert first.WhichOneof("event") == "admitted", first
         admitted = first.admitted
-        return call, Reserved(admitted.prompt_block_ids, admitted.transfer_token)
+        return call, Reserved(
+            admitted.prompt_block_ids, admitted.transfer_token, admitted.num_cached_blocks
+        )
 
     async def collect(self, call: Any, outcome: Outcome) -> Outcome:
         while (response := await call.read()) is not grpc.aio.EOF:
@@ -255,7 +262,7 @@ class Client:
         await transfer.write(messages[-1])
         await transfer.done_writing()
         reply = await transfer
-        assert reply.num_blocks == len(block_ids)
+        assert reply.num_blocks == len(block_ids) - block_ids.num_cached_blocks
         return await self.collect(call, Outcome(block_ids=list(block_ids)))
 
 

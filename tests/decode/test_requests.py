@@ -128,3 +128,61 @@ def test_begin_transfer_needs_the_request_token_and_changes_nothing_without_it()
             t.begin_transfer("a", token)
     assert a.state is RequestState.WAITING and t.num_waiting == 2
     assert t.begin_transfer("a", a.transfer_token) is a
+
+
+# ---- prefix cache ----------------------------------------------------------------------------
+
+
+def cached_table(num_blocks: int = 10) -> RequestTable:
+    return RequestTable(BlockPool(num_blocks), block_size=4, max_requests=8, prefix_caching=True)
+
+
+def run_to_end(t: RequestTable, rid: str, prompt: list[int], written: list[int]) -> list[int]:
+    r = t.admit(rid, prompt, params(8), lease_ms=1000, now=0.0)
+    t.begin_transfer(rid, r.transfer_token)
+    assert t.start_running(r)
+    t.finish(r, written)
+    return r.block_table
+
+
+def test_a_finished_request_leaves_its_written_blocks_for_the_next_prompt() -> None:
+    t = cached_table()
+    prompt = list(range(10))
+    output = [50, 51, 52, 53, 54]  # K/V written for prompt + 4 outputs: 14 tokens, 3 full blocks
+    table_a = run_to_end(t, "a", prompt, prompt + output[:-1])
+    assert table_a == [0, 1, 2, 3, 4]  # 10 + 8 - 1 positions
+    assert t.num_free_blocks == 10  # cached blocks no request holds count as free
+
+    second = prompt + output + [7, 7, 7]  # 18 tokens: blocks 0-2 cached, 3-4 new
+    b = t.admit("b", second, params(2), lease_ms=1000, now=0.0)
+    assert b.num_cached_blocks == 3
+    assert b.block_table[:3] == [0, 1, 2] and b.block_table[3] not in table_a[:3]
+    assert b.prompt_block_ids == b.block_table[:5]
+    assert b.received_block_ids == b.block_table[3:5]
+    assert t.prefix_cache_reading().hit_tokens == 12
+
+
+def test_a_prompt_never_reuses_the_block_of_its_last_token() -> None:
+    t = cached_table()
+    prompt = list(range(8))
+    run_to_end(t, "a", prompt, [*prompt, 99, 98, 97, 96])  # 12 written: 3 full blocks
+    b = t.admit("b", prompt, params(1), lease_ms=1000, now=0.0)
+    assert b.num_cached_blocks == 1  # block 1 holds token 7, the last: prefill sends it
+
+
+def test_a_request_that_never_ran_caches_nothing() -> None:
+    t = cached_table()
+    r = t.admit("a", list(range(8)), params(4), lease_ms=1000, now=0.0)
+    assert t.cancel(r)
+    t.finish(r, list(range(8)))  # late and ignored: it was never RUNNING
+    assert t.prefix_cache_reading().cached_blocks == 0 and t.num_free_blocks == 10
+
+
+def test_cached_blocks_are_evicted_when_admission_needs_them() -> None:
+    t = cached_table(num_blocks=4)
+    run_to_end(t, "a", list(range(8)), list(range(12)))  # 3 full blocks cached
+    r = t.admit("b", [5] * 13, params(1), lease_ms=1000, now=0.0)  # 4 blocks
+    assert r.num_cached_blocks == 0 and sorted(r.block_table) == [0, 1, 2, 3]
+    assert t.prefix_cache_reading() == (0, 8 + 13, 0, 3, True)
+    with pytest.raises(ResourceExhausted, match="0 of 4 free"):
+        t.admit("c", [1], params(1), lease_ms=1000, now=0.0)

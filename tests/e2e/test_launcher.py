@@ -108,6 +108,24 @@ def test_attention_flag_reaches_prefill_and_decode_only(tmp_path: Path) -> None:
     assert not any("--attention" in argv for argv in (*default.prefills, *default.decodes))
 
 
+def test_no_prefix_cache_reaches_prefill_and_decode_and_they_accept_it(tmp_path: Path) -> None:
+    import argparse
+
+    from mili.cli import build_parser
+    from mili.launcher import add_arguments, make_plan
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    plan = make_plan(parser.parse_args(["--no-prefix-cache"]), tmp_path)
+    for argv in (*plan.prefills, *plan.decodes):
+        assert "--no-prefix-cache" in argv
+        assert build_parser(argv).parse_args(argv).prefix_caching is False
+    assert "--no-prefix-cache" not in plan.tokenizer + plan.frontend
+    default = make_plan(parser.parse_args([]), tmp_path)
+    for argv in (*default.prefills, *default.decodes):
+        assert build_parser(argv).parse_args(argv).prefix_caching is True
+
+
 def test_a_second_signal_aborts_in_flight_calls_and_exits_non_zero(demo_model_dir: Path) -> None:
     serve = ServiceProcess(
         "serve", "--model", str(demo_model_dir), "--port", "0",

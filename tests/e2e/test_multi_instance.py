@@ -58,10 +58,57 @@ def test_every_request_completes_and_every_instance_gets_work(deployment: Deploy
     deployment.wait_free_blocks(start)
 
 
+_CACHED = re.compile(r"prefix cached: (\d+) tokens on prefill, (\d+) blocks on decode")
+
+
+def test_a_conversation_stays_on_the_instances_holding_its_prefix(
+    deployment: Deployment,
+) -> None:
+    """Three conversations of three turns, interleaved; each turn resends the history. Every
+    turn of a conversation goes where its first turn went (that instance holds its prefix; by
+    load alone, sequential requests alternate and the second turns would swap instances), and
+    later turns reuse cached blocks on both. (Spreading by load: the test above and the router's
+    own tests.)"""
+    start = deployment.free_blocks()
+    block_size = deployment.decode_info().kv_layout.block_size
+    stub = deployment.stub()
+    history: list[list[int]] = [[] for _ in range(3)]
+    num_lines = len(deployment.frontend.stderr_lines)
+    for turn in range(3):
+        for c in range(3):
+            new = [(97 * c + 13 * turn + 5 * i) % 800 + 1 for i in range(block_size + 3)]
+            prompt = history[c] + new
+            responses = list(stub.Generate(request_for(prompt, 6), timeout=60))
+            assert responses[-1].usage.completion_tokens == 6
+            history[c] = prompt + [t for r in responses for t in r.token_ids]
+    time.sleep(0.2)
+    lines = [line for line in deployment.frontend.stderr_lines[num_lines:] if _ROUTE.search(line)]
+    assert len(lines) == 9
+    routes = [_ROUTE.search(line).groups() for line in lines]  # type: ignore[union-attr]
+    cached = [tuple(map(int, _CACHED.search(line).groups())) for line in lines]  # type: ignore[union-attr]
+    for c in range(3):
+        assert routes[3 + c] == routes[c] and routes[6 + c] == routes[c], routes
+        for turn in (1, 2):
+            on_prefill, on_decode = cached[3 * turn + c]
+            assert on_prefill > 0 and on_decode > 0, lines[3 * turn + c]
+    assert all(on_decode == 0 for _, on_decode in cached[:3])
+    deployment.wait_free_blocks(start)
+
+
+def request_for(token_ids: list[int], max_tokens: int) -> generation_pb2.GenerateRequest:
+    return generation_pb2.GenerateRequest(
+        token_ids=token_ids,
+        sampling=sampling_pb2.SamplingParams(
+            max_tokens=max_tokens, temperature=0.0, ignore_eos=True
+        ),
+    )
+
+
 def test_decode_killed_mid_request_fails_only_its_request(deployment: Deployment) -> None:
     start = deployment.free_blocks()
     stub = deployment.stub()
-    calls = [stub.Generate(request(40, 3000, seed=s), timeout=60) for s in (1, 2)]
+    # Seeds no earlier test used: no cached prefix draws both to one instance.
+    calls = [stub.Generate(request(40, 3000, seed=s), timeout=60) for s in (101, 102)]
     for call in calls:
         assert next(call).token_ids  # both running
     running = [deployment.decode_info(i).num_running for i in (0, 1)]

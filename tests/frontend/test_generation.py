@@ -5,6 +5,7 @@ prefill failures, cancellation of every downstream call, the router's accounting
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -302,3 +303,49 @@ def test_a_caller_leaving_mid_stream_cancels_every_downstream_call() -> None:
     assert down.streams[0].is_cancelled and down.texts[0].is_cancelled
     assert down.prefills[0].done()
     assert in_flight(down.router) == 0
+
+
+# ---- prefix affinity -------------------------------------------------------------------------
+
+
+def test_a_prompt_goes_where_its_prefix_is_and_a_decode_that_lost_it_is_forgotten() -> None:
+    prompt = tuple(i % 29 + 1 for i in range(40))  # 2 keys of 16 tokens in the router's index
+    other = tuple(29 - i % 29 for i in range(40))
+    finish = tokens(1, 2, finish=FinishReason.LENGTH)
+    down = FakeDownstream({"d:1": [], "d:2": [Admitted([1], "token"), finish]})
+    router, index = down.router, down.router.prefix_index
+    params = SamplingParams(max_tokens=2)
+    down.prefill_outcome = lambda: PrefillStats(1.0, 2.0, 3.0, 4096, num_cached_tokens=32)
+
+    def load(d1_free: int, d2_free: int) -> None:
+        for address, free in (("d:1", d1_free), ("d:2", d2_free)):
+            router.update_decode(
+                address, num_free_blocks=free, num_total_blocks=100, max_context_tokens=64
+            )
+
+    def held(p: tuple[int, ...]) -> dict[str, int]:
+        return index.matches(index.keys(p), now=time.monotonic())
+
+    def last_decode() -> str:
+        return [a for kind, a in down.calls if kind == "decode"][-1]
+
+    def d1_admits(num_cached_blocks: int) -> None:
+        down.decodes["d:1"] = [Admitted(list(range(10)), "token", num_cached_blocks), finish]
+
+    d1_admits(0)
+    run(down, params, prompt)
+    load(100, 99)
+    run(down, params, other)
+    assert last_decode() == "d:1" and held(other) == {"d:1": 2, PREFILL: 2}
+    load(50, 100)  # d:2 looks emptier, yet the prompt goes where its prefix is
+    d1_admits(8)  # and d:1 says it holds it (8 blocks of 4)
+    run(down, params, prompt)
+    assert last_decode() == "d:1" and held(other) == {"d:1": 2, PREFILL: 2}
+    load(50, 100)
+    d1_admits(0)  # d:1 restarted: it holds nothing; what else it held is forgotten at once
+    run(down, params, prompt)
+    assert last_decode() == "d:1"
+    assert held(other) == {PREFILL: 2} and held(prompt)["d:1"] == 2  # re-learned from this one
+    load(100, 100)
+    run(down, params, other)  # no affinity left for `other`: load order (d:1 chosen last)
+    assert last_decode() == "d:2"

@@ -224,3 +224,38 @@ def test_an_info_answer_for_a_dropped_member_is_ignored() -> None:
     r.set_pair_error(P1, D1, None)
     assert list(r.decodes) == [D0] and list(r.prefills) == [P0]
     assert not r.is_compatible(P1, D1)
+
+
+# ---- prefix affinity -------------------------------------------------------------------------
+
+
+def test_the_instances_holding_the_longest_prefix_go_first() -> None:
+    r = router(free={D0: 90, D1: 50}, queued={P0: 0, P1: 100})
+    assert r.candidates()[0] == Route(P0, D0)  # by load alone
+    affinity = {D1: 3, D0: 1, P1: 4}
+    assert r.candidates(affinity=affinity) == [Route(P1, D1), Route(P1, D0)]
+
+
+def test_affinity_yields_to_load_past_the_slack() -> None:
+    r = router(free={D0: 90, D1: 90})
+    r.affinity_slack_requests = 2
+    r.affinity_slack_tokens = 1000
+    affinity = {D1: 5, P1: 5}
+    tickets = [r.start(Route(P1, D1), num_prompt_tokens=400, num_blocks=1) for _ in range(3)]
+    # D1 has 3 in flight, D0 none: past the slack of 2; P1 has 1200 tokens queued: past 1000
+    assert r.candidates(affinity=affinity)[0] == Route(P0, D0)
+    r.finish(tickets.pop())  # D1: 2 in flight, within the slack again
+    assert r.candidates(affinity=affinity)[0] == Route(P0, D1)  # P1's tokens count until a poll
+    r.update_prefill(P1, num_queued_tokens=800, max_prompt_tokens=4096)
+    assert r.candidates(affinity=affinity)[0] == Route(P1, D1)
+    # a decode without room for the request is not preferred either
+    assert r.candidates(affinity=affinity, num_blocks=89)[0].decode == D0
+
+
+def test_an_instance_that_goes_down_loses_its_prefixes() -> None:
+    r = router()
+    keys = r.prefix_index.keys(list(range(32)))
+    r.prefix_index.record(D1, keys, now=0.0)
+    r.prefix_index.record(D0, keys[:1], now=0.0)
+    r.mark_down(D1)
+    assert r.prefix_index.matches(keys, now=1.0) == {D0: 1}

@@ -169,3 +169,97 @@ def test_prompts_that_can_never_fit_and_duplicates_are_invalid() -> None:
     s.add("a", 3)
     with pytest.raises(InvalidArgument, match="already being prefilled"):
         s.add("a", 3)
+
+
+# ---- prefix cache ----------------------------------------------------------------------------
+
+
+def make_cached(num_blocks: int = 64, max_batch_tokens: int = 8) -> Scheduler:
+    # block_size 4, chunk_tokens 8: [0, 8) [8, 16) [16, 24) ...
+    return Scheduler(
+        BlockPool(num_blocks),
+        block_size=4,
+        max_batch_tokens=max_batch_tokens,
+        max_queued_tokens=1000,
+        prefix_caching=True,
+    )
+
+
+def shipped(step: Step) -> list[tuple[str, int, int, tuple[int, int]]]:
+    return [(c.request_id, c.start, c.end, c.block_range(4)) for c in step.chunks]
+
+
+def test_a_cached_prefix_is_shipped_without_compute_and_the_plan_keeps_its_chunks() -> None:
+    s = make_cached()
+    first = list(range(100, 119))  # 19 tokens: chunks [0,8) [8,16) [16,19)
+    s.add("a", 19, prompt_token_ids=first)
+    while (step := s.schedule()) is not None:
+        s.complete(step)
+    assert s.prefix_cache.num_cached == 4  # blocks 0-3 full; block 4 holds 3 tokens
+    table_a = s._computed["a"].block_table
+
+    # same 12 tokens, then different: 3 cached blocks -> compute from 12
+    second = first[:12] + [7] * 7
+    s.add("b", 19, prompt_token_ids=second)
+    step = s.schedule()
+    assert step is not None
+    assert shipped(step) == [("b", 8, 8, (0, 2)), ("b", 12, 16, (2, 4))]
+    assert step.num_tokens == 4
+    table_b = s._running["b"].block_table
+    assert table_b[:3] == table_a[:3] and table_b[3] not in table_a
+    s.complete(step)
+    step = s.schedule()
+    assert step is not None and shipped(step) == [("b", 16, 19, (4, 5))]
+    assert s.complete(step) == ["b"]
+    assert s.num_chunks(19) == 3  # the header's count: one shipped chunk per fixed chunk
+
+
+def test_an_identical_prompt_still_computes_its_last_token() -> None:
+    s = make_cached()
+    prompt = list(range(16))  # exactly 4 blocks, 2 chunks
+    s.add("a", 16, prompt_token_ids=prompt)
+    run_all(s)
+    s.add("b", 16, prompt_token_ids=prompt)
+    step = s.schedule()
+    assert step is not None
+    # 3 blocks reused (max (16-1)//4), the last block recomputed from 12
+    assert shipped(step) == [("b", 8, 8, (0, 2)), ("b", 12, 16, (2, 4))]
+    assert s.prefix_cache.stats.hit_tokens == 12
+
+
+def test_removing_prompts_returns_every_block_once_the_cache_is_cleared() -> None:
+    s = make_cached(num_blocks=16)
+    s.add("a", 10, prompt_token_ids=list(range(10)))
+    run_all(s)
+    s.add("b", 10, prompt_token_ids=list(range(10)))
+    step = s.schedule()
+    assert step is not None
+    s.remove("a")
+    s.remove("b")  # removed mid-compute: its chunk's blocks are not cached
+    s.complete(step)
+    assert s.prefix_cache.num_cached == 2  # a's two full blocks
+    assert s.prefix_cache.clear() == 2 and s.pool.num_free == 16
+
+
+def test_cached_blocks_are_evicted_for_a_prompt_that_needs_the_room() -> None:
+    s = make_cached(num_blocks=4)
+    s.add("a", 16, prompt_token_ids=list(range(16)))
+    run_all(s)
+    s.remove("a")
+    assert s.pool.num_free == 0 and s.prefix_cache.num_evictable == 4
+    s.add("b", 16, prompt_token_ids=[9] * 16)
+    step = s.schedule()
+    assert step is not None and s.prefix_cache.stats.evicted_blocks == 4
+    assert shipped(step) == [("b", 0, 8, (0, 2))]
+
+
+def test_without_prompt_ids_or_with_caching_off_nothing_is_reused() -> None:
+    s = make()  # caching off
+    s.add("a", 8, prompt_token_ids=list(range(8)))
+    run_all(s)
+    s.add("b", 8, prompt_token_ids=list(range(8)))
+    assert run_all(s) == [[("b", 0, 8)]]
+    c = make_cached()
+    c.add("a", 8)
+    run_all(c)
+    assert c.prefix_cache.num_cached == 0

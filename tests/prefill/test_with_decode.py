@@ -13,6 +13,7 @@ from mili.common.v1 import sampling_pb2
 from mili.decode.v1 import decode_pb2, decode_pb2_grpc
 from mili.engine.generate import generate
 from mili.engine.sampling_params import SamplingParams
+from mili.prefill.v1 import prefill_pb2
 from mili.rpc.client import insecure_channel
 from tests.prefill.harness import (
     BLOCK_SIZE,
@@ -93,3 +94,73 @@ def test_decode_continues_from_prefill_kv(
     except grpc.aio.AioRpcError as err:  # pragma: no cover - shows decode's log on failure
         raise AssertionError(f"{err.code().name}: {err.details()}\n{decode.stderr}") from err
     assert tokens == expected
+
+
+def test_second_turn_sends_only_the_blocks_decode_lacks(
+    tiny: TinyModel, decode: ServiceProcess
+) -> None:
+    """Turn 2 resends turn 1's prompt and answer: decode holds their full blocks from turn 1,
+    prefill sends the rest only, and decode's tokens still equal single-process generation."""
+    vocab = tiny.model.config.vocab_size
+    greedy = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    first_prompt = random_ids(40, vocab, seed=401)
+    first_answer = generate(tiny.model, [first_prompt], greedy)[0].token_ids
+    second_prompt = first_prompt + first_answer + random_ids(10, vocab, seed=402)  # 83 tokens
+    expected = generate(tiny.model, [second_prompt], greedy)[0].token_ids
+
+    async def turn(
+        prefill: object, stub: decode_pb2_grpc.DecodeServiceStub, rid: str, prompt: list[int]
+    ) -> tuple[list[int], int, int]:
+        stream = stub.Generate(
+            decode_pb2.GenerateRequest(
+                request_id=rid,
+                prompt_token_ids=prompt,
+                sampling=sampling_pb2.SamplingParams(
+                    temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True
+                ),
+                prefill_layout=prefill.servicer.layout,  # type: ignore[attr-defined]
+            ),
+            timeout=60,
+        )
+        events = aiter(stream)
+        admitted = (await anext(events)).admitted
+        request = prefill_request(
+            rid, prompt, decode.address, list(admitted.prompt_block_ids), admitted.transfer_token
+        )
+        request.destination.num_cached_blocks = admitted.num_cached_blocks
+        reply = await prefill.stub.Prefill(request, timeout=30)  # type: ignore[attr-defined]
+        tokens: list[int] = []
+        async for event in events:
+            tokens.extend(event.tokens.token_ids)
+        return tokens, admitted.num_cached_blocks, reply.kv_bytes
+
+    async def main() -> None:
+        async with (
+            prefill_service(tiny) as prefill,
+            insecure_channel(decode.address) as channel,
+        ):
+            stub = decode_pb2_grpc.DecodeServiceStub(channel)
+            before = (await stub.Info(decode_pb2.InfoRequest())).prefix_cache
+            tokens, cached, kv_bytes_1 = await turn(prefill, stub, "turn-1", first_prompt)
+            assert tokens == first_answer and cached == 0
+            tokens, cached, kv_bytes_2 = await turn(prefill, stub, "turn-2", second_prompt)
+            assert tokens == expected
+            # Decode wrote K/V for 40 + 32 tokens in turn 1 (the last answer token is never fed
+            # back): 4 full blocks of 16, all inside turn 2's 83-token prompt.
+            assert cached == 4
+            per_block = kv_bytes_1 // 3  # turn 1 sent its 3 prompt blocks
+            assert kv_bytes_2 == per_block * (6 - 4)  # 83 tokens = 6 blocks, 4 held
+            after = (await stub.Info(decode_pb2.InfoRequest())).prefix_cache
+            assert after.enabled
+            assert after.hit_tokens - before.hit_tokens == 4 * BLOCK_SIZE
+            assert after.query_tokens - before.query_tokens == 40 + 83
+            assert after.num_cached_blocks >= 4
+            # prefill had turn 1's 2 full prompt blocks and computed the rest of turn 2
+            info = (await prefill.stub.Info(prefill_pb2.InfoRequest())).prefix_cache
+            assert (info.hit_tokens, info.query_tokens) == (2 * BLOCK_SIZE, 123)
+            assert info.enabled and info.num_cached_blocks == 5  # turn 2's full blocks, 2 shared
+
+    try:
+        asyncio.run(main())
+    except grpc.aio.AioRpcError as err:  # pragma: no cover - shows decode's log on failure
+        raise AssertionError(f"{err.code().name}: {err.details()}\n{decode.stderr}") from err

@@ -86,16 +86,18 @@ class GenerateResponse(_message.Message):
     def __init__(self, admitted: _Optional[_Union[Admitted, _Mapping]] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ...) -> None: ...
 
 class Admitted(_message.Message):
-    __slots__ = ("block_ids", "kv_lease_ms", "prompt_block_ids", "transfer_token")
+    __slots__ = ("block_ids", "kv_lease_ms", "prompt_block_ids", "transfer_token", "num_cached_blocks")
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     KV_LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     kv_lease_ms: int
     prompt_block_ids: _containers.RepeatedScalarFieldContainer[int]
     transfer_token: str
-    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., kv_lease_ms: _Optional[int] = ..., prompt_block_ids: _Optional[_Iterable[int]] = ..., transfer_token: _Optional[str] = ...) -> None: ...
+    num_cached_blocks: int
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., kv_lease_ms: _Optional[int] = ..., prompt_block_ids: _Optional[_Iterable[int]] = ..., transfer_token: _Optional[str] = ..., num_cached_blocks: _Optional[int] = ...) -> None: ...
 
 class Tokens(_message.Message):
     __slots__ = ("token_ids", "logprobs", "finish_reason")
@@ -112,7 +114,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model", "dtype", "device", "kv_layout", "attention_backend", "max_context_tokens", "max_running", "num_total_blocks", "num_free_blocks", "num_running", "num_waiting", "kv_cache_bytes", "num_cuda_graphs")
+    __slots__ = ("model", "dtype", "device", "kv_layout", "attention_backend", "max_context_tokens", "max_running", "num_total_blocks", "num_free_blocks", "num_running", "num_waiting", "kv_cache_bytes", "num_cuda_graphs", "prefix_cache")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +128,7 @@ class InfoResponse(_message.Message):
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_CUDA_GRAPHS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     model: str
     dtype: str
     device: str
@@ -139,4 +142,5 @@ class InfoResponse(_message.Message):
     num_waiting: int
     kv_cache_bytes: int
     num_cuda_graphs: int
-    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., kv_layout: _Optional[_Union[_kv_pb2.KvLayout, _Mapping]] = ..., attention_backend: _Optional[str] = ..., max_context_tokens: _Optional[int] = ..., max_running: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., num_cuda_graphs: _Optional[int] = ...) -> None: ...
+    prefix_cache: _kv_pb2.PrefixCacheInfo
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., kv_layout: _Optional[_Union[_kv_pb2.KvLayout, _Mapping]] = ..., attention_backend: _Optional[str] = ..., max_context_tokens: _Optional[int] = ..., max_running: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., num_cuda_graphs: _Optional[int] = ..., prefix_cache: _Optional[_Union[_kv_pb2.PrefixCacheInfo, _Mapping]] = ...) -> None: ...

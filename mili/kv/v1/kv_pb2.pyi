@@ -80,3 +80,17 @@ class TransferKvResponse(_message.Message):
     num_blocks: int
     num_bytes: int
     def __init__(self, num_blocks: _Optional[int] = ..., num_bytes: _Optional[int] = ...) -> None: ...
+
+class PrefixCacheInfo(_message.Message):
+    __slots__ = ("enabled", "num_cached_blocks", "query_tokens", "hit_tokens", "evicted_blocks")
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    enabled: bool
+    num_cached_blocks: int
+    query_tokens: int
+    hit_tokens: int
+    evicted_blocks: int
+    def __init__(self, enabled: _Optional[bool] = ..., num_cached_blocks: _Optional[int] = ..., query_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., evicted_blocks: _Optional[int] = ...) -> None: ...

@@ -9,16 +9,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KvDestination(_message.Message):
-    __slots__ = ("address", "block_ids", "prompt_block_ids", "transfer_token")
+    __slots__ = ("address", "block_ids", "prompt_block_ids", "transfer_token", "num_cached_blocks")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     address: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     prompt_block_ids: _containers.RepeatedScalarFieldContainer[int]
     transfer_token: str
-    def __init__(self, address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., prompt_block_ids: _Optional[_Iterable[int]] = ..., transfer_token: _Optional[str] = ...) -> None: ...
+    num_cached_blocks: int
+    def __init__(self, address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., prompt_block_ids: _Optional[_Iterable[int]] = ..., transfer_token: _Optional[str] = ..., num_cached_blocks: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "token_ids", "sampling", "destination", "prompt_token_ids", "client_request_id")
@@ -37,7 +39,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., destination: _Optional[_Union[KvDestination, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., client_request_id: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "first_logprobs", "num_prompt_tokens", "queue_ms", "compute_ms", "transfer_ms", "kv_bytes")
+    __slots__ = ("first_token_id", "first_logprobs", "num_prompt_tokens", "queue_ms", "compute_ms", "transfer_ms", "kv_bytes", "num_cached_tokens")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +47,7 @@ class PrefillResponse(_message.Message):
     COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     first_logprobs: _sampling_pb2.Logprobs
     num_prompt_tokens: int
@@ -52,14 +55,15 @@ class PrefillResponse(_message.Message):
     compute_ms: float
     transfer_ms: float
     kv_bytes: int
-    def __init__(self, first_token_id: _Optional[int] = ..., first_logprobs: _Optional[_Union[_sampling_pb2.Logprobs, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., kv_bytes: _Optional[int] = ...) -> None: ...
+    num_cached_tokens: int
+    def __init__(self, first_token_id: _Optional[int] = ..., first_logprobs: _Optional[_Union[_sampling_pb2.Logprobs, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model", "dtype", "device", "kv_layout", "attention_backend", "max_prompt_tokens", "max_batch_tokens", "num_queued_tokens", "num_total_blocks", "num_free_blocks", "kv_cache_bytes")
+    __slots__ = ("model", "dtype", "device", "kv_layout", "attention_backend", "max_prompt_tokens", "max_batch_tokens", "num_queued_tokens", "num_total_blocks", "num_free_blocks", "kv_cache_bytes", "prefix_cache")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +75,7 @@ class InfoResponse(_message.Message):
     NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     model: str
     dtype: str
     device: str
@@ -82,4 +87,5 @@ class InfoResponse(_message.Message):
     num_total_blocks: int
     num_free_blocks: int
     kv_cache_bytes: int
-    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., kv_layout: _Optional[_Union[_kv_pb2.KvLayout, _Mapping]] = ..., attention_backend: _Optional[str] = ..., max_prompt_tokens: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., num_queued_tokens: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ...) -> None: ...
+    prefix_cache: _kv_pb2.PrefixCacheInfo
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., kv_layout: _Optional[_Union[_kv_pb2.KvLayout, _Mapping]] = ..., attention_backend: _Optional[str] = ..., max_prompt_tokens: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., num_queued_tokens: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., prefix_cache: _Optional[_Union[_kv_pb2.PrefixCacheInfo, _Mapping]] = ...) -> None: ...
