@@ -140,6 +140,8 @@ class Multiplexer:
                 "mili.client_request_id": request.client_request_id,
                 "mili.decode.num_prompt_tokens": len(req.prompt_token_ids),
                 "mili.decode.num_blocks": len(req.block_table),
+                # leading prompt blocks taken from the prefix cache (not sent by prefill)
+                "mili.decode.num_cached_blocks": req.num_cached_blocks,
             },
         )
         if request_span.is_recording():  # batched steps link to this span

@@ -71,6 +71,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 "mili.client_request_id": request.client_request_id,
                 "mili.decode.num_prompt_tokens": len(prompt),
                 "mili.decode.num_blocks": len(req.block_table),
+                # leading prompt blocks taken from the prefix cache (not sent by prefill)
+                "mili.decode.num_cached_blocks": req.num_cached_blocks,
             },
         )
         is_traced = span.is_recording()

@@ -230,6 +230,8 @@ def _record_compute(num_prompt_tokens: int, first: FirstToken, submitted_ns: int
             "mili.prefill.batch_size": first.batch_size,
             "mili.prefill.queue_ms": first.queue_ms,
             "mili.prefill.compute_ms": first.compute_ms,
+            # prompt tokens taken from the prefix cache instead of computed
+            "mili.prefill.num_cached_tokens": first.num_cached_tokens,
         },
     )
     span.end(end_time=start_ns + int(first.compute_ms * 1e6))

@@ -196,10 +196,12 @@ def test_one_generate_is_one_connected_trace(
     compute = _one(in_trace, "mili-prefill", "prefill compute")
     assert _attrs(compute)["mili.prefill.num_prompt_tokens"] == num_prompt_tokens
     assert _attrs(compute)["mili.prefill.batch_size"] == 1
+    assert _attrs(compute)["mili.prefill.num_cached_tokens"] == 0  # a prompt never seen before
 
     # Batched steps are roots in their own traces, linked to the requests they served.
     decode_request = _one(in_trace, "mili-decode", "decode request")
     assert _attrs(decode_request)["mili.decode.num_output_tokens"] == 8
+    assert _attrs(decode_request)["mili.decode.num_cached_blocks"] == 0
     steps = [s for svc, s in spans if svc == "mili-decode" and s.name == "decode step"]
     linked = [s for s in steps if any(link.span_id == decode_request.span_id for link in s.links)]
     assert len(linked) == 7  # the first token is prefill's; 7 decode steps make the rest
