@@ -47,6 +47,17 @@ async def expect_error(awaitable: Awaitable[Any], code: grpc.StatusCode) -> grpc
     return info.value
 
 
+async def refused_at_header(
+    client: Client, header: kv_pb2.TransferKvRequest, code: grpc.StatusCode
+) -> grpc.aio.AioRpcError:
+    """Send a transfer's header alone and await the verdict without writing more: when the
+    server ends a call while the client is still writing, grpc's client may report INTERNAL
+    ("execute_batch" failed) in place of the server's status."""
+    call = client.kv.TransferKv(timeout=10)
+    await call.write(header)
+    return await expect_error(call, code)
+
+
 def run(server: DecodeServerThread, body: Callable[[Client], Awaitable[None]]) -> None:
     async def main() -> None:
         async with insecure_channel(server.address) as channel:
@@ -107,7 +118,7 @@ def test_lease_expiry_fails_request_and_frees_blocks(
         # A transfer arriving after the lease finds no reservation.
         prefilled = await asyncio.to_thread(player.prefill, prompt, LONG)
         messages = player.messages("lease", prompt, block_ids, prefilled)
-        await expect_error(client.kv.TransferKv(iter(messages)), Code.NOT_FOUND)
+        await refused_at_header(client, messages[0], Code.NOT_FOUND)
 
     run(decode_server, body)
 
@@ -246,7 +257,7 @@ def test_layout_mismatch_is_refused_naming_both(
         prefilled = await asyncio.to_thread(player.prefill, prompt, SHORT)
         layout = player.layout(num_kv_heads=4)
         messages = player.messages("layout2", prompt, block_ids, prefilled, layout=layout)
-        err = await expect_error(client.kv.TransferKv(iter(messages)), Code.FAILED_PRECONDITION)
+        err = await refused_at_header(client, messages[0], Code.FAILED_PRECONDITION)
         assert "num_kv_heads=2" in err.details() and "num_kv_heads=4" in err.details()
         await expect_error(call.read(), Code.FAILED_PRECONDITION)
 
@@ -258,8 +269,7 @@ def test_transfer_for_unknown_or_busy_request_is_not_found(
 ) -> None:
     async def body(client: Client) -> None:
         header = kv_pb2.TransferHeader(request_id="nobody", layout=player.layout(), num_tokens=1)
-        messages = [kv_pb2.TransferKvRequest(header=header)]
-        await expect_error(client.kv.TransferKv(iter(messages)), Code.NOT_FOUND)
+        await refused_at_header(client, kv_pb2.TransferKvRequest(header=header), Code.NOT_FOUND)
         # A second transfer for a request already receiving one.
         call, reserved = await client.admit(generate_request("busy", [5, 6], SHORT))
         header = kv_pb2.TransferHeader(
@@ -271,8 +281,8 @@ def test_transfer_for_unknown_or_busy_request_is_not_found(
         first = client.kv.TransferKv(timeout=10)
         await first.write(kv_pb2.TransferKvRequest(header=header))
         await client.info()
-        second = [kv_pb2.TransferKvRequest(header=header)]
-        err = await expect_error(client.kv.TransferKv(iter(second)), Code.NOT_FOUND)
+        second = kv_pb2.TransferKvRequest(header=header)
+        err = await refused_at_header(client, second, Code.NOT_FOUND)
         assert "transferring" in err.details()
         call.cancel()  # the caller goes away: the transfer into its blocks stops at once
         err = await expect_error(first, Code.CANCELLED)
@@ -297,7 +307,7 @@ def test_a_forged_header_is_refused_and_leaves_the_request_alone(
             for mine, theirs in zip(forged, genuine, strict=True):
                 mine.CopyFrom(theirs)
             forged[0].header.transfer_token = token
-            err = await expect_error(client.kv.TransferKv(iter(forged)), Code.PERMISSION_DENIED)
+            err = await refused_at_header(client, forged[0], Code.PERMISSION_DENIED)
             assert "transfer token" in err.details()
         assert (await client.info()).num_waiting == 1  # still waiting for its KV
         reply = await client.kv.TransferKv(iter(genuine), timeout=30)
