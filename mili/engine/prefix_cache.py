@@ -94,6 +94,16 @@ class PrefixCache:
         """Blocks an allocation can get: free ones plus evictable cached ones."""
         return self.pool.num_free + len(self._evictable)
 
+    def keys(self, token_ids: Sequence[int]) -> list[bytes]:
+        """The keys of `token_ids`' full blocks (for an owner that looks a prompt up often)."""
+        return block_hashes(token_ids, self.block_size)
+
+    def record(self, num_query_tokens: int, num_hit_blocks: int) -> None:
+        """Count one lookup of `num_query_tokens` tokens that reused `num_hit_blocks` blocks."""
+        self.stats.queries += 1
+        self.stats.query_tokens += num_query_tokens
+        self.stats.hit_tokens += num_hit_blocks * self.block_size
+
     def match(
         self, token_ids: Sequence[int], *, max_blocks: int | None = None, record: bool = True
     ) -> list[int]:
@@ -102,15 +112,19 @@ class PrefixCache:
         The caller gets one reference on each returned block (free them with `free`). At most
         `max_blocks` are matched: a prefill must compute at least the prompt's last token to
         get its logits, so it asks for at most (len - 1) // block_size blocks. `record=False`
-        leaves the hit counters to the caller (a scheduler that may give the blocks back).
+        leaves the counters to the caller (`record`, once it keeps the blocks).
         """
+        matched = self.match_keys(self.keys(token_ids), max_blocks=max_blocks)
         if record:
-            self.stats.queries += 1
-            self.stats.query_tokens += len(token_ids)
+            self.record(len(token_ids), len(matched))
+        return matched
+
+    def match_keys(self, keys: Sequence[bytes], *, max_blocks: int | None = None) -> list[int]:
+        """`match` on keys already computed (`keys`); counts nothing."""
         if not self.enabled:
             return []
         matched: list[int] = []
-        for key in block_hashes(token_ids, self.block_size):
+        for key in keys:
             if max_blocks is not None and len(matched) >= max_blocks:
                 break
             block_id = self._block_of_key.get(key)
@@ -118,8 +132,6 @@ class PrefixCache:
                 break
             matched.append(block_id)
         self._acquire(matched)
-        if record:
-            self.stats.hit_tokens += len(matched) * self.block_size
         return matched
 
     def num_cached_prefix_blocks(self, token_ids: Sequence[int]) -> int:
@@ -153,9 +165,12 @@ class PrefixCache:
         already cached under another id is left alone (the request keeps its own copy; the
         index keeps the first). Returns how many blocks were newly cached.
         """
+        return self.insert_keys(self.keys(token_ids), block_table)
+
+    def insert_keys(self, keys: Sequence[bytes], block_table: Sequence[int]) -> int:
+        """`insert` with the blocks' keys already computed."""
         if not self.enabled:
             return 0
-        keys = block_hashes(token_ids, self.block_size)
         if len(block_table) < len(keys):
             raise ValueError(
                 f"{len(keys)} full blocks of tokens but a block table of {len(block_table)}"

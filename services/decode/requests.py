@@ -197,10 +197,7 @@ class RequestTable:
                     f"{e.num_free + len(cached)} of {self._pool.num_blocks} free",
                     retry_after_s,
                 ) from None
-            stats = self._cache.stats
-            stats.queries += 1
-            stats.query_tokens += len(prompt_token_ids)
-            stats.hit_tokens += len(cached) * self.block_size
+            self._cache.record(len(prompt_token_ids), len(cached))
             request = DecodeRequest(
                 request_id=request_id,
                 prompt_token_ids=list(prompt_token_ids),

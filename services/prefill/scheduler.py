@@ -97,7 +97,10 @@ class _Prompt:
     num_tokens: int
     num_computed_tokens: int = 0  # prompt tokens whose KV is in the cache
     block_table: list[int] = field(default_factory=list)  # [] while waiting
-    prompt_token_ids: Sequence[int] | None = None  # None: not looked up in the prefix cache
+    # Keys of the prompt's full blocks, hashed once at `add` (a waiting prompt is looked up again
+    # at every step until admitted; each computed chunk's blocks are inserted); None: the prompt
+    # is not looked up in the prefix cache.
+    block_keys: list[bytes] | None = None
     num_cached_tokens: int = 0  # set at admission
 
 
@@ -169,9 +172,10 @@ class Scheduler:
         self.check(request_id, num_tokens, retry_after_s=retry_after_s)
         if prompt_token_ids is not None and len(prompt_token_ids) != num_tokens:
             raise ValueError(f"{len(prompt_token_ids)} prompt token ids for {num_tokens} tokens")
-        self._waiting[request_id] = _Prompt(
-            request_id, num_tokens, prompt_token_ids=prompt_token_ids
-        )
+        keys = None
+        if prompt_token_ids is not None and self.prefix_cache.enabled:
+            keys = self.prefix_cache.keys(prompt_token_ids)
+        self._waiting[request_id] = _Prompt(request_id, num_tokens, block_keys=keys)
         self.num_queued_tokens += num_tokens
 
     def check(
@@ -251,9 +255,7 @@ class Scheduler:
                 break
             prompt.block_table = cached + self.prefix_cache.allocate(need)
             prompt.num_computed_tokens = prompt.num_cached_tokens = num_cached_tokens
-            self.prefix_cache.stats.hit_tokens += num_cached_tokens
-            self.prefix_cache.stats.query_tokens += prompt.num_tokens
-            self.prefix_cache.stats.queries += 1
+            self.prefix_cache.record(prompt.num_tokens, len(cached))
             del self._waiting[prompt.request_id]
             self._running[prompt.request_id] = prompt
             for ship_start in range(0, num_cached_tokens - num_cached_tokens % c, c):
@@ -273,10 +275,10 @@ class Scheduler:
 
     def _match(self, prompt: _Prompt) -> list[int]:
         """Cached leading blocks for a waiting prompt (one reference each); [] without ids."""
-        if prompt.prompt_token_ids is None or not self.prefix_cache.enabled:
+        if prompt.block_keys is None:
             return []
         max_blocks = (prompt.num_tokens - 1) // self.block_size
-        return self.prefix_cache.match(prompt.prompt_token_ids, max_blocks=max_blocks, record=False)
+        return self.prefix_cache.match_keys(prompt.block_keys, max_blocks=max_blocks)
 
     def complete(self, step: Step) -> list[str]:
         """Record a finished forward; return the request ids whose whole prompt is now computed.
@@ -293,8 +295,9 @@ class Scheduler:
             ):
                 continue
             prompt.num_computed_tokens = chunk.end
-            if prompt.prompt_token_ids is not None:
-                self.prefix_cache.insert(prompt.prompt_token_ids[: chunk.end], prompt.block_table)
+            if prompt.block_keys is not None:
+                full = chunk.end // self.block_size
+                self.prefix_cache.insert_keys(prompt.block_keys[:full], prompt.block_table)
             if chunk.is_last:
                 del self._running[chunk.request_id]
                 self._computed[chunk.request_id] = prompt
