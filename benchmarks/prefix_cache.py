@@ -39,11 +39,8 @@ import json
 import os
 import platform
 import re
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -53,12 +50,14 @@ from typing import Any
 
 import grpc
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.serving, as a script
+
+from benchmarks.serving import mili_serve
 from mili.common.v1 import sampling_pb2
 from mili.engine.block_hash import block_hashes
 from mili.frontend.v1 import generation_pb2, generation_pb2_grpc
 from mili.ports import pick_free
 
-ROOT = Path(__file__).resolve().parent.parent
 BLOCK_SIZE = 16  # the services' default
 VOCAB = 800  # ids the demo tokenizer knows
 
@@ -108,45 +107,22 @@ def model_dir(cache_dir: Path) -> Path:
 def deployment(args: argparse.Namespace, *, cache: bool) -> Iterator[tuple[str, list[str]]]:
     """`mili serve`; yields (frontend address, decode and prefill /metrics URLs)."""
     metrics_base = _free_run(2 + args.prefills + args.decodes)
-    command = [sys.executable, "-m", "mili", "serve", "--model", str(args.model_dir)]
-    command += ["--port", "0", "--log-level", "WARNING", "--metrics-port", str(metrics_base)]
-    command += ["--prefill-instances", str(args.prefills)]
-    command += ["--decode-instances", str(args.decodes)]
+    extra = ["--metrics-port", str(metrics_base), "--prefill-instances", str(args.prefills)]
+    extra += ["--decode-instances", str(args.decodes)]
     # Every conversation's first turn arrives at once: room for all of them in the prefill
     # queues (the default, 4 x --max-batch-tokens, would refuse some with RESOURCE_EXHAUSTED).
     queue = args.conversations * (
         args.system_tokens + args.turns * (args.user_tokens + args.output_tokens)
     )
-    command += ["--prefill-args", f"--max-queued-tokens {queue}"]
+    extra += ["--prefill-args", f"--max-queued-tokens {queue}"]
     if not cache:
-        command.append("--no-prefix-cache")
+        extra.append("--no-prefix-cache")
     urls = [
         f"http://127.0.0.1:{metrics_base + 2 + i}/metrics"
         for i in range(args.prefills + args.decodes)
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONUNBUFFERED": "1"}
-    with tempfile.TemporaryFile("w+") as log:
-        proc = subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=log, text=True, cwd=ROOT, env=env
-        )
-        try:
-            assert proc.stdout is not None
-            address = None
-            for line in proc.stdout:
-                if line.startswith("frontend service listening on "):
-                    address = line.split()[-1]
-                    break
-            if address is None:
-                log.seek(0)
-                raise RuntimeError(f"mili serve exited {proc.wait()}:\n{log.read()[-3000:]}")
-            yield address, urls
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(90)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    with mili_serve(args.model_dir, "float32", args.threads, "auto", extra) as served:
+        yield served.address, urls
 
 
 def _free_run(n: int) -> int:
