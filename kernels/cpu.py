@@ -13,6 +13,7 @@ import importlib.util
 import os
 from pathlib import Path
 from types import ModuleType
+from typing import Self
 
 import numpy as np
 import torch
@@ -56,8 +57,9 @@ DECODE_ONE_THREAD_BYTES = 2 * 2**20
 PREFILL_ONE_THREAD_FLOPS = 10e6
 
 
-class CpuKernels:
-    """`prefill`/`decode` of the AttentionBackend contract on CPU tensors."""
+class CpuModuleBinding:
+    """The loaded CPU extension module and its threading options: what the attention and the
+    fused-op bindings share."""
 
     def __init__(
         self, module: ModuleType, num_threads: int | None = None, *, always_parallel: bool = False
@@ -69,12 +71,16 @@ class CpuKernels:
         self.num_calls = 0
 
     @classmethod
-    def from_path(cls, path: Path, num_threads: int | None = None) -> CpuKernels:
+    def from_path(cls, path: Path, num_threads: int | None = None) -> Self:
         return cls(load_module(path), num_threads)
 
-    def with_options(self, *, num_threads: int | None, always_parallel: bool) -> CpuKernels:
+    def with_options(self, *, num_threads: int | None, always_parallel: bool) -> Self:
         """The same module with other threading options."""
-        return CpuKernels(self._module, num_threads, always_parallel=always_parallel)
+        return type(self)(self._module, num_threads, always_parallel=always_parallel)
+
+
+class CpuKernels(CpuModuleBinding):
+    """`prefill`/`decode` of the AttentionBackend contract on CPU tensors."""
 
     def _threads(self, work: float, one_thread_below: float) -> int:
         """Workers for a call of `work` units: one below the threshold, else all we were given.

@@ -8,12 +8,9 @@ not see them).
 
 from __future__ import annotations
 
-from pathlib import Path
-from types import ModuleType
-
 import torch
 
-from kernels.cpu import load_module
+from kernels.cpu import CpuModuleBinding
 from kernels.fused.checks import check_norm, check_qk_norm_rope, check_silu_mul
 
 # Below this many bytes read and written, a call runs inline on the caller's thread: waking the
@@ -21,26 +18,11 @@ from kernels.fused.checks import check_norm, check_qk_norm_rope, check_silu_mul
 ONE_THREAD_BYTES = 1 << 20
 
 
-class CpuFusedKernels:
+class CpuFusedKernels(CpuModuleBinding):
     """`FusedOps` on CPU tensors (fp32, bf16, fp16; head_dim 64, 128, 256)."""
 
     name = "mojo"
     is_graph_safe = False  # CPU tensors: there is no CUDA graph to capture
-
-    def __init__(
-        self, module: ModuleType, num_threads: int | None = None, *, always_parallel: bool = False
-    ) -> None:
-        self._module = module
-        self._num_threads = num_threads  # None: torch.get_num_threads() at each call
-        self._always_parallel = always_parallel  # tests: every call on all workers
-        self.num_calls = 0
-
-    @classmethod
-    def from_path(cls, path: Path, num_threads: int | None = None) -> CpuFusedKernels:
-        return cls(load_module(path), num_threads)
-
-    def with_options(self, *, num_threads: int | None, always_parallel: bool) -> CpuFusedKernels:
-        return CpuFusedKernels(self._module, num_threads, always_parallel=always_parallel)
 
     def _threads(self, num_bytes: int, rows: int) -> int:
         if num_bytes < ONE_THREAD_BYTES and not self._always_parallel:
