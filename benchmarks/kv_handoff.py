@@ -16,14 +16,18 @@ Receivers, each a separate process on loopback:
             cache on a worker thread, pipelined with reading the stream
   discard   counts bytes only: the prefill side's own ceiling
   (both read chunks in place, with kv_codec.parse_transfer_request, as decode does)
-  decode    the real `mili serve-decode` (a Generate call reserves the blocks first); skipped
-            with --no-decode
+  decode    the real `mili serve-decode` (a Generate call reserves the blocks first), started
+            with --kv-transport grpc: the bytes in the chunks; skipped with --no-decode
+  decode-shm  the real decode service pairing over shm: its KV pool in POSIX shared memory,
+            prefill writes the blocks in place, the chunks carry block ids and CRC-32 only
 
-Targets: KV path >= 0.5 GB/s, start -> ack <= 1.3 x compute alone.
+Targets: KV path >= 0.5 GB/s (grpc; issue 15: >= 1.5), >= 5 GB/s (shm); start -> ack <= 1.3 x
+compute alone (shm: <= 1.05 x).
 
     .venv/bin/python benchmarks/kv_handoff.py
     .venv/bin/python benchmarks/kv_handoff.py --prompt-len 1024 --repeats 5 --json
     .venv/bin/python benchmarks/kv_handoff.py --receivers decode --path-only --repeats 15
+    .venv/bin/python benchmarks/kv_handoff.py --receivers decode,decode-shm --repeats 5
 """
 
 from __future__ import annotations
@@ -68,7 +72,9 @@ from services.prefill.server import PrefillServicer, add_to_server
 from services.prefill.task import FirstToken, PrefillTask
 
 MODEL = "qwen3-0.6b"
-RECEIVERS = ("discard", "checker", "decode")
+RECEIVERS = ("discard", "checker", "decode", "decode-shm")
+# The real decode service, per KV transport: its flags (a decode forced to grpc pairs over grpc).
+DECODE_TRANSPORTS = {"decode": ["--kv-transport", "grpc"], "decode-shm": []}
 BLOCK_SIZE = 16
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -231,7 +237,9 @@ async def compute_and_handoff(
 async def kv_path_alone(
     servicer: PrefillServicer, address: str, reserve: Reserve, prompt: list[int], repeats: int
 ) -> list[tuple[float, int]]:
-    """(seconds, KV bytes) per run: every layer's blocks handed to a KvSender at once."""
+    """(seconds, KV bytes) per run: every layer's blocks handed to a KvSender at once, over
+    the transport the prefill service pairs with `address`."""
+    pairing = await servicer.peers.pair(address)
     cache = servicer.worker.kv_cache
     blocks = list(range(-(-len(prompt) // BLOCK_SIZE)))
     layers = [cache.gather_blocks(i, blocks) for i in range(cache.num_layers)]
@@ -256,6 +264,7 @@ async def kv_path_alone(
                         layout=servicer.layout,
                         num_chunks=len(layers),
                         timeout_s=600,
+                        pairing=pairing,
                     )
 
                     def push(sender: KvSender = sender) -> None:
@@ -337,11 +346,14 @@ async def measure(args: argparse.Namespace, path: Path) -> list[dict[str, Any]]:
                         stub, model, address, reserve, prompt, args.repeats
                     )
                 rows.append(summarize(name, path_runs, full_runs))
-            if "decode" in args.receivers:
+            for name, transport_args in DECODE_TRANSPORTS.items():
+                if name not in args.receivers:
+                    continue
                 decode_args = ["--port", "0", "--num-blocks", str(2 * num_blocks + 8)]
                 decode_args += ["--block-size", str(BLOCK_SIZE), "--log-level", "WARNING"]
+                decode_args += ["--dtype", "bfloat16"]  # the CPU default is float32
                 mili = [sys.executable, "-m", "mili", "serve-decode", "--model", str(path)]
-                proc, address = _start([*mili, *decode_args])
+                proc, address = _start([*mili, *decode_args, *transport_args])
                 procs.append(proc)
                 async with insecure_channel(address) as decode_channel:
                     reserve = decode_reservation(decode_channel, prompt, servicer.layout)
@@ -353,7 +365,9 @@ async def measure(args: argparse.Namespace, path: Path) -> list[dict[str, Any]]:
                         full_runs = await compute_and_handoff(
                             stub, model, address, reserve, prompt, args.repeats
                         )
-                rows.append(summarize("decode", path_runs, full_runs))
+                row = summarize(name, path_runs, full_runs)
+                row["transport"] = servicer.peers.transports()[address]
+                rows.append(row)
     finally:
         await server.drain()
         await servicer.close()
@@ -399,7 +413,7 @@ def main() -> None:
     if unknown := set(args.receivers) - set(RECEIVERS):
         parser.error(f"--receivers: unknown {sorted(unknown)}; choose from {RECEIVERS}")
     if not args.decode:
-        args.receivers = [r for r in args.receivers if r != "decode"]
+        args.receivers = [r for r in args.receivers if r not in DECODE_TRANSPORTS]
     if args.serve_receiver:
         torch.set_num_threads(args.receiver_threads)
         asyncio.run(_serve_receiver(args.serve_receiver[0], int(args.serve_receiver[1])))
@@ -415,7 +429,7 @@ def main() -> None:
         f" KV, torch threads {args.threads}, medians of {args.repeats} runs (ms unless noted)\n"
     )
     header = ("receiver", "KV path", "GB/s", "compute", "start->ack", "ratio", "tail")
-    print("{:<9}{:>9}{:>7}{:>10}{:>12}{:>7}{:>7}".format(*header))
+    print("{:<11}{:>9}{:>7}{:>10}{:>12}{:>7}{:>7}".format(*header))
     for r in rows:
         full = (
             [
@@ -428,7 +442,7 @@ def main() -> None:
             else ["-"] * 4
         )
         print(
-            "{:<9}{:>9.0f}{:>7.2f}{:>10}{:>12}{:>7}{:>7}".format(
+            "{:<11}{:>9.0f}{:>7.2f}{:>10}{:>12}{:>7}{:>7}".format(
                 r["receiver"], r["kv_path_ms"], r["kv_path_gb_s"], *full
             )
         )

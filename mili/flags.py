@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from mili import ports
+from mili.engine import kv_transport
 from mili.rpc.server import ServerConfig, ServerTls
 from mili.rpc.tls import Tls, TlsFiles
 
@@ -251,3 +252,20 @@ def resolve_model(args: argparse.Namespace) -> Path:
     from mili.demo.model import default_model_dir  # imports torch: only when needed
 
     return default_model_dir()
+
+
+def add_transport_arguments(parser: argparse.ArgumentParser) -> None:
+    """--kv-transport and --host-id (prefill has the same two)."""
+    parser.add_argument(
+        "--kv-transport",
+        default="auto",
+        choices=kv_transport.CHOICES,
+        help="how KV bytes move between prefill and decode: auto = the fastest both can use "
+        "(cuda-ipc or shm on one host, else grpc), or force one (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--host-id",
+        default=None,
+        help="identity of this host for KV transports (default: boot id and namespaces; only "
+        "equal ids share memory)",
+    )

@@ -31,6 +31,7 @@ import torch
 
 from mili.engine.config import Qwen3Config
 from mili.engine.kv_layout import DEFAULT_BLOCK_SIZE, DTYPES, KVLayout
+from mili.engine.shm_segment import pool_views
 
 # kv_layout.DTYPES as torch dtypes: each name there is torch's own (torch.bfloat16, ...).
 TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPES}
@@ -84,7 +85,10 @@ class KVCache:
         *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        storage: torch.Tensor | None = None,
     ) -> None:
+        """`storage`: a flat uint8 tensor to carve the pool from (a shared-memory segment, see
+        `shm_segment.pool_views` for the order), else the pool is allocated here."""
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be > 0")
         self.num_blocks = num_blocks
@@ -94,6 +98,10 @@ class KVCache:
         self.dtype = dtype
         self.device = torch.device(device)
         shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
+        if storage is not None:  # zero-filled by its creator
+            layout = self.layout_of(config, block_size, dtype)
+            self.k, self.v = pool_views(storage.to(self.device), layout, num_blocks, dtype)
+            return
         # Zeros, not empty: a bug that reads an unwritten slot then gives stable wrong numbers
         # instead of NaNs that depend on what the allocator left behind.
         self.k = [
@@ -114,6 +122,17 @@ class KVCache:
             self.num_kv_heads,
             self.head_dim,
             dtype_name(self.dtype),
+        )
+
+    @staticmethod
+    def layout_of(config: Qwen3Config, block_size: int, dtype: torch.dtype) -> KVLayout:
+        """The layout a cache of this model would have (before allocating one)."""
+        return KVLayout(
+            config.num_hidden_layers,
+            block_size,
+            config.num_key_value_heads,
+            config.head_dim,
+            dtype_name(dtype),
         )
 
     def write(
@@ -150,7 +169,15 @@ class KVCache:
         self.v[layer].index_copy_(0, index, v.to(device=self.device, dtype=self.dtype))
 
     def _index(self, block_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
-        index = torch.as_tensor(block_ids, dtype=torch.int64, device=self.device).reshape(-1)
+        """Block ids as an int64 index on the cache's device, checked without a device sync:
+        ids from the host (a list, a CPU tensor) are checked there before one non-blocking
+        copy from pinned memory; a device tensor is the caller's to have checked (reading
+        its min and max back would stall the stream once per layer)."""
+        if isinstance(block_ids, torch.Tensor) and block_ids.device.type != "cpu":
+            return block_ids.to(device=self.device, dtype=torch.int64).reshape(-1)
+        index = torch.as_tensor(block_ids, dtype=torch.int64).reshape(-1)
         if index.numel() and (int(index.min()) < 0 or int(index.max()) >= self.num_blocks):
             raise IndexError(f"block ids must be in [0, {self.num_blocks}), got {index.tolist()}")
-        return index
+        if self.device.type == "cpu":
+            return index
+        return index.pin_memory().to(self.device, non_blocking=True)

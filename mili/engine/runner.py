@@ -232,6 +232,7 @@ class ModelRunner:
         default_kv_bytes: int | None = None,
         default_num_blocks: int | None = None,
         max_useful_blocks: int | None = None,
+        storage: Callable[[int], torch.Tensor | None] | None = None,
     ) -> ModelRunner:
         """Load the checkpoint, size and allocate the KV pool, capture graphs; StartupError
         naming what is wrong.
@@ -239,6 +240,10 @@ class ModelRunner:
         `capture_graphs`: whether this engine runs decode steps (decode: yes, prefill: no);
         graphs are captured only on CUDA, without --enforce-eager, over a graph-safe backend.
         The pool's defaults and cap: kv_memory.plan_kv_pool.
+
+        `storage`: given the whole pool's byte count (its blocks plus the null block), a flat
+        zero-filled uint8 tensor to carve the KV cache from (a shared-memory segment, an
+        exported CUDA allocation: KVCache's `storage`), or None to allocate it here.
         """
         require_device(config.device)
         device = torch.device(config.device)
@@ -270,11 +275,14 @@ class ModelRunner:
             raise StartupError(str(e)) from None
         _log_pool(size, config.block_size)
         try:
+            flat = None
+            if storage is not None:
+                flat = storage((size.num_blocks + 1) * block_bytes)
             cache = KVCache(
                 model.config, size.num_blocks + 1, config.block_size, dtype=model.dtype,
-                device=device,
+                device=device, storage=flat,
             )  # fmt: skip
-        except (torch.OutOfMemoryError, RuntimeError) as e:
+        except (torch.OutOfMemoryError, RuntimeError, OSError) as e:
             raise StartupError(
                 f"cannot allocate {size.num_blocks} KV blocks ({size.num_bytes} bytes) on "
                 f"{config.device}: {e}; lower --num-blocks or --kv-cache-bytes"

@@ -4,7 +4,8 @@ One chunk carries the K and V of some whole blocks of one layer (see mili/kv/v1/
 
     data = bytes(K) + bytes(V), each a C-order [n_blocks, block_size, num_kv_heads, head_dim]
            tensor of the layout's dtype (little-endian, as torch stores it on x86/ARM and CUDA)
-    crc32 = zlib.crc32(data)
+    crc32 = zlib.crc32(data)      (or, when the pair chose it, xxh3_64 = XXH3-64(data): see
+                                   mili.rpc.kv_checksum)
 
 The layout both sides agree on first (KvLayout, `check_compatible`, `block_bytes`) is
 `mili.rpc.kv_layout`'s, which needs no torch: the frontend imports that one, never this.
@@ -27,12 +28,12 @@ Wire format of a chunk message (proto3: a field at its default value is not writ
                        0x22 len packed block_ids              (4, packed varints)
                        0x2a len K bytes V bytes               (5, bytes)
                        0x30 crc32                             (6, varint)
+                       0x38 xxh3_64                           (7, varint)
 """
 
 from __future__ import annotations
 
 import warnings
-import zlib
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -41,6 +42,7 @@ import torch
 from mili.engine.kv_cache import TORCH_DTYPES
 from mili.errors import DataLoss, FailedPrecondition
 from mili.kv.v1 import kv_pb2
+from mili.rpc.kv_checksum import CRC32, digest
 from mili.rpc.kv_layout import block_bytes
 
 
@@ -77,9 +79,10 @@ def encode_chunk_request(
     block_ids: Sequence[int],
     k: torch.Tensor,
     v: torch.Tensor,
+    checksum: str = CRC32,
 ) -> tuple[bytes, int]:
     """(serialized `TransferKvRequest{chunk}`, payload bytes); k, v: [len(block_ids),
-    block_size, num_kv_heads, head_dim] of the cache's dtype.
+    block_size, num_kv_heads, head_dim] of the cache's dtype; `checksum`: a kv_checksum name.
 
     One copy of the KV instead of protobuf's five (out of the tensors, their concatenation, into
     the KvChunk, into the TransferKvRequest, serializing): K and V stay views of the tensors
@@ -90,7 +93,7 @@ def encode_chunk_request(
         raise ValueError(f"k {tuple(k.shape)} / v {tuple(v.shape)} vs {len(block_ids)} block ids")
     k_bytes, v_bytes = _raw(k), _raw(v)
     num_data = len(k_bytes) + len(v_bytes)
-    crc = zlib.crc32(v_bytes, zlib.crc32(k_bytes))
+    value = digest(checksum, (k_bytes, v_bytes))
     head = bytearray()
     if request_id:
         encoded_id = request_id.encode()
@@ -104,7 +107,9 @@ def encode_chunk_request(
         head += b"\x22" + _write_varint(len(packed)) + packed
     if num_data:
         head += b"\x2a" + _write_varint(num_data)
-    tail = b"\x30" + _write_varint(crc) if crc else b""
+    tail = b""
+    if value:
+        tail = (b"\x30" if checksum == CRC32 else b"\x38") + _write_varint(value)
     body = len(head) + num_data + len(tail)
     message = b"".join((b"\x12", _write_varint(body), head, k_bytes, v_bytes, tail))
     return message, num_data
@@ -136,6 +141,7 @@ class ChunkView(NamedTuple):
     block_ids: list[int]
     data: memoryview
     crc32: int
+    xxh3_64: int = 0
 
 
 def parse_transfer_request(raw: bytes) -> kv_pb2.TransferKvRequest | ChunkView:
@@ -153,6 +159,7 @@ def parse_transfer_request(raw: bytes) -> kv_pb2.TransferKvRequest | ChunkView:
 
 
 _UINT32 = 0xFFFFFFFF  # protobuf keeps the low 32 bits of a varint read into a uint32 field
+_UINT64 = (1 << 64) - 1
 
 
 def _read_varint(buf: bytes, pos: int) -> tuple[int, int]:
@@ -179,7 +186,7 @@ def _parse_chunk(raw: bytes) -> ChunkView | None:
         if pos + size != end:  # more fields follow (or too few bytes): protobuf's to merge
             return None
         request_id = b""
-        seq = layer = crc32 = 0
+        seq = layer = crc32 = xxh3_64 = 0
         block_ids: list[int] = []
         data = memoryview(raw)[0:0]
         while pos < end:
@@ -197,6 +204,8 @@ def _parse_chunk(raw: bytes) -> ChunkView | None:
                     block_ids.append(value & _UINT32)
                 elif field == 6:
                     crc32 = value & _UINT32
+                elif field == 7:
+                    xxh3_64 = value & _UINT64
             elif wire_type == 2:  # length-delimited
                 size, pos = _read_varint(raw, pos)
                 if pos + size > end:
@@ -212,24 +221,29 @@ def _parse_chunk(raw: bytes) -> ChunkView | None:
                         return None
                 elif field == 5:
                     data = memoryview(raw)[pos : pos + size]
-                elif field in (0, 2, 3, 6):
+                elif field in (0, 2, 3, 6, 7):
                     return None  # no field 0; a scalar sent length-delimited: protobuf's call
                 pos += size
-            elif wire_type == 1 and field > 6:
+            elif wire_type == 1 and field > 7:
                 pos += 8  # unknown fixed64
-            elif wire_type == 5 and field > 6:
+            elif wire_type == 5 and field > 7:
                 pos += 4  # unknown fixed32
             else:
                 return None  # groups, reserved wire types, known fields mistyped: protobuf's call
         if pos != end:
             return None
-        return ChunkView(request_id.decode(), seq, layer, block_ids, data, crc32)
+        return ChunkView(request_id.decode(), seq, layer, block_ids, data, crc32, xxh3_64)
     except (IndexError, ValueError):  # truncated; bad varint; request_id not UTF-8
         return None
 
 
+def announced(chunk: kv_pb2.KvChunk | ChunkView, checksum: str) -> int:
+    """The value of `checksum` the chunk carries."""
+    return chunk.crc32 if checksum == CRC32 else chunk.xxh3_64
+
+
 def decode_chunk(
-    chunk: kv_pb2.KvChunk | ChunkView, layout: kv_pb2.KvLayout
+    chunk: kv_pb2.KvChunk | ChunkView, layout: kv_pb2.KvLayout, checksum: str = CRC32
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Validate a chunk against `layout`; return (k, v), each [n, block_size, kv_heads, D].
 
@@ -243,7 +257,7 @@ def decode_chunk(
     expected = 2 * n * block_bytes(layout)
     if len(data) != expected:
         raise DataLoss(f"{where}: {len(data)} bytes for {n} blocks, expected {expected}")
-    if zlib.crc32(data) != chunk.crc32:
+    if digest(checksum, (data,)) != announced(chunk, checksum):
         raise DataLoss(f"{where}: checksum mismatch (data corrupted in transit)")
     shape = (n, layout.block_size, layout.num_kv_heads, layout.head_dim)
     if n == 0:
@@ -255,3 +269,47 @@ def decode_chunk(
     values = flat.view(torch_dtype(layout))
     half = values.numel() // 2
     return values[:half].view(shape), values[half:].view(shape)
+
+
+# ---- transports that write the blocks in place (shm, cuda-ipc) -----------------------------
+
+
+def encode_chunk_in_place(
+    request_id: str,
+    seq: int,
+    layer: int,
+    block_ids: Sequence[int],
+    value: int,
+    checksum: str = CRC32,
+) -> bytes:
+    """A serialized `TransferKvRequest{chunk}` without data: the blocks were written in place,
+    `value` (of `checksum`) covers them as `blocks_digest` reads them."""
+    chunk = kv_pb2.KvChunk(request_id=request_id, seq=seq, layer=layer, block_ids=block_ids)
+    if checksum == CRC32:
+        chunk.crc32 = value
+    else:
+        chunk.xxh3_64 = value
+    return kv_pb2.TransferKvRequest(chunk=chunk).SerializeToString()
+
+
+def blocks_digest(
+    checksum: str, k_pool: torch.Tensor, v_pool: torch.Tensor, block_ids: Sequence[int]
+) -> int:
+    """`checksum` of blocks `block_ids` of a layer's K pool, then of its V pool, in that order:
+    the bytes a chunk with those blocks would carry. k_pool, v_pool: [num_blocks, block_size,
+    num_kv_heads, head_dim] on the CPU. Runs of consecutive ids are read in one piece."""
+    runs = block_runs(block_ids)
+    return digest(
+        checksum, (_raw(pool[start:stop]) for pool in (k_pool, v_pool) for start, stop in runs)
+    )
+
+
+def block_runs(block_ids: Sequence[int]) -> list[tuple[int, int]]:
+    """[7, 8, 9, 2, 3] -> [(7, 10), (2, 4)]: maximal runs of consecutive ids, in order."""
+    runs: list[tuple[int, int]] = []
+    for b in block_ids:
+        if runs and runs[-1][1] == b:
+            runs[-1] = (runs[-1][0], b + 1)
+        else:
+            runs.append((b, b + 1))
+    return runs

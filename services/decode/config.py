@@ -11,7 +11,9 @@ import argparse
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mili import flags
 from mili.engine.engine_config import EngineConfig, add_engine_arguments
+from mili.engine.kv_transport import CHOICES as KV_TRANSPORTS
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30  # on CPU, when neither --kv-cache-bytes nor --num-blocks is given
 
@@ -32,12 +34,19 @@ class DecodeConfig:
     # Keep finished requests' full blocks (prompt and output) for later prompts that share
     # their prefix: prefill then sends only the rest (services/decode/requests.py).
     prefix_caching: bool = True
+    # How prefill's KV bytes may arrive (mili.engine.kv_transport.CHOICES): auto offers the
+    # same-host transports too (on the CPU the KV pool then lives in shared memory).
+    kv_transport: str = "auto"
+    host_id: str | None = None  # None: this host's (tests inject others)
 
     def __post_init__(self) -> None:
         if self.max_running <= 0:
             raise ValueError(f"--max-running must be > 0, got {self.max_running}")
         if self.kv_lease_ms <= 0:
             raise ValueError(f"--kv-lease-ms must be > 0, got {self.kv_lease_ms}")
+        if self.kv_transport not in KV_TRANSPORTS:
+            choices = ", ".join(KV_TRANSPORTS)
+            raise ValueError(f"--kv-transport must be one of {choices}, got {self.kv_transport!r}")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, model_dir: Path) -> DecodeConfig:
@@ -47,6 +56,8 @@ class DecodeConfig:
             max_running=args.max_running,
             kv_lease_ms=args.kv_lease_ms,
             prefix_caching=args.prefix_caching,
+            kv_transport=args.kv_transport,
+            host_id=args.host_id,
         )
 
 
@@ -73,3 +84,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_false",
         help="free every finished request's blocks instead of keeping them for shared prefixes",
     )
+    flags.add_transport_arguments(parser)

@@ -8,19 +8,24 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from prometheus_client import CollectorRegistry
 
 from kernels.backend import select_attention
 from kernels.build import KernelBuildError
 from kernels.fused.backend import select_fused_ops
+from mili.engine import kv_transport
 from mili.engine.block_pool import BlockPool
 from mili.engine.config import ConfigError, Qwen3Config
+from mili.engine.cuda_ipc import export_pool
 from mili.engine.fingerprint import model_fingerprint
-from mili.engine.kv_cache import dtype_name
+from mili.engine.kv_cache import KVCache, dtype_name
 from mili.engine.kv_layout import KVLayout
+from mili.engine.kv_transport import Endpoint, TransportConfig
 from mili.engine.loader import load_config
 from mili.engine.model import Qwen3ForCausalLM
 from mili.engine.runner import ModelRunner, require_device
+from mili.engine.shm_segment import Segment
 from mili.errors import StartupError
 from mili.telemetry.metrics import DecodeMetrics, PrefixCacheCollector
 from services.decode.batcher import Batcher
@@ -65,6 +70,9 @@ class DecodeInstance:
     fingerprint: str  # mili.engine.fingerprint.model_fingerprint of the checkpoint
     eos_token_ids: frozenset[int]
     metrics: DecodeMetrics
+    endpoint: Endpoint  # this instance's side of KV pairs: host id, device, transports offered
+    segment: Segment | None = None  # the shared-memory segment holding the KV pool ("shm")
+    ipc_export: bytes = b""  # cuda_ipc.export_pool of the pool holding the KV cache ("cuda-ipc")
 
     @classmethod
     def load(cls, config: DecodeConfig, metrics: DecodeMetrics | None = None) -> DecodeInstance:
@@ -89,18 +97,29 @@ class DecodeInstance:
             raise StartupError(f"--attention {engine.attention}: {e}") from None
         except (ConfigError, OSError) as e:
             raise StartupError(f"cannot load model from {config.model_dir}: {e}") from None
-        runner = ModelRunner.load(
-            config.model_dir,
-            engine,
-            attention=attention,
-            fused_ops=fused_ops,
-            max_decode_batch=config.max_running,
-            capture_graphs=True,
-            default_kv_bytes=DEFAULT_KV_CACHE_BYTES,
-        )
-        pool = BlockPool(runner.num_blocks, null_block=True)
+        transport = TransportConfig(config.kv_transport, config.host_id)
+        endpoint = transport.endpoint(str(torch.device(engine.device)))
+        # The KV pool (its blocks and the runner's null block) in memory a prefill can map.
+        pool = _PoolStorage(endpoint, config.kv_transport, engine.device)
+        try:
+            runner = ModelRunner.load(
+                config.model_dir,
+                engine,
+                attention=attention,
+                fused_ops=fused_ops,
+                max_decode_batch=config.max_running,
+                capture_graphs=True,
+                default_kv_bytes=DEFAULT_KV_CACHE_BYTES,
+                storage=pool.allocate,
+            )
+        except BaseException:
+            if pool.segment is not None:
+                pool.segment.close()
+            raise
+        endpoint = pool.endpoint._replace(device=str(runner.model.device))
+        blocks = BlockPool(runner.num_blocks, null_block=True)
         table = RequestTable(
-            pool, engine.block_size, config.max_running, prefix_caching=config.prefix_caching
+            blocks, engine.block_size, config.max_running, prefix_caching=config.prefix_caching
         )
         if metrics is None:
             metrics = DecodeMetrics(CollectorRegistry())
@@ -119,13 +138,29 @@ class DecodeInstance:
             max_context_tokens=runner.model.config.max_position_embeddings,
             metrics=metrics,
         )
-        return cls(config, runner, table, batcher, fingerprint, eos, metrics)
+        return cls(
+            config,
+            runner,
+            table,
+            batcher,
+            fingerprint,
+            eos,
+            metrics,
+            endpoint,
+            pool.segment,
+            pool.ipc_export,
+        )
 
     # ---- what Info reports ---------------------------------------------------------------------
 
     @property
     def model(self) -> Qwen3ForCausalLM:
         return self.runner.model
+
+    @property
+    def cache(self) -> KVCache:
+        """The KV cache (its last block is the runner's null block)."""
+        return self.runner.kv_cache
 
     @property
     def model_name(self) -> str:
@@ -168,7 +203,9 @@ class DecodeInstance:
         return (
             f"model {self.model_name} ({self.config.model_dir}) on {self.device} in {self.dtype}; "
             f"{self.runner.describe()}; attention {self.attention_backend}; "
-            f"max_running {self.config.max_running}; eos {sorted(self.eos_token_ids)}"
+            f"max_running {self.config.max_running}; eos {sorted(self.eos_token_ids)}; "
+            f"KV transports {', '.join(self.endpoint.transports)}"
+            + (f" (pool in {self.segment.path})" if self.segment is not None else "")
         )
 
     # ---- life cycle ----------------------------------------------------------------------------
@@ -179,3 +216,38 @@ class DecodeInstance:
 
     def stop(self) -> None:
         self.batcher.stop()
+        if self.segment is not None:
+            self.segment.close()  # unlinks it: a restart maps a new one
+
+
+class _PoolStorage:
+    """ModelRunner.load's `storage` hook for decode: the KV pool in one exported CUDA
+    allocation ("cuda-ipc") or in a POSIX shared-memory segment ("shm"), else None (the runner
+    allocates it). A segment that cannot be made falls back to grpc unless shm was forced."""
+
+    def __init__(self, endpoint: Endpoint, allowed: str, device: str) -> None:
+        self.endpoint = endpoint
+        self.allowed = allowed
+        self.device = torch.device(device)
+        self.segment: Segment | None = None
+        self.ipc_export = b""
+
+    def allocate(self, num_bytes: int) -> torch.Tensor | None:
+        transports = self.endpoint.transports
+        if kv_transport.CUDA_IPC in transports:
+            # One allocation holding the whole pool: exported once, mapped by each prefill.
+            flat = torch.zeros(num_bytes, dtype=torch.uint8, device=self.device)
+            self.ipc_export = export_pool(flat)
+            return flat
+        if kv_transport.SHM in transports:
+            # The pool in shared memory: a prefill on this host writes its blocks in place.
+            try:
+                self.segment = Segment.create(num_bytes)
+            except OSError as e:
+                if self.allowed == kv_transport.SHM:
+                    raise StartupError(f"--kv-transport shm: {e}") from None
+                _LOG.warning("KV pool not in shared memory (%s): KV arrives over grpc", e)
+                self.endpoint = self.endpoint._replace(transports=(kv_transport.GRPC,))
+                return None
+            return self.segment.tensor
+        return None

@@ -156,6 +156,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             kv_cache_bytes=inst.kv_cache_bytes,
             num_cuda_graphs=inst.num_cuda_graphs,
             prefix_cache=prefix_cache_to_proto(table.prefix_cache_reading()),
+            kv_transports=inst.endpoint.transports,
         )
 
 
@@ -182,7 +183,12 @@ def _add_transfer(transfer: KvTransferServicer, server: grpc.aio.Server) -> None
             transfer.TransferKv,
             request_deserializer=parse_transfer_request,
             response_serializer=kv_pb2.TransferKvResponse.SerializeToString,
-        )
+        ),
+        "Pair": grpc.unary_unary_rpc_method_handler(
+            transfer.Pair,
+            request_deserializer=kv_pb2.PairRequest.FromString,
+            response_serializer=kv_pb2.PairResponse.SerializeToString,
+        ),
     }
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(KV_TRANSFER_SERVICE, handlers),)

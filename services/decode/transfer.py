@@ -29,6 +29,7 @@ Blocks are freed only after the last landing into them is over (pins, see reques
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -36,12 +37,17 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any
 
 import grpc
+import torch
 from opentelemetry import trace
 
 from mili.discovery import PeerSet, is_trusted_peer
+from mili.engine import kv_transport
+from mili.engine.cuda_ipc import blocks_checksum
+from mili.engine.kv_transport import Endpoint
 from mili.errors import Cancelled, DataLoss, InvalidArgument, PermissionDenied, Unavailable
 from mili.kv.v1 import kv_pb2, kv_pb2_grpc
-from mili.rpc.kv_codec import ChunkView, decode_chunk
+from mili.rpc import kv_checksum
+from mili.rpc.kv_codec import ChunkView, announced, blocks_digest, decode_chunk
 from mili.rpc.kv_layout import block_bytes, check_compatible
 from mili.rpc.sampling import logprobs_from_proto
 from services.decode import convert
@@ -53,6 +59,7 @@ from services.decode.requests import DecodeRequest, RequestState
 Message = kv_pb2.TransferKvRequest | ChunkView
 Chunk = kv_pb2.KvChunk | ChunkView
 
+_LOG = logging.getLogger("mili.decode")
 _CANCEL_GRACE_S = 0.1
 # Payload of one transfer's chunks received but not landed yet (always at least one chunk):
 # bounds the memory a transfer holds beyond the cache itself. Two or more chunks keep both
@@ -70,6 +77,10 @@ class _Progress:
         self.num_chunks_expected = num_chunks
         self.num_chunks = 0
         self.num_bytes = 0
+        # "grpc": the bytes come in the chunks; else the sender wrote the blocks itself
+        # (shm, cuda-ipc): verify them in place, copy nothing
+        self.transport = kv_transport.GRPC
+        self.checksum = kv_checksum.CRC32
         self._prompt_blocks = set(request.received_block_ids)  # cached blocks are not sent
         self._expected = {(layer, b) for layer in range(num_layers) for b in self._prompt_blocks}
         self._written: set[tuple[int, int]] = set()
@@ -116,6 +127,21 @@ class _Progress:
                 f"{where}: {len(missing)} (layer, block) pairs never sent, e.g. layer {layer} "
                 f"block {block}"
             )
+
+
+_LANDING_STREAMS = threading.local()  # per landing thread: its own CUDA stream
+
+
+def in_place_checksum(
+    transport: str, k_pool: torch.Tensor, v_pool: torch.Tensor, block_ids: list[int]
+) -> int:
+    """The device checksum a cuda-ipc chunk carries, over what blocks `block_ids` of the layer
+    hold now, on this landing thread's own stream: the decode step never waits for it."""
+    stream = getattr(_LANDING_STREAMS, "stream", None)
+    if stream is None:
+        stream = _LANDING_STREAMS.stream = torch.cuda.Stream(k_pool.device)
+    with torch.cuda.stream(stream):
+        return blocks_checksum(k_pool, v_pool, block_ids)
 
 
 def _annotate_span(progress: _Progress) -> None:
@@ -216,6 +242,35 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
         # Threads start on first use and idle between transfers.
         self._landing = ThreadPoolExecutor(landing_threads, thread_name_prefix="kv-landing")
 
+    async def Pair(
+        self, request: kv_pb2.PairRequest, context: grpc.aio.ServicerContext
+    ) -> kv_pb2.PairResponse:
+        """Pick the pair's transport: the fastest both offer, in-place ones only on one host
+        and with equal layouts (a mismatch is then reported by the transfer's header)."""
+        inst = self._instance
+        sender = Endpoint(request.host_id, request.device, tuple(request.transports))
+        transport = kv_transport.choose(sender, inst.endpoint)
+        if transport != kv_transport.GRPC and request.layout != self._layout:
+            transport = kv_transport.GRPC
+        if transport == kv_transport.SHM and inst.segment is None:
+            transport = kv_transport.GRPC
+        if transport == kv_transport.CUDA_IPC and not inst.ipc_export:
+            transport = kv_transport.GRPC
+        peer = context.peer()
+        # DEBUG: the prefill side logs each pair at INFO; decode's log stays one line per event.
+        _LOG.debug("KV pair with prefill at %s (%s): transport %s", peer, request.device, transport)
+        response = kv_pb2.PairResponse(
+            transport=transport,
+            host_id=inst.endpoint.host_id,
+            num_blocks=inst.cache.num_blocks,
+            checksum=kv_checksum.choose(request.checksums),
+        )
+        if transport == kv_transport.SHM and inst.segment is not None:
+            response.shm_path = str(inst.segment.path)
+        elif transport == kv_transport.CUDA_IPC:
+            response.cuda_ipc_export = inst.ipc_export
+        return response
+
     async def TransferKv(
         self,
         request_iterator: AsyncIterator[Message],
@@ -267,7 +322,22 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
                 header.num_tokens,
                 f"request {request.name} has {request.num_prompt_tokens} prompt tokens",
             )
+        transport = header.transport or kv_transport.GRPC
+        inst = self._instance
+        if (
+            (transport == kv_transport.SHM and inst.segment is None)
+            or (transport == kv_transport.CUDA_IPC and not inst.ipc_export)
+            or transport not in kv_transport.TRANSPORTS
+        ):
+            raise InvalidArgument(
+                "header.transport", transport, "this decode instance did not pair with it"
+            )
         progress = _Progress(request, self._layout.num_layers, header.num_chunks)
+        progress.transport = transport
+        checksum = header.checksum or kv_checksum.CRC32
+        if checksum not in kv_checksum.available():
+            raise InvalidArgument("header.checksum", checksum, "this decode instance lacks it")
+        progress.checksum = checksum
         landing = _Landing(self._landing, self._max_landing_bytes)
         try:
             while (message := await self._next(request, messages, landing)) is not None:
@@ -334,17 +404,40 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
         table = self._instance.table
         layout = self._layout
         scatter = self._instance.batcher.scatter
+        cache = self._instance.cache
         layer = chunk.layer
         block_ids = list(chunk.block_ids)
         num_bytes = 2 * len(block_ids) * self._block_bytes  # decode_chunk checks it is so
+        transport = progress.transport
+        checksum = progress.checksum
 
         def land() -> None:
             # Unpinned here, never by the handler: if the call ends mid-copy, the blocks stay
             # held until the copy is over (see requests.py).
             try:
-                if not landing.is_aborted():  # else the request failed: nothing more to write
-                    k, v = decode_chunk(chunk, layout)  # DataLoss: short or corrupt
+                if landing.is_aborted():
+                    return  # the request failed: nothing more to write
+                if transport == kv_transport.GRPC:
+                    k, v = decode_chunk(chunk, layout, checksum)  # DataLoss: short, corrupt
                     scatter(layer, block_ids, k, v)
+                    return
+                # The sender wrote the blocks already: check what they hold now.
+                where = f"request {request.name} chunk {chunk.seq} (layer {layer})"
+                if len(chunk.data):
+                    raise DataLoss(f"{where}: data sent over gRPC in an in-place transfer")
+                if layer >= len(cache.k):
+                    raise DataLoss(f"{where}: layer out of range (model has {len(cache.k)})")
+                k_pool, v_pool = cache.k[layer], cache.v[layer]
+                if transport == kv_transport.SHM:
+                    is_intact = blocks_digest(checksum, k_pool, v_pool, block_ids) == announced(
+                        chunk, checksum
+                    )
+                else:
+                    is_intact = in_place_checksum(transport, k_pool, v_pool, block_ids) == (
+                        chunk.crc32
+                    )
+                if not is_intact:
+                    raise DataLoss(f"{where}: checksum mismatch (blocks corrupted in place)")
             finally:
                 table.unpin(request)
 

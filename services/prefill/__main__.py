@@ -61,6 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_false",
         help="compute every prompt in full instead of reusing the KV of cached prefixes",
     )
+    flags.add_transport_arguments(parser)
     flags.add_server_arguments(parser, DEFAULT_PORT)
 
 
@@ -83,6 +84,8 @@ def run(args: argparse.Namespace) -> int:
             transfer_timeout_s=args.transfer_timeout,
             allowed_decodes=parse_allowed_decodes(args.decode),
             prefix_caching=args.prefix_caching,
+            kv_transport=args.kv_transport,
+            host_id=args.host_id,
         )
     except ValueError as e:
         raise StartupError(f"--decode: {e}" if "allowed decode" in str(e) else str(e)) from None

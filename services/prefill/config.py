@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from mili.discovery import DNS_SCHEME, Target, parse_target
 from mili.engine.engine_config import EngineConfig
+from mili.engine.kv_transport import CHOICES as KV_TRANSPORTS
 
 ANY_DECODE = "*"  # allows every destination: only for networks where every peer is trusted
 DEFAULT_MAX_BATCH_TOKENS = 2048
@@ -42,6 +43,10 @@ class PrefillConfig:
     # computes only what follows its longest cached prefix. Cached blocks no request holds are
     # evicted, least recently used first, when a prompt needs the room.
     prefix_caching: bool = True
+    # How KV bytes may leave (mili.engine.kv_transport.CHOICES); each decode pair gets the
+    # fastest both sides offer. host_id None: this host's (tests inject others).
+    kv_transport: str = "auto"
+    host_id: str | None = None
     _allowed: frozenset[str] = field(init=False, repr=False, compare=False)
     _names: tuple[Target, ...] = field(init=False, repr=False, compare=False)
 
@@ -58,6 +63,10 @@ class PrefillConfig:
             )
         if not self.transfer_timeout_s > 0:
             raise ValueError(f"transfer_timeout_s must be > 0, got {self.transfer_timeout_s}")
+        if self.kv_transport not in KV_TRANSPORTS:
+            raise ValueError(
+                f"kv_transport must be one of {KV_TRANSPORTS}, got {self.kv_transport!r}"
+            )
         allowed = set()
         names = []
         for address in self.allowed_decodes:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import Executor
 from typing import NamedTuple
 
@@ -26,7 +26,9 @@ import grpc
 import torch
 
 from mili.common.v1 import sampling_pb2
+from mili.engine import kv_transport
 from mili.errors import (
+    Cancelled,
     DataLoss,
     DeadlineExceeded,
     FailedPrecondition,
@@ -37,10 +39,10 @@ from mili.errors import (
     Unavailable,
 )
 from mili.kv.v1 import kv_pb2
-from mili.rpc.client import channel as make_channel
+from mili.rpc import kv_checksum
 from mili.rpc.kv_codec import encode_chunk_request
 from mili.rpc.status import server_status_of
-from mili.rpc.tls import Tls
+from services.prefill.pairing import GRPC_PAIRING, Pairing
 from services.prefill.task import FirstToken, PrefillTask
 
 _SERVICE = kv_pb2.DESCRIPTOR.services_by_name["KvTransferService"]
@@ -53,45 +55,6 @@ class TransferResult(NamedTuple):
     first: FirstToken
     kv_bytes: int  # payload bytes of every chunk
     transfer_ms: float  # first chunk written -> decode's acknowledgement
-
-
-class ChannelPool:
-    """One channel per decode address, shared by every transfer to it (one HTTP/2 connection,
-    reconnected by grpc when it drops). With `tls`, channels are TLS and present our
-    certificate; `server_name(address)` gives the name to verify decode's certificate against
-    (the DNS name an instance was found by; None: the address's host)."""
-
-    def __init__(
-        self,
-        max_message_bytes: int,
-        *,
-        interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
-        tls: Tls | None = None,
-        server_name: Callable[[str], str | None] = lambda address: None,
-    ) -> None:
-        self._max_message_bytes = max_message_bytes
-        self._interceptors = list(interceptors)  # tracing's, which carry the trace to decode
-        self._tls = tls
-        self._server_name = server_name
-        self._channels: dict[str, grpc.aio.Channel] = {}
-
-    def get(self, address: str) -> grpc.aio.Channel:
-        channel = self._channels.get(address)
-        if channel is None:
-            channel = make_channel(
-                address,
-                tls=self._tls,
-                server_name=self._server_name(address),
-                max_message_bytes=self._max_message_bytes,
-                interceptors=self._interceptors,
-            )
-            self._channels[address] = channel
-        return channel
-
-    async def close(self) -> None:
-        channels, self._channels = list(self._channels.values()), {}
-        for channel in channels:
-            await channel.close()
 
 
 class _Blocks(NamedTuple):
@@ -131,8 +94,10 @@ class KvSender:
         layout: kv_pb2.KvLayout,
         num_chunks: int,
         timeout_s: float,
+        pairing: Pairing = GRPC_PAIRING,
     ) -> None:
         self._task = task
+        self._pairing = pairing
         self._channel = channel
         self._encoder = encoder
         self._layout = layout
@@ -143,6 +108,11 @@ class KvSender:
         self._is_closed = False
 
     # ---- KvSink: called from the worker thread -----------------------------------------------
+
+    @property
+    def takes_device_tensors(self) -> bool:
+        """cuda-ipc copies device to device: the worker hands over its GPU gather as is."""
+        return self._pairing.transport == kv_transport.CUDA_IPC
 
     def send_blocks(
         self,
@@ -183,12 +153,15 @@ class KvSender:
         call = transfer_kv(timeout=self._timeout_s)
         call.add_done_callback(self._on_done)
         task = self._task
+        pairing = self._pairing
         header = kv_pb2.TransferHeader(
             request_id=task.request_id,
             layout=self._layout,
             num_tokens=len(task.prompt_token_ids),
             num_chunks=self._num_chunks,
             transfer_token=task.transfer_token,
+            transport="" if pairing.transport == kv_transport.GRPC else pairing.transport,
+            checksum="" if pairing.checksum == kv_checksum.CRC32 else pairing.checksum,
         )
         try:
             # The header is on the wire before the prompt can reach a forward: decode checks
@@ -239,8 +212,26 @@ class KvSender:
             blocks.ready()
         n = blocks.k.shape[0]
         block_ids = self._task.prompt_block_ids[blocks.first_block : blocks.first_block + n]
+        if self._is_closed:  # the transfer ended: write nothing more into decode's blocks
+            raise Cancelled(f"the KV transfer of request {self._task.name} ended")
+        if self._pairing.pool is not None:  # bytes into decode's pool, the chunk announces them
+            return self._pairing.pool.encode(
+                self._task.request_id,
+                seq,
+                blocks.layer,
+                block_ids,
+                blocks.k,
+                blocks.v,
+                self._pairing.checksum,
+            )
         return encode_chunk_request(
-            self._task.request_id, seq, blocks.layer, block_ids, blocks.k, blocks.v
+            self._task.request_id,
+            seq,
+            blocks.layer,
+            block_ids,
+            blocks.k,
+            blocks.v,
+            self._pairing.checksum,
         )
 
     def _on_done(self, call: grpc.aio.StreamUnaryCall) -> None:

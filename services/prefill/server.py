@@ -22,7 +22,8 @@ from opentelemetry import trace
 from opentelemetry.trace import Span
 
 from mili.discovery import PeerSet, Resolve, resolve_host
-from mili.errors import PermissionDenied
+from mili.engine.kv_transport import TransportConfig
+from mili.errors import PermissionDenied, Unavailable
 from mili.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from mili.rpc.kv_layout import block_bytes, layout_to_proto
 from mili.rpc.prefix_cache import prefix_cache_to_proto
@@ -33,8 +34,9 @@ from mili.telemetry.tracing import current_span_context
 from services.prefill import convert
 from services.prefill.config import PrefillConfig
 from services.prefill.instance import PrefillInstance
+from services.prefill.pairing import Peers
 from services.prefill.scheduler import Scheduler
-from services.prefill.sender import ChannelPool, KvSender, TransferResult, logprobs
+from services.prefill.sender import KvSender, TransferResult, logprobs
 from services.prefill.task import FirstToken
 from services.prefill.worker import PrefillWorker
 
@@ -80,8 +82,16 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             target = names.target_of(address)
             return None if target is None else target.host
 
-        self._channels = ChannelPool(
-            max_message_bytes, interceptors=client_interceptors, tls=tls, server_name=server_name
+        transport = TransportConfig(self.config.kv_transport, self.config.host_id)
+        model = instance.runner.model
+        self.peers = Peers(
+            max_message_bytes,
+            endpoint=transport.endpoint(str(model.device)),
+            layout=self.layout,
+            dtype=model.dtype,
+            interceptors=client_interceptors,
+            tls=tls,
+            server_name=server_name,
         )
         self._encoder = ThreadPoolExecutor(num_encoder_threads, thread_name_prefix="kv-encode")
         instance.start()
@@ -101,7 +111,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     async def close(self) -> None:
         """Stop the worker (failing what is left), close channels and the encoder threads."""
         await asyncio.to_thread(self.instance.stop)
-        await self._channels.close()
+        await self.peers.close()
         self._encoder.shutdown(wait=False, cancel_futures=True)
 
     async def Prefill(
@@ -131,13 +141,15 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         num_chunks = self.scheduler.num_shipped_chunks(
             len(task.prompt_token_ids), task.num_cached_blocks
         )
+        pairing = await self.peers.pair(task.address)
         sender = KvSender(
             task,
-            channel=self._channels.get(task.address),
+            channel=self.peers.get(task.address),
             encoder=self._encoder,
             layout=self.layout,
             num_chunks=self.layout.num_layers * num_chunks,
             timeout_s=timeout_s,
+            pairing=pairing,
         )
         # Refuse a full queue (or a request id already here) before opening a stream to
         # decode; `submit` checks again.
@@ -157,7 +169,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             with _TRACER.start_as_current_span(
                 "kv transfer", attributes={"mili.kv.destination": task.address}
             ) as span:
-                result = await sender.run(submit)
+                try:
+                    result = await sender.run(submit)
+                except Unavailable:
+                    self.peers.forget(task.address)  # decode gone: pair again next time
+                    raise
                 _record_transfer(
                     span,
                     result,
@@ -198,6 +214,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             num_free_blocks=self.worker.num_free_blocks,
             kv_cache_bytes=instance.runner.kv_cache_bytes,
             prefix_cache=prefix_cache_to_proto(instance.worker.prefix_cache_reading()),
+            kv_transports=self.peers.transports(),
         )
 
 

@@ -57,6 +57,12 @@ class KvSink(Protocol):
     """Where the worker thread pushes one prompt's KV; every method is called from that thread
     and must return at once (hand off, never wait on the network)."""
 
+    @property
+    def takes_device_tensors(self) -> bool:
+        """True: `send_blocks` gets K/V on the model's device (cuda-ipc copies them device to
+        device); False: on the CPU."""
+        ...
+
     def send_blocks(
         self,
         layer: int,
@@ -67,9 +73,9 @@ class KvSink(Protocol):
     ) -> None:
         """K/V of the prompt's blocks first_block, first_block + 1, ... of `layer`.
 
-        k, v: [n, block_size, num_kv_heads, head_dim] on the CPU, owned by the sink. `ready`, when
-        given, must be called (from any thread) before reading them: it waits for an
-        asynchronous device-to-host copy.
+        k, v: [n, block_size, num_kv_heads, head_dim] on the CPU (on the model's device when
+        `takes_device_tensors`), owned by the sink. `ready`, when given, must be called (from
+        any thread) before reading them: it waits for the asynchronous gather or copy.
         """
         ...
 

@@ -293,7 +293,13 @@ class PrefillWorker:
             return
         k, v = self.kv_cache.gather_blocks(layer, chunk.block_table[first:last])
         ready: Callable[[], None] | None = None
-        if k.device.type == "cuda":
+        if k.device.type == "cuda" and sink.takes_device_tensors:
+            # cuda-ipc: the sender copies device to device on its own stream once the gather
+            # (queued on ours) is over.
+            event = torch.cuda.Event()
+            event.record()
+            ready = event.synchronize
+        elif k.device.type == "cuda":
             # Copy to pinned host memory without waiting for the GPU: the sender's encoder
             # thread waits on the event, the model thread goes on to launch layer i+1.
             k_host = torch.empty(k.shape, dtype=k.dtype, pin_memory=True)

@@ -9,6 +9,9 @@ both its own Generate calls and prefill's KV destination through it.
 For TransferKv, each message is parsed; for a request id with a fault armed (`arm`) the proxy
 
     corrupt_first / corrupt_last   flips one byte of that chunk's `data`, crc32 left as sent
+                                   (with a transport that writes the blocks in place, "shm",
+                                   flips bits of crc32 instead: what decode holds then
+                                   differs from what the checksum says)
     drop_commit                    swallows the commit and half-closes the stream to decode
     cut_after_first_chunk          after chunk 0, cancels the call to decode (a broken
                                    connection) and fails prefill's call with UNAVAILABLE
@@ -74,9 +77,12 @@ class _Transfer:
             seq = message.chunk.seq
             last = self.num_chunks - 1
             if (self.fault, seq) in (("corrupt_first", 0), ("corrupt_last", last)):
-                data = bytearray(message.chunk.data)
-                data[len(data) // 2] ^= 0x5A
-                message.chunk.data = bytes(data)  # crc32 stays the sender's
+                if message.chunk.data:
+                    data = bytearray(message.chunk.data)
+                    data[len(data) // 2] ^= 0x5A
+                    message.chunk.data = bytes(data)  # crc32 stays the sender's
+                else:  # written in place (shm): the blocks no longer match the checksum
+                    message.chunk.crc32 ^= 0x5A
                 self._proxy.record(self.request_id, f"corrupted chunk {seq}")
                 return message.SerializeToString()
             if self.fault == "cut_after_first_chunk" and seq == 1:

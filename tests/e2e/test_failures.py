@@ -20,6 +20,7 @@ import grpc
 import pytest
 
 from mili.common.v1 import sampling_pb2
+from mili.engine.shm_segment import segments_of
 from mili.frontend.v1 import generation_pb2
 from mili.rpc.status import retry_info_of
 from tests.e2e.conftest import Deployment, deploy
@@ -112,6 +113,8 @@ def test_prefill_killed_mid_prefill_fails_the_request_fast(deployment: Deploymen
     assert "prefill" in err.details()
     assert failed_at - killed_at < 5
     deployment.wait_free_blocks(start, [decode])  # decode's reservation given back at once
+    assert segments_of(victim.proc.pid) == []  # prefill owns no segment: it only maps decode's
+    assert len(segments_of(decode.proc.pid)) == 1
 
 
 def test_no_compatible_pair_left_is_failed_precondition_naming_both_layouts(

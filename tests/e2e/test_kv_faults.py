@@ -1,5 +1,7 @@
 """KV transfers damaged on the wire, end to end: real tokenizer, prefill, decode and frontend
-processes, with a gRPC proxy (tests/e2e/fault_proxy.py) in front of the decode instance. The
+processes, with a gRPC proxy (tests/e2e/fault_proxy.py) in front of the decode instance, once
+for each KV transport (shm: prefill writes decode's pool in shared memory; grpc: the bytes in
+the chunks). The
 frontend is given the proxy as its decode address, so its Generate calls and prefill's KV
 (the destination the frontend hands prefill) both go through it.
 
@@ -23,6 +25,7 @@ import re
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import pytest
@@ -30,7 +33,7 @@ import pytest
 from mili.common.v1 import sampling_pb2
 from mili.frontend.v1 import generation_pb2
 from mili.prefill.v1 import prefill_pb2, prefill_pb2_grpc
-from tests.e2e.conftest import Deployment
+from tests.e2e.conftest import Deployment, deploy
 from tests.e2e.fault_proxy import FaultProxy
 from tests.service_process import ServiceProcess
 
@@ -99,11 +102,36 @@ class Faulty:
         return [t for r in responses for t in r.token_ids]
 
 
+@pytest.fixture(scope="module", params=["shm", "grpc"])
+def transport_pipeline(
+    request: pytest.FixtureRequest,
+    demo_model_dir: Path,
+    e2e_tokenizer: ServiceProcess,
+) -> Iterator[tuple[Deployment, str]]:
+    """(deployment, KV transport): the shared `pipeline` pairs over shm (one host, CPU); for
+    grpc, a float32 deployment of our own whose prefill is told --kv-transport grpc."""
+    if request.param == "shm":
+        yield request.getfixturevalue("pipeline"), "shm"
+        return
+    d = deploy(
+        demo_model_dir,
+        e2e_tokenizer,
+        engine_args=("--dtype", "float32"),
+        prefill_args=lambda i: ("--kv-transport", "grpc"),
+        num_spare_decodes=1,
+    )
+    try:
+        yield d, "grpc"
+    finally:
+        d.stop()
+
+
 @pytest.fixture(scope="module")
-def faulty(pipeline: Deployment) -> Iterator[Faulty]:
-    """The shared float32 `pipeline`'s prefill and decode instances behind a frontend of our
-    own whose decode address is the proxy (greedy tokens then do not depend on which requests
-    share a batch)."""
+def faulty(transport_pipeline: tuple[Deployment, str]) -> Iterator[Faulty]:
+    """The float32 pipeline's prefill and decode instances behind a frontend of our own whose
+    decode address is the proxy (greedy tokens then do not depend on which requests share a
+    batch), once per KV transport."""
+    pipeline, transport = transport_pipeline
     wait_idle(pipeline)
     # On the address the prefill instances were told they may send KV to.
     port = int(pipeline.spare_decode_addresses[0].rpartition(":")[2])
@@ -124,7 +152,10 @@ def faulty(pipeline: Deployment) -> Iterator[Faulty]:
         d = Deployment(pipeline.tokenizer, pipeline.prefills, pipeline.decodes, frontend)
         try:
             d.wait_until_routable()
-            yield Faulty(d, proxy)
+            f = Faulty(d, proxy)
+            # The pair prefill -> proxy (-> decode) took the transport under test.
+            assert d.prefill_info().kv_transports[proxy.address] == transport
+            yield f
         finally:
             for channel in d._channels:
                 channel.close()

@@ -14,6 +14,7 @@ import grpc
 import pytest
 
 from mili.common.v1 import sampling_pb2
+from mili.engine.shm_segment import segments_of
 from mili.frontend.v1 import generation_pb2
 from tests.e2e.conftest import Deployment, deploy
 from tests.service_process import ServiceProcess
@@ -155,3 +156,10 @@ def test_decode_killed_mid_request_fails_only_its_request(deployment: Deployment
     for i in range(3):
         responses = list(stub.Generate(request(12, 4, seed=10 + i), timeout=30))
         assert responses[-1].usage.completion_tokens == 4
+    # The dead decode's KV pool in /dev/shm is unlinked (prefill's sweep finds its owner gone)
+    # and the survivor's is still there.
+    deadline = time.monotonic() + 5
+    while segments_of(victim.proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert segments_of(victim.proc.pid) == []
+    assert len(segments_of(survivor.proc.pid)) == 1

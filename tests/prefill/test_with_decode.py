@@ -1,9 +1,13 @@
 """Prefill in-process, the real decode service as a process: decode reserves, prefill streams the
-KV into its blocks, decode's tokens equal single-process generation and both pools end full."""
+KV into its blocks, decode's tokens equal single-process generation and both pools end full,
+over every KV transport this host offers (shm: prefill writes decode's pool in shared memory;
+grpc: forced by a flag, or because the two sides report different host ids)."""
 
 from __future__ import annotations
 
 import asyncio
+import signal
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -13,7 +17,9 @@ from mili.common.v1 import sampling_pb2
 from mili.decode.v1 import decode_pb2, decode_pb2_grpc
 from mili.engine.generate import generate
 from mili.engine.sampling_params import SamplingParams
+from mili.engine.shm_segment import segments_of
 from mili.prefill.v1 import prefill_pb2
+from mili.rpc import kv_checksum
 from mili.rpc.client import insecure_channel
 from tests.prefill.harness import (
     BLOCK_SIZE,
@@ -41,21 +47,33 @@ def decode(tiny: TinyModel) -> Iterator[ServiceProcess]:
         "64",
     )
     yield process
+    pid = process.proc.pid
     assert process.terminate() == 0, process.stderr
+    assert segments_of(pid) == []  # unlinked on exit
 
 
+# (prefill's PrefillConfig overrides, the transport the pair must get)
+TRANSPORTS = {
+    "shm": ({}, "shm"),
+    "grpc-forced": ({"kv_transport": "grpc"}, "grpc"),
+    "other-host": ({"host_id": "another-host"}, "grpc"),
+}
+
+
+@pytest.mark.parametrize("transport", list(TRANSPORTS))
 @pytest.mark.parametrize("num_tokens", [7, 150])  # one block; chunked by prefill (64 a forward)
 def test_decode_continues_from_prefill_kv(
-    tiny: TinyModel, decode: ServiceProcess, num_tokens: int
+    tiny: TinyModel, decode: ServiceProcess, num_tokens: int, transport: str
 ) -> None:
+    prefill_config, expected_transport = TRANSPORTS[transport]
     prompt = random_ids(num_tokens, tiny.model.config.vocab_size, seed=300 + num_tokens)
     greedy = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
     expected = generate(tiny.model, [prompt], greedy)[0].token_ids
-    request_id = f"with-decode-{num_tokens}"
+    request_id = f"with-decode-{num_tokens}-{transport}"
 
     async def main() -> list[int]:
         async with (
-            prefill_service(tiny) as prefill,
+            prefill_service(tiny, **prefill_config) as prefill,
             insecure_channel(decode.address) as channel,
         ):
             stub = decode_pb2_grpc.DecodeServiceStub(channel)
@@ -87,6 +105,12 @@ def test_decode_continues_from_prefill_kv(
             assert tokens[0] == reply.first_token_id
             after = await stub.Info(decode_pb2.InfoRequest())
             assert after.num_free_blocks == before.num_free_blocks
+            assert list(after.kv_transports) == ["shm", "grpc"]
+            info = await prefill.stub.Info(prefill_pb2.InfoRequest())
+            assert dict(info.kv_transports) == {decode.address: expected_transport}
+            # The fastest checksum both sides have (xxh3-64 where the xxhash package is).
+            pairing = await prefill.servicer.peers.pair(decode.address)
+            assert pairing.checksum == kv_checksum.available()[0]
             return tokens
 
     try:
@@ -94,6 +118,7 @@ def test_decode_continues_from_prefill_kv(
     except grpc.aio.AioRpcError as err:  # pragma: no cover - shows decode's log on failure
         raise AssertionError(f"{err.code().name}: {err.details()}\n{decode.stderr}") from err
     assert tokens == expected
+    assert len(segments_of(decode.proc.pid)) == 1  # decode's pool, mapped once
 
 
 def test_second_turn_sends_only_the_blocks_decode_lacks(
@@ -164,3 +189,121 @@ def test_second_turn_sends_only_the_blocks_decode_lacks(
         asyncio.run(main())
     except grpc.aio.AioRpcError as err:  # pragma: no cover - shows decode's log on failure
         raise AssertionError(f"{err.code().name}: {err.details()}\n{decode.stderr}") from err
+
+
+def test_decode_process_killed_mid_shm_transfer_leaves_no_segment(tiny: TinyModel) -> None:
+    """Decode dies while prefill writes into its shared pool: the Prefill call fails
+    UNAVAILABLE within seconds, prefill's blocks come back (prefill_service checks), and the
+    dead decode's segment is gone from /dev/shm (prefill drops its mapping and unlinks it)."""
+    decode = ServiceProcess(
+        "serve-decode", "--model", str(tiny.path), "--port", "0",
+        "--block-size", str(BLOCK_SIZE), "--num-blocks", "64",
+    )  # fmt: skip
+    pid = decode.proc.pid
+    try:
+        assert len(segments_of(pid)) == 1
+        prompt = random_ids(150, tiny.model.config.vocab_size, seed=5)
+        sampling = sampling_pb2.SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+        async def main() -> grpc.aio.AioRpcError:
+            async with (
+                prefill_service(tiny) as prefill,
+                insecure_channel(decode.address) as channel,
+            ):
+                stub = decode_pb2_grpc.DecodeServiceStub(channel)
+
+                async def admit(request_id: str) -> decode_pb2.Admitted:
+                    stream = stub.Generate(
+                        decode_pb2.GenerateRequest(
+                            request_id=request_id,
+                            prompt_token_ids=prompt,
+                            sampling=sampling,
+                            prefill_layout=prefill.servicer.layout,
+                        ),
+                        timeout=60,
+                    )
+                    return (await anext(aiter(stream))).admitted
+
+                # A first request pairs the two over shm.
+                first = await admit("paired")
+                await prefill.stub.Prefill(
+                    prefill_request(
+                        "paired", prompt, decode.address,
+                        list(first.prompt_block_ids), first.transfer_token,
+                    ),
+                    timeout=30,
+                )  # fmt: skip
+                info = await prefill.stub.Info(prefill_pb2.InfoRequest())
+                assert dict(info.kv_transports) == {decode.address: "shm"}
+                victim = await admit("victim")
+                decode.proc.send_signal(signal.SIGSTOP)  # holds the transfer mid-way
+                call = prefill.stub.Prefill(
+                    prefill_request(
+                        "victim", prompt, decode.address,
+                        list(victim.prompt_block_ids), victim.transfer_token,
+                    ),
+                    timeout=30,
+                )  # fmt: skip
+                await asyncio.sleep(0.5)
+                killed_at = time.monotonic()
+                decode.proc.kill()
+                with pytest.raises(grpc.aio.AioRpcError) as info_err:
+                    await call
+                assert time.monotonic() - killed_at < 5
+                deadline = time.monotonic() + 5
+                while segments_of(pid) and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+                info = await prefill.stub.Info(prefill_pb2.InfoRequest())
+                assert dict(info.kv_transports) == {}  # the pair is forgotten
+                return info_err.value
+
+        err = asyncio.run(main())
+        assert err.code() is grpc.StatusCode.UNAVAILABLE, err.details()
+        assert segments_of(pid) == []
+    finally:
+        decode.proc.kill()
+        decode.proc.wait()
+
+
+def test_decode_killed_between_transfers_loses_its_segment(tiny: TinyModel) -> None:
+    """No transfer fails to tell prefill, yet its sweep notices the owner is gone."""
+    decode = ServiceProcess(
+        "serve-decode", "--model", str(tiny.path), "--port", "0",
+        "--block-size", str(BLOCK_SIZE), "--num-blocks", "64",
+    )  # fmt: skip
+    pid = decode.proc.pid
+    try:
+
+        async def main() -> None:
+            async with prefill_service(tiny) as prefill:
+                pairing = await prefill.servicer.peers.pair(decode.address)
+                assert pairing.transport == "shm"
+                decode.proc.kill()
+                await asyncio.to_thread(decode.proc.wait)
+                deadline = time.monotonic() + 5
+                while segments_of(pid) and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+                assert prefill.servicer.peers.transports() == {}
+
+        asyncio.run(main())
+        assert segments_of(pid) == []
+    finally:
+        decode.proc.kill()
+        decode.proc.wait()
+
+
+def test_decode_forced_to_grpc_has_no_segment(tiny: TinyModel) -> None:
+    decode = ServiceProcess(
+        "serve-decode", "--model", str(tiny.path), "--port", "0",
+        "--block-size", str(BLOCK_SIZE), "--num-blocks", "64", "--kv-transport", "grpc",
+    )  # fmt: skip
+    try:
+        assert segments_of(decode.proc.pid) == []
+
+        async def main() -> str:
+            async with prefill_service(tiny) as prefill:
+                return (await prefill.servicer.peers.pair(decode.address)).transport
+
+        assert asyncio.run(main()) == "grpc"
+    finally:
+        assert decode.terminate() == 0, decode.stderr

@@ -11,7 +11,7 @@ from google.protobuf.message import DecodeError
 from mili.engine.kv_layout import KVLayout
 from mili.errors import DataLoss
 from mili.kv.v1 import kv_pb2
-from mili.rpc import kv_codec, kv_layout
+from mili.rpc import kv_checksum, kv_codec, kv_layout
 
 LAYOUT = KVLayout(num_layers=4, block_size=16, num_kv_heads=2, head_dim=32, dtype="bfloat16")
 
@@ -242,3 +242,56 @@ def test_decode_chunk_reads_a_view_as_it_reads_a_message() -> None:
         kv_codec.decode_chunk(view, layout)
     with pytest.raises(DataLoss, match="bytes for 3 blocks"):
         kv_codec.decode_chunk(view._replace(data=view.data[:-2]), layout)
+
+
+# ---- checksums chosen per pair, and blocks written in place ---------------------------------
+
+
+def test_xxh3_chunks_are_what_protobuf_writes_and_reads_and_catch_corruption() -> None:
+    xxhash = pytest.importorskip("xxhash")
+    layout = kv_layout.layout_to_proto(LAYOUT, "fp")
+    k, v = _blocks(3, torch.bfloat16)
+    raw, _ = kv_codec.encode_chunk_request("r", 2, 1, [7, 8, 9], k, v, "xxh3-64")
+    reference = _protobuf_chunk("r", 2, 1, [7, 8, 9], k, v)
+    reference.crc32 = 0
+    reference.xxh3_64 = xxhash.xxh3_64_intdigest(reference.data)
+    assert raw == kv_pb2.TransferKvRequest(chunk=reference).SerializeToString()
+    view = kv_codec.parse_transfer_request(raw)
+    assert isinstance(view, kv_codec.ChunkView) and view.xxh3_64 == reference.xxh3_64
+    k2, _ = kv_codec.decode_chunk(view, layout, "xxh3-64")
+    assert torch.equal(k2, k)
+    flipped = bytearray(raw)
+    flipped[len(raw) // 2] ^= 1
+    with pytest.raises(DataLoss, match="checksum"):
+        kv_codec.decode_chunk(kv_codec.parse_transfer_request(bytes(flipped)), layout, "xxh3-64")
+    with pytest.raises(DataLoss, match="checksum"):  # read as the wrong checksum: caught too
+        kv_codec.decode_chunk(view, layout, "crc32")
+
+
+@pytest.mark.parametrize("checksum", kv_checksum.available())
+def test_blocks_digest_is_the_digest_of_the_chunk_those_blocks_would_make(checksum: str) -> None:
+    """An in-place chunk's checksum (blocks as the pool holds them, runs of consecutive ids
+    read at once) equals the checksum of the same blocks sent as data."""
+    k_pool, v_pool = _blocks(12, torch.float16)
+    block_ids = [3, 4, 5, 9, 1, 2]
+    k, v = k_pool[block_ids], v_pool[block_ids]
+    raw, _ = kv_codec.encode_chunk_request("r", 0, 0, block_ids, k, v, checksum)
+    view = kv_codec.parse_transfer_request(raw)
+    assert isinstance(view, kv_codec.ChunkView)
+    value = kv_codec.blocks_digest(checksum, k_pool, v_pool, block_ids)
+    assert value == kv_codec.announced(view, checksum) != 0
+    assert kv_codec.blocks_digest(checksum, k_pool, v_pool, [4, 3, 5, 9, 1, 2]) != value
+    in_place = kv_codec.parse_transfer_request(
+        kv_codec.encode_chunk_in_place("r", 0, 0, block_ids, value, checksum)
+    )
+    assert isinstance(in_place, kv_codec.ChunkView) and len(in_place.data) == 0
+    assert kv_codec.announced(in_place, checksum) == value
+    assert kv_codec.block_runs(block_ids) == [(3, 6), (9, 10), (1, 3)]
+
+
+def test_checksum_choice_takes_the_first_offered_we_have() -> None:
+    assert kv_checksum.choose(["sha-9000", "crc32"]) == "crc32"
+    assert kv_checksum.choose([]) == "crc32"
+    assert kv_checksum.choose(kv_checksum.available()) == kv_checksum.available()[0]
+    with pytest.raises(ValueError, match="not available"):
+        kv_checksum.digest("sha-9000", [b""])

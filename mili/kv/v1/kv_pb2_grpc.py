@@ -42,6 +42,11 @@ class KvTransferServiceStub:
                 request_serializer=mili_dot_kv_dot_v1_dot_kv__pb2.TransferKvRequest.SerializeToString,
                 response_deserializer=mili_dot_kv_dot_v1_dot_kv__pb2.TransferKvResponse.FromString,
                 _registered_method=True)
+        self.Pair = channel.unary_unary(
+                '/mili.kv.v1.KvTransferService/Pair',
+                request_serializer=mili_dot_kv_dot_v1_dot_kv__pb2.PairRequest.SerializeToString,
+                response_deserializer=mili_dot_kv_dot_v1_dot_kv__pb2.PairResponse.FromString,
+                _registered_method=True)
 
 
 class KvTransferServiceServicer:
@@ -63,6 +68,16 @@ class KvTransferServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Pair(self, request, context):
+        """Sets up a prefill -> decode pair once, before its first transfer: picks the transport the
+        KV bytes take (the fastest both sides can use; the control messages of TransferKv always
+        stay on this gRPC service) and hands the sender what it needs to write the bytes itself.
+        A decode instance that does not implement it (UNIMPLEMENTED) receives over "grpc".
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KvTransferServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -70,6 +85,11 @@ def add_KvTransferServiceServicer_to_server(servicer, server):
                     servicer.TransferKv,
                     request_deserializer=mili_dot_kv_dot_v1_dot_kv__pb2.TransferKvRequest.FromString,
                     response_serializer=mili_dot_kv_dot_v1_dot_kv__pb2.TransferKvResponse.SerializeToString,
+            ),
+            'Pair': grpc.unary_unary_rpc_method_handler(
+                    servicer.Pair,
+                    request_deserializer=mili_dot_kv_dot_v1_dot_kv__pb2.PairRequest.FromString,
+                    response_serializer=mili_dot_kv_dot_v1_dot_kv__pb2.PairResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -102,6 +122,33 @@ class KvTransferService:
             '/mili.kv.v1.KvTransferService/TransferKv',
             mili_dot_kv_dot_v1_dot_kv__pb2.TransferKvRequest.SerializeToString,
             mili_dot_kv_dot_v1_dot_kv__pb2.TransferKvResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Pair(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mili.kv.v1.KvTransferService/Pair',
+            mili_dot_kv_dot_v1_dot_kv__pb2.PairRequest.SerializeToString,
+            mili_dot_kv_dot_v1_dot_kv__pb2.PairResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,160 @@
+"""A KV pool in POSIX shared memory: one segment per pool, mapped once by its owner (decode) and
+once per pair by each sender (prefill), which then writes prompt blocks straight into it.
+
+    /dev/shm/mili-kv-<owner pid>-<nonce>        one file, `pool_bytes(...)` long:
+
+    offset 0
+    │ layer 0 K │ layer 0 V │ layer 1 K │ layer 1 V │ ...     each [num_blocks, block_size,
+                                                               num_kv_heads, head_dim], C order
+
+Leaks: the owner unlinks its segment when it closes; a segment whose owner died (SIGKILL,
+power cut of the process) is found by its name's pid and unlinked by `sweep_stale`, which the
+next owner runs at start-up and a sender runs when its pair breaks. A sender's mapping keeps
+the memory alive after an unlink only until the sender drops it (it does so when the pair
+breaks), so no segment survives the processes that use it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import secrets
+from pathlib import Path
+
+import torch
+
+from mili.engine.kv_layout import KVLayout
+
+SHM_DIR = Path("/dev/shm")
+PREFIX = "mili-kv-"
+
+
+def pool_bytes(layout: KVLayout, num_blocks: int, dtype: torch.dtype) -> int:
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    per_layer = num_blocks * layout.block_size * layout.num_kv_heads * layout.head_dim * itemsize
+    return 2 * layout.num_layers * per_layer
+
+
+def pool_views(
+    storage: torch.Tensor, layout: KVLayout, num_blocks: int, dtype: torch.dtype
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(k, v) per layer as views of `storage` (flat uint8), in the order drawn above."""
+    shape = (num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    per = num_blocks * layout.block_size * layout.num_kv_heads * layout.head_dim * itemsize
+    if storage.numel() != 2 * layout.num_layers * per:
+        raise ValueError(f"storage holds {storage.numel()} bytes, the pool needs {2 * per}")
+    k, v = [], []
+    for layer in range(layout.num_layers):
+        base = 2 * layer * per
+        k.append(storage[base : base + per].view(dtype).view(shape))
+        v.append(storage[base + per : base + 2 * per].view(dtype).view(shape))
+    return k, v
+
+
+def _owner_pid(name: str) -> int | None:
+    pid, _, _ = name.removeprefix(PREFIX).partition("-")
+    return int(pid) if name.startswith(PREFIX) and pid.isdigit() else None
+
+
+def is_alive(pid: int) -> bool:
+    """Whether `pid` runs; a zombie (killed, not reaped by its parent yet) does not."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rpartition(")")[2].split()[0]  # after "pid (comm)"
+    except (OSError, IndexError):
+        return True
+    return state not in ("Z", "X")
+
+
+def sweep_stale(directory: Path = SHM_DIR) -> list[Path]:
+    """Unlink MILI segments whose owner process is gone; returns what it removed."""
+    removed: list[Path] = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        pid = _owner_pid(name)
+        if pid is not None and not is_alive(pid):
+            path = directory / name
+            try:
+                path.unlink()
+            except OSError:
+                continue  # another sweeper got it first, or not ours to remove
+            removed.append(path)
+    return removed
+
+
+def segments_of(pid: int, directory: Path = SHM_DIR) -> list[Path]:
+    """The MILI segments named after `pid` (for tests and tools)."""
+    try:
+        return [directory / n for n in os.listdir(directory) if _owner_pid(n) == pid]
+    except OSError:
+        return []
+
+
+class Segment:
+    """A mapped segment; `tensor` is its bytes as a flat uint8 tensor (no copy)."""
+
+    def __init__(self, path: Path, mapping: mmap.mmap, *, is_owner: bool) -> None:
+        self.path = path
+        self.is_owner = is_owner
+        self._mmap: mmap.mmap | None = mapping
+        self.tensor = torch.frombuffer(mapping, dtype=torch.uint8)
+
+    @classmethod
+    def create(cls, num_bytes: int, directory: Path = SHM_DIR) -> Segment:
+        """A new zero-filled segment named after this process (stale ones swept first)."""
+        sweep_stale(directory)
+        path = directory / f"{PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            # Zeros, every page allocated now: a /dev/shm too small for the pool (a container's
+            # 64 MB default) fails here with ENOSPC, not later with SIGBUS mid-step.
+            os.posix_fallocate(fd, 0, num_bytes)
+            mapping = mmap.mmap(fd, num_bytes)
+        except BaseException:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        return cls(path, mapping, is_owner=True)
+
+    @classmethod
+    def attach(cls, path: str | Path, num_bytes: int) -> Segment:
+        """Map an existing segment; ValueError when its size is not `num_bytes`."""
+        path = Path(path)
+        if not path.name.startswith(PREFIX):
+            raise ValueError(f"{path} is not a MILI KV segment")
+        fd = os.open(path, os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+            if size != num_bytes:
+                raise ValueError(f"{path} holds {size} bytes, expected {num_bytes}")
+            mapping = mmap.mmap(fd, num_bytes)
+        finally:
+            os.close(fd)
+        return cls(path, mapping, is_owner=False)
+
+    @property
+    def owner_pid(self) -> int | None:
+        return _owner_pid(self.path.name)
+
+    def close(self) -> None:
+        """Drop the mapping (views of `tensor` must be gone); the owner also unlinks the file."""
+        if self.is_owner:
+            self.path.unlink(missing_ok=True)
+        mapping, self._mmap = self._mmap, None
+        if mapping is not None:
+            del self.tensor
+            # BufferError: tensors still view it; the memory goes when they do.
+            with contextlib.suppress(BufferError):
+                mapping.close()
