@@ -66,7 +66,10 @@ def test_decode_continues_from_prefill_kv(
     tiny: TinyModel, decode: ServiceProcess, num_tokens: int, transport: str
 ) -> None:
     prefill_config, expected_transport = TRANSPORTS[transport]
-    prompt = random_ids(num_tokens, tiny.model.config.vocab_size, seed=300 + num_tokens)
+    # A prompt of its own per transport: decode's prefix cache would otherwise hold an earlier
+    # case's blocks, and this one would send less than the whole prompt over its transport.
+    seed = 300 + num_tokens + 1000 * list(TRANSPORTS).index(transport)
+    prompt = random_ids(num_tokens, tiny.model.config.vocab_size, seed=seed)
     greedy = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
     expected = generate(tiny.model, [prompt], greedy)[0].token_ids
     request_id = f"with-decode-{num_tokens}-{transport}"
