@@ -16,7 +16,6 @@ breaks), so no segment survives the processes that use it.
 
 from __future__ import annotations
 
-import contextlib
 import mmap
 import os
 import secrets
@@ -149,12 +148,13 @@ class Segment:
         return _owner_pid(self.path.name)
 
     def close(self) -> None:
-        """Drop the mapping (views of `tensor` must be gone); the owner also unlinks the file."""
+        """Drop our hold on the mapping; the owner also unlinks the file. The memory is unmapped
+        when the last view of `tensor` goes too (a transfer may still be writing through one).
+        Never mmap.close() here: torch.frombuffer keeps a reference to the mmap but no buffer
+        export, so close() would unmap the pages under live tensors (a crash at their next
+        write) instead of refusing."""
         if self.is_owner:
             self.path.unlink(missing_ok=True)
-        mapping, self._mmap = self._mmap, None
-        if mapping is not None:
+        if self._mmap is not None:
+            self._mmap = None
             del self.tensor
-            # BufferError: tensors still view it; the memory goes when they do.
-            with contextlib.suppress(BufferError):
-                mapping.close()

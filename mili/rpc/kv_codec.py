@@ -273,6 +273,13 @@ def decode_chunk(
 
 # ---- transports that write the blocks in place (shm, cuda-ipc) -----------------------------
 
+# Initial-metadata key decode sends once it has accepted an in-place transfer's header (the
+# transfer token, layout and transport checked, the request's blocks held for the call). The
+# sender writes nothing into decode's pool before it: a header decode refuses (a cancelled or
+# expired request whose blocks may already belong to another one) must not be preceded by
+# bytes landing in those blocks.
+ACCEPTED_KEY = "mili-kv-accepted"
+
 
 def encode_chunk_in_place(
     request_id: str,

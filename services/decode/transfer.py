@@ -1,6 +1,8 @@
 """gRPC edge of KV transfer: prefill streams a request's prompt KV into its reserved blocks.
 
-    header  request must be WAITING (-> TRANSFERRING), layouts equal, num_tokens = prompt length
+    header  request must be WAITING (-> TRANSFERRING), layouts equal, num_tokens = prompt length;
+            in-place transports (shm, cuda-ipc): the blocks are held for the call (and a grace
+            after a failed one), then the sender is told it may write (kv_codec.ACCEPTED_KEY)
     chunk*  seq 0, 1, 2, ... ; request id matches ; blocks within the prompt's reservation
             (checked on the event loop, in order) ; then CRC and length checked
             (kv_codec.decode_chunk) and scattered into the cache on a landing thread, the
@@ -47,7 +49,7 @@ from mili.engine.kv_transport import Endpoint
 from mili.errors import Cancelled, DataLoss, InvalidArgument, PermissionDenied, Unavailable
 from mili.kv.v1 import kv_pb2, kv_pb2_grpc
 from mili.rpc import kv_checksum
-from mili.rpc.kv_codec import ChunkView, announced, blocks_digest, decode_chunk
+from mili.rpc.kv_codec import ACCEPTED_KEY, ChunkView, announced, blocks_digest, decode_chunk
 from mili.rpc.kv_layout import block_bytes, check_compatible
 from mili.rpc.sampling import logprobs_from_proto
 from services.decode import convert
@@ -67,6 +69,11 @@ _CANCEL_GRACE_S = 0.1
 # choices in the code").
 _MAX_LANDING_BYTES = 16 << 20
 _LANDING_THREADS = 2  # shared by all transfers: two chunks are checked and copied at a time
+# How long the blocks of an in-place (shm, cuda-ipc) transfer that ended without a commit stay
+# held: a sender's copy of one chunk already under way when the call ended (a few ms; a layer
+# of a chunk is at most --max-batch-tokens tokens of one layer's K and V) must land before the
+# blocks can go to another request.
+_IN_PLACE_GRACE_S = 2.0
 
 
 class _Progress:
@@ -215,6 +222,38 @@ class _Landing:
             self.failed.set_result(error)
 
 
+class _Reader:
+    """The transfer's messages, read one at a time by a task that may outlive a wait for it:
+    a read given up on (the request failed meanwhile) stays pending for `drain`. Cancelling it
+    instead would close grpc's request stream under a sender still writing."""
+
+    def __init__(self, messages: AsyncIterator[Message]) -> None:
+        self._messages = messages
+        self._pending: asyncio.Future[Message | None] | None = None
+
+    def next(self) -> asyncio.Future[Message | None]:
+        """The next message (None: the stream ended); the same future until it is taken."""
+        if self._pending is None:
+            self._pending = asyncio.ensure_future(anext(self._messages, None))
+        return self._pending
+
+    def take(self) -> Message | None:
+        read, self._pending = self.next(), None
+        return read.result()
+
+    async def drain(self) -> None:
+        """Read and drop the rest until the sender half-closes (an in-place sender commits
+        after its last write) or goes away (the call's cancellation ends the wait)."""
+        while True:
+            await asyncio.wait({self.next()})
+            if self.take() is None:
+                return
+
+    def cancel(self) -> None:
+        if self._pending is not None and not self._pending.done():
+            self._pending.cancel()  # the handler is ending: nobody reads this stream again
+
+
 def _ended_error(request: DecodeRequest) -> BaseException:
     """Why a request ended while its KV was arriving (the error its Generate stream got)."""
     return request.stream.error or Cancelled(
@@ -289,7 +328,7 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
         # NotFound, PermissionDenied (then the request is left as it was)
         request = self._instance.table.begin_transfer(header.request_id, header.transfer_token)
         try:
-            return await self._receive(request, header, messages)
+            return await self._receive(request, header, _Reader(messages), context)
         except asyncio.CancelledError:
             self._fail(
                 request,
@@ -307,7 +346,8 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
         self,
         request: DecodeRequest,
         header: kv_pb2.TransferHeader,
-        messages: AsyncIterator[Message],
+        reader: _Reader,
+        context: grpc.aio.ServicerContext,
     ) -> kv_pb2.TransferKvResponse:
         started = time.perf_counter()  # the header is in
         check_compatible(
@@ -339,8 +379,11 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
             raise InvalidArgument("header.checksum", checksum, "this decode instance lacks it")
         progress.checksum = checksum
         landing = _Landing(self._landing, self._max_landing_bytes)
+        is_committed = False
+        if transport != kv_transport.GRPC:
+            await self._accept_in_place(request, context)
         try:
-            while (message := await self._next(request, messages, landing)) is not None:
+            while (message := await self._next(request, reader, landing)) is not None:
                 if isinstance(message, ChunkView):
                     await self._land_chunk(progress, landing, message)
                     continue
@@ -351,6 +394,7 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
                     await landing.wait_all()  # DataLoss of any chunk
                     progress.check_complete()
                     self._commit(request, message.commit)
+                    is_committed = True
                     _annotate_span(progress)
                     elapsed = time.perf_counter() - started
                     self._instance.metrics.record_transfer(progress.num_bytes, elapsed)
@@ -369,32 +413,69 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
                 f"the KV transfer of request {request.name} ended after "
                 f"{progress.num_chunks} chunks without a commit"
             )
+        except Exception as e:
+            if transport != kv_transport.GRPC:
+                # The sender may still be writing into the (held) blocks: fail the request now
+                # (its Generate stream reports `e` at once), but answer only once the sender
+                # stopped. Ending the call under a sender's write would make grpc report
+                # INTERNAL to it instead of `e` (see mili.rpc.status), and the initial
+                # metadata that could announce `e` already carried the acceptance.
+                landing.abort()
+                self._fail(request, e)
+                await reader.drain()
+            raise
         finally:
+            reader.cancel()
             landing.abort()  # no-op after a commit: every job is over by then
+            if transport != kv_transport.GRPC:
+                self._release_in_place(request, is_committed)
+
+    async def _accept_in_place(
+        self, request: DecodeRequest, context: grpc.aio.ServicerContext
+    ) -> None:
+        """Hold the request's blocks for the sender, who writes into them itself, then tell it
+        the header is accepted (kv_codec.ACCEPTED_KEY): before that it writes nothing."""
+        if not self._instance.table.pin(request):
+            raise _ended_error(request)
+        try:
+            await context.send_initial_metadata(((ACCEPTED_KEY, "1"),))
+        except BaseException:
+            self._instance.table.unpin(request)
+            raise
+
+    def _release_in_place(self, request: DecodeRequest, is_committed: bool) -> None:
+        """Let go of the hold `_accept_in_place` took. After a commit the sender has written
+        everything. After anything else it may still be inside one chunk's copy (it checks
+        that the call is alive before each chunk, not during one): the blocks go back to the
+        pool only _IN_PLACE_GRACE_S later, so no new request is handed a block a stale copy
+        is still landing in."""
+        table = self._instance.table
+        if is_committed:
+            table.unpin(request)
+        else:
+            asyncio.get_running_loop().call_later(_IN_PLACE_GRACE_S, table.unpin, request)
 
     async def _next(
         self,
         request: DecodeRequest,
-        messages: AsyncIterator[Message],
+        reader: _Reader,
         landing: _Landing,
     ) -> Message | None:
         """The next message, or None at the end of the stream; raises as soon as the request
         ends (lease, caller gone) or a chunk fails to land, so a quiet sender learns at once,
-        not at its next chunk."""
+        not at its next chunk (the read stays pending: see _Reader)."""
         landing.raise_failure()
-        read = asyncio.ensure_future(anext(messages, None))
+        read = reader.next()
         ended = asyncio.ensure_future(request.stream.wait_failed())
         waits: set[asyncio.Future[Any]] = {read, ended, landing.failed}
         try:
             await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         finally:
             ended.cancel()
-            if not read.done():
-                read.cancel()  # the handler is ending: nobody reads this stream again
         landing.raise_failure()
-        if read.cancelled() or not read.done():
+        if not read.done():
             raise _ended_error(request)
-        return read.result()
+        return reader.take()
 
     async def _land_chunk(self, progress: _Progress, landing: _Landing, chunk: Chunk) -> None:
         """Check the chunk's place in the transfer here, in order; hand its bytes to a landing

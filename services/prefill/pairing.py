@@ -77,7 +77,8 @@ class ShmPool:
         return message, num_bytes
 
     def close(self) -> None:
-        del self.k, self.v
+        """Drop the mapping. Transfers still writing through this pool (the pair was forgotten
+        under them) keep k, v: the memory stays mapped until the last of them lets go."""
         self.segment.close()
 
 
@@ -118,7 +119,7 @@ class CudaIpcPool:
         return encode_chunk_in_place(request_id, seq, layer, block_ids, value), num_bytes
 
     def close(self) -> None:
-        del self.k, self.v  # torch closes the IPC mapping with the last view
+        pass  # torch closes the IPC mapping with the last view (transfers may still hold some)
 
 
 class Pairing(NamedTuple):

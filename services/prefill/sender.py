@@ -11,6 +11,10 @@ the layout and its reservation while we compute; each layer's chunk follows as t
 completes. Decode's verdict ends the transfer at any point: the call's done-callback wakes the
 loop, so a rejection is seen even while we wait for compute. Errors come back as domain errors
 with decode's code and a message naming its address.
+
+In-place transports (shm, cuda-ipc) write into decode's blocks themselves: the first write waits
+for decode's acceptance of the header (kv_codec.ACCEPTED_KEY in its initial metadata), which
+arrived while the first layer was computed.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from mili.errors import (
 )
 from mili.kv.v1 import kv_pb2
 from mili.rpc import kv_checksum
-from mili.rpc.kv_codec import encode_chunk_request
+from mili.rpc.kv_codec import ACCEPTED_KEY, encode_chunk_request
 from mili.rpc.status import server_status_of
 from services.prefill.pairing import GRPC_PAIRING, Pairing
 from services.prefill.task import FirstToken, PrefillTask
@@ -186,6 +190,8 @@ class KvSender:
             elif isinstance(item, _Failed):
                 raise item.exc
             elif isinstance(item, _Blocks):
+                if seq == 0 and self._pairing.pool is not None:
+                    await self._accepted(call)
                 message, num_data = await self._loop.run_in_executor(
                     self._encoder, self._encode, seq, item
                 )
@@ -198,8 +204,12 @@ class KvSender:
                 if seq != self._num_chunks:
                     raise AssertionError(f"sent {seq} KV chunks, announced {self._num_chunks}")
                 commit = kv_pb2.TransferKvRequest(commit=_commit(item))
-                await self._write(call, commit.SerializeToString())
-                await call.done_writing()
+                # Not _write: decode may acknowledge before this write returns (an in-place
+                # transfer's commit lands at once), which is no early end; `await call` below
+                # reads whatever decode answered.
+                with contextlib.suppress(asyncio.InvalidStateError, grpc.aio.AioRpcError):
+                    await call.write(commit.SerializeToString())
+                    await call.done_writing()
                 await call  # decode's acknowledgement (raises its error status)
                 sent_at = first_sent_at or time.perf_counter()
                 return TransferResult(item, kv_bytes, (time.perf_counter() - sent_at) * 1e3)
@@ -233,6 +243,15 @@ class KvSender:
             blocks.v,
             self._pairing.checksum,
         )
+
+    async def _accepted(self, call: grpc.aio.StreamUnaryCall) -> None:
+        """Wait until decode accepted the header of an in-place transfer (kv_codec.ACCEPTED_KEY):
+        only then are the blocks ours to write. It answered while we computed the first layer,
+        so this costs no time; a refusal raises decode's status."""
+        metadata = await call.initial_metadata()
+        if any(key == ACCEPTED_KEY for key, _ in metadata or ()):
+            return
+        await self._ended(call)  # raises decode's status; its metadata held no acceptance
 
     def _on_done(self, call: grpc.aio.StreamUnaryCall) -> None:
         """The call finished: wake `_stream` (also while it waits for compute)."""

@@ -10,8 +10,8 @@ For TransferKv, each message is parsed; for a request id with a fault armed (`ar
 
     corrupt_first / corrupt_last   flips one byte of that chunk's `data`, crc32 left as sent
                                    (with a transport that writes the blocks in place, "shm",
-                                   flips bits of crc32 instead: what decode holds then
-                                   differs from what the checksum says)
+                                   flips bits of the checksum, xxh3_64 or crc32, instead: what
+                                   decode holds then differs from what the checksum says)
     drop_commit                    swallows the commit and half-closes the stream to decode
     cut_after_first_chunk          after chunk 0, cancels the call to decode (a broken
                                    connection) and fails prefill's call with UNAVAILABLE
@@ -36,6 +36,7 @@ from grpc_health.v1 import health_pb2
 from mili.decode.v1 import decode_pb2
 from mili.kv.v1 import kv_pb2
 from mili.rpc.client import channel_options
+from mili.rpc.kv_codec import ACCEPTED_KEY
 from mili.rpc.status import server_status_of, status_header
 
 TRANSFER_KV = "/mili.kv.v1.KvTransferService/TransferKv"
@@ -81,7 +82,9 @@ class _Transfer:
                     data = bytearray(message.chunk.data)
                     data[len(data) // 2] ^= 0x5A
                     message.chunk.data = bytes(data)  # crc32 stays the sender's
-                else:  # written in place (shm): the blocks no longer match the checksum
+                elif message.chunk.xxh3_64:  # written in place (shm): the blocks no longer
+                    message.chunk.xxh3_64 ^= 0x5A  # match the checksum (the pair's, XXH3 or CRC)
+                else:
                     message.chunk.crc32 ^= 0x5A
                 self._proxy.record(self.request_id, f"corrupted chunk {seq}")
                 return message.SerializeToString()
@@ -225,7 +228,10 @@ async def _abort(
         if not key.startswith("grpc-") or key == "grpc-status-details-bin"
     )
     if announce:
-        await context.send_initial_metadata(status_header(code, details, kept))
+        # Fails when the initial metadata went out already (decode's acceptance of an
+        # in-place transfer, relayed): then the status alone is what we can send.
+        with contextlib.suppress(Exception):
+            await context.send_initial_metadata(status_header(code, details, kept))
     await context.abort(code, details, kept)
 
 
@@ -326,8 +332,17 @@ class _Handler(grpc.GenericRpcHandler):
                 with contextlib.suppress(asyncio.InvalidStateError, grpc.aio.AioRpcError):
                     await call.done_writing()
 
+            async def relay_acceptance() -> None:
+                # Decode's go-ahead for an in-place (shm) transfer: prefill writes nothing into
+                # decode's pool before it sees it.
+                metadata = await call.initial_metadata()
+                accepted = tuple((k, v) for k, v in metadata or () if k == ACCEPTED_KEY)
+                if accepted:
+                    await context.send_initial_metadata(accepted)
+
             pumping = asyncio.ensure_future(pump())
             finished = asyncio.ensure_future(call.code())
+            relaying = asyncio.ensure_future(relay_acceptance())
             try:
                 # The pump ends when the sender half-closes, or at a cut; decode may answer (its
                 # error) before either, ending the call.
@@ -350,7 +365,7 @@ class _Handler(grpc.GenericRpcHandler):
                     await _abort(context, code, details, trailers, announce=True)
                     raise
             finally:
-                for task in (pumping, finished):
+                for task in (pumping, finished, relaying):
                     task.cancel()
                     with contextlib.suppress(asyncio.CancelledError, Exception):
                         await task

@@ -96,6 +96,41 @@ def test_pool_in_a_segment_is_seen_by_a_second_mapping_in_the_documented_order()
     assert not owner.path.exists()
 
 
+_VIEW_OUTLIVES_CLOSE = """
+import sys
+from mili.engine.shm_segment import Segment
+
+def mapped(path):
+    with open("/proc/self/maps") as f:
+        return str(path) in f.read()
+
+owner = Segment.create(1 << 16, __import__("pathlib").Path(sys.argv[1]))
+other = Segment.attach(owner.path, 1 << 16)
+view = other.tensor[1024:2048]  # a transfer still writing when its pair is forgotten
+other.close()
+owner.close()
+view.fill_(7)  # used to unmap under the view: SIGSEGV here
+assert int(view.sum()) == 7 * 1024
+assert mapped(owner.path)
+del view
+assert not mapped(owner.path)  # the last view took the mapping with it
+print("ok")
+"""
+
+
+def test_a_view_outlives_the_close_of_its_segment(tmp_path: Path) -> None:
+    """Closing a segment while a view is in use keeps the pages mapped until the view goes
+    (a subprocess: the bug this guards against is a segmentation fault)."""
+    done = subprocess.run(
+        [sys.executable, "-c", _VIEW_OUTLIVES_CLOSE, str(tmp_path)],
+        text=True,
+        capture_output=True,
+        timeout=60,
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+    assert list(tmp_path.iterdir()) == []  # unlinked by its owner
+
+
 def test_sweep_unlinks_only_segments_whose_owner_died(tmp_path: Path) -> None:
     dead = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"],

@@ -283,10 +283,12 @@ def test_decode_killed_between_transfers_loses_its_segment(tiny: TinyModel) -> N
                 assert pairing.transport == "shm"
                 decode.proc.kill()
                 await asyncio.to_thread(decode.proc.wait)
+                # Another process's sweep may unlink the segment first: wait for ours too.
+                peers = prefill.servicer.peers
                 deadline = time.monotonic() + 5
-                while segments_of(pid) and time.monotonic() < deadline:
+                while (segments_of(pid) or peers.transports()) and time.monotonic() < deadline:
                     await asyncio.sleep(0.05)
-                assert prefill.servicer.peers.transports() == {}
+                assert peers.transports() == {}
 
         asyncio.run(main())
         assert segments_of(pid) == []

@@ -63,6 +63,8 @@ class KvTransferServiceServicer:
         layouts differ (both are named), DATA_LOSS for a chunk that is corrupt, short, duplicated or
         out of order; the decode side then fails the request and frees its blocks. PERMISSION_DENIED
         when the header's transfer_token is not the request's: nothing about the request changes.
+        With an in-place transport (shm, cuda-ipc) the decode instance sends initial metadata
+        "mili-kv-accepted" once it accepted the header; the sender writes no block before that.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
