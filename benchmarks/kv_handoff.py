@@ -315,6 +315,7 @@ async def measure(args: argparse.Namespace, path: Path) -> list[dict[str, Any]]:
         max_queued_tokens=max(8192, args.prompt_len),
         transfer_timeout_s=600,
         allowed_decodes=(ANY_DECODE,),  # the receiver's and decode's ports are chosen later
+        prefix_caching=False,  # every run computes and sends the whole (repeated) prompt
     )
     instance = PrefillInstance.create(
         ModelRunner.create(model, num_blocks, BLOCK_SIZE),
@@ -352,6 +353,7 @@ async def measure(args: argparse.Namespace, path: Path) -> list[dict[str, Any]]:
                 decode_args = ["--port", "0", "--num-blocks", str(2 * num_blocks + 8)]
                 decode_args += ["--block-size", str(BLOCK_SIZE), "--log-level", "WARNING"]
                 decode_args += ["--dtype", "bfloat16"]  # the CPU default is float32
+                decode_args += ["--no-prefix-cache"]  # each run receives the whole prompt
                 mili = [sys.executable, "-m", "mili", "serve-decode", "--model", str(path)]
                 proc, address = _start([*mili, *decode_args, *transport_args])
                 procs.append(proc)

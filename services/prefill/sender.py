@@ -20,11 +20,12 @@ arrived while the first layer was computed.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import grpc
 import torch
@@ -74,6 +75,10 @@ class _Failed(NamedTuple):
 
 
 _CALL_ENDED = object()  # the TransferKv call finished (decode answered or the stream broke)
+_ENCODED = object()  # a chunk's encoding finished (wakes `_stream` to write it)
+# Chunks being encoded or encoded and not yet written, per transfer: two keep both encoder
+# threads busy while a third waits to be written; each is one layer of a prompt chunk.
+_MAX_ENCODING = 3
 
 # Decode's status -> the error our caller gets (same code; anything unexpected reads as decode
 # being unusable, which the frontend handles by trying another instance).
@@ -181,38 +186,58 @@ class KvSender:
                 call.cancel()
 
     async def _stream(self, call: grpc.aio.StreamUnaryCall) -> TransferResult:
+        """Encode chunks on the encoder threads as they come (up to _MAX_ENCODING at once, so
+        both threads work when layers queue up) and write them in order as they finish."""
         seq = kv_bytes = 0
         first_sent_at: float | None = None
-        while True:
-            item = await self._queue.get()
-            if item is _CALL_ENDED:
-                await self._ended(call)
-            elif isinstance(item, _Failed):
-                raise item.exc
-            elif isinstance(item, _Blocks):
-                if seq == 0 and self._pairing.pool is not None:
-                    await self._accepted(call)
-                message, num_data = await self._loop.run_in_executor(
-                    self._encoder, self._encode, seq, item
-                )
+        encoding: collections.deque[asyncio.Future[tuple[bytes, int]]] = collections.deque()
+
+        async def write_ready(*, wait: bool) -> None:
+            nonlocal kv_bytes, first_sent_at
+            while encoding and (wait or encoding[0].done()):
+                message, num_data = await encoding.popleft()  # raises the encoder's error
                 first_sent_at = first_sent_at or time.perf_counter()
                 await self._write(call, message)
-                seq += 1
                 kv_bytes += num_data
-            else:
-                assert isinstance(item, FirstToken)
-                if seq != self._num_chunks:
-                    raise AssertionError(f"sent {seq} KV chunks, announced {self._num_chunks}")
-                commit = kv_pb2.TransferKvRequest(commit=_commit(item))
-                # Not _write: decode may acknowledge before this write returns (an in-place
-                # transfer's commit lands at once), which is no early end; `await call` below
-                # reads whatever decode answered.
-                with contextlib.suppress(asyncio.InvalidStateError, grpc.aio.AioRpcError):
-                    await call.write(commit.SerializeToString())
-                    await call.done_writing()
-                await call  # decode's acknowledgement (raises its error status)
-                sent_at = first_sent_at or time.perf_counter()
-                return TransferResult(item, kv_bytes, (time.perf_counter() - sent_at) * 1e3)
+
+        try:
+            while True:
+                await write_ready(wait=False)
+                item = await self._queue.get()
+                if item is _ENCODED:
+                    continue
+                if item is _CALL_ENDED:
+                    await self._ended(call)
+                elif isinstance(item, _Failed):
+                    raise item.exc
+                elif isinstance(item, _Blocks):
+                    if seq == 0 and self._pairing.pool is not None:
+                        await self._accepted(call)
+                    if len(encoding) >= _MAX_ENCODING:
+                        await encoding[0]  # bounds the encoded bytes waiting to be written
+                        await write_ready(wait=False)
+                    future = self._loop.run_in_executor(self._encoder, self._encode, seq, item)
+                    future.add_done_callback(lambda _: self._queue.put_nowait(_ENCODED))
+                    encoding.append(future)
+                    seq += 1
+                else:
+                    assert isinstance(item, FirstToken)
+                    if seq != self._num_chunks:
+                        raise AssertionError(f"sent {seq} KV chunks, announced {self._num_chunks}")
+                    await write_ready(wait=True)
+                    commit = kv_pb2.TransferKvRequest(commit=_commit(item))
+                    # Not _write: decode may acknowledge before this write returns (an in-place
+                    # transfer's commit lands at once), which is no early end; `await call`
+                    # below reads whatever decode answered.
+                    with contextlib.suppress(asyncio.InvalidStateError, grpc.aio.AioRpcError):
+                        await call.write(commit.SerializeToString())
+                        await call.done_writing()
+                    await call  # decode's acknowledgement (raises its error status)
+                    sent_at = first_sent_at or time.perf_counter()
+                    return TransferResult(item, kv_bytes, (time.perf_counter() - sent_at) * 1e3)
+        finally:
+            for future in encoding:  # the transfer failed: their results are not wanted
+                future.add_done_callback(_retrieve)
 
     def _encode(self, seq: int, blocks: _Blocks) -> tuple[bytes, int]:
         """Runs on an encoder thread: the byte copy and CRC-32 stay off the model thread and the
@@ -288,6 +313,12 @@ class KvSender:
         if code is grpc.StatusCode.CANCELLED:
             what += " (decode cancelled the transfer: it stopped or restarted)"
         return _ERRORS.get(code, Unavailable)(what)
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    """Read an abandoned encoding's outcome, so asyncio does not log it as never retrieved."""
+    if not future.cancelled():
+        future.exception()
 
 
 def _commit(first: FirstToken) -> kv_pb2.TransferCommit:
