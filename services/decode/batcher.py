@@ -67,6 +67,17 @@ def _copy_rows(dst: torch.Tensor, block_ids: list[int], src: torch.Tensor) -> No
         rows[block_ids] = src.view(torch.uint8).view(len(block_ids), -1).numpy()
 
 
+_LANDING_STREAMS = threading.local()
+
+
+def _landing_stream(device: torch.device) -> torch.cuda.Stream:
+    """This thread's CUDA stream for landings (one per landing thread, made on first use)."""
+    stream: torch.cuda.Stream | None = getattr(_LANDING_STREAMS, "stream", None)
+    if stream is None:
+        stream = _LANDING_STREAMS.stream = torch.cuda.Stream(device)
+    return stream
+
+
 def _start_step_span(requests: list[DecodeRequest], step: int) -> Span | None:
     """One span per batched step, linked to the `decode request` span of every traced request
     in it (a step serves many requests: none of them is its parent). None when none is traced,
@@ -153,8 +164,26 @@ class Batcher:
             for dst, src in pairs:
                 _copy_rows(dst, block_ids, src)
             return
+        if cache.device.type == "cuda" and k.device.type == "cpu":
+            self._scatter_from_host(layer, block_ids, k, v)
+            return
         with torch.inference_mode():
-            cache.scatter_blocks(layer, block_ids, k, v)  # CUDA, or input it will refuse
+            cache.scatter_blocks(layer, block_ids, k, v)  # input it will refuse
+
+    def _scatter_from_host(
+        self, layer: int, block_ids: list[int], k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """CUDA: stage k, v (pageable, [n, S, KVH, D]) in pinned memory and copy them in on a
+        landing stream of this thread's own, then wait for that stream here. The model's stream
+        never waits for a landing, and the request joins the batch only after every landing
+        returned (the commit waits for them), so its first step reads landed blocks."""
+        cache = self._runner.kv_cache
+        stream = _landing_stream(cache.device)
+        with torch.inference_mode(), torch.cuda.stream(stream):
+            k_pinned = torch.empty(k.shape, dtype=k.dtype, pin_memory=True).copy_(k)
+            v_pinned = torch.empty(v.shape, dtype=v.dtype, pin_memory=True).copy_(v)
+            cache.scatter_blocks(layer, block_ids, k_pinned, v_pinned)
+        stream.synchronize()  # this landing thread waits; the pinned buffers outlive the copy
 
     # ---- batch thread --------------------------------------------------------------------------
 
