@@ -69,6 +69,16 @@ class Unavailable(MiliError):
     """A service we depend on is down or draining (UNAVAILABLE); safe to retry elsewhere."""
 
 
+class PeerUnavailable(Unavailable):
+    """UNAVAILABLE because an instance this one called on the request's behalf (`peer`, e.g.
+    the decode instance prefill sends KV to) is down or went away, not this one: callers keep
+    routing to us (the status carries ErrorInfo reason PEER_UNAVAILABLE naming the peer)."""
+
+    def __init__(self, message: str, peer: str) -> None:
+        super().__init__(message)
+        self.peer = peer
+
+
 class DeadlineExceeded(MiliError):
     """The request's deadline passed before it finished (DEADLINE_EXCEEDED)."""
 

@@ -23,6 +23,7 @@ status twice:
     FailedPrecondition -> FAILED_PRECONDITION
     ResourceExhausted  -> RESOURCE_EXHAUSTED  + RetryInfo when retry_after_s is set
     Unavailable        -> UNAVAILABLE
+    PeerUnavailable    -> UNAVAILABLE         + ErrorInfo(reason PEER_UNAVAILABLE, peer=address)
     DeadlineExceeded   -> DEADLINE_EXCEEDED
     Cancelled          -> CANCELLED
     DataLoss           -> DATA_LOSS
@@ -47,6 +48,9 @@ STATUS_HEADER_KEY = "mili-status-bin"  # initial metadata: the status, as DETAIL
 # Status text travels twice in the trailers (grpc-message and inside grpc-status-details-bin) and
 # clients refuse trailers over 8 KiB by default, so an oversized exception text would turn a
 # clear error into an opaque "metadata too large". Keep both well under that.
+# google.rpc.ErrorInfo of a PeerUnavailable: the domain names MILI, the reason the case.
+ERROR_DOMAIN = "mili"
+PEER_UNAVAILABLE = "PEER_UNAVAILABLE"
 _MAX_MESSAGE_CHARS = 1500
 _MAX_VIOLATIONS = 16
 _MAX_DESCRIPTION_CHARS = 200
@@ -112,6 +116,12 @@ def _details(exc: BaseException) -> list[message.Message]:
         info = error_details_pb2.RetryInfo()
         info.retry_delay.FromNanoseconds(round(max(0.0, exc.retry_after_s) * 1e9))
         return [info]
+    if isinstance(exc, errors.PeerUnavailable):
+        return [
+            error_details_pb2.ErrorInfo(
+                reason=PEER_UNAVAILABLE, domain=ERROR_DOMAIN, metadata={"peer": exc.peer}
+            )
+        ]
     return []
 
 
@@ -219,6 +229,19 @@ def bad_request_of(err: grpc.RpcError) -> error_details_pb2.BadRequest | None:
     """The BadRequest detail of an INVALID_ARGUMENT failure (one entry per bad field), if any."""
     found = [d for d in details_of(err) if isinstance(d, error_details_pb2.BadRequest)]
     return found[0] if found else None
+
+
+def unavailable_peer_of(err: grpc.RpcError) -> str | None:
+    """The peer an UNAVAILABLE failure blames (ErrorInfo PEER_UNAVAILABLE), or None when the
+    instance called is the one unavailable (or did not say)."""
+    for detail in details_of(err):
+        if (
+            isinstance(detail, error_details_pb2.ErrorInfo)
+            and detail.reason == PEER_UNAVAILABLE
+            and detail.domain == ERROR_DOMAIN
+        ):
+            return detail.metadata.get("peer", "")
+    return None
 
 
 def retry_info_of(err: grpc.RpcError) -> error_details_pb2.RetryInfo | None:

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 import grpc
 
 from mili import errors
-from mili.rpc.status import DETAILS_KEY, bad_request_of, retry_info_of
+from mili.rpc.status import DETAILS_KEY, bad_request_of, retry_info_of, unavailable_peer_of
 from services.frontend.calls import InstanceDown
 
 
@@ -56,8 +56,12 @@ def error_from(
         return errors.DataLoss(text)
     if code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.UNIMPLEMENTED):
         return DownstreamBug(text)
-    if code is grpc.StatusCode.UNAVAILABLE:  # down, draining, connection lost: route around it
-        return InstanceDown(text)
+    if code is grpc.StatusCode.UNAVAILABLE:
+        if unavailable_peer_of(err) is not None:
+            # The instance is fine; one it called for this request is not (prefill's KV
+            # destination went away): retry, but keep routing to the instance.
+            return errors.Unavailable(text)
+        return InstanceDown(text)  # down, draining, connection lost: route around it
     # CANCELLED (not by our caller: the peer went away), NOT_FOUND (a reservation vanished with
     # its peer), ABORTED...: retrying may work.
     return errors.Unavailable(text)

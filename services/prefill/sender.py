@@ -40,8 +40,8 @@ from mili.errors import (
     InvalidArgument,
     MiliError,
     NotFound,
+    PeerUnavailable,
     ResourceExhausted,
-    Unavailable,
 )
 from mili.kv.v1 import kv_pb2
 from mili.rpc import kv_checksum
@@ -312,7 +312,12 @@ class KvSender:
             return InvalidArgument("destination", self._task.address, what)
         if code is grpc.StatusCode.CANCELLED:
             what += " (decode cancelled the transfer: it stopped or restarted)"
-        return _ERRORS.get(code, Unavailable)(what)
+        error = _ERRORS.get(code)
+        if error is None:
+            # Decode is unusable, not us: the frontend must not take this instance out of
+            # routing for it (ErrorInfo PEER_UNAVAILABLE).
+            return PeerUnavailable(what, peer=self._task.address)
+        return error(what)
 
 
 def _retrieve(future: asyncio.Future[Any]) -> None:

@@ -8,6 +8,7 @@ import pytest
 from mili import errors
 from mili.engine.stop import FinishReason
 from mili.rpc.status import status_of
+from services.frontend.calls import InstanceDown
 from services.frontend.downstream import DownstreamBug, error_from
 from services.frontend.pipeline import clip_tokens
 
@@ -78,6 +79,17 @@ def test_codes_map_and_name_the_service(exc: BaseException, expected: type) -> N
     mapped = error_from(FakeError(exc), "prefill at p:1")
     assert isinstance(mapped, expected)
     assert "prefill at p:1" in str(mapped)
+
+
+def test_unavailable_is_the_instance_down_unless_it_blames_a_peer() -> None:
+    """Prefill answering UNAVAILABLE because its KV destination (decode) went away must not
+    take prefill out of routing: only an UNAVAILABLE of its own does."""
+    down = error_from(FakeError(errors.Unavailable("draining")), "prefill at p:1")
+    assert isinstance(down, InstanceDown)
+    peer = errors.PeerUnavailable("KV to decode at d:1 failed", peer="d:1")
+    mapped = error_from(FakeError(peer), "prefill at p:1")
+    assert isinstance(mapped, errors.Unavailable) and not isinstance(mapped, InstanceDown)
+    assert "prefill at p:1" in str(mapped) and "d:1" in str(mapped)
 
 
 def test_clip_tokens_stops_at_stop_ids_and_max_tokens() -> None:

@@ -22,6 +22,7 @@ from mili.rpc.status import (
     retry_info_of,
     server_status_of,
     status_of,
+    unavailable_peer_of,
 )
 
 METHOD = "/mili.test.v1.EchoService/Unary"
@@ -150,6 +151,25 @@ def test_resource_exhausted_carries_retry_delay(echo_server: Any) -> None:
             err = await _fail(h.unary()(b"hi"))
             assert err.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
             assert details_of(err) == []
+
+    asyncio.run(main())
+
+
+def test_peer_unavailable_names_the_peer_and_plain_unavailable_does_not(echo_server: Any) -> None:
+    async def main() -> None:
+        async with echo_server() as h:
+            h.echo.error = errors.PeerUnavailable("KV to decode d1 failed", peer="10.0.0.7:50061")
+            err = await _fail(h.unary()(b"hi"))
+            assert err.code() is grpc.StatusCode.UNAVAILABLE
+            assert unavailable_peer_of(err) == "10.0.0.7:50061"
+            [info] = details_of(err)
+            assert isinstance(info, error_details_pb2.ErrorInfo)
+            assert (info.reason, info.domain) == ("PEER_UNAVAILABLE", "mili")
+
+            h.echo.error = errors.Unavailable("draining")
+            err = await _fail(h.unary()(b"hi"))
+            assert err.code() is grpc.StatusCode.UNAVAILABLE
+            assert unavailable_peer_of(err) is None
 
     asyncio.run(main())
 
