@@ -22,13 +22,19 @@ class ServiceProcess:
     """
 
     def __init__(
-        self, *args: str, timeout_s: float = 60.0, python_args: Sequence[str] = ("-m", "mili")
+        self,
+        *args: str,
+        timeout_s: float = 60.0,
+        python_args: Sequence[str] = ("-m", "mili"),
+        prefix: Sequence[str] = (),
     ) -> None:
-        """`python_args` replace `-m mili` (e.g. `-c CODE` that wraps `mili.cli.main`)."""
+        """`python_args` replace `-m mili` (e.g. `-c CODE` that wraps `mili.cli.main`);
+        `prefix` runs it through another command that execs it, so that `proc` is still the
+        service (e.g. `ip netns exec NS`, tests/netns.py)."""
         self.args = args
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(
-            [sys.executable, *python_args, *args],
+            [*prefix, sys.executable, *python_args, *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

@@ -1,20 +1,25 @@
-"""A multi-host topology on one machine: every instance on its own loopback address
-(127.0.0.x), found through a real DNS server for the test domain that answers each headless
-name with one A record per instance, mTLS between all of them.
+"""A multi-host topology on one machine, found through a real DNS server for the test domain
+that answers each headless name with one A record per instance, mTLS between all of them.
+Every test runs twice, once per placement of the instances:
 
-    tokenizer 127.0.0.1        prefill.mili.test -> 127.0.0.11, 127.0.0.12  (one port)
-    frontend  (this process)   decode.mili.test  -> 127.0.0.21, 127.0.0.22  (+ .23 later)
+    loopback   each instance on its own loopback address (127.0.0.x) of this namespace
+    netns      each instance in its own network namespace with its own IP on a bridge (veth
+               pairs, tests/netns.py); skipped with the reason where namespaces cannot be made
+
+    tokenizer  T                     prefill.mili.test -> P1, P2   (one port)
+    frontend   (this process)        decode.mili.test  -> D1, D2   (+ D3 later)
 
 Prefill, decode and the tokenizer are real processes (`python -m mili serve-*` with --host and
---tls-*); the frontend runs here with the DNS server as its resolver (the one seam discovery
-leaves open: a process would use the system resolver). The separate-network-namespace variant
-(one veth + bridge per instance) is not written yet; see the report of branch `cluster`.
+--tls-*; in netns each under `ip netns exec`); the frontend runs here with the DNS server as
+its resolver (the one seam discovery leaves open: a process would use the system resolver) and
+reaches the namespaces over the bridge.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import re
 import threading
 import time
@@ -42,16 +47,76 @@ from services.frontend.backends import Backends
 from services.frontend.config import FrontendConfig
 from services.frontend.router import Router
 from services.frontend.server import GenerationServicer, add_to_server
+from tests import netns
 from tests.dns_server import DnsServer
 from tests.e2e.conftest import DECODE_ARGS, PREFILL_ARGS
 from tests.service_process import ServiceProcess
 
 PREFILL_NAME, DECODE_NAME = "prefill.mili.test", "decode.mili.test"
-PREFILL_IPS = ["127.0.0.11", "127.0.0.12"]
-DECODE_IPS = ["127.0.0.21", "127.0.0.22"]
-SPARE_DECODE_IP = "127.0.0.23"  # started with the others, in DNS only when a test adds it
 RESOLVE_INTERVAL_S = 0.5
 _ROUTE = re.compile(r"done: prefill (\S+) -> decode (\S+),")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where each instance runs: its IP, and the command prefix that starts a process there."""
+
+    name: str
+    tokenizer_ip: str
+    prefill_ips: tuple[str, ...]
+    decode_ips: tuple[str, ...]
+    spare_decode_ip: str  # started with the others, in DNS only when a test adds it
+    prefill_port: int
+    decode_port: int
+    prefixes: dict[str, tuple[str, ...]]  # by IP; none: this namespace
+
+    @property
+    def ips(self) -> list[str]:
+        return [self.tokenizer_ip, *self.prefill_ips, *self.decode_ips, self.spare_decode_ip]
+
+    def prefix(self, ip: str) -> tuple[str, ...]:
+        return self.prefixes.get(ip, ())
+
+
+def _loopback() -> Placement:
+    prefill_ips, decode_ips = ("127.0.0.11", "127.0.0.12"), ("127.0.0.21", "127.0.0.22")
+    return Placement(
+        "loopback",
+        "127.0.0.1",
+        prefill_ips,
+        decode_ips,
+        "127.0.0.23",
+        pick_free(prefill_ips[0]),
+        pick_free(decode_ips[0]),
+        {},
+    )
+
+
+def _namespaces(net: netns.Network) -> Placement:
+    hosts = [net.add_host(n) for n in ("tok", "pre0", "pre1", "dec0", "dec1", "dec2")]
+    return Placement(
+        "netns",
+        hosts[0].ip,
+        (hosts[1].ip, hosts[2].ip),
+        (hosts[3].ip, hosts[4].ip),
+        hosts[5].ip,
+        50061,  # each namespace's ports are its own: nothing else listens there
+        50071,
+        {h.ip: tuple(h.command([])) for h in hosts},
+    )
+
+
+@pytest.fixture(scope="module", params=["loopback", "netns"])
+def placement(request: pytest.FixtureRequest) -> Iterator[Placement]:
+    if request.param == "loopback":
+        yield _loopback()
+        return
+    reason = netns.unavailable()
+    if reason is not None:
+        pytest.skip(f"network namespaces: {reason}")
+    with netns.Network() as net:
+        yield _namespaces(net)
+    assert netns.leftovers(net.tag, net.prefix) == [], "namespaces or links left behind"
 
 
 class _Routes(logging.Handler):
@@ -109,6 +174,7 @@ class FrontendThread:
 
 @dataclass
 class Topology:
+    placement: Placement
     pki: dict[str, CertFiles]
     dns: DnsServer
     tokenizer: ServiceProcess
@@ -116,7 +182,10 @@ class Topology:
     decodes: dict[str, ServiceProcess]
     frontend: FrontendThread
     routes: _Routes
-    decode_port: int
+
+    @property
+    def decode_port(self) -> int:
+        return self.placement.decode_port
 
     def stub(self) -> generation_pb2_grpc.GenerationServiceStub:
         client = self.pki["client"]
@@ -137,43 +206,50 @@ def _tls_args(files: CertFiles) -> tuple[str, ...]:
 
 
 @pytest.fixture(scope="module")
-def topology(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Topology]:
+def topology(
+    placement: Placement, demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Topology]:
+    p = placement
     ca = Authority()
-    root = tmp_path_factory.mktemp("topology-pki")
+    root = tmp_path_factory.mktemp(f"topology-pki-{p.name}")
     # Prefill's --decode '*' (its system resolver cannot see the test domain) dials decode by
     # IP and verifies it as that IP: the certificate carries the IPs too, as per-pod
     # certificates do. With dns:/// entries (the manifests) the name is verified instead.
-    names = ["localhost", "127.0.0.1", PREFILL_NAME, DECODE_NAME, *DECODE_IPS, SPARE_DECODE_IP]
+    names = ["localhost", PREFILL_NAME, DECODE_NAME, *p.ips]
     pki = {
         "services": ca.write(root, "services", names),
         "frontend": ca.write(root, "frontend", ["localhost", "frontend.mili.test"]),
         "client": ca.write(root, "client", ["client"]),
     }
-    dns = DnsServer({PREFILL_NAME: list(PREFILL_IPS), DECODE_NAME: list(DECODE_IPS)})
+    dns = DnsServer({PREFILL_NAME: list(p.prefill_ips), DECODE_NAME: list(p.decode_ips)})
     dns.start()
-    prefill_port, decode_port = pick_free(PREFILL_IPS[0]), pick_free(DECODE_IPS[0])
     # torch attention: six processes compiling kernels at once on two cores would outlast the
     # start-up timeout; the kernels are not what this test is about.
     model = ("--model", str(demo_model_dir), "--dtype", "float32", "--attention", "torch")
     tls = _tls_args(pki["services"])
-    specs: list[tuple[str, ...]] = [("serve-tokenizer", *model[:2], "--port", "0", *tls)]
+    tokenizer = ("serve-tokenizer", *model[:2], "--host", p.tokenizer_ip, "--port", "0", *tls)
+    specs: list[tuple[tuple[str, ...], tuple[str, ...]]] = [(p.prefix(p.tokenizer_ip), tokenizer)]
     # KV goes to any decode the frontend names: the mTLS handshake is the check here (every
     # peer holds a certificate our CA signed), as the manifests do.
     prefill = (*PREFILL_ARGS, "--decode", "*", *tls)
     specs += [
-        ("serve-prefill", *model, "--host", ip, "--port", str(prefill_port), *prefill)
-        for ip in PREFILL_IPS
+        (
+            p.prefix(ip),
+            ("serve-prefill", *model, "--host", ip, "--port", str(p.prefill_port), *prefill),
+        )
+        for ip in p.prefill_ips
     ]
+    decode = ("--port", str(p.decode_port), *DECODE_ARGS, *tls)
     specs += [
-        ("serve-decode", *model, "--host", ip, "--port", str(decode_port), *DECODE_ARGS, *tls)
-        for ip in [*DECODE_IPS, SPARE_DECODE_IP]
+        (p.prefix(ip), ("serve-decode", *model, "--host", ip, *decode))
+        for ip in [*p.decode_ips, p.spare_decode_ip]
     ]
     services = _start_all(specs)
     tokenizer, prefills, decodes = services[0], services[1:3], services[3:]
     config = FrontendConfig(
-        tokenizer_address=f"localhost:{tokenizer.address.rpartition(':')[2]}",
-        prefill_addresses=(f"dns:///{PREFILL_NAME}:{prefill_port}",),
-        decode_addresses=(f"dns:///{DECODE_NAME}:{decode_port}",),
+        tokenizer_address=tokenizer.address,
+        prefill_addresses=(f"dns:///{PREFILL_NAME}:{p.prefill_port}",),
+        decode_addresses=(f"dns:///{DECODE_NAME}:{p.decode_port}",),
         poll_interval_s=0.2,
         resolve_interval_s=RESOLVE_INTERVAL_S,
     )
@@ -182,6 +258,7 @@ def topology(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     logging.getLogger("mili.frontend").setLevel(logging.INFO)
     frontend = FrontendThread(config, TlsFiles(*_files(pki["frontend"])).load(), dns)
     t = Topology(
+        p,
         pki,
         dns,
         tokenizer,
@@ -189,7 +266,6 @@ def topology(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         {d.address: d for d in decodes},
         frontend,
         routes,
-        decode_port,
     )
     try:
         _wait(lambda: frontend.backends.problem is None, 30)
@@ -203,11 +279,14 @@ def topology(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         dns.stop()
 
 
-def _start_all(specs: list[tuple[str, ...]]) -> list[ServiceProcess]:
-    """start_all's all-or-none start, with a start-up limit for six processes loading torch at
-    once on a shared two-core machine."""
+def _start_all(specs: list[tuple[tuple[str, ...], tuple[str, ...]]]) -> list[ServiceProcess]:
+    """start_all's all-or-none start of (prefix, args) pairs, with a start-up limit for six
+    processes loading torch at once on a shared two-core machine."""
     with ThreadPoolExecutor(max_workers=len(specs)) as pool:
-        futures = [pool.submit(lambda s=spec: ServiceProcess(*s, timeout_s=300)) for spec in specs]
+        futures = [
+            pool.submit(lambda s=spec: ServiceProcess(*s[1], timeout_s=300, prefix=s[0]))
+            for spec in specs
+        ]
     errors = [f.exception() for f in futures if f.exception() is not None]
     if errors:
         for f in futures:
@@ -255,16 +334,20 @@ def test_greedy_tokens_equal_generate_across_every_instance(
         results = list(pool.map(lambda r: list(stub.Generate(r, timeout=60)), requests))
     assert [_token_ids(r) for r in results] == expected
     routes = topology.routes.routes[before:]
+    placement = topology.placement
     assert {p for p, _ in routes} == {
-        f"{ip}:{p.rpartition(':')[2]}" for ip, p in zip(PREFILL_IPS, topology.prefills, strict=True)
+        f"{ip}:{placement.prefill_port}" for ip in placement.prefill_ips
     }
-    assert {d for _, d in routes} == {f"{ip}:{topology.decode_port}" for ip in DECODE_IPS}
+    assert {d for _, d in routes} == {
+        f"{ip}:{placement.decode_port}" for ip in placement.decode_ips
+    }
 
 
 def test_a_decode_added_to_dns_gets_work_within_the_interval(topology: Topology) -> None:
-    spare = f"{SPARE_DECODE_IP}:{topology.decode_port}"
+    placement = topology.placement
+    spare = f"{placement.spare_decode_ip}:{topology.decode_port}"
     added_at = time.monotonic()
-    topology.dns.records[DECODE_NAME] = [*DECODE_IPS, SPARE_DECODE_IP]
+    topology.dns.records[DECODE_NAME] = [*placement.decode_ips, placement.spare_decode_ip]
     _wait(lambda: (v := topology.decode_view(spare)) is not None and v.is_routable, 5)
     assert time.monotonic() - added_at < 2 * RESOLVE_INTERVAL_S + 1.0
     stub = topology.stub()
@@ -277,7 +360,8 @@ def test_a_decode_added_to_dns_gets_work_within_the_interval(topology: Topology)
 def test_a_decode_removed_from_dns_drains_without_failing_its_request(
     topology: Topology,
 ) -> None:
-    leaving = f"{DECODE_IPS[0]}:{topology.decode_port}"
+    leaving_ip = topology.placement.decode_ips[0]
+    leaving = f"{leaving_ip}:{topology.decode_port}"
     view = topology.decode_view(leaving)
     view.num_blocks_since_poll = -100_000  # make it the best choice for the next request
     stub = topology.stub()
@@ -285,7 +369,7 @@ def test_a_decode_removed_from_dns_drains_without_failing_its_request(
         held = pool.submit(lambda: list(stub.Generate(_request(16, 120, seed=77), timeout=120)))
         _wait(lambda: view.num_in_flight == 1, 10)
         topology.dns.records[DECODE_NAME] = [
-            ip for ip in topology.dns.records[DECODE_NAME] if ip != DECODE_IPS[0]
+            ip for ip in topology.dns.records[DECODE_NAME] if ip != leaving_ip
         ]
         _wait(lambda: view.is_draining, 5)
         responses = held.result(timeout=120)
@@ -295,9 +379,9 @@ def test_a_decode_removed_from_dns_drains_without_failing_its_request(
 
 
 def test_a_decode_killed_mid_stream_fails_only_its_own_request(topology: Topology) -> None:
-    victim_address = f"{SPARE_DECODE_IP}:{topology.decode_port}"
+    victim_address = f"{topology.placement.spare_decode_ip}:{topology.decode_port}"
     victim = topology.decodes[victim_address]
-    survivor = f"{DECODE_IPS[1]}:{topology.decode_port}"
+    survivor = f"{topology.placement.decode_ips[1]}:{topology.decode_port}"
     stub = topology.stub()
     outcomes: dict[str, Any] = {}
 
@@ -323,3 +407,16 @@ def test_a_decode_killed_mid_stream_fails_only_its_own_request(topology: Topolog
     assert error.code() == grpc.StatusCode.UNAVAILABLE, error
     assert victim_address in (error.details() or ""), error.details()
     assert outcomes["survivor"][-1].finish_reason == sampling_pb2.FINISH_REASON_LENGTH
+
+
+def test_each_instance_runs_where_its_placement_puts_it(topology: Topology) -> None:
+    """netns: every service in a network namespace of its own, not ours; loopback: all in ours
+    (so the other tests really cross namespaces in one placement and not in the other)."""
+    services = [topology.tokenizer, *topology.prefills.values(), *topology.decodes.values()]
+    alive = [s for s in services if s.proc.poll() is None]  # a test may have killed one
+    spaces = [os.readlink(f"/proc/{s.proc.pid}/ns/net") for s in alive]
+    ours = os.readlink("/proc/self/ns/net")
+    if topology.placement.name == "netns":
+        assert ours not in spaces and len(set(spaces)) == len(alive), spaces
+    else:
+        assert set(spaces) == {ours}
