@@ -25,9 +25,13 @@ from collections import deque
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from mili.errors import StartupError
+
+if TYPE_CHECKING:
+    from mili.rpc.tls import Tls
 
 _LISTENING = re.compile(r"(\w+) service listening on (\S+)")
 _METRICS = re.compile(r"(\w+) metrics on (\S+)")
@@ -76,9 +80,11 @@ def _clock(at: float) -> str:
 class Child:
     """One service process, started (and restarted) as `python -m mili ARGV...`."""
 
-    def __init__(self, name: str, argv: list[str]) -> None:
+    def __init__(self, name: str, argv: list[str], *, tls: Tls | None = None) -> None:
+        """`tls`: what the health checks dial it with (None: plaintext), as its flags say."""
         self.name = name  # "tokenizer", "prefill-0", ...
         self.argv = argv
+        self.tls = tls
         self.proc: asyncio.subprocess.Process | None = None
         self.address: str | None = None  # where it listens: set by its first run, then pinned
         self.metrics_url: str | None = None  # likewise, when it serves metrics
@@ -209,7 +215,7 @@ class Child:
                 self.failure(f"came back on {self._run_address}, not on {self.address}")
             )
         accepted = ("SERVING",) if is_serving_required else ("SERVING", "NOT_SERVING")
-        status = await _wait_for_health(self.address, accepted, min(timeout_s, 60.0))
+        status = await _wait_for_health(self.address, accepted, min(timeout_s, 60.0), self.tls)
         if status not in accepted:
             what = f"was not {' or '.join(accepted)} within {min(timeout_s, 60.0):.0f} s"
             raise StartupError(self.failure(f"{what} (last health check: {status})"))
@@ -239,15 +245,19 @@ class Child:
         return self.proc.returncode
 
 
-async def _wait_for_health(address: str, accepted: tuple[str, ...], timeout_s: float) -> str:
+async def _wait_for_health(
+    address: str, accepted: tuple[str, ...], timeout_s: float, tls: Tls | None = None
+) -> str:
     """Poll grpc.health.v1 Check ("" = the whole server) until its status is in `accepted`;
-    returns that status, or the last one seen (an error's code name) after `timeout_s`."""
+    returns that status, or the last one seen (an error's code name, with a hint when it
+    looks like TLS) after `timeout_s`. `tls`: dial with it, verifying the address's host."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from mili.rpc.client import insecure_channel
+    from mili.rpc.client import channel as open_channel
+    from mili.rpc.client import connection_hint
 
-    channel = insecure_channel(address)
+    channel = open_channel(address, tls=tls)
     stub = health_pb2_grpc.HealthStub(channel)
     deadline = time.monotonic() + timeout_s
     delay_s = 0.02
@@ -258,7 +268,7 @@ async def _wait_for_health(address: str, accepted: tuple[str, ...], timeout_s: f
                 reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=min(left, 1.0))
                 last = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
             except grpc.aio.AioRpcError as err:
-                last = err.code().name
+                last = err.code().name + connection_hint(err, is_tls=tls is not None)
             if last in accepted:
                 return last
             await asyncio.sleep(min(delay_s, max(0.0, deadline - time.monotonic())))

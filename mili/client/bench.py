@@ -15,6 +15,9 @@ temperature 0. Measured at the client, so it works against any deployment:
 KV transfer GB/s is not visible to a client (the KV moves between prefill and decode); the
 frontend logs it per request (prefill's kv_bytes / transfer_ms).
 
+Against a TLS port: --tls-ca verifies the frontend (else the system roots), --tls-cert and
+--tls-key present a client certificate where the port requires one (mTLS).
+
 While it runs, a progress line goes to stderr at every 10% of the requests and at least every
 5 s: requests done of all, errors, output tokens/s so far. Failed requests are grouped by
 their error (status and message, request ids masked) and counted, in the report and the JSON.
@@ -33,7 +36,10 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mili.rpc.tls import Tls
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 KV_NOTE = (
@@ -65,6 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--timeout", type=float, default=600.0, help="deadline per request, seconds"
     )
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="write results")
+    from mili.flags import add_tls_arguments
+
+    add_tls_arguments(parser, is_server=False)
 
 
 @dataclass
@@ -182,13 +191,14 @@ async def _one(stub: object, request: object, timeout_s: float) -> RequestResult
     return result
 
 
-async def bench(args: argparse.Namespace) -> dict[str, Any]:
+async def bench(args: argparse.Namespace, tls: Tls | None = None) -> dict[str, Any]:
+    """`tls`: TLS to every address (None: plaintext)."""
     from mili.common.v1 import sampling_pb2
     from mili.frontend.v1 import generation_pb2, generation_pb2_grpc
-    from mili.rpc.client import insecure_channel
+    from mili.rpc.client import channel as open_channel
 
     low, high = (int(x) for x in args.token_id_range.split(":"))
-    channels = [insecure_channel(a) for a in args.address.split(",")]
+    channels = [open_channel(a, tls=tls) for a in args.address.split(",")]
     stubs = [generation_pb2_grpc.GenerationServiceStub(c) for c in channels]
     info = await stubs[0].Info(generation_pb2.InfoRequest(), timeout=10)
     queue: asyncio.Queue[int] = asyncio.Queue()
@@ -292,10 +302,19 @@ def run(args: argparse.Namespace) -> int:
         return 2
     import grpc
 
+    from mili.flags import client_tls
+    from mili.rpc.client import connection_hint
+
     try:
-        summary = asyncio.run(bench(args))
+        tls = client_tls(args)
+    except ValueError as e:
+        print(f"mili bench: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        summary = asyncio.run(bench(args, tls))
     except grpc.aio.AioRpcError as err:
-        print(f"mili bench: {err.code().name}: {err.details()}", file=sys.stderr)
+        hint = connection_hint(err, is_tls=tls is not None)
+        print(f"mili bench: {err.code().name}: {err.details()}{hint}", file=sys.stderr)
         return 1
     print(report(summary))
     if args.json is not None:

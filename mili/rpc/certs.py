@@ -1,10 +1,11 @@
 """A throwaway certificate authority for local mTLS: one CA, and certificates it signs for the
 services (server and client use both), written as PEM files.
 
-For tests and local demos only (tests/rpc/test_tls.py, tests/e2e/test_topology.py; a
-`mili serve --tls-demo` on top of it is not written yet): keys are made fresh each time and
-never leave the directory they are written to. A real deployment brings its own
-CA (cert-manager, a Kubernetes Secret; see deploy/kubernetes/).
+For tests and local demos only (tests/rpc/test_tls.py, tests/e2e/test_topology.py, and
+`mili serve --tls-demo`, which writes `write_demo`'s files into a temporary directory it
+removes on exit): keys are made fresh each time and never leave the directory they are
+written to. A real deployment brings its own CA (cert-manager, a Kubernetes Secret; see
+deploy/kubernetes/).
 """
 
 from __future__ import annotations
@@ -119,3 +120,15 @@ class Authority:
         key_path.touch(mode=0o600)
         key_path.write_bytes(key)
         return CertFiles(cert=cert_path, key=key_path, ca=ca)
+
+
+# `mili serve --tls-demo`: one certificate per service (each also a client of the others), and
+# one for clients outside (grpcurl, mili generate/bench) and for mili serve's health checks.
+DEMO_STEMS = ("tokenizer", "prefill", "decode", "frontend", "client")
+
+
+def write_demo(directory: Path, names: Sequence[str]) -> dict[str, CertFiles]:
+    """A fresh CA and a certificate for every stem of DEMO_STEMS, each valid for `names`
+    (the addresses the services are dialled by), written into `directory`."""
+    authority = Authority("MILI tls-demo CA")
+    return {stem: authority.write(directory, stem, names) for stem in DEMO_STEMS}
