@@ -61,21 +61,20 @@ import contextlib
 import shlex
 import signal
 import sys
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kernels import ATTENTION_CHOICES
-from mili import flags, ports
+from mili import flags, ports, serve_tls
 from mili.backoff import Backoff, RestartPolicy
 from mili.child import Child, describe_exit
 from mili.engine.engine_config import DEFAULT_GPU_MEMORY_UTILIZATION
 from mili.engine.kv_layout import DTYPES
 from mili.errors import StartupError
 from mili.rpc.server import format_address
-from mili.rpc.tls import Tls, TlsFiles
+from mili.rpc.tls import Tls
 
 if TYPE_CHECKING:
     from mili.rpc.certs import CertFiles  # cryptography: imported only for --tls-demo
@@ -210,33 +209,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--trace-console", action="store_true", help="every child prints its spans to stderr"
     )
-    tls = parser.add_argument_group("TLS")
-    tls.add_argument(
-        "--tls-cert",
-        type=Path,
-        default=None,
-        metavar="FILE",
-        help="every child's certificate chain (PEM): every port serves TLS; the children and "
-        "mili serve's health checks present it; it must name --host (default: plaintext)",
-    )
-    tls.add_argument(
-        "--tls-key", type=Path, default=None, metavar="FILE", help="its private key (PEM)"
-    )
-    tls.add_argument(
-        "--tls-ca",
-        type=Path,
-        default=None,
-        metavar="FILE",
-        help="the CA certificate (PEM) that signed it: every port then requires client "
-        "certificates it signed (mTLS; the frontend's: see serve-frontend --public-tls)",
-    )
-    tls.add_argument(
-        "--tls-demo",
-        action="store_true",
-        help="make a throwaway CA and a certificate per service in a temporary directory "
-        "(removed on exit): mTLS between the services, TLS on the frontend port; prints the "
-        "grpcurl command line to call it",
-    )
+    serve_tls.add_arguments(parser)
 
 
 def _say(message: str) -> None:
@@ -287,51 +260,11 @@ def memory_shares(
     )
 
 
-def tls_plan(args: argparse.Namespace, demo: dict[str, CertFiles] | None) -> ChildTls:
-    """Each kind of child's TLS flags, and what our health checks dial with (StartupError
-    naming the flag when a file is missing or the flags do not fit together)."""
-    given = args.tls_cert is not None or args.tls_key is not None or args.tls_ca is not None
-    if demo is not None:
-        if given:
-            raise StartupError("--tls-demo makes its own certificates: drop --tls-cert/-key/-ca")
-        flags_of = {kind: _tls_flags(files) for kind, files in demo.items()}
-        flags_of["frontend"] += ["--public-tls", "tls"]
-        return ChildTls(flags_of, _load(demo["client"]))
-    if not given:
-        return ChildTls({}, None)
-    try:
-        tls = TlsFiles(args.tls_cert, args.tls_key, args.tls_ca).load()
-    except ValueError as e:
-        raise StartupError(str(e)) from None
-    same = [
-        *(["--tls-cert", str(args.tls_cert), "--tls-key", str(args.tls_key)] * bool(tls.cert)),
-        *(["--tls-ca", str(args.tls_ca)] * bool(tls.ca)),
-    ]
-    return ChildTls({kind: list(same) for kind in CHILD_KINDS}, tls)
-
-
-CHILD_KINDS = ("tokenizer", "prefill", "decode", "frontend")
-
-
-@dataclass(frozen=True)
-class ChildTls:
-    flags: dict[str, list[str]]  # by kind; a kind missing runs in plaintext
-    health: Tls | None
-
-
-def _tls_flags(files: CertFiles) -> list[str]:
-    return ["--tls-cert", str(files.cert), "--tls-key", str(files.key), "--tls-ca", str(files.ca)]
-
-
-def _load(files: CertFiles) -> Tls:
-    return TlsFiles(files.cert, files.key, files.ca).load()
-
-
 def make_plan(
     args: argparse.Namespace, model_dir: Path, demo: dict[str, CertFiles] | None = None
 ) -> Plan:
     """`demo`: --tls-demo's files (mili.rpc.certs.write_demo)."""
-    tls = tls_plan(args, demo)
+    tls = serve_tls.tls_plan(args, demo)
     if args.prefill_instances < 1 or args.decode_instances < 1 or args.frontends < 1:
         raise StartupError("--prefill-instances, --decode-instances and --frontends must be >= 1")
     metrics_base: int | None = args.metrics_port
@@ -516,7 +449,8 @@ class Launcher:
                 flush=True,
             )
         if self.plan.tls_demo is not None:
-            for line in tls_demo_usage(self.plan.tls_demo, self._address(self.frontends[0])):
+            usage = serve_tls.demo_usage(self.plan.tls_demo, self._address(self.frontends[0]))
+            for line in usage:
                 print(f"mili serve: {line}", flush=True)
         # Last, in the form every service announces itself: scripts and tests read this line
         # (the first frontend's comes first).
@@ -656,37 +590,10 @@ def run(args: argparse.Namespace) -> int:
     model_dir = flags.resolve_model(args)  # the demo model is built here once, not per child
     if not model_dir.is_dir():
         raise StartupError(f"model directory {model_dir} does not exist")
-    with contextlib.ExitStack() as cleanup:
-        demo = None
-        if args.tls_demo:
-            from mili.rpc.certs import write_demo
-
-            directory = Path(cleanup.enter_context(tempfile.TemporaryDirectory(prefix="mili-tls-")))
-            demo = write_demo(directory, tls_demo_names(args.host))
-            _say(f"--tls-demo: throwaway CA and certificates in {directory} (removed on exit)")
+    with serve_tls.demo_certificates(args, _say) as demo:
         plan = make_plan(args, model_dir, demo)
 
         async def main() -> int:
             return await Launcher(plan).run()
 
         return asyncio.run(main())
-
-
-def tls_demo_names(host: str) -> list[str]:
-    """What --tls-demo's certificates are valid for: --host (as the children announce it and
-    the frontend dials them), and this machine's loopback names."""
-    names = ["localhost", "127.0.0.1", "::1", host.strip("[]")]
-    return list(dict.fromkeys(names))
-
-
-def tls_demo_usage(client: CertFiles, frontend: str) -> list[str]:
-    """The command lines that call the frontend through --tls-demo's TLS port."""
-    body = '{"prompt":"Hello","sampling":{"max_tokens":16,"temperature":0}}'
-    return [
-        "--tls-demo: the frontend's port speaks TLS; call it with",
-        f"  grpcurl -cacert {client.ca} -d '{body}' {frontend} "
-        "mili.frontend.v1.GenerationService/Generate",
-        f"  mili generate --address {frontend} --tls-ca {client.ca} Hello",
-        "the internal services require a client certificate (mTLS): add "
-        f"-cert {client.cert} -key {client.key} (grpcurl) or --tls-cert/--tls-key (mili)",
-    ]

@@ -14,10 +14,11 @@ import pytest
 
 from mili.child import _wait_for_health
 from mili.errors import StartupError
-from mili.launcher import add_arguments, make_plan, tls_demo_names
+from mili.launcher import add_arguments, make_plan
 from mili.rpc.certs import DEMO_STEMS, Authority, CertFiles, write_demo
 from mili.rpc.server import RpcServer, ServerConfig, ServerTls
 from mili.rpc.tls import TlsFiles
+from mili.serve_tls import demo_names
 from tests.service_process import ROOT
 
 
@@ -55,7 +56,7 @@ def test_given_tls_flags_reach_every_child_and_the_health_checks(
 
 
 def test_tls_demo_gives_each_service_its_own_certificate(tmp_path: Path) -> None:
-    demo = write_demo(tmp_path / "pki", tls_demo_names("127.0.0.1"))
+    demo = write_demo(tmp_path / "pki", demo_names("127.0.0.1"))
     assert sorted(demo) == sorted(DEMO_STEMS)
     assert len({f.ca for f in demo.values()}) == 1  # one CA signed them all
     plan = make_plan(_args("--tls-demo"), tmp_path, demo)
@@ -75,23 +76,24 @@ def test_tls_demo_gives_each_service_its_own_certificate(tmp_path: Path) -> None
     assert plan.health_tls is not None and plan.health_tls.cert is not None
     with pytest.raises(StartupError, match="--tls-demo makes its own certificates"):
         make_plan(_args("--tls-demo", "--tls-ca", str(demo["client"].ca)), tmp_path, demo)
-    assert tls_demo_names("0.0.0.0") == ["localhost", "127.0.0.1", "::1", "0.0.0.0"]
-    assert tls_demo_names("[::1]") == ["localhost", "127.0.0.1", "::1"]
+    assert demo_names("0.0.0.0") == ["localhost", "127.0.0.1", "::1", "0.0.0.0"]
+    assert demo_names("[::1]") == ["localhost", "127.0.0.1", "::1"]
 
 
-@pytest.mark.parametrize(
-    ("argv", "message"),
-    [
-        (["--tls-cert", "/nonexistent/a.crt", "--tls-key", "/nonexistent/a.key"], "--tls-cert"),
-        (["--tls-ca", "/nonexistent/ca.crt"], "--tls-ca /nonexistent/ca.crt"),
-        (["--tls-cert", "/nonexistent/a.crt"], "--tls-cert and --tls-key go together"),
-    ],
-)
-def test_bad_tls_flags_fail_with_a_line_naming_the_flag(
-    tmp_path: Path, argv: list[str], message: str
-) -> None:
-    with pytest.raises(StartupError, match=message):
-        make_plan(_args(*argv), tmp_path)
+def test_bad_tls_flags_fail_with_a_line_naming_the_flag(tmp_path: Path, files: CertFiles) -> None:
+    cert_and_key = ("--tls-cert", str(files.cert), "--tls-key", str(files.key))
+    for argv, message in [
+        (("--tls-cert", "/nonexistent/a.crt", "--tls-key", str(files.key)), "--tls-cert /nonex"),
+        ((*cert_and_key, "--tls-ca", "/nonexistent/ca.crt"), "--tls-ca /nonexistent/ca.crt: No"),
+        (("--tls-cert", str(files.cert)), "--tls-cert and --tls-key go together"),
+        (("--tls-ca", str(files.ca)), "--tls-ca needs --tls-cert and --tls-key"),
+        (cert_and_key, None),  # TLS without client certificates: fine
+    ]:
+        if message is None:
+            make_plan(_args(*argv), tmp_path)
+            continue
+        with pytest.raises(StartupError, match=message):
+            make_plan(_args(*argv), tmp_path)
 
 
 def test_health_checks_of_a_child_speak_its_mtls(files: CertFiles) -> None:
