@@ -304,15 +304,19 @@ def summarize(name: str, path_runs: list[Any], full_runs: list[Any] | None) -> d
     return row
 
 
-async def measure(args: argparse.Namespace, path: Path) -> list[dict[str, Any]]:
+def prefill_in_process(
+    path: Path, prompt_len: int
+) -> tuple[Qwen3ForCausalLM, PrefillServicer, list[int], int]:
+    """The prefill service's servicer on `path`'s model (bf16) in this process, a random
+    prompt of `prompt_len` ids, and its number of blocks (benchmarks/topology.py too)."""
     model = load_model(path, dtype=torch.bfloat16)
     g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, model.config.vocab_size, (args.prompt_len,), generator=g).tolist()
-    num_blocks = -(-args.prompt_len // BLOCK_SIZE)
+    prompt = torch.randint(0, model.config.vocab_size, (prompt_len,), generator=g).tolist()
+    num_blocks = -(-prompt_len // BLOCK_SIZE)
     config = PrefillConfig(
         engine=EngineConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks),
-        max_batch_tokens=max(2048, args.prompt_len),
-        max_queued_tokens=max(8192, args.prompt_len),
+        max_batch_tokens=max(2048, prompt_len),
+        max_queued_tokens=max(8192, prompt_len),
         transfer_timeout_s=600,
         allowed_decodes=(ANY_DECODE,),  # the receiver's and decode's ports are chosen later
         prefix_caching=False,  # every run computes and sends the whole (repeated) prompt
@@ -323,7 +327,11 @@ async def measure(args: argparse.Namespace, path: Path) -> list[dict[str, Any]]:
         model_name=path.name,
         fingerprint=model_fingerprint(path),
     )
-    servicer = PrefillServicer(instance, max_message_bytes=256 << 20)
+    return model, PrefillServicer(instance, max_message_bytes=256 << 20), prompt, num_blocks
+
+
+async def measure(args: argparse.Namespace, path: Path) -> list[dict[str, Any]]:
+    model, servicer, prompt, num_blocks = prefill_in_process(path, args.prompt_len)
     layout_hex = servicer.layout.SerializeToString().hex()
     me = [sys.executable, __file__, "--receiver-threads", str(args.receiver_threads)]
     procs: list[subprocess.Popen[str]] = []
