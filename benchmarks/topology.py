@@ -15,7 +15,16 @@ caching off, so every prompt's whole KV moves) and --output-tokens tokens, greed
   TTFT       client side: Generate sent -> first token received (includes tokenize-free
              routing, prefill compute and the whole KV hand-off)
   KV GB/s    prefill's own measure (PrefillResponse.kv_bytes / transfer_ms, first chunk
-             written -> decode's acknowledgement), from the frontend's per-request log line
+             written -> decode's acknowledgement), from the frontend's per-request log line;
+             layer-by-layer streaming overlaps the transfer with the compute of the later
+             layers, so transfer_ms includes most of prefill's compute (shown beside it): the
+             ratio across / same is the transport's share, not the absolute GB/s
+
+KV path alone (--kv-path-tokens, default 512; 0 skips it): the transport without the compute
+it hides behind. benchmarks/kv_handoff.py's sender in this process streams already-computed
+KV of Qwen3-0.6B's shapes (random weights, bf16, 112 KiB per token: 58.7 MB for 512 tokens)
+into a real `mili serve-decode`, alternately one on 127.0.0.1 here (same namespace) and one in
+a namespace of its own (across: this namespace -> bridge -> veth); plaintext, as kv_handoff.py.
 
 --tls (default on) gives prefill, decode, tokenizer and frontend certificates from a throwaway
 CA, mTLS between all of them, as the multi-host test runs; the client talks plaintext to the
@@ -28,6 +37,7 @@ frontends (--public-tls off). Needs root (network namespaces); says why and exit
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import random
@@ -53,7 +63,7 @@ from tests import netns
 from tests.service_process import ServiceProcess
 
 PREFILL_PORT, DECODE_PORT = 50061, 50071
-_DONE = re.compile(r"(\S+) \(id \S+\) done: .* KV (\d+) B in ([\d.]+) ms")
+_DONE = re.compile(r"(\S+) \(id \S+\) done: .* compute ([\d.]+) ms, KV (\d+) B in ([\d.]+) ms")
 
 
 @dataclass
@@ -168,25 +178,94 @@ def one_request(d: Deployment, rng: random.Random, args: argparse.Namespace) -> 
         if ttft_s is None and response.token_ids:
             ttft_s = time.perf_counter() - started
     assert ttft_s is not None
-    kv_bytes, transfer_ms = _kv_of(d.frontend, request.request_id)
+    compute_ms, kv_bytes, transfer_ms = _kv_of(d.frontend, request.request_id)
     return {
         "ttft_ms": ttft_s * 1e3,
+        "compute_ms": compute_ms,
         "kv_bytes": kv_bytes,
         "transfer_ms": transfer_ms,
         "kv_gb_per_s": kv_bytes / (transfer_ms * 1e6),
     }
 
 
-def _kv_of(frontend: ServiceProcess, request_id: str, timeout_s: float = 10.0) -> tuple[int, float]:
-    """The KV bytes and transfer ms of the frontend's log line for `request_id`."""
+def _kv_of(
+    frontend: ServiceProcess, request_id: str, timeout_s: float = 10.0
+) -> tuple[float, int, float]:
+    """Prefill's compute ms, KV bytes and transfer ms from the frontend's log line for
+    `request_id`."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         for line in reversed(frontend.stderr_lines):
             match = _DONE.search(line)
             if match and match.group(1) == request_id:
-                return int(match.group(2)), float(match.group(3))
+                return float(match.group(2)), int(match.group(3)), float(match.group(4))
         time.sleep(0.02)
     raise RuntimeError(f"no log line for {request_id}")
+
+
+async def kv_path(args: argparse.Namespace, net: netns.Network) -> dict[str, Any]:
+    """Median GB/s of the KV path alone into a decode here and into one in a namespace."""
+    import torch
+
+    from benchmarks.kv_handoff import (
+        BLOCK_SIZE,
+        checkpoint_dir,
+        decode_reservation,
+        kv_path_alone,
+        prefill_in_process,
+    )
+    from mili.rpc.client import insecure_channel
+
+    torch.set_num_threads(args.threads)  # the sender's encode threads compete with decode
+    path = checkpoint_dir(args.cache_dir)
+    _, servicer, prompt, num_blocks = prefill_in_process(path, args.kv_path_tokens)
+    host = net.add_host("kvdec")
+    decode = ("serve-decode", "--model", str(path), "--num-blocks", str(2 * num_blocks + 8))
+    decode += ("--block-size", str(BLOCK_SIZE), "--dtype", "bfloat16", "--log-level", "WARNING")
+    decode += ("--no-prefix-cache",)  # the same prompt every run: it must move in full each time
+    services: list[ServiceProcess] = []
+    runs: dict[str, list[float]] = {"same": [], "across": []}
+    _progress("KV path: starting two decode instances")
+    try:
+        services.append(ServiceProcess(*decode, "--port", "0", timeout_s=300))
+        # --prefill: decode in plaintext takes KV only from there; we dial from the bridge.
+        services.append(
+            ServiceProcess(
+                *decode, "--host", host.ip, "--port", str(DECODE_PORT),
+                "--prefill", f"{net.gateway}:1", timeout_s=300, prefix=host.command([]),
+            )
+        )  # fmt: skip
+        targets = dict(zip(runs, services, strict=True))
+        _progress("KV path: measuring")
+        for i in range(args.warmup + args.kv_path_repeats):
+            for name in list(runs) if i % 2 == 0 else list(runs)[::-1]:
+                address = targets[name].address
+                async with insecure_channel(address) as channel:
+                    reserve = decode_reservation(channel, prompt, servicer.layout)
+                    [(seconds, num_bytes)] = await kv_path_alone(
+                        servicer, address, reserve, prompt, 1
+                    )
+                if i >= args.warmup:
+                    runs[name].append(num_bytes / seconds / 1e9)
+    finally:
+        _stop(services)
+        await servicer.close()
+    result: dict[str, Any] = {
+        name: {"gb_per_s": statistics.median(r), "runs": [round(x, 3) for x in r]}
+        for name, r in runs.items()
+    }
+    result["kv_mb"] = num_bytes / 1e6
+    result["ratio_across_over_same"] = result["across"]["gb_per_s"] / result["same"]["gb_per_s"]
+    # Each pair ran back to back: the median of their ratios is the least noisy comparison.
+    pairs = zip(runs["same"], runs["across"], strict=True)
+    result["paired_ratio_median"] = statistics.median(a / s for s, a in pairs)
+    return result
+
+
+def _progress(what: str) -> None:
+    print(
+        f"benchmarks/topology.py: {time.strftime('%H:%M:%S')} {what}", file=sys.stderr, flush=True
+    )
 
 
 def summarize(runs: list[dict[str, float]]) -> dict[str, float]:
@@ -217,6 +296,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 deployment("across", prefill_host, decode_host, tokenizer.address, model, files)
             ),
         ]
+        _progress("serving: measuring")
         rng = random.Random(args.seed)
         runs: dict[str, list[dict[str, float]]] = {d.name: [] for d in deployments}
         for i in range(args.warmup + args.requests):
@@ -224,11 +304,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 run = one_request(d, rng, args)
                 if i >= args.warmup:
                     runs[d.name].append(run)
+        path = asyncio.run(kv_path(args, net)) if args.kv_path_tokens else None
     assert netns.leftovers(net.tag, net.prefix) == []
     result: dict[str, Any] = {name: summarize(r) for name, r in runs.items()}
+    result["kv_path"] = path
     result["ratio_across_over_same"] = {
         key: result["across"][key] / result["same"][key]
-        for key in ("ttft_ms", "transfer_ms", "kv_gb_per_s")
+        for key in ("ttft_ms", "compute_ms", "transfer_ms", "kv_gb_per_s")
     }
     result["load_average"] = {"before": load_before, "after": os.getloadavg()}
     result["settings"] = {
@@ -247,11 +329,14 @@ def _service(*argv: str) -> Iterator[ServiceProcess]:
 
 
 def report(result: dict[str, Any]) -> str:
-    lines = [f"{'':8} {'TTFT ms':>9} {'KV MB':>8} {'transfer ms':>12} {'KV GB/s':>8}"]
+    lines = [
+        f"{'':8} {'TTFT ms':>9} {'compute ms':>11} {'KV MB':>8} {'transfer ms':>12} {'KV GB/s':>8}"
+    ]
     for name in ("same", "across"):
         r = result[name]
         lines.append(
-            f"{name:8} {r['ttft_ms']:9.1f} {r['kv_bytes'] / 1e6:8.2f} {r['transfer_ms']:12.1f} "
+            f"{name:8} {r['ttft_ms']:9.1f} {r['compute_ms']:11.1f} {r['kv_bytes'] / 1e6:8.2f} "
+            f"{r['transfer_ms']:12.1f} "
             f"{r['kv_gb_per_s']:8.3f}"
         )
     ratio = result["ratio_across_over_same"]
@@ -259,6 +344,15 @@ def report(result: dict[str, Any]) -> str:
         f"{'across/same':12} TTFT {ratio['ttft_ms']:.3f}x, transfer {ratio['transfer_ms']:.3f}x, "
         f"GB/s {ratio['kv_gb_per_s']:.3f}x"
     )
+    path = result["kv_path"]
+    if path is not None:
+        lines.append(
+            f"KV path alone ({path['kv_mb']:.1f} MB, plaintext): "
+            f"same {path['same']['gb_per_s']:.3f} GB/s, "
+            f"across {path['across']['gb_per_s']:.3f} GB/s, across/same "
+            f"{path['ratio_across_over_same']:.3f}x (median of paired runs "
+            f"{path['paired_ratio_median']:.3f}x)"
+        )
     load = result["load_average"]
     lines.append(
         "load average (1/5/15 min) before "
@@ -279,6 +373,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="OMP threads per service")
+    parser.add_argument("--kv-path-tokens", type=int, default=512, help="0: skip the KV path")
+    parser.add_argument("--kv-path-repeats", type=int, default=11)
+    parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache/mili/bench")
     parser.add_argument("--no-tls", dest="tls", action="store_false", help="plaintext instead")
     parser.add_argument("--json", type=Path, default=None, help="also write the result here")
     args = parser.parse_args()
