@@ -1,8 +1,11 @@
 """tests/netns.py: hosts reach each other and this process over the bridge, see our files, and
-nothing (namespace, veth, bridge, process) is left after close, failures included."""
+nothing (namespace, veth, bridge, process) is left after close, failures included; where
+namespaces cannot be made, the reason to skip says why."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import socket
 import subprocess
 import sys
@@ -12,9 +15,10 @@ import pytest
 
 from tests import netns
 
-pytestmark = pytest.mark.skipif((reason := netns.unavailable()) is not None, reason=reason or "")
+_REASON = netns.unavailable()
+needs_netns = pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
 
-# Run inside a host: serve one TCP connection on PORT, answering with the file's contents.
+# Run inside a host: serve one TCP connection on port 7000, answering with the file's contents.
 _SERVE = """
 import socket, sys
 with socket.create_server((sys.argv[1], 7000)) as s:
@@ -31,10 +35,15 @@ with socket.create_connection((sys.argv[1], 7000), timeout=5) as c:
 """
 
 
-def test_hosts_reach_each_other_and_us_and_see_our_files(tmp_path: Path) -> None:
-    message = tmp_path / "message"
+@needs_netns
+def test_hosts_reach_each_other_and_us_and_see_our_files() -> None:
+    # In /dev/shm: `ip netns exec` gives the child a mount namespace of its own, and the
+    # same-host KV transports need it to see our shared memory (and the model directory).
+    message = Path("/dev/shm") / f"mili-netns-test-{os.getpid()}"
     message.write_text("hello")
-    with netns.Network() as net:
+    with contextlib.ExitStack() as cleanup:
+        cleanup.callback(message.unlink)
+        net = cleanup.enter_context(netns.Network())
         server, client = net.add_host("a"), net.add_host("b")
         assert server.ip != client.ip
         proc = subprocess.Popen(
@@ -68,6 +77,7 @@ def test_hosts_reach_each_other_and_us_and_see_our_files(tmp_path: Path) -> None
     assert netns.leftovers(net.tag, net.prefix) == []
 
 
+@needs_netns
 def test_close_after_a_failure_kills_what_runs_inside_and_removes_everything() -> None:
     with pytest.raises(RuntimeError, match="boom"), netns.Network() as net:
         host = net.add_host("a")
@@ -78,6 +88,7 @@ def test_close_after_a_failure_kills_what_runs_inside_and_removes_everything() -
     assert netns.leftovers(net.tag, net.prefix) == []
 
 
+@needs_netns
 def test_namespaces_get_names_of_their_own() -> None:
     with netns.Network() as first, netns.Network() as second:
         assert first.prefix != second.prefix and first.tag != second.tag
@@ -85,3 +96,15 @@ def test_namespaces_get_names_of_their_own() -> None:
         assert len(f"{first.tag}v250") <= 15  # Linux's limit on interface names
     assert netns.leftovers(first.tag, first.prefix) == []
     assert netns.leftovers(second.tag, second.prefix) == []
+
+
+def test_without_root_the_reason_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where tests skip, they say why (here: not root), and nothing was created trying."""
+    monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(netns.sys, "platform", "linux")
+    monkeypatch.setattr(netns.shutil, "which", lambda name: "/usr/sbin/ip")
+    assert netns.unavailable() == (
+        "creating network namespaces needs root (CAP_NET_ADMIN); run as root"
+    )
+    monkeypatch.setattr(netns.shutil, "which", lambda name: None)
+    assert netns.unavailable() == "the `ip` command (iproute2) is not installed"
