@@ -39,6 +39,7 @@ from mili.engine.loader import load_model
 from mili.engine.sampling_params import SamplingParams
 from mili.frontend.v1 import generation_pb2, generation_pb2_grpc
 from mili.ports import pick_free
+from mili.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from mili.rpc.certs import Authority, CertFiles
 from mili.rpc.server import RpcServer, ServerConfig, ServerTls
 from mili.rpc.tls import Tls, TlsFiles
@@ -197,6 +198,18 @@ class Topology:
         channel = grpc.secure_channel(self.frontend.address, credentials)
         return generation_pb2_grpc.GenerationServiceStub(channel)
 
+    def kv_transports(self, prefill_address: str) -> dict[str, str]:
+        """Decode address -> the KV transport prefill paired with it (prefill's Info)."""
+        client = self.pki["client"]
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=client.ca.read_bytes(),
+            private_key=client.key.read_bytes(),
+            certificate_chain=client.cert.read_bytes(),
+        )
+        with grpc.secure_channel(prefill_address, credentials) as channel:
+            stub = prefill_pb2_grpc.PrefillServiceStub(channel)
+            return dict(stub.Info(prefill_pb2.InfoRequest(), timeout=10).kv_transports)
+
     def decode_view(self, address: str) -> Any:
         return self.frontend.backends.router.decodes.get(address)
 
@@ -341,6 +354,11 @@ def test_greedy_tokens_equal_generate_across_every_instance(
     assert {d for _, d in routes} == {
         f"{ip}:{placement.decode_port}" for ip in placement.decode_ips
     }
+    # Same host (loopback): KV bytes through decode's pool in shared memory. Each instance in a
+    # namespace of its own does not share a host id (`ip netns exec` gives it its own mount
+    # namespace): the pairs fall back to grpc, and the tokens above are equal all the same.
+    transports = {t for a in topology.prefills for t in topology.kv_transports(a).values()}
+    assert transports == ({"grpc"} if placement.name == "netns" else {"shm"})
 
 
 def test_a_decode_added_to_dns_gets_work_within_the_interval(topology: Topology) -> None:
