@@ -100,6 +100,14 @@ def segments_of(pid: int, directory: Path = SHM_DIR) -> list[Path]:
         return []
 
 
+def _map(fd: int, num_bytes: int) -> mmap.mmap:
+    """Map the whole segment with its page-table entries filled now (MAP_POPULATE, Linux): a
+    first write to each 4 KiB page otherwise faults, which made a pair's first transfers into
+    blocks not yet touched 10-40x slower than later ones (docs/benchmarks.md)."""
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+    return mmap.mmap(fd, num_bytes, flags=flags)
+
+
 class Segment:
     """A mapped segment; `tensor` is its bytes as a flat uint8 tensor (no copy)."""
 
@@ -119,7 +127,7 @@ class Segment:
             # Zeros, every page allocated now: a /dev/shm too small for the pool (a container's
             # 64 MB default) fails here with ENOSPC, not later with SIGBUS mid-step.
             os.posix_fallocate(fd, 0, num_bytes)
-            mapping = mmap.mmap(fd, num_bytes)
+            mapping = _map(fd, num_bytes)
         except BaseException:
             os.close(fd)
             path.unlink(missing_ok=True)
@@ -138,7 +146,7 @@ class Segment:
             size = os.fstat(fd).st_size
             if size != num_bytes:
                 raise ValueError(f"{path} holds {size} bytes, expected {num_bytes}")
-            mapping = mmap.mmap(fd, num_bytes)
+            mapping = _map(fd, num_bytes)
         finally:
             os.close(fd)
         return cls(path, mapping, is_owner=False)

@@ -131,6 +131,32 @@ def test_a_view_outlives_the_close_of_its_segment(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []  # unlinked by its owner
 
 
+def _resident_kib(path: Path) -> int:
+    """Resident KiB of this process's mapping(s) of `path` (/proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            if "-" in line.split(" ", 1)[0]:  # a mapping's header line
+                inside = line.rstrip().endswith(str(path))
+            elif inside and line.startswith("Rss:"):
+                total += int(line.split()[1])
+    return total
+
+
+def test_segments_are_mapped_with_their_pages_in(tmp_path: Path) -> None:
+    """Owner and sender mappings are populated at map time: a transfer's first write into a
+    block must not take a page fault per 4 KiB (MAP_POPULATE)."""
+    size = 4 << 20
+    owner = Segment.create(size, tmp_path)
+    try:
+        assert _resident_kib(owner.path) >= size // 1024
+        other = Segment.attach(owner.path, size)
+        assert _resident_kib(owner.path) >= 2 * size // 1024  # both mappings
+        other.close()
+    finally:
+        owner.close()
+
+
 def test_sweep_unlinks_only_segments_whose_owner_died(tmp_path: Path) -> None:
     dead = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"],
