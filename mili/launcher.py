@@ -164,6 +164,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "downstream services (default: %(default)s)",
     )
     parser.add_argument(
+        "--max-buffered-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="each frontend's --max-buffered-tokens: token ids a streamed request holds for a "
+        "client that reads slower than they come (default: the frontend's)",
+    )
+    parser.add_argument(
         "--fail-fast",
         action="store_true",
         help="a child that exits stops all the others and `mili serve` exits 1 (default: the "
@@ -286,6 +294,9 @@ def make_plan(
         engine += ["--attention", args.attention]
     if not args.prefix_caching:
         engine.append("--no-prefix-cache")
+    buffered: list[str] = []
+    if args.max_buffered_tokens is not None:
+        buffered = ["--max-buffered-tokens", str(args.max_buffered_tokens)]
 
     prefill_memory, decode_memory = memory_shares(
         args.gpu_memory_utilization,
@@ -357,6 +368,7 @@ def make_plan(
                 "--port",
                 _port(args.port, k),
                 *_metrics(metrics_base, 0 if k == 0 else after_decodes + k - 1),
+                *buffered,
                 *extra("frontend"),
             ]
             for k in range(args.frontends)

@@ -90,6 +90,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=512,
         help="requests in flight at once; more get RESOURCE_EXHAUSTED (default: %(default)s)",
     )
+    limits.add_argument(
+        "--max-buffered-tokens",
+        type=int,
+        default=1024,
+        metavar="N",
+        help="token ids one streamed request holds for a client that reads slower than they "
+        "come, sent merged in its next message; past it the request stops pulling until the "
+        "client reads (default: %(default)s)",
+    )
     routing = parser.add_argument_group("routing")
     routing.add_argument(
         "--poll-interval",
@@ -147,6 +156,7 @@ def run(args: argparse.Namespace) -> int:
             resolve_interval_s=args.resolve_interval,
             kv_lease_ms=args.kv_lease_ms,
             max_concurrent_requests=args.max_concurrent_requests,
+            max_buffered_tokens=args.max_buffered_tokens,
         )
         tls = flags.client_tls(args)
         server_config = _server_config(args)

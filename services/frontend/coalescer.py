@@ -7,9 +7,11 @@ A task pulls deltas from the generation while the previous message is being writ
 that completes takes everything that arrived meanwhile, merged (token ids, text and logprobs
 concatenated in order; the finish reason and usage of the last). A client that keeps up gets one
 message per delta, as before; one that lags gets fewer, larger ones, each token exactly once and
-in order. Once the buffer holds max_buffered_tokens the task stops pulling, so what waits for the
-client in this process is bounded: the generation's own back-pressure (decode's events for the
-request, at most its max_tokens ids) takes over from there.
+in order. Once the buffer holds max_buffered_tokens (`serve-frontend --max-buffered-tokens`) the
+task stops pulling, so what waits for the client here is bounded (by that, plus what the delta
+that reached it carried beyond it: decode merges a request's tokens into one event while its
+stream lags): the generation's own back-pressure (decode's events for the request, at most its
+max_tokens ids) takes over from there.
 
 An error of the generation is raised after the deltas that came before it were taken, as the
 status after the messages; closing the merged generator (the client cancelled, its deadline

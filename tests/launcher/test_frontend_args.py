@@ -1,0 +1,26 @@
+"""`mili serve` hands the frontend flags it owns to every frontend process."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from mili.launcher import add_arguments, make_plan
+
+
+def frontends_for(tmp_path: Path, *argv: str) -> list[list[str]]:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--decode-port", "1", *argv])  # a fixed port: no port probing
+    return make_plan(args, tmp_path).frontends
+
+
+def _value(argv: list[str], flag: str) -> str | None:
+    return argv[argv.index(flag) + 1] if flag in argv else None
+
+
+def test_max_buffered_tokens_reaches_every_frontend(tmp_path: Path) -> None:
+    frontends = frontends_for(tmp_path, "--frontends", "2", "--max-buffered-tokens", "16")
+    assert [_value(f, "--max-buffered-tokens") for f in frontends] == ["16", "16"]
+    # Unset: each frontend keeps its own default.
+    assert _value(frontends_for(tmp_path)[0], "--max-buffered-tokens") is None
