@@ -13,6 +13,11 @@ that reached it carried beyond it: decode merges a request's tokens into one eve
 stream lags): the generation's own back-pressure (decode's events for the request, at most its
 max_tokens ids) takes over from there.
 
+With stream_interval N > 1 (`serve-frontend --stream-interval`), a client that keeps up gets a
+message once N token ids are pending, the first one and the last one at once: N times fewer
+messages (each costs this process more CPU than anything else it does per token, see
+docs/benchmarks.md, "Token path"), for tokens that wait up to N - 1 decode steps.
+
 An error of the generation is raised after the deltas that came before it were taken, as the
 status after the messages; closing the merged generator (the client cancelled, its deadline
 passed) cancels the task, which closes the generation (its downstream calls are cancelled).
@@ -44,11 +49,15 @@ def merge(deltas: Sequence[Delta]) -> Delta:
 
 
 async def coalesced(
-    deltas: AsyncGenerator[Delta, None], *, max_buffered_tokens: int
+    deltas: AsyncGenerator[Delta, None], *, max_buffered_tokens: int, stream_interval: int = 1
 ) -> AsyncGenerator[Delta, None]:
-    """`deltas`, with those that arrive while the consumer is busy merged into one."""
+    """`deltas`, with those that arrive while the consumer is busy merged into one, and (after
+    the first) held until `stream_interval` ids are pending or the generation ended."""
+    if not 1 <= stream_interval <= max_buffered_tokens:
+        raise ValueError("stream_interval must be in [1, max_buffered_tokens]")
     buffer: list[Delta] = []
     num_buffered = 0  # token ids in `buffer` (a delta without any counts as one)
+    wake_at = 1  # ids that make a message: 1 for the first, then stream_interval
     error: BaseException | None = None
     is_done = False
     is_closing = False  # the consumer went away: stop pulling, close the generation
@@ -65,7 +74,8 @@ async def coalesced(
                         break
                     buffer.append(delta)
                     num_buffered += len(delta.token_ids) or 1
-                    ready.set()
+                    if num_buffered >= wake_at:
+                        ready.set()
                     if num_buffered >= max_buffered_tokens:
                         room.clear()
                         await room.wait()
@@ -80,12 +90,14 @@ async def coalesced(
     task = asyncio.create_task(pull())
     try:
         while True:
-            if not buffer and not is_done:
+            if not is_done and num_buffered < wake_at:
                 await ready.wait()
                 ready.clear()
+                continue
             if buffer:
                 taken, buffer = buffer, []
                 num_buffered = 0
+                wake_at = stream_interval  # the first message went out at once
                 room.set()
                 yield merge(taken)
             elif is_done:

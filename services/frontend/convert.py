@@ -76,14 +76,14 @@ def _logprobs(delta: Delta) -> list[sampling_pb2.Logprobs]:
 
 
 def generate_response(request_id: str, delta: Delta) -> generation_pb2.GenerateResponse:
+    # Once per message sent: only the fields that are set (the rest default to empty).
     response = generation_pb2.GenerateResponse(
-        request_id=request_id,
-        token_ids=delta.token_ids,
-        text=delta.text,
-        logprobs=_logprobs(delta),
-        finish_reason=finish_reason_to_proto(delta.finish_reason),
+        request_id=request_id, token_ids=delta.token_ids, text=delta.text
     )
+    if delta.logprobs:
+        response.logprobs.extend(_logprobs(delta))
     if delta.finish_reason is not None:
+        response.finish_reason = finish_reason_to_proto(delta.finish_reason)
         response.usage.prompt_tokens = delta.num_prompt_tokens
         response.usage.completion_tokens = delta.num_completion_tokens
     return response
@@ -159,9 +159,9 @@ def streamed_generate(
     )
 
 
-def streamed_event(event: decode_pb2.StreamedEvent) -> Admitted | Tokens | None:
-    """A GenerateStream event that is not an error; None for a kind this version does not know."""
-    kind = event.WhichOneof("event")
+def streamed_event(event: decode_pb2.StreamedEvent, kind: str | None) -> Admitted | Tokens | None:
+    """A GenerateStream event that is not an error (`kind`: its oneof's); None for a kind this
+    version does not know."""
     if kind == "tokens":
         return _tokens(event.tokens)
     if kind == "admitted":
@@ -179,10 +179,12 @@ def _admitted(admitted: decode_pb2.Admitted) -> Admitted:
 
 
 def _tokens(tokens: decode_pb2.Tokens) -> Tokens:
+    # Once per request and decode step: the empty and unset fields cost nothing here.
+    logprobs = tokens.logprobs
     return Tokens(
         list(tokens.token_ids),
-        [logprobs_from_proto(lp) for lp in tokens.logprobs],
-        finish_reason_from_proto(tokens.finish_reason),
+        [logprobs_from_proto(lp) for lp in logprobs] if logprobs else [],
+        finish_reason_from_proto(tokens.finish_reason) if tokens.finish_reason else None,
     )
 
 

@@ -263,7 +263,7 @@ class _Session:
                             code,
                         )
                         continue
-                    converted = convert.streamed_event(event)
+                    converted = convert.streamed_event(event, kind)
                     if converted is None:
                         continue  # an event kind this version does not know
                     stream.deliver(converted)

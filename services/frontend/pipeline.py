@@ -291,10 +291,13 @@ class Generation:
             # task and the wait that watching prefill takes for every event.
             event = await self._read(admission)
         if event is None:
-            raise Unavailable(
-                f"decode at {admission.route.decode} ended the stream without a finish reason"
-            )
+            raise self._ended_early(admission)
         return event
+
+    def _ended_early(self, admission: _Admission) -> Unavailable:
+        return Unavailable(
+            f"decode at {admission.route.decode} ended the stream without a finish reason"
+        )
 
     async def _read(
         self, admission: _Admission, read: asyncio.Future[Admitted | Tokens | None] | None = None
@@ -329,15 +332,30 @@ class Generation:
         matcher = StopMatcher(sampling.stop)
         num_prompt = len(self._prompt.token_ids)
         num_generated = 0
+        read = admission.stream.read
+        event: Admitted | Tokens | None
         while True:
-            event = await self._next_event(admission)
+            if self._prefill_reply is None:
+                event = await self._next_event(admission)
+            else:
+                # Prefill is done (the usual case past the first token): the read inlined, as
+                # this runs once per token.
+                try:
+                    event = await read()
+                except InstanceDown:
+                    self._downstream.request_refresh(down=admission.route.decode)
+                    raise
+                if event is None:
+                    raise self._ended_early(admission)
             if not isinstance(event, Tokens):
                 continue  # a second Admitted would be a decode bug; nothing to show for it
             keep, finish = clip_tokens(
                 event.token_ids, stop_token_ids, sampling.max_tokens - num_generated
             )
-            token_ids = event.token_ids[:keep]
-            logprobs = event.logprobs[:keep]
+            token_ids = event.token_ids
+            logprobs = event.logprobs
+            if keep < len(token_ids):
+                token_ids, logprobs = token_ids[:keep], logprobs[:keep]
             finish = finish or event.finish_reason
             num_generated += len(token_ids)
             self._output_token_ids.extend(token_ids)

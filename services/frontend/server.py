@@ -65,7 +65,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     ) -> AsyncGenerator[generation_pb2.GenerateResponse, None]:
         request_id, deltas = self._generate(request, context)
         # A client that reads slower than tokens come gets everything pending in one message.
-        merged = coalesced(deltas, max_buffered_tokens=self._config.max_buffered_tokens)
+        merged = coalesced(
+            deltas,
+            max_buffered_tokens=self._config.max_buffered_tokens,
+            stream_interval=self._config.stream_interval,
+        )
         # aclosing: when the caller cancels while we wait to send, the inner generators' clean-up
         # (cancelling decode and prefill calls) runs now, not when they are garbage-collected.
         generated_tokens = self._metrics.generated_tokens
@@ -111,23 +115,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     ) -> tuple[str, AsyncGenerator[Delta, None]]:
         """Validate now (so the request id is known), generate lazily."""
         valid = validate(convert.request_input(request), self._config.limits)
-        return valid.request_id, self._timed(self._run(valid, context))
-
-    async def _timed(self, deltas: AsyncGenerator[Delta, None]) -> AsyncGenerator[Delta, None]:
-        """`deltas`, observing time to first token and time per output token once per request
-        (never per token: the histograms' cost stays off the streaming path)."""
-        started = time.monotonic()  # the request's handler starts iterating here
-        first_at: float | None = None
-        async with aclosing(deltas):
-            async for delta in deltas:
-                if first_at is None and delta.token_ids:
-                    first_at = time.monotonic()
-                    self._metrics.time_to_first_token.observe(first_at - started)
-                num_tokens = delta.num_completion_tokens
-                if delta.finish_reason is not None and first_at is not None and num_tokens > 1:
-                    per_token_s = (time.monotonic() - first_at) / (num_tokens - 1)
-                    self._metrics.time_per_output_token.observe(per_token_s)
-                yield delta
+        return valid.request_id, self._run(valid, context)
 
     async def _run(
         self, valid: ValidRequest, context: grpc.aio.ServicerContext
@@ -158,16 +146,23 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                     deadline,
                     received_at=received_at,
                 )
-                is_first = True
+                # Time to first token and per output token are observed once per request (never
+                # per token: the histograms' cost stays off the streaming path).
+                first_at: float | None = None
                 async with aclosing(generation.run()) as deltas:
                     async for delta in deltas:
-                        if is_first and delta.token_ids:
-                            is_first = False
-                            ttft_s = time.monotonic() - received_at
+                        if first_at is None and delta.token_ids:
+                            first_at = time.monotonic()
+                            ttft_s = first_at - received_at
+                            self._metrics.time_to_first_token.observe(ttft_s)
                             span.set_attribute("gen_ai.server.time_to_first_token", ttft_s)
                             span.add_event("first token")
                         if delta.finish_reason is not None:
                             _record_finish(span, delta)
+                            num_tokens = delta.num_completion_tokens
+                            if first_at is not None and num_tokens > 1:
+                                per_token_s = (time.monotonic() - first_at) / (num_tokens - 1)
+                                self._metrics.time_per_output_token.observe(per_token_s)
                         yield delta
             except Exception as exc:
                 # The request's one log line when it fails (a finished one logs in Generation).

@@ -205,6 +205,7 @@ async def stack(
     prefill: FakePrefill | None = None,
     limits: Limits | None = None,
     max_buffered_tokens: int = 1024,
+    stream_interval: int = 1,
 ) -> AsyncIterator[Stack]:
     decodes = decodes if decodes is not None else [FakeDecode()]
     prefill = prefill or FakePrefill()
@@ -243,6 +244,7 @@ async def stack(
         poll_interval_s=0.05,
         info_timeout_s=0.5,
         max_buffered_tokens=max_buffered_tokens,
+        stream_interval=stream_interval,
     )
     backends = Backends(config, Router(config.prefill_addresses, config.decode_addresses))
     frontend = RpcServer(ServerConfig(drain_timeout_s=0.5, grace_s=0.1), name="frontend")

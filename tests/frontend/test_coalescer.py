@@ -16,7 +16,7 @@ from mili.engine.stop import FinishReason
 from mili.frontend.v1 import generation_pb2, generation_pb2_grpc
 from services.frontend.coalescer import coalesced
 from services.frontend.pipeline import Delta
-from tests.frontend.fakes import FakeDecode, ids, stack, text_of
+from tests.frontend.fakes import FakeDecode, collect, ids, stack, text_of
 
 # A client whose HTTP/2 window holds ~1 KiB: the frontend's writes wait for it to read, as they
 # would for a slow client once the transport's buffers are full.
@@ -89,6 +89,29 @@ def test_an_error_comes_after_the_deltas_before_it_and_closing_closes_the_genera
         await anext(merged)
         await merged.aclose()
         assert closed.is_set()  # the generation's clean-up (cancelling decode) ran
+
+    asyncio.run(main())
+
+
+def test_a_stream_interval_sends_the_first_delta_at_once_then_every_n_ids() -> None:
+    async def main() -> None:
+        pulled: list[int] = []
+        taken = [
+            delta
+            async for delta in coalesced(
+                _deltas(23, pulled), max_buffered_tokens=50, stream_interval=4
+            )
+        ]
+        assert [t for d in taken for t in d.token_ids] == list(range(23))
+        assert "".join(d.text for d in taken) == "".join(str(i % 10) for i in range(23))
+        sizes = [len(d.token_ids) for d in taken]
+        assert sizes[0] == 1  # the first token is not held back
+        assert all(n >= 4 for n in sizes[1:-1]), sizes
+        assert len(taken) <= 2 + 22 // 4
+        assert taken[-1].finish_reason is FinishReason.LENGTH
+        assert (taken[-1].num_prompt_tokens, taken[-1].num_completion_tokens) == (3, 23)
+        with pytest.raises(ValueError, match="stream_interval"):
+            await anext(coalesced(_deltas(1, []), max_buffered_tokens=2, stream_interval=3))
 
     asyncio.run(main())
 
@@ -177,5 +200,28 @@ def test_closing_closes_a_generation_that_swallowed_its_cancellation() -> None:
         assert first.done(), "closing waits forever on a generation that goes on"
         await asyncio.wait_for(closed.wait(), 5)
         assert admitted.is_set()
+
+    asyncio.run(main())
+
+
+def test_a_stop_string_split_across_held_messages_is_matched_once() -> None:
+    # A reader that keeps up, a frontend that sends every 3 ids: "STOP" arrives split over two
+    # decode events that go out in one message.
+    script = [ids("ab")] * 10 + [ids("xST"), ids("OPy")] + [ids("cd")] * 10
+
+    async def main() -> None:
+        async with stack([FakeDecode(script=script)], stream_interval=3) as s:
+            request = generation_pb2.GenerateRequest(
+                prompt="x", sampling=sampling_pb2.SamplingParams(max_tokens=100, stop=["STOP"])
+            )
+            responses = await collect(s.stub.Generate(request, timeout=30))
+        assert "".join(r.text for r in responses) == "ab" * 10 + "x"
+        token_ids = [t for r in responses for t in r.token_ids]
+        assert token_ids == [t for event in script[:12] for t in event]
+        assert [r.finish_reason for r in responses].count(sampling_pb2.FINISH_REASON_STOP) == 1
+        assert responses[-1].finish_reason == sampling_pb2.FINISH_REASON_STOP
+        assert responses[-1].usage.completion_tokens == len(token_ids)
+        assert len(responses[0].token_ids) == 2  # the first event at once
+        assert all(len(r.token_ids) >= 3 for r in responses[1:-1])
 
     asyncio.run(main())
