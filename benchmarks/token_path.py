@@ -35,12 +35,14 @@ import json
 import os
 import random
 import re
+import shlex
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -223,7 +225,13 @@ class Deployment:
 
     @classmethod
     def start(
-        cls, tree: Path, model: Path, logs: Path, name: str, device: str | None = None
+        cls,
+        tree: Path,
+        model: Path,
+        logs: Path,
+        name: str,
+        device: str | None = None,
+        frontend_args: Sequence[str] = (),
     ) -> Deployment:
         deployment = cls(tree)
         common = ["--model", str(model)]
@@ -251,6 +259,7 @@ class Deployment:
                 deployment.services["decode"].address,
                 "--max-concurrent-requests",
                 "4096",
+                *frontend_args,
             ]
             deployment.services["frontend"] = _Service(tree, frontend, logs / f"{name}-fe.log")
         except BaseException:
@@ -283,6 +292,14 @@ def bench(address: str, concurrency: int, args: argparse.Namespace, out: Path) -
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tree", type=Path, action="append", help="source tree (repeat)")
+    parser.add_argument(
+        "--frontend-args",
+        action="append",
+        default=[],
+        metavar="ARGS",
+        help="extra serve-frontend flags for the tree of the same position (repeat; '' for "
+        "none), e.g. --tree . --tree . --frontend-args '' --frontend-args '--stream-interval 4'",
+    )
     parser.add_argument("--concurrency", type=int, action="append", help="default: 64 and 256")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--requests-per-client", type=int, default=2)
@@ -307,12 +324,15 @@ def main() -> int:
     )
     logs = Path(tempfile.mkdtemp(prefix="mili-token-path-"))
     print(f"model {model}; logs {logs}; load average {os.getloadavg()[0]:.2f}", flush=True)
+    extra = [shlex.split(a) for a in args.frontend_args]
+    extra += [[]] * (len(trees) - len(extra))
     deployments = [
-        Deployment.start(t, model, logs, f"tree{i}", args.decode_device)
+        Deployment.start(t, model, logs, f"tree{i}", args.decode_device, extra[i])
         for i, t in enumerate(trees)
     ]
     rates: dict[tuple[int, int], list[float]] = {}
     itl: dict[tuple[int, int], list[tuple[float, float]]] = {}
+    ttft: dict[tuple[int, int], list[tuple[float, float]]] = {}
     cpu: dict[tuple[int, int], dict[str, float]] = {}
     tokens: dict[tuple[int, int], int] = {}
     failed: dict[tuple[int, int], int] = {}  # requests that failed, over all rounds
@@ -329,6 +349,7 @@ def main() -> int:
                     key = (i, c)
                     rates.setdefault(key, []).append(out["output_tokens_per_s"])
                     itl.setdefault(key, []).append((out["itl"]["p50_ms"], out["itl"]["p99_ms"]))
+                    ttft.setdefault(key, []).append((out["ttft"]["p50_ms"], out["ttft"]["p99_ms"]))
                     spent = cpu.setdefault(key, dict.fromkeys(SERVICES, 0.0))
                     for kind in SERVICES:
                         spent[kind] += after[kind] - before[kind]
@@ -347,9 +368,9 @@ def main() -> int:
     print(
         "| tree | concurrency | streamed tok/s | frontend ms/tok | tokenizer ms/tok "
         "| frontend+tokenizer ms/tok | decode ms/tok | prefill ms/tok | ITL p50 ms | ITL p99 ms "
-        "| failed requests |"
+        "| TTFT p50 ms | TTFT p99 ms | failed requests |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for (i, c), values in sorted(rates.items()):
         ms = {k: 1e3 * v / tokens[(i, c)] for k, v in cpu[(i, c)].items()}
         row = {
@@ -359,14 +380,19 @@ def main() -> int:
             "cpu_ms_per_token": ms,
             "itl_p50_ms": statistics.median(p50 for p50, _ in itl[(i, c)]),
             "itl_p99_ms": statistics.median(p99 for _, p99 in itl[(i, c)]),
+            "ttft_p50_ms": statistics.median(p50 for p50, _ in ttft[(i, c)]),
+            "ttft_p99_ms": statistics.median(p99 for _, p99 in ttft[(i, c)]),
+            "frontend_args": args.frontend_args[i] if i < len(args.frontend_args) else "",
             "failed_requests": failed[(i, c)],
         }
         rows.append(row)
         print(
-            f"| {trees[i]} | {c} | {row['tokens_per_s']:.0f} | {ms['frontend']:.3f} "
+            f"| {trees[i]} {row['frontend_args']} | {c} | {row['tokens_per_s']:.0f} "
+            f"| {ms['frontend']:.3f} "
             f"| {ms['tokenizer']:.3f} | {ms['frontend'] + ms['tokenizer']:.3f} "
             f"| {ms['decode']:.3f} | {ms['prefill']:.3f} | {row['itl_p50_ms']:.2f} "
-            f"| {row['itl_p99_ms']:.2f} | {failed[(i, c)]} |"
+            f"| {row['itl_p99_ms']:.2f} | {row['ttft_p50_ms']:.0f} | {row['ttft_p99_ms']:.0f} "
+            f"| {failed[(i, c)]} |"
         )
     print(f"load average {os.getloadavg()[0]:.2f}")
     if args.json is not None:
