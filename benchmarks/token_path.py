@@ -183,12 +183,17 @@ def build_model(directory: Path, model_vocab: int) -> Path:
 
 
 class _Service:
-    def __init__(self, tree: Path, args: list[str], log: Path) -> None:
+    def __init__(
+        self, tree: Path, args: list[str], log: Path, command: list[str] | None = None
+    ) -> None:
+        """`mili ARGS` in `tree`, or `command` (a script and its arguments) when given."""
         self._log = log.open("w")
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(tree)}
         env |= {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        if command is None:
+            command = ["-m", "mili", *args, "--port", "0", "--log-level", "WARNING"]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mili", *args, "--port", "0", "--log-level", "WARNING"],
+            [sys.executable, *command],
             stdout=subprocess.PIPE,
             stderr=self._log,
             text=True,
@@ -232,10 +237,23 @@ class Deployment:
         name: str,
         device: str | None = None,
         frontend_args: Sequence[str] = (),
+        standin_step_ms: float | None = None,
     ) -> Deployment:
         deployment = cls(tree)
         common = ["--model", str(model)]
         try:
+            if standin_step_ms is not None:
+                # decode_standin.py in the roles of decode and prefill: tokens at a set rate.
+                deployment.services["tokenizer"] = _Service(
+                    tree, ["serve-tokenizer", *common], logs / f"{name}-tokenizer.log"
+                )
+                for kind in ("decode", "prefill"):
+                    script = [str(ROOT / "benchmarks" / "decode_standin.py"), "--role", kind]
+                    script += ["--model-name", model.resolve().name]
+                    script += ["--step-ms", str(standin_step_ms)]
+                    deployment.services[kind] = _Service(
+                        tree, [], logs / f"{name}-{kind}.log", command=script
+                    )
             for kind, extra in (
                 ("tokenizer", []),
                 (
@@ -246,6 +264,8 @@ class Deployment:
                 ("prefill", ["--num-blocks", "4096"]),
             ):
                 argv = [f"serve-{kind}", *common, *extra]
+                if kind in deployment.services:
+                    continue  # a stand-in
                 if kind == "prefill":
                     argv += ["--decode", deployment.services["decode"].address]
                 deployment.services[kind] = _Service(tree, argv, logs / f"{name}-{kind}.log")
@@ -313,6 +333,14 @@ def main() -> int:
         help="decode's --device (cuda: a decode fast enough "
         "to load one frontend with >= 10k tokens/s; default: the service's own, cpu)",
     )
+    parser.add_argument(
+        "--decode-standin-step-ms",
+        type=float,
+        default=None,
+        metavar="MS",
+        help="replace decode and prefill by benchmarks/decode_standin.py, one token per "
+        "running request every MS (the frontend's ceiling without a model's limits)",
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     trees = [t.resolve() for t in args.tree or [ROOT]]
@@ -327,7 +355,9 @@ def main() -> int:
     extra = [shlex.split(a) for a in args.frontend_args]
     extra += [[]] * (len(trees) - len(extra))
     deployments = [
-        Deployment.start(t, model, logs, f"tree{i}", args.decode_device, extra[i])
+        Deployment.start(
+            t, model, logs, f"tree{i}", args.decode_device, extra[i], args.decode_standin_step_ms
+        )
         for i, t in enumerate(trees)
     ]
     rates: dict[tuple[int, int], list[float]] = {}
