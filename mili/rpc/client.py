@@ -14,8 +14,15 @@ from mili.rpc.tls import Tls
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
-def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+def channel_options(
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, receive_window_bytes: int | None = None
+) -> list[tuple[str, int]]:
     """grpc channel options: message limits matching the servers', plus keepalive.
+
+    `receive_window_bytes`: a fixed HTTP/2 receive window (no BDP probing, which grows it to
+    megabytes on a fast link): what the peer may send ahead of what we read. A stream that
+    carries many requests' messages in order (decode's GenerateStream) wants it small, so that
+    a backlog waits at the sender, merged, not queued in front of later messages here.
 
     Keepalive pings every 30 s (only while calls are open) let a long, quiet stream notice a
     dead peer in ~40 s instead of the kernel's TCP timeout; servers built by `RpcServer` accept
@@ -27,7 +34,11 @@ def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[
     """
     if max_message_bytes <= 0:
         raise ValueError(f"max_message_bytes must be > 0, got {max_message_bytes}")
+    window = []
+    if receive_window_bytes is not None:
+        window = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", receive_window_bytes)]
     return [
+        *window,
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.keepalive_time_ms", 30_000),
@@ -44,6 +55,7 @@ def insecure_channel(
     *,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
+    receive_window_bytes: int | None = None,
 ) -> grpc.aio.Channel:
     """A plaintext grpc.aio channel to `address` ("host:port"); close it when done.
 
@@ -51,7 +63,7 @@ def insecure_channel(
     """
     return grpc.aio.insecure_channel(
         address,
-        options=channel_options(max_message_bytes),
+        options=channel_options(max_message_bytes, receive_window_bytes),
         interceptors=list(interceptors) or None,
     )
 
@@ -63,14 +75,20 @@ def channel(
     server_name: str | None = None,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
+    receive_window_bytes: int | None = None,
 ) -> grpc.aio.Channel:
     """A grpc.aio channel to `address`: TLS when `tls` is given (verifying the server as
     `server_name`, default the address's host), else plaintext."""
     if tls is None:
         return insecure_channel(
-            address, max_message_bytes=max_message_bytes, interceptors=interceptors
+            address,
+            max_message_bytes=max_message_bytes,
+            interceptors=interceptors,
+            receive_window_bytes=receive_window_bytes,
         )
-    options: list[tuple[str, str | int]] = [*channel_options(max_message_bytes)]
+    options: list[tuple[str, str | int]] = [
+        *channel_options(max_message_bytes, receive_window_bytes)
+    ]
     if server_name:
         options.append(("grpc.ssl_target_name_override", server_name))
     return grpc.aio.secure_channel(

@@ -228,7 +228,11 @@ class Backends:
         return changes
 
     def _add_stub(self, kind: str, address: str) -> None:
-        ch = self._channel(address)
+        # Decode's GenerateStream carries every request's admissions and tokens in order: a
+        # small window keeps a backlog at decode (merged per request) instead of in front of
+        # the next admission here (docs/benchmarks.md, "Token path", TTFT).
+        window = self.config.decode_receive_window_bytes if kind == "decode" else None
+        ch = self._channel(address, window)
         if kind == "prefill":
             self._prefills[address] = prefill_pb2_grpc.PrefillServiceStub(ch)
         else:
@@ -270,7 +274,7 @@ class Backends:
         if self._metrics is not None:
             self._metrics.instance_changes.labels(kind, change).inc()
 
-    def _channel(self, address: str) -> grpc.aio.Channel:
+    def _channel(self, address: str, receive_window_bytes: int | None = None) -> grpc.aio.Channel:
         ch = self._channels.get(address)
         if ch is None:
             ch = channel(
@@ -278,6 +282,7 @@ class Backends:
                 tls=self._tls,
                 server_name=self._server_names.get(address),
                 interceptors=self._interceptors,
+                receive_window_bytes=receive_window_bytes,
             )
             self._channels[address] = ch
         return ch

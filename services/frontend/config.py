@@ -42,6 +42,11 @@ class FrontendConfig:
     # Token ids a streamed request gathers before it sends a message (its first and last go out
     # at once): fewer, larger messages for less CPU per token, tokens waiting up to N-1 steps.
     stream_interval: int = 1
+    # HTTP/2 receive window of the channels to decode instances (no BDP probing): how far
+    # decode's GenerateStream may run ahead of this frontend's reading. With BDP probing it grew
+    # to megabytes, seconds of tokens queued in front of new requests' admissions when this
+    # frontend fell behind; at this size a backlog waits at decode, merged per request.
+    decode_receive_window_bytes: int = 64 * 1024
 
     def __post_init__(self) -> None:
         if not self.tokenizer_address:
@@ -81,5 +86,7 @@ class FrontendConfig:
                 f"stream_interval must be in [1, max_buffered_tokens={self.max_buffered_tokens}]"
                 f", got {self.stream_interval}"
             )
+        if self.decode_receive_window_bytes < 1:
+            raise ValueError("decode_receive_window_bytes must be >= 1")
         if self.retry_after_s < 0 or self.prefill_reply_grace_s < 0:
             raise ValueError("retry_after_s and prefill_reply_grace_s must be >= 0")

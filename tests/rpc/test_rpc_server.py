@@ -51,6 +51,9 @@ def test_channel_options_match_limits() -> None:
     assert options["grpc.max_reconnect_backoff_ms"] <= 2_000
     with pytest.raises(ValueError):
         channel_options(0)
+    assert "grpc.http2.lookahead_bytes" not in options  # BDP probing sizes it by default
+    fixed = dict(channel_options(1234, receive_window_bytes=65536))
+    assert (fixed["grpc.http2.bdp_probe"], fixed["grpc.http2.lookahead_bytes"]) == (0, 65536)
 
 
 def test_health_serving_after_start(echo_server: Any) -> None:
