@@ -35,6 +35,7 @@ import json
 import os
 import random
 import re
+import resource
 import shlex
 import signal
 import statistics
@@ -302,8 +303,13 @@ def bench(address: str, concurrency: int, args: argparse.Namespace, out: Path) -
     command += ["--num-requests", str(concurrency * args.requests_per_client)]
     command += ["--prompt-tokens", str(args.prompt_tokens)]
     command += ["--output-tokens", str(args.output_tokens), "--json", str(out)]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     subprocess.run(command, cwd=ROOT, check=False, stdout=subprocess.DEVNULL)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     summary: dict[str, Any] = json.loads(out.read_text())
+    # The client's own CPU: near one core, its TTFT and ITL include its own queueing.
+    client_s = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    summary["client_cpu_share"] = client_s / summary["wall_s"]
     if summary["num_errors"]:  # counted, and left out of the tokens: said in the table
         print(f"bench errors against {address}: {summary['errors']}", flush=True)
     return summary
@@ -363,6 +369,7 @@ def main() -> int:
     rates: dict[tuple[int, int], list[float]] = {}
     itl: dict[tuple[int, int], list[tuple[float, float]]] = {}
     ttft: dict[tuple[int, int], list[tuple[float, float]]] = {}
+    client: dict[tuple[int, int], list[float]] = {}
     cpu: dict[tuple[int, int], dict[str, float]] = {}
     tokens: dict[tuple[int, int], int] = {}
     failed: dict[tuple[int, int], int] = {}  # requests that failed, over all rounds
@@ -379,6 +386,7 @@ def main() -> int:
                     key = (i, c)
                     rates.setdefault(key, []).append(out["output_tokens_per_s"])
                     itl.setdefault(key, []).append((out["itl"]["p50_ms"], out["itl"]["p99_ms"]))
+                    client.setdefault(key, []).append(out["client_cpu_share"])
                     ttft.setdefault(key, []).append((out["ttft"]["p50_ms"], out["ttft"]["p99_ms"]))
                     spent = cpu.setdefault(key, dict.fromkeys(SERVICES, 0.0))
                     for kind in SERVICES:
@@ -398,9 +406,9 @@ def main() -> int:
     print(
         "| tree | concurrency | streamed tok/s | frontend ms/tok | tokenizer ms/tok "
         "| frontend+tokenizer ms/tok | decode ms/tok | prefill ms/tok | ITL p50 ms | ITL p99 ms "
-        "| TTFT p50 ms | TTFT p99 ms | failed requests |"
+        "| TTFT p50 ms | TTFT p99 ms | client CPU | failed requests |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- " * 14 + "|")
     for (i, c), values in sorted(rates.items()):
         ms = {k: 1e3 * v / tokens[(i, c)] for k, v in cpu[(i, c)].items()}
         row = {
@@ -412,6 +420,7 @@ def main() -> int:
             "itl_p99_ms": statistics.median(p99 for _, p99 in itl[(i, c)]),
             "ttft_p50_ms": statistics.median(p50 for p50, _ in ttft[(i, c)]),
             "ttft_p99_ms": statistics.median(p99 for _, p99 in ttft[(i, c)]),
+            "client_cpu_share": statistics.median(client[(i, c)]),
             "frontend_args": args.frontend_args[i] if i < len(args.frontend_args) else "",
             "failed_requests": failed[(i, c)],
         }
@@ -422,7 +431,7 @@ def main() -> int:
             f"| {ms['tokenizer']:.3f} | {ms['frontend'] + ms['tokenizer']:.3f} "
             f"| {ms['decode']:.3f} | {ms['prefill']:.3f} | {row['itl_p50_ms']:.2f} "
             f"| {row['itl_p99_ms']:.2f} | {row['ttft_p50_ms']:.0f} | {row['ttft_p99_ms']:.0f} "
-            f"| {failed[(i, c)]} |"
+            f"| {row['client_cpu_share']:.0%} | {failed[(i, c)]} |"
         )
     print(f"load average {os.getloadavg()[0]:.2f}")
     if args.json is not None:
