@@ -17,7 +17,10 @@ with that error (InstanceDown when decode went away), and a new request opens a 
 
 A decode instance older than GenerateStream answers it UNIMPLEMENTED (so does one started with
 --no-generate-stream). Nothing was admitted on that call, so its requests move to a Generate call
-each (generate_call.py), as does every later request to that instance; logged once.
+each (generate_call.py), as does every later request to that instance; logged once. A start
+written while decode refuses the call can make grpc report INTERNAL instead of the refusal
+(a failed "execute_batch"); when that ends a call before any reply, a call that writes nothing
+asks again.
 """
 
 from __future__ import annotations
@@ -43,6 +46,9 @@ from services.frontend.generate_call import GenerateCall
 
 _LOG = logging.getLogger("mili.frontend")
 _GENERATE = "/mili.decode.v1.DecodeService/Generate"  # the call each request stands for
+# How long a GenerateStream that writes nothing waits for decode to refuse it: a decode that
+# serves it answers nothing until a start comes, so silence this long means "served".
+_PROBE_TIMEOUT_S = 2.0
 
 
 class DecodeMultiplexer:
@@ -181,7 +187,9 @@ class _Session:
         on_refused: Callable[[list[RequestStream]], None],
     ) -> None:
         self._who = who
+        self._stub = stub
         self._on_refused = on_refused  # called with the open requests on UNIMPLEMENTED
+        self._has_read = False  # a reply came: decode serves GenerateStream
         self._call: Any = stub.GenerateStream()  # no deadline: each request carries its own
         self._streams: dict[str, RequestStream] = {}
         self._starts: list[decode_pb2.StreamedGenerate] = []
@@ -243,6 +251,7 @@ class _Session:
                         grpc.StatusCode.UNAVAILABLE,
                     )
                     return
+                self._has_read = True
                 for event in response.events:
                     stream = streams.get(event.request_id)
                     if stream is None:
@@ -273,6 +282,9 @@ class _Session:
             # A write racing the end can hide the server's status behind INTERNAL; it also
             # announced the status in its initial metadata (mili.rpc.status).
             code, details, trailers = server_status_of(err)
+            is_hidden = code is grpc.StatusCode.INTERNAL and _is_write_race(err)
+            if is_hidden and not self._has_read and await _refuses_stream(self._stub):
+                code = grpc.StatusCode.UNIMPLEMENTED  # the refusal a start's write hid
             if code is grpc.StatusCode.UNIMPLEMENTED:  # an older decode: nothing was admitted
                 self.is_ended = True
                 self._wake.set()  # the writer returns
@@ -302,6 +314,25 @@ _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 def _code(value: int) -> grpc.StatusCode:
     return _CODES.get(value, grpc.StatusCode.UNKNOWN)
+
+
+def _is_write_race(err: grpc.aio.AioRpcError) -> bool:
+    """grpc ended the call INTERNAL because a write failed as the call ended (the server's
+    status is lost)."""
+    return "execute_batch" in (err.debug_error_string() or "")
+
+
+async def _refuses_stream(stub: decode_pb2_grpc.DecodeServiceStub) -> bool:
+    """Whether decode answers GenerateStream UNIMPLEMENTED, asked with a call that writes nothing
+    (so no write can hide the answer)."""
+    call: Any = stub.GenerateStream(timeout=_PROBE_TIMEOUT_S)
+    try:
+        await call.read()
+    except grpc.aio.AioRpcError as err:
+        return bool(err.code() is grpc.StatusCode.UNIMPLEMENTED)
+    finally:
+        call.cancel()
+    return False
 
 
 def _details(trailers: tuple[tuple[str, str | bytes], ...]) -> bytes:
