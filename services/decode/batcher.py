@@ -30,6 +30,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Span
 from prometheus_client import CollectorRegistry
 
+from mili.engine import block_rows
 from mili.engine.logprobs import TokenLogprobs
 from mili.engine.runner import ModelRunner
 from mili.engine.sequence import Sequence
@@ -41,30 +42,6 @@ from services.decode.stream import Delivery, TokenEvent, deliver_threadsafe
 
 _LOG = logging.getLogger("mili.decode")
 _TRACER = trace.get_tracer("mili.decode")  # a no-op until tracing installs a provider
-
-
-def _row_copy_fits(dst: torch.Tensor, block_ids: list[int], src: torch.Tensor) -> bool:
-    """Whether `_copy_rows` can do dst[block_ids] = src: contiguous CPU tensors of one dtype,
-    whole blocks, ids in range."""
-    n = len(block_ids)
-    return (
-        dst.device.type == src.device.type == "cpu"
-        and src.dtype == dst.dtype
-        and tuple(src.shape) == (n, *dst.shape[1:])
-        and src.is_contiguous()
-        and dst.is_contiguous()
-        and (n == 0 or 0 <= min(block_ids) <= max(block_ids) < dst.shape[0])
-    )
-
-
-def _copy_rows(dst: torch.Tensor, block_ids: list[int], src: torch.Tensor) -> None:
-    """dst[block_ids] = src as a numpy copy of raw byte rows: much faster than torch's
-    index_copy_ on bf16, which goes element by element (docs/benchmarks.md, "Measurements
-    behind choices in the code"); like it, the copy runs with the GIL released. Bit-exact:
-    bytes are copied."""
-    if block_ids:
-        rows = dst.view(torch.uint8).view(dst.shape[0], -1).numpy()
-        rows[block_ids] = src.view(torch.uint8).view(len(block_ids), -1).numpy()
 
 
 _LANDING_STREAMS = threading.local()
@@ -160,9 +137,9 @@ class Batcher:
         """
         cache = self._runner.kv_cache
         pairs = ((cache.k[layer], k), (cache.v[layer], v))
-        if all(_row_copy_fits(dst, block_ids, src) for dst, src in pairs):
+        if all(block_rows.fits(dst, block_ids, src) for dst, src in pairs):
             for dst, src in pairs:
-                _copy_rows(dst, block_ids, src)
+                block_rows.write_blocks(dst, block_ids, src)
             return
         if cache.device.type == "cuda" and k.device.type == "cpu":
             self._scatter_from_host(layer, block_ids, k, v)

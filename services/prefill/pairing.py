@@ -21,6 +21,7 @@ import grpc
 import torch
 
 from mili.engine import kv_transport
+from mili.engine.block_rows import block_runs, fits, write_blocks
 from mili.engine.cuda_ipc import blocks_checksum, import_pool
 from mili.engine.kv_layout import KVLayout
 from mili.engine.kv_transport import Endpoint
@@ -28,7 +29,7 @@ from mili.engine.shm_segment import Segment, is_alive, pool_bytes, pool_views, s
 from mili.kv.v1 import kv_pb2
 from mili.rpc import kv_checksum
 from mili.rpc.client import channel as make_channel
-from mili.rpc.kv_codec import block_runs, blocks_digest, encode_chunk_in_place
+from mili.rpc.kv_codec import blocks_digest, encode_chunk_in_place
 from mili.rpc.tls import Tls
 
 _LOG = logging.getLogger("mili.prefill")
@@ -58,18 +59,17 @@ class ShmPool:
     ) -> tuple[bytes, int]:
         """Write k, v ([n, block_size, kv_heads, D], CPU) into decode's blocks `block_ids` of
         `layer`; return the chunk message that announces them (no data, their CRC-32 as they
-        now hold) and the bytes written. Runs on an encoder thread (copy and CRC release the
-        GIL)."""
-        if any(not 0 <= b < self.num_blocks for b in block_ids):
-            raise ValueError(f"block ids {list(block_ids)} outside decode's pool")
+        now hold) and the bytes written. Runs on an encoder thread (the copy releases the
+        GIL; one numpy copy per pool however scattered the blocks, block_rows)."""
         k_pool, v_pool = self.k[layer], self.v[layer]
-        first = 0
-        with torch.inference_mode():
-            for start, stop in block_runs(block_ids):
-                n = stop - start
-                k_pool[start:stop].copy_(k[first : first + n])
-                v_pool[start:stop].copy_(v[first : first + n])
-                first += n
+        k, v = k.contiguous(), v.contiguous()
+        if not (fits(k_pool, block_ids, k) and fits(v_pool, block_ids, v)):
+            raise ValueError(
+                f"blocks {list(block_ids)} of {tuple(k.shape)} {k.dtype} do not fit decode's "
+                f"pool of {self.num_blocks} blocks {tuple(k_pool.shape[1:])} {k_pool.dtype}"
+            )
+        write_blocks(k_pool, block_ids, k)
+        write_blocks(v_pool, block_ids, v)
         # What was written, as decode reads it.
         value = blocks_digest(checksum, k_pool, v_pool, block_ids)
         num_bytes = k.numel() * k.element_size() + v.numel() * v.element_size()

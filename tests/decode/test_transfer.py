@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from mili.decode.v1 import decode_pb2
+from mili.engine.block_rows import fits, write_blocks
 from mili.engine.kv_cache import KVCache
 from mili.engine.sampling_params import SamplingParams
 from mili.errors import DataLoss
 from mili.rpc.client import insecure_channel
-from services.decode.batcher import _copy_rows, _row_copy_fits
 from services.decode.transfer import _Landing
 from tests.decode.conftest import NUM_BLOCKS, TINY
 from tests.decode.harness import (
@@ -110,8 +110,8 @@ def test_row_copy_is_bit_exact_like_scatter_blocks(dtype: torch.dtype) -> None:
     v = torch.randn(shape, generator=g).to(dtype)
     reference.scatter_blocks(1, ids, k, v)
     for dst, src in ((fast.k[1], k), (fast.v[1], v)):
-        assert _row_copy_fits(dst, ids, src)
-        _copy_rows(dst, ids, src)
+        assert fits(dst, ids, src)
+        write_blocks(dst, ids, src)
     for a, b in ((reference.k, fast.k), (reference.v, fast.v)):
         for layer in range(TINY.num_hidden_layers):
             assert torch.equal(a[layer].view(torch.uint8), b[layer].view(torch.uint8))
@@ -121,13 +121,13 @@ def test_row_copy_declines_what_scatter_blocks_must_handle() -> None:
     cache = KVCache(TINY, 16, 4, dtype=torch.float32)
     dst = cache.k[0]
     good = torch.zeros(2, *dst.shape[1:])
-    assert _row_copy_fits(dst, [1, 2], good)
-    assert _row_copy_fits(dst, [], good[:0])
-    assert not _row_copy_fits(dst, [1, 2], good.double())  # dtype conversion
-    assert not _row_copy_fits(dst, [1], good)  # shape
-    assert not _row_copy_fits(dst, [1, 16], good)  # out of range
-    assert not _row_copy_fits(dst, [-1, 2], good)  # numpy would wrap around
-    assert not _row_copy_fits(dst, [1, 2], good.transpose(1, 2).contiguous().transpose(1, 2))
+    assert fits(dst, [1, 2], good)
+    assert fits(dst, [], good[:0])
+    assert not fits(dst, [1, 2], good.double())  # dtype conversion
+    assert not fits(dst, [1], good)  # shape
+    assert not fits(dst, [1, 16], good)  # out of range
+    assert not fits(dst, [-1, 2], good)  # numpy would wrap around
+    assert not fits(dst, [1, 2], good.transpose(1, 2).contiguous().transpose(1, 2))
 
 
 # ---- the receiver in a decode server -----------------------------------------------------------

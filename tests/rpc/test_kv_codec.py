@@ -8,6 +8,7 @@ import pytest
 import torch
 from google.protobuf.message import DecodeError
 
+from mili.engine.block_rows import block_runs
 from mili.engine.kv_layout import KVLayout
 from mili.errors import DataLoss
 from mili.kv.v1 import kv_pb2
@@ -286,7 +287,7 @@ def test_blocks_digest_is_the_digest_of_the_chunk_those_blocks_would_make(checks
     )
     assert isinstance(in_place, kv_codec.ChunkView) and len(in_place.data) == 0
     assert kv_codec.announced(in_place, checksum) == value
-    assert kv_codec.block_runs(block_ids) == [(3, 6), (9, 10), (1, 3)]
+    assert block_runs(block_ids) == [(3, 6), (9, 10), (1, 3)]
 
 
 def test_checksum_choice_takes_the_first_offered_we_have() -> None:

@@ -1,0 +1,55 @@
+"""Whole KV blocks of a CPU pool as rows of raw bytes: copies and reads by block id that cost
+one numpy call, not one torch call per block (pure tensor helpers; no transport).
+
+    pool [num_blocks, block_size, num_kv_heads, head_dim]  ->  rows [num_blocks, block bytes]
+
+A transfer's blocks are rarely consecutive (the free list hands out whatever was freed last), and
+per-block torch calls then cost ~20 us each: 64 per layer of a 512-token prompt made the shm
+hand-off Python-bound (docs/benchmarks.md, "KV handoff ... per transport").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+
+def block_rows(pool: torch.Tensor) -> np.ndarray:
+    """`pool`'s bytes as [num_blocks, bytes per block] uint8, no copy (contiguous CPU only; a
+    uint8 view because numpy has no bf16)."""
+    return pool.view(torch.uint8).view(pool.shape[0], -1).numpy()
+
+
+def fits(dst: torch.Tensor, block_ids: Sequence[int], src: torch.Tensor) -> bool:
+    """Whether `write_blocks` can do dst[block_ids] = src: contiguous CPU tensors of one dtype,
+    whole blocks, ids in range."""
+    n = len(block_ids)
+    return (
+        dst.device.type == src.device.type == "cpu"
+        and src.dtype == dst.dtype
+        and tuple(src.shape) == (n, *dst.shape[1:])
+        and src.is_contiguous()
+        and dst.is_contiguous()
+        and (n == 0 or 0 <= min(block_ids) <= max(block_ids) < dst.shape[0])
+    )
+
+
+def write_blocks(dst: torch.Tensor, block_ids: Sequence[int], src: torch.Tensor) -> None:
+    """dst[block_ids] = src ([len(block_ids), ...] blocks, checked by `fits`) as one numpy copy
+    of raw byte rows: much faster than torch's index_copy_ on bf16, which goes element by
+    element, and than a copy_ per run of ids; runs with the GIL released. Bit-exact."""
+    if len(block_ids):
+        block_rows(dst)[list(block_ids)] = src.view(torch.uint8).view(len(block_ids), -1).numpy()
+
+
+def block_runs(block_ids: Sequence[int]) -> list[tuple[int, int]]:
+    """[7, 8, 9, 2, 3] -> [(7, 10), (2, 4)]: maximal runs of consecutive ids, in order."""
+    runs: list[tuple[int, int]] = []
+    for b in block_ids:
+        if runs and runs[-1][1] == b:
+            runs[-1] = (runs[-1][0], b + 1)
+        else:
+            runs.append((b, b + 1))
+    return runs
