@@ -37,22 +37,12 @@ from mili.engine.sequence import Sequence
 from mili.errors import Unavailable
 from mili.telemetry.metrics import DecodeMetrics
 from mili.telemetry.tracing import start_batch_span
+from services.decode.landing import landing_stream
 from services.decode.requests import DecodeRequest, RequestTable
 from services.decode.stream import Delivery, TokenEvent, deliver_threadsafe
 
 _LOG = logging.getLogger("mili.decode")
 _TRACER = trace.get_tracer("mili.decode")  # a no-op until tracing installs a provider
-
-
-_LANDING_STREAMS = threading.local()
-
-
-def _landing_stream(device: torch.device) -> torch.cuda.Stream:
-    """This thread's CUDA stream for landings (one per landing thread, made on first use)."""
-    stream: torch.cuda.Stream | None = getattr(_LANDING_STREAMS, "stream", None)
-    if stream is None:
-        stream = _LANDING_STREAMS.stream = torch.cuda.Stream(device)
-    return stream
 
 
 def _start_step_span(requests: list[DecodeRequest], step: int) -> Span | None:
@@ -155,7 +145,7 @@ class Batcher:
         never waits for a landing, and the request joins the batch only after every landing
         returned (the commit waits for them), so its first step reads landed blocks."""
         cache = self._runner.kv_cache
-        stream = _landing_stream(cache.device)
+        stream = landing_stream(cache.device)
         with torch.inference_mode(), torch.cuda.stream(stream):
             k_pinned = torch.empty(k.shape, dtype=k.dtype, pin_memory=True).copy_(k)
             v_pinned = torch.empty(v.shape, dtype=v.dtype, pin_memory=True).copy_(v)

@@ -32,19 +32,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
-from collections.abc import AsyncIterator, Callable
-from concurrent.futures import Executor, ThreadPoolExecutor
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
-import torch
 from opentelemetry import trace
 
 from mili.discovery import PeerSet, is_trusted_peer
 from mili.engine import kv_transport
-from mili.engine.cuda_ipc import blocks_checksum
 from mili.engine.kv_transport import Endpoint
 from mili.errors import Cancelled, DataLoss, InvalidArgument, PermissionDenied, Unavailable
 from mili.kv.v1 import kv_pb2, kv_pb2_grpc
@@ -54,6 +51,7 @@ from mili.rpc.kv_layout import block_bytes, check_compatible
 from mili.rpc.sampling import logprobs_from_proto
 from services.decode import convert
 from services.decode.instance import DecodeInstance
+from services.decode.landing import Landing, Reader, in_place_checksum
 from services.decode.requests import DecodeRequest, RequestState
 
 # What TransferKv reads: chunks arrive as ChunkViews (mili.rpc.kv_codec.parse_transfer_request
@@ -136,21 +134,6 @@ class _Progress:
             )
 
 
-_LANDING_STREAMS = threading.local()  # per landing thread: its own CUDA stream
-
-
-def in_place_checksum(
-    transport: str, k_pool: torch.Tensor, v_pool: torch.Tensor, block_ids: list[int]
-) -> int:
-    """The device checksum a cuda-ipc chunk carries, over what blocks `block_ids` of the layer
-    hold now, on this landing thread's own stream: the decode step never waits for it."""
-    stream = getattr(_LANDING_STREAMS, "stream", None)
-    if stream is None:
-        stream = _LANDING_STREAMS.stream = torch.cuda.Stream(k_pool.device)
-    with torch.cuda.stream(stream):
-        return blocks_checksum(k_pool, v_pool, block_ids)
-
-
 def _annotate_span(progress: _Progress) -> None:
     """What landed, on the TransferKv server span (a child of prefill's `kv transfer`)."""
     span = trace.get_current_span()
@@ -163,95 +146,6 @@ def _annotate_span(progress: _Progress) -> None:
                 "mili.kv.num_blocks": len(progress.request.received_block_ids),
             }
         )
-
-
-class _Landing:
-    """One transfer's chunks being checked and scattered on the landing threads.
-
-    The loop submits jobs in seq order and never cancels one: each job unpins its request
-    itself, so the blocks stay held until its copy is over whatever happens to the call. The
-    first job to fail sets `failed` (its result is the exception), which the loop watches.
-    """
-
-    def __init__(self, executor: Executor, max_bytes: int) -> None:
-        self._executor = executor
-        self._max_bytes = max_bytes
-        self._in_flight: dict[asyncio.Future[None], int] = {}  # job -> payload bytes
-        self._num_bytes = 0
-        self._is_aborted = threading.Event()
-        self.failed: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
-
-    async def make_room(self, num_bytes: int) -> None:
-        """Until the bytes in flight leave room for `num_bytes` more (or nothing is in flight);
-        raises the failure of an earlier job, if any."""
-        self.raise_failure()
-        while self._in_flight and self._num_bytes + num_bytes > self._max_bytes:
-            await asyncio.wait(self._in_flight, return_when=asyncio.FIRST_COMPLETED)
-            self.raise_failure()
-
-    def submit(self, job: Callable[[], None], num_bytes: int) -> None:
-        """Run `job` on a landing thread. Once this returns, the job runs whatever happens to
-        the call: it must release what it holds itself. It may check `is_aborted`."""
-        future = asyncio.wrap_future(self._executor.submit(job))
-        self._in_flight[future] = num_bytes
-        self._num_bytes += num_bytes
-        future.add_done_callback(self._landed)
-
-    async def wait_all(self) -> None:
-        """Until every submitted job is over; raises the first failure as soon as it comes."""
-        if self._in_flight:
-            # asyncio.wait, not gather: cancelling this call must not cancel a job.
-            await asyncio.wait(self._in_flight, return_when=asyncio.FIRST_EXCEPTION)
-        self.raise_failure()
-
-    def raise_failure(self) -> None:
-        if self.failed.done():
-            raise self.failed.result()
-
-    def abort(self) -> None:
-        """The transfer is over (failed or cancelled): jobs not started yet may skip their work."""
-        self._is_aborted.set()
-
-    def is_aborted(self) -> bool:
-        return self._is_aborted.is_set()
-
-    def _landed(self, future: asyncio.Future[None]) -> None:
-        self._num_bytes -= self._in_flight.pop(future)
-        error = None if future.cancelled() else future.exception()
-        if error is not None and not self.failed.done():
-            self.failed.set_result(error)
-
-
-class _Reader:
-    """The transfer's messages, read one at a time by a task that may outlive a wait for it:
-    a read given up on (the request failed meanwhile) stays pending for `drain`. Cancelling it
-    instead would close grpc's request stream under a sender still writing."""
-
-    def __init__(self, messages: AsyncIterator[Message]) -> None:
-        self._messages = messages
-        self._pending: asyncio.Future[Message | None] | None = None
-
-    def next(self) -> asyncio.Future[Message | None]:
-        """The next message (None: the stream ended); the same future until it is taken."""
-        if self._pending is None:
-            self._pending = asyncio.ensure_future(anext(self._messages, None))
-        return self._pending
-
-    def take(self) -> Message | None:
-        read, self._pending = self.next(), None
-        return read.result()
-
-    async def drain(self) -> None:
-        """Read and drop the rest until the sender half-closes (an in-place sender commits
-        after its last write) or goes away (the call's cancellation ends the wait)."""
-        while True:
-            await asyncio.wait({self.next()})
-            if self.take() is None:
-                return
-
-    def cancel(self) -> None:
-        if self._pending is not None and not self._pending.done():
-            self._pending.cancel()  # the handler is ending: nobody reads this stream again
 
 
 def _ended_error(request: DecodeRequest) -> BaseException:
@@ -328,7 +222,7 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
         # NotFound, PermissionDenied (then the request is left as it was)
         request = self._instance.table.begin_transfer(header.request_id, header.transfer_token)
         try:
-            return await self._receive(request, header, _Reader(messages), context)
+            return await self._receive(request, header, Reader(messages), context)
         except asyncio.CancelledError:
             self._fail(
                 request,
@@ -346,7 +240,7 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
         self,
         request: DecodeRequest,
         header: kv_pb2.TransferHeader,
-        reader: _Reader,
+        reader: Reader[Message],
         context: grpc.aio.ServicerContext,
     ) -> kv_pb2.TransferKvResponse:
         started = time.perf_counter()  # the header is in
@@ -378,7 +272,7 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
         if checksum not in kv_checksum.available():
             raise InvalidArgument("header.checksum", checksum, "this decode instance lacks it")
         progress.checksum = checksum
-        landing = _Landing(self._landing, self._max_landing_bytes)
+        landing = Landing(self._landing, self._max_landing_bytes)
         is_committed = False
         if transport != kv_transport.GRPC:
             await self._accept_in_place(request, context)
@@ -458,12 +352,12 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
     async def _next(
         self,
         request: DecodeRequest,
-        reader: _Reader,
-        landing: _Landing,
+        reader: Reader[Message],
+        landing: Landing,
     ) -> Message | None:
         """The next message, or None at the end of the stream; raises as soon as the request
         ends (lease, caller gone) or a chunk fails to land, so a quiet sender learns at once,
-        not at its next chunk (the read stays pending: see _Reader)."""
+        not at its next chunk (the read stays pending: see landing.Reader)."""
         landing.raise_failure()
         read = reader.next()
         ended = asyncio.ensure_future(request.stream.wait_failed())
@@ -477,7 +371,7 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
             raise _ended_error(request)
         return reader.take()
 
-    async def _land_chunk(self, progress: _Progress, landing: _Landing, chunk: Chunk) -> None:
+    async def _land_chunk(self, progress: _Progress, landing: Landing, chunk: Chunk) -> None:
         """Check the chunk's place in the transfer here, in order; hand its bytes to a landing
         thread (CRC, length, scatter) and return without waiting for them."""
         progress.check_chunk(chunk)

@@ -19,7 +19,7 @@ from mili.engine.kv_cache import KVCache
 from mili.engine.sampling_params import SamplingParams
 from mili.errors import DataLoss
 from mili.rpc.client import insecure_channel
-from services.decode.transfer import _Landing
+from services.decode.landing import Landing
 from tests.decode.conftest import NUM_BLOCKS, TINY
 from tests.decode.harness import (
     Client,
@@ -49,7 +49,7 @@ def _gated_job(gate: threading.Event, started: list[int], i: int) -> Callable[[]
 def test_landing_bounds_the_bytes_in_flight() -> None:
     async def main() -> None:
         with ThreadPoolExecutor(4) as pool:
-            landing = _Landing(pool, max_bytes=10)
+            landing = Landing(pool, max_bytes=10)
             gate, started = threading.Event(), list[int]()
             await landing.make_room(6)
             landing.submit(_gated_job(gate, started, 0), 6)
@@ -70,7 +70,7 @@ def test_landing_bounds_the_bytes_in_flight() -> None:
 def test_landing_failure_is_seen_at_once_and_later_jobs_can_skip() -> None:
     async def main() -> None:
         with ThreadPoolExecutor(1) as pool:
-            landing = _Landing(pool, max_bytes=100)
+            landing = Landing(pool, max_bytes=100)
             skipped, done = list[bool](), threading.Event()
 
             def bad() -> None:
