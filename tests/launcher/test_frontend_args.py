@@ -24,3 +24,9 @@ def test_max_buffered_tokens_reaches_every_frontend(tmp_path: Path) -> None:
     assert [_value(f, "--max-buffered-tokens") for f in frontends] == ["16", "16"]
     # Unset: each frontend keeps its own default.
     assert _value(frontends_for(tmp_path)[0], "--max-buffered-tokens") is None
+
+
+def test_stream_interval_reaches_every_frontend(tmp_path: Path) -> None:
+    frontends = frontends_for(tmp_path, "--frontends", "3", "--stream-interval", "4")
+    assert [_value(f, "--stream-interval") for f in frontends] == ["4", "4", "4"]
+    assert _value(frontends_for(tmp_path)[0], "--stream-interval") is None
