@@ -62,7 +62,7 @@ from mili.engine.sampling_params import SamplingParams
 from mili.kv.v1 import kv_pb2, kv_pb2_grpc
 from mili.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from mili.rpc.client import insecure_channel
-from mili.rpc.kv_codec import ChunkView, decode_chunk, parse_transfer_request
+from mili.rpc.kv_codec import ChunkView, decode_chunk, parse_transfer_request, torch_dtype
 from mili.rpc.kv_layout import check_compatible
 from mili.rpc.server import RpcServer, ServerConfig
 from services.prefill.config import ANY_DECODE, PrefillConfig
@@ -121,7 +121,7 @@ async def _serve_receiver(layout_hex: str, num_blocks: int) -> None:
     layout = kv_pb2.KvLayout.FromString(bytes.fromhex(layout_hex))
     cache = None
     if num_blocks:
-        cache = KVCache(PRESETS[MODEL], num_blocks, layout.block_size, dtype=torch.bfloat16)
+        cache = KVCache(PRESETS[MODEL], num_blocks, layout.block_size, dtype=torch_dtype(layout))
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 256 << 20)])
     receiver = _Receiver(layout, cache)
     # As decode reads them: each chunk's bytes left in place (kv_codec.parse_transfer_request).
@@ -305,11 +305,11 @@ def summarize(name: str, path_runs: list[Any], full_runs: list[Any] | None) -> d
 
 
 def prefill_in_process(
-    path: Path, prompt_len: int
+    path: Path, prompt_len: int, dtype: torch.dtype = torch.bfloat16
 ) -> tuple[Qwen3ForCausalLM, PrefillServicer, list[int], int]:
-    """The prefill service's servicer on `path`'s model (bf16) in this process, a random
+    """The prefill service's servicer on `path`'s model (in `dtype`) in this process, a random
     prompt of `prompt_len` ids, and its number of blocks (benchmarks/topology.py too)."""
-    model = load_model(path, dtype=torch.bfloat16)
+    model = load_model(path, dtype=dtype)
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, model.config.vocab_size, (prompt_len,), generator=g).tolist()
     num_blocks = -(-prompt_len // BLOCK_SIZE)
@@ -331,7 +331,8 @@ def prefill_in_process(
 
 
 async def measure(args: argparse.Namespace, path: Path) -> list[dict[str, Any]]:
-    model, servicer, prompt, num_blocks = prefill_in_process(path, args.prompt_len)
+    dtype = getattr(torch, args.dtype)
+    model, servicer, prompt, num_blocks = prefill_in_process(path, args.prompt_len, dtype)
     layout_hex = servicer.layout.SerializeToString().hex()
     me = [sys.executable, __file__, "--receiver-threads", str(args.receiver_threads)]
     procs: list[subprocess.Popen[str]] = []
@@ -360,7 +361,7 @@ async def measure(args: argparse.Namespace, path: Path) -> list[dict[str, Any]]:
                     continue
                 decode_args = ["--port", "0", "--num-blocks", str(2 * num_blocks + 8)]
                 decode_args += ["--block-size", str(BLOCK_SIZE), "--log-level", "WARNING"]
-                decode_args += ["--dtype", "bfloat16"]  # the CPU default is float32
+                decode_args += ["--dtype", args.dtype]  # decode's CPU default is float32
                 decode_args += ["--no-prefix-cache"]  # each run receives the whole prompt
                 mili = [sys.executable, "-m", "mili", "serve-decode", "--model", str(path)]
                 proc, address = _start([*mili, *decode_args, *transport_args])
@@ -391,6 +392,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache/mili/bench")
     parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float32"),
+        default="bfloat16",
+        help="model and KV dtype (default: %(default)s, the issue's 57 MB; float32 where the CPU "
+        "has no fast bf16 matmul, e.g. AVX2 only: twice the bytes, about 6x less compute)",
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
         "--threads",
@@ -435,8 +443,9 @@ def main() -> None:
         print(json.dumps(rows, indent=2))
         return
     print(
-        f"KV hand-off: {MODEL} bf16, {args.prompt_len}-token prompt, {rows[0]['kv_mb']:.1f} MB of"
-        f" KV, torch threads {args.threads}, medians of {args.repeats} runs (ms unless noted)\n"
+        f"KV hand-off: {MODEL} {args.dtype}, {args.prompt_len}-token prompt, "
+        f"{rows[0]['kv_mb']:.1f} MB of KV, torch threads {args.threads}, medians of "
+        f"{args.repeats} runs (ms unless noted)\n"
     )
     header = ("receiver", "KV path", "GB/s", "compute", "start->ack", "ratio", "tail")
     print("{:<11}{:>9}{:>7}{:>10}{:>12}{:>7}{:>7}".format(*header))
