@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import math
 import threading
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -201,12 +202,17 @@ def _make_driver() -> _CudaPythonDriver | _CupyDriver:
         ) from e
 
 
-def _pack(kernel: str, values: dict[str, int | float]) -> list[ctypes._SimpleCData]:
-    """Launch arguments in the entry's parameter order (kernels.ptx.SIGNATURES)."""
-    if set(values) != {name for name, _ in SIGNATURES[kernel]}:
+def pack_arguments(
+    signatures: Mapping[str, Sequence[tuple[str, str]]],
+    kernel: str,
+    values: dict[str, int | float],
+) -> list[ctypes._SimpleCData]:
+    """`kernel`'s launch arguments in its entry's parameter order (`signatures`: name ->
+    (parameter, "ptr" | "i32" | "f32") pairs, a kernels.ptx or kernels.fused.ptx table)."""
+    if set(values) != {name for name, _ in signatures[kernel]}:
         raise AssertionError(f"{kernel}: arguments {sorted(values)} do not match its signature")
     packed: list[ctypes._SimpleCData] = []
-    for name, kind in SIGNATURES[kernel]:
+    for name, kind in signatures[kernel]:
         value = values[name]
         if kind == "ptr":
             packed.append(ctypes.c_uint64(int(value)))
@@ -217,6 +223,11 @@ def _pack(kernel: str, values: dict[str, int | float]) -> list[ctypes._SimpleCDa
         else:
             packed.append(ctypes.c_float(float(value)))
     return packed
+
+
+def _pack(kernel: str, values: dict[str, int | float]) -> list[ctypes._SimpleCData]:
+    """Launch arguments in the entry's parameter order (kernels.ptx.SIGNATURES)."""
+    return pack_arguments(SIGNATURES, kernel, values)
 
 
 def _aligned(t: torch.Tensor) -> bool:

@@ -25,7 +25,7 @@ from kernels.fused.ptx import (
     check_signature,
     load_manifest,
 )
-from kernels.gpu import _make_driver
+from kernels.gpu import _make_driver, pack_arguments
 from kernels.ptx import parse_entries
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -35,20 +35,7 @@ _MAX_GRID_YZ = 65535
 
 def pack(kernel: str, values: dict[str, int | float]) -> list[ctypes._SimpleCData]:
     """Launch arguments in the entry's parameter order (kernels.fused.ptx.SIGNATURES)."""
-    if set(values) != {name for name, _ in SIGNATURES[kernel]}:
-        raise AssertionError(f"{kernel}: arguments {sorted(values)} do not match its signature")
-    packed: list[ctypes._SimpleCData] = []
-    for name, kind in SIGNATURES[kernel]:
-        value = values[name]
-        if kind == "ptr":
-            packed.append(ctypes.c_uint64(int(value)))
-        elif kind == "i32":
-            if not -(2**31) <= int(value) < 2**31:
-                raise ValueError(f"{kernel}: {name}={value} does not fit int32")
-            packed.append(ctypes.c_int32(int(value)))
-        else:
-            packed.append(ctypes.c_float(float(value)))
-    return packed
+    return pack_arguments(SIGNATURES, kernel, values)
 
 
 class GpuFusedKernels:
