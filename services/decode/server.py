@@ -199,10 +199,7 @@ def _add_without_stream(decode: DecodeServicer, server: grpc.aio.Server) -> None
             response_serializer=decode_pb2.InfoResponse.SerializeToString,
         ),
     }
-    server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler(DECODE_SERVICE, handlers),)
-    )
-    server.add_registered_method_handlers(DECODE_SERVICE, handlers)
+    _register(server, DECODE_SERVICE, handlers)
 
 
 def _add_transfer(transfer: KvTransferServicer, server: grpc.aio.Server) -> None:
@@ -220,7 +217,12 @@ def _add_transfer(transfer: KvTransferServicer, server: grpc.aio.Server) -> None
             response_serializer=kv_pb2.PairResponse.SerializeToString,
         ),
     }
-    server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler(KV_TRANSFER_SERVICE, handlers),)
-    )
-    server.add_registered_method_handlers(KV_TRANSFER_SERVICE, handlers)
+    _register(server, KV_TRANSFER_SERVICE, handlers)
+
+
+def _register(
+    server: grpc.aio.Server, service: str, handlers: dict[str, grpc.RpcMethodHandler]
+) -> None:
+    """What a generated add_*Servicer_to_server does with its handlers."""
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+    server.add_registered_method_handlers(service, handlers)

@@ -58,8 +58,8 @@ class ShmPool:
         checksum: str = kv_checksum.CRC32,
     ) -> tuple[bytes, int]:
         """Write k, v ([n, block_size, kv_heads, D], CPU) into decode's blocks `block_ids` of
-        `layer`; return the chunk message that announces them (no data, their CRC-32 as they
-        now hold) and the bytes written. Runs on an encoder thread (the copy releases the
+        `layer`; return the chunk message that announces them (no data, the `checksum` of what
+        they now hold) and the bytes written. Runs on an encoder thread (the copy releases the
         GIL; one numpy copy per pool however scattered the blocks, block_rows)."""
         k_pool, v_pool = self.k[layer], self.v[layer]
         k, v = k.contiguous(), v.contiguous()

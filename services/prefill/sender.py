@@ -3,8 +3,9 @@
     worker thread ──send_blocks/finish/fail──▶ call_soon_threadsafe ─▶ asyncio.Queue
                                                                           │ (event loop)
     TransferKv stream:  header ─▶ chunk seq 0, 1, ... (one per layer per prompt chunk) ─▶ commit
-                                  ▲ serialized (one copy + CRC-32, kv_codec) on the encoder
-                                    threads, in order
+                                  ▲ encoded (one copy + checksum, kv_codec or the pair's
+                                    pool) on the encoder threads, up to 3 at once, written
+                                    in order
 
 The header goes out as soon as `run` starts, before the prompt's first forward, so decode checks
 the layout and its reservation while we compute; each layer's chunk follows as the layer
@@ -240,26 +241,19 @@ class KvSender:
                 future.add_done_callback(_retrieve)
 
     def _encode(self, seq: int, blocks: _Blocks) -> tuple[bytes, int]:
-        """Runs on an encoder thread: the byte copy and CRC-32 stay off the model thread and the
-        event loop (zlib releases the GIL on large buffers). Block j of the prompt goes to
-        decode's block prompt_block_ids[j]."""
+        """Runs on an encoder thread: the byte copy and the checksum stay off the model thread
+        and the event loop (both release the GIL on large buffers). Block j of the prompt goes
+        to decode's block prompt_block_ids[j]."""
         if blocks.ready is not None:
             blocks.ready()
         n = blocks.k.shape[0]
         block_ids = self._task.prompt_block_ids[blocks.first_block : blocks.first_block + n]
         if self._is_closed:  # the transfer ended: write nothing more into decode's blocks
             raise Cancelled(f"the KV transfer of request {self._task.name} ended")
-        if self._pairing.pool is not None:  # bytes into decode's pool, the chunk announces them
-            return self._pairing.pool.encode(
-                self._task.request_id,
-                seq,
-                blocks.layer,
-                block_ids,
-                blocks.k,
-                blocks.v,
-                self._pairing.checksum,
-            )
-        return encode_chunk_request(
+        pool = self._pairing.pool
+        # In place: the bytes go into decode's pool and the chunk only announces them.
+        encode = encode_chunk_request if pool is None else pool.encode
+        return encode(
             self._task.request_id,
             seq,
             blocks.layer,
