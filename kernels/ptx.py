@@ -305,6 +305,65 @@ def ptxas_info(ptxas: Path, ptx_file: Path, arch: str = "sm_90") -> dict[str, in
     return parse_ptxas(proc.stderr)
 
 
+# entry name -> (the .ptx file it is in, its parameter types, that file's text)
+Entries = dict[str, tuple[Path, list[str], str]]
+
+
+def compile_entries(
+    mojo: Path, source_dir: Path, work: Path, *, arch: str, module: str, source: str, what: str
+) -> tuple[Entries, float]:
+    """Build `source` (a Mojo module named `module` exporting kernel wrappers, importing from
+    `source_dir`) for `arch` into PTX under work/asm; returns its entries and the compile
+    seconds. RuntimeError with the compiler's last lines when it fails (`what` names it)."""
+    entry = work / f"{module}.mojo"
+    entry.write_text(source)
+    asm = work / "asm"
+    asm.mkdir()
+    cmd = [
+        str(mojo),
+        "build",
+        "-I",
+        str(source_dir),
+        f"--target-accelerator={arch}",
+        "--emit",
+        "asm",
+        str(entry),
+        "-o",
+        str(asm / "host.s"),
+    ]
+    started = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=work, check=False)
+    seconds = time.monotonic() - started
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"mojo build of {what} failed (exit {proc.returncode}):\n"
+            + compiler_output_tail(proc.stderr + proc.stdout)
+        )
+    found: Entries = {}
+    for path in sorted(asm.glob("*.ptx")):
+        text = path.read_text()
+        for name, params in parse_entries(text).items():
+            found[name] = (path, params, text)
+    return found, seconds
+
+
+def pick_entry(found: Entries, prefix: str, arch: str) -> tuple[str, list[str], str]:
+    """The one entry whose name starts with `prefix`: (name, params, PTX text), checked to
+    target `arch` and to call no external function."""
+    matches = [n for n in found if n.startswith(prefix)]
+    if len(matches) != 1:
+        raise RuntimeError(
+            f"expected one PTX entry named {prefix}*, found {matches} among {sorted(found)}"
+        )
+    name = matches[0]
+    path, params, text = found[name]
+    if f".target {arch}" not in text:
+        raise RuntimeError(f"{path.name} does not target {arch}")
+    if re.search(r"\.extern\s+\.func", text):
+        raise RuntimeError(f"{path.name} calls external functions")
+    return name, params, text
+
+
 def build_ptx(mojo: Path, source_dir: Path, out_dir: Path, *, arch: str = "sm_90") -> dict:
     """Compile every (kernel, dtype, head_dim) to out_dir/<kernel>_<dtype>_<head_dim>.ptx.
 
@@ -323,37 +382,15 @@ def build_ptx(mojo: Path, source_dir: Path, out_dir: Path, *, arch: str = "sm_90
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.build-", dir=out_dir.parent))
     try:
-        entry = work / f"{_ENTRY_MODULE}.mojo"
-        entry.write_text(_entry_source())
-        asm = work / "asm"
-        asm.mkdir()
-        cmd = [
-            str(mojo),
-            "build",
-            "-I",
-            str(source_dir),
-            f"--target-accelerator={arch}",
-            "--emit",
-            "asm",
-            str(entry),
-            "-o",
-            str(asm / "host.s"),
-        ]
-        started = time.monotonic()
-        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=work)
-        seconds = time.monotonic() - started
-        if proc.returncode != 0:
-            raise RuntimeError(
-                f"mojo build of the GPU kernels failed (exit {proc.returncode}):\n"
-                + compiler_output_tail(proc.stderr + proc.stdout)
-            )
-        # entry name -> (file, params, ptx text)
-        found: dict[str, tuple[Path, list[str], str]] = {}
-        for path in sorted(asm.glob("*.ptx")):
-            text = path.read_text()
-            for name, params in parse_entries(text).items():
-                found[name] = (path, params, text)
-
+        found, seconds = compile_entries(
+            mojo,
+            source_dir,
+            work,
+            arch=arch,
+            module=_ENTRY_MODULE,
+            source=_entry_source(),
+            what="the GPU kernels",
+        )
         final = work / "final"
         final.mkdir()
         records: list[dict[str, Any]] = []
@@ -361,19 +398,8 @@ def build_ptx(mojo: Path, source_dir: Path, out_dir: Path, *, arch: str = "sm_90
             for dtype in kernel_dtypes(kernel):
                 for head_dim in HEAD_DIMS:
                     prefix = f"{_ENTRY_MODULE}_{wrapper_name(kernel, dtype, head_dim)}"
-                    matches = [n for n in found if n.startswith(prefix)]
-                    if len(matches) != 1:
-                        raise RuntimeError(
-                            f"expected one PTX entry named {prefix}*, found {matches} "
-                            f"among {sorted(found)}"
-                        )
-                    name = matches[0]
-                    path, params, text = found[name]
+                    name, params, text = pick_entry(found, prefix, arch)
                     check_signature(kernel, params)
-                    if f".target {arch}" not in text:
-                        raise RuntimeError(f"{path.name} does not target {arch}")
-                    if re.search(r"\.extern\s+\.func", text):
-                        raise RuntimeError(f"{path.name} calls external functions")
                     file = f"{kernel}_{dtype}_{head_dim}.ptx"
                     (final / file).write_text(text)
                     records.append(

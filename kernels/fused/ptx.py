@@ -12,15 +12,12 @@ No torch import: CI builds and checks the PTX on machines without a GPU.
 from __future__ import annotations
 
 import json
-import re
-import subprocess
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 from kernels import build
-from kernels.ptx import parse_entries
+from kernels.ptx import compile_entries, pick_entry
 from mili.engine.kv_layout import DTYPES
 
 FUSED_DIR_SUFFIX = "-fused"
@@ -144,46 +141,20 @@ def build_fused_ptx(mojo: Path, source_dir: Path, out_dir: Path, *, arch: str = 
         raise FileNotFoundError(f"{source_dir / 'fused_gpu.mojo'} not found")
     out_dir.mkdir(parents=True)
     with tempfile.TemporaryDirectory(prefix="mili-fused-ptx-") as tmp:
-        work = Path(tmp)
-        (work / f"{_ENTRY_MODULE}.mojo").write_text(entry_source())
-        (work / "asm").mkdir()
-        command = [
-            str(mojo),
-            "build",
-            "-I",
-            str(source_dir),
-            f"--target-accelerator={arch}",
-            "--emit",
-            "asm",
-            str(work / f"{_ENTRY_MODULE}.mojo"),
-            "-o",
-            str(work / "asm" / "host.s"),
-        ]
-        started = time.monotonic()
-        proc = subprocess.run(command, capture_output=True, text=True, cwd=work, check=False)
-        seconds = time.monotonic() - started
-        if proc.returncode != 0:
-            raise RuntimeError(
-                f"mojo build of the fused GPU kernels failed (exit {proc.returncode}):\n"
-                + build.compiler_output_tail(proc.stderr + proc.stdout)
-            )
-        found: dict[str, tuple[list[str], str]] = {}
-        for path in sorted((work / "asm").glob("*.ptx")):
-            text = path.read_text()
-            for name, params in parse_entries(text).items():
-                found[name] = (params, text)
+        found, seconds = compile_entries(
+            mojo,
+            source_dir,
+            Path(tmp),
+            arch=arch,
+            module=_ENTRY_MODULE,
+            source=entry_source(),
+            what="the fused GPU kernels",
+        )
         records: list[dict[str, Any]] = []
         for kernel, dtype, head_dim in specialisations():
             prefix = f"{_ENTRY_MODULE}_{wrapper_name(kernel, dtype, head_dim)}"
-            matches = [n for n in found if n.startswith(prefix)]
-            if len(matches) != 1:
-                raise RuntimeError(f"expected one PTX entry named {prefix}*, found {matches}")
-            params, text = found[matches[0]]
+            entry, params, text = pick_entry(found, prefix, arch)
             check_signature(kernel, params)
-            if f".target {arch}" not in text:
-                raise RuntimeError(f"{prefix}: PTX does not target {arch}")
-            if re.search(r"\.extern\s+\.func", text):
-                raise RuntimeError(f"{prefix}: PTX calls external functions")
             name = file_name(kernel, dtype, head_dim)
             (out_dir / name).write_text(text)
             records.append(
@@ -192,7 +163,7 @@ def build_fused_ptx(mojo: Path, source_dir: Path, out_dir: Path, *, arch: str = 
                     "dtype": dtype,
                     "head_dim": head_dim,
                     "file": name,
-                    "entry": matches[0],
+                    "entry": entry,
                     "params": params,
                 }
             )

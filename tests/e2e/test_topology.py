@@ -188,25 +188,21 @@ class Topology:
     def decode_port(self) -> int:
         return self.placement.decode_port
 
-    def stub(self) -> generation_pb2_grpc.GenerationServiceStub:
+    def client_credentials(self) -> grpc.ChannelCredentials:
         client = self.pki["client"]
-        credentials = grpc.ssl_channel_credentials(
+        return grpc.ssl_channel_credentials(
             root_certificates=client.ca.read_bytes(),
             private_key=client.key.read_bytes(),
             certificate_chain=client.cert.read_bytes(),
         )
-        channel = grpc.secure_channel(self.frontend.address, credentials)
+
+    def stub(self) -> generation_pb2_grpc.GenerationServiceStub:
+        channel = grpc.secure_channel(self.frontend.address, self.client_credentials())
         return generation_pb2_grpc.GenerationServiceStub(channel)
 
     def kv_transports(self, prefill_address: str) -> dict[str, str]:
         """Decode address -> the KV transport prefill paired with it (prefill's Info)."""
-        client = self.pki["client"]
-        credentials = grpc.ssl_channel_credentials(
-            root_certificates=client.ca.read_bytes(),
-            private_key=client.key.read_bytes(),
-            certificate_chain=client.cert.read_bytes(),
-        )
-        with grpc.secure_channel(prefill_address, credentials) as channel:
+        with grpc.secure_channel(prefill_address, self.client_credentials()) as channel:
             stub = prefill_pb2_grpc.PrefillServiceStub(channel)
             return dict(stub.Info(prefill_pb2.InfoRequest(), timeout=10).kv_transports)
 

@@ -20,6 +20,7 @@ import torch
 from kernels import build
 from kernels.fused import ptx
 from kernels.fused.gpu import GpuFusedKernels, pack
+from kernels.ptx import parse_entries
 from mili.engine.fused_ops import FusedOps, TorchFusedOps
 from tests.kernels.test_fused_parity import TOKENS, _randn, _rope_case, _run_rope, assert_close
 
@@ -49,7 +50,7 @@ def test_build_fused_ptx_manifest(built_fused_ptx: Path) -> None:
                 rec = seen.pop((kernel, dtype, head_dim))
                 text = (built_fused_ptx / rec["file"]).read_text()
                 assert ".target sm_90" in text and ".extern .func" not in text
-                entries = ptx.parse_entries(text)
+                entries = parse_entries(text)
                 assert list(entries) == [rec["entry"]]  # one self-contained kernel per file
                 assert entries[rec["entry"]] == rec["params"]
                 ptx.check_signature(kernel, rec["params"])
