@@ -36,12 +36,29 @@ def fits(dst: torch.Tensor, block_ids: Sequence[int], src: torch.Tensor) -> bool
     )
 
 
+# Mean run length (consecutive ids) from which `write_blocks` copies run by run.
+_MIN_MEAN_RUN = 4
+
+
 def write_blocks(dst: torch.Tensor, block_ids: Sequence[int], src: torch.Tensor) -> None:
-    """dst[block_ids] = src ([len(block_ids), ...] blocks, checked by `fits`) as one numpy copy
-    of raw byte rows: much faster than torch's index_copy_ on bf16, which goes element by
-    element, and than a copy_ per run of ids; runs with the GIL released. Bit-exact."""
-    if len(block_ids):
-        block_rows(dst)[list(block_ids)] = src.view(torch.uint8).view(len(block_ids), -1).numpy()
+    """dst[block_ids] = src ([len(block_ids), ...] blocks, checked by `fits`) on raw byte rows,
+    bit-exact; much faster than torch's index_copy_ on bf16, which goes element by element.
+
+    Ids mostly in runs (the block pool hands out ascending ids): one numpy copy per run, which
+    releases the GIL, so the caller's event loop and other threads go on meanwhile. Scattered
+    ids: one fancy-indexed assignment, faster than a call per block but holding the GIL."""
+    n = len(block_ids)
+    if not n:
+        return
+    rows, src_rows = block_rows(dst), src.view(torch.uint8).view(n, -1).numpy()
+    runs = block_runs(block_ids)
+    if len(runs) * _MIN_MEAN_RUN > n:
+        rows[list(block_ids)] = src_rows
+        return
+    first = 0
+    for start, stop in runs:
+        np.copyto(rows[start:stop], src_rows[first : first + stop - start])
+        first += stop - start
 
 
 def block_runs(block_ids: Sequence[int]) -> list[tuple[int, int]]:

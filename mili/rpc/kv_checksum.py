@@ -32,17 +32,34 @@ def choose(offered: Iterable[str]) -> str:
     return next((name for name in offered if name in mine), CRC32)
 
 
+class Running:
+    """`name`'s digest over buffers given one at a time (`update`), equal to `digest` of them
+    all: lets a caller checksum a piece just before it copies it, while it is in cache."""
+
+    def __init__(self, name: str) -> None:
+        self._crc: int | None = None
+        self._state = None
+        if name == CRC32:
+            self._crc = 0
+            return
+        module = _xxhash()
+        if name != XXH3_64 or module is None:
+            raise ValueError(f"checksum {name!r} is not available here ({', '.join(available())})")
+        self._state = module.xxh3_64()
+
+    def update(self, buf: memoryview | bytes) -> None:
+        if self._state is None:
+            self._crc = zlib.crc32(buf, self._crc or 0)
+        else:
+            self._state.update(buf)
+
+    def value(self) -> int:
+        return int(self._state.intdigest()) if self._state is not None else (self._crc or 0)
+
+
 def digest(name: str, buffers: Iterable[memoryview | bytes]) -> int:
     """`name`'s digest of the buffers' bytes one after another."""
-    if name == CRC32:
-        crc = 0
-        for buf in buffers:
-            crc = zlib.crc32(buf, crc)
-        return crc
-    module = _xxhash()
-    if name != XXH3_64 or module is None:
-        raise ValueError(f"checksum {name!r} is not available here ({', '.join(available())})")
-    state = module.xxh3_64()
+    running = Running(name)
     for buf in buffers:
-        state.update(buf)
-    return int(state.intdigest())
+        running.update(buf)
+    return running.value()

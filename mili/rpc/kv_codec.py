@@ -66,7 +66,7 @@ def _write_varint(value: int) -> bytes:
     return bytes(out)
 
 
-def _raw(t: torch.Tensor) -> memoryview:
+def raw_bytes(t: torch.Tensor) -> memoryview:
     """The tensor's bytes in C order, little-endian as torch stores them; no copy when it is
     already a contiguous CPU tensor. (A uint8 view: numpy has no bf16.)"""
     flat = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
@@ -92,7 +92,7 @@ def encode_chunk_request(
     """
     if k.shape != v.shape or k.shape[0] != len(block_ids):
         raise ValueError(f"k {tuple(k.shape)} / v {tuple(v.shape)} vs {len(block_ids)} block ids")
-    k_bytes, v_bytes = _raw(k), _raw(v)
+    k_bytes, v_bytes = raw_bytes(k), raw_bytes(v)
     num_data = len(k_bytes) + len(v_bytes)
     value = digest(checksum, (k_bytes, v_bytes))
     head = bytearray()
@@ -310,3 +310,22 @@ def blocks_digest(
     runs = block_runs(block_ids)
     rows = (block_rows(k_pool.contiguous()), block_rows(v_pool.contiguous()))
     return digest(checksum, (r[start:stop].data for r in rows for start, stop in runs))
+
+
+def batch_in_place(messages: Sequence[bytes]) -> bytes:
+    """Serialized `TransferKvRequest{chunk}` messages without data (`encode_chunk_in_place`'s)
+    -> one serialized `TransferKvRequest{chunks}` holding the same chunks in the same order:
+    decode then reads, checks and lands them as one message, one landing job.
+
+        TransferKvRequest  0x22 len  KvChunks                 (field 4, length-delimited)
+        KvChunks           (0x0a len KvChunk)*                (1, repeated message)
+    """
+    inner = bytearray()
+    for message in messages:
+        if not message or message[0] != 0x12:
+            raise ValueError("not a serialized TransferKvRequest{chunk}")
+        size, pos = _read_varint(message, 1)
+        if pos + size != len(message):
+            raise ValueError("a TransferKvRequest{chunk} with more than its chunk")
+        inner += b"\x0a" + _write_varint(size) + message[pos:]
+    return b"\x22" + _write_varint(len(inner)) + bytes(inner)

@@ -113,7 +113,7 @@ class _Progress:
             seen.add(block)
 
     def record(self, chunk: Chunk, num_bytes: int) -> None:
-        """`chunk` passed `check_chunk` and is landing: a later duplicate is refused."""
+        """`chunk` passed `check_chunk` and goes to landing: a later duplicate is refused."""
         self._written.update((chunk.layer, b) for b in chunk.block_ids)
         self.num_chunks += 1
         self.num_bytes += num_bytes
@@ -197,6 +197,7 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
             host_id=inst.endpoint.host_id,
             num_blocks=inst.cache.num_blocks,
             checksum=kv_checksum.choose(request.checksums),
+            takes_chunk_batches=True,
         )
         if transport == kv_transport.SHM and inst.segment is not None:
             response.shm_path = str(inst.segment.path)
@@ -279,11 +280,18 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
         try:
             while (message := await self._next(request, reader, landing)) is not None:
                 if isinstance(message, ChunkView):
-                    await self._land_chunk(progress, landing, message)
+                    await self._land(progress, landing, [message])
                     continue
                 kind = message.WhichOneof("kind")
                 if kind == "chunk":  # one that parse_transfer_request left to protobuf
-                    await self._land_chunk(progress, landing, message.chunk)
+                    await self._land(progress, landing, [message.chunk])
+                elif kind == "chunks":
+                    if transport == kv_transport.GRPC:
+                        raise DataLoss(
+                            f"request {request.name}: a chunk batch in a grpc transfer (only "
+                            "in-place transfers announce several chunks per message)"
+                        )
+                    await self._land(progress, landing, list(message.chunks.chunks))
                 elif kind == "commit":
                     await landing.wait_all()  # DataLoss of any chunk
                     progress.check_complete()
@@ -371,48 +379,56 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
             raise _ended_error(request)
         return reader.take()
 
-    async def _land_chunk(self, progress: _Progress, landing: Landing, chunk: Chunk) -> None:
-        """Check the chunk's place in the transfer here, in order; hand its bytes to a landing
-        thread (CRC, length, scatter) and return without waiting for them."""
-        progress.check_chunk(chunk)
+    async def _land(self, progress: _Progress, landing: Landing, chunks: list[Chunk]) -> None:
+        """Check the chunks' places in the transfer here, in order; hand their bytes to one
+        landing job (checksum, length, scatter) and return without waiting for it. Several
+        chunks come in one message only in place (TransferKvRequest.chunks)."""
         request = progress.request
+        num_bytes = 0
+        for chunk in chunks:
+            progress.check_chunk(chunk)
+            chunk_bytes = 2 * len(chunk.block_ids) * self._block_bytes  # checked when landing
+            # Recorded before it lands: a later duplicate is refused, also within this batch.
+            # Whatever fails from here on fails the request.
+            progress.record(chunk, chunk_bytes)
+            num_bytes += chunk_bytes
         table = self._instance.table
         layout = self._layout
         scatter = self._instance.batcher.scatter
         cache = self._instance.cache
-        layer = chunk.layer
-        block_ids = list(chunk.block_ids)
-        num_bytes = 2 * len(block_ids) * self._block_bytes  # decode_chunk checks it is so
         transport = progress.transport
         checksum = progress.checksum
+
+        def land_one(chunk: Chunk) -> None:
+            layer, block_ids = chunk.layer, list(chunk.block_ids)
+            if transport == kv_transport.GRPC:
+                k, v = decode_chunk(chunk, layout, checksum)  # DataLoss: short, corrupt
+                scatter(layer, block_ids, k, v)
+                return
+            # The sender wrote the blocks already: check what they hold now.
+            where = f"request {request.name} chunk {chunk.seq} (layer {layer})"
+            if len(chunk.data):
+                raise DataLoss(f"{where}: data sent over gRPC in an in-place transfer")
+            if layer >= len(cache.k):
+                raise DataLoss(f"{where}: layer out of range (model has {len(cache.k)})")
+            k_pool, v_pool = cache.k[layer], cache.v[layer]
+            if transport == kv_transport.SHM:
+                is_intact = blocks_digest(checksum, k_pool, v_pool, block_ids) == announced(
+                    chunk, checksum
+                )
+            else:
+                is_intact = in_place_checksum(transport, k_pool, v_pool, block_ids) == (chunk.crc32)
+            if not is_intact:
+                raise DataLoss(f"{where}: checksum mismatch (blocks corrupted in place)")
 
         def land() -> None:
             # Unpinned here, never by the handler: if the call ends mid-copy, the blocks stay
             # held until the copy is over (see requests.py).
             try:
-                if landing.is_aborted():
-                    return  # the request failed: nothing more to write
-                if transport == kv_transport.GRPC:
-                    k, v = decode_chunk(chunk, layout, checksum)  # DataLoss: short, corrupt
-                    scatter(layer, block_ids, k, v)
-                    return
-                # The sender wrote the blocks already: check what they hold now.
-                where = f"request {request.name} chunk {chunk.seq} (layer {layer})"
-                if len(chunk.data):
-                    raise DataLoss(f"{where}: data sent over gRPC in an in-place transfer")
-                if layer >= len(cache.k):
-                    raise DataLoss(f"{where}: layer out of range (model has {len(cache.k)})")
-                k_pool, v_pool = cache.k[layer], cache.v[layer]
-                if transport == kv_transport.SHM:
-                    is_intact = blocks_digest(checksum, k_pool, v_pool, block_ids) == announced(
-                        chunk, checksum
-                    )
-                else:
-                    is_intact = in_place_checksum(transport, k_pool, v_pool, block_ids) == (
-                        chunk.crc32
-                    )
-                if not is_intact:
-                    raise DataLoss(f"{where}: checksum mismatch (blocks corrupted in place)")
+                for chunk in chunks:
+                    if landing.is_aborted():
+                        return  # the request failed: nothing more to write
+                    land_one(chunk)
             finally:
                 table.unpin(request)
 
@@ -424,7 +440,6 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
         except BaseException:  # not submitted (the executor is shut down): nothing will unpin
             table.unpin(request)
             raise
-        progress.record(chunk, num_bytes)
 
     def _commit(self, request: DecodeRequest, commit: kv_pb2.TransferCommit) -> None:
         inst = self._instance

@@ -29,7 +29,7 @@ from mili.engine.shm_segment import Segment, is_alive, pool_bytes, pool_views, s
 from mili.kv.v1 import kv_pb2
 from mili.rpc import kv_checksum
 from mili.rpc.client import channel as make_channel
-from mili.rpc.kv_codec import blocks_digest, encode_chunk_in_place
+from mili.rpc.kv_codec import encode_chunk_in_place, raw_bytes
 from mili.rpc.tls import Tls
 
 _LOG = logging.getLogger("mili.prefill")
@@ -68,10 +68,14 @@ class ShmPool:
                 f"blocks {list(block_ids)} of {tuple(k.shape)} {k.dtype} do not fit decode's "
                 f"pool of {self.num_blocks} blocks {tuple(k_pool.shape[1:])} {k_pool.dtype}"
             )
-        write_blocks(k_pool, block_ids, k)
-        write_blocks(v_pool, block_ids, v)
-        # What was written, as decode reads it.
-        value = blocks_digest(checksum, k_pool, v_pool, block_ids)
+        # The checksum of what we mean to write (k's blocks, then v's: what decode's
+        # blocks_digest reads back), each taken just before its copy, so that the copy reads
+        # the source from cache: one pass over memory fewer than digesting the destination.
+        running = kv_checksum.Running(checksum)
+        for src, pool in ((k, k_pool), (v, v_pool)):
+            running.update(raw_bytes(src))
+            write_blocks(pool, block_ids, src)
+        value = running.value()
         num_bytes = k.numel() * k.element_size() + v.numel() * v.element_size()
         message = encode_chunk_in_place(request_id, seq, layer, block_ids, value, checksum)
         return message, num_bytes
@@ -126,6 +130,8 @@ class Pairing(NamedTuple):
     transport: str
     checksum: str = kv_checksum.CRC32  # what every chunk carries (kv_checksum)
     pool: ShmPool | CudaIpcPool | None = None
+    # Decode reads several in-place chunks per message (PairResponse.takes_chunk_batches).
+    takes_batches: bool = False
 
 
 GRPC_PAIRING = Pairing(kv_transport.GRPC)
@@ -220,7 +226,8 @@ class Peers:
         pairing = Pairing(kv_transport.GRPC, checksum)
         if response.transport in endpoint.transports and response.transport != kv_transport.GRPC:
             try:
-                pairing = Pairing(response.transport, checksum, self._map(response))
+                pool = self._map(response)
+                pairing = Pairing(response.transport, checksum, pool, response.takes_chunk_batches)
             except (OSError, ValueError, RuntimeError) as e:
                 _LOG.warning(
                     "KV pair with decode at %s: cannot map its pool (%s); grpc", address, e

@@ -46,7 +46,7 @@ from mili.errors import (
 )
 from mili.kv.v1 import kv_pb2
 from mili.rpc import kv_checksum
-from mili.rpc.kv_codec import ACCEPTED_KEY, encode_chunk_request
+from mili.rpc.kv_codec import ACCEPTED_KEY, batch_in_place, encode_chunk_request
 from mili.rpc.status import server_status_of
 from services.prefill.pairing import GRPC_PAIRING, Pairing
 from services.prefill.task import FirstToken, PrefillTask
@@ -80,6 +80,10 @@ _ENCODED = object()  # a chunk's encoding finished (wakes `_stream` to write it)
 # Chunks being encoded or encoded and not yet written, per transfer: two keep both encoder
 # threads busy while a third waits to be written; each is one layer of a prompt chunk.
 _MAX_ENCODING = 3
+# The same for in-place transports (shm, cuda-ipc), whose encoded chunks hold no KV: enough to
+# keep the encoder threads busy while the loop writes, and to announce several chunks per
+# message when they queue up (TransferKvRequest.chunks).
+_MAX_ENCODING_IN_PLACE = 8
 
 # Decode's status -> the error our caller gets (same code; anything unexpected reads as decode
 # being unusable, which the frontend handles by trying another instance).
@@ -193,12 +197,22 @@ class KvSender:
         first_sent_at: float | None = None
         encoding: collections.deque[asyncio.Future[tuple[bytes, int]]] = collections.deque()
 
+        pairing = self._pairing
+        # In place, an encoded chunk is a few bytes (the KV is in decode's pool already): more
+        # may wait, and the ones done by the time we write go out as one message.
+        max_encoding = _MAX_ENCODING if pairing.pool is None else _MAX_ENCODING_IN_PLACE
+
         async def write_ready(*, wait: bool) -> None:
             nonlocal kv_bytes, first_sent_at
             while encoding and (wait or encoding[0].done()):
                 message, num_data = await encoding.popleft()  # raises the encoder's error
+                messages = [message]
+                while pairing.takes_batches and encoding and encoding[0].done():
+                    message, more_data = encoding.popleft().result()
+                    messages.append(message)
+                    num_data += more_data
                 first_sent_at = first_sent_at or time.perf_counter()
-                await self._write(call, message)
+                await self._write(call, message if len(messages) == 1 else batch_in_place(messages))
                 kv_bytes += num_data
 
         try:
@@ -212,9 +226,9 @@ class KvSender:
                 elif isinstance(item, _Failed):
                     raise item.exc
                 elif isinstance(item, _Blocks):
-                    if seq == 0 and self._pairing.pool is not None:
+                    if seq == 0 and pairing.pool is not None:
                         await self._accepted(call)
-                    if len(encoding) >= _MAX_ENCODING:
+                    if len(encoding) >= max_encoding:
                         await encoding[0]  # bounds the encoded bytes waiting to be written
                         await write_ready(wait=False)
                     future = self._loop.run_in_executor(self._encoder, self._encode, seq, item)

@@ -14,18 +14,28 @@ import pytest
 import torch
 
 from mili.decode.v1 import decode_pb2
+from mili.engine import kv_transport
 from mili.engine.block_rows import fits, write_blocks
 from mili.engine.kv_cache import KVCache
 from mili.engine.sampling_params import SamplingParams
 from mili.errors import DataLoss
+from mili.kv.v1 import kv_pb2
+from mili.rpc import kv_checksum
 from mili.rpc.client import insecure_channel
+from mili.rpc.kv_codec import batch_in_place
 from services.decode.landing import Landing
+from services.decode.transfer import KvTransferServicer
+from services.prefill.pairing import Peers, ShmPool
+from services.prefill.sender import KvSender
+from services.prefill.task import FirstToken, PrefillTask
 from tests.decode.conftest import NUM_BLOCKS, TINY
 from tests.decode.harness import (
     Client,
     DecodeServerThread,
     Outcome,
+    Prefilled,
     PrefillPlayer,
+    Reserved,
     blocks_back,
     random_prompt,
     sampling,
@@ -98,10 +108,14 @@ def test_landing_failure_is_seen_at_once_and_later_jobs_can_skip() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_row_copy_is_bit_exact_like_scatter_blocks(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(
+    "ids",
+    [[9, 2, 3, 15, 0], [4, 5, 6, 7, 8, 9, 10, 11], [12, 13, 14, 15, 0, 1, 2, 3, 7]],
+    ids=["scattered", "one run", "runs"],  # a fancy-indexed copy, then one copy per run
+)
+def test_row_copy_is_bit_exact_like_scatter_blocks(dtype: torch.dtype, ids: list[int]) -> None:
     reference = KVCache(TINY, 16, 4, dtype=dtype)
     fast = KVCache(TINY, 16, 4, dtype=dtype)
-    ids = [9, 2, 3, 15, 0]
     shape = (len(ids), *reference.k[1].shape[1:])
     g = torch.Generator().manual_seed(0)
     # Random bit patterns, NaN payloads included: the copy must not touch a single bit.
@@ -255,5 +269,228 @@ def test_a_corrupt_chunk_fails_the_transfer_while_the_sender_is_quiet(
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await call.read()
         assert err.value.code() == Code.DATA_LOSS
+
+    run(decode_server, body)
+
+
+# ---- in-place chunks announced several per message (TransferKvRequest.chunks) ----------------
+
+
+def in_place_messages(
+    server: DecodeServerThread,
+    player: PrefillPlayer,
+    request_id: str,
+    prompt: list[int],
+    block_ids: Reserved,
+    prefilled: Prefilled,
+    groups: list[list[int]],
+    *,
+    transport: str = kv_transport.SHM,
+) -> list[kv_pb2.TransferKvRequest]:
+    """header, the layers' chunks written into decode's shm pool as a paired prefill writes
+    them (ShmPool.encode) and announced in `groups` of seqs (a group of one: a lone chunk
+    message, else one TransferKvRequest.chunks), commit."""
+    instance = server.instance
+    if instance.segment is None:
+        pytest.skip("this host gave decode no shared-memory pool")
+    cache = instance.cache
+    pool = ShmPool(instance.segment, cache.layout, cache.num_blocks, cache.dtype)  # never closed
+    checksum = kv_checksum.available()[0]
+    encoded = [
+        pool.encode(request_id, layer, layer, list(block_ids), k, v, checksum)[0]
+        for layer, (k, v) in enumerate(prefilled.kv)
+    ]
+    header = kv_pb2.TransferHeader(
+        request_id=request_id,
+        layout=player.layout(),
+        num_tokens=len(prompt),
+        num_chunks=len(encoded),
+        transfer_token=block_ids.transfer_token,
+        transport="" if transport == kv_transport.GRPC else transport,
+        checksum="" if checksum == kv_checksum.CRC32 else checksum,
+    )
+    announcements = [
+        kv_pb2.TransferKvRequest.FromString(
+            encoded[group[0]] if len(group) == 1 else batch_in_place([encoded[s] for s in group])
+        )
+        for group in groups
+    ]
+    commit = kv_pb2.TransferCommit(first_token_id=prefilled.first_token_id)
+    return [
+        kv_pb2.TransferKvRequest(header=header),
+        *announcements,
+        kv_pb2.TransferKvRequest(commit=commit),
+    ]
+
+
+def test_in_place_chunks_announced_together_land_and_decode_goes_on(
+    decode_server: DecodeServerThread, player: PrefillPlayer
+) -> None:
+    prompt = random_prompt(21, player.vocab_size, seed=40)
+    layers = list(range(TINY.num_hidden_layers))
+    assert len(layers) >= 2, "the test wants a batch of several chunks"
+    groups = [layers[:2], *([layer] for layer in layers[2:])]
+
+    async def body(client: Client) -> None:
+        call, block_ids = await client.admit(generate_request("batched", prompt))
+        prefilled = await asyncio.to_thread(player.prefill, prompt, SHORT)
+        messages = in_place_messages(
+            decode_server, player, "batched", prompt, block_ids, prefilled, groups
+        )
+        assert messages[1].WhichOneof("kind") == "chunks"
+        assert [c.seq for c in messages[1].chunks.chunks] == [0, 1]
+        transfer = client.kv.TransferKv(timeout=10)
+        for message in messages:
+            await transfer.write(message)
+        await transfer.done_writing()
+        reply = await asyncio.wait_for(transfer, 5)
+        assert reply.num_blocks == len(block_ids)
+        outcome = await client.collect(call, Outcome(block_ids=list(block_ids)))
+        assert outcome.token_ids == player.reference(prompt, SHORT)
+
+    run(decode_server, body)
+
+
+@pytest.mark.parametrize(
+    ("case", "error"),
+    [
+        ("grpc transfer", "a chunk batch in a grpc transfer"),
+        ("chunk repeated in its batch", "expected chunk 1 (chunk lost, duplicated or reordered)"),
+        ("corrupt chunk in a batch", "chunk 1 (layer 1): checksum mismatch (blocks corrupted"),
+    ],
+)
+def test_a_bad_chunk_batch_is_data_loss(
+    decode_server: DecodeServerThread, player: PrefillPlayer, case: str, error: str
+) -> None:
+    prompt = random_prompt(13, player.vocab_size, seed=41)
+    layers = list(range(TINY.num_hidden_layers))
+    request_id = f"bad-batch-{len(case)}"
+
+    async def body(client: Client) -> None:
+        call, block_ids = await client.admit(generate_request(request_id, prompt))
+        prefilled = await asyncio.to_thread(player.prefill, prompt, SHORT)
+        groups = [[0, 0, *layers[1:]]] if case == "chunk repeated in its batch" else [layers]
+        transport = kv_transport.GRPC if case == "grpc transfer" else kv_transport.SHM
+        messages = in_place_messages(
+            decode_server,
+            player,
+            request_id,
+            prompt,
+            block_ids,
+            prefilled,
+            groups,
+            transport=transport,
+        )
+        if case == "corrupt chunk in a batch":
+            chunk = messages[1].chunks.chunks[1]
+            chunk.xxh3_64 ^= 1
+            chunk.crc32 ^= 0 if chunk.xxh3_64 else 1
+        transfer = client.kv.TransferKv(timeout=10)
+        for message in messages[:-1]:  # no commit: the request must fail without one
+            await transfer.write(message)
+        # The request fails at once; the call answers once the sender stopped writing (an
+        # in-place sender may be inside a copy into the blocks: decode drains it).
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await asyncio.wait_for(call.read(), 5)
+        assert err.value.code() == Code.DATA_LOSS, err.value.details()
+        assert error in err.value.details()
+        await transfer.done_writing()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await asyncio.wait_for(transfer, 5)
+        assert err.value.code() == Code.DATA_LOSS, err.value.details()
+        assert error in err.value.details()
+
+    run(decode_server, body)
+
+
+class SecondJobFirst(ThreadPoolExecutor):
+    """Two encoder threads where the first job waits until the second one is over: both
+    chunks are encoded by the time the sender can write the first."""
+
+    def __init__(self) -> None:
+        super().__init__(2)
+        self._second_done = threading.Event()
+        self._num_jobs = 0
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        self._num_jobs += 1
+        if self._num_jobs == 1:
+
+            def first() -> Any:
+                assert self._second_done.wait(5)
+                return fn(*args, **kwargs)
+
+            return super().submit(first)
+
+        def later() -> Any:
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._second_done.set()
+
+        return super().submit(later)
+
+
+def test_the_sender_announces_chunks_encoded_meanwhile_in_one_message(
+    decode_server: DecodeServerThread, player: PrefillPlayer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over shm, chunks whose encoding finished while an earlier one was being written go out
+    as one TransferKvRequest.chunks (decode sees them in one `_land`), and decode's tokens are
+    the single-process ones."""
+    instance = decode_server.instance
+    if instance.segment is None:
+        pytest.skip("this host gave decode no shared-memory pool")
+    landed: list[list[int]] = []
+    land = KvTransferServicer._land
+
+    async def spy(self: Any, progress: Any, landing: Any, chunks: list[Any]) -> None:
+        landed.append([chunk.seq for chunk in chunks])
+        await land(self, progress, landing, chunks)
+
+    monkeypatch.setattr(KvTransferServicer, "_land", spy)
+    prompt = random_prompt(21, player.vocab_size, seed=42)
+    num_layers = TINY.num_hidden_layers
+
+    async def body(client: Client) -> None:
+        call, block_ids = await client.admit(generate_request("sent-batched", prompt))
+        prefilled = await asyncio.to_thread(player.prefill, prompt, SHORT)
+        cache = instance.cache
+        peers = Peers(
+            64 << 20, endpoint=instance.endpoint, layout=player.layout(), dtype=cache.dtype
+        )
+        try:
+            pairing = await peers.pair(decode_server.address)
+            assert (pairing.transport, pairing.takes_batches) == (kv_transport.SHM, True)
+            task = PrefillTask(
+                "sent-batched",
+                prompt,
+                SHORT,
+                decode_server.address,
+                list(block_ids),
+                transfer_token=block_ids.transfer_token,
+            )
+            with SecondJobFirst() as encoder:
+                sender = KvSender(
+                    task,
+                    channel=peers.get(decode_server.address),
+                    encoder=encoder,
+                    layout=player.layout(),
+                    num_chunks=num_layers,
+                    timeout_s=10,
+                    pairing=pairing,
+                )
+
+                def push() -> None:
+                    for layer, (k, v) in enumerate(prefilled.kv):
+                        sender.send_blocks(layer, 0, k, v, None)
+                    sender.finish(FirstToken(prefilled.first_token_id, None, None, 0.0, 0.0))
+
+                result = await sender.run(push)
+        finally:
+            await peers.close()
+        assert landed == [list(range(num_layers))]
+        assert result.kv_bytes == sum(k.nbytes + v.nbytes for k, v in prefilled.kv)
+        outcome = await client.collect(call, Outcome(block_ids=list(block_ids)))
+        assert outcome.token_ids == player.reference(prompt, SHORT)
 
     run(decode_server, body)

@@ -16,6 +16,9 @@ For TransferKv, each message is parsed; for a request id with a fault armed (`ar
     cut_after_first_chunk          after chunk 0, cancels the call to decode (a broken
                                    connection) and fails prefill's call with UNAVAILABLE
 
+(an in-place sender may announce several chunks in one message, TransferKvRequest.chunks: the
+faults find their chunk inside it, and a cut forwards the chunks before chunk 1 first)
+
 and records what it did (`events`), so a test can check the fault really happened. Requests
 are named by the caller's request_id: the proxy learns which id the frontend minted for each
 from the decode requests it forwards (their client_request_id), on Generate calls or started on
@@ -62,9 +65,14 @@ class _Transfer:
         self.fault: str | None = None
         self.num_chunks = 0
         self.is_cut = False
+        self._cut_next = False  # a batch held chunk 1: its chunk 0 went on, the cut comes next
 
     def rewrite(self, raw: bytes) -> bytes | None:
         """The bytes to forward for one message; None: forward nothing (and stop sending)."""
+        if self._cut_next:
+            self._proxy.record(self.request_id, "cut before chunk 1")
+            self.is_cut = True
+            return None
         message = kv_pb2.TransferKvRequest.FromString(raw)
         kind = message.WhichOneof("kind")
         if kind == "header":
@@ -75,27 +83,47 @@ class _Transfer:
         if self.fault is None:
             return raw
         if kind == "chunk":
-            seq = message.chunk.seq
-            last = self.num_chunks - 1
-            if (self.fault, seq) in (("corrupt_first", 0), ("corrupt_last", last)):
-                if message.chunk.data:
-                    data = bytearray(message.chunk.data)
-                    data[len(data) // 2] ^= 0x5A
-                    message.chunk.data = bytes(data)  # crc32 stays the sender's
-                elif message.chunk.xxh3_64:  # written in place (shm): the blocks no longer
-                    message.chunk.xxh3_64 ^= 0x5A  # match the checksum (the pair's, XXH3 or CRC)
-                else:
-                    message.chunk.crc32 ^= 0x5A
-                self._proxy.record(self.request_id, f"corrupted chunk {seq}")
+            if self._corrupt(message.chunk):
                 return message.SerializeToString()
-            if self.fault == "cut_after_first_chunk" and seq == 1:
+            if self.fault == "cut_after_first_chunk" and message.chunk.seq == 1:
                 self._proxy.record(self.request_id, "cut before chunk 1")
                 self.is_cut = True
                 return None
+        if kind == "chunks":  # several in-place chunks in one message
+            chunks = message.chunks.chunks
+            is_corrupted = any([self._corrupt(chunk) for chunk in chunks])
+            if self.fault == "cut_after_first_chunk" and any(c.seq == 1 for c in chunks):
+                kept = [c for c in chunks if c.seq < 1]
+                if not kept:
+                    self._proxy.record(self.request_id, "cut before chunk 1")
+                    self.is_cut = True
+                    return None
+                self._cut_next = True
+                return kv_pb2.TransferKvRequest(
+                    chunks=kv_pb2.KvChunks(chunks=kept)
+                ).SerializeToString()
+            if is_corrupted:
+                return message.SerializeToString()
         if kind == "commit" and self.fault == "drop_commit":
             self._proxy.record(self.request_id, "dropped the commit")
             return None
         return raw
+
+    def _corrupt(self, chunk: kv_pb2.KvChunk) -> bool:
+        """Damage `chunk` if it is the one the fault names; whether it was."""
+        last = self.num_chunks - 1
+        if (self.fault, chunk.seq) not in (("corrupt_first", 0), ("corrupt_last", last)):
+            return False
+        if chunk.data:
+            data = bytearray(chunk.data)
+            data[len(data) // 2] ^= 0x5A
+            chunk.data = bytes(data)  # crc32 stays the sender's
+        elif chunk.xxh3_64:  # written in place (shm): the blocks no longer
+            chunk.xxh3_64 ^= 0x5A  # match the checksum (the pair's, XXH3 or CRC)
+        else:
+            chunk.crc32 ^= 0x5A
+        self._proxy.record(self.request_id, f"corrupted chunk {chunk.seq}")
+        return True
 
 
 class FaultProxy:

@@ -296,3 +296,45 @@ def test_checksum_choice_takes_the_first_offered_we_have() -> None:
     assert kv_checksum.choose(kv_checksum.available()) == kv_checksum.available()[0]
     with pytest.raises(ValueError, match="not available"):
         kv_checksum.digest("sha-9000", [b""])
+
+
+@pytest.mark.parametrize("checksum", kv_checksum.available())
+def test_running_digest_is_the_digest_however_the_bytes_are_split(checksum: str) -> None:
+    data = bytes(range(256)) * 97
+    whole = kv_checksum.digest(checksum, [data])
+    assert whole == (zlib.crc32(data) if checksum == kv_checksum.CRC32 else whole) != 0
+    for cuts in ([], [1], [100, 101, 5000], [len(data) - 1]):
+        running = kv_checksum.Running(checksum)
+        for start, stop in zip([0, *cuts], [*cuts, len(data)], strict=True):
+            running.update(memoryview(data)[start:stop])
+        assert running.value() == whole
+    running = kv_checksum.Running(checksum)
+    running.update(data[:-1] + b"\x00")
+    assert running.value() != whole
+    with pytest.raises(ValueError, match="not available"):
+        kv_checksum.Running("sha-9000")
+
+
+def test_chunk_batches_are_what_protobuf_writes() -> None:
+    """batch_in_place joins in-place chunk messages into one TransferKvRequest.chunks, byte for
+    byte as protobuf would serialize it, and refuses anything but lone chunk messages."""
+    messages = [
+        kv_codec.encode_chunk_in_place(f"req-{i}", seq, seq % 4, [seq, 300 + seq], seq * 7919)
+        for i, seq in enumerate([0, 1, 2, 200])
+    ]
+    batch = kv_codec.batch_in_place(messages)
+    chunks = [kv_pb2.TransferKvRequest.FromString(m).chunk for m in messages]
+    expected = kv_pb2.TransferKvRequest(chunks=kv_pb2.KvChunks(chunks=chunks))
+    assert batch == expected.SerializeToString()
+    parsed = kv_codec.parse_transfer_request(batch)
+    assert isinstance(parsed, kv_pb2.TransferKvRequest) and parsed.WhichOneof("kind") == "chunks"
+    assert list(parsed.chunks.chunks) == chunks
+    assert (
+        kv_codec.batch_in_place(messages[:1])
+        == kv_pb2.TransferKvRequest(chunks=kv_pb2.KvChunks(chunks=chunks[:1])).SerializeToString()
+    )
+    header = kv_pb2.TransferKvRequest(header=kv_pb2.TransferHeader(request_id="r"))
+    with pytest.raises(ValueError, match="not a serialized"):
+        kv_codec.batch_in_place([header.SerializeToString()])
+    with pytest.raises(ValueError, match="more than its chunk"):
+        kv_codec.batch_in_place([messages[0] + b"\x18\x01"])

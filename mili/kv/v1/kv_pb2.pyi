@@ -22,20 +22,22 @@ class PairRequest(_message.Message):
     def __init__(self, host_id: _Optional[str] = ..., device: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., checksums: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PairResponse(_message.Message):
-    __slots__ = ("transport", "host_id", "shm_path", "num_blocks", "cuda_ipc_export", "checksum")
+    __slots__ = ("transport", "host_id", "shm_path", "num_blocks", "cuda_ipc_export", "checksum", "takes_chunk_batches")
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     SHM_PATH_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     CUDA_IPC_EXPORT_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    TAKES_CHUNK_BATCHES_FIELD_NUMBER: _ClassVar[int]
     transport: str
     host_id: str
     shm_path: str
     num_blocks: int
     cuda_ipc_export: bytes
     checksum: str
-    def __init__(self, transport: _Optional[str] = ..., host_id: _Optional[str] = ..., shm_path: _Optional[str] = ..., num_blocks: _Optional[int] = ..., cuda_ipc_export: _Optional[bytes] = ..., checksum: _Optional[str] = ...) -> None: ...
+    takes_chunk_batches: bool
+    def __init__(self, transport: _Optional[str] = ..., host_id: _Optional[str] = ..., shm_path: _Optional[str] = ..., num_blocks: _Optional[int] = ..., cuda_ipc_export: _Optional[bytes] = ..., checksum: _Optional[str] = ..., takes_chunk_batches: _Optional[bool] = ...) -> None: ...
 
 class KvLayout(_message.Message):
     __slots__ = ("block_size", "num_layers", "num_kv_heads", "head_dim", "dtype", "block_order", "model_fingerprint")
@@ -56,14 +58,22 @@ class KvLayout(_message.Message):
     def __init__(self, block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., block_order: _Optional[str] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
 
 class TransferKvRequest(_message.Message):
-    __slots__ = ("header", "chunk", "commit")
+    __slots__ = ("header", "chunk", "commit", "chunks")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
     header: TransferHeader
     chunk: KvChunk
     commit: TransferCommit
-    def __init__(self, header: _Optional[_Union[TransferHeader, _Mapping]] = ..., chunk: _Optional[_Union[KvChunk, _Mapping]] = ..., commit: _Optional[_Union[TransferCommit, _Mapping]] = ...) -> None: ...
+    chunks: KvChunks
+    def __init__(self, header: _Optional[_Union[TransferHeader, _Mapping]] = ..., chunk: _Optional[_Union[KvChunk, _Mapping]] = ..., commit: _Optional[_Union[TransferCommit, _Mapping]] = ..., chunks: _Optional[_Union[KvChunks, _Mapping]] = ...) -> None: ...
+
+class KvChunks(_message.Message):
+    __slots__ = ("chunks",)
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    chunks: _containers.RepeatedCompositeFieldContainer[KvChunk]
+    def __init__(self, chunks: _Optional[_Iterable[_Union[KvChunk, _Mapping]]] = ...) -> None: ...
 
 class TransferHeader(_message.Message):
     __slots__ = ("request_id", "layout", "num_tokens", "num_chunks", "transfer_token", "transport", "checksum")
