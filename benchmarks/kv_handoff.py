@@ -36,6 +36,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -278,6 +279,33 @@ async def kv_path_alone(
     return results[1:]
 
 
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid` (all its threads) so far; Linux /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def kv_path_with_cpu(
+    servicer: PrefillServicer,
+    address: str,
+    receiver_pid: int,
+    reserve: Reserve,
+    prompt: list[int],
+    repeats: int,
+) -> tuple[list[tuple[float, int]], dict[str, float]]:
+    """kv_path_alone, and the CPU both sides spent per transfer over its runs (this process:
+    the sender, its event loop and encoder threads; the receiver's process: everything,
+    reserving the blocks included): where a 2-core host's time goes when GB/s stall."""
+    sender, receiver = time.process_time(), process_cpu_s(receiver_pid)
+    runs = await kv_path_alone(servicer, address, reserve, prompt, repeats)
+    num_transfers = repeats + 1  # the warm-up run included
+    cpu = {
+        "sender_cpu_ms": (time.process_time() - sender) / num_transfers * 1e3,
+        "receiver_cpu_ms": (process_cpu_s(receiver_pid) - receiver) / num_transfers * 1e3,
+    }
+    return runs, cpu
+
+
 def summarize(name: str, path_runs: list[Any], full_runs: list[Any] | None) -> dict[str, Any]:
     kv_bytes = path_runs[0][1]
     path_s = statistics.median(t for t, _ in path_runs)
@@ -349,13 +377,15 @@ async def measure(args: argparse.Namespace, path: Path) -> list[dict[str, Any]]:
                 proc, address = _start([*me, "--serve-receiver", layout_hex, str(blocks)])
                 procs.append(proc)
                 reserve = fixed_blocks(num_blocks)
-                path_runs = await kv_path_alone(servicer, address, reserve, prompt, args.repeats)
+                path_runs, cpu = await kv_path_with_cpu(
+                    servicer, address, proc.pid, reserve, prompt, args.repeats
+                )
                 full_runs = None
                 if name == "checker" and args.full:
                     full_runs = await compute_and_handoff(
                         stub, model, address, reserve, prompt, args.repeats
                     )
-                rows.append(summarize(name, path_runs, full_runs))
+                rows.append(summarize(name, path_runs, full_runs) | cpu)
             for name, transport_args in DECODE_TRANSPORTS.items():
                 if name not in args.receivers:
                     continue
@@ -368,15 +398,15 @@ async def measure(args: argparse.Namespace, path: Path) -> list[dict[str, Any]]:
                 procs.append(proc)
                 async with insecure_channel(address) as decode_channel:
                     reserve = decode_reservation(decode_channel, prompt, servicer.layout)
-                    path_runs = await kv_path_alone(
-                        servicer, address, reserve, prompt, args.repeats
+                    path_runs, cpu = await kv_path_with_cpu(
+                        servicer, address, proc.pid, reserve, prompt, args.repeats
                     )
                     full_runs = None
                     if args.full:
                         full_runs = await compute_and_handoff(
                             stub, model, address, reserve, prompt, args.repeats
                         )
-                row = summarize(name, path_runs, full_runs)
+                row = summarize(name, path_runs, full_runs) | cpu
                 row["transport"] = servicer.peers.transports()[address]
                 rows.append(row)
     finally:
@@ -447,8 +477,8 @@ def main() -> None:
         f"{rows[0]['kv_mb']:.1f} MB of KV, torch threads {args.threads}, medians of "
         f"{args.repeats} runs (ms unless noted)\n"
     )
-    header = ("receiver", "KV path", "GB/s", "compute", "start->ack", "ratio", "tail")
-    print("{:<11}{:>9}{:>7}{:>10}{:>12}{:>7}{:>7}".format(*header))
+    header = ("receiver", "KV path", "GB/s", "compute", "start->ack", "ratio", "tail", "CPU s/r")
+    print("{:<11}{:>9}{:>7}{:>10}{:>12}{:>7}{:>7}{:>10}".format(*header))
     for r in rows:
         full = (
             [
@@ -460,13 +490,15 @@ def main() -> None:
             if "ratio" in r
             else ["-"] * 4
         )
+        cpu = f"{r['sender_cpu_ms']:.0f}/{r['receiver_cpu_ms']:.0f}"
         print(
-            "{:<11}{:>9.0f}{:>7.2f}{:>10}{:>12}{:>7}{:>7}".format(
-                r["receiver"], r["kv_path_ms"], r["kv_path_gb_s"], *full
+            "{:<11}{:>9.0f}{:>7.2f}{:>10}{:>12}{:>7}{:>7}{:>10}".format(
+                r["receiver"], r["kv_path_ms"], r["kv_path_gb_s"], *full, cpu
             )
         )
     print("\ntargets: KV path >= 0.5 GB/s; start->ack <= 1.3 x compute alone (ratio = median of")
-    print("per-run ratios; tail = start->ack - queue - compute inside the service)")
+    print("per-run ratios; tail = start->ack - queue - compute inside the service); CPU s/r =")
+    print("CPU ms per KV-path transfer of the sender's and the receiver's process")
     for r in rows:
         runs = {k: v for k, v in r.items() if k.startswith("runs_")}
         print(f"{r['receiver']}: {runs}")

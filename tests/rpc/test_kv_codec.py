@@ -302,6 +302,7 @@ def test_checksum_choice_takes_the_first_offered_we_have() -> None:
 def test_running_digest_is_the_digest_however_the_bytes_are_split(checksum: str) -> None:
     data = bytes(range(256)) * 97
     whole = kv_checksum.digest(checksum, [data])
+    assert kv_checksum.digest(checksum, (data,)) == whole  # xxh3: the one-shot function
     assert whole == (zlib.crc32(data) if checksum == kv_checksum.CRC32 else whole) != 0
     for cuts in ([], [1], [100, 101, 5000], [len(data) - 1]):
         running = kv_checksum.Running(checksum)
