@@ -17,7 +17,9 @@ with that error (InstanceDown when decode went away), and a new request opens a 
 
 A decode instance older than GenerateStream answers it UNIMPLEMENTED (so does one started with
 --no-generate-stream). Nothing was admitted on that call, so its requests move to a Generate call
-each (generate_call.py), as does every later request to that instance; logged once. A start
+each (generate_call.py), as do later requests to that instance; logged once. After
+`recheck_s` the next request tries GenerateStream again: the instance may have been upgraded
+or restarted without the flag at the same address (if not, that request moves over too). A start
 written while decode refuses the call can make grpc report INTERNAL instead of the refusal
 (a failed "execute_batch"); when that ends a call before any reply, a call that writes nothing
 asks again.
@@ -30,6 +32,7 @@ import collections
 import contextlib
 import logging
 import math
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -49,24 +52,41 @@ _GENERATE = "/mili.decode.v1.DecodeService/Generate"  # the call each request st
 # How long a GenerateStream that writes nothing waits for decode to refuse it: a decode that
 # serves it answers nothing until a start comes, so silence this long means "served".
 _PROBE_TIMEOUT_S = 2.0
+# How long a refusal of GenerateStream is believed: a rolling upgrade replaces an older decode
+# at the same address, and its requests should go back to the cheap path soon after.
+RECHECK_S = 30.0
 
 
 class DecodeMultiplexer:
     """Every request this frontend runs on one decode instance."""
 
-    def __init__(self, stub: decode_pb2_grpc.DecodeServiceStub, who: str) -> None:
+    def __init__(
+        self,
+        stub: decode_pb2_grpc.DecodeServiceStub,
+        who: str,
+        *,
+        recheck_s: float = RECHECK_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._stub = stub
         self._who = who  # "decode at HOST:PORT"
         self._session: _Session | None = None
-        self._is_stream_refused = False  # decode answered GenerateStream UNIMPLEMENTED
+        self._recheck_s = recheck_s
+        self._clock = clock
+        # When decode last answered GenerateStream UNIMPLEMENTED (None: it serves it, as far as
+        # we know); requests go on Generate calls until recheck_s after it.
+        self._refused_at: float | None = None
+        self._has_warned = False
 
     def open(
         self, request: decode_pb2.GenerateRequest, deadline: Deadline
     ) -> RequestStream | GenerateCall:
         """Start `request` on decode (sent with the next write); its events come through the
         returned stream."""
-        if self._is_stream_refused:
-            return GenerateCall(self._stub, request, deadline, self._who)
+        if self._refused_at is not None:
+            if self._clock() - self._refused_at < self._recheck_s:
+                return GenerateCall(self._stub, request, deadline, self._who)
+            self._refused_at = None  # ask again: this request opens a GenerateStream
         if self._session is None or self._session.is_ended:
             # Opened outside the request's trace: the call outlives it and carries others (each
             # request sends its own trace context with its start).
@@ -80,13 +100,17 @@ class DecodeMultiplexer:
     def _stream_refused(self, streams: list[RequestStream]) -> None:
         """Decode does not serve GenerateStream: `streams` (never admitted) and every later
         request go on Generate calls of their own."""
-        if not self._is_stream_refused:
-            self._is_stream_refused = True
-            _LOG.warning(
-                "%s does not serve GenerateStream (UNIMPLEMENTED: an older version, or "
-                "--no-generate-stream); sending each request on a Generate call of its own",
-                self._who,
-            )
+        if self._refused_at is None:
+            self._refused_at = self._clock()
+            if not self._has_warned:
+                self._has_warned = True
+                _LOG.warning(
+                    "%s does not serve GenerateStream (UNIMPLEMENTED: an older version, or "
+                    "--no-generate-stream); sending each request on a Generate call of its "
+                    "own, asking again every %.0f s",
+                    self._who,
+                    self._recheck_s,
+                )
         for stream in streams:
             stream.fall_back(self._stub, self._who)
 

@@ -74,3 +74,70 @@ def test_requests_move_to_generate_calls_on_a_decode_without_generate_stream(
 
     with caplog.at_level(logging.WARNING, logger="mili.frontend"):
         asyncio.run(main())
+
+
+class _Upgradable(grpc.GenericRpcHandler):
+    """Serves Generate always and GenerateStream once `serves_stream` is set: an older decode
+    replaced by a newer one at the same address."""
+
+    def __init__(self, decode: FakeDecode) -> None:
+        self.serves_stream = False
+        self._generate = grpc.unary_stream_rpc_method_handler(
+            decode.Generate,
+            request_deserializer=decode_pb2.GenerateRequest.FromString,
+            response_serializer=decode_pb2.GenerateResponse.SerializeToString,
+        )
+        self._stream = grpc.stream_stream_rpc_method_handler(
+            decode.GenerateStream,
+            request_deserializer=decode_pb2.GenerateStreamRequest.FromString,
+            response_serializer=decode_pb2.GenerateStreamResponse.SerializeToString,
+        )
+
+    def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        if details.method == f"/{_DECODE}/Generate":
+            return self._generate
+        if details.method == f"/{_DECODE}/GenerateStream" and self.serves_stream:
+            return self._stream
+        return None  # UNIMPLEMENTED
+
+
+def test_a_refusal_is_rechecked_so_an_upgraded_decode_gets_generate_stream_again() -> None:
+    async def main() -> None:
+        decode = FakeDecode(script=[ids("ab"), ids("c")])
+        decode.kv_landed.set()
+        handler = _Upgradable(decode)
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers((handler,))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        now = [100.0]
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = decode_pb2_grpc.DecodeServiceStub(channel)
+                mux = DecodeMultiplexer(stub, "decode at test", recheck_s=30, clock=lambda: now[0])
+                first = mux.open(decode_pb2.GenerateRequest(request_id="old-1"), Deadline(30))
+                assert [t for e in await _read_all(first) if isinstance(e, Tokens)
+                        for t in e.token_ids] == ids("abc")  # fmt: skip
+                later = mux.open(decode_pb2.GenerateRequest(request_id="old-2"), Deadline(30))
+                assert isinstance(later, GenerateCall)  # the refusal is believed...
+                await _read_all(later)
+                handler.serves_stream = True  # decode is replaced by one that serves it
+                now[0] += 29
+                still = mux.open(decode_pb2.GenerateRequest(request_id="old-3"), Deadline(30))
+                assert isinstance(still, GenerateCall)
+                await _read_all(still)
+                now[0] += 2  # ...for recheck_s: then the next request asks again
+                upgraded = mux.open(decode_pb2.GenerateRequest(request_id="new-1"), Deadline(30))
+                assert not isinstance(upgraded, GenerateCall)
+                events = await _read_all(upgraded)
+                assert isinstance(events[0], Admitted)
+                assert [t for e in events[1:] if isinstance(e, Tokens)
+                        for t in e.token_ids] == ids("abc")  # fmt: skip
+                again = mux.open(decode_pb2.GenerateRequest(request_id="new-2"), Deadline(30))
+                assert not isinstance(again, GenerateCall)
+                await _read_all(again)
+                await mux.close()
+        finally:
+            await server.stop(None)
+
+    asyncio.run(main())
