@@ -40,17 +40,27 @@ def fits(dst: torch.Tensor, block_ids: Sequence[int], src: torch.Tensor) -> bool
 _MIN_MEAN_RUN = 4
 
 
+def as_rows(blocks: torch.Tensor, n: int) -> np.ndarray:
+    """`n` blocks [n, ...] as byte rows [n, bytes per block] (copied only if not contiguous)."""
+    return blocks.contiguous().view(torch.uint8).view(n, -1).numpy()
+
+
 def write_blocks(dst: torch.Tensor, block_ids: Sequence[int], src: torch.Tensor) -> None:
     """dst[block_ids] = src ([len(block_ids), ...] blocks, checked by `fits`) on raw byte rows,
-    bit-exact; much faster than torch's index_copy_ on bf16, which goes element by element.
+    bit-exact; much faster than torch's index_copy_ on bf16, which goes element by element."""
+    n = len(block_ids)
+    if n:
+        copy_rows(block_rows(dst), block_ids, as_rows(src, n))
 
-    Ids mostly in runs (the block pool hands out ascending ids): one numpy copy per run, which
-    releases the GIL, so the caller's event loop and other threads go on meanwhile. Scattered
-    ids: one fancy-indexed assignment, faster than a call per block but holding the GIL."""
+
+def copy_rows(rows: np.ndarray, block_ids: Sequence[int], src_rows: np.ndarray) -> None:
+    """rows[block_ids] = src_rows, numpy only. Ids mostly in runs (the block pool hands out
+    ascending ids): one copy per run, which releases the GIL, so the caller's event loop and
+    other threads go on meanwhile. Scattered ids: one fancy-indexed assignment, faster than a
+    call per block but holding the GIL."""
     n = len(block_ids)
     if not n:
         return
-    rows, src_rows = block_rows(dst), src.view(torch.uint8).view(n, -1).numpy()
     runs = block_runs(block_ids)
     if len(runs) * _MIN_MEAN_RUN > n:
         rows[list(block_ids)] = src_rows

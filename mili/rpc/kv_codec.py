@@ -37,6 +37,7 @@ import warnings
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from mili.engine.block_rows import block_rows, block_runs
@@ -307,9 +308,19 @@ def blocks_digest(
     the bytes a chunk with those blocks would carry. k_pool, v_pool: [num_blocks, block_size,
     num_kv_heads, head_dim] on the CPU. Runs of consecutive ids are read in one piece, as
     slices of the pools' byte rows (no torch call per run)."""
+    return rows_digest(
+        checksum, block_rows(k_pool.contiguous()), block_rows(v_pool.contiguous()), block_ids
+    )
+
+
+def rows_digest(
+    checksum: str, k_rows: np.ndarray, v_rows: np.ndarray, block_ids: Sequence[int]
+) -> int:
+    """`blocks_digest` over the pools' byte rows ([num_blocks, bytes per block], block_rows):
+    numpy only, for a caller that made the row views once (no torch call per chunk, each a GIL
+    hand-off on a busy landing thread)."""
     runs = block_runs(block_ids)
-    rows = (block_rows(k_pool.contiguous()), block_rows(v_pool.contiguous()))
-    return digest(checksum, (r[start:stop].data for r in rows for start, stop in runs))
+    return digest(checksum, (r[start:stop].data for r in (k_rows, v_rows) for start, stop in runs))
 
 
 def batch_in_place(messages: Sequence[bytes]) -> bytes:

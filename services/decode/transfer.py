@@ -38,15 +38,17 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
+import numpy as np
 from opentelemetry import trace
 
 from mili.discovery import PeerSet, is_trusted_peer
 from mili.engine import kv_transport
+from mili.engine.block_rows import block_rows
 from mili.engine.kv_transport import Endpoint
 from mili.errors import Cancelled, DataLoss, InvalidArgument, PermissionDenied, Unavailable
 from mili.kv.v1 import kv_pb2, kv_pb2_grpc
 from mili.rpc import kv_checksum
-from mili.rpc.kv_codec import ACCEPTED_KEY, ChunkView, announced, blocks_digest, decode_chunk
+from mili.rpc.kv_codec import ACCEPTED_KEY, ChunkView, announced, decode_chunk, rows_digest
 from mili.rpc.kv_layout import block_bytes, check_compatible
 from mili.rpc.sampling import logprobs_from_proto
 from services.decode import convert
@@ -174,6 +176,9 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
         self._max_landing_bytes = max_landing_bytes
         # Threads start on first use and idle between transfers.
         self._landing = ThreadPoolExecutor(landing_threads, thread_name_prefix="kv-landing")
+        # shm: the pools as byte rows, made by the first landing that needs them (two landing
+        # threads may both make them: the same views, either list will do).
+        self._rows: list[tuple[np.ndarray, np.ndarray]] | None = None
 
     async def Pair(
         self, request: kv_pb2.PairRequest, context: grpc.aio.ServicerContext
@@ -413,7 +418,8 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
                 raise DataLoss(f"{where}: layer out of range (model has {len(cache.k)})")
             k_pool, v_pool = cache.k[layer], cache.v[layer]
             if transport == kv_transport.SHM:
-                is_intact = blocks_digest(checksum, k_pool, v_pool, block_ids) == announced(
+                k_rows, v_rows = self._pool_rows()[layer]
+                is_intact = rows_digest(checksum, k_rows, v_rows, block_ids) == announced(
                     chunk, checksum
                 )
             else:
@@ -440,6 +446,15 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
         except BaseException:  # not submitted (the executor is shut down): nothing will unpin
             table.unpin(request)
             raise
+
+    def _pool_rows(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The CPU cache's K and V pools of each layer as byte rows (block_rows), made once."""
+        if self._rows is None:
+            cache = self._instance.cache
+            self._rows = [
+                (block_rows(k), block_rows(v)) for k, v in zip(cache.k, cache.v, strict=True)
+            ]
+        return self._rows
 
     def _commit(self, request: DecodeRequest, commit: kv_pb2.TransferCommit) -> None:
         inst = self._instance

@@ -21,7 +21,7 @@ import grpc
 import torch
 
 from mili.engine import kv_transport
-from mili.engine.block_rows import block_runs, fits, write_blocks
+from mili.engine.block_rows import as_rows, block_rows, block_runs, copy_rows
 from mili.engine.cuda_ipc import blocks_checksum, import_pool
 from mili.engine.kv_layout import KVLayout
 from mili.engine.kv_transport import Endpoint
@@ -29,7 +29,7 @@ from mili.engine.shm_segment import Segment, is_alive, pool_bytes, pool_views, s
 from mili.kv.v1 import kv_pb2
 from mili.rpc import kv_checksum
 from mili.rpc.client import channel as make_channel
-from mili.rpc.kv_codec import encode_chunk_in_place, raw_bytes
+from mili.rpc.kv_codec import encode_chunk_in_place
 from mili.rpc.tls import Tls
 
 _LOG = logging.getLogger("mili.prefill")
@@ -46,6 +46,10 @@ class ShmPool:
         self.segment = segment
         self.num_blocks = num_blocks
         self.k, self.v = pool_views(segment.tensor, layout, num_blocks, dtype)
+        # The same pools as byte rows [num_blocks, bytes per block], made once: the encoder
+        # threads then make no torch call per block or pool (each one is a GIL hand-off).
+        self._rows = [(block_rows(k), block_rows(v)) for k, v in zip(self.k, self.v, strict=True)]
+        self._dtype = dtype
 
     def encode(
         self,
@@ -59,24 +63,35 @@ class ShmPool:
     ) -> tuple[bytes, int]:
         """Write k, v ([n, block_size, kv_heads, D], CPU) into decode's blocks `block_ids` of
         `layer`; return the chunk message that announces them (no data, the `checksum` of what
-        they now hold) and the bytes written. Runs on an encoder thread (the copy releases the
-        GIL; one numpy copy per pool however scattered the blocks, block_rows)."""
-        k_pool, v_pool = self.k[layer], self.v[layer]
-        k, v = k.contiguous(), v.contiguous()
-        if not (fits(k_pool, block_ids, k) and fits(v_pool, block_ids, v)):
+        they now hold) and the bytes written. Runs on an encoder thread (the copies release the
+        GIL where the ids come in runs, see block_rows.copy_rows)."""
+        ids = list(block_ids)
+        n = len(ids)
+        k_rows, v_rows = self._rows[layer]
+        row_shape = tuple(self.k[layer].shape[1:])
+        if (
+            k.dtype != self._dtype
+            or v.dtype != self._dtype
+            or tuple(k.shape) != (n, *row_shape)
+            or tuple(v.shape) != (n, *row_shape)
+            or k.device.type != "cpu"
+            or v.device.type != "cpu"
+            or (n and not 0 <= min(ids) <= max(ids) < self.num_blocks)
+        ):
             raise ValueError(
-                f"blocks {list(block_ids)} of {tuple(k.shape)} {k.dtype} do not fit decode's "
-                f"pool of {self.num_blocks} blocks {tuple(k_pool.shape[1:])} {k_pool.dtype}"
+                f"blocks {ids} of {tuple(k.shape)} {k.dtype} do not fit decode's pool of "
+                f"{self.num_blocks} blocks {row_shape} {self._dtype}"
             )
         # The checksum of what we mean to write (k's blocks, then v's: what decode's
         # blocks_digest reads back), each taken just before its copy, so that the copy reads
         # the source from cache: one pass over memory fewer than digesting the destination.
         running = kv_checksum.Running(checksum)
-        for src, pool in ((k, k_pool), (v, v_pool)):
-            running.update(raw_bytes(src))
-            write_blocks(pool, block_ids, src)
+        for src, rows in ((k, k_rows), (v, v_rows)):
+            src_rows = as_rows(src, n)
+            running.update(src_rows.data)
+            copy_rows(rows, ids, src_rows)
         value = running.value()
-        num_bytes = k.numel() * k.element_size() + v.numel() * v.element_size()
+        num_bytes = 2 * n * k_rows.shape[1]
         message = encode_chunk_in_place(request_id, seq, layer, block_ids, value, checksum)
         return message, num_bytes
 
