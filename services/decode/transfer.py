@@ -423,7 +423,7 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
                     chunk, checksum
                 )
             else:
-                is_intact = in_place_checksum(transport, k_pool, v_pool, block_ids) == (chunk.crc32)
+                is_intact = in_place_checksum(transport, k_pool, v_pool, block_ids) == chunk.crc32
             if not is_intact:
                 raise DataLoss(f"{where}: checksum mismatch (blocks corrupted in place)")
 

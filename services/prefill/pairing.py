@@ -86,7 +86,7 @@ class ShmPool:
         # blocks_digest reads back), each taken just before its copy, so that the copy reads
         # the source from cache: one pass over memory fewer than digesting the destination.
         running = kv_checksum.Running(checksum)
-        for src, rows in ((k, k_rows), (v, v_rows)):
+        for src, rows in ((k, k_rows), (v, v_rows)) if n else ():
             src_rows = as_rows(src, n)
             running.update(src_rows.data)
             copy_rows(rows, ids, src_rows)

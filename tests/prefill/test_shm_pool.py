@@ -34,6 +34,15 @@ def _blocks(n: int, seed: int) -> torch.Tensor:
     return bits.to(torch.int16).view(DTYPE)
 
 
+def test_encode_of_no_blocks_writes_nothing(segment: Segment) -> None:
+    pool = ShmPool(segment, LAYOUT, NUM_BLOCKS, DTYPE)
+    message, num_bytes = pool.encode("r", 0, 2, [], _blocks(0, 5), _blocks(0, 6))
+    chunk = kv_codec.parse_transfer_request(message)
+    assert isinstance(chunk, kv_codec.ChunkView)
+    assert (num_bytes, chunk.layer, chunk.block_ids) == (0, 2, [])
+    assert not segment.tensor.any()
+
+
 @pytest.mark.parametrize("checksum", kv_checksum.available())
 @pytest.mark.parametrize("ids", [[5, 6, 7, 8], [9, 2, 14], [3, 4, 5, 6, 7, 8, 9, 10, 0]])
 def test_encode_writes_the_blocks_and_announces_what_decode_reads(
