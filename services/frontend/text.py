@@ -10,11 +10,13 @@ byte for byte: never half a character, deltas that concatenate to one decode of 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Sequence
 
 from tokenizers import Tokenizer
 
+from services.tokenizer.byte_decoder import Decode, byte_decoders
 from services.tokenizer.detokenizer import IncrementalDetokenizer
 
 
@@ -30,9 +32,21 @@ class LocalDetokenizer:
         except Exception as e:  # the Rust loader raises a bare Exception with a parse message
             raise ValueError(f"not a tokenizer file: {e}") from None
         self.sha256 = sha256
+        # The decode of a window of ids, by skip_special_tokens: a byte table's for a
+        # byte-level vocabulary (Qwen's: no call into `tokenizers` per streamed token,
+        # services/tokenizer/byte_decoder.py), else the tokenizer's own. Made here, which the
+        # frontend runs off its event loop.
+        tokenizer = self._tokenizer
+        self._decoders = byte_decoders(tokenizer) or {
+            skip: functools.partial(_decode, tokenizer, skip) for skip in (False, True)
+        }
 
     def stream(self, vocab_size: int, *, skip_special_tokens: bool = True) -> LocalTextStream:
-        return LocalTextStream(self._tokenizer, vocab_size, skip_special_tokens)
+        return LocalTextStream(self._decoders[skip_special_tokens], vocab_size)
+
+
+def _decode(tokenizer: Tokenizer, skip_special_tokens: bool, ids: Sequence[int]) -> str:
+    return tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
 
 class LocalTextStream:
@@ -40,11 +54,9 @@ class LocalTextStream:
     the text, as the service's stream does (a model's embedding table is often padded past the
     vocabulary: Qwen3 has 151936 rows for 151669 tokens)."""
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, skip_special_tokens: bool) -> None:
+    def __init__(self, decode: Decode, vocab_size: int) -> None:
         self._vocab_size = vocab_size
-        self._detokenizer = IncrementalDetokenizer(
-            lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
-        )
+        self._detokenizer = IncrementalDetokenizer(decode)
 
     async def push(self, token_ids: Sequence[int]) -> str:
         vocab_size = self._vocab_size
