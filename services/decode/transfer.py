@@ -282,8 +282,9 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
         is_committed = False
         if transport != kv_transport.GRPC:
             await self._accept_in_place(request, context)
+        ended = asyncio.ensure_future(request.stream.wait_failed())
         try:
-            while (message := await self._next(request, reader, landing)) is not None:
+            while (message := await self._next(request, reader, landing, ended)) is not None:
                 if isinstance(message, ChunkView):
                     await self._land(progress, landing, [message])
                     continue
@@ -332,6 +333,7 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
                 await reader.drain()
             raise
         finally:
+            ended.cancel()
             reader.cancel()
             landing.abort()  # no-op after a commit: every job is over by then
             if transport != kv_transport.GRPC:
@@ -367,18 +369,16 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
         request: DecodeRequest,
         reader: Reader[Message],
         landing: Landing,
+        ended: asyncio.Future[BaseException],
     ) -> Message | None:
         """The next message, or None at the end of the stream; raises as soon as the request
-        ends (lease, caller gone) or a chunk fails to land, so a quiet sender learns at once,
-        not at its next chunk (the read stays pending: see landing.Reader)."""
+        ends (lease, caller gone: `ended`, one wait for the whole transfer) or a chunk fails to
+        land, so a quiet sender learns at once, not at its next chunk (the read stays pending:
+        see landing.Reader)."""
         landing.raise_failure()
         read = reader.next()
-        ended = asyncio.ensure_future(request.stream.wait_failed())
         waits: set[asyncio.Future[Any]] = {read, ended, landing.failed}
-        try:
-            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            ended.cancel()
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         landing.raise_failure()
         if not read.done():
             raise _ended_error(request)
