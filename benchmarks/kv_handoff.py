@@ -18,8 +18,9 @@ Receivers, each a separate process on loopback:
   (both read chunks in place, with kv_codec.parse_transfer_request, as decode does)
   decode    the real `mili serve-decode` (a Generate call reserves the blocks first), started
             with --kv-transport grpc: the bytes in the chunks; skipped with --no-decode
-  decode-shm  the real decode service pairing over shm: its KV pool in POSIX shared memory,
-            prefill writes the blocks in place, the chunks carry block ids and CRC-32 only
+  decode-shm  the real decode service pairing in place: over shm on the CPU (its KV pool in
+            POSIX shared memory), over cuda-ipc with --device cuda (its pool exported with CUDA
+            IPC); prefill writes the blocks itself, the chunks carry block ids and a checksum
 
 Targets: KV path >= 0.5 GB/s (grpc; issue 15: >= 1.5), >= 5 GB/s (shm); start -> ack <= 1.3 x
 compute alone (shm: <= 1.05 x).
@@ -28,6 +29,8 @@ compute alone (shm: <= 1.05 x).
     .venv/bin/python benchmarks/kv_handoff.py --prompt-len 1024 --repeats 5 --json
     .venv/bin/python benchmarks/kv_handoff.py --receivers decode --path-only --repeats 15
     .venv/bin/python benchmarks/kv_handoff.py --receivers decode,decode-shm --repeats 5
+    python3 benchmarks/kv_handoff.py --device cuda --receivers decode,decode-shm --repeats 5
+                                                  # a GPU host: grpc with CUDA and cuda-ipc
 """
 
 from __future__ import annotations
@@ -71,6 +74,7 @@ from services.prefill.instance import PrefillInstance
 from services.prefill.sender import KvSender
 from services.prefill.server import PrefillServicer, add_to_server
 from services.prefill.task import FirstToken, PrefillTask
+from services.prefill.worker import hand_over
 
 MODEL = "qwen3-0.6b"
 RECEIVERS = ("discard", "checker", "decode", "decode-shm")
@@ -197,11 +201,18 @@ def decode_reservation(
 def compute_alone(model: Qwen3ForCausalLM, prompt: list[int]) -> float:
     """Seconds of one model.prefill of `prompt`: no layer callback, no transfer."""
     blocks = list(range(-(-len(prompt) // BLOCK_SIZE)))
-    cache = KVCache(model.config, len(blocks), BLOCK_SIZE, dtype=model.dtype)
+    cache = KVCache(model.config, len(blocks), BLOCK_SIZE, dtype=model.dtype, device=model.device)
     batch = PrefillBatch.build([prompt], [blocks], BLOCK_SIZE)
+    _synchronize(model.device)
     start = time.perf_counter()
     model.prefill(batch, cache)
+    _synchronize(model.device)
     return time.perf_counter() - start
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 async def compute_and_handoff(
@@ -269,8 +280,12 @@ async def kv_path_alone(
                     )
 
                     def push(sender: KvSender = sender) -> None:
+                        # As the worker hands each layer over: on a GPU, device to pinned host
+                        # behind an event (grpc), or the event alone (cuda-ipc).
                         for layer, (k, v) in enumerate(layers):
-                            sender.send_blocks(layer, 0, k, v, None)
+                            sender.send_blocks(
+                                layer, 0, *hand_over(k, v, sender.takes_device_tensors)
+                            )
                         sender.finish(FirstToken(0, None, None, 0.0, 0.0))
 
                     start = time.perf_counter()
@@ -333,11 +348,12 @@ def summarize(name: str, path_runs: list[Any], full_runs: list[Any] | None) -> d
 
 
 def prefill_in_process(
-    path: Path, prompt_len: int, dtype: torch.dtype = torch.bfloat16
+    path: Path, prompt_len: int, dtype: torch.dtype = torch.bfloat16, device: str = "cpu"
 ) -> tuple[Qwen3ForCausalLM, PrefillServicer, list[int], int]:
-    """The prefill service's servicer on `path`'s model (in `dtype`) in this process, a random
-    prompt of `prompt_len` ids, and its number of blocks (benchmarks/topology.py too)."""
-    model = load_model(path, dtype=dtype)
+    """The prefill service's servicer on `path`'s model (in `dtype`, on `device`) in this
+    process, a random prompt of `prompt_len` ids, and its number of blocks
+    (benchmarks/topology.py too)."""
+    model = load_model(path, dtype=dtype, device=device)
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, model.config.vocab_size, (prompt_len,), generator=g).tolist()
     num_blocks = -(-prompt_len // BLOCK_SIZE)
@@ -360,7 +376,9 @@ def prefill_in_process(
 
 async def measure(args: argparse.Namespace, path: Path) -> list[dict[str, Any]]:
     dtype = getattr(torch, args.dtype)
-    model, servicer, prompt, num_blocks = prefill_in_process(path, args.prompt_len, dtype)
+    model, servicer, prompt, num_blocks = prefill_in_process(
+        path, args.prompt_len, dtype, args.device
+    )
     layout_hex = servicer.layout.SerializeToString().hex()
     me = [sys.executable, __file__, "--receiver-threads", str(args.receiver_threads)]
     procs: list[subprocess.Popen[str]] = []
@@ -392,6 +410,7 @@ async def measure(args: argparse.Namespace, path: Path) -> list[dict[str, Any]]:
                 decode_args = ["--port", "0", "--num-blocks", str(2 * num_blocks + 8)]
                 decode_args += ["--block-size", str(BLOCK_SIZE), "--log-level", "WARNING"]
                 decode_args += ["--dtype", args.dtype]  # decode's CPU default is float32
+                decode_args += ["--device", args.device]
                 decode_args += ["--no-prefix-cache"]  # each run receives the whole prompt
                 mili = [sys.executable, "-m", "mili", "serve-decode", "--model", str(path)]
                 proc, address = _start([*mili, *decode_args, *transport_args])
@@ -428,6 +447,13 @@ def main() -> None:
         default="bfloat16",
         help="model and KV dtype (default: %(default)s, the issue's 57 MB; float32 where the CPU "
         "has no fast bf16 matmul, e.g. AVX2 only: twice the bytes, about 6x less compute)",
+    )
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="prefill's and decode's device (default: %(default)s); with cuda, decode-shm pairs "
+        "over cuda-ipc and decode copies through pinned host memory (the checker and discard "
+        "receivers stay on the CPU)",
     )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
@@ -478,7 +504,7 @@ def main() -> None:
         f"{args.repeats} runs (ms unless noted)\n"
     )
     header = ("receiver", "KV path", "GB/s", "compute", "start->ack", "ratio", "tail", "CPU s/r")
-    print("{:<11}{:>9}{:>7}{:>10}{:>12}{:>7}{:>7}{:>10}".format(*header))
+    print("{:<11}{:>9}{:>7}{:>10}{:>12}{:>7}{:>7}{:>10}  transport".format(*header))
     for r in rows:
         full = (
             [
@@ -492,8 +518,13 @@ def main() -> None:
         )
         cpu = f"{r['sender_cpu_ms']:.0f}/{r['receiver_cpu_ms']:.0f}"
         print(
-            "{:<11}{:>9.0f}{:>7.2f}{:>10}{:>12}{:>7}{:>7}{:>10}".format(
-                r["receiver"], r["kv_path_ms"], r["kv_path_gb_s"], *full, cpu
+            "{:<11}{:>9.0f}{:>7.2f}{:>10}{:>12}{:>7}{:>7}{:>10}  {}".format(
+                r["receiver"],
+                r["kv_path_ms"],
+                r["kv_path_gb_s"],
+                *full,
+                cpu,
+                r.get("transport", "grpc"),
             )
         )
     print("\ntargets: KV path >= 0.5 GB/s; start->ack <= 1.3 x compute alone (ratio = median of")

@@ -292,23 +292,30 @@ class PrefillWorker:
         if first >= last:
             return
         k, v = self.kv_cache.gather_blocks(layer, chunk.block_table[first:last])
-        ready: Callable[[], None] | None = None
-        if k.device.type == "cuda" and sink.takes_device_tensors:
-            # cuda-ipc: the sender copies device to device on its own stream once the gather
-            # (queued on ours) is over.
-            event = torch.cuda.Event()
-            event.record()
-            ready = event.synchronize
-        elif k.device.type == "cuda":
-            # Copy to pinned host memory without waiting for the GPU: the sender's encoder
-            # thread waits on the event, the model thread goes on to launch layer i+1.
-            k_host = torch.empty(k.shape, dtype=k.dtype, pin_memory=True)
-            v_host = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
-            k_host.copy_(k, non_blocking=True)
-            v_host.copy_(v, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            k, v, ready = k_host, v_host, event.synchronize
-        elif k.device.type != "cpu":
-            k, v = k.cpu(), v.cpu()
-        sink.send_blocks(layer, first, k, v, ready)
+        sink.send_blocks(layer, first, *hand_over(k, v, sink.takes_device_tensors))
+
+
+def hand_over(
+    k: torch.Tensor, v: torch.Tensor, takes_device_tensors: bool
+) -> tuple[torch.Tensor, torch.Tensor, Callable[[], None] | None]:
+    """A layer's gathered blocks (k, v: [n, block_size, kv_heads, D]) as a KvSink takes them,
+    with the `ready` wait its encoder thread calls first; never waits for the GPU here."""
+    if k.device.type == "cuda" and takes_device_tensors:
+        # cuda-ipc: the sender copies device to device on its own stream once the gather
+        # (queued on ours) is over.
+        event = torch.cuda.Event()
+        event.record()
+        return k, v, event.synchronize
+    if k.device.type == "cuda":
+        # Copy to pinned host memory without waiting for the GPU: the sender's encoder
+        # thread waits on the event, the model thread goes on to launch layer i+1.
+        k_host = torch.empty(k.shape, dtype=k.dtype, pin_memory=True)
+        v_host = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
+        k_host.copy_(k, non_blocking=True)
+        v_host.copy_(v, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return k_host, v_host, event.synchronize
+    if k.device.type != "cpu":
+        return k.cpu(), v.cpu(), None
+    return k, v, None

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Every GPU check and benchmark the open issues ask for, in stages that each fit one device call
+# (10 minutes), logs under $OUT (the device tool brings that folder back). Prepare here first:
+#   ../shared/gpu/prep.sh          # .whl/ and build/gpu-cache/ (sm_90 PTX, env.sh); carry both
+# then on the GPU host, from the project root, one stage per call, in this order:
+#   bash benchmarks/gpu_session.sh parity    # -m gpu tests: kernels, runner, serve, cuda-ipc
+#   bash benchmarks/gpu_session.sh kernels   # attention and fused-op kernels against torch
+#   bash benchmarks/gpu_session.sh engine    # decode step and prefill of Qwen3-0.6B shapes
+#   bash benchmarks/gpu_session.sh kv        # KV hand-off: cuda-ipc and grpc with CUDA
+# Record what comes back in docs/benchmarks.md with the date, the device and the command.
+set -uo pipefail
+stage=${1:?usage: gpu_session.sh parity|kernels|engine|kv}
+out=${OUT:-build/gpu-logs}
+mkdir -p "$out"
+# shellcheck source=/dev/null
+source build/gpu-cache/env.sh
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/device.csv" 2>&1
+
+run() {  # run NAME SECONDS COMMAND...: the command's output in $out/NAME.log, its status shown
+  local name=$1 seconds=$2
+  shift 2
+  echo "== $name: $*" | tee -a "$out/stages.log"
+  timeout "$seconds" "$@" > "$out/$name.log" 2>&1
+  echo "== $name: exit $?" | tee -a "$out/stages.log"
+  tail -n 25 "$out/$name.log"
+}
+
+case $stage in
+  parity)
+    run parity 560 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels \
+      tests/engine/test_runner_gpu.py tests/e2e/test_serve_gpu.py tests/prefill/test_cuda_ipc.py
+    ;;
+  kernels)
+    run attention_gpu 300 python3 benchmarks/attention_gpu.py
+    run fused_ops 240 python3 benchmarks/fused_ops.py --device cuda --compile --dtypes bf16
+    ;;
+  engine)
+    run engine_gpu 560 python3 benchmarks/engine_gpu.py --json "$out/engine_gpu.json"
+    ;;
+  kv)
+    run kv_handoff 560 python3 benchmarks/kv_handoff.py --device cuda \
+      --receivers decode,decode-shm --repeats 5
+    ;;
+  *)
+    echo "unknown stage $stage (parity, kernels, engine, kv)" >&2
+    exit 2
+    ;;
+esac
