@@ -202,7 +202,7 @@ def compute_alone(model: Qwen3ForCausalLM, prompt: list[int]) -> float:
     """Seconds of one model.prefill of `prompt`: no layer callback, no transfer."""
     blocks = list(range(-(-len(prompt) // BLOCK_SIZE)))
     cache = KVCache(model.config, len(blocks), BLOCK_SIZE, dtype=model.dtype, device=model.device)
-    batch = PrefillBatch.build([prompt], [blocks], BLOCK_SIZE)
+    batch = PrefillBatch.build([prompt], [blocks], BLOCK_SIZE, device=model.device)
     _synchronize(model.device)
     start = time.perf_counter()
     model.prefill(batch, cache)
