@@ -57,19 +57,6 @@ SERVICES = ("tokenizer", "prefill", "decode", "frontend")
 # ---- the model and its tokenizer ----------------------------------------------------------------
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character map, which byte-level BPE vocabularies are written in."""
-    visible = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 256))
-    chars = visible[:]
-    n = 0
-    for b in range(256):
-        if b not in visible:
-            visible.append(b)
-            chars.append(256 + n)
-            n += 1
-    return dict(zip(visible, (chr(c) for c in chars), strict=True))
-
-
 def _words(rng: random.Random) -> str:
     """One synthetic word: English-like syllables (often with a leading space), CJK or emoji."""
     kind = rng.random()
@@ -116,8 +103,9 @@ def build_tokenizer(num_regular: int = QWEN3_REGULAR_TOKENS, seed: int = 0) -> A
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     from mili.demo import tokenizer as demo
+    from services.tokenizer.byte_decoder import byte_of_char
 
-    byte_chars = _bytes_to_unicode()
+    byte_chars = {byte: char for char, byte in byte_of_char().items()}
     vocab = {byte_chars[b]: b for b in range(256)}
     merges: list[tuple[str, str]] = []
     rng = random.Random(seed)

@@ -41,8 +41,8 @@ _MIN_MEAN_RUN = 4
 
 
 def as_rows(blocks: torch.Tensor, n: int) -> np.ndarray:
-    """`n` blocks [n, ...] as byte rows [n, bytes per block] (copied only if not contiguous)."""
-    return blocks.contiguous().view(torch.uint8).view(n, -1).numpy()
+    """`n` contiguous blocks [n, ...] as byte rows [n, bytes per block], no copy."""
+    return blocks.view(torch.uint8).view(n, -1).numpy()
 
 
 def write_blocks(dst: torch.Tensor, block_ids: Sequence[int], src: torch.Tensor) -> None:

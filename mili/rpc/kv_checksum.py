@@ -7,7 +7,7 @@ buffer), not in the streaming object's update, which other threads then wait for
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from types import ModuleType
 
 CRC32 = "crc32"
@@ -60,7 +60,7 @@ class Running:
 
 def digest(name: str, buffers: Iterable[memoryview | bytes]) -> int:
     """`name`'s digest of the buffers' bytes one after another."""
-    if name == XXH3_64 and isinstance(buffers, tuple) and len(buffers) == 1:
+    if name == XXH3_64 and isinstance(buffers, Sequence) and len(buffers) == 1:
         module = _xxhash()
         if module is not None:
             # One buffer (a grpc chunk's data): the one-shot function releases the GIL, the

@@ -176,9 +176,13 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
         self._max_landing_bytes = max_landing_bytes
         # Threads start on first use and idle between transfers.
         self._landing = ThreadPoolExecutor(landing_threads, thread_name_prefix="kv-landing")
-        # shm: the pools as byte rows, made by the first landing that needs them (two landing
-        # threads may both make them: the same views, either list will do).
-        self._rows: list[tuple[np.ndarray, np.ndarray]] | None = None
+        # shm: the CPU pools in the segment as byte rows per layer (block_rows), made once.
+        cache = instance.cache
+        self._rows: list[tuple[np.ndarray, np.ndarray]] = (
+            [(block_rows(k), block_rows(v)) for k, v in zip(cache.k, cache.v, strict=True)]
+            if instance.segment is not None
+            else []
+        )
 
     async def Pair(
         self, request: kv_pb2.PairRequest, context: grpc.aio.ServicerContext
@@ -418,7 +422,7 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
                 raise DataLoss(f"{where}: layer out of range (model has {len(cache.k)})")
             k_pool, v_pool = cache.k[layer], cache.v[layer]
             if transport == kv_transport.SHM:
-                k_rows, v_rows = self._pool_rows()[layer]
+                k_rows, v_rows = self._rows[layer]
                 is_intact = rows_digest(checksum, k_rows, v_rows, block_ids) == announced(
                     chunk, checksum
                 )
@@ -446,15 +450,6 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
         except BaseException:  # not submitted (the executor is shut down): nothing will unpin
             table.unpin(request)
             raise
-
-    def _pool_rows(self) -> list[tuple[np.ndarray, np.ndarray]]:
-        """The CPU cache's K and V pools of each layer as byte rows (block_rows), made once."""
-        if self._rows is None:
-            cache = self._instance.cache
-            self._rows = [
-                (block_rows(k), block_rows(v)) for k, v in zip(cache.k, cache.v, strict=True)
-            ]
-        return self._rows
 
     def _commit(self, request: DecodeRequest, commit: kv_pb2.TransferCommit) -> None:
         inst = self._instance

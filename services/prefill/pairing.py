@@ -21,7 +21,7 @@ import grpc
 import torch
 
 from mili.engine import kv_transport
-from mili.engine.block_rows import as_rows, block_rows, block_runs, copy_rows
+from mili.engine.block_rows import as_rows, block_rows, block_runs, copy_rows, fits
 from mili.engine.cuda_ipc import blocks_checksum, import_pool
 from mili.engine.kv_layout import KVLayout
 from mili.engine.kv_transport import Endpoint
@@ -49,7 +49,6 @@ class ShmPool:
         # The same pools as byte rows [num_blocks, bytes per block], made once: the encoder
         # threads then make no torch call per block or pool (each one is a GIL hand-off).
         self._rows = [(block_rows(k), block_rows(v)) for k, v in zip(self.k, self.v, strict=True)]
-        self._dtype = dtype
 
     def encode(
         self,
@@ -67,21 +66,14 @@ class ShmPool:
         GIL where the ids come in runs, see block_rows.copy_rows)."""
         ids = list(block_ids)
         n = len(ids)
-        k_rows, v_rows = self._rows[layer]
-        row_shape = tuple(self.k[layer].shape[1:])
-        if (
-            k.dtype != self._dtype
-            or v.dtype != self._dtype
-            or tuple(k.shape) != (n, *row_shape)
-            or tuple(v.shape) != (n, *row_shape)
-            or k.device.type != "cpu"
-            or v.device.type != "cpu"
-            or (n and not 0 <= min(ids) <= max(ids) < self.num_blocks)
-        ):
+        k_pool, v_pool = self.k[layer], self.v[layer]
+        k, v = k.contiguous(), v.contiguous()
+        if not (fits(k_pool, ids, k) and fits(v_pool, ids, v)):
             raise ValueError(
                 f"blocks {ids} of {tuple(k.shape)} {k.dtype} do not fit decode's pool of "
-                f"{self.num_blocks} blocks {row_shape} {self._dtype}"
+                f"{self.num_blocks} blocks {tuple(k_pool.shape[1:])} {k_pool.dtype}"
             )
+        k_rows, v_rows = self._rows[layer]
         # The checksum of what we mean to write (k's blocks, then v's: what decode's
         # blocks_digest reads back), each taken just before its copy, so that the copy reads
         # the source from cache: one pass over memory fewer than digesting the destination.
