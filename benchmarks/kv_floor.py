@@ -1,0 +1,221 @@
+"""What this host allows a prefill -> decode KV hand-off at best, with nothing of MILI in the
+way: the ceilings to read benchmarks/kv_handoff.py's GB/s (and issue 15's targets) against.
+
+Sizes are one prompt's KV on a Qwen3 preset (default qwen3-0.6b, 512 tokens, bf16: 28 layers of
+K and V, 1 MiB each, 58.7 MB), moved layer by layer as a transfer moves it. Medians of
+--repeats runs after a warm-up, all in one run:
+
+  in place   the memory work an in-place (shm) transfer cannot skip: each layer's K and V
+             checksummed (one-shot XXH3-64, as the sender does before its copy), copied into a
+             pool, and the copy checksummed again (decode's check); the layers spread over
+             --threads threads (default: every core), one numpy/xxhash call per buffer
+  memcpy     the copies alone, same threads: the memory bus's share
+  grpc       a bare grpc.aio stream-unary call from this process to a server process on
+             loopback: one pre-built message of a layer's K and V per write, the server counts
+             bytes (no parsing, checksum or scatter), MILI's message limit on both sides
+
+Both sides of a real transfer share this host's cores, and a 2-core VM has no third: a line's
+GB/s is a ceiling for KV path GB/s, not a prediction of it.
+
+    .venv/bin/python benchmarks/kv_floor.py
+    .venv/bin/python benchmarks/kv_floor.py --model qwen3-8b --prompt-len 2048 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import xxhash
+
+from mili.engine.config import PRESETS
+from mili.rpc.client import insecure_channel
+
+_METHOD = "/floor.Floor/Transfer"
+_MAX_MESSAGE_BYTES = 256 << 20  # kv_handoff.py's limit for its channels and servers
+# Targets of issue 15 on a CPU host, in GB/s.
+TARGETS = {"in place": 5.0, "grpc": 1.5}
+
+
+def layer_bytes(model: str, prompt_len: int, itemsize: int) -> int:
+    """One of K or V of one layer of a prompt: [prompt_len, num_kv_heads, head_dim]."""
+    config = PRESETS[model]
+    return prompt_len * config.num_key_value_heads * config.head_dim * itemsize
+
+
+def _time(run: Callable[[], None], repeats: int) -> float:
+    """Median seconds of `run` over `repeats` calls after one warm-up."""
+    run()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def memory_floors(num_layers: int, num_bytes: int, threads: int, repeats: int) -> dict[str, float]:
+    """Seconds per transfer of the in-place work and of its copies alone."""
+    rng = np.random.default_rng(0)
+    # [layer, K/V, bytes]: sources as the worker's gathers, a pool as decode's (both in RAM)
+    sources = rng.integers(0, 256, (num_layers, 2, num_bytes), dtype=np.uint8)
+    pool = np.zeros_like(sources)
+
+    def in_place(layer: int) -> None:
+        for i in range(2):
+            xxhash.xxh3_64_intdigest(sources[layer, i])
+            np.copyto(pool[layer, i], sources[layer, i])
+        for i in range(2):
+            xxhash.xxh3_64_intdigest(pool[layer, i])
+
+    def copy(layer: int) -> None:
+        np.copyto(pool[layer], sources[layer])
+
+    with ThreadPoolExecutor(threads) as pool_threads:
+
+        def over_layers(work: Callable[[int], None]) -> Callable[[], None]:
+            def run() -> None:
+                for _ in pool_threads.map(work, range(num_layers)):
+                    pass
+
+            return run
+
+        return {
+            "in place": _time(over_layers(in_place), repeats),
+            "memcpy": _time(over_layers(copy), repeats),
+        }
+
+
+# ---- grpc: a bare server in its own process ------------------------------------------------
+
+
+async def _serve() -> None:
+    # Allocate and free a large buffer first, as a serving process does while it loads a model:
+    # glibc then keeps megabyte messages on its heap instead of mapping (and zeroing) each one
+    # afresh, which halves this floor on a fresh process (docs/benchmarks.md).
+    bytearray(16 << 20)
+
+    async def transfer(messages: Any, context: grpc.aio.ServicerContext) -> bytes:
+        num_bytes = 0
+        async for message in messages:
+            num_bytes += len(message)
+        return str(num_bytes).encode()
+
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES)])
+    handler = grpc.stream_unary_rpc_method_handler(transfer)  # bytes in, bytes out
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("floor.Floor", {"Transfer": handler}),)
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    print(port, flush=True)
+    await server.wait_for_termination()
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def grpc_floor(num_layers: int, num_bytes: int, repeats: int) -> dict[str, float]:
+    """Seconds per transfer over a bare grpc.aio call, and each side's CPU ms per transfer."""
+    server = subprocess.Popen(
+        [sys.executable, __file__, "--serve"], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert server.stdout is not None
+        port = int(server.stdout.readline())
+        messages = [os.urandom(2 * num_bytes) for _ in range(num_layers)]
+        async with insecure_channel(
+            f"127.0.0.1:{port}", max_message_bytes=_MAX_MESSAGE_BYTES
+        ) as channel:
+            call_transfer = channel.stream_unary(_METHOD)
+
+            async def transfer() -> None:
+                call = call_transfer()
+                for message in messages:
+                    await call.write(message)
+                await call.done_writing()
+                await call
+
+            await transfer()  # warm-up
+            times = []
+            client_cpu, server_cpu = time.process_time(), _cpu_s(server.pid)
+            for _ in range(repeats):
+                start = time.perf_counter()
+                await transfer()
+                times.append(time.perf_counter() - start)
+            return {
+                "grpc": statistics.median(times),
+                "client_cpu_ms": (time.process_time() - client_cpu) / repeats * 1e3,
+                "server_cpu_ms": (_cpu_s(server.pid) - server_cpu) / repeats * 1e3,
+            }
+    finally:
+        server.kill()
+        server.wait()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="qwen3-0.6b", choices=sorted(PRESETS))
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--itemsize", type=int, default=2, help="bytes per element (bf16: 2)")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve:
+        asyncio.run(_serve())
+        return
+    num_layers = PRESETS[args.model].num_hidden_layers
+    num_bytes = layer_bytes(args.model, args.prompt_len, args.itemsize)
+    total = 2 * num_layers * num_bytes
+    floors = memory_floors(num_layers, num_bytes, args.threads, args.repeats)
+    floors |= asyncio.run(grpc_floor(num_layers, num_bytes, args.repeats))
+    rows = [
+        {
+            "floor": name,
+            "ms": floors[name] * 1e3,
+            "gb_per_s": total / floors[name] / 1e9,
+            "target_gb_per_s": TARGETS.get(name),
+        }
+        for name in ("in place", "memcpy", "grpc")
+    ]
+    cpu = {key: round(floors[key], 1) for key in ("client_cpu_ms", "server_cpu_ms")}
+    if args.json:
+        print(json.dumps({"kv_mb": total / 1e6, "rows": rows, "grpc_cpu": cpu}))
+        return
+    print(
+        f"KV hand-off floors: {args.model}, {args.prompt_len} tokens x {args.itemsize} B, "
+        f"{total / 1e6:.1f} MB in {num_layers} layers; {args.threads} threads; medians of "
+        f"{args.repeats} runs\n"
+    )
+    print(f"{'floor':10} {'ms':>7} {'GB/s':>6}  target")
+    for row in rows:
+        target = row["target_gb_per_s"]
+        print(
+            f"{row['floor']:10} {row['ms']:7.1f} {row['gb_per_s']:6.2f}  "
+            + ("" if target is None else f">= {target} GB/s")
+        )
+    print(
+        f"\ngrpc CPU per transfer: client {cpu['client_cpu_ms']} ms, server "
+        f"{cpu['server_cpu_ms']} ms"
+    )
+
+
+if __name__ == "__main__":
+    main()
