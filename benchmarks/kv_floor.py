@@ -13,6 +13,9 @@ K and V, 1 MiB each, 58.7 MB), moved layer by layer as a transfer moves it. Medi
   grpc       a bare grpc.aio stream-unary call from this process to a server process on
              loopback: one pre-built message of a layer's K and V per write, the server counts
              bytes (no parsing, checksum or scatter), MILI's message limit on both sides
+  grpc+work  the same call with the work a grpc transfer cannot skip, done inline (no thread
+             hand-offs): the client checksums each layer's K and V and joins them into the
+             message it writes, the server checksums the message and copies it into a pool
 
 Both sides of a real transfer share this host's cores, and a 2-core VM has no third: a line's
 GB/s is a ceiling for KV path GB/s, not a prediction of it.
@@ -31,7 +34,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -43,10 +46,9 @@ import xxhash
 from mili.engine.config import PRESETS
 from mili.rpc.client import insecure_channel
 
-_METHOD = "/floor.Floor/Transfer"
 _MAX_MESSAGE_BYTES = 256 << 20  # kv_handoff.py's limit for its channels and servers
 # Targets of issue 15 on a CPU host, in GB/s.
-TARGETS = {"in place": 5.0, "grpc": 1.5}
+TARGETS = {"in place": 5.0, "grpc+work": 1.5}
 
 
 def layer_bytes(model: str, prompt_len: int, itemsize: int) -> int:
@@ -101,27 +103,51 @@ def memory_floors(num_layers: int, num_bytes: int, threads: int, repeats: int) -
 # ---- grpc: a bare server in its own process ------------------------------------------------
 
 
-async def _serve() -> None:
+async def _serve(num_layers: int, num_bytes: int) -> None:
     # Allocate and free a large buffer first, as a serving process does while it loads a model:
     # glibc then keeps megabyte messages on its heap instead of mapping (and zeroing) each one
     # afresh, which halves this floor on a fresh process (docs/benchmarks.md).
     bytearray(16 << 20)
 
+    pool = np.zeros((num_layers, 2 * num_bytes), dtype=np.uint8)  # decode's, for grpc+work
+
     async def transfer(messages: Any, context: grpc.aio.ServicerContext) -> bytes:
-        num_bytes = 0
+        received = 0
         async for message in messages:
-            num_bytes += len(message)
-        return str(num_bytes).encode()
+            received += len(message)
+        return str(received).encode()
+
+    async def land(messages: Any, context: grpc.aio.ServicerContext) -> bytes:
+        layer = 0
+        async for message in messages:
+            xxhash.xxh3_64_intdigest(message)
+            np.copyto(pool[layer], np.frombuffer(message, dtype=np.uint8))
+            layer += 1
+        return str(layer).encode()
 
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES)])
-    handler = grpc.stream_unary_rpc_method_handler(transfer)  # bytes in, bytes out
+    handlers = {  # bytes in, bytes out
+        "Transfer": grpc.stream_unary_rpc_method_handler(transfer),
+        "Land": grpc.stream_unary_rpc_method_handler(land),
+    }
     server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler("floor.Floor", {"Transfer": handler}),)
+        (grpc.method_handlers_generic_handler("floor.Floor", handlers),)
     )
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     print(port, flush=True)
     await server.wait_for_termination()
+
+
+async def _time_async(run: Callable[[], Awaitable[None]], repeats: int) -> float:
+    """`_time` for a coroutine function."""
+    await run()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        await run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def _cpu_s(pid: int) -> float:
@@ -130,19 +156,23 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def grpc_floor(num_layers: int, num_bytes: int, repeats: int) -> dict[str, float]:
-    """Seconds per transfer over a bare grpc.aio call, and each side's CPU ms per transfer."""
-    server = subprocess.Popen(
-        [sys.executable, __file__, "--serve"], stdout=subprocess.PIPE, text=True
-    )
+async def grpc_floors(num_layers: int, num_bytes: int, repeats: int) -> dict[str, float]:
+    """Seconds per transfer over a bare grpc.aio call, without and with the work, and each
+    side's CPU ms per transfer of the bare one."""
+    command = [sys.executable, __file__, "--serve", str(num_layers), str(num_bytes)]
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     try:
         assert server.stdout is not None
         port = int(server.stdout.readline())
         messages = [os.urandom(2 * num_bytes) for _ in range(num_layers)]
+        # [layer, K/V, bytes]: the worker's gathers, which grpc+work checksums and joins
+        views = [memoryview(message) for message in messages]
+        layers = [(view[:num_bytes], view[num_bytes:]) for view in views]
         async with insecure_channel(
             f"127.0.0.1:{port}", max_message_bytes=_MAX_MESSAGE_BYTES
         ) as channel:
-            call_transfer = channel.stream_unary(_METHOD)
+            call_transfer = channel.stream_unary("/floor.Floor/Transfer")
+            call_land = channel.stream_unary("/floor.Floor/Land")
 
             async def transfer() -> None:
                 call = call_transfer()
@@ -151,17 +181,24 @@ async def grpc_floor(num_layers: int, num_bytes: int, repeats: int) -> dict[str,
                 await call.done_writing()
                 await call
 
-            await transfer()  # warm-up
-            times = []
+            async def transfer_with_work() -> None:
+                call = call_land()
+                for k, v in layers:
+                    xxhash.xxh3_64_intdigest(k)
+                    xxhash.xxh3_64_intdigest(v)
+                    await call.write(b"".join((k, v)))
+                await call.done_writing()
+                await call
+
             client_cpu, server_cpu = time.process_time(), _cpu_s(server.pid)
-            for _ in range(repeats):
-                start = time.perf_counter()
-                await transfer()
-                times.append(time.perf_counter() - start)
-            return {
-                "grpc": statistics.median(times),
-                "client_cpu_ms": (time.process_time() - client_cpu) / repeats * 1e3,
-                "server_cpu_ms": (_cpu_s(server.pid) - server_cpu) / repeats * 1e3,
+            bare = await _time_async(transfer, repeats)
+            floors = {
+                "client_cpu_ms": (time.process_time() - client_cpu) / (repeats + 1) * 1e3,
+                "server_cpu_ms": (_cpu_s(server.pid) - server_cpu) / (repeats + 1) * 1e3,
+            }
+            return floors | {
+                "grpc": bare,
+                "grpc+work": await _time_async(transfer_with_work, repeats),
             }
     finally:
         server.kill()
@@ -176,16 +213,16 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--serve", nargs=2, type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
-        asyncio.run(_serve())
+        asyncio.run(_serve(*args.serve))
         return
     num_layers = PRESETS[args.model].num_hidden_layers
     num_bytes = layer_bytes(args.model, args.prompt_len, args.itemsize)
     total = 2 * num_layers * num_bytes
     floors = memory_floors(num_layers, num_bytes, args.threads, args.repeats)
-    floors |= asyncio.run(grpc_floor(num_layers, num_bytes, args.repeats))
+    floors |= asyncio.run(grpc_floors(num_layers, num_bytes, args.repeats))
     rows = [
         {
             "floor": name,
@@ -193,7 +230,7 @@ def main() -> None:
             "gb_per_s": total / floors[name] / 1e9,
             "target_gb_per_s": TARGETS.get(name),
         }
-        for name in ("in place", "memcpy", "grpc")
+        for name in ("in place", "memcpy", "grpc", "grpc+work")
     ]
     cpu = {key: round(floors[key], 1) for key in ("client_cpu_ms", "server_cpu_ms")}
     if args.json:
@@ -212,7 +249,7 @@ def main() -> None:
             + ("" if target is None else f">= {target} GB/s")
         )
     print(
-        f"\ngrpc CPU per transfer: client {cpu['client_cpu_ms']} ms, server "
+        f"\nbare grpc CPU per transfer: client {cpu['client_cpu_ms']} ms, server "
         f"{cpu['server_cpu_ms']} ms"
     )
 
