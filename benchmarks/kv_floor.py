@@ -6,9 +6,9 @@ K and V, 1 MiB each, 58.7 MB), moved layer by layer as a transfer moves it. Medi
 --repeats runs after a warm-up, all in one run:
 
   in place   the memory work an in-place (shm) transfer cannot skip: each layer's K and V
-             checksummed (one-shot XXH3-64, as the sender does before its copy), copied into a
-             pool, and the copy checksummed again (decode's check); the layers spread over
-             --threads threads (default: every core), one numpy/xxhash call per buffer
+             checksummed (XXH3-64, else CRC-32: what MILI picks here) as the sender does before
+             its copy, copied into a pool, and the copy checksummed again (decode's check); the
+             layers spread over --threads threads (default: every core), one call per buffer
   memcpy     the copies alone, same threads: the memory bus's share
   grpc       a bare grpc.aio stream-unary call from this process to a server process on
              loopback: one pre-built message of a layer's K and V per write, the server counts
@@ -41,12 +41,20 @@ from typing import Any
 
 import grpc
 import numpy as np
-import xxhash
 
 from mili.engine.config import PRESETS
+from mili.rpc import kv_checksum
 from mili.rpc.client import insecure_channel
 
 _MAX_MESSAGE_BYTES = 256 << 20  # kv_handoff.py's limit for its channels and servers
+# The checksum a pair of MILI processes picks on this host (XXH3-64 with the xxhash package).
+CHECKSUM = kv_checksum.available()[0]
+
+
+def _digest(buf: memoryview | bytes) -> int:
+    return kv_checksum.digest(CHECKSUM, (buf,))  # one buffer: the one-shot function
+
+
 # Targets of issue 15 on a CPU host, in GB/s.
 TARGETS = {"in place": 5.0, "grpc+work": 1.5}
 
@@ -77,10 +85,10 @@ def memory_floors(num_layers: int, num_bytes: int, threads: int, repeats: int) -
 
     def in_place(layer: int) -> None:
         for i in range(2):
-            xxhash.xxh3_64_intdigest(sources[layer, i])
+            _digest(sources[layer, i].data)
             np.copyto(pool[layer, i], sources[layer, i])
         for i in range(2):
-            xxhash.xxh3_64_intdigest(pool[layer, i])
+            _digest(pool[layer, i].data)
 
     def copy(layer: int) -> None:
         np.copyto(pool[layer], sources[layer])
@@ -120,7 +128,7 @@ async def _serve(num_layers: int, num_bytes: int) -> None:
     async def land(messages: Any, context: grpc.aio.ServicerContext) -> bytes:
         layer = 0
         async for message in messages:
-            xxhash.xxh3_64_intdigest(message)
+            _digest(message)
             np.copyto(pool[layer], np.frombuffer(message, dtype=np.uint8))
             layer += 1
         return str(layer).encode()
@@ -184,8 +192,8 @@ async def grpc_floors(num_layers: int, num_bytes: int, repeats: int) -> dict[str
             async def transfer_with_work() -> None:
                 call = call_land()
                 for k, v in layers:
-                    xxhash.xxh3_64_intdigest(k)
-                    xxhash.xxh3_64_intdigest(v)
+                    _digest(k)
+                    _digest(v)
                     await call.write(b"".join((k, v)))
                 await call.done_writing()
                 await call
@@ -238,8 +246,8 @@ def main() -> None:
         return
     print(
         f"KV hand-off floors: {args.model}, {args.prompt_len} tokens x {args.itemsize} B, "
-        f"{total / 1e6:.1f} MB in {num_layers} layers; {args.threads} threads; medians of "
-        f"{args.repeats} runs\n"
+        f"{total / 1e6:.1f} MB in {num_layers} layers; {CHECKSUM}; {args.threads} threads; "
+        f"medians of {args.repeats} runs\n"
     )
     print(f"{'floor':10} {'ms':>7} {'GB/s':>6}  target")
     for row in rows:
