@@ -192,32 +192,52 @@ class KvSender:
 
     async def _stream(self, call: grpc.aio.StreamUnaryCall) -> TransferResult:
         """Encode chunks on the encoder threads as they come (up to _MAX_ENCODING at once, so
-        both threads work when layers queue up) and write them in order as they finish."""
+        both threads work when layers queue up) and write them in order as they finish. The
+        threads are handed more chunks before each write, so encoding overlaps the writes."""
         seq = kv_bytes = 0
         first_sent_at: float | None = None
+        waiting: collections.deque[_Blocks] = collections.deque()  # handed over, not encoding
         encoding: collections.deque[asyncio.Future[tuple[bytes, int]]] = collections.deque()
 
         pairing = self._pairing
         # In place, an encoded chunk is a few bytes (the KV is in decode's pool already): more
         # may wait, and the ones done by the time we write go out as one message.
         max_encoding = _MAX_ENCODING if pairing.pool is None else _MAX_ENCODING_IN_PLACE
+        # In place, the first write into decode's blocks waits for its acceptance (`_accepted`).
+        is_accepted = pairing.pool is None
 
-        async def write_ready(*, wait: bool) -> None:
+        def feed() -> None:
+            """Start encoding waiting chunks, in order, while fewer than max_encoding are
+            encoding or encoded and not written (which bounds the encoded bytes held)."""
+            nonlocal seq
+            while waiting and len(encoding) < max_encoding:
+                future = self._loop.run_in_executor(
+                    self._encoder, self._encode, seq, waiting.popleft()
+                )
+                future.add_done_callback(lambda _: self._queue.put_nowait(_ENCODED))
+                encoding.append(future)
+                seq += 1
+
+        async def write_first() -> None:
+            """Write the first chunk once encoded (with the ones encoded after it, in place)."""
             nonlocal kv_bytes, first_sent_at
-            while encoding and (wait or encoding[0].done()):
-                message, num_data = await encoding.popleft()  # raises the encoder's error
-                messages = [message]
-                while pairing.takes_batches and encoding and encoding[0].done():
-                    message, more_data = encoding.popleft().result()
-                    messages.append(message)
-                    num_data += more_data
-                first_sent_at = first_sent_at or time.perf_counter()
-                await self._write(call, message if len(messages) == 1 else batch_in_place(messages))
-                kv_bytes += num_data
+            message, num_data = await encoding.popleft()  # raises the encoder's error
+            messages = [message]
+            while pairing.takes_batches and encoding and encoding[0].done():
+                message, more_data = encoding.popleft().result()
+                messages.append(message)
+                num_data += more_data
+            feed()  # the threads encode the next chunks while this one is on the wire
+            first_sent_at = first_sent_at or time.perf_counter()
+            await self._write(call, message if len(messages) == 1 else batch_in_place(messages))
+            kv_bytes += num_data
 
         try:
             while True:
-                await write_ready(wait=False)
+                feed()
+                if encoding and encoding[0].done():
+                    await write_first()
+                    continue
                 item = await self._queue.get()
                 if item is _ENCODED:
                     continue
@@ -226,20 +246,17 @@ class KvSender:
                 elif isinstance(item, _Failed):
                     raise item.exc
                 elif isinstance(item, _Blocks):
-                    if seq == 0 and pairing.pool is not None:
+                    if not is_accepted:
                         await self._accepted(call)
-                    if len(encoding) >= max_encoding:
-                        await encoding[0]  # bounds the encoded bytes waiting to be written
-                        await write_ready(wait=False)
-                    future = self._loop.run_in_executor(self._encoder, self._encode, seq, item)
-                    future.add_done_callback(lambda _: self._queue.put_nowait(_ENCODED))
-                    encoding.append(future)
-                    seq += 1
+                        is_accepted = True
+                    waiting.append(item)
                 else:
                     assert isinstance(item, FirstToken)
+                    while waiting or encoding:
+                        feed()
+                        await write_first()
                     if seq != self._num_chunks:
                         raise AssertionError(f"sent {seq} KV chunks, announced {self._num_chunks}")
-                    await write_ready(wait=True)
                     commit = kv_pb2.TransferKvRequest(commit=_commit(item))
                     # Not _write: decode may acknowledge before this write returns (an in-place
                     # transfer's commit lands at once), which is no early end; `await call`
