@@ -111,11 +111,16 @@ def memory_floors(num_layers: int, num_bytes: int, threads: int, repeats: int) -
 # ---- grpc: a bare server in its own process ------------------------------------------------
 
 
-async def _serve(num_layers: int, num_bytes: int) -> None:
-    # Allocate and free a large buffer first, as a serving process does while it loads a model:
-    # glibc then keeps megabyte messages on its heap instead of mapping (and zeroing) each one
-    # afresh, which halves this floor on a fresh process (docs/benchmarks.md).
+def _warm_allocator() -> None:
+    """Allocate and free a 16 MiB buffer, as a serving process does while it loads a model:
+    glibc then keeps megabyte buffers (messages) on its heap instead of mapping, faulting in
+    and unmapping each one afresh, which costs this VM more than the copies themselves (here the
+    grpc floors took 1.6-3x as long without it, docs/benchmarks.md)."""
     bytearray(16 << 20)
+
+
+async def _serve(num_layers: int, num_bytes: int) -> None:
+    _warm_allocator()
 
     pool = np.zeros((num_layers, 2 * num_bytes), dtype=np.uint8)  # decode's, for grpc+work
 
@@ -165,8 +170,8 @@ def _cpu_s(pid: int) -> float:
 
 
 async def grpc_floors(num_layers: int, num_bytes: int, repeats: int) -> dict[str, float]:
-    """Seconds per transfer over a bare grpc.aio call, without and with the work, and each
-    side's CPU ms per transfer of the bare one."""
+    """Seconds per transfer over a bare grpc.aio call, without and with the work, and the CPU
+    ms per transfer of each side ("NAME cpu": this process, "NAME server cpu")."""
     command = [sys.executable, __file__, "--serve", str(num_layers), str(num_bytes)]
     server = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     try:
@@ -198,16 +203,14 @@ async def grpc_floors(num_layers: int, num_bytes: int, repeats: int) -> dict[str
                 await call.done_writing()
                 await call
 
-            client_cpu, server_cpu = time.process_time(), _cpu_s(server.pid)
-            bare = await _time_async(transfer, repeats)
-            floors = {
-                "client_cpu_ms": (time.process_time() - client_cpu) / (repeats + 1) * 1e3,
-                "server_cpu_ms": (_cpu_s(server.pid) - server_cpu) / (repeats + 1) * 1e3,
-            }
-            return floors | {
-                "grpc": bare,
-                "grpc+work": await _time_async(transfer_with_work, repeats),
-            }
+            floors: dict[str, float] = {}
+            for name, run in (("grpc", transfer), ("grpc+work", transfer_with_work)):
+                client_cpu, server_cpu = time.process_time(), _cpu_s(server.pid)
+                floors[name] = await _time_async(run, repeats)
+                num_runs = repeats + 1  # the warm-up's CPU is in the count
+                floors[f"{name} cpu"] = (time.process_time() - client_cpu) / num_runs * 1e3
+                floors[f"{name} server cpu"] = (_cpu_s(server.pid) - server_cpu) / num_runs * 1e3
+            return floors
     finally:
         server.kill()
         server.wait()
@@ -226,6 +229,7 @@ def main() -> None:
     if args.serve:
         asyncio.run(_serve(*args.serve))
         return
+    _warm_allocator()
     num_layers = PRESETS[args.model].num_hidden_layers
     num_bytes = layer_bytes(args.model, args.prompt_len, args.itemsize)
     total = 2 * num_layers * num_bytes
@@ -237,29 +241,30 @@ def main() -> None:
             "ms": floors[name] * 1e3,
             "gb_per_s": total / floors[name] / 1e9,
             "target_gb_per_s": TARGETS.get(name),
+            "client_cpu_ms": floors.get(f"{name} cpu"),
+            "server_cpu_ms": floors.get(f"{name} server cpu"),
         }
         for name in ("in place", "memcpy", "grpc", "grpc+work")
     ]
-    cpu = {key: round(floors[key], 1) for key in ("client_cpu_ms", "server_cpu_ms")}
     if args.json:
-        print(json.dumps({"kv_mb": total / 1e6, "rows": rows, "grpc_cpu": cpu}))
+        print(json.dumps({"kv_mb": total / 1e6, "checksum": CHECKSUM, "rows": rows}))
         return
     print(
         f"KV hand-off floors: {args.model}, {args.prompt_len} tokens x {args.itemsize} B, "
         f"{total / 1e6:.1f} MB in {num_layers} layers; {CHECKSUM}; {args.threads} threads; "
         f"medians of {args.repeats} runs\n"
     )
-    print(f"{'floor':10} {'ms':>7} {'GB/s':>6}  target")
+    print(f"{'floor':10} {'ms':>7} {'GB/s':>6} {'CPU c/s':>9}  target")
     for row in rows:
         target = row["target_gb_per_s"]
+        cpu = "-"
+        if row["client_cpu_ms"] is not None:
+            cpu = f"{row['client_cpu_ms']:.0f}/{row['server_cpu_ms']:.0f}"
         print(
-            f"{row['floor']:10} {row['ms']:7.1f} {row['gb_per_s']:6.2f}  "
+            f"{row['floor']:10} {row['ms']:7.1f} {row['gb_per_s']:6.2f} {cpu:>9}  "
             + ("" if target is None else f">= {target} GB/s")
         )
-    print(
-        f"\nbare grpc CPU per transfer: client {cpu['client_cpu_ms']} ms, server "
-        f"{cpu['server_cpu_ms']} ms"
-    )
+    print("\nCPU c/s: CPU ms per transfer of the client (this process) and the server process")
 
 
 if __name__ == "__main__":
