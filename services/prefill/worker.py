@@ -295,6 +295,18 @@ class PrefillWorker:
         sink.send_blocks(layer, first, *hand_over(k, v, sink.takes_device_tensors))
 
 
+_COPY_STREAMS = threading.local()
+
+
+def _copy_stream(device: torch.device) -> torch.cuda.Stream:
+    """The calling thread's side stream on `device` for device-to-host copies of KV (made on
+    first use; the worker's thread is the one caller in a service)."""
+    stream: torch.cuda.Stream | None = getattr(_COPY_STREAMS, "stream", None)
+    if stream is None or stream.device != device:
+        stream = _COPY_STREAMS.stream = torch.cuda.Stream(device)
+    return stream
+
+
 def hand_over(
     k: torch.Tensor, v: torch.Tensor, takes_device_tensors: bool
 ) -> tuple[torch.Tensor, torch.Tensor, Callable[[], None] | None]:
@@ -307,14 +319,22 @@ def hand_over(
         event.record()
         return k, v, event.synchronize
     if k.device.type == "cuda":
-        # Copy to pinned host memory without waiting for the GPU: the sender's encoder
-        # thread waits on the event, the model thread goes on to launch layer i+1.
+        # Copy to pinned host memory on a side stream, without waiting for the GPU: the model's
+        # stream goes on to layer i+1 while the copy engine drains this one, the sender's
+        # encoder thread waits on the event.
+        stream = _copy_stream(k.device)
+        stream.wait_stream(torch.cuda.current_stream(k.device))  # the gather is queued there
         k_host = torch.empty(k.shape, dtype=k.dtype, pin_memory=True)
         v_host = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
-        k_host.copy_(k, non_blocking=True)
-        v_host.copy_(v, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
+        with torch.cuda.stream(stream):
+            k_host.copy_(k, non_blocking=True)
+            v_host.copy_(v, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        # k and v belong to the model's stream: their memory must not go to a later kernel
+        # there before this copy has read it.
+        k.record_stream(stream)
+        v.record_stream(stream)
         return k_host, v_host, event.synchronize
     if k.device.type != "cpu":
         return k.cpu(), v.cpu(), None

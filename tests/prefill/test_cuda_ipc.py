@@ -1,5 +1,6 @@
 """cuda-ipc on a GPU host (-m gpu; skipped without CUDA): prefill in-process on the GPU, the real
-decode service on the same GPU as a process. The pair takes cuda-ipc, decode's tokens equal
+decode service on the same GPU as a process. The pair takes cuda-ipc (or grpc when decode is
+started with --kv-transport grpc: pinned host copies on both sides), decode's tokens equal
 single-process generation, both pools end full; a decode killed mid-transfer fails the Prefill
 call UNAVAILABLE and prefill drops its mapping (the pair is forgotten)."""
 
@@ -41,10 +42,10 @@ def gpu_tiny(tiny: TinyModel) -> TinyModel:
     return dataclasses.replace(tiny, model=load_model(tiny.path, device="cuda"))
 
 
-def start_decode(tiny: TinyModel) -> ServiceProcess:
+def start_decode(tiny: TinyModel, transport: str = "auto") -> ServiceProcess:
     return ServiceProcess(
         "serve-decode", "--model", str(tiny.path), "--port", "0", "--device", "cuda",
-        "--dtype", "float32", "--attention", "torch",
+        "--dtype", "float32", "--attention", "torch", "--kv-transport", transport,
         "--block-size", str(BLOCK_SIZE), "--num-blocks", "64",
     )  # fmt: skip
 
@@ -67,12 +68,17 @@ async def admit(
     return (await anext(events)).admitted, events
 
 
+@pytest.mark.parametrize(
+    ("transport", "offered"), [("cuda-ipc", ["cuda-ipc", "grpc"]), ("grpc", ["grpc"])]
+)
 @pytest.mark.parametrize("num_tokens", [7, 150])
-def test_cuda_ipc_greedy_equals_generate(gpu_tiny: TinyModel, num_tokens: int) -> None:
+def test_gpu_greedy_equals_generate(
+    gpu_tiny: TinyModel, num_tokens: int, transport: str, offered: list[str]
+) -> None:
     prompt = random_ids(num_tokens, gpu_tiny.model.config.vocab_size, seed=70 + num_tokens)
     greedy = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
     expected = generate(gpu_tiny.model, [prompt], greedy)[0].token_ids
-    decode = start_decode(gpu_tiny)
+    decode = start_decode(gpu_tiny, "auto" if transport == "cuda-ipc" else transport)
     try:
 
         async def main() -> list[int]:
@@ -82,7 +88,7 @@ def test_cuda_ipc_greedy_equals_generate(gpu_tiny: TinyModel, num_tokens: int) -
             ):
                 stub = decode_pb2_grpc.DecodeServiceStub(channel)
                 before = await stub.Info(decode_pb2.InfoRequest())
-                assert list(before.kv_transports) == ["cuda-ipc", "grpc"]
+                assert list(before.kv_transports) == offered
                 admitted, events = await admit(stub, "ipc", prompt, prefill.servicer.layout)
                 await prefill.stub.Prefill(
                     prefill_request(
@@ -95,7 +101,7 @@ def test_cuda_ipc_greedy_equals_generate(gpu_tiny: TinyModel, num_tokens: int) -
                 async for event in events:  # type: ignore[attr-defined]
                     tokens.extend(event.tokens.token_ids)
                 info = await prefill.stub.Info(prefill_pb2.InfoRequest())
-                assert dict(info.kv_transports) == {decode.address: "cuda-ipc"}
+                assert dict(info.kv_transports) == {decode.address: transport}
                 after = await stub.Info(decode_pb2.InfoRequest())
                 assert after.num_free_blocks == before.num_free_blocks
                 return tokens
