@@ -30,7 +30,8 @@ run() {  # run NAME SECONDS COMMAND...: the command's output in $out/NAME.log, i
 case $stage in
   parity)
     run parity 560 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels \
-      tests/engine/test_runner_gpu.py tests/e2e/test_serve_gpu.py tests/prefill/test_cuda_ipc.py
+      tests/engine/test_runner_gpu.py tests/e2e/test_serve_gpu.py tests/prefill/test_cuda_ipc.py \
+      tests/prefill/test_hand_over.py
     ;;
   kernels)
     run attention_gpu 300 python3 benchmarks/attention_gpu.py
