@@ -82,7 +82,8 @@ _ENCODED = object()  # a chunk's encoding finished (wakes `_stream` to write it)
 _MAX_ENCODING = 3
 # The same for in-place transports (shm, cuda-ipc), whose encoded chunks hold no KV: enough to
 # keep the encoder threads busy while the loop writes, and to announce several chunks per
-# message when they queue up (TransferKvRequest.chunks).
+# message when they queue up (TransferKvRequest.chunks). There a bound counts encoder jobs,
+# each of one chunk or of a share of a backlog (see `_stream`).
 _MAX_ENCODING_IN_PLACE = 8
 
 # Decode's status -> the error our caller gets (same code; anything unexpected reads as decode
@@ -109,11 +110,15 @@ class KvSender:
         num_chunks: int,
         timeout_s: float,
         pairing: Pairing = GRPC_PAIRING,
+        encoder_threads: int = 2,
     ) -> None:
+        """`encoder_threads`: how many threads `encoder` runs; a backlog of in-place chunks is
+        split into that many jobs."""
         self._task = task
         self._pairing = pairing
         self._channel = channel
         self._encoder = encoder
+        self._encoder_threads = max(1, encoder_threads)
         self._layout = layout
         self._num_chunks = num_chunks
         self._timeout_s = timeout_s
@@ -193,11 +198,18 @@ class KvSender:
     async def _stream(self, call: grpc.aio.StreamUnaryCall) -> TransferResult:
         """Encode chunks on the encoder threads as they come (up to _MAX_ENCODING at once, so
         both threads work when layers queue up) and write them in order as they finish. The
-        threads are handed more chunks before each write, so encoding overlaps the writes."""
+        threads are handed more chunks before each write, so encoding overlaps the writes.
+
+        In place, chunks that queued up (layers handed over faster than they are encoded, or
+        all at once) go to the threads as one job per thread, each encoding its share one
+        chunk after the other: a thread hand-off each way per job instead of per chunk, and
+        fewer, larger messages to decode (docs/benchmarks.md, issue 15's fourth round). A chunk
+        that comes alone, as the worker hands layers over during the forward, goes alone."""
         seq = kv_bytes = 0
         first_sent_at: float | None = None
         waiting: collections.deque[_Blocks] = collections.deque()  # handed over, not encoding
-        encoding: collections.deque[asyncio.Future[tuple[bytes, int]]] = collections.deque()
+        # per job: the encoded chunk messages, in order, and their payload bytes
+        encoding: collections.deque[asyncio.Future[tuple[list[bytes], int]]] = collections.deque()
 
         pairing = self._pairing
         # In place, an encoded chunk is a few bytes (the KV is in decode's pool already): more
@@ -207,37 +219,43 @@ class KvSender:
         is_accepted = pairing.pool is None
 
         def feed() -> None:
-            """Start encoding waiting chunks, in order, while fewer than max_encoding are
+            """Start encoding waiting chunks, in order, while fewer than max_encoding jobs are
             encoding or encoded and not written (which bounds the encoded bytes held)."""
             nonlocal seq
+            share = 1  # chunks per job
+            if pairing.pool is not None and pairing.takes_batches:
+                share = -(-len(waiting) // self._encoder_threads)
             while waiting and len(encoding) < max_encoding:
-                future = self._loop.run_in_executor(
-                    self._encoder, self._encode, seq, waiting.popleft()
-                )
+                job = [waiting.popleft() for _ in range(min(share, len(waiting)))]
+                future = self._loop.run_in_executor(self._encoder, self._encode_all, seq, job)
                 future.add_done_callback(lambda _: self._queue.put_nowait(_ENCODED))
                 encoding.append(future)
-                seq += 1
+                seq += len(job)
 
         async def write_first() -> None:
             """Write the first chunk once encoded (with the ones encoded after it, in place)."""
             nonlocal kv_bytes, first_sent_at
-            message, num_data = await encoding.popleft()  # raises the encoder's error
-            messages = [message]
+            messages, num_data = await encoding.popleft()  # raises the encoder's error
             while pairing.takes_batches and encoding and encoding[0].done():
-                message, more_data = encoding.popleft().result()
-                messages.append(message)
+                more, more_data = encoding.popleft().result()
+                messages += more
                 num_data += more_data
             feed()  # the threads encode the next chunks while this one is on the wire
             first_sent_at = first_sent_at or time.perf_counter()
-            await self._write(call, message if len(messages) == 1 else batch_in_place(messages))
+            # several messages only where decode takes batches (one chunk per job elsewhere)
+            message = messages[0] if len(messages) == 1 else batch_in_place(messages)
+            await self._write(call, message)
             kv_bytes += num_data
 
         try:
             while True:
-                feed()
-                if encoding and encoding[0].done():
-                    await write_first()
-                    continue
+                # Take in every chunk handed over so far before starting encodes (a backlog
+                # is split among the threads as a whole); write whatever is encoded.
+                if self._queue.empty():
+                    feed()
+                    if encoding and encoding[0].done():
+                        await write_first()
+                        continue
                 item = await self._queue.get()
                 if item is _ENCODED:
                     continue
@@ -270,6 +288,16 @@ class KvSender:
         finally:
             for future in encoding:  # the transfer failed: their results are not wanted
                 future.add_done_callback(_retrieve)
+
+    def _encode_all(self, seq: int, job: list[_Blocks]) -> tuple[list[bytes], int]:
+        """`_encode` of each chunk of a job (numbered from `seq`), on one encoder thread."""
+        messages = []
+        num_data = 0
+        for i, blocks in enumerate(job):
+            message, num_bytes = self._encode(seq + i, blocks)
+            messages.append(message)
+            num_data += num_bytes
+        return messages, num_data
 
     def _encode(self, seq: int, blocks: _Blocks) -> tuple[bytes, int]:
         """Runs on an encoder thread: the byte copy and the checksum stay off the model thread

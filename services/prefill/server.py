@@ -94,6 +94,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             server_name=server_name,
         )
         self._encoder = ThreadPoolExecutor(num_encoder_threads, thread_name_prefix="kv-encode")
+        self._num_encoder_threads = num_encoder_threads
         instance.start()
 
     @property
@@ -150,6 +151,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             num_chunks=self.layout.num_layers * num_chunks,
             timeout_s=timeout_s,
             pairing=pairing,
+            encoder_threads=self._num_encoder_threads,
         )
         # Refuse a full queue (or a request id already here) before opening a stream to
         # decode; `submit` checks again.

@@ -494,3 +494,86 @@ def test_the_sender_announces_chunks_encoded_meanwhile_in_one_message(
         assert outcome.token_ids == player.reference(prompt, SHORT)
 
     run(decode_server, body)
+
+
+class CountingEncoder(ThreadPoolExecutor):
+    """Two encoder threads that count the jobs handed to them."""
+
+    def __init__(self) -> None:
+        super().__init__(2)
+        self.num_jobs = 0
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        self.num_jobs += 1
+        return super().submit(fn, *args, **kwargs)
+
+
+def test_a_backlog_of_in_place_chunks_is_split_among_the_encoder_threads(
+    decode_server: DecodeServerThread, player: PrefillPlayer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over shm, chunks handed over all at once (one per layer and block here) are encoded as
+    one job per encoder thread, not one job per chunk; decode lands every chunk, in order, and
+    its tokens are the single-process ones."""
+    instance = decode_server.instance
+    if instance.segment is None:
+        pytest.skip("this host gave decode no shared-memory pool")
+    landed: list[int] = []
+    land = KvTransferServicer._land
+
+    async def spy(self: Any, progress: Any, landing: Any, chunks: list[Any]) -> None:
+        landed.extend(chunk.seq for chunk in chunks)
+        await land(self, progress, landing, chunks)
+
+    monkeypatch.setattr(KvTransferServicer, "_land", spy)
+    prompt = random_prompt(37, player.vocab_size, seed=43)
+
+    async def body(client: Client) -> None:
+        call, block_ids = await client.admit(generate_request("split", prompt))
+        prefilled = await asyncio.to_thread(player.prefill, prompt, SHORT)
+        chunks = [
+            (layer, j, k[j : j + 1], v[j : j + 1])
+            for layer, (k, v) in enumerate(prefilled.kv)
+            for j in range(k.shape[0])
+        ]
+        assert len(chunks) > 2 * 2  # more than one chunk per thread, and more than a batch
+        cache = instance.cache
+        peers = Peers(
+            64 << 20, endpoint=instance.endpoint, layout=player.layout(), dtype=cache.dtype
+        )
+        try:
+            pairing = await peers.pair(decode_server.address)
+            assert pairing.transport == kv_transport.SHM
+            task = PrefillTask(
+                "split",
+                prompt,
+                SHORT,
+                decode_server.address,
+                list(block_ids),
+                transfer_token=block_ids.transfer_token,
+            )
+            with CountingEncoder() as encoder:
+                sender = KvSender(
+                    task,
+                    channel=peers.get(decode_server.address),
+                    encoder=encoder,
+                    layout=player.layout(),
+                    num_chunks=len(chunks),
+                    timeout_s=10,
+                    pairing=pairing,
+                    encoder_threads=2,
+                )
+
+                def push() -> None:
+                    for layer, first_block, k, v in chunks:
+                        sender.send_blocks(layer, first_block, k, v, None)
+                    sender.finish(FirstToken(prefilled.first_token_id, None, None, 0.0, 0.0))
+
+                await sender.run(push)
+        finally:
+            await peers.close()
+        assert encoder.num_jobs == 2
+        assert landed == list(range(len(chunks)))
+        outcome = await client.collect(call, Outcome(block_ids=list(block_ids)))
+        assert outcome.token_ids == player.reference(prompt, SHORT)
+
+    run(decode_server, body)
