@@ -14,7 +14,9 @@
 Receiving, checking and scattering overlap: the event loop reads chunk i+1 (and the sender
 keeps streaming) while chunk i is checked and copied on a landing thread (zlib.crc32 and the
 copy release the GIL). At most _MAX_LANDING_BYTES of one transfer's chunks wait to land; past
-that the loop stops reading, and HTTP/2 flow control holds the sender back.
+that the loop stops reading, and HTTP/2 flow control holds the sender back. In place (shm,
+cuda-ipc) a landing only checks blocks already in the pool and holds no bytes; a batch of such
+chunks is split among the landing threads.
 
     event loop   read ─ check order ─ pin ─ submit ─▶ read ─ ...      commit: wait for all
     landing                           └─▶ CRC, length, scatter, unpin
@@ -31,6 +33,7 @@ Blocks are freed only after the last landing into them is over (pins, see reques
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -176,6 +179,7 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
         self._max_landing_bytes = max_landing_bytes
         # Threads start on first use and idle between transfers.
         self._landing = ThreadPoolExecutor(landing_threads, thread_name_prefix="kv-landing")
+        self._landing_threads = landing_threads
         # shm: the CPU pools in the segment as byte rows per layer (block_rows), made once.
         cache = instance.cache
         self._rows: list[tuple[np.ndarray, np.ndarray]] = (
@@ -389,9 +393,10 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
         return reader.take()
 
     async def _land(self, progress: _Progress, landing: Landing, chunks: list[Chunk]) -> None:
-        """Check the chunks' places in the transfer here, in order; hand their bytes to one
+        """Check the chunks' places in the transfer here, in order; hand their bytes to a
         landing job (checksum, length, scatter) and return without waiting for it. Several
-        chunks come in one message only in place (TransferKvRequest.chunks)."""
+        chunks come in one message only in place (TransferKvRequest.chunks): they are split
+        among the landing threads, whose checks then run side by side."""
         request = progress.request
         num_bytes = 0
         for chunk in chunks:
@@ -431,25 +436,33 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
             if not is_intact:
                 raise DataLoss(f"{where}: checksum mismatch (blocks corrupted in place)")
 
-        def land() -> None:
+        def land(part: list[Chunk]) -> None:
             # Unpinned here, never by the handler: if the call ends mid-copy, the blocks stay
             # held until the copy is over (see requests.py).
             try:
-                for chunk in chunks:
+                for chunk in part:
                     if landing.is_aborted():
                         return  # the request failed: nothing more to write
                     land_one(chunk)
             finally:
                 table.unpin(request)
 
-        await landing.make_room(num_bytes)  # raises an earlier chunk's failure
-        if not table.pin(request):
-            raise _ended_error(request)
-        try:
-            landing.submit(land, num_bytes)
-        except BaseException:  # not submitted (the executor is shut down): nothing will unpin
-            table.unpin(request)
-            raise
+        if transport != kv_transport.GRPC:
+            # The bytes are in the pool already: a job holds no payload, so none counts
+            # against _MAX_LANDING_BYTES (which would run the parts one after the other).
+            num_bytes = 0
+        share = -(-len(chunks) // self._landing_threads)
+        for start in range(0, len(chunks), share):
+            part = chunks[start : start + share]
+            part_bytes = num_bytes * len(part) // len(chunks)
+            await landing.make_room(part_bytes)  # raises an earlier chunk's failure
+            if not table.pin(request):
+                raise _ended_error(request)
+            try:
+                landing.submit(functools.partial(land, part), part_bytes)
+            except BaseException:  # not submitted (the executor is shut down): nothing unpins
+                table.unpin(request)
+                raise
 
     def _commit(self, request: DecodeRequest, commit: kv_pb2.TransferCommit) -> None:
         inst = self._instance

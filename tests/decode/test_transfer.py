@@ -324,8 +324,19 @@ def in_place_messages(
 
 
 def test_in_place_chunks_announced_together_land_and_decode_goes_on(
-    decode_server: DecodeServerThread, player: PrefillPlayer
+    decode_server: DecodeServerThread, player: PrefillPlayer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """A batch of two in-place chunks is checked by two landing jobs (one per landing thread,
+    side by side), neither counted against the landing byte bound (the bytes are in the pool
+    already); decode then generates the reference tokens."""
+    jobs: list[int] = []  # bytes each landing job was accounted
+    submit = Landing.submit
+
+    def spy(self: Landing, job: Callable[[], None], num_bytes: int) -> None:
+        jobs.append(num_bytes)
+        submit(self, job, num_bytes)
+
+    monkeypatch.setattr(Landing, "submit", spy)
     prompt = random_prompt(21, player.vocab_size, seed=40)
     layers = list(range(TINY.num_hidden_layers))
     assert len(layers) >= 2, "the test wants a batch of several chunks"
@@ -345,6 +356,7 @@ def test_in_place_chunks_announced_together_land_and_decode_goes_on(
         await transfer.done_writing()
         reply = await asyncio.wait_for(transfer, 5)
         assert reply.num_blocks == len(block_ids)
+        assert jobs == [0] * (2 + len(layers[2:]))
         outcome = await client.collect(call, Outcome(block_ids=list(block_ids)))
         assert outcome.token_ids == player.reference(prompt, SHORT)
 
