@@ -158,6 +158,27 @@ def _truncate(chunk: kv_pb2.KvChunk) -> None:
     chunk.crc32 = zlib.crc32(chunk.data)  # consistent checksum, wrong length
 
 
+def _block_twice(chunk: kv_pb2.KvChunk) -> None:
+    """Name the chunk's first block again in place of its last (same length, same data)."""
+    chunk.block_ids[-1] = chunk.block_ids[0]
+
+
+def _drop_last_block(chunk: kv_pb2.KvChunk) -> None:
+    """Leave the chunk's last block out, data and checksum kept consistent: that block of the
+    layer is never sent."""
+    del chunk.block_ids[-1]
+    chunk.data = (
+        chunk.data[: len(chunk.data) // 2 - _half_block(chunk)]
+        + chunk.data[len(chunk.data) // 2 : -_half_block(chunk)]
+    )
+    chunk.crc32 = zlib.crc32(chunk.data)
+
+
+def _half_block(chunk: kv_pb2.KvChunk) -> int:
+    """Bytes of one block of K (or V) in a chunk that had one block more than it names."""
+    return len(chunk.data) // 2 // (len(chunk.block_ids) + 1)
+
+
 def _foreign_block(chunk: kv_pb2.KvChunk) -> None:
     """Point the chunk's last block at one the request does not hold (someone else's)."""
     chunk.block_ids[-1] = next(b for b in range(NUM_BLOCKS) if b not in chunk.block_ids)
@@ -197,6 +218,9 @@ CORRUPTIONS: dict[str, tuple[Mangle, str]] = {
     "wrong-request-id": (_set_chunk(1, request_id="someone-else"), "carries request id"),
     "foreign-block": (_mangle_chunk(2, _foreign_block), "not among"),
     "same-layer-twice": (_set_chunk(2, layer=0), "sent more than once"),
+    "block-twice-in-chunk": (_mangle_chunk(1, _block_twice), "sent more than once"),
+    "block-never-sent": (_mangle_chunk(2, _drop_last_block), "pairs never sent, e.g. layer 1"),
+    "layer-out-of-range": (_set_chunk(2, layer=99), "layer out of range"),
 }
 
 
