@@ -443,15 +443,8 @@ class SecondJobFirst(ThreadPoolExecutor):
         return super().submit(later)
 
 
-def test_the_sender_announces_chunks_encoded_meanwhile_in_one_message(
-    decode_server: DecodeServerThread, player: PrefillPlayer, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Over shm, chunks whose encoding finished while an earlier one was being written go out
-    as one TransferKvRequest.chunks (decode sees them in one `_land`), and decode's tokens are
-    the single-process ones."""
-    instance = decode_server.instance
-    if instance.segment is None:
-        pytest.skip("this host gave decode no shared-memory pool")
+def spy_landings(monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
+    """The seqs of the chunks each `_land` call of decode's servicer gets, call by call."""
     landed: list[list[int]] = []
     land = KvTransferServicer._land
 
@@ -460,48 +453,80 @@ def test_the_sender_announces_chunks_encoded_meanwhile_in_one_message(
         await land(self, progress, landing, chunks)
 
     monkeypatch.setattr(KvTransferServicer, "_land", spy)
+    return landed
+
+
+async def send_over_shm(
+    server: DecodeServerThread,
+    player: PrefillPlayer,
+    request_id: str,
+    prompt: list[int],
+    block_ids: Reserved,
+    prefilled: Prefilled,
+    chunks: list[tuple[int, int, torch.Tensor, torch.Tensor]],
+    encoder: ThreadPoolExecutor,
+) -> int:
+    """Pair with decode as a prefill instance does (shm, chunk batches), send `chunks`
+    ((layer, first block, k, v), all handed over at once) and the commit through a real
+    KvSender encoding on `encoder` (two threads); return the KV bytes sent."""
+    instance = server.instance
+    peers = Peers(
+        64 << 20, endpoint=instance.endpoint, layout=player.layout(), dtype=instance.cache.dtype
+    )
+    try:
+        pairing = await peers.pair(server.address)
+        assert (pairing.transport, pairing.takes_batches) == (kv_transport.SHM, True)
+        task = PrefillTask(
+            request_id,
+            prompt,
+            SHORT,
+            server.address,
+            list(block_ids),
+            transfer_token=block_ids.transfer_token,
+        )
+        sender = KvSender(
+            task,
+            channel=peers.get(server.address),
+            encoder=encoder,
+            layout=player.layout(),
+            num_chunks=len(chunks),
+            timeout_s=10,
+            pairing=pairing,
+            encoder_threads=2,
+        )
+
+        def push() -> None:
+            for layer, first_block, k, v in chunks:
+                sender.send_blocks(layer, first_block, k, v, None)
+            sender.finish(FirstToken(prefilled.first_token_id, None, None, 0.0, 0.0))
+
+        return (await sender.run(push)).kv_bytes
+    finally:
+        await peers.close()
+
+
+def test_the_sender_announces_chunks_encoded_meanwhile_in_one_message(
+    decode_server: DecodeServerThread, player: PrefillPlayer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over shm, chunks whose encoding finished while an earlier one was being written go out
+    as one TransferKvRequest.chunks (decode sees them in one `_land`), and decode's tokens are
+    the single-process ones."""
+    if decode_server.instance.segment is None:
+        pytest.skip("this host gave decode no shared-memory pool")
+    landed = spy_landings(monkeypatch)
     prompt = random_prompt(21, player.vocab_size, seed=42)
     num_layers = TINY.num_hidden_layers
 
     async def body(client: Client) -> None:
         call, block_ids = await client.admit(generate_request("sent-batched", prompt))
         prefilled = await asyncio.to_thread(player.prefill, prompt, SHORT)
-        cache = instance.cache
-        peers = Peers(
-            64 << 20, endpoint=instance.endpoint, layout=player.layout(), dtype=cache.dtype
-        )
-        try:
-            pairing = await peers.pair(decode_server.address)
-            assert (pairing.transport, pairing.takes_batches) == (kv_transport.SHM, True)
-            task = PrefillTask(
-                "sent-batched",
-                prompt,
-                SHORT,
-                decode_server.address,
-                list(block_ids),
-                transfer_token=block_ids.transfer_token,
+        chunks = [(layer, 0, k, v) for layer, (k, v) in enumerate(prefilled.kv)]
+        with SecondJobFirst() as encoder:
+            kv_bytes = await send_over_shm(
+                decode_server, player, "sent-batched", prompt, block_ids, prefilled, chunks, encoder
             )
-            with SecondJobFirst() as encoder:
-                sender = KvSender(
-                    task,
-                    channel=peers.get(decode_server.address),
-                    encoder=encoder,
-                    layout=player.layout(),
-                    num_chunks=num_layers,
-                    timeout_s=10,
-                    pairing=pairing,
-                )
-
-                def push() -> None:
-                    for layer, (k, v) in enumerate(prefilled.kv):
-                        sender.send_blocks(layer, 0, k, v, None)
-                    sender.finish(FirstToken(prefilled.first_token_id, None, None, 0.0, 0.0))
-
-                result = await sender.run(push)
-        finally:
-            await peers.close()
         assert landed == [list(range(num_layers))]
-        assert result.kv_bytes == sum(k.nbytes + v.nbytes for k, v in prefilled.kv)
+        assert kv_bytes == sum(k.nbytes + v.nbytes for k, v in prefilled.kv)
         outcome = await client.collect(call, Outcome(block_ids=list(block_ids)))
         assert outcome.token_ids == player.reference(prompt, SHORT)
 
@@ -526,17 +551,9 @@ def test_a_backlog_of_in_place_chunks_is_split_among_the_encoder_threads(
     """Over shm, chunks handed over all at once (one per layer and block here) are encoded as
     one job per encoder thread, not one job per chunk; decode lands every chunk, in order, and
     its tokens are the single-process ones."""
-    instance = decode_server.instance
-    if instance.segment is None:
+    if decode_server.instance.segment is None:
         pytest.skip("this host gave decode no shared-memory pool")
-    landed: list[int] = []
-    land = KvTransferServicer._land
-
-    async def spy(self: Any, progress: Any, landing: Any, chunks: list[Any]) -> None:
-        landed.extend(chunk.seq for chunk in chunks)
-        await land(self, progress, landing, chunks)
-
-    monkeypatch.setattr(KvTransferServicer, "_land", spy)
+    landed = spy_landings(monkeypatch)
     prompt = random_prompt(37, player.vocab_size, seed=43)
 
     async def body(client: Client) -> None:
@@ -548,43 +565,12 @@ def test_a_backlog_of_in_place_chunks_is_split_among_the_encoder_threads(
             for j in range(k.shape[0])
         ]
         assert len(chunks) > 2 * 2  # more than one chunk per thread, and more than a batch
-        cache = instance.cache
-        peers = Peers(
-            64 << 20, endpoint=instance.endpoint, layout=player.layout(), dtype=cache.dtype
-        )
-        try:
-            pairing = await peers.pair(decode_server.address)
-            assert pairing.transport == kv_transport.SHM
-            task = PrefillTask(
-                "split",
-                prompt,
-                SHORT,
-                decode_server.address,
-                list(block_ids),
-                transfer_token=block_ids.transfer_token,
+        with CountingEncoder() as encoder:
+            await send_over_shm(
+                decode_server, player, "split", prompt, block_ids, prefilled, chunks, encoder
             )
-            with CountingEncoder() as encoder:
-                sender = KvSender(
-                    task,
-                    channel=peers.get(decode_server.address),
-                    encoder=encoder,
-                    layout=player.layout(),
-                    num_chunks=len(chunks),
-                    timeout_s=10,
-                    pairing=pairing,
-                    encoder_threads=2,
-                )
-
-                def push() -> None:
-                    for layer, first_block, k, v in chunks:
-                        sender.send_blocks(layer, first_block, k, v, None)
-                    sender.finish(FirstToken(prefilled.first_token_id, None, None, 0.0, 0.0))
-
-                await sender.run(push)
-        finally:
-            await peers.close()
         assert encoder.num_jobs == 2
-        assert landed == list(range(len(chunks)))
+        assert [seq for seqs in landed for seq in seqs] == list(range(len(chunks)))
         outcome = await client.collect(call, Outcome(block_ids=list(block_ids)))
         assert outcome.token_ids == player.reference(prompt, SHORT)
 
