@@ -203,7 +203,7 @@ class KvSender:
         In place, chunks that queued up (layers handed over faster than they are encoded, or
         all at once) go to the threads as one job per thread, each encoding its share one
         chunk after the other: a thread hand-off each way per job instead of per chunk, and
-        fewer, larger messages to decode (docs/benchmarks.md, issue 15's fourth round). A chunk
+        fewer, larger messages to decode (docs/benchmarks.md, issue 15's fifth round). A chunk
         that comes alone, as the worker hands layers over during the forward, goes alone."""
         seq = kv_bytes = 0
         first_sent_at: float | None = None
