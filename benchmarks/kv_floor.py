@@ -20,8 +20,8 @@ K and V, 1 MiB each, 58.7 MB), moved layer by layer as a transfer moves it. Medi
 Both sides of a real transfer share this host's cores, and a 2-core VM has no third: a line's
 GB/s is a ceiling for KV path GB/s, not a prediction of it.
 
-    .venv/bin/python benchmarks/kv_floor.py
-    .venv/bin/python benchmarks/kv_floor.py --model qwen3-8b --prompt-len 2048 --json
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/kv_floor.py
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/kv_floor.py --model qwen3-8b --prompt-len 2048
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -163,15 +162,11 @@ async def _time_async(run: Callable[[], Awaitable[None]], repeats: int) -> float
     return statistics.median(times)
 
 
-def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process `pid` so far (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 async def grpc_floors(num_layers: int, num_bytes: int, repeats: int) -> dict[str, float]:
     """Seconds per transfer over a bare grpc.aio call, without and with the work, and the CPU
     ms per transfer of each side ("NAME cpu": this process, "NAME server cpu")."""
+    from benchmarks.kv_handoff import process_cpu_s  # torch and the engine: the client only
+
     command = [sys.executable, __file__, "--serve", str(num_layers), str(num_bytes)]
     server = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     try:
@@ -205,11 +200,12 @@ async def grpc_floors(num_layers: int, num_bytes: int, repeats: int) -> dict[str
 
             floors: dict[str, float] = {}
             for name, run in (("grpc", transfer), ("grpc+work", transfer_with_work)):
-                client_cpu, server_cpu = time.process_time(), _cpu_s(server.pid)
+                client_cpu, server_cpu = time.process_time(), process_cpu_s(server.pid)
                 floors[name] = await _time_async(run, repeats)
                 num_runs = repeats + 1  # the warm-up's CPU is in the count
+                server_cpu = process_cpu_s(server.pid) - server_cpu
                 floors[f"{name} cpu"] = (time.process_time() - client_cpu) / num_runs * 1e3
-                floors[f"{name} server cpu"] = (_cpu_s(server.pid) - server_cpu) / num_runs * 1e3
+                floors[f"{name} server cpu"] = server_cpu / num_runs * 1e3
             return floors
     finally:
         server.kill()

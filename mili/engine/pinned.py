@@ -12,9 +12,25 @@ copy is done when it returns.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import torch
+
+_THREAD_STREAMS = threading.local()
+
+
+def thread_stream(device: torch.device) -> torch.cuda.Stream:
+    """The calling thread's own CUDA stream on `device`, made on first use: what a thread
+    copies there (decode's landing threads into the cache, prefill's worker KV to the host)
+    neither waits behind nor holds up the model's stream."""
+    streams: dict[torch.device, torch.cuda.Stream] = _THREAD_STREAMS.__dict__.setdefault(
+        "streams", {}
+    )
+    stream = streams.get(device)
+    if stream is None:
+        stream = streams[device] = torch.cuda.Stream(device)
+    return stream
 
 
 def is_pinnable(device: torch.device) -> bool:

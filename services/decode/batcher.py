@@ -32,12 +32,12 @@ from prometheus_client import CollectorRegistry
 
 from mili.engine import block_rows
 from mili.engine.logprobs import TokenLogprobs
+from mili.engine.pinned import thread_stream
 from mili.engine.runner import ModelRunner
 from mili.engine.sequence import Sequence
 from mili.errors import Unavailable
 from mili.telemetry.metrics import DecodeMetrics
 from mili.telemetry.tracing import start_batch_span
-from services.decode.landing import landing_stream
 from services.decode.requests import DecodeRequest, RequestTable
 from services.decode.stream import Delivery, TokenEvent, deliver_threadsafe
 
@@ -145,7 +145,7 @@ class Batcher:
         never waits for a landing, and the request joins the batch only after every landing
         returned (the commit waits for them), so its first step reads landed blocks."""
         cache = self._runner.kv_cache
-        stream = landing_stream(cache.device)
+        stream = thread_stream(cache.device)
         with torch.inference_mode(), torch.cuda.stream(stream):
             k_pinned = torch.empty(k.shape, dtype=k.dtype, pin_memory=True).copy_(k)
             v_pinned = torch.empty(v.shape, dtype=v.dtype, pin_memory=True).copy_(v)

@@ -1,6 +1,7 @@
 """The landing side of one KV transfer, below the gRPC servicer (services/decode/transfer.py):
 its chunks checked and copied on the landing threads (`Landing`), its messages read by a future
-that outlives a wait for it (`Reader`), and each landing thread's own CUDA stream.
+that outlives a wait for it (`Reader`); each landing thread copies and checks on its own CUDA
+stream (mili.engine.pinned.thread_stream).
 """
 
 from __future__ import annotations
@@ -14,18 +15,9 @@ from typing import Generic, TypeVar
 import torch
 
 from mili.engine.cuda_ipc import blocks_checksum
+from mili.engine.pinned import thread_stream
 
 M = TypeVar("M")
-_LANDING_STREAMS = threading.local()
-
-
-def landing_stream(device: torch.device) -> torch.cuda.Stream:
-    """This landing thread's CUDA stream (made on first use): copies into the cache and checks
-    of what landed there run on it, never on the model's stream."""
-    stream: torch.cuda.Stream | None = getattr(_LANDING_STREAMS, "stream", None)
-    if stream is None:
-        stream = _LANDING_STREAMS.stream = torch.cuda.Stream(device)
-    return stream
 
 
 def in_place_checksum(
@@ -33,7 +25,7 @@ def in_place_checksum(
 ) -> int:
     """The device checksum a cuda-ipc chunk carries, over what blocks `block_ids` of the layer
     hold now, on this landing thread's own stream: the decode step never waits for it."""
-    with torch.cuda.stream(landing_stream(k_pool.device)):
+    with torch.cuda.stream(thread_stream(k_pool.device)):
         return blocks_checksum(k_pool, v_pool, block_ids)
 
 

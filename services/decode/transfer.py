@@ -462,19 +462,18 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
             finally:
                 table.unpin(request)
 
-        if transport != kv_transport.GRPC:
-            # The bytes are in the pool already: a job holds no payload, so none counts
-            # against _MAX_LANDING_BYTES (which would run the parts one after the other).
-            num_bytes = 0
+        # grpc: one chunk per message, whose bytes the job holds until they landed. In place
+        # the bytes are in the pool already: a job holds none, so none counts against
+        # _MAX_LANDING_BYTES (which would run the parts of a batch one after the other).
+        held = num_bytes if transport == kv_transport.GRPC else 0
         share = -(-len(chunks) // self._landing_threads)
         for start in range(0, len(chunks), share):
             part = chunks[start : start + share]
-            part_bytes = num_bytes * len(part) // len(chunks)
-            await landing.make_room(part_bytes)  # raises an earlier chunk's failure
+            await landing.make_room(held)  # raises an earlier chunk's failure
             if not table.pin(request):
                 raise _ended_error(request)
             try:
-                landing.submit(functools.partial(land, part), part_bytes)
+                landing.submit(functools.partial(land, part), held)
             except BaseException:  # not submitted (the executor is shut down): nothing unpins
                 table.unpin(request)
                 raise

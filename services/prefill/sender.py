@@ -270,8 +270,8 @@ class KvSender:
                     waiting.append(item)
                 else:
                     assert isinstance(item, FirstToken)
-                    while waiting or encoding:
-                        feed()
+                    feed()
+                    while encoding:  # write_first feeds the rest as it goes
                         await write_first()
                     if seq != self._num_chunks:
                         raise AssertionError(f"sent {seq} KV chunks, announced {self._num_chunks}")

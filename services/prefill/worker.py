@@ -31,6 +31,7 @@ from opentelemetry.trace import Span
 from prometheus_client import CollectorRegistry
 
 from mili.engine.kv_cache import KVCache
+from mili.engine.pinned import thread_stream
 from mili.engine.prefix_cache import PrefixCacheReading
 from mili.engine.runner import ModelRunner
 from mili.engine.sampler import SequenceSampling
@@ -295,18 +296,6 @@ class PrefillWorker:
         sink.send_blocks(layer, first, *hand_over(k, v, sink.takes_device_tensors))
 
 
-_COPY_STREAMS = threading.local()
-
-
-def _copy_stream(device: torch.device) -> torch.cuda.Stream:
-    """The calling thread's side stream on `device` for device-to-host copies of KV (made on
-    first use; the worker's thread is the one caller in a service)."""
-    stream: torch.cuda.Stream | None = getattr(_COPY_STREAMS, "stream", None)
-    if stream is None or stream.device != device:
-        stream = _COPY_STREAMS.stream = torch.cuda.Stream(device)
-    return stream
-
-
 def hand_over(
     k: torch.Tensor, v: torch.Tensor, takes_device_tensors: bool
 ) -> tuple[torch.Tensor, torch.Tensor, Callable[[], None] | None]:
@@ -322,7 +311,7 @@ def hand_over(
         # Copy to pinned host memory on a side stream, without waiting for the GPU: the model's
         # stream goes on to layer i+1 while the copy engine drains this one, the sender's
         # encoder thread waits on the event.
-        stream = _copy_stream(k.device)
+        stream = thread_stream(k.device)
         stream.wait_stream(torch.cuda.current_stream(k.device))  # the gather is queued there
         k_host = torch.empty(k.shape, dtype=k.dtype, pin_memory=True)
         v_host = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
