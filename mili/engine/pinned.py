@@ -12,10 +12,14 @@ copy is done when it returns.
 
 from __future__ import annotations
 
+import math
 import threading
+import weakref
 from collections.abc import Sequence
 
 import torch
+
+from mili.engine.byte_ring import ByteRing
 
 _THREAD_STREAMS = threading.local()
 
@@ -78,3 +82,42 @@ class DeviceToHost:
         if self._event is not None:
             self._event.synchronize()
         return self._host
+
+
+class StagingRing:
+    """Preallocated host memory (pinned for a CUDA `device`) for the KV hand-off's staging
+    copies: prefill's device -> host copy of a layer for the grpc transport, decode's host ->
+    device landing of one. Taken once at start, so no copy allocates (cudaHostAlloc per new
+    size, with torch's caching host allocator) and staging is bounded.
+
+    `empty` hands out a tensor on a span of the buffer; the span goes back to the ring when
+    the tensor (and every view of it) is freed. Reuse is safe with respect to the device as
+    long as each span's copies are over before it is freed or run in stream order with the
+    next copies into it: prefill's copies all go on the worker's one side stream, and decode's
+    landing threads wait for theirs before letting go.
+    """
+
+    def __init__(self, capacity_bytes: int, device: torch.device) -> None:
+        self._ring = ByteRing(capacity_bytes)
+        pinned = torch.empty(capacity_bytes, dtype=torch.uint8, pin_memory=is_pinnable(device))
+        self._pinned = pinned  # owns the memory; the numpy view below shares it
+        self._bytes = pinned.numpy()
+
+    @property
+    def num_held(self) -> int:
+        """Spans handed out and not yet freed."""
+        return self._ring.num_held
+
+    def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor | None:
+        """An uninitialised tensor of `shape` and `dtype` in the ring, or None while the ring
+        has no room for it (the caller then allocates as before)."""
+        num_bytes = math.prod(shape) * dtype.itemsize
+        offset = self._ring.take(num_bytes) if num_bytes else None
+        if offset is None:
+            return None
+        # The tensor's storage holds the span's numpy view (torch.frombuffer keeps its buffer
+        # alive), and every view of the tensor holds that storage: the span is released once
+        # the last of them is gone, not when the first tensor object is.
+        span = self._bytes[offset : offset + num_bytes]
+        weakref.finalize(span, self._ring.release, offset)
+        return torch.frombuffer(span, dtype=dtype).view(shape)
