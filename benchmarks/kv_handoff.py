@@ -255,6 +255,8 @@ async def kv_path_alone(
     cache = servicer.worker.kv_cache
     blocks = list(range(-(-len(prompt) // BLOCK_SIZE)))
     layers = [cache.gather_blocks(i, blocks) for i in range(cache.num_layers)]
+    # the worker's staging for device -> host copies (GPU, grpc), sized as the worker's
+    staging = servicer.worker.staging
     results = []
     with ThreadPoolExecutor(2) as encoder:
         async with insecure_channel(address, max_message_bytes=256 << 20) as channel:
@@ -284,7 +286,7 @@ async def kv_path_alone(
                         # behind an event (grpc), or the event alone (cuda-ipc).
                         for layer, (k, v) in enumerate(layers):
                             sender.send_blocks(
-                                layer, 0, *hand_over(k, v, sender.takes_device_tensors)
+                                layer, 0, *hand_over(k, v, sender.takes_device_tensors, staging)
                             )
                         sender.finish(FirstToken(0, None, None, 0.0, 0.0))
 

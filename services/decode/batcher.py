@@ -32,7 +32,7 @@ from prometheus_client import CollectorRegistry
 
 from mili.engine import block_rows
 from mili.engine.logprobs import TokenLogprobs
-from mili.engine.pinned import thread_stream
+from mili.engine.pinned import StagingRing, thread_stream
 from mili.engine.runner import ModelRunner
 from mili.engine.sequence import Sequence
 from mili.errors import Unavailable
@@ -43,6 +43,10 @@ from services.decode.stream import Delivery, TokenEvent, deliver_threadsafe
 
 _LOG = logging.getLogger("mili.decode")
 _TRACER = trace.get_tracer("mili.decode")  # a no-op until tracing installs a provider
+# Pinned host memory for grpc chunks landing on a GPU: each landing thread stages one chunk (a
+# layer of at most a prefill step's tokens) at a time, and a transfer holds at most 16 MiB of
+# chunks (transfer.py's _MAX_LANDING_BYTES); larger ones use torch's caching host allocator.
+_STAGING_BYTES = 64 << 20
 
 
 def _start_step_span(requests: list[DecodeRequest], step: int) -> Span | None:
@@ -83,6 +87,9 @@ class Batcher:
         metrics: DecodeMetrics | None = None,
     ) -> None:
         self._runner = runner
+        device = runner.kv_cache.device
+        # decode's landing threads stage grpc chunks here on their way to the GPU
+        self._staging = StagingRing(_STAGING_BYTES, device) if device.type == "cuda" else None
         self._table = table
         self._eos_token_ids = eos_token_ids
         self._max_context_tokens = max_context_tokens
@@ -140,17 +147,27 @@ class Batcher:
     def _scatter_from_host(
         self, layer: int, block_ids: list[int], k: torch.Tensor, v: torch.Tensor
     ) -> None:
-        """CUDA: stage k, v (pageable, [n, S, KVH, D]) in pinned memory and copy them in on a
-        landing stream of this thread's own, then wait for that stream here. The model's stream
-        never waits for a landing, and the request joins the batch only after every landing
-        returned (the commit waits for them), so its first step reads landed blocks."""
+        """CUDA: stage k, v (pageable, [n, S, KVH, D]) in pinned memory (the staging ring's, or
+        torch's caching host allocator's where the ring is full) and copy them in on a landing
+        stream of this thread's own, then wait for that stream here. The model's stream never
+        waits for a landing, and the request joins the batch only after every landing returned
+        (the commit waits for them), so its first step reads landed blocks."""
         cache = self._runner.kv_cache
         stream = thread_stream(cache.device)
         with torch.inference_mode(), torch.cuda.stream(stream):
-            k_pinned = torch.empty(k.shape, dtype=k.dtype, pin_memory=True).copy_(k)
-            v_pinned = torch.empty(v.shape, dtype=v.dtype, pin_memory=True).copy_(v)
-            cache.scatter_blocks(layer, block_ids, k_pinned, v_pinned)
-        stream.synchronize()  # this landing thread waits; the pinned buffers outlive the copy
+            k_pinned = self._pinned_copy(k)
+            v_pinned = self._pinned_copy(v)
+            try:
+                cache.scatter_blocks(layer, block_ids, k_pinned, v_pinned)
+            finally:
+                # this landing thread waits; only then may the staging spans be reused
+                stream.synchronize()
+
+    def _pinned_copy(self, t: torch.Tensor) -> torch.Tensor:
+        staged = self._staging.empty(t.shape, t.dtype) if self._staging is not None else None
+        if staged is None:
+            staged = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        return staged.copy_(t)
 
     # ---- batch thread --------------------------------------------------------------------------
 

@@ -154,7 +154,13 @@ class KvSender:
             return  # the transfer already ended; drop the late KV
         # RuntimeError: the event loop is closed, the process is shutting down.
         with contextlib.suppress(RuntimeError):
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+            self._loop.call_soon_threadsafe(self._deliver, item)
+
+    def _deliver(self, item: object) -> None:
+        # On the loop. Once the transfer ended nothing reads the queue: drop the item, so the
+        # host copies it holds (staging ring spans on a GPU) go back at once.
+        if not self._is_closed:
+            self._queue.put_nowait(item)
 
     # ---- the transfer ------------------------------------------------------------------------
 
@@ -192,6 +198,8 @@ class KvSender:
             raise self._error(err) from None
         finally:
             self._is_closed = True
+            while not self._queue.empty():  # handed over, never sent: let their memory go
+                self._queue.get_nowait()
             if not call.done():
                 call.cancel()
 

@@ -1,17 +1,22 @@
 """KvSender's pipeline against a real receiver: the encoder threads get the next chunks before a
-chunk is written, so encoding overlaps the writes instead of waiting behind them."""
+chunk is written, so encoding overlaps the writes instead of waiting behind them; a failed
+transfer holds on to none of the host copies handed to it."""
 
 from __future__ import annotations
 
 import asyncio
+import gc
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import grpc
 import pytest
+import torch
 
+from mili.engine.pinned import StagingRing
 from mili.engine.sampling_params import SamplingParams
+from mili.errors import Unavailable
 from mili.rpc.client import insecure_channel
 from services.prefill import sender as sender_module
 from services.prefill.sender import KvSender
@@ -88,3 +93,49 @@ def test_the_next_chunks_are_encoding_while_a_chunk_is_written(
     asyncio.run(main())
     assert events.index(("submit", limit)) < events.index(("write", 1))
     assert [e for e in events if e[0] == "submit"] == [("submit", i) for i in range(num_layers)]
+
+
+def test_a_failed_transfer_keeps_none_of_the_host_copies_handed_to_it(tiny: TinyModel) -> None:
+    """Layers handed over after the worker's failure (a stopping worker fails its prompts while
+    its running step still ships layers) are dropped with the transfer: their staging ring
+    spans come back although the sender object lives on."""
+    staging = StagingRing(1 << 20, torch.device("cpu"))
+
+    async def main() -> KvSender:
+        async with prefill_service(tiny) as h:
+            kv_cache = h.servicer.worker.kv_cache
+            async with receiver_for(h) as (receiver, server):
+                receiver.reserve("stopped", [0, 1, 2])
+                ids = random_ids(40, tiny.model.config.vocab_size, seed=4)
+                async with insecure_channel(server.address) as channel:
+                    with ThreadPoolExecutor(2) as encoder:
+                        sender = KvSender(
+                            PrefillTask(
+                                "stopped", ids, SamplingParams(), server.address, [0, 1, 2]
+                            ),
+                            channel=channel,
+                            encoder=encoder,
+                            layout=h.servicer.layout,
+                            num_chunks=kv_cache.num_layers,
+                            timeout_s=10,
+                        )
+
+                        def push() -> None:
+                            sender.fail(Unavailable("prefill instance is shutting down"))
+                            for layer in range(3):
+                                k, v = kv_cache.gather_blocks(layer, [0, 1, 2])
+                                k_staged = staging.empty(k.shape, k.dtype)
+                                v_staged = staging.empty(v.shape, v.dtype)
+                                assert k_staged is not None and v_staged is not None
+                                k_staged.copy_(k)
+                                v_staged.copy_(v)
+                                sender.send_blocks(layer, 0, k_staged, v_staged, None)
+
+                        with pytest.raises(Unavailable):
+                            await sender.run(push)
+        return sender
+
+    sender = asyncio.run(main())
+    gc.collect()
+    assert sender is not None
+    assert staging.num_held == 0
