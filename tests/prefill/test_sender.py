@@ -38,6 +38,20 @@ class RecordingEncoder(ThreadPoolExecutor):
         return super().submit(fn, *args, **kwargs)
 
 
+def _sender(
+    h: Any, request_id: str, ids: list[int], channel: Any, encoder: Any, address: str
+) -> KvSender:
+    """A sender of every layer of blocks 0, 1, 2 of `request_id` to the receiver at `address`."""
+    return KvSender(
+        PrefillTask(request_id, ids, SamplingParams(), address, [0, 1, 2]),
+        channel=channel,
+        encoder=encoder,
+        layout=h.servicer.layout,
+        num_chunks=h.servicer.worker.kv_cache.num_layers,
+        timeout_s=10,
+    )
+
+
 def test_the_next_chunks_are_encoding_while_a_chunk_is_written(
     tiny: TinyModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -68,16 +82,7 @@ def test_the_next_chunks_are_encoding_while_a_chunk_is_written(
                 ids = random_ids(40, tiny.model.config.vocab_size, seed=3)
                 async with insecure_channel(server.address) as channel:
                     with RecordingEncoder(events) as encoder:
-                        sender = KvSender(
-                            PrefillTask(
-                                "pipelined", ids, SamplingParams(), server.address, [0, 1, 2]
-                            ),
-                            channel=channel,
-                            encoder=encoder,
-                            layout=h.servicer.layout,
-                            num_chunks=num_layers,
-                            timeout_s=10,
-                        )
+                        sender = _sender(h, "pipelined", ids, channel, encoder, server.address)
 
                         def push() -> None:
                             for layer, (k, v) in enumerate(layers):
@@ -109,16 +114,7 @@ def test_a_failed_transfer_keeps_none_of_the_host_copies_handed_to_it(tiny: Tiny
                 ids = random_ids(40, tiny.model.config.vocab_size, seed=4)
                 async with insecure_channel(server.address) as channel:
                     with ThreadPoolExecutor(2) as encoder:
-                        sender = KvSender(
-                            PrefillTask(
-                                "stopped", ids, SamplingParams(), server.address, [0, 1, 2]
-                            ),
-                            channel=channel,
-                            encoder=encoder,
-                            layout=h.servicer.layout,
-                            num_chunks=kv_cache.num_layers,
-                            timeout_s=10,
-                        )
+                        sender = _sender(h, "stopped", ids, channel, encoder, server.address)
 
                         def push() -> None:
                             sender.fail(Unavailable("prefill instance is shutting down"))
