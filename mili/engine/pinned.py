@@ -121,3 +121,12 @@ class StagingRing:
         span = self._bytes[offset : offset + num_bytes]
         weakref.finalize(span, self._ring.release, offset)
         return torch.frombuffer(span, dtype=dtype).view(shape)
+
+
+def pinned_empty(
+    shape: Sequence[int], dtype: torch.dtype, staging: StagingRing | None
+) -> torch.Tensor:
+    """Uninitialised pinned host memory: a span of `staging`, or torch's caching host
+    allocator's where the ring has no room (or there is none)."""
+    host = staging.empty(shape, dtype) if staging is not None else None
+    return host if host is not None else torch.empty(shape, dtype=dtype, pin_memory=True)

@@ -32,7 +32,7 @@ from prometheus_client import CollectorRegistry
 
 from mili.engine import block_rows
 from mili.engine.logprobs import TokenLogprobs
-from mili.engine.pinned import StagingRing, thread_stream
+from mili.engine.pinned import StagingRing, pinned_empty, thread_stream
 from mili.engine.runner import ModelRunner
 from mili.engine.sequence import Sequence
 from mili.errors import Unavailable
@@ -155,19 +155,13 @@ class Batcher:
         cache = self._runner.kv_cache
         stream = thread_stream(cache.device)
         with torch.inference_mode(), torch.cuda.stream(stream):
-            k_pinned = self._pinned_copy(k)
-            v_pinned = self._pinned_copy(v)
+            k_pinned = pinned_empty(k.shape, k.dtype, self._staging).copy_(k)
+            v_pinned = pinned_empty(v.shape, v.dtype, self._staging).copy_(v)
             try:
                 cache.scatter_blocks(layer, block_ids, k_pinned, v_pinned)
             finally:
                 # this landing thread waits; only then may the staging spans be reused
                 stream.synchronize()
-
-    def _pinned_copy(self, t: torch.Tensor) -> torch.Tensor:
-        staged = self._staging.empty(t.shape, t.dtype) if self._staging is not None else None
-        if staged is None:
-            staged = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        return staged.copy_(t)
 
     # ---- batch thread --------------------------------------------------------------------------
 

@@ -31,7 +31,7 @@ from opentelemetry.trace import Span
 from prometheus_client import CollectorRegistry
 
 from mili.engine.kv_cache import KVCache
-from mili.engine.pinned import StagingRing, thread_stream
+from mili.engine.pinned import StagingRing, pinned_empty, thread_stream
 from mili.engine.prefix_cache import PrefixCacheReading
 from mili.engine.runner import ModelRunner
 from mili.engine.sampler import SequenceSampling
@@ -327,7 +327,10 @@ def hand_over(
         # encoder thread waits on the event.
         stream = thread_stream(k.device)
         stream.wait_stream(torch.cuda.current_stream(k.device))  # the gather is queued there
-        k_host, v_host = _pinned_like(k, staging), _pinned_like(v, staging)
+        # A span of `staging` comes round again only behind the copy into it before this one,
+        # on the same side stream (the worker's thread_stream): stream order keeps them apart.
+        k_host = pinned_empty(k.shape, k.dtype, staging)
+        v_host = pinned_empty(v.shape, v.dtype, staging)
         with torch.cuda.stream(stream):
             k_host.copy_(k, non_blocking=True)
             v_host.copy_(v, non_blocking=True)
@@ -341,11 +344,3 @@ def hand_over(
     if k.device.type != "cpu":
         return k.cpu(), v.cpu(), None
     return k, v, None
-
-
-def _pinned_like(t: torch.Tensor, staging: StagingRing | None) -> torch.Tensor:
-    """Uninitialised pinned host memory for a copy of `t`. A span of `staging` is reused only
-    after the copy into it that this one follows on the same side stream (the worker's
-    thread_stream), so stream order keeps the two apart."""
-    host = staging.empty(t.shape, t.dtype) if staging is not None else None
-    return host if host is not None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
