@@ -26,6 +26,7 @@ CHECKED = [
     ),
     # bookkeeping
     "services.decode.requests",
+    "services.decode.progress",
     "services.prefill.scheduler",
     "services.frontend.router",
     # compute loops

@@ -57,6 +57,7 @@ from mili.rpc.sampling import logprobs_from_proto
 from services.decode import convert
 from services.decode.instance import DecodeInstance
 from services.decode.landing import Landing, Reader, in_place_checksum
+from services.decode.progress import TransferProgress
 from services.decode.requests import DecodeRequest, RequestState
 
 # What TransferKv reads: chunks arrive as ChunkViews (mili.rpc.kv_codec.parse_transfer_request
@@ -79,82 +80,7 @@ _LANDING_THREADS = 2  # shared by all transfers: two chunks are checked and copi
 _IN_PLACE_GRACE_S = 2.0
 
 
-class _Progress:
-    """What one transfer has written so far; raises DataLoss on anything out of place."""
-
-    def __init__(self, request: DecodeRequest, num_layers: int, num_chunks: int) -> None:
-        self.request = request
-        self.num_chunks_expected = num_chunks
-        self.num_chunks = 0
-        self.num_bytes = 0
-        # "grpc": the bytes come in the chunks; else the sender wrote the blocks itself
-        # (shm, cuda-ipc): verify them in place, copy nothing
-        self.transport = kv_transport.GRPC
-        self.checksum = kv_checksum.CRC32
-        self._prompt_blocks = frozenset(request.received_block_ids)  # cached blocks: not sent
-        self._num_layers = num_layers
-        # blocks written so far, per layer (set operations, not a Python loop per block: a
-        # transfer announces layers x blocks of them, 28 x 32 for a 512-token 0.6B prompt)
-        self._written: list[set[int]] = [set() for _ in range(num_layers)]
-
-    def check_chunk(self, chunk: Chunk) -> None:
-        where = f"request {self.request.name} chunk {chunk.seq}"
-        if chunk.seq != self.num_chunks:
-            raise DataLoss(
-                f"{where}: expected chunk {self.num_chunks} (chunk lost, duplicated or reordered)"
-            )
-        if chunk.seq >= self.num_chunks_expected:
-            raise DataLoss(f"{where}: the header announced {self.num_chunks_expected} chunks")
-        if chunk.request_id != self.request.request_id:
-            raise DataLoss(f"{where}: carries request id {chunk.request_id!r}")
-        if chunk.layer >= self._num_layers:
-            raise DataLoss(f"{where}: layer out of range (model has {self._num_layers})")
-        ids = chunk.block_ids
-        blocks = set(ids)
-        if not blocks <= self._prompt_blocks:
-            foreign = [b for b in ids if b not in self._prompt_blocks]
-            raise DataLoss(
-                f"{where}: block ids {foreign[:8]} are not among the request's prompt blocks "
-                f"to receive {self.request.received_block_ids}"
-            )
-        written = self._written[chunk.layer]
-        if len(blocks) != len(ids) or not written.isdisjoint(blocks):
-            seen: set[int] = set()
-            for block in ids:  # the first one sent twice, for the message
-                if block in seen or block in written:
-                    raise DataLoss(
-                        f"{where}: layer {chunk.layer} block {block} sent more than once"
-                    )
-                seen.add(block)
-
-    def record(self, chunk: Chunk, num_bytes: int) -> None:
-        """`chunk` passed `check_chunk` and goes to landing: a later duplicate is refused."""
-        self._written[chunk.layer].update(chunk.block_ids)
-        self.num_chunks += 1
-        self.num_bytes += num_bytes
-
-    def check_complete(self) -> None:
-        where = f"request {self.request.name}"
-        if self.num_chunks != self.num_chunks_expected:
-            raise DataLoss(
-                f"{where}: commit after {self.num_chunks} chunks, the header announced "
-                f"{self.num_chunks_expected}"
-            )
-        missing = [
-            (layer, sorted(self._prompt_blocks - written))
-            for layer, written in enumerate(self._written)
-            if len(written) != len(self._prompt_blocks)
-        ]
-        if missing:
-            layer, blocks = missing[0]
-            num_missing = sum(len(b) for _, b in missing)
-            raise DataLoss(
-                f"{where}: {num_missing} (layer, block) pairs never sent, e.g. layer {layer} "
-                f"block {blocks[0]}"
-            )
-
-
-def _annotate_span(progress: _Progress) -> None:
+def _annotate_span(progress: TransferProgress) -> None:
     """What landed, on the TransferKv server span (a child of prefill's `kv transfer`)."""
     span = trace.get_current_span()
     if span.is_recording():
@@ -295,12 +221,12 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
             raise InvalidArgument(
                 "header.transport", transport, "this decode instance did not pair with it"
             )
-        progress = _Progress(request, self._layout.num_layers, header.num_chunks)
-        progress.transport = transport
         checksum = header.checksum or kv_checksum.CRC32
         if checksum not in kv_checksum.available():
             raise InvalidArgument("header.checksum", checksum, "this decode instance lacks it")
-        progress.checksum = checksum
+        progress = TransferProgress(
+            request, self._layout.num_layers, header.num_chunks, transport, checksum
+        )
         landing = Landing(self._landing, self._max_landing_bytes)
         is_committed = False
         if transport != kv_transport.GRPC:
@@ -407,7 +333,9 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
             raise _ended_error(request)
         return reader.take()
 
-    async def _land(self, progress: _Progress, landing: Landing, chunks: list[Chunk]) -> None:
+    async def _land(
+        self, progress: TransferProgress, landing: Landing, chunks: list[Chunk]
+    ) -> None:
         """Check the chunks' places in the transfer here, in order; hand their bytes to a
         landing job (checksum, length, scatter) and return without waiting for it. Several
         chunks come in one message only in place (TransferKvRequest.chunks): they are split
