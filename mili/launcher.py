@@ -58,31 +58,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import shlex
 import signal
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kernels import ATTENTION_CHOICES
-from mili import flags, ports, serve_tls
-from mili.backoff import Backoff, RestartPolicy
+from mili import flags, serve_tls
+from mili.backoff import Backoff
 from mili.child import Child, describe_exit
 from mili.engine.engine_config import DEFAULT_GPU_MEMORY_UTILIZATION
 from mili.engine.kv_layout import DTYPES
 from mili.errors import StartupError
-from mili.rpc.server import format_address
-from mili.rpc.tls import Tls
-
-if TYPE_CHECKING:
-    from mili.rpc.certs import CertFiles  # cryptography: imported only for --tls-demo
+from mili.serve_plan import DEFAULT_PREFILL_MEMORY_SHARE, Plan, check_ports, make_plan
 
 DEFAULT_PORT = 50051
-# Prefill's pool holds only the prompts in flight (its queue bound); decode's holds every running
-# request's whole context, so decode gets most of a shared GPU.
-DEFAULT_PREFILL_MEMORY_SHARE = 0.2
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -230,165 +220,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _say(message: str) -> None:
     print(f"mili serve: {message}", file=sys.stderr, flush=True)
-
-
-@dataclass(frozen=True)
-class Plan:
-    """What to start: built once from the flags."""
-
-    tokenizer: list[str]
-    prefills: list[list[str]]
-    decodes: list[list[str]]
-    frontends: list[list[str]]  # without the instance addresses, known only once they are up
-    startup_timeout_s: float
-    drain_timeout_s: float
-    fail_fast: bool = False  # a child that exits stops everything (exit 1) instead of restarting
-    restart: RestartPolicy = field(default_factory=RestartPolicy)
-    health_tls: Tls | None = None  # what our health checks of the children dial with
-    tls_demo: CertFiles | None = None  # --tls-demo: the files a client outside uses
-
-    @property
-    def frontend(self) -> list[str]:
-        """The first frontend's argv."""
-        return self.frontends[0]
-
-
-def _port(base: int, i: int) -> str:
-    return str(_offset(base, i))
-
-
-def _metrics(base: int | None, offset: int) -> list[str]:
-    """A child's --metrics-port flag: BASE+offset, 0 for every child when BASE is 0."""
-    return [] if base is None else ["--metrics-port", _port(base, offset)]
-
-
-def memory_shares(
-    utilization: float, prefill_share: float, num_prefills: int, num_decodes: int
-) -> tuple[float, float]:
-    """--gpu-memory-utilization of one prefill and of one decode process on a shared GPU."""
-    if not 0 < utilization <= 1:
-        raise StartupError(f"--gpu-memory-utilization must be in (0, 1], got {utilization}")
-    if not 0 < prefill_share < 1:
-        raise StartupError(f"--prefill-memory-share must be in (0, 1), got {prefill_share}")
-    return (
-        utilization * prefill_share / num_prefills,
-        utilization * (1 - prefill_share) / num_decodes,
-    )
-
-
-def make_plan(
-    args: argparse.Namespace, model_dir: Path, demo: dict[str, CertFiles] | None = None
-) -> Plan:
-    """`demo`: --tls-demo's files (mili.rpc.certs.write_demo)."""
-    tls = serve_tls.tls_plan(args, demo)
-    if args.prefill_instances < 1 or args.decode_instances < 1 or args.frontends < 1:
-        raise StartupError("--prefill-instances, --decode-instances and --frontends must be >= 1")
-    metrics_base: int | None = args.metrics_port
-    first_decode = 2 + args.prefill_instances  # metrics port offsets, see the module docstring
-    after_decodes = first_decode + args.decode_instances  # frontend k >= 1: after_decodes+k-1
-    common = ["--host", args.host, "--log-level", args.log_level]
-    common += ["--drain-timeout", str(args.drain_timeout)]
-    if args.otlp_endpoint:
-        common += ["--otlp-endpoint", args.otlp_endpoint]
-    if args.trace_console:
-        common.append("--trace-console")
-    model = ["--model", str(model_dir)]
-    engine: list[str] = []
-    if args.device is not None:
-        engine += ["--device", args.device]
-    if args.dtype is not None:
-        engine += ["--dtype", args.dtype]
-    if args.attention is not None:
-        engine += ["--attention", args.attention]
-    if not args.prefix_caching:
-        engine.append("--no-prefix-cache")
-    streaming: list[str] = []  # the token stream flags every frontend gets
-    if args.max_buffered_tokens is not None:
-        streaming = ["--max-buffered-tokens", str(args.max_buffered_tokens)]
-    if args.stream_interval is not None:
-        streaming += ["--stream-interval", str(args.stream_interval)]
-
-    prefill_memory, decode_memory = memory_shares(
-        args.gpu_memory_utilization,
-        args.prefill_memory_share,
-        args.prefill_instances,
-        args.decode_instances,
-    )
-    is_cuda = args.device is not None and args.device.startswith("cuda")
-
-    def memory(fraction: float) -> list[str]:
-        return ["--gpu-memory-utilization", f"{fraction:.4f}"] if is_cuda else []
-
-    def extra(kind: str) -> list[str]:
-        # TLS first: a flag in --KIND-args comes later and wins (argparse keeps the last).
-        return [*tls.flags.get(kind, []), *shlex.split(getattr(args, f"{kind}_args"))]
-
-    # Decode ports are fixed before anything starts: each prefill instance is told the decode
-    # instances it may send KV to (its --decode), and they all load their models at once.
-    decode_ports = [
-        int(_port(args.decode_port, i)) if args.decode_port else ports.pick_free(args.host)
-        for i in range(args.decode_instances)
-    ]
-    decode_addresses = ",".join(format_address(args.host, p) for p in decode_ports)
-
-    return Plan(
-        tokenizer=[
-            "serve-tokenizer",
-            *model,
-            *common,
-            "--port",
-            str(args.tokenizer_port),
-            *_metrics(metrics_base, 1),
-            *extra("tokenizer"),
-        ],
-        prefills=[
-            [
-                "serve-prefill",
-                *model,
-                *engine,
-                *memory(prefill_memory),
-                *common,
-                "--port",
-                _port(args.prefill_port, i),
-                *_metrics(metrics_base, 2 + i),
-                "--decode",
-                decode_addresses,
-                *extra("prefill"),
-            ]
-            for i in range(args.prefill_instances)
-        ],
-        decodes=[
-            [
-                "serve-decode",
-                *model,
-                *engine,
-                *memory(decode_memory),
-                *common,
-                "--port",
-                str(decode_ports[i]),
-                *_metrics(metrics_base, first_decode + i),
-                *extra("decode"),
-            ]
-            for i in range(args.decode_instances)
-        ],
-        frontends=[
-            [
-                "serve-frontend",
-                *common,
-                "--port",
-                _port(args.port, k),
-                *_metrics(metrics_base, 0 if k == 0 else after_decodes + k - 1),
-                *streaming,
-                *extra("frontend"),
-            ]
-            for k in range(args.frontends)
-        ],
-        startup_timeout_s=args.startup_timeout,
-        drain_timeout_s=args.drain_timeout,
-        fail_fast=args.fail_fast,
-        health_tls=tls.health,
-        tls_demo=None if demo is None else demo["client"],
-    )
 
 
 class Launcher:
@@ -585,25 +416,6 @@ class Launcher:
                 # was announced when sent.
                 if code not in (0, None, -signal.SIGTERM, -signal.SIGKILL):
                     _say(f"{child.name} {describe_exit(code)}")
-
-
-def check_ports(args: argparse.Namespace) -> None:
-    """Fixed ports taken by another process fail now, before any model loads (seconds)."""
-    fixed = [("--port", _offset(args.port, k)) for k in range(args.frontends)]
-    fixed += [("--tokenizer-port", args.tokenizer_port)]
-    fixed += [
-        ("--prefill-port", _offset(args.prefill_port, i)) for i in range(args.prefill_instances)
-    ]
-    fixed += [("--decode-port", _offset(args.decode_port, i)) for i in range(args.decode_instances)]
-    if args.metrics_port:
-        num_children = 1 + args.frontends + args.prefill_instances + args.decode_instances
-        fixed += [("--metrics-port", args.metrics_port + i) for i in range(num_children)]
-    for flag, port in fixed:
-        ports.check_free(args.host, port, flag)
-
-
-def _offset(base: int, i: int) -> int:
-    return base + i if base else 0
 
 
 def run(args: argparse.Namespace) -> int:
