@@ -44,13 +44,11 @@ from mili.rpc.client import channel, connection_hint
 from mili.rpc.kv_layout import check_compatible, describe
 from mili.rpc.tls import Tls
 from mili.telemetry.metrics import FrontendMetrics
-from mili.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
-from services.frontend.calls import TokenizerFacts
+from mili.tokenizer.v1 import tokenizer_pb2_grpc
 from services.frontend.config import FrontendConfig
-from services.frontend.downstream import error_from
 from services.frontend.multiplex import DecodeMultiplexer
 from services.frontend.router import MemberChanges, Router
-from services.frontend.text import LocalDetokenizer
+from services.frontend.tokenizer_backend import TokenizerBackend
 
 _LOG = logging.getLogger("mili.frontend")
 
@@ -93,17 +91,16 @@ class Backends:
         self._decodes: dict[str, decode_pb2_grpc.DecodeServiceStub] = {}
         self._unreachable: set[str] = set()  # instances whose failure to answer was logged
         self._lookup_failures: set[Target] = set()  # names whose failed lookup was logged
-        self.tokenizer = tokenizer_pb2_grpc.TokenizerServiceStub(
-            self._channel(config.tokenizer_address)
+        self.tokenizer = TokenizerBackend(
+            config.tokenizer_address,
+            tokenizer_pb2_grpc.TokenizerServiceStub(self._channel(config.tokenizer_address)),
+            config.info_timeout_s,
         )
         # Every request on a decode instance shares one GenerateStream (multiplex.py).
         self._multiplexers: dict[str, DecodeMultiplexer] = {}
         self.prefill_layouts: dict[str, kv_pb2.KvLayout] = {}
         self.decode_layouts: dict[str, kv_pb2.KvLayout] = {}
         self.models: dict[str, str] = {}  # address -> model name its Info reported
-        self._tokenizer_facts: TokenizerFacts | None = None  # None: down, or not asked yet
-        # The tokenizer's file, loaded to detokenize here; None: detokenize through the service.
-        self.local_detokenizer: LocalDetokenizer | None = None
         self._problem: str | None = None  # why it is not usable; None when it is
         self._is_health_reported = False
         self._wake: asyncio.Event | None = None
@@ -303,44 +300,9 @@ class Backends:
         if self._wake is not None:
             self._wake.set()
 
-    async def tokenizer_facts(self) -> TokenizerFacts:
-        """The tokenizer's vocabulary size and EOS ids; raises Unavailable when it is down."""
-        if self._tokenizer_facts is None:
-            await self._fetch_tokenizer_facts()
-            assert self._tokenizer_facts is not None
-        return self._tokenizer_facts
-
-    async def _fetch_tokenizer_facts(self) -> None:
-        who = f"tokenizer at {self.config.tokenizer_address}"
-        try:
-            info = await self.tokenizer.Info(
-                tokenizer_pb2.InfoRequest(), timeout=self.config.info_timeout_s
-            )
-        except grpc.aio.AioRpcError as err:
-            if self._tokenizer_facts is not None:
-                _LOG.warning("%s is down: %s: %s", who, err.code().name, err.details())
-            self._tokenizer_facts = None
-            raise error_from(err, who) from None
-        facts = TokenizerFacts(
-            model=info.model,
-            vocab_size=info.vocab_size,
-            eos_token_ids=tuple(info.eos_token_ids),
-            max_input_chars=info.max_input_chars,
-            tokenizer_file_sha256=info.tokenizer_file_sha256,
-        )
-        if facts != self._tokenizer_facts:
-            _LOG.info(
-                "%s is up: model %s, vocab %d, eos %s",
-                who,
-                info.model,
-                info.vocab_size,
-                list(info.eos_token_ids),
-            )
-        self._tokenizer_facts = facts
-
     def forget_tokenizer(self) -> None:
-        """The tokenizer failed: fetch its Info again next time (it may have restarted)."""
-        self._tokenizer_facts = None
+        """The tokenizer failed: fetch its Info again soon (it may have restarted)."""
+        self.tokenizer.forget()
         self.request_refresh()
 
     @property
@@ -350,8 +312,8 @@ class Backends:
 
     @property
     def model(self) -> str:
-        if self._tokenizer_facts is not None:
-            return self._tokenizer_facts.model
+        if self.tokenizer.facts is not None:
+            return self.tokenizer.facts.model
         return next(iter(self.models.values()), "")
 
     # ---- polling -----------------------------------------------------------------------------
@@ -360,13 +322,13 @@ class Backends:
         self._collect_drained()
         polls = [self._poll_prefill(a) for a in list(self._prefills)]
         polls += [self._poll_decode(a) for a in list(self._decodes)]
-        polls.append(self._poll_tokenizer())
+        polls.append(self.tokenizer.poll())
         await asyncio.gather(*polls)
         await self._report_health()
 
     async def _report_health(self) -> None:
         problem: str | None
-        if self._tokenizer_facts is None:
+        if self.tokenizer.facts is None:
             problem = f"the tokenizer at {self.config.tokenizer_address} is down"
         else:
             problem = self.router.route_problem()
@@ -394,36 +356,6 @@ class Backends:
                 await self.refresh()
             except Exception:  # a bug here must not stop routing updates for good
                 _LOG.exception("polling instance Info failed")
-
-    async def _poll_tokenizer(self) -> None:
-        with contextlib.suppress(Exception):
-            await self._fetch_tokenizer_facts()
-            await self._sync_detokenizer()
-
-    async def _sync_detokenizer(self) -> None:
-        """Load the tokenizer's file for detokenizing in this process (text.py) when its digest
-        is new; without one (a tokenizer that does not hand it out), detokenize through it."""
-        facts = self._tokenizer_facts
-        sha256 = "" if facts is None else facts.tokenizer_file_sha256
-        if not sha256:
-            self.local_detokenizer = None
-            return
-        if self.local_detokenizer is not None and self.local_detokenizer.sha256 == sha256:
-            return
-        who = f"tokenizer at {self.config.tokenizer_address}"
-        try:
-            reply = await self.tokenizer.GetTokenizerFile(
-                tokenizer_pb2.GetTokenizerFileRequest(), timeout=self.config.info_timeout_s * 10
-            )
-            # Parsing a 150k-token vocabulary takes most of a second: off the event loop.
-            local = await asyncio.to_thread(LocalDetokenizer, reply.tokenizer_json, reply.sha256)
-        except (grpc.aio.AioRpcError, ValueError) as err:
-            self.local_detokenizer = None
-            why = f"{err.code().name}: {err.details()}" if isinstance(err, grpc.RpcError) else err
-            _LOG.warning("%s: no tokenizer file (%s); detokenizing through it", who, why)
-            return
-        self.local_detokenizer = local
-        _LOG.info("detokenizing in process with the tokenizer file of %s (%s)", who, sha256[:12])
 
     async def _poll_prefill(self, address: str) -> None:
         try:

@@ -44,13 +44,13 @@ class GrpcDownstream:
         return self._backends.router
 
     async def tokenizer_facts(self) -> TokenizerFacts:
-        return await self._backends.tokenizer_facts()
+        return await self._backends.tokenizer.current_facts()
 
     async def tokenize(self, request: ValidRequest, deadline: Deadline) -> tuple[int, ...]:
         who = f"tokenizer at {self._config.tokenizer_address}"
         timeout_s = deadline.remaining() or self._config.tokenize_timeout_s
         try:
-            reply = await self._backends.tokenizer.Tokenize(
+            reply = await self._backends.tokenizer.stub.Tokenize(
                 convert.tokenize_request(request), timeout=timeout_s
             )
         except grpc.aio.AioRpcError as err:
@@ -95,11 +95,11 @@ class GrpcDownstream:
         return task
 
     def detokenize(self, vocab_size: int, deadline: Deadline) -> LocalTextStream | TextStream:
-        local = self._backends.local_detokenizer
+        local = self._backends.tokenizer.local_detokenizer
         if local is not None:
             return local.stream(vocab_size)
         return TextStream(
-            self._backends.tokenizer,
+            self._backends.tokenizer.stub,
             f"tokenizer at {self._config.tokenizer_address}",
             vocab_size,
             timeout_s=deadline.remaining(),
