@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import gc
 import random
+import threading
+import weakref
 
 import pytest
 import torch
@@ -115,3 +117,40 @@ def test_staging_ring_says_none_when_full_so_the_caller_allocates_elsewhere():
     del held
     gc.collect()
     assert staging.empty((1024,), torch.float32) is not None
+
+
+class _CollectingRing(ByteRing):
+    """A ring whose placement runs the garbage collector, as any allocation inside its locked
+    section may (Python runs the collector wherever it comes due)."""
+
+    def _place(self, size: int) -> int | None:
+        gc.collect()
+        return super()._place(size)
+
+
+def test_a_release_the_collector_runs_inside_the_ring_lock_is_deferred_not_deadlocked():
+    """A staging span's release is a finalizer: the collector may run it on the thread that
+    holds the ring's lock, inside `take`. It waits for the end of that section; before, that
+    thread waited for its own lock forever."""
+    ring = _CollectingRing(1024)
+    first = ring.take(64)
+    doomed = ring.take(64)
+
+    class Cycle:
+        me: object
+
+    garbage = Cycle()
+    garbage.me = garbage  # freed only by the collector
+    weakref.finalize(garbage, ring.release, doomed)
+    del garbage
+    taken: list[int | None] = []
+    thread = threading.Thread(target=lambda: taken.append(ring.take(64)), daemon=True)
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive(), "take() deadlocked on the ring's own lock"
+    assert taken == [128]
+    assert ring.num_held == 2  # first and the new span; `doomed` came back
+    ring.release(first)
+    assert ring.num_held == 1
+    with pytest.raises(KeyError):
+        ring.release(doomed)  # released once already, by its finalizer
