@@ -61,6 +61,7 @@ from mili.engine.fingerprint import model_fingerprint
 from mili.engine.kv_cache import KVCache
 from mili.engine.loader import load_model
 from mili.engine.model import PrefillBatch, Qwen3ForCausalLM
+from mili.engine.pinned import StagingRing
 from mili.engine.runner import ModelRunner
 from mili.engine.sampling_params import SamplingParams
 from mili.kv.v1 import kv_pb2, kv_pb2_grpc
@@ -255,8 +256,11 @@ async def kv_path_alone(
     cache = servicer.worker.kv_cache
     blocks = list(range(-(-len(prompt) // BLOCK_SIZE)))
     layers = [cache.gather_blocks(i, blocks) for i in range(cache.num_layers)]
-    # the worker's staging for device -> host copies (GPU, grpc), sized as the worker's
-    staging = servicer.worker.staging
+    # Staging for device -> host copies (GPU, grpc) sized as the worker's, but its own: these
+    # copies run on this thread's side stream, the worker's on the worker's, and a span comes
+    # round again safely only behind the copies of one stream.
+    worker_staging = servicer.worker.staging
+    staging = None if worker_staging is None else StagingRing(worker_staging.capacity, cache.device)
     results = []
     with ThreadPoolExecutor(2) as encoder:
         async with insecure_channel(address, max_message_bytes=256 << 20) as channel:

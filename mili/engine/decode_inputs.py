@@ -129,7 +129,7 @@ class DecodeInputs:
             self.block_tables.index_copy_(0, self._changed_rows[:m], self._changed_tables[:m])
         if self.device.type == "cuda":
             event = torch.cuda.Event()
-            event.record()
+            event.record(torch.cuda.current_stream(self.device))
             self._copied[k] = event
         return max(positions) // size + 1 if positions else 1
 

@@ -71,7 +71,7 @@ class DeviceToHost:
                 host.copy_(t, non_blocking=True)
                 self._host.append(host)
             self._event = torch.cuda.Event()
-            self._event.record()
+            self._event.record(torch.cuda.current_stream(tensors[0].device))
         else:
             self._host = [t.cpu() for t in tensors]  # CPU tensors: no copy at all
 
@@ -107,6 +107,11 @@ class StagingRing:
     def num_held(self) -> int:
         """Spans handed out and not yet freed."""
         return self._ring.num_held
+
+    @property
+    def capacity(self) -> int:
+        """Bytes of the buffer."""
+        return self._ring.capacity
 
     def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor | None:
         """An uninitialised tensor of `shape` and `dtype` in the ring, or None while the ring

@@ -247,6 +247,7 @@ class ModelRunner:
         """
         require_device(config.device)
         device = torch.device(config.device)
+        use_device(device)  # graph capture and the pool's events below
         try:
             dtype = resolve_dtype(config.dtype) if config.dtype is not None else None
             model = load_model(
@@ -291,6 +292,14 @@ class ModelRunner:
         if use_graphs:
             runner.capture_graphs()
         return runner
+
+
+def use_device(device: torch.device) -> None:
+    """Make `device` the calling thread's current CUDA device (nothing on the CPU): events,
+    streams and graph captures made without a device take the current one, which is cuda:0 in
+    every thread until it says otherwise. Called by each thread that runs the model."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
 
 
 def require_device(device: str) -> None:

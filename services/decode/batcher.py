@@ -33,7 +33,7 @@ from prometheus_client import CollectorRegistry
 from mili.engine import block_rows
 from mili.engine.logprobs import TokenLogprobs
 from mili.engine.pinned import StagingRing, pinned_empty, thread_stream
-from mili.engine.runner import ModelRunner
+from mili.engine.runner import ModelRunner, use_device
 from mili.engine.sequence import Sequence
 from mili.errors import Unavailable
 from mili.telemetry.metrics import DecodeMetrics
@@ -166,6 +166,7 @@ class Batcher:
     # ---- batch thread --------------------------------------------------------------------------
 
     def _run(self) -> None:
+        use_device(self._runner.kv_cache.device)
         try:
             while True:
                 with self._cond:

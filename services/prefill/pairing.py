@@ -118,6 +118,13 @@ class CudaIpcPool:
         if any(not 0 <= b < self.num_blocks for b in block_ids):
             raise ValueError(f"block ids {list(block_ids)} outside decode's pool")
         k_pool, v_pool = self.k[layer], self.v[layer]
+        expected = (len(block_ids), *k_pool.shape[1:])
+        for t in (k, v):
+            if tuple(t.shape) != expected or t.dtype != k_pool.dtype:
+                raise ValueError(
+                    f"{tuple(t.shape)} {t.dtype} does not fit {len(block_ids)} blocks of "
+                    f"decode's pool {tuple(k_pool.shape[1:])} {k_pool.dtype}"
+                )
         first = 0
         with torch.inference_mode(), torch.cuda.stream(self._stream):
             for start, stop in block_runs(block_ids):

@@ -33,7 +33,7 @@ from prometheus_client import CollectorRegistry
 from mili.engine.kv_cache import KVCache
 from mili.engine.pinned import StagingRing, pinned_empty, thread_stream
 from mili.engine.prefix_cache import PrefixCacheReading
-from mili.engine.runner import ModelRunner
+from mili.engine.runner import ModelRunner, use_device
 from mili.engine.sampler import SequenceSampling
 from mili.errors import Unavailable
 from mili.telemetry.metrics import PrefillMetrics
@@ -190,6 +190,7 @@ class PrefillWorker:
         return min(60.0, max(0.05, self._scheduler.num_queued_tokens / self._tokens_per_s))
 
     def _run(self) -> None:
+        use_device(self.kv_cache.device)
         while True:
             with self._cond:
                 step = None
@@ -319,7 +320,7 @@ def hand_over(
         # cuda-ipc: the sender copies device to device on its own stream once the gather
         # (queued on ours) is over.
         event = torch.cuda.Event()
-        event.record()
+        event.record(torch.cuda.current_stream(k.device))
         return k, v, event.synchronize
     if k.device.type == "cuda":
         # Copy to pinned host memory on a side stream, without waiting for the GPU: the model's
