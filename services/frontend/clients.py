@@ -47,7 +47,7 @@ class GrpcDownstream:
         return await self._backends.tokenizer.current_facts()
 
     async def tokenize(self, request: ValidRequest, deadline: Deadline) -> tuple[int, ...]:
-        who = f"tokenizer at {self._config.tokenizer_address}"
+        who = self._backends.tokenizer.who
         timeout_s = deadline.remaining() or self._config.tokenize_timeout_s
         try:
             reply = await self._backends.tokenizer.stub.Tokenize(
@@ -100,7 +100,7 @@ class GrpcDownstream:
             return local.stream(vocab_size)
         return TextStream(
             self._backends.tokenizer.stub,
-            f"tokenizer at {self._config.tokenizer_address}",
+            self._backends.tokenizer.who,
             vocab_size,
             timeout_s=deadline.remaining(),
         )

@@ -28,10 +28,9 @@ class TokenizerBackend:
     def __init__(
         self, address: str, stub: tokenizer_pb2_grpc.TokenizerServiceStub, info_timeout_s: float
     ) -> None:
-        self.address = address
         self.stub = stub
         self._info_timeout_s = info_timeout_s
-        self._who = f"tokenizer at {address}"
+        self.who = f"tokenizer at {address}"  # how errors and logs name it
         self.facts: TokenizerFacts | None = None  # None: down, or not asked yet
         # The tokenizer's file, loaded to detokenize here; None: detokenize through the service.
         self.local_detokenizer: LocalDetokenizer | None = None
@@ -50,9 +49,9 @@ class TokenizerBackend:
             info = await self.stub.Info(tokenizer_pb2.InfoRequest(), timeout=self._info_timeout_s)
         except grpc.aio.AioRpcError as err:
             if self.facts is not None:
-                _LOG.warning("%s is down: %s: %s", self._who, err.code().name, err.details())
+                _LOG.warning("%s is down: %s: %s", self.who, err.code().name, err.details())
             self.facts = None
-            raise error_from(err, self._who) from None
+            raise error_from(err, self.who) from None
         facts = TokenizerFacts(
             model=info.model,
             vocab_size=info.vocab_size,
@@ -63,7 +62,7 @@ class TokenizerBackend:
         if facts != self.facts:
             _LOG.info(
                 "%s is up: model %s, vocab %d, eos %s",
-                self._who,
+                self.who,
                 info.model,
                 info.vocab_size,
                 list(info.eos_token_ids),
@@ -99,9 +98,9 @@ class TokenizerBackend:
         except (grpc.aio.AioRpcError, ValueError) as err:
             self.local_detokenizer = None
             why = f"{err.code().name}: {err.details()}" if isinstance(err, grpc.RpcError) else err
-            _LOG.warning("%s: no tokenizer file (%s); detokenizing through it", self._who, why)
+            _LOG.warning("%s: no tokenizer file (%s); detokenizing through it", self.who, why)
             return
         self.local_detokenizer = local
         _LOG.info(
-            "detokenizing in process with the tokenizer file of %s (%s)", self._who, sha256[:12]
+            "detokenizing in process with the tokenizer file of %s (%s)", self.who, sha256[:12]
         )
