@@ -4,6 +4,6 @@ Importing this package is cheap (no torch): services read ATTENTION_CHOICES whil
 and import `kernels.backend` only once they load a model.
 """
 
-# --attention values; see kernels/backend.py select_attention for what each means.
+# --attention values; see kernels/choice.py select_kernels for what each means.
 ATTENTION_CHOICES = ("auto", "mojo", "torch")
 DEFAULT_ATTENTION = "auto"

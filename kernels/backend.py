@@ -117,9 +117,9 @@ def load_mojo_attention(device: torch.device | str, root: Path | None = None) ->
     if device.type == "cuda":
         from kernels.gpu import GpuKernels
 
-        ptx_dir = build.gpu_kernel_dir(root)
+        # GPU hosts usually lack the toolchain: PTX is built where Mojo is and carried over.
+        ptx_dir = build.find_ptx(build.gpu_kernel_dir(root), "attention")
         if not (ptx_dir / "manifest.json").exists():
-            # GPU hosts usually lack the toolchain: PTX is built where Mojo is and carried over.
             ptx_dir = build.build_gpu(root)
         return MojoAttention(GpuKernels(ptx_dir), "cuda")
     raise build.KernelBuildError(f"no Mojo attention kernels for device type {device.type!r}")

@@ -85,6 +85,34 @@ def find_mojo() -> Path:
     )
 
 
+def find_ptx(target: Path, what: str) -> Path:
+    """`target` if it holds a manifest, else the PTX built here; where there is no Mojo
+    toolchain either, a KernelBuildError that says so and names stale PTX it finds (PTX of
+    other kernel sources under the same cache: built before kernels/mojo last changed)."""
+    if (target / "manifest.json").exists():
+        return target
+    try:
+        find_mojo()
+    except KernelBuildError as e:
+        kernels_root, arch_dir = target.parent.parent, target.name
+        stale = sorted(
+            p.parent.parent.name
+            for p in kernels_root.glob(f"*/{arch_dir}/manifest.json")
+            if p.parent != target
+        )
+        found = (
+            f"; stale {arch_dir} PTX of other kernel sources is there ({', '.join(stale)})"
+            if stale
+            else ""
+        )
+        raise KernelBuildError(
+            f"no {what} PTX for this kernel source at {target}{found}. Build it where Mojo is "
+            f"(`mili kernels build --gpu` or ../shared/gpu/prep.sh) and carry the cache "
+            f"(MILI_CACHE_DIR). {e}"
+        ) from None
+    return target
+
+
 def toolchain_key(mojo: Path) -> str:
     """12 hex digits over the compiler's version, its location and this CPU's features."""
     version = _compiler_version(mojo)

@@ -33,9 +33,9 @@ def load_mojo_fused_ops(device: torch.device | str, root: Path | None = None) ->
         from kernels.fused.gpu import GpuFusedKernels
         from kernels.fused.ptx import build_fused_gpu, fused_kernel_dir
 
-        ptx_dir = fused_kernel_dir(root)
+        # GPU hosts usually lack the toolchain: PTX is built where Mojo is and carried over.
+        ptx_dir = build.find_ptx(fused_kernel_dir(root), "fused-op")
         if not (ptx_dir / "manifest.json").exists():
-            # GPU hosts usually lack the toolchain: PTX is built where Mojo is and carried over.
             ptx_dir = build_fused_gpu(root)
         return GpuFusedKernels(ptx_dir)
     raise build.KernelBuildError(f"no Mojo fused kernels for device type {device.type!r}")

@@ -180,8 +180,13 @@ class ModelRunner:
 
     # ---- start-up ------------------------------------------------------------------------------
 
-    def capture_graphs(self) -> None:
-        """Capture the decode step for every padded batch size (CUDA, graph-safe backend)."""
+    def capture_graphs(self) -> bool:
+        """Capture the decode step for every padded batch size (CUDA, graph-safe backend).
+
+        A capture that fails (a kernel that syncs or allocates in a way the capture refuses,
+        a driver error) leaves the runner eager, with a warning: False. Decode steps are then
+        slower, not wrong.
+        """
 
         def forward(size: int) -> torch.Tensor:
             return self.model.decode(self.inputs.batch(size), self.kv_cache)
@@ -189,14 +194,24 @@ class ModelRunner:
         def fill_padding(size: int) -> None:
             self.inputs.fill([], size)
 
-        with torch.inference_mode():
-            self.graphs = DecodeGraphs.capture(
-                forward,
-                fill_padding,
-                self.batch_sizes,
-                self.model.config.vocab_size,
-                self.device,
+        try:
+            with torch.inference_mode():
+                self.graphs = DecodeGraphs.capture(
+                    forward,
+                    fill_padding,
+                    self.batch_sizes,
+                    self.model.config.vocab_size,
+                    self.device,
+                )
+        except Exception as e:  # whatever broke the capture, eager steps still serve
+            self.graphs = None
+            _LOG.warning(
+                "CUDA graph capture of the decode step failed, decode steps run eagerly: %s: %s",
+                type(e).__name__,
+                e,
             )
+            return False
+        return True
 
     def warm_up(self, max_prefill_tokens: int | None, *, full_width: bool) -> None:
         """The most memory a step can take: a prefill of `max_prefill_tokens` (if given) and

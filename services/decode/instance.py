@@ -11,9 +11,9 @@ from pathlib import Path
 import torch
 from prometheus_client import CollectorRegistry
 
-from kernels.backend import select_attention
 from kernels.build import KernelBuildError
-from kernels.fused.backend import select_fused_ops
+from kernels.choice import select_kernels
+from kernels.self_check import CheckShape
 from mili.engine import kv_transport
 from mili.engine.block_pool import BlockPool
 from mili.engine.config import ConfigError, Qwen3Config
@@ -85,12 +85,10 @@ class DecodeInstance:
         require_device(engine.device)
         try:
             model_config = load_config(config.model_dir)
-            attention = select_attention(
-                engine.attention, engine.device, head_dim=model_config.head_dim
-            )
-            # One flag, one kernel family: --attention picks the fused elementwise ops too.
-            fused_ops = select_fused_ops(
-                engine.attention, engine.device, head_dim=model_config.head_dim
+            kernels = select_kernels(
+                engine.attention,
+                engine.device,
+                CheckShape.of(model_config, engine.block_size, engine.dtype),
             )
             fingerprint = model_fingerprint(config.model_dir)
         except KernelBuildError as e:
@@ -105,8 +103,8 @@ class DecodeInstance:
             runner = ModelRunner.load(
                 config.model_dir,
                 engine,
-                attention=attention,
-                fused_ops=fused_ops,
+                attention=kernels.attention,
+                fused_ops=kernels.fused_ops,
                 max_decode_batch=config.max_running,
                 capture_graphs=True,
                 default_kv_bytes=DEFAULT_KV_CACHE_BYTES,
@@ -179,6 +177,10 @@ class DecodeInstance:
         return self.model.attention.name
 
     @property
+    def fused_ops(self) -> str:
+        return self.model.fused_ops.name
+
+    @property
     def max_context_tokens(self) -> int:
         return self.model.config.max_position_embeddings
 
@@ -202,7 +204,8 @@ class DecodeInstance:
     def describe(self) -> str:
         return (
             f"model {self.model_name} ({self.config.model_dir}) on {self.device} in {self.dtype}; "
-            f"{self.runner.describe()}; attention {self.attention_backend}; "
+            f"{self.runner.describe()}; attention {self.attention_backend}, "
+            f"fused ops {self.fused_ops}; "
             f"max_running {self.config.max_running}; eos {sorted(self.eos_token_ids)}; "
             f"KV transports {', '.join(self.endpoint.transports)}"
             + (f" (pool in {self.segment.path})" if self.segment is not None else "")

@@ -147,6 +147,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             device=inst.device,
             kv_layout=self._layout,
             attention_backend=inst.attention_backend,
+            fused_ops=inst.fused_ops,
             max_context_tokens=inst.max_context_tokens,
             max_running=inst.config.max_running,
             num_total_blocks=table.num_total_blocks,

@@ -13,9 +13,9 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
-from kernels.backend import select_attention
 from kernels.build import KernelBuildError
-from kernels.fused.backend import select_fused_ops
+from kernels.choice import select_kernels
+from kernels.self_check import CheckShape
 from mili.engine.block_pool import BlockPool
 from mili.engine.config import ConfigError
 from mili.engine.fingerprint import model_fingerprint
@@ -56,12 +56,10 @@ class PrefillInstance:
         require_device(engine.device)
         try:
             model_config = load_config(model_dir)
-            attention = select_attention(
-                engine.attention, engine.device, head_dim=model_config.head_dim
-            )
-            # One flag, one kernel family: --attention picks the fused elementwise ops too.
-            fused_ops = select_fused_ops(
-                engine.attention, engine.device, head_dim=model_config.head_dim
+            kernels = select_kernels(
+                engine.attention,
+                engine.device,
+                CheckShape.of(model_config, engine.block_size, engine.dtype),
             )
             fingerprint = model_fingerprint(model_dir)
         except KernelBuildError as e:
@@ -71,8 +69,8 @@ class PrefillInstance:
         runner = ModelRunner.load(
             model_dir,
             engine,
-            attention=attention,
-            fused_ops=fused_ops,
+            attention=kernels.attention,
+            fused_ops=kernels.fused_ops,
             max_decode_batch=1,  # prefill runs no decode step
             capture_graphs=False,
             max_prefill_tokens=config.max_batch_tokens,
@@ -137,6 +135,10 @@ class PrefillInstance:
         return self.model.attention.name
 
     @property
+    def fused_ops(self) -> str:
+        return self.model.fused_ops.name
+
+    @property
     def layout(self) -> KVLayout:
         return self.runner.kv_cache.layout
 
@@ -150,6 +152,7 @@ class PrefillInstance:
         return (
             f"on {self.device}: dtype {self.dtype}, "
             f"{self.runner.describe(decode=False)}, attention {self.attention_backend}, "
+            f"fused ops {self.fused_ops}, "
             f"max_batch_tokens {config.max_batch_tokens}, "
             f"max_queued_tokens {config.max_queued_tokens}, "
             f"KV to {', '.join(config.allowed_decodes)}"

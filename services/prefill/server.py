@@ -209,6 +209,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             device=instance.device,
             kv_layout=self.layout,
             attention_backend=instance.attention_backend,
+            fused_ops=instance.fused_ops,
             max_prompt_tokens=self.max_prompt_tokens,
             max_batch_tokens=self.config.max_batch_tokens,
             num_queued_tokens=self.worker.num_queued_tokens,

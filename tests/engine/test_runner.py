@@ -3,6 +3,8 @@ sampling that does not depend on the batch around a request."""
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from mili.engine.block_pool import BlockPool, blocks_needed
@@ -131,3 +133,25 @@ def test_seeds_reach_the_full_64_bits() -> None:
     b = SequenceSampling(SamplingParams(temperature=1.0, seed=5 + (1 << 40)), [1], 16)
     assert a.uniform() != b.uniform()
     assert 0.0 <= a.uniform() < 1.0
+
+
+def test_a_failed_graph_capture_leaves_the_runner_eager_and_working(
+    engine_models: dict[str, Qwen3ForCausalLM], caplog
+) -> None:
+    # On the CPU every capture fails (CUDA graphs are CUDA's): the same path as a capture a
+    # kernel breaks on a GPU. The runner warns, keeps no graphs, and decodes as before.
+    model = engine_models["tied_gqa2"]
+    runner = ModelRunner.create(model, 32, BLOCK_SIZE, max_decode_batch=4)
+    eager = ModelRunner.create(model, 32, BLOCK_SIZE, max_decode_batch=4)
+    with caplog.at_level(logging.WARNING, logger="mili.engine"):
+        assert runner.capture_graphs() is False
+    assert runner.graphs is None
+    assert "CUDA graph capture of the decode step failed, decode steps run eagerly" in caplog.text
+    prompt_ids = prompts(3, model.config.vocab_size, seed=5)
+    outputs = []
+    for r in (runner, eager):
+        pool = BlockPool(r.num_blocks, null_block=True)
+        seqs = start(r, pool, prompt_ids, [SamplingParams(max_tokens=6, temperature=0.0)] * 3)
+        run_to_end(r, seqs)
+        outputs.append([s.output_token_ids for s in seqs])
+    assert outputs[0] == outputs[1] and all(len(ids) == 6 for ids in outputs[0])

@@ -78,3 +78,24 @@ def test_demo_model_generates_the_same_with_mojo_and_torch(demo_model_dir: Path,
     else:  # bf16 near-ties may flip late tokens; the first ones must agree
         for mojo, ref in zip(outputs["mojo"], outputs["torch"], strict=True):
             assert mojo[:4] == ref[:4]
+
+
+@pytest.mark.parametrize(
+    ("family", "arch_dir"), [("attention", "sm_90"), ("fused-op", "sm_90-fused")]
+)
+def test_missing_or_stale_ptx_is_reported_by_name(
+    tmp_path, monkeypatch, family: str, arch_dir: str
+) -> None:
+    # A GPU host without the toolchain whose cache holds PTX of an older kernel source only.
+    from kernels.fused.backend import select_fused_ops
+
+    _break_toolchain(tmp_path, monkeypatch)
+    (tmp_path / "kernels" / "0123456789abcdef" / arch_dir).mkdir(parents=True)
+    (tmp_path / "kernels" / "0123456789abcdef" / arch_dir / "manifest.json").write_text("{}")
+    select = select_attention if family == "attention" else select_fused_ops
+    with pytest.raises(build.KernelBuildError) as failure:
+        select("mojo", "cuda", head_dim=64, root=tmp_path)
+    message = str(failure.value)
+    assert f"no {family} PTX for this kernel source at {tmp_path}/kernels/" in message
+    assert f"stale {arch_dir} PTX of other kernel sources is there (0123456789abcdef)" in message
+    assert "Mojo toolchain not found" in message

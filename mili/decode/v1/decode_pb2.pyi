@@ -114,7 +114,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model", "dtype", "device", "kv_layout", "attention_backend", "max_context_tokens", "max_running", "num_total_blocks", "num_free_blocks", "num_running", "num_waiting", "kv_cache_bytes", "num_cuda_graphs", "prefix_cache", "kv_transports")
+    __slots__ = ("model", "dtype", "device", "kv_layout", "attention_backend", "max_context_tokens", "max_running", "num_total_blocks", "num_free_blocks", "num_running", "num_waiting", "kv_cache_bytes", "num_cuda_graphs", "prefix_cache", "kv_transports", "fused_ops")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +130,7 @@ class InfoResponse(_message.Message):
     NUM_CUDA_GRAPHS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
+    FUSED_OPS_FIELD_NUMBER: _ClassVar[int]
     model: str
     dtype: str
     device: str
@@ -145,4 +146,5 @@ class InfoResponse(_message.Message):
     num_cuda_graphs: int
     prefix_cache: _kv_pb2.PrefixCacheInfo
     kv_transports: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., kv_layout: _Optional[_Union[_kv_pb2.KvLayout, _Mapping]] = ..., attention_backend: _Optional[str] = ..., max_context_tokens: _Optional[int] = ..., max_running: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., num_cuda_graphs: _Optional[int] = ..., prefix_cache: _Optional[_Union[_kv_pb2.PrefixCacheInfo, _Mapping]] = ..., kv_transports: _Optional[_Iterable[str]] = ...) -> None: ...
+    fused_ops: str
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., kv_layout: _Optional[_Union[_kv_pb2.KvLayout, _Mapping]] = ..., attention_backend: _Optional[str] = ..., max_context_tokens: _Optional[int] = ..., max_running: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., num_cuda_graphs: _Optional[int] = ..., prefix_cache: _Optional[_Union[_kv_pb2.PrefixCacheInfo, _Mapping]] = ..., kv_transports: _Optional[_Iterable[str]] = ..., fused_ops: _Optional[str] = ...) -> None: ...

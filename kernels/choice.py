@@ -1,0 +1,123 @@
+"""`select_kernels`: the kernels a prefill or decode instance runs, checked before it serves.
+
+    --attention torch  the torch references: attention and fused ops (no Mojo at all)
+    --attention mojo   the Mojo kernels; a missing toolchain or PTX, or a kernel that fails the
+                       start-up self-check (kernels/self_check.py), stops the service
+    --attention auto   (default) per family (attention; fused ops), the Mojo kernels where
+                       they load and pass the self-check, else torch, with one log line naming
+                       the kernel and what went wrong
+
+One flag picks the kernel family of a process, so `--attention torch` runs the model on torch
+alone (the reference end to end).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+from kernels import ATTENTION_CHOICES
+from kernels.backend import select_attention
+from kernels.build import KernelBuildError
+from kernels.fused.backend import select_fused_ops
+from kernels.self_check import (
+    ATTENTION,
+    FUSED,
+    CheckShape,
+    KernelFault,
+    check_isolated,
+    check_kernels,
+)
+from mili.engine.attention import AttentionBackend, TorchAttention
+from mili.engine.fused_ops import FusedOps, TorchFusedOps
+
+_LOG = logging.getLogger("mili.kernels")
+
+# (family, device, head_dim) -> the family's Mojo implementation; KernelBuildError if none.
+Loader = Callable[[str, str, int], Any]
+
+
+class Kernels(NamedTuple):
+    """What a service runs, and why a family it asked Mojo for runs on torch."""
+
+    attention: AttentionBackend
+    fused_ops: FusedOps
+    faults: tuple[KernelFault, ...] = ()  # self-check failures that made `auto` fall back
+
+
+def load_family(family: str, device: str, head_dim: int, root: Path | None = None) -> Any:
+    """The Mojo implementation of one family for `device`; KernelBuildError if it cannot load."""
+    if family == ATTENTION:
+        return select_attention("mojo", device, head_dim=head_dim, root=root)
+    if family == FUSED:
+        return select_fused_ops("mojo", device, head_dim=head_dim, root=root)
+    raise ValueError(f"no kernel family {family!r}")
+
+
+def select_kernels(
+    choice: str,
+    device: str,
+    shape: CheckShape,
+    *,
+    root: Path | None = None,
+    load: Loader | None = None,
+    isolate: bool | None = None,
+) -> Kernels:
+    """The kernels `--attention choice` means on `device` for a model of `shape`.
+
+    `load` replaces `load_family` (tests hand in kernels made to fail); `isolate` (default:
+    on CUDA) runs the self-check in a child process, which loads the kernels with
+    `load_family` itself. KernelBuildError when `choice` is mojo and a kernel is unavailable
+    or fails the check.
+    """
+    torch_kernels = Kernels(TorchAttention(), TorchFusedOps())
+    if choice == "torch":
+        return torch_kernels
+    if choice not in ATTENTION_CHOICES:
+        raise ValueError(f"--attention must be one of {', '.join(ATTENTION_CHOICES)}, got {choice}")
+    if shape.dtype not in _DTYPES:
+        error = KernelBuildError(
+            f"the Mojo kernels run {', '.join(_DTYPES)}; this model runs in {shape.dtype}"
+        )
+        if choice == "mojo":
+            raise error
+        _LOG.warning("Mojo kernels unavailable, using torch: %s", error)
+        return torch_kernels
+    loader: Loader = load or (lambda family, d, head_dim: load_family(family, d, head_dim, root))
+    loaded: dict[str, Any] = {}
+    for family in (ATTENTION, FUSED):
+        try:
+            loaded[family] = loader(family, device, shape.head_dim)
+        except KernelBuildError as e:
+            if choice == "mojo":
+                raise
+            _LOG.warning("Mojo %s kernels unavailable, using torch: %s", _NAMES[family], e)
+    if not loaded:
+        return torch_kernels
+    if isolate if isolate is not None else torch.device(device).type == "cuda":
+        faults = check_isolated(shape, device, list(loaded), root=root)
+    else:
+        faults = check_kernels(shape, device, loaded)
+    for fault in faults:
+        if choice == "mojo":
+            raise KernelBuildError(f"a Mojo kernel failed its start-up self-check: {fault}")
+        if fault.family in loaded:
+            _LOG.warning(
+                "a Mojo kernel failed its start-up self-check, %s kernels run on torch: %s",
+                _NAMES[fault.family],
+                fault,
+            )
+            del loaded[fault.family]
+    return Kernels(
+        loaded.get(ATTENTION, torch_kernels.attention),
+        loaded.get(FUSED, torch_kernels.fused_ops),
+        tuple(faults),
+    )
+
+
+_NAMES = {ATTENTION: "attention", FUSED: "fused-op"}
+_DTYPES = ("float32", "bfloat16", "float16")  # kernels/checks.py DTYPE_CODES, by name
