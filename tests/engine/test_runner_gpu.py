@@ -83,7 +83,7 @@ def test_graph_replay_gives_the_eager_greedy_tokens(
 def test_no_host_sync_inside_a_decode_step(cuda_model: Qwen3ForCausalLM, use_graphs: bool) -> None:
     runner = ModelRunner.create(cuda_model, 64, BLOCK_SIZE, max_decode_batch=8)
     if use_graphs:
-        runner.capture_graphs()
+        assert runner.capture_graphs(), "the capture failed (see the warning)"
     vocab_size = cuda_model.config.vocab_size
     pool = BlockPool(runner.num_blocks, null_block=True)
     params = [
