@@ -52,8 +52,9 @@ def greedy_tokens(runner: ModelRunner, batch: int) -> list[list[int]]:
     for _ in range(batch):
         prompt = torch.randint(3, vocab_size, (int(torch.randint(4, 40, (1,), generator=g)),),
                                generator=g).tolist()  # fmt: skip
-        s = Sequence.new(prompt, SamplingParams(max_tokens=MAX_TOKENS), vocab_size=vocab_size,
-                         eos_token_ids=[])  # fmt: skip
+        # Greedy: the default (T=1, no seed) draws with a fresh random seed in each run.
+        greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+        s = Sequence.new(prompt, greedy, vocab_size=vocab_size, eos_token_ids=[])
         s.block_table = pool.allocate(blocks_needed(len(prompt) + MAX_TOKENS, BLOCK_SIZE))
         seqs.append(s)
     logits = runner.prefill([s.prompt_token_ids for s in seqs], [s.block_table for s in seqs],
