@@ -1,9 +1,10 @@
 """Loader and launcher of the ahead-of-time PTX attention kernels (see kernels/ptx.py).
 
 The GPU host needs no Mojo toolchain: the PTX built by `kernels.ptx.build_ptx` is JIT-compiled by
-the CUDA driver (`cuModuleLoadData`) and launched with `cuLaunchKernel` on torch's current stream
-with torch tensors' device pointers. Nothing here synchronises the host: index tensors are not
-read back (`check_values=False`), scratch comes from torch's caching allocator on the same stream.
+the CUDA driver (`cuModuleLoadDataEx`; a failed load reports ptxas's log, kernels/jit_log.py) and
+launched with `cuLaunchKernel` on torch's current stream with torch tensors' device pointers.
+Nothing here synchronises the host: index tensors are not read back (`check_values=False`),
+scratch comes from torch's caching allocator on the same stream.
 
 bf16/fp16 run the tensor-core `flash_prefill` and the FlashInfer-style `paged_decode_g<GC>`
 (launch geometry: kernels/geometry.py); fp32 keeps the CUDA-core `prefill` and `decode`. Both new
@@ -17,7 +18,8 @@ capture is refused: warm up at the largest batch first). Functions are loaded on
 which must therefore precede any capture (the usual warm-up does it).
 
 The driver is reached through `cuda.bindings.driver` (cuda-python); if that is missing, through
-CuPy's `RawModule`. Both are imported lazily, on the first launch.
+CuPy's `RawModule` (which loads without the JIT logs). Both are imported lazily, on the first
+launch.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import torch
 
 from kernels.checks import check_decode, check_prefill
 from kernels.geometry import decode_group_size, decode_splits, prefill_tiling
+from kernels.jit_log import JitLogs
 from kernels.ptx import (
     DECODE_HEADS_PER_CTA,
     SIGNATURES,
@@ -67,7 +70,9 @@ class _CudaPythonDriver:
         self._ctx: dict[int, Any] = {}
         self._modules: list[Any] = []
 
-    def _check(self, result: tuple, what: str) -> Any:
+    def _check(self, result: tuple, what: str, detail: str = "") -> Any:
+        """result[1:] of a call that succeeded; else a RuntimeError naming `what`, the error
+        and `detail` (a failed JIT's logs)."""
         err = result[0]
         if err != self.drv.CUresult.CUDA_SUCCESS:
             _, msg = self.drv.cuGetErrorString(err)
@@ -78,7 +83,7 @@ class _CudaPythonDriver:
                     " (the PTX is ISA 8.5 for sm_90a: the driver must support CUDA >= 12.5 and "
                     "the GPU must be sm_90, i.e. H100/H200)"
                 )
-            raise RuntimeError(f"{what} failed: {err} {text}{hint}")
+            raise RuntimeError(f"{what} failed: {err} {text}{hint}{detail}")
         return result[1] if len(result) == 2 else result[1:]
 
     def _context(self, device: int) -> Any:
@@ -96,9 +101,15 @@ class _CudaPythonDriver:
     def load(self, device: int, ptx: str, entry: str, dynamic_shared: int) -> Any:
         self._context(device)
         image = ctypes.create_string_buffer(ptx.encode())  # NUL-terminated, alive for the call
-        module = self._check(
-            self.drv.cuModuleLoadData(ctypes.addressof(image)), f"cuModuleLoadData({entry})"
+        logs = JitLogs()  # alive for the call too: the driver writes its logs into it
+        options = logs.options()
+        result = self.drv.cuModuleLoadDataEx(
+            ctypes.addressof(image),
+            len(options),
+            [getattr(self.drv.CUjit_option, name) for name, _ in options],
+            [value for _, value in options],
         )
+        module = self._check(result, f"cuModuleLoadDataEx({entry})", logs.describe())
         self._modules.append(module)  # never unloaded: functions live as long as the process
         func = self._check(
             self.drv.cuModuleGetFunction(module, entry.encode()), f"cuModuleGetFunction({entry})"

@@ -111,7 +111,12 @@ def cached_random_checkpoint(
     dtype: torch.dtype = torch.bfloat16,
 ) -> Path:
     """`config` with random weights in `cache_dir/<name>-<dtype>-seed<seed>`, written on first
-    use (into a staging directory, then renamed: no reader sees half a checkpoint)."""
+    use (into a staging directory, then renamed: no reader sees half a checkpoint).
+
+    Safe for concurrent callers, processes included: each writes its own staging directory,
+    the first rename wins, and a caller whose rename finds the target already in place uses
+    that one (the same bytes: the weights depend on the seed only) and drops its own.
+    """
     target = Path(cache_dir) / f"{name}-{_SHORT_DTYPE[dtype]}-seed{seed}"
     if (target / CONFIG_FILE).exists():
         return target
@@ -120,8 +125,16 @@ def cached_random_checkpoint(
     try:
         start = time.perf_counter()
         write_random_checkpoint(staging, config, seed=seed, dtype=dtype)
-        staging.rename(target)
-        _LOG.info("wrote %s to %s in %.1f s", name, target, time.perf_counter() - start)
+        try:
+            # rename(2) of a directory is atomic, and fails (ENOTEMPTY or EEXIST) when the
+            # target is a directory with files in it: another writer got there first.
+            staging.rename(target)
+        except OSError:
+            if not (target / CONFIG_FILE).exists():
+                raise
+            _LOG.info("%s: another process wrote %s first; using it", name, target)
+        else:
+            _LOG.info("wrote %s to %s in %.1f s", name, target, time.perf_counter() - start)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target

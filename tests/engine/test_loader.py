@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import multiprocessing
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -183,3 +186,62 @@ def test_cached_random_checkpoint_is_written_once(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir()] == ["tiny-bf16-seed7"]  # no staging left
     reference = write_random_checkpoint(tmp_path / "direct", CONFIG, seed=7, dtype=torch.bfloat16)
     assert (first / SINGLE_FILE).read_bytes() == (reference / SINGLE_FILE).read_bytes()
+
+
+# Big enough that writing takes tens of milliseconds: the racers are all past the "is it
+# there?" check before the first rename.
+RACE_CONFIG = Qwen3Config(
+    vocab_size=4096,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+    torch_dtype="bfloat16",
+)
+
+
+def _race_for_the_cache(cache_dir: Path, start: Any, results: Any) -> None:
+    """One process of the race below: wait for the others, ask for the checkpoint, load it, and
+    report its files' digests (or the error)."""
+    try:
+        start.wait()
+        path = cached_random_checkpoint(RACE_CONFIG, "race", cache_dir, seed=5)
+        load_model(path)  # complete: every tensor there, every shape right
+        digests = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in path.iterdir()}
+        results.put((str(path), digests))
+    except BaseException as e:
+        results.put(("error", repr(e)))
+        raise
+
+
+@pytest.mark.slow  # four fresh interpreters import torch
+def test_concurrent_processes_all_get_the_one_complete_checkpoint(tmp_path: Path) -> None:
+    """Processes that ask for the same missing checkpoint at once all write one; the first
+    rename wins and every process, winner or not, returns the complete checkpoint."""
+    num_processes = 4
+    context = multiprocessing.get_context("spawn")  # no fork of a process that ran torch
+    start = context.Barrier(num_processes, timeout=120)
+    results = context.Queue()
+    processes = [
+        context.Process(target=_race_for_the_cache, args=(tmp_path, start, results))
+        for _ in range(num_processes)
+    ]
+    for process in processes:
+        process.start()
+    reports = [results.get(timeout=180) for _ in processes]
+    for process in processes:
+        process.join(timeout=60)
+    assert [r for r in reports if r[0] == "error"] == []
+    assert [p.exitcode for p in processes] == [0] * num_processes
+    target = tmp_path / "race-bf16-seed5"
+    assert {path for path, _ in reports} == {str(target)}
+    reference = write_random_checkpoint(
+        tmp_path / "direct", RACE_CONFIG, seed=5, dtype=torch.bfloat16
+    )
+    expected = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in reference.iterdir()}
+    assert all(digests == expected for _, digests in reports)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["direct", "race-bf16-seed5"]

@@ -21,6 +21,7 @@ from mili.engine.model import Qwen3ForCausalLM
 from mili.engine.runner import ModelRunner
 from mili.engine.sampling_params import SamplingParams
 from mili.engine.sequence import Sequence
+from tests.engine.greedy_divergence import describe_divergence
 
 pytestmark = [
     pytest.mark.gpu,
@@ -44,7 +45,10 @@ def cuda_model(checkpoint_dirs: dict[str, Path]) -> Qwen3ForCausalLM:
     return model
 
 
-def greedy_tokens(runner: ModelRunner, batch: int) -> list[list[int]]:
+def greedy_tokens(runner: ModelRunner, batch: int) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Each sequence's greedy tokens, and each step's logits [batch, vocab] on the host (every
+    sequence runs every step: no EOS, one max_tokens). A decode step is `runner.decode`'s two
+    calls, with its logits copied out in between."""
     vocab_size = runner.model.config.vocab_size
     g = torch.Generator().manual_seed(batch)
     pool = BlockPool(runner.num_blocks, null_block=True)
@@ -52,19 +56,26 @@ def greedy_tokens(runner: ModelRunner, batch: int) -> list[list[int]]:
     for _ in range(batch):
         prompt = torch.randint(3, vocab_size, (int(torch.randint(4, 40, (1,), generator=g)),),
                                generator=g).tolist()  # fmt: skip
-        s = Sequence.new(prompt, SamplingParams(max_tokens=MAX_TOKENS), vocab_size=vocab_size,
-                         eos_token_ids=[])  # fmt: skip
+        # Greedy: the default (T=1, no seed) draws with a fresh random seed in each run.
+        greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+        s = Sequence.new(prompt, greedy, vocab_size=vocab_size, eos_token_ids=[])
         s.block_table = pool.allocate(blocks_needed(len(prompt) + MAX_TOKENS, BLOCK_SIZE))
         seqs.append(s)
     logits = runner.prefill([s.prompt_token_ids for s in seqs], [s.block_table for s in seqs],
                             [0] * batch)  # fmt: skip
+    step_logits = [logits.float().cpu()]
     for s, t in zip(seqs, runner.sample(logits, [s.sampling for s in seqs]).result().token_ids,
                     strict=True):  # fmt: skip
         s.append(t)
     while active := [s for s in seqs if not s.is_finished]:
-        for s, t in zip(active, runner.decode(active).result().token_ids, strict=True):
+        assert len(active) == batch  # so row i of every step's logits is sequence i
+        with torch.inference_mode():
+            logits = runner.decode_logits(active)
+            step_logits.append(logits.float().cpu())  # before a later replay overwrites it
+            sampled = runner.sample(logits, [s.sampling for s in active]).result().token_ids
+        for s, t in zip(active, sampled, strict=True):
             s.append(t)
-    return [s.output_token_ids for s in seqs]
+    return [s.output_token_ids for s in seqs], step_logits
 
 
 @pytest.mark.parametrize("batch", [1, 3, 17, 64])
@@ -76,7 +87,11 @@ def test_graph_replay_gives_the_eager_greedy_tokens(
     graphs = ModelRunner.create(cuda_model, num_blocks, BLOCK_SIZE, max_decode_batch=64)
     graphs.capture_graphs()
     assert graphs.graphs is not None and graphs.graphs.batch_sizes[-1] == 64
-    assert greedy_tokens(graphs, batch) == greedy_tokens(eager, batch)
+    graph_tokens, _ = greedy_tokens(graphs, batch)
+    eager_tokens, eager_logits = greedy_tokens(eager, batch)
+    assert graph_tokens == eager_tokens, describe_divergence(
+        eager_tokens, graph_tokens, eager_logits, names=("eager", "graph")
+    )
 
 
 @pytest.mark.parametrize("use_graphs", [False, True])

@@ -302,3 +302,50 @@ def test_decode_captured_in_a_cuda_graph_replays_new_inputs(gpu_kernels, batch: 
     graph.replay()
     torch.cuda.synchronize()
     assert_close(out, reference_decode(second), torch.bfloat16)
+
+
+_CUDA_H_JIT_OPTIONS = {
+    "CU_JIT_INFO_LOG_BUFFER": 3,
+    "CU_JIT_INFO_LOG_BUFFER_SIZE_BYTES": 4,
+    "CU_JIT_ERROR_LOG_BUFFER": 5,
+    "CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES": 6,
+}
+
+# A PTX the driver cannot JIT: its one instruction reads a register never declared.
+_UNJITTABLE_PTX = """\
+.version 8.0
+.target sm_90
+.address_size 64
+
+.visible .entry mili_unjittable()
+{
+    .reg .b32 %r<2>;
+    mov.u32 %r1, %mili_undeclared;
+    ret;
+}
+"""
+
+
+@pytest.mark.gpu
+def test_a_ptx_that_fails_to_jit_reports_the_entry_and_the_ptxas_log() -> None:
+    """The load's error names the entry and quotes the driver's JIT error log, which names the
+    bad operand (kernels/jit_log.py; without the log it said only CUDA_ERROR_INVALID_PTX)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from kernels.gpu import _CudaPythonDriver
+
+    try:
+        driver = _CudaPythonDriver()
+    except ImportError:
+        pytest.skip("needs cuda-python (the CuPy route loads without JIT logs)")
+    # The bindings' numbers of the options kernels/jit_log.py passes by name are cuda.h's.
+    numbers = {name: getattr(driver.drv.CUjit_option, name).value for name in _CUDA_H_JIT_OPTIONS}
+    assert numbers == _CUDA_H_JIT_OPTIONS
+    torch.zeros(1, device="cuda")  # torch initialises the driver and the primary context
+    with pytest.raises(RuntimeError) as info:
+        driver.load(torch.cuda.current_device(), _UNJITTABLE_PTX, "mili_unjittable", 0)
+    message = str(info.value)
+    assert message.startswith("cuModuleLoadDataEx(mili_unjittable) failed"), message
+    assert "\nJIT error log:\n" in message, message
+    error_log = message.split("\nJIT error log:\n", 1)[1]
+    assert "mili_undeclared" in error_log, message
