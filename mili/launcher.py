@@ -63,40 +63,28 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from kernels import ATTENTION_CHOICES
 from mili import flags, serve_tls
 from mili.backoff import Backoff
 from mili.child import Child, describe_exit
 from mili.engine.engine_config import DEFAULT_GPU_MEMORY_UTILIZATION
-from mili.engine.kv_layout import DTYPES
 from mili.errors import StartupError
-from mili.serve_plan import DEFAULT_PREFILL_MEMORY_SHARE, Plan, check_ports, make_plan
+from mili.serve_plan import (
+    DEFAULT_PREFILL_MEMORY_SHARE,
+    ENGINE,
+    EVERY_CHILD,
+    FRONTEND,
+    Plan,
+    check_ports,
+    make_plan,
+)
 
 DEFAULT_PORT = 50051
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     flags.add_model_argument(parser)
-    parser.add_argument("--host", default="127.0.0.1", help="address every service binds")
     parser.add_argument(
         "--port", type=int, default=DEFAULT_PORT, help="frontend port (default: %(default)s)"
-    )
-    parser.add_argument(
-        "--device", default=None, help="prefill/decode device: cpu, cuda or cuda:N (default: cpu)"
-    )
-    parser.add_argument(
-        "--dtype",
-        choices=DTYPES,
-        default=None,
-        help="prefill/decode weights' and KV's element type (default: the fastest on the "
-        "device: float32 on CPU, bfloat16 on CUDA)",
-    )
-    parser.add_argument(
-        "--attention",
-        choices=ATTENTION_CHOICES,
-        default=None,
-        help="prefill/decode attention backend (default: the services' own, auto = Mojo kernels "
-        "where they build, else torch)",
     )
     parser.add_argument(
         "--gpu-memory-utilization",
@@ -113,13 +101,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="FRACTION",
         help="CUDA: the part of --gpu-memory-utilization the prefill instances get together; "
         "decode instances share the rest (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--no-prefix-cache",
-        dest="prefix_caching",
-        action="store_false",
-        help="prefill and decode compute and send every prompt in full instead of reusing the "
-        "KV of prefixes they hold",
     )
     parser.add_argument(
         "--metrics-port",
@@ -154,22 +135,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "downstream services (default: %(default)s)",
     )
     parser.add_argument(
-        "--max-buffered-tokens",
-        type=int,
-        default=None,
-        metavar="N",
-        help="each frontend's --max-buffered-tokens: token ids a streamed request holds for a "
-        "client that reads slower than they come (default: the frontend's)",
-    )
-    parser.add_argument(
-        "--stream-interval",
-        type=int,
-        default=None,
-        metavar="N",
-        help="each frontend's --stream-interval: token ids a streamed request gathers before "
-        "it sends a message, for less CPU per token (default: the frontend's, every token)",
-    )
-    parser.add_argument(
         "--fail-fast",
         action="store_true",
         help="a child that exits stops all the others and `mili serve` exits 1 (default: the "
@@ -195,26 +160,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=600.0,
         help="seconds each child gets to load and answer health checks (default: %(default)s)",
     )
-    parser.add_argument(
-        "--drain-timeout",
-        type=float,
-        default=30.0,
-        help="seconds each child gets to finish in-flight calls on shut-down (default: "
-        "%(default)s)",
-    )
-    parser.add_argument(
-        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
-    )
-    parser.add_argument(
-        "--otlp-endpoint",
-        default=None,
-        metavar="URL",
-        help="every child exports traces over OTLP/gRPC to URL (default: the OTEL_* "
-        "environment, which the children inherit; else off)",
-    )
-    parser.add_argument(
-        "--trace-console", action="store_true", help="every child prints its spans to stderr"
-    )
+    for borrowed, title in (
+        (EVERY_CHILD, "every child (as each service takes them)"),
+        (ENGINE, "prefill and decode (as serve-prefill and serve-decode take them)"),
+        (FRONTEND, "every frontend (as serve-frontend takes them)"),
+    ):
+        borrowed.declare(parser, title)
     serve_tls.add_arguments(parser)
 
 

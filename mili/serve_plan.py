@@ -6,19 +6,35 @@ described in mili.launcher's docstring, which starts and supervises the children
 from __future__ import annotations
 
 import argparse
+import functools
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mili import ports, serve_tls
+from mili import flags, ports, serve_tls
 from mili.backoff import RestartPolicy
+from mili.engine.engine_config import add_engine_arguments
 from mili.errors import StartupError
+from mili.forwarded_flags import Borrowed
 from mili.rpc.server import format_address
 from mili.rpc.tls import Tls
+from services.frontend import __main__ as frontend_main
 
 if TYPE_CHECKING:
     from mili.rpc.certs import CertFiles  # cryptography: imported only for --tls-demo
+
+# The children's own flags `mili serve` takes and hands on (mili.forwarded_flags).
+EVERY_CHILD = Borrowed(
+    functools.partial(flags.add_server_arguments, default_port=0),
+    ("--host", "--log-level", "--drain-timeout", "--otlp-endpoint", "--trace-console"),
+    keep_defaults=True,
+)
+ENGINE = Borrowed(
+    functools.partial(add_engine_arguments, default_pool="the service's default"),
+    ("--device", "--dtype", "--attention", "--no-prefix-cache"),
+)
+FRONTEND = Borrowed(frontend_main.add_arguments, ("--max-buffered-tokens", "--stream-interval"))
 
 # Prefill's pool holds only the prompts in flight (its queue bound); decode's holds every running
 # request's whole context, so decode gets most of a shared GPU.
@@ -79,27 +95,10 @@ def make_plan(
     metrics_base: int | None = args.metrics_port
     first_decode = 2 + args.prefill_instances  # metrics port offsets, see the module docstring
     after_decodes = first_decode + args.decode_instances  # frontend k >= 1: after_decodes+k-1
-    common = ["--host", args.host, "--log-level", args.log_level]
-    common += ["--drain-timeout", str(args.drain_timeout)]
-    if args.otlp_endpoint:
-        common += ["--otlp-endpoint", args.otlp_endpoint]
-    if args.trace_console:
-        common.append("--trace-console")
+    common = EVERY_CHILD.argv(args)
     model = ["--model", str(model_dir)]
-    engine: list[str] = []
-    if args.device is not None:
-        engine += ["--device", args.device]
-    if args.dtype is not None:
-        engine += ["--dtype", args.dtype]
-    if args.attention is not None:
-        engine += ["--attention", args.attention]
-    if not args.prefix_caching:
-        engine.append("--no-prefix-cache")
-    streaming: list[str] = []  # the token stream flags every frontend gets
-    if args.max_buffered_tokens is not None:
-        streaming = ["--max-buffered-tokens", str(args.max_buffered_tokens)]
-    if args.stream_interval is not None:
-        streaming += ["--stream-interval", str(args.stream_interval)]
+    engine = ENGINE.argv(args)
+    streaming = FRONTEND.argv(args)
 
     prefill_memory, decode_memory = memory_shares(
         args.gpu_memory_utilization,

@@ -130,6 +130,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, default_pool: str) 
         "(default: %(default)s)",
     )
     group.add_argument(
+        "--no-prefix-cache",
+        dest="prefix_caching",
+        action="store_false",
+        help="no prefix caching: prefill computes and sends every prompt in full, decode frees "
+        "every finished request's blocks, instead of keeping the KV of full blocks for later "
+        "prompts that share them",
+    )
+    group.add_argument(
         "--enforce-eager",
         action="store_true",
         help="CUDA: run every decode step eagerly, capturing no CUDA graphs",

@@ -78,10 +78,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=defaults.kv_lease_ms,
         help="how long a reservation waits for prefill's KV (default: %(default)s)",
     )
-    parser.add_argument(
-        "--no-prefix-cache",
-        dest="prefix_caching",
-        action="store_false",
-        help="free every finished request's blocks instead of keeping them for shared prefixes",
-    )
     flags.add_transport_arguments(parser)

@@ -55,12 +55,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"PERMISSION_DENIED before any connection is made. '{ANY_DECODE}' allows any (only "
         "where every peer is trusted). Required",
     )
-    parser.add_argument(
-        "--no-prefix-cache",
-        dest="prefix_caching",
-        action="store_false",
-        help="compute every prompt in full instead of reusing the KV of cached prefixes",
-    )
     flags.add_transport_arguments(parser)
     flags.add_server_arguments(parser, DEFAULT_PORT)
 
