@@ -19,7 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve-prefill": ("services.prefill.__main__", "run a prefill service"),
     "serve-decode": ("services.decode.__main__", "run a decode service"),
     "serve-frontend": ("services.frontend.__main__", "run the frontend (public GenerationService)"),
-    "serve": ("mili.launcher", "run tokenizer, prefill, decode and frontend on this machine"),
+    "serve": ("mili.serve.launcher", "run tokenizer, prefill, decode and frontend on this machine"),
     "generate": ("mili.client.generate", "generate text through a running frontend"),
     "bench": ("mili.client.bench", "benchmark a running deployment (TTFT, ITL, tokens/s)"),
     "kernels": ("kernels.cli", "build the Mojo attention kernels ahead of first use"),

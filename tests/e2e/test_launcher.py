@@ -96,8 +96,8 @@ def test_serve_reports_a_child_failing_at_startup(demo_model_dir: Path) -> None:
 def test_attention_flag_reaches_prefill_and_decode_only(tmp_path: Path) -> None:
     import argparse
 
-    from mili.launcher import add_arguments
-    from mili.serve_plan import make_plan
+    from mili.serve.launcher import add_arguments
+    from mili.serve.plan import make_plan
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -113,8 +113,8 @@ def test_no_prefix_cache_reaches_prefill_and_decode_and_they_accept_it(tmp_path:
     import argparse
 
     from mili.cli import build_parser
-    from mili.launcher import add_arguments
-    from mili.serve_plan import make_plan
+    from mili.serve.launcher import add_arguments
+    from mili.serve.plan import make_plan
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -241,8 +241,8 @@ def test_serve_runs_several_frontends_that_bench_spreads_clients_over(
 def test_frontends_get_consecutive_ports_and_metrics_ports_after_the_rest(tmp_path: Path) -> None:
     import argparse
 
-    from mili.launcher import add_arguments
-    from mili.serve_plan import make_plan
+    from mili.serve.launcher import add_arguments
+    from mili.serve.plan import make_plan
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mili.backoff import Backoff, RestartPolicy
+from mili.serve.backoff import Backoff, RestartPolicy
 
 
 def test_delays_double_per_failure_up_to_the_cap() -> None:

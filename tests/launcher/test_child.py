@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from mili.child import Child, LogTail, describe_exit
+from mili.serve.child import Child, LogTail, describe_exit
 
 
 def test_log_tail_keeps_the_last_lines_with_their_time() -> None:

@@ -1,4 +1,4 @@
-"""`mili serve` borrows its children's flags (mili/forwarded_flags.py): what it hands on is what
+"""`mili serve` borrows its children's flags (mili/serve/forwarded_flags.py): what it hands on is what
 the child's own parser reads back, value for value."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from mili.cli import build_parser
-from mili.forwarded_flags import Borrowed
-from mili.launcher import add_arguments
-from mili.serve_plan import ENGINE, EVERY_CHILD, FRONTEND, make_plan
+from mili.serve.forwarded_flags import Borrowed
+from mili.serve.launcher import add_arguments
+from mili.serve.plan import ENGINE, EVERY_CHILD, FRONTEND, make_plan
 
 GIVEN = [
     "--device", "cuda:1", "--dtype", "bfloat16", "--attention", "torch", "--no-prefix-cache",

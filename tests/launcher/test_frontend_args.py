@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from mili.launcher import add_arguments
-from mili.serve_plan import make_plan
+from mili.serve.launcher import add_arguments
+from mili.serve.plan import make_plan
 
 
 def frontends_for(tmp_path: Path, *argv: str) -> list[list[str]]:

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from mili.errors import StartupError
-from mili.launcher import add_arguments
-from mili.serve_plan import make_plan, memory_shares
+from mili.serve.launcher import add_arguments
+from mili.serve.plan import make_plan, memory_shares
 
 
 def plan_for(tmp_path: Path, *argv: str) -> tuple[list[list[str]], list[list[str]]]:

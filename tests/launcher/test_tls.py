@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from mili.child import _wait_for_health
 from mili.errors import StartupError
-from mili.launcher import add_arguments
 from mili.rpc.certs import DEMO_STEMS, Authority, CertFiles, write_demo
 from mili.rpc.server import RpcServer, ServerConfig, ServerTls
 from mili.rpc.tls import TlsFiles
-from mili.serve_plan import make_plan
-from mili.serve_tls import demo_names
+from mili.serve.child import _wait_for_health
+from mili.serve.launcher import add_arguments
+from mili.serve.plan import make_plan
+from mili.serve.tls import demo_names
 from tests.service_process import ROOT
 
 

@@ -1,7 +1,7 @@
 """What `mili serve` starts: every child's command line, built once from the flags (`make_plan`),
 and the fixed ports checked free before any model loads (`check_ports`). Pure argv arithmetic,
 no process is started here; the port, metrics-port and GPU-memory layouts it encodes are
-described in mili.launcher's docstring, which starts and supervises the children."""
+described in mili.serve.launcher's docstring, which starts and supervises the children."""
 
 from __future__ import annotations
 
@@ -12,19 +12,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mili import flags, ports, serve_tls
-from mili.backoff import RestartPolicy
+from mili import flags, ports
 from mili.engine.engine_config import add_engine_arguments
 from mili.errors import StartupError
-from mili.forwarded_flags import Borrowed
 from mili.rpc.server import format_address
 from mili.rpc.tls import Tls
+from mili.serve import tls as serve_tls
+from mili.serve.backoff import RestartPolicy
+from mili.serve.forwarded_flags import Borrowed
 from services.frontend import __main__ as frontend_main
 
 if TYPE_CHECKING:
     from mili.rpc.certs import CertFiles  # cryptography: imported only for --tls-demo
 
-# The children's own flags `mili serve` takes and hands on (mili.forwarded_flags).
+# The children's own flags `mili serve` takes and hands on (mili.serve.forwarded_flags).
 EVERY_CHILD = Borrowed(
     functools.partial(flags.add_server_arguments, default_port=0),
     ("--host", "--log-level", "--drain-timeout", "--otlp-endpoint", "--trace-console"),

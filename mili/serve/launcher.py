@@ -63,12 +63,13 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from mili import flags, serve_tls
-from mili.backoff import Backoff
-from mili.child import Child, describe_exit
+from mili import flags
 from mili.engine.engine_config import DEFAULT_GPU_MEMORY_UTILIZATION
 from mili.errors import StartupError
-from mili.serve_plan import (
+from mili.serve import tls as serve_tls
+from mili.serve.backoff import Backoff
+from mili.serve.child import Child, describe_exit
+from mili.serve.plan import (
     DEFAULT_PREFILL_MEMORY_SHARE,
     ENGINE,
     EVERY_CHILD,
