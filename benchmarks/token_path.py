@@ -103,7 +103,7 @@ def build_tokenizer(num_regular: int = QWEN3_REGULAR_TOKENS, seed: int = 0) -> A
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     from mili.demo import tokenizer as demo
-    from services.tokenizer.byte_decoder import byte_of_char
+    from mili.text.byte_decoder import byte_of_char
 
     byte_chars = {byte: char for char, byte in byte_of_char().items()}
     vocab = {byte_chars[b]: b for b in range(256)}

@@ -4,7 +4,7 @@ The tokenizer service owns tokenization and chat templates; turning generated id
 text needs only its vocabulary and decoder, and doing that here saves a DetokenizeStream round
 trip per token (docs/benchmarks.md, "Token path"). The frontend fetches tokenizer.json once
 (GetTokenizerFile, again whenever Info's digest changes) and runs the very incremental
-detokenizer the service runs (services/tokenizer/detokenizer.py) on it, so the text is the same
+detokenizer the service runs (mili/text/detokenizer.py) on it, so the text is the same
 byte for byte: never half a character, deltas that concatenate to one decode of all the ids.
 """
 
@@ -16,8 +16,8 @@ from collections.abc import Sequence
 
 from tokenizers import Tokenizer
 
-from services.tokenizer.byte_decoder import Decode, byte_decoders
-from services.tokenizer.detokenizer import IncrementalDetokenizer
+from mili.text.byte_decoder import Decode, byte_decoders
+from mili.text.detokenizer import IncrementalDetokenizer
 
 
 class LocalDetokenizer:
@@ -34,7 +34,7 @@ class LocalDetokenizer:
         self.sha256 = sha256
         # The decode of a window of ids, by skip_special_tokens: a byte table's for a
         # byte-level vocabulary (Qwen's: no call into `tokenizers` per streamed token,
-        # services/tokenizer/byte_decoder.py), else the tokenizer's own. Made here, which the
+        # mili/text/byte_decoder.py), else the tokenizer's own. Made here, which the
         # frontend runs off its event loop.
         tokenizer = self._tokenizer
         self._decoders = byte_decoders(tokenizer) or {

@@ -11,9 +11,9 @@ import grpc
 from mili.common.v1 import chat_pb2
 from mili.errors import InvalidArgument
 from mili.rpc.server import RpcServer
+from mili.text.detokenizer import IncrementalDetokenizer
 from mili.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from services.tokenizer.chat_template import Message
-from services.tokenizer.detokenizer import IncrementalDetokenizer
 from services.tokenizer.tokenizer import ModelTokenizer
 
 SERVICE_NAME = tokenizer_pb2.DESCRIPTOR.services_by_name["TokenizerService"].full_name

@@ -1,5 +1,5 @@
-"""`mili serve` borrows its children's flags (mili/serve/forwarded_flags.py): what it hands on is what
-the child's own parser reads back, value for value."""
+"""`mili serve` borrows its children's flags (mili/serve/forwarded_flags.py): what it hands on
+is what the child's own parser reads back, value for value."""
 
 from __future__ import annotations
 

@@ -11,8 +11,8 @@ import pytest
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from mili.demo import tokenizer as demo_tokenizer
+from mili.text.byte_decoder import byte_decoders, byte_of_char
 from services.frontend.text import LocalDetokenizer
-from services.tokenizer.byte_decoder import byte_decoders, byte_of_char
 
 
 @pytest.fixture(scope="module")

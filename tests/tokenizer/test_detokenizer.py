@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from services.tokenizer.detokenizer import IncrementalDetokenizer
+from mili.text.detokenizer import IncrementalDetokenizer
 from services.tokenizer.tokenizer import ModelTokenizer
 
 
