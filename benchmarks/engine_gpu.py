@@ -6,7 +6,11 @@ per decode step, and HF transformers' `generate` on the same weights, all in one
 
 Weights: random, `--preset`'s shapes (qwen3-0.6b: 28 layers, hidden 1024, vocab 151936), written
 once as a bf16 checkpoint by mili.engine.checkpoint.cached_random_checkpoint into --cache-dir
-(the one the other benchmarks share); `tiny` is 2 layers of hidden 64, vocab 256.
+(the one the other benchmarks share); `tiny` is 2 layers of hidden 64, 4 q / 2 kv heads of 64
+(the Mojo kernels' smallest head_dim), vocab 256.
+
+Kernels: --attention picks the attention backend and, as in `mili serve` (one flag, one kernel
+family), the fused elementwise ops too; --fused overrides the latter (torch: the reference ops).
 
 decode   B sequences of --context prompt tokens each (prefilled first), then --steps decode
          steps through ModelRunner.decode (static inputs, sampling on the device, the ids'
@@ -23,8 +27,9 @@ hf       transformers.Qwen3ForCausalLM (sdpa attention) `generate` on the same c
          dtype, greedy, batch B of the same prompts: TPOT = (time of --steps + 1 new tokens -
          time of 1) / --steps, so its prefill is left out.
 
-Prints one table (and --json writes the rows); the numbers belong in docs/benchmarks.md with the
-date, machine and command.
+Prints each measurement as it finishes (a run cut off by a time limit still reports what it
+measured), then one table (and --json writes the rows); the numbers belong in
+docs/benchmarks.md with the date, machine and command.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels.backend import select_attention
+from kernels.fused.backend import select_fused_ops
 from mili.engine.attention import TorchAttention
 from mili.engine.block_pool import BlockPool, blocks_needed
 from mili.engine.checkpoint import cached_random_checkpoint
@@ -64,7 +70,7 @@ TINY = Qwen3Config(
     num_hidden_layers=2,
     num_attention_heads=4,
     num_key_value_heads=2,
-    head_dim=32,
+    head_dim=64,
     max_position_embeddings=2048,
     tie_word_embeddings=True,
     torch_dtype="bfloat16",
@@ -254,10 +260,13 @@ def checkpoint(args: argparse.Namespace) -> Path:
 def load(path: Path, args: argparse.Namespace) -> Qwen3ForCausalLM:
     device = torch.device(args.device)
     model = load_model(path, device=device, dtype=DTYPES[args.dtype])
+    head_dim = model.config.head_dim
     if args.attention == "torch-graphs":
         model.attention = _GraphSafeTorch()
     else:
-        model.attention = select_attention(args.attention, device, head_dim=model.config.head_dim)
+        model.attention = select_attention(args.attention, device, head_dim=head_dim)
+    fused = args.fused or ("torch" if args.attention == "torch-graphs" else args.attention)
+    model.fused_ops = select_fused_ops(fused, device, head_dim=head_dim)
     return model
 
 
@@ -268,6 +277,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="bf16", choices=list(DTYPES))
     parser.add_argument(
         "--attention", default="auto", choices=["auto", "mojo", "torch", "torch-graphs"]
+    )
+    parser.add_argument(
+        "--fused",
+        default=None,
+        choices=["auto", "mojo", "torch"],
+        help="fused elementwise ops (default: as --attention, what mili serve runs)",
     )
     parser.add_argument("--batches", default="1,16,64,256")
     parser.add_argument("--context", type=int, default=512, help="prompt tokens per sequence")
@@ -286,20 +301,46 @@ def main(argv: list[str] | None = None) -> int:
 
     path = checkpoint(args)
     model = load(path, args)
-    attention = model.attention.name
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
+    print(
+        f"# {args.preset} {args.dtype} on {args.device} ({name}), torch {torch.__version__}, "
+        f"attention {model.attention.name}, fused ops {model.fused_ops.name}, "
+        f"context {args.context}, {args.steps} steps",
+        flush=True,
+    )
+    what = "launches" if device.type == "cuda" else "aten ops"
     tokens = args.context + args.warmup + args.steps + 2
     num_blocks = max(batches) * blocks_needed(tokens, args.block_size)
     num_blocks = max(num_blocks, args.prefill_batch * blocks_needed(args.prefill_tokens, 16))
     eager = ModelRunner.create(model, num_blocks, args.block_size, max_decode_batch=max(batches))
     prefill = prefill_tokens_per_s(eager, args)
+    print(
+        f"prefill: {args.prefill_batch} x {args.prefill_tokens} tokens: {prefill:.0f} tok/s",
+        flush=True,
+    )
     rows = [Row(b) for b in batches]
+
+    def report(mode: str, row: Row, tpot_ms: float | None, launches: int | None = None) -> None:
+        if tpot_ms is None:
+            print(f"{mode:6} batch {row.batch:4}: n/a", flush=True)
+            return
+        counted = "" if launches is None else f", {launches} {what}/step"
+        print(
+            f"{mode:6} batch {row.batch:4}: TPOT {tpot_ms:8.2f} ms, "
+            f"{row.batch / tpot_ms * 1e3:8.0f} tok/s{counted}",
+            flush=True,
+        )
+
     for row in rows:
         row.eager_tpot_ms, row.eager_launches = decode_tpot(eager, row.batch, args)
+        report("eager", row, row.eager_tpot_ms, row.eager_launches)
     note = ""
     if device.type != "cuda":
         note = "graphs: n/a on CPU"
     elif not getattr(model.attention, "is_graph_safe", False):
         note = f"graphs: n/a, attention {model.attention.name} is not graph-safe"
+    elif not model.fused_ops.is_graph_safe:
+        note = f"graphs: n/a, fused ops {model.fused_ops.name} are not graph-safe"
     else:
         del eager
         graphs = ModelRunner.create(
@@ -313,20 +354,17 @@ def main(argv: list[str] | None = None) -> int:
             f"{time.perf_counter() - t0:.1f} s, "
             f"{graphs.graphs.memory_bytes / 2**20:.0f} MiB"
         )
+        print(note, flush=True)
         for row in rows:
             row.graphs_tpot_ms, row.graphs_launches = decode_tpot(graphs, row.batch, args)
+            report("graphs", row, row.graphs_tpot_ms, row.graphs_launches)
     if not args.no_hf:
         del model
         for row in rows:
             row.hf_tpot_ms = hf_tpot(path, DTYPES[args.dtype], device, row.batch, args)
+            report("hf", row, row.hf_tpot_ms)
 
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
-    print(
-        f"# {args.preset} {args.dtype} on {args.device} ({name}), torch {torch.__version__}, "
-        f"attention {attention}, context {args.context}, {args.steps} steps; {note}"
-    )
-    print(f"prefill: {args.prefill_batch} x {args.prefill_tokens} tokens: {prefill:.0f} tok/s")
-    what = "launches" if device.type == "cuda" else "aten ops"
+    print(f"# {note}")
     header = [
         "batch",
         "eager TPOT ms",
