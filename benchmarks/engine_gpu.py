@@ -6,8 +6,8 @@ per decode step, and HF transformers' `generate` on the same weights, all in one
 
 Weights: random, `--preset`'s shapes (qwen3-0.6b: 28 layers, hidden 1024, vocab 151936), written
 once as a bf16 checkpoint by mili.engine.checkpoint.cached_random_checkpoint into --cache-dir
-(the one the other benchmarks share); `tiny` is 2 layers of hidden 64, 4 q / 2 kv heads of 64
-(the Mojo kernels' smallest head_dim), vocab 256.
+(the one the other benchmarks share); `tiny` (benchmarks/presets.py) is 2 layers of hidden 64,
+4 q / 2 kv heads of 64 (the Mojo kernels' smallest head_dim), vocab 256.
 
 Kernels: --attention picks the attention backend and, as in `mili serve` (one flag, one kernel
 family), the fused elementwise ops too; --fused overrides the latter (torch: the reference ops).
@@ -15,7 +15,7 @@ family), the fused elementwise ops too; --fused overrides the latter (torch: the
 decode   B sequences of --context prompt tokens each (prefilled first), then --steps decode
          steps through ModelRunner.decode (static inputs, sampling on the device, the ids'
          copy back: what decode's batch thread runs), greedy; TPOT = median step wall time.
-         Modes: eager, and graphs (CUDA only, over a graph-safe attention backend; `--attention
+         Modes: eager, and graphs (CUDA only, graph-safe attention and fused ops; `--attention
          torch-graphs` marks the torch reference graph-safe: correct over full-width block
          tables, slow since it gathers all of them, so it measures the graph machinery only).
 launches kernels launched per decode step, from one step under torch.profiler: CUDA runtime
@@ -50,31 +50,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.presets import CHOICES, DEFAULT_CACHE, preset_checkpoint
 from kernels.backend import select_attention
 from kernels.fused.backend import select_fused_ops
 from mili.engine.attention import TorchAttention
 from mili.engine.block_pool import BlockPool, blocks_needed
-from mili.engine.checkpoint import cached_random_checkpoint
-from mili.engine.config import PRESETS, Qwen3Config
 from mili.engine.loader import load_model
 from mili.engine.model import Qwen3ForCausalLM
 from mili.engine.runner import ModelRunner
 from mili.engine.sampling_params import SamplingParams
 from mili.engine.sequence import Sequence
 
-DEFAULT_CACHE = Path.home() / ".cache" / "mili" / "bench"
-TINY = Qwen3Config(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=64,
-    max_position_embeddings=2048,
-    tie_word_embeddings=True,
-    torch_dtype="bfloat16",
-)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 LAUNCH_KEYS = ("LaunchKernel", "GraphLaunch", "cuLaunch", "LaunchCooperativeKernel")
 
@@ -252,11 +238,6 @@ def hf_tpot(
     return (many - one) / args.steps * 1e3
 
 
-def checkpoint(args: argparse.Namespace) -> Path:
-    config = TINY if args.preset == "tiny" else PRESETS[args.preset]
-    return cached_random_checkpoint(config, args.preset, args.cache_dir)
-
-
 def load(path: Path, args: argparse.Namespace) -> Qwen3ForCausalLM:
     device = torch.device(args.device)
     model = load_model(path, device=device, dtype=DTYPES[args.dtype])
@@ -273,7 +254,7 @@ def load(path: Path, args: argparse.Namespace) -> Qwen3ForCausalLM:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--preset", default="qwen3-0.6b", choices=["tiny", *PRESETS])
+    parser.add_argument("--preset", default="qwen3-0.6b", choices=CHOICES)
     parser.add_argument("--dtype", default="bf16", choices=list(DTYPES))
     parser.add_argument(
         "--attention", default="auto", choices=["auto", "mojo", "torch", "torch-graphs"]
@@ -299,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     device = torch.device(args.device)
 
-    path = checkpoint(args)
+    path = preset_checkpoint(args.preset, args.cache_dir)
     model = load(path, args)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
     print(
