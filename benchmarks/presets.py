@@ -7,6 +7,7 @@ Each is written once as a checkpoint into the cache directory the benchmarks sha
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 from mili.engine.checkpoint import cached_random_checkpoint
@@ -46,3 +47,16 @@ def preset_checkpoint(name: str, cache_dir: Path = DEFAULT_CACHE) -> Path:
     if load_config(path) != config:
         raise RuntimeError(f"{path} holds another {name!r} than benchmarks/presets.py's: delete it")
     return path
+
+
+def main() -> None:
+    """Write one preset's checkpoint ahead of its users (the GPU check does, meanwhile)."""
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("preset", choices=CHOICES)
+    parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE)
+    args = parser.parse_args()
+    print(preset_checkpoint(args.preset, args.cache_dir))
+
+
+if __name__ == "__main__":
+    main()
