@@ -186,8 +186,9 @@ piece engine.log "$(cap 100 60)" "$BUDGET" "$PY" benchmarks/engine_gpu.py "${com
 cat "$tmp/engine.json" >>"$out/engine.log" 2>/dev/null
 piece attention.log "$(cap 50 40)" "$BUDGET" "$PY" benchmarks/attention_gpu.py --device "$device" \
   "${ATTENTION[@]}"
+# --attention mojo, here and above: missing kernels fail the piece instead of timing torch.
 piece serve.log "$(cap 120 90)" "$BUDGET" "$PY" benchmarks/serve_gpu.py "${common[@]}" \
-  --json "$tmp/serve.json" "${SERVE[@]}"
+  --attention mojo --json "$tmp/serve.json" "${SERVE[@]}"
 cat "$tmp/serve.json" >>"$out/serve.log" 2>/dev/null
 piece kv.log "$(cap 90 60)" "$BUDGET" "$PY" benchmarks/kv_handoff.py "${common[@]}" "${KV[@]}"
 piece attention.log "$(cap 60 40)" "$BUDGET" "$PY" benchmarks/fused_ops.py --device "$device" \

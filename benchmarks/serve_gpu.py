@@ -50,6 +50,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--preset", default="qwen3-0.6b", choices=CHOICES)
+    parser.add_argument(
+        "--attention",
+        default="auto",
+        choices=["auto", "mojo", "torch"],
+        help="mili serve's kernels; mojo: fail, not fall back to torch, when they are missing",
+    )
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--ttft-requests", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=8)
@@ -68,7 +74,10 @@ def main() -> int:
     extra += ["--decode-args", f"--max-running {max_running}"]
     extra += ["--prefill-args", f"--max-queued-tokens {max(8192, 128 * args.prompt_tokens)}"]
     result: dict[str, Any] = {"device": args.device, "prompt_tokens": args.prompt_tokens}
-    with servable(weights) as model_dir, mili_serve(model_dir, "bfloat16", 4, "auto", extra) as s:
+    with (
+        servable(weights) as model_dir,
+        mili_serve(model_dir, "bfloat16", 4, args.attention, extra) as s,
+    ):
         print(f"serving on {s.address} after {time.perf_counter() - started:.0f} s", flush=True)
         run_bench(bench_args(s.address, 1, args.warmup, args.prompt_tokens, 16, seed=99))
         ttft = run_bench(bench_args(s.address, 1, args.ttft_requests, args.prompt_tokens, 16))
