@@ -126,7 +126,7 @@ checkpoint=$!
   if [[ $device == cuda ]]; then
     # -v: a line per test as it ends (a killed pytest prints no summary); -q for the big grids.
     # The [64] graph test stays out, as in the one-call model this plan grew from: [1] covers
-    # the replay and its fp64 reference over 64 long contexts is the slow one.
+    # the replay, and [64]'s fp64 reference runs on the CPU over 64 contexts of up to 4000.
     kernel_tests 60 -m gpu tests/kernels/test_gpu.py \
       --deselect "tests/kernels/test_gpu.py::test_decode_captured_in_a_cuda_graph_replays_new_inputs[64]"
     kernel_tests 45 -m gpu -q tests/kernels/test_fused_gpu.py
