@@ -19,12 +19,20 @@ CUDA graph (the GPU time a captured decode step pays), next to a gather + SDPA d
 table gathered into contiguous K/V, then SDPA) in the same process.
 
 Each measurement: a parity spot check first, warm-up, then CUDA events around repeated launches.
+Rows print as they finish.
+
+    python benchmarks/attention_gpu.py --device cpu --lengths 128 --decode 4x256 --iters 2
+
+runs the same measurements through the Mojo CPU kernels (host clock, no CUDA graph, a 64 MiB
+copy for the bandwidth): a check of this script on any machine, not a CPU benchmark
+(attention_cpu.py is that).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -33,8 +41,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels.build import gpu_kernel_dir
-from kernels.gpu import GpuKernels
+from kernels.backend import AttentionKernels
+from kernels.build import build_cpu, gpu_kernel_dir
+from kernels.cpu import CpuKernels
 
 # Datasheet HBM bandwidth by device name (bytes/s); other devices use the measured copy.
 PEAK_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12}
@@ -47,17 +56,27 @@ def datasheet_bandwidth(name: str) -> float | None:
     return None
 
 
-def copy_bandwidth() -> float:
-    """Device-to-device copy of 1 GiB: bytes read + written per second."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+def copy_bandwidth(dev: torch.device) -> float:
+    """A copy within `dev`'s memory (1 GiB on a GPU, 64 MiB on the CPU): bytes read + written
+    per second."""
+    src = torch.empty(1 << (30 if dev.type == "cuda" else 26), dtype=torch.uint8, device=dev)
     dst = torch.empty_like(src)
-    ms = time_ms(lambda: dst.copy_(src), warmup=2, iters=10)
+    ms = time_ms(lambda: dst.copy_(src), dev, warmup=2, iters=10)
     return 2 * src.numel() / (ms * 1e-3)
 
 
-def time_ms(fn: Callable[[], object], *, warmup: int = 3, iters: int = 10) -> float:
+def time_ms(
+    fn: Callable[[], object], dev: torch.device, *, warmup: int = 3, iters: int = 10
+) -> float:
+    """Mean ms per call over `iters` back-to-back calls: CUDA events on a GPU; on the CPU the
+    host clock (a CPU kernel has finished when it returns)."""
     for _ in range(warmup):
         fn()
+    if dev.type != "cuda":
+        start_s = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return (time.perf_counter() - start_s) * 1e3 / iters
     torch.cuda.synchronize()
     start = torch.cuda.Event(enable_timing=True)
     end = torch.cuda.Event(enable_timing=True)
@@ -95,9 +114,11 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6)).item()
 
 
-def bench_prefill(kernels: GpuKernels, length: int, args: argparse.Namespace) -> dict:
+def bench_prefill(
+    kernels: AttentionKernels, dev: torch.device, length: int, args: argparse.Namespace
+) -> dict:
     heads, kv_heads, head_dim, block = 32, 8, 128, 16
-    dev, dtype = torch.device("cuda"), torch.bfloat16
+    dtype = torch.bfloat16
     gen = torch.Generator().manual_seed(length)
     q = torch.randn(length, heads, head_dim, generator=gen).to(dev, dtype)
     k = torch.randn(1, length, kv_heads, head_dim, generator=gen).to(dev, dtype)
@@ -124,8 +145,8 @@ def bench_prefill(kernels: GpuKernels, length: int, args: argparse.Namespace) ->
     reference = sdpa()[0].transpose(0, 1)
     err = rel_err(ours(), reference)
     iters = args.iters if length <= 4096 else max(2, args.iters // 4)
-    ms_ours = time_ms(ours, iters=iters)
-    ms_sdpa = time_ms(sdpa, iters=iters)
+    ms_ours = time_ms(ours, dev, iters=iters)
+    ms_sdpa = time_ms(sdpa, dev, iters=iters)
     flops = 4 * length * length * head_dim * heads / 2
     return {
         "T": length,
@@ -137,9 +158,11 @@ def bench_prefill(kernels: GpuKernels, length: int, args: argparse.Namespace) ->
     }
 
 
-def bench_decode(kernels: GpuKernels, batch: int, context: int, args: argparse.Namespace) -> dict:
+def bench_decode(
+    kernels: AttentionKernels, dev: torch.device, batch: int, context: int, args: argparse.Namespace
+) -> dict:
     heads, kv_heads, head_dim, block = 32, 8, 128, 16
-    dev, dtype = torch.device("cuda"), torch.bfloat16
+    dtype = torch.bfloat16
     gen = torch.Generator().manual_seed(1)
     q = torch.randn(batch, heads, head_dim, generator=gen).to(dev, dtype)
     k = torch.randn(batch, context, kv_heads, head_dim, generator=gen).to(dev, dtype)
@@ -159,12 +182,14 @@ def bench_decode(kernels: GpuKernels, batch: int, context: int, args: argparse.N
     err = rel_err(ours(), reference)
     del ks, vs
     iters = args.iters * 5
-    ms = time_ms(ours, warmup=5, iters=iters)
+    ms = time_ms(ours, dev, warmup=5, iters=iters)
 
-    graph = torch.cuda.CUDAGraph()  # warmed up above: functions loaded, scratch sized
-    with torch.cuda.graph(graph):
-        ours()
-    ms_graph = time_ms(graph.replay, warmup=5, iters=iters)
+    ms_graph = None
+    if dev.type == "cuda":
+        graph = torch.cuda.CUDAGraph()  # warmed up above: functions loaded, scratch sized
+        with torch.cuda.graph(graph):
+            ours()
+        ms_graph = time_ms(graph.replay, dev, warmup=5, iters=iters)
 
     def gather_sdpa() -> torch.Tensor:
         # [B, blocks, S, KVH, D] -> [B, KVH, L, D]; SDPA with GQA by repeating kv heads
@@ -176,7 +201,7 @@ def bench_decode(kernels: GpuKernels, batch: int, context: int, args: argparse.N
         return F.scaled_dot_product_attention(q[:, :, None, :], kg, vg, scale=scale)[:, :, 0]
 
     err_gather = rel_err(gather_sdpa(), reference)
-    ms_gather = time_ms(gather_sdpa, warmup=3, iters=iters)
+    ms_gather = time_ms(gather_sdpa, dev, warmup=3, iters=iters)
     kv_bytes = batch * context * kv_heads * head_dim * 2 * k.element_size()
     return {
         "B": batch,
@@ -185,7 +210,7 @@ def bench_decode(kernels: GpuKernels, batch: int, context: int, args: argparse.N
         "ms_graph": ms_graph,
         "ms_gather": ms_gather,
         "gbs": kv_bytes / (ms * 1e-3) / 1e9,
-        "gbs_graph": kv_bytes / (ms_graph * 1e-3) / 1e9,
+        "gbs_graph": None if ms_graph is None else kv_bytes / (ms_graph * 1e-3) / 1e9,
         "gbs_gather": kv_bytes / (ms_gather * 1e-3) / 1e9,
         "max_rel_err": err,
         "max_rel_err_gather": err_gather,
@@ -194,6 +219,7 @@ def bench_decode(kernels: GpuKernels, batch: int, context: int, args: argparse.N
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument(
         "--kernel-dir",
         type=Path,
@@ -210,46 +236,64 @@ def main() -> int:
     )
     parser.add_argument("--iters", type=int, default=10)
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("no CUDA GPU", file=sys.stderr)
-        return 1
-    kernels = GpuKernels(args.kernel_dir or gpu_kernel_dir())
-    name = torch.cuda.get_device_name()
-    measured = copy_bandwidth()
-    sheet = datasheet_bandwidth(name)
+    dev = torch.device(args.device)
+    kernels: AttentionKernels
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            print("no CUDA GPU", file=sys.stderr)
+            return 1
+        from kernels.gpu import GpuKernels
+
+        kernels = GpuKernels(args.kernel_dir or gpu_kernel_dir())
+        name = torch.cuda.get_device_name()
+    else:
+        kernels = CpuKernels.from_path(build_cpu())
+        name = f"CPU, {torch.get_num_threads()} torch threads"
+    measured = copy_bandwidth(dev)
+    sheet = datasheet_bandwidth(name) if dev.type == "cuda" else None
     peak = sheet or measured
     print(f"device: {name}  torch {torch.__version__}")
     sheet_text = f"{sheet / 1e12:.2f} TB/s" if sheet else "unknown"
     print(
-        f"peak bandwidth: datasheet {sheet_text}, measured D2D copy {measured / 1e12:.2f} TB/s; "
-        f"% of peak below uses {peak / 1e12:.2f} TB/s"
+        f"peak bandwidth: datasheet {sheet_text}, measured copy {measured / 1e12:.2f} TB/s; "
+        f"% of peak below uses {peak / 1e12:.2f} TB/s",
+        flush=True,
     )
     print("\nprefill  bf16 causal D=128 H=32 KVH=8 B=1 (paged cache, block 16)")
     print(
         f"{'T':>6} {'ours ms':>9} {'ours TF/s':>10} {'sdpa ms':>9} {'sdpa TF/s':>10} "
-        f"{'ours/sdpa':>9} {'max rel err':>12}"
+        f"{'ours/sdpa':>9} {'max rel err':>12}",
+        flush=True,
     )
     for length in args.lengths:
-        r = bench_prefill(kernels, length, args)
+        r = bench_prefill(kernels, dev, length, args)
         print(
-            f"{r['T']:>6} {r['ours_ms']:>9.3f} {r['ours_tflops']:>10.1f} {r['sdpa_ms']:>9.3f} "
-            f"{r['sdpa_tflops']:>10.1f} {r['ours_tflops'] / r['sdpa_tflops']:>9.2f} "
-            f"{r['max_rel_err']:>12.2e}"
+            f"{r['T']:>6} {r['ours_ms']:>9.3f} {r['ours_tflops']:>10.3g} {r['sdpa_ms']:>9.3f} "
+            f"{r['sdpa_tflops']:>10.3g} {r['ours_tflops'] / r['sdpa_tflops']:>9.2f} "
+            f"{r['max_rel_err']:>12.2e}",
+            flush=True,
         )
+    # GB/s and % of peak: the graph replay where there is one (a captured step's cost), else
+    # the eager call.
     print("\ndecode  bf16 H=32 KVH=8 D=128 block 16 (random block tables)")
     print(
         f"{'B':>3} {'ctx':>6} {'ours us':>9} {'graph us':>9} {'GB/s':>7} {'% peak':>7} "
-        f"{'gather us':>10} {'GB/s':>7} {'% peak':>7} {'ours/gather':>11} {'max rel err':>12}"
+        f"{'gather us':>10} {'GB/s':>7} {'% peak':>7} {'ours/gather':>11} {'max rel err':>12}",
+        flush=True,
     )
     for shape in args.decode:
         batch, context = (int(x) for x in shape.split("x"))
-        r = bench_decode(kernels, batch, context, args)
+        r = bench_decode(kernels, dev, batch, context, args)
+        ms_best = r["ms_graph"] or r["ms"]
+        gbs_best = r["gbs_graph"] or r["gbs"]
+        graph_us = "-" if r["ms_graph"] is None else f"{1e3 * r['ms_graph']:.1f}"
         print(
-            f"{r['B']:>3} {r['context']:>6} {1e3 * r['ms']:>9.1f} {1e3 * r['ms_graph']:>9.1f} "
-            f"{r['gbs_graph']:>7.0f} {100 * r['gbs_graph'] * 1e9 / peak:>7.1f} "
+            f"{r['B']:>3} {r['context']:>6} {1e3 * r['ms']:>9.1f} {graph_us:>9} "
+            f"{gbs_best:>7.0f} {100 * gbs_best * 1e9 / peak:>7.1f} "
             f"{1e3 * r['ms_gather']:>10.1f} {r['gbs_gather']:>7.0f} "
-            f"{100 * r['gbs_gather'] * 1e9 / peak:>7.1f} {r['ms_gather'] / r['ms_graph']:>11.2f} "
-            f"{max(r['max_rel_err'], r['max_rel_err_gather']):>12.2e}"
+            f"{100 * r['gbs_gather'] * 1e9 / peak:>7.1f} {r['ms_gather'] / ms_best:>11.2f} "
+            f"{max(r['max_rel_err'], r['max_rel_err_gather']):>12.2e}",
+            flush=True,
         )
     return 0
 

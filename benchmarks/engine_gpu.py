@@ -6,12 +6,16 @@ per decode step, and HF transformers' `generate` on the same weights, all in one
 
 Weights: random, `--preset`'s shapes (qwen3-0.6b: 28 layers, hidden 1024, vocab 151936), written
 once as a bf16 checkpoint by mili.engine.checkpoint.cached_random_checkpoint into --cache-dir
-(the one the other benchmarks share); `tiny` is 2 layers of hidden 64, vocab 256.
+(the one the other benchmarks share); `tiny` (benchmarks/presets.py) is 2 layers of hidden 64,
+4 q / 2 kv heads of 64 (the Mojo kernels' smallest head_dim), vocab 256.
+
+Kernels: --attention picks the attention backend and, as in `mili serve` (one flag, one kernel
+family), the fused elementwise ops too; --fused overrides the latter (torch: the reference ops).
 
 decode   B sequences of --context prompt tokens each (prefilled first), then --steps decode
          steps through ModelRunner.decode (static inputs, sampling on the device, the ids'
          copy back: what decode's batch thread runs), greedy; TPOT = median step wall time.
-         Modes: eager, and graphs (CUDA only, over a graph-safe attention backend; `--attention
+         Modes: eager, and graphs (CUDA only, graph-safe attention and fused ops; `--attention
          torch-graphs` marks the torch reference graph-safe: correct over full-width block
          tables, slow since it gathers all of them, so it measures the graph machinery only).
 launches kernels launched per decode step, from one step under torch.profiler: CUDA runtime
@@ -23,8 +27,9 @@ hf       transformers.Qwen3ForCausalLM (sdpa attention) `generate` on the same c
          dtype, greedy, batch B of the same prompts: TPOT = (time of --steps + 1 new tokens -
          time of 1) / --steps, so its prefill is left out.
 
-Prints one table (and --json writes the rows); the numbers belong in docs/benchmarks.md with the
-date, machine and command.
+Prints each measurement as it finishes (a run cut off by a time limit still reports what it
+measured), then one table (and --json writes the rows); the numbers belong in
+docs/benchmarks.md with the date, machine and command.
 """
 
 from __future__ import annotations
@@ -45,30 +50,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.presets import CHOICES, DEFAULT_CACHE, preset_checkpoint
 from kernels.backend import select_attention
+from kernels.fused.backend import select_fused_ops
 from mili.engine.attention import TorchAttention
 from mili.engine.block_pool import BlockPool, blocks_needed
-from mili.engine.checkpoint import cached_random_checkpoint
-from mili.engine.config import PRESETS, Qwen3Config
 from mili.engine.loader import load_model
 from mili.engine.model import Qwen3ForCausalLM
 from mili.engine.runner import ModelRunner
 from mili.engine.sampling_params import SamplingParams
 from mili.engine.sequence import Sequence
 
-DEFAULT_CACHE = Path.home() / ".cache" / "mili" / "bench"
-TINY = Qwen3Config(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    max_position_embeddings=2048,
-    tie_word_embeddings=True,
-    torch_dtype="bfloat16",
-)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 LAUNCH_KEYS = ("LaunchKernel", "GraphLaunch", "cuLaunch", "LaunchCooperativeKernel")
 
@@ -246,28 +238,32 @@ def hf_tpot(
     return (many - one) / args.steps * 1e3
 
 
-def checkpoint(args: argparse.Namespace) -> Path:
-    config = TINY if args.preset == "tiny" else PRESETS[args.preset]
-    return cached_random_checkpoint(config, args.preset, args.cache_dir)
-
-
 def load(path: Path, args: argparse.Namespace) -> Qwen3ForCausalLM:
     device = torch.device(args.device)
     model = load_model(path, device=device, dtype=DTYPES[args.dtype])
+    head_dim = model.config.head_dim
     if args.attention == "torch-graphs":
         model.attention = _GraphSafeTorch()
     else:
-        model.attention = select_attention(args.attention, device, head_dim=model.config.head_dim)
+        model.attention = select_attention(args.attention, device, head_dim=head_dim)
+    fused = args.fused or ("torch" if args.attention == "torch-graphs" else args.attention)
+    model.fused_ops = select_fused_ops(fused, device, head_dim=head_dim)
     return model
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--preset", default="qwen3-0.6b", choices=["tiny", *PRESETS])
+    parser.add_argument("--preset", default="qwen3-0.6b", choices=CHOICES)
     parser.add_argument("--dtype", default="bf16", choices=list(DTYPES))
     parser.add_argument(
         "--attention", default="auto", choices=["auto", "mojo", "torch", "torch-graphs"]
+    )
+    parser.add_argument(
+        "--fused",
+        default=None,
+        choices=["auto", "mojo", "torch"],
+        help="fused elementwise ops (default: as --attention, what mili serve runs)",
     )
     parser.add_argument("--batches", default="1,16,64,256")
     parser.add_argument("--context", type=int, default=512, help="prompt tokens per sequence")
@@ -284,22 +280,48 @@ def main(argv: list[str] | None = None) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     device = torch.device(args.device)
 
-    path = checkpoint(args)
+    path = preset_checkpoint(args.preset, args.cache_dir)
     model = load(path, args)
-    attention = model.attention.name
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
+    print(
+        f"# {args.preset} {args.dtype} on {args.device} ({name}), torch {torch.__version__}, "
+        f"attention {model.attention.name}, fused ops {model.fused_ops.name}, "
+        f"context {args.context}, {args.steps} steps",
+        flush=True,
+    )
+    what = "launches" if device.type == "cuda" else "aten ops"
     tokens = args.context + args.warmup + args.steps + 2
     num_blocks = max(batches) * blocks_needed(tokens, args.block_size)
     num_blocks = max(num_blocks, args.prefill_batch * blocks_needed(args.prefill_tokens, 16))
     eager = ModelRunner.create(model, num_blocks, args.block_size, max_decode_batch=max(batches))
     prefill = prefill_tokens_per_s(eager, args)
+    print(
+        f"prefill: {args.prefill_batch} x {args.prefill_tokens} tokens: {prefill:.0f} tok/s",
+        flush=True,
+    )
     rows = [Row(b) for b in batches]
+
+    def report(mode: str, row: Row, tpot_ms: float | None, launches: int | None = None) -> None:
+        if tpot_ms is None:
+            print(f"{mode:6} batch {row.batch:4}: n/a", flush=True)
+            return
+        counted = "" if launches is None else f", {launches} {what}/step"
+        print(
+            f"{mode:6} batch {row.batch:4}: TPOT {tpot_ms:8.2f} ms, "
+            f"{row.batch / tpot_ms * 1e3:8.0f} tok/s{counted}",
+            flush=True,
+        )
+
     for row in rows:
         row.eager_tpot_ms, row.eager_launches = decode_tpot(eager, row.batch, args)
+        report("eager", row, row.eager_tpot_ms, row.eager_launches)
     note = ""
     if device.type != "cuda":
         note = "graphs: n/a on CPU"
     elif not getattr(model.attention, "is_graph_safe", False):
         note = f"graphs: n/a, attention {model.attention.name} is not graph-safe"
+    elif not model.fused_ops.is_graph_safe:
+        note = f"graphs: n/a, fused ops {model.fused_ops.name} are not graph-safe"
     else:
         del eager
         graphs = ModelRunner.create(
@@ -313,20 +335,17 @@ def main(argv: list[str] | None = None) -> int:
             f"{time.perf_counter() - t0:.1f} s, "
             f"{graphs.graphs.memory_bytes / 2**20:.0f} MiB"
         )
+        print(note, flush=True)
         for row in rows:
             row.graphs_tpot_ms, row.graphs_launches = decode_tpot(graphs, row.batch, args)
+            report("graphs", row, row.graphs_tpot_ms, row.graphs_launches)
     if not args.no_hf:
         del model
         for row in rows:
             row.hf_tpot_ms = hf_tpot(path, DTYPES[args.dtype], device, row.batch, args)
+            report("hf", row, row.hf_tpot_ms)
 
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
-    print(
-        f"# {args.preset} {args.dtype} on {args.device} ({name}), torch {torch.__version__}, "
-        f"attention {attention}, context {args.context}, {args.steps} steps; {note}"
-    )
-    print(f"prefill: {args.prefill_batch} x {args.prefill_tokens} tokens: {prefill:.0f} tok/s")
-    what = "launches" if device.type == "cuda" else "aten ops"
+    print(f"# {note}")
     header = [
         "batch",
         "eager TPOT ms",

@@ -130,7 +130,7 @@ def bench_ops(args: argparse.Namespace, mojo: FusedOps) -> None:
                 times = best_of(fns, args.repeats, args.device, args.inner)
                 print(f"{op:16} {dtype_name:5} {tokens:4d} ", end="")
                 print(" ".join(f"{t * 1e6:12.1f}" for t in times), end="")
-                print(f" {times[1] / times[0]:9.2f}x")
+                print(f" {times[1] / times[0]:9.2f}x", flush=True)
 
 
 def bench_step(args: argparse.Namespace, mojo: FusedOps, attention: AttentionBackend) -> None:
@@ -164,7 +164,8 @@ def bench_step(args: argparse.Namespace, mojo: FusedOps, attention: AttentionBac
                 print(
                     f"decode step {dtype_name} B={batch} ctx={args.context} "
                     f"{args.layers} layers: torch ops {before * 1e3:.2f} ms, "
-                    f"Mojo ops {after * 1e3:.2f} ms, {before / after:.2f}x"
+                    f"Mojo ops {after * 1e3:.2f} ms, {before / after:.2f}x",
+                    flush=True,
                 )
 
 

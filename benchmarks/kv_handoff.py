@@ -1,8 +1,9 @@
 """Prefill -> decode KV hand-off on CPU: does streaming the KV hide behind the prefill's compute?
 
-Random-weight Qwen3-0.6B (preset "qwen3-0.6b", bf16, written once into --cache-dir and reused,
-shared with generate_cpu.py), one prompt of --prompt-len tokens (512 tokens x 112 KiB = 58.7 MB
-of KV in 28 layer chunks of 2.1 MB). Medians over --repeats runs after one warm-up:
+Random-weight Qwen3-0.6B (--preset "qwen3-0.6b", bf16, written once into --cache-dir and reused,
+shared with generate_cpu.py; `tiny`, benchmarks/presets.py, checks this script in seconds), one
+prompt of --prompt-len tokens (512 tokens x 112 KiB = 58.7 MB of KV in 28 layer chunks of
+2.1 MB). Medians over --repeats runs after one warm-up:
 
   compute alone   model.prefill in this process: no layer callback, no transfer
   start -> ack    a Prefill call to the prefill service (in this process, real gRPC on loopback)
@@ -52,10 +53,12 @@ from typing import Any
 import grpc
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.presets, as a script
+
+from benchmarks.presets import CHOICES, DEFAULT_CACHE, preset_checkpoint, preset_config
 from mili.common.v1 import sampling_pb2
 from mili.decode.v1 import decode_pb2, decode_pb2_grpc
-from mili.engine.checkpoint import cached_random_checkpoint
-from mili.engine.config import PRESETS
+from mili.engine.config import Qwen3Config
 from mili.engine.engine_config import EngineConfig
 from mili.engine.fingerprint import model_fingerprint
 from mili.engine.kv_cache import KVCache
@@ -77,17 +80,11 @@ from services.prefill.server import PrefillServicer, add_to_server
 from services.prefill.task import FirstToken, PrefillTask
 from services.prefill.worker import hand_over
 
-MODEL = "qwen3-0.6b"
 RECEIVERS = ("discard", "checker", "decode", "decode-shm")
 # The real decode service, per KV transport: its flags (a decode forced to grpc pairs over grpc).
 DECODE_TRANSPORTS = {"decode": ["--kv-transport", "grpc"], "decode-shm": []}
 BLOCK_SIZE = 16
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def checkpoint_dir(cache_dir: Path) -> Path:
-    """The bf16 Qwen3-0.6B checkpoint (seed 0), written once (shared with the other benchmarks)."""
-    return cached_random_checkpoint(PRESETS[MODEL], MODEL, cache_dir)
 
 
 # ---- receiver processes (checker, discard) ---------------------------------------------------
@@ -123,11 +120,11 @@ class _Receiver(kv_pb2_grpc.KvTransferServiceServicer):
         raise AssertionError
 
 
-async def _serve_receiver(layout_hex: str, num_blocks: int) -> None:
+async def _serve_receiver(layout_hex: str, num_blocks: int, config: Qwen3Config) -> None:
     layout = kv_pb2.KvLayout.FromString(bytes.fromhex(layout_hex))
     cache = None
     if num_blocks:
-        cache = KVCache(PRESETS[MODEL], num_blocks, layout.block_size, dtype=torch_dtype(layout))
+        cache = KVCache(config, num_blocks, layout.block_size, dtype=torch_dtype(layout))
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 256 << 20)])
     receiver = _Receiver(layout, cache)
     # As decode reads them: each chunk's bytes left in place (kv_codec.parse_transfer_request).
@@ -380,13 +377,17 @@ def prefill_in_process(
     return model, PrefillServicer(instance, max_message_bytes=256 << 20), prompt, num_blocks
 
 
-async def measure(args: argparse.Namespace, path: Path) -> list[dict[str, Any]]:
+async def measure(
+    args: argparse.Namespace, path: Path, on_row: Callable[[dict[str, Any]], None]
+) -> list[dict[str, Any]]:
+    """One row per receiver, each passed to `on_row` as soon as it is measured."""
     dtype = getattr(torch, args.dtype)
     model, servicer, prompt, num_blocks = prefill_in_process(
         path, args.prompt_len, dtype, args.device
     )
     layout_hex = servicer.layout.SerializeToString().hex()
     me = [sys.executable, __file__, "--receiver-threads", str(args.receiver_threads)]
+    me += ["--preset", args.preset]
     procs: list[subprocess.Popen[str]] = []
     server = RpcServer(ServerConfig(max_message_bytes=256 << 20), name="prefill")
     add_to_server(server, servicer)
@@ -410,6 +411,7 @@ async def measure(args: argparse.Namespace, path: Path) -> list[dict[str, Any]]:
                         stub, model, address, reserve, prompt, args.repeats
                     )
                 rows.append(summarize(name, path_runs, full_runs) | cpu)
+                on_row(rows[-1])
             for name, transport_args in DECODE_TRANSPORTS.items():
                 if name not in args.receivers:
                     continue
@@ -434,6 +436,7 @@ async def measure(args: argparse.Namespace, path: Path) -> list[dict[str, Any]]:
                 row = summarize(name, path_runs, full_runs) | cpu
                 row["transport"] = servicer.peers.transports()[address]
                 rows.append(row)
+                on_row(row)
     finally:
         await server.drain()
         await servicer.close()
@@ -443,9 +446,36 @@ async def measure(args: argparse.Namespace, path: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def print_row(r: dict[str, Any]) -> None:
+    full = (
+        [
+            f"{r['compute_alone_ms']:.0f}",
+            f"{r['start_to_ack_ms']:.0f}",
+            f"{r['ratio']:.2f}",
+            f"{r['tail_ms']:.1f}",
+        ]
+        if "ratio" in r
+        else ["-"] * 4
+    )
+    cpu = f"{r['sender_cpu_ms']:.0f}/{r['receiver_cpu_ms']:.0f}"
+    print(
+        "{:<11}{:>7.1f}{:>9.0f}{:>7.2f}{:>10}{:>12}{:>7}{:>7}{:>10}  {}".format(
+            r["receiver"],
+            r["kv_mb"],
+            r["kv_path_ms"],
+            r["kv_path_gb_s"],
+            *full,
+            cpu,
+            r.get("transport", "grpc"),
+        ),
+        flush=True,
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache/mili/bench")
+    parser.add_argument("--preset", default="qwen3-0.6b", choices=CHOICES)
+    parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE)
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument(
         "--dtype",
@@ -496,43 +526,21 @@ def main() -> None:
         args.receivers = [r for r in args.receivers if r not in DECODE_TRANSPORTS]
     if args.serve_receiver:
         torch.set_num_threads(args.receiver_threads)
-        asyncio.run(_serve_receiver(args.serve_receiver[0], int(args.serve_receiver[1])))
+        layout_hex, num_blocks = args.serve_receiver
+        asyncio.run(_serve_receiver(layout_hex, int(num_blocks), preset_config(args.preset)))
         return
     torch.set_num_threads(args.threads)
-    path = checkpoint_dir(args.cache_dir)
-    rows = asyncio.run(measure(args, path))
+    path = preset_checkpoint(args.preset, args.cache_dir)
     if args.json:
-        print(json.dumps(rows, indent=2))
+        print(json.dumps(asyncio.run(measure(args, path, lambda row: None)), indent=2))
         return
     print(
-        f"KV hand-off: {MODEL} {args.dtype}, {args.prompt_len}-token prompt, "
-        f"{rows[0]['kv_mb']:.1f} MB of KV, torch threads {args.threads}, medians of "
-        f"{args.repeats} runs (ms unless noted)\n"
+        f"KV hand-off: {args.preset} {args.dtype}, {args.prompt_len}-token prompt, "
+        f"torch threads {args.threads}, medians of {args.repeats} runs (ms unless noted)\n"
     )
-    header = ("receiver", "KV path", "GB/s", "compute", "start->ack", "ratio", "tail", "CPU s/r")
-    print("{:<11}{:>9}{:>7}{:>10}{:>12}{:>7}{:>7}{:>10}  transport".format(*header))
-    for r in rows:
-        full = (
-            [
-                f"{r['compute_alone_ms']:.0f}",
-                f"{r['start_to_ack_ms']:.0f}",
-                f"{r['ratio']:.2f}",
-                f"{r['tail_ms']:.1f}",
-            ]
-            if "ratio" in r
-            else ["-"] * 4
-        )
-        cpu = f"{r['sender_cpu_ms']:.0f}/{r['receiver_cpu_ms']:.0f}"
-        print(
-            "{:<11}{:>9.0f}{:>7.2f}{:>10}{:>12}{:>7}{:>7}{:>10}  {}".format(
-                r["receiver"],
-                r["kv_path_ms"],
-                r["kv_path_gb_s"],
-                *full,
-                cpu,
-                r.get("transport", "grpc"),
-            )
-        )
+    header = ("receiver", "KV MB", "KV path", "GB/s", "compute", "start->ack", "ratio", "tail")
+    print("{:<11}{:>7}{:>9}{:>7}{:>10}{:>12}{:>7}{:>7}{:>10}  transport".format(*header, "CPU s/r"))
+    rows = asyncio.run(measure(args, path, print_row))
     print("\ntargets: KV path >= 0.5 GB/s; start->ack <= 1.3 x compute alone (ratio = median of")
     print("per-run ratios; tail = start->ack - queue - compute inside the service); CPU s/r =")
     print("CPU ms per KV-path transfer of the sender's and the receiver's process")

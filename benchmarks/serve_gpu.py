@@ -1,7 +1,8 @@
 """`mili serve --device cuda` end to end on Qwen3-0.6B shapes: TTFT at concurrency 1, then
 output tokens/s at higher concurrency, measured by `mili bench` at the client.
 
-The model is the random-weight bf16 Qwen3-0.6B the other benchmarks share (--cache-dir), served
+The model is the random-weight bf16 Qwen3-0.6B the other benchmarks share (--cache-dir; --preset
+tiny: a 2-layer one, benchmarks/presets.py, for checks of this script on a CPU), served
 with the demo tokenizer linked beside it (prompts are token ids < 256). One `mili serve` (one
 tokenizer, prefill, decode and frontend; prefill and decode on the same GPU, so the KV goes
 over cuda-ipc) serves every run, after --warmup requests that capture CUDA graphs and fill the
@@ -10,10 +11,14 @@ allocators:
   ttft        --ttft-requests requests one at a time, --prompt-tokens (512) each, 16 output
               tokens: TTFT p50/p90 (issue 15's target: p50 <= 30 ms on an H100/H200)
   throughput  --concurrency (64, 256) workers sharing 2x as many requests of --prompt-tokens
-              + 128 output tokens: output tokens/s, TTFT and ITL percentiles
+              + --output-tokens (128): output tokens/s, TTFT and ITL percentiles
+
+Each line prints as its run finishes.
 
     python3 benchmarks/serve_gpu.py --json serve_gpu.json
     python3 benchmarks/serve_gpu.py --device cuda:0 --concurrency 1 --ttft-requests 100
+    python3 benchmarks/serve_gpu.py --device cpu --preset tiny --ttft-requests 3 --warmup 1 \
+        --concurrency 4 --output-tokens 16          # a check of this script on any machine
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.serving, as a script
 
-from benchmarks.serving import bench_args, checkpoint_dir, mili_serve, run_bench, servable
+from benchmarks.presets import CHOICES, DEFAULT_CACHE, preset_checkpoint
+from benchmarks.serving import bench_args, mili_serve, run_bench, servable
 
 TTFT_TARGET_MS = 30.0
 
@@ -43,31 +49,43 @@ def _line(name: str, summary: dict[str, Any]) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--preset", default="qwen3-0.6b", choices=CHOICES)
+    parser.add_argument(
+        "--attention",
+        default="auto",
+        choices=["auto", "mojo", "torch"],
+        help="mili serve's kernels; mojo: fail, not fall back to torch, when they are missing",
+    )
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--ttft-requests", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--concurrency", default="64,256", help="comma-separated; '' skips")
-    parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache/mili/bench")
+    parser.add_argument("--output-tokens", type=int, default=128, help="per throughput request")
+    parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE)
     parser.add_argument("--json", type=Path, default=None, metavar="OUT")
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",") if c]
     max_running = max([256, *levels])
 
     started = time.perf_counter()
-    print(f"model: random qwen3-0.6b bf16 in {args.cache_dir} (written once)", flush=True)
-    weights = checkpoint_dir(args.cache_dir)
+    print(f"model: random {args.preset} bf16 in {args.cache_dir} (written once)", flush=True)
+    weights = preset_checkpoint(args.preset, args.cache_dir)
     extra = ["--device", args.device, "--fail-fast"]
     extra += ["--decode-args", f"--max-running {max_running}"]
     extra += ["--prefill-args", f"--max-queued-tokens {max(8192, 128 * args.prompt_tokens)}"]
     result: dict[str, Any] = {"device": args.device, "prompt_tokens": args.prompt_tokens}
-    with servable(weights) as model_dir, mili_serve(model_dir, "bfloat16", 4, "auto", extra) as s:
+    with (
+        servable(weights) as model_dir,
+        mili_serve(model_dir, "bfloat16", 4, args.attention, extra) as s,
+    ):
         print(f"serving on {s.address} after {time.perf_counter() - started:.0f} s", flush=True)
         run_bench(bench_args(s.address, 1, args.warmup, args.prompt_tokens, 16, seed=99))
         ttft = run_bench(bench_args(s.address, 1, args.ttft_requests, args.prompt_tokens, 16))
         result["ttft"] = ttft
         print(_line("concurrency 1", ttft), flush=True)
         for level in levels:
-            summary = run_bench(bench_args(s.address, level, 2 * level, args.prompt_tokens, 128))
+            bench = bench_args(s.address, level, 2 * level, args.prompt_tokens, args.output_tokens)
+            summary = run_bench(bench)
             result[f"concurrency_{level}"] = summary
             print(_line(f"concurrency {level}", summary), flush=True)
     p50 = result["ttft"]["ttft"]["p50_ms"]
@@ -76,7 +94,7 @@ def main() -> int:
         line += (
             f" (target <= {TTFT_TARGET_MS:.0f} ms: {'met' if p50 <= TTFT_TARGET_MS else 'NOT met'})"
         )
-    print(line)
+    print(line, flush=True)
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=2))
     return 0

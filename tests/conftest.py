@@ -11,6 +11,15 @@ from mili.demo.model import build_demo_model
 from tests.service_process import ServiceProcess
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--require-kernels",
+        action="store_true",
+        help="fail, not skip, a test whose Mojo kernels are missing (no CUDA GPU, no PTX of this "
+        "source): the GPU check asks for the kernels, and a skip there would hide stale PTX",
+    )
+
+
 @pytest.fixture(scope="session")
 def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The embedded demo checkpoint, built fresh for this test session."""

@@ -1,7 +1,12 @@
 """The kernels under test: CPU (built once per session into the normal cache, as `make test`
-prebuilds it) and, where a CUDA GPU is present, the sm_90 PTX of this source."""
+prebuilds it) and, where a CUDA GPU is present, the sm_90 PTX of this source.
+
+Without a GPU or the PTX the GPU tests skip; with `--require-kernels` (the GPU check passes it)
+they fail instead, naming what is missing."""
 
 from __future__ import annotations
+
+from typing import NoReturn
 
 import pytest
 import torch
@@ -9,8 +14,16 @@ import torch
 from kernels import build
 from kernels.backend import AttentionKernels
 from kernels.cpu import CpuKernels
+from kernels.fused import ptx as fused_ptx
 from kernels.fused.cpu import CpuFusedKernels
 from mili.engine.fused_ops import FusedOps
+
+
+def kernels_missing(config: pytest.Config, reason: str) -> NoReturn:
+    """Skip the test, or fail it under --require-kernels."""
+    if config.getoption("--require-kernels"):
+        pytest.fail(f"{reason} (--require-kernels: the kernels must be here)", pytrace=False)
+    pytest.skip(reason)
 
 
 @pytest.fixture(scope="session")
@@ -19,11 +32,11 @@ def cpu_kernels() -> CpuKernels:
 
 
 @pytest.fixture(scope="session")
-def gpu_kernels() -> AttentionKernels:
+def gpu_kernels(pytestconfig: pytest.Config) -> AttentionKernels:
     """PTX from the kernel cache: built here with the toolchain, or carried to a GPU host
     (`MILI_CACHE_DIR=<dir> mili kernels build --gpu` where Mojo is, then MILI_CACHE_DIR=<dir>)."""
     if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
+        kernels_missing(pytestconfig, "needs a CUDA GPU")
     from kernels.gpu import GpuKernels
 
     kernel_dir = build.gpu_kernel_dir()
@@ -31,8 +44,28 @@ def gpu_kernels() -> AttentionKernels:
         try:
             kernel_dir = build.build_gpu()
         except build.KernelBuildError as exc:
-            pytest.skip(f"no PTX at {kernel_dir} and it cannot be built here: {exc}")
+            kernels_missing(
+                pytestconfig, f"no PTX at {kernel_dir} and it cannot be built here: {exc}"
+            )
     return GpuKernels(kernel_dir)
+
+
+@pytest.fixture(scope="session")
+def gpu_fused(pytestconfig: pytest.Config) -> FusedOps:
+    """The fused kernels' PTX, found or built as gpu_kernels' is."""
+    if not torch.cuda.is_available():
+        kernels_missing(pytestconfig, "needs a CUDA GPU")
+    from kernels.fused.gpu import GpuFusedKernels
+
+    kernel_dir = fused_ptx.fused_kernel_dir()
+    if not (kernel_dir / "manifest.json").exists():
+        try:
+            kernel_dir = fused_ptx.build_fused_gpu()
+        except build.KernelBuildError as exc:
+            kernels_missing(
+                pytestconfig, f"no fused PTX at {kernel_dir} and it cannot be built here: {exc}"
+            )
+    return GpuFusedKernels(kernel_dir)
 
 
 @pytest.fixture(params=["cpu", "cpu-3-workers", pytest.param("cuda", marks=pytest.mark.gpu)])

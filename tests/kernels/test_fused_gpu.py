@@ -110,19 +110,6 @@ def test_rejects_cpu_tensors(tmp_path: Path) -> None:
 # ---- parity on a GPU --------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="session")
-def gpu_fused() -> FusedOps:
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    kernel_dir = ptx.fused_kernel_dir()
-    if not (kernel_dir / "manifest.json").exists():
-        try:
-            kernel_dir = ptx.build_fused_gpu()
-        except build.KernelBuildError as exc:
-            pytest.skip(f"no fused PTX at {kernel_dir} and it cannot be built here: {exc}")
-    return GpuFusedKernels(kernel_dir)
-
-
 REFERENCE = TorchFusedOps()
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

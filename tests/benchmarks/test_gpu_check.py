@@ -1,0 +1,108 @@
+"""benchmarks/gpu_check.sh end to end on the CPU (`--device cpu`: the GPU plan with tiny shapes and
+short caps): every piece runs and passes, the logs stay within the GPU host's 8 files, and each
+holds the rows its piece measured.
+
+The GPU plan itself only runs on a GPU host; this proves the script around it (plan, caps, logs)
+and the CPU paths of every benchmark it calls. About a minute on two cores.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+LOGS = {
+    "run.log",
+    "env.txt",
+    "kernels.log",
+    "tests.log",
+    "engine.log",
+    "attention.log",
+    "serve.log",
+    "kv.log",
+}
+NUMBER = r"[0-9][0-9.e+-]*"
+
+
+@pytest.fixture(scope="module")
+def check_out(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Run the CPU check once; its $OUT."""
+    tmp = tmp_path_factory.mktemp("gpu-check")
+    out = tmp / "out"
+    env = {
+        **os.environ,
+        "OUT": str(out),
+        "PYTHON": sys.executable,
+        "BENCH_CACHE": str(tmp / "bench-cache"),  # the tiny checkpoint, written by the check
+    }
+    result = subprocess.run(
+        ["bash", "benchmarks/gpu_check.sh", "--device", "cpu"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    logs = "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(out.iterdir()))
+    assert result.returncode == 0, f"{result.stdout}\n{result.stderr}\n{logs}"
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_every_piece_runs_and_passes_within_eight_files(check_out: Path) -> None:
+    assert {p.name for p in check_out.iterdir()} == LOGS  # the GPU host hands back 8 files
+    run_log = (check_out / "run.log").read_text()
+    started = re.findall(r"\] START cap \d+s: (.*)", run_log)
+    ended = {command: rc for rc, command in re.findall(r"\] END exit (\d+)[^:]*: (.*)", run_log)}
+    assert len(started) == 13, run_log  # env, checkpoint, 3 kernel pieces, 2 tests, 6 in phase B
+    assert {command: ended.get(command) for command in started} == dict.fromkeys(started, "0")
+    assert "SKIP" not in run_log
+    assert "0 failed, 0 skipped" in run_log.splitlines()[-1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_each_log_holds_measured_rows(check_out: Path) -> None:
+    def log(name: str) -> str:
+        return (check_out / name).read_text()
+
+    assert "# 0 problems" in log("env.txt")
+    kernels = log("kernels.log")
+    assert "ok prefill" in kernels and "# 0 failed" in kernels
+    assert re.search(r"\b500 passed", kernels)  # the CPU parity grid, one process
+    assert re.search(r"\b411 passed", kernels)  # the fused ops'
+    assert re.search(r"\d+ passed, \d+ skipped", log("tests.log"))
+
+    engine = log("engine.log")
+    # parity: the prefill and one line per teacher-forced decode step, then the verdict
+    steps = re.findall(rf"^decode (\d+) +max\|diff\|/max\|ref\| ({NUMBER})", engine, re.M)
+    assert [int(step) for step, _ in steps] == [0, 1, 2, 3]
+    assert all(float(rel) < 1e-3 for _, rel in steps)  # fp32 on both sides
+    assert re.search(r"^prefill +max\|diff\|", engine, re.M) and "# verdict: ok" in engine
+    # speed: a TPOT and tok/s per batch as each finished, then the table and its JSON
+    for batch in (1, 8):
+        assert re.search(rf"^eager +batch +{batch}: TPOT +{NUMBER} ms, +\d+ tok/s", engine, re.M)
+    assert '"prefill_tokens_per_s"' in engine
+
+    attention = log("attention.log")
+    assert re.search(rf"^ +128( +{NUMBER}){{6}}$", attention, re.M)  # prefill T=128 vs SDPA
+    assert re.search(r"^ +4 +256 ", attention, re.M)  # decode 4 x 256
+    assert re.search(r"^silu_mul +fp32 +16 ", attention, re.M)  # fused ops
+    assert re.search(r"^decode step fp32 B=1 ", attention, re.M)
+
+    serve = log("serve.log")
+    for level in (1, 4):
+        row = rf"^concurrency {level} +TTFT p50 +{NUMBER} .* +\d+ output tok/s$"
+        assert re.search(row, serve, re.M), serve
+    assert '"output_tokens_per_s"' in serve
+
+    kv = log("kv.log")
+    assert re.search(rf"^decode +{NUMBER} +{NUMBER} +{NUMBER} .* grpc$", kv, re.M), kv
+    assert re.search(rf"^decode-shm +{NUMBER} +{NUMBER} +{NUMBER} .* shm$", kv, re.M), kv
