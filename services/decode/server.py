@@ -165,41 +165,17 @@ def add_to_server(
     instance: DecodeInstance,
     *,
     kv_senders: PeerSet | None = None,
-    is_generate_stream_served: bool = True,
 ) -> None:
     """Register DecodeService and KvTransferService (one address: prefill sends KV here).
-    `kv_senders`: the hosts KV is accepted from (None: this machine only).
-    `is_generate_stream_served`: False leaves GenerateStream unregistered, so callers get
-    UNIMPLEMENTED as from a decode instance older than it (frontends then call Generate)."""
+    `kv_senders`: the hosts KV is accepted from (None: this machine only)."""
     decode = DecodeServicer(
         instance, is_draining=lambda: server.is_draining, request_metrics=server.request_metrics
     )
     transfer = KvTransferServicer(instance, senders=kv_senders)
-    if is_generate_stream_served:
-        server.add_service(
-            DECODE_SERVICE,
-            lambda s: decode_pb2_grpc.add_DecodeServiceServicer_to_server(decode, s),
-        )
-    else:
-        server.add_service(DECODE_SERVICE, lambda s: _add_without_stream(decode, s))
+    server.add_service(
+        DECODE_SERVICE, lambda s: decode_pb2_grpc.add_DecodeServiceServicer_to_server(decode, s)
+    )
     server.add_service(KV_TRANSFER_SERVICE, lambda s: _add_transfer(transfer, s))
-
-
-def _add_without_stream(decode: DecodeServicer, server: grpc.aio.Server) -> None:
-    """decode_pb2_grpc.add_DecodeServiceServicer_to_server without GenerateStream."""
-    handlers = {
-        "Generate": grpc.unary_stream_rpc_method_handler(
-            decode.Generate,
-            request_deserializer=decode_pb2.GenerateRequest.FromString,
-            response_serializer=decode_pb2.GenerateResponse.SerializeToString,
-        ),
-        "Info": grpc.unary_unary_rpc_method_handler(
-            decode.Info,
-            request_deserializer=decode_pb2.InfoRequest.FromString,
-            response_serializer=decode_pb2.InfoResponse.SerializeToString,
-        ),
-    }
-    _register(server, DECODE_SERVICE, handlers)
 
 
 def _add_transfer(transfer: KvTransferServicer, server: grpc.aio.Server) -> None:

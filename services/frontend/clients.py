@@ -1,7 +1,6 @@
 """`calls.Downstream` over gRPC: the stubs of every instance (backends.py), requests and replies
 converted in convert.py, failures turned into domain errors naming the instance (downstream.py).
-Decode requests share one GenerateStream per decode instance (multiplex.py), or each take a
-Generate call (generate_call.py) on an instance that does not serve GenerateStream.
+Decode requests share one GenerateStream per decode instance (multiplex.py).
 """
 
 from __future__ import annotations
@@ -24,7 +23,6 @@ from services.frontend.calls import (
 )
 from services.frontend.detokenize import TextStream
 from services.frontend.downstream import error_from
-from services.frontend.generate_call import GenerateCall
 from services.frontend.multiplex import RequestStream
 from services.frontend.router import Route, Router
 from services.frontend.text import LocalTextStream
@@ -73,7 +71,7 @@ class GrpcDownstream:
 
     def generate(
         self, route: Route, ids: RequestIds, prompt: Prompt, deadline: Deadline
-    ) -> RequestStream | GenerateCall:
+    ) -> RequestStream:
         request = convert.decode_request(
             ids, prompt, self._backends.prefill_layouts[route.prefill], self._config.kv_lease_ms
         )

@@ -141,16 +141,6 @@ def decode_request(
     )
 
 
-def decode_event(event: decode_pb2.GenerateResponse) -> Admitted | Tokens | None:
-    """None for an event this version does not know."""
-    kind = event.WhichOneof("event")
-    if kind == "admitted":
-        return _admitted(event.admitted)
-    if kind == "tokens":
-        return _tokens(event.tokens)
-    return None
-
-
 def streamed_generate(
     request: decode_pb2.GenerateRequest, timeout_ms: int, trace_context: dict[str, str]
 ) -> decode_pb2.StreamedGenerate:
