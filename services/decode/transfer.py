@@ -151,7 +151,6 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
             host_id=inst.endpoint.host_id,
             num_blocks=inst.cache.num_blocks,
             checksum=kv_checksum.choose(request.checksums),
-            takes_chunk_batches=True,
         )
         if transport == kv_transport.SHM and inst.segment is not None:
             response.shm_path = str(inst.segment.path)

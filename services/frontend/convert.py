@@ -160,9 +160,8 @@ def streamed_event(event: decode_pb2.StreamedEvent, kind: str | None) -> Admitte
 
 
 def _admitted(admitted: decode_pb2.Admitted) -> Admitted:
-    # block_ids: the deprecated name, from a decode instance older than this frontend.
     return Admitted(
-        list(admitted.prompt_block_ids or admitted.block_ids),
+        list(admitted.prompt_block_ids),
         admitted.transfer_token,
         admitted.num_cached_blocks,
     )

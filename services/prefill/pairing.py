@@ -144,8 +144,6 @@ class Pairing(NamedTuple):
     transport: str
     checksum: str = kv_checksum.CRC32  # what every chunk carries (kv_checksum)
     pool: ShmPool | CudaIpcPool | None = None
-    # Decode reads several in-place chunks per message (PairResponse.takes_chunk_batches).
-    takes_batches: bool = False
 
 
 GRPC_PAIRING = Pairing(kv_transport.GRPC)
@@ -228,20 +226,18 @@ class Peers:
         )
         try:
             response = await call(request.SerializeToString(), timeout=_PAIR_TIMEOUT_S)
-        except grpc.aio.AioRpcError as err:
-            # UNIMPLEMENTED: a decode from before Pair. Anything else: the transfer itself
-            # will report decode's state; no pair is remembered, the next transfer asks again.
-            if err.code() is grpc.StatusCode.UNIMPLEMENTED:
-                self._pairings[address] = GRPC_PAIRING
+        except grpc.aio.AioRpcError:
+            # The transfer itself will report decode's state; no pair is remembered, the next
+            # transfer asks again.
             return GRPC_PAIRING
-        checksum = response.checksum or kv_checksum.CRC32
+        checksum = response.checksum
         if checksum not in kv_checksum.available():
             checksum = kv_checksum.CRC32  # a decode that misread us: it reads crc32 too
         pairing = Pairing(kv_transport.GRPC, checksum)
         if response.transport in endpoint.transports and response.transport != kv_transport.GRPC:
             try:
                 pool = self._map(response)
-                pairing = Pairing(response.transport, checksum, pool, response.takes_chunk_batches)
+                pairing = Pairing(response.transport, checksum, pool)
             except (OSError, ValueError, RuntimeError) as e:
                 _LOG.warning(
                     "KV pair with decode at %s: cannot map its pool (%s); grpc", address, e

@@ -231,7 +231,7 @@ class KvSender:
             encoding or encoded and not written (which bounds the encoded bytes held)."""
             nonlocal seq
             share = 1  # chunks per job
-            if pairing.pool is not None and pairing.takes_batches:
+            if pairing.pool is not None:
                 share = -(-len(waiting) // self._encoder_threads)
             while waiting and len(encoding) < max_encoding:
                 job = [waiting.popleft() for _ in range(min(share, len(waiting)))]
@@ -244,13 +244,13 @@ class KvSender:
             """Write the first chunk once encoded (with the ones encoded after it, in place)."""
             nonlocal kv_bytes, first_sent_at
             messages, num_data = await encoding.popleft()  # raises the encoder's error
-            while pairing.takes_batches and encoding and encoding[0].done():
+            while pairing.pool is not None and encoding and encoding[0].done():
                 more, more_data = encoding.popleft().result()
                 messages += more
                 num_data += more_data
             feed()  # the threads encode the next chunks while this one is on the wire
             first_sent_at = first_sent_at or time.perf_counter()
-            # several messages only where decode takes batches (one chunk per job elsewhere)
+            # several messages only in place (one chunk per job over grpc)
             message = messages[0] if len(messages) == 1 else batch_in_place(messages)
             await self._write(call, message)
             kv_bytes += num_data

@@ -475,7 +475,7 @@ async def send_over_shm(
     )
     try:
         pairing = await peers.pair(server.address)
-        assert (pairing.transport, pairing.takes_batches) == (kv_transport.SHM, True)
+        assert pairing.transport == kv_transport.SHM
         task = PrefillTask(
             request_id,
             prompt,
