@@ -10,6 +10,7 @@ from typing import Any
 
 import grpc
 
+from mili.errors import Unavailable
 from services.frontend import convert
 from services.frontend.backends import Backends
 from services.frontend.calls import (
@@ -21,7 +22,6 @@ from services.frontend.calls import (
     RequestIds,
     TokenizerFacts,
 )
-from services.frontend.detokenize import TextStream
 from services.frontend.downstream import error_from
 from services.frontend.multiplex import RequestStream
 from services.frontend.router import Route, Router
@@ -92,16 +92,11 @@ class GrpcDownstream:
         task.add_done_callback(lambda t: call.cancel() if t.cancelled() else None)
         return task
 
-    def detokenize(self, vocab_size: int, deadline: Deadline) -> LocalTextStream | TextStream:
-        local = self._backends.tokenizer.local_detokenizer
-        if local is not None:
-            return local.stream(vocab_size)
-        return TextStream(
-            self._backends.tokenizer.stub,
-            self._backends.tokenizer.who,
-            vocab_size,
-            timeout_s=deadline.remaining(),
-        )
+    def detokenize(self, vocab_size: int, deadline: Deadline) -> LocalTextStream:
+        tokenizer = self._backends.tokenizer
+        if tokenizer.detokenizer is None:  # facts were never fetched: the pipeline asks first
+            raise Unavailable(f"{tokenizer.who}: its tokenizer file is not loaded yet")
+        return tokenizer.detokenizer.stream(vocab_size)
 
 
 async def _prefill_reply(call: Any, who: str, deadline: Deadline) -> PrefillStats:
