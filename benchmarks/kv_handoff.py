@@ -65,9 +65,9 @@ from mili.engine.pinned import StagingRing
 from mili.engine.runner import ModelRunner
 from mili.engine.sampling_params import SamplingParams
 from mili.kv.v1 import kv_pb2, kv_pb2_grpc
+from mili.kv_handoff.codec import ChunkView, decode_chunk, parse_transfer_request, torch_dtype
 from mili.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from mili.rpc.client import insecure_channel
-from mili.rpc.kv_codec import ChunkView, decode_chunk, parse_transfer_request, torch_dtype
 from mili.rpc.kv_layout import check_compatible
 from mili.rpc.server import RpcServer, ServerConfig
 from services.prefill.config import ANY_DECODE, PrefillConfig

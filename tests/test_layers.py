@@ -24,6 +24,12 @@ CHECKED = [
     *sorted(
         f"mili.engine.{p.stem}" for p in (ROOT / "mili/engine").glob("*.py") if p.stem != "__init__"
     ),
+    # the KV hand-off's pure parts: the choice, the checksums, the pools it maps
+    "mili.kv_handoff.kv_transport",
+    "mili.kv_handoff.checksums",
+    "mili.kv_handoff.shm_segment",
+    "mili.kv_handoff.block_rows",
+    "mili.kv_handoff.cuda_ipc",
     # bookkeeping
     "services.decode.requests",
     "services.decode.progress",

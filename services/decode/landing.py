@@ -14,8 +14,8 @@ from typing import Generic, TypeVar
 
 import torch
 
-from mili.engine.cuda_ipc import blocks_checksum
 from mili.engine.pinned import thread_stream
+from mili.kv_handoff.cuda_ipc import blocks_checksum
 
 M = TypeVar("M")
 

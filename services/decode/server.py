@@ -17,7 +17,7 @@ from mili.decode.v1 import decode_pb2, decode_pb2_grpc
 from mili.discovery import PeerSet
 from mili.errors import Cancelled, Unavailable
 from mili.kv.v1 import kv_pb2
-from mili.rpc.kv_codec import parse_transfer_request
+from mili.kv_handoff.codec import parse_transfer_request
 from mili.rpc.prefix_cache import prefix_cache_to_proto
 from mili.rpc.server import RpcServer
 from mili.telemetry.metrics import RequestMetrics
@@ -180,7 +180,7 @@ def add_to_server(
 
 def _add_transfer(transfer: KvTransferServicer, server: grpc.aio.Server) -> None:
     """kv_pb2_grpc.add_KvTransferServiceServicer_to_server, but with a request deserializer
-    that leaves each chunk's bytes in place (kv_codec.parse_transfer_request)."""
+    that leaves each chunk's bytes in place (codec.parse_transfer_request)."""
     handlers = {
         "TransferKv": grpc.stream_unary_rpc_method_handler(
             transfer.TransferKv,

@@ -2,10 +2,10 @@
 
     header  request must be WAITING (-> TRANSFERRING), layouts equal, num_tokens = prompt length;
             in-place transports (shm, cuda-ipc): the blocks are held for the call (and a grace
-            after a failed one), then the sender is told it may write (kv_codec.ACCEPTED_KEY)
+            after a failed one), then the sender is told it may write (codec.ACCEPTED_KEY)
     chunk*  seq 0, 1, 2, ... ; request id matches ; blocks within the prompt's reservation
             (checked on the event loop, in order) ; then CRC and length checked
-            (kv_codec.decode_chunk) and scattered into the cache on a landing thread, the
+            (codec.decode_chunk) and scattered into the cache on a landing thread, the
             request pinned meanwhile
     commit  once every chunk has landed: every (layer, prompt block) written exactly once,
             chunk count = header.num_chunks; then the request joins the batch with prefill's
@@ -21,7 +21,7 @@ chunks is split among the landing threads.
     event loop   read ─ check order ─ pin ─ submit ─▶ read ─ ...      commit: wait for all
     landing                           └─▶ CRC, length, scatter, unpin
 
-A chunk is read in place (kv_codec.parse_transfer_request is the method's deserializer, see
+A chunk is read in place (codec.parse_transfer_request is the method's deserializer, see
 server.py): its data stays in the bytes grpc delivered, and the scatter is the one copy of it.
 
 Any failure after the header fails the request too: its Generate stream ends with the same
@@ -45,13 +45,12 @@ import numpy as np
 from opentelemetry import trace
 
 from mili.discovery import PeerSet, is_trusted_peer
-from mili.engine import kv_transport
-from mili.engine.block_rows import block_rows
-from mili.engine.kv_transport import Endpoint
 from mili.errors import Cancelled, DataLoss, InvalidArgument, PermissionDenied, Unavailable
 from mili.kv.v1 import kv_pb2, kv_pb2_grpc
-from mili.rpc import kv_checksum
-from mili.rpc.kv_codec import ACCEPTED_KEY, ChunkView, announced, decode_chunk, rows_digest
+from mili.kv_handoff import checksums, kv_transport
+from mili.kv_handoff.block_rows import block_rows
+from mili.kv_handoff.codec import ACCEPTED_KEY, ChunkView, announced, decode_chunk, rows_digest
+from mili.kv_handoff.kv_transport import Endpoint
 from mili.rpc.kv_layout import block_bytes, check_compatible
 from mili.rpc.sampling import logprobs_from_proto
 from services.decode import convert
@@ -60,7 +59,7 @@ from services.decode.landing import Landing, Reader, in_place_checksum
 from services.decode.progress import TransferProgress
 from services.decode.requests import DecodeRequest, RequestState
 
-# What TransferKv reads: chunks arrive as ChunkViews (mili.rpc.kv_codec.parse_transfer_request
+# What TransferKv reads: chunks arrive as ChunkViews (mili.rpc.codec.parse_transfer_request
 # is the method's request deserializer, see server.py), the rest as protobuf messages.
 Message = kv_pb2.TransferKvRequest | ChunkView
 Chunk = kv_pb2.KvChunk | ChunkView
@@ -150,7 +149,7 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
             transport=transport,
             host_id=inst.endpoint.host_id,
             num_blocks=inst.cache.num_blocks,
-            checksum=kv_checksum.choose(request.checksums),
+            checksum=checksums.choose(request.checksums),
         )
         if transport == kv_transport.SHM and inst.segment is not None:
             response.shm_path = str(inst.segment.path)
@@ -220,8 +219,8 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
             raise InvalidArgument(
                 "header.transport", transport, "this decode instance did not pair with it"
             )
-        checksum = header.checksum or kv_checksum.CRC32
-        if checksum not in kv_checksum.available():
+        checksum = header.checksum or checksums.CRC32
+        if checksum not in checksums.available():
             raise InvalidArgument("header.checksum", checksum, "this decode instance lacks it")
         progress = TransferProgress(
             request, self._layout.num_layers, header.num_chunks, transport, checksum
@@ -291,7 +290,7 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
         self, request: DecodeRequest, context: grpc.aio.ServicerContext
     ) -> None:
         """Hold the request's blocks for the sender, who writes into them itself, then tell it
-        the header is accepted (kv_codec.ACCEPTED_KEY): before that it writes nothing."""
+        the header is accepted (codec.ACCEPTED_KEY): before that it writes nothing."""
         if not self._instance.table.pin(request):
             raise _ended_error(request)
         try:

@@ -20,16 +20,16 @@ from typing import NamedTuple
 import grpc
 import torch
 
-from mili.engine import kv_transport
-from mili.engine.block_rows import as_rows, block_rows, block_runs, copy_rows, fits
-from mili.engine.cuda_ipc import blocks_checksum, import_pool
+from mili.engine.kv_cache import pool_bytes, pool_views
 from mili.engine.kv_layout import KVLayout
-from mili.engine.kv_transport import Endpoint
-from mili.engine.shm_segment import Segment, is_alive, pool_bytes, pool_views, sweep_stale
 from mili.kv.v1 import kv_pb2
-from mili.rpc import kv_checksum
+from mili.kv_handoff import checksums, kv_transport
+from mili.kv_handoff.block_rows import as_rows, block_rows, block_runs, copy_rows, fits
+from mili.kv_handoff.codec import encode_chunk_in_place
+from mili.kv_handoff.cuda_ipc import blocks_checksum, import_pool
+from mili.kv_handoff.kv_transport import Endpoint
+from mili.kv_handoff.shm_segment import Segment, is_alive, sweep_stale
 from mili.rpc.client import channel as make_channel
-from mili.rpc.kv_codec import encode_chunk_in_place
 from mili.rpc.tls import Tls
 
 _LOG = logging.getLogger("mili.prefill")
@@ -58,7 +58,7 @@ class ShmPool:
         block_ids: Sequence[int],
         k: torch.Tensor,
         v: torch.Tensor,
-        checksum: str = kv_checksum.CRC32,
+        checksum: str = checksums.CRC32,
     ) -> tuple[bytes, int]:
         """Write k, v ([n, block_size, kv_heads, D], CPU) into decode's blocks `block_ids` of
         `layer`; return the chunk message that announces them (no data, the `checksum` of what
@@ -77,7 +77,7 @@ class ShmPool:
         # The checksum of what we mean to write (k's blocks, then v's: what decode's
         # blocks_digest reads back), each taken just before its copy, so that the copy reads
         # the source from cache: one pass over memory fewer than digesting the destination.
-        running = kv_checksum.Running(checksum)
+        running = checksums.Running(checksum)
         for src, rows in ((k, k_rows), (v, v_rows)) if n else ():
             src_rows = as_rows(src, n)
             running.update(src_rows.data)
@@ -110,7 +110,7 @@ class CudaIpcPool:
         block_ids: Sequence[int],
         k: torch.Tensor,
         v: torch.Tensor,
-        checksum: str = kv_checksum.CRC32,
+        checksum: str = checksums.CRC32,
     ) -> tuple[bytes, int]:
         """As ShmPool.encode, with k, v on prefill's GPU (the worker's gather, complete: the
         sender called its `ready` first) and the device checksum in crc32 (`checksum` does
@@ -142,7 +142,7 @@ class CudaIpcPool:
 
 class Pairing(NamedTuple):
     transport: str
-    checksum: str = kv_checksum.CRC32  # what every chunk carries (kv_checksum)
+    checksum: str = checksums.CRC32  # what every chunk carries (kv_checksum)
     pool: ShmPool | CudaIpcPool | None = None
 
 
@@ -219,7 +219,7 @@ class Peers:
             device=endpoint.device,
             transports=endpoint.transports,
             layout=self._layout,
-            checksums=kv_checksum.available(),
+            checksums=checksums.available(),
         )
         call = self.get(address).unary_unary(
             _PAIR, response_deserializer=kv_pb2.PairResponse.FromString
@@ -231,8 +231,8 @@ class Peers:
             # transfer asks again.
             return GRPC_PAIRING
         checksum = response.checksum
-        if checksum not in kv_checksum.available():
-            checksum = kv_checksum.CRC32  # a decode that misread us: it reads crc32 too
+        if checksum not in checksums.available():
+            checksum = checksums.CRC32  # a decode that misread us: it reads crc32 too
         pairing = Pairing(kv_transport.GRPC, checksum)
         if response.transport in endpoint.transports and response.transport != kv_transport.GRPC:
             try:

@@ -14,7 +14,7 @@ loop, so a rejection is seen even while we wait for compute. Errors come back as
 with decode's code and a message naming its address.
 
 In-place transports (shm, cuda-ipc) write into decode's blocks themselves: the first write waits
-for decode's acceptance of the header (kv_codec.ACCEPTED_KEY in its initial metadata), which
+for decode's acceptance of the header (codec.ACCEPTED_KEY in its initial metadata), which
 arrived while the first layer was computed.
 """
 
@@ -32,7 +32,6 @@ import grpc
 import torch
 
 from mili.common.v1 import sampling_pb2
-from mili.engine import kv_transport
 from mili.errors import (
     Cancelled,
     DataLoss,
@@ -45,14 +44,14 @@ from mili.errors import (
     ResourceExhausted,
 )
 from mili.kv.v1 import kv_pb2
-from mili.rpc import kv_checksum
-from mili.rpc.kv_codec import ACCEPTED_KEY, batch_in_place, encode_chunk_request
+from mili.kv_handoff import checksums, kv_transport
+from mili.kv_handoff.codec import ACCEPTED_KEY, batch_in_place, encode_chunk_request
 from mili.rpc.status import server_status_of
 from services.prefill.pairing import GRPC_PAIRING, Pairing
 from services.prefill.task import FirstToken, PrefillTask
 
 _SERVICE = kv_pb2.DESCRIPTOR.services_by_name["KvTransferService"]
-# Messages go out pre-serialized (kv_codec.encode_chunk_request), so the call is made
+# Messages go out pre-serialized (codec.encode_chunk_request), so the call is made
 # without the generated stub.
 _TRANSFER_KV = f"/{_SERVICE.full_name}/{_SERVICE.methods_by_name['TransferKv'].name}"
 
@@ -186,7 +185,7 @@ class KvSender:
             num_chunks=self._num_chunks,
             transfer_token=task.transfer_token,
             transport="" if pairing.transport == kv_transport.GRPC else pairing.transport,
-            checksum="" if pairing.checksum == kv_checksum.CRC32 else pairing.checksum,
+            checksum="" if pairing.checksum == checksums.CRC32 else pairing.checksum,
         )
         try:
             # The header is on the wire before the prompt can reach a forward: decode checks
@@ -331,7 +330,7 @@ class KvSender:
         )
 
     async def _accepted(self, call: grpc.aio.StreamUnaryCall) -> None:
-        """Wait until decode accepted the header of an in-place transfer (kv_codec.ACCEPTED_KEY):
+        """Wait until decode accepted the header of an in-place transfer (codec.ACCEPTED_KEY):
         only then are the blocks ours to write. It answered while we computed the first layer,
         so this costs no time; a refusal raises decode's status."""
         metadata = await call.initial_metadata()

@@ -14,15 +14,14 @@ import pytest
 import torch
 
 from mili.decode.v1 import decode_pb2
-from mili.engine import kv_transport
-from mili.engine.block_rows import fits, write_blocks
 from mili.engine.kv_cache import KVCache
 from mili.engine.sampling_params import SamplingParams
 from mili.errors import DataLoss
 from mili.kv.v1 import kv_pb2
-from mili.rpc import kv_checksum
+from mili.kv_handoff import checksums, kv_transport
+from mili.kv_handoff.block_rows import fits, write_blocks
+from mili.kv_handoff.codec import batch_in_place
 from mili.rpc.client import insecure_channel
-from mili.rpc.kv_codec import batch_in_place
 from services.decode.landing import Landing
 from services.decode.transfer import KvTransferServicer
 from services.prefill.pairing import Peers, ShmPool
@@ -295,7 +294,7 @@ def in_place_messages(
         pytest.skip("this host gave decode no shared-memory pool")
     cache = instance.cache
     pool = ShmPool(instance.segment, cache.layout, cache.num_blocks, cache.dtype)  # never closed
-    checksum = kv_checksum.available()[0]
+    checksum = checksums.available()[0]
     encoded = [
         pool.encode(request_id, layer, layer, list(block_ids), k, v, checksum)[0]
         for layer, (k, v) in enumerate(prefilled.kv)
@@ -307,7 +306,7 @@ def in_place_messages(
         num_chunks=len(encoded),
         transfer_token=block_ids.transfer_token,
         transport="" if transport == kv_transport.GRPC else transport,
-        checksum="" if checksum == kv_checksum.CRC32 else checksum,
+        checksum="" if checksum == checksums.CRC32 else checksum,
     )
     announcements = [
         kv_pb2.TransferKvRequest.FromString(

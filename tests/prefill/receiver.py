@@ -140,7 +140,7 @@ class KvReceiver(kv_pb2_grpc.KvTransferServiceServicer):
             if self.corrupt_seq == chunk.seq:
                 chunk.data = bytes([chunk.data[0] ^ 0xFF]) + chunk.data[1:]
             if self.validate:
-                from mili.rpc.kv_codec import decode_chunk
+                from mili.kv_handoff.codec import decode_chunk
 
                 try:
                     k, v = decode_chunk(chunk, self.layout)

@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from mili.engine.kv_cache import pool_bytes, pool_views
 from mili.engine.kv_layout import KVLayout
-from mili.engine.shm_segment import Segment, pool_bytes, pool_views
-from mili.rpc import kv_checksum, kv_codec
+from mili.kv_handoff import checksums, codec
+from mili.kv_handoff.shm_segment import Segment
 from services.prefill.pairing import ShmPool
 
 LAYOUT = KVLayout(num_layers=3, block_size=4, num_kv_heads=2, head_dim=8, dtype="bfloat16")
@@ -37,13 +38,13 @@ def _blocks(n: int, seed: int) -> torch.Tensor:
 def test_encode_of_no_blocks_writes_nothing(segment: Segment) -> None:
     pool = ShmPool(segment, LAYOUT, NUM_BLOCKS, DTYPE)
     message, num_bytes = pool.encode("r", 0, 2, [], _blocks(0, 5), _blocks(0, 6))
-    chunk = kv_codec.parse_transfer_request(message)
-    assert isinstance(chunk, kv_codec.ChunkView)
+    chunk = codec.parse_transfer_request(message)
+    assert isinstance(chunk, codec.ChunkView)
     assert (num_bytes, chunk.layer, chunk.block_ids) == (0, 2, [])
     assert not segment.tensor.any()
 
 
-@pytest.mark.parametrize("checksum", kv_checksum.available())
+@pytest.mark.parametrize("checksum", checksums.available())
 @pytest.mark.parametrize("ids", [[5, 6, 7, 8], [9, 2, 14], [3, 4, 5, 6, 7, 8, 9, 10, 0]])
 def test_encode_writes_the_blocks_and_announces_what_decode_reads(
     segment: Segment, checksum: str, ids: list[int]
@@ -59,13 +60,13 @@ def test_encode_writes_the_blocks_and_announces_what_decode_reads(
     untouched = [b for b in range(NUM_BLOCKS) if b not in ids]
     assert not decode_k[1][untouched].view(torch.int16).any()
     assert not any(t.view(torch.int16).any() for t in (decode_k[0], decode_v[2]))
-    chunk = kv_codec.parse_transfer_request(message)
-    assert isinstance(chunk, kv_codec.ChunkView)
+    chunk = codec.parse_transfer_request(message)
+    assert isinstance(chunk, codec.ChunkView)
     assert (chunk.seq, chunk.layer, chunk.block_ids, len(chunk.data)) == (3, 1, ids, 0)
-    read_back = kv_codec.blocks_digest(checksum, decode_k[1], decode_v[1], ids)
-    assert kv_codec.announced(chunk, checksum) == read_back
+    read_back = codec.blocks_digest(checksum, decode_k[1], decode_v[1], ids)
+    assert codec.announced(chunk, checksum) == read_back
     decode_k[1][ids[-1]].view(torch.uint8)[0, 0, 0] ^= 1  # a bit a bad write would leave
-    assert kv_codec.blocks_digest(checksum, decode_k[1], decode_v[1], ids) != read_back
+    assert codec.blocks_digest(checksum, decode_k[1], decode_v[1], ids) != read_back
 
 
 @pytest.mark.parametrize(

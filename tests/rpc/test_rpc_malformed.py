@@ -17,8 +17,8 @@ from prometheus_client import CollectorRegistry
 
 from mili.errors import DataLoss
 from mili.kv.v1 import kv_pb2
+from mili.kv_handoff.codec import parse_transfer_request
 from mili.rpc.client import insecure_channel
-from mili.rpc.kv_codec import parse_transfer_request
 from mili.rpc.server import RpcServer, ServerConfig
 from mili.tokenizer.v1 import tokenizer_pb2
 
