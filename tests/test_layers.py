@@ -123,6 +123,7 @@ def test_no_protobuf_below(module: str) -> None:
 def test_the_walk_sees_protobuf_where_it_is() -> None:
     # The check can fail: the transport edge does import generated modules.
     assert _chain_to_protobuf("services.frontend.convert") is not None
+    assert _chain_to_protobuf("mili.kv_handoff.transport") is not None
     assert _chain_to_protobuf("services.decode.server") is not None
     chain = _chain_to_protobuf("services.frontend.server")
     assert chain is not None and _is_generated(chain[-1])

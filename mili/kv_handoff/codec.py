@@ -239,19 +239,28 @@ def _parse_chunk(raw: bytes) -> ChunkView | None:
         return None
 
 
-def announced(chunk: kv_pb2.KvChunk | ChunkView, checksum: str) -> int:
+# A chunk as decode reads it: in place (ChunkView) or, when it came in a batch, as protobuf.
+Chunk = kv_pb2.KvChunk | ChunkView
+
+
+def chunk_name(chunk: Chunk) -> str:
+    """A chunk as error messages name it."""
+    return f"request {chunk.request_id!r} chunk {chunk.seq} (layer {chunk.layer})"
+
+
+def announced(chunk: Chunk, checksum: str) -> int:
     """The value of `checksum` the chunk carries."""
     return chunk.crc32 if checksum == CRC32 else chunk.xxh3_64
 
 
 def decode_chunk(
-    chunk: kv_pb2.KvChunk | ChunkView, layout: kv_pb2.KvLayout, checksum: str = CRC32
+    chunk: Chunk, layout: kv_pb2.KvLayout, checksum: str = CRC32
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Validate a chunk against `layout`; return (k, v), each [n, block_size, kv_heads, D].
 
     Raises DataLoss naming the request, chunk and layer when the bytes are corrupt or short.
     """
-    where = f"request {chunk.request_id!r} chunk {chunk.seq} (layer {chunk.layer})"
+    where = chunk_name(chunk)
     if chunk.layer >= layout.num_layers:
         raise DataLoss(f"{where}: layer out of range (model has {layout.num_layers})")
     n = len(chunk.block_ids)
@@ -281,6 +290,18 @@ def decode_chunk(
 # expired request whose blocks may already belong to another one) must not be preceded by
 # bytes landing in those blocks.
 ACCEPTED_KEY = "mili-kv-accepted"
+
+
+def in_place_pools(
+    chunk: Chunk, k: Sequence[torch.Tensor], v: Sequence[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K and V pools (of the layers `k`, `v`) an in-place chunk's blocks are in; DataLoss
+    for a chunk that is not one."""
+    if len(chunk.data):
+        raise DataLoss(f"{chunk_name(chunk)}: data sent over gRPC in an in-place transfer")
+    if chunk.layer >= len(k):
+        raise DataLoss(f"{chunk_name(chunk)}: layer out of range (model has {len(k)})")
+    return k[chunk.layer], v[chunk.layer]
 
 
 def encode_chunk_in_place(

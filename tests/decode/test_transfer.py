@@ -21,10 +21,11 @@ from mili.kv.v1 import kv_pb2
 from mili.kv_handoff import checksums, kv_transport
 from mili.kv_handoff.block_rows import fits, write_blocks
 from mili.kv_handoff.codec import batch_in_place
+from mili.kv_handoff.shm_transport import ShmTransport
 from mili.rpc.client import insecure_channel
 from services.decode.landing import Landing
 from services.decode.transfer import KvTransferServicer
-from services.prefill.pairing import Peers, ShmPool
+from services.prefill.pairing import Peers
 from services.prefill.sender import KvSender
 from services.prefill.task import FirstToken, PrefillTask
 from tests.decode.conftest import NUM_BLOCKS, TINY
@@ -287,13 +288,14 @@ def in_place_messages(
     transport: str = kv_transport.SHM,
 ) -> list[kv_pb2.TransferKvRequest]:
     """header, the layers' chunks written into decode's shm pool as a paired prefill writes
-    them (ShmPool.encode) and announced in `groups` of seqs (a group of one: a lone chunk
+    them (ShmTransport.encode) and announced in `groups` of seqs (a group of one: a lone chunk
     message, else one TransferKvRequest.chunks), commit."""
     instance = server.instance
     if instance.segment is None:
         pytest.skip("this host gave decode no shared-memory pool")
     cache = instance.cache
-    pool = ShmPool(instance.segment, cache.layout, cache.num_blocks, cache.dtype)  # never closed
+    # never closed: the segment is decode's
+    pool = ShmTransport(instance.segment, cache.layout, cache.num_blocks, cache.dtype)
     checksum = checksums.available()[0]
     encoded = [
         pool.encode(request_id, layer, layer, list(block_ids), k, v, checksum)[0]
