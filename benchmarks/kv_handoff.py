@@ -12,10 +12,10 @@ of KV in 28 layer chunks of 2.1 MB). Medians over --repeats runs after one warm-
                   at once): encode + CRC-32 + gRPC + the receiver's checks and scatter -> GB/s
 
 Receivers, each a separate process on loopback:
-  checker   validates every chunk (kv_codec.decode_chunk) and scatters it into its own KV
+  checker   validates every chunk (codec.decode_chunk) and scatters it into its own KV
             cache on a worker thread, pipelined with reading the stream
   discard   counts bytes only: the prefill side's own ceiling
-  (both read chunks in place, with kv_codec.parse_transfer_request, as decode does)
+  (both read chunks in place, with codec.parse_transfer_request, as decode does)
   decode    the real `mili serve-decode` (a Generate call reserves the blocks first), started
             with --kv-transport grpc: the bytes in the chunks; skipped with --no-decode
   decode-shm  the real decode service pairing in place: over shm on the CPU (its KV pool in
@@ -130,7 +130,7 @@ async def _serve_receiver(layout_hex: str, num_blocks: int) -> None:
         cache = KVCache(PRESETS[MODEL], num_blocks, layout.block_size, dtype=torch_dtype(layout))
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 256 << 20)])
     receiver = _Receiver(layout, cache)
-    # As decode reads them: each chunk's bytes left in place (kv_codec.parse_transfer_request).
+    # As decode reads them: each chunk's bytes left in place (codec.parse_transfer_request).
     handler = grpc.stream_unary_rpc_method_handler(
         receiver.TransferKv,
         request_deserializer=parse_transfer_request,

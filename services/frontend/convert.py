@@ -1,5 +1,5 @@
 """Proto <-> domain conversion for the frontend: the only frontend module besides the servicer
-(server.py) and the clients (clients.py, backends.py, detokenize.py) that touches generated
+(server.py) and the clients (clients.py, backends.py, tokenizer_backend.py) that touches generated
 `*_pb2`. Requests come in as `RequestInput`, go downstream from domain types, and come back as
 `calls.Admitted` / `calls.Tokens` / `calls.PrefillStats`; `Delta`s go out as responses."""
 
