@@ -42,16 +42,16 @@ import grpc
 import numpy as np
 
 from mili.engine.config import PRESETS
-from mili.rpc import kv_checksum
+from mili.kv_handoff import checksums
 from mili.rpc.client import insecure_channel
 
 _MAX_MESSAGE_BYTES = 256 << 20  # kv_handoff.py's limit for its channels and servers
 # The checksum a pair of MILI processes picks on this host (XXH3-64 with the xxhash package).
-CHECKSUM = kv_checksum.available()[0]
+CHECKSUM = checksums.available()[0]
 
 
 def _digest(buf: memoryview | bytes) -> int:
-    return kv_checksum.digest(CHECKSUM, (buf,))  # one buffer: the one-shot function
+    return checksums.digest(CHECKSUM, (buf,))  # one buffer: the one-shot function
 
 
 # Targets of issue 15 on a CPU host, in GB/s.

@@ -13,10 +13,10 @@ prompt of --prompt-len tokens (512 tokens x 112 KiB = 58.7 MB of KV in 28 layer 
                   at once): encode + CRC-32 + gRPC + the receiver's checks and scatter -> GB/s
 
 Receivers, each a separate process on loopback:
-  checker   validates every chunk (kv_codec.decode_chunk) and scatters it into its own KV
+  checker   validates every chunk (codec.decode_chunk) and scatters it into its own KV
             cache on a worker thread, pipelined with reading the stream
   discard   counts bytes only: the prefill side's own ceiling
-  (both read chunks in place, with kv_codec.parse_transfer_request, as decode does)
+  (both read chunks in place, with codec.parse_transfer_request, as decode does)
   decode    the real `mili serve-decode` (a Generate call reserves the blocks first), started
             with --kv-transport grpc: the bytes in the chunks; skipped with --no-decode
   decode-shm  the real decode service pairing in place: over shm on the CPU (its KV pool in
@@ -68,9 +68,9 @@ from mili.engine.pinned import StagingRing
 from mili.engine.runner import ModelRunner
 from mili.engine.sampling_params import SamplingParams
 from mili.kv.v1 import kv_pb2, kv_pb2_grpc
+from mili.kv_handoff.codec import ChunkView, decode_chunk, parse_transfer_request, torch_dtype
 from mili.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from mili.rpc.client import insecure_channel
-from mili.rpc.kv_codec import ChunkView, decode_chunk, parse_transfer_request, torch_dtype
 from mili.rpc.kv_layout import check_compatible
 from mili.rpc.server import RpcServer, ServerConfig
 from services.prefill.config import ANY_DECODE, PrefillConfig
@@ -127,7 +127,7 @@ async def _serve_receiver(layout_hex: str, num_blocks: int, config: Qwen3Config)
         cache = KVCache(config, num_blocks, layout.block_size, dtype=torch_dtype(layout))
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 256 << 20)])
     receiver = _Receiver(layout, cache)
-    # As decode reads them: each chunk's bytes left in place (kv_codec.parse_transfer_request).
+    # As decode reads them: each chunk's bytes left in place (codec.parse_transfer_request).
     handler = grpc.stream_unary_rpc_method_handler(
         receiver.TransferKv,
         request_deserializer=parse_transfer_request,

@@ -17,9 +17,8 @@ grows (old buffers stay alive, so graphs captured earlier keep valid pointers; g
 capture is refused: warm up at the largest batch first). Functions are loaded on the first call,
 which must therefore precede any capture (the usual warm-up does it).
 
-The driver is reached through `cuda.bindings.driver` (cuda-python); if that is missing, through
-CuPy's `RawModule` (which loads without the JIT logs). Both are imported lazily, on the first
-launch.
+The driver is reached through one binding, `cuda.bindings.driver` (cuda-python), imported
+lazily on the first launch.
 """
 
 from __future__ import annotations
@@ -152,64 +151,12 @@ class _CudaPythonDriver:
         )
 
 
-class _CupyDriver:
-    """Fallback through CuPy (runtime API; same primary context as torch)."""
-
-    def __init__(self) -> None:
-        import cupy
-
-        self.cupy = cupy
-
-    def load(self, device: int, ptx: str, entry: str, dynamic_shared: int) -> Any:
-        import os
-        import tempfile
-
-        with self.cupy.cuda.Device(device):
-            fd, path = tempfile.mkstemp(suffix=".ptx")
-            try:
-                with os.fdopen(fd, "w") as f:
-                    f.write(ptx)
-                module = self.cupy.RawModule(path=path)
-                func = module.get_function(entry)
-                if dynamic_shared > _DEFAULT_DYNAMIC_SHARED_LIMIT:
-                    func.max_dynamic_shared_size_bytes = dynamic_shared
-            finally:
-                os.unlink(path)
-            return (module, func)  # keep the module alive with its function
-
-    def launch(
-        self,
-        device: int,
-        func: Any,
-        grid: tuple[int, int, int],
-        block: tuple[int, int, int],
-        stream: int,
-        args: list[ctypes._SimpleCData],
-        shared: int,
-    ) -> None:
-        import numpy as np
-
-        conv = {
-            ctypes.c_uint64: np.uint64,
-            ctypes.c_int32: np.int32,
-            ctypes.c_float: np.float32,
-        }
-        values = tuple(conv[type(a)](a.value) for a in args)
-        with self.cupy.cuda.Device(device):
-            ext = self.cupy.cuda.ExternalStream(stream, device)
-            func[1](grid, block, values, stream=ext, shared_mem=shared)
-
-
-def _make_driver() -> _CudaPythonDriver | _CupyDriver:
+def _make_driver() -> _CudaPythonDriver:
     try:
         return _CudaPythonDriver()
-    except ImportError:
-        pass
-    try:
-        return _CupyDriver()
     except ImportError as e:
         raise RuntimeError(
-            "the GPU kernels need cuda-python (`cuda.bindings.driver`) or CuPy to load PTX"
+            "the GPU kernels need cuda-python (`cuda.bindings.driver`) to load PTX"
         ) from e
 
 
@@ -254,7 +201,7 @@ class GpuKernels:
     def __init__(self, kernel_dir: str | Path) -> None:
         self.kernel_dir = Path(kernel_dir)
         self._manifest: dict | None = None
-        self._driver: _CudaPythonDriver | _CupyDriver | None = None
+        self._driver: _CudaPythonDriver | None = None
         # (device, kernel, dtype, head_dim) -> (function, dynamic shared bytes)
         self._functions: dict[tuple[int, str, str, int], tuple[Any, int]] = {}
         self._sms: dict[int, int] = {}

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from mili import ports
-from mili.engine import kv_transport
+from mili.kv_handoff import kv_transport
 from mili.rpc.server import ServerConfig, ServerTls
 from mili.rpc.tls import Tls, TlsFiles
 

@@ -24,6 +24,12 @@ CHECKED = [
     *sorted(
         f"mili.engine.{p.stem}" for p in (ROOT / "mili/engine").glob("*.py") if p.stem != "__init__"
     ),
+    # the KV hand-off's pure parts: the choice, the checksums, the pools it maps
+    "mili.kv_handoff.kv_transport",
+    "mili.kv_handoff.checksums",
+    "mili.kv_handoff.shm_segment",
+    "mili.kv_handoff.block_rows",
+    "mili.kv_handoff.cuda_ipc",
     # bookkeeping
     "services.decode.requests",
     "services.decode.progress",
@@ -117,6 +123,7 @@ def test_no_protobuf_below(module: str) -> None:
 def test_the_walk_sees_protobuf_where_it_is() -> None:
     # The check can fail: the transport edge does import generated modules.
     assert _chain_to_protobuf("services.frontend.convert") is not None
+    assert _chain_to_protobuf("mili.kv_handoff.transport") is not None
     assert _chain_to_protobuf("services.decode.server") is not None
     chain = _chain_to_protobuf("services.frontend.server")
     assert chain is not None and _is_generated(chain[-1])

@@ -1,9 +1,9 @@
 """GpuFusedKernels: the fused ops (mili/engine/fused_ops.py) on the sm_90 PTX of
 kernels/mojo/fused_gpu.mojo, launched on torch's current stream (kernels/fused/ptx.py builds it).
 
-The driver route (cuda-python, else CuPy) is the attention kernels' (kernels/gpu.py). Nothing
-here reads a device tensor back: index ranges are not checked (`check_values=False`), outputs
-come from torch's caching allocator on the current stream, so a CUDA graph can capture a step.
+The driver binding (cuda-python) is the attention kernels' (kernels/gpu.py). Nothing here reads
+a device tensor back: index ranges are not checked (`check_values=False`), outputs come from
+torch's caching allocator on the current stream, so a CUDA graph can capture a step.
 """
 
 from __future__ import annotations

@@ -31,10 +31,35 @@ import torch
 
 from mili.engine.config import Qwen3Config
 from mili.engine.kv_layout import DEFAULT_BLOCK_SIZE, DTYPES, KVLayout
-from mili.engine.shm_segment import pool_views
 
 # kv_layout.DTYPES as torch dtypes: each name there is torch's own (torch.bfloat16, ...).
 TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPES}
+
+
+def pool_bytes(layout: KVLayout, num_blocks: int, dtype: torch.dtype) -> int:
+    """Bytes of a whole pool: every layer's K and V blocks."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    per_layer = num_blocks * layout.block_size * layout.num_kv_heads * layout.head_dim * itemsize
+    return 2 * layout.num_layers * per_layer
+
+
+def pool_views(
+    storage: torch.Tensor, layout: KVLayout, num_blocks: int, dtype: torch.dtype
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(k, v) per layer as views of `storage` (flat uint8, `pool_bytes` long): for each layer K
+    then V, back to back from offset 0, the order decode's pool has in shared memory or a CUDA
+    IPC export (mili/kv_handoff)."""
+    shape = (num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
+    size = pool_bytes(layout, num_blocks, dtype)
+    if storage.numel() != size:
+        raise ValueError(f"storage holds {storage.numel()} bytes, the pool needs {size}")
+    per = size // (2 * layout.num_layers)
+    k, v = [], []
+    for layer in range(layout.num_layers):
+        base = 2 * layer * per
+        k.append(storage[base : base + per].view(dtype).view(shape))
+        v.append(storage[base + per : base + 2 * per].view(dtype).view(shape))
+    return k, v
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -88,7 +113,7 @@ class KVCache:
         storage: torch.Tensor | None = None,
     ) -> None:
         """`storage`: a flat uint8 tensor to carve the pool from (a shared-memory segment, see
-        `shm_segment.pool_views` for the order), else the pool is allocated here."""
+        `pool_views` for the order), else the pool is allocated here."""
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be > 0")
         self.num_blocks = num_blocks

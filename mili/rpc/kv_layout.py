@@ -4,7 +4,7 @@ Both sides publish a KvLayout; `check_compatible` refuses a pair that differs in
 naming both layouts, so a mismatch is a FAILED_PRECONDITION at set-up, never garbage tokens.
 
 Torch-free on purpose: the frontend checks every prefill/decode pair with it and must not load
-torch to do so. The chunks themselves (tensors <-> bytes) are `mili.rpc.kv_codec`'s.
+torch to do so. The chunks themselves (tensors <-> bytes) are `mili.kv_handoff.codec`'s.
 """
 
 from __future__ import annotations

@@ -39,8 +39,8 @@ class Malformed:
 
 def guard(deserializer: Deserializer | None) -> Deserializer | None:
     """`deserializer`, returning a Malformed where it raises DecodeError (what protobuf's
-    FromString raises, and kv_codec.parse_transfer_request by way of it). Any other exception
-    is a bug in a custom deserializer and stays loud. None (raw bytes) stays None."""
+    FromString raises, and mili.kv_handoff.codec.parse_transfer_request by way of it). Any other
+    exception is a bug in a custom deserializer and stays loud. None (raw bytes) stays None."""
     if deserializer is None:
         return None
 

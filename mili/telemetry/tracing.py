@@ -169,7 +169,7 @@ def start_tracing(args: Any, service: str) -> Tracing:
 def _is_traced_call(details: grpc.HandlerCallDetails) -> bool:
     """Server calls that get a span: not health/reflection, and neither a background Info
     poll nor a DetokenizeStream unless the caller sent trace context (without it each would
-    start a new trace; the frontend sends none on DetokenizeStream, see client_interceptors)."""
+    start a new trace)."""
     method: str = details.method
     if method.startswith(_UNTRACED_PREFIXES):
         return False
@@ -248,10 +248,10 @@ class _StreamUnary(_ClientSpans, grpc.aio.StreamUnaryClientInterceptor):
 def client_interceptors(tracer: trace.Tracer) -> list[grpc.aio.ClientInterceptor]:
     """One tracing interceptor per call kind we trace.
 
-    No stream-stream interceptor: our only bidi call is the per-token DetokenizeStream, and
-    grpc.aio routes every message of an intercepted bidi call through an extra queue and task
-    (a measurable share of the frontend's busy time: docs/benchmarks.md, "Tracing overhead")
-    for a call the trace does not need — the tokenizer joins each trace through Tokenize.
+    No stream-stream interceptor: our only bidi call is decode's GenerateStream, whose requests
+    carry their own trace context in their starts, and grpc.aio routes every message of an
+    intercepted bidi call through an extra queue and task (a measurable share of the
+    frontend's busy time: docs/benchmarks.md, "Tracing overhead").
     """
     return [_UnaryUnary(tracer), _UnaryStream(tracer), _StreamUnary(tracer)]
 

@@ -36,14 +36,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"repeatable; '{ANY}' accepts any. Default: any holder of a certificate --tls-ca "
         "signed on an mTLS port, else this machine only",
     )
-    parser.add_argument(
-        "--no-generate-stream",
-        dest="generate_stream",
-        action="store_false",
-        help="do not serve GenerateStream (callers get UNIMPLEMENTED, as from a decode "
-        "instance older than it): frontends then send each request on a Generate call of its "
-        "own; a switch back to the per-request path, and how their fallback is tested",
-    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -76,9 +68,7 @@ def run(args: argparse.Namespace) -> int:
         interceptors=tracing.server_interceptors(),
         registry=registry,
     )
-    add_to_server(
-        server, instance, kv_senders=kv_senders, is_generate_stream_served=args.generate_stream
-    )
+    add_to_server(server, instance, kv_senders=kv_senders)
     instance.start()  # logs model, device, dtype, KV pool, CUDA graphs and attention backend
     try:
         asyncio.run(serve_forever(server))

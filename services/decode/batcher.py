@@ -30,12 +30,12 @@ from opentelemetry import trace
 from opentelemetry.trace import Span
 from prometheus_client import CollectorRegistry
 
-from mili.engine import block_rows
 from mili.engine.logprobs import TokenLogprobs
 from mili.engine.pinned import StagingRing, pinned_empty, thread_stream
 from mili.engine.runner import ModelRunner, use_device
 from mili.engine.sequence import Sequence
 from mili.errors import Unavailable
+from mili.kv_handoff import block_rows
 from mili.telemetry.metrics import DecodeMetrics
 from mili.telemetry.tracing import start_batch_span
 from services.decode.requests import DecodeRequest, RequestTable

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from mili import flags
 from mili.engine.engine_config import EngineConfig, add_engine_arguments
-from mili.engine.kv_transport import CHOICES as KV_TRANSPORTS
+from mili.kv_handoff.kv_transport import CHOICES as KV_TRANSPORTS
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30  # on CPU, when neither --kv-cache-bytes nor --num-blocks is given
 
@@ -34,7 +34,7 @@ class DecodeConfig:
     # Keep finished requests' full blocks (prompt and output) for later prompts that share
     # their prefix: prefill then sends only the rest (services/decode/requests.py).
     prefix_caching: bool = True
-    # How prefill's KV bytes may arrive (mili.engine.kv_transport.CHOICES): auto offers the
+    # How prefill's KV bytes may arrive (mili.kv_handoff.kv_transport.CHOICES): auto offers the
     # same-host transports too (on the CPU the KV pool then lives in shared memory).
     kv_transport: str = "auto"
     host_id: str | None = None  # None: this host's (tests inject others)

@@ -14,19 +14,19 @@ from prometheus_client import CollectorRegistry
 from kernels.build import KernelBuildError
 from kernels.choice import select_kernels
 from kernels.self_check import CheckShape
-from mili.engine import kv_transport
 from mili.engine.block_pool import BlockPool
 from mili.engine.config import ConfigError, Qwen3Config
-from mili.engine.cuda_ipc import export_pool
 from mili.engine.fingerprint import model_fingerprint
 from mili.engine.kv_cache import KVCache, dtype_name
 from mili.engine.kv_layout import KVLayout
-from mili.engine.kv_transport import Endpoint, TransportConfig
 from mili.engine.loader import load_config
 from mili.engine.model import Qwen3ForCausalLM
 from mili.engine.runner import ModelRunner, require_device
-from mili.engine.shm_segment import Segment
 from mili.errors import StartupError
+from mili.kv_handoff import kv_transport
+from mili.kv_handoff.cuda_ipc import export_pool
+from mili.kv_handoff.kv_transport import Endpoint, TransportConfig
+from mili.kv_handoff.shm_segment import Segment
 from mili.telemetry.metrics import DecodeMetrics, PrefixCacheCollector
 from services.decode.batcher import Batcher
 from services.decode.config import DEFAULT_KV_CACHE_BYTES, DecodeConfig

@@ -1,7 +1,7 @@
 """The landing side of one KV transfer, below the gRPC servicer (services/decode/transfer.py):
-its chunks checked and copied on the landing threads (`Landing`), its messages read by a future
-that outlives a wait for it (`Reader`); each landing thread copies and checks on its own CUDA
-stream (mili.engine.pinned.thread_stream).
+its chunks checked and copied on the landing threads by the pair's transport (`Landing`,
+mili.kv_handoff; each thread copies and checks on its own CUDA stream, pinned.thread_stream),
+its messages read by a future that outlives a wait for it (`Reader`).
 """
 
 from __future__ import annotations
@@ -12,21 +12,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor
 from typing import Generic, TypeVar
 
-import torch
-
-from mili.engine.cuda_ipc import blocks_checksum
-from mili.engine.pinned import thread_stream
-
 M = TypeVar("M")
-
-
-def in_place_checksum(
-    transport: str, k_pool: torch.Tensor, v_pool: torch.Tensor, block_ids: list[int]
-) -> int:
-    """The device checksum a cuda-ipc chunk carries, over what blocks `block_ids` of the layer
-    hold now, on this landing thread's own stream: the decode step never waits for it."""
-    with torch.cuda.stream(thread_stream(k_pool.device)):
-        return blocks_checksum(k_pool, v_pool, block_ids)
 
 
 class Landing:

@@ -18,7 +18,7 @@ from services.decode.requests import DecodeRequest
 
 
 class Chunk(Protocol):
-    """What the bookkeeping reads of a chunk (a KvChunk or a kv_codec.ChunkView)."""
+    """What the bookkeeping reads of a chunk (a KvChunk or a codec.ChunkView)."""
 
     @property
     def request_id(self) -> str: ...
@@ -44,8 +44,8 @@ class TransferProgress:
         transport: str,
         checksum: str,
     ) -> None:
-        """`transport`, `checksum`: the header's (mili.engine.kv_transport, mili.rpc.kv_checksum
-        names), checked by the servicer."""
+        """`transport`, `checksum`: the header's (names in mili.kv_handoff.kv_transport and
+        checksums), checked by the servicer."""
         self.request = request
         self.num_chunks_expected = num_chunks
         self.num_chunks = 0

@@ -17,7 +17,7 @@ from mili.decode.v1 import decode_pb2, decode_pb2_grpc
 from mili.discovery import PeerSet
 from mili.errors import Cancelled, Unavailable
 from mili.kv.v1 import kv_pb2
-from mili.rpc.kv_codec import parse_transfer_request
+from mili.kv_handoff.codec import parse_transfer_request
 from mili.rpc.prefix_cache import prefix_cache_to_proto
 from mili.rpc.server import RpcServer
 from mili.telemetry.metrics import RequestMetrics
@@ -166,46 +166,22 @@ def add_to_server(
     instance: DecodeInstance,
     *,
     kv_senders: PeerSet | None = None,
-    is_generate_stream_served: bool = True,
 ) -> None:
     """Register DecodeService and KvTransferService (one address: prefill sends KV here).
-    `kv_senders`: the hosts KV is accepted from (None: this machine only).
-    `is_generate_stream_served`: False leaves GenerateStream unregistered, so callers get
-    UNIMPLEMENTED as from a decode instance older than it (frontends then call Generate)."""
+    `kv_senders`: the hosts KV is accepted from (None: this machine only)."""
     decode = DecodeServicer(
         instance, is_draining=lambda: server.is_draining, request_metrics=server.request_metrics
     )
     transfer = KvTransferServicer(instance, senders=kv_senders)
-    if is_generate_stream_served:
-        server.add_service(
-            DECODE_SERVICE,
-            lambda s: decode_pb2_grpc.add_DecodeServiceServicer_to_server(decode, s),
-        )
-    else:
-        server.add_service(DECODE_SERVICE, lambda s: _add_without_stream(decode, s))
+    server.add_service(
+        DECODE_SERVICE, lambda s: decode_pb2_grpc.add_DecodeServiceServicer_to_server(decode, s)
+    )
     server.add_service(KV_TRANSFER_SERVICE, lambda s: _add_transfer(transfer, s))
-
-
-def _add_without_stream(decode: DecodeServicer, server: grpc.aio.Server) -> None:
-    """decode_pb2_grpc.add_DecodeServiceServicer_to_server without GenerateStream."""
-    handlers = {
-        "Generate": grpc.unary_stream_rpc_method_handler(
-            decode.Generate,
-            request_deserializer=decode_pb2.GenerateRequest.FromString,
-            response_serializer=decode_pb2.GenerateResponse.SerializeToString,
-        ),
-        "Info": grpc.unary_unary_rpc_method_handler(
-            decode.Info,
-            request_deserializer=decode_pb2.InfoRequest.FromString,
-            response_serializer=decode_pb2.InfoResponse.SerializeToString,
-        ),
-    }
-    _register(server, DECODE_SERVICE, handlers)
 
 
 def _add_transfer(transfer: KvTransferServicer, server: grpc.aio.Server) -> None:
     """kv_pb2_grpc.add_KvTransferServiceServicer_to_server, but with a request deserializer
-    that leaves each chunk's bytes in place (kv_codec.parse_transfer_request)."""
+    that leaves each chunk's bytes in place (codec.parse_transfer_request)."""
     handlers = {
         "TransferKv": grpc.stream_unary_rpc_method_handler(
             transfer.TransferKv,

@@ -2,11 +2,12 @@
 
     header  request must be WAITING (-> TRANSFERRING), layouts equal, num_tokens = prompt length;
             in-place transports (shm, cuda-ipc): the blocks are held for the call (and a grace
-            after a failed one), then the sender is told it may write (kv_codec.ACCEPTED_KEY)
+            after a failed one), then the sender is told it may write (codec.ACCEPTED_KEY)
     chunk*  seq 0, 1, 2, ... ; request id matches ; blocks within the prompt's reservation
-            (checked on the event loop, in order) ; then CRC and length checked
-            (kv_codec.decode_chunk) and scattered into the cache on a landing thread, the
-            request pinned meanwhile
+            (checked on the event loop, in order) ; then landed by the pair's transport on a
+            landing thread (mili.kv_handoff: grpc checks CRC and length and scatters the bytes
+            into the cache; in place, what the blocks hold is checked), the request pinned
+            meanwhile
     commit  once every chunk has landed: every (layer, prompt block) written exactly once,
             chunk count = header.num_chunks; then the request joins the batch with prefill's
             first token
@@ -21,7 +22,7 @@ chunks is split among the landing threads.
     event loop   read ─ check order ─ pin ─ submit ─▶ read ─ ...      commit: wait for all
     landing                           └─▶ CRC, length, scatter, unpin
 
-A chunk is read in place (kv_codec.parse_transfer_request is the method's deserializer, see
+A chunk is read in place (codec.parse_transfer_request is the method's deserializer, see
 server.py): its data stays in the bytes grpc delivered, and the scatter is the one copy of it.
 
 Any failure after the header fails the request too: its Generate stream ends with the same
@@ -41,29 +42,26 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
-import numpy as np
 from opentelemetry import trace
 
 from mili.discovery import PeerSet, is_trusted_peer
-from mili.engine import kv_transport
-from mili.engine.block_rows import block_rows
-from mili.engine.kv_transport import Endpoint
 from mili.errors import Cancelled, DataLoss, InvalidArgument, PermissionDenied, Unavailable
 from mili.kv.v1 import kv_pb2, kv_pb2_grpc
-from mili.rpc import kv_checksum
-from mili.rpc.kv_codec import ACCEPTED_KEY, ChunkView, announced, decode_chunk, rows_digest
+from mili.kv_handoff import checksums, kv_transport
+from mili.kv_handoff.codec import ACCEPTED_KEY, Chunk, ChunkView
+from mili.kv_handoff.transport import answer, receivers
 from mili.rpc.kv_layout import block_bytes, check_compatible
 from mili.rpc.sampling import logprobs_from_proto
 from services.decode import convert
 from services.decode.instance import DecodeInstance
-from services.decode.landing import Landing, Reader, in_place_checksum
+from services.decode.landing import Landing, Reader
 from services.decode.progress import TransferProgress
 from services.decode.requests import DecodeRequest, RequestState
 
-# What TransferKv reads: chunks arrive as ChunkViews (mili.rpc.kv_codec.parse_transfer_request
-# is the method's request deserializer, see server.py), the rest as protobuf messages.
+# What TransferKv reads: chunks arrive as ChunkViews (mili.kv_handoff.codec's
+# parse_transfer_request is the method's request deserializer, see server.py), the rest as
+# protobuf messages.
 Message = kv_pb2.TransferKvRequest | ChunkView
-Chunk = kv_pb2.KvChunk | ChunkView
 
 _LOG = logging.getLogger("mili.decode")
 _CANCEL_GRACE_S = 0.1
@@ -121,42 +119,30 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
         # Threads start on first use and idle between transfers.
         self._landing = ThreadPoolExecutor(landing_threads, thread_name_prefix="kv-landing")
         self._landing_threads = landing_threads
-        # shm: the CPU pools in the segment as byte rows per layer (block_rows), made once.
-        cache = instance.cache
-        self._rows: list[tuple[np.ndarray, np.ndarray]] = (
-            [(block_rows(k), block_rows(v)) for k, v in zip(cache.k, cache.v, strict=True)]
-            if instance.segment is not None
-            else []
+        # What this instance's pool receives over, by name (the pair's choice is among them).
+        self._transports = receivers(
+            self._layout,
+            instance.cache,
+            instance.batcher,
+            segment=instance.segment,
+            ipc_export=instance.ipc_export,
         )
 
     async def Pair(
         self, request: kv_pb2.PairRequest, context: grpc.aio.ServicerContext
     ) -> kv_pb2.PairResponse:
-        """Pick the pair's transport: the fastest both offer, in-place ones only on one host
-        and with equal layouts (a mismatch is then reported by the transfer's header)."""
+        """Pick the pair's transport (mili.kv_handoff.transport.answer)."""
         inst = self._instance
-        sender = Endpoint(request.host_id, request.device, tuple(request.transports))
-        transport = kv_transport.choose(sender, inst.endpoint)
-        if transport != kv_transport.GRPC and request.layout != self._layout:
-            transport = kv_transport.GRPC
-        if transport == kv_transport.SHM and inst.segment is None:
-            transport = kv_transport.GRPC
-        if transport == kv_transport.CUDA_IPC and not inst.ipc_export:
-            transport = kv_transport.GRPC
-        peer = context.peer()
-        # DEBUG: the prefill side logs each pair at INFO; decode's log stays one line per event.
-        _LOG.debug("KV pair with prefill at %s (%s): transport %s", peer, request.device, transport)
-        response = kv_pb2.PairResponse(
-            transport=transport,
-            host_id=inst.endpoint.host_id,
-            num_blocks=inst.cache.num_blocks,
-            checksum=kv_checksum.choose(request.checksums),
-            takes_chunk_batches=True,
+        response = answer(
+            request, inst.endpoint, self._layout, self._transports, inst.cache.num_blocks
         )
-        if transport == kv_transport.SHM and inst.segment is not None:
-            response.shm_path = str(inst.segment.path)
-        elif transport == kv_transport.CUDA_IPC:
-            response.cuda_ipc_export = inst.ipc_export
+        # DEBUG: the prefill side logs each pair at INFO; decode's log stays one line per event.
+        _LOG.debug(
+            "KV pair with prefill at %s (%s): transport %s",
+            context.peer(),
+            request.device,
+            response.transport,
+        )
         return response
 
     async def TransferKv(
@@ -211,25 +197,21 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
                 header.num_tokens,
                 f"request {request.name} has {request.num_prompt_tokens} prompt tokens",
             )
-        transport = header.transport or kv_transport.GRPC
-        inst = self._instance
-        if (
-            (transport == kv_transport.SHM and inst.segment is None)
-            or (transport == kv_transport.CUDA_IPC and not inst.ipc_export)
-            or transport not in kv_transport.TRANSPORTS
-        ):
+        name = header.transport or kv_transport.GRPC
+        transport = self._transports.get(name)
+        if transport is None:
             raise InvalidArgument(
-                "header.transport", transport, "this decode instance did not pair with it"
+                "header.transport", name, "this decode instance did not pair with it"
             )
-        checksum = header.checksum or kv_checksum.CRC32
-        if checksum not in kv_checksum.available():
+        checksum = header.checksum or checksums.CRC32
+        if checksum not in checksums.available():
             raise InvalidArgument("header.checksum", checksum, "this decode instance lacks it")
         progress = TransferProgress(
-            request, self._layout.num_layers, header.num_chunks, transport, checksum
+            request, self._layout.num_layers, header.num_chunks, name, checksum
         )
         landing = Landing(self._landing, self._max_landing_bytes)
         is_committed = False
-        if transport != kv_transport.GRPC:
+        if transport.is_in_place:
             await self._accept_in_place(request, context)
         ended = asyncio.ensure_future(request.stream.wait_failed())
         try:
@@ -241,7 +223,7 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
                 if kind == "chunk":  # one that parse_transfer_request left to protobuf
                     await self._land(progress, landing, [message.chunk])
                 elif kind == "chunks":
-                    if transport == kv_transport.GRPC:
+                    if not transport.is_in_place:
                         raise DataLoss(
                             f"request {request.name}: a chunk batch in a grpc transfer (only "
                             "in-place transfers announce several chunks per message)"
@@ -271,7 +253,7 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
                 f"{progress.num_chunks} chunks without a commit"
             )
         except Exception as e:
-            if transport != kv_transport.GRPC:
+            if transport.is_in_place:
                 # The sender may still be writing into the (held) blocks: fail the request now
                 # (its Generate stream reports `e` at once), but answer only once the sender
                 # stopped. Ending the call under a sender's write would make grpc report
@@ -285,14 +267,14 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
             ended.cancel()
             reader.cancel()
             landing.abort()  # no-op after a commit: every job is over by then
-            if transport != kv_transport.GRPC:
+            if transport.is_in_place:
                 self._release_in_place(request, is_committed)
 
     async def _accept_in_place(
         self, request: DecodeRequest, context: grpc.aio.ServicerContext
     ) -> None:
         """Hold the request's blocks for the sender, who writes into them itself, then tell it
-        the header is accepted (kv_codec.ACCEPTED_KEY): before that it writes nothing."""
+        the header is accepted (codec.ACCEPTED_KEY): before that it writes nothing."""
         if not self._instance.table.pin(request):
             raise _ended_error(request)
         try:
@@ -350,34 +332,8 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
             progress.record(chunk, chunk_bytes)
             num_bytes += chunk_bytes
         table = self._instance.table
-        layout = self._layout
-        scatter = self._instance.batcher.scatter
-        cache = self._instance.cache
-        transport = progress.transport
+        transport = self._transports[progress.transport]
         checksum = progress.checksum
-
-        def land_one(chunk: Chunk) -> None:
-            layer, block_ids = chunk.layer, list(chunk.block_ids)
-            if transport == kv_transport.GRPC:
-                k, v = decode_chunk(chunk, layout, checksum)  # DataLoss: short, corrupt
-                scatter(layer, block_ids, k, v)
-                return
-            # The sender wrote the blocks already: check what they hold now.
-            where = f"request {request.name} chunk {chunk.seq} (layer {layer})"
-            if len(chunk.data):
-                raise DataLoss(f"{where}: data sent over gRPC in an in-place transfer")
-            if layer >= len(cache.k):
-                raise DataLoss(f"{where}: layer out of range (model has {len(cache.k)})")
-            k_pool, v_pool = cache.k[layer], cache.v[layer]
-            if transport == kv_transport.SHM:
-                k_rows, v_rows = self._rows[layer]
-                is_intact = rows_digest(checksum, k_rows, v_rows, block_ids) == announced(
-                    chunk, checksum
-                )
-            else:
-                is_intact = in_place_checksum(transport, k_pool, v_pool, block_ids) == chunk.crc32
-            if not is_intact:
-                raise DataLoss(f"{where}: checksum mismatch (blocks corrupted in place)")
 
         def land(part: list[Chunk]) -> None:
             # Unpinned here, never by the handler: if the call ends mid-copy, the blocks stay
@@ -386,14 +342,14 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
                 for chunk in part:
                     if landing.is_aborted():
                         return  # the request failed: nothing more to write
-                    land_one(chunk)
+                    transport.land(chunk, checksum)
             finally:
                 table.unpin(request)
 
         # grpc: one chunk per message, whose bytes the job holds until they landed. In place
         # the bytes are in the pool already: a job holds none, so none counts against
         # _MAX_LANDING_BYTES (which would run the parts of a batch one after the other).
-        held = num_bytes if transport == kv_transport.GRPC else 0
+        held = 0 if transport.is_in_place else num_bytes
         share = -(-len(chunks) // self._landing_threads)
         for start in range(0, len(chunks), share):
             part = chunks[start : start + share]

@@ -9,7 +9,8 @@ decode instance's Info is fetched concurrently:
     no answer  -> router.mark_down: routed around until it answers again
 
 The tokenizer's Info (vocabulary size, EOS ids) is polled with them; when it names a tokenizer
-file this frontend has not loaded, the file is fetched and loaded to detokenize here (text.py).
+file this frontend has not loaded, the file is fetched and loaded to detokenize here (text.py);
+the tokenizer counts as up only with its file loaded.
 
 Membership: `--prefill` / `--decode` targets are fixed addresses or `dns:///NAME:PORT` names
 (mili.discovery). Every `resolve_interval_s` each name is looked up again and the router told

@@ -54,7 +54,7 @@ class TokenizerFacts:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     max_input_chars: int = 0  # the longest text (or messages' content) it tokenizes; 0: unknown
-    # SHA-256 of the tokenizer file it hands out for detokenizing here; "": it hands none out.
+    # SHA-256 of the tokenizer file it hands out, loaded to detokenize here.
     tokenizer_file_sha256: str = ""
 
 
@@ -173,5 +173,5 @@ class Downstream(Protocol):
         ...
 
     def detokenize(self, vocab_size: int, deadline: Deadline) -> TextStream:
-        """Open a DetokenizeStream for one request's text."""
+        """One request's text, detokenized with the tokenizer file of the facts last fetched."""
         ...

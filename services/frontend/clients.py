@@ -1,7 +1,6 @@
 """`calls.Downstream` over gRPC: the stubs of every instance (backends.py), requests and replies
 converted in convert.py, failures turned into domain errors naming the instance (downstream.py).
-Decode requests share one GenerateStream per decode instance (multiplex.py), or each take a
-Generate call (generate_call.py) on an instance that does not serve GenerateStream.
+Decode requests share one GenerateStream per decode instance (multiplex.py).
 """
 
 from __future__ import annotations
@@ -11,6 +10,7 @@ from typing import Any
 
 import grpc
 
+from mili.errors import Unavailable
 from services.frontend import convert
 from services.frontend.backends import Backends
 from services.frontend.calls import (
@@ -22,9 +22,7 @@ from services.frontend.calls import (
     RequestIds,
     TokenizerFacts,
 )
-from services.frontend.detokenize import TextStream
 from services.frontend.downstream import error_from
-from services.frontend.generate_call import GenerateCall
 from services.frontend.multiplex import RequestStream
 from services.frontend.router import Route, Router
 from services.frontend.text import LocalTextStream
@@ -73,7 +71,7 @@ class GrpcDownstream:
 
     def generate(
         self, route: Route, ids: RequestIds, prompt: Prompt, deadline: Deadline
-    ) -> RequestStream | GenerateCall:
+    ) -> RequestStream:
         request = convert.decode_request(
             ids, prompt, self._backends.prefill_layouts[route.prefill], self._config.kv_lease_ms
         )
@@ -94,16 +92,11 @@ class GrpcDownstream:
         task.add_done_callback(lambda t: call.cancel() if t.cancelled() else None)
         return task
 
-    def detokenize(self, vocab_size: int, deadline: Deadline) -> LocalTextStream | TextStream:
-        local = self._backends.tokenizer.local_detokenizer
-        if local is not None:
-            return local.stream(vocab_size)
-        return TextStream(
-            self._backends.tokenizer.stub,
-            self._backends.tokenizer.who,
-            vocab_size,
-            timeout_s=deadline.remaining(),
-        )
+    def detokenize(self, vocab_size: int, deadline: Deadline) -> LocalTextStream:
+        tokenizer = self._backends.tokenizer
+        if tokenizer.detokenizer is None:  # facts were never fetched: the pipeline asks first
+            raise Unavailable(f"{tokenizer.who}: its tokenizer file is not loaded yet")
+        return tokenizer.detokenizer.stream(vocab_size)
 
 
 async def _prefill_reply(call: Any, who: str, deadline: Deadline) -> PrefillStats:

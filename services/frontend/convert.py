@@ -1,5 +1,5 @@
 """Proto <-> domain conversion for the frontend: the only frontend module besides the servicer
-(server.py) and the clients (clients.py, backends.py, detokenize.py) that touches generated
+(server.py) and the clients (clients.py, backends.py, tokenizer_backend.py) that touches generated
 `*_pb2`. Requests come in as `RequestInput`, go downstream from domain types, and come back as
 `calls.Admitted` / `calls.Tokens` / `calls.PrefillStats`; `Delta`s go out as responses."""
 
@@ -141,16 +141,6 @@ def decode_request(
     )
 
 
-def decode_event(event: decode_pb2.GenerateResponse) -> Admitted | Tokens | None:
-    """None for an event this version does not know."""
-    kind = event.WhichOneof("event")
-    if kind == "admitted":
-        return _admitted(event.admitted)
-    if kind == "tokens":
-        return _tokens(event.tokens)
-    return None
-
-
 def streamed_generate(
     request: decode_pb2.GenerateRequest, timeout_ms: int, trace_context: dict[str, str]
 ) -> decode_pb2.StreamedGenerate:
@@ -170,9 +160,8 @@ def streamed_event(event: decode_pb2.StreamedEvent, kind: str | None) -> Admitte
 
 
 def _admitted(admitted: decode_pb2.Admitted) -> Admitted:
-    # block_ids: the deprecated name, from a decode instance older than this frontend.
     return Admitted(
-        list(admitted.prompt_block_ids or admitted.block_ids),
+        list(admitted.prompt_block_ids),
         admitted.transfer_token,
         admitted.num_cached_blocks,
     )

@@ -14,15 +14,6 @@ the stream lagged), then None; what waits is at most the request's max_tokens id
 request's error is raised as the domain error its own Generate call's status would give. The
 call is opened on first use and again after it ended; when it fails, every request on it fails
 with that error (InstanceDown when decode went away), and a new request opens a new call.
-
-A decode instance older than GenerateStream answers it UNIMPLEMENTED (so does one started with
---no-generate-stream). Nothing was admitted on that call, so its requests move to a Generate call
-each (generate_call.py), as do later requests to that instance; logged once. After
-`recheck_s` the next request tries GenerateStream again: the instance may have been upgraded
-or restarted without the flag at the same address (if not, that request moves over too). A start
-written while decode refuses the call can make grpc report INTERNAL instead of the refusal
-(a failed "execute_batch"); when that ends a call before any reply, a call that writes nothing
-asks again.
 """
 
 from __future__ import annotations
@@ -32,8 +23,6 @@ import collections
 import contextlib
 import logging
 import math
-import time
-from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -45,74 +34,31 @@ from mili.telemetry.tracing import end_carried_call_span, start_carried_call_spa
 from services.frontend import convert
 from services.frontend.calls import Admitted, Deadline, InstanceDown, Tokens
 from services.frontend.downstream import error_from_status
-from services.frontend.generate_call import GenerateCall
 
 _LOG = logging.getLogger("mili.frontend")
 _GENERATE = "/mili.decode.v1.DecodeService/Generate"  # the call each request stands for
-# How long a GenerateStream that writes nothing waits for decode to refuse it: a decode that
-# serves it answers nothing until a start comes, so silence this long means "served".
-_PROBE_TIMEOUT_S = 2.0
-# How long a refusal of GenerateStream is believed: a rolling upgrade replaces an older decode
-# at the same address, and its requests should go back to the cheap path soon after.
-RECHECK_S = 30.0
 
 
 class DecodeMultiplexer:
     """Every request this frontend runs on one decode instance."""
 
-    def __init__(
-        self,
-        stub: decode_pb2_grpc.DecodeServiceStub,
-        who: str,
-        *,
-        recheck_s: float = RECHECK_S,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
+    def __init__(self, stub: decode_pb2_grpc.DecodeServiceStub, who: str) -> None:
         self._stub = stub
         self._who = who  # "decode at HOST:PORT"
         self._session: _Session | None = None
-        self._recheck_s = recheck_s
-        self._clock = clock
-        # When decode last answered GenerateStream UNIMPLEMENTED (None: it serves it, as far as
-        # we know); requests go on Generate calls until recheck_s after it.
-        self._refused_at: float | None = None
-        self._has_warned = False
 
-    def open(
-        self, request: decode_pb2.GenerateRequest, deadline: Deadline
-    ) -> RequestStream | GenerateCall:
+    def open(self, request: decode_pb2.GenerateRequest, deadline: Deadline) -> RequestStream:
         """Start `request` on decode (sent with the next write); its events come through the
         returned stream."""
-        if self._refused_at is not None:
-            if self._clock() - self._refused_at < self._recheck_s:
-                return GenerateCall(self._stub, request, deadline, self._who)
-            self._refused_at = None  # ask again: this request opens a GenerateStream
         if self._session is None or self._session.is_ended:
             # Opened outside the request's trace: the call outlives it and carries others (each
             # request sends its own trace context with its start).
             token = otel_context.attach(otel_context.Context())
             try:
-                self._session = _Session(self._stub, self._who, self._stream_refused)
+                self._session = _Session(self._stub, self._who)
             finally:
                 otel_context.detach(token)
         return self._session.open(request, deadline)
-
-    def _stream_refused(self, streams: list[RequestStream]) -> None:
-        """Decode does not serve GenerateStream: `streams` (never admitted) and every later
-        request go on Generate calls of their own."""
-        if self._refused_at is None:
-            self._refused_at = self._clock()
-            if not self._has_warned:
-                self._has_warned = True
-                _LOG.warning(
-                    "%s does not serve GenerateStream (UNIMPLEMENTED: an older version, or "
-                    "--no-generate-stream); sending each request on a Generate call of its "
-                    "own, asking again every %.0f s",
-                    self._who,
-                    self._recheck_s,
-                )
-        for stream in streams:
-            stream.fall_back(self._stub, self._who)
 
     async def close(self) -> None:
         if self._session is not None:
@@ -122,16 +68,10 @@ class DecodeMultiplexer:
 class RequestStream:
     """One request's events, as `calls.DecodeStream`; filled by its session's reader."""
 
-    def __init__(
-        self, session: _Session, request: decode_pb2.GenerateRequest, deadline: Deadline
-    ) -> None:
+    def __init__(self, session: _Session, request_id: str, deadline: Deadline) -> None:
         self._session = session
-        self.request = request  # kept to resend on a Generate call if decode refuses the stream
-        self.request_id = request.request_id
+        self.request_id = request_id
         self.deadline = deadline
-        # The request's trace context, for a Generate call opened later by the session's reader.
-        self._context = otel_context.get_current()
-        self._fallback: GenerateCall | None = None
         self.span: Any = None  # its CLIENT span when traced (ended with its status)
         # Events not read yet, one per GenerateStreamResponse that carried one for this request
         # (as a Generate call's messages: the stop-string matcher and usage see the same
@@ -142,14 +82,12 @@ class RequestStream:
         self._waiter: asyncio.Future[None] | None = None
 
     async def read(self) -> Admitted | Tokens | None:
-        if not (self._events or self._error or self._is_ended or self._fallback):
+        if not (self._events or self._error or self._is_ended):
             self._waiter = asyncio.get_running_loop().create_future()
             try:
                 await self._waiter
             finally:
                 self._waiter = None
-        if self._fallback is not None:
-            return await self._fallback.read()
         if self._events:
             return self._events.popleft()
         if self._error is not None:
@@ -157,9 +95,7 @@ class RequestStream:
         return None
 
     def cancel(self) -> None:
-        if self._fallback is not None:
-            self._fallback.cancel()
-        elif not self._is_ended:
+        if not self._is_ended:
             self._is_ended = True
             self._session.cancel(self)
             self._end_span(grpc.StatusCode.CANCELLED)
@@ -180,17 +116,6 @@ class RequestStream:
             self._end_span(code)
             self._wake()
 
-    def fall_back(self, stub: decode_pb2_grpc.DecodeServiceStub, who: str) -> None:
-        """Decode refused the stream before admitting anything: send the request again on a
-        Generate call of its own, in its own trace."""
-        self._end_span(grpc.StatusCode.UNIMPLEMENTED)
-        token = otel_context.attach(self._context)
-        try:
-            self._fallback = GenerateCall(stub, self.request, self.deadline, who)
-        finally:
-            otel_context.detach(token)
-        self._wake()
-
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
@@ -204,16 +129,8 @@ class RequestStream:
 class _Session:
     """One GenerateStream call and the requests open on it."""
 
-    def __init__(
-        self,
-        stub: decode_pb2_grpc.DecodeServiceStub,
-        who: str,
-        on_refused: Callable[[list[RequestStream]], None],
-    ) -> None:
+    def __init__(self, stub: decode_pb2_grpc.DecodeServiceStub, who: str) -> None:
         self._who = who
-        self._stub = stub
-        self._on_refused = on_refused  # called with the open requests on UNIMPLEMENTED
-        self._has_read = False  # a reply came: decode serves GenerateStream
         self._call: Any = stub.GenerateStream()  # no deadline: each request carries its own
         self._streams: dict[str, RequestStream] = {}
         self._starts: list[decode_pb2.StreamedGenerate] = []
@@ -224,7 +141,7 @@ class _Session:
         self._reader = asyncio.create_task(self._read())
 
     def open(self, request: decode_pb2.GenerateRequest, deadline: Deadline) -> RequestStream:
-        stream = RequestStream(self, request, deadline)
+        stream = RequestStream(self, request.request_id, deadline)
         stream.span, trace_context = start_carried_call_span(_GENERATE)
         remaining_s = deadline.remaining()
         timeout_ms = 0 if remaining_s is None else max(1, math.ceil(remaining_s * 1000))
@@ -275,7 +192,6 @@ class _Session:
                         grpc.StatusCode.UNAVAILABLE,
                     )
                     return
-                self._has_read = True
                 for event in response.events:
                     stream = streams.get(event.request_id)
                     if stream is None:
@@ -306,15 +222,6 @@ class _Session:
             # A write racing the end can hide the server's status behind INTERNAL; it also
             # announced the status in its initial metadata (mili.rpc.status).
             code, details, trailers = server_status_of(err)
-            is_hidden = code is grpc.StatusCode.INTERNAL and _is_write_race(err)
-            if is_hidden and not self._has_read and await _refuses_stream(self._stub):
-                code = grpc.StatusCode.UNIMPLEMENTED  # the refusal a start's write hid
-            if code is grpc.StatusCode.UNIMPLEMENTED:  # an older decode: nothing was admitted
-                self.is_ended = True
-                self._wake.set()  # the writer returns
-                streams, self._streams = self._streams, {}
-                self._on_refused(list(streams.values()))
-                return
             self._end(error_from_status(code, details, _details(trailers), self._who), code)
         except asyncio.CancelledError:
             self._end(
@@ -338,25 +245,6 @@ _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 def _code(value: int) -> grpc.StatusCode:
     return _CODES.get(value, grpc.StatusCode.UNKNOWN)
-
-
-def _is_write_race(err: grpc.aio.AioRpcError) -> bool:
-    """grpc ended the call INTERNAL because a write failed as the call ended (the server's
-    status is lost)."""
-    return "execute_batch" in (err.debug_error_string() or "")
-
-
-async def _refuses_stream(stub: decode_pb2_grpc.DecodeServiceStub) -> bool:
-    """Whether decode answers GenerateStream UNIMPLEMENTED, asked with a call that writes nothing
-    (so no write can hide the answer)."""
-    call: Any = stub.GenerateStream(timeout=_PROBE_TIMEOUT_S)
-    try:
-        await call.read()
-    except grpc.aio.AioRpcError as err:
-        return bool(err.code() is grpc.StatusCode.UNIMPLEMENTED)
-    finally:
-        call.cancel()
-    return False
 
 
 def _details(trailers: tuple[tuple[str, str | bytes], ...]) -> bytes:

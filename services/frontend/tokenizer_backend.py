@@ -1,11 +1,12 @@
 """The tokenizer service as the frontend sees it (polled by backends.py): its stub, its Info
 (model, vocabulary size, EOS ids, input limit) as last fetched, and its tokenizer file, loaded
-here when it hands one out, so that streams detokenize in this process (text.py) instead of
-through the service.
+here so that streams detokenize in this process (text.py). The service always hands the file
+out; its DetokenizeStream stays for other clients.
 
-    Info answered   -> `facts` (logged when they change); a new tokenizer file digest ->
-                       GetTokenizerFile, parsed off the event loop -> `local_detokenizer`
-    no answer       -> `facts` None (the frontend reports NOT_SERVING), Unavailable to callers
+    Info answered   -> a new tokenizer file digest: GetTokenizerFile, parsed off the event
+                       loop -> `detokenizer`; then `facts` (logged when they change)
+    no answer, or   -> `facts` None (the frontend reports NOT_SERVING), Unavailable to callers
+    no usable file
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import logging
 
 import grpc
 
+from mili.errors import Unavailable
 from mili.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from services.frontend.calls import TokenizerFacts
 from services.frontend.downstream import error_from
@@ -31,9 +33,11 @@ class TokenizerBackend:
         self.stub = stub
         self._info_timeout_s = info_timeout_s
         self.who = f"tokenizer at {address}"  # how errors and logs name it
-        self.facts: TokenizerFacts | None = None  # None: down, or not asked yet
-        # The tokenizer's file, loaded to detokenize here; None: detokenize through the service.
-        self.local_detokenizer: LocalDetokenizer | None = None
+        # None: down, or not asked yet. Once set, `detokenizer` holds the file its digest names.
+        self.facts: TokenizerFacts | None = None
+        # The tokenizer's file, loaded to detokenize here; None until its first load.
+        self.detokenizer: LocalDetokenizer | None = None
+        self._file_problem = ""  # why the file last failed to load, logged once per reason
 
     async def current_facts(self) -> TokenizerFacts:
         """The facts as last fetched, fetched now if there are none; raises Unavailable (or the
@@ -44,7 +48,8 @@ class TokenizerBackend:
         return self.facts
 
     async def fetch(self) -> None:
-        """Ask the tokenizer's Info; on failure forget the facts and raise its error."""
+        """Ask the tokenizer's Info, and its file when the digest is new; on failure forget the
+        facts and raise its error."""
         try:
             info = await self.stub.Info(tokenizer_pb2.InfoRequest(), timeout=self._info_timeout_s)
         except grpc.aio.AioRpcError as err:
@@ -52,6 +57,15 @@ class TokenizerBackend:
                 _LOG.warning("%s is down: %s: %s", self.who, err.code().name, err.details())
             self.facts = None
             raise error_from(err, self.who) from None
+        try:
+            await self._load_file(info.tokenizer_file_sha256)
+        except Unavailable as err:
+            if str(err) != self._file_problem:
+                self._file_problem = str(err)
+                _LOG.warning("%s", err)
+            self.facts = None
+            raise
+        self._file_problem = ""
         facts = TokenizerFacts(
             model=info.model,
             vocab_size=info.vocab_size,
@@ -74,33 +88,26 @@ class TokenizerBackend:
         self.facts = None
 
     async def poll(self) -> None:
-        """One polling round: Info, then the tokenizer file when its digest is new. Failures
-        leave `facts` None (reported by the frontend's health), never raise."""
+        """One polling round (`fetch`). Failures leave `facts` None (reported by the frontend's
+        health), never raise."""
         with contextlib.suppress(Exception):
             await self.fetch()
-            await self._sync_detokenizer()
 
-    async def _sync_detokenizer(self) -> None:
-        """Load the tokenizer's file for detokenizing in this process (text.py) when its digest
-        is new; without one (a tokenizer that does not hand it out), detokenize through it."""
-        sha256 = "" if self.facts is None else self.facts.tokenizer_file_sha256
-        if not sha256:
-            self.local_detokenizer = None
-            return
-        if self.local_detokenizer is not None and self.local_detokenizer.sha256 == sha256:
+    async def _load_file(self, sha256: str) -> None:
+        """Load the tokenizer file Info names (`sha256`) for detokenizing in this process
+        (text.py), unless it is loaded already; raises Unavailable when it cannot."""
+        if self.detokenizer is not None and self.detokenizer.sha256 == sha256:
             return
         try:
             reply = await self.stub.GetTokenizerFile(
                 tokenizer_pb2.GetTokenizerFileRequest(), timeout=self._info_timeout_s * 10
             )
+            if reply.sha256 != sha256:
+                raise ValueError(f"it sent the file {reply.sha256[:12]}, Info named {sha256[:12]}")
             # Parsing a 150k-token vocabulary takes most of a second: off the event loop.
-            local = await asyncio.to_thread(LocalDetokenizer, reply.tokenizer_json, reply.sha256)
+            loaded = await asyncio.to_thread(LocalDetokenizer, reply.tokenizer_json, reply.sha256)
         except (grpc.aio.AioRpcError, ValueError) as err:
-            self.local_detokenizer = None
             why = f"{err.code().name}: {err.details()}" if isinstance(err, grpc.RpcError) else err
-            _LOG.warning("%s: no tokenizer file (%s); detokenizing through it", self.who, why)
-            return
-        self.local_detokenizer = local
-        _LOG.info(
-            "detokenizing in process with the tokenizer file of %s (%s)", self.who, sha256[:12]
-        )
+            raise Unavailable(f"{self.who}: no usable tokenizer file ({why})") from None
+        self.detokenizer = loaded
+        _LOG.info("detokenizing with the tokenizer file of %s (%s)", self.who, sha256[:12])

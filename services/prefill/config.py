@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from mili.discovery import DNS_SCHEME, Target, parse_target
 from mili.engine.engine_config import EngineConfig
-from mili.engine.kv_transport import CHOICES as KV_TRANSPORTS
+from mili.kv_handoff.kv_transport import CHOICES as KV_TRANSPORTS
 
 ANY_DECODE = "*"  # allows every destination: only for networks where every peer is trusted
 DEFAULT_MAX_BATCH_TOKENS = 2048
@@ -43,7 +43,7 @@ class PrefillConfig:
     # computes only what follows its longest cached prefix. Cached blocks no request holds are
     # evicted, least recently used first, when a prompt needs the room.
     prefix_caching: bool = True
-    # How KV bytes may leave (mili.engine.kv_transport.CHOICES); each decode pair gets the
+    # How KV bytes may leave (mili.kv_handoff.kv_transport.CHOICES); each decode pair gets the
     # fastest both sides offer. host_id None: this host's (tests inject others).
     kv_transport: str = "auto"
     host_id: str | None = None

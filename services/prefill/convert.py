@@ -2,8 +2,7 @@
 
 Every violation is reported at once, each naming its field as the caller set it
 (`prompt_token_ids[3]`, `sampling.top_p`, `destination.prompt_block_ids`), as INVALID_ARGUMENT
-with BadRequest details. The deprecated `token_ids` and `destination.block_ids` are read when
-their replacements are empty (a frontend older than this service), and then named in errors.
+with BadRequest details.
 """
 
 from __future__ import annotations
@@ -34,13 +33,12 @@ def prefill_task(
         bad("request_id", request.request_id, "must be set")
     elif len(request.request_id) > _MAX_REQUEST_ID_CHARS:
         bad("request_id", request.request_id, f"longer than {_MAX_REQUEST_ID_CHARS} characters")
-    ids_field = "prompt_token_ids" if request.prompt_token_ids else "token_ids"
-    token_ids = list(getattr(request, ids_field))
+    token_ids = list(request.prompt_token_ids)
     if not token_ids:
-        bad(ids_field, token_ids, "must hold at least one token (set prompt_token_ids)")
+        bad("prompt_token_ids", token_ids, "must hold at least one token")
     elif len(token_ids) > max_prompt_tokens:
         bad(
-            ids_field,
+            "prompt_token_ids",
             f"{len(token_ids)} tokens",
             f"longer than this instance's max_prompt_tokens {max_prompt_tokens}",
         )
@@ -48,16 +46,15 @@ def prefill_task(
         outside = [i for i, t in enumerate(token_ids) if t >= vocab_size]
         if outside:
             i = outside[0]
-            bad(f"{ids_field}[{i}]", token_ids[i], f"outside the vocabulary [0, {vocab_size})")
+            bad(f"prompt_token_ids[{i}]", token_ids[i], f"outside the vocabulary [0, {vocab_size})")
     destination = request.destination
     if not destination.address:
         bad("destination.address", destination.address, "must be the decode's host:port")
-    blocks_field = "prompt_block_ids" if destination.prompt_block_ids else "block_ids"
-    prompt_block_ids = list(getattr(destination, blocks_field))
+    prompt_block_ids = list(destination.prompt_block_ids)
     need = blocks_needed(len(token_ids), block_size)
     if not violations and len(prompt_block_ids) < need:  # judged only for a valid prompt
         bad(
-            f"destination.{blocks_field}",
+            "destination.prompt_block_ids",
             f"{len(prompt_block_ids)} block ids",
             f"a {len(token_ids)}-token prompt needs {need} blocks of {block_size} tokens",
         )

@@ -1,9 +1,9 @@
 """Prefill's side of KV pairs: one channel per decode address, and the transport its KV bytes
-take there, chosen once with decode's KvTransferService.Pair (see mili.engine.kv_transport).
+take there, chosen once with decode's KvTransferService.Pair (mili.kv_handoff.transport).
 
     first transfer to an address ─▶ Pair(host id, device, transports, layout)
-                                 ◀─ transport (+ the shm segment of decode's KV pool)
-    "shm": the segment is mapped once here and kept for every later transfer
+                                 ◀─ transport (+ where decode's pool is: shm path, CUDA IPC)
+    in place: decode's pool is mapped once here and kept for every later transfer
 
 A transfer that fails with decode gone (UNAVAILABLE) `forget`s the pair: the mapping is
 dropped, MILI segments whose owner died are unlinked (a killed decode leaves none behind), and
@@ -20,16 +20,13 @@ from typing import NamedTuple
 import grpc
 import torch
 
-from mili.engine import kv_transport
-from mili.engine.block_rows import as_rows, block_rows, block_runs, copy_rows, fits
-from mili.engine.cuda_ipc import blocks_checksum, import_pool
-from mili.engine.kv_layout import KVLayout
-from mili.engine.kv_transport import Endpoint
-from mili.engine.shm_segment import Segment, is_alive, pool_bytes, pool_views, sweep_stale
 from mili.kv.v1 import kv_pb2
-from mili.rpc import kv_checksum
+from mili.kv_handoff import checksums
+from mili.kv_handoff.grpc_transport import GrpcTransport
+from mili.kv_handoff.kv_transport import Endpoint
+from mili.kv_handoff.shm_segment import sweep_stale
+from mili.kv_handoff.transport import KvTransport, connect
 from mili.rpc.client import channel as make_channel
-from mili.rpc.kv_codec import encode_chunk_in_place
 from mili.rpc.tls import Tls
 
 _LOG = logging.getLogger("mili.prefill")
@@ -39,116 +36,19 @@ _PAIR_TIMEOUT_S = 5.0
 _SWEEP_INTERVAL_S = 1.0  # how soon a decode killed between transfers loses its segment
 
 
-class ShmPool:
-    """Decode's KV pool mapped here: prefill writes prompt blocks into it directly."""
-
-    def __init__(self, segment: Segment, layout: KVLayout, num_blocks: int, dtype: torch.dtype):
-        self.segment = segment
-        self.num_blocks = num_blocks
-        self.k, self.v = pool_views(segment.tensor, layout, num_blocks, dtype)
-        # The same pools as byte rows [num_blocks, bytes per block], made once: the encoder
-        # threads then make no torch call per block or pool (each one is a GIL hand-off).
-        self._rows = [(block_rows(k), block_rows(v)) for k, v in zip(self.k, self.v, strict=True)]
-
-    def encode(
-        self,
-        request_id: str,
-        seq: int,
-        layer: int,
-        block_ids: Sequence[int],
-        k: torch.Tensor,
-        v: torch.Tensor,
-        checksum: str = kv_checksum.CRC32,
-    ) -> tuple[bytes, int]:
-        """Write k, v ([n, block_size, kv_heads, D], CPU) into decode's blocks `block_ids` of
-        `layer`; return the chunk message that announces them (no data, the `checksum` of what
-        they now hold) and the bytes written. Runs on an encoder thread (the copies release the
-        GIL where the ids come in runs, see block_rows.copy_rows)."""
-        ids = list(block_ids)
-        n = len(ids)
-        k_pool, v_pool = self.k[layer], self.v[layer]
-        k, v = k.contiguous(), v.contiguous()
-        if not (fits(k_pool, ids, k) and fits(v_pool, ids, v)):
-            raise ValueError(
-                f"blocks {ids} of {tuple(k.shape)} {k.dtype} do not fit decode's pool of "
-                f"{self.num_blocks} blocks {tuple(k_pool.shape[1:])} {k_pool.dtype}"
-            )
-        k_rows, v_rows = self._rows[layer]
-        # The checksum of what we mean to write (k's blocks, then v's: what decode's
-        # blocks_digest reads back), each taken just before its copy, so that the copy reads
-        # the source from cache: one pass over memory fewer than digesting the destination.
-        running = kv_checksum.Running(checksum)
-        for src, rows in ((k, k_rows), (v, v_rows)) if n else ():
-            src_rows = as_rows(src, n)
-            running.update(src_rows.data)
-            copy_rows(rows, ids, src_rows)
-        value = running.value()
-        num_bytes = 2 * n * k_rows.shape[1]
-        message = encode_chunk_in_place(request_id, seq, layer, block_ids, value, checksum)
-        return message, num_bytes
-
-    def close(self) -> None:
-        """Drop the mapping. Transfers still writing through this pool (the pair was forgotten
-        under them) keep k, v: the memory stays mapped until the last of them lets go."""
-        self.segment.close()
-
-
-class CudaIpcPool:
-    """Decode's KV pool on a GPU, mapped here with CUDA IPC: prompt blocks are copied device to
-    device on a side stream (never the model's), then checksummed on the device."""
-
-    def __init__(self, flat: torch.Tensor, layout: KVLayout, num_blocks: int, dtype: torch.dtype):
-        self.num_blocks = num_blocks
-        self.k, self.v = pool_views(flat, layout, num_blocks, dtype)
-        self._stream = torch.cuda.Stream(flat.device)
-
-    def encode(
-        self,
-        request_id: str,
-        seq: int,
-        layer: int,
-        block_ids: Sequence[int],
-        k: torch.Tensor,
-        v: torch.Tensor,
-        checksum: str = kv_checksum.CRC32,
-    ) -> tuple[bytes, int]:
-        """As ShmPool.encode, with k, v on prefill's GPU (the worker's gather, complete: the
-        sender called its `ready` first) and the device checksum in crc32 (`checksum` does
-        not apply). Blocks until the copy is over, on this encoder thread only."""
-        if any(not 0 <= b < self.num_blocks for b in block_ids):
-            raise ValueError(f"block ids {list(block_ids)} outside decode's pool")
-        k_pool, v_pool = self.k[layer], self.v[layer]
-        expected = (len(block_ids), *k_pool.shape[1:])
-        for t in (k, v):
-            if tuple(t.shape) != expected or t.dtype != k_pool.dtype:
-                raise ValueError(
-                    f"{tuple(t.shape)} {t.dtype} does not fit {len(block_ids)} blocks of "
-                    f"decode's pool {tuple(k_pool.shape[1:])} {k_pool.dtype}"
-                )
-        first = 0
-        with torch.inference_mode(), torch.cuda.stream(self._stream):
-            for start, stop in block_runs(block_ids):
-                n = stop - start
-                k_pool[start:stop].copy_(k[first : first + n], non_blocking=True)
-                v_pool[start:stop].copy_(v[first : first + n], non_blocking=True)
-                first += n
-            value = blocks_checksum(k_pool, v_pool, block_ids)  # waits for the copies
-        num_bytes = k.numel() * k.element_size() + v.numel() * v.element_size()
-        return encode_chunk_in_place(request_id, seq, layer, block_ids, value), num_bytes
-
-    def close(self) -> None:
-        pass  # torch closes the IPC mapping with the last view (transfers may still hold some)
-
-
 class Pairing(NamedTuple):
-    transport: str
-    checksum: str = kv_checksum.CRC32  # what every chunk carries (kv_checksum)
-    pool: ShmPool | CudaIpcPool | None = None
-    # Decode reads several in-place chunks per message (PairResponse.takes_chunk_batches).
-    takes_batches: bool = False
+    """A pair's transport, held for every transfer to its decode, and the checksum its chunks
+    carry (mili.kv_handoff.checksums)."""
+
+    kv: KvTransport
+    checksum: str = checksums.CRC32
+
+    @property
+    def transport(self) -> str:
+        return self.kv.name
 
 
-GRPC_PAIRING = Pairing(kv_transport.GRPC)
+GRPC_PAIRING = Pairing(GrpcTransport())
 
 
 class Peers:
@@ -214,40 +114,37 @@ class Peers:
         return await asyncio.shield(pending)
 
     async def _pair(self, address: str) -> Pairing:
-        assert self._endpoint is not None
+        assert self._endpoint is not None and self._layout is not None
         endpoint = self._endpoint
         request = kv_pb2.PairRequest(
             host_id=endpoint.host_id,
             device=endpoint.device,
             transports=endpoint.transports,
             layout=self._layout,
-            checksums=kv_checksum.available(),
+            checksums=checksums.available(),
         )
         call = self.get(address).unary_unary(
             _PAIR, response_deserializer=kv_pb2.PairResponse.FromString
         )
         try:
             response = await call(request.SerializeToString(), timeout=_PAIR_TIMEOUT_S)
-        except grpc.aio.AioRpcError as err:
-            # UNIMPLEMENTED: a decode from before Pair. Anything else: the transfer itself
-            # will report decode's state; no pair is remembered, the next transfer asks again.
-            if err.code() is grpc.StatusCode.UNIMPLEMENTED:
-                self._pairings[address] = GRPC_PAIRING
+        except grpc.aio.AioRpcError:
+            # The transfer itself will report decode's state; no pair is remembered, the next
+            # transfer asks again.
             return GRPC_PAIRING
-        checksum = response.checksum or kv_checksum.CRC32
-        if checksum not in kv_checksum.available():
-            checksum = kv_checksum.CRC32  # a decode that misread us: it reads crc32 too
-        pairing = Pairing(kv_transport.GRPC, checksum)
-        if response.transport in endpoint.transports and response.transport != kv_transport.GRPC:
+        checksum = response.checksum
+        if checksum not in checksums.available():
+            checksum = checksums.CRC32  # a decode that misread us: it reads crc32 too
+        pairing = Pairing(GrpcTransport(), checksum)
+        if response.transport in endpoint.transports:
             try:
-                pool = self._map(response)
-                pairing = Pairing(response.transport, checksum, pool, response.takes_chunk_batches)
+                pairing = Pairing(connect(response, self._layout, self._dtype), checksum)
             except (OSError, ValueError, RuntimeError) as e:
                 _LOG.warning(
                     "KV pair with decode at %s: cannot map its pool (%s); grpc", address, e
                 )
         self._pairings[address] = pairing
-        if pairing.pool is not None and self._sweeper is None:
+        if pairing.kv.is_in_place and self._sweeper is None:
             self._sweeper = asyncio.ensure_future(self._sweep_forever())
         _LOG.info(
             "KV pair with decode at %s: transport %s, checksum %s",
@@ -256,24 +153,6 @@ class Peers:
             pairing.checksum,
         )
         return pairing
-
-    def _map(self, response: kv_pb2.PairResponse) -> ShmPool | CudaIpcPool:
-        assert self._layout is not None
-        layout = KVLayout(
-            self._layout.num_layers,
-            self._layout.block_size,
-            self._layout.num_kv_heads,
-            self._layout.head_dim,
-            self._layout.dtype,
-        )
-        size = pool_bytes(layout, response.num_blocks, self._dtype)
-        if response.transport == kv_transport.CUDA_IPC:
-            flat = import_pool(response.cuda_ipc_export)
-            if flat.numel() != size:
-                raise ValueError(f"decode's pool holds {flat.numel()} bytes, expected {size}")
-            return CudaIpcPool(flat, layout, response.num_blocks, self._dtype)
-        segment = Segment.attach(response.shm_path, size)
-        return ShmPool(segment, layout, response.num_blocks, self._dtype)
 
     async def _sweep_forever(self) -> None:
         while True:
@@ -286,10 +165,7 @@ class Peers:
         still exiting when its pair was forgotten). Runs every second once a pair took shm;
         it only lists /dev/shm."""
         for address, pairing in list(self._pairings.items()):
-            if not isinstance(pairing.pool, ShmPool):
-                continue
-            pid = pairing.pool.segment.owner_pid
-            if pid is not None and not is_alive(pid):
+            if not pairing.kv.is_peer_alive():
                 self.forget(address)
         for path in sweep_stale():
             _LOG.info("unlinked %s: its decode instance is gone", path)
@@ -297,8 +173,8 @@ class Peers:
     def forget(self, address: str) -> None:
         """Decode went away: drop the pair (and its mapping); unlink segments of dead owners."""
         pairing = self._pairings.pop(address, None)
-        if pairing is not None and pairing.pool is not None:
-            pairing.pool.close()
+        if pairing is not None and pairing.kv.is_in_place:
+            pairing.kv.close()
             for path in sweep_stale():
                 _LOG.info("unlinked %s: its decode instance is gone", path)
 

@@ -3,9 +3,9 @@
     worker thread ──send_blocks/finish/fail──▶ call_soon_threadsafe ─▶ asyncio.Queue
                                                                           │ (event loop)
     TransferKv stream:  header ─▶ chunk seq 0, 1, ... (one per layer per prompt chunk) ─▶ commit
-                                  ▲ encoded (one copy + checksum, kv_codec or the pair's
-                                    pool) on the encoder threads, up to 3 at once, written
-                                    in order
+                                  ▲ encoded (one copy + checksum: the pair's transport,
+                                    mili.kv_handoff) on the encoder threads, up to 3 at once,
+                                    written in order
 
 The header goes out as soon as `run` starts, before the prompt's first forward, so decode checks
 the layout and its reservation while we compute; each layer's chunk follows as the layer
@@ -14,7 +14,7 @@ loop, so a rejection is seen even while we wait for compute. Errors come back as
 with decode's code and a message naming its address.
 
 In-place transports (shm, cuda-ipc) write into decode's blocks themselves: the first write waits
-for decode's acceptance of the header (kv_codec.ACCEPTED_KEY in its initial metadata), which
+for decode's acceptance of the header (codec.ACCEPTED_KEY in its initial metadata), which
 arrived while the first layer was computed.
 """
 
@@ -32,7 +32,6 @@ import grpc
 import torch
 
 from mili.common.v1 import sampling_pb2
-from mili.engine import kv_transport
 from mili.errors import (
     Cancelled,
     DataLoss,
@@ -45,14 +44,13 @@ from mili.errors import (
     ResourceExhausted,
 )
 from mili.kv.v1 import kv_pb2
-from mili.rpc import kv_checksum
-from mili.rpc.kv_codec import ACCEPTED_KEY, batch_in_place, encode_chunk_request
+from mili.kv_handoff.codec import ACCEPTED_KEY, batch_in_place
 from mili.rpc.status import server_status_of
 from services.prefill.pairing import GRPC_PAIRING, Pairing
 from services.prefill.task import FirstToken, PrefillTask
 
 _SERVICE = kv_pb2.DESCRIPTOR.services_by_name["KvTransferService"]
-# Messages go out pre-serialized (kv_codec.encode_chunk_request), so the call is made
+# Messages go out pre-serialized (by the pair's transport), so the call is made
 # without the generated stub.
 _TRANSFER_KV = f"/{_SERVICE.full_name}/{_SERVICE.methods_by_name['TransferKv'].name}"
 
@@ -131,7 +129,7 @@ class KvSender:
     @property
     def takes_device_tensors(self) -> bool:
         """cuda-ipc copies device to device: the worker hands over its GPU gather as is."""
-        return self._pairing.transport == kv_transport.CUDA_IPC
+        return self._pairing.kv.takes_device_tensors
 
     def send_blocks(
         self,
@@ -185,8 +183,8 @@ class KvSender:
             num_tokens=len(task.prompt_token_ids),
             num_chunks=self._num_chunks,
             transfer_token=task.transfer_token,
-            transport="" if pairing.transport == kv_transport.GRPC else pairing.transport,
-            checksum="" if pairing.checksum == kv_checksum.CRC32 else pairing.checksum,
+            transport=pairing.transport,
+            checksum=pairing.checksum,
         )
         try:
             # The header is on the wire before the prompt can reach a forward: decode checks
@@ -219,19 +217,19 @@ class KvSender:
         # per job: the encoded chunk messages, in order, and their payload bytes
         encoding: collections.deque[asyncio.Future[tuple[list[bytes], int]]] = collections.deque()
 
-        pairing = self._pairing
+        is_in_place = self._pairing.kv.is_in_place
         # In place, an encoded chunk is a few bytes (the KV is in decode's pool already): more
         # may wait, and the ones done by the time we write go out as one message.
-        max_encoding = _MAX_ENCODING if pairing.pool is None else _MAX_ENCODING_IN_PLACE
+        max_encoding = _MAX_ENCODING_IN_PLACE if is_in_place else _MAX_ENCODING
         # In place, the first write into decode's blocks waits for its acceptance (`_accepted`).
-        is_accepted = pairing.pool is None
+        is_accepted = not is_in_place
 
         def feed() -> None:
             """Start encoding waiting chunks, in order, while fewer than max_encoding jobs are
             encoding or encoded and not written (which bounds the encoded bytes held)."""
             nonlocal seq
             share = 1  # chunks per job
-            if pairing.pool is not None and pairing.takes_batches:
+            if is_in_place:
                 share = -(-len(waiting) // self._encoder_threads)
             while waiting and len(encoding) < max_encoding:
                 job = [waiting.popleft() for _ in range(min(share, len(waiting)))]
@@ -244,13 +242,13 @@ class KvSender:
             """Write the first chunk once encoded (with the ones encoded after it, in place)."""
             nonlocal kv_bytes, first_sent_at
             messages, num_data = await encoding.popleft()  # raises the encoder's error
-            while pairing.takes_batches and encoding and encoding[0].done():
+            while is_in_place and encoding and encoding[0].done():
                 more, more_data = encoding.popleft().result()
                 messages += more
                 num_data += more_data
             feed()  # the threads encode the next chunks while this one is on the wire
             first_sent_at = first_sent_at or time.perf_counter()
-            # several messages only where decode takes batches (one chunk per job elsewhere)
+            # several messages only in place (one chunk per job over grpc)
             message = messages[0] if len(messages) == 1 else batch_in_place(messages)
             await self._write(call, message)
             kv_bytes += num_data
@@ -317,10 +315,7 @@ class KvSender:
         block_ids = self._task.prompt_block_ids[blocks.first_block : blocks.first_block + n]
         if self._is_closed:  # the transfer ended: write nothing more into decode's blocks
             raise Cancelled(f"the KV transfer of request {self._task.name} ended")
-        pool = self._pairing.pool
-        # In place: the bytes go into decode's pool and the chunk only announces them.
-        encode = encode_chunk_request if pool is None else pool.encode
-        return encode(
+        return self._pairing.kv.encode(
             self._task.request_id,
             seq,
             blocks.layer,
@@ -331,7 +326,7 @@ class KvSender:
         )
 
     async def _accepted(self, call: grpc.aio.StreamUnaryCall) -> None:
-        """Wait until decode accepted the header of an in-place transfer (kv_codec.ACCEPTED_KEY):
+        """Wait until decode accepted the header of an in-place transfer (codec.ACCEPTED_KEY):
         only then are the blocks ours to write. It answered while we computed the first layer,
         so this costs no time; a refusal raises decode's status."""
         metadata = await call.initial_metadata()

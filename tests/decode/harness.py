@@ -33,7 +33,7 @@ from mili.engine.model import PrefillBatch
 from mili.engine.sampler import Sampler, SequenceSampling
 from mili.engine.sampling_params import SamplingParams
 from mili.kv.v1 import kv_pb2, kv_pb2_grpc
-from mili.rpc.kv_codec import encode_chunk
+from mili.kv_handoff.codec import encode_chunk
 from mili.rpc.kv_layout import layout_to_proto
 from mili.rpc.sampling import sampling_params_to_proto
 from mili.rpc.server import RpcServer, ServerConfig

@@ -6,10 +6,9 @@ from typing import NamedTuple
 
 import pytest
 
-from mili.engine import kv_transport
 from mili.engine.sampling_params import SamplingParams
 from mili.errors import DataLoss
-from mili.rpc import kv_checksum
+from mili.kv_handoff import checksums, kv_transport
 from services.decode.progress import TransferProgress
 from services.decode.requests import DecodeRequest
 
@@ -36,7 +35,7 @@ def _progress(
         lease_ms=1000,
         num_cached_blocks=num_cached_blocks,
     )
-    return TransferProgress(request, num_layers, num_chunks, kv_transport.GRPC, kv_checksum.CRC32)
+    return TransferProgress(request, num_layers, num_chunks, kv_transport.GRPC, checksums.CRC32)
 
 
 def _send(progress: TransferProgress, chunk: _Chunk) -> None:

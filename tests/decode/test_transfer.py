@@ -14,18 +14,18 @@ import pytest
 import torch
 
 from mili.decode.v1 import decode_pb2
-from mili.engine import kv_transport
-from mili.engine.block_rows import fits, write_blocks
 from mili.engine.kv_cache import KVCache
 from mili.engine.sampling_params import SamplingParams
 from mili.errors import DataLoss
 from mili.kv.v1 import kv_pb2
-from mili.rpc import kv_checksum
+from mili.kv_handoff import checksums, kv_transport
+from mili.kv_handoff.block_rows import fits, write_blocks
+from mili.kv_handoff.codec import batch_in_place
+from mili.kv_handoff.shm_transport import ShmTransport
 from mili.rpc.client import insecure_channel
-from mili.rpc.kv_codec import batch_in_place
 from services.decode.landing import Landing
 from services.decode.transfer import KvTransferServicer
-from services.prefill.pairing import Peers, ShmPool
+from services.prefill.pairing import Peers
 from services.prefill.sender import KvSender
 from services.prefill.task import FirstToken, PrefillTask
 from tests.decode.conftest import NUM_BLOCKS, TINY
@@ -288,14 +288,15 @@ def in_place_messages(
     transport: str = kv_transport.SHM,
 ) -> list[kv_pb2.TransferKvRequest]:
     """header, the layers' chunks written into decode's shm pool as a paired prefill writes
-    them (ShmPool.encode) and announced in `groups` of seqs (a group of one: a lone chunk
+    them (ShmTransport.encode) and announced in `groups` of seqs (a group of one: a lone chunk
     message, else one TransferKvRequest.chunks), commit."""
     instance = server.instance
     if instance.segment is None:
         pytest.skip("this host gave decode no shared-memory pool")
     cache = instance.cache
-    pool = ShmPool(instance.segment, cache.layout, cache.num_blocks, cache.dtype)  # never closed
-    checksum = kv_checksum.available()[0]
+    # never closed: the segment is decode's
+    pool = ShmTransport(instance.segment, cache.layout, cache.num_blocks, cache.dtype)
+    checksum = checksums.available()[0]
     encoded = [
         pool.encode(request_id, layer, layer, list(block_ids), k, v, checksum)[0]
         for layer, (k, v) in enumerate(prefilled.kv)
@@ -307,7 +308,7 @@ def in_place_messages(
         num_chunks=len(encoded),
         transfer_token=block_ids.transfer_token,
         transport="" if transport == kv_transport.GRPC else transport,
-        checksum="" if checksum == kv_checksum.CRC32 else checksum,
+        checksum="" if checksum == checksums.CRC32 else checksum,
     )
     announcements = [
         kv_pb2.TransferKvRequest.FromString(
@@ -475,7 +476,7 @@ async def send_over_shm(
     )
     try:
         pairing = await peers.pair(server.address)
-        assert (pairing.transport, pairing.takes_batches) == (kv_transport.SHM, True)
+        assert pairing.transport == kv_transport.SHM
         task = PrefillTask(
             request_id,
             prompt,

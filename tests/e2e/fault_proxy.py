@@ -38,8 +38,8 @@ from grpc_health.v1 import health_pb2
 
 from mili.decode.v1 import decode_pb2
 from mili.kv.v1 import kv_pb2
+from mili.kv_handoff.codec import ACCEPTED_KEY
 from mili.rpc.client import channel_options
-from mili.rpc.kv_codec import ACCEPTED_KEY
 from mili.rpc.status import server_status_of, status_header
 
 TRANSFER_KV = "/mili.kv.v1.KvTransferService/TransferKv"

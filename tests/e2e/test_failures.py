@@ -20,8 +20,8 @@ import grpc
 import pytest
 
 from mili.common.v1 import sampling_pb2
-from mili.engine.shm_segment import segments_of
 from mili.frontend.v1 import generation_pb2
+from mili.kv_handoff.shm_segment import segments_of
 from mili.rpc.status import retry_info_of
 from tests.e2e.conftest import Deployment, deploy
 from tests.service_process import ServiceProcess

@@ -1,92 +1,23 @@
-"""The token path's fallbacks and bounds with real processes: a decode instance that does not
-serve GenerateStream (the frontend sends each request on a Generate call of its own), and a
-frontend's --max-buffered-tokens under a deliberately slow reader."""
+"""The token path's bounds with real processes: a frontend's --max-buffered-tokens under a
+deliberately slow reader."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import grpc
 import pytest
 
 from mili.common.v1 import sampling_pb2
-from mili.decode.v1 import decode_pb2, decode_pb2_grpc
 from mili.frontend.v1 import generation_pb2, generation_pb2_grpc
-from tests.e2e.conftest import DECODE_ARGS, Deployment, deploy
+from tests.e2e.conftest import Deployment
 from tests.e2e.test_pipeline import greedy, random_prompt
 from tests.service_process import ServiceProcess
 
 # A client whose HTTP/2 window holds ~1 KiB: the frontend's writes wait for it to read, as they
 # would for a slow client once the transport's buffers are full.
 _SLOW_CLIENT_OPTIONS = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]
-_FALLBACK_LOG = "does not serve GenerateStream"
-
-
-@pytest.fixture(scope="module")
-def old_decode(demo_model_dir: Path, e2e_tokenizer: ServiceProcess) -> Iterator[Deployment]:
-    """The pipeline with a decode instance that answers GenerateStream UNIMPLEMENTED."""
-    d = deploy(
-        demo_model_dir,
-        e2e_tokenizer,
-        engine_args=("--dtype", "float32"),
-        decode_args=(*DECODE_ARGS, "--no-generate-stream"),
-    )
-    yield d
-    d.stop()
-
-
-def _tokens(stub: generation_pb2_grpc.GenerationServiceStub, prompt: list[int]) -> list[int]:
-    responses = list(stub.Generate(greedy(prompt), timeout=60))
-    assert responses[-1].finish_reason == sampling_pb2.FINISH_REASON_LENGTH
-    assert responses[-1].usage.completion_tokens == len([t for r in responses for t in r.token_ids])
-    return [t for r in responses for t in r.token_ids]
-
-
-def test_the_decode_flag_refuses_generate_stream(old_decode: Deployment) -> None:
-    with grpc.insecure_channel(old_decode.decodes[0].address) as channel:
-        call = decode_pb2_grpc.DecodeServiceStub(channel).GenerateStream(
-            iter([decode_pb2.GenerateStreamRequest()]), timeout=10
-        )
-        with pytest.raises(grpc.RpcError) as info:
-            list(call)
-    assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
-
-
-def test_requests_fall_back_to_generate_with_equal_tokens_and_one_log_line(
-    old_decode: Deployment, pipeline: Deployment
-) -> None:
-    prompts = [random_prompt(n, seed=100 + n) for n in (5, 17, 33, 40)]
-    # All at once on the fresh frontend: they are opened on its first GenerateStream together,
-    # and move to Generate calls when decode refuses it; later ones go there directly.
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        first = list(pool.map(lambda p: _tokens(old_decode.stub(), p), prompts))
-    later = [_tokens(old_decode.stub(), p) for p in prompts[:2]]
-    streamed = [_tokens(pipeline.stub(), p) for p in prompts]  # a decode that multiplexes
-    assert first == streamed
-    assert later == streamed[:2]
-    assert old_decode.frontend.stderr.count(_FALLBACK_LOG) == 1
-
-
-def test_cancel_and_deadline_on_the_fallback_free_every_block(old_decode: Deployment) -> None:
-    long = generation_pb2.GenerateRequest(
-        token_ids=random_prompt(40, seed=7),
-        sampling=sampling_pb2.SamplingParams(max_tokens=3000, temperature=0.0, ignore_eos=True),
-    )
-    start = old_decode.free_blocks()
-    call = old_decode.stub().Generate(long, timeout=60)
-    for _, response in zip(range(3), call, strict=False):
-        assert response.token_ids
-    decode = old_decode.decodes[0].address
-    assert old_decode.free_blocks()[decode] < start[decode]
-    call.cancel()
-    old_decode.wait_free_blocks(start)
-    with pytest.raises(grpc.RpcError) as info:
-        list(old_decode.stub().Generate(long, timeout=1.0))
-    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    old_decode.wait_free_blocks(start)
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,8 @@
 """Scriptable fake tokenizer, prefill and decode services (no model), and a frontend in front of
 them, all in one event loop on real gRPC servers: for the frontend's edge cases, in milliseconds.
 
-Fake tokenizer: one token per printable ASCII character, id = ord(c) - 32 (vocab 100, EOS 99).
+Fake tokenizer: one token per printable ASCII character, id = ord(c) - 32 (vocab 100, EOS 99);
+its tokenizer file (what the frontend detokenizes with) says the same.
 Fake decode: admits with blocks [1, 2], waits for the fake prefill's "transfer" (an event), then
 streams `script` (lists of token ids, one Tokens event each) and finishes with LENGTH, unless
 `full` (RESOURCE_EXHAUSTED) or `fail_after` (UNAVAILABLE after that many events). Its
@@ -12,11 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import hashlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from tokenizers import AddedToken, Tokenizer, decoders, models
 
 from mili import errors
 from mili.common.v1 import sampling_pb2
@@ -58,19 +62,33 @@ def text_of(token_ids: list[int]) -> str:
     return "".join(chr(i + 32) for i in token_ids if i != EOS)
 
 
+@functools.cache
+def tokenizer_file() -> bytes:
+    """A tokenizer.json that decodes as `text_of`: id i is chr(i + 32), EOS a special token."""
+    tokenizer = Tokenizer(models.WordLevel({chr(i + 32): i for i in range(EOS)}))
+    tokenizer.decoder = decoders.Fuse()  # tokens joined as they are, no spaces between
+    tokenizer.add_special_tokens([AddedToken("<eos>", special=True)])  # id EOS
+    return tokenizer.to_str().encode()
+
+
 class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServiceServicer):
     async def Tokenize(self, request: Any, context: Any) -> Any:
         text = request.text or "".join(m.content for m in request.messages)
         return tokenizer_pb2.TokenizeResponse(token_ids=ids(text), prompt=text)
 
-    async def DetokenizeStream(self, requests: Any, context: Any) -> AsyncIterator[Any]:
-        async for request in requests:
-            yield tokenizer_pb2.DetokenizeStreamResponse(text=text_of(list(request.token_ids)))
-            if request.final:
-                return
-
     async def Info(self, request: Any, context: Any) -> Any:
-        return tokenizer_pb2.InfoResponse(model="fake", vocab_size=100, eos_token_ids=[EOS])
+        return tokenizer_pb2.InfoResponse(
+            model="fake",
+            vocab_size=100,
+            eos_token_ids=[EOS],
+            tokenizer_file_sha256=hashlib.sha256(tokenizer_file()).hexdigest(),
+        )
+
+    async def GetTokenizerFile(self, request: Any, context: Any) -> Any:
+        data = tokenizer_file()
+        return tokenizer_pb2.GetTokenizerFileResponse(
+            tokenizer_json=data, sha256=hashlib.sha256(data).hexdigest()
+        )
 
 
 @dataclass
@@ -206,6 +224,7 @@ async def stack(
     limits: Limits | None = None,
     max_buffered_tokens: int = 1024,
     stream_interval: int = 1,
+    tokenizer: FakeTokenizer | None = None,
 ) -> AsyncIterator[Stack]:
     decodes = decodes if decodes is not None else [FakeDecode()]
     prefill = prefill or FakePrefill()
@@ -216,7 +235,7 @@ async def stack(
         servers[server.address] = server
         return server.address
 
-    tokenizer = FakeTokenizer()
+    tokenizer = tokenizer or FakeTokenizer()
     tokenizer_address = await serve(
         "tokenizer",
         "mili.tokenizer.v1.TokenizerService",

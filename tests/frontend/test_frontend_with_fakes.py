@@ -18,6 +18,7 @@ from tests.frontend.fakes import (
     EOS,
     FakeDecode,
     FakePrefill,
+    FakeTokenizer,
     code_of,
     collect,
     ids,
@@ -218,6 +219,27 @@ def test_decode_down_is_unavailable_naming_it() -> None:
             assert decode_address in info.value.details()
             info_reply = await s.stub.Info(generation_pb2.InfoRequest(), timeout=5)
             assert list(info_reply.decode_addresses) == [decode_address]
+
+    asyncio.run(main())
+
+
+class _FileLessTokenizer(FakeTokenizer):
+    """Names a tokenizer file in Info but cannot hand it out."""
+
+    async def GetTokenizerFile(self, request: object, context: object) -> object:
+        raise errors.Unavailable("the file is gone")
+
+
+def test_a_tokenizer_without_its_file_is_unavailable_naming_it() -> None:
+    """The frontend detokenizes only with the tokenizer's file: without it, it serves nothing."""
+
+    async def main() -> None:
+        async with stack(tokenizer=_FileLessTokenizer()) as s:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await collect(s.stub.Generate(prompt(), timeout=5))
+            assert code_of(info.value) == grpc.StatusCode.UNAVAILABLE
+            assert "no usable tokenizer file" in info.value.details()
+            assert s.backends.config.tokenizer_address in info.value.details()
 
     asyncio.run(main())
 

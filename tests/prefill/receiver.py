@@ -1,6 +1,6 @@
 """A KV receiver for the prefill tests: a real grpc.aio KvTransferService that does what decode
 must do with a transfer (check the layout and the reservation, validate every chunk with
-`kv_codec.decode_chunk`, scatter it into its own KVCache) and records what arrived and when.
+`codec.decode_chunk`, scatter it into its own KVCache) and records what arrived and when.
 
 Knobs inject the failures the prefill service must survive: a corrupt chunk, a stall after some
 chunks, a held acknowledgement. Run as a script (`python -m tests.prefill.receiver`) it is a
@@ -140,7 +140,7 @@ class KvReceiver(kv_pb2_grpc.KvTransferServiceServicer):
             if self.corrupt_seq == chunk.seq:
                 chunk.data = bytes([chunk.data[0] ^ 0xFF]) + chunk.data[1:]
             if self.validate:
-                from mili.rpc.kv_codec import decode_chunk
+                from mili.kv_handoff.codec import decode_chunk
 
                 try:
                     k, v = decode_chunk(chunk, self.layout)

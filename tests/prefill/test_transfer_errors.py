@@ -288,18 +288,18 @@ def _bad(tiny: TinyModel, **changes: object) -> prefill_pb2.PrefillRequest:
     """A valid 20-token request with `changes` applied."""
     fields: dict[str, object] = {
         "request_id": "r",
-        "token_ids": prompt(tiny, n=20),
+        "prompt_token_ids": prompt(tiny, n=20),
         "address": "127.0.0.1:1",
-        "block_ids": [0, 1],
+        "prompt_block_ids": [0, 1],
         "sampling": sampling_pb2.SamplingParams(temperature=0.0),
         **changes,
     }
     return prefill_pb2.PrefillRequest(
         request_id=fields["request_id"],
-        token_ids=fields["token_ids"],
+        prompt_token_ids=fields["prompt_token_ids"],
         sampling=fields["sampling"],
         destination=prefill_pb2.KvDestination(
-            address=fields["address"], block_ids=fields["block_ids"]
+            address=fields["address"], prompt_block_ids=fields["prompt_block_ids"]
         ),
     )
 
@@ -308,11 +308,11 @@ def _bad(tiny: TinyModel, **changes: object) -> prefill_pb2.PrefillRequest:
     ("changes", "fields"),
     [
         ({"request_id": ""}, ["request_id"]),
-        ({"token_ids": []}, ["token_ids"]),
-        ({"token_ids": [5, 6, 512, 7]}, ["token_ids[2]"]),
-        ({"token_ids": [5] * 1025}, ["token_ids"]),
+        ({"prompt_token_ids": []}, ["prompt_token_ids"]),
+        ({"prompt_token_ids": [5, 6, 512, 7]}, ["prompt_token_ids[2]"]),
+        ({"prompt_token_ids": [5] * 1025}, ["prompt_token_ids"]),
         ({"address": ""}, ["destination.address"]),
-        ({"block_ids": [0]}, ["destination.block_ids"]),
+        ({"prompt_block_ids": [0]}, ["destination.prompt_block_ids"]),
         (
             {"sampling": sampling_pb2.SamplingParams(top_p=2.0, temperature=-1.0)},
             ["sampling.temperature", "sampling.top_p"],
@@ -326,43 +326,6 @@ def test_bad_requests_are_invalid_argument_naming_the_field(
     async def main() -> None:
         async with prefill_service(tiny, num_blocks=128, max_queued_tokens=2048) as h:
             err = await failed(h.stub.Prefill(_bad(tiny, **changes)))
-        assert err.code() is grpc.StatusCode.INVALID_ARGUMENT, err.details()
-        bad_request = bad_request_of(err)
-        assert bad_request is not None
-        assert [v.field for v in bad_request.field_violations] == fields
-
-    asyncio.run(main())
-
-
-@pytest.mark.parametrize(
-    ("request_fields", "fields"),
-    [
-        ({"prompt_token_ids": [5, 6, 512]}, ["prompt_token_ids[2]"]),
-        ({"prompt_token_ids": [5] * 20, "prompt_block_ids": [0]}, ["destination.prompt_block_ids"]),
-        # Both names set: the current ones win, the deprecated ones are not read.
-        ({"prompt_token_ids": [5] * 20, "token_ids": [512]}, []),
-    ],
-)
-def test_current_field_names_are_read_and_named(
-    tiny: TinyModel, request_fields: dict[str, list[int]], fields: list[str]
-) -> None:
-    request = prefill_pb2.PrefillRequest(
-        request_id="r",
-        prompt_token_ids=request_fields["prompt_token_ids"],
-        token_ids=request_fields.get("token_ids", []),
-        sampling=sampling_pb2.SamplingParams(temperature=0.0),
-        destination=prefill_pb2.KvDestination(
-            address="127.0.0.1:1", prompt_block_ids=request_fields.get("prompt_block_ids", [0, 1])
-        ),
-    )
-
-    async def main() -> None:
-        async with prefill_service(tiny, num_blocks=128, max_queued_tokens=2048) as h:
-            if not fields:  # valid: it fails later, reaching the (absent) decode instance
-                err = await failed(h.stub.Prefill(request))
-                assert err.code() is not grpc.StatusCode.INVALID_ARGUMENT, err.details()
-                return
-            err = await failed(h.stub.Prefill(request))
         assert err.code() is grpc.StatusCode.INVALID_ARGUMENT, err.details()
         bad_request = bad_request_of(err)
         assert bad_request is not None

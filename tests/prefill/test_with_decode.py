@@ -17,9 +17,9 @@ from mili.common.v1 import sampling_pb2
 from mili.decode.v1 import decode_pb2, decode_pb2_grpc
 from mili.engine.generate import generate
 from mili.engine.sampling_params import SamplingParams
-from mili.engine.shm_segment import segments_of
+from mili.kv_handoff import checksums
+from mili.kv_handoff.shm_segment import segments_of
 from mili.prefill.v1 import prefill_pb2
-from mili.rpc import kv_checksum
 from mili.rpc.client import insecure_channel
 from tests.prefill.harness import (
     BLOCK_SIZE,
@@ -113,7 +113,7 @@ def test_decode_continues_from_prefill_kv(
             assert dict(info.kv_transports) == {decode.address: expected_transport}
             # The fastest checksum both sides have (xxh3-64 where the xxhash package is).
             pairing = await prefill.servicer.peers.pair(decode.address)
-            assert pairing.checksum == kv_checksum.available()[0]
+            assert pairing.checksum == checksums.available()[0]
             return tokens
 
     try:

@@ -17,8 +17,8 @@ from prometheus_client import CollectorRegistry
 
 from mili.errors import DataLoss
 from mili.kv.v1 import kv_pb2
+from mili.kv_handoff.codec import parse_transfer_request
 from mili.rpc.client import insecure_channel
-from mili.rpc.kv_codec import parse_transfer_request
 from mili.rpc.server import RpcServer, ServerConfig
 from mili.tokenizer.v1 import tokenizer_pb2
 
@@ -60,7 +60,7 @@ class ProtoService:
             yield Reply(prompt=request.text)
 
     async def transfer(self, requests: AsyncIterator[Any], context: Any) -> Any:
-        # Like decode's TransferKv: kv_codec's deserializer, each read in a task of its own.
+        # Like decode's TransferKv: codec's deserializer, each read in a task of its own.
         messages = aiter(requests)
         while True:
             read = asyncio.ensure_future(anext(messages, None))
@@ -146,7 +146,7 @@ HEADER = kv_pb2.TransferKvRequest(header=kv_pb2.TransferHeader(request_id="r")).
         ("ClientStream", [GOOD, GARBAGE, GOOD], ["fine"]),
         ("BidiStream", [GOOD, GARBAGE], ["fine"]),
         ("Transfer", [HEADER, GARBAGE], ["header"]),
-        # A KvChunk kv_codec starts to read in place, then leaves to protobuf: still malformed.
+        # A KvChunk the codec starts to read in place, then leaves to protobuf: still malformed.
         ("Transfer", [HEADER, b"\x12\x05\x0a\x03\xff\xfeb"], ["header"]),
     ],
 )

@@ -86,18 +86,16 @@ class GenerateResponse(_message.Message):
     def __init__(self, admitted: _Optional[_Union[Admitted, _Mapping]] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ...) -> None: ...
 
 class Admitted(_message.Message):
-    __slots__ = ("block_ids", "kv_lease_ms", "prompt_block_ids", "transfer_token", "num_cached_blocks")
-    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("kv_lease_ms", "prompt_block_ids", "transfer_token", "num_cached_blocks")
     KV_LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    block_ids: _containers.RepeatedScalarFieldContainer[int]
     kv_lease_ms: int
     prompt_block_ids: _containers.RepeatedScalarFieldContainer[int]
     transfer_token: str
     num_cached_blocks: int
-    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., kv_lease_ms: _Optional[int] = ..., prompt_block_ids: _Optional[_Iterable[int]] = ..., transfer_token: _Optional[str] = ..., num_cached_blocks: _Optional[int] = ...) -> None: ...
+    def __init__(self, kv_lease_ms: _Optional[int] = ..., prompt_block_ids: _Optional[_Iterable[int]] = ..., transfer_token: _Optional[str] = ..., num_cached_blocks: _Optional[int] = ...) -> None: ...
 
 class Tokens(_message.Message):
     __slots__ = ("token_ids", "logprobs", "finish_reason")

@@ -22,22 +22,20 @@ class PairRequest(_message.Message):
     def __init__(self, host_id: _Optional[str] = ..., device: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., checksums: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PairResponse(_message.Message):
-    __slots__ = ("transport", "host_id", "shm_path", "num_blocks", "cuda_ipc_export", "checksum", "takes_chunk_batches")
+    __slots__ = ("transport", "host_id", "shm_path", "num_blocks", "cuda_ipc_export", "checksum")
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     SHM_PATH_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     CUDA_IPC_EXPORT_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
-    TAKES_CHUNK_BATCHES_FIELD_NUMBER: _ClassVar[int]
     transport: str
     host_id: str
     shm_path: str
     num_blocks: int
     cuda_ipc_export: bytes
     checksum: str
-    takes_chunk_batches: bool
-    def __init__(self, transport: _Optional[str] = ..., host_id: _Optional[str] = ..., shm_path: _Optional[str] = ..., num_blocks: _Optional[int] = ..., cuda_ipc_export: _Optional[bytes] = ..., checksum: _Optional[str] = ..., takes_chunk_batches: _Optional[bool] = ...) -> None: ...
+    def __init__(self, transport: _Optional[str] = ..., host_id: _Optional[str] = ..., shm_path: _Optional[str] = ..., num_blocks: _Optional[int] = ..., cuda_ipc_export: _Optional[bytes] = ..., checksum: _Optional[str] = ...) -> None: ...
 
 class KvLayout(_message.Message):
     __slots__ = ("block_size", "num_layers", "num_kv_heads", "head_dim", "dtype", "block_order", "model_fingerprint")

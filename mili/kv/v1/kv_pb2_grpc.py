@@ -74,7 +74,6 @@ class KvTransferServiceServicer:
         """Sets up a prefill -> decode pair once, before its first transfer: picks the transport the
         KV bytes take (the fastest both sides can use; the control messages of TransferKv always
         stay on this gRPC service) and hands the sender what it needs to write the bytes itself.
-        A decode instance that does not implement it (UNIMPLEMENTED) receives over "grpc".
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

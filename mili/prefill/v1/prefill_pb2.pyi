@@ -9,34 +9,30 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KvDestination(_message.Message):
-    __slots__ = ("address", "block_ids", "prompt_block_ids", "transfer_token", "num_cached_blocks")
+    __slots__ = ("address", "prompt_block_ids", "transfer_token", "num_cached_blocks")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
-    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     address: str
-    block_ids: _containers.RepeatedScalarFieldContainer[int]
     prompt_block_ids: _containers.RepeatedScalarFieldContainer[int]
     transfer_token: str
     num_cached_blocks: int
-    def __init__(self, address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., prompt_block_ids: _Optional[_Iterable[int]] = ..., transfer_token: _Optional[str] = ..., num_cached_blocks: _Optional[int] = ...) -> None: ...
+    def __init__(self, address: _Optional[str] = ..., prompt_block_ids: _Optional[_Iterable[int]] = ..., transfer_token: _Optional[str] = ..., num_cached_blocks: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "destination", "prompt_token_ids", "client_request_id")
+    __slots__ = ("request_id", "sampling", "destination", "prompt_token_ids", "client_request_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DESTINATION_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CLIENT_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _sampling_pb2.SamplingParams
     destination: KvDestination
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     client_request_id: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., destination: _Optional[_Union[KvDestination, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., client_request_id: _Optional[str] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., sampling: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., destination: _Optional[_Union[KvDestination, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., client_request_id: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token_id", "first_logprobs", "num_prompt_tokens", "queue_ms", "compute_ms", "transfer_ms", "kv_bytes", "num_cached_tokens")

@@ -1,6 +1,6 @@
 """A KV pool on a GPU shared with another process through CUDA IPC (transport "cuda-ipc").
 
-Decode allocates its pool as one flat device tensor (see `shm_segment.pool_views` for the
+Decode allocates its pool as one flat device tensor (see `kv_cache.pool_views` for the
 order: per layer, K then V), exports it once with torch's CUDA IPC export (the one
 torch.multiprocessing sends: a cudaIpcMemHandle of the allocation, the pool's offset in it, and
 the reference-counter and event handles torch uses to keep it alive); prefill maps it once per
@@ -20,18 +20,6 @@ import json
 from collections.abc import Sequence
 
 import torch
-
-from mili.engine.kv_layout import KVLayout
-from mili.engine.shm_segment import pool_bytes
-
-__all__ = ["allocate_pool", "blocks_checksum", "export_pool", "import_pool", "pool_bytes"]
-
-
-def allocate_pool(
-    layout: KVLayout, num_blocks: int, dtype: torch.dtype, device: torch.device
-) -> torch.Tensor:
-    """A zeroed flat uint8 pool on `device`, in its own allocation (exported whole)."""
-    return torch.zeros(pool_bytes(layout, num_blocks, dtype), dtype=torch.uint8, device=device)
 
 
 def export_pool(flat: torch.Tensor) -> bytes:

@@ -5,7 +5,7 @@ One chunk carries the K and V of some whole blocks of one layer (see mili/kv/v1/
     data = bytes(K) + bytes(V), each a C-order [n_blocks, block_size, num_kv_heads, head_dim]
            tensor of the layout's dtype (little-endian, as torch stores it on x86/ARM and CUDA)
     crc32 = zlib.crc32(data)      (or, when the pair chose it, xxh3_64 = XXH3-64(data): see
-                                   mili.rpc.kv_checksum)
+                                   mili.kv_handoff.checksums)
 
 The layout both sides agree on first (KvLayout, `check_compatible`, `block_bytes`) is
 `mili.rpc.kv_layout`'s, which needs no torch: the frontend imports that one, never this.
@@ -18,7 +18,7 @@ themselves rather than through protobuf objects, which copy the data at every st
     decode    parse_transfer_request  message bytes -> ChunkView: data a view of those bytes
               decode_chunk          length and CRC-32 checks; K, V as views of the same bytes
 
-Both write and read exactly the protobuf wire format (tests/rpc/test_kv_codec.py checks them
+Both write and read exactly the protobuf wire format (tests/kv_handoff/test_codec.py checks them
 against protobuf byte for byte and field for field), so either end may use protobuf instead.
 Wire format of a chunk message (proto3: a field at its default value is not written):
 
@@ -40,11 +40,11 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from mili.engine.block_rows import block_rows, block_runs
 from mili.engine.kv_cache import TORCH_DTYPES
 from mili.errors import DataLoss, FailedPrecondition
 from mili.kv.v1 import kv_pb2
-from mili.rpc.kv_checksum import CRC32, digest
+from mili.kv_handoff.block_rows import block_rows, block_runs
+from mili.kv_handoff.checksums import CRC32, digest
 from mili.rpc.kv_layout import block_bytes
 
 
@@ -84,7 +84,7 @@ def encode_chunk_request(
     checksum: str = CRC32,
 ) -> tuple[bytes, int]:
     """(serialized `TransferKvRequest{chunk}`, payload bytes); k, v: [len(block_ids),
-    block_size, num_kv_heads, head_dim] of the cache's dtype; `checksum`: a kv_checksum name.
+    block_size, num_kv_heads, head_dim] of the cache's dtype; `checksum`: a name from checksums.
 
     One copy of the KV instead of protobuf's five (out of the tensors, their concatenation, into
     the KvChunk, into the TransferKvRequest, serializing): K and V stay views of the tensors
@@ -239,19 +239,28 @@ def _parse_chunk(raw: bytes) -> ChunkView | None:
         return None
 
 
-def announced(chunk: kv_pb2.KvChunk | ChunkView, checksum: str) -> int:
+# A chunk as decode reads it: in place (ChunkView) or, when it came in a batch, as protobuf.
+Chunk = kv_pb2.KvChunk | ChunkView
+
+
+def chunk_name(chunk: Chunk) -> str:
+    """A chunk as error messages name it."""
+    return f"request {chunk.request_id!r} chunk {chunk.seq} (layer {chunk.layer})"
+
+
+def announced(chunk: Chunk, checksum: str) -> int:
     """The value of `checksum` the chunk carries."""
     return chunk.crc32 if checksum == CRC32 else chunk.xxh3_64
 
 
 def decode_chunk(
-    chunk: kv_pb2.KvChunk | ChunkView, layout: kv_pb2.KvLayout, checksum: str = CRC32
+    chunk: Chunk, layout: kv_pb2.KvLayout, checksum: str = CRC32
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Validate a chunk against `layout`; return (k, v), each [n, block_size, kv_heads, D].
 
     Raises DataLoss naming the request, chunk and layer when the bytes are corrupt or short.
     """
-    where = f"request {chunk.request_id!r} chunk {chunk.seq} (layer {chunk.layer})"
+    where = chunk_name(chunk)
     if chunk.layer >= layout.num_layers:
         raise DataLoss(f"{where}: layer out of range (model has {layout.num_layers})")
     n = len(chunk.block_ids)
@@ -281,6 +290,18 @@ def decode_chunk(
 # expired request whose blocks may already belong to another one) must not be preceded by
 # bytes landing in those blocks.
 ACCEPTED_KEY = "mili-kv-accepted"
+
+
+def in_place_pools(
+    chunk: Chunk, k: Sequence[torch.Tensor], v: Sequence[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K and V pools (of the layers `k`, `v`) an in-place chunk's blocks are in; DataLoss
+    for a chunk that is not one."""
+    if len(chunk.data):
+        raise DataLoss(f"{chunk_name(chunk)}: data sent over gRPC in an in-place transfer")
+    if chunk.layer >= len(k):
+        raise DataLoss(f"{chunk_name(chunk)}: layer out of range (model has {len(k)})")
+    return k[chunk.layer], v[chunk.layer]
 
 
 def encode_chunk_in_place(

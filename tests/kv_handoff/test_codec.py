@@ -8,11 +8,12 @@ import pytest
 import torch
 from google.protobuf.message import DecodeError
 
-from mili.engine.block_rows import block_runs
 from mili.engine.kv_layout import KVLayout
 from mili.errors import DataLoss
 from mili.kv.v1 import kv_pb2
-from mili.rpc import kv_checksum, kv_codec, kv_layout
+from mili.kv_handoff import checksums, codec
+from mili.kv_handoff.block_rows import block_runs
+from mili.rpc import kv_layout
 
 LAYOUT = KVLayout(num_layers=4, block_size=16, num_kv_heads=2, head_dim=32, dtype="bfloat16")
 
@@ -28,34 +29,34 @@ def _blocks(n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
 def test_round_trip_is_bit_exact(dtype: torch.dtype, n: int) -> None:
     layout = kv_layout.layout_to_proto(LAYOUT._replace(dtype=str(dtype)[6:]), "fp")
     k, v = _blocks(n, dtype)
-    chunk = kv_codec.encode_chunk("req-1", 3, 2, list(range(10, 10 + n)), k, v)
+    chunk = codec.encode_chunk("req-1", 3, 2, list(range(10, 10 + n)), k, v)
     assert len(chunk.data) == 2 * n * kv_layout.block_bytes(layout)
-    k2, v2 = kv_codec.decode_chunk(chunk, layout)
+    k2, v2 = codec.decode_chunk(chunk, layout)
     assert k2.dtype == dtype and torch.equal(k2, k) and torch.equal(v2, v)
 
 
 def test_corrupt_short_and_misplaced_chunks_are_data_loss() -> None:
     layout = kv_layout.layout_to_proto(LAYOUT, "fp")
     k, v = _blocks(2, torch.bfloat16)
-    chunk = kv_codec.encode_chunk("req-9", 7, 1, [4, 5], k, v)
+    chunk = codec.encode_chunk("req-9", 7, 1, [4, 5], k, v)
 
     flipped = type(chunk)()
     flipped.CopyFrom(chunk)
     flipped.data = bytes([chunk.data[0] ^ 1]) + chunk.data[1:]
     with pytest.raises(DataLoss, match=r"request 'req-9' chunk 7 \(layer 1\): checksum"):
-        kv_codec.decode_chunk(flipped, layout)
+        codec.decode_chunk(flipped, layout)
 
     short = type(chunk)()
     short.CopyFrom(chunk)
     short.data = chunk.data[:-2]
     with pytest.raises(DataLoss, match="bytes for 2 blocks"):
-        kv_codec.decode_chunk(short, layout)
+        codec.decode_chunk(short, layout)
 
     misplaced = type(chunk)()
     misplaced.CopyFrom(chunk)
     misplaced.layer = LAYOUT.num_layers
     with pytest.raises(DataLoss, match="layer out of range"):
-        kv_codec.decode_chunk(misplaced, layout)
+        codec.decode_chunk(misplaced, layout)
 
 
 # ---- the chunk message on the wire: both ends against protobuf -----------------------------------
@@ -89,7 +90,7 @@ def _kv(n: int, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.
     return torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype)
 
 
-def _fields(chunk: kv_pb2.KvChunk | kv_codec.ChunkView) -> tuple[object, ...]:
+def _fields(chunk: kv_pb2.KvChunk | codec.ChunkView) -> tuple[object, ...]:
     return (
         chunk.request_id,
         chunk.seq,
@@ -106,17 +107,17 @@ def test_encoder_writes_the_bytes_protobuf_writes(
     dtype: torch.dtype, request_id: str, seq: int, layer: int, block_ids: list[int]
 ) -> None:
     k, v = _kv(len(block_ids), dtype, seed=seq)
-    message, num_data = kv_codec.encode_chunk_request(request_id, seq, layer, block_ids, k, v)
+    message, num_data = codec.encode_chunk_request(request_id, seq, layer, block_ids, k, v)
     reference = _protobuf_chunk(request_id, seq, layer, block_ids, k, v)
     assert message == kv_pb2.TransferKvRequest(chunk=reference).SerializeToString()
     assert num_data == len(reference.data)
-    assert kv_codec.encode_chunk(request_id, seq, layer, block_ids, k, v) == reference
+    assert codec.encode_chunk(request_id, seq, layer, block_ids, k, v) == reference
 
 
 def test_encoder_writes_non_contiguous_input_in_c_order() -> None:
     k = torch.arange(2 * 4 * 2 * 8, dtype=torch.float32).reshape(2, 8, 2, 4).transpose(1, 3)
     v = k + 1
-    message, _ = kv_codec.encode_chunk_request("r", 1, 1, [0, 1], k, v)
+    message, _ = codec.encode_chunk_request("r", 1, 1, [0, 1], k, v)
     reference = _protobuf_chunk("r", 1, 1, [0, 1], k, v)
     assert message == kv_pb2.TransferKvRequest(chunk=reference).SerializeToString()
 
@@ -124,7 +125,7 @@ def test_encoder_writes_non_contiguous_input_in_c_order() -> None:
 def test_encoder_refuses_a_shape_mismatch() -> None:
     k = torch.zeros(2, 4, 2, 8)
     with pytest.raises(ValueError, match="block ids"):
-        kv_codec.encode_chunk_request("r", 0, 0, [0], k, k)
+        codec.encode_chunk_request("r", 0, 0, [0], k, k)
 
 
 @pytest.mark.parametrize(("request_id", "seq", "layer", "block_ids"), ENCODINGS)
@@ -132,9 +133,9 @@ def test_parser_reads_what_protobuf_reads_and_copies_no_data(
     request_id: str, seq: int, layer: int, block_ids: list[int]
 ) -> None:
     k, v = _kv(len(block_ids), torch.bfloat16)
-    raw, _ = kv_codec.encode_chunk_request(request_id, seq, layer, block_ids, k, v)
-    view = kv_codec.parse_transfer_request(raw)
-    assert isinstance(view, kv_codec.ChunkView)
+    raw, _ = codec.encode_chunk_request(request_id, seq, layer, block_ids, k, v)
+    view = codec.parse_transfer_request(raw)
+    assert isinstance(view, codec.ChunkView)
     assert _fields(view) == _fields(kv_pb2.TransferKvRequest.FromString(raw).chunk)
     assert view.data.obj is raw  # a view of grpc's bytes, not a copy
 
@@ -193,8 +194,8 @@ UNUSUAL = {
 @pytest.mark.parametrize("case", list(UNUSUAL))
 def test_parser_reads_unusual_encodings_as_protobuf_does(case: str) -> None:
     raw = _chunk_message(b"".join(UNUSUAL[case]))
-    view = kv_codec.parse_transfer_request(raw)
-    assert isinstance(view, kv_codec.ChunkView)
+    view = codec.parse_transfer_request(raw)
+    assert isinstance(view, codec.ChunkView)
     assert _fields(view) == _fields(kv_pb2.TransferKvRequest.FromString(raw).chunk)
 
 
@@ -202,11 +203,11 @@ def test_parser_leaves_other_messages_to_protobuf() -> None:
     header = kv_pb2.TransferKvRequest(header=kv_pb2.TransferHeader(request_id="h", num_chunks=3))
     commit = kv_pb2.TransferKvRequest(commit=kv_pb2.TransferCommit(first_token_id=5))
     for message in (header, commit, kv_pb2.TransferKvRequest()):
-        parsed = kv_codec.parse_transfer_request(message.SerializeToString())
+        parsed = codec.parse_transfer_request(message.SerializeToString())
         assert isinstance(parsed, kv_pb2.TransferKvRequest) and parsed == message
     # Two chunk fields merge (protobuf's rule for a repeated message field): left to protobuf.
     twice = _chunk_message(_len(1, b"a") + _len(5, b"xy")) + _chunk_message(_key(2, 0) + b"\x04")
-    parsed = kv_codec.parse_transfer_request(twice)
+    parsed = codec.parse_transfer_request(twice)
     assert isinstance(parsed, kv_pb2.TransferKvRequest)
     assert (parsed.chunk.request_id, parsed.chunk.data, parsed.chunk.seq) == ("a", b"xy", 4)
 
@@ -223,26 +224,26 @@ def test_parser_leaves_other_messages_to_protobuf() -> None:
 )
 def test_parser_leaves_malformed_input_to_protobuf(raw: bytes) -> None:
     with pytest.raises(DecodeError):
-        kv_codec.parse_transfer_request(raw)
+        codec.parse_transfer_request(raw)
 
 
 def test_decode_chunk_reads_a_view_as_it_reads_a_message() -> None:
     layout = kv_layout.layout_to_proto(LAYOUT, "fp")
     k, v = _blocks(3, torch.bfloat16)
-    raw, _ = kv_codec.encode_chunk_request("req-3", 4, 2, [7, 8, 9], k, v)
-    view = kv_codec.parse_transfer_request(raw)
-    assert isinstance(view, kv_codec.ChunkView)
-    k2, v2 = kv_codec.decode_chunk(view, layout)
+    raw, _ = codec.encode_chunk_request("req-3", 4, 2, [7, 8, 9], k, v)
+    view = codec.parse_transfer_request(raw)
+    assert isinstance(view, codec.ChunkView)
+    k2, v2 = codec.decode_chunk(view, layout)
     assert torch.equal(k2, k) and torch.equal(v2, v)
 
     flipped = bytearray(raw)
     flipped[len(raw) // 2] ^= 1
-    view = kv_codec.parse_transfer_request(bytes(flipped))
-    assert isinstance(view, kv_codec.ChunkView)
+    view = codec.parse_transfer_request(bytes(flipped))
+    assert isinstance(view, codec.ChunkView)
     with pytest.raises(DataLoss, match=r"request 'req-3' chunk 4 \(layer 2\): checksum"):
-        kv_codec.decode_chunk(view, layout)
+        codec.decode_chunk(view, layout)
     with pytest.raises(DataLoss, match="bytes for 3 blocks"):
-        kv_codec.decode_chunk(view._replace(data=view.data[:-2]), layout)
+        codec.decode_chunk(view._replace(data=view.data[:-2]), layout)
 
 
 # ---- checksums chosen per pair, and blocks written in place ---------------------------------
@@ -252,90 +253,90 @@ def test_xxh3_chunks_are_what_protobuf_writes_and_reads_and_catch_corruption() -
     xxhash = pytest.importorskip("xxhash")
     layout = kv_layout.layout_to_proto(LAYOUT, "fp")
     k, v = _blocks(3, torch.bfloat16)
-    raw, _ = kv_codec.encode_chunk_request("r", 2, 1, [7, 8, 9], k, v, "xxh3-64")
+    raw, _ = codec.encode_chunk_request("r", 2, 1, [7, 8, 9], k, v, "xxh3-64")
     reference = _protobuf_chunk("r", 2, 1, [7, 8, 9], k, v)
     reference.crc32 = 0
     reference.xxh3_64 = xxhash.xxh3_64_intdigest(reference.data)
     assert raw == kv_pb2.TransferKvRequest(chunk=reference).SerializeToString()
-    view = kv_codec.parse_transfer_request(raw)
-    assert isinstance(view, kv_codec.ChunkView) and view.xxh3_64 == reference.xxh3_64
-    k2, _ = kv_codec.decode_chunk(view, layout, "xxh3-64")
+    view = codec.parse_transfer_request(raw)
+    assert isinstance(view, codec.ChunkView) and view.xxh3_64 == reference.xxh3_64
+    k2, _ = codec.decode_chunk(view, layout, "xxh3-64")
     assert torch.equal(k2, k)
     flipped = bytearray(raw)
     flipped[len(raw) // 2] ^= 1
     with pytest.raises(DataLoss, match="checksum"):
-        kv_codec.decode_chunk(kv_codec.parse_transfer_request(bytes(flipped)), layout, "xxh3-64")
+        codec.decode_chunk(codec.parse_transfer_request(bytes(flipped)), layout, "xxh3-64")
     with pytest.raises(DataLoss, match="checksum"):  # read as the wrong checksum: caught too
-        kv_codec.decode_chunk(view, layout, "crc32")
+        codec.decode_chunk(view, layout, "crc32")
 
 
-@pytest.mark.parametrize("checksum", kv_checksum.available())
+@pytest.mark.parametrize("checksum", checksums.available())
 def test_blocks_digest_is_the_digest_of_the_chunk_those_blocks_would_make(checksum: str) -> None:
     """An in-place chunk's checksum (blocks as the pool holds them, runs of consecutive ids
     read at once) equals the checksum of the same blocks sent as data."""
     k_pool, v_pool = _blocks(12, torch.float16)
     block_ids = [3, 4, 5, 9, 1, 2]
     k, v = k_pool[block_ids], v_pool[block_ids]
-    raw, _ = kv_codec.encode_chunk_request("r", 0, 0, block_ids, k, v, checksum)
-    view = kv_codec.parse_transfer_request(raw)
-    assert isinstance(view, kv_codec.ChunkView)
-    value = kv_codec.blocks_digest(checksum, k_pool, v_pool, block_ids)
-    assert value == kv_codec.announced(view, checksum) != 0
-    assert kv_codec.blocks_digest(checksum, k_pool, v_pool, [4, 3, 5, 9, 1, 2]) != value
-    in_place = kv_codec.parse_transfer_request(
-        kv_codec.encode_chunk_in_place("r", 0, 0, block_ids, value, checksum)
+    raw, _ = codec.encode_chunk_request("r", 0, 0, block_ids, k, v, checksum)
+    view = codec.parse_transfer_request(raw)
+    assert isinstance(view, codec.ChunkView)
+    value = codec.blocks_digest(checksum, k_pool, v_pool, block_ids)
+    assert value == codec.announced(view, checksum) != 0
+    assert codec.blocks_digest(checksum, k_pool, v_pool, [4, 3, 5, 9, 1, 2]) != value
+    in_place = codec.parse_transfer_request(
+        codec.encode_chunk_in_place("r", 0, 0, block_ids, value, checksum)
     )
-    assert isinstance(in_place, kv_codec.ChunkView) and len(in_place.data) == 0
-    assert kv_codec.announced(in_place, checksum) == value
+    assert isinstance(in_place, codec.ChunkView) and len(in_place.data) == 0
+    assert codec.announced(in_place, checksum) == value
     assert block_runs(block_ids) == [(3, 6), (9, 10), (1, 3)]
 
 
 def test_checksum_choice_takes_the_first_offered_we_have() -> None:
-    assert kv_checksum.choose(["sha-9000", "crc32"]) == "crc32"
-    assert kv_checksum.choose([]) == "crc32"
-    assert kv_checksum.choose(kv_checksum.available()) == kv_checksum.available()[0]
+    assert checksums.choose(["sha-9000", "crc32"]) == "crc32"
+    assert checksums.choose([]) == "crc32"
+    assert checksums.choose(checksums.available()) == checksums.available()[0]
     with pytest.raises(ValueError, match="not available"):
-        kv_checksum.digest("sha-9000", [b""])
+        checksums.digest("sha-9000", [b""])
 
 
-@pytest.mark.parametrize("checksum", kv_checksum.available())
+@pytest.mark.parametrize("checksum", checksums.available())
 def test_running_digest_is_the_digest_however_the_bytes_are_split(checksum: str) -> None:
     data = bytes(range(256)) * 97
-    whole = kv_checksum.digest(checksum, [data])
-    assert kv_checksum.digest(checksum, (data,)) == whole  # xxh3: the one-shot function
-    assert whole == (zlib.crc32(data) if checksum == kv_checksum.CRC32 else whole) != 0
+    whole = checksums.digest(checksum, [data])
+    assert checksums.digest(checksum, (data,)) == whole  # xxh3: the one-shot function
+    assert whole == (zlib.crc32(data) if checksum == checksums.CRC32 else whole) != 0
     for cuts in ([], [1], [100, 101, 5000], [len(data) - 1]):
-        running = kv_checksum.Running(checksum)
+        running = checksums.Running(checksum)
         for start, stop in zip([0, *cuts], [*cuts, len(data)], strict=True):
             running.update(memoryview(data)[start:stop])
         assert running.value() == whole
-    running = kv_checksum.Running(checksum)
+    running = checksums.Running(checksum)
     running.update(data[:-1] + b"\x00")
     assert running.value() != whole
     with pytest.raises(ValueError, match="not available"):
-        kv_checksum.Running("sha-9000")
+        checksums.Running("sha-9000")
 
 
 def test_chunk_batches_are_what_protobuf_writes() -> None:
     """batch_in_place joins in-place chunk messages into one TransferKvRequest.chunks, byte for
     byte as protobuf would serialize it, and refuses anything but lone chunk messages."""
     messages = [
-        kv_codec.encode_chunk_in_place(f"req-{i}", seq, seq % 4, [seq, 300 + seq], seq * 7919)
+        codec.encode_chunk_in_place(f"req-{i}", seq, seq % 4, [seq, 300 + seq], seq * 7919)
         for i, seq in enumerate([0, 1, 2, 200])
     ]
-    batch = kv_codec.batch_in_place(messages)
+    batch = codec.batch_in_place(messages)
     chunks = [kv_pb2.TransferKvRequest.FromString(m).chunk for m in messages]
     expected = kv_pb2.TransferKvRequest(chunks=kv_pb2.KvChunks(chunks=chunks))
     assert batch == expected.SerializeToString()
-    parsed = kv_codec.parse_transfer_request(batch)
+    parsed = codec.parse_transfer_request(batch)
     assert isinstance(parsed, kv_pb2.TransferKvRequest) and parsed.WhichOneof("kind") == "chunks"
     assert list(parsed.chunks.chunks) == chunks
     assert (
-        kv_codec.batch_in_place(messages[:1])
+        codec.batch_in_place(messages[:1])
         == kv_pb2.TransferKvRequest(chunks=kv_pb2.KvChunks(chunks=chunks[:1])).SerializeToString()
     )
     header = kv_pb2.TransferKvRequest(header=kv_pb2.TransferHeader(request_id="r"))
     with pytest.raises(ValueError, match="not a serialized"):
-        kv_codec.batch_in_place([header.SerializeToString()])
+        codec.batch_in_place([header.SerializeToString()])
     with pytest.raises(ValueError, match="more than its chunk"):
-        kv_codec.batch_in_place([messages[0] + b"\x18\x01"])
+        codec.batch_in_place([messages[0] + b"\x18\x01"])

@@ -1,7 +1,7 @@
 """A KV pool in POSIX shared memory: one segment per pool, mapped once by its owner (decode) and
 once per pair by each sender (prefill), which then writes prompt blocks straight into it.
 
-    /dev/shm/mili-kv-<owner pid>-<nonce>        one file, `pool_bytes(...)` long:
+    /dev/shm/mili-kv-<owner pid>-<nonce>        one file, `kv_cache.pool_bytes(...)` long:
 
     offset 0
     │ layer 0 K │ layer 0 V │ layer 1 K │ layer 1 V │ ...     each [num_blocks, block_size,
@@ -23,33 +23,8 @@ from pathlib import Path
 
 import torch
 
-from mili.engine.kv_layout import KVLayout
-
 SHM_DIR = Path("/dev/shm")
 PREFIX = "mili-kv-"
-
-
-def pool_bytes(layout: KVLayout, num_blocks: int, dtype: torch.dtype) -> int:
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    per_layer = num_blocks * layout.block_size * layout.num_kv_heads * layout.head_dim * itemsize
-    return 2 * layout.num_layers * per_layer
-
-
-def pool_views(
-    storage: torch.Tensor, layout: KVLayout, num_blocks: int, dtype: torch.dtype
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """(k, v) per layer as views of `storage` (flat uint8), in the order drawn above."""
-    shape = (num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    per = num_blocks * layout.block_size * layout.num_kv_heads * layout.head_dim * itemsize
-    if storage.numel() != 2 * layout.num_layers * per:
-        raise ValueError(f"storage holds {storage.numel()} bytes, the pool needs {2 * per}")
-    k, v = [], []
-    for layer in range(layout.num_layers):
-        base = 2 * layer * per
-        k.append(storage[base : base + per].view(dtype).view(shape))
-        v.append(storage[base + per : base + 2 * per].view(dtype).view(shape))
-    return k, v
 
 
 def _owner_pid(name: str) -> int | None:

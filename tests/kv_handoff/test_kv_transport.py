@@ -11,14 +11,14 @@ import pytest
 import torch
 
 from kernels.backend import select_attention
-from mili.engine import kv_transport
 from mili.engine.checkpoint import write_random_checkpoint
 from mili.engine.config import Qwen3Config
 from mili.engine.engine_config import EngineConfig
-from mili.engine.kv_cache import KVCache
-from mili.engine.kv_transport import Endpoint, choose, usable
+from mili.engine.kv_cache import KVCache, pool_bytes
 from mili.engine.runner import ModelRunner
-from mili.engine.shm_segment import PREFIX, Segment, pool_bytes, segments_of, sweep_stale
+from mili.kv_handoff import kv_transport
+from mili.kv_handoff.kv_transport import Endpoint, choose, usable
+from mili.kv_handoff.shm_segment import PREFIX, Segment, segments_of, sweep_stale
 
 CPU_BOTH = ("shm", "grpc")
 GPU_BOTH = ("cuda-ipc", "grpc")
@@ -98,7 +98,7 @@ def test_pool_in_a_segment_is_seen_by_a_second_mapping_in_the_documented_order()
 
 _VIEW_OUTLIVES_CLOSE = """
 import sys
-from mili.engine.shm_segment import Segment
+from mili.kv_handoff.shm_segment import Segment
 
 def mapped(path):
     with open("/proc/self/maps") as f:
