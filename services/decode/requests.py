@@ -35,7 +35,12 @@ from dataclasses import dataclass, field
 
 from opentelemetry.trace import SpanContext
 
-from mili.engine.block_pool import BlockPool, BlockPoolExhausted, blocks_needed
+from mili.engine.block_pool import (
+    BlockPool,
+    BlockPoolExhausted,
+    blocks_needed,
+    blocks_to_reserve,
+)
 from mili.engine.prefix_cache import PrefixCache, PrefixCacheReading
 from mili.engine.sampling_params import SamplingParams
 from mili.errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
@@ -93,19 +98,6 @@ class DecodeRequest:
     def received_block_ids(self) -> list[int]:
         """The prompt blocks prefill fills: those after the cached ones."""
         return self.block_table[self.num_cached_blocks : self.num_prompt_blocks]
-
-
-def blocks_to_reserve(num_prompt_tokens: int, max_tokens: int, block_size: int) -> int:
-    """Blocks for every position whose K/V is ever written: prompt + max_tokens - 1.
-
-    The last generated token is streamed but never fed back, so its K/V is never written::
-
-        prompt 5 tokens, max_tokens 4, block_size 4:
-        position   0  1  2  3 | 4  5  6  7
-        token     p0 p1 p2 p3 |p4 o1 o2 o3   (o4 is sampled from position 7's logits)
-        -> 8 positions, 2 blocks
-    """
-    return blocks_needed(num_prompt_tokens + max_tokens - 1, block_size)
 
 
 class RequestTable:

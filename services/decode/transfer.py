@@ -44,6 +44,7 @@ import grpc
 import numpy as np
 from opentelemetry import trace
 
+from mili.arith import ceil_div
 from mili.discovery import PeerSet, is_trusted_peer
 from mili.engine import kv_transport
 from mili.engine.block_rows import block_rows
@@ -394,7 +395,7 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
         # the bytes are in the pool already: a job holds none, so none counts against
         # _MAX_LANDING_BYTES (which would run the parts of a batch one after the other).
         held = num_bytes if transport == kv_transport.GRPC else 0
-        share = -(-len(chunks) // self._landing_threads)
+        share = ceil_div(len(chunks), self._landing_threads)
         for start in range(0, len(chunks), share):
             part = chunks[start : start + share]
             await landing.make_room(held)  # raises an earlier chunk's failure
