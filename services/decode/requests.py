@@ -33,8 +33,6 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from opentelemetry.trace import SpanContext
-
 from mili.engine.block_pool import (
     BlockPool,
     BlockPoolExhausted,
@@ -44,7 +42,6 @@ from mili.engine.block_pool import (
 from mili.engine.prefix_cache import PrefixCache, PrefixCacheReading
 from mili.engine.sampling_params import SamplingParams
 from mili.errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
-from services.decode.stream import TokenStream
 
 
 class RequestState(enum.Enum):
@@ -56,7 +53,10 @@ class RequestState(enum.Enum):
 
 @dataclass(eq=False)
 class DecodeRequest:
-    """One admitted request. `block_table` covers every position whose K/V will be written."""
+    """One admitted request. `block_table` covers every position whose K/V will be written.
+
+    Bookkeeping only: where its events go (its stream, its span) is the servicers' `Outlets`
+    (services/decode/stream.py), keyed by request id."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -69,13 +69,10 @@ class DecodeRequest:
     # the request's id cannot fill, or end, its reservation.
     transfer_token: str = field(default_factory=lambda: secrets.token_hex(16))
     client_request_id: str = ""  # the caller's own id, a label for logs and traces
-    stream: TokenStream = field(default_factory=TokenStream)
     state: RequestState = RequestState.WAITING
     is_cancelled: bool = False  # RUNNING only: the batch thread drops it at its next step
     num_pins: int = 0  # scatters in flight into its blocks
     is_freed: bool = False
-    # Its `decode request` span, when traced: batched steps link to it (mili.telemetry.tracing).
-    span_context: SpanContext | None = None
     # block_table[:num_cached_blocks] came from the prefix cache, their KV already in place.
     num_cached_blocks: int = 0
 
@@ -155,7 +152,6 @@ class RequestTable:
         *,
         lease_ms: int,
         now: float,
-        stream: TokenStream | None = None,
         retry_after_s: float | None = None,
         client_request_id: str = "",
     ) -> DecodeRequest:
@@ -198,7 +194,6 @@ class RequestTable:
                 num_prompt_blocks=blocks_needed(len(prompt_token_ids), self.block_size),
                 lease_deadline=now + lease_ms / 1000,
                 lease_ms=lease_ms,
-                stream=stream if stream is not None else TokenStream(),
                 client_request_id=client_request_id,
                 num_cached_blocks=len(cached),
             )
