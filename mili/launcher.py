@@ -63,11 +63,10 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from kernels import ATTENTION_CHOICES
 from mili import flags, serve_tls
 from mili.backoff import Backoff
 from mili.child import Child, describe_exit
-from mili.engine.engine_config import DEFAULT_GPU_MEMORY_UTILIZATION
+from mili.engine.engine_config import ATTENTION_CHOICES, DEFAULT_GPU_MEMORY_UTILIZATION
 from mili.engine.kv_layout import DTYPES
 from mili.errors import StartupError
 from mili.serve_plan import DEFAULT_PREFILL_MEMORY_SHARE, Plan, check_ports, make_plan

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import build
+from kernels import build, ptx
 from kernels.backend import AttentionKernels
 from kernels.cpu import CpuKernels
 from kernels.fused.cpu import CpuFusedKernels
@@ -29,7 +29,7 @@ def gpu_kernels() -> AttentionKernels:
     kernel_dir = build.gpu_kernel_dir()
     if not (kernel_dir / "manifest.json").exists():
         try:
-            kernel_dir = build.build_gpu()
+            kernel_dir = ptx.build_gpu()
         except build.KernelBuildError as exc:
             pytest.skip(f"no PTX at {kernel_dir} and it cannot be built here: {exc}")
     return GpuKernels(kernel_dir)
