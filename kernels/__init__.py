@@ -1,9 +1,6 @@
 """Mojo attention kernels (kernels/mojo/) and their Python bindings.
 
-Importing this package is cheap (no torch): services read ATTENTION_CHOICES while parsing flags
-and import `kernels.backend` only once they load a model.
+The engine owns the attention interface and so the list of `--attention` choices
+(mili.engine.engine_config.ATTENTION_CHOICES); services import `kernels.choice` only once they
+load a model.
 """
-
-# --attention values; see kernels/choice.py select_kernels for what each means.
-ATTENTION_CHOICES = ("auto", "mojo", "torch")
-DEFAULT_ATTENTION = "auto"

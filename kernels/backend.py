@@ -16,10 +16,11 @@ from typing import Protocol
 
 import torch
 
-from kernels import ATTENTION_CHOICES, build
+from kernels import build, ptx
 from kernels.checks import HEAD_DIMS
 from kernels.cpu import CpuKernels
 from mili.engine.attention import AttentionBackend, TorchAttention
+from mili.engine.engine_config import ATTENTION_CHOICES
 
 _LOG = logging.getLogger("mili.kernels")
 
@@ -120,7 +121,7 @@ def load_mojo_attention(device: torch.device | str, root: Path | None = None) ->
         # GPU hosts usually lack the toolchain: PTX is built where Mojo is and carried over.
         ptx_dir = build.find_ptx(build.gpu_kernel_dir(root), "attention")
         if not (ptx_dir / "manifest.json").exists():
-            ptx_dir = build.build_gpu(root)
+            ptx_dir = ptx.build_gpu(root)
         return MojoAttention(GpuKernels(ptx_dir), "cuda")
     raise build.KernelBuildError(f"no Mojo attention kernels for device type {device.type!r}")
 

@@ -67,7 +67,7 @@ def kernels_dir(root: Path | None = None, source_dir: Path = SOURCE_DIR) -> Path
 def gpu_kernel_dir(
     root: Path | None = None, arch: str = GPU_ARCH, source_dir: Path = SOURCE_DIR
 ) -> Path:
-    """Where `build_gpu` puts (and kernels/gpu.py looks for) the PTX of this source."""
+    """Where `kernels.ptx.build_gpu` puts (and kernels/gpu.py looks for) this source's PTX."""
     return kernels_dir(root, source_dir) / arch
 
 
@@ -149,34 +149,6 @@ def build_cpu(
             ]
             _compile(command, what="CPU attention kernels")
         _LOG.info("compiled Mojo CPU attention kernels in %.1f s", time.monotonic() - started)
-    return target
-
-
-def build_gpu(
-    root: Path | None = None,
-    *,
-    mojo: Path | None = None,
-    arch: str = GPU_ARCH,
-    source_dir: Path = SOURCE_DIR,
-) -> Path:
-    """The directory of PTX files and manifest.json for `arch`, compiling them if missing."""
-    from kernels import ptx
-
-    mojo = find_mojo() if mojo is None else mojo
-    target = gpu_kernel_dir(root, arch, source_dir)
-    if (target / "manifest.json").exists():
-        return target
-    with _locked(target.parent):
-        if (target / "manifest.json").exists():
-            return target
-        _LOG.info("compiling Mojo GPU attention kernels (%s PTX) into %s", arch, target)
-        started = time.monotonic()
-        with _staging(target) as staging:
-            try:
-                ptx.build_ptx(mojo, source_dir, staging, arch=arch)
-            except RuntimeError as exc:
-                raise KernelBuildError(f"building the {arch} kernels failed: {exc}") from exc
-        _LOG.info("compiled %s attention kernels in %.1f s", arch, time.monotonic() - started)
     return target
 
 

@@ -20,10 +20,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from kernels import ATTENTION_CHOICES
-from kernels.backend import select_attention
 from kernels.build import KernelBuildError
-from kernels.fused.backend import select_fused_ops
 from kernels.self_check import (
     ATTENTION,
     FUSED,
@@ -31,8 +28,10 @@ from kernels.self_check import (
     KernelFault,
     check_isolated,
     check_kernels,
+    load_family,
 )
 from mili.engine.attention import AttentionBackend, TorchAttention
+from mili.engine.engine_config import ATTENTION_CHOICES
 from mili.engine.fused_ops import FusedOps, TorchFusedOps
 
 _LOG = logging.getLogger("mili.kernels")
@@ -47,15 +46,6 @@ class Kernels(NamedTuple):
     attention: AttentionBackend
     fused_ops: FusedOps
     faults: tuple[KernelFault, ...] = ()  # self-check failures that made `auto` fall back
-
-
-def load_family(family: str, device: str, head_dim: int, root: Path | None = None) -> Any:
-    """The Mojo implementation of one family for `device`; KernelBuildError if it cannot load."""
-    if family == ATTENTION:
-        return select_attention("mojo", device, head_dim=head_dim, root=root)
-    if family == FUSED:
-        return select_fused_ops("mojo", device, head_dim=head_dim, root=root)
-    raise ValueError(f"no kernel family {family!r}")
 
 
 def select_kernels(

@@ -27,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kernels import build
+    from kernels import build, ptx
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     started = time.monotonic()
@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
         if not args.no_cpu:
             print(f"cpu: {build.build_cpu(args.cache_dir)}")
         if args.gpu:
-            print(f"{build.GPU_ARCH}: {build.build_gpu(args.cache_dir)}")
+            print(f"{build.GPU_ARCH}: {ptx.build_gpu(args.cache_dir)}")
             from kernels.fused.ptx import build_fused_gpu
 
             print(f"{build.GPU_ARCH} fused: {build_fused_gpu(args.cache_dir)}")

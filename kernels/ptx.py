@@ -16,6 +16,10 @@ default: the manifest carries each kernel's `dynamic_shared_bytes` and the loade
 function's limit to it. Where `ptxas` is installed the build also assembles every PTX file for
 sm_90a and records its registers, spills and shared memory (`ptxas` in each record).
 
+`build_gpu` does that once per source into the kernel cache (kernels/build.py: its directory,
+lock and staging), as kernels/fused/ptx.py's `build_fused_gpu` does for the fused ops; build.py
+knows nothing of PTX, so the two modules import in one direction.
+
 The GPU host needs no Mojo toolchain: `kernels.gpu.GpuKernels` loads the PTX through the CUDA
 driver (which JIT-compiles it to SASS) and launches it with the parameters listed here.
 
@@ -25,6 +29,7 @@ The module has no torch import so a CI job can build and check the PTX on a mach
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -35,8 +40,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from kernels.build import compiler_output_tail, source_key
+from kernels import build
 from mili.engine.kv_layout import DTYPES  # one specialisation per dtype a service may run
+
+_LOG = logging.getLogger("mili.kernels")
 
 HEAD_DIMS = (64, 128, 256)
 DECODE_GROUP_SIZES = (1, 2, 4, 8)  # GC of paged_decode_g<GC>: query heads one CTA serves
@@ -337,7 +344,7 @@ def compile_entries(
     if proc.returncode != 0:
         raise RuntimeError(
             f"mojo build of {what} failed (exit {proc.returncode}):\n"
-            + compiler_output_tail(proc.stderr + proc.stdout)
+            + build.compiler_output_tail(proc.stderr + proc.stdout)
         )
     found: Entries = {}
     for path in sorted(asm.glob("*.ptx")):
@@ -425,7 +432,7 @@ def build_ptx(mojo: Path, source_dir: Path, out_dir: Path, *, arch: str = "sm_90
         manifest = {
             "format": MANIFEST_FORMAT,
             "arch": arch,
-            "source_key": source_key(source_dir),
+            "source_key": build.source_key(source_dir),
             "compile_seconds": round(seconds, 2),
             "threads": THREADS,
             "prefill_block_m": {str(k): v for k, v in PREFILL_BLOCK_M.items()},
@@ -474,3 +481,29 @@ def load_manifest(kernel_dir: Path) -> dict:
             f"expected {MANIFEST_FORMAT}; rebuild the PTX"
         )
     return manifest
+
+
+def build_gpu(
+    root: Path | None = None,
+    *,
+    mojo: Path | None = None,
+    arch: str = build.GPU_ARCH,
+    source_dir: Path = build.SOURCE_DIR,
+) -> Path:
+    """The directory of PTX files and manifest.json for `arch`, compiling them if missing."""
+    mojo = build.find_mojo() if mojo is None else mojo
+    target = build.gpu_kernel_dir(root, arch, source_dir)
+    if (target / "manifest.json").exists():
+        return target
+    with build._locked(target.parent):
+        if (target / "manifest.json").exists():
+            return target
+        _LOG.info("compiling Mojo GPU attention kernels (%s PTX) into %s", arch, target)
+        started = time.monotonic()
+        with build._staging(target) as staging:
+            try:
+                build_ptx(mojo, source_dir, staging, arch=arch)
+            except RuntimeError as exc:
+                raise build.KernelBuildError(f"building the {arch} kernels failed: {exc}") from exc
+        _LOG.info("compiled %s attention kernels in %.1f s", arch, time.monotonic() - started)
+    return target

@@ -31,6 +31,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from kernels.backend import select_attention
+from kernels.fused.backend import select_fused_ops
 from mili.engine.attention import TorchAttention
 from mili.engine.config import Qwen3Config
 from mili.engine.fused_ops import TorchFusedOps
@@ -124,7 +126,7 @@ def check_isolated(
     timeout_s: float = CHILD_TIMEOUT_S,
 ) -> list[KernelFault]:
     """`check_kernels` of the Mojo kernels of `families` on `device` (as
-    `kernels.choice.load_family` loads them) in a child process with a CUDA context of its
+    `load_family` loads them) in a child process with a CUDA context of its
     own; a child that dies fails every family it checked."""
     command = [
         sys.executable, "-m", "kernels.self_check", "--device", device,
@@ -270,6 +272,15 @@ def _cases(shape: CheckShape, device: torch.device) -> list[tuple[str, str, Case
     ]
 
 
+def load_family(family: str, device: str, head_dim: int, root: Path | None = None) -> Any:
+    """The Mojo implementation of one family for `device`; KernelBuildError if it cannot load."""
+    if family == ATTENTION:
+        return select_attention("mojo", device, head_dim=head_dim, root=root)
+    if family == FUSED:
+        return select_fused_ops("mojo", device, head_dim=head_dim, root=root)
+    raise ValueError(f"no kernel family {family!r}")
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """The child of `check_isolated`: load the kernels, check them, print the faults as JSON.
 
@@ -282,8 +293,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--families", required=True)
     parser.add_argument("--shape", required=True, help="CheckShape as JSON")
     args = parser.parse_args(argv)
-    from kernels.choice import load_family  # the loaders the parent used
-
     shape = CheckShape(**json.loads(args.shape))
     faults: list[KernelFault] = []
     implementations = {}

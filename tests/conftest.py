@@ -1,4 +1,7 @@
-"""Fixtures shared by every test folder: the demo checkpoint and real service processes."""
+"""Fixtures shared by every test folder: the demo checkpoint and real service processes.
+
+Importing this file imports no torch (building the demo checkpoint does, when a test asks for
+it): the bookkeeping tests run without torch, grpc or opentelemetry (tests/test_layers.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from mili.demo.model import build_demo_model
 from tests.service_process import ServiceProcess
 
 
@@ -23,6 +25,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 @pytest.fixture(scope="session")
 def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The embedded demo checkpoint, built fresh for this test session."""
+    from mili.demo.model import build_demo_model  # torch
+
     return build_demo_model(tmp_path_factory.mktemp("demo-model"))
 
 

@@ -16,9 +16,10 @@ from pathlib import Path
 
 import torch
 
-from kernels import ATTENTION_CHOICES, build
+from kernels import build
 from kernels.checks import HEAD_DIMS
 from kernels.fused.cpu import CpuFusedKernels
+from mili.engine.engine_config import ATTENTION_CHOICES
 from mili.engine.fused_ops import FusedOps, TorchFusedOps
 
 _LOG = logging.getLogger("mili.kernels")

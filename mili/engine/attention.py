@@ -31,6 +31,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from mili.arith import ceil_div
+
 
 class AttentionBackend(Protocol):
     """Causal GQA attention over packed prompt chunks (`prefill`) and the paged cache (`decode`)."""
@@ -120,7 +122,7 @@ class TorchAttention:
             mask = None
             if start > 0:
                 # Prepend the cached prefix (positions [0, start)) read from this sequence's blocks.
-                num_blocks = -(-start // block_size)
+                num_blocks = ceil_div(start, block_size)
                 blocks = block_tables[i, :num_blocks].long()
                 k_prefix = k_cache[blocks].flatten(0, 1)[:start].to(q.dtype)  # [start, KVH, D]
                 v_prefix = v_cache[blocks].flatten(0, 1)[:start].to(q.dtype)

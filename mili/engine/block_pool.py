@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections import Counter, deque
 from collections.abc import Iterable
 
+from mili.arith import ceil_div
 from mili.errors import ResourceExhausted
 
 
@@ -141,4 +142,19 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
         raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
     if block_size <= 0:
         raise ValueError(f"block_size must be > 0, got {block_size}")
-    return -(-num_tokens // block_size)
+    return ceil_div(num_tokens, block_size)
+
+
+def blocks_to_reserve(num_prompt_tokens: int, max_tokens: int, block_size: int) -> int:
+    """Blocks a request holds at its longest: one for every position whose K/V is ever written,
+    prompt + max_tokens - 1. What decode reserves at admission and the frontend counts when it
+    routes (with the decode instance's block size): the one rule.
+
+    The last generated token is streamed but never fed back, so its K/V is never written::
+
+        prompt 5 tokens, max_tokens 4, block_size 4:
+        position   0  1  2  3 | 4  5  6  7
+        token     p0 p1 p2 p3 |p4 o1 o2 o3   (o4 is sampled from position 7's logits)
+        -> 8 positions, 2 blocks
+    """
+    return blocks_needed(num_prompt_tokens + max_tokens - 1, block_size)

@@ -22,6 +22,8 @@ import contextlib
 import threading
 from collections.abc import Iterator
 
+from mili.arith import ceil_div
+
 _ALIGN = 64  # bytes: every span starts on a cache line
 
 
@@ -45,7 +47,7 @@ class ByteRing:
         room until older spans are released (or never, for more than `capacity`)."""
         if num_bytes <= 0:
             raise ValueError(f"a span needs at least one byte, got {num_bytes}")
-        size = -(-num_bytes // _ALIGN) * _ALIGN
+        size = ceil_div(num_bytes, _ALIGN) * _ALIGN
         with self._locked():
             offset = self._place(size)
             if offset is not None:

@@ -20,9 +20,12 @@ import argparse
 import re
 from dataclasses import dataclass
 
-from kernels import ATTENTION_CHOICES, DEFAULT_ATTENTION
 from mili.engine.kv_layout import DEFAULT_BLOCK_SIZE, DTYPES
 
+# --attention values: the engine owns the attention interface (mili.engine.attention), so it
+# owns the list; kernels/choice.py select_kernels says what each means.
+ATTENTION_CHOICES = ("auto", "mojo", "torch")
+DEFAULT_ATTENTION = "auto"
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 _DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 

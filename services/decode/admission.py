@@ -15,7 +15,7 @@ from mili.rpc.kv_layout import check_compatible
 from mili.rpc.sampling import sampling_params
 from services.decode.instance import DecodeInstance
 from services.decode.requests import DecodeRequest
-from services.decode.stream import TokenStream
+from services.decode.stream import Outlet, TokenStream
 
 
 class Admission:
@@ -32,9 +32,10 @@ class Admission:
         self._layout = layout  # this instance's, as Info reports it
         self._clock = clock
 
-    def admit(self, request: decode_pb2.GenerateRequest) -> DecodeRequest:
-        """Reserve the request's blocks; raises InvalidArgument, FailedPrecondition (layouts
-        differ) or ResourceExhausted (with RetryInfo) without reserving anything."""
+    def admit(self, request: decode_pb2.GenerateRequest) -> tuple[DecodeRequest, Outlet]:
+        """Reserve the request's blocks and open its outlet (the caller `release`s it when its
+        call ends); raises InvalidArgument, FailedPrecondition (layouts differ) or
+        ResourceExhausted (with RetryInfo) without reserving anything."""
         inst = self._instance
         request_id = request.request_id
         prompt = list(request.prompt_token_ids)
@@ -64,16 +65,16 @@ class Admission:
         # A caller may ask for a shorter lease, never a longer one: the operator's --kv-lease-ms
         # bounds how long a vanished prefill can strand blocks. Admitted reports the one in force.
         lease_ms = min(request.kv_lease_ms or inst.config.kv_lease_ms, inst.config.kv_lease_ms)
-        return inst.table.admit(
+        req = inst.table.admit(
             request_id,
             prompt,
             params,
             lease_ms=lease_ms,
             now=self._clock(),
-            stream=TokenStream(asyncio.get_running_loop()),
             retry_after_s=inst.config.retry_after_s,
             client_request_id=request.client_request_id,
         )
+        return req, inst.outlets.open(request_id, TokenStream(asyncio.get_running_loop()))
 
     def _check_prompt(self, prompt: list[int]) -> None:
         if not prompt:

@@ -39,7 +39,7 @@ from mili.kv_handoff import block_rows
 from mili.telemetry.metrics import DecodeMetrics
 from mili.telemetry.tracing import start_batch_span
 from services.decode.requests import DecodeRequest, RequestTable
-from services.decode.stream import Delivery, TokenEvent, deliver_threadsafe
+from services.decode.stream import Delivery, Outlet, TokenEvent, deliver_threadsafe
 
 _LOG = logging.getLogger("mili.decode")
 _TRACER = trace.get_tracer("mili.decode")  # a no-op until tracing installs a provider
@@ -49,14 +49,14 @@ _TRACER = trace.get_tracer("mili.decode")  # a no-op until tracing installs a pr
 _STAGING_BYTES = 64 << 20
 
 
-def _start_step_span(requests: list[DecodeRequest], step: int) -> Span | None:
+def _start_step_span(outlets: list[Outlet], step: int) -> Span | None:
     """One span per batched step, linked to the `decode request` span of every traced request
     in it (a step serves many requests: none of them is its parent). None when none is traced,
     so with tracing off a step costs one scan of the batch and no span."""
-    contexts = [r.span_context for r in requests if r.span_context is not None]
+    contexts = [o.span_context for o in outlets if o.span_context is not None]
     if not contexts:
         return None
-    attributes = {"mili.decode.step": step, "mili.batch_size": len(requests)}
+    attributes = {"mili.decode.step": step, "mili.batch_size": len(outlets)}
     return start_batch_span(_TRACER, "decode step", contexts, attributes)
 
 
@@ -65,6 +65,7 @@ class _Join:
     request: DecodeRequest
     first_token_id: int
     first_logprobs: TokenLogprobs | None
+    outlet: Outlet
 
 
 class _Running(NamedTuple):
@@ -72,6 +73,7 @@ class _Running(NamedTuple):
 
     request: DecodeRequest
     seq: Sequence
+    outlet: Outlet  # where its events go (kept here: its call may end before it leaves)
 
 
 class Batcher:
@@ -117,13 +119,18 @@ class Batcher:
             self._thread.join(timeout_s)
 
     def join(
-        self, request: DecodeRequest, first_token_id: int, first_logprobs: TokenLogprobs | None
+        self,
+        request: DecodeRequest,
+        first_token_id: int,
+        first_logprobs: TokenLogprobs | None,
+        outlet: Outlet,
     ) -> None:
-        """Add a RUNNING request (its KV is in the cache) to the batch from the next step on."""
+        """Add a RUNNING request (its KV is in the cache) to the batch from the next step on;
+        its events go to `outlet`."""
         with self._cond:
             if self._is_stopping:
                 raise Unavailable("decode instance is shutting down")
-            self._inbox.append(_Join(request, first_token_id, first_logprobs))
+            self._inbox.append(_Join(request, first_token_id, first_logprobs, outlet))
             self._cond.notify()
 
     def scatter(self, layer: int, block_ids: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
@@ -210,16 +217,16 @@ class Batcher:
             reason = seq.append(join.first_token_id)
         except ValueError as e:  # validated at the transfer edge; a bug if it happens
             self._table.finish(request)
-            out.append((request.stream, e))
+            out.append((join.outlet.stream, e))
             return
         if reason or request.is_cancelled:
             self._table.finish(request, seq.written_token_ids())
         else:
-            self._running.append(_Running(request, seq))
+            self._running.append(_Running(request, seq, join.outlet))
         logprobs = None
         if params.logprobs is not None and join.first_logprobs is not None:
             logprobs = [join.first_logprobs]
-        out.append((request.stream, TokenEvent([join.first_token_id], logprobs, reason)))
+        out.append((join.outlet.stream, TokenEvent([join.first_token_id], logprobs, reason)))
 
     def _drop_cancelled(self) -> None:
         kept = []
@@ -235,7 +242,7 @@ class Batcher:
         seqs = [r.seq for r in running]
         self.num_steps += 1
         self.max_batch_size = max(self.max_batch_size, len(seqs))
-        span = _start_step_span([r.request for r in running], self.num_steps)
+        span = _start_step_span([r.outlet for r in running], self.num_steps)
         started = time.perf_counter()
         try:
             pending = self._runner.decode(seqs)  # launched; on CUDA the device works on
@@ -249,10 +256,10 @@ class Batcher:
             _LOG.exception("decode step over %d sequences failed", len(seqs))
             for r in running:
                 self._table.finish(r.request)
-                out.append((r.request.stream, e))
+                out.append((r.outlet.stream, e))
             return
         kept = []
-        for i, (request, seq) in enumerate(running):
+        for i, (request, seq, outlet) in enumerate(running):
             token_id = result.token_ids[i]
             reason = seq.append(token_id)
             logprobs = None
@@ -263,7 +270,7 @@ class Batcher:
                 self._table.finish(request, seq.written_token_ids())
             else:
                 kept.append(running[i])
-            out.append((request.stream, TokenEvent([token_id], logprobs, reason)))
+            out.append((outlet.stream, TokenEvent([token_id], logprobs, reason)))
         self._running = kept + self._running
         if span is not None:
             span.end()
@@ -271,10 +278,11 @@ class Batcher:
     def _fail_all(self, error: BaseException) -> None:
         with self._cond:
             joins, self._inbox = self._inbox, []
-        requests = [r.request for r in self._running] + [j.request for j in joins]
+        ended = [(r.request, r.outlet) for r in self._running]
+        ended += [(j.request, j.outlet) for j in joins]
         self._running = []
         out: list[Delivery] = []
-        for request in requests:
+        for request, outlet in ended:
             self._table.finish(request)
-            out.append((request.stream, error))
+            out.append((outlet.stream, error))
         deliver_threadsafe(out)

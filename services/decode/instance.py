@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -31,6 +31,7 @@ from mili.telemetry.metrics import DecodeMetrics, PrefixCacheCollector
 from services.decode.batcher import Batcher
 from services.decode.config import DEFAULT_KV_CACHE_BYTES, DecodeConfig
 from services.decode.requests import RequestTable
+from services.decode.stream import Outlets
 
 _LOG = logging.getLogger("mili.decode")
 GENERATION_CONFIG = "generation_config.json"
@@ -73,6 +74,8 @@ class DecodeInstance:
     endpoint: Endpoint  # this instance's side of KV pairs: host id, device, transports offered
     segment: Segment | None = None  # the shared-memory segment holding the KV pool ("shm")
     ipc_export: bytes = b""  # cuda_ipc.export_pool of the pool holding the KV cache ("cuda-ipc")
+    # Where each admitted request's events go, by request id (the servicers' side of `table`).
+    outlets: Outlets = field(default_factory=Outlets)
 
     @classmethod
     def load(cls, config: DecodeConfig, metrics: DecodeMetrics | None = None) -> DecodeInstance:

@@ -39,6 +39,7 @@ from mili.telemetry.metrics import RequestMetrics
 from services.decode import convert
 from services.decode.admission import Admission, lease_expired
 from services.decode.requests import DecodeRequest, RequestState, RequestTable
+from services.decode.stream import Outlet, Outlets
 
 _LOG = logging.getLogger("mili.decode")
 _TRACER = trace.get_tracer("mili.decode")  # a no-op until tracing installs a provider
@@ -56,6 +57,7 @@ class _Open:
     """A request open on the stream."""
 
     request: DecodeRequest
+    outlet: Outlet
     span: Span | None  # the Generate SERVER span, when the caller's trace context came along
     request_span: Span  # `decode request`, a no-op span when not traced
     deadline: asyncio.TimerHandle | None
@@ -69,6 +71,7 @@ class Multiplexer:
         self,
         admission: Admission,
         table: RequestTable,
+        outlets: Outlets,
         *,
         metrics: RequestMetrics | None,
         is_draining: Callable[[], bool],
@@ -76,6 +79,7 @@ class Multiplexer:
     ) -> None:
         self._admission = admission
         self._table = table
+        self._outlets = outlets
         self._metrics = metrics
         self._is_draining = is_draining
         self._clock = clock
@@ -128,7 +132,9 @@ class Multiplexer:
         try:
             if self._is_draining():
                 raise Unavailable("decode instance is draining; retry on another instance")
-            req = self._admission.admit(request)  # refuses an id still active, open here or not
+            req, outlet = self._admission.admit(
+                request
+            )  # refuses an id still active, open here or not
         except Exception as exc:
             self._refuse(rid, exc, span)
             return
@@ -145,15 +151,15 @@ class Multiplexer:
             },
         )
         if request_span.is_recording():  # batched steps link to this span
-            req.span_context = request_span.get_span_context()
+            outlet.span_context = request_span.get_span_context()
         deadline = None
         if start.timeout_ms:
             loop = asyncio.get_running_loop()
             deadline = loop.call_later(start.timeout_ms / 1000, self._deadline_passed, rid)
-        self._open[rid] = _Open(req, span, request_span, deadline)
+        self._open[rid] = _Open(req, outlet, span, request_span, deadline)
         self._outbox.append(convert.streamed_admitted(req))
         self._wake.set()
-        req.stream.watch(lambda: self._mark_ready(rid))
+        outlet.stream.watch(lambda: self._mark_ready(rid))
 
     def _server_span(self, start: decode_pb2.StreamedGenerate) -> Span | None:
         if not start.trace_context:
@@ -186,7 +192,7 @@ class Multiplexer:
             if entry is None:
                 continue
             try:
-                event = entry.request.stream.take()
+                event = entry.outlet.stream.take()
             except Exception as exc:  # the request failed: lease, transfer, batch, shutdown
                 events.append(convert.streamed_error(rid, _status_of(exc)))
                 self._close(rid, exc)
@@ -226,15 +232,16 @@ class Multiplexer:
     def _close(self, rid: str, error: BaseException | None) -> None:
         """The request ended (None: finished): free what it holds, as a Generate call's end."""
         entry = self._open.pop(rid)
-        req = entry.request
-        req.stream.watch(None)
+        req, stream = entry.request, entry.outlet.stream
+        stream.watch(None)
         if entry.deadline is not None:
             entry.deadline.cancel()
         # Cancelled, deadline, caller gone: free the blocks (a RUNNING request leaves the batch
         # within one step). A no-op when the request already ended.
         if self._table.cancel(req):
             # Tells a transfer still streaming into its blocks to stop.
-            req.stream.fail(Cancelled(f"request {req.name} was cancelled by its caller"))
+            stream.fail(Cancelled(f"request {req.name} was cancelled by its caller"))
+        self._outlets.release(rid, entry.outlet)
         if entry.request_span.is_recording():
             entry.request_span.set_attribute("mili.decode.num_output_tokens", entry.num_tokens)
         entry.request_span.end()
@@ -255,17 +262,17 @@ class Multiplexer:
         """Expire leases and refuse waiting requests on a drain, as each Generate call does."""
         while True:
             now = self._clock()
-            waiting = [e.request for e in self._open.values() if e.request.state in _KV_PENDING]
-            for req in waiting:
+            waiting = [e for e in self._open.values() if e.request.state in _KV_PENDING]
+            for req, stream in ((e.request, e.outlet.stream) for e in waiting):
                 if req.state is RequestState.WAITING and self._is_draining():
                     if self._table.cancel(req):
-                        req.stream.fail(Unavailable("decode instance is draining; retry elsewhere"))
+                        stream.fail(Unavailable("decode instance is draining; retry elsewhere"))
                 elif now >= req.lease_deadline and self._table.expire(req, now):
                     # The transfer still running, if any, reports the same error.
-                    req.stream.fail(lease_expired(req))
+                    stream.fail(lease_expired(req))
             if self._is_draining():
                 self._wake.set()  # ends the stream once nothing is left on it
-            soonest = min((r.lease_deadline for r in waiting), default=now + _WAIT_POLL_S)
+            soonest = min((e.request.lease_deadline for e in waiting), default=now + _WAIT_POLL_S)
             await asyncio.sleep(min(_WAIT_POLL_S, max(0.0, soonest - now)))
 
 

@@ -33,13 +33,15 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from opentelemetry.trace import SpanContext
-
-from mili.engine.block_pool import BlockPool, BlockPoolExhausted, blocks_needed
+from mili.engine.block_pool import (
+    BlockPool,
+    BlockPoolExhausted,
+    blocks_needed,
+    blocks_to_reserve,
+)
 from mili.engine.prefix_cache import PrefixCache, PrefixCacheReading
 from mili.engine.sampling_params import SamplingParams
 from mili.errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
-from services.decode.stream import TokenStream
 
 
 class RequestState(enum.Enum):
@@ -51,7 +53,10 @@ class RequestState(enum.Enum):
 
 @dataclass(eq=False)
 class DecodeRequest:
-    """One admitted request. `block_table` covers every position whose K/V will be written."""
+    """One admitted request. `block_table` covers every position whose K/V will be written.
+
+    Bookkeeping only: where its events go (its stream, its span) is the servicers' `Outlets`
+    (services/decode/stream.py), keyed by request id."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -64,13 +69,10 @@ class DecodeRequest:
     # the request's id cannot fill, or end, its reservation.
     transfer_token: str = field(default_factory=lambda: secrets.token_hex(16))
     client_request_id: str = ""  # the caller's own id, a label for logs and traces
-    stream: TokenStream = field(default_factory=TokenStream)
     state: RequestState = RequestState.WAITING
     is_cancelled: bool = False  # RUNNING only: the batch thread drops it at its next step
     num_pins: int = 0  # scatters in flight into its blocks
     is_freed: bool = False
-    # Its `decode request` span, when traced: batched steps link to it (mili.telemetry.tracing).
-    span_context: SpanContext | None = None
     # block_table[:num_cached_blocks] came from the prefix cache, their KV already in place.
     num_cached_blocks: int = 0
 
@@ -93,19 +95,6 @@ class DecodeRequest:
     def received_block_ids(self) -> list[int]:
         """The prompt blocks prefill fills: those after the cached ones."""
         return self.block_table[self.num_cached_blocks : self.num_prompt_blocks]
-
-
-def blocks_to_reserve(num_prompt_tokens: int, max_tokens: int, block_size: int) -> int:
-    """Blocks for every position whose K/V is ever written: prompt + max_tokens - 1.
-
-    The last generated token is streamed but never fed back, so its K/V is never written::
-
-        prompt 5 tokens, max_tokens 4, block_size 4:
-        position   0  1  2  3 | 4  5  6  7
-        token     p0 p1 p2 p3 |p4 o1 o2 o3   (o4 is sampled from position 7's logits)
-        -> 8 positions, 2 blocks
-    """
-    return blocks_needed(num_prompt_tokens + max_tokens - 1, block_size)
 
 
 class RequestTable:
@@ -163,7 +152,6 @@ class RequestTable:
         *,
         lease_ms: int,
         now: float,
-        stream: TokenStream | None = None,
         retry_after_s: float | None = None,
         client_request_id: str = "",
     ) -> DecodeRequest:
@@ -206,7 +194,6 @@ class RequestTable:
                 num_prompt_blocks=blocks_needed(len(prompt_token_ids), self.block_size),
                 lease_deadline=now + lease_ms / 1000,
                 lease_ms=lease_ms,
-                stream=stream if stream is not None else TokenStream(),
                 client_request_id=client_request_id,
                 num_cached_blocks=len(cached),
             )

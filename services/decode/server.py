@@ -26,7 +26,7 @@ from services.decode.admission import Admission, lease_expired
 from services.decode.instance import DecodeInstance
 from services.decode.multiplex import Multiplexer
 from services.decode.requests import DecodeRequest, RequestState
-from services.decode.stream import TokenEvent
+from services.decode.stream import TokenEvent, TokenStream
 from services.decode.transfer import KvTransferServicer
 
 _TRACER = trace.get_tracer("mili.decode")  # a no-op until tracing installs a provider
@@ -62,7 +62,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
     ) -> AsyncIterator[decode_pb2.GenerateResponse]:
         inst = self._instance
         request_id = request.request_id
-        req = self._admission.admit(request)
+        req, outlet = self._admission.admit(request)
         prompt = req.prompt_token_ids
         span = _TRACER.start_span(
             "decode request",
@@ -77,11 +77,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         )
         is_traced = span.is_recording()
         if is_traced:  # batched steps link to this span
-            req.span_context = span.get_span_context()
+            outlet.span_context = span.get_span_context()
         num_tokens = 0
         try:
             yield convert.admitted(req)
-            async for event in self._events(req):
+            async for event in self._events(req, outlet.stream):
                 if is_traced:
                     if not num_tokens:
                         span.add_event("first token")  # prefill's, once the KV landed
@@ -97,23 +97,24 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             # leaves the batch within one step). A no-op when the request already ended.
             if inst.table.cancel(req):
                 # Tells a transfer still streaming into its blocks to stop.
-                req.stream.fail(Cancelled(f"request {req.name} was cancelled by its caller"))
+                outlet.stream.fail(Cancelled(f"request {req.name} was cancelled by its caller"))
+            inst.outlets.release(request_id, outlet)
 
-    async def _events(self, req: DecodeRequest) -> AsyncIterator[TokenEvent]:
+    async def _events(self, req: DecodeRequest, stream: TokenStream) -> AsyncIterator[TokenEvent]:
         """The request's token events until the last; raises its failure (lease, transfer...)."""
         table = self._instance.table
         while True:
             timeout_s = None
             if req.state in _KV_PENDING:
                 if req.state is RequestState.WAITING and self._is_draining() and table.cancel(req):
-                    req.stream.fail(Unavailable("decode instance is draining; retry elsewhere"))
+                    stream.fail(Unavailable("decode instance is draining; retry elsewhere"))
                 timeout_s = min(_WAIT_POLL_S, max(0.0, req.lease_deadline - self._clock()))
             try:
-                event = await req.stream.next(timeout_s)
+                event = await stream.next(timeout_s)
             except TimeoutError:
                 if table.expire(req, self._clock()):
                     error = lease_expired(req)
-                    req.stream.fail(error)  # a transfer still running reports the same error
+                    stream.fail(error)  # a transfer still running reports the same error
                     raise error from None
                 continue
             yield event
@@ -128,6 +129,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         multiplexer = Multiplexer(
             self._admission,
             self._instance.table,
+            self._instance.outlets,
             metrics=self._request_metrics,
             is_draining=self._is_draining,
             clock=self._clock,

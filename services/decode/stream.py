@@ -22,9 +22,13 @@ import asyncio
 import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from mili.engine.logprobs import TokenLogprobs
 from mili.engine.stop import FinishReason
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import SpanContext
 
 
 @dataclass(frozen=True)
@@ -117,6 +121,52 @@ class TokenStream:
             return merge(events)
         assert self._error is not None
         raise self._error
+
+
+@dataclass(eq=False)
+class Outlet:
+    """Where one admitted request's events go: its stream, and its `decode request` span when
+    traced (batched steps link to it, mili.telemetry.tracing)."""
+
+    stream: TokenStream
+    span_context: SpanContext | None = None
+    num_holders: int = 1  # the call carrying the request, and a KV transfer into it
+
+
+class Outlets:
+    """Request id -> Outlet, for the requests of one decode instance: the servicers' side of
+    the request table (whose DecodeRequest holds no asyncio object). Event loop only.
+
+    An entry is opened at admission and lives while the call carrying the request is open and
+    while a KV transfer into the request runs (`hold`): a transfer that ends after its caller
+    went away still reports the error the caller's stream got, as before. The batch thread
+    keeps the outlets of the requests it runs (taken at `Batcher.join`)."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[str, Outlet] = {}
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def open(self, request_id: str, stream: TokenStream) -> Outlet:
+        outlet = Outlet(stream)
+        self._by_id[request_id] = outlet
+        return outlet
+
+    def of(self, request_id: str) -> Outlet:
+        """The outlet of a request whose call is open or whose transfer holds it."""
+        return self._by_id[request_id]
+
+    def hold(self, request_id: str) -> Outlet:
+        outlet = self._by_id[request_id]
+        outlet.num_holders += 1
+        return outlet
+
+    def release(self, request_id: str, outlet: Outlet) -> None:
+        """Let go of `open`'s or `hold`'s share; the entry goes with the last."""
+        outlet.num_holders -= 1
+        if outlet.num_holders == 0 and self._by_id.get(request_id) is outlet:
+            del self._by_id[request_id]
 
 
 Delivery = tuple[TokenStream, TokenEvent | BaseException]

@@ -44,6 +44,7 @@ from typing import Any
 import grpc
 from opentelemetry import trace
 
+from mili.arith import ceil_div
 from mili.discovery import PeerSet, is_trusted_peer
 from mili.errors import Cancelled, DataLoss, InvalidArgument, PermissionDenied, Unavailable
 from mili.kv.v1 import kv_pb2, kv_pb2_grpc
@@ -57,6 +58,7 @@ from services.decode.instance import DecodeInstance
 from services.decode.landing import Landing, Reader
 from services.decode.progress import TransferProgress
 from services.decode.requests import DecodeRequest, RequestState
+from services.decode.stream import Outlets
 
 # What TransferKv reads: chunks arrive as ChunkViews (mili.kv_handoff.codec's
 # parse_transfer_request is the method's request deserializer, see server.py), the rest as
@@ -92,9 +94,9 @@ def _annotate_span(progress: TransferProgress) -> None:
         )
 
 
-def _ended_error(request: DecodeRequest) -> BaseException:
+def _ended_error(request: DecodeRequest, outlets: Outlets) -> BaseException:
     """Why a request ended while its KV was arriving (the error its Generate stream got)."""
-    return request.stream.error or Cancelled(
+    return outlets.of(request.request_id).stream.error or Cancelled(
         f"request {request.name} was cancelled while its KV was arriving"
     )
 
@@ -162,6 +164,7 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
         header = first.header
         # NotFound, PermissionDenied (then the request is left as it was)
         request = self._instance.table.begin_transfer(header.request_id, header.transfer_token)
+        outlet = self._instance.outlets.hold(request.request_id)  # open: the request waited
         try:
             return await self._receive(request, header, Reader(messages), context)
         except asyncio.CancelledError:
@@ -176,6 +179,8 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
         except BaseException as e:
             self._fail(request, e)
             raise
+        finally:
+            self._instance.outlets.release(request.request_id, outlet)
 
     async def _receive(
         self,
@@ -213,7 +218,9 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
         is_committed = False
         if transport.is_in_place:
             await self._accept_in_place(request, context)
-        ended = asyncio.ensure_future(request.stream.wait_failed())
+        ended = asyncio.ensure_future(
+            self._instance.outlets.of(request.request_id).stream.wait_failed()
+        )
         try:
             while (message := await self._next(request, reader, landing, ended)) is not None:
                 if isinstance(message, ChunkView):
@@ -276,7 +283,7 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
         """Hold the request's blocks for the sender, who writes into them itself, then tell it
         the header is accepted (codec.ACCEPTED_KEY): before that it writes nothing."""
         if not self._instance.table.pin(request):
-            raise _ended_error(request)
+            raise _ended_error(request, self._instance.outlets)
         try:
             await context.send_initial_metadata(((ACCEPTED_KEY, "1"),))
         except BaseException:
@@ -312,7 +319,7 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
         await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         landing.raise_failure()
         if not read.done():
-            raise _ended_error(request)
+            raise _ended_error(request, self._instance.outlets)
         return reader.take()
 
     async def _land(
@@ -350,12 +357,12 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
         # the bytes are in the pool already: a job holds none, so none counts against
         # _MAX_LANDING_BYTES (which would run the parts of a batch one after the other).
         held = 0 if transport.is_in_place else num_bytes
-        share = -(-len(chunks) // self._landing_threads)
+        share = ceil_div(len(chunks), self._landing_threads)
         for start in range(0, len(chunks), share):
             part = chunks[start : start + share]
             await landing.make_room(held)  # raises an earlier chunk's failure
             if not table.pin(request):
-                raise _ended_error(request)
+                raise _ended_error(request, self._instance.outlets)
             try:
                 landing.submit(functools.partial(land, part), held)
             except BaseException:  # not submitted (the executor is shut down): nothing unpins
@@ -378,12 +385,14 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
                 )
             first_logprobs = logprobs_from_proto(commit.first_logprobs)
         if not inst.table.start_running(request):
-            raise _ended_error(request)
+            raise _ended_error(request, self._instance.outlets)
         try:
-            inst.batcher.join(request, commit.first_token_id, first_logprobs)
+            inst.batcher.join(
+                request, commit.first_token_id, first_logprobs, inst.outlets.of(request.request_id)
+            )
         except BaseException as e:
             inst.table.finish(request)  # RUNNING but never in the batch: nobody else frees it
-            request.stream.fail(e)
+            inst.outlets.of(request.request_id).stream.fail(e)
             raise
 
     def _fail(self, request: DecodeRequest, error: BaseException) -> None:
@@ -391,4 +400,4 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
         if request.state is RequestState.RUNNING:
             return  # committed: the batch thread owns it, and this call's end does not matter
         if self._instance.table.cancel(request):
-            request.stream.fail(error)
+            self._instance.outlets.of(request.request_id).stream.fail(error)

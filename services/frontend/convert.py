@@ -50,7 +50,7 @@ def request_input(
     request: generation_pb2.GenerateRequest | generation_pb2.CompleteRequest,
 ) -> RequestInput:
     return RequestInput(
-        request_id=request.request_id,
+        client_request_id=request.request_id,
         prompt=request.prompt,
         messages=tuple(
             ChatTurn(
@@ -75,10 +75,10 @@ def _logprobs(delta: Delta) -> list[sampling_pb2.Logprobs]:
     return [logprobs_to_proto(t, lp) for t, lp in zip(delta.token_ids, delta.logprobs, strict=True)]
 
 
-def generate_response(request_id: str, delta: Delta) -> generation_pb2.GenerateResponse:
+def generate_response(client_request_id: str, delta: Delta) -> generation_pb2.GenerateResponse:
     # Once per message sent: only the fields that are set (the rest default to empty).
     response = generation_pb2.GenerateResponse(
-        request_id=request_id, token_ids=delta.token_ids, text=delta.text
+        request_id=client_request_id, token_ids=delta.token_ids, text=delta.text
     )
     if delta.logprobs:
         response.logprobs.extend(_logprobs(delta))
@@ -89,9 +89,11 @@ def generate_response(request_id: str, delta: Delta) -> generation_pb2.GenerateR
     return response
 
 
-def complete_response(request_id: str, deltas: Sequence[Delta]) -> generation_pb2.CompleteResponse:
+def complete_response(
+    client_request_id: str, deltas: Sequence[Delta]
+) -> generation_pb2.CompleteResponse:
     """The deltas of one generation (the last one finished it) in one reply."""
-    reply = generation_pb2.CompleteResponse(request_id=request_id)
+    reply = generation_pb2.CompleteResponse(request_id=client_request_id)
     for delta in deltas:
         reply.token_ids.extend(delta.token_ids)
         reply.logprobs.extend(_logprobs(delta))

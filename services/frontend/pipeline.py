@@ -27,6 +27,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
+from mili.engine.block_pool import blocks_to_reserve
 from mili.engine.logprobs import TokenLogprobs
 from mili.engine.stop import FinishReason, check_stop
 from mili.errors import ResourceExhausted, Unavailable
@@ -171,10 +172,8 @@ class Generation:
 
     def _next_route(self, tried: set[str]) -> Route | None:
         try:
-            index = self._router.prefix_index
-            longest = len(self._prompt.token_ids) + self._prompt.sampling.max_tokens
             routes = self._router.candidates(
-                exclude=tried, affinity=self._affinity, num_blocks=-(-longest // index.block_size)
+                exclude=tried, affinity=self._affinity, blocks_needed_on=self._blocks_needed_on
             )
         except Unavailable:
             if not tried:
@@ -187,10 +186,10 @@ class Generation:
         or InstanceDown (it is down, or silent past admit_timeout_s) to try the next one; any
         other error fails the request."""
         prompt = self._prompt
-        # Blocks the request holds at its longest: what decode reserves up front, or grows to.
         block_size = self._downstream.decode_block_size(route.decode)
-        longest = len(prompt.token_ids) + prompt.sampling.max_tokens
-        ticket = self._router.start(route, len(prompt.token_ids), -(-longest // block_size))
+        ticket = self._router.start(
+            route, len(prompt.token_ids), self._blocks_needed_on(route.decode)
+        )
         stream = self._downstream.generate(route, self._ids, prompt, self._deadline)
         who = f"decode at {route.decode}"
         try:
@@ -219,6 +218,13 @@ class Generation:
         )
         self._learn_admitted(route, first, block_size)
         return _Admission(route, ticket, stream, first)
+
+    def _blocks_needed_on(self, decode: str) -> int:
+        """Blocks the request holds on `decode` at its longest (what decode reserves at
+        admission), in that instance's block size from its Info."""
+        prompt = self._prompt
+        block_size = self._downstream.decode_block_size(decode)
+        return blocks_to_reserve(len(prompt.token_ids), prompt.sampling.max_tokens, block_size)
 
     def _learn_admitted(self, route: Route, admitted: Admitted, block_size: int) -> None:
         """Decode said how much of the prompt it holds: correct the index, then count the

@@ -292,11 +292,12 @@ class Router:
         self,
         exclude: Collection[str] = (),
         affinity: Mapping[str, int] | None = None,
-        num_blocks: int = 0,
+        blocks_needed_on: Callable[[str], int] | None = None,
     ) -> list[Route]:
         """Routes to try, best first: one per up decode instance (not in `exclude`) that has an
         up, layout-compatible prefill instance. `affinity`: leading prompt chunks each instance
-        probably holds (absent: none); `num_blocks`: what the request needs on decode.
+        probably holds (absent: none); `blocks_needed_on(address)`: the blocks the request needs
+        on that decode instance, in its block size (None: nothing).
 
         Raises Unavailable when no instance of a kind is up, FailedPrecondition (with the
         layouts) when instances are up but no pair is compatible. Returns [] when every
@@ -311,7 +312,7 @@ class Router:
         routes: list[Route] = []
         mismatch: str | None = None
         affinity = affinity or {}
-        for decode in self._decode_order(up_decodes, affinity, num_blocks):
+        for decode in self._decode_order(up_decodes, affinity, blocks_needed_on):
             compatible = [p for p in up_prefills if self.is_compatible(p.address, decode.address)]
             if not compatible:
                 mismatch = mismatch or next(
@@ -330,7 +331,10 @@ class Router:
         return routes
 
     def _decode_order(
-        self, decodes: list[DecodeView], affinity: Mapping[str, int], num_blocks: int
+        self,
+        decodes: list[DecodeView],
+        affinity: Mapping[str, int],
+        blocks_needed_on: Callable[[str], int] | None,
     ) -> list[DecodeView]:
         ordered = sorted(decodes, key=_decode_order)
         least_in_flight = min(d.num_in_flight for d in decodes)
@@ -339,7 +343,7 @@ class Router:
             for d in ordered
             if affinity.get(d.address, 0) > 0
             and d.num_in_flight <= least_in_flight + self.affinity_slack_requests
-            and d.free_estimate >= num_blocks
+            and (blocks_needed_on is None or d.free_estimate >= blocks_needed_on(d.address))
         ]
         if not fits:
             return ordered

@@ -63,7 +63,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     async def Generate(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncGenerator[generation_pb2.GenerateResponse, None]:
-        request_id, deltas = self._generate(request, context)
+        client_request_id, deltas = self._generate(request, context)
         # A client that reads slower than tokens come gets everything pending in one message.
         merged = coalesced(
             deltas,
@@ -75,7 +75,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         generated_tokens = self._metrics.generated_tokens
         async with aclosing(merged):
             async for delta in merged:
-                yield convert.generate_response(request_id, delta)
+                yield convert.generate_response(client_request_id, delta)
                 # Resumed once grpc took the message: counted once per message sent.
                 if delta.token_ids:
                     generated_tokens.inc(len(delta.token_ids))
@@ -83,9 +83,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     async def Complete(
         self, request: generation_pb2.CompleteRequest, context: grpc.aio.ServicerContext
     ) -> generation_pb2.CompleteResponse:
-        request_id, deltas = self._generate(request, context)
+        client_request_id, deltas = self._generate(request, context)
         async with aclosing(deltas):
-            response = convert.complete_response(request_id, [delta async for delta in deltas])
+            response = convert.complete_response(
+                client_request_id, [delta async for delta in deltas]
+            )
         self._metrics.generated_tokens.inc(len(response.token_ids))
         return response
 
@@ -113,9 +115,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         request: generation_pb2.GenerateRequest | generation_pb2.CompleteRequest,
         context: grpc.aio.ServicerContext,
     ) -> tuple[str, AsyncGenerator[Delta, None]]:
-        """Validate now (so the request id is known), generate lazily."""
+        """Validate now (so the caller's request id is known), generate lazily."""
         valid = validate(convert.request_input(request), self._config.limits)
-        return valid.request_id, self._run(valid, context)
+        return valid.client_request_id, self._run(valid, context)
 
     async def _run(
         self, valid: ValidRequest, context: grpc.aio.ServicerContext
@@ -128,7 +130,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             )
         self._num_running += 1
         received_at = time.monotonic()
-        ids = RequestIds(f"{self._id_prefix}-{next(self._id_counter)}", valid.request_id)
+        ids = RequestIds(f"{self._id_prefix}-{next(self._id_counter)}", valid.client_request_id)
         model = self._backends.model
         deadline = Deadline(context.time_remaining())
         # The trace's root on our side: every downstream call below is a child of this span.
@@ -207,7 +209,7 @@ def _request_attributes(
         "gen_ai.request.max_tokens": valid.sampling.max_tokens,
         "gen_ai.request.temperature": valid.sampling.temperature,
         "gen_ai.request.top_p": valid.sampling.top_p,
-        "gen_ai.response.id": valid.request_id,
+        "gen_ai.response.id": valid.client_request_id,
         "mili.request_id": ids.request_id,
     }
 

@@ -38,7 +38,7 @@ class Limits:
     max_stop_strings: int = 16
     max_stop_chars: int = 256  # per stop string
     max_stop_token_ids: int = 64
-    max_request_id_chars: int = 256
+    max_client_request_id_chars: int = 256  # GenerateRequest.request_id
 
     def __post_init__(self) -> None:
         if self.default_max_tokens < 1:
@@ -87,7 +87,7 @@ class SamplingInput:
 class RequestInput:
     """GenerateRequest (or CompleteRequest) as sent."""
 
-    request_id: str = ""
+    client_request_id: str = ""  # the request's request_id field: the caller's own label
     prompt: str = ""
     messages: tuple[ChatTurn, ...] = ()
     token_ids: tuple[int, ...] = ()
@@ -100,7 +100,7 @@ class RequestInput:
 
 @dataclass(frozen=True)
 class ValidRequest:
-    request_id: str
+    client_request_id: str  # the caller's id, or a fresh one: echoed in every response
     prompt_field: PromptField  # which input the caller used; named in prompt-length errors
     prompt: str
     messages: tuple[ChatTurn, ...]
@@ -115,7 +115,7 @@ def _new_seed() -> int:
     return secrets.randbits(63)
 
 
-def _new_request_id() -> str:
+def _new_client_request_id() -> str:
     return uuid.uuid4().hex
 
 
@@ -124,7 +124,7 @@ def validate(
     limits: Limits,
     *,
     new_seed: Callable[[], int] = _new_seed,
-    new_request_id: Callable[[], str] = _new_request_id,
+    new_client_request_id: Callable[[], str] = _new_client_request_id,
 ) -> ValidRequest:
     """Check everything that needs no other service; raise InvalidArgument naming each bad field.
 
@@ -136,18 +136,18 @@ def validate(
     def bad(field: str, value: object, reason: str) -> None:
         violations.extend(InvalidArgument(field, value, reason).violations)
 
-    if len(request.request_id) > limits.max_request_id_chars:
+    if len(request.client_request_id) > limits.max_client_request_id_chars:
         bad(
             "request_id",
-            f"{len(request.request_id)} characters",
-            f"longer than {limits.max_request_id_chars} characters",
+            f"{len(request.client_request_id)} characters",
+            f"longer than {limits.max_client_request_id_chars} characters",
         )
     prompt_field = _check_input(request, bad)
     sampling = _resolve_sampling(request.sampling, limits, new_seed, bad, violations)
     _raise_if_any(violations)
     assert sampling is not None and prompt_field is not None
     return ValidRequest(
-        request_id=request.request_id or new_request_id(),
+        client_request_id=request.client_request_id or new_client_request_id(),
         prompt_field=prompt_field,
         prompt=request.prompt,
         messages=request.messages,

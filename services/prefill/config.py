@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from mili.arith import ceil_div
 from mili.discovery import DNS_SCHEME, Target, parse_target
 from mili.engine.engine_config import EngineConfig
 from mili.kv_handoff.kv_transport import CHOICES as KV_TRANSPORTS
@@ -90,7 +91,7 @@ class PrefillConfig:
         """The queue bound's tokens in whole blocks: the pool's default size, and the most a
         pool sized from device memory gets (prompts that each round up to whole blocks may
         wait for blocks: the scheduler admits by memory too)."""
-        return -(-self.max_queued_tokens // self.engine.block_size)
+        return ceil_div(self.max_queued_tokens, self.engine.block_size)
 
     def may_send_to(self, address: str) -> bool:
         """Whether KV may go to `address` (compared as host:port, host case-insensitive), by

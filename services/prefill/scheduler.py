@@ -41,6 +41,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from mili.arith import ceil_div
 from mili.engine.block_pool import BlockPool, blocks_needed
 from mili.engine.prefix_cache import PrefixCache
 from mili.errors import InvalidArgument, ResourceExhausted
@@ -140,7 +141,7 @@ class Scheduler:
         return [(s, min(s + c, num_tokens)) for s in range(0, num_tokens, c)]
 
     def num_chunks(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.chunk_tokens)
+        return ceil_div(num_tokens, self.chunk_tokens)
 
     def num_shipped_chunks(self, num_tokens: int, num_skipped_blocks: int) -> int:
         """Chunks that ship any block when decode already holds the first `num_skipped_blocks`

@@ -31,6 +31,7 @@ from typing import Any, NamedTuple
 import grpc
 import torch
 
+from mili.arith import ceil_div
 from mili.common.v1 import sampling_pb2
 from mili.errors import (
     Cancelled,
@@ -230,7 +231,7 @@ class KvSender:
             nonlocal seq
             share = 1  # chunks per job
             if is_in_place:
-                share = -(-len(waiting) // self._encoder_threads)
+                share = ceil_div(len(waiting), self._encoder_threads)
             while waiting and len(encoding) < max_encoding:
                 job = [waiting.popleft() for _ in range(min(share, len(waiting)))]
                 future = self._loop.run_in_executor(self._encoder, self._encode_all, seq, job)

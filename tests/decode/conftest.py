@@ -2,20 +2,23 @@
 
 pytest-asyncio is not a dependency: each test runs its client with `asyncio.run(...)` against a
 server whose event loop lives in a background thread.
+
+torch and grpc are imported by the fixtures, not here: the request table's tests run without
+them (tests/test_layers.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
-from mili.engine.checkpoint import write_random_checkpoint
 from mili.engine.config import Qwen3Config
-from mili.engine.engine_config import EngineConfig
-from services.decode.config import DecodeConfig
-from tests.decode.harness import DecodeServerThread, PrefillPlayer
+
+if TYPE_CHECKING:
+    from tests.decode.harness import DecodeServerThread, PrefillPlayer
 
 BLOCK_SIZE = 8
 NUM_BLOCKS = 128
@@ -41,16 +44,24 @@ TINY = Qwen3Config(
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from mili.engine.checkpoint import write_random_checkpoint  # torch
+
     return write_random_checkpoint(tmp_path_factory.mktemp("decode-tiny"), TINY, seed=3, std=0.1)
 
 
 @pytest.fixture(scope="module")
 def player(tiny_model_dir: Path) -> PrefillPlayer:
+    from tests.decode.harness import PrefillPlayer  # torch, grpc
+
     return PrefillPlayer(tiny_model_dir, BLOCK_SIZE)
 
 
 @pytest.fixture(scope="module")
 def decode_server(tiny_model_dir: Path) -> Iterator[DecodeServerThread]:
+    from mili.engine.engine_config import EngineConfig
+    from services.decode.config import DecodeConfig
+    from tests.decode.harness import DecodeServerThread  # torch, grpc
+
     config = DecodeConfig(
         model_dir=tiny_model_dir,
         engine=EngineConfig(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS),

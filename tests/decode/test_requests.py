@@ -7,7 +7,7 @@ import pytest
 from mili.engine.block_pool import BlockPool
 from mili.engine.sampling_params import SamplingParams
 from mili.errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
-from services.decode.requests import RequestState, RequestTable, blocks_to_reserve
+from services.decode.requests import RequestState, RequestTable
 
 
 def params(max_tokens: int) -> SamplingParams:
@@ -16,17 +16,6 @@ def params(max_tokens: int) -> SamplingParams:
 
 def table(num_blocks: int = 10, max_requests: int = 8) -> RequestTable:
     return RequestTable(BlockPool(num_blocks), block_size=4, max_requests=max_requests)
-
-
-@pytest.mark.parametrize(
-    ("prompt", "max_tokens", "blocks"),
-    [(5, 4, 2), (1, 1, 1), (4, 1, 1), (4, 2, 2), (3, 6, 2), (8, 1, 2), (8, 2, 3)],
-)
-def test_blocks_to_reserve_covers_every_written_position(
-    prompt: int, max_tokens: int, blocks: int
-) -> None:
-    # Positions written: prompt + max_tokens - 1 (the last token is never fed back).
-    assert blocks_to_reserve(prompt, max_tokens, block_size=4) == blocks
 
 
 def test_admit_reserves_prompt_and_output_blocks_in_order() -> None:

@@ -10,7 +10,7 @@ import pytest
 from mili.engine.logprobs import TokenLogprobs
 from mili.engine.stop import FinishReason
 from mili.errors import DataLoss
-from services.decode.stream import TokenEvent, TokenStream, deliver_threadsafe
+from services.decode.stream import Outlets, TokenEvent, TokenStream, deliver_threadsafe
 
 FINISH_LENGTH = FinishReason.LENGTH
 
@@ -71,3 +71,18 @@ def test_deliver_threadsafe_from_another_thread() -> None:
             await streams[2].next()
 
     asyncio.run(body())
+
+
+def test_an_outlet_lives_while_its_call_or_a_transfer_holds_it() -> None:
+    outlets = Outlets()
+    outlet = outlets.open("r1", TokenStream())
+    held = outlets.hold("r1")  # a KV transfer into r1
+    assert held is outlet and outlets.of("r1") is outlet
+    outlets.release("r1", outlet)  # the call ended first: the transfer still finds the stream
+    assert outlets.of("r1") is outlet and len(outlets) == 1
+    outlets.release("r1", held)
+    assert len(outlets) == 0
+    # A stale release (of an earlier request with the same id) leaves the new one's outlet.
+    new = outlets.open("r1", TokenStream())
+    outlets.release("r1", outlet)
+    assert outlets.of("r1") is new

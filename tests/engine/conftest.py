@@ -1,18 +1,20 @@
-"""Tiny random-weight Qwen3 checkpoints on disk, loaded by our engine and by HF transformers."""
+"""Tiny random-weight Qwen3 checkpoints on disk, loaded by our engine and by HF transformers.
+
+torch is imported by the fixtures, not here: the bookkeeping tests of this folder (block pool,
+prefix cache) run without it (tests/test_layers.py)."""
 
 from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
-import torch
 
-from mili.engine.checkpoint import write_random_checkpoint
 from mili.engine.config import Qwen3Config
-from mili.engine.loader import load_model
-from mili.engine.model import Qwen3ForCausalLM
+
+if TYPE_CHECKING:
+    from mili.engine.model import Qwen3ForCausalLM
 
 # std 0.1 (not HF's 0.02) makes logits peaked enough that greedy argmax never sits on a near-tie
 # that float noise between two correct implementations could flip.
@@ -84,6 +86,8 @@ CONFIGS = {
 
 @pytest.fixture(scope="session")
 def checkpoint_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from mili.engine.checkpoint import write_random_checkpoint  # torch
+
     root = tmp_path_factory.mktemp("checkpoints")
     return {
         name: write_random_checkpoint(root / name, config, seed=1, std=STD)
@@ -93,12 +97,16 @@ def checkpoint_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]
 
 @pytest.fixture(scope="session")
 def engine_models(checkpoint_dirs: dict[str, Path]) -> dict[str, Qwen3ForCausalLM]:
+    from mili.engine.loader import load_model  # torch
+
     return {name: load_model(path) for name, path in checkpoint_dirs.items()}
 
 
 @pytest.fixture(scope="session")
 def hf_models(checkpoint_dirs: dict[str, Path]) -> dict[str, Any]:
     """HF transformers' Qwen3ForCausalLM on the same files (eager attention: tightest match)."""
+    import torch
+
     transformers = pytest.importorskip("transformers")
     models: dict[str, Any] = {}
     with warnings.catch_warnings():

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from mili.engine.block_pool import BlockPool, BlockPoolExhausted, blocks_needed
+from mili.engine.block_pool import BlockPool, BlockPoolExhausted, blocks_needed, blocks_to_reserve
 from mili.errors import ResourceExhausted
 
 
@@ -152,3 +152,14 @@ def test_null_block_is_never_allocated_freed_or_shared() -> None:
     pool.free([2, 0, 3, 1])
     assert pool.allocate(4) == [2, 0, 3, 1]  # round trips never bring the null block in
     assert BlockPool(4).null_block_id is None and BlockPool(4).num_ids == 4
+
+
+@pytest.mark.parametrize(
+    ("prompt", "max_tokens", "blocks"),
+    [(5, 4, 2), (1, 1, 1), (4, 1, 1), (4, 2, 2), (3, 6, 2), (8, 1, 2), (8, 2, 3)],
+)
+def test_blocks_to_reserve_covers_every_written_position(
+    prompt: int, max_tokens: int, blocks: int
+) -> None:
+    # Positions written: prompt + max_tokens - 1 (the last token is never fed back).
+    assert blocks_to_reserve(prompt, max_tokens, block_size=4) == blocks

@@ -233,6 +233,14 @@ def test_a_full_decode_is_skipped_for_the_next() -> None:
     assert down.router.decodes["d:1"].num_blocks_since_poll == 0
 
 
+def test_the_blocks_counted_on_decode_are_what_decode_reserves() -> None:
+    # 3 prompt tokens, max_tokens 6, decode's block size 4 (FakeDownstream.decode_block_size):
+    # K/V is written at 3 + 6 - 1 = 8 positions, 2 blocks (not ceil(9 / 4) = 3).
+    down = FakeDownstream({"d:1": [Admitted([7], "token"), tokens(1, finish=FinishReason.LENGTH)]})
+    run(down, SamplingParams(max_tokens=6), prompt=(5, 6, 7))
+    assert down.router.decodes["d:1"].num_blocks_since_poll == 2  # until the next Info poll
+
+
 def test_every_decode_full_is_resource_exhausted_with_the_shortest_retry() -> None:
     down = FakeDownstream(
         {

@@ -249,7 +249,7 @@ def test_affinity_yields_to_load_past_the_slack() -> None:
     r.update_prefill(P1, num_queued_tokens=800, max_prompt_tokens=4096)
     assert r.candidates(affinity=affinity)[0] == Route(P1, D1)
     # a decode without room for the request is not preferred either
-    assert r.candidates(affinity=affinity, num_blocks=89)[0].decode == D0
+    assert r.candidates(affinity=affinity, blocks_needed_on=lambda _: 89)[0].decode == D0
 
 
 def test_an_instance_that_goes_down_loses_its_prefixes() -> None:

@@ -32,7 +32,7 @@ def sampled(**fields: object) -> RequestInput:
 
 
 def check(request: RequestInput, limits: Limits = LIMITS) -> ValidRequest:
-    return validate(request, limits, new_seed=lambda: 1234, new_request_id=lambda: "rid")
+    return validate(request, limits, new_seed=lambda: 1234, new_client_request_id=lambda: "rid")
 
 
 @pytest.mark.parametrize(
@@ -110,7 +110,7 @@ def test_all_violations_reported_at_once() -> None:
             ["messages", "token_ids"],
         ),
         (RequestInput(messages=(ChatTurn("robot", "x"),)), ["messages[0].role"]),
-        (RequestInput(prompt="hi", request_id="r" * 300), ["request_id"]),
+        (RequestInput(prompt="hi", client_request_id="r" * 300), ["request_id"]),
     ],
 )
 def test_bad_input_names_the_field(request_input: RequestInput, bad_fields: list[str]) -> None:
@@ -126,18 +126,18 @@ def test_defaults_are_filled() -> None:
     assert (s.repetition_penalty, s.presence_penalty, s.frequency_penalty) == (1.0, 0.0, 0.0)
     assert s.seed == 1234  # a fresh seed, so prefill and decode draw from the same one
     assert s.logprobs is None and valid.is_default_max_tokens
-    assert valid.request_id == "rid" and valid.prompt_field == "prompt"
+    assert valid.client_request_id == "rid" and valid.prompt_field == "prompt"
 
 
 def test_given_values_and_request_id_are_kept() -> None:
     valid = check(
         RequestInput(
-            request_id="mine",
+            client_request_id="mine",
             token_ids=(5, 6),
             sampling=SamplingInput(max_tokens=7, temperature=0.0, seed=99, logprobs=3),
         )
     )
-    assert valid.request_id == "mine" and valid.prompt_field == "token_ids"
+    assert valid.client_request_id == "mine" and valid.prompt_field == "token_ids"
     s = valid.sampling
     assert (s.max_tokens, s.temperature, s.seed, s.logprobs) == (7, 0.0, 99, 3)
     assert not valid.is_default_max_tokens

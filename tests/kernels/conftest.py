@@ -11,7 +11,7 @@ from typing import NoReturn
 import pytest
 import torch
 
-from kernels import build
+from kernels import build, ptx
 from kernels.backend import AttentionKernels
 from kernels.cpu import CpuKernels
 from kernels.fused import ptx as fused_ptx
@@ -42,7 +42,7 @@ def gpu_kernels(pytestconfig: pytest.Config) -> AttentionKernels:
     kernel_dir = build.gpu_kernel_dir()
     if not (kernel_dir / "manifest.json").exists():
         try:
-            kernel_dir = build.build_gpu()
+            kernel_dir = ptx.build_gpu()
         except build.KernelBuildError as exc:
             kernels_missing(
                 pytestconfig, f"no PTX at {kernel_dir} and it cannot be built here: {exc}"

@@ -28,7 +28,7 @@ def test_torch_choice_is_the_reference() -> None:
 
 
 def test_mojo_is_the_default_where_it_builds() -> None:
-    from kernels import DEFAULT_ATTENTION
+    from mili.engine.engine_config import DEFAULT_ATTENTION
 
     assert DEFAULT_ATTENTION == "auto"
     backend = select_attention("auto", "cpu", head_dim=64)
