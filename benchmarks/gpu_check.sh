@@ -150,7 +150,7 @@ chain_kernels=$!
     piece tests.log 40 "$A_END" "${PYTEST[@]}" tests/prefill/test_hand_over.py \
       tests/engine/test_runner_gpu.py tests/engine/test_runner.py
     piece tests.log 40 "$A_END" "${PYTEST[@]}" tests/prefill/test_cuda_ipc.py \
-      tests/prefill/test_shm_pool.py
+      tests/kv_handoff/test_shm_transport.py
   fi
 ) &
 chain_tests=$!
