@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels.build import build_cpu
 from kernels.cpu import CpuKernels
-from mili.engine.attention import TorchAttention
+from mili.engine.model.attention import TorchAttention
 from tests.kernels.cases import make_case, run_decode, run_prefill
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -22,9 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.generate_cpu import DTYPES, checkpoint_dir
 from kernels.backend import select_attention
-from mili.engine.attention import AttentionBackend, TorchAttention
 from mili.engine.generate import GenerationStats, generate
-from mili.engine.loader import load_model
+from mili.engine.model.attention import AttentionBackend, TorchAttention
+from mili.engine.model.loader import load_model
 from mili.engine.sampling_params import SamplingParams
 
 

@@ -29,10 +29,10 @@ from dataclasses import dataclass
 
 import grpc
 
-from mili.common.v1 import sampling_pb2
-from mili.decode.v1 import decode_pb2, decode_pb2_grpc
-from mili.kv.v1 import kv_pb2
-from mili.prefill.v1 import prefill_pb2, prefill_pb2_grpc
+from mili.pb.common.v1 import sampling_pb2
+from mili.pb.decode.v1 import decode_pb2, decode_pb2_grpc
+from mili.pb.kv.v1 import kv_pb2
+from mili.pb.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 
 _LAYOUT = kv_pb2.KvLayout(
     block_size=16,

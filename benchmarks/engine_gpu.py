@@ -53,13 +53,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.presets import CHOICES, DEFAULT_CACHE, preset_checkpoint
 from kernels.backend import select_attention
 from kernels.fused.backend import select_fused_ops
-from mili.engine.attention import TorchAttention
-from mili.engine.block_pool import BlockPool, blocks_needed
-from mili.engine.loader import load_model
-from mili.engine.model import Qwen3ForCausalLM
-from mili.engine.runner import ModelRunner
+from mili.engine.kv.block_pool import BlockPool, blocks_needed
+from mili.engine.model.attention import TorchAttention
+from mili.engine.model.loader import load_model
+from mili.engine.model.qwen3 import Qwen3ForCausalLM
 from mili.engine.sampling_params import SamplingParams
-from mili.engine.sequence import Sequence
+from mili.engine.step.runner import ModelRunner
+from mili.engine.step.sequence import Sequence
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 LAUNCH_KEYS = ("LaunchKernel", "GraphLaunch", "cuLaunch", "LaunchCooperativeKernel")

@@ -28,14 +28,14 @@ from benchmarks.engine_gpu import DTYPES
 from benchmarks.presets import CHOICES, DEFAULT_CACHE, preset_checkpoint
 from kernels.backend import select_attention
 from kernels.fused.backend import select_fused_ops
-from mili.engine.attention import TorchAttention
-from mili.engine.block_pool import BlockPool, blocks_needed
-from mili.engine.fused_ops import TorchFusedOps
-from mili.engine.loader import load_model
-from mili.engine.model import Qwen3ForCausalLM
-from mili.engine.runner import ModelRunner
+from mili.engine.kv.block_pool import BlockPool, blocks_needed
+from mili.engine.model.attention import TorchAttention
+from mili.engine.model.fused_ops import TorchFusedOps
+from mili.engine.model.loader import load_model
+from mili.engine.model.qwen3 import Qwen3ForCausalLM
 from mili.engine.sampling_params import SamplingParams
-from mili.engine.sequence import Sequence
+from mili.engine.step.runner import ModelRunner
+from mili.engine.step.sequence import Sequence
 
 MAX_REL_ERR = 0.1
 MIN_ARGMAX_AGREEMENT = 0.5

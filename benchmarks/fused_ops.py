@@ -35,13 +35,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels.backend import select_attention
 from kernels.fused.backend import select_fused_ops
-from mili.engine.attention import AttentionBackend
-from mili.engine.checkpoint import write_random_checkpoint
-from mili.engine.config import PRESETS
-from mili.engine.fused_ops import FusedOps, TorchFusedOps
-from mili.engine.kv_cache import KVCache
-from mili.engine.loader import load_model
-from mili.engine.model import DecodeBatch, PrefillBatch
+from mili.engine.model.attention import AttentionBackend
+from mili.engine.model.checkpoint import write_random_checkpoint
+from mili.engine.model.config import PRESETS
+from mili.engine.model.fused_ops import FusedOps, TorchFusedOps
+from mili.engine.model.kv_cache import KVCache
+from mili.engine.model.loader import load_model
+from mili.engine.model.qwen3 import DecodeBatch, PrefillBatch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER = 1024, 16, 8, 128, 3072

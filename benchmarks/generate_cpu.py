@@ -26,10 +26,10 @@ from pathlib import Path
 
 import torch
 
-from mili.engine.checkpoint import cached_random_checkpoint
-from mili.engine.config import PRESETS
 from mili.engine.generate import GenerationStats, generate
-from mili.engine.loader import load_model
+from mili.engine.model.checkpoint import cached_random_checkpoint
+from mili.engine.model.config import PRESETS
+from mili.engine.model.loader import load_model
 from mili.engine.sampling_params import SamplingParams
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

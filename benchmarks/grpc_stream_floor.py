@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from mili.frontend.v1 import generation_pb2, generation_pb2_grpc
+from mili.pb.frontend.v1 import generation_pb2, generation_pb2_grpc
 
 
 class _Steps(generation_pb2_grpc.GenerationServiceServicer):

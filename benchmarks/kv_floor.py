@@ -41,7 +41,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from mili.engine.config import PRESETS
+from mili.engine.model.config import PRESETS
 from mili.kv_handoff import checksums
 from mili.rpc.client import insecure_channel
 

@@ -56,20 +56,20 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.presets, as a script
 
 from benchmarks.presets import CHOICES, DEFAULT_CACHE, preset_checkpoint, preset_config
-from mili.common.v1 import sampling_pb2
-from mili.decode.v1 import decode_pb2, decode_pb2_grpc
-from mili.engine.config import Qwen3Config
 from mili.engine.engine_config import EngineConfig
-from mili.engine.fingerprint import model_fingerprint
-from mili.engine.kv_cache import KVCache
-from mili.engine.loader import load_model
-from mili.engine.model import PrefillBatch, Qwen3ForCausalLM
-from mili.engine.pinned import StagingRing
-from mili.engine.runner import ModelRunner
+from mili.engine.model.config import Qwen3Config
+from mili.engine.model.fingerprint import model_fingerprint
+from mili.engine.model.kv_cache import KVCache
+from mili.engine.model.loader import load_model
+from mili.engine.model.qwen3 import PrefillBatch, Qwen3ForCausalLM
 from mili.engine.sampling_params import SamplingParams
-from mili.kv.v1 import kv_pb2, kv_pb2_grpc
+from mili.engine.step.pinned import StagingRing
+from mili.engine.step.runner import ModelRunner
 from mili.kv_handoff.codec import ChunkView, decode_chunk, parse_transfer_request, torch_dtype
-from mili.prefill.v1 import prefill_pb2, prefill_pb2_grpc
+from mili.pb.common.v1 import sampling_pb2
+from mili.pb.decode.v1 import decode_pb2, decode_pb2_grpc
+from mili.pb.kv.v1 import kv_pb2, kv_pb2_grpc
+from mili.pb.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from mili.rpc.client import insecure_channel
 from mili.rpc.kv_layout import check_compatible
 from mili.rpc.server import RpcServer, ServerConfig

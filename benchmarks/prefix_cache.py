@@ -53,9 +53,9 @@ import grpc
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.serving, as a script
 
 from benchmarks.serving import mili_serve
-from mili.common.v1 import sampling_pb2
-from mili.engine.block_hash import block_hashes
-from mili.frontend.v1 import generation_pb2, generation_pb2_grpc
+from mili.engine.kv.block_hash import block_hashes
+from mili.pb.common.v1 import sampling_pb2
+from mili.pb.frontend.v1 import generation_pb2, generation_pb2_grpc
 from mili.ports import pick_free
 
 BLOCK_SIZE = 16  # the services' default
@@ -82,8 +82,8 @@ def model_dir(cache_dir: Path) -> Path:
     import dataclasses
 
     from mili.demo.model import default_model_dir, demo_config
-    from mili.engine.checkpoint import cached_random_checkpoint
-    from mili.engine.config import Qwen3Config
+    from mili.engine.model.checkpoint import cached_random_checkpoint
+    from mili.engine.model.config import Qwen3Config
 
     demo = default_model_dir()
     padded = Qwen3Config.from_file(demo / "config.json")

@@ -1,5 +1,5 @@
-"""The random-weight models the benchmarks share: mili.engine.config's Qwen3 presets, plus `tiny`
-for checks of the scripts themselves (seconds on any CPU, same code paths).
+"""The random-weight models the benchmarks share: mili.engine.model.config's Qwen3 presets, plus
+`tiny` for checks of the scripts themselves (seconds on any CPU, same code paths).
 
 Each is written once as a checkpoint into the cache directory the benchmarks share
 (mili.engine.checkpoint.cached_random_checkpoint: `<name>-<dtype>-seed0`), then reused.
@@ -10,9 +10,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from mili.engine.checkpoint import cached_random_checkpoint
-from mili.engine.config import PRESETS, Qwen3Config
-from mili.engine.loader import load_config
+from mili.engine.model.checkpoint import cached_random_checkpoint
+from mili.engine.model.config import PRESETS, Qwen3Config
+from mili.engine.model.loader import load_config
 
 DEFAULT_CACHE = Path.home() / ".cache" / "mili" / "bench"
 # 2 layers, heads 64 wide (the Mojo kernels' smallest head_dim, so `--attention mojo` runs), GQA

@@ -64,14 +64,14 @@ from typing import Any, TextIO
 import torch
 
 from mili.client import bench as client
-from mili.engine.checkpoint import cached_random_checkpoint
-from mili.engine.config import PRESETS
 from mili.engine.generate import generate
-from mili.engine.kv_cache import KVCache
-from mili.engine.loader import load_model as _load_weights
-from mili.engine.model import DecodeBatch, PrefillBatch, Qwen3ForCausalLM
-from mili.engine.sampler import Sampler, SequenceSampling
+from mili.engine.model.checkpoint import cached_random_checkpoint
+from mili.engine.model.config import PRESETS
+from mili.engine.model.kv_cache import KVCache
+from mili.engine.model.loader import load_model as _load_weights
+from mili.engine.model.qwen3 import DecodeBatch, PrefillBatch, Qwen3ForCausalLM
 from mili.engine.sampling_params import SamplingParams
+from mili.engine.step.sampler import Sampler, SequenceSampling
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "qwen3-0.6b"
@@ -406,8 +406,8 @@ async def stream_one(
     3..output of decode and their trip to the client, without the request's admission,
     prefill and KV hand-off.
     """
-    from mili.common.v1 import sampling_pb2
-    from mili.frontend.v1 import generation_pb2, generation_pb2_grpc
+    from mili.pb.common.v1 import sampling_pb2
+    from mili.pb.frontend.v1 import generation_pb2, generation_pb2_grpc
     from mili.rpc.client import insecure_channel
 
     itl_s: list[float] = []

@@ -135,8 +135,8 @@ def build_model(directory: Path, model_vocab: int) -> Path:
     import torch
 
     from mili.demo import tokenizer as demo
-    from mili.engine import checkpoint
-    from mili.engine.config import Qwen3Config
+    from mili.engine.model import checkpoint
+    from mili.engine.model.config import Qwen3Config
 
     tokenizer = build_tokenizer()
     config = Qwen3Config(

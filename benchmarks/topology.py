@@ -56,8 +56,8 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.netns, as a script
 
-from mili.common.v1 import sampling_pb2
-from mili.frontend.v1 import generation_pb2, generation_pb2_grpc
+from mili.pb.common.v1 import sampling_pb2
+from mili.pb.frontend.v1 import generation_pb2, generation_pb2_grpc
 from mili.rpc.certs import Authority, CertFiles
 from tests import netns
 from tests.service_process import ServiceProcess

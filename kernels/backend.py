@@ -19,8 +19,8 @@ import torch
 from kernels import build, ptx
 from kernels.checks import HEAD_DIMS
 from kernels.cpu import CpuKernels
-from mili.engine.attention import AttentionBackend, TorchAttention
 from mili.engine.engine_config import ATTENTION_CHOICES
+from mili.engine.model.attention import AttentionBackend, TorchAttention
 
 _LOG = logging.getLogger("mili.kernels")
 
@@ -65,7 +65,7 @@ class MojoAttention:
     def __init__(self, kernels: AttentionKernels, device_type: str) -> None:
         self._kernels = kernels
         self._device_type = device_type
-        # Graph-safe only where the kernels object says so (mili.engine.attention's contract):
+        # Graph-safe only where the kernels object says so (mili.engine.model.attention's contract):
         # never on CPU (CUDA graphs are CUDA's), on the GPU once its kernels declare
         # `is_graph_safe = True`.
         self.is_graph_safe = device_type == "cuda" and bool(

@@ -2,7 +2,7 @@
 
 A Mojo kernel trusts the pointers and sizes it is handed: a wrong stride or a short block table is
 a crash or silent garbage, never an exception. So everything the kernels assume is checked here,
-in Python, with messages that name the argument. Shapes as in `mili.engine.attention`:
+in Python, with messages that name the argument. Shapes as in `mili.engine.model.attention`:
 
     q            [T, H, D] (prefill) or [B, H, D] (decode), contiguous, fp32/bf16/fp16
     k/v_cache    [N, S, KVH, D] contiguous, q's dtype and device

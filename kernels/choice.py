@@ -30,9 +30,9 @@ from kernels.self_check import (
     check_kernels,
     load_family,
 )
-from mili.engine.attention import AttentionBackend, TorchAttention
 from mili.engine.engine_config import ATTENTION_CHOICES
-from mili.engine.fused_ops import FusedOps, TorchFusedOps
+from mili.engine.model.attention import AttentionBackend, TorchAttention
+from mili.engine.model.fused_ops import FusedOps, TorchFusedOps
 
 _LOG = logging.getLogger("mili.kernels")
 

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from kernels import build
-from mili.engine.kv_layout import DTYPES  # one specialisation per dtype a service may run
+from mili.engine.kv.kv_layout import DTYPES  # one specialisation per dtype a service may run
 
 _LOG = logging.getLogger("mili.kernels")
 

@@ -33,9 +33,9 @@ import torch
 
 from kernels.backend import select_attention
 from kernels.fused.backend import select_fused_ops
-from mili.engine.attention import TorchAttention
-from mili.engine.config import Qwen3Config
-from mili.engine.fused_ops import TorchFusedOps
+from mili.engine.model.attention import TorchAttention
+from mili.engine.model.config import Qwen3Config
+from mili.engine.model.fused_ops import TorchFusedOps
 
 ATTENTION = "attention"
 FUSED = "fused"

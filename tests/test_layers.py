@@ -31,10 +31,10 @@ PACKAGES = ("mili", "services", "kernels")
 # Pure Python bookkeeping with exact ids (docs/architecture.md, "Three layers"), and its tests.
 BOOKKEEPING = [
     "mili.arith",
-    "mili.engine.block_pool",
-    "mili.engine.block_hash",
-    "mili.engine.prefix_cache",
-    "mili.engine.byte_ring",
+    "mili.engine.kv.block_pool",
+    "mili.engine.kv.block_hash",
+    "mili.engine.kv.prefix_cache",
+    "mili.engine.step.byte_ring",
     "services.decode.requests",
     "services.decode.progress",
     "services.prefill.scheduler",
@@ -249,17 +249,22 @@ def _modules(root: Path = ROOT) -> list[str]:
 
 
 def _unit(module: str, root: Path = ROOT) -> str:
-    """The package `module` belongs to, for the no-circle rule: its subpackage (mili.engine,
-    mili.rpc, services.decode, kernels.fused, mili.decode.v1...), whose modules may import each
-    other freely; a module directly in a top folder (mili/, kernels/, services/) is a unit of its
-    own. Those folders hold independent pieces (mili.errors, used by everything, and mili.cli,
-    which uses everything; kernels.build and kernels.ptx), not one package: taken as one, mili
-    would be a circle with every subpackage by construction."""
+    """The package `module` belongs to, for the no-circle rule: its subpackage (mili.rpc,
+    mili.engine.kv, services.decode, kernels.fused, mili.pb.decode.v1...), whose modules may import
+    each other freely; a module directly in a folder that holds subpackages (mili/, kernels/,
+    services/, mili/engine/) is a unit of its own. Such folders hold independent pieces
+    (mili.errors, used by everything, and mili.cli, which uses everything; kernels.build and
+    kernels.ptx; mili.engine.engine_config and mili.engine.generate), not one package: taken as
+    one, mili would be a circle with every subpackage by construction."""
     path = _path(module, root)
     package = (
         module if path is not None and path.name == "__init__.py" else module.rpartition(".")[0]
     )
-    return package if "." in package else module
+    if not package:
+        return module
+    folder = root / package.replace(".", "/")
+    has_subpackages = any((child / "__init__.py").exists() for child in folder.iterdir())
+    return module if has_subpackages else package
 
 
 def _package_graph(root: Path = ROOT) -> dict[str, dict[str, tuple[str, str]]]:
@@ -314,17 +319,18 @@ def test_the_cycle_finder_finds_circles() -> None:
     assert _find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
     assert _find_cycle({"a": {"a"}}) == ["a", "a"]
     graph = {unit: set(arrows) for unit, arrows in _package_graph().items()}
-    assert "mili.engine" in graph["services.decode"]
-    graph["mili.engine"].add("services.decode")
+    assert "mili.engine.step" in graph["services.decode"]
+    graph["mili.engine.step"].add("services.decode")
     cycle = _find_cycle(graph)
-    assert cycle is not None and {"mili.engine", "services.decode"} <= set(cycle)
+    assert cycle is not None and {"mili.engine.step", "services.decode"} <= set(cycle)
 
 
 def test_units_are_subpackages_or_top_level_modules() -> None:
-    assert _unit("mili.engine.block_pool") == _unit("mili.engine") == "mili.engine"
+    assert _unit("mili.engine.kv.block_pool") == _unit("mili.engine.kv") == "mili.engine.kv"
+    assert _unit("mili.engine.engine_config") == "mili.engine.engine_config"
     assert _unit("services.decode.requests") == "services.decode"
     assert _unit("kernels.fused.ptx") == "kernels.fused"
-    assert _unit("mili.decode.v1.decode_pb2") == "mili.decode.v1"
+    assert _unit("mili.pb.decode.v1.decode_pb2") == "mili.pb.decode.v1"
     assert (_unit("mili.errors"), _unit("kernels.build"), _unit("mili")) == (
         "mili.errors",
         "kernels.build",

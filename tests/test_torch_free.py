@@ -15,7 +15,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from mili.frontend.v1 import generation_pb2, generation_pb2_grpc
+from mili.pb.frontend.v1 import generation_pb2, generation_pb2_grpc
 from tests.service_process import ROOT, ServiceProcess
 
 # Runs `mili ARGS...` as `python -m mili` does, and on the way out (after the SIGTERM drain)
@@ -46,7 +46,7 @@ assert "torch" not in sys.modules, "{module} imported torch"
         "services.frontend.server",
         "services.tokenizer.__main__",
         "mili.rpc.kv_layout",
-        "mili.engine.kv_layout",
+        "mili.engine.kv.kv_layout",
         "services.decode.config",  # every service's flags are built by `mili --help`
         "services.prefill.__main__",
     ],

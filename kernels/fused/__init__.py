@@ -1,4 +1,4 @@
-"""Mojo kernels of a decoder layer's fused elementwise ops (mili/engine/fused_ops.py).
+"""Mojo kernels of a decoder layer's fused elementwise ops (mili/engine/model/fused_ops.py).
 
     checks.py   argument checks shared by both bindings
     cpu.py      CpuFusedKernels: the CPU kernels (kernels/mojo/fused_cpu.mojo, exported by the

@@ -20,7 +20,7 @@ from kernels import build
 from kernels.checks import HEAD_DIMS
 from kernels.fused.cpu import CpuFusedKernels
 from mili.engine.engine_config import ATTENTION_CHOICES
-from mili.engine.fused_ops import FusedOps, TorchFusedOps
+from mili.engine.model.fused_ops import FusedOps, TorchFusedOps
 
 _LOG = logging.getLogger("mili.kernels")
 

@@ -2,7 +2,7 @@
 
 Like kernels/checks.py for attention: the kernels trust pointers and sizes, so every shape,
 dtype, device and contiguity they assume is checked here, with messages naming the argument.
-Shapes as in mili/engine/fused_ops.py.
+Shapes as in mili/engine/model/fused_ops.py.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""GpuFusedKernels: the fused ops (mili/engine/fused_ops.py) on the sm_90 PTX of
+"""GpuFusedKernels: the fused ops (mili/engine/model/fused_ops.py) on the sm_90 PTX of
 kernels/mojo/fused_gpu.mojo, launched on torch's current stream (kernels/fused/ptx.py builds it).
 
 The driver binding (cuda-python) is the attention kernels' (kernels/gpu.py). Nothing here reads

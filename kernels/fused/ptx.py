@@ -18,7 +18,7 @@ from typing import Any
 
 from kernels import build
 from kernels.ptx import compile_entries, pick_entry
-from mili.engine.kv_layout import DTYPES
+from mili.engine.kv.kv_layout import DTYPES
 
 FUSED_DIR_SUFFIX = "-fused"
 MANIFEST_FORMAT = 1

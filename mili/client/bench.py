@@ -193,8 +193,8 @@ async def _one(stub: object, request: object, timeout_s: float) -> RequestResult
 
 async def bench(args: argparse.Namespace, tls: Tls | None = None) -> dict[str, Any]:
     """`tls`: TLS to every address (None: plaintext)."""
-    from mili.common.v1 import sampling_pb2
-    from mili.frontend.v1 import generation_pb2, generation_pb2_grpc
+    from mili.pb.common.v1 import sampling_pb2
+    from mili.pb.frontend.v1 import generation_pb2, generation_pb2_grpc
     from mili.rpc.client import channel as open_channel
 
     low, high = (int(x) for x in args.token_id_range.split(":"))

@@ -46,8 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_request(args: argparse.Namespace) -> object:
-    from mili.common.v1 import chat_pb2, sampling_pb2
-    from mili.frontend.v1 import generation_pb2
+    from mili.pb.common.v1 import chat_pb2, sampling_pb2
+    from mili.pb.frontend.v1 import generation_pb2
 
     sampling = sampling_pb2.SamplingParams(stop=args.stop, ignore_eos=args.ignore_eos)
     for flag, field in (
@@ -75,8 +75,8 @@ def build_request(args: argparse.Namespace) -> object:
 def run(args: argparse.Namespace) -> int:
     import grpc
 
-    from mili.common.v1 import sampling_pb2
-    from mili.frontend.v1 import generation_pb2_grpc
+    from mili.pb.common.v1 import sampling_pb2
+    from mili.pb.frontend.v1 import generation_pb2_grpc
 
     if args.seed is not None and args.seed < 0:
         print("mili generate: error: --seed must be >= 0", file=sys.stderr)

@@ -21,8 +21,8 @@ import torch
 
 from mili.cache import cache_root
 from mili.demo import tokenizer as demo_tokenizer
-from mili.engine import checkpoint
-from mili.engine.config import Qwen3Config
+from mili.engine.model import checkpoint
+from mili.engine.model.config import Qwen3Config
 
 _LOG = logging.getLogger("mili.demo")
 SEED = 20261121

@@ -20,9 +20,9 @@ import argparse
 import re
 from dataclasses import dataclass
 
-from mili.engine.kv_layout import DEFAULT_BLOCK_SIZE, DTYPES
+from mili.engine.kv.kv_layout import DEFAULT_BLOCK_SIZE, DTYPES
 
-# --attention values: the engine owns the attention interface (mili.engine.attention), so it
+# --attention values: the engine owns the attention interface (mili.engine.model.attention), so it
 # owns the list; kernels/choice.py select_kernels says what each means.
 ATTENTION_CHOICES = ("auto", "mojo", "torch")
 DEFAULT_ATTENTION = "auto"

@@ -17,13 +17,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mili.engine.block_pool import BlockPool, blocks_needed
-from mili.engine.kv_cache import KVCache
-from mili.engine.kv_layout import DEFAULT_BLOCK_SIZE
-from mili.engine.model import DecodeBatch, PrefillBatch, Qwen3ForCausalLM
-from mili.engine.sampler import Sampler
+from mili.engine.kv.block_pool import BlockPool, blocks_needed
+from mili.engine.kv.kv_layout import DEFAULT_BLOCK_SIZE
+from mili.engine.model.kv_cache import KVCache
+from mili.engine.model.qwen3 import DecodeBatch, PrefillBatch, Qwen3ForCausalLM
 from mili.engine.sampling_params import SamplingParams
-from mili.engine.sequence import Sequence
+from mili.engine.step.sampler import Sampler
+from mili.engine.step.sequence import Sequence
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Log-probabilities reported for one generated token (see mili.engine.sampler for what they
+"""Log-probabilities reported for one generated token (see mili.engine.step.sampler for what they
 describe: the model's raw distribution, before penalties, temperature and filters). Pure Python."""
 
 from __future__ import annotations

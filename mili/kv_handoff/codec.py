@@ -1,6 +1,6 @@
 """KV blocks on the wire: KvChunk encode/decode with CRC-32 (tensors <-> bytes).
 
-One chunk carries the K and V of some whole blocks of one layer (see mili/kv/v1/kv.proto):
+One chunk carries the K and V of some whole blocks of one layer (see protos/mili/kv/v1/kv.proto):
 
     data = bytes(K) + bytes(V), each a C-order [n_blocks, block_size, num_kv_heads, head_dim]
            tensor of the layout's dtype (little-endian, as torch stores it on x86/ARM and CUDA)
@@ -40,11 +40,11 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from mili.engine.kv_cache import TORCH_DTYPES
+from mili.engine.model.kv_cache import TORCH_DTYPES
 from mili.errors import DataLoss, FailedPrecondition
-from mili.kv.v1 import kv_pb2
 from mili.kv_handoff.block_rows import block_rows, block_runs
 from mili.kv_handoff.checksums import CRC32, digest
+from mili.pb.kv.v1 import kv_pb2
 from mili.rpc.kv_layout import block_bytes
 
 

@@ -8,15 +8,15 @@ from collections.abc import Sequence
 
 import torch
 
-from mili.engine.kv_cache import pool_bytes, pool_views
-from mili.engine.kv_layout import KVLayout
-from mili.engine.pinned import thread_stream
+from mili.engine.kv.kv_layout import KVLayout
+from mili.engine.model.kv_cache import pool_bytes, pool_views
+from mili.engine.step.pinned import thread_stream
 from mili.errors import DataLoss
-from mili.kv.v1 import kv_pb2
 from mili.kv_handoff.block_rows import block_runs
 from mili.kv_handoff.codec import Chunk, chunk_name, encode_chunk_in_place, in_place_pools
 from mili.kv_handoff.cuda_ipc import blocks_checksum, import_pool
 from mili.kv_handoff.kv_transport import CUDA_IPC
+from mili.pb.kv.v1 import kv_pb2
 
 
 class CudaIpcTransport:

@@ -7,9 +7,9 @@ from typing import Protocol
 
 import torch
 
-from mili.kv.v1 import kv_pb2
 from mili.kv_handoff.codec import Chunk, decode_chunk, encode_chunk_request
 from mili.kv_handoff.kv_transport import GRPC
+from mili.pb.kv.v1 import kv_pb2
 
 
 class Scatter(Protocol):

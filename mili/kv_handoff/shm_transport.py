@@ -7,10 +7,9 @@ from collections.abc import Sequence
 
 import torch
 
-from mili.engine.kv_cache import pool_bytes, pool_views
-from mili.engine.kv_layout import KVLayout
+from mili.engine.kv.kv_layout import KVLayout
+from mili.engine.model.kv_cache import pool_bytes, pool_views
 from mili.errors import DataLoss
-from mili.kv.v1 import kv_pb2
 from mili.kv_handoff import checksums
 from mili.kv_handoff.block_rows import as_rows, block_rows, copy_rows, fits
 from mili.kv_handoff.codec import (
@@ -23,6 +22,7 @@ from mili.kv_handoff.codec import (
 )
 from mili.kv_handoff.kv_transport import SHM
 from mili.kv_handoff.shm_segment import Segment, is_alive
+from mili.pb.kv.v1 import kv_pb2
 
 
 class ShmTransport:

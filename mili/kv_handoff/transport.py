@@ -23,9 +23,8 @@ from typing import Protocol
 
 import torch
 
-from mili.engine.kv_cache import KVCache
-from mili.engine.kv_layout import KVLayout
-from mili.kv.v1 import kv_pb2
+from mili.engine.kv.kv_layout import KVLayout
+from mili.engine.model.kv_cache import KVCache
 from mili.kv_handoff import checksums
 from mili.kv_handoff.codec import Chunk
 from mili.kv_handoff.cuda_ipc_transport import CudaIpcTransport
@@ -33,6 +32,7 @@ from mili.kv_handoff.grpc_transport import GrpcTransport, Scatter
 from mili.kv_handoff.kv_transport import CUDA_IPC, GRPC, SHM, Endpoint, choose
 from mili.kv_handoff.shm_segment import Segment
 from mili.kv_handoff.shm_transport import ShmTransport
+from mili.pb.kv.v1 import kv_pb2
 
 
 class KvTransport(Protocol):

@@ -9,10 +9,10 @@ torch to do so. The chunks themselves (tensors <-> bytes) are `mili.kv_handoff.c
 
 from __future__ import annotations
 
-from mili.engine.kv_layout import KVLayout
-from mili.engine.kv_layout import block_bytes as _block_bytes
+from mili.engine.kv.kv_layout import KVLayout
+from mili.engine.kv.kv_layout import block_bytes as _block_bytes
 from mili.errors import FailedPrecondition
-from mili.kv.v1 import kv_pb2
+from mili.pb.kv.v1 import kv_pb2
 
 BLOCK_ORDER = "block,slot,head,dim"  # [num_blocks, block_size, num_kv_heads, head_dim]
 

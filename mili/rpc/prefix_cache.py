@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from mili.engine.prefix_cache import PrefixCacheReading
-from mili.kv.v1 import kv_pb2
+from mili.engine.kv.prefix_cache import PrefixCacheReading
+from mili.pb.kv.v1 import kv_pb2
 
 
 def prefix_cache_to_proto(reading: PrefixCacheReading) -> kv_pb2.PrefixCacheInfo:

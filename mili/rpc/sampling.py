@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from mili.common.v1 import sampling_pb2
 from mili.engine.logprobs import TokenLogprobs
 from mili.engine.sampling_params import OPTIONAL_FIELDS, SamplingParams
 from mili.engine.stop import FinishReason
 from mili.errors import FieldViolation, InvalidArgument
+from mili.pb.common.v1 import sampling_pb2
 
 _FINISH_REASONS = {
     None: sampling_pb2.FINISH_REASON_UNSPECIFIED,

@@ -36,7 +36,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from mili.engine.prefix_cache import PrefixCacheReading
+from mili.engine.kv.prefix_cache import PrefixCacheReading
 
 # Bucket bounds (seconds unless noted), wide enough for a CPU test model and an H200 alike.
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)

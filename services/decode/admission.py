@@ -8,9 +8,9 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from mili.decode.v1 import decode_pb2
 from mili.errors import DeadlineExceeded, InvalidArgument
-from mili.kv.v1 import kv_pb2
+from mili.pb.decode.v1 import decode_pb2
+from mili.pb.kv.v1 import kv_pb2
 from mili.rpc.kv_layout import check_compatible
 from mili.rpc.sampling import sampling_params
 from services.decode.instance import DecodeInstance

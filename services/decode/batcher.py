@@ -31,9 +31,9 @@ from opentelemetry.trace import Span
 from prometheus_client import CollectorRegistry
 
 from mili.engine.logprobs import TokenLogprobs
-from mili.engine.pinned import StagingRing, pinned_empty, thread_stream
-from mili.engine.runner import ModelRunner, use_device
-from mili.engine.sequence import Sequence
+from mili.engine.step.pinned import StagingRing, pinned_empty, thread_stream
+from mili.engine.step.runner import ModelRunner, use_device
+from mili.engine.step.sequence import Sequence
 from mili.errors import Unavailable
 from mili.kv_handoff import block_rows
 from mili.telemetry.metrics import DecodeMetrics

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import grpc
 
-from mili.decode.v1 import decode_pb2
-from mili.engine.kv_layout import KVLayout
-from mili.kv.v1 import kv_pb2
+from mili.engine.kv.kv_layout import KVLayout
+from mili.pb.decode.v1 import decode_pb2
+from mili.pb.kv.v1 import kv_pb2
 from mili.rpc.kv_layout import layout_to_proto
 from mili.rpc.sampling import finish_reason_to_proto, logprobs_to_proto
 from mili.rpc.status import DETAILS_KEY

@@ -32,8 +32,8 @@ import grpc
 from opentelemetry import propagate, trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
-from mili.decode.v1 import decode_pb2
 from mili.errors import Cancelled, DeadlineExceeded, Unavailable
+from mili.pb.decode.v1 import decode_pb2
 from mili.rpc.status import code_of, is_internal, status_of
 from mili.telemetry.metrics import RequestMetrics
 from services.decode import convert

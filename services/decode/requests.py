@@ -33,13 +33,13 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from mili.engine.block_pool import (
+from mili.engine.kv.block_pool import (
     BlockPool,
     BlockPoolExhausted,
     blocks_needed,
     blocks_to_reserve,
 )
-from mili.engine.prefix_cache import PrefixCache, PrefixCacheReading
+from mili.engine.kv.prefix_cache import PrefixCache, PrefixCacheReading
 from mili.engine.sampling_params import SamplingParams
 from mili.errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 

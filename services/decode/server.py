@@ -13,11 +13,11 @@ from contextlib import aclosing
 import grpc
 from opentelemetry import trace
 
-from mili.decode.v1 import decode_pb2, decode_pb2_grpc
 from mili.discovery import PeerSet
 from mili.errors import Cancelled, Unavailable
-from mili.kv.v1 import kv_pb2
 from mili.kv_handoff.codec import parse_transfer_request
+from mili.pb.decode.v1 import decode_pb2, decode_pb2_grpc
+from mili.pb.kv.v1 import kv_pb2
 from mili.rpc.prefix_cache import prefix_cache_to_proto
 from mili.rpc.server import RpcServer
 from mili.telemetry.metrics import RequestMetrics

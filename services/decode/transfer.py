@@ -47,10 +47,10 @@ from opentelemetry import trace
 from mili.arith import ceil_div
 from mili.discovery import PeerSet, is_trusted_peer
 from mili.errors import Cancelled, DataLoss, InvalidArgument, PermissionDenied, Unavailable
-from mili.kv.v1 import kv_pb2, kv_pb2_grpc
 from mili.kv_handoff import checksums, kv_transport
 from mili.kv_handoff.codec import ACCEPTED_KEY, Chunk, ChunkView
 from mili.kv_handoff.transport import answer, receivers
+from mili.pb.kv.v1 import kv_pb2, kv_pb2_grpc
 from mili.rpc.kv_layout import block_bytes, check_compatible
 from mili.rpc.sampling import logprobs_from_proto
 from services.decode import convert

@@ -36,16 +36,16 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
 
-from mili.decode.v1 import decode_pb2, decode_pb2_grpc
 from mili.discovery import LookupFailed, Resolve, Target, parse_targets, resolve_host
 from mili.errors import FailedPrecondition
-from mili.kv.v1 import kv_pb2
-from mili.prefill.v1 import prefill_pb2, prefill_pb2_grpc
+from mili.pb.decode.v1 import decode_pb2, decode_pb2_grpc
+from mili.pb.kv.v1 import kv_pb2
+from mili.pb.prefill.v1 import prefill_pb2, prefill_pb2_grpc
+from mili.pb.tokenizer.v1 import tokenizer_pb2_grpc
 from mili.rpc.client import channel, connection_hint
 from mili.rpc.kv_layout import check_compatible, describe
 from mili.rpc.tls import Tls
 from mili.telemetry.metrics import FrontendMetrics
-from mili.tokenizer.v1 import tokenizer_pb2_grpc
 from services.frontend.config import FrontendConfig
 from services.frontend.multiplex import DecodeMultiplexer
 from services.frontend.router import MemberChanges, Router

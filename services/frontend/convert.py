@@ -7,11 +7,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from mili.common.v1 import chat_pb2, sampling_pb2
-from mili.decode.v1 import decode_pb2
-from mili.frontend.v1 import generation_pb2
-from mili.kv.v1 import kv_pb2
-from mili.prefill.v1 import prefill_pb2
+from mili.pb.common.v1 import chat_pb2, sampling_pb2
+from mili.pb.decode.v1 import decode_pb2
+from mili.pb.frontend.v1 import generation_pb2
+from mili.pb.kv.v1 import kv_pb2
+from mili.pb.prefill.v1 import prefill_pb2
+from mili.pb.tokenizer.v1 import tokenizer_pb2
 from mili.rpc.sampling import (
     finish_reason_from_proto,
     finish_reason_to_proto,
@@ -19,7 +20,6 @@ from mili.rpc.sampling import (
     logprobs_to_proto,
     sampling_params_to_proto,
 )
-from mili.tokenizer.v1 import tokenizer_pb2
 from services.frontend.calls import Admitted, PrefillStats, Prompt, RequestIds, Tokens
 from services.frontend.pipeline import Delta
 from services.frontend.router import Member, State

@@ -28,7 +28,7 @@ from typing import Any
 import grpc
 from opentelemetry import context as otel_context
 
-from mili.decode.v1 import decode_pb2, decode_pb2_grpc
+from mili.pb.decode.v1 import decode_pb2, decode_pb2_grpc
 from mili.rpc.status import DETAILS_KEY, server_status_of
 from mili.telemetry.tracing import end_carried_call_span, start_carried_call_span
 from services.frontend import convert

@@ -27,7 +27,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
-from mili.engine.block_pool import blocks_to_reserve
+from mili.engine.kv.block_pool import blocks_to_reserve
 from mili.engine.logprobs import TokenLogprobs
 from mili.engine.stop import FinishReason, check_stop
 from mili.errors import ResourceExhausted, Unavailable

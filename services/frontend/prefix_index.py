@@ -1,6 +1,6 @@
 """Which instance probably holds which prompt prefix: the frontend's approximate, expiring index.
 
-Pure bookkeeping for cache-aware routing. Keys are `mili.engine.block_hash` keys over
+Pure bookkeeping for cache-aware routing. Keys are `mili.engine.kv.block_hash` keys over
 `block_size`-token chunks of a prompt (the same keys prefill and decode index their caches by,
 when their block size is the same), so "instance A holds keys k0..k4" means A computed or
 received the KV of the prompt's first 5 chunks. The index learns from what the frontend itself
@@ -17,8 +17,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from mili.engine.block_hash import block_hashes
-from mili.engine.kv_layout import DEFAULT_BLOCK_SIZE
+from mili.engine.kv.block_hash import block_hashes
+from mili.engine.kv.kv_layout import DEFAULT_BLOCK_SIZE
 
 
 class PrefixIndex:

@@ -23,7 +23,7 @@ from opentelemetry.trace import Span
 from prometheus_client import CollectorRegistry
 
 from mili.errors import ResourceExhausted
-from mili.frontend.v1 import generation_pb2, generation_pb2_grpc
+from mili.pb.frontend.v1 import generation_pb2, generation_pb2_grpc
 from mili.rpc.server import RpcServer
 from mili.rpc.status import code_of
 from mili.telemetry.metrics import FrontendMetrics

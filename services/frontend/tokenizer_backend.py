@@ -18,7 +18,7 @@ import logging
 import grpc
 
 from mili.errors import Unavailable
-from mili.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from mili.pb.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from services.frontend.calls import TokenizerFacts
 from services.frontend.downstream import error_from
 from services.frontend.text import LocalDetokenizer

@@ -40,7 +40,7 @@ class PrefillConfig:
     # Prefill: without this list we would dial whatever it names. Empty: none; ANY_DECODE: any.
     # A dns:///NAME:PORT entry allows every address NAME resolves to (`decode_names`).
     allowed_decodes: tuple[str, ...] = ()
-    # Reuse the KV of full blocks earlier prompts computed (mili.engine.prefix_cache): a prompt
+    # Reuse the KV of full blocks earlier prompts computed (mili.engine.kv.prefix_cache): a prompt
     # computes only what follows its longest cached prefix. Cached blocks no request holds are
     # evicted, least recently used first, when a prompt needs the room.
     prefix_caching: bool = True

@@ -7,9 +7,9 @@ with BadRequest details.
 
 from __future__ import annotations
 
-from mili.engine.block_pool import blocks_needed
+from mili.engine.kv.block_pool import blocks_needed
 from mili.errors import FieldViolation, InvalidArgument
-from mili.prefill.v1 import prefill_pb2
+from mili.pb.prefill.v1 import prefill_pb2
 from mili.rpc.sampling import sampling_params
 from services.prefill.task import PrefillTask
 

@@ -16,14 +16,14 @@ from prometheus_client import CollectorRegistry
 from kernels.build import KernelBuildError
 from kernels.choice import select_kernels
 from kernels.self_check import CheckShape
-from mili.engine.block_pool import BlockPool
-from mili.engine.config import ConfigError
-from mili.engine.fingerprint import model_fingerprint
-from mili.engine.kv_cache import dtype_name
-from mili.engine.kv_layout import KVLayout
-from mili.engine.loader import load_config
-from mili.engine.model import Qwen3ForCausalLM
-from mili.engine.runner import ModelRunner, require_device
+from mili.engine.kv.block_pool import BlockPool
+from mili.engine.kv.kv_layout import KVLayout
+from mili.engine.model.config import ConfigError
+from mili.engine.model.fingerprint import model_fingerprint
+from mili.engine.model.kv_cache import dtype_name
+from mili.engine.model.loader import load_config
+from mili.engine.model.qwen3 import Qwen3ForCausalLM
+from mili.engine.step.runner import ModelRunner, require_device
 from mili.errors import StartupError
 from mili.telemetry.metrics import PrefillMetrics, PrefixCacheCollector
 from services.prefill.config import PrefillConfig

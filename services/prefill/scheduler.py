@@ -42,8 +42,8 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from mili.arith import ceil_div
-from mili.engine.block_pool import BlockPool, blocks_needed
-from mili.engine.prefix_cache import PrefixCache
+from mili.engine.kv.block_pool import BlockPool, blocks_needed
+from mili.engine.kv.prefix_cache import PrefixCache
 from mili.errors import InvalidArgument, ResourceExhausted
 
 

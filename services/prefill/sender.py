@@ -32,7 +32,6 @@ import grpc
 import torch
 
 from mili.arith import ceil_div
-from mili.common.v1 import sampling_pb2
 from mili.errors import (
     Cancelled,
     DataLoss,
@@ -44,8 +43,9 @@ from mili.errors import (
     PeerUnavailable,
     ResourceExhausted,
 )
-from mili.kv.v1 import kv_pb2
 from mili.kv_handoff.codec import ACCEPTED_KEY, batch_in_place
+from mili.pb.common.v1 import sampling_pb2
+from mili.pb.kv.v1 import kv_pb2
 from mili.rpc.status import server_status_of
 from services.prefill.pairing import GRPC_PAIRING, Pairing
 from services.prefill.task import FirstToken, PrefillTask

@@ -24,7 +24,7 @@ from opentelemetry.trace import Span
 from mili.discovery import PeerSet, Resolve, resolve_host
 from mili.errors import PermissionDenied, Unavailable
 from mili.kv_handoff.kv_transport import TransportConfig
-from mili.prefill.v1 import prefill_pb2, prefill_pb2_grpc
+from mili.pb.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from mili.rpc.kv_layout import block_bytes, layout_to_proto
 from mili.rpc.prefix_cache import prefix_cache_to_proto
 from mili.rpc.server import RpcServer

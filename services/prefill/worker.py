@@ -30,11 +30,11 @@ from opentelemetry import trace
 from opentelemetry.trace import Span
 from prometheus_client import CollectorRegistry
 
-from mili.engine.kv_cache import KVCache
-from mili.engine.pinned import StagingRing, pinned_empty, thread_stream
-from mili.engine.prefix_cache import PrefixCacheReading
-from mili.engine.runner import ModelRunner, use_device
-from mili.engine.sampler import SequenceSampling
+from mili.engine.kv.prefix_cache import PrefixCacheReading
+from mili.engine.model.kv_cache import KVCache
+from mili.engine.step.pinned import StagingRing, pinned_empty, thread_stream
+from mili.engine.step.runner import ModelRunner, use_device
+from mili.engine.step.sampler import SequenceSampling
 from mili.errors import Unavailable
 from mili.telemetry.metrics import PrefillMetrics
 from mili.telemetry.tracing import start_batch_span

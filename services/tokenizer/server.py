@@ -8,11 +8,11 @@ from dataclasses import dataclass
 
 import grpc
 
-from mili.common.v1 import chat_pb2
 from mili.errors import InvalidArgument
+from mili.pb.common.v1 import chat_pb2
+from mili.pb.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from mili.rpc.server import RpcServer
 from mili.text.detokenizer import IncrementalDetokenizer
-from mili.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from services.tokenizer.chat_template import Message
 from services.tokenizer.tokenizer import ModelTokenizer
 

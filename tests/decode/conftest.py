@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from mili.engine.config import Qwen3Config
+from mili.engine.model.config import Qwen3Config
 
 if TYPE_CHECKING:
     from tests.decode.harness import DecodeServerThread, PrefillPlayer
@@ -44,7 +44,7 @@ TINY = Qwen3Config(
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from mili.engine.checkpoint import write_random_checkpoint  # torch
+    from mili.engine.model.checkpoint import write_random_checkpoint  # torch
 
     return write_random_checkpoint(tmp_path_factory.mktemp("decode-tiny"), TINY, seed=3, std=0.1)
 

@@ -21,19 +21,19 @@ from typing import Any, TypeVar
 import grpc
 import torch
 
-from mili.common.v1 import sampling_pb2
-from mili.decode.v1 import decode_pb2, decode_pb2_grpc
 from mili.discovery import PeerSet
-from mili.engine.block_pool import blocks_needed
-from mili.engine.fingerprint import model_fingerprint
 from mili.engine.generate import generate
-from mili.engine.kv_cache import KVCache
-from mili.engine.loader import load_model
-from mili.engine.model import PrefillBatch
-from mili.engine.sampler import Sampler, SequenceSampling
+from mili.engine.kv.block_pool import blocks_needed
+from mili.engine.model.fingerprint import model_fingerprint
+from mili.engine.model.kv_cache import KVCache
+from mili.engine.model.loader import load_model
+from mili.engine.model.qwen3 import PrefillBatch
 from mili.engine.sampling_params import SamplingParams
-from mili.kv.v1 import kv_pb2, kv_pb2_grpc
+from mili.engine.step.sampler import Sampler, SequenceSampling
 from mili.kv_handoff.codec import encode_chunk
+from mili.pb.common.v1 import sampling_pb2
+from mili.pb.decode.v1 import decode_pb2, decode_pb2_grpc
+from mili.pb.kv.v1 import kv_pb2, kv_pb2_grpc
 from mili.rpc.kv_layout import layout_to_proto
 from mili.rpc.sampling import sampling_params_to_proto
 from mili.rpc.server import RpcServer, ServerConfig

@@ -10,10 +10,10 @@ from typing import Any
 import grpc
 import pytest
 
-from mili.common.v1 import sampling_pb2
-from mili.decode.v1 import decode_pb2
 from mili.engine.sampling_params import SamplingParams
-from mili.kv.v1 import kv_pb2
+from mili.pb.common.v1 import sampling_pb2
+from mili.pb.decode.v1 import decode_pb2
+from mili.pb.kv.v1 import kv_pb2
 from mili.rpc.client import insecure_channel
 from mili.rpc.status import bad_request_of, retry_info_of
 from tests.decode.conftest import NUM_BLOCKS

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from mili.common.v1 import sampling_pb2
 from mili.engine.engine_config import EngineConfig
 from mili.engine.generate import generate
 from mili.engine.sampling_params import SamplingParams
+from mili.pb.common.v1 import sampling_pb2
 from mili.rpc.client import insecure_channel
 from mili.rpc.kv_layout import block_bytes
 from services.decode.config import DecodeConfig

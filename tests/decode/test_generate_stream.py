@@ -9,8 +9,8 @@ from typing import Any
 
 import grpc
 
-from mili.decode.v1 import decode_pb2
 from mili.engine.sampling_params import SamplingParams
+from mili.pb.decode.v1 import decode_pb2
 from mili.rpc.client import insecure_channel
 from tests.decode.conftest import NUM_BLOCKS
 from tests.decode.harness import (

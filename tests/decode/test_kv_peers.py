@@ -12,11 +12,11 @@ from pathlib import Path
 
 import grpc
 
-from mili.decode.v1 import decode_pb2
 from mili.discovery import PeerSet, parse_targets
 from mili.engine.engine_config import EngineConfig
 from mili.engine.sampling_params import SamplingParams
-from mili.kv.v1 import kv_pb2
+from mili.pb.decode.v1 import decode_pb2
+from mili.pb.kv.v1 import kv_pb2
 from mili.rpc.certs import Authority, CertFiles
 from mili.rpc.client import channel, insecure_channel
 from mili.rpc.server import ServerConfig, ServerTls

@@ -13,8 +13,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from mili.decode.v1 import decode_pb2
 from mili.engine.sampling_params import SamplingParams
+from mili.pb.decode.v1 import decode_pb2
 from mili.rpc.client import insecure_channel
 from tests.decode.conftest import BLOCK_SIZE
 from tests.decode.harness import Client, PrefillPlayer, blocks_back, random_prompt, sampling

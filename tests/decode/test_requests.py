@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mili.engine.block_pool import BlockPool
+from mili.engine.kv.block_pool import BlockPool
 from mili.engine.sampling_params import SamplingParams
 from mili.errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 from services.decode.requests import RequestState, RequestTable

@@ -13,15 +13,15 @@ import grpc
 import pytest
 import torch
 
-from mili.decode.v1 import decode_pb2
-from mili.engine.kv_cache import KVCache
+from mili.engine.model.kv_cache import KVCache
 from mili.engine.sampling_params import SamplingParams
 from mili.errors import DataLoss
-from mili.kv.v1 import kv_pb2
 from mili.kv_handoff import checksums, kv_transport
 from mili.kv_handoff.block_rows import fits, write_blocks
 from mili.kv_handoff.codec import batch_in_place
 from mili.kv_handoff.shm_transport import ShmTransport
+from mili.pb.decode.v1 import decode_pb2
+from mili.pb.kv.v1 import kv_pb2
 from mili.rpc.client import insecure_channel
 from services.decode.landing import Landing
 from services.decode.transfer import KvTransferServicer

@@ -15,10 +15,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from mili.decode.v1 import decode_pb2, decode_pb2_grpc
-from mili.frontend.v1 import generation_pb2, generation_pb2_grpc
+from mili.pb.decode.v1 import decode_pb2, decode_pb2_grpc
+from mili.pb.frontend.v1 import generation_pb2, generation_pb2_grpc
+from mili.pb.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from mili.ports import pick_free
-from mili.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from tests.service_process import ServiceProcess
 
 # Small KV pools: the defaults (1 GiB per decode instance) are for real serving, not for tests.

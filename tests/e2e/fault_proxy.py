@@ -36,9 +36,9 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2
 
-from mili.decode.v1 import decode_pb2
-from mili.kv.v1 import kv_pb2
 from mili.kv_handoff.codec import ACCEPTED_KEY
+from mili.pb.decode.v1 import decode_pb2
+from mili.pb.kv.v1 import kv_pb2
 from mili.rpc.client import channel_options
 from mili.rpc.status import server_status_of, status_header
 

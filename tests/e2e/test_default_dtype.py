@@ -8,9 +8,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from mili.decode.v1 import decode_pb2, decode_pb2_grpc
 from mili.flags import default_dtype
-from mili.prefill.v1 import prefill_pb2, prefill_pb2_grpc
+from mili.pb.decode.v1 import decode_pb2, decode_pb2_grpc
+from mili.pb.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from tests.e2e.conftest import DECODE_ARGS, PREFILL_ARGS, start_all
 
 

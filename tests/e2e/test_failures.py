@@ -19,9 +19,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from mili.common.v1 import sampling_pb2
-from mili.frontend.v1 import generation_pb2
 from mili.kv_handoff.shm_segment import segments_of
+from mili.pb.common.v1 import sampling_pb2
+from mili.pb.frontend.v1 import generation_pb2
 from mili.rpc.status import retry_info_of
 from tests.e2e.conftest import Deployment, deploy
 from tests.service_process import ServiceProcess

@@ -11,8 +11,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from mili.common.v1 import sampling_pb2
-from mili.frontend.v1 import generation_pb2
+from mili.pb.common.v1 import sampling_pb2
+from mili.pb.frontend.v1 import generation_pb2
 from tests.e2e.conftest import DECODE_ARGS, Deployment, deploy
 from tests.service_process import ServiceProcess
 

@@ -13,12 +13,12 @@ from typing import Any
 import grpc
 import pytest
 
-from mili.common.v1 import sampling_pb2
-from mili.decode.v1 import decode_pb2
-from mili.frontend.v1 import generation_pb2
-from mili.kv.v1 import kv_pb2
-from mili.prefill.v1 import prefill_pb2
-from mili.tokenizer.v1 import tokenizer_pb2
+from mili.pb.common.v1 import sampling_pb2
+from mili.pb.decode.v1 import decode_pb2
+from mili.pb.frontend.v1 import generation_pb2
+from mili.pb.kv.v1 import kv_pb2
+from mili.pb.prefill.v1 import prefill_pb2
+from mili.pb.tokenizer.v1 import tokenizer_pb2
 from tests.e2e.conftest import Deployment
 from tests.service_process import ServiceProcess
 

@@ -30,9 +30,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from mili.common.v1 import sampling_pb2
-from mili.frontend.v1 import generation_pb2
-from mili.prefill.v1 import prefill_pb2, prefill_pb2_grpc
+from mili.pb.common.v1 import sampling_pb2
+from mili.pb.frontend.v1 import generation_pb2
+from mili.pb.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from tests.e2e.conftest import Deployment, deploy
 from tests.e2e.fault_proxy import FaultProxy
 from tests.service_process import ServiceProcess

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import grpc
 
-from mili.common.v1 import sampling_pb2
-from mili.frontend.v1 import generation_pb2, generation_pb2_grpc
+from mili.pb.common.v1 import sampling_pb2
+from mili.pb.frontend.v1 import generation_pb2, generation_pb2_grpc
 from tests.service_process import ROOT, ServiceProcess
 
 

@@ -14,11 +14,11 @@ import grpc
 import pytest
 import torch
 
-from mili.common.v1 import chat_pb2, sampling_pb2
 from mili.engine.generate import generate
-from mili.engine.loader import load_model
+from mili.engine.model.loader import load_model
 from mili.engine.sampling_params import SamplingParams
-from mili.frontend.v1 import generation_pb2
+from mili.pb.common.v1 import chat_pb2, sampling_pb2
+from mili.pb.frontend.v1 import generation_pb2
 from mili.rpc.status import bad_request_of
 from tests.e2e.conftest import Deployment
 from tests.reflection_client import ReflectionClient

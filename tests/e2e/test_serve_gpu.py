@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from mili.engine.checkpoint import cached_random_checkpoint
-from mili.engine.config import PRESETS
+from mili.engine.model.checkpoint import cached_random_checkpoint
+from mili.engine.model.config import PRESETS
 from tests.service_process import ROOT, ServiceProcess
 
 pytestmark = [

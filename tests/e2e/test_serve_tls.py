@@ -24,10 +24,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from mili.common.v1 import sampling_pb2
-from mili.frontend.v1 import generation_pb2, generation_pb2_grpc
+from mili.pb.common.v1 import sampling_pb2
+from mili.pb.frontend.v1 import generation_pb2, generation_pb2_grpc
+from mili.pb.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from mili.rpc.certs import Authority, CertFiles
-from mili.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from tests.service_process import ROOT, ServiceProcess
 
 GRPCURL = shutil.which("grpcurl", path=str(Path(sys.executable).parent)) or shutil.which("grpcurl")

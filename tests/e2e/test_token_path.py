@@ -9,8 +9,8 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from mili.common.v1 import sampling_pb2
-from mili.frontend.v1 import generation_pb2, generation_pb2_grpc
+from mili.pb.common.v1 import sampling_pb2
+from mili.pb.frontend.v1 import generation_pb2, generation_pb2_grpc
 from tests.e2e.conftest import Deployment
 from tests.e2e.test_pipeline import greedy, random_prompt
 from tests.service_process import ServiceProcess

@@ -33,13 +33,13 @@ import grpc
 import pytest
 import torch
 
-from mili.common.v1 import sampling_pb2
 from mili.engine.generate import generate
-from mili.engine.loader import load_model
+from mili.engine.model.loader import load_model
 from mili.engine.sampling_params import SamplingParams
-from mili.frontend.v1 import generation_pb2, generation_pb2_grpc
+from mili.pb.common.v1 import sampling_pb2
+from mili.pb.frontend.v1 import generation_pb2, generation_pb2_grpc
+from mili.pb.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from mili.ports import pick_free
-from mili.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from mili.rpc.certs import Authority, CertFiles
 from mili.rpc.server import RpcServer, ServerConfig, ServerTls
 from mili.rpc.tls import Tls, TlsFiles

@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from mili.engine.config import Qwen3Config
+from mili.engine.model.config import Qwen3Config
 
 if TYPE_CHECKING:
-    from mili.engine.model import Qwen3ForCausalLM
+    from mili.engine.model.qwen3 import Qwen3ForCausalLM
 
 # std 0.1 (not HF's 0.02) makes logits peaked enough that greedy argmax never sits on a near-tie
 # that float noise between two correct implementations could flip.
@@ -86,7 +86,7 @@ CONFIGS = {
 
 @pytest.fixture(scope="session")
 def checkpoint_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from mili.engine.checkpoint import write_random_checkpoint  # torch
+    from mili.engine.model.checkpoint import write_random_checkpoint  # torch
 
     root = tmp_path_factory.mktemp("checkpoints")
     return {
@@ -97,7 +97,7 @@ def checkpoint_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]
 
 @pytest.fixture(scope="session")
 def engine_models(checkpoint_dirs: dict[str, Path]) -> dict[str, Qwen3ForCausalLM]:
-    from mili.engine.loader import load_model  # torch
+    from mili.engine.model.loader import load_model  # torch
 
     return {name: load_model(path) for name, path in checkpoint_dirs.items()}
 

@@ -2,7 +2,12 @@ from __future__ import annotations
 
 import pytest
 
-from mili.engine.block_pool import BlockPool, BlockPoolExhausted, blocks_needed, blocks_to_reserve
+from mili.engine.kv.block_pool import (
+    BlockPool,
+    BlockPoolExhausted,
+    blocks_needed,
+    blocks_to_reserve,
+)
 from mili.errors import ResourceExhausted
 
 

@@ -1,4 +1,4 @@
-"""mili.engine.byte_ring: spans of one buffer in ring order, and the staging ring on top of it
+"""mili.engine.step.byte_ring: spans of one buffer in ring order, and the staging ring on top of it
 (mili.engine.pinned.StagingRing, here on the CPU: the same code without pinning)."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import weakref
 import pytest
 import torch
 
-from mili.engine.byte_ring import ByteRing
-from mili.engine.pinned import StagingRing
+from mili.engine.step.byte_ring import ByteRing
+from mili.engine.step.pinned import StagingRing
 
 
 def test_spans_are_taken_in_order_and_aligned():

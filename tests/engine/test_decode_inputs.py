@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mili.engine.block_table_rows import BlockTableRows
-from mili.engine.buckets import graph_batch_sizes, padded_batch_size
-from mili.engine.decode_inputs import DecodeInputs
+from mili.engine.kv.block_table_rows import BlockTableRows
 from mili.engine.sampling_params import SamplingParams
-from mili.engine.sequence import Sequence
+from mili.engine.step.buckets import graph_batch_sizes, padded_batch_size
+from mili.engine.step.decode_inputs import DecodeInputs
+from mili.engine.step.sequence import Sequence
 
 NULL = 99
 BLOCK_SIZE = 4

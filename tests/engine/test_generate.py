@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 import torch
 
-from mili.engine.block_pool import BlockPool, BlockPoolExhausted
 from mili.engine.generate import generate
-from mili.engine.kv_cache import KVCache
-from mili.engine.loader import load_model
-from mili.engine.model import Qwen3ForCausalLM
+from mili.engine.kv.block_pool import BlockPool, BlockPoolExhausted
+from mili.engine.model.kv_cache import KVCache
+from mili.engine.model.loader import load_model
+from mili.engine.model.qwen3 import Qwen3ForCausalLM
 from mili.engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)

@@ -12,17 +12,17 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from mili.engine.checkpoint import (
+from mili.engine.model.checkpoint import (
     INDEX_FILE,
     SINGLE_FILE,
     cached_random_checkpoint,
     write_random_checkpoint,
 )
-from mili.engine.config import ConfigError, Qwen3Config
-from mili.engine.kv_cache import KVCache
-from mili.engine.loader import CheckpointError, CheckpointWarning, load_model, tensor_files
-from mili.engine.model import PrefillBatch, Qwen3ForCausalLM
-from mili.engine.weight_map import hf_tensor
+from mili.engine.model.config import ConfigError, Qwen3Config
+from mili.engine.model.kv_cache import KVCache
+from mili.engine.model.loader import CheckpointError, CheckpointWarning, load_model, tensor_files
+from mili.engine.model.qwen3 import PrefillBatch, Qwen3ForCausalLM
+from mili.engine.model.weight_map import hf_tensor
 
 CONFIG = Qwen3Config(
     vocab_size=128,

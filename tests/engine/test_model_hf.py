@@ -10,17 +10,17 @@ from typing import Any
 import pytest
 import torch
 
-from mili.engine.config import PRESETS
-from mili.engine.kv_cache import (
+from mili.engine.model.config import PRESETS
+from mili.engine.model.kv_cache import (
     KVCache,
     bytes_per_block,
     num_blocks_for_budget,
     slot_mapping,
     slots_for_range,
 )
-from mili.engine.loader import load_model
-from mili.engine.model import DecodeBatch, PrefillBatch, Qwen3ForCausalLM
-from mili.engine.rope import RotaryEmbedding
+from mili.engine.model.loader import load_model
+from mili.engine.model.qwen3 import DecodeBatch, PrefillBatch, Qwen3ForCausalLM
+from mili.engine.model.rope import RotaryEmbedding
 
 TOL = 1e-4  # fp32, max abs difference of logits
 HF_CONFIGS = ["tied_gqa2", "untied_gqa4"]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from mili.engine.block_hash import block_hashes
-from mili.engine.block_pool import BlockPool, BlockPoolExhausted
-from mili.engine.prefix_cache import PrefixCache
+from mili.engine.kv.block_hash import block_hashes
+from mili.engine.kv.block_pool import BlockPool, BlockPoolExhausted
+from mili.engine.kv.prefix_cache import PrefixCache
 
 B = 4  # block size
 

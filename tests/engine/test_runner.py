@@ -7,12 +7,12 @@ import logging
 
 import torch
 
-from mili.engine.block_pool import BlockPool, blocks_needed
-from mili.engine.model import DecodeBatch, Qwen3ForCausalLM
-from mili.engine.runner import ModelRunner
-from mili.engine.sampler import SequenceSampling
+from mili.engine.kv.block_pool import BlockPool, blocks_needed
+from mili.engine.model.qwen3 import DecodeBatch, Qwen3ForCausalLM
 from mili.engine.sampling_params import SamplingParams
-from mili.engine.sequence import Sequence
+from mili.engine.step.runner import ModelRunner
+from mili.engine.step.sampler import SequenceSampling
+from mili.engine.step.sequence import Sequence
 
 BLOCK_SIZE = 4
 

@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from mili.engine.attention import TorchAttention
-from mili.engine.block_pool import BlockPool, blocks_needed
-from mili.engine.loader import load_model
-from mili.engine.model import Qwen3ForCausalLM
-from mili.engine.runner import ModelRunner
+from mili.engine.kv.block_pool import BlockPool, blocks_needed
+from mili.engine.model.attention import TorchAttention
+from mili.engine.model.loader import load_model
+from mili.engine.model.qwen3 import Qwen3ForCausalLM
 from mili.engine.sampling_params import SamplingParams
-from mili.engine.sequence import Sequence
+from mili.engine.step.runner import ModelRunner
+from mili.engine.step.sequence import Sequence
 from tests.engine.greedy_divergence import describe_divergence
 
 pytestmark = [

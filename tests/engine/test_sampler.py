@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from mili.engine.sampler import (
+from mili.engine.step.sampler import (
     Sampler,
     SamplingParams,
     SequenceSampling,

@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mili.engine.checkpoint import SINGLE_FILE, tensor_shapes
-from mili.engine.loader import load_model
-from mili.engine.model import Qwen3ForCausalLM
-from mili.engine.weight_map import hf_tensor, weight_map
+from mili.engine.model.checkpoint import SINGLE_FILE, tensor_shapes
+from mili.engine.model.loader import load_model
+from mili.engine.model.qwen3 import Qwen3ForCausalLM
+from mili.engine.model.weight_map import hf_tensor, weight_map
 from tests.engine.conftest import CONFIGS
 from tests.engine.test_model_hf import TOL, Runner, hf_logits, max_diff, random_ids
 

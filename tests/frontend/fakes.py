@@ -23,16 +23,16 @@ import grpc
 from tokenizers import AddedToken, Tokenizer, decoders, models
 
 from mili import errors
-from mili.common.v1 import sampling_pb2
-from mili.decode.v1 import decode_pb2, decode_pb2_grpc
-from mili.frontend.v1 import generation_pb2_grpc
-from mili.kv.v1 import kv_pb2
-from mili.prefill.v1 import prefill_pb2, prefill_pb2_grpc
+from mili.pb.common.v1 import sampling_pb2
+from mili.pb.decode.v1 import decode_pb2, decode_pb2_grpc
+from mili.pb.frontend.v1 import generation_pb2_grpc
+from mili.pb.kv.v1 import kv_pb2
+from mili.pb.prefill.v1 import prefill_pb2, prefill_pb2_grpc
+from mili.pb.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from mili.rpc.client import insecure_channel
 from mili.rpc.server import RpcServer, ServerConfig
 from mili.rpc.status import DETAILS_KEY, status_of
 from mili.telemetry.metrics import FrontendMetrics
-from mili.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from services.frontend.backends import Backends
 from services.frontend.config import FrontendConfig
 from services.frontend.router import Router

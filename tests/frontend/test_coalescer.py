@@ -11,9 +11,9 @@ from collections.abc import AsyncGenerator
 import grpc
 import pytest
 
-from mili.common.v1 import sampling_pb2
 from mili.engine.stop import FinishReason
-from mili.frontend.v1 import generation_pb2, generation_pb2_grpc
+from mili.pb.common.v1 import sampling_pb2
+from mili.pb.frontend.v1 import generation_pb2, generation_pb2_grpc
 from services.frontend.coalescer import coalesced
 from services.frontend.pipeline import Delta
 from tests.frontend.fakes import FakeDecode, collect, ids, stack, text_of

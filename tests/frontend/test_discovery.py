@@ -15,16 +15,16 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from mili.common.v1 import sampling_pb2
-from mili.decode.v1 import decode_pb2_grpc
 from mili.discovery import LookupFailed
-from mili.frontend.v1 import generation_pb2, generation_pb2_grpc
+from mili.pb.common.v1 import sampling_pb2
+from mili.pb.decode.v1 import decode_pb2_grpc
+from mili.pb.frontend.v1 import generation_pb2, generation_pb2_grpc
+from mili.pb.prefill.v1 import prefill_pb2_grpc
+from mili.pb.tokenizer.v1 import tokenizer_pb2_grpc
 from mili.ports import pick_free
-from mili.prefill.v1 import prefill_pb2_grpc
 from mili.rpc.client import insecure_channel
 from mili.rpc.server import RpcServer, ServerConfig
 from mili.telemetry.metrics import FrontendMetrics
-from mili.tokenizer.v1 import tokenizer_pb2_grpc
 from services.frontend.backends import Backends
 from services.frontend.config import FrontendConfig
 from services.frontend.router import Router

@@ -9,8 +9,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from mili.common.v1 import sampling_pb2
-from mili.frontend.v1 import generation_pb2
+from mili.pb.common.v1 import sampling_pb2
+from mili.pb.frontend.v1 import generation_pb2
 from tests.frontend.fakes import FakePrefill, collect, stack, wait_until
 
 

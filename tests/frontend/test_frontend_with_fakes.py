@@ -10,8 +10,8 @@ import grpc
 import pytest
 
 from mili import errors
-from mili.common.v1 import sampling_pb2
-from mili.frontend.v1 import generation_pb2
+from mili.pb.common.v1 import sampling_pb2
+from mili.pb.frontend.v1 import generation_pb2
 from mili.rpc.status import retry_info_of
 from services.frontend.validation import Limits
 from tests.frontend.fakes import (

@@ -12,13 +12,13 @@ from typing import Any
 
 import pytest
 
-from mili.decode.v1 import decode_pb2_grpc
+from mili.pb.decode.v1 import decode_pb2_grpc
+from mili.pb.prefill.v1 import prefill_pb2_grpc
+from mili.pb.tokenizer.v1 import tokenizer_pb2_grpc
 from mili.ports import pick_free
-from mili.prefill.v1 import prefill_pb2_grpc
 from mili.rpc.certs import Authority
 from mili.rpc.server import RpcServer, ServerConfig, ServerTls
 from mili.rpc.tls import Tls, TlsFiles
-from mili.tokenizer.v1 import tokenizer_pb2_grpc
 from services.frontend.backends import Backends
 from services.frontend.config import FrontendConfig
 from services.frontend.router import Router

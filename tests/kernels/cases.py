@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.backend import AttentionKernels
-from mili.engine.attention import TorchAttention
+from mili.engine.model.attention import TorchAttention
 
 
 @dataclass

@@ -16,7 +16,7 @@ from kernels.backend import AttentionKernels
 from kernels.cpu import CpuKernels
 from kernels.fused import ptx as fused_ptx
 from kernels.fused.cpu import CpuFusedKernels
-from mili.engine.fused_ops import FusedOps
+from mili.engine.model.fused_ops import FusedOps
 
 
 def kernels_missing(config: pytest.Config, reason: str) -> NoReturn:

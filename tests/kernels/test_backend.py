@@ -11,9 +11,9 @@ import torch
 
 from kernels import build
 from kernels.backend import MojoAttention, select_attention
-from mili.engine.attention import TorchAttention
 from mili.engine.generate import generate
-from mili.engine.loader import load_model
+from mili.engine.model.attention import TorchAttention
+from mili.engine.model.loader import load_model
 from mili.engine.sampling_params import SamplingParams
 
 

@@ -21,7 +21,7 @@ from kernels import build
 from kernels.fused import ptx
 from kernels.fused.gpu import GpuFusedKernels, pack
 from kernels.ptx import parse_entries
-from mili.engine.fused_ops import FusedOps, TorchFusedOps
+from mili.engine.model.fused_ops import FusedOps, TorchFusedOps
 from tests.kernels.test_fused_parity import TOKENS, _randn, _rope_case, _run_rope, assert_close
 
 EPS = 1e-6

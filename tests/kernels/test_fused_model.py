@@ -17,13 +17,13 @@ import torch
 from kernels import build
 from kernels.fused.backend import select_fused_ops
 from kernels.fused.cpu import CpuFusedKernels
-from mili.engine.checkpoint import write_random_checkpoint
-from mili.engine.config import Qwen3Config
-from mili.engine.fused_ops import TorchFusedOps
 from mili.engine.generate import generate
-from mili.engine.kv_cache import KVCache
-from mili.engine.loader import load_model
-from mili.engine.model import DecodeBatch, PrefillBatch
+from mili.engine.model.checkpoint import write_random_checkpoint
+from mili.engine.model.config import Qwen3Config
+from mili.engine.model.fused_ops import TorchFusedOps
+from mili.engine.model.kv_cache import KVCache
+from mili.engine.model.loader import load_model
+from mili.engine.model.qwen3 import DecodeBatch, PrefillBatch
 from mili.engine.sampling_params import SamplingParams
 
 LOGITS_TOL = 1e-4  # fp32, max abs difference of logits (as test_model_hf.py)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kernels.fused.checks import check_qk_norm_rope
-from mili.engine.fused_ops import FusedOps, TorchFusedOps
+from mili.engine.model.fused_ops import FusedOps, TorchFusedOps
 
 REFERENCE = TorchFusedOps()
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -22,13 +22,13 @@ from kernels import build
 from kernels.backend import MojoAttention
 from kernels.cpu import CpuKernels
 from kernels.fused.cpu import CpuFusedKernels
-from mili.engine.attention import TorchAttention
-from mili.engine.checkpoint import write_random_checkpoint
-from mili.engine.config import Qwen3Config
-from mili.engine.fused_ops import TorchFusedOps
-from mili.engine.kv_cache import KVCache
-from mili.engine.loader import load_model
-from mili.engine.model import DecodeBatch, PrefillBatch
+from mili.engine.model.attention import TorchAttention
+from mili.engine.model.checkpoint import write_random_checkpoint
+from mili.engine.model.config import Qwen3Config
+from mili.engine.model.fused_ops import TorchFusedOps
+from mili.engine.model.kv_cache import KVCache
+from mili.engine.model.loader import load_model
+from mili.engine.model.qwen3 import DecodeBatch, PrefillBatch
 
 MAX_KERNELS_PER_LAYER = 14
 BLOCK_SIZE = 16

@@ -22,10 +22,10 @@ from kernels.self_check import (
     check_kernels,
     run_child,
 )
-from mili.decode.v1 import decode_pb2, decode_pb2_grpc
-from mili.engine.attention import TorchAttention
 from mili.engine.engine_config import EngineConfig
-from mili.engine.fused_ops import TorchFusedOps
+from mili.engine.model.attention import TorchAttention
+from mili.engine.model.fused_ops import TorchFusedOps
+from mili.pb.decode.v1 import decode_pb2, decode_pb2_grpc
 from services.decode.config import DecodeConfig
 from services.prefill.config import PrefillConfig
 from services.prefill.instance import PrefillInstance

@@ -8,11 +8,11 @@ import pytest
 import torch
 from google.protobuf.message import DecodeError
 
-from mili.engine.kv_layout import KVLayout
+from mili.engine.kv.kv_layout import KVLayout
 from mili.errors import DataLoss
-from mili.kv.v1 import kv_pb2
 from mili.kv_handoff import checksums, codec
 from mili.kv_handoff.block_rows import block_runs
+from mili.pb.kv.v1 import kv_pb2
 from mili.rpc import kv_layout
 
 LAYOUT = KVLayout(num_layers=4, block_size=16, num_kv_heads=2, head_dim=32, dtype="bfloat16")

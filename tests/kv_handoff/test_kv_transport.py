@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from kernels.backend import select_attention
-from mili.engine.checkpoint import write_random_checkpoint
-from mili.engine.config import Qwen3Config
 from mili.engine.engine_config import EngineConfig
-from mili.engine.kv_cache import KVCache, pool_bytes
-from mili.engine.runner import ModelRunner
+from mili.engine.model.checkpoint import write_random_checkpoint
+from mili.engine.model.config import Qwen3Config
+from mili.engine.model.kv_cache import KVCache, pool_bytes
+from mili.engine.step.runner import ModelRunner
 from mili.kv_handoff import kv_transport
 from mili.kv_handoff.kv_transport import Endpoint, choose, usable
 from mili.kv_handoff.shm_segment import PREFIX, Segment, segments_of, sweep_stale

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from mili.engine.kv_cache import pool_bytes, pool_views
-from mili.engine.kv_layout import KVLayout
+from mili.engine.kv.kv_layout import KVLayout
+from mili.engine.model.kv_cache import pool_bytes, pool_views
 from mili.errors import DataLoss
 from mili.kv_handoff import checksums, codec
 from mili.kv_handoff.shm_segment import Segment

@@ -17,9 +17,9 @@ if TYPE_CHECKING:
 
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
-    from mili.engine.checkpoint import write_random_checkpoint
-    from mili.engine.fingerprint import model_fingerprint
-    from mili.engine.loader import load_model
+    from mili.engine.model.checkpoint import write_random_checkpoint
+    from mili.engine.model.fingerprint import model_fingerprint
+    from mili.engine.model.loader import load_model
     from tests.prefill.harness import TINY, TinyModel
 
     path = write_random_checkpoint(tmp_path_factory.mktemp("tiny") / "tiny", TINY, seed=3, std=0.1)

@@ -17,13 +17,13 @@ from typing import Any
 import grpc
 import torch
 
-from mili.engine.config import Qwen3Config
 from mili.engine.engine_config import EngineConfig
-from mili.engine.kv_cache import KVCache
-from mili.engine.model import DecodeBatch, Qwen3ForCausalLM
-from mili.engine.runner import ModelRunner
-from mili.kv.v1 import kv_pb2
-from mili.prefill.v1 import prefill_pb2, prefill_pb2_grpc
+from mili.engine.model.config import Qwen3Config
+from mili.engine.model.kv_cache import KVCache
+from mili.engine.model.qwen3 import DecodeBatch, Qwen3ForCausalLM
+from mili.engine.step.runner import ModelRunner
+from mili.pb.kv.v1 import kv_pb2
+from mili.pb.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from mili.rpc.client import insecure_channel
 from mili.rpc.server import RpcServer, ServerConfig
 from services.prefill.config import ANY_DECODE, PrefillConfig
@@ -132,7 +132,7 @@ def prefill_request(
     transfer_token: str = "",
     **sampling: Any,
 ) -> prefill_pb2.PrefillRequest:
-    from mili.common.v1 import sampling_pb2
+    from mili.pb.common.v1 import sampling_pb2
 
     return prefill_pb2.PrefillRequest(
         request_id=request_id,

@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from mili.kv.v1 import kv_pb2, kv_pb2_grpc
+from mili.pb.kv.v1 import kv_pb2, kv_pb2_grpc
 from mili.rpc.kv_layout import check_compatible
 from mili.rpc.status import status_header
 
 if TYPE_CHECKING:  # the killable script runs without torch
-    from mili.engine.kv_cache import KVCache
+    from mili.engine.model.kv_cache import KVCache
 
 
 @dataclass

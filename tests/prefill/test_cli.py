@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from mili.engine.kv_cache import KVCache
-from mili.prefill.v1 import prefill_pb2, prefill_pb2_grpc
+from mili.engine.model.kv_cache import KVCache
+from mili.pb.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from mili.rpc.client import insecure_channel
 from tests.prefill.harness import TINY, TinyModel, prefill_request, random_ids
 from tests.prefill.receiver import KvReceiver, serve_receiver

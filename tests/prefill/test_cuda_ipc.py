@@ -15,12 +15,12 @@ import grpc
 import pytest
 import torch
 
-from mili.common.v1 import sampling_pb2
-from mili.decode.v1 import decode_pb2, decode_pb2_grpc
 from mili.engine.generate import generate
-from mili.engine.loader import load_model
+from mili.engine.model.loader import load_model
 from mili.engine.sampling_params import SamplingParams
-from mili.prefill.v1 import prefill_pb2
+from mili.pb.common.v1 import sampling_pb2
+from mili.pb.decode.v1 import decode_pb2, decode_pb2_grpc
+from mili.pb.prefill.v1 import prefill_pb2
 from mili.rpc.client import insecure_channel
 from tests.prefill.harness import (
     BLOCK_SIZE,

@@ -10,7 +10,7 @@ import gc
 import pytest
 import torch
 
-from mili.engine.pinned import StagingRing
+from mili.engine.step.pinned import StagingRing
 from services.prefill.worker import hand_over
 
 

@@ -7,10 +7,10 @@ import asyncio
 
 import pytest
 
-from mili.engine.block_pool import blocks_needed
 from mili.engine.generate import generate
+from mili.engine.kv.block_pool import blocks_needed
 from mili.engine.sampling_params import SamplingParams
-from mili.prefill.v1 import prefill_pb2
+from mili.pb.prefill.v1 import prefill_pb2
 from mili.rpc.kv_layout import block_bytes
 from tests.prefill.harness import (
     BLOCK_SIZE,

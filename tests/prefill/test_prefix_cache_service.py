@@ -8,8 +8,8 @@ import asyncio
 
 import pytest
 
-from mili.engine.block_pool import blocks_needed
 from mili.engine.generate import generate
+from mili.engine.kv.block_pool import blocks_needed
 from mili.engine.sampling_params import SamplingParams
 from tests.prefill.harness import (
     BLOCK_SIZE,

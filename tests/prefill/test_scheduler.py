@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mili.engine.block_pool import BlockPool
+from mili.engine.kv.block_pool import BlockPool
 from mili.errors import InvalidArgument, ResourceExhausted
 from services.prefill.scheduler import ScheduledChunk, Scheduler, Step
 

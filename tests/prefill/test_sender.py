@@ -14,8 +14,8 @@ import grpc
 import pytest
 import torch
 
-from mili.engine.pinned import StagingRing
 from mili.engine.sampling_params import SamplingParams
+from mili.engine.step.pinned import StagingRing
 from mili.errors import Unavailable
 from mili.rpc.client import insecure_channel
 from services.prefill import sender as sender_module

@@ -16,10 +16,10 @@ import grpc
 import pytest
 from opentelemetry import trace
 
-from mili.common.v1 import sampling_pb2
 from mili.engine.sampling_params import SamplingParams
 from mili.errors import DataLoss
-from mili.prefill.v1 import prefill_pb2
+from mili.pb.common.v1 import sampling_pb2
+from mili.pb.prefill.v1 import prefill_pb2
 from mili.rpc.client import insecure_channel
 from mili.rpc.status import bad_request_of, retry_info_of
 from mili.telemetry.tracing import client_interceptors

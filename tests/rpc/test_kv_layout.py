@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from mili.engine.config import Qwen3Config
-from mili.engine.kv_cache import TORCH_DTYPES, KVCache
-from mili.engine.kv_layout import DTYPES, KVLayout
+from mili.engine.kv.kv_layout import DTYPES, KVLayout
+from mili.engine.model.config import Qwen3Config
+from mili.engine.model.kv_cache import TORCH_DTYPES, KVCache
 from mili.errors import FailedPrecondition
 from mili.rpc import kv_layout
 

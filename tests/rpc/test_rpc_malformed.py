@@ -16,11 +16,11 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from mili.errors import DataLoss
-from mili.kv.v1 import kv_pb2
 from mili.kv_handoff.codec import parse_transfer_request
+from mili.pb.kv.v1 import kv_pb2
+from mili.pb.tokenizer.v1 import tokenizer_pb2
 from mili.rpc.client import insecure_channel
 from mili.rpc.server import RpcServer, ServerConfig
-from mili.tokenizer.v1 import tokenizer_pb2
 
 SERVICE = "mili.test.v1.ProtoService"
 GARBAGE = b"\xff\xff\xff\xff"  # field 0x1fffff..., a wire type that does not exist

@@ -16,9 +16,9 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from mili.common.v1 import sampling_pb2
-from mili.frontend.v1 import generation_pb2, generation_pb2_grpc
-from mili.prefill.v1 import prefill_pb2, prefill_pb2_grpc
+from mili.pb.common.v1 import sampling_pb2
+from mili.pb.frontend.v1 import generation_pb2, generation_pb2_grpc
+from mili.pb.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from tests.service_process import ServiceProcess
 
 # A sample's name plus its labels, e.g. ("mili_requests_total", (("grpc_method", ...), ...)).

@@ -16,9 +16,9 @@ import torch
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.trace.v1 import trace_pb2
 
-from mili.common.v1 import sampling_pb2
-from mili.engine.config import Qwen3Config
-from mili.frontend.v1 import generation_pb2, generation_pb2_grpc
+from mili.engine.model.config import Qwen3Config
+from mili.pb.common.v1 import sampling_pb2
+from mili.pb.frontend.v1 import generation_pb2, generation_pb2_grpc
 from mili.telemetry.tracing import TracingConfig, setup_tracing
 from tests.service_process import ServiceProcess
 

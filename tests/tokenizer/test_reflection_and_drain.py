@@ -54,7 +54,7 @@ def test_drain_reports_not_serving_and_finishes_in_flight_call(demo_model_dir: P
             assert _health(channel) == health_pb2.HealthCheckResponse.SERVING
             assert _health(channel, SERVICE) == health_pb2.HealthCheckResponse.SERVING
 
-            from mili.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+            from mili.pb.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 
             stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
             outbox: queue.Queue = queue.Queue()

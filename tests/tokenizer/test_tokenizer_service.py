@@ -10,9 +10,9 @@ import grpc
 import pytest
 from tokenizers import Tokenizer
 
-from mili.common.v1 import chat_pb2
+from mili.pb.common.v1 import chat_pb2
+from mili.pb.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from mili.rpc.status import bad_request_of
-from mili.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from tests.service_process import ServiceProcess
 
 MULTILINGUAL = [

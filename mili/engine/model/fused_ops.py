@@ -1,0 +1,145 @@
+"""The fused elementwise ops of a decoder layer: their interface, and the torch reference.
+
+Between its GEMMs a Qwen3 layer does elementwise work that torch runs as many small kernels
+(an RMSNorm alone is 6-8: cast, pow, mean, add, rsqrt, mul, cast, mul). `FusedOps` names that
+work as four ops, each one kernel in a fused implementation (the Mojo kernels in
+`kernels/fused/`); `TorchFusedOps` below is the one torch reference of each, the fallback on
+any device, and what the kernels are tested against. The model calls them per layer:
+
+    h = rms_norm(x)                    layer 0's input norm (x: the embeddings)
+    h = add_rms_norm(x, residual)      residual += x; h = rms_norm(residual)    (in place)
+    qkv = h @ W_qkv                    one GEMM (model.py)
+    q, k, v = qk_norm_rope_kv(qkv)     per-head RMSNorm of q and k, RoPE, K/V into the cache
+    ...attention, o_proj...
+    h = add_rms_norm(x, residual)      post-attention norm
+    a = silu_mul(h @ W_gate_up)        silu(gate) * up
+    x = a @ W_down
+
+Numerics are HF transformers' `Qwen3RMSNorm`, `apply_rotary_pos_emb` and `Qwen3MLP` op for op,
+including where they round to the activation dtype (bf16 results differ in the last bit
+otherwise): RMSNorm normalises in float32, casts back, then multiplies by the weight in the
+activation dtype; RoPE multiplies and adds in the activation dtype with cos/sin cast to it.
+
+Shapes (T tokens, H q heads, KVH kv heads, D head_dim, N blocks of S slots, P positions):
+
+    x, residual   [T, hidden]            activation dtype
+    qkv           [T, (H + 2 KVH) * D]   q | k | v of each token (one GEMM's output rows)
+    cos_sin       [P, D] float32         row p: cos(p * f) in [:D/2], sin(p * f) in [D/2:]
+                                         (`RotaryEmbedding.cos_sin_table`, scaled by YaRN)
+    positions     [T] int64, slot_mapping [T] int64 (kv_cache.py)
+    k/v_cache     [N, S, KVH, D]         one layer of `KVCache`, the activation dtype
+    gate_up       [T, 2 I]               gate | up of each token
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from mili.engine.model.rope import apply_rope
+
+
+class FusedOps(Protocol):
+    """The elementwise ops between a layer's GEMMs; one implementation per device family."""
+
+    name: str
+    # True where a call does no host sync and allocates only from torch's caching allocator on
+    # the current stream, so a CUDA graph can capture it.
+    is_graph_safe: bool
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x: [T, hidden] -> rms_norm(x) * weight, a new tensor."""
+        ...
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """residual += x (in place, rounded to its dtype), then rms_norm(residual) * weight.
+
+        The result may be written over x's memory: x must not be read afterwards.
+        """
+        ...
+
+    def qk_norm_rope_kv(
+        self,
+        qkv: torch.Tensor,
+        q_weight: torch.Tensor,
+        k_weight: torch.Tensor,
+        eps: float,
+        cos_sin: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per-head RMSNorm of q and k (weights [D]), RoPE at `positions`, then k and v into
+        the cache at `slot_mapping`. Returns q [T, H, D] contiguous and the cached k, v
+        [T, KVH, D] (views; attention backends that read the new tokens from k/v use them).
+
+        qkv may be modified in place.
+        """
+        ...
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up: [T, 2 I] -> silu(gate) * up, [T, I] (a new tensor)."""
+        ...
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) * weight over the last dimension, computed in float32.
+
+    The cast back to x's dtype happens *before* the weight multiply, as in HF's `Qwen3RMSNorm`;
+    doing it after would change bf16 results in the last bit.
+    """
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+class TorchFusedOps:
+    """The reference: plain torch ops on any device and dtype (many kernels per op)."""
+
+    name = "torch"
+    is_graph_safe = True  # no host sync: indexing and index_copy_ stay on the device
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return rms_norm(x, weight, eps)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        residual.add_(x)  # HF: hidden_states = residual + hidden_states, in the activation dtype
+        return rms_norm(residual, weight, eps)
+
+    def qk_norm_rope_kv(
+        self,
+        qkv: torch.Tensor,
+        q_weight: torch.Tensor,
+        k_weight: torch.Tensor,
+        eps: float,
+        cos_sin: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        num_tokens = qkv.shape[0]
+        _, _, num_kv_heads, head_dim = k_cache.shape
+        num_heads = qkv.shape[1] // head_dim - 2 * num_kv_heads
+        heads = qkv.view(num_tokens, num_heads + 2 * num_kv_heads, head_dim)
+        q, k, v = heads.split((num_heads, num_kv_heads, num_kv_heads), dim=1)
+        # HF casts cos/sin to the activation dtype before rotating.
+        cos, sin = cos_sin[positions].to(qkv.dtype).chunk(2, dim=-1)  # [T, D/2] each
+        q = apply_rope(rms_norm(q, q_weight, eps), cos, sin)  # [T, H, D]
+        k = apply_rope(rms_norm(k, k_weight, eps), cos, sin)  # [T, KVH, D]
+        flat = (-1, num_kv_heads, head_dim)  # slot-major view of the cache: [N * S, KVH, D]
+        k_cache.view(flat).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+        v_cache.view(flat).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+        return q, k, v
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up  # HF's Qwen3MLP: act_fn(gate_proj(x)) * up_proj(x)

@@ -1,0 +1,388 @@
+"""ModelRunner: the one object prefill's worker and decode's batcher drive.
+
+It owns the model, the KV cache tensors, the decode step's static inputs and (on CUDA, over a
+graph-safe attention backend) the decode step's CUDA graphs, and it samples. Which blocks
+are free is not its business: the services' bookkeeping holds a
+`BlockPool(runner.num_blocks, null_block=True)`, whose null block is the cache's last one.
+
+    load: weights -> warm-up at the largest batch (CUDA) -> KV pool sized (kv_memory)
+          -> KV cache -> CUDA graphs per padded batch size (cuda_graphs)
+
+    prefill(chunks) -> logits                     eager: shapes follow the prompts
+    decode(seqs)    -> PendingSample              inputs staged into static buffers, graph
+                                                  replay (or eager), sampling; no host sync
+    PendingSample.result()                        the step's one wait: ids back on the host
+
+One thread drives a runner: its buffers are reused step after step.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from mili.engine.engine_config import EngineConfig
+from mili.engine.kv.block_pool import blocks_needed
+from mili.engine.kv_memory import GIB, DeviceMemory, KvPoolSize, plan_kv_pool
+from mili.engine.model.attention import AttentionBackend
+from mili.engine.model.config import ConfigError
+from mili.engine.model.fused_ops import FusedOps
+from mili.engine.model.kv_cache import KVCache, bytes_per_block
+from mili.engine.model.loader import CheckpointError, load_model, resolve_dtype
+from mili.engine.model.qwen3 import PrefillBatch, Qwen3ForCausalLM
+from mili.engine.sampling_params import SamplingParams
+from mili.engine.step.buckets import graph_batch_sizes, padded_batch_size
+from mili.engine.step.cuda_graphs import DecodeGraphs
+from mili.engine.step.decode_inputs import DecodeInputs
+from mili.engine.step.pinned import is_pinnable
+from mili.engine.step.sampler import PendingSample, Sampler, SequenceSampling
+from mili.engine.step.sequence import Sequence as EngineSequence
+from mili.errors import StartupError
+
+_LOG = logging.getLogger("mili.engine")
+
+
+class ModelRunner:
+    """Model + KV cache + static decode inputs (+ CUDA graphs); see the module docstring.
+
+    `kv_cache`'s last block is the null block (padded rows of a graph's batch use it); the
+    blocks before it are the pool's. `max_decode_batch`: the most sequences in one decode step.
+    """
+
+    def __init__(
+        self, model: Qwen3ForCausalLM, kv_cache: KVCache, *, max_decode_batch: int
+    ) -> None:
+        if kv_cache.num_blocks < 2:
+            raise ValueError("the KV cache needs a block for the pool and the null block")
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = kv_cache.block_size
+        self.null_block_id = kv_cache.num_blocks - 1
+        self.batch_sizes = graph_batch_sizes(max_decode_batch)  # padded sizes, for graphs
+        # W: the block table of a request at the longest context the model allows.
+        width = blocks_needed(model.config.max_position_embeddings, self.block_size)
+        self.inputs = DecodeInputs(
+            self.batch_sizes[-1], width, self.block_size, self.null_block_id, model.device
+        )
+        self.sampler = Sampler()
+        self.graphs: DecodeGraphs | None = None
+
+    @classmethod
+    def create(
+        cls,
+        model: Qwen3ForCausalLM,
+        num_blocks: int,
+        block_size: int,
+        *,
+        max_decode_batch: int = 1,
+    ) -> ModelRunner:
+        """A runner over a model already loaded, with a fresh pool of `num_blocks` blocks
+        (plus the null block), eager (tests, benchmarks)."""
+        cache = KVCache(
+            model.config, num_blocks + 1, block_size, dtype=model.dtype, device=model.device
+        )
+        return cls(model, cache, max_decode_batch=max_decode_batch)
+
+    # ---- what it holds -------------------------------------------------------------------------
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks the pool hands out (the null block not counted)."""
+        return self.null_block_id
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes of those blocks, all layers, K and V."""
+        config, dtype = self.model.config, self.kv_cache.dtype
+        return self.num_blocks * bytes_per_block(config, self.block_size, dtype)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    def describe(self, *, decode: bool = True) -> str:
+        """The KV pool (and with `decode` how decode steps run), for start-up logs."""
+        pool = (
+            f"{self.num_blocks} KV blocks of {self.block_size} tokens "
+            f"({self.kv_cache_bytes / GIB:.2f} GiB)"
+        )
+        if not decode:
+            return pool
+        if self.graphs is None:
+            return f"{pool}; decode eager"
+        sizes = self.graphs.batch_sizes
+        return f"{pool}; decode CUDA graphs for batch {sizes[0]}..{sizes[-1]} ({len(sizes)})"
+
+    # ---- steps ---------------------------------------------------------------------------------
+
+    def prefill(
+        self,
+        token_ids: Sequence[Sequence[int]],
+        block_tables: Sequence[Sequence[int]],
+        start_positions: Sequence[int],
+        *,
+        all_logits: bool = False,
+        layer_callback: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
+        """Prompt chunks (PrefillBatch.build's arguments) -> float32 logits, eagerly.
+
+        The batch is built on the host and moved through pinned memory, so the host goes on
+        launching layers while it travels.
+        """
+        batch = PrefillBatch.build(
+            token_ids, block_tables, self.block_size, start_positions=start_positions
+        )
+        if is_pinnable(self.device):
+            batch = PrefillBatch(
+                *(t.pin_memory().to(self.device, non_blocking=True) for t in batch)
+            )
+        return self.model.prefill(
+            batch, self.kv_cache, all_logits=all_logits, layer_callback=layer_callback
+        )
+
+    def sample(self, logits: torch.Tensor, seqs: Sequence[SequenceSampling]) -> PendingSample:
+        """One token per row of `logits` [B, vocab], queued; `.result()` waits for them."""
+        return self.sampler.launch(logits, seqs)
+
+    def decode(self, seqs: Sequence[EngineSequence]) -> PendingSample:
+        """Launch one decode step of `seqs` and its sampling; nothing here waits for the device.
+
+        Sequence i feeds its newest token at position num_tokens - 1 (its block_table covers
+        it). The caller appends each sampled token (`result()`) before the next step.
+        """
+        with torch.inference_mode():
+            return self.sampler.launch(self.decode_logits(seqs), [s.sampling for s in seqs])
+
+    def decode_logits(
+        self, seqs: Sequence[EngineSequence], num_rows: int | None = None
+    ) -> torch.Tensor:
+        """The decode step's logits [len(seqs), vocab] float32.
+
+        With graphs, the step replays the graph of the batch's padded size. Without, it runs
+        eagerly on exactly the batch's rows, or padded to `num_rows` rows over the block
+        tables' full width: the graph's computation, eagerly (tests compare the two).
+        """
+        n = len(seqs)
+        with torch.inference_mode():
+            if self.graphs is not None and num_rows is None:
+                size = padded_batch_size(n, self.graphs.batch_sizes)
+                self.inputs.fill(seqs, size)
+                return self.graphs.replay(size)[:n]
+            if num_rows is not None:
+                self.inputs.fill(seqs, num_rows)
+                return self.model.decode(self.inputs.batch(num_rows), self.kv_cache)[:n]
+            width = self.inputs.fill(seqs, n)
+            return self.model.decode(self.inputs.batch(n, width), self.kv_cache)
+
+    # ---- start-up ------------------------------------------------------------------------------
+
+    def capture_graphs(self) -> bool:
+        """Capture the decode step for every padded batch size (CUDA, graph-safe backend).
+
+        A capture that fails (a kernel that syncs or allocates in a way the capture refuses,
+        a driver error) leaves the runner eager, with a warning: False. Decode steps are then
+        slower, not wrong.
+        """
+
+        def forward(size: int) -> torch.Tensor:
+            return self.model.decode(self.inputs.batch(size), self.kv_cache)
+
+        def fill_padding(size: int) -> None:
+            self.inputs.fill([], size)
+
+        try:
+            with torch.inference_mode():
+                self.graphs = DecodeGraphs.capture(
+                    forward,
+                    fill_padding,
+                    self.batch_sizes,
+                    self.model.config.vocab_size,
+                    self.device,
+                )
+        except Exception as e:  # whatever broke the capture, eager steps still serve
+            self.graphs = None
+            _LOG.warning(
+                "CUDA graph capture of the decode step failed, decode steps run eagerly: %s: %s",
+                type(e).__name__,
+                e,
+            )
+            return False
+        return True
+
+    def warm_up(self, max_prefill_tokens: int | None, *, full_width: bool) -> None:
+        """The most memory a step can take: a prefill of `max_prefill_tokens` (if given) and
+        a decode step at the largest batch (padded rows; over the block tables' full width
+        when `full_width`, as graphs run), each sampled with the costliest settings."""
+        vocab_size = self.model.config.vocab_size
+        costly = SamplingParams(
+            temperature=0.7, top_k=50, top_p=0.9, min_p=0.01, repetition_penalty=1.1, logprobs=20
+        )
+        with torch.inference_mode():
+            if max_prefill_tokens:
+                table = list(range(blocks_needed(max_prefill_tokens, self.block_size)))
+                logits = self.prefill([[0] * max_prefill_tokens], [table], [0])
+                self.sample(logits, [SequenceSampling(costly, [0], vocab_size)]).result()
+            rows = self.inputs.max_rows
+            self.inputs.fill([], rows)
+            batch = self.inputs.batch(rows, None if full_width else 1)
+            logits = self.model.decode(batch, self.kv_cache)
+            seqs = [SequenceSampling(costly, [0], vocab_size, [1]) for _ in range(rows)]
+            self.sample(logits, seqs).result()
+
+    @classmethod
+    def load(
+        cls,
+        model_dir: Path,
+        config: EngineConfig,
+        *,
+        attention: AttentionBackend,
+        fused_ops: FusedOps | None = None,
+        max_decode_batch: int,
+        capture_graphs: bool,
+        max_prefill_tokens: int | None = None,
+        default_kv_bytes: int | None = None,
+        default_num_blocks: int | None = None,
+        max_useful_blocks: int | None = None,
+        storage: Callable[[int], torch.Tensor | None] | None = None,
+    ) -> ModelRunner:
+        """Load the checkpoint, size and allocate the KV pool, capture graphs; StartupError
+        naming what is wrong.
+
+        `capture_graphs`: whether this engine runs decode steps (decode: yes, prefill: no);
+        graphs are captured only on CUDA, without --enforce-eager, over a graph-safe backend.
+        The pool's defaults and cap: kv_memory.plan_kv_pool.
+
+        `storage`: given the whole pool's byte count (its blocks plus the null block), a flat
+        zero-filled uint8 tensor to carve the KV cache from (a shared-memory segment, an
+        exported CUDA allocation: KVCache's `storage`), or None to allocate it here.
+        """
+        require_device(config.device)
+        device = torch.device(config.device)
+        use_device(device)  # graph capture and the pool's events below
+        try:
+            dtype = resolve_dtype(config.dtype) if config.dtype is not None else None
+            model = load_model(
+                model_dir, device=device, dtype=dtype, attention=attention, fused_ops=fused_ops
+            )
+        except (CheckpointError, ConfigError, OSError, RuntimeError) as e:
+            raise StartupError(f"cannot load model from {model_dir}: {e}") from None
+        use_graphs = capture_graphs and device.type == "cuda" and _graphs_allowed(config, model)
+
+        memory = None
+        if device.type == "cuda" and config.num_blocks is None and config.kv_cache_bytes is None:
+            memory = _measure(
+                cls, model, config, max_decode_batch, max_prefill_tokens, full_width=use_graphs
+            )
+        block_bytes = bytes_per_block(model.config, config.block_size, model.dtype)
+        try:
+            size = plan_kv_pool(
+                config,
+                block_bytes,
+                memory=memory,
+                default_bytes=default_kv_bytes,
+                default_num_blocks=default_num_blocks,
+                max_useful_blocks=max_useful_blocks,
+            )
+        except ValueError as e:
+            raise StartupError(str(e)) from None
+        _log_pool(size, config.block_size)
+        try:
+            flat = None
+            if storage is not None:
+                flat = storage((size.num_blocks + 1) * block_bytes)
+            cache = KVCache(
+                model.config, size.num_blocks + 1, config.block_size, dtype=model.dtype,
+                device=device, storage=flat,
+            )  # fmt: skip
+        except (torch.OutOfMemoryError, RuntimeError, OSError) as e:
+            raise StartupError(
+                f"cannot allocate {size.num_blocks} KV blocks ({size.num_bytes} bytes) on "
+                f"{config.device}: {e}; lower --num-blocks or --kv-cache-bytes"
+            ) from None
+        runner = cls(model, cache, max_decode_batch=max_decode_batch)
+        if use_graphs:
+            runner.capture_graphs()
+        return runner
+
+
+def use_device(device: torch.device) -> None:
+    """Make `device` the calling thread's current CUDA device (nothing on the CPU): events,
+    streams and graph captures made without a device take the current one, which is cuda:0 in
+    every thread until it says otherwise. Called by each thread that runs the model."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
+def require_device(device: str) -> None:
+    """StartupError unless `device` (cpu, cuda, cuda:N) exists here."""
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise StartupError(f"--device {device}: no CUDA device is available")
+        index = torch.device(device).index
+        if index is not None and index >= torch.cuda.device_count():
+            raise StartupError(
+                f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) here"
+            )
+
+
+def _graphs_allowed(config: EngineConfig, model: Qwen3ForCausalLM) -> bool:
+    """Whether decode steps may be captured; logs why not."""
+    if config.enforce_eager:
+        _LOG.info("CUDA graphs off (--enforce-eager): decode steps run eagerly")
+        return False
+    if not model.fused_ops.is_graph_safe:
+        _LOG.warning(
+            "CUDA graphs off: fused ops %s are not graph-safe; decode steps run eagerly",
+            model.fused_ops.name,
+        )
+        return False
+    if not getattr(model.attention, "is_graph_safe", False):
+        _LOG.warning(
+            "CUDA graphs off: attention backend %s is not graph-safe (it allocates, validates "
+            "or sizes its launch from values per call); decode steps run eagerly",
+            model.attention.name,
+        )
+        return False
+    return True
+
+
+def _measure(
+    cls: type[ModelRunner],
+    model: Qwen3ForCausalLM,
+    config: EngineConfig,
+    max_decode_batch: int,
+    max_prefill_tokens: int | None,
+    *,
+    full_width: bool,
+) -> DeviceMemory:
+    """Device memory after one warm-up at the largest batch, on a throwaway KV cache just big
+    enough for it (its bytes are not counted in the peak)."""
+    device = model.device
+    warm_blocks = blocks_needed(max_prefill_tokens or 1, config.block_size) + 1
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    cache = KVCache(model.config, warm_blocks, config.block_size, dtype=model.dtype, device=device)
+    cache_bytes = warm_blocks * bytes_per_block(model.config, config.block_size, model.dtype)
+    runner = cls(model, cache, max_decode_batch=max_decode_batch)
+    runner.warm_up(max_prefill_tokens, full_width=full_width)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_reserved(device) - cache_bytes
+    del runner, cache
+    gc.collect()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    return DeviceMemory(total, free, peak, torch.cuda.memory_reserved(device))
+
+
+def _log_pool(size: KvPoolSize, block_size: int) -> None:
+    _LOG.info(
+        "KV pool: %d blocks of %d tokens, %.2f GiB (%s)",
+        size.num_blocks,
+        block_size,
+        size.num_bytes / GIB,
+        size.reason,
+    )

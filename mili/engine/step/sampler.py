@@ -1,0 +1,343 @@
+"""Sampler: one next token per row of a logits batch, each row with its own SamplingParams.
+
+Vectorized over the batch and run entirely on the logits' device: per-row parameters travel in
+one pinned host->device copy as [B, 1] columns, filters are masks over one sort of the logits,
+and the chosen ids (with logprobs when asked) come back in one non-blocking copy. Nothing in
+`Sampler.launch` waits for the device; `PendingSample.result()` is the one wait::
+
+    raw logits ─┬─ log_softmax ──────────────────────────────────────────────▶ logprobs
+                └─ penalties ─┬─ argmax ─────────────────────────────────────▶ greedy rows (T = 0)
+                              └─ / T ─ top-k ─ top-p ─ min-p ─ softmax ─ CDF ─▶ random rows
+
+Choices worth knowing:
+
+- Logprobs describe the model's raw distribution: log_softmax of the logits before penalties,
+  temperature and filters (vLLM's default too). They stay comparable across requests with
+  different sampling settings, and equal what HF transformers reports for the same weights.
+- Random rows draw by inverse CDF: the first token, in vocabulary order, whose cumulative
+  probability (float64) exceeds u x the row's total, which draws exactly from `probs` (a token
+  of probability 0 is never chosen). u in [0, 1) is a counter-based draw: splitmix64 of (seed,
+  output position), computed on the host without any generator state. A row's token therefore
+  depends only on its logits, params, seed and position — not on its batch neighbours, not on
+  how many draws came before, not on the device — so a decode service that resumes a request
+  prefill started (passing `output_token_ids`) samples what a colocated run samples, and a
+  seeded request samples the same tokens alone or in any batch.
+- The sampler does not record the tokens it returns: the caller calls `seq.append(token_id)`
+  for each row before the next step (penalties and the draw's position depend on it).
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from mili.engine.sampling_params import SamplingParams
+from mili.engine.step.pinned import DeviceToHost, to_device
+
+__all__ = [
+    "PendingSample",
+    "Sampler",
+    "SamplerOutput",
+    "SamplingParams",
+    "SequenceSampling",
+    "apply_penalties",
+    "filter_logits",
+    "min_p_mask",
+    "sample_inverse_cdf",
+    "top_k_mask",
+    "top_p_mask",
+]
+
+_MASK64 = (1 << 64) - 1
+
+
+def _step_seed(seed: int, position: int) -> int:
+    """splitmix64 of (seed, position): 64 random bits for output token `position`."""
+    x = (seed + (position + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+class SequenceSampling:
+    """Mutable sampling state of one request: params, seed, and the token ids penalties see.
+
+    `output_token_ids` lets a service resume a request started elsewhere (decode after prefill):
+    the tokens generated so far count for penalties and advance the noise position.
+    """
+
+    def __init__(
+        self,
+        params: SamplingParams,
+        prompt_token_ids: Sequence[int],
+        vocab_size: int,
+        output_token_ids: Sequence[int] = (),
+    ) -> None:
+        if vocab_size <= 0:
+            raise ValueError(f"vocab_size must be > 0, got {vocab_size}")
+        self.params = params
+        self.vocab_size = vocab_size
+        self.seed: int = params.seed if params.seed is not None else secrets.randbits(64)
+        # Distinct prompt ids, ascending: the prompt-presence mask repetition penalty uses.
+        self.prompt_token_ids = sorted(set(prompt_token_ids))
+        if self.prompt_token_ids and not (
+            self.prompt_token_ids[0] >= 0 and self.prompt_token_ids[-1] < vocab_size
+        ):
+            raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
+        self.output_token_ids: list[int] = []
+        for token_id in output_token_ids:
+            self.append(token_id)
+
+    def append(self, token_id: int) -> None:
+        """Record a generated token (the caller keeps it as this request's next output)."""
+        if not 0 <= token_id < self.vocab_size:
+            raise ValueError(f"token id {token_id} outside the vocabulary [0, {self.vocab_size})")
+        self.output_token_ids.append(token_id)
+
+    def uniform(self) -> float:
+        """The draw u in [0, 1) for this request's next output position (52 bits, so that
+        u x total stays below total in float64)."""
+        return (_step_seed(self.seed, len(self.output_token_ids)) >> 12) / 2.0**52
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    token_ids: list[int]
+    # Raw-model logprob of each chosen token; None when no row asked for logprobs.
+    logprobs: list[float] | None
+    # Per row, its top-n (token_id, logprob) most likely first, n = that row's params.logprobs
+    # ([] for rows that asked for 0 or none); None when no row asked.
+    top_logprobs: list[list[tuple[int, float]]] | None
+
+
+# -- pure tensor functions: every per-row parameter is a [B, 1] column ----------------------------
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    output_counts: torch.Tensor,
+    repetition: torch.Tensor,
+    presence: torch.Tensor,
+    frequency: torch.Tensor,
+) -> torch.Tensor:
+    """Repetition penalty (HF), then presence and frequency penalties (OpenAI).
+
+    logits, output_counts: [B, V] float; prompt_mask: [B, V] bool; penalties: [B, 1].
+    Repetition applies to every token seen in the prompt or the output; presence and frequency
+    only to generated tokens. Default values (1, 0, 0) leave a row bit-for-bit unchanged.
+    """
+    is_generated = output_counts > 0
+    seen = prompt_mask | is_generated
+    # Dividing a positive logit and multiplying a negative one both make the token less likely.
+    penalized = torch.where(logits > 0, logits / repetition, logits * repetition)
+    logits = torch.where(seen, penalized, logits)
+    return logits - frequency * output_counts - presence * is_generated
+
+
+def top_k_mask(sorted_logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """True where a token falls outside the top k.
+
+    sorted_logits: [B, V] sorted descending; top_k: [B, 1] int64 in [1, V] (off = V).
+    Ties with the k-th logit are kept (as HF does), so the kept set does not depend on how the
+    sort orders equal values.
+    """
+    kth = sorted_logits.gather(-1, top_k - 1)  # [B, 1]
+    return sorted_logits < kth
+
+
+def top_p_mask(sorted_logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """True where a token falls outside the nucleus: the most likely tokens whose mass >= top_p.
+
+    sorted_logits: [B, V] sorted descending (-inf for tokens already removed); top_p: [B, 1] in
+    (0, 1]. A token is kept while the mass strictly before it is < top_p, plus ties with the last
+    kept token; top_p = 1 keeps everything (float cumsums can reach 1 before the tail does).
+    """
+    probs = sorted_logits.softmax(-1)
+    mass_before = probs.cumsum(-1) - probs  # [B, V]; 0 for the first token, so >= 1 is kept
+    num_kept = (mass_before < top_p).sum(-1, keepdim=True)  # [B, 1]
+    cutoff = sorted_logits.gather(-1, num_kept - 1)  # [B, 1]
+    return (sorted_logits < cutoff) & (top_p < 1)
+
+
+def min_p_mask(sorted_logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """True where a token's probability is < min_p times the top token's (min_p: [B, 1])."""
+    probs = sorted_logits.softmax(-1)  # [B, V]
+    return probs < min_p * probs[:, :1]
+
+
+def filter_logits(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
+    """Set logits outside top-k, then top-p (of what top-k kept), then min-p to -inf.
+
+    logits: [B, V] in vocabulary order; one sort serves all three masks. min-p is a ratio to
+    the top token, so the renormalization by earlier filters does not change it.
+    """
+    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)  # [B, V] each
+    remove = top_k_mask(sorted_logits, top_k)
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    remove |= top_p_mask(sorted_logits, top_p) | min_p_mask(sorted_logits, min_p)
+    remove = torch.zeros_like(remove).scatter(-1, sorted_ids, remove)  # back to vocab order
+    return logits.masked_fill(remove, float("-inf"))
+
+
+def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row drawn from `probs` [B, V] with the uniforms `u` [B] in [0, 1).
+
+    The first token whose cumulative probability (float64) exceeds u x the row's total: a token
+    of probability 0 is never chosen (its cumulative value equals its predecessor's), and the
+    total absorbs the rounding of the softmax. -> [B] int64.
+    """
+    cdf = probs.double().cumsum(-1)  # [B, V]
+    target = (u.double() * cdf[:, -1]).unsqueeze(-1)  # [B, 1], < the total
+    token_ids = torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    return token_ids.clamp_(max=probs.shape[-1] - 1)
+
+
+# -- batch assembly -------------------------------------------------------------------------------
+
+
+def _has_penalties(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0
+
+
+def _has_filters(p: SamplingParams) -> bool:
+    return p.top_k != 0 or p.top_p < 1 or p.min_p > 0
+
+
+def _counts(ids_per_row: dict[int, Sequence[int]], like: torch.Tensor) -> torch.Tensor:
+    """[B, V] float like `like`: how often each id occurs in each listed row (others stay 0)."""
+    counts = torch.zeros_like(like)
+    flat: list[int] = []  # row * V + id, one entry per occurrence
+    vocab_size = like.shape[-1]
+    for row, ids in ids_per_row.items():
+        flat.extend(row * vocab_size + i for i in ids)
+    if flat:
+        index = to_device(flat, torch.int64, like.device)
+        counts.view(-1).scatter_add_(0, index, torch.ones_like(index, dtype=like.dtype))
+    return counts
+
+
+# Rows of the per-row parameter block sent to the device in one copy (float64, [8, B]).
+_PARAMS = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "u",
+)
+
+
+def _param_rows(seqs: Sequence[SequenceSampling], vocab_size: int) -> list[list[float]]:
+    """The rows of `_PARAMS`, one list each (top-k 0 = off = V; u = 0 for greedy rows)."""
+    params = [s.params for s in seqs]
+    return [
+        [p.temperature for p in params],
+        [min(p.top_k, vocab_size) or vocab_size for p in params],
+        [p.top_p for p in params],
+        [p.min_p for p in params],
+        [p.repetition_penalty for p in params],
+        [p.presence_penalty for p in params],
+        [p.frequency_penalty for p in params],
+        [0.0 if p.is_greedy else s.uniform() for p, s in zip(params, seqs, strict=True)],
+    ]
+
+
+class PendingSample:
+    """A launched sampling step: `result()` waits for its ids (and logprobs) to reach the host."""
+
+    def __init__(
+        self,
+        token_ids: torch.Tensor,
+        logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+        wanted: list[int | None],
+    ) -> None:
+        tensors = [token_ids] if logprobs is None else [token_ids, *logprobs]
+        self._copy = DeviceToHost(tensors)
+        self._wanted = wanted
+
+    def is_ready(self) -> bool:
+        return self._copy.is_ready()
+
+    def result(self) -> SamplerOutput:
+        host = self._copy.wait()
+        token_ids = host[0].tolist()
+        if len(host) == 1:
+            return SamplerOutput(token_ids, None, None)
+        chosen, top_values, top_ids = (t.tolist() for t in host[1:])
+        top = [
+            list(zip(ids[: n or 0], values[: n or 0], strict=True))
+            for ids, values, n in zip(top_ids, top_values, self._wanted, strict=True)
+        ]
+        return SamplerOutput(token_ids, chosen, top)
+
+
+class Sampler:
+    """Stateless: all per-request state lives in the SequenceSampling objects passed in."""
+
+    def __call__(self, logits: torch.Tensor, seqs: Sequence[SequenceSampling]) -> SamplerOutput:
+        """Sample and wait for the result (tests, prefill's first tokens, generate())."""
+        return self.launch(logits, seqs).result()
+
+    def launch(self, logits: torch.Tensor, seqs: Sequence[SequenceSampling]) -> PendingSample:
+        """Queue the sampling of one token per row on the logits' device; no host sync.
+
+        logits: [B, V], row i sampled with seqs[i].params.
+        """
+        if logits.dim() != 2 or logits.shape[0] != len(seqs):
+            raise ValueError(f"logits {tuple(logits.shape)} do not match {len(seqs)} sequences")
+        if any(s.vocab_size != logits.shape[-1] for s in seqs):
+            raise ValueError(f"logits have {logits.shape[1]} columns, not every row's vocab_size")
+        logits = logits.float()  # a no-op for float32: nothing below writes into it
+        params = [s.params for s in seqs]
+        device, vocab_size = logits.device, logits.shape[1]
+        is_random = not all(p.is_greedy for p in params)
+        rows = [i for i, p in enumerate(params) if _has_penalties(p)]
+
+        penalized = logits
+        columns: torch.Tensor | None = None  # [8, B, 1], see _PARAMS
+        if rows or is_random:
+            block = to_device(_param_rows(seqs, vocab_size), torch.float64, device)
+            columns = block.unsqueeze(-1)
+        if rows:
+            assert columns is not None
+            penalized = apply_penalties(
+                logits,
+                _counts({i: seqs[i].prompt_token_ids for i in rows}, logits) > 0,
+                _counts({i: seqs[i].output_token_ids for i in rows}, logits),
+                *columns[4:7].float(),
+            )
+        token_ids = penalized.argmax(-1)  # [B]; final for greedy rows
+        if is_random:
+            assert columns is not None
+            temperature, top_k, top_p, min_p = columns[:4].float()
+            is_greedy = temperature == 0  # [B, 1]
+            # Greedy rows ride along with T = 1; their sampled token is discarded below.
+            scaled = penalized / torch.where(is_greedy, 1.0, temperature)
+            if any(_has_filters(p) for p in params):
+                scaled = filter_logits(scaled, top_k.long(), top_p, min_p)
+            sampled = sample_inverse_cdf(scaled.softmax(-1), columns[7, :, 0])  # [B]
+            token_ids = torch.where(is_greedy[:, 0], token_ids, sampled)
+
+        wanted = [p.logprobs for p in params]
+        return PendingSample(token_ids, _logprobs(logits, token_ids, wanted), wanted)
+
+
+def _logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, wanted: list[int | None]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Chosen-token [B] and top-n [B, n_max] logprobs (values, ids) of the raw logits, when
+    any row asked (see the module docstring); rows cut their own n on the host."""
+    if all(n is None for n in wanted):
+        return None
+    logprobs = logits.log_softmax(-1)  # [B, V]
+    chosen = logprobs.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)  # [B]
+    top_values, top_ids = logprobs.topk(max(n or 0 for n in wanted), dim=-1)  # [B, n_max]
+    return chosen, top_values, top_ids
