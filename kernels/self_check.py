@@ -9,11 +9,11 @@ raises, returns non-finite values, or differs by more than the tolerance:
     error = max |kernel - reference| / max(max |reference|, 1)
     tolerance: 1e-4 in float32; 2e-2 in bfloat16 / float16 (a bit or two of their mantissa)
 
-On CUDA the check runs in a child process (`python -m kernels.self_check`): an illegal address
-poisons the whole CUDA context, so a kernel that faults must not run first in the serving
-process. The child loads the same kernels and prints its findings as JSON; a child that dies
-(a signal, a timeout, no answer) fails every kernel it was checking. On the CPU nothing is shared
-to poison, and the check runs in process.
+On CUDA the check runs in child processes (`python -m kernels.self_check`), one per family: an
+illegal address poisons the whole CUDA context, so a kernel that faults must not run first in
+the serving process, nor beside the other family's kernels. Each child loads the same kernels
+and prints its findings as JSON; a child that dies (a signal, a timeout, no answer) fails every
+kernel it was checking. On the CPU nothing is shared to poison, and the check runs in process.
 
 What a failure means for the service (fall back or refuse) is `kernels/choice.py`'s business.
 """
@@ -25,6 +25,7 @@ import json
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -125,16 +126,22 @@ def check_isolated(
     root: Path | None = None,
     timeout_s: float = CHILD_TIMEOUT_S,
 ) -> list[KernelFault]:
-    """`check_kernels` of the Mojo kernels of `families` on `device` (as
-    `load_family` loads them) in a child process with a CUDA context of its
-    own; a child that dies fails every family it checked."""
-    command = [
-        sys.executable, "-m", "kernels.self_check", "--device", device,
-        "--families", ",".join(families), "--shape", json.dumps(asdict(shape)),
-    ]  # fmt: skip
-    if root is not None:
-        command += ["--root", str(root)]
-    return run_child(command, families, timeout_s=timeout_s)
+    """`check_kernels` of the Mojo kernels of `families` on `device` (as `load_family` loads
+    them), each family in a child process with a CUDA context of its own: a fault sticks to
+    the context it happened in, so one family's fault must not fail the other's kernels. The
+    children run side by side; one that dies fails every kernel of its family."""
+
+    def check(family: str) -> list[KernelFault]:
+        command = [
+            sys.executable, "-m", "kernels.self_check", "--device", device,
+            "--families", family, "--shape", json.dumps(asdict(shape)),
+        ]  # fmt: skip
+        if root is not None:
+            command += ["--root", str(root)]
+        return run_child(command, [family], timeout_s=timeout_s)
+
+    with ThreadPoolExecutor(max_workers=max(len(families), 1)) as pool:
+        return [fault for faults in pool.map(check, families) for fault in faults]
 
 
 def run_child(
