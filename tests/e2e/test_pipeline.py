@@ -124,6 +124,25 @@ def test_complete_equals_the_stream(deployment: Deployment, prompts: list[list[i
     assert complete.usage.completion_tokens == 8
 
 
+def complete(deployment: Deployment, token_ids: list[int], **sampling: float) -> list[int]:
+    request = generation_pb2.CompleteRequest(
+        token_ids=token_ids,
+        sampling=sampling_pb2.SamplingParams(ignore_eos=True, **sampling),
+    )
+    return list(deployment.stub().Complete(request, timeout=60).token_ids)
+
+
+def test_a_subnormal_temperature_is_greedy(
+    deployment: Deployment, prompts: list[list[int]]
+) -> None:
+    # 1e-44 is a float32 subnormal: it used to make every logit +-inf and return the last
+    # padding row, [895, 895, ...], whatever the prompt.
+    greedy_ids = complete(deployment, prompts[0], max_tokens=8, temperature=0.0)
+    for seed in (1, 2):
+        tiny = complete(deployment, prompts[0], max_tokens=8, temperature=1e-44, seed=seed)
+        assert tiny == greedy_ids
+
+
 def test_chat_prompt_and_stop_string(deployment: Deployment) -> None:
     chat = generation_pb2.GenerateRequest(
         messages=[chat_pb2.ChatMessage(role="user", content="Hello there")],

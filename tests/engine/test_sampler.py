@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from mili.engine.sampling_params import GREEDY_TEMPERATURE
 from mili.engine.step.sampler import (
     Sampler,
     SamplingParams,
@@ -168,6 +169,23 @@ def test_temperature_zero_is_argmax_whatever_else_is_set() -> None:
     seqs = [SequenceSampling(greedy if i % 2 else hot, [], 100) for i in range(16)]
     token_ids = Sampler()(logits, seqs).token_ids
     assert token_ids[1::2] == logits.argmax(-1)[1::2].tolist()
+
+
+def test_temperature_below_the_epsilon_is_greedy() -> None:
+    # 1e-44 as a float32 proto field delivers it: a subnormal that used to scale every logit to
+    # +-inf, so the softmax was NaN and the draw the last column, every time.
+    tiny = torch.tensor(1e-44, dtype=torch.float32).item()
+    assert tiny > 0 and SamplingParams(temperature=tiny).is_greedy
+    assert SamplingParams(temperature=GREEDY_TEMPERATURE / 2).is_greedy
+    assert not SamplingParams(temperature=GREEDY_TEMPERATURE).is_greedy
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(8, 100, generator=gen)
+    cold = [SamplingParams(temperature=tiny, seed=i, top_k=50, logprobs=1) for i in range(4)]
+    hot = [SamplingParams(temperature=1.0, seed=i) for i in range(4)]  # a random batch around
+    for rows in (cold + cold, cold + hot):
+        out = Sampler()(logits, [SequenceSampling(p, [], 100) for p in rows])
+        assert out.token_ids[:4] == logits[:4].argmax(-1).tolist()
+        assert out.logprobs is not None and all(math.isfinite(lp) for lp in out.logprobs)
 
 
 # -- seeds ----------------------------------------------------------------------------------------

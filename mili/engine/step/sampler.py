@@ -11,6 +11,9 @@ and the chosen ids (with logprobs when asked) come back in one non-blocking copy
 
 Choices worth knowing:
 
+- Greedy means temperature below `sampling_params.GREEDY_TEMPERATURE` (1e-5, as vLLM), not
+  just 0: a smaller temperature turns the scaled logits into +-inf (1e-44, a float32 subnormal,
+  does) and the softmax into NaN, whose inverse CDF lands on the last column.
 - Logprobs describe the model's raw distribution: log_softmax of the logits before penalties,
   temperature and filters (vLLM's default too). They stay comparable across requests with
   different sampling settings, and equal what HF transformers reports for the same weights.
@@ -239,7 +242,7 @@ def _param_rows(seqs: Sequence[SequenceSampling], vocab_size: int) -> list[list[
     """The rows of `_PARAMS`, one list each (top-k 0 = off = V; u = 0 for greedy rows)."""
     params = [s.params for s in seqs]
     return [
-        [p.temperature for p in params],
+        [0.0 if p.is_greedy else p.temperature for p in params],  # greedy rows: exactly 0
         [min(p.top_k, vocab_size) or vocab_size for p in params],
         [p.top_p for p in params],
         [p.min_p for p in params],
