@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from mili.engine.generate import generate
-from mili.engine.model.loader import load_model
+from mili.engine.model.loader import load_model, tokenizer_vocab_size
 from mili.engine.sampling_params import SamplingParams
 from mili.pb.common.v1 import chat_pb2, sampling_pb2
 from mili.pb.frontend.v1 import generation_pb2
@@ -67,6 +67,7 @@ def prompts(deployment: Deployment) -> list[list[int]]:
 def reference(demo_model_dir: Path, deployment: Deployment) -> object:
     dtype = getattr(torch, deployment.decode_info().dtype)
     model = load_model(demo_model_dir, dtype=dtype)
+    vocab_size = tokenizer_vocab_size(demo_model_dir)  # the services sample only these ids
     params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
 
     def tokens(prompt: list[int]) -> list[int]:
@@ -75,7 +76,8 @@ def reference(demo_model_dir: Path, deployment: Deployment) -> object:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            return generate(model, [prompt], params)[0].token_ids  # one at a time: canonical
+            # one at a time: canonical
+            return generate(model, [prompt], params, vocab_size=vocab_size)[0].token_ids
         finally:
             torch.set_num_threads(threads)
 
@@ -132,6 +134,23 @@ def complete(deployment: Deployment, token_ids: list[int], **sampling: float) ->
     return list(deployment.stub().Complete(request, timeout=60).token_ids)
 
 
+def test_hot_sampling_returns_only_ids_the_tokenizer_has(
+    deployment: Deployment, demo_model_dir: Path, prompts: list[list[int]]
+) -> None:
+    # The demo model has 896 embedding rows for its tokenizer's 836 ids; temperature 2 used to
+    # draw the padding rows (prefill's first token and decode's) ~7% of the time.
+    vocab_size = tokenizer_vocab_size(demo_model_dir)
+    assert vocab_size == 836
+    drawn = [
+        t
+        for seed in range(4)
+        for t in complete(deployment, prompts[seed % 3], max_tokens=48, temperature=2.0, seed=seed)
+    ]
+    assert len(drawn) == 4 * 48 and max(drawn) < vocab_size
+    # What came out goes back in.
+    assert len(complete(deployment, drawn, max_tokens=1, temperature=0.0)) == 1
+
+
 def test_a_subnormal_temperature_is_greedy(
     deployment: Deployment, prompts: list[list[int]]
 ) -> None:
@@ -172,6 +191,7 @@ def test_chat_prompt_and_stop_string(deployment: Deployment) -> None:
         ({}, "prompt"),
         ({"prompt": "Hi", "token_ids": [1]}, "token_ids"),
         ({"token_ids": [1, 100000]}, "token_ids[1]"),
+        ({"token_ids": [1, 836]}, "token_ids[1]"),  # the model has rows 836..895: padding
         ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
         ({"prompt": "Hi", "sampling": {"max_tokens": 4096}}, "sampling.max_tokens"),
         ({"token_ids": [1] * 4096}, "token_ids"),
