@@ -65,6 +65,7 @@ def generate(
     pool: BlockPool | None = None,
     prefill_chunk_size: int | None = None,
     stats: GenerationStats | None = None,
+    vocab_size: int | None = None,
 ) -> list[GenerationResult]:
     """Generate for each prompt (token ids) with its SamplingParams; results in prompt order.
 
@@ -72,9 +73,12 @@ def generate(
     `block_size`); pass your own to observe them (the pool is back to all-free when this
     returns; the cache's own block size then applies). `prefill_chunk_size` splits
     prompts into chunks of at most that many tokens, each attending to the cached ones before it.
-    `stats`, when given, accumulates timings.
+    `stats`, when given, accumulates timings. `vocab_size`: the tokenizer's number of token ids
+    (`loader.tokenizer_vocab_size`), the ids sampled, as the services' runners do (default:
+    every row of the model's embedding table).
     """
     config = model.config
+    vocab_size = config.vocab_size if vocab_size is None else vocab_size
     all_params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
     if len(all_params) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts but {len(all_params)} SamplingParams")
@@ -97,7 +101,7 @@ def generate(
     eos = config.eos_token_id
     eos_ids = [eos] if isinstance(eos, int) else (eos or [])
     seqs = [
-        Sequence.new(prompt, sp, vocab_size=config.vocab_size, eos_token_ids=eos_ids)
+        Sequence.new(prompt, sp, vocab_size=vocab_size, eos_token_ids=eos_ids)
         for prompt, sp in zip(prompts, all_params, strict=True)
     ]
     results = [
@@ -108,7 +112,7 @@ def generate(
         )
         for s, sp in zip(seqs, all_params, strict=True)
     ]
-    sampler = Sampler()
+    sampler = Sampler(vocab_size)
     stats = stats if stats is not None else GenerationStats()
     try:
         start = time.perf_counter()

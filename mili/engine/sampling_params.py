@@ -29,6 +29,11 @@ OPTIONAL_FIELDS = (
     "logprobs",
 )  # OpenAI's limit; top-n logprobs cost a [B, n] top-k per step
 
+# Temperatures below this are greedy (argmax), as in vLLM (its _SAMPLING_EPS): dividing logits
+# by a smaller one overflows float32 (1e-44, a subnormal, makes every logit +-inf and the
+# softmax NaN). The SamplingParams proto's `temperature` comment states it; keep them in step.
+GREEDY_TEMPERATURE = 1e-5
+
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
@@ -41,7 +46,7 @@ def _is_real(value: object) -> bool:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 1.0  # 0 = greedy (argmax of the penalized logits)
+    temperature: float = 1.0  # < GREEDY_TEMPERATURE (0 too) = greedy: argmax of penalized logits
     top_p: float = 1.0  # (0, 1]; smallest set of tokens whose probability mass reaches top_p
     top_k: int = 0  # 0 = off; otherwise keep the k most likely tokens (and ties with the k-th)
     min_p: float = 0.0  # [0, 1]; drop tokens with prob < min_p * (prob of the most likely token)
@@ -109,4 +114,4 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_TEMPERATURE

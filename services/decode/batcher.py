@@ -207,7 +207,7 @@ class Batcher:
             seq = Sequence.new(
                 request.prompt_token_ids,
                 params,
-                vocab_size=self._runner.model.config.vocab_size,
+                vocab_size=self._runner.vocab_size,
                 eos_token_ids=self._eos_token_ids,
                 max_context_tokens=self._max_context_tokens,
                 # The whole reservation: the runner copies it to the device once, and reads

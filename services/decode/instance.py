@@ -189,7 +189,9 @@ class DecodeInstance:
 
     @property
     def vocab_size(self) -> int:
-        return self.model.config.vocab_size
+        """The tokenizer's number of token ids: the ids accepted and sampled (the model's
+        embedding table may have more rows)."""
+        return self.runner.vocab_size
 
     @property
     def layout(self) -> KVLayout:

@@ -63,6 +63,7 @@ def request_input(
         token_ids=tuple(request.token_ids),
         sampling=sampling_input(request.sampling),
         enable_thinking=request.enable_thinking if request.HasField("enable_thinking") else None,
+        allow_special_tokens=request.allow_special_tokens,
     )
 
 
@@ -113,7 +114,9 @@ def tokenize_request(request: ValidRequest) -> tokenizer_pb2.TokenizeRequest:
     if request.prompt_field != "messages":
         return tokenizer_pb2.TokenizeRequest(text=request.prompt)
     proto = tokenizer_pb2.TokenizeRequest(
-        messages=chat_messages(request.messages), add_generation_prompt=True
+        messages=chat_messages(request.messages),
+        add_generation_prompt=True,
+        allow_special_tokens=request.allow_special_tokens,
     )
     if request.enable_thinking is not None:
         proto.enable_thinking = request.enable_thinking

@@ -93,6 +93,7 @@ class RequestInput:
     token_ids: tuple[int, ...] = ()
     sampling: SamplingInput = SamplingInput()
     enable_thinking: bool | None = None
+    allow_special_tokens: bool = False  # chat: special-token strings in content stay special
 
 
 # ---- what goes downstream ----------------------------------------------------------------------
@@ -109,6 +110,8 @@ class ValidRequest:
     enable_thinking: bool | None
     # The caller left max_tokens unset: fit_context may lower it to what the context leaves.
     is_default_max_tokens: bool = False
+    # Chat: tokenize special-token strings in the messages as special tokens (default: text).
+    allow_special_tokens: bool = False
 
 
 def _new_seed() -> int:
@@ -155,6 +158,7 @@ def validate(
         sampling=sampling,
         enable_thinking=request.enable_thinking,
         is_default_max_tokens=request.sampling.max_tokens is None,
+        allow_special_tokens=request.allow_special_tokens,
     )
 
 

@@ -139,6 +139,12 @@ class PrefillInstance:
         return self.model.fused_ops.name
 
     @property
+    def vocab_size(self) -> int:
+        """The tokenizer's number of token ids: the ids accepted and sampled (the model's
+        embedding table may have more rows)."""
+        return self.runner.vocab_size
+
+    @property
     def layout(self) -> KVLayout:
         return self.runner.kv_cache.layout
 

@@ -120,7 +120,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     ) -> prefill_pb2.PrefillResponse:
         task = convert.prefill_task(
             request,
-            vocab_size=self.instance.model.config.vocab_size,
+            vocab_size=self.instance.vocab_size,
             max_prompt_tokens=self.max_prompt_tokens,
             block_size=self.config.engine.block_size,
         )

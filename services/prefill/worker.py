@@ -272,7 +272,7 @@ class PrefillWorker:
         if not rows:
             return []
         finished = [jobs[computed[row]] for row in rows]
-        vocab_size = runner.model.config.vocab_size
+        vocab_size = runner.vocab_size  # the tokenizer's
         seqs = [
             SequenceSampling(j.task.sampling, j.task.prompt_token_ids, vocab_size) for j in finished
         ]

@@ -85,12 +85,19 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
             enable_thinking = (
                 request.enable_thinking if request.HasField("enable_thinking") else None
             )
-            prompt = self._tokenizer.render_chat(messages, add_generation_prompt, enable_thinking)
+            # Rendering and encoding a long conversation take milliseconds: off the event loop.
+            prompt, token_ids = await asyncio.to_thread(
+                self._tokenizer.tokenize_chat,
+                messages,
+                add_generation_prompt,
+                enable_thinking,
+                allow_special_tokens=request.allow_special_tokens,
+            )
         else:
             self._check_chars("text", len(request.text))
             prompt = request.text
-        # Encoding a long text takes milliseconds: keep it off the event loop.
-        token_ids = await asyncio.to_thread(self._tokenizer.encode, prompt)
+            # Encoding a long text takes milliseconds: keep it off the event loop.
+            token_ids = await asyncio.to_thread(self._tokenizer.encode, prompt)
         return tokenizer_pb2.TokenizeResponse(token_ids=token_ids, prompt=prompt)
 
     async def Detokenize(

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tokenizers import Tokenizer
+from tokenizers import Encoding, Tokenizer
 
 from mili.errors import InvalidArgument, StartupError
+from services.tokenizer.chat_content import ChatPrompt, ContentGuard
 from services.tokenizer.chat_template import ChatTemplate, Message
 
 
@@ -67,6 +69,16 @@ class ModelTokenizer:
             key=lambda t: t.id,
         )
         self.eos_token_ids = self._eos_ids(config, generation, path)
+        self._guard = ContentGuard(
+            (t.content, i)
+            for i, t in self._tokenizer.get_added_tokens_decoder().items()
+            if t.special
+        )
+        # The same tokenizer with special-token matching off, for chat content that holds
+        # special-token strings; made on first use (most deployments never need it). A second
+        # object, not a flag flipped on the first: other threads encode with that one meanwhile.
+        self._as_text: Tokenizer | None = None
+        self._as_text_lock = threading.Lock()
         template = config.get("chat_template")
         if isinstance(
             template, list
@@ -106,6 +118,38 @@ class ModelTokenizer:
         self, messages: list[Message], add_generation_prompt: bool, enable_thinking: bool | None
     ) -> str:
         return self.chat_template.render(messages, add_generation_prompt, enable_thinking)
+
+    def tokenize_chat(
+        self,
+        messages: list[Message],
+        add_generation_prompt: bool,
+        enable_thinking: bool | None,
+        *,
+        allow_special_tokens: bool = False,
+    ) -> ChatPrompt:
+        """The rendered conversation and its ids. Special-token strings in the messages are
+        text (services/tokenizer/chat_content.py) unless `allow_special_tokens`; without any,
+        the ids are those of the whole prompt, as HF's apply_chat_template gives them."""
+
+        def render(turns: list[Message]) -> str:
+            return self.render_chat(turns, add_generation_prompt, enable_thinking)
+
+        if allow_special_tokens or not self._guard.finds_special_text(messages):
+            prompt = render(messages)
+            return ChatPrompt(prompt, self.encode(prompt))
+        return self._guard.encode(messages, render, self._encode, self._encode_as_text)
+
+    def _encode(self, text: str) -> Encoding:
+        return self._tokenizer.encode(text, add_special_tokens=False)
+
+    def _encode_as_text(self, texts: list[str]) -> list[list[int]]:
+        """Ids of each text with special-token strings split into their characters."""
+        with self._as_text_lock:
+            if self._as_text is None:
+                tokenizer = Tokenizer.from_str(self.file_bytes.decode("utf-8"))
+                tokenizer.encode_special_tokens = True
+                self._as_text = tokenizer
+        return [list(self._as_text.encode(t, add_special_tokens=False).ids) for t in texts]
 
     def check_ids(self, token_ids: list[int], field: str = "token_ids") -> None:
         """Raise InvalidArgument naming the first id outside the vocabulary."""

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
 import zlib
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -16,7 +18,7 @@ from mili.pb.decode.v1 import decode_pb2
 from mili.pb.kv.v1 import kv_pb2
 from mili.rpc.client import insecure_channel
 from mili.rpc.status import bad_request_of, retry_info_of
-from tests.decode.conftest import NUM_BLOCKS
+from tests.decode.conftest import BLOCK_SIZE, NUM_BLOCKS
 from tests.decode.harness import (
     Client,
     DecodeServerThread,
@@ -414,6 +416,42 @@ def test_invalid_requests_name_their_fields(decode_server: DecodeServerThread, c
         assert [v.field for v in bad_request.field_violations] == fields
 
     run(decode_server, body)
+
+
+def test_ids_past_the_tokenizers_vocabulary_are_refused_where_the_model_has_rows(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    # A padded embedding table, as Qwen3's: the model has 256 rows, its tokenizer 200 ids.
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    from mili.engine.engine_config import EngineConfig
+    from services.decode.config import DecodeConfig
+
+    model_dir = tmp_path / "padded"
+    shutil.copytree(tiny_model_dir, model_dir)
+    words = WordLevel({f"t{i}": i for i in range(200)}, unk_token="t0")
+    Tokenizer(words).save(str(model_dir / "tokenizer.json"))
+    config = DecodeConfig(
+        model_dir=model_dir,
+        engine=EngineConfig(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS),
+        max_running=2,
+    )
+    server = DecodeServerThread(config)
+    try:
+        assert (server.instance.vocab_size, server.instance.model.config.vocab_size) == (200, 256)
+
+        async def body(client: Client) -> None:
+            call = client.generate(generate_request("r", [5, 200], SHORT), timeout=5)
+            err = await expect_error(call.read(), Code.INVALID_ARGUMENT)
+            assert "[0, 200)" in err.details()
+            bad_request = bad_request_of(err)
+            assert bad_request is not None
+            assert [v.field for v in bad_request.field_violations] == ["prompt_token_ids"]
+
+        run(server, body)
+    finally:
+        server.close()
 
 
 def test_duplicate_active_request_id_is_refused(decode_server: DecodeServerThread) -> None:

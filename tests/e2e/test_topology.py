@@ -34,7 +34,7 @@ import pytest
 import torch
 
 from mili.engine.generate import generate
-from mili.engine.model.loader import load_model
+from mili.engine.model.loader import load_model, tokenizer_vocab_size
 from mili.engine.sampling_params import SamplingParams
 from mili.pb.common.v1 import sampling_pb2
 from mili.pb.frontend.v1 import generation_pb2, generation_pb2_grpc
@@ -336,7 +336,11 @@ def test_greedy_tokens_equal_generate_across_every_instance(
     model = load_model(demo_model_dir, dtype=torch.float32)
     requests = [_request(9 + 4 * i, 8, seed=i) for i in range(8)]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    expected = [generate(model, [list(r.token_ids)], params)[0].token_ids for r in requests]
+    vocab_size = tokenizer_vocab_size(demo_model_dir)  # the services sample only these ids
+    expected = [
+        generate(model, [list(r.token_ids)], params, vocab_size=vocab_size)[0].token_ids
+        for r in requests
+    ]
     stub = topology.stub()
     before = len(topology.routes.routes)
     with ThreadPoolExecutor(max_workers=8) as pool:

@@ -4,10 +4,14 @@ sampling that does not depend on the batch around a request."""
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
+import pytest
 import torch
 
+from mili.engine.engine_config import EngineConfig
 from mili.engine.kv.block_pool import BlockPool, blocks_needed
+from mili.engine.model.attention import TorchAttention
 from mili.engine.model.qwen3 import DecodeBatch, Qwen3ForCausalLM
 from mili.engine.sampling_params import SamplingParams
 from mili.engine.step.runner import ModelRunner
@@ -27,7 +31,7 @@ def start(
     runner: ModelRunner, pool: BlockPool, prompt_ids: list[list[int]], params: list[SamplingParams]
 ) -> list[Sequence]:
     """Prefill every prompt, sample its first token; each holds blocks for all its tokens."""
-    vocab_size = runner.model.config.vocab_size
+    vocab_size = runner.vocab_size
     seqs = []
     for prompt, sp in zip(prompt_ids, params, strict=True):
         s = Sequence.new(prompt, sp, vocab_size=vocab_size, eos_token_ids=[])
@@ -124,6 +128,25 @@ def test_seeded_request_samples_the_same_tokens_alone_or_in_a_batch_of_8(
     # Not trivially equal: another seed samples otherwise.
     seeded = SamplingParams(temperature=1.5, top_p=0.95, max_tokens=12, seed=4322)
     assert tokens([0]) != alone
+
+
+def test_a_runner_loaded_from_a_checkpoint_samples_only_its_tokenizers_ids(
+    demo_model_dir: Path,
+) -> None:
+    # The demo model pads its embedding table like Qwen3 does: 896 rows for 836 token ids.
+    config = EngineConfig(dtype="float32", attention="torch", num_blocks=64, block_size=BLOCK_SIZE)
+    runner = ModelRunner.load(
+        demo_model_dir, config, attention=TorchAttention(), max_decode_batch=8, capture_graphs=False
+    )
+    assert (runner.vocab_size, runner.model.config.vocab_size) == (836, 896)
+    pool = BlockPool(runner.num_blocks, null_block=True)
+    hot = [SamplingParams(temperature=2.0, max_tokens=16, seed=i, logprobs=5) for i in range(8)]
+    seqs = start(runner, pool, prompts(8, 836), hot)
+    run_to_end(runner, seqs)  # 128 draws; ~7% of the mass is on padding rows when unmasked
+    drawn = [t for s in seqs for t in s.output_token_ids]
+    assert len(drawn) == 128 and max(drawn) < 836
+    with pytest.raises(ValueError, match="do not fit"):
+        ModelRunner.create(runner.model, 4, BLOCK_SIZE, vocab_size=897)
 
 
 def test_seeds_reach_the_full_64_bits() -> None:

@@ -1,10 +1,12 @@
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
+from mili.engine.sampling_params import GREEDY_TEMPERATURE
 from mili.engine.step.sampler import (
     Sampler,
     SamplingParams,
@@ -168,6 +170,78 @@ def test_temperature_zero_is_argmax_whatever_else_is_set() -> None:
     seqs = [SequenceSampling(greedy if i % 2 else hot, [], 100) for i in range(16)]
     token_ids = Sampler()(logits, seqs).token_ids
     assert token_ids[1::2] == logits.argmax(-1)[1::2].tolist()
+
+
+def test_temperature_below_the_epsilon_is_greedy() -> None:
+    # 1e-44 as a float32 proto field delivers it: a subnormal that used to scale every logit to
+    # +-inf, so the softmax was NaN and the draw the last column, every time.
+    tiny = torch.tensor(1e-44, dtype=torch.float32).item()
+    assert tiny > 0 and SamplingParams(temperature=tiny).is_greedy
+    assert SamplingParams(temperature=GREEDY_TEMPERATURE / 2).is_greedy
+    assert not SamplingParams(temperature=GREEDY_TEMPERATURE).is_greedy
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(8, 100, generator=gen)
+    cold = [SamplingParams(temperature=tiny, seed=i, top_k=50, logprobs=1) for i in range(4)]
+    hot = [SamplingParams(temperature=1.0, seed=i) for i in range(4)]  # a random batch around
+    for rows in (cold + cold, cold + hot):
+        out = Sampler()(logits, [SequenceSampling(p, [], 100) for p in rows])
+        assert out.token_ids[:4] == logits[:4].argmax(-1).tolist()
+        assert out.logprobs is not None and all(math.isfinite(lp) for lp in out.logprobs)
+
+
+# -- the tokenizer's ids only ---------------------------------------------------------------------
+
+NUM_TOKENS, NUM_ROWS = 836, 896  # the demo model's tokenizer and embedding rows
+
+
+def padded_logits(num_rows: int, seed: int) -> torch.Tensor:
+    """[num_rows, NUM_ROWS] logits whose 60 padding columns are the most likely ones."""
+    logits = torch.randn(num_rows, NUM_ROWS, generator=torch.Generator().manual_seed(seed))
+    logits[:, NUM_TOKENS:] += 3.0
+    return logits
+
+
+def test_temperature_2_never_draws_a_padding_row() -> None:
+    params = [
+        SamplingParams(temperature=2.0, seed=1),
+        SamplingParams(temperature=2.0, top_k=NUM_ROWS, top_p=0.999, min_p=0.001, seed=2),
+        SamplingParams(temperature=2.0, repetition_penalty=0.5, frequency_penalty=-2.0, seed=3),
+        SamplingParams(temperature=0, logprobs=20),
+    ]
+    seqs = [
+        SequenceSampling(dataclasses.replace(p, seed=i), [NUM_TOKENS - 1, 5], NUM_TOKENS)
+        for i, p in enumerate(params * 16)
+    ]
+    sampler, drawn = Sampler(NUM_TOKENS), []
+    for step in range(25):  # 1600 draws
+        logits = padded_logits(len(seqs), step)
+        out = sampler(logits, seqs)
+        drawn += out.token_ids
+        for seq, token_id in zip(seqs, out.token_ids, strict=True):
+            seq.append(token_id)
+        assert out.top_logprobs is not None and out.logprobs is not None
+        top = [i for row in out.top_logprobs for i, _ in row]
+        assert top and max(top) < NUM_TOKENS  # logprobs never list a padding row either
+        # ... and are normalized over the tokenizer's ids alone.
+        expected = logits[:, :NUM_TOKENS].log_softmax(-1)
+        chosen = expected.gather(-1, torch.tensor(out.token_ids).unsqueeze(-1)).squeeze(-1)
+        assert torch.allclose(torch.tensor(out.logprobs), chosen)
+    assert max(drawn) < NUM_TOKENS
+    assert len(set(drawn)) > 300  # a real spread, not one token
+    # Without the tokenizer's size the same draws land on padding rows: the test can fail.
+    hot = [SamplingParams(temperature=2.0, seed=i) for i in range(64)]
+    unmasked = [SequenceSampling(p, [5], NUM_ROWS) for p in hot]
+    assert max(Sampler()(padded_logits(64, 0), unmasked).token_ids) >= NUM_TOKENS
+
+
+def test_sampler_refuses_logits_narrower_than_its_vocabulary() -> None:
+    seq = SequenceSampling(SamplingParams(), [], NUM_TOKENS)
+    with pytest.raises(ValueError, match="fewer than"):
+        Sampler(NUM_TOKENS)(torch.zeros(1, NUM_TOKENS - 1), [seq])
+    with pytest.raises(ValueError, match="vocab_size"):
+        Sampler(NUM_TOKENS)(torch.zeros(1, NUM_ROWS), [SequenceSampling(SamplingParams(), [], 9)])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        seq.append(NUM_TOKENS)
 
 
 # -- seeds ----------------------------------------------------------------------------------------

@@ -79,12 +79,14 @@ class PrefillHarness:
 
 @contextlib.asynccontextmanager
 async def prefill_service(tiny: TinyModel, **config: Any) -> AsyncIterator[PrefillHarness]:
-    """A started prefill server; on exit asserts every block is free and nothing is queued."""
+    """A started prefill server; on exit asserts every block is free and nothing is queued.
+    `vocab_size`: the tokenizer's (default: the model's rows)."""
     # Any destination by default: these tests aim at receivers on ports chosen as they run.
     num_blocks = config.pop("num_blocks", 128)
+    vocab_size = config.pop("vocab_size", None)
     settings = {"max_batch_tokens": 64, "allowed_decodes": (ANY_DECODE,), **config}
     prefill_config = PrefillConfig(engine=EngineConfig(block_size=BLOCK_SIZE), **settings)
-    runner = ModelRunner.create(tiny.model, num_blocks, BLOCK_SIZE)
+    runner = ModelRunner.create(tiny.model, num_blocks, BLOCK_SIZE, vocab_size=vocab_size)
     instance = PrefillInstance.create(
         runner, prefill_config, model_name=tiny.path.name, fingerprint=tiny.fingerprint
     )

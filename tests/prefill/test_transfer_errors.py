@@ -334,6 +334,22 @@ def test_bad_requests_are_invalid_argument_naming_the_field(
     asyncio.run(main())
 
 
+def test_ids_past_the_tokenizers_vocabulary_are_refused_where_the_model_has_rows(
+    tiny: TinyModel,
+) -> None:
+    # A padded embedding table: the model has 512 rows, the tokenizer 500 ids.
+    async def main() -> None:
+        async with prefill_service(tiny, vocab_size=500) as h:
+            err = await failed(h.stub.Prefill(_bad(tiny, prompt_token_ids=[5] * 19 + [500])))
+        assert err.code() is grpc.StatusCode.INVALID_ARGUMENT, err.details()
+        assert "[0, 500)" in err.details()
+        bad_request = bad_request_of(err)
+        assert bad_request is not None
+        assert [v.field for v in bad_request.field_violations] == ["prompt_token_ids[19]"]
+
+    asyncio.run(main())
+
+
 def test_prompt_longer_than_the_pool_is_invalid_argument(tiny: TinyModel) -> None:
     async def main() -> None:
         async with prefill_service(tiny, num_blocks=4, max_queued_tokens=1000) as h:

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
+from tokenizers import Tokenizer
 from torch import nn
 
 from mili.engine.kv.kv_layout import DTYPES
@@ -31,6 +32,7 @@ from mili.engine.model.qwen3 import Qwen3ForCausalLM
 from mili.engine.model.weight_map import WeightTarget, weight_map
 
 log = logging.getLogger(__name__)
+TOKENIZER_FILE = "tokenizer.json"
 
 
 class CheckpointError(ValueError):
@@ -44,6 +46,24 @@ class CheckpointWarning(UserWarning):
 def load_config(path: Path | str) -> Qwen3Config:
     """The directory's config.json; raises ConfigError naming a missing or bad field."""
     return Qwen3Config.from_file(Path(path) / CONFIG_FILE)
+
+
+def tokenizer_vocab_size(path: Path | str) -> int | None:
+    """How many token ids the directory's tokenizer.json has (added tokens included): the
+    number the tokenizer service reports as its vocab_size, and the ids the sampler may draw.
+    The model's `vocab_size` counts embedding rows, often padded past it (Qwen3: 151,936 rows
+    for 151,669 tokens). None when there is no tokenizer.json (a bare test checkpoint).
+    """
+    file = Path(path) / TOKENIZER_FILE
+    if not file.exists():
+        return None
+    try:
+        # Once at start-up, 1-2 s for a Qwen3-sized vocabulary on a busy 2-core machine (a
+        # bare json.load of the file is no faster); the tokenizer service's count, by the same
+        # library call.
+        return int(Tokenizer.from_file(str(file)).get_vocab_size(with_added_tokens=True))
+    except Exception as e:  # the Rust loader raises a bare Exception with a parse message
+        raise CheckpointError(f"{file} is not a valid tokenizer file: {e}") from None
 
 
 def tensor_files(path: Path | str) -> dict[str, Path]:

@@ -32,7 +32,12 @@ from mili.engine.model.attention import AttentionBackend
 from mili.engine.model.config import ConfigError
 from mili.engine.model.fused_ops import FusedOps
 from mili.engine.model.kv_cache import KVCache, bytes_per_block
-from mili.engine.model.loader import CheckpointError, load_model, resolve_dtype
+from mili.engine.model.loader import (
+    CheckpointError,
+    load_model,
+    resolve_dtype,
+    tokenizer_vocab_size,
+)
 from mili.engine.model.qwen3 import PrefillBatch, Qwen3ForCausalLM
 from mili.engine.sampling_params import SamplingParams
 from mili.engine.step.buckets import graph_batch_sizes, padded_batch_size
@@ -51,13 +56,27 @@ class ModelRunner:
 
     `kv_cache`'s last block is the null block (padded rows of a graph's batch use it); the
     blocks before it are the pool's. `max_decode_batch`: the most sequences in one decode step.
+    `vocab_size`: the tokenizer's number of token ids, the ids sampled and accepted (default:
+    every row of the model's embedding table, which may be padded past the tokenizer's).
     """
 
     def __init__(
-        self, model: Qwen3ForCausalLM, kv_cache: KVCache, *, max_decode_batch: int
+        self,
+        model: Qwen3ForCausalLM,
+        kv_cache: KVCache,
+        *,
+        max_decode_batch: int,
+        vocab_size: int | None = None,
     ) -> None:
         if kv_cache.num_blocks < 2:
             raise ValueError("the KV cache needs a block for the pool and the null block")
+        num_rows = model.config.vocab_size
+        self.vocab_size = num_rows if vocab_size is None else vocab_size
+        if not 0 < self.vocab_size <= num_rows:
+            raise ValueError(
+                f"the tokenizer's {self.vocab_size} token ids do not fit the model's "
+                f"{num_rows} embedding rows"
+            )
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
@@ -68,7 +87,7 @@ class ModelRunner:
         self.inputs = DecodeInputs(
             self.batch_sizes[-1], width, self.block_size, self.null_block_id, model.device
         )
-        self.sampler = Sampler()
+        self.sampler = Sampler(self.vocab_size)
         self.graphs: DecodeGraphs | None = None
 
     @classmethod
@@ -79,13 +98,14 @@ class ModelRunner:
         block_size: int,
         *,
         max_decode_batch: int = 1,
+        vocab_size: int | None = None,
     ) -> ModelRunner:
         """A runner over a model already loaded, with a fresh pool of `num_blocks` blocks
         (plus the null block), eager (tests, benchmarks)."""
         cache = KVCache(
             model.config, num_blocks + 1, block_size, dtype=model.dtype, device=model.device
         )
-        return cls(model, cache, max_decode_batch=max_decode_batch)
+        return cls(model, cache, max_decode_batch=max_decode_batch, vocab_size=vocab_size)
 
     # ---- what it holds -------------------------------------------------------------------------
 
@@ -217,7 +237,7 @@ class ModelRunner:
         """The most memory a step can take: a prefill of `max_prefill_tokens` (if given) and
         a decode step at the largest batch (padded rows; over the block tables' full width
         when `full_width`, as graphs run), each sampled with the costliest settings."""
-        vocab_size = self.model.config.vocab_size
+        vocab_size = self.vocab_size
         costly = SamplingParams(
             temperature=0.7, top_k=50, top_p=0.9, min_p=0.01, repetition_penalty=1.1, logprobs=20
         )
@@ -250,7 +270,8 @@ class ModelRunner:
         storage: Callable[[int], torch.Tensor | None] | None = None,
     ) -> ModelRunner:
         """Load the checkpoint, size and allocate the KV pool, capture graphs; StartupError
-        naming what is wrong.
+        naming what is wrong. The sampler draws only the ids of the directory's tokenizer.json
+        (every row of the model without one).
 
         `capture_graphs`: whether this engine runs decode steps (decode: yes, prefill: no);
         graphs are captured only on CUDA, without --enforce-eager, over a graph-safe backend.
@@ -268,8 +289,15 @@ class ModelRunner:
             model = load_model(
                 model_dir, device=device, dtype=dtype, attention=attention, fused_ops=fused_ops
             )
+            vocab_size = tokenizer_vocab_size(model_dir)
         except (CheckpointError, ConfigError, OSError, RuntimeError) as e:
             raise StartupError(f"cannot load model from {model_dir}: {e}") from None
+        if vocab_size is not None and vocab_size > model.config.vocab_size:
+            raise StartupError(
+                f"{model_dir}: tokenizer.json has {vocab_size} token ids, more than the "
+                f"model's {model.config.vocab_size} embedding rows"
+            )
+        _log_vocab(model_dir, vocab_size, model.config.vocab_size)
         use_graphs = capture_graphs and device.type == "cuda" and _graphs_allowed(config, model)
 
         memory = None
@@ -303,7 +331,7 @@ class ModelRunner:
                 f"cannot allocate {size.num_blocks} KV blocks ({size.num_bytes} bytes) on "
                 f"{config.device}: {e}; lower --num-blocks or --kv-cache-bytes"
             ) from None
-        runner = cls(model, cache, max_decode_batch=max_decode_batch)
+        runner = cls(model, cache, max_decode_batch=max_decode_batch, vocab_size=vocab_size)
         if use_graphs:
             runner.capture_graphs()
         return runner
@@ -376,6 +404,21 @@ def _measure(
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     return DeviceMemory(total, free, peak, torch.cuda.memory_reserved(device))
+
+
+def _log_vocab(model_dir: Path, vocab_size: int | None, num_rows: int) -> None:
+    if vocab_size is None:
+        _LOG.warning(
+            "%s has no tokenizer.json: sampling over all %d rows of the model's vocabulary",
+            model_dir,
+            num_rows,
+        )
+    elif vocab_size < num_rows:
+        _LOG.info(
+            "sampling the tokenizer's %d token ids; the model's %d padding rows are never drawn",
+            vocab_size,
+            num_rows - vocab_size,
+        )
 
 
 def _log_pool(size: KvPoolSize, block_size: int) -> None:

@@ -11,6 +11,15 @@ and the chosen ids (with logprobs when asked) come back in one non-blocking copy
 
 Choices worth knowing:
 
+- Only the tokenizer's ids are sampled: a checkpoint's embedding table is often padded past its
+  tokenizer (Qwen3: 151,936 rows for 151,669 tokens; the demo model 896 for 836), and the
+  padding rows carry logits like any other. The sampler reads the first `vocab_size` columns
+  (a view of the logits: no copy, no host sync, the same shape every step, so CUDA graphs are
+  unaffected), so no id at or past the tokenizer's size can be drawn, chosen by argmax or
+  listed in top logprobs, and probabilities are normalized over real tokens only.
+- Greedy means temperature below `sampling_params.GREEDY_TEMPERATURE` (1e-5, as vLLM), not
+  just 0: a smaller temperature turns the scaled logits into +-inf (1e-44, a float32 subnormal,
+  does) and the softmax into NaN, whose inverse CDF lands on the last column.
 - Logprobs describe the model's raw distribution: log_softmax of the logits before penalties,
   temperature and filters (vLLM's default too). They stay comparable across requests with
   different sampling settings, and equal what HF transformers reports for the same weights.
@@ -239,7 +248,7 @@ def _param_rows(seqs: Sequence[SequenceSampling], vocab_size: int) -> list[list[
     """The rows of `_PARAMS`, one list each (top-k 0 = off = V; u = 0 for greedy rows)."""
     params = [s.params for s in seqs]
     return [
-        [p.temperature for p in params],
+        [0.0 if p.is_greedy else p.temperature for p in params],  # greedy rows: exactly 0
         [min(p.top_k, vocab_size) or vocab_size for p in params],
         [p.top_p for p in params],
         [p.min_p for p in params],
@@ -280,7 +289,16 @@ class PendingSample:
 
 
 class Sampler:
-    """Stateless: all per-request state lives in the SequenceSampling objects passed in."""
+    """Stateless: all per-request state lives in the SequenceSampling objects passed in.
+
+    `vocab_size`: how many token ids the tokenizer has; logits columns past it (an embedding
+    table's padding) are never sampled (see the module docstring). None: every column.
+    """
+
+    def __init__(self, vocab_size: int | None = None) -> None:
+        if vocab_size is not None and vocab_size <= 0:
+            raise ValueError(f"vocab_size must be > 0, got {vocab_size}")
+        self.vocab_size = vocab_size
 
     def __call__(self, logits: torch.Tensor, seqs: Sequence[SequenceSampling]) -> SamplerOutput:
         """Sample and wait for the result (tests, prefill's first tokens, generate())."""
@@ -289,15 +307,21 @@ class Sampler:
     def launch(self, logits: torch.Tensor, seqs: Sequence[SequenceSampling]) -> PendingSample:
         """Queue the sampling of one token per row on the logits' device; no host sync.
 
-        logits: [B, V], row i sampled with seqs[i].params.
+        logits: [B, V'], row i sampled with seqs[i].params; V' >= the sampler's vocab_size V
+        (the model's rows), and only the first V columns count.
         """
         if logits.dim() != 2 or logits.shape[0] != len(seqs):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(seqs)} sequences")
-        if any(s.vocab_size != logits.shape[-1] for s in seqs):
-            raise ValueError(f"logits have {logits.shape[1]} columns, not every row's vocab_size")
-        logits = logits.float()  # a no-op for float32: nothing below writes into it
+        vocab_size = logits.shape[1] if self.vocab_size is None else self.vocab_size
+        if logits.shape[1] < vocab_size:
+            raise ValueError(f"logits have {logits.shape[1]} columns, fewer than {vocab_size}")
+        if any(s.vocab_size != vocab_size for s in seqs):
+            raise ValueError(f"not every row's vocab_size is the sampler's {vocab_size}")
+        # [B, V]: a view, so the padding columns cost nothing; float() is a no-op for float32,
+        # and nothing below writes into it.
+        logits = logits[:, :vocab_size].float()
         params = [s.params for s in seqs]
-        device, vocab_size = logits.device, logits.shape[1]
+        device = logits.device
         is_random = not all(p.is_greedy for p in params)
         rows = [i for i, p in enumerate(params) if _has_penalties(p)]
 

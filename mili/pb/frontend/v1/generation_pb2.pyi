@@ -30,20 +30,22 @@ INSTANCE_STATE_DOWN: InstanceState
 INSTANCE_STATE_DRAINING: InstanceState
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "messages", "token_ids", "sampling", "enable_thinking")
+    __slots__ = ("request_id", "prompt", "messages", "token_ids", "sampling", "enable_thinking", "allow_special_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     ENABLE_THINKING_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     messages: _containers.RepeatedCompositeFieldContainer[_chat_pb2.ChatMessage]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _sampling_pb2.SamplingParams
     enable_thinking: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_chat_pb2.ChatMessage, _Mapping]]] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., enable_thinking: _Optional[bool] = ...) -> None: ...
+    allow_special_tokens: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_chat_pb2.ChatMessage, _Mapping]]] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., enable_thinking: _Optional[bool] = ..., allow_special_tokens: _Optional[bool] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "logprobs", "finish_reason", "usage")
@@ -70,20 +72,22 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class CompleteRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "messages", "token_ids", "sampling", "enable_thinking")
+    __slots__ = ("request_id", "prompt", "messages", "token_ids", "sampling", "enable_thinking", "allow_special_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     ENABLE_THINKING_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     messages: _containers.RepeatedCompositeFieldContainer[_chat_pb2.ChatMessage]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _sampling_pb2.SamplingParams
     enable_thinking: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_chat_pb2.ChatMessage, _Mapping]]] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., enable_thinking: _Optional[bool] = ...) -> None: ...
+    allow_special_tokens: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_chat_pb2.ChatMessage, _Mapping]]] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., enable_thinking: _Optional[bool] = ..., allow_special_tokens: _Optional[bool] = ...) -> None: ...
 
 class CompleteResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "logprobs", "finish_reason", "usage")
