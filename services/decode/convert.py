@@ -8,15 +8,25 @@ import grpc
 from mili.engine.kv.kv_layout import KVLayout
 from mili.pb.decode.v1 import decode_pb2
 from mili.pb.kv.v1 import kv_pb2
-from mili.rpc.kv_layout import layout_to_proto
+from mili.rpc.kv_layout import check_compatible, layout_to_proto
 from mili.rpc.sampling import finish_reason_to_proto, logprobs_to_proto
 from mili.rpc.status import DETAILS_KEY
+from services.decode.progress import Header
 from services.decode.requests import DecodeRequest
 from services.decode.stream import TokenEvent
 
 
 def layout(kv_layout: KVLayout, model_fingerprint: str) -> kv_pb2.KvLayout:
     return layout_to_proto(kv_layout, model_fingerprint)
+
+
+def transfer_header(header: kv_pb2.TransferHeader, layout: kv_pb2.KvLayout) -> Header:
+    """A transfer's header, once its layout is this instance's `layout` (FAILED_PRECONDITION
+    naming both otherwise); TransferProgress.start checks the rest."""
+    check_compatible(
+        layout, header.layout, local_name="this decode instance", remote_name="the prefill instance"
+    )
+    return Header(header.num_tokens, header.num_chunks, header.transport, header.checksum)
 
 
 def _admitted(request: DecodeRequest) -> decode_pb2.Admitted:

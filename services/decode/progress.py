@@ -1,7 +1,10 @@
 """What one KV transfer has written so far (pure bookkeeping, below the gRPC servicer in
-services/decode/transfer.py): every chunk is checked against the request's reservation and
-what came before it, and the commit against the header's promise.
+services/decode/transfer.py): the header is checked against the request and this instance,
+every chunk against the request's reservation and what came before it, and the commit against
+the header's promise.
 
+    start         num_tokens = the prompt's, a transport this instance paired with, a checksum
+                  it has                                        -> InvalidArgument otherwise
     check_chunk   seq in order, request id, layer in range, blocks among the prompt's blocks
                   to receive and none sent twice for that layer      -> DataLoss otherwise
     record        the chunk goes to landing: its (layer, blocks) count as written
@@ -10,11 +13,22 @@ what came before it, and the commit against the header's promise.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Container, Sequence
+from typing import NamedTuple, Protocol
 
-from mili.errors import DataLoss
+from mili.errors import DataLoss, InvalidArgument
+from mili.kv_handoff import checksums, kv_transport
 from services.decode.requests import DecodeRequest
+
+
+class Header(NamedTuple):
+    """What the bookkeeping reads of a transfer's header (converted at the edge, which checked
+    its layout: services/decode/convert.py)."""
+
+    num_tokens: int  # the prompt's length
+    num_chunks: int  # chunks to come: one per layer per shipped prompt chunk
+    transport: str  # a name of mili.kv_handoff.kv_transport; "" (the wire's default) is grpc
+    checksum: str  # a name of mili.kv_handoff.checksums; "" is CRC-32
 
 
 class Chunk(Protocol):
@@ -45,7 +59,7 @@ class TransferProgress:
         checksum: str,
     ) -> None:
         """`transport`, `checksum`: the header's (names in mili.kv_handoff.kv_transport and
-        checksums), checked by the servicer."""
+        checksums), checked by `start`."""
         self.request = request
         self.num_chunks_expected = num_chunks
         self.num_chunks = 0
@@ -59,6 +73,28 @@ class TransferProgress:
         # blocks written so far, per layer (set operations, not a Python loop per block: a
         # transfer announces layers x blocks of them, 28 x 32 for a 512-token 0.6B prompt)
         self._written: list[set[int]] = [set() for _ in range(num_layers)]
+
+    @classmethod
+    def start(
+        cls, request: DecodeRequest, header: Header, num_layers: int, transports: Container[str]
+    ) -> TransferProgress:
+        """The bookkeeping of a transfer whose header `request` and this instance can take
+        (`transports`: those it paired with); InvalidArgument naming the header's field else."""
+        if header.num_tokens != request.num_prompt_tokens:
+            raise InvalidArgument(
+                "header.num_tokens",
+                header.num_tokens,
+                f"request {request.name} has {request.num_prompt_tokens} prompt tokens",
+            )
+        transport = header.transport or kv_transport.GRPC
+        if transport not in transports:
+            raise InvalidArgument(
+                "header.transport", transport, "this decode instance did not pair with it"
+            )
+        checksum = header.checksum or checksums.CRC32
+        if checksum not in checksums.available():
+            raise InvalidArgument("header.checksum", checksum, "this decode instance lacks it")
+        return cls(request, num_layers, header.num_chunks, transport, checksum)
 
     def check_chunk(self, chunk: Chunk) -> None:
         where = f"request {self.request.name} chunk {chunk.seq}"

@@ -1,6 +1,7 @@
 """gRPC edge of KV transfer: prefill streams a request's prompt KV into its reserved blocks.
 
-    header  request must be WAITING (-> TRANSFERRING), layouts equal, num_tokens = prompt length;
+    header  request must be WAITING (-> TRANSFERRING), layouts equal (convert.py), num_tokens =
+            prompt length, a paired transport, a known checksum (progress.py);
             in-place transports (shm, cuda-ipc): the blocks are held for the call (and a grace
             after a failed one), then the sender is told it may write (codec.ACCEPTED_KEY)
     chunk*  seq 0, 1, 2, ... ; request id matches ; blocks within the prompt's reservation
@@ -47,11 +48,10 @@ from opentelemetry import trace
 from mili.arith import ceil_div
 from mili.discovery import PeerSet, is_trusted_peer
 from mili.errors import Cancelled, DataLoss, InvalidArgument, PermissionDenied, Unavailable
-from mili.kv_handoff import checksums, kv_transport
 from mili.kv_handoff.codec import ACCEPTED_KEY, Chunk, ChunkView
 from mili.kv_handoff.transport import answer, receivers
 from mili.pb.kv.v1 import kv_pb2, kv_pb2_grpc
-from mili.rpc.kv_layout import block_bytes, check_compatible
+from mili.rpc.kv_layout import block_bytes
 from mili.rpc.sampling import logprobs_from_proto
 from services.decode import convert
 from services.decode.instance import DecodeInstance
@@ -190,30 +190,13 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
         context: grpc.aio.ServicerContext,
     ) -> kv_pb2.TransferKvResponse:
         started = time.perf_counter()  # the header is in
-        check_compatible(
-            self._layout,
-            header.layout,
-            local_name="this decode instance",
-            remote_name="the prefill instance",
+        progress = TransferProgress.start(
+            request,
+            convert.transfer_header(header, self._layout),
+            self._layout.num_layers,
+            self._transports,
         )
-        if header.num_tokens != request.num_prompt_tokens:
-            raise InvalidArgument(
-                "header.num_tokens",
-                header.num_tokens,
-                f"request {request.name} has {request.num_prompt_tokens} prompt tokens",
-            )
-        name = header.transport or kv_transport.GRPC
-        transport = self._transports.get(name)
-        if transport is None:
-            raise InvalidArgument(
-                "header.transport", name, "this decode instance did not pair with it"
-            )
-        checksum = header.checksum or checksums.CRC32
-        if checksum not in checksums.available():
-            raise InvalidArgument("header.checksum", checksum, "this decode instance lacks it")
-        progress = TransferProgress(
-            request, self._layout.num_layers, header.num_chunks, name, checksum
-        )
+        transport = self._transports[progress.transport]
         landing = Landing(self._landing, self._max_landing_bytes)
         is_committed = False
         if transport.is_in_place:

@@ -31,7 +31,6 @@ from mili.engine.kv.block_pool import blocks_to_reserve
 from mili.engine.logprobs import TokenLogprobs
 from mili.engine.stop import FinishReason, check_stop
 from mili.errors import ResourceExhausted, Unavailable
-from mili.telemetry.tracing import trace_ids
 from services.frontend.calls import (
     Admitted,
     Deadline,
@@ -61,6 +60,16 @@ class Delta:
     finish_reason: FinishReason | None = None
     num_prompt_tokens: int = 0
     num_completion_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Served:
+    """Where a finished request ran and what prefill reported: for its log line."""
+
+    route: Route
+    last: Delta  # the one with finish_reason and usage
+    prefill_stats: PrefillStats | None
+    num_cached_blocks: int  # leading prompt blocks decode already held (its prefix cache)
 
 
 @dataclass
@@ -97,8 +106,6 @@ class Generation:
         ids: RequestIds,
         prompt: Prompt,
         deadline: Deadline,
-        *,
-        received_at: float | None = None,
     ) -> None:
         self._downstream = downstream
         self._config = config
@@ -108,14 +115,12 @@ class Generation:
         self._deadline = deadline
         self._prefill: asyncio.Future[PrefillStats] | None = None
         self._prefill_reply: PrefillStats | None = None
-        # time.monotonic() when the frontend received the call: TTFT and total time count from it.
-        self._started = time.monotonic() if received_at is None else received_at
-        self._first_token_s: float | None = None
         # Cache-aware routing: the prompt's prefix keys and which instances probably hold them.
         index = self._router.prefix_index
         self._prefix_keys = index.keys(prompt.token_ids)
         self._affinity = index.matches(self._prefix_keys, time.monotonic())
         self._output_token_ids: list[int] = []
+        self.served: Served | None = None  # once finished
 
     async def run(self) -> AsyncGenerator[Delta, None]:
         admission = await self._admit()
@@ -132,7 +137,12 @@ class Generation:
             if is_finished:
                 await self._await_prefill_reply()
                 self._learn_finished(admission)
-                self._log_done(admission, delta)
+                self.served = Served(
+                    admission.route,
+                    delta,
+                    self._prefill_reply,
+                    admission.admitted.num_cached_blocks,
+                )
         finally:
             admission.stream.cancel()  # no-op when decode already finished
             if text is not None:
@@ -365,8 +375,6 @@ class Generation:
             finish = finish or event.finish_reason
             num_generated += len(token_ids)
             self._output_token_ids.extend(token_ids)
-            if token_ids and self._first_token_s is None:
-                self._first_token_s = time.monotonic() - self._started
             pushed = matcher.push(await text.push(token_ids))
             out = pushed.text
             if pushed.is_stopped:
@@ -379,34 +387,3 @@ class Generation:
                 return
             if token_ids or out:
                 yield Delta(token_ids, out, logprobs)
-
-    # ---- 4. log ------------------------------------------------------------------------------
-
-    def _log_done(self, admission: _Admission, last: Delta) -> None:
-        """The request's one log line (INFO), with the ids of its trace when tracing is on."""
-        reply = self._prefill_reply
-        kv = ""
-        if reply is not None:
-            rate = reply.kv_bytes / (reply.transfer_ms * 1e6) if reply.transfer_ms > 0 else 0.0
-            kv = (
-                f"; prefill queue {reply.queue_ms:.1f} ms, compute {reply.compute_ms:.1f} ms, "
-                f"KV {reply.kv_bytes} B in {reply.transfer_ms:.1f} ms ({rate:.3f} GB/s); "
-                f"prefix cached: {reply.num_cached_tokens} tokens on prefill, "
-                f"{admission.admitted.num_cached_blocks} blocks on decode"
-            )
-        ttft = "-" if self._first_token_s is None else f"{self._first_token_s * 1e3:.1f} ms"
-        _LOG.info(
-            "%s (id %s) done: prefill %s -> decode %s, %d prompt tokens, %d output tokens, "
-            "finish %s, ttft %s, total %.1f ms%s%s",
-            self._ids.client_request_id,
-            self._ids.request_id,
-            admission.route.prefill,
-            admission.route.decode,
-            len(self._prompt.token_ids),
-            last.num_completion_tokens,
-            last.finish_reason,
-            ttft,
-            (time.monotonic() - self._started) * 1e3,
-            kv,
-            trace_ids(),
-        )

@@ -1,7 +1,8 @@
 """gRPC edge of the frontend: mili.frontend.v1.GenerationService.
 
 Generate: validate -> tokenize -> Generation (route, hand off, stream) -> GenerateResponse,
-several deltas in one when the client lags (coalescer.py).
+several deltas in one when the client lags (coalescer.py); its span, latencies and log line
+in one RequestObserver (observer.py).
 Complete: the same deltas gathered into one CompleteResponse. Info: model, limits, instances.
 Exceptions become statuses in the server interceptor (mili.rpc): INVALID_ARGUMENT with the
 bad fields, RESOURCE_EXHAUSTED with RetryInfo, UNAVAILABLE naming the service that is down.
@@ -11,38 +12,26 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import logging
 import secrets
-import time
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
 import grpc
-from opentelemetry import trace
-from opentelemetry.trace import Span
 from prometheus_client import CollectorRegistry
 
 from mili.errors import ResourceExhausted
 from mili.pb.frontend.v1 import generation_pb2, generation_pb2_grpc
 from mili.rpc.server import RpcServer
-from mili.rpc.status import code_of
 from mili.telemetry.metrics import FrontendMetrics
-from mili.telemetry.tracing import trace_ids
 from services.frontend import convert
 from services.frontend.backends import Backends
 from services.frontend.calls import Deadline, RequestIds
 from services.frontend.clients import GrpcDownstream
 from services.frontend.coalescer import coalesced
+from services.frontend.observer import RequestObserver
 from services.frontend.pipeline import Delta, Generation
 from services.frontend.prompt import tokenize
 from services.frontend.validation import ValidRequest, validate
-
-_LOG = logging.getLogger("mili.frontend")
-# The global provider's tracer: a no-op until mili.telemetry.tracing installs one.
-_TRACER = trace.get_tracer("mili.frontend")
-
-# A call grpc ends this close to its deadline ended because of it (clocks differ a little).
-_DEADLINE_SLACK_S = 0.05
 
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
 
@@ -129,95 +118,31 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 retry_after_s=self._config.retry_after_s,
             )
         self._num_running += 1
-        received_at = time.monotonic()
         ids = RequestIds(f"{self._id_prefix}-{next(self._id_counter)}", valid.client_request_id)
-        model = self._backends.model
+        # Metrics, span and the request's one log line: the observer is told what happens.
+        observer = RequestObserver(self._metrics, ids)
         deadline = Deadline(context.time_remaining())
-        # The trace's root on our side: every downstream call below is a child of this span.
-        with _TRACER.start_as_current_span(
-            f"generate {model}", attributes=_request_attributes(model, valid, ids)
-        ) as span:
+        with observer.span(self._backends.model, valid):
             try:
                 prompt = await tokenize(self._downstream, self._config, valid, deadline)
-                span.set_attribute("gen_ai.usage.input_tokens", len(prompt.token_ids))
-                generation = Generation(
-                    self._downstream,
-                    self._config,
-                    ids,
-                    prompt,
-                    deadline,
-                    received_at=received_at,
-                )
-                # Time to first token and per output token are observed once per request (never
-                # per token: the histograms' cost stays off the streaming path).
-                first_at: float | None = None
+                observer.tokenized(len(prompt.token_ids))
+                generation = Generation(self._downstream, self._config, ids, prompt, deadline)
                 async with aclosing(generation.run()) as deltas:
                     async for delta in deltas:
-                        if first_at is None and delta.token_ids:
-                            first_at = time.monotonic()
-                            ttft_s = first_at - received_at
-                            self._metrics.time_to_first_token.observe(ttft_s)
-                            span.set_attribute("gen_ai.server.time_to_first_token", ttft_s)
-                            span.add_event("first token")
-                        if delta.finish_reason is not None:
-                            _record_finish(span, delta)
-                            num_tokens = delta.num_completion_tokens
-                            if first_at is not None and num_tokens > 1:
-                                per_token_s = (time.monotonic() - first_at) / (num_tokens - 1)
-                                self._metrics.time_per_output_token.observe(per_token_s)
+                        observer.delta(delta)
                         yield delta
+                if generation.served is not None:
+                    observer.done(generation.served)
             except Exception as exc:
-                # The request's one log line when it fails (a finished one logs in Generation).
-                _LOG.info(
-                    "%s (id %s) failed after %.1f ms: %s: %s%s",
-                    ids.client_request_id,
-                    ids.request_id,
-                    (time.monotonic() - received_at) * 1e3,
-                    code_of(exc).name,
-                    exc,
-                    trace_ids(span),
-                )
+                observer.failed(exc)
                 raise
             except (asyncio.CancelledError, GeneratorExit):
-                # grpc ends the handler when the caller cancels or its deadline passes: the
-                # request's one log line says which (every downstream call is cancelled below).
-                code, why = "CANCELLED", "the caller cancelled"
-                remaining_s = context.time_remaining()  # grpc's own clock, which fired the end
-                if remaining_s is not None and remaining_s < _DEADLINE_SLACK_S:
-                    code, why = "DEADLINE_EXCEEDED", "the caller's deadline passed"
-                _LOG.info(
-                    "%s (id %s) %s after %.1f ms: %s%s",
-                    ids.client_request_id,
-                    ids.request_id,
-                    code,
-                    (time.monotonic() - received_at) * 1e3,
-                    why,
-                    trace_ids(span),
-                )
+                # grpc ends the handler when the caller cancels or its deadline passes (every
+                # downstream call is cancelled on the way out).
+                observer.cancelled(context.time_remaining())
                 raise
             finally:
                 self._num_running -= 1
-
-
-def _request_attributes(
-    model: str, valid: ValidRequest, ids: RequestIds
-) -> dict[str, str | int | float]:
-    return {
-        "gen_ai.operation.name": "generate",
-        "gen_ai.system": "mili",
-        "gen_ai.request.model": model,
-        "gen_ai.request.max_tokens": valid.sampling.max_tokens,
-        "gen_ai.request.temperature": valid.sampling.temperature,
-        "gen_ai.request.top_p": valid.sampling.top_p,
-        "gen_ai.response.id": valid.client_request_id,
-        "mili.request_id": ids.request_id,
-    }
-
-
-def _record_finish(span: Span, delta: Delta) -> None:
-    span.set_attribute("gen_ai.usage.input_tokens", delta.num_prompt_tokens)
-    span.set_attribute("gen_ai.usage.output_tokens", delta.num_completion_tokens)
-    span.set_attribute("gen_ai.response.finish_reasons", [str(delta.finish_reason)])
 
 
 def add_to_server(server: RpcServer, servicer: GenerationServicer) -> None:

@@ -8,6 +8,7 @@ reserved blocks for it.
     worker.py     PrefillWorker: the thread that owns the model and KV cache, ships each layer
     sender.py     KvSender: the TransferKv client stream (header, chunks, commit) to decode
     task.py       PrefillTask, FirstToken, KvSink: what the servicer, worker and sender exchange
-    server.py     PrefillService servicer (Prefill, Info)
-    convert.py    proto -> domain, with every bad field named
+    handoff.py    KvHandoff: one prompt, from the allow-list check to decode's ack
+    server.py     PrefillService servicer (Prefill, Info): convert -> KvHandoff.prefill -> convert
+    convert.py    proto <-> domain, with every bad field named
 """

@@ -1,4 +1,5 @@
-"""Proto -> domain for the prefill service: a PrefillRequest becomes a validated PrefillTask.
+"""Proto <-> domain for the prefill service: a PrefillRequest becomes a validated PrefillTask,
+and the transfer's result a PrefillResponse.
 
 Every violation is reported at once, each naming its field as the caller set it
 (`prompt_token_ids[3]`, `sampling.top_p`, `destination.prompt_block_ids`), as INVALID_ARGUMENT
@@ -11,6 +12,7 @@ from mili.engine.kv.block_pool import blocks_needed
 from mili.errors import FieldViolation, InvalidArgument
 from mili.pb.prefill.v1 import prefill_pb2
 from mili.rpc.sampling import sampling_params
+from services.prefill.sender import TransferResult, logprobs
 from services.prefill.task import PrefillTask
 
 _MAX_REQUEST_ID_CHARS = 256
@@ -81,4 +83,18 @@ def prefill_task(
         transfer_token=destination.transfer_token,
         num_cached_blocks=num_cached_blocks,
         client_request_id=request.client_request_id,
+    )
+
+
+def prefill_response(task: PrefillTask, result: TransferResult) -> prefill_pb2.PrefillResponse:
+    first = result.first
+    return prefill_pb2.PrefillResponse(
+        first_token_id=first.token_id,
+        first_logprobs=logprobs(first),
+        num_prompt_tokens=len(task.prompt_token_ids),
+        queue_ms=first.queue_ms,
+        compute_ms=first.compute_ms,
+        transfer_ms=result.transfer_ms,
+        kv_bytes=result.kv_bytes,
+        num_cached_tokens=first.num_cached_tokens,
     )

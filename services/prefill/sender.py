@@ -32,6 +32,7 @@ import grpc
 import torch
 
 from mili.arith import ceil_div
+from mili.engine.logprobs import TokenLogprobs
 from mili.errors import (
     Cancelled,
     DataLoss,
@@ -46,6 +47,7 @@ from mili.errors import (
 from mili.kv_handoff.codec import ACCEPTED_KEY, batch_in_place
 from mili.pb.common.v1 import sampling_pb2
 from mili.pb.kv.v1 import kv_pb2
+from mili.rpc.sampling import logprobs_to_proto
 from mili.rpc.status import server_status_of
 from services.prefill.pairing import GRPC_PAIRING, Pairing
 from services.prefill.task import FirstToken, PrefillTask
@@ -391,9 +393,4 @@ def logprobs(first: FirstToken) -> sampling_pb2.Logprobs | None:
     """The first token's Logprobs message, or None when none were asked for."""
     if first.logprob is None:
         return None
-    return sampling_pb2.Logprobs(
-        chosen=sampling_pb2.TokenLogprob(token_id=first.token_id, logprob=first.logprob),
-        top=[
-            sampling_pb2.TokenLogprob(token_id=t, logprob=lp) for t, lp in first.top_logprobs or ()
-        ],
-    )
+    return logprobs_to_proto(first.token_id, TokenLogprobs(first.logprob, first.top_logprobs or []))

@@ -7,9 +7,9 @@ from typing import NamedTuple
 import pytest
 
 from mili.engine.sampling_params import SamplingParams
-from mili.errors import DataLoss
+from mili.errors import DataLoss, FieldViolation, InvalidArgument
 from mili.kv_handoff import checksums, kv_transport
-from services.decode.progress import TransferProgress
+from services.decode.progress import Header, TransferProgress
 from services.decode.requests import DecodeRequest
 
 
@@ -20,12 +20,10 @@ class _Chunk(NamedTuple):
     block_ids: list[int]
 
 
-def _progress(
-    num_layers: int = 2, num_chunks: int = 2, num_cached_blocks: int = 1
-) -> TransferProgress:
-    """A request holding blocks [9, 4, 5, 6] for its prompt, of which the first
-    `num_cached_blocks` came from the prefix cache, plus one block to generate into."""
-    request = DecodeRequest(
+def _request(num_cached_blocks: int = 1) -> DecodeRequest:
+    """A 13-token prompt holding blocks [9, 4, 5, 6], of which the first `num_cached_blocks`
+    came from the prefix cache, plus one block to generate into."""
+    return DecodeRequest(
         request_id="r1",
         prompt_token_ids=list(range(13)),
         params=SamplingParams(),
@@ -35,6 +33,12 @@ def _progress(
         lease_ms=1000,
         num_cached_blocks=num_cached_blocks,
     )
+
+
+def _progress(
+    num_layers: int = 2, num_chunks: int = 2, num_cached_blocks: int = 1
+) -> TransferProgress:
+    request = _request(num_cached_blocks)
     return TransferProgress(request, num_layers, num_chunks, kv_transport.GRPC, checksums.CRC32)
 
 
@@ -113,3 +117,53 @@ def test_a_fully_cached_prompt_expects_no_blocks() -> None:
     progress = _progress(num_chunks=1, num_cached_blocks=4)
     with pytest.raises(DataLoss, match=r"block ids \[4\] are not among .* receive \[\]"):
         progress.check_chunk(_Chunk("r1", 0, 0, [4]))
+
+
+# ---- the header --------------------------------------------------------------------------------
+
+_PAIRED = (kv_transport.GRPC, kv_transport.SHM)
+
+
+def test_a_header_the_request_can_take_starts_the_transfer() -> None:
+    header = Header(num_tokens=13, num_chunks=6, transport=kv_transport.SHM, checksum="")
+    progress = TransferProgress.start(_request(), header, 2, _PAIRED)
+    assert (progress.transport, progress.checksum) == (kv_transport.SHM, checksums.CRC32)
+    assert (progress.num_chunks_expected, progress.num_chunks, progress.num_bytes) == (6, 0, 0)
+    _send(progress, _Chunk("r1", 0, 1, [4, 5, 6]))  # layers of the 2 the caller named
+
+
+def test_empty_names_are_the_wire_defaults_grpc_and_crc32() -> None:
+    progress = TransferProgress.start(_request(), Header(13, 2, "", ""), 2, [kv_transport.GRPC])
+    assert (progress.transport, progress.checksum) == (kv_transport.GRPC, checksums.CRC32)
+
+
+@pytest.mark.parametrize(
+    ("header", "violation"),
+    [
+        (
+            Header(12, 2, "", ""),
+            FieldViolation("header.num_tokens", "request 'r1' has 13 prompt tokens (got 12)"),
+        ),
+        (
+            Header(13, 2, kv_transport.CUDA_IPC, ""),
+            FieldViolation(
+                "header.transport", "this decode instance did not pair with it (got 'cuda-ipc')"
+            ),
+        ),
+        (
+            Header(13, 2, "", "md5"),
+            FieldViolation("header.checksum", "this decode instance lacks it (got 'md5')"),
+        ),
+    ],
+)
+def test_a_header_the_request_cannot_take_is_refused_naming_its_field(
+    header: Header, violation: FieldViolation
+) -> None:
+    with pytest.raises(InvalidArgument) as info:
+        TransferProgress.start(_request(), header, 2, _PAIRED)
+    assert info.value.violations == [violation]
+
+
+def test_the_header_counts_all_prompt_tokens_cached_or_not() -> None:
+    # num_tokens is the prompt's length, not what is sent: 4 cached blocks change nothing.
+    TransferProgress.start(_request(num_cached_blocks=4), Header(13, 0, "", ""), 2, _PAIRED)

@@ -1,0 +1,126 @@
+"""One request's telemetry at the frontend, all in one place: its span (`generate {model}`, the
+trace's root on our side, current while it runs so every downstream call is its child), its
+time to first token and per output token (observed once per request, never per token: the
+histograms' cost stays off the streaming path) and its one log line (INFO: done, failed or
+cancelled, with the trace's ids when tracing is on). The servicer tells it what happens.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from opentelemetry import trace
+from opentelemetry.trace import Span
+
+from mili.rpc.status import code_of
+from mili.telemetry.metrics import FrontendMetrics
+from mili.telemetry.tracing import trace_ids
+from services.frontend.calls import RequestIds
+from services.frontend.pipeline import Delta, Served
+from services.frontend.validation import ValidRequest
+
+_LOG = logging.getLogger("mili.frontend")
+# The global provider's tracer: a no-op until mili.telemetry.tracing installs one.
+_TRACER = trace.get_tracer("mili.frontend")
+# A call grpc ends this close to its deadline ended because of it (clocks differ a little).
+_DEADLINE_SLACK_S = 0.05
+
+
+class RequestObserver:
+    """What one request did, from the moment the frontend took it (construction)."""
+
+    def __init__(self, metrics: FrontendMetrics, ids: RequestIds) -> None:
+        self._metrics = metrics
+        self._ids = ids
+        self._received_at = time.monotonic()  # time to first token and total count from here
+        self._first_at: float | None = None
+        self._span: Span = trace.INVALID_SPAN
+
+    @contextmanager
+    def span(self, model: str, valid: ValidRequest) -> Iterator[None]:
+        attributes: dict[str, str | int | float] = {
+            "gen_ai.operation.name": "generate",
+            "gen_ai.system": "mili",
+            "gen_ai.request.model": model,
+            "gen_ai.request.max_tokens": valid.sampling.max_tokens,
+            "gen_ai.request.temperature": valid.sampling.temperature,
+            "gen_ai.request.top_p": valid.sampling.top_p,
+            "gen_ai.response.id": valid.client_request_id,
+            "mili.request_id": self._ids.request_id,
+        }
+        with _TRACER.start_as_current_span(f"generate {model}", attributes=attributes) as span:
+            self._span = span
+            yield
+
+    def tokenized(self, num_prompt_tokens: int) -> None:
+        self._span.set_attribute("gen_ai.usage.input_tokens", num_prompt_tokens)
+
+    def delta(self, delta: Delta) -> None:
+        if self._first_at is None and delta.token_ids:
+            self._first_at = time.monotonic()
+            ttft_s = self._first_at - self._received_at
+            self._metrics.time_to_first_token.observe(ttft_s)
+            self._span.set_attribute("gen_ai.server.time_to_first_token", ttft_s)
+            self._span.add_event("first token")
+        if delta.finish_reason is not None:
+            self._span.set_attribute("gen_ai.usage.input_tokens", delta.num_prompt_tokens)
+            self._span.set_attribute("gen_ai.usage.output_tokens", delta.num_completion_tokens)
+            self._span.set_attribute("gen_ai.response.finish_reasons", [str(delta.finish_reason)])
+            num_tokens = delta.num_completion_tokens
+            if self._first_at is not None and num_tokens > 1:
+                per_token_s = (time.monotonic() - self._first_at) / (num_tokens - 1)
+                self._metrics.time_per_output_token.observe(per_token_s)
+
+    def done(self, served: Served) -> None:
+        reply, last = served.prefill_stats, served.last
+        kv = ""
+        if reply is not None:
+            rate = reply.kv_bytes / (reply.transfer_ms * 1e6) if reply.transfer_ms > 0 else 0.0
+            kv = (
+                f"; prefill queue {reply.queue_ms:.1f} ms, compute {reply.compute_ms:.1f} ms, "
+                f"KV {reply.kv_bytes} B in {reply.transfer_ms:.1f} ms ({rate:.3f} GB/s); "
+                f"prefix cached: {reply.num_cached_tokens} tokens on prefill, "
+                f"{served.num_cached_blocks} blocks on decode"
+            )
+        first_at = self._first_at
+        ttft = "-" if first_at is None else f"{(first_at - self._received_at) * 1e3:.1f} ms"
+        self._log(
+            "done: prefill %s -> decode %s, %d prompt tokens, %d output tokens, finish %s, "
+            "ttft %s, total %.1f ms%s",
+            served.route.prefill,
+            served.route.decode,
+            last.num_prompt_tokens,
+            last.num_completion_tokens,
+            last.finish_reason,
+            ttft,
+            self._elapsed_ms(),
+            kv,
+        )
+
+    def failed(self, exc: Exception) -> None:
+        self._log("failed after %.1f ms: %s: %s", self._elapsed_ms(), code_of(exc).name, exc)
+
+    def cancelled(self, remaining_s: float | None) -> None:
+        """grpc ended the handler: `remaining_s`, grpc's own clock (which fired the end), says
+        whether the caller cancelled or its deadline passed."""
+        code, why = "CANCELLED", "the caller cancelled"
+        if remaining_s is not None and remaining_s < _DEADLINE_SLACK_S:
+            code, why = "DEADLINE_EXCEEDED", "the caller's deadline passed"
+        self._log("%s after %.1f ms: %s", code, self._elapsed_ms(), why)
+
+    def _log(self, what: str, *args: object) -> None:
+        """The request's one log line: its ids, `what`, the trace's ids."""
+        ids = self._ids
+        _LOG.info(
+            f"%s (id %s) {what}%s",
+            ids.client_request_id,
+            ids.request_id,
+            *args,
+            trace_ids(self._span),
+        )
+
+    def _elapsed_ms(self) -> float:
+        return (time.monotonic() - self._received_at) * 1e3

@@ -1,0 +1,107 @@
+"""RequestObserver: one request's metrics and its one log line, told what happens, without
+servers (the span is covered end to end by tests/telemetry)."""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from mili.engine.stop import FinishReason
+from mili.errors import ResourceExhausted
+from mili.telemetry.metrics import FrontendMetrics
+from services.frontend.calls import PrefillStats, RequestIds
+from services.frontend.observer import RequestObserver
+from services.frontend.pipeline import Delta, Served
+from services.frontend.router import Route
+
+IDS = RequestIds("frontend-1", "client-1")
+ROUTE = Route("p:1", "d:1")
+MS = r"\d+\.\d ms"
+
+
+def _observer() -> tuple[RequestObserver, FrontendMetrics]:
+    metrics = FrontendMetrics(CollectorRegistry())
+    return RequestObserver(metrics, IDS), metrics
+
+
+def _count(metrics: FrontendMetrics, name: str) -> float | None:
+    return metrics.registry.get_sample_value(f"mili_frontend_{name}_seconds_count")
+
+
+def _lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "mili.frontend"]
+
+
+def test_latencies_are_observed_once_per_request_and_the_done_line_says_it_all(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    observer, metrics = _observer()
+    observer.delta(Delta([], "", []))  # no token yet: nothing observed
+    assert _count(metrics, "time_to_first_token") == 0
+    observer.delta(Delta([5], "a"))
+    observer.delta(Delta([6], "b"))
+    last = Delta([7], "c", [], FinishReason.STOP, num_prompt_tokens=4, num_completion_tokens=3)
+    observer.delta(last)
+    assert _count(metrics, "time_to_first_token") == 1
+    assert _count(metrics, "time_per_output_token") == 1
+    stats = PrefillStats(queue_ms=1.0, compute_ms=2.0, transfer_ms=4.0, kv_bytes=8_000_000)
+    with caplog.at_level(logging.INFO, logger="mili.frontend"):
+        observer.done(Served(ROUTE, last, stats, num_cached_blocks=2))
+    (line,) = _lines(caplog)
+    assert re.fullmatch(
+        rf"client-1 \(id frontend-1\) done: prefill p:1 -> decode d:1, 4 prompt tokens, "
+        rf"3 output tokens, finish {re.escape(str(FinishReason.STOP))}, ttft {MS}, total {MS}; "
+        r"prefill queue 1\.0 ms, compute 2\.0 ms, KV 8000000 B in 4\.0 ms \(2\.000 GB/s\); "
+        r"prefix cached: 0 tokens on prefill, 2 blocks on decode",
+        line,
+    ), line
+
+
+def test_a_request_without_output_tokens_logs_no_ttft_and_observes_nothing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    observer, metrics = _observer()
+    last = Delta([], "", [], FinishReason.LENGTH, num_prompt_tokens=2, num_completion_tokens=0)
+    observer.delta(last)
+    with caplog.at_level(logging.INFO, logger="mili.frontend"):
+        observer.done(Served(ROUTE, last, None, num_cached_blocks=0))
+    (line,) = _lines(caplog)
+    assert re.fullmatch(
+        r"client-1 \(id frontend-1\) done: prefill p:1 -> decode d:1, 2 prompt tokens, 0 output "
+        rf"tokens, finish {re.escape(str(FinishReason.LENGTH))}, ttft -, total {MS}",
+        line,
+    ), line
+    assert _count(metrics, "time_to_first_token") == _count(metrics, "time_per_output_token") == 0
+
+
+def test_a_failure_logs_its_status_and_error(caplog: pytest.LogCaptureFixture) -> None:
+    observer, _ = _observer()
+    with caplog.at_level(logging.INFO, logger="mili.frontend"):
+        observer.failed(ResourceExhausted("every decode instance is full"))
+    (line,) = _lines(caplog)
+    assert re.fullmatch(
+        rf"client-1 \(id frontend-1\) failed after {MS}: RESOURCE_EXHAUSTED: every decode "
+        "instance is full",
+        line,
+    ), line
+
+
+@pytest.mark.parametrize(
+    ("remaining_s", "said"),
+    [
+        (None, "CANCELLED after {MS}: the caller cancelled"),
+        (3.0, "CANCELLED after {MS}: the caller cancelled"),
+        (0.01, "DEADLINE_EXCEEDED after {MS}: the caller's deadline passed"),
+    ],
+)
+def test_an_ended_call_says_whether_the_caller_cancelled_or_its_deadline_passed(
+    remaining_s: float | None, said: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    observer, _ = _observer()
+    with caplog.at_level(logging.INFO, logger="mili.frontend"):
+        observer.cancelled(remaining_s)
+    (line,) = _lines(caplog)
+    assert re.fullmatch(r"client-1 \(id frontend-1\) " + said.format(MS=MS), line), line
