@@ -78,6 +78,7 @@ CHECKED = [
     "services.prefill.task",
     # the frontend's generation logic
     "services.frontend.pipeline",
+    "services.frontend.admitter",
     "services.frontend.prompt",
     "services.frontend.validation",
     "services.frontend.calls",
