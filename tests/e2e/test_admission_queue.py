@@ -51,8 +51,9 @@ def _short_deadline_call(address: str) -> grpc.StatusCode:
 def test_load_past_every_limit_waits_and_finishes(demo_model_dir: Path, tmp_path: Path) -> None:
     serve = ServiceProcess(
         "serve", "--model", str(demo_model_dir), "--port", "0", "--metrics-port", "0",
-        # 4 running requests on decode; 2 prompts of 16 tokens in prefill's queue.
-        "--decode-args", "--num-blocks 256 --max-running 4",
+        # Decode: 4 running requests, 10 blocks of 16 tokens; prefill: 2 prompts of 16 tokens
+        # queued at once.
+        "--decode-args", "--num-blocks 10 --max-running 4",
         "--prefill-args", "--num-blocks 256 --max-queued-tokens 40",
         timeout_s=180,
     )  # fmt: skip
@@ -60,16 +61,19 @@ def test_load_past_every_limit_waits_and_finishes(demo_model_dir: Path, tmp_path
         summary = "".join(serve.stdout_lines)
         urls = dict(re.findall(r"mili serve: (\S+)\s.*metrics (\S+)", summary))
         assert {"frontend", "prefill-0", "decode-0"} <= set(urls), summary
-        out = tmp_path / "bench.json"
-        bench = subprocess.run(
-            [sys.executable, "-m", "mili", "bench", "--address", serve.address,
-             "--concurrency", "32", "--num-requests", "64", "--prompt-tokens", "16",
-             "--output-tokens", "8", "--json", str(out)],
-            cwd=ROOT, capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
-        assert bench.returncode == 0, bench.stdout + bench.stderr
-        result = json.loads(out.read_text())
-        assert (result["num_ok"], result["num_errors"]) == (64, 0), result["errors"]
+        # 16 + 8 tokens hold 2 blocks: --max-running bounds decode (4 x 2 of 10 blocks);
+        # 16 + 40 tokens hold 4: its blocks do (2 at once, below --max-running).
+        for output_tokens in (8, 40):
+            out = tmp_path / f"bench-{output_tokens}.json"
+            bench = subprocess.run(
+                [sys.executable, "-m", "mili", "bench", "--address", serve.address,
+                 "--concurrency", "32", "--num-requests", "64", "--prompt-tokens", "16",
+                 "--output-tokens", str(output_tokens), "--json", str(out)],
+                cwd=ROOT, capture_output=True, text=True, timeout=120,
+            )  # fmt: skip
+            assert bench.returncode == 0, bench.stdout + bench.stderr
+            result = json.loads(out.read_text())
+            assert (result["num_ok"], result["num_errors"]) == (64, 0), result["errors"]
         metrics = _metrics(urls["frontend"])
         assert _sample(metrics, "mili_frontend_queue_wait_seconds_count") > 0
         assert _sample(metrics, "mili_frontend_queue_wait_seconds_sum") > 0
