@@ -422,6 +422,13 @@ class Generation:
                 watched: set[asyncio.Future[Any]] = {read, self._prefill}
                 await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
                 self._check_prefill(admission)  # raises prefill's error
+            if self._prefill_reply is None and not read.cancelled() and read.exception():
+                # Decode failed while prefill was still on: its error may echo prefill's (a
+                # transfer prefill broke off when it turned the request away, seen by decode as
+                # UNAVAILABLE); prefill's own answer says why, and decode is not down for it.
+                assert self._prefill is not None
+                await asyncio.wait({self._prefill}, timeout=self._config.prefill_reply_grace_s)
+                self._check_prefill(admission)
             return await self._read(admission, read)
         finally:
             if not read.done():

@@ -85,6 +85,7 @@ class LetterText:
 class FakeDownstream:
     decodes: dict[str, list[Event]]  # address -> the events its Generate call returns
     prefill_outcome: Callable[[], PrefillStats] = lambda: PrefillStats(1.0, 2.0, 3.0, 4096)
+    prefill_delay_s: float = 0.0
     router: Router = field(init=False)
     admitter: Admitter = field(init=False)
     calls: list[tuple[str, str]] = field(default_factory=list)  # (kind, address) in call order
@@ -142,7 +143,7 @@ class FakeDownstream:
         self.prefill_blocks.append(admitted.prompt_block_ids)
 
         async def reply() -> PrefillStats:
-            await asyncio.sleep(0)
+            await asyncio.sleep(self.prefill_delay_s)
             return self.prefill_outcome()
 
         future = asyncio.ensure_future(reply())
@@ -315,6 +316,32 @@ def test_prefill_full_without_a_queue_is_resource_exhausted_and_cancels_decode()
     assert down.streams[-1].is_cancelled
     assert down.router.full_instances() == {PREFILL: "prefill at p:1: queue full"}
     assert in_flight(down.router) == 0
+
+
+def test_decode_failing_because_prefill_turned_the_request_away_is_prefills_answer() -> None:
+    # Prefill refused after opening its transfer: decode saw it break off (UNAVAILABLE) before
+    # prefill's own answer came. The request is refused for room; decode is not down.
+    def full() -> PrefillStats:
+        raise ResourceExhausted("prefill at p:1: queue full", retry_after_s=0.3)
+
+    broke_off = InstanceDown("decode at d:1: the KV transfer broke off mid-way")
+    down = FakeDownstream(
+        {"d:1": [Admitted([1], "token"), broke_off]}, prefill_outcome=full, prefill_delay_s=0.05
+    )
+    with pytest.raises(ResourceExhausted, match="prefill at p:1: queue full"):
+        run(down, SamplingParams(max_tokens=5))
+    assert down.down == []
+    assert down.router.full_instances() == {PREFILL: "prefill at p:1: queue full"}
+
+
+def test_decode_failing_while_prefill_runs_on_is_decodes_answer() -> None:
+    broke_off = InstanceDown("decode at d:1: gone")
+    down = FakeDownstream({"d:1": [Admitted([1], "token"), broke_off]}, prefill_delay_s=3.0)
+    began = time.monotonic()
+    with pytest.raises(InstanceDown, match="decode at d:1: gone"):
+        run(down, SamplingParams(max_tokens=5))
+    assert time.monotonic() - began < 1.5  # prefill's grace (0.5 s), not its whole call
+    assert down.down == ["d:1"]
 
 
 def test_other_admission_errors_fail_the_request_without_trying_more() -> None:
