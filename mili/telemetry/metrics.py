@@ -176,7 +176,7 @@ class FrontendMetrics:
             self.registry,
             "mili_frontend_in_flight_requests",
             "Generate and Complete requests admitted and not yet finished (tokenizing, "
-            "prefilling or streaming)",
+            "waiting in the admission queue, prefilling or streaming)",
             num_in_flight_requests,
         )
 
