@@ -40,6 +40,7 @@ BOOKKEEPING = [
     "services.prefill.scheduler",
     "services.frontend.router",
     "services.frontend.prefix_index",
+    "services.frontend.admission",
 ]
 BOOKKEEPING_TESTS = [
     "tests/engine/test_block_pool.py",
@@ -48,6 +49,7 @@ BOOKKEEPING_TESTS = [
     "tests/prefill/test_scheduler.py",
     "tests/frontend/test_router.py",
     "tests/frontend/test_prefix_index.py",
+    "tests/frontend/test_admission.py",
 ]
 HEAVY = ("torch", "grpc", "opentelemetry")  # what bookkeeping must not import
 
@@ -68,6 +70,7 @@ CHECKED = [
     "services.decode.progress",
     "services.prefill.scheduler",
     "services.frontend.router",
+    "services.frontend.admission",
     # compute loops
     "services.decode.batcher",
     "services.decode.stream",
@@ -75,6 +78,7 @@ CHECKED = [
     "services.prefill.task",
     # the frontend's generation logic
     "services.frontend.pipeline",
+    "services.frontend.admitter",
     "services.frontend.prompt",
     "services.frontend.validation",
     "services.frontend.calls",

@@ -35,7 +35,10 @@ ENGINE = Borrowed(
     functools.partial(add_engine_arguments, default_pool="the service's default"),
     ("--device", "--dtype", "--attention", "--no-prefix-cache"),
 )
-FRONTEND = Borrowed(frontend_main.add_arguments, ("--max-buffered-tokens", "--stream-interval"))
+FRONTEND = Borrowed(
+    frontend_main.add_arguments,
+    ("--max-buffered-tokens", "--stream-interval", "--max-queued-requests", "--max-queued-tokens"),
+)
 
 # Prefill's pool holds only the prompts in flight (its queue bound); decode's holds every running
 # request's whole context, so decode gets most of a shared GPU.

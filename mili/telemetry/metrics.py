@@ -11,7 +11,8 @@ unit (`_seconds`, `_bytes`) and counters end in `_total`. What each service reco
                    process_* (RSS, CPU seconds, open fds; Linux)   mili.rpc.server
     frontend       requests in flight, tokens streamed, time to first token, time per output
                    token   services/frontend/server.py; instances by state and membership
-                   changes   services/frontend/backends.py
+                   changes, the admission queue's depth   services/frontend/backends.py; waits
+                   in it   services/frontend/admitter.py
     prefill        step time and size, queue, KV blocks, KV sent, prefix cache   worker.py,
                    server.py
     decode         step time and batch size, queue, KV blocks, KV received   batcher.py, transfer.py
@@ -151,6 +152,15 @@ class FrontendMetrics:
             registry=registry,
         )
 
+        self.queue_wait = Histogram(
+            "mili_frontend_queue_wait_seconds",
+            "Time a request waited in the admission queue for room on a decode (or prefill) "
+            "instance, observed as it left the queue (admitted, cancelled, deadline passed); "
+            "requests that found room at once never enter it",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+
         self.instance_changes = Counter(
             "mili_frontend_instance_changes_total",
             "Prefill and decode instances that joined (added), left with requests still on "
@@ -166,8 +176,23 @@ class FrontendMetrics:
             self.registry,
             "mili_frontend_in_flight_requests",
             "Generate and Complete requests admitted and not yet finished (tokenizing, "
-            "prefilling or streaming)",
+            "waiting in the admission queue, prefilling or streaming)",
             num_in_flight_requests,
+        )
+
+    def watch_queue(self, *, num_requests: Read, num_tokens: Read) -> None:
+        """The admission queue's depth, read at scrape time (call once per registry)."""
+        _callback_gauge(
+            self.registry,
+            "mili_frontend_queued_requests",
+            "Requests waiting in the admission queue for room on a decode (or prefill) instance",
+            num_requests,
+        )
+        _callback_gauge(
+            self.registry,
+            "mili_frontend_queued_prompt_tokens",
+            "Prompt tokens of the requests waiting in the admission queue",
+            num_tokens,
         )
 
     def watch_instances(self, read: Callable[[], Iterable[tuple[str, str]]]) -> None:

@@ -88,7 +88,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-concurrent-requests",
         type=int,
         default=512,
-        help="requests in flight at once; more get RESOURCE_EXHAUSTED (default: %(default)s)",
+        help="requests in flight at once, waiting in the admission queue included; more get "
+        "RESOURCE_EXHAUSTED (default: %(default)s)",
+    )
+    limits.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=512,
+        metavar="N",
+        help="requests that found every decode instance full wait for room in the admission "
+        "queue, first come first served, until their deadline; past N waiting (or "
+        "--max-queued-tokens) a request gets RESOURCE_EXHAUSTED with a retry hint; 0: none "
+        "waits (default: %(default)s)",
+    )
+    limits.add_argument(
+        "--max-queued-tokens",
+        type=int,
+        default=1 << 20,
+        metavar="N",
+        help="prompt tokens of the requests waiting in the admission queue, at most (a request "
+        "alone in it may pass it) (default: %(default)s)",
     )
     limits.add_argument(
         "--max-buffered-tokens",
@@ -165,6 +184,8 @@ def run(args: argparse.Namespace) -> int:
             resolve_interval_s=args.resolve_interval,
             kv_lease_ms=args.kv_lease_ms,
             max_concurrent_requests=args.max_concurrent_requests,
+            max_queued_requests=args.max_queued_requests,
+            max_queued_tokens=args.max_queued_tokens,
             max_buffered_tokens=args.max_buffered_tokens,
             stream_interval=args.stream_interval,
         )

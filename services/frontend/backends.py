@@ -21,6 +21,9 @@ lookup keeps what the name resolved to before: a resolver hiccup must not drain 
 Each instance's first failure to answer is logged with its reason once (a TLS handshake
 refused, say), not at every poll.
 
+After each round the admission queue (admitter.py) is told room may have freed: the requests
+waiting in it try again, and an instance that turned one away for room is asked again.
+
 After each round the frontend's grpc.health.v1 status follows: SERVING while the tokenizer is
 up and at least one prefill/decode pair is up with matching KV layouts, NOT_SERVING (with a
 warning saying what is missing) otherwise, so a load balancer routes away from a frontend that
@@ -46,6 +49,8 @@ from mili.rpc.client import channel, connection_hint
 from mili.rpc.kv_layout import check_compatible, describe
 from mili.rpc.tls import Tls
 from mili.telemetry.metrics import FrontendMetrics
+from services.frontend.admission import AdmissionQueue
+from services.frontend.admitter import Admitter
 from services.frontend.config import FrontendConfig
 from services.frontend.multiplex import DecodeMultiplexer
 from services.frontend.router import MemberChanges, Router
@@ -99,6 +104,20 @@ class Backends:
         )
         # Every request on a decode instance shares one GenerateStream (multiplex.py).
         self._multiplexers: dict[str, DecodeMultiplexer] = {}
+        # Requests that found every instance full wait here for room.
+        self.admitter = Admitter(
+            AdmissionQueue(
+                config.max_queued_requests,
+                config.max_queued_tokens,
+                retry_after_s=config.retry_after_s,
+            )
+        )
+        if metrics is not None:
+            metrics.watch_queue(
+                num_requests=lambda: self.admitter.num_waiting,
+                num_tokens=lambda: self.admitter.num_waiting_tokens,
+            )
+            self.admitter.on_wait = metrics.queue_wait.observe
         self.prefill_layouts: dict[str, kv_pb2.KvLayout] = {}
         self.decode_layouts: dict[str, kv_pb2.KvLayout] = {}
         self.models: dict[str, str] = {}  # address -> model name its Info reported
@@ -325,6 +344,7 @@ class Backends:
         polls += [self._poll_decode(a) for a in list(self._decodes)]
         polls.append(self.tokenizer.poll())
         await asyncio.gather(*polls)
+        self.admitter.notify()  # the polled instances may have room
         await self._report_health()
 
     async def _report_health(self) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from mili.engine.logprobs import TokenLogprobs
 from mili.engine.sampling_params import SamplingParams
@@ -24,6 +24,9 @@ from mili.engine.stop import FinishReason
 from mili.errors import Unavailable
 from services.frontend.router import Route, Router
 from services.frontend.validation import ValidRequest
+
+if TYPE_CHECKING:
+    from services.frontend.admitter import Admitter  # it imports Deadline from here
 
 
 class InstanceDown(Unavailable):
@@ -133,6 +136,11 @@ class TextStream(Protocol):
 class Downstream(Protocol):
     @property
     def router(self) -> Router: ...
+
+    @property
+    def admitter(self) -> Admitter:
+        """The admission queue every request of this frontend waits in for room."""
+        ...
 
     async def tokenizer_facts(self) -> TokenizerFacts:
         """The tokenizer's vocabulary size and EOS ids (cached); raises Unavailable."""

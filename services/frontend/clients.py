@@ -12,6 +12,7 @@ import grpc
 
 from mili.errors import Unavailable
 from services.frontend import convert
+from services.frontend.admitter import Admitter
 from services.frontend.backends import Backends
 from services.frontend.calls import (
     Admitted,
@@ -40,6 +41,10 @@ class GrpcDownstream:
     @property
     def router(self) -> Router:
         return self._backends.router
+
+    @property
+    def admitter(self) -> Admitter:
+        return self._backends.admitter
 
     async def tokenizer_facts(self) -> TokenizerFacts:
         return await self._backends.tokenizer.current_facts()

@@ -30,8 +30,14 @@ class FrontendConfig:
     tokenize_timeout_s: float = 30.0
     # How long decode holds a reservation waiting for the KV (0 = decode's own default).
     kv_lease_ms: int = 0
-    # Requests running through this frontend at once; more are RESOURCE_EXHAUSTED.
+    # Requests running through this frontend at once, waiting in its admission queue
+    # included; more are RESOURCE_EXHAUSTED.
     max_concurrent_requests: int = 512
+    # The admission queue (admission.py): requests that found every decode instance full wait
+    # for room, first come first served, up to these many requests and prompt tokens (past
+    # them: RESOURCE_EXHAUSTED with RetryInfo). 0 requests: no waiting, refused at once.
+    max_queued_requests: int = 512
+    max_queued_tokens: int = 1 << 20
     # RetryInfo sent with RESOURCE_EXHAUSTED when no decode instance had one of its own.
     retry_after_s: float = 0.5
     # After decode finished, how long to wait for prefill's reply (it only carries statistics).
@@ -79,6 +85,8 @@ class FrontendConfig:
             raise ValueError(f"kv_lease_ms must be in [0, 2^32), got {self.kv_lease_ms}")
         if self.max_concurrent_requests < 1:
             raise ValueError("max_concurrent_requests must be >= 1")
+        if self.max_queued_requests < 0 or self.max_queued_tokens < 0:
+            raise ValueError("max_queued_requests and max_queued_tokens must be >= 0")
         if self.max_buffered_tokens < 1:
             raise ValueError("max_buffered_tokens must be >= 1")
         if not 1 <= self.stream_interval <= self.max_buffered_tokens:

@@ -87,15 +87,17 @@ class RequestObserver:
             )
         first_at = self._first_at
         ttft = "-" if first_at is None else f"{(first_at - self._received_at) * 1e3:.1f} ms"
+        queued = f", queued {served.queued_s * 1e3:.1f} ms" if served.queued_s else ""
         self._log(
             "done: prefill %s -> decode %s, %d prompt tokens, %d output tokens, finish %s, "
-            "ttft %s, total %.1f ms%s",
+            "ttft %s%s, total %.1f ms%s",
             served.route.prefill,
             served.route.decode,
             last.num_prompt_tokens,
             last.num_completion_tokens,
             last.finish_reason,
             ttft,
+            queued,
             self._elapsed_ms(),
             kv,
         )

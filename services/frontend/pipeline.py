@@ -2,11 +2,14 @@
 
     1. admit    decode.Generate(prompt ids, sampling, prefill's layout) -> Admitted(prompt blocks);
                 RESOURCE_EXHAUSTED or UNAVAILABLE: try the next decode instance (nothing was
-                reserved yet, so that is safe); all full -> RESOURCE_EXHAUSTED with RetryInfo
+                reserved yet, so that is safe); every one full -> wait in the admission queue
+                (admitter.py) and try again when room frees, first come first served; only a
+                full queue is RESOURCE_EXHAUSTED with RetryInfo
     2. prefill  prefill.Prefill(..., destination={decode address, prompt blocks}), running while
                 the decode stream is read: its KV goes straight to decode, the reply only
                 carries statistics, and its failure fails the request at once (decode would
-                otherwise wait out its KV lease)
+                otherwise wait out its KV lease); prefill full (its queued tokens) -> decode's
+                blocks are released and the request waits in the queue again, in its place
     3. stream   decode's token ids -> incremental detokenizer -> stop-string matcher -> out
     4. finish   decode's finish reason, or ours (stop string, stop id, max_tokens), with usage
 
@@ -30,7 +33,8 @@ from typing import Any
 from mili.engine.kv.block_pool import blocks_to_reserve
 from mili.engine.logprobs import TokenLogprobs
 from mili.engine.stop import FinishReason, check_stop
-from mili.errors import ResourceExhausted, Unavailable
+from mili.errors import InvalidArgument, ResourceExhausted, Unavailable
+from services.frontend.admitter import NoRoom
 from services.frontend.calls import (
     Admitted,
     Deadline,
@@ -70,6 +74,7 @@ class Served:
     last: Delta  # the one with finish_reason and usage
     prefill_stats: PrefillStats | None
     num_cached_blocks: int  # leading prompt blocks decode already held (its prefix cache)
+    queued_s: float = 0.0  # in the frontend's admission queue, all its stays together
 
 
 @dataclass
@@ -78,6 +83,7 @@ class _Admission:
     ticket: Ticket
     stream: DecodeStream
     admitted: Admitted
+    prefill_clock: int = 0  # the prefill instance's room clock when its call started
 
 
 def clip_tokens(
@@ -115,15 +121,49 @@ class Generation:
         self._deadline = deadline
         self._prefill: asyncio.Future[PrefillStats] | None = None
         self._prefill_reply: PrefillStats | None = None
-        # Cache-aware routing: the prompt's prefix keys and which instances probably hold them.
+        # Cache-aware routing: the prompt's prefix keys and which instances probably hold them
+        # (looked up at each admission try: a request that waited may find them elsewhere).
         index = self._router.prefix_index
         self._prefix_keys = index.keys(prompt.token_ids)
-        self._affinity = index.matches(self._prefix_keys, time.monotonic())
+        self._affinity: dict[str, int] = {}
         self._output_token_ids: list[int] = []
         self.served: Served | None = None  # once finished
+        self._admitter = downstream.admitter
+        self._arrival = self._admitter.arrive(len(prompt.token_ids))
+        self._first_request_id = ids.request_id
+        self._num_tries = 1
 
     async def run(self) -> AsyncGenerator[Delta, None]:
-        admission = await self._admit()
+        no_room: NoRoom | None = None
+        while True:
+            admission = await self._admit(no_room)
+            async with aclosing(self._generate(admission)) as deltas:
+                try:
+                    async for delta in deltas:
+                        yield delta
+                    return
+                except NoRoom as refused:  # prefill turned it away: back in line, in its place
+                    no_room = refused
+            self._next_try_ids(no_room)
+
+    def _next_try_ids(self, why: NoRoom) -> None:
+        """A fresh request id for the request's next admission: decode may not have ended the
+        one it cancelled yet (a start and a cancel naming one id would collide there), and a
+        late event of that one must not reach the next."""
+        old = self._ids
+        self._num_tries += 1
+        self._ids = RequestIds(f"{self._first_request_id}.{self._num_tries}", old.client_request_id)
+        _LOG.debug(
+            "%s (id %s) waits again, as id %s: %s",
+            old.client_request_id,
+            old.request_id,
+            self._ids.request_id,
+            why,
+        )
+
+    async def _generate(self, admission: _Admission) -> AsyncGenerator[Delta, None]:
+        """The request on its admission: prefill, decode's stream, clean-up. Raises NoRoom,
+        before any delta, when prefill turned the request away for room."""
         text: TextStream | None = None
         is_finished = False
         try:
@@ -142,6 +182,7 @@ class Generation:
                     delta,
                     self._prefill_reply,
                     admission.admitted.num_cached_blocks,
+                    self._arrival.waited_s,
                 )
         finally:
             admission.stream.cancel()  # no-op when decode already finished
@@ -153,37 +194,78 @@ class Generation:
                 if prefill.done() and not prefill.cancelled():
                     prefill.exception()  # retrieved: asyncio would log it as never retrieved
             self._router.finish(admission.ticket)
+            self._admitter.notify()  # room on decode: the admission queue's head may fit
 
     # ---- 1. admission ------------------------------------------------------------------------
 
-    async def _admit(self) -> _Admission:
+    async def _admit(self, no_room: NoRoom | None) -> _Admission:
+        """Admitted on a decode instance: at once, or after waiting for room in the queue
+        (`no_room`: prefill turned it away, it waits first)."""
+        return await self._admitter.admit(
+            self._arrival, self._try_routes, self._deadline, no_room=no_room
+        )
+
+    async def _try_routes(self) -> _Admission:
         """Try decode instances, best first, until one admits; nothing is reserved on those
-        that refused, so moving on is safe."""
+        that refused, so moving on is safe. Raises NoRoom when every one is full (those that
+        refused this time, and those known to be full, which are not asked)."""
+        index = self._router.prefix_index
+        self._affinity = index.matches(self._prefix_keys, time.monotonic())
         tried: set[str] = set()
         full: list[ResourceExhausted] = []
         down: list[InstanceDown] = []
         while (route := self._next_route(tried)) is not None:
             tried.add(route.decode)
+            seen_clock = self._router.room_clock(route.decode)
             try:
                 return await self._try_admit(route)
             except ResourceExhausted as error:
+                if not _is_refused_for_room(error):
+                    raise  # waiting cannot help
+                self._router.mark_full(route.decode, str(error), seen_clock=seen_clock)
                 full.append(error)
             except InstanceDown as error:
                 down.append(error)
-        if full:
+        known_full = self._router.full_instances()
+        if full or known_full:
+            self._check_fits()
+            reasons = [str(e) for e in full]
+            reasons += [why for address, why in known_full.items() if address not in tried]
             retry = [e.retry_after_s for e in full if e.retry_after_s is not None]
-            raise ResourceExhausted(
-                f"every decode instance is full ({'; '.join(str(e) for e in full)})",
-                retry_after_s=min(retry) if retry else self._config.retry_after_s,
+            raise NoRoom(
+                f"every decode instance is full ({'; '.join(reasons)})",
+                retry_after_s=min(retry) if retry else None,
             )
         if down:
             raise down[-1]
         raise Unavailable("no decode instance could take the request")
 
+    def _check_fits(self) -> None:
+        """Refuse a request no decode instance could ever hold (its pool is too small), rather
+        than have it wait for room that never comes, holding the queue behind it."""
+        totals = {
+            d.address: d.num_total_blocks
+            for d in self._router.decodes.values()
+            if d.is_routable and d.num_total_blocks > 0
+        }
+        if not totals or any(self._blocks_needed_on(a) <= n for a, n in totals.items()):
+            return
+        sampling = self._prompt.sampling
+        raise InvalidArgument(
+            "sampling.max_tokens",
+            sampling.max_tokens,
+            f"{len(self._prompt.token_ids)} prompt tokens + max_tokens need "
+            f"{min(self._blocks_needed_on(a) for a in totals)} KV blocks, more than any decode "
+            f"instance has in all (at most {max(totals.values())})",
+        )
+
     def _next_route(self, tried: set[str]) -> Route | None:
         try:
             routes = self._router.candidates(
-                exclude=tried, affinity=self._affinity, blocks_needed_on=self._blocks_needed_on
+                exclude=tried,
+                affinity=self._affinity,
+                blocks_needed_on=self._blocks_needed_on,
+                skip_full=True,
             )
         except Unavailable:
             if not tried:
@@ -271,12 +353,25 @@ class Generation:
     # ---- 2. prefill --------------------------------------------------------------------------
 
     def _start_prefill(self, admission: _Admission) -> None:
-        self._prefill = self._downstream.prefill(
+        self._prefill_reply = None
+        address = admission.route.prefill
+        admission.prefill_clock = self._router.room_clock(address)
+        self._prefill = prefill = self._downstream.prefill(
             admission.route, self._ids, self._prompt, admission.admitted, self._deadline
         )
+        prefill.add_done_callback(lambda _: self._prefill_ended(prefill, address))
+
+    def _prefill_ended(self, prefill: asyncio.Future[PrefillStats], address: str) -> None:
+        """Prefill's call ended: its prompt left prefill's queue, room for the next, unless
+        prefill turned it away (then nothing was there)."""
+        if not prefill.cancelled() and _is_refused_for_room(prefill.exception()):
+            return
+        self._router.mark_room(address)
+        self._admitter.notify()
 
     def _check_prefill(self, admission: _Admission) -> None:
-        """Store prefill's reply once it is in; raise its error if it failed."""
+        """Store prefill's reply once it is in; raise its error if it failed, NoRoom if it
+        turned the request away for room before any token (the request waits again)."""
         prefill = self._prefill
         if prefill is None or not prefill.done() or self._prefill_reply is not None:
             return
@@ -285,6 +380,12 @@ class Generation:
         except InstanceDown:
             self._downstream.request_refresh(down=admission.route.prefill)
             raise
+        except ResourceExhausted as error:
+            if not _is_refused_for_room(error) or self._output_token_ids:
+                raise
+            address = admission.route.prefill
+            self._router.mark_full(address, str(error), seen_clock=admission.prefill_clock)
+            raise NoRoom(str(error), error.retry_after_s) from None
 
     async def _await_prefill_reply(self) -> None:
         """Decode finished; prefill's reply (statistics only) is normally in already."""
@@ -333,6 +434,13 @@ class Generation:
                 watched: set[asyncio.Future[Any]] = {read, self._prefill}
                 await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
                 self._check_prefill(admission)  # raises prefill's error
+            if self._prefill_reply is None and not read.cancelled() and read.exception():
+                # Decode failed while prefill was still on: its error may echo prefill's (a
+                # transfer prefill broke off when it turned the request away, seen by decode as
+                # UNAVAILABLE); prefill's own answer says why, and decode is not down for it.
+                assert self._prefill is not None
+                await asyncio.wait({self._prefill}, timeout=self._config.prefill_reply_grace_s)
+                self._check_prefill(admission)
             return await self._read(admission, read)
         finally:
             if not read.done():
@@ -387,3 +495,9 @@ class Generation:
                 return
             if token_ids or out:
                 yield Delta(token_ids, out, logprobs)
+
+
+def _is_refused_for_room(error: BaseException | None) -> bool:
+    """A capacity refusal (RESOURCE_EXHAUSTED with a retry hint): waiting helps. Without the
+    hint it is a limit no wait lifts (a message over a size limit)."""
+    return isinstance(error, ResourceExhausted) and error.retry_after_s is not None

@@ -19,6 +19,14 @@ candidate (or fewer free blocks than the request needs), prefill with more than
 `affinity_slack_tokens` queued tokens above the least queued. Then the load order decides, so a
 popular prefix spreads once its instance is busy.
 
+Room. An instance that turned a request away for capacity (decode: its blocks or
+--max-running; prefill: its queued tokens) is marked full (`mark_full`) and left out of
+`candidates(skip_full=True)` until it may have room again: its next Info, or a request of ours
+leaving it (`finish`, `mark_room`). Each instance counts those moments (`room_clock`), so a
+refusal that was asked before the latest of them does not mark it full: the room it reported
+missing may have freed since. The frontend's admission queue (admitter.py) waits while every
+candidate is full.
+
 A (prefill, decode) pair is routable only once both are up and their KV layouts were checked
 equal (`set_pair_error(p, d, None)`); a pair with a layout mismatch keeps its error message,
 which requests get as FAILED_PRECONDITION when no compatible pair is left.
@@ -65,6 +73,8 @@ class DecodeView:
     num_blocks_since_poll: int = 0  # blocks of requests routed here since the last Info
     num_in_flight: int = 0
     last_chosen: int = 0  # a sequence number; lower = longer ago
+    full: str | None = None  # why it turned a request away for room; None: it may have room
+    room_clock: int = 0  # times it may have got room back (see `Router.mark_full`)
 
     @property
     def is_routable(self) -> bool:
@@ -85,6 +95,8 @@ class PrefillView:
     num_tokens_since_poll: int = 0  # prompt tokens routed here since the last Info
     num_in_flight: int = 0
     last_chosen: int = 0
+    full: str | None = None
+    room_clock: int = 0
 
     @property
     def is_routable(self) -> bool:
@@ -223,6 +235,7 @@ class Router:
         view.num_queued_tokens = num_queued_tokens
         view.max_prompt_tokens = max_prompt_tokens
         view.num_tokens_since_poll = 0
+        _room(view)
 
     def update_decode(
         self,
@@ -240,6 +253,7 @@ class Router:
         view.num_total_blocks = num_total_blocks
         view.max_context_tokens = max_context_tokens
         view.num_blocks_since_poll = 0
+        _room(view)
 
     def mark_down(self, address: str) -> None:
         """The instance did not answer: route around it until an Info call succeeds again."""
@@ -275,6 +289,38 @@ class Router:
             return None
         return "no up prefill/decode pair has matching KV layouts"
 
+    # ---- room --------------------------------------------------------------------------------
+
+    def room_clock(self, address: str) -> int:
+        """How many times `address` may have got room back so far: read it before asking the
+        instance, hand it to `mark_full` with its refusal."""
+        return self._view(address).room_clock
+
+    def mark_full(self, address: str, why: str, *, seen_clock: int) -> None:
+        """`address` turned a request away for room (`why`), asked when its `room_clock` read
+        `seen_clock`: leave it out of `candidates(skip_full=True)` until it may have room
+        again. Ignored when it may have had room since (or it was dropped)."""
+        view = self.prefills.get(address) or self.decodes.get(address)
+        if view is not None and view.room_clock == seen_clock:
+            view.full = why
+
+    def mark_room(self, address: str) -> None:
+        """`address` may have room again (e.g. a prefill call of ours on it ended)."""
+        view = self.prefills.get(address) or self.decodes.get(address)
+        if view is not None:
+            _room(view)
+
+    def full_instances(self) -> dict[str, str]:
+        """Routable instances marked full: address -> why."""
+        views: list[_View] = [*self.prefills.values(), *self.decodes.values()]
+        return {v.address: v.full for v in views if v.is_routable and v.full is not None}
+
+    def _view(self, address: str) -> PrefillView | DecodeView:
+        view = self.prefills.get(address) or self.decodes.get(address)
+        if view is None:
+            raise KeyError(address)
+        return view
+
     # ---- the choice --------------------------------------------------------------------------
 
     @property
@@ -293,15 +339,19 @@ class Router:
         exclude: Collection[str] = (),
         affinity: Mapping[str, int] | None = None,
         blocks_needed_on: Callable[[str], int] | None = None,
+        *,
+        skip_full: bool = False,
     ) -> list[Route]:
         """Routes to try, best first: one per up decode instance (not in `exclude`) that has an
         up, layout-compatible prefill instance. `affinity`: leading prompt chunks each instance
         probably holds (absent: none); `blocks_needed_on(address)`: the blocks the request needs
-        on that decode instance, in its block size (None: nothing).
+        on that decode instance, in its block size (None: nothing); `skip_full`: leave out
+        instances marked full (`mark_full`).
 
         Raises Unavailable when no instance of a kind is up, FailedPrecondition (with the
         layouts) when instances are up but no pair is compatible. Returns [] when every
-        candidate is excluded (the caller knows why it excluded them).
+        candidate is excluded or full (the caller knows why it excluded them; `full_instances`
+        says which are full).
         """
         up_decodes = [d for d in self.decodes.values() if d.is_routable]
         up_prefills = [p for p in self.prefills.values() if p.is_routable]
@@ -311,6 +361,7 @@ class Router:
             raise Unavailable(f"no prefill instance is reachable (tried {_names(self.prefills)})")
         routes: list[Route] = []
         mismatch: str | None = None
+        is_any_full = False
         affinity = affinity or {}
         for decode in self._decode_order(up_decodes, affinity, blocks_needed_on):
             compatible = [p for p in up_prefills if self.is_compatible(p.address, decode.address)]
@@ -322,11 +373,16 @@ class Router:
                 continue
             if decode.address in exclude:
                 continue
+            if skip_full:
+                compatible = [p for p in compatible if p.full is None]
+                if decode.full is not None or not compatible:
+                    is_any_full = True
+                    continue
             prefill = self._best_prefill(compatible, affinity)
             routes.append(Route(prefill.address, decode.address))
-        if not routes and mismatch is not None and len(exclude) == 0:
-            raise FailedPrecondition(mismatch)
-        if not routes and not exclude:
+        if not routes and not exclude and not is_any_full:
+            if mismatch is not None:
+                raise FailedPrecondition(mismatch)
             raise Unavailable("no prefill/decode pair has had its KV layouts checked yet")
         return routes
 
@@ -377,7 +433,8 @@ class Router:
 
     def finish(self, ticket: Ticket, *, is_refused: bool = False) -> None:
         """The request left its route; `is_refused`: the decode instance never admitted it, so
-        its blocks do not count against that instance either."""
+        its blocks do not count against that instance either. One that was admitted leaves
+        room on its decode instance (its blocks and its place in the batch)."""
         decode = self.decodes[ticket.route.decode]
         prefill = self.prefills[ticket.route.prefill]
         decode.num_in_flight -= 1
@@ -387,6 +444,8 @@ class Router:
             prefill.num_tokens_since_poll = max(
                 0, prefill.num_tokens_since_poll - ticket.num_prompt_tokens
             )
+        else:
+            _room(decode)
         for view in (decode, prefill):
             if view.is_draining and view.num_in_flight == 0:
                 self._drop(view.address)
@@ -400,6 +459,11 @@ def _state(view: _View) -> State:
     if view.is_draining:
         return State.DRAINING
     return State.UP if view.is_up else State.DOWN
+
+
+def _room(view: _View) -> None:
+    view.full = None
+    view.room_clock += 1
 
 
 def _names(views: Mapping[str, object]) -> str:

@@ -1,6 +1,7 @@
 """Refusals and failures: a KV layout mismatch is refused when the pair is set up (never
-routed; FAILED_PRECONDITION naming both layouts once no compatible pair is left), a full decode
-instance is RESOURCE_EXHAUSTED with RetryInfo, and a prefill killed mid-prefill fails its
+routed; FAILED_PRECONDITION naming both layouts once no compatible pair is left), a request
+that finds the decode instance full waits in the frontend's admission queue until room frees
+(or its deadline passes) and leaves no block behind, and a prefill killed mid-prefill fails its
 request within seconds while decode gives back the reserved blocks.
 
 prefill-0 matches the decode instance; prefill-1 runs with another block size. The decode
@@ -14,6 +15,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -22,7 +24,6 @@ import pytest
 from mili.kv_handoff.shm_segment import segments_of
 from mili.pb.common.v1 import sampling_pb2
 from mili.pb.frontend.v1 import generation_pb2
-from mili.rpc.status import retry_info_of
 from tests.e2e.conftest import Deployment, deploy
 from tests.service_process import ServiceProcess
 
@@ -66,19 +67,26 @@ def test_mismatched_pair_is_refused_loudly_and_never_routed(deployment: Deployme
     assert routes[:4] == [good.address] * 4
 
 
-def test_full_decode_is_resource_exhausted_with_retry_info(deployment: Deployment) -> None:
+def test_a_request_finding_decode_full_waits_for_room(deployment: Deployment) -> None:
     start = deployment.free_blocks()
     stub = deployment.stub()
     holder = stub.Generate(request(4000), timeout=60)
     assert next(holder).token_ids
-    with pytest.raises(grpc.RpcError) as info:
-        list(stub.Generate(request(4000), timeout=30))
-    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, info.value.details()
-    retry = retry_info_of(info.value)
-    assert retry is not None and retry.retry_delay.ToNanoseconds() > 0
     # A request that fits still goes through beside it.
     assert list(stub.Generate(request(4), timeout=30))[-1].usage.completion_tokens == 4
-    holder.cancel()
+    # One that does not fit waits, reserving nothing: its deadline passes in the queue...
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Generate(request(4000), timeout=1.0))
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, info.value.details()
+    # ...or room frees (the holder goes) and it runs.
+    waiter = stub.Generate(request(4000), timeout=60)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        first = pool.submit(next, waiter)
+        time.sleep(1.0)
+        assert not first.done()
+        holder.cancel()
+        assert first.result(timeout=30).token_ids
+    waiter.cancel()
     deployment.wait_free_blocks(start)
 
 

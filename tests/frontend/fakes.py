@@ -5,8 +5,13 @@ Fake tokenizer: one token per printable ASCII character, id = ord(c) - 32 (vocab
 its tokenizer file (what the frontend detokenizes with) says the same.
 Fake decode: admits with blocks [1, 2], waits for the fake prefill's "transfer" (an event), then
 streams `script` (lists of token ids, one Tokens event each) and finishes with LENGTH, unless
-`full` (RESOURCE_EXHAUSTED) or `fail_after` (UNAVAILABLE after that many events). Its
-GenerateStream (what the frontend calls) runs that Generate per started request.
+`full` (RESOURCE_EXHAUSTED) or `fail_after` (UNAVAILABLE after that many events). With
+`max_running` it holds that many reservations at most (more: RESOURCE_EXHAUSTED with RetryInfo,
+as a real decode instance out of blocks or batch places); `hold`, when given, keeps every
+admitted request from streaming until it is set. Its GenerateStream (what the frontend calls)
+runs that Generate per started request.
+Fake prefill: "transfers" after 10 ms; with `max_running` it takes that many calls at once
+(more: RESOURCE_EXHAUSTED with RetryInfo, as a real one with its queue full), `hold` as decode's.
 """
 
 from __future__ import annotations
@@ -100,22 +105,37 @@ class FakeDecode(decode_pb2_grpc.DecodeServiceServicer):
     requests: list[Any] = field(default_factory=list)
     num_closed: int = 0  # Generate calls that ended, however they ended
     kv_landed: asyncio.Event = field(default_factory=asyncio.Event)
+    max_running: int | None = None
+    hold: asyncio.Event | None = None
+    admitted: list[str] = field(default_factory=list)  # prompts admitted, in order
+    num_reserved: int = 0  # requests admitted and not ended: their blocks are held
 
     async def Generate(self, request: Any, context: Any) -> AsyncIterator[Any]:
         self.requests.append(request)
+        is_reserved = False
         try:
-            if self.full:
+            if self.full or (
+                self.max_running is not None and self.num_reserved >= self.max_running
+            ):
                 raise errors.ResourceExhausted("fake decode is full", retry_after_s=0.25)
+            self.num_reserved += 1
+            is_reserved = True
+            self.admitted.append(text_of(list(request.prompt_token_ids)))
             yield decode_pb2.GenerateResponse(
                 admitted=decode_pb2.Admitted(
                     prompt_block_ids=[1, 2], transfer_token="token-of-fake-decode"
                 )
             )
             await self.kv_landed.wait()
+            if self.hold is not None:
+                await self.hold.wait()
             for i, token_ids in enumerate(self.script):
                 if self.fail_after is not None and i >= self.fail_after:
                     raise errors.Unavailable("fake decode lost its device")
                 last = i == len(self.script) - 1
+                if last and is_reserved:  # freed before the last event, as decode does
+                    self.num_reserved -= 1
+                    is_reserved = False
                 yield decode_pb2.GenerateResponse(
                     tokens=decode_pb2.Tokens(
                         token_ids=token_ids,
@@ -125,6 +145,8 @@ class FakeDecode(decode_pb2_grpc.DecodeServiceServicer):
                 await asyncio.sleep(0.001)
         finally:
             self.num_closed += 1
+            if is_reserved:
+                self.num_reserved -= 1
 
     async def GenerateStream(self, requests: Any, context: Any) -> AsyncIterator[Any]:
         """Generate, multiplexed: each started request runs `Generate` in a task of its own."""
@@ -181,16 +203,27 @@ class FakePrefill(prefill_pb2_grpc.PrefillServiceServicer):
     kv_layout: kv_pb2.KvLayout = field(default_factory=layout)
     error: Exception | None = None
     requests: list[Any] = field(default_factory=list)
+    max_running: int | None = None
+    hold: asyncio.Event | None = None
+    num_running: int = 0  # calls taken and not ended
 
     async def Prefill(self, request: Any, context: Any) -> Any:
         self.requests.append(request)
-        await asyncio.sleep(0.01)
-        if self.error is not None:
-            raise self.error
-        self.decodes[request.destination.address].kv_landed.set()
-        return prefill_pb2.PrefillResponse(
-            num_prompt_tokens=len(request.prompt_token_ids), kv_bytes=64
-        )
+        if self.max_running is not None and self.num_running >= self.max_running:
+            raise errors.ResourceExhausted("fake prefill queue is full", retry_after_s=0.25)
+        self.num_running += 1
+        try:
+            await asyncio.sleep(0.01)
+            if self.hold is not None:
+                await self.hold.wait()
+            if self.error is not None:
+                raise self.error
+            self.decodes[request.destination.address].kv_landed.set()
+            return prefill_pb2.PrefillResponse(
+                num_prompt_tokens=len(request.prompt_token_ids), kv_bytes=64
+            )
+        finally:
+            self.num_running -= 1
 
     async def Info(self, request: Any, context: Any) -> Any:
         return prefill_pb2.InfoResponse(
@@ -225,6 +258,9 @@ async def stack(
     max_buffered_tokens: int = 1024,
     stream_interval: int = 1,
     tokenizer: FakeTokenizer | None = None,
+    max_queued_requests: int = 512,
+    max_queued_tokens: int = 1 << 20,
+    poll_interval_s: float = 0.05,
 ) -> AsyncIterator[Stack]:
     decodes = decodes if decodes is not None else [FakeDecode()]
     prefill = prefill or FakePrefill()
@@ -260,14 +296,19 @@ async def stack(
         prefill_addresses=(prefill_address,),
         decode_addresses=tuple(decode_addresses),
         limits=limits or Limits(default_max_tokens=16),
-        poll_interval_s=0.05,
+        poll_interval_s=poll_interval_s,
         info_timeout_s=0.5,
         max_buffered_tokens=max_buffered_tokens,
         stream_interval=stream_interval,
+        max_queued_requests=max_queued_requests,
+        max_queued_tokens=max_queued_tokens,
     )
-    backends = Backends(config, Router(config.prefill_addresses, config.decode_addresses))
     frontend = RpcServer(ServerConfig(drain_timeout_s=0.5, grace_s=0.1), name="frontend")
-    add_to_server(frontend, GenerationServicer(backends, FrontendMetrics(frontend.registry)))
+    metrics = FrontendMetrics(frontend.registry)
+    backends = Backends(
+        config, Router(config.prefill_addresses, config.decode_addresses), metrics=metrics
+    )
+    add_to_server(frontend, GenerationServicer(backends, metrics))
     await backends.start()
     await frontend.start()
     channel = insecure_channel(frontend.address)

@@ -133,13 +133,15 @@ def test_full_decode_is_skipped_for_the_next_one() -> None:
     asyncio.run(main())
 
 
-def test_every_decode_full_is_resource_exhausted_with_retry_info() -> None:
+def test_every_decode_full_without_a_queue_is_resource_exhausted_with_retry_info() -> None:
     async def main() -> None:
-        async with stack([FakeDecode(full=True), FakeDecode(full=True)]) as s:
+        decodes = [FakeDecode(full=True), FakeDecode(full=True)]
+        async with stack(decodes, max_queued_requests=0) as s:
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await collect(s.stub.Generate(prompt(), timeout=5))
             assert code_of(info.value) == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "every decode instance is full" in info.value.details()
+            assert "admission queue is full" in info.value.details()
             retry = retry_info_of(info.value)
             assert retry is not None and retry.retry_delay.ToNanoseconds() == 250_000_000
             assert all(len(d.requests) == 1 for d in s.decodes)

@@ -14,7 +14,9 @@ import pytest
 from mili.engine.logprobs import TokenLogprobs
 from mili.engine.sampling_params import SamplingParams
 from mili.engine.stop import FinishReason
-from mili.errors import DataLoss, ResourceExhausted, Unavailable
+from mili.errors import DataLoss, InvalidArgument, ResourceExhausted, Unavailable
+from services.frontend.admission import AdmissionQueue
+from services.frontend.admitter import Admitter
 from services.frontend.calls import (
     Admitted,
     Deadline,
@@ -83,7 +85,9 @@ class LetterText:
 class FakeDownstream:
     decodes: dict[str, list[Event]]  # address -> the events its Generate call returns
     prefill_outcome: Callable[[], PrefillStats] = lambda: PrefillStats(1.0, 2.0, 3.0, 4096)
+    prefill_delay_s: float = 0.0
     router: Router = field(init=False)
+    admitter: Admitter = field(init=False)
     calls: list[tuple[str, str]] = field(default_factory=list)  # (kind, address) in call order
     streams: list[ScriptedDecode] = field(default_factory=list)
     prefills: list[asyncio.Future[PrefillStats]] = field(default_factory=list)
@@ -93,6 +97,7 @@ class FakeDownstream:
 
     def __post_init__(self) -> None:
         self.router = Router([PREFILL], list(self.decodes))
+        self.admitter = Admitter(AdmissionQueue(max_requests=0, max_tokens=0))
         self.router.update_prefill(PREFILL, num_queued_tokens=0, max_prompt_tokens=100)
         for i, address in enumerate(self.decodes):
             # More free blocks first: the router tries decodes in the order given.
@@ -138,7 +143,7 @@ class FakeDownstream:
         self.prefill_blocks.append(admitted.prompt_block_ids)
 
         async def reply() -> PrefillStats:
-            await asyncio.sleep(0)
+            await asyncio.sleep(self.prefill_delay_s)
             return self.prefill_outcome()
 
         future = asyncio.ensure_future(reply())
@@ -264,6 +269,78 @@ def test_a_down_decode_is_routed_around_and_reported() -> None:
     )
     deltas = run(down, SamplingParams(max_tokens=2))
     assert deltas[-1].num_completion_tokens == 2
+    assert down.down == ["d:1"]
+
+
+def test_a_refusal_without_a_retry_hint_is_not_for_room_and_fails_at_once() -> None:
+    # RESOURCE_EXHAUSTED without RetryInfo: a limit waiting cannot lift (a message too large).
+    too_big = ResourceExhausted("decode at d:1: message larger than max")
+    down = FakeDownstream({"d:1": [too_big], "d:2": [Admitted([2], "token")]})
+    with pytest.raises(ResourceExhausted, match="larger than max"):
+        run(down, SamplingParams(max_tokens=2))
+    assert [c for c in down.calls if c[0] == "decode"] == [("decode", "d:1")]
+    assert down.router.full_instances() == {}
+
+
+def test_a_request_no_decode_instance_could_ever_hold_is_refused_not_queued() -> None:
+    full = ResourceExhausted("decode at d:1: not enough KV blocks", retry_after_s=0.2)
+    down = FakeDownstream({"d:1": [full], "d:2": [full]})
+    # Block size 4: 3 prompt tokens + max_tokens 500 need 126 blocks; each instance has 100.
+    with pytest.raises(InvalidArgument, match="need 126 KV blocks, more than any decode"):
+        run(down, SamplingParams(max_tokens=500))
+
+
+def test_a_full_decode_is_skipped_until_room_frees_there() -> None:
+    full = ResourceExhausted("decode at d:1: full", retry_after_s=0.2)
+    finish = tokens(1, finish=FinishReason.LENGTH)
+    down = FakeDownstream({"d:1": [full], "d:2": [Admitted([7], "token"), finish]})
+    run(down, SamplingParams(max_tokens=5))
+    assert down.router.full_instances() == {"d:1": "decode at d:1: full"}
+    down.decodes["d:2"] = [Admitted([7], "token"), finish]
+    run(down, SamplingParams(max_tokens=5))  # d:1 is not asked: it is known full
+    assert [a for kind, a in down.calls if kind == "decode"] == ["d:1", "d:2", "d:2"]
+    down.router.update_decode(  # its next Info: room may have freed
+        "d:1", num_free_blocks=100, num_total_blocks=100, max_context_tokens=64
+    )
+    assert down.router.full_instances() == {}
+
+
+def test_prefill_full_without_a_queue_is_resource_exhausted_and_cancels_decode() -> None:
+    def full() -> PrefillStats:
+        raise ResourceExhausted("prefill at p:1: queue full", retry_after_s=0.3)
+
+    down = FakeDownstream({"d:1": [Admitted([1], "token"), HANG]}, prefill_outcome=full)
+    with pytest.raises(ResourceExhausted, match="prefill at p:1: queue full") as info:
+        run(down, SamplingParams(max_tokens=5))  # FakeDownstream's queue holds no one
+    assert info.value.retry_after_s == 0.3
+    assert down.streams[-1].is_cancelled
+    assert down.router.full_instances() == {PREFILL: "prefill at p:1: queue full"}
+    assert in_flight(down.router) == 0
+
+
+def test_decode_failing_because_prefill_turned_the_request_away_is_prefills_answer() -> None:
+    # Prefill refused after opening its transfer: decode saw it break off (UNAVAILABLE) before
+    # prefill's own answer came. The request is refused for room; decode is not down.
+    def full() -> PrefillStats:
+        raise ResourceExhausted("prefill at p:1: queue full", retry_after_s=0.3)
+
+    broke_off = InstanceDown("decode at d:1: the KV transfer broke off mid-way")
+    down = FakeDownstream(
+        {"d:1": [Admitted([1], "token"), broke_off]}, prefill_outcome=full, prefill_delay_s=0.05
+    )
+    with pytest.raises(ResourceExhausted, match="prefill at p:1: queue full"):
+        run(down, SamplingParams(max_tokens=5))
+    assert down.down == []
+    assert down.router.full_instances() == {PREFILL: "prefill at p:1: queue full"}
+
+
+def test_decode_failing_while_prefill_runs_on_is_decodes_answer() -> None:
+    broke_off = InstanceDown("decode at d:1: gone")
+    down = FakeDownstream({"d:1": [Admitted([1], "token"), broke_off]}, prefill_delay_s=3.0)
+    began = time.monotonic()
+    with pytest.raises(InstanceDown, match="decode at d:1: gone"):
+        run(down, SamplingParams(max_tokens=5))
+    assert time.monotonic() - began < 1.5  # prefill's grace (0.5 s), not its whole call
     assert down.down == ["d:1"]
 
 

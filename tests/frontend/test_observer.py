@@ -68,12 +68,15 @@ def test_a_request_without_output_tokens_logs_no_ttft_and_observes_nothing(
     observer.delta(last)
     with caplog.at_level(logging.INFO, logger="mili.frontend"):
         observer.done(Served(ROUTE, last, None, num_cached_blocks=0))
-    (line,) = _lines(caplog)
+        observer.done(Served(ROUTE, last, None, num_cached_blocks=0, queued_s=0.25))
+    line, queued = _lines(caplog)
     assert re.fullmatch(
         r"client-1 \(id frontend-1\) done: prefill p:1 -> decode d:1, 2 prompt tokens, 0 output "
         rf"tokens, finish {re.escape(str(FinishReason.LENGTH))}, ttft -, total {MS}",
         line,
     ), line
+    # A request that waited in the admission queue says how long.
+    assert ", ttft -, queued 250.0 ms, total " in queued, queued
     assert _count(metrics, "time_to_first_token") == _count(metrics, "time_per_output_token") == 0
 
 

@@ -259,3 +259,52 @@ def test_an_instance_that_goes_down_loses_its_prefixes() -> None:
     r.prefix_index.record(D0, keys[:1], now=0.0)
     r.mark_down(D1)
     assert r.prefix_index.matches(keys, now=1.0) == {D0: 1}
+
+
+# ---- room: instances that turned a request away for capacity ----------------------------------
+
+
+def test_a_full_instance_is_skipped_until_its_next_info_or_a_request_leaving_it() -> None:
+    r = router(free={D0: 50, D1: 45}, queued={P0: 0, P1: 10})
+    r.mark_full(D0, "d0 full", seen_clock=r.room_clock(D0))
+    r.mark_full(P0, "p0 full", seen_clock=r.room_clock(P0))
+    assert r.full_instances() == {P0: "p0 full", D0: "d0 full"}
+    assert r.candidates(skip_full=True) == [Route(P1, D1)]
+    assert r.candidates() == [Route(P0, D0), Route(P0, D1)]  # without skip_full: as before
+    r.update_prefill(P0, num_queued_tokens=0, max_prompt_tokens=4096)  # its next Info
+    assert r.candidates(skip_full=True) == [Route(P0, D1)]
+    ticket = r.start(Route(P0, D1), num_prompt_tokens=1, num_blocks=1)
+    r.finish(ticket, is_refused=True)  # a refusal frees nothing there
+    r.finish(r.start(Route(P1, D0), num_prompt_tokens=1, num_blocks=1))  # one of ours left D0
+    assert r.full_instances() == {}
+    r.mark_full(P1, "p1 full", seen_clock=r.room_clock(P1))
+    r.mark_room(P1)  # e.g. a prefill call of ours on it ended
+    assert r.full_instances() == {}
+
+
+def test_a_refusal_asked_before_room_freed_does_not_mark_the_instance_full() -> None:
+    r = router()
+    seen = r.room_clock(D0)
+    r.finish(r.start(Route(P0, D0), num_prompt_tokens=1, num_blocks=1))  # left meanwhile
+    r.mark_full(D0, "d0 full", seen_clock=seen)
+    assert r.full_instances() == {}
+    r.mark_full(D0, "d0 full", seen_clock=r.room_clock(D0))
+    assert r.full_instances() == {D0: "d0 full"}
+    r.mark_full("gone:1", "dropped meanwhile", seen_clock=0)  # ignored
+
+
+def test_every_candidate_full_is_no_route_not_an_error() -> None:
+    r = router()
+    for address in (D0, D1):
+        r.mark_full(address, f"{address} full", seen_clock=r.room_clock(address))
+    assert r.candidates(skip_full=True) == []
+    r.update_decode(D1, num_free_blocks=9, num_total_blocks=100, max_context_tokens=4096)
+    for address in (P0, P1):  # every prefill full: no route through any decode either
+        r.mark_full(address, f"{address} full", seen_clock=r.room_clock(address))
+    assert r.candidates(skip_full=True) == []
+    r.set_pair_error(P0, D0, "layouts differ")
+    r.set_pair_error(P1, D0, "layouts differ")
+    r.set_pair_error(P0, D1, "layouts differ")
+    r.set_pair_error(P1, D1, "layouts differ")
+    with pytest.raises(FailedPrecondition):  # nothing compatible: full or not
+        r.candidates(skip_full=True)

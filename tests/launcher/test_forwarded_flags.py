@@ -17,7 +17,7 @@ GIVEN = [
     "--device", "cuda:1", "--dtype", "bfloat16", "--attention", "torch", "--no-prefix-cache",
     "--log-level", "DEBUG", "--drain-timeout", "2.5", "--otlp-endpoint", "http://127.0.0.1:4317",
     "--trace-console", "--stream-interval", "4", "--max-buffered-tokens", "16",
-    "--host", "127.0.0.2",
+    "--max-queued-requests", "64", "--max-queued-tokens", "4096", "--host", "127.0.0.2",
 ]  # fmt: skip
 
 

@@ -31,3 +31,12 @@ def test_stream_interval_reaches_every_frontend(tmp_path: Path) -> None:
     frontends = frontends_for(tmp_path, "--frontends", "3", "--stream-interval", "4")
     assert [_value(f, "--stream-interval") for f in frontends] == ["4", "4", "4"]
     assert _value(frontends_for(tmp_path)[0], "--stream-interval") is None
+
+
+def test_the_admission_queue_bounds_reach_every_frontend(tmp_path: Path) -> None:
+    frontends = frontends_for(
+        tmp_path, "--frontends", "2", "--max-queued-requests", "0", "--max-queued-tokens", "4096"
+    )
+    assert [_value(f, "--max-queued-requests") for f in frontends] == ["0", "0"]
+    assert [_value(f, "--max-queued-tokens") for f in frontends] == ["4096", "4096"]
+    assert _value(frontends_for(tmp_path)[0], "--max-queued-requests") is None

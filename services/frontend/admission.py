@@ -1,0 +1,169 @@
+"""The admission queue: requests waiting for room on a decode (and prefill) instance. Pure Python.
+
+The frontend sees every decode instance, so it holds the queue (docs/architecture.md, "queue,
+constrain, route"). A request that finds no instance with room waits here, first come first
+served, and tries again when room may have freed; only past the queue's bound is it refused.
+
+    arrive ─▶ queue empty? ──yes──▶ try at once (no queue) ──room──▶ admitted
+                   │no                     │every instance full
+                   ▼                       ▼
+              push (by arrival) ◀──────────┘        past max_requests / max_tokens: refused
+                   │
+        room() ──▶ take_turn: the head tries ──room──▶ end_try(admitted) ──▶ next head's turn
+                                   │full
+                                   └──▶ end_try(not admitted): waits for the next room()
+
+Order. Waiters are kept by arrival number (`arrive`), not by when they were pushed: one that
+tried at once and found every instance full, or one whose prefill turned it away after decode
+admitted it (it is pushed again), takes its place among the others by when it arrived.
+
+Head of line. Only the head tries, one try at a time: when the head does not fit, later
+requests wait behind it even where a smaller one would fit (vLLM's first-come-first-served
+waiting queue does the same). Large requests are never starved by a stream of small ones; the
+cost is that a large head holds the others until room frees for it, bounded by its deadline
+(the frontend refuses at once a request that no instance could ever hold).
+
+Turns. `room()` says room may have freed (a request left an instance, an instance's Info was
+polled); the news is kept until the head takes its turn, so room that freed while the head was
+trying gives it another try at once. A head that leaves without being admitted (cancelled, its
+deadline passed, failed) gives the next one a turn: that one may fit where the head did not.
+
+Bookkeeping only: who is woken, and how, is the caller's (services/frontend/admitter.py).
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from dataclasses import dataclass, field
+
+from mili.errors import ResourceExhausted
+
+
+@dataclass(eq=False)
+class Waiter:
+    """One request in the queue."""
+
+    seq: int  # arrival number from `AdmissionQueue.arrive`: lower arrived first
+    num_tokens: int  # prompt tokens, counted against the queue's token bound
+    is_trying: bool = field(default=False, init=False)
+
+
+class AdmissionQueue:
+    """FIFO of `Waiter`s, bounded by count and prompt tokens."""
+
+    def __init__(
+        self, max_requests: int, max_tokens: int, *, retry_after_s: float | None = None
+    ) -> None:
+        """`max_requests` 0: no waiting, a request that finds every instance full is refused.
+        `retry_after_s`: the hint sent with a refusal."""
+        if max_requests < 0 or max_tokens < 0:
+            raise ValueError(f"queue bounds must be >= 0, got {max_requests}, {max_tokens}")
+        self.max_requests = max_requests
+        self.max_tokens = max_tokens
+        self.retry_after_s = retry_after_s
+        self._waiters: list[Waiter] = []  # by seq
+        self._trying: Waiter | None = None
+        self._has_news = False  # room may have freed since the last try began
+        self._arrivals = itertools.count(1)
+        self.num_tokens = 0  # prompt tokens of every waiter
+
+    def __len__(self) -> int:
+        return len(self._waiters)
+
+    def __contains__(self, waiter: object) -> bool:
+        return any(w is waiter for w in self._waiters)
+
+    @property
+    def waiters(self) -> list[Waiter]:
+        """Every waiter, head first."""
+        return list(self._waiters)
+
+    @property
+    def head(self) -> Waiter | None:
+        return self._waiters[0] if self._waiters else None
+
+    def arrive(self) -> int:
+        """A request's arrival number (take one as it arrives, before it first tries)."""
+        return next(self._arrivals)
+
+    def position(self, waiter: Waiter) -> int:
+        """0 for the head."""
+        return next(i for i, w in enumerate(self._waiters) if w is waiter)
+
+    # ---- in and out --------------------------------------------------------------------------
+
+    def push(
+        self,
+        waiter: Waiter,
+        *,
+        why: str = "requests before it wait for room",
+        retry_after_s: float | None = None,
+    ) -> None:
+        """Queue `waiter` in arrival order; ResourceExhausted (nothing queued) past a bound.
+
+        The token bound lets one waiter in whatever its size when the queue is empty: a bound
+        below the longest prompt must not turn that prompt away for good. `why`: why it waits,
+        quoted in the refusal; `retry_after_s`: the refusal's hint (None: the queue's).
+        """
+        if any(w.seq == waiter.seq for w in self._waiters):
+            raise ValueError(f"arrival {waiter.seq} is queued already")
+        retry = self.retry_after_s if retry_after_s is None else retry_after_s
+        if len(self._waiters) >= self.max_requests:
+            raise ResourceExhausted(
+                f"{why}, and the admission queue is full ({len(self._waiters)} of "
+                f"{self.max_requests} requests waiting); retry later",
+                retry,
+            )
+        if self._waiters and self.num_tokens + waiter.num_tokens > self.max_tokens:
+            raise ResourceExhausted(
+                f"{why}, and the admission queue is full ({self.num_tokens} prompt tokens "
+                f"waiting, {waiter.num_tokens} more would pass its limit of {self.max_tokens}); "
+                "retry later",
+                retry,
+            )
+        bisect.insort(self._waiters, waiter, key=lambda w: w.seq)
+        self.num_tokens += waiter.num_tokens
+
+    def remove(self, waiter: Waiter) -> bool:
+        """Take `waiter` out, however it leaves; False when it was not queued. A head that
+        leaves gives the next waiter a turn."""
+        if waiter not in self:
+            return False
+        was_head = self._waiters[0] is waiter
+        self._waiters = [w for w in self._waiters if w is not waiter]
+        self.num_tokens -= waiter.num_tokens
+        if self._trying is waiter:
+            self._trying = None
+            waiter.is_trying = False
+        if was_head:
+            self._has_news = True
+        return True
+
+    # ---- turns -------------------------------------------------------------------------------
+
+    def room(self) -> None:
+        """Room may have freed on some instance."""
+        self._has_news = True
+
+    def take_turn(self) -> Waiter | None:
+        """The waiter that should try now: the head, when no one is trying and room may have
+        freed since the last try began. None otherwise."""
+        head = self.head
+        if head is None or self._trying is not None or not self._has_news:
+            return None
+        self._has_news = False
+        self._trying = head
+        head.is_trying = True
+        return head
+
+    def end_try(self, waiter: Waiter, *, is_admitted: bool) -> None:
+        """The try `take_turn` gave `waiter` ended: admitted (it leaves; the next one may fit
+        too) or not (it stays the head and waits for room)."""
+        if self._trying is not waiter:
+            raise ValueError(f"arrival {waiter.seq} is not trying")
+        self._trying = None
+        waiter.is_trying = False
+        if is_admitted:
+            self.remove(waiter)
+            self._has_news = True  # the next waiter may fit too
