@@ -319,18 +319,3 @@ def _is_specific_ip(host: str) -> bool:
         return not ipaddress.ip_address(host.strip("[]")).is_unspecified
     except ValueError:
         return False
-
-
-async def is_trusted_peer(peer: str, peers: PeerSet | None) -> bool:
-    """Whether a caller (grpc's `context.peer()`) is one `peers` names by host; `peers` None:
-    only this machine (loopback addresses, unix sockets). A plaintext port can only tell
-    callers apart by source address: anyone who can send from a listed host (or spoof it on
-    the network) passes; mTLS (a client certificate the CA signed) is the stronger check."""
-    if peer.startswith("unix:"):
-        return peers is None or peers.is_any
-    host = host_of(peer)
-    if host is None:
-        return False
-    if peers is None:
-        return ipaddress.ip_address(host).is_loopback
-    return await peers.has_host(host)
