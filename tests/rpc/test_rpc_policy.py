@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -16,6 +17,8 @@ import grpc
 import pytest
 
 from mili.discovery import Callers, PeerSet, parse_targets
+from mili.errors import InvalidArgument
+from mili.pb.tokenizer.v1.tokenizer_pb2 import DetokenizeRequest, DetokenizeResponse
 from mili.rpc import heap
 from mili.rpc.client import insecure_channel
 from mili.rpc.malformed import Oversized, guard
@@ -195,3 +198,57 @@ def test_refusals_of_one_burst_share_one_heap_trim(monkeypatch: pytest.MonkeyPat
         assert deserialize(b"x" * 11) == Oversized(11, 10)
     time.sleep(0.3)
     assert trims == [0]  # malloc_trim(0), once
+
+
+def test_a_refused_request_does_not_outlive_its_call() -> None:
+    """The servicer's InvalidArgument (its traceback holds the frames that hold the request)
+    is chained by grpc's abort, which grpc keeps in a reference cycle: without the interceptor
+    dropping those tracebacks, every refused request stayed until a full collection."""
+
+    class Refusing:
+        async def unary(self, request: Any, context: Any) -> Any:
+            ids = tuple(request.token_ids)  # a local the traceback's frame keeps
+            raise InvalidArgument("token_ids", f"{len(ids)} ids", "too many")
+
+        def register(self, server: grpc.aio.Server) -> None:
+            handler = grpc.unary_unary_rpc_method_handler(
+                self.unary,
+                request_deserializer=DetokenizeRequest.FromString,
+                response_serializer=DetokenizeResponse.SerializeToString,
+            )
+            server.add_generic_rpc_handlers(
+                (grpc.method_handlers_generic_handler(SERVICE, {"Unary": handler}),)
+            )
+
+    def alive(sent: DetokenizeRequest) -> int:
+        return sum(
+            1
+            for o in gc.get_objects()
+            if type(o) is DetokenizeRequest and o is not sent and len(o.token_ids) > 1000
+        )
+
+    async def main() -> None:
+        server = RpcServer(ServerConfig(drain_timeout_s=1.0, grace_s=0.1), name="refusing")
+        server.add_service(SERVICE, Refusing().register, Policy(default_request_bytes=None))
+        port = await server.start()
+        request = DetokenizeRequest(token_ids=[7] * 100_000)
+        async with insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = channel.unary_unary(
+                f"/{SERVICE}/Unary",
+                request_serializer=DetokenizeRequest.SerializeToString,
+                response_deserializer=DetokenizeResponse.FromString,
+            )
+            gc.collect()
+            gc.disable()
+            try:
+                for _ in range(3):
+                    with pytest.raises(grpc.aio.AioRpcError) as caught:
+                        await call(request)
+                    assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+                await asyncio.sleep(0.1)
+                assert alive(request) == 0
+            finally:
+                gc.enable()
+        await server.drain()
+
+    asyncio.run(main())
