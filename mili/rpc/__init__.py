@@ -5,7 +5,7 @@
 - `policy`: each method's request size limit and callers, enforced by the interceptor.
 - `malformed`: request messages over their method's limit (RESOURCE_EXHAUSTED) or whose bytes
   do not parse (INVALID_ARGUMENT), refused by the interceptor before parsing.
-- `heap`: freed heap memory given back to the OS after a large refused request.
+- `heap`: freed heap memory given back to the OS once a burst of large requests is over.
 - `status`: domain errors -> gRPC codes with `google.rpc` details, and readers for clients.
 - `client`: channel options, `insecure_channel`, `wait_for_serving`.
 """

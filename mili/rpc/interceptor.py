@@ -149,7 +149,11 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
             return handler
         return make(
             wrapped,
-            request_deserializer=guard(handler.request_deserializer, max_request_bytes),
+            request_deserializer=guard(
+                handler.request_deserializer,
+                max_request_bytes,
+                is_request_streaming=handler.request_streaming,
+            ),
             response_serializer=handler.response_serializer,
         )
 

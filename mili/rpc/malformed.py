@@ -54,16 +54,22 @@ class Oversized:
 Refused = Malformed | Oversized
 
 
-def guard(deserializer: Deserializer | None, max_bytes: int) -> Deserializer:
+def guard(
+    deserializer: Deserializer | None, max_bytes: int, *, is_request_streaming: bool = False
+) -> Deserializer:
     """`deserializer` (None: raw bytes), returning an Oversized for a message longer than
     `max_bytes` and a Malformed where it raises DecodeError (what protobuf's FromString raises,
     and mili.kv_handoff.codec.parse_transfer_request by way of it). Any other exception is a bug
-    in a custom deserializer and stays loud."""
+    in a custom deserializer and stays loud. The buffers of an oversized message, and of a large
+    unary one, go back to the OS once their burst is over (mili.rpc.heap)."""
 
     def deserialize(raw: bytes) -> Any:
-        if len(raw) > max_bytes:
-            heap.release_soon()  # grpc's buffers of it are freed once we return
-            return Oversized(len(raw), max_bytes)
+        num_bytes = len(raw)
+        if num_bytes > max_bytes:
+            heap.release_soon()
+            return Oversized(num_bytes, max_bytes)
+        if num_bytes >= heap.LARGE_REQUEST_BYTES and not is_request_streaming:
+            heap.release_soon()
         if deserializer is None:
             return raw
         try:

@@ -187,15 +187,20 @@ def test_policies_refuse_limits_that_are_not_positive() -> None:
     assert Policy(max_request_bytes={"Big": 8 << 20}).request_bytes("Big", 1 << 20) == 1 << 20
 
 
-def test_refusals_of_one_burst_share_one_heap_trim(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_large_requests_of_one_burst_share_one_heap_trim(monkeypatch: pytest.MonkeyPatch) -> None:
     trims: list[int] = []
     monkeypatch.setattr(heap, "_TRIM", trims.append)
-    monkeypatch.setattr(heap, "_DELAY_S", 0.05)
-    deserialize = guard(None, 10)
-    assert deserialize(b"x" * 10) == b"x" * 10
-    assert trims == []
+    monkeypatch.setattr(heap, "_QUIET_S", 0.1)
+    monkeypatch.setattr(heap, "LARGE_REQUEST_BYTES", 100)
+    unary, stream = guard(None, 1000), guard(None, 1000, is_request_streaming=True)
+    assert unary(b"x" * 99) == b"x" * 99 and stream(b"y" * 500) == b"y" * 500
+    time.sleep(0.2)
+    assert trims == []  # small, or a stream's (KV chunks are megabytes all the time)
     for _ in range(5):
-        assert deserialize(b"x" * 11) == Oversized(11, 10)
+        assert unary(b"x" * 1001) == Oversized(1001, 1000)
+        assert unary(b"x" * 500) == b"x" * 500
+        time.sleep(0.02)
+    assert trims == []  # the burst is not over
     time.sleep(0.3)
     assert trims == [0]  # malloc_trim(0), once
 
