@@ -34,6 +34,12 @@ SMALL_REQUEST_BYTES = 64 * 1024
 # characters are 16 KB), a KV layout, trace context. Generous: it only has to be a bound.
 REQUEST_FIELDS_BYTES = 256 * 1024
 
+# The HTTP/2 receive window (per call, fixed: no bandwidth probe) of a service that receives no
+# KV (tokenizer, prefill, the frontend): a request grpc refuses from its length prefix then
+# leaves at most this much behind. With the probe the window grows to megabytes, and 16
+# refused 60 MB requests left the tokenizer 136 MB larger; decode's TransferKv wants the probe.
+SMALL_REQUESTS_WINDOW_BYTES = 1024 * 1024
+
 # How many bytes of requests a caller of decode's GenerateStream puts in one message at most:
 # more starts go in the next (a single start may be larger, up to Generate's limit). Decode's
 # limit for GenerateStream messages follows from it; a frontend splits its writes by it.

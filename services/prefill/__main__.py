@@ -10,6 +10,7 @@ import logging
 from mili import flags
 from mili.engine.engine_config import EngineConfig, add_engine_arguments
 from mili.errors import StartupError
+from mili.rpc.policy import SMALL_REQUESTS_WINDOW_BYTES
 from services.prefill.config import (
     ANY_DECODE,
     DEFAULT_MAX_BATCH_TOKENS,
@@ -59,7 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser, "--frontend", "the frontends, the callers that send prompts (Prefill)"
     )
     flags.add_transport_arguments(parser)
-    flags.add_server_arguments(parser, DEFAULT_PORT)
+    flags.add_server_arguments(
+        parser, DEFAULT_PORT, receive_window_bytes=SMALL_REQUESTS_WINDOW_BYTES
+    )
 
 
 def run(args: argparse.Namespace) -> int:
