@@ -246,16 +246,76 @@ class PeerSet:
             self._resolved_at = self._clock()
 
 
-async def is_trusted_peer(peer: str, peers: PeerSet | None) -> bool:
-    """Whether a caller (grpc's `context.peer()`) is one `peers` names by host; `peers` None:
-    only this machine (loopback addresses, unix sockets). A plaintext port can only tell
-    callers apart by source address: anyone who can send from a listed host (or spoof it on
-    the network) passes; mTLS (a client certificate the CA signed) is the stronger check."""
-    if peer.startswith("unix:"):
-        return peers is None or peers.is_any
-    host = host_of(peer)
-    if host is None:
+class Callers:
+    """Who may call an internal RPC; mili.rpc's server checks it on every call to the methods a
+    service guards, before the servicer runs (the one peer check of every service):
+
+        named         the hosts of a flag's targets (`--frontend`, `--prefill`: host:port or
+                      dns:///NAME:PORT; the port is not compared, a caller's is ephemeral); a
+                      name is looked up again when an unknown caller comes (PeerSet)
+        anyone        the flag's '*', or an mTLS port: its handshake already refused every
+                      caller without a certificate the CA signed
+        this machine  neither: loopback addresses, unix sockets, and the address the server
+                      listens on (a process of this machine dialing that address sends from it)
+
+    A plaintext port tells callers apart only by source address: whoever can send from a listed
+    host (or spoof it on the network) passes. mTLS is the stronger check.
+    """
+
+    def __init__(
+        self, flag: str, peers: PeerSet | None = None, *, local_hosts: Iterable[str] = ()
+    ) -> None:
+        self.flag = flag  # the flag that names them, for refusals: "--frontend"
+        self.peers = peers  # None: this machine
+        self._local_hosts = frozenset(
+            h.strip("[]").lower() for h in local_hosts if _is_specific_ip(h)
+        )
+
+    @classmethod
+    def from_flag(cls, flag: str, values: Iterable[str], *, host: str, is_mtls: bool) -> Callers:
+        """From a flag's values (targets, or '*'); without any: anyone on an mTLS port, else
+        this machine (with `host`, the address the server listens on). ValueError naming the
+        flag when a value is not a target."""
+        values = [v for v in values if v.strip()]
+        if values:
+            try:
+                return cls(flag, PeerSet.parse(values))
+            except ValueError as e:
+                raise ValueError(f"{flag}: {e}") from None
+        if is_mtls:
+            return cls(flag, PeerSet((), is_any=True))
+        return cls(flag, local_hosts=(host,))
+
+    @property
+    def is_this_machine(self) -> bool:
+        return self.peers is None
+
+    def __str__(self) -> str:
+        if self.peers is None:
+            return "this machine"
+        if self.peers.is_any:
+            return f"any caller ({self.flag} {ANY}, or a certificate the CA signed)"
+        return f"{self.flag} {self.peers}"
+
+    async def admits(self, peer: str) -> bool:
+        """Whether the caller (grpc's `context.peer()`: `ipv4:10.0.0.3:51234`, `unix:...`) is
+        one of these."""
+        peers = self.peers
+        if peers is not None and peers.is_any:
+            return True
+        if peer.startswith("unix:"):
+            return peers is None
+        host = host_of(peer)
+        if host is None:
+            return False
+        if peers is None:
+            return ipaddress.ip_address(host).is_loopback or host.lower() in self._local_hosts
+        return await peers.has_host(host)
+
+
+def _is_specific_ip(host: str) -> bool:
+    """An IP literal other than the wildcard (0.0.0.0, ::)."""
+    try:
+        return not ipaddress.ip_address(host.strip("[]")).is_unspecified
+    except ValueError:
         return False
-    if peers is None:
-        return ipaddress.ip_address(host).is_loopback
-    return await peers.has_host(host)

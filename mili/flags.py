@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 from pathlib import Path
 from typing import Any
 
 from mili import ports
+from mili.discovery import ANY, Callers
 from mili.kv_handoff import kv_transport
 from mili.rpc.server import ServerConfig, ServerTls
 from mili.rpc.tls import Tls, TlsFiles
@@ -206,6 +208,49 @@ def server_config(
         health_port=args.health_port,
         tls=server_tls,
     )
+
+
+def add_callers_argument(parser: argparse.ArgumentParser, flag: str, who: str) -> None:
+    """A flag naming the hosts `who` may call from (mili.discovery.Callers), e.g. `--frontend`
+    for "the frontends (Generate, GenerateStream)"."""
+    parser.add_argument(
+        flag,
+        metavar="TARGET[,TARGET...]",
+        action="append",
+        default=[],
+        help=f"hosts of {who}: host:port or dns:///NAME:PORT (the host is what counts: a "
+        f"caller's port is ephemeral), repeatable; '{ANY}' accepts any. Default: any holder of "
+        "a certificate --tls-ca signed on an mTLS port, else this machine only",
+    )
+
+
+def callers(
+    args: argparse.Namespace, flag: str, server: ServerConfig, log: logging.Logger
+) -> Callers:
+    """The Callers of `flag` (added by add_callers_argument); ValueError naming the flag when
+    a value is not a target. Warns when a port open to other hosts takes these calls only from
+    this machine."""
+    values = getattr(args, flag.lstrip("-").replace("-", "_"))
+    is_mtls = server.tls is not None and server.tls.require_client_auth
+    found = Callers.from_flag(flag, values, host=server.host, is_mtls=is_mtls)
+    if found.is_this_machine and not _is_loopback(server.host):
+        log.warning(
+            "--host %s without mTLS or %s: the calls it names are accepted from this machine "
+            "only; name the callers' hosts with %s, or use --tls-ca",
+            server.host,
+            flag,
+            flag,
+        )
+    return found
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def check_ports(args: argparse.Namespace) -> None:

@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from mili.discovery import (
+    Callers,
     LookupFailed,
     PeerSet,
     host_of,
@@ -147,3 +148,39 @@ def test_any_admits_everyone_and_stands_alone() -> None:
     asyncio.run(main())
     with pytest.raises(ValueError, match="alone"):
         PeerSet.parse(["*,a:1"])
+
+
+def test_callers_by_flag_else_certificate_holders_else_this_machine() -> None:
+    dns = FakeDns({"frontend.test": ("10.0.0.5",)})
+    named = Callers("--frontend", PeerSet.parse(["dns:///frontend.test:50051"], resolve=dns))
+    local = Callers.from_flag("--frontend", [], host="10.0.0.7", is_mtls=False)
+    wildcard = Callers.from_flag("--frontend", [], host="0.0.0.0", is_mtls=False)
+    mtls = Callers.from_flag("--frontend", [], host="0.0.0.0", is_mtls=True)
+
+    async def main() -> None:
+        # Named: the hosts of the flag's targets, whatever the caller's port; not loopback.
+        assert await named.admits("ipv4:10.0.0.5:40000")
+        assert not await named.admits("ipv4:127.0.0.1:40000")
+        assert not await named.admits("unix:/tmp/socket")
+        # This machine: loopback, unix sockets, and the address the server listens on.
+        for peer in (
+            "ipv4:127.0.0.1:1",
+            "ipv4:127.0.0.2:1",
+            "ipv6:[::1]:1",
+            "unix:/x",
+            "ipv4:10.0.0.7:1",
+        ):
+            assert await local.admits(peer), peer
+        assert not await local.admits("ipv4:10.0.0.8:1")
+        assert not await wildcard.admits("ipv4:10.0.0.7:1")  # 0.0.0.0 names no address
+        assert not await local.admits("not a peer")
+        # mTLS without the flag: the handshake already checked the certificate.
+        assert await mtls.admits("ipv4:203.0.113.9:1")
+
+    asyncio.run(main())
+    assert (str(local), str(named)) == ("this machine", "--frontend dns:///frontend.test:50051")
+    assert local.is_this_machine and not mtls.is_this_machine
+    flagged = Callers.from_flag("--frontend", ["10.0.0.5:1"], host="127.0.0.1", is_mtls=True)
+    assert str(flagged) == "--frontend 10.0.0.5:1"  # the flag wins over the certificate
+    with pytest.raises(ValueError, match="--prefill: 'nope' needs a port"):
+        Callers.from_flag("--prefill", ["nope"], host="127.0.0.1", is_mtls=False)

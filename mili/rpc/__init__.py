@@ -2,7 +2,10 @@
 
 - `server`: `RpcServer` (grpc.aio + health + reflection + graceful drain) and `serve_forever`.
 - `interceptor`: exception -> status mapping, in-flight counting, refusing calls while draining.
-- `malformed`: requests whose bytes do not parse, refused as INVALID_ARGUMENT by the interceptor.
+- `policy`: each method's request size limit and callers, enforced by the interceptor.
+- `malformed`: request messages over their method's limit (RESOURCE_EXHAUSTED) or whose bytes
+  do not parse (INVALID_ARGUMENT), refused by the interceptor before parsing.
+- `heap`: freed heap memory given back to the OS once a burst of large requests is over.
 - `status`: domain errors -> gRPC codes with `google.rpc` details, and readers for clients.
 - `client`: channel options, `insecure_channel`, `wait_for_serving`.
 """

@@ -3,19 +3,24 @@
 For each call it
   (a) turns an exception raised by the servicer into its status (see `mili.rpc.status`); calls
       the servicer already ended with `context.abort` pass through untouched,
-  (b) refuses a request whose bytes do not parse with INVALID_ARGUMENT and one WARNING line
-      (see `mili.rpc.malformed`), instead of grpc's UNKNOWN and a traceback per call,
+  (b) refuses a request whose bytes do not parse with INVALID_ARGUMENT, and a request message
+      over its method's size limit with RESOURCE_EXHAUSTED before parsing it, each with one
+      WARNING line (see `mili.rpc.malformed`), instead of grpc's UNKNOWN and a traceback per
+      call or millions of parsed ids,
+  (g) refuses a caller the method's Callers do not admit (its service's Policy, see
+      `mili.rpc.policy`) with PERMISSION_DENIED and one WARNING line, before the servicer runs
+      and before a request stream's first message is read,
   (c) counts the call as in flight until its handler returns, so a drain knows when to stop,
   (d) refuses it with UNAVAILABLE once the server is draining, so clients retry elsewhere,
   (e) counts it once it ends, by service, method and final status code: the code it was
       aborted with, OK when the handler returned, else CANCELLED or DEADLINE_EXCEEDED,
-  (f) when the client streams requests, announces the status it fails with (a, b or d) in the
+  (f) when the client streams requests, announces the status it fails with (a, b, d, g) in the
       initial metadata too, where a client whose write raced the status still finds it (see
       `mili.rpc.status.status_header`; a servicer's own `context.abort` does not get this).
 Three kinds of call:
 
-    traffic          everything else           (a)-(e), in mili_requests_total
-    control          every service's Info      (a)-(e), in mili_control_requests_total
+    traffic          everything else           (a)-(g), in mili_requests_total
+    control          every service's Info      (a)-(g), in mili_control_requests_total
     infrastructure   health, reflection        (a), (b), (e) in mili_control_requests_total;
                                                never in flight, never refused, so a load
                                                balancer can watch a draining server go
@@ -31,13 +36,16 @@ import asyncio
 import contextlib
 import inspect
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import grpc
 
-from mili.rpc.malformed import CheckedRequests, Malformed, guard
+from mili.discovery import Callers
+from mili.errors import PermissionDenied
+from mili.rpc.malformed import CheckedRequests, Malformed, Oversized, Refused, guard
+from mili.rpc.policy import OPEN, SMALL_REQUEST_BYTES, Policy
 from mili.rpc.status import is_internal, status_header, status_of
 from mili.telemetry.metrics import RequestMetrics
 
@@ -68,6 +76,14 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
         self._num_in_flight = 0
         self._is_draining = False
         self._idle: asyncio.Event | None = None  # made on first wait, inside the running loop
+        self._policies: Mapping[str, Policy] = {}  # by service name; the others: OPEN
+        self._receive_limit = SMALL_REQUEST_BYTES  # the server's: grpc refuses more itself
+
+    def set_policies(self, policies: Mapping[str, Policy], receive_limit: int) -> None:
+        """Each service's rules, by its full name, and the server's receive limit (before the
+        server starts)."""
+        self._policies = dict(policies)
+        self._receive_limit = receive_limit
 
     @property
     def num_in_flight(self) -> int:
@@ -103,11 +119,17 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
 
     def _wrap(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
         is_infrastructure = method.startswith(_INFRASTRUCTURE)
+        service, _, name = method.lstrip("/").partition("/")
+        policy = self._policies.get(service, OPEN)
+        max_request_bytes = policy.request_bytes(name, self._receive_limit)
+        if is_infrastructure:
+            max_request_bytes = SMALL_REQUEST_BYTES
         call = _Call(
             method,
             is_gated=not is_infrastructure,
             is_control=is_infrastructure or method.endswith(_CONTROL_SUFFIX),
             is_request_streaming=handler.request_streaming,
+            callers=None if is_infrastructure else policy.callers.get(name),
         )
         if handler.request_streaming and handler.response_streaming:
             behavior, make = handler.stream_stream, grpc.stream_stream_rpc_method_handler
@@ -127,7 +149,11 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
             return handler
         return make(
             wrapped,
-            request_deserializer=guard(handler.request_deserializer),
+            request_deserializer=guard(
+                handler.request_deserializer,
+                max_request_bytes,
+                is_request_streaming=handler.request_streaming,
+            ),
             response_serializer=handler.response_serializer,
         )
 
@@ -137,6 +163,7 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
             self._enter(call)  # no await between admit and here: nothing can slip in
             is_done = False
             try:
+                await self._check_caller(context, call)
                 request = await self._checked(request, context, call)
                 response = await behavior(request, context)
                 is_done = True
@@ -145,6 +172,7 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
                 raise  # the servicer chose its status with context.abort
             except Exception as exc:
                 _raise_if_refused(request)
+                request = None  # its traceback holds this frame: the request must not stay
                 await self._abort_with(exc, context, call.method, call.is_request_streaming)
             finally:
                 self._count(call, context, is_done)
@@ -159,6 +187,7 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
             is_done = False
             responses: Any = None
             try:
+                await self._check_caller(context, call)
                 request = await self._checked(request, context, call)
                 responses = behavior(request, context)
                 async for response in responses:
@@ -168,6 +197,7 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
                 raise
             except Exception as exc:
                 _raise_if_refused(request)
+                request = None  # its traceback holds this frame: the request must not stay
                 await self._abort_with(exc, context, call.method, call.is_request_streaming)
             finally:
                 # Counted before grpc sends the status: a caller that saw it can see the count.
@@ -180,16 +210,34 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
 
         return run
 
-    async def _checked(self, request: Any, context: grpc.aio.ServicerContext, call: _Call) -> Any:
-        """The request to hand the servicer: a unary one that did not parse is refused here;
-        a request stream is checked message by message as the servicer reads it."""
+    async def _check_caller(self, context: grpc.aio.ServicerContext, call: _Call) -> None:
+        """PermissionDenied unless the method takes calls from this caller."""
+        callers = call.callers
+        if callers is None:
+            return
+        peer = context.peer()
+        if await callers.admits(peer):
+            return
+        # One line, no traceback: a caller to name with the flag, or one to keep out.
+        _LOG.warning(
+            "%s: refused %s from %s: it takes calls from %s", self._name, call.method, peer, callers
+        )
+        hint = "" if callers.peers is not None else f" (name its host with {callers.flag})"
+        raise PermissionDenied(
+            f"{call.method} takes calls only from {callers}; {peer} is not one{hint}"
+        )
 
-        async def refuse(malformed: Malformed) -> NoReturn:
-            await self._refuse_malformed(malformed, context, call.method, call.is_request_streaming)
+    async def _checked(self, request: Any, context: grpc.aio.ServicerContext, call: _Call) -> Any:
+        """The request to hand the servicer: a unary one that is over its limit or did not parse
+        is refused here; a request stream is checked message by message as the servicer reads
+        it."""
+
+        async def refuse(refused: Refused) -> NoReturn:
+            await self._refuse(refused, context, call.method, call.is_request_streaming)
 
         if call.is_request_streaming:
             return CheckedRequests(request, refuse)
-        if isinstance(request, Malformed):
+        if isinstance(request, Malformed | Oversized):
             await refuse(request)
         return request
 
@@ -233,28 +281,25 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
         status = code.name if isinstance(code, grpc.StatusCode) else str(code)
         self._metrics.record(call.method, status, is_control=call.is_control)
 
-    async def _refuse_malformed(
+    async def _refuse(
         self,
-        malformed: Malformed,
+        refused: Refused,
         context: grpc.aio.ServicerContext,
         method: str,
         is_request_streaming: bool,
     ) -> NoReturn:
+        peer = context.peer()
+        if isinstance(refused, Oversized):
+            code = grpc.StatusCode.RESOURCE_EXHAUSTED
+            size = f"is {refused.num_bytes} bytes, over its limit of {refused.max_bytes} bytes"
+            details, line = f"request to {method} {size}", f"request to {method} from {peer} {size}"
+        else:
+            code = grpc.StatusCode.INVALID_ARGUMENT
+            details = f"malformed request to {method}: {refused.reason}"
+            line = f"malformed request to {method} from {peer}: {refused.reason}"
         # One line, no traceback: the caller's mistake (or probe), not our bug.
-        _LOG.warning(
-            "%s: malformed request to %s from %s: %s",
-            self._name,
-            method,
-            context.peer(),
-            malformed.reason,
-        )
-        await _abort(
-            context,
-            grpc.StatusCode.INVALID_ARGUMENT,
-            f"malformed request to {method}: {malformed.reason}",
-            (),
-            is_request_streaming,
-        )
+        _LOG.warning("%s: %s", self._name, line)
+        await _abort(context, code, details, (), is_request_streaming)
 
     async def _abort_with(
         self, exc: Exception, context: grpc.aio.ServicerContext, method: str, streaming: bool
@@ -265,6 +310,7 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
             _LOG.error("%s: %s", self._name, status.details, exc_info=exc)
         else:
             _LOG.debug("%s %s -> %s: %s", self._name, method, status.code.name, status.details)
+        _drop_tracebacks(exc)
         await _abort(context, status.code, status.details, status.trailing_metadata, streaming)
 
 
@@ -276,6 +322,25 @@ class _Call:
     is_gated: bool  # refused while draining, counted in flight
     is_control: bool  # counted in mili_control_requests_total, not mili_requests_total
     is_request_streaming: bool
+    callers: Callers | None  # who may call it; None: any caller that reaches the port
+
+
+def _drop_tracebacks(exc: BaseException) -> None:
+    """Forget the tracebacks of `exc` and the exceptions it chains, once its status is known.
+
+    Their frames hold the request (the servicer's, the conversion's) and grpc keeps the abort
+    that chains `exc` in a reference cycle: a refused 7.5 MB request used to stay in memory
+    until a full garbage collection, ~120 MB each. (Not traceback.clear_frames: clearing the
+    frame of a coroutine still suspended, which a re-raised stored error can hold, closes it.)"""
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [exc]
+    while pending:
+        chained = pending.pop()
+        if chained is None or id(chained) in seen:
+            continue
+        seen.add(id(chained))
+        chained.__traceback__ = None
+        pending += [chained.__cause__, chained.__context__]
 
 
 def _raise_if_refused(request: Any) -> None:

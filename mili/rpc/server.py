@@ -3,7 +3,8 @@
 Life of a server:
 
     RpcServer(config, name="tokenizer")
-      .add_service("mili.tokenizer.v1.TokenizerService", lambda s: add_..._to_server(servicer, s))
+      .add_service("mili.tokenizer.v1.TokenizerService", lambda s: add_..._to_server(servicer, s),
+                   policy)   each method's request size limit and callers (mili.rpc.policy)
       .start()          bind, start; health SERVING for "" and every added service
       .set_serving(b)   optional: SERVING / NOT_SERVING while running, for a service that is
                         useless without others (the frontend with no backend up)
@@ -32,6 +33,7 @@ from prometheus_client import CollectorRegistry
 
 from mili.errors import StartupError
 from mili.rpc.interceptor import CallInterceptor
+from mili.rpc.policy import OPEN, SMALL_REQUEST_BYTES, Policy
 from mili.rpc.tls import Tls
 from mili.telemetry.metrics import (
     MetricsServer,
@@ -68,8 +70,9 @@ class ServerConfig:
     # between prefill and decode are megabytes each.
     max_message_bytes: int = 64 * 1024 * 1024
     # Largest request message accepted, when tighter than max_message_bytes (the frontend's
-    # public port: its largest valid request is a few MB, its replies can be tens). grpc refuses
-    # a larger one with RESOURCE_EXHAUSTED from the message's length prefix, before reading it.
+    # public port: its largest valid request is a few MB, its replies can be tens). Each method
+    # has its own limit too (mili.rpc.policy): grpc is told the largest of them, capped by this,
+    # and refuses a larger message with RESOURCE_EXHAUSTED from its length prefix, unread.
     max_receive_message_bytes: int | None = None
     # Per-call receive window (HTTP/2 flow control). None: grpc grows it with its bandwidth
     # probe, which the megabyte KV chunks prefill streams to decode want; but then a client can
@@ -141,7 +144,7 @@ class RpcServer:
         self._metrics_server: MetricsServer | None = None
         # Run before our own (tracing): their spans then see the status our interceptor sets.
         self._outer_interceptors = list(interceptors)
-        self._registrations: list[tuple[str, Register]] = []
+        self._registrations: list[tuple[str, Register, Policy]] = []
         # Calls by method and status; a servicer that carries many requests on one call (decode's
         # GenerateStream) counts each of them here as the call it stands for.
         self.request_metrics = RequestMetrics(self.registry)
@@ -158,18 +161,28 @@ class RpcServer:
         self._stopped: asyncio.Event | None = None
         self._is_serving = True  # what health reports until drained; see set_serving
 
-    def add_service(self, full_name: str, register: Register) -> None:
+    def add_service(self, full_name: str, register: Register, policy: Policy = OPEN) -> None:
         """Register one service before `start`; `full_name` is its proto name (for health,
-        reflection and logs), `register` adds its servicer to the grpc server."""
+        reflection and logs), `register` adds its servicer to the grpc server, `policy` says how
+        large each method's requests may be and who may call it (default: anyone, up to the
+        server's receive limit)."""
         if self._server is not None:
             raise RuntimeError(f"{self.name}: add_service({full_name!r}) after start()")
-        if any(name == full_name for name, _ in self._registrations):
+        if any(name == full_name for name, _, _ in self._registrations):
             raise ValueError(f"{self.name}: service {full_name!r} added twice")
-        self._registrations.append((full_name, register))
+        self._registrations.append((full_name, register, policy))
 
     @property
     def service_names(self) -> list[str]:
-        return [name for name, _ in self._registrations]
+        return [name for name, _, _ in self._registrations]
+
+    @property
+    def receive_limit(self) -> int:
+        """What grpc is told to receive: the largest request of any method, within the config's
+        limit (health and reflection requests are small)."""
+        limit = self.config.receive_limit
+        largest = [policy.largest(limit) for _, _, policy in self._registrations]
+        return max([min(SMALL_REQUEST_BYTES, limit), *largest])
 
     @property
     def port(self) -> int:
@@ -216,7 +229,7 @@ class RpcServer:
             options=[
                 *window,
                 ("grpc.max_send_message_length", self.config.max_message_bytes),
-                ("grpc.max_receive_message_length", self.config.receive_limit),
+                ("grpc.max_receive_message_length", self.receive_limit),
                 # A second process on a fixed port must fail to bind, not silently share it.
                 ("grpc.so_reuseport", 0),
                 # Ping idle clients so calls from vanished peers end (and free their blocks) ...
@@ -230,7 +243,10 @@ class RpcServer:
         self._server = server
         self._hurry = asyncio.Event()
         self._stopped = asyncio.Event()
-        for _, register in self._registrations:
+        self._interceptor.set_policies(
+            {name: policy for name, _, policy in self._registrations}, self.receive_limit
+        )
+        for _, register, _ in self._registrations:
             register(server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(

@@ -38,6 +38,14 @@ class Admission:
         ResourceExhausted (with RetryInfo) without reserving anything."""
         inst = self._instance
         request_id = request.request_id
+        # Counted on the protobuf container (O(1)) before any id becomes a Python int.
+        num_prompt_tokens = len(request.prompt_token_ids)
+        if num_prompt_tokens > inst.max_context_tokens:
+            raise InvalidArgument(
+                "prompt_token_ids",
+                f"{num_prompt_tokens} ids",
+                f"longer than the model's context of {inst.max_context_tokens} tokens",
+            )
         prompt = list(request.prompt_token_ids)
         if not request_id:
             raise InvalidArgument("request_id", request_id, "must be non-empty")

@@ -13,11 +13,17 @@ from contextlib import aclosing
 import grpc
 from opentelemetry import trace
 
-from mili.discovery import PeerSet
+from mili.discovery import Callers
 from mili.errors import Cancelled, Unavailable
 from mili.kv_handoff.codec import parse_transfer_request
 from mili.pb.decode.v1 import decode_pb2, decode_pb2_grpc
 from mili.pb.kv.v1 import kv_pb2
+from mili.rpc.policy import (
+    GENERATE_STREAM_BATCH_BYTES,
+    REQUEST_FIELDS_BYTES,
+    Policy,
+    uint32s_bytes,
+)
 from mili.rpc.prefix_cache import prefix_cache_to_proto
 from mili.rpc.server import RpcServer
 from mili.telemetry.metrics import RequestMetrics
@@ -167,18 +173,42 @@ def add_to_server(
     server: RpcServer,
     instance: DecodeInstance,
     *,
-    kv_senders: PeerSet | None = None,
+    frontends: Callers | None = None,
+    prefills: Callers | None = None,
 ) -> None:
     """Register DecodeService and KvTransferService (one address: prefill sends KV here).
-    `kv_senders`: the hosts KV is accepted from (None: this machine only)."""
+
+    Who may call what (the server checks it before a servicer runs; default: this machine):
+    `frontends` admit requests (Generate, GenerateStream: they reserve blocks), `prefills` pair
+    and push KV (Pair, TransferKv). Info is open: a read of the instance's load and layout."""
+    frontends = frontends or Callers("--frontend")
+    prefills = prefills or Callers("--prefill")
     decode = DecodeServicer(
         instance, is_draining=lambda: server.is_draining, request_metrics=server.request_metrics
     )
-    transfer = KvTransferServicer(instance, senders=kv_senders)
-    server.add_service(
-        DECODE_SERVICE, lambda s: decode_pb2_grpc.add_DecodeServiceServicer_to_server(decode, s)
+    transfer = KvTransferServicer(instance)
+    # Largest requests: a prompt of the whole context (decode refuses longer ones anyway);
+    # GenerateStream messages carry a frontend's starts up to GENERATE_STREAM_BATCH_BYTES
+    # together, or one larger start alone; TransferKv's KV chunks are megabytes (the server's
+    # limit, --max-message-bytes); Pair and Info hold a few fields.
+    generate = uint32s_bytes(instance.max_context_tokens) + REQUEST_FIELDS_BYTES
+    admission = Policy(
+        max_request_bytes={
+            "Generate": generate,
+            "GenerateStream": max(generate, GENERATE_STREAM_BATCH_BYTES + REQUEST_FIELDS_BYTES),
+        },
+        callers={"Generate": frontends, "GenerateStream": frontends},
     )
-    server.add_service(KV_TRANSFER_SERVICE, lambda s: _add_transfer(transfer, s))
+    kv = Policy(
+        max_request_bytes={"TransferKv": server.config.receive_limit},
+        callers={"Pair": prefills, "TransferKv": prefills},
+    )
+    server.add_service(
+        DECODE_SERVICE,
+        lambda s: decode_pb2_grpc.add_DecodeServiceServicer_to_server(decode, s),
+        admission,
+    )
+    server.add_service(KV_TRANSFER_SERVICE, lambda s: _add_transfer(transfer, s), kv)
 
 
 def _add_transfer(transfer: KvTransferServicer, server: grpc.aio.Server) -> None:

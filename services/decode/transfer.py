@@ -46,8 +46,7 @@ import grpc
 from opentelemetry import trace
 
 from mili.arith import ceil_div
-from mili.discovery import PeerSet, is_trusted_peer
-from mili.errors import Cancelled, DataLoss, InvalidArgument, PermissionDenied, Unavailable
+from mili.errors import Cancelled, DataLoss, InvalidArgument, Unavailable
 from mili.kv_handoff.codec import ACCEPTED_KEY, Chunk, ChunkView
 from mili.kv_handoff.transport import answer, receivers
 from mili.pb.kv.v1 import kv_pb2, kv_pb2_grpc
@@ -108,13 +107,10 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
         *,
         landing_threads: int = _LANDING_THREADS,
         max_landing_bytes: int = _MAX_LANDING_BYTES,
-        senders: PeerSet | None = None,
     ) -> None:
-        """`senders`: the hosts KV is accepted from (None: this machine only); checked on the
-        caller's address before the first message is read. Under mTLS the handshake has
-        already refused callers without a certificate the CA signed."""
+        """Who may call Pair and TransferKv is the server's check (server.py's policy: the
+        hosts of --prefill), made before either runs."""
         self._instance = instance
-        self._senders = senders
         self._layout = convert.layout(instance.layout, instance.fingerprint)
         self._block_bytes = block_bytes(self._layout)
         self._max_landing_bytes = max_landing_bytes
@@ -152,11 +148,6 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
         request_iterator: AsyncIterator[Message],
         context: grpc.aio.ServicerContext,
     ) -> kv_pb2.TransferKvResponse:
-        if not await is_trusted_peer(context.peer(), self._senders):
-            where = "this machine" if self._senders is None else f"--prefill {self._senders}"
-            raise PermissionDenied(
-                f"KV transfers are accepted only from {where}; {context.peer()} is not one"
-            )
         messages = aiter(request_iterator)
         first = await anext(messages, None)
         if not isinstance(first, kv_pb2.TransferKvRequest) or first.WhichOneof("kind") != "header":

@@ -23,7 +23,15 @@ from mili.rpc.sampling import (
 from services.frontend.calls import Admitted, PrefillStats, Prompt, RequestIds, Tokens
 from services.frontend.pipeline import Delta
 from services.frontend.router import Member, State
-from services.frontend.validation import ChatTurn, RequestInput, SamplingInput, ValidRequest
+from services.frontend.validation import (
+    ChatTurn,
+    Counts,
+    Limits,
+    RequestInput,
+    SamplingInput,
+    ValidRequest,
+    check_counts,
+)
 
 # ---- the caller's request ----------------------------------------------------------------------
 
@@ -48,7 +56,19 @@ def sampling_input(s: sampling_pb2.SamplingParams) -> SamplingInput:
 
 def request_input(
     request: generation_pb2.GenerateRequest | generation_pb2.CompleteRequest,
+    limits: Limits,
+    max_context_tokens: int | None,
 ) -> RequestInput:
+    """The request as sent, once its lists are known to be no longer than any valid request's
+    (validation.check_counts: InvalidArgument before any of them is converted)."""
+    sampling = request.sampling
+    counts = Counts(
+        len(request.token_ids),
+        len(request.messages),
+        len(sampling.stop),
+        len(sampling.stop_token_ids),
+    )
+    check_counts(counts, limits, max_context_tokens)
     return RequestInput(
         client_request_id=request.request_id,
         prompt=request.prompt,

@@ -2,7 +2,7 @@
 
     Generation r7 ─open──▶ starts [r7] ─┐  writer: one GenerateStreamRequest per wake-up,
     Generation r8 ─open──▶ starts [r8] ─┤          every start and cancel queued since the last
-    Generation r3 ─cancel─▶ cancels [r3]┘
+    Generation r3 ─cancel─▶ cancels [r3]┘          (more messages past 1 MiB: decode's limit)
                                            decode: one GenerateStreamResponse per step
     reader: events [r1 tokens, ..., r64 tokens] ──▶ each request's buffer; its reader woken
 
@@ -29,6 +29,7 @@ import grpc
 from opentelemetry import context as otel_context
 
 from mili.pb.decode.v1 import decode_pb2, decode_pb2_grpc
+from mili.rpc.policy import GENERATE_STREAM_BATCH_BYTES
 from mili.rpc.status import DETAILS_KEY, server_status_of
 from mili.telemetry.tracing import end_carried_call_span, start_carried_call_span
 from services.frontend import convert
@@ -166,18 +167,18 @@ class _Session:
                 await task
 
     async def _write(self) -> None:
-        """Every start and cancel queued since the last write, in one message."""
+        """Every start and cancel queued since the last write, in one message (more when they
+        are over GENERATE_STREAM_BATCH_BYTES)."""
         while not self.is_ended:
             await self._wake.wait()
             self._wake.clear()
             if not (self._starts or self._cancels):
                 continue
-            message = decode_pb2.GenerateStreamRequest(
-                starts=self._starts, cancel_request_ids=self._cancels
-            )
+            messages = _messages(self._starts, self._cancels)
             self._starts, self._cancels = [], []
             try:
-                await self._call.write(message)
+                for message in messages:
+                    await self._call.write(message)
             except Exception:  # the call ended: the reader reports how, to every request
                 return
 
@@ -238,6 +239,31 @@ class _Session:
         streams, self._streams = self._streams, {}
         for stream in streams.values():
             stream.fail(error, code)
+
+
+def _messages(
+    starts: list[decode_pb2.StreamedGenerate], cancels: list[str]
+) -> list[decode_pb2.GenerateStreamRequest]:
+    """`starts` then `cancels`, in order, in messages of at most GENERATE_STREAM_BATCH_BYTES
+    each (a start larger than that goes alone): decode refuses a larger GenerateStream message.
+    Nearly always one message: 1 MiB holds thousands of short prompts' starts."""
+    sizes = [start.ByteSize() + 8 for start in starts]  # + the entry's tag and length
+    sizes += [len(rid.encode()) + 8 for rid in cancels]
+    if sum(sizes) <= GENERATE_STREAM_BATCH_BYTES:
+        return [decode_pb2.GenerateStreamRequest(starts=starts, cancel_request_ids=cancels)]
+    messages = [decode_pb2.GenerateStreamRequest()]
+    num_bytes = 0
+    items: list[decode_pb2.StreamedGenerate | str] = [*starts, *cancels]
+    for item, size in zip(items, sizes, strict=True):
+        if num_bytes and num_bytes + size > GENERATE_STREAM_BATCH_BYTES:
+            messages.append(decode_pb2.GenerateStreamRequest())
+            num_bytes = 0
+        if isinstance(item, str):
+            messages[-1].cancel_request_ids.append(item)
+        else:
+            messages[-1].starts.append(item)
+        num_bytes += size
+    return messages
 
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}

@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry
 
 from mili.errors import ResourceExhausted
 from mili.pb.frontend.v1 import generation_pb2, generation_pb2_grpc
+from mili.rpc.policy import Policy
 from mili.rpc.server import RpcServer
 from mili.telemetry.metrics import FrontendMetrics
 from services.frontend import convert
@@ -105,7 +106,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         context: grpc.aio.ServicerContext,
     ) -> tuple[str, AsyncGenerator[Delta, None]]:
         """Validate now (so the caller's request id is known), generate lazily."""
-        valid = validate(convert.request_input(request), self._config.limits)
+        limits, window = self._config.limits, self._backends.router.max_context_tokens
+        valid = validate(convert.request_input(request, limits, window), limits)
         return valid.client_request_id, self._run(valid, context)
 
     async def _run(
@@ -146,7 +148,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
 
 
 def add_to_server(server: RpcServer, servicer: GenerationServicer) -> None:
+    """Register GenerationService: the public API, open to any caller; Generate and Complete
+    take requests up to the server's receive limit (--max-receive-message-bytes), Info a few
+    bytes."""
+    limit = server.config.receive_limit
+    policy = Policy(max_request_bytes={"Generate": limit, "Complete": limit})
     server.add_service(
         SERVICE_NAME,
         lambda s: generation_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, s),
+        policy,
     )

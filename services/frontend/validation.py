@@ -1,7 +1,9 @@
 """Checking a generation request and filling in every default, in plain Python.
 
-Three stages, because the frontend learns what it needs in three steps:
+Three stages, because the frontend learns what it needs in three steps (and a first look at
+the request as it came, before any of it is converted):
 
+    check_counts(counts, limits, ...)  the lengths of its lists, before they are converted
     validate(request, limits)          before anything else: shape of the input, sampling ranges
     check_token_ids(ids, vocab_size)   once the tokenizer's vocabulary is known
     fit_context(sampling, n, context)  once the prompt is tokenized and the context is known
@@ -18,7 +20,7 @@ import secrets
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from mili.engine.sampling_params import OPTIONAL_FIELDS, SamplingParams
 from mili.errors import FieldViolation, InvalidArgument
@@ -27,6 +29,10 @@ ROLES = ("system", "user", "assistant", "tool")
 _MAX_VIOLATIONS = 16  # a caller fixes a few at a time; the status trailer stays small
 
 PromptField = Literal["prompt", "messages", "token_ids"]
+
+# The largest context of a Qwen3 model: the bound on a prompt's ids before any decode instance
+# reported its own context window.
+MAX_CONTEXT_TOKENS = 262_144
 
 
 @dataclass(frozen=True)
@@ -94,6 +100,42 @@ class RequestInput:
     sampling: SamplingInput = SamplingInput()
     enable_thinking: bool | None = None
     allow_special_tokens: bool = False  # chat: special-token strings in content stay special
+
+
+class Counts(NamedTuple):
+    """How many items each list of a request holds, counted on the protobuf containers (O(1))."""
+
+    token_ids: int
+    messages: int
+    stop: int
+    stop_token_ids: int
+
+
+def check_counts(counts: Counts, limits: Limits, max_context_tokens: int | None) -> None:
+    """Refuse lists longer than any valid request's before any item is converted (a 7.5 MB
+    list of ids would take a second and 120 MB as Python ints): a prompt of more ids than the
+    context window (`max_context_tokens`, MAX_CONTEXT_TOKENS while unknown), a chat of more
+    messages than that (each renders to one token at least), more stop strings or ids than
+    this server takes. InvalidArgument naming each such field."""
+    context = max_context_tokens or MAX_CONTEXT_TOKENS
+    window = f"the context window of {context} tokens"
+    violations: list[FieldViolation] = []
+    for field, count, limit, reason in (
+        ("token_ids", counts.token_ids, context, f"more ids than {window}"),
+        (
+            "messages",
+            counts.messages,
+            context,
+            f"more messages than {window} (1 token each at least)",
+        ),
+        ("sampling.stop", counts.stop, limits.max_stop_strings, "more strings than"),
+        ("sampling.stop_token_ids", counts.stop_token_ids, limits.max_stop_token_ids, "more than"),
+    ):
+        if count > limit:
+            if field.startswith("sampling."):
+                reason = f"{reason} this server's limit of {limit}"
+            violations.extend(InvalidArgument(field, f"{count} items", reason).violations)
+    _raise_if_any(violations)
 
 
 # ---- what goes downstream ----------------------------------------------------------------------

@@ -10,6 +10,7 @@ import logging
 from mili import flags
 from mili.engine.engine_config import EngineConfig, add_engine_arguments
 from mili.errors import StartupError
+from mili.rpc.policy import SMALL_REQUESTS_WINDOW_BYTES
 from services.prefill.config import (
     ANY_DECODE,
     DEFAULT_MAX_BATCH_TOKENS,
@@ -55,8 +56,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"PERMISSION_DENIED before any connection is made. '{ANY_DECODE}' allows any (only "
         "where every peer is trusted). Required",
     )
+    flags.add_callers_argument(
+        parser, "--frontend", "the frontends, the callers that send prompts (Prefill)"
+    )
     flags.add_transport_arguments(parser)
-    flags.add_server_arguments(parser, DEFAULT_PORT)
+    flags.add_server_arguments(
+        parser, DEFAULT_PORT, receive_window_bytes=SMALL_REQUESTS_WINDOW_BYTES
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -81,6 +87,8 @@ def run(args: argparse.Namespace) -> int:
             kv_transport=args.kv_transport,
             host_id=args.host_id,
         )
+        server_config = flags.server_config(args)
+        frontends = flags.callers(args, "--frontend", server_config, _LOG)
     except ValueError as e:
         raise StartupError(f"--decode: {e}" if "allowed decode" in str(e) else str(e)) from None
     if not config.allowed_decodes:
@@ -106,7 +114,6 @@ def run(args: argparse.Namespace) -> int:
     instance = PrefillInstance.load(config, model_dir, PrefillMetrics(registry))
     tracing = start_tracing(args, "prefill")
     try:
-        server_config = flags.server_config(args)
         servicer = PrefillServicer(
             instance,
             max_message_bytes=server_config.max_message_bytes,
@@ -122,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
         interceptors=tracing.server_interceptors(),
         registry=registry,
     )
-    add_to_server(server, servicer)
+    add_to_server(server, servicer, frontends=frontends)
 
     async def serve() -> None:
         try:

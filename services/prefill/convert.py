@@ -35,16 +35,19 @@ def prefill_task(
         bad("request_id", request.request_id, "must be set")
     elif len(request.request_id) > _MAX_REQUEST_ID_CHARS:
         bad("request_id", request.request_id, f"longer than {_MAX_REQUEST_ID_CHARS} characters")
-    token_ids = list(request.prompt_token_ids)
-    if not token_ids:
+    # Counted on the protobuf container (O(1)): a prompt too long is never converted.
+    num_tokens = len(request.prompt_token_ids)
+    token_ids: list[int] = []
+    if not num_tokens:
         bad("prompt_token_ids", token_ids, "must hold at least one token")
-    elif len(token_ids) > max_prompt_tokens:
+    elif num_tokens > max_prompt_tokens:
         bad(
             "prompt_token_ids",
-            f"{len(token_ids)} tokens",
+            f"{num_tokens} tokens",
             f"longer than this instance's max_prompt_tokens {max_prompt_tokens}",
         )
     else:
+        token_ids = list(request.prompt_token_ids)
         outside = [i for i, t in enumerate(token_ids) if t >= vocab_size]
         if outside:
             i = outside[0]
@@ -52,12 +55,12 @@ def prefill_task(
     destination = request.destination
     if not destination.address:
         bad("destination.address", destination.address, "must be the decode's host:port")
-    prompt_block_ids = list(destination.prompt_block_ids)
-    need = blocks_needed(len(token_ids), block_size)
-    if not violations and len(prompt_block_ids) < need:  # judged only for a valid prompt
+    need = blocks_needed(num_tokens, block_size)
+    num_block_ids = len(destination.prompt_block_ids)
+    if not violations and num_block_ids < need:  # judged only for a valid prompt
         bad(
             "destination.prompt_block_ids",
-            f"{len(prompt_block_ids)} block ids",
+            f"{num_block_ids} block ids",
             f"a {len(token_ids)}-token prompt needs {need} blocks of {block_size} tokens",
         )
     num_cached_blocks = destination.num_cached_blocks
@@ -79,7 +82,7 @@ def prefill_task(
         prompt_token_ids=token_ids,
         sampling=sampling,
         address=destination.address,
-        prompt_block_ids=prompt_block_ids[:need],
+        prompt_block_ids=list(destination.prompt_block_ids[:need]),
         transfer_token=destination.transfer_token,
         num_cached_blocks=num_cached_blocks,
         client_request_id=request.client_request_id,

@@ -10,7 +10,10 @@ from collections.abc import Sequence
 
 import grpc
 
+from mili.discovery import Callers
+from mili.engine.kv.block_pool import blocks_needed
 from mili.pb.prefill.v1 import prefill_pb2, prefill_pb2_grpc
+from mili.rpc.policy import REQUEST_FIELDS_BYTES, Policy, uint32s_bytes
 from mili.rpc.prefix_cache import prefix_cache_to_proto
 from mili.rpc.server import RpcServer
 from mili.rpc.tls import Tls
@@ -83,7 +86,21 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         )
 
 
-def add_to_server(server: RpcServer, servicer: PrefillServicer) -> None:
+def add_to_server(
+    server: RpcServer, servicer: PrefillServicer, *, frontends: Callers | None = None
+) -> None:
+    """Register PrefillService. Prefill takes calls only from `frontends` (checked by the server
+    before the servicer runs; default: this machine) and requests up to a prompt of
+    max_prompt_tokens with its block ids; Info is open."""
+    frontends = frontends or Callers("--frontend")
+    num_blocks = blocks_needed(servicer.max_prompt_tokens, servicer.config.engine.block_size)
+    prefill = uint32s_bytes(servicer.max_prompt_tokens) + uint32s_bytes(num_blocks)
+    policy = Policy(
+        max_request_bytes={"Prefill": prefill + REQUEST_FIELDS_BYTES},
+        callers={"Prefill": frontends},
+    )
     server.add_service(
-        SERVICE_NAME, lambda s: prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, s)
+        SERVICE_NAME,
+        lambda s: prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, s),
+        policy,
     )

@@ -7,6 +7,7 @@ import asyncio
 import logging
 
 from mili import flags
+from mili.rpc.policy import SMALL_REQUESTS_WINDOW_BYTES
 from mili.rpc.server import RpcServer, serve_forever
 from services.tokenizer.server import TokenizerLimits, TokenizerServicer, add_to_server
 from services.tokenizer.tokenizer import ModelTokenizer
@@ -16,7 +17,9 @@ DEFAULT_PORT = 50052
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     flags.add_model_argument(parser)
-    flags.add_server_arguments(parser, DEFAULT_PORT)
+    flags.add_server_arguments(
+        parser, DEFAULT_PORT, receive_window_bytes=SMALL_REQUESTS_WINDOW_BYTES
+    )
     limits = TokenizerLimits()
     parser.add_argument(
         "--max-input-chars",

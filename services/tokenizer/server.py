@@ -11,6 +11,7 @@ import grpc
 from mili.errors import InvalidArgument
 from mili.pb.common.v1 import chat_pb2
 from mili.pb.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from mili.rpc.policy import REQUEST_FIELDS_BYTES, Policy, uint32s_bytes
 from mili.rpc.server import RpcServer
 from mili.text.detokenizer import IncrementalDetokenizer
 from services.tokenizer.chat_template import Message
@@ -24,7 +25,8 @@ class TokenizerLimits:
     # Largest text (or sum of chat message contents) accepted, in characters. Qwen3's 40960-token
     # context is ~160k characters of English; the default leaves room for longer contexts.
     max_input_chars: int = 1_000_000
-    # Most token ids in one Detokenize / DetokenizeStream message.
+    # Most token ids in one Detokenize / DetokenizeStream message, and most messages in a chat
+    # to Tokenize (each renders to a few tokens at least: its role's tags).
     max_token_ids: int = 262_144
 
     def __post_init__(self) -> None:
@@ -48,6 +50,10 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
         self._tokenizer = tokenizer
         self._limits = limits
 
+    @property
+    def limits(self) -> TokenizerLimits:
+        return self._limits
+
     def _check_chars(self, field: str, num_chars: int) -> None:
         if num_chars > self._limits.max_input_chars:
             raise InvalidArgument(
@@ -56,19 +62,20 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
                 f"longer than the limit of {self._limits.max_input_chars} characters",
             )
 
-    def _check_ids(self, token_ids: list[int]) -> None:
-        if len(token_ids) > self._limits.max_token_ids:
+    def _check_count(self, field: str, count: int, what: str) -> None:
+        """Checked on the protobuf container (O(1)), before any item is converted."""
+        if count > self._limits.max_token_ids:
             raise InvalidArgument(
-                "token_ids",
-                f"{len(token_ids)} ids",
-                f"more than the limit of {self._limits.max_token_ids} ids per message",
+                field,
+                f"{count} {what}",
+                f"more than the limit of {self._limits.max_token_ids} {what} per message",
             )
-        self._tokenizer.check_ids(token_ids)
 
     async def Tokenize(
         self, request: tokenizer_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> tokenizer_pb2.TokenizeResponse:
         if request.messages:
+            self._check_count("messages", len(request.messages), "messages")
             if request.text:
                 raise InvalidArgument(
                     "text",
@@ -103,8 +110,9 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
     async def Detokenize(
         self, request: tokenizer_pb2.DetokenizeRequest, context: grpc.aio.ServicerContext
     ) -> tokenizer_pb2.DetokenizeResponse:
+        self._check_count("token_ids", len(request.token_ids), "ids")
         token_ids = list(request.token_ids)
-        self._check_ids(token_ids)
+        self._tokenizer.check_ids(token_ids)
         text = await asyncio.to_thread(
             self._tokenizer.decode, token_ids, request.skip_special_tokens
         )
@@ -122,8 +130,9 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
                 detokenizer = IncrementalDetokenizer(
                     lambda ids, skip=skip: self._tokenizer.decode(ids, skip)  # type: ignore[misc]
                 )
+            self._check_count("token_ids", len(request.token_ids), "ids")
             token_ids = list(request.token_ids)
-            self._check_ids(token_ids)
+            self._tokenizer.check_ids(token_ids)
             text = detokenizer.push(token_ids)
             if request.final:
                 yield tokenizer_pb2.DetokenizeStreamResponse(text=text + detokenizer.flush())
@@ -157,7 +166,22 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
 
 
 def add_to_server(server: RpcServer, servicer: TokenizerServicer) -> None:
+    """Register TokenizerService with its request limits: text (or chat contents) of
+    max_input_chars characters of up to 4 bytes of UTF-8, plus up to max_token_ids chat
+    messages' framing (tags, lengths, a role: under 32 bytes each); max_token_ids ids to
+    detokenize. Info and GetTokenizerFile take a few bytes."""
+    limits = servicer.limits
+    tokenize = 4 * limits.max_input_chars + 32 * limits.max_token_ids
+    detokenize = uint32s_bytes(limits.max_token_ids) + REQUEST_FIELDS_BYTES
+    policy = Policy(
+        max_request_bytes={
+            "Tokenize": tokenize + REQUEST_FIELDS_BYTES,
+            "Detokenize": detokenize,
+            "DetokenizeStream": detokenize,
+        }
+    )
     server.add_service(
         SERVICE_NAME,
         lambda s: tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server(servicer, s),
+        policy,
     )

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import grpc
 import torch
 
-from mili.discovery import PeerSet
+from mili.discovery import Callers
 from mili.engine.generate import generate
 from mili.engine.kv.block_pool import blocks_needed
 from mili.engine.model.fingerprint import model_fingerprint
@@ -52,13 +52,14 @@ class DecodeServerThread:
         config: DecodeConfig,
         *,
         server_config: ServerConfig | None = None,
-        kv_senders: PeerSet | None = None,
+        frontends: Callers | None = None,
+        prefills: Callers | None = None,
     ) -> None:
         self.instance = DecodeInstance.load(config)
         self.instance.start()
         server_config = server_config or ServerConfig(drain_timeout_s=2.0, grace_s=0.5)
         self.server = RpcServer(server_config, name="decode")
-        add_to_server(self.server, self.instance, kv_senders=kv_senders)
+        add_to_server(self.server, self.instance, frontends=frontends, prefills=prefills)
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._loop.run_until_complete, args=(self._main(),))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import grpc
 
-from mili.discovery import PeerSet, parse_targets
+from mili.discovery import Callers, PeerSet, parse_targets
 from mili.engine.engine_config import EngineConfig
 from mili.engine.sampling_params import SamplingParams
 from mili.pb.decode.v1 import decode_pb2
@@ -101,7 +101,7 @@ def test_plaintext_kv_only_from_the_hosts_of_the_prefill_name(
         return records.get(host, ())
 
     senders = PeerSet(parse_targets(["dns:///prefill.mili.test:50053"]), resolve=resolve, retry_s=0)
-    server = DecodeServerThread(_config(tiny_model_dir), kv_senders=senders)
+    server = DecodeServerThread(_config(tiny_model_dir), prefills=Callers("--prefill", senders))
 
     def prefill_moves_here() -> None:  # the prefill pod now runs on our address
         records["prefill.mili.test"] = ("127.0.0.9", "127.0.0.1")
@@ -136,7 +136,8 @@ def test_mtls_kv_only_from_certificates_the_ca_signed(
     server = DecodeServerThread(
         _config(tiny_model_dir),
         server_config=server_config,
-        kv_senders=PeerSet((), is_any=True),  # what serve-decode picks on an mTLS port
+        # what serve-decode picks on an mTLS port
+        prefills=Callers("--prefill", PeerSet((), is_any=True)),
     )
 
     async def body() -> None:

@@ -15,6 +15,7 @@ import pytest
 
 from mili.engine.sampling_params import SamplingParams
 from mili.pb.decode.v1 import decode_pb2
+from mili.pb.kv.v1 import kv_pb2
 from mili.rpc.client import insecure_channel
 from tests.decode.conftest import BLOCK_SIZE
 from tests.decode.harness import Client, PrefillPlayer, blocks_back, random_prompt, sampling
@@ -130,6 +131,7 @@ def test_drain_fails_requests_waiting_for_kv_and_exits_zero(service: ServiceProc
     [
         (["--num-blocks", "0"], "--num-blocks must be > 0"),
         (["--model", "/nonexistent/model"], "/nonexistent/model"),
+        (["--frontend", "decode-0"], "--frontend: 'decode-0' needs a port"),
     ],
 )
 def test_startup_errors_are_one_line(args: list[str], message: str, tiny_model_dir: Path) -> None:
@@ -144,3 +146,43 @@ def test_startup_errors_are_one_line(args: list[str], message: str, tiny_model_d
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
     assert message in result.stderr
+
+
+def test_frontend_and_prefill_flags_name_who_may_admit_and_pair(tiny_model_dir: Path) -> None:
+    """Callers outside --frontend / --prefill (here: not 127.0.0.1) are refused; Info is open."""
+    process = ServiceProcess(
+        "serve-decode",
+        "--model",
+        str(tiny_model_dir),
+        "--port",
+        "0",
+        "--block-size",
+        str(BLOCK_SIZE),
+        "--num-blocks",
+        "24",
+        "--frontend",
+        "127.0.0.9:50051",
+        "--prefill",
+        "127.0.0.9:50053",
+    )
+
+    async def body() -> None:
+        async with insecure_channel(process.address) as channel:
+            client = Client(channel)
+            info = await client.info()
+            request = decode_pb2.GenerateRequest(
+                request_id="r", prompt_token_ids=[5, 6, 7], sampling=sampling(GREEDY)
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await client.generate(request, timeout=10).read()
+            assert caught.value.code() is grpc.StatusCode.PERMISSION_DENIED
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await client.kv.Pair(kv_pb2.PairRequest(host_id="h"), timeout=10)
+            assert caught.value.code() is grpc.StatusCode.PERMISSION_DENIED
+            assert "--prefill 127.0.0.9:50053" in (caught.value.details() or "")
+            assert (await client.info()).num_free_blocks == info.num_free_blocks
+
+    try:
+        asyncio.run(body())
+    finally:
+        assert process.terminate() == 0, process.stderr

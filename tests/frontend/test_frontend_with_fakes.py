@@ -258,3 +258,21 @@ def test_info_reports_limits_and_instances() -> None:
             assert code_of(info.value) == grpc.StatusCode.INVALID_ARGUMENT
 
     asyncio.run(main())
+
+
+def test_a_token_list_longer_than_the_context_is_refused_before_it_is_converted() -> None:
+    """1.5 M ids (7.5 MB as 5-byte ids, under the public limit): refused from its count, in
+    milliseconds, before a tuple of 1.5 M ints is made; nothing reaches the other services."""
+
+    async def main() -> None:
+        async with stack() as s:
+            request = generation_pb2.GenerateRequest(token_ids=[5] * 1_500_000)
+            started = time.monotonic()
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await collect(s.stub.Generate(request, timeout=10))
+            assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+            assert "token_ids: more ids than the context window" in (caught.value.details() or "")
+            assert time.monotonic() - started < 2
+            assert s.decodes[0].requests == [] and s.prefill.requests == []
+
+    asyncio.run(main())

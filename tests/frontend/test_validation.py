@@ -8,11 +8,14 @@ import pytest
 
 from mili.errors import InvalidArgument
 from services.frontend.validation import (
+    MAX_CONTEXT_TOKENS,
     ChatTurn,
+    Counts,
     Limits,
     RequestInput,
     SamplingInput,
     ValidRequest,
+    check_counts,
     check_input_chars,
     check_token_ids,
     fit_context,
@@ -210,3 +213,24 @@ def test_text_over_the_tokenizers_limit_is_refused_before_tokenizing() -> None:
     assert fields_of(info.value) == ["messages"] and "11 characters" in str(info.value)
     check_input_chars(check(RequestInput(prompt="x" * 11)), max_input_chars=0)  # unknown: sent
     check_input_chars(check(RequestInput(token_ids=(1,) * 50)), max_input_chars=10)  # no text
+
+
+def test_lists_longer_than_any_valid_request_are_refused_by_their_counts() -> None:
+    check_counts(Counts(40_960, 40_960, 16, 64), LIMITS, 40_960)  # each at its bound
+    with pytest.raises(InvalidArgument) as caught:
+        check_counts(Counts(1_500_000, 40_961, 17, 65), LIMITS, 40_960)
+    assert fields_of(caught.value) == [
+        "token_ids",
+        "messages",
+        "sampling.stop",
+        "sampling.stop_token_ids",
+    ]
+    descriptions = [v.description for v in caught.value.violations]
+    assert descriptions[0] == (
+        "more ids than the context window of 40960 tokens (got '1500000 items')"
+    )
+    assert "this server's limit of 16" in descriptions[2]
+    # Before any decode instance reported its context: the largest Qwen3's.
+    check_counts(Counts(MAX_CONTEXT_TOKENS, 0, 0, 0), LIMITS, None)
+    with pytest.raises(InvalidArgument, match="262144 tokens"):
+        check_counts(Counts(MAX_CONTEXT_TOKENS + 1, 0, 0, 0), LIMITS, None)

@@ -80,10 +80,12 @@ class PrefillHarness:
 @contextlib.asynccontextmanager
 async def prefill_service(tiny: TinyModel, **config: Any) -> AsyncIterator[PrefillHarness]:
     """A started prefill server; on exit asserts every block is free and nothing is queued.
-    `vocab_size`: the tokenizer's (default: the model's rows)."""
+    `vocab_size`: the tokenizer's (default: the model's rows); `frontends`: who may call
+    Prefill (default: this machine)."""
     # Any destination by default: these tests aim at receivers on ports chosen as they run.
     num_blocks = config.pop("num_blocks", 128)
     vocab_size = config.pop("vocab_size", None)
+    frontends = config.pop("frontends", None)
     settings = {"max_batch_tokens": 64, "allowed_decodes": (ANY_DECODE,), **config}
     prefill_config = PrefillConfig(engine=EngineConfig(block_size=BLOCK_SIZE), **settings)
     runner = ModelRunner.create(tiny.model, num_blocks, BLOCK_SIZE, vocab_size=vocab_size)
@@ -92,7 +94,7 @@ async def prefill_service(tiny: TinyModel, **config: Any) -> AsyncIterator[Prefi
     )
     servicer = PrefillServicer(instance, max_message_bytes=64 << 20)
     server = RpcServer(ServerConfig(drain_timeout_s=2.0, grace_s=0.5), name="prefill")
-    add_to_server(server, servicer)
+    add_to_server(server, servicer, frontends=frontends)
     port = await server.start()
     channel = insecure_channel(f"127.0.0.1:{port}")
     harness = PrefillHarness(servicer, prefill_pb2_grpc.PrefillServiceStub(channel))

@@ -167,6 +167,27 @@ def test_too_many_ids(stub) -> None:
     assert "4097" in description
 
 
+def test_more_messages_than_max_token_ids_are_refused_before_any_is_read(stub) -> None:
+    messages = [chat_pb2.ChatMessage(role="user") for _ in range(4097)]
+    field, description = _invalid(stub.Tokenize, tokenizer_pb2.TokenizeRequest(messages=messages))
+    assert field == "messages"
+    assert "4097 messages" in description and "4096" in description
+
+
+def test_requests_over_their_methods_limit_are_refused_unparsed(stub) -> None:
+    # Detokenize: 4096 ids of 5 bytes and other fields (282,640 B); 300 kB is over it, but
+    # under Tokenize's (20 kB of text, 4096 messages' framing, other fields: 413,216 B), the
+    # largest, which grpc itself enforces from the length prefix.
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.Detokenize(tokenizer_pb2.DetokenizeRequest(token_ids=[100_000] * 100_000))
+    assert caught.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "over its limit of 282640 bytes" in (caught.value.details() or "")
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.Tokenize(tokenizer_pb2.TokenizeRequest(text="x" * 413_217))
+    assert caught.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "larger than max (413221 vs. 413216)" in (caught.value.details() or "")
+
+
 def test_text_and_messages_together(stub) -> None:
     field, _ = _invalid(
         stub.Tokenize,

@@ -1,0 +1,34 @@
+"""A frontend's GenerateStream writes stay within decode's limit for one message: the starts
+and cancels queued since the last write go out in order, in messages of at most
+GENERATE_STREAM_BATCH_BYTES (a start larger than that alone)."""
+
+from __future__ import annotations
+
+from mili.pb.decode.v1 import decode_pb2
+from mili.rpc.policy import GENERATE_STREAM_BATCH_BYTES
+from services.frontend.multiplex import _messages
+
+
+def _start(request_id: str, num_ids: int) -> decode_pb2.StreamedGenerate:
+    request = decode_pb2.GenerateRequest(
+        request_id=request_id, prompt_token_ids=[100_000] * num_ids
+    )
+    return decode_pb2.StreamedGenerate(request=request, timeout_ms=1000)
+
+
+def test_a_usual_write_is_one_message() -> None:
+    starts = [_start(f"r{i}", 128) for i in range(64)]
+    (message,) = _messages(starts, ["r0", "x"])
+    assert list(message.starts) == starts and list(message.cancel_request_ids) == ["r0", "x"]
+
+
+def test_large_writes_are_split_in_order_within_the_limit() -> None:
+    starts = [_start(f"r{i}", 100_000) for i in range(8)]  # ~300 KB each
+    starts.insert(3, _start("alone", 400_000))  # larger than the limit: a message of its own
+    cancels = [f"c{i}" for i in range(1000)]
+    messages = _messages(starts, cancels)
+    assert [s for m in messages for s in m.starts] == starts
+    assert [c for m in messages for c in m.cancel_request_ids] == cancels
+    for m in messages:
+        assert m.ByteSize() <= GENERATE_STREAM_BATCH_BYTES or len(m.starts) == 1, m.ByteSize()
+    assert [len(m.starts) for m in messages] == [3, 1, 3, 2]
