@@ -30,8 +30,8 @@ from mili.discovery import Callers
 
 # Info, health, reflection, Pair: a few short fields.
 SMALL_REQUEST_BYTES = 64 * 1024
-# A request's fields besides its token and block ids: ids, sampling (16 stop strings of 256
-# characters are 16 KB), a KV layout, trace context. Generous: it only has to be a bound.
+# A request's fields besides its token and block ids: request ids, sampling (16 stop strings of
+# 256 characters are 16 KB), a KV layout, trace context. Generous: it only has to be a bound.
 REQUEST_FIELDS_BYTES = 256 * 1024
 
 # The HTTP/2 receive window (per call, fixed: no bandwidth probe) of a service that receives no
@@ -64,9 +64,14 @@ class Policy:
     default_request_bytes: int | None = SMALL_REQUEST_BYTES
 
     def __post_init__(self) -> None:
-        limits = [*self.max_request_bytes.values(), self.default_request_bytes or 1]
+        limits = [*self.max_request_bytes.values()]
+        if self.default_request_bytes is not None:
+            limits.append(self.default_request_bytes)
         if any(limit <= 0 for limit in limits):
-            raise ValueError(f"request limits must be > 0, got {self.max_request_bytes}")
+            raise ValueError(
+                f"request limits must be > 0, got {dict(self.max_request_bytes)} and "
+                f"{self.default_request_bytes} for the others"
+            )
 
     def request_bytes(self, method: str, server_limit: int) -> int:
         """The limit of `method` (a name, "Generate") on a server that receives `server_limit`."""

@@ -328,16 +328,19 @@ class RpcServer:
             raise RuntimeError(f"{self.name}: wait() before start()")
         await self._stopped.wait()
 
-    async def run_until_signal(self) -> None:
+    async def run_until_signal(self, ready: Callable[[], None] = lambda: None) -> None:
         """Drain on SIGTERM or SIGINT; a second signal skips the rest of the drain wait.
 
-        Returns once stopped. Must run in the main thread (asyncio signal handlers).
+        `ready` runs once the signals are handled (serve_forever announces the address there:
+        a launcher that reads it may send SIGTERM at once). Returns once stopped. Must run in
+        the main thread (asyncio signal handlers).
         """
         loop = asyncio.get_running_loop()
         signals = (signal.SIGTERM, signal.SIGINT)
         for signum in signals:
             loop.add_signal_handler(signum, self._on_signal, signum)
         try:
+            ready()
             await self.wait()
             if self._drain_task is not None:
                 await self._drain_task  # re-raise whatever went wrong while draining
@@ -431,9 +434,12 @@ async def serve_forever(
     or SIGINT drain, so the process exits 0.
     """
     await server.start()
-    if server.metrics_url is not None:
-        announce(f"{server.name} metrics on {server.metrics_url}")
-    if server.health_address is not None:
-        announce(f"{server.name} health on {server.health_address}")
-    announce(f"{server.name} service listening on {server.address}")
-    await server.run_until_signal()
+
+    def ready() -> None:
+        if server.metrics_url is not None:
+            announce(f"{server.name} metrics on {server.metrics_url}")
+        if server.health_address is not None:
+            announce(f"{server.name} health on {server.health_address}")
+        announce(f"{server.name} service listening on {server.address}")
+
+    await server.run_until_signal(ready)

@@ -182,6 +182,8 @@ def test_a_service_without_a_policy_takes_anyone_up_to_the_servers_limit() -> No
 def test_policies_refuse_limits_that_are_not_positive() -> None:
     with pytest.raises(ValueError, match="> 0"):
         Policy(max_request_bytes={"Unary": 0})
+    with pytest.raises(ValueError, match="> 0"):
+        Policy(default_request_bytes=0)
     assert Policy().request_bytes("Info", 1 << 20) == SMALL_REQUEST_BYTES
     assert Policy(default_request_bytes=None).request_bytes("Info", 1 << 20) == 1 << 20
     assert Policy(max_request_bytes={"Big": 8 << 20}).request_bytes("Big", 1 << 20) == 1 << 20
