@@ -174,7 +174,9 @@ def add_to_server(
     decode = DecodeServicer(
         instance, is_draining=lambda: server.is_draining, request_metrics=server.request_metrics
     )
-    transfer = KvTransferServicer(instance, senders=kv_senders)
+    transfer = KvTransferServicer(
+        instance, senders=kv_senders, is_draining=lambda: server.is_draining
+    )
     server.add_service(
         DECODE_SERVICE, lambda s: decode_pb2_grpc.add_DecodeServiceServicer_to_server(decode, s)
     )

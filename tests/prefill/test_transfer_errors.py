@@ -234,6 +234,30 @@ def test_caller_cancel_cancels_the_transfer_and_frees_blocks(tiny: TinyModel) ->
     asyncio.run(main())
 
 
+def test_a_failed_compute_aborts_the_transfer_with_our_status(
+    tiny: TinyModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 29: a transfer prefill gives up on ends with an abort message carrying its status,
+    so decode tells it from a sender that died (a stream broken off without one)."""
+
+    def boom(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("the forward failed")
+
+    async def main() -> None:
+        async with prefill_service(tiny) as h, receiver_for(h) as (receiver, server):
+            monkeypatch.setattr(h.servicer.worker.runner, "prefill", boom)
+            receiver.reserve("r", [0, 1, 2])
+            request = prefill_request("r", prompt(tiny), server.address, [0, 1, 2])
+            err = await failed(h.stub.Prefill(request, timeout=10))
+            assert err.code() is grpc.StatusCode.INTERNAL, err.details()
+            assert "the forward failed" in err.details()
+            await until(lambda: receiver.transfers["r"].status != "open")
+            assert receiver.transfers["r"].status == "aborted: INTERNAL"
+            assert "r" not in receiver.reservations
+
+    asyncio.run(main())
+
+
 def test_full_queue_is_resource_exhausted_with_retry_info(tiny: TinyModel) -> None:
     async def main() -> None:
         async with (
