@@ -27,7 +27,12 @@ A chunk is read in place (codec.parse_transfer_request is the method's deseriali
 server.py): its data stays in the bytes grpc delivered, and the scatter is the one copy of it.
 
 Any failure after the header fails the request too: its Generate stream ends with the same
-status and its blocks are freed. So does a stream that breaks off (the sender died). A chunk
+status and its blocks are freed. A sender that gives up on purpose says so (an `abort` message
+in place of the commit): the request fails with the sender's status (CANCELLED, DEADLINE_EXCEEDED,
+RESOURCE_EXHAUSTED; anything else is UNAVAILABLE blaming the sender). A stream that breaks off
+without one is a sender that died: UNAVAILABLE blaming the sender (ErrorInfo PEER_UNAVAILABLE),
+so the frontend does not take this healthy instance out of routing for it; past the call's
+deadline it is DEADLINE_EXCEEDED, and while this instance drains, its own UNAVAILABLE. A chunk
 that fails on a landing thread is seen at once, also while the loop waits for the next message.
 Blocks are freed only after the last landing into them is over (pins, see requests.py).
 """
@@ -38,7 +43,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -46,7 +51,16 @@ import grpc
 from opentelemetry import trace
 
 from mili.arith import ceil_div
-from mili.errors import Cancelled, DataLoss, InvalidArgument, Unavailable
+from mili.errors import (
+    Cancelled,
+    DataLoss,
+    DeadlineExceeded,
+    InvalidArgument,
+    MiliError,
+    PeerUnavailable,
+    ResourceExhausted,
+    Unavailable,
+)
 from mili.kv_handoff.codec import ACCEPTED_KEY, Chunk, ChunkView
 from mili.kv_handoff.transport import answer, receivers
 from mili.pb.kv.v1 import kv_pb2, kv_pb2_grpc
@@ -79,6 +93,47 @@ _LANDING_THREADS = 2  # shared by all transfers: two chunks are checked and copi
 _IN_PLACE_GRACE_S = 2.0
 
 
+_GRPC_CODES = {code.value[0]: code for code in grpc.StatusCode}
+# A sender's abort (TransferAbort) that the request fails with as it is: a status its caller
+# can act on. Any other code (the prefill instance stopping, its compute failing) means the
+# sender could not go on: UNAVAILABLE blaming it, never this instance.
+_ABORTS: dict[grpc.StatusCode, Callable[[str], MiliError]] = {
+    grpc.StatusCode.CANCELLED: Cancelled,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
+}
+
+
+def _aborted(request: DecodeRequest, abort: kv_pb2.TransferAbort, peer: str) -> MiliError:
+    """The error a sender's abort fails the request with (`peer`: the sender, as grpc names
+    it)."""
+    code = _GRPC_CODES.get(abort.code, grpc.StatusCode.UNKNOWN)
+    what = (
+        f"the prefill instance at {peer} gave up the KV transfer of request {request.name}: "
+        f"{code.name}: {abort.message}"
+    )
+    error = _ABORTS.get(code)
+    return PeerUnavailable(what, peer=peer) if error is None else error(what)
+
+
+def _broke_off(request: DecodeRequest, peer: str, *, is_draining: bool, is_late: bool) -> MiliError:
+    """Why a transfer whose call ended without a commit or an abort failed (the call was
+    cancelled under the handler): this instance is stopping, the call's deadline passed, or
+    else the sender went away (its process died, or its connection did)."""
+    if is_draining:
+        return Unavailable(
+            f"the KV transfer of request {request.name} ended: this decode instance is "
+            "stopping; retry the request"
+        )
+    if is_late:
+        return DeadlineExceeded(f"the KV transfer of request {request.name} ran past its deadline")
+    return PeerUnavailable(
+        f"the KV transfer of request {request.name} broke off mid-way (the prefill instance at "
+        f"{peer} went away, or its connection did); retry the request",
+        peer=peer,
+    )
+
+
 def _annotate_span(progress: TransferProgress) -> None:
     """What landed, on the TransferKv server span (a child of prefill's `kv transfer`)."""
     span = trace.get_current_span()
@@ -107,10 +162,13 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
         *,
         landing_threads: int = _LANDING_THREADS,
         max_landing_bytes: int = _MAX_LANDING_BYTES,
+        is_draining: Callable[[], bool] = lambda: False,
     ) -> None:
         """Who may call Pair and TransferKv is the server's check (server.py's policy: the
-        hosts of --prefill), made before either runs."""
+        hosts of --prefill), made before either runs. `is_draining`: whether this instance
+        is stopping (a transfer cancelled then is not the sender's doing)."""
         self._instance = instance
+        self._is_draining = is_draining
         self._layout = convert.layout(instance.layout, instance.fingerprint)
         self._block_bytes = block_bytes(self._layout)
         self._max_landing_bytes = max_landing_bytes
@@ -159,13 +217,14 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
         try:
             return await self._receive(request, header, Reader(messages), context)
         except asyncio.CancelledError:
-            self._fail(
+            remaining_s = context.time_remaining()
+            error = _broke_off(
                 request,
-                Unavailable(
-                    f"the KV transfer of request {request.name} broke off mid-way "
-                    "(the prefill instance went away?); retry the request"
-                ),
+                context.peer(),
+                is_draining=self._is_draining(),
+                is_late=remaining_s is not None and remaining_s <= 0,
             )
+            self._fail(request, error)
             raise
         except BaseException as e:
             self._fail(request, e)
@@ -221,6 +280,8 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
                     return kv_pb2.TransferKvResponse(
                         num_blocks=len(request.received_block_ids), num_bytes=progress.num_bytes
                     )
+                elif kind == "abort":
+                    raise _aborted(request, message.abort, context.peer())
                 else:
                     raise DataLoss(f"request {request.name}: a second header mid-transfer")
             # The stream ended without a commit. A sender that died ends it too, and grpc

@@ -3,9 +3,11 @@ the Prefill handler runs between its two conversions), all awaits: the model run
 worker thread.
 
     destination allowed? (PERMISSION_DENIED before any channel exists) ─▶ pair (pairing.py)
-    ─▶ queue bound (RESOURCE_EXHAUSTED) ─▶ KvSender.run: header, then worker.submit, chunks as
-    layers complete, commit, decode's ack ─▶ finally worker.remove: the prompt's blocks are
-    freed on every path (ack, decode's error, compute error, caller cancelled or deadline passed)
+    ─▶ queue room reserved (RESOURCE_EXHAUSTED, before decode hears of the prompt) ─▶
+    KvSender.run: header, then worker.submit (into the reserved room: no refusal for room after
+    the header), chunks as layers complete, commit, decode's ack ─▶ finally worker.remove: the
+    room and the prompt's blocks are freed on every path (ack, decode's error, compute error,
+    caller cancelled or deadline passed)
 """
 
 from __future__ import annotations
@@ -119,17 +121,17 @@ class KvHandoff:
             encoder_threads=self._num_encoder_threads,
         )
         worker = self.instance.worker
-        # Refuse a full queue (or a request id already here) before opening a stream to
-        # decode; `submit` checks again.
-        worker.check_capacity(task)
-        is_submitted = False
+        # Hold the prompt's queue room before the header goes out to decode (RESOURCE_EXHAUSTED
+        # for a full queue, with no stream opened): once decode has the header, `submit`
+        # cannot refuse the prompt for room. The reservation is ours from here (a request id
+        # already here is refused): `remove` gives it, or the prompt's blocks, back.
+        worker.reserve(task)
         submitted_ns = 0
 
         def submit() -> None:
-            nonlocal is_submitted, submitted_ns
+            nonlocal submitted_ns
             submitted_ns = time.time_ns()
             worker.submit(task, sender)
-            is_submitted = True
 
         try:
             # The stream to decode runs inside this span, so decode's TransferKv joins the
@@ -149,8 +151,7 @@ class KvHandoff:
                     self.layout.num_layers,
                 )
         finally:
-            if is_submitted:  # never remove another call's prompt that has the same id
-                worker.remove(task.request_id)
+            worker.remove(task.request_id)
         _record_compute(len(task.prompt_token_ids), result.first, submitted_ns)
         self.instance.metrics.record_transfer(result.kv_bytes, result.transfer_ms / 1e3)
         return result

@@ -131,7 +131,9 @@ class Scheduler:
         self._waiting: OrderedDict[str, _Prompt] = OrderedDict()
         self._running: OrderedDict[str, _Prompt] = OrderedDict()  # admitted, chunks to go
         self._computed: dict[str, _Prompt] = {}  # all KV computed, blocks held until removed
-        self.num_queued_tokens = 0  # tokens of every prompt added and not yet removed
+        # Queue room held by `reserve` for a prompt not added yet: request id -> its tokens.
+        self._reserved: dict[str, int] = {}
+        self.num_queued_tokens = 0  # tokens of every prompt reserved or added, not yet removed
 
     # ---- chunk plan --------------------------------------------------------------------------
 
@@ -158,6 +160,17 @@ class Scheduler:
 
     # ---- queue -------------------------------------------------------------------------------
 
+    def reserve(
+        self, request_id: str, num_tokens: int, *, retry_after_s: float | None = None
+    ) -> None:
+        """Hold queue room for a prompt that `add` queues later, raising now what `add` would
+        (RESOURCE_EXHAUSTED, InvalidArgument): once reserved, `add` cannot refuse it. Prefill
+        reserves before the transfer's header goes out to decode, so a full queue is refused
+        before decode hears of the prompt. `remove` gives the room back on every path."""
+        self.check(request_id, num_tokens, retry_after_s=retry_after_s)
+        self._reserved[request_id] = num_tokens
+        self.num_queued_tokens += num_tokens
+
     def add(
         self,
         request_id: str,
@@ -166,18 +179,26 @@ class Scheduler:
         prompt_token_ids: Sequence[int] | None = None,
         retry_after_s: float | None = None,
     ) -> None:
-        """Queue a prompt; RESOURCE_EXHAUSTED when the queued tokens would pass the bound.
+        """Queue a prompt; RESOURCE_EXHAUSTED when the queued tokens would pass the bound,
+        unless `reserve` held its room (then it is queued without a second check).
 
         With `prompt_token_ids` (len == num_tokens) the prompt may reuse cached blocks.
         """
-        self.check(request_id, num_tokens, retry_after_s=retry_after_s)
         if prompt_token_ids is not None and len(prompt_token_ids) != num_tokens:
             raise ValueError(f"{len(prompt_token_ids)} prompt token ids for {num_tokens} tokens")
+        reserved = self._reserved.get(request_id)
+        if reserved is None:
+            self.check(request_id, num_tokens, retry_after_s=retry_after_s)
+        elif reserved != num_tokens:
+            raise ValueError(f"{num_tokens} tokens added for {reserved} reserved")
         keys = None
         if prompt_token_ids is not None and self.prefix_cache.enabled:
             keys = self.prefix_cache.keys(prompt_token_ids)
         self._waiting[request_id] = _Prompt(request_id, num_tokens, block_keys=keys)
-        self.num_queued_tokens += num_tokens
+        if reserved is None:
+            self.num_queued_tokens += num_tokens
+        else:
+            del self._reserved[request_id]  # its tokens are counted already
 
     def check(
         self, request_id: str, num_tokens: int, *, retry_after_s: float | None = None
@@ -200,11 +221,16 @@ class Scheduler:
             )
 
     def remove(self, request_id: str) -> bool:
-        """Forget a prompt in any state and free its blocks; False when it was not here.
+        """Forget a prompt in any state (reserved included) and free its blocks; False when it
+        was not here.
 
         Safe while a step holding one of its chunks is computing: freed blocks are handed out
         again only by the next `schedule`, which the worker calls after that step ended.
         """
+        reserved = self._reserved.pop(request_id, None)
+        if reserved is not None:  # reserved, never added
+            self.num_queued_tokens -= reserved
+            return True
         prompt = (
             self._waiting.pop(request_id, None)
             or self._running.pop(request_id, None)
@@ -219,9 +245,10 @@ class Scheduler:
 
     def __contains__(self, request_id: object) -> bool:
         return (
-            request_id in self._waiting
+            request_id in self._reserved
+            or request_id in self._waiting
             or request_id in self._running
-            or (request_id in self._computed)
+            or request_id in self._computed
         )
 
     @property

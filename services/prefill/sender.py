@@ -11,7 +11,10 @@ The header goes out as soon as `run` starts, before the prompt's first forward, 
 the layout and its reservation while we compute; each layer's chunk follows as the layer
 completes. Decode's verdict ends the transfer at any point: the call's done-callback wakes the
 loop, so a rejection is seen even while we wait for compute. Errors come back as domain errors
-with decode's code and a message naming its address.
+with decode's code and a message naming its address. A transfer we give up on ourselves (the
+compute failed, the instance is stopping, our caller cancelled) ends with an `abort` message
+carrying our status before the call is cancelled: decode then fails the request with it, and
+tells it from a sender that died (a stream broken off without one).
 
 In-place transports (shm, cuda-ipc) write into decode's blocks themselves: the first write waits
 for decode's acceptance of the header (codec.ACCEPTED_KEY in its initial metadata), which
@@ -48,7 +51,7 @@ from mili.kv_handoff.codec import ACCEPTED_KEY, batch_in_place
 from mili.pb.common.v1 import sampling_pb2
 from mili.pb.kv.v1 import kv_pb2
 from mili.rpc.sampling import logprobs_to_proto
-from mili.rpc.status import server_status_of
+from mili.rpc.status import code_of, server_status_of
 from services.prefill.pairing import GRPC_PAIRING, Pairing
 from services.prefill.task import FirstToken, PrefillTask
 
@@ -86,6 +89,9 @@ _MAX_ENCODING = 3
 # message when they queue up (TransferKvRequest.chunks). There a bound counts encoder jobs,
 # each of one chunk or of a share of a backlog (see `_stream`).
 _MAX_ENCODING_IN_PLACE = 8
+# How long a transfer we give up on waits for decode to answer its abort before the call is
+# cancelled (decode answers at once; one that stopped reading does not delay us longer).
+_ABORT_ANSWER_S = 0.5
 
 # Decode's status -> the error our caller gets (same code; anything unexpected reads as decode
 # being unusable, which the frontend handles by trying another instance).
@@ -170,8 +176,9 @@ class KvSender:
         to the worker), stream its chunks and the commit; return once decode acknowledged.
 
         Raises a MiliError carrying decode's status code (UNAVAILABLE when it is unreachable or
-        went away), or what `start_compute` or the worker failed with. Cancelling `run` cancels
-        the call, which tells decode to drop the reservation.
+        went away), or what `start_compute` or the worker failed with. Cancelling `run` ends
+        the call too. Either way, once the header is out, decode is told first (`_abort`) and
+        fails the request with our status, freeing its blocks.
         """
         transfer_kv = self._channel.stream_unary(
             _TRANSFER_KV, response_deserializer=kv_pb2.TransferKvResponse.FromString
@@ -189,14 +196,21 @@ class KvSender:
             transport=pairing.transport,
             checksum=pairing.checksum,
         )
+        is_open = False  # the header is out: decode holds the request for this call
         try:
             # The header is on the wire before the prompt can reach a forward: decode checks
             # the layout and its reservation while we compute.
             await self._write(call, kv_pb2.TransferKvRequest(header=header).SerializeToString())
+            is_open = True
             start_compute()
             return await self._stream(call)
         except grpc.aio.AioRpcError as err:
             raise self._error(err) from None
+        except BaseException as exc:
+            self._is_closed = True  # no more writes into decode's blocks, even while we abort
+            if is_open and not call.done():  # we give up, decode did not: tell it why
+                await self._abort(call, exc)
+            raise
         finally:
             self._is_closed = True
             while not self._queue.empty():  # handed over, never sent: let their memory go
@@ -327,6 +341,26 @@ class KvSender:
             blocks.v,
             self._pairing.checksum,
         )
+
+    async def _abort(self, call: grpc.aio.StreamUnaryCall, exc: BaseException) -> None:
+        """End the transfer on purpose: an abort message with our status for the request (what
+        `exc` maps to; CANCELLED when our caller cancelled), then the end of our side, and
+        decode's answer awaited for at most _ABORT_ANSWER_S. Without the message decode could
+        not tell us giving up from our process dying (its connection breaking off)."""
+        if isinstance(exc, asyncio.CancelledError):
+            code = grpc.StatusCode.CANCELLED
+            why = f"prefill's caller cancelled request {self._task.name} (or its deadline passed)"
+        else:
+            code = code_of(exc)
+            why = str(exc) or type(exc).__name__
+        abort = kv_pb2.TransferAbort(code=code.value[0], message=why)
+        # Exception: the call ended meanwhile, or decode did not answer in time (TimeoutError);
+        # either way `run` cancels the call next. A second cancel of our task goes through.
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(_ABORT_ANSWER_S):
+                await call.write(kv_pb2.TransferKvRequest(abort=abort).SerializeToString())
+                await call.done_writing()
+                await call  # decode's status for the aborted request: ours, not news
 
     async def _accepted(self, call: grpc.aio.StreamUnaryCall) -> None:
         """Wait until decode accepted the header of an in-place transfer (codec.ACCEPTED_KEY):

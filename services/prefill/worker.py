@@ -114,15 +114,20 @@ class PrefillWorker:
         if self._thread.is_alive():
             self._thread.join(timeout_s)
 
-    def check_capacity(self, task: PrefillTask) -> None:
-        """Raise what `submit` would for a full queue or a duplicate id, queueing nothing."""
+    def reserve(self, task: PrefillTask) -> None:
+        """Hold queue room for `task` (Scheduler.reserve): ResourceExhausted for a full queue,
+        InvalidArgument for a request id already here, nothing held then. Once it returns,
+        `submit` cannot refuse the prompt for room; `remove` gives the room back."""
         with self._cond:
-            self._scheduler.check(
+            if self._is_stopping:
+                raise Unavailable("prefill instance is shutting down; retry elsewhere")
+            self._scheduler.reserve(
                 task.request_id, len(task.prompt_token_ids), retry_after_s=self._retry_after_s()
             )
 
     def submit(self, task: PrefillTask, sink: KvSink) -> None:
-        """Queue a prompt; raises ResourceExhausted when the queue is full (nothing queued)."""
+        """Queue a prompt, into the room `reserve` held for it (without a reservation:
+        ResourceExhausted when the queue is full, nothing queued)."""
         with self._cond:
             if self._is_stopping:
                 raise Unavailable("prefill instance is shutting down; retry elsewhere")
@@ -136,7 +141,8 @@ class PrefillWorker:
             self._cond.notify()
 
     def remove(self, request_id: str) -> None:
-        """The request ended (any way): stop computing it and free its blocks. Idempotent."""
+        """The request ended (any way): stop computing it and free its blocks (or the room it
+        reserved). Idempotent."""
         with self._cond:
             if self._forget(request_id):
                 self._cond.notify()  # freed blocks may admit a waiting prompt

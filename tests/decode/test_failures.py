@@ -17,7 +17,7 @@ from mili.pb.common.v1 import sampling_pb2
 from mili.pb.decode.v1 import decode_pb2
 from mili.pb.kv.v1 import kv_pb2
 from mili.rpc.client import insecure_channel
-from mili.rpc.status import bad_request_of, retry_info_of
+from mili.rpc.status import bad_request_of, retry_info_of, unavailable_peer_of
 from tests.decode.conftest import BLOCK_SIZE, NUM_BLOCKS
 from tests.decode.harness import (
     Client,
@@ -263,6 +263,42 @@ def test_sender_dying_mid_transfer_fails_request_and_frees_blocks(
         transfer.cancel()  # the stream breaks as if the prefill process died
         err = await expect_error(call.read(), Code.UNAVAILABLE)
         assert "broke off" in err.details()
+        # The sender is to blame, not this instance: the frontend keeps routing to it.
+        assert unavailable_peer_of(err) is not None
+
+    run(decode_server, body)
+
+
+# a sender's abort code -> the request's status, and whether that blames the sender
+ABORTS = {
+    "resource-exhausted": (Code.RESOURCE_EXHAUSTED, Code.RESOURCE_EXHAUSTED, False),
+    "cancelled": (Code.CANCELLED, Code.CANCELLED, False),
+    "prefill-stopping": (Code.UNAVAILABLE, Code.UNAVAILABLE, True),
+    "compute-failed": (Code.INTERNAL, Code.UNAVAILABLE, True),
+}
+
+
+@pytest.mark.parametrize("case", list(ABORTS))
+def test_a_sender_giving_up_on_purpose_fails_the_request_with_its_status(
+    decode_server: DecodeServerThread, player: PrefillPlayer, case: str
+) -> None:
+    """Issue 29: a sender that cancels its transfer says so (an abort message), and the request
+    fails with the sender's status, not as a sender that died."""
+    sent, expected, blames_sender = ABORTS[case]
+    prompt = random_prompt(20, player.vocab_size, seed=5)
+    request_id = f"sender-aborts-{case}"
+
+    async def body(client: Client) -> None:
+        call, block_ids = await client.admit(generate_request(request_id, prompt, LONG))
+        prefilled = await asyncio.to_thread(player.prefill, prompt, LONG)
+        header, chunk = player.messages(request_id, prompt, block_ids, prefilled)[:2]
+        abort = kv_pb2.TransferAbort(code=sent.value[0], message="prefill queue is full")
+        messages = [header, chunk, kv_pb2.TransferKvRequest(abort=abort)]
+        await expect_error(client.kv.TransferKv(iter(messages), timeout=10), expected)
+        err = await expect_error(call.read(), expected)
+        assert "gave up the KV transfer" in err.details()
+        assert f"{sent.name}: prefill queue is full" in err.details()
+        assert (unavailable_peer_of(err) is not None) is blames_sender
 
     run(decode_server, body)
 

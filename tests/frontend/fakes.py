@@ -5,7 +5,8 @@ Fake tokenizer: one token per printable ASCII character, id = ord(c) - 32 (vocab
 its tokenizer file (what the frontend detokenizes with) says the same.
 Fake decode: admits with blocks [1, 2], waits for the fake prefill's "transfer" (an event), then
 streams `script` (lists of token ids, one Tokens event each) and finishes with LENGTH, unless
-`full` (RESOURCE_EXHAUSTED) or `fail_after` (UNAVAILABLE after that many events). With
+`full` (RESOURCE_EXHAUSTED) or `fail_after` (UNAVAILABLE after that many events), or the fake
+prefill failed the transfer (`transfer_error`, the error real decode reports then). With
 `max_running` it holds that many reservations at most (more: RESOURCE_EXHAUSTED with RetryInfo,
 as a real decode instance out of blocks or batch places); `hold`, when given, keeps every
 admitted request from streaming until it is set. Its GenerateStream (what the frontend calls)
@@ -109,6 +110,7 @@ class FakeDecode(decode_pb2_grpc.DecodeServiceServicer):
     hold: asyncio.Event | None = None
     admitted: list[str] = field(default_factory=list)  # prompts admitted, in order
     num_reserved: int = 0  # requests admitted and not ended: their blocks are held
+    transfer_error: Exception | None = None  # set with kv_landed: the transfer failed
 
     async def Generate(self, request: Any, context: Any) -> AsyncIterator[Any]:
         self.requests.append(request)
@@ -129,6 +131,8 @@ class FakeDecode(decode_pb2_grpc.DecodeServiceServicer):
             await self.kv_landed.wait()
             if self.hold is not None:
                 await self.hold.wait()
+            if self.transfer_error is not None:
+                raise self.transfer_error
             for i, token_ids in enumerate(self.script):
                 if self.fail_after is not None and i >= self.fail_after:
                     raise errors.Unavailable("fake decode lost its device")
@@ -202,6 +206,8 @@ class FakePrefill(prefill_pb2_grpc.PrefillServiceServicer):
     decodes: dict[str, FakeDecode] = field(default_factory=dict)  # by address, to "transfer"
     kv_layout: kv_pb2.KvLayout = field(default_factory=layout)
     error: Exception | None = None
+    # With `error`: the error decode reports for the broken transfer, before ours arrives
+    decode_error: Exception | None = None
     requests: list[Any] = field(default_factory=list)
     max_running: int | None = None
     hold: asyncio.Event | None = None
@@ -217,6 +223,11 @@ class FakePrefill(prefill_pb2_grpc.PrefillServiceServicer):
             if self.hold is not None:
                 await self.hold.wait()
             if self.error is not None:
+                if self.decode_error is not None:
+                    decode = self.decodes[request.destination.address]
+                    decode.transfer_error = self.decode_error
+                    decode.kv_landed.set()
+                    await asyncio.sleep(0.1)  # decode's error reaches the frontend first
                 raise self.error
             self.decodes[request.destination.address].kv_landed.set()
             return prefill_pb2.PrefillResponse(

@@ -19,6 +19,7 @@ from tests.frontend.fakes import (
     FakeDecode,
     FakePrefill,
     FakeTokenizer,
+    Stack,
     code_of,
     collect,
     ids,
@@ -161,6 +162,82 @@ def test_prefill_failure_fails_the_request_at_once_and_releases_decode() -> None
             assert "prefill at" in info.value.details()
             assert "fake prefill crashed" in info.value.details()
             await wait_until(lambda: s.decodes[0].num_closed == 1)
+
+    asyncio.run(main())
+
+
+def _record_marked_down(s: Stack) -> list[str]:
+    """The addresses the frontend takes out of routing from now on (Router.mark_down)."""
+    marked: list[str] = []
+    router = s.backends.router
+    mark_down = router.mark_down
+
+    def record(address: str) -> None:
+        marked.append(address)
+        mark_down(address)
+
+    router.mark_down = record  # type: ignore[method-assign]
+    return marked
+
+
+def test_a_full_prefill_is_resource_exhausted_and_takes_no_instance_down() -> None:
+    """Issue 29: prefill refuses a prompt for room before any KV moves; with no admission
+    queue to wait in (--max-queued-requests 0) the caller gets RESOURCE_EXHAUSTED, decode's
+    reservation is released, and both instances stay routable with what the prefix index
+    knows of them. (With a queue the request waits instead: test_queue_with_fakes.py.)"""
+
+    async def main() -> None:
+        full = errors.ResourceExhausted("prefill queue is full", retry_after_s=0.5)
+        async with stack(prefill=FakePrefill(error=full), max_queued_requests=0) as s:
+            decode_address = s.backends.config.decode_addresses[0]
+            prefill_address = s.backends.config.prefill_addresses[0]
+            router = s.backends.router
+            held = router.prefix_index.keys(ids("x" * 40))  # what decode is known to hold
+            router.prefix_index.record(decode_address, held, time.monotonic())
+            marked = _record_marked_down(s)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await collect(s.stub.Generate(prompt(), timeout=5))
+            assert code_of(info.value) == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "prefill queue is full" in info.value.details()
+            retry = retry_info_of(info.value)
+            assert retry is not None and retry.retry_delay.ToNanoseconds() == 500_000_000
+            await wait_until(lambda: s.decodes[0].num_closed == 1)  # its blocks go back
+            assert marked == []
+            assert router.decodes[decode_address].is_up
+            assert router.prefills[prefill_address].is_up
+            assert router.prefix_index.matches(held, time.monotonic()) == {decode_address: 2}
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    "decode_error",
+    [
+        # prefill gave up on purpose (TransferAbort): decode fails the request with its status
+        errors.ResourceExhausted("prefill gave up: queue full"),
+        # prefill's stream broke off: decode blames it (ErrorInfo PEER_UNAVAILABLE)
+        errors.PeerUnavailable("the KV transfer broke off", peer="p"),
+    ],
+    ids=["aborted", "broke-off"],
+)
+def test_decode_failing_for_its_prefill_is_not_taken_down(decode_error: Exception) -> None:
+    """Decode reports a transfer its prefill ended before prefill's own error arrives: the
+    request fails with prefill's answer (the cause; the frontend waits for it), and decode,
+    which is fine, stays in routing."""
+
+    async def main() -> None:
+        prefill = FakePrefill(
+            error=errors.ResourceExhausted("prefill queue is full"), decode_error=decode_error
+        )
+        async with stack(prefill=prefill) as s:
+            marked = _record_marked_down(s)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await collect(s.stub.Generate(prompt(), timeout=5))
+            assert code_of(info.value) == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "prefill at" in info.value.details(), info.value.details()
+            await asyncio.sleep(0.15)  # prefill's own error arrives too
+            assert marked == []
+            assert all(member.is_up for member in s.backends.router.decodes.values())
 
     asyncio.run(main())
 

@@ -43,7 +43,8 @@ class Transfer:
     header: kv_pb2.TransferHeader
     chunks: list[Arrival] = field(default_factory=list)
     commit: kv_pb2.TransferCommit | None = None
-    status: str = "open"  # "open", "ok", an error code name, or "cancelled"
+    # "open", "ok", an error code name, "cancelled", or "aborted: CODE" (the sender's abort)
+    status: str = "open"
 
 
 class KvReceiver(kv_pb2_grpc.KvTransferServiceServicer):
@@ -127,6 +128,11 @@ class KvReceiver(kv_pb2_grpc.KvTransferServiceServicer):
                     num_blocks=-(-header.num_tokens // self.layout.block_size),
                     num_bytes=num_bytes,
                 )
+            if kind == "abort":  # the sender gave up on purpose: its status ends the call
+                code = _CODES[message.abort.code]
+                transfer.status = f"aborted: {code.name}"
+                self.reservations.pop(header.request_id, None)
+                await _abort(context, code, message.abort.message)
             if kind != "chunk":
                 await fail(grpc.StatusCode.DATA_LOSS, f"unexpected {kind} message")
             chunk = message.chunk
@@ -157,6 +163,9 @@ class KvReceiver(kv_pb2_grpc.KvTransferServiceServicer):
                 await self.resume.wait()
         await fail(grpc.StatusCode.DATA_LOSS, "stream ended without a commit")
         raise AssertionError("unreachable")
+
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
 async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:

@@ -161,6 +161,37 @@ def test_queue_bound_counts_queued_computing_and_transferring_tokens() -> None:
     s.add("b", 9)
 
 
+def test_reserved_room_counts_against_the_bound_and_add_cannot_refuse_it() -> None:
+    # The race of issue 29: two prompts checked against a bound just above one of them, both
+    # headers out to decode, then the second refused. Reserving takes the room at the check.
+    s = make(max_queued=12)
+    s.reserve("a", 10)
+    assert s.num_queued_tokens == 10 and "a" in s
+    with pytest.raises(ResourceExhausted, match="10 prompt tokens queued"):
+        s.reserve("b", 10)
+    with pytest.raises(InvalidArgument, match="already being prefilled"):
+        s.reserve("a", 1)
+    assert s.schedule() is None  # reserved room is not a prompt to compute
+    s.add("a", 10, prompt_token_ids=list(range(10)))  # into its room: no second check
+    assert s.num_queued_tokens == 10 and s.num_waiting == 1
+    assert plan(s.schedule()) == [("a", 0, 10)]
+
+
+def test_removing_a_reservation_gives_its_room_back() -> None:
+    s = make(max_queued=12)
+    s.reserve("a", 10)
+    assert s.remove("a")
+    assert s.num_queued_tokens == 0 and "a" not in s
+    assert not s.remove("a")
+    s.reserve("b", 12)
+    with pytest.raises(ValueError, match="11 tokens added for 12 reserved"):
+        s.add("b", 11)
+    assert s.num_queued_tokens == 12  # the reservation stands
+    s.add("b", 12)
+    assert s.remove("b")
+    assert s.num_queued_tokens == 0
+
+
 def test_prompts_that_can_never_fit_and_duplicates_are_invalid() -> None:
     s = make(num_blocks=4, max_queued=100)  # the pool holds 16 tokens
     assert s.max_prompt_tokens() == 16

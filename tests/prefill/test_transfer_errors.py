@@ -11,6 +11,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -233,6 +234,30 @@ def test_caller_cancel_cancels_the_transfer_and_frees_blocks(tiny: TinyModel) ->
     asyncio.run(main())
 
 
+def test_a_failed_compute_aborts_the_transfer_with_our_status(
+    tiny: TinyModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 29: a transfer prefill gives up on ends with an abort message carrying its status,
+    so decode tells it from a sender that died (a stream broken off without one)."""
+
+    def boom(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("the forward failed")
+
+    async def main() -> None:
+        async with prefill_service(tiny) as h, receiver_for(h) as (receiver, server):
+            monkeypatch.setattr(h.servicer.worker.runner, "prefill", boom)
+            receiver.reserve("r", [0, 1, 2])
+            request = prefill_request("r", prompt(tiny), server.address, [0, 1, 2])
+            err = await failed(h.stub.Prefill(request, timeout=10))
+            assert err.code() is grpc.StatusCode.INTERNAL, err.details()
+            assert "the forward failed" in err.details()
+            await until(lambda: receiver.transfers["r"].status != "open")
+            assert receiver.transfers["r"].status == "aborted: INTERNAL"
+            assert "r" not in receiver.reservations
+
+    asyncio.run(main())
+
+
 def test_full_queue_is_resource_exhausted_with_retry_info(tiny: TinyModel) -> None:
     async def main() -> None:
         async with (
@@ -259,6 +284,60 @@ def test_full_queue_is_resource_exhausted_with_retry_info(tiny: TinyModel) -> No
             receiver.hold_ack.set()
             await first
             await h.stub.Prefill(second)  # room again
+
+    asyncio.run(main())
+
+
+def test_prompts_racing_for_the_last_room_are_refused_before_any_header(
+    tiny: TinyModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 29: two prompts at once against a bound just above one of them. The one refused
+    is refused before its transfer opens (queue room is reserved with the check), never by a
+    submit after decode got its header (decode would report a sender that broke off)."""
+
+    async def main() -> None:
+        async with (
+            prefill_service(tiny, max_queued_tokens=64) as h,
+            receiver_for(h) as (receiver, server),
+        ):
+            receiver.reserve("a", [0, 1, 2])
+            receiver.reserve("b", [3, 4, 5])
+            receiver.hold_ack.clear()  # the winner's room stays held until decode acks
+            # Both calls past pairing together, so both reach the queue bound before either
+            # has submitted (before the fix both passed the check and sent their header).
+            peers = h.servicer.peers
+            pair, arrived = peers.pair, asyncio.Barrier(2)
+
+            async def pair_together(address: str) -> Any:
+                await arrived.wait()
+                return await pair(address)
+
+            peers.pair = pair_together  # type: ignore[method-assign]
+            opened: list[str] = []  # the transfers started (each sends its header first)
+            run = KvSender.run
+
+            async def run_recorded(sender: KvSender, start_compute: Any) -> Any:
+                opened.append(sender._task.request_id)
+                return await run(sender, start_compute)
+
+            monkeypatch.setattr(KvSender, "run", run_recorded)
+            calls = {
+                rid: asyncio.ensure_future(
+                    h.stub.Prefill(
+                        prefill_request(rid, prompt(tiny, seed=seed), server.address, ids)
+                    )
+                )
+                for rid, seed, ids in (("a", 1, [0, 1, 2]), ("b", 2, [3, 4, 5]))
+            }
+            done, _ = await asyncio.wait(calls.values(), return_when=asyncio.FIRST_COMPLETED)
+            (refused,) = [rid for rid, call in calls.items() if call in done]
+            err = await failed(calls[refused])
+            assert err.code() is grpc.StatusCode.RESOURCE_EXHAUSTED, err.details()
+            assert refused not in opened  # decode never heard of it
+            (winner,) = set(calls) - {refused}
+            receiver.hold_ack.set()
+            assert (await calls[winner]).num_prompt_tokens == 40
+            assert opened == [winner] and list(receiver.transfers) == [winner]
 
     asyncio.run(main())
 

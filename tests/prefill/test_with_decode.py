@@ -9,6 +9,7 @@ import asyncio
 import signal
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import grpc
 import pytest
@@ -187,6 +188,88 @@ def test_second_turn_sends_only_the_blocks_decode_lacks(
             info = (await prefill.stub.Info(prefill_pb2.InfoRequest())).prefix_cache
             assert (info.hit_tokens, info.query_tokens) == (2 * BLOCK_SIZE, 123)
             assert info.enabled and info.num_cached_blocks == 5  # turn 2's full blocks, 2 shared
+
+    try:
+        asyncio.run(main())
+    except grpc.aio.AioRpcError as err:  # pragma: no cover - shows decode's log on failure
+        raise AssertionError(f"{err.code().name}: {err.details()}\n{decode.stderr}") from err
+
+
+def test_a_prompt_refused_for_prefill_room_leaves_decode_waiting_and_whole(
+    tiny: TinyModel, decode: ServiceProcess
+) -> None:
+    """Issue 29 against real decode: two prompts at once on a prefill with queue room for one.
+    The one refused is RESOURCE_EXHAUSTED before any KV moves, so decode's request is not
+    failed as if prefill had gone away: it waits for its KV until its caller cancels it, and
+    then decode's blocks all come back. The other prompt generates."""
+    vocab = tiny.model.config.vocab_size
+    prompts = {"room-a": random_ids(40, vocab, seed=501), "room-b": random_ids(40, vocab, seed=502)}
+    sampling = sampling_pb2.SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+    async def main() -> None:
+        async with (
+            prefill_service(tiny, max_queued_tokens=64) as prefill,
+            insecure_channel(decode.address) as channel,
+        ):
+            stub = decode_pb2_grpc.DecodeServiceStub(channel)
+            before = await stub.Info(decode_pb2.InfoRequest())
+            streams, requests = {}, {}
+            for rid, prompt in prompts.items():
+                streams[rid] = stub.Generate(
+                    decode_pb2.GenerateRequest(
+                        request_id=rid,
+                        prompt_token_ids=prompt,
+                        sampling=sampling,
+                        prefill_layout=prefill.servicer.layout,
+                    ),
+                    timeout=60,
+                )
+                admitted = (await streams[rid].read()).admitted
+                requests[rid] = prefill_request(
+                    rid,
+                    prompt,
+                    decode.address,
+                    list(admitted.prompt_block_ids),
+                    admitted.transfer_token,
+                )
+            # Both calls past pairing together: both reach the queue bound before either has
+            # submitted its prompt.
+            peers = prefill.servicer.peers
+            pair, arrived = peers.pair, asyncio.Barrier(2)
+
+            async def pair_together(address: str) -> Any:
+                await arrived.wait()
+                return await pair(address)
+
+            peers.pair = pair_together  # type: ignore[method-assign]
+            results = await asyncio.gather(
+                *(prefill.stub.Prefill(r, timeout=30) for r in requests.values()),
+                return_exceptions=True,
+            )
+            outcomes = dict(zip(requests, results, strict=True))
+            (refused,) = [r for r, o in outcomes.items() if isinstance(o, grpc.aio.AioRpcError)]
+            error = outcomes[refused]
+            assert isinstance(error, grpc.aio.AioRpcError)
+            assert error.code() is grpc.StatusCode.RESOURCE_EXHAUSTED, error.details()
+            (winner,) = set(prompts) - {refused}
+            tokens = []
+            while (event := await streams[winner].read()) is not grpc.aio.EOF:
+                tokens.extend(event.tokens.token_ids)
+            assert len(tokens) == 4
+            # decode heard nothing of the refused prompt's KV: it still waits, no error
+            waiting = asyncio.ensure_future(streams[refused].read())
+            done, _ = await asyncio.wait({waiting}, timeout=0.3)
+            assert not done
+            streams[refused].cancel()  # what the frontend does with prefill's refusal
+            await asyncio.wait({waiting}, timeout=5)
+            if waiting.done() and not waiting.cancelled():
+                waiting.exception()  # retrieved: the read ends with the cancelled call
+            deadline = time.monotonic() + 5
+            while (await stub.Info(decode_pb2.InfoRequest())).num_free_blocks != (
+                before.num_free_blocks
+            ):
+                assert time.monotonic() < deadline, "decode's blocks did not come back"
+                await asyncio.sleep(0.05)
 
     try:
         asyncio.run(main())

@@ -56,16 +56,26 @@ class KvLayout(_message.Message):
     def __init__(self, block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., block_order: _Optional[str] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
 
 class TransferKvRequest(_message.Message):
-    __slots__ = ("header", "chunk", "commit", "chunks")
+    __slots__ = ("header", "chunk", "commit", "chunks", "abort")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    ABORT_FIELD_NUMBER: _ClassVar[int]
     header: TransferHeader
     chunk: KvChunk
     commit: TransferCommit
     chunks: KvChunks
-    def __init__(self, header: _Optional[_Union[TransferHeader, _Mapping]] = ..., chunk: _Optional[_Union[KvChunk, _Mapping]] = ..., commit: _Optional[_Union[TransferCommit, _Mapping]] = ..., chunks: _Optional[_Union[KvChunks, _Mapping]] = ...) -> None: ...
+    abort: TransferAbort
+    def __init__(self, header: _Optional[_Union[TransferHeader, _Mapping]] = ..., chunk: _Optional[_Union[KvChunk, _Mapping]] = ..., commit: _Optional[_Union[TransferCommit, _Mapping]] = ..., chunks: _Optional[_Union[KvChunks, _Mapping]] = ..., abort: _Optional[_Union[TransferAbort, _Mapping]] = ...) -> None: ...
+
+class TransferAbort(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class KvChunks(_message.Message):
     __slots__ = ("chunks",)

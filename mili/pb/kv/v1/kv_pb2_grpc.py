@@ -57,7 +57,8 @@ class KvTransferServiceServicer:
 
     def TransferKv(self, request_iterator, context):
         """Streams one request's prompt KV into the blocks the decode instance reserved for it: one
-        header, then chunks (typically one per layer, sent as each layer finishes), then one commit.
+        header, then chunks (typically one per layer, sent as each layer finishes), then one commit
+        (or an abort, when the sender gives up on purpose).
         Returns once every chunk has landed. Errors: NOT_FOUND when the decode instance holds no
         reservation for the request (it expired or was cancelled), FAILED_PRECONDITION when the
         layouts differ (both are named), DATA_LOSS for a chunk that is corrupt, short, duplicated or
