@@ -235,6 +235,7 @@ def bench_args(
         token_id_range=TOKEN_ID_RANGE,
         seed=seed,
         timeout=600.0,
+        max_retries=0,  # a measurement: a refused request is an error, not a retry
     )
 
 

@@ -197,7 +197,7 @@ def _kv_of(
     while time.monotonic() < deadline:
         for line in reversed(frontend.stderr_lines):
             match = _DONE.search(line)
-            if match and match.group(1) == request_id:
+            if match and match.group(1) == repr(request_id):
                 return float(match.group(2)), int(match.group(3)), float(match.group(4))
         time.sleep(0.02)
     raise RuntimeError(f"no log line for {request_id}")

@@ -14,13 +14,15 @@ Names are resolved with the system resolver (getaddrinfo: /etc/resolv.conf, sear
 A failed lookup is not an empty answer: `resolve` says which. A name that does not exist (or
 has no addresses) means its instances are gone; a resolver that is down or slow means nothing,
 and callers keep what they knew (draining every instance because DNS hiccuped would fail every
-request).
+request). Either is logged when it starts and when it changes (`LookupProblems`), so a name that
+never resolves (a typo) does not go unnoticed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import ipaddress
+import logging
 import socket
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -28,6 +30,9 @@ from dataclasses import dataclass
 
 DNS_SCHEME = "dns:"
 ANY = "*"  # a peer set that admits everyone (only where every peer is trusted)
+NO_ADDRESS = "resolves to no address"  # the problem of a name that does not exist or has none
+
+_LOG = logging.getLogger("mili.discovery")
 
 
 @dataclass(frozen=True)
@@ -148,6 +153,29 @@ async def resolve_host(host: str) -> tuple[str, ...]:
     return tuple(sorted({str(info[4][0]) for info in infos}))
 
 
+class LookupProblems:
+    """What went wrong with each target's last lookup, logged once per change: a WARNING when
+    a name resolves to no address (never did, or stopped) or its lookup fails (or fails
+    differently), an INFO line when it resolves again. Nothing is logged per lookup."""
+
+    def __init__(self, log: logging.Logger = _LOG, who: str = "") -> None:
+        self._log = log
+        self._who = who  # ahead of the target in each line: "peer" (a PeerSet's), or ""
+        self.by_target: dict[Target, str] = {}  # only targets whose last lookup went wrong
+
+    def update(self, target: Target, problem: str | None) -> None:
+        """Record `target`'s last lookup: None when it resolved to at least one address."""
+        if self.by_target.get(target) == problem:
+            return
+        who = f"{self._who} " if self._who else ""
+        if problem is None:
+            del self.by_target[target]
+            self._log.info("%s%s resolves again", who, target)
+        else:
+            self.by_target[target] = problem
+            self._log.warning("%s%s %s", who, target, problem)
+
+
 async def resolve_target(target: Target, resolve: Resolve = resolve_host) -> tuple[str, ...]:
     """The instance addresses of `target`: itself when fixed, one per address of its name."""
     if not target.is_dns:
@@ -186,6 +214,7 @@ class PeerSet:
         self._last: dict[Target, tuple[str, ...]] = {}  # each target's last answer
         self._resolved_at: float | None = None
         self._lock = asyncio.Lock()
+        self.problems = LookupProblems(who="peer")
 
     @classmethod
     def parse(cls, values: Iterable[str], **kwargs: object) -> PeerSet:
@@ -235,7 +264,9 @@ class PeerSet:
             for target in self.targets:
                 try:
                     ips = (target.host,) if is_ip(target.host) else await self._resolve(target.host)
-                except LookupFailed:
+                    self.problems.update(target, None if ips else NO_ADDRESS)
+                except LookupFailed as e:
+                    self.problems.update(target, f"lookup failed (keeping its last answer): {e}")
                     ips = self._last.get(target, ())  # keep what the last answer said
                 self._last[target] = ips
                 for ip in ips:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import pytest
 
@@ -138,6 +139,41 @@ def test_peer_sets_look_up_again_when_old_or_on_a_miss_and_keep_answers_through_
         assert not await peers.has_host("10.0.0.3")
 
     asyncio.run(main())
+
+
+def test_a_name_that_never_resolves_is_logged_once_and_again_when_that_changes(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    dns = FakeDns({})
+    peers = PeerSet.parse(["dns:///typo.test:50061,10.0.0.1:7"], resolve=dns)
+
+    async def main() -> None:
+        for _ in range(3):  # three lookups, one line
+            await peers.refresh()
+        assert peers.problems.by_target == {
+            parse_target("dns:///typo.test:50061"): "resolves to no address"
+        }
+        dns.is_down = True
+        await peers.refresh()
+        await peers.refresh()
+        dns.is_down = False
+        dns.records["typo.test"] = ("10.0.0.3",)
+        await peers.refresh()
+        await peers.refresh()
+        assert peers.problems.by_target == {}
+        assert await peers.has_address("10.0.0.3:50061")
+
+    with caplog.at_level(logging.INFO, logger="mili.discovery"):
+        asyncio.run(main())
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("WARNING", "peer dns:///typo.test:50061 resolves to no address"),
+        (
+            "WARNING",
+            "peer dns:///typo.test:50061 lookup failed (keeping its last answer): "
+            "typo.test: resolver down",
+        ),
+        ("INFO", "peer dns:///typo.test:50061 resolves again"),
+    ]
 
 
 def test_any_admits_everyone_and_stands_alone() -> None:

@@ -21,6 +21,13 @@ Against a TLS port: --tls-ca verifies the frontend (else the system roots), --tl
 While it runs, a progress line goes to stderr at every 10% of the requests and at least every
 5 s: requests done of all, errors, output tokens/s so far. Failed requests are grouped by
 their error (status and message, request ids masked) and counted, in the report and the JSON.
+
+A request refused with RESOURCE_EXHAUSTED carrying a RetryInfo (the frontend is at its
+concurrency limit) is sent again after the hinted delay, up to --max-retries times, as a
+well-behaved client would; its TTFT and latency count from its first send, and the retries are
+counted in the report. Of several --address values, one whose Info fails with UNAVAILABLE at the
+start (nothing listening, handshake refused) is skipped, with a line saying so, and the clients
+share the others; with none left the run stops there.
 """
 
 from __future__ import annotations
@@ -70,6 +77,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--timeout", type=float, default=600.0, help="deadline per request, seconds"
     )
+    parser.add_argument(
+        "--max-retries",
+        type=int,
+        default=5,
+        metavar="N",
+        help="sends of a request again after a RESOURCE_EXHAUSTED with RetryInfo, each after "
+        "its hinted delay (default: %(default)s)",
+    )
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="write results")
     from mili.flags import add_tls_arguments
 
@@ -84,6 +99,7 @@ class RequestResult:
     num_prompt_tokens: int = 0
     num_completion_tokens: int = 0
     error: str | None = None
+    num_retries: int = 0  # sends again after RESOURCE_EXHAUSTED with RetryInfo
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -165,30 +181,85 @@ def prompt_ids(index: int, num_tokens: int, low: int, high: int, seed: int) -> l
     return [rng.randrange(low, high) for _ in range(num_tokens)]
 
 
-async def _one(stub: object, request: object, timeout_s: float) -> RequestResult:
+async def _one(
+    stub: object, request: object, timeout_s: float, max_retries: int = 0
+) -> RequestResult:
+    """One request, sent again (at most `max_retries` times) after the delay a
+    RESOURCE_EXHAUSTED with RetryInfo asks for, while no token came and its deadline allows."""
     import grpc
+
+    from mili.rpc.status import retry_info_of
 
     result = RequestResult()
     start = time.perf_counter()
     last: float | None = None
-    try:
-        call = stub.Generate(request, timeout=timeout_s)  # type: ignore[attr-defined]
-        async for response in call:
-            now = time.perf_counter()
-            n = len(response.token_ids)
-            if n:
-                if last is None:
-                    result.ttft_s = now - start
-                else:
-                    result.itl_s.extend([(now - last) / n] * n)
-                last = now
-                result.num_completion_tokens += n
-            if response.finish_reason:
-                result.num_prompt_tokens = response.usage.prompt_tokens
-    except grpc.aio.AioRpcError as err:
-        result.error = f"{err.code().name}: {err.details()}"
+    while True:
+        remaining_s = timeout_s - (time.perf_counter() - start)
+        try:
+            call = stub.Generate(request, timeout=remaining_s)  # type: ignore[attr-defined]
+            async for response in call:
+                now = time.perf_counter()
+                n = len(response.token_ids)
+                if n:
+                    if last is None:
+                        result.ttft_s = now - start
+                    else:
+                        result.itl_s.extend([(now - last) / n] * n)
+                    last = now
+                    result.num_completion_tokens += n
+                if response.finish_reason:
+                    result.num_prompt_tokens = response.usage.prompt_tokens
+        except grpc.aio.AioRpcError as err:
+            retry = retry_info_of(err) if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED else None
+            delay_s = None if retry is None else retry.retry_delay.ToNanoseconds() / 1e9
+            elapsed_s = time.perf_counter() - start
+            if (
+                delay_s is not None
+                and last is None
+                and result.num_retries < max_retries
+                and elapsed_s + delay_s < timeout_s
+            ):
+                result.num_retries += 1
+                await asyncio.sleep(delay_s)
+                continue
+            result.error = f"{err.code().name}: {err.details()}"
+        break
     result.latency_s = time.perf_counter() - start
     return result
+
+
+async def _live(
+    stubs: dict[str, Any], info_request: object
+) -> tuple[dict[str, Any], Any, list[dict[str, str]]]:
+    """The stubs whose Info answers, the first answer, and the addresses skipped for
+    UNAVAILABLE with their error. Re-raises any other failure, or UNAVAILABLE of every one."""
+    import grpc
+
+    async def ask(stub: Any) -> Any:
+        try:
+            return await stub.Info(info_request, timeout=10)
+        except grpc.aio.AioRpcError as err:
+            return err
+
+    answers = await asyncio.gather(*(ask(stub) for stub in stubs.values()))
+    live, skipped, info = {}, [], None
+    for (address, stub), answer in zip(stubs.items(), answers, strict=True):
+        if not isinstance(answer, grpc.aio.AioRpcError):
+            live[address] = stub
+            if info is None:
+                info = answer
+        elif answer.code() != grpc.StatusCode.UNAVAILABLE or len(stubs) == 1:
+            raise answer
+        else:
+            skipped.append({"address": address, "error": f"UNAVAILABLE: {answer.details()}"})
+            print(
+                f"mili bench: skipping {address}: UNAVAILABLE: {answer.details()}",
+                file=sys.stderr,
+                flush=True,
+            )
+    if info is None:
+        raise next(a for a in answers if isinstance(a, grpc.aio.AioRpcError))
+    return live, info, skipped
 
 
 async def bench(args: argparse.Namespace, tls: Tls | None = None) -> dict[str, Any]:
@@ -198,9 +269,18 @@ async def bench(args: argparse.Namespace, tls: Tls | None = None) -> dict[str, A
     from mili.rpc.client import channel as open_channel
 
     low, high = (int(x) for x in args.token_id_range.split(":"))
-    channels = [open_channel(a, tls=tls) for a in args.address.split(",")]
-    stubs = [generation_pb2_grpc.GenerationServiceStub(c) for c in channels]
-    info = await stubs[0].Info(generation_pb2.InfoRequest(), timeout=10)
+    addresses = list(dict.fromkeys(a.strip() for a in args.address.split(",") if a.strip()))
+    channels = {a: open_channel(a, tls=tls) for a in addresses}
+    try:
+        live, info, skipped = await _live(
+            {a: generation_pb2_grpc.GenerationServiceStub(c) for a, c in channels.items()},
+            generation_pb2.InfoRequest(),
+        )
+    except BaseException:
+        for channel in channels.values():
+            await channel.close()
+        raise
+    stubs = list(live.values())
     queue: asyncio.Queue[int] = asyncio.Queue()
     for i in range(args.num_requests):
         queue.put_nowait(i)
@@ -217,7 +297,7 @@ async def bench(args: argparse.Namespace, tls: Tls | None = None) -> dict[str, A
                     max_tokens=args.output_tokens, temperature=0.0, ignore_eos=True
                 ),
             )
-            result = await _one(stub, request, args.timeout)
+            result = await _one(stub, request, args.timeout, args.max_retries)
             results.append(result)
             progress.record(result)
 
@@ -232,7 +312,7 @@ async def bench(args: argparse.Namespace, tls: Tls | None = None) -> dict[str, A
         await asyncio.gather(*(worker(stubs[i % len(stubs)]) for i in range(args.concurrency)))
     finally:
         ticking.cancel()
-        for channel in channels:
+        for channel in channels.values():
             await channel.close()
     wall_s = time.perf_counter() - started
     ok = [r for r in results if r.error is None]
@@ -252,6 +332,9 @@ async def bench(args: argparse.Namespace, tls: Tls | None = None) -> dict[str, A
         "num_ok": len(ok),
         "num_errors": len(errors),
         "errors": group_errors(errors),  # [{"error": ..., "count": ...}], most frequent first
+        "num_retries": sum(r.num_retries for r in results),  # sends again after RetryInfo
+        "num_retried_requests": sum(1 for r in results if r.num_retries),
+        "skipped_addresses": skipped,  # [{"address": ..., "error": ...}]: Info UNAVAILABLE
         "wall_s": wall_s,
         "output_tokens_per_s": num_tokens / wall_s if wall_s > 0 else 0.0,
         "requests_per_s": len(ok) / wall_s if wall_s > 0 else 0.0,
@@ -282,6 +365,13 @@ def report(summary: dict[str, Any]) -> str:
             f"p99 {_fmt(stats['p99_ms'])} ms"
         )
     lines.append(f"KV GB/s    {KV_NOTE}")
+    if summary["num_retries"]:
+        lines.append(
+            f"retries    {summary['num_retries']} (of {summary['num_retried_requests']} "
+            "requests refused RESOURCE_EXHAUSTED with RetryInfo, sent again after its delay)"
+        )
+    for skip in summary["skipped_addresses"]:
+        lines.append(f"skipped    {skip['address']}: {skip['error']}")
     for group in summary["errors"]:
         lines.append(f"error      {group['count']} x {group['error']}")
     return "\n".join(lines)
@@ -292,6 +382,9 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, name) < 1:
             print(f"mili bench: error: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
             return 2
+    if args.max_retries < 0:
+        print("mili bench: error: --max-retries must be >= 0", file=sys.stderr)
+        return 2
     try:
         low, high = (int(x) for x in args.token_id_range.split(":"))
         if not 0 <= low < high:

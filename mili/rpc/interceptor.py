@@ -13,7 +13,9 @@ For each call it
   (c) counts the call as in flight until its handler returns, so a drain knows when to stop,
   (d) refuses it with UNAVAILABLE once the server is draining, so clients retry elsewhere,
   (e) counts it once it ends, by service, method and final status code: the code it was
-      aborted with, OK when the handler returned, else CANCELLED or DEADLINE_EXCEEDED,
+      aborted with, OK when the handler returned, else CANCELLED or DEADLINE_EXCEEDED; a call
+      with one request message that grpc ended before the handler ran is REQUEST_UNREAD, with
+      one INFO line (see `_count_unread`),
   (f) when the client streams requests, announces the status it fails with (a, b, d, g) in the
       initial metadata too, where a client whose write raced the status still finds it (see
       `mili.rpc.status.status_header`; a servicer's own `context.abort` does not get this).
@@ -60,6 +62,9 @@ _INFRASTRUCTURE = (
 # Every MILI service has an Info RPC: a cheap read of its state that the frontend polls on each
 # instance every --poll-interval (and tracing leaves untraced for the same reason).
 _CONTROL_SUFFIX = "/Info"
+# The status label of a call grpc ended before its handler could read the request (see
+# `CallInterceptor._count_unread`): not a gRPC code, since the server cannot tell which it was.
+_REQUEST_UNREAD = "REQUEST_UNREAD"
 
 Behavior = Callable[[Any, Any], Any]
 
@@ -78,6 +83,8 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
         self._idle: asyncio.Event | None = None  # made on first wait, inside the running loop
         self._policies: Mapping[str, Policy] = {}  # by service name; the others: OPEN
         self._receive_limit = SMALL_REQUEST_BYTES  # the server's: grpc refuses more itself
+        # Calls whose handler has not started yet, by the task grpc runs each in (see `_wrap`).
+        self._unstarted: dict[asyncio.Task[Any], _Call] = {}
 
     def set_policies(self, policies: Mapping[str, Policy], receive_limit: int) -> None:
         """Each service's rules, by its full name, and the server's receive limit (before the
@@ -147,6 +154,13 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
             wrapped = self._wrap_coroutine(behavior, call)
         else:
             return handler
+        if not handler.request_streaming:
+            # grpc reads a unary request between this and the handler, in this same task, and
+            # ends the call without running the handler when that read fails.
+            task = asyncio.current_task()
+            if task is not None:
+                self._unstarted[task] = call
+                task.add_done_callback(self._count_unread)
         return make(
             wrapped,
             request_deserializer=guard(
@@ -159,6 +173,7 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
 
     def _wrap_coroutine(self, behavior: Behavior, call: _Call) -> Behavior:
         async def run(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            self._start()
             await self._admit(context, call)
             self._enter(call)  # no await between admit and here: nothing can slip in
             is_done = False
@@ -182,6 +197,7 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
 
     def _wrap_generator(self, behavior: Behavior, call: _Call) -> Behavior:
         async def run(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            self._start()
             await self._admit(context, call)
             self._enter(call)
             is_done = False
@@ -242,6 +258,30 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
         return request
 
     # ---- helpers -----------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._unstarted.pop(task, None)
+
+    def _count_unread(self, task: asyncio.Task[Any]) -> None:
+        """The task of a call with one request message ended: count it if its handler never ran.
+
+        grpc.aio then failed to read the request and ended the call itself: the message was
+        over the server's receive limit (the caller got RESOURCE_EXHAUSTED), or the caller
+        cancelled or its deadline passed before the message arrived. grpc.aio tells the server
+        neither which (the read just returns nothing) nor the caller's address, so the call is
+        counted under its own status, REQUEST_UNREAD, and logged as such."""
+        call = self._unstarted.pop(task, None)
+        if call is None:
+            return
+        self._metrics.record(call.method, _REQUEST_UNREAD, is_control=call.is_control)
+        _LOG.info(
+            "%s: %s ended before its request was read: larger than the receive limit, or the "
+            "caller cancelled or its deadline passed first",
+            self._name,
+            call.method,
+        )
 
     async def _admit(self, context: grpc.aio.ServicerContext, call: _Call) -> None:
         if self._is_draining and call.is_gated:

@@ -100,8 +100,10 @@ class RequestMetrics:
         labels = ["grpc_service", "grpc_method", "status"]
         self.requests = Counter(
             "mili_requests_total",
-            "Application RPCs handled, by service, method and final gRPC status code name "
-            "(Info, health and reflection are counted in mili_control_requests_total)",
+            "Application RPCs handled, by service, method and final gRPC status code name, or "
+            "REQUEST_UNREAD when grpc ended the call before its one request message was read "
+            "(over the receive limit, or cancelled first); Info, health and reflection are "
+            "counted in mili_control_requests_total",
             labels,
             registry=registry,
         )

@@ -18,6 +18,8 @@ the instances there are now (Router.set_members): a new one gets a channel and a
 once, and is routed once that Info answered and its layouts checked out; a vanished one drains
 (its requests in flight finish there) and its channel is closed once it is dropped. A failed
 lookup keeps what the name resolved to before: a resolver hiccup must not drain every instance.
+A name that resolves to no address or fails its lookup is logged once (and again when that
+changes) and listed in Info's target_problems until it resolves.
 Each instance's first failure to answer is logged with its reason once (a TLS handshake
 refused, say), not at every poll.
 
@@ -39,7 +41,15 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
 
-from mili.discovery import LookupFailed, Resolve, Target, parse_targets, resolve_host
+from mili.discovery import (
+    NO_ADDRESS,
+    LookupFailed,
+    LookupProblems,
+    Resolve,
+    Target,
+    parse_targets,
+    resolve_host,
+)
 from mili.errors import FailedPrecondition
 from mili.pb.decode.v1 import decode_pb2, decode_pb2_grpc
 from mili.pb.kv.v1 import kv_pb2
@@ -96,7 +106,7 @@ class Backends:
         self._prefills: dict[str, prefill_pb2_grpc.PrefillServiceStub] = {}
         self._decodes: dict[str, decode_pb2_grpc.DecodeServiceStub] = {}
         self._unreachable: set[str] = set()  # instances whose failure to answer was logged
-        self._lookup_failures: set[Target] = set()  # names whose failed lookup was logged
+        self.lookup_problems = LookupProblems(_LOG)  # names whose last lookup went wrong
         self.tokenizer = TokenizerBackend(
             config.tokenizer_address,
             tokenizer_pb2_grpc.TokenizerServiceStub(self._channel(config.tokenizer_address)),
@@ -201,19 +211,9 @@ class Backends:
         try:
             ips = await self._resolve(target.host)
         except LookupFailed as e:
-            if target not in self._lookup_failures:
-                self._lookup_failures.add(target)
-                _LOG.warning("looking up %s failed (keeping its last answer): %s", target, e)
+            self.lookup_problems.update(target, f"lookup failed (keeping its last answer): {e}")
             return None
-        if target in self._lookup_failures:
-            self._lookup_failures.discard(target)
-            _LOG.info("looking up %s works again", target)
-        if not ips:
-            _LOG.log(
-                logging.WARNING if self._resolved.get(target) else logging.DEBUG,
-                "%s resolves to no address: none of its instances is left",
-                target,
-            )
+        self.lookup_problems.update(target, None if ips else NO_ADDRESS)
         return ips
 
     def _members(self) -> dict[str, list[str]]:

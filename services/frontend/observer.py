@@ -114,10 +114,12 @@ class RequestObserver:
         self._log("%s after %.1f ms: %s", code, self._elapsed_ms(), why)
 
     def _log(self, what: str, *args: object) -> None:
-        """The request's one log line: its ids, `what`, the trace's ids."""
+        """The request's one log line: its ids, `what`, the trace's ids. The caller's id is
+        quoted (repr), as prefill and decode print it: whatever it holds, it cannot pass for
+        the line's other fields."""
         ids = self._ids
         _LOG.info(
-            f"%s (id %s) {what}%s",
+            f"%r (id %s) {what}%s",
             ids.client_request_id,
             ids.request_id,
             *args,

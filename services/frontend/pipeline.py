@@ -299,7 +299,7 @@ class Generation:
                 self._downstream.request_refresh(down=route.decode)
             raise
         _LOG.debug(
-            "%s (id %s): %d prompt tokens, prefill %s -> decode %s, blocks %s (%d cached)",
+            "%r (id %s): %d prompt tokens, prefill %s -> decode %s, blocks %s (%d cached)",
             self._ids.client_request_id,
             self._ids.request_id,
             len(prompt.token_ids),

@@ -98,6 +98,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             prefill_targets=[t.spec for t in self._backends.targets("prefill")],
             decode_targets=[t.spec for t in self._backends.targets("decode")],
             instances=[convert.instance(m, self._backends.target_of(m.address)) for m in members],
+            target_problems=[
+                generation_pb2.TargetProblem(target=t.spec, problem=problem)
+                for t, problem in self._backends.lookup_problems.by_target.items()
+            ],
         )
 
     def _generate(

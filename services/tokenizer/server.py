@@ -100,11 +100,14 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
                 enable_thinking,
                 allow_special_tokens=request.allow_special_tokens,
             )
-        else:
+        elif request.text:
             self._check_chars("text", len(request.text))
             prompt = request.text
             # Encoding a long text takes milliseconds: keep it off the event loop.
             token_ids = await asyncio.to_thread(self._tokenizer.encode, prompt)
+        else:
+            # `{}` is a caller's mistake (a misspelt field, say), not a request for no tokens.
+            raise InvalidArgument("text", "", "empty: set exactly one of text and messages")
         return tokenizer_pb2.TokenizeResponse(token_ids=token_ids, prompt=prompt)
 
     async def Detokenize(
@@ -136,6 +139,12 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
             text = detokenizer.push(token_ids)
             if request.final:
                 yield tokenizer_pb2.DetokenizeStreamResponse(text=text + detokenizer.flush())
+                # Wait for the caller's half-close: a message after `final` would otherwise be
+                # dropped unseen, and with it whatever ids it carried.
+                async for _ in request_iterator:
+                    raise InvalidArgument(
+                        "final", True, "a message came after the one marked final: it must be last"
+                    )
                 return
             yield tokenizer_pb2.DetokenizeStreamResponse(text=text)
 

@@ -118,7 +118,7 @@ def test_client_strings_cannot_forge_log_lines(pipeline: Deployment) -> None:
     lines = _wait_for_lines(frontend, start, FORGED_ESCAPED, 2)
     # Exactly one line per logged event, the id escaped in it; no stray piece of it anywhere.
     for suffix, event in (("ok", " done: "), ("bad", " failed after ")):
-        logged = [line for line in lines if f"{FORGED_ESCAPED}-{suffix} (id " in line]
+        logged = [line for line in lines if f"{FORGED_ESCAPED}-{suffix}' (id " in line]
         assert len(logged) == 1 and event in logged[0], lines
     assert [line for line in lines if "FORGED" in line and FORGED_ESCAPED not in line] == []
     assert not [line for line in lines if "\x1b" in line or "\u2028" in line or "\r" in line]

@@ -329,7 +329,7 @@ def test_two_callers_with_the_same_request_id_both_succeed(
     done = [
         line
         for line in deployment.frontend.stderr_lines
-        if "same-id (id " in line and " done:" in line
+        if "'same-id' (id " in line and " done:" in line
     ]
     minted = {line.split("(id ")[1].split(")")[0] for line in done}
     assert len(minted) == len(batch)  # one internal id per request, each logged with the label
@@ -352,7 +352,7 @@ def test_cancelled_and_late_requests_get_their_one_log_line(deployment: Deployme
     call = deployment.stub().Generate(request, timeout=60)
     next(iter(call))
     call.cancel()
-    line = _wait_for_log(deployment, "walks-away (id ")
+    line = _wait_for_log(deployment, "'walks-away' (id ")
     assert "CANCELLED after" in line and "the caller cancelled" in line, line
     # Deadlines in every phase: before admission, during prefill, while streaming.
     for i, timeout_s in enumerate((0.02, 0.3, 1.0)):
@@ -361,7 +361,7 @@ def test_cancelled_and_late_requests_get_their_one_log_line(deployment: Deployme
         with pytest.raises(grpc.RpcError) as info:
             list(deployment.stub().Generate(request, timeout=timeout_s))
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        line = _wait_for_log(deployment, f"late-{i} (id ")
+        line = _wait_for_log(deployment, f"'late-{i}' (id ")
         assert "DEADLINE_EXCEEDED" in line, line
     deployment.wait_free_blocks(start)
     assert "Task exception was never retrieved" not in deployment.frontend.stderr

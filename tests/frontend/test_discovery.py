@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+import pytest
 from prometheus_client import CollectorRegistry
 
 from mili.discovery import LookupFailed
@@ -98,7 +100,7 @@ async def _serve(name: str, service: str, register: Any, host: str, port: int) -
 
 
 @contextlib.asynccontextmanager
-async def cluster() -> AsyncIterator[Cluster]:
+async def cluster(*, more_decode_targets: tuple[str, ...] = ()) -> AsyncIterator[Cluster]:
     port = pick_free("127.0.0.2")
     prefill = FakePrefill()
     decodes = {f"{ip}:{port}": HeldDecode() for ip in IPS}
@@ -133,7 +135,7 @@ async def cluster() -> AsyncIterator[Cluster]:
     config = FrontendConfig(
         tokenizer_address=servers[0].address,
         prefill_addresses=(servers[1].address,),
-        decode_addresses=(f"dns:///{NAME}:{port}",),
+        decode_addresses=(f"dns:///{NAME}:{port}", *more_decode_targets),
         limits=Limits(default_max_tokens=16),
         poll_interval_s=0.05,
         resolve_interval_s=0.1,
@@ -247,3 +249,47 @@ def test_a_resolver_outage_keeps_the_members_and_an_empty_answer_drops_them() ->
             assert c.backends.problem is not None and "none known" in c.backends.problem
 
     asyncio.run(main())
+
+
+def test_a_name_that_never_resolves_is_logged_once_and_shown_in_info(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    typo = "dns:///decode.typo.test:50061"
+
+    def problems(info: generation_pb2.InfoResponse) -> list[tuple[str, str]]:
+        return [(p.target, p.problem) for p in info.target_problems]
+
+    def lines() -> list[tuple[str, str]]:
+        return [(r.levelname, r.getMessage()) for r in caplog.records if typo in r.getMessage()]
+
+    async def main() -> None:
+        async with cluster(more_decode_targets=(typo,)) as c:
+            for decode in c.decodes.values():
+                decode.release.set()
+            await asyncio.sleep(0.35)  # three lookups more
+            info = await c.info()
+            assert problems(info) == [(typo, "resolves to no address")]
+            assert typo in info.decode_targets
+            await collect(c.stub.Generate(REQUEST, timeout=5))  # the other name serves
+            assert lines() == [("WARNING", f"{typo} resolves to no address")]
+            c.dns.is_down = True
+            await asyncio.sleep(0.35)
+            failed = "lookup failed (keeping its last answer): {}: timed out"
+            named = c.backends.targets("decode")[0].spec
+            assert sorted(problems(await c.info())) == [
+                (named, failed.format(NAME)),  # its instances stay
+                (typo, failed.format("decode.typo.test")),
+            ]
+            assert await c.decode_states() == dict.fromkeys(list(c.decodes)[:2], "UP")
+            c.dns.is_down = False
+            c.dns.records["decode.typo.test"] = (IPS[2],)
+            await asyncio.sleep(0.35)
+            assert problems(await c.info()) == []
+            assert lines() == [
+                ("WARNING", f"{typo} resolves to no address"),
+                ("WARNING", f"{typo} {failed.format('decode.typo.test')}"),
+                ("INFO", f"{typo} resolves again"),
+            ]
+
+    with caplog.at_level(logging.INFO, logger="mili.frontend"):
+        asyncio.run(main())

@@ -52,7 +52,7 @@ def test_latencies_are_observed_once_per_request_and_the_done_line_says_it_all(
         observer.done(Served(ROUTE, last, stats, num_cached_blocks=2))
     (line,) = _lines(caplog)
     assert re.fullmatch(
-        rf"client-1 \(id frontend-1\) done: prefill p:1 -> decode d:1, 4 prompt tokens, "
+        rf"'client-1' \(id frontend-1\) done: prefill p:1 -> decode d:1, 4 prompt tokens, "
         rf"3 output tokens, finish {re.escape(str(FinishReason.STOP))}, ttft {MS}, total {MS}; "
         r"prefill queue 1\.0 ms, compute 2\.0 ms, KV 8000000 B in 4\.0 ms \(2\.000 GB/s\); "
         r"prefix cached: 0 tokens on prefill, 2 blocks on decode",
@@ -71,7 +71,7 @@ def test_a_request_without_output_tokens_logs_no_ttft_and_observes_nothing(
         observer.done(Served(ROUTE, last, None, num_cached_blocks=0, queued_s=0.25))
     line, queued = _lines(caplog)
     assert re.fullmatch(
-        r"client-1 \(id frontend-1\) done: prefill p:1 -> decode d:1, 2 prompt tokens, 0 output "
+        r"'client-1' \(id frontend-1\) done: prefill p:1 -> decode d:1, 2 prompt tokens, 0 output "
         rf"tokens, finish {re.escape(str(FinishReason.LENGTH))}, ttft -, total {MS}",
         line,
     ), line
@@ -86,7 +86,7 @@ def test_a_failure_logs_its_status_and_error(caplog: pytest.LogCaptureFixture) -
         observer.failed(ResourceExhausted("every decode instance is full"))
     (line,) = _lines(caplog)
     assert re.fullmatch(
-        rf"client-1 \(id frontend-1\) failed after {MS}: RESOURCE_EXHAUSTED: every decode "
+        rf"'client-1' \(id frontend-1\) failed after {MS}: RESOURCE_EXHAUSTED: every decode "
         "instance is full",
         line,
     ), line
@@ -107,4 +107,19 @@ def test_an_ended_call_says_whether_the_caller_cancelled_or_its_deadline_passed(
     with caplog.at_level(logging.INFO, logger="mili.frontend"):
         observer.cancelled(remaining_s)
     (line,) = _lines(caplog)
-    assert re.fullmatch(r"client-1 \(id frontend-1\) " + said.format(MS=MS), line), line
+    assert re.fullmatch(r"'client-1' \(id frontend-1\) " + said.format(MS=MS), line), line
+
+
+def test_a_client_id_cannot_pass_for_the_line_s_other_fields(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    forged = "x (id frontend-9) done: prefill p:9 -> decode d:9\n'quoted' \"too\" finish=stop"
+    observer = RequestObserver(
+        FrontendMetrics(CollectorRegistry()), RequestIds("frontend-1", forged)
+    )
+    with caplog.at_level(logging.INFO, logger="mili.frontend"):
+        observer.failed(ResourceExhausted("full"))
+    (line,) = _lines(caplog)
+    # The id is one Python literal (quotes and newline escaped) ahead of the frontend's own id.
+    assert line.startswith(f"{forged!r} (id frontend-1) failed after "), line
+    assert "\n" not in line and line.count(" (id ") == 2 and line.count(" done: ") == 1

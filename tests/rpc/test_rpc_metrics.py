@@ -6,6 +6,7 @@ process_* metrics."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import sys
 import urllib.error
 import urllib.request
@@ -79,6 +80,83 @@ def test_calls_are_counted_by_method_and_final_status(
                 await asyncio.to_thread(_get, url)
 
     asyncio.run(main())
+
+
+def _unread_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "before its request was read" in r.message]
+
+
+def test_a_request_over_the_receive_limit_is_counted_and_logged(
+    echo_server: EchoServer, until: Callable[..., Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """grpc refuses it before the handler runs (RESOURCE_EXHAUSTED to the caller); the
+    interceptor still counts it, as REQUEST_UNREAD (the server cannot tell it from a cancel)."""
+
+    async def main() -> None:
+        config = ServerConfig(drain_timeout_s=2.0, grace_s=0.1, max_receive_message_bytes=1000)
+        async with echo_server(config) as h:
+            big = b"x" * 5000
+            for call in (h.unary()(big, timeout=5), h.server_stream()(big, timeout=5).read()):
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await call
+                assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            with pytest.raises(grpc.aio.AioRpcError):
+                await h.unary("Info")(big, timeout=5)
+            assert await h.unary()(b"small", timeout=5) == b"small"
+
+            def counts() -> dict[tuple[str, str], float]:
+                return _counts(generate_latest(h.server.registry).decode())
+
+            await until(lambda: len(counts()) == 3)
+            assert counts() == {
+                (f"/{SERVICE}/Unary", "REQUEST_UNREAD"): 1,
+                (f"/{SERVICE}/ServerStream", "REQUEST_UNREAD"): 1,
+                (f"/{SERVICE}/Unary", "OK"): 1,
+            }
+            text = generate_latest(h.server.registry).decode()
+            assert _control_counts(text) == {(f"/{SERVICE}/Info", "REQUEST_UNREAD"): 1}
+
+    with caplog.at_level(logging.INFO, logger="mili.rpc"):
+        asyncio.run(main())
+    assert sorted(_unread_lines(caplog)) == [
+        f"echo: /{SERVICE}/{method} ended before its request was read: larger than the receive "
+        "limit, or the caller cancelled or its deadline passed first"
+        for method in ("Info", "ServerStream", "Unary")
+    ]
+
+
+def test_a_call_cancelled_before_its_handler_ran_is_counted_and_logged(
+    echo_server: EchoServer, until: Callable[..., Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A caller that opens a unary call and goes away (cancel, deadline) before its request
+    message arrives: grpc never runs the handler, the interceptor counts it all the same."""
+
+    async def main() -> None:
+        async with echo_server() as h:
+            assert await h.unary()(b"warm", timeout=5) == b"warm"  # the connection is up
+            # Streaming writes to a unary method: the call opens with no message yet.
+            opened = h.channel.stream_unary(f"/{SERVICE}/Unary")
+            cancelled = opened()
+            late = opened(timeout=0.5)
+            await asyncio.sleep(0.3)  # both reached the server, which waits for their message
+            cancelled.cancel()
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await late
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+            def counts() -> dict[tuple[str, str], float]:
+                return _counts(generate_latest(h.server.registry).decode())
+
+            await until(lambda: counts().get((f"/{SERVICE}/Unary", "REQUEST_UNREAD")) == 2)
+            assert counts() == {
+                (f"/{SERVICE}/Unary", "OK"): 1,
+                (f"/{SERVICE}/Unary", "REQUEST_UNREAD"): 2,
+            }
+            assert h.server.num_in_flight == 0
+
+    with caplog.at_level(logging.INFO, logger="mili.rpc"):
+        asyncio.run(main())
+    assert len(_unread_lines(caplog)) == 2
 
 
 def test_no_metrics_port_serves_no_metrics(echo_server: EchoServer) -> None:

@@ -23,7 +23,6 @@ MULTILINGUAL = [
     "Emoji: 🙂🚀👍🏽 family 👩‍👩‍👧 flag 🇯🇵 and ❤️.",
     "def f(x):\n    return {'k': [x ** 2 for x in range(10)]}  # code\n\tTabbed;",
     "Mixed: Привет мир, مرحبا, שלום, नमस्ते, ∑∫√∞ ≠ ≤.",
-    "",
     "   leading and trailing spaces   \n\n",
 ]
 
@@ -186,6 +185,29 @@ def test_requests_over_their_methods_limit_are_refused_unparsed(stub) -> None:
         stub.Tokenize(tokenizer_pb2.TokenizeRequest(text="x" * 413_217))
     assert caught.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "larger than max (413221 vs. 413216)" in (caught.value.details() or "")
+
+
+def test_empty_tokenize_request(stub) -> None:
+    field, description = _invalid(stub.Tokenize, tokenizer_pb2.TokenizeRequest())
+    assert field == "text"
+    assert "set exactly one of text and messages" in description
+
+
+def test_message_after_final(stub, reference: Tokenizer) -> None:
+    ids = reference.encode("Hello there", add_special_tokens=False).ids
+    requests = [
+        tokenizer_pb2.DetokenizeStreamRequest(token_ids=ids, final=True),
+        tokenizer_pb2.DetokenizeStreamRequest(token_ids=ids),
+    ]
+    deltas: list[str] = []
+    with pytest.raises(grpc.RpcError) as err:
+        for response in stub.DetokenizeStream(iter(requests), timeout=10):
+            deltas.append(response.text)
+    assert deltas == ["Hello there"]  # the final message still got its answer
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+    bad_request = bad_request_of(err.value)
+    assert bad_request is not None
+    assert [v.field for v in bad_request.field_violations] == ["final"]
 
 
 def test_text_and_messages_together(stub) -> None:

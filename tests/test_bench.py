@@ -1,0 +1,100 @@
+"""`mili bench` against a fake frontend on a real server: it sends a request refused with
+RESOURCE_EXHAUSTED + RetryInfo again after the hinted delay, and skips an address where nothing
+listens."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from mili.client.bench import add_arguments, bench, report
+from mili.errors import ResourceExhausted
+from mili.pb.common.v1 import sampling_pb2
+from mili.pb.frontend.v1 import generation_pb2, generation_pb2_grpc
+from mili.ports import pick_free
+from mili.rpc.server import RpcServer, ServerConfig
+
+SERVICE = "mili.frontend.v1.GenerationService"
+RETRY_AFTER_S = 0.2
+
+
+class BusyFrontend(generation_pb2_grpc.GenerationServiceServicer):
+    """Refuses its first `num_refusals` Generate calls as a full frontend does, then streams."""
+
+    def __init__(self, num_refusals: int) -> None:
+        self.num_refusals = num_refusals
+        self.sent_at: list[float] = []  # when each Generate call came
+
+    async def Generate(self, request: Any, context: Any) -> AsyncIterator[Any]:
+        self.sent_at.append(time.monotonic())
+        if len(self.sent_at) <= self.num_refusals:
+            raise ResourceExhausted("the frontend is running its limit", RETRY_AFTER_S)
+        yield generation_pb2.GenerateResponse(token_ids=[1, 2])
+        yield generation_pb2.GenerateResponse(
+            token_ids=[3],
+            finish_reason=sampling_pb2.FINISH_REASON_LENGTH,
+            usage=generation_pb2.Usage(prompt_tokens=4, completion_tokens=3),
+        )
+
+    async def Info(self, request: Any, context: Any) -> Any:
+        return generation_pb2.InfoResponse(model="fake")
+
+
+def _args(address: str, *more: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    fixed = ["--num-requests", "2", "--prompt-tokens", "4", "--timeout", "10"]
+    return parser.parse_args(["--address", address, *fixed, *more])
+
+
+async def _bench(num_refusals: int, *more: str) -> tuple[dict[str, Any], BusyFrontend, str]:
+    frontend = BusyFrontend(num_refusals)
+    server = RpcServer(ServerConfig(drain_timeout_s=1.0, grace_s=0.1), name="frontend")
+    server.add_service(
+        SERVICE, lambda s: generation_pb2_grpc.add_GenerationServiceServicer_to_server(frontend, s)
+    )
+    await server.start()
+    dead = f"127.0.0.1:{pick_free('127.0.0.1')}"  # nothing listens there
+    try:
+        args = _args(f"{dead},{server.address}", "--concurrency", "2", *more)
+        summary = await asyncio.wait_for(bench(args), 30)
+    finally:
+        await server.drain()
+    return summary, frontend, dead
+
+
+def test_a_refusal_with_retry_info_is_sent_again_after_its_delay_and_a_dead_address_skipped(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    summary, frontend, dead = asyncio.run(_bench(2))
+    assert (summary["num_ok"], summary["num_errors"]) == (2, 0)
+    assert (summary["num_retries"], summary["num_retried_requests"]) == (2, 2)
+    assert len(frontend.sent_at) == 4  # both requests went to the live address
+    first, second = sorted(frontend.sent_at[:2]), sorted(frontend.sent_at[2:])
+    assert second[0] - first[0] >= RETRY_AFTER_S * 0.9  # waited the hinted delay
+    # TTFT counts from the first send, backoff included.
+    assert summary["ttft"]["p50_ms"] >= RETRY_AFTER_S * 1e3 * 0.9
+    (skipped,) = summary["skipped_addresses"]
+    assert skipped["address"] == dead and skipped["error"].startswith("UNAVAILABLE: ")
+    assert f"mili bench: skipping {dead}: UNAVAILABLE: " in capsys.readouterr().err
+    lines = report(summary).splitlines()
+    assert "retries    2 (of 2 requests refused RESOURCE_EXHAUSTED with RetryInfo, sent " in (
+        "\n".join(lines)
+    )
+    assert f"skipped    {dead}: UNAVAILABLE: " in "\n".join(lines)
+
+
+def test_retries_are_bounded() -> None:
+    summary, frontend, _ = asyncio.run(_bench(100, "--max-retries", "1"))
+    assert (summary["num_ok"], summary["num_errors"]) == (0, 2)
+    assert summary["num_retries"] == 2 and len(frontend.sent_at) == 4
+    (group,) = summary["errors"]
+    assert group == {
+        "error": "RESOURCE_EXHAUSTED: the frontend is running its limit",
+        "count": 2,
+    }
