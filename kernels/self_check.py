@@ -40,7 +40,6 @@ from mili.engine.model.fused_ops import TorchFusedOps
 
 ATTENTION = "attention"
 FUSED = "fused"
-FAMILIES = (ATTENTION, FUSED)
 # A child imports torch, loads the PTX and makes six small launches: seconds, not minutes.
 CHILD_TIMEOUT_S = 180.0
 _TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-2}
