@@ -15,7 +15,7 @@ from mili.engine.model.kv_cache import pool_bytes, pool_views
 from mili.errors import DataLoss
 from mili.kv_handoff import checksums, codec
 from mili.kv_handoff.shm_segment import Segment
-from mili.kv_handoff.shm_transport import ShmTransport
+from mili.kv_handoff.transport import ShmTransport
 
 LAYOUT = KVLayout(num_layers=3, block_size=4, num_kv_heads=2, head_dim=8, dtype="bfloat16")
 NUM_BLOCKS = 16
