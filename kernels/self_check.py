@@ -32,8 +32,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from kernels.backend import select_attention
-from kernels.fused.backend import select_fused_ops
+from kernels.backend import select_attention, select_fused_ops
 from mili.engine.model.attention import TorchAttention
 from mili.engine.model.config import Qwen3Config
 from mili.engine.model.fused_ops import TorchFusedOps

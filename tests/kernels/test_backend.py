@@ -88,7 +88,7 @@ def test_missing_or_stale_ptx_is_reported_by_name(
     tmp_path, monkeypatch, family: str, arch_dir: str
 ) -> None:
     # A GPU host without the toolchain whose cache holds PTX of an older kernel source only.
-    from kernels.fused.backend import select_fused_ops
+    from kernels.backend import select_fused_ops
 
     _break_toolchain(tmp_path, monkeypatch)
     (tmp_path / "kernels" / "0123456789abcdef" / arch_dir).mkdir(parents=True)
