@@ -41,9 +41,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels.backend import AttentionKernels
 from kernels.build import build_cpu, gpu_kernel_dir
 from kernels.cpu import CpuKernels
+from kernels.gpu import GpuKernels
 
 # Datasheet HBM bandwidth by device name (bytes/s); other devices use the measured copy.
 PEAK_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12}
@@ -115,7 +115,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def bench_prefill(
-    kernels: AttentionKernels, dev: torch.device, length: int, args: argparse.Namespace
+    kernels: CpuKernels | GpuKernels, dev: torch.device, length: int, args: argparse.Namespace
 ) -> dict:
     heads, kv_heads, head_dim, block = 32, 8, 128, 16
     dtype = torch.bfloat16
@@ -129,7 +129,7 @@ def bench_prefill(
     scale = head_dim**-0.5
 
     def ours() -> torch.Tensor:
-        return kernels.prefill(q, k_cache, v_cache, cu, starts, table, scale=scale)
+        return kernels.prefill(q, k[0], v[0], cu, starts, k_cache, v_cache, table, scale=scale)
 
     group = heads // kv_heads
     qs = q.transpose(0, 1).unsqueeze(0).contiguous()  # [1, H, T, D]
@@ -159,7 +159,11 @@ def bench_prefill(
 
 
 def bench_decode(
-    kernels: AttentionKernels, dev: torch.device, batch: int, context: int, args: argparse.Namespace
+    kernels: CpuKernels | GpuKernels,
+    dev: torch.device,
+    batch: int,
+    context: int,
+    args: argparse.Namespace,
 ) -> dict:
     heads, kv_heads, head_dim, block = 32, 8, 128, 16
     dtype = torch.bfloat16
@@ -237,13 +241,11 @@ def main() -> int:
     parser.add_argument("--iters", type=int, default=10)
     args = parser.parse_args()
     dev = torch.device(args.device)
-    kernels: AttentionKernels
+    kernels: CpuKernels | GpuKernels
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             print("no CUDA GPU", file=sys.stderr)
             return 1
-        from kernels.gpu import GpuKernels
-
         kernels = GpuKernels(args.kernel_dir or gpu_kernel_dir())
         name = torch.cuda.get_device_name()
     else:

@@ -26,8 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.engine_gpu import DTYPES
 from benchmarks.presets import CHOICES, DEFAULT_CACHE, preset_checkpoint
-from kernels.backend import select_attention
-from kernels.fused.backend import select_fused_ops
+from kernels.backend import select_attention, select_fused_ops
 from mili.engine.kv.block_pool import BlockPool, blocks_needed
 from mili.engine.model.attention import TorchAttention
 from mili.engine.model.fused_ops import TorchFusedOps

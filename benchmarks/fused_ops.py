@@ -33,8 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels.backend import select_attention
-from kernels.fused.backend import select_fused_ops
+from kernels.backend import select_attention, select_fused_ops
 from mili.engine.model.attention import AttentionBackend
 from mili.engine.model.checkpoint import write_random_checkpoint
 from mili.engine.model.config import PRESETS

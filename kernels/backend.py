@@ -1,120 +1,45 @@
-"""`MojoAttention`, the AttentionBackend on the Mojo kernels, and the `--attention` choice.
+"""The `--attention` choice, per kernel family: the torch references or the Mojo kernels.
 
-    --attention torch   the torch reference (mili.engine.attention.TorchAttention)
-    --attention mojo    the Mojo kernels; a missing or failing toolchain stops the service
-    --attention auto    (default) Mojo where the kernels build for the device, else torch
+    --attention torch   the torch references (mili.engine.model.attention.TorchAttention,
+                        mili.engine.model.fused_ops.TorchFusedOps)
+    --attention mojo    the Mojo kernels of the device; a missing or failing toolchain (or
+                        missing PTX on a GPU host) stops the service
+    --attention auto    (default) Mojo where the kernels build for the device and the model's
+                        head_dim, else torch
 
-The engine never imports this package: MojoAttention satisfies the AttentionBackend Protocol
-structurally, and services pick a backend here once at start-up and hand it to the model.
+One flag picks the kernel family of a process, so `--attention torch` runs the model on torch
+alone (the reference end to end). The engine never imports this package: kernels/cpu.py's
+CpuKernels and kernels/gpu.py's GpuKernels satisfy the AttentionBackend Protocol structurally,
+kernels/fused/'s CpuFusedKernels and GpuFusedKernels the FusedOps one, and services pick them
+here once at start-up (kernels/choice.py) and hand them to the model.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
+from typing import TypeVar
 
 import torch
 
 from kernels import build, ptx
 from kernels.checks import HEAD_DIMS
 from kernels.cpu import CpuKernels
+from kernels.fused.cpu import CpuFusedKernels
 from mili.engine.engine_config import ATTENTION_CHOICES
 from mili.engine.model.attention import AttentionBackend, TorchAttention
+from mili.engine.model.fused_ops import FusedOps, TorchFusedOps
 
 _LOG = logging.getLogger("mili.kernels")
+Kernels = TypeVar("Kernels", AttentionBackend, FusedOps)
 
 
-class AttentionKernels(Protocol):
-    """What kernels/cpu.py's CpuKernels and kernels/gpu.py's GpuKernels both provide."""
-
-    def prefill(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        cu_seqlens: torch.Tensor,
-        start_positions: torch.Tensor,
-        block_tables: torch.Tensor,
-        *,
-        scale: float,
-    ) -> torch.Tensor: ...
-
-    def decode(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        block_tables: torch.Tensor,
-        seq_lens: torch.Tensor,
-        *,
-        scale: float,
-        num_splits: int = 0,
-    ) -> torch.Tensor: ...
-
-
-class MojoAttention:
-    """Prefill FlashAttention and paged decode on the Mojo kernels of one device type.
-
-    Reads every key and value — cached prefix and new tokens alike — from the paged cache (the
-    model writes the new tokens' K/V there before calling attention), so `k`/`v` go unused.
-    """
-
-    name = "mojo"
-
-    def __init__(self, kernels: AttentionKernels, device_type: str) -> None:
-        self._kernels = kernels
-        self._device_type = device_type
-        # Graph-safe only where the kernels object says so (mili.engine.model.attention's contract):
-        # never on CPU (CUDA graphs are CUDA's), on the GPU once its kernels declare
-        # `is_graph_safe = True`.
-        self.is_graph_safe = device_type == "cuda" and bool(
-            getattr(kernels, "is_graph_safe", False)
-        )
-
-    def _check_device(self, q: torch.Tensor) -> None:
-        if q.device.type != self._device_type:
-            raise ValueError(
-                f"these Mojo kernels were loaded for {self._device_type}, q is on {q.device}"
-            )
-
-    def prefill(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cu_seqlens: torch.Tensor,
-        start_positions: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        block_tables: torch.Tensor,
-        *,
-        scale: float,
-    ) -> torch.Tensor:
-        self._check_device(q)
-        return self._kernels.prefill(
-            q, k_cache, v_cache, cu_seqlens, start_positions, block_tables, scale=scale
-        )
-
-    def decode(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        block_tables: torch.Tensor,
-        seq_lens: torch.Tensor,
-        *,
-        scale: float,
-    ) -> torch.Tensor:
-        self._check_device(q)
-        return self._kernels.decode(q, k_cache, v_cache, block_tables, seq_lens, scale=scale)
-
-
-def load_mojo_attention(device: torch.device | str, root: Path | None = None) -> MojoAttention:
+def load_mojo_attention(device: torch.device | str, root: Path | None = None) -> AttentionBackend:
     """Build (or find in the cache) the kernels for `device`; KernelBuildError if impossible."""
     device = torch.device(device)
     if device.type == "cpu":
-        return MojoAttention(CpuKernels.from_path(build.build_cpu(root)), "cpu")
+        return CpuKernels.from_path(build.build_cpu(root))
     if device.type == "cuda":
         from kernels.gpu import GpuKernels
 
@@ -122,31 +47,65 @@ def load_mojo_attention(device: torch.device | str, root: Path | None = None) ->
         ptx_dir = build.find_ptx(build.gpu_kernel_dir(root), "attention")
         if not (ptx_dir / "manifest.json").exists():
             ptx_dir = ptx.build_gpu(root)
-        return MojoAttention(GpuKernels(ptx_dir), "cuda")
+        return GpuKernels(ptx_dir)
     raise build.KernelBuildError(f"no Mojo attention kernels for device type {device.type!r}")
+
+
+def load_mojo_fused_ops(device: torch.device | str, root: Path | None = None) -> FusedOps:
+    """Build (or find in the cache) the fused kernels for `device`; KernelBuildError if not."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return CpuFusedKernels.from_path(build.build_cpu(root))
+    if device.type == "cuda":
+        from kernels.fused.gpu import GpuFusedKernels
+        from kernels.fused.ptx import build_fused_gpu, fused_kernel_dir
+
+        # As the attention kernels' PTX: built where Mojo is, carried to the GPU host.
+        ptx_dir = build.find_ptx(fused_kernel_dir(root), "fused-op")
+        if not (ptx_dir / "manifest.json").exists():
+            ptx_dir = build_fused_gpu(root)
+        return GpuFusedKernels(ptx_dir)
+    raise build.KernelBuildError(f"no Mojo fused kernels for device type {device.type!r}")
 
 
 def select_attention(
     choice: str, device: torch.device | str, *, head_dim: int, root: Path | None = None
 ) -> AttentionBackend:
-    """The backend `--attention choice` means for a model with `head_dim` on `device`.
+    """The backend `--attention choice` means for a model with `head_dim` on `device`."""
+    return _select(choice, "attention", TorchAttention, load_mojo_attention, device, head_dim, root)
 
-    `auto` logs why it falls back to torch; `mojo` raises KernelBuildError instead.
-    """
+
+def select_fused_ops(
+    choice: str, device: torch.device | str, *, head_dim: int, root: Path | None = None
+) -> FusedOps:
+    """The FusedOps `--attention choice` means for a model with `head_dim` on `device`."""
+    return _select(choice, "fused", TorchFusedOps, load_mojo_fused_ops, device, head_dim, root)
+
+
+def _select(
+    choice: str,
+    family: str,
+    reference: Callable[[], Kernels],
+    load: Callable[[torch.device | str, Path | None], Kernels],
+    device: torch.device | str,
+    head_dim: int,
+    root: Path | None,
+) -> Kernels:
+    """`family`'s kernels for `choice`: `auto` logs why it falls back to the torch `reference`;
+    `mojo` raises KernelBuildError instead."""
     if choice not in ATTENTION_CHOICES:
         raise ValueError(f"--attention must be one of {', '.join(ATTENTION_CHOICES)}, got {choice}")
     if choice == "torch":
-        return TorchAttention()
+        return reference()
     try:
         if head_dim not in HEAD_DIMS:
             raise build.KernelBuildError(
-                f"the Mojo kernels support head_dim {', '.join(map(str, HEAD_DIMS))}; "
+                f"the Mojo {family} kernels support head_dim {', '.join(map(str, HEAD_DIMS))}; "
                 f"this model has {head_dim}"
             )
-        backend: AttentionBackend = load_mojo_attention(device, root)
+        return load(device, root)
     except build.KernelBuildError as exc:
         if choice == "mojo":
             raise
-        _LOG.warning("Mojo attention kernels unavailable, using torch attention: %s", exc)
-        return TorchAttention()
-    return backend
+        _LOG.warning("Mojo %s kernels unavailable, using torch: %s", family, exc)
+        return reference()

@@ -80,7 +80,10 @@ class CpuModuleBinding:
 
 
 class CpuKernels(CpuModuleBinding):
-    """`prefill`/`decode` of the AttentionBackend contract on CPU tensors."""
+    """An AttentionBackend (mili.engine.model.attention) on CPU tensors."""
+
+    name = "mojo"
+    is_graph_safe = False  # CPU tensors: there is no CUDA graph to capture
 
     def _threads(self, work: float, one_thread_below: float) -> int:
         """Workers for a call of `work` units: one below the threshold, else all we were given.
@@ -96,15 +99,18 @@ class CpuKernels(CpuModuleBinding):
     def prefill(
         self,
         q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
         cu_seqlens: torch.Tensor,
         start_positions: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
         block_tables: torch.Tensor,
         *,
         scale: float,
     ) -> torch.Tensor:
-        """q: [T, H, D] -> out [T, H, D]; keys/values (prefix and new tokens) from the cache."""
+        """q: [T, H, D] -> out [T, H, D]; keys/values (prefix and new tokens) from the cache,
+        so `k`/`v` go unused."""
         _require_cpu(q)
         dims = check_prefill(q, k_cache, v_cache, cu_seqlens, start_positions, block_tables)
         out = torch.empty_like(q)

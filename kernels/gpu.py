@@ -193,10 +193,11 @@ def _aligned(t: torch.Tensor) -> bool:
 
 
 class GpuKernels:
-    """MILI's Mojo attention kernels on an NVIDIA sm_90 GPU, from a directory of built PTX."""
+    """An AttentionBackend (mili.engine.model.attention) on an NVIDIA sm_90 GPU, from a
+    directory of built PTX."""
 
-    # Decode can be captured in a CUDA graph (see the module docstring); MojoAttention reads it.
-    is_graph_safe = True
+    name = "mojo"
+    is_graph_safe = True  # decode can be captured in a CUDA graph (see the module docstring)
 
     def __init__(self, kernel_dir: str | Path) -> None:
         self.kernel_dir = Path(kernel_dir)
@@ -293,15 +294,18 @@ class GpuKernels:
     def prefill(
         self,
         q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
         cu_seqlens: torch.Tensor,
         start_positions: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
         block_tables: torch.Tensor,
         *,
         scale: float,
     ) -> torch.Tensor:
-        """Causal GQA prefill over the paged cache: q [T, H, D] -> out [T, H, D] (q's dtype)."""
+        """Causal GQA prefill over the paged cache: q [T, H, D] -> out [T, H, D] (q's dtype).
+        Every key and value, new tokens' too, is read from the cache: `k`/`v` go unused."""
         device = self._device(q)
         dims = check_prefill(
             q, k_cache, v_cache, cu_seqlens, start_positions, block_tables, check_values=False

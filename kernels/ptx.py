@@ -55,7 +55,6 @@ KERNELS = (
     *(f"paged_decode_g{gc}" for gc in DECODE_GROUP_SIZES),
 )
 # Where spills cost the most: a build whose ptxas reports a spill here fails the CI check.
-HOT_KERNELS = frozenset(k for k in KERNELS if k == "flash_prefill" or k.startswith("paged_"))
 TENSOR_CORE_DTYPES = ("bfloat16", "float16")
 MANIFEST_FORMAT = 2
 

@@ -32,15 +32,13 @@ from typing import Any, NamedTuple
 
 import torch
 
-from kernels.backend import select_attention
-from kernels.fused.backend import select_fused_ops
+from kernels.backend import select_attention, select_fused_ops
 from mili.engine.model.attention import TorchAttention
 from mili.engine.model.config import Qwen3Config
 from mili.engine.model.fused_ops import TorchFusedOps
 
 ATTENTION = "attention"
 FUSED = "fused"
-FAMILIES = (ATTENTION, FUSED)
 # A child imports torch, loads the PTX and makes six small launches: seconds, not minutes.
 CHILD_TIMEOUT_S = 180.0
 _TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-2}

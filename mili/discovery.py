@@ -176,13 +176,6 @@ class LookupProblems:
             self._log.warning("%s%s %s", who, target, problem)
 
 
-async def resolve_target(target: Target, resolve: Resolve = resolve_host) -> tuple[str, ...]:
-    """The instance addresses of `target`: itself when fixed, one per address of its name."""
-    if not target.is_dns:
-        return (target.spec,)
-    return tuple(target.address(ip) for ip in await resolve(target.host))
-
-
 class PeerSet:
     """Which peers a service accepts (or may dial), from targets, resolved lazily.
 

@@ -16,7 +16,6 @@ from mili.discovery import (
     parse_target,
     parse_targets,
     resolve_host,
-    resolve_target,
 )
 
 
@@ -90,17 +89,6 @@ class FakeDns:
         if self.is_down:
             raise LookupFailed(f"{host}: resolver down")
         return self.records.get(host, ())
-
-
-def test_a_dns_target_is_every_address_of_its_name() -> None:
-    dns = FakeDns({"decode.test": ("10.0.0.4", "10.0.0.3")})
-
-    async def main() -> None:
-        target = parse_target("dns:///decode.test:50061")
-        assert await resolve_target(target, dns) == ("10.0.0.4:50061", "10.0.0.3:50061")
-        assert await resolve_target(parse_target("x:1"), dns) == ("x:1",)
-
-    asyncio.run(main())
 
 
 def test_peer_sets_look_up_again_when_old_or_on_a_miss_and_keep_answers_through_outages() -> None:

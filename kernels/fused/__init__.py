@@ -5,8 +5,8 @@
                 mili_attention extension module)
     ptx.py      ahead-of-time sm_90 PTX of kernels/mojo/fused_gpu.mojo and its manifest
     gpu.py      GpuFusedKernels: loads that PTX and launches it on torch's stream
-    backend.py  select_fused_ops: the implementation a choice loads (kernels/choice.py
-                decides what a service runs)
+
+kernels/backend.py's select_fused_ops loads them (kernels/choice.py decides what a service runs).
 
 Importing this package is cheap (no torch).
 """

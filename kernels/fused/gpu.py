@@ -25,12 +25,8 @@ from kernels.fused.ptx import (
     check_signature,
     load_manifest,
 )
-from kernels.gpu import _make_driver, pack_arguments
+from kernels.gpu import _DTYPE_NAMES, _MAX_GRID_X, _MAX_GRID_YZ, _make_driver, pack_arguments
 from kernels.ptx import parse_entries
-
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-_MAX_GRID_X = 2**31 - 1
-_MAX_GRID_YZ = 65535
 
 
 def pack(kernel: str, values: dict[str, int | float]) -> list[ctypes._SimpleCData]:

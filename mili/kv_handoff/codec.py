@@ -42,7 +42,7 @@ import torch
 
 from mili.engine.model.kv_cache import TORCH_DTYPES
 from mili.errors import DataLoss, FailedPrecondition
-from mili.kv_handoff.block_rows import block_rows, block_runs
+from mili.kv_handoff.block_rows import block_runs
 from mili.kv_handoff.checksums import CRC32, digest
 from mili.pb.kv.v1 import kv_pb2
 from mili.rpc.kv_layout import block_bytes
@@ -115,19 +115,6 @@ def encode_chunk_request(
     body = len(head) + num_data + len(tail)
     message = b"".join((b"\x12", _write_varint(body), head, k_bytes, v_bytes, tail))
     return message, num_data
-
-
-def encode_chunk(
-    request_id: str,
-    seq: int,
-    layer: int,
-    block_ids: Sequence[int],
-    k: torch.Tensor,
-    v: torch.Tensor,
-) -> kv_pb2.KvChunk:
-    """The chunk `encode_chunk_request` sends, as a message (for tests and tools: slow)."""
-    message, _ = encode_chunk_request(request_id, seq, layer, block_ids, k, v)
-    return kv_pb2.TransferKvRequest.FromString(message).chunk
 
 
 # ---- decoding (decode) -------------------------------------------------------------------------
@@ -313,7 +300,7 @@ def encode_chunk_in_place(
     checksum: str = CRC32,
 ) -> bytes:
     """A serialized `TransferKvRequest{chunk}` without data: the blocks were written in place,
-    `value` (of `checksum`) covers them as `blocks_digest` reads them."""
+    `value` (of `checksum`) covers them as `rows_digest` reads them."""
     chunk = kv_pb2.KvChunk(request_id=request_id, seq=seq, layer=layer, block_ids=block_ids)
     if checksum == CRC32:
         chunk.crc32 = value
@@ -322,24 +309,14 @@ def encode_chunk_in_place(
     return kv_pb2.TransferKvRequest(chunk=chunk).SerializeToString()
 
 
-def blocks_digest(
-    checksum: str, k_pool: torch.Tensor, v_pool: torch.Tensor, block_ids: Sequence[int]
-) -> int:
-    """`checksum` of blocks `block_ids` of a layer's K pool, then of its V pool, in that order:
-    the bytes a chunk with those blocks would carry. k_pool, v_pool: [num_blocks, block_size,
-    num_kv_heads, head_dim] on the CPU. Runs of consecutive ids are read in one piece, as
-    slices of the pools' byte rows (no torch call per run)."""
-    return rows_digest(
-        checksum, block_rows(k_pool.contiguous()), block_rows(v_pool.contiguous()), block_ids
-    )
-
-
 def rows_digest(
     checksum: str, k_rows: np.ndarray, v_rows: np.ndarray, block_ids: Sequence[int]
 ) -> int:
-    """`blocks_digest` over the pools' byte rows ([num_blocks, bytes per block], block_rows):
-    numpy only, for a caller that made the row views once (no torch call per chunk, each a GIL
-    hand-off on a busy landing thread)."""
+    """`checksum` of blocks `block_ids` of a layer's K pool, then of its V pool, in that order:
+    the bytes a chunk with those blocks would carry. k_rows, v_rows: the pools' byte rows
+    ([num_blocks, bytes per block], block_rows), made once by the caller: numpy only, runs of
+    consecutive ids read in one piece (no torch call per chunk, each a GIL hand-off on a busy
+    landing thread)."""
     runs = block_runs(block_ids)
     return digest(checksum, (r[start:stop].data for r in (k_rows, v_rows) for start, stop in runs))
 

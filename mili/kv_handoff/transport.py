@@ -1,6 +1,6 @@
 """The KV hand-off's one interface, `KvTransport`, and the choice of one per prefill -> decode
 pair, made once (KvTransferService.Pair). The model is vLLM's KVConnectorBase_V1: one seam, a
-class per way of moving the bytes (grpc_transport, shm_transport, cuda_ipc_transport).
+class per way of moving the bytes (GrpcTransport, ShmTransport, CudaIpcTransport, below).
 
 Every transfer is the same conversation whatever the transport (services/prefill/sender.py,
 services/decode/transfer.py): header, chunks in seq order, commit, all on TransferKv. What a
@@ -24,14 +24,24 @@ from typing import Protocol
 import torch
 
 from mili.engine.kv.kv_layout import KVLayout
-from mili.engine.model.kv_cache import KVCache
+from mili.engine.model.kv_cache import KVCache, pool_bytes, pool_views
+from mili.engine.step.pinned import thread_stream
+from mili.errors import DataLoss
 from mili.kv_handoff import checksums
-from mili.kv_handoff.codec import Chunk
-from mili.kv_handoff.cuda_ipc_transport import CudaIpcTransport
-from mili.kv_handoff.grpc_transport import GrpcTransport, Scatter
+from mili.kv_handoff.block_rows import as_rows, block_rows, block_runs, copy_rows, fits
+from mili.kv_handoff.codec import (
+    Chunk,
+    announced,
+    chunk_name,
+    decode_chunk,
+    encode_chunk_in_place,
+    encode_chunk_request,
+    in_place_pools,
+    rows_digest,
+)
+from mili.kv_handoff.cuda_ipc import blocks_checksum, import_pool
 from mili.kv_handoff.kv_transport import CUDA_IPC, GRPC, SHM, Endpoint, choose
-from mili.kv_handoff.shm_segment import Segment
-from mili.kv_handoff.shm_transport import ShmTransport
+from mili.kv_handoff.shm_segment import Segment, is_alive
 from mili.pb.kv.v1 import kv_pb2
 
 
@@ -86,6 +96,218 @@ class KvTransport(Protocol):
         """Prefill: drop this side's mapping of decode's pool. Transfers still writing through
         it keep their views: the memory stays mapped until the last of them lets go."""
         ...
+
+
+# ---- the transports ----------------------------------------------------------------------------
+
+
+class Scatter(Protocol):
+    """Where decode lands a chunk's blocks (its batcher: host or device copies, off the step)."""
+
+    def scatter(self, layer: int, block_ids: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write whole blocks of one layer (k, v: [n, block_size, num_kv_heads, head_dim])."""
+
+
+class GrpcTransport:
+    """Transport "grpc": the KV bytes ride in the chunk messages (any two hosts, any devices).
+    Prefill copies k, v into the message once (codec.encode_chunk_request); decode checks the
+    bytes against `layout` and the checksum, then `cache` scatters them into the blocks. A
+    prefill's object has neither: it lands nothing."""
+
+    name = GRPC
+    is_in_place = False
+    takes_device_tensors = False
+
+    def __init__(self, layout: kv_pb2.KvLayout | None = None, cache: Scatter | None = None):
+        self._layout = layout
+        self._cache = cache
+
+    def encode(
+        self,
+        request_id: str,
+        seq: int,
+        layer: int,
+        block_ids: Sequence[int],
+        k: torch.Tensor,
+        v: torch.Tensor,
+        checksum: str,
+    ) -> tuple[bytes, int]:
+        return encode_chunk_request(request_id, seq, layer, block_ids, k, v, checksum)
+
+    def land(self, chunk: Chunk, checksum: str) -> None:
+        if self._layout is None or self._cache is None:
+            raise RuntimeError("a sender's grpc transport lands nothing")
+        k, v = decode_chunk(chunk, self._layout, checksum)  # DataLoss: short, corrupt
+        self._cache.scatter(chunk.layer, list(chunk.block_ids), k, v)
+
+    def reply(self, response: kv_pb2.PairResponse) -> None:
+        pass  # nothing to reach: the bytes come with the chunks
+
+    def is_peer_alive(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        pass
+
+
+class ShmTransport:
+    """Transport "shm": prefill writes prompt blocks straight into decode's pool in POSIX
+    shared memory (one host, CPU pools); the chunk message carries block ids and the checksum
+    only. The pool is in `segment`, as both ends map it: decode owns it, prefill attaches once
+    per pair (`connect`)."""
+
+    name = SHM
+    is_in_place = True
+    takes_device_tensors = False
+
+    def __init__(self, segment: Segment, layout: KVLayout, num_blocks: int, dtype: torch.dtype):
+        self.segment = segment
+        self.num_blocks = num_blocks
+        self.k, self.v = pool_views(segment.tensor, layout, num_blocks, dtype)
+        # The same pools as byte rows [num_blocks, bytes per block], made once: the encoder and
+        # landing threads then make no torch call per block or pool (each a GIL hand-off).
+        self._rows = [(block_rows(k), block_rows(v)) for k, v in zip(self.k, self.v, strict=True)]
+
+    @classmethod
+    def connect(
+        cls, response: kv_pb2.PairResponse, layout: KVLayout, dtype: torch.dtype
+    ) -> ShmTransport:
+        """Prefill: map the segment decode's Pair reply names (OSError, ValueError)."""
+        size = pool_bytes(layout, response.num_blocks, dtype)
+        segment = Segment.attach(response.shm_path, size)
+        return cls(segment, layout, response.num_blocks, dtype)
+
+    def encode(
+        self,
+        request_id: str,
+        seq: int,
+        layer: int,
+        block_ids: Sequence[int],
+        k: torch.Tensor,
+        v: torch.Tensor,
+        checksum: str = checksums.CRC32,
+    ) -> tuple[bytes, int]:
+        """Write k, v (CPU) into decode's blocks; the copies release the GIL where the ids come
+        in runs (block_rows.copy_rows)."""
+        ids = list(block_ids)
+        n = len(ids)
+        k_pool, v_pool = self.k[layer], self.v[layer]
+        k, v = k.contiguous(), v.contiguous()
+        if not (fits(k_pool, ids, k) and fits(v_pool, ids, v)):
+            raise ValueError(
+                f"blocks {ids} of {tuple(k.shape)} {k.dtype} do not fit decode's pool of "
+                f"{self.num_blocks} blocks {tuple(k_pool.shape[1:])} {k_pool.dtype}"
+            )
+        k_rows, v_rows = self._rows[layer]
+        # The checksum of what we mean to write (k's blocks, then v's: what `land` reads back),
+        # each taken just before its copy, so that the copy reads the source from cache: one
+        # pass over memory fewer than digesting the destination.
+        running = checksums.Running(checksum)
+        for src, rows in ((k, k_rows), (v, v_rows)) if n else ():
+            src_rows = as_rows(src, n)
+            running.update(src_rows.data)
+            copy_rows(rows, ids, src_rows)
+        message = encode_chunk_in_place(request_id, seq, layer, ids, running.value(), checksum)
+        return message, 2 * n * k_rows.shape[1]
+
+    def land(self, chunk: Chunk, checksum: str) -> None:
+        in_place_pools(chunk, self.k, self.v)  # DataLoss: not an in-place chunk
+        k_rows, v_rows = self._rows[chunk.layer]
+        value = rows_digest(checksum, k_rows, v_rows, chunk.block_ids)
+        if value != announced(chunk, checksum):
+            raise DataLoss(f"{chunk_name(chunk)}: checksum mismatch (blocks corrupted in place)")
+
+    def reply(self, response: kv_pb2.PairResponse) -> None:
+        response.shm_path = str(self.segment.path)
+
+    def is_peer_alive(self) -> bool:
+        pid = self.segment.owner_pid
+        return pid is None or is_alive(pid)
+
+    def close(self) -> None:
+        self.segment.close()
+
+
+class CudaIpcTransport:
+    """Transport "cuda-ipc": prefill copies prompt blocks device to device into decode's pool,
+    exported once with CUDA IPC (one host, GPU pools; see cuda_ipc.py). Nothing here runs
+    without CUDA: tests/prefill/test_cuda_ipc.py (-m gpu) checks it on a GPU host. The pool:
+    per layer K and V [num_blocks, block_size, num_kv_heads, head_dim]; decode's own (with
+    `export`, what Pair hands out) or mapped by prefill (`connect`). Chunks carry the device
+    checksum (cuda_ipc.blocks_checksum) in crc32, whatever the pair's checksum."""
+
+    name = CUDA_IPC
+    is_in_place = True
+    takes_device_tensors = True
+
+    def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor], export: bytes = b""):
+        self.k, self.v = k, v
+        self.num_blocks = k[0].shape[0]
+        self._export = export
+        self._stream = torch.cuda.Stream(k[0].device)  # prefill's copies: never the model's
+
+    @classmethod
+    def connect(
+        cls, response: kv_pb2.PairResponse, layout: KVLayout, dtype: torch.dtype
+    ) -> CudaIpcTransport:
+        """Prefill: map the pool decode's Pair reply exports (ValueError, RuntimeError)."""
+        flat = import_pool(response.cuda_ipc_export)
+        size = pool_bytes(layout, response.num_blocks, dtype)
+        if flat.numel() != size:
+            raise ValueError(f"decode's pool holds {flat.numel()} bytes, expected {size}")
+        return cls(*pool_views(flat, layout, response.num_blocks, dtype))
+
+    def encode(
+        self,
+        request_id: str,
+        seq: int,
+        layer: int,
+        block_ids: Sequence[int],
+        k: torch.Tensor,
+        v: torch.Tensor,
+        checksum: str = "",
+    ) -> tuple[bytes, int]:
+        """k, v on prefill's GPU (the worker's gather, complete: the sender called its `ready`
+        first), copied on a side stream, then checksummed there; blocks until the copy is over,
+        on this encoder thread only. `checksum` does not apply."""
+        if any(not 0 <= b < self.num_blocks for b in block_ids):
+            raise ValueError(f"block ids {list(block_ids)} outside decode's pool")
+        k_pool, v_pool = self.k[layer], self.v[layer]
+        expected = (len(block_ids), *k_pool.shape[1:])
+        for t in (k, v):
+            if tuple(t.shape) != expected or t.dtype != k_pool.dtype:
+                raise ValueError(
+                    f"{tuple(t.shape)} {t.dtype} does not fit {len(block_ids)} blocks of "
+                    f"decode's pool {tuple(k_pool.shape[1:])} {k_pool.dtype}"
+                )
+        first = 0
+        with torch.inference_mode(), torch.cuda.stream(self._stream):
+            for start, stop in block_runs(block_ids):
+                n = stop - start
+                k_pool[start:stop].copy_(k[first : first + n], non_blocking=True)
+                v_pool[start:stop].copy_(v[first : first + n], non_blocking=True)
+                first += n
+            value = blocks_checksum(k_pool, v_pool, block_ids)  # waits for the copies
+        num_bytes = k.numel() * k.element_size() + v.numel() * v.element_size()
+        return encode_chunk_in_place(request_id, seq, layer, block_ids, value), num_bytes
+
+    def land(self, chunk: Chunk, checksum: str) -> None:
+        """The device checksum of what the blocks hold now, on this landing thread's own
+        stream: the decode step never waits for it."""
+        k_pool, v_pool = in_place_pools(chunk, self.k, self.v)  # DataLoss: not in place
+        with torch.cuda.stream(thread_stream(k_pool.device)):
+            value = blocks_checksum(k_pool, v_pool, list(chunk.block_ids))
+        if value != chunk.crc32:
+            raise DataLoss(f"{chunk_name(chunk)}: checksum mismatch (blocks corrupted in place)")
+
+    def reply(self, response: kv_pb2.PairResponse) -> None:
+        response.cuda_ipc_export = self._export
+
+    def is_peer_alive(self) -> bool:
+        return True  # a dead decode fails the next transfer (UNAVAILABLE), which forgets us
+
+    def close(self) -> None:
+        pass  # torch closes the IPC mapping with the last view (transfers may still hold some)
 
 
 # ---- decode ------------------------------------------------------------------------------------

@@ -58,11 +58,6 @@ class Tls:
         if (self.cert is None) != (self.key is None):
             raise ValueError("a TLS certificate needs its key, and a key its certificate")
 
-    @property
-    def is_mutual(self) -> bool:
-        """Servers require client certificates signed by the CA; clients present theirs."""
-        return self.cert is not None and self.ca is not None
-
     def server_credentials(self, *, require_client_auth: bool) -> grpc.ServerCredentials:
         """A server port's credentials; `require_client_auth`: only clients with a certificate
         the CA signed complete the handshake (others are refused before any call)."""

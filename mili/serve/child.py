@@ -89,7 +89,6 @@ class Child:
         self.address: str | None = None  # where it listens: set by its first run, then pinned
         self.metrics_url: str | None = None  # likewise, when it serves metrics
         self.tail = LogTail()
-        self.num_starts = 0
         self.started_at = 0.0  # time.monotonic() of the current run's start
         self.ready_at: float | None = None  # ... and of it answering health, None until then
         self._run_address: str | None = None  # what the current run announced
@@ -116,7 +115,6 @@ class Child:
         self._announced = asyncio.Event()
         self.ready_at = None
         self.started_at = time.monotonic()
-        self.num_starts += 1
         self.proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",

@@ -15,13 +15,11 @@ from kernels.build import KernelBuildError
 from kernels.choice import select_kernels
 from kernels.self_check import CheckShape
 from mili.engine.kv.block_pool import BlockPool
-from mili.engine.kv.kv_layout import KVLayout
 from mili.engine.model.config import ConfigError, Qwen3Config
 from mili.engine.model.fingerprint import model_fingerprint
-from mili.engine.model.kv_cache import KVCache, dtype_name
+from mili.engine.model.kv_cache import KVCache
 from mili.engine.model.loader import load_config
-from mili.engine.model.qwen3 import Qwen3ForCausalLM
-from mili.engine.step.runner import ModelRunner, require_device
+from mili.engine.step.runner import ModelRunner, RunnerInfo, require_device
 from mili.errors import StartupError
 from mili.kv_handoff import kv_transport
 from mili.kv_handoff.cuda_ipc import export_pool
@@ -63,7 +61,7 @@ def eos_token_ids(model_dir: Path, config: Qwen3Config) -> frozenset[int]:
 
 
 @dataclass
-class DecodeInstance:
+class DecodeInstance(RunnerInfo):
     config: DecodeConfig
     runner: ModelRunner
     table: RequestTable
@@ -152,11 +150,7 @@ class DecodeInstance:
             pool.ipc_export,
         )
 
-    # ---- what Info reports ---------------------------------------------------------------------
-
-    @property
-    def model(self) -> Qwen3ForCausalLM:
-        return self.runner.model
+    # ---- what Info reports (and RunnerInfo's) -------------------------------------------------
 
     @property
     def cache(self) -> KVCache:
@@ -168,34 +162,8 @@ class DecodeInstance:
         return self.config.model_dir.resolve().name
 
     @property
-    def dtype(self) -> str:
-        return dtype_name(self.model.dtype)
-
-    @property
-    def device(self) -> str:
-        return str(self.model.device)
-
-    @property
-    def attention_backend(self) -> str:
-        return self.model.attention.name
-
-    @property
-    def fused_ops(self) -> str:
-        return self.model.fused_ops.name
-
-    @property
     def max_context_tokens(self) -> int:
         return self.model.config.max_position_embeddings
-
-    @property
-    def vocab_size(self) -> int:
-        """The tokenizer's number of token ids: the ids accepted and sampled (the model's
-        embedding table may have more rows)."""
-        return self.runner.vocab_size
-
-    @property
-    def layout(self) -> KVLayout:
-        return self.runner.kv_cache.layout
 
     @property
     def kv_cache_bytes(self) -> int:

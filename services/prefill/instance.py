@@ -17,13 +17,10 @@ from kernels.build import KernelBuildError
 from kernels.choice import select_kernels
 from kernels.self_check import CheckShape
 from mili.engine.kv.block_pool import BlockPool
-from mili.engine.kv.kv_layout import KVLayout
 from mili.engine.model.config import ConfigError
 from mili.engine.model.fingerprint import model_fingerprint
-from mili.engine.model.kv_cache import dtype_name
 from mili.engine.model.loader import load_config
-from mili.engine.model.qwen3 import Qwen3ForCausalLM
-from mili.engine.step.runner import ModelRunner, require_device
+from mili.engine.step.runner import ModelRunner, RunnerInfo, require_device
 from mili.errors import StartupError
 from mili.telemetry.metrics import PrefillMetrics, PrefixCacheCollector
 from services.prefill.config import PrefillConfig
@@ -34,7 +31,7 @@ _LOG = logging.getLogger("mili.prefill")
 
 
 @dataclass
-class PrefillInstance:
+class PrefillInstance(RunnerInfo):
     config: PrefillConfig
     runner: ModelRunner
     scheduler: Scheduler
@@ -116,37 +113,7 @@ class PrefillInstance:
         PrefixCacheCollector(metrics.registry, "prefill", worker.prefix_cache_reading)
         return cls(config, runner, scheduler, worker, model_name, fingerprint, metrics)
 
-    # ---- what Info reports ---------------------------------------------------------------------
-
-    @property
-    def model(self) -> Qwen3ForCausalLM:
-        return self.runner.model
-
-    @property
-    def dtype(self) -> str:
-        return dtype_name(self.model.dtype)
-
-    @property
-    def device(self) -> str:
-        return str(self.model.device)
-
-    @property
-    def attention_backend(self) -> str:
-        return self.model.attention.name
-
-    @property
-    def fused_ops(self) -> str:
-        return self.model.fused_ops.name
-
-    @property
-    def vocab_size(self) -> int:
-        """The tokenizer's number of token ids: the ids accepted and sampled (the model's
-        embedding table may have more rows)."""
-        return self.runner.vocab_size
-
-    @property
-    def layout(self) -> KVLayout:
-        return self.runner.kv_cache.layout
+    # ---- what Info reports (and RunnerInfo's) -------------------------------------------------
 
     @property
     def max_prompt_tokens(self) -> int:

@@ -21,10 +21,9 @@ import grpc
 import torch
 
 from mili.kv_handoff import checksums
-from mili.kv_handoff.grpc_transport import GrpcTransport
 from mili.kv_handoff.kv_transport import Endpoint
 from mili.kv_handoff.shm_segment import sweep_stale
-from mili.kv_handoff.transport import KvTransport, connect
+from mili.kv_handoff.transport import GrpcTransport, KvTransport, connect
 from mili.pb.kv.v1 import kv_pb2
 from mili.rpc.client import channel as make_channel
 from mili.rpc.tls import Tls

@@ -30,7 +30,7 @@ from mili.engine.model.loader import load_model
 from mili.engine.model.qwen3 import PrefillBatch
 from mili.engine.sampling_params import SamplingParams
 from mili.engine.step.sampler import Sampler, SequenceSampling
-from mili.kv_handoff.codec import encode_chunk
+from mili.kv_handoff.codec import encode_chunk_request
 from mili.pb.common.v1 import sampling_pb2
 from mili.pb.decode.v1 import decode_pb2, decode_pb2_grpc
 from mili.pb.kv.v1 import kv_pb2, kv_pb2_grpc
@@ -148,8 +148,11 @@ class PrefillPlayer:
         carries the reservation's transfer token when `block_ids` is a `Reserved`, whose leading
         `num_cached_blocks` (decode's prefix cache has them) are not sent, as prefill does."""
         skip = getattr(block_ids, "num_cached_blocks", 0)
+        ids = list(block_ids)[skip:]
         chunks = [
-            encode_chunk(request_id, layer, layer, list(block_ids)[skip:], k[skip:], v[skip:])
+            kv_pb2.TransferKvRequest.FromString(
+                encode_chunk_request(request_id, layer, layer, ids, k[skip:], v[skip:])[0]
+            ).chunk
             for layer, (k, v) in enumerate(prefilled.kv)
         ]
         header = kv_pb2.TransferHeader(

@@ -19,7 +19,7 @@ from mili.errors import DataLoss
 from mili.kv_handoff import checksums, kv_transport
 from mili.kv_handoff.block_rows import fits, write_blocks
 from mili.kv_handoff.codec import batch_in_place
-from mili.kv_handoff.shm_transport import ShmTransport
+from mili.kv_handoff.transport import ShmTransport
 from mili.pb.decode.v1 import decode_pb2
 from mili.pb.kv.v1 import kv_pb2
 from mili.rpc.client import insecure_channel

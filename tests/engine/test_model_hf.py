@@ -14,7 +14,6 @@ from mili.engine.model.config import PRESETS
 from mili.engine.model.kv_cache import (
     KVCache,
     bytes_per_block,
-    num_blocks_for_budget,
     slot_mapping,
     slots_for_range,
 )
@@ -243,11 +242,8 @@ def test_slot_mapping_and_budget() -> None:
     assert slot_mapping(tables, seq_indices, positions, 4).tolist() == [31, 8, 37, 4, 7]
 
     config = PRESETS["qwen3-0.6b"]  # 28 layers x 8 kv heads x 128: 112 KiB/token in bf16
-    assert bytes_per_block(config, 16, torch.bfloat16) == 16 * config.kv_bytes_per_token
     assert bytes_per_block(config, 16, torch.bfloat16) == 16 * 112 * 1024
-    assert num_blocks_for_budget(config, 16, torch.bfloat16, 2**30) == 2**30 // (16 * 112 * 1024)
-    assert num_blocks_for_budget(config, 16, torch.float32, 2**30) == 2**30 // (32 * 112 * 1024)
-    assert num_blocks_for_budget(config, 16, torch.bfloat16, 100) == 0
+    assert bytes_per_block(config, 16, torch.float32) == 32 * 112 * 1024
     cache = KVCache(dataclasses.replace(config, num_hidden_layers=2), 3, 16, dtype=torch.bfloat16)
     assert cache.k[0].shape == (3, 16, 8, 128)
     assert cache.layout == (2, 16, 8, 128, "bfloat16")

@@ -15,6 +15,13 @@ def make(num_blocks: int = 8, enabled: bool = True) -> PrefixCache:
     return PrefixCache(BlockPool(num_blocks), B, enabled=enabled)
 
 
+def num_cached_prefix_blocks(cache: PrefixCache, token_ids: list[int]) -> int:
+    """How many leading full blocks of `token_ids` are cached. Read from the index itself:
+    `match` would take references and move the blocks in the LRU order under test."""
+    keys = cache.keys(token_ids)
+    return next((i for i, key in enumerate(keys) if key not in cache._block_of_key), len(keys))
+
+
 def test_keys_chain_the_whole_prefix_and_skip_the_partial_block() -> None:
     a = block_hashes([1, 2, 3, 4, 5, 6, 7, 8, 9], B)
     assert len(a) == 2
@@ -42,7 +49,7 @@ def test_insert_then_match_returns_the_exact_blocks_with_a_reference_each() -> N
     assert cache.match(list(range(12))) == [0, 1]  # a longer prompt with the same prefix
     assert cache.match([5, 5, 5, 5]) == []
     assert cache.stats.hit_tokens == (1 + 2 + 2) * B
-    assert cache.num_cached_prefix_blocks(prompt) == 2
+    assert num_cached_prefix_blocks(cache, prompt) == 2
 
 
 def test_max_blocks_leaves_the_last_token_to_compute() -> None:
@@ -70,10 +77,10 @@ def test_freed_cached_blocks_are_evicted_lru_tail_first_only_when_the_pool_is_sh
 
     # two more: the least recently freed chain goes, its tail before its head
     assert cache.allocate(1) == [1]
-    assert cache.num_cached_prefix_blocks(first) == 1
+    assert num_cached_prefix_blocks(cache, first) == 1
     assert cache.allocate(1) == [0]
-    assert cache.num_cached_prefix_blocks(first) == 0
-    assert cache.num_cached_prefix_blocks(second) == 2
+    assert num_cached_prefix_blocks(cache, first) == 0
+    assert num_cached_prefix_blocks(cache, second) == 2
     assert cache.stats.evicted_blocks == 2
 
 
@@ -101,8 +108,8 @@ def test_a_hit_makes_the_block_most_recently_used() -> None:
     cache.free(tb)
     cache.free(cache.match(a))  # a used again: b is now least recently used
     assert cache.allocate(2) == [2, 1]
-    assert cache.num_cached_prefix_blocks(a) == 1
-    assert cache.num_cached_prefix_blocks(b) == 0
+    assert num_cached_prefix_blocks(cache, a) == 1
+    assert num_cached_prefix_blocks(cache, b) == 0
 
 
 def test_exhaustion_evicts_nothing() -> None:

@@ -8,11 +8,15 @@ the new tokens' K/V in the cache as the engine does before it calls attention.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from kernels.backend import AttentionKernels
-from mili.engine.model.attention import TorchAttention
+from mili.engine.model.attention import AttentionBackend, TorchAttention
+
+if TYPE_CHECKING:
+    from kernels.cpu import CpuKernels
+    from kernels.gpu import GpuKernels
 
 
 @dataclass
@@ -89,19 +93,23 @@ def make_case(
     )
 
 
-def run_prefill(kernels: AttentionKernels, case: PagedCase) -> torch.Tensor:
+def run_prefill(kernels: AttentionBackend, case: PagedCase) -> torch.Tensor:
     return kernels.prefill(
         case.q,
-        case.k_cache,
-        case.v_cache,
+        case.k,
+        case.v,
         case.cu_seqlens,
         case.start_positions,
+        case.k_cache,
+        case.v_cache,
         case.block_tables,
         scale=case.scale,
     )
 
 
-def run_decode(kernels: AttentionKernels, case: PagedCase, num_splits: int = 0) -> torch.Tensor:
+def run_decode(
+    kernels: CpuKernels | GpuKernels, case: PagedCase, num_splits: int = 0
+) -> torch.Tensor:
     return kernels.decode(
         case.q,
         case.k_cache,

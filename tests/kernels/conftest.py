@@ -6,17 +6,19 @@ they fail instead, naming what is missing."""
 
 from __future__ import annotations
 
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import pytest
 import torch
 
 from kernels import build, ptx
-from kernels.backend import AttentionKernels
 from kernels.cpu import CpuKernels
 from kernels.fused import ptx as fused_ptx
 from kernels.fused.cpu import CpuFusedKernels
 from mili.engine.model.fused_ops import FusedOps
+
+if TYPE_CHECKING:
+    from kernels.gpu import GpuKernels
 
 
 def kernels_missing(config: pytest.Config, reason: str) -> NoReturn:
@@ -32,7 +34,7 @@ def cpu_kernels() -> CpuKernels:
 
 
 @pytest.fixture(scope="session")
-def gpu_kernels(pytestconfig: pytest.Config) -> AttentionKernels:
+def gpu_kernels(pytestconfig: pytest.Config) -> GpuKernels:
     """PTX from the kernel cache: built here with the toolchain, or carried to a GPU host
     (`MILI_CACHE_DIR=<dir> mili kernels build --gpu` where Mojo is, then MILI_CACHE_DIR=<dir>)."""
     if not torch.cuda.is_available():
@@ -69,7 +71,7 @@ def gpu_fused(pytestconfig: pytest.Config) -> FusedOps:
 
 
 @pytest.fixture(params=["cpu", "cpu-3-workers", pytest.param("cuda", marks=pytest.mark.gpu)])
-def device_kernels(request: pytest.FixtureRequest) -> tuple[str, AttentionKernels]:
+def device_kernels(request: pytest.FixtureRequest) -> tuple[str, CpuKernels | GpuKernels]:
     """(device, kernels) for every kernel implementation: the parity grid runs on each.
 
     "cpu" is what serving runs (small calls on one worker); "cpu-3-workers" forces every call

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from kernels import build
-from kernels.backend import MojoAttention, select_attention
+from kernels.backend import select_attention
+from kernels.cpu import CpuKernels
 from mili.engine.generate import generate
 from mili.engine.model.attention import TorchAttention
 from mili.engine.model.loader import load_model
@@ -32,7 +33,7 @@ def test_mojo_is_the_default_where_it_builds() -> None:
 
     assert DEFAULT_ATTENTION == "auto"
     backend = select_attention("auto", "cpu", head_dim=64)
-    assert isinstance(backend, MojoAttention) and backend.name == "mojo"
+    assert isinstance(backend, CpuKernels) and backend.name == "mojo"
 
 
 def test_auto_falls_back_to_torch_and_says_why(tmp_path, monkeypatch, caplog) -> None:
@@ -87,7 +88,7 @@ def test_missing_or_stale_ptx_is_reported_by_name(
     tmp_path, monkeypatch, family: str, arch_dir: str
 ) -> None:
     # A GPU host without the toolchain whose cache holds PTX of an older kernel source only.
-    from kernels.fused.backend import select_fused_ops
+    from kernels.backend import select_fused_ops
 
     _break_toolchain(tmp_path, monkeypatch)
     (tmp_path / "kernels" / "0123456789abcdef" / arch_dir).mkdir(parents=True)

@@ -23,6 +23,8 @@ def case() -> PagedCase:
 def _prefill(kernels: CpuKernels, c: PagedCase, **changes: torch.Tensor) -> torch.Tensor:
     args = {
         "q": c.q,
+        "k": c.k,
+        "v": c.v,
         "k_cache": c.k_cache,
         "v_cache": c.v_cache,
         "cu_seqlens": c.cu_seqlens,

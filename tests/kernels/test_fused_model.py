@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kernels import build
-from kernels.fused.backend import select_fused_ops
+from kernels.backend import select_fused_ops
 from kernels.fused.cpu import CpuFusedKernels
 from mili.engine.generate import generate
 from mili.engine.model.checkpoint import write_random_checkpoint

@@ -19,7 +19,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kernels import build
-from kernels.backend import MojoAttention
 from kernels.cpu import CpuKernels
 from kernels.fused.cpu import CpuFusedKernels
 from mili.engine.model.attention import TorchAttention
@@ -74,7 +73,7 @@ def _kernels_per_step(path: Path, kind: str) -> tuple[int, Counter[str]]:
     attention_kernels = CpuKernels.from_path(module_path)
     fused = CpuFusedKernels.from_path(module_path)
     if kind == "mojo":
-        model = load_model(path, attention=MojoAttention(attention_kernels, "cpu"), fused_ops=fused)
+        model = load_model(path, attention=attention_kernels, fused_ops=fused)
     else:
         model = load_model(path, attention=TorchAttention(), fused_ops=TorchFusedOps())
     cache = KVCache(model.config, 8, BLOCK_SIZE, dtype=model.dtype)

@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.backend import AttentionKernels
+from kernels.cpu import CpuKernels
+from kernels.gpu import GpuKernels
 from tests.kernels.cases import (
     assert_close,
     make_case,
@@ -30,7 +31,7 @@ DTYPES = (torch.float32, torch.bfloat16)
 ALL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 KV_HEADS = 2
 
-Kernels = tuple[str, AttentionKernels]
+Kernels = tuple[str, CpuKernels | GpuKernels]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

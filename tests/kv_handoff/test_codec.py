@@ -11,11 +11,19 @@ from google.protobuf.message import DecodeError
 from mili.engine.kv.kv_layout import KVLayout
 from mili.errors import DataLoss
 from mili.kv_handoff import checksums, codec
-from mili.kv_handoff.block_rows import block_runs
+from mili.kv_handoff.block_rows import block_rows, block_runs
 from mili.pb.kv.v1 import kv_pb2
 from mili.rpc import kv_layout
 
 LAYOUT = KVLayout(num_layers=4, block_size=16, num_kv_heads=2, head_dim=32, dtype="bfloat16")
+
+
+def _chunk(
+    request_id: str, seq: int, layer: int, block_ids: list[int], k: torch.Tensor, v: torch.Tensor
+) -> kv_pb2.KvChunk:
+    """The chunk `encode_chunk_request` sends, parsed by protobuf."""
+    message, _ = codec.encode_chunk_request(request_id, seq, layer, block_ids, k, v)
+    return kv_pb2.TransferKvRequest.FromString(message).chunk
 
 
 def _blocks(n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -29,7 +37,7 @@ def _blocks(n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
 def test_round_trip_is_bit_exact(dtype: torch.dtype, n: int) -> None:
     layout = kv_layout.layout_to_proto(LAYOUT._replace(dtype=str(dtype)[6:]), "fp")
     k, v = _blocks(n, dtype)
-    chunk = codec.encode_chunk("req-1", 3, 2, list(range(10, 10 + n)), k, v)
+    chunk = _chunk("req-1", 3, 2, list(range(10, 10 + n)), k, v)
     assert len(chunk.data) == 2 * n * kv_layout.block_bytes(layout)
     k2, v2 = codec.decode_chunk(chunk, layout)
     assert k2.dtype == dtype and torch.equal(k2, k) and torch.equal(v2, v)
@@ -38,7 +46,7 @@ def test_round_trip_is_bit_exact(dtype: torch.dtype, n: int) -> None:
 def test_corrupt_short_and_misplaced_chunks_are_data_loss() -> None:
     layout = kv_layout.layout_to_proto(LAYOUT, "fp")
     k, v = _blocks(2, torch.bfloat16)
-    chunk = codec.encode_chunk("req-9", 7, 1, [4, 5], k, v)
+    chunk = _chunk("req-9", 7, 1, [4, 5], k, v)
 
     flipped = type(chunk)()
     flipped.CopyFrom(chunk)
@@ -111,7 +119,7 @@ def test_encoder_writes_the_bytes_protobuf_writes(
     reference = _protobuf_chunk(request_id, seq, layer, block_ids, k, v)
     assert message == kv_pb2.TransferKvRequest(chunk=reference).SerializeToString()
     assert num_data == len(reference.data)
-    assert codec.encode_chunk(request_id, seq, layer, block_ids, k, v) == reference
+    assert _chunk(request_id, seq, layer, block_ids, k, v) == reference
 
 
 def test_encoder_writes_non_contiguous_input_in_c_order() -> None:
@@ -271,7 +279,7 @@ def test_xxh3_chunks_are_what_protobuf_writes_and_reads_and_catch_corruption() -
 
 
 @pytest.mark.parametrize("checksum", checksums.available())
-def test_blocks_digest_is_the_digest_of_the_chunk_those_blocks_would_make(checksum: str) -> None:
+def test_rows_digest_is_the_digest_of_the_chunk_those_blocks_would_make(checksum: str) -> None:
     """An in-place chunk's checksum (blocks as the pool holds them, runs of consecutive ids
     read at once) equals the checksum of the same blocks sent as data."""
     k_pool, v_pool = _blocks(12, torch.float16)
@@ -280,9 +288,10 @@ def test_blocks_digest_is_the_digest_of_the_chunk_those_blocks_would_make(checks
     raw, _ = codec.encode_chunk_request("r", 0, 0, block_ids, k, v, checksum)
     view = codec.parse_transfer_request(raw)
     assert isinstance(view, codec.ChunkView)
-    value = codec.blocks_digest(checksum, k_pool, v_pool, block_ids)
+    rows = block_rows(k_pool), block_rows(v_pool)
+    value = codec.rows_digest(checksum, *rows, block_ids)
     assert value == codec.announced(view, checksum) != 0
-    assert codec.blocks_digest(checksum, k_pool, v_pool, [4, 3, 5, 9, 1, 2]) != value
+    assert codec.rows_digest(checksum, *rows, [4, 3, 5, 9, 1, 2]) != value
     in_place = codec.parse_transfer_request(
         codec.encode_chunk_in_place("r", 0, 0, block_ids, value, checksum)
     )

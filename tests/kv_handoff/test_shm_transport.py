@@ -14,8 +14,9 @@ from mili.engine.kv.kv_layout import KVLayout
 from mili.engine.model.kv_cache import pool_bytes, pool_views
 from mili.errors import DataLoss
 from mili.kv_handoff import checksums, codec
+from mili.kv_handoff.block_rows import block_rows
 from mili.kv_handoff.shm_segment import Segment
-from mili.kv_handoff.shm_transport import ShmTransport
+from mili.kv_handoff.transport import ShmTransport
 
 LAYOUT = KVLayout(num_layers=3, block_size=4, num_kv_heads=2, head_dim=8, dtype="bfloat16")
 NUM_BLOCKS = 16
@@ -64,10 +65,11 @@ def test_encode_writes_the_blocks_and_announces_what_decode_reads(
     chunk = codec.parse_transfer_request(message)
     assert isinstance(chunk, codec.ChunkView)
     assert (chunk.seq, chunk.layer, chunk.block_ids, len(chunk.data)) == (3, 1, ids, 0)
-    read_back = codec.blocks_digest(checksum, decode_k[1], decode_v[1], ids)
+    rows = block_rows(decode_k[1]), block_rows(decode_v[1])
+    read_back = codec.rows_digest(checksum, *rows, ids)
     assert codec.announced(chunk, checksum) == read_back
     decode_k[1][ids[-1]].view(torch.uint8)[0, 0, 0] ^= 1  # a bit a bad write would leave
-    assert codec.blocks_digest(checksum, decode_k[1], decode_v[1], ids) != read_back
+    assert codec.rows_digest(checksum, *rows, ids) != read_back
 
 
 @pytest.mark.parametrize(

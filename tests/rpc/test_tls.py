@@ -175,4 +175,4 @@ def test_tls_flags_fit_together_or_say_why_not(pki: dict[str, CertFiles]) -> Non
         flags.server_config(_args("--tls-cert", cert, "--tls-key", key, "--tls-ca", __file__))
     # A client with only --tls-ca verifies servers and presents nothing.
     client = flags.client_tls(_args("--tls-ca", ca))
-    assert client is not None and client.cert is None and not client.is_mutual
+    assert client is not None and client.cert is None

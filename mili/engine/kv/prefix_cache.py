@@ -36,14 +36,9 @@ from mili.engine.kv.block_pool import BlockPool, BlockPoolExhausted
 class PrefixCacheStats:
     """Counters since start; exported as metrics and by Info."""
 
-    queries: int = 0  # prompts looked up
-    query_tokens: int = 0  # their tokens
+    query_tokens: int = 0  # tokens of the prompts looked up
     hit_tokens: int = 0  # tokens served from cached blocks
     evicted_blocks: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
 
 
 class PrefixCacheReading(NamedTuple):
@@ -100,7 +95,6 @@ class PrefixCache:
 
     def record(self, num_query_tokens: int, num_hit_blocks: int) -> None:
         """Count one lookup of `num_query_tokens` tokens that reused `num_hit_blocks` blocks."""
-        self.stats.queries += 1
         self.stats.query_tokens += num_query_tokens
         self.stats.hit_tokens += num_hit_blocks * self.block_size
 
@@ -133,17 +127,6 @@ class PrefixCache:
             matched.append(block_id)
         self._acquire(matched)
         return matched
-
-    def num_cached_prefix_blocks(self, token_ids: Sequence[int]) -> int:
-        """How many leading full blocks of `token_ids` are cached; takes no reference."""
-        if not self.enabled:
-            return 0
-        n = 0
-        for key in block_hashes(token_ids, self.block_size):
-            if key not in self._block_of_key:
-                break
-            n += 1
-        return n
 
     def allocate(self, n: int) -> list[int]:
         """`n` fresh blocks (one reference each), evicting LRU cached blocks if the pool is short.

@@ -66,17 +66,6 @@ class Qwen3Config:
         if self.hidden_act != "silu":
             raise ConfigError(f"config field 'hidden_act' must be 'silu', got {self.hidden_act!r}")
 
-    @property
-    def num_queries_per_kv(self) -> int:
-        """Grouped-query ratio: q heads sharing one kv head."""
-        return self.num_attention_heads // self.num_key_value_heads
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V one token occupies across all layers at `torch_dtype`."""
-        itemsize = 4 if self.torch_dtype == "float32" else 2
-        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * itemsize
-
     @classmethod
     def from_hf_dict(cls, data: dict[str, Any]) -> Qwen3Config:
         """Build from a parsed HF config.json; raises ConfigError naming a missing field."""

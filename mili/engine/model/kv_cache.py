@@ -73,15 +73,6 @@ def bytes_per_block(config: Qwen3Config, block_size: int, dtype: torch.dtype) ->
     return 2 * config.num_hidden_layers * per_layer
 
 
-def num_blocks_for_budget(
-    config: Qwen3Config, block_size: int, dtype: torch.dtype, budget_bytes: int
-) -> int:
-    """How many blocks fit in `budget_bytes` of cache memory (rounded down)."""
-    if budget_bytes < 0:
-        raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
-    return budget_bytes // bytes_per_block(config, block_size, dtype)
-
-
 def slot_mapping(
     block_tables: torch.Tensor, seq_indices: torch.Tensor, positions: torch.Tensor, block_size: int
 ) -> torch.Tensor:

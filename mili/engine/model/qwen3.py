@@ -226,7 +226,7 @@ class Qwen3ForCausalLM(nn.Module):
     """Qwen3 with a language-model head; build on `meta` and let the loader materialize weights.
 
     `attention` and `fused_ops` are the kernels it runs on (torch references by default);
-    services choose them once at start-up (kernels/backend.py, kernels/fused/backend.py).
+    services choose them once at start-up (kernels/backend.py).
     """
 
     def __init__(

@@ -27,11 +27,12 @@ import torch
 
 from mili.engine.engine_config import EngineConfig
 from mili.engine.kv.block_pool import blocks_needed
+from mili.engine.kv.kv_layout import KVLayout
 from mili.engine.kv_memory import GIB, DeviceMemory, KvPoolSize, plan_kv_pool
 from mili.engine.model.attention import AttentionBackend
 from mili.engine.model.config import ConfigError
 from mili.engine.model.fused_ops import FusedOps
-from mili.engine.model.kv_cache import KVCache, bytes_per_block
+from mili.engine.model.kv_cache import KVCache, bytes_per_block, dtype_name
 from mili.engine.model.loader import (
     CheckpointError,
     load_model,
@@ -335,6 +336,42 @@ class ModelRunner:
         if use_graphs:
             runner.capture_graphs()
         return runner
+
+
+class RunnerInfo:
+    """What a prefill or decode instance reports about its `runner` (Info, start-up logs)."""
+
+    runner: ModelRunner
+
+    @property
+    def model(self) -> Qwen3ForCausalLM:
+        return self.runner.model
+
+    @property
+    def dtype(self) -> str:
+        return dtype_name(self.model.dtype)
+
+    @property
+    def device(self) -> str:
+        return str(self.model.device)
+
+    @property
+    def attention_backend(self) -> str:
+        return self.model.attention.name
+
+    @property
+    def fused_ops(self) -> str:
+        return self.model.fused_ops.name
+
+    @property
+    def vocab_size(self) -> int:
+        """The tokenizer's number of token ids: the ids accepted and sampled (the model's
+        embedding table may have more rows)."""
+        return self.runner.vocab_size
+
+    @property
+    def layout(self) -> KVLayout:
+        return self.runner.kv_cache.layout
 
 
 def use_device(device: torch.device) -> None:
