@@ -24,7 +24,7 @@ from mili.pb.decode.v1 import decode_pb2
 from mili.pb.kv.v1 import kv_pb2
 from mili.rpc.client import insecure_channel
 from services.decode.landing import Landing
-from services.decode.transfer import KvTransferServicer
+from services.decode.transfer import _IN_PLACE_GRACE_S, KvTransferServicer
 from services.prefill.pairing import Peers
 from services.prefill.sender import KvSender
 from services.prefill.task import FirstToken, PrefillTask
@@ -181,7 +181,9 @@ def run(server: DecodeServerThread, body: Callable[[Client], Any]) -> None:
             client = Client(channel)
             assert (await client.info()).num_free_blocks == NUM_BLOCKS
             await body(client)
-            await blocks_back(client, NUM_BLOCKS)
+            # A failed in-place transfer's blocks come back _IN_PLACE_GRACE_S after it ends (a
+            # stale copy may still be landing): wait that long and then the usual 2 s.
+            await blocks_back(client, NUM_BLOCKS, timeout_s=_IN_PLACE_GRACE_S + 2.0)
 
     server.run(main())
 
