@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 import torch
 
 from kernels.build import KernelBuildError
+from kernels.checks import DTYPE_CODES
 from kernels.self_check import (
     ATTENTION,
     FUSED,
@@ -60,9 +61,9 @@ def select_kernels(
     """The kernels `--attention choice` means on `device` for a model of `shape`.
 
     `load` replaces `load_family` (tests hand in kernels made to fail); `isolate` (default:
-    on CUDA) runs the self-check in a child process, which loads the kernels with
-    `load_family` itself. KernelBuildError when `choice` is mojo and a kernel is unavailable
-    or fails the check.
+    on CUDA) runs the self-check in child processes, one per family, which load the kernels
+    with `load_family` themselves. KernelBuildError when `choice` is mojo and a kernel is
+    unavailable or fails the check.
     """
     torch_kernels = Kernels(TorchAttention(), TorchFusedOps())
     if choice == "torch":
@@ -110,4 +111,4 @@ def select_kernels(
 
 
 _NAMES = {ATTENTION: "attention", FUSED: "fused-op"}
-_DTYPES = ("float32", "bfloat16", "float16")  # kernels/checks.py DTYPE_CODES, by name
+_DTYPES = tuple(str(dtype).removeprefix("torch.") for dtype in DTYPE_CODES)  # what the kernels run
