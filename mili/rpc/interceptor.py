@@ -404,5 +404,15 @@ async def _abort(
         # the call is over (the client went away): the status alone is all we can still send.
         with contextlib.suppress(Exception):
             await context.send_initial_metadata(status_header(code, details, trailing_metadata))
-    await context.abort(code, details, trailing_metadata)
+    try:
+        await context.abort(code, details, trailing_metadata)
+    except grpc.aio.AbortError:
+        raise
+    except Exception:
+        # The call ended in grpc core while the status was on its way (the caller's deadline
+        # passed or it went away at that moment): nobody is left to tell. grpc.aio would log
+        # this send failure as an error with a traceback; ending the call as cancelled is what
+        # it is, and grpc.aio takes that quietly.
+        _LOG.debug("%s: the call ended before its status %s could be sent", code.name, details)
+        raise asyncio.CancelledError from None
     raise AssertionError("context.abort returned")  # it always raises AbortError

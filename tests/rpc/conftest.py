@@ -17,6 +17,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from mili import errors
 from mili.rpc.client import insecure_channel
 from mili.rpc.server import RpcServer, ServerConfig
 
@@ -79,6 +80,14 @@ class Echo:
         finally:
             self.num_holds_closed += 1
 
+    async def late(self, request: bytes, context: Any) -> AsyncIterator[bytes]:
+        """Fails with DEADLINE_EXCEEDED just as the caller's own deadline passes in grpc core:
+        the status races the end of the call (what a request that waited out its deadline in a
+        queue does)."""
+        await asyncio.sleep(context.time_remaining() + 0.001)
+        raise errors.DeadlineExceeded("the deadline passed while the request waited")
+        yield request  # an async generator: a server stream with no messages
+
     def sync_unary(self, request: bytes, context: Any) -> bytes:
         return b"sync:" + request
 
@@ -97,6 +106,7 @@ class Echo:
                 "Info": grpc.unary_unary_rpc_method_handler(self.unary),  # a control call
                 "Hold": grpc.unary_stream_rpc_method_handler(self.hold),
                 "SyncUnary": grpc.unary_unary_rpc_method_handler(self.sync_unary),
+                "Late": grpc.unary_stream_rpc_method_handler(self.late),
             },
         )
         server.add_generic_rpc_handlers((handler,))

@@ -222,6 +222,27 @@ def test_context_abort_passes_through(echo_server: Any, caplog: pytest.LogCaptur
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
+def test_status_racing_the_callers_deadline_ends_quietly(
+    echo_server: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A request that fails with DEADLINE_EXCEEDED just as grpc core ends the call for the same
+    deadline: the status cannot be sent any more, and that is no server error to log."""
+
+    async def one(h: Any) -> grpc.StatusCode:
+        error = await _fail_stream(h.server_stream("Late")(b"x", timeout=0.2))
+        return error[1].code()
+
+    async def main() -> list[grpc.StatusCode]:
+        async with echo_server() as h:
+            return list(await asyncio.gather(*(one(h) for _ in range(200))))
+
+    with caplog.at_level(logging.DEBUG):
+        codes = asyncio.run(main())
+    assert set(codes) == {grpc.StatusCode.DEADLINE_EXCEEDED}
+    errors_logged = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not errors_logged, errors_logged[:3]
+
+
 @pytest.mark.parametrize("method", ["ServerStream", "ServerStreamWriter"])
 def test_server_stream_error_mid_stream(echo_server: Any, method: str) -> None:
     async def main() -> None:
