@@ -13,6 +13,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 _LISTENING = re.compile(r"(\w+) service listening on (\S+)")
+_HTTP = re.compile(r"(\w+) http on (\S+)")
 
 
 class ServiceProcess:
@@ -70,6 +71,15 @@ class ServiceProcess:
             f"mili {' '.join(self.args)} exited {self.proc.returncode} before listening:\n"
             + "".join(self.stderr_lines[-30:])
         )
+
+    @property
+    def http_url(self) -> str:
+        """The frontend's HTTP API (`http://HOST:PORT`), announced before its gRPC port."""
+        for line in self.stdout_lines:
+            match = _HTTP.search(line)
+            if match:
+                return match.group(2)
+        raise AssertionError(f"mili {' '.join(self.args)} announced no HTTP port")
 
     @property
     def stderr(self) -> str:

@@ -23,8 +23,9 @@ import asyncio
 import logging
 import signal
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -160,6 +161,13 @@ class RpcServer:
         self._hurry: asyncio.Event | None = None  # set by a second signal: skip the drain wait
         self._stopped: asyncio.Event | None = None
         self._is_serving = True  # what health reports until drained; see set_serving
+        self._drain_hooks: list[Callable[[], Coroutine[Any, Any, None]]] = []
+
+    def add_drain_hook(self, hook: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        """Drain something else beside this server (the frontend's HTTP port): `hook` starts
+        with the drain and is awaited before the server counts as stopped; a second signal
+        cancels it."""
+        self._drain_hooks.append(hook)
 
     def add_service(self, full_name: str, register: Register, policy: Policy = OPEN) -> None:
         """Register one service before `start`; `full_name` is its proto name (for health,
@@ -360,6 +368,24 @@ class RpcServer:
             await self._health.set(name, status)
             await self._probe_health.set(name, status)
 
+    async def _await_hooks(self, hooks: list[asyncio.Task[None]]) -> None:
+        """The drain hooks' ends; a second signal cancels those still running."""
+        assert self._hurry is not None
+        hurry: asyncio.Task[Any] = asyncio.create_task(self._hurry.wait())
+        try:
+            pending: set[asyncio.Task[Any]] = set(hooks)
+            while pending and not self._hurry.is_set():
+                _, pending = await asyncio.wait({*pending, hurry}, return_when="FIRST_COMPLETED")
+                pending.discard(hurry)
+            for task in pending:
+                task.cancel()
+            results = await asyncio.gather(*hooks, return_exceptions=True)
+        finally:
+            hurry.cancel()
+        for result in results:
+            if isinstance(result, Exception):
+                _LOG.error("%s: a drain hook failed: %s", self.name, result, exc_info=result)
+
     def _start_drain(self) -> asyncio.Task[None]:
         if self._drain_task is None:
             assert self._server is not None
@@ -390,6 +416,7 @@ class RpcServer:
             self.num_in_flight,
             timeout_s,
         )
+        hooks = [asyncio.create_task(hook()) for hook in self._drain_hooks]
         idle = asyncio.create_task(self._interceptor.wait_idle())
         hurry = asyncio.create_task(self._hurry.wait())
         first = asyncio.FIRST_COMPLETED
@@ -412,6 +439,8 @@ class RpcServer:
             await server.stop(grace_s)
             if self._probe_server is not None:
                 await self._probe_server.stop(0)
+            if hooks:
+                await self._await_hooks(hooks)
         finally:
             if self._metrics_server is not None:  # scrapes kept answering through the drain
                 self._metrics_server.close()

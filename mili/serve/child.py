@@ -1,10 +1,11 @@
 """One service process of `mili serve`: start it, forward its output, know when it is ready.
 
 A child announces `<name> service listening on HOST:PORT` on stdout (and `<name> metrics on URL`
-with a metrics port). The first address it announces is kept: every restart passes the same
-`--port` (and `--metrics-port`), because the frontend's instance lists are fixed at its start
-and a restarted instance must come back where the frontend polls for it. gRPC servers bind
-with SO_REUSEADDR, so the connections a killed child leaves in TIME_WAIT do not hold the port.
+with a metrics port, `<name> http on URL` with an HTTP port). The first address it announces is
+kept: every restart passes the same `--port` (and `--metrics-port`, `--http-port`), because
+the frontend's instance lists are fixed at its start and a restarted instance must come back
+where the frontend polls for it (and clients where they found it). Servers bind with
+SO_REUSEADDR, so the connections a killed child leaves in TIME_WAIT do not hold the port.
 
 Each run's output lines are kept in a small ring with the time each arrived, cleared at every
 start: what is printed when the child dies is what *this* run said, never a traceback left by
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
 
 _LISTENING = re.compile(r"(\w+) service listening on (\S+)")
 _METRICS = re.compile(r"(\w+) metrics on (\S+)")
+_HTTP = re.compile(r"(\w+) http on (\S+)")
 _ROOT = Path(__file__).resolve().parent.parent  # holds the `mili` and `services` packages
 TAIL_LINES = 40
 
@@ -88,6 +90,7 @@ class Child:
         self.proc: asyncio.subprocess.Process | None = None
         self.address: str | None = None  # where it listens: set by its first run, then pinned
         self.metrics_url: str | None = None  # likewise, when it serves metrics
+        self.http_url: str | None = None  # likewise, a frontend's HTTP API
         self.tail = LogTail()
         self.started_at = 0.0  # time.monotonic() of the current run's start
         self.ready_at: float | None = None  # ... and of it answering health, None until then
@@ -105,6 +108,8 @@ class Child:
             pins += ["--port", self.address.rpartition(":")[2]]
         if self.metrics_url is not None and (port := urlsplit(self.metrics_url).port):
             pins += ["--metrics-port", str(port)]
+        if self.http_url is not None and (port := urlsplit(self.http_url).port):
+            pins += ["--http-port", str(port)]
         return [*self.argv, *pins]
 
     async def start(self) -> None:
@@ -138,6 +143,9 @@ class Child:
         metrics = _METRICS.search(line)
         if metrics and self.metrics_url is None:
             self.metrics_url = metrics.group(2)
+        http = _HTTP.search(line)
+        if http and self.http_url is None:
+            self.http_url = http.group(2)
         match = _LISTENING.search(line)
         if match and self._run_address is None:
             self._run_address = match.group(2)

@@ -70,12 +70,14 @@ from mili.serve import tls as serve_tls
 from mili.serve.backoff import Backoff
 from mili.serve.child import Child, describe_exit
 from mili.serve.plan import (
+    DEFAULT_HTTP_PORT,
     DEFAULT_PREFILL_MEMORY_SHARE,
     ENGINE,
     EVERY_CHILD,
     FRONTEND,
     Plan,
     check_ports,
+    http_port,
     make_plan,
 )
 
@@ -86,6 +88,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     flags.add_model_argument(parser)
     parser.add_argument(
         "--port", type=int, default=DEFAULT_PORT, help="frontend port (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--http-port",
+        type=http_port,
+        default=None,
+        metavar="PORT|off",
+        help="the frontend's HTTP API (OpenAI-compatible /v1/..., /generate, /status, /health); "
+        f"frontend k gets PORT+k; 0 = free ports; off = none (default: {DEFAULT_HTTP_PORT}, "
+        "free ports with --port 0)",
     )
     parser.add_argument(
         "--gpu-memory-utilization",
@@ -249,10 +260,14 @@ class Launcher:
             return False
         for child in [*backends, *self.frontends]:
             metrics = "" if child.metrics_url is None else f" metrics {child.metrics_url}"
+            http = "" if child.http_url is None else f" http {child.http_url}"
             print(
-                f"mili serve: {child.name:<10} {child.address} pid {child.pid}{metrics}",
+                f"mili serve: {child.name:<10} {child.address} pid {child.pid}{http}{metrics}",
                 flush=True,
             )
+        for frontend in self.frontends:
+            if frontend.http_url is not None:
+                print(f"mili serve: OpenAI-compatible API on {frontend.http_url}/v1", flush=True)
         if self.plan.tls_demo is not None:
             usage = serve_tls.demo_usage(self.plan.tls_demo, self._address(self.frontends[0]))
             for line in usage:

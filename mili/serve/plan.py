@@ -66,6 +66,32 @@ class Plan:
         return self.frontends[0]
 
 
+DEFAULT_HTTP_PORT = 8000
+HTTP_OFF = -1  # --http-port off
+
+
+def http_port(text: str) -> int:
+    """--http-port's value: a port, or `off` (HTTP_OFF)."""
+    if text == "off":
+        return HTTP_OFF
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise ValueError(text)
+    return port
+
+
+def http_base(args: argparse.Namespace) -> int | None:
+    """The first frontend's HTTP port (0: free ports), None when off: --http-port, else 8000,
+    else (with --port 0, every port picked free) 0."""
+    if args.http_port is None:
+        return 0 if args.port == 0 else DEFAULT_HTTP_PORT
+    return None if args.http_port == HTTP_OFF else int(args.http_port)
+
+
+def _http(base: int | None, k: int) -> list[str]:
+    return [] if base is None else ["--http-port", _port(base, k)]
+
+
 def _port(base: int, i: int) -> str:
     return str(_offset(base, i))
 
@@ -173,6 +199,7 @@ def make_plan(
                 *common,
                 "--port",
                 _port(args.port, k),
+                *_http(http_base(args), k),
                 *_metrics(metrics_base, 0 if k == 0 else after_decodes + k - 1),
                 *streaming,
                 *extra("frontend"),
@@ -190,6 +217,9 @@ def make_plan(
 def check_ports(args: argparse.Namespace) -> None:
     """Fixed ports taken by another process fail now, before any model loads (seconds)."""
     fixed = [("--port", _offset(args.port, k)) for k in range(args.frontends)]
+    http = http_base(args)
+    if http:
+        fixed += [("--http-port", http + k) for k in range(args.frontends)]
     fixed += [("--tokenizer-port", args.tokenizer_port)]
     fixed += [
         ("--prefill-port", _offset(args.prefill_port, i)) for i in range(args.prefill_instances)

@@ -6,10 +6,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+from typing import TYPE_CHECKING
 
-from mili import flags
+from mili import flags, ports
 from mili.errors import StartupError
 from mili.rpc.server import ServerConfig
+
+if TYPE_CHECKING:
+    from services.frontend.http_api.server import HttpConfig
 
 DEFAULT_PORT = 50051
 DEFAULT_TOKENIZER = "127.0.0.1:50052"
@@ -148,6 +152,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         receive_window_bytes=REQUEST_WINDOW_BYTES,
     )
     parser.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="also serve the HTTP API (OpenAI-compatible /v1/..., /generate, /status, /health) "
+        "on --host:PORT, 0 for a free port, with the public port's TLS (default: off)",
+    )
+    parser.add_argument(
         "--public-tls",
         choices=PUBLIC_TLS,
         default=None,
@@ -161,12 +173,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     flags.setup_logging(args)
     flags.check_ports(args)  # a taken port fails now, not after start-up work
+    if args.http_port:
+        ports.check_free(args.host, args.http_port, "--http-port")
     # Imported here: `mili --help` must not pay for the frontend's imports.
     from mili.rpc.server import RpcServer, serve_forever
     from mili.telemetry.metrics import FrontendMetrics
     from mili.telemetry.tracing import start_tracing
     from services.frontend.backends import Backends
     from services.frontend.config import FrontendConfig
+    from services.frontend.generations import Generations
+    from services.frontend.http_api.app import make_app
+    from services.frontend.http_api.server import HttpServer
     from services.frontend.router import Router
     from services.frontend.server import GenerationServicer, add_to_server
     from services.frontend.validation import Limits
@@ -191,6 +208,7 @@ def run(args: argparse.Namespace) -> int:
         )
         tls = flags.client_tls(args)
         server_config = _server_config(args)
+        http_config = _http_config(args, server_config)
     except ValueError as e:
         raise StartupError(str(e)) from None
     logging.getLogger("mili.frontend").info(
@@ -217,11 +235,20 @@ def run(args: argparse.Namespace) -> int:
         )
         router = backends.router
         metrics.watch_instances(lambda: [(m.kind, m.state.value) for m in router.members()])
-        add_to_server(server, GenerationServicer(backends, metrics))
+        generations = Generations(backends, metrics)
+        add_to_server(server, GenerationServicer(generations))
         await backends.start()
+        http = None
         try:
+            if http_config is not None:
+                http = HttpServer(make_app(generations, http_config), http_config)
+                await http.start()
+                server.add_drain_hook(http.drain)
+                print(f"frontend http on {http.url}", flush=True)  # before the port's line
             await serve_forever(server)
         finally:
+            if http is not None:
+                await http.drain()
             await backends.close()
 
     try:
@@ -229,6 +256,23 @@ def run(args: argparse.Namespace) -> int:
     finally:
         tracing.shutdown()  # after the drain: flush the last requests' spans
     return 0
+
+
+def _http_config(args: argparse.Namespace, public: ServerConfig) -> HttpConfig | None:
+    """The HTTP port (None: off): the public port's host, TLS, body limit and drain time."""
+    from services.frontend.http_api.server import HttpConfig
+
+    if args.http_port is None:
+        return None
+    tls = public.tls
+    return HttpConfig(
+        host=args.host,
+        port=args.http_port,
+        max_body_bytes=args.max_receive_message_bytes,
+        drain_timeout_s=args.drain_timeout,
+        tls=None if tls is None else flags.tls_files(args),
+        require_client_auth=tls is not None and tls.require_client_auth,
+    )
 
 
 def _server_config(args: argparse.Namespace) -> ServerConfig:

@@ -1,8 +1,7 @@
 """gRPC edge of the frontend: mili.frontend.v1.GenerationService.
 
-Generate: validate -> tokenize -> Generation (route, hand off, stream) -> GenerateResponse,
-several deltas in one when the client lags (coalescer.py); its span, latencies and log line
-in one RequestObserver (observer.py).
+Generate: validate -> Generations.run (tokenize, route, hand off, stream; generations.py) ->
+GenerateResponse, several deltas in one when the client lags (coalescer.py).
 Complete: the same deltas gathered into one CompleteResponse. Info: model, limits, instances.
 Exceptions become statuses in the server interceptor (mili.rpc): INVALID_ARGUMENT with the
 bad fields, RESOURCE_EXHAUSTED with RetryInfo, UNAVAILABLE naming the service that is down.
@@ -10,45 +9,29 @@ bad fields, RESOURCE_EXHAUSTED with RetryInfo, UNAVAILABLE naming the service th
 
 from __future__ import annotations
 
-import asyncio
-import itertools
-import secrets
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
 import grpc
-from prometheus_client import CollectorRegistry
 
-from mili.errors import ResourceExhausted
 from mili.pb.frontend.v1 import generation_pb2, generation_pb2_grpc
 from mili.rpc.policy import Policy
 from mili.rpc.server import RpcServer
-from mili.telemetry.metrics import FrontendMetrics
 from services.frontend import convert
-from services.frontend.backends import Backends
-from services.frontend.calls import Deadline, RequestIds
-from services.frontend.clients import GrpcDownstream
+from services.frontend.calls import Deadline
 from services.frontend.coalescer import coalesced
-from services.frontend.observer import RequestObserver
-from services.frontend.pipeline import Delta, Generation
-from services.frontend.prompt import tokenize
-from services.frontend.validation import ValidRequest, validate
+from services.frontend.generations import Generations
+from services.frontend.pipeline import Delta
 
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
-    def __init__(self, backends: Backends, metrics: FrontendMetrics | None = None) -> None:
-        self._backends = backends
-        self._downstream = GrpcDownstream(backends)
-        self._metrics = FrontendMetrics(CollectorRegistry()) if metrics is None else metrics
-        self._config = backends.config
-        self._num_running = 0
-        self._metrics.watch(num_in_flight_requests=lambda: self._num_running)
-        # Request ids for prefill and decode: this process's random prefix and a counter, so
-        # they never collide with another caller's, another frontend's or a restart's.
-        self._id_prefix = secrets.token_hex(6)
-        self._id_counter = itertools.count(1)
+    def __init__(self, generations: Generations) -> None:
+        self._generations = generations
+        self._backends = generations.backends
+        self._metrics = generations.metrics
+        self._config = generations.config
 
     async def Generate(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -111,44 +94,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     ) -> tuple[str, AsyncGenerator[Delta, None]]:
         """Validate now (so the caller's request id is known), generate lazily."""
         limits, window = self._config.limits, self._backends.router.max_context_tokens
-        valid = validate(convert.request_input(request, limits, window), limits)
-        return valid.client_request_id, self._run(valid, context)
-
-    async def _run(
-        self, valid: ValidRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncGenerator[Delta, None]:
-        if self._num_running >= self._config.max_concurrent_requests:
-            raise ResourceExhausted(
-                f"the frontend is running its limit of {self._config.max_concurrent_requests} "
-                "requests",
-                retry_after_s=self._config.retry_after_s,
-            )
-        self._num_running += 1
-        ids = RequestIds(f"{self._id_prefix}-{next(self._id_counter)}", valid.client_request_id)
-        # Metrics, span and the request's one log line: the observer is told what happens.
-        observer = RequestObserver(self._metrics, ids)
+        valid = self._generations.validate(convert.request_input(request, limits, window))
         deadline = Deadline(context.time_remaining())
-        with observer.span(self._backends.model, valid):
-            try:
-                prompt = await tokenize(self._downstream, self._config, valid, deadline)
-                observer.tokenized(len(prompt.token_ids))
-                generation = Generation(self._downstream, self._config, ids, prompt, deadline)
-                async with aclosing(generation.run()) as deltas:
-                    async for delta in deltas:
-                        observer.delta(delta)
-                        yield delta
-                if generation.served is not None:
-                    observer.done(generation.served)
-            except Exception as exc:
-                observer.failed(exc)
-                raise
-            except (asyncio.CancelledError, GeneratorExit):
-                # grpc ends the handler when the caller cancels or its deadline passes (every
-                # downstream call is cancelled on the way out).
-                observer.cancelled(context.time_remaining())
-                raise
-            finally:
-                self._num_running -= 1
+        return valid.client_request_id, self._generations.run(valid, deadline)
 
 
 def add_to_server(server: RpcServer, servicer: GenerationServicer) -> None:

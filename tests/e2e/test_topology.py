@@ -46,6 +46,7 @@ from mili.rpc.tls import Tls, TlsFiles
 from mili.telemetry.metrics import FrontendMetrics
 from services.frontend.backends import Backends
 from services.frontend.config import FrontendConfig
+from services.frontend.generations import Generations
 from services.frontend.router import Router
 from services.frontend.server import GenerationServicer, add_to_server
 from tests import netns
@@ -155,7 +156,7 @@ class FrontendThread:
         self.backends = Backends(
             self._config, Router(), tls=self._tls, metrics=metrics, resolve=self._dns.resolve
         )
-        add_to_server(self.server, GenerationServicer(self.backends, metrics))
+        add_to_server(self.server, GenerationServicer(Generations(self.backends, metrics)))
         await self.backends.start()
         await self.server.start()
         self._ready.set()

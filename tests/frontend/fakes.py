@@ -41,6 +41,7 @@ from mili.rpc.status import DETAILS_KEY, status_of
 from mili.telemetry.metrics import FrontendMetrics
 from services.frontend.backends import Backends
 from services.frontend.config import FrontendConfig
+from services.frontend.generations import Generations
 from services.frontend.router import Router
 from services.frontend.server import GenerationServicer, add_to_server
 from services.frontend.validation import Limits
@@ -319,7 +320,7 @@ async def stack(
     backends = Backends(
         config, Router(config.prefill_addresses, config.decode_addresses), metrics=metrics
     )
-    add_to_server(frontend, GenerationServicer(backends, metrics))
+    add_to_server(frontend, GenerationServicer(Generations(backends, metrics)))
     await backends.start()
     await frontend.start()
     channel = insecure_channel(frontend.address)

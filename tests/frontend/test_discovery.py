@@ -29,6 +29,7 @@ from mili.rpc.server import RpcServer, ServerConfig
 from mili.telemetry.metrics import FrontendMetrics
 from services.frontend.backends import Backends
 from services.frontend.config import FrontendConfig
+from services.frontend.generations import Generations
 from services.frontend.router import Router
 from services.frontend.server import GenerationServicer, add_to_server
 from services.frontend.validation import Limits
@@ -145,7 +146,7 @@ async def cluster(*, more_decode_targets: tuple[str, ...] = ()) -> AsyncIterator
     metrics = FrontendMetrics(frontend.registry)
     backends = Backends(config, Router(), resolve=dns, metrics=metrics)
     metrics.watch_instances(lambda: [(m.kind, m.state.value) for m in backends.router.members()])
-    add_to_server(frontend, GenerationServicer(backends, metrics))
+    add_to_server(frontend, GenerationServicer(Generations(backends, metrics)))
     await backends.start()
     await frontend.start()
     channel = insecure_channel(frontend.address)

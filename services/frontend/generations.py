@@ -1,0 +1,83 @@
+"""Every generation this frontend runs, whichever API it came through (gRPC servicer, HTTP).
+
+One place for what a request goes through between its validated input and its deltas: the
+concurrency limit, the request ids prefill and decode key on, the telemetry (RequestObserver:
+span, latencies, the one log line), tokenization and the Generation across the services. The
+APIs differ only in how they parse requests and shape replies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import secrets
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+
+from mili.errors import ResourceExhausted
+from mili.telemetry.metrics import FrontendMetrics
+from services.frontend.backends import Backends
+from services.frontend.calls import Deadline, RequestIds
+from services.frontend.clients import GrpcDownstream
+from services.frontend.observer import RequestObserver
+from services.frontend.pipeline import Delta, Generation
+from services.frontend.prompt import tokenize
+from services.frontend.validation import RequestInput, ValidRequest, validate
+
+
+class Generations:
+    def __init__(self, backends: Backends, metrics: FrontendMetrics) -> None:
+        self.backends = backends
+        self.metrics = metrics
+        self.config = backends.config
+        self._downstream = GrpcDownstream(backends)
+        self._num_running = 0
+        metrics.watch(num_in_flight_requests=lambda: self._num_running)
+        # Request ids for prefill and decode: this process's random prefix and a counter, so
+        # they never collide with another caller's, another frontend's or a restart's.
+        self._id_prefix = secrets.token_hex(6)
+        self._id_counter = itertools.count(1)
+
+    @property
+    def model(self) -> str:
+        return self.backends.model
+
+    def validate(self, request: RequestInput) -> ValidRequest:
+        """The request checked against the limits and the context window; InvalidArgument
+        naming each bad field."""
+        return validate(request, self.config.limits)
+
+    async def run(self, valid: ValidRequest, deadline: Deadline) -> AsyncGenerator[Delta, None]:
+        """The request's deltas, the last one with its finish reason and usage. Closing the
+        generator early (the caller went away) cancels every downstream call."""
+        if self._num_running >= self.config.max_concurrent_requests:
+            raise ResourceExhausted(
+                f"the frontend is running its limit of {self.config.max_concurrent_requests} "
+                "requests",
+                retry_after_s=self.config.retry_after_s,
+            )
+        self._num_running += 1
+        ids = RequestIds(f"{self._id_prefix}-{next(self._id_counter)}", valid.client_request_id)
+        # Metrics, span and the request's one log line: the observer is told what happens.
+        observer = RequestObserver(self.metrics, ids)
+        with observer.span(self.backends.model, valid):
+            try:
+                prompt = await tokenize(self._downstream, self.config, valid, deadline)
+                observer.tokenized(len(prompt.token_ids))
+                generation = Generation(self._downstream, self.config, ids, prompt, deadline)
+                async with aclosing(generation.run()) as deltas:
+                    async for delta in deltas:
+                        observer.delta(delta)
+                        yield delta
+                if generation.served is not None:
+                    observer.done(generation.served)
+            except Exception as exc:
+                observer.failed(exc)
+                raise
+            except (asyncio.CancelledError, GeneratorExit):
+                # The caller cancelled, went away or its deadline passed (every downstream call
+                # is cancelled on the way out).
+                observer.cancelled(deadline.remaining())
+                raise
+            finally:
+                self._num_running -= 1

@@ -1,0 +1,114 @@
+"""Exceptions -> HTTP errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
+
+The same domain errors (mili.errors) the gRPC port maps to statuses (mili.rpc.status), mapped
+once more for HTTP; validation is one rule with two mappings:
+
+    InvalidArgument     400  invalid_request_error   param: the first bad field, in the API's names
+    NotFound            404  invalid_request_error   (code model_not_found for an unknown model)
+    body too large      413  invalid_request_error   code request_too_large
+    ResourceExhausted   429  rate_limit_error        Retry-After: seconds, rounded up (with a
+                                                     retry hint; without one it is a limit no
+                                                     wait lifts: 400)
+    Unavailable         503  service_unavailable_error
+    DeadlineExceeded    504  timeout_error
+    anything else       500  server_error, naming the exception type; the traceback is logged
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+from mili import errors
+
+_LOG = logging.getLogger("mili.frontend")
+ParamOf = Callable[[str], str]
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> str:
+    return json.dumps({"error": {"message": message, "type": type_, "param": param, "code": code}})
+
+
+def error_response(
+    status: int,
+    message: str,
+    type_: str,
+    *,
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> web.Response:
+    return web.Response(
+        status=status,
+        text=error_body(message, type_, param, code),
+        content_type="application/json",
+        headers=headers,
+    )
+
+
+def sampling_param(field: str) -> str:
+    """A validation field (the gRPC request's path, `sampling.top_p`) in the OpenAI request's
+    names (`top_p`): its sampling parameters sit at the top level."""
+    return field.removeprefix("sampling.")
+
+
+def response_of(exc: BaseException, param_of: ParamOf = sampling_param) -> web.Response:
+    """The HTTP error for an exception a request raised."""
+    if isinstance(exc, errors.InvalidArgument):
+        field = exc.violations[0].field if exc.violations else None
+        return error_response(
+            400, str(exc), "invalid_request_error", param=None if field is None else param_of(field)
+        )
+    if isinstance(exc, errors.NotFound):
+        return error_response(404, str(exc), "invalid_request_error", code="not_found")
+    if isinstance(exc, errors.ResourceExhausted):
+        if exc.retry_after_s is None:
+            return error_response(400, str(exc), "invalid_request_error", code="limit_exceeded")
+        retry_after = str(max(1, math.ceil(exc.retry_after_s)))
+        return error_response(
+            429,
+            str(exc),
+            "rate_limit_error",
+            code="rate_limit_exceeded",
+            headers={"Retry-After": retry_after},
+        )
+    if isinstance(exc, errors.Unavailable):
+        return error_response(503, str(exc), "service_unavailable_error")
+    if isinstance(exc, errors.DeadlineExceeded):
+        return error_response(504, str(exc), "timeout_error")
+    if isinstance(exc, errors.MiliError):
+        return error_response(500, str(exc), "server_error")
+    _LOG.error("internal error: %s: %s", type(exc).__name__, exc, exc_info=exc)
+    return error_response(
+        500, f"internal error: {type(exc).__name__}: {exc}; see server log", "server_error"
+    )
+
+
+@web.middleware
+async def openai_errors(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """Every error a route raises, and aiohttp's own (404 route, 405, 413 body), as OpenAI
+    errors."""
+    try:
+        response: web.StreamResponse = await handler(request)
+        return response
+    except web.HTTPRequestEntityTooLarge as exc:
+        return error_response(
+            413,
+            f"the request body is over the limit of {exc.max_size} bytes",  # type: ignore[attr-defined]
+            "invalid_request_error",
+            code="request_too_large",
+        )
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return error_response(
+            exc.status, f"{exc.reason}: {request.method} {request.path}", "invalid_request_error"
+        )
+    except Exception as exc:
+        return response_of(exc)

@@ -1,0 +1,96 @@
+"""The frontend's HTTP port: an aiohttp server in the frontend's own event loop.
+
+aiohttp because it runs inside the loop grpc.aio already runs (AppRunner + TCPSite: no loop or
+signal handling of its own to work around, as uvicorn's has), parses HTTP in C, streams
+responses (SSE) with back-pressure, and cancels a handler whose client went away
+(`handler_cancellation`): a closed connection ends the request end to end. Routes come from the
+API modules beside this one; they share the frontend's Generations (no extra hop, no second
+tokenization).
+"""
+
+from __future__ import annotations
+
+import logging
+import ssl
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from mili.rpc.server import format_address
+from mili.rpc.tls import TlsFiles
+
+_LOG = logging.getLogger("mili.frontend")
+# The largest request body read: the gRPC port's limit (services/frontend/__main__.py says why
+# a valid request fits in it); past it, 413 before the body is read.
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class HttpConfig:
+    host: str = "127.0.0.1"
+    port: int = 0  # 0 = pick a free port
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    # How long a drain waits for requests in flight before cancelling them.
+    drain_timeout_s: float = 30.0
+    tls: TlsFiles | None = None  # None: plaintext
+    require_client_auth: bool = False  # mTLS: only clients with a certificate tls.ca signed
+
+
+def ssl_context(tls: TlsFiles, *, require_client_auth: bool) -> ssl.SSLContext:
+    """The HTTP port's TLS, from the same --tls-* files as the gRPC port."""
+    if tls.cert is None or tls.key is None:
+        raise ValueError("a TLS HTTP port needs --tls-cert and --tls-key")
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(tls.cert, tls.key)
+    if require_client_auth:
+        if tls.ca is None:
+            raise ValueError("client certificates are verified only with --tls-ca")
+        context.load_verify_locations(cafile=tls.ca)
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context
+
+
+class HttpServer:
+    """One aiohttp application on host:port, started and drained with the gRPC server."""
+
+    def __init__(self, app: web.Application, config: HttpConfig) -> None:
+        self._app = app
+        self.config = config
+        self._runner: web.AppRunner | None = None
+        self._port = 0
+        self._is_tls = config.tls is not None
+
+    @property
+    def url(self) -> str:
+        scheme = "https" if self._is_tls else "http"
+        return f"{scheme}://{format_address(self.config.host, self._port)}"
+
+    async def start(self) -> int:
+        """Bind and serve; the port bound."""
+        config = self.config
+        context = None
+        if config.tls is not None:
+            context = ssl_context(config.tls, require_client_auth=config.require_client_auth)
+        runner = web.AppRunner(
+            self._app,
+            handler_cancellation=True,  # the client went away: its request is cancelled
+            shutdown_timeout=config.drain_timeout_s,
+            access_log=None,  # the request's one log line is the frontend's own
+        )
+        await runner.setup()
+        site = web.TCPSite(
+            runner, config.host, config.port, ssl_context=context, reuse_address=True
+        )
+        await site.start()
+        self._runner = runner
+        addresses = runner.addresses  # (host, port, ...) per bound socket
+        self._port = int(addresses[0][1]) if addresses else config.port
+        _LOG.info("frontend: HTTP on %s", self.url)
+        return self._port
+
+    async def drain(self) -> None:
+        """Stop taking connections, let requests in flight finish (up to drain_timeout_s),
+        then close. Idempotent."""
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            await runner.cleanup()
