@@ -1,0 +1,94 @@
+"""Qwen3's thinking, split from the answer in a stream of generated text.
+
+Qwen3 thinks before it answers: `<think>\\nreasoning\\n</think>\\n\\nanswer`. The OpenAI-style chat
+API returns the two apart (`reasoning_content`, `content`), and a client reading `content` must
+never see a tag or a word of the reasoning, however the text was cut into deltas. So text is
+emitted only once it cannot be part of a tag: a delta ending in `</thi` holds those characters
+back until the next one says what they were.
+
+    <think>   switches to reasoning (anywhere: a tag never reaches content)
+    </think>  switches to content (one without an opening tag is dropped as well: Qwen3's
+              template never opens the block in the prompt, the model writes <think> itself)
+
+Newlines the model puts around its reasoning are trimmed as the chat template trims them when it
+renders an earlier turn (services/tokenizer/chat_template.py): those after either tag, and those
+before `</think>` (held back in reasoning until something other than a newline or the closing
+tag follows). The result is the same for any cut of the same text (tests/frontend/
+test_reasoning.py tries every one). Pure Python, per delta: no regex, no copy of the whole text.
+"""
+
+from __future__ import annotations
+
+OPEN = "<think>"
+CLOSE = "</think>"
+_TAGS = (OPEN, CLOSE)
+
+
+def _held_tail(text: str) -> int:
+    """Length of the longest end of `text` that begins a tag (and so may become one)."""
+    for n in range(min(len(text), len(CLOSE) - 1), 0, -1):
+        tail = text[-n:]
+        if OPEN.startswith(tail) or CLOSE.startswith(tail):
+            return n
+    return 0
+
+
+class ReasoningSplitter:
+    """One generation's text in, (reasoning, content) out, delta by delta."""
+
+    def __init__(self) -> None:
+        self.is_reasoning = False
+        self._held = ""  # a possible tag's beginning, or reasoning's trailing newlines
+        self._after_tag = False  # newlines here follow a tag: trimmed
+
+    def push(self, text: str) -> tuple[str, str]:
+        """The (reasoning, content) that `text` completes; either may be ""."""
+        text = self._held + text
+        self._held = ""
+        reasoning: list[str] = []
+        content: list[str] = []
+        while text:
+            at, tag = min(((text.find(t), t) for t in _TAGS if t in text), default=(-1, ""))
+            if at < 0:
+                held = _held_tail(text)
+                part, self._held = text[: len(text) - held], text[len(text) - held :]
+                self._emit(part, reasoning, content, is_final=False)
+                break
+            self._emit(text[:at], reasoning, content, is_final=True)
+            self.is_reasoning = tag == OPEN
+            self._after_tag = True
+            text = text[at + len(tag) :]
+        return "".join(reasoning), "".join(content)
+
+    def finish(self) -> tuple[str, str]:
+        """Whatever was held back, at the end of the generation (a tag cut short is text)."""
+        held, self._held = self._held, ""
+        reasoning: list[str] = []
+        content: list[str] = []
+        self._emit(held, reasoning, content, is_final=False, is_end=True)
+        return "".join(reasoning), "".join(content)
+
+    def _emit(
+        self,
+        part: str,
+        reasoning: list[str],
+        content: list[str],
+        *,
+        is_final: bool,
+        is_end: bool = False,
+    ) -> None:
+        """Send `part` to the current side. `is_final`: a tag follows it (reasoning's trailing
+        newlines are dropped); otherwise they are held until more text shows what they end."""
+        if self._after_tag:
+            part = part.lstrip("\n")
+            if part:
+                self._after_tag = False
+        if not self.is_reasoning:
+            content.append(part)
+            return
+        if is_final:
+            reasoning.append(part.rstrip("\n"))
+            return
+        kept = part if is_end else part.rstrip("\n")
+        reasoning.append(kept)
+        self._held = part[len(kept) :] + self._held

@@ -1,0 +1,75 @@
+"""ReasoningSplitter: Qwen3's thinking goes to reasoning, never to content, however the text is
+cut into deltas (every cut into two and three pieces is tried)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from services.frontend.reasoning import ReasoningSplitter
+
+THINKING = "<think>\nLet me add 2 and 2.\nIt is 4.\n</think>\n\nThe answer is 4."
+CASES = [
+    # (generated text, reasoning, content)
+    (THINKING, "Let me add 2 and 2.\nIt is 4.", "The answer is 4."),
+    # enable_thinking false: the template closed the block, the model only answers
+    ("The answer is 4.\n", "", "The answer is 4.\n"),
+    # cut off while thinking (max_tokens): all of it is reasoning
+    ("<think>\nStill thinking\n\n", "Still thinking\n\n", ""),
+    # text that only looks like the start of a tag stays text
+    ("a < b, <thin k> </thinking <", "", "a < b, <thin k> </thinking <"),
+    # a closing tag with no opening one is dropped (Qwen3's template never opens the block in
+    # the prompt: the model writes <think> itself)
+    ("reasoning\n</think>\n\nanswer", "", "reasoning\nanswer"),
+    # thinking twice: both blocks are reasoning, no tag anywhere
+    ("<think>a</think>b<think>\nc\n</think>d", "ac", "bd"),
+    # the closing tag right at the end
+    ("<think>\nx\n</think>", "x", ""),
+]
+
+
+def _split(pieces: list[str]) -> tuple[str, str]:
+    splitter = ReasoningSplitter()
+    reasoning, content = [], []
+    for piece in pieces:
+        r, c = splitter.push(piece)
+        reasoning.append(r)
+        content.append(c)
+    r, c = splitter.finish()
+    return "".join([*reasoning, r]), "".join([*content, c])
+
+
+@pytest.mark.parametrize(("text", "reasoning", "content"), CASES)
+def test_whole_text(text: str, reasoning: str, content: str) -> None:
+    assert _split([text]) == (reasoning, content)
+
+
+@pytest.mark.parametrize(("text", "reasoning", "content"), CASES)
+def test_every_cut_gives_the_same_split(text: str, reasoning: str, content: str) -> None:
+    n = len(text)
+    for i, j in itertools.combinations_with_replacement(range(n + 1), 2):
+        pieces = [text[:i], text[i:j], text[j:]]
+        assert _split(pieces) == (reasoning, content), pieces
+
+
+def test_no_tag_or_reasoning_reaches_content_in_any_delta() -> None:
+    """Delta by delta (what a streaming client sees), one character at a time."""
+    splitter = ReasoningSplitter()
+    for ch in THINKING:
+        _, content = splitter.push(ch)
+        assert "<" not in content and "add" not in content
+    assert splitter.finish() == ("", "")
+
+
+def test_token_deltas_of_the_real_tokenizer(demo_model_dir: object) -> None:
+    """The tags as Qwen3's tokenizer cuts them (one token each) and any neighbouring text."""
+    from pathlib import Path
+
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(Path(str(demo_model_dir)) / "tokenizer.json"))
+    ids = tokenizer.encode(THINKING, add_special_tokens=False).ids
+    pieces = [tokenizer.decode([i], skip_special_tokens=False) for i in ids]
+    assert "".join(pieces) == THINKING
+    assert _split(pieces) == CASES[0][1:]
