@@ -133,7 +133,10 @@ def test_args_ports_probes_and_grace_agree_with_the_cli(variant: str, component:
     args = _parse(container)
     assert args.command == f"serve-{component}"
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert ports == {"grpc": args.port, "metrics": args.metrics_port, "health": args.health_port}
+    expected = {"grpc": args.port, "metrics": args.metrics_port, "health": args.health_port}
+    if component == "frontend":
+        expected["http"] = args.http_port
+    assert ports == expected
     assert args.host == "0.0.0.0"  # reachable from other pods; the default is loopback
     annotations = pod["metadata"]["annotations"]
     assert annotations["prometheus.io/scrape"] == "true"
