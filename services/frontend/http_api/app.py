@@ -1,6 +1,10 @@
 """The frontend's HTTP application: its routes, over the frontend's Generations.
 
 GET  /v1/models                    the served model (OpenAI's list)
+POST /generate, GET /status/{request_id}, GET /health    the seeds' endpoints (seeds.py)
+
+Every route's errors are OpenAI's JSON (errors.py); while the frontend drains, new POSTs are
+refused with 503 and /health says 503 (drain.py).
 """
 
 from __future__ import annotations
@@ -10,6 +14,8 @@ import time
 from aiohttp import web
 
 from services.frontend.generations import Generations
+from services.frontend.http_api import seeds
+from services.frontend.http_api.drain import DRAIN_GATE, DrainGate
 from services.frontend.http_api.errors import openai_errors
 from services.frontend.http_api.server import HttpConfig
 
@@ -18,9 +24,15 @@ _STARTED_AT = int(time.time())
 
 
 def make_app(generations: Generations, config: HttpConfig) -> web.Application:
-    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[openai_errors])
+    gate = DrainGate()
+    # The gate inside the errors: its refusal is an OpenAI error too.
+    app = web.Application(
+        client_max_size=config.max_body_bytes, middlewares=[openai_errors, gate.middleware()]
+    )
     app[GENERATIONS] = generations
+    app[DRAIN_GATE] = gate
     app.router.add_get("/v1/models", list_models)
+    seeds.add_routes(app, generations)
     return app
 
 
