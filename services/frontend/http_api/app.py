@@ -12,6 +12,7 @@ from aiohttp import web
 from services.frontend.generations import Generations
 from services.frontend.http_api.errors import openai_errors
 from services.frontend.http_api.server import HttpConfig
+from services.frontend.http_api.telemetry import add_telemetry
 
 GENERATIONS = web.AppKey("generations", Generations)
 _STARTED_AT = int(time.time())
@@ -20,6 +21,7 @@ _STARTED_AT = int(time.time())
 def make_app(generations: Generations, config: HttpConfig) -> web.Application:
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=[openai_errors])
     app[GENERATIONS] = generations
+    add_telemetry(app, generations.metrics)  # spans, metrics, X-Request-Id: outermost
     app.router.add_get("/v1/models", list_models)
     return app
 
