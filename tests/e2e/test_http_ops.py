@@ -105,14 +105,19 @@ def test_the_frontend_traces_counts_and_identifies_http_requests(
     assert status == 404 and json.loads(body)["error"]["type"] == "invalid_request_error"
     assert len(headers["X-Request-Id"]) == 32  # a fresh one
     metrics_line = next(line for line in frontend.stdout_lines if " metrics on " in line)
-    with urllib.request.urlopen(metrics_line.split(" metrics on ")[1].strip()) as response:
-        scraped = response.read().decode()
-    for sample in (
+    metrics_url = metrics_line.split(" metrics on ")[1].strip()
+    expected = (
         'mili_http_requests_total{method="GET",route="/v1/models",status="200"} 1.0',
         'mili_http_requests_total{method="GET",route="unmatched",status="404"} 1.0',
         'mili_http_request_duration_seconds_count{route="/v1/models"} 1.0',
-    ):
-        assert sample in scraped, scraped
+    )
+
+    def scraped() -> bool:  # counted once the response's last byte went out: maybe just after
+        with urllib.request.urlopen(metrics_url, timeout=10) as response:
+            text = response.read().decode()
+        return all(sample in text for sample in expected)
+
+    _wait_for(scraped, timeout_s=5)
     # The batch processor exports every few seconds.
     _wait_for(lambda: len(_server_spans(collector, TRACE_ID)) == 2)
     spans = {s.name: s for s in _server_spans(collector, TRACE_ID)}
@@ -142,7 +147,8 @@ def test_a_generation_over_http_is_a_child_of_the_http_requests_span(
         timeout_s=240,
     )  # fmt: skip
     try:
-        url = serve.http_url
+        api = next(line for line in serve.stdout_lines if "OpenAI-compatible API on " in line)
+        url = api.split(" on ")[1].strip().removesuffix("/v1")
         _, _, body = _get(f"{url}/v1/models")
         model = json.loads(body)["data"][0]["id"]
         trace_id, parent_id = "a" * 32, "b" * 16

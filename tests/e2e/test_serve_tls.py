@@ -113,7 +113,8 @@ def test_tls_demo_speaks_tls_to_a_client_with_the_ca_and_mtls_inside(demo: Demo)
 def test_the_printed_curl_line_reaches_the_https_port_with_the_ca(demo: Demo) -> None:
     argv = shlex.split(demo.curl)  # curl --cacert CA https://HOST:PORT/v1/models
     assert argv[:2] == ["curl", "--cacert"] and argv[3].startswith("https://"), argv
-    assert demo.serve.http_url.startswith("https://")
+    api = next(line for line in demo.serve.stdout_lines if "OpenAI-compatible API on " in line)
+    assert api.split(" on ")[1].strip() == argv[3].removesuffix("/models")  # https: .../v1
     context = ssl.create_default_context(cafile=argv[2])  # verifies the certificate
     with urllib.request.urlopen(argv[3], context=context, timeout=30) as response:
         assert json.load(response)["object"] == "list"
