@@ -55,6 +55,7 @@ class Harness:
         app.router.add_get("/boom", self.boom)
         app.router.add_get("/stream", self.stream)
         app.router.add_get("/hold", self.hold)
+        app.router.add_get("/broken", self.broken)
         return app
 
     async def item(self, request: web.Request) -> web.Response:
@@ -76,6 +77,12 @@ class Harness:
         await response.write_eof()
         self.last_write_ns = time.time_ns()
         return response
+
+    async def broken(self, request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse()
+        await response.prepare(request)
+        await response.write(b"data: 1\n\n")
+        raise RuntimeError("mid-stream")
 
     async def hold(self, request: web.Request) -> web.Response:
         self.seen["held"] = True
@@ -244,3 +251,18 @@ def test_a_client_that_goes_away_before_a_status_counts_as_499() -> None:
     attributes = dict(span.attributes or {})
     assert attributes["error.type"] == "cancelled"
     assert "http.response.status_code" not in attributes
+
+
+def test_a_stream_that_fails_after_its_headers_is_cut_short_not_followed_by_an_error() -> None:
+    async def test(h: Harness, session: aiohttp.ClientSession) -> None:
+        async with session.get(f"{h.url}/broken") as response:
+            assert response.status == 200
+            # Cut short: not a second HTTP response inside the body.
+            with pytest.raises(aiohttp.ClientPayloadError):
+                await response.read()
+
+    h = run(test)
+    assert h.count("/broken", "GET", "200") == 1  # the status that went out
+    (span,) = h.spans()
+    assert span.status.status_code is StatusCode.ERROR
+    assert dict(span.attributes or {})["error.type"] == "500"

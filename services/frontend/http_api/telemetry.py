@@ -107,7 +107,9 @@ def telemetry_middleware(metrics: FrontendMetrics, tracer: trace.Tracer = _TRACE
             with trace.use_span(span, record_exception=False, set_status_on_exception=False):
                 response = await handler(request)
                 status = response.status
-                if not response.prepared and _SENT_STATUS not in request:
+                if not response.prepared and _SENT_STATUS in request:
+                    _cut_short(request, span, response.status)
+                elif not response.prepared:
                     # Send it here, so the span and the duration cover its body too (a
                     # stream's handler sent it all already).
                     try:
@@ -129,6 +131,17 @@ def telemetry_middleware(metrics: FrontendMetrics, tracer: trace.Tracer = _TRACE
             _finish(request, span, metrics, route, method, status, time.monotonic() - started)
 
     return telemetry
+
+
+def _cut_short(request: web.Request, span: Span, status: int) -> None:
+    """A stream failed after its headers went out, and an error response (openai_errors')
+    came back in its place: it cannot follow them on the wire (it would land inside the
+    stream's body), so the connection is closed instead and the client sees the stream cut
+    short. The series keep the status sent; the span says what happened."""
+    span.set_attribute("error.type", str(status))
+    span.set_status(Status(StatusCode.ERROR, f"failed after the response started: {status}"))
+    if request.transport is not None:
+        request.transport.close()
 
 
 def _request_attributes(request: web.Request, method: str, route: str) -> dict[str, str | int]:
