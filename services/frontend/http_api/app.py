@@ -18,6 +18,7 @@ from services.frontend.http_api import seeds
 from services.frontend.http_api.drain import DRAIN_GATE, DrainGate
 from services.frontend.http_api.errors import openai_errors
 from services.frontend.http_api.server import HttpConfig
+from services.frontend.http_api.telemetry import add_telemetry
 
 GENERATIONS = web.AppKey("generations", Generations)
 _STARTED_AT = int(time.time())
@@ -31,6 +32,7 @@ def make_app(generations: Generations, config: HttpConfig) -> web.Application:
     )
     app[GENERATIONS] = generations
     app[DRAIN_GATE] = gate
+    add_telemetry(app, generations.metrics)  # spans, metrics, X-Request-Id: outermost
     app.router.add_get("/v1/models", list_models)
     seeds.add_routes(app, generations)
     return app
