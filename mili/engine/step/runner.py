@@ -9,6 +9,8 @@ are free is not its business: the services' bookkeeping holds a
           -> KV cache -> CUDA graphs per padded batch size (cuda_graphs)
 
     prefill(chunks) -> logits                     eager: shapes follow the prompts
+    prefill_step(chunks, prompt_logprobs=asks)    the same, with the asking chunks' prompt
+        -> PrefillOutput                          logprobs (a pass of logits at a time)
     decode(seqs)    -> PendingSample              inputs staged into static buffers, graph
                                                   replay (or eager), sampling; no host sync
     PendingSample.result()                        the step's one wait: ids back on the host
@@ -22,6 +24,7 @@ import gc
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -45,11 +48,24 @@ from mili.engine.step.buckets import graph_batch_sizes, padded_batch_size
 from mili.engine.step.cuda_graphs import DecodeGraphs
 from mili.engine.step.decode_inputs import DecodeInputs
 from mili.engine.step.pinned import is_pinnable
+from mili.engine.step.prompt_logprobs import (
+    PendingPromptLogprobs,
+    PromptLogprobsAsk,
+    chunk_targets,
+    compute_prompt_logprobs,
+)
 from mili.engine.step.sampler import PendingSample, Sampler, SequenceSampling
 from mili.engine.step.sequence import Sequence as EngineSequence
 from mili.errors import StartupError
 
 _LOG = logging.getLogger("mili.engine")
+
+
+class PrefillOutput(NamedTuple):
+    """What `prefill_step` queued on the device (nothing waited for)."""
+
+    logits: torch.Tensor  # [B, vocab] float32: each chunk's last token
+    prompt_logprobs: list[PendingPromptLogprobs]  # one per ask, in the asks' order
 
 
 class ModelRunner:
@@ -154,6 +170,50 @@ class ModelRunner:
         The batch is built on the host and moved through pinned memory, so the host goes on
         launching layers while it travels.
         """
+        batch = self._prefill_batch(token_ids, block_tables, start_positions)
+        return self.model.prefill(
+            batch, self.kv_cache, all_logits=all_logits, layer_callback=layer_callback
+        )
+
+    def prefill_step(
+        self,
+        token_ids: Sequence[Sequence[int]],
+        block_tables: Sequence[Sequence[int]],
+        start_positions: Sequence[int],
+        *,
+        prompt_logprobs: Sequence[PromptLogprobsAsk] = (),
+        layer_callback: Callable[[int], None] | None = None,
+    ) -> PrefillOutput:
+        """`prefill`'s last-token logits, and the prompt logprobs of the chunks `prompt_logprobs`
+        asks for: only their rows go through the head, a pass at a time (prompt_logprobs.py),
+        so a batch without asks costs what `prefill` does."""
+        batch = self._prefill_batch(token_ids, block_tables, start_positions)
+        with torch.inference_mode():
+            hidden = self.model.prefill_hidden(
+                batch, self.kv_cache, layer_callback=layer_callback
+            )  # [T, hidden]
+            starts = [0]
+            for chunk in token_ids:
+                starts.append(starts[-1] + len(chunk))
+            logits = self.model.logits(hidden[batch.cu_seqlens[1:].long() - 1])  # [B, vocab]
+            pending = [
+                compute_prompt_logprobs(
+                    self.model.logits,
+                    hidden[starts[ask.row] : starts[ask.row + 1]],
+                    ask.target_ids,
+                    self.vocab_size,
+                    ask.num_top,
+                )
+                for ask in prompt_logprobs
+            ]
+        return PrefillOutput(logits, pending)
+
+    def _prefill_batch(
+        self,
+        token_ids: Sequence[Sequence[int]],
+        block_tables: Sequence[Sequence[int]],
+        start_positions: Sequence[int],
+    ) -> PrefillBatch:
         batch = PrefillBatch.build(
             token_ids, block_tables, self.block_size, start_positions=start_positions
         )
@@ -161,9 +221,7 @@ class ModelRunner:
             batch = PrefillBatch(
                 *(t.pin_memory().to(self.device, non_blocking=True) for t in batch)
             )
-        return self.model.prefill(
-            batch, self.kv_cache, all_logits=all_logits, layer_callback=layer_callback
-        )
+        return batch
 
     def sample(self, logits: torch.Tensor, seqs: Sequence[SequenceSampling]) -> PendingSample:
         """One token per row of `logits` [B, vocab], queued; `.result()` waits for them."""
@@ -245,8 +303,12 @@ class ModelRunner:
         with torch.inference_mode():
             if max_prefill_tokens:
                 table = list(range(blocks_needed(max_prefill_tokens, self.block_size)))
-                logits = self.prefill([[0] * max_prefill_tokens], [table], [0])
-                self.sample(logits, [SequenceSampling(costly, [0], vocab_size)]).result()
+                prompt = [0] * max_prefill_tokens
+                # with the costliest prompt logprobs too: every position, top 20
+                ask = PromptLogprobsAsk(0, chunk_targets(prompt, 0, len(prompt)), 20)
+                out = self.prefill_step([prompt], [table], [0], prompt_logprobs=[ask])
+                self.sample(out.logits, [SequenceSampling(costly, [0], vocab_size)]).result()
+                out.prompt_logprobs[0].result()
             rows = self.inputs.max_rows
             self.inputs.fill([], rows)
             batch = self.inputs.batch(rows, None if full_width else 1)
