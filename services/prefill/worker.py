@@ -4,7 +4,7 @@
     ─────────────────────                     ─────────────
     submit(task, sink) ─┐                     loop:
     remove(request_id) ─┼─ lock ─ Scheduler ─▶  step = schedule()       (admits, allocates)
-                        │                       runner.prefill(step, layer_callback=...)
+                        │                       runner.prefill_step(step, layer_callback=...)
                         │                         after layer i: gather each chunk's blocks
                         │                         ──▶ sink.send_blocks(i, ...)   (hand-off)
                         │                       sample first tokens of finished prompts

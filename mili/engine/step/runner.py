@@ -20,7 +20,6 @@ One thread drives a runner: its buffers are reused step after step.
 
 from __future__ import annotations
 
-import gc
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -31,7 +30,7 @@ import torch
 from mili.engine.engine_config import EngineConfig
 from mili.engine.kv.block_pool import blocks_needed
 from mili.engine.kv.kv_layout import KVLayout
-from mili.engine.kv_memory import GIB, DeviceMemory, KvPoolSize, plan_kv_pool
+from mili.engine.kv_memory import GIB, plan_kv_pool
 from mili.engine.model.attention import AttentionBackend
 from mili.engine.model.config import ConfigError
 from mili.engine.model.fused_ops import FusedOps
@@ -56,6 +55,7 @@ from mili.engine.step.prompt_logprobs import (
 )
 from mili.engine.step.sampler import PendingSample, Sampler, SequenceSampling
 from mili.engine.step.sequence import Sequence as EngineSequence
+from mili.engine.step.startup import graphs_allowed, log_pool, log_vocab, measure_memory
 from mili.errors import StartupError
 
 _LOG = logging.getLogger("mili.engine")
@@ -360,12 +360,12 @@ class ModelRunner:
                 f"{model_dir}: tokenizer.json has {vocab_size} token ids, more than the "
                 f"model's {model.config.vocab_size} embedding rows"
             )
-        _log_vocab(model_dir, vocab_size, model.config.vocab_size)
-        use_graphs = capture_graphs and device.type == "cuda" and _graphs_allowed(config, model)
+        log_vocab(model_dir, vocab_size, model.config.vocab_size)
+        use_graphs = capture_graphs and device.type == "cuda" and graphs_allowed(config, model)
 
         memory = None
         if device.type == "cuda" and config.num_blocks is None and config.kv_cache_bytes is None:
-            memory = _measure(
+            memory = measure_memory(
                 cls, model, config, max_decode_batch, max_prefill_tokens, full_width=use_graphs
             )
         block_bytes = bytes_per_block(model.config, config.block_size, model.dtype)
@@ -380,7 +380,7 @@ class ModelRunner:
             )
         except ValueError as e:
             raise StartupError(str(e)) from None
-        _log_pool(size, config.block_size)
+        log_pool(size, config.block_size)
         try:
             flat = None
             if storage is not None:
@@ -454,77 +454,3 @@ def require_device(device: str) -> None:
             raise StartupError(
                 f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) here"
             )
-
-
-def _graphs_allowed(config: EngineConfig, model: Qwen3ForCausalLM) -> bool:
-    """Whether decode steps may be captured; logs why not."""
-    if config.enforce_eager:
-        _LOG.info("CUDA graphs off (--enforce-eager): decode steps run eagerly")
-        return False
-    if not model.fused_ops.is_graph_safe:
-        _LOG.warning(
-            "CUDA graphs off: fused ops %s are not graph-safe; decode steps run eagerly",
-            model.fused_ops.name,
-        )
-        return False
-    if not getattr(model.attention, "is_graph_safe", False):
-        _LOG.warning(
-            "CUDA graphs off: attention backend %s is not graph-safe (it allocates, validates "
-            "or sizes its launch from values per call); decode steps run eagerly",
-            model.attention.name,
-        )
-        return False
-    return True
-
-
-def _measure(
-    cls: type[ModelRunner],
-    model: Qwen3ForCausalLM,
-    config: EngineConfig,
-    max_decode_batch: int,
-    max_prefill_tokens: int | None,
-    *,
-    full_width: bool,
-) -> DeviceMemory:
-    """Device memory after one warm-up at the largest batch, on a throwaway KV cache just big
-    enough for it (its bytes are not counted in the peak)."""
-    device = model.device
-    warm_blocks = blocks_needed(max_prefill_tokens or 1, config.block_size) + 1
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    cache = KVCache(model.config, warm_blocks, config.block_size, dtype=model.dtype, device=device)
-    cache_bytes = warm_blocks * bytes_per_block(model.config, config.block_size, model.dtype)
-    runner = cls(model, cache, max_decode_batch=max_decode_batch)
-    runner.warm_up(max_prefill_tokens, full_width=full_width)
-    torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_reserved(device) - cache_bytes
-    del runner, cache
-    gc.collect()
-    torch.cuda.empty_cache()
-    free, total = torch.cuda.mem_get_info(device)
-    return DeviceMemory(total, free, peak, torch.cuda.memory_reserved(device))
-
-
-def _log_vocab(model_dir: Path, vocab_size: int | None, num_rows: int) -> None:
-    if vocab_size is None:
-        _LOG.warning(
-            "%s has no tokenizer.json: sampling over all %d rows of the model's vocabulary",
-            model_dir,
-            num_rows,
-        )
-    elif vocab_size < num_rows:
-        _LOG.info(
-            "sampling the tokenizer's %d token ids; the model's %d padding rows are never drawn",
-            vocab_size,
-            num_rows - vocab_size,
-        )
-
-
-def _log_pool(size: KvPoolSize, block_size: int) -> None:
-    _LOG.info(
-        "KV pool: %d blocks of %d tokens, %.2f GiB (%s)",
-        size.num_blocks,
-        block_size,
-        size.num_bytes / GIB,
-        size.reason,
-    )
