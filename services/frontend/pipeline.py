@@ -26,14 +26,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, Collection, Sequence
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
 from mili.engine.kv.block_pool import blocks_to_reserve
 from mili.engine.logprobs import TokenLogprobs
-from mili.engine.stop import FinishReason, check_stop
+from mili.engine.stop import FinishReason
 from mili.errors import InvalidArgument, ResourceExhausted, Unavailable
 from services.frontend.admitter import NoRoom
 from services.frontend.calls import (
@@ -50,7 +50,7 @@ from services.frontend.calls import (
 )
 from services.frontend.config import FrontendConfig
 from services.frontend.router import Route, Ticket
-from services.frontend.stop import StopMatcher
+from services.frontend.stop import StopMatcher, clip_tokens
 
 _LOG = logging.getLogger("mili.frontend")
 
@@ -89,24 +89,6 @@ class _Admission:
     stream: DecodeStream
     admitted: Admitted
     prefill_clock: int = 0  # the prefill instance's room clock when its call started
-
-
-def clip_tokens(
-    token_ids: Sequence[int], stop_token_ids: Collection[int], room: int
-) -> tuple[int, FinishReason | None]:
-    """How many of `token_ids` to keep, and the finish reason they cause (None = none).
-
-    A stop id is kept and ends the generation; so does reaching `room` more tokens (the stop
-    rule of mili.engine.stop). Decode applies the same rule; checking it here keeps the
-    caller's contract if it did not.
-    """
-    if room <= 0:
-        return 0, FinishReason.LENGTH
-    for i, token_id in enumerate(token_ids):
-        reason = check_stop(token_id, i + 1, stop_token_ids=stop_token_ids, max_tokens=room)
-        if reason is not None:
-            return i + 1, reason
-    return len(token_ids), None
 
 
 class Generation:
