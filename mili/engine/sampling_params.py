@@ -14,7 +14,11 @@ from dataclasses import dataclass
 
 from mili.errors import InvalidArgument
 
-MAX_TOP_LOGPROBS = 20
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit; top-n logprobs cost a [B, n] top-k per step
+# Longest prompt whose prompt logprobs may be asked for: they cost a forward over every position
+# (no prefix-cache reuse) and up to ~280 bytes per prompt token in the reply, which must stay
+# under gRPC's 4 MiB default receive limit of a caller's channel (8192 x 21 entries ~ 2.3 MB).
+MAX_PROMPT_LOGPROBS_TOKENS = 8192
 # Fields a caller may leave unset (proto3 `optional` on the wire): unset means the default below.
 OPTIONAL_FIELDS = (
     "max_tokens",
@@ -27,7 +31,8 @@ OPTIONAL_FIELDS = (
     "frequency_penalty",
     "seed",
     "logprobs",
-)  # OpenAI's limit; top-n logprobs cost a [B, n] top-k per step
+    "prompt_logprobs",
+)
 
 # Temperatures below this are greedy (argmax), as in vLLM (its _SAMPLING_EPS): dividing logits
 # by a smaller one overflows float32 (1e-44, a subnormal, makes every logit +-inf and the
@@ -60,6 +65,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None = none; 0 = chosen token only; n = chosen + top-n
+    # Of the prompt's tokens (prefill computes them), as `logprobs`: None, 0 or n <= 20.
+    prompt_logprobs: int | None = None
     # Stop strings, matched on the detokenized text: only the frontend sees text, so prefill
     # and decode carry none (the frontend never sends them downstream).
     stop: tuple[str, ...] = ()
@@ -95,12 +102,13 @@ class SamplingParams:
             "must be a list of token ids >= 0",
         )
         check(isinstance(self.ignore_eos, bool), "ignore_eos", "must be a bool")
-        n = self.logprobs
-        check(
-            n is None or (_is_int(n) and 0 <= n <= MAX_TOP_LOGPROBS),
-            "logprobs",
-            f"must be unset or in [0, {MAX_TOP_LOGPROBS}]",
-        )
+        for field in ("logprobs", "prompt_logprobs"):
+            n = getattr(self, field)
+            check(
+                n is None or (_is_int(n) and 0 <= n <= MAX_TOP_LOGPROBS),
+                field,
+                f"must be unset or in [0, {MAX_TOP_LOGPROBS}]",
+            )
         if not (isinstance(self.stop, tuple) and all(isinstance(t, str) for t in self.stop)):
             check(False, "stop", "must be a list of strings")
         else:
@@ -115,3 +123,14 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+    def check_prompt(self, num_prompt_tokens: int) -> None:
+        """InvalidArgument naming `prompt_logprobs` when they were asked for a prompt longer
+        than MAX_PROMPT_LOGPROBS_TOKENS (the prompt's length is known only after tokenizing)."""
+        if self.prompt_logprobs is not None and num_prompt_tokens > MAX_PROMPT_LOGPROBS_TOKENS:
+            raise InvalidArgument(
+                "prompt_logprobs",
+                self.prompt_logprobs,
+                f"allowed only for prompts of at most {MAX_PROMPT_LOGPROBS_TOKENS} tokens; "
+                f"this one has {num_prompt_tokens}",
+            )

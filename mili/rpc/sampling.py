@@ -54,6 +54,8 @@ def sampling_params_to_proto(params: SamplingParams) -> sampling_pb2.SamplingPar
         proto.seed = params.seed
     if params.logprobs is not None:
         proto.logprobs = params.logprobs
+    if params.prompt_logprobs is not None:
+        proto.prompt_logprobs = params.prompt_logprobs
     return proto
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from mili.engine.logprobs import TokenLogprobs
@@ -98,13 +98,16 @@ class Tokens:
 
 @dataclass(frozen=True)
 class PrefillStats:
-    """Prefill's reply: timings and bytes only (its first token reaches us through decode)."""
+    """Prefill's reply: timings and bytes (its first token reaches us through decode), and the
+    prompt's logprobs when they were asked for."""
 
     queue_ms: float
     compute_ms: float
     transfer_ms: float
     kv_bytes: int
     num_cached_tokens: int = 0  # prompt tokens prefill took from its prefix cache
+    # SamplingParams.prompt_logprobs set: entry i - 1 for prompt token i (len(prompt) - 1).
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
 class DecodeStream(Protocol):

@@ -5,7 +5,8 @@ pending instead of a queue of one message per token.
 
 A task pulls deltas from the generation while the previous message is being written; each write
 that completes takes everything that arrived meanwhile, merged (token ids, text and logprobs
-concatenated in order; the finish reason and usage of the last). A client that keeps up gets one
+concatenated in order; the finish reason and usage of the last, the prompt logprobs of the
+first). A client that keeps up gets one
 message per delta, as before; one that lags gets fewer, larger ones, each token exactly once and
 in order. Once the buffer holds max_buffered_tokens (`serve-frontend --max-buffered-tokens`) the
 task stops pulling, so what waits for the client here is bounded (by that, plus what the delta
@@ -37,7 +38,7 @@ def merge(deltas: Sequence[Delta]) -> Delta:
     """`deltas` in one: what a client reading them all at once would have read."""
     if len(deltas) == 1:
         return deltas[0]
-    last = deltas[-1]
+    first, last = deltas[0], deltas[-1]
     return Delta(
         [t for d in deltas for t in d.token_ids],
         "".join(d.text for d in deltas),
@@ -45,6 +46,8 @@ def merge(deltas: Sequence[Delta]) -> Delta:
         last.finish_reason,
         last.num_prompt_tokens,
         last.num_completion_tokens,
+        first.prompt_token_ids,  # the prompt's logprobs ride on the generation's first delta
+        first.prompt_logprobs,
     )
 
 

@@ -51,6 +51,7 @@ def sampling_input(s: sampling_pb2.SamplingParams) -> SamplingInput:
         stop_token_ids=tuple(s.stop_token_ids),
         ignore_eos=s.ignore_eos,
         logprobs=s.logprobs if s.HasField("logprobs") else None,
+        prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
     )
 
 
@@ -96,6 +97,16 @@ def _logprobs(delta: Delta) -> list[sampling_pb2.Logprobs]:
     return [logprobs_to_proto(t, lp) for t, lp in zip(delta.token_ids, delta.logprobs, strict=True)]
 
 
+def _prompt_logprobs(delta: Delta) -> list[sampling_pb2.Logprobs]:
+    """The first delta's prompt logprobs: entry i - 1 is prompt token i's."""
+    if delta.prompt_logprobs is None or delta.prompt_token_ids is None:
+        return []
+    token_ids = delta.prompt_token_ids[1:]
+    return [
+        logprobs_to_proto(t, lp) for t, lp in zip(token_ids, delta.prompt_logprobs, strict=True)
+    ]
+
+
 def generate_response(client_request_id: str, delta: Delta) -> generation_pb2.GenerateResponse:
     # Once per message sent: only the fields that are set (the rest default to empty).
     response = generation_pb2.GenerateResponse(
@@ -103,6 +114,8 @@ def generate_response(client_request_id: str, delta: Delta) -> generation_pb2.Ge
     )
     if delta.logprobs:
         response.logprobs.extend(_logprobs(delta))
+    if delta.prompt_logprobs is not None:
+        response.prompt_logprobs.extend(_prompt_logprobs(delta))
     if delta.finish_reason is not None:
         response.finish_reason = finish_reason_to_proto(delta.finish_reason)
         response.usage.prompt_tokens = delta.num_prompt_tokens
@@ -118,6 +131,7 @@ def complete_response(
     for delta in deltas:
         reply.token_ids.extend(delta.token_ids)
         reply.logprobs.extend(_logprobs(delta))
+        reply.prompt_logprobs.extend(_prompt_logprobs(delta))
         if delta.finish_reason is not None:
             reply.finish_reason = finish_reason_to_proto(delta.finish_reason)
             reply.usage.prompt_tokens = delta.num_prompt_tokens
@@ -226,6 +240,7 @@ def prefill_stats(reply: prefill_pb2.PrefillResponse) -> PrefillStats:
         transfer_ms=reply.transfer_ms,
         kv_bytes=reply.kv_bytes,
         num_cached_tokens=reply.num_cached_tokens,
+        prompt_logprobs=[logprobs_from_proto(lp) for lp in reply.prompt_logprobs],
     )
 
 

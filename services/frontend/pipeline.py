@@ -6,8 +6,9 @@
                 (admitter.py) and try again when room frees, first come first served; only a
                 full queue is RESOURCE_EXHAUSTED with RetryInfo
     2. prefill  prefill.Prefill(..., destination={decode address, prompt blocks}), running while
-                the decode stream is read: its KV goes straight to decode, the reply only
-                carries statistics, and its failure fails the request at once (decode would
+                the decode stream is read: its KV goes straight to decode, the reply carries
+                statistics (and the prompt's logprobs when asked for: the first delta waits
+                for them), and its failure fails the request at once (decode would
                 otherwise wait out its KV lease); prefill full (its queued tokens) -> decode's
                 blocks are released and the request waits in the queue again, in its place
     3. stream   decode's token ids -> incremental detokenizer -> stop-string matcher -> out
@@ -25,14 +26,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, Collection, Sequence
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
 from mili.engine.kv.block_pool import blocks_to_reserve
 from mili.engine.logprobs import TokenLogprobs
-from mili.engine.stop import FinishReason, check_stop
+from mili.engine.stop import FinishReason
 from mili.errors import InvalidArgument, ResourceExhausted, Unavailable
 from services.frontend.admitter import NoRoom
 from services.frontend.calls import (
@@ -49,7 +50,7 @@ from services.frontend.calls import (
 )
 from services.frontend.config import FrontendConfig
 from services.frontend.router import Route, Ticket
-from services.frontend.stop import StopMatcher
+from services.frontend.stop import StopMatcher, clip_tokens
 
 _LOG = logging.getLogger("mili.frontend")
 
@@ -64,6 +65,10 @@ class Delta:
     finish_reason: FinishReason | None = None
     num_prompt_tokens: int = 0
     num_completion_tokens: int = 0
+    # First delta only, when SamplingParams.prompt_logprobs was set (else None): the prompt's
+    # ids (after chat templating) and prompt_logprobs[i - 1] = log p(prompt[i] | prompt[:i]).
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass(frozen=True)
@@ -84,24 +89,6 @@ class _Admission:
     stream: DecodeStream
     admitted: Admitted
     prefill_clock: int = 0  # the prefill instance's room clock when its call started
-
-
-def clip_tokens(
-    token_ids: Sequence[int], stop_token_ids: Collection[int], room: int
-) -> tuple[int, FinishReason | None]:
-    """How many of `token_ids` to keep, and the finish reason they cause (None = none).
-
-    A stop id is kept and ends the generation; so does reaching `room` more tokens (the stop
-    rule of mili.engine.stop). Decode applies the same rule; checking it here keeps the
-    caller's contract if it did not.
-    """
-    if room <= 0:
-        return 0, FinishReason.LENGTH
-    for i, token_id in enumerate(token_ids):
-        reason = check_stop(token_id, i + 1, stop_token_ids=stop_token_ids, max_tokens=room)
-        if reason is not None:
-            return i + 1, reason
-    return len(token_ids), None
 
 
 class Generation:
@@ -387,6 +374,17 @@ class Generation:
             self._router.mark_full(address, str(error), seen_clock=admission.prefill_clock)
             raise NoRoom(str(error), error.retry_after_s) from None
 
+    async def _with_prompt_logprobs(self, admission: _Admission, delta: Delta) -> Delta:
+        """The first delta, with the prompt's logprobs from prefill's reply, waited for (it
+        normally comes about when decode's first token does); raises prefill's error."""
+        while self._prefill_reply is None:
+            assert self._prefill is not None
+            await asyncio.wait({self._prefill})
+            self._check_prefill(admission)
+        delta.prompt_token_ids = list(self._prompt.token_ids)
+        delta.prompt_logprobs = self._prefill_reply.prompt_logprobs
+        return delta
+
     async def _await_prefill_reply(self) -> None:
         """Decode finished; prefill's reply (statistics only) is normally in already."""
         prefill = self._prefill
@@ -456,6 +454,7 @@ class Generation:
         matcher = StopMatcher(sampling.stop)
         num_prompt = len(self._prompt.token_ids)
         num_generated = 0
+        is_first = sampling.prompt_logprobs is not None  # the first delta still to go out
         read = admission.stream.read
         event: Admitted | Tokens | None
         while True:
@@ -491,10 +490,16 @@ class Generation:
                 rest = matcher.push(await text.finish())
                 out += rest.text if rest.is_stopped else rest.text + matcher.flush()
             if finish:
-                yield Delta(token_ids, out, logprobs, finish, num_prompt, num_generated)
+                delta = Delta(token_ids, out, logprobs, finish, num_prompt, num_generated)
+            elif token_ids or out:
+                delta = Delta(token_ids, out, logprobs)
+            else:
+                continue
+            if is_first:
+                delta, is_first = await self._with_prompt_logprobs(admission, delta), False
+            yield delta
+            if finish:
                 return
-            if token_ids or out:
-                yield Delta(token_ids, out, logprobs)
 
 
 def _is_refused_for_room(error: BaseException | None) -> bool:

@@ -1,4 +1,5 @@
-"""Stop strings, matched on the generated text as it streams in.
+"""Stop strings, matched on the generated text as it streams in (and `clip_tokens`, the stop
+rule on the token ids decode streams).
 
 Text arrives in deltas, and a stop string may straddle them ("...Obser" + "vation:"), so the
 matcher holds back the longest tail of the text that could still become a stop string:
@@ -15,8 +16,10 @@ tokenizer's detokenizer never hands us half a character either).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import NamedTuple
+
+from mili.engine.stop import FinishReason, check_stop
 
 
 class Pushed(NamedTuple):
@@ -73,3 +76,21 @@ class StopMatcher:
                     longest = n
                     break
         return longest
+
+
+def clip_tokens(
+    token_ids: Sequence[int], stop_token_ids: Collection[int], room: int
+) -> tuple[int, FinishReason | None]:
+    """How many of `token_ids` to keep, and the finish reason they cause (None = none).
+
+    A stop id is kept and ends the generation; so does reaching `room` more tokens (the stop
+    rule of mili.engine.stop). Decode applies the same rule; checking it here keeps the
+    caller's contract if it did not.
+    """
+    if room <= 0:
+        return 0, FinishReason.LENGTH
+    for i, token_id in enumerate(token_ids):
+        reason = check_stop(token_id, i + 1, stop_token_ids=stop_token_ids, max_tokens=room)
+        if reason is not None:
+            return i + 1, reason
+    return len(token_ids), None

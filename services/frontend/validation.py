@@ -87,6 +87,7 @@ class SamplingInput:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # of the prompt's tokens: None, 0 or n <= 20 (top-n)
 
 
 @dataclass(frozen=True)
@@ -328,10 +329,17 @@ def fit_context(
     max_tokens unset) max_tokens shrinks to fit instead.
 
     Raises InvalidArgument naming the prompt (when it alone is too long for prefill, or leaves
-    no room for one token) or `sampling.max_tokens`, with the numbers a caller needs to fix it.
+    no room for one token), `sampling.max_tokens`, or `sampling.prompt_logprobs` (asked for a
+    prompt longer than their limit), with the numbers a caller needs to fix it.
     """
     if num_prompt_tokens == 0:
         raise InvalidArgument(prompt_field, "", "tokenizes to no tokens")
+    try:
+        sampling.check_prompt(num_prompt_tokens)
+    except InvalidArgument as err:
+        raise InvalidArgument.many(
+            [FieldViolation(f"sampling.{v.field}", v.description) for v in err.violations]
+        ) from None
     if max_prompt_tokens is not None and num_prompt_tokens > max_prompt_tokens:
         raise InvalidArgument(
             prompt_field,

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from mili.engine.kv.block_pool import blocks_needed
 from mili.errors import FieldViolation, InvalidArgument
+from mili.pb.common.v1 import sampling_pb2
 from mili.pb.prefill.v1 import prefill_pb2
-from mili.rpc.sampling import sampling_params
+from mili.rpc.sampling import logprobs_to_proto, sampling_params
 from services.prefill.sender import TransferResult, logprobs
-from services.prefill.task import PrefillTask
+from services.prefill.task import FirstToken, PrefillTask
 
 _MAX_REQUEST_ID_CHARS = 256
 
@@ -71,12 +72,21 @@ def prefill_task(
             num_cached_blocks,
             f"at most {(len(token_ids) - 1) // block_size} for a {len(token_ids)}-token prompt",
         )
+    sampling = None
     try:
         sampling = sampling_params(request.sampling)
     except InvalidArgument as err:
         violations.extend(err.violations)
+    try:
+        if sampling is not None:
+            sampling.check_prompt(num_tokens)
+    except InvalidArgument as err:
+        violations.extend(
+            FieldViolation(f"sampling.{v.field}", v.description) for v in err.violations
+        )
     if violations:
         raise InvalidArgument.many(violations)
+    assert sampling is not None
     return PrefillTask(
         request_id=request.request_id,
         prompt_token_ids=token_ids,
@@ -100,4 +110,15 @@ def prefill_response(task: PrefillTask, result: TransferResult) -> prefill_pb2.P
         transfer_ms=result.transfer_ms,
         kv_bytes=result.kv_bytes,
         num_cached_tokens=first.num_cached_tokens,
+        prompt_logprobs=_prompt_logprobs(task, first),
     )
+
+
+def _prompt_logprobs(task: PrefillTask, first: FirstToken) -> list[sampling_pb2.Logprobs]:
+    """Entry i - 1 for prompt token i, when they were asked for."""
+    if first.prompt_logprobs is None:
+        return []
+    token_ids = task.prompt_token_ids[1:]
+    return [
+        logprobs_to_proto(t, lp) for t, lp in zip(token_ids, first.prompt_logprobs, strict=True)
+    ]

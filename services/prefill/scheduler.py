@@ -103,6 +103,7 @@ class _Prompt:
     # is not looked up in the prefix cache.
     block_keys: list[bytes] | None = None
     num_cached_tokens: int = 0  # set at admission
+    reuse_cached: bool = True  # False: looked up nowhere, every position computed
 
 
 class Scheduler:
@@ -178,11 +179,14 @@ class Scheduler:
         *,
         prompt_token_ids: Sequence[int] | None = None,
         retry_after_s: float | None = None,
+        reuse_cached: bool = True,
     ) -> None:
         """Queue a prompt; RESOURCE_EXHAUSTED when the queued tokens would pass the bound,
         unless `reserve` held its room (then it is queued without a second check).
 
-        With `prompt_token_ids` (len == num_tokens) the prompt may reuse cached blocks.
+        With `prompt_token_ids` (len == num_tokens) the prompt may reuse cached blocks, unless
+        `reuse_cached` is False (every position computed: prompt logprobs need their logits);
+        its computed blocks join the cache either way.
         """
         if prompt_token_ids is not None and len(prompt_token_ids) != num_tokens:
             raise ValueError(f"{len(prompt_token_ids)} prompt token ids for {num_tokens} tokens")
@@ -194,7 +198,9 @@ class Scheduler:
         keys = None
         if prompt_token_ids is not None and self.prefix_cache.enabled:
             keys = self.prefix_cache.keys(prompt_token_ids)
-        self._waiting[request_id] = _Prompt(request_id, num_tokens, block_keys=keys)
+        self._waiting[request_id] = _Prompt(
+            request_id, num_tokens, block_keys=keys, reuse_cached=reuse_cached
+        )
         if reserved is None:
             self.num_queued_tokens += num_tokens
         else:
@@ -303,7 +309,7 @@ class Scheduler:
 
     def _match(self, prompt: _Prompt) -> list[int]:
         """Cached leading blocks for a waiting prompt (one reference each); [] without ids."""
-        if prompt.block_keys is None:
+        if prompt.block_keys is None or not prompt.reuse_cached:
             return []
         max_blocks = (prompt.num_tokens - 1) // self.block_size
         return self.prefix_cache.match_keys(prompt.block_keys, max_blocks=max_blocks)

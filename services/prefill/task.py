@@ -12,6 +12,7 @@ from typing import NamedTuple, Protocol
 import torch
 from opentelemetry.trace import SpanContext
 
+from mili.engine.logprobs import TokenLogprobs
 from mili.engine.sampling_params import SamplingParams
 
 
@@ -51,6 +52,8 @@ class FirstToken(NamedTuple):
     compute_ms: float  # first forward -> token sampled
     batch_size: int = 1  # prompts in the step that finished this one
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache, not computed
+    # SamplingParams.prompt_logprobs set: entry i - 1 for prompt token i (len(prompt) - 1).
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class KvSink(Protocol):

@@ -4,10 +4,11 @@
     ─────────────────────                     ─────────────
     submit(task, sink) ─┐                     loop:
     remove(request_id) ─┼─ lock ─ Scheduler ─▶  step = schedule()       (admits, allocates)
-                        │                       runner.prefill(step, layer_callback=...)
+                        │                       runner.prefill_step(step, layer_callback=...)
                         │                         after layer i: gather each chunk's blocks
                         │                         ──▶ sink.send_blocks(i, ...)   (hand-off)
                         │                       sample first tokens of finished prompts
+                        │                       (and prompt logprobs of chunks that ask)
                         └────────────────────── complete(step); sink.finish(first)
 
 The lock guards only bookkeeping (microseconds), never a forward, so the event loop's calls
@@ -31,8 +32,10 @@ from opentelemetry.trace import Span
 from prometheus_client import CollectorRegistry
 
 from mili.engine.kv.prefix_cache import PrefixCacheReading
+from mili.engine.logprobs import TokenLogprobs
 from mili.engine.model.kv_cache import KVCache
 from mili.engine.step.pinned import StagingRing, pinned_empty, thread_stream
+from mili.engine.step.prompt_logprobs import PromptLogprobsAsk, chunk_targets
 from mili.engine.step.runner import ModelRunner, use_device
 from mili.engine.step.sampler import SequenceSampling
 from mili.errors import Unavailable
@@ -66,6 +69,8 @@ class _Job:
     # Set under the lock by `remove`; read without it by the layer callback, where a stale
     # False only means one more gather whose result the closed sink drops.
     is_removed: bool = False
+    # SamplingParams.prompt_logprobs set: those of the chunks computed so far, in order.
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class PrefillWorker:
@@ -131,13 +136,20 @@ class PrefillWorker:
         with self._cond:
             if self._is_stopping:
                 raise Unavailable("prefill instance is shutting down; retry elsewhere")
+            # Prompt logprobs need every position's logits, and a position served from the
+            # prefix cache has none: such a prompt computes all of them (no cache lookup; its
+            # blocks still join the cache for later prompts).
+            wants_logprobs = task.sampling.prompt_logprobs is not None
             self._scheduler.add(
                 task.request_id,
                 len(task.prompt_token_ids),
                 prompt_token_ids=task.prompt_token_ids,
                 retry_after_s=self._retry_after_s(),
+                reuse_cached=not wants_logprobs,
             )
-            self._jobs[task.request_id] = _Job(task, sink, accepted_at=time.perf_counter())
+            job = _Job(task, sink, accepted_at=time.perf_counter())
+            job.prompt_logprobs = [] if wants_logprobs else None
+            self._jobs[task.request_id] = job
             self._cond.notify()
 
     def remove(self, request_id: str) -> None:
@@ -261,15 +273,27 @@ class PrefillWorker:
                     self._ship(layer, chunk, job.sink, block_size, job.task.num_cached_blocks)
             record.layer_done_at.append(time.perf_counter())
 
-        logits = runner.prefill(
+        asks = [  # row of the batch -> the prompt logprobs its chunk computes
+            PromptLogprobsAsk(row, chunk_targets(task.prompt_token_ids, c.start, c.end), n)
+            for row, i in enumerate(computed)
+            for c, task in [(step.chunks[i], jobs[i].task)]
+            if (n := task.sampling.prompt_logprobs) is not None
+        ]
+        output = runner.prefill_step(
             [
                 jobs[i].task.prompt_token_ids[step.chunks[i].start : step.chunks[i].end]
                 for i in computed
             ],
             [step.chunks[i].block_table for i in computed],
             [step.chunks[i].start for i in computed],
+            prompt_logprobs=asks,
             layer_callback=on_layer,
-        )  # [len(computed), vocab] float32
+        )
+        logits = output.logits  # [len(computed), vocab] float32
+        for ask, pending in zip(asks, output.prompt_logprobs, strict=True):
+            job = jobs[computed[ask.row]]
+            if job.prompt_logprobs is not None:  # waits for the device: only asking steps do
+                job.prompt_logprobs.extend(pending.result())
         rows = [
             row
             for row, i in enumerate(computed)
@@ -295,6 +319,7 @@ class PrefillWorker:
                 compute_ms=(done_at - job.first_forward_at) * 1e3,
                 batch_size=len(computed),
                 num_cached_tokens=step.chunks[computed[rows[i]]].num_cached_tokens,
+                prompt_logprobs=job.prompt_logprobs,
             )
             results.append((job, first))
         return results

@@ -11,10 +11,11 @@ from collections.abc import AsyncGenerator
 import grpc
 import pytest
 
+from mili.engine.logprobs import TokenLogprobs
 from mili.engine.stop import FinishReason
 from mili.pb.common.v1 import sampling_pb2
 from mili.pb.frontend.v1 import generation_pb2, generation_pb2_grpc
-from services.frontend.coalescer import coalesced
+from services.frontend.coalescer import coalesced, merge
 from services.frontend.pipeline import Delta
 from tests.frontend.fakes import FakeDecode, collect, ids, stack, text_of
 
@@ -64,6 +65,15 @@ def test_a_slow_consumer_gets_every_delta_once_in_order_with_a_bounded_buffer() 
         assert all(d.finish_reason is None for d in taken[:-1])
 
     asyncio.run(main())
+
+
+def test_merged_deltas_keep_the_first_ones_prompt_logprobs() -> None:
+    prompt_lp = [TokenLogprobs(-1.0, []), TokenLogprobs(-2.0, [])]
+    first = Delta([1], "a", prompt_token_ids=[4, 5, 6], prompt_logprobs=prompt_lp)
+    last = Delta([2], "b", finish_reason=FinishReason.STOP, num_prompt_tokens=3)
+    merged = merge([first, Delta([3], "c"), last])
+    assert merged.prompt_logprobs == prompt_lp and merged.prompt_token_ids == [4, 5, 6]
+    assert merged.token_ids == [1, 3, 2] and merged.finish_reason is FinishReason.STOP
 
 
 def test_an_error_comes_after_the_deltas_before_it_and_closing_closes_the_generation() -> None:

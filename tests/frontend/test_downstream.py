@@ -10,7 +10,7 @@ from mili.engine.stop import FinishReason
 from mili.rpc.status import status_of
 from services.frontend.calls import InstanceDown
 from services.frontend.downstream import DownstreamBug, error_from
-from services.frontend.pipeline import clip_tokens
+from services.frontend.stop import clip_tokens
 
 STOP, LENGTH = FinishReason.STOP, FinishReason.LENGTH
 

@@ -223,6 +223,36 @@ def test_logprobs_are_clipped_with_their_tokens() -> None:
     assert deltas[-1].token_ids == [1, 2] and deltas[-1].logprobs == lp[:2]
 
 
+def test_the_first_delta_waits_for_prefills_prompt_logprobs() -> None:
+    prompt_lp = [TokenLogprobs(-1.0, [(6, -0.5)]), TokenLogprobs(-2.0, [(2, -0.1)])]
+    down = FakeDownstream(
+        {"d:1": [Admitted([1], "token"), tokens(1), tokens(2, finish=FinishReason.LENGTH)]},
+        prefill_outcome=lambda: PrefillStats(1.0, 2.0, 3.0, 4096, prompt_logprobs=prompt_lp),
+        prefill_delay_s=0.2,  # decode's tokens come first: the first delta still waits
+    )
+    deltas = run(down, SamplingParams(max_tokens=2, prompt_logprobs=1))
+    assert [d.token_ids for d in deltas] == [[1], [2]]
+    assert deltas[0].prompt_logprobs == prompt_lp and deltas[0].prompt_token_ids == [5, 6, 7]
+    assert deltas[1].prompt_logprobs is None and deltas[1].prompt_token_ids is None
+    # Not asked: no delta carries any, and nothing waits for prefill's reply.
+    down = FakeDownstream({"d:1": [Admitted([1], "token"), tokens(1, finish=FinishReason.LENGTH)]})
+    assert run(down, SamplingParams(max_tokens=1))[0].prompt_logprobs is None
+
+
+def test_a_prefill_failure_while_the_first_delta_waits_fails_the_request() -> None:
+    def fail() -> PrefillStats:
+        raise InvalidArgument("sampling.prompt_logprobs", 2, "too long")
+
+    down = FakeDownstream(
+        {"d:1": [Admitted([1], "token"), tokens(1), tokens(2, finish=FinishReason.LENGTH)]},
+        prefill_outcome=fail,
+        prefill_delay_s=0.1,
+    )
+    with pytest.raises(InvalidArgument):
+        run(down, SamplingParams(max_tokens=2, prompt_logprobs=1))
+    assert in_flight(down.router) == 0
+
+
 def test_a_full_decode_is_skipped_for_the_next() -> None:
     full = ResourceExhausted("decode at d:1: full", retry_after_s=0.2)
     down = FakeDownstream(

@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from mili.engine.sampling_params import MAX_PROMPT_LOGPROBS_TOKENS
 from mili.errors import InvalidArgument
 from services.frontend.validation import (
     MAX_CONTEXT_TOKENS,
@@ -61,6 +62,8 @@ def check(request: RequestInput, limits: Limits = LIMITS) -> ValidRequest:
         ({"frequency_penalty": -3.0}, "sampling.frequency_penalty"),
         ({"logprobs": -1}, "sampling.logprobs"),
         ({"logprobs": 21}, "sampling.logprobs"),
+        ({"prompt_logprobs": -1}, "sampling.prompt_logprobs"),
+        ({"prompt_logprobs": 21}, "sampling.prompt_logprobs"),
         ({"stop": ("ok", "")}, "sampling.stop[1]"),
         ({"stop": ("x" * 257,)}, "sampling.stop[0]"),
         ({"stop": tuple(str(i) for i in range(17))}, "sampling.stop"),
@@ -90,6 +93,8 @@ def test_each_bad_sampling_field_is_named(fields: dict[str, object], bad_field: 
         {"frequency_penalty": 2.0},
         {"logprobs": 0},
         {"logprobs": 20},
+        {"prompt_logprobs": 0},
+        {"prompt_logprobs": 20},
     ],
 )
 def test_boundary_values_are_accepted(fields: dict[str, object]) -> None:
@@ -193,6 +198,19 @@ def test_fit_context() -> None:
         default.sampling, 4000, 4096, "prompt", may_shrink=default.is_default_max_tokens
     )
     assert fitted.max_tokens == 96
+
+
+def test_prompt_logprobs_are_carried_and_bounded_by_the_prompt_length() -> None:
+    sampling = check(sampled(prompt_logprobs=3, max_tokens=1)).sampling
+    assert sampling.prompt_logprobs == 3
+    assert check(sampled()).sampling.prompt_logprobs is None
+    limit = MAX_PROMPT_LOGPROBS_TOKENS
+    fit_context(sampling, limit, limit + 10, "prompt")  # at the limit: fine
+    with pytest.raises(InvalidArgument) as info:
+        fit_context(sampling, limit + 1, limit + 10, "prompt")
+    assert fields_of(info.value) == ["sampling.prompt_logprobs"]
+    assert str(limit) in str(info.value)
+    fit_context(check(sampled(max_tokens=1)).sampling, limit + 1, limit + 10, "prompt")
 
 
 def test_with_eos_adds_eos_ids_unless_ignore_eos() -> None:

@@ -245,7 +245,7 @@ def test_a_failed_compute_aborts_the_transfer_with_our_status(
 
     async def main() -> None:
         async with prefill_service(tiny) as h, receiver_for(h) as (receiver, server):
-            monkeypatch.setattr(h.servicer.worker.runner, "prefill", boom)
+            monkeypatch.setattr(h.servicer.worker.runner, "prefill_step", boom)
             receiver.reserve("r", [0, 1, 2])
             request = prefill_request("r", prompt(tiny), server.address, [0, 1, 2])
             err = await failed(h.stub.Prefill(request, timeout=10))

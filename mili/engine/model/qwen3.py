@@ -9,6 +9,7 @@ only when embeddings are untied).
 Two entry points, both `torch.inference_mode`, both returning float32 logits:
 
     prefill(PrefillBatch, kv_cache)  packed prompt chunks -> [B, vocab] (or [T, vocab])
+                                     (prefill_hidden + logits: the same, in two parts)
     decode(DecodeBatch, kv_cache)    one token per sequence -> [B, vocab]
 
 Per layer, each line one kernel where the FusedOps are fused (mili/engine/model/fused_ops.py):
@@ -270,9 +271,24 @@ class Qwen3ForCausalLM(nn.Module):
         """Run packed prompt chunks, writing their K/V into `kv_cache`.
 
         Returns float32 logits of each sequence's last token, [B, vocab], or of every token,
-        [T, vocab], when `all_logits` (prompt logprobs). `layer_callback(i)` runs once layer i's
-        K/V is in the cache, so a caller can start shipping it while layer i+1 computes.
+        [T, vocab], when `all_logits`. `layer_callback(i)` runs once layer i's K/V is in the
+        cache, so a caller can start shipping it while layer i+1 computes.
         """
+        hidden = self.prefill_hidden(batch, kv_cache, layer_callback=layer_callback)
+        if not all_logits:
+            hidden = hidden[batch.cu_seqlens[1:].long() - 1]  # last token of each sequence
+        return self.logits(hidden)
+
+    @torch.inference_mode()
+    def prefill_hidden(
+        self,
+        batch: PrefillBatch,
+        kv_cache: KVCache,
+        *,
+        layer_callback: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
+        """`prefill` up to the final norm: every token's hidden state [T, hidden], from which
+        `logits` makes the rows a caller wants (prompt logprobs take them a slice at a time)."""
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             return self.attention.prefill(
@@ -288,10 +304,7 @@ class Qwen3ForCausalLM(nn.Module):
             )
 
         step = self._step(batch.positions, batch.slot_mapping, kv_cache, attend)
-        hidden = self._layers(batch.input_ids, step, layer_callback)
-        if not all_logits:
-            hidden = hidden[batch.cu_seqlens[1:].long() - 1]  # last token of each sequence
-        return self._logits(hidden)
+        return self._layers(batch.input_ids, step, layer_callback)
 
     @torch.inference_mode()
     def decode(self, batch: DecodeBatch, kv_cache: KVCache) -> torch.Tensor:
@@ -308,7 +321,7 @@ class Qwen3ForCausalLM(nn.Module):
             )
 
         step = self._step(batch.positions, batch.slot_mapping, kv_cache, attend)
-        return self._logits(self._layers(batch.input_ids, step, None))
+        return self.logits(self._layers(batch.input_ids, step, None))
 
     def _step(
         self,
@@ -337,6 +350,7 @@ class Qwen3ForCausalLM(nn.Module):
             return step.ops.rms_norm(x, norm.weight, norm.eps)
         return step.ops.add_rms_norm(x, residual, norm.weight, norm.eps)
 
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] (after the final norm) -> float32 logits [N, vocab]."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()  # [N, vocab]

@@ -9,6 +9,8 @@ are free is not its business: the services' bookkeeping holds a
           -> KV cache -> CUDA graphs per padded batch size (cuda_graphs)
 
     prefill(chunks) -> logits                     eager: shapes follow the prompts
+    prefill_step(chunks, prompt_logprobs=asks)    the same, with the asking chunks' prompt
+        -> PrefillOutput                          logprobs (a pass of logits at a time)
     decode(seqs)    -> PendingSample              inputs staged into static buffers, graph
                                                   replay (or eager), sampling; no host sync
     PendingSample.result()                        the step's one wait: ids back on the host
@@ -18,17 +20,17 @@ One thread drives a runner: its buffers are reused step after step.
 
 from __future__ import annotations
 
-import gc
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from mili.engine.engine_config import EngineConfig
 from mili.engine.kv.block_pool import blocks_needed
 from mili.engine.kv.kv_layout import KVLayout
-from mili.engine.kv_memory import GIB, DeviceMemory, KvPoolSize, plan_kv_pool
+from mili.engine.kv_memory import GIB, plan_kv_pool
 from mili.engine.model.attention import AttentionBackend
 from mili.engine.model.config import ConfigError
 from mili.engine.model.fused_ops import FusedOps
@@ -45,11 +47,25 @@ from mili.engine.step.buckets import graph_batch_sizes, padded_batch_size
 from mili.engine.step.cuda_graphs import DecodeGraphs
 from mili.engine.step.decode_inputs import DecodeInputs
 from mili.engine.step.pinned import is_pinnable
+from mili.engine.step.prompt_logprobs import (
+    PendingPromptLogprobs,
+    PromptLogprobsAsk,
+    chunk_targets,
+    compute_prompt_logprobs,
+)
 from mili.engine.step.sampler import PendingSample, Sampler, SequenceSampling
 from mili.engine.step.sequence import Sequence as EngineSequence
+from mili.engine.step.startup import graphs_allowed, log_pool, log_vocab, measure_memory
 from mili.errors import StartupError
 
 _LOG = logging.getLogger("mili.engine")
+
+
+class PrefillOutput(NamedTuple):
+    """What `prefill_step` queued on the device (nothing waited for)."""
+
+    logits: torch.Tensor  # [B, vocab] float32: each chunk's last token
+    prompt_logprobs: list[PendingPromptLogprobs]  # one per ask, in the asks' order
 
 
 class ModelRunner:
@@ -154,6 +170,50 @@ class ModelRunner:
         The batch is built on the host and moved through pinned memory, so the host goes on
         launching layers while it travels.
         """
+        batch = self._prefill_batch(token_ids, block_tables, start_positions)
+        return self.model.prefill(
+            batch, self.kv_cache, all_logits=all_logits, layer_callback=layer_callback
+        )
+
+    def prefill_step(
+        self,
+        token_ids: Sequence[Sequence[int]],
+        block_tables: Sequence[Sequence[int]],
+        start_positions: Sequence[int],
+        *,
+        prompt_logprobs: Sequence[PromptLogprobsAsk] = (),
+        layer_callback: Callable[[int], None] | None = None,
+    ) -> PrefillOutput:
+        """`prefill`'s last-token logits, and the prompt logprobs of the chunks `prompt_logprobs`
+        asks for: only their rows go through the head, a pass at a time (prompt_logprobs.py),
+        so a batch without asks costs what `prefill` does."""
+        batch = self._prefill_batch(token_ids, block_tables, start_positions)
+        with torch.inference_mode():
+            hidden = self.model.prefill_hidden(
+                batch, self.kv_cache, layer_callback=layer_callback
+            )  # [T, hidden]
+            starts = [0]
+            for chunk in token_ids:
+                starts.append(starts[-1] + len(chunk))
+            logits = self.model.logits(hidden[batch.cu_seqlens[1:].long() - 1])  # [B, vocab]
+            pending = [
+                compute_prompt_logprobs(
+                    self.model.logits,
+                    hidden[starts[ask.row] : starts[ask.row + 1]],
+                    ask.target_ids,
+                    self.vocab_size,
+                    ask.num_top,
+                )
+                for ask in prompt_logprobs
+            ]
+        return PrefillOutput(logits, pending)
+
+    def _prefill_batch(
+        self,
+        token_ids: Sequence[Sequence[int]],
+        block_tables: Sequence[Sequence[int]],
+        start_positions: Sequence[int],
+    ) -> PrefillBatch:
         batch = PrefillBatch.build(
             token_ids, block_tables, self.block_size, start_positions=start_positions
         )
@@ -161,9 +221,7 @@ class ModelRunner:
             batch = PrefillBatch(
                 *(t.pin_memory().to(self.device, non_blocking=True) for t in batch)
             )
-        return self.model.prefill(
-            batch, self.kv_cache, all_logits=all_logits, layer_callback=layer_callback
-        )
+        return batch
 
     def sample(self, logits: torch.Tensor, seqs: Sequence[SequenceSampling]) -> PendingSample:
         """One token per row of `logits` [B, vocab], queued; `.result()` waits for them."""
@@ -245,8 +303,12 @@ class ModelRunner:
         with torch.inference_mode():
             if max_prefill_tokens:
                 table = list(range(blocks_needed(max_prefill_tokens, self.block_size)))
-                logits = self.prefill([[0] * max_prefill_tokens], [table], [0])
-                self.sample(logits, [SequenceSampling(costly, [0], vocab_size)]).result()
+                prompt = [0] * max_prefill_tokens
+                # with the costliest prompt logprobs too: every position, top 20
+                ask = PromptLogprobsAsk(0, chunk_targets(prompt, 0, len(prompt)), 20)
+                out = self.prefill_step([prompt], [table], [0], prompt_logprobs=[ask])
+                self.sample(out.logits, [SequenceSampling(costly, [0], vocab_size)]).result()
+                out.prompt_logprobs[0].result()
             rows = self.inputs.max_rows
             self.inputs.fill([], rows)
             batch = self.inputs.batch(rows, None if full_width else 1)
@@ -298,12 +360,12 @@ class ModelRunner:
                 f"{model_dir}: tokenizer.json has {vocab_size} token ids, more than the "
                 f"model's {model.config.vocab_size} embedding rows"
             )
-        _log_vocab(model_dir, vocab_size, model.config.vocab_size)
-        use_graphs = capture_graphs and device.type == "cuda" and _graphs_allowed(config, model)
+        log_vocab(model_dir, vocab_size, model.config.vocab_size)
+        use_graphs = capture_graphs and device.type == "cuda" and graphs_allowed(config, model)
 
         memory = None
         if device.type == "cuda" and config.num_blocks is None and config.kv_cache_bytes is None:
-            memory = _measure(
+            memory = measure_memory(
                 cls, model, config, max_decode_batch, max_prefill_tokens, full_width=use_graphs
             )
         block_bytes = bytes_per_block(model.config, config.block_size, model.dtype)
@@ -318,7 +380,7 @@ class ModelRunner:
             )
         except ValueError as e:
             raise StartupError(str(e)) from None
-        _log_pool(size, config.block_size)
+        log_pool(size, config.block_size)
         try:
             flat = None
             if storage is not None:
@@ -392,77 +454,3 @@ def require_device(device: str) -> None:
             raise StartupError(
                 f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) here"
             )
-
-
-def _graphs_allowed(config: EngineConfig, model: Qwen3ForCausalLM) -> bool:
-    """Whether decode steps may be captured; logs why not."""
-    if config.enforce_eager:
-        _LOG.info("CUDA graphs off (--enforce-eager): decode steps run eagerly")
-        return False
-    if not model.fused_ops.is_graph_safe:
-        _LOG.warning(
-            "CUDA graphs off: fused ops %s are not graph-safe; decode steps run eagerly",
-            model.fused_ops.name,
-        )
-        return False
-    if not getattr(model.attention, "is_graph_safe", False):
-        _LOG.warning(
-            "CUDA graphs off: attention backend %s is not graph-safe (it allocates, validates "
-            "or sizes its launch from values per call); decode steps run eagerly",
-            model.attention.name,
-        )
-        return False
-    return True
-
-
-def _measure(
-    cls: type[ModelRunner],
-    model: Qwen3ForCausalLM,
-    config: EngineConfig,
-    max_decode_batch: int,
-    max_prefill_tokens: int | None,
-    *,
-    full_width: bool,
-) -> DeviceMemory:
-    """Device memory after one warm-up at the largest batch, on a throwaway KV cache just big
-    enough for it (its bytes are not counted in the peak)."""
-    device = model.device
-    warm_blocks = blocks_needed(max_prefill_tokens or 1, config.block_size) + 1
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    cache = KVCache(model.config, warm_blocks, config.block_size, dtype=model.dtype, device=device)
-    cache_bytes = warm_blocks * bytes_per_block(model.config, config.block_size, model.dtype)
-    runner = cls(model, cache, max_decode_batch=max_decode_batch)
-    runner.warm_up(max_prefill_tokens, full_width=full_width)
-    torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_reserved(device) - cache_bytes
-    del runner, cache
-    gc.collect()
-    torch.cuda.empty_cache()
-    free, total = torch.cuda.mem_get_info(device)
-    return DeviceMemory(total, free, peak, torch.cuda.memory_reserved(device))
-
-
-def _log_vocab(model_dir: Path, vocab_size: int | None, num_rows: int) -> None:
-    if vocab_size is None:
-        _LOG.warning(
-            "%s has no tokenizer.json: sampling over all %d rows of the model's vocabulary",
-            model_dir,
-            num_rows,
-        )
-    elif vocab_size < num_rows:
-        _LOG.info(
-            "sampling the tokenizer's %d token ids; the model's %d padding rows are never drawn",
-            vocab_size,
-            num_rows - vocab_size,
-        )
-
-
-def _log_pool(size: KvPoolSize, block_size: int) -> None:
-    _LOG.info(
-        "KV pool: %d blocks of %d tokens, %.2f GiB (%s)",
-        size.num_blocks,
-        block_size,
-        size.num_bytes / GIB,
-        size.reason,
-    )

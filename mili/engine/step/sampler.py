@@ -55,6 +55,7 @@ __all__ = [
     "apply_penalties",
     "filter_logits",
     "min_p_mask",
+    "raw_logprobs",
     "sample_inverse_cdf",
     "top_k_mask",
     "top_p_mask",
@@ -361,7 +362,16 @@ def _logprobs(
     any row asked (see the module docstring); rows cut their own n on the host."""
     if all(n is None for n in wanted):
         return None
+    return raw_logprobs(logits, token_ids, max(n or 0 for n in wanted))
+
+
+def raw_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The one logprob rule, for generated and prompt tokens alike: log_softmax of the raw
+    float32 logits [B, V] (the tokenizer's columns only), the logprob of token_ids [B] -> [B],
+    and the num_top most likely (values, ids) [B, num_top], most likely first."""
     logprobs = logits.log_softmax(-1)  # [B, V]
     chosen = logprobs.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)  # [B]
-    top_values, top_ids = logprobs.topk(max(n or 0 for n in wanted), dim=-1)  # [B, n_max]
+    top_values, top_ids = logprobs.topk(num_top, dim=-1)  # [B, num_top]
     return chosen, top_values, top_ids

@@ -26,7 +26,7 @@ from mili.pb.common.v1 import sampling_pb2 as mili_dot_common_dot_v1_dot_samplin
 from mili.pb.kv.v1 import kv_pb2 as mili_dot_kv_dot_v1_dot_kv__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dmili/prefill/v1/prefill.proto\x12\x0fmili.prefill.v1\x1a\x1dmili/common/v1/sampling.proto\x1a\x13mili/kv/v1/kv.proto\"~\n\rKvDestination\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x18\n\x10prompt_block_ids\x18\x03 \x03(\r\x12\x16\n\x0etransfer_token\x18\x04 \x01(\t\x12\x19\n\x11num_cached_blocks\x18\x05 \x01(\rJ\x04\x08\x02\x10\x03R\tblock_ids\"\xd1\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.mili.common.v1.SamplingParams\x12\x33\n\x0b\x64\x65stination\x18\x04 \x01(\x0b\x32\x1e.mili.prefill.v1.KvDestination\x12\x18\n\x10prompt_token_ids\x18\x05 \x03(\r\x12\x19\n\x11\x63lient_request_id\x18\x06 \x01(\tJ\x04\x08\x02\x10\x03R\ttoken_ids\"\xde\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x30\n\x0e\x66irst_logprobs\x18\x02 \x01(\x0b\x32\x18.mili.common.v1.Logprobs\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x10\n\x08queue_ms\x18\x04 \x01(\x01\x12\x12\n\ncompute_ms\x18\x05 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x06 \x01(\x01\x12\x10\n\x08kv_bytes\x18\x07 \x01(\x04\x12\x19\n\x11num_cached_tokens\x18\x08 \x01(\r\"\r\n\x0bInfoRequest\"\xde\x03\n\x0cInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\'\n\tkv_layout\x18\x04 \x01(\x0b\x32\x14.mili.kv.v1.KvLayout\x12\x19\n\x11\x61ttention_backend\x18\x05 \x01(\t\x12\x19\n\x11max_prompt_tokens\x18\x06 \x01(\r\x12\x18\n\x10max_batch_tokens\x18\x07 \x01(\r\x12\x19\n\x11num_queued_tokens\x18\x08 \x01(\x04\x12\x18\n\x10num_total_blocks\x18\t \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\n \x01(\r\x12\x16\n\x0ekv_cache_bytes\x18\x0b \x01(\x04\x12\x31\n\x0cprefix_cache\x18\x0c \x01(\x0b\x32\x1b.mili.kv.v1.PrefixCacheInfo\x12\x46\n\rkv_transports\x18\r \x03(\x0b\x32/.mili.prefill.v1.InfoResponse.KvTransportsEntry\x12\x11\n\tfused_ops\x18\x0e \x01(\t\x1a\x33\n\x11KvTransportsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x32\xa3\x01\n\x0ePrefillService\x12L\n\x07Prefill\x12\x1f.mili.prefill.v1.PrefillRequest\x1a .mili.prefill.v1.PrefillResponse\x12\x43\n\x04Info\x12\x1c.mili.prefill.v1.InfoRequest\x1a\x1d.mili.prefill.v1.InfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dmili/prefill/v1/prefill.proto\x12\x0fmili.prefill.v1\x1a\x1dmili/common/v1/sampling.proto\x1a\x13mili/kv/v1/kv.proto\"~\n\rKvDestination\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x18\n\x10prompt_block_ids\x18\x03 \x03(\r\x12\x16\n\x0etransfer_token\x18\x04 \x01(\t\x12\x19\n\x11num_cached_blocks\x18\x05 \x01(\rJ\x04\x08\x02\x10\x03R\tblock_ids\"\xd1\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.mili.common.v1.SamplingParams\x12\x33\n\x0b\x64\x65stination\x18\x04 \x01(\x0b\x32\x1e.mili.prefill.v1.KvDestination\x12\x18\n\x10prompt_token_ids\x18\x05 \x03(\r\x12\x19\n\x11\x63lient_request_id\x18\x06 \x01(\tJ\x04\x08\x02\x10\x03R\ttoken_ids\"\x91\x02\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x30\n\x0e\x66irst_logprobs\x18\x02 \x01(\x0b\x32\x18.mili.common.v1.Logprobs\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x10\n\x08queue_ms\x18\x04 \x01(\x01\x12\x12\n\ncompute_ms\x18\x05 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x06 \x01(\x01\x12\x10\n\x08kv_bytes\x18\x07 \x01(\x04\x12\x19\n\x11num_cached_tokens\x18\x08 \x01(\r\x12\x31\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x18.mili.common.v1.Logprobs\"\r\n\x0bInfoRequest\"\xde\x03\n\x0cInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\'\n\tkv_layout\x18\x04 \x01(\x0b\x32\x14.mili.kv.v1.KvLayout\x12\x19\n\x11\x61ttention_backend\x18\x05 \x01(\t\x12\x19\n\x11max_prompt_tokens\x18\x06 \x01(\r\x12\x18\n\x10max_batch_tokens\x18\x07 \x01(\r\x12\x19\n\x11num_queued_tokens\x18\x08 \x01(\x04\x12\x18\n\x10num_total_blocks\x18\t \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\n \x01(\r\x12\x16\n\x0ekv_cache_bytes\x18\x0b \x01(\x04\x12\x31\n\x0cprefix_cache\x18\x0c \x01(\x0b\x32\x1b.mili.kv.v1.PrefixCacheInfo\x12\x46\n\rkv_transports\x18\r \x03(\x0b\x32/.mili.prefill.v1.InfoResponse.KvTransportsEntry\x12\x11\n\tfused_ops\x18\x0e \x01(\t\x1a\x33\n\x11KvTransportsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x32\xa3\x01\n\x0ePrefillService\x12L\n\x07Prefill\x12\x1f.mili.prefill.v1.PrefillRequest\x1a .mili.prefill.v1.PrefillResponse\x12\x43\n\x04Info\x12\x1c.mili.prefill.v1.InfoRequest\x1a\x1d.mili.prefill.v1.InfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,13 +40,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFILLREQUEST']._serialized_start=231
   _globals['_PREFILLREQUEST']._serialized_end=440
   _globals['_PREFILLRESPONSE']._serialized_start=443
-  _globals['_PREFILLRESPONSE']._serialized_end=665
-  _globals['_INFOREQUEST']._serialized_start=667
-  _globals['_INFOREQUEST']._serialized_end=680
-  _globals['_INFORESPONSE']._serialized_start=683
-  _globals['_INFORESPONSE']._serialized_end=1161
-  _globals['_INFORESPONSE_KVTRANSPORTSENTRY']._serialized_start=1110
-  _globals['_INFORESPONSE_KVTRANSPORTSENTRY']._serialized_end=1161
-  _globals['_PREFILLSERVICE']._serialized_start=1164
-  _globals['_PREFILLSERVICE']._serialized_end=1327
+  _globals['_PREFILLRESPONSE']._serialized_end=716
+  _globals['_INFOREQUEST']._serialized_start=718
+  _globals['_INFOREQUEST']._serialized_end=731
+  _globals['_INFORESPONSE']._serialized_start=734
+  _globals['_INFORESPONSE']._serialized_end=1212
+  _globals['_INFORESPONSE_KVTRANSPORTSENTRY']._serialized_start=1161
+  _globals['_INFORESPONSE_KVTRANSPORTSENTRY']._serialized_end=1212
+  _globals['_PREFILLSERVICE']._serialized_start=1215
+  _globals['_PREFILLSERVICE']._serialized_end=1378
 # @@protoc_insertion_point(module_scope)

@@ -35,7 +35,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., sampling: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., destination: _Optional[_Union[KvDestination, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., client_request_id: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "first_logprobs", "num_prompt_tokens", "queue_ms", "compute_ms", "transfer_ms", "kv_bytes", "num_cached_tokens")
+    __slots__ = ("first_token_id", "first_logprobs", "num_prompt_tokens", "queue_ms", "compute_ms", "transfer_ms", "kv_bytes", "num_cached_tokens", "prompt_logprobs")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -44,6 +44,7 @@ class PrefillResponse(_message.Message):
     TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     first_logprobs: _sampling_pb2.Logprobs
     num_prompt_tokens: int
@@ -52,7 +53,8 @@ class PrefillResponse(_message.Message):
     transfer_ms: float
     kv_bytes: int
     num_cached_tokens: int
-    def __init__(self, first_token_id: _Optional[int] = ..., first_logprobs: _Optional[_Union[_sampling_pb2.Logprobs, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_sampling_pb2.Logprobs]
+    def __init__(self, first_token_id: _Optional[int] = ..., first_logprobs: _Optional[_Union[_sampling_pb2.Logprobs, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_sampling_pb2.Logprobs, _Mapping]]] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()

@@ -1,0 +1,90 @@
+"""Prompt logprobs: log p(prompt[i] | prompt[:i]) for the prompt's positions, computed from a
+prefill chunk's hidden states a slice at a time.
+
+    prompt of N tokens, chunk [start, end): hidden rows h[start] .. h[end - 1]
+    h[j] predicts prompt[j + 1]  ->  targets prompt[start + 1 : min(end, N - 1) + 1]
+    h[N - 1] predicts the first generated token: sampled, not a prompt logprob
+
+    N = 7, chunks [0, 4) [4, 7):   targets p1 p2 p3 p4 | p5 p6      (N - 1 = 6 in all)
+
+Logits of every position are [T, vocab] float32 (151,936 columns for Qwen3: 594 KiB a token), so
+they are made ROWS_PER_PASS rows at a time and reduced at once to (chosen, top-n) by the
+sampler's rule (sampler.raw_logprobs: the model's raw distribution over the tokenizer's ids,
+as for generated tokens): the peak is one pass's logits, whatever the chunk's length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import torch
+
+from mili.engine.logprobs import TokenLogprobs
+from mili.engine.step.pinned import to_device
+from mili.engine.step.sampler import raw_logprobs
+
+ROWS_PER_PASS = 256  # 256 x 151,936 x 4 B = 148 MiB of logits (and as much for log_softmax)
+
+
+class PromptLogprobsAsk(NamedTuple):
+    """One chunk of a prefill batch whose prompt logprobs are wanted."""
+
+    row: int  # the chunk's index in the batch
+    target_ids: Sequence[int]  # chunk_targets(): the prompt tokens its positions predict
+    num_top: int  # SamplingParams.prompt_logprobs
+
+
+class PendingPromptLogprobs(NamedTuple):
+    """One chunk's prompt logprobs on the device; `result()` brings them to the host."""
+
+    chosen: torch.Tensor  # [t] float32: logprob of each target
+    top_values: torch.Tensor  # [t, n] float32, most likely first
+    top_ids: torch.Tensor  # [t, n] int64
+
+    def result(self) -> list[TokenLogprobs]:
+        """One TokenLogprobs per target, in order (waits for the device)."""
+        chosen = self.chosen.tolist()
+        top_values, top_ids = self.top_values.tolist(), self.top_ids.tolist()
+        return [
+            TokenLogprobs(lp, list(zip(ids, values, strict=True)))
+            for lp, ids, values in zip(chosen, top_ids, top_values, strict=True)
+        ]
+
+
+def chunk_targets(prompt_token_ids: Sequence[int], start: int, end: int) -> Sequence[int]:
+    """The prompt tokens that positions [start, end) of the prompt predict (see the module
+    docstring): one per position but the prompt's last."""
+    return prompt_token_ids[start + 1 : min(end + 1, len(prompt_token_ids))]
+
+
+def compute_prompt_logprobs(
+    logits_of: Callable[[torch.Tensor], torch.Tensor],
+    hidden: torch.Tensor,
+    target_ids: Sequence[int],
+    vocab_size: int,
+    num_top: int,
+    *,
+    rows_per_pass: int | None = None,
+) -> PendingPromptLogprobs:
+    """Queue the logprobs of `target_ids` given hidden rows [t, hidden] (row j predicts
+    target j; rows past the targets are ignored), `logits_of` mapping hidden rows to float32
+    logits [n, V' >= vocab_size], `rows_per_pass` of them at a time (default ROWS_PER_PASS).
+    Nothing here waits for the device."""
+    rows_per_pass = rows_per_pass or ROWS_PER_PASS
+    num_targets = len(target_ids)
+    device = hidden.device
+    if num_targets > hidden.shape[0]:
+        raise ValueError(f"{num_targets} targets for {hidden.shape[0]} hidden rows")
+    if num_targets == 0:
+        empty = torch.empty(0, num_top, device=device)
+        return PendingPromptLogprobs(empty[:, 0], empty, empty.long())
+    targets = to_device(list(target_ids), torch.int64, device)
+    parts = []
+    for first in range(0, num_targets, rows_per_pass):
+        last = min(first + rows_per_pass, num_targets)
+        logits = logits_of(hidden[first:last])[:, :vocab_size].float()  # [n, V]
+        parts.append(raw_logprobs(logits, targets[first:last], num_top))
+        del logits
+    chosen, top_values, top_ids = (torch.cat(p) for p in zip(*parts, strict=True))
+    return PendingPromptLogprobs(chosen, top_values, top_ids)

@@ -1,0 +1,96 @@
+"""ModelRunner.load's start-up steps that are not the runner's own: whether decode steps may be
+captured, the device memory a warm-up takes (for sizing the KV pool), and the start-up logs."""
+
+from __future__ import annotations
+
+import gc
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from mili.engine.engine_config import EngineConfig
+from mili.engine.kv.block_pool import blocks_needed
+from mili.engine.kv_memory import GIB, DeviceMemory, KvPoolSize
+from mili.engine.model.kv_cache import KVCache, bytes_per_block
+from mili.engine.model.qwen3 import Qwen3ForCausalLM
+
+if TYPE_CHECKING:
+    from mili.engine.step.runner import ModelRunner  # it imports this module
+
+_LOG = logging.getLogger("mili.engine")
+
+
+def graphs_allowed(config: EngineConfig, model: Qwen3ForCausalLM) -> bool:
+    """Whether decode steps may be captured; logs why not."""
+    if config.enforce_eager:
+        _LOG.info("CUDA graphs off (--enforce-eager): decode steps run eagerly")
+        return False
+    if not model.fused_ops.is_graph_safe:
+        _LOG.warning(
+            "CUDA graphs off: fused ops %s are not graph-safe; decode steps run eagerly",
+            model.fused_ops.name,
+        )
+        return False
+    if not getattr(model.attention, "is_graph_safe", False):
+        _LOG.warning(
+            "CUDA graphs off: attention backend %s is not graph-safe (it allocates, validates "
+            "or sizes its launch from values per call); decode steps run eagerly",
+            model.attention.name,
+        )
+        return False
+    return True
+
+
+def measure_memory(
+    cls: type[ModelRunner],
+    model: Qwen3ForCausalLM,
+    config: EngineConfig,
+    max_decode_batch: int,
+    max_prefill_tokens: int | None,
+    *,
+    full_width: bool,
+) -> DeviceMemory:
+    """Device memory after one warm-up at the largest batch, on a throwaway KV cache just big
+    enough for it (its bytes are not counted in the peak)."""
+    device = model.device
+    warm_blocks = blocks_needed(max_prefill_tokens or 1, config.block_size) + 1
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    cache = KVCache(model.config, warm_blocks, config.block_size, dtype=model.dtype, device=device)
+    cache_bytes = warm_blocks * bytes_per_block(model.config, config.block_size, model.dtype)
+    runner = cls(model, cache, max_decode_batch=max_decode_batch)
+    runner.warm_up(max_prefill_tokens, full_width=full_width)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_reserved(device) - cache_bytes
+    del runner, cache
+    gc.collect()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    return DeviceMemory(total, free, peak, torch.cuda.memory_reserved(device))
+
+
+def log_vocab(model_dir: Path, vocab_size: int | None, num_rows: int) -> None:
+    if vocab_size is None:
+        _LOG.warning(
+            "%s has no tokenizer.json: sampling over all %d rows of the model's vocabulary",
+            model_dir,
+            num_rows,
+        )
+    elif vocab_size < num_rows:
+        _LOG.info(
+            "sampling the tokenizer's %d token ids; the model's %d padding rows are never drawn",
+            vocab_size,
+            num_rows - vocab_size,
+        )
+
+
+def log_pool(size: KvPoolSize, block_size: int) -> None:
+    _LOG.info(
+        "KV pool: %d blocks of %d tokens, %.2f GiB (%s)",
+        size.num_blocks,
+        block_size,
+        size.num_bytes / GIB,
+        size.reason,
+    )
