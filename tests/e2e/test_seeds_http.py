@@ -218,7 +218,7 @@ def test_health_is_503_without_services_and_while_draining(seeds: Deployment) ->
     # A second frontend on the live services, drained with a request in flight.
     frontend = ServiceProcess(
         "serve-frontend",
-        *("--port", "0", "--http-port", "0", "--poll-interval", "0.5"),
+        *("--port", "0", "--http-port", "0", "--poll-interval", "0.5", "--drain-timeout", "60"),
         *("--tokenizer", seeds.tokenizer.address, "--prefill", seeds.prefills[0].address),
         *("--decode", seeds.decodes[0].address),
     )
@@ -229,7 +229,8 @@ def test_health_is_503_without_services_and_while_draining(seeds: Deployment) ->
             assert time.monotonic() < deadline, frontend.stderr
             time.sleep(0.1)
         conn = connect(url)
-        body = {"prompt": PROMPT, "max_tokens": 400, "stream": True}
+        # Long enough to be in flight when the drain starts on a loaded machine (seconds).
+        body = {"prompt": PROMPT, "max_tokens": 2000, "stream": True}
         conn.request("POST", "/generate", body=json.dumps(body))
         reply = conn.getresponse()
         assert reply.readline().startswith(b"data: {")
