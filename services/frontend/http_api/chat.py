@@ -75,6 +75,15 @@ class ChatJson:
         chunk_head = {**self._head, "object": "chat.completion.chunk"}
         self._chunk_head = json.dumps(chunk_head)[:-1] + ', "choices": ['
         self._chunk_tail = "]" + (', "usage": null}' if request.include_usage else "}")
+        self._content_heads = {
+            c.index: f'{self._chunk_head}{{"index": {c.index}, "delta": {{"content": '
+            for c in choices
+        }
+        self._reasoning_heads = {
+            c.index: f'{self._chunk_head}{{"index": {c.index}, "delta": {{"reasoning_content": '
+            for c in choices
+        }
+        self._plain_tail = '}, "logprobs": null, "finish_reason": null}' + self._chunk_tail
 
     def _split(self, index: int, deltas: list[Delta]) -> tuple[str, str]:
         """(reasoning, content) of these deltas of choice `index`; all that is left once it
@@ -144,11 +153,24 @@ class ChatJson:
         ]
 
     def of(self, index: int, delta: Delta) -> list[str]:
-        reasoning, content = self._split(index, [delta])
+        # Once per streamed delta: the plain case (text on one side, no logprobs, not the
+        # last) is written from a template around one json.dumps of the text.
+        reasoning, content = self._splitters[index].push(delta.text)
+        if delta.finish_reason is None and self._pieces is None:
+            if not reasoning:
+                if not content:
+                    return []  # only held-back text (a tag's beginning): nothing to say yet
+                return [self._content_heads[index] + json.dumps(content) + self._plain_tail]
+            if not content:
+                return [self._reasoning_heads[index] + json.dumps(reasoning) + self._plain_tail]
+        elif delta.finish_reason is not None:
+            rest_reasoning, rest_content = self._splitters[index].finish()
+            reasoning += rest_reasoning
+            content += rest_content
         logprobs = self._logprobs([delta]) if delta.token_ids else None
         finish = self._finish(index, [delta])
         if not (reasoning or content or logprobs or finish):
-            return []  # only held-back text (a tag's beginning): nothing to say yet
+            return []
         fields: dict[str, str] = {}
         if reasoning:
             fields["reasoning_content"] = reasoning

@@ -93,6 +93,10 @@ class CompletionJson:
         # Each chunk is this head, its choices and the tail: one json.dumps per chunk.
         self._chunk_head = json.dumps(self._head)[:-1] + ', "choices": ['
         self._chunk_tail = "]" + (', "usage": null}' if request.include_usage else "}")
+        self._text_heads = {
+            c.index: f'{self._chunk_head}{{"index": {c.index}, "text": ' for c in choices
+        }
+        self._plain_tail = ', "logprobs": null, "finish_reason": null}' + self._chunk_tail
         self._echo = {c.index: echoes[c.prompt_index] for c in choices} if echoes else {}
         self._offsets = {c.index: len(self._echo.get(c.index, "")) for c in choices}
 
@@ -128,6 +132,9 @@ class CompletionJson:
         return []
 
     def of(self, index: int, delta: Delta) -> list[str]:
+        if delta.finish_reason is None and self._pieces is None and not self._echo:
+            # Once per streamed delta: the plain case from a template around its text.
+            return [self._text_heads[index] + json.dumps(delta.text) + self._plain_tail]
         text = self._echo.pop(index, "") + delta.text  # the prompt before the first delta
         choice = self._choice(index, text, [delta])
         return [self._chunk_head + json.dumps(choice) + self._chunk_tail]
