@@ -24,6 +24,8 @@ pytestmark = pytest.mark.slow
 
 MAX_CONCURRENT = 4  # the frontend's limit: a request of more choices is refused with 429
 PROMPT = "The quick brown fox"
+# Long enough to still run when the test looks (the demo model makes ~300 tokens/s on 2 cores)
+LONG = 4000
 
 
 @pytest.fixture(scope="module")
@@ -244,7 +246,7 @@ def test_closing_a_stream_frees_its_blocks(
     stream = client.completions.create(
         model=model,
         prompt=PROMPT,
-        max_tokens=500,
+        max_tokens=LONG,
         stream=True,
         extra_body={"ignore_eos": True},
     )
@@ -257,7 +259,7 @@ def test_closing_a_stream_frees_its_blocks(
 
 def test_a_client_gone_mid_request_frees_its_blocks(deployment: Deployment) -> None:
     before = deployment.free_blocks()
-    body = {"prompt": PROMPT, "max_tokens": 500, "ignore_eos": True}
+    body = {"prompt": PROMPT, "max_tokens": LONG, "ignore_eos": True}
     connection = http_connection(deployment)
     connection.request("POST", "/v1/completions", json.dumps(body))
     deadline = time.monotonic() + 20
