@@ -269,7 +269,8 @@ class Launcher:
             if frontend.http_url is not None:
                 print(f"mili serve: OpenAI-compatible API on {frontend.http_url}/v1", flush=True)
         if self.plan.tls_demo is not None:
-            usage = serve_tls.demo_usage(self.plan.tls_demo, self._address(self.frontends[0]))
+            first = self.frontends[0]
+            usage = serve_tls.demo_usage(self.plan.tls_demo, self._address(first), first.http_url)
             for line in usage:
                 print(f"mili serve: {line}", flush=True)
         # Last, in the form every service announces itself: scripts and tests read this line

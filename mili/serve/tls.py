@@ -123,14 +123,20 @@ def demo_names(host: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def demo_usage(client: CertFiles, frontend: str) -> list[str]:
-    """The command lines that call the frontend through --tls-demo's TLS port."""
+def demo_usage(client: CertFiles, frontend: str, http_url: str | None = None) -> list[str]:
+    """The command lines that call the frontend through --tls-demo's TLS ports: gRPC on
+    `frontend` (HOST:PORT) and, with an HTTP port, HTTPS on `http_url` (same certificate)."""
     body = '{"prompt":"Hello","sampling":{"max_tokens":16,"temperature":0}}'
-    return [
-        "--tls-demo: the frontend's port speaks TLS; call it with",
+    lines = [
+        "--tls-demo: the frontend's ports speak TLS; call them with",
         f"  grpcurl -cacert {client.ca} -d '{body}' {frontend} "
         "mili.frontend.v1.GenerationService/Generate",
         f"  mili generate --address {frontend} --tls-ca {client.ca} Hello",
-        "the internal services require a client certificate (mTLS): add "
-        f"-cert {client.cert} -key {client.key} (grpcurl) or --tls-cert/--tls-key (mili)",
     ]
+    if http_url is not None:
+        lines.append(f"  curl --cacert {client.ca} {http_url}/v1/models")
+    lines.append(
+        "the internal services require a client certificate (mTLS): add "
+        f"-cert {client.cert} -key {client.key} (grpcurl) or --tls-cert/--tls-key (mili)"
+    )
+    return lines

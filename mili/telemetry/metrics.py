@@ -13,6 +13,11 @@ unit (`_seconds`, `_bytes`) and counters end in `_total`. What each service reco
                    token   services/frontend/server.py; instances by state and membership
                    changes, the admission queue's depth   services/frontend/backends.py; waits
                    in it   services/frontend/admitter.py
+    frontend HTTP  mili_http_requests_total{route,method,status} and
+                   mili_http_request_duration_seconds{route}, once per request on the HTTP
+                   port: route is the route's template (/status/{request_id}) or `unmatched`,
+                   method `_OTHER` past HTTP's own, status the code sent or 499 (the client
+                   went away first)   services/frontend/http_api/telemetry.py
     prefill        step time and size, queue, KV blocks, KV sent, prefix cache   worker.py,
                    server.py
     decode         step time and batch size, queue, KV blocks, KV received   batcher.py, transfer.py
@@ -42,6 +47,7 @@ from mili.engine.kv.prefix_cache import PrefixCacheReading
 # Bucket bounds (seconds unless noted), wide enough for a CPU test model and an H200 alike.
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+HTTP_BUCKETS = (0.001, 0.0025, *LATENCY_BUCKETS, 120.0, 300.0)  # /v1/models to long streams
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
 TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # sequences
@@ -169,6 +175,25 @@ class FrontendMetrics:
             "them (draining), left for good (dropped) or came back while draining (returned), "
             "as discovery saw them",
             ["kind", "change"],
+            registry=registry,
+        )
+
+        # The HTTP port (services/frontend/http_api/telemetry.py): every request, generation
+        # or not; labels bounded whatever the client sends.
+        self.http_requests = Counter(
+            "mili_http_requests_total",
+            "Requests answered on the HTTP port, by route template (`unmatched`: no route for "
+            "the path and method), method (`_OTHER`: not one of HTTP's) and status code sent "
+            "(499: the client went away before one was)",
+            ["route", "method", "status"],
+            registry=registry,
+        )
+        self.http_request_duration = Histogram(
+            "mili_http_request_duration_seconds",
+            "From a request's headers read to its response's last byte written (a stream's "
+            "end), by route template; once per request",
+            ["route"],
+            buckets=HTTP_BUCKETS,
             registry=registry,
         )
 

@@ -131,6 +131,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "last go out at once): N times fewer messages and less CPU per token, for tokens that "
         "wait up to N-1 decode steps (default: %(default)s, every token as it comes)",
     )
+    limits.add_argument(
+        "--status-history",
+        type=int,
+        default=1024,
+        metavar="N",
+        help="ended requests whose status GET /status/{request_id} still reports, the oldest "
+        "forgotten first (requests in flight always are; default: %(default)s)",
+    )
     routing = parser.add_argument_group("routing")
     routing.add_argument(
         "--poll-interval",
@@ -205,6 +213,7 @@ def run(args: argparse.Namespace) -> int:
             max_queued_tokens=args.max_queued_tokens,
             max_buffered_tokens=args.max_buffered_tokens,
             stream_interval=args.stream_interval,
+            status_history=args.status_history,
         )
         tls = flags.client_tls(args)
         server_config = _server_config(args)

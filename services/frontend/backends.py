@@ -26,10 +26,11 @@ refused, say), not at every poll.
 After each round the admission queue (admitter.py) is told room may have freed: the requests
 waiting in it try again, and an instance that turned one away for room is asked again.
 
-After each round the frontend's grpc.health.v1 status follows: SERVING while the tokenizer is
-up and at least one prefill/decode pair is up with matching KV layouts, NOT_SERVING (with a
-warning saying what is missing) otherwise, so a load balancer routes away from a frontend that
-could only fail requests. Calls are still taken meanwhile and fail with the usual status.
+After each round `readiness` (readiness.py) is computed once, and both the frontend's
+grpc.health.v1 status and HTTP /health follow it: SERVING while the tokenizer is up and at least
+one prefill/decode pair is up with matching KV layouts, NOT_SERVING (with a warning saying what
+is missing) otherwise, so a load balancer routes away from a frontend that could only fail
+requests. Calls are still taken meanwhile and fail with the usual status.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ from services.frontend.admission import AdmissionQueue
 from services.frontend.admitter import Admitter
 from services.frontend.config import FrontendConfig
 from services.frontend.multiplex import DecodeMultiplexer
+from services.frontend.readiness import NOT_POLLED, Readiness, readiness_of
 from services.frontend.router import MemberChanges, Router
 from services.frontend.tokenizer_backend import TokenizerBackend
 
@@ -131,7 +133,8 @@ class Backends:
         self.prefill_layouts: dict[str, kv_pb2.KvLayout] = {}
         self.decode_layouts: dict[str, kv_pb2.KvLayout] = {}
         self.models: dict[str, str] = {}  # address -> model name its Info reported
-        self._problem: str | None = None  # why it is not usable; None when it is
+        # Whether it can serve, as of the last round of polls (both health APIs read it).
+        self.readiness: Readiness = NOT_POLLED
         self._is_health_reported = False
         self._wake: asyncio.Event | None = None
         self._closing: set[asyncio.Future[None]] = set()  # channels of dropped instances
@@ -328,7 +331,7 @@ class Backends:
     @property
     def problem(self) -> str | None:
         """Why this frontend cannot serve a request (as of the last poll); None when it can."""
-        return self._problem
+        return self.readiness.problem
 
     @property
     def model(self) -> str:
@@ -348,21 +351,24 @@ class Backends:
         await self._report_health()
 
     async def _report_health(self) -> None:
-        problem: str | None
-        if self.tokenizer.facts is None:
-            problem = f"the tokenizer at {self.config.tokenizer_address} is down"
-        else:
-            problem = self.router.route_problem()
-        if self._is_health_reported and problem == self._problem:
+        before, self.readiness = (
+            self.readiness,
+            readiness_of(
+                self.router,
+                is_tokenizer_up=self.tokenizer.facts is not None,
+                tokenizer_address=self.config.tokenizer_address,
+            ),
+        )
+        problem = self.readiness.problem
+        if self._is_health_reported and problem == before.problem:
             return
-        self._problem = problem
         self._is_health_reported = True
         if problem is None:
             _LOG.info("health SERVING: the tokenizer and a prefill/decode pair are up")
         else:
             _LOG.warning("health NOT_SERVING: %s", problem)
         if self._on_health is not None:
-            await self._on_health(problem is None)
+            await self._on_health(self.readiness.is_serving)
 
     async def _poll_forever(self) -> None:
         assert self._wake is not None

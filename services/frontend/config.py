@@ -53,6 +53,9 @@ class FrontendConfig:
     # to megabytes, seconds of tokens queued in front of new requests' admissions when this
     # frontend fell behind; at this size a backlog waits at decode, merged per request.
     decode_receive_window_bytes: int = 64 * 1024
+    # Ended requests whose status GET /status/{request_id} still reports (request_status.py),
+    # the oldest forgotten first; requests in flight are always reported.
+    status_history: int = 1024
 
     def __post_init__(self) -> None:
         if not self.tokenizer_address:
@@ -94,6 +97,8 @@ class FrontendConfig:
                 f"stream_interval must be in [1, max_buffered_tokens={self.max_buffered_tokens}]"
                 f", got {self.stream_interval}"
             )
+        if self.status_history < 0:
+            raise ValueError(f"status_history must be >= 0, got {self.status_history}")
         if self.decode_receive_window_bytes < 1:
             raise ValueError("decode_receive_window_bytes must be >= 1")
         if self.retry_after_s < 0 or self.prefill_reply_grace_s < 0:

@@ -2,8 +2,9 @@
 
 One place for what a request goes through between its validated input and its deltas: the
 concurrency limit, the request ids prefill and decode key on, the telemetry (RequestObserver:
-span, latencies, the one log line), tokenization and the Generation across the services. The
-APIs differ only in how they parse requests and shape replies.
+span, latencies, the one log line), its status by the caller's request id (request_status.py,
+for GET /status), tokenization and the Generation across the services. The APIs differ only in
+how they parse requests and shape replies.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from services.frontend.clients import GrpcDownstream
 from services.frontend.observer import RequestObserver
 from services.frontend.pipeline import Delta, Generation
 from services.frontend.prompt import tokenize
+from services.frontend.request_status import RequestStatuses
 from services.frontend.validation import RequestInput, ValidRequest, validate
 
 
@@ -37,6 +39,8 @@ class Generations:
         # they never collide with another caller's, another frontend's or a restart's.
         self._id_prefix = secrets.token_hex(6)
         self._id_counter = itertools.count(1)
+        # Every request's progress by the caller's id, whichever API it came through.
+        self.statuses = RequestStatuses(self.config.status_history)
 
     @property
     def model(self) -> str:
@@ -58,26 +62,35 @@ class Generations:
             )
         self._num_running += 1
         ids = RequestIds(f"{self._id_prefix}-{next(self._id_counter)}", valid.client_request_id)
+        tracked = self.statuses.start(valid.client_request_id, valid.sampling.max_tokens)
+        finish_reason: str | None = None  # as the last delta says; else how it ended
         # Metrics, span and the request's one log line: the observer is told what happens.
         observer = RequestObserver(self.metrics, ids)
         with observer.span(self.backends.model, valid):
             try:
                 prompt = await tokenize(self._downstream, self.config, valid, deadline)
                 observer.tokenized(len(prompt.token_ids))
+                tracked.max_tokens = prompt.sampling.max_tokens  # fitted to the context
                 generation = Generation(self._downstream, self.config, ids, prompt, deadline)
                 async with aclosing(generation.run()) as deltas:
                     async for delta in deltas:
+                        tracked.num_generated += len(delta.token_ids)
+                        if delta.finish_reason is not None:
+                            finish_reason = delta.finish_reason.value
                         observer.delta(delta)
                         yield delta
                 if generation.served is not None:
                     observer.done(generation.served)
             except Exception as exc:
                 observer.failed(exc)
+                finish_reason = finish_reason or "error"
                 raise
             except (asyncio.CancelledError, GeneratorExit):
                 # The caller cancelled, went away or its deadline passed (every downstream call
                 # is cancelled on the way out).
                 observer.cancelled(deadline.remaining())
+                finish_reason = finish_reason or "cancelled"
                 raise
             finally:
                 self._num_running -= 1
+                self.statuses.end(tracked, finish_reason or "error")

@@ -285,6 +285,7 @@ def test_sse_framing_byte_for_byte(deployment: Deployment) -> None:
     response = connection.getresponse()
     assert response.status == 200
     assert response.getheader("Content-Type") == "text/event-stream"
+    assert response.getheader("X-Request-Id") == "sse-1"
     raw = response.read()
     connection.close()
     events = raw.split(b"\n\n")

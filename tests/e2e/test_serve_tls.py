@@ -2,9 +2,9 @@
 
 --tls-demo     a throwaway CA and per-service certificates in a temporary directory: the
                frontend's port speaks TLS to a client holding only the CA, refuses plaintext;
-               the internal services require a client certificate (mTLS); the grpcurl and
-               `mili generate` lines it prints work as printed; `mili bench --tls-ca` runs
-               against it; the directory is gone once it stopped
+               the internal services require a client certificate (mTLS); the grpcurl,
+               `mili generate` and curl (HTTPS port) lines it prints work as printed;
+               `mili bench --tls-ca` runs against it; the directory is gone once it stopped
 --tls-*        the operator's own certificates: every child gets them, mili serve's health
                checks pass over mTLS (they would time out in plaintext), and `mili bench
                --tls-ca --tls-cert --tls-key` runs while a bench without a certificate fails
@@ -13,11 +13,14 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import shutil
+import ssl
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -59,6 +62,7 @@ class Demo:
         said = [line.removeprefix("mili serve: ").strip() for line in serve.stdout_lines]
         self.grpcurl = next(line for line in said if line.startswith("grpcurl "))
         self.generate = next(line for line in said if line.startswith("mili generate "))
+        self.curl = next(line for line in said if line.startswith("curl "))
         ca = Path(shlex.split(self.grpcurl)[2])  # grpcurl -cacert CA ...
         self.directory = ca.parent
         self.ca = ca.read_bytes()
@@ -104,6 +108,23 @@ def test_tls_demo_speaks_tls_to_a_client_with_the_ca_and_mtls_inside(demo: Demo)
     with grpc.secure_channel(demo.tokenizer, mutual) as channel:
         reply = tokenizer_pb2_grpc.TokenizerServiceStub(channel).Tokenize(tokenize, timeout=10)
     assert len(reply.token_ids) > 0
+
+
+def test_the_printed_curl_line_reaches_the_https_port_with_the_ca(demo: Demo) -> None:
+    argv = shlex.split(demo.curl)  # curl --cacert CA https://HOST:PORT/v1/models
+    assert argv[:2] == ["curl", "--cacert"] and argv[3].startswith("https://"), argv
+    api = next(line for line in demo.serve.stdout_lines if "OpenAI-compatible API on " in line)
+    assert api.split(" on ")[1].strip() == argv[3].removesuffix("/models")  # https: .../v1
+    context = ssl.create_default_context(cafile=argv[2])  # verifies the certificate
+    with urllib.request.urlopen(argv[3], context=context, timeout=30) as response:
+        assert json.load(response)["object"] == "list"
+    if shutil.which("curl"):
+        result = subprocess.run(
+            [*argv, "--silent", "--show-error"], capture_output=True, text=True, timeout=30
+        )
+        assert result.returncode == 0 and '"object": "list"' in result.stdout, result.stderr
+    with pytest.raises(OSError):  # plaintext is refused (no HTTP answer)
+        urllib.request.urlopen(argv[3].replace("https://", "http://"), timeout=30)
 
 
 def test_the_printed_mili_generate_line_and_bench_with_the_ca_work(demo: Demo) -> None:

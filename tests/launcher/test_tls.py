@@ -19,7 +19,7 @@ from mili.rpc.tls import TlsFiles
 from mili.serve.child import _wait_for_health
 from mili.serve.launcher import add_arguments
 from mili.serve.plan import make_plan
-from mili.serve.tls import demo_names
+from mili.serve.tls import demo_names, demo_usage
 from tests.service_process import ROOT
 
 
@@ -79,6 +79,16 @@ def test_tls_demo_gives_each_service_its_own_certificate(tmp_path: Path) -> None
         make_plan(_args("--tls-demo", "--tls-ca", str(demo["client"].ca)), tmp_path, demo)
     assert demo_names("0.0.0.0") == ["localhost", "127.0.0.1", "::1", "0.0.0.0"]
     assert demo_names("[::1]") == ["localhost", "127.0.0.1", "::1"]
+
+
+def test_tls_demo_usage_gives_a_curl_line_for_the_https_port_when_there_is_one(
+    tmp_path: Path,
+) -> None:
+    client = write_demo(tmp_path, ["127.0.0.1"])["client"]
+    lines = demo_usage(client, "127.0.0.1:50051", "https://127.0.0.1:8000")
+    assert f"  curl --cacert {client.ca} https://127.0.0.1:8000/v1/models" in lines
+    no_http = demo_usage(client, "127.0.0.1:50051")
+    assert not [line for line in no_http if line.strip().startswith("curl ")]
 
 
 def test_bad_tls_flags_fail_with_a_line_naming_the_flag(tmp_path: Path, files: CertFiles) -> None:

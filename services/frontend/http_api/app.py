@@ -3,6 +3,10 @@
 GET  /v1/models                    the served model (OpenAI's list)
 POST /v1/completions               text completions (completions.py)
 POST /v1/chat/completions          chat completions (chat.py)
+POST /generate, GET /status/{request_id}, GET /health    the seeds' endpoints (seeds.py)
+
+Every route's errors are OpenAI's JSON (errors.py); while the frontend drains, new POSTs are
+refused with 503 and /health says 503 (drain.py).
 """
 
 from __future__ import annotations
@@ -12,21 +16,31 @@ import time
 from aiohttp import web
 
 from services.frontend.generations import Generations
+from services.frontend.http_api import seeds
 from services.frontend.http_api.chat import create_chat_completion
 from services.frontend.http_api.completions import create_completion
+from services.frontend.http_api.drain import DRAIN_GATE, DrainGate
 from services.frontend.http_api.errors import openai_errors
 from services.frontend.http_api.server import HttpConfig
+from services.frontend.http_api.telemetry import add_telemetry
 
 GENERATIONS = web.AppKey("generations", Generations)
 _STARTED_AT = int(time.time())
 
 
 def make_app(generations: Generations, config: HttpConfig) -> web.Application:
-    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[openai_errors])
+    gate = DrainGate()
+    # The gate inside the errors: its refusal is an OpenAI error too.
+    app = web.Application(
+        client_max_size=config.max_body_bytes, middlewares=[openai_errors, gate.middleware()]
+    )
     app[GENERATIONS] = generations
+    app[DRAIN_GATE] = gate
+    add_telemetry(app, generations.metrics)  # spans, metrics, X-Request-Id: outermost
     app.router.add_get("/v1/models", list_models)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    seeds.add_routes(app, generations)
     return app
 
 

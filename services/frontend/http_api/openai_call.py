@@ -3,6 +3,7 @@ check the model, validate every choice, and (not streamed) gather each choice's 
 
     X-Request-Id header  -> the request id in logs and traces, and the response's id
                             (`cmpl-`/`chatcmpl-` + it); a fresh one when absent
+                            (telemetry.request_id_of: the one the response header echoes)
     model                -> the served one, or unset; another is 404 model_not_found
 """
 
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from collections.abc import Callable
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -22,6 +22,7 @@ from services.frontend.http_api import body
 from services.frontend.http_api.choices import Choice, plan, run
 from services.frontend.http_api.errors import error_response, response_of
 from services.frontend.http_api.openai_request import OpenAIRequest
+from services.frontend.http_api.telemetry import request_id_of
 from services.frontend.pipeline import Delta
 from services.frontend.validation import Limits
 
@@ -59,7 +60,7 @@ async def open_call(
 ) -> OpenAICall | web.Response:
     """The call, its choices validated; or the error response (400 naming the parameter, 404
     for another model). InvalidArgument of the body's types is raised in the caller's names."""
-    request_id = http_request.headers.get("X-Request-Id") or uuid.uuid4().hex
+    request_id = request_id_of(http_request)
     limits = generations.config.limits
     window = generations.backends.router.max_context_tokens
     request = parse(body.parse(await http_request.read()), limits, window, request_id)

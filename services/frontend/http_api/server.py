@@ -18,11 +18,15 @@ from aiohttp import web
 
 from mili.rpc.server import format_address
 from mili.rpc.tls import TlsFiles
+from services.frontend.http_api.drain import DRAIN_GATE
 
 _LOG = logging.getLogger("mili.frontend")
 # The largest request body read: the gRPC port's limit (services/frontend/__main__.py says why
 # a valid request fits in it); past it, 413 before the body is read.
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+# Once the drain's own wait is over: how long responses already returned get to finish
+# writing, and requests still running to see their cancellation, before the port closes.
+CLOSE_GRACE_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -74,7 +78,7 @@ class HttpServer:
         runner = web.AppRunner(
             self._app,
             handler_cancellation=True,  # the client went away: its request is cancelled
-            shutdown_timeout=config.drain_timeout_s,
+            shutdown_timeout=CLOSE_GRACE_S,  # after drain()'s wait for requests in flight
             access_log=None,  # the request's one log line is the frontend's own
         )
         await runner.setup()
@@ -89,8 +93,17 @@ class HttpServer:
         return self._port
 
     async def drain(self) -> None:
-        """Stop taking connections, let requests in flight finish (up to drain_timeout_s),
-        then close. Idempotent."""
+        """Refuse new work (503) while /health says 503, let requests in flight finish (up
+        to drain_timeout_s), then close the port. Idempotent."""
         runner, self._runner = self._runner, None
-        if runner is not None:
-            await runner.cleanup()
+        if runner is None:
+            return
+        gate = self._app.get(DRAIN_GATE)
+        if gate is not None:
+            gate.start_draining()
+            if not await gate.wait_idle(self.config.drain_timeout_s):
+                _LOG.warning(
+                    "frontend: HTTP drain timed out with %d requests in flight: cancelling them",
+                    gate.num_in_flight,
+                )
+        await runner.cleanup()
