@@ -14,9 +14,9 @@ import functools
 import hashlib
 from collections.abc import Sequence
 
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, decoders
 
-from mili.text.byte_decoder import Decode, byte_decoders
+from mili.text.byte_decoder import Decode, byte_decoders, byte_of_char
 from mili.text.detokenizer import IncrementalDetokenizer
 
 
@@ -40,6 +40,25 @@ class LocalDetokenizer:
         self._decoders = byte_decoders(tokenizer) or {
             skip: functools.partial(_decode, tokenizer, skip) for skip in (False, True)
         }
+        self._is_byte_level = type(tokenizer.decoder) is decoders.ByteLevel
+
+    def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
+        """All of `token_ids` at once (an echoed prompt's text)."""
+        return self._decoders[skip_special_tokens](token_ids)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """One token's own bytes, special tokens included (b"" for an id it does not know): what
+        OpenAI's logprobs call `bytes`. For a byte-level vocabulary they may be part of a UTF-8
+        character, which only the ids around it complete."""
+        token = self._tokenizer.id_to_token(token_id)
+        if token is None:
+            return b""
+        if self._is_byte_level:
+            chars = byte_of_char()
+            # Added tokens are written in the byte alphabet too (byte_decoders checks it);
+            # a character outside it is kept as its own UTF-8.
+            return b"".join(bytes([chars[c]]) if c in chars else c.encode() for c in token)
+        return self._tokenizer.decode([token_id], skip_special_tokens=False).encode()
 
     def stream(self, vocab_size: int, *, skip_special_tokens: bool = True) -> LocalTextStream:
         return LocalTextStream(self._decoders[skip_special_tokens], vocab_size)

@@ -1,6 +1,8 @@
 """The frontend's HTTP application: its routes, over the frontend's Generations.
 
 GET  /v1/models                    the served model (OpenAI's list)
+POST /v1/completions               text completions (completions.py)
+POST /v1/chat/completions          chat completions (chat.py)
 POST /generate, GET /status/{request_id}, GET /health    the seeds' endpoints (seeds.py)
 
 Every route's errors are OpenAI's JSON (errors.py); while the frontend drains, new POSTs are
@@ -15,6 +17,8 @@ from aiohttp import web
 
 from services.frontend.generations import Generations
 from services.frontend.http_api import seeds
+from services.frontend.http_api.chat import create_chat_completion
+from services.frontend.http_api.completions import create_completion
 from services.frontend.http_api.drain import DRAIN_GATE, DrainGate
 from services.frontend.http_api.errors import openai_errors
 from services.frontend.http_api.server import HttpConfig
@@ -34,6 +38,8 @@ def make_app(generations: Generations, config: HttpConfig) -> web.Application:
     app[DRAIN_GATE] = gate
     add_telemetry(app, generations.metrics)  # spans, metrics, X-Request-Id: outermost
     app.router.add_get("/v1/models", list_models)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
     seeds.add_routes(app, generations)
     return app
 
@@ -46,3 +52,11 @@ async def list_models(request: web.Request) -> web.Response:
             "data": [{"id": model, "object": "model", "created": _STARTED_AT, "owned_by": "mili"}],
         }
     )
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await create_completion(request, request.app[GENERATIONS])
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await create_chat_completion(request, request.app[GENERATIONS])

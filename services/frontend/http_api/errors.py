@@ -59,9 +59,14 @@ def sampling_param(field: str) -> str:
 def response_of(exc: BaseException, param_of: ParamOf = sampling_param) -> web.Response:
     """The HTTP error for an exception a request raised."""
     if isinstance(exc, errors.InvalidArgument):
-        field = exc.violations[0].field if exc.violations else None
+        # The message names each field as the caller wrote it, as `param` names the first.
+        params = [param_of(v.field) for v in exc.violations]
+        message = "; ".join(
+            f"{p}: {v.description}" if p else v.description
+            for p, v in zip(params, exc.violations, strict=True)
+        )
         return error_response(
-            400, str(exc), "invalid_request_error", param=None if field is None else param_of(field)
+            400, message or str(exc), "invalid_request_error", param=(params or [""])[0] or None
         )
     if isinstance(exc, errors.NotFound):
         return error_response(404, str(exc), "invalid_request_error", code="not_found")

@@ -1,0 +1,186 @@
+"""POST /v1/chat/completions: OpenAI's chat completions, plain or streamed.
+
+    {"id": "chatcmpl-<request id>", "object": "chat.completion", "created", "model",
+     "choices": [{"index", "message": {"role": "assistant", "content", "reasoning_content"},
+                  "logprobs", "finish_reason"}], "usage"}
+
+Streamed: a `chat.completion.chunk` per choice with `delta.role` first, then content and
+reasoning deltas, the last with finish_reason; a usage chunk (no choices) with
+stream_options.include_usage. Qwen3's thinking (`<think>...</think>`) goes to
+`reasoning_content`, never to `content`, however the text was cut (reasoning.py); it is null
+when the model did not think (as vLLM has it).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from aiohttp import web
+
+from mili.errors import Unavailable
+from services.frontend.generations import Generations
+from services.frontend.http_api import sse
+from services.frontend.http_api.choices import Choice, Usage, run
+from services.frontend.http_api.completions import detokenizer_of
+from services.frontend.http_api.errors import response_of
+from services.frontend.http_api.openai_call import Head, gather, open_call
+from services.frontend.http_api.openai_logprobs import TokenPieces, chat_logprobs
+from services.frontend.http_api.openai_request import OpenAIRequest, chat_request
+from services.frontend.pipeline import Delta
+from services.frontend.reasoning import ReasoningSplitter
+
+
+async def create_chat_completion(
+    request: web.Request, generations: Generations
+) -> web.StreamResponse:
+    call = await open_call(request, generations, chat_request)
+    if isinstance(call, web.Response):
+        return call
+    pieces = None
+    if call.request.is_chat_logprobs:
+        try:
+            pieces = TokenPieces(detokenizer_of(generations))
+        except Unavailable as exc:
+            return response_of(exc)
+    chat = ChatJson(call.request, call.choices, call.head, pieces)
+    if call.request.is_stream:
+        events = run(generations, call.choices, is_stream=True)
+        metric = generations.metrics.generated_tokens
+        return await sse.serve(request, events, chat, call.request.param_of, metric)
+    deltas = await gather(call)
+    if isinstance(deltas, web.Response):
+        return deltas
+    return web.Response(text=chat.whole(deltas), content_type="application/json")
+
+
+class ChatJson:
+    """The response's JSON: whole, or as stream chunks (sse.Chunks)."""
+
+    def __init__(
+        self,
+        request: OpenAIRequest,
+        choices: Sequence[Choice],
+        head: Head,
+        pieces: TokenPieces | None,
+    ) -> None:
+        self._request = request
+        self._choices = choices
+        self._pieces = pieces
+        self._usage = Usage(choices)
+        self._splitters = {c.index: ReasoningSplitter() for c in choices}
+        self._head = head.json("chatcmpl", "chat.completion")
+        # Each chunk is this head, its choices and the tail: one json.dumps per chunk.
+        chunk_head = {**self._head, "object": "chat.completion.chunk"}
+        self._chunk_head = json.dumps(chunk_head)[:-1] + ', "choices": ['
+        self._chunk_tail = "]" + (', "usage": null}' if request.include_usage else "}")
+        self._content_heads = {
+            c.index: f'{self._chunk_head}{{"index": {c.index}, "delta": {{"content": '
+            for c in choices
+        }
+        self._reasoning_heads = {
+            c.index: f'{self._chunk_head}{{"index": {c.index}, "delta": {{"reasoning_content": '
+            for c in choices
+        }
+        self._plain_tail = '}, "logprobs": null, "finish_reason": null}' + self._chunk_tail
+
+    def _split(self, index: int, deltas: list[Delta]) -> tuple[str, str]:
+        """(reasoning, content) of these deltas of choice `index`; all that is left once it
+        finished."""
+        splitter = self._splitters[index]
+        reasoning, content = [], []
+        for delta in deltas:
+            r, c = splitter.push(delta.text)
+            reasoning.append(r)
+            content.append(c)
+            if delta.finish_reason is not None:
+                r, c = splitter.finish()
+                reasoning.append(r)
+                content.append(c)
+        return "".join(reasoning), "".join(content)
+
+    def _logprobs(self, deltas: list[Delta]) -> dict[str, Any] | None:
+        if self._pieces is None:
+            return None
+        ids = [t for d in deltas for t in d.token_ids]
+        lps = [lp for d in deltas for lp in d.logprobs]
+        return chat_logprobs(self._pieces, ids, lps)
+
+    def _finish(self, index: int, deltas: list[Delta]) -> str | None:
+        finish = deltas[-1].finish_reason if deltas else None
+        if finish is None:
+            return None
+        self._usage.add(index, deltas[-1])
+        return str(finish)
+
+    def whole(self, deltas: dict[int, list[Delta]]) -> str:
+        choices = []
+        for c in self._choices:
+            ds = deltas[c.index]
+            reasoning, content = self._split(c.index, ds)
+            message = {
+                "role": "assistant",
+                "content": content,
+                "reasoning_content": reasoning or None,
+            }
+            choices.append(
+                {
+                    "index": c.index,
+                    "message": message,
+                    "logprobs": self._logprobs(ds),
+                    "finish_reason": self._finish(c.index, ds),
+                }
+            )
+        return json.dumps({**self._head, "choices": choices, "usage": self._usage.as_json()})
+
+    # ---- streamed ----
+
+    def _chunk(self, choice: dict[str, Any]) -> str:
+        return self._chunk_head + json.dumps(choice) + self._chunk_tail
+
+    def opening(self) -> list[str]:
+        return [
+            self._chunk(
+                {
+                    "index": c.index,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+            )
+            for c in self._choices
+        ]
+
+    def of(self, index: int, delta: Delta) -> list[str]:
+        # Once per streamed delta: the plain case (text on one side, no logprobs, not the
+        # last) is written from a template around one json.dumps of the text.
+        reasoning, content = self._splitters[index].push(delta.text)
+        if delta.finish_reason is None and self._pieces is None:
+            if not reasoning:
+                if not content:
+                    return []  # only held-back text (a tag's beginning): nothing to say yet
+                return [self._content_heads[index] + json.dumps(content) + self._plain_tail]
+            if not content:
+                return [self._reasoning_heads[index] + json.dumps(reasoning) + self._plain_tail]
+        elif delta.finish_reason is not None:
+            rest_reasoning, rest_content = self._splitters[index].finish()
+            reasoning += rest_reasoning
+            content += rest_content
+        logprobs = self._logprobs([delta]) if delta.token_ids else None
+        finish = self._finish(index, [delta])
+        if not (reasoning or content or logprobs or finish):
+            return []
+        fields: dict[str, str] = {}
+        if reasoning:
+            fields["reasoning_content"] = reasoning
+        if content:
+            fields["content"] = content
+        choice = {"index": index, "delta": fields, "logprobs": logprobs, "finish_reason": finish}
+        return [self._chunk(choice)]
+
+    def closing(self) -> list[str]:
+        if not self._request.include_usage:
+            return []
+        chunk = {**self._head, "object": "chat.completion.chunk"}
+        return [json.dumps({**chunk, "choices": [], "usage": self._usage.as_json()})]

@@ -1,0 +1,145 @@
+"""POST /v1/completions: OpenAI's (legacy) text completions, plain or streamed.
+
+    {"id": "cmpl-<request id>", "object": "text_completion", "created", "model",
+     "choices": [{"index", "text", "logprobs", "finish_reason"}], "usage"}
+
+A batch of prompts x n choices: choice `prompt * n + i`. `echo` puts the prompt's text before
+each choice's (its ids' text for a prompt of ids); `logprobs` k gives each token's and the k
+most likely (openai_logprobs.py), `text_offset` counting from the start of the choice's text.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from aiohttp import web
+
+from mili.errors import Unavailable
+from services.frontend.generations import Generations
+from services.frontend.http_api import sse
+from services.frontend.http_api.choices import Choice, Usage, run
+from services.frontend.http_api.errors import response_of
+from services.frontend.http_api.openai_call import Head, OpenAICall, gather, open_call
+from services.frontend.http_api.openai_logprobs import TokenPieces, completion_logprobs
+from services.frontend.http_api.openai_request import OpenAIRequest, completion_request
+from services.frontend.pipeline import Delta
+from services.frontend.text import LocalDetokenizer
+
+
+def detokenizer_of(generations: Generations) -> LocalDetokenizer:
+    """The frontend's copy of the tokenizer (for token strings and echoed ids)."""
+    tokenizer = generations.backends.tokenizer
+    if tokenizer.detokenizer is None:
+        raise Unavailable(f"{tokenizer.who}: its tokenizer file is not loaded yet")
+    return tokenizer.detokenizer
+
+
+async def create_completion(request: web.Request, generations: Generations) -> web.StreamResponse:
+    call = await open_call(request, generations, completion_request)
+    if isinstance(call, web.Response):
+        return call
+    try:
+        echoes, pieces = _prompt_texts(call), _pieces(call)
+    except Unavailable as exc:
+        return response_of(exc)
+    chunks = CompletionJson(call.request, call.choices, call.head, echoes, pieces)
+    if call.request.is_stream:
+        events = run(generations, call.choices, is_stream=True)
+        metric = generations.metrics.generated_tokens
+        return await sse.serve(request, events, chunks, call.request.param_of, metric)
+    deltas = await gather(call)
+    if isinstance(deltas, web.Response):
+        return deltas
+    return web.Response(text=chunks.whole(deltas), content_type="application/json")
+
+
+def _prompt_texts(call: OpenAICall) -> list[str]:
+    """Each prompt's text for `echo` ([] without it)."""
+    if not call.request.echo:
+        return []
+    texts = []
+    for prompt in call.request.inputs:
+        if prompt.token_ids:
+            texts.append(detokenizer_of(call.generations).decode(prompt.token_ids))
+        else:
+            texts.append(prompt.prompt)
+    return texts
+
+
+def _pieces(call: OpenAICall) -> TokenPieces | None:
+    if call.request.inputs[0].sampling.logprobs is None:
+        return None
+    return TokenPieces(detokenizer_of(call.generations))
+
+
+class CompletionJson:
+    """The response's JSON: whole, or as stream chunks (sse.Chunks)."""
+
+    def __init__(
+        self,
+        request: OpenAIRequest,
+        choices: Sequence[Choice],
+        head: Head,
+        echoes: list[str],
+        pieces: TokenPieces | None,
+    ) -> None:
+        self._request = request
+        self._choices = choices
+        self._pieces = pieces
+        self._usage = Usage(choices)
+        self._head = head.json("cmpl", "text_completion")
+        # Each chunk is this head, its choices and the tail: one json.dumps per chunk.
+        self._chunk_head = json.dumps(self._head)[:-1] + ', "choices": ['
+        self._chunk_tail = "]" + (', "usage": null}' if request.include_usage else "}")
+        self._text_heads = {
+            c.index: f'{self._chunk_head}{{"index": {c.index}, "text": ' for c in choices
+        }
+        self._plain_tail = ', "logprobs": null, "finish_reason": null}' + self._chunk_tail
+        self._echo = {c.index: echoes[c.prompt_index] for c in choices} if echoes else {}
+        self._offsets = {c.index: len(self._echo.get(c.index, "")) for c in choices}
+
+    def _choice(self, index: int, text: str, deltas: list[Delta]) -> dict[str, Any]:
+        logprobs = None
+        if self._pieces is not None:
+            ids = [t for d in deltas for t in d.token_ids]
+            lps = [lp for d in deltas for lp in d.logprobs]
+            logprobs, self._offsets[index] = completion_logprobs(
+                self._pieces, ids, lps, self._offsets[index]
+            )
+        finish = deltas[-1].finish_reason if deltas else None
+        if finish is not None:
+            self._usage.add(index, deltas[-1])
+        return {
+            "index": index,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": None if finish is None else str(finish),
+        }
+
+    def whole(self, deltas: dict[int, list[Delta]]) -> str:
+        choices = []
+        for c in self._choices:
+            ds = deltas[c.index]
+            text = self._echo.get(c.index, "") + "".join(d.text for d in ds)
+            choices.append(self._choice(c.index, text, ds))
+        return json.dumps({**self._head, "choices": choices, "usage": self._usage.as_json()})
+
+    # ---- streamed ----
+
+    def opening(self) -> list[str]:
+        return []
+
+    def of(self, index: int, delta: Delta) -> list[str]:
+        if delta.finish_reason is None and self._pieces is None and not self._echo:
+            # Once per streamed delta: the plain case from a template around its text.
+            return [self._text_heads[index] + json.dumps(delta.text) + self._plain_tail]
+        text = self._echo.pop(index, "") + delta.text  # the prompt before the first delta
+        choice = self._choice(index, text, [delta])
+        return [self._chunk_head + json.dumps(choice) + self._chunk_tail]
+
+    def closing(self) -> list[str]:
+        if not self._request.include_usage:
+            return []
+        return [json.dumps({**self._head, "choices": [], "usage": self._usage.as_json()})]

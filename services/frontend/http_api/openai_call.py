@@ -1,0 +1,97 @@
+"""What both OpenAI generation endpoints do before and after their own shaping: read the body,
+check the model, validate every choice, and (not streamed) gather each choice's deltas.
+
+    X-Request-Id header  -> the request id in logs and traces, and the response's id
+                            (`cmpl-`/`chatcmpl-` + it); a fresh one when absent
+                            (telemetry.request_id_of: the one the response header echoes)
+    model                -> the served one, or unset; another is 404 model_not_found
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from contextlib import aclosing
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from services.frontend.generations import Generations
+from services.frontend.http_api import body
+from services.frontend.http_api.choices import Choice, plan, run
+from services.frontend.http_api.errors import error_response, response_of
+from services.frontend.http_api.openai_request import OpenAIRequest
+from services.frontend.http_api.telemetry import request_id_of
+from services.frontend.pipeline import Delta
+from services.frontend.validation import Limits
+
+_LOG = logging.getLogger("mili.frontend")
+Parse = Callable[[body.Body, Limits, int | None, str], OpenAIRequest]
+
+
+@dataclass(frozen=True)
+class Head:
+    """What every response and chunk of a call starts with."""
+
+    request_id: str  # the caller's X-Request-Id, or a fresh one
+    created: int  # Unix seconds
+    model: str
+
+    def json(self, prefix: str, object_: str) -> dict[str, object]:
+        return {
+            "id": f"{prefix}-{self.request_id}",
+            "object": object_,
+            "created": self.created,
+            "model": self.model,
+        }
+
+
+@dataclass(frozen=True)
+class OpenAICall:
+    generations: Generations
+    request: OpenAIRequest
+    choices: list[Choice]
+    head: Head
+
+
+async def open_call(
+    http_request: web.Request, generations: Generations, parse: Parse
+) -> OpenAICall | web.Response:
+    """The call, its choices validated; or the error response (400 naming the parameter, 404
+    for another model). InvalidArgument of the body's types is raised in the caller's names."""
+    request_id = request_id_of(http_request)
+    limits = generations.config.limits
+    window = generations.backends.router.max_context_tokens
+    request = parse(body.parse(await http_request.read()), limits, window, request_id)
+    model = generations.model
+    if request.model is not None and model and request.model != model:
+        return error_response(
+            404,
+            f"the model {request.model!r} does not exist; this server serves {model!r}",
+            "invalid_request_error",
+            param="model",
+            code="model_not_found",
+        )
+    if request.user is not None:
+        _LOG.debug("request %s is from user %r", request_id, request.user)
+    try:
+        choices = plan(generations, request)
+    except Exception as exc:
+        return response_of(exc, request.param_of)
+    return OpenAICall(generations, request, choices, Head(request_id, int(time.time()), model))
+
+
+async def gather(call: OpenAICall) -> dict[int, list[Delta]] | web.Response:
+    """Every choice's deltas, by choice index, once all finished; or the error response."""
+    deltas: dict[int, list[Delta]] = {c.index: [] for c in call.choices}
+    events = run(call.generations, call.choices, is_stream=False)
+    generated = call.generations.metrics.generated_tokens
+    try:
+        async with aclosing(events):
+            async for index, delta in events:
+                deltas[index].append(delta)
+    except Exception as exc:
+        return response_of(exc, call.request.param_of)
+    generated.inc(sum(len(d.token_ids) for ds in deltas.values() for d in ds))
+    return deltas

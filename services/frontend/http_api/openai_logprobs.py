@@ -1,0 +1,81 @@
+"""Log-probabilities in OpenAI's two formats, with token strings from the frontend's own
+detokenizer (text.py: the tokenizer service's file, loaded here).
+
+    completions  {"tokens": [str], "token_logprobs": [float], "top_logprobs": [{str: float}],
+                  "text_offset": [int]}        the chosen token is in its top dict too, as vLLM
+    chat         {"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token",
+                  "logprob", "bytes"}]}], "refusal": null}
+
+A token's string is its bytes read as UTF-8, U+FFFD where they are only part of a character
+(a byte-level token may be); `bytes` keeps them exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from mili.engine.logprobs import TokenLogprobs
+from services.frontend.text import LocalDetokenizer
+
+
+class TokenPieces:
+    """Token id -> (string, bytes), remembered for the request (top lists repeat ids)."""
+
+    def __init__(self, detokenizer: LocalDetokenizer) -> None:
+        self._detokenizer = detokenizer
+        self._pieces: dict[int, tuple[str, list[int]]] = {}
+
+    def piece(self, token_id: int) -> tuple[str, list[int]]:
+        piece = self._pieces.get(token_id)
+        if piece is None:
+            raw = self._detokenizer.token_bytes(token_id)
+            piece = self._pieces[token_id] = (raw.decode("utf-8", "replace"), list(raw))
+        return piece
+
+    def text(self, token_id: int) -> str:
+        return self.piece(token_id)[0]
+
+
+def completion_logprobs(
+    pieces: TokenPieces,
+    token_ids: Sequence[int],
+    logprobs: Sequence[TokenLogprobs],
+    text_offset: int,
+) -> tuple[dict[str, Any], int]:
+    """The completions format for these tokens, and the text offset after them (each token's
+    offset is where its string starts in the choice's text, echoed prompt included)."""
+    tokens = [pieces.text(t) for t in token_ids]
+    offsets = []
+    for token in tokens:
+        offsets.append(text_offset)
+        text_offset += len(token)
+    tops = []
+    for token, lp in zip(tokens, logprobs, strict=True):
+        top = {pieces.text(t): value for t, value in lp.top}
+        top.setdefault(token, lp.logprob)
+        tops.append(top)
+    body = {
+        "tokens": tokens,
+        "token_logprobs": [lp.logprob for lp in logprobs],
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
+    return body, text_offset
+
+
+def chat_logprobs(
+    pieces: TokenPieces, token_ids: Sequence[int], logprobs: Sequence[TokenLogprobs]
+) -> dict[str, Any]:
+    """The chat format for these tokens."""
+
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        text, raw = pieces.piece(token_id)
+        return {"token": text, "logprob": logprob, "bytes": raw}
+
+    content = []
+    for token_id, lp in zip(token_ids, logprobs, strict=True):
+        item = entry(token_id, lp.logprob)
+        item["top_logprobs"] = [entry(t, value) for t, value in lp.top]
+        content.append(item)
+    return {"content": content, "refusal": None}

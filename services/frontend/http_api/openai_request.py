@@ -1,0 +1,309 @@
+"""OpenAI request bodies -> the frontend's RequestInput, with OpenAI's parameter names.
+
+    POST /v1/completions        prompt: a string, an array of strings, an array of token ids,
+                                or an array of arrays of ids (a batch: one RequestInput each)
+    POST /v1/chat/completions   messages: role + content (a string or text parts)
+
+Types are checked here (body.py); ranges and limits by the same validation the gRPC API runs
+(validation.py), whose field names (`sampling.top_p`, `token_ids[3]`) `param_of` maps back to
+the names the caller wrote. Unknown fields are ignored, as OpenAI's API does; fields we know
+and do not do (`suffix`, a `logit_bias`, `tools`, ...) are refused naming them, rather than
+silently answered as if done.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from mili.errors import FieldViolation, InvalidArgument
+from services.frontend.http_api.body import Body, is_int
+from services.frontend.validation import (
+    ChatTurn,
+    Counts,
+    Limits,
+    RequestInput,
+    SamplingInput,
+    check_counts,
+)
+
+MAX_N = 16  # choices per prompt: each is a generation of its own
+MAX_CHOICES = 64  # prompts x n in one request
+
+ParamOf = Callable[[str], str]
+
+
+@dataclass(frozen=True)
+class OpenAIRequest:
+    """One request to either endpoint, read; `inputs` holds one RequestInput per prompt."""
+
+    model: str | None  # None: the served one
+    inputs: tuple[RequestInput, ...]
+    n: int = 1
+    is_stream: bool = False
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with usage
+    echo: bool = False  # completions: the prompt's text before each choice's
+    is_chat_logprobs: bool = False  # chat: logprobs=true (top_logprobs in sampling.logprobs)
+    user: str | None = None
+    param_of: ParamOf = lambda field: field  # a validation field -> this request's parameter
+
+
+# A known field we do not do -> whether its value is one we can honour anyway (the default).
+_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "suffix": lambda v: v == "",
+    "logit_bias": lambda v: v == {},
+    "min_tokens": lambda v: v == 0,
+    "skip_special_tokens": lambda v: v is True,
+    "include_stop_str_in_output": lambda v: v is False,
+    "prompt_logprobs": lambda v: False,
+    "use_beam_search": lambda v: v is False,
+    "tools": lambda v: v == [],
+    "functions": lambda v: v == [],
+    "response_format": lambda v: isinstance(v, dict) and v.get("type") == "text",
+    "guided_json": lambda v: False,
+    "guided_regex": lambda v: False,
+    "guided_choice": lambda v: False,
+    "guided_grammar": lambda v: False,
+    "structured_outputs": lambda v: False,
+}
+
+
+def _check_unsupported(body: Body) -> None:
+    for key, is_harmless in _UNSUPPORTED.items():
+        value = body.raw(key)
+        if value is not None and not is_harmless(value):
+            raise InvalidArgument(key, value, "not supported by this server")
+
+
+def completion_request(
+    body: Body, limits: Limits, window: int | None, client_id: str
+) -> OpenAIRequest:
+    """POST /v1/completions' body; InvalidArgument naming the first bad parameter."""
+    _check_unsupported(body)
+    n = _n(body)
+    best_of = body.integer("best_of")
+    if best_of is not None and best_of != n:
+        raise InvalidArgument("best_of", best_of, f"not supported unless equal to n ({n})")
+    echo = body.flag("echo") or False
+    logprobs = body.integer("logprobs")
+    if echo and logprobs is not None:
+        # Prompt logprobs come with prefill's support for them; until then refused, not faked.
+        raise InvalidArgument("echo", True, "echo with logprobs is not supported yet")
+    sampling = _sampling(body, body.integer("max_tokens"), logprobs)
+    prompts = _prompts(body)
+    if len(prompts) * n > MAX_CHOICES:
+        raise InvalidArgument(
+            "n", n, f"{len(prompts)} prompts x n is over this server's {MAX_CHOICES} choices"
+        )
+    inputs = []
+    for prompt in prompts:
+        text, ids = (prompt, ()) if isinstance(prompt, str) else ("", prompt)
+        counts = Counts(len(ids), 0, len(sampling.stop), len(sampling.stop_token_ids))
+        _check_counts(counts, limits, window, _completion_param)
+        inputs.append(
+            RequestInput(client_request_id=client_id, prompt=text, token_ids=ids, sampling=sampling)
+        )
+    return OpenAIRequest(
+        model=body.text("model"),
+        inputs=tuple(inputs),
+        n=n,
+        is_stream=_is_stream(body),
+        include_usage=_include_usage(body),
+        echo=echo,
+        user=body.text("user"),
+        param_of=_completion_param,
+    )
+
+
+def chat_request(body: Body, limits: Limits, window: int | None, client_id: str) -> OpenAIRequest:
+    """POST /v1/chat/completions' body; InvalidArgument naming the first bad parameter."""
+    _check_unsupported(body)
+    n = _n(body)
+    is_logprobs = body.flag("logprobs") or False
+    top = body.integer("top_logprobs")
+    if top is not None and not is_logprobs:
+        raise InvalidArgument("top_logprobs", top, "needs logprobs set to true")
+    max_key = "max_completion_tokens" if body.has("max_completion_tokens") else "max_tokens"
+    sampling = _sampling(body, body.integer(max_key), (top or 0) if is_logprobs else None)
+    messages = _messages(body)
+    counts = Counts(0, len(messages), len(sampling.stop), len(sampling.stop_token_ids))
+    _check_counts(counts, limits, window, _common_param)
+    kwargs = body.object("chat_template_kwargs")
+    enable_thinking = None if kwargs is None else kwargs.flag("enable_thinking")
+
+    def param_of(field: str) -> str:
+        if field == "sampling.logprobs":
+            return "top_logprobs"
+        if field == "sampling.max_tokens":
+            return max_key
+        return _common_param(field)
+
+    chat = RequestInput(
+        client_request_id=client_id,
+        messages=messages,
+        sampling=sampling,
+        enable_thinking=enable_thinking,
+    )
+    return OpenAIRequest(
+        model=body.text("model"),
+        inputs=(chat,),
+        n=n,
+        is_stream=_is_stream(body),
+        include_usage=_include_usage(body),
+        is_chat_logprobs=is_logprobs,
+        user=body.text("user"),
+        param_of=param_of,
+    )
+
+
+def with_seed(request: RequestInput, seed: int | None) -> RequestInput:
+    """`request` drawing from `seed` (choice i of n draws from the caller's seed + i)."""
+    return replace(request, sampling=replace(request.sampling, seed=seed))
+
+
+def nth_seed(seed: int | None, i: int) -> int | None:
+    """The seed of choice `i`: the caller's + i (kept in 64 bits), or None (a fresh one each)."""
+    if seed is None:
+        return None
+    return (seed + i) % 2**64 if seed >= 0 else seed + i
+
+
+def _check_counts(counts: Counts, limits: Limits, window: int | None, param_of: ParamOf) -> None:
+    """validation.check_counts, its errors naming this request's parameters."""
+    try:
+        check_counts(counts, limits, window)
+    except InvalidArgument as exc:
+        mapped = [FieldViolation(param_of(v.field), v.description) for v in exc.violations]
+        raise InvalidArgument.many(mapped) from None
+
+
+# ---- fields ------------------------------------------------------------------------------------
+
+
+def _n(body: Body) -> int:
+    n = body.integer("n")
+    if n is None:
+        return 1
+    if not 1 <= n <= MAX_N:
+        raise InvalidArgument("n", n, f"must be in [1, {MAX_N}]")
+    return n
+
+
+def _is_stream(body: Body) -> bool:
+    return body.flag("stream") or False
+
+
+def _include_usage(body: Body) -> bool:
+    options = body.object("stream_options")
+    if options is None:
+        return False
+    if not _is_stream(body):
+        raise InvalidArgument("stream_options", options.data, "only allowed with stream: true")
+    return options.flag("include_usage") or False
+
+
+def _sampling(body: Body, max_tokens: int | None, logprobs: int | None) -> SamplingInput:
+    """The sampling parameters both endpoints share, as sent; ranges are validation's."""
+    return SamplingInput(
+        max_tokens=max_tokens,
+        temperature=body.number("temperature"),
+        top_p=body.number("top_p"),
+        top_k=_top_k(body),
+        min_p=body.number("min_p"),
+        repetition_penalty=body.number("repetition_penalty"),
+        presence_penalty=body.number("presence_penalty"),
+        frequency_penalty=body.number("frequency_penalty"),
+        seed=body.integer("seed"),
+        stop=body.texts("stop"),
+        stop_token_ids=body.integers("stop_token_ids"),
+        ignore_eos=body.flag("ignore_eos") or False,
+        logprobs=logprobs,
+    )
+
+
+def _top_k(body: Body) -> int | None:
+    """top_k: -1 means off in vLLM's API, 0 in ours."""
+    top_k = body.integer("top_k")
+    return 0 if top_k == -1 else top_k
+
+
+def _prompts(body: Body) -> list[str | tuple[int, ...]]:
+    """`prompt` as a list of prompts: text or token ids each."""
+    prompt = body.raw("prompt")
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            return list(prompt)
+        if all(is_int(p) for p in prompt):
+            return [body.integers("prompt")]
+        if all(isinstance(p, list) for p in prompt):
+            for i, ids in enumerate(prompt):
+                if not ids or not all(is_int(t) for t in ids):
+                    raise InvalidArgument("prompt", ids, f"prompt[{i}]: not an array of token ids")
+            return [tuple(ids) for ids in prompt]
+    raise InvalidArgument(
+        "prompt",
+        prompt,
+        "must be a non-empty string, array of strings, array of token ids or array of arrays "
+        "of token ids",
+    )
+
+
+_ROLES = {"developer": "system"}  # OpenAI's newer name for the system turn
+
+
+def _messages(body: Body) -> tuple[ChatTurn, ...]:
+    messages = body.array("messages")
+    if not messages:
+        raise InvalidArgument("messages", messages, "must be a non-empty array")
+    turns = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise InvalidArgument(f"messages[{i}]", message, "must be an object")
+        m = Body(message, f"messages[{i}]")
+        role = m.text("role")
+        if role is None:
+            raise InvalidArgument(m.name("role"), None, "required")
+        turns.append(
+            ChatTurn(
+                role=_ROLES.get(role, role),
+                content=_content(m),
+                reasoning_content=m.text("reasoning_content"),
+            )
+        )
+    return tuple(turns)
+
+
+def _content(message: Body) -> str:
+    """A message's content: a string, or text parts joined by newlines (as vLLM joins them)."""
+    content = message.raw("content")
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = message.array("content")
+    assert parts is not None
+    texts = []
+    for j, part in enumerate(parts):
+        where = f"{message.name('content')}[{j}]"
+        if not isinstance(part, dict) or part.get("type") != "text":
+            kind = part.get("type") if isinstance(part, dict) else part
+            raise InvalidArgument(where, kind, "only text parts ({type: text, text}) are supported")
+        text = Body(part, where).text("text")
+        texts.append(text or "")
+    return "\n".join(texts)
+
+
+# ---- validation's fields -> parameters --------------------------------------------------------
+
+
+def _common_param(field: str) -> str:
+    if field == "request_id":
+        return "X-Request-Id"  # the header the id came from
+    return field.removeprefix("sampling.")
+
+
+def _completion_param(field: str) -> str:
+    if field == "token_ids" or field.startswith("token_ids["):
+        return "prompt"
+    return _common_param(field)

@@ -1,0 +1,305 @@
+"""The OpenAI-compatible HTTP API end to end: the real `openai` SDK (and a raw HTTP client for
+the SSE bytes) against a real tokenizer, prefill, decode and frontend on the demo model, in
+float32 so that greedy text is exact and comparable with the gRPC API's."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import openai
+import pytest
+
+from mili.pb.common.v1 import chat_pb2, sampling_pb2
+from mili.pb.frontend.v1 import generation_pb2
+from tests.e2e.conftest import Deployment, deploy
+from tests.service_process import ServiceProcess
+
+pytestmark = pytest.mark.slow
+
+MAX_CONCURRENT = 4  # the frontend's limit: a request of more choices is refused with 429
+PROMPT = "The quick brown fox"
+# Long enough to still run when the test looks (the demo model makes ~300 tokens/s on 2 cores)
+LONG = 4000
+
+
+@pytest.fixture(scope="module")
+def deployment(demo_model_dir: Path, e2e_tokenizer: ServiceProcess) -> Iterator[Deployment]:
+    d = deploy(
+        demo_model_dir,
+        e2e_tokenizer,
+        engine_args=("--dtype", "float32"),
+        frontend_args=("--http-port", "0", "--max-concurrent-requests", str(MAX_CONCURRENT)),
+    )
+    yield d
+    d.stop()
+
+
+@pytest.fixture(scope="module")
+def client(deployment: Deployment) -> openai.OpenAI:
+    url = deployment.frontend.http_url
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def model(client: openai.OpenAI) -> str:
+    return client.models.list().data[0].id
+
+
+def grpc_complete(deployment: Deployment, **sampling: Any) -> generation_pb2.CompleteResponse:
+    request = generation_pb2.CompleteRequest(
+        prompt=PROMPT, sampling=sampling_pb2.SamplingParams(**sampling)
+    )
+    return deployment.stub().Complete(request, timeout=60)
+
+
+def test_models_lists_the_served_model(deployment: Deployment, client: openai.OpenAI) -> None:
+    info = deployment.stub().Info(generation_pb2.InfoRequest(), timeout=5)
+    (served,) = client.models.list().data
+    assert served.id == info.model and served.object == "model"
+
+
+def test_completion_plain_streamed_and_grpc_agree(
+    deployment: Deployment, client: openai.OpenAI, model: str
+) -> None:
+    args: dict[str, Any] = dict(model=model, prompt=PROMPT, max_tokens=12, temperature=0)
+    plain = client.completions.create(**args)
+    (choice,) = plain.choices
+    grpc = grpc_complete(deployment, max_tokens=12, temperature=0)
+    assert choice.text == grpc.text and choice.index == 0
+    assert choice.finish_reason == ("length" if len(grpc.token_ids) == 12 else "stop")
+    assert plain.object == "text_completion" and plain.id.startswith("cmpl-")
+    assert plain.usage is not None
+    assert (plain.usage.prompt_tokens, plain.usage.completion_tokens) == (
+        grpc.usage.prompt_tokens,
+        grpc.usage.completion_tokens,
+    )
+    assert plain.usage.total_tokens == plain.usage.prompt_tokens + plain.usage.completion_tokens
+
+    chunks = list(
+        client.completions.create(**args, stream=True, stream_options={"include_usage": True})
+    )
+    *text_chunks, usage_chunk = chunks
+    assert "".join(c.choices[0].text for c in text_chunks) == choice.text
+    assert [c.choices[0].finish_reason for c in text_chunks][-1] == choice.finish_reason
+    assert all(c.usage is None for c in text_chunks) and len({c.id for c in chunks}) == 1
+    assert usage_chunk.choices == [] and usage_chunk.usage == plain.usage
+
+
+def test_chat_plain_and_streamed_agree(client: openai.OpenAI, model: str) -> None:
+    args: dict[str, Any] = dict(
+        model=model, messages=[{"role": "user", "content": "Hi there"}], max_tokens=16, seed=1
+    )
+    args["temperature"] = 0
+    plain = client.chat.completions.create(**args)
+    (choice,) = plain.choices
+    assert plain.object == "chat.completion" and plain.id.startswith("chatcmpl-")
+    assert choice.message.role == "assistant" and choice.finish_reason in ("stop", "length")
+    reasoning = getattr(choice.message, "reasoning_content", None)
+    assert "<think>" not in (choice.message.content or "")
+    assert "</think>" not in (choice.message.content or "")
+
+    chunks = list(
+        client.chat.completions.create(**args, stream=True, stream_options={"include_usage": True})
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    *deltas, usage_chunk = chunks
+    streamed = "".join(c.choices[0].delta.content or "" for c in deltas)
+    thought = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in deltas)
+    assert streamed == choice.message.content and (thought or None) == reasoning
+    assert deltas[-1].choices[0].finish_reason == choice.finish_reason
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert usage_chunk.choices == [] and usage_chunk.usage == plain.usage
+
+
+def test_chat_with_thinking_off_greedy_equals_grpc(
+    deployment: Deployment, client: openai.OpenAI, model: str
+) -> None:
+    plain = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
+        max_completion_tokens=10,
+        temperature=0,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )
+    request = generation_pb2.CompleteRequest(
+        messages=[chat_pb2.ChatMessage(role="user", content="Hi")],
+        enable_thinking=False,
+        sampling=sampling_pb2.SamplingParams(max_tokens=10, temperature=0),
+    )
+    grpc = deployment.stub().Complete(request, timeout=60)
+    message = plain.choices[0].message
+    text = (getattr(message, "reasoning_content", None) or "") + (message.content or "")
+    # The random demo model may write tags itself; what is not a tag is the same text.
+    expected = grpc.text.replace("<think>", "").replace("</think>", "")
+    assert text.replace("\n", "") == expected.replace("\n", "")
+    assert plain.usage is not None
+    assert plain.usage.completion_tokens == grpc.usage.completion_tokens
+
+
+def test_completion_logprobs_equal_grpc(
+    deployment: Deployment, client: openai.OpenAI, model: str
+) -> None:
+    reply = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2
+    )
+    logprobs = reply.choices[0].logprobs
+    assert logprobs is not None and logprobs.tokens and logprobs.top_logprobs
+    grpc = grpc_complete(deployment, max_tokens=6, temperature=0, logprobs=2)
+    assert logprobs.token_logprobs == pytest.approx([lp.chosen.logprob for lp in grpc.logprobs])
+    assert len(logprobs.tokens) == len(grpc.token_ids)
+    for top, chosen in zip(logprobs.top_logprobs, logprobs.token_logprobs, strict=True):
+        assert 1 <= len(top) <= 3 and max(top.values()) >= chosen - 1e-6
+    offsets = logprobs.text_offset
+    assert offsets is not None and offsets[0] == 0
+    assert offsets == sorted(offsets)
+
+
+def test_chat_top_logprobs(client: openai.OpenAI, model: str) -> None:
+    reply = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    logprobs = reply.choices[0].logprobs
+    assert logprobs is not None and logprobs.content is not None
+    assert reply.usage is not None and len(logprobs.content) == reply.usage.completion_tokens
+    for item in logprobs.content:
+        assert len(item.top_logprobs) == 3 and item.bytes is not None
+        assert item.top_logprobs[0].logprob >= item.logprob - 1e-6  # greedy: the most likely
+        assert item.token == bytes(item.bytes).decode("utf-8", "replace")
+
+
+def test_n_choices_and_batches_each_run_as_their_own_request(
+    client: openai.OpenAI, model: str
+) -> None:
+    args: dict[str, Any] = dict(model=model, max_tokens=8, temperature=1.0)
+    both = client.completions.create(**args, prompt=PROMPT, n=2, seed=5)
+    assert [c.index for c in both.choices] == [0, 1]
+    # Choice i draws from seed + i: each is the single request with that seed.
+    for choice, seed in zip(both.choices, (5, 6), strict=True):
+        alone = client.completions.create(**args, prompt=PROMPT, seed=seed)
+        assert choice.text == alone.choices[0].text
+    alone_usage = alone.usage
+    assert both.usage is not None and alone_usage is not None
+    assert both.usage.prompt_tokens == alone_usage.prompt_tokens  # the prompt counted once
+
+    batch = client.completions.create(**args, prompt=[PROMPT, "Another one"], seed=5)
+    assert [c.index for c in batch.choices] == [0, 1]
+    other = client.completions.create(**args, prompt="Another one", seed=5)
+    assert batch.choices[0].text == both.choices[0].text
+    assert batch.choices[1].text == other.choices[0].text
+
+
+def test_stop_string_and_echo(client: openai.OpenAI, model: str) -> None:
+    args: dict[str, Any] = dict(model=model, prompt=PROMPT, max_tokens=24, temperature=0)
+    text = client.completions.create(**args, extra_body={"ignore_eos": True}).choices[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    assert stop and text.index(stop) > 0
+    stopped = client.completions.create(**args, extra_body={"ignore_eos": True}, stop=[stop])
+    assert stopped.choices[0].text == text[: text.index(stop)]
+    assert stopped.choices[0].finish_reason == "stop"
+
+    echoed = client.completions.create(**{**args, "max_tokens": 4}, echo=True)
+    assert echoed.choices[0].text == PROMPT + text[: len(echoed.choices[0].text) - len(PROMPT)]
+    ids = client.completions.create(**{**args, "max_tokens": 1, "prompt": [5, 6, 7]}, echo=True)
+    assert ids.usage is not None and ids.usage.prompt_tokens == 3 and ids.choices[0].text
+
+
+def test_errors_name_the_parameter(client: openai.OpenAI, model: str) -> None:
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model=model, prompt=PROMPT, top_p=5)
+    assert bad.value.param == "top_p" and "top_p" in bad.value.message
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model=model, messages=[{"role": "wizard", "content": "x"}])
+    assert bad.value.param == "messages[0].role"
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model=model, prompt=PROMPT, echo=True, logprobs=1)
+    assert bad.value.param == "echo"
+    # Known only once the prompt is tokenized: still a 400 before any byte of a stream.
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model=model, prompt=PROMPT, max_tokens=10**6, stream=True)
+    assert bad.value.param == "max_tokens"
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.completions.create(model="no-such-model", prompt=PROMPT)
+    assert missing.value.code == "model_not_found"
+
+
+def test_more_choices_than_the_frontend_runs_is_429(client: openai.OpenAI, model: str) -> None:
+    with pytest.raises(openai.RateLimitError) as refused:
+        client.completions.create(model=model, prompt=PROMPT, n=MAX_CONCURRENT + 1, max_tokens=4)
+    assert int(refused.value.response.headers["Retry-After"]) >= 1
+
+
+def test_closing_a_stream_frees_its_blocks(
+    deployment: Deployment, client: openai.OpenAI, model: str
+) -> None:
+    before = deployment.free_blocks()
+    stream = client.completions.create(
+        model=model,
+        prompt=PROMPT,
+        max_tokens=LONG,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    first = next(iter(stream))
+    assert first.choices[0].finish_reason is None
+    assert deployment.free_blocks() != before  # decode holds the request's blocks
+    stream.close()
+    deployment.wait_free_blocks(before)
+
+
+def test_a_client_gone_mid_request_frees_its_blocks(deployment: Deployment) -> None:
+    before = deployment.free_blocks()
+    body = {"prompt": PROMPT, "max_tokens": LONG, "ignore_eos": True}
+    connection = http_connection(deployment)
+    connection.request("POST", "/v1/completions", json.dumps(body))
+    deadline = time.monotonic() + 20
+    while deployment.free_blocks() == before:  # running
+        assert time.monotonic() < deadline, "the request never started"
+        time.sleep(0.02)
+    connection.close()
+    deployment.wait_free_blocks(before)
+
+
+def http_connection(deployment: Deployment) -> http.client.HTTPConnection:
+    url = urlsplit(deployment.frontend.http_url)
+    assert url.hostname is not None and url.port is not None
+    return http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+
+
+def test_sse_framing_byte_for_byte(deployment: Deployment) -> None:
+    connection = http_connection(deployment)
+    body = {"prompt": PROMPT, "max_tokens": 5, "temperature": 0, "stream": True}
+    connection.request(
+        "POST", "/v1/completions", json.dumps(body), headers={"X-Request-Id": "sse-1"}
+    )
+    response = connection.getresponse()
+    assert response.status == 200
+    assert response.getheader("Content-Type") == "text/event-stream"
+    assert response.getheader("X-Request-Id") == "sse-1"
+    raw = response.read()
+    connection.close()
+    events = raw.split(b"\n\n")
+    assert events[-2:] == [b"data: [DONE]", b""], raw[-80:]
+    chunks = []
+    for event in events[:-2]:
+        assert event.startswith(b"data: {") and b"\n" not in event, event
+        chunk = json.loads(event.removeprefix(b"data: "))
+        assert event == b"data: " + json.dumps(chunk).encode()  # one line, as json.dumps writes
+        chunks.append(chunk)
+    assert {c["id"] for c in chunks} == {"cmpl-sse-1"}
+    assert {c["object"] for c in chunks} == {"text_completion"}
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    assert all("usage" not in c for c in chunks)  # without include_usage, as OpenAI
+    assert raw == b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks) + (
+        b"data: [DONE]\n\n"
+    )

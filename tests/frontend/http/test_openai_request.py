@@ -1,0 +1,247 @@
+"""OpenAI request bodies -> RequestInput, and their errors naming the parameter as the caller
+wrote it, through the same validation the gRPC API runs. No server: the parsing is plain
+Python."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from mili.errors import InvalidArgument
+from services.frontend.http_api.body import parse
+from services.frontend.http_api.errors import response_of
+from services.frontend.http_api.openai_request import (
+    MAX_N,
+    OpenAIRequest,
+    chat_request,
+    completion_request,
+    nth_seed,
+)
+from services.frontend.validation import Limits, validate
+
+LIMITS = Limits(max_tokens_limit=1000)
+WINDOW = 4096
+
+
+def completion(**fields: Any) -> OpenAIRequest:
+    return completion_request(parse(json.dumps(fields).encode()), LIMITS, WINDOW, "rid")
+
+
+def chat(**fields: Any) -> OpenAIRequest:
+    fields.setdefault("messages", [{"role": "user", "content": "hi"}])
+    return chat_request(parse(json.dumps(fields).encode()), LIMITS, WINDOW, "rid")
+
+
+def error_of(
+    exc: BaseException, request: OpenAIRequest | None = None
+) -> tuple[int, dict[str, Any]]:
+    response = response_of(exc, request.param_of) if request else response_of(exc)
+    assert response.text is not None
+    return response.status, json.loads(response.text)["error"]
+
+
+def param_of_failure(fn: Any, **fields: Any) -> str | None:
+    with pytest.raises(InvalidArgument) as caught:
+        fn(**fields)
+    status, error = error_of(caught.value)
+    assert status == 400 and error["type"] == "invalid_request_error"
+    return error["param"]  # type: ignore[no-any-return]
+
+
+def validation_param(request: OpenAIRequest) -> str | None:
+    """The parameter validation's first complaint names, mapped as the handlers map it."""
+    with pytest.raises(InvalidArgument) as caught:
+        validate(request.inputs[0], LIMITS)
+    status, error = error_of(caught.value, request)
+    assert status == 400
+    return error["param"]  # type: ignore[no-any-return]
+
+
+def test_prompt_forms() -> None:
+    assert [i.prompt for i in completion(prompt="a").inputs] == ["a"]
+    assert [i.prompt for i in completion(prompt=["a", "b"]).inputs] == ["a", "b"]
+    assert [i.token_ids for i in completion(prompt=[1, 2, 3]).inputs] == [(1, 2, 3)]
+    assert [i.token_ids for i in completion(prompt=[[1], [2, 3]]).inputs] == [(1,), (2, 3)]
+    for bad in ([], [1, "a"], [[1], "a"], 5, None, [[1, 1.5]], [True]):
+        assert param_of_failure(completion, prompt=bad) == "prompt", bad
+
+
+def test_sampling_fields_map_to_sampling_input() -> None:
+    request = completion(
+        prompt="a",
+        max_tokens=7,
+        temperature=0,
+        top_p=0.5,
+        top_k=-1,
+        min_p=0.1,
+        presence_penalty=0.2,
+        frequency_penalty=0.3,
+        repetition_penalty=1.1,
+        seed=5,
+        stop="x",
+        stop_token_ids=[9],
+        ignore_eos=True,
+        logprobs=3,
+        user="u",
+        some_unknown_field={"ignored": True},
+    )
+    s = request.inputs[0].sampling
+    assert (s.max_tokens, s.temperature, s.top_p, s.top_k, s.min_p) == (7, 0.0, 0.5, 0, 0.1)
+    assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty) == (0.2, 0.3, 1.1)
+    assert (s.seed, s.stop, s.stop_token_ids, s.ignore_eos, s.logprobs) == (
+        5,
+        ("x",),
+        (9,),
+        True,
+        3,
+    )
+    assert completion(prompt="a", stop=["x", "y"]).inputs[0].sampling.stop == ("x", "y")
+    assert request.inputs[0].client_request_id == "rid" and request.user == "u"
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("max_tokens", "7"),
+        ("max_tokens", 1.5),
+        ("temperature", "hot"),
+        ("temperature", True),
+        ("top_p", [1]),
+        ("seed", 2**70),
+        ("stop", 3),
+        ("stop", ["a", 1]),
+        ("stop_token_ids", [1.5]),
+        ("ignore_eos", 1),
+        ("n", "2"),
+        ("stream", "yes"),
+        ("echo", 0),
+    ],
+)
+def test_wrong_types_name_their_parameter(field: str, value: Any) -> None:
+    assert param_of_failure(completion, prompt="a", **{field: value}) == field
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("top_p", 5),
+        ("temperature", -1),
+        ("top_k", -2),
+        ("min_p", 2),
+        ("repetition_penalty", 0),
+        ("max_tokens", 0),
+        ("max_tokens", 1001),  # over this server's limit
+        ("logprobs", 21),
+        ("stop", ["ok", ""]),
+    ],
+)
+def test_validation_names_the_openai_parameter(field: str, value: Any) -> None:
+    expected = "stop[1]" if field == "stop" else field  # an item is named by its index
+    assert validation_param(completion(prompt="a", **{field: value})) == expected
+
+
+def test_chat_names_its_own_parameters() -> None:
+    assert validation_param(chat(logprobs=True, top_logprobs=25)) == "top_logprobs"
+    assert validation_param(chat(max_tokens=5000)) == "max_tokens"
+    assert validation_param(chat(max_completion_tokens=5000)) == "max_completion_tokens"
+    assert validation_param(chat(messages=[{"role": "robot", "content": "x"}])) == (
+        "messages[0].role"
+    )
+    assert param_of_failure(chat, top_logprobs=2) == "top_logprobs"  # without logprobs
+    assert param_of_failure(chat, messages=[]) == "messages"
+    assert param_of_failure(chat, messages=[{"content": "x"}]) == "messages[0].role"
+    assert param_of_failure(chat, messages=["x"]) == "messages[0]"
+    assert param_of_failure(chat, messages=[{"role": "user", "content": 5}]) == (
+        "messages[0].content"
+    )
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]
+    assert param_of_failure(chat, messages=image) == "messages[0].content[0]"
+
+
+def test_completion_prompt_ids_errors_name_prompt() -> None:
+    request = completion(prompt=[1, 2])
+    with pytest.raises(InvalidArgument) as caught:
+        raise InvalidArgument("token_ids[1]", 99999999, "outside the vocabulary")
+    assert error_of(caught.value, request)[1]["param"] == "prompt"
+    assert param_of_failure(completion, prompt=list(range(WINDOW + 1))) == "prompt"
+
+
+def test_chat_fields() -> None:
+    request = chat(
+        messages=[
+            {"role": "developer", "content": "be brief"},
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+            },
+            {"role": "assistant", "content": None, "reasoning_content": "hmm"},
+        ],
+        max_completion_tokens=9,
+        max_tokens=3,
+        logprobs=True,
+        chat_template_kwargs={"enable_thinking": False},
+    )
+    (turns,) = [i.messages for i in request.inputs]
+    assert [(t.role, t.content, t.reasoning_content) for t in turns] == [
+        ("system", "be brief", None),
+        ("user", "a\nb", None),
+        ("assistant", "", "hmm"),
+    ]
+    one = request.inputs[0]
+    assert one.sampling.max_tokens == 9 and one.sampling.logprobs == 0
+    assert one.enable_thinking is False and request.is_chat_logprobs
+    assert chat().inputs[0].sampling.logprobs is None and chat().inputs[0].enable_thinking is None
+    assert chat(logprobs=True, top_logprobs=4).inputs[0].sampling.logprobs == 4
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("suffix", "x"),
+        ("logit_bias", {"5": 1}),
+        ("min_tokens", 3),
+        ("skip_special_tokens", False),
+        ("prompt_logprobs", 1),
+        ("guided_json", {}),
+        ("response_format", {"type": "json_object"}),
+        ("tools", [{"type": "function"}]),
+    ],
+)
+def test_known_unsupported_fields_are_refused(field: str, value: Any) -> None:
+    assert param_of_failure(completion, prompt="a", **{field: value}) == field
+
+
+def test_harmless_values_of_unsupported_fields_pass() -> None:
+    completion(prompt="a", suffix="", logit_bias={}, min_tokens=0, skip_special_tokens=True)
+    chat(tools=[], response_format={"type": "text"}, best_of=None)
+
+
+def test_n_best_of_echo_stream_options() -> None:
+    assert completion(prompt="a", n=3, best_of=3).n == 3
+    assert param_of_failure(completion, prompt="a", n=0) == "n"
+    assert param_of_failure(completion, prompt="a", n=MAX_N + 1) == "n"
+    assert param_of_failure(completion, prompt=["a"] * 8, n=9) == "n"  # 72 choices
+    assert param_of_failure(completion, prompt="a", n=2, best_of=3) == "best_of"
+    assert param_of_failure(completion, prompt="a", echo=True, logprobs=1) == "echo"
+    assert completion(prompt="a", echo=True).echo
+    assert param_of_failure(completion, prompt="a", stream_options={"include_usage": True}) == (
+        "stream_options"
+    )
+    streamed = completion(prompt="a", stream=True, stream_options={"include_usage": True})
+    assert streamed.is_stream and streamed.include_usage
+
+
+def test_bodies_that_are_not_json_objects() -> None:
+    for raw in (b"{", b"[1]", b"\xff", b'"x"'):
+        with pytest.raises(InvalidArgument) as caught:
+            parse(raw)
+        status, error = error_of(caught.value)
+        assert status == 400 and error["param"] is None, raw
+
+
+def test_nth_seed() -> None:
+    assert [nth_seed(7, i) for i in range(3)] == [7, 8, 9]
+    assert nth_seed(2**64 - 1, 1) == 0  # stays in 64 bits
+    assert nth_seed(None, 2) is None

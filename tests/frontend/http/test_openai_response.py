@@ -1,0 +1,129 @@
+"""The OpenAI response shapes from deltas, without servers: chat's reasoning split over every
+cut of the text, usage across prompts and choices, echo, and fan_in's order, errors and
+closing."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+from collections.abc import AsyncGenerator
+from typing import Any
+
+import pytest
+
+from mili.engine.stop import FinishReason
+from services.frontend.http_api.chat import ChatJson
+from services.frontend.http_api.choices import Choice, fan_in
+from services.frontend.http_api.completions import CompletionJson
+from services.frontend.http_api.openai_call import Head
+from services.frontend.http_api.openai_request import OpenAIRequest
+from services.frontend.pipeline import Delta
+from services.frontend.validation import Limits, RequestInput, validate
+
+HEAD = Head("r1", 1700000000, "m")
+THOUGHT = "<think>\nplan: say hi\n</think>\n\nHello <b>there</b>"
+
+
+def choices(num_prompts: int, n: int) -> list[Choice]:
+    valid = validate(RequestInput(prompt="x"), Limits())
+    return [Choice(p * n + i, p, valid) for p in range(num_prompts) for i in range(n)]
+
+
+def request(**fields: Any) -> OpenAIRequest:
+    return OpenAIRequest(model=None, inputs=(RequestInput(prompt="x"),), **fields)
+
+
+def deltas_cut(text: str, cuts: list[int]) -> list[Delta]:
+    """`text` as deltas cut at `cuts`, one token id each, the last finished."""
+    bounds = [0, *cuts, len(text)]
+    parts = [text[a:b] for a, b in itertools.pairwise(bounds)]
+    out = [Delta([i], part) for i, part in enumerate(parts)]
+    out[-1].finish_reason = FinishReason.STOP
+    out[-1].num_prompt_tokens, out[-1].num_completion_tokens = 4, len(parts)
+    return out
+
+
+def events(lines: list[str]) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in lines]
+
+
+@pytest.mark.parametrize("is_thinking", [True, False])
+def test_chat_never_streams_reasoning_or_tags_into_content(is_thinking: bool) -> None:
+    text = THOUGHT if is_thinking else "Hello <b>there</b>"
+    whole = ChatJson(request(), choices(1, 1), HEAD, None)
+    (choice,) = json.loads(whole.whole({0: deltas_cut(text, [])}))["choices"]
+    message = choice["message"]
+    assert message["content"] == "Hello <b>there</b>"
+    assert message["reasoning_content"] == ("plan: say hi" if is_thinking else None)
+    for a in range(len(text) + 1):
+        for b in range(a, len(text) + 1, 3):
+            chat = ChatJson(request(is_stream=True), choices(1, 1), HEAD, None)
+            chunks = events(chat.opening())
+            for delta in deltas_cut(text, [a, b]):
+                chunks += events(chat.of(0, delta))
+            assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+            said = [c["choices"][0]["delta"] for c in chunks[1:]]
+            content = "".join(d.get("content", "") for d in said)
+            reasoning = "".join(d.get("reasoning_content", "") for d in said)
+            assert content == message["content"], (a, b)
+            assert (reasoning or None) == message["reasoning_content"], (a, b)
+            assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+            assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+
+
+def test_usage_counts_each_prompt_once_and_every_choice() -> None:
+    completion = CompletionJson(request(), choices(2, 2), HEAD, ["A", "B"], None)
+    deltas = {i: deltas_cut("ab", [1]) for i in range(4)}  # 4 prompt tokens, 2 generated each
+    reply = json.loads(completion.whole(deltas))
+    assert reply["usage"] == {"prompt_tokens": 8, "completion_tokens": 8, "total_tokens": 16}
+    assert [c["text"] for c in reply["choices"]] == ["Aab", "Aab", "Bab", "Bab"]  # echo
+    assert reply["id"] == "cmpl-r1" and reply["object"] == "text_completion"
+
+
+def test_completion_stream_echoes_once_and_closes_with_usage() -> None:
+    completion = CompletionJson(
+        request(is_stream=True, include_usage=True), choices(1, 1), HEAD, ["P"], None
+    )
+    chunks = [c for d in deltas_cut("abc", [1, 2]) for c in events(completion.of(0, d))]
+    assert [c["choices"][0]["text"] for c in chunks] == ["Pa", "b", "c"]
+    assert all(c["usage"] is None for c in chunks)
+    (last,) = events(completion.closing())
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 3
+
+
+async def stream(name: str, n: int, closed: list[str], fail: bool = False) -> AsyncGenerator[Delta]:
+    try:
+        for i in range(n):
+            await asyncio.sleep(0)
+            yield Delta([i], f"{name}{i}")
+        if fail:
+            raise RuntimeError(f"{name} failed")
+        await asyncio.sleep(3600)  # a generation still running
+    finally:
+        closed.append(name)
+
+
+def test_fan_in_tags_each_delta_and_closing_closes_every_stream() -> None:
+    async def main() -> None:
+        closed: list[str] = []
+        merged = fan_in([stream("a", 2, closed), stream("b", 2, closed)], [0, 1])
+        seen = [await anext(merged) for _ in range(4)]
+        assert sorted((i, d.text) for i, d in seen) == [(0, "a0"), (0, "a1"), (1, "b0"), (1, "b1")]
+        await merged.aclose()
+        assert sorted(closed) == ["a", "b"]
+
+    asyncio.run(main())
+
+
+def test_fan_in_raises_the_first_error_and_closes_the_rest() -> None:
+    async def main() -> None:
+        closed: list[str] = []
+        merged = fan_in([stream("a", 1, closed), stream("b", 1, closed, fail=True)], [0, 1])
+        texts = []
+        with pytest.raises(RuntimeError, match="b failed"):
+            async for _, delta in merged:
+                texts.append(delta.text)
+        assert sorted(texts) == ["a0", "b0"] and sorted(closed) == ["a", "b"]
+
+    asyncio.run(main())
