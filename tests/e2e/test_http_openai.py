@@ -160,6 +160,39 @@ def test_completion_logprobs_equal_grpc(
     assert offsets == sorted(offsets)
 
 
+@pytest.mark.parametrize("is_stream", [False, True])
+def test_echo_with_logprobs_gives_the_prompts_logprobs(
+    deployment: Deployment, client: openai.OpenAI, model: str, is_stream: bool
+) -> None:
+    """lm-eval's local-completions: echo + logprobs, the prompt's tokens with the logprobs
+    prefill computed (the first null), then the generated ones; gRPC's prompt_logprobs agree."""
+    args: dict[str, Any] = dict(model=model, prompt=PROMPT, max_tokens=2, temperature=0)
+    if is_stream:
+        chunks = list(client.completions.create(**args, echo=True, logprobs=1, stream=True))
+        pieces = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+        tokens = [t for p in pieces for t in (p.tokens or [])]
+        values = [v for p in pieces for v in (p.token_logprobs or [])]
+        tops = [t for p in pieces for t in (p.top_logprobs or [])]
+    else:
+        reply = client.completions.create(**args, echo=True, logprobs=1)
+        logprobs = reply.choices[0].logprobs
+        assert logprobs is not None
+        tokens, values = logprobs.tokens or [], logprobs.token_logprobs or []
+        tops = logprobs.top_logprobs or []
+        assert reply.choices[0].text.startswith(PROMPT)
+    grpc = grpc_complete(deployment, max_tokens=2, temperature=0, logprobs=1, prompt_logprobs=1)
+    num_prompt = grpc.usage.prompt_tokens
+    assert len(grpc.prompt_logprobs) == num_prompt - 1
+    assert len(tokens) == len(values) == len(tops) == num_prompt + 2
+    assert "".join(tokens[:num_prompt]) == PROMPT
+    assert values[0] is None and tops[0] is None
+    expected = [lp.chosen.logprob for lp in grpc.prompt_logprobs]
+    assert values[1:num_prompt] == pytest.approx(expected, abs=2e-4)
+    assert values[num_prompt:] == pytest.approx([lp.chosen.logprob for lp in grpc.logprobs])
+    for top, value in zip(tops[1:], values[1:], strict=True):
+        assert 1 <= len(top) <= 2 and max(top.values()) >= value - 1e-6
+
+
 def test_chat_top_logprobs(client: openai.OpenAI, model: str) -> None:
     reply = client.chat.completions.create(
         model=model,
@@ -221,9 +254,6 @@ def test_errors_name_the_parameter(client: openai.OpenAI, model: str) -> None:
     with pytest.raises(openai.BadRequestError) as bad:
         client.chat.completions.create(model=model, messages=[{"role": "wizard", "content": "x"}])
     assert bad.value.param == "messages[0].role"
-    with pytest.raises(openai.BadRequestError) as bad:
-        client.completions.create(model=model, prompt=PROMPT, echo=True, logprobs=1)
-    assert bad.value.param == "echo"
     # Known only once the prompt is tokenized: still a 400 before any byte of a stream.
     with pytest.raises(openai.BadRequestError) as bad:
         client.completions.create(model=model, prompt=PROMPT, max_tokens=10**6, stream=True)

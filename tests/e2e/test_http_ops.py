@@ -135,10 +135,6 @@ def test_a_generation_over_http_is_a_child_of_the_http_requests_span(
     demo_model_dir: Path, frontend: ServiceProcess, receiver: tuple[Receiver, int]
 ) -> None:
     # Skip (before starting a whole deployment) while the route is not on this branch.
-    # TODO(coordinator): drop this probe once the OpenAI routes are merged.
-    status, _, body = _get(f"{frontend.http_url}/v1/completions", "POST", {"model": "x"})
-    if status == 404 and b"Not Found: POST /v1/completions" in body:
-        pytest.skip("POST /v1/completions is not on this branch yet (issue 30's OpenAI routes)")
     collector, otlp_port = receiver
     serve = ServiceProcess(
         "serve", "--model", str(demo_model_dir), "--port", "0", "--http-port", "0",

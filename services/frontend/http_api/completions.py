@@ -5,7 +5,9 @@
 
 A batch of prompts x n choices: choice `prompt * n + i`. `echo` puts the prompt's text before
 each choice's (its ids' text for a prompt of ids); `logprobs` k gives each token's and the k
-most likely (openai_logprobs.py), `text_offset` counting from the start of the choice's text.
+most likely (openai_logprobs.py), `text_offset` counting from the start of the choice's text;
+with both, the prompt's tokens come first with the logprobs prefill computed for them (the
+first one null).
 """
 
 from __future__ import annotations
@@ -22,7 +24,11 @@ from services.frontend.http_api import sse
 from services.frontend.http_api.choices import Choice, Usage, run
 from services.frontend.http_api.errors import response_of
 from services.frontend.http_api.openai_call import Head, OpenAICall, gather, open_call
-from services.frontend.http_api.openai_logprobs import TokenPieces, completion_logprobs
+from services.frontend.http_api.openai_logprobs import (
+    TokenPieces,
+    completion_logprobs,
+    prompt_completion_logprobs,
+)
 from services.frontend.http_api.openai_request import OpenAIRequest, completion_request
 from services.frontend.pipeline import Delta
 from services.frontend.text import LocalDetokenizer
@@ -100,7 +106,9 @@ class CompletionJson:
         self._echo = {c.index: echoes[c.prompt_index] for c in choices} if echoes else {}
         self._offsets = {c.index: len(self._echo.get(c.index, "")) for c in choices}
 
-    def _choice(self, index: int, text: str, deltas: list[Delta]) -> dict[str, Any]:
+    def _choice(
+        self, index: int, text: str, deltas: list[Delta], *, is_first: bool = False
+    ) -> dict[str, Any]:
         logprobs = None
         if self._pieces is not None:
             ids = [t for d in deltas for t in d.token_ids]
@@ -108,6 +116,13 @@ class CompletionJson:
             logprobs, self._offsets[index] = completion_logprobs(
                 self._pieces, ids, lps, self._offsets[index]
             )
+            first = deltas[0] if deltas else None
+            if is_first and first is not None and first.prompt_token_ids:
+                # echo with logprobs: the prompt's tokens first (their logprobs from prefill)
+                prompt = prompt_completion_logprobs(
+                    self._pieces, first.prompt_token_ids, first.prompt_logprobs or []
+                )
+                logprobs = {key: prompt[key] + logprobs[key] for key in prompt}
         finish = deltas[-1].finish_reason if deltas else None
         if finish is not None:
             self._usage.add(index, deltas[-1])
@@ -123,7 +138,7 @@ class CompletionJson:
         for c in self._choices:
             ds = deltas[c.index]
             text = self._echo.get(c.index, "") + "".join(d.text for d in ds)
-            choices.append(self._choice(c.index, text, ds))
+            choices.append(self._choice(c.index, text, ds, is_first=True))
         return json.dumps({**self._head, "choices": choices, "usage": self._usage.as_json()})
 
     # ---- streamed ----
@@ -135,8 +150,9 @@ class CompletionJson:
         if delta.finish_reason is None and self._pieces is None and not self._echo:
             # Once per streamed delta: the plain case from a template around its text.
             return [self._text_heads[index] + json.dumps(delta.text) + self._plain_tail]
+        is_first = index in self._echo
         text = self._echo.pop(index, "") + delta.text  # the prompt before the first delta
-        choice = self._choice(index, text, [delta])
+        choice = self._choice(index, text, [delta], is_first=is_first)
         return [self._chunk_head + json.dumps(choice) + self._chunk_tail]
 
     def closing(self) -> list[str]:

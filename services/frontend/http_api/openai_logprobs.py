@@ -64,6 +64,21 @@ def completion_logprobs(
     return body, text_offset
 
 
+def prompt_completion_logprobs(
+    pieces: TokenPieces, token_ids: Sequence[int], logprobs: Sequence[TokenLogprobs]
+) -> dict[str, Any]:
+    """The completions format for an echoed prompt: its first token has no logprob (nothing
+    comes before it: null, as OpenAI and vLLM give it), each other token the one prefill
+    computed; offsets count from the start of the prompt's text."""
+    rest, _ = completion_logprobs(pieces, token_ids[1:], logprobs, len(pieces.text(token_ids[0])))
+    return {
+        "tokens": [pieces.text(token_ids[0]), *rest["tokens"]],
+        "token_logprobs": [None, *rest["token_logprobs"]],
+        "top_logprobs": [None, *rest["top_logprobs"]],
+        "text_offset": [0, *rest["text_offset"]],
+    }
+
+
 def chat_logprobs(
     pieces: TokenPieces, token_ids: Sequence[int], logprobs: Sequence[TokenLogprobs]
 ) -> dict[str, Any]:

@@ -87,10 +87,10 @@ def completion_request(
         raise InvalidArgument("best_of", best_of, f"not supported unless equal to n ({n})")
     echo = body.flag("echo") or False
     logprobs = body.integer("logprobs")
-    if echo and logprobs is not None:
-        # Prompt logprobs come with prefill's support for them; until then refused, not faked.
-        raise InvalidArgument("echo", True, "echo with logprobs is not supported yet")
     sampling = _sampling(body, body.integer("max_tokens"), logprobs)
+    if echo and logprobs is not None:
+        # The echoed prompt's tokens get theirs too: prefill computes them when asked.
+        sampling = replace(sampling, prompt_logprobs=logprobs)
     prompts = _prompts(body)
     if len(prompts) * n > MAX_CHOICES:
         raise InvalidArgument(

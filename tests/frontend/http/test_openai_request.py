@@ -224,7 +224,8 @@ def test_n_best_of_echo_stream_options() -> None:
     assert param_of_failure(completion, prompt="a", n=MAX_N + 1) == "n"
     assert param_of_failure(completion, prompt=["a"] * 8, n=9) == "n"  # 72 choices
     assert param_of_failure(completion, prompt="a", n=2, best_of=3) == "best_of"
-    assert param_of_failure(completion, prompt="a", echo=True, logprobs=1) == "echo"
+    echoed = completion(prompt="a", echo=True, logprobs=1)
+    assert echoed.inputs[0].sampling.prompt_logprobs == 1  # the prompt's logprobs, from prefill
     assert completion(prompt="a", echo=True).echo
     assert param_of_failure(completion, prompt="a", stream_options={"include_usage": True}) == (
         "stream_options"
