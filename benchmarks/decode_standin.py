@@ -15,7 +15,7 @@ Token ids are drawn once, uniformly from [0, --vocab), seeded, so the frontend's
 sees the realistic mix of the benchmark's tokenizer. Prints "service listening on ADDRESS" like
 the real services, which benchmarks/token_path.py reads.
 
-    python benchmarks/decode_standin.py --role decode --model-name token-path-v4096 --step-ms 10
+    python benchmarks/decode_standin.py --role decode --model-name token-path-fit-v4096 --step-ms 10
 """
 
 from __future__ import annotations

@@ -9,10 +9,11 @@ the client), not on the model:
                 float32, random weights, a vocabulary of --model-vocab ids (default 4096:
                 with Qwen3's 151,936 rows the output projection alone takes ~50 ms per step of
                 64 on this 2-core CPU, and decode could not produce more than ~1k tokens/s)
-    tokenizer   byte-level BPE with Qwen3's 151,643 regular tokens plus control tokens (a
-                synthetic vocabulary: English-like words, CJK and emoji split into byte pieces,
-                so deltas hold back incomplete characters as with Qwen's), over which the
-                model's ids are the first --model-vocab tokens
+    tokenizer   byte-level BPE of --model-vocab tokens, control tokens included (a synthetic
+                vocabulary: English-like words, CJK and emoji split into byte pieces, so deltas
+                hold back incomplete characters as with Qwen's). Runs recorded before 2026-11-26
+                used Qwen3's 151,643 regular tokens over the model's first --model-vocab ids;
+                the services now refuse a tokenizer with more ids than the model has rows
 
 Each tree (`--tree`, repeatable; e.g. a checkout of main beside this branch) starts its own four
 services (`python -m mili serve-*` with the tree as working directory), on free ports, decode
@@ -51,6 +52,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 QWEN3_REGULAR_TOKENS = 151_643
 _LISTENING = re.compile(r"service listening on (\S+)")
+_HTTP = re.compile(r" http on (\S+)")
 SERVICES = ("tokenizer", "prefill", "decode", "frontend")
 
 
@@ -138,7 +140,8 @@ def build_model(directory: Path, model_vocab: int) -> Path:
     from mili.engine.model import checkpoint
     from mili.engine.model.config import Qwen3Config
 
-    tokenizer = build_tokenizer()
+    # The tokenizer fits the model's rows (services refuse a tokenizer larger than the model).
+    tokenizer = build_tokenizer(model_vocab - len(demo.SPECIAL_TOKENS) - len(demo.ADDED_TOKENS))
     config = Qwen3Config(
         vocab_size=model_vocab,
         hidden_size=64,
@@ -190,7 +193,10 @@ class _Service:
             env=env,
         )
         assert self.proc.stdout is not None
+        self.http_url: str | None = None  # a frontend's HTTP API, when it serves one
         for line in self.proc.stdout:
+            if http := _HTTP.search(line):
+                self.http_url = http.group(1)
             match = _LISTENING.search(line)
             if match:
                 self.address = match.group(1)
@@ -342,7 +348,7 @@ def main() -> int:
     cache = Path.home() / ".cache" / "mili" / "bench"
     cache.mkdir(parents=True, exist_ok=True)
     model = build_model(
-        args.model_dir or cache / f"token-path-v{args.model_vocab}", args.model_vocab
+        args.model_dir or cache / f"token-path-fit-v{args.model_vocab}", args.model_vocab
     )
     logs = Path(tempfile.mkdtemp(prefix="mili-token-path-"))
     print(f"model {model}; logs {logs}; load average {os.getloadavg()[0]:.2f}", flush=True)
