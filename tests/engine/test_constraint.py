@@ -11,11 +11,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from mili.engine.constraint import compiler as compiler_module
+from mili.engine.constraint import matcher as matcher_module
 from mili.engine.constraint import schema as schemas
 from mili.engine.constraint.compiler import CompileConfig, CompileStats, ConstraintCompiler
-from mili.engine.constraint.matcher import ConstraintMatcher
+from mili.engine.constraint.matcher import ConstraintMatcher, FilledMask, unpack_bitmask
 from mili.engine.constraint.spec import Constraint, ConstraintLimits, validate
 from mili.engine.constraint.vocab import GrammarTokenizer
 from mili.errors import InvalidArgument, ResourceExhausted
@@ -327,3 +329,24 @@ def test_tokenizer_rows_and_fingerprint(demo_model_dir: Path, tokenizer: Grammar
         GrammarTokenizer(data, tokenizer.num_tokens - 1, tokenizer.eos_token_ids)
     with pytest.raises(ValueError, match="eos_token_ids"):
         GrammarTokenizer(data, tokenizer.vocab_rows, [tokenizer.vocab_rows - 1])
+
+
+@pytest.mark.parametrize("row_ids", [[0, 1, 2], [1, 3], [2]])
+@pytest.mark.parametrize("vocab", [896, 870, 33])
+def test_apply_token_bitmask_numpy_and_torch_paths_agree(row_ids: list[int], vocab: int) -> None:
+    """The CPU fast path (numpy) and the device path (torch) mask the same entries; unlisted
+    rows untouched, columns past the logits' width ignored."""
+    gen = torch.Generator().manual_seed(vocab + len(row_ids))
+    words = (896 + 31) // 32
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (len(row_ids), words), generator=gen)
+    mask = FilledMask(bitmask.to(torch.int32), row_ids)
+    logits = torch.randn(4, 896, generator=gen)[:, :vocab]  # a view, as the sampler passes
+    by_numpy, by_torch = logits.clone(), logits.clone()
+    matcher_module._apply_numpy(by_numpy, mask)
+    matcher_module._apply_torch(by_torch, mask)
+    assert torch.equal(by_numpy, by_torch)
+    allowed = unpack_bitmask(mask.bitmask, vocab)
+    for i, row in enumerate(row_ids):
+        assert torch.equal(by_numpy[row].isinf(), ~allowed[i])
+    untouched = [r for r in range(4) if r not in row_ids]
+    assert torch.equal(by_numpy[untouched], logits[untouched])

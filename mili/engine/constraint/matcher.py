@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import llguidance
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -137,10 +138,34 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_rows: int) -> torch.Tensor:
 
 
 def apply_token_bitmask(logits: torch.Tensor, mask: FilledMask | None) -> None:
-    """In place: -inf where a constrained row's mask forbids the token. logits: [B, vocab_rows]
-    on any device (the mask follows it); rows without a constraint are untouched."""
+    """In place: -inf where a constrained row's mask forbids the token. logits: [B, V] with
+    V <= vocab_rows (a view of the first columns is fine), on any device (the mask follows
+    it); rows without a constraint are untouched."""
     if mask is None:
         return
+    if logits.device.type == "cpu" and logits.dtype in _NUMPY_DTYPES:
+        _apply_numpy(logits, mask)
+    else:
+        _apply_torch(logits, mask)
+
+
+# numpy's unpackbits + copyto(where=) beat torch's shifts + masked_fill_ 2-10x on the CPU
+# (64 rows x 151,936: 2.5-10 ms against 15-20 ms; docs/benchmarks.md, "Structured output").
+_NUMPY_DTYPES = (torch.float32, torch.float16, torch.float64)
+
+
+def _apply_numpy(logits: torch.Tensor, mask: FilledMask) -> None:
+    as_bytes = mask.bitmask.numpy().view(np.uint8)  # [n, words * 4]
+    forbidden = np.unpackbits(as_bytes, axis=1, bitorder="little")[:, : logits.shape[1]] == 0
+    out = logits.detach().numpy()  # shares memory with logits
+    if mask.row_ids == list(range(len(mask.row_ids))):
+        np.copyto(out[: len(mask.row_ids)], -np.inf, where=forbidden)
+        return
+    for i, row in enumerate(mask.row_ids):
+        np.copyto(out[row], -np.inf, where=forbidden[i])
+
+
+def _apply_torch(logits: torch.Tensor, mask: FilledMask) -> None:
     bitmask = mask.bitmask.to(logits.device, non_blocking=True)
     allowed = unpack_bitmask(bitmask, logits.shape[1])  # [n, V]
     if mask.row_ids == list(range(logits.shape[0])):
