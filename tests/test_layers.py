@@ -35,6 +35,8 @@ BOOKKEEPING = [
     "mili.engine.kv.block_hash",
     "mili.engine.kv.prefix_cache",
     "mili.engine.step.byte_ring",
+    "mili.engine.constraint.spec",
+    "mili.engine.constraint.schema",
     "services.decode.requests",
     "services.decode.progress",
     "services.prefill.scheduler",

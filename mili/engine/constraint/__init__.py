@@ -1,0 +1,11 @@
+"""Structured output: constraints (JSON schema, regex, grammar, choice) compiled to token masks.
+
+    spec.py      Constraint and its size limits (pure Python)
+    vocab.py     GrammarTokenizer: tokenizer.json + the model's rows + EOS ids, fingerprinted
+    schema.py    JSON Schema closed (no extra keys) before compiling; refusals worded
+    compiler.py  ConstraintCompiler: LRU-cached, off the event loop, time-limited compiles
+    matcher.py   ConstraintMatcher per request; BatchMasker and apply_token_bitmask per step
+
+The grammar engine is llguidance (docs/benchmarks.md, "Structured output (CPU)": why not
+xgrammar). Only compiler.py, matcher.py and vocab.py import it.
+"""

@@ -1,0 +1,230 @@
+"""Constraint -> compiled grammar for one tokenizer: cached, off the event loop, time-limited.
+
+    compile(c) ──▶ validate sizes ──▶ LRU hit? ──yes──▶ CompiledConstraint
+                                         │ no (or joins a compile already running for c)
+                                         ▼
+                  a fresh daemon thread: grammar text -> llguidance.LLMatcher (the GIL dropped)
+                                         │
+                 wait at most timeout_s ─┴─ late: ResourceExhausted naming the field
+
+A compile cannot be interrupted (llguidance's Rust code has no cancel). Each compile therefore
+runs on a thread of its own that nothing else waits on after the deadline: a caller that times
+out gets ResourceExhausted at once, the thread runs on (llguidance's own fuel limits bound it)
+and its result, if any, still lands in the cache. At most `max_compile_threads` compile threads
+run at a time, late ones included; past that a compile is refused (ResourceExhausted with a retry
+hint) rather than queued behind a hostile one.
+
+The cache key is (tokenizer fingerprint, constraint key): the compiled grammar depends on the
+tokenizer file, the model's row count and the EOS ids as well as on the constraint. A compiled
+constraint is a pristine matcher; each request gets a deep copy of it (~10 us).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import json
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import llguidance
+
+from mili.engine.constraint import schema as schemas
+from mili.engine.constraint.matcher import ConstraintMatcher
+from mili.engine.constraint.spec import Constraint, ConstraintLimits, parse_schema, validate
+from mili.engine.constraint.vocab import GrammarTokenizer
+from mili.errors import InvalidArgument, ResourceExhausted
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # a TypedDict of the stub only
+
+# Compact JSON: no free whitespace between tokens (a sampler could otherwise emit blanks
+# forever), "," and ":" as separators; unimplemented keywords are errors, not ignored (lenient
+# off), and oneOf is refused rather than read as anyOf (coerce_one_of off).
+JSON_OPTIONS: JsonCompileOptions = {
+    "whitespace_flexible": False,
+    "item_separator": ",",
+    "key_separator": ":",
+    "lenient": False,
+    "coerce_one_of": False,
+}
+
+
+@dataclass(frozen=True)
+class CompileConfig:
+    """How compiles run: wall-time limit, concurrent compile threads, cache entries."""
+
+    timeout_s: float = 5.0
+    max_compile_threads: int = 4
+    cache_entries: int = 512
+    limits: ConstraintLimits = field(default_factory=ConstraintLimits)
+    field_prefix: str = "sampling"  # errors name `<prefix>.<kind>`
+
+    def __post_init__(self) -> None:
+        if self.timeout_s <= 0 or self.max_compile_threads < 1 or self.cache_entries < 1:
+            raise ValueError(f"invalid {self}")
+
+
+class CompileStats(NamedTuple):
+    hits: int
+    misses: int  # compiles started
+    timeouts: int
+    running: int  # compile threads alive now (late ones included)
+
+
+@dataclass(frozen=True)
+class CompiledConstraint:
+    """A constraint compiled for one tokenizer; `matcher()` starts a request's state."""
+
+    constraint: Constraint
+    tokenizer: GrammarTokenizer
+    template: Any  # llguidance.LLMatcher in its start state; never advanced
+
+    def matcher(self) -> ConstraintMatcher:
+        return ConstraintMatcher(self.template.deep_copy(), self.tokenizer)
+
+
+def grammar_text(constraint: Constraint, limits: ConstraintLimits, prefix: str) -> str:
+    """llguidance's grammar for `constraint`; InvalidArgument when it cannot be written."""
+    field_name = constraint.field_name(prefix)
+    try:
+        if constraint.kind == "json_schema":
+            closed = schemas.close_objects(parse_schema(constraint, limits, prefix))
+            return str(
+                llguidance.LLMatcher.grammar_from_json_schema(closed, overrides=JSON_OPTIONS)
+            )
+        if constraint.kind == "json_object":
+            obj = {"type": "object"}
+            return str(llguidance.LLMatcher.grammar_from_json_schema(obj, overrides=JSON_OPTIONS))
+        if constraint.kind == "regex":
+            return str(llguidance.LLMatcher.grammar_from_regex(constraint.text))
+        if constraint.kind == "choice":
+            alternatives = " | ".join(json.dumps(c) for c in constraint.choices)
+            return str(llguidance.LLMatcher.grammar_from_lark(f"start: {alternatives}"))
+        return str(llguidance.grammar_from("grammar", constraint.text))  # Lark, or GBNF converted
+    except ValueError as e:
+        raise InvalidArgument(field_name, constraint.text, f"does not parse: {e}") from None
+
+
+def build(constraint: Constraint, tokenizer: GrammarTokenizer, config: CompileConfig) -> Any:
+    """Compile on this thread (blocking): the start-state llguidance.LLMatcher."""
+    grammar = grammar_text(constraint, config.limits, config.field_prefix)
+    field_name = constraint.field_name(config.field_prefix)
+    limits = llguidance.LLParserLimits(verbose_errors=False)
+    matcher = llguidance.LLMatcher(tokenizer.ll, grammar, log_level=0, limits=limits)
+    if not matcher.is_error():
+        # The first mask builds the lexer's start states here, off the decode step, and shows a
+        # grammar that trips the parser's limits at its first step.
+        matcher.compute_bitmask()
+    if matcher.is_error():
+        error = str(matcher.get_error())
+        if any(word in error.lower() for word in ("fuel", "too complex", "too many", "limit")):
+            raise ResourceExhausted(f"{field_name}: the constraint is too complex ({error})")
+        if constraint.kind == "json_schema":
+            raise InvalidArgument(field_name, constraint.text, schemas.reword(error))
+        reason = f"does not compile: {' '.join(error.split())[:300]}"
+        raise InvalidArgument(field_name, constraint.text, reason)
+    return matcher
+
+
+class ConstraintCompiler:
+    """Compiles constraints for one tokenizer, with an LRU cache; thread-safe, loop-friendly."""
+
+    def __init__(self, tokenizer: GrammarTokenizer, config: CompileConfig = CompileConfig()):
+        self.tokenizer = tokenizer
+        self.config = config
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[tuple[str, str], CompiledConstraint] = OrderedDict()
+        self._running: dict[tuple[str, str], concurrent.futures.Future[CompiledConstraint]] = {}
+        self._num_threads = 0
+        self._hits = self._misses = self._timeouts = 0
+
+    def stats(self) -> CompileStats:
+        with self._lock:
+            return CompileStats(self._hits, self._misses, self._timeouts, self._num_threads)
+
+    def compile_sync(self, constraint: Constraint) -> CompiledConstraint:
+        """Blocking compile (for worker threads and tests); the same limits as `compile`."""
+        future = self._submit(constraint)
+        try:
+            return future.result(timeout=self.config.timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise self._timed_out(constraint) from None
+
+    async def compile(self, constraint: Constraint) -> CompiledConstraint:
+        """Compile without blocking the event loop (a cache hit returns at once)."""
+        future = self._submit(constraint)
+        if future.done():
+            return future.result()
+        try:
+            # shield: a timed-out waiter must not cancel the compile others may be joining.
+            waiter = asyncio.shield(asyncio.wrap_future(future))
+            return await asyncio.wait_for(waiter, self.config.timeout_s)
+        except TimeoutError:
+            raise self._timed_out(constraint) from None
+
+    def _timed_out(self, constraint: Constraint) -> ResourceExhausted:
+        with self._lock:
+            self._timeouts += 1
+        field_name = constraint.field_name(self.config.field_prefix)
+        limit = self.config.timeout_s
+        return ResourceExhausted(f"{field_name}: compiling the constraint took over {limit} s")
+
+    def _submit(self, constraint: Constraint) -> concurrent.futures.Future[CompiledConstraint]:
+        validate(constraint, self.config.limits, self.config.field_prefix)
+        key = (self.tokenizer.fingerprint, constraint.key)
+        with self._lock:
+            cached = self._cache.get(key)
+            if cached is not None:
+                self._hits += 1
+                self._cache.move_to_end(key)
+                done: concurrent.futures.Future[CompiledConstraint] = concurrent.futures.Future()
+                done.set_result(cached)
+                return done
+            running = self._running.get(key)
+            if running is not None:
+                self._hits += 1  # joins a compile in flight: no second compile
+                return running
+            if self._num_threads >= self.config.max_compile_threads:
+                field_name = constraint.field_name(self.config.field_prefix)
+                raise ResourceExhausted(
+                    f"{field_name}: {self._num_threads} constraints are compiling; retry shortly",
+                    retry_after_s=self.config.timeout_s,
+                )
+            self._misses += 1
+            self._num_threads += 1
+            future = concurrent.futures.Future[CompiledConstraint]()
+            self._running[key] = future
+        thread = threading.Thread(
+            target=self._run, args=(constraint, key, future), name="constraint-compile", daemon=True
+        )
+        thread.start()
+        return future
+
+    def _run(
+        self,
+        constraint: Constraint,
+        key: tuple[str, str],
+        future: concurrent.futures.Future[CompiledConstraint],
+    ) -> None:
+        try:
+            template = build(constraint, self.tokenizer, self.config)
+        except BaseException as e:
+            with self._lock:
+                self._running.pop(key, None)
+                self._num_threads -= 1
+            with contextlib.suppress(concurrent.futures.InvalidStateError):
+                future.set_exception(e)
+            return
+        compiled = CompiledConstraint(constraint, self.tokenizer, template)
+        with self._lock:
+            self._running.pop(key, None)
+            self._num_threads -= 1
+            self._cache[key] = compiled
+            while len(self._cache) > self.config.cache_entries:
+                self._cache.popitem(last=False)
+        with contextlib.suppress(concurrent.futures.InvalidStateError):  # nobody waits now
+            future.set_result(compiled)

@@ -1,0 +1,154 @@
+r"""What a request asks its output to match: a `Constraint`, and the size limits it must meet.
+
+Pure Python (no grammar library, no torch): the frontend and the transport layer build and
+validate constraints without loading the engine. The grammar library sees a constraint only
+in `compiler.py`.
+
+Kinds:
+
+    json_schema   a JSON Schema (draft 2020-12 keywords llguidance enforces; the compiler refuses
+                  the rest by name), output as compact JSON (no free whitespace)
+    json_object   any JSON object, compact
+    regex         a regular expression the whole output must match (Rust `regex` syntax: no
+                  look-around or back-references), as `re.fullmatch`; `\d`, `\w` and `\s`
+                  are Unicode classes (write [0-9] for ASCII digits)
+    grammar       a context-free grammar in llguidance's Lark dialect (`start: ...`), or in
+                  llama.cpp's GBNF (`root ::= ...`, recognised by `::=`), converted by llguidance
+    choice        exactly one of a list of strings
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args
+
+from mili.errors import InvalidArgument
+
+ConstraintKind = Literal["json_schema", "json_object", "regex", "grammar", "choice"]
+KINDS: tuple[str, ...] = get_args(ConstraintKind)
+
+
+@dataclass(frozen=True)
+class ConstraintLimits:
+    """Bounds on a constraint's size, checked before any compile (INVALID_ARGUMENT past them)."""
+
+    max_json_schema_bytes: int = 64 * 1024
+    max_regex_bytes: int = 4 * 1024
+    max_grammar_bytes: int = 64 * 1024
+    max_choices: int = 256
+    max_choice_chars: int = 256
+    # Nesting of the schema's JSON: our own walk of it (compiler.py) recurses once per level.
+    max_json_depth: int = 64
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if value < 1:
+                raise ValueError(f"ConstraintLimits.{name} must be >= 1, got {value}")
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """One request's output constraint. `text` is the schema, regex or grammar as sent (empty
+    for json_object and choice); `choices` holds a choice's strings. Equal constraints have
+    equal `key`s, which key the compile cache."""
+
+    kind: ConstraintKind
+    text: str = ""
+    choices: tuple[str, ...] = ()
+    key: str = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"constraint kind must be one of {KINDS}, got {self.kind!r}")
+        digest = hashlib.sha256(json.dumps([self.kind, self.text, list(self.choices)]).encode())
+        object.__setattr__(self, "key", digest.hexdigest())
+
+    @classmethod
+    def json_schema(cls, schema: str | dict[str, Any]) -> Constraint:
+        text = schema if isinstance(schema, str) else json.dumps(schema)
+        return cls("json_schema", text)
+
+    @classmethod
+    def json_object(cls) -> Constraint:
+        return cls("json_object")
+
+    @classmethod
+    def regex(cls, pattern: str) -> Constraint:
+        return cls("regex", pattern)
+
+    @classmethod
+    def grammar(cls, text: str) -> Constraint:
+        return cls("grammar", text)
+
+    @classmethod
+    def choice(cls, choices: Sequence[str]) -> Constraint:
+        return cls("choice", choices=tuple(choices))
+
+    def field_name(self, prefix: str = "sampling") -> str:
+        """The request field this constraint came from, for error messages (`sampling.regex`)."""
+        return f"{prefix}.{self.kind}"
+
+
+def _depth(value: Any) -> int:
+    """Nesting depth of parsed JSON, without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, level = stack.pop()
+        deepest = max(deepest, level)
+        children = (
+            node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
+        )
+        stack.extend((child, level + 1) for child in children)
+    return deepest
+
+
+def parse_schema(constraint: Constraint, limits: ConstraintLimits, prefix: str) -> dict[str, Any]:
+    """The json_schema constraint's schema as a dict; InvalidArgument when it is not one."""
+    field_name = constraint.field_name(prefix)
+    try:
+        schema = json.loads(constraint.text)
+    except (ValueError, RecursionError) as e:
+        raise InvalidArgument(field_name, constraint.text, f"not valid JSON ({e})") from None
+    if not isinstance(schema, dict):
+        raise InvalidArgument(field_name, constraint.text, "a JSON Schema must be a JSON object")
+    if _depth(schema) > limits.max_json_depth:
+        reason = f"nested deeper than {limits.max_json_depth} levels"
+        raise InvalidArgument(field_name, constraint.text, reason)
+    return schema
+
+
+def validate(
+    constraint: Constraint, limits: ConstraintLimits = ConstraintLimits(), prefix: str = "sampling"
+) -> None:
+    """Check `constraint` against `limits` (and that a schema is a JSON object): InvalidArgument
+    naming the field (`<prefix>.<kind>`) otherwise. Cheap; the compiler calls it first."""
+    field_name = constraint.field_name(prefix)
+    size = len(constraint.text.encode())
+    max_bytes = {
+        "json_schema": limits.max_json_schema_bytes,
+        "regex": limits.max_regex_bytes,
+        "grammar": limits.max_grammar_bytes,
+    }.get(constraint.kind, 0)
+    if constraint.kind in ("json_schema", "regex", "grammar"):
+        if not constraint.text.strip():
+            raise InvalidArgument(field_name, constraint.text, "must not be empty")
+        if size > max_bytes:
+            raise InvalidArgument(field_name, f"<{size} bytes>", f"at most {max_bytes} bytes")
+    elif constraint.text:
+        raise InvalidArgument(field_name, constraint.text, f"{constraint.kind} takes no text")
+    if constraint.kind == "choice":
+        choices = constraint.choices
+        if not choices or len(choices) > limits.max_choices:
+            reason = f"between 1 and {limits.max_choices} strings"
+            raise InvalidArgument(field_name, f"<{len(choices)} strings>", reason)
+        for i, choice in enumerate(choices):
+            if not choice or len(choice) > limits.max_choice_chars:
+                reason = f"each choice 1 to {limits.max_choice_chars} characters"
+                raise InvalidArgument(f"{field_name}[{i}]", choice, reason)
+    elif constraint.choices:
+        raise InvalidArgument(field_name, constraint.choices, f"{constraint.kind} takes no choices")
+    if constraint.kind == "json_schema":
+        parse_schema(constraint, limits, prefix)

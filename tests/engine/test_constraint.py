@@ -1,0 +1,352 @@
+"""Constraint spec, compiler and matcher on the demo tokenizer: refusals naming the field, the
+compile cache, the time limit, keyword enforcement, closed objects, rollback."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from mili.engine.constraint import compiler as compiler_module
+from mili.engine.constraint import matcher as matcher_module
+from mili.engine.constraint import schema as schemas
+from mili.engine.constraint.compiler import CompileConfig, CompileStats, ConstraintCompiler
+from mili.engine.constraint.matcher import ConstraintMatcher, FilledMask, unpack_bitmask
+from mili.engine.constraint.spec import Constraint, ConstraintLimits, validate
+from mili.engine.constraint.vocab import GrammarTokenizer
+from mili.errors import InvalidArgument, ResourceExhausted
+from tests.engine.constraint_helpers import demo_grammar_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer(demo_model_dir: Path) -> GrammarTokenizer:
+    return demo_grammar_tokenizer(demo_model_dir)
+
+
+@pytest.fixture
+def compiler(tokenizer: GrammarTokenizer) -> ConstraintCompiler:
+    return ConstraintCompiler(tokenizer)
+
+
+def feed(matcher: ConstraintMatcher, text: str) -> bool:
+    """Whether `text` is accepted as a complete output (then EOS)."""
+    tokens = matcher.tokenizer.encode(text)
+    return all(matcher.accept(t) for t in tokens) and matcher.accept(
+        matcher.tokenizer.eos_token_ids[0]
+    )
+
+
+def test_constraint_key_is_content_hash() -> None:
+    assert Constraint.json_schema({"a": 1}).key == Constraint("json_schema", '{"a": 1}').key
+    assert Constraint.regex("a").key != Constraint.grammar("a").key
+    assert Constraint.choice(["a", "b"]).key != Constraint.choice(["b", "a"]).key
+    with pytest.raises(ValueError, match="kind"):
+        Constraint("yaml", "x")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("constraint", "field", "words"),
+    [
+        (Constraint.json_schema("{not json"), "sampling.json_schema", "not valid JSON"),
+        (Constraint.json_schema("[1, 2]"), "sampling.json_schema", "JSON object"),
+        (Constraint.json_schema("x" * (64 * 1024 + 1)), "sampling.json_schema", "at most 65536"),
+        (Constraint.json_schema("[" * 100 + "]" * 100), "sampling.json_schema", "JSON"),
+        (Constraint.json_schema({"a": json.loads("[" * 20 + "]" * 20)}), None, None),
+        (Constraint.regex(""), "sampling.regex", "empty"),
+        (Constraint.regex("a" * 5000), "sampling.regex", "at most 4096"),
+        (Constraint.choice([]), "sampling.choice", "between 1 and 256"),
+        (Constraint.choice(["x"] * 257), "sampling.choice", "between 1 and 256"),
+        (Constraint.choice(["ok", "y" * 257]), "sampling.choice[1]", "1 to 256 characters"),
+        (Constraint("json_object", "x"), "sampling.json_object", "takes no text"),
+    ],
+)
+def test_spec_limits_name_the_field(
+    constraint: Constraint, field: str | None, words: str | None
+) -> None:
+    if field is None:
+        validate(constraint)  # deep enough to be suspicious, within the limit
+        return
+    with pytest.raises(InvalidArgument) as err:
+        validate(constraint)
+    assert err.value.violations[0].field == field
+    assert words is not None and words in err.value.violations[0].description
+
+
+def test_json_depth_limit() -> None:
+    deep = json.dumps({"type": "object", "properties": {"a": {"x": [[[[[]]]]]}}})
+    with pytest.raises(InvalidArgument, match="nested deeper than 5"):
+        validate(Constraint.json_schema(deep), ConstraintLimits(max_json_depth=5))
+
+
+@pytest.mark.parametrize(
+    ("constraint", "field", "words"),
+    [
+        (Constraint.json_schema({"type": "strin"}), "sampling.json_schema", "strin"),
+        (Constraint.json_schema({"if": {}, "then": {}}), "sampling.json_schema", "if, then"),
+        (
+            Constraint.json_schema({"type": "array", "uniqueItems": True}),
+            "sampling.json_schema",
+            "uniqueItems",
+        ),
+        (Constraint.json_schema({"not": {"type": "null"}}), "sampling.json_schema", "not"),
+        (
+            Constraint.json_schema({"oneOf": [{"type": "integer"}, {"type": "number"}]}),
+            "sampling.json_schema",
+            "oneOf",
+        ),
+        (
+            Constraint.json_schema({"type": "string", "format": "no-such"}),
+            "sampling.json_schema",
+            "no-such",
+        ),
+        (Constraint.json_schema({"$ref": "#/$defs/missing"}), "sampling.json_schema", "missing"),
+        (
+            Constraint.json_schema({"$ref": "https://example.com/s.json"}),
+            "sampling.json_schema",
+            "example.com",
+        ),
+        (Constraint.regex("(a"), "sampling.regex", "unclosed group"),
+        (Constraint.regex("(?=a)b"), "sampling.regex", "look-around"),
+        (Constraint.grammar('start: "a" | b'), "sampling.grammar", "unknown name"),
+        (Constraint.grammar("root ::= x"), "sampling.grammar", "'x' not found"),
+        (Constraint.grammar("start: ("), "sampling.grammar", "does not compile"),
+    ],
+)
+def test_bad_constraints_are_invalid_argument(
+    constraint: Constraint, field: str, words: str, compiler: ConstraintCompiler
+) -> None:
+    with pytest.raises(InvalidArgument) as err:
+        compiler.compile_sync(constraint)
+    assert err.value.violations[0].field == field
+    assert words in err.value.violations[0].description, err.value.violations[0].description
+
+
+def test_field_prefix_names_the_callers_field(tokenizer: GrammarTokenizer) -> None:
+    compiler = ConstraintCompiler(tokenizer, CompileConfig(field_prefix="response_format"))
+    with pytest.raises(InvalidArgument) as err:
+        compiler.compile_sync(Constraint.json_schema({"not": {}}))
+    assert err.value.violations[0].field == "response_format.json_schema"
+
+
+# keyword: (schema, a valid instance, an instance only that keyword forbids)
+ENFORCED: dict[str, tuple[dict[str, Any], Any, Any]] = {
+    "pattern": ({"type": "string", "pattern": "^[a-c]+$"}, "abc", "xyz"),
+    "format": ({"type": "string", "format": "date-time"}, "2024-01-02T03:04:05Z", "soon"),
+    "minimum": ({"type": "integer", "minimum": 5}, 7, 3),
+    "exclusiveMaximum": ({"type": "number", "exclusiveMaximum": 1}, 0, 1),
+    "multipleOf": ({"type": "integer", "multipleOf": 3}, 6, 4),
+    "minLength": ({"type": "string", "minLength": 2}, "ab", "a"),
+    "maxItems": ({"type": "array", "items": {"type": "integer"}, "maxItems": 2}, [1], [1, 2, 3]),
+    "minItems": ({"type": "array", "items": {"type": "integer"}, "minItems": 2}, [1, 2], [1]),
+    "prefixItems": (
+        {"type": "array", "prefixItems": [{"type": "integer"}], "items": False},
+        [1],
+        ["a"],
+    ),
+    "const": ({"const": {"a": 1}}, {"a": 1}, {"a": 2}),
+    "enum": ({"enum": ["x", 2]}, 2, "y"),
+    "$ref": ({"$defs": {"a": {"type": "integer"}}, "$ref": "#/$defs/a"}, 1, "s"),
+    "allOf": ({"allOf": [{"type": "integer"}, {"minimum": 2}]}, 3, 1),
+    "anyOf": ({"anyOf": [{"type": "integer"}, {"type": "string"}]}, 1, True),
+    "required": (
+        {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+        {"a": 1},
+        {},
+    ),
+    "patternProperties": (
+        {
+            "type": "object",
+            "patternProperties": {"^x": {"type": "integer"}},
+            "additionalProperties": False,
+        },
+        {"x": 1},
+        {"x": "s"},
+    ),
+    "maxProperties": ({"type": "object", "maxProperties": 1}, {"a": 1}, {"a": 1, "b": 2}),
+    "minProperties": ({"type": "object", "minProperties": 1}, {"a": 1}, {}),
+}
+
+
+@pytest.mark.parametrize("keyword", ENFORCED)
+def test_accepted_keywords_are_enforced(keyword: str, compiler: ConstraintCompiler) -> None:
+    """A keyword the compiler accepts must be enforced: an upgrade of the library that starts
+    ignoring one fails here (refusing it instead is fine, and the test then says so)."""
+    schema, good, bad = ENFORCED[keyword]
+    compiled = compiler.compile_sync(Constraint.json_schema(schema))
+    compact = {"separators": (",", ":")}
+    assert feed(compiled.matcher(), json.dumps(good, **compact))  # type: ignore[arg-type]
+    assert not feed(compiled.matcher(), json.dumps(bad, **compact))  # type: ignore[arg-type]
+
+
+def test_objects_are_closed(compiler: ConstraintCompiler) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    compiled = compiler.compile_sync(Constraint.json_schema(schema))
+    assert feed(compiled.matcher(), '{"a":1}')
+    assert not feed(compiled.matcher(), '{"a":1,"b":2}')
+    assert not feed(compiled.matcher(), '{"a": 1}')  # compact: no free whitespace
+
+
+def test_close_objects_leaves_all_of_branches_open() -> None:
+    schema = {
+        "allOf": [{"properties": {"a": {}}}, {"properties": {"b": {}}}],
+        "properties": {"c": {"type": "object", "properties": {"d": {}}}},
+        "$defs": {"e": {"properties": {"f": {}}, "additionalProperties": True}},
+    }
+    closed = schemas.close_objects(schema)
+    assert all("additionalProperties" not in branch for branch in closed["allOf"])
+    assert "additionalProperties" not in closed  # has allOf
+    assert closed["properties"]["c"]["additionalProperties"] is False
+    assert closed["$defs"]["e"]["additionalProperties"] is True
+    assert schema["properties"]["c"] == {"type": "object", "properties": {"d": {}}}  # a copy
+
+
+def test_cache_hits_on_second_compile(tokenizer: GrammarTokenizer) -> None:
+    compiler = ConstraintCompiler(tokenizer)
+    schema = {"type": "object", "properties": {"x": {"type": "boolean"}}}
+    first = compiler.compile_sync(Constraint.json_schema(schema))
+    assert compiler.stats().misses == 1 and compiler.stats().hits == 0
+    second = compiler.compile_sync(Constraint.json_schema(json.dumps(schema)))
+    assert second is first
+    assert compiler.stats().misses == 1 and compiler.stats().hits == 1
+    compiler.compile_sync(Constraint.regex("x+"))
+    assert compiler.stats().misses == 2
+
+
+def test_async_compile_dedupes_concurrent_requests(tokenizer: GrammarTokenizer) -> None:
+    compiler = ConstraintCompiler(tokenizer)
+    constraint = Constraint.choice(["alpha", "beta"])
+
+    async def both() -> list[Any]:
+        return list(
+            await asyncio.gather(compiler.compile(constraint), compiler.compile(constraint))
+        )
+
+    first, second = asyncio.run(both())
+    assert first is second
+    assert compiler.stats().misses == 1 and compiler.stats().hits == 1
+
+
+def test_cache_is_lru_bounded(tokenizer: GrammarTokenizer) -> None:
+    compiler = ConstraintCompiler(tokenizer, CompileConfig(cache_entries=2))
+    for pattern in ("a", "b", "c"):
+        compiler.compile_sync(Constraint.regex(pattern))
+    compiler.compile_sync(Constraint.regex("c"))
+    assert compiler.stats().hits == 1
+    compiler.compile_sync(Constraint.regex("a"))  # evicted
+    assert compiler.stats().misses == 4
+
+
+@pytest.fixture
+def slow_build(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Compiles block until the returned event is set (a stand-in for a hostile grammar)."""
+    release = threading.Event()
+    real = compiler_module.build
+
+    def build(*args: Any) -> Any:
+        release.wait(10)
+        return real(*args)
+
+    monkeypatch.setattr(compiler_module, "build", build)
+    return release
+
+
+def test_time_limit_is_resource_exhausted_and_bounds_threads(
+    tokenizer: GrammarTokenizer, slow_build: threading.Event
+) -> None:
+    compiler = ConstraintCompiler(tokenizer, CompileConfig(timeout_s=0.05, max_compile_threads=1))
+    slow = Constraint.json_schema({"type": "object", "properties": {"a": {}}})
+    with pytest.raises(ResourceExhausted, match=r"sampling\.json_schema: compiling .* took over"):
+        compiler.compile_sync(slow)
+    assert compiler.stats() == CompileStats(hits=0, misses=1, timeouts=1, running=1)
+    # The late compile still holds its thread: another is refused, not queued behind it.
+    with pytest.raises(ResourceExhausted, match="retry") as err:
+        compiler.compile_sync(Constraint.regex("x"))
+    assert err.value.retry_after_s == 0.05
+    slow_build.set()
+    deadline = time.monotonic() + 10
+    while compiler.stats().running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    compiler.compile_sync(slow)  # the late result landed in the cache
+    assert compiler.stats() == CompileStats(hits=1, misses=1, timeouts=1, running=0)
+
+
+def test_async_time_limit(tokenizer: GrammarTokenizer, slow_build: threading.Event) -> None:
+    compiler = ConstraintCompiler(tokenizer, CompileConfig(timeout_s=0.05))
+
+    async def compile_and_tick() -> None:
+        ticks = 0
+
+        async def tick() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0.005)
+
+        ticker = asyncio.create_task(tick())
+        try:
+            with pytest.raises(ResourceExhausted, match=r"sampling\.regex"):
+                await compiler.compile(Constraint.regex("[a-z]{2,9}@[a-z]{2,9}"))
+        finally:
+            ticker.cancel()
+        assert ticks >= 3  # the loop ran while the compile was stuck
+
+    asyncio.run(compile_and_tick())
+    slow_build.set()
+
+
+def test_matcher_accept_rollback_and_eos(compiler: ConstraintCompiler) -> None:
+    compiled = compiler.compile_sync(Constraint.regex("ab?"))
+    matcher = compiled.matcher()
+    tok = compiled.tokenizer
+    eos = tok.eos_token_ids[0]
+    assert not matcher.can_finish and not matcher.allowed(eos)
+    assert not matcher.allowed(tok.vocab_rows - 1)  # a padded row
+    assert not matcher.allowed(tok.vocab_rows + 5)
+    (a,) = tok.encode("a")
+    assert matcher.accept(a) and matcher.can_finish and not matcher.is_finished
+    assert matcher.allowed(eos)
+    matcher.rollback(1)
+    assert not matcher.can_finish and matcher.num_accepted == 0
+    assert not matcher.accept(tok.encode("z")[0])  # forbidden: refused, not consumed
+    assert matcher.accept(a) and matcher.accept(eos) and matcher.is_finished
+    with pytest.raises(ValueError, match="roll back 3"):
+        matcher.rollback(3)
+
+
+def test_tokenizer_rows_and_fingerprint(demo_model_dir: Path, tokenizer: GrammarTokenizer) -> None:
+    data = (demo_model_dir / "tokenizer.json").read_bytes()
+    assert tokenizer.num_tokens < tokenizer.vocab_rows
+    other = GrammarTokenizer(data, tokenizer.vocab_rows + 64, tokenizer.eos_token_ids)
+    assert other.fingerprint != tokenizer.fingerprint
+    assert other.file_sha256 == tokenizer.file_sha256
+    with pytest.raises(ValueError, match="vocab_rows"):
+        GrammarTokenizer(data, tokenizer.num_tokens - 1, tokenizer.eos_token_ids)
+    with pytest.raises(ValueError, match="eos_token_ids"):
+        GrammarTokenizer(data, tokenizer.vocab_rows, [tokenizer.vocab_rows - 1])
+
+
+@pytest.mark.parametrize("row_ids", [[0, 1, 2], [1, 3], [2]])
+@pytest.mark.parametrize("vocab", [896, 870, 33])
+def test_apply_token_bitmask_numpy_and_torch_paths_agree(row_ids: list[int], vocab: int) -> None:
+    """The CPU fast path (numpy) and the device path (torch) mask the same entries; unlisted
+    rows untouched, columns past the logits' width ignored."""
+    gen = torch.Generator().manual_seed(vocab + len(row_ids))
+    words = (896 + 31) // 32
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (len(row_ids), words), generator=gen)
+    mask = FilledMask(bitmask.to(torch.int32), row_ids)
+    logits = torch.randn(4, 896, generator=gen)[:, :vocab]  # a view, as the sampler passes
+    by_numpy, by_torch = logits.clone(), logits.clone()
+    matcher_module._apply_numpy(by_numpy, mask)
+    matcher_module._apply_torch(by_torch, mask)
+    assert torch.equal(by_numpy, by_torch)
+    allowed = unpack_bitmask(mask.bitmask, vocab)
+    for i, row in enumerate(row_ids):
+        assert torch.equal(by_numpy[row].isinf(), ~allowed[i])
+    untouched = [r for r in range(4) if r not in row_ids]
+    assert torch.equal(by_numpy[untouched], logits[untouched])
