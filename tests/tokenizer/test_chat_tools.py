@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from mili.errors import InvalidArgument
-from services.tokenizer.chat_template import ChatTemplate, Message
+from services.tokenizer.chat_template import ChatTemplate, Message, render_chatml
 from services.tokenizer.tokenizer import ModelTokenizer
 from services.tokenizer.tools import Tool, ToolCall
 from tests.tokenizer.test_chat_template import _checkpoint_with_template
@@ -243,3 +243,26 @@ def test_template_sees_openai_shaped_dicts() -> None:
         Message("tool", "ok", tool_call_id="c1"),
     ]
     assert template.render(messages, False, None, [Tool("g")]) == "g 7 c1"
+
+
+def test_parsed_output_renders_back_to_the_model_text() -> None:
+    """What the frontend's ToolCallParser makes of Qwen3's output, sent back as the assistant
+    turn (OpenAI clients do), renders as the text the model wrote."""
+    from services.frontend.tool_calls import ToolCallParser
+
+    written = (
+        "Checking both.\n"
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n'
+        "</tool_call>\n"
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "東京", "unit": "c", '
+        '"ratio": 0.5}}\n</tool_call>'
+    )
+    parser = ToolCallParser()
+    first, last = parser.push(written), parser.finish()
+    calls = tuple(
+        ToolCall.parse(c.id, c.name, c.arguments, f"tool_calls[{c.index}]")
+        for c in first.tool_calls + last.tool_calls
+    )
+    turn = Message("assistant", first.content + last.content, tool_calls=calls)
+    prompt = render_chatml([Message("user", "Paris and Tokyo?"), turn], False, None)
+    assert prompt.endswith(f"<|im_start|>assistant\n<think>\n\n</think>\n\n{written}<|im_end|>\n")
