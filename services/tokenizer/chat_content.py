@@ -1,12 +1,14 @@
 """Chat content is text: special-token strings a caller wrote stay characters, never control tokens.
 
 A chat template wraps each message's content in control tokens (`<|im_start|>user\n` ...
-`<|im_end|>`). Tokenizing the rendered prompt as one string, as HF's `apply_chat_template`
-does, also turns a `<|im_end|>` typed inside the content into the real token, so a user turn
-can close itself and open a system turn. Here the template's own special tokens stay special
-and the content's are split into the ids of their characters (HF's `split_special_tokens`, on
-the content only). Only tokens marked special are affected; added tokens that are not (Qwen3's
-`<think>`, `<tool_call>`) are matched in content as HF matches them.
+`<|im_end|>`), and copies tool definitions and calls into it. Tokenizing the rendered prompt as
+one string, as HF's `apply_chat_template` does, also turns a `<|im_end|>` typed inside the
+content into the real token, so a user turn can close itself and open a system turn. Here the
+template's own special tokens stay special and the content's are split into the ids of their
+characters (HF's `split_special_tokens`, on the content only; "content" is every text a caller
+gives: messages' content and reasoning, tool calls' names and arguments, tools' names,
+descriptions and schemas). Only tokens marked special are affected; added tokens that are not
+(Qwen3's `<think>`, `<tool_call>`) are matched in content as HF matches them.
 
 How, in three steps (content without special-token strings takes none of them: the rendered
 prompt is tokenized whole, exactly as HF does):
@@ -26,13 +28,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import replace
 from typing import NamedTuple
 
 from tokenizers import Encoding
 
 from mili.errors import InvalidArgument
 from services.tokenizer.chat_template import Message
+from services.tokenizer.tools import Tool
 
 # Markers are drawn from the supplementary private-use planes, highest first: characters no
 # text or template has a reason to hold; one found in a message is skipped.
@@ -57,42 +59,36 @@ class ContentGuard:
             re.compile("|".join(re.escape(t) for t in self._texts)) if self._texts else None
         )
 
-    def finds_special_text(self, messages: Sequence[Message]) -> bool:
+    def finds_special_text(self, messages: Sequence[Message], tools: Sequence[Tool] = ()) -> bool:
         if self._pattern is None:
             return False
-        return any(self._pattern.search(text) for text in _texts_of(messages))
+        return any(self._pattern.search(text) for text in _texts_of(messages, tools))
 
     def encode(
         self,
         messages: Sequence[Message],
-        render: Callable[[list[Message]], str],
+        tools: Sequence[Tool],
+        render: Callable[[list[Message], list[Tool]], str],
         encode: Callable[[str], Encoding],
         encode_as_text: Callable[[list[str]], list[list[int]]],
     ) -> ChatPrompt:
         """Render and tokenize `messages`, the special-token strings of their content as text.
 
-        render: messages -> prompt (the chat template); encode: text -> Encoding with special
-        tokens matched; encode_as_text: texts -> ids of each with special-token matching off.
+        render: (messages, tools) -> prompt (the chat template); encode: text -> Encoding with
+        special tokens matched; encode_as_text: texts -> ids of each with special-token matching
+        off.
         """
         assert self._pattern is not None  # callers check finds_special_text first
         pattern = self._pattern
-        marker = _free_marker(messages)
+        marker = _free_marker(messages, tools)
         index = {text: j for j, text in enumerate(self._texts)}
 
         def escape(text: str) -> str:
             return pattern.sub(lambda m: f"{marker}{index[m.group()]}{marker}", text)
 
-        escaped = [
-            replace(
-                m,
-                content=escape(m.content),
-                reasoning_content=None
-                if m.reasoning_content is None
-                else escape(m.reasoning_content),
-            )
-            for m in messages
-        ]
-        rendered = render(escaped)
+        rendered = render(
+            [m.map_text(escape) for m in messages], [t.map_text(escape) for t in tools]
+        )
         markers = re.compile(f"{marker}(\\d+){marker}")
 
         def restore(text: str) -> str:
@@ -129,15 +125,15 @@ class ContentGuard:
         return ChatPrompt(restore(rendered), token_ids)
 
 
-def _texts_of(messages: Sequence[Message]) -> Iterable[str]:
+def _texts_of(messages: Sequence[Message], tools: Sequence[Tool]) -> Iterable[str]:
     for m in messages:
-        yield m.content
-        if m.reasoning_content is not None:
-            yield m.reasoning_content
+        yield from m.texts()
+    for t in tools:
+        yield from t.texts()
 
 
-def _free_marker(messages: Sequence[Message]) -> str:
-    texts = list(_texts_of(messages))
+def _free_marker(messages: Sequence[Message], tools: Sequence[Tool]) -> str:
+    texts = list(_texts_of(messages, tools))
     for code_point in _MARKER_CANDIDATES:
         if not any(chr(code_point) in text for text in texts):
             return chr(code_point)

@@ -16,6 +16,7 @@ from mili.rpc.server import RpcServer
 from mili.text.detokenizer import IncrementalDetokenizer
 from services.tokenizer.chat_template import Message
 from services.tokenizer.tokenizer import ModelTokenizer
+from services.tokenizer.tools import Tool, ToolCall
 
 SERVICE_NAME = tokenizer_pb2.DESCRIPTOR.services_by_name["TokenizerService"].full_name
 
@@ -40,9 +41,33 @@ def _messages(protos: list[chat_pb2.ChatMessage]) -> list[Message]:
             role=m.role,
             content=m.content,
             reasoning_content=m.reasoning_content if m.HasField("reasoning_content") else None,
+            tool_calls=tuple(
+                ToolCall.parse(c.id, c.name, c.arguments, f"messages[{i}].tool_calls[{j}]")
+                for j, c in enumerate(m.tool_calls)
+            ),
+            tool_call_id=m.tool_call_id,
         )
-        for m in protos
+        for i, m in enumerate(protos)
     ]
+
+
+def _tools(protos: list[chat_pb2.Tool]) -> list[Tool]:
+    return [
+        Tool.parse(t.name, t.description, t.parameters, f"tools[{i}]") for i, t in enumerate(protos)
+    ]
+
+
+def _message_chars(messages: list[chat_pb2.ChatMessage]) -> int:
+    """Characters of every text the messages carry (tool calls and ids included)."""
+    total = 0
+    for m in messages:
+        total += len(m.content) + len(m.reasoning_content) + len(m.tool_call_id)
+        total += sum(len(c.id) + len(c.name) + len(c.arguments) for c in m.tool_calls)
+    return total
+
+
+def _tool_chars(tools: list[chat_pb2.Tool]) -> int:
+    return sum(len(t.name) + len(t.description) + len(t.parameters) for t in tools)
 
 
 class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
@@ -82,9 +107,15 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
                     f"{len(request.text)} characters",
                     "set either text or messages, not both",
                 )
-            messages = _messages(list(request.messages))
-            self._check_chars(
-                "messages", sum(len(m.content) + len(m.reasoning_content or "") for m in messages)
+            self._check_count("tools", len(request.tools), "tools")
+            # Counted on the wire form, before any JSON is parsed: a huge schema is refused
+            # unread. Messages and tools share the one budget.
+            num_chars = _message_chars(list(request.messages))
+            self._check_chars("messages", num_chars)
+            self._check_chars("tools", num_chars + _tool_chars(list(request.tools)))
+            # Parsing tools' and calls' JSON takes milliseconds for big schemas: off the loop.
+            messages, tools = await asyncio.to_thread(
+                lambda: (_messages(list(request.messages)), _tools(list(request.tools)))
             )
             add_generation_prompt = (
                 request.add_generation_prompt if request.HasField("add_generation_prompt") else True
@@ -98,7 +129,12 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
                 messages,
                 add_generation_prompt,
                 enable_thinking,
+                tools=tools,
                 allow_special_tokens=request.allow_special_tokens,
+            )
+        elif request.tools:
+            raise InvalidArgument(
+                "tools", f"{len(request.tools)} tools", "tools need a chat: set messages"
             )
         elif request.text:
             self._check_chars("text", len(request.text))

@@ -20,6 +20,7 @@ from tokenizers import Encoding, Tokenizer
 from mili.errors import InvalidArgument, StartupError
 from services.tokenizer.chat_content import ChatPrompt, ContentGuard
 from services.tokenizer.chat_template import ChatTemplate, Message
+from services.tokenizer.tools import Tool
 
 
 @dataclass(frozen=True)
@@ -115,9 +116,13 @@ class ModelTokenizer:
         return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
 
     def render_chat(
-        self, messages: list[Message], add_generation_prompt: bool, enable_thinking: bool | None
+        self,
+        messages: list[Message],
+        add_generation_prompt: bool,
+        enable_thinking: bool | None,
+        tools: list[Tool] | None = None,
     ) -> str:
-        return self.chat_template.render(messages, add_generation_prompt, enable_thinking)
+        return self.chat_template.render(messages, add_generation_prompt, enable_thinking, tools)
 
     def tokenize_chat(
         self,
@@ -125,19 +130,22 @@ class ModelTokenizer:
         add_generation_prompt: bool,
         enable_thinking: bool | None,
         *,
+        tools: list[Tool] | None = None,
         allow_special_tokens: bool = False,
     ) -> ChatPrompt:
-        """The rendered conversation and its ids. Special-token strings in the messages are
-        text (services/tokenizer/chat_content.py) unless `allow_special_tokens`; without any,
-        the ids are those of the whole prompt, as HF's apply_chat_template gives them."""
+        """The rendered conversation (with `tools` offered) and its ids. Special-token strings
+        in the messages and tools are text (services/tokenizer/chat_content.py) unless
+        `allow_special_tokens`; without any, the ids are those of the whole prompt, as HF's
+        apply_chat_template(messages, tools=...) gives them."""
+        offered = tools or []
 
-        def render(turns: list[Message]) -> str:
-            return self.render_chat(turns, add_generation_prompt, enable_thinking)
+        def render(turns: list[Message], listed: list[Tool]) -> str:
+            return self.render_chat(turns, add_generation_prompt, enable_thinking, listed)
 
-        if allow_special_tokens or not self._guard.finds_special_text(messages):
-            prompt = render(messages)
+        if allow_special_tokens or not self._guard.finds_special_text(messages, offered):
+            prompt = render(messages, offered)
             return ChatPrompt(prompt, self.encode(prompt))
-        return self._guard.encode(messages, render, self._encode, self._encode_as_text)
+        return self._guard.encode(messages, offered, render, self._encode, self._encode_as_text)
 
     def _encode(self, text: str) -> Encoding:
         return self._tokenizer.encode(text, add_special_tokens=False)

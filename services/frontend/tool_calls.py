@@ -1,0 +1,162 @@
+"""Qwen3's tool calls, parsed out of a stream of generated answer text.
+
+Qwen3 calls a tool by writing a block per call, possibly after some text and possibly several:
+
+    Let me check both.\\n<tool_call>\\n{"name": "get_weather", "arguments": {"city": "Paris"}}\\n
+    </tool_call>\\n<tool_call>\\n{"name": ...}\\n</tool_call>
+
+This parser runs on the *content* side of services/frontend/reasoning.py's ReasoningSplitter
+(thinking is split off first, so a `<tool_call>` the model writes while thinking stays
+reasoning). Text outside blocks is content; a block becomes one structured call. Like the
+splitter, it is the same for any cut of the same text (tests/frontend/test_tool_calls.py tries
+every cut into 2 and 3 pieces), and no tag or block JSON reaches content:
+
+- a possible tag's beginning (`<tool_c`) is held back until the next delta says what it was;
+- a call is emitted whole, once its block closes: index, id, name and the complete arguments in
+  one ToolCallDelta. vLLM streams the name, then argument fragments; emitting whole costs a
+  call's few tokens of latency (a client cannot act on half the arguments anyway) and buys
+  the rule below, since nothing about a block is sent before it is known to be a call;
+- a block whose JSON does not parse as {"name": "...", "arguments": {...}} is returned as
+  content, tags and all, as vLLM does: the text is not lost, and nothing malformed is
+  presented as a call. A block still open when the generation ends (max_tokens, or the model
+  stopped before `</tool_call>`) is a call if its JSON parses, else content;
+- whitespace touching a parsed block is the block's framing (the chat template writes "\\n"
+  between content and each call): dropped, so the content and calls render back to the same
+  prompt. Whitespace elsewhere is kept (held back only until the next non-space text).
+
+Arguments are re-serialized from the parsed JSON (json.dumps, non-ASCII kept, key order kept),
+the same text the chat template renders them as when the conversation comes back. Pure Python,
+no protobuf: the HTTP and gRPC edges map a ParsedDelta to their own messages.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+OPEN = "<tool_call>"
+CLOSE = "</tool_call>"
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallDelta:  # a dataclass, not a NamedTuple: `index` would shadow tuple.index
+    index: int  # 0, 1, ... in the order the model made the calls
+    id: str  # "call_" + 24 hex digits, made once per call
+    name: str
+    arguments: str  # the complete arguments, a JSON object in JSON text
+
+
+class ParsedDelta(NamedTuple):
+    content: str  # answer text to send now; may be ""
+    tool_calls: list[ToolCallDelta]  # calls completed by this delta; usually []
+
+
+def new_call_id() -> str:
+    return "call_" + secrets.token_hex(12)
+
+
+def _partial_tag(text: str, tag: str) -> int:
+    """Length of the longest end of `text` that begins `tag` (and so may become it)."""
+    for n in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def parse_call(body: str) -> tuple[str, str] | None:
+    """(name, arguments JSON) of a block's body, or None if it is not a call."""
+    try:
+        value: Any = json.loads(body)
+    except (json.JSONDecodeError, RecursionError):
+        return None
+    if not isinstance(value, dict):
+        return None
+    name, arguments = value.get("name"), value.get("arguments", {})
+    if not isinstance(name, str) or not name or not isinstance(arguments, dict):
+        return None
+    return name, json.dumps(arguments, ensure_ascii=False)
+
+
+class ToolCallParser:
+    """One generation's content text in, (content, completed tool calls) out, delta by delta.
+
+    Make one per generation, only when the request offers tools; after finish(), `num_calls`
+    > 0 means the generation ended in tool calls (finish reason "tool_calls")."""
+
+    def __init__(self, new_id: Callable[[], str] = new_call_id) -> None:
+        self._new_id = new_id
+        self.num_calls = 0
+        self._pending = ""  # unread text: a possible tag's beginning, outside a block
+        self._space = ""  # trailing whitespace of the content, held until text follows it
+        self._after_call = False  # whitespace here follows a parsed block: dropped
+        self._block: str | None = None  # the open block's body so far; None outside one
+        self._framing = ""  # whitespace before the open block's tag (content if it fails)
+
+    def push(self, text: str) -> ParsedDelta:
+        """The content and calls that `text` completes."""
+        content: list[str] = []
+        calls: list[ToolCallDelta] = []
+        text, self._pending = self._pending + text, ""
+        while text:
+            if self._block is not None:
+                start = max(0, len(self._block) - len(CLOSE) + 1)  # a tag cut by the last delta
+                self._block += text
+                at = self._block.find(CLOSE, start)
+                if at < 0:
+                    break
+                text = self._block[at + len(CLOSE) :]
+                self._close(self._block[:at], content, calls, closed=True)
+                continue
+            at = text.find(OPEN)
+            if at < 0:
+                held = _partial_tag(text, OPEN)
+                self._text(text[: len(text) - held], content)
+                self._pending = text[len(text) - held :]
+                break
+            self._text(text[:at], content)
+            self._block, self._framing, self._space = "", self._space, ""
+            text = text[at + len(OPEN) :]
+        return ParsedDelta("".join(content), calls)
+
+    def finish(self) -> ParsedDelta:
+        """Whatever was held back, at the end of the generation."""
+        content: list[str] = []
+        calls: list[ToolCallDelta] = []
+        if self._block is not None:
+            self._close(self._block, content, calls, closed=False)
+        pending, self._pending = self._pending, ""
+        self._text(pending, content)  # a tag cut short is text
+        content.append(self._space)
+        self._space = ""
+        return ParsedDelta("".join(content), calls)
+
+    def _text(self, text: str, content: list[str]) -> None:
+        """Send content text, holding its trailing whitespace (it may frame a block)."""
+        if self._after_call:
+            text = text.lstrip()
+            if not text:
+                return
+            self._after_call = False
+        body = text.rstrip()
+        if body:
+            content.append(self._space + body)
+            self._space = ""
+        self._space += text[len(body) :]
+
+    def _close(
+        self, body: str, content: list[str], calls: list[ToolCallDelta], *, closed: bool
+    ) -> None:
+        """End the open block: a call if its body parses, else content as written."""
+        self._block = None
+        parsed = parse_call(body)
+        if parsed is None:
+            content.append(self._framing + OPEN + body + (CLOSE if closed else ""))
+            self._after_call = False
+        else:
+            calls.append(ToolCallDelta(self.num_calls, self._new_id(), *parsed))
+            self.num_calls += 1
+            self._after_call = True
+        self._framing = ""
