@@ -333,3 +333,34 @@ def test_sse_framing_byte_for_byte(deployment: Deployment) -> None:
     assert raw == b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks) + (
         b"data: [DONE]\n\n"
     )
+
+
+def _rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_an_oversized_body_is_413_and_leaves_nothing_behind(
+    deployment: Deployment, client: openai.OpenAI, model: str
+) -> None:
+    """The body limit is the gRPC port's (8 MiB): a larger body is refused as it is read, with
+    OpenAI's error, and the frontend neither keeps it nor stops serving."""
+    body = json.dumps({"model": model, "prompt": "x" * (9 << 20)}).encode()
+    pid = deployment.frontend.proc.pid
+    before = _rss_bytes(pid)
+    for _ in range(5):
+        connection = http_connection(deployment)
+        connection.request(
+            "POST", "/v1/completions", body, headers={"Content-Type": "application/json"}
+        )
+        response = connection.getresponse()
+        error = json.loads(response.read())["error"]
+        connection.close()
+        assert response.status == 413
+        assert (error["type"], error["code"]) == ("invalid_request_error", "request_too_large")
+        assert str(8 << 20) in error["message"]
+    assert _rss_bytes(pid) - before < 64 << 20  # five 9 MiB bodies are not all still held
+    reply = client.completions.create(model=model, prompt=PROMPT, max_tokens=2)
+    assert reply.choices[0].finish_reason in ("stop", "length")

@@ -20,7 +20,7 @@ from services.frontend.http_api import seeds
 from services.frontend.http_api.chat import create_chat_completion
 from services.frontend.http_api.completions import create_completion
 from services.frontend.http_api.drain import DRAIN_GATE, DrainGate
-from services.frontend.http_api.errors import openai_errors
+from services.frontend.http_api.errors import MAX_BODY_BYTES, openai_errors
 from services.frontend.http_api.server import HttpConfig
 from services.frontend.http_api.telemetry import add_telemetry
 
@@ -36,6 +36,7 @@ def make_app(generations: Generations, config: HttpConfig) -> web.Application:
     )
     app[GENERATIONS] = generations
     app[DRAIN_GATE] = gate
+    app[MAX_BODY_BYTES] = config.max_body_bytes
     add_telemetry(app, generations.metrics)  # spans, metrics, X-Request-Id: outermost
     app.router.add_get("/v1/models", list_models)
     app.router.add_post("/v1/completions", completions)

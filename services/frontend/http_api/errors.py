@@ -27,6 +27,8 @@ from mili import errors
 
 _LOG = logging.getLogger("mili.frontend")
 ParamOf = Callable[[str], str]
+# The app's body limit (web.Application's client_max_size), for the 413's message.
+MAX_BODY_BYTES = web.AppKey("max_body_bytes", int)
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> str:
@@ -102,10 +104,10 @@ async def openai_errors(
     try:
         response: web.StreamResponse = await handler(request)
         return response
-    except web.HTTPRequestEntityTooLarge as exc:
+    except web.HTTPRequestEntityTooLarge:
         return error_response(
             413,
-            f"the request body is over the limit of {exc.max_size} bytes",  # type: ignore[attr-defined]
+            f"the request body is over this server's limit of {request.app[MAX_BODY_BYTES]} bytes",
             "invalid_request_error",
             code="request_too_large",
         )
