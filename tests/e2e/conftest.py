@@ -207,7 +207,11 @@ def pipeline(demo_model_dir: Path, e2e_tokenizer: ServiceProcess) -> Iterator[De
     the batch a prompt is prefilled in, in the single-process reference as much as in the
     services; float32 keeps greedy comparisons exact."""
     d = deploy(
-        demo_model_dir, e2e_tokenizer, engine_args=("--dtype", "float32"), num_spare_decodes=1
+        demo_model_dir,
+        e2e_tokenizer,
+        engine_args=("--dtype", "float32"),
+        num_spare_decodes=1,
+        frontend_args=("--http-port", "0"),  # the README's HTTP examples run against it
     )
     yield d
     d.stop()
