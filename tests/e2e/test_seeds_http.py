@@ -245,5 +245,8 @@ def test_health_is_503_without_services_and_while_draining(seeds: Deployment) ->
         _, events = read_events(reply)  # the request in flight still ends as it should
         assert events[-1] == "[DONE]"
         conn.close()
+        # Signalled once already: a second SIGTERM during its last clean-up would be the
+        # operator's "hurry" (terminate() sends one while it still runs), so wait instead.
+        assert frontend.proc.wait(timeout=60) == 0, frontend.stderr
     finally:
         assert frontend.terminate() == 0, frontend.stderr
