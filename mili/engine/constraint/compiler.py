@@ -246,13 +246,18 @@ def load_compiler(
 ) -> ConstraintCompiler | None:
     """Prefill's and decode's compiler, built once at start (about a second for a Qwen3-sized
     vocabulary): over the checkpoint's tokenizer.json, the model's `vocab_rows` and EOS ids.
-    None (logged) when the directory has no tokenizer.json or no EOS id: constrained requests
-    are then refused (`compile_for`)."""
+    None (logged) when the directory has no tokenizer.json or no EOS id, or llguidance cannot
+    read the tokenizer: the service still starts, and constrained requests are refused
+    (`compile_for`)."""
     path = model_dir / "tokenizer.json"
     if not path.exists() or not eos_token_ids:
         _LOG.warning("%s: no tokenizer.json or EOS id: constraints are refused", model_dir)
         return None
-    tokenizer = GrammarTokenizer.from_file(path, vocab_rows, sorted(eos_token_ids))
+    try:
+        tokenizer = GrammarTokenizer.from_file(path, vocab_rows, sorted(eos_token_ids))
+    except (ValueError, OSError) as e:  # llguidance's own reading of the file included
+        _LOG.warning("%s: constraints are refused: tokenizer.json: %s", model_dir, e)
+        return None
     return ConstraintCompiler(tokenizer, config)
 
 
