@@ -7,6 +7,10 @@ each block boundary) and all are freed when generation ends, even on error.
 
 No scheduling, no preemption: if the pool runs dry, `BlockPoolExhausted` propagates. Size the
 pool with `blocks_for_requests` (the default) to make that impossible.
+
+Constrained requests (`SamplingParams.constraint`) are compiled by the `compiler` passed in and
+masked at every sample, the first token's included, exactly as prefill and decode mask them
+(here without overlapping the fill with the forward: this is the reference, not the fast path).
 """
 
 from __future__ import annotations
@@ -17,12 +21,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mili.engine.constraint.compiler import ConstraintCompiler
+from mili.engine.constraint.mask import BatchMasker
 from mili.engine.kv.block_pool import BlockPool, blocks_needed
 from mili.engine.kv.kv_layout import DEFAULT_BLOCK_SIZE
 from mili.engine.model.kv_cache import KVCache
 from mili.engine.model.qwen3 import DecodeBatch, PrefillBatch, Qwen3ForCausalLM
 from mili.engine.sampling_params import SamplingParams
-from mili.engine.step.sampler import Sampler
+from mili.engine.step.sampler import Sampler, SamplerOutput
 from mili.engine.step.sequence import Sequence
 
 
@@ -66,6 +72,7 @@ def generate(
     prefill_chunk_size: int | None = None,
     stats: GenerationStats | None = None,
     vocab_size: int | None = None,
+    compiler: ConstraintCompiler | None = None,
 ) -> list[GenerationResult]:
     """Generate for each prompt (token ids) with its SamplingParams; results in prompt order.
 
@@ -75,7 +82,8 @@ def generate(
     prompts into chunks of at most that many tokens, each attending to the cached ones before it.
     `stats`, when given, accumulates timings. `vocab_size`: the tokenizer's number of token ids
     (`loader.tokenizer_vocab_size`), the ids sampled, as the services' runners do (default:
-    every row of the model's embedding table).
+    every row of the model's embedding table). `compiler`: compiles the requests' constraints
+    (required when any has one); a token a constraint refuses raises ConstraintError.
     """
     config = model.config
     vocab_size = config.vocab_size if vocab_size is None else vocab_size
@@ -100,8 +108,21 @@ def generate(
 
     eos = config.eos_token_id
     eos_ids = [eos] if isinstance(eos, int) else (eos or [])
+    masker = None
+    if any(sp.constraint is not None for sp in all_params):
+        if compiler is None:
+            raise ValueError("a request has a constraint: pass a ConstraintCompiler")
+        masker = BatchMasker(compiler.tokenizer, len(prompts))
     seqs = [
-        Sequence.new(prompt, sp, vocab_size=vocab_size, eos_token_ids=eos_ids)
+        Sequence.new(
+            prompt,
+            sp,
+            vocab_size=vocab_size,
+            eos_token_ids=eos_ids,
+            matcher=None
+            if sp.constraint is None or compiler is None
+            else compiler.compile_sync(sp.constraint).matcher(),
+        )
         for prompt, sp in zip(prompts, all_params, strict=True)
     ]
     results = [
@@ -112,7 +133,7 @@ def generate(
         )
         for s, sp in zip(seqs, all_params, strict=True)
     ]
-    sampler = Sampler(vocab_size)
+    sampler = _MaskedSampler(Sampler(vocab_size), masker)
     stats = stats if stats is not None else GenerationStats()
     try:
         start = time.perf_counter()
@@ -134,11 +155,23 @@ def generate(
     return results
 
 
+class _MaskedSampler:
+    """The sampler, with each constrained row's mask filled first."""
+
+    def __init__(self, sampler: Sampler, masker: BatchMasker | None) -> None:
+        self.sampler = sampler
+        self.masker = masker
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        mask = None if self.masker is None else self.masker.fill([s.matcher for s in seqs])
+        return self.sampler(logits, [s.sampling for s in seqs], mask)
+
+
 def _prefill(
     model: Qwen3ForCausalLM,
     kv_cache: KVCache,
     pool: BlockPool,
-    sampler: Sampler,
+    sampler: _MaskedSampler,
     seqs: list[Sequence],
     results: list[GenerationResult],
     chunk_size: int | None,
@@ -179,7 +212,7 @@ def _decode_step(
     model: Qwen3ForCausalLM,
     kv_cache: KVCache,
     pool: BlockPool,
-    sampler: Sampler,
+    sampler: _MaskedSampler,
     seqs: list[Sequence],
     results: list[GenerationResult],
     active: list[int],
@@ -206,14 +239,14 @@ def _grow(pool: BlockPool, s: Sequence, num_tokens: int, block_size: int) -> Non
 
 
 def _sample(
-    sampler: Sampler,
+    sampler: _MaskedSampler,
     logits: torch.Tensor,
     seqs: list[Sequence],
     results: list[GenerationResult],
     rows: list[int],
 ) -> None:
     """Sample one token for each of seqs[rows] (logits row j is seqs[rows[j]])."""
-    out = sampler(logits, [seqs[i].sampling for i in rows])
+    out = sampler.sample(logits, [seqs[i] for i in rows])
     for j, i in enumerate(rows):
         seqs[i].append(out.token_ids[j])  # its output list is results[i].token_ids
         result = results[i]

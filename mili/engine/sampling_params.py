@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from mili.engine.constraint.spec import Constraint
 from mili.errors import InvalidArgument
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit; top-n logprobs cost a [B, n] top-k per step
@@ -70,6 +71,9 @@ class SamplingParams:
     # Stop strings, matched on the detokenized text: only the frontend sees text, so prefill
     # and decode carry none (the frontend never sends them downstream).
     stop: tuple[str, ...] = ()
+    # Structured output (mili/engine/constraint/): what the whole output must match; prefill
+    # and decode mask every token by it, and a finished match ends the generation (stop).
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         for name in ("stop_token_ids", "stop"):  # accept a list, store a hashable tuple
@@ -115,6 +119,8 @@ class SamplingParams:
             for i, text in enumerate(self.stop):
                 if not text:
                     errors.append(InvalidArgument(f"stop[{i}]", text, "must not be empty"))
+        c = self.constraint
+        check(c is None or isinstance(c, Constraint), "constraint", "must be a Constraint")
         if len(errors) == 1:
             raise errors[0]
         if errors:

@@ -1,6 +1,7 @@
 """When a generation ends: the one stop rule every service applies to each new token.
 
-    check_stop(token_id, ...)   -> FinishReason.STOP    the token is a stop id (it is kept)
+    check_stop(token_id, ...)   -> FinishReason.STOP    the token is a stop id (it is kept), or
+                                                        it completed the request's constraint
                                 -> FinishReason.LENGTH  max_tokens reached (the token counts), or
                                                         the context window is full
                                 -> None                 keep going
@@ -19,7 +20,9 @@ from collections.abc import Collection
 class FinishReason(enum.StrEnum):
     """Why a generation ended; the values are OpenTelemetry's gen_ai finish-reason names."""
 
-    STOP = "stop"  # EOS or another stop token id (the token is the last output), or stop string
+    # EOS or another stop token id (the token is the last output), a stop string, or a
+    # constraint (structured output) complete with nothing more allowed
+    STOP = "stop"
     LENGTH = "length"  # max_tokens, or the context window is full
 
 
@@ -31,14 +34,16 @@ def check_stop(
     max_tokens: int,
     num_tokens: int = 0,
     max_context_tokens: int | None = None,
+    is_constraint_finished: bool = False,
 ) -> FinishReason | None:
     """The finish reason `token_id` causes, or None.
 
     `num_output_tokens` counts the generated tokens including this one; `num_tokens` is prompt +
-    output (only compared with `max_context_tokens`, when given). A stop id wins over a length
-    limit reached by the same token.
+    output (only compared with `max_context_tokens`, when given). `is_constraint_finished`: the
+    request's constraint accepted this token and allows nothing after it. A stop id or a
+    finished constraint wins over a length limit reached by the same token.
     """
-    if token_id in stop_token_ids:
+    if token_id in stop_token_ids or is_constraint_finished:
         return FinishReason.STOP
     if num_output_tokens >= max_tokens:
         return FinishReason.LENGTH

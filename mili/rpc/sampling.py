@@ -1,5 +1,5 @@
 """mili.common.v1 sampling messages <-> the engine's domain types, shared by every service's edge:
-SamplingParams, per-token Logprobs and FinishReason.
+SamplingParams (with its constraint), per-token Logprobs and FinishReason.
 
 Stop strings are not sent: prefill and decode work on token ids, and the frontend matches stop
 strings on the detokenized text.
@@ -7,8 +7,9 @@ strings on the detokenized text.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
+from mili.engine.constraint.spec import Constraint, ConstraintKind
 from mili.engine.logprobs import TokenLogprobs
 from mili.engine.sampling_params import OPTIONAL_FIELDS, SamplingParams
 from mili.engine.stop import FinishReason
@@ -28,7 +29,10 @@ def sampling_params(proto: sampling_pb2.SamplingParams) -> SamplingParams:
     kwargs: dict[str, Any] = {f: getattr(proto, f) for f in OPTIONAL_FIELDS if proto.HasField(f)}
     try:
         return SamplingParams(
-            stop_token_ids=tuple(proto.stop_token_ids), ignore_eos=proto.ignore_eos, **kwargs
+            stop_token_ids=tuple(proto.stop_token_ids),
+            ignore_eos=proto.ignore_eos,
+            constraint=constraint_from_proto(proto),
+            **kwargs,
         )
     except InvalidArgument as err:
         raise InvalidArgument.many(
@@ -56,7 +60,32 @@ def sampling_params_to_proto(params: SamplingParams) -> sampling_pb2.SamplingPar
         proto.logprobs = params.logprobs
     if params.prompt_logprobs is not None:
         proto.prompt_logprobs = params.prompt_logprobs
+    if params.constraint is not None:
+        set_constraint(proto, params.constraint)
     return proto
+
+
+def constraint_from_proto(proto: sampling_pb2.SamplingParams) -> Constraint | None:
+    """The `constraint` oneof as a Constraint (json_object false: none). Sizes are checked
+    where it is compiled (mili.engine.constraint.spec.validate)."""
+    kind = proto.WhichOneof("constraint")
+    if kind is None or (kind == "json_object" and not proto.json_object):
+        return None
+    if kind == "json_object":
+        return Constraint.json_object()
+    if kind == "choice":
+        return Constraint.choice(tuple(proto.choice.choices))
+    return Constraint(cast(ConstraintKind, kind), getattr(proto, kind))
+
+
+def set_constraint(proto: sampling_pb2.SamplingParams, constraint: Constraint) -> None:
+    """Set the `constraint` oneof of `proto` to `constraint`."""
+    if constraint.kind == "json_object":
+        proto.json_object = True
+    elif constraint.kind == "choice":
+        proto.choice.choices.extend(constraint.choices)
+    else:
+        setattr(proto, constraint.kind, constraint.text)
 
 
 def logprobs_from_proto(proto: sampling_pb2.Logprobs) -> TokenLogprobs:

@@ -8,6 +8,7 @@ import asyncio
 import time
 from collections.abc import Callable
 
+from mili.engine.constraint.compiler import compile_for
 from mili.errors import DeadlineExceeded, InvalidArgument
 from mili.pb.decode.v1 import decode_pb2
 from mili.pb.kv.v1 import kv_pb2
@@ -32,10 +33,12 @@ class Admission:
         self._layout = layout  # this instance's, as Info reports it
         self._clock = clock
 
-    def admit(self, request: decode_pb2.GenerateRequest) -> tuple[DecodeRequest, Outlet]:
+    async def admit(self, request: decode_pb2.GenerateRequest) -> tuple[DecodeRequest, Outlet]:
         """Reserve the request's blocks and open its outlet (the caller `release`s it when its
-        call ends); raises InvalidArgument, FailedPrecondition (layouts differ) or
-        ResourceExhausted (with RetryInfo) without reserving anything."""
+        call ends); raises InvalidArgument (a constraint that does not compile too),
+        FailedPrecondition (layouts differ) or ResourceExhausted (with RetryInfo) without
+        reserving anything. A constraint is compiled here, off the event loop and the batch
+        thread (a cache hit after the first request with it), before any block is reserved."""
         inst = self._instance
         request_id = request.request_id
         # Counted on the protobuf container (O(1)) before any id becomes a Python int.
@@ -70,6 +73,7 @@ class Admission:
             local_name="this decode instance",
             remote_name="the prefill instance",
         )
+        compiled = await compile_for(inst.constraints, params.constraint)
         # A caller may ask for a shorter lease, never a longer one: the operator's --kv-lease-ms
         # bounds how long a vanished prefill can strand blocks. Admitted reports the one in force.
         lease_ms = min(request.kv_lease_ms or inst.config.kv_lease_ms, inst.config.kv_lease_ms)
@@ -82,6 +86,8 @@ class Admission:
             retry_after_s=inst.config.retry_after_s,
             client_request_id=request.client_request_id,
         )
+        if compiled is not None:
+            req.matcher = compiled.matcher()
         return req, inst.outlets.open(request_id, TokenStream(asyncio.get_running_loop()))
 
     def _check_prompt(self, prompt: list[int]) -> None:

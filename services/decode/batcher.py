@@ -6,9 +6,13 @@ Every iteration of the loop:
        token (prefill's), and add those that did not already stop to the running batch;
     2. drop requests cancelled since the last step (caller gone, deadline) and free their blocks;
     3. one decode step over all running sequences (ModelRunner.decode: static inputs, a CUDA
-       graph or an eager forward, sampling on the device, the ids' copy back queued); while the
-       device computes it, take the requests that joined meanwhile (they run from the next
-       step); then wait for the ids, append them, finish the ones that stop;
+       graph or an eager forward, sampling on the device, the ids' copy back queued); the
+       constrained rows' token masks are filled on the masker's thread meanwhile (started
+       before the forward; none at all when no row is constrained) and applied before
+       sampling; while the device computes, take the requests that joined meanwhile (they run
+       from the next step); then wait for the ids, append them (each constrained row's matcher
+       accepts its token: a finished grammar stops, a refused token fails that request
+       alone), finish the ones that stop;
     4. hand the step's events to the event loop (`deliver_threadsafe`, one wake-up per step).
 
 Blocks are freed (`RequestTable.finish`) before a request's last event is handed over, so a
@@ -20,6 +24,7 @@ Nothing here waits for the event loop and nothing on the event loop waits for th
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -30,11 +35,14 @@ from opentelemetry import trace
 from opentelemetry.trace import Span
 from prometheus_client import CollectorRegistry
 
+from mili.engine.constraint.compiler import ConstraintCompiler
+from mili.engine.constraint.mask import BatchMasker
+from mili.engine.constraint.matcher import ConstraintError
 from mili.engine.logprobs import TokenLogprobs
 from mili.engine.step.pinned import StagingRing, pinned_empty, thread_stream
 from mili.engine.step.runner import ModelRunner, use_device
 from mili.engine.step.sequence import Sequence
-from mili.errors import Unavailable
+from mili.errors import FailedPrecondition, Unavailable
 from mili.kv_handoff import block_rows
 from mili.telemetry.metrics import DecodeMetrics
 from mili.telemetry.tracing import start_batch_span
@@ -87,8 +95,14 @@ class Batcher:
         eos_token_ids: frozenset[int],
         max_context_tokens: int,
         metrics: DecodeMetrics | None = None,
+        constraints: ConstraintCompiler | None = None,
     ) -> None:
         self._runner = runner
+        # Fills constrained rows' token masks (None: no compiler, so no constrained request).
+        self._masker = None
+        if constraints is not None:
+            max_batch = runner.batch_sizes[-1]
+            self._masker = BatchMasker(constraints.tokenizer, max_batch, _mask_threads())
         device = runner.kv_cache.device
         # decode's landing threads stage grpc chunks here on their way to the GPU
         self._staging = StagingRing(_STAGING_BYTES, device) if device.type == "cuda" else None
@@ -213,11 +227,17 @@ class Batcher:
                 # The whole reservation: the runner copies it to the device once, and reads
                 # only the blocks under each step's position.
                 block_table=request.block_table,
+                matcher=request.matcher,
             )
             reason = seq.append(join.first_token_id)
         except ValueError as e:  # validated at the transfer edge; a bug if it happens
             self._table.finish(request)
             out.append((join.outlet.stream, e))
+            return
+        except ConstraintError as e:  # prefill masked it by the same grammar: they disagree
+            self._table.finish(request)
+            why = f"prefill's first token does not fit the constraint here: {e}"
+            out.append((join.outlet.stream, FailedPrecondition(why)))
             return
         if reason or request.is_cancelled:
             self._table.finish(request, seq.written_token_ids())
@@ -245,7 +265,12 @@ class Batcher:
         span = _start_step_span([r.outlet for r in running], self.num_steps)
         started = time.perf_counter()
         try:
-            pending = self._runner.decode(seqs)  # launched; on CUDA the device works on
+            # The masks of the constrained rows, filled on the masker's thread while the
+            # forward runs (None: no constrained row, no thread hop, no mask tensor).
+            masks = None
+            if self._masker is not None:
+                masks = self._masker.start([s.matcher for s in seqs])
+            pending = self._runner.decode(seqs, masks)  # launched; on CUDA the device works on
             self._take_joins(out)  # ...while the host admits the next step's newcomers
             result = pending.result()
             self._metrics.record_step(time.perf_counter() - started, len(seqs))
@@ -261,7 +286,13 @@ class Batcher:
         kept = []
         for i, (request, seq, outlet) in enumerate(running):
             token_id = result.token_ids[i]
-            reason = seq.append(token_id)
+            try:
+                reason = seq.append(token_id)
+            except ConstraintError as e:  # this request alone fails (its grammar's error)
+                _LOG.error("request %s: %s", request.name, e)
+                self._table.finish(request, seq.written_token_ids())
+                out.append((outlet.stream, e))
+                continue
             logprobs = None
             if request.params.logprobs is not None and result.logprobs is not None:
                 top = result.top_logprobs[i] if result.top_logprobs is not None else []
@@ -286,3 +317,8 @@ class Batcher:
             self._table.finish(request)
             out.append((outlet.stream, error))
         deliver_threadsafe(out)
+
+
+def _mask_threads() -> int:
+    """llguidance threads filling a step's masks: half the cores, 1 to 8."""
+    return max(1, min(8, (os.cpu_count() or 2) // 2))

@@ -3,10 +3,8 @@ cache, CUDA graphs), block pool, request table and batch loop, plus what Info re
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from prometheus_client import CollectorRegistry
@@ -14,11 +12,12 @@ from prometheus_client import CollectorRegistry
 from kernels.build import KernelBuildError
 from kernels.choice import select_kernels
 from kernels.self_check import CheckShape
+from mili.engine.constraint.compiler import ConstraintCompiler, load_compiler
 from mili.engine.kv.block_pool import BlockPool
-from mili.engine.model.config import ConfigError, Qwen3Config
+from mili.engine.model.config import ConfigError
 from mili.engine.model.fingerprint import model_fingerprint
 from mili.engine.model.kv_cache import KVCache
-from mili.engine.model.loader import load_config
+from mili.engine.model.loader import eos_token_ids, load_config
 from mili.engine.step.runner import ModelRunner, RunnerInfo, require_device
 from mili.errors import StartupError
 from mili.kv_handoff import kv_transport
@@ -32,32 +31,6 @@ from services.decode.requests import RequestTable
 from services.decode.stream import Outlets
 
 _LOG = logging.getLogger("mili.decode")
-GENERATION_CONFIG = "generation_config.json"
-
-
-def eos_token_ids(model_dir: Path, config: Qwen3Config) -> frozenset[int]:
-    """End-of-sequence ids: generation_config.json's `eos_token_id`, else config.json's.
-
-    Qwen3 chat checkpoints list two there (<|im_end|> and <|endoftext|>) but only one in
-    config.json, so generation_config.json wins when present.
-    """
-    path = model_dir / GENERATION_CONFIG
-    ids: object = config.eos_token_id
-    if path.exists():
-        try:
-            generation = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise StartupError(f"{path} is not valid JSON: {e}") from None
-        if isinstance(generation, dict) and generation.get("eos_token_id") is not None:
-            ids = generation["eos_token_id"]
-    if ids is None:
-        return frozenset()
-    listed = [ids] if isinstance(ids, int) else ids
-    if not isinstance(listed, list) or not all(
-        isinstance(i, int) and 0 <= i < config.vocab_size for i in listed
-    ):
-        raise StartupError(f"{model_dir}: eos_token_id {ids!r} is not a list of ids in the vocab")
-    return frozenset(listed)
 
 
 @dataclass
@@ -74,6 +47,9 @@ class DecodeInstance(RunnerInfo):
     ipc_export: bytes = b""  # cuda_ipc.export_pool of the pool holding the KV cache ("cuda-ipc")
     # Where each admitted request's events go, by request id (the servicers' side of `table`).
     outlets: Outlets = field(default_factory=Outlets)
+    # Compiles requests' constraints (structured output) for this model's tokenizer; None
+    # without a tokenizer.json (constrained requests are then refused).
+    constraints: ConstraintCompiler | None = None
 
     @classmethod
     def load(cls, config: DecodeConfig, metrics: DecodeMetrics | None = None) -> DecodeInstance:
@@ -130,12 +106,14 @@ class DecodeInstance(RunnerInfo):
         )
         PrefixCacheCollector(metrics.registry, "decode", table.prefix_cache_reading)
         eos = eos_token_ids(config.model_dir, runner.model.config)
+        constraints = load_compiler(config.model_dir, runner.model.config.vocab_size, eos)
         batcher = Batcher(
             runner,
             table,
             eos_token_ids=eos,
             max_context_tokens=runner.model.config.max_position_embeddings,
             metrics=metrics,
+            constraints=constraints,
         )
         return cls(
             config,
@@ -148,6 +126,7 @@ class DecodeInstance(RunnerInfo):
             endpoint,
             pool.segment,
             pool.ipc_export,
+            constraints=constraints,
         )
 
     # ---- what Info reports (and RunnerInfo's) -------------------------------------------------

@@ -117,7 +117,7 @@ class Multiplexer:
         try:
             async for message in requests:
                 for start in message.starts:
-                    self._start(start)
+                    await self._start(start)  # waits only for a constraint's first compile
                 for rid in message.cancel_request_ids:
                     if rid in self._open:
                         self._close(rid, Cancelled(f"request {rid} was cancelled by its caller"))
@@ -125,16 +125,15 @@ class Multiplexer:
             self._is_caller_done = True
             self._wake.set()
 
-    def _start(self, start: decode_pb2.StreamedGenerate) -> None:
+    async def _start(self, start: decode_pb2.StreamedGenerate) -> None:
         request = start.request
         rid = request.request_id
         span = self._server_span(start)
         try:
             if self._is_draining():
                 raise Unavailable("decode instance is draining; retry on another instance")
-            req, outlet = self._admission.admit(
-                request
-            )  # refuses an id still active, open here or not
+            # refuses an id still active, open here or not
+            req, outlet = await self._admission.admit(request)
         except Exception as exc:
             self._refuse(rid, exc, span)
             return

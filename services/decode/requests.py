@@ -32,6 +32,7 @@ import secrets
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from mili.engine.kv.block_pool import (
     BlockPool,
@@ -42,6 +43,9 @@ from mili.engine.kv.block_pool import (
 from mili.engine.kv.prefix_cache import PrefixCache, PrefixCacheReading
 from mili.engine.sampling_params import SamplingParams
 from mili.errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
+
+if TYPE_CHECKING:
+    from mili.engine.constraint.matcher import ConstraintMatcher
 
 
 class RequestState(enum.Enum):
@@ -75,6 +79,9 @@ class DecodeRequest:
     is_freed: bool = False
     # block_table[:num_cached_blocks] came from the prefix cache, their KV already in place.
     num_cached_blocks: int = 0
+    # params.constraint's state, in its start state until the batch accepts prefill's first
+    # token; set by admission (compiled off the event loop), None when unconstrained.
+    matcher: ConstraintMatcher | None = None
 
     @property
     def name(self) -> str:

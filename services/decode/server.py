@@ -68,7 +68,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
     ) -> AsyncIterator[decode_pb2.GenerateResponse]:
         inst = self._instance
         request_id = request.request_id
-        req, outlet = self._admission.admit(request)
+        req, outlet = await self._admission.admit(request)
         prompt = req.prompt_token_ids
         span = _TRACER.start_span(
             "decode request",

@@ -14,6 +14,7 @@ from mili.pb.kv.v1 import kv_pb2
 from mili.pb.prefill.v1 import prefill_pb2
 from mili.pb.tokenizer.v1 import tokenizer_pb2
 from mili.rpc.sampling import (
+    constraint_from_proto,
     finish_reason_from_proto,
     finish_reason_to_proto,
     logprobs_from_proto,
@@ -52,6 +53,7 @@ def sampling_input(s: sampling_pb2.SamplingParams) -> SamplingInput:
         ignore_eos=s.ignore_eos,
         logprobs=s.logprobs if s.HasField("logprobs") else None,
         prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
+        constraint=constraint_from_proto(s),
     )
 
 

@@ -68,6 +68,8 @@ class Generations:
         observer = RequestObserver(self.metrics, ids)
         with observer.span(self.backends.model, valid):
             try:
+                if valid.sampling.constraint is not None:  # refused before any KV is reserved
+                    await self.backends.tokenizer.compile_constraint(valid.sampling.constraint)
                 prompt = await tokenize(self._downstream, self.config, valid, deadline)
                 observer.tokenized(len(prompt.token_ids))
                 tracked.max_tokens = prompt.sampling.max_tokens  # fitted to the context

@@ -479,6 +479,8 @@ class Generation:
             logprobs = event.logprobs
             if keep < len(token_ids):
                 token_ids, logprobs = token_ids[:keep], logprobs[:keep]
+            if event.finish_reason is FinishReason.STOP and keep == len(event.token_ids):
+                finish = FinishReason.STOP  # decode's stop (a finished constraint) on our last
             finish = finish or event.finish_reason
             num_generated += len(token_ids)
             self._output_token_ids.extend(token_ids)

@@ -4,7 +4,8 @@ here so that streams detokenize in this process (text.py). The service always ha
 out; its DetokenizeStream stays for other clients.
 
     Info answered   -> a new tokenizer file digest: GetTokenizerFile, parsed off the event
-                       loop -> `detokenizer`; then `facts` (logged when they change)
+                       loop -> `detokenizer` and `constraints` (the constraint compiler over
+                       the same file); then `facts` (logged when they change)
     no answer, or   -> `facts` None (the frontend reports NOT_SERVING), Unavailable to callers
     no usable file
 """
@@ -17,6 +18,9 @@ import logging
 
 import grpc
 
+from mili.engine.constraint.compiler import CompileConfig, ConstraintCompiler
+from mili.engine.constraint.spec import Constraint
+from mili.engine.constraint.vocab import GrammarTokenizer
 from mili.errors import Unavailable
 from mili.pb.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from services.frontend.calls import TokenizerFacts
@@ -37,6 +41,10 @@ class TokenizerBackend:
         self.facts: TokenizerFacts | None = None
         # The tokenizer's file, loaded to detokenize here; None until its first load.
         self.detokenizer: LocalDetokenizer | None = None
+        # Compiles requests' constraints once before admission, so that a bad one is
+        # INVALID_ARGUMENT before any KV block is reserved (prefill and decode compile it again
+        # for their model). None until the file loads, or when it cannot take one.
+        self.constraints: ConstraintCompiler | None = None
         self._file_problem = ""  # why the file last failed to load, logged once per reason
 
     async def current_facts(self) -> TokenizerFacts:
@@ -58,7 +66,7 @@ class TokenizerBackend:
             self.facts = None
             raise error_from(err, self.who) from None
         try:
-            await self._load_file(info.tokenizer_file_sha256)
+            await self._load_file(info.tokenizer_file_sha256, info)
         except Unavailable as err:
             if str(err) != self._file_problem:
                 self._file_problem = str(err)
@@ -93,7 +101,15 @@ class TokenizerBackend:
         with contextlib.suppress(Exception):
             await self.fetch()
 
-    async def _load_file(self, sha256: str) -> None:
+    async def compile_constraint(self, constraint: Constraint) -> None:
+        """Compile `constraint` (off the event loop; cached): InvalidArgument naming its field,
+        or ResourceExhausted, when prefill and decode would refuse it too. A no-op while no
+        compiler is loaded (they still check it)."""
+        await self.current_facts()
+        if self.constraints is not None:
+            await self.constraints.compile(constraint)
+
+    async def _load_file(self, sha256: str, info: tokenizer_pb2.InfoResponse) -> None:
         """Load the tokenizer file Info names (`sha256`) for detokenizing in this process
         (text.py), unless it is loaded already; raises Unavailable when it cannot."""
         if self.detokenizer is not None and self.detokenizer.sha256 == sha256:
@@ -106,8 +122,22 @@ class TokenizerBackend:
                 raise ValueError(f"it sent the file {reply.sha256[:12]}, Info named {sha256[:12]}")
             # Parsing a 150k-token vocabulary takes most of a second: off the event loop.
             loaded = await asyncio.to_thread(LocalDetokenizer, reply.tokenizer_json, reply.sha256)
+            self.constraints = await asyncio.to_thread(_compiler, reply.tokenizer_json, info)
         except (grpc.aio.AioRpcError, ValueError) as err:
             why = f"{err.code().name}: {err.details()}" if isinstance(err, grpc.RpcError) else err
             raise Unavailable(f"{self.who}: no usable tokenizer file ({why})") from None
         self.detokenizer = loaded
         _LOG.info("detokenizing with the tokenizer file of %s (%s)", self.who, sha256[:12])
+
+
+def _compiler(tokenizer_json: bytes, info: tokenizer_pb2.InfoResponse) -> ConstraintCompiler | None:
+    """The frontend's constraint compiler over the tokenizer file (about a second for a
+    Qwen3-sized vocabulary; run off the event loop). Its masks are never used here, only its
+    verdict, which the model's padded rows do not change: the tokenizer's own size stands in
+    for them. None (logged) when the file cannot take one."""
+    try:
+        tokenizer = GrammarTokenizer(tokenizer_json, info.vocab_size, list(info.eos_token_ids))
+    except ValueError as e:
+        _LOG.warning("constraints are checked by prefill and decode only: %s", e)
+        return None
+    return ConstraintCompiler(tokenizer, CompileConfig(field_prefix="sampling"))

@@ -16,12 +16,15 @@ judge every range): prefill and decode never apply a default of their own.
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal, NamedTuple
 
+from mili.engine.constraint.spec import Constraint, ConstraintLimits
+from mili.engine.constraint.spec import validate as validate_constraint
 from mili.engine.sampling_params import OPTIONAL_FIELDS, SamplingParams
 from mili.errors import FieldViolation, InvalidArgument
 
@@ -45,6 +48,7 @@ class Limits:
     max_stop_chars: int = 256  # per stop string
     max_stop_token_ids: int = 64
     max_client_request_id_chars: int = 256  # GenerateRequest.request_id
+    constraint: ConstraintLimits = dataclasses.field(default_factory=ConstraintLimits)
 
     def __post_init__(self) -> None:
         if self.default_max_tokens < 1:
@@ -88,6 +92,9 @@ class SamplingInput:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # of the prompt's tokens: None, 0 or n <= 20 (top-n)
+    # Structured output (sampling.json_schema, .regex, ...): sizes checked by `validate`, then
+    # compiled once before admission (Generations), so a bad one costs no KV block.
+    constraint: Constraint | None = None
 
 
 @dataclass(frozen=True)
@@ -245,6 +252,11 @@ def _resolve_sampling(
     if s.max_tokens is not None and limit is not None and s.max_tokens > limit:
         bad("sampling.max_tokens", s.max_tokens, f"must be <= {limit}, this server's limit")
     _check_stops(s, limits, bad)
+    if s.constraint is not None:
+        try:
+            validate_constraint(s.constraint, limits.constraint, "sampling")
+        except InvalidArgument as err:
+            violations.extend(err.violations)
     given = {f: getattr(s, f) for f in _DEFAULTED_FIELDS if getattr(s, f) is not None}
     try:
         return SamplingParams(
@@ -253,6 +265,7 @@ def _resolve_sampling(
             stop=s.stop,
             stop_token_ids=s.stop_token_ids,
             ignore_eos=s.ignore_eos,
+            constraint=s.constraint,
             **given,
         )
     except InvalidArgument as err:

@@ -22,6 +22,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Span
 
 from mili.discovery import PeerSet, Resolve, resolve_host
+from mili.engine.constraint.compiler import compile_for
 from mili.errors import PermissionDenied, Unavailable
 from mili.kv_handoff.kv_transport import TransportConfig
 from mili.rpc.kv_layout import block_bytes, layout_to_proto
@@ -103,6 +104,11 @@ class KvHandoff:
         span_context = current_span_context()  # None when tracing is off
         if span_context is not None:
             task = dataclasses.replace(task, span_context=span_context)
+        # Compiled off the event loop and the worker thread (a cache hit after the first
+        # request with it), before any queue room or block is held.
+        compiled = await compile_for(self.instance.constraints, task.sampling.constraint)
+        if compiled is not None:
+            task = dataclasses.replace(task, constraint=compiled)
         timeout_s = config.transfer_timeout_s
         if time_remaining_s is not None:  # end the transfer with the caller's deadline
             timeout_s = min(timeout_s, max(time_remaining_s, 0.001))

@@ -16,10 +16,12 @@ from prometheus_client import CollectorRegistry
 from kernels.build import KernelBuildError
 from kernels.choice import select_kernels
 from kernels.self_check import CheckShape
+from mili.engine.constraint.compiler import ConstraintCompiler, load_compiler
+from mili.engine.constraint.mask import BatchMasker
 from mili.engine.kv.block_pool import BlockPool
 from mili.engine.model.config import ConfigError
 from mili.engine.model.fingerprint import model_fingerprint
-from mili.engine.model.loader import load_config
+from mili.engine.model.loader import eos_token_ids, load_config
 from mili.engine.step.runner import ModelRunner, RunnerInfo, require_device
 from mili.errors import StartupError
 from mili.telemetry.metrics import PrefillMetrics, PrefixCacheCollector
@@ -39,6 +41,9 @@ class PrefillInstance(RunnerInfo):
     model_name: str
     fingerprint: str  # mili.engine.fingerprint.model_fingerprint of the checkpoint
     metrics: PrefillMetrics
+    # Compiles requests' constraints for this model's tokenizer (the first token is masked by
+    # them); None without a tokenizer.json (constrained requests are then refused).
+    constraints: ConstraintCompiler | None = None
 
     @classmethod
     def load(
@@ -74,8 +79,15 @@ class PrefillInstance(RunnerInfo):
             default_num_blocks=config.max_queued_blocks,
             max_useful_blocks=config.max_queued_blocks,
         )
+        rows = runner.model.config.vocab_size
+        constraints = load_compiler(model_dir, rows, eos_token_ids(model_dir, runner.model.config))
         return cls.create(
-            runner, config, model_name=model_dir.name, fingerprint=fingerprint, metrics=metrics
+            runner,
+            config,
+            model_name=model_dir.name,
+            fingerprint=fingerprint,
+            metrics=metrics,
+            constraints=constraints,
         )
 
     @classmethod
@@ -87,6 +99,7 @@ class PrefillInstance(RunnerInfo):
         model_name: str,
         fingerprint: str,
         metrics: PrefillMetrics | None = None,
+        constraints: ConstraintCompiler | None = None,
     ) -> PrefillInstance:
         """An instance over a runner already built (tests and benchmarks share one model)."""
         if runner.block_size != config.engine.block_size:
@@ -102,7 +115,8 @@ class PrefillInstance(RunnerInfo):
             prefix_caching=config.prefix_caching,
         )
         metrics = PrefillMetrics(CollectorRegistry()) if metrics is None else metrics
-        worker = PrefillWorker(runner, scheduler, metrics=metrics)
+        masker = None if constraints is None else BatchMasker(constraints.tokenizer, 8)
+        worker = PrefillWorker(runner, scheduler, metrics=metrics, masker=masker)
         metrics.watch(
             num_queued_tokens=lambda: worker.num_queued_tokens,
             num_queued_requests=lambda: worker.num_queued_requests,
@@ -111,7 +125,7 @@ class PrefillInstance(RunnerInfo):
             num_free_blocks=lambda: worker.num_free_blocks,
         )
         PrefixCacheCollector(metrics.registry, "prefill", worker.prefix_cache_reading)
-        return cls(config, runner, scheduler, worker, model_name, fingerprint, metrics)
+        return cls(config, runner, scheduler, worker, model_name, fingerprint, metrics, constraints)
 
     # ---- what Info reports (and RunnerInfo's) -------------------------------------------------
 

@@ -7,13 +7,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 from opentelemetry.trace import SpanContext
 
 from mili.engine.logprobs import TokenLogprobs
 from mili.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from mili.engine.constraint.compiler import CompiledConstraint
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,9 @@ class PrefillTask:
     # The request's span on this instance, when traced: the batched step that computes the
     # prompt links to it (mili.telemetry.tracing). None when tracing is off.
     span_context: SpanContext | None = None
+    # sampling.constraint compiled (by the servicer, off the event loop): the first token is
+    # sampled under its start state's mask. None when unconstrained.
+    constraint: CompiledConstraint | None = None
 
     @property
     def name(self) -> str:

@@ -8,6 +8,8 @@
                         │                         after layer i: gather each chunk's blocks
                         │                         ──▶ sink.send_blocks(i, ...)   (hand-off)
                         │                       sample first tokens of finished prompts
+                        │                       (masked by their constraints, filled on the
+                        │                       masker's thread during the forward)
                         │                       (and prompt logprobs of chunks that ask)
                         └────────────────────── complete(step); sink.finish(first)
 
@@ -31,6 +33,8 @@ from opentelemetry import trace
 from opentelemetry.trace import Span
 from prometheus_client import CollectorRegistry
 
+from mili.engine.constraint.mask import BatchMasker
+from mili.engine.constraint.matcher import ConstraintError, ConstraintMatcher
 from mili.engine.kv.prefix_cache import PrefixCacheReading
 from mili.engine.logprobs import TokenLogprobs
 from mili.engine.model.kv_cache import KVCache
@@ -84,8 +88,10 @@ class PrefillWorker:
         history: int = 1024,
         metrics: PrefillMetrics | None = None,
         staging_bytes: int = _STAGING_BYTES,
+        masker: BatchMasker | None = None,
     ) -> None:
-        """`staging_bytes`: the pinned host memory taken at start for hand-overs (GPU only)."""
+        """`staging_bytes`: the pinned host memory taken at start for hand-overs (GPU only).
+        `masker`: fills constrained first tokens' masks (None: no constrained task comes)."""
         if scheduler.pool.num_ids != runner.kv_cache.num_blocks:
             raise ValueError("scheduler pool and KV cache differ in size")
         self.runner = runner
@@ -93,6 +99,7 @@ class PrefillWorker:
         # pinned host memory for hand-overs to the host (None on the CPU, where none is copied)
         self.staging = StagingRing(staging_bytes, device) if device.type == "cuda" else None
         self._scheduler = scheduler
+        self._masker = masker
         self._metrics = PrefillMetrics(CollectorRegistry()) if metrics is None else metrics
         self._cond = threading.Condition()
         self._jobs: dict[str, _Job] = {}
@@ -279,6 +286,11 @@ class PrefillWorker:
             for c, task in [(step.chunks[i], jobs[i].task)]
             if (n := task.sampling.prompt_logprobs) is not None
         ]
+        # Prompts this step finishes sample their first token: their masks (a fresh matcher
+        # each, in its start state) are filled on the masker's thread during the forward.
+        last_rows = [row for row, i in enumerate(computed) if step.chunks[i].is_last]
+        matchers = [_matcher(jobs[computed[row]].task) for row in last_rows]
+        masks = None if self._masker is None else self._masker.start(matchers)
         output = runner.prefill_step(
             [
                 jobs[i].task.prompt_token_ids[step.chunks[i].start : step.chunks[i].end]
@@ -294,23 +306,33 @@ class PrefillWorker:
             job = jobs[computed[ask.row]]
             if job.prompt_logprobs is not None:  # waits for the device: only asking steps do
                 job.prompt_logprobs.extend(pending.result())
-        rows = [
-            row
-            for row, i in enumerate(computed)
-            if step.chunks[i].is_last and not jobs[i].is_removed
-        ]
-        if not rows:
+        mask = None if masks is None else masks.result()
+        if not last_rows:
             return []
-        finished = [jobs[computed[row]] for row in rows]
+        # Every finishing row is sampled (the mask's rows are these), removed ones dropped after.
+        finished = [jobs[computed[row]] for row in last_rows]
         vocab_size = runner.vocab_size  # the tokenizer's
         seqs = [
             SequenceSampling(j.task.sampling, j.task.prompt_token_ids, vocab_size) for j in finished
         ]
-        out = runner.sample(logits[rows], seqs).result()
+        out = runner.sample(logits[last_rows], seqs, mask).result()
         done_at = time.perf_counter()
         results = []
         for i, job in enumerate(finished):
             assert job.first_forward_at is not None
+            if job.is_removed:
+                continue
+            matcher = matchers[i]
+            if matcher is not None and not matcher.accept(out.token_ids[i]):
+                # the mask allowed it: a grammar engine error; this prompt alone fails
+                why = matcher.error or "not allowed"
+                job.sink.fail(
+                    ConstraintError(
+                        f"first token {out.token_ids[i]} breaks the constraint "
+                        f"{matcher.field_name}: {why}"
+                    )
+                )
+                continue
             first = FirstToken(
                 token_id=out.token_ids[i],
                 logprob=None if out.logprobs is None else out.logprobs[i],
@@ -318,7 +340,7 @@ class PrefillWorker:
                 queue_ms=(job.first_forward_at - job.accepted_at) * 1e3,
                 compute_ms=(done_at - job.first_forward_at) * 1e3,
                 batch_size=len(computed),
-                num_cached_tokens=step.chunks[computed[rows[i]]].num_cached_tokens,
+                num_cached_tokens=step.chunks[computed[last_rows[i]]].num_cached_tokens,
                 prompt_logprobs=job.prompt_logprobs,
             )
             results.append((job, first))
@@ -335,6 +357,11 @@ class PrefillWorker:
             return
         k, v = self.kv_cache.gather_blocks(layer, chunk.block_table[first:last])
         sink.send_blocks(layer, first, *hand_over(k, v, sink.takes_device_tensors, self.staging))
+
+
+def _matcher(task: PrefillTask) -> ConstraintMatcher | None:
+    """A fresh matcher of the task's constraint (its start state), or None."""
+    return None if task.constraint is None else task.constraint.matcher()
 
 
 def hand_over(

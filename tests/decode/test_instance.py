@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from mili.engine.model.loader import eos_token_ids
 from mili.errors import StartupError
-from services.decode.instance import eos_token_ids
 from tests.decode.conftest import TINY
 
 

@@ -11,7 +11,7 @@ import torch
 from tokenizers import Tokenizer
 
 from mili.engine.constraint.compiler import CompiledConstraint
-from mili.engine.constraint.matcher import BatchMasker, apply_token_bitmask, unpack_bitmask
+from mili.engine.constraint.mask import BatchMasker, apply_token_bitmask, unpack_bitmask
 from mili.engine.constraint.vocab import GrammarTokenizer
 
 

@@ -14,10 +14,11 @@ import pytest
 import torch
 
 from mili.engine.constraint import compiler as compiler_module
-from mili.engine.constraint import matcher as matcher_module
+from mili.engine.constraint import mask as matcher_module
 from mili.engine.constraint import schema as schemas
 from mili.engine.constraint.compiler import CompileConfig, CompileStats, ConstraintCompiler
-from mili.engine.constraint.matcher import ConstraintMatcher, FilledMask, unpack_bitmask
+from mili.engine.constraint.mask import FilledMask, unpack_bitmask
+from mili.engine.constraint.matcher import ConstraintMatcher
 from mili.engine.constraint.spec import Constraint, ConstraintLimits, validate
 from mili.engine.constraint.vocab import GrammarTokenizer
 from mili.errors import InvalidArgument, ResourceExhausted

@@ -4,8 +4,9 @@
     vocab.py     GrammarTokenizer: tokenizer.json + the model's rows + EOS ids, fingerprinted
     schema.py    JSON Schema closed (no extra keys) before compiling; refusals worded
     compiler.py  ConstraintCompiler: LRU-cached, off the event loop, time-limited compiles
-    matcher.py   ConstraintMatcher per request; BatchMasker and apply_token_bitmask per step
+    matcher.py   ConstraintMatcher per request (torch-free)
+    mask.py      BatchMasker (filled on a thread while the step runs) and apply_token_bitmask
 
 The grammar engine is llguidance (docs/benchmarks.md, "Structured output (CPU)": why not
-xgrammar). Only compiler.py, matcher.py and vocab.py import it.
+xgrammar). Only compiler.py, matcher.py, mask.py and vocab.py import it; only mask.py imports torch.
 """

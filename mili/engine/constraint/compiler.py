@@ -25,9 +25,12 @@ import asyncio
 import concurrent.futures
 import contextlib
 import json
+import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Collection
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import llguidance
@@ -36,10 +39,12 @@ from mili.engine.constraint import schema as schemas
 from mili.engine.constraint.matcher import ConstraintMatcher
 from mili.engine.constraint.spec import Constraint, ConstraintLimits, parse_schema, validate
 from mili.engine.constraint.vocab import GrammarTokenizer
-from mili.errors import InvalidArgument, ResourceExhausted
+from mili.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions  # a TypedDict of the stub only
+
+_LOG = logging.getLogger("mili.engine")
 
 # Compact JSON: no free whitespace between tokens (a sampler could otherwise emit blanks
 # forever), "," and ":" as separators; unimplemented keywords are errors, not ignored (lenient
@@ -83,8 +88,10 @@ class CompiledConstraint:
     tokenizer: GrammarTokenizer
     template: Any  # llguidance.LLMatcher in its start state; never advanced
 
+    field_name: str = "sampling.constraint"  # the request field, for errors mid-generation
+
     def matcher(self) -> ConstraintMatcher:
-        return ConstraintMatcher(self.template.deep_copy(), self.tokenizer)
+        return ConstraintMatcher(self.template.deep_copy(), self.tokenizer, self.field_name)
 
 
 def grammar_text(constraint: Constraint, limits: ConstraintLimits, prefix: str) -> str:
@@ -219,7 +226,8 @@ class ConstraintCompiler:
             with contextlib.suppress(concurrent.futures.InvalidStateError):
                 future.set_exception(e)
             return
-        compiled = CompiledConstraint(constraint, self.tokenizer, template)
+        field_name = constraint.field_name(self.config.field_prefix)
+        compiled = CompiledConstraint(constraint, self.tokenizer, template, field_name)
         with self._lock:
             self._running.pop(key, None)
             self._num_threads -= 1
@@ -228,3 +236,41 @@ class ConstraintCompiler:
                 self._cache.popitem(last=False)
         with contextlib.suppress(concurrent.futures.InvalidStateError):  # nobody waits now
             future.set_result(compiled)
+
+
+def load_compiler(
+    model_dir: Path,
+    vocab_rows: int,
+    eos_token_ids: Collection[int],
+    config: CompileConfig = CompileConfig(),
+) -> ConstraintCompiler | None:
+    """Prefill's and decode's compiler, built once at start (about a second for a Qwen3-sized
+    vocabulary): over the checkpoint's tokenizer.json, the model's `vocab_rows` and EOS ids.
+    None (logged) when the directory has no tokenizer.json or no EOS id, or llguidance cannot
+    read the tokenizer: the service still starts, and constrained requests are refused
+    (`compile_for`)."""
+    path = model_dir / "tokenizer.json"
+    if not path.exists() or not eos_token_ids:
+        _LOG.warning("%s: no tokenizer.json or EOS id: constraints are refused", model_dir)
+        return None
+    try:
+        tokenizer = GrammarTokenizer.from_file(path, vocab_rows, sorted(eos_token_ids))
+    except (ValueError, OSError) as e:  # llguidance's own reading of the file included
+        _LOG.warning("%s: constraints are refused: tokenizer.json: %s", model_dir, e)
+        return None
+    return ConstraintCompiler(tokenizer, config)
+
+
+async def compile_for(
+    compiler: ConstraintCompiler | None, constraint: Constraint | None
+) -> CompiledConstraint | None:
+    """A request's constraint compiled (None for none) off the event loop: a cache hit after
+    the first request with it. FailedPrecondition when this instance has no compiler."""
+    if constraint is None:
+        return None
+    if compiler is None:
+        field_name = constraint.field_name(CompileConfig().field_prefix)
+        raise FailedPrecondition(
+            f"{field_name}: this instance has no tokenizer.json to compile constraints with"
+        )
+    return await compiler.compile(constraint)

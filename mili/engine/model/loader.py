@@ -30,6 +30,7 @@ from mili.engine.model.fused_ops import FusedOps
 from mili.engine.model.kv_cache import TORCH_DTYPES
 from mili.engine.model.qwen3 import Qwen3ForCausalLM
 from mili.engine.model.weight_map import WeightTarget, weight_map
+from mili.errors import StartupError
 
 log = logging.getLogger(__name__)
 TOKENIZER_FILE = "tokenizer.json"
@@ -174,3 +175,31 @@ def _set_parameter(model: nn.Module, target: WeightTarget, tensor: torch.Tensor)
         )
         setattr(module, attr, param)
     param[target.rows].copy_(tensor)
+
+
+GENERATION_CONFIG = "generation_config.json"
+
+
+def eos_token_ids(model_dir: Path, config: Qwen3Config) -> frozenset[int]:
+    """End-of-sequence ids: generation_config.json's `eos_token_id`, else config.json's.
+
+    Qwen3 chat checkpoints list two there (<|im_end|> and <|endoftext|>) but only one in
+    config.json, so generation_config.json wins when present.
+    """
+    path = model_dir / GENERATION_CONFIG
+    ids: object = config.eos_token_id
+    if path.exists():
+        try:
+            generation = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise StartupError(f"{path} is not valid JSON: {e}") from None
+        if isinstance(generation, dict) and generation.get("eos_token_id") is not None:
+            ids = generation["eos_token_id"]
+    if ids is None:
+        return frozenset()
+    listed = [ids] if isinstance(ids, int) else ids
+    if not isinstance(listed, list) or not all(
+        isinstance(i, int) and 0 <= i < config.vocab_size for i in listed
+    ):
+        raise StartupError(f"{model_dir}: eos_token_id {ids!r} is not a list of ids in the vocab")
+    return frozenset(listed)

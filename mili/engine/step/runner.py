@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
+from mili.engine.constraint.mask import FilledMask
 from mili.engine.engine_config import EngineConfig
 from mili.engine.kv.block_pool import blocks_needed
 from mili.engine.kv.kv_layout import KVLayout
@@ -223,18 +225,33 @@ class ModelRunner:
             )
         return batch
 
-    def sample(self, logits: torch.Tensor, seqs: Sequence[SequenceSampling]) -> PendingSample:
-        """One token per row of `logits` [B, vocab], queued; `.result()` waits for them."""
-        return self.sampler.launch(logits, seqs)
+    def sample(
+        self,
+        logits: torch.Tensor,
+        seqs: Sequence[SequenceSampling],
+        mask: FilledMask | None = None,
+    ) -> PendingSample:
+        """One token per row of `logits` [B, vocab], queued (under the constrained rows'
+        `mask`); `.result()` waits for them."""
+        return self.sampler.launch(logits, seqs, mask)
 
-    def decode(self, seqs: Sequence[EngineSequence]) -> PendingSample:
+    def decode(
+        self,
+        seqs: Sequence[EngineSequence],
+        masks: Future[FilledMask] | FilledMask | None = None,
+    ) -> PendingSample:
         """Launch one decode step of `seqs` and its sampling; nothing here waits for the device.
 
         Sequence i feeds its newest token at position num_tokens - 1 (its block_table covers
         it). The caller appends each sampled token (`result()`) before the next step.
+        `masks`: the constrained rows' token masks, or their fill still running (BatchMasker's
+        `start`): waited for only once the forward is launched (on CUDA) or done (on the CPU,
+        where the fill thread ran beside it), then applied before sampling.
         """
         with torch.inference_mode():
-            return self.sampler.launch(self.decode_logits(seqs), [s.sampling for s in seqs])
+            logits = self.decode_logits(seqs)
+            mask = masks.result() if isinstance(masks, Future) else masks
+            return self.sampler.launch(logits, [s.sampling for s in seqs], mask)
 
     def decode_logits(
         self, seqs: Sequence[EngineSequence], num_rows: int | None = None

@@ -31,6 +31,11 @@ Choices worth knowing:
   how many draws came before, not on the device — so a decode service that resumes a request
   prefill started (passing `output_token_ids`) samples what a colocated run samples, and a
   seeded request samples the same tokens alone or in any batch.
+- A constrained row (structured output) gets its grammar's token mask first: forbidden tokens
+  logits become -inf before penalties, temperature and top-k/p/min-p, so greedy and random
+  rows alike pick an allowed token and the seeded draw is unchanged in kind (the same u, over
+  the masked distribution). The mask is applied in place on the logits handed in (a copy only
+  when some row asks for logprobs, which stay those of the raw distribution).
 - The sampler does not record the tokens it returns: the caller calls `seq.append(token_id)`
   for each row before the next step (penalties and the draw's position depend on it).
 """
@@ -43,6 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mili.engine.constraint.mask import FilledMask, apply_token_bitmask
 from mili.engine.sampling_params import SamplingParams
 from mili.engine.step.pinned import DeviceToHost, to_device
 
@@ -301,15 +307,26 @@ class Sampler:
             raise ValueError(f"vocab_size must be > 0, got {vocab_size}")
         self.vocab_size = vocab_size
 
-    def __call__(self, logits: torch.Tensor, seqs: Sequence[SequenceSampling]) -> SamplerOutput:
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        seqs: Sequence[SequenceSampling],
+        mask: FilledMask | None = None,
+    ) -> SamplerOutput:
         """Sample and wait for the result (tests, prefill's first tokens, generate())."""
-        return self.launch(logits, seqs).result()
+        return self.launch(logits, seqs, mask).result()
 
-    def launch(self, logits: torch.Tensor, seqs: Sequence[SequenceSampling]) -> PendingSample:
+    def launch(
+        self,
+        logits: torch.Tensor,
+        seqs: Sequence[SequenceSampling],
+        mask: FilledMask | None = None,
+    ) -> PendingSample:
         """Queue the sampling of one token per row on the logits' device; no host sync.
 
         logits: [B, V'], row i sampled with seqs[i].params; V' >= the sampler's vocab_size V
-        (the model's rows), and only the first V columns count.
+        (the model's rows), and only the first V columns count. `mask`: the constrained rows'
+        token masks (mili.engine.constraint.mask), applied in place before anything else.
         """
         if logits.dim() != 2 or logits.shape[0] != len(seqs):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(seqs)} sequences")
@@ -326,6 +343,12 @@ class Sampler:
         is_random = not all(p.is_greedy for p in params)
         rows = [i for i, p in enumerate(params) if _has_penalties(p)]
 
+        raw = logits  # what logprobs describe
+        if mask is not None:
+            if any(p.logprobs is not None for p in params):
+                logits = logits.clone()
+            with torch.inference_mode():
+                apply_token_bitmask(logits, mask)
         penalized = logits
         columns: torch.Tensor | None = None  # [8, B, 1], see _PARAMS
         if rows or is_random:
@@ -352,7 +375,7 @@ class Sampler:
             token_ids = torch.where(is_greedy[:, 0], token_ids, sampled)
 
         wanted = [p.logprobs for p in params]
-        return PendingSample(token_ids, _logprobs(logits, token_ids, wanted), wanted)
+        return PendingSample(token_ids, _logprobs(raw, token_ids, wanted), wanted)
 
 
 def _logprobs(

@@ -6,7 +6,9 @@ and decode's batch thread alike).
     └──────────────── num_tokens ─────┘
     num_computed_tokens: positions whose K/V is in the cache; block_table covers them
 
-`append` records a sampled token and applies the one stop rule (mili.engine.stop).
+`append` records a sampled token and applies the one stop rule (mili.engine.stop); a
+constrained request's matcher accepts it first (ConstraintError when it cannot) and a finished
+match stops the generation.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Collection
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
+from mili.engine.constraint.matcher import ConstraintError, ConstraintMatcher
 from mili.engine.sampling_params import SamplingParams
 from mili.engine.step.sampler import SequenceSampling
 from mili.engine.stop import FinishReason, check_stop, stop_token_set
@@ -29,6 +32,8 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     finish_reason: FinishReason | None = None
+    # The request's constraint state (None: unconstrained): masks its tokens, accepts each one.
+    matcher: ConstraintMatcher | None = None
 
     @classmethod
     def new(
@@ -40,6 +45,7 @@ class Sequence:
         eos_token_ids: Collection[int],
         max_context_tokens: int | None = None,
         block_table: list[int] | None = None,
+        matcher: ConstraintMatcher | None = None,
     ) -> Sequence:
         """Raises ValueError for a prompt id outside the vocabulary."""
         prompt = list(prompt_token_ids)
@@ -51,6 +57,7 @@ class Sequence:
             ),
             max_context_tokens=max_context_tokens,
             block_table=[] if block_table is None else block_table,
+            matcher=matcher,
         )
 
     @property
@@ -76,7 +83,17 @@ class Sequence:
 
     def append(self, token_id: int) -> FinishReason | None:
         """Record the next output token; return the finish reason it causes (also kept in
-        `finish_reason`). Raises ValueError for an id outside the vocabulary."""
+        `finish_reason`). Raises ValueError for an id outside the vocabulary, ConstraintError
+        (nothing recorded) for a token the request's constraint does not allow."""
+        is_constraint_finished = False
+        if self.matcher is not None:
+            if not self.matcher.accept(token_id):
+                why = self.matcher.error or "not among the tokens it allows next"
+                raise ConstraintError(
+                    f"token {token_id} at output position {len(self.output_token_ids)} breaks "
+                    f"the constraint {self.matcher.field_name}: {' '.join(why.split())[:300]}"
+                )
+            is_constraint_finished = self.matcher.is_finished
         self.sampling.append(token_id)
         self.finish_reason = check_stop(
             token_id,
@@ -85,5 +102,6 @@ class Sequence:
             max_tokens=self.params.max_tokens,
             num_tokens=self.num_tokens,
             max_context_tokens=self.max_context_tokens,
+            is_constraint_finished=is_constraint_finished,
         )
         return self.finish_reason

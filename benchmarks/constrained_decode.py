@@ -1,0 +1,204 @@
+"""Decode steps with a JSON-schema constraint on every row against unconstrained ones (issue 31's
+<= 1.10x target), on the engine's real step path: ModelRunner.decode with the masks' fill
+started on the masker's thread before the forward (as decode's batcher does), applied before
+sampling, then each row's matcher accepts its token (Sequence.append).
+
+Both arms run the same batch in the same process, alternating step by step, at temperature 1
+(seeded). A row whose grammar finishes starts over with a fresh matcher (its sequence goes on),
+so every step has all rows constrained. Also reported: the parts (one synchronous fill of the
+batch's masks, one apply to the logits, the forward alone) and the compile cache (a second
+compile of the same schema is a hit: compiles counted, not timed in a unit test).
+
+    flock /tmp/mili-bench.lock .venv/bin/python benchmarks/constrained_decode.py \
+        --model demo --model qwen3-0.6b
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.presets import DEFAULT_CACHE, preset_checkpoint
+from kernels.choice import select_kernels
+from kernels.self_check import CheckShape
+from mili.engine.constraint.compiler import ConstraintCompiler
+from mili.engine.constraint.mask import BatchMasker, apply_token_bitmask
+from mili.engine.constraint.spec import Constraint
+from mili.engine.constraint.vocab import GrammarTokenizer
+from mili.engine.kv.block_pool import blocks_needed
+from mili.engine.model.loader import load_config, load_model
+from mili.engine.sampling_params import SamplingParams
+from mili.engine.step.runner import ModelRunner
+from mili.engine.step.sequence import Sequence
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "email": {"type": "string", "maxLength": 24},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 4},
+        "address": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 10}, "zip": {"type": "integer"}},
+            "required": ["city"],
+        },
+        "score": {"type": "number"},
+    },
+    "required": ["name", "age", "tags", "address"],
+}
+PROMPT_TOKENS = 16
+WARMUP = 3  # untimed steps per arm first (page faults, allocator, lazy lexer states)
+
+
+def model_dirs(name: str, cache: Path) -> tuple[Path, Path, int]:
+    """(checkpoint dir, dir with tokenizer.json, the tokenizer's size) for `name`."""
+    if name == "demo":
+        from mili.demo.model import build_demo_model
+
+        path = build_demo_model(Path(tempfile.mkdtemp(prefix="mili-demo-")))
+        return path, path, GrammarTokenizer.from_file(path / "tokenizer.json", 896, [0]).num_tokens
+    from benchmarks.grammar import tokenizer_dir
+
+    directory, _ = tokenizer_dir("qwen3", cache)
+    tokenizer = GrammarTokenizer.from_file(directory / "tokenizer.json", 151_936, [0])
+    return preset_checkpoint(name, cache), directory, tokenizer.num_tokens
+
+
+def run(name: str, batch: int, steps: int, cache: Path) -> dict[str, Any]:
+    model_dir, tok_dir, vocab = model_dirs(name, cache)
+    config = load_config(model_dir)
+    kernels = select_kernels("auto", "cpu", CheckShape.of(config, 16, "float32"))  # as serving
+    model = load_model(
+        model_dir, dtype=torch.float32, attention=kernels.attention, fused_ops=kernels.fused_ops
+    )
+    rows = model.config.vocab_size
+    eos = [vocab - 1]
+    tokenizer = GrammarTokenizer.from_file(tok_dir / "tokenizer.json", rows, eos)
+    compiler = ConstraintCompiler(tokenizer)
+    constraint = Constraint.json_schema(SCHEMA)
+    t0 = time.perf_counter()
+    compiled = compiler.compile_sync(constraint)
+    first_ms = (time.perf_counter() - t0) * 1e3
+    t0 = time.perf_counter()
+    compiler.compile_sync(Constraint.json_schema(json.loads(json.dumps(SCHEMA))))
+    second_ms = (time.perf_counter() - t0) * 1e3
+    stats = compiler.stats()
+
+    block_size = 16
+    positions = PROMPT_TOKENS + WARMUP + steps + 2
+    per_seq = blocks_needed(positions, block_size)
+    runner = ModelRunner.create(
+        model, batch * per_seq, block_size, max_decode_batch=batch, vocab_size=vocab
+    )
+    masker = BatchMasker(tokenizer, batch, num_threads=1)
+    gen = torch.Generator().manual_seed(0)
+    arms: dict[str, list[Sequence]] = {}
+    for arm in ("free", "json"):
+        seqs = []
+        for i in range(batch):
+            params = SamplingParams(temperature=1.0, seed=i, max_tokens=10**6, ignore_eos=True)
+            table = list(range(i * per_seq, (i + 1) * per_seq))
+            prompt = torch.randint(0, vocab, (PROMPT_TOKENS,), generator=gen).tolist()
+            seq = Sequence.new(
+                prompt, params, vocab_size=vocab, eos_token_ids=eos, block_table=table
+            )
+            seq.num_computed_tokens = PROMPT_TOKENS
+            if arm == "json":
+                seq.matcher = compiled.matcher()
+            seqs.append(seq)
+        first = masker.fill([s.matcher for s in seqs])
+        out = runner.sampler(torch.randn(batch, rows), [s.sampling for s in seqs], first)
+        for seq, token in zip(seqs, out.token_ids, strict=True):
+            seq.append(token)
+        arms[arm] = seqs
+
+    times: dict[str, list[float]] = {"free": [], "json": []}
+    restarts = 0
+    for r in range(WARMUP + steps):  # the arms alternate step by step (the order flipped)
+        for arm in ("free", "json") if r % 2 == 0 else ("json", "free"):
+            seqs = arms[arm]
+            start = time.perf_counter()
+            masks = masker.start([s.matcher for s in seqs])
+            result = runner.decode(seqs, masks).result()
+            for seq, token in zip(seqs, result.token_ids, strict=True):
+                seq.append(token)
+                seq.num_computed_tokens = seq.num_tokens - 1
+            if r >= WARMUP:
+                times[arm].append(time.perf_counter() - start)
+            for seq in seqs:
+                if seq.matcher is not None and seq.matcher.is_finished:
+                    seq.matcher = compiled.matcher()  # all rows constrained every step
+                    restarts += 1
+
+    # The parts, once more each on the json arm's state (synchronous, not overlapped).
+    seqs = arms["json"]
+    fill_s, apply_s, forward_s = [], [], []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        mask = masker.fill([s.matcher for s in seqs])
+        fill_s.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        logits = runner.decode_logits(seqs)
+        forward_s.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        apply_token_bitmask(logits[:, :vocab], mask)
+        apply_s.append(time.perf_counter() - t0)
+    masker.close()
+    med = {arm: statistics.median(t) * 1e3 for arm, t in times.items()}
+    return {
+        "model": name,
+        "batch": batch,
+        "steps": len(times["json"]),
+        "free_ms": med["free"],
+        "json_ms": med["json"],
+        "ratio": med["json"] / med["free"],
+        "fill_ms": statistics.median(fill_s) * 1e3,
+        "apply_ms": statistics.median(apply_s) * 1e3,
+        "forward_ms": statistics.median(forward_s) * 1e3,
+        "grammars_finished": restarts,
+        "compile_first_ms": first_ms,
+        "compile_second_ms": second_ms,
+        "compiles": stats.misses,
+        "cache_hits": stats.hits,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", action="append", help="demo or a preset (repeatable)")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=40, help="timed steps per arm")
+    parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(
+        "| model | batch | steps/arm | unconstrained ms | JSON schema ms | ratio | fill ms "
+        "| apply ms | forward ms | grammars finished | compile 1st ms | 2nd ms | compiles "
+        "| hits |"
+    )
+    print("| --- " * 14 + "|")
+    with torch.inference_mode():
+        for name in args.model or ["demo"]:
+            r = run(name, args.batch, args.steps, args.cache_dir)
+            print(
+                f"| {r['model']} | {r['batch']} | {r['steps']} | {r['free_ms']:.2f} "
+                f"| {r['json_ms']:.2f} | {r['ratio']:.2f}x | {r['fill_ms']:.2f} "
+                f"| {r['apply_ms']:.2f} | {r['forward_ms']:.2f} | {r['grammars_finished']} "
+                f"| {r['compile_first_ms']:.2f} | {r['compile_second_ms']:.3f} "
+                f"| {r['compiles']} | {r['cache_hits']} |",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
