@@ -2,13 +2,20 @@
 
     POST /v1/completions        prompt: a string, an array of strings, an array of token ids,
                                 or an array of arrays of ids (a batch: one RequestInput each)
-    POST /v1/chat/completions   messages: role + content (a string or text parts)
+    POST /v1/chat/completions   messages: role + content (a string or text parts), assistant
+                                tool calls and tool results; tools, tool_choice
+                                (openai_tools.py)
+    both                        response_format, guided_* / structured_outputs: one
+                                Constraint (openai_constraint.py)
 
 Types are checked here (body.py); ranges and limits by the same validation the gRPC API runs
 (validation.py), whose field names (`sampling.top_p`, `token_ids[3]`) `param_of` maps back to
 the names the caller wrote. Unknown fields are ignored, as OpenAI's API does; fields we know
 and do not do (`suffix`, a `logit_bias`, `tools`, ...) are refused naming them, rather than
 silently answered as if done.
+
+The constraint is read, checked and carried in `OpenAIRequest.constraint`; it reaches
+sampling once constrained decoding is wired in (wt-constrain): until then it is not enforced.
 """
 
 from __future__ import annotations
@@ -17,8 +24,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from mili.engine.constraint.spec import KINDS, Constraint
 from mili.errors import FieldViolation, InvalidArgument
+from services.frontend.http_api import openai_tools
 from services.frontend.http_api.body import Body, is_int
+from services.frontend.http_api.openai_constraint import Requested, constraint_of
 from services.frontend.validation import (
     ChatTurn,
     Counts,
@@ -47,6 +57,10 @@ class OpenAIRequest:
     is_chat_logprobs: bool = False  # chat: logprobs=true (top_logprobs in sampling.logprobs)
     user: str | None = None
     param_of: ParamOf = lambda field: field  # a validation field -> this request's parameter
+    # response_format / guided_* / structured_outputs. Wired after wt-constrain merges: the
+    # request builders put it into SamplingInput(constraint=...) (`_sampling`); unused until
+    # then.
+    constraint: Constraint | None = None
 
 
 # A known field we do not do -> whether its value is one we can honour anyway (the default).
@@ -58,14 +72,7 @@ _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "include_stop_str_in_output": lambda v: v is False,
     "prompt_logprobs": lambda v: False,
     "use_beam_search": lambda v: v is False,
-    "tools": lambda v: v == [],
-    "functions": lambda v: v == [],
-    "response_format": lambda v: isinstance(v, dict) and v.get("type") == "text",
-    "guided_json": lambda v: False,
-    "guided_regex": lambda v: False,
-    "guided_choice": lambda v: False,
-    "guided_grammar": lambda v: False,
-    "structured_outputs": lambda v: False,
+    "functions": lambda v: v == [],  # the deprecated spelling of tools
 }
 
 
@@ -81,6 +88,9 @@ def completion_request(
 ) -> OpenAIRequest:
     """POST /v1/completions' body; InvalidArgument naming the first bad parameter."""
     _check_unsupported(body)
+    if body.array("tools"):
+        raise InvalidArgument("tools", body.raw("tools"), "tools need a chat: /v1/chat/completions")
+    requested = constraint_of(body)
     n = _n(body)
     best_of = body.integer("best_of")
     if best_of is not None and best_of != n:
@@ -112,7 +122,8 @@ def completion_request(
         include_usage=_include_usage(body),
         echo=echo,
         user=body.text("user"),
-        param_of=_completion_param,
+        param_of=_with_constraint(_completion_param, requested),
+        constraint=None if requested is None else requested.constraint,
     )
 
 
@@ -131,19 +142,24 @@ def chat_request(body: Body, limits: Limits, window: int | None, client_id: str)
     _check_counts(counts, limits, window, _common_param)
     kwargs = body.object("chat_template_kwargs")
     enable_thinking = None if kwargs is None else kwargs.flag("enable_thinking")
+    tool_choice = openai_tools.tool_choice_of(body)
+    requested = constraint_of(body, tool_choice)
 
     def param_of(field: str) -> str:
         if field == "sampling.logprobs":
             return "top_logprobs"
         if field == "sampling.max_tokens":
             return max_key
-        return _common_param(field)
+        return openai_tools.param(field) or _common_param(field)
 
     chat = RequestInput(
         client_request_id=client_id,
         messages=messages,
         sampling=sampling,
         enable_thinking=enable_thinking,
+        tools=openai_tools.tools_of(body),
+        tool_choice=tool_choice,
+        parallel_tool_calls=openai_tools.parallel_of(body),
     )
     return OpenAIRequest(
         model=body.text("model"),
@@ -153,7 +169,8 @@ def chat_request(body: Body, limits: Limits, window: int | None, client_id: str)
         include_usage=_include_usage(body),
         is_chat_logprobs=is_logprobs,
         user=body.text("user"),
-        param_of=param_of,
+        param_of=_with_constraint(param_of, requested),
+        constraint=None if requested is None else requested.constraint,
     )
 
 
@@ -271,6 +288,7 @@ def _messages(body: Body) -> tuple[ChatTurn, ...]:
                 role=_ROLES.get(role, role),
                 content=_content(m),
                 reasoning_content=m.text("reasoning_content"),
+                **openai_tools.message_fields(m),
             )
         )
     return tuple(turns)
@@ -301,6 +319,18 @@ def _common_param(field: str) -> str:
     if field == "request_id":
         return "X-Request-Id"  # the header the id came from
     return field.removeprefix("sampling.")
+
+
+def _with_constraint(param_of: ParamOf, requested: Requested | None) -> ParamOf:
+    """`param_of`, naming a constraint's errors (`sampling.json_schema` once compiled) after
+    the parameter it came from, or `tools` (tool_choice's own constraint)."""
+    fields = {f"sampling.{kind}" for kind in KINDS}
+    where = requested.param if requested is not None else "tools"
+
+    def named(field: str) -> str:
+        return where if field in fields else param_of(field)
+
+    return named
 
 
 def _completion_param(field: str) -> str:
