@@ -22,8 +22,10 @@ from mili.rpc.sampling import (
     sampling_params_to_proto,
 )
 from services.frontend.calls import Admitted, PrefillStats, Prompt, RequestIds, Tokens
+from services.frontend.chat_output import ChatOutput, OutputPiece
 from services.frontend.pipeline import Delta
 from services.frontend.router import Member, State
+from services.frontend.tools import FunctionTool, ToolCallInput, ToolChoice, ToolChoiceMode
 from services.frontend.validation import (
     ChatTurn,
     Counts,
@@ -75,18 +77,37 @@ def request_input(
     return RequestInput(
         client_request_id=request.request_id,
         prompt=request.prompt,
-        messages=tuple(
-            ChatTurn(
-                role=m.role,
-                content=m.content,
-                reasoning_content=m.reasoning_content if m.HasField("reasoning_content") else None,
-            )
-            for m in request.messages
-        ),
+        messages=tuple(_chat_turn(m) for m in request.messages),
         token_ids=tuple(request.token_ids),
         sampling=sampling_input(request.sampling),
         enable_thinking=request.enable_thinking if request.HasField("enable_thinking") else None,
         allow_special_tokens=request.allow_special_tokens,
+        tools=tuple(FunctionTool(t.name, t.description, t.parameters) for t in request.tools),
+        tool_choice=ToolChoice(
+            _TOOL_CHOICE_MODES[request.tool_choice.mode], request.tool_choice.function_name
+        ),
+        parallel_tool_calls=(
+            request.parallel_tool_calls if request.HasField("parallel_tool_calls") else True
+        ),
+    )
+
+
+_TOOL_CHOICE_MODES: dict[int, ToolChoiceMode] = {
+    generation_pb2.TOOL_CHOICE_MODE_UNSPECIFIED: "auto",
+    generation_pb2.TOOL_CHOICE_MODE_AUTO: "auto",
+    generation_pb2.TOOL_CHOICE_MODE_NONE: "none",
+    generation_pb2.TOOL_CHOICE_MODE_REQUIRED: "required",
+    generation_pb2.TOOL_CHOICE_MODE_FUNCTION: "function",
+}
+
+
+def _chat_turn(m: chat_pb2.ChatMessage) -> ChatTurn:
+    return ChatTurn(
+        role=m.role,
+        content=m.content,
+        reasoning_content=m.reasoning_content if m.HasField("reasoning_content") else None,
+        tool_calls=tuple(ToolCallInput(c.id, c.name, c.arguments) for c in m.tool_calls),
+        tool_call_id=m.tool_call_id,
     )
 
 
@@ -109,11 +130,25 @@ def _prompt_logprobs(delta: Delta) -> list[sampling_pb2.Logprobs]:
     ]
 
 
-def generate_response(client_request_id: str, delta: Delta) -> generation_pb2.GenerateResponse:
+def generate_response(
+    client_request_id: str, delta: Delta, output: ChatOutput | None = None
+) -> generation_pb2.GenerateResponse:
+    """One message of the stream; a chat request's `output` splits its text (chat_output.py)."""
     # Once per message sent: only the fields that are set (the rest default to empty).
-    response = generation_pb2.GenerateResponse(
-        request_id=client_request_id, token_ids=delta.token_ids, text=delta.text
-    )
+    if output is None:
+        response = generation_pb2.GenerateResponse(
+            request_id=client_request_id, token_ids=delta.token_ids, text=delta.text
+        )
+    else:
+        piece = output.push(delta.text, is_last=delta.finish_reason is not None)
+        response = generation_pb2.GenerateResponse(
+            request_id=client_request_id,
+            token_ids=delta.token_ids,
+            text=piece.content,
+            reasoning_text=piece.reasoning,
+        )
+        if piece.tool_calls:
+            response.tool_calls.extend(_tool_calls(piece))
     if delta.logprobs:
         response.logprobs.extend(_logprobs(delta))
     if delta.prompt_logprobs is not None:
@@ -126,9 +161,10 @@ def generate_response(client_request_id: str, delta: Delta) -> generation_pb2.Ge
 
 
 def complete_response(
-    client_request_id: str, deltas: Sequence[Delta]
+    client_request_id: str, deltas: Sequence[Delta], output: ChatOutput | None = None
 ) -> generation_pb2.CompleteResponse:
-    """The deltas of one generation (the last one finished it) in one reply."""
+    """The deltas of one generation (the last one finished it) in one reply; a chat request's
+    `output` splits its text into answer, reasoning and tool calls."""
     reply = generation_pb2.CompleteResponse(request_id=client_request_id)
     for delta in deltas:
         reply.token_ids.extend(delta.token_ids)
@@ -138,8 +174,19 @@ def complete_response(
             reply.finish_reason = finish_reason_to_proto(delta.finish_reason)
             reply.usage.prompt_tokens = delta.num_prompt_tokens
             reply.usage.completion_tokens = delta.num_completion_tokens
-    reply.text = "".join(d.text for d in deltas)
+    text = "".join(d.text for d in deltas)
+    if output is None:
+        reply.text = text
+        return reply
+    piece = output.push(text, is_last=True)
+    reply.text, reply.reasoning_text = piece.content, piece.reasoning
+    reply.tool_calls.extend(_tool_calls(piece))
     return reply
+
+
+def _tool_calls(piece: OutputPiece) -> list[chat_pb2.ToolCall]:
+    calls = piece.tool_calls
+    return [chat_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in calls]
 
 
 # ---- downstream -------------------------------------------------------------------------------
@@ -153,6 +200,10 @@ def tokenize_request(request: ValidRequest) -> tokenizer_pb2.TokenizeRequest:
         messages=chat_messages(request.messages),
         add_generation_prompt=True,
         allow_special_tokens=request.allow_special_tokens,
+        tools=[
+            chat_pb2.Tool(name=t.name, description=t.description, parameters=t.parameters)
+            for t in request.tools
+        ],
     )
     if request.enable_thinking is not None:
         proto.enable_thinking = request.enable_thinking
@@ -162,7 +213,14 @@ def tokenize_request(request: ValidRequest) -> tokenizer_pb2.TokenizeRequest:
 def chat_messages(turns: tuple[ChatTurn, ...]) -> list[chat_pb2.ChatMessage]:
     messages = []
     for t in turns:
-        message = chat_pb2.ChatMessage(role=t.role, content=t.content)
+        message = chat_pb2.ChatMessage(
+            role=t.role,
+            content=t.content,
+            tool_calls=[
+                chat_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in t.tool_calls
+            ],
+            tool_call_id=t.tool_call_id,
+        )
         if t.reasoning_content is not None:
             message.reasoning_content = t.reasoning_content
         messages.append(message)

@@ -43,6 +43,15 @@ class ReasoningSplitter:
 
     def push(self, text: str) -> tuple[str, str]:
         """The (reasoning, content) that `text` completes; either may be ""."""
+        if not self._held and not self._after_tag and "<" not in text:
+            # Fast path (most deltas): no tag can start here, nothing is pending. The general
+            # path below gives the same: content as is, or reasoning with its trailing
+            # newlines held back.
+            if not self.is_reasoning:
+                return "", text
+            kept = text.rstrip("\n")
+            self._held = text[len(kept) :]
+            return kept, ""
         text = self._held + text
         self._held = ""
         reasoning: list[str] = []

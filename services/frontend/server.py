@@ -3,6 +3,8 @@
 Generate: validate -> Generations.run (tokenize, route, hand off, stream; generations.py) ->
 GenerateResponse, several deltas in one when the client lags (coalescer.py).
 Complete: the same deltas gathered into one CompleteResponse. Info: model, limits, instances.
+A chat request's text is split into reasoning, answer and tool calls (chat_output.py, the same
+code the HTTP API runs).
 Exceptions become statuses in the server interceptor (mili.rpc): INVALID_ARGUMENT with the
 bad fields, RESOURCE_EXHAUSTED with RetryInfo, UNAVAILABLE naming the service that is down.
 """
@@ -19,9 +21,11 @@ from mili.rpc.policy import Policy
 from mili.rpc.server import RpcServer
 from services.frontend import convert
 from services.frontend.calls import Deadline
+from services.frontend.chat_output import ChatOutput
 from services.frontend.coalescer import coalesced
 from services.frontend.generations import Generations
 from services.frontend.pipeline import Delta
+from services.frontend.validation import ValidRequest
 
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
 
@@ -36,7 +40,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     async def Generate(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncGenerator[generation_pb2.GenerateResponse, None]:
-        client_request_id, deltas = self._generate(request, context)
+        valid, deltas = self._generate(request, context)
+        client_request_id, output = valid.client_request_id, _chat_output(valid)
         # A client that reads slower than tokens come gets everything pending in one message.
         merged = coalesced(
             deltas,
@@ -48,7 +53,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         generated_tokens = self._metrics.generated_tokens
         async with aclosing(merged):
             async for delta in merged:
-                yield convert.generate_response(client_request_id, delta)
+                yield convert.generate_response(client_request_id, delta, output)
                 # Resumed once grpc took the message: counted once per message sent.
                 if delta.token_ids:
                     generated_tokens.inc(len(delta.token_ids))
@@ -56,10 +61,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     async def Complete(
         self, request: generation_pb2.CompleteRequest, context: grpc.aio.ServicerContext
     ) -> generation_pb2.CompleteResponse:
-        client_request_id, deltas = self._generate(request, context)
+        valid, deltas = self._generate(request, context)
         async with aclosing(deltas):
             response = convert.complete_response(
-                client_request_id, [delta async for delta in deltas]
+                valid.client_request_id, [delta async for delta in deltas], _chat_output(valid)
             )
         self._metrics.generated_tokens.inc(len(response.token_ids))
         return response
@@ -91,12 +96,19 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self,
         request: generation_pb2.GenerateRequest | generation_pb2.CompleteRequest,
         context: grpc.aio.ServicerContext,
-    ) -> tuple[str, AsyncGenerator[Delta, None]]:
+    ) -> tuple[ValidRequest, AsyncGenerator[Delta, None]]:
         """Validate now (so the caller's request id is known), generate lazily."""
         limits, window = self._config.limits, self._backends.router.max_context_tokens
         valid = self._generations.validate(convert.request_input(request, limits, window))
         deadline = Deadline(context.time_remaining())
-        return valid.client_request_id, self._generations.run(valid, deadline)
+        return valid, self._generations.run(valid, deadline)
+
+
+def _chat_output(valid: ValidRequest) -> ChatOutput | None:
+    """A chat request's output splitter; None for prompt and token_ids requests (not split)."""
+    if valid.prompt_field != "messages":
+        return None
+    return ChatOutput(valid.is_parsing_tools)
 
 
 def add_to_server(server: RpcServer, servicer: GenerationServicer) -> None:

@@ -97,6 +97,15 @@ class ToolCallParser:
 
     def push(self, text: str) -> ParsedDelta:
         """The content and calls that `text` completes."""
+        if self._block is None and not self._pending and not self._after_call and "<" not in text:
+            # Fast path (most deltas): outside a block, no tag can start here. As _text: the
+            # trailing whitespace is held (it may frame a block).
+            body = text.rstrip()
+            if not body:
+                self._space += text
+                return ParsedDelta("", [])
+            said, self._space = self._space + body, text[len(body) :]
+            return ParsedDelta(said, [])
         content: list[str] = []
         calls: list[ToolCallDelta] = []
         text, self._pending = self._pending + text, ""

@@ -27,6 +27,9 @@ from mili.engine.constraint.spec import Constraint, ConstraintLimits
 from mili.engine.constraint.spec import validate as validate_constraint
 from mili.engine.sampling_params import OPTIONAL_FIELDS, SamplingParams
 from mili.errors import FieldViolation, InvalidArgument
+from services.frontend import tools as tool_checks
+from services.frontend.tool_grammar import tool_call_constraint
+from services.frontend.tools import AUTO, FunctionTool, ToolCallInput, ToolChoice
 
 ROLES = ("system", "user", "assistant", "tool")
 _MAX_VIOLATIONS = 16  # a caller fixes a few at a time; the status trailer stays small
@@ -72,6 +75,8 @@ class ChatTurn:
     role: str
     content: str
     reasoning_content: str | None = None
+    tool_calls: tuple[ToolCallInput, ...] = ()  # assistant turns: the calls it made
+    tool_call_id: str = ""  # tool turns: the call whose result this is
 
 
 @dataclass(frozen=True)
@@ -108,6 +113,9 @@ class RequestInput:
     sampling: SamplingInput = SamplingInput()
     enable_thinking: bool | None = None
     allow_special_tokens: bool = False  # chat: special-token strings in content stay special
+    tools: tuple[FunctionTool, ...] = ()  # chat: functions the model may call
+    tool_choice: ToolChoice = AUTO
+    parallel_tool_calls: bool = True  # several calls in one answer
 
 
 class Counts(NamedTuple):
@@ -162,6 +170,14 @@ class ValidRequest:
     is_default_max_tokens: bool = False
     # Chat: tokenize special-token strings in the messages as special tokens (default: text).
     allow_special_tokens: bool = False
+    tools: tuple[FunctionTool, ...] = ()
+    tool_choice: ToolChoice = AUTO
+    parallel_tool_calls: bool = True
+
+    @property
+    def is_parsing_tools(self) -> bool:
+        """The answer's <tool_call> blocks are parsed into calls (chat_output.py)."""
+        return bool(self.tools) and self.tool_choice.mode != "none"
 
 
 def _new_seed() -> int:
@@ -196,9 +212,25 @@ def validate(
             f"longer than {limits.max_client_request_id_chars} characters",
         )
     prompt_field = _check_input(request, bad)
+    tool_checks.check_tools(request.tools, request.tool_choice, bool(request.messages), bad)
     sampling = _resolve_sampling(request.sampling, limits, new_seed, bad, violations)
     _raise_if_any(violations)
     assert sampling is not None and prompt_field is not None
+    tool_constraint = tool_call_constraint(
+        request.tools,
+        request.tool_choice,
+        is_parallel=request.parallel_tool_calls,
+        enable_thinking=request.enable_thinking,
+    )
+    if tool_constraint is not None:
+        if sampling.constraint is not None:
+            raise InvalidArgument(
+                "tool_choice",
+                request.tool_choice.mode,
+                "is enforced with a constraint of its own: drop sampling's constraint, or "
+                "use tool_choice auto",
+            )
+        sampling = dataclasses.replace(sampling, constraint=tool_constraint)
     return ValidRequest(
         client_request_id=request.client_request_id or new_client_request_id(),
         prompt_field=prompt_field,
@@ -209,6 +241,9 @@ def validate(
         enable_thinking=request.enable_thinking,
         is_default_max_tokens=request.sampling.max_tokens is None,
         allow_special_tokens=request.allow_special_tokens,
+        tools=request.tools,
+        tool_choice=request.tool_choice,
+        parallel_tool_calls=request.parallel_tool_calls,
     )
 
 
@@ -231,6 +266,7 @@ def _check_input(request: RequestInput, bad: Bad) -> PromptField | None:
     for i, turn in enumerate(request.messages):
         if turn.role not in ROLES:
             bad(f"messages[{i}].role", turn.role, f"must be one of {', '.join(ROLES)}")
+        tool_checks.check_tool_calls(turn.tool_calls, turn.role, f"messages[{i}].tool_calls", bad)
     return given[0]
 
 
@@ -300,11 +336,17 @@ def _raise_if_any(violations: list[FieldViolation]) -> None:
 
 def check_input_chars(request: ValidRequest, max_input_chars: int) -> None:
     """The text the tokenizer would refuse, refused before sending it (0: no known limit).
-    Counted as the tokenizer counts: the prompt, or the messages' content and reasoning."""
+    Counted as the tokenizer counts: the prompt, or the messages' content, reasoning, tool
+    calls and call ids, and the tools."""
     if request.prompt_field == "prompt":
         num_chars = len(request.prompt)
     elif request.prompt_field == "messages":
-        num_chars = sum(len(m.content) + len(m.reasoning_content or "") for m in request.messages)
+        num_chars = sum(
+            len(m.content) + len(m.reasoning_content or "") + len(m.tool_call_id)
+            for m in request.messages
+        )
+        calls = [c for m in request.messages for c in m.tool_calls]
+        num_chars += tool_checks.num_chars(request.tools, calls)
     else:
         return
     if max_input_chars and num_chars > max_input_chars:

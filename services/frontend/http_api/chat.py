@@ -1,14 +1,20 @@
 """POST /v1/chat/completions: OpenAI's chat completions, plain or streamed.
 
     {"id": "chatcmpl-<request id>", "object": "chat.completion", "created", "model",
-     "choices": [{"index", "message": {"role": "assistant", "content", "reasoning_content"},
+     "choices": [{"index", "message": {"role": "assistant", "content", "reasoning_content",
+                                       "tool_calls"?},
                   "logprobs", "finish_reason"}], "usage"}
 
-Streamed: a `chat.completion.chunk` per choice with `delta.role` first, then content and
-reasoning deltas, the last with finish_reason; a usage chunk (no choices) with
+Streamed: a `chat.completion.chunk` per choice with `delta.role` first, then content, reasoning
+and tool-call deltas, the last with finish_reason; a usage chunk (no choices) with
 stream_options.include_usage. Qwen3's thinking (`<think>...</think>`) goes to
-`reasoning_content`, never to `content`, however the text was cut (reasoning.py); it is null
-when the model did not think (as vLLM has it).
+`reasoning_content`, never to `content`, however the text was cut; it is null when the model
+did not think (as vLLM has it). With tools offered (tool_choice not none), each
+`<tool_call>` block becomes one entry of `message.tool_calls` ({id, type: function,
+function: {name, arguments: JSON text}}; streamed whole in one `delta.tool_calls` entry with its
+index), and a generation that stopped after calls ends in finish_reason `tool_calls`; content
+is then null when the model wrote nothing else. The split is services/frontend/chat_output.py,
+the one the gRPC API runs.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from typing import Any
 from aiohttp import web
 
 from mili.errors import Unavailable
+from services.frontend.chat_output import ChatOutput, OutputPiece
 from services.frontend.generations import Generations
 from services.frontend.http_api import sse
 from services.frontend.http_api.choices import Choice, Usage, run
@@ -29,7 +36,7 @@ from services.frontend.http_api.openai_call import Head, gather, open_call
 from services.frontend.http_api.openai_logprobs import TokenPieces, chat_logprobs
 from services.frontend.http_api.openai_request import OpenAIRequest, chat_request
 from services.frontend.pipeline import Delta
-from services.frontend.reasoning import ReasoningSplitter
+from services.frontend.tool_calls import ToolCallDelta
 
 
 async def create_chat_completion(
@@ -69,7 +76,7 @@ class ChatJson:
         self._choices = choices
         self._pieces = pieces
         self._usage = Usage(choices)
-        self._splitters = {c.index: ReasoningSplitter() for c in choices}
+        self._outputs = {c.index: ChatOutput(c.valid.is_parsing_tools) for c in choices}
         self._head = head.json("chatcmpl", "chat.completion")
         # Each chunk is this head, its choices and the tail: one json.dumps per chunk.
         chunk_head = {**self._head, "object": "chat.completion.chunk"}
@@ -85,20 +92,12 @@ class ChatJson:
         }
         self._plain_tail = '}, "logprobs": null, "finish_reason": null}' + self._chunk_tail
 
-    def _split(self, index: int, deltas: list[Delta]) -> tuple[str, str]:
-        """(reasoning, content) of these deltas of choice `index`; all that is left once it
-        finished."""
-        splitter = self._splitters[index]
-        reasoning, content = [], []
-        for delta in deltas:
-            r, c = splitter.push(delta.text)
-            reasoning.append(r)
-            content.append(c)
-            if delta.finish_reason is not None:
-                r, c = splitter.finish()
-                reasoning.append(r)
-                content.append(c)
-        return "".join(reasoning), "".join(content)
+    def _split(self, index: int, deltas: list[Delta]) -> OutputPiece:
+        """Reasoning, content and calls of these deltas of choice `index`; all that is left
+        once it finished."""
+        text = "".join(d.text for d in deltas)
+        is_last = bool(deltas) and deltas[-1].finish_reason is not None
+        return self._outputs[index].push(text, is_last=is_last)
 
     def _logprobs(self, deltas: list[Delta]) -> dict[str, Any] | None:
         if self._pieces is None:
@@ -112,18 +111,20 @@ class ChatJson:
         if finish is None:
             return None
         self._usage.add(index, deltas[-1])
-        return str(finish)
+        return self._outputs[index].finish_reason(finish)
 
     def whole(self, deltas: dict[int, list[Delta]]) -> str:
         choices = []
         for c in self._choices:
             ds = deltas[c.index]
-            reasoning, content = self._split(c.index, ds)
-            message = {
+            reasoning, content, calls = self._split(c.index, ds)
+            message: dict[str, Any] = {
                 "role": "assistant",
-                "content": content,
+                "content": content or None if calls else content,
                 "reasoning_content": reasoning or None,
             }
+            if calls:
+                message["tool_calls"] = [_call_json(call) for call in calls]
             choices.append(
                 {
                     "index": c.index,
@@ -155,27 +156,26 @@ class ChatJson:
     def of(self, index: int, delta: Delta) -> list[str]:
         # Once per streamed delta: the plain case (text on one side, no logprobs, not the
         # last) is written from a template around one json.dumps of the text.
-        reasoning, content = self._splitters[index].push(delta.text)
-        if delta.finish_reason is None and self._pieces is None:
+        is_last = delta.finish_reason is not None
+        reasoning, content, calls = self._outputs[index].push(delta.text, is_last)
+        if not is_last and self._pieces is None and not calls:
             if not reasoning:
                 if not content:
                     return []  # only held-back text (a tag's beginning): nothing to say yet
                 return [self._content_heads[index] + json.dumps(content) + self._plain_tail]
             if not content:
                 return [self._reasoning_heads[index] + json.dumps(reasoning) + self._plain_tail]
-        elif delta.finish_reason is not None:
-            rest_reasoning, rest_content = self._splitters[index].finish()
-            reasoning += rest_reasoning
-            content += rest_content
         logprobs = self._logprobs([delta]) if delta.token_ids else None
         finish = self._finish(index, [delta])
-        if not (reasoning or content or logprobs or finish):
+        if not (reasoning or content or calls or logprobs or finish):
             return []
-        fields: dict[str, str] = {}
+        fields: dict[str, Any] = {}
         if reasoning:
             fields["reasoning_content"] = reasoning
         if content:
             fields["content"] = content
+        if calls:
+            fields["tool_calls"] = [{"index": c.index, **_call_json(c)} for c in calls]
         choice = {"index": index, "delta": fields, "logprobs": logprobs, "finish_reason": finish}
         return [self._chunk(choice)]
 
@@ -184,3 +184,8 @@ class ChatJson:
             return []
         chunk = {**self._head, "object": "chat.completion.chunk"}
         return [json.dumps({**chunk, "choices": [], "usage": self._usage.as_json()})]
+
+
+def _call_json(call: ToolCallDelta) -> dict[str, Any]:
+    function = {"name": call.name, "arguments": call.arguments}
+    return {"id": call.id, "type": "function", "function": function}

@@ -2,13 +2,20 @@
 
     POST /v1/completions        prompt: a string, an array of strings, an array of token ids,
                                 or an array of arrays of ids (a batch: one RequestInput each)
-    POST /v1/chat/completions   messages: role + content (a string or text parts)
+    POST /v1/chat/completions   messages: role + content (a string or text parts), assistant
+                                tool calls and tool results; tools, tool_choice
+                                (openai_tools.py)
+    both                        response_format, guided_* / structured_outputs: one
+                                Constraint (openai_constraint.py)
 
 Types are checked here (body.py); ranges and limits by the same validation the gRPC API runs
 (validation.py), whose field names (`sampling.top_p`, `token_ids[3]`) `param_of` maps back to
 the names the caller wrote. Unknown fields are ignored, as OpenAI's API does; fields we know
 and do not do (`suffix`, a `logit_bias`, `tools`, ...) are refused naming them, rather than
 silently answered as if done.
+
+`response_format`, the `guided_*` extras and `structured_outputs` become the one constraint of
+SamplingInput (openai_constraint.py), enforced where prefill and decode sample.
 """
 
 from __future__ import annotations
@@ -17,8 +24,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from mili.engine.constraint.spec import KINDS
 from mili.errors import FieldViolation, InvalidArgument
+from services.frontend.http_api import openai_tools
 from services.frontend.http_api.body import Body, is_int
+from services.frontend.http_api.openai_constraint import Requested, constraint_of
 from services.frontend.validation import (
     ChatTurn,
     Counts,
@@ -58,14 +68,7 @@ _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "include_stop_str_in_output": lambda v: v is False,
     "prompt_logprobs": lambda v: False,
     "use_beam_search": lambda v: v is False,
-    "tools": lambda v: v == [],
-    "functions": lambda v: v == [],
-    "response_format": lambda v: isinstance(v, dict) and v.get("type") == "text",
-    "guided_json": lambda v: False,
-    "guided_regex": lambda v: False,
-    "guided_choice": lambda v: False,
-    "guided_grammar": lambda v: False,
-    "structured_outputs": lambda v: False,
+    "functions": lambda v: v == [],  # the deprecated spelling of tools
 }
 
 
@@ -81,13 +84,16 @@ def completion_request(
 ) -> OpenAIRequest:
     """POST /v1/completions' body; InvalidArgument naming the first bad parameter."""
     _check_unsupported(body)
+    if body.array("tools"):
+        raise InvalidArgument("tools", body.raw("tools"), "tools need a chat: /v1/chat/completions")
+    requested = constraint_of(body)
     n = _n(body)
     best_of = body.integer("best_of")
     if best_of is not None and best_of != n:
         raise InvalidArgument("best_of", best_of, f"not supported unless equal to n ({n})")
     echo = body.flag("echo") or False
     logprobs = body.integer("logprobs")
-    sampling = _sampling(body, body.integer("max_tokens"), logprobs)
+    sampling = _sampling(body, body.integer("max_tokens"), logprobs, requested)
     if echo and logprobs is not None:
         # The echoed prompt's tokens get theirs too: prefill computes them when asked.
         sampling = replace(sampling, prompt_logprobs=logprobs)
@@ -112,7 +118,7 @@ def completion_request(
         include_usage=_include_usage(body),
         echo=echo,
         user=body.text("user"),
-        param_of=_completion_param,
+        param_of=_with_constraint(_completion_param, requested),
     )
 
 
@@ -125,7 +131,11 @@ def chat_request(body: Body, limits: Limits, window: int | None, client_id: str)
     if top is not None and not is_logprobs:
         raise InvalidArgument("top_logprobs", top, "needs logprobs set to true")
     max_key = "max_completion_tokens" if body.has("max_completion_tokens") else "max_tokens"
-    sampling = _sampling(body, body.integer(max_key), (top or 0) if is_logprobs else None)
+    tool_choice = openai_tools.tool_choice_of(body)
+    requested = constraint_of(body, tool_choice)
+    sampling = _sampling(
+        body, body.integer(max_key), (top or 0) if is_logprobs else None, requested
+    )
     messages = _messages(body)
     counts = Counts(0, len(messages), len(sampling.stop), len(sampling.stop_token_ids))
     _check_counts(counts, limits, window, _common_param)
@@ -137,13 +147,16 @@ def chat_request(body: Body, limits: Limits, window: int | None, client_id: str)
             return "top_logprobs"
         if field == "sampling.max_tokens":
             return max_key
-        return _common_param(field)
+        return openai_tools.param(field) or _common_param(field)
 
     chat = RequestInput(
         client_request_id=client_id,
         messages=messages,
         sampling=sampling,
         enable_thinking=enable_thinking,
+        tools=openai_tools.tools_of(body),
+        tool_choice=tool_choice,
+        parallel_tool_calls=openai_tools.parallel_of(body),
     )
     return OpenAIRequest(
         model=body.text("model"),
@@ -153,7 +166,7 @@ def chat_request(body: Body, limits: Limits, window: int | None, client_id: str)
         include_usage=_include_usage(body),
         is_chat_logprobs=is_logprobs,
         user=body.text("user"),
-        param_of=param_of,
+        param_of=_with_constraint(param_of, requested),
     )
 
 
@@ -203,9 +216,12 @@ def _include_usage(body: Body) -> bool:
     return options.flag("include_usage") or False
 
 
-def _sampling(body: Body, max_tokens: int | None, logprobs: int | None) -> SamplingInput:
+def _sampling(
+    body: Body, max_tokens: int | None, logprobs: int | None, requested: Requested | None
+) -> SamplingInput:
     """The sampling parameters both endpoints share, as sent; ranges are validation's."""
     return SamplingInput(
+        constraint=None if requested is None else requested.constraint,
         max_tokens=max_tokens,
         temperature=body.number("temperature"),
         top_p=body.number("top_p"),
@@ -271,6 +287,7 @@ def _messages(body: Body) -> tuple[ChatTurn, ...]:
                 role=_ROLES.get(role, role),
                 content=_content(m),
                 reasoning_content=m.text("reasoning_content"),
+                **openai_tools.message_fields(m),
             )
         )
     return tuple(turns)
@@ -301,6 +318,18 @@ def _common_param(field: str) -> str:
     if field == "request_id":
         return "X-Request-Id"  # the header the id came from
     return field.removeprefix("sampling.")
+
+
+def _with_constraint(param_of: ParamOf, requested: Requested | None) -> ParamOf:
+    """`param_of`, naming a constraint's errors (`sampling.json_schema` once compiled) after
+    the parameter it came from, or `tools` (tool_choice's own constraint)."""
+    fields = {f"sampling.{kind}" for kind in KINDS}
+    where = requested.param if requested is not None else "tools"
+
+    def named(field: str) -> str:
+        return where if field in fields else param_of(field)
+
+    return named
 
 
 def _completion_param(field: str) -> str:

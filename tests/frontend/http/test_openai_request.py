@@ -204,9 +204,8 @@ def test_chat_fields() -> None:
         ("min_tokens", 3),
         ("skip_special_tokens", False),
         ("prompt_logprobs", 1),
-        ("guided_json", {}),
-        ("response_format", {"type": "json_object"}),
-        ("tools", [{"type": "function"}]),
+        ("functions", [{"name": "f"}]),
+        ("tools", [{"type": "function", "function": {"name": "f"}}]),  # completions: no chat
     ],
 )
 def test_known_unsupported_fields_are_refused(field: str, value: Any) -> None:

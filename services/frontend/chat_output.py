@@ -1,0 +1,72 @@
+"""A chat generation's text -> its reasoning, its answer and its tool calls: one implementation
+for the gRPC and the HTTP API.
+
+    delta.text ─▶ ReasoningSplitter ─reasoning────────────────────────────▶ reasoning
+                        └──────────content─▶ ToolCallParser ─content──────▶ content
+                                               (tools offered and        └─calls─▶ tool_calls
+                                                tool_choice not none)
+
+Fed a generation's deltas in order (plain, or merged by the coalescer: any cut of the text gives
+the same result), it says per delta what may be sent now: text that could still be part of a
+tag is held back until the next delta settles it, and a call comes out whole once its block
+closes. Prompt requests (not chat) are not split: their callers get the text as generated.
+
+Finish reason: a generation that stopped (`stop`) after making calls ends in `tool_calls`, as
+OpenAI's API says; one cut short (`length`) keeps its reason, and the calls it completed.
+Pure Python, per delta.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+from mili.engine.stop import FinishReason
+from services.frontend.reasoning import ReasoningSplitter
+from services.frontend.tool_calls import ToolCallDelta, ToolCallParser, new_call_id
+
+TOOL_CALLS = "tool_calls"  # OpenAI's finish reason for an answer that is calls
+
+
+class OutputPiece(NamedTuple):
+    reasoning: str  # thinking text to send now; may be ""
+    content: str  # answer text to send now; may be ""
+    tool_calls: list[ToolCallDelta]  # calls completed by this delta; usually []
+
+
+class ChatOutput:
+    """One chat generation's output, delta by delta. `is_parsing_tools`: the request offered
+    tools and tool_choice is not none."""
+
+    def __init__(self, is_parsing_tools: bool, new_id: Callable[[], str] = new_call_id) -> None:
+        self._splitter = ReasoningSplitter()
+        self._tools = ToolCallParser(new_id) if is_parsing_tools else None
+
+    @property
+    def num_calls(self) -> int:
+        return 0 if self._tools is None else self._tools.num_calls
+
+    def push(self, text: str, is_last: bool = False) -> OutputPiece:
+        """What `text` (the next delta's) completes; `is_last`: the generation ended with it,
+        and whatever was held back comes out too."""
+        reasoning, content = self._splitter.push(text)
+        if is_last:
+            rest_reasoning, rest_content = self._splitter.finish()
+            reasoning += rest_reasoning
+            content += rest_content
+        if self._tools is None:
+            return OutputPiece(reasoning, content, [])
+        parsed = self._tools.push(content) if content else None
+        content, calls = (parsed.content, parsed.tool_calls) if parsed else ("", [])
+        if is_last:
+            rest = self._tools.finish()
+            content += rest.content
+            calls = [*calls, *rest.tool_calls]
+        return OutputPiece(reasoning, content, calls)
+
+    def finish_reason(self, reason: FinishReason) -> str:
+        """The generation's finish reason as the APIs say it: `tool_calls` when it stopped
+        after making calls."""
+        if reason is FinishReason.STOP and self.num_calls:
+            return TOOL_CALLS
+        return str(reason)

@@ -1,0 +1,104 @@
+"""tool_choice required / a named function -> the Constraint that makes the answer a valid call.
+
+Qwen3 calls a tool by writing, after any thinking, one block per call:
+
+    <think>\\n...\\n</think>\\n\\n                       (thinking on: optional, any text)
+    <tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>
+    \\n<tool_call>\\n...\\n</tool_call>                  (more calls: parallel_tool_calls)
+
+The constraint is a grammar in llguidance's Lark dialect (the `grammar` kind of
+mili.engine.constraint.spec) that accepts exactly that: each call's JSON is an embedded JSON
+Schema (`%json`), `{"name": <one of the offered names>, "arguments": <that tool's parameters>}`,
+written with Qwen3's own separators (", " and ": ", as its template's `tojson` renders calls
+back) and no other whitespace. `<think>`, `</think>`, `<tool_call>` and `</tool_call>` are single
+tokens of Qwen3's vocabulary (llguidance treats them as special: the grammar names them bare,
+so the model must write the token, as it does, not the tag spelled in pieces).
+
+Thinking. With thinking on (enable_thinking unset or true) the model thinks before it calls:
+the grammar allows an optional think block of any text, then requires the calls, so the
+constraint leaves the reasoning alone and a call still always follows. With thinking off the
+template has closed an empty think block in the prompt and the answer is the calls alone.
+
+Objects in the schemas are closed (mili.engine.constraint.schema.close_objects: no keys
+beyond those listed) as for a json_schema constraint, so bounded parameters give bounded
+calls. Pure: builds text; prefill and decode compile it like any grammar.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from mili.engine.constraint.schema import close_objects
+from mili.engine.constraint.spec import Constraint, ConstraintLimits, validate
+from mili.errors import InvalidArgument
+from services.frontend.tools import FunctionTool, ToolChoice, parse_object
+
+# How a call's JSON is written: Qwen3's separators, no free whitespace (a sampler could
+# otherwise write blanks forever); unknown keywords refused, not ignored.
+CALL_JSON_OPTIONS = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+    "lenient": False,
+    "coerce_one_of": False,
+}
+_LIMITS = ConstraintLimits()
+_NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+
+
+def call_schema(tool: FunctionTool) -> dict[str, Any]:
+    """The JSON Schema of one call of `tool`: {"name": its name, "arguments": its parameters}."""
+    parameters = parse_object(tool.parameters) if tool.parameters else None
+    arguments = close_objects(parameters if parameters is not None else _NO_PARAMETERS)
+    return {
+        "type": "object",
+        "properties": {"name": {"const": tool.name}, "arguments": arguments},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+        "x-guidance": CALL_JSON_OPTIONS,
+    }
+
+
+def tool_call_grammar(
+    tools: Sequence[FunctionTool], *, is_parallel: bool, is_thinking: bool
+) -> str:
+    """Lark text: [think] call ("\\n" call)* (or one call), each call one of `tools`."""
+    calls = 'call ("\\n" call)*' if is_parallel else "call"
+    think = "think? " if is_thinking else ""
+    functions = " | ".join(f"fn_{i}" for i in range(len(tools)))
+    lines = [
+        f"start: {think}{calls}",
+        'think: <think> /(.|\\n)*/ </think> "\\n\\n"',
+        f'call: <tool_call> "\\n" ({functions}) "\\n" </tool_call>',
+    ]
+    lines += [f"fn_{i}: %json {json.dumps(call_schema(t))}" for i, t in enumerate(tools)]
+    return "\n".join(lines) + "\n"
+
+
+def tool_call_constraint(
+    tools: Sequence[FunctionTool],
+    choice: ToolChoice,
+    *,
+    is_parallel: bool = True,
+    enable_thinking: bool | None = None,
+    limits: ConstraintLimits = _LIMITS,
+) -> Constraint | None:
+    """The constraint that enforces `choice` over `tools` (checked by tools.check_tools), or
+    None when nothing is enforced (auto, none). InvalidArgument naming `tools` when the
+    grammar is over the constraint limits."""
+    if not choice.is_forced:
+        return None
+    chosen = [t for t in tools if choice.mode == "required" or t.name == choice.function_name]
+    is_thinking = enable_thinking is not False
+    text = tool_call_grammar(chosen, is_parallel=is_parallel, is_thinking=is_thinking)
+    constraint = Constraint.grammar(text)
+    try:
+        validate(constraint, limits)
+    except InvalidArgument as err:
+        reason = "; ".join(v.description for v in err.violations)
+        raise InvalidArgument(
+            "tools", f"{len(chosen)} tools", f"too large to enforce ({reason})"
+        ) from None
+    return constraint

@@ -1,0 +1,205 @@
+"""tool_choice required / named -> a grammar, compiled on the demo tokenizer and sampled from
+random logits (the constraint, not a model, does the work): every output, read back through
+ChatOutput as the APIs read it, is one or more valid calls of an offered tool whose arguments
+validate against its parameters, and nothing else."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import torch
+from tokenizers import Tokenizer
+
+from mili.engine.constraint.compiler import CompiledConstraint, ConstraintCompiler
+from mili.engine.constraint.mask import BatchMasker, apply_token_bitmask
+from mili.engine.constraint.vocab import GrammarTokenizer
+from mili.errors import InvalidArgument
+from services.frontend.chat_output import ChatOutput
+from services.frontend.tool_grammar import tool_call_constraint
+from services.frontend.tools import FunctionTool, ToolChoice
+from tests.engine.constraint_helpers import demo_grammar_tokenizer, sample
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 10},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city"],
+}
+SEARCH = {
+    "type": "object",
+    "properties": {
+        "terms": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 3},
+        "exact": {"type": "boolean"},
+    },
+    "required": ["terms", "exact"],
+}
+TOOLS = [
+    FunctionTool("get_weather", "Weather in a city", json.dumps(WEATHER)),
+    FunctionTool("search", "", json.dumps(SEARCH)),
+    FunctionTool("now"),  # no parameters: arguments {}
+]
+SCHEMAS: dict[str, dict[str, Any]] = {
+    "get_weather": WEATHER,
+    "search": SEARCH,
+    "now": {"type": "object", "maxProperties": 0},
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(demo_model_dir: Path) -> GrammarTokenizer:
+    return demo_grammar_tokenizer(demo_model_dir)
+
+
+@pytest.fixture(scope="module")
+def hf(demo_model_dir: Path) -> Tokenizer:
+    return Tokenizer.from_file(str(demo_model_dir / "tokenizer.json"))
+
+
+@pytest.fixture(scope="module")
+def compiler(tokenizer: GrammarTokenizer) -> ConstraintCompiler:
+    return ConstraintCompiler(tokenizer)
+
+
+def compiled(compiler: ConstraintCompiler, choice: ToolChoice, **kwargs: Any) -> CompiledConstraint:
+    constraint = tool_call_constraint(TOOLS, choice, **kwargs)
+    assert constraint is not None and constraint.kind == "grammar"
+    return compiler.compile_sync(constraint)
+
+
+def calls_of(text: str) -> tuple[str, str, list[tuple[str, dict[str, Any]]]]:
+    """(reasoning, content, calls) as the APIs read the text."""
+    output = ChatOutput(is_parsing_tools=True)
+    piece = output.push(text, is_last=True)
+    calls = [(c.name, json.loads(c.arguments)) for c in piece.tool_calls]
+    return piece.reasoning, piece.content, calls
+
+
+def check_calls(text: str, names: set[str], max_calls: int | None) -> int:
+    reasoning, content, calls = calls_of(text)
+    assert content == "", text
+    assert reasoning == "", text
+    assert 1 <= len(calls) <= (max_calls or len(calls)), text
+    for name, arguments in calls:
+        assert name in names, text
+        jsonschema.validate(arguments, SCHEMAS[name])
+    # Qwen3's own spelling of a call, as its template renders one back.
+    assert text.startswith('<tool_call>\n{"name": "'), text
+    return len(calls)
+
+
+@pytest.mark.parametrize("is_parallel", [True, False])
+def test_required_outputs_are_valid_calls(
+    is_parallel: bool, compiler: ConstraintCompiler, hf: Tokenizer
+) -> None:
+    grammar = compiled(
+        compiler, ToolChoice("required"), is_parallel=is_parallel, enable_thinking=False
+    )
+    names: set[str] = set()
+    num_calls = []
+    for seed in range(4):
+        run = sample(grammar, hf, seed, max_steps=600)
+        assert all(run.finished), run.steps
+        for text in run.texts:
+            num_calls.append(check_calls(text, set(SCHEMAS), None if is_parallel else 1))
+            names |= {name for name, _ in calls_of(text)[2]}
+    assert names == set(SCHEMAS)  # random draws reach every tool
+    assert (max(num_calls) > 1) == is_parallel
+
+
+def test_named_function_outputs_call_it(compiler: ConstraintCompiler, hf: Tokenizer) -> None:
+    grammar = compiled(compiler, ToolChoice("function", "search"), enable_thinking=False)
+    for seed in range(3):
+        run = sample(grammar, hf, seed, max_steps=600)
+        assert all(run.finished)
+        for text in run.texts:
+            check_calls(text, {"search"}, None)
+
+
+def test_thinking_on_allows_a_think_block_then_requires_calls(
+    compiler: ConstraintCompiler, tokenizer: GrammarTokenizer, hf: Tokenizer
+) -> None:
+    grammar = compiled(compiler, ToolChoice("function", "get_weather"), enable_thinking=None)
+    think_id, close_id = tokenizer.encode("<think>")[0], tokenizer.encode("</think>")[0]
+    texts = sample_biased(grammar, hf, seed=0, bias={think_id: 4.0, close_id: 6.0})
+    thought = 0
+    for text in texts:
+        reasoning, content, calls = calls_of(text)
+        assert content == "" and calls and all(n == "get_weather" for n, _ in calls), text
+        assert bool(reasoning) <= text.startswith("<think>"), text
+        for _, arguments in calls:
+            jsonschema.validate(arguments, WEATHER)
+        thought += text.startswith("<think>")
+    assert thought > 0  # thinking was allowed, and a call still followed
+
+
+def test_a_matcher_takes_a_real_answer_and_refuses_others(
+    compiler: ConstraintCompiler, tokenizer: GrammarTokenizer
+) -> None:
+    grammar = compiled(compiler, ToolChoice("required"), enable_thinking=True)
+    good = (
+        "<think>\nParis, so get_weather.\n</think>\n\n"
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n'
+        '</tool_call>\n<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>'
+    )
+    bad = [
+        'Sure.<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>',  # text first
+        '<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>',  # no such tool
+        '<tool_call>\n{"name": "search", "arguments": {"terms": []}}\n</tool_call>',  # required
+        '<tool_call>\n{"name":"now","arguments":{}}\n</tool_call>',  # not Qwen3's spelling
+    ]
+    assert accepts(grammar, tokenizer, good)
+    for text in bad:
+        assert not accepts(grammar, tokenizer, text), text
+
+
+def test_auto_and_none_enforce_nothing() -> None:
+    assert tool_call_constraint(TOOLS, ToolChoice("auto")) is None
+    assert tool_call_constraint(TOOLS, ToolChoice("none")) is None
+
+
+def test_tools_over_the_size_limit_are_refused_naming_tools() -> None:
+    big = FunctionTool("big", "", json.dumps({"type": "object", "description": "x" * 70_000}))
+    with pytest.raises(InvalidArgument) as caught:
+        tool_call_constraint([big], ToolChoice("required"))
+    assert caught.value.violations[0].field == "tools"
+
+
+def accepts(grammar: CompiledConstraint, tokenizer: GrammarTokenizer, text: str) -> bool:
+    matcher = grammar.matcher()
+    ids = tokenizer.encode(text)
+    return all(matcher.accept(t) for t in ids) and matcher.can_finish
+
+
+def sample_biased(
+    grammar: CompiledConstraint, hf: Tokenizer, seed: int, bias: dict[int, float], batch: int = 8
+) -> list[str]:
+    """Random logits with a few tokens favoured (a think block of random text would otherwise
+    run for ~the vocabulary's size in tokens before </think> is drawn)."""
+    tokenizer = grammar.tokenizer
+    matchers = [grammar.matcher() for _ in range(batch)]
+    masker = BatchMasker(tokenizer, batch, num_threads=1)
+    gen = torch.Generator().manual_seed(seed)
+    ids: list[list[int]] = [[] for _ in range(batch)]
+    for _ in range(800):
+        if all(m.is_finished for m in matchers):
+            break
+        logits = torch.randn(batch, tokenizer.vocab_rows, generator=gen)
+        for token, add in bias.items():
+            logits[:, token] += add
+        apply_token_bitmask(logits, masker.fill([None if m.is_finished else m for m in matchers]))
+        tokens = torch.multinomial(torch.softmax(logits, -1), 1, generator=gen).flatten()
+        for i, token in enumerate(tokens.tolist()):
+            if matchers[i].is_finished:
+                continue
+            assert matchers[i].accept(token), matchers[i].error
+            if token not in tokenizer.eos_token_ids:
+                ids[i].append(token)
+    assert all(m.is_finished for m in matchers)
+    return [hf.decode(row, skip_special_tokens=False) for row in ids]
