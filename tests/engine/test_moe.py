@@ -197,3 +197,54 @@ def test_fingerprint_and_kv_layout_cover_moe(tmp_path: Path) -> None:
     assert KVCache.layout_of(TINY_MOE, 16, torch.float32) == KVCache.layout_of(
         dense, 16, torch.float32
     )
+
+
+def test_grouped_mm_path_traces_as_one_graph() -> None:
+    """No data-dependent Python control flow or host read: dynamo traces it without a break
+    (what CUDA-graph capture and torch.compile of the decode step need). bf16: the dtype the
+    CUDA kernel (and so torch's shape rule for compile) takes."""
+    gate_up, down = (w.bfloat16() for w in weights(8, 32, 16, seed=10))
+    x = torch.randn(6, 32, generator=torch.Generator().manual_seed(11)).bfloat16()
+    router = torch.randn(8, 32, generator=torch.Generator().manual_seed(12)).bfloat16()
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        routing = route(x @ router.T, 2, norm_topk_prob=True)
+        return grouped_experts(x, gate_up, down, routing, OPS, "grouped_mm")
+
+    compiled = torch.compile(block, fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(x), block(x))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_grouped_mm_matches_reference_and_captures() -> None:
+    """bf16 on the GPU: the grouped GEMM the device runs = the naive loop (in float32 on the
+    same bf16 weights), and a CUDA graph of the block replays to the eager result on new
+    inputs (another routing: the offsets stay on the device)."""
+    from mili.engine.model.moe import default_grouped_gemm, is_graph_safe
+
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    gate_up, down = (w.to(device, dtype) for w in weights(16, 128, 64, seed=13))
+    router = torch.randn(16, 128, device=device, dtype=dtype)
+    mode = default_grouped_gemm(device, dtype)
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        routing = route(x @ router.T, 4, norm_topk_prob=True)
+        return grouped_experts(x, gate_up, down, routing, OPS, mode)
+
+    x = torch.randn(24, 128, device=device, dtype=dtype)
+    routing = route(x @ router.T, 4, norm_topk_prob=True)
+    want = reference_experts(x.float(), gate_up.float(), down.float(), routing)
+    torch.testing.assert_close(block(x).float(), want, rtol=0.05, atol=0.02)
+    if not is_graph_safe(device, dtype):
+        pytest.skip(f"grouped_mm has no graph-safe kernel here ({mode})")
+    static_x = x.clone()
+    block(static_x)  # warm-up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = block(static_x)
+    new_x = torch.randn(24, 128, device=device, dtype=dtype)
+    static_x.copy_(new_x)
+    graph.replay()
+    torch.testing.assert_close(static_out, block(new_x), rtol=0, atol=0)

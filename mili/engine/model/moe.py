@@ -24,13 +24,17 @@ sorted by expert, so each expert's rows are one contiguous slice of `xs`:
 
 Two ways to run the grouped GEMMs, the same arithmetic (`GroupedGemm`):
 
-- "loop": one GEMM per expert that got rows, over its slice. The slice bounds come to the host
-  (one sync per layer), so it cannot be captured in a CUDA graph; on CPU it is the fastest
-  (benchmarks/moe.py) and the host is where the data is anyway.
-- "grouped_mm": `torch._grouped_mm(xs, W.mT, offs=offsets)`, one launch per GEMM with the
+- "grouped_mm": `torch._grouped_mm(xs, W.mT, offs=offsets)`, one call per GEMM with the
   offsets left on the device. Every shape is static (T*k rows whatever the routing) and nothing
-  reads a device value on the host: the CUDA path, graph-capturable and `torch.compile`-safe.
-  torch also runs it on CPU (a fallback), which is how the CPU tests check the CUDA formulation.
+  reads a device value on the host, so a decode step with it is graph-capturable and
+  `torch.compile`-safe. On CUDA torch runs it as one CUTLASS grouped GEMM for bf16 on sm_90 and
+  sm_100 (dimensions multiples of 8); elsewhere on CUDA its fallback copies the offsets to the
+  host, so there we take "loop" and decode runs eagerly (`is_graph_safe`). On CPU torch's
+  implementation loops over the groups in C++; it measured as fast as or faster than "loop"
+  (benchmarks/moe.py, docs/benchmarks.md), so the CPU runs it too: one formulation, and the
+  CPU tests check the CUDA one.
+- "loop": one GEMM per expert that got rows, over its contiguous slice; the slice bounds come to
+  the host (one sync per layer). The fallback where grouped_mm has no graph-safe kernel.
 
 The gather back is a weighted sum over each token's own k results in its top-k order, so a
 token's output never depends on which other tokens share its batch (or on atomics):
@@ -68,9 +72,20 @@ def route(logits: torch.Tensor, top_k: int, *, norm_topk_prob: bool) -> Routing:
     return Routing(weights.to(logits.dtype), expert_ids)
 
 
-def default_grouped_gemm(device: torch.device) -> GroupedGemm:
-    """What a device runs: CUDA the graph-safe grouped_mm, CPU the per-expert loop."""
-    return "grouped_mm" if device.type == "cuda" else "loop"
+def default_grouped_gemm(device: torch.device, dtype: torch.dtype) -> GroupedGemm:
+    """What runs on `device` in `dtype` (module docstring): grouped_mm where torch has it
+    without a host sync (CPU; CUDA bf16 on sm_90/sm_100), else the per-expert loop."""
+    if not hasattr(torch, "_grouped_mm"):
+        return "loop"
+    if device.type != "cuda":
+        return "grouped_mm"
+    major, _ = torch.cuda.get_device_capability(device)
+    return "grouped_mm" if dtype == torch.bfloat16 and major in (9, 10) else "loop"
+
+
+def is_graph_safe(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether MoE layers on `device` in `dtype` may be captured in a CUDA graph."""
+    return default_grouped_gemm(device, dtype) == "grouped_mm"
 
 
 def grouped_experts(
@@ -158,8 +173,8 @@ class Experts(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
-    """Router (`gate`, HF's name) + experts; `grouped_gemm` is chosen once, by the device the
-    weights load on (`default_grouped_gemm`), unless a caller sets it."""
+    """Router (`gate`, HF's name) + experts; `grouped_gemm` None runs what the activations'
+    device and dtype allow (`default_grouped_gemm`); tests and benchmarks may pin one."""
 
     def __init__(
         self,
@@ -183,7 +198,7 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor, ops: FusedOps) -> torch.Tensor:
         # x: [T, hidden] -> [T, hidden]
         weights = self.experts
-        grouped_gemm = self.grouped_gemm or default_grouped_gemm(x.device)
+        grouped_gemm = self.grouped_gemm or default_grouped_gemm(x.device, x.dtype)
         return grouped_experts(
             x, weights.gate_up_proj, weights.down_proj, self.route(x), ops, grouped_gemm
         )

@@ -13,6 +13,7 @@ import torch
 from mili.engine.engine_config import EngineConfig
 from mili.engine.kv.block_pool import blocks_needed
 from mili.engine.kv_memory import GIB, DeviceMemory, KvPoolSize
+from mili.engine.model import moe
 from mili.engine.model.kv_cache import KVCache, bytes_per_block
 from mili.engine.model.qwen3 import Qwen3ForCausalLM
 
@@ -31,6 +32,15 @@ def graphs_allowed(config: EngineConfig, model: Qwen3ForCausalLM) -> bool:
         _LOG.warning(
             "CUDA graphs off: fused ops %s are not graph-safe; decode steps run eagerly",
             model.fused_ops.name,
+        )
+        return False
+    if model.config.is_moe and not moe.is_graph_safe(model.device, model.dtype):
+        _LOG.warning(
+            "CUDA graphs off: the MoE experts' grouped GEMM on %s in %s needs the offsets on "
+            "the host (torch._grouped_mm runs graph-safe only in bfloat16 on sm_90/sm_100); "
+            "decode steps run eagerly",
+            model.device,
+            model.dtype,
         )
         return False
     if not getattr(model.attention, "is_graph_safe", False):
