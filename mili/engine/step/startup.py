@@ -12,15 +12,39 @@ import torch
 
 from mili.engine.engine_config import EngineConfig
 from mili.engine.kv.block_pool import blocks_needed
-from mili.engine.kv_memory import GIB, DeviceMemory, KvPoolSize
+from mili.engine.kv_memory import GIB, DeviceMemory, KvPoolSize, check_weights_fit
 from mili.engine.model import moe
-from mili.engine.model.kv_cache import KVCache, bytes_per_block
+from mili.engine.model.config import Qwen3Config
+from mili.engine.model.kv_cache import KVCache, bytes_per_block, dtype_name
 from mili.engine.model.qwen3 import Qwen3ForCausalLM
+from mili.engine.model.sizing import num_parameters, weight_bytes
 
 if TYPE_CHECKING:
     from mili.engine.step.runner import ModelRunner  # it imports this module
 
 _LOG = logging.getLogger("mili.engine")
+
+
+def check_device_fits(
+    model_config: Qwen3Config, config: EngineConfig, device: torch.device, dtype: torch.dtype
+) -> None:
+    """On CUDA, ValueError before loading when the weights alone exceed the device's share
+    (`kv_memory.check_weights_fit`), counted from the config; the CPU is not checked."""
+    if device.type != "cuda":
+        return
+    _, total = torch.cuda.mem_get_info(device)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    what = (
+        f"{model_config.architecture} ({num_parameters(model_config) / 1e9:.2f} B parameters "
+        f"in {dtype_name(dtype)})"
+    )
+    check_weights_fit(
+        weight_bytes(model_config, itemsize),
+        total,
+        config.gpu_memory_utilization,
+        what=what,
+        device=str(device),
+    )
 
 
 def graphs_allowed(config: EngineConfig, model: Qwen3ForCausalLM) -> bool:
