@@ -445,6 +445,21 @@ class RunnerInfo:
     def layout(self) -> KVLayout:
         return self.runner.kv_cache.layout
 
+    @property
+    def architecture(self) -> str:
+        """HF's class name: "Qwen3ForCausalLM" or "Qwen3MoeForCausalLM"."""
+        return self.model.config.architecture
+
+    @property
+    def num_experts(self) -> int:
+        """Experts per MoE layer (0: dense)."""
+        return self.model.config.num_experts
+
+    @property
+    def num_active_experts(self) -> int:
+        """Experts each token is routed to (0: dense)."""
+        return self.model.config.num_experts_per_tok if self.model.config.is_moe else 0
+
 
 def use_device(device: torch.device) -> None:
     """Make `device` the calling thread's current CUDA device (nothing on the CPU): events,
