@@ -21,12 +21,15 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from mili.engine.generate import generate
+from mili.engine.kv.block_pool import BlockPool
 from mili.engine.model.loader import load_model
 from mili.engine.model.moe import SparseMoeBlock
 from mili.engine.model.qwen3 import Qwen3ForCausalLM
 from mili.engine.model.weight_map import weight_map
 from mili.engine.sampling_params import SamplingParams
+from mili.engine.step.runner import ModelRunner
 from tests.engine.test_model_hf import TOL, Runner, hf_logits, max_diff, random_ids
+from tests.engine.test_runner import BLOCK_SIZE, start
 from tests.engine.test_weight_map import assert_parts_tile
 
 transformers = pytest.importorskip("transformers")
@@ -220,3 +223,31 @@ def test_both_grouped_gemms_match_hf(
         for block in blocks:
             block.grouped_gemm = None
     assert max_diff(logits, hf_logits(hf, prompt)) < TOL
+
+
+def test_runner_greedy_with_padded_batches_equals_hf(
+    hf_moe: dict[str, tuple[Path, Any]], ours: dict[str, Qwen3ForCausalLM]
+) -> None:
+    """The services' ModelRunner: padded decode batches (the CUDA-graph shapes, run eagerly:
+    padding rows route to experts too, and must change nothing) give HF's greedy tokens."""
+    _, hf = hf_moe["e8k3_tied_dense1"]
+    model = ours["e8k3_tied_dense1"]
+    runner = ModelRunner.create(model, 60, BLOCK_SIZE, max_decode_batch=8)
+    pool = BlockPool(runner.num_blocks, null_block=True)
+    prompt_ids = [random_ids(n, model.config.vocab_size, seed=970 + n) for n in (2, 9, 21)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    seqs = start(runner, pool, prompt_ids, [params] * 3)
+    with torch.inference_mode():
+        while active := [s for s in seqs if not s.is_finished]:
+            logits = runner.decode_logits(active, num_rows=8)  # 8 - len(active) padding rows
+            torch.testing.assert_close(logits, runner.decode_logits(active), rtol=0, atol=1e-5)
+            out = runner.sample(logits, [s.sampling for s in active]).result()
+            for s, token_id in zip(active, out.token_ids, strict=True):
+                s.append(token_id)
+    for prompt, seq in zip(prompt_ids, seqs, strict=True):
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = hf.generate(
+                torch.tensor([prompt]), max_new_tokens=24, do_sample=False, pad_token_id=0
+            )
+        assert seq.output_token_ids == out[0, len(prompt) :].tolist()
