@@ -59,6 +59,7 @@ from mili.engine.step.sequence import Sequence as EngineSequence
 from mili.engine.step.startup import (
     check_device_fits,
     graphs_allowed,
+    log_model,
     log_pool,
     log_vocab,
     measure_memory,
@@ -370,6 +371,7 @@ class ModelRunner:
                 f"{model_dir}: tokenizer.json has {vocab_size} token ids, more than the "
                 f"model's {model.config.vocab_size} embedding rows"
             )
+        log_model(model)
         log_vocab(model_dir, vocab_size, model.config.vocab_size)
         use_graphs = capture_graphs and device.type == "cuda" and graphs_allowed(config, model)
 

@@ -105,6 +105,26 @@ def measure_memory(
     return DeviceMemory(total, free, peak, torch.cuda.memory_reserved(device))
 
 
+def log_model(model: Qwen3ForCausalLM) -> None:
+    """The architecture, and for MoE its experts and how they run (start-up log)."""
+    config = model.config
+    if not config.is_moe:
+        _LOG.info("model: %s, %d layers", config.architecture, config.num_hidden_layers)
+        return
+    _LOG.info(
+        "model: %s, %d of %d layers with %d experts of %d (%d active per token, %s); "
+        "experts' grouped GEMM: %s",
+        config.architecture,
+        config.num_sparse_layers,
+        config.num_hidden_layers,
+        config.num_experts,
+        config.moe_intermediate_size,
+        config.num_experts_per_tok,
+        "renormalised" if config.norm_topk_prob else "not renormalised",
+        moe.default_grouped_gemm(model.device, model.dtype),
+    )
+
+
 def log_vocab(model_dir: Path, vocab_size: int | None, num_rows: int) -> None:
     if vocab_size is None:
         _LOG.warning(
