@@ -1,6 +1,13 @@
 """The random-weight models the benchmarks share: mili.engine.model.config's Qwen3 presets, plus
 `tiny` for checks of the scripts themselves (seconds on any CPU, same code paths).
 
+The presets include the mixture-of-experts `qwen3-30b-a3b` (48 layers, hidden 2048, 32/4 heads
+of 128, 128 experts of 768 with 8 active) and `qwen3-235b-a22b` (94 layers, hidden 4096, 64/4
+heads, 128 experts of 1536, 8 active), shapes from the published config.json of
+Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B (tests/engine/test_moe.py reads the former back
+into the preset). Their checkpoints are 61 GB and 470 GB in bf16: benchmarks of them make
+random weights in memory (benchmarks/moe.py: one layer) rather than write one here.
+
 Each is written once as a checkpoint into the cache directory the benchmarks share
 (mili.engine.checkpoint.cached_random_checkpoint: `<name>-<dtype>-seed0`), then reused.
 """

@@ -32,7 +32,7 @@ def _demo_model(args: argparse.Namespace) -> int:
     directory = Path(args.dir)
     if directory.exists() and any(directory.iterdir()):
         raise StartupError(f"{directory} exists and is not empty; choose a new directory")
-    build_demo_model(directory)
+    build_demo_model(directory, moe=args.moe)
     print(describe(directory))
     return 0
 
@@ -52,6 +52,11 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         "demo-model", help="write the small random-weight Qwen3 demo checkpoint into DIR"
     )
     demo.add_argument("dir", metavar="DIR")
+    demo.add_argument(
+        "--moe",
+        action="store_true",
+        help="a Qwen3-MoE checkpoint instead (8 experts, 2 active; per-expert tensors, sharded)",
+    )
     demo.set_defaults(func=_demo_model)
 
     chosen = next((a for a in (argv or []) if not a.startswith("-")), None)

@@ -30,6 +30,14 @@ def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_demo_model(tmp_path_factory.mktemp("demo-model"))
 
 
+@pytest.fixture(scope="session")
+def demo_moe_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo checkpoint's Qwen3-MoE sibling (`mili demo-model --moe`), built fresh."""
+    from mili.demo.model import build_demo_model  # torch
+
+    return build_demo_model(tmp_path_factory.mktemp("demo-moe-model"), moe=True)
+
+
 @pytest.fixture(scope="module")
 def tokenizer_service(demo_model_dir: Path) -> Iterator[ServiceProcess]:
     """A tokenizer service on the demo model, with small input limits to test them."""

@@ -5,10 +5,16 @@ embeddings) with random weights, and a byte-level BPE tokenizer trained on `corp
 output is gibberish, but every code path — loading, templating, prefill, KV transfer, decode —
 runs as it would on a real checkpoint. It is the default model wherever no `--model DIR` is
 given, built once into a cache directory keyed by a hash of everything that shapes it.
+
+`build_demo_model(dir, moe=True)` (`mili demo-model DIR --moe`) writes its Qwen3-MoE sibling:
+the same attention and tokenizer, 8 experts with 2 active in layers 1-3 and a dense layer 0
+(`mlp_only_layers`), in the published layout: one tensor per expert and projection, sharded
+with a `model.safetensors.index.json`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -27,11 +33,15 @@ from mili.engine.model.config import Qwen3Config
 _LOG = logging.getLogger("mili.demo")
 SEED = 20261121
 MAX_POSITION_EMBEDDINGS = 4096
+MOE_SHARD_BYTES = 4 << 20  # several shards, as a published MoE checkpoint has
 
 
-def demo_config(vocab_size: int, eos_token_id: int, pad_token_id: int) -> Qwen3Config:
-    """Qwen3 shapes scaled down: 8 q heads of 64 over a 256-wide residual (8*64 != 256)."""
-    return Qwen3Config(
+def demo_config(
+    vocab_size: int, eos_token_id: int, pad_token_id: int, *, moe: bool = False
+) -> Qwen3Config:
+    """Qwen3 shapes scaled down: 8 q heads of 64 over a 256-wide residual (8*64 != 256);
+    with `moe`, Qwen3-MoE's: 8 experts of 192 (2 active, renormalised), layer 0 dense."""
+    config = Qwen3Config(
         vocab_size=(vocab_size + 63) // 64 * 64,  # padded like Qwen's 151936 > 151669 tokens
         hidden_size=256,
         intermediate_size=768,
@@ -47,17 +57,35 @@ def demo_config(vocab_size: int, eos_token_id: int, pad_token_id: int) -> Qwen3C
         bos_token_id=pad_token_id,
         eos_token_id=eos_token_id,
     )
+    if not moe:
+        return config
+    return dataclasses.replace(
+        config,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=192,
+        norm_topk_prob=True,
+        mlp_only_layers=(0,),
+    )
 
 
-def build_demo_model(directory: Path) -> Path:
-    """Write the demo checkpoint into `directory` (created); same bytes every time."""
+def build_demo_model(directory: Path, *, moe: bool = False) -> Path:
+    """Write the demo checkpoint (with `moe`, its MoE sibling) into `directory` (created);
+    same bytes every time."""
     tokenizer = demo_tokenizer.train_tokenizer()
     config = demo_config(
         tokenizer.get_vocab_size(with_added_tokens=True),
         eos_token_id=demo_tokenizer.token_id(tokenizer, demo_tokenizer.EOS_TOKEN),
         pad_token_id=demo_tokenizer.token_id(tokenizer, demo_tokenizer.PAD_TOKEN),
+        moe=moe,
     )
-    checkpoint.write_random_checkpoint(directory, config, seed=SEED, dtype=torch.bfloat16)
+    checkpoint.write_random_checkpoint(
+        directory,
+        config,
+        seed=SEED,
+        dtype=torch.bfloat16,
+        max_shard_bytes=MOE_SHARD_BYTES if moe else None,
+    )
     demo_tokenizer.write_tokenizer_files(directory, tokenizer, MAX_POSITION_EMBEDDINGS)
     return directory
 
@@ -96,9 +124,16 @@ def default_model_dir(environ: Mapping[str, str] | None = None) -> Path:
 
 def describe(directory: Path) -> str:
     config = json.loads((directory / "config.json").read_text())
+    experts = ""
+    if config.get("num_experts"):
+        experts = (
+            f", {config['num_experts']} experts ({config['num_experts_per_tok']} active) of "
+            f"{config['moe_intermediate_size']}"
+        )
+    kind = "Qwen3-MoE" if experts else "Qwen3"
     return (
-        f"Qwen3 demo model at {directory}: {config['num_hidden_layers']} layers, hidden "
+        f"{kind} demo model at {directory}: {config['num_hidden_layers']} layers, hidden "
         f"{config['hidden_size']}, {config['num_attention_heads']}/"
         f"{config['num_key_value_heads']} q/kv heads of {config['head_dim']}, "
-        f"vocab {config['vocab_size']}"
+        f"vocab {config['vocab_size']}{experts}"
     )

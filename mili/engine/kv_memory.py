@@ -46,6 +46,25 @@ def kv_bytes_from_memory(memory: DeviceMemory, utilization: float) -> int:
     return max(0, min(budget, available))
 
 
+def check_weights_fit(
+    weight_bytes: int, total_bytes: int, utilization: float, *, what: str, device: str
+) -> None:
+    """ValueError, saying how much is needed, when `weight_bytes` alone exceed this process's
+    share of the device (total x utilization): such a model can never serve here, and
+    finding out before loading saves minutes and an out-of-memory error mid-load. What fits
+    still has to leave room for activations and KV; `plan_kv_pool` sizes that after loading.
+    """
+    share = int(total_bytes * utilization)
+    if weight_bytes <= share:
+        return
+    raise ValueError(
+        f"{what} needs {weight_bytes / GIB:.1f} GiB for its weights alone, more than "
+        f"{device}'s {share / GIB:.1f} GiB ({utilization:g} x {total_bytes / GIB:.1f} GiB): "
+        f"it needs a device with at least {weight_bytes / utilization / GIB:.1f} GiB at "
+        "this --gpu-memory-utilization (plus room for activations and KV), or a smaller model"
+    )
+
+
 def plan_kv_pool(
     config: EngineConfig,
     bytes_per_block: int,

@@ -208,6 +208,7 @@ def test_info_describes_the_instance(
             info = await Client(channel).info()
             assert info.model == tiny_model_dir.name
             assert (info.dtype, info.device, info.attention_backend) == ("float32", "cpu", "torch")
+            assert (info.architecture, info.num_experts) == ("Qwen3ForCausalLM", 0)
             assert info.kv_layout == player.layout()
             assert info.kv_layout.model_fingerprint == player.fingerprint
             assert info.kv_layout.block_size == BLOCK_SIZE

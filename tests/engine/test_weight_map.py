@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from mili.engine.model.checkpoint import SINGLE_FILE, tensor_shapes
 from mili.engine.model.loader import load_model
 from mili.engine.model.qwen3 import Qwen3ForCausalLM
-from mili.engine.model.weight_map import hf_tensor, weight_map
+from mili.engine.model.weight_map import WeightTarget, hf_tensor, weight_map
 from tests.engine.conftest import CONFIGS
 from tests.engine.test_model_hf import TOL, Runner, hf_logits, max_diff, random_ids
 
@@ -23,22 +23,23 @@ def test_map_of_a_layer() -> None:
         targets = weight_map(Qwen3ForCausalLM(config))
     attn, mlp = "model.layers.1.self_attn.", "model.layers.1.mlp."
     qkv = attn + "qkv_proj."
-    assert targets[attn + "q_proj.weight"] == (qkv + "weight", slice(0, 128), (128, 64))
-    assert targets[attn + "k_proj.weight"] == (qkv + "weight", slice(128, 192), (64, 64))
-    assert targets[attn + "v_proj.weight"] == (qkv + "weight", slice(192, 256), (64, 64))
-    assert targets[attn + "v_proj.bias"] == (qkv + "bias", slice(192, 256), (64,))
-    assert targets[attn + "o_proj.bias"] == (attn + "o_proj.bias", None, (64,))
-    assert targets[mlp + "gate_proj.weight"] == (
+    W = WeightTarget
+    assert targets[attn + "q_proj.weight"] == W(qkv + "weight", slice(0, 128), (128, 64))
+    assert targets[attn + "k_proj.weight"] == W(qkv + "weight", slice(128, 192), (64, 64))
+    assert targets[attn + "v_proj.weight"] == W(qkv + "weight", slice(192, 256), (64, 64))
+    assert targets[attn + "v_proj.bias"] == W(qkv + "bias", slice(192, 256), (64,))
+    assert targets[attn + "o_proj.bias"] == W(attn + "o_proj.bias", None, (64,))
+    assert targets[mlp + "gate_proj.weight"] == W(
         mlp + "gate_up_proj.weight",
         slice(0, 96),
         (96, 64),
     )
-    assert targets[mlp + "up_proj.weight"] == (
+    assert targets[mlp + "up_proj.weight"] == W(
         mlp + "gate_up_proj.weight",
         slice(96, 192),
         (96, 64),
     )
-    assert targets["model.norm.weight"] == ("model.norm.weight", None, (64,))
+    assert targets["model.norm.weight"] == W("model.norm.weight", None, (64,))
     assert not any("qkv_proj" in name or "gate_up" in name for name in targets)
 
 
@@ -47,15 +48,29 @@ def test_parts_tile_every_parameter(name: str) -> None:
     """Every row of every parameter is filled by exactly one HF tensor."""
     with torch.device("meta"):
         model = Qwen3ForCausalLM(CONFIGS[name])
-    filled: dict[str, list[int]] = {}
-    for target in weight_map(model).values():
-        rows = model.get_parameter(target.parameter).shape[0]
+    assert_parts_tile(model, weight_map(model))
+
+
+def assert_parts_tile(model: torch.nn.Module, targets: dict[str, WeightTarget]) -> None:
+    """Every row (of every expert, for stacked experts) is filled by exactly one HF tensor."""
+    filled: dict[str, list[tuple[int, int]]] = {}
+    for target in targets.values():
+        shape = model.get_parameter(target.parameter).shape
+        experts = [target.expert] if target.expert is not None else [-1]
+        rows = shape[1] if target.expert is not None else shape[0]
         span = range(rows) if target.rows is None else range(rows)[target.rows]
-        filled.setdefault(target.parameter, []).extend(span)
+        filled.setdefault(target.parameter, []).extend((e, r) for e in experts for r in span)
     params = dict(model.named_parameters())
     assert filled.keys() == params.keys()
-    for parameter, rows in filled.items():
-        assert sorted(rows) == list(range(params[parameter].shape[0])), parameter
+    for parameter, cells in filled.items():
+        shape = params[parameter].shape
+        if parameter.endswith(("experts.gate_up_proj", "experts.down_proj")) and any(
+            e >= 0 for e, _ in cells
+        ):
+            want = [(e, r) for e in range(shape[0]) for r in range(shape[1])]
+        else:
+            want = [(-1, r) for r in range(shape[0])]
+        assert sorted(cells) == want, parameter
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))

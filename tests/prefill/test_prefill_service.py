@@ -146,6 +146,9 @@ def test_info_describes_model_layout_limits_and_load(tiny: TinyModel) -> None:
             assert info.model == tiny.path.name
             assert info.dtype == "float32" and info.device == "cpu"
             assert info.attention_backend == "torch"
+            assert (info.architecture, info.num_experts, info.num_active_experts) == (
+                "Qwen3ForCausalLM", 0, 0,
+            )  # fmt: skip
             layout = info.kv_layout
             assert (layout.block_size, layout.num_layers, layout.num_kv_heads) == (16, 8, 2)
             assert (layout.head_dim, layout.dtype) == (64, "float32")

@@ -1,7 +1,15 @@
 """Qwen3 model configuration: the subset of HF `config.json` our engine reads, plus named presets.
 
 The field names are HF's, so `Qwen3Config.from_hf_dict(json.load(f))` reads a real checkpoint and
-`to_hf_dict()` writes one that `transformers.Qwen3ForCausalLM` loads unchanged.
+`to_hf_dict()` writes one that `transformers.Qwen3ForCausalLM` (or, with experts,
+`Qwen3MoeForCausalLM`) loads unchanged.
+
+One config type covers both families: Qwen3-MoE changes only the MLP of some layers (a router
+and `num_experts` experts of `moe_intermediate_size`), so `num_experts == 0` is the dense model
+and every other field means the same in both. Which layers are sparse is HF's rule
+(`is_sparse_layer`). Both spellings of the checkpoints in the wild are read: the published
+`config.json` (`num_experts`, `rope_theta`, `torch_dtype`) and what transformers 5 writes
+(`num_local_experts`, `rope_parameters`, `dtype`).
 """
 
 from __future__ import annotations
@@ -50,6 +58,13 @@ class Qwen3Config:
     torch_dtype: str = "bfloat16"
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+    # Mixture of experts (model_type "qwen3_moe"); num_experts 0 is the dense model.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # experts each token is routed to (top-k)
+    moe_intermediate_size: int = 0  # each expert's SwiGLU width
+    norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
+    decoder_sparse_step: int = 1  # layer i is sparse when (i + 1) % step == 0 ...
+    mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here (dense layers)
 
     def __post_init__(self) -> None:
         for name in (*_REQUIRED, "head_dim"):
@@ -65,22 +80,79 @@ class Qwen3Config:
             )
         if self.hidden_act != "silu":
             raise ConfigError(f"config field 'hidden_act' must be 'silu', got {self.hidden_act!r}")
+        if self.num_experts:
+            self._check_moe()
+
+    def _check_moe(self) -> None:
+        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ConfigError(
+                    f"config field {name!r} must be a positive integer, got {value!r}"
+                )
+        if self.num_experts_per_tok > self.num_experts:
+            raise ConfigError(
+                f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds num_experts "
+                f"({self.num_experts})"
+            )
+        if not isinstance(self.decoder_sparse_step, int) or self.decoder_sparse_step <= 0:
+            raise ConfigError(
+                "config field 'decoder_sparse_step' must be a positive integer, "
+                f"got {self.decoder_sparse_step!r}"
+            )
+        bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
+        if bad:
+            raise ConfigError(f"mlp_only_layers {bad} are not layers of this model")
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether some layers route tokens to experts (Qwen3-MoE)."""
+        return self.num_experts > 0
+
+    @property
+    def architecture(self) -> str:
+        """HF's class name for this config: what config.json's `architectures` holds."""
+        return "Qwen3MoeForCausalLM" if self.is_moe else "Qwen3ForCausalLM"
+
+    def is_sparse_layer(self, layer: int) -> bool:
+        """Whether layer `layer` (0-based) is a mixture of experts; HF's rule, verbatim."""
+        return (
+            self.num_experts > 0
+            and layer not in self.mlp_only_layers
+            and (layer + 1) % self.decoder_sparse_step == 0
+        )
+
+    @property
+    def num_sparse_layers(self) -> int:
+        return sum(self.is_sparse_layer(i) for i in range(self.num_hidden_layers))
 
     @classmethod
     def from_hf_dict(cls, data: dict[str, Any]) -> Qwen3Config:
         """Build from a parsed HF config.json; raises ConfigError naming a missing field."""
         model_type = data.get("model_type")
-        if model_type is not None and model_type != "qwen3":
-            raise ConfigError(f"config field 'model_type' must be 'qwen3', got {model_type!r}")
-        missing = [name for name in _REQUIRED if name not in data]
+        if model_type is not None and model_type not in _MODEL_TYPES:
+            raise ConfigError(
+                f"config field 'model_type' must be one of {list(_MODEL_TYPES)}, got {model_type!r}"
+            )
+        is_moe = model_type == "qwen3_moe"
+        data = dict(data)
+        if "num_local_experts" in data and "num_experts" not in data:  # transformers 5
+            data["num_experts"] = data["num_local_experts"]
+        required = (*_REQUIRED, *_REQUIRED_MOE) if is_moe else _REQUIRED
+        missing = [name for name in required if name not in data]
         if missing:
             raise ConfigError(f"config.json is missing required field(s): {', '.join(missing)}")
         names = {f.name for f in dataclasses.fields(cls)}
+        if not is_moe:  # a dense config's stray MoE keys (HF defaults) mean nothing
+            names -= _MOE_FIELDS
         kwargs = {k: v for k, v in data.items() if k in names and v is not None}
         if "head_dim" not in data:
             kwargs["head_dim"] = data["hidden_size"] // data["num_attention_heads"]
         if "dtype" in data and "torch_dtype" not in data:  # transformers>=4.56 writes "dtype"
             kwargs["torch_dtype"] = data["dtype"]
+        kwargs.update(_rope_from_parameters(data))
+        if "mlp_only_layers" in kwargs:
+            kwargs["mlp_only_layers"] = tuple(kwargs["mlp_only_layers"])
         return cls(**kwargs)
 
     @classmethod
@@ -94,11 +166,17 @@ class Qwen3Config:
         return cls.from_hf_dict(data)
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """The config.json HF transformers writes for Qwen3ForCausalLM."""
+        """The config.json HF transformers writes for Qwen3ForCausalLM (Qwen3MoeForCausalLM
+        with experts: the published keys, `num_experts` and `rope_theta`)."""
         data = dataclasses.asdict(self)
+        if self.is_moe:
+            data["mlp_only_layers"] = list(self.mlp_only_layers)
+        else:
+            for name in _MOE_FIELDS:
+                del data[name]
         data.update(
-            architectures=["Qwen3ForCausalLM"],
-            model_type="qwen3",
+            architectures=[self.architecture],
+            model_type="qwen3_moe" if self.is_moe else "qwen3",
             attention_dropout=0.0,
             initializer_range=0.02,
             use_cache=True,
@@ -107,6 +185,30 @@ class Qwen3Config:
             max_window_layers=self.num_hidden_layers,
         )
         return data
+
+
+_MODEL_TYPES = ("qwen3", "qwen3_moe")
+_REQUIRED_MOE = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
+_MOE_FIELDS = frozenset(
+    (*_REQUIRED_MOE, "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers")
+)
+
+
+def _rope_from_parameters(data: dict[str, Any]) -> dict[str, Any]:
+    """rope_theta and rope_scaling from transformers 5's `rope_parameters` (which holds both:
+    {"rope_type": "default", "rope_theta": 1e6}, or YaRN's keys beside them); the older
+    top-level keys win where both are present."""
+    params = data.get("rope_parameters")
+    if not isinstance(params, dict):
+        return {}
+    out: dict[str, Any] = {}
+    if "rope_theta" in params and data.get("rope_theta") is None:
+        out["rope_theta"] = params["rope_theta"]
+    scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type != "default" and data.get("rope_scaling") is None:
+        out["rope_scaling"] = scaling
+    return out
 
 
 def _preset(hidden: int, inter: int, layers: int, heads: int, tie: bool) -> Qwen3Config:
@@ -137,3 +239,25 @@ PRESETS: dict[str, Qwen3Config] = {
     "qwen3-14b": _preset(5120, 17408, 40, 40, tie=False),
     "qwen3-32b": _preset(5120, 25600, 64, 64, tie=False),
 }
+
+
+def _moe_preset(hidden: int, inter: int, moe_inter: int, layers: int, heads: int) -> Qwen3Config:
+    # The published config.json of Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B on the HF Hub:
+    # 4 kv heads of 128, 128 experts with 8 active, norm_topk_prob true, every layer sparse
+    # (decoder_sparse_step 1, no mlp_only_layers), untied, vocab/RoPE/context as the dense ones.
+    return dataclasses.replace(
+        _preset(hidden, inter, layers, heads, tie=False),
+        num_key_value_heads=4,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=moe_inter,
+        norm_topk_prob=True,
+    )
+
+
+PRESETS.update(
+    {
+        "qwen3-30b-a3b": _moe_preset(2048, 6144, 768, 48, 32),
+        "qwen3-235b-a22b": _moe_preset(4096, 12288, 1536, 94, 64),
+    }
+)

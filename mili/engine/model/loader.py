@@ -7,6 +7,13 @@ from the safetensors headers alone, and only then is each parameter materialized
 memory-mapped file, one tensor at a time, directly on the target device: there is never a second
 full copy of the weights in RAM. A merged parameter (q/k/v, gate/up) is allocated once and each
 HF tensor is copied into its rows.
+
+Qwen3-MoE checkpoints publish each expert as its own tensors (`mlp.experts.{e}.gate_proj.weight`
+...); each layer's stacked expert parameters are allocated on the target device once, at the
+first expert tensor read, and every expert tensor is copied into its slice as its shard is read,
+shard by shard: host memory holds the mapped shard's pages and one tensor on its way, never a
+stacked copy beside the per-expert one. Checkpoints holding the experts already stacked
+(transformers 5's `mlp.experts.gate_up_proj`) load parameter for tensor.
 """
 
 from __future__ import annotations
@@ -29,7 +36,12 @@ from mili.engine.model.config import ConfigError, Qwen3Config
 from mili.engine.model.fused_ops import FusedOps
 from mili.engine.model.kv_cache import TORCH_DTYPES
 from mili.engine.model.qwen3 import Qwen3ForCausalLM
-from mili.engine.model.weight_map import WeightTarget, weight_map
+from mili.engine.model.weight_map import (
+    WeightTarget,
+    has_fused_experts,
+    target_view,
+    weight_map,
+)
 from mili.errors import StartupError
 
 log = logging.getLogger(__name__)
@@ -109,7 +121,7 @@ def load_model(
     files = tensor_files(path)
     with torch.device("meta"):
         model = Qwen3ForCausalLM(config, attention, fused_ops)
-    expected = weight_map(model)
+    expected = weight_map(model, fused_experts=has_fused_experts(files))
 
     missing = [name for name in expected if name not in files]
     if missing:
@@ -165,7 +177,7 @@ def _open(file: Path, device: str) -> Any:  # safetensors' safe_open has no type
 def _set_parameter(model: nn.Module, target: WeightTarget, tensor: torch.Tensor) -> None:
     module_name, _, attr = target.parameter.rpartition(".")
     module = model.get_submodule(module_name)
-    if target.rows is None:
+    if target.rows is None and target.expert is None:
         setattr(module, attr, nn.Parameter(tensor, requires_grad=False))
         return
     param = getattr(module, attr)
@@ -174,7 +186,7 @@ def _set_parameter(model: nn.Module, target: WeightTarget, tensor: torch.Tensor)
             torch.empty(param.shape, dtype=tensor.dtype, device=tensor.device), requires_grad=False
         )
         setattr(module, attr, param)
-    param[target.rows].copy_(tensor)
+    target_view(param, target).copy_(tensor)
 
 
 GENERATION_CONFIG = "generation_config.json"

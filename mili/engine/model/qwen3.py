@@ -1,4 +1,8 @@
-"""Qwen3 dense decoder in torch, over a paged KV cache: one code path for CPU and CUDA.
+"""Qwen3 decoder in torch, over a paged KV cache: one code path for CPU and CUDA.
+
+Dense and mixture-of-experts (Qwen3-MoE) alike: they differ only in the MLP of a sparse layer
+(`config.is_sparse_layer(i)`: a router and grouped experts, mili/engine/model/moe.py, in place
+of the SwiGLU MLP), so attention, the KV cache and everything that moves it are shared.
 
 Module names are HF transformers' (`model.layers.3.self_attn.o_proj.weight`, ...) except where
 projections are merged into one GEMM (`self_attn.qkv_proj` holds q_proj/k_proj/v_proj,
@@ -19,7 +23,7 @@ Per layer, each line one kernel where the FusedOps are fused (mili/engine/model/
     q, k, v = qk_norm_rope_kv(qkv)          per-head RMSNorm, RoPE, K/V into the cache
     o = attention(q, cache) @ W_o           attention backend, o_proj
     h = add_rms_norm(o, residual)
-    x = silu_mul(h @ W_gate_up) @ W_down    SwiGLU
+    x = silu_mul(h @ W_gate_up) @ W_down    SwiGLU (a sparse layer: route h, grouped experts)
 
 The residual stream is carried as (x, residual): x the last sublayer's output, residual the sum
 before it, so each residual add fuses with the norm after it (the last with the final norm).
@@ -40,6 +44,7 @@ from mili.engine.model.config import Qwen3Config
 from mili.engine.model.fused_ops import FusedOps, TorchFusedOps
 from mili.engine.model.kv_cache import KVCache, slots_for_range
 from mili.engine.model.layers import MLP, MergedLinear, RMSNorm
+from mili.engine.model.moe import SparseMoeBlock
 from mili.engine.model.rope import RotaryEmbedding
 
 # attend(layer, q [T, H, D], k [T, KVH, D], v [T, KVH, D]) -> [T, H, D]: one closure per step.
@@ -185,10 +190,20 @@ class SelfAttention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: Qwen3Config) -> None:
+    def __init__(self, config: Qwen3Config, layer: int) -> None:
         super().__init__()
         self.self_attn = SelfAttention(config)
-        self.mlp = MLP(config.hidden_size, config.intermediate_size)
+        self.mlp: MLP | SparseMoeBlock
+        if config.is_sparse_layer(layer):
+            self.mlp = SparseMoeBlock(
+                config.hidden_size,
+                config.num_experts,
+                config.num_experts_per_tok,
+                config.moe_intermediate_size,
+                norm_topk_prob=config.norm_topk_prob,
+            )
+        else:
+            self.mlp = MLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -219,7 +234,9 @@ class Qwen3Model(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i) for i in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 

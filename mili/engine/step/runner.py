@@ -39,6 +39,7 @@ from mili.engine.model.fused_ops import FusedOps
 from mili.engine.model.kv_cache import KVCache, bytes_per_block, dtype_name
 from mili.engine.model.loader import (
     CheckpointError,
+    load_config,
     load_model,
     resolve_dtype,
     tokenizer_vocab_size,
@@ -57,7 +58,14 @@ from mili.engine.step.prompt_logprobs import (
 )
 from mili.engine.step.sampler import PendingSample, Sampler, SequenceSampling
 from mili.engine.step.sequence import Sequence as EngineSequence
-from mili.engine.step.startup import graphs_allowed, log_pool, log_vocab, measure_memory
+from mili.engine.step.startup import (
+    check_device_fits,
+    graphs_allowed,
+    log_model,
+    log_pool,
+    log_vocab,
+    measure_memory,
+)
 from mili.errors import StartupError
 
 _LOG = logging.getLogger("mili.engine")
@@ -366,17 +374,21 @@ class ModelRunner:
         use_device(device)  # graph capture and the pool's events below
         try:
             dtype = resolve_dtype(config.dtype) if config.dtype is not None else None
+            model_config = load_config(model_dir)
+            weights_dtype = dtype or resolve_dtype(model_config.torch_dtype)
+            check_device_fits(model_config, config, device, weights_dtype)
             model = load_model(
                 model_dir, device=device, dtype=dtype, attention=attention, fused_ops=fused_ops
             )
             vocab_size = tokenizer_vocab_size(model_dir)
-        except (CheckpointError, ConfigError, OSError, RuntimeError) as e:
+        except (CheckpointError, ConfigError, OSError, RuntimeError, ValueError) as e:
             raise StartupError(f"cannot load model from {model_dir}: {e}") from None
         if vocab_size is not None and vocab_size > model.config.vocab_size:
             raise StartupError(
                 f"{model_dir}: tokenizer.json has {vocab_size} token ids, more than the "
                 f"model's {model.config.vocab_size} embedding rows"
             )
+        log_model(model)
         log_vocab(model_dir, vocab_size, model.config.vocab_size)
         use_graphs = capture_graphs and device.type == "cuda" and graphs_allowed(config, model)
 
@@ -451,6 +463,21 @@ class RunnerInfo:
     @property
     def layout(self) -> KVLayout:
         return self.runner.kv_cache.layout
+
+    @property
+    def architecture(self) -> str:
+        """HF's class name: "Qwen3ForCausalLM" or "Qwen3MoeForCausalLM"."""
+        return self.model.config.architecture
+
+    @property
+    def num_experts(self) -> int:
+        """Experts per MoE layer (0: dense)."""
+        return self.model.config.num_experts
+
+    @property
+    def num_active_experts(self) -> int:
+        """Experts each token is routed to (0: dense)."""
+        return self.model.config.num_experts_per_tok if self.model.config.is_moe else 0
 
 
 def use_device(device: torch.device) -> None:

@@ -12,14 +12,39 @@ import torch
 
 from mili.engine.engine_config import EngineConfig
 from mili.engine.kv.block_pool import blocks_needed
-from mili.engine.kv_memory import GIB, DeviceMemory, KvPoolSize
-from mili.engine.model.kv_cache import KVCache, bytes_per_block
+from mili.engine.kv_memory import GIB, DeviceMemory, KvPoolSize, check_weights_fit
+from mili.engine.model import moe
+from mili.engine.model.config import Qwen3Config
+from mili.engine.model.kv_cache import KVCache, bytes_per_block, dtype_name
 from mili.engine.model.qwen3 import Qwen3ForCausalLM
+from mili.engine.model.sizing import num_parameters, weight_bytes
 
 if TYPE_CHECKING:
     from mili.engine.step.runner import ModelRunner  # it imports this module
 
 _LOG = logging.getLogger("mili.engine")
+
+
+def check_device_fits(
+    model_config: Qwen3Config, config: EngineConfig, device: torch.device, dtype: torch.dtype
+) -> None:
+    """On CUDA, ValueError before loading when the weights alone exceed the device's share
+    (`kv_memory.check_weights_fit`), counted from the config; the CPU is not checked."""
+    if device.type != "cuda":
+        return
+    _, total = torch.cuda.mem_get_info(device)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    what = (
+        f"{model_config.architecture} ({num_parameters(model_config) / 1e9:.2f} B parameters "
+        f"in {dtype_name(dtype)})"
+    )
+    check_weights_fit(
+        weight_bytes(model_config, itemsize),
+        total,
+        config.gpu_memory_utilization,
+        what=what,
+        device=str(device),
+    )
 
 
 def graphs_allowed(config: EngineConfig, model: Qwen3ForCausalLM) -> bool:
@@ -31,6 +56,15 @@ def graphs_allowed(config: EngineConfig, model: Qwen3ForCausalLM) -> bool:
         _LOG.warning(
             "CUDA graphs off: fused ops %s are not graph-safe; decode steps run eagerly",
             model.fused_ops.name,
+        )
+        return False
+    if model.config.is_moe and not moe.is_graph_safe(model.device, model.dtype):
+        _LOG.warning(
+            "CUDA graphs off: the MoE experts' grouped GEMM on %s in %s needs the offsets on "
+            "the host (torch._grouped_mm runs graph-safe only in bfloat16 on sm_90/sm_100); "
+            "decode steps run eagerly",
+            model.device,
+            model.dtype,
         )
         return False
     if not getattr(model.attention, "is_graph_safe", False):
@@ -69,6 +103,26 @@ def measure_memory(
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     return DeviceMemory(total, free, peak, torch.cuda.memory_reserved(device))
+
+
+def log_model(model: Qwen3ForCausalLM) -> None:
+    """The architecture, and for MoE its experts and how they run (start-up log)."""
+    config = model.config
+    if not config.is_moe:
+        _LOG.info("model: %s, %d layers", config.architecture, config.num_hidden_layers)
+        return
+    _LOG.info(
+        "model: %s, %d of %d layers with %d experts of %d (%d active per token, %s); "
+        "experts' grouped GEMM: %s",
+        config.architecture,
+        config.num_sparse_layers,
+        config.num_hidden_layers,
+        config.num_experts,
+        config.moe_intermediate_size,
+        config.num_experts_per_tok,
+        "renormalised" if config.norm_topk_prob else "not renormalised",
+        moe.default_grouped_gemm(model.device, model.dtype),
+    )
 
 
 def log_vocab(model_dir: Path, vocab_size: int | None, num_rows: int) -> None:

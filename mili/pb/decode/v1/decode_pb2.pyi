@@ -112,7 +112,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model", "dtype", "device", "kv_layout", "attention_backend", "max_context_tokens", "max_running", "num_total_blocks", "num_free_blocks", "num_running", "num_waiting", "kv_cache_bytes", "num_cuda_graphs", "prefix_cache", "kv_transports", "fused_ops")
+    __slots__ = ("model", "dtype", "device", "kv_layout", "attention_backend", "max_context_tokens", "max_running", "num_total_blocks", "num_free_blocks", "num_running", "num_waiting", "kv_cache_bytes", "num_cuda_graphs", "prefix_cache", "kv_transports", "fused_ops", "architecture", "num_experts", "num_active_experts")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -129,6 +129,9 @@ class InfoResponse(_message.Message):
     PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
     FUSED_OPS_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACTIVE_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     model: str
     dtype: str
     device: str
@@ -145,4 +148,7 @@ class InfoResponse(_message.Message):
     prefix_cache: _kv_pb2.PrefixCacheInfo
     kv_transports: _containers.RepeatedScalarFieldContainer[str]
     fused_ops: str
-    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., kv_layout: _Optional[_Union[_kv_pb2.KvLayout, _Mapping]] = ..., attention_backend: _Optional[str] = ..., max_context_tokens: _Optional[int] = ..., max_running: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., num_cuda_graphs: _Optional[int] = ..., prefix_cache: _Optional[_Union[_kv_pb2.PrefixCacheInfo, _Mapping]] = ..., kv_transports: _Optional[_Iterable[str]] = ..., fused_ops: _Optional[str] = ...) -> None: ...
+    architecture: str
+    num_experts: int
+    num_active_experts: int
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., kv_layout: _Optional[_Union[_kv_pb2.KvLayout, _Mapping]] = ..., attention_backend: _Optional[str] = ..., max_context_tokens: _Optional[int] = ..., max_running: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., num_cuda_graphs: _Optional[int] = ..., prefix_cache: _Optional[_Union[_kv_pb2.PrefixCacheInfo, _Mapping]] = ..., kv_transports: _Optional[_Iterable[str]] = ..., fused_ops: _Optional[str] = ..., architecture: _Optional[str] = ..., num_experts: _Optional[int] = ..., num_active_experts: _Optional[int] = ...) -> None: ...
