@@ -42,7 +42,11 @@ def _check(command: str, out: str) -> None:
     elif "/v1/chat/completions" in command:
         reply = json.loads(out)
         assert reply["object"] == "chat.completion"
-        assert isinstance(reply["choices"][0]["message"]["content"], str)
+        choice = reply["choices"][0]
+        assert isinstance(choice["message"]["content"], str)
+        if '"response_format"' in command:  # the schema's JSON, whatever the weights
+            assert choice["finish_reason"] == "stop", choice
+            assert isinstance(json.loads(choice["message"]["content"])["name"], str)
     elif '"stream": true' in command:
         events = [e for e in out.split("\n\n") if e]
         assert events[-1] == "data: [DONE]", out[-200:]
