@@ -80,6 +80,7 @@ CHECKED = [
     "services.prefill.task",
     # the frontend's generation logic
     "services.frontend.pipeline",
+    "services.frontend.placement",
     "services.frontend.admitter",
     "services.frontend.prompt",
     "services.frontend.validation",

@@ -1,6 +1,6 @@
 """Waiting for room: the asyncio side of the admission queue (admission.py).
 
-    Generation ── admit(arrival, attempt, deadline) ──▶ queue empty: attempt() at once
+    Placement ─── admit(arrival, attempt, deadline) ──▶ queue empty: attempt() at once
                                                           │ NoRoom (every instance full)
                                                           ▼
                             push ─▶ wait for its turn ─▶ attempt() ─▶ admitted: return
@@ -11,7 +11,7 @@
     notify(): room may have freed (a request of ours left an instance, Info was polled, a
     prefill call ended) ──▶ the head's turn
 
-`attempt` does the routing and asks the instances (pipeline.py); it raises NoRoom when every
+`attempt` does the routing and asks the instances (placement.py); it raises NoRoom when every
 instance that could take the request is full, which means "wait", and anything else to fail
 the request. Nothing is reserved while a request waits: a request cancelled or past its
 deadline in the queue simply leaves it.
@@ -32,7 +32,7 @@ from typing import TypeVar
 
 from opentelemetry import trace
 
-from mili.errors import DeadlineExceeded
+from mili.errors import DeadlineExceeded, ResourceExhausted
 from services.frontend.admission import AdmissionQueue, Waiter
 from services.frontend.calls import Deadline
 
@@ -45,6 +45,12 @@ class NoRoom(Exception):
     def __init__(self, message: str, retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+def is_refused_for_room(error: BaseException | None) -> bool:
+    """A capacity refusal (RESOURCE_EXHAUSTED with a retry hint): waiting helps. Without the
+    hint it is a limit no wait lifts (a message over a size limit)."""
+    return isinstance(error, ResourceExhausted) and error.retry_after_s is not None
 
 
 @dataclass

@@ -1,10 +1,10 @@
 """One request's generation across decode, prefill and the tokenizer, once its prompt is known.
 
-    1. admit    decode.Generate(prompt ids, sampling, prefill's layout) -> Admitted(prompt blocks);
-                RESOURCE_EXHAUSTED or UNAVAILABLE: try the next decode instance (nothing was
-                reserved yet, so that is safe); every one full -> wait in the admission queue
-                (admitter.py) and try again when room frees, first come first served; only a
-                full queue is RESOURCE_EXHAUSTED with RetryInfo
+    1. admit    decode.Generate(prompt ids, sampling, prefill's layout) -> Admitted(prompt blocks)
+                (placement.py); RESOURCE_EXHAUSTED or UNAVAILABLE: try the next decode instance
+                (nothing was reserved yet, so that is safe); every one full -> wait in the
+                admission queue (admitter.py) and try again when room frees, first come first
+                served; only a full queue is RESOURCE_EXHAUSTED with RetryInfo
     2. prefill  prefill.Prefill(..., destination={decode address, prompt blocks}), running while
                 the decode stream is read: its KV goes straight to decode, the reply carries
                 statistics (and the prompt's logprobs when asked for: the first delta waits
@@ -25,21 +25,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
-from mili.engine.kv.block_pool import blocks_to_reserve
 from mili.engine.logprobs import TokenLogprobs
 from mili.engine.stop import FinishReason
-from mili.errors import InvalidArgument, ResourceExhausted, Unavailable
-from services.frontend.admitter import NoRoom
+from mili.errors import ResourceExhausted, Unavailable
+from services.frontend.admitter import NoRoom, is_refused_for_room
 from services.frontend.calls import (
     Admitted,
     Deadline,
-    DecodeStream,
     Downstream,
     InstanceDown,
     PrefillStats,
@@ -49,7 +46,8 @@ from services.frontend.calls import (
     Tokens,
 )
 from services.frontend.config import FrontendConfig
-from services.frontend.router import Route, Ticket
+from services.frontend.placement import Admission, Placement
+from services.frontend.router import Route
 from services.frontend.stop import StopMatcher, clip_tokens
 
 _LOG = logging.getLogger("mili.frontend")
@@ -82,15 +80,6 @@ class Served:
     queued_s: float = 0.0  # in the frontend's admission queue, all its stays together
 
 
-@dataclass
-class _Admission:
-    route: Route
-    ticket: Ticket
-    stream: DecodeStream
-    admitted: Admitted
-    prefill_clock: int = 0  # the prefill instance's room clock when its call started
-
-
 class Generation:
     def __init__(
         self,
@@ -108,22 +97,17 @@ class Generation:
         self._deadline = deadline
         self._prefill: asyncio.Future[PrefillStats] | None = None
         self._prefill_reply: PrefillStats | None = None
-        # Cache-aware routing: the prompt's prefix keys and which instances probably hold them
-        # (looked up at each admission try: a request that waited may find them elsewhere).
-        index = self._router.prefix_index
-        self._prefix_keys = index.keys(prompt.token_ids)
-        self._affinity: dict[str, int] = {}
         self._output_token_ids: list[int] = []
         self.served: Served | None = None  # once finished
         self._admitter = downstream.admitter
-        self._arrival = self._admitter.arrive(len(prompt.token_ids))
+        self._placement = Placement(downstream, config, prompt, deadline)
         self._first_request_id = ids.request_id
         self._num_tries = 1
 
     async def run(self) -> AsyncGenerator[Delta, None]:
         no_room: NoRoom | None = None
         while True:
-            admission = await self._admit(no_room)
+            admission = await self._placement.admit(self._ids, no_room)
             async with aclosing(self._generate(admission)) as deltas:
                 try:
                     async for delta in deltas:
@@ -148,7 +132,7 @@ class Generation:
             why,
         )
 
-    async def _generate(self, admission: _Admission) -> AsyncGenerator[Delta, None]:
+    async def _generate(self, admission: Admission) -> AsyncGenerator[Delta, None]:
         """The request on its admission: prefill, decode's stream, clean-up. Raises NoRoom,
         before any delta, when prefill turned the request away for room."""
         text: TextStream | None = None
@@ -163,13 +147,14 @@ class Generation:
                     yield delta
             if is_finished:
                 await self._await_prefill_reply()
-                self._learn_finished(admission)
+                reply = self._prefill_reply
+                self._placement.learn_finished(admission, self._output_token_ids, reply)
                 self.served = Served(
                     admission.route,
                     delta,
-                    self._prefill_reply,
+                    reply,
                     admission.admitted.num_cached_blocks,
-                    self._arrival.waited_s,
+                    self._placement.queued_s,
                 )
         finally:
             admission.stream.cancel()  # no-op when decode already finished
@@ -183,163 +168,9 @@ class Generation:
             self._router.finish(admission.ticket)
             self._admitter.notify()  # room on decode: the admission queue's head may fit
 
-    # ---- 1. admission ------------------------------------------------------------------------
-
-    async def _admit(self, no_room: NoRoom | None) -> _Admission:
-        """Admitted on a decode instance: at once, or after waiting for room in the queue
-        (`no_room`: prefill turned it away, it waits first)."""
-        return await self._admitter.admit(
-            self._arrival, self._try_routes, self._deadline, no_room=no_room
-        )
-
-    async def _try_routes(self) -> _Admission:
-        """Try decode instances, best first, until one admits; nothing is reserved on those
-        that refused, so moving on is safe. Raises NoRoom when every one is full (those that
-        refused this time, and those known to be full, which are not asked)."""
-        index = self._router.prefix_index
-        self._affinity = index.matches(self._prefix_keys, time.monotonic())
-        tried: set[str] = set()
-        full: list[ResourceExhausted] = []
-        down: list[InstanceDown] = []
-        while (route := self._next_route(tried)) is not None:
-            tried.add(route.decode)
-            seen_clock = self._router.room_clock(route.decode)
-            try:
-                return await self._try_admit(route)
-            except ResourceExhausted as error:
-                if not _is_refused_for_room(error):
-                    raise  # waiting cannot help
-                self._router.mark_full(route.decode, str(error), seen_clock=seen_clock)
-                full.append(error)
-            except InstanceDown as error:
-                down.append(error)
-        known_full = self._router.full_instances()
-        if full or known_full:
-            self._check_fits()
-            reasons = [str(e) for e in full]
-            reasons += [why for address, why in known_full.items() if address not in tried]
-            retry = [e.retry_after_s for e in full if e.retry_after_s is not None]
-            raise NoRoom(
-                f"every decode instance is full ({'; '.join(reasons)})",
-                retry_after_s=min(retry) if retry else None,
-            )
-        if down:
-            raise down[-1]
-        raise Unavailable("no decode instance could take the request")
-
-    def _check_fits(self) -> None:
-        """Refuse a request no decode instance could ever hold (its pool is too small), rather
-        than have it wait for room that never comes, holding the queue behind it."""
-        totals = {
-            d.address: d.num_total_blocks
-            for d in self._router.decodes.values()
-            if d.is_routable and d.num_total_blocks > 0
-        }
-        if not totals or any(self._blocks_needed_on(a) <= n for a, n in totals.items()):
-            return
-        sampling = self._prompt.sampling
-        raise InvalidArgument(
-            "sampling.max_tokens",
-            sampling.max_tokens,
-            f"{len(self._prompt.token_ids)} prompt tokens + max_tokens need "
-            f"{min(self._blocks_needed_on(a) for a in totals)} KV blocks, more than any decode "
-            f"instance has in all (at most {max(totals.values())})",
-        )
-
-    def _next_route(self, tried: set[str]) -> Route | None:
-        try:
-            routes = self._router.candidates(
-                exclude=tried,
-                affinity=self._affinity,
-                blocks_needed_on=self._blocks_needed_on,
-                skip_full=True,
-            )
-        except Unavailable:
-            if not tried:
-                raise
-            return None  # every instance went down while we tried them; say why in _admit
-        return routes[0] if routes else None
-
-    async def _try_admit(self, route: Route) -> _Admission:
-        """Ask one decode instance to admit the request. Raises ResourceExhausted (it is full)
-        or InstanceDown (it is down, or silent past admit_timeout_s) to try the next one; any
-        other error fails the request."""
-        prompt = self._prompt
-        block_size = self._downstream.decode_block_size(route.decode)
-        ticket = self._router.start(
-            route, len(prompt.token_ids), self._blocks_needed_on(route.decode)
-        )
-        stream = self._downstream.generate(route, self._ids, prompt, self._deadline)
-        who = f"decode at {route.decode}"
-        try:
-            first = await asyncio.wait_for(stream.read(), self._config.admit_timeout_s)
-            if not isinstance(first, Admitted):
-                raise Unavailable(f"{who} did not admit the request (no Admitted event first)")
-        except BaseException as exc:
-            self._router.finish(ticket, is_refused=True)
-            stream.cancel()
-            if isinstance(exc, TimeoutError):
-                self._downstream.request_refresh(down=route.decode)
-                timeout_s = self._config.admit_timeout_s
-                raise InstanceDown(f"{who} did not admit or refuse within {timeout_s} s") from None
-            if isinstance(exc, InstanceDown):
-                self._downstream.request_refresh(down=route.decode)
-            raise
-        _LOG.debug(
-            "%r (id %s): %d prompt tokens, prefill %s -> decode %s, blocks %s (%d cached)",
-            self._ids.client_request_id,
-            self._ids.request_id,
-            len(prompt.token_ids),
-            route.prefill,
-            route.decode,
-            first.prompt_block_ids,
-            first.num_cached_blocks,
-        )
-        self._learn_admitted(route, first, block_size)
-        return _Admission(route, ticket, stream, first)
-
-    def _blocks_needed_on(self, decode: str) -> int:
-        """Blocks the request holds on `decode` at its longest (what decode reserves at
-        admission), in that instance's block size from its Info."""
-        prompt = self._prompt
-        block_size = self._downstream.decode_block_size(decode)
-        return blocks_to_reserve(len(prompt.token_ids), prompt.sampling.max_tokens, block_size)
-
-    def _learn_admitted(self, route: Route, admitted: Admitted, block_size: int) -> None:
-        """Decode said how much of the prompt it holds: correct the index, then count the
-        prompt as held by both instances (they hold it once this request is through)."""
-        index = self._router.prefix_index
-        self._correct(route.decode, admitted.num_cached_blocks * block_size)
-        now = time.monotonic()
-        index.record(route.decode, self._prefix_keys, now)
-        index.record(route.prefill, self._prefix_keys, now)
-
-    def _correct(self, address: str, num_held_tokens: int) -> None:
-        """`address` holds the prompt's first `num_held_tokens` tokens, and the index expected
-        more: it evicted them, or (holding nothing) restarted and lost everything it held."""
-        index = self._router.prefix_index
-        held = num_held_tokens // index.block_size
-        if self._affinity.get(address, 0) <= held:
-            return
-        if held == 0:
-            index.forget(address)
-        else:
-            index.forget_from(address, self._prefix_keys, held)
-
-    def _learn_finished(self, admission: _Admission) -> None:
-        """Decode keeps the K/V of the prompt and of every output token but the last; prefill
-        said how much of the prompt it had cached."""
-        index = self._router.prefix_index
-        written = [*self._prompt.token_ids, *self._output_token_ids][:-1]
-        index.record(admission.route.decode, index.keys(written), time.monotonic())
-        reply = self._prefill_reply
-        if reply is not None:
-            self._correct(admission.route.prefill, reply.num_cached_tokens)
-            index.record(admission.route.prefill, self._prefix_keys, time.monotonic())
-
     # ---- 2. prefill --------------------------------------------------------------------------
 
-    def _start_prefill(self, admission: _Admission) -> None:
+    def _start_prefill(self, admission: Admission) -> None:
         self._prefill_reply = None
         address = admission.route.prefill
         admission.prefill_clock = self._router.room_clock(address)
@@ -351,12 +182,12 @@ class Generation:
     def _prefill_ended(self, prefill: asyncio.Future[PrefillStats], address: str) -> None:
         """Prefill's call ended: its prompt left prefill's queue, room for the next, unless
         prefill turned it away (then nothing was there)."""
-        if not prefill.cancelled() and _is_refused_for_room(prefill.exception()):
+        if not prefill.cancelled() and is_refused_for_room(prefill.exception()):
             return
         self._router.mark_room(address)
         self._admitter.notify()
 
-    def _check_prefill(self, admission: _Admission) -> None:
+    def _check_prefill(self, admission: Admission) -> None:
         """Store prefill's reply once it is in; raise its error if it failed, NoRoom if it
         turned the request away for room before any token (the request waits again)."""
         prefill = self._prefill
@@ -368,13 +199,13 @@ class Generation:
             self._downstream.request_refresh(down=admission.route.prefill)
             raise
         except ResourceExhausted as error:
-            if not _is_refused_for_room(error) or self._output_token_ids:
+            if not is_refused_for_room(error) or self._output_token_ids:
                 raise
             address = admission.route.prefill
             self._router.mark_full(address, str(error), seen_clock=admission.prefill_clock)
             raise NoRoom(str(error), error.retry_after_s) from None
 
-    async def _with_prompt_logprobs(self, admission: _Admission, delta: Delta) -> Delta:
+    async def _with_prompt_logprobs(self, admission: Admission, delta: Delta) -> Delta:
         """The first delta, with the prompt's logprobs from prefill's reply, waited for (it
         normally comes about when decode's first token does); raises prefill's error."""
         while self._prefill_reply is None:
@@ -397,7 +228,7 @@ class Generation:
 
     # ---- 3. stream ---------------------------------------------------------------------------
 
-    async def _next_event(self, admission: _Admission) -> Admitted | Tokens:
+    async def _next_event(self, admission: Admission) -> Admitted | Tokens:
         """decode's next event, while watching prefill: its failure ends the request now."""
         if self._prefill_reply is None:
             event = await self._read_watching_prefill(admission)
@@ -409,13 +240,13 @@ class Generation:
             raise self._ended_early(admission)
         return event
 
-    def _ended_early(self, admission: _Admission) -> Unavailable:
+    def _ended_early(self, admission: Admission) -> Unavailable:
         return Unavailable(
             f"decode at {admission.route.decode} ended the stream without a finish reason"
         )
 
     async def _read(
-        self, admission: _Admission, read: asyncio.Future[Admitted | Tokens | None] | None = None
+        self, admission: Admission, read: asyncio.Future[Admitted | Tokens | None] | None = None
     ) -> Admitted | Tokens | None:
         """decode's next event (`read`, when already started); decode being down is noted."""
         try:
@@ -424,7 +255,7 @@ class Generation:
             self._downstream.request_refresh(down=admission.route.decode)
             raise
 
-    async def _read_watching_prefill(self, admission: _Admission) -> Admitted | Tokens | None:
+    async def _read_watching_prefill(self, admission: Admission) -> Admitted | Tokens | None:
         read = asyncio.ensure_future(admission.stream.read())
         try:
             while not read.done() and self._prefill_reply is None:
@@ -448,7 +279,7 @@ class Generation:
                 # retrieve it so asyncio does not log it as an unhandled task error.
                 read.exception()
 
-    async def _stream(self, admission: _Admission, text: TextStream) -> AsyncGenerator[Delta, None]:
+    async def _stream(self, admission: Admission, text: TextStream) -> AsyncGenerator[Delta, None]:
         sampling = self._prompt.sampling
         stop_token_ids = frozenset(sampling.stop_token_ids)
         matcher = StopMatcher(sampling.stop)
@@ -502,9 +333,3 @@ class Generation:
             yield delta
             if finish:
                 return
-
-
-def _is_refused_for_room(error: BaseException | None) -> bool:
-    """A capacity refusal (RESOURCE_EXHAUSTED with a retry hint): waiting helps. Without the
-    hint it is a limit no wait lifts (a message over a size limit)."""
-    return isinstance(error, ResourceExhausted) and error.retry_after_s is not None
