@@ -28,11 +28,10 @@ from aiohttp import web
 from mili.errors import Unavailable
 from services.frontend.chat_output import ChatOutput, OutputPiece
 from services.frontend.generations import Generations
-from services.frontend.http_api import sse
-from services.frontend.http_api.choices import Choice, Usage, run
+from services.frontend.http_api.choices import Choice, Usage
 from services.frontend.http_api.completions import detokenizer_of
 from services.frontend.http_api.errors import response_of
-from services.frontend.http_api.openai_call import Head, gather, open_call
+from services.frontend.http_api.openai_call import Head, open_call, respond
 from services.frontend.http_api.openai_logprobs import TokenPieces, chat_logprobs
 from services.frontend.http_api.openai_request import OpenAIRequest, chat_request
 from services.frontend.pipeline import Delta
@@ -52,14 +51,7 @@ async def create_chat_completion(
         except Unavailable as exc:
             return response_of(exc)
     chat = ChatJson(call.request, call.choices, call.head, pieces)
-    if call.request.is_stream:
-        events = run(generations, call.choices, is_stream=True)
-        metric = generations.metrics.generated_tokens
-        return await sse.serve(request, events, chat, call.request.param_of, metric)
-    deltas = await gather(call)
-    if isinstance(deltas, web.Response):
-        return deltas
-    return web.Response(text=chat.whole(deltas), content_type="application/json")
+    return await respond(request, call, chat)
 
 
 class ChatJson:

@@ -20,10 +20,9 @@ from aiohttp import web
 
 from mili.errors import Unavailable
 from services.frontend.generations import Generations
-from services.frontend.http_api import sse
-from services.frontend.http_api.choices import Choice, Usage, run
+from services.frontend.http_api.choices import Choice, Usage
 from services.frontend.http_api.errors import response_of
-from services.frontend.http_api.openai_call import Head, OpenAICall, gather, open_call
+from services.frontend.http_api.openai_call import Head, OpenAICall, open_call, respond
 from services.frontend.http_api.openai_logprobs import (
     TokenPieces,
     completion_logprobs,
@@ -51,14 +50,7 @@ async def create_completion(request: web.Request, generations: Generations) -> w
     except Unavailable as exc:
         return response_of(exc)
     chunks = CompletionJson(call.request, call.choices, call.head, echoes, pieces)
-    if call.request.is_stream:
-        events = run(generations, call.choices, is_stream=True)
-        metric = generations.metrics.generated_tokens
-        return await sse.serve(request, events, chunks, call.request.param_of, metric)
-    deltas = await gather(call)
-    if isinstance(deltas, web.Response):
-        return deltas
-    return web.Response(text=chunks.whole(deltas), content_type="application/json")
+    return await respond(request, call, chunks)
 
 
 def _prompt_texts(call: OpenAICall) -> list[str]:

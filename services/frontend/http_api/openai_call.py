@@ -1,5 +1,6 @@
 """What both OpenAI generation endpoints do before and after their own shaping: read the body,
-check the model, validate every choice, and (not streamed) gather each choice's deltas.
+check the model, validate every choice; then respond, streaming the choices' deltas as SSE
+(sse.py) or gathering them into one JSON body, in the endpoint's shape.
 
     X-Request-Id header  -> the request id in logs and traces, and the response's id
                             (`cmpl-`/`chatcmpl-` + it); a fresh one when absent
@@ -14,11 +15,12 @@ import time
 from collections.abc import Callable
 from contextlib import aclosing
 from dataclasses import dataclass
+from typing import Protocol
 
 from aiohttp import web
 
 from services.frontend.generations import Generations
-from services.frontend.http_api import body
+from services.frontend.http_api import body, sse
 from services.frontend.http_api.choices import Choice, plan, run
 from services.frontend.http_api.errors import error_response, response_of
 from services.frontend.http_api.openai_request import OpenAIRequest
@@ -82,7 +84,25 @@ async def open_call(
     return OpenAICall(generations, request, choices, Head(request_id, int(time.time()), model))
 
 
-async def gather(call: OpenAICall) -> dict[int, list[Delta]] | web.Response:
+class Shape(sse.Chunks, Protocol):
+    """An endpoint's response JSON: as stream chunks (sse.Chunks), or whole."""
+
+    def whole(self, deltas: dict[int, list[Delta]]) -> str: ...
+
+
+async def respond(http_request: web.Request, call: OpenAICall, shape: Shape) -> web.StreamResponse:
+    """The call's response: its choices streamed as SSE, or gathered into one JSON body."""
+    if call.request.is_stream:
+        events = run(call.generations, call.choices, is_stream=True)
+        metric = call.generations.metrics.generated_tokens
+        return await sse.serve(http_request, events, shape, call.request.param_of, metric)
+    deltas = await _gather(call)
+    if isinstance(deltas, web.Response):
+        return deltas
+    return web.Response(text=shape.whole(deltas), content_type="application/json")
+
+
+async def _gather(call: OpenAICall) -> dict[int, list[Delta]] | web.Response:
     """Every choice's deltas, by choice index, once all finished; or the error response."""
     deltas: dict[int, list[Delta]] = {c.index: [] for c in call.choices}
     events = run(call.generations, call.choices, is_stream=False)
