@@ -1,20 +1,21 @@
-"""A request's prompt as token ids, checked against the vocabulary and the context window."""
+"""A request's prompt as token ids, checked against what the services behind it report: the
+tokenizer's vocabulary and character limit, prefill's prompt limit, the context window; the
+model's EOS ids join its stop ids.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Sequence
+from dataclasses import replace
 
-from mili.errors import Unavailable
+from mili.engine.sampling_params import SamplingParams
+from mili.errors import FieldViolation, InvalidArgument, Unavailable
+from services.frontend import tools as tool_checks
 from services.frontend.calls import Deadline, Downstream, Prompt
 from services.frontend.config import FrontendConfig
-from services.frontend.validation import (
-    ValidRequest,
-    check_input_chars,
-    check_token_ids,
-    fit_context,
-    with_eos,
-)
+from services.frontend.validation import PromptField, ValidRequest, raise_if_any
 
 
 async def tokenize(
@@ -47,3 +48,99 @@ async def tokenize(
         may_shrink=request.is_default_max_tokens,
     )
     return Prompt(token_ids, with_eos(sampling, facts.eos_token_ids))
+
+
+def check_input_chars(request: ValidRequest, max_input_chars: int) -> None:
+    """The text the tokenizer would refuse, refused before sending it (0: no known limit).
+    Counted as the tokenizer counts: the prompt, or the messages' content, reasoning, tool
+    calls and call ids, and the tools."""
+    if request.prompt_field == "prompt":
+        num_chars = len(request.prompt)
+    elif request.prompt_field == "messages":
+        num_chars = sum(
+            len(m.content) + len(m.reasoning_content or "") + len(m.tool_call_id)
+            for m in request.messages
+        )
+        calls = [c for m in request.messages for c in m.tool_calls]
+        num_chars += tool_checks.num_chars(request.tools, calls)
+    else:
+        return
+    if max_input_chars and num_chars > max_input_chars:
+        raise InvalidArgument(
+            request.prompt_field,
+            f"{num_chars} characters",
+            f"longer than the tokenizer's limit of {max_input_chars} characters",
+        )
+
+
+def check_token_ids(request: ValidRequest, vocab_size: int) -> None:
+    """Every id the caller sent (prompt and stop ids) must be below the tokenizer's vocab size."""
+    violations: list[FieldViolation] = []
+    reason = f"outside the vocabulary (ids 0..{vocab_size - 1})"
+    for field, ids in (
+        ("token_ids", request.token_ids),
+        ("sampling.stop_token_ids", request.sampling.stop_token_ids),
+    ):
+        for i, token_id in enumerate(ids):
+            if not 0 <= token_id < vocab_size:
+                violations.extend(InvalidArgument(f"{field}[{i}]", token_id, reason).violations)
+    raise_if_any(violations)
+
+
+def fit_context(
+    sampling: SamplingParams,
+    num_prompt_tokens: int,
+    max_context_tokens: int,
+    prompt_field: PromptField,
+    max_prompt_tokens: int | None = None,
+    *,
+    may_shrink: bool = False,
+) -> SamplingParams:
+    """Check prompt + max_tokens fits the context window; with `may_shrink` (the caller left
+    max_tokens unset) max_tokens shrinks to fit instead.
+
+    Raises InvalidArgument naming the prompt (when it alone is too long for prefill, or leaves
+    no room for one token), `sampling.max_tokens`, or `sampling.prompt_logprobs` (asked for a
+    prompt longer than their limit), with the numbers a caller needs to fix it.
+    """
+    if num_prompt_tokens == 0:
+        raise InvalidArgument(prompt_field, "", "tokenizes to no tokens")
+    try:
+        sampling.check_prompt(num_prompt_tokens)
+    except InvalidArgument as err:
+        raise InvalidArgument.many(
+            [FieldViolation(f"sampling.{v.field}", v.description) for v in err.violations]
+        ) from None
+    if max_prompt_tokens is not None and num_prompt_tokens > max_prompt_tokens:
+        raise InvalidArgument(
+            prompt_field,
+            f"{num_prompt_tokens} tokens",
+            f"too long: prefill accepts at most {max_prompt_tokens} prompt tokens",
+        )
+    room = max_context_tokens - num_prompt_tokens
+    if room < 1:
+        raise InvalidArgument(
+            prompt_field,
+            f"{num_prompt_tokens} tokens",
+            f"too long: the context window is {max_context_tokens} tokens, and the prompt "
+            "must leave room for at least one generated token",
+        )
+    if sampling.max_tokens <= room:
+        return sampling
+    if may_shrink:
+        return replace(sampling, max_tokens=room)
+    raise InvalidArgument(
+        "sampling.max_tokens",
+        sampling.max_tokens,
+        f"prompt ({num_prompt_tokens} tokens) + max_tokens ({sampling.max_tokens}) exceeds the "
+        f"context window of {max_context_tokens} tokens; at most {room} fits",
+    )
+
+
+def with_eos(sampling: SamplingParams, eos_token_ids: Sequence[int]) -> SamplingParams:
+    """Add the model's EOS ids to the stop ids (unless ignore_eos), so decode stops on exactly
+    the tokenizer's list (generation_config.json), whatever its own config says."""
+    if sampling.ignore_eos:
+        return sampling
+    merged = tuple(dict.fromkeys([*sampling.stop_token_ids, *eos_token_ids]))
+    return replace(sampling, stop_token_ids=merged)

@@ -8,6 +8,7 @@ import pytest
 
 from mili.engine.sampling_params import MAX_PROMPT_LOGPROBS_TOKENS
 from mili.errors import InvalidArgument
+from services.frontend.prompt import check_input_chars, check_token_ids, fit_context, with_eos
 from services.frontend.validation import (
     MAX_CONTEXT_TOKENS,
     ChatTurn,
@@ -17,11 +18,7 @@ from services.frontend.validation import (
     SamplingInput,
     ValidRequest,
     check_counts,
-    check_input_chars,
-    check_token_ids,
-    fit_context,
     validate,
-    with_eos,
 )
 
 LIMITS = Limits(default_max_tokens=256, max_tokens_limit=1000)
