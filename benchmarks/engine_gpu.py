@@ -7,7 +7,20 @@ per decode step, and HF transformers' `generate` on the same weights, all in one
 Weights: random, `--preset`'s shapes (qwen3-0.6b: 28 layers, hidden 1024, vocab 151936), written
 once as a bf16 checkpoint by mili.engine.checkpoint.cached_random_checkpoint into --cache-dir
 (the one the other benchmarks share); `tiny` (benchmarks/presets.py) is 2 layers of hidden 64,
-4 q / 2 kv heads of 64 (the Mojo kernels' smallest head_dim), vocab 256.
+4 q / 2 kv heads of 64 (the Mojo kernels' smallest head_dim), vocab 896; `tiny-moe` the same
+with 8 experts of 32, 2 active.
+
+--random-on-device makes the weights on the device instead (benchmarks.presets.random_model:
+no checkpoint, nothing written, no HF comparison): how the MoE presets run, whose checkpoints
+would be 61 GB (qwen3-30b-a3b) and 470 GB. Before building, the weights plus the KV blocks
+the run needs are checked against the device's free memory; --layers N keeps the preset's
+first N layers where the whole model would not fit (every per-layer cost then scales by
+layers / N: the run prints that upper estimate beside what it measured). Qwen3-30B-A3B on one
+H100 (80 GB): 56.8 GiB of bf16 weights + 96 KiB of KV per token, all 48 layers fit at batch 64
+and context 1024 (6.2 GiB of KV). The issue 32 comparison, printed with the table:
+
+    python3 benchmarks/engine_gpu.py --preset qwen3-30b-a3b --random-on-device --no-hf \
+        --batches 1,10,64 --context 1024                   # vLLM: 13.2 ms TPOT at c=10
 
 Kernels: --attention picks the attention backend and, as in `mili serve` (one flag, one kernel
 family), the fused elementwise ops too; --fused overrides the latter (torch: the reference ops).
@@ -35,6 +48,7 @@ docs/benchmarks.md with the date, machine and command.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import statistics
@@ -50,18 +64,35 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.presets import CHOICES, DEFAULT_CACHE, preset_checkpoint
+from benchmarks.presets import (
+    CHOICES,
+    DEFAULT_CACHE,
+    preset_checkpoint,
+    preset_config,
+    random_model,
+)
 from kernels.backend import select_attention, select_fused_ops
 from mili.engine.kv.block_pool import BlockPool, blocks_needed
+from mili.engine.model import moe
 from mili.engine.model.attention import TorchAttention
+from mili.engine.model.config import Qwen3Config
+from mili.engine.model.kv_cache import bytes_per_block
 from mili.engine.model.loader import load_model
 from mili.engine.model.qwen3 import Qwen3ForCausalLM
+from mili.engine.model.sizing import num_active_parameters, weight_bytes
 from mili.engine.sampling_params import SamplingParams
 from mili.engine.step.runner import ModelRunner
 from mili.engine.step.sequence import Sequence
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 LAUNCH_KEYS = ("LaunchKernel", "GraphLaunch", "cuLaunch", "LaunchCooperativeKernel")
+# Published numbers the table is read against, per preset (printed under it).
+REFERENCES = {
+    "qwen3-0.6b": "issue 33's goals (H100): batch 1 <= 1.5 ms with graphs, >= 20k tok/s at 256; "
+    "vLLM published TPOT 2.39 ms at light load",
+    "qwen3-30b-a3b": "vLLM published (one H100, untuned): TPOT 13.2 ms, 739.8 output tok/s at "
+    "concurrency 10, 2048 in / 1024 out (serving end to end; this is the engine alone)",
+}
 
 
 class _GraphSafeTorch(TorchAttention):
@@ -237,9 +268,43 @@ def hf_tpot(
     return (many - one) / args.steps * 1e3
 
 
-def load(path: Path, args: argparse.Namespace) -> Qwen3ForCausalLM:
+def run_config(args: argparse.Namespace) -> Qwen3Config:
+    """The preset, or its first --layers layers."""
+    config = preset_config(args.preset)
+    if args.layers is None:
+        return config
+    if not 0 < args.layers <= config.num_hidden_layers:
+        raise SystemExit(f"--layers must be 1..{config.num_hidden_layers} for {args.preset}")
+    return dataclasses.replace(config, num_hidden_layers=args.layers)
+
+
+def check_fits(config: Qwen3Config, num_blocks: int, args: argparse.Namespace) -> str:
+    """Weights + KV blocks against the device's free memory (CUDA): a line to print, or exit
+    naming what would fit, before a minute of allocating."""
+    dtype = DTYPES[args.dtype]
+    weights = weight_bytes(config, torch.empty((), dtype=dtype).element_size())
+    kv = num_blocks * bytes_per_block(config, args.block_size, dtype)
+    line = (
+        f"weights {weights / 2**30:.3g} GiB ({num_active_parameters(config) / 1e9:.3g}B params "
+        f"active per token), KV {kv / 2**30:.3g} GiB ({num_blocks} blocks)"
+    )
+    if args.device.startswith("cuda"):
+        free, total = torch.cuda.mem_get_info(torch.device(args.device))
+        line += f", device free {free / 2**30:.1f} of {total / 2**30:.1f} GiB"
+        headroom = 2 << 30  # activations of a prefill chunk, graph pools, the allocator's slack
+        if weights + kv + headroom > free:
+            per_layer = (weights + kv) / config.num_hidden_layers
+            fits = int((free - headroom) // per_layer)
+            raise SystemExit(f"does not fit: {line}; try --layers {max(1, fits)} or a smaller run")
+    return line
+
+
+def load(path: Path | None, args: argparse.Namespace) -> Qwen3ForCausalLM:
     device = torch.device(args.device)
-    model = load_model(path, device=device, dtype=DTYPES[args.dtype])
+    if path is None:
+        model = random_model(run_config(args), device, DTYPES[args.dtype])
+    else:
+        model = load_model(path, device=device, dtype=DTYPES[args.dtype])
     head_dim = model.config.head_dim
     if args.attention == "torch-graphs":
         model.attention = _GraphSafeTorch()
@@ -273,25 +338,49 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill-batch", type=int, default=4)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--no-hf", action="store_true", help="skip HF transformers")
+    parser.add_argument(
+        "--random-on-device",
+        action="store_true",
+        help="random weights made on the device, no checkpoint (MoE presets; no HF)",
+    )
+    parser.add_argument(
+        "--layers", type=int, default=None, help="the preset's first N layers (--random-on-device)"
+    )
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     device = torch.device(args.device)
-
-    path = preset_checkpoint(args.preset, args.cache_dir)
-    model = load(path, args)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
-    print(
-        f"# {args.preset} {args.dtype} on {args.device} ({name}), torch {torch.__version__}, "
-        f"attention {model.attention.name}, fused ops {model.fused_ops.name}, "
-        f"context {args.context}, {args.steps} steps",
-        flush=True,
-    )
-    what = "launches" if device.type == "cuda" else "aten ops"
+    if args.layers is not None and not args.random_on_device:
+        parser.error("--layers needs --random-on-device (a checkpoint has all its layers)")
     tokens = args.context + args.warmup + args.steps + 2
     num_blocks = max(batches) * blocks_needed(tokens, args.block_size)
     num_blocks = max(num_blocks, args.prefill_batch * blocks_needed(args.prefill_tokens, 16))
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
+    full_layers = preset_config(args.preset).num_hidden_layers
+    config = run_config(args)
+    if args.random_on_device:
+        print(f"# {check_fits(config, num_blocks, args)}", flush=True)
+        path = None
+    else:
+        path = preset_checkpoint(args.preset, args.cache_dir)
+    t0 = time.perf_counter()
+    model = load(path, args)
+    sync(device)
+    weights = "random on the device" if path is None else "checkpoint"
+    experts = ""
+    if config.is_moe:
+        gemm = moe.default_grouped_gemm(device, DTYPES[args.dtype])
+        experts = f", {config.num_experts} experts ({config.num_experts_per_tok} active, {gemm})"
+    print(
+        f"# {args.preset} {args.dtype} on {args.device} ({name}), torch {torch.__version__}, "
+        f"{config.num_hidden_layers} of {full_layers} layers{experts}, weights {weights} "
+        f"({time.perf_counter() - t0:.1f} s), attention {model.attention.name}, "
+        f"fused ops {model.fused_ops.name}, context {args.context}, {args.steps} steps",
+        flush=True,
+    )
+    what = "launches" if device.type == "cuda" else "aten ops"
     eager = ModelRunner.create(model, num_blocks, args.block_size, max_decode_batch=max(batches))
     prefill = prefill_tokens_per_s(eager, args)
     print(
@@ -321,6 +410,8 @@ def main(argv: list[str] | None = None) -> int:
         note = f"graphs: n/a, attention {model.attention.name} is not graph-safe"
     elif not model.fused_ops.is_graph_safe:
         note = f"graphs: n/a, fused ops {model.fused_ops.name} are not graph-safe"
+    elif config.is_moe and not moe.is_graph_safe(device, model.dtype):
+        note = f"graphs: n/a, the experts' grouped GEMM is not graph-safe in {args.dtype} here"
     else:
         del eager
         graphs = ModelRunner.create(
@@ -338,7 +429,9 @@ def main(argv: list[str] | None = None) -> int:
         for row in rows:
             row.graphs_tpot_ms, row.graphs_launches = decode_tpot(graphs, row.batch, args)
             report("graphs", row, row.graphs_tpot_ms, row.graphs_launches)
-    if not args.no_hf:
+    if path is None:
+        print("# hf: n/a, no checkpoint (--random-on-device)", flush=True)
+    elif not args.no_hf:
         del model
         for row in rows:
             row.hf_tpot_ms = hf_tpot(path, DTYPES[args.dtype], device, row.batch, args)
@@ -359,9 +452,22 @@ def main(argv: list[str] | None = None) -> int:
     print("|" + " --- |" * len(header))
     for row in rows:
         print("| " + " | ".join(row.cells()) + " |")
+    if config.num_hidden_layers < full_layers:
+        scale = full_layers / config.num_hidden_layers
+        for row in rows:
+            best = min((x for x in (row.eager_tpot_ms, row.graphs_tpot_ms) if x), default=None)
+            if best is not None:
+                print(
+                    f"# batch {row.batch}: {full_layers} layers <= {best * scale:.2f} ms TPOT "
+                    f"(x {scale:.2f}: every cost counted per layer, the head's too)"
+                )
+    if args.preset in REFERENCES:
+        print(f"# compare: {REFERENCES[args.preset]}")
     if args.json:
         result: dict[str, Any] = {
             "args": {k: str(v) for k, v in vars(args).items()},
+            "device_name": name,
+            "layers": config.num_hidden_layers,
             "prefill_tokens_per_s": prefill,
             "note": note,
             "rows": [asdict(r) for r in rows],

@@ -39,6 +39,7 @@ SERVING_MODULES = (
     "prometheus_client",
     "xxhash",
     "transformers",
+    "llguidance",  # structured output; the servers import it (gpu_prep.sh carries its wheel)
 )
 CUDA_MODULES = ("cuda.bindings", "cupy")  # the PTX loader's driver bindings: one of them
 

@@ -61,7 +61,8 @@ def test_every_piece_runs_and_passes_within_eight_files(check_out: Path) -> None
     run_log = (check_out / "run.log").read_text()
     started = re.findall(r"\] START cap \d+s: (.*)", run_log)
     ended = {command: rc for rc, command in re.findall(r"\] END exit (\d+)[^:]*: (.*)", run_log)}
-    assert len(started) == 13, run_log  # env, checkpoint, 3 kernel pieces, 2 tests, 6 in phase B
+    # env, checkpoint, 3 kernel pieces, 3 test pieces, 7 in phase B
+    assert len(started) == 15, run_log
     assert {command: ended.get(command) for command in started} == dict.fromkeys(started, "0")
     assert "SKIP" not in run_log
     assert "0 failed, 0 skipped" in run_log.splitlines()[-1]
@@ -78,7 +79,11 @@ def test_each_log_holds_measured_rows(check_out: Path) -> None:
     assert "ok prefill" in kernels and "# 0 failed" in kernels
     assert re.search(r"\b500 passed", kernels)  # the CPU parity grid, one process
     assert re.search(r"\b411 passed", kernels)  # the fused ops'
-    assert re.search(r"\d+ passed, \d+ skipped", log("tests.log"))
+    tests = log("tests.log")
+    assert re.search(r"\d+ passed, \d+ skipped", tests)
+    # the paths added since the plan was made: their GPU tests collected (and skipped here)
+    assert "test_mask_gpu.py::test_cuda_torch_path_equals_cpu_numpy_path" in tests
+    assert "test_moe.py::test_cuda_grouped_mm_matches_reference_and_captures SKIPPED" in tests
 
     engine = log("engine.log")
     # parity: the prefill and one line per teacher-forced decode step, then the verdict
@@ -90,6 +95,11 @@ def test_each_log_holds_measured_rows(check_out: Path) -> None:
     for batch in (1, 8):
         assert re.search(rf"^eager +batch +{batch}: TPOT +{NUMBER} ms, +\d+ tok/s", engine, re.M)
     assert '"prefill_tokens_per_s"' in engine
+    # MoE, random weights made on the device (no checkpoint): a row per batch, then the JSON
+    moe_header = r"^# tiny-moe .* 8 experts \(2 active, grouped_mm\), weights random"
+    assert re.search(moe_header, engine, re.M)
+    assert re.search(rf"^eager +batch +10: TPOT +{NUMBER} ms", engine, re.M)
+    assert '"random_on_device": "True"' in engine
 
     attention = log("attention.log")
     assert re.search(rf"^ +128( +{NUMBER}){{6}}$", attention, re.M)  # prefill T=128 vs SDPA

@@ -22,7 +22,6 @@ import concurrent.futures
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
-import llguidance
 import numpy as np
 import torch
 
@@ -56,6 +55,11 @@ class BatchMasker:
     previous step's mask was read from, so it starts only once that step's sample is back."""
 
     def __init__(self, tokenizer: GrammarTokenizer, max_batch: int, num_threads: int = 1):
+        # Imported here, not at the top: the sampler imports this module, and a model runner
+        # that serves no constraint then runs where llguidance is missing (a GPU image that
+        # lacks the wheel still runs every engine check).
+        import llguidance
+
         self.tokenizer = tokenizer
         self._executor = llguidance.LLExecutor(num_threads=num_threads)
         self._pin = torch.cuda.is_available()
