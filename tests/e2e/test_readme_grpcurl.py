@@ -52,7 +52,14 @@ def test_readme_grpcurl_command_works_as_written(pipeline: Deployment, command: 
         assert messages[-1]["finish_reason"] in ("FINISH_REASON_LENGTH", "FINISH_REASON_STOP")
         assert 1 <= messages[-1]["usage"]["completion_tokens"] <= 16
     elif command.endswith("/Complete"):
-        assert json.loads(out)["usage"]["completion_tokens"] >= 1
+        reply = json.loads(out)
+        assert reply["usage"]["completion_tokens"] >= 1
+        # Constrained: the answer is what was asked for, whatever the demo model's weights.
+        if '"json_schema"' in command:
+            assert reply["finish_reason"] == "FINISH_REASON_STOP", reply
+            assert isinstance(json.loads(reply["text"])["name"], str)
+        if '"choice"' in command:
+            assert reply["text"] in ("yes", "no"), reply
     elif command.endswith("/Tokenize"):
         assert json.loads(out)["token_ids"], out
     elif command.endswith("/Detokenize"):
