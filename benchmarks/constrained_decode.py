@@ -18,12 +18,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.presets import DEFAULT_CACHE, preset_checkpoint
 from kernels.choice import select_kernels
