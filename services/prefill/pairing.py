@@ -32,6 +32,11 @@ _LOG = logging.getLogger("mili.prefill")
 _SERVICE = kv_pb2.DESCRIPTOR.services_by_name["KvTransferService"].full_name
 _PAIR = f"/{_SERVICE}/Pair"
 _PAIR_TIMEOUT_S = 5.0
+# How long a transfer waits for its channel to (re)connect: past grpc's reconnect backoff
+# (capped at 2 s, +20% jitter, mili.rpc.client). Decode admitted the request moments ago, so it
+# is up; a channel still backing off from its last run (a restarted decode) would otherwise fail
+# the transfer at once.
+_READY_WAIT_S = 3.0
 _SWEEP_INTERVAL_S = 1.0  # how soon a decode killed between transfers loses its segment
 
 
@@ -99,7 +104,9 @@ class Peers:
 
     async def pair(self, address: str) -> Pairing:
         """The pair's transport, set up on first use (one Pair call even when many transfers
-        start at once); grpc when decode cannot pair or Pair fails."""
+        start at once); grpc when decode cannot pair or Pair fails. Waits (a little) for the
+        channel to be connected first."""
+        await self._ready(address)
         done = self._pairings.get(address)
         if done is not None:
             return done
@@ -111,6 +118,17 @@ class Peers:
             self._pairing[address] = pending
             pending.add_done_callback(lambda _: self._pairing.pop(address, None))
         return await asyncio.shield(pending)
+
+    async def _ready(self, address: str) -> None:
+        """Up to _READY_WAIT_S for the channel to `address` to be connected (at once when it
+        is); the transfer then reports decode's state either way."""
+        channel = self.get(address)
+        if channel.get_state(try_to_connect=True) is grpc.ChannelConnectivity.READY:
+            return
+        try:
+            await asyncio.wait_for(channel.channel_ready(), _READY_WAIT_S)
+        except TimeoutError:
+            _LOG.debug("decode at %s: not connected after %.1f s", address, _READY_WAIT_S)
 
     async def _pair(self, address: str) -> Pairing:
         assert self._endpoint is not None and self._layout is not None
