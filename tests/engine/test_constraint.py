@@ -233,6 +233,21 @@ def test_async_compile_dedupes_concurrent_requests(tokenizer: GrammarTokenizer) 
     assert compiler.stats().misses == 1 and compiler.stats().hits == 1
 
 
+def test_a_refused_constraint_is_refused_again_without_a_compile(
+    compiler: ConstraintCompiler,
+) -> None:
+    """A client repeating a bad schema costs a lookup, not a compile thread each time: the
+    refusal is remembered (bounded like the cache), with the same field and reason."""
+    bad = Constraint.json_schema({"not": {"type": "null"}})
+    with pytest.raises(InvalidArgument) as first:
+        compiler.compile_sync(bad)
+    for _ in range(3):
+        with pytest.raises(InvalidArgument) as again:
+            asyncio.run(compiler.compile(Constraint.json_schema({"not": {"type": "null"}})))
+        assert again.value.violations == first.value.violations
+    assert compiler.stats().misses == 1 and compiler.stats().hits == 3
+
+
 def test_cache_is_lru_bounded(tokenizer: GrammarTokenizer) -> None:
     compiler = ConstraintCompiler(tokenizer, CompileConfig(cache_entries=2))
     for pattern in ("a", "b", "c"):

@@ -145,6 +145,9 @@ class ConstraintCompiler:
         self.config = config
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple[str, str], CompiledConstraint] = OrderedDict()
+        # Constraints the library refused (InvalidArgument: the same text is refused every
+        # time): a client repeating a bad schema costs a lookup, not a compile thread each.
+        self._refused: OrderedDict[tuple[str, str], InvalidArgument] = OrderedDict()
         self._running: dict[tuple[str, str], concurrent.futures.Future[CompiledConstraint]] = {}
         self._num_threads = 0
         self._hits = self._misses = self._timeouts = 0
@@ -184,6 +187,13 @@ class ConstraintCompiler:
         validate(constraint, self.config.limits, self.config.field_prefix)
         key = (self.tokenizer.fingerprint, constraint.key)
         with self._lock:
+            refused = self._refused.get(key)
+            if refused is not None:
+                self._hits += 1
+                self._refused.move_to_end(key)
+                failed: concurrent.futures.Future[CompiledConstraint] = concurrent.futures.Future()
+                failed.set_exception(InvalidArgument.many(refused.violations))
+                return failed
             cached = self._cache.get(key)
             if cached is not None:
                 self._hits += 1
@@ -223,6 +233,10 @@ class ConstraintCompiler:
             with self._lock:
                 self._running.pop(key, None)
                 self._num_threads -= 1
+                if isinstance(e, InvalidArgument):
+                    self._refused[key] = e
+                    while len(self._refused) > self.config.cache_entries:
+                        self._refused.popitem(last=False)
             with contextlib.suppress(concurrent.futures.InvalidStateError):
                 future.set_exception(e)
             return
