@@ -21,10 +21,10 @@ from services.frontend.http_api.chat import create_chat_completion
 from services.frontend.http_api.completions import create_completion
 from services.frontend.http_api.drain import DRAIN_GATE, DrainGate
 from services.frontend.http_api.errors import MAX_BODY_BYTES, openai_errors
+from services.frontend.http_api.keys import GENERATIONS
 from services.frontend.http_api.server import HttpConfig
 from services.frontend.http_api.telemetry import add_telemetry
 
-GENERATIONS = web.AppKey("generations", Generations)
 _STARTED_AT = int(time.time())
 
 
@@ -41,7 +41,7 @@ def make_app(generations: Generations, config: HttpConfig) -> web.Application:
     app.router.add_get("/v1/models", list_models)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
-    seeds.add_routes(app, generations)
+    seeds.add_routes(app)
     return app
 
 

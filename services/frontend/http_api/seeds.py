@@ -5,7 +5,8 @@ POST /generate               {"prompt": str (required), "max_tokens", "temperatu
     -> 200 {"request_id", "generated_text", "tokens": [ids], "prompt_tokens",
             "completion_tokens", "total_tokens", "finish_reason"}
        total_tokens = prompt_tokens + completion_tokens (= len(tokens)): the context the
-       request used. request_id: the body's, else the X-Request-Id header's, else a fresh one.
+       request used. request_id: the body's, else the X-Request-Id header's, else a fresh one
+       (telemetry.request_id_of: the one the response's X-Request-Id echoes).
        Unset fields take the gRPC API's defaults (the server's default max_tokens; temperature 1).
     stream: Server-Sent Events, as the OpenAI endpoints stream:
        data: {"request_id", "text", "token_ids"}               one per delta
@@ -41,15 +42,14 @@ from aiohttp import web
 
 from mili.errors import InvalidArgument
 from services.frontend.calls import Deadline
-from services.frontend.generations import Generations
+from services.frontend.http_api import sse
 from services.frontend.http_api.drain import DRAIN_GATE
 from services.frontend.http_api.errors import response_of
+from services.frontend.http_api.keys import GENERATIONS
+from services.frontend.http_api.telemetry import request_id_of
 from services.frontend.pipeline import Delta
 from services.frontend.validation import RequestInput, SamplingInput
 
-GENERATIONS = web.AppKey("seeds_generations", Generations)
-_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-_DONE = b"data: [DONE]\n\n"
 # Field -> the JSON types it accepts (bool is refused where a number is meant: JSON true is
 # not 1).
 _FIELDS: dict[str, tuple[type, ...]] = {
@@ -63,8 +63,7 @@ _FIELDS: dict[str, tuple[type, ...]] = {
 }
 
 
-def add_routes(app: web.Application, generations: Generations) -> None:
-    app[GENERATIONS] = generations
+def add_routes(app: web.Application) -> None:
     app.router.add_post("/generate", generate)
     app.router.add_get("/status/{request_id}", status)
     app.router.add_get("/health", health)
@@ -73,7 +72,7 @@ def add_routes(app: web.Application, generations: Generations) -> None:
 async def generate(request: web.Request) -> web.StreamResponse:
     generations = request.app[GENERATIONS]
     body = await _json_object(request)
-    valid = generations.validate(_request_input(body, request.headers.get("X-Request-Id", "")))
+    valid = generations.validate(_request_input(body, request_id_of(request)))
     request_id = valid.client_request_id
     deltas = generations.run(valid, Deadline(None))
     async with aclosing(deltas):
@@ -131,8 +130,7 @@ async def _stream(
     # The first delta before the headers: a request that fails before its first token (the
     # prompt too long, a service down) answers with its HTTP status, as a plain one does.
     first = await anext(deltas)
-    response = web.StreamResponse(headers=_SSE_HEADERS)
-    await response.prepare(request)
+    response = await sse.start(request)
     try:
         await _send_delta(response, request_id, first)
         last = first
@@ -142,11 +140,10 @@ async def _stream(
     except ConnectionError:  # the client went away: nobody to tell
         return response
     except Exception as exc:  # past the headers, the error is an event
-        error = json.loads(response_of(exc).text or "{}")
-        await response.write(f"data: {json.dumps(error)}\n\n".encode())
+        await response.write(sse.event(response_of(exc).text or "{}"))
         return response
     totals = {"request_id": request_id, **_totals(last)}
-    await response.write(f"data: {json.dumps(totals)}\n\n".encode() + _DONE)
+    await response.write(sse.event(json.dumps(totals)) + sse.DONE)
     await response.write_eof()
     return response
 
@@ -154,7 +151,7 @@ async def _stream(
 async def _send_delta(response: web.StreamResponse, request_id: str, delta: Delta) -> None:
     if delta.token_ids or delta.text:
         event = {"request_id": request_id, "text": delta.text, "token_ids": delta.token_ids}
-        await response.write(f"data: {json.dumps(event)}\n\n".encode())
+        await response.write(sse.event(json.dumps(event)))
 
 
 def _totals(last: Delta) -> dict[str, Any]:
