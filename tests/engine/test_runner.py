@@ -14,7 +14,7 @@ from mili.engine.kv.block_pool import BlockPool, blocks_needed
 from mili.engine.model.attention import TorchAttention
 from mili.engine.model.qwen3 import DecodeBatch, Qwen3ForCausalLM
 from mili.engine.sampling_params import SamplingParams
-from mili.engine.step.runner import ModelRunner
+from mili.engine.step.runner import ModelRunner, use_device
 from mili.engine.step.sampler import SequenceSampling
 from mili.engine.step.sequence import Sequence
 
@@ -178,3 +178,18 @@ def test_a_failed_graph_capture_leaves_the_runner_eager_and_working(
         run_to_end(r, seqs)
         outputs.append([s.output_token_ids for s in seqs])
     assert outputs[0] == outputs[1] and all(len(ids) == 6 for ids in outputs[0])
+
+
+@pytest.mark.parametrize(("device", "expected"), [("cuda", 0), ("cuda:1", 1)])
+def test_use_device_hands_torch_an_index(
+    monkeypatch: pytest.MonkeyPatch, device: str, expected: int
+) -> None:
+    # torch 2.11's set_device raises ValueError on a device without an index: on the first GPU
+    # run every `--device cuda` instance died at start-up there. No GPU here, so the driver
+    # calls are recorded instead of made.
+    calls: list[object] = []
+    monkeypatch.setattr(torch.cuda, "set_device", calls.append)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    use_device(torch.device(device))
+    use_device(torch.device("cpu"))
+    assert calls == [expected]

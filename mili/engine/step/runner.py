@@ -485,7 +485,9 @@ def use_device(device: torch.device) -> None:
     streams and graph captures made without a device take the current one, which is cuda:0 in
     every thread until it says otherwise. Called by each thread that runs the model."""
     if device.type == "cuda":
-        torch.cuda.set_device(device)
+        # torch 2.11 refuses a device without an index here; plain "cuda" means the current one.
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        torch.cuda.set_device(index)
 
 
 def require_device(device: str) -> None:
