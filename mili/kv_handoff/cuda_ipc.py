@@ -6,12 +6,12 @@ torch.multiprocessing sends: a cudaIpcMemHandle of the allocation, the pool's of
 the reference-counter and event handles torch uses to keep it alive); prefill maps it once per
 pair and copies prompt blocks device to device on a side stream.
 
-Integrity: `blocks_checksum` runs on the device on both sides over the blocks as they are (a
-position-weighted sum of 32-bit words, wrapping: integer addition, so equal on any GPU in any
-order), read back once per chunk on the caller's own stream, never the model's.
+Integrity: `chunk_checksums` runs on the device on both sides over the blocks as they are (a
+position-weighted sum of 32-bit words, wrapping: integer arithmetic, so equal on any GPU in any
+order), read back once per batch of chunks on the caller's own stream, never the model's.
 
-Written for the GPU host; tests/prefill/test_cuda_ipc.py (-m gpu) checks it there. Nothing here
-runs without CUDA.
+Written for the GPU host; tests/prefill/test_cuda_ipc.py (-m gpu) checks the transport there.
+The checksum is plain torch: tests/kv_handoff/test_chunk_checksums.py checks it on the CPU.
 """
 
 from __future__ import annotations
@@ -64,17 +64,46 @@ def import_pool(blob: bytes) -> torch.Tensor:
     return flat.set_(storage, 0, (numel,), (1,))
 
 
-def blocks_checksum(
-    k_pool: torch.Tensor, v_pool: torch.Tensor, block_ids: Sequence[int] | torch.Tensor
-) -> int:
-    """32-bit checksum of blocks `block_ids` of a layer's K pool, then of its V pool.
+# Word weights repeat with this period (the largest prime below 2^16), so a position's weight
+# is the same however the blocks are split into chunks of a chunk's side.
+_PERIOD = 65521
+_weights: dict[torch.device, torch.Tensor] = {}  # per device: (arange % _PERIOD) + 1, int32
 
-    k_pool, v_pool: [num_blocks, block_size, num_kv_heads, head_dim] on a GPU. Reads the result
-    back: a sync of the current stream (call it on a side stream)."""
-    index = torch.as_tensor(block_ids, dtype=torch.int64).to(k_pool.device, non_blocking=True)
-    total = torch.zeros((), dtype=torch.int64, device=k_pool.device)
-    for i, pool in enumerate((k_pool, v_pool)):
-        words = pool.index_select(0, index).reshape(-1).view(torch.int32).to(torch.int64)
-        weights = torch.arange(words.numel(), device=words.device, dtype=torch.int64) % 65521
-        total = total * 31 + (words * (weights + 1 + i)).sum()
-    return int(total) & 0xFFFFFFFF
+
+def _word_weights(device: torch.device, n: int) -> torch.Tensor:
+    """The first `n` word weights, int32 on `device` (grown as needed, kept: a transfer's
+    checksums cost no arange)."""
+    table = _weights.get(device)
+    if table is None or table.numel() < n:
+        size = max(n, 2 * (0 if table is None else table.numel()))
+        table = torch.arange(size, dtype=torch.int64, device=device) % _PERIOD + 1
+        table = table.to(torch.int32)
+        if device.type == "cuda":  # made on this thread's stream; others read it on theirs
+            torch.cuda.current_stream(device).synchronize()
+        _weights[device] = table  # a racing thread's table is as good: the same values
+    return table[:n]
+
+
+def chunk_checksums(chunks: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> list[int]:
+    """The 32-bit checksum of each chunk's blocks; one read back for all of them.
+
+    chunks: (k_pool, v_pool, block_ids) per chunk: the layer's pools [num_blocks, block_size,
+    num_kv_heads, head_dim] and the blocks' ids (int64, on the pools' device). A chunk's value
+    is sum(x * (p % 65521 + 1 + side)) over the 32-bit words x at position p of its K blocks
+    (side 0), times 31, plus the same over its V blocks (side 1), modulo 2^32: integer
+    arithmetic, so equal on any device in any order. Products wrap in int32 (their low 32 bits
+    are all the result keeps); sums accumulate in int64. About ten launches a chunk, and one
+    sync of the current stream at the end (call it on a side stream, never the model's)."""
+    values: list[torch.Tensor] = []
+    for k_pool, v_pool, ids in chunks:
+        k_words, v_words = (
+            p.index_select(0, ids).reshape(-1).view(torch.int32) for p in (k_pool, v_pool)
+        )
+        weights = _word_weights(k_words.device, k_words.numel())
+        k_sum = (k_words * weights).sum(dtype=torch.int64)
+        # V's weights are K's plus one: its weighted sum and its plain sum once more.
+        v_sum = (v_words * weights).sum(dtype=torch.int64) + v_words.sum(dtype=torch.int64)
+        values.append(k_sum * 31 + v_sum)
+    if not values:
+        return []
+    return [v & 0xFFFFFFFF for v in torch.stack(values).tolist()]

@@ -19,7 +19,7 @@ decode's pool mapped once (`connect`). Nothing else asks which transport a pair 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -28,7 +28,7 @@ from mili.engine.model.kv_cache import KVCache, pool_bytes, pool_views
 from mili.engine.step.pinned import thread_stream
 from mili.errors import DataLoss
 from mili.kv_handoff import checksums
-from mili.kv_handoff.block_rows import as_rows, block_rows, block_runs, copy_rows, fits
+from mili.kv_handoff.block_rows import as_rows, block_rows, copy_rows, fits
 from mili.kv_handoff.codec import (
     Chunk,
     announced,
@@ -39,25 +39,36 @@ from mili.kv_handoff.codec import (
     in_place_pools,
     rows_digest,
 )
-from mili.kv_handoff.cuda_ipc import blocks_checksum, import_pool
+from mili.kv_handoff.cuda_ipc import chunk_checksums, import_pool
 from mili.kv_handoff.kv_transport import CUDA_IPC, GRPC, SHM, Endpoint, choose
 from mili.kv_handoff.shm_segment import Segment, is_alive
 from mili.pb.kv.v1 import kv_pb2
 
 
+class KvPart(NamedTuple):
+    """One chunk's KV as prefill hands it to `encode_all`."""
+
+    layer: int
+    block_ids: Sequence[int]  # decode's blocks, in the order of k's and v's first dimension
+    k: torch.Tensor  # [len(block_ids), block_size, num_kv_heads, head_dim]
+    v: torch.Tensor
+
+
 class KvTransport(Protocol):
     """How one pair's KV bytes travel. Both ends hold one; neither method runs on the event loop.
 
-    - `encode` (prefill) is called once per chunk, on an encoder thread; with `is_in_place`
-      only after decode accepted the transfer's header (until then the blocks may belong to
-      another request). k, v: [len(block_ids), block_size, num_kv_heads, head_dim], on the CPU
-      unless `takes_device_tensors`. Returns the serialized TransferKvRequest{chunk} that
-      announces the blocks, carrying `checksum` (a checksums name) of the bytes as decode will
-      read them, and the payload bytes moved.
-    - `land` (decode) is called once per chunk, on a landing thread, after the chunk's place in
-      the transfer was checked (request, seq, blocks of its reservation) and with the request's
-      blocks held. It raises DataLoss when the bytes are short, corrupt or not in place; once it
-      returns, the blocks hold exactly what prefill encoded.
+    - `encode_all` (prefill) is called once per job of chunks (one, or a backlog), on an
+      encoder thread; with `is_in_place` only after decode accepted the transfer's header
+      (until then the blocks may belong to another request). k, v on the CPU unless
+      `takes_device_tensors`. Returns per chunk (numbered from `seq`) the serialized
+      TransferKvRequest{chunk} that announces the blocks, carrying `checksum` (a checksums
+      name) of the bytes as decode will read them, and the payload bytes moved in all.
+    - `land_all` (decode) is called once per landing job (one chunk, or a share of a message's
+      chunks), on a landing thread, after the chunks' places in the transfer were checked
+      (request, seq, blocks of its reservation) and with the request's blocks held. It raises
+      DataLoss when bytes are short, corrupt or not in place; once it returns, the blocks hold
+      exactly what prefill encoded. A job is the unit so that a transport can batch its device
+      work: cuda-ipc reads its checksums back once per job, not per chunk.
     - In place (`is_in_place`), chunks carry no data and several may come in one message
       (TransferKvRequest.chunks); otherwise each chunk message carries its bytes.
     """
@@ -66,22 +77,14 @@ class KvTransport(Protocol):
     is_in_place: bool  # prefill writes decode's blocks itself
     takes_device_tensors: bool  # encode takes k, v on prefill's GPU as they are
 
-    def encode(
-        self,
-        request_id: str,
-        seq: int,
-        layer: int,
-        block_ids: Sequence[int],
-        k: torch.Tensor,
-        v: torch.Tensor,
-        checksum: str,
-    ) -> tuple[bytes, int]:
-        """Prefill: move k, v towards decode's blocks `block_ids` of `layer`; (chunk message,
-        payload bytes)."""
+    def encode_all(
+        self, request_id: str, seq: int, parts: Sequence[KvPart], checksum: str
+    ) -> tuple[list[bytes], int]:
+        """Prefill: move each part towards decode's blocks; (chunk messages, payload bytes)."""
         ...
 
-    def land(self, chunk: Chunk, checksum: str) -> None:
-        """Decode: make sure (and, over grpc, make) the chunk's blocks hold its bytes."""
+    def land_all(self, chunks: Sequence[Chunk], checksum: str) -> None:
+        """Decode: make sure (and, over grpc, make) the chunks' blocks hold their bytes."""
         ...
 
     def reply(self, response: kv_pb2.PairResponse) -> None:
@@ -139,6 +142,15 @@ class GrpcTransport:
             raise RuntimeError("a sender's grpc transport lands nothing")
         k, v = decode_chunk(chunk, self._layout, checksum)  # DataLoss: short, corrupt
         self._cache.scatter(chunk.layer, list(chunk.block_ids), k, v)
+
+    def encode_all(
+        self, request_id: str, seq: int, parts: Sequence[KvPart], checksum: str
+    ) -> tuple[list[bytes], int]:
+        return _encode_each(self, request_id, seq, parts, checksum)
+
+    def land_all(self, chunks: Sequence[Chunk], checksum: str) -> None:
+        for chunk in chunks:
+            self.land(chunk, checksum)
 
     def reply(self, response: kv_pb2.PairResponse) -> None:
         pass  # nothing to reach: the bytes come with the chunks
@@ -217,6 +229,15 @@ class ShmTransport:
         if value != announced(chunk, checksum):
             raise DataLoss(f"{chunk_name(chunk)}: checksum mismatch (blocks corrupted in place)")
 
+    def encode_all(
+        self, request_id: str, seq: int, parts: Sequence[KvPart], checksum: str
+    ) -> tuple[list[bytes], int]:
+        return _encode_each(self, request_id, seq, parts, checksum)
+
+    def land_all(self, chunks: Sequence[Chunk], checksum: str) -> None:
+        for chunk in chunks:
+            self.land(chunk, checksum)
+
     def reply(self, response: kv_pb2.PairResponse) -> None:
         response.shm_path = str(self.segment.path)
 
@@ -257,48 +278,67 @@ class CudaIpcTransport:
             raise ValueError(f"decode's pool holds {flat.numel()} bytes, expected {size}")
         return cls(*pool_views(flat, layout, response.num_blocks, dtype))
 
-    def encode(
-        self,
-        request_id: str,
-        seq: int,
-        layer: int,
-        block_ids: Sequence[int],
-        k: torch.Tensor,
-        v: torch.Tensor,
-        checksum: str = "",
-    ) -> tuple[bytes, int]:
-        """k, v on prefill's GPU (the worker's gather, complete: the sender called its `ready`
-        first), copied on a side stream, then checksummed there; blocks until the copy is over,
-        on this encoder thread only. `checksum` does not apply."""
-        if any(not 0 <= b < self.num_blocks for b in block_ids):
-            raise ValueError(f"block ids {list(block_ids)} outside decode's pool")
-        k_pool, v_pool = self.k[layer], self.v[layer]
-        expected = (len(block_ids), *k_pool.shape[1:])
-        for t in (k, v):
+    def encode_all(
+        self, request_id: str, seq: int, parts: Sequence[KvPart], checksum: str = ""
+    ) -> tuple[list[bytes], int]:
+        """k, v on prefill's GPU (the worker's gathers, complete: the sender called their
+        `ready` first), copied into decode's blocks on a side stream by one index_copy_ per
+        pool (a transfer's block ids rarely run consecutively), then checksummed there, all
+        parts read back at once; blocks until the copies are over, on this encoder thread only.
+        `checksum` does not apply."""
+        num_bytes = 0
+        copied = []
+        with torch.inference_mode(), torch.cuda.stream(self._stream):
+            for part in parts:
+                ids = self._check(part)
+                index = torch.tensor(ids, dtype=torch.int64).to(part.k.device, non_blocking=True)
+                k_pool, v_pool = self.k[part.layer], self.v[part.layer]
+                k_pool.index_copy_(0, index, part.k)
+                v_pool.index_copy_(0, index, part.v)
+                copied.append((k_pool, v_pool, index))
+                num_bytes += part.k.numel() * part.k.element_size() * 2
+            values = chunk_checksums(copied)  # waits for the copies
+        messages = [
+            encode_chunk_in_place(request_id, seq + i, part.layer, part.block_ids, value)
+            for i, (part, value) in enumerate(zip(parts, values, strict=True))
+        ]
+        return messages, num_bytes
+
+    def _check(self, part: KvPart) -> list[int]:
+        """The part's block ids (ValueError: outside decode's pool, or k, v do not fit it)."""
+        ids = list(part.block_ids)
+        if any(not 0 <= b < self.num_blocks for b in ids):
+            raise ValueError(f"block ids {ids} outside decode's pool")
+        k_pool = self.k[part.layer]
+        expected = (len(ids), *k_pool.shape[1:])
+        for t in (part.k, part.v):
             if tuple(t.shape) != expected or t.dtype != k_pool.dtype:
                 raise ValueError(
-                    f"{tuple(t.shape)} {t.dtype} does not fit {len(block_ids)} blocks of "
+                    f"{tuple(t.shape)} {t.dtype} does not fit {len(ids)} blocks of "
                     f"decode's pool {tuple(k_pool.shape[1:])} {k_pool.dtype}"
                 )
-        first = 0
-        with torch.inference_mode(), torch.cuda.stream(self._stream):
-            for start, stop in block_runs(block_ids):
-                n = stop - start
-                k_pool[start:stop].copy_(k[first : first + n], non_blocking=True)
-                v_pool[start:stop].copy_(v[first : first + n], non_blocking=True)
-                first += n
-            value = blocks_checksum(k_pool, v_pool, block_ids)  # waits for the copies
-        num_bytes = k.numel() * k.element_size() + v.numel() * v.element_size()
-        return encode_chunk_in_place(request_id, seq, layer, block_ids, value), num_bytes
+        return ids
 
-    def land(self, chunk: Chunk, checksum: str) -> None:
-        """The device checksum of what the blocks hold now, on this landing thread's own
-        stream: the decode step never waits for it."""
-        k_pool, v_pool = in_place_pools(chunk, self.k, self.v)  # DataLoss: not in place
-        with torch.cuda.stream(thread_stream(k_pool.device)):
-            value = blocks_checksum(k_pool, v_pool, list(chunk.block_ids))
-        if value != chunk.crc32:
-            raise DataLoss(f"{chunk_name(chunk)}: checksum mismatch (blocks corrupted in place)")
+    def land_all(self, chunks: Sequence[Chunk], checksum: str) -> None:
+        """The device checksums of what the chunks' blocks hold now, on this landing thread's
+        own stream (the decode step never waits for them), read back once."""
+        if not chunks:
+            return
+        device = self.k[0].device
+        with torch.cuda.stream(thread_stream(device)):
+            pools = [in_place_pools(c, self.k, self.v) for c in chunks]  # DataLoss: not in place
+            ids = [torch.tensor(list(c.block_ids), dtype=torch.int64) for c in chunks]
+            values = chunk_checksums(
+                [
+                    (k, v, i.to(device, non_blocking=True))
+                    for (k, v), i in zip(pools, ids, strict=True)
+                ]
+            )
+        for chunk, value in zip(chunks, values, strict=True):
+            if value != chunk.crc32:
+                raise DataLoss(
+                    f"{chunk_name(chunk)}: checksum mismatch (blocks corrupted in place)"
+                )
 
     def reply(self, response: kv_pb2.PairResponse) -> None:
         response.cuda_ipc_export = self._export
@@ -308,6 +348,25 @@ class CudaIpcTransport:
 
     def close(self) -> None:
         pass  # torch closes the IPC mapping with the last view (transfers may still hold some)
+
+
+def _encode_each(
+    transport: GrpcTransport | ShmTransport,
+    request_id: str,
+    seq: int,
+    parts: Sequence[KvPart],
+    checksum: str,
+) -> tuple[list[bytes], int]:
+    """`encode_all` of the transports that encode chunk by chunk."""
+    messages = []
+    num_bytes = 0
+    for i, part in enumerate(parts):
+        message, n = transport.encode(
+            request_id, seq + i, part.layer, part.block_ids, part.k, part.v, checksum
+        )
+        messages.append(message)
+        num_bytes += n
+    return messages, num_bytes
 
 
 # ---- decode ------------------------------------------------------------------------------------

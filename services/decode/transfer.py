@@ -381,10 +381,8 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
             # Unpinned here, never by the handler: if the call ends mid-copy, the blocks stay
             # held until the copy is over (see requests.py).
             try:
-                for chunk in part:
-                    if landing.is_aborted():
-                        return  # the request failed: nothing more to write
-                    transport.land(chunk, checksum)
+                if not landing.is_aborted():  # else the request failed: nothing more to write
+                    transport.land_all(part, checksum)
             finally:
                 table.unpin(request)
 

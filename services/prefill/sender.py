@@ -48,6 +48,7 @@ from mili.errors import (
     ResourceExhausted,
 )
 from mili.kv_handoff.codec import ACCEPTED_KEY, batch_in_place
+from mili.kv_handoff.transport import KvPart
 from mili.pb.common.v1 import sampling_pb2
 from mili.pb.kv.v1 import kv_pb2
 from mili.rpc.sampling import logprobs_to_proto
@@ -313,33 +314,22 @@ class KvSender:
                 future.add_done_callback(_retrieve)
 
     def _encode_all(self, seq: int, job: list[_Blocks]) -> tuple[list[bytes], int]:
-        """`_encode` of each chunk of a job (numbered from `seq`), on one encoder thread."""
-        messages = []
-        num_data = 0
-        for i, blocks in enumerate(job):
-            message, num_bytes = self._encode(seq + i, blocks)
-            messages.append(message)
-            num_data += num_bytes
-        return messages, num_data
-
-    def _encode(self, seq: int, blocks: _Blocks) -> tuple[bytes, int]:
-        """Runs on an encoder thread: the byte copy and the checksum stay off the model thread
-        and the event loop (both release the GIL on large buffers). Block j of the prompt goes
-        to decode's block prompt_block_ids[j]."""
-        if blocks.ready is not None:
-            blocks.ready()
-        n = blocks.k.shape[0]
-        block_ids = self._task.prompt_block_ids[blocks.first_block : blocks.first_block + n]
+        """Runs on an encoder thread: the chunks of `job` (numbered from `seq`) handed to the
+        pair's transport in one call, so that it can batch them (cuda-ipc reads its checksums
+        back once); the byte copies and checksums stay off the model thread and the event loop
+        (both release the GIL on large buffers). Block j of the prompt goes to decode's block
+        prompt_block_ids[j]."""
+        parts = []
+        for blocks in job:
+            if blocks.ready is not None:
+                blocks.ready()
+            n = blocks.k.shape[0]
+            block_ids = self._task.prompt_block_ids[blocks.first_block : blocks.first_block + n]
+            parts.append(KvPart(blocks.layer, block_ids, blocks.k, blocks.v))
         if self._is_closed:  # the transfer ended: write nothing more into decode's blocks
             raise Cancelled(f"the KV transfer of request {self._task.name} ended")
-        return self._pairing.kv.encode(
-            self._task.request_id,
-            seq,
-            blocks.layer,
-            block_ids,
-            blocks.k,
-            blocks.v,
-            self._pairing.checksum,
+        return self._pairing.kv.encode_all(
+            self._task.request_id, seq, parts, self._pairing.checksum
         )
 
     async def _abort(self, call: grpc.aio.StreamUnaryCall, exc: BaseException) -> None:
