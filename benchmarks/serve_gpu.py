@@ -13,7 +13,10 @@ allocators:
   throughput  --concurrency (64, 256) workers sharing 2x as many requests of --prompt-tokens
               + --output-tokens (128): output tokens/s, TTFT and ITL percentiles
 
-Each line prints as its run finishes.
+Each line prints as its run finishes, followed by a breakdown of where the requests' time went
+inside the services over that run, from their own Prometheus metrics (benchmarks/
+service_metrics.py: mean prefill/decode batch, step and KV hand-off times, the frontend's queue
+wait and TTFT, each with its count, and each process's CPU %); --json has it per run.
 
     python3 benchmarks/serve_gpu.py --json serve_gpu.json
     python3 benchmarks/serve_gpu.py --device cuda:0 --concurrency 1 --ttft-requests 100
@@ -32,8 +35,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.serving, as a script
 
+from benchmarks import service_metrics
 from benchmarks.presets import CHOICES, DEFAULT_CACHE, preset_checkpoint
-from benchmarks.serving import bench_args, mili_serve, run_bench, servable
+from benchmarks.serving import Served, bench_args, mili_serve, run_bench, servable
 
 TTFT_TARGET_MS = 30.0
 
@@ -44,6 +48,22 @@ def _line(name: str, summary: dict[str, Any]) -> str:
         f"{name:<16} TTFT p50 {ttft['p50_ms']:7.1f} p90 {ttft['p90_ms']:7.1f} ms   "
         f"ITL p50 {itl['p50_ms']:6.2f} ms   {summary['output_tokens_per_s']:9.0f} output tok/s"
     )
+
+
+def _measured(s: Served, name: str, ns: argparse.Namespace) -> dict[str, Any]:
+    """`mili bench` with `ns`: its summary, printed with the services' breakdown of the run."""
+    before = service_metrics.snapshot(s.metrics)
+    start = time.perf_counter()
+    summary = run_bench(ns)
+    wall_s = time.perf_counter() - start
+    print(_line(name, summary), flush=True)
+    try:
+        after = service_metrics.snapshot(s.metrics)
+        summary["breakdown"] = service_metrics.breakdown(before, after, wall_s)
+        print("\n".join(service_metrics.lines(summary["breakdown"])), flush=True)
+    except Exception as e:  # the measured numbers above matter more
+        print(f"  breakdown: - ({type(e).__name__}: {e})", flush=True)
+    return summary
 
 
 def main() -> int:
@@ -76,18 +96,15 @@ def main() -> int:
     result: dict[str, Any] = {"device": args.device, "prompt_tokens": args.prompt_tokens}
     with (
         servable(weights) as model_dir,
-        mili_serve(model_dir, "bfloat16", 4, args.attention, extra) as s,
+        mili_serve(model_dir, "bfloat16", 4, args.attention, extra, metrics=True) as s,
     ):
         print(f"serving on {s.address} after {time.perf_counter() - started:.0f} s", flush=True)
         run_bench(bench_args(s.address, 1, args.warmup, args.prompt_tokens, 16, seed=99))
-        ttft = run_bench(bench_args(s.address, 1, args.ttft_requests, args.prompt_tokens, 16))
-        result["ttft"] = ttft
-        print(_line("concurrency 1", ttft), flush=True)
+        ttft = bench_args(s.address, 1, args.ttft_requests, args.prompt_tokens, 16)
+        result["ttft"] = _measured(s, "concurrency 1", ttft)
         for level in levels:
             bench = bench_args(s.address, level, 2 * level, args.prompt_tokens, args.output_tokens)
-            summary = run_bench(bench)
-            result[f"concurrency_{level}"] = summary
-            print(_line(f"concurrency {level}", summary), flush=True)
+            result[f"concurrency_{level}"] = _measured(s, f"concurrency {level}", bench)
     p50 = result["ttft"]["ttft"]["p50_ms"]
     line = f"TTFT p50 at concurrency 1, {args.prompt_tokens}-token prompts: {p50:.1f} ms"
     if args.device.startswith("cuda"):  # the target is an H100/H200 one

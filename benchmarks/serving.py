@@ -57,7 +57,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -133,6 +133,7 @@ class Served:
     address: str
     proc: subprocess.Popen[str]
     log: TextIO
+    metrics: dict[str, str] = field(default_factory=dict)  # child name -> its /metrics URL
 
     @property
     def cpu(self) -> CpuMeter:
@@ -187,12 +188,24 @@ def thread_env(threads: int) -> dict[str, str]:
 
 @contextlib.contextmanager
 def mili_serve(
-    model_dir: Path, dtype: str, threads: int, attention: str, extra: list[str]
+    model_dir: Path,
+    dtype: str,
+    threads: int,
+    attention: str,
+    extra: list[str],
+    *,
+    metrics: bool = False,
 ) -> Iterator[Served]:
-    """`mili serve` on free ports; yields once the frontend is listening; drains it on exit."""
+    """`mili serve` on free ports; yields once the frontend is listening; drains it on exit.
+
+    metrics: every child serves Prometheus metrics on a free port (--metrics-port 0), their
+    URLs in Served.metrics, read from the launcher's summary lines on stdout.
+    """
     command = [sys.executable, "-m", "mili", "serve", "--model", str(model_dir), "--port", "0"]
     command += ["--attention", attention]
     command += ["--dtype", dtype, "--log-level", "WARNING", *extra]
+    if metrics:
+        command += ["--metrics-port", "0"]
     with tempfile.TemporaryFile("w+") as log:  # children's logs: shown only if start-up fails
         proc = subprocess.Popen(
             command,
@@ -205,15 +218,20 @@ def mili_serve(
         try:
             assert proc.stdout is not None
             address = None
+            urls = {}
             for line in proc.stdout:
                 if line.startswith("frontend service listening on "):
                     address = line.split()[-1]
                     break
+                # `mili serve: <name> <address> pid N [http URL] [metrics URL]`
+                words = line.split()
+                if words[:2] == ["mili", "serve:"] and "metrics" in words[3:-1]:
+                    urls[words[2]] = words[words.index("metrics", 3) + 1]
             if address is None:
                 log.seek(0)
                 tail = "".join(log.readlines()[-30:])
                 raise RuntimeError(f"mili serve exited {proc.wait()} before listening:\n{tail}")
-            yield Served(address, proc, log)
+            yield Served(address, proc, log, urls)
         finally:
             proc.send_signal(signal.SIGTERM)
             try:
