@@ -21,5 +21,9 @@ for name in "${extra[@]}"; do
     --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl "$spec"
 done
+# py-spy for benchmarks/serve_profile.sh: a tool, not a dependency of the project, so pinned here.
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+  --implementation cp --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 -d .whl \
+  py-spy==0.4.3
 ls .whl | grep -iE "^($(IFS='|'; echo "${extra[*]}"))-" || { echo "gpu_prep: a wheel is missing" >&2; exit 1; }
 du -sh .whl build/gpu-cache

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Where the services' threads spend a loaded `mili serve`'s time: py-spy samples of the
+# prefill, decode and frontend processes while benchmarks/serve_gpu.py runs its saturated
+# level, one collapsed-stack file per process (py-spy's raw format, one line per distinct
+# stack with its sample count; thread names and idle samples kept: a thread waiting on the GPU
+# or the GIL shows where it waits).
+#
+#   python3 -m pip download --no-deps --only-binary=:all: -d .whl py-spy   # here, with prep
+#   bash benchmarks/serve_profile.sh                   # GPU host (build/gpu-cache/env.sh installs it)
+#   DEVICE=cpu PRESET=tiny bash benchmarks/serve_profile.sh               # a check, anywhere
+# Read: python3 benchmarks/stacks.py $OUT/serve-prefill.txt
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 2
+out=${OUT:-build/profile}
+mkdir -p "$out" && out=$(cd "$out" && pwd)
+PY=${PYTHON:-python3}
+device=${DEVICE:-cuda}
+preset=${PRESET:-qwen3-0.6b}
+seconds=${SECONDS_SAMPLED:-12}
+if [[ $device == cuda && -f build/gpu-cache/env.sh ]]; then
+  # shellcheck source=/dev/null
+  source build/gpu-cache/env.sh >>"$out/env.txt" 2>&1
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+spy=$(command -v py-spy || echo /tmp/site/bin/py-spy)
+log=$out/serve_profile.log
+"$PY" benchmarks/serve_gpu.py --device "$device" --preset "$preset" --attention auto \
+  --ttft-requests 10 --warmup 4 --concurrency "${CONCURRENCY:-256}" >"$log" 2>&1 &
+bench=$!
+until grep -q "^concurrency 1 " "$log" 2>/dev/null; do
+  kill -0 "$bench" 2>/dev/null || { echo "serve_gpu ended first:"; tail -20 "$log"; exit 1; }
+  sleep 0.5
+done
+sleep "${DELAY:-2}"
+for name in serve-prefill serve-decode serve-frontend; do
+  pid=$(pgrep -f -- "-m mili $name" | head -1)
+  if [[ -z $pid ]]; then
+    echo "no $name process" | tee -a "$log"
+    continue
+  fi
+  "$spy" record --pid "$pid" --duration "$seconds" --rate 250 --format raw --idle --threads \
+    --nonblocking --output "$out/$name.txt" >>"$out/py-spy.log" 2>&1 &
+done
+wait
+tail -8 "$log"
+ls -la "$out"
