@@ -274,10 +274,21 @@ class PrefillWorker:
         record = StepRecord(tuple((c.request_id, c.start, c.end) for c in step.chunks), started, [])
         self.steps.append(record)
 
+        # Per chunk: (first prompt block it ships, the blocks' index on the cache's device),
+        # made once for every layer; None: nothing to ship.
+        shipments = [
+            self._shipment(chunk, block_size, job.task.num_cached_blocks)
+            for chunk, job in zip(step.chunks, jobs, strict=True)
+        ]
+
         def on_layer(layer: int) -> None:
-            for chunk, job in zip(step.chunks, jobs, strict=True):
-                if not job.is_removed:
-                    self._ship(layer, chunk, job.sink, block_size, job.task.num_cached_blocks)
+            for shipment, job in zip(shipments, jobs, strict=True):
+                if shipment is not None and not job.is_removed:
+                    first, index = shipment
+                    k, v = self.kv_cache.gather_blocks(layer, index)
+                    sink = job.sink
+                    handed = hand_over(k, v, sink.takes_device_tensors, self.staging)
+                    sink.send_blocks(layer, first, *handed)
             record.layer_done_at.append(time.perf_counter())
 
         asks = [  # row of the batch -> the prompt logprobs its chunk computes
@@ -346,17 +357,16 @@ class PrefillWorker:
             results.append((job, first))
         return results
 
-    def _ship(
-        self, layer: int, chunk: ScheduledChunk, sink: KvSink, block_size: int, num_skipped: int
-    ) -> None:
-        """Send layer `layer` of the blocks `chunk` completes, except the first `num_skipped` of
-        the prompt (decode holds them already)."""
+    def _shipment(
+        self, chunk: ScheduledChunk, block_size: int, num_skipped: int
+    ) -> tuple[int, torch.Tensor] | None:
+        """The blocks `chunk` completes, except the first `num_skipped` of the prompt (decode
+        holds them already): (first of them, their index on the cache's device), or None."""
         first, last = chunk.block_range(block_size)
         first = max(first, num_skipped)
         if first >= last:
-            return
-        k, v = self.kv_cache.gather_blocks(layer, chunk.block_table[first:last])
-        sink.send_blocks(layer, first, *hand_over(k, v, sink.takes_device_tensors, self.staging))
+            return None
+        return first, self.kv_cache.block_index(chunk.block_table[first:last])
 
 
 def _matcher(task: PrefillTask) -> ConstraintMatcher | None:

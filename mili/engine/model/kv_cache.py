@@ -163,7 +163,7 @@ class KVCache:
         self, layer: int, block_ids: Sequence[int] | torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Copy whole blocks out: (k, v), each [n, block_size, kv_heads, head_dim], contiguous."""
-        index = self._index(block_ids)
+        index = self.block_index(block_ids)
         return self.k[layer].index_select(0, index), self.v[layer].index_select(0, index)
 
     def scatter_blocks(
@@ -174,7 +174,7 @@ class KVCache:
         v: torch.Tensor,
     ) -> None:
         """Copy whole blocks in (inverse of `gather_blocks`); k/v: [n, block_size, kv_heads, D]."""
-        index = self._index(block_ids)
+        index = self.block_index(block_ids)
         expected = (index.numel(), self.block_size, self.num_kv_heads, self.head_dim)
         for name, t in (("k", k), ("v", v)):
             if tuple(t.shape) != expected:
@@ -184,11 +184,13 @@ class KVCache:
         self.k[layer].index_copy_(0, index, k.to(device=self.device, dtype=self.dtype))
         self.v[layer].index_copy_(0, index, v.to(device=self.device, dtype=self.dtype))
 
-    def _index(self, block_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    def block_index(self, block_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
         """Block ids as an int64 index on the cache's device, checked without a device sync:
         ids from the host (a list, a CPU tensor) are checked there before one non-blocking
         copy from pinned memory; a device tensor is the caller's to have checked (reading
-        its min and max back would stall the stream once per layer)."""
+        its min and max back would stall the stream once per layer). Callers that use the
+        same ids for every layer make the index once and pass it (a few host calls and a
+        copy each time otherwise: most of a prefill step's host time on a GPU)."""
         if isinstance(block_ids, torch.Tensor) and block_ids.device.type != "cpu":
             return block_ids.to(device=self.device, dtype=torch.int64).reshape(-1)
         index = torch.as_tensor(block_ids, dtype=torch.int64).reshape(-1)
