@@ -252,7 +252,7 @@ async def kv_path_alone(
     pairing = await servicer.peers.pair(address)
     cache = servicer.worker.kv_cache
     blocks = list(range(-(-len(prompt) // BLOCK_SIZE)))
-    layers = [cache.gather_blocks(i, blocks) for i in range(cache.num_layers)]
+    index = cache.block_index(blocks)
     # Staging for device -> host copies (GPU, grpc) sized as the worker's, but its own: these
     # copies run on this thread's side stream, the worker's on the worker's, and a span comes
     # round again safely only behind the copies of one stream.
@@ -277,18 +277,19 @@ async def kv_path_alone(
                         channel=channel,
                         encoder=encoder,
                         layout=servicer.layout,
-                        num_chunks=len(layers),
+                        num_chunks=cache.num_layers,
                         timeout_s=600,
                         pairing=pairing,
                     )
 
                     def push(sender: KvSender = sender) -> None:
-                        # As the worker hands each layer over: on a GPU, device to pinned host
-                        # behind an event (grpc), or the event alone (cuda-ipc).
-                        for layer, (k, v) in enumerate(layers):
-                            sender.send_blocks(
-                                layer, 0, *hand_over(k, v, sender.takes_device_tensors, staging)
-                            )
+                        # As the worker hands layers over: each alone, on a GPU device to pinned
+                        # host behind an event (grpc); all at once behind the event (cuda-ipc).
+                        on_device = sender.takes_device_tensors
+                        step = cache.num_layers if on_device else 1
+                        for layer in range(0, cache.num_layers, step):
+                            kv = cache.gather_layers(layer, layer + step, index)
+                            sender.send_blocks(layer, 0, *hand_over(kv, on_device, staging))
                         sender.finish(FirstToken(0, None, None, 0.0, 0.0))
 
                     start = time.perf_counter()

@@ -68,6 +68,7 @@ def import_pool(blob: bytes) -> torch.Tensor:
 # is the same however the blocks are split into chunks of a chunk's side.
 _PERIOD = 65521
 _weights: dict[torch.device, torch.Tensor] = {}  # per device: (arange % _PERIOD) + 1, int32
+_MAX_RUN_BYTES = 64 << 20  # blocks one checksum pass gathers at once (see chunk_checksums)
 
 
 def _word_weights(device: torch.device, n: int) -> torch.Tensor:
@@ -84,26 +85,34 @@ def _word_weights(device: torch.device, n: int) -> torch.Tensor:
     return table[:n]
 
 
-def chunk_checksums(chunks: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> list[int]:
-    """The 32-bit checksum of each chunk's blocks; one read back for all of them.
+def chunk_checksums(runs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[int]:
+    """The 32-bit checksum of each chunk's blocks, a chunk being one layer's; one read back for
+    all of them.
 
-    chunks: (k_pool, v_pool, block_ids) per chunk: the layer's pools [num_blocks, block_size,
-    num_kv_heads, head_dim] and the blocks' ids (int64, on the pools' device). A chunk's value
-    is sum(x * (p % 65521 + 1 + side)) over the 32-bit words x at position p of its K blocks
+    runs: (blocks, block_ids) per run of layers: blocks [num_layers, 2 (K, V), num_blocks,
+    block_size, num_kv_heads, head_dim] (a slice of `kv_cache.pool_blocks`' view) and the ids
+    (int64, on its device); one value per layer of each run, in order. A chunk's value is
+    sum(x * (p % 65521 + 1 + side)) over the 32-bit words x at position p of its K blocks
     (side 0), times 31, plus the same over its V blocks (side 1), modulo 2^32: integer
     arithmetic, so equal on any device in any order. Products wrap in int32 (their low 32 bits
-    are all the result keeps); sums accumulate in int64. About ten launches a chunk, and one
-    sync of the current stream at the end (call it on a side stream, never the model's)."""
+    are all the result keeps); sums accumulate in int64. About seven launches a run whatever
+    its layers, and one sync of the current stream at the end (call it on a side stream, never
+    the model's)."""
     values: list[torch.Tensor] = []
-    for k_pool, v_pool, ids in chunks:
-        k_words, v_words = (
-            p.index_select(0, ids).reshape(-1).view(torch.int32) for p in (k_pool, v_pool)
-        )
-        weights = _word_weights(k_words.device, k_words.numel())
-        k_sum = (k_words * weights).sum(dtype=torch.int64)
-        # V's weights are K's plus one: its weighted sum and its plain sum once more.
-        v_sum = (v_words * weights).sum(dtype=torch.int64) + v_words.sum(dtype=torch.int64)
-        values.append(k_sum * 31 + v_sum)
+    for blocks, ids in runs:
+        # A run's gathered words and their products are temporaries on the device: at most
+        # _MAX_RUN_BYTES of blocks at a time, a layer at least.
+        layer_bytes = max(1, 2 * ids.numel() * blocks[0, 0, 0].numel() * blocks.element_size())
+        step = max(1, _MAX_RUN_BYTES // layer_bytes)
+        for start in range(0, blocks.shape[0], step):
+            part = blocks[start : start + step]
+            # [num_layers, 2, n * words per block]
+            words = part.index_select(2, ids).reshape(part.shape[0], 2, -1).view(torch.int32)
+            weights = _word_weights(words.device, words.shape[2])
+            sums = (words * weights).sum(dim=2, dtype=torch.int64)  # [num_layers, 2]
+            # V's weights are K's plus one: its weighted sum and its plain sum once more.
+            v_plain = words[:, 1].sum(dim=1, dtype=torch.int64)
+            values.append(sums[:, 0] * 31 + sums[:, 1] + v_plain)
     if not values:
         return []
-    return [v & 0xFFFFFFFF for v in torch.stack(values).tolist()]
+    return [v & 0xFFFFFFFF for v in torch.cat(values).tolist()]

@@ -18,13 +18,14 @@ decode's pool mapped once (`connect`). Nothing else asks which transport a pair 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import NamedTuple, Protocol
 
 import torch
 
 from mili.engine.kv.kv_layout import KVLayout
-from mili.engine.model.kv_cache import KVCache, pool_bytes, pool_views
+from mili.engine.model.kv_cache import KVCache, pool_blocks, pool_bytes, pool_views
 from mili.engine.step.pinned import thread_stream
 from mili.errors import DataLoss
 from mili.kv_handoff import checksums
@@ -46,12 +47,16 @@ from mili.pb.kv.v1 import kv_pb2
 
 
 class KvPart(NamedTuple):
-    """One chunk's KV as prefill hands it to `encode_all`."""
+    """The KV of one prompt chunk's blocks in layers layer, layer + 1, ... as prefill hands it
+    to `encode_all`: one chunk (and one chunk message) per layer."""
 
-    layer: int
-    block_ids: Sequence[int]  # decode's blocks, in the order of k's and v's first dimension
-    k: torch.Tensor  # [len(block_ids), block_size, num_kv_heads, head_dim]
-    v: torch.Tensor
+    layer: int  # the first
+    block_ids: Sequence[int]  # decode's blocks, in the order of kv's third dimension
+    kv: torch.Tensor  # [num_layers, 2 (K, V), len(block_ids), block_size, num_kv_heads, D]
+
+    @property
+    def num_layers(self) -> int:
+        return self.kv.shape[0]
 
 
 class KvTransport(Protocol):
@@ -60,7 +65,8 @@ class KvTransport(Protocol):
     - `encode_all` (prefill) is called once per job of chunks (one, or a backlog), on an
       encoder thread; with `is_in_place` only after decode accepted the transfer's header
       (until then the blocks may belong to another request). k, v on the CPU unless
-      `takes_device_tensors`. Returns per chunk (numbered from `seq`) the serialized
+      `takes_device_tensors`. Returns per chunk (a part's layers, in order, numbered from
+      `seq`) the serialized
       TransferKvRequest{chunk} that announces the blocks, carrying `checksum` (a checksums
       name) of the bytes as decode will read them, and the payload bytes moved in all.
     - `land_all` (decode) is called once per landing job (one chunk, or a share of a message's
@@ -251,21 +257,27 @@ class ShmTransport:
 
 class CudaIpcTransport:
     """Transport "cuda-ipc": prefill copies prompt blocks device to device into decode's pool,
-    exported once with CUDA IPC (one host, GPU pools; see cuda_ipc.py). Nothing here runs
-    without CUDA: tests/prefill/test_cuda_ipc.py (-m gpu) checks it on a GPU host. The pool:
-    per layer K and V [num_blocks, block_size, num_kv_heads, head_dim]; decode's own (with
-    `export`, what Pair hands out) or mapped by prefill (`connect`). Chunks carry the device
-    checksum (cuda_ipc.blocks_checksum) in crc32, whatever the pair's checksum."""
+    exported once with CUDA IPC (one host, GPU pools; see cuda_ipc.py). `blocks`: the whole
+    pool (kv_cache.pool_blocks' view, [num_layers, 2, num_blocks, block_size, num_kv_heads,
+    head_dim]), decode's own (with `export`, what Pair hands out) or mapped by prefill
+    (`connect`). A part of several layers costs one copy and one checksum pass for all of them
+    (prefill hands cuda-ipc a prompt chunk's every layer at once). Chunks carry the device
+    checksum (cuda_ipc.chunk_checksums) in crc32, whatever the pair's checksum. The GPU tests
+    (tests/prefill/test_cuda_ipc.py, -m gpu) run it between processes; on CPU tensors (no
+    stream, no export) tests/kv_handoff/test_cuda_ipc_transport.py runs its copies and checks."""
 
     name = CUDA_IPC
     is_in_place = True
     takes_device_tensors = True
 
-    def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor], export: bytes = b""):
-        self.k, self.v = k, v
-        self.num_blocks = k[0].shape[0]
+    def __init__(self, blocks: torch.Tensor, export: bytes = b""):
+        self.blocks = blocks
+        self.k = [b[0] for b in blocks]
+        self.v = [b[1] for b in blocks]
+        self.num_blocks = blocks.shape[2]
         self._export = export
-        self._stream = torch.cuda.Stream(k[0].device)  # prefill's copies: never the model's
+        # prefill's copies: never on the model's stream
+        self._stream = torch.cuda.Stream(blocks.device) if blocks.device.type == "cuda" else None
 
     @classmethod
     def connect(
@@ -276,64 +288,79 @@ class CudaIpcTransport:
         size = pool_bytes(layout, response.num_blocks, dtype)
         if flat.numel() != size:
             raise ValueError(f"decode's pool holds {flat.numel()} bytes, expected {size}")
-        return cls(*pool_views(flat, layout, response.num_blocks, dtype))
+        return cls(pool_blocks(flat, layout, response.num_blocks, dtype))
 
     def encode_all(
         self, request_id: str, seq: int, parts: Sequence[KvPart], checksum: str = ""
     ) -> tuple[list[bytes], int]:
-        """k, v on prefill's GPU (the worker's gathers, complete: the sender called their
-        `ready` first), copied into decode's blocks on a side stream by one index_copy_ per
-        pool (a transfer's block ids rarely run consecutively), then checksummed there, all
-        parts read back at once; blocks until the copies are over, on this encoder thread only.
-        `checksum` does not apply."""
+        """kv on prefill's GPU (the worker's gathers, complete: the sender called their
+        `ready` first), copied into decode's blocks on a side stream, one index_copy_ per part
+        (all its layers; a transfer's block ids rarely run consecutively), then checksummed
+        there, all parts read back at once; blocks until the copies are over, on this encoder
+        thread only. `checksum` does not apply."""
         num_bytes = 0
         copied = []
-        with torch.inference_mode(), torch.cuda.stream(self._stream):
+        with torch.inference_mode(), _on(self._stream):
             for part in parts:
                 ids = self._check(part)
-                index = torch.tensor(ids, dtype=torch.int64).to(part.k.device, non_blocking=True)
-                k_pool, v_pool = self.k[part.layer], self.v[part.layer]
-                k_pool.index_copy_(0, index, part.k)
-                v_pool.index_copy_(0, index, part.v)
-                copied.append((k_pool, v_pool, index))
-                num_bytes += part.k.numel() * part.k.element_size() * 2
+                index = torch.tensor(ids, dtype=torch.int64).to(part.kv.device, non_blocking=True)
+                layers = slice(part.layer, part.layer + part.num_layers)
+                self.blocks[layers].index_copy_(2, index, part.kv)
+                copied.append((self.blocks[layers], index))
+                num_bytes += part.kv.numel() * part.kv.element_size()
             values = chunk_checksums(copied)  # waits for the copies
-        messages = [
-            encode_chunk_in_place(request_id, seq + i, part.layer, part.block_ids, value)
-            for i, (part, value) in enumerate(zip(parts, values, strict=True))
-        ]
+        messages: list[bytes] = []
+        for part in parts:
+            for i in range(part.num_layers):
+                value = values[len(messages)]
+                layer = part.layer + i
+                message = encode_chunk_in_place(
+                    request_id, seq + len(messages), layer, part.block_ids, value
+                )
+                messages.append(message)
         return messages, num_bytes
 
     def _check(self, part: KvPart) -> list[int]:
-        """The part's block ids (ValueError: outside decode's pool, or k, v do not fit it)."""
+        """The part's block ids (ValueError: outside decode's pool or its layers, or kv does
+        not fit it)."""
         ids = list(part.block_ids)
         if any(not 0 <= b < self.num_blocks for b in ids):
             raise ValueError(f"block ids {ids} outside decode's pool")
-        k_pool = self.k[part.layer]
-        expected = (len(ids), *k_pool.shape[1:])
-        for t in (part.k, part.v):
-            if tuple(t.shape) != expected or t.dtype != k_pool.dtype:
-                raise ValueError(
-                    f"{tuple(t.shape)} {t.dtype} does not fit {len(ids)} blocks of "
-                    f"decode's pool {tuple(k_pool.shape[1:])} {k_pool.dtype}"
-                )
+        pool = self.blocks
+        expected = (part.num_layers, 2, len(ids), *pool.shape[3:])
+        if (
+            not 0 <= part.layer <= part.layer + part.num_layers <= pool.shape[0]
+            or tuple(part.kv.shape) != expected
+            or part.kv.dtype != pool.dtype
+        ):
+            raise ValueError(
+                f"layers {part.layer}+{part.num_layers} {tuple(part.kv.shape)} {part.kv.dtype} "
+                f"do not fit decode's pool {tuple(pool.shape)} {pool.dtype}"
+            )
         return ids
 
     def land_all(self, chunks: Sequence[Chunk], checksum: str) -> None:
         """The device checksums of what the chunks' blocks hold now, on this landing thread's
-        own stream (the decode step never waits for them), read back once."""
+        own stream (the decode step never waits for them), read back once. Chunks of the
+        same blocks in consecutive layers (a prompt chunk's, as prefill sends them) are
+        checked as one run of layers."""
         if not chunks:
             return
-        device = self.k[0].device
-        with torch.cuda.stream(thread_stream(device)):
-            pools = [in_place_pools(c, self.k, self.v) for c in chunks]  # DataLoss: not in place
-            ids = [torch.tensor(list(c.block_ids), dtype=torch.int64) for c in chunks]
-            values = chunk_checksums(
-                [
-                    (k, v, i.to(device, non_blocking=True))
-                    for (k, v), i in zip(pools, ids, strict=True)
-                ]
-            )
+        for chunk in chunks:
+            in_place_pools(chunk, self.k, self.v)  # DataLoss: not in place, layer out of range
+        device = self.blocks.device
+        runs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        with _on(None if device.type != "cuda" else thread_stream(device)):
+            start = 0
+            for end in range(1, len(chunks) + 1):
+                if end < len(chunks) and _continues(chunks[end - 1], chunks[end]):
+                    continue
+                first = chunks[start]
+                ids = torch.tensor(list(first.block_ids), dtype=torch.int64)
+                layers = slice(first.layer, first.layer + end - start)
+                runs.append((self.blocks[layers], ids.to(device, non_blocking=True)))
+                start = end
+            values = chunk_checksums(runs)
         for chunk, value in zip(chunks, values, strict=True):
             if value != chunk.crc32:
                 raise DataLoss(
@@ -350,6 +377,16 @@ class CudaIpcTransport:
         pass  # torch closes the IPC mapping with the last view (transfers may still hold some)
 
 
+def _on(stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager[object]:
+    """Work queued on `stream` (CUDA), or as it comes (None: CPU tensors)."""
+    return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
+
+
+def _continues(before: Chunk, after: Chunk) -> bool:
+    """Whether `after` is the next layer of the same blocks as `before`."""
+    return after.layer == before.layer + 1 and list(after.block_ids) == list(before.block_ids)
+
+
 def _encode_each(
     transport: GrpcTransport | ShmTransport,
     request_id: str,
@@ -358,14 +395,16 @@ def _encode_each(
     checksum: str,
 ) -> tuple[list[bytes], int]:
     """`encode_all` of the transports that encode chunk by chunk."""
-    messages = []
+    messages: list[bytes] = []
     num_bytes = 0
-    for i, part in enumerate(parts):
-        message, n = transport.encode(
-            request_id, seq + i, part.layer, part.block_ids, part.k, part.v, checksum
-        )
-        messages.append(message)
-        num_bytes += n
+    for part in parts:
+        for i, (k, v) in enumerate(part.kv):
+            layer = part.layer + i
+            message, n = transport.encode(
+                request_id, seq + len(messages), layer, part.block_ids, k, v, checksum
+            )
+            messages.append(message)
+            num_bytes += n
     return messages, num_bytes
 
 
@@ -387,7 +426,7 @@ def receivers(
     if segment is not None:
         transports[SHM] = ShmTransport(segment, cache.layout, cache.num_blocks, cache.dtype)
     if ipc_export:
-        transports[CUDA_IPC] = CudaIpcTransport(cache.k, cache.v, ipc_export)
+        transports[CUDA_IPC] = CudaIpcTransport(cache.blocks, ipc_export)
     return transports
 
 

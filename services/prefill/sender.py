@@ -69,10 +69,9 @@ class TransferResult(NamedTuple):
 
 
 class _Blocks(NamedTuple):
-    layer: int
+    layer: int  # the first of kv's layers: one chunk each
     first_block: int
-    k: torch.Tensor  # [n, block_size, num_kv_heads, head_dim]
-    v: torch.Tensor
+    kv: torch.Tensor  # [num_layers, 2 (K, V), n, block_size, num_kv_heads, head_dim]
     ready: Callable[[], None] | None
 
 
@@ -138,18 +137,14 @@ class KvSender:
 
     @property
     def takes_device_tensors(self) -> bool:
-        """cuda-ipc copies device to device: the worker hands over its GPU gather as is."""
+        """cuda-ipc copies device to device: the worker hands over its GPU gather as is, every
+        layer at once after the forward."""
         return self._pairing.kv.takes_device_tensors
 
     def send_blocks(
-        self,
-        layer: int,
-        first_block: int,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        ready: Callable[[], None] | None,
+        self, layer: int, first_block: int, kv: torch.Tensor, ready: Callable[[], None] | None
     ) -> None:
-        self._post(_Blocks(layer, first_block, k, v, ready))
+        self._post(_Blocks(layer, first_block, kv, ready))
 
     def finish(self, first: FirstToken) -> None:
         self._post(first)
@@ -254,7 +249,7 @@ class KvSender:
                 future = self._loop.run_in_executor(self._encoder, self._encode_all, seq, job)
                 future.add_done_callback(lambda _: self._queue.put_nowait(_ENCODED))
                 encoding.append(future)
-                seq += len(job)
+                seq += sum(blocks.kv.shape[0] for blocks in job)  # a chunk per layer
 
         async def write_first() -> None:
             """Write the first chunk once encoded (with the ones encoded after it, in place)."""
@@ -314,7 +309,8 @@ class KvSender:
                 future.add_done_callback(_retrieve)
 
     def _encode_all(self, seq: int, job: list[_Blocks]) -> tuple[list[bytes], int]:
-        """Runs on an encoder thread: the chunks of `job` (numbered from `seq`) handed to the
+        """Runs on an encoder thread: the chunks of `job` (a layer each, numbered from `seq`)
+        handed to the
         pair's transport in one call, so that it can batch them (cuda-ipc reads its checksums
         back once); the byte copies and checksums stay off the model thread and the event loop
         (both release the GIL on large buffers). Block j of the prompt goes to decode's block
@@ -323,9 +319,9 @@ class KvSender:
         for blocks in job:
             if blocks.ready is not None:
                 blocks.ready()
-            n = blocks.k.shape[0]
+            n = blocks.kv.shape[2]
             block_ids = self._task.prompt_block_ids[blocks.first_block : blocks.first_block + n]
-            parts.append(KvPart(blocks.layer, block_ids, blocks.k, blocks.v))
+            parts.append(KvPart(blocks.layer, block_ids, blocks.kv))
         if self._is_closed:  # the transfer ended: write nothing more into decode's blocks
             raise Cancelled(f"the KV transfer of request {self._task.name} ended")
         return self._pairing.kv.encode_all(

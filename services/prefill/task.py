@@ -68,23 +68,21 @@ class KvSink(Protocol):
 
     @property
     def takes_device_tensors(self) -> bool:
-        """True: `send_blocks` gets K/V on the model's device (cuda-ipc copies them device to
-        device); False: on the CPU."""
+        """True: `send_blocks` gets K/V on the model's device, every layer at once after the
+        forward (cuda-ipc copies them device to device: per layer, the hand-over's host work
+        would cost more than the copies); False: on the CPU, each layer as it is computed."""
         ...
 
     def send_blocks(
-        self,
-        layer: int,
-        first_block: int,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        ready: Callable[[], None] | None,
+        self, layer: int, first_block: int, kv: torch.Tensor, ready: Callable[[], None] | None
     ) -> None:
-        """K/V of the prompt's blocks first_block, first_block + 1, ... of `layer`.
+        """K/V of the prompt's blocks first_block, first_block + 1, ... of layers layer,
+        layer + 1, ...
 
-        k, v: [n, block_size, num_kv_heads, head_dim] on the CPU (on the model's device when
-        `takes_device_tensors`), owned by the sink. `ready`, when given, must be called (from
-        any thread) before reading them: it waits for the asynchronous gather or copy.
+        kv: [num_layers, 2 (K, V), n, block_size, num_kv_heads, head_dim] on the CPU (on the
+        model's device when `takes_device_tensors`), owned by the sink. `ready`, when given,
+        must be called (from any thread) before reading it: it waits for the asynchronous
+        gather or copy.
         """
         ...
 

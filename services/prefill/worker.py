@@ -54,6 +54,9 @@ _TRACER = trace.get_tracer("mili.prefill")  # a no-op until tracing installs a p
 # only): a 0.6B model's 512-token prompt is 58.7 MB of KV, an 8B model's 36 layers of 2048
 # tokens 302 MB; past this, copies come from torch's caching host allocator as before.
 _STAGING_BYTES = 256 << 20
+# Most bytes one gather of the hand-over copies out (a prompt chunk's blocks of a run of
+# layers); cuda-ipc takes all layers after the forward, in runs of this size.
+_MAX_GATHER_BYTES = 64 << 20
 
 
 class StepRecord(NamedTuple):
@@ -281,14 +284,24 @@ class PrefillWorker:
             for chunk, job in zip(step.chunks, jobs, strict=True)
         ]
 
-        def on_layer(layer: int) -> None:
+        cache = self.kv_cache
+
+        def ship(start: int, stop: int, device_sinks: bool) -> None:
+            """Hand layers start .. stop-1 of each chunk's blocks to the sinks that take them
+            on the device (True) or on the host (False)."""
             for shipment, job in zip(shipments, jobs, strict=True):
-                if shipment is not None and not job.is_removed:
-                    first, index = shipment
-                    k, v = self.kv_cache.gather_blocks(layer, index)
-                    sink = job.sink
-                    handed = hand_over(k, v, sink.takes_device_tensors, self.staging)
-                    sink.send_blocks(layer, first, *handed)
+                sink = job.sink
+                if shipment is None or job.is_removed or sink.takes_device_tensors != device_sinks:
+                    continue
+                first, index = shipment
+                for a, b in _layer_groups(start, stop, index.numel() * cache.layer_block_bytes):
+                    kv, ready = hand_over(
+                        cache.gather_layers(a, b, index), device_sinks, self.staging
+                    )
+                    sink.send_blocks(a, first, kv, ready)
+
+        def on_layer(layer: int) -> None:
+            ship(layer, layer + 1, device_sinks=False)  # host copies overlap the next layers
             record.layer_done_at.append(time.perf_counter())
 
         asks = [  # row of the batch -> the prompt logprobs its chunk computes
@@ -312,6 +325,9 @@ class PrefillWorker:
             prompt_logprobs=asks,
             layer_callback=on_layer,
         )
+        # Device to device (cuda-ipc) every layer at once, behind the forward on its stream:
+        # the copies take microseconds; per layer, their host work took most of a step.
+        ship(0, cache.num_layers, device_sinks=True)
         logits = output.logits  # [len(computed), vocab] float32
         for ask, pending in zip(asks, output.prompt_logprobs, strict=True):
             job = jobs[computed[ask.row]]
@@ -374,42 +390,43 @@ def _matcher(task: PrefillTask) -> ConstraintMatcher | None:
     return None if task.constraint is None else task.constraint.matcher()
 
 
+def _layer_groups(start: int, stop: int, bytes_per_layer: int) -> list[tuple[int, int]]:
+    """Layers start .. stop-1 in runs of at most _MAX_GATHER_BYTES each (at least one layer):
+    what one gather copies out at once stays bounded, whatever the prompt chunk's length."""
+    per_group = max(1, _MAX_GATHER_BYTES // max(1, bytes_per_layer))
+    return [(a, min(a + per_group, stop)) for a in range(start, stop, per_group)]
+
+
 def hand_over(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    takes_device_tensors: bool,
-    staging: StagingRing | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, Callable[[], None] | None]:
-    """A layer's gathered blocks (k, v: [n, block_size, kv_heads, D]) as a KvSink takes them,
-    with the `ready` wait its encoder thread calls first; never waits for the GPU here. On a
-    GPU, for the host: pinned copies from `staging`, or from torch's caching host allocator
-    where it has no room (or none is given)."""
-    if k.device.type == "cuda" and takes_device_tensors:
+    kv: torch.Tensor, takes_device_tensors: bool, staging: StagingRing | None = None
+) -> tuple[torch.Tensor, Callable[[], None] | None]:
+    """Gathered blocks (kv: [num_layers, 2, n, block_size, kv_heads, D]) as a KvSink takes
+    them, with the `ready` wait its encoder thread calls first; never waits for the GPU here.
+    On a GPU, for the host: a pinned copy from `staging`, or from torch's caching host
+    allocator where it has no room (or none is given)."""
+    if kv.device.type == "cuda" and takes_device_tensors:
         # cuda-ipc: the sender copies device to device on its own stream once the gather
         # (queued on ours) is over.
         event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(k.device))
-        return k, v, event.synchronize
-    if k.device.type == "cuda":
+        event.record(torch.cuda.current_stream(kv.device))
+        return kv, event.synchronize
+    if kv.device.type == "cuda":
         # Copy to pinned host memory on a side stream, without waiting for the GPU: the model's
         # stream goes on to layer i+1 while the copy engine drains this one, the sender's
         # encoder thread waits on the event.
-        stream = thread_stream(k.device)
-        stream.wait_stream(torch.cuda.current_stream(k.device))  # the gather is queued there
+        stream = thread_stream(kv.device)
+        stream.wait_stream(torch.cuda.current_stream(kv.device))  # the gather is queued there
         # A span of `staging` comes round again only behind the copy into it before this one,
         # on the same side stream (the worker's thread_stream): stream order keeps them apart.
-        k_host = pinned_empty(k.shape, k.dtype, staging)
-        v_host = pinned_empty(v.shape, v.dtype, staging)
+        host = pinned_empty(kv.shape, kv.dtype, staging)
         with torch.cuda.stream(stream):
-            k_host.copy_(k, non_blocking=True)
-            v_host.copy_(v, non_blocking=True)
+            host.copy_(kv, non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
-        # k and v belong to the model's stream: their memory must not go to a later kernel
-        # there before this copy has read it.
-        k.record_stream(stream)
-        v.record_stream(stream)
-        return k_host, v_host, event.synchronize
-    if k.device.type != "cpu":
-        return k.cpu(), v.cpu(), None
-    return k, v, None
+        # kv belongs to the model's stream: its memory must not go to a later kernel there
+        # before this copy has read it.
+        kv.record_stream(stream)
+        return host, event.synchronize
+    if kv.device.type != "cpu":
+        return kv.cpu(), None
+    return kv, None

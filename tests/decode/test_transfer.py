@@ -500,7 +500,7 @@ async def send_over_shm(
 
         def push() -> None:
             for layer, first_block, k, v in chunks:
-                sender.send_blocks(layer, first_block, k, v, None)
+                sender.send_blocks(layer, first_block, torch.stack((k, v)).unsqueeze(0), None)
             sender.finish(FirstToken(prefilled.first_token_id, None, None, 0.0, 0.0))
 
         return (await sender.run(push)).kv_bytes

@@ -76,7 +76,8 @@ def test_the_next_chunks_are_encoding_while_a_chunk_is_written(
     async def main() -> None:
         async with prefill_service(tiny) as h:
             kv_cache = h.servicer.worker.kv_cache
-            layers = [kv_cache.gather_blocks(i, [0, 1, 2]) for i in range(num_layers)]
+            index = kv_cache.block_index([0, 1, 2])
+            layers = [kv_cache.gather_layers(i, i + 1, index) for i in range(num_layers)]
             async with receiver_for(h) as (receiver, server):
                 receiver.reserve("pipelined", [0, 1, 2])
                 ids = random_ids(40, tiny.model.config.vocab_size, seed=3)
@@ -85,15 +86,15 @@ def test_the_next_chunks_are_encoding_while_a_chunk_is_written(
                         sender = _sender(h, "pipelined", ids, channel, encoder, server.address)
 
                         def push() -> None:
-                            for layer, (k, v) in enumerate(layers):
-                                sender.send_blocks(layer, 0, k, v, None)
+                            for layer, kv in enumerate(layers):
+                                sender.send_blocks(layer, 0, kv, None)
                             sender.finish(FirstToken(0, None, None, 0.0, 0.0))
 
                         result = await sender.run(push)
                 transfer = receiver.transfers["pipelined"]
                 assert transfer.status == "ok"
                 assert [c.seq for c in transfer.chunks] == list(range(num_layers))
-                assert result.kv_bytes == sum(k.nbytes + v.nbytes for k, v in layers)
+                assert result.kv_bytes == sum(kv.nbytes for kv in layers)
 
     asyncio.run(main())
     assert events.index(("submit", limit)) < events.index(("write", 1))
@@ -118,14 +119,13 @@ def test_a_failed_transfer_keeps_none_of_the_host_copies_handed_to_it(tiny: Tiny
 
                         def push() -> None:
                             sender.fail(Unavailable("prefill instance is shutting down"))
+                            index = kv_cache.block_index([0, 1, 2])
                             for layer in range(3):
-                                k, v = kv_cache.gather_blocks(layer, [0, 1, 2])
-                                k_staged = staging.empty(k.shape, k.dtype)
-                                v_staged = staging.empty(v.shape, v.dtype)
-                                assert k_staged is not None and v_staged is not None
-                                k_staged.copy_(k)
-                                v_staged.copy_(v)
-                                sender.send_blocks(layer, 0, k_staged, v_staged, None)
+                                kv = kv_cache.gather_layers(layer, layer + 1, index)
+                                staged = staging.empty(kv.shape, kv.dtype)
+                                assert staged is not None
+                                staged.copy_(kv)
+                                sender.send_blocks(layer, 0, staged, None)
 
                         with pytest.raises(Unavailable):
                             await sender.run(push)

@@ -105,7 +105,8 @@ def test_decode_error_racing_our_writes_keeps_its_code(
     async def main() -> None:
         async with prefill_service(tiny) as h:
             kv_cache = h.servicer.worker.kv_cache
-            layers = [kv_cache.gather_blocks(i, [0, 1, 2]) for i in range(num_layers)]
+            index = kv_cache.block_index([0, 1, 2])
+            layers = [kv_cache.gather_layers(i, i + 1, index) for i in range(num_layers)]
             async with receiver_for(h) as (receiver, server):
                 receiver.corrupt_seq = corrupt_seq
                 channel = insecure_channel(server.address, interceptors=interceptors)
@@ -125,8 +126,8 @@ def test_decode_error_racing_our_writes_keeps_its_code(
                         )
 
                         def push(sender: KvSender = sender) -> None:
-                            for layer, (k, v) in enumerate(layers):
-                                sender.send_blocks(layer, 0, k, v, None)
+                            for layer, kv in enumerate(layers):
+                                sender.send_blocks(layer, 0, kv, None)
                             sender.finish(FirstToken(0, None, None, 0.0, 0.0))
 
                         with pytest.raises(DataLoss, match="checksum"):

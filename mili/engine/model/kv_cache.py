@@ -1,8 +1,9 @@
 """Paged KV cache tensors: per-layer K and V blocks, slot arithmetic, whole-block gather/scatter.
 
-Layout (one K and one V tensor per layer, separate, contiguous):
+Layout (one K and one V tensor per layer, contiguous, views of one allocation):
 
     k[layer], v[layer]: [num_blocks, block_size, num_kv_heads, head_dim]
+    blocks:             [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
 
     block_table = [7, 2, 9]           (a request's block ids, in position order; block_size 4)
     position:      0 1 2 3 | 4 5 6 7 | 8 9
@@ -43,23 +44,28 @@ def pool_bytes(layout: KVLayout, num_blocks: int, dtype: torch.dtype) -> int:
     return 2 * layout.num_layers * per_layer
 
 
-def pool_views(
+def pool_blocks(
     storage: torch.Tensor, layout: KVLayout, num_blocks: int, dtype: torch.dtype
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """(k, v) per layer as views of `storage` (flat uint8, `pool_bytes` long): for each layer K
-    then V, back to back from offset 0, the order decode's pool has in shared memory or a CUDA
-    IPC export (mili/kv_handoff)."""
-    shape = (num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
+) -> torch.Tensor:
+    """`storage` (flat uint8, `pool_bytes` long) as the whole pool, a view:
+    [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim], K (0) then V (1) of each
+    layer back to back from offset 0, the order decode's pool has in shared memory or a CUDA
+    IPC export (mili/kv_handoff). One view over every layer lets a hand-over gather, copy or
+    checksum a prompt's blocks of all layers in one launch."""
     size = pool_bytes(layout, num_blocks, dtype)
     if storage.numel() != size:
         raise ValueError(f"storage holds {storage.numel()} bytes, the pool needs {size}")
-    per = size // (2 * layout.num_layers)
-    k, v = [], []
-    for layer in range(layout.num_layers):
-        base = 2 * layer * per
-        k.append(storage[base : base + per].view(dtype).view(shape))
-        v.append(storage[base + per : base + 2 * per].view(dtype).view(shape))
-    return k, v
+    shape = (layout.num_layers, 2, num_blocks, layout.block_size, layout.num_kv_heads)
+    return storage.view(dtype).view(*shape, layout.head_dim)
+
+
+def pool_views(
+    storage: torch.Tensor, layout: KVLayout, num_blocks: int, dtype: torch.dtype
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(k, v) per layer, [num_blocks, block_size, num_kv_heads, head_dim] views of `storage`
+    (`pool_blocks`' order)."""
+    blocks = pool_blocks(storage, layout, num_blocks, dtype)
+    return [b[0] for b in blocks], [b[1] for b in blocks]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -113,22 +119,25 @@ class KVCache:
         self.head_dim = config.head_dim
         self.dtype = dtype
         self.device = torch.device(device)
-        shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
-        if storage is not None:  # zero-filled by its creator
-            layout = self.layout_of(config, block_size, dtype)
-            self.k, self.v = pool_views(storage.to(self.device), layout, num_blocks, dtype)
-            return
-        # Zeros, not empty: a bug that reads an unwritten slot then gives stable wrong numbers
-        # instead of NaNs that depend on what the allocator left behind.
-        self.k = [
-            torch.zeros(shape, dtype=dtype, device=self.device)
-            for _ in range(config.num_hidden_layers)
-        ]
-        self.v = [torch.zeros_like(k) for k in self.k]
+        layout = self.layout_of(config, block_size, dtype)
+        if storage is None:
+            # Zeros, not empty: a bug that reads an unwritten slot then gives stable wrong
+            # numbers instead of NaNs that depend on what the allocator left behind.
+            size = pool_bytes(layout, num_blocks, dtype)
+            storage = torch.zeros(size, dtype=torch.uint8, device=self.device)
+        # else zero-filled by its creator
+        self.blocks = pool_blocks(storage.to(self.device), layout, num_blocks, dtype)
+        self.k = [b[0] for b in self.blocks]
+        self.v = [b[1] for b in self.blocks]
 
     @property
     def num_layers(self) -> int:
         return len(self.k)
+
+    @property
+    def layer_block_bytes(self) -> int:
+        """Bytes of one block of one layer, K and V together."""
+        return 2 * self.k[0][0].numel() * self.k[0].element_size()
 
     @property
     def layout(self) -> KVLayout:
@@ -158,6 +167,12 @@ class KVCache:
         flat_shape = (-1, self.num_kv_heads, self.head_dim)
         self.k[layer].view(flat_shape).index_copy_(0, slot_mapping, k.to(self.dtype))
         self.v[layer].view(flat_shape).index_copy_(0, slot_mapping, v.to(self.dtype))
+
+    def gather_layers(self, start: int, stop: int, index: torch.Tensor) -> torch.Tensor:
+        """Copy whole blocks of layers start .. stop-1 out in one launch:
+        [stop - start, 2, n, block_size, kv_heads, head_dim] (K then V), contiguous; `index`
+        from `block_index`."""
+        return self.blocks[start:stop].index_select(2, index)
 
     def gather_blocks(
         self, layer: int, block_ids: Sequence[int] | torch.Tensor
