@@ -33,7 +33,9 @@ decode   B sequences of --context prompt tokens each (prefilled first), then --s
          tables, slow since it gathers all of them, so it measures the graph machinery only).
 launches kernels launched per decode step, from one step under torch.profiler: CUDA runtime
          and driver launch calls (cudaLaunchKernel, cuLaunchKernel, cudaGraphLaunch ...); on
-         CPU the aten ops a step runs instead.
+         CPU the aten ops a step runs instead. On CUDA the same step's GPU kernel time too
+         (the profiler's device time of its kernels): wall / kernel time is how much of a step
+         the host adds (issue 33's goal: <= 1.2x at batch 1).
 prefill  --prefill-batch prompts of --prefill-tokens tokens in one ModelRunner.prefill;
          tokens/s = prompt tokens / median wall time.
 hf       transformers.Qwen3ForCausalLM (sdpa attention) `generate` on the same checkpoint and
@@ -110,6 +112,9 @@ class Row:
     hf_tpot_ms: float | None = None
     eager_launches: int | None = None
     graphs_launches: int | None = None
+    # GPU kernel time of one step (CUDA only): wall / this says how much of a step is host
+    eager_gpu_ms: float | None = None
+    graphs_gpu_ms: float | None = None
 
     def cells(self) -> list[str]:
         def ms(x: float | None) -> str:
@@ -172,7 +177,9 @@ def step(runner: ModelRunner, seqs: list[Sequence]) -> None:
         s.append(t)
 
 
-def count_launches(fn: Callable[[], None], device: torch.device) -> int:
+def profile_step(fn: Callable[[], None], device: torch.device) -> tuple[int, float | None]:
+    """(kernel launches, or aten ops on the CPU; GPU kernel ms, None on the CPU) of one call."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -180,13 +187,21 @@ def count_launches(fn: Callable[[], None], device: torch.device) -> int:
         fn()
         sync(device)
     events = prof.key_averages()
-    if device.type == "cuda":
-        return sum(e.count for e in events if any(k in e.key for k in LAUNCH_KEYS))
-    return sum(e.count for e in events if e.key.startswith("aten::"))
+    if device.type != "cuda":
+        return sum(e.count for e in events if e.key.startswith("aten::")), None
+    launches = sum(e.count for e in events if any(k in e.key for k in LAUNCH_KEYS))
+    kernel_us = sum(
+        getattr(e, "self_device_time_total", 0.0)
+        for e in events
+        if getattr(e, "device_type", None) == DeviceType.CUDA
+    )
+    return launches, kernel_us / 1e3
 
 
-def decode_tpot(runner: ModelRunner, batch: int, args: argparse.Namespace) -> tuple[float, int]:
-    """Median decode step (ms) at `batch` and launches in one step."""
+def decode_tpot(
+    runner: ModelRunner, batch: int, args: argparse.Namespace
+) -> tuple[float, int, float | None]:
+    """Median decode step (ms) at `batch`, launches and GPU kernel ms in one step."""
     device = runner.device
     pool = BlockPool(runner.num_blocks, null_block=True)
     seqs = start(
@@ -203,10 +218,10 @@ def decode_tpot(runner: ModelRunner, batch: int, args: argparse.Namespace) -> tu
         t0 = time.perf_counter()
         step(runner, seqs)  # ends with the ids on the host: the step's one wait
         times.append(time.perf_counter() - t0)
-    launches = count_launches(lambda: step(runner, seqs), device)
+    launches, gpu_ms = profile_step(lambda: step(runner, seqs), device)
     for s in seqs:
         pool.free(s.block_table)
-    return statistics.median(times) * 1e3, launches
+    return statistics.median(times) * 1e3, launches, gpu_ms
 
 
 def prefill_tokens_per_s(runner: ModelRunner, args: argparse.Namespace) -> float:
@@ -389,11 +404,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     rows = [Row(b) for b in batches]
 
-    def report(mode: str, row: Row, tpot_ms: float | None, launches: int | None = None) -> None:
+    def report(
+        mode: str,
+        row: Row,
+        tpot_ms: float | None,
+        launches: int | None = None,
+        gpu_ms: float | None = None,
+    ) -> None:
         if tpot_ms is None:
             print(f"{mode:6} batch {row.batch:4}: n/a", flush=True)
             return
         counted = "" if launches is None else f", {launches} {what}/step"
+        if gpu_ms:
+            counted += f", GPU kernels {gpu_ms:.2f} ms/step (wall {tpot_ms / gpu_ms:.2f}x)"
         print(
             f"{mode:6} batch {row.batch:4}: TPOT {tpot_ms:8.2f} ms, "
             f"{row.batch / tpot_ms * 1e3:8.0f} tok/s{counted}",
@@ -401,8 +424,10 @@ def main(argv: list[str] | None = None) -> int:
         )
 
     for row in rows:
-        row.eager_tpot_ms, row.eager_launches = decode_tpot(eager, row.batch, args)
-        report("eager", row, row.eager_tpot_ms, row.eager_launches)
+        row.eager_tpot_ms, row.eager_launches, row.eager_gpu_ms = decode_tpot(
+            eager, row.batch, args
+        )
+        report("eager", row, row.eager_tpot_ms, row.eager_launches, row.eager_gpu_ms)
     note = ""
     if device.type != "cuda":
         note = "graphs: n/a on CPU"
@@ -427,8 +452,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(note, flush=True)
         for row in rows:
-            row.graphs_tpot_ms, row.graphs_launches = decode_tpot(graphs, row.batch, args)
-            report("graphs", row, row.graphs_tpot_ms, row.graphs_launches)
+            row.graphs_tpot_ms, row.graphs_launches, row.graphs_gpu_ms = decode_tpot(
+                graphs, row.batch, args
+            )
+            report("graphs", row, row.graphs_tpot_ms, row.graphs_launches, row.graphs_gpu_ms)
     if path is None:
         print("# hf: n/a, no checkpoint (--random-on-device)", flush=True)
     elif not args.no_hf:
