@@ -11,6 +11,11 @@ compile of the same schema is a hit: compiles counted, not timed in a unit test)
 
     flock /tmp/mili-bench.lock .venv/bin/python benchmarks/constrained_decode.py \
         --model demo --model qwen3-0.6b
+    python3 benchmarks/constrained_decode.py --device cuda --model qwen3-0.6b   # GPU host
+
+On CUDA the model runs in bf16 with the kernels serving picks and the decode step replayed from
+CUDA graphs, as decode serves it; the masks are filled on the host either way (the masker's
+thread, during the forward) and applied on the device.
 """
 
 from __future__ import annotations
@@ -75,12 +80,18 @@ def model_dirs(name: str, cache: Path) -> tuple[Path, Path, int]:
     return preset_checkpoint(name, cache), directory, tokenizer.num_tokens
 
 
-def run(name: str, batch: int, steps: int, cache: Path) -> dict[str, Any]:
+def run(name: str, batch: int, steps: int, cache: Path, device: str) -> dict[str, Any]:
     model_dir, tok_dir, vocab = model_dirs(name, cache)
     config = load_config(model_dir)
-    kernels = select_kernels("auto", "cpu", CheckShape.of(config, 16, "float32"))  # as serving
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    dtype_name = str(dtype).removeprefix("torch.")
+    kernels = select_kernels("auto", device, CheckShape.of(config, 16, dtype_name))  # as serving
     model = load_model(
-        model_dir, dtype=torch.float32, attention=kernels.attention, fused_ops=kernels.fused_ops
+        model_dir,
+        device=device,
+        dtype=dtype,
+        attention=kernels.attention,
+        fused_ops=kernels.fused_ops,
     )
     rows = model.config.vocab_size
     eos = [vocab - 1]
@@ -101,6 +112,7 @@ def run(name: str, batch: int, steps: int, cache: Path) -> dict[str, Any]:
     runner = ModelRunner.create(
         model, batch * per_seq, block_size, max_decode_batch=batch, vocab_size=vocab
     )
+    graphs = runner.capture_graphs() if model.device.type == "cuda" else False
     masker = BatchMasker(tokenizer, batch, num_threads=1)
     gen = torch.Generator().manual_seed(0)
     arms: dict[str, list[Sequence]] = {}
@@ -118,7 +130,8 @@ def run(name: str, batch: int, steps: int, cache: Path) -> dict[str, Any]:
                 seq.matcher = compiled.matcher()
             seqs.append(seq)
         first = masker.fill([s.matcher for s in seqs])
-        out = runner.sampler(torch.randn(batch, rows), [s.sampling for s in seqs], first)
+        logits = torch.randn(batch, rows, device=model.device)
+        out = runner.sampler(logits, [s.sampling for s in seqs], first)
         for seq, token in zip(seqs, out.token_ids, strict=True):
             seq.append(token)
         arms[arm] = seqs
@@ -150,14 +163,18 @@ def run(name: str, batch: int, steps: int, cache: Path) -> dict[str, Any]:
         fill_s.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         logits = runner.decode_logits(seqs)
+        _sync(model.device)
         forward_s.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         apply_token_bitmask(logits[:, :vocab], mask)
+        _sync(model.device)
         apply_s.append(time.perf_counter() - t0)
     masker.close()
     med = {arm: statistics.median(t) * 1e3 for arm, t in times.items()}
     return {
         "model": name,
+        "device": str(model.device),
+        "graphs": graphs,
         "batch": batch,
         "steps": len(times["json"]),
         "free_ms": med["free"],
@@ -174,6 +191,11 @@ def run(name: str, batch: int, steps: int, cache: Path) -> dict[str, Any]:
     }
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", action="append", help="demo or a preset (repeatable)")
@@ -181,6 +203,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40, help="timed steps per arm")
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -192,9 +215,10 @@ def main() -> None:
     print("| --- " * 14 + "|")
     with torch.inference_mode():
         for name in args.model or ["demo"]:
-            r = run(name, args.batch, args.steps, args.cache_dir)
+            r = run(name, args.batch, args.steps, args.cache_dir, args.device)
+            where = r["device"] + (" graphs" if r["graphs"] else "")
             print(
-                f"| {r['model']} | {r['batch']} | {r['steps']} | {r['free_ms']:.2f} "
+                f"| {r['model']} ({where}) | {r['batch']} | {r['steps']} | {r['free_ms']:.2f} "
                 f"| {r['json_ms']:.2f} | {r['ratio']:.2f}x | {r['fill_ms']:.2f} "
                 f"| {r['apply_ms']:.2f} | {r['forward_ms']:.2f} | {r['grammars_finished']} "
                 f"| {r['compile_first_ms']:.2f} | {r['compile_second_ms']:.3f} "

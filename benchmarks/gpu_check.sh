@@ -26,7 +26,8 @@
 #      bf16 weights made on the device, all 48 layers: 57 GiB + 6 GiB of KV fit an 80 GB H100)
 #      decode TPOT at batch 1 and 10 and tok/s at 64, the engine alone (~45 s); attention
 #      TFLOP/s and GB/s against SDPA; `mili serve` TTFT at concurrency 1 (512-token prompts) and
-#      tok/s at 64 and 256; cuda-ipc KV GB/s; the fused ops
+#      tok/s at 64 and 256; cuda-ipc KV GB/s; the fused ops; the JSON-constrained decode step
+#      against the unconstrained one at batch 64
 # Logs: every piece appends to one of 8 files under $OUT as it goes (the GPU host hands back at
 # most 8), so a cut-off still returns what was measured; run.log has a START and an END (exit
 # status) line per piece. Exit 0 only if every piece ran and passed.
@@ -187,6 +188,9 @@ if [[ $device == cuda ]]; then
   SERVE=(--ttft-requests 30 --warmup 4 --concurrency "64,256")
   KV=(--receivers "decode,decode-shm" --repeats 3)
   FUSED=(--dtypes bf16 --batch 1 64 --repeats 20)
+  # Issue 31: the decode step with a JSON-schema constraint on all 64 rows / without (<= 1.10x),
+  # bf16 with graphs as decode serves; a Qwen3-sized synthetic tokenizer is built there (~s).
+  CONSTRAINED=(--model qwen3-0.6b --batch 64 --steps 40)
   # Issue 32: vLLM's 13.2 ms TPOT / 739.8 tok/s at concurrency 10 (2048 in / 1024 out). Context
   # 512 keeps the prefills short (75 x 512 tokens per mode); its KV read per step at batch 10
   # is ~0.5 GB lighter than vLLM's ~2.5k-token average (~0.2 ms at 3 TB/s).
@@ -200,6 +204,7 @@ else
   SERVE=(--ttft-requests 3 --warmup 1 --concurrency 4 --output-tokens 16)
   KV=(--receivers "decode,decode-shm" --repeats 2 --prompt-len 256)
   FUSED=(--dtypes fp32 --tokens 1 16 --repeats 3 --layers 1 --batch 1 --context 32)
+  CONSTRAINED=(--model demo --batch 4 --steps 3)
   MOE=(--preset tiny-moe --batches "1,10" --context 32 --steps 3 --warmup 1 --repeats 1
     --prefill-tokens 32 --prefill-batch 2)
 fi
@@ -223,6 +228,8 @@ cat "$tmp/serve.json" >>"$out/serve.log" 2>/dev/null
 piece kv.log "$(cap 90 60)" "$BUDGET" "$PY" benchmarks/kv_handoff.py "${common[@]}" "${KV[@]}"
 piece attention.log "$(cap 60 40)" "$BUDGET" "$PY" benchmarks/fused_ops.py --device "$device" \
   "${FUSED[@]}"
+piece engine.log "$(cap 60 40)" "$BUDGET" "$PY" benchmarks/constrained_decode.py --device "$device" \
+  --cache-dir "$cache" "${CONSTRAINED[@]}"
 
 failed=$(grep -c '] END exit [1-9]' "$out/run.log")
 skipped=$(grep -c '] SKIP' "$out/run.log")
