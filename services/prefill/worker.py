@@ -1,4 +1,4 @@
-"""The thread that owns the model and the KV cache: runs steps, ships KV per layer, samples.
+"""The thread that owns the model and the KV cache: runs steps, ships KV, samples.
 
     event loop (servicer)                     worker thread
     ─────────────────────                     ─────────────
@@ -6,7 +6,9 @@
     remove(request_id) ─┼─ lock ─ Scheduler ─▶  step = schedule()       (admits, allocates)
                         │                       runner.prefill_step(step, layer_callback=...)
                         │                         after layer i: gather each chunk's blocks
-                        │                         ──▶ sink.send_blocks(i, ...)   (hand-off)
+                        │                         ──▶ sink.send_blocks(i, ...)   (host sinks)
+                        │                       after the forward: all layers at once
+                        │                         ──▶ sink.send_blocks(0, ...)   (cuda-ipc)
                         │                       sample first tokens of finished prompts
                         │                       (masked by their constraints, filled on the
                         │                       masker's thread during the forward)
