@@ -253,6 +253,14 @@ async def kv_path_alone(
     cache = servicer.worker.kv_cache
     blocks = list(range(-(-len(prompt) // BLOCK_SIZE)))
     index = cache.block_index(blocks)
+    # Gathered once, outside the timed runs, as the worker hands them over: each layer alone
+    # (grpc, shm) or every layer at once (cuda-ipc).
+    on_device = pairing.kv.takes_device_tensors
+    step = cache.num_layers if on_device else 1
+    gathered = [
+        (layer, cache.gather_layers(layer, layer + step, index))
+        for layer in range(0, cache.num_layers, step)
+    ]
     # Staging for device -> host copies (GPU, grpc) sized as the worker's, but its own: these
     # copies run on this thread's side stream, the worker's on the worker's, and a span comes
     # round again safely only behind the copies of one stream.
@@ -283,12 +291,9 @@ async def kv_path_alone(
                     )
 
                     def push(sender: KvSender = sender) -> None:
-                        # As the worker hands layers over: each alone, on a GPU device to pinned
-                        # host behind an event (grpc); all at once behind the event (cuda-ipc).
-                        on_device = sender.takes_device_tensors
-                        step = cache.num_layers if on_device else 1
-                        for layer in range(0, cache.num_layers, step):
-                            kv = cache.gather_layers(layer, layer + step, index)
+                        # As the worker hands layers over: on a GPU, device to pinned host
+                        # behind an event (grpc), or the event alone (cuda-ipc).
+                        for layer, kv in gathered:
                             sender.send_blocks(layer, 0, *hand_over(kv, on_device, staging))
                         sender.finish(FirstToken(0, None, None, 0.0, 0.0))
 
