@@ -48,7 +48,7 @@ from mili.errors import (
     ResourceExhausted,
 )
 from mili.kv_handoff.codec import ACCEPTED_KEY, batch_in_place
-from mili.kv_handoff.transport import KvPart
+from mili.kv_handoff.kv_part import KvPart
 from mili.pb.common.v1 import sampling_pb2
 from mili.pb.kv.v1 import kv_pb2
 from mili.rpc.sampling import logprobs_to_proto

@@ -12,7 +12,8 @@ from mili.engine.kv.kv_layout import KVLayout
 from mili.engine.model.kv_cache import pool_blocks, pool_bytes
 from mili.errors import DataLoss
 from mili.kv_handoff import codec
-from mili.kv_handoff.transport import CudaIpcTransport, KvPart
+from mili.kv_handoff.cuda_ipc_transport import CudaIpcTransport
+from mili.kv_handoff.kv_part import KvPart
 
 LAYOUT = KVLayout(num_layers=5, block_size=4, num_kv_heads=2, head_dim=8, dtype="bfloat16")
 NUM_BLOCKS = 16
