@@ -27,7 +27,7 @@
 #      decode TPOT at batch 1 and 10 and tok/s at 64, the engine alone (~45 s); attention
 #      TFLOP/s and GB/s against SDPA; `mili serve` TTFT at concurrency 1 (512-token prompts) and
 #      tok/s at 64 and 256; cuda-ipc KV GB/s; the fused ops; the JSON-constrained decode step
-#      against the unconstrained one at batch 64
+#      against the unconstrained one at batch 64; py-spy's profile of `mili serve` under load
 # Logs: every piece appends to one of 8 files under $OUT as it goes (the GPU host hands back at
 # most 8), so a cut-off still returns what was measured; run.log has a START and an END (exit
 # status) line per piece. Exit 0 only if every piece ran and passed.
@@ -230,6 +230,13 @@ piece attention.log "$(cap 60 40)" "$BUDGET" "$PY" benchmarks/fused_ops.py --dev
   "${FUSED[@]}"
 piece engine.log "$(cap 60 40)" "$BUDGET" "$PY" benchmarks/constrained_decode.py --device "$device" \
   --cache-dir "$cache" "${CONSTRAINED[@]}"
+# Last, where time is left (the plan took 223 s of 530 on an H200): where a loaded `mili serve`
+# spends its time, py-spy's samples summarized per thread into serve.log (the raw stacks stay
+# on the host: 8 files come back). GPU only: py-spy comes as a carried wheel (gpu_prep.sh).
+if [[ $device == cuda ]]; then
+  OUT=$tmp/profile piece serve.log 100 "$BUDGET" bash benchmarks/serve_profile.sh &&
+    "$PY" benchmarks/stacks.py "$tmp"/profile/serve-*.txt --top 14 >>"$out/serve.log" 2>&1
+fi
 
 failed=$(grep -c '] END exit [1-9]' "$out/run.log")
 skipped=$(grep -c '] SKIP' "$out/run.log")
