@@ -11,6 +11,8 @@ pool with `blocks_for_requests` (the default) to make that impossible.
 Constrained requests (`SamplingParams.constraint`) are compiled by the `compiler` passed in and
 masked at every sample, the first token's included, exactly as prefill and decode mask them
 (here without overlapping the fill with the forward: this is the reference, not the fast path).
+Prompt logprobs (`SamplingParams.prompt_logprobs`) come from the same computation prefill runs
+(mili/engine/step/prompt_logprobs.py), chunk by chunk.
 """
 
 from __future__ import annotations
@@ -25,9 +27,11 @@ from mili.engine.constraint.compiler import ConstraintCompiler
 from mili.engine.constraint.mask import BatchMasker
 from mili.engine.kv.block_pool import BlockPool, blocks_needed
 from mili.engine.kv.kv_layout import DEFAULT_BLOCK_SIZE
+from mili.engine.logprobs import TokenLogprobs
 from mili.engine.model.kv_cache import KVCache
 from mili.engine.model.qwen3 import DecodeBatch, PrefillBatch, Qwen3ForCausalLM
 from mili.engine.sampling_params import SamplingParams
+from mili.engine.step.prompt_logprobs import chunk_targets, compute_prompt_logprobs
 from mili.engine.step.sampler import Sampler, SamplerOutput
 from mili.engine.step.sequence import Sequence
 
@@ -40,6 +44,9 @@ class GenerationResult:
     finish_reason: str = ""  # "stop" (EOS or a stop token) or "length" (max_tokens)
     logprobs: list[float] | None = None  # per generated token, when params.logprobs is set
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    # log p(prompt[i] | prompt[:i]) with the top params.prompt_logprobs, for i = 1 .. N - 1
+    # (the first prompt token has none), when params.prompt_logprobs is set
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass
@@ -98,6 +105,7 @@ def generate(
                 f"prompt {i}: {len(prompt)} tokens + max_tokens {sp.max_tokens} exceeds "
                 f"max_position_embeddings {config.max_position_embeddings}"
             )
+        sp.check_prompt(len(prompt))  # InvalidArgument: prompt_logprobs of too long a prompt
     if kv_cache is None:
         num_blocks = max(1, blocks_for_requests(prompts, all_params, block_size))
         kv_cache = KVCache(config, num_blocks, block_size, dtype=model.dtype, device=model.device)
@@ -130,6 +138,7 @@ def generate(
             token_ids=s.output_token_ids,
             logprobs=None if sp.logprobs is None else [],
             top_logprobs=None if sp.logprobs is None else [],
+            prompt_logprobs=None if sp.prompt_logprobs is None else [],
         )
         for s, sp in zip(seqs, all_params, strict=True)
     ]
@@ -137,7 +146,10 @@ def generate(
     stats = stats if stats is not None else GenerationStats()
     try:
         start = time.perf_counter()
-        _prefill(model, kv_cache, pool, sampler, seqs, results, prefill_chunk_size)
+        asks = [sp.prompt_logprobs for sp in all_params]
+        _prefill(
+            model, kv_cache, pool, sampler, seqs, results, prefill_chunk_size, asks, vocab_size
+        )
         stats.prefill_s += time.perf_counter() - start
         stats.num_prefill_tokens += sum(len(s.prompt_token_ids) for s in seqs)
         while active := [i for i, s in enumerate(seqs) if not s.is_finished]:
@@ -175,8 +187,12 @@ def _prefill(
     seqs: list[Sequence],
     results: list[GenerationResult],
     chunk_size: int | None,
+    asks: list[int | None],
+    vocab_size: int,
 ) -> None:
-    """Prefill rounds: each round sends every unfinished prompt's next chunk in one batch."""
+    """Prefill rounds: each round sends every unfinished prompt's next chunk in one batch, and
+    the prompt logprobs (top asks[i]) of prompt i where asked (prompt_logprobs.py: only those
+    chunks' rows go through the head, a pass at a time)."""
     block_size = kv_cache.block_size
     while pending := [
         i for i, s in enumerate(seqs) if s.num_computed_tokens < len(s.prompt_token_ids)
@@ -196,7 +212,27 @@ def _prefill(
             start_positions=[seqs[i].num_computed_tokens for i in pending],
             device=model.device,
         )
-        logits = model.prefill(batch, kv_cache)  # [B, vocab]
+        asking = [j for j, i in enumerate(pending) if asks[i] is not None]
+        if not asking:
+            logits = model.prefill(batch, kv_cache)  # [B, vocab]
+        else:
+            with torch.inference_mode():
+                hidden = model.prefill_hidden(batch, kv_cache)  # [T, hidden]
+                starts = batch.cu_seqlens.tolist()
+                logits = model.logits(hidden[batch.cu_seqlens[1:].long() - 1])
+                for j in asking:
+                    s, start = seqs[pending[j]], seqs[pending[j]].num_computed_tokens
+                    targets = chunk_targets(s.prompt_token_ids, start, start + len(chunks[j]))
+                    pending_logprobs = compute_prompt_logprobs(
+                        model.logits,
+                        hidden[starts[j] : starts[j + 1]],
+                        targets,
+                        vocab_size,
+                        asks[pending[j]] or 0,
+                    )
+                    asked = results[pending[j]].prompt_logprobs
+                    assert asked is not None
+                    asked.extend(pending_logprobs.result())
         for i, chunk in zip(pending, chunks, strict=True):
             seqs[i].num_computed_tokens += len(chunk)
         done = [

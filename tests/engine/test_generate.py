@@ -158,6 +158,28 @@ def test_logprobs_match_hf(
         assert [t for t, _ in top] == ref[i].topk(3).indices.tolist()
 
 
+@pytest.mark.parametrize("chunk_size", [None, 5])
+def test_prompt_logprobs_match_hf_and_leave_the_generation_alone(
+    engine_models: dict[str, Qwen3ForCausalLM], hf_models: dict[str, Any], chunk_size: int | None
+) -> None:
+    model = engine_models["untied_gqa4"]
+    prompt = random_ids(13, model.config.vocab_size, seed=901)
+    other = random_ids(7, model.config.vocab_size, seed=902)
+    asking = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=4)
+    plain = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    got, beside = generate(model, [prompt, other], [asking, plain], prefill_chunk_size=chunk_size)
+    with torch.no_grad():
+        ref = hf_models["untied_gqa4"](torch.tensor([prompt])).logits[0, :-1].log_softmax(-1)
+    assert got.prompt_logprobs is not None and beside.prompt_logprobs is None
+    assert len(got.prompt_logprobs) == len(prompt) - 1  # the first token has none
+    for i, lp in enumerate(got.prompt_logprobs):
+        assert lp.logprob == pytest.approx(ref[i, prompt[i + 1]].item(), abs=1e-4), i
+        assert [t for t, _ in lp.top] == ref[i].topk(4).indices.tolist(), i
+    # asking changes nothing else: the same tokens as without
+    again = generate(model, [prompt, other], plain, prefill_chunk_size=chunk_size)
+    assert [r.token_ids for r in (got, beside)] == [r.token_ids for r in again]
+
+
 def test_seeded_sampling_is_reproducible_and_batch_independent(
     engine_models: dict[str, Qwen3ForCausalLM],
 ) -> None:
