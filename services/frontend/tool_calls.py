@@ -20,6 +20,8 @@ every cut into 2 and 3 pieces), and no tag or block JSON reaches content:
   content, tags and all, as vLLM does: the text is not lost, and nothing malformed is
   presented as a call. A block still open when the generation ends (max_tokens, or the model
   stopped before `</tool_call>`) is a call if its JSON parses, else content;
+- a `</tool_call>` inside one of the block's JSON strings (an argument holding code or markup)
+  is text, not the block's end;
 - whitespace touching a parsed block is the block's framing (the chat template writes "\\n"
   between content and each call): dropped, so the content and calls render back to the same
   prompt. Whitespace elsewhere is kept (held back only until the next non-space text).
@@ -64,6 +66,21 @@ def _partial_tag(text: str, tag: str) -> int:
         if tag.startswith(text[-n:]):
             return n
     return 0
+
+
+def _in_json_string(body: str) -> bool:
+    """Whether `body` (a block's JSON so far) ends inside a string literal: a `</tool_call>`
+    there is an argument's text (code, HTML), not the block's end. vLLM's parser cuts the call
+    at it; here the call stays whole."""
+    inside = escaped = False
+    for char in body:
+        if escaped:
+            escaped = False
+        elif char == "\\":
+            escaped = inside
+        elif char == '"':
+            inside = not inside
+    return inside
 
 
 def parse_call(body: str) -> tuple[str, str] | None:
@@ -114,6 +131,8 @@ class ToolCallParser:
                 start = max(0, len(self._block) - len(CLOSE) + 1)  # a tag cut by the last delta
                 self._block += text
                 at = self._block.find(CLOSE, start)
+                while at >= 0 and _in_json_string(self._block[:at]):
+                    at = self._block.find(CLOSE, at + 1)  # text of an argument, not the tag
                 if at < 0:
                     break
                 text = self._block[at + len(CLOSE) :]

@@ -75,6 +75,15 @@ CASES = {
     "plain_answer": ("Hello,\n\n  world.\n\n", "", "Hello,\n\n  world.\n\n", []),
     # a missing "arguments" means none
     "no_arguments": ('<tool_call>{"name": "ping"}</tool_call>', "", "", [("ping", "{}")]),
+    # the closing tag inside an argument's string (code, markup, an escaped quote before it)
+    # is the argument's text: the call stays whole, then the block closes at the real tag
+    "tag_in_an_argument": (
+        '<tool_call>\n{"name": "write", "arguments": {"text": "a \\"</tool_call>\\" b"}}\n'
+        "</tool_call>\nDone.",
+        "",
+        "Done.",
+        [("write", '{"text": "a \\"</tool_call>\\" b"}')],
+    ),
 }
 
 
