@@ -104,7 +104,45 @@ class Scatter(Protocol):
         """Write whole blocks of one layer (k, v: [n, block_size, num_kv_heads, head_dim])."""
 
 
-class GrpcTransport:
+class _ChunkByChunk:
+    """`encode_all` and `land_all` of the transports that move one chunk at a time (grpc, shm):
+    each part's layers in order, a chunk message each."""
+
+    def encode(
+        self,
+        request_id: str,
+        seq: int,
+        layer: int,
+        block_ids: Sequence[int],
+        k: torch.Tensor,
+        v: torch.Tensor,
+        checksum: str,
+    ) -> tuple[bytes, int]:
+        raise NotImplementedError
+
+    def land(self, chunk: Chunk, checksum: str) -> None:
+        raise NotImplementedError
+
+    def encode_all(
+        self, request_id: str, seq: int, parts: Sequence[KvPart], checksum: str
+    ) -> tuple[list[bytes], int]:
+        messages: list[bytes] = []
+        num_bytes = 0
+        for part in parts:
+            for i, (k, v) in enumerate(part.kv):
+                message, n = self.encode(
+                    request_id, seq + len(messages), part.layer + i, part.block_ids, k, v, checksum
+                )
+                messages.append(message)
+                num_bytes += n
+        return messages, num_bytes
+
+    def land_all(self, chunks: Sequence[Chunk], checksum: str) -> None:
+        for chunk in chunks:
+            self.land(chunk, checksum)
+
+
+class GrpcTransport(_ChunkByChunk):
     """Transport "grpc": the KV bytes ride in the chunk messages (any two hosts, any devices).
     Prefill copies k, v into the message once (codec.encode_chunk_request); decode checks the
     bytes against `layout` and the checksum, then `cache` scatters them into the blocks. A
@@ -136,15 +174,6 @@ class GrpcTransport:
         k, v = decode_chunk(chunk, self._layout, checksum)  # DataLoss: short, corrupt
         self._cache.scatter(chunk.layer, list(chunk.block_ids), k, v)
 
-    def encode_all(
-        self, request_id: str, seq: int, parts: Sequence[KvPart], checksum: str
-    ) -> tuple[list[bytes], int]:
-        return _encode_each(self, request_id, seq, parts, checksum)
-
-    def land_all(self, chunks: Sequence[Chunk], checksum: str) -> None:
-        for chunk in chunks:
-            self.land(chunk, checksum)
-
     def reply(self, response: kv_pb2.PairResponse) -> None:
         pass  # nothing to reach: the bytes come with the chunks
 
@@ -155,7 +184,7 @@ class GrpcTransport:
         pass
 
 
-class ShmTransport:
+class ShmTransport(_ChunkByChunk):
     """Transport "shm": prefill writes prompt blocks straight into decode's pool in POSIX
     shared memory (one host, CPU pools); the chunk message carries block ids and the checksum
     only. The pool is in `segment`, as both ends map it: decode owns it, prefill attaches once
@@ -222,15 +251,6 @@ class ShmTransport:
         if value != announced(chunk, checksum):
             raise DataLoss(f"{chunk_name(chunk)}: checksum mismatch (blocks corrupted in place)")
 
-    def encode_all(
-        self, request_id: str, seq: int, parts: Sequence[KvPart], checksum: str
-    ) -> tuple[list[bytes], int]:
-        return _encode_each(self, request_id, seq, parts, checksum)
-
-    def land_all(self, chunks: Sequence[Chunk], checksum: str) -> None:
-        for chunk in chunks:
-            self.land(chunk, checksum)
-
     def reply(self, response: kv_pb2.PairResponse) -> None:
         response.shm_path = str(self.segment.path)
 
@@ -240,27 +260,6 @@ class ShmTransport:
 
     def close(self) -> None:
         self.segment.close()
-
-
-def _encode_each(
-    transport: GrpcTransport | ShmTransport,
-    request_id: str,
-    seq: int,
-    parts: Sequence[KvPart],
-    checksum: str,
-) -> tuple[list[bytes], int]:
-    """`encode_all` of the transports that encode chunk by chunk."""
-    messages: list[bytes] = []
-    num_bytes = 0
-    for part in parts:
-        for i, (k, v) in enumerate(part.kv):
-            layer = part.layer + i
-            message, n = transport.encode(
-                request_id, seq + len(messages), layer, part.block_ids, k, v, checksum
-            )
-            messages.append(message)
-            num_bytes += n
-    return messages, num_bytes
 
 
 # ---- decode ------------------------------------------------------------------------------------
