@@ -31,7 +31,11 @@ from mili.engine.logprobs import TokenLogprobs
 from mili.engine.model.kv_cache import KVCache
 from mili.engine.model.qwen3 import DecodeBatch, PrefillBatch, Qwen3ForCausalLM
 from mili.engine.sampling_params import SamplingParams
-from mili.engine.step.prompt_logprobs import chunk_targets, compute_prompt_logprobs
+from mili.engine.step.prompt_logprobs import (
+    PromptLogprobsAsk,
+    chunk_targets,
+    prefill_with_prompt_logprobs,
+)
 from mili.engine.step.sampler import Sampler, SamplerOutput
 from mili.engine.step.sequence import Sequence
 
@@ -212,27 +216,19 @@ def _prefill(
             start_positions=[seqs[i].num_computed_tokens for i in pending],
             device=model.device,
         )
-        asking = [j for j, i in enumerate(pending) if asks[i] is not None]
-        if not asking:
-            logits = model.prefill(batch, kv_cache)  # [B, vocab]
-        else:
-            with torch.inference_mode():
-                hidden = model.prefill_hidden(batch, kv_cache)  # [T, hidden]
-                starts = batch.cu_seqlens.tolist()
-                logits = model.logits(hidden[batch.cu_seqlens[1:].long() - 1])
-                for j in asking:
-                    s, start = seqs[pending[j]], seqs[pending[j]].num_computed_tokens
-                    targets = chunk_targets(s.prompt_token_ids, start, start + len(chunks[j]))
-                    pending_logprobs = compute_prompt_logprobs(
-                        model.logits,
-                        hidden[starts[j] : starts[j + 1]],
-                        targets,
-                        vocab_size,
-                        asks[pending[j]] or 0,
-                    )
-                    asked = results[pending[j]].prompt_logprobs
-                    assert asked is not None
-                    asked.extend(pending_logprobs.result())
+        prompt_asks = []  # row j of the batch is prompt pending[j]
+        for j, (i, chunk) in enumerate(zip(pending, chunks, strict=True)):
+            if (num_top := asks[i]) is not None:
+                start = seqs[i].num_computed_tokens
+                targets = chunk_targets(seqs[i].prompt_token_ids, start, start + len(chunk))
+                prompt_asks.append(PromptLogprobsAsk(j, targets, num_top))
+        logits, pending_logprobs = prefill_with_prompt_logprobs(
+            model, batch, kv_cache, [len(c) for c in chunks], prompt_asks, vocab_size
+        )
+        for ask, part in zip(prompt_asks, pending_logprobs, strict=True):
+            asked = results[pending[ask.row]].prompt_logprobs
+            assert asked is not None  # asks[i] is set: results[i] has a list
+            asked.extend(part.result())
         for i, chunk in zip(pending, chunks, strict=True):
             seqs[i].num_computed_tokens += len(chunk)
         done = [

@@ -16,13 +16,17 @@ as for generated tokens): the peak is one pass's logits, whatever the chunk's le
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from mili.engine.logprobs import TokenLogprobs
 from mili.engine.step.pinned import to_device
 from mili.engine.step.sampler import raw_logprobs
+
+if TYPE_CHECKING:
+    from mili.engine.model.kv_cache import KVCache
+    from mili.engine.model.qwen3 import PrefillBatch, Qwen3ForCausalLM
 
 ROWS_PER_PASS = 256  # 256 x 151,936 x 4 B = 148 MiB of logits (and as much for log_softmax)
 
@@ -88,3 +92,37 @@ def compute_prompt_logprobs(
         del logits
     chosen, top_values, top_ids = (torch.cat(p) for p in zip(*parts, strict=True))
     return PendingPromptLogprobs(chosen, top_values, top_ids)
+
+
+def prefill_with_prompt_logprobs(
+    model: Qwen3ForCausalLM,
+    batch: PrefillBatch,
+    kv_cache: KVCache,
+    chunk_lengths: Sequence[int],
+    asks: Sequence[PromptLogprobsAsk],
+    vocab_size: int,
+    *,
+    layer_callback: Callable[[int], None] | None = None,
+) -> tuple[torch.Tensor, list[PendingPromptLogprobs]]:
+    """The batch's prefill: its last-token logits [B, vocab] (as `model.prefill`), and the
+    prompt logprobs of the chunks `asks` names (chunk_lengths: each chunk's tokens, in the
+    batch's order): only their rows go through the head, a pass at a time, so a batch without
+    asks costs what `model.prefill` does. The engine's runner and the single-process
+    `generate` both prefill through this."""
+    with torch.inference_mode():
+        hidden = model.prefill_hidden(batch, kv_cache, layer_callback=layer_callback)  # [T, H]
+        starts = [0]
+        for length in chunk_lengths:
+            starts.append(starts[-1] + length)
+        logits = model.logits(hidden[batch.cu_seqlens[1:].long() - 1])  # [B, vocab]
+        pending = [
+            compute_prompt_logprobs(
+                model.logits,
+                hidden[starts[ask.row] : starts[ask.row + 1]],
+                ask.target_ids,
+                vocab_size,
+                ask.num_top,
+            )
+            for ask in asks
+        ]
+    return logits, pending

@@ -54,7 +54,7 @@ from mili.engine.step.prompt_logprobs import (
     PendingPromptLogprobs,
     PromptLogprobsAsk,
     chunk_targets,
-    compute_prompt_logprobs,
+    prefill_with_prompt_logprobs,
 )
 from mili.engine.step.sampler import PendingSample, Sampler, SequenceSampling
 from mili.engine.step.sequence import Sequence as EngineSequence
@@ -198,24 +198,15 @@ class ModelRunner:
         asks for: only their rows go through the head, a pass at a time (prompt_logprobs.py),
         so a batch without asks costs what `prefill` does."""
         batch = self._prefill_batch(token_ids, block_tables, start_positions)
-        with torch.inference_mode():
-            hidden = self.model.prefill_hidden(
-                batch, self.kv_cache, layer_callback=layer_callback
-            )  # [T, hidden]
-            starts = [0]
-            for chunk in token_ids:
-                starts.append(starts[-1] + len(chunk))
-            logits = self.model.logits(hidden[batch.cu_seqlens[1:].long() - 1])  # [B, vocab]
-            pending = [
-                compute_prompt_logprobs(
-                    self.model.logits,
-                    hidden[starts[ask.row] : starts[ask.row + 1]],
-                    ask.target_ids,
-                    self.vocab_size,
-                    ask.num_top,
-                )
-                for ask in prompt_logprobs
-            ]
+        logits, pending = prefill_with_prompt_logprobs(
+            self.model,
+            batch,
+            self.kv_cache,
+            [len(chunk) for chunk in token_ids],
+            prompt_logprobs,
+            self.vocab_size,
+            layer_callback=layer_callback,
+        )
         return PrefillOutput(logits, pending)
 
     def _prefill_batch(
