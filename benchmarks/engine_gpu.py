@@ -75,7 +75,7 @@ from benchmarks.presets import (
 )
 from kernels.backend import select_attention, select_fused_ops
 from mili.engine.kv.block_pool import BlockPool, blocks_needed
-from mili.engine.model import moe
+from mili.engine.model import grouped_gemm
 from mili.engine.model.attention import TorchAttention
 from mili.engine.model.config import Qwen3Config
 from mili.engine.model.kv_cache import bytes_per_block
@@ -386,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     weights = "random on the device" if path is None else "checkpoint"
     experts = ""
     if config.is_moe:
-        gemm = moe.default_grouped_gemm(device, DTYPES[args.dtype])
+        gemm = grouped_gemm.default_grouped_gemm(device, DTYPES[args.dtype])
         experts = f", {config.num_experts} experts ({config.num_experts_per_tok} active, {gemm})"
     print(
         f"# {args.preset} {args.dtype} on {args.device} ({name}), torch {torch.__version__}, "
@@ -435,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
         note = f"graphs: n/a, attention {model.attention.name} is not graph-safe"
     elif not model.fused_ops.is_graph_safe:
         note = f"graphs: n/a, fused ops {model.fused_ops.name} are not graph-safe"
-    elif config.is_moe and not moe.is_graph_safe(device, model.dtype):
+    elif config.is_moe and not grouped_gemm.is_graph_safe(device, model.dtype):
         note = f"graphs: n/a, the experts' grouped GEMM is not graph-safe in {args.dtype} here"
     else:
         del eager

@@ -2,9 +2,9 @@
 
 Compile-checked kernels can still fault, return NaN or be wrong on a device they never ran on.
 So before a prefill or decode instance serves, each kernel it will call (attention prefill and
-decode, the four fused ops) runs once on small random inputs of the model's own head geometry,
-block size and dtype, beside the torch reference on the same inputs. A kernel fails when it
-raises, returns non-finite values, or differs by more than the tolerance:
+decode, the fused ops, a MoE layer's grouped GEMM) runs once on small random inputs of the
+model's own head geometry, block size and dtype, beside the torch reference on the same inputs.
+A kernel fails when it raises, returns non-finite values, or differs by more than the tolerance:
 
     error = max |kernel - reference| / max(max |reference|, 1)
     tolerance: 1e-4 in float32; 2e-2 in bfloat16 / float16 (a bit or two of their mantissa)
@@ -39,7 +39,7 @@ from mili.engine.model.fused_ops import TorchFusedOps
 
 ATTENTION = "attention"
 FUSED = "fused"
-# A child imports torch, loads the PTX and makes six small launches: seconds, not minutes.
+# A child imports torch, loads the PTX and makes seven small calls: seconds, not minutes.
 CHILD_TIMEOUT_S = 180.0
 _TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-2}
 _EPS = 1e-6
@@ -191,7 +191,7 @@ def _mismatch(
 
 
 def _cases(shape: CheckShape, device: torch.device) -> list[tuple[str, str, Case]]:
-    """The six kernels' cases on one set of random inputs (seeded: every run alike).
+    """The seven kernels' cases on one set of random inputs (seeded: every run alike).
 
     Attention: two prompts packed in one prefill (a fresh one of 2S + 3 tokens; one with S + 1
     cached tokens and 5 new ones), and a decode of three sequences of 1, S and 2S + 5 tokens,
@@ -249,6 +249,9 @@ def _cases(shape: CheckShape, device: torch.device) -> list[tuple[str, str, Case
     positions = ints([0, 1, S, S + 1, num_positions - 1], torch.int64)
     slot_mapping = ints([S + 0, S + 1, 3 * S + 2, 5 * S + S - 1, 7 * S], torch.int64)
     gate_up = randn(T, 4 * hidden)
+    # A MoE layer's grouped GEMM: 6 rows over 4 experts (2, 0, 3, 1 rows: one with none).
+    rows, experts = randn(6, hidden), randn(4, 2 * D, hidden, scale=hidden**-0.5)
+    offsets = ints([2, 2, 5, 6], torch.int32)
 
     def rms_norm(impl: Any) -> tuple[torch.Tensor, ...]:
         return (impl.rms_norm(x.clone(), weight, _EPS),)
@@ -267,6 +270,11 @@ def _cases(shape: CheckShape, device: torch.device) -> list[tuple[str, str, Case
     def silu_mul(impl: Any) -> tuple[torch.Tensor, ...]:
         return (impl.silu_mul(gate_up.clone()),)
 
+    def grouped_gemm(impl: Any) -> tuple[torch.Tensor, ...]:
+        # The CPU's kernel itself: calls this small go to torch in `grouped_gemm`.
+        kernel = getattr(impl, "grouped_gemm_kernel", impl.grouped_gemm)
+        return (kernel(rows, experts, offsets),)
+
     return [
         (ATTENTION, "attention.prefill", prefill),
         (ATTENTION, "attention.decode", decode),
@@ -274,6 +282,7 @@ def _cases(shape: CheckShape, device: torch.device) -> list[tuple[str, str, Case
         (FUSED, "fused.add_rms_norm", add_rms_norm),
         (FUSED, "fused.qk_norm_rope_kv", qk_norm_rope_kv),
         (FUSED, "fused.silu_mul", silu_mul),
+        (FUSED, "fused.grouped_gemm", grouped_gemm),
     ]
 
 

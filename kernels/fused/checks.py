@@ -73,6 +73,31 @@ def check_silu_mul(gate_up: torch.Tensor) -> int:
     return dtype_code("gate_up", gate_up)
 
 
+def check_grouped_gemm(
+    rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor
+) -> tuple[int, torch.Tensor]:
+    """rows [R, K], weight [E, N, K] (one dtype), offsets [E] int32 non-decreasing from >= 0
+    to R, all contiguous. Returns the dtype code and the experts with rows (int32, ascending)."""
+    _check("rows", rows, 2, rows.device)
+    code = dtype_code("rows", rows)
+    _check("weight", weight, 3, rows.device)
+    _check_dtype("weight", weight, rows.dtype)
+    _check("offsets", offsets, 1, rows.device)
+    _check_dtype("offsets", offsets, torch.int32)
+    num_experts, _, k = weight.shape
+    if k != rows.shape[1]:
+        raise ValueError(f"weight rows have {k} entries, rows have {rows.shape[1]}")
+    if offsets.shape[0] != num_experts:
+        raise ValueError(f"offsets has {offsets.shape[0]} entries for {num_experts} experts")
+    ends = offsets.tolist()  # E <= 512 ints: a few us, the kernel's only host work
+    starts = [0, *ends[:-1]]
+    last = ends[-1] if ends else 0
+    if last != rows.shape[0] or any(end < start for start, end in zip(starts, ends, strict=True)):
+        raise ValueError(f"offsets must rise from >= 0 to the {rows.shape[0]} rows, got {ends}")
+    active = [e for e, (start, end) in enumerate(zip(starts, ends, strict=True)) if end > start]
+    return code, torch.tensor(active, dtype=torch.int32)
+
+
 def check_qk_norm_rope(
     qkv: torch.Tensor,
     q_weight: torch.Tensor,

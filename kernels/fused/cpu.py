@@ -11,11 +11,25 @@ from __future__ import annotations
 import torch
 
 from kernels.cpu import CpuModuleBinding
-from kernels.fused.checks import check_norm, check_qk_norm_rope, check_silu_mul
+from kernels.fused.checks import (
+    check_grouped_gemm,
+    check_norm,
+    check_qk_norm_rope,
+    check_silu_mul,
+)
+from mili.engine.model.grouped_gemm import grouped_gemm
 
 # Below this many bytes read and written, a call runs inline on the caller's thread: waking the
 # Mojo runtime's workers costs more than the pass (a decode step's rows are a few KiB).
 ONE_THREAD_BYTES = 1 << 20
+# Where the Mojo grouped GEMM beats torch's grouped_mm (docs/benchmarks.md, "Measurements behind
+# choices in the code"): with rows per active expert in [low, high] (it streams each expert's
+# weights once per 4 of its rows: above `high` oneDNN's packed GEMMs, AMX in bf16, win; below
+# `low` MKL's fp32 GEMV streams as fast), and on calls that read at least GROUPED_GEMM_MIN_BYTES
+# of weights: on shorter ones its two workers share the cores with torch's OpenMP threads, still
+# spinning after the op before, and lose.
+GROUPED_GEMM_ROWS = {torch.float32: (3, 32), torch.bfloat16: (1, 6), torch.float16: (1, 16)}
+GROUPED_GEMM_MIN_BYTES = 192 << 20
 
 
 class CpuFusedKernels(CpuModuleBinding):
@@ -124,6 +138,48 @@ class CpuFusedKernels(CpuModuleBinding):
             self.num_calls += 1
             self._module.silu_mul(
                 (out.data_ptr(), gate_up.data_ptr()), (code, rows, width // 2, threads)
+            )
+        return out
+
+    def grouped_gemm(
+        self, rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor
+    ) -> torch.Tensor:
+        """The Mojo kernel where it was measured faster (GROUPED_GEMM_ROWS, _MIN_BYTES), else
+        torch's grouped_mm."""
+        _require_cpu(rows)
+        expert_bytes = weight[0].numel() * weight.element_size() if len(weight) else 0
+        if min(rows.shape[0], len(weight)) * expert_bytes < GROUPED_GEMM_MIN_BYTES:
+            return grouped_gemm(rows, weight, offsets)  # too few experts can have rows
+        _, active = check_grouped_gemm(rows, weight, offsets)
+        low, high = GROUPED_GEMM_ROWS[rows.dtype]
+        weight_bytes = len(active) * expert_bytes
+        rows_fit = low * len(active) <= rows.shape[0] <= high * len(active)
+        if rows_fit and weight_bytes >= GROUPED_GEMM_MIN_BYTES:
+            return self.grouped_gemm_kernel(rows, weight, offsets)
+        return grouped_gemm(rows, weight, offsets)
+
+    def grouped_gemm_kernel(
+        self, rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor
+    ) -> torch.Tensor:
+        """`grouped_gemm` on the Mojo kernel whatever the size (the start-up self-check and
+        the tests call it: small calls would go to torch)."""
+        _require_cpu(rows)
+        code, active = check_grouped_gemm(rows, weight, offsets)
+        num_rows, n = rows.shape[0], weight.shape[1]
+        out = torch.empty((num_rows, n), dtype=rows.dtype)
+        if num_rows:
+            weight_bytes = len(active) * weight[0].numel() * weight.element_size()
+            threads = self._threads(weight_bytes, len(active) * n)
+            self.num_calls += 1
+            ptrs = (
+                out.data_ptr(),
+                rows.data_ptr(),
+                weight.data_ptr(),
+                offsets.data_ptr(),
+                active.data_ptr(),
+            )
+            self._module.grouped_gemm(
+                ptrs, (code, num_rows, n, rows.shape[1], len(active), threads)
             )
         return out
 

@@ -27,6 +27,7 @@ from kernels.fused.ptx import (
 )
 from kernels.gpu import _DTYPE_NAMES, _MAX_GRID_X, _MAX_GRID_YZ, _make_driver, pack_arguments
 from kernels.ptx import parse_entries
+from mili.engine.model.grouped_gemm import grouped_gemm
 
 
 def pack(kernel: str, values: dict[str, int | float]) -> list[ctypes._SimpleCData]:
@@ -217,6 +218,13 @@ class GpuFusedKernels:
                 {"out": out.data_ptr(), "gate_up": gate_up.data_ptr(), "intermediate": inter},
             )
         return out
+
+    def grouped_gemm(
+        self, rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor
+    ) -> torch.Tensor:
+        # torch's (CUTLASS's grouped GEMM on Hopper): no Mojo kernel of ours has been measured
+        # against it on a GPU.
+        return grouped_gemm(rows, weight, offsets)
 
 
 def _require_cuda(t: torch.Tensor) -> None:

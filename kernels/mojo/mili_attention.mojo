@@ -12,7 +12,8 @@
 # dtype_code: 0 float32, 1 bfloat16, 2 float16 (kernels/checks.py DTYPE_CODES).
 #
 # It also carries the fused elementwise kernels of a layer (fused_cpu.mojo; kernels/fused/cpu.py
-# binds them): add_rms_norm, qk_norm_rope, silu_mul.
+# binds them): add_rms_norm, qk_norm_rope, silu_mul; and a MoE layer's expert GEMM
+# (experts_cpu.mojo): grouped_gemm.
 from std.os import abort
 from std.python import PythonObject
 from std.python.bindings import PythonModuleBuilder
@@ -20,6 +21,7 @@ from std.python.bindings import PythonModuleBuilder
 from prefill_cpu import prefill_cpu
 from decode_cpu import decode_cpu
 from fused_cpu import add_rms_norm_cpu, qk_norm_rope_cpu, silu_mul_cpu
+from experts_cpu import grouped_gemm_cpu
 
 
 @export
@@ -39,6 +41,9 @@ def PyInit_mili_attention() abi("C") -> PythonObject:
             "qk_norm_rope", docstring="Per-head RMSNorm of q and k, RoPE, K/V into the paged cache"
         )
         m.def_function[silu_mul_cpu]("silu_mul", docstring="out = silu(gate) * up")
+        m.def_function[grouped_gemm_cpu](
+            "grouped_gemm", docstring="out[r] = x[r] . weight[expert of r]^T, rows sorted by expert"
+        )
         return m.finalize()
     except e:
         abort(String("failed to create module mili_attention: ", e))

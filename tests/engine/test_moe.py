@@ -222,7 +222,7 @@ def test_cuda_grouped_mm_matches_reference_and_captures() -> None:
     """bf16 on the GPU: the grouped GEMM the device runs = the naive loop (in float32 on the
     same bf16 weights), and a CUDA graph of the block replays to the eager result on new
     inputs (another routing: the offsets stay on the device)."""
-    from mili.engine.model.moe import default_grouped_gemm, is_graph_safe
+    from mili.engine.model.grouped_gemm import default_grouped_gemm, is_graph_safe
 
     device, dtype = torch.device("cuda"), torch.bfloat16
     gate_up, down = (w.to(device, dtype) for w in weights(16, 128, 64, seed=13))

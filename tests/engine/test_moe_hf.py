@@ -20,8 +20,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from kernels.choice import load_family
+from kernels.self_check import FUSED
 from mili.engine.generate import generate
 from mili.engine.kv.block_pool import BlockPool
+from mili.engine.model.fused_ops import TorchFusedOps
 from mili.engine.model.loader import load_model
 from mili.engine.model.moe import SparseMoeBlock
 from mili.engine.model.qwen3 import Qwen3ForCausalLM
@@ -203,6 +206,42 @@ def test_fused_layout_loads_the_same_model(
     logits = runner.prefill([prompt], [table])
     assert torch.equal(logits, reference.prefill([prompt], [table]))
     assert max_diff(logits, hf_logits(hf, prompt)) < TOL
+
+
+class _MojoExperts(TorchFusedOps):
+    """Torch's ops but the CPU's Mojo grouped GEMM on every call (these tiny experts are far
+    below the size where `grouped_gemm` chooses it; their head_dim, 16 or 32, is below the Mojo
+    RoPE kernel's smallest, 64)."""
+
+    def __init__(self) -> None:
+        self.kernels = load_family(FUSED, "cpu", head_dim=64)
+
+    def grouped_gemm(
+        self, rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor
+    ) -> torch.Tensor:
+        return self.kernels.grouped_gemm_kernel(rows, weight, offsets)
+
+
+@pytest.mark.parametrize("name", ["e16k4", "e8k3_tied_dense1"])
+def test_greedy_with_the_cpu_kernel_equals_hf_generate(
+    name: str, hf_moe: dict[str, tuple[Path, Any]]
+) -> None:
+    """The experts through the CPU's Mojo grouped GEMM (what `mili serve` runs on CPU for
+    real-sized experts): chunked prefill and batched decode = HF's greedy."""
+    path, hf = hf_moe[name]
+    ops = _MojoExperts()
+    model = load_model(path, fused_ops=ops)
+    prompts = [random_ids(n, model.config.vocab_size, seed=960 + n) for n in (5, 26)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    results = generate(model, prompts, params, prefill_chunk_size=9)
+    assert ops.kernels.num_calls >= 2 * 24  # two GEMMs per sparse layer and step, at least
+    for prompt, result in zip(prompts, results, strict=True):
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = hf.generate(
+                torch.tensor([prompt]), max_new_tokens=24, do_sample=False, pad_token_id=0
+            )
+        assert result.token_ids == out[0, len(prompt) :].tolist()
 
 
 @pytest.mark.parametrize("grouped_gemm", ["loop", "grouped_mm"])

@@ -15,6 +15,10 @@ any device, and what the kernels are tested against. The model calls them per la
     a = silu_mul(h @ W_gate_up)        silu(gate) * up
     x = a @ W_down
 
+A MoE layer's experts (moe.py) run their two GEMMs as `grouped_gemm` over rows sorted by
+expert: not elementwise, but like the ops above a kernel with one torch reference
+(mili/engine/model/grouped_gemm.py) and, on the CPU, a Mojo implementation.
+
 Numerics are HF transformers' `Qwen3RMSNorm`, `apply_rotary_pos_emb` and `Qwen3MLP` op for op,
 including where they round to the activation dtype (bf16 results differ in the last bit
 otherwise): RMSNorm normalises in float32, casts back, then multiplies by the weight in the
@@ -29,6 +33,8 @@ Shapes (T tokens, H q heads, KVH kv heads, D head_dim, N blocks of S slots, P po
     positions     [T] int64, slot_mapping [T] int64 (kv_cache.py)
     k/v_cache     [N, S, KVH, D]         one layer of `KVCache`, the activation dtype
     gate_up       [T, 2 I]               gate | up of each token
+    rows          [R, K]                 grouped_gemm: rows sorted by expert; weight [E, N, K],
+                                         offsets [E] int32 (each expert's end row)
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from mili.engine.model.grouped_gemm import grouped_gemm
 from mili.engine.model.rope import apply_rope
 
 
@@ -84,6 +91,13 @@ class FusedOps(Protocol):
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up: [T, 2 I] -> silu(gate) * up, [T, I] (a new tensor)."""
+        ...
+
+    def grouped_gemm(
+        self, rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor
+    ) -> torch.Tensor:
+        """rows [R, K] sorted by expert, weight [E, N, K], offsets [E] -> [R, N], each row times
+        its expert's weight transposed (mili/engine/model/grouped_gemm.py)."""
         ...
 
 
@@ -143,3 +157,8 @@ class TorchFusedOps:
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up  # HF's Qwen3MLP: act_fn(gate_proj(x)) * up_proj(x)
+
+    def grouped_gemm(
+        self, rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor
+    ) -> torch.Tensor:
+        return grouped_gemm(rows, weight, offsets)

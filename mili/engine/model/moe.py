@@ -22,19 +22,10 @@ sorted by expert, so each expert's rows are one contiguous slice of `xs`:
     ys        = grouped GEMM(act, down_proj)            [T*k, H]
     y         = sum_j w[t, j] * ys[slot of (t, j)]      [T, H]       gather back, weighted sum
 
-Two ways to run the grouped GEMMs, the same arithmetic (`GroupedGemm`):
-
-- "grouped_mm": `torch._grouped_mm(xs, W.mT, offs=offsets)`, one call per GEMM with the
-  offsets left on the device. Every shape is static (T*k rows whatever the routing) and nothing
-  reads a device value on the host, so a decode step with it is graph-capturable and
-  `torch.compile`-safe. On CUDA torch runs it as one CUTLASS grouped GEMM for bf16 on sm_90 and
-  sm_100 (dimensions multiples of 8); elsewhere on CUDA its fallback copies the offsets to the
-  host, so there we take "loop" and decode runs eagerly (`is_graph_safe`). On CPU torch's
-  implementation loops over the groups in C++; it measured as fast as or faster than "loop"
-  (benchmarks/moe.py, docs/benchmarks.md), so the CPU runs it too: one formulation, and the
-  CPU tests check the CUDA one.
-- "loop": one GEMM per expert that got rows, over its contiguous slice; the slice bounds come to
-  the host (one sync per layer). The fallback where grouped_mm has no graph-safe kernel.
+The grouped GEMMs are the ops' (`FusedOps.grouped_gemm`): torch's grouped_mm, or a per-expert
+loop where that has no graph-safe kernel (mili/engine/model/grouped_gemm.py), or on the CPU the
+Mojo kernel where it is faster (kernels/fused/cpu.py). Tests and benchmarks may pin one of the
+torch ways (`GroupedGemm`).
 
 The gather back is a weighted sum over each token's own k results in its top-k order, so a
 token's output never depends on which other tokens share its batch (or on atomics):
@@ -44,15 +35,14 @@ requires.
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from mili.engine.model.fused_ops import FusedOps
-
-GroupedGemm = Literal["loop", "grouped_mm"]
+from mili.engine.model.grouped_gemm import GroupedGemm, grouped_gemm
 
 
 class Routing(NamedTuple):
@@ -72,31 +62,16 @@ def route(logits: torch.Tensor, top_k: int, *, norm_topk_prob: bool) -> Routing:
     return Routing(weights.to(logits.dtype), expert_ids)
 
 
-def default_grouped_gemm(device: torch.device, dtype: torch.dtype) -> GroupedGemm:
-    """What runs on `device` in `dtype` (module docstring): grouped_mm where torch has it
-    without a host sync (CPU; CUDA bf16 on sm_90/sm_100), else the per-expert loop."""
-    if not hasattr(torch, "_grouped_mm"):
-        return "loop"
-    if device.type != "cuda":
-        return "grouped_mm"
-    major, _ = torch.cuda.get_device_capability(device)
-    return "grouped_mm" if dtype == torch.bfloat16 and major in (9, 10) else "loop"
-
-
-def is_graph_safe(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether MoE layers on `device` in `dtype` may be captured in a CUDA graph."""
-    return default_grouped_gemm(device, dtype) == "grouped_mm"
-
-
 def grouped_experts(
     x: torch.Tensor,
     gate_up_proj: torch.Tensor,
     down_proj: torch.Tensor,
     routing: Routing,
     ops: FusedOps,
-    grouped_gemm: GroupedGemm,
+    how: GroupedGemm | None = None,
 ) -> torch.Tensor:
-    """x [T, H], gate_up_proj [E, 2 I, H], down_proj [E, H, I] -> [T, H] (module docstring)."""
+    """x [T, H], gate_up_proj [E, 2 I, H], down_proj [E, H, I] -> [T, H] (module docstring);
+    `how` pins a torch grouped GEMM, None runs the ops'."""
     num_tokens, top_k = routing.expert_ids.shape
     num_experts = gate_up_proj.shape[0]
     flat_ids = routing.expert_ids.reshape(-1)  # [T*k], token-major
@@ -106,39 +81,20 @@ def grouped_experts(
     # an empty slice. int32: what torch._grouped_mm takes.
     experts = torch.arange(num_experts, device=x.device, dtype=sorted_ids.dtype)
     offsets = torch.searchsorted(sorted_ids, experts, right=True).to(torch.int32)  # [E]
-    if grouped_gemm == "grouped_mm":
-        gate_up = torch._grouped_mm(xs, gate_up_proj.mT, offs=offsets)  # [T*k, 2 I]
-        ys = torch._grouped_mm(ops.silu_mul(gate_up), down_proj.mT, offs=offsets)  # [T*k, H]
-    else:
-        ys = _loop(xs, gate_up_proj, down_proj, offsets, ops)
+
+    def gemm(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if how is None:
+            return ops.grouped_gemm(rows, weight, offsets)
+        return grouped_gemm(rows, weight, offsets, how)
+
+    gate_up = gemm(xs, gate_up_proj)  # [T*k, 2 I]
+    ys = gemm(ops.silu_mul(gate_up), down_proj)  # [T*k, H]
     # slot_of[t*k + j]: the row of ys holding (token t, its j-th expert).
     slot_of = torch.empty_like(order)
     slot_of[order] = torch.arange(order.numel(), device=x.device)
     per_token = ys[slot_of].view(num_tokens, top_k, -1)  # [T, k, H]
     # HF multiplies in the activations' dtype, then adds the k results: so do we, in top-k order.
     return (per_token * routing.weights.unsqueeze(-1)).sum(dim=1)  # [T, H]
-
-
-def _loop(
-    xs: torch.Tensor,
-    gate_up_proj: torch.Tensor,
-    down_proj: torch.Tensor,
-    offsets: torch.Tensor,
-    ops: FusedOps,
-) -> torch.Tensor:
-    """One GEMM pair per expert with rows, over its contiguous slice of xs [T*k, H]."""
-    bounds = [0, *offsets.tolist()]  # the host sync that keeps this path off CUDA graphs
-    intermediate = down_proj.shape[2]
-    active = [(e, bounds[e], bounds[e + 1]) for e in range(len(bounds) - 1)]
-    active = [(e, s, t) for e, s, t in active if t > s]
-    gate_up = xs.new_empty(xs.shape[0], 2 * intermediate)  # [T*k, 2 I]
-    for e, start, end in active:
-        torch.mm(xs[start:end], gate_up_proj[e].t(), out=gate_up[start:end])
-    act = ops.silu_mul(gate_up)
-    ys = xs.new_empty(xs.shape)  # [T*k, H]
-    for e, start, end in active:
-        torch.mm(act[start:end], down_proj[e].t(), out=ys[start:end])
-    return ys
 
 
 def reference_experts(
@@ -173,8 +129,8 @@ class Experts(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
-    """Router (`gate`, HF's name) + experts; `grouped_gemm` None runs what the activations'
-    device and dtype allow (`default_grouped_gemm`); tests and benchmarks may pin one."""
+    """Router (`gate`, HF's name) + experts; `grouped_gemm` None runs the ops' grouped GEMM;
+    tests and benchmarks may pin one of torch's."""
 
     def __init__(
         self,
@@ -190,7 +146,7 @@ class SparseMoeBlock(nn.Module):
         self.norm_topk_prob = norm_topk_prob
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
         self.experts = Experts(num_experts, hidden_size, intermediate_size)
-        self.grouped_gemm: GroupedGemm | None = None  # None: by the weights' device
+        self.grouped_gemm: GroupedGemm | None = None  # None: the ops'
 
     def route(self, x: torch.Tensor) -> Routing:
         return route(self.gate(x), self.top_k, norm_topk_prob=self.norm_topk_prob)
@@ -198,7 +154,6 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor, ops: FusedOps) -> torch.Tensor:
         # x: [T, hidden] -> [T, hidden]
         weights = self.experts
-        grouped_gemm = self.grouped_gemm or default_grouped_gemm(x.device, x.dtype)
         return grouped_experts(
-            x, weights.gate_up_proj, weights.down_proj, self.route(x), ops, grouped_gemm
+            x, weights.gate_up_proj, weights.down_proj, self.route(x), ops, self.grouped_gemm
         )

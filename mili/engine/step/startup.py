@@ -13,7 +13,7 @@ import torch
 from mili.engine.engine_config import EngineConfig
 from mili.engine.kv.block_pool import blocks_needed
 from mili.engine.kv_memory import GIB, DeviceMemory, KvPoolSize, check_weights_fit
-from mili.engine.model import moe
+from mili.engine.model import grouped_gemm
 from mili.engine.model.config import Qwen3Config
 from mili.engine.model.kv_cache import KVCache, bytes_per_block, dtype_name
 from mili.engine.model.qwen3 import Qwen3ForCausalLM
@@ -58,7 +58,7 @@ def graphs_allowed(config: EngineConfig, model: Qwen3ForCausalLM) -> bool:
             model.fused_ops.name,
         )
         return False
-    if model.config.is_moe and not moe.is_graph_safe(model.device, model.dtype):
+    if model.config.is_moe and not grouped_gemm.is_graph_safe(model.device, model.dtype):
         _LOG.warning(
             "CUDA graphs off: the MoE experts' grouped GEMM on %s in %s needs the offsets on "
             "the host (torch._grouped_mm runs graph-safe only in bfloat16 on sm_90/sm_100); "
@@ -113,7 +113,7 @@ def log_model(model: Qwen3ForCausalLM) -> None:
         return
     _LOG.info(
         "model: %s, %d of %d layers with %d experts of %d (%d active per token, %s); "
-        "experts' grouped GEMM: %s",
+        "experts' grouped GEMM: the %s ops' (torch's: %s)",
         config.architecture,
         config.num_sparse_layers,
         config.num_hidden_layers,
@@ -121,7 +121,8 @@ def log_model(model: Qwen3ForCausalLM) -> None:
         config.moe_intermediate_size,
         config.num_experts_per_tok,
         "renormalised" if config.norm_topk_prob else "not renormalised",
-        moe.default_grouped_gemm(model.device, model.dtype),
+        model.fused_ops.name,
+        grouped_gemm.default_grouped_gemm(model.device, model.dtype),
     )
 
 
