@@ -200,6 +200,7 @@ def test_large_requests_of_one_burst_share_one_heap_trim(monkeypatch: pytest.Mon
     monkeypatch.setattr(heap, "_TRIM", trims.append)
     # A quiet second ends a burst: far longer than the gaps below, even on a loaded machine.
     monkeypatch.setattr(heap, "_QUIET_S", 1.0)
+    monkeypatch.setattr(heap, "_SETTLE_S", 2.0)
     monkeypatch.setattr(heap, "LARGE_REQUEST_BYTES", 100)
     unary, stream = guard(None, 1000), guard(None, 1000, is_request_streaming=True)
     assert unary(b"x" * 99) == b"x" * 99 and stream(b"y" * 500) == b"y" * 500
@@ -211,7 +212,13 @@ def test_large_requests_of_one_burst_share_one_heap_trim(monkeypatch: pytest.Mon
         time.sleep(0.02)
     assert trims == []  # the burst is not over
     time.sleep(1.5)
-    assert trims == [0]  # malloc_trim(0), once
+    assert trims == [0]  # malloc_trim(0), once for the burst ...
+    time.sleep(2.5)
+    assert trims == [0, 0]  # ... and once more for what its handlers freed afterwards
+    deadline = time.monotonic() + 10
+    while heap._first is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert heap._first is None and trims == [0, 0]  # the round is over
 
 
 def test_a_refused_request_does_not_outlive_its_call() -> None:
