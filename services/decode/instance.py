@@ -15,7 +15,7 @@ from kernels.self_check import CheckShape
 from mili.engine.constraint.compiler import ConstraintCompiler, load_compiler
 from mili.engine.kv.block_pool import BlockPool
 from mili.engine.model.config import ConfigError
-from mili.engine.model.fingerprint import model_fingerprint
+from mili.engine.model.fingerprint import model_fingerprint, tokenizer_file_sha256
 from mili.engine.model.kv_cache import KVCache
 from mili.engine.model.loader import eos_token_ids, load_config
 from mili.engine.step.runner import ModelRunner, RunnerInfo, require_device
@@ -50,6 +50,7 @@ class DecodeInstance(RunnerInfo):
     # Compiles requests' constraints (structured output) for this model's tokenizer; None
     # without a tokenizer.json (constrained requests are then refused).
     constraints: ConstraintCompiler | None = None
+    tokenizer_file_sha256: str = ""  # of the model directory's tokenizer.json; "" without one
 
     @classmethod
     def load(cls, config: DecodeConfig, metrics: DecodeMetrics | None = None) -> DecodeInstance:
@@ -68,6 +69,7 @@ class DecodeInstance(RunnerInfo):
                 CheckShape.of(model_config, engine.block_size, engine.dtype),
             )
             fingerprint = model_fingerprint(config.model_dir)
+            tokenizer_sha256 = tokenizer_file_sha256(config.model_dir)
         except KernelBuildError as e:
             raise StartupError(f"--attention {engine.attention}: {e}") from None
         except (ConfigError, OSError) as e:
@@ -127,6 +129,7 @@ class DecodeInstance(RunnerInfo):
             pool.segment,
             pool.ipc_export,
             constraints=constraints,
+            tokenizer_file_sha256=tokenizer_sha256,
         )
 
     # ---- what Info reports (and RunnerInfo's) -------------------------------------------------

@@ -159,6 +159,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             architecture=inst.architecture,
             num_experts=inst.num_experts,
             num_active_experts=inst.num_active_experts,
+            tokenizer_file_sha256=inst.tokenizer_file_sha256,
             max_context_tokens=inst.max_context_tokens,
             max_running=inst.config.max_running,
             num_total_blocks=table.num_total_blocks,

@@ -3,14 +3,16 @@
 Every `poll_interval_s` (and at once when a request saw an instance fail) each prefill and
 decode instance's Info is fetched concurrently:
 
-    answered   -> router.update_*(load), its KV layout stored, and every pair it forms with the
-                  other side re-checked with kv_layout.check_compatible (a mismatch is logged
-                  loudly and the pair is never routed; a fixed one becomes routable again)
+    answered   -> router.update_*(load), its KV layout and tokenizer file stored, and every pair
+                  it forms with the other side re-checked (pairing.py: KV layouts, tokenizer;
+                  a refused pair is logged loudly and never routed; a fixed one becomes
+                  routable again)
     no answer  -> router.mark_down: routed around until it answers again
 
 The tokenizer's Info (vocabulary size, EOS ids) is polled with them; when it names a tokenizer
-file this frontend has not loaded, the file is fetched and loaded to detokenize here (text.py);
-the tokenizer counts as up only with its file loaded.
+file this frontend has not loaded, the file is fetched and loaded to detokenize here (text.py),
+and every pair is checked again against it; the tokenizer counts as up only with its file
+loaded.
 
 Membership: `--prefill` / `--decode` targets are fixed addresses or `dns:///NAME:PORT` names
 (mili.discovery). Every `resolve_interval_s` each name is looked up again and the router told
@@ -51,19 +53,19 @@ from mili.discovery import (
     parse_targets,
     resolve_host,
 )
-from mili.errors import FailedPrecondition
 from mili.pb.decode.v1 import decode_pb2, decode_pb2_grpc
 from mili.pb.kv.v1 import kv_pb2
 from mili.pb.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from mili.pb.tokenizer.v1 import tokenizer_pb2_grpc
 from mili.rpc.client import channel, connection_hint
-from mili.rpc.kv_layout import check_compatible, describe
+from mili.rpc.kv_layout import describe
 from mili.rpc.tls import Tls
 from mili.telemetry.metrics import FrontendMetrics
 from services.frontend.admission import AdmissionQueue
 from services.frontend.admitter import Admitter
 from services.frontend.config import FrontendConfig
 from services.frontend.multiplex import DecodeMultiplexer
+from services.frontend.pairing import Side, pair_error
 from services.frontend.readiness import NOT_POLLED, Readiness, readiness_of
 from services.frontend.router import MemberChanges, Router
 from services.frontend.tokenizer_backend import TokenizerBackend
@@ -133,6 +135,8 @@ class Backends:
         self.prefill_layouts: dict[str, kv_pb2.KvLayout] = {}
         self.decode_layouts: dict[str, kv_pb2.KvLayout] = {}
         self.models: dict[str, str] = {}  # address -> model name its Info reported
+        self.tokenizer_files: dict[str, str] = {}  # address -> its tokenizer.json's sha256
+        self._paired_tokenizer_file = ""  # the tokenizer's file the pairs were checked with
         # Whether it can serve, as of the last round of polls (both health APIs read it).
         self.readiness: Readiness = NOT_POLLED
         self._is_health_reported = False
@@ -277,6 +281,7 @@ class Backends:
         self.prefill_layouts.pop(address, None)
         self.decode_layouts.pop(address, None)
         self.models.pop(address, None)
+        self.tokenizer_files.pop(address, None)
         self._unreachable.discard(address)
         self._count(kind, "dropped")
         _LOG.info("%s at %s left: dropped", kind, address)
@@ -347,6 +352,10 @@ class Backends:
         polls += [self._poll_decode(a) for a in list(self._decodes)]
         polls.append(self.tokenizer.poll())
         await asyncio.gather(*polls)
+        if self._tokenizer_file() != self._paired_tokenizer_file:  # a new (or first) file
+            self._check_pairs(
+                prefills=list(self.prefill_layouts), decodes=list(self.decode_layouts)
+            )
         self.admitter.notify()  # the polled instances may have room
         await self._report_health()
 
@@ -399,6 +408,7 @@ class Backends:
         self._unreachable.discard(address)
         self.prefill_layouts[address] = info.kv_layout
         self.models[address] = info.model
+        self.tokenizer_files[address] = info.tokenizer_file_sha256
         # No await from here on: the router never sees the instance up with unchecked pairs.
         self._check_pairs(prefills=[address], decodes=list(self.decode_layouts))
         self.router.update_prefill(
@@ -433,6 +443,7 @@ class Backends:
         self._unreachable.discard(address)
         self.decode_layouts[address] = info.kv_layout
         self.models[address] = info.model
+        self.tokenizer_files[address] = info.tokenizer_file_sha256
         self._check_pairs(prefills=list(self.prefill_layouts), decodes=[address])
         self.router.update_decode(
             address,
@@ -470,24 +481,26 @@ class Backends:
                 "%s at %s %s: %s: %s%s", kind, address, what, err.code().name, err.details(), hint
             )
 
+    def _tokenizer_file(self) -> str:
+        facts = self.tokenizer.facts
+        return "" if facts is None else facts.tokenizer_file_sha256
+
     def _check_pairs(self, *, prefills: list[str], decodes: list[str]) -> None:
+        tokenizer_file = self._paired_tokenizer_file = self._tokenizer_file()
+        tokenizer_name = f"tokenizer service at {self.config.tokenizer_address}"
         for p in prefills:
             for d in decodes:
                 if p not in self.prefill_layouts or d not in self.decode_layouts:
                     continue
-                try:
-                    check_compatible(
-                        self.prefill_layouts[p],
-                        self.decode_layouts[d],
-                        local_name=f"prefill at {p}",
-                        remote_name=f"decode at {d}",
-                    )
-                    error = None
-                except FailedPrecondition as exc:
-                    error = str(exc)
+                error = pair_error(
+                    Side(f"prefill at {p}", self.prefill_layouts[p], self.tokenizer_files[p]),
+                    Side(f"decode at {d}", self.decode_layouts[d], self.tokenizer_files[d]),
+                    tokenizer_file_sha256=tokenizer_file,
+                    tokenizer_name=tokenizer_name,
+                )
                 before = self.router.pair_error(p, d)
                 if error is not None and error != before:
                     _LOG.error("REFUSING PAIR prefill %s -> decode %s: %s", p, d, error)
                 elif error is None and before is not None:
-                    _LOG.info("prefill %s -> decode %s: KV layouts now match", p, d)
+                    _LOG.info("prefill %s -> decode %s: now compatible", p, d)
                 self.router.set_pair_error(p, d, error)

@@ -287,7 +287,7 @@ class Router:
             return f"no prefill instance is up (of {_names(self.prefills)})"
         if any(self.is_compatible(p, d) for p in up_prefills for d in up_decodes):
             return None
-        return "no up prefill/decode pair has matching KV layouts"
+        return "no up prefill/decode pair is compatible (see the frontend's REFUSING PAIR errors)"
 
     # ---- room --------------------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ from mili.engine.constraint.compiler import ConstraintCompiler, load_compiler
 from mili.engine.constraint.mask import BatchMasker
 from mili.engine.kv.block_pool import BlockPool
 from mili.engine.model.config import ConfigError
-from mili.engine.model.fingerprint import model_fingerprint
+from mili.engine.model.fingerprint import model_fingerprint, tokenizer_file_sha256
 from mili.engine.model.loader import eos_token_ids, load_config
 from mili.engine.step.runner import ModelRunner, RunnerInfo, require_device
 from mili.errors import StartupError
@@ -44,6 +44,7 @@ class PrefillInstance(RunnerInfo):
     # Compiles requests' constraints for this model's tokenizer (the first token is masked by
     # them); None without a tokenizer.json (constrained requests are then refused).
     constraints: ConstraintCompiler | None = None
+    tokenizer_file_sha256: str = ""  # of the model directory's tokenizer.json; "" without one
 
     @classmethod
     def load(
@@ -64,6 +65,7 @@ class PrefillInstance(RunnerInfo):
                 CheckShape.of(model_config, engine.block_size, engine.dtype),
             )
             fingerprint = model_fingerprint(model_dir)
+            tokenizer_sha256 = tokenizer_file_sha256(model_dir)
         except KernelBuildError as e:
             raise StartupError(f"--attention {engine.attention}: {e}") from None
         except (ConfigError, OSError) as e:
@@ -88,6 +90,7 @@ class PrefillInstance(RunnerInfo):
             fingerprint=fingerprint,
             metrics=metrics,
             constraints=constraints,
+            tokenizer_file_sha256=tokenizer_sha256,
         )
 
     @classmethod
@@ -100,6 +103,7 @@ class PrefillInstance(RunnerInfo):
         fingerprint: str,
         metrics: PrefillMetrics | None = None,
         constraints: ConstraintCompiler | None = None,
+        tokenizer_file_sha256: str = "",
     ) -> PrefillInstance:
         """An instance over a runner already built (tests and benchmarks share one model)."""
         if runner.block_size != config.engine.block_size:
@@ -125,7 +129,17 @@ class PrefillInstance(RunnerInfo):
             num_free_blocks=lambda: worker.num_free_blocks,
         )
         PrefixCacheCollector(metrics.registry, "prefill", worker.prefix_cache_reading)
-        return cls(config, runner, scheduler, worker, model_name, fingerprint, metrics, constraints)
+        return cls(
+            config,
+            runner,
+            scheduler,
+            worker,
+            model_name,
+            fingerprint,
+            metrics,
+            constraints,
+            tokenizer_file_sha256,
+        )
 
     # ---- what Info reports (and RunnerInfo's) -------------------------------------------------
 

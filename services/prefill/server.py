@@ -78,6 +78,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             architecture=instance.architecture,
             num_experts=instance.num_experts,
             num_active_experts=instance.num_active_experts,
+            tokenizer_file_sha256=instance.tokenizer_file_sha256,
             max_prompt_tokens=self.max_prompt_tokens,
             max_batch_tokens=self.config.max_batch_tokens,
             num_queued_tokens=self.worker.num_queued_tokens,

@@ -45,7 +45,11 @@ def test_a_decode_up_without_a_prefill_is_a_model_but_no_route() -> None:
 
 def test_mismatched_layouts_are_no_route() -> None:
     got = readiness(up_router(pair_error="block size 16 != 32"))
-    assert got == Readiness(True, False, "no up prefill/decode pair has matching KV layouts")
+    assert got == Readiness(
+        True,
+        False,
+        "no up prefill/decode pair is compatible (see the frontend's REFUSING PAIR errors)",
+    )
 
 
 def test_a_draining_decode_is_loaded_but_not_routable() -> None:

@@ -134,7 +134,10 @@ def test_route_problem_says_why_nothing_is_routable() -> None:
     assert r.route_problem() == f"no prefill instance is up (of {P0}, {P1})"
     r.update_prefill(P1, num_queued_tokens=0, max_prompt_tokens=64)
     r.set_pair_error(P1, D1, "block_size=16 vs block_size=32")
-    assert r.route_problem() == "no up prefill/decode pair has matching KV layouts"
+    assert (
+        r.route_problem()
+        == "no up prefill/decode pair is compatible (see the frontend's REFUSING PAIR errors)"
+    )
     r.set_pair_error(P1, D1, None)
     assert r.route_problem() is None
 

@@ -112,7 +112,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model", "dtype", "device", "kv_layout", "attention_backend", "max_context_tokens", "max_running", "num_total_blocks", "num_free_blocks", "num_running", "num_waiting", "kv_cache_bytes", "num_cuda_graphs", "prefix_cache", "kv_transports", "fused_ops", "architecture", "num_experts", "num_active_experts")
+    __slots__ = ("model", "dtype", "device", "kv_layout", "attention_backend", "max_context_tokens", "max_running", "num_total_blocks", "num_free_blocks", "num_running", "num_waiting", "kv_cache_bytes", "num_cuda_graphs", "prefix_cache", "kv_transports", "fused_ops", "architecture", "num_experts", "num_active_experts", "tokenizer_file_sha256")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -132,6 +132,7 @@ class InfoResponse(_message.Message):
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     NUM_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     NUM_ACTIVE_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FILE_SHA256_FIELD_NUMBER: _ClassVar[int]
     model: str
     dtype: str
     device: str
@@ -151,4 +152,5 @@ class InfoResponse(_message.Message):
     architecture: str
     num_experts: int
     num_active_experts: int
-    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., kv_layout: _Optional[_Union[_kv_pb2.KvLayout, _Mapping]] = ..., attention_backend: _Optional[str] = ..., max_context_tokens: _Optional[int] = ..., max_running: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., num_cuda_graphs: _Optional[int] = ..., prefix_cache: _Optional[_Union[_kv_pb2.PrefixCacheInfo, _Mapping]] = ..., kv_transports: _Optional[_Iterable[str]] = ..., fused_ops: _Optional[str] = ..., architecture: _Optional[str] = ..., num_experts: _Optional[int] = ..., num_active_experts: _Optional[int] = ...) -> None: ...
+    tokenizer_file_sha256: str
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., kv_layout: _Optional[_Union[_kv_pb2.KvLayout, _Mapping]] = ..., attention_backend: _Optional[str] = ..., max_context_tokens: _Optional[int] = ..., max_running: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., num_cuda_graphs: _Optional[int] = ..., prefix_cache: _Optional[_Union[_kv_pb2.PrefixCacheInfo, _Mapping]] = ..., kv_transports: _Optional[_Iterable[str]] = ..., fused_ops: _Optional[str] = ..., architecture: _Optional[str] = ..., num_experts: _Optional[int] = ..., num_active_experts: _Optional[int] = ..., tokenizer_file_sha256: _Optional[str] = ...) -> None: ...
