@@ -79,6 +79,16 @@ MOE_CONFIGS: dict[str, tuple[dict[str, Any], str | None]] = {
 }  # fmt: skip
 
 
+def hf_greedy(hf: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """HF's own greedy continuation of `prompt`."""
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = hf.generate(
+            torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0
+        )
+    return out[0, len(prompt) :].tolist()
+
+
 @pytest.fixture(scope="module")
 def hf_moe(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Any]]:
     """name -> (checkpoint directory HF wrote, HF's model in fp32 with eager attention)."""
@@ -178,12 +188,7 @@ def test_greedy_equals_hf_generate(
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     results = generate(model, prompts, params, prefill_chunk_size=7)
     for prompt, result in zip(prompts, results, strict=True):
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            out = hf.generate(
-                torch.tensor([prompt]), max_new_tokens=48, do_sample=False, pad_token_id=0
-            )
-        assert result.token_ids == out[0, len(prompt) :].tolist()
+        assert result.token_ids == hf_greedy(hf, prompt, 48)
 
 
 def test_fused_layout_loads_the_same_model(
@@ -236,12 +241,7 @@ def test_greedy_with_the_cpu_kernel_equals_hf_generate(
     results = generate(model, prompts, params, prefill_chunk_size=9)
     assert ops.kernels.num_calls >= 2 * 24  # two GEMMs per sparse layer and step, at least
     for prompt, result in zip(prompts, results, strict=True):
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            out = hf.generate(
-                torch.tensor([prompt]), max_new_tokens=24, do_sample=False, pad_token_id=0
-            )
-        assert result.token_ids == out[0, len(prompt) :].tolist()
+        assert result.token_ids == hf_greedy(hf, prompt, 24)
 
 
 @pytest.mark.parametrize("grouped_gemm", ["loop", "grouped_mm"])
@@ -284,9 +284,4 @@ def test_runner_greedy_with_padded_batches_equals_hf(
             for s, token_id in zip(active, out.token_ids, strict=True):
                 s.append(token_id)
     for prompt, seq in zip(prompt_ids, seqs, strict=True):
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            out = hf.generate(
-                torch.tensor([prompt]), max_new_tokens=24, do_sample=False, pad_token_id=0
-            )
-        assert seq.output_token_ids == out[0, len(prompt) :].tolist()
+        assert seq.output_token_ids == hf_greedy(hf, prompt, 24)
