@@ -17,6 +17,7 @@ The checksum is plain torch: tests/kv_handoff/test_chunk_checksums.py checks it 
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -45,6 +46,7 @@ def export_pool(flat: torch.Tensor) -> bytes:
 
 def import_pool(blob: bytes) -> torch.Tensor:
     """The exporter's flat pool, mapped here (ValueError on a malformed export)."""
+    torch.cuda._lazy_init()  # as torch's own rebuild_cuda_tensor does before mapping
     try:
         d = json.loads(blob)
         storage = torch.UntypedStorage._new_shared_cuda(
@@ -68,6 +70,10 @@ def import_pool(blob: bytes) -> torch.Tensor:
 # is the same however the blocks are split into chunks of a chunk's side.
 _PERIOD = 65521
 _weights: dict[torch.device, torch.Tensor] = {}  # per device: (arange % _PERIOD) + 1, int32
+# Tables a larger one replaced, never freed: another thread's stream may still be reading one
+# (the caching allocator would hand its memory out again at once). A few, early in a process.
+_retired: list[torch.Tensor] = []
+_lock = threading.Lock()
 _MAX_RUN_BYTES = 64 << 20  # blocks one checksum pass gathers at once (see chunk_checksums)
 
 
@@ -81,7 +87,10 @@ def _word_weights(device: torch.device, n: int) -> torch.Tensor:
         table = table.to(torch.int32)
         if device.type == "cuda":  # made on this thread's stream; others read it on theirs
             torch.cuda.current_stream(device).synchronize()
-        _weights[device] = table  # a racing thread's table is as good: the same values
+        with _lock:  # a racing thread's table is as good: the same values
+            if device in _weights:
+                _retired.append(_weights[device])
+            _weights[device] = table
     return table[:n]
 
 

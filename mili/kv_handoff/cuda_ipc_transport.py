@@ -50,9 +50,15 @@ class CudaIpcTransport:
     ) -> CudaIpcTransport:
         """Prefill: map the pool decode's Pair reply exports (ValueError, RuntimeError)."""
         flat = import_pool(response.cuda_ipc_export)
+        here = torch.device("cuda", torch.cuda.current_device())
+        if flat.device != here:  # kv_transport.choose pairs one device only
+            raise ValueError(f"decode's pool is on {flat.device}, this prefill on {here}")
         size = pool_bytes(layout, response.num_blocks, dtype)
         if flat.numel() != size:
             raise ValueError(f"decode's pool holds {flat.numel()} bytes, expected {size}")
+        # Mapping waited for decode's export event on this thread's current stream; the side
+        # stream the copies run on never did.
+        torch.cuda.current_stream(here).synchronize()
         return cls(pool_blocks(flat, layout, response.num_blocks, dtype))
 
     def encode_all(
@@ -66,14 +72,22 @@ class CudaIpcTransport:
         num_bytes = 0
         copied = []
         with torch.inference_mode(), _on(self._stream):
-            for part in parts:
-                ids = self._check(part)
-                index = torch.tensor(ids, dtype=torch.int64).to(part.kv.device, non_blocking=True)
-                layers = slice(part.layer, part.layer + part.num_layers)
-                self.blocks[layers].index_copy_(2, index, part.kv)
-                copied.append((self.blocks[layers], index))
-                num_bytes += part.kv.numel() * part.kv.element_size()
-            values = chunk_checksums(copied)  # waits for the copies
+            try:
+                for part in parts:
+                    ids = self._check(part)
+                    index = torch.tensor(ids, dtype=torch.int64)
+                    index = index.to(part.kv.device, non_blocking=True)
+                    layers = slice(part.layer, part.layer + part.num_layers)
+                    self.blocks[layers].index_copy_(2, index, part.kv)
+                    copied.append((self.blocks[layers], index))
+                    num_bytes += part.kv.numel() * part.kv.element_size()
+                values = chunk_checksums(copied)  # waits for the copies
+            except BaseException:
+                # Copies already queued read the parts' gathers (the model stream's memory):
+                # they must be over before the caller lets the gathers go.
+                if self._stream is not None:
+                    self._stream.synchronize()
+                raise
         messages: list[bytes] = []
         for part in parts:
             for i in range(part.num_layers):

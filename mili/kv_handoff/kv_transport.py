@@ -5,7 +5,8 @@ The control messages (header, one chunk message per layer and prompt chunk, comm
 leases) always go over gRPC's TransferKv; only where the bytes go differs:
 
     transport   when                                      the bytes
-    cuda-ipc    same host id, both on CUDA                 device -> device into decode's pool
+    cuda-ipc    same host id, both on the same CUDA        device -> device into decode's pool
+                device
     shm         same host id, both on the CPU              prefill writes decode's pool in
                                                            POSIX shared memory
     grpc        otherwise (or forced)                      in KvChunk.data
@@ -59,12 +60,16 @@ def usable(device: str, allowed: str = AUTO) -> tuple[str, ...]:
 
 
 def choose(sender: Endpoint, receiver: Endpoint) -> str:
-    """The fastest transport both sides offer; the shared-memory ones only on one host."""
+    """The fastest transport both sides offer; the shared-memory ones only on one host, and
+    cuda-ipc only on one device: its copies run on prefill's device into decode's pool and
+    were never written (nor run) for two GPUs, where grpc is correct."""
     same_host = bool(sender.host_id) and sender.host_id == receiver.host_id
     for transport in TRANSPORTS:
         if transport not in sender.transports or transport not in receiver.transports:
             continue
         if transport != GRPC and not same_host:
+            continue
+        if transport == CUDA_IPC and sender.device != receiver.device:
             continue
         return transport
     return GRPC

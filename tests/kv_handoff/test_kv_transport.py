@@ -28,7 +28,9 @@ GPU_BOTH = ("cuda-ipc", "grpc")
     ("sender", "receiver", "expected"),
     [
         (Endpoint("h", "cpu", CPU_BOTH), Endpoint("h", "cpu", CPU_BOTH), "shm"),
-        (Endpoint("h", "cuda:0", GPU_BOTH), Endpoint("h", "cuda:1", GPU_BOTH), "cuda-ipc"),
+        (Endpoint("h", "cuda:0", GPU_BOTH), Endpoint("h", "cuda:0", GPU_BOTH), "cuda-ipc"),
+        # Two GPUs of one host: cuda-ipc copies on one device only.
+        (Endpoint("h", "cuda:0", GPU_BOTH), Endpoint("h", "cuda:1", GPU_BOTH), "grpc"),
         # Another host (or an unknown one) never shares memory.
         (Endpoint("a", "cpu", CPU_BOTH), Endpoint("b", "cpu", CPU_BOTH), "grpc"),
         (Endpoint("", "cpu", CPU_BOTH), Endpoint("", "cpu", CPU_BOTH), "grpc"),
