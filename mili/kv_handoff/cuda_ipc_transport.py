@@ -46,19 +46,23 @@ class CudaIpcTransport:
 
     @classmethod
     def connect(
-        cls, response: kv_pb2.PairResponse, layout: KVLayout, dtype: torch.dtype
+        cls,
+        response: kv_pb2.PairResponse,
+        layout: KVLayout,
+        dtype: torch.dtype,
+        device: torch.device,
     ) -> CudaIpcTransport:
-        """Prefill: map the pool decode's Pair reply exports (ValueError, RuntimeError)."""
+        """Prefill, its KV on `device`: map the pool decode's Pair reply exports (ValueError,
+        RuntimeError)."""
         flat = import_pool(response.cuda_ipc_export)
-        here = torch.device("cuda", torch.cuda.current_device())
-        if flat.device != here:  # kv_transport.choose pairs one device only
-            raise ValueError(f"decode's pool is on {flat.device}, this prefill on {here}")
+        if flat.device != device:  # kv_transport.choose pairs one device only
+            raise ValueError(f"decode's pool is on {flat.device}, this prefill's KV on {device}")
         size = pool_bytes(layout, response.num_blocks, dtype)
         if flat.numel() != size:
             raise ValueError(f"decode's pool holds {flat.numel()} bytes, expected {size}")
         # Mapping waited for decode's export event on this thread's current stream; the side
         # stream the copies run on never did.
-        torch.cuda.current_stream(here).synchronize()
+        torch.cuda.current_stream(device).synchronize()
         return cls(pool_blocks(flat, layout, response.num_blocks, dtype))
 
     def encode_all(

@@ -312,14 +312,15 @@ def answer(
 
 
 def connect(
-    response: kv_pb2.PairResponse, layout: kv_pb2.KvLayout, dtype: torch.dtype
+    response: kv_pb2.PairResponse, layout: kv_pb2.KvLayout, dtype: torch.dtype, device: str
 ) -> KvTransport:
-    """Prefill: the transport decode's reply chose, decode's pool mapped here when it is an
-    in-place one (OSError, ValueError or RuntimeError when that fails)."""
+    """Prefill (its KV on `device`): the transport decode's reply chose, decode's pool mapped
+    here when it is an in-place one (OSError, ValueError or RuntimeError when that fails)."""
     if response.transport not in (SHM, CUDA_IPC):
         return GrpcTransport()
     kv_layout = KVLayout(
         layout.num_layers, layout.block_size, layout.num_kv_heads, layout.head_dim, layout.dtype
     )
-    mapped = ShmTransport if response.transport == SHM else CudaIpcTransport
-    return mapped.connect(response, kv_layout, dtype)
+    if response.transport == SHM:
+        return ShmTransport.connect(response, kv_layout, dtype)
+    return CudaIpcTransport.connect(response, kv_layout, dtype, torch.device(device))

@@ -155,7 +155,8 @@ class Peers:
         pairing = Pairing(GrpcTransport(), checksum)
         if response.transport in endpoint.transports:
             try:
-                pairing = Pairing(connect(response, self._layout, self._dtype), checksum)
+                transport = connect(response, self._layout, self._dtype, endpoint.device)
+                pairing = Pairing(transport, checksum)
             except (OSError, ValueError, RuntimeError) as e:
                 _LOG.warning(
                     "KV pair with decode at %s: cannot map its pool (%s); grpc", address, e
