@@ -41,6 +41,7 @@ from mili.engine.constraint.mask import BatchMasker, apply_token_bitmask
 from mili.engine.constraint.spec import Constraint
 from mili.engine.constraint.vocab import GrammarTokenizer
 from mili.engine.kv.block_pool import blocks_needed
+from mili.engine.model.grouped_gemm import is_graph_safe
 from mili.engine.model.loader import load_config, load_model
 from mili.engine.sampling_params import SamplingParams
 from mili.engine.step.runner import ModelRunner
@@ -112,7 +113,12 @@ def run(name: str, batch: int, steps: int, cache: Path, device: str) -> dict[str
     runner = ModelRunner.create(
         model, batch * per_seq, block_size, max_decode_batch=batch, vocab_size=vocab
     )
-    graphs = runner.capture_graphs() if model.device.type == "cuda" else False
+    # As the decode service decides (startup.graphs_allowed): a kernel family that fell back
+    # to torch at its self-check, or MoE experts without a graph-safe GEMM, run eagerly.
+    graph_safe = getattr(model.attention, "is_graph_safe", False) and model.fused_ops.is_graph_safe
+    if model.config.is_moe:
+        graph_safe = graph_safe and is_graph_safe(model.device, model.dtype)
+    graphs = runner.capture_graphs() if model.device.type == "cuda" and graph_safe else False
     masker = BatchMasker(tokenizer, batch, num_threads=1)
     gen = torch.Generator().manual_seed(0)
     arms: dict[str, list[Sequence]] = {}

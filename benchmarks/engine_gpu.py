@@ -190,12 +190,16 @@ def profile_step(fn: Callable[[], None], device: torch.device) -> tuple[int, flo
     if device.type != "cuda":
         return sum(e.count for e in events if e.key.startswith("aten::")), None
     launches = sum(e.count for e in events if any(k in e.key for k in LAUNCH_KEYS))
+    # Kernels only: the copies and memsets the profiler also records on the device are not
+    # what a step's kernels take. None when it recorded no kernel at all (a profiler session
+    # before a graph capture has been reported to leave none after it): "n/a", never "0 ms".
     kernel_us = sum(
         getattr(e, "self_device_time_total", 0.0)
         for e in events
         if getattr(e, "device_type", None) == DeviceType.CUDA
+        and not e.key.startswith(("Memcpy", "Memset"))
     )
-    return launches, kernel_us / 1e3
+    return launches, (kernel_us / 1e3 if kernel_us > 0 else None)
 
 
 def decode_tpot(
@@ -417,6 +421,8 @@ def main(argv: list[str] | None = None) -> int:
         counted = "" if launches is None else f", {launches} {what}/step"
         if gpu_ms:
             counted += f", GPU kernels {gpu_ms:.2f} ms/step (wall {tpot_ms / gpu_ms:.2f}x)"
+        elif launches is not None and device.type == "cuda":
+            counted += ", GPU kernels n/a (the profiler recorded none)"
         print(
             f"{mode:6} batch {row.batch:4}: TPOT {tpot_ms:8.2f} ms, "
             f"{row.batch / tpot_ms * 1e3:8.0f} tok/s{counted}",

@@ -234,8 +234,11 @@ piece engine.log "$(cap 60 40)" "$BUDGET" "$PY" benchmarks/constrained_decode.py
 # spends its time, py-spy's samples summarized per thread into serve.log (the raw stacks stay
 # on the host: 8 files come back). GPU only: py-spy comes as a carried wheel (gpu_prep.sh).
 if [[ $device == cuda ]]; then
-  OUT=$tmp/profile piece serve.log 100 "$BUDGET" bash benchmarks/serve_profile.sh &&
+  OUT=$tmp/profile piece serve.log 100 "$BUDGET" bash benchmarks/serve_profile.sh
+  # whatever was sampled, even if the piece ran out of time after writing it
+  if compgen -G "$tmp/profile/serve-*.txt" >/dev/null; then
     "$PY" benchmarks/stacks.py "$tmp"/profile/serve-*.txt --top 14 >>"$out/serve.log" 2>&1
+  fi
 fi
 
 failed=$(grep -c '] END exit [1-9]' "$out/run.log")

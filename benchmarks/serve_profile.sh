@@ -17,7 +17,8 @@ PY=${PYTHON:-python3}
 device=${DEVICE:-cuda}
 preset=${PRESET:-qwen3-0.6b}
 seconds=${SECONDS_SAMPLED:-12}
-if [[ $device == cuda && -f build/gpu-cache/env.sh ]]; then
+if [[ $device == cuda && -f build/gpu-cache/env.sh && -z ${MILI_CACHE_DIR:-} ]]; then
+  # (gpu_check.sh has sourced it already: MILI_CACHE_DIR set)
   # shellcheck source=/dev/null
   source build/gpu-cache/env.sh >>"$out/env.txt" 2>&1
 fi
@@ -32,6 +33,7 @@ until grep -q "^concurrency 1 " "$log" 2>/dev/null; do
   sleep 0.5
 done
 sleep "${DELAY:-2}"
+spies=()
 for name in serve-prefill serve-decode serve-frontend; do
   pid=$(pgrep -f -- "-m mili $name" | head -1)
   if [[ -z $pid ]]; then
@@ -40,7 +42,18 @@ for name in serve-prefill serve-decode serve-frontend; do
   fi
   "$spy" record --pid "$pid" --duration "$seconds" --rate 250 --format raw --idle --threads \
     --nonblocking --output "$out/$name.txt" >>"$out/py-spy.log" 2>&1 &
+  spies+=("$!")
 done
-wait
+# The samples are what this is for: wait for py-spy alone (serve_gpu's run goes on for half a
+# minute more), then end the run; fail, with py-spy's words, unless every process was sampled.
+rc=0
+for p in "${spies[@]}"; do wait "$p" || rc=1; done
+kill "$bench" 2>/dev/null
+wait "$bench" 2>/dev/null
+for name in serve-prefill serve-decode serve-frontend; do
+  [[ -s $out/$name.txt ]] || { echo "no samples of $name" | tee -a "$log"; rc=1; }
+done
+((rc == 0)) || cat "$out/py-spy.log" 2>/dev/null
 tail -8 "$log"
 ls -la "$out"
+exit "$rc"
