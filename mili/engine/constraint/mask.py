@@ -30,16 +30,6 @@ if TYPE_CHECKING:
     from mili.engine.constraint.vocab import GrammarTokenizer
 
 
-def fill_row(matcher: ConstraintMatcher, row: torch.Tensor) -> None:
-    """Write the allowed next tokens of `matcher` into `row`: a contiguous CPU int32 tensor of
-    tokenizer.num_mask_words words."""
-    if row.dtype != torch.int32 or row.device.type != "cpu" or not row.is_contiguous():
-        raise ValueError("a mask row is a contiguous CPU int32 tensor")
-    if row.numel() != matcher.tokenizer.num_mask_words:
-        raise ValueError(f"mask row of {row.numel()} words, not {matcher.tokenizer.num_mask_words}")
-    matcher.ll.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
-
-
 class FilledMask(NamedTuple):
     """The masks of one step: `bitmask[i]` belongs to batch row `row_ids[i]`."""
 
@@ -65,7 +55,6 @@ class BatchMasker:
         self._pin = torch.cuda.is_available()
         self._buffer = self._new_buffer(max_batch)
         self._filler: concurrent.futures.ThreadPoolExecutor | None = None
-        self.num_fills = 0  # rows filled so far (tests, metrics)
 
     def _new_buffer(self, num_rows: int) -> torch.Tensor:
         words = self.tokenizer.num_mask_words
@@ -97,7 +86,6 @@ class BatchMasker:
         bitmask = self._buffer[: len(row_ids)]
         words = self.tokenizer.num_mask_words
         self._executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), words * 4, len(pairs))
-        self.num_fills += len(row_ids)
         return FilledMask(bitmask, row_ids)
 
     def close(self) -> None:
