@@ -239,6 +239,9 @@ if [[ $device == cuda ]]; then
   if compgen -G "$tmp/profile/serve-*.txt" >/dev/null; then
     "$PY" benchmarks/stacks.py "$tmp"/profile/serve-*.txt --top 14 >>"$out/serve.log" 2>&1
   fi
+  # Then Nsight Compute on the two attention kernels (informative: exits 0 where the host has
+  # no hardware counters), for issue 33's next kernel change.
+  PYTHON=$PY piece attention.log 90 "$BUDGET" bash benchmarks/kernel_ncu.sh
 fi
 
 failed=$(grep -c '] END exit [1-9]' "$out/run.log")
