@@ -11,8 +11,8 @@ unit (`_seconds`, `_bytes`) and counters end in `_total`. What each service reco
                    process_* (RSS, CPU seconds, open fds; Linux)   mili.rpc.server
     frontend       requests in flight, tokens streamed, time to first token, time per output
                    token   services/frontend/server.py; instances by state and membership
-                   changes, the admission queue's depth   services/frontend/backends.py; waits
-                   in it   services/frontend/admitter.py
+                   changes   services/frontend/instances.py; the admission queue's depth
+                   services/frontend/backends.py; waits in it   services/frontend/admitter.py
     frontend HTTP  mili_http_requests_total{route,method,status} and
                    mili_http_request_duration_seconds{route}, once per request on the HTTP
                    port: route is the route's template (/status/{request_id}) or `unmatched`,
