@@ -91,16 +91,9 @@ class Poller:
         except grpc.aio.AioRpcError as err:
             self._went_down("prefill", address, err)
             return
-        view = self._router.prefills.get(address)
-        if view is None:
+        was_up = self._answered("prefill", address, info)
+        if was_up is None:
             return  # dropped while the call was out
-        was_up = view.is_up
-        self._unreachable.discard(address)
-        self.prefill_layouts[address] = info.kv_layout
-        self.models[address] = info.model
-        self.tokenizer_files[address] = info.tokenizer_file_sha256
-        # No await from here on: the router never sees the instance up with unchecked pairs.
-        self._check_pairs(prefills=[address], decodes=list(self.decode_layouts))
         self._router.update_prefill(
             address,
             num_queued_tokens=info.num_queued_tokens,
@@ -126,15 +119,9 @@ class Poller:
         except grpc.aio.AioRpcError as err:
             self._went_down("decode", address, err)
             return
-        view = self._router.decodes.get(address)
-        if view is None:
+        was_up = self._answered("decode", address, info)
+        if was_up is None:
             return
-        was_up = view.is_up
-        self._unreachable.discard(address)
-        self.decode_layouts[address] = info.kv_layout
-        self.models[address] = info.model
-        self.tokenizer_files[address] = info.tokenizer_file_sha256
-        self._check_pairs(prefills=list(self.prefill_layouts), decodes=[address])
         self._router.update_decode(
             address,
             num_free_blocks=info.num_free_blocks,
@@ -154,6 +141,27 @@ class Poller:
                 info.max_context_tokens,
                 describe(info.kv_layout),
             )
+
+    def _answered(
+        self, kind: str, address: str, info: prefill_pb2.InfoResponse | decode_pb2.InfoResponse
+    ) -> bool | None:
+        """Keep what an instance's Info says and check its pairs; whether it was up before
+        (None: dropped while the call was out). The caller updates the router right after,
+        with no await between: the router never sees the instance up with unchecked pairs."""
+        view = (self._router.prefills if kind == "prefill" else self._router.decodes).get(address)
+        if view is None:
+            return None
+        was_up = view.is_up
+        self._unreachable.discard(address)
+        self.models[address] = info.model
+        self.tokenizer_files[address] = info.tokenizer_file_sha256
+        if kind == "prefill":
+            self.prefill_layouts[address] = info.kv_layout
+            self._check_pairs(prefills=[address], decodes=list(self.decode_layouts))
+        else:
+            self.decode_layouts[address] = info.kv_layout
+            self._check_pairs(prefills=list(self.prefill_layouts), decodes=[address])
+        return was_up
 
     def _went_down(self, kind: str, address: str, err: grpc.aio.AioRpcError) -> None:
         views = self._router.prefills if kind == "prefill" else self._router.decodes
