@@ -150,12 +150,11 @@ class CpuFusedKernels(CpuModuleBinding):
         expert_bytes = weight[0].numel() * weight.element_size() if len(weight) else 0
         if min(rows.shape[0], len(weight)) * expert_bytes < GROUPED_GEMM_MIN_BYTES:
             return grouped_gemm(rows, weight, offsets)  # too few experts can have rows
-        _, active = check_grouped_gemm(rows, weight, offsets)
+        code, active = check_grouped_gemm(rows, weight, offsets)
         low, high = GROUPED_GEMM_ROWS[rows.dtype]
-        weight_bytes = len(active) * expert_bytes
         rows_fit = low * len(active) <= rows.shape[0] <= high * len(active)
-        if rows_fit and weight_bytes >= GROUPED_GEMM_MIN_BYTES:
-            return self.grouped_gemm_kernel(rows, weight, offsets)
+        if rows_fit and len(active) * expert_bytes >= GROUPED_GEMM_MIN_BYTES:
+            return self._kernel(rows, weight, offsets, code, active)
         return grouped_gemm(rows, weight, offsets)
 
     def grouped_gemm_kernel(
@@ -165,6 +164,17 @@ class CpuFusedKernels(CpuModuleBinding):
         the tests call it: small calls would go to torch)."""
         _require_cpu(rows)
         code, active = check_grouped_gemm(rows, weight, offsets)
+        return self._kernel(rows, weight, offsets, code, active)
+
+    def _kernel(
+        self,
+        rows: torch.Tensor,
+        weight: torch.Tensor,
+        offsets: torch.Tensor,
+        code: int,
+        active: torch.Tensor,
+    ) -> torch.Tensor:
+        """The kernel on checked arguments (`check_grouped_gemm`'s code and active experts)."""
         num_rows, n = rows.shape[0], weight.shape[1]
         out = torch.empty((num_rows, n), dtype=rows.dtype)
         if num_rows:
