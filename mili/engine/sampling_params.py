@@ -127,6 +127,15 @@ class SamplingParams:
             raise InvalidArgument.many([v for e in errors for v in e.violations])
 
     @property
+    def has_penalties(self) -> bool:
+        """Whether a penalty changes the logits (the sampler then needs the tokens so far)."""
+        return (
+            self.repetition_penalty != 1
+            or self.presence_penalty != 0
+            or self.frequency_penalty != 0
+        )
+
+    @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
 

@@ -15,20 +15,30 @@ Every iteration of the loop:
        alone), finish the ones that stop;
     4. hand the step's events to the event loop (`deliver_threadsafe`, one wake-up per step).
 
+With `overlap` (on CUDA by default: EngineConfig.overlap_steps), step 3 launches step n+1
+before it waits for step n's ids: the rows step n ran feed its sampled ids on the device
+(ModelRunner.decode's `ahead`), so the host's work between two steps (appending, events,
+staging the next inputs, launching) runs while the device computes instead of between its
+steps. What that costs: a request step n's token stops has already been put in step n+1,
+whose token for it is discarded; a request step n's token ends by length is left out of
+step n+1. A step whose rows need step n's tokens on the host first (penalties, a
+constraint's mask) waits for them, as without overlap.
+
 Blocks are freed (`RequestTable.finish`) before a request's last event is handed over, so a
-caller that reads its last token and then asks Info sees the blocks back.
+caller that reads its last token and then asks Info sees the blocks back; and only once no
+step in flight still writes the request's KV (with overlap, that is one step later).
 
 Nothing here waits for the event loop and nothing on the event loop waits for this thread.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
-from typing import NamedTuple
+from dataclasses import dataclass, field
 
 import torch
 from opentelemetry import trace
@@ -40,7 +50,8 @@ from mili.engine.constraint.mask import BatchMasker
 from mili.engine.constraint.matcher import ConstraintError
 from mili.engine.logprobs import TokenLogprobs
 from mili.engine.step.pinned import StagingRing, pinned_empty, thread_stream
-from mili.engine.step.runner import ModelRunner, use_device
+from mili.engine.step.runner import Launched, ModelRunner, use_device
+from mili.engine.step.sampler import PendingSample
 from mili.engine.step.sequence import Sequence
 from mili.errors import FailedPrecondition, Unavailable
 from mili.kv_handoff import block_rows
@@ -76,12 +87,32 @@ class _Join:
     outlet: Outlet
 
 
-class _Running(NamedTuple):
+@dataclass(eq=False)
+class _Running:
     """A request in the batch and its engine sequence (block_table: the request's)."""
 
     request: DecodeRequest
     seq: Sequence
     outlet: Outlet  # where its events go (kept here: its call may end before it leaves)
+    # The newest launched step it is in whose ids are not in yet: until that step is done its
+    # blocks stay taken (the step writes its KV), even once the request has ended.
+    step: _Step | None = None
+    is_done: bool = False  # ended: its rows in steps still in flight are discarded
+
+
+@dataclass(eq=False)
+class _Step:
+    """A launched decode step, until its ids are appended."""
+
+    running: list[_Running]  # its rows, in order
+    sample: PendingSample
+    started: float  # perf_counter() at launch
+    span: Span | None
+    # Requests that ended while the step was in flight, with the tokens whose KV they hold
+    # and their last event (None: the caller is gone): released once the step is done.
+    releases: list[tuple[_Running, list[int], TokenEvent | BaseException | None]] = field(
+        default_factory=list
+    )
 
 
 class Batcher:
@@ -96,8 +127,11 @@ class Batcher:
         max_context_tokens: int,
         metrics: DecodeMetrics | None = None,
         constraints: ConstraintCompiler | None = None,
+        overlap: bool = False,
     ) -> None:
         self._runner = runner
+        # Launch each step before the previous one's ids reach the host (see `_advance`).
+        self._overlap = overlap
         # Fills constrained rows' token masks (None: no compiler, so no constrained request).
         self._masker = None
         if constraints is not None:
@@ -114,9 +148,12 @@ class Batcher:
         self._inbox: list[_Join] = []  # guarded by _cond
         self._is_stopping = False  # guarded by _cond
         self._running: list[_Running] = []  # batch thread only
+        self._in_flight: _Step | None = None  # batch thread only: launched, ids not in yet
+        self._collected_at = 0.0  # batch thread only: perf_counter() of the last step's ids
         self._thread = threading.Thread(target=self._run, name="decode-batcher", daemon=True)
         # Observability (written by the batch thread, read anywhere).
         self.num_steps = 0
+        self.num_steps_ahead = 0  # launched before the previous step's ids were in
         self.max_batch_size = 0
 
     # ---- any thread ----------------------------------------------------------------------------
@@ -191,15 +228,16 @@ class Batcher:
         try:
             while True:
                 with self._cond:
-                    while not (self._inbox or self._running or self._is_stopping):
+                    while not (
+                        self._inbox or self._running or self._in_flight or self._is_stopping
+                    ):
                         self._cond.wait()
                     if self._is_stopping:
                         return
                 out: list[Delivery] = []
                 self._take_joins(out)
                 self._drop_cancelled()
-                if self._running:
-                    self._step(out)
+                self._advance(out)
                 deliver_threadsafe(out)
         finally:
             with self._cond:  # also when a bug killed the loop: refuse joins from now on
@@ -252,17 +290,52 @@ class Batcher:
         kept = []
         for running in self._running:
             if running.request.is_cancelled:
-                self._table.finish(running.request, running.seq.written_token_ids())
+                self._end(running, running.seq.written_token_ids(), None, [])
             else:
                 kept.append(running)
         self._running = kept
 
-    def _step(self, out: list[Delivery]) -> None:
-        running, self._running = self._running, []  # requests joining meanwhile go here
-        seqs = [r.seq for r in running]
+    def _advance(self, out: list[Delivery]) -> None:
+        """Take the step in flight's tokens and launch the next step, the next one first when
+        the steps overlap (the device then never waits for this thread's work between them)."""
+        done, self._in_flight = self._in_flight, None
+        launched = None
+        if done is not None and self._overlap:
+            launched = self._launch_ahead(done, out)
+        if done is not None:
+            self._collect(done, out)
+        if launched is None and self._running:
+            launched = self._launch(list(self._running), None, out)
+            if launched is not None and not self._overlap:
+                self._take_joins(out)  # while the device computes: they run from the next step
+                self._collect(launched, out)
+                launched = None
+        self._in_flight = launched
+
+    def _launch_ahead(self, done: _Step, out: list[Delivery]) -> _Step | None:
+        """The next step over the running requests, launched before `done`'s ids reach the
+        host; None where a request in `done` needs its token on the host first (penalties, a
+        constraint). A request `done`'s token ends by length is left out."""
+        in_done = {id(r) for r in done.running}
+        batch = []
+        for r in self._running:
+            if id(r) in in_done:
+                if r.seq.matcher is not None or r.seq.params.has_penalties:
+                    return None
+                if r.seq.is_length_bound(1):
+                    continue
+            batch.append(r)
+        return self._launch(batch, done, out) if batch else None
+
+    def _launch(
+        self, batch: list[_Running], ahead: _Step | None, out: list[Delivery]
+    ) -> _Step | None:
+        """Launch one decode step of `batch` (with `ahead`: see ModelRunner.decode); None
+        when it failed, which fails its requests."""
+        seqs = [r.seq for r in batch]
         self.num_steps += 1
         self.max_batch_size = max(self.max_batch_size, len(seqs))
-        span = _start_step_span([r.outlet for r in running], self.num_steps)
+        span = _start_step_span([r.outlet for r in batch], self.num_steps)
         started = time.perf_counter()
         try:
             # The masks of the constrained rows, filled on the masker's thread while the
@@ -270,49 +343,117 @@ class Batcher:
             masks = None
             if self._masker is not None:
                 masks = self._masker.start([s.matcher for s in seqs])
-            pending = self._runner.decode(seqs, masks)  # launched; on CUDA the device works on
-            self._take_joins(out)  # ...while the host admits the next step's newcomers
-            result = pending.result()
-            self._metrics.record_step(time.perf_counter() - started, len(seqs))
+            previous = None
+            if ahead is not None:
+                previous = Launched([r.seq for r in ahead.running], ahead.sample)
+            sample = self._runner.decode(seqs, masks, ahead=previous)
         except Exception as e:
-            if span is not None:
-                span.record_exception(e)
-                span.end()
-            _LOG.exception("decode step over %d sequences failed", len(seqs))
-            for r in running:
-                self._table.finish(r.request)
-                out.append((r.outlet.stream, e))
+            self._fail_step(batch, e, span, out)
+            return None
+        self.num_steps_ahead += ahead is not None
+        step = _Step(batch, sample, started, span)
+        for r in batch:
+            r.step = step
+        return step
+
+    def _collect(self, step: _Step, out: list[Delivery]) -> None:
+        """Wait for `step`'s ids and append them: each request that stops ends; then release
+        what ended while the step was in flight (it wrote their KV until now)."""
+        try:
+            result = step.sample.result()
+        except Exception as e:
+            for r in step.running:
+                if r.step is step:
+                    r.step = None
+            self._fail_step([r for r in step.running if not r.is_done], e, step.span, out)
+            self._release(step, out)
             return
-        kept = []
-        for i, (request, seq, outlet) in enumerate(running):
+        now = time.perf_counter()
+        self._metrics.record_step(now - max(step.started, self._collected_at), len(step.running))
+        self._collected_at = now
+        for r in step.running:
+            if r.step is step:
+                r.step = None
+        ended = set()
+        for i, r in enumerate(step.running):
+            if r.is_done:  # ended while this step was in flight: its token is discarded
+                continue
             token_id = result.token_ids[i]
             try:
-                reason = seq.append(token_id)
+                reason = r.seq.append(token_id)
             except ConstraintError as e:  # this request alone fails (its grammar's error)
-                _LOG.error("request %s: %s", request.name, e)
-                self._table.finish(request, seq.written_token_ids())
-                out.append((outlet.stream, e))
+                _LOG.error("request %s: %s", r.request.name, e)
+                self._end(r, r.seq.written_token_ids(), e, out)
+                ended.add(id(r))
                 continue
             logprobs = None
-            if request.params.logprobs is not None and result.logprobs is not None:
+            if r.request.params.logprobs is not None and result.logprobs is not None:
                 top = result.top_logprobs[i] if result.top_logprobs is not None else []
                 logprobs = [TokenLogprobs(result.logprobs[i], top)]
+            event = TokenEvent([token_id], logprobs, reason)
             if reason:
-                self._table.finish(request, seq.written_token_ids())
+                self._end(r, r.seq.written_token_ids(), event, out)
+                ended.add(id(r))
             else:
-                kept.append(running[i])
-            out.append((outlet.stream, TokenEvent([token_id], logprobs, reason)))
-        self._running = kept + self._running
+                out.append((r.outlet.stream, event))
+        if ended:
+            self._running = [r for r in self._running if id(r) not in ended]
+        if step.span is not None:
+            step.span.end()
+        self._release(step, out)
+
+    def _end(
+        self,
+        r: _Running,
+        written_token_ids: list[int],
+        last: TokenEvent | BaseException | None,
+        out: list[Delivery],
+    ) -> None:
+        """`r` leaves the batch: its blocks go back and its `last` event (None: the caller is
+        gone) goes out, at once, or when the step in flight that still writes its KV is done
+        (blocks back before the last event, so a caller that reads it sees them free)."""
+        r.is_done = True
+        if r.step is not None:
+            r.step.releases.append((r, written_token_ids, last))
+            return
+        self._table.finish(r.request, written_token_ids)
+        if last is not None:
+            out.append((r.outlet.stream, last))
+
+    def _release(self, step: _Step, out: list[Delivery]) -> None:
+        releases, step.releases = step.releases, []
+        for r, written_token_ids, last in releases:
+            self._table.finish(r.request, written_token_ids)
+            if last is not None:
+                out.append((r.outlet.stream, last))
+
+    def _fail_step(
+        self, batch: list[_Running], error: Exception, span: Span | None, out: list[Delivery]
+    ) -> None:
+        """A step failed: every request in it fails with `error`; the others go on."""
         if span is not None:
+            span.record_exception(error)
             span.end()
+        _LOG.error("decode step over %d sequences failed", len(batch), exc_info=error)
+        failed = {id(r) for r in batch}
+        for r in batch:
+            self._end(r, [], error, out)
+        self._running = [r for r in self._running if id(r) not in failed]
 
     def _fail_all(self, error: BaseException) -> None:
+        out: list[Delivery] = []
+        step, self._in_flight = self._in_flight, None
+        if step is not None:  # let it finish before its requests' blocks go back
+            with contextlib.suppress(Exception):  # its requests fail below anyway
+                step.sample.result()
+            for r in step.running:
+                r.step = None
+            self._release(step, out)
         with self._cond:
             joins, self._inbox = self._inbox, []
-        ended = [(r.request, r.outlet) for r in self._running]
+        ended = [(r.request, r.outlet) for r in self._running if not r.is_done]
         ended += [(j.request, j.outlet) for j in joins]
         self._running = []
-        out: list[Delivery] = []
         for request, outlet in ended:
             self._table.finish(request)
             out.append((outlet.stream, error))

@@ -15,6 +15,7 @@ from mili import flags
 from mili.engine.engine_config import EngineConfig, add_engine_arguments
 from mili.kv_handoff.kv_transport import CHOICES as KV_TRANSPORTS
 
+OVERLAP_CHOICES = ("auto", "on", "off")
 DEFAULT_KV_CACHE_BYTES = 1 << 30  # on CPU, when neither --kv-cache-bytes nor --num-blocks is given
 
 
@@ -38,6 +39,10 @@ class DecodeConfig:
     # same-host transports too (on the CPU the KV pool then lives in shared memory).
     kv_transport: str = "auto"
     host_id: str | None = None  # None: this host's (tests inject others)
+    # Launch each decode step before the previous one's ids reach the host (OVERLAP_CHOICES;
+    # services/decode/batcher.py): auto = on CUDA, where the host's work between steps then
+    # runs while the device computes; on the CPU the host is the device, so it gains nothing.
+    overlap_steps: str = "auto"
 
     def __post_init__(self) -> None:
         if self.max_running <= 0:
@@ -47,6 +52,18 @@ class DecodeConfig:
         if self.kv_transport not in KV_TRANSPORTS:
             choices = ", ".join(KV_TRANSPORTS)
             raise ValueError(f"--kv-transport must be one of {choices}, got {self.kv_transport!r}")
+        if self.overlap_steps not in OVERLAP_CHOICES:
+            choices = ", ".join(OVERLAP_CHOICES)
+            raise ValueError(
+                f"--overlap-steps must be one of {choices}, got {self.overlap_steps!r}"
+            )
+
+    @property
+    def overlaps_steps(self) -> bool:
+        """Whether the batcher overlaps decode steps (`overlap_steps`, resolved)."""
+        if self.overlap_steps == "auto":
+            return self.engine.is_cuda
+        return self.overlap_steps == "on"
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, model_dir: Path) -> DecodeConfig:
@@ -58,6 +75,7 @@ class DecodeConfig:
             prefix_caching=args.prefix_caching,
             kv_transport=args.kv_transport,
             host_id=args.host_id,
+            overlap_steps=args.overlap_steps,
         )
 
 
@@ -77,5 +95,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=defaults.kv_lease_ms,
         help="how long a reservation waits for prefill's KV (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--overlap-steps",
+        default=defaults.overlap_steps,
+        choices=OVERLAP_CHOICES,
+        help="launch each decode step before the previous step's tokens reach the host, so "
+        "the host's work between steps overlaps the device's; auto = on CUDA "
+        "(default: %(default)s)",
     )
     flags.add_transport_arguments(parser)

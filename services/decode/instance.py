@@ -116,6 +116,7 @@ class DecodeInstance(RunnerInfo):
             max_context_tokens=runner.model.config.max_position_embeddings,
             metrics=metrics,
             constraints=constraints,
+            overlap=config.overlaps_steps,
         )
         return cls(
             config,

@@ -56,8 +56,12 @@ def player(tiny_model_dir: Path) -> PrefillPlayer:
     return PrefillPlayer(tiny_model_dir, BLOCK_SIZE)
 
 
-@pytest.fixture(scope="module")
-def decode_server(tiny_model_dir: Path) -> Iterator[DecodeServerThread]:
+# Every decode_server test runs twice: each step waiting for the last one's ids (the CPU's
+# default) and each step launched before them (CUDA's): the outputs must not differ.
+@pytest.fixture(scope="module", params=["off", "on"], ids=["sync", "overlap"])
+def decode_server(
+    tiny_model_dir: Path, request: pytest.FixtureRequest
+) -> Iterator[DecodeServerThread]:
     from mili.engine.engine_config import EngineConfig
     from services.decode.config import DecodeConfig
     from tests.decode.harness import DecodeServerThread  # torch, grpc
@@ -66,6 +70,7 @@ def decode_server(tiny_model_dir: Path) -> Iterator[DecodeServerThread]:
         model_dir=tiny_model_dir,
         engine=EngineConfig(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS),
         max_running=MAX_RUNNING,
+        overlap_steps=request.param,
     )
     server = DecodeServerThread(config)
     yield server

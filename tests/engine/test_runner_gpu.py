@@ -19,9 +19,10 @@ from mili.engine.model.attention import TorchAttention
 from mili.engine.model.loader import load_model
 from mili.engine.model.qwen3 import Qwen3ForCausalLM
 from mili.engine.sampling_params import SamplingParams
-from mili.engine.step.runner import ModelRunner
+from mili.engine.step.runner import Launched, ModelRunner
 from mili.engine.step.sequence import Sequence
 from tests.engine.greedy_divergence import describe_divergence
+from tests.engine.test_runner_ahead import run_ahead
 
 pytestmark = [
     pytest.mark.gpu,
@@ -45,10 +46,9 @@ def cuda_model(checkpoint_dirs: dict[str, Path]) -> Qwen3ForCausalLM:
     return model
 
 
-def greedy_tokens(runner: ModelRunner, batch: int) -> tuple[list[list[int]], list[torch.Tensor]]:
-    """Each sequence's greedy tokens, and each step's logits [batch, vocab] on the host (every
-    sequence runs every step: no EOS, one max_tokens). A decode step is `runner.decode`'s two
-    calls, with its logits copied out in between."""
+def started(runner: ModelRunner, batch: int) -> tuple[list[Sequence], torch.Tensor]:
+    """`batch` greedy sequences of random prompts (seeded by `batch`), prefilled, each with
+    its first token (no EOS, one max_tokens), and the prefill's logits on the host."""
     vocab_size = runner.model.config.vocab_size
     g = torch.Generator().manual_seed(batch)
     pool = BlockPool(runner.num_blocks, null_block=True)
@@ -63,10 +63,18 @@ def greedy_tokens(runner: ModelRunner, batch: int) -> tuple[list[list[int]], lis
         seqs.append(s)
     logits = runner.prefill([s.prompt_token_ids for s in seqs], [s.block_table for s in seqs],
                             [0] * batch)  # fmt: skip
-    step_logits = [logits.float().cpu()]
     for s, t in zip(seqs, runner.sample(logits, [s.sampling for s in seqs]).result().token_ids,
                     strict=True):  # fmt: skip
         s.append(t)
+    return seqs, logits.float().cpu()
+
+
+def greedy_tokens(runner: ModelRunner, batch: int) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Each sequence's greedy tokens (`started`'s), and each decode step's logits [batch,
+    vocab] on the host. A decode step is `runner.decode`'s two calls, with its logits copied
+    out in between."""
+    seqs, prefill_logits = started(runner, batch)
+    step_logits = [prefill_logits]
     while active := [s for s in seqs if not s.is_finished]:
         assert len(active) == batch  # so row i of every step's logits is sequence i
         with torch.inference_mode():
@@ -123,6 +131,28 @@ def test_no_host_sync_inside_a_decode_step(cuda_model: Qwen3ForCausalLM, use_gra
     torch.cuda.set_sync_debug_mode("error")
     try:
         pending = runner.decode(seqs)  # launches everything; raises on any synchronizing call
+        # the next step of the rows without penalties, launched before `pending`'s ids are in
+        ahead = runner.decode(seqs[:2], ahead=Launched(seqs, pending))
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert len(pending.result().token_ids) == 3
+    assert len(ahead.result().token_ids) == 2
+
+
+@pytest.mark.parametrize("batch", [1, 17])
+def test_graph_steps_launched_ahead_give_the_eager_greedy_tokens(
+    cuda_model: Qwen3ForCausalLM, batch: int
+) -> None:
+    """Decode's overlapped steps on the device: each step's input ids gathered from the last
+    step's sampled ids inside the stream, graphs replayed on them."""
+    num_blocks = 64 * blocks_needed(40 + MAX_TOKENS, BLOCK_SIZE)
+    eager = ModelRunner.create(cuda_model, num_blocks, BLOCK_SIZE, max_decode_batch=64)
+    graphs = ModelRunner.create(cuda_model, num_blocks, BLOCK_SIZE, max_decode_batch=64)
+    assert graphs.capture_graphs(), "the capture failed (see the warning)"
+    eager_tokens, eager_logits = greedy_tokens(eager, batch)
+    seqs, _ = started(graphs, batch)
+    assert run_ahead(graphs, seqs) == MAX_TOKENS - 2  # every step but the first went ahead
+    ahead_tokens = [s.output_token_ids for s in seqs]
+    assert ahead_tokens == eager_tokens, describe_divergence(
+        eager_tokens, ahead_tokens, eager_logits, names=("eager", "graph ahead")
+    )

@@ -3,13 +3,17 @@
 A CUDA graph replays fixed addresses, so every step's inputs live in buffers allocated once,
 for `max_rows` sequences (R) and the widest block table a request can have (W blocks):
 
-    scalars       [4, R] int64   rows: input_ids, positions, seq_lens, slot_mapping
+    scalars       [6, R] int64   rows: input_ids, positions, seq_lens, slot_mapping, and the
+                                 rows fed from the previous step's sampled ids (row, source)
     seq_lens      [R] int32      scalars[2] as the attention kernels want it (a copy in the step)
     block_tables  [R, W] int32   row r: its request's block_table, then the null block
 
 Each step writes its rows into a pinned host mirror (numpy views of it, no torch calls per
 row) and enqueues non-blocking copies: all of `scalars` (a few KiB), and of `block_tables` only
-the rows whose request changed or whose table grew (BlockTableRows). Two mirror sets
+the rows whose request changed or whose table grew (BlockTableRows). A row "ahead" feeds the
+token the previous step sampled for it, which the host has not seen yet: its position is one
+past what the host knows, and its input id is gathered on the device from that step's ids
+(two small launches, in stream order after the copies). Two mirror sets
 alternate, so the host fills step n+1's while step n's copies may still be queued (a set is
 rewritten only once an event says its last copies ran; normally long done). Rows beyond
 the batch, up to the padded size a CUDA graph runs at, are padding: token 0 at position 0,
@@ -29,7 +33,7 @@ from mili.engine.model.qwen3 import DecodeBatch
 from mili.engine.step.pinned import is_pinnable
 from mili.engine.step.sequence import Sequence
 
-_INPUT_IDS, _POSITIONS, _SEQ_LENS, _SLOTS = range(4)
+_INPUT_IDS, _POSITIONS, _SEQ_LENS, _SLOTS, _AHEAD_ROWS, _AHEAD_SOURCES = range(6)
 
 
 class DecodeInputs:
@@ -51,7 +55,7 @@ class DecodeInputs:
         pin = is_pinnable(device)
         # Host: two mirror sets of the scalars and of the block-table rows to copy.
         self._scalars_host = [
-            torch.zeros((4, max_rows), dtype=torch.int64, pin_memory=pin) for _ in range(2)
+            torch.zeros((6, max_rows), dtype=torch.int64, pin_memory=pin) for _ in range(2)
         ]
         self._rows_host = [
             torch.zeros(max_rows, dtype=torch.int64, pin_memory=pin) for _ in range(2)
@@ -65,7 +69,7 @@ class DecodeInputs:
         self.block_tables_host = np.full((max_rows, width), null_block_id, dtype=np.int32)
         self._rows = BlockTableRows(max_rows, width)
         # Device.
-        self.scalars = torch.zeros((4, max_rows), dtype=torch.int64, device=device)
+        self.scalars = torch.zeros((6, max_rows), dtype=torch.int64, device=device)
         self.seq_lens = torch.ones(max_rows, dtype=torch.int32, device=device)
         self.block_tables = torch.full(
             (max_rows, width), null_block_id, dtype=torch.int32, device=device
@@ -73,12 +77,20 @@ class DecodeInputs:
         self._changed_rows = torch.zeros(max_rows, dtype=torch.int64, device=device)
         self._changed_tables = torch.zeros((max_rows, width), dtype=torch.int32, device=device)
 
-    def fill(self, seqs: Seq[Sequence], num_rows: int) -> int:
+    def fill(
+        self,
+        seqs: Seq[Sequence],
+        num_rows: int,
+        sources: Seq[int] | None = None,
+        sampled: torch.Tensor | None = None,
+    ) -> int:
         """Stage a step of `seqs` padded to `num_rows` rows and enqueue its copies.
 
-        Sequence i feeds its newest token at position num_tokens - 1; its block_table must
-        cover that position. Returns the blocks the longest sequence reads (an eager step's
-        block-table width).
+        Sequence i feeds its newest token at position num_tokens - 1, or, when `sources[i]`
+        >= 0, the token `sampled[sources[i]]` (the previous step's ids [B'] int64 on the
+        device, not on the host yet) at position num_tokens; its block_table must cover that
+        position. Returns the blocks the longest sequence reads (an eager step's block-table
+        width).
         """
         n = len(seqs)
         if not n <= num_rows <= self.max_rows:
@@ -94,10 +106,15 @@ class DecodeInputs:
         )
 
         size = self.block_size
-        ids, positions, slots = [], [], []
-        for seq in seqs:
+        if sources is None:
+            sources = [-1] * n
+        ids, positions, slots, ahead = [], [], [], []
+        for row, (seq, source) in enumerate(zip(seqs, sources, strict=True)):
             position = seq.num_tokens - 1
-            ids.append(seq.output_token_ids[-1])
+            if source >= 0:
+                position += 1
+                ahead.append(row)
+            ids.append(seq.output_token_ids[-1])  # an ahead row's is replaced on the device
             positions.append(position)
             slots.append(seq.block_table[position // size] * size + position % size)
         host = scalars_host.numpy()  # [4, R]: shares the (pinned) memory
@@ -109,7 +126,17 @@ class DecodeInputs:
         host[_POSITIONS, n:num_rows] = 0
         host[_SEQ_LENS, n:num_rows] = 1
         host[_SLOTS, n:num_rows] = self.null_block_id * size
+        m = len(ahead)
+        if m:
+            if sampled is None:
+                raise ValueError("rows ahead of the host need the previous step's sampled ids")
+            host[_AHEAD_ROWS, :m] = ahead
+            host[_AHEAD_SOURCES, :m] = [sources[row] for row in ahead]
         self.scalars.copy_(scalars_host, non_blocking=True)
+        if m:
+            assert sampled is not None
+            gathered = sampled.index_select(0, self.scalars[_AHEAD_SOURCES, :m])
+            self.scalars[_INPUT_IDS].index_copy_(0, self.scalars[_AHEAD_ROWS, :m], gathered)
 
         tables: list[list[int] | None] = [seq.block_table for seq in seqs]
         tables += [None] * (num_rows - n)

@@ -81,6 +81,14 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.finish_reason is not None
 
+    def is_length_bound(self, ahead: int) -> bool:
+        """Whether `ahead` more tokens, whichever they are, reach a length limit (max_tokens,
+        the context): a step launched before they reach the host must leave this one out."""
+        if len(self.output_token_ids) + ahead >= self.params.max_tokens:
+            return True
+        limit = self.max_context_tokens
+        return limit is not None and self.num_tokens + ahead >= limit
+
     def append(self, token_id: int) -> FinishReason | None:
         """Record the next output token; return the finish reason it causes (also kept in
         `finish_reason`). Raises ValueError for an id outside the vocabulary, ConstraintError

@@ -1,0 +1,95 @@
+"""Decode's overlapped steps (--overlap-steps on, CUDA's default) over real gRPC: a batch that
+mixes every way a request ends and every sampling kind gives the single-process engine's
+tokens, whether or not steps overlap, and every block comes back.
+
+Runs once per decode_server mode (conftest.py): sync and overlap."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+from mili.engine.sampling_params import SamplingParams
+from mili.pb.common.v1 import sampling_pb2
+from mili.rpc.client import insecure_channel
+from tests.decode.conftest import NUM_BLOCKS
+from tests.decode.harness import (
+    Client,
+    DecodeServerThread,
+    PrefillPlayer,
+    blocks_back,
+    eventually,
+)
+from tests.decode.test_generate import GREEDY, prompt_stopping_at
+
+STOP = sampling_pb2.FINISH_REASON_STOP
+LENGTH = sampling_pb2.FINISH_REASON_LENGTH
+
+
+def test_a_mixed_batch_gives_the_single_process_tokens(
+    decode_server: DecodeServerThread, player: PrefillPlayer
+) -> None:
+    prompt, reference, i = prompt_stopping_at(player, seed=300)
+    requests = [
+        (prompt, dataclasses.replace(GREEDY, stop_token_ids=(reference[i],))),  # stops mid-way
+        (prompt, dataclasses.replace(GREEDY, max_tokens=2)),  # one decode step
+        (prompt, dataclasses.replace(GREEDY, max_tokens=1)),  # prefill's token ends it
+        (prompt, SamplingParams(temperature=1.3, top_p=0.9, max_tokens=25, seed=11)),
+        (prompt, SamplingParams(temperature=0.8, top_k=9, max_tokens=17, seed=12, logprobs=2)),
+        # penalties need each token on the host: with this one in, steps wait for the ids
+        (prompt, SamplingParams(temperature=0, repetition_penalty=1.3, max_tokens=6)),
+        (prompt[:5], dataclasses.replace(GREEDY, max_tokens=30)),
+    ]
+    expected = [player.reference(p, params) for p, params in requests]
+    batcher = decode_server.instance.batcher
+    ahead_before = batcher.num_steps_ahead
+
+    async def body() -> None:
+        async with insecure_channel(decode_server.address) as channel:
+            client = Client(channel)
+            outcomes = await asyncio.gather(
+                *(
+                    client.run_request(player, f"mixed-{n}", p, params)
+                    for n, (p, params) in enumerate(requests)
+                )
+            )
+            assert [o.token_ids for o in outcomes] == expected
+            assert outcomes[0].token_ids[-1] == reference[i]
+            assert [o.finish_reason for o in outcomes] == [STOP] + [LENGTH] * 6
+            assert [len(o.logprobs) for o in outcomes][4] == 17
+            await blocks_back(client, NUM_BLOCKS)
+
+    decode_server.run(body())
+    num_ahead = batcher.num_steps_ahead - ahead_before
+    if decode_server.instance.config.overlaps_steps:
+        assert num_ahead >= 10  # the penalty request's 5 steps wait; most others go ahead
+    else:
+        assert num_ahead == 0
+
+
+def test_cancelled_mid_flight_frees_its_blocks_and_spares_the_rest(
+    decode_server: DecodeServerThread, player: PrefillPlayer
+) -> None:
+    prompt, _, _ = prompt_stopping_at(player, seed=400)
+    long = dataclasses.replace(GREEDY, max_tokens=200)
+    expected = player.reference(prompt, dataclasses.replace(GREEDY, max_tokens=30))
+
+    async def body() -> None:
+        async with insecure_channel(decode_server.address) as channel:
+            client = Client(channel)
+            doomed = asyncio.create_task(client.run_request(player, "doomed", prompt, long))
+            kept = asyncio.create_task(
+                client.run_request(
+                    player, "kept", prompt, dataclasses.replace(GREEDY, max_tokens=30)
+                )
+            )
+            steps = decode_server.instance.batcher.num_steps
+            await eventually(lambda: decode_server.instance.batcher.num_steps > steps + 5)
+            assert not doomed.done()
+            doomed.cancel()
+            outcome = await kept
+            assert doomed.cancelled()
+            assert outcome.token_ids == expected
+            await blocks_back(client, NUM_BLOCKS)
+
+    decode_server.run(body())
