@@ -1,10 +1,12 @@
-"""Launch geometry of the tensor-core prefill and paged decode kernels (pure Python, torch-free).
+"""Launch geometry of the sm_90 attention kernels (pure Python, torch-free).
+
+The constants the Mojo sources share with their launcher (CTA threads, rows per prefill CTA,
+query heads per decode CTA, shared memory), which kernels/ptx.py asserts at compile time, and the
+grids and split plan of the tensor-core prefill and paged decode kernels.
 
 kernels/gpu.py launches from these; tests/kernels/test_geometry.py replays the index math of
 kernels/mojo/flash_prefill_gpu.mojo and paged_decode_gpu.mojo on them (which rows each CTA
 writes, which keys it reads) so a wrong grid or split plan fails on a machine without a GPU.
-The formulas mirror the Mojo sources; kernels/ptx.py asserts the constants they share at compile
-time (FLASH_PREFILL_BLOCK_M, PAGED_DECODE_MIN_SPLIT_KEYS).
 """
 
 from __future__ import annotations
@@ -12,9 +14,34 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kernels.ptx import DECODE_GROUP_SIZES, FLASH_PREFILL_BLOCK_M, PAGED_DECODE_MIN_SPLIT_KEYS
+DECODE_GROUP_SIZES = (1, 2, 4, 8)  # GC of paged_decode_g<GC>: query heads one CTA serves
+
+# Asserted against the Mojo sources at compile time (kernels/ptx.py's _entry_source).
+THREADS = 128  # prefill and decode CTAs
+PREFILL_BLOCK_M = {64: 16, 128: 16, 256: 8}  # query rows per prefill CTA: grid.x = ceil(T / BM)
+DECODE_HEADS_PER_CTA = 8  # grid.y = KVH * ceil((H / KVH) / 8)
+FLASH_PREFILL_BLOCK_M = 64  # rows (token x head of one kv group) per flash_prefill CTA
+PAGED_DECODE_MIN_SPLIT_KEYS = 64  # paged_decode never cuts a split shorter than this
+_PAD = 8  # flash_prefill's shared-memory row padding (elements)
+_PAGED_DECODE_STAGES = 3
+_PAGED_DECODE_KEYS_PER_GROUP = 4
+_PAGED_DECODE_IDS_WINDOW = 512
 
 MAX_DECODE_SPLITS = 64
+
+
+def dynamic_shared_bytes(kernel: str, head_dim: int) -> int:
+    """Dynamic shared memory a launch of `kernel` needs (2-byte dtypes), mirrored from the Mojo
+    sources and asserted against them at compile time (kernels/ptx.py's _entry_source)."""
+    if kernel == "flash_prefill":  # Qs [BM][D + 8], 2 x (Ks, Vs) [BN][D + 8], Rb [2][BN] int64
+        block_n = 32 if head_dim == 256 else 64
+        rows = FLASH_PREFILL_BLOCK_M + 4 * block_n
+        return rows * (head_dim + _PAD) * 2 + 2 * block_n * 8
+    if kernel.startswith("paged_decode"):  # K/V ring [STAGES][2][TK][D], block ids [512] int32
+        keys_per_tile = (THREADS // (head_dim // 8)) * _PAGED_DECODE_KEYS_PER_GROUP
+        ring = _PAGED_DECODE_STAGES * 2 * keys_per_tile * head_dim * 2
+        return ring + _PAGED_DECODE_IDS_WINDOW * 4
+    return 0  # static shared memory only
 
 
 @dataclass(frozen=True)

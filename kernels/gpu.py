@@ -2,9 +2,9 @@
 
 The GPU host needs no Mojo toolchain: the PTX built by `kernels.ptx.build_ptx` is JIT-compiled by
 the CUDA driver (`cuModuleLoadDataEx`; a failed load reports ptxas's log, kernels/jit_log.py) and
-launched with `cuLaunchKernel` on torch's current stream with torch tensors' device pointers.
-Nothing here synchronises the host: index tensors are not read back (`check_values=False`),
-scratch comes from torch's caching allocator on the same stream.
+launched with `cuLaunchKernel` on torch's current stream with torch tensors' device pointers
+(both through kernels/cuda_driver.py). Nothing here synchronises the host: index tensors are not
+read back (`check_values=False`), scratch comes from torch's caching allocator on the same stream.
 
 bf16/fp16 run the tensor-core `flash_prefill` and the FlashInfer-style `paged_decode_g<GC>`
 (launch geometry: kernels/geometry.py); fp32 keeps the CUDA-core `prefill` and `decode`. Both new
@@ -16,9 +16,6 @@ plan from shapes only, and writes split partials into preallocated per-device sc
 grows (old buffers stay alive, so graphs captured earlier keep valid pointers; growing during a
 capture is refused: warm up at the largest batch first). Functions are loaded on the first call,
 which must therefore precede any capture (the usual warm-up does it).
-
-The driver is reached through one binding, `cuda.bindings.driver` (cuda-python), imported
-lazily on the first launch.
 """
 
 from __future__ import annotations
@@ -26,165 +23,38 @@ from __future__ import annotations
 import ctypes
 import math
 import threading
-from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from kernels.checks import check_decode, check_prefill
-from kernels.geometry import decode_group_size, decode_splits, prefill_tiling
-from kernels.jit_log import JitLogs
-from kernels.ptx import (
-    DECODE_HEADS_PER_CTA,
-    SIGNATURES,
-    THREADS,
-    check_signature,
-    load_manifest,
-    parse_entries,
+from kernels.cuda_driver import (
+    _MAX_GRID_X,
+    _MAX_GRID_YZ,
+    _CudaPythonDriver,
+    _make_driver,
+    pack_arguments,
 )
+from kernels.geometry import (
+    DECODE_HEADS_PER_CTA,
+    THREADS,
+    decode_group_size,
+    decode_splits,
+    prefill_tiling,
+)
+from kernels.ptx import load_manifest
+from kernels.ptx_entry import parse_entries
+from kernels.signatures import SIGNATURES, check_signature
 
 _LOG2E = 1.4426950408889634
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-_MAX_GRID_YZ = 65535
-_MAX_GRID_X = 2**31 - 1
 _MAX_SPLITS = 64
-_DEFAULT_DYNAMIC_SHARED_LIMIT = 48 * 1024
 _TENSOR_CORE_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def _is_null(handle: Any) -> bool:
-    return int(handle) == 0
-
-
-class _CudaPythonDriver:
-    """Module loading and launches through cuda-python's driver bindings."""
-
-    def __init__(self) -> None:
-        try:
-            from cuda.bindings import driver
-        except ImportError:  # cuda-python < 12.6 spelled it `cuda.cuda`
-            from cuda import cuda as driver
-        self.drv = driver
-        self._ctx: dict[int, Any] = {}
-        self._modules: list[Any] = []
-
-    def _check(self, result: tuple, what: str, detail: str = "") -> Any:
-        """result[1:] of a call that succeeded; else a RuntimeError naming `what`, the error
-        and `detail` (a failed JIT's logs)."""
-        err = result[0]
-        if err != self.drv.CUresult.CUDA_SUCCESS:
-            _, msg = self.drv.cuGetErrorString(err)
-            text = msg.decode() if isinstance(msg, bytes) else str(msg)
-            hint = ""
-            if "PTX" in str(err) or "ptx" in text.lower():
-                hint = (
-                    " (the PTX is ISA 8.5 for sm_90a: the driver must support CUDA >= 12.5 and "
-                    "the GPU must be sm_90, i.e. H100/H200)"
-                )
-            raise RuntimeError(f"{what} failed: {err} {text}{hint}{detail}")
-        return result[1] if len(result) == 2 else result[1:]
-
-    def _context(self, device: int) -> Any:
-        """The device's primary context (the one torch uses), made current on this thread."""
-        ctx = self._ctx.get(device)
-        if ctx is None:
-            dev = self._check(self.drv.cuDeviceGet(device), "cuDeviceGet")
-            ctx = self._check(self.drv.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
-            self._ctx[device] = ctx
-        current = self._check(self.drv.cuCtxGetCurrent(), "cuCtxGetCurrent")
-        if current is None or _is_null(current) or int(current) != int(ctx):
-            self._check(self.drv.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
-        return ctx
-
-    def load(self, device: int, ptx: str, entry: str, dynamic_shared: int) -> Any:
-        self._context(device)
-        image = ctypes.create_string_buffer(ptx.encode())  # NUL-terminated, alive for the call
-        logs = JitLogs()  # alive for the call too: the driver writes its logs into it
-        options = logs.options()
-        result = self.drv.cuModuleLoadDataEx(
-            ctypes.addressof(image),
-            len(options),
-            [getattr(self.drv.CUjit_option, name) for name, _ in options],
-            [value for _, value in options],
-        )
-        module = self._check(result, f"cuModuleLoadDataEx({entry})", logs.describe())
-        self._modules.append(module)  # never unloaded: functions live as long as the process
-        func = self._check(
-            self.drv.cuModuleGetFunction(module, entry.encode()), f"cuModuleGetFunction({entry})"
-        )
-        if dynamic_shared > _DEFAULT_DYNAMIC_SHARED_LIMIT:
-            attr = self.drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-            self._check(
-                self.drv.cuFuncSetAttribute(func, attr, dynamic_shared),
-                f"cuFuncSetAttribute({entry}, MAX_DYNAMIC_SHARED_SIZE_BYTES={dynamic_shared})",
-            )
-        return func
-
-    def launch(
-        self,
-        device: int,
-        func: Any,
-        grid: tuple[int, int, int],
-        block: tuple[int, int, int],
-        stream: int,
-        args: list[ctypes._SimpleCData],
-        shared: int,
-    ) -> None:
-        self._context(device)
-        ptrs = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
-        self._check(
-            self.drv.cuLaunchKernel(
-                func,
-                grid[0],
-                grid[1],
-                grid[2],
-                block[0],
-                block[1],
-                block[2],
-                shared,  # dynamic shared memory bytes (0: static only)
-                self.drv.CUstream(stream),
-                ctypes.addressof(ptrs),
-                0,
-            ),
-            "cuLaunchKernel",
-        )
-
-
-def _make_driver() -> _CudaPythonDriver:
-    try:
-        return _CudaPythonDriver()
-    except ImportError as e:
-        raise RuntimeError(
-            "the GPU kernels need cuda-python (`cuda.bindings.driver`) to load PTX"
-        ) from e
-
-
-def pack_arguments(
-    signatures: Mapping[str, Sequence[tuple[str, str]]],
-    kernel: str,
-    values: dict[str, int | float],
-) -> list[ctypes._SimpleCData]:
-    """`kernel`'s launch arguments in its entry's parameter order (`signatures`: name ->
-    (parameter, "ptr" | "i32" | "f32") pairs, a kernels.ptx or kernels.fused.ptx table)."""
-    if set(values) != {name for name, _ in signatures[kernel]}:
-        raise AssertionError(f"{kernel}: arguments {sorted(values)} do not match its signature")
-    packed: list[ctypes._SimpleCData] = []
-    for name, kind in signatures[kernel]:
-        value = values[name]
-        if kind == "ptr":
-            packed.append(ctypes.c_uint64(int(value)))
-        elif kind == "i32":
-            if not -(2**31) <= int(value) < 2**31:
-                raise ValueError(f"{kernel}: {name}={value} does not fit int32")
-            packed.append(ctypes.c_int32(int(value)))
-        else:
-            packed.append(ctypes.c_float(float(value)))
-    return packed
-
-
 def _pack(kernel: str, values: dict[str, int | float]) -> list[ctypes._SimpleCData]:
-    """Launch arguments in the entry's parameter order (kernels.ptx.SIGNATURES)."""
+    """Launch arguments in the entry's parameter order (kernels.signatures.SIGNATURES)."""
     return pack_arguments(SIGNATURES, kernel, values)
 
 

@@ -1,8 +1,8 @@
 """The CUDA driver's JIT logs of one PTX load, and the error text built from them (pure: no
 driver here, so it is tested on CPU).
 
-kernels/gpu.py loads PTX with `cuModuleLoadDataEx` and these options, so that a PTX the driver
-cannot JIT-compile fails with what ptxas said (the line, the instruction) and not only with
+kernels/cuda_driver.py loads PTX with `cuModuleLoadDataEx` and these options, so that a PTX the
+driver cannot JIT-compile fails with what ptxas said (the line, the instruction) and not only with
 CUDA_ERROR_INVALID_PTX. The options, as cuda.h's CUjit_option numbers them:
 
     CU_JIT_INFO_LOG_BUFFER              3   char *        the info log is written here

@@ -1,10 +1,10 @@
 """Ahead-of-time PTX build of the GPU attention kernels (kernels/mojo/*_gpu.mojo).
 
 `build_ptx` generates a small Mojo entry module with one named wrapper per specialisation
-(kernel x dtype x head_dim), compiles it with `mojo build --target-accelerator=sm_90 --emit asm`
-(which writes one self-contained PTX file per kernel, with hash-suffixed `.visible .entry`
-names), finds each wrapper's PTX by its entry name, checks the entry's parameter list against
-`SIGNATURES`, and writes
+(kernel x dtype x head_dim, kernels/signatures.py), compiles it with `mojo build
+--target-accelerator=sm_90 --emit asm` (kernels/ptx_entry.py: one self-contained PTX file per
+kernel, with hash-suffixed `.visible .entry` names), finds each wrapper's PTX by its entry name,
+checks the entry's parameter list against `SIGNATURES`, and writes
 
     out_dir/<kernel>_<dtype>_<head_dim>.ptx
     out_dir/manifest.json
@@ -12,16 +12,18 @@ names), finds each wrapper's PTX by its entry name, checks the entry's parameter
 Kernels: `prefill`, `decode`, `decode_combine` (CUDA cores, every dtype; fp32 runs on them) and the
 tensor-core / FlashInfer-style `flash_prefill` and `paged_decode_g<GC>` (bf16/fp16 only; GC query
 heads per CTA, a compile-time parameter). The latter take dynamic shared memory beyond the 48 KB
-default: the manifest carries each kernel's `dynamic_shared_bytes` and the loader raises the
-function's limit to it. Where `ptxas` is installed the build also assembles every PTX file for
-sm_90a and records its registers, spills and shared memory (`ptxas` in each record).
+default: the manifest carries each kernel's `dynamic_shared_bytes` (kernels/geometry.py) and the
+loader raises the function's limit to it. Where `ptxas` is installed the build also assembles
+every PTX file for sm_90a and records its registers, spills and shared memory (`ptxas` in each
+record; kernels/ptxas.py).
 
 `build_gpu` does that once per source into the kernel cache (kernels/build.py: its directory,
 lock and staging), as kernels/fused/ptx.py's `build_fused_gpu` does for the fused ops; build.py
 knows nothing of PTX, so the two modules import in one direction.
 
 The GPU host needs no Mojo toolchain: `kernels.gpu.GpuKernels` loads the PTX through the CUDA
-driver (which JIT-compiles it to SASS) and launches it with the parameters listed here.
+driver (which JIT-compiles it to SASS) and launches it with the parameters listed in
+kernels/signatures.py.
 
 The module has no torch import so a CI job can build and check the PTX on a machine without a GPU.
 """
@@ -33,7 +35,6 @@ import logging
 import os
 import re
 import shutil
-import subprocess
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -41,103 +42,26 @@ from pathlib import Path
 from typing import Any
 
 from kernels import build
-from mili.engine.kv.kv_layout import DTYPES  # one specialisation per dtype a service may run
+from kernels.geometry import (
+    DECODE_GROUP_SIZES,
+    DECODE_HEADS_PER_CTA,
+    FLASH_PREFILL_BLOCK_M,
+    PAGED_DECODE_MIN_SPLIT_KEYS,
+    PREFILL_BLOCK_M,
+    THREADS,
+    dynamic_shared_bytes,
+)
+from kernels.ptx_entry import compile_entries, pick_entry
+from kernels.ptxas import find_ptxas, ptxas_info
+from kernels.signatures import HEAD_DIMS, KERNELS, SIGNATURES, check_signature, kernel_dtypes
 
 _LOG = logging.getLogger("mili.kernels")
 
-HEAD_DIMS = (64, 128, 256)
-DECODE_GROUP_SIZES = (1, 2, 4, 8)  # GC of paged_decode_g<GC>: query heads one CTA serves
-KERNELS = (
-    "prefill",
-    "decode",
-    "decode_combine",
-    "flash_prefill",
-    *(f"paged_decode_g{gc}" for gc in DECODE_GROUP_SIZES),
-)
-# Where spills cost the most: a build whose ptxas reports a spill here fails the CI check.
-TENSOR_CORE_DTYPES = ("bfloat16", "float16")
 MANIFEST_FORMAT = 2
 
-# Mojo spelling of each dtype.
+# Mojo spelling of each dtype and scalar parameter kind.
 _MOJO_DTYPE = {"float32": "DType.float32", "bfloat16": "DType.bfloat16", "float16": "DType.float16"}
-
-# Kernel parameter lists, in order: "ptr" (a device pointer, .u64 in PTX), "i32", "f32"
-# (both .b32). kernels/gpu.py packs its launch arguments from these; build_ptx checks every
-# compiled entry against them, so the loader and the PTX cannot drift apart silently.
-SIGNATURES: dict[str, tuple[tuple[str, str], ...]] = {
-    "prefill": (
-        ("out", "ptr"),
-        ("q", "ptr"),
-        ("k_cache", "ptr"),
-        ("v_cache", "ptr"),
-        ("cu_seqlens", "ptr"),
-        ("start_positions", "ptr"),
-        ("block_tables", "ptr"),
-        ("num_q_heads", "i32"),
-        ("num_kv_heads", "i32"),
-        ("block_size", "i32"),
-        ("max_blocks", "i32"),
-        ("scale_log2", "f32"),
-    ),
-    "decode": (
-        ("out", "ptr"),
-        ("part_o", "ptr"),
-        ("part_lse", "ptr"),
-        ("q", "ptr"),
-        ("k_cache", "ptr"),
-        ("v_cache", "ptr"),
-        ("block_tables", "ptr"),
-        ("seq_lens", "ptr"),
-        ("num_q_heads", "i32"),
-        ("num_kv_heads", "i32"),
-        ("block_size", "i32"),
-        ("max_blocks", "i32"),
-        ("num_splits", "i32"),
-        ("scale_log2", "f32"),
-    ),
-    "decode_combine": (
-        ("out", "ptr"),
-        ("part_o", "ptr"),
-        ("part_lse", "ptr"),
-        ("num_splits", "i32"),
-    ),
-}
-SIGNATURES["flash_prefill"] = SIGNATURES["prefill"]
-for _gc in DECODE_GROUP_SIZES:
-    SIGNATURES[f"paged_decode_g{_gc}"] = SIGNATURES["decode"]
-PTX_PARAM_TYPE = {"ptr": ".u64", "i32": ".b32", "f32": ".b32"}
 _MOJO_PARAM_TYPE = {"i32": "Int32", "f32": "Float32"}
-
-# Launch geometry, asserted against the Mojo sources at compile time (see _entry_source).
-THREADS = 128  # prefill and decode CTAs
-PREFILL_BLOCK_M = {64: 16, 128: 16, 256: 8}  # query rows per prefill CTA: grid.x = ceil(T / BM)
-DECODE_HEADS_PER_CTA = 8  # grid.y = KVH * ceil((H / KVH) / 8)
-FLASH_PREFILL_BLOCK_M = 64  # rows (token x head of one kv group) per flash_prefill CTA
-PAGED_DECODE_MIN_SPLIT_KEYS = 64  # paged_decode never cuts a split shorter than this
-_PAD = 8  # flash_prefill's shared-memory row padding (elements)
-_PAGED_DECODE_STAGES = 3
-_PAGED_DECODE_KEYS_PER_GROUP = 4
-_PAGED_DECODE_IDS_WINDOW = 512
-
-
-def kernel_dtypes(kernel: str) -> tuple[str, ...]:
-    """The dtypes a kernel is built for: tensor-core kernels take 2-byte inputs only."""
-    return DTYPES if kernel in ("prefill", "decode", "decode_combine") else TENSOR_CORE_DTYPES
-
-
-def dynamic_shared_bytes(kernel: str, head_dim: int) -> int:
-    """Dynamic shared memory a launch of `kernel` needs (2-byte dtypes), mirrored from the Mojo
-    sources and asserted against them at compile time (see _entry_source)."""
-    if kernel == "flash_prefill":  # Qs [BM][D + 8], 2 x (Ks, Vs) [BN][D + 8], Rb [2][BN] int64
-        block_n = 32 if head_dim == 256 else 64
-        rows = FLASH_PREFILL_BLOCK_M + 4 * block_n
-        return rows * (head_dim + _PAD) * 2 + 2 * block_n * 8
-    if kernel.startswith("paged_decode"):  # K/V ring [STAGES][2][TK][D], block ids [512] int32
-        keys_per_tile = (THREADS // (head_dim // 8)) * _PAGED_DECODE_KEYS_PER_GROUP
-        ring = _PAGED_DECODE_STAGES * 2 * keys_per_tile * head_dim * 2
-        return ring + _PAGED_DECODE_IDS_WINDOW * 4
-    return 0  # static shared memory only
-
 
 _SOURCES = (
     "prefill_gpu.mojo",
@@ -210,7 +134,8 @@ def _entry_source() -> str:
                 if kernel == "prefill":
                     lines += [
                         f"    comptime assert prefill_block_m({head_dim}) == "
-                        f'{PREFILL_BLOCK_M[head_dim]}, "kernels/ptx.py PREFILL_BLOCK_M is stale"',
+                        f"{PREFILL_BLOCK_M[head_dim]}, "
+                        '"kernels/geometry.py PREFILL_BLOCK_M is stale"',
                         f'    comptime assert PREFILL_THREADS == {THREADS}, "THREADS is stale"',
                     ]
                 elif kernel == "decode":
@@ -222,18 +147,19 @@ def _entry_source() -> str:
                     smem = dynamic_shared_bytes(kernel, head_dim)
                     lines += [
                         f"    comptime assert flash_prefill_block_m({head_dim}) == "
-                        f'{FLASH_PREFILL_BLOCK_M}, "kernels/ptx.py FLASH_PREFILL_BLOCK_M is stale"',
+                        f"{FLASH_PREFILL_BLOCK_M}, "
+                        '"kernels/geometry.py FLASH_PREFILL_BLOCK_M is stale"',
                         f"    comptime assert flash_prefill_smem_bytes({head_dim}) == {smem}, "
-                        '"kernels/ptx.py dynamic_shared_bytes is stale"',
+                        '"kernels/geometry.py dynamic_shared_bytes is stale"',
                         f'    comptime assert FLASH_PREFILL_THREADS == {THREADS}, "THREADS stale"',
                     ]
                 elif kernel.startswith("paged_decode_g"):
                     smem = dynamic_shared_bytes(kernel, head_dim)
                     lines += [
                         f"    comptime assert paged_decode_smem_bytes({head_dim}) == {smem}, "
-                        '"kernels/ptx.py dynamic_shared_bytes is stale"',
+                        '"kernels/geometry.py dynamic_shared_bytes is stale"',
                         f"    comptime assert MIN_SPLIT_KEYS == {PAGED_DECODE_MIN_SPLIT_KEYS}, "
-                        '"kernels/ptx.py PAGED_DECODE_MIN_SPLIT_KEYS is stale"',
+                        '"kernels/geometry.py PAGED_DECODE_MIN_SPLIT_KEYS is stale"',
                         f'    comptime assert PAGED_DECODE_THREADS == {THREADS}, "THREADS stale"',
                     ]
                 if kernel.startswith("paged_decode_g"):
@@ -247,127 +173,8 @@ def _entry_source() -> str:
     return "\n".join(lines) + "\n"
 
 
-_ENTRY_RE = re.compile(r"\.visible\s+\.entry\s+([A-Za-z0-9_$]+)\s*\(([^)]*)\)", re.S)
-_PARAM_RE = re.compile(r"\.param\s+(\.[a-z0-9]+)")
-
-
-def parse_entries(ptx: str) -> dict[str, list[str]]:
-    """`.visible .entry` names of a PTX text -> their parameter types (".u64", ".b32", ...)."""
-    return {m.group(1): _PARAM_RE.findall(m.group(2)) for m in _ENTRY_RE.finditer(ptx)}
-
-
-def check_signature(kernel: str, params: list[str]) -> None:
-    want = [PTX_PARAM_TYPE[kind] for _, kind in SIGNATURES[kernel]]
-    if params != want:
-        raise RuntimeError(f"{kernel}: PTX entry parameters {params} != expected {want}")
-
-
 def _static_shared_bytes(ptx: str) -> int:
     return sum(int(n) for n in re.findall(r"\.shared\s+\.align\s+\d+\s+\.b8\s+\S+\[(\d+)\]", ptx))
-
-
-def find_ptxas() -> Path | None:
-    """CUDA's PTX assembler where one is installed (GPU hosts, some CI images), else None."""
-    found = shutil.which("ptxas")
-    if found:
-        return Path(found)
-    default = Path("/usr/local/cuda/bin/ptxas")
-    return default if default.is_file() else None
-
-
-_PTXAS_REGS = re.compile(r"Used (\d+) registers")
-_PTXAS_SPILLS = re.compile(
-    r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads"
-)
-_PTXAS_SMEM = re.compile(r"(\d+) bytes smem")
-
-
-def parse_ptxas(stderr: str) -> dict[str, int]:
-    """`ptxas -v` output of one entry -> registers, stack/spill bytes and static shared memory."""
-    regs = _PTXAS_REGS.search(stderr)
-    spills = _PTXAS_SPILLS.search(stderr)
-    if regs is None or spills is None:
-        raise RuntimeError(f"unexpected ptxas -v output:\n{stderr[-2000:]}")
-    smem = _PTXAS_SMEM.search(stderr)
-    return {
-        "registers": int(regs.group(1)),
-        "stack_bytes": int(spills.group(1)),
-        "spill_store_bytes": int(spills.group(2)),
-        "spill_load_bytes": int(spills.group(3)),
-        "static_shared_bytes": int(smem.group(1)) if smem else 0,
-    }
-
-
-def ptxas_info(ptxas: Path, ptx_file: Path, arch: str = "sm_90") -> dict[str, int]:
-    """Assemble one PTX file for `arch`a (the PTX targets sm_90a) and parse `ptxas -v`."""
-    with tempfile.TemporaryDirectory() as tmp:
-        proc = subprocess.run(
-            [str(ptxas), f"-arch={arch}a", "-v", str(ptx_file), "-o", str(Path(tmp) / "k.cubin")],
-            capture_output=True,
-            text=True,
-        )
-    if proc.returncode != 0:
-        raise RuntimeError(f"ptxas rejected {ptx_file.name}:\n{proc.stderr[-2000:]}")
-    return parse_ptxas(proc.stderr)
-
-
-# entry name -> (the .ptx file it is in, its parameter types, that file's text)
-Entries = dict[str, tuple[Path, list[str], str]]
-
-
-def compile_entries(
-    mojo: Path, source_dir: Path, work: Path, *, arch: str, module: str, source: str, what: str
-) -> tuple[Entries, float]:
-    """Build `source` (a Mojo module named `module` exporting kernel wrappers, importing from
-    `source_dir`) for `arch` into PTX under work/asm; returns its entries and the compile
-    seconds. RuntimeError with the compiler's last lines when it fails (`what` names it)."""
-    entry = work / f"{module}.mojo"
-    entry.write_text(source)
-    asm = work / "asm"
-    asm.mkdir()
-    cmd = [
-        str(mojo),
-        "build",
-        "-I",
-        str(source_dir),
-        f"--target-accelerator={arch}",
-        "--emit",
-        "asm",
-        str(entry),
-        "-o",
-        str(asm / "host.s"),
-    ]
-    started = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=work, check=False)
-    seconds = time.monotonic() - started
-    if proc.returncode != 0:
-        raise RuntimeError(
-            f"mojo build of {what} failed (exit {proc.returncode}):\n"
-            + build.compiler_output_tail(proc.stderr + proc.stdout)
-        )
-    found: Entries = {}
-    for path in sorted(asm.glob("*.ptx")):
-        text = path.read_text()
-        for name, params in parse_entries(text).items():
-            found[name] = (path, params, text)
-    return found, seconds
-
-
-def pick_entry(found: Entries, prefix: str, arch: str) -> tuple[str, list[str], str]:
-    """The one entry whose name starts with `prefix`: (name, params, PTX text), checked to
-    target `arch` and to call no external function."""
-    matches = [n for n in found if n.startswith(prefix)]
-    if len(matches) != 1:
-        raise RuntimeError(
-            f"expected one PTX entry named {prefix}*, found {matches} among {sorted(found)}"
-        )
-    name = matches[0]
-    path, params, text = found[name]
-    if f".target {arch}" not in text:
-        raise RuntimeError(f"{path.name} does not target {arch}")
-    if re.search(r"\.extern\s+\.func", text):
-        raise RuntimeError(f"{path.name} calls external functions")
-    return name, params, text
 
 
 def build_ptx(mojo: Path, source_dir: Path, out_dir: Path, *, arch: str = "sm_90") -> dict:

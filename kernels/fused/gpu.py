@@ -1,8 +1,8 @@
 """GpuFusedKernels: the fused ops (mili/engine/model/fused_ops.py) on the sm_90 PTX of
 kernels/mojo/fused_gpu.mojo, launched on torch's current stream (kernels/fused/ptx.py builds it).
 
-The driver binding (cuda-python) is the attention kernels' (kernels/gpu.py). Nothing here reads
-a device tensor back: index ranges are not checked (`check_values=False`), outputs come from
+The driver binding (cuda-python, kernels/cuda_driver.py) is the attention kernels'. Nothing here
+reads a device tensor back: index ranges are not checked (`check_values=False`), outputs come from
 torch's caching allocator on the current stream, so a CUDA graph can capture a step.
 """
 
@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from kernels.cuda_driver import _MAX_GRID_X, _MAX_GRID_YZ, _make_driver, pack_arguments
 from kernels.fused.checks import check_norm, check_qk_norm_rope, check_silu_mul
 from kernels.fused.ptx import (
     NORM_THREADS,
@@ -25,8 +26,8 @@ from kernels.fused.ptx import (
     check_signature,
     load_manifest,
 )
-from kernels.gpu import _DTYPE_NAMES, _MAX_GRID_X, _MAX_GRID_YZ, _make_driver, pack_arguments
-from kernels.ptx import parse_entries
+from kernels.gpu import _DTYPE_NAMES
+from kernels.ptx_entry import parse_entries
 from mili.engine.model.grouped_gemm import grouped_gemm
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kernels import build
-from kernels.ptx import compile_entries, pick_entry
+from kernels.ptx_entry import compile_entries, pick_entry
 from mili.engine.kv.kv_layout import DTYPES
 
 FUSED_DIR_SUFFIX = "-fused"

@@ -20,7 +20,7 @@ import torch
 from kernels import build
 from kernels.fused import ptx
 from kernels.fused.gpu import GpuFusedKernels, pack
-from kernels.ptx import parse_entries
+from kernels.ptx_entry import parse_entries
 from mili.engine.model.fused_ops import FusedOps, TorchFusedOps
 from tests.kernels.test_fused_parity import TOKENS, _randn, _rope_case, _run_rope, assert_close
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from kernels import geometry
-from kernels.ptx import FLASH_PREFILL_BLOCK_M, PAGED_DECODE_MIN_SPLIT_KEYS, THREADS
+from kernels.geometry import FLASH_PREFILL_BLOCK_M, PAGED_DECODE_MIN_SPLIT_KEYS, THREADS
 
 BM = FLASH_PREFILL_BLOCK_M
 PAD = 8

@@ -2,8 +2,8 @@
 
 The build test runs on every CI machine: it compiles every (kernel, dtype, head_dim) to PTX with
 `kernels.ptx.build_ptx` and checks the manifest, each file's target and entry, the entry's
-parameters against what `kernels.gpu` passes, and (where `ptxas` is installed) that the PTX
-assembles for sm_90a without spills within the static shared-memory limit.
+parameters against what `kernels.gpu` passes (`kernels.signatures`), and (where `ptxas` is
+installed) that the PTX assembles for sm_90a without spills within the static shared-memory limit.
 
 The GPU parity grid lives in test_parity.py; it and the stream test here need a CUDA GPU and
 load the PTX of this source from the kernel cache (`MILI_CACHE_DIR=<dir> mili kernels build
@@ -22,7 +22,12 @@ import pytest
 import torch
 
 from kernels import build, ptx
+from kernels.geometry import dynamic_shared_bytes
 from kernels.gpu import GpuKernels, _pack
+from kernels.ptx_entry import parse_entries
+from kernels.ptxas import find_ptxas, parse_ptxas
+from kernels.signatures import KERNELS, SIGNATURES, check_signature
+from mili.engine.kv.kv_layout import DTYPES
 from tests.kernels.cases import (
     PagedCase,
     assert_close,
@@ -64,7 +69,7 @@ def test_build_ptx_manifest(built_ptx: Path) -> None:
     seen = {(r["kernel"], r["dtype"], r["head_dim"]): r for r in manifest["kernels"]}
     tensor_core = ("flash_prefill", *(f"paged_decode_g{gc}" for gc in (1, 2, 4, 8)))
     for kernel in ("prefill", "decode", "decode_combine", *tensor_core):
-        dtypes = ("bfloat16", "float16") if kernel in tensor_core else ptx.DTYPES
+        dtypes = ("bfloat16", "float16") if kernel in tensor_core else DTYPES
         for dtype in dtypes:
             for head_dim in (64, 128, 256):
                 rec = seen.pop((kernel, dtype, head_dim))
@@ -72,14 +77,14 @@ def test_build_ptx_manifest(built_ptx: Path) -> None:
                 text = (built_ptx / rec["file"]).read_text()
                 assert ".target sm_90" in text
                 assert f".visible .entry {rec['entry']}(" in text
-                entries = ptx.parse_entries(text)
+                entries = parse_entries(text)
                 assert list(entries) == [rec["entry"]]  # one self-contained kernel per file
                 assert entries[rec["entry"]] == rec["params"]
-                ptx.check_signature(kernel, rec["params"])
+                check_signature(kernel, rec["params"])
                 assert ".extern .func" not in text
                 assert rec["shared_bytes"] <= STATIC_SHARED_LIMIT
                 dynamic = rec["dynamic_shared_bytes"]
-                assert dynamic == ptx.dynamic_shared_bytes(kernel, head_dim)
+                assert dynamic == dynamic_shared_bytes(kernel, head_dim)
                 assert (dynamic > 0) == (kernel in tensor_core)
                 assert rec["shared_bytes"] + dynamic <= SM90_DYNAMIC_SHARED_LIMIT
                 if kernel in tensor_core:  # the whole point of them: tensor cores, async copies
@@ -101,13 +106,11 @@ def test_launch_arguments_match_ptx_params(built_ptx: Path) -> None:
     sizes = {".u64": 8, ".b32": 4}
     manifest = json.loads((built_ptx / "manifest.json").read_text())
     for rec in manifest["kernels"]:
-        values = {
-            name: (1.0 if kind == "f32" else 1) for name, kind in ptx.SIGNATURES[rec["kernel"]]
-        }
+        values = {name: (1.0 if kind == "f32" else 1) for name, kind in SIGNATURES[rec["kernel"]]}
         packed = _pack(rec["kernel"], values)
         assert [ctypes.sizeof(a) for a in packed] == [sizes[p] for p in rec["params"]]
         # pointers are 64-bit unsigned, scalars 32-bit; float params are really floats
-        for (_, kind), arg in zip(ptx.SIGNATURES[rec["kernel"]], packed, strict=True):
+        for (_, kind), arg in zip(SIGNATURES[rec["kernel"]], packed, strict=True):
             want = {"ptr": ctypes.c_uint64, "i32": ctypes.c_int32, "f32": ctypes.c_float}[kind]
             assert type(arg) is want
 
@@ -117,7 +120,7 @@ def test_ptx_assembles_without_spills(built_ptx: Path, tmp_path: Path) -> None:
     """Where ptxas exists the build assembled every kernel for sm_90a and recorded its registers,
     spills and shared memory (`ptxas -v`) in the manifest; none may spill, the hot tensor-core
     kernels above all. A few files are assembled again here to check what was recorded."""
-    ptxas = ptx.find_ptxas()
+    ptxas = find_ptxas()
     if ptxas is None:
         pytest.skip("ptxas not installed")
     manifest = json.loads((built_ptx / "manifest.json").read_text())
@@ -141,8 +144,8 @@ def test_ptx_assembles_without_spills(built_ptx: Path, tmp_path: Path) -> None:
             )
             assert proc.returncode == 0, proc.stderr[-2000:]
             assert "0 bytes spill stores" in proc.stderr, (rec["file"], proc.stderr[-1000:])
-            assert ptx.parse_ptxas(proc.stderr) == info, rec["file"]
-    hot = {k for k in ptx.KERNELS if k == "flash_prefill" or k.startswith("paged_")}
+            assert parse_ptxas(proc.stderr) == info, rec["file"]
+    hot = {k for k in KERNELS if k == "flash_prefill" or k.startswith("paged_")}
     assert {rec["kernel"] for rec in manifest["kernels"]} >= hot
 
 
@@ -156,7 +159,7 @@ def test_parse_ptxas_reads_registers_spills_and_shared_memory() -> None:
         "ptxas info    : Used 255 registers, used 1 barriers, 224 bytes cumulative stack size, "
         "43776 bytes smem\n"
     )
-    assert ptx.parse_ptxas(stderr) == {
+    assert parse_ptxas(stderr) == {
         "registers": 255,
         "stack_bytes": 224,
         "spill_store_bytes": 260,
@@ -164,7 +167,7 @@ def test_parse_ptxas_reads_registers_spills_and_shared_memory() -> None:
         "static_shared_bytes": 43776,
     }
     with pytest.raises(RuntimeError, match="unexpected ptxas"):
-        ptx.parse_ptxas("ptxas fatal   : Unresolved extern function")
+        parse_ptxas("ptxas fatal   : Unresolved extern function")
 
 
 def test_build_failure_reports_compiler_stderr(tmp_path: Path) -> None:
@@ -333,7 +336,7 @@ def test_a_ptx_that_fails_to_jit_reports_the_entry_and_the_ptxas_log() -> None:
     bad operand (kernels/jit_log.py; without the log it said only CUDA_ERROR_INVALID_PTX)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from kernels.gpu import _CudaPythonDriver
+    from kernels.cuda_driver import _CudaPythonDriver
 
     try:
         driver = _CudaPythonDriver()

@@ -1,0 +1,85 @@
+"""PTX entries of a generated Mojo module: `compile_entries` builds it with `mojo build
+--target-accelerator=<arch> --emit asm` (one self-contained PTX file per kernel, with
+hash-suffixed `.visible .entry` names), `parse_entries` reads a PTX text's entries and their
+parameter types, `pick_entry` finds one wrapper's entry by its name.
+
+Shared by the attention kernels' build (kernels/ptx.py) and the fused kernels'
+(kernels/fused/ptx.py); their loaders (kernels/gpu.py, kernels/fused/gpu.py) parse a PTX file's
+entries again when they load it. No torch import.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import time
+from pathlib import Path
+
+from kernels import build
+
+_ENTRY_RE = re.compile(r"\.visible\s+\.entry\s+([A-Za-z0-9_$]+)\s*\(([^)]*)\)", re.S)
+_PARAM_RE = re.compile(r"\.param\s+(\.[a-z0-9]+)")
+
+
+def parse_entries(ptx: str) -> dict[str, list[str]]:
+    """`.visible .entry` names of a PTX text -> their parameter types (".u64", ".b32", ...)."""
+    return {m.group(1): _PARAM_RE.findall(m.group(2)) for m in _ENTRY_RE.finditer(ptx)}
+
+
+# entry name -> (the .ptx file it is in, its parameter types, that file's text)
+Entries = dict[str, tuple[Path, list[str], str]]
+
+
+def compile_entries(
+    mojo: Path, source_dir: Path, work: Path, *, arch: str, module: str, source: str, what: str
+) -> tuple[Entries, float]:
+    """Build `source` (a Mojo module named `module` exporting kernel wrappers, importing from
+    `source_dir`) for `arch` into PTX under work/asm; returns its entries and the compile
+    seconds. RuntimeError with the compiler's last lines when it fails (`what` names it)."""
+    entry = work / f"{module}.mojo"
+    entry.write_text(source)
+    asm = work / "asm"
+    asm.mkdir()
+    cmd = [
+        str(mojo),
+        "build",
+        "-I",
+        str(source_dir),
+        f"--target-accelerator={arch}",
+        "--emit",
+        "asm",
+        str(entry),
+        "-o",
+        str(asm / "host.s"),
+    ]
+    started = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=work, check=False)
+    seconds = time.monotonic() - started
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"mojo build of {what} failed (exit {proc.returncode}):\n"
+            + build.compiler_output_tail(proc.stderr + proc.stdout)
+        )
+    found: Entries = {}
+    for path in sorted(asm.glob("*.ptx")):
+        text = path.read_text()
+        for name, params in parse_entries(text).items():
+            found[name] = (path, params, text)
+    return found, seconds
+
+
+def pick_entry(found: Entries, prefix: str, arch: str) -> tuple[str, list[str], str]:
+    """The one entry whose name starts with `prefix`: (name, params, PTX text), checked to
+    target `arch` and to call no external function."""
+    matches = [n for n in found if n.startswith(prefix)]
+    if len(matches) != 1:
+        raise RuntimeError(
+            f"expected one PTX entry named {prefix}*, found {matches} among {sorted(found)}"
+        )
+    name = matches[0]
+    path, params, text = found[name]
+    if f".target {arch}" not in text:
+        raise RuntimeError(f"{path.name} does not target {arch}")
+    if re.search(r"\.extern\s+\.func", text):
+        raise RuntimeError(f"{path.name} calls external functions")
+    return name, params, text
