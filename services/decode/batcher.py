@@ -15,14 +15,14 @@ Every iteration of the loop:
        alone), finish the ones that stop;
     4. hand the step's events to the event loop (`deliver_threadsafe`, one wake-up per step).
 
-With `overlap` (on CUDA by default: EngineConfig.overlap_steps), step 3 launches step n+1
-before it waits for step n's ids: the rows step n ran feed its sampled ids on the device
-(ModelRunner.decode's `ahead`), so the host's work between two steps (appending, events,
-staging the next inputs, launching) runs while the device computes instead of between its
-steps. What that costs: a request step n's token stops has already been put in step n+1,
-whose token for it is discarded; a request step n's token ends by length is left out of
-step n+1. A step whose rows need step n's tokens on the host first (penalties, a
-constraint's mask) waits for them, as without overlap.
+With `overlap` (--overlap-steps: DecodeConfig.overlap_steps, on CUDA by default), step 3
+launches step n+1 before it waits for step n's ids: the rows step n ran feed its sampled ids
+on the device (ModelRunner.decode's `ahead`), so the host's work between two steps
+(appending, events, staging the next inputs, launching) runs while the device computes
+instead of between its steps. What that costs: a request step n's token stops has already
+been put in step n+1, whose token for it is discarded; a request step n's token ends by
+length is left out of step n+1. A step whose rows need step n's tokens on the host first
+(penalties, a constraint's mask) waits for them, as without overlap.
 
 Blocks are freed (`RequestTable.finish`) before a request's last event is handed over, so a
 caller that reads its last token and then asks Info sees the blocks back; and only once no
@@ -33,7 +33,6 @@ Nothing here waits for the event loop and nothing on the event loop waits for th
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import threading
@@ -148,7 +147,7 @@ class Batcher:
         self._inbox: list[_Join] = []  # guarded by _cond
         self._is_stopping = False  # guarded by _cond
         self._running: list[_Running] = []  # batch thread only
-        self._in_flight: _Step | None = None  # batch thread only: launched, ids not in yet
+        self._steps: list[_Step] = []  # batch thread only: launched, ids not in yet; oldest first
         self._collected_at = 0.0  # batch thread only: perf_counter() of the last step's ids
         self._thread = threading.Thread(target=self._run, name="decode-batcher", daemon=True)
         # Observability (written by the batch thread, read anywhere).
@@ -228,9 +227,7 @@ class Batcher:
         try:
             while True:
                 with self._cond:
-                    while not (
-                        self._inbox or self._running or self._in_flight or self._is_stopping
-                    ):
+                    while not (self._inbox or self._running or self._steps or self._is_stopping):
                         self._cond.wait()
                     if self._is_stopping:
                         return
@@ -297,41 +294,44 @@ class Batcher:
 
     def _advance(self, out: list[Delivery]) -> None:
         """Take the step in flight's tokens and launch the next step, the next one first when
-        the steps overlap (the device then never waits for this thread's work between them)."""
-        done, self._in_flight = self._in_flight, None
-        launched = None
-        if done is not None and self._overlap:
-            launched = self._launch_ahead(done, out)
-        if done is not None:
+        the steps overlap (the device then never waits for this thread's work between them).
+        Every launched step stays in `self._steps` until collected, so that if this thread
+        dies, `_fail_all` still waits for each before their requests' blocks go back."""
+        if self._steps:
+            done = self._steps[0]
+            if self._overlap:
+                self._launch_ahead(done, out)
             self._collect(done, out)
-        if launched is None and self._running:
+        if not self._steps and self._running:
             launched = self._launch(list(self._running), None, out)
             if launched is not None and not self._overlap:
                 self._take_joins(out)  # while the device computes: they run from the next step
                 self._collect(launched, out)
-                launched = None
-        self._in_flight = launched
 
-    def _launch_ahead(self, done: _Step, out: list[Delivery]) -> _Step | None:
-        """The next step over the running requests, launched before `done`'s ids reach the
-        host; None where a request in `done` needs its token on the host first (penalties, a
-        constraint). A request `done`'s token ends by length is left out."""
+    def _launch_ahead(self, done: _Step, out: list[Delivery]) -> None:
+        """Launch the next step over the running requests before `done`'s ids reach the host,
+        unless a request in `done` needs its token on the host first (penalties, a constraint:
+        any constrained row, since the masker has one buffer, which `done`'s mask copy may
+        still read). A request `done`'s token ends by length is left out."""
+        if any(r.seq.matcher is not None for r in done.running):
+            return
         in_done = {id(r) for r in done.running}
         batch = []
         for r in self._running:
             if id(r) in in_done:
-                if r.seq.matcher is not None or r.seq.params.has_penalties:
-                    return None
+                if r.seq.params.has_penalties:
+                    return
                 if r.seq.is_length_bound(1):
                     continue
             batch.append(r)
-        return self._launch(batch, done, out) if batch else None
+        if batch:
+            self._launch(batch, done, out)
 
     def _launch(
         self, batch: list[_Running], ahead: _Step | None, out: list[Delivery]
     ) -> _Step | None:
-        """Launch one decode step of `batch` (with `ahead`: see ModelRunner.decode); None
-        when it failed, which fails its requests."""
+        """Launch one decode step of `batch` (with `ahead`: see ModelRunner.decode) and add
+        it to `self._steps`; None when it failed, which fails its requests."""
         seqs = [r.seq for r in batch]
         self.num_steps += 1
         self.max_batch_size = max(self.max_batch_size, len(seqs))
@@ -354,11 +354,13 @@ class Batcher:
         step = _Step(batch, sample, started, span)
         for r in batch:
             r.step = step
+        self._steps.append(step)
         return step
 
     def _collect(self, step: _Step, out: list[Delivery]) -> None:
-        """Wait for `step`'s ids and append them: each request that stops ends; then release
-        what ended while the step was in flight (it wrote their KV until now)."""
+        """Wait for `step` (the oldest in flight)'s ids and append them: each request that
+        stops ends; then release what ended while the step was in flight (it wrote their KV
+        until now)."""
         try:
             result = step.sample.result()
         except Exception as e:
@@ -367,6 +369,7 @@ class Batcher:
                     r.step = None
             self._fail_step([r for r in step.running if not r.is_done], e, step.span, out)
             self._release(step, out)
+            self._steps.remove(step)
             return
         now = time.perf_counter()
         self._metrics.record_step(now - max(step.started, self._collected_at), len(step.running))
@@ -401,6 +404,7 @@ class Batcher:
         if step.span is not None:
             step.span.end()
         self._release(step, out)
+        self._steps.remove(step)
 
     def _end(
         self,
@@ -442,12 +446,18 @@ class Batcher:
 
     def _fail_all(self, error: BaseException) -> None:
         out: list[Delivery] = []
-        step, self._in_flight = self._in_flight, None
-        if step is not None:  # let it finish before its requests' blocks go back
-            with contextlib.suppress(Exception):  # its requests fail below anyway
+        steps, self._steps = self._steps, []
+        for step in steps:  # oldest first: each done before its requests' blocks go back
+            try:
                 step.sample.result()
+            except Exception as e:  # its requests fail below anyway
+                if step.span is not None:
+                    step.span.record_exception(e)
+            if step.span is not None:
+                step.span.end()
             for r in step.running:
-                r.step = None
+                if r.step is step:
+                    r.step = None
             self._release(step, out)
         with self._cond:
             joins, self._inbox = self._inbox, []

@@ -140,7 +140,7 @@ def test_rows_that_need_their_pending_token_on_the_host_are_refused(
         runner.decode([s], ahead=pending)
     s, pending = launched(SamplingParams(max_tokens=8))
     s.matcher = object.__new__(ConstraintMatcher)  # any matcher: refused before it is used
-    with pytest.raises(ValueError, match="constrained"):
+    with pytest.raises(ValueError, match="penalties or a constraint"):
         runner.decode([s], ahead=pending)
     # A sequence not in the pending step is not ahead of anything.
     (other,) = start(runner, pool, prompts(1, vocab_size, seed=1), [SamplingParams(max_tokens=8)])

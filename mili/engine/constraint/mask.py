@@ -136,5 +136,7 @@ def _apply_torch(logits: torch.Tensor, mask: FilledMask) -> None:
     if mask.row_ids == list(range(logits.shape[0])):
         logits.masked_fill_(~allowed, float("-inf"))
         return
-    rows = torch.tensor(mask.row_ids, device=logits.device)
+    # through pinned memory: a copy from pageable memory would wait for the device
+    pinned = torch.tensor(mask.row_ids, dtype=torch.int64, pin_memory=logits.is_cuda)
+    rows = pinned.to(logits.device, non_blocking=True)
     logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))

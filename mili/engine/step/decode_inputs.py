@@ -117,7 +117,7 @@ class DecodeInputs:
             ids.append(seq.output_token_ids[-1])  # an ahead row's is replaced on the device
             positions.append(position)
             slots.append(seq.block_table[position // size] * size + position % size)
-        host = scalars_host.numpy()  # [4, R]: shares the (pinned) memory
+        host = scalars_host.numpy()  # [6, R]: shares the (pinned) memory
         host[_INPUT_IDS, :n] = ids
         host[_POSITIONS, :n] = positions
         host[_SEQ_LENS, :n] = host[_POSITIONS, :n] + 1

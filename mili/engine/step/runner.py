@@ -282,8 +282,11 @@ class ModelRunner:
         for seq, i in zip(seqs, sources, strict=True):
             if i < 0:
                 continue
-            if seq.matcher is not None:
-                raise ValueError("a constrained sequence cannot run a step ahead of its tokens")
+            if seq.matcher is not None or seq.params.has_penalties:
+                raise ValueError(
+                    "a sequence with penalties or a constraint cannot run a step ahead of its "
+                    "tokens"
+                )
             if seq.is_length_bound(1):
                 raise ValueError("a sequence its pending token ends cannot run another step")
         return sources

@@ -1,0 +1,138 @@
+"""A decode step that fails, and a batch thread that dies, sync and overlapped: every caller
+gets a final status, every block comes back, and a failed step spares later requests.
+
+The failures are injected (a CPU step does not fail on its own): the runner's `decode` raises
+on one call, or the batch thread's collect does, after the real step ran."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from mili.engine.engine_config import EngineConfig
+from mili.pb.common.v1 import sampling_pb2
+from mili.rpc.client import insecure_channel
+from services.decode.config import DecodeConfig
+from tests.decode.conftest import BLOCK_SIZE, MAX_RUNNING, NUM_BLOCKS
+from tests.decode.harness import (
+    Client,
+    DecodeServerThread,
+    PrefillPlayer,
+    blocks_back,
+    random_prompt,
+)
+from tests.decode.test_generate import GREEDY, prompt_stopping_at
+
+
+@pytest.fixture(params=["off", "on"], ids=["sync", "overlap"])
+def server(tiny_model_dir: Path, request: pytest.FixtureRequest) -> Iterator[DecodeServerThread]:
+    config = DecodeConfig(
+        model_dir=tiny_model_dir,
+        engine=EngineConfig(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS),
+        max_running=MAX_RUNNING,
+        overlap_steps=request.param,
+    )
+    server = DecodeServerThread(config)
+    yield server
+    server.close()
+
+
+def fail_once(after_calls: int, call: Callable[..., Any]) -> Callable[..., Any]:
+    """`call`, except that its call number `after_calls` + 1 raises RuntimeError."""
+    calls = 0
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == after_calls + 1:
+            raise RuntimeError("injected step failure")
+        return call(*args, **kwargs)
+
+    return wrapped
+
+
+async def outcome(client: Client, player: PrefillPlayer, name: str, max_tokens: int) -> Any:
+    """The request's tokens, or the gRPC error that ended it."""
+    prompt = random_prompt(9, player.vocab_size, seed=len(name))
+    params = dataclasses.replace(GREEDY, max_tokens=max_tokens)
+    try:
+        return await client.run_request(player, name, prompt, params)
+    except grpc.aio.AioRpcError as e:
+        return e
+
+
+def test_a_failed_step_fails_its_requests_and_spares_later_ones(
+    server: DecodeServerThread, player: PrefillPlayer
+) -> None:
+    runner = server.instance.runner
+    runner.decode = fail_once(5, runner.decode)  # type: ignore[method-assign]
+
+    async def body() -> None:
+        async with insecure_channel(server.address) as channel:
+            client = Client(channel)
+            # 3 steps of the short one may run before the long ones join: it may finish
+            failed = await asyncio.gather(
+                *(outcome(client, player, f"doomed-{i}", 60) for i in range(3))
+            )
+            errors = [o for o in failed if isinstance(o, grpc.aio.AioRpcError)]
+            assert errors, "the injected failure reached no request"
+            assert all("injected step failure" in (e.details() or "") for e in errors)
+            await blocks_back(client, NUM_BLOCKS)
+            later = await outcome(client, player, "later", 20)
+            assert not isinstance(later, grpc.aio.AioRpcError)
+            assert len(later.token_ids) == 20
+            await blocks_back(client, NUM_BLOCKS)
+
+    server.run(body())
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_dead_batch_thread_ends_every_request_and_frees_every_block(
+    server: DecodeServerThread, player: PrefillPlayer
+) -> None:
+    """A bug that kills the batch thread mid-step (here: collecting a step raises): the
+    requests in flight, also those a pending token had already stopped, get a final status
+    and all blocks come back once no step writes them."""
+    batcher = server.instance.batcher
+    batcher._collect = fail_once(8, batcher._collect)  # type: ignore[method-assign]
+
+    async def body() -> None:
+        async with insecure_channel(server.address) as channel:
+            client = Client(channel)
+            outcomes = await asyncio.gather(
+                *(outcome(client, player, f"req-{i}", n) for i, n in enumerate([60, 60, 9]))
+            )
+            codes = [o.code() for o in outcomes if isinstance(o, grpc.aio.AioRpcError)]
+            assert codes and set(codes) == {grpc.StatusCode.UNAVAILABLE}
+            await blocks_back(client, NUM_BLOCKS)
+
+    server.run(body())
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_request_its_last_token_stopped_still_ends_when_the_thread_dies(
+    server: DecodeServerThread, player: PrefillPlayer
+) -> None:
+    """Overlapped, a request step i's token stops is already in step i + 1, so its blocks
+    and its last event wait for that step: the thread dying while collecting it must still
+    deliver both (sync: the request simply ended before)."""
+    prompt, reference, i = prompt_stopping_at(player, seed=500)
+    params = dataclasses.replace(GREEDY, stop_token_ids=(reference[i],))
+    batcher = server.instance.batcher
+    batcher._collect = fail_once(i, batcher._collect)  # type: ignore[method-assign]
+
+    async def body() -> None:
+        async with insecure_channel(server.address) as channel:
+            client = Client(channel)
+            out = await client.run_request(player, "stopped", prompt, params)
+            assert out.token_ids == reference[: i + 1]
+            assert out.finish_reason == sampling_pb2.FINISH_REASON_STOP
+            await blocks_back(client, NUM_BLOCKS)
+
+    server.run(body())
