@@ -32,7 +32,8 @@ decode   B sequences of --context prompt tokens each (prefilled first), then --s
          torch-graphs` marks the torch reference graph-safe: correct over full-width block
          tables, slow since it gathers all of them, so it measures the graph machinery only).
          Then "ahead" (decode's --overlap-steps, CUDA's default): the best mode's steps, each
-         launched before the previous one's ids reach the host (ModelRunner.decode's `ahead`),
+         forward launched before the previous step's ids reach the host, its sampling after
+         (ModelRunner.decode_logits' `ahead`),
          TPOT = wall time of --steps such steps / --steps (one step's time alone means little
          when they overlap).
 launches kernels launched per decode step, from one step under torch.profiler: CUDA runtime
@@ -202,9 +203,10 @@ def ahead_tpot(runner: ModelRunner, batch: int, args: argparse.Namespace) -> flo
     def steps(n: int) -> None:
         pending = Launched(seqs, runner.decode(seqs))
         for _ in range(n - 1):
-            launched = Launched(seqs, runner.decode(seqs, ahead=pending))
+            with torch.inference_mode():
+                logits = runner.decode_logits(seqs, ahead=pending)  # the forward first
             collect(pending)
-            pending = launched
+            pending = Launched(seqs, runner.sample(logits, [s.sampling for s in seqs]))
         collect(pending)
 
     def collect(launched: Launched) -> None:

@@ -98,7 +98,8 @@ class KvTransport(Protocol):
 
 
 class Scatter(Protocol):
-    """Where decode lands a chunk's blocks (its batcher: host or device copies, off the step)."""
+    """Where decode lands a chunk's blocks (its KVWriter: host or device copies, off the
+    step)."""
 
     def scatter(self, layer: int, block_ids: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
         """Write whole blocks of one layer (k, v: [n, block_size, num_kv_heads, head_dim])."""

@@ -16,13 +16,14 @@ Every iteration of the loop:
     4. hand the step's events to the event loop (`deliver_threadsafe`, one wake-up per step).
 
 With `overlap` (--overlap-steps: DecodeConfig.overlap_steps, on CUDA by default), step 3
-launches step n+1 before it waits for step n's ids: the rows step n ran feed its sampled ids
-on the device (ModelRunner.decode's `ahead`), so the host's work between two steps
-(appending, events, staging the next inputs, launching) runs while the device computes
-instead of between its steps. What that costs: a request step n's token stops has already
-been put in step n+1, whose token for it is discarded; a request step n's token ends by
-length is left out of step n+1. A step whose rows need step n's tokens on the host first
-(penalties, a constraint's mask) waits for them, as without overlap.
+launches step n+1's forward before it waits for step n's ids: the rows step n ran feed its
+sampled ids on the device (ModelRunner.decode_logits' `ahead`); then step n's ids are
+appended and step n+1's sampling is launched, which reads them (penalties, the constraint
+masks, filled now, the seeded draw's position). So the host's work between two forwards
+(the ids' read-back, appending, events, masks, staging the next inputs) runs while the
+device computes instead of between its steps. What that costs: a request step n's token
+stops has already been put in step n+1, whose token for it is discarded; a request step n's
+token ends by length is left out of step n+1.
 
 Blocks are freed (`RequestTable.finish`) before a request's last event is handed over, so a
 caller that reads its last token and then asks Info sees the blocks back; and only once no
@@ -33,10 +34,12 @@ Nothing here waits for the event loop and nothing on the event loop waits for th
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -45,15 +48,13 @@ from opentelemetry.trace import Span
 from prometheus_client import CollectorRegistry
 
 from mili.engine.constraint.compiler import ConstraintCompiler
-from mili.engine.constraint.mask import BatchMasker
+from mili.engine.constraint.mask import BatchMasker, FilledMask
 from mili.engine.constraint.matcher import ConstraintError
 from mili.engine.logprobs import TokenLogprobs
-from mili.engine.step.pinned import StagingRing, pinned_empty, thread_stream
 from mili.engine.step.runner import Launched, ModelRunner, use_device
 from mili.engine.step.sampler import PendingSample
 from mili.engine.step.sequence import Sequence
 from mili.errors import FailedPrecondition, Unavailable
-from mili.kv_handoff import block_rows
 from mili.telemetry.metrics import DecodeMetrics
 from mili.telemetry.tracing import start_batch_span
 from services.decode.requests import DecodeRequest, RequestTable
@@ -61,10 +62,6 @@ from services.decode.stream import Delivery, Outlet, TokenEvent, deliver_threads
 
 _LOG = logging.getLogger("mili.decode")
 _TRACER = trace.get_tracer("mili.decode")  # a no-op until tracing installs a provider
-# Pinned host memory for grpc chunks landing on a GPU: each landing thread stages one chunk (a
-# layer of at most a prefill step's tokens) at a time, and a transfer holds at most 16 MiB of
-# chunks (transfer.py's _MAX_LANDING_BYTES); larger ones use torch's caching host allocator.
-_STAGING_BYTES = 64 << 20
 
 
 def _start_step_span(outlets: list[Outlet], step: int) -> Span | None:
@@ -104,9 +101,9 @@ class _Step:
     """A launched decode step, until its ids are appended."""
 
     running: list[_Running]  # its rows, in order
-    sample: PendingSample
     started: float  # perf_counter() at launch
     span: Span | None
+    sample: PendingSample | None = None  # its ids: set once its sampling is launched
     # Requests that ended while the step was in flight, with the tokens whose KV they hold
     # and their last event (None: the caller is gone): released once the step is done.
     releases: list[tuple[_Running, list[int], TokenEvent | BaseException | None]] = field(
@@ -115,7 +112,7 @@ class _Step:
 
 
 class Batcher:
-    """The decode loop thread. `join` and `scatter` may be called from any thread."""
+    """The decode loop thread. `join` may be called from any thread."""
 
     def __init__(
         self,
@@ -136,9 +133,6 @@ class Batcher:
         if constraints is not None:
             max_batch = runner.batch_sizes[-1]
             self._masker = BatchMasker(constraints.tokenizer, max_batch, _mask_threads())
-        device = runner.kv_cache.device
-        # decode's landing threads stage grpc chunks here on their way to the GPU
-        self._staging = StagingRing(_STAGING_BYTES, device) if device.type == "cuda" else None
         self._table = table
         self._eos_token_ids = eos_token_ids
         self._max_context_tokens = max_context_tokens
@@ -182,43 +176,6 @@ class Batcher:
                 raise Unavailable("decode instance is shutting down")
             self._inbox.append(_Join(request, first_token_id, first_logprobs, outlet))
             self._cond.notify()
-
-    def scatter(self, layer: int, block_ids: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write whole prompt blocks of one layer into the cache (k, v: [n, S, KVH, D]).
-
-        Called from a transfer thread while this loop runs: safe because the blocks belong to a
-        request that is not in the batch yet, and no step reads or writes them.
-        """
-        cache = self._runner.kv_cache
-        pairs = ((cache.k[layer], k), (cache.v[layer], v))
-        if all(block_rows.fits(dst, block_ids, src) for dst, src in pairs):
-            for dst, src in pairs:
-                block_rows.write_blocks(dst, block_ids, src)
-            return
-        if cache.device.type == "cuda" and k.device.type == "cpu":
-            self._scatter_from_host(layer, block_ids, k, v)
-            return
-        with torch.inference_mode():
-            cache.scatter_blocks(layer, block_ids, k, v)  # input it will refuse
-
-    def _scatter_from_host(
-        self, layer: int, block_ids: list[int], k: torch.Tensor, v: torch.Tensor
-    ) -> None:
-        """CUDA: stage k, v (pageable, [n, S, KVH, D]) in pinned memory (the staging ring's, or
-        torch's caching host allocator's where the ring is full) and copy them in on a landing
-        stream of this thread's own, then wait for that stream here. The model's stream never
-        waits for a landing, and the request joins the batch only after every landing returned
-        (the commit waits for them), so its first step reads landed blocks."""
-        cache = self._runner.kv_cache
-        stream = thread_stream(cache.device)
-        with torch.inference_mode(), torch.cuda.stream(stream):
-            k_pinned = pinned_empty(k.shape, k.dtype, self._staging).copy_(k)
-            v_pinned = pinned_empty(v.shape, v.dtype, self._staging).copy_(v)
-            try:
-                cache.scatter_blocks(layer, block_ids, k_pinned, v_pinned)
-            finally:
-                # this landing thread waits; only then may the staging spans be reused
-                stream.synchronize()
 
     # ---- batch thread --------------------------------------------------------------------------
 
@@ -293,74 +250,104 @@ class Batcher:
         self._running = kept
 
     def _advance(self, out: list[Delivery]) -> None:
-        """Take the step in flight's tokens and launch the next step, the next one first when
-        the steps overlap (the device then never waits for this thread's work between them).
-        Every launched step stays in `self._steps` until collected, so that if this thread
-        dies, `_fail_all` still waits for each before their requests' blocks go back."""
-        if self._steps:
-            done = self._steps[0]
-            if self._overlap:
-                self._launch_ahead(done, out)
-            self._collect(done, out)
+        """Take the step in flight's tokens and launch the next step; with overlap the next
+        step's forward first (the device then never waits for this thread's work between
+        steps). Every launched step stays in `self._steps` until collected, so that if this
+        thread dies, `_fail_all` still waits for each before their requests' blocks go back."""
+        if self._steps:  # only with overlap: without, a step is collected where it launched
+            self._step_ahead(self._steps[0], out)
         if not self._steps and self._running:
-            launched = self._launch(list(self._running), None, out)
-            if launched is not None and not self._overlap:
+            step = self._launch(list(self._running), out)
+            if step is not None and not self._overlap:
                 self._take_joins(out)  # while the device computes: they run from the next step
-                self._collect(launched, out)
+                self._collect(step, out)
 
-    def _launch_ahead(self, done: _Step, out: list[Delivery]) -> None:
-        """Launch the next step over the running requests before `done`'s ids reach the host,
-        unless a request in `done` needs its token on the host first (penalties, a constraint:
-        any constrained row, since the masker has one buffer, which `done`'s mask copy may
-        still read). A request `done`'s token ends by length is left out."""
-        if any(r.seq.matcher is not None for r in done.running):
-            return
+    def _step_ahead(self, done: _Step, out: list[Delivery]) -> None:
+        """The next step's forward over the running requests, launched before `done`'s ids
+        reach the host (a request `done`'s token ends by length is left out); then `done`'s
+        ids, appended; then the next step's sampling, which reads them (penalties, masks,
+        the seeded draw's position)."""
         in_done = {id(r) for r in done.running}
-        batch = []
-        for r in self._running:
-            if id(r) in in_done:
-                if r.seq.params.has_penalties:
-                    return
-                if r.seq.is_length_bound(1):
-                    continue
-            batch.append(r)
-        if batch:
-            self._launch(batch, done, out)
+        batch = [r for r in self._running if not (id(r) in in_done and r.seq.is_length_bound(1))]
+        if not batch:
+            self._collect(done, out)
+            return
+        assert done.sample is not None  # a step without its sampling was aborted
+        step = self._begin(batch)
+        try:
+            ahead = Launched([r.seq for r in done.running], done.sample)
+            logits = self._runner.decode_logits([r.seq for r in batch], ahead=ahead)
+        except Exception as e:
+            self._abort(step, e, out, previous=done)
+            self._collect(done, out)
+            return
+        self.num_steps_ahead += 1
+        self._collect(done, out)
+        try:
+            masks = self._masks(batch)
+            mask = None if masks is None else masks.result()
+            step.sample = self._runner.sample(logits, [r.seq.sampling for r in batch], mask)
+        except Exception as e:
+            self._abort(step, e, out, previous=None)
 
-    def _launch(
-        self, batch: list[_Running], ahead: _Step | None, out: list[Delivery]
-    ) -> _Step | None:
-        """Launch one decode step of `batch` (with `ahead`: see ModelRunner.decode) and add
-        it to `self._steps`; None when it failed, which fails its requests."""
-        seqs = [r.seq for r in batch]
-        self.num_steps += 1
-        self.max_batch_size = max(self.max_batch_size, len(seqs))
-        span = _start_step_span([r.outlet for r in batch], self.num_steps)
-        started = time.perf_counter()
+    def _launch(self, batch: list[_Running], out: list[Delivery]) -> _Step | None:
+        """Launch one decode step of `batch` and its sampling; None when that failed, which
+        fails its requests."""
+        step = self._begin(batch)
         try:
             # The masks of the constrained rows, filled on the masker's thread while the
             # forward runs (None: no constrained row, no thread hop, no mask tensor).
-            masks = None
-            if self._masker is not None:
-                masks = self._masker.start([s.matcher for s in seqs])
-            previous = None
-            if ahead is not None:
-                previous = Launched([r.seq for r in ahead.running], ahead.sample)
-            sample = self._runner.decode(seqs, masks, ahead=previous)
+            masks = self._masks(batch)
+            step.sample = self._runner.decode([r.seq for r in batch], masks)
         except Exception as e:
-            self._fail_step(batch, e, span, out)
+            self._abort(step, e, out, previous=None)
             return None
-        self.num_steps_ahead += ahead is not None
-        step = _Step(batch, sample, started, span)
+        return step
+
+    def _begin(self, batch: list[_Running]) -> _Step:
+        """A step of `batch`, in flight from now on (its rows' KV is written from its
+        launch until its ids are in)."""
+        self.num_steps += 1
+        self.max_batch_size = max(self.max_batch_size, len(batch))
+        span = _start_step_span([r.outlet for r in batch], self.num_steps)
+        step = _Step(batch, time.perf_counter(), span)
         for r in batch:
             r.step = step
         self._steps.append(step)
         return step
 
+    def _masks(self, batch: list[_Running]) -> Future[FilledMask] | None:
+        """The constrained rows' masks, filling on the masker's thread (None: none)."""
+        if self._masker is None:
+            return None
+        return self._masker.start([None if r.is_done else r.seq.matcher for r in batch])
+
+    def _abort(
+        self, step: _Step, error: Exception, out: list[Delivery], *, previous: _Step | None
+    ) -> None:
+        """Launching `step` failed: wait for what it launched, then fail its requests. Those
+        also in `previous` (a step still in flight) wait for it instead."""
+        self._steps.remove(step)
+        in_previous = set() if previous is None else {id(r) for r in previous.running}
+        for r in step.running:
+            if r.step is step:
+                r.step = previous if id(r) in in_previous else None
+        self._settle()  # a forward launched before the failure still writes their KV
+        self._fail_step([r for r in step.running if not r.is_done], error, step.span, out)
+        self._release(step, out)
+
+    def _settle(self) -> None:
+        """Wait until the device has run everything this thread launched (CUDA)."""
+        device = self._runner.kv_cache.device
+        if device.type == "cuda":
+            with contextlib.suppress(Exception):  # a broken device: nothing more to wait for
+                torch.cuda.current_stream(device).synchronize()
+
     def _collect(self, step: _Step, out: list[Delivery]) -> None:
         """Wait for `step` (the oldest in flight)'s ids and append them: each request that
         stops ends; then release what ended while the step was in flight (it wrote their KV
         until now)."""
+        assert step.sample is not None  # a step without its sampling was aborted
         try:
             result = step.sample.result()
         except Exception as e:
@@ -449,7 +436,10 @@ class Batcher:
         steps, self._steps = self._steps, []
         for step in steps:  # oldest first: each done before its requests' blocks go back
             try:
-                step.sample.result()
+                if step.sample is None:  # died between the forward and the sampling
+                    self._settle()
+                else:
+                    step.sample.result()
             except Exception as e:  # its requests fail below anyway
                 if step.span is not None:
                     step.span.record_exception(e)

@@ -27,6 +27,7 @@ from mili.kv_handoff.shm_segment import Segment
 from mili.telemetry.metrics import DecodeMetrics, PrefixCacheCollector
 from services.decode.batcher import Batcher
 from services.decode.config import DEFAULT_KV_CACHE_BYTES, DecodeConfig
+from services.decode.kv_writer import KVWriter
 from services.decode.requests import RequestTable
 from services.decode.stream import Outlets
 
@@ -39,6 +40,7 @@ class DecodeInstance(RunnerInfo):
     runner: ModelRunner
     table: RequestTable
     batcher: Batcher
+    kv_writer: KVWriter  # where landed prompt blocks go into the cache (grpc transport)
     fingerprint: str  # mili.engine.fingerprint.model_fingerprint of the checkpoint
     eos_token_ids: frozenset[int]
     metrics: DecodeMetrics
@@ -123,6 +125,7 @@ class DecodeInstance(RunnerInfo):
             runner,
             table,
             batcher,
+            KVWriter(runner.kv_cache),
             fingerprint,
             eos,
             metrics,

@@ -179,7 +179,7 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
         self._transports = receivers(
             self._layout,
             instance.cache,
-            instance.batcher,
+            instance.kv_writer,
             segment=instance.segment,
             ipc_export=instance.ipc_export,
         )

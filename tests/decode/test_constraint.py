@@ -33,12 +33,15 @@ REGEX = Constraint.regex(r"[a-z]{2,6}-[0-9]{1,3}")
 PROMPT = [5, 77, 300, 12, 9, 41]
 
 
-@pytest.fixture(scope="module")
-def server(demo_model_dir: Path) -> Iterator[DecodeServerThread]:
+# Sync and overlapped steps (overlapped, a constrained row's mask is filled once the last
+# step's token is appended, while the next forward runs).
+@pytest.fixture(scope="module", params=["off", "on"], ids=["sync", "overlap"])
+def server(demo_model_dir: Path, request: pytest.FixtureRequest) -> Iterator[DecodeServerThread]:
     config = DecodeConfig(
         model_dir=demo_model_dir,
         engine=EngineConfig(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, dtype="float32"),
         max_running=4,
+        overlap_steps=request.param,
     )
     server = DecodeServerThread(config)
     yield server

@@ -36,7 +36,7 @@ def test_a_mixed_batch_gives_the_single_process_tokens(
         (prompt, dataclasses.replace(GREEDY, max_tokens=1)),  # prefill's token ends it
         (prompt, SamplingParams(temperature=1.3, top_p=0.9, max_tokens=25, seed=11)),
         (prompt, SamplingParams(temperature=0.8, top_k=9, max_tokens=17, seed=12, logprobs=2)),
-        # penalties need each token on the host: with this one in, steps wait for the ids
+        # penalties read each token: the step's sampling waits for them, not its forward
         (prompt, SamplingParams(temperature=0, repetition_penalty=1.3, max_tokens=6)),
         (prompt[:5], dataclasses.replace(GREEDY, max_tokens=30)),
     ]
@@ -62,7 +62,7 @@ def test_a_mixed_batch_gives_the_single_process_tokens(
     decode_server.run(body())
     num_ahead = batcher.num_steps_ahead - ahead_before
     if decode_server.instance.config.overlaps_steps:
-        assert num_ahead >= 10  # the penalty request's 5 steps wait; most others go ahead
+        assert num_ahead >= 20  # the longest runs 29 steps: all but the first go ahead
     else:
         assert num_ahead == 0
 

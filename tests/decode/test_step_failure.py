@@ -1,8 +1,8 @@
 """A decode step that fails, and a batch thread that dies, sync and overlapped: every caller
 gets a final status, every block comes back, and a failed step spares later requests.
 
-The failures are injected (a CPU step does not fail on its own): the runner's `decode` raises
-on one call, or the batch thread's collect does, after the real step ran."""
+The failures are injected (a CPU step does not fail on its own): a step's forward raises once,
+or the batch thread's collect does, after the real step ran."""
 
 from __future__ import annotations
 
@@ -71,7 +71,8 @@ def test_a_failed_step_fails_its_requests_and_spares_later_ones(
     server: DecodeServerThread, player: PrefillPlayer
 ) -> None:
     runner = server.instance.runner
-    runner.decode = fail_once(5, runner.decode)  # type: ignore[method-assign]
+    # every step's forward, launched ahead or not
+    runner.decode_logits = fail_once(5, runner.decode_logits)  # type: ignore[method-assign]
 
     async def body() -> None:
         async with insecure_channel(server.address) as channel:

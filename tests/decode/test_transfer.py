@@ -163,16 +163,16 @@ class GatedScatter:
 
 @pytest.fixture
 def gated(decode_server: DecodeServerThread, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    batcher = decode_server.instance.batcher
+    writer = decode_server.instance.kv_writer
 
     def gate(layer: int) -> GatedScatter:
-        scatter = GatedScatter(batcher.scatter, layer)
-        monkeypatch.setattr(batcher, "scatter", scatter)
+        scatter = GatedScatter(writer.scatter, layer)
+        monkeypatch.setattr(writer, "scatter", scatter)
         return scatter
 
     yield gate
-    if isinstance(batcher.scatter, GatedScatter):
-        batcher.scatter.release.set()  # a failed test must not leave a landing thread stuck
+    if isinstance(writer.scatter, GatedScatter):
+        writer.scatter.release.set()  # a failed test must not leave a landing thread stuck
 
 
 def run(server: DecodeServerThread, body: Callable[[Client], Any]) -> None:

@@ -9,7 +9,6 @@ from collections.abc import Sequence as Seq
 import pytest
 import torch
 
-from mili.engine.constraint.matcher import ConstraintMatcher
 from mili.engine.kv.block_pool import BlockPool
 from mili.engine.model.qwen3 import Qwen3ForCausalLM
 from mili.engine.sampling_params import SamplingParams
@@ -20,10 +19,10 @@ from tests.engine.test_runner import BLOCK_SIZE, prompts, run_to_end, start
 
 
 def run_ahead(runner: ModelRunner, seqs: list[Sequence]) -> int:
-    """`run_to_end`, each step launched before the previous one's ids are appended, as the
-    decode batcher overlaps them: a sequence the pending token ends by length sits the next
-    step out, one it stops runs it and that token is dropped. Returns the steps launched
-    ahead of a pending one."""
+    """`run_to_end`, as the decode batcher overlaps steps: each step's forward launched
+    before the previous step's ids are appended, its sampling after. A sequence the pending
+    token ends by length sits the next step out; one it stops runs it and that token is
+    dropped. Returns the forwards launched ahead of a pending step."""
     pending: Launched | None = None
     num_ahead = 0
     while True:
@@ -33,15 +32,19 @@ def run_ahead(runner: ModelRunner, seqs: list[Sequence]) -> int:
             for s in seqs
             if not s.is_finished and not (id(s) in in_flight and s.is_length_bound(1))
         ]
-        launched = None
+        logits = None
         if batch:
-            launched = Launched(batch, runner.decode(batch, ahead=pending))
+            with torch.inference_mode():
+                logits = runner.decode_logits(batch, ahead=pending)
             num_ahead += pending is not None
         if pending is not None:
             collect(pending.seqs, pending.sample.result())
-        if launched is None and pending is None:
-            return num_ahead
-        pending = launched
+        if logits is None:
+            if pending is None:
+                return num_ahead
+            pending = None
+            continue
+        pending = Launched(batch, runner.sample(logits, [s.sampling for s in batch]))
 
 
 def collect(seqs: Seq[Sequence], out: SamplerOutput) -> None:
@@ -55,7 +58,7 @@ def test_steps_launched_ahead_sample_what_waiting_samples(
 ) -> None:
     model = engine_models["tied_gqa2"]
     vocab_size = model.config.vocab_size
-    prompt_ids = prompts(6, vocab_size, seed=5)
+    prompt_ids = prompts(8, vocab_size, seed=5)
     params = [
         SamplingParams(temperature=0.0, max_tokens=14),
         SamplingParams(temperature=1.5, top_p=0.95, max_tokens=11, seed=4321),
@@ -63,6 +66,8 @@ def test_steps_launched_ahead_sample_what_waiting_samples(
         SamplingParams(temperature=0.0, max_tokens=1),  # prefill's token ends it
         SamplingParams(temperature=0.8, min_p=0.05, max_tokens=9, seed=9),
         SamplingParams(temperature=0.0, max_tokens=2),
+        SamplingParams(temperature=1.2, repetition_penalty=1.3, max_tokens=10, seed=5),
+        SamplingParams(presence_penalty=0.5, frequency_penalty=0.2, max_tokens=12, seed=6),
     ]
 
     def tokens(ahead: bool, stop_ids: list[int] | None = None) -> tuple[list[list[int]], int]:
@@ -106,12 +111,14 @@ def test_an_ahead_step_padded_to_a_graph_size_gives_the_waited_logits(
         runner, pool, prompts(3, model.config.vocab_size), [SamplingParams(max_tokens=6)] * 3
     )
     first = Launched(seqs, runner.decode(seqs))
-    # Rows in another order, and one not in `first` (as a newcomer: it feeds the token the
-    # host has, again): sources 2, -1, 0.
+    # Rows in another order, and one not ahead (as a newcomer: it feeds the token the host
+    # has, again): `first` seen with another sequence in seqs[1]'s row.
+    other = Sequence.new([5, 6], SamplingParams(), vocab_size=runner.vocab_size, eos_token_ids=[])
     later = [seqs[2], seqs[1], seqs[0]]
     with torch.inference_mode():
-        ahead = runner.decode_logits(later, num_rows=8, sources=[2, -1, 0], ahead=first)
-        ahead = ahead.clone()  # [3, vocab]
+        ahead = runner.decode_logits(
+            later, num_rows=8, ahead=Launched([seqs[0], other, seqs[2]], first.sample)
+        ).clone()  # [3, vocab]
     out = first.sample.result()
     seqs[0].append(out.token_ids[0])
     seqs[2].append(out.token_ids[2])
@@ -120,28 +127,15 @@ def test_an_ahead_step_padded_to_a_graph_size_gives_the_waited_logits(
     torch.testing.assert_close(ahead, waited, rtol=0, atol=1e-5)
 
 
-def test_rows_that_need_their_pending_token_on_the_host_are_refused(
+def test_a_row_its_pending_token_ends_by_length_is_refused(
     engine_models: dict[str, Qwen3ForCausalLM],
 ) -> None:
+    """Its reservation ends at that token: the forward would write past it."""
     model = engine_models["tied_gqa2"]
     runner = ModelRunner.create(model, 40, BLOCK_SIZE, max_decode_batch=8)
     pool = BlockPool(runner.num_blocks, null_block=True)
-    vocab_size = model.config.vocab_size
-
-    def launched(params: SamplingParams) -> tuple[Sequence, Launched]:
-        (s,) = start(runner, pool, prompts(1, vocab_size), [params])
-        return s, Launched([s], runner.decode([s]))
-
-    s, pending = launched(SamplingParams(repetition_penalty=1.2, max_tokens=8))
-    with pytest.raises(ValueError, match="penalties"):
-        runner.decode([s], ahead=pending)
-    s, pending = launched(SamplingParams(max_tokens=2))  # its pending token is its last
+    (s,) = start(runner, pool, prompts(1, model.config.vocab_size), [SamplingParams(max_tokens=2)])
+    pending = Launched([s], runner.decode([s]))
     with pytest.raises(ValueError, match="ends cannot run"):
-        runner.decode([s], ahead=pending)
-    s, pending = launched(SamplingParams(max_tokens=8))
-    s.matcher = object.__new__(ConstraintMatcher)  # any matcher: refused before it is used
-    with pytest.raises(ValueError, match="penalties or a constraint"):
-        runner.decode([s], ahead=pending)
-    # A sequence not in the pending step is not ahead of anything.
-    (other,) = start(runner, pool, prompts(1, vocab_size, seed=1), [SamplingParams(max_tokens=8)])
-    assert len(runner.decode([other], ahead=pending).result().token_ids) == 1
+        runner.decode_logits([s], ahead=pending)
+    assert len(pending.sample.result().token_ids) == 1

@@ -131,12 +131,19 @@ def test_no_host_sync_inside_a_decode_step(cuda_model: Qwen3ForCausalLM, use_gra
     torch.cuda.set_sync_debug_mode("error")
     try:
         pending = runner.decode(seqs)  # launches everything; raises on any synchronizing call
-        # the next step of the rows without penalties, launched before `pending`'s ids are in
-        ahead = runner.decode(seqs[:2], ahead=Launched(seqs, pending))
+        # the next step's forward, launched before `pending`'s ids are in (decode's overlap)
+        with torch.inference_mode():
+            logits = runner.decode_logits(seqs, ahead=Launched(seqs, pending))
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert len(pending.result().token_ids) == 3
-    assert len(ahead.result().token_ids) == 2
+    for s, t in zip(seqs, pending.result().token_ids, strict=True):  # the one wait
+        s.append(t)
+    torch.cuda.set_sync_debug_mode("error")
+    try:  # its sampling, penalties and all, once the ids are appended
+        ahead = runner.sample(logits, [s.sampling for s in seqs])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert len(ahead.result().token_ids) == 3
 
 
 @pytest.mark.parametrize("batch", [1, 17])

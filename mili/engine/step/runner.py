@@ -13,8 +13,9 @@ are free is not its business: the services' bookkeeping holds a
         -> PrefillOutput                          logprobs (a pass of logits at a time)
     decode(seqs)    -> PendingSample              inputs staged into static buffers, graph
                                                   replay (or eager), sampling; no host sync
-    decode(seqs, ahead=Launched(prev_seqs, prev)) the same, launched before `prev`'s ids reach
-                                                  the host: rows in both feed prev's token
+    decode_logits(seqs, ahead=Launched(...))      the forward alone, launched before the
+                                                  previous step's ids reach the host: rows in
+                                                  both feed its ids; sample() once appended
     PendingSample.result()                        the step's one wait: ids back on the host
 
 One thread drives a runner: its buffers are reused step after step.
@@ -247,65 +248,42 @@ class ModelRunner:
         self,
         seqs: Sequence[EngineSequence],
         masks: Future[FilledMask] | FilledMask | None = None,
-        *,
-        ahead: Launched | None = None,
     ) -> PendingSample:
         """Launch one decode step of `seqs` and its sampling; nothing here waits for the device.
 
         Sequence i feeds its newest token at position num_tokens - 1 (its block_table covers
-        it). The caller appends each sampled token (`result()`) before the next step, or
-        launches the next step first with `ahead` = this one: a sequence in both then feeds
-        the token this step sampled for it, at position num_tokens (so the host's work
-        between steps runs while the device computes). Such a sequence may have no
-        penalties and no constraint (they need that token on the host) and must not be
-        `is_length_bound(1)`; a sequence this step's token stops is the caller's to discard.
+        it). The caller appends each sampled token (`result()`) before the next step (or
+        launches the next forward first: `decode_logits`' `ahead`).
         `masks`: the constrained rows' token masks, or their fill still running (BatchMasker's
         `start`): waited for only once the forward is launched (on CUDA) or done (on the CPU,
         where the fill thread ran beside it), then applied before sampling.
         """
-        sources = self._sources(seqs, ahead)
         with torch.inference_mode():
-            logits = self.decode_logits(seqs, sources=sources, ahead=ahead)
+            logits = self.decode_logits(seqs)
             mask = masks.result() if isinstance(masks, Future) else masks
-            pending = None if sources is None else [int(i >= 0) for i in sources]
-            return self.sampler.launch(logits, [s.sampling for s in seqs], mask, pending)
-
-    @staticmethod
-    def _sources(seqs: Sequence[EngineSequence], ahead: Launched | None) -> list[int] | None:
-        """Each sequence's row in `ahead` (-1: not in it); None when no sequence is."""
-        if ahead is None:
-            return None
-        rows = {id(seq): row for row, seq in enumerate(ahead.seqs)}
-        sources = [rows.get(id(seq), -1) for seq in seqs]
-        if all(i < 0 for i in sources):
-            return None
-        for seq, i in zip(seqs, sources, strict=True):
-            if i < 0:
-                continue
-            if seq.matcher is not None or seq.params.has_penalties:
-                raise ValueError(
-                    "a sequence with penalties or a constraint cannot run a step ahead of its "
-                    "tokens"
-                )
-            if seq.is_length_bound(1):
-                raise ValueError("a sequence its pending token ends cannot run another step")
-        return sources
+            return self.sampler.launch(logits, [s.sampling for s in seqs], mask)
 
     def decode_logits(
         self,
         seqs: Sequence[EngineSequence],
         num_rows: int | None = None,
         *,
-        sources: Sequence[int] | None = None,
         ahead: Launched | None = None,
     ) -> torch.Tensor:
-        """The decode step's logits [len(seqs), vocab] float32.
+        """Launch the decode step's forward: logits [len(seqs), vocab] float32.
 
         With graphs, the step replays the graph of the batch's padded size. Without, it runs
         eagerly on exactly the batch's rows, or padded to `num_rows` rows over the block
         tables' full width: the graph's computation, eagerly (tests compare the two).
-        `sources`, `ahead`: the rows fed from `ahead`'s sampled ids (see `decode`).
+
+        `ahead`: a step whose ids the host has not appended yet. A sequence in it feeds the
+        token it sampled there, on the device, at position num_tokens, so this forward runs
+        while the host waits for those ids; append them before sampling these logits
+        (`sample`: penalties, constraint masks and the seeded draw's position read them).
+        Such a sequence must not be `is_length_bound(1)` (its reservation ends there); one the
+        pending token stops is the caller's to discard.
         """
+        sources = self._sources(seqs, ahead)
         n = len(seqs)
         sampled = None if ahead is None else ahead.sample.token_ids
         with torch.inference_mode():
@@ -318,6 +296,20 @@ class ModelRunner:
                 return self.model.decode(self.inputs.batch(num_rows), self.kv_cache)[:n]
             width = self.inputs.fill(seqs, n, sources, sampled)
             return self.model.decode(self.inputs.batch(n, width), self.kv_cache)
+
+    @staticmethod
+    def _sources(seqs: Sequence[EngineSequence], ahead: Launched | None) -> list[int] | None:
+        """Each sequence's row in `ahead` (-1: not in it); None when no sequence is."""
+        if ahead is None:
+            return None
+        rows = {id(seq): row for row, seq in enumerate(ahead.seqs)}
+        sources = [rows.get(id(seq), -1) for seq in seqs]
+        if all(i < 0 for i in sources):
+            return None
+        for seq, i in zip(seqs, sources, strict=True):
+            if i >= 0 and seq.is_length_bound(1):
+                raise ValueError("a sequence its pending token ends cannot run another step")
+        return sources
 
     # ---- start-up ------------------------------------------------------------------------------
 

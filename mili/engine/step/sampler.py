@@ -37,9 +37,8 @@ Choices worth knowing:
   the masked distribution). The mask is applied in place on the logits handed in (a copy only
   when some row asks for logprobs, which stay those of the raw distribution).
 - The sampler does not record the tokens it returns: the caller calls `seq.append(token_id)`
-  for each row before the next step (penalties and the draw's position depend on it), or
-  says which rows are a token ahead of what they recorded (`launch`'s `ahead`: the draw's
-  position moves on; such a row may have no penalties).
+  for each row before the next step's sampling (penalties and the draw's position depend on
+  it; the next step's forward may already run: ModelRunner.decode_logits' `ahead`).
 """
 
 from __future__ import annotations
@@ -115,11 +114,10 @@ class SequenceSampling:
             raise ValueError(f"token id {token_id} outside the vocabulary [0, {self.vocab_size})")
         self.output_token_ids.append(token_id)
 
-    def uniform(self, ahead: int = 0) -> float:
+    def uniform(self) -> float:
         """The draw u in [0, 1) for this request's next output position (52 bits, so that
-        u x total stays below total in float64); `ahead`: tokens sampled but not appended yet
-        (a step launched before the previous one's ids reached the host)."""
-        return (_step_seed(self.seed, len(self.output_token_ids) + ahead) >> 12) / 2.0**52
+        u x total stays below total in float64)."""
+        return (_step_seed(self.seed, len(self.output_token_ids)) >> 12) / 2.0**52
 
 
 @dataclass(frozen=True)
@@ -250,9 +248,7 @@ _PARAMS = (
 )
 
 
-def _param_rows(
-    seqs: Sequence[SequenceSampling], vocab_size: int, ahead: Sequence[int]
-) -> list[list[float]]:
+def _param_rows(seqs: Sequence[SequenceSampling], vocab_size: int) -> list[list[float]]:
     """The rows of `_PARAMS`, one list each (top-k 0 = off = V; u = 0 for greedy rows)."""
     params = [s.params for s in seqs]
     return [
@@ -263,7 +259,7 @@ def _param_rows(
         [p.repetition_penalty for p in params],
         [p.presence_penalty for p in params],
         [p.frequency_penalty for p in params],
-        [0.0 if p.is_greedy else s.uniform(n) for p, s, n in zip(params, seqs, ahead, strict=True)],
+        [0.0 if p.is_greedy else s.uniform() for p, s in zip(params, seqs, strict=True)],
     ]
 
 
@@ -276,8 +272,8 @@ class PendingSample:
         logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
         wanted: list[int | None],
     ) -> None:
-        # [B] int64 on the device: a step launched before this one's ids reach the host feeds
-        # them from here (ModelRunner.decode's `ahead`)
+        # [B] int64 on the device: a forward launched before these ids reach the host feeds
+        # them from here (ModelRunner.decode_logits' `ahead`)
         self.token_ids = token_ids
         tensors = [token_ids] if logprobs is None else [token_ids, *logprobs]
         self._copy = DeviceToHost(tensors)
@@ -325,23 +321,15 @@ class Sampler:
         logits: torch.Tensor,
         seqs: Sequence[SequenceSampling],
         mask: FilledMask | None = None,
-        ahead: Sequence[int] | None = None,
     ) -> PendingSample:
         """Queue the sampling of one token per row on the logits' device; no host sync.
 
         logits: [B, V'], row i sampled with seqs[i].params; V' >= the sampler's vocab_size V
         (the model's rows), and only the first V columns count. `mask`: the constrained rows'
         token masks (mili.engine.constraint.mask), applied in place before anything else.
-        `ahead[i]`: tokens row i sampled that its SequenceSampling has not recorded yet (0 or
-        1; None: 0 for all), which only the seeded draw's position depends on: penalties
-        count the recorded tokens, so a row ahead may not have any.
         """
         if logits.dim() != 2 or logits.shape[0] != len(seqs):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(seqs)} sequences")
-        if ahead is None:
-            ahead = [0] * len(seqs)
-        elif any(n and s.params.has_penalties for s, n in zip(seqs, ahead, strict=True)):
-            raise ValueError("a row ahead of its recorded tokens cannot have penalties")
         vocab_size = logits.shape[1] if self.vocab_size is None else self.vocab_size
         if logits.shape[1] < vocab_size:
             raise ValueError(f"logits have {logits.shape[1]} columns, fewer than {vocab_size}")
@@ -364,7 +352,7 @@ class Sampler:
         penalized = logits
         columns: torch.Tensor | None = None  # [8, B, 1], see _PARAMS
         if rows or is_random:
-            block = to_device(_param_rows(seqs, vocab_size, ahead), torch.float64, device)
+            block = to_device(_param_rows(seqs, vocab_size), torch.float64, device)
             columns = block.unsqueeze(-1)
         if rows:
             assert columns is not None
