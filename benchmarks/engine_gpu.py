@@ -188,10 +188,11 @@ def step(runner: ModelRunner, seqs: list[Sequence]) -> None:
         s.append(t)
 
 
-def ahead_tpot(runner: ModelRunner, batch: int, args: argparse.Namespace) -> float:
-    """Decode steps at `batch`, each launched before the previous one's ids are appended (as
-    decode's batch thread overlaps them): ms per step over --steps of them."""
-    device = runner.device
+def decode_batch(
+    runner: ModelRunner, batch: int, args: argparse.Namespace
+) -> tuple[BlockPool, list[Sequence]]:
+    """`batch` prefilled sequences of --context prompt tokens, each with room for the warm-up
+    and timed steps, and the pool they hold blocks of."""
     pool = BlockPool(runner.num_blocks, null_block=True)
     seqs = start(
         runner,
@@ -199,6 +200,14 @@ def ahead_tpot(runner: ModelRunner, batch: int, args: argparse.Namespace) -> flo
         prompts(batch, args.context, runner.model.config.vocab_size),
         args.warmup + args.steps + 1,
     )
+    return pool, seqs
+
+
+def ahead_tpot(runner: ModelRunner, batch: int, args: argparse.Namespace) -> float:
+    """Decode steps at `batch`, each launched before the previous one's ids are appended (as
+    decode's batch thread overlaps them): ms per step over --steps of them."""
+    device = runner.device
+    pool, seqs = decode_batch(runner, batch, args)
 
     def steps(n: int) -> None:
         pending = Launched(seqs, runner.decode(seqs))
@@ -253,13 +262,7 @@ def decode_tpot(
 ) -> tuple[float, int, float | None]:
     """Median decode step (ms) at `batch`, launches and GPU kernel ms in one step."""
     device = runner.device
-    pool = BlockPool(runner.num_blocks, null_block=True)
-    seqs = start(
-        runner,
-        pool,
-        prompts(batch, args.context, runner.model.config.vocab_size),
-        args.warmup + args.steps + 1,
-    )
+    pool, seqs = decode_batch(runner, batch, args)
     for _ in range(args.warmup):
         step(runner, seqs)
     times = []

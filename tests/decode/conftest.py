@@ -18,6 +18,7 @@ import pytest
 from mili.engine.model.config import Qwen3Config
 
 if TYPE_CHECKING:
+    from services.decode.config import DecodeConfig
     from tests.decode.harness import DecodeServerThread, PrefillPlayer
 
 BLOCK_SIZE = 8
@@ -42,6 +43,19 @@ TINY = Qwen3Config(
 )
 
 
+def tiny_decode_config(model_dir: Path, overlap_steps: str) -> DecodeConfig:
+    """The decode_server's configuration, steps overlapped or not ("on", "off")."""
+    from mili.engine.engine_config import EngineConfig
+    from services.decode.config import DecodeConfig
+
+    return DecodeConfig(
+        model_dir=model_dir,
+        engine=EngineConfig(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS),
+        max_running=MAX_RUNNING,
+        overlap_steps=overlap_steps,
+    )
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from mili.engine.model.checkpoint import write_random_checkpoint  # torch
@@ -62,16 +76,8 @@ def player(tiny_model_dir: Path) -> PrefillPlayer:
 def decode_server(
     tiny_model_dir: Path, request: pytest.FixtureRequest
 ) -> Iterator[DecodeServerThread]:
-    from mili.engine.engine_config import EngineConfig
-    from services.decode.config import DecodeConfig
     from tests.decode.harness import DecodeServerThread  # torch, grpc
 
-    config = DecodeConfig(
-        model_dir=tiny_model_dir,
-        engine=EngineConfig(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS),
-        max_running=MAX_RUNNING,
-        overlap_steps=request.param,
-    )
-    server = DecodeServerThread(config)
+    server = DecodeServerThread(tiny_decode_config(tiny_model_dir, request.param))
     yield server
     server.close()

@@ -15,11 +15,9 @@ from typing import Any
 import grpc
 import pytest
 
-from mili.engine.engine_config import EngineConfig
 from mili.pb.common.v1 import sampling_pb2
 from mili.rpc.client import insecure_channel
-from services.decode.config import DecodeConfig
-from tests.decode.conftest import BLOCK_SIZE, MAX_RUNNING, NUM_BLOCKS
+from tests.decode.conftest import NUM_BLOCKS, tiny_decode_config
 from tests.decode.harness import (
     Client,
     DecodeServerThread,
@@ -32,13 +30,7 @@ from tests.decode.test_generate import GREEDY, prompt_stopping_at
 
 @pytest.fixture(params=["off", "on"], ids=["sync", "overlap"])
 def server(tiny_model_dir: Path, request: pytest.FixtureRequest) -> Iterator[DecodeServerThread]:
-    config = DecodeConfig(
-        model_dir=tiny_model_dir,
-        engine=EngineConfig(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS),
-        max_running=MAX_RUNNING,
-        overlap_steps=request.param,
-    )
-    server = DecodeServerThread(config)
+    server = DecodeServerThread(tiny_decode_config(tiny_model_dir, request.param))
     yield server
     server.close()
 
