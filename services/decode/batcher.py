@@ -143,6 +143,7 @@ class Batcher:
         self._running: list[_Running] = []  # batch thread only
         self._steps: list[_Step] = []  # batch thread only: launched, ids not in yet; oldest first
         self._collected_at = 0.0  # batch thread only: perf_counter() of the last step's ids
+        self._out: list[Delivery] = []  # batch thread only: this iteration's events so far
         self._thread = threading.Thread(target=self._run, name="decode-batcher", daemon=True)
         # Observability (written by the batch thread, read anywhere).
         self.num_steps = 0
@@ -186,13 +187,17 @@ class Batcher:
                 with self._cond:
                     while not (self._inbox or self._running or self._steps or self._is_stopping):
                         self._cond.wait()
-                    if self._is_stopping:
-                        return
-                out: list[Delivery] = []
+                    is_stopping = self._is_stopping
+                out = self._out = []  # kept on self: a death mid-iteration still sends it
+                if is_stopping:
+                    while self._steps:  # their tokens are sampled: hand them out
+                        self._collect(self._steps[0], out)
+                    return
                 self._take_joins(out)
                 self._drop_cancelled()
                 self._advance(out)
                 deliver_threadsafe(out)
+                self._out = []
         finally:
             with self._cond:  # also when a bug killed the loop: refuse joins from now on
                 self._is_stopping = True
@@ -230,6 +235,11 @@ class Batcher:
             self._table.finish(request)
             why = f"prefill's first token does not fit the constraint here: {e}"
             out.append((join.outlet.stream, FailedPrecondition(why)))
+            return
+        except Exception as e:  # a bug (the grammar engine's, say): this request alone fails
+            _LOG.exception("request %s could not join the batch", request.name)
+            self._table.finish(request)
+            out.append((join.outlet.stream, e))
             return
         if reason or request.is_cancelled:
             self._table.finish(request, seq.written_token_ids())
@@ -284,8 +294,9 @@ class Batcher:
         self.num_steps_ahead += 1
         self._collect(done, out)
         try:
-            masks = self._masks(batch)
-            mask = None if masks is None else masks.result()
+            mask = None
+            if self._masker is not None:  # the forward runs meanwhile: no thread hop
+                mask = self._masker.fill([None if r.is_done else r.seq.matcher for r in batch])
             step.sample = self._runner.sample(logits, [r.seq.sampling for r in batch], mask)
         except Exception as e:
             self._abort(step, e, out, previous=None)
@@ -320,7 +331,7 @@ class Batcher:
         """The constrained rows' masks, filling on the masker's thread (None: none)."""
         if self._masker is None:
             return None
-        return self._masker.start([None if r.is_done else r.seq.matcher for r in batch])
+        return self._masker.start([r.seq.matcher for r in batch])
 
     def _abort(
         self, step: _Step, error: Exception, out: list[Delivery], *, previous: _Step | None
@@ -432,7 +443,9 @@ class Batcher:
         self._running = [r for r in self._running if id(r) not in failed]
 
     def _fail_all(self, error: BaseException) -> None:
-        out: list[Delivery] = []
+        """Every request still here ends with `error`, after the events the last iteration
+        had not handed out yet, once no step in flight writes its blocks."""
+        out, self._out = self._out, []
         steps, self._steps = self._steps, []
         for step in steps:  # oldest first: each done before its requests' blocks go back
             try:

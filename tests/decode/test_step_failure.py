@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 import grpc
 import pytest
 
+from mili.engine.step.sampler import PendingSample
 from mili.pb.common.v1 import sampling_pb2
 from mili.rpc.client import insecure_channel
 from tests.decode.conftest import NUM_BLOCKS, tiny_decode_config
@@ -59,12 +61,31 @@ async def outcome(client: Client, player: PrefillPlayer, name: str, max_tokens: 
         return e
 
 
+@pytest.mark.parametrize("where", ["forward", "sampling", "read-back"])
 def test_a_failed_step_fails_its_requests_and_spares_later_ones(
-    server: DecodeServerThread, player: PrefillPlayer
+    server: DecodeServerThread,
+    player: PrefillPlayer,
+    monkeypatch: pytest.MonkeyPatch,
+    where: str,
 ) -> None:
+    """A step fails launching its forward (overlapped: maybe while the last step is still
+    in flight), launching its sampling (overlapped: after its forward ran), or reading its
+    ids back."""
     runner = server.instance.runner
-    # every step's forward, launched ahead or not
-    runner.decode_logits = fail_once(5, runner.decode_logits)  # type: ignore[method-assign]
+    if where == "forward":  # every step's, launched ahead or not
+        runner.decode_logits = fail_once(5, runner.decode_logits)  # type: ignore[method-assign]
+    elif where == "sampling":
+        sampler = runner.sampler
+        sampler.launch = fail_once(5, sampler.launch)  # type: ignore[method-assign]
+    else:  # the batch thread's reads only (the stand-in prefill here samples too)
+        real = PendingSample.result
+        failing = fail_once(5, real)
+
+        def read_back(pending: PendingSample) -> Any:
+            is_batcher = threading.current_thread().name == "decode-batcher"
+            return failing(pending) if is_batcher else real(pending)
+
+        monkeypatch.setattr(PendingSample, "result", read_back)
 
     async def body() -> None:
         async with insecure_channel(server.address) as channel:
@@ -126,6 +147,39 @@ def test_a_request_its_last_token_stopped_still_ends_when_the_thread_dies(
             out = await client.run_request(player, "stopped", prompt, params)
             assert out.token_ids == reference[: i + 1]
             assert out.finish_reason == sampling_pb2.FINISH_REASON_STOP
+            await blocks_back(client, NUM_BLOCKS)
+
+    server.run(body())
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_events_of_the_iteration_the_thread_died_in_still_go_out(
+    server: DecodeServerThread, player: PrefillPlayer
+) -> None:
+    """A request ends (its last event is queued, its blocks back), then a bug kills the thread
+    in the same iteration: the queued event still reaches the caller, before the others'
+    UNAVAILABLE."""
+    batcher = server.instance.batcher
+    end = batcher._end
+
+    def end_then_die(r: Any, *args: Any) -> None:
+        end(r, *args)
+        if r.request.request_id == "short":
+            raise RuntimeError("injected bug after a request ended")
+
+    batcher._end = end_then_die  # type: ignore[method-assign,assignment]
+
+    async def body() -> None:
+        async with insecure_channel(server.address) as channel:
+            client = Client(channel)
+            short, long = await asyncio.gather(
+                outcome(client, player, "short", 4), outcome(client, player, "long", 200)
+            )
+            assert not isinstance(short, grpc.aio.AioRpcError)
+            assert len(short.token_ids) == 4
+            assert short.finish_reason == sampling_pb2.FINISH_REASON_LENGTH
+            assert isinstance(long, grpc.aio.AioRpcError)
+            assert long.code() == grpc.StatusCode.UNAVAILABLE
             await blocks_back(client, NUM_BLOCKS)
 
     server.run(body())

@@ -242,7 +242,8 @@ class ModelRunner:
     ) -> PendingSample:
         """One token per row of `logits` [B, vocab], queued (under the constrained rows'
         `mask`); `.result()` waits for them."""
-        return self.sampler.launch(logits, seqs, mask)
+        with torch.inference_mode():  # no autograd bookkeeping on the host's path
+            return self.sampler.launch(logits, seqs, mask)
 
     def decode(
         self,
