@@ -20,6 +20,8 @@ wait and TTFT, each with its count, and each process's CPU %); --json has it per
 
     python3 benchmarks/serve_gpu.py --json serve_gpu.json
     python3 benchmarks/serve_gpu.py --device cuda:0 --concurrency 1 --ttft-requests 100
+    python3 benchmarks/serve_gpu.py --concurrency '' --overlap-steps off   # decode's steps
+                                                                 # not overlapped, c=1 only
     python3 benchmarks/serve_gpu.py --device cpu --preset tiny --ttft-requests 3 --warmup 1 \
         --concurrency 4 --output-tokens 16          # a check of this script on any machine
 """
@@ -81,6 +83,12 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--concurrency", default="64,256", help="comma-separated; '' skips")
     parser.add_argument("--output-tokens", type=int, default=128, help="per throughput request")
+    parser.add_argument(
+        "--overlap-steps",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="decode's --overlap-steps (auto: on CUDA), to compare the two on one machine",
+    )
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE)
     parser.add_argument("--json", type=Path, default=None, metavar="OUT")
     args = parser.parse_args()
@@ -91,7 +99,10 @@ def main() -> int:
     print(f"model: random {args.preset} bf16 in {args.cache_dir} (written once)", flush=True)
     weights = preset_checkpoint(args.preset, args.cache_dir)
     extra = ["--device", args.device, "--fail-fast"]
-    extra += ["--decode-args", f"--max-running {max_running}"]
+    extra += [
+        "--decode-args",
+        f"--max-running {max_running} --overlap-steps {args.overlap_steps}",
+    ]
     extra += ["--prefill-args", f"--max-queued-tokens {max(8192, 128 * args.prompt_tokens)}"]
     result: dict[str, Any] = {"device": args.device, "prompt_tokens": args.prompt_tokens}
     with (

@@ -61,8 +61,8 @@ def test_every_piece_runs_and_passes_within_eight_files(check_out: Path) -> None
     run_log = (check_out / "run.log").read_text()
     started = re.findall(r"\] START cap \d+s: (.*)", run_log)
     ended = {command: rc for rc, command in re.findall(r"\] END exit (\d+)[^:]*: (.*)", run_log)}
-    # env, checkpoint, 3 kernel pieces, 3 test pieces, 8 in phase B
-    assert len(started) == 16, run_log
+    # env, checkpoint, 3 kernel pieces, 3 test pieces, 9 in phase B
+    assert len(started) == 17, run_log
     assert {command: ended.get(command) for command in started} == dict.fromkeys(started, "0")
     assert "SKIP" not in run_log
     assert "0 failed, 0 skipped" in run_log.splitlines()[-1]
@@ -94,6 +94,8 @@ def test_each_log_holds_measured_rows(check_out: Path) -> None:
     # speed: a TPOT and tok/s per batch as each finished, then the table and its JSON
     for batch in (1, 8):
         assert re.search(rf"^eager +batch +{batch}: TPOT +{NUMBER} ms, +\d+ tok/s", engine, re.M)
+        # decode's overlapped steps (the next forward launched before the last ids are in)
+        assert re.search(rf"^ahead +batch +{batch}: TPOT +{NUMBER} ms, +\d+ tok/s", engine, re.M)
     assert '"prefill_tokens_per_s"' in engine
     # MoE, random weights made on the device (no checkpoint): a row per batch, then the JSON
     moe_header = r"^# tiny-moe .* 8 experts \(2 active, grouped_mm\), weights random"
@@ -115,6 +117,8 @@ def test_each_log_holds_measured_rows(check_out: Path) -> None:
         row = rf"^concurrency {level} +TTFT p50 +{NUMBER} .* +\d+ output tok/s$"
         assert re.search(row, serve, re.M), serve
     assert '"output_tokens_per_s"' in serve
+    # concurrency 1 again, decode's steps not overlapped, for the side-by-side
+    assert len(re.findall(r"^concurrency 1 +TTFT p50 ", serve, re.M)) == 2, serve
 
     kv = log("kv.log")
     assert re.search(rf"^decode +{NUMBER} +{NUMBER} +{NUMBER} .* grpc$", kv, re.M), kv
