@@ -195,14 +195,17 @@ def mili_serve(
     extra: list[str],
     *,
     metrics: bool = False,
+    frontends: int = 1,
 ) -> Iterator[Served]:
-    """`mili serve` on free ports; yields once the frontend is listening; drains it on exit.
+    """`mili serve` on free ports; yields once the frontends are listening; drains it on exit.
 
     metrics: every child serves Prometheus metrics on a free port (--metrics-port 0), their
     URLs in Served.metrics, read from the launcher's summary lines on stdout.
+    frontends: `mili serve --frontends`; Served.address lists them all, comma-separated
+    (`mili bench --address` spreads its clients over them).
     """
     command = [sys.executable, "-m", "mili", "serve", "--model", str(model_dir), "--port", "0"]
-    command += ["--attention", attention]
+    command += ["--attention", attention, "--frontends", str(frontends)]
     command += ["--dtype", dtype, "--log-level", "WARNING", *extra]
     if metrics:
         command += ["--metrics-port", "0"]
@@ -217,21 +220,23 @@ def mili_serve(
         )
         try:
             assert proc.stdout is not None
-            address = None
+            addresses: list[str] = []
             urls = {}
             for line in proc.stdout:
                 if line.startswith("frontend service listening on "):
-                    address = line.split()[-1]
-                    break
+                    addresses.append(line.split()[-1])
+                    if len(addresses) == frontends:
+                        break
+                    continue
                 # `mili serve: <name> <address> pid N [http URL] [metrics URL]`
                 words = line.split()
                 if words[:2] == ["mili", "serve:"] and "metrics" in words[3:-1]:
                     urls[words[2]] = words[words.index("metrics", 3) + 1]
-            if address is None:
+            if len(addresses) < frontends:
                 log.seek(0)
                 tail = "".join(log.readlines()[-30:])
                 raise RuntimeError(f"mili serve exited {proc.wait()} before listening:\n{tail}")
-            yield Served(address, proc, log, urls)
+            yield Served(",".join(addresses), proc, log, urls)
         finally:
             proc.send_signal(signal.SIGTERM)
             try:

@@ -61,8 +61,8 @@ def test_every_piece_runs_and_passes_within_eight_files(check_out: Path) -> None
     run_log = (check_out / "run.log").read_text()
     started = re.findall(r"\] START cap \d+s: (.*)", run_log)
     ended = {command: rc for rc, command in re.findall(r"\] END exit (\d+)[^:]*: (.*)", run_log)}
-    # env, checkpoint, 3 kernel pieces, 3 test pieces, 9 in phase B
-    assert len(started) == 17, run_log
+    # env, checkpoint, 3 kernel pieces, 3 test pieces, 10 in phase B
+    assert len(started) == 18, run_log
     assert {command: ended.get(command) for command in started} == dict.fromkeys(started, "0")
     assert "SKIP" not in run_log
     assert "0 failed, 0 skipped" in run_log.splitlines()[-1]
@@ -117,8 +117,11 @@ def test_each_log_holds_measured_rows(check_out: Path) -> None:
         row = rf"^concurrency {level} +TTFT p50 +{NUMBER} .* +\d+ output tok/s$"
         assert re.search(row, serve, re.M), serve
     assert '"output_tokens_per_s"' in serve
-    # concurrency 1 again, decode's steps not overlapped, for the side-by-side
+    # concurrency 1 again, decode's steps not overlapped, for the side-by-side; and the
+    # saturated level again over two frontends
     assert len(re.findall(r"^concurrency 1 +TTFT p50 ", serve, re.M)) == 2, serve
+    assert len(re.findall(r"^concurrency 4 +TTFT p50 ", serve, re.M)) == 2, serve
+    assert re.search(r"CPU % .*frontend-0 \d+, frontend-1 \d+", serve), serve
 
     kv = log("kv.log")
     assert re.search(rf"^decode +{NUMBER} +{NUMBER} +{NUMBER} .* grpc$", kv, re.M), kv
