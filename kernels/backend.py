@@ -24,9 +24,9 @@ from typing import TypeVar
 import torch
 
 from kernels import build, ptx
-from kernels.checks import HEAD_DIMS
 from kernels.cpu import CpuKernels
 from kernels.fused.cpu import CpuFusedKernels
+from kernels.signatures import HEAD_DIMS
 from mili.engine.engine_config import ATTENTION_CHOICES
 from mili.engine.model.attention import AttentionBackend, TorchAttention
 from mili.engine.model.fused_ops import FusedOps, TorchFusedOps

@@ -17,9 +17,10 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from kernels.signatures import HEAD_DIMS
+
 # Codes the Mojo entry points dispatch on (kernels/mojo/*.mojo: DTYPE_F32 ...).
 DTYPE_CODES: dict[torch.dtype, int] = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-HEAD_DIMS = (64, 128, 256)
 
 
 class AttentionDims(NamedTuple):

@@ -27,6 +27,9 @@ _PAGED_DECODE_STAGES = 3
 _PAGED_DECODE_KEYS_PER_GROUP = 4
 _PAGED_DECODE_IDS_WINDOW = 512
 
+# Splits per sequence either automatic plan may pick: this one (paged_decode) and kernels/gpu.py's
+# for the fp32 decode kernel. Both feed the same split scratch and decode_combine, which walks a
+# row's splits one after another, so the cap bounds both.
 MAX_DECODE_SPLITS = 64
 
 

@@ -38,18 +38,19 @@ from kernels.cuda_driver import (
 )
 from kernels.geometry import (
     DECODE_HEADS_PER_CTA,
+    MAX_DECODE_SPLITS,
     THREADS,
     decode_group_size,
     decode_splits,
     prefill_tiling,
 )
-from kernels.ptx import load_manifest
-from kernels.ptx_entry import parse_entries
-from kernels.signatures import SIGNATURES, check_signature
+from kernels.manifest import load_manifest
+from kernels.ptx import MANIFEST_FORMAT
+from kernels.ptx_entry import check_signature, parse_entries
+from kernels.signatures import SIGNATURES
 
 _LOG2E = 1.4426950408889634
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-_MAX_SPLITS = 64
 _TENSOR_CORE_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -86,7 +87,7 @@ class GpuKernels:
     @property
     def manifest(self) -> dict:
         if self._manifest is None:
-            self._manifest = load_manifest(self.kernel_dir)
+            self._manifest = load_manifest(self.kernel_dir, MANIFEST_FORMAT)
         return self._manifest
 
     def _record(self, kernel: str, dtype: str, head_dim: int) -> dict:
@@ -111,7 +112,7 @@ class GpuKernels:
                         f"{rec['file']} has no entry {rec['entry']} (found {sorted(entries)}): "
                         "the PTX directory is inconsistent; rebuild it"
                     )
-                check_signature(kernel, entries[rec["entry"]])
+                check_signature(SIGNATURES, kernel, entries[rec["entry"]])
                 if self._driver is None:
                     self._driver = _make_driver()
                 shared = int(rec.get("dynamic_shared_bytes", 0))
@@ -249,7 +250,7 @@ class GpuKernels:
         ctas = num_seqs * num_kv_heads * chunks
         want = math.ceil(2 * self._num_sms(device) / max(ctas, 1))
         useful = max(1, math.ceil(max_context / 256))
-        return max(1, min(want, useful, _MAX_SPLITS))
+        return max(1, min(want, useful, MAX_DECODE_SPLITS))
 
     def decode(
         self,

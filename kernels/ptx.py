@@ -51,17 +51,20 @@ from kernels.geometry import (
     THREADS,
     dynamic_shared_bytes,
 )
-from kernels.ptx_entry import compile_entries, pick_entry
+from kernels.ptx_entry import (
+    MOJO_DTYPE,
+    MOJO_SCALAR,
+    SHORT_DTYPE,
+    check_signature,
+    compile_entries,
+    pick_entry,
+)
 from kernels.ptxas import find_ptxas, ptxas_info
-from kernels.signatures import HEAD_DIMS, KERNELS, SIGNATURES, check_signature, kernel_dtypes
+from kernels.signatures import HEAD_DIMS, KERNELS, SIGNATURES, kernel_dtypes
 
 _LOG = logging.getLogger("mili.kernels")
 
-MANIFEST_FORMAT = 2
-
-# Mojo spelling of each dtype and scalar parameter kind.
-_MOJO_DTYPE = {"float32": "DType.float32", "bfloat16": "DType.bfloat16", "float16": "DType.float16"}
-_MOJO_PARAM_TYPE = {"i32": "Int32", "f32": "Float32"}
+MANIFEST_FORMAT = 2  # what kernels/gpu.py expects of manifest.json (kernels/manifest.py)
 
 _SOURCES = (
     "prefill_gpu.mojo",
@@ -81,11 +84,10 @@ _SHORT_KERNEL = {
     "flash_prefill": "fa",
     **{f"paged_decode_g{gc}": f"pd{gc}" for gc in DECODE_GROUP_SIZES},
 }
-_SHORT_DTYPE = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 
 
 def wrapper_name(kernel: str, dtype: str, head_dim: int) -> str:
-    return f"{_SHORT_KERNEL[kernel]}_{_SHORT_DTYPE[dtype]}_d{head_dim}_"
+    return f"{_SHORT_KERNEL[kernel]}_{SHORT_DTYPE[dtype]}_d{head_dim}_"
 
 
 def _pointer_type(kind: str, name: str, dtype: str) -> str:
@@ -93,7 +95,7 @@ def _pointer_type(kind: str, name: str, dtype: str) -> str:
         return "Pointer[Float32, MutAnyOrigin]"
     if name in ("cu_seqlens", "start_positions", "block_tables", "seq_lens"):
         return "Pointer[Int32, MutAnyOrigin]"
-    return f"Pointer[Scalar[{_MOJO_DTYPE[dtype]}], MutAnyOrigin]"
+    return f"Pointer[Scalar[{MOJO_DTYPE[dtype]}], MutAnyOrigin]"
 
 
 def _entry_source() -> str:
@@ -124,9 +126,7 @@ def _entry_source() -> str:
                 params = []
                 for pname, kind in SIGNATURES[kernel]:
                     ptype = (
-                        _pointer_type(kind, pname, dtype)
-                        if kind == "ptr"
-                        else _MOJO_PARAM_TYPE[kind]
+                        _pointer_type(kind, pname, dtype) if kind == "ptr" else MOJO_SCALAR[kind]
                     )
                     params.append(f"    {pname}_: {ptype},")
                 args = ", ".join(f"{pname}_" for pname, _ in SIGNATURES[kernel])
@@ -164,9 +164,9 @@ def _entry_source() -> str:
                     ]
                 if kernel.startswith("paged_decode_g"):
                     gc = int(kernel.removeprefix("paged_decode_g"))
-                    call = f"paged_decode_kernel[{_MOJO_DTYPE[dtype]}, {head_dim}, {gc}]"
+                    call = f"paged_decode_kernel[{MOJO_DTYPE[dtype]}, {head_dim}, {gc}]"
                 else:
-                    call = f"{generic[kernel]}[{_MOJO_DTYPE[dtype]}, {head_dim}]"
+                    call = f"{generic[kernel]}[{MOJO_DTYPE[dtype]}, {head_dim}]"
                 lines += [f"    {call}({args})", ""]
     lines += ["", "def main() raises:", "    var ctx = DeviceContext()"]
     lines += [f"    _ = ctx.compile_function[{name}]()" for name in names]
@@ -212,7 +212,7 @@ def build_ptx(mojo: Path, source_dir: Path, out_dir: Path, *, arch: str = "sm_90
                 for head_dim in HEAD_DIMS:
                     prefix = f"{_ENTRY_MODULE}_{wrapper_name(kernel, dtype, head_dim)}"
                     name, params, text = pick_entry(found, prefix, arch)
-                    check_signature(kernel, params)
+                    check_signature(SIGNATURES, kernel, params)
                     file = f"{kernel}_{dtype}_{head_dim}.ptx"
                     (final / file).write_text(text)
                     records.append(
@@ -271,22 +271,6 @@ def _publish(final: Path, out_dir: Path) -> None:
         tmp = out_dir / f".{path.name}.{os.getpid()}.tmp"
         shutil.copyfile(path, tmp)
         os.replace(tmp, out_dir / path.name)
-
-
-def load_manifest(kernel_dir: Path) -> dict:
-    path = Path(kernel_dir) / "manifest.json"
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"{path} not found: build it with "
-            "`mili kernels build --gpu` on a machine with the Mojo toolchain"
-        )
-    manifest = json.loads(path.read_text())
-    if manifest.get("format") != MANIFEST_FORMAT:
-        raise RuntimeError(
-            f"{path}: manifest format {manifest.get('format')}, "
-            f"expected {MANIFEST_FORMAT}; rebuild the PTX"
-        )
-    return manifest
 
 
 def build_gpu(

@@ -1,11 +1,13 @@
 """PTX entries of a generated Mojo module: `compile_entries` builds it with `mojo build
 --target-accelerator=<arch> --emit asm` (one self-contained PTX file per kernel, with
 hash-suffixed `.visible .entry` names), `parse_entries` reads a PTX text's entries and their
-parameter types, `pick_entry` finds one wrapper's entry by its name.
+parameter types, `pick_entry` finds one wrapper's entry by its name, `check_signature` checks
+its parameters against a signature table; `MOJO_DTYPE`, `MOJO_SCALAR` and `SHORT_DTYPE` spell
+the wrappers' types and names in the generated module.
 
 Shared by the attention kernels' build (kernels/ptx.py) and the fused kernels'
 (kernels/fused/ptx.py); their loaders (kernels/gpu.py, kernels/fused/gpu.py) parse a PTX file's
-entries again when they load it. No torch import.
+entries again when they load it and check them the same way. No torch import.
 """
 
 from __future__ import annotations
@@ -13,9 +15,18 @@ from __future__ import annotations
 import re
 import subprocess
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from kernels import build
+
+# Mojo spelling of each dtype and scalar parameter kind in a generated wrapper.
+MOJO_DTYPE = {"float32": "DType.float32", "bfloat16": "DType.bfloat16", "float16": "DType.float16"}
+MOJO_SCALAR = {"i32": "Int32", "f32": "Float32"}
+# A dtype in a wrapper's name: PTX entry names keep only their first ~30 characters.
+SHORT_DTYPE = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+# PTX type of each signature parameter kind: a device pointer is .u64, both scalars .b32.
+PTX_PARAM_TYPE = {"ptr": ".u64", "i32": ".b32", "f32": ".b32"}
 
 _ENTRY_RE = re.compile(r"\.visible\s+\.entry\s+([A-Za-z0-9_$]+)\s*\(([^)]*)\)", re.S)
 _PARAM_RE = re.compile(r"\.param\s+(\.[a-z0-9]+)")
@@ -24,6 +35,17 @@ _PARAM_RE = re.compile(r"\.param\s+(\.[a-z0-9]+)")
 def parse_entries(ptx: str) -> dict[str, list[str]]:
     """`.visible .entry` names of a PTX text -> their parameter types (".u64", ".b32", ...)."""
     return {m.group(1): _PARAM_RE.findall(m.group(2)) for m in _ENTRY_RE.finditer(ptx)}
+
+
+def check_signature(
+    signatures: Mapping[str, Sequence[tuple[str, str]]], kernel: str, params: list[str]
+) -> None:
+    """RuntimeError unless `params` (an entry's PTX parameter types) are `kernel`'s in
+    `signatures` (a kernels.signatures or kernels.fused.ptx table): the loader packs its launch
+    arguments from that table, so it and the PTX cannot drift apart silently."""
+    want = [PTX_PARAM_TYPE[kind] for _, kind in signatures[kernel]]
+    if params != want:
+        raise RuntimeError(f"{kernel}: PTX entry parameters {params} != expected {want}")
 
 
 # entry name -> (the .ptx file it is in, its parameter types, that file's text)

@@ -1,6 +1,8 @@
 """The sm_90 attention kernels' PTX entries: which are built (KERNELS x kernel_dtypes x
 HEAD_DIMS) and the parameter list each takes (SIGNATURES), against which kernels/ptx.py checks
-every compiled entry and kernels/gpu.py every entry it loads.
+every compiled entry and kernels/gpu.py every entry it loads (kernels/ptx_entry.py's
+check_signature). HEAD_DIMS is also what kernels/checks.py accepts: the CPU kernels are
+specialised on the same head dims.
 
 No torch import: CI builds and checks the PTX on machines without a GPU.
 """
@@ -10,7 +12,7 @@ from __future__ import annotations
 from kernels.geometry import DECODE_GROUP_SIZES
 from mili.engine.kv.kv_layout import DTYPES  # one specialisation per dtype a service may run
 
-HEAD_DIMS = (64, 128, 256)
+HEAD_DIMS = (64, 128, 256)  # every Mojo attention kernel, CPU and GPU, is specialised on these
 KERNELS = (
     "prefill",
     "decode",
@@ -23,7 +25,8 @@ TENSOR_CORE_DTYPES = ("bfloat16", "float16")
 
 # Kernel parameter lists, in order: "ptr" (a device pointer, .u64 in PTX), "i32", "f32"
 # (both .b32). kernels/gpu.py packs its launch arguments from these; kernels/ptx.py checks every
-# compiled entry against them, so the loader and the PTX cannot drift apart silently.
+# compiled entry against them (kernels/ptx_entry.py's check_signature), so the loader and the
+# PTX cannot drift apart silently.
 SIGNATURES: dict[str, tuple[tuple[str, str], ...]] = {
     "prefill": (
         ("out", "ptr"),
@@ -65,15 +68,8 @@ SIGNATURES: dict[str, tuple[tuple[str, str], ...]] = {
 SIGNATURES["flash_prefill"] = SIGNATURES["prefill"]
 for _gc in DECODE_GROUP_SIZES:
     SIGNATURES[f"paged_decode_g{_gc}"] = SIGNATURES["decode"]
-PTX_PARAM_TYPE = {"ptr": ".u64", "i32": ".b32", "f32": ".b32"}
 
 
 def kernel_dtypes(kernel: str) -> tuple[str, ...]:
     """The dtypes a kernel is built for: tensor-core kernels take 2-byte inputs only."""
     return DTYPES if kernel in ("prefill", "decode", "decode_combine") else TENSOR_CORE_DTYPES
-
-
-def check_signature(kernel: str, params: list[str]) -> None:
-    want = [PTX_PARAM_TYPE[kind] for _, kind in SIGNATURES[kernel]]
-    if params != want:
-        raise RuntimeError(f"{kernel}: PTX entry parameters {params} != expected {want}")

@@ -11,7 +11,8 @@ from typing import NamedTuple
 
 import torch
 
-from kernels.checks import DTYPE_CODES, HEAD_DIMS
+from kernels.checks import DTYPE_CODES
+from kernels.signatures import HEAD_DIMS
 
 
 class RopeDims(NamedTuple):

@@ -18,16 +18,10 @@ import torch
 
 from kernels.cuda_driver import _MAX_GRID_X, _MAX_GRID_YZ, _make_driver, pack_arguments
 from kernels.fused.checks import check_norm, check_qk_norm_rope, check_silu_mul
-from kernels.fused.ptx import (
-    NORM_THREADS,
-    ROPE_THREADS,
-    SIGNATURES,
-    SILU_THREADS,
-    check_signature,
-    load_manifest,
-)
+from kernels.fused.ptx import MANIFEST_FORMAT, NORM_THREADS, ROPE_THREADS, SIGNATURES, SILU_THREADS
 from kernels.gpu import _DTYPE_NAMES
-from kernels.ptx_entry import parse_entries
+from kernels.manifest import load_manifest
+from kernels.ptx_entry import check_signature, parse_entries
 from mili.engine.model.grouped_gemm import grouped_gemm
 
 
@@ -53,7 +47,7 @@ class GpuFusedKernels:
     @property
     def manifest(self) -> dict:
         if self._manifest is None:
-            self._manifest = load_manifest(self.kernel_dir)
+            self._manifest = load_manifest(self.kernel_dir, MANIFEST_FORMAT)
         return self._manifest
 
     def _function(self, device: int, kernel: str, dtype: str, head_dim: int) -> Any:
@@ -77,7 +71,7 @@ class GpuFusedKernels:
                 entries = parse_entries(text)
                 if rec["entry"] not in entries:
                     raise RuntimeError(f"{rec['file']} has no entry {rec['entry']}; rebuild it")
-                check_signature(kernel, entries[rec["entry"]])
+                check_signature(SIGNATURES, kernel, entries[rec["entry"]])
                 if self._driver is None:
                     self._driver = _make_driver()
                 # Static shared memory only: no dynamic shared-memory limit to raise.

@@ -17,11 +17,18 @@ from pathlib import Path
 from typing import Any
 
 from kernels import build
-from kernels.ptx_entry import compile_entries, pick_entry
+from kernels.ptx_entry import (
+    MOJO_DTYPE,
+    MOJO_SCALAR,
+    SHORT_DTYPE,
+    check_signature,
+    compile_entries,
+    pick_entry,
+)
 from mili.engine.kv.kv_layout import DTYPES
 
 FUSED_DIR_SUFFIX = "-fused"
-MANIFEST_FORMAT = 1
+MANIFEST_FORMAT = 1  # what kernels/fused/gpu.py expects of manifest.json (kernels/manifest.py)
 ROPE_HEAD_DIMS = (64, 128, 256)
 KERNELS = ("add_rms_norm", "qk_norm_rope", "silu_mul")
 # Launch geometry, asserted against the Mojo source at compile time.
@@ -57,13 +64,9 @@ SIGNATURES: dict[str, tuple[tuple[str, str], ...]] = {
     ),
     "silu_mul": (("out", "ptr"), ("gate_up", "ptr"), ("intermediate", "i32")),
 }
-PTX_PARAM_TYPE = {"ptr": ".u64", "i32": ".b32", "f32": ".b32"}
-_MOJO_DTYPE = {"float32": "DType.float32", "bfloat16": "DType.bfloat16", "float16": "DType.float16"}
-_MOJO_SCALAR = {"i32": "Int32", "f32": "Float32"}
 _POINTEE = {"cos_sin": "Float32", "positions": "Int64", "slot_mapping": "Int64"}
 # Short, prefix-free wrapper names: PTX entry names keep only their first ~30 characters.
 _SHORT_KERNEL = {"add_rms_norm": "fn", "qk_norm_rope": "fr", "silu_mul": "fs"}
-_SHORT_DTYPE = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 _ENTRY_MODULE = "fk"
 _GENERIC = {
     "add_rms_norm": "add_rms_norm_kernel",
@@ -84,7 +87,7 @@ def specialisations() -> list[tuple[str, str, int]]:
 
 def wrapper_name(kernel: str, dtype: str, head_dim: int) -> str:
     suffix = f"_d{head_dim}" if head_dim else ""
-    return f"{_SHORT_KERNEL[kernel]}_{_SHORT_DTYPE[dtype]}{suffix}_"
+    return f"{_SHORT_KERNEL[kernel]}_{SHORT_DTYPE[dtype]}{suffix}_"
 
 
 def entry_source() -> str:
@@ -103,12 +106,12 @@ def entry_source() -> str:
         params = []
         for pname, kind in SIGNATURES[kernel]:
             if kind == "ptr":
-                pointee = _POINTEE.get(pname, f"Scalar[{_MOJO_DTYPE[dtype]}]")
+                pointee = _POINTEE.get(pname, f"Scalar[{MOJO_DTYPE[dtype]}]")
                 params.append(f"    {pname}_: Pointer[{pointee}, MutAnyOrigin],")
             else:
-                params.append(f"    {pname}_: {_MOJO_SCALAR[kind]},")
+                params.append(f"    {pname}_: {MOJO_SCALAR[kind]},")
         args = ", ".join(f"{pname}_" for pname, _ in SIGNATURES[kernel])
-        comptime_args = _MOJO_DTYPE[dtype] + (f", {head_dim}" if head_dim else "")
+        comptime_args = MOJO_DTYPE[dtype] + (f", {head_dim}" if head_dim else "")
         lines += [f"def {name}(", *params, "):"]
         lines += [
             f'    comptime assert NORM_THREADS == {NORM_THREADS}, "NORM_THREADS is stale"',
@@ -120,12 +123,6 @@ def entry_source() -> str:
     lines += ["", "def main() raises:", "    var ctx = DeviceContext()"]
     lines += [f"    _ = ctx.compile_function[{name}]()" for name in names]
     return "\n".join(lines) + "\n"
-
-
-def check_signature(kernel: str, params: list[str]) -> None:
-    want = [PTX_PARAM_TYPE[kind] for _, kind in SIGNATURES[kernel]]
-    if params != want:
-        raise RuntimeError(f"{kernel}: PTX entry parameters {params} != expected {want}")
 
 
 def file_name(kernel: str, dtype: str, head_dim: int) -> str:
@@ -154,7 +151,7 @@ def build_fused_ptx(mojo: Path, source_dir: Path, out_dir: Path, *, arch: str = 
         for kernel, dtype, head_dim in specialisations():
             prefix = f"{_ENTRY_MODULE}_{wrapper_name(kernel, dtype, head_dim)}"
             entry, params, text = pick_entry(found, prefix, arch)
-            check_signature(kernel, params)
+            check_signature(SIGNATURES, kernel, params)
             name = file_name(kernel, dtype, head_dim)
             (out_dir / name).write_text(text)
             records.append(
@@ -203,15 +200,3 @@ def build_fused_gpu(
             except RuntimeError as exc:
                 raise build.KernelBuildError(f"building the fused {arch} kernels: {exc}") from exc
     return target
-
-
-def load_manifest(kernel_dir: Path) -> dict:
-    path = Path(kernel_dir) / "manifest.json"
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"{path} not found: build it with `mili kernels build --gpu` where Mojo is installed"
-        )
-    manifest: dict = json.loads(path.read_text())
-    if manifest.get("format") != MANIFEST_FORMAT:
-        raise RuntimeError(f"{path}: manifest format {manifest.get('format')}; rebuild the PTX")
-    return manifest

@@ -20,7 +20,7 @@ import torch
 from kernels import build
 from kernels.fused import ptx
 from kernels.fused.gpu import GpuFusedKernels, pack
-from kernels.ptx_entry import parse_entries
+from kernels.ptx_entry import check_signature, parse_entries
 from mili.engine.model.fused_ops import FusedOps, TorchFusedOps
 from tests.kernels.test_fused_parity import TOKENS, _randn, _rope_case, _run_rope, assert_close
 
@@ -53,7 +53,7 @@ def test_build_fused_ptx_manifest(built_fused_ptx: Path) -> None:
                 entries = parse_entries(text)
                 assert list(entries) == [rec["entry"]]  # one self-contained kernel per file
                 assert entries[rec["entry"]] == rec["params"]
-                ptx.check_signature(kernel, rec["params"])
+                check_signature(ptx.SIGNATURES, kernel, rec["params"])
                 assert ".local" not in text  # no per-thread arrays spilled to local memory
     assert not seen, f"unexpected manifest records {sorted(seen)}"
     assert sorted(p.name for p in built_fused_ptx.iterdir()) == sorted(

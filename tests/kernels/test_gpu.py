@@ -22,11 +22,13 @@ import pytest
 import torch
 
 from kernels import build, ptx
+from kernels.fused import ptx as fused_ptx
 from kernels.geometry import dynamic_shared_bytes
 from kernels.gpu import GpuKernels, _pack
-from kernels.ptx_entry import parse_entries
+from kernels.manifest import load_manifest
+from kernels.ptx_entry import check_signature, parse_entries
 from kernels.ptxas import find_ptxas, parse_ptxas
-from kernels.signatures import KERNELS, SIGNATURES, check_signature
+from kernels.signatures import KERNELS, SIGNATURES
 from mili.engine.kv.kv_layout import DTYPES
 from tests.kernels.cases import (
     PagedCase,
@@ -80,7 +82,7 @@ def test_build_ptx_manifest(built_ptx: Path) -> None:
                 entries = parse_entries(text)
                 assert list(entries) == [rec["entry"]]  # one self-contained kernel per file
                 assert entries[rec["entry"]] == rec["params"]
-                check_signature(kernel, rec["params"])
+                check_signature(SIGNATURES, kernel, rec["params"])
                 assert ".extern .func" not in text
                 assert rec["shared_bytes"] <= STATIC_SHARED_LIMIT
                 dynamic = rec["dynamic_shared_bytes"]
@@ -190,6 +192,19 @@ def test_pack_rejects_wrong_arguments() -> None:
         _pack("decode_combine", {"out": 0, "part_o": 0, "part_lse": 0})
     with pytest.raises(ValueError, match="int32"):
         _pack("decode_combine", {"out": 0, "part_o": 0, "part_lse": 0, "num_splits": 2**31})
+
+
+def test_both_builds_check_entries_and_manifests_alike(tmp_path: Path) -> None:
+    """One check_signature and one load_manifest serve the attention and the fused PTX."""
+    check_signature(SIGNATURES, "decode_combine", [".u64", ".u64", ".u64", ".b32"])
+    with pytest.raises(RuntimeError, match="silu_mul: PTX entry parameters"):
+        check_signature(fused_ptx.SIGNATURES, "silu_mul", [".u64", ".u64"])
+    with pytest.raises(FileNotFoundError, match="mili kernels build --gpu"):
+        load_manifest(tmp_path, ptx.MANIFEST_FORMAT)
+    (tmp_path / "manifest.json").write_text(json.dumps({"format": fused_ptx.MANIFEST_FORMAT}))
+    assert load_manifest(tmp_path, fused_ptx.MANIFEST_FORMAT)["format"] == 1
+    with pytest.raises(RuntimeError, match="manifest format 1, expected 2; rebuild the PTX"):
+        load_manifest(tmp_path, ptx.MANIFEST_FORMAT)
 
 
 def test_rejects_cpu_tensors(tmp_path: Path) -> None:
