@@ -165,7 +165,9 @@ class DecodeInstance(RunnerInfo):
             f"model {self.model_name} ({self.config.model_dir}) on {self.device} in {self.dtype}; "
             f"{self.runner.describe()}; attention {self.attention_backend}, "
             f"fused ops {self.fused_ops}; "
-            f"max_running {self.config.max_running}; eos {sorted(self.eos_token_ids)}; "
+            f"max_running {self.config.max_running}; "
+            f"steps {'overlapped' if self.config.overlaps_steps else 'one at a time'}; "
+            f"eos {sorted(self.eos_token_ids)}; "
             f"KV transports {', '.join(self.endpoint.transports)}"
             + (f" (pool in {self.segment.path})" if self.segment is not None else "")
         )
