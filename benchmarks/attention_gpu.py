@@ -158,6 +158,9 @@ def bench_prefill(
     }
 
 
+SPLIT_SWEEP = (1, 2, 3, 4, 6, 8, 16, 32)
+
+
 def bench_decode(
     kernels: CpuKernels | GpuKernels,
     dev: torch.device,
@@ -206,6 +209,19 @@ def bench_decode(
 
     err_gather = rel_err(gather_sdpa(), reference)
     ms_gather = time_ms(gather_sdpa, dev, warmup=3, iters=iters)
+
+    # The same call at fixed split counts (the plan picks one from shapes alone: geometry.
+    # decode_splits), each split at least 64 keys: which count the plan should have picked.
+    sweep, err_sweep = {}, 0.0
+    for n in SPLIT_SWEEP:
+        if n > 1 and context // n < 64:
+            break
+
+        def split(n: int = n) -> torch.Tensor:
+            return kernels.decode(q, k_cache, v_cache, table, seq_lens, scale=scale, num_splits=n)
+
+        err_sweep = max(err_sweep, rel_err(split(), reference))
+        sweep[n] = time_ms(split, dev, warmup=2, iters=iters)
     kv_bytes = batch * context * kv_heads * head_dim * 2 * k.element_size()
     return {
         "B": batch,
@@ -218,6 +234,8 @@ def bench_decode(
         "gbs_gather": kv_bytes / (ms_gather * 1e-3) / 1e9,
         "max_rel_err": err,
         "max_rel_err_gather": err_gather,
+        "split_ms": sweep,
+        "max_rel_err_splits": err_sweep,
     }
 
 
@@ -283,9 +301,11 @@ def main() -> int:
         f"{'gather us':>10} {'GB/s':>7} {'% peak':>7} {'ours/gather':>11} {'max rel err':>12}",
         flush=True,
     )
+    sweeps = []
     for shape in args.decode:
         batch, context = (int(x) for x in shape.split("x"))
         r = bench_decode(kernels, dev, batch, context, args)
+        sweeps.append(r)
         ms_best = r["ms_graph"] or r["ms"]
         gbs_best = r["gbs_graph"] or r["gbs"]
         graph_us = "-" if r["ms_graph"] is None else f"{1e3 * r['ms_graph']:.1f}"
@@ -295,6 +315,13 @@ def main() -> int:
             f"{1e3 * r['ms_gather']:>10.1f} {r['gbs_gather']:>7.0f} "
             f"{100 * r['gbs_gather'] * 1e9 / peak:>7.1f} {r['ms_gather'] / ms_best:>11.2f} "
             f"{max(r['max_rel_err'], r['max_rel_err_gather']):>12.2e}",
+            flush=True,
+        )
+    print("\ndecode at fixed split counts (eager us; the table's row is the plan's choice)")
+    for r in sweeps:
+        cells = "  ".join(f"{n}:{1e3 * ms:.1f}" for n, ms in r["split_ms"].items())
+        print(
+            f"{r['B']:>3} {r['context']:>6}  {cells}  max rel err {r['max_rel_err_splits']:.2e}",
             flush=True,
         )
     return 0
