@@ -6,8 +6,10 @@ sampling, then each row's matcher accepts its token (Sequence.append).
 Both arms run the same batch in the same process, alternating step by step, at temperature 1
 (seeded). A row whose grammar finishes starts over with a fresh matcher (its sequence goes on),
 so every step has all rows constrained. Also reported: the parts (one synchronous fill of the
-batch's masks, one apply to the logits, the forward alone) and the compile cache (a second
-compile of the same schema is a hit: compiles counted, not timed in a unit test).
+batch's masks, one apply to the logits, the forward alone), the compile cache (a second
+compile of the same schema is a hit: compiles counted, not timed in a unit test), and both arms
+again with decode's overlapped steps (CUDA's default: the next forward launched before the
+last ids are in, the masks filled after them, during that forward), in runs of 10 steps.
 
     flock /tmp/mili-bench.lock .venv/bin/python benchmarks/constrained_decode.py \
         --model demo --model qwen3-0.6b
@@ -44,7 +46,7 @@ from mili.engine.kv.block_pool import blocks_needed
 from mili.engine.model.grouped_gemm import is_graph_safe
 from mili.engine.model.loader import load_config, load_model
 from mili.engine.sampling_params import SamplingParams
-from mili.engine.step.runner import ModelRunner
+from mili.engine.step.runner import Launched, ModelRunner
 from mili.engine.step.sequence import Sequence
 
 SCHEMA = {
@@ -65,6 +67,7 @@ SCHEMA = {
 }
 PROMPT_TOKENS = 16
 WARMUP = 3  # untimed steps per arm first (page faults, allocator, lazy lexer states)
+OVERLAP_STEPS = 10  # steps per overlapped run (their time divided by it)
 
 
 def model_dirs(name: str, cache: Path) -> tuple[Path, Path, int]:
@@ -108,7 +111,8 @@ def run(name: str, batch: int, steps: int, cache: Path, device: str) -> dict[str
     stats = compiler.stats()
 
     block_size = 16
-    positions = PROMPT_TOKENS + WARMUP + steps + 2
+    blocks_of_steps = max(1, steps // OVERLAP_STEPS)  # the overlapped runs, per arm
+    positions = PROMPT_TOKENS + WARMUP + steps + blocks_of_steps * OVERLAP_STEPS + 2
     per_seq = blocks_needed(positions, block_size)
     runner = ModelRunner.create(
         model, batch * per_seq, block_size, max_decode_batch=batch, vocab_size=vocab
@@ -160,6 +164,38 @@ def run(name: str, batch: int, steps: int, cache: Path, device: str) -> dict[str
                     seq.matcher = compiled.matcher()  # all rows constrained every step
                     restarts += 1
 
+    def collect(seqs: list[Sequence], pending: Launched) -> int:
+        """Append a launched step's ids; a finished grammar starts over. -> restarts"""
+        n = 0
+        for seq, token in zip(seqs, pending.sample.result().token_ids, strict=True):
+            seq.append(token)
+            seq.num_computed_tokens = seq.num_tokens - 1
+            if seq.matcher is not None and seq.matcher.is_finished:
+                seq.matcher = compiled.matcher()
+                n += 1
+        return n
+
+    def overlapped(seqs: list[Sequence]) -> float:
+        """ms per step over OVERLAP_STEPS steps as decode runs them on CUDA (--overlap-steps):
+        each forward launched before the last step's ids are in, then those ids appended, the
+        masks filled (on this thread, during the forward), the sampling launched."""
+        nonlocal restarts
+        _sync(model.device)
+        start = time.perf_counter()
+        pending = Launched(seqs, runner.decode(seqs, masker.start([s.matcher for s in seqs])))
+        for _ in range(OVERLAP_STEPS - 1):
+            logits = runner.decode_logits(seqs, ahead=pending)
+            restarts += collect(seqs, pending)
+            mask = masker.fill([s.matcher for s in seqs])
+            pending = Launched(seqs, runner.sample(logits, [s.sampling for s in seqs], mask))
+        restarts += collect(seqs, pending)
+        return (time.perf_counter() - start) * 1e3 / OVERLAP_STEPS
+
+    overlap_ms: dict[str, list[float]] = {"free": [], "json": []}
+    for r in range(blocks_of_steps):  # the arms alternate block by block
+        for arm in ("free", "json") if r % 2 == 0 else ("json", "free"):
+            overlap_ms[arm].append(overlapped(arms[arm]))
+
     # The parts, once more each on the json arm's state (synchronous, not overlapped).
     seqs = arms["json"]
     fill_s, apply_s, forward_s = [], [], []
@@ -177,6 +213,7 @@ def run(name: str, batch: int, steps: int, cache: Path, device: str) -> dict[str
         apply_s.append(time.perf_counter() - t0)
     masker.close()
     med = {arm: statistics.median(t) * 1e3 for arm, t in times.items()}
+    med_overlap = {arm: statistics.median(t) for arm, t in overlap_ms.items()}
     return {
         "model": name,
         "device": str(model.device),
@@ -186,6 +223,9 @@ def run(name: str, batch: int, steps: int, cache: Path, device: str) -> dict[str
         "free_ms": med["free"],
         "json_ms": med["json"],
         "ratio": med["json"] / med["free"],
+        "free_overlap_ms": med_overlap["free"],
+        "json_overlap_ms": med_overlap["json"],
+        "ratio_overlap": med_overlap["json"] / med_overlap["free"],
         "fill_ms": statistics.median(fill_s) * 1e3,
         "apply_ms": statistics.median(apply_s) * 1e3,
         "forward_ms": statistics.median(forward_s) * 1e3,
@@ -216,9 +256,9 @@ def main() -> None:
     print(
         "| model | batch | steps/arm | unconstrained ms | JSON schema ms | ratio | fill ms "
         "| apply ms | forward ms | grammars finished | compile 1st ms | 2nd ms | compiles "
-        "| hits |"
+        "| hits | overlapped: unconstrained ms | JSON schema ms | ratio |"
     )
-    print("| --- " * 14 + "|")
+    print("| --- " * 17 + "|")
     with torch.inference_mode():
         for name in args.model or ["demo"]:
             r = run(name, args.batch, args.steps, args.cache_dir, args.device)
@@ -228,7 +268,8 @@ def main() -> None:
                 f"| {r['json_ms']:.2f} | {r['ratio']:.2f}x | {r['fill_ms']:.2f} "
                 f"| {r['apply_ms']:.2f} | {r['forward_ms']:.2f} | {r['grammars_finished']} "
                 f"| {r['compile_first_ms']:.2f} | {r['compile_second_ms']:.3f} "
-                f"| {r['compiles']} | {r['cache_hits']} |",
+                f"| {r['compiles']} | {r['cache_hits']} | {r['free_overlap_ms']:.2f} "
+                f"| {r['json_overlap_ms']:.2f} | {r['ratio_overlap']:.2f}x |",
                 flush=True,
             )
 
