@@ -88,6 +88,7 @@ from mili.engine.model.loader import load_model
 from mili.engine.model.qwen3 import Qwen3ForCausalLM
 from mili.engine.model.sizing import num_active_parameters, weight_bytes
 from mili.engine.sampling_params import SamplingParams
+from mili.engine.step.ahead_check import check_ahead
 from mili.engine.step.runner import Launched, ModelRunner
 from mili.engine.step.sequence import Sequence
 
@@ -513,6 +514,8 @@ def main(argv: list[str] | None = None) -> int:
             )
             report("graphs", row, row.graphs_tpot_ms, row.graphs_launches, row.graphs_gpu_ms)
         best = graphs
+    why = check_ahead(best)  # decode's start-up check: overlap only where it passes
+    print(f"ahead: start-up check {'passed' if why is None else 'FAILED: ' + why}", flush=True)
     for row in rows:
         row.ahead_tpot_ms = ahead_tpot(best, row.batch, args)
         report("ahead", row, row.ahead_tpot_ms)

@@ -150,6 +150,12 @@ class Batcher:
         self.num_steps_ahead = 0  # launched before the previous step's ids were in
         self.max_batch_size = 0
 
+    @property
+    def overlap(self) -> bool:
+        """Whether steps overlap (`overlap` as given; the instance turns it off when the
+        overlapped step's start-up check fails)."""
+        return self._overlap
+
     # ---- any thread ----------------------------------------------------------------------------
 
     def start(self) -> None:

@@ -42,6 +42,7 @@ class DecodeConfig:
     # Launch each decode step before the previous one's ids reach the host (OVERLAP_CHOICES;
     # services/decode/batcher.py): auto = on CUDA, where the host's work between steps then
     # runs while the device computes; on the CPU the host is the device, so it gains nothing.
+    # Checked at start-up (mili/engine/step/ahead_check.py): off, with a warning, if it fails.
     overlap_steps: str = "auto"
 
     def __post_init__(self) -> None:

@@ -18,6 +18,7 @@ from mili.engine.model.config import ConfigError
 from mili.engine.model.fingerprint import model_fingerprint, tokenizer_file_sha256
 from mili.engine.model.kv_cache import KVCache
 from mili.engine.model.loader import eos_token_ids, load_config
+from mili.engine.step.ahead_check import check_ahead
 from mili.engine.step.runner import ModelRunner, RunnerInfo, require_device
 from mili.errors import StartupError
 from mili.kv_handoff import kv_transport
@@ -111,6 +112,15 @@ class DecodeInstance(RunnerInfo):
         PrefixCacheCollector(metrics.registry, "decode", table.prefix_cache_reading)
         eos = eos_token_ids(config.model_dir, runner.model.config)
         constraints = load_compiler(config.model_dir, runner.model.config.vocab_size, eos)
+        overlap = config.overlaps_steps
+        if overlap and (why := check_ahead(runner)) is not None:
+            _LOG.warning(
+                "decode steps will not overlap (--overlap-steps): the overlapped step's check "
+                "on %s failed: %s",
+                runner.device,
+                why,
+            )
+            overlap = False
         batcher = Batcher(
             runner,
             table,
@@ -118,7 +128,7 @@ class DecodeInstance(RunnerInfo):
             max_context_tokens=runner.model.config.max_position_embeddings,
             metrics=metrics,
             constraints=constraints,
-            overlap=config.overlaps_steps,
+            overlap=overlap,
         )
         return cls(
             config,
@@ -166,7 +176,7 @@ class DecodeInstance(RunnerInfo):
             f"{self.runner.describe()}; attention {self.attention_backend}, "
             f"fused ops {self.fused_ops}; "
             f"max_running {self.config.max_running}; "
-            f"steps {'overlapped' if self.config.overlaps_steps else 'one at a time'}; "
+            f"steps {'overlapped' if self.batcher.overlap else 'one at a time'}; "
             f"eos {sorted(self.eos_token_ids)}; "
             f"KV transports {', '.join(self.endpoint.transports)}"
             + (f" (pool in {self.segment.path})" if self.segment is not None else "")

@@ -94,8 +94,10 @@ def test_each_log_holds_measured_rows(check_out: Path) -> None:
     # speed: a TPOT and tok/s per batch as each finished, then the table and its JSON
     for batch in (1, 8):
         assert re.search(rf"^eager +batch +{batch}: TPOT +{NUMBER} ms, +\d+ tok/s", engine, re.M)
-        # decode's overlapped steps (the next forward launched before the last ids are in)
+        # decode's overlapped steps (the next forward launched before the last ids are in),
+        # after decode's start-up check of them
         assert re.search(rf"^ahead +batch +{batch}: TPOT +{NUMBER} ms, +\d+ tok/s", engine, re.M)
+    assert "ahead: start-up check passed" in engine
     assert '"prefill_tokens_per_s"' in engine
     # MoE, random weights made on the device (no checkpoint): a row per batch, then the JSON
     moe_header = r"^# tiny-moe .* 8 experts \(2 active, grouped_mm\), weights random"

@@ -8,11 +8,18 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
 
 from mili.engine.sampling_params import SamplingParams
+from mili.engine.step.decode_inputs import DecodeInputs
 from mili.pb.common.v1 import sampling_pb2
 from mili.rpc.client import insecure_channel
-from tests.decode.conftest import NUM_BLOCKS
+from services.decode.instance import DecodeInstance
+from tests.decode.conftest import NUM_BLOCKS, tiny_decode_config
 from tests.decode.harness import (
     Client,
     DecodeServerThread,
@@ -93,3 +100,31 @@ def test_cancelled_mid_flight_frees_its_blocks_and_spares_the_rest(
             await blocks_back(client, NUM_BLOCKS)
 
     decode_server.run(body())
+
+
+@pytest.mark.parametrize("gather", ["works", "broken"])
+def test_steps_overlap_only_if_the_start_up_check_passes(
+    tiny_model_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    gather: str,
+) -> None:
+    """--overlap-steps on: the instance checks the overlapped step before serving; a forward
+    not fed from the device (injected: the gather dropped) leaves its steps one at a time,
+    with a warning that says why."""
+    if gather == "broken":
+        fill = DecodeInputs.fill
+
+        def stale(self: DecodeInputs, seqs: Any, num_rows: int, *_: Any) -> int:
+            return fill(self, seqs, num_rows)
+
+        monkeypatch.setattr(DecodeInputs, "fill", stale)
+    with caplog.at_level(logging.WARNING, logger="mili.decode"):
+        instance = DecodeInstance.load(tiny_decode_config(tiny_model_dir, "on"))
+    try:
+        assert instance.batcher.overlap is (gather == "works")
+        warned = [r.getMessage() for r in caplog.records if "will not overlap" in r.getMessage()]
+        assert len(warned) == (gather == "broken"), warned
+        assert ("steps overlapped" in instance.describe()) is (gather == "works")
+    finally:
+        instance.stop()

@@ -5,6 +5,7 @@ host (decode's overlapped steps) samples exactly what waiting for them samples, 
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from typing import Any
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ import torch
 from mili.engine.kv.block_pool import BlockPool
 from mili.engine.model.qwen3 import Qwen3ForCausalLM
 from mili.engine.sampling_params import SamplingParams
+from mili.engine.step.ahead_check import check_ahead
 from mili.engine.step.runner import Launched, ModelRunner
 from mili.engine.step.sampler import SamplerOutput
 from mili.engine.step.sequence import Sequence
@@ -139,3 +141,31 @@ def test_a_row_its_pending_token_ends_by_length_is_refused(
     with pytest.raises(ValueError, match="ends cannot run"):
         runner.decode_logits([s], ahead=pending)
     assert len(pending.sample.result().token_ids) == 1
+
+
+def test_the_start_up_check_passes_and_touches_only_the_null_block(
+    engine_models: dict[str, Qwen3ForCausalLM],
+) -> None:
+    model = engine_models["untied_gqa4"]
+    runner = ModelRunner.create(model, 12, BLOCK_SIZE, max_decode_batch=4)
+    pool = BlockPool(runner.num_blocks, null_block=True)
+    start(runner, pool, prompts(2, model.config.vocab_size), [SamplingParams(max_tokens=4)] * 2)
+    null = runner.null_block_id
+    before = [k[:null].clone() for k in runner.kv_cache.k]
+    assert check_ahead(runner) is None
+    assert all(torch.equal(b, k[:null]) for b, k in zip(before, runner.kv_cache.k, strict=True))
+
+
+def test_the_start_up_check_catches_a_forward_not_fed_from_the_device(
+    engine_models: dict[str, Qwen3ForCausalLM], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A gather that does nothing (the rows keep the host's stale id and position)."""
+    runner = ModelRunner.create(engine_models["untied_gqa4"], 12, BLOCK_SIZE, max_decode_batch=4)
+    fill = runner.inputs.fill
+
+    def stale(seqs: Any, num_rows: int, sources: Any = None, sampled: Any = None) -> int:
+        return fill(seqs, num_rows)
+
+    monkeypatch.setattr(runner.inputs, "fill", stale)
+    why = check_ahead(runner)
+    assert why is not None and "differ" in why, why

@@ -19,6 +19,7 @@ from mili.engine.model.attention import TorchAttention
 from mili.engine.model.loader import load_model
 from mili.engine.model.qwen3 import Qwen3ForCausalLM
 from mili.engine.sampling_params import SamplingParams
+from mili.engine.step.ahead_check import check_ahead
 from mili.engine.step.runner import Launched, ModelRunner
 from mili.engine.step.sequence import Sequence
 from tests.engine.greedy_divergence import describe_divergence
@@ -156,6 +157,7 @@ def test_graph_steps_launched_ahead_give_the_eager_greedy_tokens(
     eager = ModelRunner.create(cuda_model, num_blocks, BLOCK_SIZE, max_decode_batch=64)
     graphs = ModelRunner.create(cuda_model, num_blocks, BLOCK_SIZE, max_decode_batch=64)
     assert graphs.capture_graphs(), "the capture failed (see the warning)"
+    assert check_ahead(graphs) is None  # decode's start-up check, on the graphs
     eager_tokens, eager_logits = greedy_tokens(eager, batch)
     seqs, _ = started(graphs, batch)
     assert run_ahead(graphs, seqs) == MAX_TOKENS - 2  # every step but the first went ahead
