@@ -65,7 +65,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -101,6 +101,7 @@ REFERENCES = {
     "qwen3-30b-a3b": "vLLM published (one H100, untuned): TPOT 13.2 ms, 739.8 output tok/s at "
     "concurrency 10, 2048 in / 1024 out (serving end to end; this is the engine alone)",
 }
+TOP_KERNELS = 12  # kernels (aten ops on the CPU) listed for the batch-1 step
 
 
 class _GraphSafeTorch(TorchAttention):
@@ -233,8 +234,14 @@ def ahead_tpot(runner: ModelRunner, batch: int, args: argparse.Namespace) -> flo
     return elapsed / args.steps * 1e3
 
 
-def profile_step(fn: Callable[[], None], device: torch.device) -> tuple[int, float | None]:
-    """(kernel launches, or aten ops on the CPU; GPU kernel ms, None on the CPU) of one call."""
+class Profiled(NamedTuple):
+    launches: int  # kernel launches (aten ops on the CPU)
+    gpu_ms: float | None  # GPU kernel time; None on the CPU or where none was recorded
+    top: list[tuple[str, int, float]]  # (kernel or aten op, calls, us), costliest first
+
+
+def profile_step(fn: Callable[[], None], device: torch.device) -> Profiled:
+    """One call of `fn` under torch.profiler."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -244,18 +251,33 @@ def profile_step(fn: Callable[[], None], device: torch.device) -> tuple[int, flo
         sync(device)
     events = prof.key_averages()
     if device.type != "cuda":
-        return sum(e.count for e in events if e.key.startswith("aten::")), None
+        ops = [e for e in events if e.key.startswith("aten::")]
+        top = [(e.key, e.count, e.self_cpu_time_total) for e in ops]
+        return Profiled(sum(e.count for e in ops), None, sorted(top, key=lambda t: -t[2]))
     launches = sum(e.count for e in events if any(k in e.key for k in LAUNCH_KEYS))
     # Kernels only: the copies and memsets the profiler also records on the device are not
     # what a step's kernels take. None when it recorded no kernel at all (a profiler session
     # before a graph capture has been reported to leave none after it): "n/a", never "0 ms".
-    kernel_us = sum(
-        getattr(e, "self_device_time_total", 0.0)
+    kernels = [
+        (e.key, e.count, getattr(e, "self_device_time_total", 0.0))
         for e in events
         if getattr(e, "device_type", None) == DeviceType.CUDA
         and not e.key.startswith(("Memcpy", "Memset"))
-    )
-    return launches, (kernel_us / 1e3 if kernel_us > 0 else None)
+    ]
+    kernel_us = sum(us for _, _, us in kernels)
+    top = sorted(kernels, key=lambda t: -t[2])
+    return Profiled(launches, kernel_us / 1e3 if kernel_us > 0 else None, top)
+
+
+def print_top(mode: str, batch: int, profiled: Profiled, n: int = TOP_KERNELS) -> None:
+    """The step's costliest kernels (aten ops on the CPU): where a batch-1 step goes."""
+    total = sum(us for _, _, us in profiled.top) or 1.0
+    for name, calls, us in profiled.top[:n]:
+        print(
+            f"  {mode} batch {batch} top: {us:9.1f} us {100 * us / total:5.1f}% "
+            f"{calls:4}x  {name[:90]}",
+            flush=True,
+        )
 
 
 def decode_tpot(
@@ -272,10 +294,12 @@ def decode_tpot(
         t0 = time.perf_counter()
         step(runner, seqs)  # ends with the ids on the host: the step's one wait
         times.append(time.perf_counter() - t0)
-    launches, gpu_ms = profile_step(lambda: step(runner, seqs), device)
+    profiled = profile_step(lambda: step(runner, seqs), device)
+    if batch == 1:  # issue 33's 1.5 ms row
+        print_top("graphs" if runner.graphs is not None else "eager", batch, profiled)
     for s in seqs:
         pool.free(s.block_table)
-    return statistics.median(times) * 1e3, launches, gpu_ms
+    return statistics.median(times) * 1e3, profiled.launches, profiled.gpu_ms
 
 
 def prefill_tokens_per_s(runner: ModelRunner, args: argparse.Namespace) -> float:
