@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.servi
 from benchmarks import service_metrics
 from benchmarks.presets import CHOICES, DEFAULT_CACHE, preset_checkpoint
 from benchmarks.serving import Served, bench_args, mili_serve, run_bench, servable
+from services.decode.config import OVERLAP_CHOICES
 
 TTFT_TARGET_MS = 30.0
 
@@ -87,7 +88,7 @@ def main() -> int:
     parser.add_argument(
         "--overlap-steps",
         default="auto",
-        choices=["auto", "on", "off"],
+        choices=OVERLAP_CHOICES,
         help="decode's --overlap-steps (auto: on CUDA), to compare the two on one machine",
     )
     parser.add_argument(

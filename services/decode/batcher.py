@@ -49,7 +49,7 @@ from prometheus_client import CollectorRegistry
 
 from mili.engine.constraint.compiler import ConstraintCompiler
 from mili.engine.constraint.mask import BatchMasker, FilledMask
-from mili.engine.constraint.matcher import ConstraintError
+from mili.engine.constraint.matcher import ConstraintError, ConstraintMatcher
 from mili.engine.logprobs import TokenLogprobs
 from mili.engine.step.runner import Launched, ModelRunner, use_device
 from mili.engine.step.sampler import PendingSample
@@ -302,7 +302,7 @@ class Batcher:
         try:
             mask = None
             if self._masker is not None:  # the forward runs meanwhile: no thread hop
-                mask = self._masker.fill([None if r.is_done else r.seq.matcher for r in batch])
+                mask = self._masker.fill(_matchers(batch))
             step.sample = self._runner.sample(logits, [r.seq.sampling for r in batch], mask)
         except Exception as e:
             self._abort(step, e, out, previous=None)
@@ -337,7 +337,7 @@ class Batcher:
         """The constrained rows' masks, filling on the masker's thread (None: none)."""
         if self._masker is None:
             return None
-        return self._masker.start([r.seq.matcher for r in batch])
+        return self._masker.start(_matchers(batch))
 
     def _abort(
         self, step: _Step, error: Exception, out: list[Delivery], *, previous: _Step | None
@@ -477,6 +477,12 @@ class Batcher:
             self._table.finish(request)
             out.append((outlet.stream, error))
         deliver_threadsafe(out)
+
+
+def _matchers(batch: list[_Running]) -> list[ConstraintMatcher | None]:
+    """Each row's constraint state to mask by (None: unconstrained, or ended: its token is
+    discarded)."""
+    return [None if r.is_done else r.seq.matcher for r in batch]
 
 
 def _mask_threads() -> int:
