@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 
 from kernels.checks import DTYPE_CODES
-from kernels.signatures import HEAD_DIMS
+from kernels.fused.ptx import ROPE_HEAD_DIMS
 
 
 class RopeDims(NamedTuple):
@@ -122,8 +122,10 @@ def check_qk_norm_rope(
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache {tuple(k_cache.shape)} != v_cache {tuple(v_cache.shape)}")
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-    if head_dim not in HEAD_DIMS:
-        raise ValueError(f"head_dim {head_dim} is not supported by the fused kernels {HEAD_DIMS}")
+    if head_dim not in ROPE_HEAD_DIMS:
+        raise ValueError(
+            f"head_dim {head_dim} is not supported by the fused kernels {ROPE_HEAD_DIMS}"
+        )
     num_tokens, width = qkv.shape
     num_q_heads = width // head_dim - 2 * num_kv_heads
     if width % head_dim or num_q_heads <= 0 or num_q_heads % num_kv_heads:
