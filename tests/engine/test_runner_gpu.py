@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from mili.engine.constraint.mask import FilledMask
 from mili.engine.kv.block_pool import BlockPool, blocks_needed
 from mili.engine.model.attention import TorchAttention
 from mili.engine.model.loader import load_model
@@ -113,7 +114,7 @@ def test_no_host_sync_inside_a_decode_step(cuda_model: Qwen3ForCausalLM, use_gra
     params = [
         SamplingParams(),
         SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.01, seed=3),
-        SamplingParams(temperature=1.0, repetition_penalty=1.2, presence_penalty=0.3),
+        SamplingParams(temperature=1.0, repetition_penalty=1.2, presence_penalty=0.3, logprobs=2),
     ]
     seqs = []
     for i, sp in enumerate(params):
@@ -139,12 +140,20 @@ def test_no_host_sync_inside_a_decode_step(cuda_model: Qwen3ForCausalLM, use_gra
         torch.cuda.set_sync_debug_mode("default")
     for s, t in zip(seqs, pending.result().token_ids, strict=True):  # the one wait
         s.append(t)
+    # Rows 0 and 2 constrained (as decode's masker hands them over: int32 words in pinned
+    # memory), allowing the ids below 64: the mask's row ids take the gather path (not all rows).
+    words = (vocab_size + 31) // 32
+    bitmask = torch.zeros((2, words), dtype=torch.int32, pin_memory=True)
+    bitmask[:, :2] = -1
+    mask = FilledMask(bitmask, [0, 2])
     torch.cuda.set_sync_debug_mode("error")
-    try:  # its sampling, penalties and all, once the ids are appended
-        ahead = runner.sample(logits, [s.sampling for s in seqs])
+    try:  # its sampling, penalties, logprobs and masks, once the ids are appended
+        ahead = runner.sample(logits, [s.sampling for s in seqs], mask)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert len(ahead.result().token_ids) == 3
+    tokens = ahead.result().token_ids
+    assert len(tokens) == 3
+    assert tokens[0] < 64 and tokens[2] < 64, tokens
 
 
 @pytest.mark.parametrize("batch", [1, 17])

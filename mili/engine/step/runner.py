@@ -241,7 +241,12 @@ class ModelRunner:
         mask: FilledMask | None = None,
     ) -> PendingSample:
         """One token per row of `logits` [B, vocab], queued (under the constrained rows'
-        `mask`); `.result()` waits for them."""
+        `mask`); `.result()` waits for them.
+
+        Everything that reads `logits` is queued here, on the caller's stream, before this
+        returns: under CUDA graphs `logits` is the graphs' static buffer, which the next
+        `decode_logits` (launched ahead, before this sample's result is in) overwrites. Sampling
+        on another stream or thread, or reading the logits lazily in `result()`, would race it."""
         with torch.inference_mode():  # no autograd bookkeeping on the host's path
             return self.sampler.launch(logits, seqs, mask)
 
