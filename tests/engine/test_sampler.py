@@ -159,6 +159,28 @@ def test_sampler_builds_penalty_state_from_prompt_and_outputs() -> None:
     assert torch.equal(logits, torch.tensor([[3.0, 2.9, 2.05, -1.0]]).repeat(3, 1))
 
 
+def test_penalties_count_every_output_token_past_the_arrays_growth() -> None:
+    """A row's output ids for penalties live in an array grown by doubling: 40 appends (past
+    16 and 32) count each id as often as it was generated; frequency_penalty 1 takes off
+    exactly that count."""
+    vocab_size = 8
+    params = SamplingParams(temperature=0, frequency_penalty=1.0)
+    row = SequenceSampling(params, [7, 7, 7], vocab_size)
+    generated = [i % 5 for i in range(40)]  # ids 0..4, 8 times each
+    for token_id in generated:
+        row.append(token_id)
+    assert row.output_id_array().tolist() == generated == row.output_token_ids
+    assert row.prompt_token_ids.tolist() == [7]
+    logits = torch.tensor([[10.0, 9.5, 9.0, 8.5, 8.0, 2.5, 1.5, 0.0]])
+    # Ids 0..4 lose 8 each (2.0, 1.5, 1.0, 0.5, 0.0): id 5 (2.5), never generated, wins.
+    assert Sampler()(logits, [row]).token_ids == [5]
+    row.append(5)
+    row.append(5)  # 2.5 - 2 = 0.5: now id 0 (2.0) wins
+    assert Sampler()(logits, [row]).token_ids == [0]
+    with pytest.raises(ValueError, match="penalties"):
+        SequenceSampling(SamplingParams(temperature=0), [], vocab_size).output_id_array()
+
+
 # -- greedy ---------------------------------------------------------------------------------------
 
 

@@ -17,6 +17,7 @@ import threading
 import weakref
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from mili.engine.step.byte_ring import ByteRing
@@ -43,7 +44,11 @@ def is_pinnable(device: torch.device) -> bool:
 
 
 def to_device(
-    values: Sequence[int] | Sequence[float] | Sequence[Sequence[int]] | Sequence[Sequence[float]],
+    values: Sequence[int]
+    | Sequence[float]
+    | Sequence[Sequence[int]]
+    | Sequence[Sequence[float]]
+    | np.ndarray,
     dtype: torch.dtype,
     device: torch.device,
 ) -> torch.Tensor:

@@ -47,6 +47,7 @@ import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from mili.engine.constraint.mask import FilledMask, apply_token_bitmask
@@ -98,13 +99,17 @@ class SequenceSampling:
         self.params = params
         self.vocab_size = vocab_size
         self.seed: int = params.seed if params.seed is not None else secrets.randbits(64)
-        # Distinct prompt ids, ascending: the prompt-presence mask repetition penalty uses.
-        self.prompt_token_ids = sorted(set(prompt_token_ids))
-        if self.prompt_token_ids and not (
+        # Distinct prompt ids, ascending, int64: the prompt-presence mask repetition penalty
+        # uses. Arrays, not lists: a penalised batch's index is built from them every step, and
+        # from lists that costs ~0.1 us an id on the host (ms for a batch of long prompts).
+        self.prompt_token_ids = np.unique(np.asarray(prompt_token_ids, dtype=np.int64))
+        if self.prompt_token_ids.size and not (
             self.prompt_token_ids[0] >= 0 and self.prompt_token_ids[-1] < vocab_size
         ):
             raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
         self.output_token_ids: list[int] = []
+        # The output ids again, as an array, for rows with penalties only (grown by doubling).
+        self._penalty_ids = np.empty(16 if params.has_penalties else 0, dtype=np.int64)
         for token_id in output_token_ids:
             self.append(token_id)
 
@@ -112,7 +117,19 @@ class SequenceSampling:
         """Record a generated token (the caller keeps it as this request's next output)."""
         if not 0 <= token_id < self.vocab_size:
             raise ValueError(f"token id {token_id} outside the vocabulary [0, {self.vocab_size})")
+        n = len(self.output_token_ids)
         self.output_token_ids.append(token_id)
+        if self.params.has_penalties:
+            if n == self._penalty_ids.size:
+                self._penalty_ids = np.resize(self._penalty_ids, 2 * n)
+            self._penalty_ids[n] = token_id
+
+    def output_id_array(self) -> np.ndarray:
+        """The output ids as int64 [n] (a view: valid until the next append); rows with
+        penalties only."""
+        if not self.params.has_penalties:
+            raise ValueError("only a row with penalties keeps its output ids as an array")
+        return self._penalty_ids[: len(self.output_token_ids)]
 
     def uniform(self) -> float:
         """The draw u in [0, 1) for this request's next output position (52 bits, so that
@@ -222,15 +239,15 @@ def _has_filters(p: SamplingParams) -> bool:
     return p.top_k != 0 or p.top_p < 1 or p.min_p > 0
 
 
-def _counts(ids_per_row: dict[int, Sequence[int]], like: torch.Tensor) -> torch.Tensor:
-    """[B, V] float like `like`: how often each id occurs in each listed row (others stay 0)."""
+def _counts(ids_per_row: dict[int, np.ndarray], like: torch.Tensor) -> torch.Tensor:
+    """[B, V] float like `like`: how often each id occurs in each listed row (others stay 0).
+    ids_per_row: row -> int64 ids [n]."""
     counts = torch.zeros_like(like)
-    flat: list[int] = []  # row * V + id, one entry per occurrence
     vocab_size = like.shape[-1]
-    for row, ids in ids_per_row.items():
-        flat.extend(row * vocab_size + i for i in ids)
+    # row * V + id, one entry per occurrence
+    flat = [ids + row * vocab_size for row, ids in ids_per_row.items() if ids.size]
     if flat:
-        index = to_device(flat, torch.int64, like.device)
+        index = to_device(np.concatenate(flat), torch.int64, like.device)
         counts.view(-1).scatter_add_(0, index, torch.ones_like(index, dtype=like.dtype))
     return counts
 
@@ -359,7 +376,7 @@ class Sampler:
             penalized = apply_penalties(
                 logits,
                 _counts({i: seqs[i].prompt_token_ids for i in rows}, logits) > 0,
-                _counts({i: seqs[i].output_token_ids for i in rows}, logits),
+                _counts({i: seqs[i].output_id_array() for i in rows}, logits),
                 *columns[4:7].float(),
             )
         token_ids = penalized.argmax(-1)  # [B]; final for greedy rows
