@@ -17,6 +17,7 @@ The checksum is plain torch: tests/kv_handoff/test_chunk_checksums.py checks it 
 from __future__ import annotations
 
 import json
+import os
 import threading
 from collections.abc import Sequence
 
@@ -40,8 +41,30 @@ def export_pool(flat: torch.Tensor) -> bytes:
             "event_handle": bytes(event_handle).hex() if event_handle else "",
             "event_sync": bool(event_sync),
             "numel": flat.numel(),
+            # Who exports it: a peer in the same pid namespace can tell when this process is
+            # gone (a decode restarted on the same address exports a new pool; see `owner`).
+            "pid": os.getpid(),
+            "pid_ns": _pid_namespace(),
         }
     ).encode()
+
+
+def owner(blob: bytes) -> int | None:
+    """The exporting process's pid, when this process can check on it (same pid namespace);
+    None when it cannot (another namespace, or the export does not say)."""
+    try:
+        d = json.loads(blob)
+        pid, namespace = int(d["pid"]), d["pid_ns"]
+    except (KeyError, TypeError, ValueError):
+        return None
+    return pid if namespace and namespace == _pid_namespace() else None
+
+
+def _pid_namespace() -> str:
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return ""
 
 
 def import_pool(blob: bytes) -> torch.Tensor:

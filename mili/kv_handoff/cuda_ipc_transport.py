@@ -14,9 +14,10 @@ from mili.engine.model.kv_cache import pool_blocks, pool_bytes
 from mili.engine.step.pinned import thread_stream
 from mili.errors import DataLoss
 from mili.kv_handoff.codec import Chunk, chunk_name, encode_chunk_in_place, in_place_pools
-from mili.kv_handoff.cuda_ipc import chunk_checksums, import_pool
+from mili.kv_handoff.cuda_ipc import chunk_checksums, import_pool, owner
 from mili.kv_handoff.kv_part import KvPart
 from mili.kv_handoff.kv_transport import CUDA_IPC
+from mili.kv_handoff.shm_segment import is_alive
 from mili.pb.kv.v1 import kv_pb2
 
 
@@ -35,12 +36,15 @@ class CudaIpcTransport:
     is_in_place = True
     takes_device_tensors = True
 
-    def __init__(self, blocks: torch.Tensor, export: bytes = b""):
+    def __init__(self, blocks: torch.Tensor, export: bytes = b"", owner_pid: int | None = None):
+        """`export`: decode's, handed out by Pair; `owner_pid`: prefill's, the pid of the
+        decode whose pool `blocks` maps (None: not known here)."""
         self.blocks = blocks
         self.k = [b[0] for b in blocks]
         self.v = [b[1] for b in blocks]
         self.num_blocks = blocks.shape[2]
         self._export = export
+        self._owner_pid = owner_pid
         # prefill's copies: never on the model's stream
         self._stream = torch.cuda.Stream(blocks.device) if blocks.device.type == "cuda" else None
 
@@ -63,7 +67,8 @@ class CudaIpcTransport:
         # Mapping waited for decode's export event on this thread's current stream; the side
         # stream the copies run on never did.
         torch.cuda.current_stream(device).synchronize()
-        return cls(pool_blocks(flat, layout, response.num_blocks, dtype))
+        blocks = pool_blocks(flat, layout, response.num_blocks, dtype)
+        return cls(blocks, owner_pid=owner(response.cuda_ipc_export))
 
     def encode_all(
         self, request_id: str, seq: int, parts: Sequence[KvPart], checksum: str = ""
@@ -154,7 +159,11 @@ class CudaIpcTransport:
         response.cuda_ipc_export = self._export
 
     def is_peer_alive(self) -> bool:
-        return True  # a dead decode fails the next transfer (UNAVAILABLE), which forgets us
+        # A decode that died between transfers (and is perhaps restarted on the same address,
+        # with a new pool) must be forgotten before a transfer writes through the mapping of
+        # its freed pool: the sweeper asks every second (a restart loads a model first).
+        # Unknown owner (another pid namespace): a transfer's UNAVAILABLE forgets the pair.
+        return self._owner_pid is None or is_alive(self._owner_pid)
 
     def close(self) -> None:
         pass  # torch closes the IPC mapping with the last view (transfers may still hold some)

@@ -178,10 +178,11 @@ class Peers:
             self.sweep()
 
     def sweep(self) -> None:
-        """Forget the shm pairs whose decode process is gone (killed between transfers, so no
-        transfer failed to tell us) and unlink the segments of dead owners (also of a decode
-        still exiting when its pair was forgotten). Runs every second once a pair took shm;
-        it only lists /dev/shm."""
+        """Forget the in-place pairs (shm, cuda-ipc) whose decode process is gone (killed
+        between transfers, so no transfer failed to tell us; a decode restarted on the same
+        address has a new pool) and unlink the segments of dead owners (also of a decode
+        still exiting when its pair was forgotten). Runs every second once a pair is in
+        place; it only checks pids and lists /dev/shm."""
         for address, pairing in list(self._pairings.items()):
             if not pairing.kv.is_peer_alive():
                 self.forget(address)

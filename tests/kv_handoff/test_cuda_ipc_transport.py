@@ -5,15 +5,21 @@ run (tests/prefill/test_cuda_ipc.py, -m gpu) takes it between two processes."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from mili.engine.kv.kv_layout import KVLayout
 from mili.engine.model.kv_cache import pool_blocks, pool_bytes
 from mili.errors import DataLoss
-from mili.kv_handoff import codec
+from mili.kv_handoff import codec, cuda_ipc
 from mili.kv_handoff.cuda_ipc_transport import CudaIpcTransport
 from mili.kv_handoff.kv_part import KvPart
+from services.prefill.pairing import Pairing, Peers
 
 LAYOUT = KVLayout(num_layers=5, block_size=4, num_kv_heads=2, head_dim=8, dtype="bfloat16")
 NUM_BLOCKS = 16
@@ -85,3 +91,35 @@ def test_encode_all_refuses_what_does_not_fit_and_writes_nothing(part: KvPart) -
     with pytest.raises(ValueError):
         CudaIpcTransport(pool).encode_all("r", 0, [part])
     assert not pool.view(torch.int16).any()
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()  # reaped: the pid names no process now
+    return child.pid
+
+
+def test_a_pair_whose_decode_died_is_not_alive() -> None:
+    """Prefill's mapping of a decode's pool knows the exporter's pid (same pid namespace), so
+    the sweep forgets a decode killed between transfers before a transfer writes into its freed
+    pool (a decode restarted on the same address exports a new one)."""
+    assert not CudaIpcTransport(_pool(), owner_pid=_dead_pid()).is_peer_alive()
+    assert CudaIpcTransport(_pool(), owner_pid=os.getpid()).is_peer_alive()
+    assert CudaIpcTransport(_pool()).is_peer_alive()  # owner unknown: a failed transfer tells
+
+
+def test_the_export_names_its_owner_in_this_pid_namespace_only() -> None:
+    namespace = str(os.stat("/proc/self/ns/pid").st_ino)
+    blob = json.dumps({"pid": 4321, "pid_ns": namespace}).encode()
+    assert cuda_ipc.owner(blob) == 4321
+    assert cuda_ipc.owner(json.dumps({"pid": 4321, "pid_ns": "1"}).encode()) is None
+    assert cuda_ipc.owner(json.dumps({"handle": "00"}).encode()) is None
+    assert cuda_ipc.owner(b"not json") is None
+
+
+def test_the_sweep_forgets_a_pair_whose_decode_died() -> None:
+    peers = Peers(1 << 20)
+    peers._pairings["dead:1"] = Pairing(CudaIpcTransport(_pool(), owner_pid=_dead_pid()))
+    peers._pairings["alive:1"] = Pairing(CudaIpcTransport(_pool(), owner_pid=os.getpid()))
+    peers.sweep()
+    assert peers.transports() == {"alive:1": "cuda-ipc"}
