@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -101,6 +102,9 @@ def main() -> int:
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE)
     parser.add_argument("--json", type=Path, default=None, metavar="OUT")
     args = parser.parse_args()
+    # SIGTERM (serve_profile.sh ends the run so; a piece's timeout) unwinds like an error, so
+    # `mili_serve` drains and stops the server before we exit: the next piece needs the device.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     levels = [int(c) for c in args.concurrency.split(",") if c]
     max_running = max([256, *levels])
 

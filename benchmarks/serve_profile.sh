@@ -48,8 +48,21 @@ done
 # minute more), then end the run; fail, with py-spy's words, unless every process was sampled.
 rc=0
 for p in "${spies[@]}"; do wait "$p" || rc=1; done
+# serve_gpu.py drains and stops `mili serve` on SIGTERM, its services die with the launcher:
+# wait for all of them (the next piece needs the device's memory), and say if any stay.
+served=$(pgrep -P "$bench" -f -- "-m mili serve")
+for p in $served; do served+=" $(pgrep -P "$p" | tr '\n' ' ')"; done
 kill "$bench" 2>/dev/null
 wait "$bench" 2>/dev/null
+for _ in $(seq 40); do
+  alive=$(for p in $served; do kill -0 "$p" 2>/dev/null && echo "$p"; done)
+  [[ -z $alive ]] && break
+  sleep 0.5
+done
+if [[ -n $alive ]]; then
+  echo "mili serve processes left running: ${alive//$'\n'/ }" | tee -a "$log"
+  rc=1
+fi
 for name in serve-prefill serve-decode serve-frontend; do
   [[ -s $out/$name.txt ]] || { echo "no samples of $name" | tee -a "$log"; rc=1; }
 done

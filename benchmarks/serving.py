@@ -72,6 +72,7 @@ from mili.engine.model.loader import load_model as _load_weights
 from mili.engine.model.qwen3 import DecodeBatch, PrefillBatch, Qwen3ForCausalLM
 from mili.engine.sampling_params import SamplingParams
 from mili.engine.step.sampler import Sampler, SequenceSampling
+from mili.serve.child import die_with_parent
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "qwen3-0.6b"
@@ -205,7 +206,7 @@ def mili_serve(
     (`mili bench --address` spreads its clients over them).
     """
     command = [sys.executable, "-m", "mili", "serve", "--model", str(model_dir), "--port", "0"]
-    command += ["--attention", attention, "--frontends", str(frontends)]
+    command += ["--attention", attention, "--frontends", str(frontends), "--http-port", "0"]
     command += ["--dtype", dtype, "--log-level", "WARNING", *extra]
     if metrics:
         command += ["--metrics-port", "0"]
@@ -217,6 +218,9 @@ def mili_serve(
             text=True,
             cwd=ROOT,
             env=thread_env(threads),
+            # a benchmark killed (a piece's timeout) must not leave `mili serve` holding the
+            # device's memory and ports for the next piece: it drains and stops with us
+            preexec_fn=die_with_parent if sys.platform == "linux" else None,
         )
         try:
             assert proc.stdout is not None

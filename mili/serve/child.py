@@ -41,7 +41,9 @@ _ROOT = Path(__file__).resolve().parent.parent  # holds the `mili` and `services
 TAIL_LINES = 40
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def die_with_parent() -> None:
+    """A Popen `preexec_fn` (Linux; runs in the child between fork and exec): the child gets
+    SIGTERM when the thread that started it dies, however it dies (SIGKILL included)."""
     with contextlib.suppress(Exception):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
@@ -130,7 +132,7 @@ class Child:
             stderr=asyncio.subprocess.PIPE,
             env=env,
             start_new_session=True,
-            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            preexec_fn=die_with_parent if sys.platform == "linux" else None,
             limit=1 << 20,
         )
         assert self.proc.stdout is not None and self.proc.stderr is not None
