@@ -102,6 +102,7 @@ REFERENCES = {
     "concurrency 10, 2048 in / 1024 out (serving end to end; this is the engine alone)",
 }
 TOP_KERNELS = 12  # kernels (aten ops on the CPU) listed for the batch-1 step
+FORWARD_REPEATS = 5  # decode forwards timed with CUDA events per batch (forward_device_ms)
 
 
 class _GraphSafeTorch(TorchAttention):
@@ -200,9 +201,28 @@ def decode_batch(
         runner,
         pool,
         prompts(batch, args.context, runner.model.config.vocab_size),
-        args.warmup + args.steps + 1,
+        args.warmup + args.steps + 1 + FORWARD_REPEATS,
     )
     return pool, seqs
+
+
+def forward_device_ms(runner: ModelRunner, seqs: list[Sequence]) -> float:
+    """Median device time of the decode forward alone over FORWARD_REPEATS steps: CUDA events
+    recorded around `decode_logits` (a graph replay is launched at once, so this is what the
+    device spends on it, gaps between its kernels included). Kept beside the profiler's kernel
+    sum, which may record nothing once graphs were captured."""
+    times = []
+    for _ in range(FORWARD_REPEATS):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.inference_mode():
+            begin.record()
+            logits = runner.decode_logits(seqs)
+            end.record()
+            out = runner.sample(logits, [s.sampling for s in seqs]).result()
+        for s, t in zip(seqs, out.token_ids, strict=True):
+            s.append(t)
+        times.append(begin.elapsed_time(end))
+    return statistics.median(times)
 
 
 def ahead_tpot(runner: ModelRunner, batch: int, args: argparse.Namespace) -> float:
@@ -294,9 +314,16 @@ def decode_tpot(
         t0 = time.perf_counter()
         step(runner, seqs)  # ends with the ids on the host: the step's one wait
         times.append(time.perf_counter() - t0)
+    mode = "graphs" if runner.graphs is not None else "eager"
     profiled = profile_step(lambda: step(runner, seqs), device)
     if batch == 1:  # issue 33's 1.5 ms row
-        print_top("graphs" if runner.graphs is not None else "eager", batch, profiled)
+        print_top(mode, batch, profiled)
+    if device.type == "cuda":
+        print(
+            f"  {mode} batch {batch} forward on the device: "
+            f"{forward_device_ms(runner, seqs):.3f} ms (CUDA events around decode_logits)",
+            flush=True,
+        )
     for s in seqs:
         pool.free(s.block_table)
     return statistics.median(times) * 1e3, profiled.launches, profiled.gpu_ms

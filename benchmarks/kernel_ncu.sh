@@ -13,11 +13,13 @@
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 PY=${PYTHON:-python3}
-NCU=${NCU:-ncu}
-if ! command -v "$NCU" >/dev/null; then
-  echo "kernel_ncu: no $NCU on this host"
+# ncu from PATH, else where CUDA images install it (the GPU image's PATH is not on record)
+NCU=${NCU:-$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)}
+if [[ -z $NCU ]] || ! command -v "$NCU" >/dev/null; then
+  echo "kernel_ncu: no ncu on this host (PATH, /opt/nvidia/nsight-compute, /usr/local/cuda*/bin)"
   exit 0
 fi
+echo "kernel_ncu: $NCU"
 sections=(--section SpeedOfLight --section Occupancy --section LaunchStats
   --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats)
 # PTX entry names (kernels/ptx.py wrapper_name): mk_fa_* flash_prefill, mk_pd<G>_* paged_decode.
