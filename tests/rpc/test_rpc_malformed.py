@@ -21,6 +21,7 @@ from mili.pb.kv.v1 import kv_pb2
 from mili.pb.tokenizer.v1 import tokenizer_pb2
 from mili.rpc.client import insecure_channel
 from mili.rpc.server import RpcServer, ServerConfig
+from tests.rpc.eventually import eventually
 
 SERVICE = "mili.test.v1.ProtoService"
 GARBAGE = b"\xff\xff\xff\xff"  # field 0x1fffff..., a wire type that does not exist
@@ -108,18 +109,6 @@ def _count(
     return registry.get_sample_value(counter, labels) or 0.0
 
 
-async def _counted(
-    registry: CollectorRegistry, method: str, status: str, *, control: bool = False
-) -> float:
-    """`_count` once it is non-zero (a status can reach the client a moment before the server
-    counts it), or after 2 s."""
-    for _ in range(200):
-        if _count(registry, method, status, control=control):
-            break
-        await asyncio.sleep(0.01)
-    return _count(registry, method, status, control=control)
-
-
 async def _send(channel: grpc.aio.Channel, method: str, messages: list[bytes]) -> Any:
     """Call `method` with these raw messages (one for a unary request, a stream otherwise)."""
     path = f"/{SERVICE}/{method}"
@@ -178,7 +167,7 @@ def test_malformed_request_is_invalid_argument_one_warning_and_counted(
             assert service.seen == seen  # the servicer never saw the bad message
             # Refused from a read in a task of the servicer's own (Transfer), the status can
             # reach the client a moment before the handler returns and is counted.
-            assert await _counted(server.registry, path, "INVALID_ARGUMENT") == 1
+            assert await eventually(lambda: _count(server.registry, path, "INVALID_ARGUMENT")) == 1
             assert server.num_in_flight == 0
             # The call still works with good bytes on the same server.
             if method == "Unary":
@@ -209,7 +198,10 @@ def test_malformed_health_check_is_invalid_argument(caplog: pytest.LogCaptureFix
             assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT
             assert (caught.value.details() or "").startswith(f"malformed request to {path}:")
             # The status reaches the client before the interceptor counts it (CI saw 0 once).
-            assert await _counted(server.registry, path, "INVALID_ARGUMENT", control=True) == 1
+            count = await eventually(
+                lambda: _count(server.registry, path, "INVALID_ARGUMENT", control=True)
+            )
+            assert count == 1
             warnings = _records(caplog, logging.WARNING)
             assert [(r.levelname, r.exc_info) for r in warnings] == [("WARNING", None)]
 

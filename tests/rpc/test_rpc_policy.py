@@ -25,6 +25,7 @@ from mili.rpc.malformed import Oversized, guard
 from mili.rpc.policy import SMALL_REQUEST_BYTES, Policy
 from mili.rpc.server import RpcServer, ServerConfig
 from tests.rpc.conftest import SERVICE, Echo
+from tests.rpc.eventually import eventually
 
 ELSEWHERE = Callers("--frontend", PeerSet(parse_targets(["127.0.0.9:50051"])))  # not us
 
@@ -95,7 +96,7 @@ def test_each_method_has_its_own_limit_checked_before_parsing(
                 f"request to /{SERVICE}/Unary is 1001 bytes, over its limit of 1000 bytes"
             )
             assert echo.num_calls == 1  # the servicer never saw it
-            assert _count(server, "Unary", "RESOURCE_EXHAUSTED") == 1
+            assert await eventually(lambda: _count(server, "Unary", "RESOURCE_EXHAUSTED")) == 1
 
             # A method without a limit of its own takes SMALL_REQUEST_BYTES.
             stream = channel.unary_stream(f"/{SERVICE}/ServerStream")
