@@ -63,6 +63,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     seed: int | None = None  # None = a fresh random seed per request
     max_tokens: int = 16
+    # Generated tokens before the generation may stop: until then the sampler never draws a
+    # stop id (EOS included, unless ignore_eos) and the frontend matches no stop string.
+    min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None = none; 0 = chosen token only; n = chosen + top-n
@@ -99,6 +102,14 @@ class SamplingParams:
         s = self.seed
         check(s is None or (_is_int(s) and -(2**63) <= s < 2**64), "seed", "must fit in 64 bits")
         check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "must be >= 1")
+        n = self.min_tokens
+        if not (_is_int(n) and n >= 0):
+            check(False, "min_tokens", "must be an integer >= 0")
+        elif n:
+            if _is_int(self.max_tokens) and n > self.max_tokens:
+                check(False, "min_tokens", f"must be <= max_tokens ({self.max_tokens})")
+            # a complete constraint ends the generation; held back, it would have nothing to draw
+            check(self.constraint is None, "min_tokens", "cannot be combined with a constraint")
         check(
             isinstance(self.stop_token_ids, tuple)
             and all(_is_int(i) and i >= 0 for i in self.stop_token_ids),

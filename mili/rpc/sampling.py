@@ -29,6 +29,7 @@ def sampling_params(proto: sampling_pb2.SamplingParams) -> SamplingParams:
     kwargs: dict[str, Any] = {f: getattr(proto, f) for f in OPTIONAL_FIELDS if proto.HasField(f)}
     try:
         return SamplingParams(
+            min_tokens=proto.min_tokens,
             stop_token_ids=tuple(proto.stop_token_ids),
             ignore_eos=proto.ignore_eos,
             constraint=constraint_from_proto(proto),
@@ -51,6 +52,7 @@ def sampling_params_to_proto(params: SamplingParams) -> sampling_pb2.SamplingPar
         repetition_penalty=params.repetition_penalty,
         presence_penalty=params.presence_penalty,
         frequency_penalty=params.frequency_penalty,
+        min_tokens=params.min_tokens,
         stop_token_ids=params.stop_token_ids,
         ignore_eos=params.ignore_eos,
     )

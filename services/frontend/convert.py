@@ -53,6 +53,7 @@ def sampling_input(s: sampling_pb2.SamplingParams) -> SamplingInput:
         stop=tuple(s.stop),
         stop_token_ids=tuple(s.stop_token_ids),
         ignore_eos=s.ignore_eos,
+        min_tokens=s.min_tokens,
         logprobs=s.logprobs if s.HasField("logprobs") else None,
         prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
         constraint=constraint_from_proto(s),

@@ -315,7 +315,9 @@ class Generation:
             finish = finish or event.finish_reason
             num_generated += len(token_ids)
             self._output_token_ids.extend(token_ids)
-            pushed = matcher.push(await text.push(token_ids))
+            # stop strings count from the min_tokens-th token on (vLLM's rule)
+            may_stop = num_generated >= sampling.min_tokens
+            pushed = matcher.push(await text.push(token_ids), may_stop=may_stop)
             out = pushed.text
             if pushed.is_stopped:
                 finish = FinishReason.STOP

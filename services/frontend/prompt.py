@@ -127,6 +127,13 @@ def fit_context(
         )
     if sampling.max_tokens <= room:
         return sampling
+    if sampling.min_tokens > room:
+        raise InvalidArgument(
+            "sampling.min_tokens",
+            sampling.min_tokens,
+            f"prompt ({num_prompt_tokens} tokens) + min_tokens ({sampling.min_tokens}) exceeds "
+            f"the context window of {max_context_tokens} tokens; at most {room} fits",
+        )
     if may_shrink:
         return replace(sampling, max_tokens=room)
     raise InvalidArgument(

@@ -42,13 +42,18 @@ class StopMatcher:
         """Text held back because it may be the start of a stop string."""
         return self._held
 
-    def push(self, delta: str) -> Pushed:
-        """Add generated text; return what may be emitted and whether a stop string matched."""
+    def push(self, delta: str, *, may_stop: bool = True) -> Pushed:
+        """Add generated text; return what may be emitted and whether a stop string matched.
+        `may_stop` False (min_tokens not reached yet): nothing is matched nor held, and a
+        match may start only in text pushed later."""
         if self._is_stopped:
             raise RuntimeError("push() after a stop string matched")
         if not self._stops:
             return Pushed(delta, False)
         text = self._held + delta
+        if not may_stop:
+            self._held = ""
+            return Pushed(text, False)
         start = self._first_match(text)
         if start is not None:
             self._held = ""

@@ -96,6 +96,7 @@ class SamplingInput:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_tokens: int = 0  # tokens before a stop may end the generation (0: none)
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # of the prompt's tokens: None, 0 or n <= 20 (top-n)
     # Structured output (sampling.json_schema, .regex, ...): sizes checked by `validate`, then
@@ -302,6 +303,7 @@ def _resolve_sampling(
             stop=s.stop,
             stop_token_ids=s.stop_token_ids,
             ignore_eos=s.ignore_eos,
+            min_tokens=s.min_tokens,
             constraint=s.constraint,
             **given,
         )

@@ -247,6 +247,48 @@ def test_stop_string_and_echo(client: openai.OpenAI, model: str) -> None:
     assert ids.usage is not None and ids.usage.prompt_tokens == 3 and ids.choices[0].text
 
 
+def test_min_tokens_holds_back_stop_ids_and_stop_strings(
+    deployment: Deployment, client: openai.OpenAI, model: str
+) -> None:
+    """min_tokens (vLLM's extra): the stop ids are not drawn before it, by prefill (the first
+    token) nor decode, and stop strings match only from its last token on; gRPC and HTTP
+    alike."""
+    greedy = grpc_complete(deployment, max_tokens=12, temperature=0, ignore_eos=True)
+    first = greedy.token_ids[0]
+    plain = grpc_complete(deployment, max_tokens=12, temperature=0, stop_token_ids=[first])
+    assert list(plain.token_ids) == [first]  # the stop id ends it at once
+    held = grpc_complete(
+        deployment, max_tokens=12, temperature=0, stop_token_ids=[first], min_tokens=4
+    )
+    assert len(held.token_ids) >= 4 and first not in held.token_ids[:3]
+    assert held.token_ids[0] != first  # prefill's draw held it back too
+    args: dict[str, Any] = dict(model=model, prompt=PROMPT, max_tokens=12, temperature=0)
+    http = client.completions.create(
+        **args, extra_body={"stop_token_ids": [first], "min_tokens": 4}
+    )
+    assert http.choices[0].text == held.text
+    assert http.usage is not None and http.usage.completion_tokens == len(held.token_ids)
+
+    # A stop string inside the first tokens' text: cut there without min_tokens, not with it.
+    text = greedy.text
+    stop = text[:2]
+    cut = client.completions.create(**args, extra_body={"ignore_eos": True}, stop=[stop])
+    assert cut.choices[0].text == "" and cut.choices[0].finish_reason == "stop"
+    whole = client.completions.create(
+        **args, extra_body={"ignore_eos": True, "min_tokens": 12}, stop=[stop]
+    )
+    assert whole.choices[0].text.startswith(stop)
+    assert whole.usage is not None and whole.usage.completion_tokens >= 11
+
+    for extra, why in (
+        ({"min_tokens": 13}, "max_tokens"),
+        ({"min_tokens": 2, "response_format": {"type": "json_object"}}, "constraint"),
+    ):
+        with pytest.raises(openai.BadRequestError) as bad:
+            client.completions.create(**args, extra_body=extra)
+        assert bad.value.param == "min_tokens" and why in bad.value.message
+
+
 def test_errors_name_the_parameter(client: openai.OpenAI, model: str) -> None:
     with pytest.raises(openai.BadRequestError) as bad:
         client.completions.create(model=model, prompt=PROMPT, top_p=5)

@@ -159,6 +159,32 @@ def test_sampler_builds_penalty_state_from_prompt_and_outputs() -> None:
     assert torch.equal(logits, torch.tensor([[3.0, 2.9, 2.05, -1.0]]).repeat(3, 1))
 
 
+def test_min_tokens_holds_back_the_stop_ids_until_reached() -> None:
+    """A row with min_tokens never draws a stop id (its own, or Sequence's EOS) before its
+    min_tokens-th token; greedy and random rows alike; logprobs stay the raw ones."""
+    logits = torch.tensor([[1.0, 9.0, 8.0, 0.0, 7.5]])  # id 1 the argmax, id 2 next
+    params = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=(1,), logprobs=1)
+    row = SequenceSampling(params, [0], 5, stop_token_ids={1, 2})  # 2: the model's EOS, say
+    sampler = Sampler()
+    first = sampler(logits, [row])
+    assert first.token_ids == [4]  # 1 and 2 held back: the best of the rest
+    assert first.logprobs is not None and first.top_logprobs is not None
+    assert first.top_logprobs[0][0][0] == 1  # the raw distribution's most likely, reported
+    assert torch.equal(logits, torch.tensor([[1.0, 9.0, 8.0, 0.0, 7.5]]))  # not written
+    row.append(4)
+    assert sampler(logits, [row]).token_ids == [4]  # one token so far: still held back
+    row.append(4)
+    assert sampler(logits, [row]).token_ids == [1]  # min_tokens reached: the stop id is free
+    # Random rows: the stop ids hold almost all the mass, yet are never drawn before the min.
+    hot = SamplingParams(temperature=1.0, min_tokens=3, stop_token_ids=(1, 2), seed=7)
+    peaked = torch.tensor([[0.0, 30.0, 30.0, 0.0, 0.0]]).repeat(16, 1)
+    rows = [SequenceSampling(hot, [], 5) for _ in range(16)]  # default: the request's stop ids
+    assert all(t not in (1, 2) for t in sampler(peaked, rows).token_ids)
+    # Without min_tokens nothing is held back.
+    plain = SequenceSampling(SamplingParams(temperature=0, stop_token_ids=(1,)), [0], 5)
+    assert plain.held_ids.size == 0 and sampler(logits, [plain]).token_ids == [1]
+
+
 def test_penalties_count_every_output_token_past_the_arrays_growth() -> None:
     """A row's output ids for penalties live in an array grown by doubling: 40 appends (past
     16 and 32) count each id as often as it was generated; frequency_penalty 1 takes off

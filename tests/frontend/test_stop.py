@@ -91,3 +91,13 @@ def test_random_splits_equal_matching_the_whole_text(seed: int) -> None:
     cuts = sorted(rng.sample(range(1, len(text)), 12))
     deltas = [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)], strict=True)]
     assert run(stops, deltas) == reference(stops, text)
+
+
+def test_before_min_tokens_nothing_matches_nor_is_held() -> None:
+    """min_tokens: text pushed with may_stop False goes out whole, stop strings and their
+    starts included; matching begins with the text pushed after."""
+    m = StopMatcher(["END"])
+    assert m.push("xEND yE", may_stop=False) == ("xEND yE", False)
+    assert m.held == ""
+    assert m.push("ND z", may_stop=True) == ("ND z", False)  # "E" went out before: no match
+    assert m.push(" END!", may_stop=True) == (" ", True)

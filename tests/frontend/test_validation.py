@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from mili.engine.constraint.spec import Constraint
 from mili.engine.sampling_params import MAX_PROMPT_LOGPROBS_TOKENS
 from mili.errors import InvalidArgument
 from services.frontend.prompt import check_input_chars, check_token_ids, fit_context, with_eos
@@ -65,6 +66,9 @@ def check(request: RequestInput, limits: Limits = LIMITS) -> ValidRequest:
         ({"stop": ("x" * 257,)}, "sampling.stop[0]"),
         ({"stop": tuple(str(i) for i in range(17))}, "sampling.stop"),
         ({"stop_token_ids": tuple(range(65))}, "sampling.stop_token_ids"),
+        ({"min_tokens": -1}, "sampling.min_tokens"),
+        ({"min_tokens": 11, "max_tokens": 10}, "sampling.min_tokens"),
+        ({"min_tokens": 1, "constraint": Constraint.json_object()}, "sampling.min_tokens"),
     ],
 )
 def test_each_bad_sampling_field_is_named(fields: dict[str, object], bad_field: str) -> None:
@@ -92,6 +96,8 @@ def test_each_bad_sampling_field_is_named(fields: dict[str, object], bad_field: 
         {"logprobs": 20},
         {"prompt_logprobs": 0},
         {"prompt_logprobs": 20},
+        {"min_tokens": 0, "constraint": Constraint.json_object()},
+        {"min_tokens": 10, "max_tokens": 10},
     ],
 )
 def test_boundary_values_are_accepted(fields: dict[str, object]) -> None:
@@ -195,6 +201,12 @@ def test_fit_context() -> None:
         default.sampling, 4000, 4096, "prompt", may_shrink=default.is_default_max_tokens
     )
     assert fitted.max_tokens == 96
+    # ... but not below an explicit min_tokens, which cannot be honoured then.
+    held = check(RequestInput(prompt="x", sampling=SamplingInput(min_tokens=97)))
+    with pytest.raises(InvalidArgument) as info:
+        fit_context(held.sampling, 4000, 4096, "prompt", may_shrink=held.is_default_max_tokens)
+    assert fields_of(info.value) == ["sampling.min_tokens"]
+    assert "at most 96 fits" in str(info.value)
 
 
 def test_prompt_logprobs_are_carried_and_bounded_by_the_prompt_length() -> None:

@@ -36,6 +36,9 @@ Choices worth knowing:
   rows alike pick an allowed token and the seeded draw is unchanged in kind (the same u, over
   the masked distribution). The mask is applied in place on the logits handed in (a copy only
   when some row asks for logprobs, which stay those of the raw distribution).
+- min_tokens: until a row has generated that many tokens, its stop ids (the request's, and
+  the model's EOS unless ignore_eos) get -inf like a mask's forbidden tokens, so no draw ends
+  it early; logprobs stay those of the raw distribution.
 - The sampler does not record the tokens it returns: the caller calls `seq.append(token_id)`
   for each row before the next step's sampling (penalties and the draw's position depend on
   it; the next step's forward may already run: ModelRunner.decode_logits' `ahead`).
@@ -44,7 +47,7 @@ Choices worth knowing:
 from __future__ import annotations
 
 import secrets
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -85,6 +88,9 @@ class SequenceSampling:
 
     `output_token_ids` lets a service resume a request started elsewhere (decode after prefill):
     the tokens generated so far count for penalties and advance the noise position.
+    `stop_token_ids`: the ids that end this generation (Sequence's: the request's and the
+    model's EOS unless ignore_eos; default the request's own), never drawn while fewer than
+    `params.min_tokens` tokens were generated.
     """
 
     def __init__(
@@ -93,11 +99,18 @@ class SequenceSampling:
         prompt_token_ids: Sequence[int],
         vocab_size: int,
         output_token_ids: Sequence[int] = (),
+        stop_token_ids: Collection[int] | None = None,
     ) -> None:
         if vocab_size <= 0:
             raise ValueError(f"vocab_size must be > 0, got {vocab_size}")
         self.params = params
         self.vocab_size = vocab_size
+        stops = params.stop_token_ids if stop_token_ids is None else stop_token_ids
+        # The ids min_tokens holds back (ascending; none past the vocabulary, none without it).
+        self.held_ids = np.array(
+            sorted(i for i in stops if i < vocab_size) if params.min_tokens else [],
+            dtype=np.int64,
+        )
         self.seed: int = params.seed if params.seed is not None else secrets.randbits(64)
         # Distinct prompt ids, ascending, int64: the prompt-presence mask repetition penalty
         # uses. Arrays, not lists: a penalised batch's index is built from them every step, and
@@ -239,6 +252,17 @@ def _has_filters(p: SamplingParams) -> bool:
     return p.top_k != 0 or p.top_p < 1 or p.min_p > 0
 
 
+def _hold_back(logits: torch.Tensor, held: list[tuple[int, np.ndarray]]) -> None:
+    """In place: -inf at each (row, id) of `held` (min_tokens: the stop ids a row may not draw
+    yet). One copy of the index, no host sync."""
+    if not held:
+        return
+    rows = np.concatenate([np.full(ids.size, row, dtype=np.int64) for row, ids in held])
+    index = to_device(np.stack([rows, np.concatenate([ids for _, ids in held])]), torch.int64,
+                      logits.device)  # fmt: skip
+    logits.index_put_((index[0], index[1]), logits.new_full((index.shape[1],), float("-inf")))
+
+
 def _counts(ids_per_row: dict[int, np.ndarray], like: torch.Tensor) -> torch.Tensor:
     """[B, V] float like `like`: how often each id occurs in each listed row (others stay 0).
     ids_per_row: row -> int64 ids [n]."""
@@ -361,11 +385,17 @@ class Sampler:
         rows = [i for i, p in enumerate(params) if p.has_penalties]
 
         raw = logits  # what logprobs describe
-        if mask is not None:
+        held = [
+            (i, s.held_ids)
+            for i, s in enumerate(seqs)
+            if s.held_ids.size and len(s.output_token_ids) < s.params.min_tokens
+        ]
+        if mask is not None or held:
             if any(p.logprobs is not None for p in params):
                 logits = logits.clone()
             with torch.inference_mode():
                 apply_token_bitmask(logits, mask)
+                _hold_back(logits, held)
         penalized = logits
         columns: torch.Tensor | None = None  # [8, B, 1], see _PARAMS
         if rows or is_random:

@@ -49,12 +49,11 @@ class Sequence:
     ) -> Sequence:
         """Raises ValueError for a prompt id outside the vocabulary."""
         prompt = list(prompt_token_ids)
+        stops = stop_token_set(params.stop_token_ids, eos_token_ids, ignore_eos=params.ignore_eos)
         return cls(
             prompt_token_ids=prompt,
-            sampling=SequenceSampling(params, prompt, vocab_size),
-            stop_token_ids=stop_token_set(
-                params.stop_token_ids, eos_token_ids, ignore_eos=params.ignore_eos
-            ),
+            sampling=SequenceSampling(params, prompt, vocab_size, stop_token_ids=stops),
+            stop_token_ids=stops,
             max_context_tokens=max_context_tokens,
             block_table=[] if block_table is None else block_table,
             matcher=matcher,

@@ -63,7 +63,6 @@ class OpenAIRequest:
 _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "suffix": lambda v: v == "",
     "logit_bias": lambda v: v == {},
-    "min_tokens": lambda v: v == 0,
     "skip_special_tokens": lambda v: v is True,
     "include_stop_str_in_output": lambda v: v is False,
     "prompt_logprobs": lambda v: False,
@@ -234,8 +233,15 @@ def _sampling(
         stop=body.texts("stop"),
         stop_token_ids=body.integers("stop_token_ids"),
         ignore_eos=body.flag("ignore_eos") or False,
+        min_tokens=_min_tokens(body),
         logprobs=logprobs,
     )
+
+
+def _min_tokens(body: Body) -> int:
+    """min_tokens (vLLM's extra): unset is 0; the range is SamplingParams'."""
+    n = body.integer("min_tokens")
+    return 0 if n is None else n
 
 
 def _top_k(body: Body) -> int | None:

@@ -201,7 +201,6 @@ def test_chat_fields() -> None:
     [
         ("suffix", "x"),
         ("logit_bias", {"5": 1}),
-        ("min_tokens", 3),
         ("skip_special_tokens", False),
         ("prompt_logprobs", 1),
         ("functions", [{"name": "f"}]),
@@ -213,8 +212,14 @@ def test_known_unsupported_fields_are_refused(field: str, value: Any) -> None:
 
 
 def test_harmless_values_of_unsupported_fields_pass() -> None:
-    completion(prompt="a", suffix="", logit_bias={}, min_tokens=0, skip_special_tokens=True)
+    completion(prompt="a", suffix="", logit_bias={}, skip_special_tokens=True)
     chat(tools=[], response_format={"type": "text"}, best_of=None)
+
+
+def test_min_tokens_is_read_and_typed() -> None:
+    assert completion(prompt="a", min_tokens=3).inputs[0].sampling.min_tokens == 3
+    assert chat().inputs[0].sampling.min_tokens == 0
+    assert param_of_failure(completion, prompt="a", min_tokens="3") == "min_tokens"
 
 
 def test_n_best_of_echo_stream_options() -> None:
