@@ -50,6 +50,27 @@ def _is_real(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
+_BIAS_RULE = "must map token ids >= 0 (each once) to biases in [-100, 100]"
+
+
+def _bad_bias(bias: object) -> object | None:
+    """The first entry of a logit_bias that breaks _BIAS_RULE (the whole value if it is not a
+    tuple of pairs), or None."""
+    if not isinstance(bias, tuple):
+        return bias
+    seen = set()
+    for pair in bias:
+        if not (isinstance(pair, tuple) and len(pair) == 2):
+            return pair
+        token_id, value = pair
+        if not (_is_int(token_id) and token_id >= 0 and token_id not in seen):
+            return pair
+        if not (_is_real(value) and -100 <= value <= 100):
+            return pair
+        seen.add(token_id)
+    return None
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 1.0  # < GREEDY_TEMPERATURE (0 too) = greedy: argmax of penalized logits
@@ -68,6 +89,9 @@ class SamplingParams:
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # (token id, bias) pairs: added to the logits before every draw, as OpenAI's logit_bias;
+    # bias in [-100, 100].
+    logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None  # None = none; 0 = chosen token only; n = chosen + top-n
     # Of the prompt's tokens (prefill computes them), as `logprobs`: None, 0 or n <= 20.
     prompt_logprobs: int | None = None
@@ -82,6 +106,7 @@ class SamplingParams:
         for name in ("stop_token_ids", "stop"):  # accept a list, store a hashable tuple
             if isinstance(getattr(self, name), list):
                 object.__setattr__(self, name, tuple(getattr(self, name)))
+
         errors: list[InvalidArgument] = []
 
         def check(is_ok: bool, field: str, reason: str) -> None:
@@ -117,6 +142,9 @@ class SamplingParams:
             "must be a list of token ids >= 0",
         )
         check(isinstance(self.ignore_eos, bool), "ignore_eos", "must be a bool")
+        bad_bias = _bad_bias(self.logit_bias)
+        if bad_bias is not None:  # named alone: the whole map can be a thousand entries
+            errors.append(InvalidArgument("logit_bias", bad_bias, _BIAS_RULE))
         for field in ("logprobs", "prompt_logprobs"):
             n = getattr(self, field)
             check(

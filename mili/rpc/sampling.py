@@ -30,6 +30,7 @@ def sampling_params(proto: sampling_pb2.SamplingParams) -> SamplingParams:
     try:
         return SamplingParams(
             min_tokens=proto.min_tokens,
+            logit_bias=tuple(sorted(proto.logit_bias.items())),
             stop_token_ids=tuple(proto.stop_token_ids),
             ignore_eos=proto.ignore_eos,
             constraint=constraint_from_proto(proto),
@@ -53,6 +54,7 @@ def sampling_params_to_proto(params: SamplingParams) -> sampling_pb2.SamplingPar
         presence_penalty=params.presence_penalty,
         frequency_penalty=params.frequency_penalty,
         min_tokens=params.min_tokens,
+        logit_bias=dict(params.logit_bias),
         stop_token_ids=params.stop_token_ids,
         ignore_eos=params.ignore_eos,
     )

@@ -54,6 +54,7 @@ def sampling_input(s: sampling_pb2.SamplingParams) -> SamplingInput:
         stop_token_ids=tuple(s.stop_token_ids),
         ignore_eos=s.ignore_eos,
         min_tokens=s.min_tokens,
+        logit_bias=tuple(sorted(s.logit_bias.items())),
         logprobs=s.logprobs if s.HasField("logprobs") else None,
         prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
         constraint=constraint_from_proto(s),
@@ -73,6 +74,7 @@ def request_input(
         len(request.messages),
         len(sampling.stop),
         len(sampling.stop_token_ids),
+        len(sampling.logit_bias),
     )
     check_counts(counts, limits, max_context_tokens)
     return RequestInput(

@@ -74,7 +74,8 @@ def check_input_chars(request: ValidRequest, max_input_chars: int) -> None:
 
 
 def check_token_ids(request: ValidRequest, vocab_size: int) -> None:
-    """Every id the caller sent (prompt and stop ids) must be below the tokenizer's vocab size."""
+    """Every id the caller sent (prompt, stop ids, logit_bias) must be below the tokenizer's
+    vocab size."""
     violations: list[FieldViolation] = []
     reason = f"outside the vocabulary (ids 0..{vocab_size - 1})"
     for field, ids in (
@@ -84,6 +85,9 @@ def check_token_ids(request: ValidRequest, vocab_size: int) -> None:
         for i, token_id in enumerate(ids):
             if not 0 <= token_id < vocab_size:
                 violations.extend(InvalidArgument(f"{field}[{i}]", token_id, reason).violations)
+    for token_id, _ in request.sampling.logit_bias:
+        if token_id >= vocab_size:
+            violations.extend(InvalidArgument("sampling.logit_bias", token_id, reason).violations)
     raise_if_any(violations)
 
 

@@ -51,6 +51,7 @@ class Limits:
     max_stop_strings: int = 16
     max_stop_chars: int = 256  # per stop string
     max_stop_token_ids: int = 64
+    max_logit_bias: int = 1024  # entries of sampling.logit_bias
     max_client_request_id_chars: int = 256  # GenerateRequest.request_id
     constraint: ConstraintLimits = dataclasses.field(default_factory=ConstraintLimits)
 
@@ -63,7 +64,7 @@ class Limits:
                 f"max_tokens_limit ({limit}) must be >= default_max_tokens "
                 f"({self.default_max_tokens})"
             )
-        for name in ("max_stop_strings", "max_stop_chars", "max_stop_token_ids"):
+        for name in ("max_stop_strings", "max_stop_chars", "max_stop_token_ids", "max_logit_bias"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
 
@@ -97,6 +98,7 @@ class SamplingInput:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     min_tokens: int = 0  # tokens before a stop may end the generation (0: none)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # of the prompt's tokens: None, 0 or n <= 20 (top-n)
     # Structured output (sampling.json_schema, .regex, ...): sizes checked by `validate`, then
@@ -127,6 +129,7 @@ class Counts(NamedTuple):
     messages: int
     stop: int
     stop_token_ids: int
+    logit_bias: int = 0
 
 
 def check_counts(counts: Counts, limits: Limits, max_context_tokens: int | None) -> None:
@@ -148,6 +151,7 @@ def check_counts(counts: Counts, limits: Limits, max_context_tokens: int | None)
         ),
         ("sampling.stop", counts.stop, limits.max_stop_strings, "more strings than"),
         ("sampling.stop_token_ids", counts.stop_token_ids, limits.max_stop_token_ids, "more than"),
+        ("sampling.logit_bias", counts.logit_bias, limits.max_logit_bias, "more entries than"),
     ):
         if count > limit:
             if field.startswith("sampling."):
@@ -304,6 +308,7 @@ def _resolve_sampling(
             stop_token_ids=s.stop_token_ids,
             ignore_eos=s.ignore_eos,
             min_tokens=s.min_tokens,
+            logit_bias=s.logit_bias,
             constraint=s.constraint,
             **given,
         )

@@ -289,6 +289,31 @@ def test_min_tokens_holds_back_stop_ids_and_stop_strings(
         assert bad.value.param == "min_tokens" and why in bad.value.message
 
 
+def test_logit_bias_forces_and_bans_tokens(
+    deployment: Deployment, client: openai.OpenAI, model: str
+) -> None:
+    """logit_bias on every draw, prefill's first token included; gRPC and HTTP alike."""
+    greedy = grpc_complete(deployment, max_tokens=6, temperature=0, ignore_eos=True)
+    first = greedy.token_ids[0]
+    forced = 100 if first != 100 else 101  # an id the tokenizer has
+    boosted = grpc_complete(
+        deployment, max_tokens=6, temperature=0, ignore_eos=True, logit_bias={forced: 100.0}
+    )
+    assert list(boosted.token_ids) == [forced] * 6
+    banned = grpc_complete(
+        deployment, max_tokens=6, temperature=0, ignore_eos=True, logit_bias={first: -100.0}
+    )
+    assert first not in banned.token_ids
+    args: dict[str, Any] = dict(model=model, prompt=PROMPT, max_tokens=6, temperature=0)
+    http = client.completions.create(
+        **args, logit_bias={str(forced): 100}, extra_body={"ignore_eos": True}
+    )
+    assert http.choices[0].text == boosted.text
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(**args, logit_bias={str(10**6): 1})
+    assert bad.value.param == "logit_bias" and "outside the vocabulary" in bad.value.message
+
+
 def test_errors_name_the_parameter(client: openai.OpenAI, model: str) -> None:
     with pytest.raises(openai.BadRequestError) as bad:
         client.completions.create(model=model, prompt=PROMPT, top_p=5)

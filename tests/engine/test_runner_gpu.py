@@ -113,7 +113,9 @@ def test_no_host_sync_inside_a_decode_step(cuda_model: Qwen3ForCausalLM, use_gra
     pool = BlockPool(runner.num_blocks, null_block=True)
     params = [
         SamplingParams(min_tokens=5, stop_token_ids=(3,)),  # its stop id held back
-        SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.01, seed=3),
+        SamplingParams(
+            temperature=0.8, top_k=20, top_p=0.9, min_p=0.01, seed=3, logit_bias=((4, 1.5),)
+        ),
         SamplingParams(temperature=1.0, repetition_penalty=1.2, presence_penalty=0.3, logprobs=2),
     ]
     seqs = []
@@ -147,7 +149,7 @@ def test_no_host_sync_inside_a_decode_step(cuda_model: Qwen3ForCausalLM, use_gra
     bitmask[:, :2] = -1
     mask = FilledMask(bitmask, [0, 2])
     torch.cuda.set_sync_debug_mode("error")
-    try:  # its sampling (penalties, logprobs, masks, min_tokens) once the ids are appended
+    try:  # its sampling (penalties, logprobs, masks, min_tokens, logit_bias) after the append
         ahead = runner.sample(logits, [s.sampling for s in seqs], mask)
     finally:
         torch.cuda.set_sync_debug_mode("default")

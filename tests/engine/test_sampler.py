@@ -185,6 +185,29 @@ def test_min_tokens_holds_back_the_stop_ids_until_reached() -> None:
     assert plain.held_ids.size == 0 and sampler(logits, [plain]).token_ids == [1]
 
 
+def test_logit_bias_is_added_before_the_draw_and_not_to_logprobs() -> None:
+    logits = torch.tensor([[1.0, 9.0, 8.0, 0.0, 7.5]]).repeat(3, 1)
+    rows = [
+        SequenceSampling(SamplingParams(temperature=0, logit_bias=((3, 100.0),)), [], 5),
+        SequenceSampling(SamplingParams(temperature=0, logit_bias=((1, -100.0), (2, -1.0))), [], 5),
+        SequenceSampling(SamplingParams(temperature=0, logprobs=0), [], 5),  # unbiased
+    ]
+    out = Sampler()(logits, rows)
+    assert out.token_ids == [3, 4, 1]  # 0 + 100; 9 - 100 and 8 - 1 lose to 7.5; argmax
+    assert out.logprobs is not None
+    raw = torch.log_softmax(logits[2], -1)[1].item()
+    assert out.logprobs[2] == pytest.approx(raw)  # the unbiased row's raw logprob
+    assert torch.equal(logits, torch.tensor([[1.0, 9.0, 8.0, 0.0, 7.5]]).repeat(3, 1))
+    # Random rows: -100 in effect bans a token that holds almost all the mass.
+    banned = SamplingParams(temperature=1.0, seed=3, logit_bias=((1, -100.0),))
+    peaked = torch.tensor([[0.0, 40.0, 0.0, 0.0, 0.0]]).repeat(16, 1)
+    assert (
+        1 not in Sampler()(peaked, [SequenceSampling(banned, [], 5) for _ in range(16)]).token_ids
+    )
+    # An id past the tokenizer's vocabulary (a padded embedding's rows) is left alone.
+    assert SequenceSampling(SamplingParams(logit_bias=((7, 1.0),)), [], 5).bias_ids.size == 0
+
+
 def test_penalties_count_every_output_token_past_the_arrays_growth() -> None:
     """A row's output ids for penalties live in an array grown by doubling: 40 appends (past
     16 and 32) count each id as often as it was generated; frequency_penalty 1 takes off

@@ -66,6 +66,10 @@ def check(request: RequestInput, limits: Limits = LIMITS) -> ValidRequest:
         ({"stop": ("x" * 257,)}, "sampling.stop[0]"),
         ({"stop": tuple(str(i) for i in range(17))}, "sampling.stop"),
         ({"stop_token_ids": tuple(range(65))}, "sampling.stop_token_ids"),
+        ({"logit_bias": ((5, 100.5),)}, "sampling.logit_bias"),
+        ({"logit_bias": ((5, math.nan),)}, "sampling.logit_bias"),
+        ({"logit_bias": ((5, 1.0), (5, 2.0))}, "sampling.logit_bias"),
+        ({"logit_bias": ((-1, 1.0),)}, "sampling.logit_bias"),
         ({"min_tokens": -1}, "sampling.min_tokens"),
         ({"min_tokens": 11, "max_tokens": 10}, "sampling.min_tokens"),
         ({"min_tokens": 1, "constraint": Constraint.json_object()}, "sampling.min_tokens"),
@@ -98,6 +102,7 @@ def test_each_bad_sampling_field_is_named(fields: dict[str, object], bad_field: 
         {"prompt_logprobs": 20},
         {"min_tokens": 0, "constraint": Constraint.json_object()},
         {"min_tokens": 10, "max_tokens": 10},
+        {"logit_bias": ((0, -100.0), (5, 100.0))},
     ],
 )
 def test_boundary_values_are_accepted(fields: dict[str, object]) -> None:
@@ -172,6 +177,14 @@ def test_token_ids_outside_vocab_are_named_by_index() -> None:
     check_token_ids(check(RequestInput(token_ids=(0, 835))), vocab_size=836)
 
 
+def test_logit_bias_ids_outside_vocab_are_named() -> None:
+    biased = check(sampled(logit_bias=((5, 1.0), (836, -1.0))))
+    with pytest.raises(InvalidArgument) as info:
+        check_token_ids(biased, vocab_size=836)
+    assert fields_of(info.value) == ["sampling.logit_bias"] and "836" in str(info.value)
+    check_token_ids(check(sampled(logit_bias=((835, 1.0),))), vocab_size=836)
+
+
 def test_stop_token_ids_outside_vocab_are_named() -> None:
     valid = check(sampled(stop_token_ids=(3, 5000)))
     with pytest.raises(InvalidArgument) as info:
@@ -243,14 +256,15 @@ def test_text_over_the_tokenizers_limit_is_refused_before_tokenizing() -> None:
 
 
 def test_lists_longer_than_any_valid_request_are_refused_by_their_counts() -> None:
-    check_counts(Counts(40_960, 40_960, 16, 64), LIMITS, 40_960)  # each at its bound
+    check_counts(Counts(40_960, 40_960, 16, 64, 1024), LIMITS, 40_960)  # each at its bound
     with pytest.raises(InvalidArgument) as caught:
-        check_counts(Counts(1_500_000, 40_961, 17, 65), LIMITS, 40_960)
+        check_counts(Counts(1_500_000, 40_961, 17, 65, 1025), LIMITS, 40_960)
     assert fields_of(caught.value) == [
         "token_ids",
         "messages",
         "sampling.stop",
         "sampling.stop_token_ids",
+        "sampling.logit_bias",
     ]
     descriptions = [v.description for v in caught.value.violations]
     assert descriptions[0] == (

@@ -36,6 +36,8 @@ Choices worth knowing:
   rows alike pick an allowed token and the seeded draw is unchanged in kind (the same u, over
   the masked distribution). The mask is applied in place on the logits handed in (a copy only
   when some row asks for logprobs, which stay those of the raw distribution).
+- logit_bias: added to the row's logits before penalties, temperature and filters (after a
+  constraint's mask: a forbidden token stays -inf); logprobs stay raw.
 - min_tokens: until a row has generated that many tokens, its stop ids (the request's, and
   the model's EOS unless ignore_eos) get -inf like a mask's forbidden tokens, so no draw ends
   it early; logprobs stay those of the raw distribution.
@@ -111,6 +113,10 @@ class SequenceSampling:
             sorted(i for i in stops if i < vocab_size) if params.min_tokens else [],
             dtype=np.int64,
         )
+        # logit_bias as arrays: ids [n] int64 (none past the vocabulary), biases [n] float32
+        bias = [(i, b) for i, b in params.logit_bias if i < vocab_size]
+        self.bias_ids = np.array([i for i, _ in bias], dtype=np.int64)
+        self.bias_values = np.array([b for _, b in bias], dtype=np.float32)
         self.seed: int = params.seed if params.seed is not None else secrets.randbits(64)
         # Distinct prompt ids, ascending, int64: the prompt-presence mask repetition penalty
         # uses. Arrays, not lists: a penalised batch's index is built from them every step, and
@@ -263,6 +269,19 @@ def _hold_back(logits: torch.Tensor, held: list[tuple[int, np.ndarray]]) -> None
     logits.index_put_((index[0], index[1]), logits.new_full((index.shape[1],), float("-inf")))
 
 
+def _add_bias(logits: torch.Tensor, biased: list[tuple[int, SequenceSampling]]) -> None:
+    """In place: each (row, id) of the rows' logit_bias gets its bias added. Two copies (the
+    index, the biases), no host sync."""
+    if not biased:
+        return
+    rows = np.concatenate([np.full(s.bias_ids.size, row, dtype=np.int64) for row, s in biased])
+    ids = np.concatenate([s.bias_ids for _, s in biased])
+    index = to_device(np.stack([rows, ids]), torch.int64, logits.device)
+    values = to_device(np.concatenate([s.bias_values for _, s in biased]), logits.dtype,
+                       logits.device)  # fmt: skip
+    logits.index_put_((index[0], index[1]), logits[index[0], index[1]] + values)
+
+
 def _counts(ids_per_row: dict[int, np.ndarray], like: torch.Tensor) -> torch.Tensor:
     """[B, V] float like `like`: how often each id occurs in each listed row (others stay 0).
     ids_per_row: row -> int64 ids [n]."""
@@ -390,12 +409,14 @@ class Sampler:
             for i, s in enumerate(seqs)
             if s.held_ids.size and len(s.output_token_ids) < s.params.min_tokens
         ]
-        if mask is not None or held:
+        biased = [(i, s) for i, s in enumerate(seqs) if s.bias_ids.size]
+        if mask is not None or held or biased:
             if any(p.logprobs is not None for p in params):
                 logits = logits.clone()
             with torch.inference_mode():
                 apply_token_bitmask(logits, mask)
                 _hold_back(logits, held)
+                _add_bias(logits, biased)
         penalized = logits
         columns: torch.Tensor | None = None  # [8, B, 1], see _PARAMS
         if rows or is_random:

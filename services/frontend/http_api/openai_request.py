@@ -11,7 +11,7 @@
 Types are checked here (body.py); ranges and limits by the same validation the gRPC API runs
 (validation.py), whose field names (`sampling.top_p`, `token_ids[3]`) `param_of` maps back to
 the names the caller wrote. Unknown fields are ignored, as OpenAI's API does; fields we know
-and do not do (`suffix`, a `logit_bias`, `tools`, ...) are refused naming them, rather than
+and do not do (`suffix`, `functions`, ...) are refused naming them, rather than
 silently answered as if done.
 
 `response_format`, the `guided_*` extras and `structured_outputs` become the one constraint of
@@ -62,7 +62,6 @@ class OpenAIRequest:
 # A known field we do not do -> whether its value is one we can honour anyway (the default).
 _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "suffix": lambda v: v == "",
-    "logit_bias": lambda v: v == {},
     "skip_special_tokens": lambda v: v is True,
     "include_stop_str_in_output": lambda v: v is False,
     "prompt_logprobs": lambda v: False,
@@ -104,7 +103,9 @@ def completion_request(
     inputs = []
     for prompt in prompts:
         text, ids = (prompt, ()) if isinstance(prompt, str) else ("", prompt)
-        counts = Counts(len(ids), 0, len(sampling.stop), len(sampling.stop_token_ids))
+        counts = Counts(
+            len(ids), 0, len(sampling.stop), len(sampling.stop_token_ids), len(sampling.logit_bias)
+        )
         _check_counts(counts, limits, window, _completion_param)
         inputs.append(
             RequestInput(client_request_id=client_id, prompt=text, token_ids=ids, sampling=sampling)
@@ -136,7 +137,9 @@ def chat_request(body: Body, limits: Limits, window: int | None, client_id: str)
         body, body.integer(max_key), (top or 0) if is_logprobs else None, requested
     )
     messages = _messages(body)
-    counts = Counts(0, len(messages), len(sampling.stop), len(sampling.stop_token_ids))
+    counts = Counts(
+        0, len(messages), len(sampling.stop), len(sampling.stop_token_ids), len(sampling.logit_bias)
+    )
     _check_counts(counts, limits, window, _common_param)
     kwargs = body.object("chat_template_kwargs")
     enable_thinking = None if kwargs is None else kwargs.flag("enable_thinking")
@@ -234,8 +237,26 @@ def _sampling(
         stop_token_ids=body.integers("stop_token_ids"),
         ignore_eos=body.flag("ignore_eos") or False,
         min_tokens=_min_tokens(body),
+        logit_bias=_logit_bias(body),
         logprobs=logprobs,
     )
+
+
+def _logit_bias(body: Body) -> tuple[tuple[int, float], ...]:
+    """logit_bias: {"token id": bias} (JSON keys are strings) -> (id, bias) pairs; the ranges
+    are SamplingParams' and the vocabulary's."""
+    bias = body.object("logit_bias")
+    if bias is None:
+        return ()
+    pairs = []
+    for key in bias.data:
+        if not (key.isascii() and key.isdigit() and len(key) <= 19):
+            raise InvalidArgument(bias.name(key), key, "keys must be token ids (decimal)")
+        value = bias.number(key)
+        if value is None:
+            raise bias.wrong(key, None, "a number")
+        pairs.append((int(key), value))
+    return tuple(sorted(pairs))
 
 
 def _min_tokens(body: Body) -> int:

@@ -200,7 +200,6 @@ def test_chat_fields() -> None:
     ("field", "value"),
     [
         ("suffix", "x"),
-        ("logit_bias", {"5": 1}),
         ("skip_special_tokens", False),
         ("prompt_logprobs", 1),
         ("functions", [{"name": "f"}]),
@@ -214,6 +213,16 @@ def test_known_unsupported_fields_are_refused(field: str, value: Any) -> None:
 def test_harmless_values_of_unsupported_fields_pass() -> None:
     completion(prompt="a", suffix="", logit_bias={}, skip_special_tokens=True)
     chat(tools=[], response_format={"type": "text"}, best_of=None)
+
+
+def test_logit_bias_is_read_with_its_keys_as_ids() -> None:
+    biased = completion(prompt="a", logit_bias={"50": -100, "7": 2.5})
+    assert biased.inputs[0].sampling.logit_bias == ((7, 2.5), (50, -100))
+    assert chat(logit_bias={}).inputs[0].sampling.logit_bias == ()
+    assert param_of_failure(completion, prompt="a", logit_bias={"x": 1}) == "logit_bias.x"
+    assert param_of_failure(completion, prompt="a", logit_bias={"5": "high"}) == "logit_bias.5"
+    assert param_of_failure(completion, prompt="a", logit_bias={"5": None}) == "logit_bias.5"
+    assert param_of_failure(completion, prompt="a", logit_bias=[1]) == "logit_bias"
 
 
 def test_min_tokens_is_read_and_typed() -> None:
