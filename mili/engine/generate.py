@@ -60,7 +60,6 @@ class GenerationStats:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     num_prefill_tokens: int = 0
-    num_decode_steps: int = 0
     num_decode_tokens: int = 0  # sum of batch sizes over decode steps
 
 
@@ -160,7 +159,6 @@ def generate(
             start = time.perf_counter()
             _decode_step(model, kv_cache, pool, sampler, seqs, results, active)
             stats.decode_s += time.perf_counter() - start
-            stats.num_decode_steps += 1
             stats.num_decode_tokens += len(active)
     finally:
         for s in seqs:

@@ -133,7 +133,8 @@ class PrefillPlayer:
                     for t, lp in out.top_logprobs[0]
                 ],
             )
-        kv = [cache.gather_blocks(layer, table) for layer in range(cache.num_layers)]
+        blocks = cache.gather_layers(0, cache.num_layers, cache.block_index(table))
+        kv = [(blocks[layer, 0], blocks[layer, 1]) for layer in range(cache.num_layers)]
         return Prefilled(out.token_ids[0], first_logprobs, kv)
 
     def messages(

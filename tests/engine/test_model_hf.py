@@ -225,10 +225,11 @@ def test_gather_scatter_moves_a_request_between_caches(
     src.prefill([prompt], [src_table], all_logits=False)
     dst = Runner(model, block_size=16, num_blocks=16)
     dst_table = [14, 2, 9]
+    blocks = src.cache.gather_layers(0, src.cache.num_layers, src.cache.block_index(src_table))
+    assert blocks.shape == (model.config.num_hidden_layers, 2, 3, 16, 2, 16)
+    assert blocks.is_contiguous()
     for layer in range(model.config.num_hidden_layers):
-        k, v = src.cache.gather_blocks(layer, src_table)
-        assert k.shape == (3, 16, 2, 16) and k.is_contiguous()
-        dst.cache.scatter_blocks(layer, dst_table, k, v)
+        dst.cache.scatter_blocks(layer, dst_table, blocks[layer, 0], blocks[layer, 1])
     expected = src.decode([11], [37], [src_table])
     assert torch.equal(dst.decode([11], [37], [dst_table]), expected)
 
@@ -248,7 +249,7 @@ def test_slot_mapping_and_budget() -> None:
     assert cache.k[0].shape == (3, 16, 8, 128)
     assert cache.layout == (2, 16, 8, 128, "bfloat16")
     with pytest.raises(IndexError, match="block ids"):
-        cache.gather_blocks(0, [3])
+        cache.block_index([3])
 
 
 @pytest.mark.gpu

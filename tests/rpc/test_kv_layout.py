@@ -42,7 +42,7 @@ def test_the_torch_table_covers_exactly_the_dtype_list() -> None:
 def test_block_bytes_without_torch_equal_a_cache_block(name: str) -> None:
     cache = KVCache(CONFIG, num_blocks=3, block_size=4, dtype=TORCH_DTYPES[name])
     layout = kv_layout.layout_to_proto(cache.layout, "fp")
-    k, _ = cache.gather_blocks(0, [1])  # [1, block_size, num_kv_heads, head_dim]
+    k = cache.gather_layers(0, 1, cache.block_index([1]))[0, 0]  # [1, block_size, heads, D]
     assert kv_layout.block_bytes(layout) == k.numel() * k.element_size()
 
 

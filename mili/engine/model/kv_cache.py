@@ -13,7 +13,7 @@ Layout (one K and one V tensor per layer, contiguous, views of one allocation):
 
 Why this layout: one block of one layer is a single contiguous run of
 `block_size * num_kv_heads * head_dim` elements, so shipping a request's KV to another process is
-an `index_select` on dim 0 per layer (`gather_blocks`) and bytes on the wire are exactly
+one `index_select` of the blocks (`gather_layers`) and bytes on the wire are exactly
 `num_blocks x block bytes`; token-major inside a block makes writing one new token a single
 contiguous `[num_kv_heads, head_dim]` row at its slot. It is the layout of vLLM's FlashAttention
 backend, and it is what the KV transfer ships and the Mojo attention kernels read: changing it
@@ -174,13 +174,6 @@ class KVCache:
         from `block_index`."""
         return self.blocks[start:stop].index_select(2, index)
 
-    def gather_blocks(
-        self, layer: int, block_ids: Sequence[int] | torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copy whole blocks out: (k, v), each [n, block_size, kv_heads, head_dim], contiguous."""
-        index = self.block_index(block_ids)
-        return self.k[layer].index_select(0, index), self.v[layer].index_select(0, index)
-
     def scatter_blocks(
         self,
         layer: int,
@@ -188,7 +181,8 @@ class KVCache:
         k: torch.Tensor,
         v: torch.Tensor,
     ) -> None:
-        """Copy whole blocks in (inverse of `gather_blocks`); k/v: [n, block_size, kv_heads, D]."""
+        """Copy whole blocks of one layer in (what `gather_layers` copies out);
+        k/v: [n, block_size, kv_heads, D]."""
         index = self.block_index(block_ids)
         expected = (index.numel(), self.block_size, self.num_kv_heads, self.head_dim)
         for name, t in (("k", k), ("v", v)):
