@@ -313,12 +313,18 @@ class Generation:
             if event.finish_reason is FinishReason.STOP and keep == len(event.token_ids):
                 finish = FinishReason.STOP  # decode's stop (a finished constraint) on our last
             finish = finish or event.finish_reason
+            # Stop strings count from the min_tokens-th token on (vLLM's rule); an event decode
+            # merged may straddle that token: its text before it goes out unmatched.
+            before = min(max(sampling.min_tokens - 1 - num_generated, 0), len(token_ids))
+            split = before if before < len(token_ids) else 0  # 0: the whole event one way
             num_generated += len(token_ids)
             self._output_token_ids.extend(token_ids)
-            # stop strings count from the min_tokens-th token on (vLLM's rule)
+            out = ""
+            if split:
+                out = matcher.push(await text.push(token_ids[:split]), may_stop=False).text
             may_stop = num_generated >= sampling.min_tokens
-            pushed = matcher.push(await text.push(token_ids), may_stop=may_stop)
-            out = pushed.text
+            pushed = matcher.push(await text.push(token_ids[split:]), may_stop=may_stop)
+            out += pushed.text
             if pushed.is_stopped:
                 finish = FinishReason.STOP
             elif finish:

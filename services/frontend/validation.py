@@ -236,6 +236,13 @@ def validate(
                 "is enforced with a constraint of its own: drop sampling's constraint, or "
                 "use tool_choice auto",
             )
+        if sampling.min_tokens:
+            raise InvalidArgument(
+                "sampling.min_tokens",
+                sampling.min_tokens,
+                f"cannot be combined with tool_choice {request.tool_choice.mode} (enforced "
+                "with a constraint, which must be able to end)",
+            )
         sampling = dataclasses.replace(sampling, constraint=tool_constraint)
     return ValidRequest(
         client_request_id=request.client_request_id or new_client_request_id(),
@@ -293,6 +300,12 @@ def _resolve_sampling(
     limit = limits.max_tokens_limit
     if s.max_tokens is not None and limit is not None and s.max_tokens > limit:
         bad("sampling.max_tokens", s.max_tokens, f"must be <= {limit}, this server's limit")
+    max_tokens = s.max_tokens
+    if max_tokens is None:  # this server's default, or what min_tokens asks for above it
+        min_tokens = s.min_tokens if isinstance(s.min_tokens, int) else 0
+        max_tokens = max(limits.default_max_tokens, min_tokens)
+        if limit is not None and max_tokens > limit:
+            bad("sampling.min_tokens", s.min_tokens, f"must be <= {limit}, this server's limit")
     _check_stops(s, limits, bad)
     if s.constraint is not None:
         try:
@@ -302,7 +315,7 @@ def _resolve_sampling(
     given = {f: getattr(s, f) for f in _DEFAULTED_FIELDS if getattr(s, f) is not None}
     try:
         return SamplingParams(
-            max_tokens=limits.default_max_tokens if s.max_tokens is None else s.max_tokens,
+            max_tokens=max_tokens,
             seed=new_seed() if s.seed is None else s.seed,
             stop=s.stop,
             stop_token_ids=s.stop_token_ids,

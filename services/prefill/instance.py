@@ -8,6 +8,7 @@ drives the KV transfer.
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,15 +83,16 @@ class PrefillInstance(RunnerInfo):
             max_useful_blocks=config.max_queued_blocks,
         )
         rows = runner.model.config.vocab_size
-        constraints = load_compiler(model_dir, rows, eos_token_ids(model_dir, runner.model.config))
+        eos = eos_token_ids(model_dir, runner.model.config)
         return cls.create(
             runner,
             config,
             model_name=model_dir.name,
             fingerprint=fingerprint,
             metrics=metrics,
-            constraints=constraints,
+            constraints=load_compiler(model_dir, rows, eos),
             tokenizer_file_sha256=tokenizer_sha256,
+            eos_token_ids=eos,
         )
 
     @classmethod
@@ -104,8 +106,11 @@ class PrefillInstance(RunnerInfo):
         metrics: PrefillMetrics | None = None,
         constraints: ConstraintCompiler | None = None,
         tokenizer_file_sha256: str = "",
+        eos_token_ids: Collection[int] = (),
     ) -> PrefillInstance:
-        """An instance over a runner already built (tests and benchmarks share one model)."""
+        """An instance over a runner already built (tests and benchmarks share one model).
+        `eos_token_ids`: the model's, which min_tokens holds back from the first token as
+        decode does from the rest (besides the ones the frontend puts in the stop ids)."""
         if runner.block_size != config.engine.block_size:
             raise ValueError(
                 f"the runner's block size {runner.block_size} is not the config's "
@@ -120,7 +125,9 @@ class PrefillInstance(RunnerInfo):
         )
         metrics = PrefillMetrics(CollectorRegistry()) if metrics is None else metrics
         masker = None if constraints is None else BatchMasker(constraints.tokenizer, 8)
-        worker = PrefillWorker(runner, scheduler, metrics=metrics, masker=masker)
+        worker = PrefillWorker(
+            runner, scheduler, metrics=metrics, masker=masker, eos_token_ids=eos_token_ids
+        )
         metrics.watch(
             num_queued_tokens=lambda: worker.num_queued_tokens,
             num_queued_requests=lambda: worker.num_queued_requests,

@@ -26,7 +26,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -44,6 +44,7 @@ from mili.engine.step.pinned import StagingRing, pinned_empty, thread_stream
 from mili.engine.step.prompt_logprobs import PromptLogprobsAsk, chunk_targets
 from mili.engine.step.runner import ModelRunner, use_device
 from mili.engine.step.sampler import SequenceSampling
+from mili.engine.stop import stop_token_set
 from mili.errors import Unavailable
 from mili.telemetry.metrics import PrefillMetrics
 from mili.telemetry.tracing import start_batch_span
@@ -94,12 +95,15 @@ class PrefillWorker:
         metrics: PrefillMetrics | None = None,
         staging_bytes: int = _STAGING_BYTES,
         masker: BatchMasker | None = None,
+        eos_token_ids: Collection[int] = (),
     ) -> None:
         """`staging_bytes`: the pinned host memory taken at start for hand-overs (GPU only).
-        `masker`: fills constrained first tokens' masks (None: no constrained task comes)."""
+        `masker`: fills constrained first tokens' masks (None: no constrained task comes).
+        `eos_token_ids`: the model's (the first token's stop set, as decode's Sequence)."""
         if scheduler.pool.num_ids != runner.kv_cache.num_blocks:
             raise ValueError("scheduler pool and KV cache differ in size")
         self.runner = runner
+        self._eos_token_ids = tuple(eos_token_ids)
         device = runner.kv_cache.device
         # pinned host memory for hand-overs to the host (None on the CPU, where none is copied)
         self.staging = StagingRing(staging_bytes, device) if device.type == "cuda" else None
@@ -218,6 +222,15 @@ class PrefillWorker:
         if self._tokens_per_s <= 0:
             return 1.0
         return min(60.0, max(0.05, self._scheduler.num_queued_tokens / self._tokens_per_s))
+
+    def _sampling(self, task: PrefillTask, vocab_size: int) -> SequenceSampling:
+        """The first token's sampling state; its stop set (min_tokens holds it back) is the one
+        decode's Sequence gets."""
+        params = task.sampling
+        stops = stop_token_set(
+            params.stop_token_ids, self._eos_token_ids, ignore_eos=params.ignore_eos
+        )
+        return SequenceSampling(params, task.prompt_token_ids, vocab_size, stop_token_ids=stops)
 
     def _run(self) -> None:
         use_device(self.kv_cache.device)
@@ -341,9 +354,7 @@ class PrefillWorker:
         # Every finishing row is sampled (the mask's rows are these), removed ones dropped after.
         finished = [jobs[computed[row]] for row in last_rows]
         vocab_size = runner.vocab_size  # the tokenizer's
-        seqs = [
-            SequenceSampling(j.task.sampling, j.task.prompt_token_ids, vocab_size) for j in finished
-        ]
+        seqs = [self._sampling(j.task, vocab_size) for j in finished]
         out = runner.sample(logits[last_rows], seqs, mask).result()
         done_at = time.perf_counter()
         results = []

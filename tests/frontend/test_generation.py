@@ -216,6 +216,20 @@ def test_a_stop_string_split_across_events_matches_once() -> None:
     assert sum(len(d.token_ids) for d in deltas) == 5  # tokens up to the one completing "cd"
 
 
+@pytest.mark.parametrize("merged", [False, True])
+def test_stop_strings_count_from_the_min_tokens_th_token_however_decode_merged(
+    merged: bool,
+) -> None:
+    """min_tokens 4: "b" (token 2) is not matched, "e" (token 5) is; also when decode merged
+    tokens 2..5 into one event (a lagging stream), which then straddles the 4th token."""
+    middle = [tokens(2, 3, 4, 5)] if merged else [tokens(2), tokens(3), tokens(4), tokens(5)]
+    down = FakeDownstream({"d:1": [Admitted([1], "token"), tokens(1), *middle, tokens(6)]})
+    deltas = run(down, SamplingParams(max_tokens=10, min_tokens=4, stop=("b", "e")))
+    assert "".join(d.text for d in deltas) == "abcd"
+    assert deltas[-1].finish_reason is FinishReason.STOP
+    assert sum(len(d.token_ids) for d in deltas) == 5
+
+
 def test_logprobs_are_clipped_with_their_tokens() -> None:
     lp = [TokenLogprobs(-0.1 * i, [(i, -0.1 * i)]) for i in range(1, 4)]
     down = FakeDownstream({"d:1": [Admitted([1], "token"), Tokens([1, 2, 3], lp, None)]})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -10,6 +11,7 @@ from mili.engine.constraint.spec import Constraint
 from mili.engine.sampling_params import MAX_PROMPT_LOGPROBS_TOKENS
 from mili.errors import InvalidArgument
 from services.frontend.prompt import check_input_chars, check_token_ids, fit_context, with_eos
+from services.frontend.tools import FunctionTool, ToolChoice
 from services.frontend.validation import (
     MAX_CONTEXT_TOKENS,
     ChatTurn,
@@ -72,6 +74,7 @@ def check(request: RequestInput, limits: Limits = LIMITS) -> ValidRequest:
         ({"logit_bias": ((-1, 1.0),)}, "sampling.logit_bias"),
         ({"min_tokens": -1}, "sampling.min_tokens"),
         ({"min_tokens": 11, "max_tokens": 10}, "sampling.min_tokens"),
+        ({"min_tokens": 1001}, "sampling.min_tokens"),  # over the limit, max_tokens unset
         ({"min_tokens": 1, "constraint": Constraint.json_object()}, "sampling.min_tokens"),
     ],
 )
@@ -275,3 +278,26 @@ def test_lists_longer_than_any_valid_request_are_refused_by_their_counts() -> No
     check_counts(Counts(MAX_CONTEXT_TOKENS, 0, 0, 0), LIMITS, None)
     with pytest.raises(InvalidArgument, match="262144 tokens"):
         check_counts(Counts(MAX_CONTEXT_TOKENS + 1, 0, 0, 0), LIMITS, None)
+
+
+def test_min_tokens_with_a_forced_tool_call_is_refused_naming_it() -> None:
+    """tool_choice required (or named) is enforced with a constraint, which must be able to end:
+    min_tokens is refused there, named as the caller wrote it, the reason saying why."""
+    chat = RequestInput(
+        messages=(ChatTurn("user", "hi"),),
+        sampling=SamplingInput(min_tokens=3, max_tokens=10),
+        tools=(FunctionTool("f"),),
+        tool_choice=ToolChoice("required"),
+    )
+    with pytest.raises(InvalidArgument) as info:
+        check(chat)
+    assert fields_of(info.value) == ["sampling.min_tokens"]
+    assert "tool_choice required" in str(info.value)
+    check(dataclasses.replace(chat, tool_choice=ToolChoice("auto")))  # nothing enforced
+
+
+def test_an_unset_max_tokens_is_raised_to_min_tokens() -> None:
+    """max_tokens unset means this server's default (256 here), or min_tokens if that is more:
+    a caller asking for at least 300 tokens is not refused over a default it never set."""
+    assert check(sampled(min_tokens=300)).sampling.max_tokens == 300
+    assert check(sampled(min_tokens=10)).sampling.max_tokens == 256

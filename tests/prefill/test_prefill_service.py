@@ -4,6 +4,7 @@ order and when, and that decoding from the received KV equals single-process gen
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 
@@ -81,6 +82,27 @@ def test_decoding_from_transferred_kv_equals_generate(tiny: TinyModel, num_token
         assert tokens == expected
 
     asyncio.run(main())
+
+
+def test_min_tokens_holds_the_models_eos_back_from_the_first_token(tiny: TinyModel) -> None:
+    """The first token's stop set is decode's: the request's stop ids and the model's EOS (not
+    only what the frontend merged into the stop ids), unless ignore_eos."""
+    prompt = random_ids(12, tiny.model.config.vocab_size, seed=12)
+    greedy = reference(tiny, prompt, max_tokens=1)[0]
+
+    async def first(**sampling: Any) -> int:
+        async with (
+            prefill_service(tiny, eos_token_ids=(greedy,)) as h,
+            receiver_for(h) as (receiver, server),
+        ):
+            table = reservation(96, len(prompt) + 4, offset=0)
+            receiver.reserve("r", table)
+            request = prefill_request("r", prompt, server.address, table, **sampling)
+            return (await h.stub.Prefill(request)).first_token_id
+
+    assert asyncio.run(first(max_tokens=4)) == greedy  # no min_tokens: EOS may come first
+    assert asyncio.run(first(max_tokens=4, min_tokens=2)) != greedy
+    assert asyncio.run(first(max_tokens=4, min_tokens=2, ignore_eos=True)) == greedy
 
 
 def test_concurrent_prompts_share_forwards(tiny: TinyModel) -> None:

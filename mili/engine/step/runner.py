@@ -357,8 +357,15 @@ class ModelRunner:
         a decode step at the largest batch (padded rows; over the block tables' full width
         when `full_width`, as graphs run), each sampled with the costliest settings."""
         vocab_size = self.vocab_size
+        # logit_bias beside logprobs: the sampler then biases a copy of the logits ([B, V] more)
         costly = SamplingParams(
-            temperature=0.7, top_k=50, top_p=0.9, min_p=0.01, repetition_penalty=1.1, logprobs=20
+            temperature=0.7,
+            top_k=50,
+            top_p=0.9,
+            min_p=0.01,
+            repetition_penalty=1.1,
+            logprobs=20,
+            logit_bias=((0, 1.0),),
         )
         with torch.inference_mode():
             if max_prefill_tokens:
