@@ -57,6 +57,13 @@ def to_device(
     The pinned buffer comes from torch's caching host allocator, which keeps it from being
     reused until the copy has run (it records the copy's stream), so no caller bookkeeping.
     """
+    if isinstance(values, np.ndarray):
+        # torch.tensor(array, dtype=...) converts element by element (~60 ns each: 8 ms for a
+        # penalised batch's 131k ids); from_numpy shares the array, then one vectorised copy
+        host = torch.from_numpy(np.ascontiguousarray(values)).to(dtype)
+        if is_pinnable(device):
+            host = host.pin_memory()
+        return host.to(device, non_blocking=True)
     host = torch.tensor(values, dtype=dtype, pin_memory=is_pinnable(device))
     return host.to(device, non_blocking=True)
 
