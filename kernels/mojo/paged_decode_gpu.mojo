@@ -44,8 +44,9 @@
 # thread (thread t copies chunk t % CPR of rows t / CPR + NG * i, i < 4). Row key k lives at
 #   k_cache[ids[(k - window_key0) / S], k % S, kvh, :]
 # with the window's block ids staged in shared memory once per IDS_WINDOW blocks (one window
-# covers 8192 keys at S = 16, i.e. every split of a 8k context). Rows past the split's end are
-# zero-filled (cp.async src-size 0), so masked keys meet finite V rows.
+# covers 8192 keys at S = 16, i.e. every split of a 8k context). A thread follows its rows'
+# (id index, offset in block) from tile to tile: no division in the tile loop. Rows past the
+# split's end are zero-filled (cp.async src-size 0), so masked keys meet finite V rows.
 
 from std.math import exp2, log2, inf
 from std.sys import size_of
@@ -185,6 +186,15 @@ def paged_decode_kernel[
     # Chunk copied by this thread: column chunk tid % CPR of rows tid / CPR + NG * i.
     var c_col = (tid % CPR) * VEC
     var c_row = tid // CPR
+    # Where this thread's rows sit, kept from tile to tile without a division in the loop: row
+    # i of the next tile to issue is key key0 + p * TK + c_row + NG * i, in ids[bidx[i]] at
+    # offset boff[i]; each tile moves it TK keys on (TK // S blocks and TK % S keys). Source
+    # element of a row: ids[..] * S * KVH * D + boff * KVH * D + kvh * D + c_col.
+    var step_blocks = Int32(TK // S)
+    var step_keys = Int32(TK % S)
+    var blk_stride = S * KVH * D
+    var row_stride = Int32(KVH * D)
+    var head_off = kvh * D + c_col
 
     for w_lo in range(b_lo, b_hi, IDS_WINDOW):
         var w_hi = min(b_hi, w_lo + IDS_WINDOW)
@@ -195,19 +205,26 @@ def paged_decode_kernel[
             ids[unsafe_offset=i] = block_tables[unsafe_offset=b * Int(max_blocks) + w_lo + i]
         barrier()
         var ntiles = (key_end - key0 + TK - 1) // TK
+        var bidx = SIMD[DType.int32, COPIES](0)  # tile 0's rows (the window's first key)
+        var boff = SIMD[DType.int32, COPIES](0)
+        comptime for i in range(COPIES):
+            bidx[i] = Int32((c_row + NG * i) // S)
+            boff[i] = Int32((c_row + NG * i) % S)
 
         # A commit group per tile (empty past the last) keeps "tile t landed" at
         # wait_group(STAGES - 2) for every t.
         comptime for p in range(STAGES - 1):
             _issue_tile[dtype, D, NG, TK, COPIES, STAGES](
-                smem, ids, kg, vg, p, ntiles, key0, key_end, c_row, c_col, S, KVH, kvh
+                smem, ids, kg, vg, p, ntiles, key_end - key0, c_row, c_col, bidx, boff,
+                step_blocks, step_keys, Int32(S), blk_stride, row_stride, head_off,
             )
 
         for t in range(ntiles):
             async_copy_wait_group(Int32(STAGES - 2))  # this thread's copies of tile t landed
             barrier()  # ... everyone's; and tile t - 1 is computed, so its stage is free
             _issue_tile[dtype, D, NG, TK, COPIES, STAGES](
-                smem, ids, kg, vg, t + STAGES - 1, ntiles, key0, key_end, c_row, c_col, S, KVH, kvh
+                smem, ids, kg, vg, t + STAGES - 1, ntiles, key_end - key0, c_row, c_col, bidx,
+                boff, step_blocks, step_keys, Int32(S), blk_stride, row_stride, head_off,
             )
 
             var ks = smem.unsafe_offset((t % STAGES) * 2 * TILE)
@@ -312,27 +329,31 @@ def _issue_tile[
     vg: Pointer[Scalar[dtype], MutAnyOrigin, address_space=AddressSpace.GLOBAL],
     p: Int,
     ntiles: Int,
-    key0: Int,
-    key_end: Int,
+    num_keys: Int,
     c_row: Int,
     c_col: Int,
-    S: Int,
-    KVH: Int,
-    kvh: Int,
+    mut bidx: SIMD[DType.int32, COPIES],
+    mut boff: SIMD[DType.int32, COPIES],
+    step_blocks: Int32,
+    step_keys: Int32,
+    S: Int32,
+    blk_stride: Int,
+    row_stride: Int32,
+    head_off: Int,
 ):
-    """cp.async tile p of the window (keys key0 + p * TK ..) into ring stage p % STAGES, then
-    commit a group (an empty one when p is past the window's last tile)."""
+    """cp.async tile p of the window (its keys p * TK .. of num_keys) into ring stage
+    p % STAGES, then commit a group (an empty one when p is past the window's last tile).
+    bidx/boff hold tile p's rows on entry and tile p + 1's on return (see the kernel)."""
     comptime TILE = TK * D
     if p < ntiles:
         var ks = smem.unsafe_offset((p % STAGES) * 2 * TILE)
         var vs = ks.unsafe_offset(TILE)
         comptime for i in range(COPIES):
             var r = c_row + NG * i
-            var local = p * TK + r  # key - key0
-            var valid = key0 + local < key_end
+            var valid = p * TK + r < num_keys
             # ids[0] for rows past the end: any mapped block; the copy reads 0 bytes of it.
-            var blk = Int(ids[unsafe_offset=local // S if valid else 0])
-            var src = ((blk * S + local % S) * KVH + kvh) * D + c_col
+            var blk = Int(ids[unsafe_offset=Int(bidx[i]) if valid else 0])
+            var src = blk * blk_stride + Int(boff[i] * row_stride) + head_off
             var n = Int32(16) if valid else Int32(0)
             async_copy[16, fill=Scalar[dtype](0)](
                 kg.unsafe_offset(src), ks.unsafe_offset(r * D + c_col), src_size=n
@@ -340,4 +361,12 @@ def _issue_tile[
             async_copy[16, fill=Scalar[dtype](0)](
                 vg.unsafe_offset(src), vs.unsafe_offset(r * D + c_col), src_size=n
             )
+    comptime for i in range(COPIES):
+        var off = boff[i] + step_keys
+        var blk = bidx[i] + step_blocks
+        if off >= S:
+            off -= S
+            blk += 1
+        boff[i] = off
+        bidx[i] = blk
     async_copy_commit_group()

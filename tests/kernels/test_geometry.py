@@ -292,3 +292,30 @@ def test_decode_tile_copies_cover_the_tile_once(head_dim: int, group: int) -> No
         for lvl in range(int(math.log2(row_lanes))):
             other = lane ^ (row_lanes >> (lvl + 1))
             assert other // row_lanes == lane // row_lanes
+
+
+@pytest.mark.parametrize("block_size", [1, 5, 7, 16, 31, 32, 33, 64, 100])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_decode_tile_rows_are_followed_without_a_division(group: int, block_size: int) -> None:
+    """paged_decode's copies find each row's block without dividing in the tile loop: a
+    thread's row i of tile p (key p TK + r, r = c_row + NG i) is in ids[bidx[i]] at offset
+    boff[i], set by one divmod per window and moved TK keys on per tile (TK // S blocks, TK % S
+    keys, one carry). Replayed here over 300 tiles against divmod, for every thread's rows."""
+    head_dim = 128
+    row_lanes = head_dim // 8
+    ng = THREADS // row_lanes
+    tk = ng * (1 if group == 8 else 4)
+    copies = tk * row_lanes // THREADS
+    step_blocks, step_keys = divmod(tk, block_size)
+    for c_row in range(ng):
+        rows = [c_row + ng * i for i in range(copies)]
+        state = [divmod(r, block_size) for r in rows]  # (bidx, boff) of tile 0
+        for p in range(300):
+            assert state == [divmod(p * tk + r, block_size) for r in rows], (c_row, p)
+            moved = []
+            for bidx, boff in state:
+                bidx, boff = bidx + step_blocks, boff + step_keys
+                if boff >= block_size:
+                    bidx, boff = bidx + 1, boff - block_size
+                moved.append((bidx, boff))
+            state = moved

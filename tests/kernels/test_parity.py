@@ -99,6 +99,30 @@ def test_prefill_every_specialisation(device_kernels: Kernels, head_dim: int, dt
     assert_close(run_prefill(kernels, case), reference_prefill(case), dtype)
 
 
+@pytest.mark.parametrize("block_size", [5, 64])
+@pytest.mark.parametrize("ratio", [2, 4])
+@pytest.mark.parametrize("context", [100, 3000])
+def test_decode_block_sizes_that_do_not_divide_a_tile(
+    device_kernels: Kernels, context: int, ratio: int, block_size: int
+) -> None:
+    """Block sizes that neither divide the paged kernel's 32-key tiles nor are divided by them
+    (its copies then carry a block over from tile to tile), and at 5 a context over its
+    512-block id window (2,560 keys): one split, so one CTA reads it all, window after window."""
+    device, kernels = device_kernels
+    case = make_case(
+        [1],
+        [context - 1],
+        num_q_heads=KV_HEADS * ratio,
+        num_kv_heads=KV_HEADS,
+        head_dim=128,
+        block_size=block_size,
+        dtype=torch.bfloat16,
+        device=device,
+        seed=context + block_size,
+    )
+    assert_close(run_decode(kernels, case, num_splits=1), reference_decode(case), torch.bfloat16)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
