@@ -105,9 +105,10 @@ def test_prefill_every_specialisation(device_kernels: Kernels, head_dim: int, dt
 def test_decode_block_sizes_that_do_not_divide_a_tile(
     device_kernels: Kernels, context: int, ratio: int, block_size: int
 ) -> None:
-    """Block sizes that neither divide the paged kernel's 32-key tiles nor are divided by them
-    (its copies then carry a block over from tile to tile), and at 5 a context over its
-    512-block id window (2,560 keys): one split, so one CTA reads it all, window after window."""
+    """Block sizes that do not divide the paged kernel's 32-key tiles, so its copies carry
+    their block offsets over from tile to tile: 5 (a tile spans blocks unevenly) and 64 (a block
+    spans two tiles); at 5 a context over its 512-block id window (2,560 keys): one split, so
+    one CTA reads it all, window after window."""
     device, kernels = device_kernels
     case = make_case(
         [1],
