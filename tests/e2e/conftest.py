@@ -76,6 +76,23 @@ class Deployment:
             counts[service.address] = info.num_free_blocks
         return counts
 
+    def settled_free_blocks(self, timeout_s: float = 10.0) -> dict[str, int]:
+        """`free_blocks` once earlier requests are gone: no decode instance runs or queues one,
+        and two reads 0.2 s apart agree. A test's starting count: a request the frontend ended
+        (a stop string, a cancel, a deadline) frees its decode blocks a moment after its caller
+        saw the end, so a count read at once can still hold them."""
+        deadline = time.monotonic() + timeout_s
+        last = self.free_blocks()
+        while True:
+            time.sleep(0.2)
+            counts = self.free_blocks()
+            infos = [self.decode_info(i) for i in range(len(self.decodes))]
+            if counts == last and all(i.num_running == i.num_waiting == 0 for i in infos):
+                return counts
+            if time.monotonic() > deadline:
+                pytest.fail(f"the deployment did not settle: free KV blocks {last} -> {counts}")
+            last = counts
+
     def prefill_info(self, index: int = 0) -> prefill_pb2.InfoResponse:
         with grpc.insecure_channel(self.prefills[index].address) as channel:
             return prefill_pb2_grpc.PrefillServiceStub(channel).Info(

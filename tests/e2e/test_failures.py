@@ -68,7 +68,7 @@ def test_mismatched_pair_is_refused_loudly_and_never_routed(deployment: Deployme
 
 
 def test_a_request_finding_decode_full_waits_for_room(deployment: Deployment) -> None:
-    start = deployment.free_blocks()
+    start = deployment.settled_free_blocks()
     stub = deployment.stub()
     holder = stub.Generate(request(4000), timeout=60)
     assert next(holder).token_ids

@@ -339,7 +339,7 @@ def test_more_choices_than_the_frontend_runs_is_429(client: openai.OpenAI, model
 def test_closing_a_stream_frees_its_blocks(
     deployment: Deployment, client: openai.OpenAI, model: str
 ) -> None:
-    before = deployment.free_blocks()
+    before = deployment.settled_free_blocks()
     stream = client.completions.create(
         model=model,
         prompt=PROMPT,
@@ -355,7 +355,7 @@ def test_closing_a_stream_frees_its_blocks(
 
 
 def test_a_client_gone_mid_request_frees_its_blocks(deployment: Deployment) -> None:
-    before = deployment.free_blocks()
+    before = deployment.settled_free_blocks()
     body = {"prompt": PROMPT, "max_tokens": LONG, "ignore_eos": True}
     connection = http_connection(deployment)
     connection.request("POST", "/v1/completions", json.dumps(body))

@@ -72,7 +72,7 @@ class Faulty:
     def __init__(self, deployment: Deployment, proxy: FaultProxy) -> None:
         self.d = deployment
         self.proxy = proxy
-        self.start_blocks = deployment.free_blocks()
+        self.start_blocks = deployment.settled_free_blocks()
         self.services = [*deployment.prefills, *deployment.decodes, deployment.frontend]
         self.log_marks = self.mark_logs()
         self.expected = {

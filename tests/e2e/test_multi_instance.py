@@ -39,7 +39,7 @@ def request(n: int, max_tokens: int, seed: int = 0) -> generation_pb2.GenerateRe
 
 
 def test_every_request_completes_and_every_instance_gets_work(deployment: Deployment) -> None:
-    start = deployment.free_blocks()
+    start = deployment.settled_free_blocks()
 
     def run(i: int) -> list[generation_pb2.GenerateResponse]:
         return list(deployment.stub().Generate(request(10 + 5 * i, 8, seed=i), timeout=60))
@@ -70,7 +70,7 @@ def test_a_conversation_stays_on_the_instances_holding_its_prefix(
     load alone, sequential requests alternate and the second turns would swap instances), and
     later turns reuse cached blocks on both. (Spreading by load: the test above and the router's
     own tests.)"""
-    start = deployment.free_blocks()
+    start = deployment.settled_free_blocks()
     block_size = deployment.decode_info().kv_layout.block_size
     stub = deployment.stub()
     history: list[list[int]] = [[] for _ in range(3)]
@@ -106,7 +106,7 @@ def request_for(token_ids: list[int], max_tokens: int) -> generation_pb2.Generat
 
 
 def test_decode_killed_mid_request_fails_only_its_request(deployment: Deployment) -> None:
-    start = deployment.free_blocks()
+    start = deployment.settled_free_blocks()
     stub = deployment.stub()
     # Seeds no earlier test used: no cached prefix draws both to one instance.
     calls = [stub.Generate(request(40, 3000, seed=s), timeout=60) for s in (101, 102)]

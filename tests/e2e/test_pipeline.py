@@ -274,7 +274,7 @@ def _long_request() -> generation_pb2.GenerateRequest:
 
 
 def test_client_cancel_frees_every_block(deployment: Deployment) -> None:
-    start = deployment.free_blocks()
+    start = deployment.settled_free_blocks()
     call = deployment.stub().Generate(_long_request(), timeout=60)
     for _, response in zip(range(3), call, strict=False):
         assert response.token_ids
@@ -285,7 +285,7 @@ def test_client_cancel_frees_every_block(deployment: Deployment) -> None:
 
 
 def test_deadline_is_deadline_exceeded_and_frees_every_block(deployment: Deployment) -> None:
-    start = deployment.free_blocks()
+    start = deployment.settled_free_blocks()
     began = time.monotonic()
     with pytest.raises(grpc.RpcError) as info:
         list(deployment.stub().Generate(_long_request(), timeout=1.0))
@@ -296,7 +296,7 @@ def test_deadline_is_deadline_exceeded_and_frees_every_block(deployment: Deploym
 
 def test_cancel_during_prefill_handoff_frees_every_block(deployment: Deployment) -> None:
     """Cancel while the request is anywhere between admission and its first tokens."""
-    start = deployment.free_blocks()
+    start = deployment.settled_free_blocks()
     for delay in (0.0, 0.01, 0.03, 0.06):
         stream = deployment.stub().Generate(_long_request(), timeout=60)
         timer = threading.Timer(delay, stream.cancel)
@@ -346,7 +346,7 @@ def _wait_for_log(deployment: Deployment, text: str, timeout_s: float = 5.0) -> 
 
 
 def test_cancelled_and_late_requests_get_their_one_log_line(deployment: Deployment) -> None:
-    start = deployment.free_blocks()
+    start = deployment.settled_free_blocks()
     request = _long_request()
     request.request_id = "walks-away"
     call = deployment.stub().Generate(request, timeout=60)

@@ -228,7 +228,7 @@ def test_greedy_constrained_equals_single_process(
 def test_bad_constraints_are_invalid_argument(
     deployment: Deployment, constraint: Constraint, field: str, words: str
 ) -> None:
-    before = deployment.free_blocks()
+    before = deployment.settled_free_blocks()
     with pytest.raises(grpc.RpcError) as info:
         deployment.stub().Complete(request(constraint), timeout=30)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
