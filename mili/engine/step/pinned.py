@@ -63,8 +63,8 @@ def to_device(
         host = torch.from_numpy(np.ascontiguousarray(values)).to(dtype)
         if is_pinnable(device):
             host = host.pin_memory()
-        return host.to(device, non_blocking=True)
-    host = torch.tensor(values, dtype=dtype, pin_memory=is_pinnable(device))
+    else:
+        host = torch.tensor(values, dtype=dtype, pin_memory=is_pinnable(device))
     return host.to(device, non_blocking=True)
 
 

@@ -258,15 +258,20 @@ def _has_filters(p: SamplingParams) -> bool:
     return p.top_k != 0 or p.top_p < 1 or p.min_p > 0
 
 
+def _cells(ids_per_row: list[tuple[int, np.ndarray]], device: torch.device) -> torch.Tensor:
+    """The (row, id) cells of `ids_per_row` as a [2, n] int64 index on `device` (one copy)."""
+    rows = np.concatenate([np.full(ids.size, row, dtype=np.int64) for row, ids in ids_per_row])
+    ids = np.concatenate([ids for _, ids in ids_per_row])
+    return to_device(np.stack([rows, ids]), torch.int64, device)
+
+
 def _hold_back(logits: torch.Tensor, held: list[tuple[int, np.ndarray]]) -> None:
     """In place: -inf at each (row, id) of `held` (min_tokens: the stop ids a row may not draw
     yet). One copy of the index, no host sync."""
     if not held:
         return
-    rows = np.concatenate([np.full(ids.size, row, dtype=np.int64) for row, ids in held])
-    index = to_device(np.stack([rows, np.concatenate([ids for _, ids in held])]), torch.int64,
-                      logits.device)  # fmt: skip
-    logits.index_put_((index[0], index[1]), logits.new_full((index.shape[1],), float("-inf")))
+    rows, ids = _cells(held, logits.device)
+    logits.index_put_((rows, ids), logits.new_full((rows.numel(),), float("-inf")))
 
 
 def _add_bias(logits: torch.Tensor, biased: list[tuple[int, SequenceSampling]]) -> None:
@@ -274,12 +279,9 @@ def _add_bias(logits: torch.Tensor, biased: list[tuple[int, SequenceSampling]]) 
     index, the biases), no host sync."""
     if not biased:
         return
-    rows = np.concatenate([np.full(s.bias_ids.size, row, dtype=np.int64) for row, s in biased])
-    ids = np.concatenate([s.bias_ids for _, s in biased])
-    index = to_device(np.stack([rows, ids]), torch.int64, logits.device)
-    values = to_device(np.concatenate([s.bias_values for _, s in biased]), logits.dtype,
-                       logits.device)  # fmt: skip
-    logits.index_put_((index[0], index[1]), logits[index[0], index[1]] + values)
+    rows, ids = _cells([(row, s.bias_ids) for row, s in biased], logits.device)
+    values = np.concatenate([s.bias_values for _, s in biased])
+    logits.index_put_((rows, ids), logits[rows, ids] + to_device(values, logits.dtype, rows.device))
 
 
 def _counts(ids_per_row: dict[int, np.ndarray], like: torch.Tensor) -> torch.Tensor:
