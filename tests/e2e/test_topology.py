@@ -384,12 +384,12 @@ def test_a_decode_removed_from_dns_drains_without_failing_its_request(
     view = topology.decode_view(leaving)
     stub = topology.stub()
     with ThreadPoolExecutor(max_workers=1) as pool:
-        for _ in range(20):
+        for attempt in range(20):
             # Make it the best choice for the next request; an Info poll (every 0.2 s) landing
-            # in between resets that, and the request goes elsewhere: then try again (CI lost
-            # all of 5 tries once).
+            # in between resets that, and the request goes elsewhere: then try again, with a
+            # new prompt (the same one would follow its cached prefix to where it went).
             view.num_blocks_since_poll = -100_000
-            request = _request(16, 120, seed=77)
+            request = _request(16, 120, seed=77 + attempt)
             held = pool.submit(lambda r=request: list(stub.Generate(r, timeout=120)))
             _wait(lambda h=held: view.num_in_flight == 1 or h.done(), 10)
             if view.num_in_flight == 1:
