@@ -199,7 +199,7 @@ class Batcher:
                     while self._steps:  # their tokens are sampled: hand them out
                         self._collect(self._steps[0], out)
                     return
-                self._take_joins(out)
+                self._take_joins()
                 self._drop_cancelled()
                 self._advance(out)
                 deliver_threadsafe(out)
@@ -209,12 +209,18 @@ class Batcher:
                 self._is_stopping = True
             self._fail_all(Unavailable("decode instance is shutting down; retry elsewhere"))
 
-    def _take_joins(self, out: list[Delivery]) -> None:
-        """Add the requests that joined since the last look to `self._running`."""
+    def _take_joins(self) -> None:
+        """Add the requests that joined since the last look to `self._running`, and hand out
+        prefill's first tokens at once: not after the step that follows (a whole step on
+        every request's TTFT), and only those, so later events keep their order."""
         with self._cond:
             joins, self._inbox = self._inbox, []
-        for join in joins:
-            self._add(join, out)
+        out: list[Delivery] = []
+        try:
+            for join in joins:
+                self._add(join, out)
+        finally:
+            deliver_threadsafe(out)
 
     def _add(self, join: _Join, out: list[Delivery]) -> None:
         """Stream prefill's first token; keep the request unless that token already ends it."""
@@ -275,7 +281,7 @@ class Batcher:
         if not self._steps and self._running:
             step = self._launch(list(self._running), out)
             if step is not None and not self._overlap:
-                self._take_joins(out)  # while the device computes: they run from the next step
+                self._take_joins()  # while the device computes: they run from the next step
                 self._collect(step, out)
 
     def _step_ahead(self, done: _Step, out: list[Delivery]) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -17,15 +18,18 @@ import pytest
 from mili.engine.sampling_params import SamplingParams
 from mili.engine.step.decode_inputs import DecodeInputs
 from mili.pb.common.v1 import sampling_pb2
+from mili.pb.decode.v1 import decode_pb2
 from mili.rpc.client import insecure_channel
 from services.decode.instance import DecodeInstance
 from tests.decode.conftest import NUM_BLOCKS, tiny_decode_config
 from tests.decode.harness import (
     Client,
     DecodeServerThread,
+    Outcome,
     PrefillPlayer,
     blocks_back,
     eventually,
+    sampling,
 )
 from tests.decode.test_generate import GREEDY, prompt_stopping_at
 
@@ -97,6 +101,53 @@ def test_cancelled_mid_flight_frees_its_blocks_and_spares_the_rest(
             outcome = await kept
             assert doomed.cancelled()
             assert outcome.token_ids == expected
+            await blocks_back(client, NUM_BLOCKS)
+
+    decode_server.run(body())
+
+
+def test_prefill_token_streams_before_the_next_step_ends(
+    decode_server: DecodeServerThread, player: PrefillPlayer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Prefill's first token reaches the caller once its KV is committed, not after the decode
+    step that follows (a whole step on every request's TTFT): here that step is held until the
+    token is in, and the rest of the generation is the engine's."""
+    prompt, _, _ = prompt_stopping_at(player, seed=500)
+    params = dataclasses.replace(GREEDY, max_tokens=6)
+    expected = player.reference(prompt, params)
+    runner = decode_server.instance.runner
+    forward = runner.decode_logits
+    in_step, release = threading.Event(), threading.Event()
+
+    def held(*args: Any, **kwargs: Any) -> Any:
+        in_step.set()
+        assert release.wait(10), "the test never let the step go on"
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "decode_logits", held)
+
+    async def body() -> None:
+        async with insecure_channel(decode_server.address) as channel:
+            client = Client(channel)
+            request = decode_pb2.GenerateRequest(
+                request_id="first-early", prompt_token_ids=prompt, sampling=sampling(params)
+            )
+            call, block_ids = await client.admit(request)
+            prefilled = await asyncio.to_thread(player.prefill, prompt, params)
+            transfer = client.kv.TransferKv(timeout=30)
+            for message in player.messages("first-early", prompt, block_ids, prefilled):
+                await transfer.write(message)
+            await transfer.done_writing()
+            await transfer
+            try:
+                assert await asyncio.to_thread(in_step.wait, 10)  # the next step is held
+                first = await asyncio.wait_for(call.read(), 5)
+            finally:
+                release.set()
+            assert list(first.tokens.token_ids) == expected[:1]
+            outcome = await client.collect(call, Outcome(token_ids=list(expected[:1])))
+            assert outcome.token_ids == expected
+            assert outcome.finish_reason == LENGTH
             await blocks_back(client, NUM_BLOCKS)
 
     decode_server.run(body())
