@@ -30,7 +30,8 @@
 #     Qs [BM][D + 8]            Ks [2][BN][D + 8]   Vs [2][BN][D + 8]   Rb [2][BN] int64
 #   Rb holds each key row's element offset in the cache (block table looked up once per row,
 #   one tile ahead). K/V tiles are double-buffered: cp.async of tile j + 1 runs while tile j is
-#   computed.
+#   computed (issued after tile j's Q K^T MMAs, so their tensor-core time covers the copies'
+#   address arithmetic).
 #
 # Fragments (PTX ISA, mma.m16n8k16 .bf16/.f16; lane l, g = l / 4, c = l % 4):
 #   A 16x16 (row-major)  a0,a1 (g, 2c..2c+1)  a2,a3 (g+8, 2c..)  a4,a5 (g, 2c+8..)  a6,a7 (g+8, 2c+8..)
@@ -50,8 +51,9 @@
 #   A thread's accumulator rows are g and g + 8 of each m tile; a row's values live in the 4
 #   lanes of a quad (shuffle xor 1, 2 reduces over them).
 #
-# Softmax in base 2 on s = (q . k) * scale * log2(e); rows keep (m, l) in registers, l as a
-# per-lane partial summed over the quad at the end. Causal masking runs only on tiles that reach
+# Softmax in base 2 on (q . k) * scale * log2(e), the scale applied inside the exponent's FFMA
+# (and to the row max); rows keep (m, l) in registers, l as a per-lane partial summed over the
+# quad at the end. Causal masking runs only on tiles that reach
 # past the warp's first row (the diagonal ones); tiles past a warp's last row are skipped.
 
 from std.math import exp2, inf
@@ -223,6 +225,40 @@ def flash_prefill_kernel[
     for j in range(n_tiles):
         async_copy_wait_group(0)  # tile j (and Q) landed for this thread's copies
         barrier()  # ... and everyone's; tile j - 1 is computed, its buffers are free
+        var k0 = j * BN
+        var ks = ks0.unsafe_offset((j % 2) * 2 * BN * LD)
+        var vs = ks.unsafe_offset(BN * LD)
+        # Tile j + 2's key row `tid` (threads tid < BN): its block id is loaded here and used
+        # only once this warp's Q K^T MMAs are issued, so the load's latency hides behind them.
+        var kp = (j + 2) * BN + tid
+        var has_row = tid < BN and kp < kv_end
+        var blk_idx = Int(UInt32(kp) // UInt32(S))  # 32-bit: no 64-bit division call
+        var blk = Int(block_tables[unsafe_offset=bt_row + blk_idx]) if has_row else 0
+        var computes = k0 <= warp_hi  # warp-uniform: else every key is after every row
+
+        # S = Q K^T: s[(mt * NT + nt) * 4 + i] = C fragment i of m tile mt, n tile nt.
+        var s = SIMD[DType.float32, MT * NT * 4](0)
+        if computes:
+            comptime for kk in range(D // 16):
+                var qa: SIMD[dtype, MT * 8]
+                comptime if Q_IN_REGS:
+                    qa = q_frag.slice[MT * 8, offset=kk * MT * 8]()
+                else:
+                    qa = _q_fragments[dtype, D, MT](qs, w, lane, kk)
+                comptime for np in range(NT // 2):
+                    var krow = 16 * np + lane % 8 + 8 * (lane // 16)
+                    var kb = ld_matrix[8](ks.unsafe_offset(krow * LD + 16 * kk + 8 * ((lane // 8) % 2)))
+                    comptime for mt in range(MT):
+                        comptime for half in range(2):
+                            comptime off = (mt * NT + 2 * np + half) * 4
+                            var c = s.slice[4, offset=off]()
+                            mma(c, qa.slice[8, offset=mt * 8](), kb.slice[4, offset=4 * half](), c)
+                            s = s.insert[offset=off](c)
+
+        # Tile j + 1's copies, issued once this warp's MMAs are (the address arithmetic of a
+        # copy is a dependent chain per row: here it runs while the tensor cores work), then
+        # tile j + 2's row offsets into slot j % 2 (last read when tile j was issued, before
+        # this iteration's barrier); both read after the next barrier.
         if j + 1 < n_tiles:
             _issue_kv[dtype, D, BN, KV_COPIES, RPP](
                 ks0.unsafe_offset(((j + 1) % 2) * 2 * BN * LD),
@@ -233,40 +269,13 @@ def flash_prefill_kernel[
                 c_col,
             )
         async_copy_commit_group()
-        # Row offsets of tile j + 2 into slot j % 2 (last read when tile j was issued, before
-        # this iteration's barrier); read after the next barrier.
         if tid < BN:
-            var kp = (j + 2) * BN + tid
             var base = Int64(-1)
-            if kp < kv_end:
-                var blk = Int(block_tables[unsafe_offset=bt_row + kp // S])
-                base = Int64(((blk * S + kp % S) * KVH + kvh) * D)
+            if has_row:
+                base = Int64(((blk * S + kp - blk_idx * S) * KVH + kvh) * D)
             rb[unsafe_offset=(j % 2) * BN + tid] = base
-
-        var k0 = j * BN
-        if k0 > warp_hi:
-            continue  # every key of the tile is after every row of this warp
-        var ks = ks0.unsafe_offset((j % 2) * 2 * BN * LD)
-        var vs = ks.unsafe_offset(BN * LD)
-
-        # S = Q K^T: s[(mt * NT + nt) * 4 + i] = C fragment i of m tile mt, n tile nt.
-        var s = SIMD[DType.float32, MT * NT * 4](0)
-        comptime for kk in range(D // 16):
-            var qa: SIMD[dtype, MT * 8]
-            comptime if Q_IN_REGS:
-                qa = q_frag.slice[MT * 8, offset=kk * MT * 8]()
-            else:
-                qa = _q_fragments[dtype, D, MT](qs, w, lane, kk)
-            comptime for np in range(NT // 2):
-                var krow = 16 * np + lane % 8 + 8 * (lane // 16)
-                var kb = ld_matrix[8](ks.unsafe_offset(krow * LD + 16 * kk + 8 * ((lane // 8) % 2)))
-                comptime for mt in range(MT):
-                    comptime for half in range(2):
-                        comptime off = (mt * NT + 2 * np + half) * 4
-                        var c = s.slice[4, offset=off]()
-                        mma(c, qa.slice[8, offset=mt * 8](), kb.slice[4, offset=4 * half](), c)
-                        s = s.insert[offset=off](c)
-        s = s * scale_log2
+        if not computes:
+            continue
 
         # Causal mask on diagonal tiles only (warp-uniform branch: every key of an earlier
         # tile is visible to every row of the warp). C element (mt, nt, i) is row (mt, i / 2),
@@ -290,7 +299,7 @@ def flash_prefill_kernel[
                 mx = max(mx, warp.shuffle_xor(mx, UInt32(1)))
                 mx = max(mx, warp.shuffle_xor(mx, UInt32(2)))
                 comptime ri = mt * 2 + half
-                var m_new = max(m_i[ri], mx)
+                var m_new = max(m_i[ri], mx * scale_log2)  # s unscaled, m in log2 units
                 # Tile 0 holds key 0, visible to every row, so m is finite from the first tile
                 # on; the guard keeps a hypothetical all-masked row at exp2(-inf) = 0, not NaN.
                 var m_use = m_new if m_new != NEG_INF else Float32(0)
@@ -299,7 +308,7 @@ def flash_prefill_kernel[
                 comptime for nt in range(NT):
                     comptime for e in range(2):
                         comptime idx = (mt * NT + nt) * 4 + 2 * half + e
-                        var p = exp2(s[idx] - m_use)
+                        var p = exp2(s[idx].fma(scale_log2, -m_use))  # one FFMA
                         s[idx] = p
                         psum += p
                 l_i[ri] = l_i[ri] * alpha + psum
