@@ -12,6 +12,7 @@ in Python, with messages that name the argument. Shapes as in `mili.engine.model
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import numpy as np
@@ -97,6 +98,13 @@ def _check_q_and_cache(
     )
 
 
+def _check_scale(scale: float) -> None:
+    # The kernels scale scores inside their softmax (flash_prefill: exp2(s * scale - m), the
+    # row max taken before scaling), which holds for a positive scale only.
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a positive finite number, got {scale}")
+
+
 def _check_table_rows(dims: AttentionDims, num_seqs: int) -> None:
     if dims.num_seqs != num_seqs:
         raise ValueError(f"block_tables has {dims.num_seqs} rows, expected {num_seqs}")
@@ -110,9 +118,11 @@ def check_prefill(
     start_positions: torch.Tensor,
     block_tables: torch.Tensor,
     *,
+    scale: float,
     check_values: bool = True,
 ) -> AttentionDims:
     """Validate a prefill call; `check_values` also reads the index tensors (host sync on GPU)."""
+    _check_scale(scale)
     dims = _check_q_and_cache(q, k_cache, v_cache, block_tables)
     _check_int32("cu_seqlens", cu_seqlens, 1, q.device)
     num_seqs = cu_seqlens.shape[0] - 1
@@ -144,9 +154,11 @@ def check_decode(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     *,
+    scale: float,
     check_values: bool = True,
 ) -> AttentionDims:
     """Validate a decode call; `check_values` also reads the index tensors (host sync on GPU)."""
+    _check_scale(scale)
     dims = _check_q_and_cache(q, k_cache, v_cache, block_tables)
     num_seqs = dims.num_tokens  # one query per sequence
     _check_int32("seq_lens", seq_lens, 1, q.device)

@@ -112,7 +112,9 @@ class CpuKernels(CpuModuleBinding):
         """q: [T, H, D] -> out [T, H, D]; keys/values (prefix and new tokens) from the cache,
         so `k`/`v` go unused."""
         _require_cpu(q)
-        dims = check_prefill(q, k_cache, v_cache, cu_seqlens, start_positions, block_tables)
+        dims = check_prefill(
+            q, k_cache, v_cache, cu_seqlens, start_positions, block_tables, scale=scale
+        )
         out = torch.empty_like(q)
         if dims.num_tokens == 0:
             return out
@@ -149,7 +151,7 @@ class CpuKernels(CpuModuleBinding):
         _require_cpu(q)
         if num_splits < 0:
             raise ValueError(f"num_splits must be >= 0, got {num_splits}")
-        dims = check_decode(q, k_cache, v_cache, block_tables, seq_lens)
+        dims = check_decode(q, k_cache, v_cache, block_tables, seq_lens, scale=scale)
         out = torch.empty_like(q)
         if dims.num_seqs == 0:
             return out

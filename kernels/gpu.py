@@ -179,7 +179,14 @@ class GpuKernels:
         Every key and value, new tokens' too, is read from the cache: `k`/`v` go unused."""
         device = self._device(q)
         dims = check_prefill(
-            q, k_cache, v_cache, cu_seqlens, start_positions, block_tables, check_values=False
+            q,
+            k_cache,
+            v_cache,
+            cu_seqlens,
+            start_positions,
+            block_tables,
+            scale=scale,
+            check_values=False,
         )
         if not _aligned(q):
             q = q.clone()  # a contiguous view at an odd offset: the kernel loads 16 bytes at once
@@ -269,7 +276,9 @@ class GpuKernels:
         batch size and the block table width.
         """
         device = self._device(q)
-        dims = check_decode(q, k_cache, v_cache, block_tables, seq_lens, check_values=False)
+        dims = check_decode(
+            q, k_cache, v_cache, block_tables, seq_lens, scale=scale, check_values=False
+        )
         if num_splits < 0:
             raise ValueError(f"num_splits must be >= 0, got {num_splits}")
         if not _aligned(q):

@@ -92,6 +92,21 @@ def test_decode_rejects(cpu_kernels: CpuKernels, case: PagedCase, what, change, 
         _decode(cpu_kernels, case, **change(case))
 
 
+@pytest.mark.parametrize("scale", [0.0, -0.125, float("nan"), float("inf")])
+def test_scale_must_be_positive(cpu_kernels: CpuKernels, case: PagedCase, scale: float) -> None:
+    """The kernels scale scores inside their softmax: only a positive scale keeps masked
+    (-inf) scores at zero weight."""
+    args = {"k_cache": case.k_cache, "v_cache": case.v_cache, "block_tables": case.block_tables}
+    with pytest.raises(ValueError, match="scale must be a positive finite number"):
+        cpu_kernels.prefill(
+            case.q, case.k, case.v, case.cu_seqlens, case.start_positions, **args, scale=scale
+        )
+    with pytest.raises(ValueError, match="scale must be a positive finite number"):
+        cpu_kernels.decode(
+            case.q[[4, 24]].contiguous(), **args, seq_lens=case.seq_lens, scale=scale
+        )
+
+
 def test_valid_arguments_pass(cpu_kernels: CpuKernels, case: PagedCase) -> None:
     assert _prefill(cpu_kernels, case).shape == case.q.shape
     assert _decode(cpu_kernels, case).shape == (2, 4, 64)

@@ -99,6 +99,47 @@ def test_prefill_every_specialisation(device_kernels: Kernels, head_dim: int, dt
     assert_close(run_prefill(kernels, case), reference_prefill(case), dtype)
 
 
+@pytest.mark.parametrize(
+    "lengths, starts, heads, head_dim, block_size",
+    [
+        # one head per group at D = 256 (64 tokens a CTA, 32-key tiles), start 1: a warp's
+        # rows end before a tile that the CTA's other warps still compute, and the copies of
+        # the tiles after it are issued by all of them
+        ([100], [1], (2, 2), 256, 16),
+        ([40, 100], [0, 17], (2, 2), 256, 16),
+        ([300], [0], (2, 2), 128, 5),  # blocks that do not divide a 64-key tile
+        ([300], [5], (2, 2), 64, 128),  # a block that spans two tiles
+        ([1000], [37], (8, 2), 128, 5),  # 16 tiles: many block ids, each looked up ahead
+    ],
+    ids=str,
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_prefill_tiles_and_blocks_that_do_not_line_up(
+    device_kernels: Kernels,
+    lengths: list[int],
+    starts: list[int],
+    heads: tuple[int, int],
+    head_dim: int,
+    block_size: int,
+    dtype,
+) -> None:
+    """The tensor-core prefill's tile loop on its rarer paths: a warp that skips a tile while
+    its CTA goes on, block sizes that split or straddle its key tiles, long block tables."""
+    device, kernels = device_kernels
+    case = make_case(
+        lengths,
+        starts,
+        num_q_heads=heads[0],
+        num_kv_heads=heads[1],
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        device=device,
+        seed=sum(lengths) + block_size,
+    )
+    assert_close(run_prefill(kernels, case), reference_prefill(case), dtype)
+
+
 @pytest.mark.parametrize("block_size", [5, 64])
 @pytest.mark.parametrize("ratio", [2, 4])
 @pytest.mark.parametrize("context", [100, 3000])
