@@ -225,9 +225,12 @@ piece engine.log "$(cap 90 60)" "$BUDGET" "$PY" benchmarks/engine_gpu.py --devic
 cat "$tmp/moe.json" >>"$out/engine.log" 2>/dev/null
 piece attention.log "$(cap 50 40)" "$BUDGET" "$PY" benchmarks/attention_gpu.py --device "$device" \
   "${ATTENTION[@]}"
-# --attention mojo, here and above: missing kernels fail the piece instead of timing torch.
+# The engine above runs --attention mojo: missing kernels fail it instead of timing torch. The
+# services below run --attention auto: a kernel this run is the first to try (A1 says whether
+# it passed) and that fails their start-up self-check falls back to torch instead of stopping
+# every `mili serve` piece; serve_gpu.py's `kernels:` line says what each service ran.
 piece serve.log "$(cap 120 90)" "$BUDGET" "$PY" benchmarks/serve_gpu.py "${common[@]}" \
-  --attention mojo --json "$tmp/serve.json" "${SERVE[@]}"
+  --attention auto --json "$tmp/serve.json" "${SERVE[@]}"
 cat "$tmp/serve.json" >>"$out/serve.log" 2>/dev/null
 piece kv.log "$(cap 90 60)" "$BUDGET" "$PY" benchmarks/kv_handoff.py "${common[@]}" "${KV[@]}"
 piece attention.log "$(cap 60 40)" "$BUDGET" "$PY" benchmarks/fused_ops.py --device "$device" \
@@ -237,11 +240,11 @@ piece engine.log "$(cap 60 40)" "$BUDGET" "$PY" benchmarks/constrained_decode.py
 # Issue 33: decode's overlapped steps (on by default on CUDA, so in the serve piece above)
 # against steps that wait for the last one's ids, same machine: TTFT and ITL at concurrency 1.
 piece serve.log "$(cap 60 60)" "$BUDGET" "$PY" benchmarks/serve_gpu.py "${common[@]}" \
-  --attention mojo --overlap-steps off --concurrency "" "${SERVE_C1[@]}"
+  --attention auto --overlap-steps off --concurrency "" "${SERVE_C1[@]}"
 # Issue 33's >= 15k output tok/s: one frontend process streams ~8k tokens/s a core (run 4:
 # 32% CPU at 2.6k), so the saturated level again with 4 frontends, the clients spread over them.
 piece serve.log "$(cap 60 60)" "$BUDGET" "$PY" benchmarks/serve_gpu.py "${common[@]}" \
-  --attention mojo --ttft-requests 0 "${SERVE_FRONTENDS[@]}"
+  --attention auto --ttft-requests 0 "${SERVE_FRONTENDS[@]}"
 # Last, where time is left (the plan took 223 s of 530 on an H200): where a loaded `mili serve`
 # spends its time, py-spy's samples summarized per thread into serve.log (the raw stacks stay
 # on the host: 8 files come back). GPU only: py-spy comes as a carried wheel (gpu_prep.sh).

@@ -41,7 +41,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.servi
 
 from benchmarks import service_metrics
 from benchmarks.presets import CHOICES, DEFAULT_CACHE, preset_checkpoint
-from benchmarks.serving import Served, bench_args, mili_serve, run_bench, servable
+from benchmarks.serving import (
+    Served,
+    bench_args,
+    kernels_served,
+    mili_serve,
+    run_bench,
+    servable,
+)
 from services.decode.config import OVERLAP_CHOICES
 
 TTFT_TARGET_MS = 30.0
@@ -125,6 +132,10 @@ def main() -> int:
         ) as s,
     ):
         print(f"serving on {s.address} after {time.perf_counter() - started:.0f} s", flush=True)
+        # Under --attention auto a kernel that failed its start-up self-check runs on torch:
+        # these numbers are then torch's, and this line says so.
+        result["kernels"] = kernels_served(s)
+        print("kernels: " + "; ".join(f"{n} {k}" for n, k in result["kernels"].items()), flush=True)
         run_bench(bench_args(s.address, 1, args.warmup, args.prompt_tokens, 16, seed=99))
         if args.ttft_requests:
             ttft = bench_args(s.address, 1, args.ttft_requests, args.prompt_tokens, 16)

@@ -135,10 +135,41 @@ class Served:
     proc: subprocess.Popen[str]
     log: TextIO
     metrics: dict[str, str] = field(default_factory=dict)  # child name -> its /metrics URL
+    children: dict[str, str] = field(default_factory=dict)  # child name -> its gRPC address
 
     @property
     def cpu(self) -> CpuMeter:
         return CpuMeter(self.proc.pid)
+
+
+def kernels_served(served: Served) -> dict[str, str]:
+    """What each prefill and decode instance of `served` runs, from its Info: "attention X,
+    fused ops Y" (with --attention auto, "torch" where a Mojo kernel failed its start-up
+    self-check), or "-" with the status when it did not answer."""
+    import grpc
+
+    from mili.pb.decode.v1 import decode_pb2, decode_pb2_grpc
+    from mili.pb.prefill.v1 import prefill_pb2, prefill_pb2_grpc
+
+    found = {}
+    for name, address in sorted(served.children.items()):
+        kind = name.split("-")[0]
+        if kind not in ("prefill", "decode"):
+            continue
+        try:
+            with grpc.insecure_channel(address) as channel:
+                if kind == "prefill":
+                    info: Any = prefill_pb2_grpc.PrefillServiceStub(channel).Info(
+                        prefill_pb2.InfoRequest(), timeout=10
+                    )
+                else:
+                    info = decode_pb2_grpc.DecodeServiceStub(channel).Info(
+                        decode_pb2.InfoRequest(), timeout=10
+                    )
+            found[name] = f"attention {info.attention_backend}, fused ops {info.fused_ops}"
+        except grpc.RpcError as e:
+            found[name] = f"- ({e.code().name})"
+    return found
 
 
 def _cpu_s(pid: int) -> float:
@@ -226,6 +257,7 @@ def mili_serve(
             assert proc.stdout is not None
             addresses: list[str] = []
             urls = {}
+            children = {}
             for line in proc.stdout:
                 if line.startswith("frontend service listening on "):
                     addresses.append(line.split()[-1])
@@ -234,13 +266,15 @@ def mili_serve(
                     continue
                 # `mili serve: <name> <address> pid N [http URL] [metrics URL]`
                 words = line.split()
-                if words[:2] == ["mili", "serve:"] and "metrics" in words[3:-1]:
-                    urls[words[2]] = words[words.index("metrics", 3) + 1]
+                if words[:2] == ["mili", "serve:"] and words[4:5] == ["pid"]:
+                    children[words[2]] = words[3]
+                    if "metrics" in words[3:-1]:
+                        urls[words[2]] = words[words.index("metrics", 3) + 1]
             if len(addresses) < frontends:
                 log.seek(0)
                 tail = "".join(log.readlines()[-30:])
                 raise RuntimeError(f"mili serve exited {proc.wait()} before listening:\n{tail}")
-            yield Served(",".join(addresses), proc, log, urls)
+            yield Served(",".join(addresses), proc, log, urls, children)
         finally:
             proc.send_signal(signal.SIGTERM)
             try:

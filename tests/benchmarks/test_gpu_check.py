@@ -119,6 +119,12 @@ def test_each_log_holds_measured_rows(check_out: Path) -> None:
         row = rf"^concurrency {level} +TTFT p50 +{NUMBER} .* +\d+ output tok/s$"
         assert re.search(row, serve, re.M), serve
     assert '"output_tokens_per_s"' in serve
+    # each `mili serve` piece says what its services ran (--attention auto: Mojo where the
+    # self-check passed, torch where a kernel failed it)
+    kernels = re.findall(
+        r"^kernels: decode-0 attention (\w+), .*; prefill-0 attention (\w+)", serve, re.M
+    )
+    assert kernels == [("mojo", "mojo")] * 3, serve
     # concurrency 1 again, decode's steps not overlapped, for the side-by-side; and the
     # saturated level again over two frontends
     assert len(re.findall(r"^concurrency 1 +TTFT p50 ", serve, re.M)) == 2, serve
