@@ -14,6 +14,7 @@ from urllib.parse import urlsplit
 
 import openai
 import pytest
+import tokenizers
 
 from mili.pb.common.v1 import chat_pb2, sampling_pb2
 from mili.pb.frontend.v1 import generation_pb2
@@ -191,6 +192,50 @@ def test_echo_with_logprobs_gives_the_prompts_logprobs(
     assert values[num_prompt:] == pytest.approx([lp.chosen.logprob for lp in grpc.logprobs])
     for top, value in zip(tops[1:], values[1:], strict=True):
         assert 1 <= len(top) <= 2 and max(top.values()) >= value - 1e-6
+
+
+@pytest.mark.parametrize("is_stream", [False, True])
+def test_max_tokens_zero_with_echo_scores_the_prompt_alone(
+    deployment: Deployment,
+    client: openai.OpenAI,
+    model: str,
+    demo_model_dir: Path,
+    is_stream: bool,
+) -> None:
+    """lm-eval's loglikelihood request (`echo`, `logprobs`, `max_tokens: 0`, a prompt of ids):
+    the prompt's tokens and logprobs, nothing generated; without echo max_tokens 0 is a 400."""
+    tokenizer = tokenizers.Tokenizer.from_file(str(demo_model_dir / "tokenizer.json"))
+    ids = tokenizer.encode(PROMPT, add_special_tokens=False).ids
+    args: dict[str, Any] = dict(
+        model=model, prompt=[list(ids)], max_tokens=0, echo=True, logprobs=1, temperature=0
+    )
+    if is_stream:
+        chunks = list(client.completions.create(**args, stream=True))
+        texts = [c.choices[0].text for c in chunks if c.choices]
+        pieces = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+        values = [v for p in pieces for v in (p.token_logprobs or [])]
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+        text = "".join(texts)
+    else:
+        reply = client.completions.create(**args)
+        assert reply.usage is not None and reply.usage.completion_tokens == 0
+        assert reply.usage.prompt_tokens == len(ids)
+        logprobs = reply.choices[0].logprobs
+        assert logprobs is not None and logprobs.tokens is not None
+        assert len(logprobs.tokens) == len(ids)
+        values, finish, text = (
+            logprobs.token_logprobs or [],
+            reply.choices[0].finish_reason,
+            reply.choices[0].text,
+        )
+    grpc = grpc_complete(deployment, max_tokens=1, temperature=0, prompt_logprobs=1)
+    assert text == PROMPT
+    assert finish == "length"
+    assert values[0] is None and len(values) == len(ids)
+    expected = [lp.chosen.logprob for lp in grpc.prompt_logprobs]
+    assert values[1:] == pytest.approx(expected, abs=2e-4)
+    with pytest.raises(openai.BadRequestError, match="0 only with echo"):
+        client.completions.create(model=model, prompt=PROMPT, max_tokens=0)
 
 
 def test_chat_top_logprobs(client: openai.OpenAI, model: str) -> None:

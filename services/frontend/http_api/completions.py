@@ -7,13 +7,15 @@ A batch of prompts x n choices: choice `prompt * n + i`. `echo` puts the prompt'
 each choice's (its ids' text for a prompt of ids); `logprobs` k gives each token's and the k
 most likely (openai_logprobs.py), `text_offset` counting from the start of the choice's text;
 with both, the prompt's tokens come first with the logprobs prefill computed for them (the
-first one null).
+first one null). `max_tokens: 0` with `echo` returns the prompt alone (finish_reason "length",
+no completion tokens): the token prefill samples to get there is left out.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
@@ -125,10 +127,16 @@ class CompletionJson:
             "finish_reason": None if finish is None else str(finish),
         }
 
+    def _shown(self, delta: Delta) -> Delta:
+        """The part of `delta` the caller gets: with max_tokens 0, its prompt part alone."""
+        if not self._request.is_prompt_only:
+            return delta
+        return replace(delta, token_ids=[], text="", logprobs=[], num_completion_tokens=0)
+
     def whole(self, deltas: dict[int, list[Delta]]) -> str:
         choices = []
         for c in self._choices:
-            ds = deltas[c.index]
+            ds = [self._shown(d) for d in deltas[c.index]]
             text = self._echo.get(c.index, "") + "".join(d.text for d in ds)
             choices.append(self._choice(c.index, text, ds, is_first=True))
         return json.dumps({**self._head, "choices": choices, "usage": self._usage.as_json()})
@@ -139,6 +147,7 @@ class CompletionJson:
         return []
 
     def of(self, index: int, delta: Delta) -> list[str]:
+        delta = self._shown(delta)
         if delta.finish_reason is None and self._pieces is None and not self._echo:
             # Once per streamed delta: the plain case from a template around its text.
             return [self._text_heads[index] + json.dumps(delta.text) + self._plain_tail]

@@ -54,6 +54,9 @@ class OpenAIRequest:
     is_stream: bool = False
     include_usage: bool = False  # stream_options.include_usage: a last chunk with usage
     echo: bool = False  # completions: the prompt's text before each choice's
+    # completions, max_tokens 0 with echo (how lm-eval scores a prompt): the prompt alone, with
+    # its logprobs if asked; one token is generated (prefill's) and not returned
+    is_prompt_only: bool = False
     is_chat_logprobs: bool = False  # chat: logprobs=true (top_logprobs in sampling.logprobs)
     user: str | None = None
     param_of: ParamOf = lambda field: field  # a validation field -> this request's parameter
@@ -91,7 +94,13 @@ def completion_request(
         raise InvalidArgument("best_of", best_of, f"not supported unless equal to n ({n})")
     echo = body.flag("echo") or False
     logprobs = body.integer("logprobs")
-    sampling = _sampling(body, body.integer("max_tokens"), logprobs, requested)
+    max_tokens = body.integer("max_tokens")
+    is_prompt_only = max_tokens == 0 and echo
+    if max_tokens == 0 and not echo:
+        raise InvalidArgument("max_tokens", 0, "must be >= 1 (0 only with echo: the prompt alone)")
+    if is_prompt_only and _min_tokens(body):
+        raise InvalidArgument("min_tokens", _min_tokens(body), "must be 0 with max_tokens 0")
+    sampling = _sampling(body, 1 if is_prompt_only else max_tokens, logprobs, requested)
     if echo and logprobs is not None:
         # The echoed prompt's tokens get theirs too: prefill computes them when asked.
         sampling = replace(sampling, prompt_logprobs=logprobs)
@@ -117,6 +126,7 @@ def completion_request(
         is_stream=_is_stream(body),
         include_usage=_include_usage(body),
         echo=echo,
+        is_prompt_only=is_prompt_only,
         user=body.text("user"),
         param_of=_with_constraint(_completion_param, requested),
     )

@@ -131,7 +131,6 @@ def test_wrong_types_name_their_parameter(field: str, value: Any) -> None:
         ("top_k", -2),
         ("min_p", 2),
         ("repetition_penalty", 0),
-        ("max_tokens", 0),
         ("max_tokens", 1001),  # over this server's limit
         ("logprobs", 21),
         ("stop", ["ok", ""]),
@@ -140,6 +139,18 @@ def test_wrong_types_name_their_parameter(field: str, value: Any) -> None:
 def test_validation_names_the_openai_parameter(field: str, value: Any) -> None:
     expected = "stop[1]" if field == "stop" else field  # an item is named by its index
     assert validation_param(completion(prompt="a", **{field: value})) == expected
+
+
+def test_max_tokens_zero_only_with_echo_and_then_the_prompt_alone() -> None:
+    """lm-eval's older loglikelihood request: echo with max_tokens 0 runs one token (prefill's)
+    and returns none of it; without echo, or with min_tokens, max_tokens 0 means nothing."""
+    request = completion(prompt="a", echo=True, logprobs=1, max_tokens=0)
+    assert request.is_prompt_only and request.inputs[0].sampling.max_tokens == 1
+    assert not completion(prompt="a", echo=True, max_tokens=1).is_prompt_only
+    assert param_of_failure(completion, prompt="a", max_tokens=0) == "max_tokens"
+    assert param_of_failure(completion, prompt="a", echo=True, max_tokens=0, min_tokens=1) == (
+        "min_tokens"
+    )
 
 
 def test_chat_names_its_own_parameters() -> None:
