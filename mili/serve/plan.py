@@ -37,7 +37,14 @@ ENGINE = Borrowed(
 )
 FRONTEND = Borrowed(
     frontend_main.add_arguments,
-    ("--max-buffered-tokens", "--stream-interval", "--max-queued-requests", "--max-queued-tokens"),
+    (
+        "--served-model-name",
+        "--default-max-tokens",
+        "--max-buffered-tokens",
+        "--stream-interval",
+        "--max-queued-requests",
+        "--max-queued-tokens",
+    ),
 )
 
 # Prefill's pool holds only the prompts in flight (its queue bound); decode's holds every running

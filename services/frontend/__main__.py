@@ -44,6 +44,11 @@ def _addresses(text: str) -> tuple[str, ...]:
     return tuple(a.strip() for a in text.split(",") if a.strip())
 
 
+def _names(text: str | None) -> tuple[str, ...]:
+    """--served-model-name: an empty name between commas is refused by the config."""
+    return () if text is None else tuple(name.strip() for name in text.split(","))
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("instances")
     group.add_argument(
@@ -74,11 +79,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="how often dns:/// targets are looked up again: new instances join once their "
         "Info and KV layout check out, vanished ones drain (default: %(default)s)",
     )
+    api = parser.add_argument_group("public API")
+    api.add_argument(
+        "--served-model-name",
+        default=None,
+        metavar="NAME[,NAME...]",
+        help="the model names requests may name, comma-separated; the first is the one the "
+        "APIs report (default: the tokenizer's, the model directory's name)",
+    )
     limits = parser.add_argument_group("limits")
     limits.add_argument(
         "--default-max-tokens",
         type=int,
         default=256,
+        metavar="N",
         help="max_tokens of a request that leaves it unset (default: %(default)s)",
     )
     limits.add_argument(
@@ -214,6 +228,7 @@ def run(args: argparse.Namespace) -> int:
             max_buffered_tokens=args.max_buffered_tokens,
             stream_interval=args.stream_interval,
             status_history=args.status_history,
+            served_model_names=_names(args.served_model_name),
         )
         tls = flags.client_tls(args)
         server_config = _server_config(args)

@@ -176,9 +176,19 @@ class Backends:
 
     @property
     def model(self) -> str:
+        """The model name the public APIs report: --served-model-name's first, else the
+        tokenizer's (the instances' until it answered)."""
+        if self.config.served_model_names:
+            return self.config.served_model_names[0]
         if self.tokenizer.facts is not None:
             return self.tokenizer.facts.model
         return next(iter(self.poller.models.values()), "")
+
+    def answers_to(self, name: str) -> bool:
+        """Whether a request naming model `name` is for this deployment."""
+        if self.config.served_model_names:
+            return name in self.config.served_model_names
+        return not self.model or name == self.model
 
     async def refresh(self) -> None:
         self.instances.collect_drained()

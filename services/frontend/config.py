@@ -56,10 +56,15 @@ class FrontendConfig:
     # Ended requests whose status GET /status/{request_id} still reports (request_status.py),
     # the oldest forgotten first; requests in flight are always reported.
     status_history: int = 1024
+    # The model names the public APIs answer to, the first the one they report (Info,
+    # /v1/models, each response's `model`); empty: the tokenizer's, the model directory's name.
+    served_model_names: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.tokenizer_address:
             raise ValueError("a tokenizer address is required")
+        if any(not name.strip() for name in self.served_model_names):
+            raise ValueError(f"served model names must not be empty: {self.served_model_names}")
         for kind, addresses in (
             ("prefill", self.prefill_addresses),
             ("decode", self.decode_addresses),

@@ -25,6 +25,7 @@ pytestmark = pytest.mark.slow
 
 MAX_CONCURRENT = 4  # the frontend's limit: a request of more choices is refused with 429
 PROMPT = "The quick brown fox"
+SERVED_NAMES = ("qwen3-demo", "Qwen/Qwen3-0.6B")  # --served-model-name: reported, then an alias
 # Long enough to still run when the test looks (the demo model makes ~300 tokens/s on 2 cores)
 LONG = 4000
 
@@ -35,7 +36,14 @@ def deployment(demo_model_dir: Path, e2e_tokenizer: ServiceProcess) -> Iterator[
         demo_model_dir,
         e2e_tokenizer,
         engine_args=("--dtype", "float32"),
-        frontend_args=("--http-port", "0", "--max-concurrent-requests", str(MAX_CONCURRENT)),
+        frontend_args=(
+            "--http-port",
+            "0",
+            "--max-concurrent-requests",
+            str(MAX_CONCURRENT),
+            "--served-model-name",
+            ",".join(SERVED_NAMES),
+        ),
     )
     yield d
     d.stop()
@@ -59,10 +67,20 @@ def grpc_complete(deployment: Deployment, **sampling: Any) -> generation_pb2.Com
     return deployment.stub().Complete(request, timeout=60)
 
 
-def test_models_lists_the_served_model(deployment: Deployment, client: openai.OpenAI) -> None:
+def test_models_lists_the_served_model(
+    deployment: Deployment, client: openai.OpenAI, demo_model_dir: Path
+) -> None:
+    """--served-model-name: every name listed, the first reported (gRPC Info, each response)
+    and any of them taken as `model`; the model directory's own name is then another model."""
     info = deployment.stub().Info(generation_pb2.InfoRequest(), timeout=5)
-    (served,) = client.models.list().data
-    assert served.id == info.model and served.object == "model"
+    listed = client.models.list().data
+    assert [m.id for m in listed] == list(SERVED_NAMES) and listed[0].object == "model"
+    assert info.model == SERVED_NAMES[0]
+    for name in SERVED_NAMES:
+        reply = client.completions.create(model=name, prompt=PROMPT, max_tokens=1)
+        assert reply.model == SERVED_NAMES[0]
+    with pytest.raises(openai.NotFoundError, match="--served-model-name"):
+        client.completions.create(model=demo_model_dir.resolve().name, prompt=PROMPT, max_tokens=1)
 
 
 def test_completion_plain_streamed_and_grpc_agree(

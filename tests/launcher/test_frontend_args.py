@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import pytest
+
 from mili.serve.launcher import add_arguments
 from mili.serve.plan import make_plan
 
@@ -40,3 +42,29 @@ def test_the_admission_queue_bounds_reach_every_frontend(tmp_path: Path) -> None
     assert [_value(f, "--max-queued-requests") for f in frontends] == ["0", "0"]
     assert [_value(f, "--max-queued-tokens") for f in frontends] == ["4096", "4096"]
     assert _value(frontends_for(tmp_path)[0], "--max-queued-requests") is None
+
+
+def test_the_served_model_names_and_default_max_tokens_reach_every_frontend(
+    tmp_path: Path,
+) -> None:
+    frontends = frontends_for(
+        tmp_path,
+        "--frontends",
+        "2",
+        "--served-model-name",
+        "qwen3,Qwen/Qwen3-0.6B",
+        "--default-max-tokens",
+        "4096",
+    )
+    assert [_value(f, "--served-model-name") for f in frontends] == ["qwen3,Qwen/Qwen3-0.6B"] * 2
+    assert [_value(f, "--default-max-tokens") for f in frontends] == ["4096", "4096"]
+    assert _value(frontends_for(tmp_path)[0], "--served-model-name") is None
+
+
+def test_an_empty_served_model_name_is_refused() -> None:
+    from services.frontend.__main__ import _names
+    from services.frontend.config import FrontendConfig
+
+    assert _names("a, Qwen/Qwen3-0.6B") == ("a", "Qwen/Qwen3-0.6B")
+    with pytest.raises(ValueError, match="must not be empty"):
+        FrontendConfig("t:1", ("p:1",), ("d:1",), served_model_names=_names("a,,b"))

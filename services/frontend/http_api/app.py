@@ -46,13 +46,11 @@ def make_app(generations: Generations, config: HttpConfig) -> web.Application:
 
 
 async def list_models(request: web.Request) -> web.Response:
-    model = request.app[GENERATIONS].model
-    return web.json_response(
-        {
-            "object": "list",
-            "data": [{"id": model, "object": "model", "created": _STARTED_AT, "owned_by": "mili"}],
-        }
-    )
+    """The served model under each name it answers to, the reported one first."""
+    generations = request.app[GENERATIONS]
+    names = generations.config.served_model_names or (generations.model,)
+    data = [{"id": n, "object": "model", "created": _STARTED_AT, "owned_by": "mili"} for n in names]
+    return web.json_response({"object": "list", "data": data})
 
 
 async def completions(request: web.Request) -> web.StreamResponse:

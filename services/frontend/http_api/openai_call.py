@@ -67,10 +67,11 @@ async def open_call(
     window = generations.backends.router.max_context_tokens
     request = parse(body.parse(await http_request.read()), limits, window, request_id)
     model = generations.model
-    if request.model is not None and model and request.model != model:
+    if request.model is not None and not generations.backends.answers_to(request.model):
         return error_response(
             404,
-            f"the model {request.model!r} does not exist; this server serves {model!r}",
+            f"the model {request.model!r} does not exist; this server serves {model!r} "
+            "(the frontend's --served-model-name sets the names it answers to)",
             "invalid_request_error",
             param="model",
             code="model_not_found",
