@@ -117,8 +117,7 @@ def generate(
     if pool.num_blocks != kv_cache.num_blocks:
         raise ValueError(f"pool has {pool.num_blocks} blocks, cache {kv_cache.num_blocks}")
 
-    eos = config.eos_token_id
-    eos_ids = [eos] if isinstance(eos, int) else (eos or [])
+    eos_ids = sorted(model.eos_token_ids)  # the services' too (the loader sets them)
     masker = None
     if any(sp.constraint is not None for sp in all_params):
         if compiler is None:

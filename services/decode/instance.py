@@ -17,7 +17,7 @@ from mili.engine.kv.block_pool import BlockPool
 from mili.engine.model.config import ConfigError
 from mili.engine.model.fingerprint import model_fingerprint, tokenizer_file_sha256
 from mili.engine.model.kv_cache import KVCache
-from mili.engine.model.loader import eos_token_ids, load_config
+from mili.engine.model.loader import load_config
 from mili.engine.step.ahead_check import check_ahead
 from mili.engine.step.runner import ModelRunner, RunnerInfo, require_device
 from mili.errors import StartupError
@@ -110,7 +110,7 @@ class DecodeInstance(RunnerInfo):
             num_free_blocks=lambda: table.num_free_blocks,
         )
         PrefixCacheCollector(metrics.registry, "decode", table.prefix_cache_reading)
-        eos = eos_token_ids(config.model_dir, runner.model.config)
+        eos = runner.model.eos_token_ids
         constraints = load_compiler(config.model_dir, runner.model.config.vocab_size, eos)
         overlap = config.overlaps_steps
         if overlap and (why := check_ahead(runner)) is not None:

@@ -22,7 +22,7 @@ from mili.engine.constraint.mask import BatchMasker
 from mili.engine.kv.block_pool import BlockPool
 from mili.engine.model.config import ConfigError
 from mili.engine.model.fingerprint import model_fingerprint, tokenizer_file_sha256
-from mili.engine.model.loader import eos_token_ids, load_config
+from mili.engine.model.loader import load_config
 from mili.engine.step.runner import ModelRunner, RunnerInfo, require_device
 from mili.errors import StartupError
 from mili.telemetry.metrics import PrefillMetrics, PrefixCacheCollector
@@ -83,7 +83,7 @@ class PrefillInstance(RunnerInfo):
             max_useful_blocks=config.max_queued_blocks,
         )
         rows = runner.model.config.vocab_size
-        eos = eos_token_ids(model_dir, runner.model.config)
+        eos = runner.model.eos_token_ids
         return cls.create(
             runner,
             config,

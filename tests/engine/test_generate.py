@@ -115,6 +115,24 @@ def test_eos_and_stop_tokens(tmp_path: Path, checkpoint_dirs: dict[str, Path]) -
     assert by_stop_id.finish_reason == "stop"
 
 
+def test_generation_config_eos_ends_it_as_in_the_services(
+    tmp_path: Path, checkpoint_dirs: dict[str, Path]
+) -> None:
+    """generation_config.json's eos_token_id (Qwen3 chat checkpoints list <|endoftext|> there
+    beside config.json's <|im_end|>) stops generate() as it stops prefill and decode: the
+    loader gives the model the one EOS set every path reads."""
+    path = shutil.copytree(checkpoint_dirs["tied_gqa2"], tmp_path / "checkpoint")
+    prompt = random_ids(12, 256, seed=801)
+    tokens = generate(load_model(path), [prompt], GREEDY)[0].token_ids
+    eos = tokens[4]
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, eos]}))
+    model = load_model(path)
+    assert model.eos_token_ids == {0, eos}
+    stopped = generate(model, [prompt], SamplingParams(temperature=0, max_tokens=64))[0]
+    assert stopped.token_ids == tokens[: tokens.index(eos) + 1]
+    assert stopped.finish_reason == "stop"
+
+
 def test_max_tokens_per_request_and_pool_back_to_full(
     engine_models: dict[str, Qwen3ForCausalLM],
 ) -> None:

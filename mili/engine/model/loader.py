@@ -164,6 +164,7 @@ def load_model(
                 tensor = f.get_tensor(name).to(dtype=target_dtype)
                 _set_parameter(model, expected[name], tensor)
     model.rotary.cos_sin_table(target)  # built once here, not in the first step
+    model.eos_token_ids = eos_token_ids(Path(path), config)
     return model
 
 

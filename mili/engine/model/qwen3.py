@@ -266,6 +266,10 @@ class Qwen3ForCausalLM(nn.Module):
         )
         self.rotary = RotaryEmbedding(config)
         self.scale = config.head_dim**-0.5
+        # Ids that end a generation: config.json's eos_token_id here; the loader replaces them
+        # with generation_config.json's when the checkpoint has one (loader.eos_token_ids).
+        eos = config.eos_token_id
+        self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else (eos or ()))
         self.requires_grad_(False)
 
     @property

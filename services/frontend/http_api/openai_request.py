@@ -100,7 +100,7 @@ def completion_request(
         raise InvalidArgument("max_tokens", 0, "must be >= 1 (0 only with echo: the prompt alone)")
     if is_prompt_only and _min_tokens(body):
         raise InvalidArgument("min_tokens", _min_tokens(body), "must be 0 with max_tokens 0")
-    sampling = _sampling(body, 1 if is_prompt_only else max_tokens, logprobs, requested)
+    sampling = _sampling(body, 1 if is_prompt_only else max_tokens, logprobs, requested, limits)
     if echo and logprobs is not None:
         # The echoed prompt's tokens get theirs too: prefill computes them when asked.
         sampling = replace(sampling, prompt_logprobs=logprobs)
@@ -144,7 +144,7 @@ def chat_request(body: Body, limits: Limits, window: int | None, client_id: str)
     tool_choice = openai_tools.tool_choice_of(body)
     requested = constraint_of(body, tool_choice)
     sampling = _sampling(
-        body, body.integer(max_key), (top or 0) if is_logprobs else None, requested
+        body, body.integer(max_key), (top or 0) if is_logprobs else None, requested, limits
     )
     messages = _messages(body)
     counts = Counts(
@@ -229,7 +229,11 @@ def _include_usage(body: Body) -> bool:
 
 
 def _sampling(
-    body: Body, max_tokens: int | None, logprobs: int | None, requested: Requested | None
+    body: Body,
+    max_tokens: int | None,
+    logprobs: int | None,
+    requested: Requested | None,
+    limits: Limits,
 ) -> SamplingInput:
     """The sampling parameters both endpoints share, as sent; ranges are validation's."""
     return SamplingInput(
@@ -247,17 +251,24 @@ def _sampling(
         stop_token_ids=body.integers("stop_token_ids"),
         ignore_eos=body.flag("ignore_eos") or False,
         min_tokens=_min_tokens(body),
-        logit_bias=_logit_bias(body),
+        logit_bias=_logit_bias(body, limits.max_logit_bias),
         logprobs=logprobs,
     )
 
 
-def _logit_bias(body: Body) -> tuple[tuple[int, float], ...]:
+def _logit_bias(body: Body, max_entries: int) -> tuple[tuple[int, float], ...]:
     """logit_bias: {"token id": bias} (JSON keys are strings) -> (id, bias) pairs; the ranges
-    are SamplingParams' and the vocabulary's."""
+    are SamplingParams' and the vocabulary's. Counted before any entry is read (the body may
+    hold megabytes of them); validation counts the gRPC API's the same way."""
     bias = body.object("logit_bias")
     if bias is None:
         return ()
+    if len(bias.data) > max_entries:
+        raise InvalidArgument(
+            "logit_bias",
+            f"{len(bias.data)} items",
+            f"more entries than this server's limit of {max_entries}",
+        )
     pairs = []
     for key in bias.data:
         if not (key.isascii() and key.isdigit() and len(key) <= 19):

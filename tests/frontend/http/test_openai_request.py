@@ -234,6 +234,10 @@ def test_logit_bias_is_read_with_its_keys_as_ids() -> None:
     assert param_of_failure(completion, prompt="a", logit_bias={"5": "high"}) == "logit_bias.5"
     assert param_of_failure(completion, prompt="a", logit_bias={"5": None}) == "logit_bias.5"
     assert param_of_failure(completion, prompt="a", logit_bias=[1]) == "logit_bias"
+    # counted before any entry is read: a bad key past the limit is not what is reported
+    many = {str(i): 1 for i in range(LIMITS.max_logit_bias)} | {"x": 1}
+    with pytest.raises(InvalidArgument, match="limit of 1024"):
+        chat(logit_bias=many)
 
 
 def test_min_tokens_is_read_and_typed() -> None:
