@@ -50,6 +50,17 @@ def test_a_mixed_batch_gives_the_single_process_tokens(
         # penalties read each token: the step's sampling waits for them, not its forward
         (prompt, SamplingParams(temperature=0, repetition_penalty=1.3, max_tokens=6)),
         (prompt[:5], dataclasses.replace(GREEDY, max_tokens=30)),
+        # min_tokens holds the stop id back past where it would stop; logit_bias, seeded
+        (prompt, dataclasses.replace(GREEDY, stop_token_ids=(reference[i],), min_tokens=i + 2)),
+        (
+            prompt,
+            SamplingParams(
+                temperature=0.9,
+                max_tokens=12,
+                seed=13,
+                logit_bias=((reference[1], 4.0), (reference[2], -100.0)),
+            ),
+        ),
     ]
     expected = [player.reference(p, params) for p, params in requests]
     batcher = decode_server.instance.batcher
@@ -66,7 +77,9 @@ def test_a_mixed_batch_gives_the_single_process_tokens(
             )
             assert [o.token_ids for o in outcomes] == expected
             assert outcomes[0].token_ids[-1] == reference[i]
-            assert [o.finish_reason for o in outcomes] == [STOP] + [LENGTH] * 6
+            assert [o.finish_reason for o in outcomes[:7]] == [STOP] + [LENGTH] * 6
+            assert reference[i] not in outcomes[7].token_ids[: i + 1]  # held back
+            assert reference[2] not in outcomes[8].token_ids
             assert [len(o.logprobs) for o in outcomes][4] == 17
             await blocks_back(client, NUM_BLOCKS)
 
