@@ -79,6 +79,9 @@ def test_models_lists_the_served_model(
     for name in SERVED_NAMES:
         reply = client.completions.create(model=name, prompt=PROMPT, max_tokens=1)
         assert reply.model == SERVED_NAMES[0]
+        assert client.models.retrieve(name).id == name  # GET /v1/models/{name}, "/" and all
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve(demo_model_dir.resolve().name)
     with pytest.raises(openai.NotFoundError, match="--served-model-name"):
         client.completions.create(model=demo_model_dir.resolve().name, prompt=PROMPT, max_tokens=1)
 

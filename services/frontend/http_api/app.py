@@ -1,6 +1,7 @@
 """The frontend's HTTP application: its routes, over the frontend's Generations.
 
-GET  /v1/models                    the served model (OpenAI's list)
+GET  /v1/models                    the served model (OpenAI's list), under each served name
+GET  /v1/models/{model}            one of them (the SDK's models.retrieve)
 POST /v1/completions               text completions (completions.py)
 POST /v1/chat/completions          chat completions (chat.py)
 POST /generate, GET /status/{request_id}, GET /health    the seeds' endpoints (seeds.py)
@@ -20,7 +21,7 @@ from services.frontend.http_api import seeds
 from services.frontend.http_api.chat import create_chat_completion
 from services.frontend.http_api.completions import create_completion
 from services.frontend.http_api.drain import DRAIN_GATE, DrainGate
-from services.frontend.http_api.errors import MAX_BODY_BYTES, openai_errors
+from services.frontend.http_api.errors import MAX_BODY_BYTES, error_response, openai_errors
 from services.frontend.http_api.keys import GENERATIONS
 from services.frontend.http_api.server import HttpConfig
 from services.frontend.http_api.telemetry import add_telemetry
@@ -39,18 +40,36 @@ def make_app(generations: Generations, config: HttpConfig) -> web.Application:
     app[MAX_BODY_BYTES] = config.max_body_bytes
     add_telemetry(app, generations.metrics)  # spans, metrics, X-Request-Id: outermost
     app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model:.+}", retrieve_model)  # names may hold a "/"
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     seeds.add_routes(app)
     return app
 
 
+def _card(name: str) -> dict[str, object]:
+    return {"id": name, "object": "model", "created": _STARTED_AT, "owned_by": "mili"}
+
+
 async def list_models(request: web.Request) -> web.Response:
     """The served model under each name it answers to, the reported one first."""
     generations = request.app[GENERATIONS]
     names = generations.config.served_model_names or (generations.model,)
-    data = [{"id": n, "object": "model", "created": _STARTED_AT, "owned_by": "mili"} for n in names]
-    return web.json_response({"object": "list", "data": data})
+    return web.json_response({"object": "list", "data": [_card(n) for n in names]})
+
+
+async def retrieve_model(request: web.Request) -> web.Response:
+    generations = request.app[GENERATIONS]
+    name = request.match_info["model"]
+    if not generations.model or not generations.backends.answers_to(name):
+        return error_response(
+            404,
+            f"the model {name!r} does not exist; this server serves {generations.model!r}",
+            "invalid_request_error",
+            param="model",
+            code="model_not_found",
+        )
+    return web.json_response(_card(name))
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
