@@ -134,7 +134,11 @@ def bench_ops(args: argparse.Namespace, mojo: FusedOps) -> None:
 
 def bench_step(args: argparse.Namespace, mojo: FusedOps, attention: AttentionBackend) -> None:
     config = dataclasses.replace(
-        PRESETS["qwen3-0.6b"], num_hidden_layers=args.layers, vocab_size=4096
+        # a small vocabulary (the step, not the head, is measured), so an EOS id inside it
+        PRESETS["qwen3-0.6b"],
+        num_hidden_layers=args.layers,
+        vocab_size=4096,
+        eos_token_id=2,
     )
     with tempfile.TemporaryDirectory() as tmp:
         for dtype_name in args.dtypes:

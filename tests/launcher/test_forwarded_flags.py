@@ -18,6 +18,7 @@ GIVEN = [
     "--log-level", "DEBUG", "--drain-timeout", "2.5", "--otlp-endpoint", "http://127.0.0.1:4317",
     "--trace-console", "--stream-interval", "4", "--max-buffered-tokens", "16",
     "--max-queued-requests", "64", "--max-queued-tokens", "4096", "--host", "127.0.0.2",
+    "--served-model-name", "qwen3,Qwen/Qwen3-0.6B", "--default-max-tokens", "4096",
 ]  # fmt: skip
 
 
