@@ -1,0 +1,147 @@
+"""Where a request's time to first token goes inside `mili serve`, from the services' own spans.
+
+`mili serve --trace-console` prints every finished span; one request's spans (frontend, decode,
+prefill, the KV transfer) share a trace. This serves the preset model, sends --requests
+requests one at a time (--prompt-tokens each, 2 output tokens) after --warmup ones, then reads
+each request's milestones, in ms from the frontend's receipt of its Generate, and prints their
+median and p90: which hop, queue or compute a TTFT is made of (the Prometheus breakdown of
+serve_gpu.py has means per service, not the order within one request).
+
+    python3 benchmarks/ttft_trace.py --device cuda --preset qwen3-0.6b
+    python3 benchmarks/ttft_trace.py --device cpu --preset tiny --requests 5   # any machine
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import re
+import statistics
+import sys
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.serving, as a script
+
+from benchmarks.presets import CHOICES, DEFAULT_CACHE, preset_checkpoint
+from benchmarks.serving import bench_args, mili_serve, run_bench, servable
+
+# (milestone, span name (a prefix: "generate <model>"), "start" | "end" | an event's name)
+MILESTONES = [
+    ("frontend asks decode to reserve", "mili.decode.v1.DecodeService/Generate", "start"),
+    ("decode has the request", "/mili.decode.v1.DecodeService/Generate", "start"),
+    ("frontend calls prefill", "mili.prefill.v1.PrefillService/Prefill", "start"),
+    ("prefill has the prompt", "/mili.prefill.v1.PrefillService/Prefill", "start"),
+    ("prefill opens the KV transfer", "mili.kv.v1.KvTransferService/TransferKv", "start"),
+    ("prefill compute starts", "prefill compute", "start"),
+    ("prefill compute ends", "prefill compute", "end"),
+    ("decode has the KV (commit)", "/mili.kv.v1.KvTransferService/TransferKv", "end"),
+    ("decode streams the first token", "decode request", "first token"),
+    ("frontend has the first token", "generate ", "first token"),
+]
+ROOT = "/mili.frontend.v1.GenerationService/Generate"  # the frontend's server span: time 0
+_LINE = re.compile(r"\[([\w-]+)\] (.*)")
+
+
+def spans_of(log: str) -> list[dict[str, Any]]:
+    """The JSON spans the children printed, each line prefixed with "[child] " by the launcher."""
+    spans: list[dict[str, Any]] = []
+    open_blocks: dict[str, list[str]] = collections.defaultdict(list)  # child -> its span's lines
+    for line in log.splitlines():
+        m = _LINE.match(line)
+        if m is None:
+            continue
+        child, text = m.groups()
+        block = open_blocks[child]
+        if text == "{":
+            block[:] = ["{"]
+        elif block:
+            block.append(text)
+            if text == "}":
+                spans.append(json.loads("\n".join(block)))
+                block.clear()
+    return spans
+
+
+def _seconds(stamp: str) -> float:
+    return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+
+
+def milestones(trace: list[dict[str, Any]]) -> dict[str, float] | None:
+    """A request's milestones, ms from its frontend Generate's start; None if it has no root."""
+    roots = [s for s in trace if s["name"] == ROOT]
+    if not roots:
+        return None
+    t0 = _seconds(roots[0]["start_time"])
+    found = {}
+    for label, name, when in MILESTONES:
+        for span in trace:
+            if not span["name"].startswith(name):  # "mili..." a client's, "/mili..." a server's
+                continue
+            if when in ("start", "end"):
+                found[label] = (_seconds(span[f"{when}_time"]) - t0) * 1e3
+            else:
+                times = [e["timestamp"] for e in span.get("events", []) if e["name"] == when]
+                if times:
+                    found[label] = (_seconds(times[0]) - t0) * 1e3
+            break
+    return found
+
+
+def timelines(log: str, skip: int) -> list[dict[str, float]]:
+    """Each traced request's milestones in the order they came, the first `skip` dropped."""
+    traces: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
+    for span in spans_of(log):
+        traces[span["context"]["trace_id"]].append(span)
+    ordered = sorted(
+        (t for t in traces.values() if any(s["name"] == ROOT for s in t)),
+        key=lambda t: min(_seconds(s["start_time"]) for s in t),
+    )
+    return [m for t in ordered[skip:] if (m := milestones(t)) is not None]
+
+
+def report(rows: list[dict[str, float]]) -> list[str]:
+    lines = [f"{'milestone (ms from the frontend receiving Generate)':52} {'p50':>8} {'p90':>8}"]
+    for label, _, _ in MILESTONES:
+        values = sorted(r[label] for r in rows if label in r)
+        if not values:
+            lines.append(f"{label:52} {'-':>8} {'-':>8}")
+            continue
+        p90 = values[min(len(values) - 1, int(0.9 * len(values)))]
+        lines.append(f"{label:52} {statistics.median(values):8.2f} {p90:8.2f}")
+    return lines
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--preset", default="qwen3-0.6b", choices=CHOICES)
+    parser.add_argument("--attention", default="auto", choices=["auto", "mojo", "torch"])
+    parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--requests", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE)
+    args = parser.parse_args()
+
+    weights = preset_checkpoint(args.preset, args.cache_dir)
+    extra = ["--device", args.device, "--trace-console"]
+    with (
+        servable(weights) as model_dir,
+        mili_serve(model_dir, "bfloat16", 4, args.attention, extra) as s,
+    ):
+        run_bench(bench_args(s.address, 1, args.warmup, args.prompt_tokens, 2, seed=99))
+        run_bench(bench_args(s.address, 1, args.requests, args.prompt_tokens, 2))
+        s.proc.terminate()  # the spans still buffered are printed as the children stop
+        s.proc.wait(90)
+        s.log.seek(0)
+        log = s.log.read()
+    rows = timelines(log, skip=args.warmup)
+    print(f"{len(rows)} requests, {args.prompt_tokens}-token prompts, {args.device}, {args.preset}")
+    print("\n".join(report(rows)), flush=True)
+    return 0 if len(rows) == args.requests else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
