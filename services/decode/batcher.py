@@ -216,9 +216,18 @@ class Batcher:
         with self._cond:
             joins, self._inbox = self._inbox, []
         out: list[Delivery] = []
+        taken = 0
         try:
             for join in joins:
+                taken += 1
                 self._add(join, out)
+        except BaseException as e:  # a bug: this thread dies, and `_fail_all` ends the rest
+            broken = joins[taken - 1]  # ends here (finish is idempotent: its blocks go back)
+            self._table.finish(broken.request)
+            out.append((broken.outlet.stream, e))
+            with self._cond:  # the joins not looked at yet, back to where `_fail_all` finds them
+                self._inbox[:0] = joins[taken:]
+            raise
         finally:
             deliver_threadsafe(out)
 

@@ -45,8 +45,11 @@ def _addresses(text: str) -> tuple[str, ...]:
 
 
 def _names(text: str | None) -> tuple[str, ...]:
-    """--served-model-name: an empty name between commas is refused by the config."""
-    return () if text is None else tuple(name.strip() for name in text.split(","))
+    """--served-model-name, each name once: an empty one between commas is refused by the
+    config."""
+    if text is None:
+        return ()
+    return tuple(dict.fromkeys(name.strip() for name in text.split(",")))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -183,3 +183,34 @@ def test_events_of_the_iteration_the_thread_died_in_still_go_out(
             await blocks_back(client, NUM_BLOCKS)
 
     server.run(body())
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_join_the_thread_breaks_on_ends_and_frees_its_blocks(
+    server: DecodeServerThread, player: PrefillPlayer
+) -> None:
+    """A bug while a request joins the batch kills the thread: that request gets an error
+    (before: its stream waited forever, taken from the inbox and never ended), its blocks come
+    back, and the instance refuses what comes next."""
+    batcher = server.instance.batcher
+    add = batcher._add
+
+    def add_broken(join: Any, out: Any) -> None:
+        if join.request.request_id == "broken":
+            raise RuntimeError("injected bug while joining")
+        add(join, out)
+
+    batcher._add = add_broken  # type: ignore[method-assign]
+
+    async def body() -> None:
+        async with insecure_channel(server.address) as channel:
+            client = Client(channel)
+            broken = await outcome(client, player, "broken", 8)
+            assert isinstance(broken, grpc.aio.AioRpcError), broken
+            assert "injected bug while joining" in (broken.details() or "")
+            later = await outcome(client, player, "later", 8)
+            assert isinstance(later, grpc.aio.AioRpcError)
+            assert later.code() == grpc.StatusCode.UNAVAILABLE
+            await blocks_back(client, NUM_BLOCKS)
+
+    server.run(body())

@@ -65,6 +65,6 @@ def test_an_empty_served_model_name_is_refused() -> None:
     from services.frontend.__main__ import _names
     from services.frontend.config import FrontendConfig
 
-    assert _names("a, Qwen/Qwen3-0.6B") == ("a", "Qwen/Qwen3-0.6B")
+    assert _names("a, Qwen/Qwen3-0.6B,a") == ("a", "Qwen/Qwen3-0.6B")
     with pytest.raises(ValueError, match="must not be empty"):
         FrontendConfig("t:1", ("p:1",), ("d:1",), served_model_names=_names("a,,b"))

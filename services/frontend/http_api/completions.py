@@ -20,6 +20,7 @@ from typing import Any
 
 from aiohttp import web
 
+from mili.engine.stop import FinishReason
 from mili.errors import Unavailable
 from services.frontend.generations import Generations
 from services.frontend.http_api.choices import Choice, Usage
@@ -128,10 +129,19 @@ class CompletionJson:
         }
 
     def _shown(self, delta: Delta) -> Delta:
-        """The part of `delta` the caller gets: with max_tokens 0, its prompt part alone."""
+        """The part of `delta` the caller gets: with max_tokens 0, its prompt part alone, ended
+        by length whatever the hidden token was (an EOS or a stop would say "stop")."""
         if not self._request.is_prompt_only:
             return delta
-        return replace(delta, token_ids=[], text="", logprobs=[], num_completion_tokens=0)
+        finish = None if delta.finish_reason is None else FinishReason.LENGTH
+        return replace(
+            delta,
+            token_ids=[],
+            text="",
+            logprobs=[],
+            finish_reason=finish,
+            num_completion_tokens=0,
+        )
 
     def whole(self, deltas: dict[int, list[Delta]]) -> str:
         choices = []

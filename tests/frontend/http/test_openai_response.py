@@ -92,6 +92,26 @@ def test_completion_stream_echoes_once_and_closes_with_usage() -> None:
     assert last["choices"] == [] and last["usage"]["completion_tokens"] == 3
 
 
+@pytest.mark.parametrize("is_stream", [False, True])
+def test_prompt_only_hides_the_token_run_to_get_there(is_stream: bool) -> None:
+    """echo with max_tokens 0: the prompt, no completion tokens, finish "length" even when the
+    one token run for it (max_tokens 1 inside) stopped on an EOS or a stop string."""
+    deltas = deltas_cut("z", [])  # one token that finished by STOP
+    shown = request(is_prompt_only=True, echo=True, is_stream=is_stream, include_usage=is_stream)
+    completion = CompletionJson(shown, choices(1, 1), HEAD, ["P"], None)
+    if is_stream:
+        chunks = [c for d in deltas for c in events(completion.of(0, d))]
+        (last,) = events(completion.closing())
+        text = "".join(c["choices"][0]["text"] for c in chunks)
+        finish, usage = chunks[-1]["choices"][0]["finish_reason"], last["usage"]
+    else:
+        reply = json.loads(completion.whole({0: deltas}))
+        (choice,) = reply["choices"]
+        text, finish, usage = choice["text"], choice["finish_reason"], reply["usage"]
+    assert (text, finish) == ("P", "length")
+    assert usage == {"prompt_tokens": 4, "completion_tokens": 0, "total_tokens": 4}
+
+
 async def stream(name: str, n: int, closed: list[str], fail: bool = False) -> AsyncGenerator[Delta]:
     try:
         for i in range(n):
