@@ -168,8 +168,8 @@ class KvSender:
     # ---- the transfer ------------------------------------------------------------------------
 
     async def run(self, start_compute: Callable[[], None]) -> TransferResult:
-        """Open the stream, send the header, then call `start_compute` (which hands the prompt
-        to the worker), stream its chunks and the commit; return once decode acknowledged.
+        """Call `start_compute` (which hands the prompt to the worker), open the stream and
+        send the header, stream the chunks and the commit; return once decode acknowledged.
 
         Raises a MiliError carrying decode's status code (UNAVAILABLE when it is unreachable or
         went away), or what `start_compute` or the worker failed with. Cancelling `run` ends
@@ -194,11 +194,14 @@ class KvSender:
         )
         is_open = False  # the header is out: decode holds the request for this call
         try:
-            # The header is on the wire before the prompt can reach a forward: decode checks
-            # the layout and its reservation while we compute.
+            # The prompt goes to the worker first: its forward does not wait for the stream to
+            # open (a round trip to decode). Chunks go out after the header all the same (only
+            # `_stream`, below, writes them), and a transfer ended before the header leaves the
+            # worker's output unsent (`_is_closed`); decode checks the layout and its
+            # reservation while we compute.
+            start_compute()
             await self._write(call, kv_pb2.TransferKvRequest(header=header).SerializeToString())
             is_open = True
-            start_compute()
             return await self._stream(call)
         except grpc.aio.AioRpcError as err:
             raise self._error(err) from None
