@@ -188,6 +188,7 @@ if [[ $device == cuda ]]; then
   SERVE=(--ttft-requests 30 --warmup 4 --concurrency "64,256")
   SERVE_C1=(--ttft-requests 30 --warmup 4)
   SERVE_FRONTENDS=(--frontends 4 --concurrency 256 --warmup 4)
+  TTFT=(--requests 20 --warmup 4)
   KV=(--receivers "decode,decode-shm" --repeats 3)
   FUSED=(--dtypes bf16 --batch 1 64 --repeats 20)
   # Issue 31: the decode step with a JSON-schema constraint on all 64 rows / without (<= 1.10x),
@@ -206,6 +207,7 @@ else
   SERVE=(--ttft-requests 3 --warmup 1 --concurrency 4 --output-tokens 16)
   SERVE_C1=(--ttft-requests 3 --warmup 1)
   SERVE_FRONTENDS=(--frontends 2 --concurrency 4 --output-tokens 16 --warmup 1)
+  TTFT=(--requests 3 --warmup 1)
   KV=(--receivers "decode,decode-shm" --repeats 2 --prompt-len 256)
   FUSED=(--dtypes fp32 --tokens 1 16 --repeats 3 --layers 1 --batch 1 --context 32)
   CONSTRAINED=(--model demo --batch 4 --steps 3)
@@ -258,6 +260,10 @@ if [[ $device == cuda ]]; then
   # no hardware counters), for issue 33's next kernel change.
   PYTHON=$PY piece attention.log 90 "$BUDGET" bash benchmarks/kernel_ncu.sh
 fi
+# And where one request's TTFT goes (issue 33's <= 30 ms), hop by hop from the services' spans:
+# `mili serve --trace-console`, 20 requests one at a time (benchmarks/ttft_trace.py).
+piece serve.log "$(cap 60 60)" "$BUDGET" "$PY" benchmarks/ttft_trace.py "${common[@]}" \
+  "${TTFT[@]}"
 
 failed=$(grep -c '] END exit [1-9]' "$out/run.log")
 skipped=$(grep -c '] SKIP' "$out/run.log")
