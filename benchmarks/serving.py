@@ -151,21 +151,19 @@ def kernels_served(served: Served) -> dict[str, str]:
     from mili.pb.decode.v1 import decode_pb2, decode_pb2_grpc
     from mili.pb.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 
+    stubs: dict[str, tuple[Any, Any]] = {  # kind -> (its stub class, its InfoRequest)
+        "prefill": (prefill_pb2_grpc.PrefillServiceStub, prefill_pb2.InfoRequest()),
+        "decode": (decode_pb2_grpc.DecodeServiceStub, decode_pb2.InfoRequest()),
+    }
     found = {}
     for name, address in sorted(served.children.items()):
         kind = name.split("-")[0]
-        if kind not in ("prefill", "decode"):
+        if kind not in stubs:
             continue
+        stub, request = stubs[kind]
         try:
             with grpc.insecure_channel(address) as channel:
-                if kind == "prefill":
-                    info: Any = prefill_pb2_grpc.PrefillServiceStub(channel).Info(
-                        prefill_pb2.InfoRequest(), timeout=10
-                    )
-                else:
-                    info = decode_pb2_grpc.DecodeServiceStub(channel).Info(
-                        decode_pb2.InfoRequest(), timeout=10
-                    )
+                info = stub(channel).Info(request, timeout=10)
             found[name] = f"attention {info.attention_backend}, fused ops {info.fused_ops}"
         except grpc.RpcError as e:
             found[name] = f"- ({e.code().name})"

@@ -73,12 +73,9 @@ def _seconds(stamp: str) -> float:
     return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
 
 
-def milestones(trace: list[dict[str, Any]]) -> dict[str, float] | None:
-    """A request's milestones, ms from its frontend Generate's start; None if it has no root."""
-    roots = [s for s in trace if s["name"] == ROOT]
-    if not roots:
-        return None
-    t0 = _seconds(roots[0]["start_time"])
+def milestones(trace: list[dict[str, Any]]) -> dict[str, float]:
+    """A request's milestones, ms from its frontend Generate's start (the trace has one)."""
+    t0 = next(_seconds(s["start_time"]) for s in trace if s["name"] == ROOT)
     found = {}
     for label, name, when in MILESTONES:
         for span in trace:  # "mili..." a client's span, "/mili..." a server's
@@ -104,7 +101,7 @@ def timelines(log: str, skip: int) -> list[dict[str, float]]:
         (t for t in traces.values() if any(s["name"] == ROOT for s in t)),
         key=lambda t: min(_seconds(s["start_time"]) for s in t),
     )
-    return [m for t in ordered[skip:] if (m := milestones(t)) is not None]
+    return [milestones(t) for t in ordered[skip:]]
 
 
 def report(rows: list[dict[str, float]]) -> list[str]:

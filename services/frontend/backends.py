@@ -184,11 +184,15 @@ class Backends:
             return self.tokenizer.facts.model
         return next(iter(self.poller.models.values()), "")
 
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """Every name the public APIs answer to, the reported one (`model`) first."""
+        return self.config.served_model_names or (self.model,)
+
     def answers_to(self, name: str) -> bool:
-        """Whether a request naming model `name` is for this deployment."""
-        if self.config.served_model_names:
-            return name in self.config.served_model_names
-        return not self.model or name == self.model
+        """Whether a request naming model `name` is for this deployment (any name, before
+        the tokenizer or an instance said which model it is)."""
+        return not self.model or name in self.model_names
 
     async def refresh(self) -> None:
         self.instances.collect_drained()

@@ -21,7 +21,7 @@ from services.frontend.http_api import seeds
 from services.frontend.http_api.chat import create_chat_completion
 from services.frontend.http_api.completions import create_completion
 from services.frontend.http_api.drain import DRAIN_GATE, DrainGate
-from services.frontend.http_api.errors import MAX_BODY_BYTES, error_response, openai_errors
+from services.frontend.http_api.errors import MAX_BODY_BYTES, model_not_found, openai_errors
 from services.frontend.http_api.keys import GENERATIONS
 from services.frontend.http_api.server import HttpConfig
 from services.frontend.http_api.telemetry import add_telemetry
@@ -53,22 +53,15 @@ def _card(name: str) -> dict[str, object]:
 
 async def list_models(request: web.Request) -> web.Response:
     """The served model under each name it answers to, the reported one first."""
-    generations = request.app[GENERATIONS]
-    names = generations.config.served_model_names or (generations.model,)
+    names = request.app[GENERATIONS].backends.model_names
     return web.json_response({"object": "list", "data": [_card(n) for n in names]})
 
 
 async def retrieve_model(request: web.Request) -> web.Response:
-    generations = request.app[GENERATIONS]
+    backends = request.app[GENERATIONS].backends
     name = request.match_info["model"]
-    if not generations.model or not generations.backends.answers_to(name):
-        return error_response(
-            404,
-            f"the model {name!r} does not exist; this server serves {generations.model!r}",
-            "invalid_request_error",
-            param="model",
-            code="model_not_found",
-        )
+    if name not in backends.model_names:
+        return model_not_found(name, backends.model)
     return web.json_response(_card(name))
 
 

@@ -52,6 +52,18 @@ def error_response(
     )
 
 
+def model_not_found(name: str, served: str) -> web.Response:
+    """404 for a request naming a model this server does not answer to."""
+    return error_response(
+        404,
+        f"the model {name!r} does not exist; this server serves {served!r} (the frontend's "
+        "--served-model-name sets the names it answers to)",
+        "invalid_request_error",
+        param="model",
+        code="model_not_found",
+    )
+
+
 def sampling_param(field: str) -> str:
     """A validation field (the gRPC request's path, `sampling.top_p`) in the OpenAI request's
     names (`top_p`): its sampling parameters sit at the top level."""

@@ -22,7 +22,7 @@ from aiohttp import web
 from services.frontend.generations import Generations
 from services.frontend.http_api import body, sse
 from services.frontend.http_api.choices import Choice, plan, run
-from services.frontend.http_api.errors import error_response, response_of
+from services.frontend.http_api.errors import model_not_found, response_of
 from services.frontend.http_api.openai_request import OpenAIRequest
 from services.frontend.http_api.telemetry import request_id_of
 from services.frontend.pipeline import Delta
@@ -68,14 +68,7 @@ async def open_call(
     request = parse(body.parse(await http_request.read()), limits, window, request_id)
     model = generations.model
     if request.model is not None and not generations.backends.answers_to(request.model):
-        return error_response(
-            404,
-            f"the model {request.model!r} does not exist; this server serves {model!r} "
-            "(the frontend's --served-model-name sets the names it answers to)",
-            "invalid_request_error",
-            param="model",
-            code="model_not_found",
-        )
+        return model_not_found(request.model, model)
     if request.user is not None:
         _LOG.debug("request %s is from user %r", request_id, request.user)
     try:

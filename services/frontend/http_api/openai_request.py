@@ -98,9 +98,9 @@ def completion_request(
     is_prompt_only = max_tokens == 0 and echo
     if max_tokens == 0 and not echo:
         raise InvalidArgument("max_tokens", 0, "must be >= 1 (0 only with echo: the prompt alone)")
-    if is_prompt_only and _min_tokens(body):
-        raise InvalidArgument("min_tokens", _min_tokens(body), "must be 0 with max_tokens 0")
     sampling = _sampling(body, 1 if is_prompt_only else max_tokens, logprobs, requested, limits)
+    if is_prompt_only and sampling.min_tokens:
+        raise InvalidArgument("min_tokens", sampling.min_tokens, "must be 0 with max_tokens 0")
     if echo and logprobs is not None:
         # The echoed prompt's tokens get theirs too: prefill computes them when asked.
         sampling = replace(sampling, prompt_logprobs=logprobs)
