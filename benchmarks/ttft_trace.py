@@ -35,8 +35,9 @@ MILESTONES = [
     ("decode has the request", "/mili.decode.v1.DecodeService/Generate", "start"),
     ("frontend calls prefill", "mili.prefill.v1.PrefillService/Prefill", "start"),
     ("prefill has the prompt", "/mili.prefill.v1.PrefillService/Prefill", "start"),
-    ("prefill opens the KV transfer", "mili.kv.v1.KvTransferService/TransferKv", "start"),
+    # these two race: prefill hands the prompt to its worker, then opens the stream to decode
     ("prefill compute starts", "prefill compute", "start"),
+    ("prefill opens the KV transfer", "mili.kv.v1.KvTransferService/TransferKv", "start"),
     ("prefill compute ends", "prefill compute", "end"),
     ("decode has the KV (commit)", "/mili.kv.v1.KvTransferService/TransferKv", "end"),
     ("decode streams the first token", "decode request", "first token"),
