@@ -244,7 +244,8 @@ piece engine.log "$(cap 60 40)" "$BUDGET" "$PY" benchmarks/constrained_decode.py
 piece serve.log "$(cap 60 60)" "$BUDGET" "$PY" benchmarks/serve_gpu.py "${common[@]}" \
   --attention auto --overlap-steps off --concurrency "" "${SERVE_C1[@]}"
 # Issue 33's >= 15k output tok/s: one frontend process streams ~8k tokens/s a core (run 4:
-# 32% CPU at 2.6k), so the saturated level again with 4 frontends, the clients spread over them.
+# 32% CPU at 2.6k), so the saturated level again with 4 frontends on one port, the clients'
+# connections spread over them by the kernel.
 piece serve.log "$(cap 60 60)" "$BUDGET" "$PY" benchmarks/serve_gpu.py "${common[@]}" \
   --attention auto --ttft-requests 0 "${SERVE_FRONTENDS[@]}"
 # Last, where time is left (the plan took 223 s of 530 on an H200): where a loaded `mili serve`

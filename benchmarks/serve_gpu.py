@@ -103,8 +103,8 @@ def main() -> int:
         "--frontends",
         type=int,
         default=1,
-        help="mili serve --frontends N; the clients spread over them (one frontend process "
-        "streams ~8k tokens/s a core: run 4, docs/benchmarks.md)",
+        help="mili serve --frontends N, on one port; the clients' connections spread over them "
+        "(one frontend process streams ~8k tokens/s a core: run 4, docs/benchmarks.md)",
     )
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE)
     parser.add_argument("--json", type=Path, default=None, metavar="OUT")

@@ -231,8 +231,8 @@ def mili_serve(
 
     metrics: every child serves Prometheus metrics on a free port (--metrics-port 0), their
     URLs in Served.metrics, read from the launcher's summary lines on stdout.
-    frontends: `mili serve --frontends`; Served.address lists them all, comma-separated
-    (`mili bench --address` spreads its clients over them).
+    frontends: `mili serve --frontends`, all on Served.address (`mili bench`'s clients, one
+    connection each, spread over them).
     """
     command = [sys.executable, "-m", "mili", "serve", "--model", str(model_dir), "--port", "0"]
     command += ["--attention", attention, "--frontends", str(frontends), "--http-port", "0"]
@@ -253,26 +253,24 @@ def mili_serve(
         )
         try:
             assert proc.stdout is not None
-            addresses: list[str] = []
+            address = None
             urls = {}
             children = {}
             for line in proc.stdout:
                 if line.startswith("frontend service listening on "):
-                    addresses.append(line.split()[-1])
-                    if len(addresses) == frontends:
-                        break
-                    continue
+                    address = line.split()[-1]
+                    break
                 # `mili serve: <name> <address> pid N [http URL] [metrics URL]`
                 words = line.split()
                 if words[:2] == ["mili", "serve:"] and words[4:5] == ["pid"]:
                     children[words[2]] = words[3]
                     if "metrics" in words[3:-1]:
                         urls[words[2]] = words[words.index("metrics", 3) + 1]
-            if len(addresses) < frontends:
+            if address is None:
                 log.seek(0)
                 tail = "".join(log.readlines()[-30:])
                 raise RuntimeError(f"mili serve exited {proc.wait()} before listening:\n{tail}")
-            yield Served(",".join(addresses), proc, log, urls, children)
+            yield Served(address, proc, log, urls, children)
         finally:
             proc.send_signal(signal.SIGTERM)
             try:
@@ -289,6 +287,7 @@ def bench_args(
         address=address,
         concurrency=concurrency,
         num_requests=num_requests,
+        connections=None,  # one per client, at most 64: several frontends behind one port
         prompt_tokens=prompt,
         output_tokens=output,
         token_id_range=TOKEN_ID_RANGE,

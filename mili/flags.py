@@ -253,10 +253,11 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def check_ports(args: argparse.Namespace) -> None:
+def check_ports(args: argparse.Namespace, *, reuse_port: bool = False) -> None:
     """--port and --metrics-port: StartupError now if another process holds one, before the
-    service spends seconds loading a model only to fail binding it."""
-    ports.check_free(args.host, args.port, "--port")
+    service spends seconds loading a model only to fail binding it. `reuse_port`: --port is
+    shared (SO_REUSEPORT), so siblings holding it pass."""
+    ports.check_free(args.host, args.port, "--port", reuse_port=reuse_port)
     if args.metrics_port is not None:
         ports.check_free(args.host, args.metrics_port, "--metrics-port")
     if args.health_port is not None:

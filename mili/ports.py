@@ -3,8 +3,9 @@
 Loading a model takes seconds to minutes; a port that is taken should fail the start in well
 under a second, before the load, not after it. The check binds a throwaway socket the way the
 gRPC server will (SO_REUSEADDR, so connections left in TIME_WAIT by a previous run do not
-count, no SO_REUSEPORT) and closes it again. Another process can still take the port between
-the check and the real bind; that bind then fails as before, just later.
+count; SO_REUSEPORT only for a port processes share) and closes it again. Another process can
+still take the port between the check and the real bind; that bind then fails as before, just
+later.
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ def pick_free(host: str) -> int:
         return port
 
 
-def check_free(host: str, port: int, flag: str = "--port") -> None:
-    """StartupError naming `flag` when nothing may listen on host:port; port 0 always passes."""
+def check_free(host: str, port: int, flag: str = "--port", *, reuse_port: bool = False) -> None:
+    """StartupError naming `flag` when nothing may listen on host:port; port 0 always passes.
+    `reuse_port`: a port that processes share with SO_REUSEPORT passes while they hold it."""
     if port == 0:
         return
     where = format_address(host, port)
@@ -42,6 +44,8 @@ def check_free(host: str, port: int, flag: str = "--port") -> None:
     for family, kind, proto, _, address in infos:
         with socket.socket(family, kind, proto) as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if reuse_port:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             if family == socket.AF_INET6:  # as gRPC binds: IPv6 and IPv4 checked separately
                 probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
             try:

@@ -98,3 +98,16 @@ def test_retries_are_bounded() -> None:
         "error": "RESOURCE_EXHAUSTED: the frontend is running its limit",
         "count": 2,
     }
+
+
+def test_connections_default_to_one_a_client_and_must_be_positive(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from mili.client.bench import run
+
+    summary, _, _ = asyncio.run(_bench(0))
+    assert summary["config"]["connections"] == 2  # --concurrency 2
+    summary, _, _ = asyncio.run(_bench(0, "--connections", "1"))
+    assert (summary["config"]["connections"], summary["num_ok"]) == (1, 2)
+    assert run(_args("127.0.0.1:1", "--connections", "0")) == 2
+    assert "--connections must be >= 1" in capsys.readouterr().err

@@ -49,6 +49,8 @@ if TYPE_CHECKING:
     from mili.rpc.tls import Tls
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
+MAX_DEFAULT_CONNECTIONS = 64  # per address, without --connections
+CONNECT_TIMEOUT_S = 10.0  # every connection up before the run, or the run fails
 KV_NOTE = (
     "not measurable from a client: KV moves prefill -> decode directly; the frontend logs "
     "each request's KV bytes, transfer ms and GB/s"
@@ -59,10 +61,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--address",
         default=DEFAULT_ADDRESS,
-        help="frontend address; several, comma-separated (`mili serve --frontends N`): client i "
-        "uses address i mod their number",
+        help="frontend address; several, comma-separated: client i uses address i mod their number",
     )
     parser.add_argument("--concurrency", type=int, default=1, metavar="N")
+    parser.add_argument(
+        "--connections",
+        type=int,
+        default=None,
+        metavar="C",
+        help="gRPC connections per address, client i on connection i mod C; several frontend "
+        "processes behind one address (`mili serve --frontends N`) share clients by "
+        "connection (default: one per client, at most 64)",
+    )
     parser.add_argument("--num-requests", type=int, default=16, metavar="M")
     parser.add_argument("--prompt-tokens", type=int, default=128, metavar="P")
     parser.add_argument("--output-tokens", type=int, default=64, metavar="O")
@@ -270,17 +280,30 @@ async def bench(args: argparse.Namespace, tls: Tls | None = None) -> dict[str, A
 
     low, high = (int(x) for x in args.token_id_range.split(":"))
     addresses = list(dict.fromkeys(a.strip() for a in args.address.split(",") if a.strip()))
-    channels = {a: open_channel(a, tls=tls) for a in addresses}
+    num_connections = args.connections or min(args.concurrency, MAX_DEFAULT_CONNECTIONS)
+    channels = {
+        a: [open_channel(a, tls=tls, own_connection=True) for _ in range(num_connections)]
+        for a in addresses
+    }
+    every_channel = [c for pool in channels.values() for c in pool]
     try:
         live, info, skipped = await _live(
-            {a: generation_pb2_grpc.GenerationServiceStub(c) for a, c in channels.items()},
+            {a: generation_pb2_grpc.GenerationServiceStub(pool[0]) for a, pool in channels.items()},
             generation_pb2.InfoRequest(),
         )
+        # Connected before the clock starts: no client's first TTFT pays a handshake.
+        ready = (c.channel_ready() for a in live for c in channels[a])
+        await asyncio.wait_for(asyncio.gather(*ready), timeout=CONNECT_TIMEOUT_S)
     except BaseException:
-        for channel in channels.values():
+        for channel in every_channel:
             await channel.close()
         raise
-    stubs = list(live.values())
+    # client i: connection i // len(live) of address i % len(live)
+    stubs = [
+        generation_pb2_grpc.GenerationServiceStub(channels[a][j])
+        for j in range(num_connections)
+        for a in live
+    ]
     queue: asyncio.Queue[int] = asyncio.Queue()
     for i in range(args.num_requests):
         queue.put_nowait(i)
@@ -312,7 +335,7 @@ async def bench(args: argparse.Namespace, tls: Tls | None = None) -> dict[str, A
         await asyncio.gather(*(worker(stubs[i % len(stubs)]) for i in range(args.concurrency)))
     finally:
         ticking.cancel()
-        for channel in channels.values():
+        for channel in every_channel:
             await channel.close()
     wall_s = time.perf_counter() - started
     ok = [r for r in results if r.error is None]
@@ -325,6 +348,7 @@ async def bench(args: argparse.Namespace, tls: Tls | None = None) -> dict[str, A
             "prefill_instances": list(info.prefill_addresses),
             "decode_instances": list(info.decode_addresses),
             "concurrency": args.concurrency,
+            "connections": num_connections,  # per address
             "num_requests": args.num_requests,
             "prompt_tokens": args.prompt_tokens,
             "output_tokens": args.output_tokens,
@@ -382,6 +406,9 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, name) < 1:
             print(f"mili bench: error: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
             return 2
+    if args.connections is not None and args.connections < 1:
+        print("mili bench: error: --connections must be >= 1", file=sys.stderr)
+        return 2
     if args.max_retries < 0:
         print("mili bench: error: --max-retries must be >= 0", file=sys.stderr)
         return 2

@@ -15,7 +15,10 @@ DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
 def channel_options(
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, receive_window_bytes: int | None = None
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    receive_window_bytes: int | None = None,
+    *,
+    own_connection: bool = False,
 ) -> list[tuple[str, int]]:
     """grpc channel options: message limits matching the servers', plus keepalive.
 
@@ -27,6 +30,10 @@ def channel_options(
     Keepalive pings every 30 s (only while calls are open) let a long, quiet stream notice a
     dead peer in ~40 s instead of the kernel's TCP timeout; servers built by `RpcServer` accept
     pings that often.
+
+    `own_connection`: a TCP connection of the channel's own; without it channels of one
+    process with the same target and options share one (grpc's global subchannel pool), so
+    they reach one of the processes behind a port shared with SO_REUSEPORT.
 
     Reconnect backoff is capped at 2 s (grpc's default grows to 120 s): a peer that died and
     came back on the same address (`mili serve` restarts it there) is reached again within
@@ -47,6 +54,7 @@ def channel_options(
         ("grpc.http2.max_pings_without_data", 0),  # keep pinging on streams with no data
         ("grpc.initial_reconnect_backoff_ms", 250),
         ("grpc.max_reconnect_backoff_ms", 2_000),
+        *([("grpc.use_local_subchannel_pool", 1)] if own_connection else []),
     ]
 
 
@@ -56,6 +64,7 @@ def insecure_channel(
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
     receive_window_bytes: int | None = None,
+    own_connection: bool = False,
 ) -> grpc.aio.Channel:
     """A plaintext grpc.aio channel to `address` ("host:port"); close it when done.
 
@@ -63,7 +72,9 @@ def insecure_channel(
     """
     return grpc.aio.insecure_channel(
         address,
-        options=channel_options(max_message_bytes, receive_window_bytes),
+        options=channel_options(
+            max_message_bytes, receive_window_bytes, own_connection=own_connection
+        ),
         interceptors=list(interceptors) or None,
     )
 
@@ -76,18 +87,21 @@ def channel(
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
     receive_window_bytes: int | None = None,
+    own_connection: bool = False,
 ) -> grpc.aio.Channel:
     """A grpc.aio channel to `address`: TLS when `tls` is given (verifying the server as
-    `server_name`, default the address's host), else plaintext."""
+    `server_name`, default the address's host), else plaintext. `own_connection`: see
+    channel_options."""
     if tls is None:
         return insecure_channel(
             address,
             max_message_bytes=max_message_bytes,
             interceptors=interceptors,
             receive_window_bytes=receive_window_bytes,
+            own_connection=own_connection,
         )
     options: list[tuple[str, str | int]] = [
-        *channel_options(max_message_bytes, receive_window_bytes)
+        *channel_options(max_message_bytes, receive_window_bytes, own_connection=own_connection)
     ]
     if server_name:
         options.append(("grpc.ssl_target_name_override", server_name))

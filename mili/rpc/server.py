@@ -87,6 +87,10 @@ class ServerConfig:
     # that cannot speak TLS, such as Kubernetes' grpc probes.
     health_port: int | None = None
     tls: ServerTls | None = None  # None: plaintext
+    # SO_REUSEPORT: this port is shared with other processes of this user that set it too (the
+    # frontends of `mili serve --frontends N`); the kernel spreads connections over them.
+    # False: a second process on the port fails to bind instead of silently sharing it.
+    reuse_port: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -238,8 +242,7 @@ class RpcServer:
                 *window,
                 ("grpc.max_send_message_length", self.config.max_message_bytes),
                 ("grpc.max_receive_message_length", self.receive_limit),
-                # A second process on a fixed port must fail to bind, not silently share it.
-                ("grpc.so_reuseport", 0),
+                ("grpc.so_reuseport", int(self.config.reuse_port)),
                 # Ping idle clients so calls from vanished peers end (and free their blocks) ...
                 ("grpc.keepalive_time_ms", 60_000),
                 ("grpc.keepalive_timeout_ms", 20_000),

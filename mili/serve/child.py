@@ -114,6 +114,11 @@ class Child:
             pins += ["--http-port", str(port)]
         return [*self.argv, *pins]
 
+    def share_ports(self, other: Child) -> None:
+        """Listen where `other` (up) does, --port and --http-port: sibling frontends, sharing
+        them with SO_REUSEPORT (its --port 0 picked the port)."""
+        self.address, self.http_url = other.address, other.http_url
+
     async def start(self) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_ROOT), env.get("PYTHONPATH")) if p)

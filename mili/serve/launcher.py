@@ -10,10 +10,12 @@ ports (or --*-port), then the frontend with their addresses on --port (default 5
 child announces its address on stdout and must then answer grpc.health.v1 SERVING (the
 frontend: any answer, as it is NOT_SERVING while it has no usable tokenizer or prefill/decode
 pair); one that exits first has its last log lines printed and `mili serve` exits non-zero.
---frontends N runs N frontend processes on --port, --port+1, ... (each a free port with
---port 0), sharing nothing but the downstream services: one process's Python is the limit of
-the token rate it streams (docs/benchmarks.md), so clients spread over them (`mili bench
---address A,B`).
+--frontends N runs N frontend processes on one --port (and --http-port), bound with
+SO_REUSEPORT, so the kernel spreads clients' connections over them; they share nothing but the
+downstream services: one process's Python is the limit of the token rate it streams
+(docs/benchmarks.md). A client reaches several only over several connections (each gRPC
+channel is one; `mili bench --connections`); one that dies is restarted on the same port while
+the others keep serving it.
 Children's logs go to stderr, each line prefixed with the child's name.
 
 Supervision: once all are up, a child that exits is restarted on the same address (the
@@ -95,8 +97,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="PORT|off",
         help="the frontend's HTTP API (OpenAI-compatible /v1/..., /generate, /status, /health); "
-        f"frontend k gets PORT+k; 0 = free ports; off = none (default: {DEFAULT_HTTP_PORT}, "
-        "free ports with --port 0)",
+        f"every frontend's (--frontends); 0 = a free port; off = none (default: "
+        f"{DEFAULT_HTTP_PORT}, a free port with --port 0)",
     )
     parser.add_argument(
         "--gpu-memory-utilization",
@@ -143,8 +145,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=1,
         metavar="N",
-        help="frontend processes to run, on --port, --port+1, ...; they share only the "
-        "downstream services (default: %(default)s)",
+        help="frontend processes to run, all on --port (and --http-port): the kernel spreads "
+        "clients' connections over them (SO_REUSEPORT); they share only the downstream "
+        "services (default: %(default)s)",
     )
     parser.add_argument(
         "--fail-fast",
@@ -248,7 +251,7 @@ class Launcher:
             ",".join(self._address(c) for c in self.decodes),
         ]
         many = len(self.plan.frontends) > 1
-        self.frontends = [
+        frontends = [
             Child(
                 f"frontend-{k}" if many else "frontend",
                 [*argv, *downstream],
@@ -256,7 +259,14 @@ class Launcher:
             )
             for k, argv in enumerate(self.plan.frontends)
         ]
+        # The first alone: the others share the ports it bound (--port 0 picks one)
+        self.frontends = frontends[:1]
         if not await self._start(self.frontends):
+            return False
+        for child in frontends[1:]:
+            child.share_ports(frontends[0])
+        self.frontends = frontends
+        if not await self._start(frontends[1:]):
             return False
         for child in [*backends, *self.frontends]:
             metrics = "" if child.metrics_url is None else f" metrics {child.metrics_url}"
@@ -265,18 +275,15 @@ class Launcher:
                 f"mili serve: {child.name:<10} {child.address} pid {child.pid}{http}{metrics}",
                 flush=True,
             )
-        for frontend in self.frontends:
-            if frontend.http_url is not None:
-                print(f"mili serve: OpenAI-compatible API on {frontend.http_url}/v1", flush=True)
+        first = self.frontends[0]
+        if first.http_url is not None:  # every frontend's: they share the port
+            print(f"mili serve: OpenAI-compatible API on {first.http_url}/v1", flush=True)
         if self.plan.tls_demo is not None:
-            first = self.frontends[0]
             usage = serve_tls.demo_usage(self.plan.tls_demo, self._address(first), first.http_url)
             for line in usage:
                 print(f"mili serve: {line}", flush=True)
-        # Last, in the form every service announces itself: scripts and tests read this line
-        # (the first frontend's comes first).
-        for frontend in self.frontends:
-            print(f"frontend service listening on {frontend.address}", flush=True)
+        # Last, in the form every service announces itself: scripts and tests read this line.
+        print(f"frontend service listening on {first.address}", flush=True)
         return True
 
     @staticmethod

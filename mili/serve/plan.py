@@ -87,16 +87,16 @@ def http_port(text: str) -> int:
     return port
 
 
-def http_base(args: argparse.Namespace) -> int | None:
-    """The first frontend's HTTP port (0: free ports), None when off: --http-port, else 8000,
-    else (with --port 0, every port picked free) 0."""
+def frontend_http_port(args: argparse.Namespace) -> int | None:
+    """The frontends' HTTP port (0: a free one), None when off: --http-port, else 8000, else
+    (with --port 0, every port picked free) 0."""
     if args.http_port is None:
         return 0 if args.port == 0 else DEFAULT_HTTP_PORT
     return None if args.http_port == HTTP_OFF else int(args.http_port)
 
 
-def _http(base: int | None, k: int) -> list[str]:
-    return [] if base is None else ["--http-port", _port(base, k)]
+def _http(port: int | None) -> list[str]:
+    return [] if port is None else ["--http-port", str(port)]
 
 
 def _port(base: int, i: int) -> str:
@@ -205,8 +205,9 @@ def make_plan(
                 "serve-frontend",
                 *common,
                 "--port",
-                _port(args.port, k),
-                *_http(http_base(args), k),
+                str(args.port),
+                *_http(frontend_http_port(args)),
+                *(["--reuse-port"] if args.frontends > 1 else []),
                 *_metrics(metrics_base, 0 if k == 0 else after_decodes + k - 1),
                 *streaming,
                 *extra("frontend"),
@@ -223,10 +224,10 @@ def make_plan(
 
 def check_ports(args: argparse.Namespace) -> None:
     """Fixed ports taken by another process fail now, before any model loads (seconds)."""
-    fixed = [("--port", _offset(args.port, k)) for k in range(args.frontends)]
-    http = http_base(args)
+    fixed = [("--port", args.port)]  # the frontends share it (and --http-port)
+    http = frontend_http_port(args)
     if http:
-        fixed += [("--http-port", http + k) for k in range(args.frontends)]
+        fixed += [("--http-port", http)]
     fixed += [("--tokenizer-port", args.tokenizer_port)]
     fixed += [
         ("--prefill-port", _offset(args.prefill_port, i)) for i in range(args.prefill_instances)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 from typing import TYPE_CHECKING
 
@@ -185,6 +186,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "on --host:PORT, 0 for a free port, with the public port's TLS (default: off)",
     )
     parser.add_argument(
+        "--reuse-port",
+        action="store_true",
+        help="share --port and --http-port with other frontend processes of this user that "
+        "set it too (SO_REUSEPORT): the kernel spreads clients' connections over them (`mili "
+        "serve --frontends N` sets it)",
+    )
+    parser.add_argument(
         "--public-tls",
         choices=PUBLIC_TLS,
         default=None,
@@ -197,9 +205,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     flags.setup_logging(args)
-    flags.check_ports(args)  # a taken port fails now, not after start-up work
+    # a taken port fails now, not after start-up work
+    flags.check_ports(args, reuse_port=args.reuse_port)
     if args.http_port:
-        ports.check_free(args.host, args.http_port, "--http-port")
+        ports.check_free(args.host, args.http_port, "--http-port", reuse_port=args.reuse_port)
     # Imported here: `mili --help` must not pay for the frontend's imports.
     from mili.rpc.server import RpcServer, serve_forever
     from mili.telemetry.metrics import FrontendMetrics
@@ -299,20 +308,24 @@ def _http_config(args: argparse.Namespace, public: ServerConfig) -> HttpConfig |
         drain_timeout_s=args.drain_timeout,
         tls=None if tls is None else flags.tls_files(args),
         require_client_auth=tls is not None and tls.require_client_auth,
+        reuse_port=args.reuse_port,
     )
 
 
 def _server_config(args: argparse.Namespace) -> ServerConfig:
-    """The public port: --public-tls decides, the --tls-* files serve it."""
+    """The public port: --public-tls decides, the --tls-* files serve it; --reuse-port shares
+    it."""
     mode = args.public_tls
     if mode is None:
         mode = "off" if args.tls_cert is None else "mtls" if args.tls_ca is not None else "tls"
     if mode == "off":
         public = argparse.Namespace(**{**vars(args), "tls_cert": None, "tls_key": None})
-        return flags.server_config(public, require_client_auth=False)
-    if args.tls_cert is None:
+        config = flags.server_config(public, require_client_auth=False)
+    elif args.tls_cert is None:
         raise ValueError(f"--public-tls {mode} needs --tls-cert and --tls-key")
-    return flags.server_config(args, require_client_auth=mode == "mtls")
+    else:
+        config = flags.server_config(args, require_client_auth=mode == "mtls")
+    return dataclasses.replace(config, reuse_port=args.reuse_port)
 
 
 if __name__ == "__main__":

@@ -14,9 +14,11 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
+import openai
 
 from mili.pb.common.v1 import sampling_pb2
 from mili.pb.frontend.v1 import generation_pb2, generation_pb2_grpc
@@ -189,43 +191,64 @@ def test_serve_help_explains_instances_and_supervision() -> None:
     assert "restarted on the same address" in text
 
 
-def test_serve_runs_several_frontends_that_bench_spreads_clients_over(
+def _counted(metrics_url: str, name: str, label: str) -> float:
+    """The sum of `name`'s samples whose labels hold `label`, on one child's /metrics."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as reply:
+        text = reply.read().decode()
+    pattern = rf"^{name}\{{[^}}]*{re.escape(label)}[^}}]*\}} (\S+)$"
+    return sum(float(v) for v in re.findall(pattern, text, re.M))
+
+
+def test_several_frontends_share_one_port_and_clients_spread_over_them(
     demo_model_dir: Path, tmp_path: Path
 ) -> None:
     serve = ServiceProcess(
-        "serve", "--model", str(demo_model_dir), "--port", "0", "--frontends", "2",
+        "serve", "--model", str(demo_model_dir), "--port", "0", "--http-port", "0",
+        "--metrics-port", "0", "--frontends", "2",
         "--prefill-args", "--num-blocks 256", "--decode-args", "--num-blocks 256",
         timeout_s=180,
     )  # fmt: skip
     try:
         summary = "".join(serve.stdout_lines)
-        addresses = [
-            re.search(rf"mili serve: frontend-{k}\s+(\S+)", summary).group(1)  # type: ignore[union-attr]
-            for k in (0, 1)
-        ]
-        assert serve.address == addresses[0] and addresses[0] != addresses[1]
-        for address in addresses:  # each a frontend of its own over the same services
-            with grpc.insecure_channel(address) as channel:
-                stub = generation_pb2_grpc.GenerationServiceStub(channel)
-                responses = list(
-                    stub.Generate(
-                        generation_pb2.GenerateRequest(
-                            prompt="Hello",
-                            sampling=sampling_pb2.SamplingParams(max_tokens=4, ignore_eos=True),
-                        ),
-                        timeout=60,
-                    )
-                )
-                assert responses[-1].usage.completion_tokens == 4
+        row = r"mili serve: frontend-{}\s+(\S+) pid (\d+) http (\S+) metrics (\S+)"
+        found = [re.search(row.format(k), summary) for k in (0, 1)]
+        assert found[0] and found[1], summary
+        (address, pid0, http, metrics0), (address1, pid1, http1, metrics1) = (
+            found[0].groups(),
+            found[1].groups(),
+        )
+        # two processes, one gRPC and one HTTP address
+        assert (address1, http1) == (address, http) and pid0 != pid1, summary
+        assert serve.address == address and f"API on {http}/v1" in summary
+        assert summary.count("frontend service listening on") == 1
         out = tmp_path / "bench.json"
         bench = subprocess.run(
-            [sys.executable, "-m", "mili", "bench", "--address", ",".join(addresses),
-             "--concurrency", "4", "--num-requests", "8", "--prompt-tokens", "8",
+            [sys.executable, "-m", "mili", "bench", "--address", address,
+             "--concurrency", "16", "--num-requests", "32", "--prompt-tokens", "8",
              "--output-tokens", "4", "--json", str(out)],
             cwd=ROOT, capture_output=True, text=True, timeout=120,
         )  # fmt: skip
         assert bench.returncode == 0, bench.stdout + bench.stderr
-        assert json.loads(out.read_text())["num_ok"] == 8
+        result = json.loads(out.read_text())
+        assert result["num_ok"] == 32 and result["config"]["connections"] == 16
+        # 16 connections, one a client: all on one frontend with probability 2 / 2**16
+        generates = [
+            _counted(m, "mili_requests_total", 'grpc_method="Generate"')
+            for m in (metrics0, metrics1)
+        ]
+        assert sum(generates) == 32 and min(generates) > 0, generates
+        # the OpenAI SDK, a client (its own connection) per request, through the one address
+        for _ in range(16):
+            with openai.OpenAI(base_url=f"{http}/v1", api_key="-", max_retries=0) as client:
+                reply = client.completions.create(
+                    model=client.models.list().data[0].id, prompt="Hello", max_tokens=2
+                )
+                assert reply.choices[0].finish_reason in ("length", "stop")
+        completions = [
+            _counted(m, "mili_http_requests_total", 'route="/v1/completions"')
+            for m in (metrics0, metrics1)
+        ]
+        assert sum(completions) == 16 and min(completions) > 0, completions
     finally:
         code = serve.terminate(timeout_s=90)
     assert code == 0, serve.stderr[-3000:]
@@ -238,7 +261,7 @@ def test_serve_runs_several_frontends_that_bench_spreads_clients_over(
         assert stopped < prefill_stopped
 
 
-def test_frontends_get_consecutive_ports_and_metrics_ports_after_the_rest(tmp_path: Path) -> None:
+def test_frontends_share_the_port_and_get_metrics_ports_after_the_rest(tmp_path: Path) -> None:
     import argparse
 
     from mili.serve.launcher import add_arguments
@@ -252,7 +275,10 @@ def test_frontends_get_consecutive_ports_and_metrics_ports_after_the_rest(tmp_pa
     def flag(argv: list[str], name: str) -> str:
         return argv[argv.index(name) + 1]
 
-    assert [flag(a, "--port") for a in plan.frontends] == ["6000", "6001", "6002"]
+    assert [flag(a, "--port") for a in plan.frontends] == ["6000", "6000", "6000"]
+    assert all("--reuse-port" in a for a in plan.frontends)
+    one = make_plan(parser.parse_args(["--port", "6000"]), tmp_path)
+    assert "--reuse-port" not in one.frontend  # alone, a port someone holds fails its start
     # tokenizer 7001, prefill 7002, decode 7003: the extra frontends come after them
     assert [flag(a, "--metrics-port") for a in plan.frontends] == ["7000", "7004", "7005"]
     assert plan.frontend == plan.frontends[0]

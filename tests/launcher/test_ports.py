@@ -44,6 +44,21 @@ def test_free_port_zero_and_time_wait_pass() -> None:
     check_free("127.0.0.1", port)  # as the restarted child's gRPC bind will succeed
 
 
+def test_a_port_shared_with_reuse_port_passes_only_a_sharer(taken: int) -> None:
+    """`mili serve --frontends N`: a frontend joining its siblings' port passes the check;
+    a port held without SO_REUSEPORT fails it all the same."""
+    with socket.socket() as sibling:
+        sibling.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sibling.bind(("127.0.0.1", 0))
+        sibling.listen()
+        port = sibling.getsockname()[1]
+        check_free("127.0.0.1", port, reuse_port=True)
+        with pytest.raises(StartupError, match="is already in use"):
+            check_free("127.0.0.1", port)
+    with pytest.raises(StartupError, match="is already in use"):
+        check_free("127.0.0.1", taken, reuse_port=True)
+
+
 def mili(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "mili", *args],

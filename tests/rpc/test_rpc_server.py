@@ -206,6 +206,56 @@ def test_port_in_use_is_a_startup_error(echo_server: Any) -> None:
     asyncio.run(main())
 
 
+def test_servers_share_a_reuse_port_and_connections_spread_over_them() -> None:
+    """`mili serve --frontends N`: processes bound with reuse_port share one port, the kernel
+    hands each connection to one of them; a server without it still may not join."""
+
+    def answering(name: bytes) -> Any:
+        async def who(request: bytes, context: Any) -> bytes:
+            return name
+
+        handler = grpc.method_handlers_generic_handler(
+            SERVICE, {"Unary": grpc.unary_unary_rpc_method_handler(who)}
+        )
+        return lambda server: server.add_generic_rpc_handlers((handler,))
+
+    async def main() -> None:
+        first = RpcServer(ServerConfig(reuse_port=True, grace_s=0), name="first")
+        first.add_service(SERVICE, answering(b"first"))
+        port = await first.start()
+        second = RpcServer(ServerConfig(port=port, reuse_port=True, grace_s=0), name="second")
+        second.add_service(SERVICE, answering(b"second"))
+        assert await second.start() == port
+        try:
+            alone = RpcServer(ServerConfig(port=port), name="alone")
+            with pytest.raises(StartupError, match=f"alone: cannot listen on 127.0.0.1:{port}"):
+                await alone.start()
+            # 24 connections land on one server alone with probability 2 / 2**24
+            channels = [
+                insecure_channel(f"127.0.0.1:{port}", own_connection=True) for _ in range(24)
+            ]
+            try:
+                calls = [c.unary_unary(f"/{SERVICE}/Unary")(b"?", timeout=5) for c in channels]
+                answers = await asyncio.gather(*calls)
+            finally:
+                for c in channels:
+                    await c.close()
+            assert set(answers) == {b"first", b"second"}
+            # without own connections, channels of one process share one: one server answers
+            shared = [insecure_channel(f"127.0.0.1:{port}") for _ in range(8)]
+            try:
+                calls = [c.unary_unary(f"/{SERVICE}/Unary")(b"?", timeout=5) for c in shared]
+                assert len(set(await asyncio.gather(*calls))) == 1
+            finally:
+                for c in shared:
+                    await c.close()
+        finally:
+            await second.drain()
+            await first.drain()
+
+    asyncio.run(main())
+
+
 def test_lifecycle_misuse_is_refused() -> None:
     async def main() -> None:
         server = RpcServer(ServerConfig(grace_s=0), name="once")

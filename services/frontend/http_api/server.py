@@ -38,6 +38,8 @@ class HttpConfig:
     drain_timeout_s: float = 30.0
     tls: TlsFiles | None = None  # None: plaintext
     require_client_auth: bool = False  # mTLS: only clients with a certificate tls.ca signed
+    # SO_REUSEPORT: the port is shared with sibling frontend processes (ServerConfig.reuse_port)
+    reuse_port: bool = False
 
 
 def ssl_context(tls: TlsFiles, *, require_client_auth: bool) -> ssl.SSLContext:
@@ -83,7 +85,12 @@ class HttpServer:
         )
         await runner.setup()
         site = web.TCPSite(
-            runner, config.host, config.port, ssl_context=context, reuse_address=True
+            runner,
+            config.host,
+            config.port,
+            ssl_context=context,
+            reuse_address=True,
+            reuse_port=config.reuse_port,
         )
         await site.start()
         self._runner = runner
