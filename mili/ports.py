@@ -59,3 +59,13 @@ def check_free(host: str, port: int, flag: str = "--port", *, reuse_port: bool =
                         "it or choose another port (0 picks a free one)"
                     ) from None
                 raise StartupError(f"{flag} {port}: cannot listen on {where}: {e}") from None
+
+
+def check_distinct(port: int, http_port: int) -> None:
+    """StartupError when the HTTP API would listen on the gRPC port: bound with SO_REUSEPORT
+    (--frontends N) both binds succeed and the kernel splits connections between them."""
+    if port and port == http_port:
+        raise StartupError(
+            f"--http-port {http_port} is --port too: the HTTP API needs a port of its own "
+            "(another --http-port, or off)"
+        )

@@ -100,14 +100,58 @@ def test_retries_are_bounded() -> None:
     }
 
 
-def test_connections_default_to_one_a_client_and_must_be_positive(
+def test_connections_default_to_one_a_client_over_the_addresses_and_must_be_positive(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     from mili.client.bench import run
 
-    summary, _, _ = asyncio.run(_bench(0))
-    assert summary["config"]["connections"] == 2  # --concurrency 2
+    summary, _, _ = asyncio.run(_bench(0, "--concurrency", "6"))
+    assert summary["config"]["connections"] == 3  # 6 clients over 2 addresses
     summary, _, _ = asyncio.run(_bench(0, "--connections", "1"))
     assert (summary["config"]["connections"], summary["num_ok"]) == (1, 2)
     assert run(_args("127.0.0.1:1", "--connections", "0")) == 2
     assert "--connections must be >= 1" in capsys.readouterr().err
+
+
+def test_connections_a_frontend_never_answers_fail_the_run_with_a_message(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A process on the shared port that accepts connections but never speaks (a hung sibling
+    frontend): the run stops before its clock starts, saying which address."""
+    import socket
+
+    import mili.client.bench as bench_module
+
+    monkeypatch.setattr(bench_module, "CONNECT_TIMEOUT_S", 1.0)
+    server = RpcServer(ServerConfig(reuse_port=True, grace_s=0), name="frontend")
+    frontend = BusyFrontend(0)
+    server.add_service(
+        SERVICE, lambda s: generation_pb2_grpc.add_GenerationServiceServicer_to_server(frontend, s)
+    )
+    hung = socket.socket()
+    answered_info = bench_module._live
+
+    async def then_a_hung_sibling(*args: Any) -> Any:
+        found = await answered_info(*args)  # Info reached the real frontend
+        hung.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        hung.bind(("127.0.0.1", server.port))
+        hung.listen(64)  # the kernel completes handshakes; nothing answers HTTP/2
+        return found
+
+    monkeypatch.setattr(bench_module, "_live", then_a_hung_sibling)
+
+    async def main() -> int:
+        await server.start()
+        try:
+            # 16 connections all on the live server: probability 2**-16
+            args = _args(server.address, "--concurrency", "16")
+            return await asyncio.to_thread(bench_module.run, args)
+        finally:
+            await server.drain()
+            hung.close()
+
+    assert asyncio.run(main()) == 1
+    err = capsys.readouterr().err
+    assert f"mili bench: {server.address}: " in err, err
+    assert "of 16 connections not ready within 1 s" in err, err
+    assert not frontend.sent_at  # no request was sent

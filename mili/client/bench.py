@@ -69,9 +69,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="C",
-        help="gRPC connections per address, client i on connection i mod C; several frontend "
-        "processes behind one address (`mili serve --frontends N`) share clients by "
-        "connection (default: one per client, at most 64)",
+        help="gRPC connections per address: with A addresses client i uses connection "
+        "(i // A) mod C of address i mod A; several frontend processes behind one address "
+        "(`mili serve --frontends N`) share clients by connection (default: one per client, "
+        "at most 64 an address)",
     )
     parser.add_argument("--num-requests", type=int, default=16, metavar="M")
     parser.add_argument("--prompt-tokens", type=int, default=128, metavar="P")
@@ -272,6 +273,24 @@ async def _live(
     return live, info, skipped
 
 
+class NotConnected(Exception):
+    """Connections to a frontend that answered Info did not come up in CONNECT_TIMEOUT_S."""
+
+
+async def _connect(address: str, pool: list[Any]) -> None:
+    import grpc
+
+    ready = asyncio.gather(*(c.channel_ready() for c in pool))
+    try:
+        await asyncio.wait_for(ready, timeout=CONNECT_TIMEOUT_S)
+    except TimeoutError:
+        waiting = sum(c.get_state() != grpc.ChannelConnectivity.READY for c in pool)
+        raise NotConnected(
+            f"{address}: {waiting} of {len(pool)} connections not ready within "
+            f"{CONNECT_TIMEOUT_S:.0f} s (a frontend behind it hung or overloaded?)"
+        ) from None
+
+
 async def bench(args: argparse.Namespace, tls: Tls | None = None) -> dict[str, Any]:
     """`tls`: TLS to every address (None: plaintext)."""
     from mili.pb.common.v1 import sampling_pb2
@@ -280,7 +299,9 @@ async def bench(args: argparse.Namespace, tls: Tls | None = None) -> dict[str, A
 
     low, high = (int(x) for x in args.token_id_range.split(":"))
     addresses = list(dict.fromkeys(a.strip() for a in args.address.split(",") if a.strip()))
-    num_connections = args.connections or min(args.concurrency, MAX_DEFAULT_CONNECTIONS)
+    num_connections = args.connections or min(
+        math.ceil(args.concurrency / len(addresses)), MAX_DEFAULT_CONNECTIONS
+    )
     channels = {
         a: [open_channel(a, tls=tls, own_connection=True) for _ in range(num_connections)]
         for a in addresses
@@ -292,8 +313,7 @@ async def bench(args: argparse.Namespace, tls: Tls | None = None) -> dict[str, A
             generation_pb2.InfoRequest(),
         )
         # Connected before the clock starts: no client's first TTFT pays a handshake.
-        ready = (c.channel_ready() for a in live for c in channels[a])
-        await asyncio.wait_for(asyncio.gather(*ready), timeout=CONNECT_TIMEOUT_S)
+        await asyncio.gather(*(_connect(a, channels[a]) for a in live))
     except BaseException:
         for channel in every_channel:
             await channel.close()
@@ -435,6 +455,9 @@ def run(args: argparse.Namespace) -> int:
     except grpc.aio.AioRpcError as err:
         hint = connection_hint(err, is_tls=tls is not None)
         print(f"mili bench: {err.code().name}: {err.details()}{hint}", file=sys.stderr)
+        return 1
+    except NotConnected as err:
+        print(f"mili bench: {err}", file=sys.stderr)
         return 1
     print(report(summary))
     if args.json is not None:

@@ -116,7 +116,9 @@ class Child:
 
     def share_ports(self, other: Child) -> None:
         """Listen where `other` (up) does, --port and --http-port: sibling frontends, sharing
-        them with SO_REUSEPORT (its --port 0 picked the port)."""
+        them with SO_REUSEPORT (its --port 0 picked the port). A health check of the shared
+        port may then be answered by a sibling: what says this one bound it is its own
+        announcement, which `wait_ready` waits for first."""
         self.address, self.http_url = other.address, other.http_url
 
     async def start(self) -> None:

@@ -227,6 +227,7 @@ def check_ports(args: argparse.Namespace) -> None:
     fixed = [("--port", args.port)]  # the frontends share it (and --http-port)
     http = frontend_http_port(args)
     if http:
+        ports.check_distinct(args.port, http)
         fixed += [("--http-port", http)]
     fixed += [("--tokenizer-port", args.tokenizer_port)]
     fixed += [

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from mili.errors import StartupError
-from mili.ports import check_free
+from mili.ports import check_free, pick_free
 from tests.service_process import ROOT
 
 
@@ -99,3 +99,14 @@ def test_serve_checks_fixed_metrics_ports_too(taken: int, demo_model_dir: Path) 
     # (BASE itself, the frontend's, could be someone else's by chance: either is refused.)
     assert "--metrics-port" in result.stderr and "is already in use" in result.stderr
     assert "[tokenizer]" not in result.stderr
+
+
+def test_the_http_api_may_not_share_the_grpc_port() -> None:
+    """With --frontends N both would bind it (SO_REUSEPORT) and the kernel would split
+    connections between HTTP and gRPC: refused before anything starts."""
+    port = pick_free("127.0.0.1")
+    for command in (["serve", "--frontends", "2"], ["serve-frontend", "--reuse-port"]):
+        result = mili(*command, "--port", str(port), "--http-port", str(port))
+        assert result.returncode == 2, result.stderr
+        assert f"--http-port {port} is --port too" in result.stderr
+        assert "[tokenizer]" not in result.stderr

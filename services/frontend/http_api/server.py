@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from mili.ports import pick_free
 from mili.rpc.server import format_address
 from mili.rpc.tls import TlsFiles
 from services.frontend.http_api.drain import DRAIN_GATE
@@ -84,10 +85,14 @@ class HttpServer:
             access_log=None,  # the request's one log line is the frontend's own
         )
         await runner.setup()
+        # Port 0: one port picked first, as aiohttp gives each address of a host that resolves
+        # to several (localhost: IPv4 and IPv6) a free port of its own, and sibling frontends
+        # (reuse_port) join the one port the URL names.
+        port = config.port or pick_free(config.host)
         site = web.TCPSite(
             runner,
             config.host,
-            config.port,
+            port,
             ssl_context=context,
             reuse_address=True,
             reuse_port=config.reuse_port,
@@ -95,7 +100,7 @@ class HttpServer:
         await site.start()
         self._runner = runner
         addresses = runner.addresses  # (host, port, ...) per bound socket
-        self._port = int(addresses[0][1]) if addresses else config.port
+        self._port = int(addresses[0][1]) if addresses else port
         _LOG.info("frontend: HTTP on %s", self.url)
         return self._port
 
