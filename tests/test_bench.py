@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from mili.client.bench import add_arguments, bench, report
+from mili.client.bench import add_arguments, bench
+from mili.client.bench_report import report
 from mili.errors import ResourceExhausted
 from mili.pb.common.v1 import sampling_pb2
 from mili.pb.frontend.v1 import generation_pb2, generation_pb2_grpc

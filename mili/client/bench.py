@@ -37,13 +37,19 @@ import asyncio
 import json
 import math
 import random
-import re
 import sys
 import time
-from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from mili.client.bench_report import (
+    KV_NOTE,
+    Progress,
+    RequestResult,
+    group_errors,
+    report,
+    summarize,
+)
 
 if TYPE_CHECKING:
     from mili.rpc.tls import Tls
@@ -51,10 +57,6 @@ if TYPE_CHECKING:
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 MAX_DEFAULT_CONNECTIONS = 64  # per address, without --connections
 CONNECT_TIMEOUT_S = 10.0  # every connection up before the run, or the run fails
-KV_NOTE = (
-    "not measurable from a client: KV moves prefill -> decode directly; the frontend logs "
-    "each request's KV bytes, transfer ms and GB/s"
-)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -100,91 +102,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from mili.flags import add_tls_arguments
 
     add_tls_arguments(parser, is_server=False)
-
-
-@dataclass
-class RequestResult:
-    ttft_s: float | None = None
-    itl_s: list[float] = field(default_factory=list)
-    latency_s: float = 0.0
-    num_prompt_tokens: int = 0
-    num_completion_tokens: int = 0
-    error: str | None = None
-    num_retries: int = 0  # sends again after RESOURCE_EXHAUSTED with RetryInfo
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """Linear interpolation between closest ranks (numpy's default); None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    position = (len(ordered) - 1) * q / 100
-    low, high = math.floor(position), math.ceil(position)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
-
-
-def summarize(values: list[float]) -> dict[str, float | None]:
-    """p50/p90/p99 and mean, in milliseconds."""
-    out: dict[str, float | None] = {}
-    for q in (50, 90, 99):
-        v = percentile(values, q)
-        out[f"p{q}_ms"] = None if v is None else v * 1e3
-    out["mean_ms"] = sum(values) / len(values) * 1e3 if values else None
-    return out
-
-
-class Progress:
-    """Prints `done/total, errors, tokens/s` to stderr at every `step` of the requests and at
-    least every `interval_s` (from `tick`, which the caller runs on a timer)."""
-
-    def __init__(self, num_total: int, *, step: float = 0.1, interval_s: float = 5.0) -> None:
-        self.num_total = num_total
-        self.num_done = 0
-        self.num_errors = 0
-        self.num_tokens = 0
-        self._every = max(1, math.ceil(num_total * step))  # requests between two lines
-        self._interval_s = interval_s
-        self._started = time.perf_counter()
-        self._printed_at = self._started
-        self._printed_done = 0
-
-    def record(self, result: RequestResult) -> None:
-        self.num_done += 1
-        if result.error is not None:
-            self.num_errors += 1
-        self.num_tokens += result.num_completion_tokens
-        if self.num_done - self._printed_done >= self._every or self.num_done == self.num_total:
-            self._print()
-
-    def tick(self) -> None:
-        if time.perf_counter() - self._printed_at >= self._interval_s:
-            self._print()
-
-    def _print(self) -> None:
-        now = time.perf_counter()
-        elapsed = now - self._started
-        rate = self.num_tokens / elapsed if elapsed > 0 else 0.0
-        print(
-            f"mili bench: {self.num_done}/{self.num_total} done, {self.num_errors} errors, "
-            f"{rate:.1f} output tokens/s, {elapsed:.1f} s",
-            file=sys.stderr,
-            flush=True,
-        )
-        self._printed_at = now
-        self._printed_done = self.num_done
-
-
-_REQUEST_ID = re.compile(r"bench-\d+")
-_MINTED_ID = re.compile(r"\(id [^)\s]+\)")  # the frontend's own id, as services name a request
-
-
-def group_errors(errors: list[str]) -> list[dict[str, Any]]:
-    """Distinct errors with how often each happened, most frequent first; request ids (ours and
-    the ones the frontend mints) are masked so one failure mode is one group."""
-    counts = Counter(_MINTED_ID.sub("(id *)", _REQUEST_ID.sub("bench-*", e)) for e in errors)
-    return [
-        {"error": e, "count": n} for e, n in sorted(counts.items(), key=lambda x: (-x[1], x[0]))
-    ]
 
 
 def prompt_ids(index: int, num_tokens: int, low: int, high: int, seed: int) -> list[int]:
@@ -388,37 +305,6 @@ async def bench(args: argparse.Namespace, tls: Tls | None = None) -> dict[str, A
         "kv_transfer_gbps": None,
         "kv_transfer_note": KV_NOTE,
     }
-
-
-def _fmt(value: object) -> str:
-    return "-" if value is None else f"{value:.2f}"
-
-
-def report(summary: dict[str, Any]) -> str:
-    lines = [
-        f"requests   {summary['num_ok']} ok, {summary['num_errors']} failed "
-        f"in {summary['wall_s']:.2f} s",
-        f"output     {summary['output_tokens_per_s']:.1f} tokens/s, "
-        f"{summary['requests_per_s']:.2f} requests/s",
-    ]
-    for name in ("ttft", "itl", "latency"):
-        stats = summary[name]
-        assert isinstance(stats, dict)
-        lines.append(
-            f"{name:<10} p50 {_fmt(stats['p50_ms'])} ms, p90 {_fmt(stats['p90_ms'])} ms, "
-            f"p99 {_fmt(stats['p99_ms'])} ms"
-        )
-    lines.append(f"KV GB/s    {KV_NOTE}")
-    if summary["num_retries"]:
-        lines.append(
-            f"retries    {summary['num_retries']} (of {summary['num_retried_requests']} "
-            "requests refused RESOURCE_EXHAUSTED with RetryInfo, sent again after its delay)"
-        )
-    for skip in summary["skipped_addresses"]:
-        lines.append(f"skipped    {skip['address']}: {skip['error']}")
-    for group in summary["errors"]:
-        lines.append(f"error      {group['count']} x {group['error']}")
-    return "\n".join(lines)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -115,7 +115,7 @@ def test_bench_shows_progress_and_counts_each_error(pipeline: Deployment, tmp_pa
 
 
 def test_bench_errors_group_with_request_ids_masked() -> None:
-    from mili.client.bench import group_errors
+    from mili.client.bench_report import group_errors
 
     errors = [
         "UNAVAILABLE: decode at 127.0.0.1:1 is down",
