@@ -1,16 +1,18 @@
 """`mili serve` supervises its children: one killed with SIGKILL is restarted on the same
 address while the others keep serving, and takes work again; one that cannot start backs off
 (0.5 s, 1 s, 2 s, ...) instead of spinning, and comes back once it can; --fail-fast keeps the
-old fail-stop behaviour."""
+old fail-stop behaviour; a frontend of several comes back on the port they share."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import socket
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -275,3 +277,56 @@ def test_a_killed_frontend_comes_back_on_the_public_port(
                 assert time.monotonic() < deadline, err
                 time.sleep(0.2)
     assert replies[-1].usage.completion_tokens >= 1
+
+
+def _generate_once(address: str) -> int:
+    """One Generate over a connection of its own (one of the processes behind a shared port)."""
+    options = [("grpc.use_local_subchannel_pool", 1)]
+    with grpc.insecure_channel(address, options=options) as channel:
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
+        request = generation_pb2.GenerateRequest(
+            prompt="Hi", sampling=sampling_pb2.SamplingParams(max_tokens=2, ignore_eos=True)
+        )
+        return list(stub.Generate(request, timeout=30))[-1].usage.completion_tokens
+
+
+def test_a_killed_frontend_of_several_comes_back_on_the_shared_port(demo_model_dir: Path) -> None:
+    """`--frontends 2` share one port: while one is dead the other takes every new connection,
+    and the restarted one joins the port again and takes its share."""
+    serve, children = start_serve(demo_model_dir, "--frontends", "2", "--metrics-port", "0")
+    try:
+        shared = serve.address
+        assert children.addresses["frontend-0"] == children.addresses["frontend-1"] == shared
+        metrics = re.search(r"frontend-1 .* metrics (\S+)", "".join(serve.stdout_lines))
+        assert metrics, serve.stdout_lines
+        start = len(serve.stderr_lines)
+        os.kill(children.pids["frontend-1"], signal.SIGKILL)
+        wait_for(
+            "frontend-1's exit reported",
+            lambda: index_of(serve.stderr_lines, "frontend-1 (pid", start) is not None,
+            30,
+            serve,
+        )
+        assert [_generate_once(shared) for _ in range(8)] == [2] * 8  # frontend-0 alone
+        back = f"mili serve: frontend-1 is back on {shared}"
+        wait_for(
+            "frontend-1 back",
+            lambda: index_of(serve.stderr_lines, back, start) is not None,
+            60,
+            serve,
+        )
+
+        def generates_on_frontend_1() -> float:
+            with urllib.request.urlopen(metrics.group(1), timeout=10) as reply:
+                text = reply.read().decode()
+            found = re.findall(r"^mili_requests_total\{[^}]*Generate[^}]*\} (\S+)$", text, re.M)
+            return sum(float(v) for v in found)
+
+        # its first Info poll may still be on its way: retry each until it answers
+        deadline = time.monotonic() + 30
+        while generates_on_frontend_1() == 0:  # a new process: its counters start at 0
+            assert time.monotonic() < deadline, "no connection reached frontend-1 again"
+            with contextlib.suppress(grpc.RpcError):
+                _generate_once(shared)
+    finally:
+        assert serve.terminate(timeout_s=90) == 0, serve.stderr[-3000:]
