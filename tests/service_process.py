@@ -8,8 +8,11 @@ import signal
 import subprocess
 import sys
 import threading
+import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parent.parent
 _LISTENING = re.compile(r"(\w+) service listening on (\S+)")
@@ -97,3 +100,16 @@ class ServiceProcess:
             raise
         self._stderr_reader.join(timeout=5)
         return code
+
+
+def counted(metrics_url: str, name: str, **labels: str) -> float:
+    """The sum of `name`'s samples whose labels include `labels`, on one process's /metrics
+    (0 when none is there yet)."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as reply:
+        text = reply.read().decode()
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and labels.items() <= sample.labels.items()
+    )

@@ -14,7 +14,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import grpc
@@ -22,7 +21,7 @@ import openai
 
 from mili.pb.common.v1 import sampling_pb2
 from mili.pb.frontend.v1 import generation_pb2, generation_pb2_grpc
-from tests.service_process import ROOT, ServiceProcess
+from tests.service_process import ROOT, ServiceProcess, counted
 
 
 def _index(lines: list[str], text: str) -> int:
@@ -191,14 +190,6 @@ def test_serve_help_explains_instances_and_supervision() -> None:
     assert "restarted on the same address" in text
 
 
-def _counted(metrics_url: str, name: str, label: str) -> float:
-    """The sum of `name`'s samples whose labels hold `label`, on one child's /metrics."""
-    with urllib.request.urlopen(metrics_url, timeout=10) as reply:
-        text = reply.read().decode()
-    pattern = rf"^{name}\{{[^}}]*{re.escape(label)}[^}}]*\}} (\S+)$"
-    return sum(float(v) for v in re.findall(pattern, text, re.M))
-
-
 def test_several_frontends_share_one_port_and_clients_spread_over_them(
     demo_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -233,8 +224,7 @@ def test_several_frontends_share_one_port_and_clients_spread_over_them(
         assert result["num_ok"] == 32 and result["config"]["connections"] == 16
         # 16 connections, one a client: all on one frontend with probability 2 / 2**16
         generates = [
-            _counted(m, "mili_requests_total", 'grpc_method="Generate"')
-            for m in (metrics0, metrics1)
+            counted(m, "mili_requests_total", grpc_method="Generate") for m in (metrics0, metrics1)
         ]
         assert sum(generates) == 32 and min(generates) > 0, generates
         # the OpenAI SDK, a client (its own connection) per request, through the one address
@@ -245,7 +235,7 @@ def test_several_frontends_share_one_port_and_clients_spread_over_them(
                 )
                 assert reply.choices[0].finish_reason in ("length", "stop")
         completions = [
-            _counted(m, "mili_http_requests_total", 'route="/v1/completions"')
+            counted(m, "mili_http_requests_total", route="/v1/completions")
             for m in (metrics0, metrics1)
         ]
         assert sum(completions) == 16 and min(completions) > 0, completions

@@ -12,7 +12,6 @@ import signal
 import socket
 import threading
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +21,8 @@ import pytest
 
 from mili.pb.common.v1 import sampling_pb2
 from mili.pb.frontend.v1 import generation_pb2, generation_pb2_grpc
-from tests.service_process import ServiceProcess
+from mili.rpc.client import channel_options
+from tests.service_process import ServiceProcess, counted
 
 _CHILD = re.compile(r"mili serve: (\S+)\s+(\S+) pid (\d+)")
 _DONE = re.compile(r"\[frontend\] .* (\S+) done: prefill \S+ -> decode (\S+),")
@@ -281,8 +281,7 @@ def test_a_killed_frontend_comes_back_on_the_public_port(
 
 def _generate_once(address: str) -> int:
     """One Generate over a connection of its own (one of the processes behind a shared port)."""
-    options = [("grpc.use_local_subchannel_pool", 1)]
-    with grpc.insecure_channel(address, options=options) as channel:
+    with grpc.insecure_channel(address, options=channel_options(own_connection=True)) as channel:
         stub = generation_pb2_grpc.GenerationServiceStub(channel)
         request = generation_pb2.GenerateRequest(
             prompt="Hi", sampling=sampling_pb2.SamplingParams(max_tokens=2, ignore_eos=True)
@@ -316,15 +315,10 @@ def test_a_killed_frontend_of_several_comes_back_on_the_shared_port(demo_model_d
             serve,
         )
 
-        def generates_on_frontend_1() -> float:
-            with urllib.request.urlopen(metrics.group(1), timeout=10) as reply:
-                text = reply.read().decode()
-            found = re.findall(r"^mili_requests_total\{[^}]*Generate[^}]*\} (\S+)$", text, re.M)
-            return sum(float(v) for v in found)
-
         # its first Info poll may still be on its way: retry each until it answers
         deadline = time.monotonic() + 30
-        while generates_on_frontend_1() == 0:  # a new process: its counters start at 0
+        # a new process: its counters start at 0
+        while counted(metrics.group(1), "mili_requests_total", grpc_method="Generate") == 0:
             assert time.monotonic() < deadline, "no connection reached frontend-1 again"
             with contextlib.suppress(grpc.RpcError):
                 _generate_once(shared)
