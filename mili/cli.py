@@ -11,6 +11,7 @@ import importlib
 import sys
 from pathlib import Path
 
+from mili import __version__
 from mili.errors import StartupError
 
 # command -> (module providing add_arguments/run, help)
@@ -46,6 +47,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mili", description="Serve Qwen3 models over gRPC with disaggregated prefill/decode."
     )
+    parser.add_argument("--version", action="version", version=f"mili {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     demo = commands.add_parser(

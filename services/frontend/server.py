@@ -16,6 +16,7 @@ from contextlib import aclosing
 
 import grpc
 
+from mili import __version__
 from mili.pb.frontend.v1 import generation_pb2, generation_pb2_grpc
 from mili.rpc.policy import Policy
 from mili.rpc.server import RpcServer
@@ -90,6 +91,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 generation_pb2.TargetProblem(target=t.spec, problem=problem)
                 for t, problem in self._backends.lookup_problems.by_target.items()
             ],
+            server_version=__version__,
         )
 
     def _generate(

@@ -7,7 +7,10 @@ is a child of the HTTP request's span.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -20,6 +23,7 @@ import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
 from opentelemetry.proto.trace.v1 import trace_pb2
 
+from mili.pb.frontend.v1 import generation_pb2, generation_pb2_grpc
 from tests.service_process import ServiceProcess
 from tests.telemetry.test_tracing import Receiver
 
@@ -174,3 +178,19 @@ def test_a_generation_over_http_is_a_child_of_the_http_requests_span(
 
 def _spans_of(collector: Receiver, trace_id: str) -> list[trace_pb2.Span]:
     return [s for _, s in collector.snapshot() if s.trace_id.hex() == trace_id]
+
+
+def test_the_version_is_the_installed_packages_on_every_door(frontend: ServiceProcess) -> None:
+    """`mili --version`, HTTP GET /version and gRPC Info say the version pip installed."""
+    installed = importlib.metadata.version("mili")
+    printed = subprocess.run(
+        [sys.executable, "-m", "mili", "--version"], capture_output=True, text=True, check=True
+    ).stdout
+    assert printed == f"mili {installed}\n"
+    status, _, body = _get(f"{frontend.http_url}/version")
+    assert status == 200 and json.loads(body) == {"version": installed}
+    with grpc.insecure_channel(frontend.address) as channel:
+        info = generation_pb2_grpc.GenerationServiceStub(channel).Info(
+            generation_pb2.InfoRequest(), timeout=10
+        )
+    assert info.server_version == installed

@@ -2,6 +2,7 @@
 
 GET  /v1/models                    the served model (OpenAI's list), under each served name
 GET  /v1/models/{model}            one of them (the SDK's models.retrieve)
+GET  /version                      {"version": MILI's version}, as vLLM answers it
 POST /v1/completions               text completions (completions.py)
 POST /v1/chat/completions          chat completions (chat.py)
 POST /generate, GET /status/{request_id}, GET /health    the seeds' endpoints (seeds.py)
@@ -16,6 +17,7 @@ import time
 
 from aiohttp import web
 
+from mili import __version__
 from services.frontend.generations import Generations
 from services.frontend.http_api import seeds
 from services.frontend.http_api.chat import create_chat_completion
@@ -43,6 +45,7 @@ def make_app(generations: Generations, config: HttpConfig) -> web.Application:
     app.router.add_get("/v1/models/{model:.+}", retrieve_model)  # names may hold a "/"
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/version", version)
     seeds.add_routes(app)
     return app
 
@@ -63,6 +66,10 @@ async def retrieve_model(request: web.Request) -> web.Response:
     if name not in backends.model_names:
         return model_not_found(name, backends.model)
     return web.json_response(_card(name))
+
+
+async def version(request: web.Request) -> web.Response:
+    return web.json_response({"version": __version__})
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
