@@ -279,6 +279,24 @@ class Generation:
                 # retrieve it so asyncio does not log it as an unhandled task error.
                 read.exception()
 
+    async def _match_stops(
+        self, matcher: StopMatcher, text: TextStream, token_ids: list[int], num_generated: int
+    ) -> tuple[str, int]:
+        """An event's text through the stop strings a token at a time: (the text to send, how
+        many of the tokens to keep). Decode merges a lagging stream's tokens into one event, so
+        the token that completes a stop string may not be the event's last: the tokens after
+        it are cut, as they would be had each token come alone (usage, token_ids and logprobs
+        do not depend on the load). Stop strings count from the min_tokens-th token on (vLLM's
+        rule): the text of the tokens before it goes out unmatched."""
+        out = []
+        for i, token_id in enumerate(token_ids):
+            may_stop = num_generated + i + 1 >= self._prompt.sampling.min_tokens
+            pushed = matcher.push(await text.push([token_id]), may_stop=may_stop)
+            out.append(pushed.text)
+            if pushed.is_stopped:
+                return "".join(out), i + 1
+        return "".join(out), len(token_ids)
+
     async def _stream(self, admission: Admission, text: TextStream) -> AsyncGenerator[Delta, None]:
         sampling = self._prompt.sampling
         stop_token_ids = frozenset(sampling.stop_token_ids)
@@ -313,19 +331,15 @@ class Generation:
             if event.finish_reason is FinishReason.STOP and keep == len(event.token_ids):
                 finish = FinishReason.STOP  # decode's stop (a finished constraint) on our last
             finish = finish or event.finish_reason
-            # Stop strings count from the min_tokens-th token on (vLLM's rule); an event decode
-            # merged may straddle that token: its text before it goes out unmatched.
-            before = min(max(sampling.min_tokens - 1 - num_generated, 0), len(token_ids))
-            split = before if before < len(token_ids) else 0  # 0: the whole event one way
+            if sampling.stop:
+                out, kept = await self._match_stops(matcher, text, token_ids, num_generated)
+                if kept < len(token_ids):  # a stop string ended the text: no tokens past it
+                    token_ids, logprobs = token_ids[:kept], logprobs[:kept]
+            else:
+                out = await text.push(token_ids)
             num_generated += len(token_ids)
             self._output_token_ids.extend(token_ids)
-            out = ""
-            if split:
-                out = matcher.push(await text.push(token_ids[:split]), may_stop=False).text
-            may_stop = num_generated >= sampling.min_tokens
-            pushed = matcher.push(await text.push(token_ids[split:]), may_stop=may_stop)
-            out += pushed.text
-            if pushed.is_stopped:
+            if matcher.is_stopped:
                 finish = FinishReason.STOP
             elif finish:
                 rest = matcher.push(await text.finish())

@@ -38,6 +38,11 @@ class StopMatcher:
         self._is_stopped = False
 
     @property
+    def is_stopped(self) -> bool:
+        """A stop string matched."""
+        return self._is_stopped
+
+    @property
     def held(self) -> str:
         """Text held back because it may be the start of a stop string."""
         return self._held
@@ -69,8 +74,15 @@ class StopMatcher:
         return held
 
     def _first_match(self, text: str) -> int | None:
-        found = [i for i in (text.find(s) for s in self._stops) if i >= 0]
-        return min(found) if found else None
+        """Where the match that ends first starts (of two ending together, the longer): the
+        one a character-by-character stream would have found, so the result does not depend
+        on how decode cut the text into deltas ("\\nUser:" and "User" in "Hi\\nUser:": "Hi\\n")."""
+        best: tuple[int, int] | None = None  # (end, start)
+        for stop in self._stops:
+            start = text.find(stop)
+            if start >= 0 and (best is None or (start + len(stop), start) < best):
+                best = (start + len(stop), start)
+        return None if best is None else best[1]
 
     def _partial_tail(self, text: str) -> int:
         """Length of the longest tail of `text` that is a proper prefix of some stop string."""

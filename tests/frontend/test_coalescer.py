@@ -171,8 +171,8 @@ def test_a_stop_string_split_across_coalesced_messages_is_matched_once() -> None
             responses = await _read_slowly(s.frontend.address, request)
         assert "".join(r.text for r in responses) == "ab" * 300 + "x"
         token_ids = [t for r in responses for t in r.token_ids]
-        # Tokens up to the event that completed the stop string, each once.
-        assert token_ids == [t for event in script[:302] for t in event]
+        # Tokens up to the one that completed the stop string ("P"), each once.
+        assert token_ids == [t for event in script[:301] for t in event] + ids("OP")
         assert [r.finish_reason for r in responses].count(sampling_pb2.FINISH_REASON_STOP) == 1
         assert responses[-1].finish_reason == sampling_pb2.FINISH_REASON_STOP
         assert responses[-1].usage.completion_tokens == len(token_ids)
@@ -227,7 +227,7 @@ def test_a_stop_string_split_across_held_messages_is_matched_once() -> None:
             responses = await collect(s.stub.Generate(request, timeout=30))
         assert "".join(r.text for r in responses) == "ab" * 10 + "x"
         token_ids = [t for r in responses for t in r.token_ids]
-        assert token_ids == [t for event in script[:12] for t in event]
+        assert token_ids == [t for event in script[:11] for t in event] + ids("OP")
         assert [r.finish_reason for r in responses].count(sampling_pb2.FINISH_REASON_STOP) == 1
         assert responses[-1].finish_reason == sampling_pb2.FINISH_REASON_STOP
         assert responses[-1].usage.completion_tokens == len(token_ids)

@@ -99,7 +99,7 @@ def test_stop_string_across_events_cuts_text_and_cancels_decode() -> None:
             responses = await collect(s.stub.Generate(request, timeout=5))
             assert "".join(r.text for r in responses) == "hel"
             assert responses[-1].finish_reason == sampling_pb2.FINISH_REASON_STOP
-            assert responses[-1].usage.completion_tokens == 9  # tokens up to the matching event
+            assert responses[-1].usage.completion_tokens == 7  # up to "w", which completed it
             await wait_until(lambda: decode.num_closed == 1)  # decode stopped, not drained
 
     asyncio.run(main())

@@ -213,7 +213,7 @@ def test_a_stop_string_split_across_events_matches_once() -> None:
     deltas = run(down, SamplingParams(max_tokens=10, stop=("cd",)))
     assert "".join(d.text for d in deltas) == "ab"
     assert deltas[-1].finish_reason is FinishReason.STOP
-    assert sum(len(d.token_ids) for d in deltas) == 5  # tokens up to the one completing "cd"
+    assert sum(len(d.token_ids) for d in deltas) == 4  # up to "d", the one completing "cd"
 
 
 @pytest.mark.parametrize("merged", [False, True])
@@ -228,6 +228,23 @@ def test_stop_strings_count_from_the_min_tokens_th_token_however_decode_merged(
     assert "".join(d.text for d in deltas) == "abcd"
     assert deltas[-1].finish_reason is FinishReason.STOP
     assert sum(len(d.token_ids) for d in deltas) == 5
+
+
+@pytest.mark.parametrize("merged", [False, True])
+def test_a_stop_string_cuts_the_tokens_after_it_however_decode_merged(merged: bool) -> None:
+    """Token 3's text is "c": tokens 4 and 5, which decode made before the frontend saw the
+    stop, are neither sent nor counted, also when they came in one event with token 3."""
+    lp = [TokenLogprobs(-0.1 * i, [(i, -0.1 * i)]) for i in range(1, 6)]
+    events = [Tokens([1, 2, 3, 4, 5], lp, None)]
+    if not merged:
+        events = [Tokens([i], [lp[i - 1]], None) for i in range(1, 6)]
+    down = FakeDownstream({"d:1": [Admitted([1], "token"), *events]})
+    deltas = run(down, SamplingParams(max_tokens=10, logprobs=1, stop=("c",)))
+    assert "".join(d.text for d in deltas) == "ab"
+    assert [t for d in deltas for t in d.token_ids] == [1, 2, 3]
+    assert [x for d in deltas for x in d.logprobs] == lp[:3]
+    assert deltas[-1].finish_reason is FinishReason.STOP
+    assert deltas[-1].num_completion_tokens == 3
 
 
 def test_logprobs_are_clipped_with_their_tokens() -> None:

@@ -21,8 +21,13 @@ def run(stops: list[str], deltas: list[str]) -> tuple[str, bool]:
 
 
 def reference(stops: list[str], text: str) -> tuple[str, bool]:
-    found = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return (text[: min(found)], True) if found else (text, False)
+    """One character at a time: the first character that completes a stop string ends the
+    text before that stop (the longer of two it completes)."""
+    for end in range(1, len(text) + 1):
+        done = [len(s) for s in stops if text[:end].endswith(s)]
+        if done:
+            return text[: end - max(done)], True
+    return text, False
 
 
 def test_no_stops_passes_through() -> None:
@@ -55,7 +60,14 @@ def test_held_text_is_flushed_at_the_end() -> None:
 
 def test_earliest_match_wins_among_several_stops() -> None:
     assert run(["world", "lo w"], ["hel", "lo world"]) == ("hel", True)
-    assert run(["bc", "abcd"], ["xab", "cd"]) == ("x", True)  # "abcd" starts first
+    # "abcd" starts first, but "bc" is complete first: a stream of one character at a time
+    # would have stopped there, so any cut does.
+    assert run(["bc", "abcd"], ["xab", "cd"]) == ("xa", True)
+    assert run(["bc", "abcd"], ["xabcd"]) == ("xa", True)
+    assert run(["\nUser:", "User"], ["Hi\nUser: x"]) == run(
+        ["\nUser:", "User"], list("Hi\nUser: x")
+    )
+    assert run(["abc", "bc"], ["xabc"]) == ("x", True)  # completed together: the longer
 
 
 def test_multichar_unicode_across_deltas() -> None:
@@ -91,6 +103,19 @@ def test_random_splits_equal_matching_the_whole_text(seed: int) -> None:
     cuts = sorted(rng.sample(range(1, len(text)), 12))
     deltas = [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)], strict=True)]
     assert run(stops, deltas) == reference(stops, text)
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_overlapping_stops_match_as_one_character_at_a_time(seed: int) -> None:
+    """Stops that overlap each other (two letters, several stops): the same result for the
+    whole text, one character a delta, and random cuts."""
+    rng = random.Random(seed)
+    text = "".join(rng.choice("ab") for _ in range(30))
+    stops = ["".join(rng.choice("ab") for _ in range(rng.randint(2, 6))) for _ in range(3)]
+    cuts = sorted(rng.sample(range(1, len(text)), rng.randint(1, 12)))
+    deltas = [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+    expected = reference(stops, text)
+    assert run(stops, [text]) == run(stops, list(text)) == run(stops, deltas) == expected
 
 
 def test_before_min_tokens_nothing_matches_nor_is_held() -> None:
