@@ -117,7 +117,7 @@ class SamplingParams:
         t, p, k, m = self.temperature, self.top_p, self.top_k, self.min_p
         check(_is_real(t) and t >= 0, "temperature", "must be a finite number >= 0")
         check(_is_real(p) and 0 < p <= 1, "top_p", "must be in (0, 1]")
-        check(_is_int(k) and k >= 0, "top_k", "must be an integer >= 0 (0 = off)")
+        check(_is_int(k) and 0 <= k < 2**31, "top_k", "must be an integer in [0, 2^31) (0 = off)")
         check(_is_real(m) and 0 <= m <= 1, "min_p", "must be in [0, 1]")
         r = self.repetition_penalty
         check(_is_real(r) and r > 0, "repetition_penalty", "must be a finite number > 0")
@@ -125,7 +125,7 @@ class SamplingParams:
             v = getattr(self, field)
             check(_is_real(v) and -2 <= v <= 2, field, "must be in [-2, 2]")
         s = self.seed
-        check(s is None or (_is_int(s) and -(2**63) <= s < 2**64), "seed", "must fit in 64 bits")
+        check(s is None or (_is_int(s) and 0 <= s < 2**64), "seed", "must be in [0, 2^64)")
         check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "must be >= 1")
         n = self.min_tokens
         if not (_is_int(n) and n >= 0):

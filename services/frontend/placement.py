@@ -158,7 +158,11 @@ class Placement:
         ticket = self._router.start(
             route, len(prompt.token_ids), self._blocks_needed_on(route.decode)
         )
-        stream = self._downstream.generate(route, ids, prompt, self._deadline)
+        try:
+            stream = self._downstream.generate(route, ids, prompt, self._deadline)
+        except BaseException:
+            self._router.finish(ticket, is_refused=True)  # the instance's count stays true
+            raise
         who = f"decode at {route.decode}"
         try:
             first = await asyncio.wait_for(stream.read(), self._config.admit_timeout_s)

@@ -18,6 +18,7 @@ from mili.engine.step.sampler import (
     top_p_mask,
 )
 from mili.errors import InvalidArgument
+from mili.rpc.sampling import sampling_params_to_proto
 
 PROBS = [0.5, 0.2, 0.15, 0.1, 0.05]
 TIED = [0.4, 0.2, 0.2, 0.1, 0.1]
@@ -469,6 +470,16 @@ def test_validation_names_the_field(field: str, value: object) -> None:
     assert str(info.value).startswith(f"{field}: ")
 
 
+def test_seed_and_top_k_are_refused_outside_what_the_proto_carries() -> None:
+    """uint64 seed, int32 top_k: a value past them is INVALID_ARGUMENT naming it, never a
+    ValueError when the request is sent on."""
+    for field, value in (("seed", -1), ("seed", 2**64), ("top_k", 2**31), ("top_k", -1)):
+        with pytest.raises(InvalidArgument) as info:
+            SamplingParams(**{field: value})
+        assert [v.field for v in info.value.violations] == [field]
+    assert sampling_params_to_proto(SamplingParams(seed=2**64 - 1, top_k=2**31 - 1)).seed
+
+
 def test_validation_reports_every_bad_field() -> None:
     with pytest.raises(InvalidArgument) as info:
         SamplingParams(temperature=-1, top_p=2, logprobs=50)
@@ -476,7 +487,7 @@ def test_validation_reports_every_bad_field() -> None:
 
 
 def test_valid_params() -> None:
-    params = SamplingParams(stop_token_ids=[7, 8], seed=-5, logprobs=20, top_p=1, temperature=0)  # type: ignore[arg-type]
+    params = SamplingParams(stop_token_ids=[7, 8], seed=5, logprobs=20, top_p=1, temperature=0)  # type: ignore[arg-type]
     assert params.stop_token_ids == (7, 8)
     assert params.is_greedy
     assert hash(params)  # frozen and hashable

@@ -432,6 +432,23 @@ def test_decode_ending_without_a_finish_reason_is_unavailable() -> None:
         run(down, SamplingParams(max_tokens=5))
 
 
+class _UnsendableDownstream(FakeDownstream):
+    def generate(
+        self, route: Route, ids: RequestIds, prompt: Prompt, deadline: Deadline
+    ) -> ScriptedDecode:
+        raise ValueError("Value out of range")  # as a proto field past its type once did
+
+
+def test_a_call_that_cannot_be_made_leaves_no_request_counted_on_the_instances() -> None:
+    """The router counts a request on its instances before decode's call is made; a call that
+    fails to start (a request the conversion cannot send) must not keep it counted, or routing
+    is skewed and a removed instance is never dropped (it waits for its count to reach 0)."""
+    down = _UnsendableDownstream({"d:1": []})
+    with pytest.raises(ValueError, match="out of range"):
+        run(down, SamplingParams(max_tokens=5))
+    assert in_flight(down.router) == 0
+
+
 def test_a_caller_leaving_mid_stream_cancels_every_downstream_call() -> None:
     down = FakeDownstream({"d:1": [Admitted([1], "token"), tokens(1), HANG]})
     down.prefill_outcome = lambda: PrefillStats(0.0, 0.0, 0.0, 0)

@@ -189,9 +189,7 @@ def with_seed(request: RequestInput, seed: int | None) -> RequestInput:
 
 def nth_seed(seed: int | None, i: int) -> int | None:
     """The seed of choice `i`: the caller's + i (kept in 64 bits), or None (a fresh one each)."""
-    if seed is None:
-        return None
-    return (seed + i) % 2**64 if seed >= 0 else seed + i
+    return None if seed is None else (seed + i) % 2**64
 
 
 def _check_counts(counts: Counts, limits: Limits, window: int | None, param_of: ParamOf) -> None:
@@ -246,7 +244,7 @@ def _sampling(
         repetition_penalty=body.number("repetition_penalty"),
         presence_penalty=body.number("presence_penalty"),
         frequency_penalty=body.number("frequency_penalty"),
-        seed=body.integer("seed"),
+        seed=_seed(body),
         stop=body.texts("stop"),
         stop_token_ids=body.integers("stop_token_ids"),
         ignore_eos=body.flag("ignore_eos") or False,
@@ -284,6 +282,13 @@ def _min_tokens(body: Body) -> int:
     """min_tokens (vLLM's extra): unset is 0; the range is SamplingParams'."""
     n = body.integer("min_tokens")
     return 0 if n is None else n
+
+
+def _seed(body: Body) -> int | None:
+    """seed: any 64-bit integer, as vLLM takes it; a negative one is its two's complement (the
+    gRPC seed is a uint64), so -1 is 2^64 - 1. Out of 64 bits, SamplingParams names it."""
+    seed = body.integer("seed")
+    return seed % 2**64 if seed is not None and -(2**63) <= seed < 0 else seed
 
 
 def _top_k(body: Body) -> int | None:

@@ -274,3 +274,13 @@ def test_nth_seed() -> None:
     assert [nth_seed(7, i) for i in range(3)] == [7, 8, 9]
     assert nth_seed(2**64 - 1, 1) == 0  # stays in 64 bits
     assert nth_seed(None, 2) is None
+
+
+def test_a_negative_seed_is_its_64_bit_twos_complement() -> None:
+    """vLLM takes any 64-bit seed; the gRPC seed is a uint64."""
+    assert completion(prompt="a", seed=-1).inputs[0].sampling.seed == 2**64 - 1
+    assert chat(seed=-(2**63)).inputs[0].sampling.seed == 2**63
+    assert completion(prompt="a", seed=5).inputs[0].sampling.seed == 5
+    assert validation_param(completion(prompt="a", seed=-(2**63) - 1)) == "seed"
+    assert param_of_failure(completion, prompt="a", seed=2**64) == "seed"  # not even 64 bits
+    assert validation_param(completion(prompt="a", top_k=2**31)) == "top_k"
