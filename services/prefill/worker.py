@@ -253,7 +253,9 @@ class PrefillWorker:
                 _LOG.exception("prefill step of %d tokens failed", step.num_tokens)
                 with self._cond:
                     for job in jobs:
-                        self._forget(job.task.request_id)
+                        # Not a newer request that took a removed one's id meanwhile.
+                        if self._jobs.get(job.task.request_id) is job:
+                            self._forget(job.task.request_id)
                 for job in jobs:
                     job.sink.fail(exc)
                 continue

@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -255,6 +256,47 @@ def test_a_failed_compute_aborts_the_transfer_with_our_status(
             await until(lambda: receiver.transfers["r"].status != "open")
             assert receiver.transfers["r"].status == "aborted: INTERNAL"
             assert "r" not in receiver.reservations
+
+    asyncio.run(main())
+
+
+def test_a_failed_step_leaves_a_newer_request_of_the_same_id_alone(
+    tiny: TinyModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request removed (its caller cancelled) while its step computes, then an id reused by a
+    new call before that step fails: the failure is the old request's only; the new one is
+    computed, not dropped to wait out its transfer deadline."""
+    entered, release = threading.Event(), threading.Event()
+
+    async def main() -> None:
+        async with prefill_service(tiny) as h, receiver_for(h) as (receiver, server):
+            real = h.servicer.worker.runner.prefill_step
+            calls = 0
+
+            def first_fails(*args: Any, **kwargs: Any) -> Any:
+                nonlocal calls
+                calls += 1
+                if calls > 1:
+                    return real(*args, **kwargs)
+                entered.set()
+                release.wait(10)
+                raise RuntimeError("the forward failed")
+
+            monkeypatch.setattr(h.servicer.worker.runner, "prefill_step", first_fails)
+            receiver.reserve("x", [0, 1, 2])
+            old = h.stub.Prefill(prefill_request("x", prompt(tiny), server.address, [0, 1, 2]))
+            assert await asyncio.to_thread(entered.wait, 5)
+            old.cancel()
+            await until(lambda: h.servicer.worker.num_queued_requests == 0)
+            receiver.reserve("x", [3, 4, 5])
+            new = h.stub.Prefill(
+                prefill_request("x", prompt(tiny), server.address, [3, 4, 5]), timeout=20
+            )
+            await until(lambda: h.servicer.worker.num_queued_requests == 1)
+            release.set()
+            reply = await new
+            assert reply.num_prompt_tokens == len(prompt(tiny)) and calls == 2
+            await until(lambda: h.num_free_blocks == h.num_total_blocks)
 
     asyncio.run(main())
 
