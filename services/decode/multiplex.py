@@ -208,6 +208,10 @@ class Multiplexer:
             events.append(convert.streamed_tokens(rid, event))
             if event.finish_reason:
                 self._close(rid, None)
+            elif entry.outlet.stream.error is not None:
+                # Failed after these tokens (one delivery may carry both, and the stream says
+                # so only once): take() raises it on the next collection.
+                self._mark_ready(rid)
         return events
 
     def _refuse(self, rid: str, exc: BaseException, span: Span | None) -> None:

@@ -32,12 +32,18 @@ class _Stream:
         self._client = client
         self.call: Any = client.decode.GenerateStream(timeout=60)
 
-    async def start(self, request_id: str, prompt: list[int], timeout_ms: int = 0) -> None:
+    async def start(
+        self,
+        request_id: str,
+        prompt: list[int],
+        timeout_ms: int = 0,
+        params: SamplingParams = GREEDY,
+    ) -> None:
         assert self._client.layout is not None
         request = decode_pb2.GenerateRequest(
             request_id=request_id,
             prompt_token_ids=prompt,
-            sampling=sampling(GREEDY),
+            sampling=sampling(params),
             prefill_layout=self._client.layout,
         )
         start = decode_pb2.StreamedGenerate(request=request, timeout_ms=timeout_ms)

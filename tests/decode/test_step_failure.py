@@ -28,6 +28,8 @@ from tests.decode.harness import (
     random_prompt,
 )
 from tests.decode.test_generate import GREEDY, prompt_stopping_at
+from tests.decode.test_generate_stream import GREEDY as STREAM_GREEDY
+from tests.decode.test_generate_stream import _Stream, _transfer
 
 
 @pytest.fixture(params=["off", "on"], ids=["sync", "overlap"])
@@ -101,6 +103,55 @@ def test_a_failed_step_fails_its_requests_and_spares_later_ones(
             later = await outcome(client, player, "later", 20)
             assert not isinstance(later, grpc.aio.AioRpcError)
             assert len(later.token_ids) == 20
+            await blocks_back(client, NUM_BLOCKS)
+
+    server.run(body())
+
+
+async def stream_outcome(client: Client, player: PrefillPlayer, max_tokens: int) -> Any:
+    """One request over GenerateStream (the frontend's call): its tokens and finish reason, or
+    the error event that ended it."""
+    stream = _Stream(client)
+    prompt = random_prompt(9, player.vocab_size, seed=1)
+    params = dataclasses.replace(STREAM_GREEDY, max_tokens=max_tokens)
+    await stream.start("r", prompt, params=params)
+    token_ids: list[int] = []
+    try:
+        while True:
+            for event in (await stream.read()).events:
+                kind = event.WhichOneof("event")
+                if kind == "admitted":
+                    await _transfer(client, player, "r", prompt, event)
+                elif kind == "error":
+                    return event.error
+                else:
+                    token_ids += event.tokens.token_ids
+                    if event.tokens.finish_reason:
+                        return token_ids
+    finally:
+        stream.call.cancel()
+
+
+@pytest.mark.parametrize("where", ["forward", "sampling"])
+def test_a_failed_step_ends_a_streamed_request_after_its_tokens(
+    server: DecodeServerThread, player: PrefillPlayer, where: str
+) -> None:
+    """Over GenerateStream a request's last tokens and its error may be delivered together
+    (overlapped: step n's token and step n + 1's failure): the error still follows them
+    (before, it stayed in the request's stream and the caller waited for good)."""
+    runner = server.instance.runner
+    if where == "forward":
+        runner.decode_logits = fail_once(5, runner.decode_logits)  # type: ignore[method-assign]
+    else:
+        runner.sampler.launch = fail_once(5, runner.sampler.launch)  # type: ignore[method-assign]
+
+    async def body() -> None:
+        async with insecure_channel(server.address) as channel:
+            client = Client(channel)
+            await client.info()
+            error = await stream_outcome(client, player, 60)
+            assert not isinstance(error, list), f"finished: {len(error)} tokens"
+            assert "injected step failure" in error.message
             await blocks_back(client, NUM_BLOCKS)
 
     server.run(body())
