@@ -85,10 +85,16 @@ def test_a_one_token_prompt_and_top_zero_give_what_they_ask(
     model = engine_models["tied_gqa2"]
     runner = ModelRunner.create(model, 8, BLOCK_SIZE)
     prompt = random_ids(5, runner.vocab_size, seed=32)
-    asks = [PromptLogprobsAsk(0, [], 3), PromptLogprobsAsk(1, chunk_targets(prompt, 0, 5), 0)]
-    out = runner.prefill_step([[7], prompt], [[0], [1, 2]], [0, 0], prompt_logprobs=asks)
-    assert out.prompt_logprobs[0].result() == []
-    got = out.prompt_logprobs[1].result()
+    asks = [
+        PromptLogprobsAsk(0, [], 3),
+        PromptLogprobsAsk(1, [], 0),  # echo with logprobs 0 of a one-token prompt (HTTP)
+        PromptLogprobsAsk(2, chunk_targets(prompt, 0, 5), 0),
+    ]
+    out = runner.prefill_step(
+        [[7], [9], prompt], [[0], [3], [1, 2]], [0, 0, 0], prompt_logprobs=asks
+    )
+    assert out.prompt_logprobs[0].result() == out.prompt_logprobs[1].result() == []
+    got = out.prompt_logprobs[2].result()
     ref = hf_logprobs(hf_models["tied_gqa2"], prompt, runner.vocab_size)
     assert [lp.top for lp in got] == [[]] * 4
     assert [lp.logprob for lp in got] == pytest.approx(

@@ -82,7 +82,7 @@ def compute_prompt_logprobs(
         raise ValueError(f"{num_targets} targets for {hidden.shape[0]} hidden rows")
     if num_targets == 0:
         empty = torch.empty(0, num_top, device=device)
-        return PendingPromptLogprobs(empty[:, 0], empty, empty.long())
+        return PendingPromptLogprobs(torch.empty(0, device=device), empty, empty.long())
     targets = to_device(list(target_ids), torch.int64, device)
     parts = []
     for first in range(0, num_targets, rows_per_pass):
