@@ -394,6 +394,8 @@ def test_errors_name_the_parameter(client: openai.OpenAI, model: str) -> None:
     with pytest.raises(openai.NotFoundError) as missing:
         client.completions.create(model="no-such-model", prompt=PROMPT)
     assert missing.value.code == "model_not_found"
+    # "" is the served model, as vLLM takes it
+    assert client.completions.create(model="", prompt=PROMPT, max_tokens=1).model == model
 
 
 def test_more_choices_than_the_frontend_runs_is_429(client: openai.OpenAI, model: str) -> None:

@@ -5,7 +5,7 @@ check the model, validate every choice; then respond, streaming the choices' del
     X-Request-Id header  -> the request id in logs and traces, and the response's id
                             (`cmpl-`/`chatcmpl-` + it); a fresh one when absent
                             (telemetry.request_id_of: the one the response header echoes)
-    model                -> the served one, or unset; another is 404 model_not_found
+    model                -> the served one, or unset or ""; another is 404 model_not_found
 """
 
 from __future__ import annotations
@@ -67,7 +67,8 @@ async def open_call(
     window = generations.backends.router.max_context_tokens
     request = parse(body.parse(await http_request.read()), limits, window, request_id)
     model = generations.model
-    if request.model is not None and not generations.backends.answers_to(request.model):
+    # "" is "the served one" too, as vLLM takes it (some clients and tools send it).
+    if request.model and not generations.backends.answers_to(request.model):
         return model_not_found(request.model, model)
     if request.user is not None:
         _LOG.debug("request %s is from user %r", request_id, request.user)

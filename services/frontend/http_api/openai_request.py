@@ -73,8 +73,18 @@ _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
 }
 
 
-def _check_unsupported(body: Body) -> None:
-    for key, is_harmless in _UNSUPPORTED.items():
+# vLLM's chat extras that would change the prompt or the answer: refused, never ignored.
+_UNSUPPORTED_IN_CHAT: dict[str, Callable[[Any], bool]] = {
+    "add_generation_prompt": lambda v: v is True,
+    "continue_final_message": lambda v: v is False,
+    "chat_template": lambda v: False,  # the model's own template only
+    "documents": lambda v: False,
+    "echo": lambda v: v is False,
+}
+
+
+def _check_unsupported(body: Body, unsupported: dict[str, Callable[[Any], bool]]) -> None:
+    for key, is_harmless in unsupported.items():
         value = body.raw(key)
         if value is not None and not is_harmless(value):
             raise InvalidArgument(key, value, "not supported by this server")
@@ -84,7 +94,7 @@ def completion_request(
     body: Body, limits: Limits, window: int | None, client_id: str
 ) -> OpenAIRequest:
     """POST /v1/completions' body; InvalidArgument naming the first bad parameter."""
-    _check_unsupported(body)
+    _check_unsupported(body, _UNSUPPORTED)
     if body.array("tools"):
         raise InvalidArgument("tools", body.raw("tools"), "tools need a chat: /v1/chat/completions")
     requested = constraint_of(body)
@@ -134,11 +144,11 @@ def completion_request(
 
 def chat_request(body: Body, limits: Limits, window: int | None, client_id: str) -> OpenAIRequest:
     """POST /v1/chat/completions' body; InvalidArgument naming the first bad parameter."""
-    _check_unsupported(body)
+    _check_unsupported(body, _UNSUPPORTED | _UNSUPPORTED_IN_CHAT)
     n = _n(body)
     is_logprobs = body.flag("logprobs") or False
     top = body.integer("top_logprobs")
-    if top is not None and not is_logprobs:
+    if top and not is_logprobs:  # 0 asks for nothing: harmless without logprobs
         raise InvalidArgument("top_logprobs", top, "needs logprobs set to true")
     max_key = "max_completion_tokens" if body.has("max_completion_tokens") else "max_tokens"
     tool_choice = openai_tools.tool_choice_of(body)

@@ -221,9 +221,26 @@ def test_known_unsupported_fields_are_refused(field: str, value: Any) -> None:
     assert param_of_failure(completion, prompt="a", **{field: value}) == field
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("continue_final_message", True),
+        ("add_generation_prompt", False),
+        ("chat_template", "{{ messages }}"),
+        ("documents", [{"text": "x"}]),
+        ("echo", True),
+    ],
+)
+def test_vllms_chat_extras_that_would_change_the_answer_are_refused(field: str, value: Any) -> None:
+    """Ignored, each would give a plausible but wrong answer (a new turn instead of the
+    continuation asked for, the model's template instead of the one sent)."""
+    assert param_of_failure(chat, **{field: value}) == field
+
+
 def test_harmless_values_of_unsupported_fields_pass() -> None:
     completion(prompt="a", suffix="", logit_bias={}, skip_special_tokens=True)
     chat(tools=[], response_format={"type": "text"}, best_of=None)
+    chat(add_generation_prompt=True, continue_final_message=False, echo=False, top_logprobs=0)
 
 
 def test_logit_bias_is_read_with_its_keys_as_ids() -> None:
