@@ -328,15 +328,20 @@ class Generation:
             logprobs = event.logprobs
             if keep < len(token_ids):
                 token_ids, logprobs = token_ids[:keep], logprobs[:keep]
+            # A stop id ends the generation: its id is returned, its text is not (vLLM's rule,
+            # as for a stop string; an end-of-sequence token has none anyway).
+            num_text = len(token_ids) - (finish is FinishReason.STOP)
             if event.finish_reason is FinishReason.STOP and keep == len(event.token_ids):
                 finish = FinishReason.STOP  # decode's stop (a finished constraint) on our last
             finish = finish or event.finish_reason
             if sampling.stop:
-                out, kept = await self._match_stops(matcher, text, token_ids, num_generated)
-                if kept < len(token_ids):  # a stop string ended the text: no tokens past it
+                out, kept = await self._match_stops(
+                    matcher, text, token_ids[:num_text], num_generated
+                )
+                if kept < num_text:  # a stop string ended the text: no tokens past it
                     token_ids, logprobs = token_ids[:kept], logprobs[:kept]
             else:
-                out = await text.push(token_ids)
+                out = await text.push(token_ids[:num_text])
             num_generated += len(token_ids)
             self._output_token_ids.extend(token_ids)
             if matcher.is_stopped:

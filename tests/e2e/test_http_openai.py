@@ -322,7 +322,7 @@ def test_min_tokens_holds_back_stop_ids_and_stop_strings(
     greedy = grpc_complete(deployment, max_tokens=12, temperature=0, ignore_eos=True)
     first = greedy.token_ids[0]
     plain = grpc_complete(deployment, max_tokens=12, temperature=0, stop_token_ids=[first])
-    assert list(plain.token_ids) == [first]  # the stop id ends it at once
+    assert list(plain.token_ids) == [first] and plain.text == ""  # at once; its text left out
     held = grpc_complete(
         deployment, max_tokens=12, temperature=0, stop_token_ids=[first], min_tokens=4
     )

@@ -206,6 +206,18 @@ def test_a_stop_id_is_kept_and_ends_the_generation() -> None:
     assert deltas[-1].text == "b"
 
 
+@pytest.mark.parametrize("stop", [(), ("zz",)])
+def test_a_stop_ids_token_is_returned_without_its_text(stop: tuple[str, ...]) -> None:
+    """As vLLM: the id ends the generation and is in token_ids and usage; its text is not
+    (also through the stop-string matcher)."""
+    down = FakeDownstream({"d:1": [Admitted([1], "token"), tokens(1, 2), tokens(3, 4)]})
+    deltas = run(down, SamplingParams(max_tokens=10, stop_token_ids=(3,), stop=stop))
+    assert [t for d in deltas for t in d.token_ids] == [1, 2, 3]
+    assert "".join(d.text for d in deltas) == "ab"
+    assert deltas[-1].finish_reason is FinishReason.STOP
+    assert deltas[-1].num_completion_tokens == 3
+
+
 def test_a_stop_string_split_across_events_matches_once() -> None:
     down = FakeDownstream(
         {"d:1": [Admitted([1], "token"), tokens(1, 2), tokens(3), tokens(4, 5), tokens(6)]}
