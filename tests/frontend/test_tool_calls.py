@@ -84,6 +84,16 @@ CASES = {
         "Done.",
         [("write", '{"text": "a \\"</tool_call>\\" b"}')],
     ),
+    # a string never closed (a path ending in a backslash): the block ends at its first
+    # closing tag once another block opens after it, and the next call is still a call
+    "unclosed_string_then_call": (
+        '<tool_call>\n{"name": "ls", "arguments": {"path": "C:\\"}}\n</tool_call>\n'
+        + TOKYO
+        + " Done.",
+        "",
+        '<tool_call>\n{"name": "ls", "arguments": {"path": "C:\\"}}\n</tool_call>Done.',
+        [CALL_TOKYO],
+    ),
 }
 
 
