@@ -25,6 +25,7 @@ import ipaddress
 import logging
 import socket
 import time
+import urllib.parse
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -102,12 +103,14 @@ def normal_address(address: str) -> str | None:
 
 
 def host_of(peer: str) -> str | None:
-    """The IP of a grpc peer string (`ipv4:10.0.0.3:51234`, `ipv6:[::1]:51234`), else None."""
+    """The IP of a grpc peer string (`ipv4:10.0.0.3:51234`, `ipv6:[::1]:51234`; grpc writes
+    the latter percent-encoded, `ipv6:%5B::1%5D:51234`), else None (not an IP)."""
     kind, _, rest = peer.partition(":")
     if kind not in ("ipv4", "ipv6"):
         return None
-    host, _, _ = rest.rpartition(":")
-    return host.strip("[]") or None
+    host, _, _ = urllib.parse.unquote(rest).rpartition(":")
+    host = host.strip("[]")
+    return host if is_ip(host) else None
 
 
 def _split_host_port(text: str, original: str) -> tuple[str, int]:

@@ -66,6 +66,7 @@ def test_addresses_and_peers() -> None:
     assert normal_address("host") is None
     assert host_of("ipv4:10.1.2.3:51234") == "10.1.2.3"
     assert host_of("ipv6:[::1]:51234") == "::1"
+    assert host_of("ipv6:%5B::1%5D:51234") == "::1"  # as grpc writes it
     assert host_of("unix:/tmp/x") is None
 
 

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import socket
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -16,7 +17,7 @@ from typing import Any
 import grpc
 import pytest
 
-from mili.discovery import Callers, PeerSet, parse_targets
+from mili.discovery import Callers, PeerSet, format_address, parse_targets
 from mili.errors import InvalidArgument
 from mili.pb.tokenizer.v1.tokenizer_pb2 import DetokenizeRequest, DetokenizeResponse
 from mili.rpc import heap
@@ -53,12 +54,14 @@ class Counting(Echo):
 
 
 @contextlib.asynccontextmanager
-async def _server(policy: Policy) -> AsyncIterator[tuple[RpcServer, Counting, grpc.aio.Channel]]:
+async def _server(
+    policy: Policy, host: str = "127.0.0.1"
+) -> AsyncIterator[tuple[RpcServer, Counting, grpc.aio.Channel]]:
     echo = Counting()
-    server = RpcServer(ServerConfig(drain_timeout_s=1.0, grace_s=0.1), name="echo")
+    server = RpcServer(ServerConfig(host=host, drain_timeout_s=1.0, grace_s=0.1), name="echo")
     server.add_service(SERVICE, echo.register, policy)
     port = await server.start()
-    async with insecure_channel(f"127.0.0.1:{port}") as channel:
+    async with insecure_channel(format_address(host, port)) as channel:
         try:
             yield server, echo, channel
         finally:
@@ -160,11 +163,16 @@ def test_a_caller_outside_the_methods_callers_is_refused_before_the_servicer_run
     assert refused[0].startswith(f"echo: refused /{SERVICE}/Unary from ipv4:127.0.0.1:")
 
 
-def test_this_machine_is_the_default_set_of_callers() -> None:
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
+def test_this_machine_is_the_default_set_of_callers(host: str) -> None:
+    """Over IPv6 too: grpc writes such a peer percent-encoded (`ipv6:%5B::1%5D:port`), which
+    once failed every guarded call with INTERNAL."""
+    if host == "::1" and not socket.has_ipv6:
+        pytest.skip("no IPv6 on this host")
     policy = Policy(callers={"Unary": Callers("--frontend")})
 
     async def main() -> None:
-        async with _server(policy) as (_, echo, channel):
+        async with _server(policy, host) as (_, echo, channel):
             assert await channel.unary_unary(f"/{SERVICE}/Unary")(b"hello") == b"hello"
             assert echo.num_calls == 1
 
