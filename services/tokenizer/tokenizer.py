@@ -2,6 +2,7 @@
 
 Loads from an HF model directory:
     tokenizer.json          required: the fast tokenizer (vocabulary, merges, added tokens)
+    chat_template.jinja     optional: the chat template (before tokenizer_config.json's)
     tokenizer_config.json   optional: chat_template, eos_token
     generation_config.json  optional: eos_token_id (int or list), which ends generation
 """
@@ -80,10 +81,16 @@ class ModelTokenizer:
         # object, not a flag flipped on the first: other threads encode with that one meanwhile.
         self._as_text: Tokenizer | None = None
         self._as_text_lock = threading.Lock()
-        template = config.get("chat_template")
-        if isinstance(
-            template, list
-        ):  # HF allows named templates: [{"name": ..., "template": ...}]
+        # chat_template.jinja first, as HF loads it: transformers' save_pretrained writes the
+        # template there and drops tokenizer_config.json's entry.
+        template_file = model_dir / "chat_template.jinja"
+        template_source = f"{template_file}"
+        if template_file.is_file():
+            template: object = template_file.read_text(encoding="utf-8")
+        else:
+            template = config.get("chat_template")
+            template_source = f"{model_dir / 'tokenizer_config.json'}: chat_template"
+        if isinstance(template, list):  # HF's named templates: [{"name": ..., "template": ...}]
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
             template = named.get("default")
         try:
@@ -93,9 +100,7 @@ class ModelTokenizer:
                 eos_token=_token_text(config.get("eos_token")),
             )
         except ValueError as e:
-            raise StartupError(
-                f"{model_dir / 'tokenizer_config.json'}: chat_template: {e}"
-            ) from None
+            raise StartupError(f"{template_source}: {e}") from None
 
     def _eos_ids(self, config: dict[str, Any], generation: dict[str, Any], path: Path) -> list[int]:
         ids = generation.get("eos_token_id")

@@ -128,3 +128,23 @@ def test_sandbox_blocks_unsafe_attribute_access() -> None:
     template = ChatTemplate("{{ messages.__class__.__mro__ }}", bos_token=None, eos_token=None)
     with pytest.raises(InvalidArgument, match="chat template failed"):
         template.render([Message("user", "hi")], True, None)
+
+
+def test_a_checkpoint_saved_by_transformers_keeps_its_template(
+    demo_model_dir: Path, tmp_path: Path
+) -> None:
+    """transformers' save_pretrained writes the template to chat_template.jinja and drops
+    tokenizer_config.json's entry; HF loads the file first, and so do we."""
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(demo_model_dir)
+    hf.chat_template = "saved: " + hf.chat_template  # not the built-in renderer's output
+    hf.save_pretrained(tmp_path)
+    assert (tmp_path / "chat_template.jinja").is_file()
+    ours = ModelTokenizer(tmp_path)
+    assert ours.chat_template.source == "checkpoint"
+    messages = [Message("user", "Hi")]
+    expected = transformers.AutoTokenizer.from_pretrained(tmp_path).apply_chat_template(
+        [m.as_dict() for m in messages], tokenize=False, add_generation_prompt=True
+    )
+    assert ours.render_chat(messages, True, None) == expected
+    assert expected.startswith("saved:<|im_start|>user")
