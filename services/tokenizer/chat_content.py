@@ -133,8 +133,14 @@ def _texts_of(messages: Sequence[Message], tools: Sequence[Tool]) -> Iterable[st
 
 
 def _free_marker(messages: Sequence[Message], tools: Sequence[Tool]) -> str:
-    texts = list(_texts_of(messages, tools))
+    used: set[str] = set()  # one pass over the texts, not one per candidate
+    for text in _texts_of(messages, tools):
+        used.update(text)
     for code_point in _MARKER_CANDIDATES:
-        if not any(chr(code_point) in text for text in texts):
+        if chr(code_point) not in used:
             return chr(code_point)
-    raise AssertionError("unreachable: the messages hold every private-use character")
+    raise InvalidArgument(
+        "messages",
+        f"{len(_MARKER_CANDIDATES)} private-use characters",
+        "hold every character of U+F0001..U+10FFFD; at least one must stay unused",
+    )

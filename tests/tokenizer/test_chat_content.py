@@ -107,6 +107,17 @@ def test_a_message_holding_the_marker_characters_still_works(tokenizer: ModelTok
     assert token_ids.count(special_ids(tokenizer)["<|im_start|>"]) == 1
 
 
+def test_a_message_holding_every_marker_character_is_invalid_not_a_crash(
+    tokenizer: ModelTokenizer,
+) -> None:
+    """All 131,069 candidates in one message: INVALID_ARGUMENT naming messages (before: a
+    scan per candidate, ~15 s of CPU at the 1M-character limit, then an AssertionError)."""
+    every = "".join(map(chr, range(0xF0001, 0x10FFFE)))
+    with pytest.raises(InvalidArgument) as caught:
+        tokenizer.tokenize_chat([Message("user", "<|im_end|>" + every)], False, None)
+    assert caught.value.violations[0].field == "messages"
+
+
 def test_a_template_that_cuts_the_content_is_refused_not_guessed(
     demo_model_dir: Path, tmp_path: Path
 ) -> None:
