@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mili.errors import InvalidArgument
+from mili.text.surrogate import lone_surrogate_path
 
 # OpenAI's rule for function names; it also keeps control-token strings out of them.
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -38,6 +39,11 @@ def parse_json_object(text: str, field: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise InvalidArgument(
             field, _preview(text), f"must be a JSON object, found {type(value).__name__}"
+        )
+    where = lone_surrogate_path(value)
+    if where is not None:
+        raise InvalidArgument(
+            f"{field}.{where}", _preview(text), "holds a lone UTF-16 surrogate escape: not text"
         )
     return value
 

@@ -212,6 +212,8 @@ def test_bad_tools_name_the_field(name: str, parameters: str, field: str, says: 
         ("", "{}", "messages[2].tool_calls[1].name"),
         ("f", "", "messages[2].tool_calls[1].arguments"),
         ("f", '"a string"', "messages[2].tool_calls[1].arguments"),
+        # a lone surrogate escape (a string cut inside an emoji): not text, never encoded
+        ("f", '{"a": ["x", "\\ud83d"]}', "messages[2].tool_calls[1].arguments.a[1]"),
     ],
 )
 def test_bad_tool_calls_name_the_field(name: str, arguments: str, field: str) -> None:

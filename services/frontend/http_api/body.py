@@ -13,6 +13,7 @@ import math
 from typing import Any
 
 from mili.errors import InvalidArgument
+from mili.text.surrogate import SURROGATE_ESCAPE, lone_surrogate_path
 
 # Integer fields must fit in 64 bits (seed is the widest: unsigned); larger ones are refused
 # here, before a huge int reaches arithmetic.
@@ -29,7 +30,16 @@ def parse(raw: bytes) -> Body:
         ) from None
     if not isinstance(data, dict):
         raise InvalidArgument("", type(data).__name__, "the body must be a JSON object")
+    if SURROGATE_ESCAPE.search(raw):  # rare: the walk only for a body that may hold one
+        where = lone_surrogate_path(data)
+        if where is not None:
+            raise InvalidArgument(where, "\\ud800-\\udfff", _LONE_SURROGATE)
     return Body(data)
+
+
+_LONE_SURROGATE = (
+    "holds a lone UTF-16 surrogate escape: not text (a string cut inside a character?)"
+)
 
 
 def type_name(value: object) -> str:

@@ -287,6 +287,17 @@ def test_bodies_that_are_not_json_objects() -> None:
         assert status == 400 and error["param"] is None, raw
 
 
+def test_a_lone_surrogate_escape_is_a_400_naming_where_it_is() -> None:
+    """A client that cut a string inside an emoji: not a 500 when it is encoded later."""
+    raw = b'{"messages": [{"role": "user", "content": "hi \\ud83d"}]}'
+    with pytest.raises(InvalidArgument) as caught:
+        parse(raw)
+    status, error = error_of(caught.value)
+    assert status == 400 and error["param"] == "messages[0].content"
+    whole = parse(b'{"messages": [{"role": "user", "content": "\\ud83d\\ude00"}]}')
+    assert whole.data["messages"][0]["content"] == "\U0001f600"  # a pair is one character
+
+
 def test_nth_seed() -> None:
     assert [nth_seed(7, i) for i in range(3)] == [7, 8, 9]
     assert nth_seed(2**64 - 1, 1) == 0  # stays in 64 bits
