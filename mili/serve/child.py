@@ -38,6 +38,8 @@ _LISTENING = re.compile(r"(\w+) service listening on (\S+)")
 _METRICS = re.compile(r"(\w+) metrics on (\S+)")
 _HTTP = re.compile(r"(\w+) http on (\S+)")
 _ROOT = Path(__file__).resolve().parent.parent  # holds the `mili` and `services` packages
+# The longest line read from a child at once; a longer one is cut (its rest forwarded after).
+_LINE_LIMIT = 1 << 20
 TAIL_LINES = 40
 
 
@@ -140,7 +142,7 @@ class Child:
             env=env,
             start_new_session=True,
             preexec_fn=die_with_parent if sys.platform == "linux" else None,
-            limit=1 << 20,
+            limit=_LINE_LIMIT,
         )
         assert self.proc.stdout is not None and self.proc.stderr is not None
         self._readers = [
@@ -163,7 +165,13 @@ class Child:
     async def _forward(
         self, stream: asyncio.StreamReader, on_line: Callable[[str], None] | None
     ) -> None:
-        while raw := await stream.readline():
+        while True:
+            try:
+                raw = await stream.readline()
+            except ValueError:  # a line over the pipe's limit: asyncio dropped what it held
+                raw = f"[mili serve: a line of over {_LINE_LIMIT} bytes was cut here]\n".encode()
+            if not raw:
+                return
             line = raw.decode(errors="replace").rstrip("\n")
             self.tail.append(line)
             sys.stderr.write(f"[{self.name}] {line}\n")

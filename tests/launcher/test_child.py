@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 
-from mili.serve.child import Child, LogTail, describe_exit
+import pytest
+
+from mili.serve.child import _LINE_LIMIT, Child, LogTail, describe_exit
 
 
 def test_log_tail_keeps_the_last_lines_with_their_time() -> None:
@@ -33,3 +36,24 @@ def test_restarts_pin_the_first_runs_ports() -> None:
 def test_exit_codes_name_their_signal() -> None:
     assert describe_exit(1) == "exited with code 1"
     assert describe_exit(-9) == "exited with code -9 (SIGKILL)"
+
+
+def test_a_line_over_the_limit_is_cut_and_forwarding_goes_on(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A child's log line of over 1 MiB (a huge field logged at DEBUG): asyncio's readline
+    raises ValueError, which once ended forwarding for good (the child then blocks on a full
+    pipe) and broke `mili serve`'s shutdown. Now it is cut and the next lines go on."""
+    child = Child("frontend", ["serve-frontend"])
+
+    async def main() -> None:
+        reader = asyncio.StreamReader(limit=_LINE_LIMIT)
+        reader.feed_data(b"before\n" + b"x" * (2 * _LINE_LIMIT) + b"\nafter\n")
+        reader.feed_eof()
+        await asyncio.wait_for(child._forward(reader, None), 10)
+
+    asyncio.run(main())
+    lines = [line.split(" ", 1)[1] for line in child.tail.format(indent="").splitlines()]
+    assert lines[0] == "before" and lines[-1] == "after"
+    assert any("was cut here" in line for line in lines)
+    assert "[frontend] after" in capsys.readouterr().err

@@ -71,7 +71,7 @@ async def open_call(
     if request.model and not generations.backends.answers_to(request.model):
         return model_not_found(request.model, model)
     if request.user is not None:
-        _LOG.debug("request %s is from user %r", request_id, request.user)
+        _LOG.debug("request %s is from user %r", request_id, request.user[:200])  # any size
     try:
         choices = plan(generations, request)
     except Exception as exc:
