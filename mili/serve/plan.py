@@ -122,6 +122,17 @@ def memory_shares(
     )
 
 
+# Flags of a child that mili serve sets from its own and that other children rely on: its
+# address (the others are told it before it starts), the addresses it calls, and its drain
+# timeout (mili serve waits that long, plus a margin, before it kills it).
+_WIRED: dict[str, tuple[str, ...]] = {
+    "tokenizer": ("--host", "--port", "--drain-timeout"),
+    "prefill": ("--host", "--port", "--decode", "--drain-timeout"),
+    "decode": ("--host", "--port", "--drain-timeout"),
+    "frontend": ("--host", "--port", "--tokenizer", "--prefill", "--decode", "--drain-timeout"),
+}
+
+
 def make_plan(
     args: argparse.Namespace, model_dir: Path, demo: dict[str, CertFiles] | None = None
 ) -> Plan:
@@ -150,7 +161,15 @@ def make_plan(
 
     def extra(kind: str) -> list[str]:
         # TLS first: a flag in --KIND-args comes later and wins (argparse keeps the last).
-        return [*tls.flags.get(kind, []), *shlex.split(getattr(args, f"{kind}_args"))]
+        given = shlex.split(getattr(args, f"{kind}_args"))
+        for flag in _WIRED[kind]:
+            if any(token == flag or token.startswith(f"{flag}=") for token in given):
+                raise StartupError(
+                    f"--{kind}-args may not set {flag}: mili serve wires it (the addresses "
+                    "the services give each other, the shutdown's wait); use mili serve's "
+                    "own flags (mili serve --help)"
+                )
+        return [*tls.flags.get(kind, []), *given]
 
     # Decode ports are fixed before anything starts: each prefill instance is told the decode
     # instances it may send KV to (its --decode), and they all load their models at once.

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from mili.cli import build_parser
+from mili.errors import StartupError
 from mili.serve.forwarded_flags import Borrowed
 from mili.serve.launcher import add_arguments
 from mili.serve.plan import ENGINE, EVERY_CHILD, FRONTEND, make_plan
@@ -71,3 +72,21 @@ def test_flags_not_given_are_left_to_the_child(tmp_path: Path) -> None:
 def test_a_flag_the_child_does_not_declare_is_an_error() -> None:
     with pytest.raises(ValueError, match="declares no --no-such-flag"):
         Borrowed(add_arguments, ("--no-such-flag",)).declare(argparse.ArgumentParser(), "x")
+
+
+@pytest.mark.parametrize(
+    ("kind", "given"),
+    [
+        ("decode", "--port 55415"),  # prefill would be told another decode address
+        ("prefill", "--decode=127.0.0.1:9"),
+        ("frontend", "--drain-timeout 120"),  # mili serve would kill it mid-drain
+        ("tokenizer", "--host ::1"),
+    ],
+)
+def test_kind_args_may_not_set_what_serve_wires(tmp_path: Path, kind: str, given: str) -> None:
+    """Such a flag once gave a deployment that looked healthy and failed every request (a
+    decode on a port prefill's --decode did not name)."""
+    flag = given.split()[0].split("=")[0]
+    with pytest.raises(StartupError, match=f"--{kind}-args may not set {flag}"):
+        make_plan(_serve_args(f"--{kind}-args={given}"), tmp_path)
+    assert make_plan(_serve_args(f"--{kind}-args=--log-level DEBUG"), tmp_path)
