@@ -365,6 +365,8 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
         chunks come in one message only in place (TransferKvRequest.chunks): they are split
         among the landing threads, whose checks then run side by side."""
         request = progress.request
+        if not chunks:
+            raise DataLoss(f"transfer {request.request_id}: a chunks message without a chunk")
         num_bytes = 0
         for chunk in chunks:
             progress.check_chunk(chunk)
@@ -433,4 +435,16 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
         if request.state is RequestState.RUNNING:
             return  # committed: the batch thread owns it, and this call's end does not matter
         if self._instance.table.cancel(request):
-            self._instance.outlets.of(request.request_id).stream.fail(error)
+            self._instance.outlets.of(request.request_id).stream.fail(_for_generate(error))
+
+
+def _for_generate(error: BaseException) -> BaseException:
+    """The transfer's error as the request's Generate stream reports it. What TransferKv refuses
+    as its caller's mistake (a malformed message, a header or chunk that breaks the transfer's
+    rules) is prefill's, never the client's: DATA_LOSS there, not INVALID_ARGUMENT (a 400 naming
+    a field the client never sent) nor grpc's AbortError (UNKNOWN)."""
+    if isinstance(error, InvalidArgument):
+        return DataLoss(f"the KV transfer from prefill was refused: {error}")
+    if isinstance(error, grpc.aio.AbortError):
+        return DataLoss("the KV transfer from prefill sent a malformed message")
+    return error

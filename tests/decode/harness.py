@@ -204,6 +204,7 @@ class Client:
     """Stubs for both services on one channel."""
 
     def __init__(self, channel: grpc.aio.Channel) -> None:
+        self.channel = channel
         self.decode = decode_pb2_grpc.DecodeServiceStub(channel)
         self.kv = kv_pb2_grpc.KvTransferServiceStub(channel)
         self.layout: kv_pb2.KvLayout | None = None  # the instance's, once Info was called

@@ -247,6 +247,36 @@ def test_corrupt_transfer_is_data_loss_on_both_calls_and_frees_blocks(
     run(decode_server, body)
 
 
+@pytest.mark.parametrize("fault", ["malformed-message", "header-token-count"])
+def test_a_transfer_refused_as_malformed_is_data_loss_on_generate(
+    decode_server: DecodeServerThread, player: PrefillPlayer, fault: str
+) -> None:
+    """TransferKv refuses its caller's (prefill's) mistake as INVALID_ARGUMENT; the request's
+    Generate stream says DATA_LOSS, never INVALID_ARGUMENT naming a field of prefill's message
+    (the frontend would answer its client 400) nor UNKNOWN (grpc's AbortError passed on)."""
+    prompt = random_prompt(13, player.vocab_size, seed=78)
+    request_id = f"refused-{fault}"
+
+    async def body(client: Client) -> None:
+        call, block_ids = await client.admit(generate_request(request_id, prompt, SHORT))
+        prefilled = await asyncio.to_thread(player.prefill, prompt, SHORT)
+        messages = player.messages(request_id, prompt, block_ids, prefilled)
+        raw = client.channel.stream_unary(  # bytes as written, not a message
+            "/mili.kv.v1.KvTransferService/TransferKv"
+        )(timeout=10)
+        if fault == "malformed-message":
+            await raw.write(messages[0].SerializeToString())
+            await raw.write(b"\xff\xff\xff")
+        else:
+            messages[0].header.num_tokens += 1
+            await raw.write(messages[0].SerializeToString())
+        await expect_error(raw, Code.INVALID_ARGUMENT)
+        err = await expect_error(call.read(), Code.DATA_LOSS)
+        assert "KV transfer from prefill" in (err.details() or "")
+
+    run(decode_server, body)
+
+
 def test_sender_dying_mid_transfer_fails_request_and_frees_blocks(
     decode_server: DecodeServerThread, player: PrefillPlayer
 ) -> None:

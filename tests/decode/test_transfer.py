@@ -372,6 +372,7 @@ def test_in_place_chunks_announced_together_land_and_decode_goes_on(
         ("grpc transfer", "a chunk batch in a grpc transfer"),
         ("chunk repeated in its batch", "expected chunk 1 (chunk lost, duplicated or reordered)"),
         ("corrupt chunk in a batch", "chunk 1 (layer 1): checksum mismatch (blocks corrupted"),
+        ("empty batch", "a chunks message without a chunk"),  # once a ValueError: INTERNAL
     ],
 )
 def test_a_bad_chunk_batch_is_data_loss(
@@ -396,6 +397,9 @@ def test_a_bad_chunk_batch_is_data_loss(
             groups,
             transport=transport,
         )
+        if case == "empty batch":
+            empty = kv_pb2.TransferKvRequest(chunks=kv_pb2.KvChunks())
+            messages = [messages[0], empty, *messages[1:]]
         if case == "corrupt chunk in a batch":
             chunk = messages[1].chunks.chunks[1]
             chunk.xxh3_64 ^= 1
