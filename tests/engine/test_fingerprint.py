@@ -7,6 +7,8 @@ import json
 import shutil
 from pathlib import Path
 
+from mili.engine.model.checkpoint import write_random_checkpoint
+from mili.engine.model.config import Qwen3Config
 from mili.engine.model.fingerprint import model_fingerprint, tokenizer_file_sha256
 from services.tokenizer.tokenizer import ModelTokenizer
 
@@ -20,6 +22,19 @@ def test_another_tokenizer_file_is_another_model(demo_model_dir: Path, tmp_path:
     assert model_fingerprint(same) == model_fingerprint(demo_model_dir)
     assert model_fingerprint(other) != model_fingerprint(demo_model_dir)
     assert tokenizer_file_sha256(other) != tokenizer_file_sha256(demo_model_dir)
+
+
+def test_other_weights_of_one_config_are_another_model(
+    demo_model_dir: Path, tmp_path: Path
+) -> None:
+    """A fine-tune of the same config: the headers match, the data does not (before, only the
+    headers were hashed and such checkpoints paired, their KV giving wrong tokens)."""
+    config = Qwen3Config.from_file(demo_model_dir / "config.json")
+    one = write_random_checkpoint(tmp_path / "one", config, seed=3)
+    again = write_random_checkpoint(tmp_path / "again", config, seed=3)
+    other = write_random_checkpoint(tmp_path / "other", config, seed=4)
+    assert model_fingerprint(one) == model_fingerprint(again)
+    assert model_fingerprint(one) != model_fingerprint(other)
 
 
 def test_the_sha256_is_the_tokenizer_services(demo_model_dir: Path, tmp_path: Path) -> None:

@@ -19,22 +19,34 @@ def tokenizer_file_sha256(model_dir: Path) -> str:
 
 
 def model_fingerprint(model_dir: Path) -> str:
-    """sha256 over config.json, tokenizer.json and each weight file's name, size and
-    safetensors header.
+    """sha256 over config.json, tokenizer.json and each weight file's name, size, safetensors
+    header and a sample of its data.
 
-    The header lists every tensor's name, dtype, shape and byte offsets; hashing it (not the
-    gigabytes of data) keeps start-up fast while still telling checkpoints apart. Random-weight
-    checkpoints of one config with different seeds collide — acceptable: they never meet in
-    production, and tests that need to tell them apart compare tokens, not fingerprints.
+    The header lists every tensor's name, dtype, shape and byte offsets; it tells configs apart
+    but not two checkpoints of one config (a base model and its fine-tune, v1 and v2 of one
+    fine-tune during a rollout), whose KV would then pair and give wrong tokens. Those differ
+    in nearly every weight, so _SAMPLES windows of each file's data tell them apart too, for a
+    few MiB of reads instead of the gigabytes of the whole data.
     """
     digest = hashlib.sha256()
     config = json.loads((model_dir / "config.json").read_text())
     digest.update(json.dumps(config, sort_keys=True).encode())
     digest.update(tokenizer_file_sha256(model_dir).encode())
     for path in sorted(set(tensor_files(model_dir).values())):
+        size = path.stat().st_size
         with path.open("rb") as f:
             header_len = int.from_bytes(f.read(8), "little")
             digest.update(path.name.encode())
-            digest.update(str(path.stat().st_size).encode())
+            digest.update(str(size).encode())
             digest.update(f.read(min(header_len, 100_000_000)))
+            start = 8 + header_len
+            span = max(0, size - start - _WINDOW)
+            for i in range(_SAMPLES):
+                f.seek(start + span * i // (_SAMPLES - 1))
+                digest.update(f.read(_WINDOW))
     return digest.hexdigest()[:16]
+
+
+# Windows of data read from each weight file, evenly spaced from its first byte to its last.
+_SAMPLES = 16
+_WINDOW = 4096
