@@ -10,6 +10,7 @@ later.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import socket
 
@@ -18,15 +19,25 @@ from mili.rpc.server import format_address
 
 
 def pick_free(host: str) -> int:
-    """A port nothing listens on now, for a child that must be named before it starts (a
-    prefill instance is told its decode instances' addresses up front). Another process could
-    take it before the child binds; the child's start then fails with a clear error."""
+    """A port nothing listens on now (see pick_free_ports)."""
+    return pick_free_ports(host, 1)[0]
+
+
+def pick_free_ports(host: str, count: int) -> list[int]:
+    """`count` distinct ports nothing listens on now, for children that must be named before
+    they start (a prefill instance is told its decode instances' addresses up front). Each
+    probe stays bound until all are picked: closed one by one, the kernel may hand the same
+    port out twice. Another process could take one before its child binds; that child's start
+    then fails with a clear error."""
     family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        probe.bind((host.strip("[]"), 0))
-        port: int = probe.getsockname()[1]
-        return port
+    with contextlib.ExitStack() as probes:
+        ports = []
+        for _ in range(count):
+            probe = probes.enter_context(socket.socket(family, socket.SOCK_STREAM))
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((host.strip("[]"), 0))
+            ports.append(int(probe.getsockname()[1]))
+        return ports
 
 
 def check_free(host: str, port: int, flag: str = "--port", *, reuse_port: bool = False) -> None:

@@ -173,10 +173,11 @@ def make_plan(
 
     # Decode ports are fixed before anything starts: each prefill instance is told the decode
     # instances it may send KV to (its --decode), and they all load their models at once.
-    decode_ports = [
-        int(_port(args.decode_port, i)) if args.decode_port else ports.pick_free(args.host)
-        for i in range(args.decode_instances)
-    ]
+    decode_ports = (
+        [int(_port(args.decode_port, i)) for i in range(args.decode_instances)]
+        if args.decode_port
+        else ports.pick_free_ports(args.host, args.decode_instances)
+    )
     decode_addresses = ",".join(format_address(args.host, p) for p in decode_ports)
 
     return Plan(

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from mili.errors import StartupError
-from mili.ports import check_free, pick_free
+from mili.ports import check_free, pick_free, pick_free_ports
 from tests.service_process import ROOT
 
 
@@ -28,6 +28,17 @@ def taken() -> Iterator[int]:
 def test_a_listening_port_is_taken(taken: int) -> None:
     with pytest.raises(StartupError, match=f"--decode-port {taken}: 127.0.0.1:{taken} is already"):
         check_free("127.0.0.1", taken, "--decode-port")
+
+
+def test_ports_picked_together_are_distinct() -> None:
+    """mili serve names its decode instances' ports before they start: picked one by one and
+    each probe closed, the kernel handed out the same port twice now and then (two decode
+    instances, one failed to bind after loading its model)."""
+    ports = pick_free_ports("127.0.0.1", 2000)
+    assert len(set(ports)) == len(ports)
+    for port in ports[:20]:
+        check_free("127.0.0.1", port)
+    assert isinstance(pick_free("127.0.0.1"), int)
 
 
 def test_free_port_zero_and_time_wait_pass() -> None:
