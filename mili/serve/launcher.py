@@ -255,7 +255,7 @@ class Launcher:
             Child(
                 f"frontend-{k}" if many else "frontend",
                 [*argv, *downstream],
-                tls=self.plan.health_tls,
+                tls=self.plan.frontend_health_tls,
             )
             for k, argv in enumerate(self.plan.frontends)
         ]

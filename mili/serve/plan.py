@@ -44,6 +44,7 @@ FRONTEND = Borrowed(
         "--stream-interval",
         "--max-queued-requests",
         "--max-queued-tokens",
+        "--public-tls",
     ),
 )
 
@@ -65,6 +66,7 @@ class Plan:
     fail_fast: bool = False  # a child that exits stops everything (exit 1) instead of restarting
     restart: RestartPolicy = field(default_factory=RestartPolicy)
     health_tls: Tls | None = None  # what our health checks of the children dial with
+    frontend_health_tls: Tls | None = None  # the frontends': none with --public-tls off
     tls_demo: CertFiles | None = None  # --tls-demo: the files a client outside uses
 
     @property
@@ -129,7 +131,15 @@ _WIRED: dict[str, tuple[str, ...]] = {
     "tokenizer": ("--host", "--port", "--drain-timeout"),
     "prefill": ("--host", "--port", "--decode", "--drain-timeout"),
     "decode": ("--host", "--port", "--drain-timeout"),
-    "frontend": ("--host", "--port", "--tokenizer", "--prefill", "--decode", "--drain-timeout"),
+    "frontend": (
+        "--host",
+        "--port",
+        "--tokenizer",
+        "--prefill",
+        "--decode",
+        "--drain-timeout",
+        "--public-tls",  # mili serve checks the frontend's health the way it says
+    ),
 }
 
 
@@ -238,6 +248,7 @@ def make_plan(
         drain_timeout_s=args.drain_timeout,
         fail_fast=args.fail_fast,
         health_tls=tls.health,
+        frontend_health_tls=None if args.public_tls == "off" else tls.health,
         tls_demo=None if demo is None else demo["client"],
     )
 

@@ -72,9 +72,11 @@ def tls_plan(args: argparse.Namespace, demo: dict[str, CertFiles] | None) -> Chi
         if given:
             raise StartupError("--tls-demo makes its own certificates: drop --tls-cert/-key/-ca")
         flags_of = {kind: _tls_flags(files) for kind, files in demo.items()}
-        flags_of["frontend"] += ["--public-tls", "tls"]
+        flags_of["frontend"] += ["--public-tls", args.public_tls or "tls"]
         return ChildTls(flags_of, _load(demo["client"]))
     if not given:
+        if args.public_tls not in (None, "off"):
+            raise StartupError(f"--public-tls {args.public_tls} needs --tls-cert and --tls-key")
         return ChildTls({}, None)
     if args.tls_ca is not None and args.tls_cert is None:
         # The children would serve plaintext yet dial each other over TLS.

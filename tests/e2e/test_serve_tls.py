@@ -191,3 +191,26 @@ def test_serve_with_own_certificates_checks_health_over_mtls_and_bench_uses_them
     finally:
         code = serve.terminate(timeout_s=90)
     assert code == 0, serve.stderr[-3000:]
+
+
+def test_serve_with_mtls_inside_and_a_plaintext_public_port(
+    demo_model_dir: Path, own_pki: dict[str, CertFiles]
+) -> None:
+    """`mili serve --public-tls off` (behind a TLS-terminating proxy): mTLS between the
+    services, plaintext on the frontend's port, which serve's health check dials as such
+    (before, it dialed TLS there and start-up failed after its health timeout)."""
+    files = own_pki["services"]
+    serve = _serve(
+        demo_model_dir, "--public-tls", "off",
+        "--tls-cert", str(files.cert), "--tls-key", str(files.key), "--tls-ca", str(files.ca),
+    )  # fmt: skip
+    try:
+        bench = _mili(
+            "bench", "--address", serve.address, "--num-requests", "2", "--prompt-tokens", "8",
+            "--output-tokens", "4",
+        )  # fmt: skip
+        assert bench.returncode == 0, bench.stderr
+        assert bench.stdout.startswith("requests   2 ok, 0 failed")
+    finally:
+        code = serve.terminate(timeout_s=90)
+    assert code == 0, serve.stderr[-3000:]
