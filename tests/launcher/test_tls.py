@@ -43,14 +43,18 @@ def test_given_tls_flags_reach_every_child_and_the_health_checks(
     tmp_path: Path, files: CertFiles
 ) -> None:
     tls = ("--tls-cert", str(files.cert), "--tls-key", str(files.key), "--tls-ca", str(files.ca))
-    plan = make_plan(_args(*tls, "--frontend-args", "--public-tls tls"), tmp_path)
+    plan = make_plan(_args(*tls, "--public-tls", "tls"), tmp_path)
     children = [plan.tokenizer, *plan.prefills, *plan.decodes, *plan.frontends]
     for argv in children:
         assert _flag(argv, "--tls-cert") == str(files.cert)
         assert _flag(argv, "--tls-key") == str(files.key)
         assert _flag(argv, "--tls-ca") == str(files.ca)
-    assert _flag(plan.frontend, "--public-tls") == "tls"  # --frontend-args still wins
+    assert _flag(plan.frontend, "--public-tls") == "tls"
     assert plan.health_tls == TlsFiles(files.cert, files.key, files.ca).load()
+    assert plan.frontend_health_tls == plan.health_tls
+    plaintext = make_plan(_args(*tls, "--public-tls", "off"), tmp_path)
+    assert _flag(plaintext.frontend, "--public-tls") == "off"
+    assert plaintext.frontend_health_tls is None and plaintext.health_tls is not None
     assert plan.tls_demo is None
     assert make_plan(_args(), tmp_path).health_tls is None  # no flags: plaintext
     assert "--tls-cert" not in make_plan(_args(), tmp_path).tokenizer
