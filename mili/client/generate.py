@@ -1,9 +1,10 @@
 """`mili generate "text"`: stream one generation from a running frontend to stdout.
 
-The text goes to stdout as it arrives; the finish reason and token usage go to stderr at the
-end, on a line of their own, so `mili generate "..." > out.txt` captures only the text and
-`mili generate "..." 2>&1 | less` shows the text, then `[finish: ...]` below it. An error is
-one stderr line with its status code, and a non-zero exit.
+The text goes to stdout as it arrives (a chat's thinking to stderr, so stdout stays the
+answer); the finish reason and token usage go to stderr at the end, on a line of their own,
+so `mili generate "..." > out.txt` captures only the text and `mili generate "..." 2>&1 | less`
+shows the text, then `[finish: ...]` below it. An error is one stderr line with its status
+code, and a non-zero exit.
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     request = build_request(args)
     last = None
-    wrote_text = ""
+    wrote_text = wrote_reasoning = ""
     channel = (
         grpc.insecure_channel(args.address)
         if tls is None
@@ -101,7 +102,14 @@ def run(args: argparse.Namespace) -> int:
         stub = generation_pb2_grpc.GenerationServiceStub(channel)
         try:
             for response in stub.Generate(request, timeout=args.timeout):
+                if response.reasoning_text:
+                    sys.stderr.write(response.reasoning_text)
+                    sys.stderr.flush()
+                    wrote_reasoning = response.reasoning_text
                 if response.text:
+                    if wrote_reasoning:  # the answer starts on a line of its own
+                        _end_reasoning(wrote_reasoning)
+                        wrote_reasoning = ""
                     sys.stdout.write(response.text)
                     sys.stdout.flush()
                     wrote_text = response.text
@@ -111,9 +119,11 @@ def run(args: argparse.Namespace) -> int:
             code = err.code().name if callable(getattr(err, "code", None)) else "UNKNOWN"
             details = err.details() if callable(getattr(err, "details", None)) else str(err)
             hint = connection_hint(err, is_tls=tls is not None)
+            _end_reasoning(wrote_reasoning)
             _end_text(wrote_text)
             print(f"mili generate: {code}: {details}{hint}", file=sys.stderr)
             return 1
+    _end_reasoning(wrote_reasoning)  # all thinking (cut at max_tokens): said, not lost
     _end_text(wrote_text)
     if last is not None:
         reason = sampling_pb2.FinishReason.Name(last.finish_reason)
@@ -124,6 +134,12 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def _end_reasoning(last_reasoning: str) -> None:
+    if last_reasoning and not last_reasoning.endswith("\n"):
+        sys.stderr.write("\n")
+        sys.stderr.flush()
 
 
 def _end_text(last_text: str) -> None:

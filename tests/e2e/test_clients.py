@@ -131,3 +131,28 @@ def test_bench_errors_group_with_request_ids_masked() -> None:
         {"error": "DATA_LOSS: KV transfer of request 'bench-*' (id *) failed", "count": 2},
         {"error": "UNAVAILABLE: decode at 127.0.0.1:1 is down", "count": 2},
     ]
+
+
+def test_generate_chat_puts_the_thinking_on_stderr_and_the_answer_on_stdout() -> None:
+    """A thinking model's reasoning (here a scripted decode behind a real frontend: the demo
+    model's random weights never write <think>) goes to stderr, so it is seen and stdout stays
+    the answer; before, it was dropped, and a generation cut while thinking printed nothing."""
+    import asyncio
+
+    from tests.frontend.fakes import FakeDecode, ids, stack
+
+    async def main() -> tuple[int, str, str]:
+        script = [ids("<think>Plan"), ids(" it.</think>Hi"), ids(" there")]  # ids: no "\n"
+        async with stack([FakeDecode(script=script)]) as s:
+            child = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "mili", "generate", "Hello", "--chat",
+                "--address", s.frontend.address, "--max-tokens", "100",
+                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            )  # fmt: skip
+            out, err = await asyncio.wait_for(child.communicate(), 60)
+            return child.returncode or 0, out.decode(), err.decode()
+
+    code, out, err = asyncio.run(main())
+    assert code == 0, err
+    assert out == "Hi there"
+    assert err.startswith("Plan it.\n[finish: "), err
