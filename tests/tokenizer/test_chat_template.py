@@ -148,3 +148,24 @@ def test_a_checkpoint_saved_by_transformers_keeps_its_template(
     )
     assert ours.render_chat(messages, True, None) == expected
     assert expected.startswith("saved:<|im_start|>user")
+
+
+def test_a_template_marking_the_assistants_part_renders_as_hf(
+    demo_model_dir: Path, tmp_path: Path
+) -> None:
+    """TRL-style templates wrap the assistant's turns in `{% generation %}`, a tag HF's template
+    environment knows; it once failed our start-up (an unknown tag)."""
+    transformers = pytest.importorskip("transformers")
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+        "{% if m.role == 'assistant' %}{% generation %}{{ m.content }}{% endgeneration %}"
+        "{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    checkpoint = _checkpoint_with_template(demo_model_dir, tmp_path / "trl", template)
+    messages = [Message("user", "Hi"), Message("assistant", "Hello!"), Message("user", "Bye")]
+    expected = transformers.AutoTokenizer.from_pretrained(checkpoint).apply_chat_template(
+        [m.as_dict() for m in messages], tokenize=False, add_generation_prompt=True
+    )
+    assert ModelTokenizer(checkpoint).render_chat(messages, True, None) == expected
+    assert "Hello!<|im_end|>" in expected
