@@ -24,7 +24,7 @@ import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, ClassVar
+from typing import Any
 
 import jinja2
 from jinja2 import nodes
@@ -113,7 +113,7 @@ class _Generation(Extension):
     """`{% generation %}...{% endgeneration %}`: HF's mark of the assistant's part (for
     training masks, TRL-style templates): its body renders as written; nothing is tracked."""
 
-    tags: ClassVar[set[str]] = {"generation"}
+    tags = {"generation"}  # noqa: RUF012 (jinja reads it from the class)
 
     def parse(self, parser: Parser) -> nodes.Node:
         lineno = next(parser.stream).lineno
