@@ -11,7 +11,8 @@ into the ids and re-decode only a short window:
 
 and emit the delta only when it does not end in U+FFFD. Both offsets sit on character
 boundaries, so the concatenated deltas equal one decode of all the ids. The cost per step is
-the window, not the whole sequence.
+the window, not the whole sequence, and so is the memory: ids before the prefix window are
+dropped (a stream may run for millions of tokens).
 """
 
 from __future__ import annotations
@@ -26,13 +27,9 @@ class IncrementalDetokenizer:
 
     def __init__(self, decode: Callable[[list[int]], str]) -> None:
         self._decode = decode
-        self._ids: list[int] = []
+        self._ids: list[int] = []  # the windows: ids from the prefix offset on
         self._prefix_offset = 0
         self._read_offset = 0
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self._ids)
 
     def push(self, token_ids: Sequence[int]) -> str:
         """Add ids; return the text they complete ("" while a character is incomplete)."""
@@ -50,6 +47,6 @@ class IncrementalDetokenizer:
         text = self._decode(self._ids[self._prefix_offset :])
         if not final and (len(text) <= len(prefix) or text.endswith(_REPLACEMENT)):
             return ""
-        self._prefix_offset = self._read_offset
-        self._read_offset = len(self._ids)
+        del self._ids[: self._read_offset]  # emitted: the new prefix window starts there
+        self._prefix_offset, self._read_offset = 0, len(self._ids)
         return text[len(prefix) :]

@@ -56,6 +56,15 @@ def test_random_id_streams_add_up_to_one_shot_decode(tokenizer: ModelTokenizer, 
         assert not delta.endswith("\ufffd")
 
 
+def test_a_long_stream_holds_only_its_window(tokenizer: ModelTokenizer) -> None:
+    """Memory stays the window's, not the stream's (a DetokenizeStream without `final`)."""
+    detokenizer = IncrementalDetokenizer(lambda ids: tokenizer.decode(ids))
+    ids = tokenizer.encode("gRPC streams text. " * 50)
+    text = "".join(detokenizer.push([i]) for i in ids * 20) + detokenizer.flush()
+    assert text == tokenizer.decode(ids * 20)
+    assert len(detokenizer._ids) <= 8
+
+
 def test_skip_special_tokens_drops_control_tokens_only(tokenizer: ModelTokenizer) -> None:
     ids = tokenizer.encode("<|im_start|>assistant\n<think>\nhm\n</think>\n\nyes<|im_end|>")
     assert "".join(_stream(tokenizer, ids, [1] * len(ids), skip=True)) == (
