@@ -4,8 +4,11 @@ One chunk carries the K and V of some whole blocks of one layer (see protos/mili
 
     data = bytes(K) + bytes(V), each a C-order [n_blocks, block_size, num_kv_heads, head_dim]
            tensor of the layout's dtype (little-endian, as torch stores it on x86/ARM and CUDA)
-    crc32 = zlib.crc32(data)      (or, when the pair chose it, xxh3_64 = XXH3-64(data): see
-                                   mili.kv_handoff.checksums)
+    crc32 = zlib.crc32(label + data)   (or, when the pair chose it, xxh3_64 = XXH3-64 of the
+                                        same: see mili.kv_handoff.checksums)
+    label = seq, layer, block_ids as little-endian uint64s: the chunk's place, bound into its
+            checksum, so a chunk labelled with another layer or block order fails it (the
+            transfer's bookkeeping sees only that each place came once)
 
 The layout both sides agree on first (KvLayout, `check_compatible`, `block_bytes`) is
 `mili.rpc.kv_layout`'s, which needs no torch: the frontend imports that one, never this.
@@ -67,6 +70,11 @@ def _write_varint(value: int) -> bytes:
     return bytes(out)
 
 
+def label(seq: int, layer: int, block_ids: Sequence[int]) -> bytes:
+    """A chunk's place in its transfer, as its checksum covers it (see the module docstring)."""
+    return np.array([seq, layer, *block_ids], dtype="<u8").tobytes()
+
+
 def raw_bytes(t: torch.Tensor) -> memoryview:
     """The tensor's bytes in C order, little-endian as torch stores them; no copy when it is
     already a contiguous CPU tensor. (A uint8 view: numpy has no bf16.)"""
@@ -95,7 +103,7 @@ def encode_chunk_request(
         raise ValueError(f"k {tuple(k.shape)} / v {tuple(v.shape)} vs {len(block_ids)} block ids")
     k_bytes, v_bytes = raw_bytes(k), raw_bytes(v)
     num_data = len(k_bytes) + len(v_bytes)
-    value = digest(checksum, (k_bytes, v_bytes))
+    value = digest(checksum, (label(seq, layer, block_ids), k_bytes, v_bytes))
     head = bytearray()
     if request_id:
         encoded_id = request_id.encode()
@@ -255,8 +263,9 @@ def decode_chunk(
     expected = 2 * n * block_bytes(layout)
     if len(data) != expected:
         raise DataLoss(f"{where}: {len(data)} bytes for {n} blocks, expected {expected}")
-    if digest(checksum, (data,)) != announced(chunk, checksum):
-        raise DataLoss(f"{where}: checksum mismatch (data corrupted in transit)")
+    place = label(chunk.seq, chunk.layer, chunk.block_ids)
+    if digest(checksum, (place, data)) != announced(chunk, checksum):
+        raise DataLoss(f"{where}: checksum mismatch (data or its labels corrupted in transit)")
     shape = (n, layout.block_size, layout.num_kv_heads, layout.head_dim)
     if n == 0:
         empty = torch.empty(shape, dtype=torch_dtype(layout))

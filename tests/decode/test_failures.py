@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import struct
 import zlib
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -149,6 +150,13 @@ def test_lease_expiry_mid_transfer_stops_the_transfer(
 # ---- broken transfers --------------------------------------------------------------------------
 
 
+def _sign(chunk: kv_pb2.KvChunk) -> None:
+    """The checksum a sender computes: CRC-32 of the chunk's place (seq, layer, block ids as
+    little-endian uint64s), then its data."""
+    place = struct.pack(f"<{2 + len(chunk.block_ids)}Q", chunk.seq, chunk.layer, *chunk.block_ids)
+    chunk.crc32 = zlib.crc32(place + chunk.data)
+
+
 def _flip_byte(chunk: kv_pb2.KvChunk) -> None:
     data = bytearray(chunk.data)
     data[len(data) // 2] ^= 0x40
@@ -157,7 +165,7 @@ def _flip_byte(chunk: kv_pb2.KvChunk) -> None:
 
 def _truncate(chunk: kv_pb2.KvChunk) -> None:
     chunk.data = chunk.data[:-8]
-    chunk.crc32 = zlib.crc32(chunk.data)  # consistent checksum, wrong length
+    _sign(chunk)  # consistent checksum, wrong length
 
 
 def _block_twice(chunk: kv_pb2.KvChunk) -> None:
@@ -173,7 +181,7 @@ def _drop_last_block(chunk: kv_pb2.KvChunk) -> None:
         chunk.data[: len(chunk.data) // 2 - _half_block(chunk)]
         + chunk.data[len(chunk.data) // 2 : -_half_block(chunk)]
     )
-    chunk.crc32 = zlib.crc32(chunk.data)
+    _sign(chunk)
 
 
 def _half_block(chunk: kv_pb2.KvChunk) -> int:
@@ -209,6 +217,17 @@ def _set_chunk(index: int, **fields: Any) -> Mangle:
     return _mangle_chunk(index, edit)
 
 
+def _swap_layers(messages: list[kv_pb2.TransferKvRequest]) -> list[kv_pb2.TransferKvRequest]:
+    """Chunks 0 and 1 labelled with each other's layer (a sender's bookkeeping bug)."""
+    first, second = messages[1].chunk, messages[2].chunk
+    first.layer, second.layer = second.layer, first.layer
+    return messages
+
+
+def _reverse_blocks(chunk: kv_pb2.KvChunk) -> None:
+    chunk.block_ids.reverse()
+
+
 # messages: [header, chunk layer 0, chunk layer 1, commit]
 CORRUPTIONS: dict[str, tuple[Mangle, str]] = {
     "bad-crc": (_mangle_chunk(1, _flip_byte), "checksum mismatch"),
@@ -223,6 +242,9 @@ CORRUPTIONS: dict[str, tuple[Mangle, str]] = {
     "block-twice-in-chunk": (_mangle_chunk(1, _block_twice), "sent more than once"),
     "block-never-sent": (_mangle_chunk(2, _drop_last_block), "pairs never sent, e.g. layer 1"),
     "layer-out-of-range": (_set_chunk(2, layer=99), "layer out of range"),
+    # each place still comes once: only the checksum, which binds the place, tells
+    "layers-swapped": (_swap_layers, "checksum mismatch"),
+    "blocks-reordered": (_mangle_chunk(1, _reverse_blocks), "checksum mismatch"),
 }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import struct
 import zlib
 
 import pytest
@@ -88,7 +89,8 @@ def _protobuf_chunk(
         layer=layer,
         block_ids=block_ids,
         data=data,
-        crc32=zlib.crc32(data),
+        # the place, bound in: seq, layer, block ids as little-endian uint64s
+        crc32=zlib.crc32(struct.pack(f"<{2 + len(block_ids)}Q", seq, layer, *block_ids) + data),
     )
 
 
@@ -264,7 +266,8 @@ def test_xxh3_chunks_are_what_protobuf_writes_and_reads_and_catch_corruption() -
     raw, _ = codec.encode_chunk_request("r", 2, 1, [7, 8, 9], k, v, "xxh3-64")
     reference = _protobuf_chunk("r", 2, 1, [7, 8, 9], k, v)
     reference.crc32 = 0
-    reference.xxh3_64 = xxhash.xxh3_64_intdigest(reference.data)
+    place = struct.pack("<5Q", 2, 1, 7, 8, 9)
+    reference.xxh3_64 = xxhash.xxh3_64_intdigest(place + reference.data)
     assert raw == kv_pb2.TransferKvRequest(chunk=reference).SerializeToString()
     view = codec.parse_transfer_request(raw)
     assert isinstance(view, codec.ChunkView) and view.xxh3_64 == reference.xxh3_64
@@ -276,21 +279,21 @@ def test_xxh3_chunks_are_what_protobuf_writes_and_reads_and_catch_corruption() -
         codec.decode_chunk(codec.parse_transfer_request(bytes(flipped)), layout, "xxh3-64")
     with pytest.raises(DataLoss, match="checksum"):  # read as the wrong checksum: caught too
         codec.decode_chunk(view, layout, "crc32")
+    with pytest.raises(DataLoss, match="checksum"):  # labelled with another layer
+        codec.decode_chunk(view._replace(layer=0), layout, "xxh3-64")
 
 
 @pytest.mark.parametrize("checksum", checksums.available())
 def test_rows_digest_is_the_digest_of_the_chunk_those_blocks_would_make(checksum: str) -> None:
     """An in-place chunk's checksum (blocks as the pool holds them, runs of consecutive ids
-    read at once) equals the checksum of the same blocks sent as data."""
+    read at once) equals the checksum of the bytes those blocks would make as data (in place,
+    both ends read the same places: no label is bound in)."""
     k_pool, v_pool = _blocks(12, torch.float16)
     block_ids = [3, 4, 5, 9, 1, 2]
     k, v = k_pool[block_ids], v_pool[block_ids]
-    raw, _ = codec.encode_chunk_request("r", 0, 0, block_ids, k, v, checksum)
-    view = codec.parse_transfer_request(raw)
-    assert isinstance(view, codec.ChunkView)
     rows = block_rows(k_pool), block_rows(v_pool)
     value = codec.rows_digest(checksum, *rows, block_ids)
-    assert value == codec.announced(view, checksum) != 0
+    assert value == checksums.digest(checksum, [codec.raw_bytes(k), codec.raw_bytes(v)]) != 0
     assert codec.rows_digest(checksum, *rows, [4, 3, 5, 9, 1, 2]) != value
     in_place = codec.parse_transfer_request(
         codec.encode_chunk_in_place("r", 0, 0, block_ids, value, checksum)
