@@ -194,6 +194,10 @@ class Instances:
         return members
 
     def _apply(self, members: dict[str, list[str]]) -> MemberChanges:
+        # First close what the router dropped since the last poll: an instance that drained
+        # and is back in this answer is then added afresh, not given a stub that the next
+        # collect_drained closes (leaving it routed to, never polled, DOWN for good).
+        self.collect_drained()
         changes = self._router.set_members(members["prefill"], members["decode"])
         for address in changes.added:
             kind = "prefill" if address in self._router.prefills else "decode"

@@ -30,7 +30,8 @@ from mili.telemetry.metrics import FrontendMetrics
 from services.frontend.backends import Backends
 from services.frontend.config import FrontendConfig
 from services.frontend.generations import Generations
-from services.frontend.router import Router
+from services.frontend.instances import Instances
+from services.frontend.router import Route, Router
 from services.frontend.server import GenerationServicer, add_to_server
 from services.frontend.validation import Limits
 from tests.frontend.fakes import FakeDecode, FakePrefill, FakeTokenizer, collect, wait_until
@@ -228,6 +229,51 @@ def test_instances_join_when_dns_shows_them_and_drain_when_it_stops() -> None:
             for change, n in (("added", 3), ("draining", 1), ("dropped", 1)):
                 labels = {"kind": "decode", "change": change}
                 assert c.registry.get_sample_value(changes, labels) == n, change
+
+    asyncio.run(main())
+
+
+def test_an_instance_back_in_dns_before_its_drop_is_collected_is_polled_again() -> None:
+    """A decode leaves DNS with a request on it (draining), the request ends (the router drops
+    it; its stub is closed at the next poll), and the next lookup lists it again before that
+    poll: it must come back with a stub of its own (before, the late collection closed the new
+    stub and the instance stayed DOWN, never polled, until it left DNS again)."""
+
+    async def main() -> None:
+        dns = ScriptedDns({NAME: IPS[:1]})
+        router = Router()
+        config = FrontendConfig(
+            tokenizer_address="127.0.0.1:1",
+            prefill_addresses=("127.0.0.1:2",),
+            decode_addresses=(f"dns:///{NAME}:7000",),
+        )
+
+        async def on_changes(changes: object) -> None:
+            pass
+
+        instances = Instances(
+            config, router, on_changes=on_changes, on_dropped=lambda _: None, resolve=dns
+        )
+        await instances.start()
+        try:
+            decode, prefill = f"{IPS[0]}:7000", "127.0.0.1:2"
+            router.update_prefill(prefill, num_queued_tokens=0, max_prompt_tokens=100)
+            router.update_decode(
+                decode, num_free_blocks=10, num_total_blocks=10, max_context_tokens=100
+            )
+            router.set_pair_error(prefill, decode, None)
+            ticket = router.start(Route(prefill, decode), 5, 1)
+            dns.records[NAME] = ()
+            await instances.discover()
+            assert router.decodes[decode].is_draining
+            router.finish(ticket)  # dropped by the router; the stub waits for collection
+            dns.records[NAME] = IPS[:1]
+            await instances.discover()  # back before the next poll collected it
+            instances.collect_drained()  # what the next poll does first
+            assert instances.addresses("decode") == [decode]
+            assert decode in router.decodes
+        finally:
+            await instances.close()
 
     asyncio.run(main())
 
