@@ -52,6 +52,14 @@ from services.frontend.stop import StopMatcher, clip_tokens
 
 _LOG = logging.getLogger("mili.frontend")
 
+# Tries of a request whose prefill instance turned out down before its first token; past
+# them its error is the answer (a flapping instance must not keep a request going round).
+_MAX_TRIES_AFTER_DOWN = 3
+
+
+class _PrefillDown(Exception):
+    """The request's prefill instance was down before its first token, another is up."""
+
 
 @dataclass
 class Delta:
@@ -108,16 +116,19 @@ class Generation:
         no_room: NoRoom | None = None
         while True:
             admission = await self._placement.admit(self._ids, no_room)
+            why: Exception
             async with aclosing(self._generate(admission)) as deltas:
                 try:
                     async for delta in deltas:
                         yield delta
                     return
                 except NoRoom as refused:  # prefill turned it away: back in line, in its place
-                    no_room = refused
-            self._next_try_ids(no_room)
+                    no_room = why = refused
+                except _PrefillDown as down:  # tried again at once (in its place if others wait)
+                    no_room, why = None, down
+            self._next_try_ids(why)
 
-    def _next_try_ids(self, why: NoRoom) -> None:
+    def _next_try_ids(self, why: Exception) -> None:
         """A fresh request id for the request's next admission: decode may not have ended the
         one it cancelled yet (a start and a cancel naming one id would collide there), and a
         late event of that one must not reach the next."""
@@ -195,9 +206,18 @@ class Generation:
             return
         try:
             self._prefill_reply = prefill.result()
-        except InstanceDown:
+        except InstanceDown as error:
             self._downstream.request_refresh(down=admission.route.prefill)
-            raise
+            others = (v for a, v in self._router.prefills.items() if a != admission.route.prefill)
+            if (
+                self._output_token_ids
+                or self._num_tries > _MAX_TRIES_AFTER_DOWN
+                or not any(v.is_routable for v in others)
+            ):
+                raise
+            # Down or draining before any token (a rolling restart: its server refuses new
+            # calls until the next poll says so), and another instance is up: it takes it.
+            raise _PrefillDown(str(error)) from None
         except ResourceExhausted as error:
             if not is_refused_for_room(error) or self._output_token_ids:
                 raise

@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import functools
 import hashlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -273,7 +273,9 @@ async def stack(
     max_queued_requests: int = 512,
     max_queued_tokens: int = 1 << 20,
     poll_interval_s: float = 0.05,
+    spare_prefills: Sequence[FakePrefill] = (),
 ) -> AsyncIterator[Stack]:
+    """`spare_prefills`: prefill instances after `prefill`, the router's later choices."""
     decodes = decodes if decodes is not None else [FakeDecode()]
     prefill = prefill or FakePrefill()
     servers: dict[str, RpcServer] = {}
@@ -289,11 +291,14 @@ async def stack(
         "mili.tokenizer.v1.TokenizerService",
         lambda s: tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server(tokenizer, s),
     )
-    prefill_address = await serve(
-        "prefill",
-        "mili.prefill.v1.PrefillService",
-        lambda s: prefill_pb2_grpc.add_PrefillServiceServicer_to_server(prefill, s),
-    )
+    prefill_addresses = [
+        await serve(
+            "prefill",
+            "mili.prefill.v1.PrefillService",
+            lambda s, p=p: prefill_pb2_grpc.add_PrefillServiceServicer_to_server(p, s),
+        )
+        for p in (prefill, *spare_prefills)
+    ]
     decode_addresses = []
     for decode in decodes:
         address = await serve(
@@ -301,11 +306,12 @@ async def stack(
             "mili.decode.v1.DecodeService",
             lambda s, d=decode: decode_pb2_grpc.add_DecodeServiceServicer_to_server(d, s),
         )
-        prefill.decodes[address] = decode
+        for p in (prefill, *spare_prefills):
+            p.decodes[address] = decode
         decode_addresses.append(address)
     config = FrontendConfig(
         tokenizer_address=tokenizer_address,
-        prefill_addresses=(prefill_address,),
+        prefill_addresses=tuple(prefill_addresses),
         decode_addresses=tuple(decode_addresses),
         limits=limits or Limits(default_max_tokens=16),
         poll_interval_s=poll_interval_s,

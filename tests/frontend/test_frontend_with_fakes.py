@@ -166,6 +166,24 @@ def test_prefill_failure_fails_the_request_at_once_and_releases_decode() -> None
     asyncio.run(main())
 
 
+def test_a_prefill_down_before_the_first_token_hands_the_request_to_another() -> None:
+    """A rolling restart: prefill A drains (its server refuses new calls UNAVAILABLE) before
+    the next poll says so; the requests decode admitted meanwhile go to prefill B instead of
+    failing. With no other prefill up, the error is the answer (the test above)."""
+
+    async def main() -> None:
+        draining = FakePrefill(error=errors.Unavailable("draining; retry on another instance"))
+        spare = FakePrefill()
+        async with stack(prefill=draining, spare_prefills=[spare], poll_interval_s=5.0) as s:
+            for _ in range(3):
+                replies = await collect(s.stub.Generate(prompt(), timeout=10))
+                assert replies[-1].finish_reason == sampling_pb2.FINISH_REASON_LENGTH
+            assert spare.requests and draining.requests
+            await wait_until(lambda: all(d.num_reserved == 0 for d in s.decodes))
+
+    asyncio.run(main())
+
+
 def test_decode_refusing_prefills_transfer_is_not_the_clients_invalid_argument() -> None:
     """Prefill reports decode's refusal of its KV transfer as INVALID_ARGUMENT on its
     `destination` (the frontend's field): the client gets DATA_LOSS, not INVALID_ARGUMENT
