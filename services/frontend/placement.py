@@ -209,14 +209,12 @@ class Placement:
 
     def _correct(self, address: str, num_held_tokens: int) -> None:
         """`address` holds the prompt's first `num_held_tokens` tokens, and the index expected
-        more: it evicted them, or (holding nothing) restarted and lost everything it held."""
+        more: it evicted the rest of this prefix. Only this prefix is forgotten, also when it
+        held none of it: one evicted prefix says nothing of the others (an instance that
+        restarted is forgotten whole when it goes down: Router.mark_down)."""
         index = self._router.prefix_index
         held = num_held_tokens // index.block_size
-        if self._affinity.get(address, 0) <= held:
-            return
-        if held == 0:
-            index.forget(address)
-        else:
+        if self._affinity.get(address, 0) > held:
             index.forget_from(address, self._prefix_keys, held)
 
     def learn_finished(
@@ -230,6 +228,7 @@ class Placement:
         index = self._router.prefix_index
         written = [*self._prompt.token_ids, *output_token_ids][:-1]
         index.record(admission.route.decode, index.keys(written), time.monotonic())
-        if prefill_reply is not None:
+        if prefill_reply is not None and self._prompt.sampling.prompt_logprobs is None:
+            # (prompt logprobs are computed over the whole prompt: no cached tokens reported)
             self._correct(admission.route.prefill, prefill_reply.num_cached_tokens)
             index.record(admission.route.prefill, self._prefix_keys, time.monotonic())

@@ -484,6 +484,8 @@ def test_a_caller_leaving_mid_stream_cancels_every_downstream_call() -> None:
 
 
 def test_a_prompt_goes_where_its_prefix_is_and_a_decode_that_lost_it_is_forgotten() -> None:
+    """Found by a read-only review: one prefix reported missing once made the index forget all
+    an instance held (and a prefill asked for prompt logprobs reports none cached, always)."""
     prompt = tuple(i % 29 + 1 for i in range(40))  # 2 keys of 16 tokens in the router's index
     other = tuple(29 - i % 29 for i in range(40))
     finish = tokens(1, 2, finish=FinishReason.LENGTH)
@@ -517,10 +519,16 @@ def test_a_prompt_goes_where_its_prefix_is_and_a_decode_that_lost_it_is_forgotte
     run(down, params, prompt)
     assert last_decode() == "d:1" and held(other) == {"d:1": 2, PREFILL: 2}
     load(50, 100)
-    d1_admits(0)  # d:1 restarted: it holds nothing; what else it held is forgotten at once
+    d1_admits(0)  # d:1 evicted this prefix: only it is forgotten, not what else d:1 holds
     run(down, params, prompt)
     assert last_decode() == "d:1"
-    assert held(other) == {PREFILL: 2} and held(prompt)["d:1"] == 2  # re-learned from this one
+    assert held(other) == {"d:1": 2, PREFILL: 2} and held(prompt)["d:1"] == 2  # re-learned
+    # Prompt logprobs make prefill compute the whole prompt: its "none cached" says nothing.
+    down.prefill_outcome = lambda: PrefillStats(1.0, 2.0, 3.0, 4096, prompt_logprobs=[])
+    run(down, SamplingParams(max_tokens=2, prompt_logprobs=0), prompt)
+    assert held(prompt)[PREFILL] == 2
+    router.mark_down("d:1")  # a restart empties its cache: everything it held is forgotten
+    assert held(other) == {PREFILL: 2} and "d:1" not in held(prompt)
     load(100, 100)
     run(down, params, other)  # no affinity left for `other`: load order (d:1 chosen last)
     assert last_decode() == "d:2"
