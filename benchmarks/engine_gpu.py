@@ -78,7 +78,9 @@ from benchmarks.presets import (
     preset_config,
     random_model,
 )
-from kernels.backend import select_attention, select_fused_ops
+from kernels.backend import select_fused_ops
+from kernels.choice import select_kernels
+from kernels.self_check import CheckShape
 from mili.engine.kv.block_pool import BlockPool, blocks_needed
 from mili.engine.model import grouped_gemm
 from mili.engine.model.attention import TorchAttention
@@ -428,10 +430,20 @@ def load(path: Path | None, args: argparse.Namespace) -> Qwen3ForCausalLM:
     head_dim = model.config.head_dim
     if args.attention == "torch-graphs":
         model.attention = _GraphSafeTorch()
+    elif args.attention == "torch":
+        model.attention = TorchAttention()
     else:
-        model.attention = select_attention(args.attention, device, head_dim=head_dim)
-    fused = args.fused or ("torch" if args.attention == "torch-graphs" else args.attention)
-    model.fused_ops = select_fused_ops(fused, device, head_dim=head_dim)
+        # As the services pick them: a Mojo kernel that loads but fails its start-up
+        # self-check (a fault on this device) runs on torch under auto, not down the run.
+        dtype_name = str(DTYPES[args.dtype]).removeprefix("torch.")
+        shape = CheckShape.of(model.config, args.block_size, dtype_name)
+        kernels = select_kernels(args.attention, args.device, shape)
+        for fault in kernels.faults:
+            print(f"kernel self-check FAILED, on torch instead: {fault}", flush=True)
+        model.attention, model.fused_ops = kernels.attention, kernels.fused_ops
+    if args.fused is not None or args.attention in ("torch", "torch-graphs"):
+        fused = args.fused or "torch"
+        model.fused_ops = select_fused_ops(fused, device, head_dim=head_dim)
     return model
 
 

@@ -248,6 +248,11 @@ piece serve.log "$(cap 60 60)" "$BUDGET" "$PY" benchmarks/serve_gpu.py "${common
 # connections spread over them by the kernel.
 piece serve.log "$(cap 60 60)" "$BUDGET" "$PY" benchmarks/serve_gpu.py "${common[@]}" \
   --attention auto --ttft-requests 0 "${SERVE_FRONTENDS[@]}"
+# Where one request's TTFT goes (issue 33's <= 30 ms), hop by hop from the services' spans:
+# `mili serve --trace-console`, 20 requests one at a time (benchmarks/ttft_trace.py). Before
+# the profile and ncu: it prints only once its server stopped, so a clipped run says nothing.
+piece serve.log "$(cap 60 60)" "$BUDGET" "$PY" benchmarks/ttft_trace.py "${common[@]}" \
+  "${TTFT[@]}"
 # Last, where time is left (the plan took 223 s of 530 on an H200): where a loaded `mili serve`
 # spends its time, py-spy's samples summarized per thread into serve.log (the raw stacks stay
 # on the host: 8 files come back). GPU only: py-spy comes as a carried wheel (gpu_prep.sh).
@@ -261,10 +266,6 @@ if [[ $device == cuda ]]; then
   # no hardware counters), for issue 33's next kernel change.
   PYTHON=$PY piece attention.log 90 "$BUDGET" bash benchmarks/kernel_ncu.sh
 fi
-# And where one request's TTFT goes (issue 33's <= 30 ms), hop by hop from the services' spans:
-# `mili serve --trace-console`, 20 requests one at a time (benchmarks/ttft_trace.py).
-piece serve.log "$(cap 60 60)" "$BUDGET" "$PY" benchmarks/ttft_trace.py "${common[@]}" \
-  "${TTFT[@]}"
 
 failed=$(grep -c '] END exit [1-9]' "$out/run.log")
 skipped=$(grep -c '] SKIP' "$out/run.log")

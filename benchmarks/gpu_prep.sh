@@ -10,6 +10,9 @@
 #   run(command="bash benchmarks/gpu_check.sh", carry=[".whl", "build/gpu-cache"], timeout_s=600)
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
+# Fresh wheels each time: a pin changed since the last prep would leave two versions of one
+# package in .whl, and env.sh's one `pip install .whl/*.whl` on the GPU host would then fail.
+rm -rf .whl
 bash ../shared/gpu/prep.sh
 # llguidance's wheels are manylinux_2_31 (prep.sh asks for 2_28 and older: it would find none).
 extra=(llguidance)

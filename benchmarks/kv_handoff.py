@@ -56,11 +56,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.presets, as a script
 
 from benchmarks.presets import CHOICES, DEFAULT_CACHE, preset_checkpoint, preset_config
+from kernels.choice import select_kernels
+from kernels.self_check import CheckShape
 from mili.engine.engine_config import EngineConfig
 from mili.engine.model.config import Qwen3Config
 from mili.engine.model.fingerprint import model_fingerprint
 from mili.engine.model.kv_cache import KVCache
-from mili.engine.model.loader import load_model
+from mili.engine.model.loader import load_config, load_model
 from mili.engine.model.qwen3 import PrefillBatch, Qwen3ForCausalLM
 from mili.engine.sampling_params import SamplingParams
 from mili.engine.step.pinned import StagingRing
@@ -362,7 +364,14 @@ def prefill_in_process(
     """The prefill service's servicer on `path`'s model (in `dtype`, on `device`) in this
     process, a random prompt of `prompt_len` ids, and its number of blocks
     (benchmarks/topology.py too)."""
-    model = load_model(path, dtype=dtype, device=device)
+    kernels: dict[str, Any] = {}
+    if device.startswith("cuda"):  # the kernels `mili serve` runs there, self-check included
+        dtype_name = str(dtype).removeprefix("torch.")
+        shape = CheckShape.of(load_config(path), BLOCK_SIZE, dtype_name)
+        chosen = select_kernels("auto", device, shape)
+        kernels = {"attention": chosen.attention, "fused_ops": chosen.fused_ops}
+        print(f"kernels: attention {chosen.attention.name}, fused ops {chosen.fused_ops.name}")
+    model = load_model(path, dtype=dtype, device=device, **kernels)
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, model.config.vocab_size, (prompt_len,), generator=g).tolist()
     num_blocks = -(-prompt_len // BLOCK_SIZE)

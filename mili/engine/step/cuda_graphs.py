@@ -53,7 +53,10 @@ class DecodeGraphs:
         `fill_padding(size)` stages `size` padded rows, so the warm-up and capture run on
         inputs that touch only the null block.
         """
+        # Cached blocks emptied on both sides of the count: entering a capture empties the
+        # cache itself, which once made the count come out negative (-950 MiB).
         torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
         free_before = torch.cuda.mem_get_info(device)[0]
         started = time.perf_counter()
         logits = torch.empty((max(batch_sizes), vocab_size), dtype=torch.float32, device=device)
@@ -73,6 +76,7 @@ class DecodeGraphs:
                 logits[:size].copy_(forward(size))
             graphs[size] = graph
         torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
         memory_bytes = free_before - torch.cuda.mem_get_info(device)[0]
         _LOG.info(
             "captured %d CUDA graphs of the decode step (batch %s) in %.1f s, %.0f MiB",
