@@ -18,7 +18,7 @@ import pytest
 from mili.pb.common.v1 import sampling_pb2
 from mili.pb.frontend.v1 import generation_pb2
 from tests.e2e.conftest import Deployment, deploy
-from tests.service_process import ServiceProcess
+from tests.service_process import ServiceProcess, counted
 
 PROMPT = "The quick brown fox"
 
@@ -29,7 +29,7 @@ def seeds(demo_model_dir: Path, e2e_tokenizer: ServiceProcess) -> Iterator[Deplo
         demo_model_dir,
         e2e_tokenizer,
         engine_args=("--dtype", "float32"),
-        frontend_args=("--http-port", "0"),
+        frontend_args=("--http-port", "0", "--metrics-port", "0"),
     )
     yield d
     d.stop()
@@ -110,6 +110,41 @@ def test_the_request_id_header_names_a_request_without_one(seeds: Deployment) ->
     assert (code, reply["request_id"]) == (200, "from-header")
     code, reply = call(url, "POST", "/generate", body)
     assert code == 200 and len(reply["request_id"]) == 32  # a fresh one (uuid4 hex)
+
+
+def test_the_body_request_id_is_echoed_and_the_tokens_counted(seeds: Deployment) -> None:
+    """A /generate body's request_id is the id X-Request-Id echoes (the one its logs name), its
+    tokens count in mili_frontend_generated_tokens_total as the other APIs' do, and a header
+    id that is not printable ASCII is replaced by a fresh one, not a 500."""
+    url = seeds.frontend.http_url
+    line = next(x for x in seeds.frontend.stdout_lines if " metrics on " in x)
+    metrics = line.split(" metrics on ")[1].strip()
+    before = counted(metrics, "mili_frontend_generated_tokens_total")
+    for stream in (False, True):
+        conn = connect(url)
+        try:
+            body = {"prompt": PROMPT, "max_tokens": 3, "request_id": f"body-{stream}"}
+            body["stream"] = stream
+            conn.request("POST", "/generate", body=json.dumps(body))
+            reply = conn.getresponse()
+            reply.read()
+            assert reply.status == 200 and reply.headers["X-Request-Id"] == f"body-{stream}"
+        finally:
+            conn.close()
+    assert counted(metrics, "mili_frontend_generated_tokens_total") - before == 6
+    conn = connect(url)
+    try:
+        conn.putrequest("POST", "/generate")
+        conn.putheader("X-Request-Id", b"rid\xffX")  # not text: aiohttp hands it in garbled
+        payload = json.dumps({"prompt": PROMPT, "max_tokens": 1}).encode()
+        conn.putheader("Content-Length", str(len(payload)))
+        conn.endheaders(payload)
+        reply = conn.getresponse()
+        answer = json.loads(reply.read())
+        assert reply.status == 200, answer
+        assert answer["request_id"] == reply.headers["X-Request-Id"] != "ridX"
+    finally:
+        conn.close()
 
 
 def read_events(reply: http.client.HTTPResponse) -> tuple[bytes, list[Any]]:

@@ -43,10 +43,11 @@ from aiohttp import web
 from mili.errors import InvalidArgument
 from services.frontend.calls import Deadline
 from services.frontend.http_api import sse
+from services.frontend.http_api.body import parse
 from services.frontend.http_api.drain import DRAIN_GATE
 from services.frontend.http_api.errors import response_of
 from services.frontend.http_api.keys import GENERATIONS
-from services.frontend.http_api.telemetry import request_id_of
+from services.frontend.http_api.telemetry import request_id_of, set_request_id
 from services.frontend.pipeline import Delta
 from services.frontend.validation import RequestInput, SamplingInput
 
@@ -72,9 +73,13 @@ def add_routes(app: web.Application) -> None:
 async def generate(request: web.Request) -> web.StreamResponse:
     generations = request.app[GENERATIONS]
     body = await _json_object(request)
+    if isinstance(body.get("request_id"), str) and body["request_id"]:
+        # The body's id is the request's: the response's X-Request-Id says the same.
+        set_request_id(request, body["request_id"])
     valid = generations.validate(_request_input(body, request_id_of(request)))
     request_id = valid.client_request_id
     deltas = generations.run(valid, Deadline(None))
+    generated = generations.metrics.generated_tokens
     async with aclosing(deltas):
         if body.get("stream", False):
             return await _stream(request, request_id, deltas)
@@ -84,6 +89,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         async for delta in deltas:
             text.append(delta.text)
             token_ids.extend(delta.token_ids)
+            generated.inc(len(delta.token_ids))
             last = delta
     assert last is not None  # run's last delta carries finish_reason and usage
     return web.json_response(
@@ -131,11 +137,14 @@ async def _stream(
     # prompt too long, a service down) answers with its HTTP status, as a plain one does.
     first = await anext(deltas)
     response = await sse.start(request)
+    generated = request.app[GENERATIONS].metrics.generated_tokens
     try:
         await _send_delta(response, request_id, first)
+        generated.inc(len(first.token_ids))
         last = first
         async for delta in deltas:
             await _send_delta(response, request_id, delta)
+            generated.inc(len(delta.token_ids))
             last = delta
     except ConnectionError:  # the client went away: nobody to tell
         return response
@@ -165,12 +174,7 @@ def _totals(last: Delta) -> dict[str, Any]:
 
 
 async def _json_object(request: web.Request) -> dict[str, Any]:
-    try:
-        body = await request.json()
-    except ValueError as exc:
-        raise InvalidArgument("body", "", f"not JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise InvalidArgument("body", type(body).__name__, "must be a JSON object")
+    body = parse(await request.read()).data  # the OpenAI routes' checks (a lone surrogate)
     for field, value in body.items():
         types = _FIELDS.get(field)
         if types is None:

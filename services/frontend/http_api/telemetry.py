@@ -58,9 +58,19 @@ def request_id_of(request: web.Request) -> str:
     generation's to check (one rule: over 256 characters is a 400 naming `request_id`)."""
     request_id = request.get(_REQUEST_ID)
     if request_id is None:
-        request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+        given = request.headers.get(REQUEST_ID_HEADER)
+        # Printable ASCII only: a header's other bytes (aiohttp hands them in as surrogates)
+        # would fail the gRPC string it is passed on in and garble the logs.
+        is_usable = given is not None and given.isascii() and given.isprintable()
+        request_id = given if given and is_usable else uuid.uuid4().hex
         request[_REQUEST_ID] = request_id
     return request_id
+
+
+def set_request_id(request: web.Request, request_id: str) -> None:
+    """The request's id is `request_id` (a route that reads it from the body), before its
+    response's headers go out."""
+    request[_REQUEST_ID] = request_id
 
 
 def add_telemetry(
