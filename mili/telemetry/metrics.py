@@ -184,7 +184,8 @@ class FrontendMetrics:
             "mili_http_requests_total",
             "Requests answered on the HTTP port, by route template (`unmatched`: no route for "
             "the path and method), method (`_OTHER`: not one of HTTP's) and status code sent "
-            "(499: the client went away before one was)",
+            "(499: the client went away before one was; a stream that failed after its 200 "
+            "went out: its error's status)",
             ["route", "method", "status"],
             registry=registry,
         )

@@ -47,7 +47,7 @@ from services.frontend.http_api.body import parse
 from services.frontend.http_api.drain import DRAIN_GATE
 from services.frontend.http_api.errors import response_of
 from services.frontend.http_api.keys import GENERATIONS
-from services.frontend.http_api.telemetry import request_id_of, set_request_id
+from services.frontend.http_api.telemetry import request_id_of, set_request_id, stream_failed
 from services.frontend.pipeline import Delta
 from services.frontend.validation import RequestInput, SamplingInput
 
@@ -149,7 +149,9 @@ async def _stream(
     except ConnectionError:  # the client went away: nobody to tell
         return response
     except Exception as exc:  # past the headers, the error is an event
-        await response.write(sse.event(response_of(exc).text or "{}"))
+        error = response_of(exc)
+        stream_failed(request, error.status)
+        await response.write(sse.event(error.text or "{}"))
         return response
     totals = {"request_id": request_id, **_totals(last)}
     await response.write(sse.event(json.dumps(totals)) + sse.DONE)

@@ -22,6 +22,7 @@ from aiohttp import web
 from prometheus_client import Counter
 
 from services.frontend.http_api.errors import ParamOf, response_of
+from services.frontend.http_api.telemetry import stream_failed
 from services.frontend.pipeline import Delta
 
 DONE = b"data: [DONE]\n\n"
@@ -82,7 +83,9 @@ async def serve(
             except ConnectionResetError:
                 raise
             except Exception as exc:
-                await response.write(event(response_of(exc, param_of).text or ""))
+                error = response_of(exc, param_of)
+                stream_failed(request, error.status)
+                await response.write(event(error.text or ""))
             else:
                 for text in chunks.closing():
                     await response.write(event(text))

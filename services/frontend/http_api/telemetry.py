@@ -44,6 +44,8 @@ _METHODS = frozenset(
 )
 _REQUEST_ID = web.RequestKey("mili_request_id", str)
 _SENT_STATUS = web.RequestKey("mili_sent_status", int)  # set as the response's headers go out
+# A stream that failed after its headers went out: the status its error carries.
+_STREAM_FAILED = web.RequestKey("mili_stream_failed", int)
 _LOG = logging.getLogger("mili.frontend")
 # The global provider's tracer: a no-op until mili.telemetry.tracing installs one.
 _TRACER = trace.get_tracer("mili.frontend.http")
@@ -71,6 +73,13 @@ def set_request_id(request: web.Request, request_id: str) -> None:
     """The request's id is `request_id` (a route that reads it from the body), before its
     response's headers go out."""
     request[_REQUEST_ID] = request_id
+
+
+def stream_failed(request: web.Request, status: int) -> None:
+    """The request's stream ended in an error event (its headers, 200, went out before): the
+    series count it under `status`, and its span is an error, as a failure before the headers
+    would be (an HTTP error rate that misses every stream a decode dying cut off is none)."""
+    request[_STREAM_FAILED] = status
 
 
 def add_telemetry(
@@ -147,9 +156,8 @@ def _cut_short(request: web.Request, span: Span, status: int) -> None:
     """A stream failed after its headers went out, and an error response (openai_errors')
     came back in its place: it cannot follow them on the wire (it would land inside the
     stream's body), so the connection is closed instead and the client sees the stream cut
-    short. The series keep the status sent; the span says what happened."""
-    span.set_attribute("error.type", str(status))
-    span.set_status(Status(StatusCode.ERROR, f"failed after the response started: {status}"))
+    short. Counted as stream_failed says."""
+    stream_failed(request, status)
     if request.transport is not None:
         request.transport.close()
 
@@ -188,6 +196,9 @@ def _finish(
     elapsed_s: float,
 ) -> None:
     code = CLIENT_CLOSED if status is None else status
+    failed = request.get(_STREAM_FAILED)
+    if failed is not None:  # the wire said `status`, the stream's end said `failed`
+        code = failed
     metrics.http_requests.labels(route, method, str(code)).inc()
     metrics.http_request_duration.labels(route).observe(elapsed_s)
     if status is not None:
@@ -195,7 +206,8 @@ def _finish(
     if code >= 500:
         # A server span's error is a 5xx; a 4xx is the client's (OpenTelemetry's conventions).
         span.set_attribute("error.type", str(code))
-        span.set_status(Status(StatusCode.ERROR))
+        late = None if failed is None else "failed after the response started"
+        span.set_status(Status(StatusCode.ERROR, late))
         _LOG.warning(
             "HTTP %s %s -> %d (X-Request-Id %r) after %.1f ms%s",
             request.method,

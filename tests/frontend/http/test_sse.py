@@ -12,12 +12,14 @@ from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client import CollectorRegistry, Counter
 
 from mili.engine.stop import FinishReason
-from mili.errors import InvalidArgument, ResourceExhausted
+from mili.errors import InvalidArgument, ResourceExhausted, Unavailable
+from mili.telemetry.metrics import FrontendMetrics
 from services.frontend.http_api import sse
 from services.frontend.http_api.choices import Choice
 from services.frontend.http_api.completions import CompletionJson
 from services.frontend.http_api.openai_call import Head
 from services.frontend.http_api.openai_request import OpenAIRequest
+from services.frontend.http_api.telemetry import add_telemetry
 from services.frontend.pipeline import Delta
 from services.frontend.validation import Limits, RequestInput, validate
 
@@ -35,8 +37,14 @@ async def finishing() -> AsyncGenerator[tuple[int, Delta]]:
     yield 0, Delta([2], "b", [], FinishReason.LENGTH, num_prompt_tokens=3, num_completion_tokens=2)
 
 
-def served(events: AsyncGenerator[tuple[int, Delta]], *, include_usage: bool = False) -> bytes:
-    """The raw reply (status line aside) of sse.serve over `events`."""
+def served(
+    events: AsyncGenerator[tuple[int, Delta]],
+    *,
+    include_usage: bool = False,
+    metrics: FrontendMetrics | None = None,
+) -> bytes:
+    """The raw reply (status line aside) of sse.serve over `events`; `metrics`: the frontend's
+    HTTP telemetry around it."""
     valid = validate(RequestInput(prompt="x"), Limits())
     request = OpenAIRequest(
         model=None, inputs=(RequestInput(prompt="x"),), is_stream=True, include_usage=include_usage
@@ -51,6 +59,8 @@ def served(events: AsyncGenerator[tuple[int, Delta]], *, include_usage: bool = F
 
     async def main() -> bytes:
         app = web.Application()
+        if metrics is not None:
+            add_telemetry(app, metrics)
         app.router.add_post("/", handler)
         async with TestClient(TestServer(app)) as client:
             response = await client.post("/")
@@ -89,3 +99,16 @@ def test_a_finished_stream_with_usage() -> None:
     assert [c["choices"][0]["text"] for c in parsed[:-1]] == ["a", "b"]
     assert parsed[-2]["choices"][0]["finish_reason"] == "length"
     assert parsed[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+
+
+def test_a_stream_ended_by_an_error_counts_under_its_status() -> None:
+    """Its 200 went out first; the series count the error's status (a decode dying mid-stream
+    is an HTTP error in the error rate, as it is UNAVAILABLE on gRPC)."""
+    metrics = FrontendMetrics(CollectorRegistry())
+    served(failing_after(1, Unavailable("decode went away")), metrics=metrics)
+    count = metrics.registry.get_sample_value
+    labels = {"route": "/", "method": "POST"}
+    assert count("mili_http_requests_total", {**labels, "status": "503"}) == 1
+    assert count("mili_http_requests_total", {**labels, "status": "200"}) is None
+    served(finishing(), metrics=metrics)
+    assert count("mili_http_requests_total", {**labels, "status": "200"}) == 1
