@@ -268,3 +268,24 @@ def test_a_stream_that_fails_after_its_headers_is_cut_short_not_followed_by_an_e
     (span,) = h.spans()
     assert span.status.status_code is StatusCode.ERROR
     assert dict(span.attributes or {})["error.type"] == "500"
+
+
+def test_a_request_aiohttp_cannot_parse_is_one_warning_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A control character in a header: aiohttp answers 400 and logged an ERROR with a
+    traceback (anyone could fill the logs with them); now one WARNING line."""
+
+    async def test(h: Harness, session: aiohttp.ClientSession) -> None:
+        host, port = h.url.removeprefix("http://").rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"GET /items/1 HTTP/1.1\r\nHost: x\r\nX-Request-Id: a\x01b\r\n\r\n")
+        await writer.drain()
+        assert (await reader.read(64)).startswith(b"HTTP/1.0 400")
+        writer.close()
+
+    with caplog.at_level(logging.DEBUG):
+        run(test)
+    records = [r for r in caplog.records if r.name == "mili.frontend.http"]
+    assert [(r.levelname, r.exc_info) for r in records] == [("WARNING", None)], records
+    assert records[0].getMessage().startswith("bad HTTP request: ")

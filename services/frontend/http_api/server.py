@@ -15,6 +15,7 @@ import ssl
 from dataclasses import dataclass
 
 from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMessage
 
 from mili.ports import pick_free
 from mili.rpc.server import format_address
@@ -22,6 +23,26 @@ from mili.rpc.tls import TlsFiles
 from services.frontend.http_api.drain import DRAIN_GATE
 
 _LOG = logging.getLogger("mili.frontend")
+
+
+class _BadRequests(logging.Filter):
+    """aiohttp logs a request it cannot parse (a control character in a header, a broken
+    request line: anyone can send one) as an ERROR with a traceback; it answered 400, and the
+    client's mistake is one WARNING line here. Other errors pass as they are."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, BadHttpMessage):
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            reason = " ".join(str(error.message).split())[:200]
+            record.msg, record.args, record.exc_info = "bad HTTP request: %s", (reason,), None
+            record.exc_text = None
+        return True
+
+
+# aiohttp's server log (errors handling a request), with bad requests one line each.
+_SERVER_LOG = logging.getLogger("mili.frontend.http")
+_SERVER_LOG.addFilter(_BadRequests())
 # The largest request body read: the gRPC port's limit (services/frontend/__main__.py says why
 # a valid request fits in it); past it, 413 before the body is read.
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
@@ -83,6 +104,7 @@ class HttpServer:
             handler_cancellation=True,  # the client went away: its request is cancelled
             shutdown_timeout=CLOSE_GRACE_S,  # after drain()'s wait for requests in flight
             access_log=None,  # the request's one log line is the frontend's own
+            logger=_SERVER_LOG,
         )
         await runner.setup()
         # Port 0: one port picked first, as aiohttp gives each address of a host that resolves
