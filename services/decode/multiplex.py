@@ -134,6 +134,10 @@ class Multiplexer:
                 raise Unavailable("decode instance is draining; retry on another instance")
             # refuses an id still active, open here or not
             req, outlet = await self._admission.admit(request)
+        except asyncio.CancelledError:
+            # The stream ended while a constraint compiled: its span and count end too.
+            self._refuse(rid, Cancelled(f"request {rid}: its stream ended"), span)
+            raise
         except Exception as exc:
             self._refuse(rid, exc, span)
             return

@@ -5,6 +5,7 @@ freeing what is open), with one message per step carrying the tokens of all of t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 import grpc
@@ -149,3 +150,54 @@ def test_cancel_deadline_and_the_stream_ending_free_each_request(
             await blocks_back(client, NUM_BLOCKS)
 
     decode_server.run(body())
+
+
+def test_a_start_still_admitting_when_its_stream_ends_is_counted() -> None:
+    """The stream ends while a start waits in admission (a constraint's first compile): the
+    request is counted CANCELLED and its span ended, not left open for good."""
+    from prometheus_client import CollectorRegistry
+
+    from mili.telemetry.metrics import RequestMetrics
+    from services.decode.multiplex import Multiplexer
+
+    class Compiling:  # admission waiting for a constraint's first compile
+        async def admit(self, request: object) -> object:
+            await asyncio.Event().wait()
+            raise AssertionError("unreachable")
+
+    registry = CollectorRegistry()
+    metrics = RequestMetrics(registry)
+    mux = Multiplexer(
+        Compiling(),  # type: ignore[arg-type]
+        table=None,  # type: ignore[arg-type]
+        outlets=None,  # type: ignore[arg-type]
+        metrics=metrics,
+        is_draining=lambda: False,
+    )
+
+    async def main() -> None:
+        start = decode_pb2.StreamedGenerate(request=decode_pb2.GenerateRequest(request_id="r1"))
+        queue: asyncio.Queue[decode_pb2.GenerateStreamRequest] = asyncio.Queue()
+        await queue.put(decode_pb2.GenerateStreamRequest(starts=[start]))
+
+        async def requests() -> Any:
+            while True:
+                yield await queue.get()
+
+        stream = mux.run(requests())
+        first = asyncio.ensure_future(anext(stream))
+        await asyncio.sleep(0.1)
+        first.cancel()  # the caller went away
+        with contextlib.suppress(asyncio.CancelledError):
+            await first
+        await stream.aclose()
+
+    asyncio.run(main())
+    labels = {"grpc_method": "Generate", "status": "CANCELLED"}
+    counts = [
+        s.value
+        for family in registry.collect()
+        for s in family.samples
+        if s.name == "mili_requests_total" and labels.items() <= s.labels.items()
+    ]
+    assert counts == [1.0]
