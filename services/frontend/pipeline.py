@@ -208,11 +208,10 @@ class Generation:
             self._prefill_reply = prefill.result()
         except InstanceDown as error:
             self._downstream.request_refresh(down=admission.route.prefill)
-            others = (v for a, v in self._router.prefills.items() if a != admission.route.prefill)
             if (
                 self._output_token_ids
                 or self._num_tries > _MAX_TRIES_AFTER_DOWN
-                or not any(v.is_routable for v in others)
+                or not self._another_prefill(admission.route.prefill)
             ):
                 raise
             # Down or draining before any token (a rolling restart: its server refuses new
@@ -224,6 +223,13 @@ class Generation:
             address = admission.route.prefill
             self._router.mark_full(address, str(error), seen_clock=admission.prefill_clock)
             raise NoRoom(str(error), error.retry_after_s) from None
+
+    def _another_prefill(self, down: str) -> bool:
+        """Whether a prefill instance other than `down` is up and paired with a decode that is."""
+        router = self._router
+        prefills = [a for a, v in router.prefills.items() if a != down and v.is_routable]
+        decodes = [a for a, v in router.decodes.items() if v.is_routable]
+        return any(router.is_compatible(p, d) for p in prefills for d in decodes)
 
     async def _with_prompt_logprobs(self, admission: Admission, delta: Delta) -> Delta:
         """The first delta, with the prompt's logprobs from prefill's reply, waited for (it
