@@ -216,25 +216,27 @@ async def bench(args: argparse.Namespace, tls: Tls | None = None) -> dict[str, A
 
     low, high = (int(x) for x in args.token_id_range.split(":"))
     addresses = list(dict.fromkeys(a.strip() for a in args.address.split(",") if a.strip()))
-    num_connections = args.connections or min(
-        math.ceil(args.concurrency / len(addresses)), MAX_DEFAULT_CONNECTIONS
-    )
-    channels = {
-        a: [open_channel(a, tls=tls, own_connection=True) for _ in range(num_connections)]
-        for a in addresses
-    }
-    every_channel = [c for pool in channels.values() for c in pool]
+    channels = {a: [open_channel(a, tls=tls, own_connection=True)] for a in addresses}
     try:
         live, info, skipped = await _live(
             {a: generation_pb2_grpc.GenerationServiceStub(pool[0]) for a, pool in channels.items()},
             generation_pb2.InfoRequest(),
         )
+        # The clients spread over the addresses that answered, not over every one given.
+        num_connections = args.connections or min(
+            math.ceil(args.concurrency / len(live)), MAX_DEFAULT_CONNECTIONS
+        )
+        for a in live:
+            more = num_connections - len(channels[a])
+            channels[a] += [open_channel(a, tls=tls, own_connection=True) for _ in range(more)]
         # Connected before the clock starts: no client's first TTFT pays a handshake.
         await asyncio.gather(*(_connect(a, channels[a]) for a in live))
     except BaseException:
-        for channel in every_channel:
-            await channel.close()
+        for pool in channels.values():
+            for channel in pool:
+                await channel.close()
         raise
+    every_channel = [c for pool in channels.values() for c in pool]
     # client i: connection i // len(live) of address i % len(live)
     stubs = [
         generation_pb2_grpc.GenerationServiceStub(channels[a][j])
