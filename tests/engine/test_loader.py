@@ -140,6 +140,42 @@ def test_missing_config_field_is_named(tmp_path: Path) -> None:
         load_model(path)
 
 
+def test_quantized_weights_are_refused_not_loaded_without_their_scales(tmp_path: Path) -> None:
+    """An FP8 checkpoint (Qwen's -FP8 releases) has the bf16 shapes: loaded, its raw values
+    upcast without their scales, it served garbage. Its stored dtype and its config's
+    quantization_config each refuse it."""
+    path = write_random_checkpoint(tmp_path, CONFIG)
+    (shard,) = set(tensor_files(path).values())
+    tensors = load_file(shard)
+    name = "model.layers.0.mlp.up_proj.weight"
+    tensors[name] = tensors[name].to(torch.float8_e4m3fn)
+    save_file(tensors, shard, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=f"{name} in {shard.name} is stored as F8_E4M3"):
+        load_model(path)
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="quant_method 'fp8'"):
+        load_model(path)
+
+
+def test_config_json_is_read_as_transformers_reads_it() -> None:
+    """Sliding-window attention would be ignored: refused. rope_theta and
+    max_position_embeddings left out take transformers' defaults (they change the math)."""
+    transformers = pytest.importorskip("transformers")
+    data = {k: v for k, v in CONFIG.to_hf_dict().items() if k != "rope_theta"}
+    del data["max_position_embeddings"]
+    ours = Qwen3Config.from_hf_dict(data)
+    hf = transformers.Qwen3Config(**data)
+    hf_theta = getattr(hf, "rope_theta", None) or hf.rope_parameters["rope_theta"]
+    assert (ours.rope_theta, ours.max_position_embeddings) == (
+        hf_theta,
+        hf.max_position_embeddings,
+    )
+    with pytest.raises(ConfigError, match="use_sliding_window"):
+        Qwen3Config.from_hf_dict({**data, "use_sliding_window": True, "sliding_window": 8})
+
+
 def test_no_weights_is_an_error(tmp_path: Path) -> None:
     path = write_random_checkpoint(tmp_path, CONFIG)
     (path / SINGLE_FILE).unlink()

@@ -135,6 +135,19 @@ class Qwen3Config:
                 f"config field 'model_type' must be one of {list(_MODEL_TYPES)}, got {model_type!r}"
             )
         is_moe = model_type == "qwen3_moe"
+        quantization = data.get("quantization_config")
+        if quantization:
+            method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+            raise ConfigError(
+                f"quantized checkpoints are not supported (config.json quantization_config, "
+                f"quant_method {method!r}): their weights would load without their scales; "
+                "serve the bfloat16 checkpoint"
+            )
+        if data.get("use_sliding_window"):
+            raise ConfigError(
+                "sliding-window attention (config.json use_sliding_window: true) is not "
+                "supported: every layer would attend to the whole context"
+            )
         data = dict(data)
         if "num_local_experts" in data and "num_experts" not in data:  # transformers 5
             data["num_experts"] = data["num_local_experts"]
@@ -151,6 +164,9 @@ class Qwen3Config:
         if "dtype" in data and "torch_dtype" not in data:  # transformers>=4.56 writes "dtype"
             kwargs["torch_dtype"] = data["dtype"]
         kwargs.update(_rope_from_parameters(data))
+        # Left out of config.json, these are what transformers' Qwen3 configs default to.
+        kwargs.setdefault("rope_theta", 10_000.0)
+        kwargs.setdefault("max_position_embeddings", 32_768)
         if "mlp_only_layers" in kwargs:
             kwargs["mlp_only_layers"] = tuple(kwargs["mlp_only_layers"])
         return cls(**kwargs)

@@ -150,7 +150,14 @@ def load_model(
             for name in names:
                 if name not in present:
                     raise CheckpointError(f"tensor {name} is not in {file.name} (as indexed)")
-                shape = tuple(f.get_slice(name).get_shape())
+                stored = f.get_slice(name)
+                if stored.get_dtype() not in _FLOAT_DTYPES:
+                    raise CheckpointError(
+                        f"tensor {name} in {file.name} is stored as {stored.get_dtype()}: "
+                        "quantized weights are not supported (they would load without their "
+                        "scales); serve the bfloat16 checkpoint"
+                    )
+                shape = tuple(stored.get_shape())
                 want = expected[name].shape
                 if shape != want:
                     raise CheckpointError(
@@ -166,6 +173,10 @@ def load_model(
     model.rotary.cos_sin_table(target)  # built once here, not in the first step
     model.eos_token_ids = eos_token_ids(Path(path), config)
     return model
+
+
+# The safetensors dtypes a weight may be stored in (cast to the model's dtype on load).
+_FLOAT_DTYPES = frozenset({"F32", "BF16", "F16"})
 
 
 def _open(file: Path, device: str) -> Any:  # safetensors' safe_open has no type hints
