@@ -52,6 +52,7 @@ def call_schema(tool: FunctionTool) -> dict[str, Any]:
     """The JSON Schema of one call of `tool`: {"name": its name, "arguments": its parameters}."""
     parameters = parse_object(tool.parameters) if tool.parameters else None
     arguments = close_objects(parameters if parameters is not None else _NO_PARAMETERS)
+    arguments = _rebased(arguments, "#/properties/arguments")
     return {
         "type": "object",
         "properties": {"name": {"const": tool.name}, "arguments": arguments},
@@ -59,6 +60,31 @@ def call_schema(tool: FunctionTool) -> dict[str, Any]:
         "additionalProperties": False,
         "x-guidance": CALL_JSON_OPTIONS,
     }
+
+
+# Where a schema holds values, not subschemas: a "$ref" there is data, not a reference.
+_VALUES = frozenset({"const", "enum", "default", "examples"})
+_NAMED = frozenset({"properties", "patternProperties", "$defs", "definitions"})
+
+
+def _rebased(schema: Any, root: str) -> Any:
+    """`schema` with its local references ("#", "#/$defs/X": pydantic's nested models) made to
+    point into it where it now sits, at `root` of the call schema."""
+    if isinstance(schema, list):
+        return [_rebased(item, root) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = root + value[1:]
+        elif key in _VALUES:
+            out[key] = value
+        elif key in _NAMED and isinstance(value, dict):  # its keys are names, not keywords
+            out[key] = {name: _rebased(sub, root) for name, sub in value.items()}
+        else:
+            out[key] = _rebased(value, root)
+    return out
 
 
 def tool_call_grammar(

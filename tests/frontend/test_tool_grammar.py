@@ -122,6 +122,39 @@ def test_named_function_outputs_call_it(compiler: ConstraintCompiler, hf: Tokeni
             check_calls(text, {"search"}, None)
 
 
+def test_a_tool_with_defs_and_refs_is_called_with_valid_arguments(
+    compiler: ConstraintCompiler, hf: Tokenizer
+) -> None:
+    """Parameters with `$defs` and `$ref` (pydantic's nested models, openai's
+    pydantic_function_tool): their references still resolve inside the call's schema (they
+    pointed at the call's root, which has no `$defs`: every forced call of such a tool was a
+    400)."""
+    address = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 6}},
+        "required": ["city"],
+    }
+    ship = {
+        "$defs": {"Addr": address},
+        "type": "object",
+        "properties": {"to": {"$ref": "#/$defs/Addr"}, "n": {"type": "integer", "maximum": 9}},
+        "required": ["to", "n"],
+    }
+    tool = FunctionTool("ship", "", json.dumps(ship))
+    constraint = tool_call_constraint([tool], ToolChoice("function", "ship"), enable_thinking=False)
+    assert constraint is not None
+    grammar = compiler.compile_sync(constraint)
+    for seed in range(3):
+        run = sample(grammar, hf, seed, max_steps=600)
+        assert all(run.finished)
+        for text in run.texts:
+            calls = calls_of(text)[2]
+            assert calls, text
+            for name, arguments in calls:
+                assert name == "ship"
+                jsonschema.validate(arguments, ship)
+
+
 def test_thinking_on_allows_a_think_block_then_requires_calls(
     compiler: ConstraintCompiler, tokenizer: GrammarTokenizer, hf: Tokenizer
 ) -> None:
