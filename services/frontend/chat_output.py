@@ -36,11 +36,20 @@ class OutputPiece(NamedTuple):
 
 class ChatOutput:
     """One chat generation's output, delta by delta. `is_parsing_tools`: the request offered
-    tools and tool_choice is not none."""
+    tools and tool_choice is not none; `is_parallel` False (parallel_tool_calls false): its
+    first call only, as vLLM answers it (under tool_choice auto nothing else stops a second)."""
 
-    def __init__(self, is_parsing_tools: bool, new_id: Callable[[], str] = new_call_id) -> None:
+    def __init__(
+        self,
+        is_parsing_tools: bool,
+        new_id: Callable[[], str] = new_call_id,
+        *,
+        is_parallel: bool = True,
+    ) -> None:
         self._splitter = ReasoningSplitter()
         self._tools = ToolCallParser(new_id) if is_parsing_tools else None
+        self._max_calls = None if is_parallel else 1
+        self._num_sent = 0
 
     @property
     def num_calls(self) -> int:
@@ -62,6 +71,9 @@ class ChatOutput:
             rest = self._tools.finish()
             content += rest.content
             calls = [*calls, *rest.tool_calls]
+        if self._max_calls is not None:
+            calls = calls[: max(0, self._max_calls - self._num_sent)]
+        self._num_sent += len(calls)
         return OutputPiece(reasoning, content, calls)
 
     def finish_reason(self, reason: FinishReason) -> str:

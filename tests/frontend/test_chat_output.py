@@ -59,6 +59,15 @@ def test_every_cut_gives_the_same_reasoning_answer_and_calls() -> None:
         assert output.finish_reason(FinishReason.LENGTH) == "length"
 
 
+def test_parallel_tool_calls_false_returns_the_first_call_only() -> None:
+    """Under tool_choice auto nothing in the sampling stops a second call: the answer holds
+    the first, as vLLM answers it (it once held both), however the text is cut."""
+    for parts in cuts(CALLING, step=5):
+        output = ChatOutput(is_parsing_tools=True, is_parallel=False)
+        assert run(output, parts) == ("Need the weather.", "Let me check.", CALLS[:1]), parts
+        assert output.finish_reason(FinishReason.STOP) == "tool_calls"
+
+
 def test_without_tools_blocks_stay_answer_text() -> None:
     output = ChatOutput(is_parsing_tools=False)
     reasoning, content, calls = run(output, [CALLING])
