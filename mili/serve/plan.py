@@ -44,6 +44,7 @@ FRONTEND = Borrowed(
         "--stream-interval",
         "--max-queued-requests",
         "--max-queued-tokens",
+        "--max-concurrent-requests",
         "--public-tls",
     ),
 )

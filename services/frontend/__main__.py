@@ -109,7 +109,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     limits.add_argument(
         "--max-concurrent-requests",
         type=int,
-        default=512,
+        default=4096,
         help="requests in flight at once, waiting in the admission queue included; more get "
         "RESOURCE_EXHAUSTED (default: %(default)s)",
     )

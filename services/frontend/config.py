@@ -31,8 +31,10 @@ class FrontendConfig:
     # How long decode holds a reservation waiting for the KV (0 = decode's own default).
     kv_lease_ms: int = 0
     # Requests running through this frontend at once, waiting in its admission queue
-    # included; more are RESOURCE_EXHAUSTED.
-    max_concurrent_requests: int = 512
+    # included; more are RESOURCE_EXHAUSTED. A bound on the frontend's own memory, above what
+    # the decode instances run plus the queue's 512, so that the queue's bound is the one
+    # load reaches (it was 512 too, so the queue never filled).
+    max_concurrent_requests: int = 4096
     # The admission queue (admission.py): requests that found every decode instance full wait
     # for room, first come first served, up to these many requests and prompt tokens (past
     # them: RESOURCE_EXHAUSTED with RetryInfo). 0 requests: no waiting, refused at once.
