@@ -24,6 +24,7 @@ from typing import NamedTuple
 from mili.engine.stop import FinishReason
 from services.frontend.reasoning import ReasoningSplitter
 from services.frontend.tool_calls import ToolCallDelta, ToolCallParser, new_call_id
+from services.frontend.validation import ValidRequest
 
 TOOL_CALLS = "tool_calls"  # OpenAI's finish reason for an answer that is calls
 
@@ -45,8 +46,10 @@ class ChatOutput:
         new_id: Callable[[], str] = new_call_id,
         *,
         is_parallel: bool = True,
+        is_thinking: bool = True,
     ) -> None:
-        self._splitter = ReasoningSplitter()
+        # Without thinking, a "<think>" the model writes is the answer's text.
+        self._splitter = ReasoningSplitter() if is_thinking else None
         self._tools = ToolCallParser(new_id) if is_parsing_tools else None
         self._max_calls = None if is_parallel else 1
         self._num_sent = 0
@@ -58,8 +61,8 @@ class ChatOutput:
     def push(self, text: str, is_last: bool = False) -> OutputPiece:
         """What `text` (the next delta's) completes; `is_last`: the generation ended with it,
         and whatever was held back comes out too."""
-        reasoning, content = self._splitter.push(text)
-        if is_last:
+        reasoning, content = ("", text) if self._splitter is None else self._splitter.push(text)
+        if is_last and self._splitter is not None:
             rest_reasoning, rest_content = self._splitter.finish()
             reasoning += rest_reasoning
             content += rest_content
@@ -75,6 +78,22 @@ class ChatOutput:
             calls = calls[: max(0, self._max_calls - self._num_sent)]
         self._num_sent += len(calls)
         return OutputPiece(reasoning, content, calls)
+
+    @classmethod
+    def of(cls, valid: ValidRequest) -> ChatOutput:
+        """A chat request's splitter. It splits thinking off unless none can come: thinking
+        off (enable_thinking false), or a constraint of the caller's (response_format, a
+        regex...), whose output is the answer from its first token: a "<think>" inside, a
+        JSON string's say, is text (split, it broke the JSON). The grammar of a forced tool
+        choice allows a think block first."""
+        has_own_constraint = (
+            valid.sampling.constraint is not None and not valid.tool_choice.is_forced
+        )
+        return cls(
+            valid.is_parsing_tools,
+            is_parallel=valid.parallel_tool_calls,
+            is_thinking=valid.enable_thinking is not False and not has_own_constraint,
+        )
 
     def finish_reason(self, reason: FinishReason) -> str:
         """The generation's finish reason as the APIs say it: `tool_calls` when it stopped

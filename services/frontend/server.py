@@ -110,7 +110,7 @@ def _chat_output(valid: ValidRequest) -> ChatOutput | None:
     """A chat request's output splitter; None for prompt and token_ids requests (not split)."""
     if valid.prompt_field != "messages":
         return None
-    return ChatOutput(valid.is_parsing_tools, is_parallel=valid.parallel_tool_calls)
+    return ChatOutput.of(valid)
 
 
 def add_to_server(server: RpcServer, servicer: GenerationServicer) -> None:

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from mili.engine.constraint.spec import Constraint
 from mili.engine.stop import FinishReason
 from mili.errors import InvalidArgument
 from mili.pb.common.v1 import chat_pb2
@@ -18,7 +19,7 @@ from services.frontend import convert
 from services.frontend.chat_output import ChatOutput
 from services.frontend.pipeline import Delta
 from services.frontend.tools import FunctionTool, ToolCallInput, ToolChoice
-from services.frontend.validation import ChatTurn, Limits, RequestInput, validate
+from services.frontend.validation import ChatTurn, Limits, RequestInput, SamplingInput, validate
 
 # What Qwen3 writes when it thinks, then calls two tools (a block cut anywhere must not leak).
 CALLING = (
@@ -66,6 +67,28 @@ def test_parallel_tool_calls_false_returns_the_first_call_only() -> None:
         output = ChatOutput(is_parsing_tools=True, is_parallel=False)
         assert run(output, parts) == ("Need the weather.", "Let me check.", CALLS[:1]), parts
         assert output.finish_reason(FinishReason.STOP) == "tool_calls"
+
+
+@pytest.mark.parametrize("fields", [{"constraint": "json"}, {"enable_thinking": False}])
+def test_a_think_tag_is_answer_text_where_no_thinking_can_come(fields: dict[str, object]) -> None:
+    """A constraint of the caller's makes the whole output its answer (a JSON string holding
+    "<think>" once came back cut into reasoning: invalid JSON); so does thinking off. The
+    grammar of a forced tool choice allows a think block: that one is split."""
+    sampling = SamplingInput(
+        constraint=Constraint.json_object() if fields.get("constraint") else None
+    )
+    turns = (ChatTurn("user", "tag?"),)
+    thinking = fields.get("enable_thinking")
+    valid = validate(
+        RequestInput(messages=turns, sampling=sampling, enable_thinking=thinking), Limits()
+    )
+    answer = '{"tag": "<think>", "note": "</think>"}'
+    assert run(ChatOutput.of(valid), [answer[:12], answer[12:]]) == ("", answer, [])
+    forced = validate(
+        RequestInput(messages=turns, tools=(WEATHER,), tool_choice=ToolChoice("required")),
+        Limits(),
+    )
+    assert run(ChatOutput.of(forced), [CALLING]) == ("Need the weather.", "Let me check.", CALLS)
 
 
 def test_without_tools_blocks_stay_answer_text() -> None:

@@ -68,10 +68,7 @@ class ChatJson:
         self._choices = choices
         self._pieces = pieces
         self._usage = Usage(choices)
-        self._outputs = {
-            c.index: ChatOutput(c.valid.is_parsing_tools, is_parallel=c.valid.parallel_tool_calls)
-            for c in choices
-        }
+        self._outputs = {c.index: ChatOutput.of(c.valid) for c in choices}
         self._head = head.json("chatcmpl", "chat.completion")
         # Each chunk is this head, its choices and the tail: one json.dumps per chunk.
         chunk_head = {**self._head, "object": "chat.completion.chunk"}
