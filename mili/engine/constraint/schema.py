@@ -7,7 +7,10 @@ xgrammar's `strict_mode`, every subschema that lists `properties` (and says noth
 `additionalProperties`, `patternProperties` or `unevaluatedProperties`) is closed. What is
 generated still validates against the schema as sent: it only leaves out extra keys.
 
-`allOf` branches are left open: closing each branch would forbid the other branches' keys.
+Left open, as closing would forbid keys the schema allows: `allOf` branches (each other's keys),
+an object whose `properties` sit beside `allOf`, `anyOf`, `oneOf` or `$ref` (their keys join
+its own: it is not closed, nor are those `anyOf`/`oneOf` branches, nor a `$defs` entry such a
+`$ref` names), and one that requires a key it does not list.
 """
 
 from __future__ import annotations
@@ -24,28 +27,65 @@ _LIST = ("anyOf", "oneOf", "prefixItems")
 
 def close_objects(schema: dict[str, Any]) -> dict[str, Any]:
     """A copy of `schema` whose listed-property objects allow no other keys."""
-    return _close(schema, closable=True)
+    return _close(schema, closable=True, merged=_merged_refs(schema))
 
 
-def _close(node: Any, closable: bool) -> Any:
+# Beside `properties`, these bring keys of their own into the same object.
+_JOINING = ("allOf", "anyOf", "oneOf", "$ref")
+
+
+def _close(node: Any, closable: bool, merged: frozenset[str], path: str = "#") -> Any:
     if not isinstance(node, dict):
         return node
+    joined = "properties" in node and any(key in node for key in _JOINING)
     out: dict[str, Any] = {}
     for key, value in node.items():
+        where = f"{path}/{key}"
         if key in _ONE:
-            out[key] = _close(value, True)
+            out[key] = _close(value, True, merged, where)
         elif key in _MAP and isinstance(value, dict):
-            out[key] = {name: _close(sub, True) for name, sub in value.items()}
+            out[key] = {
+                name: _close(sub, f"{where}/{name}" not in merged, merged, f"{where}/{name}")
+                for name, sub in value.items()
+            }
         elif key in _LIST and isinstance(value, list):
-            out[key] = [_close(sub, True) for sub in value]
+            branches_closable = not (joined and key != "prefixItems")
+            out[key] = [_close(sub, branches_closable, merged) for sub in value]
         elif key == "allOf" and isinstance(value, list):
-            out[key] = [_close(sub, False) for sub in value]
+            out[key] = [_close(sub, False, merged) for sub in value]
         else:
             out[key] = value
-    is_open = not any(key in node for key in _OPEN_KEYS)
-    if closable and is_open and "properties" in node and "allOf" not in node:
+    is_open = any(key in node for key in _OPEN_KEYS)
+    required = node.get("required")
+    properties = node.get("properties")
+    lists_required = (
+        isinstance(properties, dict)
+        and isinstance(required, list)
+        and all(name in properties for name in required)
+    ) or (isinstance(properties, dict) and required is None)
+    if closable and not is_open and not joined and lists_required:
         out["additionalProperties"] = False
     return out
+
+
+def _merged_refs(schema: Any) -> frozenset[str]:
+    """The local `$ref`s that sit beside `properties` (their target's keys join that object's,
+    so the target stays open)."""
+    found: set[str] = set()
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#") and "properties" in node:
+                found.add(ref)
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for item in node:
+                walk(item)
+
+    walk(schema)
+    return frozenset(found)
 
 
 _UNIMPLEMENTED = re.compile(r"Unimplemented keys: \[(.*?)\]")
