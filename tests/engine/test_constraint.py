@@ -254,6 +254,20 @@ def test_objects_whose_keys_come_from_elsewhere_stay_open(
     assert feed(compiled.matcher(), json.dumps(good, separators=(",", ":")))
 
 
+def test_a_property_named_limit_is_not_a_limit_hit(compiler: ConstraintCompiler) -> None:
+    """llguidance's error quotes the schema; a word of the caller's there once made an
+    unsatisfiable schema RESOURCE_EXHAUSTED "too complex" (not cached: compiled again each
+    time) instead of INVALID_ARGUMENT."""
+    for name in ("limit", "max_items"):
+        schema = {
+            "type": "object",
+            "properties": {name: {"type": "integer", "minimum": 5, "maximum": 1}},
+            "required": [name],
+        }
+        with pytest.raises(InvalidArgument, match="unsatisfiable"):
+            compiler.compile_sync(Constraint.json_schema(schema))
+
+
 def test_cache_hits_on_second_compile(tokenizer: GrammarTokenizer) -> None:
     compiler = ConstraintCompiler(tokenizer)
     schema = {"type": "object", "properties": {"x": {"type": "boolean"}}}

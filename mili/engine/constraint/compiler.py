@@ -26,6 +26,7 @@ import concurrent.futures
 import contextlib
 import json
 import logging
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Collection
@@ -94,6 +95,10 @@ class CompiledConstraint:
         return ConstraintMatcher(self.template.deep_copy(), self.tokenizer, self.field_name)
 
 
+# What llguidance's errors quote of the grammar or schema.
+_QUOTED = re.compile(r"'[^']*'|\"[^\"]*\"")
+
+
 def grammar_text(constraint: Constraint, limits: ConstraintLimits, prefix: str) -> str:
     """llguidance's grammar for `constraint`; InvalidArgument when it cannot be written."""
     field_name = constraint.field_name(prefix)
@@ -128,7 +133,10 @@ def build(constraint: Constraint, tokenizer: GrammarTokenizer, config: CompileCo
         matcher.compute_bitmask()
     if matcher.is_error():
         error = str(matcher.get_error())
-        if any(word in error.lower() for word in ("fuel", "too complex", "too many", "limit")):
+        # Words of llguidance's own, outside what it quotes of the schema (a property named
+        # "limit" is not a limit hit).
+        unquoted = _QUOTED.sub("", error).lower()
+        if any(word in unquoted for word in ("fuel", "too complex", "too many", "limit")):
             raise ResourceExhausted(f"{field_name}: the constraint is too complex ({error})")
         if constraint.kind == "json_schema":
             raise InvalidArgument(field_name, constraint.text, schemas.reword(error))

@@ -28,6 +28,8 @@ def parse(raw: bytes) -> Body:
         raise InvalidArgument(
             "", f"{len(raw)} bytes", f"the body is not valid JSON: {err}"
         ) from None
+    except RecursionError:
+        raise InvalidArgument("", f"{len(raw)} bytes", "the body nests too deeply") from None
     if not isinstance(data, dict):
         raise InvalidArgument("", type(data).__name__, "the body must be a JSON object")
     if SURROGATE_ESCAPE.search(raw):  # rare: the walk only for a body that may hold one

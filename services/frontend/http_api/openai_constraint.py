@@ -31,6 +31,7 @@ from services.frontend.http_api.body import Body
 from services.frontend.tools import ToolChoice
 
 _STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+_UNSUPPORTED_STRUCTURED = ("structural_tag",)  # vLLM's keys this server does not do
 
 
 class Requested(NamedTuple):
@@ -56,6 +57,11 @@ def constraint_of(body: Body, tool_choice: ToolChoice | None = None) -> Requeste
             found.append(Requested(_of_kind(kind, body.raw(key), key), key))
     structured = body.object("structured_outputs")
     if structured is not None:
+        for key in _UNSUPPORTED_STRUCTURED:  # refused, never ignored
+            if structured.raw(key) is not None:
+                raise InvalidArgument(
+                    structured.name(key), structured.raw(key), "not supported by this server"
+                )
         for key in _STRUCTURED_KEYS:
             value = structured.raw(key)
             if value is not None and value is not False:

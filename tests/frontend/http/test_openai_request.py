@@ -287,6 +287,18 @@ def test_bodies_that_are_not_json_objects() -> None:
         assert status == 400 and error["param"] is None, raw
 
 
+def test_a_body_nested_too_deeply_is_a_400_not_a_500() -> None:
+    with pytest.raises(InvalidArgument, match="nests too deeply") as caught:
+        parse(b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")
+    assert error_of(caught.value)[0] == 400
+
+
+def test_vllms_structural_tag_is_refused_not_ignored() -> None:
+    assert param_of_failure(chat, structured_outputs={"structural_tag": "{}"}) == (
+        "structured_outputs.structural_tag"
+    )
+
+
 def test_a_lone_surrogate_escape_is_a_400_naming_where_it_is() -> None:
     """A client that cut a string inside an emoji: not a 500 when it is encoded later."""
     raw = b'{"messages": [{"role": "user", "content": "hi \\ud83d"}]}'
