@@ -103,8 +103,11 @@ def check_kernels(
     for family, kernel, case in _cases(shape, device):
         if family not in implementations:
             continue
+        implementation = implementations[family]
+        if hasattr(implementation, "with_options"):  # CPU: on the worker pool, as served
+            implementation = implementation.with_options(num_threads=None, always_parallel=True)
         try:
-            actual = case(implementations[family])
+            actual = case(implementation)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)  # an asynchronous fault surfaces here
         except Exception as e:  # a kernel's failure, whatever its type, is what we report
@@ -191,12 +194,18 @@ def _mismatch(
     return None
 
 
+# Block table width of the wide decode case: enough for the kernels to split each sequence.
+_WIDE_TABLE = 256
+
+
 def _cases(shape: CheckShape, device: torch.device) -> list[tuple[str, str, Case]]:
     """The kernels' cases on one set of random inputs (seeded: every run alike).
 
     Attention: two prompts packed in one prefill (a fresh one of 2S + 3 tokens; one with S + 1
     cached tokens and 5 new ones), and a decode of three sequences of 1, S and 2S + 5 tokens,
-    so block boundaries, a partial last block and GQA are all crossed.
+    so block boundaries, a partial last block and GQA are all crossed; that decode again over
+    block tables as wide as a served model's (padded with the null block): the kernels then
+    split each sequence (flash-decoding), most splits past its end, and combine the parts.
     """
     S, H, KVH, D = shape.block_size, shape.num_heads, shape.num_kv_heads, shape.head_dim
     dtype = shape.torch_dtype
@@ -239,6 +248,12 @@ def _cases(shape: CheckShape, device: torch.device) -> list[tuple[str, str, Case
     def decode(impl: Any) -> tuple[torch.Tensor, ...]:
         return (impl.decode(q_decode, k_cache, v_cache, decode_tables, seq_lens, scale=scale),)
 
+    # Qwen3's 40,960 positions are 2,560 columns of 16: 256 columns split as that does.
+    wide_tables = torch.nn.functional.pad(decode_tables, (0, _WIDE_TABLE - 3))
+
+    def decode_wide(impl: Any) -> tuple[torch.Tensor, ...]:
+        return (impl.decode(q_decode, k_cache, v_cache, wide_tables, seq_lens, scale=scale),)
+
     # Fused ops: 5 tokens of a hidden size of H * D, an MLP of 2 H * D.
     T, hidden = 5, H * D
     x, residual, weight = randn(T, hidden), randn(T, hidden), randn(hidden, scale=0.5) + 1
@@ -279,6 +294,7 @@ def _cases(shape: CheckShape, device: torch.device) -> list[tuple[str, str, Case
     cases: list[tuple[str, str, Case]] = [
         (ATTENTION, "attention.prefill", prefill),
         (ATTENTION, "attention.decode", decode),
+        (ATTENTION, "attention.decode_split", decode_wide),
         (FUSED, "fused.rms_norm", rms_norm),
         (FUSED, "fused.add_rms_norm", add_rms_norm),
         (FUSED, "fused.qk_norm_rope_kv", qk_norm_rope_kv),

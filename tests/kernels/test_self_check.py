@@ -99,9 +99,24 @@ def test_each_kernel_is_caught_however_it_fails(
 ) -> None:
     implementations = {family: Broken(family, how, method)}
     faults = check_kernels(DEMO, "cpu", implementations)
-    assert [(f.family, f.kernel) for f in faults] == [(family, kernel)]
+    kernels = [kernel, "attention.decode_split"] if method == "decode" else [kernel]
+    assert [(f.family, f.kernel) for f in faults] == [(family, k) for k in kernels]
     expected = {"raises": "illegal memory access", "nan": "non-finite", "wrong": "differs"}
     assert expected[how] in faults[0].error
+
+
+def test_a_decode_wrong_only_when_it_splits_is_caught() -> None:
+    """Served models' block tables are thousands of columns wide: the kernels split each
+    sequence and combine the parts, a path short tables never take (the check once missed
+    it). Wrong there alone, a kernel fails attention.decode_split."""
+
+    class WrongWhenWide(TorchAttention):
+        def decode(self, q: torch.Tensor, k: Any, v: Any, tables: Any, *a: Any, **kw: Any) -> Any:
+            out = super().decode(q, k, v, tables, *a, **kw)
+            return out + 0.5 if tables.shape[1] > 8 else out
+
+    faults = check_kernels(DEMO, "cpu", {ATTENTION: WrongWhenWide()})
+    assert [f.kernel for f in faults] == ["attention.decode_split"]
 
 
 def test_a_bit_of_bf16_rounding_is_not_a_fault() -> None:
