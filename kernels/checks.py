@@ -174,9 +174,11 @@ def check_decode(
 
 
 def _host(t: torch.Tensor) -> np.ndarray:
-    """A host view of an int32 index tensor. numpy, not torch ops: these checks run per layer
-    and per step, and a torch op here would wake torch's OpenMP pool between kernel calls."""
-    return t.cpu().numpy()
+    """An int32 index tensor (lengths, offsets: a few per sequence) on the host, widened to int64 so that the sums checked here do
+    not wrap (a length near 2^31 once wrapped negative and passed, then the kernel read out of
+    bounds). numpy, not torch ops: these checks run per layer and per step, and a torch op here
+    would wake torch's OpenMP pool between kernel calls."""
+    return t.cpu().numpy().astype(np.int64)
 
 
 def _check_block_ids(
@@ -192,7 +194,7 @@ def _check_block_ids(
         )
     if most == 0:
         return
-    table = _host(block_tables)[:, :most]
+    table = block_tables.cpu().numpy()[:, :most]  # ids only compared: int32 is exact
     ids = table[np.arange(most)[None, :] < needed[:, None]]
     bad = ids[(ids < 0) | (ids >= num_blocks)]
     if bad.size:

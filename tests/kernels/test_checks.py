@@ -47,6 +47,10 @@ def _decode(kernels: CpuKernels, c: PagedCase, **changes: torch.Tensor) -> torch
     return kernels.decode(**args, scale=c.scale)
 
 
+def _i32(values: list[int]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32)
+
+
 PREFILL_ERRORS: list[tuple[str, Callable[[PagedCase], dict[str, torch.Tensor]], str]] = [
     ("q dtype", lambda c: {"q": c.q.double()}, "q has dtype torch.float64"),
     ("q strided", lambda c: {"q": c.q.transpose(0, 1).contiguous().transpose(0, 1)}, "contiguous"),
@@ -60,6 +64,8 @@ PREFILL_ERRORS: list[tuple[str, Callable[[PagedCase], dict[str, torch.Tensor]], 
     ("cu order", lambda c: {"cu_seqlens": torch.tensor([0, 26, 25], dtype=torch.int32)}, "rise"),
     ("starts", lambda c: {"start_positions": torch.tensor([0], dtype=torch.int32)}, "entries"),
     ("negative", lambda c: {"start_positions": torch.tensor([0, -1], dtype=torch.int32)}, ">= 0"),
+    ("start near 2^31", lambda c: {"start_positions": _i32([0, 2**31 - 2])}, "needs"),
+    ("cu wraps", lambda c: {"cu_seqlens": _i32([0, 2**31 - 1, 25])}, "rise"),
     ("table rows", lambda c: {"block_tables": c.block_tables[:1]}, "block_tables has 1 rows"),
     ("table width", lambda c: {"block_tables": c.block_tables[:, :1].contiguous()}, "needs 2"),
     ("table ids", lambda c: {"block_tables": c.block_tables + 1000}, "outside [0,"),
@@ -79,6 +85,9 @@ DECODE_ERRORS: list[tuple[str, Callable[[PagedCase], dict[str, torch.Tensor]], s
     ("lens count", lambda c: {"seq_lens": c.seq_lens[:1]}, "seq_lens has 1 entries"),
     ("zero len", lambda c: {"seq_lens": torch.tensor([0, 3], dtype=torch.int32)}, ">= 1"),
     ("too long", lambda c: {"seq_lens": torch.tensor([5, 999], dtype=torch.int32)}, "needs"),
+    # near int32's top: its block count once wrapped negative, passed, and the kernel read
+    # out of bounds (a segfault)
+    ("near 2^31", lambda c: {"seq_lens": torch.tensor([5, 2**31 - 1], dtype=torch.int32)}, "needs"),
     ("lens dtype", lambda c: {"seq_lens": c.seq_lens.long()}, "seq_lens must be int32"),
     ("q fp16", lambda c: {"q": c.q[[4, 24]].half()}, "expected q's torch.float16"),
 ]
