@@ -104,8 +104,13 @@ def _select(
                 f"this model has {head_dim}"
             )
         return load(device, root)
+    except (ImportError, OSError) as exc:  # a damaged or unreadable cache entry
+        error = build.KernelBuildError(
+            f"cannot load the Mojo {family} kernels: {exc} (remove that cache entry to rebuild)"
+        )
     except build.KernelBuildError as exc:
-        if choice == "mojo":
-            raise
-        _LOG.warning("Mojo %s kernels unavailable, using torch: %s", family, exc)
-        return reference()
+        error = exc
+    if choice == "mojo":
+        raise error
+    _LOG.warning("Mojo %s kernels unavailable, using torch: %s", family, error)
+    return reference()

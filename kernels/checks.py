@@ -174,10 +174,10 @@ def check_decode(
 
 
 def _host(t: torch.Tensor) -> np.ndarray:
-    """An int32 index tensor (lengths, offsets: a few per sequence) on the host, widened to int64 so that the sums checked here do
-    not wrap (a length near 2^31 once wrapped negative and passed, then the kernel read out of
-    bounds). numpy, not torch ops: these checks run per layer and per step, and a torch op here
-    would wake torch's OpenMP pool between kernel calls."""
+    """An int32 index tensor (lengths, offsets: a few per sequence) on the host, widened to
+    int64 so that the sums checked here do not wrap (a length near 2^31 once wrapped negative
+    and passed, then the kernel read out of bounds). numpy, not torch ops: these checks run per
+    layer and per step, and a torch op here would wake torch's OpenMP pool between calls."""
     return t.cpu().numpy().astype(np.int64)
 
 

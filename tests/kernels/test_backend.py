@@ -44,6 +44,23 @@ def test_auto_falls_back_to_torch_and_says_why(tmp_path, monkeypatch, caplog) ->
     assert "Mojo toolchain not found" in caplog.text
 
 
+def test_a_damaged_cache_entry_falls_back_under_auto(tmp_path, caplog) -> None:
+    """A cached module cut short (a full disk, a copied cache): ImportError once took the
+    service down under auto; now torch runs it, the log says which file, and mojo refuses."""
+    from mili.cache import cache_root
+
+    built = build.build_cpu()  # this source's module, built once for the suite
+    damaged = tmp_path / built.relative_to(cache_root())
+    damaged.parent.mkdir(parents=True)
+    damaged.write_bytes(b"")
+    with caplog.at_level(logging.WARNING, logger="mili.kernels"):
+        backend = select_attention("auto", "cpu", head_dim=64, root=tmp_path)
+    assert isinstance(backend, TorchAttention)
+    assert "remove that cache entry to rebuild" in caplog.text
+    with pytest.raises(build.KernelBuildError, match="cannot load the Mojo attention kernels"):
+        select_attention("mojo", "cpu", head_dim=64, root=tmp_path)
+
+
 def test_explicit_mojo_without_toolchain_fails(tmp_path, monkeypatch) -> None:
     _break_toolchain(tmp_path, monkeypatch)
     with pytest.raises(build.KernelBuildError, match="Mojo toolchain not found"):
