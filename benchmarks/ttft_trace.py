@@ -18,7 +18,6 @@ import collections
 import contextlib
 import json
 import re
-import statistics
 import sys
 from datetime import datetime
 from pathlib import Path
@@ -28,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.servi
 
 from benchmarks.presets import CHOICES, DEFAULT_CACHE, preset_checkpoint
 from benchmarks.serving import bench_args, mili_serve, run_bench, servable
+from mili.client.bench_report import percentile
 
 # (milestone, span name ("generate " a prefix: "generate <model>"), "start" | "end" | an event)
 MILESTONES = [
@@ -108,12 +108,12 @@ def timelines(log: str, skip: int) -> list[dict[str, float]]:
 def report(rows: list[dict[str, float]]) -> list[str]:
     lines = [f"{'milestone (ms from the frontend receiving Generate)':52} {'p50':>8} {'p90':>8}"]
     for label, _, _ in MILESTONES:
-        values = sorted(r[label] for r in rows if label in r)
-        if not values:
+        values = [r[label] for r in rows if label in r]
+        p50, p90 = percentile(values, 50), percentile(values, 90)  # as mili bench computes them
+        if p50 is None or p90 is None:
             lines.append(f"{label:52} {'-':>8} {'-':>8}")
             continue
-        p90 = values[min(len(values) - 1, int(0.9 * len(values)))]
-        lines.append(f"{label:52} {statistics.median(values):8.2f} {p90:8.2f}")
+        lines.append(f"{label:52} {p50:8.2f} {p90:8.2f}")
     return lines
 
 
