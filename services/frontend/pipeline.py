@@ -52,9 +52,10 @@ from services.frontend.stop import StopMatcher, clip_tokens
 
 _LOG = logging.getLogger("mili.frontend")
 
-# Tries of a request whose prefill instance turned out down before its first token; past
-# them its error is the answer (a flapping instance must not keep a request going round).
-_MAX_TRIES_AFTER_DOWN = 3
+# Times a request goes to another prefill instance after its own turned out down before its
+# first token; past them its error is the answer (a flapping instance must not keep a request
+# going round). Waits for room do not count.
+_MAX_PREFILL_RETRIES = 2
 
 
 class _PrefillDown(Exception):
@@ -111,6 +112,7 @@ class Generation:
         self._placement = Placement(downstream, config, prompt, deadline)
         self._first_request_id = ids.request_id
         self._num_tries = 1
+        self._num_prefill_retries = 0
 
     async def run(self) -> AsyncGenerator[Delta, None]:
         no_room: NoRoom | None = None
@@ -210,10 +212,11 @@ class Generation:
             self._downstream.request_refresh(down=admission.route.prefill)
             if (
                 self._output_token_ids
-                or self._num_tries > _MAX_TRIES_AFTER_DOWN
+                or self._num_prefill_retries >= _MAX_PREFILL_RETRIES
                 or not self._another_prefill(admission.route.prefill)
             ):
                 raise
+            self._num_prefill_retries += 1
             # Down or draining before any token (a rolling restart: its server refuses new
             # calls until the next poll says so), and another instance is up: it takes it.
             raise _PrefillDown(str(error)) from None
@@ -364,7 +367,7 @@ class Generation:
                 out, kept = await self._match_stops(
                     matcher, text, token_ids[:num_text], num_generated
                 )
-                if kept < num_text:  # a stop string ended the text: no tokens past it
+                if matcher.is_stopped:  # a stop string ended the text: no tokens past it
                     token_ids, logprobs = token_ids[:kept], logprobs[:kept]
             else:
                 out = await text.push(token_ids[:num_text])

@@ -206,6 +206,20 @@ def test_a_stop_id_is_kept_and_ends_the_generation() -> None:
     assert deltas[-1].text == "b"
 
 
+@pytest.mark.parametrize("merged", [False, True])
+def test_a_stop_string_right_before_a_stop_id_cuts_the_id_however_decode_merged(
+    merged: bool,
+) -> None:
+    """ "c" completes the stop string, then decode drew the stop id 4: the id is cut with
+    everything after the string, also when it came in the same event (a stop string right
+    before EOS under load)."""
+    events = [tokens(1, 2, 3, 4)] if merged else [tokens(1), tokens(2), tokens(3), tokens(4)]
+    down = FakeDownstream({"d:1": [Admitted([1], "token"), *events]})
+    deltas = run(down, SamplingParams(max_tokens=10, stop=("c",), stop_token_ids=(4,)))
+    assert [t for d in deltas for t in d.token_ids] == [1, 2, 3]
+    assert "".join(d.text for d in deltas) == "ab" and deltas[-1].num_completion_tokens == 3
+
+
 @pytest.mark.parametrize("stop", [(), ("zz",)])
 def test_a_stop_ids_token_is_returned_without_its_text(stop: tuple[str, ...]) -> None:
     """As vLLM: the id ends the generation and is in token_ids and usage; its text is not
