@@ -21,8 +21,8 @@ every cut into 2 and 3 pieces), and no tag or block JSON reaches content:
   presented as a call. A block still open when the generation ends (max_tokens, or the model
   stopped before `</tool_call>`) is a call if its JSON parses, else content;
 - a `</tool_call>` inside one of the block's JSON strings (an argument holding code or markup)
-  is text, not the block's end, unless a `<tool_call>` follows it before the block ends: then
-  the string was never closed (malformed JSON, `"C:\\"}}`) and the block ended at that tag, so
+  is text, not the block's end, unless a new `<tool_call>` follows it (blanks aside): then the
+  string was never closed (malformed JSON, `"C:\\"}}`) and the block ended at that tag, so
   the calls after a malformed one are still calls;
 - whitespace touching a parsed block is the block's framing (the chat template writes "\\n"
   between content and each call): dropped, so the content and calls render back to the same
@@ -113,7 +113,6 @@ class ToolCallParser:
         self._after_call = False  # whitespace here follows a parsed block: dropped
         self._block: str | None = None  # the open block's body so far; None outside one
         self._framing = ""  # whitespace before the open block's tag (content if it fails)
-        self._quoted_close = -1  # the open block's first `</tool_call>` inside a JSON string
 
     def push(self, text: str) -> ParsedDelta:
         """The content and calls that `text` completes."""
@@ -156,14 +155,16 @@ class ToolCallParser:
         assert block is not None
         at = block.find(CLOSE, start)
         while at >= 0 and _in_json_string(block[:at]):
-            if self._quoted_close < 0:
-                self._quoted_close = at  # an argument's text, unless a block opens after it
-            at = block.find(CLOSE, at + 1)
-        quoted = self._quoted_close
-        if quoted >= 0:
-            reopened = block.find(OPEN, quoted + len(CLOSE))
-            if reopened >= 0 and (at < 0 or reopened < at):
+            at = block.find(CLOSE, at + 1)  # text of an argument, not the tag
+        # A quoted tag followed, blanks aside, by a new block's tag ended a block whose string
+        # never closed; one followed by anything else is an argument's text (code that splits
+        # on the tags, say).
+        quoted = block.find(CLOSE)
+        while quoted >= 0 and (at < 0 or quoted < at):
+            rest = block[quoted + len(CLOSE) :].lstrip()
+            if rest.startswith(OPEN) and _in_json_string(block[:quoted]):
                 return quoted
+            quoted = block.find(CLOSE, quoted + 1)
         return at
 
     def finish(self) -> ParsedDelta:
@@ -195,7 +196,7 @@ class ToolCallParser:
         self, body: str, content: list[str], calls: list[ToolCallDelta], *, closed: bool
     ) -> None:
         """End the open block: a call if its body parses, else content as written."""
-        self._block, self._quoted_close = None, -1
+        self._block = None
         parsed = parse_call(body)
         if parsed is None:
             content.append(self._framing + OPEN + body + (CLOSE if closed else ""))

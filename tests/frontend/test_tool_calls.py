@@ -84,6 +84,14 @@ CASES = {
         "Done.",
         [("write", '{"text": "a \\"</tool_call>\\" b"}')],
     ),
+    # both tags inside one argument (code that splits on them): still one call
+    "tags_in_code_argument": (
+        '<tool_call>\n{"name": "run", "arguments": {"code": '
+        "\"s.split('</tool_call>')[0].split('<tool_call>')[1]\"}}\n</tool_call>",
+        "",
+        "",
+        [("run", "{\"code\": \"s.split('</tool_call>')[0].split('<tool_call>')[1]\"}")],
+    ),
     # a string never closed (a path ending in a backslash): the block ends at its first
     # closing tag once another block opens after it, and the next call is still a call
     "unclosed_string_then_call": (
