@@ -254,6 +254,19 @@ def test_objects_whose_keys_come_from_elsewhere_stay_open(
     assert feed(compiled.matcher(), json.dumps(good, separators=(",", ":")))
 
 
+def test_at_least_one_of_listed_keys_is_still_closed(compiler: ConstraintCompiler) -> None:
+    """anyOf branches that only require keys the object lists bring none: the object stays
+    closed (left open, a sampler could write extra keys until max_tokens)."""
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+        "anyOf": [{"required": ["a"]}, {"required": ["b"]}],
+    }
+    compiled = compiler.compile_sync(Constraint.json_schema(schema))
+    assert feed(compiled.matcher(), '{"a":1}')
+    assert not feed(compiled.matcher(), '{"a":1,"zzz":2}')
+
+
 def test_a_property_named_limit_is_not_a_limit_hit(compiler: ConstraintCompiler) -> None:
     """llguidance's error quotes the schema; a word of the caller's there once made an
     unsatisfiable schema RESOURCE_EXHAUSTED "too complex" (not cached: compiled again each

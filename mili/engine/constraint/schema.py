@@ -37,7 +37,8 @@ _JOINING = ("allOf", "anyOf", "oneOf", "$ref")
 def _close(node: Any, closable: bool, merged: frozenset[str], path: str = "#") -> Any:
     if not isinstance(node, dict):
         return node
-    joined = "properties" in node and any(key in node for key in _JOINING)
+    has_properties = isinstance(node.get("properties"), dict)
+    joined = has_properties and _brings_keys(node)
     out: dict[str, Any] = {}
     for key, value in node.items():
         where = f"{path}/{key}"
@@ -49,23 +50,40 @@ def _close(node: Any, closable: bool, merged: frozenset[str], path: str = "#") -
                 for name, sub in value.items()
             }
         elif key in _LIST and isinstance(value, list):
-            branches_closable = not (joined and key != "prefixItems")
+            # Branches beside properties stay open: closed, each would forbid the object's
+            # other keys.
+            branches_closable = key == "prefixItems" or not has_properties
             out[key] = [_close(sub, branches_closable, merged) for sub in value]
         elif key == "allOf" and isinstance(value, list):
             out[key] = [_close(sub, False, merged) for sub in value]
         else:
             out[key] = value
     is_open = any(key in node for key in _OPEN_KEYS)
-    required = node.get("required")
-    properties = node.get("properties")
-    lists_required = (
-        isinstance(properties, dict)
-        and isinstance(required, list)
-        and all(name in properties for name in required)
-    ) or (isinstance(properties, dict) and required is None)
-    if closable and not is_open and not joined and lists_required:
+    required = node.get("required", [])
+    lists_required = isinstance(required, list) and set(required) <= set(node.get("properties", {}))
+    if closable and has_properties and not is_open and not joined and lists_required:
         out["additionalProperties"] = False
     return out
+
+
+def _brings_keys(node: dict[str, Any]) -> bool:
+    """Whether what sits beside the object's `properties` may bring keys they do not list:
+    `allOf` or a `$ref` (whatever they hold), an `anyOf`/`oneOf` branch naming another key or
+    composing further. "At least one of these" (branches that only require listed keys) brings
+    none: that object is still closed."""
+    if "allOf" in node or "$ref" in node:
+        return True
+    listed = set(node["properties"])
+    for key in ("anyOf", "oneOf"):
+        for branch in node.get(key, ()):
+            if not isinstance(branch, dict) or any(k in branch for k in (*_JOINING, *_OPEN_KEYS)):
+                return True
+            properties, required = branch.get("properties", {}), branch.get("required", [])
+            if not isinstance(properties, dict) or not isinstance(required, list):
+                return True
+            if (set(properties) | set(required)) - listed:
+                return True
+    return False
 
 
 def _merged_refs(schema: Any) -> frozenset[str]:
