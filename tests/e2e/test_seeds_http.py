@@ -216,6 +216,8 @@ def test_a_request_in_flight_is_processing_then_cancelled(seeds: Deployment) -> 
         ({"prompt": PROMPT, "temperature": True}, "temperature"),
         ({"prompt": PROMPT, "stream": "yes"}, "stream"),
         ({"prompt": PROMPT, "max_token": 4}, "max_token"),
+        # echoed in X-Request-Id: a line break there would break the response's headers
+        ({"prompt": PROMPT, "request_id": "a\r\nX-Evil: 1"}, "request_id"),
         ({"max_tokens": 4}, "prompt"),
         ({"prompt": ""}, "prompt"),
     ],

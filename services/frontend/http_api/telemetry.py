@@ -33,6 +33,7 @@ from aiohttp.typedefs import Handler, Middleware
 from opentelemetry import propagate, trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
+from mili.errors import InvalidArgument
 from mili.telemetry.metrics import FrontendMetrics
 from mili.telemetry.tracing import trace_ids
 
@@ -61,17 +62,25 @@ def request_id_of(request: web.Request) -> str:
     request_id = request.get(_REQUEST_ID)
     if request_id is None:
         given = request.headers.get(REQUEST_ID_HEADER)
-        # Printable ASCII only: a header's other bytes (aiohttp hands them in as surrogates)
-        # would fail the gRPC string it is passed on in and garble the logs.
-        is_usable = given is not None and given.isascii() and given.isprintable()
-        request_id = given if given and is_usable else uuid.uuid4().hex
+        request_id = given if given and is_header_safe(given) else uuid.uuid4().hex
         request[_REQUEST_ID] = request_id
     return request_id
 
 
+def is_header_safe(request_id: str) -> bool:
+    """Printable ASCII: what an id must be to be echoed in X-Request-Id (a header's other bytes,
+    which aiohttp hands in as surrogates, would also fail the gRPC string it is passed on in;
+    a line break would break the response's headers)."""
+    return request_id.isascii() and request_id.isprintable()
+
+
 def set_request_id(request: web.Request, request_id: str) -> None:
     """The request's id is `request_id` (a route that reads it from the body), before its
-    response's headers go out."""
+    response's headers go out; InvalidArgument naming `request_id` when it cannot be echoed."""
+    if not is_header_safe(request_id):
+        raise InvalidArgument(
+            "request_id", request_id[:64], "must be printable ASCII (X-Request-Id echoes it)"
+        )
     request[_REQUEST_ID] = request_id
 
 
