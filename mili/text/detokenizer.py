@@ -20,6 +20,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 _REPLACEMENT = "\ufffd"
+# Ids held back waiting for a character to complete, at most: a UTF-8 character is 4 bytes, a
+# byte-level token at least one of them, so only a run of invalid bytes gets near this.
+_MAX_HELD = 64
 
 
 class IncrementalDetokenizer:
@@ -46,7 +49,13 @@ class IncrementalDetokenizer:
         prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
         text = self._decode(self._ids[self._prefix_offset :])
         if not final and (len(text) <= len(prefix) or text.endswith(_REPLACEMENT)):
-            return ""
+            if text == prefix:  # ids that add no text (skipped special tokens): none to hold
+                del self._ids[self._read_offset :]
+                return ""
+            if len(self._ids) - self._read_offset <= _MAX_HELD:
+                return ""
+            # More ids than one character spans and still incomplete: invalid bytes, emitted
+            # as U+FFFD rather than held (and re-decoded) for good.
         del self._ids[: self._read_offset]  # emitted: the new prefix window starts there
         self._prefix_offset, self._read_offset = 0, len(self._ids)
         return text[len(prefix) :]

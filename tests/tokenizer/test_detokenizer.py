@@ -65,6 +65,21 @@ def test_a_long_stream_holds_only_its_window(tokenizer: ModelTokenizer) -> None:
     assert len(detokenizer._ids) <= 8
 
 
+def test_ids_that_never_complete_text_are_not_held_for_good() -> None:
+    """Skipped special tokens add no text and a run of invalid bytes never completes one: the
+    window once grew with each (memory, and a decode of the whole window per push)."""
+
+    def decode(ids: list[int]) -> str:  # a byte-level vocabulary; id 999 a skipped special
+        return bytes(i for i in ids if i != 999).decode("utf-8", errors="replace")
+
+    for token in (999, 0x80):
+        detokenizer = IncrementalDetokenizer(decode)
+        ids = [token] * 4000
+        text = "".join(detokenizer.push([i]) for i in ids) + detokenizer.flush()
+        assert text == decode(ids)
+        assert len(detokenizer._ids) <= 65
+
+
 def test_skip_special_tokens_drops_control_tokens_only(tokenizer: ModelTokenizer) -> None:
     ids = tokenizer.encode("<|im_start|>assistant\n<think>\nhm\n</think>\n\nyes<|im_end|>")
     assert "".join(_stream(tokenizer, ids, [1] * len(ids), skip=True)) == (
