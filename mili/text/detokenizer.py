@@ -48,14 +48,13 @@ class IncrementalDetokenizer:
             return ""
         prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
         text = self._decode(self._ids[self._prefix_offset :])
-        if not final and (len(text) <= len(prefix) or text.endswith(_REPLACEMENT)):
-            if text == prefix:  # ids that add no text (skipped special tokens): none to hold
-                del self._ids[self._read_offset :]
-                return ""
-            if len(self._ids) - self._read_offset <= _MAX_HELD:
-                return ""
-            # More ids than one character spans and still incomplete: invalid bytes, emitted
-            # as U+FFFD rather than held (and re-decoded) for good.
+        # Past _MAX_HELD ids with nothing to emit (skipped special tokens, invalid bytes: as
+        # U+FFFD) they go out anyway, not held and re-decoded for good. (Dropping ids that
+        # decode to nothing at once is not safe: a Metaspace "▁" alone decodes to "" yet
+        # gives the next token its space.)
+        is_held = len(text) <= len(prefix) or text.endswith(_REPLACEMENT)
+        if not final and is_held and len(self._ids) - self._read_offset <= _MAX_HELD:
+            return ""
         del self._ids[: self._read_offset]  # emitted: the new prefix window starts there
         self._prefix_offset, self._read_offset = 0, len(self._ids)
         return text[len(prefix) :]

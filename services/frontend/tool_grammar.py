@@ -72,12 +72,12 @@ def _rebased(schema: Any, root: str) -> Any:
     point into it where it now sits, at `root` of the call schema."""
     if isinstance(schema, list):
         return [_rebased(item, root) for item in schema]
-    if not isinstance(schema, dict):
+    if not isinstance(schema, dict) or "$id" in schema:  # refs inside resolve against its $id
         return schema
     out: dict[str, Any] = {}
     for key, value in schema.items():
-        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
-            out[key] = root + value[1:]
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
+            out[key] = root + value[1:]  # a pointer from the root ("#name" anchors stay)
         elif key in _VALUES:
             out[key] = value
         elif key in _NAMED and isinstance(value, dict):  # its keys are names, not keywords

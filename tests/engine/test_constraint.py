@@ -254,6 +254,25 @@ def test_objects_whose_keys_come_from_elsewhere_stay_open(
     assert feed(compiled.matcher(), json.dumps(good, separators=(",", ":")))
 
 
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "object", "properties": {"a": {}}, "required": [["a"]]},
+        {"type": "object", "properties": {"a": {}}, "required": [{"a": 1}]},
+        {"type": "object", "properties": None, "required": ["a"]},
+        {"type": "object", "properties": 5},
+        {"type": "object", "properties": {"a": {}}, "anyOf": 5},
+    ],
+)
+def test_a_malformed_schema_is_invalid_argument_not_a_crash(
+    compiler: ConstraintCompiler, schema: dict[str, Any]
+) -> None:
+    """Closing objects met these as a TypeError (a 500) before the library could refuse them."""
+    with pytest.raises(InvalidArgument) as caught:
+        compiler.compile_sync(Constraint.json_schema(schema))
+    assert caught.value.violations[0].field == "sampling.json_schema"
+
+
 def test_at_least_one_of_listed_keys_is_still_closed(compiler: ConstraintCompiler) -> None:
     """anyOf branches that only require keys the object lists bring none: the object stays
     closed (left open, a sampler could write extra keys until max_tokens)."""

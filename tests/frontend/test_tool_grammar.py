@@ -155,6 +155,35 @@ def test_a_tool_with_defs_and_refs_is_called_with_valid_arguments(
                 jsonschema.validate(arguments, ship)
 
 
+@pytest.mark.parametrize(
+    "parameters",
+    [
+        {  # an embedded resource: its refs resolve against its $id, not the call's root
+            "$id": "https://example.com/ship.json",
+            "type": "object",
+            "properties": {"to": {"$ref": "#/$defs/A"}},
+            "required": ["to"],
+            "$defs": {"A": {"type": "integer", "maximum": 9}},
+        },
+        {  # a plain-name anchor
+            "type": "object",
+            "properties": {"to": {"$ref": "#a"}},
+            "required": ["to"],
+            "$defs": {"A": {"$anchor": "a", "type": "integer", "maximum": 9}},
+        },
+    ],
+)
+def test_ids_and_anchors_in_parameters_still_resolve(
+    compiler: ConstraintCompiler, tokenizer: GrammarTokenizer, parameters: dict[str, Any]
+) -> None:
+    tool = FunctionTool("ship", "", json.dumps(parameters))
+    constraint = tool_call_constraint([tool], ToolChoice("function", "ship"), enable_thinking=False)
+    assert constraint is not None
+    grammar = compiler.compile_sync(constraint)
+    call = '<tool_call>\n{"name": "ship", "arguments": {"to": 3}}\n</tool_call>'
+    assert accepts(grammar, tokenizer, call)
+
+
 def test_thinking_on_allows_a_think_block_then_requires_calls(
     compiler: ConstraintCompiler, tokenizer: GrammarTokenizer, hf: Tokenizer
 ) -> None:

@@ -77,7 +77,29 @@ def test_ids_that_never_complete_text_are_not_held_for_good() -> None:
         ids = [token] * 4000
         text = "".join(detokenizer.push([i]) for i in ids) + detokenizer.flush()
         assert text == decode(ids)
-        assert len(detokenizer._ids) <= 65
+        assert len(detokenizer._ids) <= 2 * 64 + 1  # the prefix window and what it holds
+
+
+def test_a_token_that_decodes_to_nothing_still_shapes_the_next() -> None:
+    """A Metaspace vocabulary's bare "▁" decodes to "" alone yet gives the next token its
+    space; after a run of invalid bytes a character still comes out whole."""
+    pieces = {1: "\u2581", 2: "\u2581Hello", 3: "b"}
+
+    def metaspace(ids: list[int]) -> str:  # as HF's Metaspace decoder: the first space dropped
+        text = "".join(pieces[i] for i in ids).replace("\u2581", " ")
+        return text[1:] if text.startswith(" ") else text
+
+    def byte_level(ids: list[int]) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+    for decode, ids in (
+        (metaspace, [1, 2]),
+        (metaspace, [1, 1, 3]),
+        (byte_level, [0xFF] * 70 + [0xE2, 0x82, 0xAC, ord("a")]),  # then "€a"
+    ):
+        detokenizer = IncrementalDetokenizer(decode)
+        text = "".join(detokenizer.push([i]) for i in ids) + detokenizer.flush()
+        assert text == decode(ids), ids
 
 
 def test_skip_special_tokens_drops_control_tokens_only(tokenizer: ModelTokenizer) -> None:

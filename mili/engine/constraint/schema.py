@@ -60,7 +60,11 @@ def _close(node: Any, closable: bool, merged: frozenset[str], path: str = "#") -
             out[key] = value
     is_open = any(key in node for key in _OPEN_KEYS)
     required = node.get("required", [])
-    lists_required = isinstance(required, list) and set(required) <= set(node.get("properties", {}))
+    lists_required = (
+        isinstance(required, list)
+        and all(isinstance(name, str) for name in required)  # else the library says what
+        and set(required) <= set(node["properties"] if has_properties else ())
+    )
     if closable and has_properties and not is_open and not joined and lists_required:
         out["additionalProperties"] = False
     return out
@@ -75,11 +79,16 @@ def _brings_keys(node: dict[str, Any]) -> bool:
         return True
     listed = set(node["properties"])
     for key in ("anyOf", "oneOf"):
-        for branch in node.get(key, ()):
+        branches = node.get(key, [])
+        if not isinstance(branches, list):
+            return True  # malformed: left as sent, for the library to refuse naming it
+        for branch in branches:
             if not isinstance(branch, dict) or any(k in branch for k in (*_JOINING, *_OPEN_KEYS)):
                 return True
             properties, required = branch.get("properties", {}), branch.get("required", [])
             if not isinstance(properties, dict) or not isinstance(required, list):
+                return True
+            if not all(isinstance(name, str) for name in required):
                 return True
             if (set(properties) | set(required)) - listed:
                 return True
