@@ -30,7 +30,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from mili.engine.constraint.schema import close_objects
+from mili.engine.constraint.schema import close_objects, rebase_refs
 from mili.engine.constraint.spec import Constraint, ConstraintLimits, validate
 from mili.errors import InvalidArgument
 from services.frontend.tools import FunctionTool, ToolChoice, parse_object
@@ -52,7 +52,7 @@ def call_schema(tool: FunctionTool) -> dict[str, Any]:
     """The JSON Schema of one call of `tool`: {"name": its name, "arguments": its parameters}."""
     parameters = parse_object(tool.parameters) if tool.parameters else None
     arguments = close_objects(parameters if parameters is not None else _NO_PARAMETERS)
-    arguments = _rebased(arguments, "#/properties/arguments")
+    arguments = rebase_refs(arguments, "#/properties/arguments")
     return {
         "type": "object",
         "properties": {"name": {"const": tool.name}, "arguments": arguments},
@@ -60,31 +60,6 @@ def call_schema(tool: FunctionTool) -> dict[str, Any]:
         "additionalProperties": False,
         "x-guidance": CALL_JSON_OPTIONS,
     }
-
-
-# Where a schema holds values, not subschemas: a "$ref" there is data, not a reference.
-_VALUES = frozenset({"const", "enum", "default", "examples"})
-_NAMED = frozenset({"properties", "patternProperties", "$defs", "definitions"})
-
-
-def _rebased(schema: Any, root: str) -> Any:
-    """`schema` with its local references ("#", "#/$defs/X": pydantic's nested models) made to
-    point into it where it now sits, at `root` of the call schema."""
-    if isinstance(schema, list):
-        return [_rebased(item, root) for item in schema]
-    if not isinstance(schema, dict) or "$id" in schema:  # refs inside resolve against its $id
-        return schema
-    out: dict[str, Any] = {}
-    for key, value in schema.items():
-        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
-            out[key] = root + value[1:]  # a pointer from the root ("#name" anchors stay)
-        elif key in _VALUES:
-            out[key] = value
-        elif key in _NAMED and isinstance(value, dict):  # its keys are names, not keywords
-            out[key] = {name: _rebased(sub, root) for name, sub in value.items()}
-        else:
-            out[key] = _rebased(value, root)
-    return out
 
 
 def tool_call_grammar(

@@ -1,4 +1,5 @@
-"""JSON Schema before the grammar library sees it: objects closed, refusals worded for users.
+"""JSON Schema before the grammar library sees it: objects closed, references rebased where a
+schema is embedded in another (a tool's parameters in its call), refusals worded for users.
 
 Closed objects. JSON Schema lets an object carry properties it does not list unless
 `additionalProperties` is false; a grammar that allows them lets a sampler write keys and values
@@ -67,6 +68,27 @@ def _close(node: Any, closable: bool, merged: frozenset[str], path: str = "#") -
     )
     if closable and has_properties and not is_open and not joined and lists_required:
         out["additionalProperties"] = False
+    return out
+
+
+def rebase_refs(node: Any, root: str) -> Any:
+    """A copy of `node` whose local references ("#", "#/$defs/X": pydantic's nested models)
+    point into it where it now sits, at `root` of a schema that embeds it. A subschema with an
+    `$id` of its own (its references resolve against it) and "#name" anchors stay as they are."""
+    if isinstance(node, list):
+        return [rebase_refs(item, root) for item in node]
+    if not isinstance(node, dict) or "$id" in node:
+        return node
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
+            out[key] = root + value[1:]
+        elif key in _ONE or key in _LIST or key == "allOf":
+            out[key] = rebase_refs(value, root)
+        elif key in _MAP and isinstance(value, dict):  # its keys are names, not keywords
+            out[key] = {name: rebase_refs(sub, root) for name, sub in value.items()}
+        else:  # a value (const, enum, default...) or an annotation: no reference inside
+            out[key] = value
     return out
 
 

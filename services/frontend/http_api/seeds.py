@@ -73,7 +73,7 @@ def add_routes(app: web.Application) -> None:
 async def generate(request: web.Request) -> web.StreamResponse:
     generations = request.app[GENERATIONS]
     body = await _json_object(request)
-    if isinstance(body.get("request_id"), str) and body["request_id"]:
+    if body.get("request_id"):  # a string: _json_object checked it
         # The body's id is the request's: the response's X-Request-Id says the same.
         set_request_id(request, body["request_id"])
     valid = generations.validate(_request_input(body, request_id_of(request)))
@@ -193,9 +193,9 @@ async def _json_object(request: web.Request) -> dict[str, Any]:
     return body
 
 
-def _request_input(body: dict[str, Any], header_request_id: str) -> RequestInput:
+def _request_input(body: dict[str, Any], request_id: str) -> RequestInput:
     return RequestInput(
-        client_request_id=body.get("request_id") or header_request_id,
+        client_request_id=request_id,
         prompt=body["prompt"],
         sampling=SamplingInput(
             max_tokens=body.get("max_tokens"),
