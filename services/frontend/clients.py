@@ -10,7 +10,7 @@ from typing import Any
 
 import grpc
 
-from mili.errors import DataLoss, InvalidArgument, Unavailable
+from mili.errors import Unavailable
 from services.frontend import convert
 from services.frontend.admitter import Admitter
 from services.frontend.backends import Backends
@@ -108,11 +108,4 @@ async def _prefill_reply(call: Any, who: str, deadline: Deadline) -> PrefillStat
     try:
         return convert.prefill_stats(await call)
     except grpc.aio.AioRpcError as err:
-        error = error_from(err, who, is_own_deadline_passed=deadline.has_passed)
-        if isinstance(error, InvalidArgument) and any(
-            v.field == "destination" for v in error.violations
-        ):
-            # Decode refused prefill's KV transfer (its destination is ours, not the
-            # client's): a 400 naming a field the client never sent would be wrong.
-            raise DataLoss(f"{who}: {err.details()}") from None
-        raise error from None
+        raise error_from(err, who, is_own_deadline_passed=deadline.has_passed) from None

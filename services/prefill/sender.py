@@ -41,7 +41,6 @@ from mili.errors import (
     DataLoss,
     DeadlineExceeded,
     FailedPrecondition,
-    InvalidArgument,
     MiliError,
     NotFound,
     PeerUnavailable,
@@ -93,12 +92,15 @@ _MAX_ENCODING_IN_PLACE = 8
 # cancelled (decode answers at once; one that stopped reading does not delay us longer).
 _ABORT_ANSWER_S = 0.5
 
-# Decode's status -> the error our caller gets (same code; anything unexpected reads as decode
-# being unusable, which the frontend handles by trying another instance).
+# Decode's status -> the error our caller gets (the same code, but one; anything unexpected reads
+# as decode being unusable, which the frontend handles by trying another instance).
 _ERRORS: dict[grpc.StatusCode, type[MiliError]] = {
     grpc.StatusCode.NOT_FOUND: NotFound,
     grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
     grpc.StatusCode.DATA_LOSS: DataLoss,
+    # Decode refused a message of ours: our fault, not our caller's (whose request has no
+    # such field), as decode tells the request's own stream too.
+    grpc.StatusCode.INVALID_ARGUMENT: DataLoss,
     grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
 }
@@ -390,8 +392,6 @@ class KvSender:
             f"KV transfer of request {self._task.name} to decode at "
             f"{self._task.address} failed: {code.name}: {details}"
         )
-        if code is grpc.StatusCode.INVALID_ARGUMENT:
-            return InvalidArgument("destination", self._task.address, what)
         if code is grpc.StatusCode.CANCELLED:
             what += " (decode cancelled the transfer: it stopped or restarted)"
         error = _ERRORS.get(code)

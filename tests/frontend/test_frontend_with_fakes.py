@@ -184,22 +184,6 @@ def test_a_prefill_down_before_the_first_token_hands_the_request_to_another() ->
     asyncio.run(main())
 
 
-def test_decode_refusing_prefills_transfer_is_not_the_clients_invalid_argument() -> None:
-    """Prefill reports decode's refusal of its KV transfer as INVALID_ARGUMENT on its
-    `destination` (the frontend's field): the client gets DATA_LOSS, not INVALID_ARGUMENT
-    naming a field it never sent."""
-
-    async def main() -> None:
-        refused = errors.InvalidArgument("destination", "127.0.0.1:9", "decode refused it")
-        async with stack(prefill=FakePrefill(error=refused)) as s:
-            with pytest.raises(grpc.aio.AioRpcError) as info:
-                await collect(s.stub.Generate(prompt(), timeout=10))
-            assert code_of(info.value) == grpc.StatusCode.DATA_LOSS, info.value.details()
-            assert "decode refused it" in info.value.details()
-
-    asyncio.run(main())
-
-
 def _record_marked_down(s: Stack) -> list[str]:
     """The addresses the frontend takes out of routing from now on (Router.mark_down)."""
     marked: list[str] = []

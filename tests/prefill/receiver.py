@@ -65,6 +65,8 @@ class KvReceiver(kv_pb2_grpc.KvTransferServiceServicer):
         self.got_chunk = asyncio.Event()
         self.validate = True  # False: framing only (the killable script never imports torch)
         self.on_chunk: Callable[[Arrival], None] | None = None
+        # Answer the commit with this status (as decode refuses a malformed commit)
+        self.refuse_commit: tuple[grpc.StatusCode, str] | None = None
 
     def reserve(self, request_id: str, block_ids: list[int]) -> None:
         self.reservations[request_id] = list(block_ids)
@@ -122,6 +124,8 @@ class KvReceiver(kv_pb2_grpc.KvTransferServiceServicer):
                 if len(transfer.chunks) != header.num_chunks:
                     await fail(grpc.StatusCode.DATA_LOSS, "commit before every chunk arrived")
                 transfer.commit = message.commit
+                if self.refuse_commit is not None:
+                    await fail(*self.refuse_commit)
                 await self.hold_ack.wait()
                 transfer.status = "ok"
                 return kv_pb2.TransferKvResponse(

@@ -91,6 +91,24 @@ def test_corrupt_chunk_is_data_loss(tiny: TinyModel) -> None:
     asyncio.run(main())
 
 
+def test_decode_refusing_the_transfer_as_malformed_is_data_loss(tiny: TinyModel) -> None:
+    """Decode answers a malformed transfer (here its commit) INVALID_ARGUMENT: that is our
+    message's fault, not our caller's, whose request had no such field: DATA_LOSS, carrying
+    decode's words, never INVALID_ARGUMENT naming a field of the Prefill request."""
+
+    async def main() -> None:
+        async with prefill_service(tiny) as h, receiver_for(h) as (receiver, server):
+            receiver.reserve("r", [0, 1, 2])
+            receiver.refuse_commit = (grpc.StatusCode.INVALID_ARGUMENT, "first_token_id 9999")
+            request = prefill_request("r", prompt(tiny), server.address, [0, 1, 2])
+            err = await failed(h.stub.Prefill(request))
+        assert err.code() is grpc.StatusCode.DATA_LOSS, err.details()
+        assert server.address in err.details() and "first_token_id 9999" in err.details()
+        assert bad_request_of(err) is None
+
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize("traced", [False, True], ids=["plain", "traced"])
 @pytest.mark.parametrize("corrupt_seq", [0, 5])
 def test_decode_error_racing_our_writes_keeps_its_code(
