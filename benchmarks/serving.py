@@ -5,7 +5,8 @@ time (the machine is shared and noisy):
 
   batching   the embedded demo model (--batching-dtype, default float32) behind one `mili serve`;
              the same 16 requests (token-id prompts of 64 ids, 64 output tokens, ignore_eos,
-             temperature 0: `mili bench`'s prompts and client) run (a) one at a time and
+             temperature 0: `mili bench`'s prompts and client; no prefix caching, so every
+             run prefills them in full) run (a) one at a time and
              (b) all 16 at once; output tokens/s of each and ratio = (b) / (a), the median over
              --batching-repeats pairs. Target: >= 4x. For reference, the same requests through
              generate() in this process (the engine's own gain, no services) after each pair.
@@ -326,7 +327,12 @@ def engine_tok_s(
 def measure_batching(args: argparse.Namespace) -> dict[str, Any]:
     n, prompt, output = args.batching_requests, args.batching_prompt, args.batching_output
     num_blocks = n * -(-(prompt + output) // BLOCK_SIZE) + 16
-    extra = [f"--decode-args=--num-blocks {num_blocks} --max-running {max(n, 16)}"]
+    # The same prompts run again and again: prefix caching would prefill all but their last
+    # block from the cache after the first run, and the runs would not compare.
+    extra = [
+        "--no-prefix-cache",
+        f"--decode-args=--num-blocks {num_blocks} --max-running {max(n, 16)}",
+    ]
     model_dir = demo_dir()
     torch.set_num_threads(args.threads)
     model = load_model(model_dir, dtype=DTYPES[args.batching_dtype], attention=args.attention)

@@ -3,7 +3,8 @@
 Two `mili serve` deployments of the embedded demo model run side by side: one with no tracing,
 one with `--otlp-endpoint` pointed at an OTLP/gRPC receiver in this process (it counts spans and
 drops them) and OTEL_TRACES_SAMPLER=always_on. --rounds rounds alternate the same `mili bench`
-load (token-id prompts, ignore_eos, temperature 0) against each, the order flipping every round
+load (token-id prompts, ignore_eos, temperature 0; no prefix caching, so each round computes
+every prompt) against each, the order flipping every round
 (off/on, on/off, ...) so drift and the machine's other load hit both alike. Reported per round:
 output tokens/s of each and their ratio; overall the median of the per-round ratios on/off
 (target >= 0.95: within 5%), and the CPU seconds the four service processes of each deployment
@@ -157,7 +158,10 @@ def main() -> int:
     server.start()
     threads = str(args.threads)
     env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
-    common = ["--prefill-args", "--num-blocks 1024", "--decode-args", "--num-blocks 2048"]
+    # Every round sends the same prompts: without --no-prefix-cache all rounds after the first
+    # would prefill them from the cache (less work per token, so tracing's share looks larger).
+    common = ["--no-prefix-cache", "--prefill-args", "--num-blocks 1024"]
+    common += ["--decode-args", "--num-blocks 2048"]
     tmp = Path(tempfile.mkdtemp(prefix="mili-tracing-bench-"))
     off = _Serve(common, env, tmp / "off.log")
     on = _Serve(
