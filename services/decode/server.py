@@ -190,7 +190,11 @@ def add_to_server(
     decode = DecodeServicer(
         instance, is_draining=lambda: server.is_draining, request_metrics=server.request_metrics
     )
-    transfer = KvTransferServicer(instance, is_draining=lambda: server.is_draining)
+    transfer = KvTransferServicer(
+        instance,
+        is_draining=lambda: server.is_draining,
+        max_message_bytes=server.config.receive_limit,
+    )
     # Largest requests: a prompt of the whole context (decode refuses longer ones anyway);
     # GenerateStream messages carry a frontend's starts up to GENERATE_STREAM_BATCH_BYTES
     # together, or one larger start alone; TransferKv's KV chunks are megabytes (the server's

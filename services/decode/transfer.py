@@ -163,11 +163,14 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
         landing_threads: int = _LANDING_THREADS,
         max_landing_bytes: int = _MAX_LANDING_BYTES,
         is_draining: Callable[[], bool] = lambda: False,
+        max_message_bytes: int,
     ) -> None:
         """Who may call Pair and TransferKv is the server's check (server.py's policy: the
         hosts of --prefill), made before either runs. `is_draining`: whether this instance
-        is stopping (a transfer cancelled then is not the sender's doing)."""
+        is stopping (a transfer cancelled then is not the sender's doing).
+        `max_message_bytes`: the largest TransferKv message the server receives (Pair says it)."""
         self._instance = instance
+        self._max_message_bytes = max_message_bytes
         self._is_draining = is_draining
         self._layout = convert.layout(instance.layout, instance.fingerprint)
         self._block_bytes = block_bytes(self._layout)
@@ -192,6 +195,7 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
         response = answer(
             request, inst.endpoint, self._layout, self._transports, inst.cache.num_blocks
         )
+        response.max_message_bytes = self._max_message_bytes
         # DEBUG: the prefill side logs each pair at INFO; decode's log stays one line per event.
         _LOG.debug(
             "KV pair with prefill at %s (%s): transport %s",

@@ -58,8 +58,8 @@ class KvHandoff:
         self.layout = layout_to_proto(instance.layout, instance.fingerprint)
         # One message carries one layer of one chunk: it must fit the gRPC message limit.
         chunk_blocks = instance.scheduler.chunk_tokens // config.engine.block_size
-        largest = 2 * block_bytes(self.layout) * chunk_blocks
-        if largest + 4096 > max_message_bytes:
+        largest = 2 * block_bytes(self.layout) * chunk_blocks + 4096  # the chunk's other fields
+        if largest > max_message_bytes:
             raise ValueError(
                 f"a KV chunk of max_batch_tokens {config.max_batch_tokens} is {largest} "
                 f"bytes, more than max_message_bytes {max_message_bytes}; lower "
@@ -74,6 +74,7 @@ class KvHandoff:
         model = instance.runner.model
         self.peers = Peers(
             max_message_bytes,
+            largest_message_bytes=largest,
             endpoint=transport.endpoint(str(model.device)),
             layout=self.layout,
             dtype=model.dtype,

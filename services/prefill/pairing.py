@@ -20,6 +20,7 @@ from typing import NamedTuple
 import grpc
 import torch
 
+from mili.errors import FailedPrecondition
 from mili.kv_handoff import checksums
 from mili.kv_handoff.kv_transport import Endpoint
 from mili.kv_handoff.shm_segment import sweep_stale
@@ -65,6 +66,7 @@ class Peers:
         self,
         max_message_bytes: int,
         *,
+        largest_message_bytes: int = 0,
         endpoint: Endpoint | None = None,
         layout: kv_pb2.KvLayout | None = None,
         dtype: torch.dtype = torch.float32,
@@ -73,6 +75,7 @@ class Peers:
         server_name: Callable[[str], str | None] = lambda address: None,
     ) -> None:
         self._max_message_bytes = max_message_bytes
+        self._largest_message_bytes = largest_message_bytes  # of a TransferKv chunk with its KV
         self._interceptors = list(interceptors)  # tracing's, which carry the trace to decode
         self._tls = tls
         self._server_name = server_name
@@ -105,7 +108,8 @@ class Peers:
     async def pair(self, address: str) -> Pairing:
         """The pair's transport, set up on first use (one Pair call even when many transfers
         start at once); grpc when decode cannot pair or Pair fails. Waits (a little) for the
-        channel to be connected first."""
+        channel to be connected first. FailedPrecondition when the pair would be grpc and our
+        chunk messages can be larger than decode receives."""
         await self._ready(address)
         done = self._pairings.get(address)
         if done is not None:
@@ -161,6 +165,15 @@ class Peers:
                 _LOG.warning(
                     "KV pair with decode at %s: cannot map its pool (%s); grpc", address, e
                 )
+        limit = response.max_message_bytes
+        if not pairing.kv.is_in_place and self._largest_message_bytes > limit:
+            # Not remembered: the next transfer asks again (decode may be restarted with more).
+            raise FailedPrecondition(
+                f"decode at {address} receives messages of at most {limit} bytes (its "
+                f"gRPC receive limit, --max-message-bytes), but this prefill's KV chunks over grpc take up to "
+                f"{self._largest_message_bytes}: raise decode's --max-message-bytes or lower "
+                "prefill's --max-batch-tokens"
+            )
         self._pairings[address] = pairing
         if pairing.kv.is_in_place and self._sweeper is None:
             self._sweeper = asyncio.ensure_future(self._sweep_forever())

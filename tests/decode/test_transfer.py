@@ -7,6 +7,7 @@ import asyncio
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -15,7 +16,7 @@ import torch
 
 from mili.engine.model.kv_cache import KVCache
 from mili.engine.sampling_params import SamplingParams
-from mili.errors import DataLoss
+from mili.errors import DataLoss, FailedPrecondition
 from mili.kv_handoff import checksums, kv_transport
 from mili.kv_handoff.block_rows import fits, write_blocks
 from mili.kv_handoff.codec import batch_in_place
@@ -23,12 +24,13 @@ from mili.kv_handoff.transport import ShmTransport
 from mili.pb.decode.v1 import decode_pb2
 from mili.pb.kv.v1 import kv_pb2
 from mili.rpc.client import insecure_channel
+from mili.rpc.server import ServerConfig
 from services.decode.landing import Landing
 from services.decode.transfer import _IN_PLACE_GRACE_S, KvTransferServicer
 from services.prefill.pairing import Peers
 from services.prefill.sender import KvSender
 from services.prefill.task import FirstToken, PrefillTask
-from tests.decode.conftest import NUM_BLOCKS, TINY
+from tests.decode.conftest import NUM_BLOCKS, TINY, tiny_decode_config
 from tests.decode.harness import (
     Client,
     DecodeServerThread,
@@ -582,3 +584,44 @@ def test_a_backlog_of_in_place_chunks_is_split_among_the_encoder_threads(
         assert outcome.token_ids == player.reference(prompt, SHORT)
 
     run(decode_server, body)
+
+
+def test_a_grpc_pair_whose_chunks_decode_cannot_receive_is_refused(
+    tiny_model_dir: Path, player: PrefillPlayer
+) -> None:
+    """Decode's Pair says the largest message it receives; a prefill whose KV chunks over grpc
+    can be larger refuses the pair (FAILED_PRECONDITION naming both limits and the flags) where
+    its every transfer would be refused by grpc's limit as RESOURCE_EXHAUSTED, which a client
+    retries for good. In place (shm) the chunks carry no KV: the same limit is fine."""
+    limit = 1 << 20
+    server = DecodeServerThread(
+        tiny_decode_config(tiny_model_dir, "off"),
+        server_config=ServerConfig(max_message_bytes=limit, drain_timeout_s=2.0, grace_s=0.5),
+    )
+    endpoint = server.instance.endpoint
+
+    async def pair(transports: tuple[str, ...]) -> tuple[str, dict[str, str]]:
+        peers = Peers(
+            64 << 20,
+            largest_message_bytes=limit + 1,
+            endpoint=endpoint._replace(transports=transports),
+            layout=player.layout(),
+            dtype=server.instance.cache.dtype,
+        )
+        try:
+            return (await peers.pair(server.address)).transport, peers.transports()
+        finally:
+            await peers.close()
+
+    try:
+        with pytest.raises(FailedPrecondition) as refused:
+            server.run(pair((kv_transport.GRPC,)))
+        for words in (f"at most {limit} bytes", f"up to {limit + 1}", "--max-message-bytes"):
+            assert words in str(refused.value)
+        # Not remembered: the next transfer asks again, and in place the limit does not matter.
+        assert server.run(pair(endpoint.transports)) == (
+            kv_transport.SHM,
+            {server.address: kv_transport.SHM},
+        )
+    finally:
+        server.close()

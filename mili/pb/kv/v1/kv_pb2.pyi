@@ -22,20 +22,22 @@ class PairRequest(_message.Message):
     def __init__(self, host_id: _Optional[str] = ..., device: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., checksums: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PairResponse(_message.Message):
-    __slots__ = ("transport", "host_id", "shm_path", "num_blocks", "cuda_ipc_export", "checksum")
+    __slots__ = ("transport", "host_id", "shm_path", "num_blocks", "cuda_ipc_export", "checksum", "max_message_bytes")
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     SHM_PATH_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     CUDA_IPC_EXPORT_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     transport: str
     host_id: str
     shm_path: str
     num_blocks: int
     cuda_ipc_export: bytes
     checksum: str
-    def __init__(self, transport: _Optional[str] = ..., host_id: _Optional[str] = ..., shm_path: _Optional[str] = ..., num_blocks: _Optional[int] = ..., cuda_ipc_export: _Optional[bytes] = ..., checksum: _Optional[str] = ...) -> None: ...
+    max_message_bytes: int
+    def __init__(self, transport: _Optional[str] = ..., host_id: _Optional[str] = ..., shm_path: _Optional[str] = ..., num_blocks: _Optional[int] = ..., cuda_ipc_export: _Optional[bytes] = ..., checksum: _Optional[str] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
 
 class KvLayout(_message.Message):
     __slots__ = ("block_size", "num_layers", "num_kv_heads", "head_dim", "dtype", "block_order", "model_fingerprint")
