@@ -169,10 +169,10 @@ class Peers:
         if not pairing.kv.is_in_place and self._largest_message_bytes > limit:
             # Not remembered: the next transfer asks again (decode may be restarted with more).
             raise FailedPrecondition(
-                f"decode at {address} receives messages of at most {limit} bytes (its "
-                f"gRPC receive limit, --max-message-bytes), but this prefill's KV chunks over grpc take up to "
-                f"{self._largest_message_bytes}: raise decode's --max-message-bytes or lower "
-                "prefill's --max-batch-tokens"
+                f"decode at {address} receives messages of at most {limit} bytes (its gRPC "
+                "receive limit, --max-message-bytes), but this prefill's KV chunks over grpc "
+                f"take up to {self._largest_message_bytes}: raise decode's --max-message-bytes "
+                "or lower prefill's --max-batch-tokens"
             )
         self._pairings[address] = pairing
         if pairing.kv.is_in_place and self._sweeper is None:
