@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from mili.errors import InvalidArgument
 from mili.pb.common.v1 import chat_pb2, sampling_pb2
 from mili.pb.decode.v1 import decode_pb2
 from mili.pb.frontend.v1 import generation_pb2
@@ -87,7 +88,7 @@ def request_input(
         allow_special_tokens=request.allow_special_tokens,
         tools=tuple(FunctionTool(t.name, t.description, t.parameters) for t in request.tools),
         tool_choice=ToolChoice(
-            _TOOL_CHOICE_MODES[request.tool_choice.mode], request.tool_choice.function_name
+            _tool_choice_mode(request.tool_choice.mode), request.tool_choice.function_name
         ),
         parallel_tool_calls=(
             request.parallel_tool_calls if request.HasField("parallel_tool_calls") else True
@@ -102,6 +103,15 @@ _TOOL_CHOICE_MODES: dict[int, ToolChoiceMode] = {
     generation_pb2.TOOL_CHOICE_MODE_REQUIRED: "required",
     generation_pb2.TOOL_CHOICE_MODE_FUNCTION: "function",
 }
+
+
+def _tool_choice_mode(mode: int) -> ToolChoiceMode:
+    """A ToolChoiceMode number a client sent; one this contract does not have is its mistake."""
+    name = _TOOL_CHOICE_MODES.get(mode)
+    if name is None:
+        known = ", ".join(str(m) for m in _TOOL_CHOICE_MODES)
+        raise InvalidArgument("tool_choice.mode", mode, f"not a ToolChoiceMode (one of {known})")
+    return name
 
 
 def _chat_turn(m: chat_pb2.ChatMessage) -> ChatTurn:
