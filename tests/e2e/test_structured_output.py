@@ -211,7 +211,7 @@ def test_greedy_constrained_equals_single_process(
             "sampling.json_schema",
             "at most",
         ),
-        (Constraint.choice([""]), "sampling.choice[0]", ""),
+        (Constraint.choice([""]), "sampling.choice.choices[0]", ""),
     ],
     ids=[
         "json",

@@ -62,9 +62,9 @@ def test_constraint_key_is_content_hash() -> None:
         (Constraint.json_schema({"a": json.loads("[" * 20 + "]" * 20)}), None, None),
         (Constraint.regex(""), "sampling.regex", "empty"),
         (Constraint.regex("a" * 5000), "sampling.regex", "at most 4096"),
-        (Constraint.choice([]), "sampling.choice", "between 1 and 256"),
-        (Constraint.choice(["x"] * 257), "sampling.choice", "between 1 and 256"),
-        (Constraint.choice(["ok", "y" * 257]), "sampling.choice[1]", "1 to 256 characters"),
+        (Constraint.choice([]), "sampling.choice.choices", "between 1 and 256"),
+        (Constraint.choice(["x"] * 257), "sampling.choice.choices", "between 1 and 256"),
+        (Constraint.choice(["ok", "y" * 257]), "sampling.choice.choices[1]", "1 to 256 characters"),
         (Constraint("json_object", "x"), "sampling.json_object", "takes no text"),
     ],
 )

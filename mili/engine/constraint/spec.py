@@ -88,8 +88,14 @@ class Constraint:
         return cls("choice", choices=tuple(choices))
 
     def field_name(self, prefix: str = "sampling") -> str:
-        """The request field this constraint came from, for error messages (`sampling.regex`)."""
-        return f"{prefix}.{self.kind}"
+        """The request field this constraint came from, for error messages (`field_of`)."""
+        return field_of(self.kind, prefix)
+
+
+def field_of(kind: str, prefix: str = "sampling") -> str:
+    """The request field a constraint of `kind` comes from, for error messages:
+    `sampling.regex`; a choice's strings are `sampling.choice.choices`."""
+    return f"{prefix}.choice.choices" if kind == "choice" else f"{prefix}.{kind}"
 
 
 def _depth(value: Any) -> int:

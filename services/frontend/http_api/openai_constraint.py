@@ -26,7 +26,7 @@ import json
 from typing import Any, NamedTuple
 
 from mili.engine.constraint.spec import Constraint, validate
-from mili.errors import InvalidArgument
+from mili.errors import FieldViolation, InvalidArgument
 from services.frontend.http_api.body import Body
 from services.frontend.tools import ToolChoice
 
@@ -83,8 +83,13 @@ def constraint_of(body: Body, tool_choice: ToolChoice | None = None) -> Requeste
     try:
         validate(requested.constraint)
     except InvalidArgument as err:
-        reason = "; ".join(v.description for v in err.violations)
-        raise InvalidArgument(requested.param, "...", reason) from None
+        # Named after the parameter: sampling.choice.choices[1] -> guided_choice[1]
+        own = requested.constraint.field_name()
+        violations = [
+            FieldViolation(requested.param + v.field.removeprefix(own), v.description)
+            for v in err.violations
+        ]
+        raise InvalidArgument.many(violations) from None
     return requested
 
 

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from mili.engine.constraint.spec import KINDS
+from mili.engine.constraint.spec import KINDS, field_of
 from mili.errors import FieldViolation, InvalidArgument
 from services.frontend.http_api import openai_tools
 from services.frontend.http_api.body import Body, is_int
@@ -384,13 +384,17 @@ def _common_param(field: str) -> str:
 
 
 def _with_constraint(param_of: ParamOf, requested: Requested | None) -> ParamOf:
-    """`param_of`, naming a constraint's errors (`sampling.json_schema` once compiled) after
-    the parameter it came from, or `tools` (tool_choice's own constraint)."""
-    fields = {f"sampling.{kind}" for kind in KINDS}
+    """`param_of`, naming a constraint's errors (`sampling.json_schema` once compiled,
+    `sampling.choice.choices[2]`) after the parameter it came from (`guided_choice[2]`), or
+    `tools` (tool_choice's own constraint)."""
+    fields = [field_of(kind) for kind in KINDS]
     where = requested.param if requested is not None else "tools"
 
     def named(field: str) -> str:
-        return where if field in fields else param_of(field)
+        for own in fields:
+            if field == own or field.startswith(f"{own}["):
+                return where + field.removeprefix(own)
+        return param_of(field)
 
     return named
 

@@ -145,6 +145,8 @@ def test_tools_choice_and_tool_turns_are_read() -> None:
         ),
         ({"response_format": {"type": "yaml"}}, "response_format.type"),
         ({"guided_choice": "a"}, "guided_choice"),
+        ({"guided_choice": ["a", ""]}, "guided_choice[1]"),
+        ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
         ({"guided_regex": "x" * 5000}, "guided_regex"),
         ({"guided_json": "[1, 2]"}, "guided_json"),
     ],
