@@ -180,3 +180,36 @@ def test_json_object_outputs_parse_as_objects(compiler: ConstraintCompiler, hf: 
     assert all(run.finished), run.steps
     for text in run.texts:
         assert isinstance(json.loads(text), dict)
+
+
+@pytest.mark.parametrize(
+    ("constraint", "pattern"),
+    [
+        (Constraint.regex("<think>abc"), r"<think>abc"),
+        (Constraint.regex("x</think>"), r"x</think>"),
+        (Constraint.choice(["<tool_call>"]), r"<tool_call>"),
+        (
+            Constraint.json_schema(
+                {
+                    "type": "object",
+                    "properties": {"<think>": {"enum": ["</tool_call>", "no"]}},
+                    "required": ["<think>"],
+                }
+            ),
+            r'\{"<think>":"(</tool_call>|no)"\}',
+        ),
+    ],
+    ids=["regex", "regex_after", "choice", "json_schema"],
+)
+def test_text_that_spells_a_special_token_is_written_in_pieces(
+    constraint: Constraint, pattern: str, compiler: ConstraintCompiler, hf: Tokenizer
+) -> None:
+    """llguidance offers a special token (<think>: one token of Qwen3's vocabulary) where the
+    grammar forces its text, then refuses it (its grammar reads text, and the token is none):
+    the mask must offer only what the matcher takes, so the text comes out in plain pieces."""
+    compiled = compiler.compile_sync(constraint)
+    for seed in SEEDS:
+        run = sample(compiled, hf, seed)  # every sampled token accepted: asserted per step
+        assert all(run.finished)
+        for text in run.texts:
+            assert re.fullmatch(pattern, text), text

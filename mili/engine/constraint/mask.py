@@ -55,6 +55,11 @@ class BatchMasker:
         self._pin = torch.cuda.is_available()
         self._buffer = self._new_buffer(max_batch)
         self._filler: concurrent.futures.ThreadPoolExecutor | None = None
+        ids = np.array(tokenizer.special_ids, dtype=np.int64)
+        # (ids, their mask words, their bits in them), for _mend; None: no special tokens
+        self._specials = (
+            (ids, ids // 32, (np.uint32(1) << (ids % 32).astype(np.uint32))) if len(ids) else None
+        )
 
     def _new_buffer(self, num_rows: int) -> torch.Tensor:
         words = self.tokenizer.num_mask_words
@@ -86,7 +91,31 @@ class BatchMasker:
         bitmask = self._buffer[: len(row_ids)]
         words = self.tokenizer.num_mask_words
         self._executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), words * 4, len(pairs))
+        self._mend(bitmask, [matchers[row] for row in row_ids])  # type: ignore[misc]
         return FilledMask(bitmask, row_ids)
+
+    def _mend(self, bitmask: torch.Tensor, matchers: Sequence[ConstraintMatcher]) -> None:
+        """Where text the grammar forces spells a special token (a regex "<think>abc", a
+        property named "<tool_call>"), llguidance's mask offers that token, tokenized as the
+        model's tokenizer would, but its matcher refuses it: the grammar's text is matched
+        byte by byte and a special token is no text to it. Such a bit is cleared and the
+        forced text's first token spelled in plain pieces allowed instead. Costs a look at the
+        special tokens' few words per row; a validation only where one of their bits is set
+        (EOS where the grammar can end, a token a grammar names)."""
+        specials = self._specials
+        if specials is None:
+            return
+        ids, words, bits = specials
+        rows = bitmask.numpy().view(np.uint32)  # [n, num_mask_words], shares memory
+        for i, j in zip(*np.nonzero(rows[:, words] & bits), strict=True):
+            matcher = matchers[i]
+            if matcher.allowed(int(ids[j])):
+                continue
+            rows[i, words[j]] &= ~bits[j]
+            forced = bytes(matcher.ll.compute_ff_bytes()).decode(errors="ignore")
+            spelled = self.tokenizer.ll.greedy_tokenize(forced)[:1]
+            if spelled and matcher.allowed(spelled[0]):
+                rows[i, spelled[0] // 32] |= np.uint32(1 << (spelled[0] % 32))
 
     def close(self) -> None:
         if self._filler is not None:

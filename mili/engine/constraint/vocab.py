@@ -44,6 +44,11 @@ class GrammarTokenizer:
         self.ll = llguidance.LLTokenizer(
             tokenizer_json.decode(), n_vocab=vocab_rows, eos_token=list(self.eos_token_ids)
         )
+        # Tokens llguidance matches only by name, never as text: the special ones and every
+        # added token spelled <...> (Qwen3's <think>, <tool_call>, ...), a subset of the added.
+        self.special_ids = tuple(
+            i for i in _added_ids(tokenizer_json) if self.ll.is_special_token(i)
+        )
 
     @classmethod
     def from_file(
@@ -62,6 +67,11 @@ class GrammarTokenizer:
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return str(self.ll.decode_str(list(token_ids)))
+
+
+def _added_ids(tokenizer_json: bytes) -> list[int]:
+    data: dict[str, Any] = json.loads(tokenizer_json)
+    return sorted(token["id"] for token in data.get("added_tokens", []))
 
 
 def _num_tokens(tokenizer_json: bytes) -> int:
