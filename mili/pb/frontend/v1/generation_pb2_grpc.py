@@ -31,7 +31,9 @@ class GenerationServiceStub:
     streams the result back.
 
     Errors: INVALID_ARGUMENT (with google.rpc.BadRequest naming each bad field) for a bad request;
-    RESOURCE_EXHAUSTED (with google.rpc.RetryInfo) when every decode instance is full;
+    RESOURCE_EXHAUSTED (with google.rpc.RetryInfo) when the frontend's admission queue is full
+    or it holds --max-concurrent-requests already (load past what prefill and decode take at once
+    waits in that queue, no error), and for a constraint too complex to compile in time;
     UNAVAILABLE when a service it needs is down; DEADLINE_EXCEEDED and CANCELLED as the caller
     sets them.
     """
@@ -65,7 +67,9 @@ class GenerationServiceServicer:
     streams the result back.
 
     Errors: INVALID_ARGUMENT (with google.rpc.BadRequest naming each bad field) for a bad request;
-    RESOURCE_EXHAUSTED (with google.rpc.RetryInfo) when every decode instance is full;
+    RESOURCE_EXHAUSTED (with google.rpc.RetryInfo) when the frontend's admission queue is full
+    or it holds --max-concurrent-requests already (load past what prefill and decode take at once
+    waits in that queue, no error), and for a constraint too complex to compile in time;
     UNAVAILABLE when a service it needs is down; DEADLINE_EXCEEDED and CANCELLED as the caller
     sets them.
     """
@@ -126,7 +130,9 @@ class GenerationService:
     streams the result back.
 
     Errors: INVALID_ARGUMENT (with google.rpc.BadRequest naming each bad field) for a bad request;
-    RESOURCE_EXHAUSTED (with google.rpc.RetryInfo) when every decode instance is full;
+    RESOURCE_EXHAUSTED (with google.rpc.RetryInfo) when the frontend's admission queue is full
+    or it holds --max-concurrent-requests already (load past what prefill and decode take at once
+    waits in that queue, no error), and for a constraint too complex to compile in time;
     UNAVAILABLE when a service it needs is down; DEADLINE_EXCEEDED and CANCELLED as the caller
     sets them.
     """
