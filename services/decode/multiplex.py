@@ -32,7 +32,7 @@ import grpc
 from opentelemetry import propagate, trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
-from mili.errors import Cancelled, DeadlineExceeded, Unavailable
+from mili.errors import Cancelled, DeadlineExceeded, InvalidArgument, Unavailable
 from mili.pb.decode.v1 import decode_pb2
 from mili.rpc.status import code_of, is_internal, status_of
 from mili.telemetry.metrics import RequestMetrics
@@ -132,6 +132,12 @@ class Multiplexer:
         try:
             if self._is_draining():
                 raise Unavailable("decode instance is draining; retry on another instance")
+            if rid in self._open:  # ended in the table, its last events not yet sent
+                raise InvalidArgument(
+                    "request_id",
+                    rid,
+                    "already exists: a request with this id is open on this stream",
+                )
             # refuses an id still active, open here or not
             req, outlet = await self._admission.admit(request)
         except asyncio.CancelledError:

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from typing import Any
 
 import grpc
 
 from mili.engine.sampling_params import SamplingParams
+from mili.pb.common.v1 import sampling_pb2
 from mili.pb.decode.v1 import decode_pb2
 from mili.rpc.client import insecure_channel
 from tests.decode.conftest import NUM_BLOCKS
@@ -201,3 +203,75 @@ def test_a_start_still_admitting_when_its_stream_ends_is_counted() -> None:
         if s.name == "mili_requests_total" and labels.items() <= s.labels.items()
     ]
     assert counts == [1.0]
+
+
+def test_an_id_still_open_on_the_stream_is_refused_and_the_open_one_ends_whole() -> None:
+    """r1 ended in the request table (its last tokens waiting to be sent) when the caller
+    starts another r1 on the same stream: the new start is refused INVALID_ARGUMENT, and the
+    first r1 still delivers its last tokens and finish reason; its deadline timer touches
+    nothing else (before, the new r1 took its place: the last tokens were never sent, and the
+    old timer failed the new request with DEADLINE_EXCEEDED)."""
+    from mili.engine.kv.block_pool import BlockPool
+    from services.decode.multiplex import Multiplexer
+    from services.decode.requests import RequestTable
+    from services.decode.stream import Outlets, TokenEvent, TokenStream
+
+    table = RequestTable(BlockPool(16), block_size=4, max_requests=10)
+    outlets = Outlets()
+
+    class Admitting:  # the instance's admission, less the constraint compile and the checks
+        async def admit(self, request: decode_pb2.GenerateRequest) -> object:
+            params = SamplingParams(max_tokens=4)
+            rid, ids = request.request_id, request.prompt_token_ids
+            req = table.admit(rid, ids, params, lease_ms=60_000, now=time.monotonic())
+            stream = TokenStream(asyncio.get_running_loop())
+            return req, outlets.open(request.request_id, stream)
+
+    def start(timeout_ms: int) -> decode_pb2.GenerateStreamRequest:
+        request = decode_pb2.GenerateRequest(request_id="r1", prompt_token_ids=[5, 6, 7])
+        return decode_pb2.GenerateStreamRequest(
+            starts=[decode_pb2.StreamedGenerate(request=request, timeout_ms=timeout_ms)]
+        )
+
+    def seen(message: decode_pb2.GenerateStreamResponse) -> list[tuple[str, Any]]:
+        return [
+            (e.WhichOneof("event"), e.error.code if e.HasField("error") else e.tokens.finish_reason)
+            for e in message.events
+        ]
+
+    async def main() -> None:
+        mux = Multiplexer(
+            Admitting(),  # type: ignore[arg-type]
+            table,
+            outlets,
+            metrics=None,
+            is_draining=lambda: False,
+        )
+        queue: asyncio.Queue[decode_pb2.GenerateStreamRequest | None] = asyncio.Queue()
+
+        async def requests() -> Any:
+            while (message := await queue.get()) is not None:
+                yield message
+
+        stream = mux.run(requests())
+        await queue.put(start(timeout_ms=300))
+        assert seen(await anext(stream)) == [("admitted", 0)]
+        first = table.get("r1")
+        assert first is not None  # as the batch thread runs it to its end:
+        table.begin_transfer("r1", first.transfer_token)
+        table.start_running(first)
+        table.finish(first)
+        outlets.of("r1").stream.push(TokenEvent([9], None, "length"))
+        await queue.put(start(timeout_ms=0))  # not read yet: r1 is still open here
+        events: list[tuple[str, Any]] = []
+        while len(events) < 2:
+            events += seen(await asyncio.wait_for(anext(stream), 5))
+        invalid = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        length = sampling_pb2.FINISH_REASON_LENGTH
+        assert sorted(events) == sorted([("error", invalid), ("tokens", length)])
+        assert table.get("r1") is None and table.num_free_blocks == 16
+        await asyncio.sleep(0.4)  # past the first r1's deadline: nothing else to fail
+        await queue.put(None)
+        assert [seen(m) async for m in stream] == []
+
+    asyncio.run(main())
