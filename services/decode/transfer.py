@@ -40,6 +40,7 @@ Blocks are freed only after the last landing into them is over (pins, see reques
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -91,6 +92,12 @@ _LANDING_THREADS = 2  # shared by all transfers: two chunks are checked and copi
 # of a chunk is at most --max-batch-tokens tokens of one layer's K and V) must land before the
 # blocks can go to another request.
 _IN_PLACE_GRACE_S = 2.0
+# How long a failed in-place transfer waits for its sender to close the stream before ending
+# the call itself: a sender about to commit gets the request's status cleanly; one still
+# computing (or hung) would otherwise hold the blocks until it is done, past the request's
+# end. Once the call ends the sender writes no further chunk (_IN_PLACE_GRACE_S then covers
+# the one under way).
+_IN_PLACE_DRAIN_S = 2.0
 
 
 _GRPC_CODES = {code.value[0]: code for code in grpc.StatusCode}
@@ -307,7 +314,8 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
                 # metadata that could announce `e` already carried the acceptance.
                 landing.abort()
                 self._fail(request, e)
-                await reader.drain()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(reader.drain(), _IN_PLACE_DRAIN_S)
             raise
         finally:
             ended.cancel()

@@ -26,7 +26,7 @@ from mili.pb.kv.v1 import kv_pb2
 from mili.rpc.client import insecure_channel
 from mili.rpc.server import ServerConfig
 from services.decode.landing import Landing
-from services.decode.transfer import _IN_PLACE_GRACE_S, KvTransferServicer
+from services.decode.transfer import _IN_PLACE_DRAIN_S, _IN_PLACE_GRACE_S, KvTransferServicer
 from services.prefill.pairing import Peers
 from services.prefill.sender import KvSender
 from services.prefill.task import FirstToken, PrefillTask
@@ -420,6 +420,36 @@ def test_a_bad_chunk_batch_is_data_loss(
             await asyncio.wait_for(transfer, 5)
         assert err.value.code() == Code.DATA_LOSS, err.value.details()
         assert error in err.value.details()
+
+    run(decode_server, body)
+
+
+def test_a_quiet_in_place_sender_does_not_hold_the_blocks_past_the_request(
+    decode_server: DecodeServerThread, player: PrefillPlayer
+) -> None:
+    """The request's lease passes while its in-place sender, accepted, writes nothing more
+    (still computing, or hung) and sets no deadline: decode fails the request at once and
+    ends the call itself soon after (the sender then stops before its next chunk), so the
+    blocks come back _IN_PLACE_GRACE_S later, not whenever the sender gets round to closing."""
+    prompt = random_prompt(13, player.vocab_size, seed=77)
+
+    async def body(client: Client) -> None:
+        request = generate_request("quiet-shm", prompt)
+        request.kv_lease_ms = 300
+        call, block_ids = await client.admit(request)
+        prefilled = await asyncio.to_thread(player.prefill, prompt, SHORT)
+        messages = in_place_messages(
+            decode_server, player, "quiet-shm", prompt, block_ids, prefilled, [[0]]
+        )
+        transfer = client.kv.TransferKv()  # no deadline
+        await transfer.write(messages[0])  # the header, accepted; then nothing
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await asyncio.wait_for(call.read(), 5)
+        assert err.value.code() == Code.DEADLINE_EXCEEDED, err.value.details()
+        with pytest.raises(grpc.aio.AioRpcError) as err:  # the sender never closed
+            await asyncio.wait_for(transfer, _IN_PLACE_DRAIN_S + 3.0)
+        assert err.value.code() == Code.DEADLINE_EXCEEDED, err.value.details()
+        # run() then waits _IN_PLACE_GRACE_S + 2 s for every block to be back
 
     run(decode_server, body)
 
