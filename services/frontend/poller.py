@@ -98,6 +98,7 @@ class Poller:
             address,
             num_queued_tokens=info.num_queued_tokens,
             max_prompt_tokens=info.max_prompt_tokens,
+            caches_prefixes=info.prefix_cache.enabled,
         )
         if not was_up:
             _LOG.info(
@@ -127,6 +128,7 @@ class Poller:
             num_free_blocks=info.num_free_blocks,
             num_total_blocks=info.num_total_blocks,
             max_context_tokens=info.max_context_tokens,
+            caches_prefixes=info.prefix_cache.enabled,
         )
         if not was_up:
             _LOG.info(

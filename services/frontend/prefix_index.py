@@ -34,6 +34,8 @@ class PrefixIndex:
         self.max_keys = max_keys
         # key -> {address: expiry (monotonic s)}; order: least recently touched first
         self._holders: OrderedDict[bytes, dict[str, float]] = OrderedDict()
+        # Instances that cache no prefix (--no-prefix-cache): never credited with one
+        self._uncached: set[str] = set()
 
     def __len__(self) -> int:
         return len(self._holders)
@@ -43,6 +45,8 @@ class PrefixIndex:
 
     def record(self, address: str, keys: Sequence[bytes], now: float) -> None:
         """`address` holds (or is about to hold) the prefixes `keys` name."""
+        if address in self._uncached:
+            return
         expiry = now + self.ttl_s
         for key in keys:
             holders = self._holders.get(key)
@@ -77,8 +81,19 @@ class PrefixIndex:
                 if not holders:
                     del self._holders[key]
 
+    def set_caching(self, address: str, is_enabled: bool) -> None:
+        """Whether `address` caches prefixes at all (its Info says): one that does not is
+        never recorded, so it draws no request for a prefix it will never hold."""
+        if is_enabled:
+            self._uncached.discard(address)
+        elif address not in self._uncached:
+            self.forget(address)
+            self._uncached.add(address)
+
     def forget(self, address: str) -> None:
-        """`address` went down (a restart empties its cache): drop all it held."""
+        """`address` went down (a restart empties its cache, and may change its flags): drop
+        all it held."""
+        self._uncached.discard(address)
         for key in list(self._holders):
             holders = self._holders[key]
             if holders.pop(address, None) is not None and not holders:

@@ -226,11 +226,17 @@ class Router:
     # ---- updates from Info polling -----------------------------------------------------------
 
     def update_prefill(
-        self, address: str, *, num_queued_tokens: int, max_prompt_tokens: int
+        self,
+        address: str,
+        *,
+        num_queued_tokens: int,
+        max_prompt_tokens: int,
+        caches_prefixes: bool = True,
     ) -> None:
         view = self.prefills.get(address)
         if view is None:  # dropped while its Info call was out
             return
+        self.prefix_index.set_caching(address, caches_prefixes)
         view.is_up = True
         view.num_queued_tokens = num_queued_tokens
         view.max_prompt_tokens = max_prompt_tokens
@@ -244,10 +250,12 @@ class Router:
         num_free_blocks: int,
         num_total_blocks: int,
         max_context_tokens: int,
+        caches_prefixes: bool = True,
     ) -> None:
         view = self.decodes.get(address)
         if view is None:
             return
+        self.prefix_index.set_caching(address, caches_prefixes)
         view.is_up = True
         view.num_free_blocks = num_free_blocks
         view.num_total_blocks = num_total_blocks

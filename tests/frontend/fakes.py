@@ -46,6 +46,8 @@ from services.frontend.router import Router
 from services.frontend.server import GenerationServicer, add_to_server
 from services.frontend.validation import Limits
 
+CACHING = kv_pb2.PrefixCacheInfo(enabled=True)  # as a real instance's, by default
+
 EOS = 99
 
 
@@ -199,6 +201,7 @@ class FakeDecode(decode_pb2_grpc.DecodeServiceServicer):
             max_context_tokens=4096,
             num_total_blocks=100,
             num_free_blocks=100,
+            prefix_cache=CACHING,
         )
 
 
@@ -239,7 +242,7 @@ class FakePrefill(prefill_pb2_grpc.PrefillServiceServicer):
 
     async def Info(self, request: Any, context: Any) -> Any:
         return prefill_pb2.InfoResponse(
-            model="fake", kv_layout=self.kv_layout, max_prompt_tokens=4096
+            model="fake", kv_layout=self.kv_layout, max_prompt_tokens=4096, prefix_cache=CACHING
         )
 
 

@@ -546,3 +546,42 @@ def test_a_prompt_goes_where_its_prefix_is_and_a_decode_that_lost_it_is_forgotte
     load(100, 100)
     run(down, params, other)  # no affinity left for `other`: load order (d:1 chosen last)
     assert last_decode() == "d:2"
+
+
+def test_an_instance_that_caches_no_prefix_draws_no_request_for_one() -> None:
+    """A decode whose Info says its prefix cache is off (--no-prefix-cache) is never credited
+    with a prompt it served: the next request with that prefix goes where the load says, not
+    back to an instance that will never hold it (found by a read-only review: its keys were
+    recorded again after every admission)."""
+    prompt = tuple(i % 29 + 1 for i in range(40))
+    finish = tokens(1, 2, finish=FinishReason.LENGTH)
+    admitted = Admitted(list(range(10)), "token", 0)
+    down = FakeDownstream({"d:1": [admitted, finish], "d:2": [admitted, finish]})
+    router, index = down.router, down.router.prefix_index
+    params = SamplingParams(max_tokens=2)
+
+    def load(d1_free: int, d2_free: int, *, d1_caches: bool) -> None:
+        for address, free in (("d:1", d1_free), ("d:2", d2_free)):
+            router.update_decode(
+                address,
+                num_free_blocks=free,
+                num_total_blocks=100,
+                max_context_tokens=64,
+                caches_prefixes=d1_caches or address != "d:1",
+            )
+
+    def last_decode() -> str:
+        return [a for kind, a in down.calls if kind == "decode"][-1]
+
+    load(100, 99, d1_caches=False)
+    run(down, params, prompt)
+    assert last_decode() == "d:1"
+    assert index.matches(index.keys(prompt), now=time.monotonic()) == {PREFILL: 2}
+    load(50, 100, d1_caches=False)  # d:2 emptier: with no prefix on d:1, the load decides
+    run(down, params, prompt)
+    assert last_decode() == "d:2"
+    load(100, 50, d1_caches=True)  # d:1 restarted with its cache on: credited again
+    router.mark_down("d:2")
+    run(down, params, prompt)
+    assert last_decode() == "d:1"
+    assert index.matches(index.keys(prompt), now=time.monotonic())["d:1"] == 2
