@@ -58,6 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.prese
 from benchmarks.presets import CHOICES, DEFAULT_CACHE, preset_checkpoint, preset_config
 from kernels.choice import select_kernels
 from kernels.self_check import CheckShape
+from mili.discovery import ANY
 from mili.engine.engine_config import EngineConfig
 from mili.engine.model.config import Qwen3Config
 from mili.engine.model.fingerprint import model_fingerprint
@@ -75,7 +76,7 @@ from mili.pb.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from mili.rpc.client import insecure_channel
 from mili.rpc.kv_layout import check_compatible
 from mili.rpc.server import RpcServer, ServerConfig
-from services.prefill.config import ANY_DECODE, PrefillConfig
+from services.prefill.config import PrefillConfig
 from services.prefill.instance import PrefillInstance
 from services.prefill.sender import KvSender
 from services.prefill.server import PrefillServicer, add_to_server
@@ -380,7 +381,7 @@ def prefill_in_process(
         max_batch_tokens=max(2048, prompt_len),
         max_queued_tokens=max(8192, prompt_len),
         transfer_timeout_s=600,
-        allowed_decodes=(ANY_DECODE,),  # the receiver's and decode's ports are chosen later
+        allowed_decodes=(ANY,),  # the receiver's and decode's ports are chosen later
         prefix_caching=False,  # every run computes and sends the whole (repeated) prompt
     )
     instance = PrefillInstance.create(

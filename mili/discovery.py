@@ -205,6 +205,7 @@ class PeerSet:
         self._retry_s = retry_s
         self._resolve = resolve
         self._clock = clock
+        self._fixed = frozenset(t.spec for t in targets if not t.is_dns)
         self._addresses: dict[str, Target] = {t.spec: t for t in targets if not t.is_dns}
         self._hosts: set[str] = set()
         self._last: dict[Target, tuple[str, ...]] = {}  # each target's last answer
@@ -226,11 +227,16 @@ class PeerSet:
         return ANY if self.is_any else ", ".join(t.spec for t in self.targets)
 
     async def has_address(self, address: str) -> bool:
-        """Whether `address` (host:port, as a frontend names an instance) is in the set."""
+        """Whether `address` (host:port, as a frontend names an instance) is in the set. A
+        fixed target's address is known as spelled: only DNS targets are looked up for it."""
         if self.is_any:
             return True
         normal = normal_address(address)
         if normal is None:
+            return False
+        if normal in self._fixed:
+            return True
+        if not any(t.is_dns for t in self.targets):
             return False
         return await self._check(lambda: normal in self._addresses)
 

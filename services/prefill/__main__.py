@@ -8,15 +8,11 @@ import dataclasses
 import logging
 
 from mili import flags
+from mili.discovery import ANY
 from mili.engine.engine_config import EngineConfig, add_engine_arguments
 from mili.errors import StartupError
 from mili.rpc.policy import SMALL_REQUESTS_WINDOW_BYTES
-from services.prefill.config import (
-    ANY_DECODE,
-    DEFAULT_MAX_BATCH_TOKENS,
-    PrefillConfig,
-    parse_allowed_decodes,
-)
+from services.prefill.config import DEFAULT_MAX_BATCH_TOKENS, PrefillConfig
 
 DEFAULT_PORT = 50053
 _LOG = logging.getLogger("mili.prefill")
@@ -53,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="decode instances this prefill may send KV to, host:port as the frontend names "
         "them, or dns:///NAME:PORT for every address NAME resolves to (repeatable); a "
         "request naming any other destination is refused with "
-        f"PERMISSION_DENIED before any connection is made. '{ANY_DECODE}' allows any (only "
+        f"PERMISSION_DENIED before any connection is made. '{ANY}' alone allows any (only "
         "where every peer is trusted). Required",
     )
     flags.add_callers_argument(
@@ -82,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
                 else args.max_queued_tokens
             ),
             transfer_timeout_s=args.transfer_timeout,
-            allowed_decodes=parse_allowed_decodes(args.decode),
+            allowed_decodes=tuple(args.decode),
             prefix_caching=args.prefix_caching,
             kv_transport=args.kv_transport,
             host_id=args.host_id,
@@ -90,14 +86,15 @@ def run(args: argparse.Namespace) -> int:
         server_config = flags.server_config(args)
         frontends = flags.callers(args, "--frontend", server_config, _LOG)
     except ValueError as e:
-        raise StartupError(f"--decode: {e}" if "allowed decode" in str(e) else str(e)) from None
+        message = str(e)
+        raise StartupError(message.replace("allowed decodes:", "--decode:", 1)) from None
     if not config.allowed_decodes:
         raise StartupError(
             "--decode is required: the decode instances this prefill may send KV to "
-            f"(host:port, as the frontend names them), or '{ANY_DECODE}' for any"
+            f"(host:port, as the frontend names them), or '{ANY}' for any"
         )
-    if ANY_DECODE in config.allowed_decodes:
-        _LOG.warning("--decode '%s': KV goes to any destination a caller names", ANY_DECODE)
+    if ANY in (d.strip() for d in config.allowed_decodes):
+        _LOG.warning("--decode '%s': KV goes to any destination a caller names", ANY)
     engine = dataclasses.replace(config.engine, dtype=flags.choose_dtype(args, _LOG))
     config = dataclasses.replace(config, engine=engine)
 

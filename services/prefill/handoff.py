@@ -53,8 +53,8 @@ class KvHandoff:
         """`resolve`: the lookup of dns:/// entries in --decode (tests may pass their own)."""
         self.instance = instance
         config = instance.config
-        # Decode instances allowed by DNS name: an address is looked up when not known yet.
-        self._decode_names = names = PeerSet(config.decode_names, resolve=resolve)
+        # The decodes we may send to: a DNS name's addresses are looked up when not known yet.
+        self._decodes = decodes = PeerSet.parse(config.allowed_decodes, resolve=resolve)
         self.layout = layout_to_proto(instance.layout, instance.fingerprint)
         # One message carries one layer of one chunk: it must fit the gRPC message limit.
         chunk_blocks = instance.scheduler.chunk_tokens // config.engine.block_size
@@ -67,7 +67,7 @@ class KvHandoff:
             )
 
         def server_name(address: str) -> str | None:
-            target = names.target_of(address)
+            target = decodes.target_of(address)
             return None if target is None else target.host
 
         transport = TransportConfig(config.kv_transport, config.host_id)
@@ -93,10 +93,7 @@ class KvHandoff:
         """Compute `task`'s prompt and stream its KV to its destination, within the caller's
         `time_remaining_s` (None: no deadline) and --transfer-timeout; decode's ack, or the
         domain error (mili.errors) of whatever failed."""
-        config = self.instance.config
-        if not config.may_send_to(task.address) and not (
-            config.decode_names and await self._decode_names.has_address(task.address)
-        ):
+        if not await self._decodes.has_address(task.address):
             # Checked before any channel exists: a caller cannot make us dial anything else.
             raise PermissionDenied(
                 f"destination.address {task.address!r} is not a decode instance this prefill "
@@ -110,7 +107,7 @@ class KvHandoff:
         compiled = await compile_for(self.instance.constraints, task.sampling.constraint)
         if compiled is not None:
             task = dataclasses.replace(task, constraint=compiled)
-        timeout_s = config.transfer_timeout_s
+        timeout_s = self.instance.config.transfer_timeout_s
         if time_remaining_s is not None:  # end the transfer with the caller's deadline
             timeout_s = min(timeout_s, max(time_remaining_s, 0.001))
         num_chunks = self.instance.scheduler.num_shipped_chunks(

@@ -17,6 +17,7 @@ from typing import Any
 import grpc
 import torch
 
+from mili.discovery import ANY
 from mili.engine.engine_config import EngineConfig
 from mili.engine.model.config import Qwen3Config
 from mili.engine.model.kv_cache import KVCache
@@ -26,7 +27,7 @@ from mili.pb.kv.v1 import kv_pb2
 from mili.pb.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from mili.rpc.client import insecure_channel
 from mili.rpc.server import RpcServer, ServerConfig
-from services.prefill.config import ANY_DECODE, PrefillConfig
+from services.prefill.config import PrefillConfig
 from services.prefill.instance import PrefillInstance
 from services.prefill.server import PrefillServicer, add_to_server
 from tests.prefill.receiver import KvReceiver, serve_receiver
@@ -87,7 +88,7 @@ async def prefill_service(tiny: TinyModel, **config: Any) -> AsyncIterator[Prefi
     vocab_size = config.pop("vocab_size", None)
     frontends = config.pop("frontends", None)
     eos_token_ids = config.pop("eos_token_ids", ())
-    settings = {"max_batch_tokens": 64, "allowed_decodes": (ANY_DECODE,), **config}
+    settings = {"max_batch_tokens": 64, "allowed_decodes": (ANY,), **config}
     prefill_config = PrefillConfig(engine=EngineConfig(block_size=BLOCK_SIZE), **settings)
     runner = ModelRunner.create(tiny.model, num_blocks, BLOCK_SIZE, vocab_size=vocab_size)
     instance = PrefillInstance.create(

@@ -16,8 +16,9 @@ from pathlib import Path
 import grpc
 import pytest
 
+from mili.discovery import ANY, PeerSet
 from mili.ports import pick_free
-from services.prefill.config import ANY_DECODE, PrefillConfig, normal_address
+from services.prefill.config import PrefillConfig
 from tests.prefill.harness import (
     TINY,
     TinyModel,
@@ -31,32 +32,34 @@ from tests.prefill.receiver import KvReceiver, serve_receiver
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize(
-    ("address", "expected"),
-    [
-        ("127.0.0.1:50061", "127.0.0.1:50061"),
-        (" Decode-0.Mili.svc:050061 ", "decode-0.mili.svc:50061"),
-        ("[::1]:7", "[::1]:7"),
-        ("127.0.0.1", None),
-        ("127.0.0.1:0", None),
-        ("127.0.0.1:70000", None),
-        ("not an address", None),
-        (":80", None),
-    ],
-)
-def test_normal_address(address: str, expected: str | None) -> None:
-    assert normal_address(address) == expected
-
-
 def test_the_allowed_list() -> None:
-    config = PrefillConfig(allowed_decodes=("127.0.0.1:5000", "Decode:6000"))
-    assert config.may_send_to("127.0.0.1:5000") and config.may_send_to("decode:06000")
-    for other in ("127.0.0.1:5001", "127.0.0.2:5000", "127.0.0.1:1", "garbage", ""):
-        assert not config.may_send_to(other), other
-    assert not PrefillConfig().may_send_to("127.0.0.1:5000")  # empty: none
-    assert PrefillConfig(allowed_decodes=(ANY_DECODE,)).may_send_to("x:1")
-    with pytest.raises(ValueError, match="not host:port"):
-        PrefillConfig(allowed_decodes=("decode-0",))
+    """--decode as PeerSet reads it: fixed addresses as spelled (host case and leading zeros
+    aside), looked up never; nothing allowed when empty, anything with '*' alone."""
+    looked_up: list[str] = []
+
+    async def resolve(host: str) -> tuple[str, ...]:
+        looked_up.append(host)
+        return ("10.0.0.1",)
+
+    async def allowed(values: tuple[str, ...], address: str) -> bool:
+        PrefillConfig(allowed_decodes=values)  # the config accepts what the set is made of
+        return await PeerSet.parse(values, resolve=resolve).has_address(address)
+
+    async def main() -> None:
+        fixed = ("127.0.0.1:5000", "Decode:6000")
+        assert await allowed(fixed, "127.0.0.1:5000") and await allowed(fixed, "decode:06000")
+        for other in ("127.0.0.1:5001", "127.0.0.2:5000", "127.0.0.1:1", "garbage", ""):
+            assert not await allowed(fixed, other), other
+        assert looked_up == []  # no DNS entry: nothing to look up, however many checks
+        assert not await allowed((), "127.0.0.1:5000")  # empty: none
+        assert await allowed((ANY,), "x:1")
+        assert await allowed(("dns:///decode:6000",), "10.0.0.1:6000")
+        assert looked_up == ["decode"]
+
+    asyncio.run(main())
+    for bad in (("decode-0",), ("*", "127.0.0.1:5000")):
+        with pytest.raises(ValueError, match="allowed decodes"):
+            PrefillConfig(allowed_decodes=bad)
 
 
 @contextlib.contextmanager
