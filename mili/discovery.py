@@ -54,8 +54,7 @@ class Target:
 
 
 def format_address(host: str, port: int) -> str:
-    """`host:port`, IPv6 hosts bracketed (as mili.rpc.server's; this module stays grpc-free, so
-    the frontend's config can parse targets without the transport layer)."""
+    """`host:port`, IPv6 hosts bracketed (`[::1]:50051`)."""
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 

@@ -14,8 +14,8 @@ import contextlib
 import errno
 import socket
 
+from mili.discovery import format_address
 from mili.errors import StartupError
-from mili.rpc.server import format_address
 
 
 def pick_free(host: str) -> int:

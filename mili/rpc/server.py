@@ -32,6 +32,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
+from mili.discovery import format_address
 from mili.errors import StartupError
 from mili.rpc.interceptor import CallInterceptor
 from mili.rpc.policy import OPEN, SMALL_REQUEST_BYTES, Policy
@@ -119,13 +120,6 @@ class ServerConfig:
         """The largest message the server accepts, in bytes."""
         receive = self.max_receive_message_bytes
         return self.max_message_bytes if receive is None else receive
-
-
-def format_address(host: str, port: int) -> str:
-    """`host:port`, with IPv6 hosts bracketed (`[::1]:50051`)."""
-    if ":" in host and not host.startswith("["):
-        host = f"[{host}]"
-    return f"{host}:{port}"
 
 
 class RpcServer:

@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mili import flags, ports
+from mili.discovery import format_address
 from mili.engine.engine_config import add_engine_arguments
 from mili.errors import StartupError
-from mili.rpc.server import format_address
 from mili.rpc.tls import Tls
 from mili.serve import tls as serve_tls
 from mili.serve.backoff import RestartPolicy

@@ -42,6 +42,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from mili.discovery import format_address
 from mili.engine.kv.prefix_cache import PrefixCacheReading
 
 # Bucket bounds (seconds unless noted), wide enough for a CPU test model and an H200 alike.
@@ -66,8 +67,7 @@ class MetricsServer:
 
     @property
     def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host  # IPv6
-        return f"http://{host}:{self.port}/metrics"
+        return f"http://{format_address(self.host, self.port)}/metrics"
 
     def close(self) -> None:
         self._httpd.shutdown()

@@ -11,9 +11,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from mili.discovery import format_address
 from mili.errors import StartupError
 from mili.rpc.client import channel_options, insecure_channel, wait_for_serving
-from mili.rpc.server import RpcServer, ServerConfig, format_address
+from mili.rpc.server import RpcServer, ServerConfig
 
 SERVICE = "mili.test.v1.EchoService"
 

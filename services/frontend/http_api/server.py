@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage
 
+from mili.discovery import format_address
 from mili.ports import pick_free
-from mili.rpc.server import format_address
 from mili.rpc.tls import TlsFiles
 from services.frontend.http_api.drain import DRAIN_GATE
 
