@@ -33,17 +33,18 @@ GET /health                  -> {"status": "ok"|"unavailable", "model_loaded", "
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
-from typing import Any
+from typing import Any, NamedTuple
 
 from aiohttp import web
 
 from mili.errors import InvalidArgument
 from services.frontend.calls import Deadline
 from services.frontend.http_api import sse
-from services.frontend.http_api.body import parse
+from services.frontend.http_api.body import Body, parse
 from services.frontend.http_api.drain import DRAIN_GATE
 from services.frontend.http_api.errors import response_of
 from services.frontend.http_api.keys import GENERATIONS
@@ -51,17 +52,14 @@ from services.frontend.http_api.telemetry import request_id_of, set_request_id, 
 from services.frontend.pipeline import Delta
 from services.frontend.validation import RequestInput, SamplingInput
 
-# Field -> the JSON types it accepts (bool is refused where a number is meant: JSON true is
-# not 1).
-_FIELDS: dict[str, tuple[type, ...]] = {
-    "prompt": (str,),
-    "max_tokens": (int,),
-    "temperature": (int, float),
-    "top_p": (int, float),
-    "top_k": (int,),
-    "stream": (bool,),
-    "request_id": (str,),
-}
+_FIELDS = ("prompt", "max_tokens", "temperature", "top_p", "top_k", "stream", "request_id")
+
+
+class _Generate(NamedTuple):
+    """A /generate body, each field read with its type (body.Body's checks)."""
+
+    inputs: RequestInput  # its client_request_id: the body's request_id ("" when unset)
+    is_stream: bool
 
 
 def add_routes(app: web.Application) -> None:
@@ -72,16 +70,17 @@ def add_routes(app: web.Application) -> None:
 
 async def generate(request: web.Request) -> web.StreamResponse:
     generations = request.app[GENERATIONS]
-    body = await _json_object(request)
-    if body.get("request_id"):  # a string: _json_object checked it
+    body = _read(parse(await request.read()))
+    if body.inputs.client_request_id:
         # The body's id is the request's: the response's X-Request-Id says the same.
-        set_request_id(request, body["request_id"])
-    valid = generations.validate(_request_input(body, request_id_of(request)))
+        set_request_id(request, body.inputs.client_request_id)
+    inputs = dataclasses.replace(body.inputs, client_request_id=request_id_of(request))
+    valid = generations.validate(inputs)
     request_id = valid.client_request_id
     deltas = generations.run(valid, Deadline(None))
     generated = generations.metrics.generated_tokens
     async with aclosing(deltas):
-        if body.get("stream", False):
+        if body.is_stream:
             return await _stream(request, request_id, deltas)
         text: list[str] = []
         token_ids: list[int] = []
@@ -175,36 +174,23 @@ def _totals(last: Delta) -> dict[str, Any]:
     }
 
 
-async def _json_object(request: web.Request) -> dict[str, Any]:
-    body = parse(await request.read()).data  # the OpenAI routes' checks (a lone surrogate)
-    for field, value in body.items():
-        types = _FIELDS.get(field)
-        if types is None:
+def _read(body: Body) -> _Generate:
+    for field, value in body.data.items():
+        if field not in _FIELDS:
             raise InvalidArgument(
                 field, value, f"unknown field; /generate takes {', '.join(_FIELDS)}"
             )
-        if value is not None and (
-            not isinstance(value, types) or (bool not in types and isinstance(value, bool))
-        ):
-            names = " or ".join("number" if t is float else t.__name__ for t in types)
-            raise InvalidArgument(field, value, f"must be {names}")
-    if not isinstance(body.get("prompt"), str):
+    prompt = body.text("prompt")
+    if prompt is None:
         raise InvalidArgument("prompt", None, "required: the text to continue")
-    return body
-
-
-def _request_input(body: dict[str, Any], request_id: str) -> RequestInput:
-    return RequestInput(
-        client_request_id=request_id,
-        prompt=body["prompt"],
+    inputs = RequestInput(
+        client_request_id=body.text("request_id") or "",
+        prompt=prompt,
         sampling=SamplingInput(
-            max_tokens=body.get("max_tokens"),
-            temperature=_float(body.get("temperature")),
-            top_p=_float(body.get("top_p")),
-            top_k=body.get("top_k"),
+            max_tokens=body.integer("max_tokens"),
+            temperature=body.number("temperature"),
+            top_p=body.number("top_p"),
+            top_k=body.integer("top_k"),
         ),
     )
-
-
-def _float(value: float | None) -> float | None:
-    return None if value is None else float(value)
+    return _Generate(inputs, bool(body.flag("stream")))
