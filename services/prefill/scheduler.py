@@ -16,8 +16,10 @@ A step (one forward) is built from:
   1. running prompts (already admitted, more chunks to go), oldest first, while their next chunk
      fits what is left of the budget;
   2. waiting prompts, FIFO: a prompt whose first chunk does not fit the budget left is skipped
-     (a later, shorter one may fill the gap: first fit by tokens), but one that cannot get its
-     blocks stops admission (FIFO by memory, so a long prompt is not starved by short ones).
+     (a later, shorter one may fill the gap: first fit by tokens, but only one computed whole
+     in this step, so the skipped prompt gets the budget once the running ones are done), and
+     one that cannot get its blocks stops admission (FIFO by memory, so a long prompt is not
+     starved by short ones).
 A prompt gets all of its blocks when admitted and keeps them until `remove` (the transfer was
 acknowledged, failed or cancelled): a running prompt can never deadlock waiting for blocks.
 
@@ -276,15 +278,21 @@ class Scheduler:
             if chunk.end - chunk.start <= budget:
                 chunks.append(chunk)
                 budget -= chunk.end - chunk.start
+        skipped = False  # a waiting prompt did not fit the budget left
         for prompt in list(self._waiting.values()):
             cached = self._match(prompt)
             num_cached_tokens = len(cached) * self.block_size
             c = self.chunk_tokens
             size = min((num_cached_tokens // c + 1) * c, prompt.num_tokens) - num_cached_tokens
             need = blocks_needed(prompt.num_tokens, self.block_size) - len(cached)
-            if size > budget or need > self.prefix_cache.num_available:
+            # Past a skipped prompt, only prompts done in this step: one that ran on would take
+            # part of the next budgets too, and a stream of them could starve the skipped one.
+            is_done_now = num_cached_tokens + size == prompt.num_tokens
+            is_over_budget = size > budget or (skipped and not is_done_now)
+            if is_over_budget or need > self.prefix_cache.num_available:
                 self.prefix_cache.free(cached)
-                if size > budget:
+                if is_over_budget:
+                    skipped = True
                     continue
                 break
             prompt.block_table = cached + self.prefix_cache.allocate(need)

@@ -294,3 +294,42 @@ def test_without_prompt_ids_or_with_caching_off_nothing_is_reused() -> None:
     c.add("a", 8)
     run_all(c)
     assert c.prefix_cache.num_cached == 0
+
+
+def test_a_skipped_prompt_is_not_starved_by_later_prompts_that_run_on() -> None:
+    """Found by a read-only review: a 14-token prompt skipped for the budget a running prompt
+    left was skipped for good while prompts with a cached prefix kept arriving: each fitted the
+    gap with a small first chunk, then ran on and left a gap too small again. Past a skipped
+    prompt only prompts computed whole in the step are admitted."""
+    s = Scheduler(
+        BlockPool(256),
+        block_size=4,
+        max_batch_tokens=16,
+        max_queued_tokens=100_000,
+        prefix_caching=True,
+    )
+    system = list(range(1000, 1012))  # 12 tokens (3 blocks) every long prompt shares
+    s.add("warm", 13, prompt_token_ids=[*system, 1])
+    run_all(s)
+    s.remove("warm")
+
+    def add_long(n: int) -> None:  # 36 tokens, 12 cached: first chunk computes 4
+        s.add(f"long-{n}", 36, prompt_token_ids=[*system, *[5000 + n] * 24])
+
+    add_long(0)
+    step = s.schedule()
+    assert step is not None
+    s.complete(step)
+    s.add("short", 14, prompt_token_ids=[7] * 14)  # one chunk of 14
+    for n in range(1, 20):
+        if n % 2:
+            add_long(n)
+        step = s.schedule()
+        assert step is not None and step.num_tokens <= 16
+        if "short" in {c.request_id for c in step.chunks}:
+            break
+        for request_id in s.complete(step):
+            s.remove(request_id)
+    else:
+        raise AssertionError("the short prompt was never scheduled")
+    assert n <= 4, n  # once long-0 is done, the next step is the short prompt's
