@@ -171,9 +171,14 @@ class Admitter:
             self._wake()  # the next one's turn, if this one's leaving gave it one
 
     async def _wait(self, turn: asyncio.Event, deadline: Deadline, waiter: Waiter) -> None:
-        if turn.is_set():
-            return
+        """Until the waiter's turn, unless its deadline passes first (also during its last
+        try: a turn set then is not another try, which decode would admit and prefill start
+        only for the request to fail a moment later)."""
         try:
+            if deadline.has_passed:
+                raise TimeoutError
+            if turn.is_set():
+                return
             async with asyncio.timeout(deadline.remaining()):
                 await turn.wait()
         except TimeoutError:

@@ -128,6 +128,33 @@ def test_a_deadline_passing_in_the_queue_is_deadline_exceeded_and_frees_the_turn
     asyncio.run(main())
 
 
+def test_a_deadline_passing_during_a_try_is_not_tried_again() -> None:
+    """Found by a read-only review: the head's try outlived its deadline, room was announced
+    meanwhile, so its turn came at once and a second try ran past the deadline (decode admits,
+    prefill starts, and the request fails a moment later)."""
+
+    async def main() -> None:
+        adm = admitter()
+        tries: list[bool] = []  # whether the deadline had passed, per try
+        deadline = Deadline(0.05)
+
+        async def attempt() -> str:
+            tries.append(deadline.has_passed)
+            await asyncio.sleep(0.1)  # a decode slow to answer, within admit_timeout_s
+            if len(tries) == 1:
+                raise NoRoom("every decode instance is full", retry_after_s=0.25)
+            return "admitted"
+
+        a = asyncio.create_task(adm.admit(adm.arrive(num_tokens=4), attempt, deadline))
+        await asyncio.sleep(0.02)
+        adm.notify()  # room may have freed: during a's first try
+        with pytest.raises(DeadlineExceeded, match="admission queue"):
+            await a
+        assert tries == [False] and adm.num_waiting == 0
+
+    asyncio.run(main())
+
+
 def test_a_caller_cancelling_in_the_queue_leaves_it_and_nothing_was_taken() -> None:
     async def main() -> None:
         adm, instances = admitter(), Instances(room=0)
