@@ -99,31 +99,40 @@ class AdmissionQueue:
         *,
         why: str = "requests before it wait for room",
         retry_after_s: float | None = None,
+        is_return: bool = False,
     ) -> None:
         """Queue `waiter` in arrival order; ResourceExhausted (nothing queued) past a bound.
 
         The token bound lets one waiter in whatever its size when the queue is empty: a bound
         below the longest prompt must not turn that prompt away for good. `why`: why it waits,
         quoted in the refusal; `retry_after_s`: the refusal's hint (None: the queue's).
+        `is_return`: the waiter comes back after it was admitted (prefill turned it away): it is
+        not refused, or later arrivals queued meanwhile would keep their places over it (its
+        place was counted when it arrived; returns are bounded by the requests in flight).
         """
         if any(w.seq == waiter.seq for w in self._waiters):
             raise ValueError(f"arrival {waiter.seq} is queued already")
-        retry = self.retry_after_s if retry_after_s is None else retry_after_s
+        if not is_return:
+            self._check_room(
+                waiter, why, self.retry_after_s if retry_after_s is None else retry_after_s
+            )
+        bisect.insort(self._waiters, waiter, key=lambda w: w.seq)
+        self.num_tokens += waiter.num_tokens
+
+    def _check_room(self, waiter: Waiter, why: str, retry_after_s: float | None) -> None:
         if len(self._waiters) >= self.max_requests:
             raise ResourceExhausted(
                 f"{why}, and the admission queue is full ({len(self._waiters)} of "
                 f"{self.max_requests} requests waiting); retry later",
-                retry,
+                retry_after_s,
             )
         if self._waiters and self.num_tokens + waiter.num_tokens > self.max_tokens:
             raise ResourceExhausted(
                 f"{why}, and the admission queue is full ({self.num_tokens} prompt tokens "
                 f"waiting, {waiter.num_tokens} more would pass its limit of {self.max_tokens}); "
                 "retry later",
-                retry,
+                retry_after_s,
             )
-        bisect.insort(self._waiters, waiter, key=lambda w: w.seq)
-        self.num_tokens += waiter.num_tokens
 
     def remove(self, waiter: Waiter) -> bool:
         """Take `waiter` out, however it leaves; False when it was not queued. A head that

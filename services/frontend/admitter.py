@@ -113,6 +113,7 @@ class Admitter:
         when the request would wait and the queue is full; DeadlineExceeded when the deadline
         passes while it waits.
         """
+        is_return = no_room is not None
         if no_room is None and len(self.queue) == 0:
             try:
                 return await attempt()
@@ -123,7 +124,7 @@ class Admitter:
         else:
             why, retry_after_s = f"{len(self.queue)} requests before it wait for room", None
         waiter = Waiter(arrival.seq, arrival.num_tokens)
-        self.queue.push(waiter, why=why, retry_after_s=retry_after_s)
+        self.queue.push(waiter, why=why, retry_after_s=retry_after_s, is_return=is_return)
         turn = self._turns[waiter] = asyncio.Event()
         span = trace.get_current_span()
         span.add_event(

@@ -224,6 +224,30 @@ def test_other_errors_fail_the_request_and_leave_the_queue() -> None:
     asyncio.run(main())
 
 
+def test_a_request_pushed_back_into_a_full_queue_is_not_refused() -> None:
+    """Found by a read-only review: with the queue full of later arrivals, the request prefill
+    turned away (decode had admitted it) was the one refused (RESOURCE_EXHAUSTED) while the
+    younger ones kept their places. It goes back in line, ahead of them."""
+
+    async def main() -> None:
+        adm, instances = admitter(max_requests=1), Instances(room=0)
+        first = adm.arrive(num_tokens=4)  # admitted earlier; then prefill turned it away
+        b = await start(adm, instances, "b")  # queued: the queue is full
+        again = asyncio.create_task(
+            adm.admit(first, instances.attempt("first"), Deadline(5.0), no_room=NoRoom("full"))
+        )
+        await asyncio.sleep(0.01)
+        assert not again.done() and adm.num_waiting == 2
+        with pytest.raises(ResourceExhausted):  # a new arrival still meets the bound
+            await adm.admit(adm.arrive(num_tokens=4), instances.attempt("c"), Deadline(5.0))
+        instances.room = 2
+        adm.notify()
+        assert await again == "first" and await b == "b"
+        assert instances.admitted == ["first", "b"]
+
+    asyncio.run(main())
+
+
 def test_a_request_pushed_back_keeps_its_place_by_arrival() -> None:
     async def main() -> None:
         adm, instances = admitter(), Instances(room=0)
