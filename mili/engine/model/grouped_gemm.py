@@ -15,6 +15,8 @@ Two ways in torch, the same arithmetic (`GroupedGemm`):
   multiples of 8); elsewhere on CUDA its fallback copies the offsets to the host, so there we
   take "loop" and decode runs eagerly (`is_graph_safe`). On CPU torch loops over the groups in
   C++; it measured as fast as or faster than "loop" (benchmarks/moe.py, docs/benchmarks.md).
+  On every device it needs rows of whole 16-byte units (K and N times the element size): a
+  model whose hidden or expert width is not (every published Qwen3-MoE's is) takes "loop".
 - "loop": one GEMM per expert that got rows, over its contiguous slice; the slice bounds come to
   the host (one sync per call). The fallback where grouped_mm has no graph-safe kernel.
 
@@ -24,6 +26,7 @@ faster (kernels/fused/cpu.py).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal
 
 import torch
@@ -31,10 +34,14 @@ import torch
 GroupedGemm = Literal["loop", "grouped_mm"]
 
 
-def default_grouped_gemm(device: torch.device, dtype: torch.dtype) -> GroupedGemm:
-    """What runs on `device` in `dtype` (module docstring): grouped_mm where torch has it
-    without a host sync (CPU; CUDA bf16 on sm_90/sm_100), else the per-expert loop."""
-    if not hasattr(torch, "_grouped_mm"):
+def default_grouped_gemm(
+    device: torch.device, dtype: torch.dtype, widths: Sequence[int]
+) -> GroupedGemm:
+    """What runs on `device` in `dtype` for GEMMs whose K and N are among `widths` (a MoE
+    layer's: hidden_size and moe_intermediate_size; module docstring): grouped_mm where torch
+    has it without a host sync (CPU; CUDA bf16 on sm_90/sm_100) and the rows are whole 16-byte
+    units, else the per-expert loop."""
+    if any(width * dtype.itemsize % 16 for width in widths):
         return "loop"
     if device.type != "cuda":
         return "grouped_mm"
@@ -42,9 +49,10 @@ def default_grouped_gemm(device: torch.device, dtype: torch.dtype) -> GroupedGem
     return "grouped_mm" if dtype == torch.bfloat16 and major in (9, 10) else "loop"
 
 
-def is_graph_safe(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether MoE layers on `device` in `dtype` may be captured in a CUDA graph."""
-    return default_grouped_gemm(device, dtype) == "grouped_mm"
+def is_graph_safe(device: torch.device, dtype: torch.dtype, widths: Sequence[int]) -> bool:
+    """Whether MoE layers on `device` in `dtype` (of `widths`) may be captured in a CUDA
+    graph."""
+    return default_grouped_gemm(device, dtype, widths) == "grouped_mm"
 
 
 def grouped_gemm(
@@ -52,7 +60,7 @@ def grouped_gemm(
 ) -> torch.Tensor:
     """x [R, K], weight [E, N, K], offsets [E] -> [R, N] (module docstring); `how` None: the
     default for x's device and dtype."""
-    how = how or default_grouped_gemm(x.device, x.dtype)
+    how = how or default_grouped_gemm(x.device, x.dtype, (x.shape[1], weight.shape[1]))
     if how == "grouped_mm":
         return torch._grouped_mm(x, weight.mT, offs=offsets)
     out = x.new_empty(x.shape[0], weight.shape[1])

@@ -58,10 +58,12 @@ def graphs_allowed(config: EngineConfig, model: Qwen3ForCausalLM) -> bool:
             model.fused_ops.name,
         )
         return False
-    if model.config.is_moe and not grouped_gemm.is_graph_safe(model.device, model.dtype):
+    widths = (model.config.hidden_size, model.config.moe_intermediate_size)
+    if model.config.is_moe and not grouped_gemm.is_graph_safe(model.device, model.dtype, widths):
         _LOG.warning(
             "CUDA graphs off: the MoE experts' grouped GEMM on %s in %s needs the offsets on "
-            "the host (torch._grouped_mm runs graph-safe only in bfloat16 on sm_90/sm_100); "
+            "the host (torch._grouped_mm runs graph-safe only in bfloat16 on sm_90/sm_100, "
+            "with hidden and expert widths of whole 16-byte units); "
             "decode steps run eagerly",
             model.device,
             model.dtype,
@@ -122,7 +124,9 @@ def log_model(model: Qwen3ForCausalLM) -> None:
         config.num_experts_per_tok,
         "renormalised" if config.norm_topk_prob else "not renormalised",
         model.fused_ops.name,
-        grouped_gemm.default_grouped_gemm(model.device, model.dtype),
+        grouped_gemm.default_grouped_gemm(
+            model.device, model.dtype, (config.hidden_size, config.moe_intermediate_size)
+        ),
     )
 
 
