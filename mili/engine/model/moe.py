@@ -93,7 +93,9 @@ def grouped_experts(
     slot_of = torch.empty_like(order)
     slot_of[order] = torch.arange(order.numel(), device=x.device)
     per_token = ys[slot_of].view(num_tokens, top_k, -1)  # [T, k, H]
-    # HF multiplies in the activations' dtype, then adds the k results: so do we, in top-k order.
+    # The k results weighted in the activations' dtype, then summed in one reduction (as HF's
+    # grouped experts do; its eager loop adds them one expert at a time, in expert-id order,
+    # rounding each add: 1 bf16 step apart on some elements).
     return (per_token * routing.weights.unsqueeze(-1)).sum(dim=1)  # [T, H]
 
 
