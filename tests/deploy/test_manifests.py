@@ -92,7 +92,8 @@ def _validator() -> Any:
 def test_every_object_validates_against_the_kubernetes_schema(variant: str) -> None:
     docs = RENDERED[variant]
     kubernetes_validate = _validator()
-    assert {d["kind"] for d in docs} == {"Namespace", "ConfigMap", "Deployment", "Service"}
+    kinds = {"Namespace", "ConfigMap", "Deployment", "Service", "PodDisruptionBudget"}
+    assert {d["kind"] for d in docs} == kinds
     for doc in docs:
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
 
@@ -208,6 +209,21 @@ def test_services_select_pods_and_ports_that_exist(variant: str) -> None:
 
 
 @pytest.mark.parametrize("variant", RENDERED)
+def test_a_drain_takes_one_pod_of_a_component_at_a_time(variant: str) -> None:
+    """Every Deployment has a PodDisruptionBudget over exactly its pods that leaves one
+    serving (found by a read-only review: none existed, so a node drain could evict both
+    decodes at once and fail every request)."""
+    budgets = [d for d in RENDERED[variant] if d["kind"] == "PodDisruptionBudget"]
+    for name, deployment in _deployments(variant).items():
+        labels = deployment["spec"]["template"]["metadata"]["labels"]
+        (budget,) = [
+            b for b in budgets if b["spec"]["selector"]["matchLabels"].items() <= labels.items()
+        ]
+        assert budget["spec"]["selector"] == deployment["spec"]["selector"], name
+        assert budget["spec"]["maxUnavailable"] < deployment["spec"]["replicas"], name
+
+
+@pytest.mark.parametrize("variant", RENDERED)
 def test_dns_targets_name_the_headless_services_on_their_ports(variant: str) -> None:
     containers = {
         c: d["spec"]["template"]["spec"]["containers"][0] for c, d in _deployments(variant).items()
@@ -268,5 +284,10 @@ def test_dockerfiles_install_what_the_readme_installs_and_prebuild_kernels(
     assert _docker_installs(dockerfile) == _makefile_installs()
     text = dockerfile.read_text()
     gpu = " --gpu" if dockerfile.name.endswith(".cuda") else ""
-    assert f"RUN mili kernels build{gpu} " in text
+    build = text.index(f"RUN mili kernels build{gpu} ")
+    # Mojo links with the system's C compiler (found by a read-only review: neither base image
+    # has one, so neither image built); the service user owns the kernel cache.
+    compiler = re.search(r"^RUN apt-get .*install[^\n]*(\\\n[^\n]*)*\bgcc libc6-dev\b", text, re.M)
+    assert compiler is not None and compiler.start() < build
+    assert "USER 10001" in text and "chown -R 10001 /var/cache/mili" in text
     assert 'ENTRYPOINT ["mili"]' in text
