@@ -106,13 +106,14 @@ class AdmissionQueue:
         The token bound lets one waiter in whatever its size when the queue is empty: a bound
         below the longest prompt must not turn that prompt away for good. `why`: why it waits,
         quoted in the refusal; `retry_after_s`: the refusal's hint (None: the queue's).
-        `is_return`: the waiter comes back after it was admitted (prefill turned it away): it is
-        not refused, or later arrivals queued meanwhile would keep their places over it (its
-        place was counted when it arrived; returns are bounded by the requests in flight).
+        `is_return`: the waiter comes back after it was admitted (prefill turned it away): where
+        the queue takes any, it is not refused, or later arrivals queued meanwhile would keep
+        their places over it (its place was counted when it arrived; returns are bounded by the
+        requests in flight).
         """
         if any(w.seq == waiter.seq for w in self._waiters):
             raise ValueError(f"arrival {waiter.seq} is queued already")
-        if not is_return:
+        if not is_return or self.max_requests == 0:  # 0: no waiting at all
             self._check_room(
                 waiter, why, self.retry_after_s if retry_after_s is None else retry_after_s
             )
