@@ -333,8 +333,8 @@ def _resolve_sampling(
 
 
 def _check_stops(s: SamplingInput, limits: Limits, bad: Bad) -> None:
-    if len(s.stop) > limits.max_stop_strings:
-        bad("sampling.stop", f"{len(s.stop)} strings", f"at most {limits.max_stop_strings}")
+    """Each stop string's length; their numbers (and the stop ids') are check_counts', run on
+    every request before it is converted."""
     for i, stop in enumerate(s.stop):  # empty ones are SamplingParams' to refuse
         if len(stop) > limits.max_stop_chars:
             bad(
@@ -342,12 +342,6 @@ def _check_stops(s: SamplingInput, limits: Limits, bad: Bad) -> None:
                 f"{len(stop)} characters",
                 f"longer than {limits.max_stop_chars} characters",
             )
-    if len(s.stop_token_ids) > limits.max_stop_token_ids:
-        bad(
-            "sampling.stop_token_ids",
-            f"{len(s.stop_token_ids)} ids",
-            f"at most {limits.max_stop_token_ids}",
-        )
 
 
 def raise_if_any(violations: list[FieldViolation]) -> None:
