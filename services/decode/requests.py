@@ -39,6 +39,7 @@ from mili.engine.kv.block_pool import (
     BlockPoolExhausted,
     blocks_needed,
     blocks_to_reserve,
+    max_cached_blocks,
 )
 from mili.engine.kv.prefix_cache import PrefixCache, PrefixCacheReading
 from mili.engine.sampling_params import SamplingParams
@@ -179,8 +180,8 @@ class RequestTable:
                     f"(limit {self.max_requests}); retry later or on another instance",
                     retry_after_s,
                 )
-            max_cached = (len(prompt_token_ids) - 1) // self.block_size
-            cached = self._cache.match(prompt_token_ids, max_blocks=max_cached, record=False)
+            most = max_cached_blocks(len(prompt_token_ids), self.block_size)
+            cached = self._cache.match(prompt_token_ids, max_blocks=most, record=False)
             try:
                 block_table = cached + self._cache.allocate(num_blocks - len(cached))
             except BlockPoolExhausted as e:

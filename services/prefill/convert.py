@@ -8,7 +8,7 @@ with BadRequest details.
 
 from __future__ import annotations
 
-from mili.engine.kv.block_pool import blocks_needed
+from mili.engine.kv.block_pool import blocks_needed, max_cached_blocks
 from mili.errors import FieldViolation, InvalidArgument
 from mili.pb.common.v1 import sampling_pb2
 from mili.pb.prefill.v1 import prefill_pb2
@@ -65,12 +65,13 @@ def prefill_task(
             f"a {len(token_ids)}-token prompt needs {need} blocks of {block_size} tokens",
         )
     num_cached_blocks = destination.num_cached_blocks
-    if not violations and num_cached_blocks > (len(token_ids) - 1) // block_size:
+    most = max_cached_blocks(len(token_ids), block_size)
+    if not violations and num_cached_blocks > most:
         # The block holding the last prompt token is always sent: decode never caches it.
         bad(
             "destination.num_cached_blocks",
             num_cached_blocks,
-            f"at most {(len(token_ids) - 1) // block_size} for a {len(token_ids)}-token prompt",
+            f"at most {most} for a {len(token_ids)}-token prompt",
         )
     sampling = None
     try:

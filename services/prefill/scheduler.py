@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from mili.arith import ceil_div
-from mili.engine.kv.block_pool import BlockPool, blocks_needed
+from mili.engine.kv.block_pool import BlockPool, blocks_needed, max_cached_blocks
 from mili.engine.kv.prefix_cache import PrefixCache
 from mili.errors import InvalidArgument, ResourceExhausted
 
@@ -319,7 +319,7 @@ class Scheduler:
         """Cached leading blocks for a waiting prompt (one reference each); [] without ids."""
         if prompt.block_keys is None or not prompt.reuse_cached:
             return []
-        max_blocks = (prompt.num_tokens - 1) // self.block_size
+        max_blocks = max_cached_blocks(prompt.num_tokens, self.block_size)
         return self.prefix_cache.match_keys(prompt.block_keys, max_blocks=max_blocks)
 
     def complete(self, step: Step) -> list[str]:

@@ -7,6 +7,7 @@ from mili.engine.kv.block_pool import (
     BlockPoolExhausted,
     blocks_needed,
     blocks_to_reserve,
+    max_cached_blocks,
 )
 from mili.errors import ResourceExhausted
 
@@ -168,3 +169,8 @@ def test_blocks_to_reserve_covers_every_written_position(
 ) -> None:
     # Positions written: prompt + max_tokens - 1 (the last token is never fed back).
     assert blocks_to_reserve(prompt, max_tokens, block_size=4) == blocks
+
+
+@pytest.mark.parametrize(("prompt", "most"), [(1, 0), (4, 0), (5, 1), (8, 1), (9, 2)])
+def test_max_cached_blocks_leaves_the_last_tokens_block_to_compute(prompt: int, most: int) -> None:
+    assert max_cached_blocks(prompt, block_size=4) == most

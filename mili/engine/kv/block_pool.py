@@ -145,6 +145,17 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
     return ceil_div(num_tokens, block_size)
 
 
+def max_cached_blocks(num_prompt_tokens: int, block_size: int) -> int:
+    """The most leading blocks of a prompt that may come from a prefix cache: full blocks
+    before the one holding its last token, which is always computed (its logits give the
+    first output token) and so always sent to decode::
+
+        prompt 8 tokens, block_size 4  ->  1 (block 1 holds the last token)
+        prompt 9 tokens, block_size 4  ->  2
+    """
+    return (num_prompt_tokens - 1) // block_size
+
+
 def blocks_to_reserve(num_prompt_tokens: int, max_tokens: int, block_size: int) -> int:
     """Blocks a request holds at its longest: one for every position whose K/V is ever written,
     prompt + max_tokens - 1. What decode reserves at admission and the frontend counts when it

@@ -105,7 +105,7 @@ class PrefixCache:
 
         The caller gets one reference on each returned block (free them with `free`). At most
         `max_blocks` are matched: a prefill must compute at least the prompt's last token to
-        get its logits, so it asks for at most (len - 1) // block_size blocks. `record=False`
+        get its logits, so it asks for at most block_pool.max_cached_blocks. `record=False`
         leaves the counters to the caller (`record`, once it keeps the blocks).
         """
         matched = self.match_keys(self.keys(token_ids), max_blocks=max_blocks)
