@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 from pathlib import Path
 
 
-def cache_root(environ: Mapping[str, str] | None = None) -> Path:
+def cache_root() -> Path:
     """$MILI_CACHE_DIR, else $XDG_CACHE_HOME/mili, else ~/.cache/mili."""
-    env = os.environ if environ is None else environ
+    env = os.environ
     if env.get("MILI_CACHE_DIR"):
         return Path(env["MILI_CACHE_DIR"])
     base = Path(env["XDG_CACHE_HOME"]) if env.get("XDG_CACHE_HOME") else Path.home() / ".cache"

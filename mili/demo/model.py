@@ -20,7 +20,6 @@ import json
 import logging
 import shutil
 import tempfile
-from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -102,9 +101,9 @@ def _fingerprint() -> str:
     return digest.hexdigest()[:12]
 
 
-def default_model_dir(environ: Mapping[str, str] | None = None) -> Path:
+def default_model_dir() -> Path:
     """The demo checkpoint in the cache, built on first use (safe against concurrent builders)."""
-    target = cache_root(environ) / f"demo-model-{_fingerprint()}"
+    target = cache_root() / f"demo-model-{_fingerprint()}"
     if (target / "config.json").exists() and (target / "tokenizer.json").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

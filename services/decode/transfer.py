@@ -167,8 +167,6 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
         self,
         instance: DecodeInstance,
         *,
-        landing_threads: int = _LANDING_THREADS,
-        max_landing_bytes: int = _MAX_LANDING_BYTES,
         is_draining: Callable[[], bool] = lambda: False,
         max_message_bytes: int,
     ) -> None:
@@ -181,10 +179,8 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
         self._is_draining = is_draining
         self._layout = convert.layout(instance.layout, instance.fingerprint)
         self._block_bytes = block_bytes(self._layout)
-        self._max_landing_bytes = max_landing_bytes
         # Threads start on first use and idle between transfers.
-        self._landing = ThreadPoolExecutor(landing_threads, thread_name_prefix="kv-landing")
-        self._landing_threads = landing_threads
+        self._landing = ThreadPoolExecutor(_LANDING_THREADS, thread_name_prefix="kv-landing")
         # What this instance's pool receives over, by name (the pair's choice is among them).
         self._transports = receivers(
             self._layout,
@@ -258,7 +254,7 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
             self._transports,
         )
         transport = self._transports[progress.transport]
-        landing = Landing(self._landing, self._max_landing_bytes)
+        landing = Landing(self._landing, _MAX_LANDING_BYTES)
         is_committed = False
         if transport.is_in_place:
             await self._accept_in_place(request, context)
@@ -404,7 +400,7 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
         # the bytes are in the pool already: a job holds none, so none counts against
         # _MAX_LANDING_BYTES (which would run the parts of a batch one after the other).
         held = 0 if transport.is_in_place else num_bytes
-        share = ceil_div(len(chunks), self._landing_threads)
+        share = ceil_div(len(chunks), _LANDING_THREADS)
         for start in range(0, len(chunks), share):
             part = chunks[start : start + share]
             await landing.make_room(held)  # raises an earlier chunk's failure

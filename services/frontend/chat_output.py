@@ -18,7 +18,6 @@ Pure Python, per delta.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import NamedTuple
 
 from mili.engine.stop import FinishReason
@@ -43,14 +42,13 @@ class ChatOutput:
     def __init__(
         self,
         is_parsing_tools: bool,
-        new_id: Callable[[], str] = new_call_id,
         *,
         is_parallel: bool = True,
         is_thinking: bool = True,
     ) -> None:
         # Without thinking, a "<think>" the model writes is the answer's text.
         self._splitter = ReasoningSplitter() if is_thinking else None
-        self._tools = ToolCallParser(new_id) if is_parsing_tools else None
+        self._tools = ToolCallParser(new_call_id) if is_parsing_tools else None
         self._max_calls = None if is_parallel else 1
         self._num_sent = 0
 

@@ -34,6 +34,7 @@ from services.prefill.sender import KvSender, TransferResult
 from services.prefill.task import FirstToken, PrefillTask
 
 _TRACER = trace.get_tracer("mili.prefill")  # a no-op until tracing installs a provider
+_ENCODER_THREADS = 2  # copy and checksum the KV chunks bound for decode, shared by all prompts
 
 
 class KvHandoff:
@@ -47,7 +48,6 @@ class KvHandoff:
         client_interceptors: Sequence[grpc.aio.ClientInterceptor],
         tls: Tls | None,
         *,
-        num_encoder_threads: int = 2,
         resolve: Resolve = resolve_host,
     ) -> None:
         """`resolve`: the lookup of dns:/// entries in --decode (tests may pass their own)."""
@@ -82,8 +82,7 @@ class KvHandoff:
             tls=tls,
             server_name=server_name,
         )
-        self._encoder = ThreadPoolExecutor(num_encoder_threads, thread_name_prefix="kv-encode")
-        self._num_encoder_threads = num_encoder_threads
+        self._encoder = ThreadPoolExecutor(_ENCODER_THREADS, thread_name_prefix="kv-encode")
 
     async def close(self) -> None:
         await self.peers.close()
@@ -122,7 +121,7 @@ class KvHandoff:
             num_chunks=self.layout.num_layers * num_chunks,
             timeout_s=timeout_s,
             pairing=pairing,
-            encoder_threads=self._num_encoder_threads,
+            encoder_threads=_ENCODER_THREADS,
         )
         worker = self.instance.worker
         # Hold the prompt's queue room before the header goes out to decode (RESOURCE_EXHAUSTED

@@ -57,6 +57,7 @@ _TRACER = trace.get_tracer("mili.prefill")  # a no-op until tracing installs a p
 # only): a 0.6B model's 512-token prompt is 58.7 MB of KV, an 8B model's 36 layers of 2048
 # tokens 302 MB; past this, copies come from torch's caching host allocator as before.
 _STAGING_BYTES = 256 << 20
+_HISTORY = 1024  # steps kept in `steps`
 # Most bytes one gather of the hand-over copies out (a prompt chunk's blocks of a run of
 # layers); cuda-ipc takes all layers after the forward, in runs of this size.
 _MAX_GATHER_BYTES = 64 << 20
@@ -91,14 +92,11 @@ class PrefillWorker:
         runner: ModelRunner,
         scheduler: Scheduler,
         *,
-        history: int = 1024,
         metrics: PrefillMetrics | None = None,
-        staging_bytes: int = _STAGING_BYTES,
         masker: BatchMasker | None = None,
         eos_token_ids: Collection[int] = (),
     ) -> None:
-        """`staging_bytes`: the pinned host memory taken at start for hand-overs (GPU only).
-        `masker`: fills constrained first tokens' masks (None: no constrained task comes).
+        """`masker`: fills constrained first tokens' masks (None: no constrained task comes).
         `eos_token_ids`: the model's (the first token's stop set, as decode's Sequence)."""
         if scheduler.pool.num_ids != runner.kv_cache.num_blocks:
             raise ValueError("scheduler pool and KV cache differ in size")
@@ -106,7 +104,7 @@ class PrefillWorker:
         self._eos_token_ids = tuple(eos_token_ids)
         device = runner.kv_cache.device
         # pinned host memory for hand-overs to the host (None on the CPU, where none is copied)
-        self.staging = StagingRing(staging_bytes, device) if device.type == "cuda" else None
+        self.staging = StagingRing(_STAGING_BYTES, device) if device.type == "cuda" else None
         self._scheduler = scheduler
         self._masker = masker
         self._metrics = PrefillMetrics(CollectorRegistry()) if metrics is None else metrics
@@ -114,7 +112,7 @@ class PrefillWorker:
         self._jobs: dict[str, _Job] = {}
         self._is_stopping = False
         self._tokens_per_s = 0.0  # moving average, for RESOURCE_EXHAUSTED's retry hint
-        self.steps: deque[StepRecord] = deque(maxlen=history)
+        self.steps: deque[StepRecord] = deque(maxlen=_HISTORY)
         self._thread = threading.Thread(target=self._run, name="prefill-worker", daemon=True)
 
     # ---- called from the event loop ----------------------------------------------------------
