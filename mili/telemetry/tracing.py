@@ -99,13 +99,8 @@ class TracingConfig:
 class Tracing:
     """What `setup_tracing` installed; `provider` is None when tracing is off."""
 
-    def __init__(self, config: TracingConfig, provider: Any | None) -> None:
-        self.config = config
+    def __init__(self, provider: Any | None) -> None:
         self.provider = provider  # opentelemetry.sdk.trace.TracerProvider when on
-
-    @property
-    def is_enabled(self) -> bool:
-        return self.provider is not None
 
     def server_interceptors(self) -> list[grpc.aio.ServerInterceptor]:
         """[] when off; else the OpenTelemetry server interceptor (put it first, so its span
@@ -136,7 +131,7 @@ def setup_tracing(config: TracingConfig) -> Tracing:
     timeouts) here, at construction: never at import.
     """
     if not config.is_enabled:
-        return Tracing(config, None)
+        return Tracing(None)
     from opentelemetry.sdk.resources import SERVICE_NAME, Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
@@ -157,7 +152,7 @@ def setup_tracing(config: TracingConfig) -> Tracing:
         config.otlp_endpoint or "off",
         ", console" if config.is_console else "",
     )
-    return Tracing(config, provider)
+    return Tracing(provider)
 
 
 def start_tracing(args: Any, service: str) -> Tracing:

@@ -28,6 +28,7 @@ from mili.engine.constraint.spec import KINDS, field_of
 from mili.errors import FieldViolation, InvalidArgument
 from services.frontend.http_api import openai_tools
 from services.frontend.http_api.body import Body, is_int
+from services.frontend.http_api.errors import ParamOf
 from services.frontend.http_api.openai_constraint import Requested, constraint_of
 from services.frontend.validation import (
     ChatTurn,
@@ -40,8 +41,6 @@ from services.frontend.validation import (
 
 MAX_N = 16  # choices per prompt: each is a generation of its own
 MAX_CHOICES = 64  # prompts x n in one request
-
-ParamOf = Callable[[str], str]
 
 
 @dataclass(frozen=True)
