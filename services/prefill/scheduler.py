@@ -280,6 +280,8 @@ class Scheduler:
                 budget -= chunk.end - chunk.start
         skipped = False  # a waiting prompt did not fit the budget left
         for prompt in list(self._waiting.values()):
+            if budget == 0:  # every chunk computes a token at least: none fits (and no match)
+                break
             cached = self._match(prompt)
             num_cached_tokens = len(cached) * self.block_size
             c = self.chunk_tokens

@@ -333,3 +333,32 @@ def test_a_skipped_prompt_is_not_starved_by_later_prompts_that_run_on() -> None:
     else:
         raise AssertionError("the short prompt was never scheduled")
     assert n <= 4, n  # once long-0 is done, the next step is the short prompt's
+
+
+def test_no_waiting_prompt_is_looked_up_once_the_budget_is_spent() -> None:
+    """A step whose running chunks take the whole budget admits no one: the waiting prompts'
+    prefix lookups (hashing, and refreshing their cached blocks' recency) are skipped."""
+    s = Scheduler(
+        BlockPool(64),
+        block_size=4,
+        max_batch_tokens=16,
+        max_queued_tokens=1000,
+        prefix_caching=True,
+    )
+    s.add("long", 40, prompt_token_ids=list(range(40)))
+    step = s.schedule()
+    assert plan(step) == [("long", 0, 16)]
+    assert step is not None
+    s.complete(step)
+    for i in range(3):
+        s.add(f"w{i}", 8, prompt_token_ids=[100 + i] * 8)
+    looked_up: list[int] = []
+    match_keys = s.prefix_cache.match_keys
+
+    def spy(keys: object, **kwargs: object) -> list[int]:
+        looked_up.append(1)
+        return match_keys(keys, **kwargs)  # type: ignore[arg-type]
+
+    s.prefix_cache.match_keys = spy  # type: ignore[method-assign]
+    assert plan(s.schedule()) == [("long", 16, 32)]
+    assert looked_up == []
