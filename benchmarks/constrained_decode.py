@@ -121,7 +121,8 @@ def run(name: str, batch: int, steps: int, cache: Path, device: str) -> dict[str
     # to torch at its self-check, or MoE experts without a graph-safe GEMM, run eagerly.
     graph_safe = getattr(model.attention, "is_graph_safe", False) and model.fused_ops.is_graph_safe
     if model.config.is_moe:
-        graph_safe = graph_safe and is_graph_safe(model.device, model.dtype)
+        widths = (model.config.hidden_size, model.config.moe_intermediate_size)
+        graph_safe = graph_safe and is_graph_safe(model.device, model.dtype, widths)
     graphs = runner.capture_graphs() if model.device.type == "cuda" and graph_safe else False
     masker = BatchMasker(tokenizer, batch, num_threads=1)
     gen = torch.Generator().manual_seed(0)

@@ -503,7 +503,8 @@ def main(argv: list[str] | None = None) -> int:
     weights = "random on the device" if path is None else "checkpoint"
     experts = ""
     if config.is_moe:
-        gemm = grouped_gemm.default_grouped_gemm(device, DTYPES[args.dtype])
+        widths = (config.hidden_size, config.moe_intermediate_size)
+        gemm = grouped_gemm.default_grouped_gemm(device, DTYPES[args.dtype], widths)
         experts = f", {config.num_experts} experts ({config.num_experts_per_tok} active, {gemm})"
     print(
         f"# {args.preset} {args.dtype} on {args.device} ({name}), torch {torch.__version__}, "
@@ -555,7 +556,9 @@ def main(argv: list[str] | None = None) -> int:
         note = f"graphs: n/a, attention {model.attention.name} is not graph-safe"
     elif not model.fused_ops.is_graph_safe:
         note = f"graphs: n/a, fused ops {model.fused_ops.name} are not graph-safe"
-    elif config.is_moe and not grouped_gemm.is_graph_safe(device, model.dtype):
+    elif config.is_moe and not grouped_gemm.is_graph_safe(
+        device, model.dtype, (config.hidden_size, config.moe_intermediate_size)
+    ):
         note = f"graphs: n/a, the experts' grouped GEMM is not graph-safe in {args.dtype} here"
     else:
         del eager, best

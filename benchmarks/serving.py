@@ -65,6 +65,7 @@ from typing import Any, TextIO
 import torch
 
 from mili.client import bench as client
+from mili.client.bench_report import percentile
 from mili.engine.generate import generate
 from mili.engine.model.checkpoint import cached_random_checkpoint
 from mili.engine.model.config import PRESETS
@@ -572,7 +573,7 @@ def measure_overhead(args: argparse.Namespace) -> dict[str, Any]:
         "bare_decode_ms": decode_ms,
         "bare_step_ms": statistics.median(step_s) * 1e3,
         "itl_ms": itl_ms,
-        "itl_p90_ms": client.percentile(itl_s, 90) * 1e3,  # type: ignore[operator]
+        "itl_p90_ms": percentile(itl_s, 90) * 1e3,  # type: ignore[operator]
         "ratio": itl_ms / decode_ms,
         "median_round_ratio": statistics.median(r["ratio"] for r in rounds),
         # Mean CPU ms per decode step: the bare step (this thread), and each process of the

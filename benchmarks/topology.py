@@ -209,15 +209,15 @@ async def kv_path(args: argparse.Namespace, net: netns.Network) -> dict[str, Any
 
     from benchmarks.kv_handoff import (
         BLOCK_SIZE,
-        checkpoint_dir,
         decode_reservation,
         kv_path_alone,
         prefill_in_process,
     )
+    from benchmarks.presets import preset_checkpoint
     from mili.rpc.client import insecure_channel
 
     torch.set_num_threads(args.threads)  # the sender's encode threads compete with decode
-    path = checkpoint_dir(args.cache_dir)
+    path = preset_checkpoint("qwen3-0.6b", args.cache_dir)
     _, servicer, prompt, num_blocks = prefill_in_process(path, args.kv_path_tokens)
     host = net.add_host("kvdec")
     decode = ("serve-decode", "--model", str(path), "--num-blocks", str(2 * num_blocks + 8))
