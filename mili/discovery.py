@@ -209,6 +209,9 @@ class PeerSet:
         self._hosts: set[str] = set()
         self._last: dict[Target, tuple[str, ...]] = {}  # each target's last answer
         self._resolved_at: float | None = None
+        # Fixed targets' hosts are looked up only once `has_host` is asked (callers come from
+        # IPs); `has_address` knows them as spelled.
+        self._is_asked_hosts = False
         self._lock = asyncio.Lock()
         self.problems = LookupProblems(who="peer")
 
@@ -243,6 +246,9 @@ class PeerSet:
         """Whether `host` (a peer's IP; its port is ephemeral) is a host of the set."""
         if self.is_any:
             return True
+        if not self._is_asked_hosts:  # the fixed targets' hosts were never looked up
+            self._is_asked_hosts = True
+            self._resolved_at = None
         return await self._check(lambda: host.lower() in self._hosts)
 
     def target_of(self, address: str) -> Target | None:
@@ -263,6 +269,8 @@ class PeerSet:
             addresses = {t.spec: t for t in self.targets if not t.is_dns}
             hosts: set[str] = set()
             for target in self.targets:
+                if not target.is_dns and not self._is_asked_hosts:
+                    continue
                 try:
                     ips = (target.host,) if is_ip(target.host) else await self._resolve(target.host)
                     self.problems.update(target, None if ips else NO_ADDRESS)

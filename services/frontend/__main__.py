@@ -120,8 +120,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="requests that found every decode instance full wait for room in the admission "
         "queue, first come first served, until their deadline; past N waiting (or "
-        "--max-queued-tokens) a request gets RESOURCE_EXHAUSTED with a retry hint; 0: none "
-        "waits (default: %(default)s)",
+        "--max-queued-tokens) a request gets RESOURCE_EXHAUSTED with a retry hint (one that "
+        "prefill turned away after decode admitted it goes back in line even past it); 0: "
+        "none waits (default: %(default)s)",
     )
     limits.add_argument(
         "--max-queued-tokens",
@@ -129,7 +130,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1 << 20,
         metavar="N",
         help="prompt tokens of the requests waiting in the admission queue, at most (a request "
-        "alone in it may pass it) (default: %(default)s)",
+        "alone in it may pass it, and one that prefill turned away) (default: %(default)s)",
     )
     limits.add_argument(
         "--max-buffered-tokens",

@@ -50,7 +50,8 @@ class Waiter:
 
 
 class AdmissionQueue:
-    """FIFO of `Waiter`s, bounded by count and prompt tokens."""
+    """FIFO of `Waiter`s, bounded by count and prompt tokens (a waiter that comes back after
+    it was admitted, `push(is_return=True)`, is let in past them)."""
 
     def __init__(
         self, max_requests: int, max_tokens: int, *, retry_after_s: float | None = None

@@ -55,6 +55,12 @@ def test_the_allowed_list() -> None:
         assert await allowed((ANY,), "x:1")
         assert await allowed(("dns:///decode:6000",), "10.0.0.1:6000")
         assert looked_up == ["decode"]
+        # Beside a DNS entry, a fixed name is still not looked up (found by a review of
+        # 482e1e1: one that did not resolve was a WARNING, every refresh, inside the check)
+        looked_up.clear()
+        both = ("decode-fixed.example:5000", "dns:///decode:6000")
+        assert await allowed(both, "10.0.0.1:6000") and await allowed(both, both[0])
+        assert looked_up == ["decode"]
 
     asyncio.run(main())
     for bad in (("decode-0",), ("*", "127.0.0.1:5000")):

@@ -130,7 +130,7 @@ def validate(
     constraint: Constraint, limits: ConstraintLimits = ConstraintLimits(), prefix: str = "sampling"
 ) -> None:
     """Check `constraint` against `limits` (and that a schema is a JSON object): InvalidArgument
-    naming the field (`<prefix>.<kind>`) otherwise. Cheap; the compiler calls it first."""
+    naming the field (`field_of`) otherwise. Cheap; the compiler calls it first."""
     field_name = constraint.field_name(prefix)
     size = len(constraint.text.encode())
     max_bytes = {
