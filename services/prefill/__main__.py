@@ -8,7 +8,7 @@ import dataclasses
 import logging
 
 from mili import flags
-from mili.discovery import ANY
+from mili.discovery import ANY, PeerSet
 from mili.engine.engine_config import EngineConfig, add_engine_arguments
 from mili.errors import StartupError
 from mili.rpc.policy import SMALL_REQUESTS_WINDOW_BYTES
@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
             "--decode is required: the decode instances this prefill may send KV to "
             f"(host:port, as the frontend names them), or '{ANY}' for any"
         )
-    if ANY in (d.strip() for d in config.allowed_decodes):
+    if PeerSet.parse(config.allowed_decodes).is_any:
         _LOG.warning("--decode '%s': KV goes to any destination a caller names", ANY)
     engine = dataclasses.replace(config.engine, dtype=flags.choose_dtype(args, _LOG))
     config = dataclasses.replace(config, engine=engine)
