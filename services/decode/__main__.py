@@ -10,6 +10,8 @@ import argparse
 import asyncio
 import dataclasses
 import logging
+import os
+import signal
 
 from mili import flags
 from mili.errors import StartupError
@@ -65,13 +67,23 @@ def run(args: argparse.Namespace) -> int:
         registry=registry,
     )
     add_to_server(server, instance, frontends=frontends, prefills=prefills)
-    instance.start()  # logs model, device, dtype, KV pool, CUDA graphs and attention backend
+    # logs model, device, dtype, KV pool, CUDA graphs and attention backend
+    instance.start(on_death=_stop_this_process)
     try:
         asyncio.run(serve_forever(server))
     finally:
         instance.stop()  # fails what is left and frees its blocks
         tracing.shutdown()  # last: flushes the spans of the final steps too
+    if instance.batcher.death is not None:
+        return 1  # a supervisor (mili serve, Kubernetes) starts a fresh one
     return 0
+
+
+def _stop_this_process(error: BaseException) -> None:
+    """The batch thread died of a bug: this instance would admit requests it can never run.
+    Drain (new calls go elsewhere) and exit non-zero, as SIGTERM's drain does."""
+    _LOG.critical("the batch thread died (%r): stopping this decode instance", error)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 if __name__ == "__main__":

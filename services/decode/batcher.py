@@ -39,6 +39,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -140,6 +141,8 @@ class Batcher:
         self._cond = threading.Condition()
         self._inbox: list[_Join] = []  # guarded by _cond
         self._is_stopping = False  # guarded by _cond
+        self._on_death: Callable[[BaseException], None] | None = None
+        self.death: BaseException | None = None  # what killed the batch thread (a bug)
         self._running: list[_Running] = []  # batch thread only
         self._steps: list[_Step] = []  # batch thread only: launched, ids not in yet; oldest first
         self._collected_at = 0.0  # batch thread only: perf_counter() of the last step's ids
@@ -158,7 +161,10 @@ class Batcher:
 
     # ---- any thread ----------------------------------------------------------------------------
 
-    def start(self) -> None:
+    def start(self, on_death: Callable[[BaseException], None] | None = None) -> None:
+        """Run the batch thread. `on_death`: called on it, with the error, if a bug kills it
+        (every request then failed UNAVAILABLE): the instance cannot serve any more."""
+        self._on_death = on_death
         self._thread.start()
 
     def stop(self, timeout_s: float = 30.0) -> None:
@@ -187,6 +193,15 @@ class Batcher:
     # ---- batch thread --------------------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:
+            self.death = e
+            if self._on_death is not None:
+                self._on_death(e)
+            raise
+
+    def _loop(self) -> None:
         use_device(self._runner.kv_cache.device)
         try:
             while True:

@@ -4,6 +4,7 @@ cache, CUDA graphs), block pool, request table and batch loop, plus what Info re
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -184,8 +185,9 @@ class DecodeInstance(RunnerInfo):
 
     # ---- life cycle ----------------------------------------------------------------------------
 
-    def start(self) -> None:
-        self.batcher.start()
+    def start(self, on_death: Callable[[BaseException], None] | None = None) -> None:
+        """`on_death`: Batcher.start's (what to do when its thread dies of a bug)."""
+        self.batcher.start(on_death)
         _LOG.info("decode instance: %s", self.describe())
 
     def stop(self) -> None:

@@ -54,9 +54,10 @@ class DecodeServerThread:
         server_config: ServerConfig | None = None,
         frontends: Callers | None = None,
         prefills: Callers | None = None,
+        on_death: Callable[[BaseException], None] | None = None,
     ) -> None:
         self.instance = DecodeInstance.load(config)
-        self.instance.start()
+        self.instance.start(on_death)
         server_config = server_config or ServerConfig(drain_timeout_s=2.0, grace_s=0.5)
         self.server = RpcServer(server_config, name="decode")
         add_to_server(self.server, self.instance, frontends=frontends, prefills=prefills)

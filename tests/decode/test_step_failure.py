@@ -181,6 +181,37 @@ def test_a_dead_batch_thread_ends_every_request_and_frees_every_block(
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_dead_batch_thread_says_so_once_its_requests_are_failed(
+    tiny_model_dir: Path, player: PrefillPlayer
+) -> None:
+    """The instance cannot serve once its batch thread died (it would admit requests, take
+    their KV and fail them at the join): `on_death` hears of it, with the error, after every
+    request was failed. The decode process drains and exits non-zero on it (__main__)."""
+    deaths: list[tuple[BaseException, int]] = []
+    server = DecodeServerThread(
+        tiny_decode_config(tiny_model_dir, "off"),
+        on_death=lambda e: deaths.append((e, server.instance.table.num_free_blocks)),
+    )
+    try:
+        batcher = server.instance.batcher
+        batcher._collect = fail_once(3, batcher._collect)  # type: ignore[method-assign]
+
+        async def body() -> None:
+            async with insecure_channel(server.address) as channel:
+                client = Client(channel)
+                error = await outcome(client, player, "dies", 20)
+                assert isinstance(error, grpc.aio.AioRpcError)
+                assert error.code() == grpc.StatusCode.UNAVAILABLE
+
+        server.run(body())
+        ((death, num_free),) = deaths
+        assert batcher.death is death and "injected step failure" in str(death)
+        assert num_free == NUM_BLOCKS
+    finally:
+        server.close()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_request_its_last_token_stopped_still_ends_when_the_thread_dies(
     server: DecodeServerThread, player: PrefillPlayer
 ) -> None:
