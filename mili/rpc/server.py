@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import time
 from collections.abc import Callable, Coroutine, Sequence
@@ -469,3 +470,17 @@ async def serve_forever(
         announce(f"{server.name} service listening on {server.address}")
 
     await server.run_until_signal(ready)
+
+
+def drain_on_death(name: str) -> Callable[[BaseException], None]:
+    """For a service's engine thread (prefill's worker, decode's batch loop): when a bug kills
+    it, the instance can do no useful work, yet would keep admitting requests to fail them.
+    Called on that thread: logs it and drains this process as SIGTERM does (new calls go to
+    other instances); its __main__ then exits 1, and mili serve or Kubernetes starts a fresh
+    one."""
+
+    def on_death(error: BaseException) -> None:
+        _LOG.critical("%s: its engine thread died (%r): stopping this instance", name, error)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    return on_death

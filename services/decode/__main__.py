@@ -10,8 +10,6 @@ import argparse
 import asyncio
 import dataclasses
 import logging
-import os
-import signal
 
 from mili import flags
 from mili.errors import StartupError
@@ -51,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     # Heavy imports (torch, the model) only when actually serving, not for `mili --help`.
     from prometheus_client import CollectorRegistry
 
-    from mili.rpc.server import RpcServer, serve_forever
+    from mili.rpc.server import RpcServer, drain_on_death, serve_forever
     from mili.telemetry.metrics import DecodeMetrics
     from mili.telemetry.tracing import start_tracing
     from services.decode.instance import DecodeInstance
@@ -68,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     )
     add_to_server(server, instance, frontends=frontends, prefills=prefills)
     # logs model, device, dtype, KV pool, CUDA graphs and attention backend
-    instance.start(on_death=_stop_this_process)
+    instance.start(on_death=drain_on_death("decode"))
     try:
         asyncio.run(serve_forever(server))
     finally:
@@ -77,13 +75,6 @@ def run(args: argparse.Namespace) -> int:
     if instance.batcher.death is not None:
         return 1  # a supervisor (mili serve, Kubernetes) starts a fresh one
     return 0
-
-
-def _stop_this_process(error: BaseException) -> None:
-    """The batch thread died of a bug: this instance would admit requests it can never run.
-    Drain (new calls go elsewhere) and exit non-zero, as SIGTERM's drain does."""
-    _LOG.critical("the batch thread died (%r): stopping this decode instance", error)
-    os.kill(os.getpid(), signal.SIGTERM)
 
 
 if __name__ == "__main__":

@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     # Heavy imports (torch, the model) only once the flags are known to be good.
     from prometheus_client import CollectorRegistry
 
-    from mili.rpc.server import RpcServer, serve_forever
+    from mili.rpc.server import RpcServer, drain_on_death, serve_forever
     from mili.telemetry.metrics import PrefillMetrics
     from mili.telemetry.tracing import start_tracing
     from services.prefill.instance import PrefillInstance
@@ -116,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
             max_message_bytes=server_config.max_message_bytes,
             client_interceptors=tracing.client_interceptors(),
             tls=flags.client_tls(args),
+            on_death=drain_on_death("prefill"),
         )
     except ValueError as e:
         raise StartupError(str(e)) from None
@@ -138,6 +139,8 @@ def run(args: argparse.Namespace) -> int:
         asyncio.run(serve())
     finally:
         tracing.shutdown()  # after the drain: flush the last prompts' spans
+    if instance.worker.death is not None:
+        return 1  # a supervisor (mili serve, Kubernetes) starts a fresh one
     return 0
 
 

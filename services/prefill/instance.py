@@ -8,7 +8,7 @@ drives the KV transfer.
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -168,8 +168,8 @@ class PrefillInstance(RunnerInfo):
 
     # ---- life cycle ----------------------------------------------------------------------------
 
-    def start(self) -> None:
-        self.worker.start()
+    def start(self, on_death: Callable[[BaseException], None] | None = None) -> None:
+        self.worker.start(on_death)
 
     def stop(self) -> None:
         self.worker.stop()

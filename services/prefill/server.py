@@ -6,7 +6,7 @@ PrefillResponse (convert.py). Domain errors become statuses in the server interc
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import grpc
 
@@ -35,8 +35,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         max_message_bytes: int,
         client_interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
         tls: Tls | None = None,
+        on_death: Callable[[BaseException], None] | None = None,
     ) -> None:
-        """`tls`: KV goes to decode over TLS with these certificates."""
+        """`tls`: KV goes to decode over TLS with these certificates. `on_death`: the
+        worker's (PrefillWorker.start)."""
         self.instance = instance
         self.config = instance.config
         self.worker = instance.worker
@@ -45,7 +47,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         self.layout = self.handoff.layout
         self.peers = self.handoff.peers
         self.max_prompt_tokens = instance.max_prompt_tokens
-        instance.start()
+        instance.start(on_death)
 
     async def close(self) -> None:
         """Stop the worker (failing what is left), close channels and the encoder threads."""

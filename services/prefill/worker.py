@@ -112,16 +112,27 @@ class PrefillWorker:
         self._jobs: dict[str, _Job] = {}
         self._is_stopping = False
         self._tokens_per_s = 0.0  # moving average, for RESOURCE_EXHAUSTED's retry hint
+        self._on_death: Callable[[BaseException], None] | None = None
+        self.death: BaseException | None = None  # what killed the worker thread (a bug)
         self.steps: deque[StepRecord] = deque(maxlen=_HISTORY)
         self._thread = threading.Thread(target=self._run, name="prefill-worker", daemon=True)
 
     # ---- called from the event loop ----------------------------------------------------------
 
-    def start(self) -> None:
+    def start(self, on_death: Callable[[BaseException], None] | None = None) -> None:
+        """Run the worker thread. `on_death`: called on it, with the error, if a bug kills it
+        (every prompt then failed UNAVAILABLE): the instance cannot serve any more."""
+        self._on_death = on_death
         self._thread.start()
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """Finish the running step, fail every prompt left, and join the thread (blocking)."""
+        self._stop_taking(Unavailable("prefill instance is shutting down; retry elsewhere"))
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    def _stop_taking(self, error: BaseException) -> None:
+        """Refuse new prompts and fail every prompt here with `error`."""
         with self._cond:
             self._is_stopping = True
             jobs = list(self._jobs.values())
@@ -129,9 +140,7 @@ class PrefillWorker:
                 self._forget(job.task.request_id)
             self._cond.notify_all()
         for job in jobs:
-            job.sink.fail(Unavailable("prefill instance is shutting down; retry elsewhere"))
-        if self._thread.is_alive():
-            self._thread.join(timeout_s)
+            job.sink.fail(error)
 
     def reserve(self, task: PrefillTask) -> None:
         """Hold queue room for `task` (Scheduler.reserve): ResourceExhausted for a full queue,
@@ -231,6 +240,16 @@ class PrefillWorker:
         return SequenceSampling(params, task.prompt_token_ids, vocab_size, stop_token_ids=stops)
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:
+            self.death = e
+            self._stop_taking(Unavailable("prefill instance failed; retry elsewhere"))
+            if self._on_death is not None:
+                self._on_death(e)
+            raise
+
+    def _loop(self) -> None:
         use_device(self.kv_cache.device)
         while True:
             with self._cond:

@@ -82,12 +82,14 @@ class PrefillHarness:
 async def prefill_service(tiny: TinyModel, **config: Any) -> AsyncIterator[PrefillHarness]:
     """A started prefill server; on exit asserts every block is free and nothing is queued.
     `vocab_size`: the tokenizer's (default: the model's rows); `frontends`: who may call
-    Prefill (default: this machine); `eos_token_ids`: the model's (default none)."""
+    Prefill (default: this machine); `eos_token_ids`: the model's (default none); `on_death`:
+    the worker's (PrefillWorker.start)."""
     # Any destination by default: these tests aim at receivers on ports chosen as they run.
     num_blocks = config.pop("num_blocks", 128)
     vocab_size = config.pop("vocab_size", None)
     frontends = config.pop("frontends", None)
     eos_token_ids = config.pop("eos_token_ids", ())
+    on_death = config.pop("on_death", None)
     settings = {"max_batch_tokens": 64, "allowed_decodes": (ANY,), **config}
     prefill_config = PrefillConfig(engine=EngineConfig(block_size=BLOCK_SIZE), **settings)
     runner = ModelRunner.create(tiny.model, num_blocks, BLOCK_SIZE, vocab_size=vocab_size)
@@ -98,7 +100,7 @@ async def prefill_service(tiny: TinyModel, **config: Any) -> AsyncIterator[Prefi
         fingerprint=tiny.fingerprint,
         eos_token_ids=eos_token_ids,
     )
-    servicer = PrefillServicer(instance, max_message_bytes=64 << 20)
+    servicer = PrefillServicer(instance, max_message_bytes=64 << 20, on_death=on_death)
     server = RpcServer(ServerConfig(drain_timeout_s=2.0, grace_s=0.5), name="prefill")
     add_to_server(server, servicer, frontends=frontends)
     port = await server.start()

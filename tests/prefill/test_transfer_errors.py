@@ -319,6 +319,32 @@ def test_a_failed_step_leaves_a_newer_request_of_the_same_id_alone(
     asyncio.run(main())
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_dead_worker_thread_fails_its_prompts_and_says_so(tiny: TinyModel) -> None:
+    """A bug that kills the worker thread outside a step (here the scheduler raising): its
+    prompts fail UNAVAILABLE at once, not at their deadlines, new ones are refused, and
+    `on_death` hears of it (the process then drains and exits 1: __main__)."""
+    deaths: list[BaseException] = []
+
+    def broken() -> None:
+        raise RuntimeError("injected scheduler bug")
+
+    async def main() -> None:
+        async with (
+            prefill_service(tiny, on_death=deaths.append) as h,
+            receiver_for(h) as (receiver, server),
+        ):
+            h.servicer.scheduler.schedule = broken  # type: ignore[method-assign]
+            for rid in ("a", "b"):
+                receiver.reserve(rid, [0, 1, 2])
+                request = prefill_request(rid, prompt(tiny), server.address, [0, 1, 2])
+                err = await failed(h.stub.Prefill(request))
+                assert err.code() is grpc.StatusCode.UNAVAILABLE, err.details()
+        assert [str(d) for d in deaths] == ["injected scheduler bug"]
+
+    asyncio.run(main())
+
+
 def test_full_queue_is_resource_exhausted_with_retry_info(tiny: TinyModel) -> None:
     async def main() -> None:
         async with (
