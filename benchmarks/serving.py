@@ -119,12 +119,14 @@ def servable(weights: Path) -> Iterator[Path]:
 
 
 def load_model(path: Path, *, dtype: torch.dtype, attention: str) -> Any:
-    """The checkpoint with the attention backend `mili serve --attention` runs: the in-process
-    (bare, engine) runs then compare like with like."""
-    from kernels.backend import select_attention
+    """The checkpoint with the attention backend and fused ops `mili serve --attention` runs:
+    the in-process (bare, engine) runs then compare like with like."""
+    from kernels.backend import select_attention, select_fused_ops
 
     model = _load_weights(path, dtype=dtype)
-    model.attention = select_attention(attention, "cpu", head_dim=model.config.head_dim)
+    head_dim = model.config.head_dim
+    model.attention = select_attention(attention, "cpu", head_dim=head_dim)
+    model.fused_ops = select_fused_ops(attention, "cpu", head_dim=head_dim)
     return model
 
 
