@@ -105,17 +105,19 @@ def test_min_p_mask_exact_sets() -> None:
 
 def test_filter_logits_works_in_vocab_order_and_renormalizes_for_top_p() -> None:
     perm = torch.tensor([3, 0, 4, 1, 2])  # vocab id perm[j] holds PROBS[j]
-    logits = torch.empty(3, 5)
+    logits = torch.empty(4, 5)
     logits[:, perm] = torch.tensor(PROBS).log()
     out = filter_logits(
         logits,
-        top_k=column([5, 2, 5]),
-        top_p=column([0.65, 0.65, 1.0]),
-        min_p=column([0.0, 0.0, 0.25]),
+        top_k=column([5, 2, 5, 5]),
+        top_p=column([0.65, 0.65, 1.0, 0.75]),
+        min_p=column([0.0, 0.0, 0.25, 0.3]),
     )
     # Row 0: top-p 0.65 keeps PROBS[0:2]. Row 1: top-2 leaves [0.71, 0.29] renormalized, so
-    # top-p 0.65 keeps only the first. Row 2: min-p 0.25 keeps prob >= 0.125.
-    assert kept(out.isinf()) == [{3, 0}, {3}, {3, 0, 4}]
+    # top-p 0.65 keeps only the first. Row 2: min-p 0.25 keeps prob >= 0.125. Row 3 (vLLM's
+    # order): min-p 0.3 keeps [0.5, 0.2, 0.15], renormalized [0.59, 0.24, 0.18], whose nucleus
+    # of 0.75 is the first two (top-p over the unfiltered row would keep three).
+    assert kept(out.isinf()) == [{3, 0}, {3}, {3, 0, 4}, {3, 0}]
     assert torch.equal(out[~out.isinf()], logits[~out.isinf()])  # kept logits unchanged
 
 

@@ -225,15 +225,16 @@ def min_p_mask(sorted_logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor
 def filter_logits(
     logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
 ) -> torch.Tensor:
-    """Set logits outside top-k, then top-p (of what top-k kept), then min-p to -inf.
+    """Set logits outside min-p and top-k, then outside top-p of what they kept, to -inf: vLLM's
+    order (min-p is a ratio to the top token, which top-k always keeps, so those two commute;
+    top-p's nucleus is taken over their survivors, renormalized).
 
-    logits: [B, V] in vocabulary order; one sort serves all three masks. min-p is a ratio to
-    the top token, so the renormalization by earlier filters does not change it.
+    logits: [B, V] in vocabulary order; one sort serves all three masks.
     """
     sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)  # [B, V] each
-    remove = top_k_mask(sorted_logits, top_k)
+    remove = top_k_mask(sorted_logits, top_k) | min_p_mask(sorted_logits, min_p)
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
-    remove |= top_p_mask(sorted_logits, top_p) | min_p_mask(sorted_logits, min_p)
+    remove |= top_p_mask(sorted_logits, top_p)
     remove = torch.zeros_like(remove).scatter(-1, sorted_ids, remove)  # back to vocab order
     return logits.masked_fill(remove, float("-inf"))
 
