@@ -70,17 +70,17 @@ def add_routes(app: web.Application) -> None:
 
 async def generate(request: web.Request) -> web.StreamResponse:
     generations = request.app[GENERATIONS]
-    body = _read(parse(await request.read()))
-    if body.inputs.client_request_id:
+    given = _read(parse(await request.read()))
+    if given.inputs.client_request_id:
         # The body's id is the request's: the response's X-Request-Id says the same.
-        set_request_id(request, body.inputs.client_request_id)
-    inputs = dataclasses.replace(body.inputs, client_request_id=request_id_of(request))
+        set_request_id(request, given.inputs.client_request_id)
+    inputs = dataclasses.replace(given.inputs, client_request_id=request_id_of(request))
     valid = generations.validate(inputs)
     request_id = valid.client_request_id
     deltas = generations.run(valid, Deadline(None))
     generated = generations.metrics.generated_tokens
     async with aclosing(deltas):
-        if body.is_stream:
+        if given.is_stream:
             return await _stream(request, request_id, deltas)
         text: list[str] = []
         token_ids: list[int] = []
