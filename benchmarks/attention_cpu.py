@@ -82,10 +82,10 @@ def bench_prefill(kernels: CpuKernels, dtype: str, length: int, repeats: int) ->
     k_t = case.k.transpose(0, 1).contiguous()  # [KVH, T, D]
     v_t = case.v.transpose(0, 1).contiguous()
 
-    def ours() -> object:
+    def ours() -> torch.Tensor:
         return run_prefill(kernels, case)
 
-    def theirs() -> object:
+    def theirs() -> torch.Tensor:
         return F.scaled_dot_product_attention(
             q_t, k_t, v_t, is_causal=True, scale=case.scale, enable_gqa=True
         )
@@ -131,10 +131,10 @@ def bench_decode(
     )
     reference = TorchAttention()
 
-    def ours() -> object:
+    def ours() -> torch.Tensor:
         return run_decode(kernels, case)
 
-    def theirs() -> object:
+    def theirs() -> torch.Tensor:
         return reference.decode(
             case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, scale=case.scale
         )

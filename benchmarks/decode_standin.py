@@ -67,7 +67,12 @@ class StandInDecode(decode_pb2_grpc.DecodeServiceServicer):
         ids = [self._token_ids[(start + i) % len(self._token_ids)] for i in range(n)]
         is_last = running.num_sent >= running.max_tokens
         return decode_pb2.Tokens(
-            token_ids=ids, finish_reason=sampling_pb2.FINISH_REASON_LENGTH if is_last else 0
+            token_ids=ids,
+            finish_reason=(
+                sampling_pb2.FINISH_REASON_LENGTH
+                if is_last
+                else sampling_pb2.FINISH_REASON_UNSPECIFIED
+            ),
         )
 
     async def GenerateStream(

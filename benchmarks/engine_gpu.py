@@ -364,7 +364,7 @@ def hf_tpot(
             transformers.Qwen3ForCausalLM.from_pretrained(
                 path, dtype=dtype, attn_implementation="sdpa"
             )
-            .to(device)
+            .to(device)  # type: ignore[arg-type]  # transformers' stubs want a dtype
             .eval()
         )
     ids = torch.tensor(prompts(batch, args.context, model.config.vocab_size), device=device)

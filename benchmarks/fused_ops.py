@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import sys
 import tempfile
@@ -149,7 +150,7 @@ def bench_step(args: argparse.Namespace, mojo: FusedOps, attention: AttentionBac
                 for name, ops in (("torch ops", TorchFusedOps()), ("Mojo ops", mojo))
             }
             for batch in args.batch:
-                steps = []
+                steps: list[Callable[[], object]] = []
                 for model in models.values():
                     blocks = -(-(args.context + 1) // BLOCK)
                     cache = KVCache(config, batch * blocks, BLOCK, dtype=dtype, device=args.device)
@@ -160,7 +161,7 @@ def bench_step(args: argparse.Namespace, mojo: FusedOps, attention: AttentionBac
                     step = DecodeBatch.build(
                         [5] * batch, [args.context] * batch, tables, BLOCK, device=args.device
                     )
-                    steps.append(lambda m=model, s=step, c=cache: m.decode(s, c))
+                    steps.append(functools.partial(model.decode, step, cache))
                     if args.device == "cuda":
                         print(f"  {model.fused_ops.name}: {count_cuda_kernels(steps[-1])} kernels")
                 before, after = best_of(steps, args.repeats, args.device, 1)

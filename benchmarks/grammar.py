@@ -177,7 +177,7 @@ class Llguidance:
         elif kind == "gbnf":
             grammar = llg.grammar_from("gbnf", text)
         else:
-            grammar = llg.grammar_from(kind, text)  # type: ignore[arg-type]
+            grammar = llg.grammar_from(kind, text)
         # The compile: a matcher in its start state and its first mask (llguidance builds its
         # lexer lazily; mili/engine/constraint/compiler.py does the same), copied per request.
         template = llg.LLMatcher(self.tok, grammar, log_level=0)
@@ -283,7 +283,7 @@ def child(engine_name: str, tokenizer: str, cache: Path, walks: int) -> dict[str
     from tokenizers import Tokenizer
 
     eos = demo.token_id(Tokenizer.from_file(str(directory / "tokenizer.json")), demo.EOS_TOKEN)
-    engine_cls = {"llguidance": Llguidance, "xgrammar": Xgrammar}[engine_name]
+    engine_cls = Llguidance if engine_name == "llguidance" else Xgrammar
     __import__("llguidance" if engine_name == "llguidance" else "xgrammar")
     rss0 = _rss_mib()
     t0 = time.perf_counter()
@@ -354,7 +354,8 @@ def main() -> None:
     if args.xgrammar_path:
         sys.path.insert(0, args.xgrammar_path)
     if args.child:
-        print(json.dumps(child(*args.child, args.cache, args.walks)))
+        engine_name, tokenizer = args.child
+        print(json.dumps(child(engine_name, tokenizer, args.cache, args.walks)))
         return
     print(f"load average {os.getloadavg()}", file=sys.stderr)
     results: dict[str, Any] = {}

@@ -89,9 +89,9 @@ def model_dir(cache_dir: Path) -> Path:
     padded = Qwen3Config.from_file(demo / "config.json")
     vocab = json.loads((demo / "tokenizer.json").read_text())
     num_tokens = len(vocab["model"]["vocab"]) + len(vocab.get("added_tokens", []))
-    config = dataclasses.replace(
-        demo_config(num_tokens, padded.eos_token_id, padded.bos_token_id), vocab_size=num_tokens
-    )
+    eos, bos = padded.eos_token_id, padded.bos_token_id
+    assert isinstance(eos, int) and isinstance(bos, int)  # the demo model's: one id each
+    config = dataclasses.replace(demo_config(num_tokens, eos, bos), vocab_size=num_tokens)
     weights = cached_random_checkpoint(config, "demo-unpadded", cache_dir)
     for path in demo.iterdir():
         if (

@@ -220,7 +220,8 @@ async def kv_path(args: argparse.Namespace, net: netns.Network) -> dict[str, Any
     path = preset_checkpoint("qwen3-0.6b", args.cache_dir)
     _, servicer, prompt, num_blocks = prefill_in_process(path, args.kv_path_tokens)
     host = net.add_host("kvdec")
-    decode = ("serve-decode", "--model", str(path), "--num-blocks", str(2 * num_blocks + 8))
+    decode: tuple[str, ...] = ("serve-decode", "--model", str(path))
+    decode += ("--num-blocks", str(2 * num_blocks + 8))
     decode += ("--block-size", str(BLOCK_SIZE), "--dtype", "bfloat16", "--log-level", "WARNING")
     decode += ("--no-prefix-cache",)  # the same prompt every run: it must move in full each time
     services: list[ServiceProcess] = []
