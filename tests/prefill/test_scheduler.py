@@ -301,13 +301,7 @@ def test_a_skipped_prompt_is_not_starved_by_later_prompts_that_run_on() -> None:
     left was skipped for good while prompts with a cached prefix kept arriving: each fitted the
     gap with a small first chunk, then ran on and left a gap too small again. Past a skipped
     prompt only prompts computed whole in the step are admitted."""
-    s = Scheduler(
-        BlockPool(256),
-        block_size=4,
-        max_batch_tokens=16,
-        max_queued_tokens=100_000,
-        prefix_caching=True,
-    )
+    s = make_cached(num_blocks=256, max_batch_tokens=16)
     system = list(range(1000, 1012))  # 12 tokens (3 blocks) every long prompt shares
     s.add("warm", 13, prompt_token_ids=[*system, 1])
     run_all(s)
@@ -338,13 +332,7 @@ def test_a_skipped_prompt_is_not_starved_by_later_prompts_that_run_on() -> None:
 def test_no_waiting_prompt_is_looked_up_once_the_budget_is_spent() -> None:
     """A step whose running chunks take the whole budget admits no one: the waiting prompts'
     prefix lookups (hashing, and refreshing their cached blocks' recency) are skipped."""
-    s = Scheduler(
-        BlockPool(64),
-        block_size=4,
-        max_batch_tokens=16,
-        max_queued_tokens=1000,
-        prefix_caching=True,
-    )
+    s = make_cached(max_batch_tokens=16)
     s.add("long", 40, prompt_token_ids=list(range(40)))
     step = s.schedule()
     assert plan(step) == [("long", 0, 16)]
