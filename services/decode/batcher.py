@@ -52,7 +52,8 @@ from mili.engine.constraint.compiler import ConstraintCompiler
 from mili.engine.constraint.mask import BatchMasker, FilledMask
 from mili.engine.constraint.matcher import ConstraintError, ConstraintMatcher
 from mili.engine.logprobs import TokenLogprobs
-from mili.engine.step.runner import Launched, ModelRunner, use_device
+from mili.engine.step.device import use_device
+from mili.engine.step.runner import Launched, ModelRunner
 from mili.engine.step.sampler import PendingSample
 from mili.engine.step.sequence import Sequence
 from mili.errors import FailedPrecondition, Unavailable

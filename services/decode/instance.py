@@ -20,7 +20,9 @@ from mili.engine.model.fingerprint import model_fingerprint, tokenizer_file_sha2
 from mili.engine.model.kv_cache import KVCache
 from mili.engine.model.loader import load_config
 from mili.engine.step.ahead_check import check_ahead
-from mili.engine.step.runner import ModelRunner, RunnerInfo, require_device
+from mili.engine.step.device import require_device
+from mili.engine.step.runner import ModelRunner
+from mili.engine.step.runner_info import RunnerInfo
 from mili.errors import StartupError
 from mili.kv_handoff import kv_transport
 from mili.kv_handoff.cuda_ipc import export_pool

@@ -23,7 +23,9 @@ from mili.engine.kv.block_pool import BlockPool
 from mili.engine.model.config import ConfigError
 from mili.engine.model.fingerprint import model_fingerprint, tokenizer_file_sha256
 from mili.engine.model.loader import load_config
-from mili.engine.step.runner import ModelRunner, RunnerInfo, require_device
+from mili.engine.step.device import require_device
+from mili.engine.step.runner import ModelRunner
+from mili.engine.step.runner_info import RunnerInfo
 from mili.errors import StartupError
 from mili.telemetry.metrics import PrefillMetrics, PrefixCacheCollector
 from services.prefill.config import PrefillConfig

@@ -40,9 +40,10 @@ from mili.engine.constraint.matcher import ConstraintError, ConstraintMatcher
 from mili.engine.kv.prefix_cache import PrefixCacheReading
 from mili.engine.logprobs import TokenLogprobs
 from mili.engine.model.kv_cache import KVCache
+from mili.engine.step.device import use_device
 from mili.engine.step.pinned import StagingRing, pinned_empty, thread_stream
 from mili.engine.step.prompt_logprobs import PromptLogprobsAsk, chunk_targets
-from mili.engine.step.runner import ModelRunner, use_device
+from mili.engine.step.runner import ModelRunner
 from mili.engine.step.sampler import SequenceSampling
 from mili.engine.stop import stop_token_set
 from mili.errors import Unavailable

@@ -14,7 +14,8 @@ from mili.engine.kv.block_pool import BlockPool, blocks_needed
 from mili.engine.model.attention import TorchAttention
 from mili.engine.model.qwen3 import DecodeBatch, Qwen3ForCausalLM
 from mili.engine.sampling_params import SamplingParams
-from mili.engine.step.runner import ModelRunner, use_device
+from mili.engine.step.device import use_device
+from mili.engine.step.runner import ModelRunner
 from mili.engine.step.sampler import SequenceSampling
 from mili.engine.step.sequence import Sequence
 

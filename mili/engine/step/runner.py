@@ -34,12 +34,11 @@ import torch
 from mili.engine.constraint.mask import FilledMask
 from mili.engine.engine_config import EngineConfig
 from mili.engine.kv.block_pool import blocks_needed
-from mili.engine.kv.kv_layout import KVLayout
 from mili.engine.kv_memory import GIB, plan_kv_pool
 from mili.engine.model.attention import AttentionBackend
 from mili.engine.model.config import ConfigError
 from mili.engine.model.fused_ops import FusedOps
-from mili.engine.model.kv_cache import KVCache, bytes_per_block, dtype_name
+from mili.engine.model.kv_cache import KVCache, bytes_per_block
 from mili.engine.model.loader import (
     CheckpointError,
     load_config,
@@ -52,6 +51,7 @@ from mili.engine.sampling_params import SamplingParams
 from mili.engine.step.buckets import graph_batch_sizes, padded_batch_size
 from mili.engine.step.cuda_graphs import DecodeGraphs
 from mili.engine.step.decode_inputs import DecodeInputs
+from mili.engine.step.device import require_device, use_device
 from mili.engine.step.pinned import is_pinnable
 from mili.engine.step.prompt_logprobs import (
     PendingPromptLogprobs,
@@ -469,76 +469,3 @@ class ModelRunner:
         if use_graphs:
             runner.capture_graphs()
         return runner
-
-
-class RunnerInfo:
-    """What a prefill or decode instance reports about its `runner` (Info, start-up logs)."""
-
-    runner: ModelRunner
-
-    @property
-    def model(self) -> Qwen3ForCausalLM:
-        return self.runner.model
-
-    @property
-    def dtype(self) -> str:
-        return dtype_name(self.model.dtype)
-
-    @property
-    def device(self) -> str:
-        return str(self.model.device)
-
-    @property
-    def attention_backend(self) -> str:
-        return self.model.attention.name
-
-    @property
-    def fused_ops(self) -> str:
-        return self.model.fused_ops.name
-
-    @property
-    def vocab_size(self) -> int:
-        """The tokenizer's number of token ids: the ids accepted and sampled (the model's
-        embedding table may have more rows)."""
-        return self.runner.vocab_size
-
-    @property
-    def layout(self) -> KVLayout:
-        return self.runner.kv_cache.layout
-
-    @property
-    def architecture(self) -> str:
-        """HF's class name: "Qwen3ForCausalLM" or "Qwen3MoeForCausalLM"."""
-        return self.model.config.architecture
-
-    @property
-    def num_experts(self) -> int:
-        """Experts per MoE layer (0: dense)."""
-        return self.model.config.num_experts
-
-    @property
-    def num_active_experts(self) -> int:
-        """Experts each token is routed to (0: dense)."""
-        return self.model.config.num_experts_per_tok if self.model.config.is_moe else 0
-
-
-def use_device(device: torch.device) -> None:
-    """Make `device` the calling thread's current CUDA device (nothing on the CPU): events,
-    streams and graph captures made without a device take the current one, which is cuda:0 in
-    every thread until it says otherwise. Called by each thread that runs the model."""
-    if device.type == "cuda":
-        # torch 2.11 refuses a device without an index here; plain "cuda" means the current one.
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        torch.cuda.set_device(index)
-
-
-def require_device(device: str) -> None:
-    """StartupError unless `device` (cpu, cuda, cuda:N) exists here."""
-    if device.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise StartupError(f"--device {device}: no CUDA device is available")
-        index = torch.device(device).index
-        if index is not None and index >= torch.cuda.device_count():
-            raise StartupError(
-                f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) here"
-            )
