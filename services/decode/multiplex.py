@@ -84,6 +84,9 @@ class Multiplexer:
         self._is_draining = is_draining
         self._clock = clock
         self._open: dict[str, _Open] = {}
+        # Starts being admitted, each on a task of its own: one waiting for its constraint's
+        # first compile holds back no other start or cancel on the stream.
+        self._starting: dict[str, asyncio.Task[None]] = {}
         self._ready: dict[str, None] = {}  # ids with events to take, in the order they came
         self._outbox: list[decode_pb2.StreamedEvent] = []  # admissions and failures
         self._wake = asyncio.Event()
@@ -103,11 +106,15 @@ class Multiplexer:
                 events = self._collect()
                 if events:
                     yield decode_pb2.GenerateStreamResponse(events=events)
-                if not self._open and (self._is_caller_done or self._is_draining()):
+                if not (self._open or self._starting) and (
+                    self._is_caller_done or self._is_draining()
+                ):
                     return  # nothing left to send, and nothing more will come
         finally:
             reader.cancel()
             ticker.cancel()
+            for task in list(self._starting.values()):  # admitting: refused as cancelled
+                task.cancel()
             for rid in list(self._open):  # the caller went away: as cancelling each call
                 self._close(rid, Cancelled(f"the stream carrying request {rid} ended"))
 
@@ -117,12 +124,30 @@ class Multiplexer:
         try:
             async for message in requests:
                 for start in message.starts:
-                    await self._start(start)  # waits only for a constraint's first compile
+                    rid = start.request.request_id
+                    if rid in self._open or rid in self._starting:
+                        # Open: ended in the table, its last events not yet sent.
+                        reason = "already exists: a request with this id is open on this stream"
+                        error = InvalidArgument("request_id", rid, reason)
+                        self._refuse(rid, error, self._server_span(start))
+                        continue
+                    self._starting[rid] = asyncio.create_task(self._admit(start))
                 for rid in message.cancel_request_ids:
                     if rid in self._open:
                         self._close(rid, Cancelled(f"request {rid} was cancelled by its caller"))
+                    elif rid in self._starting:
+                        self._starting[rid].cancel()
         finally:
             self._is_caller_done = True
+            self._wake.set()
+
+    async def _admit(self, start: decode_pb2.StreamedGenerate) -> None:
+        """`_start` on its own task; off `_starting` (and the stream woken) before it ends, so
+        the stream never waits on a start already over."""
+        try:
+            await self._start(start)
+        finally:
+            self._starting.pop(start.request.request_id, None)
             self._wake.set()
 
     async def _start(self, start: decode_pb2.StreamedGenerate) -> None:
@@ -132,17 +157,12 @@ class Multiplexer:
         try:
             if self._is_draining():
                 raise Unavailable("decode instance is draining; retry on another instance")
-            if rid in self._open:  # ended in the table, its last events not yet sent
-                raise InvalidArgument(
-                    "request_id",
-                    rid,
-                    "already exists: a request with this id is open on this stream",
-                )
             # refuses an id still active, open here or not
             req, outlet = await self._admission.admit(request)
         except asyncio.CancelledError:
-            # The stream ended while a constraint compiled: its span and count end too.
-            self._refuse(rid, Cancelled(f"request {rid}: its stream ended"), span)
+            # The caller cancelled it, or the stream ended, while its constraint compiled: its
+            # span and count end too.
+            self._refuse(rid, Cancelled(f"request {rid} was cancelled while being admitted"), span)
             raise
         except Exception as exc:
             self._refuse(rid, exc, span)

@@ -275,3 +275,70 @@ def test_an_id_still_open_on_the_stream_is_refused_and_the_open_one_ends_whole()
         assert [seen(m) async for m in stream] == []
 
     asyncio.run(main())
+
+
+def test_a_start_waiting_for_its_compile_holds_back_no_other_start_or_cancel() -> None:
+    """Found by a read-only review: starts were admitted one after the other, so one waiting
+    for its constraint's first compile (up to seconds) held back every later start and cancel
+    on the stream, past the frontend's admit timeout (which then took a healthy decode out of
+    routing). Each start now runs on its own; a cancel reaches one still being admitted."""
+    from mili.engine.kv.block_pool import BlockPool
+    from services.decode.multiplex import Multiplexer
+    from services.decode.requests import RequestTable
+    from services.decode.stream import Outlets, TokenStream
+
+    table = RequestTable(BlockPool(16), block_size=4, max_requests=10)
+    outlets = Outlets()
+    compiled = asyncio.Event()
+
+    class Admitting:  # "slow-*" requests wait for their constraint's compile
+        async def admit(self, request: decode_pb2.GenerateRequest) -> object:
+            if request.request_id.startswith("slow"):
+                await compiled.wait()
+            rid, ids = request.request_id, request.prompt_token_ids
+            params = SamplingParams(max_tokens=4)
+            req = table.admit(rid, ids, params, lease_ms=60_000, now=time.monotonic())
+            return req, outlets.open(rid, TokenStream(asyncio.get_running_loop()))
+
+    def start(*rids: str) -> decode_pb2.GenerateStreamRequest:
+        return decode_pb2.GenerateStreamRequest(
+            starts=[
+                decode_pb2.StreamedGenerate(
+                    request=decode_pb2.GenerateRequest(request_id=r, prompt_token_ids=[5, 6])
+                )
+                for r in rids
+            ]
+        )
+
+    async def main() -> None:
+        mux = Multiplexer(
+            Admitting(),  # type: ignore[arg-type]
+            table,
+            outlets,
+            metrics=None,
+            is_draining=lambda: False,
+        )
+        queue: asyncio.Queue[decode_pb2.GenerateStreamRequest | None] = asyncio.Queue()
+
+        async def requests() -> Any:
+            while (message := await queue.get()) is not None:
+                yield message
+
+        stream = mux.run(requests())
+
+        async def next_events() -> list[tuple[str, str]]:
+            message = await asyncio.wait_for(anext(stream), 5)
+            return [(e.request_id, e.WhichOneof("event") or "") for e in message.events]
+
+        await queue.put(start("slow-a", "slow-b", "fast"))
+        assert await next_events() == [("fast", "admitted")]  # not behind the compiles
+        await queue.put(decode_pb2.GenerateStreamRequest(cancel_request_ids=["slow-a"]))
+        assert await next_events() == [("slow-a", "error")]  # cancelled while being admitted
+        compiled.set()
+        assert await next_events() == [("slow-b", "admitted")]
+        await queue.put(decode_pb2.GenerateStreamRequest(cancel_request_ids=["slow-b", "fast"]))
+        await queue.put(None)
+        assert [e async for m in stream for e in m.events] == []
+        assert table.num_free_blocks == 16
+
+    asyncio.run(main())
