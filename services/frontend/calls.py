@@ -75,6 +75,9 @@ class RequestIds:
 class Prompt:
     token_ids: tuple[int, ...]
     sampling: SamplingParams  # max_tokens fitted to the context, EOS ids among the stop ids
+    # The tokenizer's ids, as it said when the prompt was made: what detokenization takes (a
+    # tokenizer restarting later, its facts unknown a while, must not fail the request)
+    vocab_size: int
 
 
 @dataclass(frozen=True)

@@ -152,8 +152,7 @@ class Generation:
         is_finished = False
         try:
             self._start_prefill(admission)
-            facts = await self._downstream.tokenizer_facts()
-            text = self._downstream.detokenize(facts.vocab_size, self._deadline)
+            text = self._downstream.detokenize(self._prompt.vocab_size, self._deadline)
             async with aclosing(self._stream(admission, text)) as deltas:
                 async for delta in deltas:
                     is_finished = delta.finish_reason is not None

@@ -47,7 +47,7 @@ async def tokenize(
         router.max_prompt_tokens,
         may_shrink=request.is_default_max_tokens,
     )
-    return Prompt(token_ids, with_eos(sampling, facts.eos_token_ids))
+    return Prompt(token_ids, with_eos(sampling, facts.eos_token_ids), facts.vocab_size)
 
 
 def check_input_chars(request: ValidRequest, max_input_chars: int) -> None:

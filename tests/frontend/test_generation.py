@@ -173,7 +173,8 @@ def run(
     downstream: FakeDownstream, sampling: SamplingParams, prompt: tuple[int, ...] = (5, 6, 7)
 ) -> list[Delta]:
     async def main() -> list[Delta]:
-        generation = Generation(downstream, CONFIG, IDS, Prompt(prompt, sampling), Deadline(5.0))
+        given = Prompt(prompt, sampling, vocab_size=30)
+        generation = Generation(downstream, CONFIG, IDS, given, Deadline(5.0))
         return [delta async for delta in generation.run()]
 
     return asyncio.run(main())
@@ -481,7 +482,7 @@ def test_a_caller_leaving_mid_stream_cancels_every_downstream_call() -> None:
 
     async def main() -> None:
         generation = Generation(
-            down, CONFIG, IDS, Prompt((5,), SamplingParams(max_tokens=9)), Deadline(5.0)
+            down, CONFIG, IDS, Prompt((5,), SamplingParams(max_tokens=9), 30), Deadline(5.0)
         )
         deltas = generation.run()
         first = await anext(deltas)
@@ -585,3 +586,21 @@ def test_an_instance_that_caches_no_prefix_draws_no_request_for_one() -> None:
     run(down, params, prompt)
     assert last_decode() == "d:1"
     assert index.matches(index.keys(prompt), now=time.monotonic())["d:1"] == 2
+
+
+def test_a_tokenizer_restarting_after_the_prompt_was_made_fails_no_request() -> None:
+    """Found by a read-only review: once admitted, a request asked the tokenizer's facts again
+    (for detokenization), so a tokenizer restarting meanwhile (its facts unknown until its next
+    Info) failed requests already tokenized and admitted. Their prompt carries what it needs."""
+    down = FakeDownstream(
+        {"d:1": [Admitted([1], "token"), tokens(1, 2, finish=FinishReason.LENGTH)]}
+    )
+    down.prefill_outcome = lambda: PrefillStats(0.0, 0.0, 0.0, 0)
+
+    async def restarting() -> TokenizerFacts:
+        raise Unavailable("tokenizer at t:1: failed to connect")
+
+    down.tokenizer_facts = restarting  # type: ignore[method-assign]
+    deltas = run(down, SamplingParams(max_tokens=2))
+    assert [t for d in deltas for t in d.token_ids] == [1, 2]
+    assert deltas[-1].finish_reason is FinishReason.LENGTH
