@@ -154,9 +154,15 @@ class _Session:
     def cancel(self, stream: RequestStream) -> None:
         if self._streams.get(stream.request_id) is stream:
             del self._streams[stream.request_id]
-            if not self.is_ended:
-                self._cancels.append(stream.request_id)
-                self._wake.set()
+            if self.is_ended:
+                return
+            rid = stream.request_id
+            unsent = [s for s in self._starts if s.request.request_id != rid]
+            if len(unsent) < len(self._starts):  # never sent: nothing for decode to undo
+                self._starts = unsent
+                return
+            self._cancels.append(rid)
+            self._wake.set()
 
     async def close(self) -> None:
         self.is_ended = True

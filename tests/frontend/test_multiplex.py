@@ -4,9 +4,15 @@ GENERATE_STREAM_BATCH_BYTES (a start larger than that alone)."""
 
 from __future__ import annotations
 
-from mili.pb.decode.v1 import decode_pb2
+import asyncio
+
+from mili.pb.decode.v1 import decode_pb2, decode_pb2_grpc
+from mili.rpc.client import insecure_channel
 from mili.rpc.policy import GENERATE_STREAM_BATCH_BYTES
-from services.frontend.multiplex import _messages
+from mili.rpc.server import RpcServer, ServerConfig
+from services.frontend.calls import Deadline
+from services.frontend.multiplex import DecodeMultiplexer, _messages
+from tests.frontend.fakes import FakeDecode
 
 
 def _start(request_id: str, num_ids: int) -> decode_pb2.StreamedGenerate:
@@ -32,3 +38,34 @@ def test_large_writes_are_split_in_order_within_the_limit() -> None:
     for m in messages:
         assert m.ByteSize() <= GENERATE_STREAM_BATCH_BYTES or len(m.starts) == 1, m.ByteSize()
     assert [len(m.starts) for m in messages] == [3, 1, 3, 2]
+
+
+def test_a_request_cancelled_before_its_start_went_out_never_reaches_decode() -> None:
+    """Found by a read-only review: a request cancelled (its caller gone, its admission timed
+    out) before the writer sent its start still had the start sent, then a cancel: decode
+    admitted it, reserved its blocks and compiled its constraint for nothing."""
+
+    async def main() -> None:
+        decode = FakeDecode()
+        server = RpcServer(ServerConfig(drain_timeout_s=1.0, grace_s=0.1), name="decode")
+        server.add_service(
+            "mili.decode.v1.DecodeService",
+            lambda s: decode_pb2_grpc.add_DecodeServiceServicer_to_server(decode, s),
+        )
+        port = await server.start()
+        channel = insecure_channel(f"127.0.0.1:{port}")
+        mux = DecodeMultiplexer(decode_pb2_grpc.DecodeServiceStub(channel), "decode at fake")
+        try:
+            gone = mux.open(decode_pb2.GenerateRequest(request_id="gone"), Deadline(5.0))
+            gone.cancel()  # before the writer ran: its start is still queued
+            kept = mux.open(decode_pb2.GenerateRequest(request_id="kept"), Deadline(5.0))
+            assert await asyncio.wait_for(kept.read(), 5) is not None  # admitted
+            kept.cancel()
+            await asyncio.sleep(0.1)
+            assert [r.request_id for r in decode.requests] == ["kept"]
+        finally:
+            await mux.close()
+            await channel.close()
+            await server.drain()
+
+    asyncio.run(main())
