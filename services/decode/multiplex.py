@@ -23,6 +23,7 @@ caller's, with the `decode request` span beneath it as a Generate call has.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
@@ -131,7 +132,9 @@ class Multiplexer:
                         error = InvalidArgument("request_id", rid, reason)
                         self._refuse(rid, error, self._server_span(start))
                         continue
-                    self._starting[rid] = asyncio.create_task(self._admit(start))
+                    task = asyncio.create_task(self._start(start))
+                    self._starting[rid] = task
+                    task.add_done_callback(functools.partial(self._started, rid))
                 for rid in message.cancel_request_ids:
                     if rid in self._open:
                         self._close(rid, Cancelled(f"request {rid} was cancelled by its caller"))
@@ -141,14 +144,12 @@ class Multiplexer:
             self._is_caller_done = True
             self._wake.set()
 
-    async def _admit(self, start: decode_pb2.StreamedGenerate) -> None:
-        """`_start` on its own task; off `_starting` (and the stream woken) before it ends, so
-        the stream never waits on a start already over."""
-        try:
-            await self._start(start)
-        finally:
-            self._starting.pop(start.request.request_id, None)
-            self._wake.set()
+    def _started(self, rid: str, task: asyncio.Task[None]) -> None:
+        """A start's task ended (also one cancelled before it ran, whose body never did): off
+        `_starting`, and the stream woken to see whether anything is left on it."""
+        if self._starting.get(rid) is task:
+            del self._starting[rid]
+        self._wake.set()
 
     async def _start(self, start: decode_pb2.StreamedGenerate) -> None:
         request = start.request

@@ -337,8 +337,16 @@ def test_a_start_waiting_for_its_compile_holds_back_no_other_start_or_cancel() -
         compiled.set()
         assert await next_events() == [("slow-b", "admitted")]
         await queue.put(decode_pb2.GenerateStreamRequest(cancel_request_ids=["slow-b", "fast"]))
+        # A start and its cancel in one message: its task is cancelled before it ever ran.
+        late = start("late")
+        late.cancel_request_ids.append("late")
+        await queue.put(late)
         await queue.put(None)
-        assert [e async for m in stream for e in m.events] == []
+
+        async def rest() -> list[decode_pb2.StreamedEvent]:
+            return [e async for m in stream for e in m.events]
+
+        assert await asyncio.wait_for(rest(), 5) == []  # the stream ends: nothing left on it
         assert table.num_free_blocks == 16
 
     asyncio.run(main())

@@ -58,6 +58,8 @@ def test_a_request_cancelled_before_its_start_went_out_never_reaches_decode() ->
         try:
             gone = mux.open(decode_pb2.GenerateRequest(request_id="gone"), Deadline(5.0))
             gone.cancel()  # before the writer ran: its start is still queued
+            session = mux._session
+            assert session is not None and (session._starts, session._cancels) == ([], [])
             kept = mux.open(decode_pb2.GenerateRequest(request_id="kept"), Deadline(5.0))
             assert await asyncio.wait_for(kept.read(), 5) is not None  # admitted
             kept.cancel()
