@@ -52,14 +52,15 @@ from services.frontend.stop import StopMatcher, clip_tokens
 
 _LOG = logging.getLogger("mili.frontend")
 
-# Times a request goes to another prefill instance after its own turned out down before its
-# first token; past them its error is the answer (a flapping instance must not keep a request
-# going round). Waits for room do not count.
-_MAX_PREFILL_RETRIES = 2
+# Times a request goes to another instance after its prefill or decode turned out down before
+# its first token; past them its error is the answer (a flapping instance must not keep a
+# request going round). Waits for room do not count.
+_MAX_RETRIES = 2
 
 
-class _PrefillDown(Exception):
-    """The request's prefill instance was down before its first token, another is up."""
+class _Elsewhere(Exception):
+    """The request's prefill or decode instance was down before its first token, another of
+    its kind is up: the request goes there."""
 
 
 @dataclass
@@ -112,7 +113,7 @@ class Generation:
         self._placement = Placement(downstream, config, prompt, deadline)
         self._first_request_id = ids.request_id
         self._num_tries = 1
-        self._num_prefill_retries = 0
+        self._num_retries = 0
 
     async def run(self) -> AsyncGenerator[Delta, None]:
         no_room: NoRoom | None = None
@@ -126,7 +127,7 @@ class Generation:
                     return
                 except NoRoom as refused:  # prefill turned it away: back in line, in its place
                     no_room = why = refused
-                except _PrefillDown as down:  # tried again at once (in its place if others wait)
+                except _Elsewhere as down:  # tried again at once (in its place if others wait)
                     no_room, why = None, down
             self._next_try_ids(why)
 
@@ -209,22 +210,33 @@ class Generation:
             self._prefill_reply = prefill.result()
         except InstanceDown as error:
             self._downstream.request_refresh(down=admission.route.prefill)
-            if (
-                self._output_token_ids
-                or self._num_prefill_retries >= _MAX_PREFILL_RETRIES
-                or not self._another_prefill(admission.route.prefill)
-            ):
-                raise
-            self._num_prefill_retries += 1
-            # Down or draining before any token (a rolling restart: its server refuses new
-            # calls until the next poll says so), and another instance is up: it takes it.
-            raise _PrefillDown(str(error)) from None
+            raise self._elsewhere(error, self._another_prefill(admission.route.prefill)) from None
         except ResourceExhausted as error:
             if not is_refused_for_room(error) or self._output_token_ids:
                 raise
             address = admission.route.prefill
             self._router.mark_full(address, str(error), seen_clock=admission.prefill_clock)
             raise NoRoom(str(error), error.retry_after_s) from None
+
+    def _elsewhere(self, error: InstanceDown, is_another_up: bool) -> Exception:
+        """What to raise for an instance down: `_Elsewhere` before any token (down or draining,
+        as in a rolling restart, whose servers refuse new calls until the next poll says so)
+        while retries are left and another instance of its kind is up; else `error`."""
+        if self._output_token_ids or self._num_retries >= _MAX_RETRIES or not is_another_up:
+            return error
+        self._num_retries += 1
+        return _Elsewhere(str(error))
+
+    def _decode_down(self, error: InstanceDown, admission: Admission) -> Exception:
+        self._downstream.request_refresh(down=admission.route.decode)
+        return self._elsewhere(error, self._another_decode(admission.route.decode))
+
+    def _another_decode(self, down: str) -> bool:
+        """Whether a decode instance other than `down` is up and paired with a prefill that is."""
+        router = self._router
+        decodes = [a for a, v in router.decodes.items() if a != down and v.is_routable]
+        prefills = [a for a, v in router.prefills.items() if v.is_routable]
+        return any(router.is_compatible(p, d) for p in prefills for d in decodes)
 
     def _another_prefill(self, down: str) -> bool:
         """Whether a prefill instance other than `down` is up and paired with a decode that is."""
@@ -279,9 +291,8 @@ class Generation:
         """decode's next event (`read`, when already started); decode being down is noted."""
         try:
             return await (admission.stream.read() if read is None else read)
-        except InstanceDown:
-            self._downstream.request_refresh(down=admission.route.decode)
-            raise
+        except InstanceDown as error:
+            raise self._decode_down(error, admission) from None
 
     async def _read_watching_prefill(self, admission: Admission) -> Admitted | Tokens | None:
         read = asyncio.ensure_future(admission.stream.read())
@@ -297,7 +308,16 @@ class Generation:
                 # UNAVAILABLE); prefill's own answer says why, and decode is not down for it.
                 assert self._prefill is not None
                 await asyncio.wait({self._prefill}, timeout=self._config.prefill_reply_grace_s)
-                self._check_prefill(admission)
+                try:
+                    self._check_prefill(admission)
+                except InstanceDown:  # prefill itself is down
+                    raise
+                except Unavailable:
+                    decode_error = read.exception()
+                    if isinstance(decode_error, InstanceDown):
+                        # Prefill lost its KV destination: decode is the one down.
+                        raise self._decode_down(decode_error, admission) from None
+                    raise
             return await self._read(admission, read)
         finally:
             if not read.done():
@@ -342,9 +362,8 @@ class Generation:
                 # this runs once per token.
                 try:
                     event = await read()
-                except InstanceDown:
-                    self._downstream.request_refresh(down=admission.route.decode)
-                    raise
+                except InstanceDown as error:
+                    raise self._decode_down(error, admission) from None
                 if event is None:
                     raise self._ended_early(admission)
             if not isinstance(event, Tokens):

@@ -184,6 +184,25 @@ def test_a_prefill_down_before_the_first_token_hands_the_request_to_another() ->
     asyncio.run(main())
 
 
+def test_a_decode_down_before_the_first_token_hands_the_request_to_another() -> None:
+    """Decode fails a request it admitted before its first token (killed, or draining in a
+    rolling restart): the request goes to another decode that is up instead of failing (found
+    by a read-only review: only a down prefill was retried); once a token went out, decode's
+    error is the answer (test_decode_failure_mid_stream_names_decode)."""
+
+    async def main() -> None:
+        failing = FakeDecode(fail_after=0)  # admits, then fails before any token
+        spare = FakeDecode()
+        async with stack([failing, spare], poll_interval_s=5.0) as s:
+            replies = await collect(s.stub.Generate(prompt(), timeout=10))
+            assert replies[-1].finish_reason == sampling_pb2.FINISH_REASON_LENGTH
+            assert [t for r in replies for t in r.token_ids] == ids("abc")
+            assert failing.requests and spare.requests
+            await wait_until(lambda: all(d.num_reserved == 0 for d in s.decodes))
+
+    asyncio.run(main())
+
+
 def _record_marked_down(s: Stack) -> list[str]:
     """The addresses the frontend takes out of routing from now on (Router.mark_down)."""
     marked: list[str] = []
