@@ -14,6 +14,10 @@
     3. stream   decode's token ids -> incremental detokenizer -> stop-string matcher -> out
     4. finish   decode's finish reason, or ours (stop string, stop id, max_tokens), with usage
 
+Prefill or decode down (or draining) before the request's first token, with another of its kind
+up: the request starts again there under a fresh id, at most _MAX_RETRIES times; after a token
+went out, the error is the answer.
+
 Whatever ends the request (finish, error, the caller cancelling, the deadline), every
 downstream call still open is cancelled, so decode and prefill free its blocks at once.
 
