@@ -205,6 +205,21 @@ def test_a_start_still_admitting_when_its_stream_ends_is_counted() -> None:
     assert counts == [1.0]
 
 
+def _driven(admission: Any, table: Any, outlets: Any) -> tuple[asyncio.Queue[Any], Any]:
+    """A Multiplexer over `admission`, `table` and `outlets` (the caller's messages go on the
+    queue; None: the caller closes its side), and the events it yields."""
+    from services.decode.multiplex import Multiplexer
+
+    mux = Multiplexer(admission, table, outlets, metrics=None, is_draining=lambda: False)
+    queue: asyncio.Queue[decode_pb2.GenerateStreamRequest | None] = asyncio.Queue()
+
+    async def requests() -> Any:
+        while (message := await queue.get()) is not None:
+            yield message
+
+    return queue, mux.run(requests())
+
+
 def test_an_id_still_open_on_the_stream_is_refused_and_the_open_one_ends_whole() -> None:
     """r1 ended in the request table (its last tokens waiting to be sent) when the caller
     starts another r1 on the same stream: the new start is refused INVALID_ARGUMENT, and the
@@ -212,7 +227,6 @@ def test_an_id_still_open_on_the_stream_is_refused_and_the_open_one_ends_whole()
     nothing else (before, the new r1 took its place: the last tokens were never sent, and the
     old timer failed the new request with DEADLINE_EXCEEDED)."""
     from mili.engine.kv.block_pool import BlockPool
-    from services.decode.multiplex import Multiplexer
     from services.decode.requests import RequestTable
     from services.decode.stream import Outlets, TokenEvent, TokenStream
 
@@ -240,20 +254,7 @@ def test_an_id_still_open_on_the_stream_is_refused_and_the_open_one_ends_whole()
         ]
 
     async def main() -> None:
-        mux = Multiplexer(
-            Admitting(),  # type: ignore[arg-type]
-            table,
-            outlets,
-            metrics=None,
-            is_draining=lambda: False,
-        )
-        queue: asyncio.Queue[decode_pb2.GenerateStreamRequest | None] = asyncio.Queue()
-
-        async def requests() -> Any:
-            while (message := await queue.get()) is not None:
-                yield message
-
-        stream = mux.run(requests())
+        queue, stream = _driven(Admitting(), table, outlets)
         await queue.put(start(timeout_ms=300))
         assert seen(await anext(stream)) == [("admitted", 0)]
         first = table.get("r1")
@@ -283,7 +284,6 @@ def test_a_start_waiting_for_its_compile_holds_back_no_other_start_or_cancel() -
     on the stream, past the frontend's admit timeout (which then took a healthy decode out of
     routing). Each start now runs on its own; a cancel reaches one still being admitted."""
     from mili.engine.kv.block_pool import BlockPool
-    from services.decode.multiplex import Multiplexer
     from services.decode.requests import RequestTable
     from services.decode.stream import Outlets, TokenStream
 
@@ -311,20 +311,7 @@ def test_a_start_waiting_for_its_compile_holds_back_no_other_start_or_cancel() -
         )
 
     async def main() -> None:
-        mux = Multiplexer(
-            Admitting(),  # type: ignore[arg-type]
-            table,
-            outlets,
-            metrics=None,
-            is_draining=lambda: False,
-        )
-        queue: asyncio.Queue[decode_pb2.GenerateStreamRequest | None] = asyncio.Queue()
-
-        async def requests() -> Any:
-            while (message := await queue.get()) is not None:
-                yield message
-
-        stream = mux.run(requests())
+        queue, stream = _driven(Admitting(), table, outlets)
 
         async def next_events() -> list[tuple[str, str]]:
             message = await asyncio.wait_for(anext(stream), 5)
