@@ -214,7 +214,7 @@ class Generation:
             self._prefill_reply = prefill.result()
         except InstanceDown as error:
             self._downstream.request_refresh(down=admission.route.prefill)
-            raise self._elsewhere(error, self._another_prefill(admission.route.prefill)) from None
+            raise self._elsewhere(error, self._pair_without(admission.route.prefill)) from None
         except ResourceExhausted as error:
             if not is_refused_for_room(error) or self._output_token_ids:
                 raise
@@ -233,20 +233,13 @@ class Generation:
 
     def _decode_down(self, error: InstanceDown, admission: Admission) -> Exception:
         self._downstream.request_refresh(down=admission.route.decode)
-        return self._elsewhere(error, self._another_decode(admission.route.decode))
+        return self._elsewhere(error, self._pair_without(admission.route.decode))
 
-    def _another_decode(self, down: str) -> bool:
-        """Whether a decode instance other than `down` is up and paired with a prefill that is."""
-        router = self._router
-        decodes = [a for a, v in router.decodes.items() if a != down and v.is_routable]
-        prefills = [a for a, v in router.prefills.items() if v.is_routable]
-        return any(router.is_compatible(p, d) for p in prefills for d in decodes)
-
-    def _another_prefill(self, down: str) -> bool:
-        """Whether a prefill instance other than `down` is up and paired with a decode that is."""
+    def _pair_without(self, down: str) -> bool:
+        """Whether a prefill and a decode instance, neither of them `down`, are up and paired."""
         router = self._router
         prefills = [a for a, v in router.prefills.items() if a != down and v.is_routable]
-        decodes = [a for a, v in router.decodes.items() if v.is_routable]
+        decodes = [a for a, v in router.decodes.items() if a != down and v.is_routable]
         return any(router.is_compatible(p, d) for p in prefills for d in decodes)
 
     async def _with_prompt_logprobs(self, admission: Admission, delta: Delta) -> Delta:
