@@ -103,10 +103,10 @@ def generate(
     for i, (prompt, sp) in enumerate(zip(prompts, all_params, strict=True)):
         if not prompt:
             raise ValueError(f"prompt {i} is empty")
-        if len(prompt) + sp.max_tokens > config.max_position_embeddings:
+        if len(prompt) + sp.max_tokens > config.max_context_tokens:
             raise ValueError(
                 f"prompt {i}: {len(prompt)} tokens + max_tokens {sp.max_tokens} exceeds "
-                f"max_position_embeddings {config.max_position_embeddings}"
+                f"the model's context of {config.max_context_tokens} tokens"
             )
         sp.check_prompt(len(prompt))  # InvalidArgument: prompt_logprobs of too long a prompt
     if kv_cache is None:

@@ -128,7 +128,7 @@ class DecodeInstance(RunnerInfo):
             runner,
             table,
             eos_token_ids=eos,
-            max_context_tokens=runner.model.config.max_position_embeddings,
+            max_context_tokens=runner.model.config.max_context_tokens,
             metrics=metrics,
             constraints=constraints,
             overlap=overlap,
@@ -162,7 +162,7 @@ class DecodeInstance(RunnerInfo):
 
     @property
     def max_context_tokens(self) -> int:
-        return self.model.config.max_position_embeddings
+        return self.model.config.max_context_tokens
 
     @property
     def kv_cache_bytes(self) -> int:

@@ -155,7 +155,7 @@ class PrefillInstance(RunnerInfo):
     @property
     def max_prompt_tokens(self) -> int:
         """Longest prompt accepted: the model's context, the queue bound and the whole pool."""
-        return min(self.model.config.max_position_embeddings, self.scheduler.max_prompt_tokens())
+        return min(self.model.config.max_context_tokens, self.scheduler.max_prompt_tokens())
 
     def describe(self) -> str:
         config = self.config

@@ -66,7 +66,9 @@ CONFIGS = {
         attention_bias=True,
         torch_dtype="float32",
     ),
-    # YaRN: 4x over an original context of 32, so the 100-token prompt is well past it.
+    # YaRN as Qwen3's recipe sets it (40960 positions beside 4 x 32768), at 1/1024 scale: the
+    # context is 4 x 32 = 128, past max_position_embeddings 40, so the 100-token prompt is
+    # past both the original context and max_position_embeddings.
     "yarn": Qwen3Config(
         vocab_size=256,
         hidden_size=64,
@@ -75,7 +77,7 @@ CONFIGS = {
         num_attention_heads=4,
         num_key_value_heads=1,
         head_dim=32,
-        max_position_embeddings=128,
+        max_position_embeddings=40,
         rope_theta=10_000.0,
         rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
         tie_word_embeddings=False,

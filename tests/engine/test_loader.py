@@ -18,7 +18,7 @@ from mili.engine.model.checkpoint import (
     cached_random_checkpoint,
     write_random_checkpoint,
 )
-from mili.engine.model.config import ConfigError, Qwen3Config
+from mili.engine.model.config import PRESETS, ConfigError, Qwen3Config
 from mili.engine.model.kv_cache import KVCache
 from mili.engine.model.loader import CheckpointError, CheckpointWarning, load_model, tensor_files
 from mili.engine.model.qwen3 import PrefillBatch, Qwen3ForCausalLM
@@ -174,6 +174,34 @@ def test_config_json_is_read_as_transformers_reads_it() -> None:
     )
     with pytest.raises(ConfigError, match="use_sliding_window"):
         Qwen3Config.from_hf_dict({**data, "use_sliding_window": True, "sliding_window": 8})
+
+
+def test_left_out_shapes_are_read_as_transformers_reads_them() -> None:
+    """num_key_value_heads null is multi-head attention; a dense config without head_dim has
+    transformers' 128 (not hidden / heads: the loader would then refuse the real weights)."""
+    transformers = pytest.importorskip("transformers")
+    data = {**CONFIG.to_hf_dict(), "num_key_value_heads": None}
+    del data["head_dim"]
+    ours = Qwen3Config.from_hf_dict(data)
+    hf = transformers.Qwen3Config(**data)
+    assert CONFIG.hidden_size // CONFIG.num_attention_heads != 128  # the two rules differ here
+    assert (ours.num_key_value_heads, ours.head_dim) == (hf.num_key_value_heads, hf.head_dim)
+    assert (ours.num_key_value_heads, ours.head_dim) == (CONFIG.num_attention_heads, 128)
+
+
+def test_yarn_context_is_the_original_times_the_factor() -> None:
+    """Qwen3's long-context recipe: max_position_embeddings stays 40960 beside YaRN 4 x 32768;
+    the model serves 131072 tokens (what vLLM derives), not 40960."""
+    data = PRESETS["qwen3-0.6b"].to_hf_dict()
+    assert Qwen3Config.from_hf_dict(data).max_context_tokens == 40960
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    assert Qwen3Config.from_hf_dict({**data, "rope_scaling": yarn}).max_context_tokens == 131072
+    nested = {**data, "rope_parameters": {**yarn, "rope_theta": 1e6}}
+    del nested["rope_theta"]
+    assert Qwen3Config.from_hf_dict(nested).max_context_tokens == 131072
+    # The factor derived from the two lengths stretches nothing past max_position_embeddings.
+    derived = {"rope_type": "yarn", "original_max_position_embeddings": 32768}
+    assert Qwen3Config.from_hf_dict({**data, "rope_scaling": derived}).max_context_tokens == 40960
 
 
 def test_no_weights_is_an_error(tmp_path: Path) -> None:

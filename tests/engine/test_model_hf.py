@@ -205,7 +205,11 @@ def test_yarn_matches_hf_and_differs_from_plain_rope(
     table = runner.table(100)
     logits = runner.prefill([prompt], [table])
     assert max_diff(logits, ref) < TOL
-    plain = RotaryEmbedding(dataclasses.replace(model.config, rope_scaling=None))
+    assert len(prompt) > model.config.max_position_embeddings  # YaRN's context serves it
+    context = model.config.max_context_tokens
+    plain = RotaryEmbedding(
+        dataclasses.replace(model.config, rope_scaling=None, max_position_embeddings=context)
+    )
     yarn_rotary, model.rotary = model.rotary, plain
     try:
         plain_logits = Runner(model, block_size=16).prefill([prompt], [table])

@@ -110,6 +110,23 @@ class Qwen3Config:
         return self.num_experts > 0
 
     @property
+    def max_context_tokens(self) -> int:
+        """Positions the model serves: `max_position_embeddings`, or with YaRN the context it
+        stretches the pre-trained one to, original_max_position_embeddings x factor. Qwen3's
+        recipe keeps max_position_embeddings at 40960 beside {"factor": 4,
+        "original_max_position_embeddings": 32768}: 131072 tokens, as vLLM derives."""
+        scaling = self.rope_scaling or {}
+        if scaling.get("rope_type", scaling.get("type")) != "yarn":
+            return self.max_position_embeddings
+        # rope.py's reading: without an original length, the pre-trained context is
+        # max_position_embeddings; without a factor, the two lengths' ratio is the factor.
+        original = scaling.get("original_max_position_embeddings") or self.max_position_embeddings
+        factor = scaling.get("factor")
+        if factor is None:
+            return self.max_position_embeddings
+        return max(self.max_position_embeddings, int(original * factor))
+
+    @property
     def architecture(self) -> str:
         """HF's class name for this config: what config.json's `architectures` holds."""
         return "Qwen3MoeForCausalLM" if self.is_moe else "Qwen3ForCausalLM"
@@ -159,7 +176,12 @@ class Qwen3Config:
         if not is_moe:  # a dense config's stray MoE keys (HF defaults) mean nothing
             names -= _MOE_FIELDS
         kwargs = {k: v for k, v in data.items() if k in names and v is not None}
-        if "head_dim" not in data:
+        # transformers' rules where these are left out or null: no kv heads given is one per
+        # attention head (multi-head attention); the dense config's head_dim defaults to 128,
+        # the MoE config has no such field and derives it.
+        if data.get("num_key_value_heads", 0) is None:
+            kwargs["num_key_value_heads"] = data["num_attention_heads"]
+        if data.get("head_dim") is None and (is_moe or "head_dim" in data):
             kwargs["head_dim"] = data["hidden_size"] // data["num_attention_heads"]
         if "dtype" in data and "torch_dtype" not in data:  # transformers>=4.56 writes "dtype"
             kwargs["torch_dtype"] = data["dtype"]

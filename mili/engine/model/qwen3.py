@@ -141,7 +141,7 @@ class _Step(NamedTuple):
 
     positions: torch.Tensor  # [T] int64
     slot_mapping: torch.Tensor  # [T] int64
-    cos_sin: torch.Tensor  # [max_position_embeddings, head_dim] float32 (rope.py)
+    cos_sin: torch.Tensor  # [max_context_tokens, head_dim] float32 (rope.py)
     kv_cache: KVCache
     attend: Attend
     ops: FusedOps

@@ -3,11 +3,11 @@
 Qwen3 rotates the two halves of each head (`rotate_half`, not interleaved pairs), exactly as HF
 transformers does; we match it operation for operation so fp32 logits agree to ~1e-6.
 
-cos/sin come from a table of every position the model accepts (`max_position_embeddings`),
+cos/sin come from a table of every position the model accepts (`max_context_tokens`),
 built once per device when the model loads: computing them per step from the positions took
 about eight kernels per step (cast, multiply, cat, cos, sin, two scalings, casts), and a table
-row is all a fused RoPE kernel needs to read. Its size is max_position_embeddings x head_dim
-float32 values: 21 MB for Qwen3's 40960 positions of 128.
+row is all a fused RoPE kernel needs to read. Its size is max_context_tokens x head_dim
+float32 values: 21 MB for Qwen3's 40960 positions of 128 (67 MB with YaRN's 131072).
 """
 
 from __future__ import annotations
@@ -98,11 +98,11 @@ class RotaryEmbedding:
 
     def __init__(self, config: Qwen3Config) -> None:
         self.inv_freq, self.attention_scaling = rope_parameters(config)
-        self.num_positions = config.max_position_embeddings
+        self.num_positions = config.max_context_tokens
         self._table: torch.Tensor | None = None
 
     def cos_sin_table(self, device: torch.device | str) -> torch.Tensor:
-        """[max_position_embeddings, head_dim] float32 on `device`: row p holds cos(p * inv_freq)
+        """[max_context_tokens, head_dim] float32 on `device`: row p holds cos(p * inv_freq)
         in [:D/2] and sin(p * inv_freq) in [D/2:], both times attention_scaling.
 
         Built on first use per device (the loader asks once at load) and kept: afterwards a

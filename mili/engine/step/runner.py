@@ -120,7 +120,7 @@ class ModelRunner:
         self.null_block_id = kv_cache.num_blocks - 1
         self.batch_sizes = graph_batch_sizes(max_decode_batch)  # padded sizes, for graphs
         # W: the block table of a request at the longest context the model allows.
-        width = blocks_needed(model.config.max_position_embeddings, self.block_size)
+        width = blocks_needed(model.config.max_context_tokens, self.block_size)
         self.inputs = DecodeInputs(
             self.batch_sizes[-1], width, self.block_size, self.null_block_id, model.device
         )
