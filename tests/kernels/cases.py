@@ -121,6 +121,21 @@ def run_decode(
     )
 
 
+def poison_unread_slots(case: PagedCase) -> None:
+    """Fill every cache slot no sequence attends to with NaN (K) and inf (V), in place: blocks
+    no table lists and the tail past each sequence's context in its last block (what a freed
+    block holds is whatever its last owner wrote)."""
+    num_blocks, block_size = case.k_cache.shape[:2]
+    read = torch.zeros(num_blocks, block_size, dtype=torch.bool)
+    tables, lens = case.block_tables.cpu(), case.seq_lens.cpu()
+    for i, context in enumerate(lens.tolist()):
+        for pos in range(context):
+            read[int(tables[i, pos // block_size]), pos % block_size] = True
+    unread = (~read).to(case.k_cache.device)
+    case.k_cache[unread] = float("nan")
+    case.v_cache[unread] = float("inf")
+
+
 def reference_prefill(case: PagedCase) -> torch.Tensor:
     """TorchAttention in fp64 (the kernels accumulate in fp32; fp64 makes the reference exact)."""
     c = _as_f64(case)

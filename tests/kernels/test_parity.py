@@ -17,6 +17,7 @@ from kernels.gpu import GpuKernels
 from tests.kernels.cases import (
     assert_close,
     make_case,
+    poison_unread_slots,
     reference_decode,
     reference_prefill,
     run_decode,
@@ -255,6 +256,30 @@ def test_decode_every_specialisation(
     expected = reference_decode(case)
     for splits in (0, 1, 7):
         assert_close(run_decode(kernels, case, splits), expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_no_kernel_reads_a_slot_outside_the_context(device_kernels: Kernels, dtype) -> None:
+    """A freed block keeps its last owner's K/V, inf or NaN included: no implementation, the
+    torch reference either, may let a slot past a sequence's context reach its output."""
+    device, kernels = device_kernels
+    contexts = [5, 16, 33, 1]
+    case = make_case(
+        [1] * len(contexts),
+        [c - 1 for c in contexts],
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        block_size=16,
+        dtype=dtype,
+        device=device,
+    )
+    expected = reference_decode(case)
+    poison_unread_slots(case)
+    assert_close(run_decode(kernels, case), expected, dtype)
+    for splits in (1, 3):
+        assert_close(run_decode(kernels, case, splits), expected, dtype)
+    assert_close(reference_decode(case), expected, dtype)
 
 
 def test_prefill_matches_its_own_decode(device_kernels: Kernels) -> None:

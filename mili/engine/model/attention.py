@@ -162,6 +162,10 @@ class TorchAttention:
         v = v_cache[blocks].flatten(1, 2).transpose(1, 2).to(q.dtype)
         key_pos = torch.arange(k.shape[2], device=q.device)
         mask = key_pos[None, :] < seq_lens[:, None].to(q.device)  # [B, max_blocks * S]
+        # Zero what the mask hides: a freed block keeps its last owner's values, and an inf or
+        # NaN there would reach this sequence through the masked score (NaN) or 0 x V.
+        hidden = ~mask[:, None, :, None]  # [B, 1, max_blocks * S, 1]
+        k, v = k.masked_fill(hidden, 0), v.masked_fill(hidden, 0)
         o = F.scaled_dot_product_attention(
             q[:, :, None, :],  # [B, H, 1, D]
             k,
