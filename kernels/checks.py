@@ -18,6 +18,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from kernels.geometry import MAX_DECODE_SPLITS
 from kernels.signatures import HEAD_DIMS
 
 # Codes the Mojo entry points dispatch on (kernels/mojo/*.mojo: DTYPE_F32 ...).
@@ -155,10 +156,15 @@ def check_decode(
     seq_lens: torch.Tensor,
     *,
     scale: float,
+    num_splits: int,
     check_values: bool = True,
 ) -> AttentionDims:
-    """Validate a decode call; `check_values` also reads the index tensors (host sync on GPU)."""
+    """Validate a decode call; `check_values` also reads the index tensors (host sync on GPU).
+    `num_splits` 0 is the kernel's choice; past MAX_DECODE_SPLITS its scratch (num_splits x
+    B x H x D floats) would be an allocation failure or, sized in overflowing ints, a crash."""
     _check_scale(scale)
+    if not 0 <= num_splits <= MAX_DECODE_SPLITS:
+        raise ValueError(f"num_splits must be in [0, {MAX_DECODE_SPLITS}], got {num_splits}")
     dims = _check_q_and_cache(q, k_cache, v_cache, block_tables)
     num_seqs = dims.num_tokens  # one query per sequence
     _check_int32("seq_lens", seq_lens, 1, q.device)

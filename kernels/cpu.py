@@ -149,9 +149,9 @@ class CpuKernels(CpuModuleBinding):
     ) -> torch.Tensor:
         """q: [B, H, D] -> out [B, H, D]; `num_splits` 0 lets the kernel split long contexts."""
         _require_cpu(q)
-        if num_splits < 0:
-            raise ValueError(f"num_splits must be >= 0, got {num_splits}")
-        dims = check_decode(q, k_cache, v_cache, block_tables, seq_lens, scale=scale)
+        dims = check_decode(
+            q, k_cache, v_cache, block_tables, seq_lens, scale=scale, num_splits=num_splits
+        )
         out = torch.empty_like(q)
         if dims.num_seqs == 0:
             return out

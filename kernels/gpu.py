@@ -277,10 +277,15 @@ class GpuKernels:
         """
         device = self._device(q)
         dims = check_decode(
-            q, k_cache, v_cache, block_tables, seq_lens, scale=scale, check_values=False
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            seq_lens,
+            scale=scale,
+            num_splits=num_splits,
+            check_values=False,
         )
-        if num_splits < 0:
-            raise ValueError(f"num_splits must be >= 0, got {num_splits}")
         if not _aligned(q):
             q = q.clone()
         self._check_alignment(k_cache=k_cache, v_cache=v_cache)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kernels.cpu import CpuKernels
+from kernels.geometry import MAX_DECODE_SPLITS
 from tests.kernels.cases import PagedCase, make_case
 
 
@@ -99,6 +100,23 @@ DECODE_ERRORS: list[tuple[str, Callable[[PagedCase], dict[str, torch.Tensor]], s
 def test_decode_rejects(cpu_kernels: CpuKernels, case: PagedCase, what, change, message) -> None:
     with pytest.raises(ValueError, match=_escape(message)):
         _decode(cpu_kernels, case, **change(case))
+
+
+@pytest.mark.parametrize("num_splits", [-1, MAX_DECODE_SPLITS + 1, 2**40, 2**62])
+def test_decode_split_count_is_bounded(
+    cpu_kernels: CpuKernels, case: PagedCase, num_splits: int
+) -> None:
+    """2**40 splits aborted the process (scratch allocation failed), 2**62 segfaulted (its
+    size wrapped)."""
+    args = {"k_cache": case.k_cache, "v_cache": case.v_cache, "block_tables": case.block_tables}
+    with pytest.raises(ValueError, match=rf"num_splits must be in \[0, {MAX_DECODE_SPLITS}\]"):
+        cpu_kernels.decode(
+            case.q[[4, 24]].contiguous(),
+            **args,
+            seq_lens=case.seq_lens,
+            scale=case.scale,
+            num_splits=num_splits,
+        )
 
 
 @pytest.mark.parametrize("scale", [0.0, -0.125, float("nan"), float("inf")])
