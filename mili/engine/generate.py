@@ -100,6 +100,8 @@ def generate(
     all_params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
     if len(all_params) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts but {len(all_params)} SamplingParams")
+    if prefill_chunk_size is not None and prefill_chunk_size < 1:
+        raise ValueError(f"prefill_chunk_size must be >= 1, got {prefill_chunk_size}")
     for i, (prompt, sp) in enumerate(zip(prompts, all_params, strict=True)):
         if not prompt:
             raise ValueError(f"prompt {i} is empty")

@@ -219,3 +219,6 @@ def test_bad_requests_are_rejected(engine_models: dict[str, Qwen3ForCausalLM]) -
         generate(model, [[5] * 500], GREEDY)
     with pytest.raises(ValueError, match="2 prompts but 1"):
         generate(model, [[5], [6]], [GREEDY])
+    for size in (0, -4):  # an empty chunk was an IndexError deep in the model
+        with pytest.raises(ValueError, match=f"prefill_chunk_size must be >= 1, got {size}"):
+            generate(model, [[5, 6]], GREEDY, prefill_chunk_size=size)
