@@ -160,14 +160,6 @@ class KVCache:
             dtype_name(dtype),
         )
 
-    def write(
-        self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> None:
-        """Store new tokens' K/V. slot_mapping: [T] int64, k/v: [T, num_kv_heads, head_dim]."""
-        flat_shape = (-1, self.num_kv_heads, self.head_dim)
-        self.k[layer].view(flat_shape).index_copy_(0, slot_mapping, k.to(self.dtype))
-        self.v[layer].view(flat_shape).index_copy_(0, slot_mapping, v.to(self.dtype))
-
     def gather_layers(self, start: int, stop: int, index: torch.Tensor) -> torch.Tensor:
         """Copy whole blocks of layers start .. stop-1 out in one launch:
         [stop - start, 2, n, block_size, kv_heads, head_dim] (K then V), contiguous; `index`

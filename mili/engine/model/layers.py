@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mili.engine.model.fused_ops import FusedOps, rms_norm
+from mili.engine.model.fused_ops import FusedOps
 
 
 class RMSNorm(nn.Module):
@@ -22,9 +22,6 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
 
 
 class MergedLinear(nn.Module):

@@ -87,9 +87,6 @@ class DeviceToHost:
         else:
             self._host = [t.cpu() for t in tensors]  # CPU tensors: no copy at all
 
-    def is_ready(self) -> bool:
-        return self._event is None or self._event.query()
-
     def wait(self) -> list[torch.Tensor]:
         if self._event is not None:
             self._event.synchronize()

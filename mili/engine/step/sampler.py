@@ -342,9 +342,6 @@ class PendingSample:
         self._copy = DeviceToHost(tensors)
         self._wanted = wanted
 
-    def is_ready(self) -> bool:
-        return self._copy.is_ready()
-
     def result(self) -> SamplerOutput:
         host = self._copy.wait()
         token_ids = host[0].tolist()
