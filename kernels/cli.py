@@ -22,7 +22,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-cpu", action="store_true", help="skip the CPU extension module (with --gpu)"
     )
     parser.add_argument(
-        "--cache-dir", type=Path, default=None, help="cache root (default: $MILI_CACHE_DIR)"
+        "--cache-dir",
+        type=Path,
+        default=None,
+        help="cache root (default: $MILI_CACHE_DIR, else $XDG_CACHE_HOME/mili, else ~/.cache/mili)",
     )
 
 

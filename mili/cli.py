@@ -63,7 +63,10 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
     chosen = next((a for a in (argv or []) if not a.startswith("-")), None)
     for name, (module_name, help_text) in COMMANDS.items():
-        sub = commands.add_parser(name, help=help_text)
+        # The module docstring is the description, laid out as written (tables, examples).
+        sub = commands.add_parser(
+            name, help=help_text, formatter_class=argparse.RawDescriptionHelpFormatter
+        )
         if name == chosen:
             module = importlib.import_module(module_name)
             sub.description = module.__doc__

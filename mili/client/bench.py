@@ -63,9 +63,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--address",
         default=DEFAULT_ADDRESS,
-        help="frontend address; several, comma-separated: client i uses address i mod their number",
+        help="frontend address; several, comma-separated: client i uses address i mod their "
+        "number (default: %(default)s)",
     )
-    parser.add_argument("--concurrency", type=int, default=1, metavar="N")
+    parser.add_argument(
+        "--concurrency", type=int, default=1, metavar="N", help="clients (default: %(default)s)"
+    )
     parser.add_argument(
         "--connections",
         type=int,
@@ -76,9 +79,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(`mili serve --frontends N`) share clients by connection (default: one per client, "
         "at most 64 an address)",
     )
-    parser.add_argument("--num-requests", type=int, default=16, metavar="M")
-    parser.add_argument("--prompt-tokens", type=int, default=128, metavar="P")
-    parser.add_argument("--output-tokens", type=int, default=64, metavar="O")
+    parser.add_argument(
+        "--num-requests", type=int, default=16, metavar="M", help="(default: %(default)s)"
+    )
+    parser.add_argument(
+        "--prompt-tokens", type=int, default=128, metavar="P", help="(default: %(default)s)"
+    )
+    parser.add_argument(
+        "--output-tokens", type=int, default=64, metavar="O", help="(default: %(default)s)"
+    )
     parser.add_argument(
         "--token-id-range",
         default="0:256",
@@ -88,7 +97,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="prompt seed (default: 0)")
     parser.add_argument(
-        "--timeout", type=float, default=600.0, help="deadline per request, seconds"
+        "--timeout",
+        type=float,
+        default=600.0,
+        help="deadline per request, seconds (default: %(default)s)",
     )
     parser.add_argument(
         "--max-retries",

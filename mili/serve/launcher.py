@@ -156,12 +156,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "child is restarted on the same port, with backoff, while the others keep serving)",
     )
     ports = parser.add_argument_group("internal ports (0 = any free port)")
-    ports.add_argument("--tokenizer-port", type=int, default=0)
+    ports.add_argument("--tokenizer-port", type=int, default=0, help="(default: %(default)s)")
     ports.add_argument(
-        "--prefill-port", type=int, default=0, help="first prefill port; instance i gets +i"
+        "--prefill-port",
+        type=int,
+        default=0,
+        help="first prefill port; instance i gets +i (default: %(default)s)",
     )
     ports.add_argument(
-        "--decode-port", type=int, default=0, help="first decode port; instance i gets +i"
+        "--decode-port",
+        type=int,
+        default=0,
+        help="first decode port; instance i gets +i (default: %(default)s)",
     )
     extra = parser.add_argument_group(
         "extra flags for the children",

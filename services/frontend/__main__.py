@@ -170,7 +170,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--kv-lease-ms",
         type=int,
         default=0,
-        help="how long decode holds a reservation waiting for the KV; 0 = decode's default",
+        help="how long decode holds a reservation waiting for the KV; 0 = decode's default "
+        "(default: %(default)s)",
     )
     flags.add_server_arguments(
         parser,
