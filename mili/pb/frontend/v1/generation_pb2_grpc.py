@@ -35,7 +35,8 @@ class GenerationServiceStub:
     or it holds --max-concurrent-requests already (load past what prefill and decode take at once
     waits in that queue, no error), and for a constraint too complex to compile in time;
     UNAVAILABLE when a service it needs is down; DEADLINE_EXCEEDED and CANCELLED as the caller
-    sets them.
+    sets them; FAILED_PRECONDITION when the prefill and decode it pairs serve different models;
+    DATA_LOSS when a KV transfer arrived damaged; INTERNAL for a bug.
     """
 
     def __init__(self, channel):
@@ -71,7 +72,8 @@ class GenerationServiceServicer:
     or it holds --max-concurrent-requests already (load past what prefill and decode take at once
     waits in that queue, no error), and for a constraint too complex to compile in time;
     UNAVAILABLE when a service it needs is down; DEADLINE_EXCEEDED and CANCELLED as the caller
-    sets them.
+    sets them; FAILED_PRECONDITION when the prefill and decode it pairs serve different models;
+    DATA_LOSS when a KV transfer arrived damaged; INTERNAL for a bug.
     """
 
     def Generate(self, request, context):
@@ -134,7 +136,8 @@ class GenerationService:
     or it holds --max-concurrent-requests already (load past what prefill and decode take at once
     waits in that queue, no error), and for a constraint too complex to compile in time;
     UNAVAILABLE when a service it needs is down; DEADLINE_EXCEEDED and CANCELLED as the caller
-    sets them.
+    sets them; FAILED_PRECONDITION when the prefill and decode it pairs serve different models;
+    DATA_LOSS when a KV transfer arrived damaged; INTERNAL for a bug.
     """
 
     @staticmethod
