@@ -5,6 +5,8 @@ GENERATE_STREAM_BATCH_BYTES (a start larger than that alone)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 
 from mili.pb.decode.v1 import decode_pb2, decode_pb2_grpc
 from mili.rpc.client import insecure_channel
@@ -40,6 +42,25 @@ def test_large_writes_are_split_in_order_within_the_limit() -> None:
     assert [len(m.starts) for m in messages] == [3, 1, 3, 2]
 
 
+@contextlib.asynccontextmanager
+async def _multiplexer(decode: FakeDecode) -> AsyncIterator[DecodeMultiplexer]:
+    """A multiplexer over a real GenerateStream to `decode`, served on 127.0.0.1."""
+    server = RpcServer(ServerConfig(drain_timeout_s=1.0, grace_s=0.1), name="decode")
+    server.add_service(
+        "mili.decode.v1.DecodeService",
+        lambda s: decode_pb2_grpc.add_DecodeServiceServicer_to_server(decode, s),
+    )
+    port = await server.start()
+    channel = insecure_channel(f"127.0.0.1:{port}")
+    mux = DecodeMultiplexer(decode_pb2_grpc.DecodeServiceStub(channel), "decode at fake")
+    try:
+        yield mux
+    finally:
+        await mux.close()
+        await channel.close()
+        await server.drain()
+
+
 def test_a_request_cancelled_before_its_start_went_out_never_reaches_decode() -> None:
     """Found by a read-only review: a request cancelled (its caller gone, its admission timed
     out) before the writer sent its start still had the start sent, then a cancel: decode
@@ -47,15 +68,7 @@ def test_a_request_cancelled_before_its_start_went_out_never_reaches_decode() ->
 
     async def main() -> None:
         decode = FakeDecode()
-        server = RpcServer(ServerConfig(drain_timeout_s=1.0, grace_s=0.1), name="decode")
-        server.add_service(
-            "mili.decode.v1.DecodeService",
-            lambda s: decode_pb2_grpc.add_DecodeServiceServicer_to_server(decode, s),
-        )
-        port = await server.start()
-        channel = insecure_channel(f"127.0.0.1:{port}")
-        mux = DecodeMultiplexer(decode_pb2_grpc.DecodeServiceStub(channel), "decode at fake")
-        try:
+        async with _multiplexer(decode) as mux:
             gone = mux.open(decode_pb2.GenerateRequest(request_id="gone"), Deadline(5.0))
             gone.cancel()  # before the writer ran: its start is still queued
             session = mux._session
@@ -65,9 +78,23 @@ def test_a_request_cancelled_before_its_start_went_out_never_reaches_decode() ->
             kept.cancel()
             await asyncio.sleep(0.1)
             assert [r.request_id for r in decode.requests] == ["kept"]
-        finally:
-            await mux.close()
-            await channel.close()
-            await server.drain()
+
+    asyncio.run(main())
+
+
+def test_a_deadline_past_what_timeout_ms_holds_is_sent_as_its_largest() -> None:
+    """Found by a review: a caller's timeout of 5e6 s (58 days) overflowed the uint32
+    timeout_ms: every such request failed INTERNAL, and left its stream registered."""
+
+    async def main() -> None:
+        decode = FakeDecode()
+        async with _multiplexer(decode) as mux:
+            far = mux.open(decode_pb2.GenerateRequest(request_id="far"), Deadline(5e6))
+            session = mux._session
+            assert session is not None
+            (start,) = session._starts
+            assert start.timeout_ms == 2**32 - 1
+            assert await asyncio.wait_for(far.read(), 5) is not None  # admitted
+            far.cancel()
 
     asyncio.run(main())
