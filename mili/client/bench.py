@@ -211,7 +211,8 @@ async def _connect(address: str, pool: list[Any]) -> None:
 
     ready = asyncio.gather(*(c.channel_ready() for c in pool))
     try:
-        await asyncio.wait_for(ready, timeout=CONNECT_TIMEOUT_S)
+        async with asyncio.timeout(CONNECT_TIMEOUT_S):
+            await ready
     except TimeoutError:
         waiting = sum(c.get_state() != grpc.ChannelConnectivity.READY for c in pool)
         raise NotConnected(

@@ -207,7 +207,8 @@ class Child:
     async def _drain_readers(self) -> None:
         # A grandchild holding the pipes open must not hold us: 2 s, then go on without.
         with contextlib.suppress(TimeoutError, asyncio.CancelledError):
-            await asyncio.wait_for(asyncio.gather(*self._readers), 2.0)
+            async with asyncio.timeout(2.0):
+                await asyncio.gather(*self._readers)
 
     async def wait_ready(self, timeout_s: float, *, is_serving_required: bool = True) -> str:
         """Wait until it announced its address and answers health; StartupError if it died or
@@ -259,7 +260,8 @@ class Child:
             return None
         self.signal(signal.SIGTERM)
         try:
-            await asyncio.wait_for(self.proc.wait(), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                await self.proc.wait()
         except TimeoutError:
             say(f"{self.name} did not stop within {timeout_s:.0f} s; killing it")
             self.signal(signal.SIGKILL)

@@ -114,7 +114,8 @@ class TokenStream:
         Raises TimeoutError when nothing arrives within `timeout_s` (None: wait forever).
         """
         if not self._pending and self._error is None:
-            await asyncio.wait_for(self._ready.wait(), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                await self._ready.wait()
         self._ready.clear()
         if self._pending:
             events, self._pending = self._pending, []

@@ -311,7 +311,8 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
                 landing.abort()
                 self._fail(request, e)
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(reader.drain(), _IN_PLACE_DRAIN_S)
+                    async with asyncio.timeout(_IN_PLACE_DRAIN_S):
+                        await reader.drain()
             raise
         finally:
             ended.cancel()

@@ -165,7 +165,11 @@ class Placement:
             raise
         who = f"decode at {route.decode}"
         try:
-            first = await asyncio.wait_for(stream.read(), self._config.admit_timeout_s)
+            # asyncio.timeout, not wait_for: 3.11's wait_for returns a result that lands in
+            # the turn a cancel does and drops the cancel (the request then ran on for a
+            # caller that had left).
+            async with asyncio.timeout(self._config.admit_timeout_s):
+                first = await stream.read()
             if not isinstance(first, Admitted):
                 raise Unavailable(f"{who} did not admit the request (no Admitted event first)")
         except BaseException as exc:

@@ -34,7 +34,8 @@ async def tokenize(
     context = router.max_context_tokens
     if context is None:  # no decode instance seen yet (just started?): look once more now
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(downstream.refresh(), timeout=config.info_timeout_s + 1)
+            async with asyncio.timeout(config.info_timeout_s + 1):
+                await downstream.refresh()
         context = router.max_context_tokens
     if context is None:
         addresses = ", ".join(config.decode_addresses)

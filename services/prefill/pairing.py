@@ -130,7 +130,8 @@ class Peers:
         if channel.get_state(try_to_connect=True) is grpc.ChannelConnectivity.READY:
             return
         try:
-            await asyncio.wait_for(channel.channel_ready(), _READY_WAIT_S)
+            async with asyncio.timeout(_READY_WAIT_S):
+                await channel.channel_ready()
         except TimeoutError:
             _LOG.debug("decode at %s: not connected after %.1f s", address, _READY_WAIT_S)
 

@@ -495,6 +495,61 @@ def test_a_caller_leaving_mid_stream_cancels_every_downstream_call() -> None:
     assert in_flight(down.router) == 0
 
 
+def test_a_cancel_in_the_same_turn_as_decodes_admission_is_not_lost() -> None:
+    """Found by a review: on Python 3.11, asyncio.wait_for returned a result that landed in
+    the loop turn the caller's cancel did, and dropped the cancel: a Complete (or HTTP
+    non-stream) request ran on to max_tokens for a client that had left."""
+    events: list[Event] = [
+        Admitted([3, 4], "token"),
+        *[tokens(1)] * 8,
+        tokens(1, finish=FinishReason.LENGTH),
+    ]
+    down = FakeDownstream({"d:1": events})
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        gate: asyncio.Future[None] = loop.create_future()
+        scripted = down.generate
+
+        def generate(*args: object) -> ScriptedDecode:
+            stream = scripted(*args)  # type: ignore[arg-type]
+            read = stream.read
+
+            async def first_read_waits_for_the_gate() -> Admitted | Tokens | None:
+                await gate  # then Admitted in this very turn
+                stream.read = read  # type: ignore[method-assign]
+                first = stream._events.pop(0)
+                assert isinstance(first, Admitted)
+                return first
+
+            stream.read = first_read_waits_for_the_gate  # type: ignore[method-assign]
+            return stream
+
+        down.generate = generate  # type: ignore[method-assign]
+        generation = Generation(
+            down, CONFIG, IDS, Prompt((5,), SamplingParams(max_tokens=9), 30), Deadline(5.0)
+        )
+
+        async def complete() -> list[Delta]:  # what Complete and HTTP non-stream do
+            return [delta async for delta in generation.run()]
+
+        task = asyncio.create_task(complete())
+        while not down.streams:  # the request waits for decode's admission
+            await asyncio.sleep(0.01)
+
+        def admitted_as_the_caller_leaves() -> None:
+            gate.set_result(None)
+            task.cancel()
+
+        loop.call_soon(admitted_as_the_caller_leaves)
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    assert down.streams[0].is_cancelled
+    assert in_flight(down.router) == 0
+
+
 # ---- prefix affinity -------------------------------------------------------------------------
 
 

@@ -179,8 +179,9 @@ class ConstraintCompiler:
             return future.result()
         try:
             # shield: a timed-out waiter must not cancel the compile others may be joining.
-            waiter = asyncio.shield(asyncio.wrap_future(future))
-            return await asyncio.wait_for(waiter, self.config.timeout_s)
+            # (asyncio.timeout, not wait_for: 3.11's wait_for can drop the caller's cancel.)
+            async with asyncio.timeout(self.config.timeout_s):
+                return await asyncio.shield(asyncio.wrap_future(future))
         except TimeoutError:
             raise self._timed_out(constraint) from None
 
