@@ -77,7 +77,7 @@ def test_each_log_holds_measured_rows(check_out: Path) -> None:
     assert "# 0 problems" in log("env.txt")
     kernels = log("kernels.log")
     assert "ok prefill" in kernels and "# 0 failed" in kernels
-    assert re.search(r"\b518 passed", kernels)  # the CPU parity grid, one process
+    assert re.search(r"\b521 passed", kernels)  # the CPU parity grid, one process
     assert re.search(r"\b411 passed", kernels)  # the fused ops'
     tests = log("tests.log")
     assert re.search(r"\d+ passed, \d+ skipped", tests)
