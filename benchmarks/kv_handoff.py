@@ -301,7 +301,7 @@ async def kv_path_alone(
                         sender.finish(FirstToken(0, None, None, 0.0, 0.0))
 
                     start = time.perf_counter()
-                    result = await sender.run(push)
+                    result = await sender.run(push, lambda: None)
                     results.append((time.perf_counter() - start, result.kv_bytes))
     return results[1:]
 

@@ -143,7 +143,7 @@ class KvHandoff:
                 "kv transfer", attributes={"mili.kv.destination": task.address}
             ) as span:
                 try:
-                    result = await sender.run(submit)
+                    result = await sender.run(submit, lambda: worker.remove(task.request_id))
                 except Unavailable:
                     self.peers.forget(task.address)  # decode gone: pair again next time
                     raise

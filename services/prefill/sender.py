@@ -169,9 +169,13 @@ class KvSender:
 
     # ---- the transfer ------------------------------------------------------------------------
 
-    async def run(self, start_compute: Callable[[], None]) -> TransferResult:
+    async def run(
+        self, start_compute: Callable[[], None], stop_compute: Callable[[], None]
+    ) -> TransferResult:
         """Call `start_compute` (which hands the prompt to the worker), open the stream and
         send the header, stream the chunks and the commit; return once decode acknowledged.
+        On failure `stop_compute` (which takes the prompt from the worker) is called at once,
+        before decode's answer to our abort is awaited.
 
         Raises a MiliError carrying decode's status code (UNAVAILABLE when it is unreachable or
         went away), or what `start_compute` or the worker failed with. Cancelling `run` ends
@@ -209,6 +213,7 @@ class KvSender:
             raise self._error(err) from None
         except BaseException as exc:
             self._is_closed = True  # no more writes into decode's blocks, even while we abort
+            stop_compute()  # nor steps for a prompt nobody wants, while decode answers
             if is_open and not call.done():  # we give up, decode did not: tell it why
                 await self._abort(call, exc)
             raise

@@ -539,7 +539,7 @@ async def send_over_shm(
                 sender.send_blocks(layer, first_block, torch.stack((k, v)).unsqueeze(0), None)
             sender.finish(FirstToken(prefilled.first_token_id, None, None, 0.0, 0.0))
 
-        return (await sender.run(push)).kv_bytes
+        return (await sender.run(push, lambda: None)).kv_bytes
     finally:
         await peers.close()
 

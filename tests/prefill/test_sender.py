@@ -90,7 +90,7 @@ def test_the_next_chunks_are_encoding_while_a_chunk_is_written(
                                 sender.send_blocks(layer, 0, kv, None)
                             sender.finish(FirstToken(0, None, None, 0.0, 0.0))
 
-                        result = await sender.run(push)
+                        result = await sender.run(push, lambda: None)
                 transfer = receiver.transfers["pipelined"]
                 assert transfer.status == "ok"
                 assert [c.seq for c in transfer.chunks] == list(range(num_layers))
@@ -128,7 +128,7 @@ def test_a_failed_transfer_keeps_none_of_the_host_copies_handed_to_it(tiny: Tiny
                                 sender.send_blocks(layer, 0, staged, None)
 
                         with pytest.raises(Unavailable):
-                            await sender.run(push)
+                            await sender.run(push, lambda: None)
         return sender
 
     sender = asyncio.run(main())

@@ -25,6 +25,7 @@ from mili.pb.prefill.v1 import prefill_pb2
 from mili.rpc.client import insecure_channel
 from mili.rpc.status import bad_request_of, retry_info_of
 from mili.telemetry.tracing import client_interceptors
+from services.prefill import sender as sender_module
 from services.prefill.sender import KvSender
 from services.prefill.task import FirstToken, PrefillTask
 from tests.prefill.harness import (
@@ -150,7 +151,7 @@ def test_decode_error_racing_our_writes_keeps_its_code(
                             sender.finish(FirstToken(0, None, None, 0.0, 0.0))
 
                         with pytest.raises(DataLoss, match="checksum"):
-                            await sender.run(push)
+                            await sender.run(push, lambda: None)
                 await channel.close()
 
     asyncio.run(main())
@@ -250,6 +251,30 @@ def test_caller_cancel_cancels_the_transfer_and_frees_blocks(tiny: TinyModel) ->
             call.cancel()
             await until(lambda: receiver.transfers["r"].status == "cancelled")
             await until(lambda: h.num_free_blocks == h.num_total_blocks)
+
+    asyncio.run(main())
+
+
+def test_a_cancelled_prompt_leaves_the_worker_before_decode_answers_the_abort(
+    tiny: TinyModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a review: the prompt stayed on the worker (its chunks computed, its blocks
+    held) until decode answered the abort, up to _ABORT_ANSWER_S: many steps on a GPU."""
+    monkeypatch.setattr(sender_module, "_ABORT_ANSWER_S", 30.0)  # a decode slow to answer
+
+    async def main() -> None:
+        async with prefill_service(tiny) as h, receiver_for(h) as (receiver, server):
+            receiver.reserve("r", [0, 1, 2])
+            receiver.stall_after = 1  # reads nothing more, the abort included, until resumed
+            call = h.stub.Prefill(prefill_request("r", prompt(tiny), server.address, [0, 1, 2]))
+            await asyncio.wait_for(receiver.got_chunk.wait(), 5)
+            worker = h.servicer.worker
+            assert worker.num_queued_requests == 1
+            call.cancel()
+            await until(lambda: worker.num_queued_requests == 0, timeout_s=10)
+            assert receiver.transfers["r"].status == "open"  # the abort is still unanswered
+            receiver.resume.set()
+            await until(lambda: receiver.transfers["r"].status != "open")
 
     asyncio.run(main())
 
@@ -403,9 +428,9 @@ def test_prompts_racing_for_the_last_room_are_refused_before_any_header(
             opened: list[str] = []  # the transfers started (each sends its header first)
             run = KvSender.run
 
-            async def run_recorded(sender: KvSender, start_compute: Any) -> Any:
+            async def run_recorded(sender: KvSender, start_compute: Any, stop: Any) -> Any:
                 opened.append(sender._task.request_id)
-                return await run(sender, start_compute)
+                return await run(sender, start_compute, stop)
 
             monkeypatch.setattr(KvSender, "run", run_recorded)
             calls = {
