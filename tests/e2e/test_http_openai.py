@@ -477,6 +477,21 @@ def _rss_bytes(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
+@pytest.mark.parametrize("encoding", ["gzip", "deflate"])
+def test_a_body_that_does_not_decode_is_400(deployment: Deployment, encoding: str) -> None:
+    """Found by a review: a corrupt gzip or deflate body was a 500 "internal error" with a
+    traceback in the log; the client sent it, so it is the client's 400."""
+    connection = http_connection(deployment)
+    headers = {"Content-Type": "application/json", "Content-Encoding": encoding}
+    connection.request("POST", "/v1/completions", b"xxxx", headers=headers)
+    response = connection.getresponse()
+    error = json.loads(response.read())["error"]
+    connection.close()
+    assert response.status == 400, error
+    assert error["type"] == "invalid_request_error"
+    assert error["message"].startswith("the request body: ") and encoding in error["message"]
+
+
 def test_an_oversized_body_is_413_and_leaves_nothing_behind(
     deployment: Deployment, client: openai.OpenAI, model: str
 ) -> None:

@@ -22,6 +22,7 @@ import math
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 from mili import errors
 
@@ -129,5 +130,7 @@ async def openai_errors(
         return error_response(
             exc.status, f"{exc.reason}: {request.method} {request.path}", "invalid_request_error"
         )
+    except RequestPayloadError as exc:  # a body that does not decode (a corrupt gzip stream)
+        return error_response(400, f"the request body: {exc}", "invalid_request_error")
     except Exception as exc:
         return response_of(exc)
