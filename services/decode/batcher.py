@@ -56,7 +56,7 @@ from mili.engine.step.device import use_device
 from mili.engine.step.runner import Launched, ModelRunner
 from mili.engine.step.sampler import PendingSample
 from mili.engine.step.sequence import Sequence
-from mili.errors import FailedPrecondition, Unavailable
+from mili.errors import FailedPrecondition, ResourceExhausted, Unavailable
 from mili.telemetry.metrics import DecodeMetrics
 from mili.telemetry.tracing import start_batch_span
 from services.decode.requests import DecodeRequest, RequestTable
@@ -264,7 +264,8 @@ class Batcher:
                 matcher=request.matcher,
             )
             reason = seq.append(join.first_token_id)
-        except ValueError as e:  # validated at the transfer edge; a bug if it happens
+        except (ValueError, ResourceExhausted) as e:  # ValueError: validated at the transfer
+            # edge, a bug if it happens; ResourceExhausted: the grammar is too complex here
             self._table.finish(request)
             out.append((join.outlet.stream, e))
             return
@@ -419,8 +420,11 @@ class Batcher:
             token_id = result.token_ids[i]
             try:
                 reason = r.seq.append(token_id)
-            except ConstraintError as e:  # this request alone fails (its grammar's error)
-                _LOG.error("request %s: %s", r.request.name, e)
+            except (ConstraintError, ResourceExhausted) as e:  # this request alone fails
+                # (ConstraintError: a bug of the grammar engine's; ResourceExhausted: one of its
+                # limits, the client's grammar too complex)
+                level = logging.INFO if isinstance(e, ResourceExhausted) else logging.ERROR
+                _LOG.log(level, "request %s: %s", r.request.name, e)
                 self._end(r, r.seq.written_token_ids(), e, out)
                 ended.add(id(r))
                 continue

@@ -36,7 +36,7 @@ from opentelemetry.trace import Span
 from prometheus_client import CollectorRegistry
 
 from mili.engine.constraint.mask import BatchMasker
-from mili.engine.constraint.matcher import ConstraintError, ConstraintMatcher
+from mili.engine.constraint.matcher import ConstraintMatcher
 from mili.engine.kv.prefix_cache import PrefixCacheReading
 from mili.engine.logprobs import TokenLogprobs
 from mili.engine.model.kv_cache import KVCache
@@ -385,13 +385,7 @@ class PrefillWorker:
             matcher = matchers[i]
             if matcher is not None and not matcher.accept(out.token_ids[i]):
                 # the mask allowed it: a grammar engine error; this prompt alone fails
-                why = matcher.error or "not allowed"
-                job.sink.fail(
-                    ConstraintError(
-                        f"first token {out.token_ids[i]} breaks the constraint "
-                        f"{matcher.field_name}: {why}"
-                    )
-                )
+                job.sink.fail(matcher.refusal(out.token_ids[i], "first token"))
                 continue
             first = FirstToken(
                 token_id=out.token_ids[i],

@@ -477,6 +477,32 @@ def _rss_bytes(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
+@pytest.mark.parametrize(
+    "regex",
+    [
+        "((a{100}){100}){100}",  # past the grammar engine's limits at the first token (prefill)
+        "[0-9]{5}((a{90}){90}){90}",  # ... at the sixth (decode)
+    ],
+)
+def test_a_grammar_too_complex_past_its_compile_is_the_clients_error(
+    client: openai.OpenAI, model: str, regex: str
+) -> None:
+    """Found by a review: a regex that compiles (its first mask is cheap) but runs the lexer
+    past llguidance's limits some tokens in was a 500 "internal error" with ERROR tracebacks
+    in three services; as at compile it is the client's: 400 limit_exceeded naming the
+    constraint, and the server serves on."""
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(
+            model=model, prompt="hi", max_tokens=12, extra_body={"guided_regex": regex}
+        )
+    error = info.value.body
+    assert isinstance(error, dict) and error["code"] == "limit_exceeded", error
+    # (named as the downstream services know it: sampling.regex is guided_regex)
+    assert "sampling.regex: the constraint is too complex" in error["message"]
+    reply = client.completions.create(model=model, prompt=PROMPT, max_tokens=2)
+    assert reply.choices[0].finish_reason in ("stop", "length")
+
+
 @pytest.mark.parametrize("encoding", ["gzip", "deflate"])
 def test_a_body_that_does_not_decode_is_400(deployment: Deployment, encoding: str) -> None:
     """Found by a review: a corrupt gzip or deflate body was a 500 "internal error" with a

@@ -18,8 +18,8 @@ from mili.engine.constraint import compiler as compiler_module
 from mili.engine.constraint import mask as matcher_module
 from mili.engine.constraint import schema as schemas
 from mili.engine.constraint.compiler import CompileConfig, CompileStats, ConstraintCompiler
-from mili.engine.constraint.mask import FilledMask, unpack_bitmask
-from mili.engine.constraint.matcher import ConstraintMatcher
+from mili.engine.constraint.mask import BatchMasker, FilledMask, unpack_bitmask
+from mili.engine.constraint.matcher import ConstraintError, ConstraintMatcher
 from mili.engine.constraint.spec import Constraint, ConstraintLimits, validate
 from mili.engine.constraint.vocab import GrammarTokenizer
 from mili.errors import InvalidArgument, ResourceExhausted
@@ -298,6 +298,27 @@ def test_a_property_named_limit_is_not_a_limit_hit(compiler: ConstraintCompiler)
         }
         with pytest.raises(InvalidArgument, match="unsatisfiable"):
             compiler.compile_sync(Constraint.json_schema(schema))
+
+
+def test_a_refused_token_is_too_complex_only_where_a_limit_was_hit(
+    compiler: ConstraintCompiler, tokenizer: GrammarTokenizer
+) -> None:
+    """A regex that compiles but runs the lexer past llguidance's limits five tokens in: the
+    refusal is RESOURCE_EXHAUSTED naming the field (the client's grammar), where a token the
+    grammar simply forbids is a ConstraintError (the mask allowed it: a bug)."""
+    (a,) = tokenizer.ll.tokenize_str("a")
+    heavy = compiler.compile_sync(Constraint.regex("[0-9]{5}((a{90}){90}){90}")).matcher()
+    assert all(heavy.accept(t) for t in tokenizer.encode("12345"))
+    BatchMasker(tokenizer, 1, num_threads=1).fill([heavy])  # the step's mask: the limit hit
+    assert not heavy.accept(a)
+    limit_hit = heavy.refusal(a, "output position 5")
+    assert isinstance(limit_hit, ResourceExhausted)
+    assert str(limit_hit).startswith("sampling.regex: the constraint is too complex (")
+    digits = compiler.compile_sync(Constraint.regex("[0-9]+")).matcher()
+    assert not digits.accept(a)
+    refused = digits.refusal(a, "first token")
+    assert isinstance(refused, ConstraintError)
+    assert f"token {a} (first token) breaks the constraint sampling.regex" in str(refused)
 
 
 def test_cache_hits_on_second_compile(tokenizer: GrammarTokenizer) -> None:

@@ -26,7 +26,6 @@ import concurrent.futures
 import contextlib
 import json
 import logging
-import re
 import threading
 from collections import OrderedDict
 from collections.abc import Collection
@@ -37,7 +36,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import llguidance
 
 from mili.engine.constraint import schema as schemas
-from mili.engine.constraint.matcher import ConstraintMatcher
+from mili.engine.constraint.matcher import ConstraintMatcher, too_complex
 from mili.engine.constraint.spec import Constraint, ConstraintLimits, parse_schema, validate
 from mili.engine.constraint.vocab import GrammarTokenizer
 from mili.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
@@ -95,10 +94,6 @@ class CompiledConstraint:
         return ConstraintMatcher(self.template.deep_copy(), self.tokenizer, self.field_name)
 
 
-# What llguidance's errors quote of the grammar or schema.
-_QUOTED = re.compile(r"'[^']*'|\"[^\"]*\"")
-
-
 def grammar_text(constraint: Constraint, limits: ConstraintLimits, prefix: str) -> str:
     """llguidance's grammar for `constraint`; InvalidArgument when it cannot be written."""
     field_name = constraint.field_name(prefix)
@@ -133,11 +128,9 @@ def build(constraint: Constraint, tokenizer: GrammarTokenizer, config: CompileCo
         matcher.compute_bitmask()
     if matcher.is_error():
         error = str(matcher.get_error())
-        # Words of llguidance's own, outside what it quotes of the schema (a property named
-        # "limit" is not a limit hit).
-        unquoted = _QUOTED.sub("", error).lower()
-        if any(word in unquoted for word in ("fuel", "too complex", "too many", "limit")):
-            raise ResourceExhausted(f"{field_name}: the constraint is too complex ({error})")
+        limit_hit = too_complex(field_name, error)
+        if limit_hit is not None:
+            raise limit_hit
         if constraint.kind == "json_schema":
             raise InvalidArgument(field_name, constraint.text, schemas.reword(error))
         reason = f"does not compile: {' '.join(error.split())[:300]}"

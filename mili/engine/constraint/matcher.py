@@ -10,7 +10,10 @@ takes EOS and nothing else.
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Any
+
+from mili.errors import ResourceExhausted
 
 if TYPE_CHECKING:
     from mili.engine.constraint.vocab import GrammarTokenizer
@@ -74,6 +77,34 @@ class ConstraintMatcher:
     def error(self) -> str:
         """Why the matcher is in its error state ('' when it is not)."""
         return str(self._m.get_error())
+
+    def refusal(self, token_id: int, where: str) -> Exception:
+        """What to fail the request with when `accept(token_id)` refused a token the mask
+        allowed, at `where` ("first token", "output position 5"): the grammar engine out of
+        one of its limits (a constraint that compiled but is too complex further in) is
+        RESOURCE_EXHAUSTED naming the field; anything else a ConstraintError (a bug)."""
+        why = self.error or "not among the tokens it allows next"
+        limit_hit = too_complex(self.field_name, why)
+        if limit_hit is not None:
+            return limit_hit
+        return ConstraintError(
+            f"token {token_id} ({where}) breaks the constraint {self.field_name}: "
+            f"{' '.join(why.split())[:300]}"
+        )
+
+
+_QUOTED = re.compile(r"'[^']*'|\"[^\"]*\"")
+
+
+def too_complex(field_name: str, error: str) -> ResourceExhausted | None:
+    """The error for llguidance's `error` when it is one of the library's limits hit (lexer
+    fuel, too many states or expressions): RESOURCE_EXHAUSTED naming the field, the same at
+    compile and at any later token. Its own words count, not what it quotes of the schema (a
+    property named "limit" is not a limit hit)."""
+    unquoted = _QUOTED.sub("", error).lower()
+    if any(word in unquoted for word in ("fuel", "too complex", "too many", "limit")):
+        return ResourceExhausted(f"{field_name}: the constraint is too complex ({error})")
+    return None
 
 
 class ConstraintError(RuntimeError):

@@ -7,8 +7,8 @@ and decode's batch thread alike).
     num_computed_tokens: positions whose K/V is in the cache; block_table covers them
 
 `append` records a sampled token and applies the one stop rule (mili.engine.stop); a
-constrained request's matcher accepts it first (ConstraintError when it cannot) and a finished
-match stops the generation.
+constrained request's matcher accepts it first (ConstraintMatcher.refusal's error when it
+cannot) and a finished match stops the generation.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import Collection
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
-from mili.engine.constraint.matcher import ConstraintError, ConstraintMatcher
+from mili.engine.constraint.matcher import ConstraintMatcher
 from mili.engine.sampling_params import SamplingParams
 from mili.engine.step.sampler import SequenceSampling
 from mili.engine.stop import FinishReason, check_stop, stop_token_set
@@ -90,16 +90,14 @@ class Sequence:
 
     def append(self, token_id: int) -> FinishReason | None:
         """Record the next output token; return the finish reason it causes (also kept in
-        `finish_reason`). Raises ValueError for an id outside the vocabulary, ConstraintError
-        (nothing recorded) for a token the request's constraint does not allow."""
+        `finish_reason`). Raises ValueError for an id outside the vocabulary; for a token the
+        request's constraint does not allow (nothing recorded), ConstraintError, or
+        ResourceExhausted where the grammar engine ran out of one of its limits."""
         is_constraint_finished = False
         if self.matcher is not None:
             if not self.matcher.accept(token_id):
-                why = self.matcher.error or "not among the tokens it allows next"
-                raise ConstraintError(
-                    f"token {token_id} at output position {len(self.output_token_ids)} breaks "
-                    f"the constraint {self.matcher.field_name}: {' '.join(why.split())[:300]}"
-                )
+                where = f"output position {len(self.output_token_ids)}"
+                raise self.matcher.refusal(token_id, where)
             is_constraint_finished = self.matcher.is_finished
         self.sampling.append(token_id)
         self.finish_reason = check_stop(
