@@ -23,7 +23,12 @@ from services.frontend.http_api import seeds
 from services.frontend.http_api.chat import create_chat_completion
 from services.frontend.http_api.completions import create_completion
 from services.frontend.http_api.drain import DRAIN_GATE, DrainGate
-from services.frontend.http_api.errors import MAX_BODY_BYTES, model_not_found, openai_errors
+from services.frontend.http_api.errors import (
+    BODY_TIMEOUT_S,
+    MAX_BODY_BYTES,
+    model_not_found,
+    openai_errors,
+)
 from services.frontend.http_api.keys import GENERATIONS
 from services.frontend.http_api.server import HttpConfig
 from services.frontend.http_api.telemetry import add_telemetry
@@ -40,6 +45,7 @@ def make_app(generations: Generations, config: HttpConfig) -> web.Application:
     app[GENERATIONS] = generations
     app[DRAIN_GATE] = gate
     app[MAX_BODY_BYTES] = config.max_body_bytes
+    app[BODY_TIMEOUT_S] = config.body_timeout_s
     add_telemetry(app, generations.metrics)  # spans, metrics, X-Request-Id: outermost
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model:.+}", retrieve_model)  # names may hold a "/"

@@ -16,6 +16,7 @@ once more for HTTP; validation is one rule with two mappings:
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -30,6 +31,19 @@ _LOG = logging.getLogger("mili.frontend")
 ParamOf = Callable[[str], str]
 # The app's body limit (web.Application's client_max_size), for the 413's message.
 MAX_BODY_BYTES = web.AppKey("max_body_bytes", int)
+# The most a request's body may take to arrive (HttpConfig.body_timeout_s).
+BODY_TIMEOUT_S = web.AppKey("body_timeout_s", float)
+
+
+async def read_body(request: web.Request) -> bytes:
+    """The request's body, within the app's time for it: a client that announced a body and
+    sends it slowly (or never) would hold its connection and its handler for as long as it
+    liked. Past it, a 408 (`openai_errors`)."""
+    try:
+        async with asyncio.timeout(request.app[BODY_TIMEOUT_S]):
+            return await request.read()
+    except TimeoutError:
+        raise web.HTTPRequestTimeout() from None
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> str:
@@ -117,6 +131,13 @@ async def openai_errors(
     try:
         response: web.StreamResponse = await handler(request)
         return response
+    except web.HTTPRequestTimeout:
+        return error_response(
+            408,
+            f"the request body did not arrive within {request.app[BODY_TIMEOUT_S]} s",
+            "invalid_request_error",
+            code="request_timeout",
+        )
     except web.HTTPRequestEntityTooLarge:
         return error_response(
             413,

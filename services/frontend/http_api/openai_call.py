@@ -22,7 +22,7 @@ from aiohttp import web
 from services.frontend.generations import Generations
 from services.frontend.http_api import body, sse
 from services.frontend.http_api.choices import Choice, plan, run
-from services.frontend.http_api.errors import model_not_found, response_of
+from services.frontend.http_api.errors import model_not_found, read_body, response_of
 from services.frontend.http_api.openai_request import OpenAIRequest
 from services.frontend.http_api.telemetry import request_id_of
 from services.frontend.pipeline import Delta
@@ -65,7 +65,7 @@ async def open_call(
     request_id = request_id_of(http_request)
     limits = generations.config.limits
     window = generations.backends.router.max_context_tokens
-    request = parse(body.parse(await http_request.read()), limits, window, request_id)
+    request = parse(body.parse(await read_body(http_request)), limits, window, request_id)
     model = generations.model
     # "" is "the served one" too, as vLLM takes it (some clients and tools send it).
     if request.model and not generations.backends.answers_to(request.model):

@@ -46,7 +46,7 @@ from services.frontend.calls import Deadline
 from services.frontend.http_api import sse
 from services.frontend.http_api.body import Body, parse
 from services.frontend.http_api.drain import DRAIN_GATE
-from services.frontend.http_api.errors import response_of
+from services.frontend.http_api.errors import read_body, response_of
 from services.frontend.http_api.keys import GENERATIONS
 from services.frontend.http_api.telemetry import request_id_of, set_request_id, stream_failed
 from services.frontend.pipeline import Delta
@@ -70,7 +70,7 @@ def add_routes(app: web.Application) -> None:
 
 async def generate(request: web.Request) -> web.StreamResponse:
     generations = request.app[GENERATIONS]
-    given = _read(parse(await request.read()))
+    given = _read(parse(await read_body(request)))
     if given.inputs.client_request_id:
         # The body's id is the request's: the response's X-Request-Id says the same.
         set_request_id(request, given.inputs.client_request_id)

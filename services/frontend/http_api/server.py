@@ -10,9 +10,12 @@ tokenization).
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import resource
 import ssl
 from dataclasses import dataclass
+from typing import Any
 
 from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage
@@ -62,6 +65,15 @@ class HttpConfig:
     require_client_auth: bool = False  # mTLS: only clients with a certificate tls.ca signed
     # SO_REUSEPORT: the port is shared with sibling frontend processes (ServerConfig.reuse_port)
     reuse_port: bool = False
+    # A connection with no request under way (a new one, one between requests, one whose
+    # request line and headers are still coming) is closed after this long.
+    idle_timeout_s: float = 60.0
+    # The most a request's body may take to arrive once its headers did (408 past it).
+    body_timeout_s: float = 60.0
+    # Connections open at once; past it a new one is closed at once. 0: half this process's
+    # open-file limit, so that idle clients never take the files gRPC and the downstream
+    # channels need.
+    max_connections: int = 0
 
 
 def ssl_context(tls: TlsFiles, *, require_client_auth: bool) -> ssl.SSLContext:
@@ -76,6 +88,30 @@ def ssl_context(tls: TlsFiles, *, require_client_auth: bool) -> ssl.SSLContext:
         context.load_verify_locations(cafile=tls.ca)
         context.verify_mode = ssl.CERT_REQUIRED
     return context
+
+
+def _half_the_file_limit() -> int:
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return max(64, soft // 2) if soft != resource.RLIM_INFINITY else 1 << 16
+
+
+def _cap_connections(server: web.Server, limit: int) -> None:
+    """Close a connection at once when `limit` are open already (aiohttp has no such limit):
+    past the process's file limit, accept() fails for every port, gRPC's included."""
+    register = server.connection_made
+    loop = asyncio.get_running_loop()
+    warned_at = -1e9
+
+    def connection_made(handler: Any, transport: asyncio.Transport) -> None:
+        nonlocal warned_at
+        register(handler, transport)  # connection_lost, on the abort, unregisters it
+        if len(server.connections) > limit:
+            transport.abort()
+            if loop.time() - warned_at > 60:  # a line a minute, not one per connection
+                warned_at = loop.time()
+                _LOG.warning("frontend: %d HTTP connections open: refusing more", limit)
+
+    server.connection_made = connection_made  # type: ignore[method-assign]
 
 
 class HttpServer:
@@ -105,8 +141,13 @@ class HttpServer:
             shutdown_timeout=CLOSE_GRACE_S,  # after drain()'s wait for requests in flight
             access_log=None,  # the request's one log line is the frontend's own
             logger=_SERVER_LOG,
+            # aiohttp's idle timer, which runs from the connection's start too (its default
+            # is an hour: enough idle connections took every file of the process)
+            keepalive_timeout=config.idle_timeout_s,
         )
         await runner.setup()
+        assert runner.server is not None
+        _cap_connections(runner.server, config.max_connections or _half_the_file_limit())
         # Port 0: one port picked first, as aiohttp gives each address of a host that resolves
         # to several (localhost: IPv4 and IPv6) a free port of its own, and sibling frontends
         # (reuse_port) join the one port the URL names.
