@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
@@ -87,6 +88,18 @@ class ServiceProcess:
     @property
     def stderr(self) -> str:
         return "".join(self.stderr_lines)
+
+    def lines_matching(
+        self, pattern: re.Pattern[str], count: int, *, start: int = 0, timeout_s: float = 10.0
+    ) -> list[str]:
+        """The stderr lines from line `start` on that match `pattern`, once there are `count`
+        (the reader thread may be a moment behind the process: a sleep was a race)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            lines = [line for line in self.stderr_lines[start:] if pattern.search(line)]
+            if len(lines) >= count or time.monotonic() > deadline:
+                return lines
+            time.sleep(0.02)
 
     def terminate(self, timeout_s: float = 30.0) -> int:
         """SIGTERM (graceful drain), then wait; returns the exit code. `stderr` is then whole."""

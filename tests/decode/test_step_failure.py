@@ -204,6 +204,9 @@ def test_a_dead_batch_thread_says_so_once_its_requests_are_failed(
                 assert error.code() == grpc.StatusCode.UNAVAILABLE
 
         server.run(body())
+        # The requests are failed first, on_death next: the client's UNAVAILABLE may come
+        # before the thread got to it.
+        batcher._thread.join(10)
         ((death, num_free),) = deaths
         assert batcher.death is death and "injected step failure" in str(death)
         assert num_free == NUM_BLOCKS

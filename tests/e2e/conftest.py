@@ -18,7 +18,7 @@ import pytest
 from mili.pb.decode.v1 import decode_pb2, decode_pb2_grpc
 from mili.pb.frontend.v1 import generation_pb2, generation_pb2_grpc
 from mili.pb.prefill.v1 import prefill_pb2, prefill_pb2_grpc
-from mili.ports import pick_free
+from mili.ports import pick_free_ports
 from tests.service_process import ServiceProcess
 
 # Small KV pools: the defaults (1 GiB per decode instance) are for real serving, not for tests.
@@ -167,7 +167,7 @@ def deploy(
     decode instances it may send KV to (plus `num_spare_decodes` addresses for stand-ins).
     """
     model = ("--model", str(model_dir), *engine_args)
-    decode_ports = [pick_free("127.0.0.1") for _ in range(num_decodes + num_spare_decodes)]
+    decode_ports = pick_free_ports("127.0.0.1", num_decodes + num_spare_decodes)  # distinct
     decode_addresses = [f"127.0.0.1:{port}" for port in decode_ports]
     allowed = ("--decode", ",".join(decode_addresses))
     specs = [

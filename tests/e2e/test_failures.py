@@ -62,8 +62,8 @@ def test_mismatched_pair_is_refused_loudly_and_never_routed(deployment: Deployme
     for _ in range(4):
         responses = list(deployment.stub().Generate(request(), timeout=30))
         assert responses[-1].usage.completion_tokens == 4
-    time.sleep(0.2)
-    routes = [m.group(1) for m in map(_ROUTE.search, deployment.frontend.stderr_lines) if m]
+    lines = deployment.frontend.lines_matching(_ROUTE, 4)
+    routes = [m.group(1) for m in map(_ROUTE.search, lines) if m]
     assert routes[:4] == [good.address] * 4
 
 

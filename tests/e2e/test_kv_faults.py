@@ -38,7 +38,7 @@ from tests.e2e.fault_proxy import FaultProxy
 from tests.service_process import ServiceProcess
 
 # The request under fault must fail well before decode's default 30 s KV lease would end it.
-FAIL_WITHIN_S = 5.0
+FAIL_WITHIN_S = 15.0  # half the lease: a loaded CI host gets room, the check its meaning
 LONG_TOKENS = 48  # the request already decoding when the fault hits
 SHORT_TOKENS = 24  # still decoding when the victim's transfer fails
 

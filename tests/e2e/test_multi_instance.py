@@ -51,8 +51,8 @@ def test_every_request_completes_and_every_instance_gets_work(deployment: Deploy
         assert responses[-1].usage.completion_tokens == 8
     # The frontend logs each finished request's route: the tokens of each came from that
     # decode instance's stream, the KV from that prefill instance.
-    time.sleep(0.2)
-    routes = [m.groups() for m in map(_ROUTE.search, deployment.frontend.stderr_lines) if m]
+    lines = deployment.frontend.lines_matching(_ROUTE, 8)
+    routes = [m.groups() for m in map(_ROUTE.search, lines) if m]
     assert len(routes) == 8
     assert {p for p, _ in routes} == {p.address for p in deployment.prefills}
     assert {d for _, d in routes} == {d.address for d in deployment.decodes}
@@ -82,8 +82,7 @@ def test_a_conversation_stays_on_the_instances_holding_its_prefix(
             responses = list(stub.Generate(request_for(prompt, 6), timeout=60))
             assert responses[-1].usage.completion_tokens == 6
             history[c] = prompt + [t for r in responses for t in r.token_ids]
-    time.sleep(0.2)
-    lines = [line for line in deployment.frontend.stderr_lines[num_lines:] if _ROUTE.search(line)]
+    lines = deployment.frontend.lines_matching(_ROUTE, 9, start=num_lines)
     assert len(lines) == 9
     routes = [_ROUTE.search(line).groups() for line in lines]  # type: ignore[union-attr]
     cached = [tuple(map(int, _CACHED.search(line).groups())) for line in lines]  # type: ignore[union-attr]

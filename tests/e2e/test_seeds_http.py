@@ -188,7 +188,14 @@ def test_a_request_in_flight_is_processing_then_cancelled(seeds: Deployment) -> 
     url = seeds.frontend.http_url
     free = seeds.free_blocks()
     max_tokens = 3000  # far more than the first event takes: still running when asked
-    body = {"prompt": PROMPT, "max_tokens": max_tokens, "stream": True, "request_id": "long"}
+    # Greedy: sampled, the demo model's EOS (~0.1% a token) ended it early now and then.
+    body = {
+        "prompt": PROMPT,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "request_id": "long",
+        "temperature": 0,
+    }
     conn = connect(url)
     conn.request("POST", "/generate", body=json.dumps(body))
     reply = conn.getresponse()
@@ -268,7 +275,7 @@ def test_health_is_503_without_services_and_while_draining(seeds: Deployment) ->
             time.sleep(0.1)
         conn = connect(url)
         # Long enough to be in flight when the drain starts on a loaded machine (seconds).
-        body = {"prompt": PROMPT, "max_tokens": 2000, "stream": True}
+        body = {"prompt": PROMPT, "max_tokens": 2000, "stream": True, "temperature": 0}
         conn.request("POST", "/generate", body=json.dumps(body))
         reply = conn.getresponse()
         assert reply.readline().startswith(b"data: {")
