@@ -48,7 +48,7 @@ from mili.discovery import Callers
 from mili.errors import PermissionDenied
 from mili.rpc.malformed import CheckedRequests, Malformed, Oversized, Refused, guard
 from mili.rpc.policy import OPEN, SMALL_REQUEST_BYTES, Policy
-from mili.rpc.status import is_internal, status_header, status_of
+from mili.rpc.status import cut_short, is_internal, status_header, status_of
 from mili.telemetry.metrics import RequestMetrics
 
 _LOG = logging.getLogger("mili.rpc")
@@ -312,12 +312,7 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
         else OK when its handler returned, else it was cut short (caller gone, deadline)."""
         code = context.code()
         if code is None:
-            if is_done:
-                code = grpc.StatusCode.OK
-            else:
-                remaining = context.time_remaining()
-                is_late = remaining is not None and remaining <= 0
-                code = grpc.StatusCode.DEADLINE_EXCEEDED if is_late else grpc.StatusCode.CANCELLED
+            code = grpc.StatusCode.OK if is_done else cut_short(context.time_remaining())
         status = code.name if isinstance(code, grpc.StatusCode) else str(code)
         self._metrics.record(call.method, status, is_control=call.is_control)
 

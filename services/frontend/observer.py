@@ -12,10 +12,11 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import grpc
 from opentelemetry import trace
 from opentelemetry.trace import Span
 
-from mili.rpc.status import code_of
+from mili.rpc.status import code_of, cut_short
 from mili.telemetry.metrics import FrontendMetrics
 from mili.telemetry.tracing import trace_ids
 from services.frontend.calls import RequestIds
@@ -25,8 +26,6 @@ from services.frontend.validation import ValidRequest
 _LOG = logging.getLogger("mili.frontend")
 # The global provider's tracer: a no-op until mili.telemetry.tracing installs one.
 _TRACER = trace.get_tracer("mili.frontend")
-# A call grpc ends this close to its deadline ended because of it (clocks differ a little).
-_DEADLINE_SLACK_S = 0.05
 
 
 class RequestObserver:
@@ -108,10 +107,11 @@ class RequestObserver:
     def cancelled(self, remaining_s: float | None) -> None:
         """grpc ended the handler: `remaining_s`, grpc's own clock (which fired the end), says
         whether the caller cancelled or its deadline passed."""
-        code, why = "CANCELLED", "the caller cancelled"
-        if remaining_s is not None and remaining_s < _DEADLINE_SLACK_S:
-            code, why = "DEADLINE_EXCEEDED", "the caller's deadline passed"
-        self._log("%s after %.1f ms: %s", code, self._elapsed_ms(), why)
+        code = cut_short(remaining_s)
+        why = "the caller cancelled"
+        if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+            why = "the caller's deadline passed"
+        self._log("%s after %.1f ms: %s", code.name, self._elapsed_ms(), why)
 
     def _log(self, what: str, *args: object) -> None:
         """The request's one log line: its ids, `what`, the trace's ids. The caller's id is

@@ -21,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from mili.errors import InvalidArgument
 from mili.rpc.server import ServerConfig
+from mili.rpc.status import cut_short
 from tests.rpc.conftest import SERVICE, EchoServer
 
 
@@ -80,6 +81,38 @@ def test_calls_are_counted_by_method_and_final_status(
                 await asyncio.to_thread(_get, url)
 
     asyncio.run(main())
+
+
+def test_a_call_its_deadline_ended_is_counted_deadline_exceeded(
+    echo_server: EchoServer, until: Callable[..., Any]
+) -> None:
+    """Found by a review: of 8 calls whose caller saw DEADLINE_EXCEEDED, 5 were counted
+    CANCELLED (grpc ends the handler a moment before time_remaining() reaches 0); the rule is
+    the request log line's (mili.rpc.status.cut_short)."""
+
+    async def main() -> None:
+        async with echo_server() as h:
+            for _ in range(4):
+                held = h.server_stream("Hold")(b"x", timeout=0.3)
+                assert await held.read() == b"started"
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await held.read()
+                assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+            def counts() -> dict[tuple[str, str], float]:
+                return _counts(generate_latest(h.server.registry).decode())
+
+            await until(lambda: sum(counts().values()) == 4)
+            assert counts() == {(f"/{SERVICE}/Hold", "DEADLINE_EXCEEDED"): 4}
+
+    asyncio.run(main())
+
+
+def test_cut_short_tells_a_deadline_from_a_cancel() -> None:
+    assert cut_short(None) is grpc.StatusCode.CANCELLED  # no deadline: the caller left
+    assert cut_short(5.0) is grpc.StatusCode.CANCELLED
+    for remaining_s in (0.01, 0.0, -0.2):
+        assert cut_short(remaining_s) is grpc.StatusCode.DEADLINE_EXCEEDED
 
 
 def _unread_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
