@@ -79,20 +79,9 @@ def bytes_per_block(config: Qwen3Config, block_size: int, dtype: torch.dtype) ->
     return 2 * config.num_hidden_layers * per_layer
 
 
-def slot_mapping(
-    block_tables: torch.Tensor, seq_indices: torch.Tensor, positions: torch.Tensor, block_size: int
-) -> torch.Tensor:
-    """Cache slot of each token.
-
-    block_tables: [B, max_blocks] int (rows padded with any valid id), seq_indices: [T] int (row of
-    `block_tables` each token belongs to), positions: [T] int -> slots: [T] int64.
-    """
-    block_ids = block_tables[seq_indices, torch.div(positions, block_size, rounding_mode="floor")]
-    return block_ids.long() * block_size + positions.long() % block_size
-
-
 def slots_for_range(block_table: Sequence[int], start: int, end: int, block_size: int) -> list[int]:
-    """Slots of positions [start, end) of one request (plain-Python twin of `slot_mapping`)."""
+    """Cache slots of positions [start, end) of one request: block_table[p // block_size] *
+    block_size + p % block_size (a flat [num_blocks * block_size] view of a layer's K or V)."""
     return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
 
 
