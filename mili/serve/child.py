@@ -205,8 +205,9 @@ class Child:
         return code
 
     async def _drain_readers(self) -> None:
-        # A grandchild holding the pipes open must not hold us: 2 s, then go on without.
-        with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+        # A grandchild holding the pipes open must not hold us: 2 s, then go on without. (Only
+        # the timeout is swallowed: a cancel of the task that waits here goes through.)
+        with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(2.0):
                 await asyncio.gather(*self._readers)
 
