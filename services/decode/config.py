@@ -48,8 +48,8 @@ class DecodeConfig:
     def __post_init__(self) -> None:
         if self.max_running <= 0:
             raise ValueError(f"--max-running must be > 0, got {self.max_running}")
-        if self.kv_lease_ms <= 0:
-            raise ValueError(f"--kv-lease-ms must be > 0, got {self.kv_lease_ms}")
+        if not 0 < self.kv_lease_ms < 2**32:  # Admitted.kv_lease_ms is a uint32
+            raise ValueError(f"--kv-lease-ms must be in (0, 2^32), got {self.kv_lease_ms}")
         if self.kv_transport not in KV_TRANSPORTS:
             choices = ", ".join(KV_TRANSPORTS)
             raise ValueError(f"--kv-transport must be one of {choices}, got {self.kv_transport!r}")

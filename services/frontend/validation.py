@@ -56,9 +56,14 @@ class Limits:
     constraint: ConstraintLimits = dataclasses.field(default_factory=ConstraintLimits)
 
     def __post_init__(self) -> None:
-        if self.default_max_tokens < 1:
-            raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
+        # Both are uint32 fields of Info (an overflow failed every Info call).
+        if not 1 <= self.default_max_tokens < 2**32:
+            raise ValueError(
+                f"default_max_tokens must be in [1, 2^32), got {self.default_max_tokens}"
+            )
         limit = self.max_tokens_limit
+        if limit is not None and limit >= 2**32:
+            raise ValueError(f"max_tokens_limit must be below 2^32, got {limit}")
         if limit is not None and limit < self.default_max_tokens:
             raise ValueError(
                 f"max_tokens_limit ({limit}) must be >= default_max_tokens "

@@ -130,3 +130,12 @@ def test_an_admission_over_its_size_or_the_context_is_refused_before_conversion(
             assert after.num_free_blocks == before.num_free_blocks
 
     decode_server.run(body())
+
+
+def test_the_lease_flag_fits_the_uint32_admitted_carries_it_in() -> None:
+    """Found by a review: --kv-lease-ms of 2^32 or more started, then overflowed every
+    Admitted message (each admission failed)."""
+    for lease_ms in (0, 2**32):
+        with pytest.raises(ValueError, match=r"--kv-lease-ms must be in \(0, 2\^32\)"):
+            DecodeConfig(model_dir=Path("unused"), kv_lease_ms=lease_ms)
+    assert DecodeConfig(model_dir=Path("unused"), kv_lease_ms=2**32 - 1).kv_lease_ms == 2**32 - 1

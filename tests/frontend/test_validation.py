@@ -169,6 +169,15 @@ def test_limits_reject_a_default_above_the_limit() -> None:
         Limits(default_max_tokens=100, max_tokens_limit=50)
 
 
+def test_limits_fit_the_uint32_fields_info_reports_them_in() -> None:
+    """Found by a review: 2^32 or more overflowed InfoResponse, and every Info call failed."""
+    with pytest.raises(ValueError, match=r"default_max_tokens must be in \[1, 2\^32\)"):
+        Limits(default_max_tokens=2**32, max_tokens_limit=None)
+    with pytest.raises(ValueError, match=r"max_tokens_limit must be below 2\^32"):
+        Limits(default_max_tokens=16, max_tokens_limit=2**32)
+    Limits(default_max_tokens=2**32 - 1, max_tokens_limit=2**32 - 1)  # the largest fit
+
+
 def test_token_ids_outside_vocab_are_named_by_index() -> None:
     valid = check(RequestInput(token_ids=(1, 900, 2, 1000), sampling=SamplingInput()))
     with pytest.raises(InvalidArgument) as info:
