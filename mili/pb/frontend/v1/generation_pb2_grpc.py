@@ -33,7 +33,8 @@ class GenerationServiceStub:
     Errors: INVALID_ARGUMENT (with google.rpc.BadRequest naming each bad field) for a bad request;
     RESOURCE_EXHAUSTED (with google.rpc.RetryInfo) when the frontend's admission queue is full
     or it holds --max-concurrent-requests already (load past what prefill and decode take at once
-    waits in that queue, no error), and for a constraint too complex to compile in time;
+    waits in that queue, no error), and, without RetryInfo, for a constraint too complex to
+    compile in time or that runs the grammar engine out of one of its limits mid-generation;
     UNAVAILABLE when a service it needs is down; DEADLINE_EXCEEDED and CANCELLED as the caller
     sets them; FAILED_PRECONDITION when the prefill and decode it pairs serve different models;
     DATA_LOSS when a KV transfer arrived damaged; INTERNAL for a bug.
@@ -70,7 +71,8 @@ class GenerationServiceServicer:
     Errors: INVALID_ARGUMENT (with google.rpc.BadRequest naming each bad field) for a bad request;
     RESOURCE_EXHAUSTED (with google.rpc.RetryInfo) when the frontend's admission queue is full
     or it holds --max-concurrent-requests already (load past what prefill and decode take at once
-    waits in that queue, no error), and for a constraint too complex to compile in time;
+    waits in that queue, no error), and, without RetryInfo, for a constraint too complex to
+    compile in time or that runs the grammar engine out of one of its limits mid-generation;
     UNAVAILABLE when a service it needs is down; DEADLINE_EXCEEDED and CANCELLED as the caller
     sets them; FAILED_PRECONDITION when the prefill and decode it pairs serve different models;
     DATA_LOSS when a KV transfer arrived damaged; INTERNAL for a bug.
@@ -134,7 +136,8 @@ class GenerationService:
     Errors: INVALID_ARGUMENT (with google.rpc.BadRequest naming each bad field) for a bad request;
     RESOURCE_EXHAUSTED (with google.rpc.RetryInfo) when the frontend's admission queue is full
     or it holds --max-concurrent-requests already (load past what prefill and decode take at once
-    waits in that queue, no error), and for a constraint too complex to compile in time;
+    waits in that queue, no error), and, without RetryInfo, for a constraint too complex to
+    compile in time or that runs the grammar engine out of one of its limits mid-generation;
     UNAVAILABLE when a service it needs is down; DEADLINE_EXCEEDED and CANCELLED as the caller
     sets them; FAILED_PRECONDITION when the prefill and decode it pairs serve different models;
     DATA_LOSS when a KV transfer arrived damaged; INTERNAL for a bug.
