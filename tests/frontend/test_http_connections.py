@@ -6,19 +6,22 @@ all still open after 400 s."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import ssl
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
+import pytest
 from aiohttp import web
 
-from services.frontend.http_api.errors import (
-    BODY_TIMEOUT_S,
-    MAX_BODY_BYTES,
-    openai_errors,
-    read_body,
-)
+from mili.rpc.certs import Authority
+from mili.rpc.tls import TlsFiles
+from services.frontend.http_api import connections
+from services.frontend.http_api.body import BODY_TIMEOUT_S, read_body
+from services.frontend.http_api.errors import MAX_BODY_BYTES, openai_errors
 from services.frontend.http_api.server import HttpConfig, HttpServer
 
 CONFIG = HttpConfig(port=0, idle_timeout_s=0.5, body_timeout_s=0.5, max_connections=4)
@@ -29,12 +32,12 @@ async def _echo(request: web.Request) -> web.Response:
 
 
 @asynccontextmanager
-async def _served() -> AsyncIterator[int]:
+async def _served(config: HttpConfig = CONFIG) -> AsyncIterator[int]:
     app = web.Application(middlewares=[openai_errors])
-    app[MAX_BODY_BYTES] = CONFIG.max_body_bytes
-    app[BODY_TIMEOUT_S] = CONFIG.body_timeout_s
+    app[MAX_BODY_BYTES] = config.max_body_bytes
+    app[BODY_TIMEOUT_S] = config.body_timeout_s
     app.router.add_post("/echo", _echo)
-    server = HttpServer(app, CONFIG)
+    server = HttpServer(app, config)
     port = await server.start()
     try:
         yield port
@@ -102,3 +105,52 @@ def test_connections_past_the_limit_are_closed_and_the_port_serves_on() -> None:
             assert answer.startswith(b"HTTP/1.1 200"), answer
 
     asyncio.run(main())
+
+
+def test_a_tls_connection_that_never_handshakes_is_closed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a review of the limit above: a TLS connection reaches aiohttp (and counts)
+    only once its handshake is done, and asyncio waits 60 s for one: clients that never sent
+    a ClientHello took every file again. The handshake is bounded now (HANDSHAKE_TIMEOUT_S);
+    the connections past it count and are capped as plain ones."""
+    monkeypatch.setattr(connections, "HANDSHAKE_TIMEOUT_S", 0.5)
+    files = Authority().write(tmp_path, "frontend", ["127.0.0.1"])
+    config = dataclasses.replace(CONFIG, tls=TlsFiles(files.cert, files.key))
+    client_tls = ssl.create_default_context(cafile=str(files.ca))
+
+    async def served_over_tls(port: int) -> bytes:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=client_tls)
+        writer.write(_post(b"{}", 2))
+        try:
+            async with asyncio.timeout(5):
+                return await reader.readuntil(b'{"bytes": 2}')
+        finally:
+            writer.close()
+
+    async def main() -> None:
+        async with _served(config) as port:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)  # no ClientHello
+            started = time.monotonic()
+            assert await _closed_within(reader, 10) == b""
+            assert time.monotonic() - started < 5  # asyncio's own wait is 60 s
+            writer.close()
+            assert (await served_over_tls(port)).startswith(b"HTTP/1.1 200")
+            held = [
+                await asyncio.open_connection("127.0.0.1", port, ssl=client_tls) for _ in range(4)
+            ]
+            await asyncio.sleep(0.05)
+            with pytest.raises((ConnectionError, ssl.SSLError, asyncio.IncompleteReadError)):
+                await served_over_tls(port)  # the fifth
+            for _, held_writer in held:
+                held_writer.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("idle_timeout_s", 0.0), ("body_timeout_s", -1.0), ("max_connections", -1)]
+)
+def test_a_limit_that_would_turn_itself_off_is_refused(field: str, value: float) -> None:
+    with pytest.raises(ValueError, match=field):
+        HttpConfig(**{field: value})  # type: ignore[arg-type]

@@ -20,15 +20,11 @@ from aiohttp import web
 from mili import __version__
 from services.frontend.generations import Generations
 from services.frontend.http_api import seeds
+from services.frontend.http_api.body import BODY_TIMEOUT_S
 from services.frontend.http_api.chat import create_chat_completion
 from services.frontend.http_api.completions import create_completion
 from services.frontend.http_api.drain import DRAIN_GATE, DrainGate
-from services.frontend.http_api.errors import (
-    BODY_TIMEOUT_S,
-    MAX_BODY_BYTES,
-    model_not_found,
-    openai_errors,
-)
+from services.frontend.http_api.errors import MAX_BODY_BYTES, model_not_found, openai_errors
 from services.frontend.http_api.keys import GENERATIONS
 from services.frontend.http_api.server import HttpConfig
 from services.frontend.http_api.telemetry import add_telemetry

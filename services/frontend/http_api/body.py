@@ -1,6 +1,7 @@
-"""An HTTP request's JSON body, read field by field: each wrong type is an InvalidArgument naming
-the parameter as the caller wrote it (`top_p`, `messages[2].content`), so the 400 says what to
-fix. JSON `null` counts as unset everywhere, as OpenAI's API treats it.
+"""An HTTP request's JSON body: read off the connection within a time limit (`read_body`), then
+field by field: each wrong type is an InvalidArgument naming the parameter as the caller wrote
+it (`top_p`, `messages[2].content`), so the 400 says what to fix. JSON `null` counts as unset
+everywhere, as OpenAI's API treats it.
 
 Plain Python over the parsed body; no schema library: a request is read once, by the handler
 that serves it, and its few dozen fields cost microseconds here.
@@ -8,9 +9,12 @@ that serves it, and its few dozen fields cost microseconds here.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 from typing import Any
+
+from aiohttp import web
 
 from mili.errors import InvalidArgument
 from mili.text.surrogate import SURROGATE_ESCAPE, lone_surrogate_path
@@ -18,6 +22,21 @@ from mili.text.surrogate import SURROGATE_ESCAPE, lone_surrogate_path
 # Integer fields must fit in 64 bits (seed is the widest: unsigned); larger ones are refused
 # here, before a huge int reaches arithmetic.
 _MAX_INT = 2**64
+
+
+# The most a request's body may take to arrive (HttpConfig.body_timeout_s).
+BODY_TIMEOUT_S = web.AppKey("body_timeout_s", float)
+
+
+async def read_body(request: web.Request) -> bytes:
+    """The request's body, within the app's time for it: a client that announced a body and
+    sends it slowly (or never) would hold its connection and its handler for as long as it
+    liked. Past it, a 408 (`openai_errors`)."""
+    try:
+        async with asyncio.timeout(request.app[BODY_TIMEOUT_S]):
+            return await request.read()
+    except TimeoutError:
+        raise web.HTTPRequestTimeout() from None
 
 
 def parse(raw: bytes) -> Body:

@@ -16,7 +16,6 @@ once more for HTTP; validation is one rule with two mappings:
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import math
@@ -26,24 +25,12 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
 from mili import errors
+from services.frontend.http_api.body import BODY_TIMEOUT_S
 
 _LOG = logging.getLogger("mili.frontend")
 ParamOf = Callable[[str], str]
 # The app's body limit (web.Application's client_max_size), for the 413's message.
 MAX_BODY_BYTES = web.AppKey("max_body_bytes", int)
-# The most a request's body may take to arrive (HttpConfig.body_timeout_s).
-BODY_TIMEOUT_S = web.AppKey("body_timeout_s", float)
-
-
-async def read_body(request: web.Request) -> bytes:
-    """The request's body, within the app's time for it: a client that announced a body and
-    sends it slowly (or never) would hold its connection and its handler for as long as it
-    liked. Past it, a 408 (`openai_errors`)."""
-    try:
-        async with asyncio.timeout(request.app[BODY_TIMEOUT_S]):
-            return await request.read()
-    except TimeoutError:
-        raise web.HTTPRequestTimeout() from None
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> str:
@@ -152,6 +139,8 @@ async def openai_errors(
             exc.status, f"{exc.reason}: {request.method} {request.path}", "invalid_request_error"
         )
     except RequestPayloadError as exc:  # a body that does not decode (a corrupt gzip stream)
-        return error_response(400, f"the request body: {exc}", "invalid_request_error")
+        cause = exc.__cause__  # aiohttp's BadHttpMessage, whose message is the reason
+        reason = " ".join(str(getattr(cause, "message", None) or exc).split())
+        return error_response(400, f"the request body: {reason}", "invalid_request_error")
     except Exception as exc:
         return response_of(exc)

@@ -21,8 +21,9 @@ from aiohttp import web
 
 from services.frontend.generations import Generations
 from services.frontend.http_api import body, sse
+from services.frontend.http_api.body import read_body
 from services.frontend.http_api.choices import Choice, plan, run
-from services.frontend.http_api.errors import model_not_found, read_body, response_of
+from services.frontend.http_api.errors import model_not_found, response_of
 from services.frontend.http_api.openai_request import OpenAIRequest
 from services.frontend.http_api.telemetry import request_id_of
 from services.frontend.pipeline import Delta

@@ -44,9 +44,9 @@ from aiohttp import web
 from mili.errors import InvalidArgument
 from services.frontend.calls import Deadline
 from services.frontend.http_api import sse
-from services.frontend.http_api.body import Body, parse
+from services.frontend.http_api.body import Body, parse, read_body
 from services.frontend.http_api.drain import DRAIN_GATE
-from services.frontend.http_api.errors import read_body, response_of
+from services.frontend.http_api.errors import response_of
 from services.frontend.http_api.keys import GENERATIONS
 from services.frontend.http_api.telemetry import request_id_of, set_request_id, stream_failed
 from services.frontend.pipeline import Delta

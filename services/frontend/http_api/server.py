@@ -10,19 +10,19 @@ tokenization).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import resource
 import ssl
 from dataclasses import dataclass
-from typing import Any
 
 from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage
+from aiohttp.web_protocol import RequestPayloadError
 
 from mili.discovery import format_address
 from mili.ports import pick_free
 from mili.rpc.tls import TlsFiles
+from services.frontend.http_api.connections import ConnectionLimit, LimitedSite
 from services.frontend.http_api.drain import DRAIN_GATE
 
 _LOG = logging.getLogger("mili.frontend")
@@ -30,11 +30,14 @@ _LOG = logging.getLogger("mili.frontend")
 
 class _BadRequests(logging.Filter):
     """aiohttp logs a request it cannot parse (a control character in a header, a broken
-    request line: anyone can send one) as an ERROR with a traceback; it answered 400, and the
+    request line, a body that does not decode, which it reads again after the handler
+    answered: anyone can send one) as an ERROR with a traceback; it answered 400, and the
     client's mistake is one WARNING line here. Other errors pass as they are."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, RequestPayloadError):  # the body's: BadHttpMessage is its cause
+            error = error.__cause__
         if isinstance(error, BadHttpMessage):
             record.levelno, record.levelname = logging.WARNING, "WARNING"
             reason = " ".join(str(error.message).split())[:200]
@@ -75,6 +78,13 @@ class HttpConfig:
     # channels need.
     max_connections: int = 0
 
+    def __post_init__(self) -> None:
+        for name in ("idle_timeout_s", "body_timeout_s"):  # 0 turned a limit off, or made
+            if not getattr(self, name) > 0:  # every body a 408
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_connections < 0:
+            raise ValueError(f"max_connections must be >= 0, got {self.max_connections}")
+
 
 def ssl_context(tls: TlsFiles, *, require_client_auth: bool) -> ssl.SSLContext:
     """The HTTP port's TLS, from the same --tls-* files as the gRPC port."""
@@ -93,25 +103,6 @@ def ssl_context(tls: TlsFiles, *, require_client_auth: bool) -> ssl.SSLContext:
 def _half_the_file_limit() -> int:
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     return max(64, soft // 2) if soft != resource.RLIM_INFINITY else 1 << 16
-
-
-def _cap_connections(server: web.Server, limit: int) -> None:
-    """Close a connection at once when `limit` are open already (aiohttp has no such limit):
-    past the process's file limit, accept() fails for every port, gRPC's included."""
-    register = server.connection_made
-    loop = asyncio.get_running_loop()
-    warned_at = -1e9
-
-    def connection_made(handler: Any, transport: asyncio.Transport) -> None:
-        nonlocal warned_at
-        register(handler, transport)  # connection_lost, on the abort, unregisters it
-        if len(server.connections) > limit:
-            transport.abort()
-            if loop.time() - warned_at > 60:  # a line a minute, not one per connection
-                warned_at = loop.time()
-                _LOG.warning("frontend: %d HTTP connections open: refusing more", limit)
-
-    server.connection_made = connection_made  # type: ignore[method-assign]
 
 
 class HttpServer:
@@ -146,19 +137,13 @@ class HttpServer:
             keepalive_timeout=config.idle_timeout_s,
         )
         await runner.setup()
-        assert runner.server is not None
-        _cap_connections(runner.server, config.max_connections or _half_the_file_limit())
         # Port 0: one port picked first, as aiohttp gives each address of a host that resolves
         # to several (localhost: IPv4 and IPv6) a free port of its own, and sibling frontends
         # (reuse_port) join the one port the URL names.
         port = config.port or pick_free(config.host)
-        site = web.TCPSite(
-            runner,
-            config.host,
-            port,
-            ssl_context=context,
-            reuse_address=True,
-            reuse_port=config.reuse_port,
+        limit = ConnectionLimit(config.max_connections or _half_the_file_limit())
+        site = LimitedSite(
+            runner, config.host, port, limit, ssl_context=context, reuse_port=config.reuse_port
         )
         await site.start()
         self._runner = runner
