@@ -101,7 +101,16 @@ def ssl_context(tls: TlsFiles, *, require_client_auth: bool) -> ssl.SSLContext:
 
 
 def _half_the_file_limit() -> int:
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    """Half the process's open-file limit, its soft value raised to the hard one first (as
+    vLLM's server does): the common soft default of 1024 would cap the port at 512
+    connections, fewer than load generators open, where the hard limit is often far above."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):  # an infinite hard limit is past what Linux allows
+            pass
     return max(64, soft // 2) if soft != resource.RLIM_INFINITY else 1 << 16
 
 
