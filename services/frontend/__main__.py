@@ -116,7 +116,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     limits.add_argument(
         "--max-queued-requests",
         type=int,
-        default=512,
+        default=2048,  # FrontendConfig says why
         metavar="N",
         help="requests that found every decode instance full wait for room in the admission "
         "queue, first come first served, until their deadline; past N waiting (or "
@@ -127,7 +127,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     limits.add_argument(
         "--max-queued-tokens",
         type=int,
-        default=1 << 20,
+        default=1 << 22,
         metavar="N",
         help="prompt tokens of the requests waiting in the admission queue, at most (a request "
         "alone in it may pass it, and one that prefill turned away) (default: %(default)s)",

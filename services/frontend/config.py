@@ -32,14 +32,17 @@ class FrontendConfig:
     kv_lease_ms: int = 0
     # Requests running through this frontend at once, waiting in its admission queue
     # included; more are RESOURCE_EXHAUSTED. A bound on the frontend's own memory, above what
-    # the decode instances run plus the queue's 512, so that the queue's bound is the one
+    # the decode instances run plus the queue's 2048, so that the queue's bound is the one
     # load reaches (it was 512 too, so the queue never filled).
     max_concurrent_requests: int = 4096
     # The admission queue (admission.py): requests that found every decode instance full wait
     # for room, first come first served, up to these many requests and prompt tokens (past
     # them: RESOURCE_EXHAUSTED with RetryInfo). 0 requests: no waiting, refused at once.
-    max_queued_requests: int = 512
-    max_queued_tokens: int = 1 << 20
+    # Sized for the load generators users measure with (vllm bench serve and SGLang's
+    # bench_serving send 1000 requests at once by default, about 1M prompt tokens, and count
+    # a 429 as a failure); 4M prompt tokens waiting are ~150 MB of ids at most.
+    max_queued_requests: int = 2048
+    max_queued_tokens: int = 1 << 22
     # RetryInfo sent with RESOURCE_EXHAUSTED when no decode instance had one of its own.
     retry_after_s: float = 0.5
     # After decode finished, how long to wait for prefill's reply (it only carries statistics).
