@@ -191,8 +191,13 @@ class Backends:
 
     def answers_to(self, name: str) -> bool:
         """Whether a request naming model `name` is for this deployment (any name, before
-        the tokenizer or an instance said which model it is)."""
-        return not self.model or name in self.model_names
+        the tokenizer or an instance said which model it is). A path or a hub id whose last
+        part is a served name is one too: load generators name the model as vLLM serves it,
+        by the --model they were given ("/models/Qwen3-0.6B", "Qwen/Qwen3-0.6B"), where the
+        checkpoint's directory name is ours."""
+        if not self.model or name in self.model_names:
+            return True
+        return "/" in name and name.rstrip("/").rsplit("/", 1)[-1] in self.model_names
 
     async def refresh(self) -> None:
         self.instances.collect_drained()

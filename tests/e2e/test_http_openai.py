@@ -397,6 +397,11 @@ def test_errors_name_the_parameter(client: openai.OpenAI, model: str) -> None:
     assert missing.value.code == "model_not_found"
     # "" is the served model, as vLLM takes it
     assert client.completions.create(model="", prompt=PROMPT, max_tokens=1).model == model
+    # ... and a path or hub id ending in its name, as load generators given vLLM's --model send
+    for named in (f"/models/{model}", f"Qwen/{model}", f"/models/{model}/"):
+        assert client.completions.create(model=named, prompt=PROMPT, max_tokens=1).model == model
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model=f"/models/{model}/other", prompt=PROMPT)
 
 
 def test_more_choices_than_the_frontend_runs_is_429(client: openai.OpenAI, model: str) -> None:
