@@ -39,8 +39,10 @@ from services.frontend.validation import (
     check_counts,
 )
 
-MAX_N = 16  # choices per prompt: each is a generation of its own
-MAX_CHOICES = 64  # prompts x n in one request
+# Each choice is a generation of its own, counted against --max-concurrent-requests; OpenAI
+# allows n up to 128, and lm-eval batches up to its batch_size prompts in one request.
+MAX_N = 128  # choices per prompt
+MAX_CHOICES = 256  # prompts x n in one request
 
 
 @dataclass(frozen=True)

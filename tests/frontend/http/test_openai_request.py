@@ -267,7 +267,9 @@ def test_n_best_of_echo_stream_options() -> None:
     assert completion(prompt="a", n=3, best_of=3).n == 3
     assert param_of_failure(completion, prompt="a", n=0) == "n"
     assert param_of_failure(completion, prompt="a", n=MAX_N + 1) == "n"
-    assert param_of_failure(completion, prompt=["a"] * 8, n=9) == "n"  # 72 choices
+    assert completion(prompt="a", n=MAX_N).n == 128  # OpenAI's largest
+    assert len(completion(prompt=["a"] * 128, n=2).inputs) == 128  # 256 choices: lm-eval's
+    assert param_of_failure(completion, prompt=["a"] * 129, n=2) == "n"  # 258 choices
     assert param_of_failure(completion, prompt="a", n=2, best_of=3) == "best_of"
     echoed = completion(prompt="a", echo=True, logprobs=1)
     assert echoed.inputs[0].sampling.prompt_logprobs == 1  # the prompt's logprobs, from prefill
