@@ -87,10 +87,11 @@ _CANCEL_GRACE_S = 0.1
 # choices in the code").
 _MAX_LANDING_BYTES = 16 << 20
 _LANDING_THREADS = 2  # shared by all transfers: two chunks are checked and copied at a time
-# How long the blocks of an in-place (shm, cuda-ipc) transfer that ended without a commit stay
-# held: a sender's copy of one chunk already under way when the call ended (a few ms; a layer
-# of a chunk is at most --max-batch-tokens tokens of one layer's K and V) must land before the
-# blocks can go to another request.
+# How long the blocks of an in-place (shm, cuda-ipc) transfer whose sender did not close its
+# side (a commit or an abort, each sent once its copies are over) stay held: a sender's copy
+# of one chunk already under way when the call ended (a few ms; a layer of a chunk is at most
+# --max-batch-tokens tokens of one layer's K and V) must land before the blocks can go to
+# another request.
 _IN_PLACE_GRACE_S = 2.0
 # How long a failed in-place transfer waits for its sender to close the stream before ending
 # the call itself: a sender about to commit gets the request's status cleanly; one still
@@ -256,6 +257,7 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
         transport = self._transports[progress.transport]
         landing = Landing(self._landing, _MAX_LANDING_BYTES)
         is_committed = False
+        is_sender_done = False  # it closed its side: its writes into the blocks are over
         if transport.is_in_place:
             await self._accept_in_place(request, context)
         ended = asyncio.ensure_future(
@@ -313,13 +315,14 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(_IN_PLACE_DRAIN_S):
                         await reader.drain()
+                        is_sender_done = True
             raise
         finally:
             ended.cancel()
             reader.cancel()
             landing.abort()  # no-op after a commit: every job is over by then
             if transport.is_in_place:
-                self._release_in_place(request, is_committed)
+                self._release_in_place(request, is_committed or is_sender_done)
 
     async def _accept_in_place(
         self, request: DecodeRequest, context: grpc.aio.ServicerContext
@@ -334,14 +337,15 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
             self._instance.table.unpin(request)
             raise
 
-    def _release_in_place(self, request: DecodeRequest, is_committed: bool) -> None:
-        """Let go of the hold `_accept_in_place` took. After a commit the sender has written
-        everything. After anything else it may still be inside one chunk's copy (it checks
-        that the call is alive before each chunk, not during one): the blocks go back to the
-        pool only _IN_PLACE_GRACE_S later, so no new request is handed a block a stale copy
-        is still landing in."""
+    def _release_in_place(self, request: DecodeRequest, is_written: bool) -> None:
+        """Let go of the hold `_accept_in_place` took. `is_written`: the sender closed its side
+        (after a commit, or after an abort: it sends either only once its last copy into the
+        blocks is over), so they go back at once. Else (the call cancelled or broken off) it
+        may still be inside one chunk's copy (it checks that the call is alive before each
+        chunk, not during one): the blocks go back to the pool only _IN_PLACE_GRACE_S later,
+        so no new request is handed a block a stale copy is still landing in."""
         table = self._instance.table
-        if is_committed:
+        if is_written:
             table.unpin(request)
         else:
             asyncio.get_running_loop().call_later(_IN_PLACE_GRACE_S, table.unpin, request)

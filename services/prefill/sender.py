@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import time
 from collections.abc import Callable
@@ -134,6 +135,9 @@ class KvSender:
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[object] = asyncio.Queue()
         self._is_closed = False
+        # Every encode job, as the executor runs it: an in-place one not done may be writing
+        # into decode's blocks (its asyncio future may be cancelled while it runs on).
+        self._jobs: list[concurrent.futures.Future[Any]] = []
 
     # ---- KvSink: called from the worker thread -----------------------------------------------
 
@@ -214,7 +218,10 @@ class KvSender:
         except BaseException as exc:
             self._is_closed = True  # no more writes into decode's blocks, even while we abort
             stop_compute()  # nor steps for a prompt nobody wants, while decode answers
-            if is_open and not call.done():  # we give up, decode did not: tell it why
+            # We give up, decode did not: tell it why, once no write of ours is under way (an
+            # abort says so: decode takes its blocks back at once). A job still writing past
+            # the wait: the call is cancelled instead, and decode keeps them a while.
+            if is_open and not call.done() and await self._writes_over():
                 await self._abort(call, exc)
             raise
         finally:
@@ -256,7 +263,9 @@ class KvSender:
                 share = ceil_div(len(waiting), self._encoder_threads)
             while waiting and len(encoding) < max_encoding:
                 job = [waiting.popleft() for _ in range(min(share, len(waiting)))]
-                future = self._loop.run_in_executor(self._encoder, self._encode_all, seq, job)
+                running = self._encoder.submit(self._encode_all, seq, job)
+                self._jobs.append(running)
+                future = asyncio.wrap_future(running, loop=self._loop)
                 future.add_done_callback(lambda _: self._queue.put_nowait(_ENCODED))
                 encoding.append(future)
                 seq += sum(blocks.kv.shape[0] for blocks in job)  # a chunk per layer
@@ -337,6 +346,18 @@ class KvSender:
         return self._pairing.kv.encode_all(
             self._task.request_id, seq, parts, self._pairing.checksum
         )
+
+    async def _writes_over(self) -> bool:
+        """Whether the in-place encode jobs under way (each may be copying into decode's
+        blocks) ended within _ABORT_ANSWER_S; over grpc a job writes only our own bytes."""
+        running = [job for job in self._jobs if not job.done()]
+        if not running or not self._pairing.kv.is_in_place:
+            return True
+        waits = [asyncio.wrap_future(job, loop=self._loop) for job in running]
+        for wait in waits:  # their errors (Cancelled: the transfer ended) are not news
+            wait.add_done_callback(_retrieve)
+        _, pending = await asyncio.wait(waits, timeout=_ABORT_ANSWER_S)
+        return not pending
 
     async def _abort(self, call: grpc.aio.StreamUnaryCall, exc: BaseException) -> None:
         """End the transfer on purpose: an abort message with our status for the request (what

@@ -25,8 +25,10 @@ from mili.pb.decode.v1 import decode_pb2
 from mili.pb.kv.v1 import kv_pb2
 from mili.rpc.client import insecure_channel
 from mili.rpc.server import ServerConfig
+from services.decode import transfer as transfer_module
 from services.decode.landing import Landing
 from services.decode.transfer import _IN_PLACE_DRAIN_S, _IN_PLACE_GRACE_S, KvTransferServicer
+from services.prefill import sender as sender_module
 from services.prefill.pairing import Peers
 from services.prefill.sender import KvSender
 from services.prefill.task import FirstToken, PrefillTask
@@ -424,6 +426,38 @@ def test_a_bad_chunk_batch_is_data_loss(
     run(decode_server, body)
 
 
+def test_an_in_place_sender_that_aborts_gets_its_blocks_freed_at_once(
+    decode_server: DecodeServerThread, player: PrefillPlayer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a review: every in-place transfer that ended without a commit held its blocks
+    _IN_PLACE_GRACE_S (2 s) after the request's end, a cancelled one too. A sender that
+    aborts and closes its side has no copy under way (it sends the abort only once its copies
+    are over): its blocks come back at once."""
+    monkeypatch.setattr(transfer_module, "_IN_PLACE_GRACE_S", 60.0)  # would hold them past the test
+    prompt = random_prompt(13, player.vocab_size, seed=78)
+
+    async def body(client: Client) -> None:
+        call, block_ids = await client.admit(generate_request("aborted-shm", prompt))
+        prefilled = await asyncio.to_thread(player.prefill, prompt, SHORT)
+        messages = in_place_messages(
+            decode_server, player, "aborted-shm", prompt, block_ids, prefilled, [[0]]
+        )
+        transfer = client.kv.TransferKv(timeout=10)
+        await transfer.write(messages[0])  # the header, accepted
+        await transfer.write(messages[1])  # a chunk
+        abort = kv_pb2.TransferAbort(code=grpc.StatusCode.CANCELLED.value[0], message="gone")
+        await transfer.write(kv_pb2.TransferKvRequest(abort=abort))
+        await transfer.done_writing()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await asyncio.wait_for(call.read(), 5)
+        assert err.value.code() == Code.CANCELLED, err.value.details()
+        with pytest.raises(grpc.aio.AioRpcError):
+            await asyncio.wait_for(transfer, 5)
+        await blocks_back(client, NUM_BLOCKS, timeout_s=5.0)
+
+    run(decode_server, body)
+
+
 def test_a_quiet_in_place_sender_does_not_hold_the_blocks_past_the_request(
     decode_server: DecodeServerThread, player: PrefillPlayer
 ) -> None:
@@ -655,3 +689,69 @@ def test_a_grpc_pair_whose_chunks_decode_cannot_receive_is_refused(
         )
     finally:
         server.close()
+
+
+class GatedFirstJob(ThreadPoolExecutor):
+    """Encoder threads whose first job waits until `gate` is set (`started` says it is in)."""
+
+    def __init__(self) -> None:
+        super().__init__(2)
+        self.started = threading.Event()
+        self.gate = threading.Event()
+        self._num_jobs = 0
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        self._num_jobs += 1
+        if self._num_jobs > 1:
+            return super().submit(fn, *args, **kwargs)
+
+        def first() -> Any:
+            self.started.set()
+            assert self.gate.wait(10)
+            return fn(*args, **kwargs)
+
+        return super().submit(first)
+
+
+def test_a_cancelled_in_place_sender_aborts_only_once_its_copies_are_over(
+    decode_server: DecodeServerThread, player: PrefillPlayer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The abort lets decode free the blocks at once (the test above), so the sender sends it
+    only once no encode job of its own may still be copying into them."""
+    if decode_server.instance.segment is None:
+        pytest.skip("this host gave decode no shared-memory pool")
+    monkeypatch.setattr(transfer_module, "_IN_PLACE_GRACE_S", 60.0)
+    monkeypatch.setattr(sender_module, "_ABORT_ANSWER_S", 30.0)  # waits as long as it takes
+    prompt = random_prompt(21, player.vocab_size, seed=43)
+
+    async def body(client: Client) -> None:
+        call, block_ids = await client.admit(generate_request("cancelled-shm", prompt))
+        prefilled = await asyncio.to_thread(player.prefill, prompt, SHORT)
+        chunks = [(layer, 0, k, v) for layer, (k, v) in enumerate(prefilled.kv)]
+        with GatedFirstJob() as encoder:
+            sending = asyncio.ensure_future(
+                send_over_shm(
+                    decode_server,
+                    player,
+                    "cancelled-shm",
+                    prompt,
+                    block_ids,
+                    prefilled,
+                    chunks,
+                    encoder,
+                )
+            )
+            assert await asyncio.to_thread(encoder.started.wait, 10)
+            sending.cancel()  # prefill's caller went away, a copy job under way
+            read = asyncio.ensure_future(call.read())
+            done, _ = await asyncio.wait({read}, timeout=0.5)
+            assert not done, "the abort went out with a copy still under way"
+            encoder.gate.set()
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await asyncio.wait_for(read, 5)
+            assert err.value.code() == Code.CANCELLED, err.value.details()
+            with pytest.raises(asyncio.CancelledError):
+                await sending
+        await blocks_back(client, NUM_BLOCKS, timeout_s=5.0)
+
+    run(decode_server, body)
