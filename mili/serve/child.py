@@ -205,11 +205,16 @@ class Child:
         return code
 
     async def _drain_readers(self) -> None:
-        # A grandchild holding the pipes open must not hold us: 2 s, then go on without. (Only
-        # the timeout is swallowed: a cancel of the task that waits here goes through.)
-        with contextlib.suppress(TimeoutError):
+        """Wait for the readers to reach the pipes' end. A grandchild holding the pipes open
+        must not hold us: 2 s, then they are cancelled. A cancel of the task that waits here
+        (a stopped watcher) goes through and leaves them reading (shielded: `stop` waits for
+        them again, and a reader cancelled along with it raised CancelledError there)."""
+        readers = asyncio.gather(*self._readers, return_exceptions=True)
+        try:
             async with asyncio.timeout(2.0):
-                await asyncio.gather(*self._readers)
+                await asyncio.shield(readers)
+        except TimeoutError:
+            readers.cancel()
 
     async def wait_ready(self, timeout_s: float, *, is_serving_required: bool = True) -> str:
         """Wait until it announced its address and answers health; StartupError if it died or

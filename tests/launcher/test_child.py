@@ -57,3 +57,41 @@ def test_a_line_over_the_limit_is_cut_and_forwarding_goes_on(
     assert lines[0] == "before" and lines[-1] == "after"
     assert any("was cut here" in line for line in lines)
     assert "[frontend] after" in capsys.readouterr().err
+
+
+def test_a_watcher_cancelled_while_draining_leaves_the_readers_to_stop() -> None:
+    """A watcher cancelled inside `_drain_readers` (mili serve stopping) once cancelled the
+    readers with it; `stop` then drained them again and got their CancelledError, which a
+    review's cut of the suppress let through as a traceback and exit 1 (a CI run's serve
+    benchmark). The cancel reaches the watcher; the readers read on, and `stop` finishes."""
+    child = Child("frontend", ["serve-frontend"])
+
+    async def main() -> None:
+        reader = asyncio.StreamReader(limit=_LINE_LIMIT)
+        child._readers = [asyncio.create_task(child._forward(reader, None))]
+        watcher = asyncio.create_task(child._drain_readers())
+        await asyncio.sleep(0.05)
+        watcher.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await watcher
+        assert not child._readers[0].done()  # still reading
+        reader.feed_data(b"last line\n")
+        reader.feed_eof()
+        await asyncio.wait_for(child._drain_readers(), 5)  # what stop() does next
+        assert child._readers[0].done() and not child._readers[0].cancelled()
+
+    asyncio.run(main())
+    assert "last line" in child.tail.format(indent="")
+
+
+def test_readers_held_open_past_two_seconds_are_cancelled() -> None:
+    child = Child("frontend", ["serve-frontend"])
+
+    async def main() -> None:
+        reader = asyncio.StreamReader(limit=_LINE_LIMIT)  # a grandchild keeps it open
+        child._readers = [asyncio.create_task(child._forward(reader, None))]
+        await asyncio.wait_for(child._drain_readers(), 5)
+        await asyncio.sleep(0)
+        assert child._readers[0].cancelled()
+
+    asyncio.run(main())
