@@ -18,7 +18,7 @@ from mili.engine.kv.block_pool import BlockPool
 from mili.engine.model.config import ConfigError
 from mili.engine.model.fingerprint import model_fingerprint, tokenizer_file_sha256
 from mili.engine.model.kv_cache import KVCache
-from mili.engine.model.loader import load_config
+from mili.engine.model.loader import CheckpointError, load_config
 from mili.engine.step.ahead_check import check_ahead
 from mili.engine.step.device import require_device
 from mili.engine.step.runner import ModelRunner
@@ -78,7 +78,7 @@ class DecodeInstance(RunnerInfo):
             tokenizer_sha256 = tokenizer_file_sha256(config.model_dir)
         except KernelBuildError as e:
             raise StartupError(f"--attention {engine.attention}: {e}") from None
-        except (ConfigError, OSError) as e:
+        except (CheckpointError, ConfigError, OSError) as e:
             raise StartupError(f"cannot load model from {config.model_dir}: {e}") from None
         transport = TransportConfig(config.kv_transport, config.host_id)
         endpoint = transport.endpoint(str(torch.device(engine.device)))

@@ -22,7 +22,7 @@ from mili.engine.constraint.mask import BatchMasker
 from mili.engine.kv.block_pool import BlockPool
 from mili.engine.model.config import ConfigError
 from mili.engine.model.fingerprint import model_fingerprint, tokenizer_file_sha256
-from mili.engine.model.loader import load_config
+from mili.engine.model.loader import CheckpointError, load_config
 from mili.engine.step.device import require_device
 from mili.engine.step.runner import ModelRunner
 from mili.engine.step.runner_info import RunnerInfo
@@ -71,7 +71,7 @@ class PrefillInstance(RunnerInfo):
             tokenizer_sha256 = tokenizer_file_sha256(model_dir)
         except KernelBuildError as e:
             raise StartupError(f"--attention {engine.attention}: {e}") from None
-        except (ConfigError, OSError) as e:
+        except (CheckpointError, ConfigError, OSError) as e:
             raise StartupError(f"cannot load model from {model_dir}: {e}") from None
         runner = ModelRunner.load(
             model_dir,
