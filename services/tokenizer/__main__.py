@@ -7,6 +7,7 @@ import asyncio
 import logging
 
 from mili import flags
+from mili.errors import StartupError
 from mili.rpc.policy import SMALL_REQUESTS_WINDOW_BYTES
 from mili.rpc.server import RpcServer, serve_forever
 from services.tokenizer.server import TokenizerLimits, TokenizerServicer, add_to_server
@@ -39,8 +40,12 @@ def run(args: argparse.Namespace) -> int:
     flags.setup_logging(args)
     flags.check_ports(args)  # a taken port fails now, not after start-up work
     model_dir = flags.resolve_model(args)
+    try:
+        limits = TokenizerLimits(args.max_input_chars, args.max_token_ids)
+        server_config = flags.server_config(args)
+    except ValueError as e:  # as every service: the flag's one line, no traceback
+        raise StartupError(str(e)) from None
     tokenizer = ModelTokenizer(model_dir)  # raises StartupError naming what is missing
-    limits = TokenizerLimits(args.max_input_chars, args.max_token_ids)
     logging.getLogger("mili.tokenizer").info(
         "tokenizer for %s: vocab %d, eos %s, chat template %s",
         model_dir,
@@ -51,9 +56,7 @@ def run(args: argparse.Namespace) -> int:
     from mili.telemetry.tracing import start_tracing
 
     tracing = start_tracing(args, "tokenizer")
-    server = RpcServer(
-        flags.server_config(args), name="tokenizer", interceptors=tracing.server_interceptors()
-    )
+    server = RpcServer(server_config, name="tokenizer", interceptors=tracing.server_interceptors())
     add_to_server(server, TokenizerServicer(tokenizer, limits))
     try:
         asyncio.run(serve_forever(server))

@@ -31,8 +31,10 @@ class TokenizerLimits:
     max_token_ids: int = 262_144
 
     def __post_init__(self) -> None:
-        if self.max_input_chars <= 0 or self.max_token_ids <= 0:
-            raise ValueError("tokenizer limits must be positive")
+        if self.max_input_chars <= 0:
+            raise ValueError(f"--max-input-chars must be > 0, got {self.max_input_chars}")
+        if self.max_token_ids <= 0:
+            raise ValueError(f"--max-token-ids must be > 0, got {self.max_token_ids}")
 
 
 def _messages(protos: list[chat_pb2.ChatMessage]) -> list[Message]:

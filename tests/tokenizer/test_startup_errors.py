@@ -12,9 +12,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _start(model: Path) -> subprocess.CompletedProcess[str]:
+def _start(model: Path, *flags: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "mili", "serve-tokenizer", "--model", str(model), "--port", "0"],
+        [
+            *(sys.executable, "-m", "mili", "serve-tokenizer"),
+            *("--model", str(model), "--port", "0", *flags),
+        ],
         capture_output=True,
         text=True,
         timeout=60,
@@ -58,3 +61,19 @@ def test_corrupt_tokenizer_config(demo_model_dir: Path, tmp_path: Path) -> None:
     (model / "tokenizer_config.json").write_text("[1, 2")
     line = _one_line_error(_start(model))
     assert "tokenizer_config.json" in line and "not valid JSON" in line
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (("--max-input-chars", "0"), "--max-input-chars"),
+        (("--max-token-ids", "-1"), "--max-token-ids"),
+        (("--tls-cert", "cert.pem"), "--tls-key"),  # a cert without its key
+    ],
+)
+def test_a_bad_flag_is_one_line_naming_it(
+    demo_model_dir: Path, flags: tuple[str, ...], named: str
+) -> None:
+    """Found by a review: the tokenizer, alone of the services, let a flag's ValueError out
+    as a traceback."""
+    assert named in _one_line_error(_start(demo_model_dir, *flags))
