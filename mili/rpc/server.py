@@ -97,15 +97,18 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535] (0 = any free port), got {self.port}")
-        if self.max_message_bytes <= 0:
-            raise ValueError(f"max_message_bytes must be > 0, got {self.max_message_bytes}")
+        # grpc takes its byte limits as C ints: 2^31 or more was an OverflowError at bind.
+        if not 0 < self.max_message_bytes < 2**31:
+            raise ValueError(
+                f"max_message_bytes must be in (0, 2^31), got {self.max_message_bytes}"
+            )
         receive = self.max_receive_message_bytes
-        if receive is not None and receive <= 0:
-            raise ValueError(f"max_receive_message_bytes must be > 0, got {receive}")
+        if receive is not None and not 0 < receive < 2**31:
+            raise ValueError(f"max_receive_message_bytes must be in (0, 2^31), got {receive}")
         window = self.receive_window_bytes
-        if window is not None and window <= 0:
-            raise ValueError(f"receive_window_bytes must be > 0, got {window}")
-        if self.drain_timeout_s < 0:
+        if window is not None and not 0 < window < 2**31:
+            raise ValueError(f"receive_window_bytes must be in (0, 2^31), got {window}")
+        if not self.drain_timeout_s >= 0:  # (NaN too: it skipped the drain)
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         if self.grace_s < 0:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")

@@ -151,6 +151,10 @@ def make_plan(
     tls = serve_tls.tls_plan(args, demo)
     if args.prefill_instances < 1 or args.decode_instances < 1 or args.frontends < 1:
         raise StartupError("--prefill-instances, --decode-instances and --frontends must be >= 1")
+    if not 0 < args.startup_timeout < float("inf"):  # (0, NaN, inf: a wait that never ends well)
+        raise StartupError(
+            f"--startup-timeout must be a number of seconds > 0, got {args.startup_timeout}"
+        )
     metrics_base: int | None = args.metrics_port
     first_decode = 2 + args.prefill_instances  # metrics port offsets, see the module docstring
     after_decodes = first_decode + args.decode_instances  # frontend k >= 1: after_decodes+k-1

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from mili.errors import StartupError
 from mili.serve.launcher import add_arguments
 from mili.serve.plan import make_plan
 
@@ -68,3 +69,10 @@ def test_an_empty_served_model_name_is_refused() -> None:
     assert _names("a, Qwen/Qwen3-0.6B,a") == ("a", "Qwen/Qwen3-0.6B")
     with pytest.raises(ValueError, match="must not be empty"):
         FrontendConfig("t:1", ("p:1",), ("d:1",), served_model_names=_names("a,,b"))
+
+
+@pytest.mark.parametrize("timeout", ["0", "-1", "nan", "inf"])
+def test_a_startup_timeout_that_cannot_end_well_is_refused(tmp_path: Path, timeout: str) -> None:
+    """Found by a flag review: 0 or NaN ran the children and then ended in a traceback."""
+    with pytest.raises(StartupError, match="--startup-timeout must be"):
+        frontends_for(tmp_path, "--startup-timeout", timeout)

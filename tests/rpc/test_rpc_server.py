@@ -29,6 +29,11 @@ SERVICE = "mili.test.v1.EchoService"
         {"receive_window_bytes": -1},
         {"drain_timeout_s": -1.0},
         {"grace_s": -0.5},
+        # found by a flag review: grpc's C ints overflowed at bind, NaN skipped the drain
+        {"max_message_bytes": 2**31},
+        {"max_receive_message_bytes": 2**31},
+        {"receive_window_bytes": 2**31},
+        {"drain_timeout_s": float("nan")},
     ],
 )
 def test_config_rejects_bad_values(kwargs: dict[str, Any]) -> None:
