@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mili.discovery import parse_targets
+from mili.discovery import parse_target, parse_targets
 from services.frontend.validation import Limits
 
 
@@ -68,6 +68,10 @@ class FrontendConfig:
     def __post_init__(self) -> None:
         if not self.tokenizer_address:
             raise ValueError("a tokenizer address is required")
+        try:  # (unchecked, a bad one served NOT_SERVING for good; port 70000 dialled 4464)
+            parse_target(self.tokenizer_address)
+        except ValueError as e:
+            raise ValueError(f"--tokenizer: {e}") from None
         if any(not name.strip() for name in self.served_model_names):
             raise ValueError(f"served model names must not be empty: {self.served_model_names}")
         for kind, addresses in (
