@@ -96,8 +96,9 @@ class FrontendConfig:
             "admit_timeout_s",
             "tokenize_timeout_s",
         ):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+            # NaN passed a `<= 0` check; a poll every nanosecond busy-looped on Info calls.
+            if not 0.01 <= getattr(self, name) < float("inf"):
+                raise ValueError(f"{name} must be in [0.01, inf) s, got {getattr(self, name)}")
         if not 0 <= self.kv_lease_ms < 2**32:
             raise ValueError(f"kv_lease_ms must be in [0, 2^32), got {self.kv_lease_ms}")
         if self.max_concurrent_requests < 1:

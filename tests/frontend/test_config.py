@@ -38,3 +38,16 @@ def test_a_tokenizer_address_that_cannot_be_dialled_is_refused(address: str) -> 
         FrontendConfig(
             tokenizer_address=address, prefill_addresses=("p:1",), decode_addresses=("d:1",)
         )
+
+
+@pytest.mark.parametrize("value", [float("nan"), 1e-9, 0.0, float("inf")])
+def test_an_interval_that_would_busy_loop_or_never_fire_is_refused(value: float) -> None:
+    """Found by a flag review: --poll-interval nan (or 1e-9) polled every backend's Info in a
+    busy loop, 4 CPU-seconds in 10."""
+    with pytest.raises(ValueError, match=r"poll_interval_s must be in \[0\.01, inf\) s"):
+        FrontendConfig(
+            tokenizer_address="t:1",
+            prefill_addresses=("p:1",),
+            decode_addresses=("d:1",),
+            poll_interval_s=value,
+        )
