@@ -19,6 +19,10 @@ OVERLAP_CHOICES = ("auto", "on", "off")
 DEFAULT_KV_CACHE_BYTES = 1 << 30  # on CPU, when neither --kv-cache-bytes nor --num-blocks is given
 
 
+# Rows of one decode step at most: far past any batch a step is worth running at.
+_MAX_RUNNING = 1 << 16
+
+
 @dataclass(frozen=True)
 class DecodeConfig:
     """What a decode instance runs and how much it may hold."""
@@ -46,8 +50,11 @@ class DecodeConfig:
     overlap_steps: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.max_running <= 0:
-            raise ValueError(f"--max-running must be > 0, got {self.max_running}")
+        # (2^40 hung start-up: the CUDA-graph batch sizes are listed up to it)
+        if not 0 < self.max_running <= _MAX_RUNNING:
+            raise ValueError(
+                f"--max-running must be in [1, {_MAX_RUNNING}], got {self.max_running}"
+            )
         if not 0 < self.kv_lease_ms < 2**32:  # Admitted.kv_lease_ms is a uint32
             raise ValueError(f"--kv-lease-ms must be in (0, 2^32), got {self.kv_lease_ms}")
         if self.kv_transport not in KV_TRANSPORTS:

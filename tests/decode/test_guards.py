@@ -139,3 +139,11 @@ def test_the_lease_flag_fits_the_uint32_admitted_carries_it_in() -> None:
         with pytest.raises(ValueError, match=r"--kv-lease-ms must be in \(0, 2\^32\)"):
             DecodeConfig(model_dir=Path("unused"), kv_lease_ms=lease_ms)
     assert DecodeConfig(model_dir=Path("unused"), kv_lease_ms=2**32 - 1).kv_lease_ms == 2**32 - 1
+
+
+@pytest.mark.parametrize("max_running", [0, 2**16 + 1, 2**40])
+def test_max_running_is_bounded(max_running: int) -> None:
+    """Found by a flag review: --max-running 2**40 hung start-up (the graph batch sizes are
+    listed up to it) and could not fit Info's uint32."""
+    with pytest.raises(ValueError, match=r"--max-running must be in \[1, 65536\]"):
+        DecodeConfig(model_dir=Path("unused"), max_running=max_running)
