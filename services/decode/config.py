@@ -17,8 +17,6 @@ from mili.kv_handoff.kv_transport import CHOICES as KV_TRANSPORTS
 
 OVERLAP_CHOICES = ("auto", "on", "off")
 DEFAULT_KV_CACHE_BYTES = 1 << 30  # on CPU, when neither --kv-cache-bytes nor --num-blocks is given
-
-
 # Rows of one decode step at most: far past any batch a step is worth running at.
 _MAX_RUNNING = 1 << 16
 
