@@ -333,6 +333,26 @@ def test_cache_hits_on_second_compile(tokenizer: GrammarTokenizer) -> None:
     assert compiler.stats().misses == 2
 
 
+def test_the_cache_is_bounded_by_its_constraints_text_too(tokenizer: GrammarTokenizer) -> None:
+    """Found by a review: 512 entries of 64 KB schemas were ~2 GB a process (a compiled
+    constraint holds ~60x its text); the cache also keeps its text under cache_text_bytes,
+    least recently used out first, the newest always in."""
+    compiler = ConstraintCompiler(tokenizer, CompileConfig(cache_text_bytes=120))
+    regexes = [f"{letter}{{1,40}}" + "[0-9]" * 10 for letter in "abc"]  # 57 bytes each
+    for regex in regexes:
+        compiler.compile_sync(Constraint.regex(regex))
+    assert compiler.stats().misses == 3
+    compiler.compile_sync(Constraint.regex(regexes[2]))  # the newest two fit: hits
+    compiler.compile_sync(Constraint.regex(regexes[1]))
+    assert (compiler.stats().misses, compiler.stats().hits) == (3, 2)
+    compiler.compile_sync(Constraint.regex(regexes[0]))  # the oldest went: compiled again
+    assert compiler.stats().misses == 4
+    huge = Constraint.regex("d{1,40}" + "[0-9]" * 40)  # alone over the budget: still cached
+    compiler.compile_sync(huge)
+    compiler.compile_sync(huge)
+    assert (compiler.stats().misses, compiler.stats().hits) == (5, 3)
+
+
 def test_async_compile_dedupes_concurrent_requests(tokenizer: GrammarTokenizer) -> None:
     compiler = ConstraintCompiler(tokenizer)
     constraint = Constraint.choice(["alpha", "beta"])

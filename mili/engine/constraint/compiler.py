@@ -60,16 +60,25 @@ JSON_OPTIONS: JsonCompileOptions = {
 
 @dataclass(frozen=True)
 class CompileConfig:
-    """How compiles run: wall-time limit, concurrent compile threads, cache entries."""
+    """How compiles run: wall-time limit, concurrent compile threads, cache size."""
 
     timeout_s: float = 5.0
     max_compile_threads: int = 4
     cache_entries: int = 512
+    # The cached constraints' source text (schemas, regexes, grammars, choices), in bytes: a
+    # compiled one holds tens of times its text (docs/benchmarks.md, "Constraint cache
+    # memory"), and 512 large schemas took ~2 GB a process; 4 MiB of text is ~250 MB.
+    cache_text_bytes: int = 4 << 20
     limits: ConstraintLimits = field(default_factory=ConstraintLimits)
     field_prefix: str = "sampling"  # errors name `<prefix>.<kind>`
 
     def __post_init__(self) -> None:
-        if self.timeout_s <= 0 or self.max_compile_threads < 1 or self.cache_entries < 1:
+        if (
+            self.timeout_s <= 0
+            or self.max_compile_threads < 1
+            or self.cache_entries < 1
+            or self.cache_text_bytes < 1
+        ):
             raise ValueError(f"invalid {self}")
 
 
@@ -146,6 +155,7 @@ class ConstraintCompiler:
         self.config = config
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple[str, str], CompiledConstraint] = OrderedDict()
+        self._cached_text_bytes = 0  # of the constraints in _cache (_text_bytes)
         # Constraints the library refused (InvalidArgument: the same text is refused every
         # time): a client repeating a bad schema costs a lookup, not a compile thread each.
         self._refused: OrderedDict[tuple[str, str], InvalidArgument] = OrderedDict()
@@ -248,10 +258,19 @@ class ConstraintCompiler:
             self._running.pop(key, None)
             self._num_threads -= 1
             self._cache[key] = compiled
-            while len(self._cache) > self.config.cache_entries:
-                self._cache.popitem(last=False)
+            self._cached_text_bytes += _text_bytes(constraint)
+            while len(self._cache) > 1 and (
+                len(self._cache) > self.config.cache_entries
+                or self._cached_text_bytes > self.config.cache_text_bytes
+            ):  # the least recently used go first; the newest stays, however large
+                _, evicted = self._cache.popitem(last=False)
+                self._cached_text_bytes -= _text_bytes(evicted.constraint)
         with contextlib.suppress(concurrent.futures.InvalidStateError):  # nobody waits now
             future.set_result(compiled)
+
+
+def _text_bytes(constraint: Constraint) -> int:
+    return len(constraint.text) + sum(len(choice) for choice in constraint.choices)
 
 
 def load_compiler(
