@@ -226,6 +226,10 @@ class KvSender:
             raise
         finally:
             self._is_closed = True
+            # A job's error holds its frame, and so this sender, which held the job: a cycle
+            # only a full collection frees, with the pairing and the KV copies it holds (a
+            # restarted decode's whole shm pool stayed mapped). Dropped here, nothing cycles.
+            self._jobs.clear()
             while not self._queue.empty():  # handed over, never sent: let their memory go
                 self._queue.get_nowait()
             if not call.done():

@@ -4,7 +4,9 @@ bounded memory, failures seen at once, and no block freed while a chunk is landi
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -723,6 +725,14 @@ def test_a_cancelled_in_place_sender_aborts_only_once_its_copies_are_over(
     monkeypatch.setattr(transfer_module, "_IN_PLACE_GRACE_S", 60.0)
     monkeypatch.setattr(sender_module, "_ABORT_ANSWER_S", 30.0)  # waits as long as it takes
     prompt = random_prompt(21, player.vocab_size, seed=43)
+    senders: list[weakref.ref[KvSender]] = []
+    init = KvSender.__init__
+
+    def remembered(self: KvSender, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        senders.append(weakref.ref(self))
+
+    monkeypatch.setattr(KvSender, "__init__", remembered)
 
     async def body(client: Client) -> None:
         call, block_ids = await client.admit(generate_request("cancelled-shm", prompt))
@@ -753,5 +763,15 @@ def test_a_cancelled_in_place_sender_aborts_only_once_its_copies_are_over(
             with pytest.raises(asyncio.CancelledError):
                 await sending
         await blocks_back(client, NUM_BLOCKS, timeout_s=5.0)
+        # Found by a leak review: the job's Cancelled error held its frame, the frame the
+        # sender, the sender the job: only a full collection freed it, with its pairing (a
+        # dead decode's shm pool stayed mapped). Refcounting alone frees it now.
+        del sending
+        gc.disable()
+        try:
+            await asyncio.sleep(0.1)
+            assert [ref() for ref in senders] == [None]
+        finally:
+            gc.enable()
 
     run(decode_server, body)
