@@ -79,8 +79,23 @@ def run(args: argparse.Namespace) -> int:
     from mili.pb.common.v1 import sampling_pb2
     from mili.pb.frontend.v1 import generation_pb2_grpc
 
-    if args.seed is not None and args.seed < 0:
-        print("mili generate: error: --seed must be >= 0", file=sys.stderr)
+    # The fields' ranges (the proto's int32/uint64): past them the request could not even be
+    # built (a ValueError traceback); a timeout grpc can hold (inf overflowed its deadline).
+    for flag, value, top in (
+        ("--seed", args.seed, 2**64),
+        ("--max-tokens", args.max_tokens, 2**31),
+        ("--top-k", args.top_k, 2**31),
+    ):
+        if value is not None and not 0 <= value < top:
+            print(
+                f"mili generate: error: {flag} must be in [0, {top}), got {value}", file=sys.stderr
+            )
+            return 2
+    if args.timeout is not None and not 0 < args.timeout < 1e9:
+        print(
+            f"mili generate: error: --timeout must be in (0, 1e9) s, got {args.timeout}",
+            file=sys.stderr,
+        )
         return 2
     from mili.flags import client_tls
     from mili.rpc.client import connection_hint

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.e2e.conftest import Deployment
 from tests.service_process import ROOT
 
@@ -50,6 +52,24 @@ def test_generate_error_is_one_line_with_the_code(pipeline: Deployment) -> None:
     assert result.stderr.strip().splitlines() == [
         "mili generate: INVALID_ARGUMENT: sampling.top_p: must be in (0, 1] (got 2.0)"
     ]
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [
+        ("--max-tokens", "2147483648"),
+        ("--seed", str(2**64)),
+        ("--top-k", "-1"),
+        ("--timeout", "inf"),
+    ],
+)
+def test_generate_refuses_a_value_its_request_cannot_carry(flag: str, value: str) -> None:
+    """Found by a flag review: past the proto's ranges the request could not be built (a
+    ValueError traceback); a timeout of inf overflowed grpc's deadline (DEADLINE_EXCEEDED)."""
+    result = mili("generate", "Hi", "--address", "127.0.0.1:1", flag, value)
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(f"mili generate: error: {flag} must be in ")
 
 
 def test_generate_unreachable_frontend_is_unavailable() -> None:
