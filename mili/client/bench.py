@@ -327,6 +327,22 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, name) < 1:
             print(f"mili bench: error: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
             return 2
+    if args.output_tokens >= 2**31:  # max_tokens is an int32
+        print("mili bench: error: --output-tokens must be below 2^31", file=sys.stderr)
+        return 2
+    if not 0 < args.timeout < 1e9:  # (inf overflowed grpc's deadline: every request failed)
+        print(
+            f"mili bench: error: --timeout must be in (0, 1e9) s, got {args.timeout}",
+            file=sys.stderr,
+        )
+        return 2
+    if args.json is not None and (args.json.is_dir() or not args.json.parent.is_dir()):
+        # checked now: found after the run, its results were lost
+        print(
+            f"mili bench: error: --json {args.json}: not a file in an existing directory",
+            file=sys.stderr,
+        )
+        return 2
     if args.connections is not None and args.connections < 1:
         print("mili bench: error: --connections must be >= 1", file=sys.stderr)
         return 2

@@ -72,6 +72,26 @@ def test_generate_refuses_a_value_its_request_cannot_carry(flag: str, value: str
     assert line.startswith(f"mili generate: error: {flag} must be in ")
 
 
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (("--output-tokens", "2147483648"), "--output-tokens"),
+        (("--timeout", "inf"), "--timeout"),
+        (("--json", "/"), "--json"),
+        (("--json", "/no/such/dir/out.json"), "--json"),
+    ],
+)
+def test_bench_refuses_what_would_fail_every_request_or_lose_the_results(
+    flags: tuple[str, ...], named: str
+) -> None:
+    """Found by a flag review: a --json path that cannot be written failed after the whole
+    run (its results lost); the others failed every request."""
+    result = mili("bench", "--address", "127.0.0.1:1", *flags)
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(f"mili bench: error: {named}")
+
+
 def test_generate_unreachable_frontend_is_unavailable() -> None:
     result = mili("generate", "Hi", "--address", "127.0.0.1:1", "--timeout", "5")
     assert result.returncode == 1
