@@ -45,6 +45,8 @@ def check_free(host: str, port: int, flag: str = "--port", *, reuse_port: bool =
     `reuse_port`: a port that processes share with SO_REUSEPORT passes while they hold it."""
     if port == 0:
         return
+    if not 0 < port <= 65535:  # (a base flag plus its instance offset may pass the top)
+        raise StartupError(f"{flag} {port}: a port must be in 1..65535")
     where = format_address(host, port)
     try:
         infos = socket.getaddrinfo(

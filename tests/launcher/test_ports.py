@@ -121,3 +121,15 @@ def test_the_http_api_may_not_share_the_grpc_port() -> None:
         assert result.returncode == 2, result.stderr
         assert f"--http-port {port} is --port too" in result.stderr
         assert "[tokenizer]" not in result.stderr
+
+
+def test_a_derived_port_past_the_top_fails_before_any_child(demo_model_dir: Path) -> None:
+    """Found by a flag review: --prefill-port 65535 with two instances, or --metrics-port
+    65534, started the children, which then failed on port 65536."""
+    result = mili(
+        "serve", "--model", str(demo_model_dir), "--port", "0",
+        "--prefill-port", "65535", "--prefill-instances", "2",
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "--prefill-port 65536: a port must be in 1..65535" in result.stderr
+    assert "[tokenizer]" not in result.stderr
