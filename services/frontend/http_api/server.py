@@ -79,6 +79,10 @@ class HttpConfig:
     max_connections: int = 0
 
     def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:  # (unchecked, it failed at bind, after the backends)
+            raise ValueError(
+                f"--http-port must be in [0, 65535] (0 = any free port), got {self.port}"
+            )
         for name in ("idle_timeout_s", "body_timeout_s"):  # 0 turned a limit off, or made
             if not getattr(self, name) > 0:  # every body a 408
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
