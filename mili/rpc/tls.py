@@ -15,6 +15,7 @@ the headless Service's name covers every pod behind it).
 
 from __future__ import annotations
 
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,12 +39,21 @@ class TlsFiles:
         return self.cert is not None or self.ca is not None
 
     def load(self) -> Tls:
-        """Read every file now (ValueError naming the file when one cannot be read)."""
-        return Tls(
+        """Read every file now (ValueError naming the file when one cannot be read, or when
+        the key is not the certificate's: grpc only failed to bind, "is the port in use?")."""
+        tls = Tls(
             cert=_read(self.cert, "--tls-cert"),
             key=_read(self.key, "--tls-key"),
             ca=_read(self.ca, "--tls-ca"),
         )
+        if self.cert is not None and self.key is not None:
+            try:
+                ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(self.cert, self.key)
+            except ssl.SSLError as e:
+                raise ValueError(
+                    f"--tls-key {self.key} is not the key of --tls-cert {self.cert}: {e.reason}"
+                ) from None
+        return tls
 
 
 @dataclass(frozen=True)

@@ -173,6 +173,11 @@ def test_tls_flags_fit_together_or_say_why_not(pki: dict[str, CertFiles]) -> Non
         flags.server_config(_args("--tls-cert", cert, "--tls-key", key, "--tls-ca", "/nonexistent"))
     with pytest.raises(ValueError, match="not a PEM file"):
         flags.server_config(_args("--tls-cert", cert, "--tls-key", key, "--tls-ca", __file__))
+    # Found by a flag review: a key of another certificate was "cannot listen ...; is it in
+    # use?" (grpc only failed to bind).
+    other_key = str(pki["client"].key)
+    with pytest.raises(ValueError, match=f"--tls-key {other_key} is not the key of --tls-cert"):
+        flags.server_config(_args("--tls-cert", cert, "--tls-key", other_key))
     # A client with only --tls-ca verifies servers and presents nothing.
     client = flags.client_tls(_args("--tls-ca", ca))
     assert client is not None and client.cert is None
