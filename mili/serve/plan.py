@@ -176,7 +176,10 @@ def make_plan(
 
     def extra(kind: str) -> list[str]:
         # TLS first: a flag in --KIND-args comes later and wins (argparse keeps the last).
-        given = shlex.split(getattr(args, f"{kind}_args"))
+        try:
+            given = shlex.split(getattr(args, f"{kind}_args"))
+        except ValueError as e:  # an unclosed quote: one line, not shlex's traceback
+            raise StartupError(f"--{kind}-args: {e}") from None
         for flag in _WIRED[kind]:
             if any(token == flag or token.startswith(f"{flag}=") for token in given):
                 raise StartupError(

@@ -76,3 +76,9 @@ def test_a_startup_timeout_that_cannot_end_well_is_refused(tmp_path: Path, timeo
     """Found by a flag review: 0 or NaN ran the children and then ended in a traceback."""
     with pytest.raises(StartupError, match="--startup-timeout must be"):
         frontends_for(tmp_path, "--startup-timeout", timeout)
+
+
+def test_an_unclosed_quote_in_a_childs_args_is_one_line() -> None:
+    """Found by a flag review: shlex's ValueError came out as a traceback."""
+    with pytest.raises(StartupError, match="--tokenizer-args: No closing quotation"):
+        frontends_for(Path("unused"), "--tokenizer-args", "--max-input-chars '5")
