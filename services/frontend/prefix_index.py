@@ -9,7 +9,8 @@ what an instance reports it lacks (decode's Admitted.num_cached_blocks, prefill'
 count) and whatever it had when the instance went down, and expires entries after `ttl_s`:
 an instance evicts without telling anyone, so a stale entry only costs one misrouted request.
 
-Bounded: at most `max_keys` keys, least recently touched dropped first.
+Bounded: at most `max_keys` keys, least recently touched dropped first, and expired keys
+dropped as new ones come (the least recently touched expire first: one ttl for all).
 """
 
 from __future__ import annotations
@@ -56,6 +57,12 @@ class PrefixIndex:
                 self._holders.move_to_end(key)
             holders[address] = expiry
         while len(self._holders) > self.max_keys:
+            self._holders.popitem(last=False)
+        # (checked only on lookup, expired keys stayed until max_keys: ~74 MB at 200k)
+        while self._holders:
+            oldest = next(iter(self._holders.values()))
+            if oldest and max(oldest.values()) > now:
+                break
             self._holders.popitem(last=False)
 
     def matches(self, keys: Sequence[bytes], now: float) -> dict[str, int]:

@@ -26,6 +26,21 @@ def test_entries_expire() -> None:
     assert index.matches(keys, now=20.0) == {}
 
 
+def test_expired_keys_leave_the_index_as_new_ones_come() -> None:
+    """Found by a leak review: expiry was checked on lookup only, and expired keys stayed
+    until the key bound (~74 MB at 200k keys)."""
+    index = PrefixIndex(block_size=4, ttl_s=10.0)
+    old = index.keys(list(range(40)))  # 10 keys
+    index.record("d1", old, now=0.0)
+    index.record("d2", old[:2], now=5.0)  # touched later: the two live on
+    fresh = index.keys([7] * 12)
+    index.record("d1", fresh, now=12.0)
+    assert len(index) == 2 + len(fresh)
+    assert index.matches(old, now=12.0) == {"d2": 2}
+    index.record("d1", fresh, now=16.0)
+    assert len(index) == len(fresh)
+
+
 def test_what_an_instance_reports_lacking_is_forgotten() -> None:
     index = PrefixIndex(block_size=4)
     keys = index.keys(list(range(16)))
