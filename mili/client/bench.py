@@ -42,6 +42,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from mili.client import DEFAULT_ADDRESS, timeout_problem
 from mili.client.bench_report import (
     KV_NOTE,
     Progress,
@@ -54,7 +55,6 @@ from mili.client.bench_report import (
 if TYPE_CHECKING:
     from mili.rpc.tls import Tls
 
-DEFAULT_ADDRESS = "127.0.0.1:50051"
 MAX_DEFAULT_CONNECTIONS = 64  # per address, without --connections
 CONNECT_TIMEOUT_S = 10.0  # every connection up before the run, or the run fails
 
@@ -330,11 +330,9 @@ def run(args: argparse.Namespace) -> int:
     if args.output_tokens >= 2**31:  # max_tokens is an int32
         print("mili bench: error: --output-tokens must be below 2^31", file=sys.stderr)
         return 2
-    if not 0 < args.timeout < 1e9:  # (inf overflowed grpc's deadline: every request failed)
-        print(
-            f"mili bench: error: --timeout must be in (0, 1e9) s, got {args.timeout}",
-            file=sys.stderr,
-        )
+    problem = timeout_problem(args.timeout)
+    if problem is not None:
+        print(f"mili bench: error: {problem}", file=sys.stderr)
         return 2
     if args.json is not None and (args.json.is_dir() or not args.json.parent.is_dir()):
         # checked now: found after the run, its results were lost

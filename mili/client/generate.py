@@ -14,7 +14,7 @@ import os
 import sys
 from typing import TextIO
 
-DEFAULT_ADDRESS = "127.0.0.1:50051"
+from mili.client import DEFAULT_ADDRESS, timeout_problem
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -91,11 +91,9 @@ def run(args: argparse.Namespace) -> int:
                 f"mili generate: error: {flag} must be in [0, {top}), got {value}", file=sys.stderr
             )
             return 2
-    if args.timeout is not None and not 0 < args.timeout < 1e9:
-        print(
-            f"mili generate: error: --timeout must be in (0, 1e9) s, got {args.timeout}",
-            file=sys.stderr,
-        )
+    problem = None if args.timeout is None else timeout_problem(args.timeout)
+    if problem is not None:
+        print(f"mili generate: error: {problem}", file=sys.stderr)
         return 2
     from mili.flags import client_tls
     from mili.rpc.client import connection_hint

@@ -36,26 +36,13 @@ class ConnectionLimit:
         self, make: Callable[[], asyncio.Protocol]
     ) -> Callable[[], asyncio.Protocol]:
         """`make` (aiohttp's server: a RequestHandler per connection), counted."""
-
-        def protocol() -> asyncio.Protocol:
-            if self.num_open >= self.limit:
-                self.warn_full()
-                return _Refused()
-            return _Counted(make(), self)
-
-        return protocol
+        return lambda: _Counted(make(), self)
 
     def warn_full(self) -> None:
         now = asyncio.get_running_loop().time()
         if self._warned_at is None or now - self._warned_at > 60:  # a line a minute at most
             self._warned_at = now
             _LOG.warning("frontend: %d HTTP connections open: closing new ones", self.limit)
-
-
-class _Refused(asyncio.Protocol):
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)  # a TCP (or TLS) connection's
-        transport.abort()
 
 
 class _Counted(asyncio.Protocol):
@@ -68,7 +55,7 @@ class _Counted(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._limit.num_open += 1
-        if self._limit.num_open > self._limit.limit:  # accepted in the same turn as others
+        if self._limit.num_open > self._limit.limit:
             self._limit.warn_full()
             assert isinstance(transport, asyncio.Transport)
             transport.abort()  # connection_lost follows, and uncounts it
