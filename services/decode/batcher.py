@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -134,7 +133,7 @@ class Batcher:
         self._masker = None
         if constraints is not None:
             max_batch = runner.batch_sizes[-1]
-            self._masker = BatchMasker(constraints.tokenizer, max_batch, _mask_threads())
+            self._masker = BatchMasker(constraints.tokenizer, max_batch, constraints.config.lanes)
         self._table = table
         self._eos_token_ids = eos_token_ids
         self._max_context_tokens = max_context_tokens
@@ -518,8 +517,3 @@ def _matchers(batch: list[_Running]) -> list[ConstraintMatcher | None]:
     """Each row's constraint state to mask by (None: unconstrained, or ended: its token is
     discarded)."""
     return [None if r.is_done else r.seq.matcher for r in batch]
-
-
-def _mask_threads() -> int:
-    """llguidance threads filling a step's masks: half the cores, 1 to 8."""
-    return max(1, min(8, (os.cpu_count() or 2) // 2))

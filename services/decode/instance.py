@@ -13,7 +13,8 @@ from prometheus_client import CollectorRegistry
 from kernels.build import KernelBuildError
 from kernels.choice import select_kernels
 from kernels.self_check import CheckShape
-from mili.engine.constraint.compiler import ConstraintCompiler, load_compiler
+from mili.engine.constraint.compiler import CompileConfig, ConstraintCompiler, load_compiler
+from mili.engine.constraint.mask import decode_mask_threads
 from mili.engine.kv.block_pool import BlockPool
 from mili.engine.model.config import ConfigError
 from mili.engine.model.fingerprint import model_fingerprint, tokenizer_file_sha256
@@ -114,7 +115,11 @@ class DecodeInstance(RunnerInfo):
         )
         PrefixCacheCollector(metrics.registry, "decode", table.prefix_cache_reading)
         eos = runner.model.eos_token_ids
-        constraints = load_compiler(config.model_dir, runner.model.config.vocab_size, eos)
+        # a lane per mask thread: the batch's masks then fill in parallel (compiler.py)
+        compile_config = CompileConfig(lanes=decode_mask_threads())
+        constraints = load_compiler(
+            config.model_dir, runner.model.config.vocab_size, eos, compile_config
+        )
         overlap = config.overlaps_steps
         if overlap and (why := check_ahead(runner)) is not None:
             _LOG.warning(

@@ -500,3 +500,63 @@ def test_apply_token_bitmask_numpy_and_torch_paths_agree(row_ids: list[int], voc
         assert torch.equal(by_numpy[row].isinf(), ~allowed[i])
     untouched = [r for r in range(4) if r not in row_ids]
     assert torch.equal(by_numpy[untouched], logits[untouched])
+
+
+def _lanes_built(compiled: Any, lanes: int) -> None:
+    """Wait (bounded) for the compile thread to add the other lanes after the first."""
+    deadline = time.monotonic() + 10
+    while len(compiled.lanes) < lanes and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(compiled.lanes) == lanes
+
+
+def test_lanes_are_separate_compiles_dealt_out_in_turn(tokenizer: GrammarTokenizer) -> None:
+    """Deep copies of one compiled grammar fill their masks one at a time (they share its
+    lexer), so decode keeps a compile per mask thread and deals requests over them."""
+    compiler = ConstraintCompiler(tokenizer, CompileConfig(lanes=3))
+    schema = {"type": "object", "properties": {"x": {"type": "boolean"}}, "required": ["x"]}
+    compiled = compiler.compile_sync(Constraint.json_schema(schema))
+    _lanes_built(compiled, 3)
+    assert len({id(template) for template in compiled.lanes}) == 3
+    matchers = [compiled.matcher() for _ in range(4)]
+    assert [m.lane for m in matchers] == [0, 1, 2, 0]
+    assert all(feed(m, '{"x":true}') for m in matchers)
+    assert compiler.stats() == CompileStats(hits=0, misses=1, timeouts=0, running=0)
+
+
+def test_the_text_budget_counts_each_lane(tokenizer: GrammarTokenizer) -> None:
+    """Each lane holds a whole compiled grammar: two 57-byte regexes fit 120 bytes in one
+    lane (the test above this one's budget), not in two."""
+    compiler = ConstraintCompiler(tokenizer, CompileConfig(cache_text_bytes=120, lanes=2))
+    regexes = [f"{letter}{{1,40}}" + "[0-9]" * 10 for letter in "ab"]
+    for regex in regexes:
+        compiler.compile_sync(Constraint.regex(regex))
+    compiler.compile_sync(Constraint.regex(regexes[0]))  # evicted by the second: compiled again
+    assert (compiler.stats().misses, compiler.stats().hits) == (3, 0)
+
+
+def test_a_batch_of_mixed_lanes_fills_each_row_its_own_mask(tokenizer: GrammarTokenizer) -> None:
+    """The masker orders the rows by lane for llguidance's threads: each mask still lands in
+    its own row, as the row's matcher alone fills it."""
+    compiler = ConstraintCompiler(tokenizer, CompileConfig(lanes=2))
+    digits = compiler.compile_sync(Constraint.regex("[0-9]{1,6}"))
+    words = compiler.compile_sync(Constraint.choice(["alpha", "beta", "gamma"]))
+    _lanes_built(digits, 2)
+    _lanes_built(words, 2)
+    rows: list[ConstraintMatcher | None] = []
+    for i, text in enumerate(["", "1", "al", "12", "g", "123"]):  # different states
+        matcher = (digits if i % 2 else words).matcher()
+        assert all(matcher.accept(t) for t in tokenizer.encode(text))
+        rows.append(matcher)
+        if i % 3 == 0:
+            rows.append(None)
+    assert sorted({m.lane for m in rows if m is not None}) == [0, 1]
+    masker = BatchMasker(tokenizer, len(rows), num_threads=2)
+    batch = masker.fill(rows)
+    assert batch is not None
+    alone = BatchMasker(tokenizer, 1)
+    for i, row in enumerate(batch.row_ids):
+        own = alone.fill([rows[row]])
+        assert own is not None
+        assert torch.equal(batch.bitmask[i], own.bitmask[0]), f"row {row}"
+    assert batch.row_ids == [i for i, m in enumerate(rows) if m is not None]

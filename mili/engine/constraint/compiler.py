@@ -17,6 +17,14 @@ hint) rather than queued behind a hostile one.
 The cache key is (tokenizer fingerprint, constraint key): the compiled grammar depends on the
 tokenizer file, the model's row count and the EOS ids as well as on the constraint. A compiled
 constraint is a pristine matcher; each request gets a deep copy of it (~10 us).
+
+Lanes: llguidance's deep copies of one compiled grammar share its lexer, and their masks are
+computed one at a time however many threads fill them (docs/benchmarks.md, "Structured output
+on a GPU"). A compiler configured with `lanes` > 1 (decode: one per mask thread) therefore
+keeps that many independent compiles of each constraint and deals requests out over them in
+turn, so a batch's masks fill in parallel across lanes. The first lane is the compile the
+caller waits for; the others are compiled after it, on the same thread, while requests
+already run on the first.
 """
 
 from __future__ import annotations
@@ -24,11 +32,12 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import itertools
 import json
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -68,9 +77,11 @@ class CompileConfig:
     # The cached constraints' source text (schemas, regexes, grammars, choices), in bytes: a
     # compiled one holds tens of times its text (docs/benchmarks.md, "Constraint cache
     # memory"), and 512 large schemas took ~2 GB a process; 4 MiB of text is ~250 MB.
+    # Counted once per lane.
     cache_text_bytes: int = 4 << 20
     limits: ConstraintLimits = field(default_factory=ConstraintLimits)
     field_prefix: str = "sampling"  # errors name `<prefix>.<kind>`
+    lanes: int = 1  # independent compiles of each constraint (module docstring)
 
     def __post_init__(self) -> None:
         if (
@@ -78,6 +89,7 @@ class CompileConfig:
             or self.max_compile_threads < 1
             or self.cache_entries < 1
             or self.cache_text_bytes < 1
+            or self.lanes < 1
         ):
             raise ValueError(f"invalid {self}")
 
@@ -98,9 +110,20 @@ class CompiledConstraint:
     template: Any  # llguidance.LLMatcher in its start state; never advanced
 
     field_name: str = "sampling.constraint"  # the request field, for errors mid-generation
+    # every lane's start-state matcher, `template` first; the compile thread appends the rest
+    lanes: list[Any] = field(default_factory=list, init=False, repr=False, compare=False)
+    _turn: Iterator[int] = field(
+        default_factory=itertools.count, init=False, repr=False, compare=False
+    )
+
+    def __post_init__(self) -> None:
+        self.lanes.append(self.template)
 
     def matcher(self) -> ConstraintMatcher:
-        return ConstraintMatcher(self.template.deep_copy(), self.tokenizer, self.field_name)
+        """A request's start state, copied from the lanes in turn."""
+        lanes = self.lanes
+        lane = next(self._turn) % len(lanes)
+        return ConstraintMatcher(lanes[lane].deep_copy(), self.tokenizer, self.field_name, lane)
 
 
 def grammar_text(constraint: Constraint, limits: ConstraintLimits, prefix: str) -> str:
@@ -129,12 +152,7 @@ def build(constraint: Constraint, tokenizer: GrammarTokenizer, config: CompileCo
     """Compile on this thread (blocking): the start-state llguidance.LLMatcher."""
     grammar = grammar_text(constraint, config.limits, config.field_prefix)
     field_name = constraint.field_name(config.field_prefix)
-    limits = llguidance.LLParserLimits(verbose_errors=False)
-    matcher = llguidance.LLMatcher(tokenizer.ll, grammar, log_level=0, limits=limits)
-    if not matcher.is_error():
-        # The first mask builds the lexer's start states here, off the decode step, and shows a
-        # grammar that trips the parser's limits at its first step.
-        matcher.compute_bitmask()
+    matcher = _start_state(grammar, tokenizer)
     if matcher.is_error():
         error = str(matcher.get_error())
         limit_hit = too_complex(field_name, error)
@@ -145,6 +163,28 @@ def build(constraint: Constraint, tokenizer: GrammarTokenizer, config: CompileCo
         reason = f"does not compile: {' '.join(error.split())[:300]}"
         raise InvalidArgument(field_name, constraint.text, reason)
     return matcher
+
+
+def _start_state(grammar: str, tokenizer: GrammarTokenizer) -> Any:
+    limits = llguidance.LLParserLimits(verbose_errors=False)
+    matcher = llguidance.LLMatcher(tokenizer.ll, grammar, log_level=0, limits=limits)
+    if not matcher.is_error():
+        # The first mask builds the lexer's start states here, off the decode step, and shows a
+        # grammar that trips the parser's limits at its first step.
+        matcher.compute_bitmask()
+    return matcher
+
+
+def _add_lanes(compiled: CompiledConstraint, config: CompileConfig) -> None:
+    """Compile `compiled`'s other lanes (the first compiled fine: so do these)."""
+    if config.lanes == 1:
+        return
+    grammar = grammar_text(compiled.constraint, config.limits, config.field_prefix)
+    for _ in range(config.lanes - 1):
+        matcher = _start_state(grammar, compiled.tokenizer)
+        if matcher.is_error():  # not expected; the lanes built so far serve
+            return
+        compiled.lanes.append(matcher)
 
 
 class ConstraintCompiler:
@@ -256,21 +296,29 @@ class ConstraintCompiler:
         compiled = CompiledConstraint(constraint, self.tokenizer, template, field_name)
         with self._lock:
             self._running.pop(key, None)
-            self._num_threads -= 1
             self._cache[key] = compiled
-            self._cached_text_bytes += _text_bytes(constraint)
+            self._cached_text_bytes += self._text_bytes(constraint)
             while len(self._cache) > 1 and (
                 len(self._cache) > self.config.cache_entries
                 or self._cached_text_bytes > self.config.cache_text_bytes
             ):  # the least recently used go first; the newest stays, however large
                 _, evicted = self._cache.popitem(last=False)
-                self._cached_text_bytes -= _text_bytes(evicted.constraint)
+                self._cached_text_bytes -= self._text_bytes(evicted.constraint)
         with contextlib.suppress(concurrent.futures.InvalidStateError):  # nobody waits now
             future.set_result(compiled)
+        try:  # the thread still counts against max_compile_threads meanwhile
+            _add_lanes(compiled, self.config)
+        except Exception:  # not expected (the first lane compiled); its lanes so far serve
+            _LOG.exception("compiling another lane of %s failed", field_name)
+        finally:
+            with self._lock:
+                self._num_threads -= 1
 
-
-def _text_bytes(constraint: Constraint) -> int:
-    return len(constraint.text) + sum(len(choice) for choice in constraint.choices)
+    def _text_bytes(self, constraint: Constraint) -> int:
+        """What a cached constraint counts against cache_text_bytes: its text, per lane."""
+        return self.config.lanes * (
+            len(constraint.text) + sum(len(choice) for choice in constraint.choices)
+        )
 
 
 def load_compiler(

@@ -19,6 +19,7 @@ constraint costs one scan of a Python list: no thread hop, no mask tensor.
 from __future__ import annotations
 
 import concurrent.futures
+import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -28,6 +29,13 @@ import torch
 if TYPE_CHECKING:
     from mili.engine.constraint.matcher import ConstraintMatcher
     from mili.engine.constraint.vocab import GrammarTokenizer
+
+
+def decode_mask_threads() -> int:
+    """llguidance threads (and compile lanes) filling a decode step's masks: half the cores,
+    1 to 4 (4 filled a Qwen3-sized batch of 64 faster than 8 on a 16-core GPU host:
+    docs/benchmarks.md, "Structured output on a GPU")."""
+    return max(1, min(4, (os.cpu_count() or 2) // 2))
 
 
 class FilledMask(NamedTuple):
@@ -87,7 +95,10 @@ class BatchMasker:
     def _fill(self, matchers: Sequence[ConstraintMatcher | None], row_ids: list[int]) -> FilledMask:
         if len(row_ids) > self._buffer.shape[0]:
             self._buffer = self._new_buffer(len(row_ids))
-        pairs = [(matchers[row].ll, i) for i, row in enumerate(row_ids)]  # type: ignore[union-attr]
+        # Rows in lane order: llguidance splits the list into contiguous runs over its threads,
+        # and the rows of one lane would only wait for one another on two threads.
+        order = sorted(range(len(row_ids)), key=lambda i: matchers[row_ids[i]].lane)  # type: ignore[union-attr]
+        pairs = [(matchers[row_ids[i]].ll, i) for i in order]  # type: ignore[union-attr]
         bitmask = self._buffer[: len(row_ids)]
         words = self.tokenizer.num_mask_words
         self._executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), words * 4, len(pairs))

@@ -23,11 +23,18 @@ class ConstraintMatcher:
     """One request's position in its grammar. Not thread-safe: one step driver owns it."""
 
     def __init__(
-        self, ll_matcher: Any, tokenizer: GrammarTokenizer, field_name: str = "constraint"
+        self,
+        ll_matcher: Any,
+        tokenizer: GrammarTokenizer,
+        field_name: str = "constraint",
+        lane: int = 0,
     ) -> None:
         self._m = ll_matcher  # llguidance.LLMatcher
         self.tokenizer = tokenizer
         self.field_name = field_name  # the request field it came from, for error messages
+        # the compiled grammar's copy it came from: matchers of one lane compute their masks
+        # one at a time (compiler.py), so mask.py hands each lane to one thread
+        self.lane = lane
         self.num_accepted = 0
 
     @property
