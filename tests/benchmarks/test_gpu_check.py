@@ -105,8 +105,14 @@ def test_each_log_holds_measured_rows(check_out: Path) -> None:
     assert re.search(rf"^eager +batch +10: TPOT +{NUMBER} ms", engine, re.M)
     assert '"random_on_device": "True"' in engine
     # the JSON-constrained decode step against the unconstrained one, a row per model
-    row = rf"^\| demo \(cpu\) \| 4 \| 3 \| {NUMBER} \| {NUMBER} \| {NUMBER}x \|"
+    row = rf"^\| demo \(cpu, \d+ mask threads?\) \| 4 \| 3 \| {NUMBER} \| {NUMBER} \| {NUMBER}x \|"
     assert re.search(row, engine, re.M)
+    # and each mode's step cut into its phases, the masks' fill among the constrained ones
+    for mode in ("sync", "overlapped"):
+        for arm in ("free", "json"):
+            phases = rf"^  phases {mode} +{arm}: step median {NUMBER} mean {NUMBER} max {NUMBER} ms"
+            assert re.search(phases, engine, re.M), (mode, arm)
+    assert re.search(rf"^  phases overlapped json: .*, fill {NUMBER},", engine, re.M)
 
     attention = log("attention.log")
     assert re.search(rf"^ +128( +{NUMBER}){{6}}$", attention, re.M)  # prefill T=128 vs SDPA
