@@ -560,3 +560,25 @@ def test_a_batch_of_mixed_lanes_fills_each_row_its_own_mask(tokenizer: GrammarTo
         assert own is not None
         assert torch.equal(batch.bitmask[i], own.bitmask[0]), f"row {row}"
     assert batch.row_ids == [i for i, m in enumerate(rows) if m is not None]
+
+
+def test_a_slow_compile_keeps_one_lane(
+    tokenizer: GrammarTokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The other lanes may not hold the compile thread past another timeout_s: a constraint
+    whose first compile took over timeout_s / (lanes - 1) serves from its one lane."""
+    real = compiler_module.build
+
+    def slow(*args: Any) -> Any:
+        time.sleep(0.3)
+        return real(*args)
+
+    monkeypatch.setattr(compiler_module, "build", slow)
+    compiler = ConstraintCompiler(tokenizer, CompileConfig(timeout_s=1.0, lanes=5))  # 4 x 0.3 > 1
+    compiled = compiler.compile_sync(Constraint.regex("[0-9]+"))
+    deadline = time.monotonic() + 10
+    while compiler.stats().running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert compiler.stats().running == 0
+    assert len(compiled.lanes) == 1
+    assert [compiled.matcher().lane for _ in range(3)] == [0, 0, 0]

@@ -18,13 +18,14 @@ The cache key is (tokenizer fingerprint, constraint key): the compiled grammar d
 tokenizer file, the model's row count and the EOS ids as well as on the constraint. A compiled
 constraint is a pristine matcher; each request gets a deep copy of it (~10 us).
 
-Lanes: llguidance's deep copies of one compiled grammar share its lexer, and their masks are
-computed one at a time however many threads fill them (docs/benchmarks.md, "Structured output
-on a GPU"). A compiler configured with `lanes` > 1 (decode: one per mask thread) therefore
-keeps that many independent compiles of each constraint and deals requests out over them in
-turn, so a batch's masks fill in parallel across lanes. The first lane is the compile the
-caller waits for; the others are compiled after it, on the same thread, while requests
-already run on the first.
+Lanes: the masks of llguidance's deep copies of one compiled grammar are computed one at a
+time however many threads fill them, those of separate compiles in parallel (measured:
+docs/benchmarks.md, "Structured output on a GPU"). A compiler configured with `lanes` > 1
+(decode: one per mask thread) therefore keeps that many independent compiles of each
+constraint and deals requests out over them in turn. The first lane is the compile the caller
+waits for; the others are compiled after it, on the same thread (still counted against
+max_compile_threads), while requests already run on the first; a constraint whose first
+compile took over timeout_s / (lanes - 1) keeps its one lane.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import itertools
 import json
 import logging
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
@@ -175,9 +177,10 @@ def _start_state(grammar: str, tokenizer: GrammarTokenizer) -> Any:
     return matcher
 
 
-def _add_lanes(compiled: CompiledConstraint, config: CompileConfig) -> None:
-    """Compile `compiled`'s other lanes (the first compiled fine: so do these)."""
-    if config.lanes == 1:
+def _add_lanes(compiled: CompiledConstraint, config: CompileConfig, first_s: float) -> None:
+    """Compile `compiled`'s other lanes (the first compiled fine, in `first_s`: so do
+    these), unless that would hold the compile thread past another timeout_s."""
+    if config.lanes == 1 or first_s * (config.lanes - 1) > config.timeout_s:
         return
     grammar = grammar_text(compiled.constraint, config.limits, config.field_prefix)
     for _ in range(config.lanes - 1):
@@ -279,6 +282,7 @@ class ConstraintCompiler:
         key: tuple[str, str],
         future: concurrent.futures.Future[CompiledConstraint],
     ) -> None:
+        started = time.perf_counter()
         try:
             template = build(constraint, self.tokenizer, self.config)
         except BaseException as e:
@@ -307,7 +311,7 @@ class ConstraintCompiler:
         with contextlib.suppress(concurrent.futures.InvalidStateError):  # nobody waits now
             future.set_result(compiled)
         try:  # the thread still counts against max_compile_threads meanwhile
-            _add_lanes(compiled, self.config)
+            _add_lanes(compiled, self.config, time.perf_counter() - started)
         except Exception:  # not expected (the first lane compiled); its lanes so far serve
             _LOG.exception("compiling another lane of %s failed", field_name)
         finally:

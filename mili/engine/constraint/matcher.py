@@ -32,8 +32,8 @@ class ConstraintMatcher:
         self._m = ll_matcher  # llguidance.LLMatcher
         self.tokenizer = tokenizer
         self.field_name = field_name  # the request field it came from, for error messages
-        # the compiled grammar's copy it came from: matchers of one lane compute their masks
-        # one at a time (compiler.py), so mask.py hands each lane to one thread
+        # the compile it was copied from: the masks of one lane's matchers are computed one at
+        # a time (compiler.py), so mask.py keeps each lane's rows together
         self.lane = lane
         self.num_accepted = 0
 
