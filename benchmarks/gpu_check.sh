@@ -25,8 +25,8 @@
 #      batch 1, tok/s at 64 and 256, eager vs graphs, launches per step); Qwen3-30B-A3B (random
 #      bf16 weights made on the device, all 48 layers: 57 GiB + 6 GiB of KV fit an 80 GB H100)
 #      decode TPOT at batch 1 and 10 and tok/s at 64, the engine alone (~45 s); attention
-#      TFLOP/s and GB/s against SDPA; `mili serve` TTFT at concurrency 1 (512-token prompts) and
-#      tok/s at 64 and 256; cuda-ipc KV GB/s; the fused ops; the JSON-constrained decode step
+#      TFLOP/s and GB/s against SDPA; the small-batch GEMVs' variants; `mili serve` TTFT at
+#      concurrency 1 (512-token prompts) and tok/s at 64 and 256; cuda-ipc KV GB/s; the fused ops; the JSON-constrained decode step
 #      against the unconstrained one at batch 64; py-spy's profile of `mili serve` under load
 # Logs: every piece appends to one of 8 files under $OUT as it goes (the GPU host hands back at
 # most 8), so a cut-off still returns what was measured; run.log has a START and an END (exit
@@ -185,6 +185,7 @@ if [[ $device == cuda ]]; then
   PARITY=()  # Qwen3-0.6B bf16, 6 sequences of 300 tokens, 12 steps
   ENGINE=(--batches "1,64,256" --steps 16 --warmup 2 --repeats 2)
   ATTENTION=()
+  GEMV=()
   SERVE=(--ttft-requests 30 --warmup 4 --concurrency "64,256")
   SERVE_C1=(--ttft-requests 30 --warmup 4)
   SERVE_FRONTENDS=(--frontends 4 --concurrency 256 --warmup 4)
@@ -204,6 +205,7 @@ else
   ENGINE=(--batches "1,8" --steps 4 --warmup 1 --repeats 1 --context 64 --prefill-tokens 64
     --prefill-batch 2)
   ATTENTION=(--lengths 128 --decode 4x256 1x64 --iters 2)
+  GEMV=(--preset tiny --repeats 2)
   SERVE=(--ttft-requests 3 --warmup 1 --concurrency 4 --output-tokens 16)
   SERVE_C1=(--ttft-requests 3 --warmup 1)
   SERVE_FRONTENDS=(--frontends 2 --concurrency 4 --output-tokens 16 --warmup 1)
@@ -227,6 +229,10 @@ piece engine.log "$(cap 90 60)" "$BUDGET" "$PY" benchmarks/engine_gpu.py --devic
 cat "$tmp/moe.json" >>"$out/engine.log" 2>/dev/null
 piece attention.log "$(cap 50 40)" "$BUDGET" "$PY" benchmarks/attention_gpu.py --device "$device" \
   "${ATTENTION[@]}"
+# Issue 33's batch-1 step: its GEMVs read the weights at ~1.3 TB/s (run 6); which torch call
+# (cuBLAS's backends, the weight as the left operand) reads them fastest, a graph per shape.
+piece attention.log "$(cap 40 30)" "$BUDGET" "$PY" benchmarks/gemv_gpu.py --device "$device" \
+  "${GEMV[@]}"
 # The engine above runs --attention mojo: missing kernels fail it instead of timing torch. The
 # services below run --attention auto: a kernel this run is the first to try (A1 says whether
 # it passed) and that fails their start-up self-check falls back to torch instead of stopping

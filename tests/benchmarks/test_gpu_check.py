@@ -61,8 +61,8 @@ def test_every_piece_runs_and_passes_within_eight_files(check_out: Path) -> None
     run_log = (check_out / "run.log").read_text()
     started = re.findall(r"\] START cap \d+s: (.*)", run_log)
     ended = {command: rc for rc, command in re.findall(r"\] END exit (\d+)[^:]*: (.*)", run_log)}
-    # env, checkpoint, 3 kernel pieces, 3 test pieces, 11 in phase B
-    assert len(started) == 19, run_log
+    # env, checkpoint, 3 kernel pieces, 3 test pieces, 12 in phase B
+    assert len(started) == 20, run_log
     assert {command: ended.get(command) for command in started} == dict.fromkeys(started, "0")
     assert "SKIP" not in run_log
     assert "0 failed, 0 skipped" in run_log.splitlines()[-1]
@@ -117,6 +117,9 @@ def test_each_log_holds_measured_rows(check_out: Path) -> None:
     attention = log("attention.log")
     assert re.search(rf"^ +128( +{NUMBER}){{6}}$", attention, re.M)  # prefill T=128 vs SDPA
     assert re.search(r"^ +4 +256 ", attention, re.M)  # decode 4 x 256
+    # the small-batch GEMVs: a row per projection and batch, then the step's sums
+    assert re.search(rf"^ +qkv +\d+x\d+ +1 +{NUMBER}us", attention, re.M)
+    assert re.search(r"^step's GEMVs at batch 8 \(2 layers \+ head\): linear", attention, re.M)
     assert re.search(r"^silu_mul +fp32 +16 ", attention, re.M)  # fused ops
     assert re.search(r"^decode step fp32 B=1 ", attention, re.M)
 
