@@ -135,6 +135,7 @@ class KvSender:
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[object] = asyncio.Queue()
         self._is_closed = False
+        self._is_given_up = False  # `run` stops the stream: it writes nothing more
         # Every encode job, as the executor runs it: an in-place one not done may be writing
         # into decode's blocks (its asyncio future may be cancelled while it runs on).
         self._jobs: list[concurrent.futures.Future[Any]] = []
@@ -203,6 +204,7 @@ class KvSender:
             checksum=pairing.checksum,
         )
         is_open = False  # the header is out: decode holds the request for this call
+        stream: asyncio.Future[TransferResult] | None = None
         try:
             # The prompt goes to the worker first: its forward does not wait for the stream to
             # open (a round trip to decode). Chunks go out after the header all the same (only
@@ -212,12 +214,19 @@ class KvSender:
             start_compute()
             await self._write(call, kv_pb2.TransferKvRequest(header=header).SerializeToString())
             is_open = True
-            return await self._stream(call)
+            # On a task of its own: a cancel of ours landing in one of its writes would cancel
+            # the call (grpc.aio does so), and decode would see the stream break off instead of
+            # our abort (and keep in-place blocks for its grace period). It stops between
+            # writes instead (`_give_up`).
+            stream = asyncio.ensure_future(self._stream(call))
+            return await asyncio.shield(stream)
         except grpc.aio.AioRpcError as err:
             raise self._error(err) from None
         except BaseException as exc:
             self._is_closed = True  # no more writes into decode's blocks, even while we abort
             stop_compute()  # nor steps for a prompt nobody wants, while decode answers
+            if stream is not None and not stream.done():
+                await self._give_up(stream)
             # We give up, decode did not: tell it why, once no write of ours is under way (an
             # abort says so: decode takes its blocks back at once). A job still writing past
             # the wait: the call is cancelled instead, and decode keeps them a while.
@@ -226,6 +235,9 @@ class KvSender:
             raise
         finally:
             self._is_closed = True
+            if stream is not None:
+                stream.cancel()  # gave up waiting for it (a no-op once it ended)
+                stream.add_done_callback(_retrieve)
             # A job's error holds its frame, and so this sender, which held the job: a cycle
             # only a full collection frees, with the pairing and the KV copies it holds (a
             # restarted decode's whole shm pool stayed mapped). Dropped here, nothing cycles.
@@ -260,8 +272,11 @@ class KvSender:
 
         def feed() -> None:
             """Start encoding waiting chunks, in order, while fewer than max_encoding jobs are
-            encoding or encoded and not written (which bounds the encoded bytes held)."""
+            encoding or encoded and not written (which bounds the encoded bytes held); none
+            once `run` gave the transfer up (an in-place job would write decode's blocks)."""
             nonlocal seq
+            if self._is_given_up:
+                raise _GivenUp
             share = 1  # chunks per job
             if is_in_place:
                 share = ceil_div(len(waiting), self._encoder_threads)
@@ -317,6 +332,8 @@ class KvSender:
                         await write_first()
                     if seq != self._num_chunks:
                         raise AssertionError(f"sent {seq} KV chunks, announced {self._num_chunks}")
+                    if self._is_given_up:  # no commit for a transfer given up meanwhile
+                        raise _GivenUp
                     commit = kv_pb2.TransferKvRequest(commit=_commit(item))
                     # Not _write: decode may acknowledge before this write returns (an in-place
                     # transfer's commit lands at once), which is no early end; `await call`
@@ -350,6 +367,13 @@ class KvSender:
         return self._pairing.kv.encode_all(
             self._task.request_id, seq, parts, self._pairing.checksum
         )
+
+    async def _give_up(self, stream: asyncio.Future[TransferResult]) -> None:
+        """Stop `stream` at its next write or queue read, waiting at most _ABORT_ANSWER_S for
+        a write under way to finish (decode may be slow to read it)."""
+        self._is_given_up = True
+        self._queue.put_nowait(_Failed(_GivenUp()))  # wakes it if it waits for an item
+        await asyncio.wait({stream}, timeout=_ABORT_ANSWER_S)
 
     async def _writes_over(self) -> bool:
         """Whether the in-place encode jobs under way (each may be copying into decode's
@@ -397,6 +421,8 @@ class KvSender:
         self._queue.put_nowait(_CALL_ENDED)
 
     async def _write(self, call: grpc.aio.StreamUnaryCall, message: bytes) -> None:
+        if self._is_given_up:
+            raise _GivenUp
         # InvalidStateError: the call had ended; AioRpcError: it ended during this write (see
         # `_error`). Either way `_ended` reports decode's status.
         with contextlib.suppress(asyncio.InvalidStateError, grpc.aio.AioRpcError):
@@ -430,6 +456,10 @@ class KvSender:
             # routing for it (ErrorInfo PEER_UNAVAILABLE).
             return PeerUnavailable(what, peer=self._task.address)
         return error(what)
+
+
+class _GivenUp(Exception):
+    """Raised in the stream's task when `run` gives the transfer up (its own error is raised)."""
 
 
 def _retrieve(future: asyncio.Future[Any]) -> None:

@@ -29,6 +29,7 @@ from services.prefill import sender as sender_module
 from services.prefill.sender import KvSender
 from services.prefill.task import FirstToken, PrefillTask
 from tests.prefill.harness import (
+    BLOCK_SIZE,
     TinyModel,
     prefill_request,
     prefill_service,
@@ -275,6 +276,36 @@ def test_a_cancelled_prompt_leaves_the_worker_before_decode_answers_the_abort(
             assert receiver.transfers["r"].status == "open"  # the abort is still unanswered
             receiver.resume.set()
             await until(lambda: receiver.transfers["r"].status != "open")
+
+    asyncio.run(main())
+
+
+def test_a_cancel_during_a_blocked_write_still_sends_the_abort(
+    tiny: TinyModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a flaky CI run: grpc.aio cancels a call whose write is interrupted by a cancel,
+    so a caller's cancel landing while a chunk waited for decode to read (flow control)
+    ended the transfer as CANCELLED without our abort, and decode kept in-place blocks for its
+    grace period. The stream now runs on a task of its own, stopped between writes."""
+    monkeypatch.setattr(sender_module, "_ABORT_ANSWER_S", 30.0)
+
+    async def main() -> None:
+        async with prefill_service(tiny) as h, receiver_for(h) as (receiver, server):
+            blocks = list(range(60))  # 60 blocks x 8 layers of 16 KB: past the stream's window
+            receiver.reserve("r", blocks)
+            receiver.stall_after = 1
+            call = h.stub.Prefill(
+                prefill_request("r", prompt(tiny, n=60 * BLOCK_SIZE - 3), server.address, blocks)
+            )
+            await asyncio.wait_for(receiver.got_chunk.wait(), 5)
+            await asyncio.sleep(0.5)  # the forward ends and the sender blocks in a write
+            call.cancel()
+            await asyncio.sleep(0.5)
+            assert receiver.transfers["r"].status == "open"  # the abort waits for the write
+            receiver.resume.set()
+            await until(lambda: receiver.transfers["r"].status != "open")
+            assert receiver.transfers["r"].status == "aborted: CANCELLED"
+            await until(lambda: h.num_free_blocks == h.num_total_blocks)
 
     asyncio.run(main())
 
