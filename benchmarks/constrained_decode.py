@@ -177,15 +177,7 @@ def run(
                     restarts += 1
 
     def collect(seqs: list[Sequence], pending: Launched) -> int:
-        """Append a launched step's ids; a finished grammar starts over. -> restarts"""
-        n = 0
-        for seq, token in zip(seqs, pending.sample.result().token_ids, strict=True):
-            seq.append(token)
-            seq.num_computed_tokens = seq.num_tokens - 1
-            if seq.matcher is not None and seq.matcher.is_finished:
-                seq.matcher = compiled.matcher()
-                n += 1
-        return n
+        return append_ids(seqs, pending.sample.result().token_ids, compiled)
 
     def overlapped(seqs: list[Sequence]) -> float:
         """ms per step over OVERLAP_STEPS steps as decode runs them on CUDA (--overlap-steps):
@@ -264,6 +256,19 @@ def run(
 PHASE_STEPS = 30  # steps per (mode, arm) in the phase breakdown
 
 
+def append_ids(seqs: list[Sequence], ids: list[int], compiled: Any) -> int:
+    """Append a step's ids (the matchers accept them); a finished grammar starts over, so
+    every row stays constrained. -> how many started over"""
+    restarts = 0
+    for seq, token in zip(seqs, ids, strict=True):
+        seq.append(token)
+        seq.num_computed_tokens = seq.num_tokens - 1
+        if seq.matcher is not None and seq.matcher.is_finished:
+            seq.matcher = compiled.matcher()
+            restarts += 1
+    return restarts
+
+
 def step_phases(
     runner: ModelRunner,
     masker: BatchMasker,
@@ -292,13 +297,6 @@ def step_phases(
         e.record()
         return e
 
-    def append(ids: list[int]) -> None:
-        for seq, token in zip(seqs, ids, strict=True):
-            seq.append(token)
-            seq.num_computed_tokens = seq.num_tokens - 1
-            if seq.matcher is not None and seq.matcher.is_finished:
-                seq.matcher = compiled.matcher()
-
     _sync(runner.device)
     pending: Launched | None = None
     last = time.perf_counter()
@@ -324,7 +322,7 @@ def step_phases(
             if overlap:
                 pending = Launched(seqs, sample)
             else:
-                append(sample.result().token_ids)
+                append_ids(seqs, sample.result().token_ids, compiled)
                 mark("wait ids + accept")
         else:
             e0 = event()
@@ -333,7 +331,7 @@ def step_phases(
             mark("launch forward")
             ids = pending.sample.result().token_ids
             mark("wait ids")
-            append(ids)
+            append_ids(seqs, ids, compiled)
             mark("accept")
             mask = masker.fill([s.matcher for s in seqs])
             mark("fill")
@@ -349,7 +347,7 @@ def step_phases(
             last = t
         out.setdefault("step", []).append(sum(out[name][-1] for name, _ in marks))
     if pending is not None:
-        append(pending.sample.result().token_ids)
+        append_ids(seqs, pending.sample.result().token_ids, compiled)
     _sync(runner.device)
     if cuda:
         out["device forward"] = [e0.elapsed_time(e1) for e0, e1, _ in events]

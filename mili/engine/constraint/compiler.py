@@ -150,8 +150,11 @@ def grammar_text(constraint: Constraint, limits: ConstraintLimits, prefix: str) 
         raise InvalidArgument(field_name, constraint.text, f"does not parse: {e}") from None
 
 
-def build(constraint: Constraint, tokenizer: GrammarTokenizer, config: CompileConfig) -> Any:
-    """Compile on this thread (blocking): the start-state llguidance.LLMatcher."""
+def build(
+    constraint: Constraint, tokenizer: GrammarTokenizer, config: CompileConfig
+) -> tuple[Any, str]:
+    """Compile on this thread (blocking): the start-state llguidance.LLMatcher, and the
+    grammar text it was compiled from (for the other lanes)."""
     grammar = grammar_text(constraint, config.limits, config.field_prefix)
     field_name = constraint.field_name(config.field_prefix)
     matcher = _start_state(grammar, tokenizer)
@@ -164,7 +167,7 @@ def build(constraint: Constraint, tokenizer: GrammarTokenizer, config: CompileCo
             raise InvalidArgument(field_name, constraint.text, schemas.reword(error))
         reason = f"does not compile: {' '.join(error.split())[:300]}"
         raise InvalidArgument(field_name, constraint.text, reason)
-    return matcher
+    return matcher, grammar
 
 
 def _start_state(grammar: str, tokenizer: GrammarTokenizer) -> Any:
@@ -177,12 +180,14 @@ def _start_state(grammar: str, tokenizer: GrammarTokenizer) -> Any:
     return matcher
 
 
-def _add_lanes(compiled: CompiledConstraint, config: CompileConfig, first_s: float) -> None:
-    """Compile `compiled`'s other lanes (the first compiled fine, in `first_s`: so do
-    these), unless that would hold the compile thread past another timeout_s."""
+def _add_lanes(
+    compiled: CompiledConstraint, grammar: str, config: CompileConfig, first_s: float
+) -> None:
+    """Compile `compiled`'s other lanes from its `grammar` (the first compiled fine, in
+    `first_s`: so do these), unless that would hold the compile thread past another
+    timeout_s."""
     if config.lanes == 1 or first_s * (config.lanes - 1) > config.timeout_s:
         return
-    grammar = grammar_text(compiled.constraint, config.limits, config.field_prefix)
     for _ in range(config.lanes - 1):
         matcher = _start_state(grammar, compiled.tokenizer)
         if matcher.is_error():  # not expected; the lanes built so far serve
@@ -284,7 +289,7 @@ class ConstraintCompiler:
     ) -> None:
         started = time.perf_counter()
         try:
-            template = build(constraint, self.tokenizer, self.config)
+            template, grammar = build(constraint, self.tokenizer, self.config)
         except BaseException as e:
             with self._lock:
                 self._running.pop(key, None)
@@ -311,7 +316,7 @@ class ConstraintCompiler:
         with contextlib.suppress(concurrent.futures.InvalidStateError):  # nobody waits now
             future.set_result(compiled)
         try:  # the thread still counts against max_compile_threads meanwhile
-            _add_lanes(compiled, self.config, time.perf_counter() - started)
+            _add_lanes(compiled, grammar, self.config, time.perf_counter() - started)
         except Exception:  # not expected (the first lane compiled); its lanes so far serve
             _LOG.exception("compiling another lane of %s failed", field_name)
         finally:
