@@ -28,8 +28,8 @@ _PAGED_DECODE_KEYS_PER_GROUP = 4
 _PAGED_DECODE_IDS_WINDOW = 512
 
 # Splits per sequence either automatic plan may pick: this one (paged_decode) and kernels/gpu.py's
-# for the fp32 decode kernel. Both feed the same split scratch and decode_combine, which walks a
-# row's splits one after another, so the cap bounds both.
+# for the fp32 decode kernel. Both feed the same split scratch, and their merges (paged_decode's
+# last split, fp32's decode_combine) walk a row's splits one after another, so the cap bounds both.
 MAX_DECODE_SPLITS = 64
 
 
@@ -95,9 +95,23 @@ def decode_splits(
     return max(1, min(want, useful, MAX_DECODE_SPLITS))
 
 
-def decode_split_blocks(seq_len: int, block_size: int, num_splits: int, split: int) -> range:
-    """Blocks [lo, hi) split `split` of a sequence of seq_len keys reads (empty: it exits)."""
+def _split_width(seq_len: int, block_size: int, num_splits: int) -> tuple[int, int]:
+    """(blocks of the sequence, blocks per split), as paged_decode cuts them."""
     blocks = math.ceil(seq_len / block_size)
     per = max(math.ceil(blocks / num_splits), math.ceil(PAGED_DECODE_MIN_SPLIT_KEYS / block_size))
+    return blocks, per
+
+
+def decode_split_blocks(seq_len: int, block_size: int, num_splits: int, split: int) -> range:
+    """Blocks [lo, hi) split `split` of a sequence of seq_len keys reads (empty: it exits)."""
+    blocks, per = _split_width(seq_len, block_size, num_splits)
     lo = split * per
     return range(lo, max(lo, min(blocks, lo + per)))
+
+
+def decode_live_splits(seq_len: int, block_size: int, num_splits: int) -> int:
+    """Splits of a sequence that paged_decode runs, read on the device from its length: the
+    last of them to finish merges their parts; with one, it writes the output directly (a
+    sequence of 0 keys too: zeros)."""
+    blocks, per = _split_width(seq_len, block_size, num_splits)
+    return max(1, math.ceil(blocks / per))

@@ -12,9 +12,10 @@ kernels take dynamic shared memory beyond 48 KB: each function's limit is raised
 `dynamic_shared_bytes` when it is loaded.
 
 CUDA graphs (`is_graph_safe`): a decode call reads nothing back from the device, picks its split
-plan from shapes only, and writes split partials into preallocated per-device scratch that only
-grows (old buffers stay alive, so graphs captured earlier keep valid pointers; growing during a
-capture is refused: warm up at the largest batch first). Functions are loaded on the first call,
+plan from shapes only, and writes split partials (and paged_decode its split counters, zeroed
+once: each launch leaves them at 0) into preallocated per-device scratch that only grows (old
+buffers stay alive, so graphs captured earlier keep valid pointers; growing during a capture is
+refused: warm up at the largest batch first). Functions are loaded on the first call,
 which must therefore precede any capture (the usual warm-up does it).
 """
 
@@ -77,8 +78,9 @@ class GpuKernels:
         # (device, kernel, dtype, head_dim) -> (function, dynamic shared bytes)
         self._functions: dict[tuple[int, str, str, int], tuple[Any, int]] = {}
         self._sms: dict[int, int] = {}
-        # device -> fp32 split scratch (flat); grown, never freed (captured graphs point into it)
-        self._scratch: dict[int, torch.Tensor] = {}
+        # (device, dtype) -> split scratch (flat): fp32 parts, int32 paged_decode counters;
+        # grown, never freed (captured graphs point into it)
+        self._scratch: dict[tuple[int, torch.dtype], torch.Tensor] = {}
         self._retired: list[torch.Tensor] = []
         self._lock = threading.Lock()
 
@@ -227,11 +229,14 @@ class GpuKernels:
         )
         return out
 
-    def _split_scratch(self, device: int, numel: int) -> torch.Tensor:
-        """At least `numel` fp32 of this device's split scratch (part_o, then part_lse).
+    def _split_scratch(
+        self, device: int, numel: int, dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
+        """At least `numel` of this device's split scratch: float32 for part_o then part_lse,
+        int32 for paged_decode's counters (zeros; every launch leaves them so).
 
         Decode calls on one device are stream-ordered (one engine loop), so they share it."""
-        buf = self._scratch.get(device)
+        buf = self._scratch.get((device, dtype))
         if buf is None or buf.numel() < numel:
             if torch.cuda.is_current_stream_capturing():
                 raise RuntimeError(
@@ -242,8 +247,8 @@ class GpuKernels:
             if buf is not None:
                 self._retired.append(buf)  # graphs captured on it still write there
             size = max(numel, 2 * (0 if buf is None else buf.numel()))
-            buf = torch.empty(size, dtype=torch.float32, device=torch.device("cuda", device))
-            self._scratch[device] = buf
+            buf = torch.zeros(size, dtype=dtype, device=torch.device("cuda", device))
+            self._scratch[(device, dtype)] = buf
         return buf
 
     def decode_splits(
@@ -314,39 +319,40 @@ class GpuKernels:
             )
         chunks = math.ceil(group / per_cta)
         dtype = _DTYPE_NAMES[q.dtype]
+        # The kernel writes `out` directly with one split and never touches the scratch pointers.
+        part_o_ptr = part_lse_ptr = counters_ptr = out.data_ptr()
         if splits > 1:
             # part_o [B, H, splits, D] then part_lse [B, H, splits], fp32, in the scratch
             rows = num_seqs * heads * splits
             scratch = self._split_scratch(device, rows * (head_dim + 1))
             part_o_ptr = scratch.data_ptr()
             part_lse_ptr = part_o_ptr + rows * head_dim * 4
-        else:  # the kernel writes `out` directly and never touches the scratch pointers
-            part_o_ptr = part_lse_ptr = out.data_ptr()
-        self._launch(
-            device,
-            kernel,
-            dtype,
-            head_dim,
-            (splits, kv_heads * chunks, num_seqs),
-            (THREADS, 1, 1),
-            {
-                "out": out.data_ptr(),
-                "part_o": part_o_ptr,
-                "part_lse": part_lse_ptr,
-                "q": q.data_ptr(),
-                "k_cache": k_cache.data_ptr(),
-                "v_cache": v_cache.data_ptr(),
-                "block_tables": block_tables.data_ptr(),
-                "seq_lens": seq_lens.data_ptr(),
-                "num_q_heads": heads,
-                "num_kv_heads": kv_heads,
-                "block_size": dims.block_size,
-                "max_blocks": dims.max_blocks,
-                "num_splits": splits,
-                "scale_log2": scale * _LOG2E,
-            },
-        )
-        if splits > 1:
+            if (
+                kernel != "decode"
+            ):  # paged_decode's counters [B, KVH * chunks]: its last split merges
+                counters = self._split_scratch(device, num_seqs * kv_heads * chunks, torch.int32)
+                counters_ptr = counters.data_ptr()
+        values: dict[str, int | float] = {
+            "out": out.data_ptr(),
+            "part_o": part_o_ptr,
+            "part_lse": part_lse_ptr,
+            "q": q.data_ptr(),
+            "k_cache": k_cache.data_ptr(),
+            "v_cache": v_cache.data_ptr(),
+            "block_tables": block_tables.data_ptr(),
+            "seq_lens": seq_lens.data_ptr(),
+            "num_q_heads": heads,
+            "num_kv_heads": kv_heads,
+            "block_size": dims.block_size,
+            "max_blocks": dims.max_blocks,
+            "num_splits": splits,
+            "scale_log2": scale * _LOG2E,
+        }
+        if kernel != "decode":
+            values["counters"] = counters_ptr
+        grid = (splits, kv_heads * chunks, num_seqs)
+        self._launch(device, kernel, dtype, head_dim, grid, (THREADS, 1, 1), values)
+        if splits > 1 and kernel == "decode":  # fp32's decode leaves the merge to a second kernel
             self._launch(
                 device,
                 "decode_combine",

@@ -93,7 +93,7 @@ def wrapper_name(kernel: str, dtype: str, head_dim: int) -> str:
 def _pointer_type(kind: str, name: str, dtype: str) -> str:
     if name in ("part_o", "part_lse"):
         return "Pointer[Float32, MutAnyOrigin]"
-    if name in ("cu_seqlens", "start_positions", "block_tables", "seq_lens"):
+    if name in ("cu_seqlens", "start_positions", "block_tables", "seq_lens", "counters"):
         return "Pointer[Int32, MutAnyOrigin]"
     return f"Pointer[Scalar[{MOJO_DTYPE[dtype]}], MutAnyOrigin]"
 

@@ -66,8 +66,11 @@ SIGNATURES: dict[str, tuple[tuple[str, str], ...]] = {
     ),
 }
 SIGNATURES["flash_prefill"] = SIGNATURES["prefill"]
+# paged_decode merges its splits itself: the last split of a (sequence, head group) to finish
+# does, counted in `counters` (int32, one per CTA column, zero between launches).
+_PAGED_DECODE = (*SIGNATURES["decode"][:3], ("counters", "ptr"), *SIGNATURES["decode"][3:])
 for _gc in DECODE_GROUP_SIZES:
-    SIGNATURES[f"paged_decode_g{_gc}"] = SIGNATURES["decode"]
+    SIGNATURES[f"paged_decode_g{_gc}"] = _PAGED_DECODE
 
 
 def kernel_dtypes(kernel: str) -> tuple[str, ...]:

@@ -18,10 +18,14 @@
 # Split-KV plan (stable under CUDA graphs): the host fixes num_splits from shapes only (batch,
 # heads, block-table width). The kernel cuts sequence b's nb = ceil(L / S) blocks into chunks of
 #   per = max(ceil(nb / num_splits), ceil(MIN_SPLIT_KEYS / S)) blocks;
-# split s takes blocks [s * per, min(nb, (s + 1) * per)). Splits past the end (short sequences)
-# exit at once, after writing part_lse = -inf so the combine skips them. With num_splits == 1 the
-# CTA writes `out` directly; else its normalised fp32 output and log2-sum-exp go to part_o
-# [B, H, num_splits, D] / part_lse [B, H, num_splits] and decode_gpu.mojo's combine merges them.
+# split s takes blocks [s * per, min(nb, (s + 1) * per)), so the sequence has
+#   live = max(1, ceil(nb / per)) splits
+# (read on the device: a short context takes one split whatever the plan). Splits s >= live
+# exit at once. With live == 1 the CTA writes `out` directly. Else each live split writes its
+# normalised fp32 output and log2-sum-exp to part_o [B, H, num_splits, D] / part_lse
+# [B, H, num_splits], then counts itself in counters[b, grid.y] (int32, zero between launches);
+# the split that counts last merges the live parts into `out` and sets the counter back to 0.
+# No second kernel: at batch 1 the combine's launch cost more than the splits saved.
 #
 # Inside a CTA (D = 128 shown; BDX = D / 8 lanes per row, NG = 128 / BDX row groups):
 #
@@ -48,9 +52,11 @@
 # (id index, offset in block) from tile to tile: no division in the tile loop. Rows past the
 # split's end are zero-filled (cp.async src-size 0), so masked keys meet finite V rows.
 
+from std.atomic import Atomic, Ordering
 from std.math import exp2, log2, inf
 from std.sys import size_of
 from max.gpu import thread_idx, block_idx, barrier
+from max.gpu.intrinsics import threadfence
 from max.gpu.memory import (
     AddressSpace,
     async_copy,
@@ -103,6 +109,7 @@ def paged_decode_kernel[
     out_ptr: Pointer[Scalar[dtype], MutAnyOrigin],
     part_o: Pointer[Float32, MutAnyOrigin],
     part_lse: Pointer[Float32, MutAnyOrigin],
+    counters: Pointer[Int32, MutAnyOrigin],
     q: Pointer[Scalar[dtype], MutAnyOrigin],
     k_cache: Pointer[Scalar[dtype], MutAnyOrigin],
     v_cache: Pointer[Scalar[dtype], MutAnyOrigin],
@@ -156,13 +163,11 @@ def paged_decode_kernel[
     var L = Int(seq_lens[unsafe_offset=b])
     var nb = (L + S - 1) // S
     var per = max((nb + ns - 1) // ns, (MIN_SPLIT_KEYS + S - 1) // S)
+    var live = max(1, (nb + per - 1) // per)
+    if split >= live:
+        return  # surplus split of a short sequence: nothing to read, nothing to merge
     var b_lo = split * per
-    var b_hi = min(nb, b_lo + per)
-    if b_lo >= b_hi:
-        # Surplus split of a short sequence: nothing to read; tell the combine to skip it.
-        if ns > 1 and tid < rows:
-            part_lse[unsafe_offset=(row0 + tid) * ns + split] = NEG_INF
-        return
+    var b_hi = min(nb, b_lo + per)  # empty only for L == 0: the one split writes zeros
     var k_hi = min(L, b_hi * S)
 
     var smem = external_memory[
@@ -310,13 +315,77 @@ def paged_decode_kernel[
                 o_all += mo.unsafe_load[width=4, alignment=16]((g * GC + h) * D + d) * f
         var o = o_all / l_all if l_all > 0 else SIMD[DType.float32, 4](0)
         var row = row0 + h
-        if ns == 1:
+        if live == 1:
             out_ptr.unsafe_store[alignment=8](row * D + d, o.cast[dtype]())
         else:
             part_o.unsafe_store[alignment=16]((row * ns + split) * D + d, o)
             if d == 0:
                 var lse = m_all + log2(l_all) if l_all > 0 else NEG_INF
                 part_lse[unsafe_offset=row * ns + split] = lse
+    if live == 1:
+        return
+
+    # Count this split in; the last of the live splits to arrive merges them. The fence makes
+    # this thread's part writes visible device-wide before thread 0's count (release); the
+    # count's acquire, the barrier and the fence after it order the last CTA's reads after
+    # every other split's writes.
+    threadfence()
+    barrier()
+    var counter = b * (KVH * chunks) + y
+    if tid == 0:
+        var prev = Atomic[Int32, scope="device"].fetch_add[ordering=Ordering.ACQUIRE_RELEASE](
+            counters.unsafe_offset(counter), Int32(1)
+        )
+        var last = Int(prev) == live - 1
+        if last:
+            counters[unsafe_offset=counter] = 0  # every live split has counted: ready to reuse
+        ids[unsafe_offset=0] = Int32(1) if last else Int32(0)
+    barrier()
+    if ids[unsafe_offset=0] == 0:
+        return
+    threadfence()
+    _merge_splits[dtype, D](out_ptr, part_o, part_lse, row0, rows, ns, live, tid)
+
+
+@always_inline
+def _merge_splits[
+    dtype: DType, D: Int
+](
+    out_ptr: Pointer[Scalar[dtype], MutAnyOrigin],
+    part_o: Pointer[Float32, MutAnyOrigin],
+    part_lse: Pointer[Float32, MutAnyOrigin],
+    row0: Int,
+    rows: Int,
+    ns: Int,
+    live: Int,
+    tid: Int,
+):
+    """out[row] = sum_s 2^lse_s o_s / sum_s 2^lse_s over the live splits s < live of rows
+    row0 .. row0 + rows - 1; thread t takes 4 consecutive dims of one row at a time. The parts
+    were written by other CTAs: volatile loads read them from L2, never a stale L1 line."""
+    comptime NEG_INF = -inf[DType.float32]()
+    for idx in range(tid, rows * (D // 4), PAGED_DECODE_THREADS):
+        var row = row0 + idx // (D // 4)
+        var d = (idx % (D // 4)) * 4
+        var m_all = NEG_INF
+        for s in range(live):
+            m_all = max(m_all, part_lse.unsafe_load[volatile=True](row * ns + s))
+        var den = Float32(0)
+        var num = SIMD[DType.float32, 4](0)
+        if m_all != NEG_INF:
+            for s in range(live):
+                var lse = part_lse.unsafe_load[volatile=True](row * ns + s)
+                if lse != NEG_INF:
+                    var f = exp2(lse - m_all)
+                    den += f
+                    num += (
+                        part_o.unsafe_load[width=4, alignment=16, volatile=True](
+                            (row * ns + s) * D + d
+                        )
+                        * f
+                    )
+        var o = num / den if den > 0 else SIMD[DType.float32, 4](0)
+        out_ptr.unsafe_store[alignment=8](row * D + d, o.cast[dtype]())
 
 
 @always_inline

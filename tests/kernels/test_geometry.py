@@ -259,6 +259,14 @@ def test_decode_splits_cut_a_sequence_into_disjoint_block_ranges(
     live = [r for r in ranges if len(r)]
     for r in live[:-1]:  # a split reads at least MIN_SPLIT_KEYS keys, the last one excepted
         assert len(r) * block_size >= PAGED_DECODE_MIN_SPLIT_KEYS
+    # The kernel's live count (its last live split merges): exactly the splits with work, first.
+    assert ranges[: geometry.decode_live_splits(seq_len, block_size, num_splits)] == live
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 64])
+def test_a_sequence_of_no_keys_has_one_split_that_writes_zeros(num_splits: int) -> None:
+    assert geometry.decode_live_splits(0, 16, num_splits) == 1
+    assert len(geometry.decode_split_blocks(0, 16, num_splits, 0)) == 0
 
 
 def test_decode_plan_depends_on_shapes_only() -> None:

@@ -23,7 +23,7 @@ import torch
 
 from kernels import build, ptx
 from kernels.fused import ptx as fused_ptx
-from kernels.geometry import dynamic_shared_bytes
+from kernels.geometry import PAGED_DECODE_MIN_SPLIT_KEYS, dynamic_shared_bytes
 from kernels.gpu import GpuKernels, _pack
 from kernels.manifest import load_manifest
 from kernels.ptx_entry import check_signature, parse_entries
@@ -313,14 +313,45 @@ def test_decode_captured_in_a_cuda_graph_replays_new_inputs(gpu_kernels, batch: 
     assert_close(out, reference_decode(first), torch.bfloat16)
 
     second = case(2)  # same shapes, new values: copy them into the captured tensors
-    shorter = torch.clamp(second.seq_lens - 50, min=1)
     for name in ("q", "k_cache", "v_cache", "block_tables"):
         getattr(first, name).copy_(getattr(second, name))
-    first.seq_lens.copy_(shorter)
-    second.seq_lens = shorter
-    graph.replay()
-    torch.cuda.synchronize()
-    assert_close(out, reference_decode(second), torch.bfloat16)
+    # Shorter contexts, then each one split long (at batch 1 the plan has many splits: a short
+    # context runs one, a long one merges in its last split), then the originals: every replay
+    # starts from split counters at 0 and writes every output row (NaN before it).
+    lengths = (
+        torch.clamp(second.seq_lens - 50, min=1),
+        torch.clamp(second.seq_lens, max=PAGED_DECODE_MIN_SPLIT_KEYS),
+        second.seq_lens.clone(),
+    )
+    for seq_lens in lengths:
+        first.seq_lens.copy_(seq_lens)
+        second.seq_lens = seq_lens
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close(out, reference_decode(second), torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=str)
+def test_split_decodes_in_a_row_each_merge_their_own_splits(gpu_kernels, dtype) -> None:
+    """paged_decode's last split merges, counted in counters it leaves at 0: calls one after
+    another (other batches, lengths and split counts) are each right."""
+    for seed, (contexts, splits) in enumerate(
+        [([513, 1, 100], 7), ([4000], 0), ([65, 64, 2000, 17], 3), ([513, 1, 100], 7)]
+    ):
+        case = make_case(
+            [1] * len(contexts),
+            [c - 1 for c in contexts],
+            num_q_heads=16,
+            num_kv_heads=8,
+            head_dim=128,
+            block_size=16,
+            dtype=dtype,
+            device="cuda",
+            seed=seed,
+        )
+        assert_close(run_decode(gpu_kernels, case, splits), reference_decode(case), dtype)
 
 
 _CUDA_H_JIT_OPTIONS = {
