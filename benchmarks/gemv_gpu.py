@@ -9,12 +9,15 @@ at batches 1, 4 and 8, each variant of y = x @ W.T:
     lt          the same under torch.backends.cuda.preferred_blas_library("cublaslt")
     cublas      the same under preferred_blas_library("cublas")
     w_x         (W @ x.T).T: the weight as the left operand (torch.mv at batch 1)
+    mojo        the model's `linear` on the Mojo fused ops (--device cuda): fused_gpu.mojo's gemv
+                kernel at batches up to 4, torch's F.linear above (where the column says linear)
 
 On CUDA each call is timed inside a captured graph of 50 back-to-back calls (so launch gaps do
 not count, as under decode's graphs), the graph replayed a few times between CUDA events. GB/s
 counts the weight's bytes (x and y are noise beside them), beside a device-to-device copy
 measured in the same run. The last lines sum the projections over the preset's layers plus the
-head for `linear` and for each shape's fastest variant: the batch-1 step's GEMV time each way.
+head for `linear`, for `mojo` (the layers' projections: the head stays on F.linear in the
+model) and for each shape's fastest variant: the batch-1 step's GEMV time each way.
 
     python3 benchmarks/gemv_gpu.py --device cuda                      # GPU host, ~20 s
     .venv/bin/python benchmarks/gemv_gpu.py --device cpu --preset tiny --repeats 2   # a check
@@ -38,6 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.attention_gpu import copy_bandwidth
 from benchmarks.presets import CHOICES, preset_config
+from kernels.backend import select_fused_ops
+from kernels.build import KernelBuildError
 
 CALLS = 50  # calls per captured graph
 
@@ -83,6 +88,12 @@ def variants(device: torch.device) -> dict[str, tuple[str | None, Callable[..., 
     if device.type == "cuda":
         found["lt"] = ("cublaslt", linear)
         found["cublas"] = ("cublas", linear)
+        try:
+            ops = select_fused_ops("mojo", device, head_dim=128)
+        except KernelBuildError as e:
+            print(f"no mojo variant: {e}", flush=True)
+        else:
+            found["mojo"] = (None, lambda x, w: ops.linear(x, w, None))
     return found
 
 
@@ -137,6 +148,7 @@ def main() -> int:
     print(f"{'shape':>8} {'N x K':>13} {'batch':>5}  " + "  ".join(f"{v:>19}" for v in found))
     best: dict[int, float] = dict.fromkeys(batches, 0.0)
     base: dict[int, float] = dict.fromkeys(batches, 0.0)
+    model: dict[int, float] = dict.fromkeys(batches, 0.0)  # what the model calls, mojo ops
     with torch.inference_mode():
         for shape, (n, k) in shapes(args.preset).items():
             w = torch.randn(n, k, device=device, dtype=dtype, generator=gen) / k**0.5
@@ -158,10 +170,13 @@ def main() -> int:
                 print(f"{shape:>8} {f'{n}x{k}':>13} {b:>5}  " + "  ".join(cells), flush=True)
                 base[b] += times * timed["linear"]
                 best[b] += times * min(timed.values())
+                on_mojo = "mojo" in timed and shape != "head"
+                model[b] += times * timed["mojo" if on_mojo else "linear"]
     for b in batches:
         print(
             f"step's GEMVs at batch {b} ({config.num_hidden_layers} layers + head): linear "
-            f"{base[b] / 1e3:.3f} ms, each shape's fastest {best[b] / 1e3:.3f} ms"
+            f"{base[b] / 1e3:.3f} ms, the model on mojo ops {model[b] / 1e3:.3f} ms, "
+            f"each shape's fastest {best[b] / 1e3:.3f} ms"
         )
     return 0
 

@@ -286,6 +286,12 @@ def _cases(shape: CheckShape, device: torch.device) -> list[tuple[str, str, Case
     def silu_mul(impl: Any) -> tuple[torch.Tensor, ...]:
         return (impl.silu_mul(gate_up.clone()),)
 
+    # Projections at decode's batch sizes (1 and 4 rows: the GPU's gemv kernel) and past them.
+    projection = randn(3 * hidden + 8, hidden, scale=hidden**-0.5)
+
+    def linear(impl: Any) -> tuple[torch.Tensor, ...]:
+        return tuple(impl.linear(x[:rows], projection, None) for rows in (1, 4, T))
+
     def grouped_gemm(impl: Any) -> tuple[torch.Tensor, ...]:
         # The CPU's kernel itself: calls this small go to torch in `grouped_gemm`.
         kernel = getattr(impl, "grouped_gemm_kernel", impl.grouped_gemm)
@@ -299,6 +305,7 @@ def _cases(shape: CheckShape, device: torch.device) -> list[tuple[str, str, Case
         (FUSED, "fused.add_rms_norm", add_rms_norm),
         (FUSED, "fused.qk_norm_rope_kv", qk_norm_rope_kv),
         (FUSED, "fused.silu_mul", silu_mul),
+        (FUSED, "fused.linear", linear),
     ]
     if device.type == "cpu":  # CUDA runs torch's grouped GEMM: no kernel of ours to check
         cases.append((FUSED, "fused.grouped_gemm", grouped_gemm))

@@ -9,6 +9,7 @@ not see them).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from kernels.cpu import CpuModuleBinding
 from kernels.fused.checks import (
@@ -140,6 +141,11 @@ class CpuFusedKernels(CpuModuleBinding):
                 (out.data_ptr(), gate_up.data_ptr()), (code, rows, width // 2, threads)
             )
         return out
+
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        return F.linear(x, weight, bias)  # oneDNN's GEMM: no Mojo kernel of ours measured faster
 
     def grouped_gemm(
         self, rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor

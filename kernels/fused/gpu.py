@@ -15,10 +15,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from kernels.cuda_driver import _MAX_GRID_X, _MAX_GRID_YZ, _make_driver, pack_arguments
 from kernels.fused.checks import check_norm, check_qk_norm_rope, check_silu_mul
-from kernels.fused.ptx import MANIFEST_FORMAT, NORM_THREADS, ROPE_THREADS, SIGNATURES, SILU_THREADS
+from kernels.fused.ptx import (
+    GEMV_MAX_TOKENS,
+    GEMV_WARPS,
+    MANIFEST_FORMAT,
+    NORM_THREADS,
+    ROPE_THREADS,
+    SIGNATURES,
+    SILU_THREADS,
+)
 from kernels.gpu import _DTYPE_NAMES
 from kernels.manifest import load_manifest
 from kernels.ptx_entry import check_signature, parse_entries
@@ -175,7 +184,7 @@ class GpuFusedKernels:
                 qkv,
                 "qk_norm_rope",
                 head_dim,
-                (tokens, 1, 1),
+                (tokens, math.ceil((heads + 2 * kv_heads) / (ROPE_THREADS // 32)), 1),
                 ROPE_THREADS,
                 {
                     "q_out": q.data_ptr(),
@@ -214,12 +223,61 @@ class GpuFusedKernels:
             )
         return out
 
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """x [T, K] @ weight [N, K].T: the gemv kernel for T <= GEMV_MAX_TOKENS rows of bf16 or
+        fp16 without a bias (decode's steps; 16-byte aligned rows), torch's GEMM otherwise."""
+        _require_cuda(x)
+        if not _takes_gemv(x, weight, bias):
+            return F.linear(x, weight, bias)
+        tokens, in_features = x.shape
+        out_features = weight.shape[0]
+        out = torch.empty((tokens, out_features), dtype=x.dtype, device=x.device)
+        if tokens and out_features:
+            self._launch(
+                x,
+                "gemv",
+                0,
+                (math.ceil(out_features / GEMV_WARPS), 1, 1),
+                32 * GEMV_WARPS,
+                {
+                    "out": out.data_ptr(),
+                    "x": x.data_ptr(),
+                    "weight": weight.data_ptr(),
+                    "tokens": tokens,
+                    "out_features": out_features,
+                    "in_features": in_features,
+                },
+            )
+        return out
+
     def grouped_gemm(
         self, rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor
     ) -> torch.Tensor:
         # torch's (CUTLASS's grouped GEMM on Hopper): no Mojo kernel of ours has been measured
         # against it on a GPU.
         return grouped_gemm(rows, weight, offsets)
+
+
+def _takes_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether the gemv kernel computes F.linear(x, weight, bias): 1..GEMV_MAX_TOKENS rows,
+    bf16/fp16 on one device, contiguous, rows whole 16-byte vectors, 16-byte aligned."""
+    return (
+        bias is None
+        and x.dim() == 2
+        and weight.dim() == 2
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and weight.dtype == x.dtype
+        and weight.device == x.device
+        and 0 < x.shape[0] <= GEMV_MAX_TOKENS
+        and x.shape[1] == weight.shape[1]
+        and x.shape[1] % (16 // x.element_size()) == 0
+        and x.is_contiguous()
+        and weight.is_contiguous()
+        and x.data_ptr() % 16 == 0
+        and weight.data_ptr() % 16 == 0
+    )
 
 
 def _require_cuda(t: torch.Tensor) -> None:

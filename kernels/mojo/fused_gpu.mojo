@@ -6,18 +6,25 @@
 # fp32 sum of squares (a tree here, another order in torch) or exp tip a rounding.
 #
 #   add_rms_norm_kernel   grid (rows), block NORM_THREADS: one row per CTA, two passes over it
-#   qk_norm_rope_kernel   grid (T), block ROPE_THREADS: one warp per head of one token
+#   qk_norm_rope_kernel   grid (T, ceil((H + 2 KVH) / (ROPE_THREADS / 32))), block ROPE_THREADS:
+#                         one warp per head of one token
 #   silu_mul_kernel       grid (rows, ceil(I / SILU_THREADS)), block SILU_THREADS
+#   gemv_kernel           grid (ceil(N / GEMV_WARPS)), block 32 * GEMV_WARPS: one warp per
+#                         output column n of y [T, N] = x [T, K] @ W[N, K]^T, T <= GEMV_MAX_TOKENS
 
 from std.math import exp, sqrt
 from max.gpu import thread_idx, block_idx, barrier, lane_id
 from max.gpu.memory import AddressSpace
 from max.gpu.primitives import warp
 from std.memory import stack_allocation
+from std.sys import size_of
 
 comptime NORM_THREADS = 256
 comptime ROPE_THREADS = 128
 comptime SILU_THREADS = 256
+comptime GEMV_WARPS = 4
+comptime GEMV_MAX_TOKENS = 4
+comptime GEMV_UNROLL = 8  # 16-byte weight loads a lane has in flight
 comptime _F32 = DType.float32
 
 
@@ -92,7 +99,9 @@ def qk_norm_rope_kernel[
 ):
     """Token t = block_idx.x. Heads 0..H-1 are q (normalised, rotated, into q_out [T, H, D]),
     H..H+KVH-1 k (normalised, rotated, written back into qkv and into k_cache at the token's
-    slot), H+KVH..H+2KVH-1 v (copied into v_cache). Warp w takes heads w, w + 4, ...
+    slot), H+KVH..H+2KVH-1 v (copied into v_cache). Warp w of CTA (t, y) takes head
+    y * NUM_WARPS + w: at decode's few tokens the heads run side by side, not 8 after another
+    in one CTA's warps.
 
     Lane l holds elements l + 32 j (j < D / 32): element i's RoPE partner i + D/2 is then the
     same lane's j + D/64, so the rotation needs no shuffles.
@@ -102,52 +111,53 @@ def qk_norm_rope_kernel[
     comptime HALF_J = PER_LANE // 2  # j < HALF_J: first half of the head
     comptime NUM_WARPS = ROPE_THREADS // 32
     var t = Int(block_idx.x)
-    var w = Int(thread_idx.x) // 32
+    var head = Int(block_idx.y) * NUM_WARPS + Int(thread_idx.x) // 32
     var lane = Int(lane_id())
     var H = Int(num_q_heads)
     var KVH = Int(num_kv_heads)
+    if head >= H + 2 * KVH:
+        return  # the whole warp: the last CTA's spare warps
     var pos = Int(positions[unsafe_offset=t])
     var slot = Int(slot_mapping[unsafe_offset=t])
     var row = t * (H + 2 * KVH) * D
-    for head in range(w, H + 2 * KVH, NUM_WARPS):
-        var src = row + head * D
-        if head >= H + KVH:  # v: straight into the cache
-            var cache_off = (slot * KVH + head - H - KVH) * D
-            comptime for j in range(PER_LANE):
-                v_cache[unsafe_offset=cache_off + lane + 32 * j] = qkv[
-                    unsafe_offset=src + lane + 32 * j
-                ]
-            continue
-        var is_q = head < H
-        var wt = q_weight if is_q else k_weight
-        var x = SIMD[_F32, PER_LANE](0)
+    var src = row + head * D
+    if head >= H + KVH:  # v: straight into the cache
+        var cache_off = (slot * KVH + head - H - KVH) * D
         comptime for j in range(PER_LANE):
-            x[j] = qkv[unsafe_offset=src + lane + 32 * j].cast[_F32]()
-        var inv = 1 / sqrt(warp.sum((x * x).reduce_add()) / Float32(D) + eps)
-        var y = SIMD[_F32, PER_LANE](0)
+            v_cache[unsafe_offset=cache_off + lane + 32 * j] = qkv[
+                unsafe_offset=src + lane + 32 * j
+            ]
+        return
+    var is_q = head < H
+    var wt = q_weight if is_q else k_weight
+    var x = SIMD[_F32, PER_LANE](0)
+    comptime for j in range(PER_LANE):
+        x[j] = qkv[unsafe_offset=src + lane + 32 * j].cast[_F32]()
+    var inv = 1 / sqrt(warp.sum((x * x).reduce_add()) / Float32(D) + eps)
+    var y = SIMD[_F32, PER_LANE](0)
+    comptime for j in range(PER_LANE):
+        var i = lane + 32 * j
+        y[j] = _round[dtype](_round[dtype](x[j] * inv) * wt[unsafe_offset=i].cast[_F32]())
+    var o = SIMD[_F32, PER_LANE](0)
+    comptime for j in range(HALF_J):
+        var i = lane + 32 * j  # < D / 2
+        # HF casts cos/sin to the activation dtype before rotating.
+        var c = _round[dtype](cos_sin[unsafe_offset=pos * D + i])
+        var s = _round[dtype](cos_sin[unsafe_offset=pos * D + D // 2 + i])
+        var x1 = y[j]
+        var x2 = y[j + HALF_J]
+        o[j] = _round[dtype](_round[dtype](x1 * c) - _round[dtype](x2 * s))
+        o[j + HALF_J] = _round[dtype](_round[dtype](x2 * c) + _round[dtype](x1 * s))
+    if is_q:
+        var dst = (t * H + head) * D
         comptime for j in range(PER_LANE):
-            var i = lane + 32 * j
-            y[j] = _round[dtype](_round[dtype](x[j] * inv) * wt[unsafe_offset=i].cast[_F32]())
-        var o = SIMD[_F32, PER_LANE](0)
-        comptime for j in range(HALF_J):
-            var i = lane + 32 * j  # < D / 2
-            # HF casts cos/sin to the activation dtype before rotating.
-            var c = _round[dtype](cos_sin[unsafe_offset=pos * D + i])
-            var s = _round[dtype](cos_sin[unsafe_offset=pos * D + D // 2 + i])
-            var x1 = y[j]
-            var x2 = y[j + HALF_J]
-            o[j] = _round[dtype](_round[dtype](x1 * c) - _round[dtype](x2 * s))
-            o[j + HALF_J] = _round[dtype](_round[dtype](x2 * c) + _round[dtype](x1 * s))
-        if is_q:
-            var dst = (t * H + head) * D
-            comptime for j in range(PER_LANE):
-                q_out[unsafe_offset=dst + lane + 32 * j] = o[j].cast[dtype]()
-        else:
-            var cache_off = (slot * KVH + head - H) * D
-            comptime for j in range(PER_LANE):
-                var value = o[j].cast[dtype]()
-                qkv[unsafe_offset=src + lane + 32 * j] = value  # the returned k view
-                k_cache[unsafe_offset=cache_off + lane + 32 * j] = value
+            q_out[unsafe_offset=dst + lane + 32 * j] = o[j].cast[dtype]()
+    else:
+        var cache_off = (slot * KVH + head - H) * D
+        comptime for j in range(PER_LANE):
+            var value = o[j].cast[dtype]()
+            qkv[unsafe_offset=src + lane + 32 * j] = value  # the returned k view
+            k_cache[unsafe_offset=cache_off + lane + 32 * j] = value
 
 
 def silu_mul_kernel[
@@ -168,3 +178,62 @@ def silu_mul_kernel[
     # torch's silu: x / (1 + exp(-x)) in fp32, rounded to dtype; then the multiply in dtype.
     var s = _round[dtype](g / (1 + exp(-g)))
     out_ptr[unsafe_offset=r * inter + i] = (s * u).cast[dtype]()
+
+
+def gemv_kernel[
+    dtype: DType
+](
+    out_ptr: Pointer[Scalar[dtype], MutAnyOrigin],
+    x: Pointer[Scalar[dtype], MutAnyOrigin],
+    weight: Pointer[Scalar[dtype], MutAnyOrigin],
+    tokens: Int32,
+    out_features: Int32,
+    in_features: Int32,
+):
+    """y[t, n] = sum_k x[t, k] W[n, k] for t < tokens (<= GEMV_MAX_TOKENS): F.linear without a
+    bias at decode's batch sizes, where cuBLAS's GEMM tiles read the weights at a third of the
+    copy bandwidth. Accumulates in fp32 and rounds once, as cuBLAS does.
+
+    Warp w of CTA c computes column n = c * GEMV_WARPS + w: its lanes stride along row n of W
+    in 16-byte vectors, GEMV_UNROLL loads in flight at a time (predicated at the row's end),
+    each vector times the same columns of every token's x (x is a few KB: L1 serves the
+    warps), then a butterfly sums the lanes. K must be a multiple of the vector (the host
+    checks).
+    """
+    comptime VEC = 16 // size_of[dtype]()
+    comptime T = GEMV_MAX_TOKENS
+    var n = Int(block_idx.x) * GEMV_WARPS + Int(thread_idx.x) // 32
+    var N = Int(out_features)
+    if n >= N:
+        return  # the whole warp: n is the warp's
+    var lane = Int(lane_id())
+    var K = Int(in_features)
+    var nt = Int(tokens)
+    var vectors = K // VEC
+    var row = n * K
+    var acc = SIMD[_F32, T * VEC](0)  # acc[t * VEC + e]: token t's partial sums
+    for base in range(lane, vectors, 32 * GEMV_UNROLL):
+        var w = SIMD[dtype, GEMV_UNROLL * VEC](0)
+        comptime for u in range(GEMV_UNROLL):
+            var i = base + 32 * u
+            if i < vectors:
+                w = w.insert[offset=u * VEC](
+                    weight.unsafe_load[width=VEC, alignment=16](row + i * VEC)
+                )
+        comptime for u in range(GEMV_UNROLL):
+            var i = base + 32 * u
+            if i < vectors:
+                var wf = w.slice[VEC, offset=u * VEC]().cast[_F32]()
+                comptime for t in range(T):
+                    if t < nt:
+                        var xf = x.unsafe_load[width=VEC, alignment=16](t * K + i * VEC).cast[
+                            _F32
+                        ]()
+                        acc = acc.insert[offset=t * VEC](
+                            wf.fma(xf, acc.slice[VEC, offset=t * VEC]())
+                        )
+    comptime for t in range(T):
+        if t < nt:
+            var total = warp.sum(acc.slice[VEC, offset=t * VEC]().reduce_add())
+            if lane == 0:
+                out_ptr[unsafe_offset=t * N + n] = total.cast[dtype]()

@@ -19,7 +19,7 @@ import torch
 
 from kernels import build
 from kernels.fused import ptx
-from kernels.fused.gpu import GpuFusedKernels, pack
+from kernels.fused.gpu import GpuFusedKernels, _takes_gemv, pack
 from kernels.ptx_entry import check_signature, parse_entries
 from mili.engine.model.fused_ops import FusedOps, TorchFusedOps
 from tests.kernels.test_fused_parity import TOKENS, _randn, _rope_case, _run_rope, assert_close
@@ -44,7 +44,7 @@ def test_build_fused_ptx_manifest(built_fused_ptx: Path) -> None:
     assert manifest["format"] == ptx.MANIFEST_FORMAT and manifest["arch"] == "sm_90"
     assert manifest["source_key"] == build.source_key()
     seen = {(r["kernel"], r["dtype"], r["head_dim"]): r for r in manifest["kernels"]}
-    for kernel in ("add_rms_norm", "qk_norm_rope", "silu_mul"):
+    for kernel in ("add_rms_norm", "qk_norm_rope", "silu_mul", "gemv"):
         for dtype in ("float32", "bfloat16", "float16"):
             for head_dim in (64, 128, 256) if kernel == "qk_norm_rope" else (0,):
                 rec = seen.pop((kernel, dtype, head_dim))
@@ -107,6 +107,25 @@ def test_rejects_cpu_tensors(tmp_path: Path) -> None:
         kernels.add_rms_norm(torch.zeros(2, 8), torch.zeros(2, 8), torch.ones(8), EPS)
 
 
+def test_gemv_takes_decode_batches_of_whole_aligned_rows_only() -> None:
+    """Which F.linear calls the gemv kernel computes (the rest go to torch): checked on CPU
+    tensors, the predicate looks at shapes, dtypes, strides and alignment only."""
+    bf16 = torch.bfloat16
+    x, weight = torch.zeros(4, 64, dtype=bf16), torch.zeros(32, 64, dtype=bf16)
+    assert _takes_gemv(x, weight, None) and _takes_gemv(x[:1], weight, None)
+    assert not _takes_gemv(torch.zeros(5, 64, dtype=bf16), weight, None)  # past 4 rows
+    assert not _takes_gemv(x[:0], weight, None)
+    assert not _takes_gemv(x, weight, torch.zeros(32, dtype=bf16))  # a bias
+    assert not _takes_gemv(x.float(), weight.float(), None)  # fp32
+    assert not _takes_gemv(x, weight.half(), None)  # mixed dtypes
+    assert not _takes_gemv(x[:, ::2], weight[:, :32], None)  # strided rows
+    shifted = torch.zeros(4 * 64 + 4, dtype=bf16)[4:].view(4, 64)  # 8 bytes past alignment
+    assert shifted.is_contiguous() and not _takes_gemv(shifted, weight, None)
+    short = torch.zeros(4, 60, dtype=bf16)  # rows of 7.5 16-byte vectors
+    assert not _takes_gemv(short, torch.zeros(32, 60, dtype=bf16), None)
+    assert not _takes_gemv(x, torch.zeros(32, 48, dtype=bf16), None)  # widths differ
+
+
 # ---- parity on a GPU --------------------------------------------------------------------------
 
 
@@ -154,3 +173,40 @@ def test_gpu_qk_norm_rope_kv(
     actual = _run_rope(gpu_fused, case)
     for a, e in zip(actual, expected, strict=True):
         assert_close(a.contiguous(), e.contiguous())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
+@pytest.mark.parametrize(
+    ("out_features", "in_features"), [(1, 8), (5, 1032), (1024, 3072), (4099, 1024)]
+)
+@pytest.mark.parametrize("tokens", range(1, ptx.GEMV_MAX_TOKENS + 1))
+def test_gpu_linear_at_decode_batch_sizes(
+    gpu_fused: FusedOps, tokens: int, out_features: int, in_features: int, dtype: torch.dtype
+) -> None:
+    """The gemv kernel (1 to 4 rows): the exact product rounded once, as close as cuBLAS's;
+    odd widths (a row of one vector; N not a multiple of the CTA's 4 columns) included."""
+    x = _randn(tokens, in_features, dtype=dtype, seed=tokens).cuda()
+    weight = (_randn(out_features, in_features, dtype=dtype, seed=out_features)).cuda()
+    weight *= in_features**-0.5
+    exact = x.double() @ weight.double().T
+    out = gpu_fused.linear(x, weight, None)
+    assert_close(out, exact.to(dtype))
+    cublas = torch.nn.functional.linear(x, weight)
+    assert (out.double() - exact).abs().max() <= 2 * (cublas.double() - exact).abs().max() + 1e-3
+
+
+@pytest.mark.gpu
+def test_gpu_linear_leaves_other_shapes_to_torch(gpu_fused: FusedOps) -> None:
+    """Past 4 rows, fp32, a bias or a strided x: torch's GEMM itself (bit for bit)."""
+    x = _randn(ptx.GEMV_MAX_TOKENS + 1, 64, dtype=torch.bfloat16, seed=0).cuda()
+    weight = _randn(32, 64, dtype=torch.bfloat16, seed=1).cuda()
+    bias = _randn(32, dtype=torch.bfloat16, seed=2).cuda()
+    linear = torch.nn.functional.linear
+    assert torch.equal(gpu_fused.linear(x, weight, None), linear(x, weight))
+    assert torch.equal(gpu_fused.linear(x[:1], weight, bias), linear(x[:1], weight, bias))
+    assert torch.equal(
+        gpu_fused.linear(x[:2, ::2], weight[:, :32], None), linear(x[:2, ::2], weight[:, :32])
+    )
+    x32, w32 = x[:1].float(), weight.float()
+    assert torch.equal(gpu_fused.linear(x32, w32, None), linear(x32, w32))

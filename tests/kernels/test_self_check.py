@@ -91,6 +91,7 @@ def test_the_real_cpu_kernels_pass(shape: CheckShape) -> None:
         (FUSED, "fused.add_rms_norm", "add_rms_norm"),
         (FUSED, "fused.qk_norm_rope_kv", "qk_norm_rope_kv"),
         (FUSED, "fused.silu_mul", "silu_mul"),
+        (FUSED, "fused.linear", "linear"),
         (FUSED, "fused.grouped_gemm", "grouped_gemm"),
     ],
 )

@@ -8,12 +8,15 @@ any device, and what the kernels are tested against. The model calls them per la
 
     h = rms_norm(x)                    layer 0's input norm (x: the embeddings)
     h = add_rms_norm(x, residual)      residual += x; h = rms_norm(residual)    (in place)
-    qkv = h @ W_qkv                    one GEMM (model.py)
+    qkv = linear(h, W_qkv)             one GEMM (model.py); every projection is `linear`
     q, k, v = qk_norm_rope_kv(qkv)     per-head RMSNorm of q and k, RoPE, K/V into the cache
     ...attention, o_proj...
     h = add_rms_norm(x, residual)      post-attention norm
-    a = silu_mul(h @ W_gate_up)        silu(gate) * up
-    x = a @ W_down
+    a = silu_mul(linear(h, W_gate_up)) silu(gate) * up
+    x = linear(a, W_down)
+
+`linear` is F.linear, except that at decode's batch sizes a GPU implementation may read the
+weights with a kernel of its own (cuBLAS's GEMM tiles are slow there: docs/benchmarks.md).
 
 A MoE layer's experts (moe.py) run their two GEMMs as `grouped_gemm` over rows sorted by
 expert: not elementwise, but like the ops above a kernel with one torch reference
@@ -93,6 +96,12 @@ class FusedOps(Protocol):
         """gate_up: [T, 2 I] -> silu(gate) * up, [T, I] (a new tensor)."""
         ...
 
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """x [T, K], weight [N, K], bias [N] or None -> x @ weight.T (+ bias), [T, N]."""
+        ...
+
     def grouped_gemm(
         self, rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor
     ) -> torch.Tensor:
@@ -157,6 +166,11 @@ class TorchFusedOps:
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up  # HF's Qwen3MLP: act_fn(gate_proj(x)) * up_proj(x)
+
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        return F.linear(x, weight, bias)
 
     def grouped_gemm(
         self, rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor

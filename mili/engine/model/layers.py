@@ -9,7 +9,6 @@ mili/engine/model/weight_map.py turns that into the loader's HF name -> (paramet
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mili.engine.model.fused_ops import FusedOps
@@ -46,9 +45,6 @@ class MergedLinear(nn.Module):
             start += rows
         return slices
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
-
 
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), gate and up as one GEMM."""
@@ -62,4 +58,5 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, ops: FusedOps) -> torch.Tensor:
         # x: [T, hidden] -> gate_up [T, 2 I] -> [T, I] -> [T, hidden]
-        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
+        gate_up = ops.linear(x, self.gate_up_proj.weight, None)
+        return ops.linear(ops.silu_mul(gate_up), self.down_proj.weight, None)

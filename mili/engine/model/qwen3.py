@@ -174,8 +174,9 @@ class SelfAttention(nn.Module):
 
     def forward(self, h: torch.Tensor, step: _Step, layer: int) -> torch.Tensor:
         num_tokens = h.shape[0]  # h: [T, hidden]
-        q, k, v = step.ops.qk_norm_rope_kv(
-            self.qkv_proj(h),  # [T, (H + 2 KVH) * D]
+        ops, qkv_proj, o_proj = step.ops, self.qkv_proj, self.o_proj
+        q, k, v = ops.qk_norm_rope_kv(
+            ops.linear(h, qkv_proj.weight, qkv_proj.bias),  # [T, (H + 2 KVH) * D]
             self.q_norm.weight,
             self.k_norm.weight,
             self.q_norm.eps,
@@ -186,7 +187,8 @@ class SelfAttention(nn.Module):
             step.kv_cache.v[layer],
         )  # q: [T, H, D]; k, v: [T, KVH, D], already in the cache
         out = step.attend(layer, q, k, v)  # [T, H, D]
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        out = out.reshape(num_tokens, self.num_heads * self.head_dim)
+        return ops.linear(out, o_proj.weight, o_proj.bias)
 
 
 class DecoderLayer(nn.Module):
