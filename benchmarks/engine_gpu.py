@@ -478,6 +478,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--layers", type=int, default=None, help="the preset's first N layers (--random-on-device)"
     )
+    parser.add_argument(
+        "--overlap-launches",
+        action="store_true",
+        help="launch the Mojo GPU kernels with programmatic stream serialization (each may start "
+        "while the previous kernel finishes; kernels/cuda_driver.py)",
+    )
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -500,6 +506,12 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     model = load(path, args)
     sync(device)
+    overlapped = ""
+    if args.overlap_launches:
+        kernels = [k for k in (model.attention, model.fused_ops) if hasattr(k, "overlap_launches")]
+        for k in kernels:
+            k.overlap_launches = True
+        overlapped = f", overlapped launches ({len(kernels)} kernel families)"
     weights = "random on the device" if path is None else "checkpoint"
     experts = ""
     if config.is_moe:
@@ -510,7 +522,8 @@ def main(argv: list[str] | None = None) -> int:
         f"# {args.preset} {args.dtype} on {args.device} ({name}), torch {torch.__version__}, "
         f"{config.num_hidden_layers} of {full_layers} layers{experts}, weights {weights} "
         f"({time.perf_counter() - t0:.1f} s), attention {model.attention.name}, "
-        f"fused ops {model.fused_ops.name}, context {args.context}, {args.steps} steps",
+        f"fused ops {model.fused_ops.name}{overlapped}, context {args.context}, "
+        f"{args.steps} steps",
         flush=True,
     )
     what = "launches" if device.type == "cuda" else "aten ops"

@@ -184,6 +184,7 @@ unset OMP_NUM_THREADS
 if [[ $device == cuda ]]; then
   PARITY=()  # Qwen3-0.6B bf16, 6 sequences of 300 tokens, 12 steps
   ENGINE=(--batches "1,64,256" --steps 16 --warmup 2 --repeats 2)
+  ENGINE_OVERLAP=(--batches "1,64" --steps 16 --warmup 2 --repeats 2 --prefill-batch 1)
   ATTENTION=()
   GEMV=()
   SERVE=(--ttft-requests 30 --warmup 4 --concurrency "64,256")
@@ -204,6 +205,7 @@ else
   PARITY=(--dtype fp32 --batch 3 --prompt 40 --steps 4)
   ENGINE=(--batches "1,8" --steps 4 --warmup 1 --repeats 1 --context 64 --prefill-tokens 64
     --prefill-batch 2)
+  ENGINE_OVERLAP=("${ENGINE[@]}")
   ATTENTION=(--lengths 128 --decode 4x256 1x64 --iters 2)
   GEMV=(--preset tiny --repeats 2)
   SERVE=(--ttft-requests 3 --warmup 1 --concurrency 4 --output-tokens 16)
@@ -222,6 +224,10 @@ piece engine.log "$(cap 75 60)" "$BUDGET" "$PY" benchmarks/engine_parity.py "${c
 piece engine.log "$(cap 100 60)" "$BUDGET" "$PY" benchmarks/engine_gpu.py "${common[@]}" \
   --attention mojo --no-hf --json "$tmp/engine.json" "${ENGINE[@]}"
 cat "$tmp/engine.json" >>"$out/engine.log" 2>/dev/null
+# The same steps with every Mojo kernel launched overlapping the one before (programmatic
+# dependent launch, off by default until measured): batch 1 runs ~300 kernels of a few us.
+piece engine.log "$(cap 45 30)" "$BUDGET" "$PY" benchmarks/engine_gpu.py "${common[@]}" \
+  --attention mojo --no-hf --overlap-launches "${ENGINE_OVERLAP[@]}"
 # --attention auto: the MoE number comes out even where the Mojo kernels fail (the header line
 # says which attention ran); the weights are made on the device, no checkpoint.
 piece engine.log "$(cap 90 60)" "$BUDGET" "$PY" benchmarks/engine_gpu.py --device "$device" \

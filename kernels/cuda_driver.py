@@ -1,7 +1,10 @@
 """The CUDA driver, for the GPU kernels' loaders (kernels/gpu.py, kernels/fused/gpu.py): load a
 PTX, which the driver JIT-compiles (`cuModuleLoadDataEx`; a failed load reports ptxas's log,
 kernels/jit_log.py), and launch one of its functions on a stream (`cuLaunchKernel`) with the
-arguments `pack_arguments` lays out from a signature table.
+arguments `pack_arguments` lays out from a signature table. A launch with `overlap` goes through
+`cuLaunchKernelEx` with programmatic stream serialization: the kernel may be scheduled while
+the previous one on the stream finishes, which every kernel of ours allows for by waiting for
+that grid first (kernels/mojo/grid_order_gpu.mojo).
 
 The driver is reached through one binding, `cuda.bindings.driver` (cuda-python), imported
 lazily on the first launch.
@@ -37,6 +40,7 @@ class _CudaPythonDriver:
         self.drv = driver
         self._ctx: dict[int, Any] = {}
         self._modules: list[Any] = []
+        self._overlap: Any = None  # the launch attribute, made on the first overlapped launch
 
     def _check(self, result: tuple, what: str, detail: str = "") -> Any:
         """result[1:] of a call that succeeded; else a RuntimeError naming `what`, the error
@@ -99,9 +103,29 @@ class _CudaPythonDriver:
         stream: int,
         args: list[ctypes._SimpleCData],
         shared: int,
+        overlap: bool = False,
     ) -> None:
         self._context(device)
         ptrs = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
+        if overlap:
+            if self._overlap is None:
+                attribute = self.drv.CUlaunchAttribute()
+                ids = self.drv.CUlaunchAttributeID
+                attribute.id = ids.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+                attribute.value.programmaticStreamSerializationAllowed = 1
+                self._overlap = attribute
+            config = self.drv.CUlaunchConfig()
+            config.gridDimX, config.gridDimY, config.gridDimZ = grid
+            config.blockDimX, config.blockDimY, config.blockDimZ = block
+            config.sharedMemBytes = shared
+            config.hStream = self.drv.CUstream(stream)
+            config.attrs = [self._overlap]
+            config.numAttrs = 1
+            self._check(
+                self.drv.cuLaunchKernelEx(config, func, ctypes.addressof(ptrs), 0),
+                "cuLaunchKernelEx (programmatic stream serialization)",
+            )
+            return
         self._check(
             self.drv.cuLaunchKernel(
                 func,

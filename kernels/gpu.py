@@ -83,6 +83,9 @@ class GpuKernels:
         self._scratch: dict[tuple[int, torch.dtype], torch.Tensor] = {}
         self._retired: list[torch.Tensor] = []
         self._lock = threading.Lock()
+        # Launch each kernel overlapping the previous one's tail (kernels/cuda_driver.py): off
+        # until a GPU run measures it (benchmarks/engine_gpu.py --overlap-launches).
+        self.overlap_launches = False
 
     # -- loading ---------------------------------------------------------------------------
 
@@ -143,7 +146,9 @@ class GpuKernels:
             func, shared = self._function(device, kernel, dtype, head_dim)
             stream = torch.cuda.current_stream(device).cuda_stream
             assert self._driver is not None
-            self._driver.launch(device, func, grid, block, stream, args, shared)
+            self._driver.launch(
+                device, func, grid, block, stream, args, shared, self.overlap_launches
+            )
 
     def _num_sms(self, device: int) -> int:
         if device not in self._sms:

@@ -67,6 +67,7 @@ _LOG = logging.getLogger("mili.kernels")
 MANIFEST_FORMAT = 2  # what kernels/gpu.py expects of manifest.json (kernels/manifest.py)
 
 _SOURCES = (
+    "grid_order_gpu.mojo",
     "prefill_gpu.mojo",
     "decode_gpu.mojo",
     "flash_prefill_gpu.mojo",

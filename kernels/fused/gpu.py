@@ -51,6 +51,9 @@ class GpuFusedKernels:
         self._driver: Any = None
         self._functions: dict[tuple[int, str, str, int], Any] = {}
         self._lock = threading.Lock()
+        # Launch each kernel overlapping the previous one's tail (kernels/cuda_driver.py): off
+        # until a GPU run measures it (benchmarks/engine_gpu.py --overlap-launches).
+        self.overlap_launches = False
         self.num_calls = 0  # launches, for launch-count tests and benchmarks
 
     @property
@@ -104,7 +107,9 @@ class GpuFusedKernels:
             func = self._function(device, kernel, _DTYPE_NAMES[like.dtype], head_dim)
             stream = torch.cuda.current_stream(device).cuda_stream
             self.num_calls += 1
-            self._driver.launch(device, func, grid, (threads, 1, 1), stream, args, 0)
+            self._driver.launch(
+                device, func, grid, (threads, 1, 1), stream, args, 0, self.overlap_launches
+            )
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         _require_cuda(x)

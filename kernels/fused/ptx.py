@@ -148,8 +148,9 @@ def build_fused_ptx(mojo: Path, source_dir: Path, out_dir: Path, *, arch: str = 
     and manifest.json {"format", "arch", "source_key", "compile_seconds", "threads",
     "signatures", "kernels": [{"kernel", "dtype", "head_dim", "file", "entry", "params"}]}."""
     source_dir = Path(source_dir).resolve()
-    if not (source_dir / "fused_gpu.mojo").is_file():
-        raise FileNotFoundError(f"{source_dir / 'fused_gpu.mojo'} not found")
+    for name in ("fused_gpu.mojo", "grid_order_gpu.mojo"):
+        if not (source_dir / name).is_file():
+            raise FileNotFoundError(f"{source_dir / name} not found")
     out_dir.mkdir(parents=True)
     with tempfile.TemporaryDirectory(prefix="mili-fused-ptx-") as tmp:
         found, seconds = compile_entries(

@@ -26,6 +26,7 @@ from std.sys import size_of
 from max.gpu import thread_idx, block_idx, barrier, lane_id, syncwarp
 from max.gpu.memory import AddressSpace
 from max.gpu.primitives import warp
+from grid_order_gpu import grid_order_start
 
 comptime DECODE_THREADS = 128
 comptime NUM_WARPS = 4
@@ -50,6 +51,7 @@ def decode_kernel[
     num_splits: Int32,
     scale_log2: Float32,
 ):
+    grid_order_start()  # grid_order_gpu.mojo: nothing is read before it
     comptime assert D % 64 == 0, "head_dim must be a multiple of 64"
     comptime VEC = 16 // size_of[dtype]()  # elements per 16-byte global load
     comptime CPR = D // VEC  # 16-byte chunks per row
@@ -209,6 +211,7 @@ def decode_combine_kernel[
     num_splits: Int32,
 ):
     """Grid (B * H), block D threads: out[row, d] = sum_s w_s o_s[d] / sum_s w_s, w_s = 2^lse_s."""
+    grid_order_start()  # grid_order_gpu.mojo: nothing is read before it
     comptime NEG_INF = -inf[DType.float32]()
     var row = Int(block_idx.x)
     var d = Int(thread_idx.x)

@@ -68,6 +68,7 @@ from max.gpu.memory import (
     external_memory,
 )
 from max.gpu.primitives import warp
+from grid_order_gpu import grid_order_start
 
 comptime FLASH_PREFILL_THREADS = 128
 comptime NUM_WARPS = 4
@@ -113,6 +114,7 @@ def flash_prefill_kernel[
     max_blocks: Int32,
     scale_log2: Float32,
 ):
+    grid_order_start()  # grid_order_gpu.mojo: nothing is read before it
     comptime assert size_of[dtype]() == 2, "bf16/fp16 only (fp32: prefill_gpu.mojo)"
     comptime assert D == 64 or D == 128 or D == 256, "head_dim 64, 128 or 256"
     comptime MT = flash_prefill_m_tiles(D)

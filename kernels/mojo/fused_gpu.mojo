@@ -16,6 +16,7 @@ from std.math import exp, sqrt
 from max.gpu import thread_idx, block_idx, barrier, lane_id
 from max.gpu.memory import AddressSpace
 from max.gpu.primitives import warp
+from grid_order_gpu import grid_order_start
 from std.memory import stack_allocation
 from std.sys import size_of
 
@@ -52,6 +53,7 @@ def add_rms_norm_kernel[
 
     out may be x: each thread reads and writes only its own elements of the row.
     """
+    grid_order_start()  # grid_order_gpu.mojo: nothing is read before it
     comptime NUM_WARPS = NORM_THREADS // 32
     var row = Int(block_idx.x)
     var tid = Int(thread_idx.x)
@@ -106,6 +108,7 @@ def qk_norm_rope_kernel[
     Lane l holds elements l + 32 j (j < D / 32): element i's RoPE partner i + D/2 is then the
     same lane's j + D/64, so the rotation needs no shuffles.
     """
+    grid_order_start()  # grid_order_gpu.mojo: nothing is read before it
     comptime assert D % 64 == 0, "head_dim must be a multiple of 64"
     comptime PER_LANE = D // 32
     comptime HALF_J = PER_LANE // 2  # j < HALF_J: first half of the head
@@ -168,6 +171,7 @@ def silu_mul_kernel[
     intermediate: Int32,
 ):
     """out[r, i] = silu(gate[r, i]) * up[r, i]; gate_up rows are gate | up, each I wide."""
+    grid_order_start()  # grid_order_gpu.mojo: nothing is read before it
     var inter = Int(intermediate)
     var r = Int(block_idx.x)  # rows on x: a prefill chunk may have more than 65535 tokens
     var i = Int(block_idx.y) * SILU_THREADS + Int(thread_idx.x)
@@ -200,6 +204,7 @@ def gemv_kernel[
     warps), then a butterfly sums the lanes. K must be a multiple of the vector (the host
     checks).
     """
+    grid_order_start()  # grid_order_gpu.mojo: nothing is read before it
     comptime VEC = 16 // size_of[dtype]()
     comptime T = GEMV_MAX_TOKENS
     var n = Int(block_idx.x) * GEMV_WARPS + Int(thread_idx.x) // 32

@@ -65,6 +65,7 @@ from max.gpu.memory import (
     external_memory,
 )
 from max.gpu.primitives import warp
+from grid_order_gpu import grid_order_start
 
 comptime PAGED_DECODE_THREADS = 128
 comptime RING_KEYS_PER_GROUP = 12  # STAGES x KPG: the ring's size in keys per row group
@@ -122,6 +123,7 @@ def paged_decode_kernel[
     num_splits: Int32,
     scale_log2: Float32,
 ):
+    grid_order_start()  # grid_order_gpu.mojo: nothing is read before it
     comptime assert size_of[dtype]() == 2, "bf16/fp16 only (fp32: decode_gpu.mojo)"
     comptime assert D == 64 or D == 128 or D == 256, "head_dim 64, 128 or 256"
     comptime assert GC == 1 or GC == 2 or GC == 4 or GC == 8, "GC in 1, 2, 4, 8"

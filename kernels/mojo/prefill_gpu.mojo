@@ -29,6 +29,7 @@ from std.sys import size_of
 from max.gpu import thread_idx, block_idx, barrier, lane_id
 from max.gpu.memory import AddressSpace
 from max.gpu.primitives import warp
+from grid_order_gpu import grid_order_start
 
 comptime PREFILL_THREADS = 128
 comptime NUM_WARPS = 4
@@ -59,6 +60,7 @@ def prefill_kernel[
     max_blocks: Int32,
     scale_log2: Float32,
 ):
+    grid_order_start()  # grid_order_gpu.mojo: nothing is read before it
     comptime assert D % 64 == 0, "head_dim must be a multiple of 64"
     comptime BM = prefill_block_m(D)
     comptime BN = prefill_block_n(D)

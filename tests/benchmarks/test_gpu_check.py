@@ -61,8 +61,8 @@ def test_every_piece_runs_and_passes_within_eight_files(check_out: Path) -> None
     run_log = (check_out / "run.log").read_text()
     started = re.findall(r"\] START cap \d+s: (.*)", run_log)
     ended = {command: rc for rc, command in re.findall(r"\] END exit (\d+)[^:]*: (.*)", run_log)}
-    # env, checkpoint, 3 kernel pieces, 3 test pieces, 12 in phase B
-    assert len(started) == 20, run_log
+    # env, checkpoint, 3 kernel pieces, 3 test pieces, 13 in phase B
+    assert len(started) == 21, run_log
     assert {command: ended.get(command) for command in started} == dict.fromkeys(started, "0")
     assert "SKIP" not in run_log
     assert "0 failed, 0 skipped" in run_log.splitlines()[-1]
@@ -98,6 +98,8 @@ def test_each_log_holds_measured_rows(check_out: Path) -> None:
         # after decode's start-up check of them
         assert re.search(rf"^ahead +batch +{batch}: TPOT +{NUMBER} ms, +\d+ tok/s", engine, re.M)
     assert "ahead: start-up check passed" in engine
+    # the same steps with overlapped launches (on the CPU no kernel family takes them)
+    assert re.search(r"^# .*, overlapped launches \(0 kernel families\), ", engine, re.M)
     assert '"prefill_tokens_per_s"' in engine
     # MoE, random weights made on the device (no checkpoint): a row per batch, then the JSON
     moe_header = r"^# tiny-moe .* 8 experts \(2 active, grouped_mm\), weights random"
