@@ -22,8 +22,9 @@
 #      = the CPU's numpy path and the sampler under it
 #   B  one at a time, until BUDGET: the engine with Mojo attention + fused ops + CUDA graphs
 #      against the torch reference (teacher-forced, one line per step); engine speed (TPOT at
-#      batch 1, tok/s at 64 and 256, eager vs graphs, launches per step); Qwen3-30B-A3B (random
-#      bf16 weights made on the device, all 48 layers: 57 GiB + 6 GiB of KV fit an 80 GB H100)
+#      batch 1, tok/s at 64 and 256, eager vs graphs, launches per step; then batch 1 and 64
+#      with the Mojo kernels' launches overlapped); Qwen3-30B-A3B (random bf16 weights made
+#      on the device, all 48 layers: 57 GiB + 6 GiB of KV fit an 80 GB H100)
 #      decode TPOT at batch 1 and 10 and tok/s at 64, the engine alone (~45 s); attention
 #      TFLOP/s and GB/s against SDPA; the small-batch GEMVs' variants; `mili serve` TTFT at
 #      concurrency 1 (512-token prompts) and tok/s at 64 and 256; cuda-ipc KV GB/s; the fused ops; the JSON-constrained decode step
