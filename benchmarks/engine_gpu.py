@@ -439,7 +439,7 @@ def load(path: Path | None, args: argparse.Namespace) -> Qwen3ForCausalLM:
         shape = CheckShape.of(model.config, args.block_size, dtype_name)
         kernels = select_kernels(args.attention, args.device, shape)
         for fault in kernels.faults:
-            print(f"kernel self-check FAILED, on torch instead: {fault}", flush=True)
+            print(f"kernel self-check FAILED (the header says what runs): {fault}", flush=True)
         model.attention, model.fused_ops = kernels.attention, kernels.fused_ops
     if args.fused is not None or args.attention in ("torch", "torch-graphs"):
         fused = args.fused or "torch"
@@ -506,6 +506,9 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     model = load(path, args)
     sync(device)
+    # A kernel a family runs without after failing the self-check (kernels/choice.py).
+    no_split = "" if getattr(model.attention, "split_decode", True) else " without split decode"
+    no_gemv = "" if getattr(model.fused_ops, "gemv", True) else " without gemv"
     overlapped = ""
     if args.overlap_launches:
         kernels = [k for k in (model.attention, model.fused_ops) if hasattr(k, "overlap_launches")]
@@ -521,8 +524,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"# {args.preset} {args.dtype} on {args.device} ({name}), torch {torch.__version__}, "
         f"{config.num_hidden_layers} of {full_layers} layers{experts}, weights {weights} "
-        f"({time.perf_counter() - t0:.1f} s), attention {model.attention.name}, "
-        f"fused ops {model.fused_ops.name}{overlapped}, context {args.context}, "
+        f"({time.perf_counter() - t0:.1f} s), attention {model.attention.name}{no_split}, "
+        f"fused ops {model.fused_ops.name}{no_gemv}{overlapped}, context {args.context}, "
         f"{args.steps} steps",
         flush=True,
     )

@@ -223,12 +223,12 @@ common=(--device "$device" --preset "$preset" --cache-dir "$cache")
 piece engine.log "$(cap 75 60)" "$BUDGET" "$PY" benchmarks/engine_parity.py "${common[@]}" \
   "${PARITY[@]}"
 piece engine.log "$(cap 100 60)" "$BUDGET" "$PY" benchmarks/engine_gpu.py "${common[@]}" \
-  --attention mojo --no-hf --json "$tmp/engine.json" "${ENGINE[@]}"
+  --attention auto --no-hf --json "$tmp/engine.json" "${ENGINE[@]}"
 cat "$tmp/engine.json" >>"$out/engine.log" 2>/dev/null
 # The same steps with every Mojo kernel launched overlapping the one before (programmatic
 # dependent launch, off by default until measured): batch 1 runs ~300 kernels of a few us.
 piece engine.log "$(cap 45 30)" "$BUDGET" "$PY" benchmarks/engine_gpu.py "${common[@]}" \
-  --attention mojo --no-hf --overlap-launches "${ENGINE_OVERLAP[@]}"
+  --attention auto --no-hf --overlap-launches "${ENGINE_OVERLAP[@]}"
 # --attention auto: the MoE number comes out even where the Mojo kernels fail (the header line
 # says which attention ran); the weights are made on the device, no checkpoint.
 piece engine.log "$(cap 90 60)" "$BUDGET" "$PY" benchmarks/engine_gpu.py --device "$device" \
@@ -240,10 +240,11 @@ piece attention.log "$(cap 50 40)" "$BUDGET" "$PY" benchmarks/attention_gpu.py -
 # (cuBLAS's backends, the weight as the left operand) reads them fastest, a graph per shape.
 piece attention.log "$(cap 40 30)" "$BUDGET" "$PY" benchmarks/gemv_gpu.py --device "$device" \
   "${GEMV[@]}"
-# The engine above runs --attention mojo: missing kernels fail it instead of timing torch. The
-# services below run --attention auto: a kernel this run is the first to try (A1 says whether
-# it passed) and that fails their start-up self-check falls back to torch instead of stopping
-# every `mili serve` piece; serve_gpu.py's `kernels:` line says what each service ran.
+# The engine and the services run --attention auto: a kernel this run is the first to try
+# (A1 says whether it passed) and that fails the start-up self-check falls back (that kernel
+# alone where its family can spare it: the split decode, the gemv; else its family to torch)
+# instead of stopping the piece; engine_gpu.py's header and FAILED lines and serve_gpu.py's
+# `kernels:` line say what ran. Missing PTX fails phase A (--require-kernels).
 piece serve.log "$(cap 120 90)" "$BUDGET" "$PY" benchmarks/serve_gpu.py "${common[@]}" \
   --attention auto --json "$tmp/serve.json" "${SERVE[@]}"
 cat "$tmp/serve.json" >>"$out/serve.log" 2>/dev/null

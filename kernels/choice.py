@@ -5,7 +5,9 @@
                        start-up self-check (kernels/self_check.py), stops the service
     --attention auto   (default) per family (attention; fused ops), the Mojo kernels where
                        they load and pass the self-check, else torch, with one log line naming
-                       the kernel and what went wrong
+                       the kernel and what went wrong; a family that can do without the
+                       failing kernel alone (`fall_back(kernel)`: the GPU's split decode, its
+                       gemv) keeps its other kernels
 
 One flag picks the kernel family of a process, so `--attention torch` runs the model on torch
 alone (the reference end to end).
@@ -96,7 +98,16 @@ def select_kernels(
     for fault in faults:
         if choice == "mojo":
             raise KernelBuildError(f"a Mojo kernel failed its start-up self-check: {fault}")
-        if fault.family in loaded:
+        implementation = loaded.get(fault.family)
+        fall_back = getattr(implementation, "fall_back", None)
+        if fall_back is not None and fall_back(fault.kernel):
+            _LOG.warning(
+                "a Mojo kernel failed its start-up self-check, its work alone runs without it "
+                "(the other %s kernels stay): %s",
+                _NAMES[fault.family],
+                fault,
+            )
+        elif implementation is not None:
             _LOG.warning(
                 "a Mojo kernel failed its start-up self-check, %s kernels run on torch: %s",
                 _NAMES[fault.family],

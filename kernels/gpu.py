@@ -86,6 +86,9 @@ class GpuKernels:
         # Launch each kernel overlapping the previous one's tail (kernels/cuda_driver.py): off
         # until a GPU run measures it (benchmarks/engine_gpu.py --overlap-launches).
         self.overlap_launches = False
+        # False once the split decode failed the start-up self-check (`fall_back`): every
+        # decode then runs one split a sequence, the path the narrow-table check passed.
+        self.split_decode = True
 
     # -- loading ---------------------------------------------------------------------------
 
@@ -149,6 +152,14 @@ class GpuKernels:
             self._driver.launch(
                 device, func, grid, block, stream, args, shared, self.overlap_launches
             )
+
+    def fall_back(self, kernel: str) -> bool:
+        """Do without the self-check's `kernel` (kernels/choice.py), if only it failed:
+        attention.decode_split -> one split a sequence. False for any other kernel."""
+        if kernel != "attention.decode_split":
+            return False
+        self.split_decode = False
+        return True
 
     def _num_sms(self, device: int) -> int:
         if device not in self._sms:
@@ -322,6 +333,8 @@ class GpuKernels:
             splits = num_splits or self.decode_splits(
                 device, num_seqs, kv_heads, heads, max_context
             )
+        if not self.split_decode:
+            splits = 1
         chunks = math.ceil(group / per_cta)
         dtype = _DTYPE_NAMES[q.dtype]
         # The kernel writes `out` directly with one split and never touches the scratch pointers.

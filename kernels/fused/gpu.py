@@ -54,6 +54,8 @@ class GpuFusedKernels:
         # Launch each kernel overlapping the previous one's tail (kernels/cuda_driver.py): off
         # until a GPU run measures it (benchmarks/engine_gpu.py --overlap-launches).
         self.overlap_launches = False
+        # False once the gemv failed the start-up self-check (`fall_back`): torch's GEMM then.
+        self.gemv = True
         self.num_calls = 0  # launches, for launch-count tests and benchmarks
 
     @property
@@ -110,6 +112,14 @@ class GpuFusedKernels:
             self._driver.launch(
                 device, func, grid, (threads, 1, 1), stream, args, 0, self.overlap_launches
             )
+
+    def fall_back(self, kernel: str) -> bool:
+        """Do without the self-check's `kernel` (kernels/choice.py), if only it failed:
+        fused.linear -> F.linear at every batch size. False for any other kernel."""
+        if kernel != "fused.linear":
+            return False
+        self.gemv = False
+        return True
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         _require_cuda(x)
@@ -234,7 +244,7 @@ class GpuFusedKernels:
         """x [T, K] @ weight [N, K].T: the gemv kernel for T <= GEMV_MAX_TOKENS rows of bf16 or
         fp16 without a bias (decode's steps; 16-byte aligned rows), torch's GEMM otherwise."""
         _require_cuda(x)
-        if not _takes_gemv(x, weight, bias):
+        if not (self.gemv and _takes_gemv(x, weight, bias)):
             return F.linear(x, weight, bias)
         tokens, in_features = x.shape
         out_features = weight.shape[0]

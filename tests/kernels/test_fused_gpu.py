@@ -248,3 +248,12 @@ def test_overlapped_launches_compute_what_plain_ones_do(gpu_fused: Any, tokens: 
         gpu_fused.overlap_launches = False
     assert torch.isfinite(plain).all()
     assert torch.equal(eager, plain) and torch.equal(captured, plain)
+
+
+@pytest.mark.gpu
+def test_without_the_gemv_linear_is_torchs(gpu_fused: Any) -> None:
+    kernels = GpuFusedKernels(gpu_fused.kernel_dir)
+    assert kernels.fall_back("fused.linear")
+    x = _randn(1, 1024, dtype=torch.bfloat16, seed=0).cuda()
+    weight = _randn(512, 1024, dtype=torch.bfloat16, seed=1).cuda()
+    assert torch.equal(kernels.linear(x, weight, None), torch.nn.functional.linear(x, weight))

@@ -406,3 +406,23 @@ def test_a_ptx_that_fails_to_jit_reports_the_entry_and_the_ptxas_log() -> None:
     assert "\nJIT error log:\n" in message, message
     error_log = message.split("\nJIT error log:\n", 1)[1]
     assert "mili_undeclared" in error_log, message
+
+
+@pytest.mark.gpu
+def test_without_the_split_decode_every_sequence_runs_one_split(gpu_kernels) -> None:
+    """After its self-check failure (kernels/choice.py) the split decode is not run: a batch
+    the plan would split (batch 1, a wide table) comes out right from one split a sequence."""
+    kernels = GpuKernels(gpu_kernels.kernel_dir)
+    assert kernels.fall_back("attention.decode_split")
+    case = make_case(
+        [1],
+        [3999],
+        num_q_heads=16,
+        num_kv_heads=8,
+        head_dim=128,
+        block_size=16,
+        dtype=torch.bfloat16,
+        device="cuda",
+    )
+    assert_close(run_decode(kernels, case), reference_decode(case), torch.bfloat16)
+    assert_close(run_decode(kernels, case, 7), reference_decode(case), torch.bfloat16)

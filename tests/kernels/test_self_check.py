@@ -147,6 +147,55 @@ def test_auto_falls_back_per_family_and_says_which_kernel(how: str, caplog) -> N
     assert len(warnings) == 1 and "fused.silu_mul" in warnings[0], warnings
 
 
+class FallsBack(Broken):
+    """A family that can do without its broken kernel (as the GPU's gemv and split decode
+    can): `fall_back` of that kernel's self-check name mends it, any other refuses."""
+
+    def __init__(self, family: str, how: str, kernel: str, check_name: str) -> None:
+        super().__init__(family, how, kernel)
+        self._check_name = check_name
+        self.fallen_back: list[str] = []
+
+    def fall_back(self, kernel: str) -> bool:
+        if kernel != self._check_name:
+            return False
+        self.fallen_back.append(kernel)
+        self._kernel = "none of them"  # the broken method now runs the reference
+        return True
+
+
+def test_auto_does_without_a_failing_kernel_its_family_can_spare(caplog) -> None:
+    fused = FallsBack(FUSED, "wrong", "linear", "fused.linear")
+    with caplog.at_level(logging.WARNING, logger="mili.kernels"):
+        kernels = select_kernels("auto", "cpu", DEMO, load=_loader({FUSED: fused}))
+    assert kernels.fused_ops is fused and fused.fallen_back == ["fused.linear"]
+    assert [f.kernel for f in kernels.faults] == ["fused.linear"]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "the other fused-op kernels stay" in warnings[0], warnings
+    # the mended family passes the check now
+    assert check_kernels(DEMO, "cpu", {FUSED: fused}) == []
+    # a kernel the family cannot spare still sends the whole family to torch
+    unsparing = FallsBack(FUSED, "wrong", "silu_mul", "fused.linear")
+    kernels = select_kernels("auto", "cpu", DEMO, load=_loader({FUSED: unsparing}))
+    assert isinstance(kernels.fused_ops, TorchFusedOps) and unsparing.fallen_back == []
+    # and `mojo` refuses it all the same
+    again = FallsBack(FUSED, "wrong", "linear", "fused.linear")
+    with pytest.raises(KernelBuildError, match=r"fused\.linear"):
+        select_kernels("mojo", "cpu", DEMO, load=_loader({FUSED: again}))
+
+
+def test_the_gpu_families_spare_their_gemv_and_split_decode_only(tmp_path: Path) -> None:
+    from kernels.fused.gpu import GpuFusedKernels
+    from kernels.gpu import GpuKernels
+
+    attention, fused = GpuKernels(tmp_path), GpuFusedKernels(tmp_path)
+    assert (attention.split_decode, fused.gemv) == (True, True)
+    assert not attention.fall_back("attention.decode") and not fused.fall_back("fused.silu_mul")
+    assert (attention.split_decode, fused.gemv) == (True, True)
+    assert attention.fall_back("attention.decode_split") and fused.fall_back("fused.linear")
+    assert (attention.split_decode, fused.gemv) == (False, False)
+
+
 @pytest.mark.parametrize("how", ["raises", "nan", "wrong"])
 def test_mojo_refuses_a_failing_kernel(how: str) -> None:
     with pytest.raises(KernelBuildError, match=r"attention\.decode"):
