@@ -192,6 +192,7 @@ if [[ $device == cuda ]]; then
   SERVE_C1=(--ttft-requests 30 --warmup 4)
   SERVE_FRONTENDS=(--frontends 4 --concurrency 256 --warmup 4)
   TTFT=(--requests 20 --warmup 4)
+  TTFT_LOAD=(--requests 128 --concurrency 64 --output-tokens 128 --warmup 4)
   KV=(--receivers "decode,decode-shm" --repeats 3)
   FUSED=(--dtypes bf16 --batch 1 64 --repeats 20)
   # Issue 31: the decode step with a JSON-schema constraint on all 64 rows / without (<= 1.10x),
@@ -213,6 +214,7 @@ else
   SERVE_C1=(--ttft-requests 3 --warmup 1)
   SERVE_FRONTENDS=(--frontends 2 --concurrency 4 --output-tokens 16 --warmup 1)
   TTFT=(--requests 3 --warmup 1)
+  TTFT_LOAD=(--requests 8 --concurrency 4 --output-tokens 8 --warmup 1)
   KV=(--receivers "decode,decode-shm" --repeats 2 --prompt-len 256)
   FUSED=(--dtypes fp32 --tokens 1 16 --repeats 3 --layers 1 --batch 1 --context 32)
   CONSTRAINED=(--model demo --batch 4 --steps 3)
@@ -267,6 +269,11 @@ piece serve.log "$(cap 60 60)" "$BUDGET" "$PY" benchmarks/serve_gpu.py "${common
 # the profile and ncu: it prints only once its server stopped, so a clipped run says nothing.
 piece serve.log "$(cap 60 60)" "$BUDGET" "$PY" benchmarks/ttft_trace.py "${common[@]}" \
   "${TTFT[@]}"
+# The same milestones under load (c=64, 128 tokens out): run 6's saturated levels spent ~0.8 s
+# between decode accepting a KV transfer and its commit while prefill's worker idled 44% of
+# the time; which hop the requests queue at.
+piece serve.log "$(cap 45 45)" "$BUDGET" "$PY" benchmarks/ttft_trace.py "${common[@]}" \
+  "${TTFT_LOAD[@]}"
 # Last, where time is left (the plan took 223 s of 530 on an H200): where a loaded `mili serve`
 # spends its time, py-spy's samples summarized per thread into serve.log (the raw stacks stay
 # on the host: 8 files come back). GPU only: py-spy comes as a carried wheel (gpu_prep.sh).

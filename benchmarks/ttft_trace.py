@@ -2,12 +2,17 @@
 
 `mili serve --trace-console` prints every finished span; one request's spans (frontend, decode,
 prefill, the KV transfer) share a trace. This serves the preset model, sends --requests
-requests one at a time (--prompt-tokens each, 2 output tokens) after --warmup ones, then reads
-each request's milestones, in ms from the frontend's receipt of its Generate, and prints their
-median and p90: which hop, queue or compute a TTFT is made of (the Prometheus breakdown of
-serve_gpu.py has means per service, not the order within one request).
+requests (--prompt-tokens each, --output-tokens out, --concurrency at a time) after --warmup
+ones one at a time, then reads each request's milestones, in ms from the frontend's receipt of
+its Generate, and prints their median and p90: which hop, queue or compute a TTFT is made of
+(the Prometheus breakdown of serve_gpu.py has means per service, not the order within one
+request). At concurrency 1 that is an idle system's TTFT; under load (serve_gpu.py's
+saturated runs spend ~0.8 s between decode accepting a KV transfer and its commit, while
+prefill's worker idles 44% of the time) it says which hop the requests queue at.
 
     python3 benchmarks/ttft_trace.py --device cuda --preset qwen3-0.6b
+    python3 benchmarks/ttft_trace.py --device cuda --concurrency 64 --output-tokens 128 \
+        --requests 128                                                   # under load
     python3 benchmarks/ttft_trace.py --device cpu --preset tiny --requests 5   # any machine
 """
 
@@ -124,6 +129,8 @@ def main() -> int:
     parser.add_argument("--attention", default="auto", choices=["auto", "mojo", "torch"])
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--requests", type=int, default=20)
+    parser.add_argument("--concurrency", type=int, default=1)
+    parser.add_argument("--output-tokens", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE)
     args = parser.parse_args()
@@ -135,13 +142,20 @@ def main() -> int:
         mili_serve(model_dir, "bfloat16", 4, args.attention, extra) as s,
     ):
         run_bench(bench_args(s.address, 1, args.warmup, args.prompt_tokens, 2, seed=99))
-        run_bench(bench_args(s.address, 1, args.requests, args.prompt_tokens, 2))
+        run_bench(
+            bench_args(
+                s.address, args.concurrency, args.requests, args.prompt_tokens, args.output_tokens
+            )
+        )
         s.proc.terminate()  # the spans still buffered are printed as the children stop
         s.proc.wait(90)
         s.log.seek(0)
         log = s.log.read()
     rows = timelines(log, skip=args.warmup)
-    print(f"{len(rows)} requests, {args.prompt_tokens}-token prompts, {args.device}, {args.preset}")
+    print(
+        f"{len(rows)} requests, {args.prompt_tokens}-token prompts, {args.output_tokens} out, "
+        f"concurrency {args.concurrency}, {args.device}, {args.preset}"
+    )
     print("\n".join(report(rows)), flush=True)
     partial = sum(len(r) < len(MILESTONES) for r in rows)
     if partial:  # their medians would mix requests: say so, and fail

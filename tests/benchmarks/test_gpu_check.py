@@ -61,8 +61,8 @@ def test_every_piece_runs_and_passes_within_eight_files(check_out: Path) -> None
     run_log = (check_out / "run.log").read_text()
     started = re.findall(r"\] START cap \d+s: (.*)", run_log)
     ended = {command: rc for rc, command in re.findall(r"\] END exit (\d+)[^:]*: (.*)", run_log)}
-    # env, checkpoint, 3 kernel pieces, 3 test pieces, 13 in phase B
-    assert len(started) == 21, run_log
+    # env, checkpoint, 3 kernel pieces, 3 test pieces, 14 in phase B
+    assert len(started) == 22, run_log
     assert {command: ended.get(command) for command in started} == dict.fromkeys(started, "0")
     assert "SKIP" not in run_log
     assert "0 failed, 0 skipped" in run_log.splitlines()[-1]
@@ -142,8 +142,10 @@ def test_each_log_holds_measured_rows(check_out: Path) -> None:
     assert len(re.findall(r"^concurrency 4 +TTFT p50 ", serve, re.M)) == 2, serve
     assert re.search(r"CPU % .*frontend-0 \d+, frontend-1 \d+", serve), serve
     # one request's TTFT milestone by milestone (ttft_trace.py), every one found
-    assert "3 requests, 512-token prompts, cpu, tiny" in serve, serve
-    assert re.search(rf"^frontend has the first token +{NUMBER} +{NUMBER}$", serve, re.M), serve
+    assert "3 requests, 512-token prompts, 2 out, concurrency 1, cpu, tiny" in serve, serve
+    assert "8 requests, 512-token prompts, 8 out, concurrency 4, cpu, tiny" in serve, serve
+    firsts = re.findall(rf"^frontend has the first token +{NUMBER} +{NUMBER}$", serve, re.M)
+    assert len(firsts) == 2, serve
 
     kv = log("kv.log")
     assert re.search(rf"^decode +{NUMBER} +{NUMBER} +{NUMBER} .* grpc$", kv, re.M), kv
