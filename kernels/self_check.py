@@ -292,6 +292,11 @@ def _cases(shape: CheckShape, device: torch.device) -> list[tuple[str, str, Case
     def linear(impl: Any) -> tuple[torch.Tensor, ...]:
         return tuple(impl.linear(x[:rows], projection, None) for rows in (1, 4, T))
 
+    down = randn(hidden, 2 * hidden, scale=(2 * hidden) ** -0.5)
+
+    def silu_mul_linear(impl: Any) -> tuple[torch.Tensor, ...]:
+        return tuple(impl.silu_mul_linear(gate_up[:rows], down) for rows in (1, 4, T))
+
     def grouped_gemm(impl: Any) -> tuple[torch.Tensor, ...]:
         # The CPU's kernel itself: calls this small go to torch in `grouped_gemm`.
         kernel = getattr(impl, "grouped_gemm_kernel", impl.grouped_gemm)
@@ -306,6 +311,7 @@ def _cases(shape: CheckShape, device: torch.device) -> list[tuple[str, str, Case
         (FUSED, "fused.qk_norm_rope_kv", qk_norm_rope_kv),
         (FUSED, "fused.silu_mul", silu_mul),
         (FUSED, "fused.linear", linear),
+        (FUSED, "fused.silu_mul_linear", silu_mul_linear),
     ]
     if device.type == "cpu":  # CUDA runs torch's grouped GEMM: no kernel of ours to check
         cases.append((FUSED, "fused.grouped_gemm", grouped_gemm))

@@ -147,6 +147,9 @@ class CpuFusedKernels(CpuModuleBinding):
     ) -> torch.Tensor:
         return F.linear(x, weight, bias)  # oneDNN's GEMM: no Mojo kernel of ours measured faster
 
+    def silu_mul_linear(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.silu_mul(gate_up), weight)
+
     def grouped_gemm(
         self, rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor
     ) -> torch.Tensor:

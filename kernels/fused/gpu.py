@@ -54,7 +54,7 @@ class GpuFusedKernels:
         # Launch each kernel overlapping the previous one's tail (kernels/cuda_driver.py): off
         # until a GPU run measures it (benchmarks/engine_gpu.py --overlap-launches).
         self.overlap_launches = False
-        # False once the gemv failed the start-up self-check (`fall_back`): torch's GEMM then.
+        # False once a gemv failed the start-up self-check (`fall_back`): torch's GEMM then.
         self.gemv = True
         self.num_calls = 0  # launches, for launch-count tests and benchmarks
 
@@ -115,8 +115,9 @@ class GpuFusedKernels:
 
     def fall_back(self, kernel: str) -> bool:
         """Do without the self-check's `kernel` (kernels/choice.py), if only it failed:
-        fused.linear -> F.linear at every batch size. False for any other kernel."""
-        if kernel != "fused.linear":
+        fused.linear or fused.silu_mul_linear (the two gemv kernels) -> F.linear at every
+        batch size. False for any other kernel."""
+        if kernel not in ("fused.linear", "fused.silu_mul_linear"):
             return False
         self.gemv = False
         return True
@@ -267,6 +268,34 @@ class GpuFusedKernels:
             )
         return out
 
+    def silu_mul_linear(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The down projection of silu(gate) * up: one gemv_silu launch where the gemv takes
+        the shapes (the product is made as the gemv reads it), else silu_mul then linear."""
+        _require_cuda(gate_up)
+        fused = self.gemv and gate_up.dim() == 2 and gate_up.shape[1] % 2 == 0
+        if not fused or not _takes_gemv(gate_up.chunk(2, dim=1)[0], weight, None, gate_up):
+            return self.linear(self.silu_mul(gate_up), weight, None)
+        rows, width = gate_up.shape
+        out_features = weight.shape[0]
+        out = torch.empty((rows, out_features), dtype=gate_up.dtype, device=gate_up.device)
+        if out_features:
+            self._launch(
+                gate_up,
+                "gemv_silu",
+                0,
+                (math.ceil(out_features / GEMV_WARPS), 1, 1),
+                32 * GEMV_WARPS,
+                {
+                    "out": out.data_ptr(),
+                    "gate_up": gate_up.data_ptr(),
+                    "weight": weight.data_ptr(),
+                    "tokens": rows,
+                    "out_features": out_features,
+                    "in_features": width // 2,
+                },
+            )
+        return out
+
     def grouped_gemm(
         self, rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor
     ) -> torch.Tensor:
@@ -275,9 +304,17 @@ class GpuFusedKernels:
         return grouped_gemm(rows, weight, offsets)
 
 
-def _takes_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+def _takes_gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    rows: torch.Tensor | None = None,
+) -> bool:
     """Whether the gemv kernel computes F.linear(x, weight, bias): 1..GEMV_MAX_TOKENS rows,
-    bf16/fp16 on one device, contiguous, rows whole 16-byte vectors, 16-byte aligned."""
+    bf16/fp16 on one device, rows of whole 16-byte vectors, 16-byte aligned. `rows`: the
+    tensor whose rows x's are a part of (gemv_silu's gate_up; x its gate half), contiguous;
+    else x itself must be."""
+    whole = x if rows is None else rows
     return (
         bias is None
         and x.dim() == 2
@@ -288,9 +325,9 @@ def _takes_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         and 0 < x.shape[0] <= GEMV_MAX_TOKENS
         and x.shape[1] == weight.shape[1]
         and x.shape[1] % (16 // x.element_size()) == 0
-        and x.is_contiguous()
+        and whole.is_contiguous()
         and weight.is_contiguous()
-        and x.data_ptr() % 16 == 0
+        and whole.data_ptr() % 16 == 0
         and weight.data_ptr() % 16 == 0
     )
 

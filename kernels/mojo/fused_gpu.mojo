@@ -11,6 +11,7 @@
 #   silu_mul_kernel       grid (rows, ceil(I / SILU_THREADS)), block SILU_THREADS
 #   gemv_kernel           grid (ceil(N / GEMV_WARPS)), block 32 * GEMV_WARPS: one warp per
 #                         output column n of y [T, N] = x [T, K] @ W[N, K]^T, T <= GEMV_MAX_TOKENS
+#   gemv_silu_kernel      the same over x = silu(gate) * up of gate_up [T, 2 K]
 
 from std.math import exp, sqrt
 from max.gpu import thread_idx, block_idx, barrier, lane_id
@@ -196,15 +197,46 @@ def gemv_kernel[
 ):
     """y[t, n] = sum_k x[t, k] W[n, k] for t < tokens (<= GEMV_MAX_TOKENS): F.linear without a
     bias at decode's batch sizes, where cuBLAS's GEMM tiles read the weights at a third of the
-    copy bandwidth. Accumulates in fp32 and rounds once, as cuBLAS does.
+    copy bandwidth. x [T, K]; see _gemv."""
+    grid_order_start()  # grid_order_gpu.mojo: nothing is read before it
+    _gemv[dtype, False](out_ptr, x, weight, tokens, out_features, in_features)
+
+
+def gemv_silu_kernel[
+    dtype: DType
+](
+    out_ptr: Pointer[Scalar[dtype], MutAnyOrigin],
+    gate_up: Pointer[Scalar[dtype], MutAnyOrigin],
+    weight: Pointer[Scalar[dtype], MutAnyOrigin],
+    tokens: Int32,
+    out_features: Int32,
+    in_features: Int32,
+):
+    """The MLP's down projection of silu(gate) * up, the product made where the gemv reads its
+    x (silu_mul_kernel's rounding): gate_up [T, 2 K], gate | up; no silu_mul launch between."""
+    grid_order_start()  # grid_order_gpu.mojo: nothing is read before it
+    _gemv[dtype, True](out_ptr, gate_up, weight, tokens, out_features, in_features)
+
+
+@always_inline
+def _gemv[
+    dtype: DType, SILU: Bool
+](
+    out_ptr: Pointer[Scalar[dtype], MutAnyOrigin],
+    x: Pointer[Scalar[dtype], MutAnyOrigin],
+    weight: Pointer[Scalar[dtype], MutAnyOrigin],
+    tokens: Int32,
+    out_features: Int32,
+    in_features: Int32,
+):
+    """Accumulates in fp32 and rounds once, as cuBLAS does.
 
     Warp w of CTA c computes column n = c * GEMV_WARPS + w: its lanes stride along row n of W
     in 16-byte vectors, GEMV_UNROLL loads in flight at a time (predicated at the row's end),
     each vector times the same columns of every token's x (x is a few KB: L1 serves the
     warps), then a butterfly sums the lanes. K must be a multiple of the vector (the host
-    checks).
+    checks). With SILU, x's row t is silu(gate[t]) * up[t] of gate_up's row t (2 K wide).
     """
-    grid_order_start()  # grid_order_gpu.mojo: nothing is read before it
     comptime VEC = 16 // size_of[dtype]()
     comptime T = GEMV_MAX_TOKENS
     var n = Int(block_idx.x) * GEMV_WARPS + Int(thread_idx.x) // 32
@@ -231,9 +263,7 @@ def gemv_kernel[
                 var wf = w.slice[VEC, offset=u * VEC]().cast[_F32]()
                 comptime for t in range(T):
                     if t < nt:
-                        var xf = x.unsafe_load[width=VEC, alignment=16](t * K + i * VEC).cast[
-                            _F32
-                        ]()
+                        var xf = _x_vector[dtype, VEC, SILU](x, t, K, i * VEC)
                         acc = acc.insert[offset=t * VEC](
                             wf.fma(xf, acc.slice[VEC, offset=t * VEC]())
                         )
@@ -242,3 +272,18 @@ def gemv_kernel[
             var total = warp.sum(acc.slice[VEC, offset=t * VEC]().reduce_add())
             if lane == 0:
                 out_ptr[unsafe_offset=t * N + n] = total.cast[dtype]()
+
+
+@always_inline
+def _x_vector[
+    dtype: DType, VEC: Int, SILU: Bool
+](x: Pointer[Scalar[dtype], MutAnyOrigin], t: Int, K: Int, k: Int) -> SIMD[_F32, VEC]:
+    """Elements k .. k + VEC - 1 of x's row t, widened: x [T, K]; with SILU, gate_up [T, 2 K]
+    and silu(gate) * up rounded as silu_mul_kernel rounds it."""
+    comptime if SILU:
+        var g = x.unsafe_load[width=VEC, alignment=16](t * 2 * K + k).cast[_F32]()
+        var u = x.unsafe_load[width=VEC, alignment=16](t * 2 * K + K + k).cast[_F32]()
+        var s = (g / (1 + exp(-g))).cast[dtype]().cast[_F32]()
+        return (s * u).cast[dtype]().cast[_F32]()
+    else:
+        return x.unsafe_load[width=VEC, alignment=16](t * K + k).cast[_F32]()

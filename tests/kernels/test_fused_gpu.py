@@ -45,7 +45,7 @@ def test_build_fused_ptx_manifest(built_fused_ptx: Path) -> None:
     assert manifest["format"] == ptx.MANIFEST_FORMAT and manifest["arch"] == "sm_90"
     assert manifest["source_key"] == build.source_key()
     seen = {(r["kernel"], r["dtype"], r["head_dim"]): r for r in manifest["kernels"]}
-    for kernel in ("add_rms_norm", "qk_norm_rope", "silu_mul", "gemv"):
+    for kernel in ("add_rms_norm", "qk_norm_rope", "silu_mul", "gemv", "gemv_silu"):
         for dtype in ("float32", "bfloat16", "float16"):
             for head_dim in (64, 128, 256) if kernel == "qk_norm_rope" else (0,):
                 rec = seen.pop((kernel, dtype, head_dim))
@@ -199,6 +199,27 @@ def test_gpu_linear_at_decode_batch_sizes(
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
+@pytest.mark.parametrize(("out_features", "intermediate"), [(5, 8), (1024, 3072), (1030, 1032)])
+@pytest.mark.parametrize("tokens", range(1, ptx.GEMV_MAX_TOKENS + 2))
+def test_gpu_silu_mul_linear(
+    gpu_fused: FusedOps, tokens: int, out_features: int, intermediate: int, dtype: torch.dtype
+) -> None:
+    """The down projection with silu(gate) * up made as the gemv reads it (1 to 4 rows; 5 rows
+    go through silu_mul and torch's GEMM): silu_mul's rounding, then the exact product rounded
+    once, as close as cuBLAS's after silu_mul."""
+    gate_up = (_randn(tokens, 2 * intermediate, dtype=dtype, seed=intermediate) * 2).cuda()
+    weight = (_randn(out_features, intermediate, dtype=dtype, seed=tokens)).cuda()
+    weight *= intermediate**-0.5
+    product = REFERENCE.silu_mul(gate_up)  # torch's rounding of silu(gate) * up
+    exact = product.double() @ weight.double().T
+    out = gpu_fused.silu_mul_linear(gate_up, weight)
+    assert_close(out, exact.to(dtype))
+    cublas = torch.nn.functional.linear(product, weight)
+    assert (out.double() - exact).abs().max() <= 2 * (cublas.double() - exact).abs().max() + 1e-3
+
+
+@pytest.mark.gpu
 def test_gpu_linear_leaves_other_shapes_to_torch(gpu_fused: FusedOps) -> None:
     """Past 4 rows, fp32, a bias or a strided x: torch's GEMM itself (bit for bit)."""
     x = _randn(ptx.GEMV_MAX_TOKENS + 1, 64, dtype=torch.bfloat16, seed=0).cuda()
@@ -219,7 +240,7 @@ def test_gpu_linear_leaves_other_shapes_to_torch(gpu_fused: FusedOps) -> None:
 def test_overlapped_launches_compute_what_plain_ones_do(gpu_fused: Any, tokens: int) -> None:
     """Kernels launched overlapping the one before (programmatic stream serialization) each
     wait for it first (kernels/mojo/grid_order_gpu.mojo): a chain of 40 layers' norm, gemv or
-    GEMM, silu*mul and projection, eager and replayed from a CUDA graph, is bit for bit the
+    GEMM, and silu*mul with the projection, eager and replayed from a CUDA graph, is bit for bit the
     chain launched plainly (a kernel reading its input early would read the last layer's)."""
     hidden, inter, dtype = 1024, 3072, torch.bfloat16
     norm_weight = _randn(hidden, dtype=dtype, seed=3).cuda()
@@ -231,7 +252,7 @@ def test_overlapped_launches_compute_what_plain_ones_do(gpu_fused: Any, tokens: 
         x, residual = x0.clone(), torch.zeros_like(x0)
         for _ in range(40):
             h = gpu_fused.add_rms_norm(x, residual, norm_weight, EPS)
-            x = gpu_fused.linear(gpu_fused.silu_mul(gpu_fused.linear(h, up, None)), down, None)
+            x = gpu_fused.silu_mul_linear(gpu_fused.linear(h, up, None), down)
         return x + residual
 
     plain = chain()
@@ -257,3 +278,7 @@ def test_without_the_gemv_linear_is_torchs(gpu_fused: Any) -> None:
     x = _randn(1, 1024, dtype=torch.bfloat16, seed=0).cuda()
     weight = _randn(512, 1024, dtype=torch.bfloat16, seed=1).cuda()
     assert torch.equal(kernels.linear(x, weight, None), torch.nn.functional.linear(x, weight))
+    gate_up = _randn(1, 2048, dtype=torch.bfloat16, seed=2).cuda()
+    down = _randn(512, 1024, dtype=torch.bfloat16, seed=3).cuda()
+    expected = torch.nn.functional.linear(kernels.silu_mul(gate_up), down)
+    assert torch.equal(kernels.silu_mul_linear(gate_up, down), expected)

@@ -12,8 +12,8 @@ any device, and what the kernels are tested against. The model calls them per la
     q, k, v = qk_norm_rope_kv(qkv)     per-head RMSNorm of q and k, RoPE, K/V into the cache
     ...attention, o_proj...
     h = add_rms_norm(x, residual)      post-attention norm
-    a = silu_mul(linear(h, W_gate_up)) silu(gate) * up
-    x = linear(a, W_down)
+    gate_up = linear(h, W_gate_up)
+    x = silu_mul_linear(gate_up, W_down)  silu(gate) * up, then the down projection
 
 `linear` is F.linear, except that at decode's batch sizes a GPU implementation may read the
 weights with a kernel of its own (cuBLAS's GEMM tiles are slow there: docs/benchmarks.md).
@@ -102,6 +102,11 @@ class FusedOps(Protocol):
         """x [T, K], weight [N, K], bias [N] or None -> x @ weight.T (+ bias), [T, N]."""
         ...
 
+    def silu_mul_linear(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """gate_up [T, 2 I], weight [N, I] -> linear(silu_mul(gate_up), weight), [T, N]: one
+        kernel where the GPU's gemv makes the product as it reads it."""
+        ...
+
     def grouped_gemm(
         self, rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor
     ) -> torch.Tensor:
@@ -171,6 +176,9 @@ class TorchFusedOps:
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
         return F.linear(x, weight, bias)
+
+    def silu_mul_linear(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.silu_mul(gate_up), weight)
 
     def grouped_gemm(
         self, rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor

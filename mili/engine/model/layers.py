@@ -59,4 +59,4 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor, ops: FusedOps) -> torch.Tensor:
         # x: [T, hidden] -> gate_up [T, 2 I] -> [T, I] -> [T, hidden]
         gate_up = ops.linear(x, self.gate_up_proj.weight, None)
-        return ops.linear(ops.silu_mul(gate_up), self.down_proj.weight, None)
+        return ops.silu_mul_linear(gate_up, self.down_proj.weight)
