@@ -345,9 +345,8 @@ class GpuKernels:
             scratch = self._split_scratch(device, rows * (head_dim + 1))
             part_o_ptr = scratch.data_ptr()
             part_lse_ptr = part_o_ptr + rows * head_dim * 4
-            if (
-                kernel != "decode"
-            ):  # paged_decode's counters [B, KVH * chunks]: its last split merges
+            if kernel != "decode":
+                # paged_decode's counters [B, KVH * chunks]: its last split to finish merges
                 counters = self._split_scratch(device, num_seqs * kv_heads * chunks, torch.int32)
                 counters_ptr = counters.data_ptr()
         values: dict[str, int | float] = {
