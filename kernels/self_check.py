@@ -297,6 +297,16 @@ def _cases(shape: CheckShape, device: torch.device) -> list[tuple[str, str, Case
     def silu_mul_linear(impl: Any) -> tuple[torch.Tensor, ...]:
         return tuple(impl.silu_mul_linear(gate_up[:rows], down) for rows in (1, 4, T))
 
+    def add_rms_norm_linear(impl: Any) -> tuple[torch.Tensor, ...]:
+        out: list[torch.Tensor] = []
+        for rows in (1, 4, T):
+            for res in (residual[:rows].clone(), None):  # layer 0 has no residual yet
+                y, r = impl.add_rms_norm_linear(
+                    x[:rows].clone(), res, weight, _EPS, projection, None
+                )
+                out += [y, r]
+        return tuple(out)
+
     def grouped_gemm(impl: Any) -> tuple[torch.Tensor, ...]:
         # The CPU's kernel itself: calls this small go to torch in `grouped_gemm`.
         kernel = getattr(impl, "grouped_gemm_kernel", impl.grouped_gemm)
@@ -312,6 +322,7 @@ def _cases(shape: CheckShape, device: torch.device) -> list[tuple[str, str, Case
         (FUSED, "fused.silu_mul", silu_mul),
         (FUSED, "fused.linear", linear),
         (FUSED, "fused.silu_mul_linear", silu_mul_linear),
+        (FUSED, "fused.add_rms_norm_linear", add_rms_norm_linear),
     ]
     if device.type == "cpu":  # CUDA runs torch's grouped GEMM: no kernel of ours to check
         cases.append((FUSED, "fused.grouped_gemm", grouped_gemm))

@@ -18,6 +18,7 @@ from kernels.fused.checks import (
     check_qk_norm_rope,
     check_silu_mul,
 )
+from mili.engine.model.fused_ops import add_rms_norm_linear
 from mili.engine.model.grouped_gemm import grouped_gemm
 
 # Below this many bytes read and written, a call runs inline on the caller's thread: waking the
@@ -149,6 +150,17 @@ class CpuFusedKernels(CpuModuleBinding):
 
     def silu_mul_linear(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.linear(self.silu_mul(gate_up), weight)
+
+    def add_rms_norm_linear(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm_weight: torch.Tensor,
+        eps: float,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return add_rms_norm_linear(self, x, residual, norm_weight, eps, weight, bias)
 
     def grouped_gemm(
         self, rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor

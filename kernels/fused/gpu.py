@@ -21,6 +21,7 @@ from kernels.cuda_driver import _MAX_GRID_X, _MAX_GRID_YZ, _make_driver, pack_ar
 from kernels.fused.checks import check_norm, check_qk_norm_rope, check_silu_mul
 from kernels.fused.ptx import (
     GEMV_MAX_TOKENS,
+    GEMV_NORM_MAX_FEATURES,
     GEMV_WARPS,
     MANIFEST_FORMAT,
     NORM_THREADS,
@@ -31,6 +32,7 @@ from kernels.fused.ptx import (
 from kernels.gpu import _DTYPE_NAMES
 from kernels.manifest import load_manifest
 from kernels.ptx_entry import check_signature, parse_entries
+from mili.engine.model.fused_ops import add_rms_norm_linear
 from mili.engine.model.grouped_gemm import grouped_gemm
 
 
@@ -115,9 +117,9 @@ class GpuFusedKernels:
 
     def fall_back(self, kernel: str) -> bool:
         """Do without the self-check's `kernel` (kernels/choice.py), if only it failed:
-        fused.linear or fused.silu_mul_linear (the two gemv kernels) -> F.linear at every
-        batch size. False for any other kernel."""
-        if kernel not in ("fused.linear", "fused.silu_mul_linear"):
+        a gemv kernel's (fused.linear, fused.silu_mul_linear, fused.add_rms_norm_linear) -> every
+        projection on the separate ops and torch's GEMM. False for any other kernel."""
+        if kernel not in ("fused.linear", "fused.silu_mul_linear", "fused.add_rms_norm_linear"):
             return False
         self.gemv = False
         return True
@@ -296,6 +298,57 @@ class GpuFusedKernels:
             )
         return out
 
+    def add_rms_norm_linear(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm_weight: torch.Tensor,
+        eps: float,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One gemv_norm launch where the gemv takes the shapes (each CTA norms the rows
+        itself; the new residual is a new tensor, CTA 0's), else the norm then `linear`."""
+        _require_cuda(x)
+        fused = (
+            self.gemv
+            and _takes_gemv(x, weight, bias)
+            and x.shape[1] <= GEMV_NORM_MAX_FEATURES
+            and norm_weight.shape == (x.shape[1],)
+            and norm_weight.dtype == x.dtype
+            and norm_weight.is_contiguous()
+            and norm_weight.data_ptr() % 16 == 0
+            and (residual is None or _same_layout(residual, x))
+        )
+        if not fused:
+            return add_rms_norm_linear(self, x, residual, norm_weight, eps, weight, bias)
+        tokens, in_features = x.shape
+        out_features = weight.shape[0]
+        out = torch.empty((tokens, out_features), dtype=x.dtype, device=x.device)
+        residual_out = x if residual is None else torch.empty_like(x)
+        self._launch(
+            x,
+            "gemv_norm",
+            0,
+            (math.ceil(out_features / GEMV_WARPS), 1, 1),
+            32 * GEMV_WARPS,
+            {
+                "out": out.data_ptr(),
+                "x": x.data_ptr(),
+                # without a residual r is x, and nothing is written to residual_out
+                "residual": x.data_ptr() if residual is None else residual.data_ptr(),
+                "residual_out": residual_out.data_ptr(),
+                "norm_weight": norm_weight.data_ptr(),
+                "weight": weight.data_ptr(),
+                "tokens": tokens,
+                "out_features": out_features,
+                "in_features": in_features,
+                "has_residual": int(residual is not None),
+                "eps": eps,
+            },
+        )
+        return out, residual_out
+
     def grouped_gemm(
         self, rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor
     ) -> torch.Tensor:
@@ -329,6 +382,17 @@ def _takes_gemv(
         and weight.is_contiguous()
         and whole.data_ptr() % 16 == 0
         and weight.data_ptr() % 16 == 0
+    )
+
+
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """a has b's shape, dtype and device, contiguous and 16-byte aligned."""
+    return (
+        a.shape == b.shape
+        and a.dtype == b.dtype
+        and a.device == b.device
+        and a.is_contiguous()
+        and a.data_ptr() % 16 == 0
     )
 
 

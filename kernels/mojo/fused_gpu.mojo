@@ -12,6 +12,7 @@
 #   gemv_kernel           grid (ceil(N / GEMV_WARPS)), block 32 * GEMV_WARPS: one warp per
 #                         output column n of y [T, N] = x [T, K] @ W[N, K]^T, T <= GEMV_MAX_TOKENS
 #   gemv_silu_kernel      the same over x = silu(gate) * up of gate_up [T, 2 K]
+#   gemv_norm_kernel      the same over x = rms_norm(x + residual), each CTA norming the rows
 
 from std.math import exp, sqrt
 from max.gpu import thread_idx, block_idx, barrier, lane_id
@@ -27,6 +28,7 @@ comptime SILU_THREADS = 256
 comptime GEMV_WARPS = 4
 comptime GEMV_MAX_TOKENS = 4
 comptime GEMV_UNROLL = 8  # 16-byte weight loads a lane has in flight
+comptime GEMV_NORM_MAX_FEATURES = 5120  # gemv_norm's rows in shared memory: 4 x 5120 x 2 B
 comptime _F32 = DType.float32
 
 
@@ -199,7 +201,8 @@ def gemv_kernel[
     bias at decode's batch sizes, where cuBLAS's GEMM tiles read the weights at a third of the
     copy bandwidth. x [T, K]; see _gemv."""
     grid_order_start()  # grid_order_gpu.mojo: nothing is read before it
-    _gemv[dtype, False](out_ptr, x, weight, tokens, out_features, in_features)
+    var unused = stack_allocation[1, Scalar[dtype], address_space=AddressSpace.SHARED]()
+    _gemv[dtype, _X_GLOBAL](out_ptr, x, unused, weight, tokens, out_features, in_features)
 
 
 def gemv_silu_kernel[
@@ -215,15 +218,92 @@ def gemv_silu_kernel[
     """The MLP's down projection of silu(gate) * up, the product made where the gemv reads its
     x (silu_mul_kernel's rounding): gate_up [T, 2 K], gate | up; no silu_mul launch between."""
     grid_order_start()  # grid_order_gpu.mojo: nothing is read before it
-    _gemv[dtype, True](out_ptr, gate_up, weight, tokens, out_features, in_features)
+    var unused = stack_allocation[1, Scalar[dtype], address_space=AddressSpace.SHARED]()
+    _gemv[dtype, _X_SILU](out_ptr, gate_up, unused, weight, tokens, out_features, in_features)
+
+
+def gemv_norm_kernel[
+    dtype: DType
+](
+    out_ptr: Pointer[Scalar[dtype], MutAnyOrigin],
+    x: Pointer[Scalar[dtype], MutAnyOrigin],
+    residual: Pointer[Scalar[dtype], MutAnyOrigin],
+    residual_out: Pointer[Scalar[dtype], MutAnyOrigin],
+    norm_weight: Pointer[Scalar[dtype], MutAnyOrigin],
+    weight: Pointer[Scalar[dtype], MutAnyOrigin],
+    tokens: Int32,
+    out_features: Int32,
+    in_features: Int32,
+    has_residual: Int32,
+    eps: Float32,
+):
+    """A projection of a normed input, the norm made by every CTA for itself (add_rms_norm_kernel's
+    rounding) before its columns: r = x (+ residual), h = rms_norm(r) * norm_weight,
+    y = h @ W^T; with a residual CTA 0 writes r to residual_out [T, K] (x and residual are only
+    read, so no CTA sees another's write). No add_rms_norm launch before the gemv.
+    K <= GEMV_NORM_MAX_FEATURES.
+    """
+    grid_order_start()  # grid_order_gpu.mojo: nothing is read before it
+    comptime T = GEMV_MAX_TOKENS
+    comptime VEC = 16 // size_of[dtype]()
+    var hs = stack_allocation[
+        T * GEMV_NORM_MAX_FEATURES, Scalar[dtype], address_space=AddressSpace.SHARED
+    ]()
+    var sums = stack_allocation[T * GEMV_WARPS, Float32, address_space=AddressSpace.SHARED]()
+    var tid = Int(thread_idx.x)
+    var K = Int(in_features)
+    var nt = Int(tokens)
+    var add = has_residual != 0
+    var writes = add and Int(block_idx.x) == 0  # without a residual, r is x itself
+    # Pass 1: r = x (+ residual), rounded, into hs (and residual_out); its sum of squares.
+    comptime for t in range(T):
+        if t < nt:
+            var acc = Float32(0)
+            for i in range(tid, K // VEC, 32 * GEMV_WARPS):
+                var at = t * K + i * VEC
+                var v = x.unsafe_load[width=VEC, alignment=16](at).cast[_F32]()
+                if add:
+                    var r = residual.unsafe_load[width=VEC, alignment=16](at).cast[_F32]()
+                    v = (v + r).cast[dtype]().cast[_F32]()
+                if writes:
+                    residual_out.unsafe_store[alignment=16](at, v.cast[dtype]())
+                hs.unsafe_store[alignment=16](t * GEMV_NORM_MAX_FEATURES + i * VEC, v.cast[dtype]())
+                acc += (v * v).reduce_add()
+            acc = warp.sum(acc)
+            if Int(lane_id()) == 0:
+                sums[unsafe_offset=t * GEMV_WARPS + tid // 32] = acc
+    barrier()
+    # Pass 2, over the elements this thread wrote: h = round(round(r * inv) * norm_weight).
+    comptime for t in range(T):
+        if t < nt:
+            var total = Float32(0)
+            comptime for w in range(GEMV_WARPS):
+                total += sums[unsafe_offset=t * GEMV_WARPS + w]
+            var inv = 1 / sqrt(total / Float32(K) + eps)
+            for i in range(tid, K // VEC, 32 * GEMV_WARPS):
+                var at = t * GEMV_NORM_MAX_FEATURES + i * VEC
+                var v = hs.unsafe_load[width=VEC, alignment=16](at).cast[_F32]()
+                var y = (v * inv).cast[dtype]().cast[_F32]()
+                var wn = norm_weight.unsafe_load[width=VEC, alignment=16](i * VEC).cast[_F32]()
+                hs.unsafe_store[alignment=16](at, (y * wn).cast[dtype]())
+    barrier()  # the gemv's warps read every thread's h
+    _gemv[dtype, _X_SHARED](out_ptr, x, hs, weight, tokens, out_features, in_features)
+
+
+# Where _gemv reads x: a global [T, K], silu(gate) * up of a global gate_up [T, 2 K], or the
+# normed rows gemv_norm_kernel left in shared memory [T, GEMV_NORM_MAX_FEATURES].
+comptime _X_GLOBAL = 0
+comptime _X_SILU = 1
+comptime _X_SHARED = 2
 
 
 @always_inline
 def _gemv[
-    dtype: DType, SILU: Bool
+    dtype: DType, X: Int
 ](
     out_ptr: Pointer[Scalar[dtype], MutAnyOrigin],
     x: Pointer[Scalar[dtype], MutAnyOrigin],
+    hs: Pointer[Scalar[dtype], MutUntrackedOrigin, address_space=AddressSpace.SHARED],
     weight: Pointer[Scalar[dtype], MutAnyOrigin],
     tokens: Int32,
     out_features: Int32,
@@ -233,9 +313,9 @@ def _gemv[
 
     Warp w of CTA c computes column n = c * GEMV_WARPS + w: its lanes stride along row n of W
     in 16-byte vectors, GEMV_UNROLL loads in flight at a time (predicated at the row's end),
-    each vector times the same columns of every token's x (x is a few KB: L1 serves the
-    warps), then a butterfly sums the lanes. K must be a multiple of the vector (the host
-    checks). With SILU, x's row t is silu(gate[t]) * up[t] of gate_up's row t (2 K wide).
+    each vector times the same columns of every token's x (x is a few KB: L1 or shared memory
+    serves the warps), then a butterfly sums the lanes. K must be a multiple of the vector (the
+    host checks). X says where x comes from (the constants above).
     """
     comptime VEC = 16 // size_of[dtype]()
     comptime T = GEMV_MAX_TOKENS
@@ -263,7 +343,13 @@ def _gemv[
                 var wf = w.slice[VEC, offset=u * VEC]().cast[_F32]()
                 comptime for t in range(T):
                     if t < nt:
-                        var xf = _x_vector[dtype, VEC, SILU](x, t, K, i * VEC)
+                        var xf: SIMD[_F32, VEC]
+                        comptime if X == _X_SHARED:
+                            xf = hs.unsafe_load[width=VEC, alignment=16](
+                                t * GEMV_NORM_MAX_FEATURES + i * VEC
+                            ).cast[_F32]()
+                        else:
+                            xf = _x_vector[dtype, VEC, X == _X_SILU](x, t, K, i * VEC)
                         acc = acc.insert[offset=t * VEC](
                             wf.fma(xf, acc.slice[VEC, offset=t * VEC]())
                         )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -45,8 +46,9 @@ def test_build_fused_ptx_manifest(built_fused_ptx: Path) -> None:
     assert manifest["format"] == ptx.MANIFEST_FORMAT and manifest["arch"] == "sm_90"
     assert manifest["source_key"] == build.source_key()
     seen = {(r["kernel"], r["dtype"], r["head_dim"]): r for r in manifest["kernels"]}
-    for kernel in ("add_rms_norm", "qk_norm_rope", "silu_mul", "gemv", "gemv_silu"):
-        for dtype in ("float32", "bfloat16", "float16"):
+    for kernel in ("add_rms_norm", "qk_norm_rope", "silu_mul", "gemv", "gemv_silu", "gemv_norm"):
+        gemv = kernel.startswith("gemv")
+        for dtype in ("bfloat16", "float16") if gemv else ("float32", "bfloat16", "float16"):
             for head_dim in (64, 128, 256) if kernel == "qk_norm_rope" else (0,):
                 rec = seen.pop((kernel, dtype, head_dim))
                 text = (built_fused_ptx / rec["file"]).read_text()
@@ -92,6 +94,9 @@ def test_ptx_assembles_without_spills(built_fused_ptx: Path, tmp_path: Path) -> 
         )
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert "0 bytes spill stores" in proc.stderr, (rec["file"], proc.stderr[-1000:])
+        # static shared memory past 48 KB does not launch (gemv_norm keeps 4 rows there)
+        smem = [int(n) for n in re.findall(r"(\d+) bytes smem", proc.stderr)]
+        assert max(smem, default=0) <= 48 * 1024, (rec["file"], smem)
 
 
 def test_pack_rejects_wrong_arguments() -> None:
@@ -220,6 +225,30 @@ def test_gpu_silu_mul_linear(
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
+@pytest.mark.parametrize("hidden", (64, 1024, ptx.GEMV_NORM_MAX_FEATURES, 5128))
+@pytest.mark.parametrize("with_residual", (True, False))
+@pytest.mark.parametrize("tokens", range(1, ptx.GEMV_MAX_TOKENS + 2))
+def test_gpu_add_rms_norm_linear(
+    gpu_fused: FusedOps, tokens: int, with_residual: bool, hidden: int, dtype: torch.dtype
+) -> None:
+    """The projection of a normed input with the norm made by the gemv's CTAs (1 to 4 rows,
+    hidden up to GEMV_NORM_MAX_FEATURES; 5 rows and a wider hidden take the separate ops): the
+    new residual bit for bit torch's sum, the output the reference's within tolerance."""
+    x = _randn(tokens, hidden, dtype=dtype, seed=tokens).cuda()
+    residual = _randn(tokens, hidden, dtype=dtype, seed=hidden).cuda() if with_residual else None
+    norm_weight = (_randn(hidden, dtype=dtype, seed=1) * 0.5 + 1).cuda()
+    weight = (_randn(3 * 512 + 8, hidden, dtype=dtype, seed=2) * hidden**-0.5).cuda()
+    expected_residual = None if residual is None else residual.clone()
+    expected, expected_r = REFERENCE.add_rms_norm_linear(
+        x.clone(), expected_residual, norm_weight, EPS, weight, None
+    )
+    out, r = gpu_fused.add_rms_norm_linear(x.clone(), residual, norm_weight, EPS, weight, None)
+    assert torch.equal(r, expected_r)
+    assert_close(out, expected)
+
+
+@pytest.mark.gpu
 def test_gpu_linear_leaves_other_shapes_to_torch(gpu_fused: FusedOps) -> None:
     """Past 4 rows, fp32, a bias or a strided x: torch's GEMM itself (bit for bit)."""
     x = _randn(ptx.GEMV_MAX_TOKENS + 1, 64, dtype=torch.bfloat16, seed=0).cuda()
@@ -239,9 +268,10 @@ def test_gpu_linear_leaves_other_shapes_to_torch(gpu_fused: FusedOps) -> None:
 @pytest.mark.parametrize("tokens", (1, 17))
 def test_overlapped_launches_compute_what_plain_ones_do(gpu_fused: Any, tokens: int) -> None:
     """Kernels launched overlapping the one before (programmatic stream serialization) each
-    wait for it first (kernels/mojo/grid_order_gpu.mojo): a chain of 40 layers' norm, gemv or
-    GEMM, and silu*mul with the projection, eager and replayed from a CUDA graph, is bit for bit the
-    chain launched plainly (a kernel reading its input early would read the last layer's)."""
+    wait for it first (kernels/mojo/grid_order_gpu.mojo): a chain of 40 layers' norm and
+    projection, silu*mul and projection (gemv or not), eager and replayed from a CUDA graph, is
+    bit for bit the chain launched plainly (a kernel reading its input early would read the last
+    layer's)."""
     hidden, inter, dtype = 1024, 3072, torch.bfloat16
     norm_weight = _randn(hidden, dtype=dtype, seed=3).cuda()
     up = (_randn(2 * inter, hidden, dtype=dtype, seed=4) * hidden**-0.5).cuda()
@@ -251,8 +281,10 @@ def test_overlapped_launches_compute_what_plain_ones_do(gpu_fused: Any, tokens: 
     def chain() -> torch.Tensor:
         x, residual = x0.clone(), torch.zeros_like(x0)
         for _ in range(40):
-            h = gpu_fused.add_rms_norm(x, residual, norm_weight, EPS)
-            x = gpu_fused.silu_mul_linear(gpu_fused.linear(h, up, None), down)
+            gate_up, residual = gpu_fused.add_rms_norm_linear(
+                x, residual, norm_weight, EPS, up, None
+            )
+            x = gpu_fused.silu_mul_linear(gate_up, down)
         return x + residual
 
     plain = chain()
@@ -282,3 +314,9 @@ def test_without_the_gemv_linear_is_torchs(gpu_fused: Any) -> None:
     down = _randn(512, 1024, dtype=torch.bfloat16, seed=3).cuda()
     expected = torch.nn.functional.linear(kernels.silu_mul(gate_up), down)
     assert torch.equal(kernels.silu_mul_linear(gate_up, down), expected)
+    residual, norm_weight = x.clone() * 0.5, torch.ones(1024, dtype=torch.bfloat16).cuda()
+    expected_residual = residual.clone()
+    h = kernels.add_rms_norm(x.clone(), expected_residual, norm_weight, EPS)
+    y, r = kernels.add_rms_norm_linear(x.clone(), residual, norm_weight, EPS, weight, None)
+    assert torch.equal(y, torch.nn.functional.linear(h, weight))
+    assert torch.equal(r, expected_residual)

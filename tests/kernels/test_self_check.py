@@ -93,6 +93,7 @@ def test_the_real_cpu_kernels_pass(shape: CheckShape) -> None:
         (FUSED, "fused.silu_mul", "silu_mul"),
         (FUSED, "fused.linear", "linear"),
         (FUSED, "fused.silu_mul_linear", "silu_mul_linear"),
+        (FUSED, "fused.add_rms_norm_linear", "add_rms_norm_linear"),
         (FUSED, "fused.grouped_gemm", "grouped_gemm"),
     ],
 )
@@ -195,8 +196,9 @@ def test_the_gpu_families_spare_their_gemv_and_split_decode_only(tmp_path: Path)
     assert (attention.split_decode, fused.gemv) == (True, True)
     assert attention.fall_back("attention.decode_split") and fused.fall_back("fused.linear")
     assert (attention.split_decode, fused.gemv) == (False, False)
-    other = GpuFusedKernels(tmp_path)
-    assert other.fall_back("fused.silu_mul_linear") and not other.gemv
+    for kernel in ("fused.silu_mul_linear", "fused.add_rms_norm_linear"):
+        other = GpuFusedKernels(tmp_path)
+        assert other.fall_back(kernel) and not other.gemv
 
 
 @pytest.mark.parametrize("how", ["raises", "nan", "wrong"])

@@ -6,14 +6,14 @@ work as four ops, each one kernel in a fused implementation (the Mojo kernels in
 `kernels/fused/`); `TorchFusedOps` below is the one torch reference of each, the fallback on
 any device, and what the kernels are tested against. The model calls them per layer:
 
-    h = rms_norm(x)                    layer 0's input norm (x: the embeddings)
-    h = add_rms_norm(x, residual)      residual += x; h = rms_norm(residual)    (in place)
-    qkv = linear(h, W_qkv)             one GEMM (model.py); every projection is `linear`
+    qkv, residual = add_rms_norm_linear(x, residual, W_qkv)
+                                       residual += x (layer 0: residual = x, the embeddings);
+                                       h = rms_norm(residual); qkv = linear(h, W_qkv)
     q, k, v = qk_norm_rope_kv(qkv)     per-head RMSNorm of q and k, RoPE, K/V into the cache
-    ...attention, o_proj...
-    h = add_rms_norm(x, residual)      post-attention norm
-    gate_up = linear(h, W_gate_up)
+    ...attention, o = linear(attn, W_o)...
+    gate_up, residual = add_rms_norm_linear(o, residual, W_gate_up)   post-attention norm
     x = silu_mul_linear(gate_up, W_down)  silu(gate) * up, then the down projection
+    h = add_rms_norm(x, residual)      the final norm (and a MoE layer's post-attention one)
 
 `linear` is F.linear, except that at decode's batch sizes a GPU implementation may read the
 weights with a kernel of its own (cuBLAS's GEMM tiles are slow there: docs/benchmarks.md).
@@ -107,6 +107,21 @@ class FusedOps(Protocol):
         kernel where the GPU's gemv makes the product as it reads it."""
         ...
 
+    def add_rms_norm_linear(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm_weight: torch.Tensor,
+        eps: float,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(linear(h, weight, bias), r): r = x + residual (x where residual is None), rounded,
+        h = rms_norm(r) * norm_weight; one kernel where the GPU's gemv norms its input itself.
+        r may be residual itself, updated in place, or a new tensor: use the one returned. x
+        must not be read afterwards."""
+        ...
+
     def grouped_gemm(
         self, rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor
     ) -> torch.Tensor:
@@ -125,6 +140,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(dtype)
+
+
+def add_rms_norm_linear(
+    ops: FusedOps,
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`FusedOps.add_rms_norm_linear` as `ops`' norm then its linear (residual in place)."""
+    if residual is None:
+        h, residual = ops.rms_norm(x, norm_weight, eps), x
+    else:
+        h = ops.add_rms_norm(x, residual, norm_weight, eps)
+    return ops.linear(h, weight, bias), residual
 
 
 class TorchFusedOps:
@@ -179,6 +211,17 @@ class TorchFusedOps:
 
     def silu_mul_linear(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.linear(self.silu_mul(gate_up), weight)
+
+    def add_rms_norm_linear(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm_weight: torch.Tensor,
+        eps: float,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return add_rms_norm_linear(self, x, residual, norm_weight, eps, weight, bias)
 
     def grouped_gemm(
         self, rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor

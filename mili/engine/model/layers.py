@@ -11,8 +11,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mili.engine.model.fused_ops import FusedOps
-
 
 class RMSNorm(nn.Module):
     """Holds an RMSNorm's weight and eps; the model applies it through its FusedOps."""
@@ -47,7 +45,8 @@ class MergedLinear(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up as one GEMM."""
+    """SwiGLU's weights: down(silu(gate(x)) * up(x)), gate and up as one GEMM; the decoder layer
+    runs it through its FusedOps (add_rms_norm_linear, silu_mul_linear), the norm fused in."""
 
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
@@ -55,8 +54,3 @@ class MLP(nn.Module):
             hidden_size, {"gate_proj": intermediate_size, "up_proj": intermediate_size}, bias=False
         )
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor, ops: FusedOps) -> torch.Tensor:
-        # x: [T, hidden] -> gate_up [T, 2 I] -> [T, I] -> [T, hidden]
-        gate_up = ops.linear(x, self.gate_up_proj.weight, None)
-        return ops.silu_mul_linear(gate_up, self.down_proj.weight)

@@ -16,14 +16,15 @@ Two entry points, both `torch.inference_mode`, both returning float32 logits:
                                      (prefill_hidden + logits: the same, in two parts)
     decode(DecodeBatch, kv_cache)    one token per sequence -> [B, vocab]
 
-Per layer, each line one kernel where the FusedOps are fused (mili/engine/model/fused_ops.py):
+Per layer, each line one kernel or two where the FusedOps are fused (mili/engine/model/
+fused_ops.py; at decode's batch sizes the GPU's gemv kernels make each line one kernel):
 
-    h = add_rms_norm(x, residual)           residual += x; h = RMSNorm(residual)
-    qkv = h @ W_qkv                         q | k | v projections
+    qkv = RMSNorm(residual += x) @ W_qkv    add_rms_norm_linear: q | k | v projections
     q, k, v = qk_norm_rope_kv(qkv)          per-head RMSNorm, RoPE, K/V into the cache
     o = attention(q, cache) @ W_o           attention backend, o_proj
-    h = add_rms_norm(o, residual)
-    x = silu_mul(h @ W_gate_up) @ W_down    SwiGLU (a sparse layer: route h, grouped experts)
+    gate_up = RMSNorm(residual += o) @ W_gate_up
+    x = silu_mul(gate_up) @ W_down          SwiGLU: silu_mul_linear (a sparse layer: the norm
+                                            alone, then route h, grouped experts)
 
 The residual stream is carried as (x, residual): x the last sublayer's output, residual the sum
 before it, so each residual add fuses with the norm after it (the last with the final norm).
@@ -172,11 +173,13 @@ class SelfAttention(nn.Module):
         self.q_norm = RMSNorm(d, config.rms_norm_eps)
         self.k_norm = RMSNorm(d, config.rms_norm_eps)
 
-    def forward(self, h: torch.Tensor, step: _Step, layer: int) -> torch.Tensor:
-        num_tokens = h.shape[0]  # h: [T, hidden]
-        ops, qkv_proj, o_proj = step.ops, self.qkv_proj, self.o_proj
+    def forward(self, qkv: torch.Tensor, step: _Step, layer: int) -> torch.Tensor:
+        """qkv: [T, (H + 2 KVH) * D], the normed input's projection (DecoderLayer makes it
+        with the norm, one kernel on the GPU's gemv) -> o_proj's output [T, hidden]."""
+        num_tokens = qkv.shape[0]
+        ops, o_proj = step.ops, self.o_proj
         q, k, v = ops.qk_norm_rope_kv(
-            ops.linear(h, qkv_proj.weight, qkv_proj.bias),  # [T, (H + 2 KVH) * D]
+            qkv,
             self.q_norm.weight,
             self.k_norm.weight,
             self.q_norm.eps,
@@ -218,13 +221,18 @@ class DecoderLayer(nn.Module):
         the previous sublayer happens inside the next norm. residual is None on layer 0, whose
         x is the embeddings.
         """
-        ops, norm = step.ops, self.input_layernorm
-        if residual is None:
-            residual, h = x, ops.rms_norm(x, norm.weight, norm.eps)
-        else:
-            h = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
-        x = self.self_attn(h, step, layer)
+        ops, norm, qkv_proj = step.ops, self.input_layernorm, self.self_attn.qkv_proj
+        qkv, residual = ops.add_rms_norm_linear(
+            x, residual, norm.weight, norm.eps, qkv_proj.weight, qkv_proj.bias
+        )
+        x = self.self_attn(qkv, step, layer)
         norm = self.post_attention_layernorm
+        if isinstance(self.mlp, MLP):
+            gate_up_proj, down_proj = self.mlp.gate_up_proj, self.mlp.down_proj
+            gate_up, residual = ops.add_rms_norm_linear(
+                x, residual, norm.weight, norm.eps, gate_up_proj.weight, None
+            )
+            return ops.silu_mul_linear(gate_up, down_proj.weight), residual
         h = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
         return self.mlp(h, ops), residual
 
