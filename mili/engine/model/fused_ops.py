@@ -2,9 +2,11 @@
 
 Between its GEMMs a Qwen3 layer does elementwise work that torch runs as many small kernels
 (an RMSNorm alone is 6-8: cast, pow, mean, add, rsqrt, mul, cast, mul). `FusedOps` names that
-work as four ops, each one kernel in a fused implementation (the Mojo kernels in
-`kernels/fused/`); `TorchFusedOps` below is the one torch reference of each, the fallback on
-any device, and what the kernels are tested against. The model calls them per layer:
+work as a few ops, each one kernel in a fused implementation (the Mojo kernels in
+`kernels/fused/`), and the projections with it, which the GPU's gemv kernels fuse with the
+elementwise work on either side at decode's batch sizes; `TorchFusedOps` below is the one torch
+reference of each, the fallback on any device, and what the kernels are tested against. The
+model calls them per layer:
 
     qkv, residual = add_rms_norm_linear(x, residual, W_qkv)
                                        residual += x (layer 0: residual = x, the embeddings);
