@@ -184,6 +184,7 @@ fi
 unset OMP_NUM_THREADS
 if [[ $device == cuda ]]; then
   PARITY=()  # Qwen3-0.6B bf16, 6 sequences of 300 tokens, 12 steps
+  PARITY_GEMV=(--batch 3)  # decode at 3 rows: the gemv kernels' path (batch 1-4)
   ENGINE=(--batches "1,64,256" --steps 16 --warmup 2 --repeats 2)
   ENGINE_OVERLAP=(--batches "1,64" --steps 16 --warmup 2 --repeats 2 --prefill-batch 1)
   ATTENTION=()
@@ -205,6 +206,7 @@ if [[ $device == cuda ]]; then
     --repeats 2 --prefill-tokens 2048 --prefill-batch 1)
 else
   PARITY=(--dtype fp32 --batch 3 --prompt 40 --steps 4)
+  PARITY_GEMV=("${PARITY[@]}")
   ENGINE=(--batches "1,8" --steps 4 --warmup 1 --repeats 1 --context 64 --prefill-tokens 64
     --prefill-batch 2)
   ENGINE_OVERLAP=("${ENGINE[@]}")
@@ -224,6 +226,10 @@ fi
 common=(--device "$device" --preset "$preset" --cache-dir "$cache")
 piece engine.log "$(cap 75 60)" "$BUDGET" "$PY" benchmarks/engine_parity.py "${common[@]}" \
   "${PARITY[@]}"
+# Again at a batch the gemv kernels take (the projections fused with the norm and silu*mul):
+# the 6-row run above decodes on cuBLAS's GEMMs.
+piece engine.log "$(cap 45 30)" "$BUDGET" "$PY" benchmarks/engine_parity.py "${common[@]}" \
+  "${PARITY_GEMV[@]}"
 piece engine.log "$(cap 100 60)" "$BUDGET" "$PY" benchmarks/engine_gpu.py "${common[@]}" \
   --attention auto --no-hf --json "$tmp/engine.json" "${ENGINE[@]}"
 cat "$tmp/engine.json" >>"$out/engine.log" 2>/dev/null
