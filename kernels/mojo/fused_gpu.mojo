@@ -246,8 +246,9 @@ def gemv_norm_kernel[
     grid_order_start()  # grid_order_gpu.mojo: nothing is read before it
     comptime T = GEMV_MAX_TOKENS
     comptime VEC = 16 // size_of[dtype]()
+    # 16-byte aligned: the rows are read and written a 16-byte vector at a time
     var hs = stack_allocation[
-        T * GEMV_NORM_MAX_FEATURES, Scalar[dtype], address_space=AddressSpace.SHARED
+        T * GEMV_NORM_MAX_FEATURES, Scalar[dtype], alignment=16, address_space=AddressSpace.SHARED
     ]()
     var sums = stack_allocation[T * GEMV_WARPS, Float32, address_space=AddressSpace.SHARED]()
     var tid = Int(thread_idx.x)

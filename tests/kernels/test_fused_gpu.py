@@ -59,6 +59,9 @@ def test_build_fused_ptx_manifest(built_fused_ptx: Path) -> None:
                 check_signature(ptx.SIGNATURES, kernel, rec["params"])
                 assert ".local" not in text  # no per-thread arrays spilled to local memory
                 assert "griddepcontrol.wait" in text  # grid_order_gpu.mojo
+                if kernel == "gemv_norm":  # its rows move through shared memory 16 B at a time
+                    rows = ptx.GEMV_MAX_TOKENS * ptx.GEMV_NORM_MAX_FEATURES * 2
+                    assert re.search(rf"\.shared \.align 16 \.b8 \S+\[{rows}\]", text), text[:2000]
     assert not seen, f"unexpected manifest records {sorted(seen)}"
     assert sorted(p.name for p in built_fused_ptx.iterdir()) == sorted(
         [*(r["file"] for r in manifest["kernels"]), "manifest.json"]
