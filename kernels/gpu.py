@@ -321,7 +321,10 @@ class GpuKernels:
             return out
         max_context = dims.max_blocks * dims.block_size
         group = heads // kv_heads
-        if q.dtype in _TENSOR_CORE_DTYPES:
+        # paged_decode (bf16/fp16) merges its own splits; fp32's decode leaves that to
+        # decode_combine
+        paged = q.dtype in _TENSOR_CORE_DTYPES
+        if paged:
             per_cta = decode_group_size(group)  # paged_decode_g<per_cta>: all of G <= 8
             kernel = f"paged_decode_g{per_cta}"
             splits = num_splits or decode_splits(
@@ -345,7 +348,7 @@ class GpuKernels:
             scratch = self._split_scratch(device, rows * (head_dim + 1))
             part_o_ptr = scratch.data_ptr()
             part_lse_ptr = part_o_ptr + rows * head_dim * 4
-            if kernel != "decode":
+            if paged:
                 # paged_decode's counters [B, KVH * chunks]: its last split to finish merges
                 counters = self._split_scratch(device, num_seqs * kv_heads * chunks, torch.int32)
                 counters_ptr = counters.data_ptr()
@@ -365,11 +368,11 @@ class GpuKernels:
             "num_splits": splits,
             "scale_log2": scale * _LOG2E,
         }
-        if kernel != "decode":
+        if paged:
             values["counters"] = counters_ptr
         grid = (splits, kv_heads * chunks, num_seqs)
         self._launch(device, kernel, dtype, head_dim, grid, (THREADS, 1, 1), values)
-        if splits > 1 and kernel == "decode":  # fp32's decode leaves the merge to a second kernel
+        if splits > 1 and not paged:
             self._launch(
                 device,
                 "decode_combine",

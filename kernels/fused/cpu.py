@@ -9,7 +9,6 @@ not see them).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from kernels.cpu import CpuModuleBinding
 from kernels.fused.checks import (
@@ -18,7 +17,7 @@ from kernels.fused.checks import (
     check_qk_norm_rope,
     check_silu_mul,
 )
-from mili.engine.model.fused_ops import add_rms_norm_linear
+from mili.engine.model.fused_ops import FusedOps
 from mili.engine.model.grouped_gemm import grouped_gemm
 
 # Below this many bytes read and written, a call runs inline on the caller's thread: waking the
@@ -34,7 +33,7 @@ GROUPED_GEMM_ROWS = {torch.float32: (3, 32), torch.bfloat16: (1, 6), torch.float
 GROUPED_GEMM_MIN_BYTES = 192 << 20
 
 
-class CpuFusedKernels(CpuModuleBinding):
+class CpuFusedKernels(CpuModuleBinding, FusedOps):
     """`FusedOps` on CPU tensors (fp32, bf16, fp16; head_dim 64, 128, 256)."""
 
     name = "mojo"
@@ -142,25 +141,6 @@ class CpuFusedKernels(CpuModuleBinding):
                 (out.data_ptr(), gate_up.data_ptr()), (code, rows, width // 2, threads)
             )
         return out
-
-    def linear(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-    ) -> torch.Tensor:
-        return F.linear(x, weight, bias)  # oneDNN's GEMM: no Mojo kernel of ours measured faster
-
-    def silu_mul_linear(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.silu_mul(gate_up), weight)
-
-    def add_rms_norm_linear(
-        self,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        norm_weight: torch.Tensor,
-        eps: float,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return add_rms_norm_linear(self, x, residual, norm_weight, eps, weight, bias)
 
     def grouped_gemm(
         self, rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor

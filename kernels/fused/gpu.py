@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from kernels.cuda_driver import _MAX_GRID_X, _MAX_GRID_YZ, _make_driver, pack_arguments
 from kernels.fused.checks import check_norm, check_qk_norm_rope, check_silu_mul
@@ -32,7 +31,7 @@ from kernels.fused.ptx import (
 from kernels.gpu import _DTYPE_NAMES
 from kernels.manifest import load_manifest
 from kernels.ptx_entry import check_signature, parse_entries
-from mili.engine.model.fused_ops import add_rms_norm_linear
+from mili.engine.model.fused_ops import FusedOps
 from mili.engine.model.grouped_gemm import grouped_gemm
 
 
@@ -41,7 +40,7 @@ def pack(kernel: str, values: dict[str, int | float]) -> list[ctypes._SimpleCDat
     return pack_arguments(SIGNATURES, kernel, values)
 
 
-class GpuFusedKernels:
+class GpuFusedKernels(FusedOps):
     """`FusedOps` on CUDA tensors (fp32, bf16, fp16; head_dim 64, 128, 256)."""
 
     name = "mojo"
@@ -248,7 +247,7 @@ class GpuFusedKernels:
         fp16 without a bias (decode's steps; 16-byte aligned rows), torch's GEMM otherwise."""
         _require_cuda(x)
         if not (self.gemv and _takes_gemv(x, weight, bias)):
-            return F.linear(x, weight, bias)
+            return super().linear(x, weight, bias)
         tokens, in_features = x.shape
         out_features = weight.shape[0]
         out = torch.empty((tokens, out_features), dtype=x.dtype, device=x.device)
@@ -276,7 +275,7 @@ class GpuFusedKernels:
         _require_cuda(gate_up)
         fused = self.gemv and gate_up.dim() == 2 and gate_up.shape[1] % 2 == 0
         if not fused or not _takes_gemv(gate_up.chunk(2, dim=1)[0], weight, None, gate_up):
-            return self.linear(self.silu_mul(gate_up), weight, None)
+            return super().silu_mul_linear(gate_up, weight)
         rows, width = gate_up.shape
         out_features = weight.shape[0]
         out = torch.empty((rows, out_features), dtype=gate_up.dtype, device=gate_up.device)
@@ -321,7 +320,7 @@ class GpuFusedKernels:
             and (residual is None or _same_layout(residual, x))
         )
         if not fused:
-            return add_rms_norm_linear(self, x, residual, norm_weight, eps, weight, bias)
+            return super().add_rms_norm_linear(x, residual, norm_weight, eps, weight, bias)
         tokens, in_features = x.shape
         out_features = weight.shape[0]
         out = torch.empty((tokens, out_features), dtype=x.dtype, device=x.device)

@@ -54,7 +54,12 @@ from mili.engine.model.rope import apply_rope
 
 
 class FusedOps(Protocol):
-    """The elementwise ops between a layer's GEMMs; one implementation per device family."""
+    """The elementwise ops between a layer's GEMMs; one implementation per device family.
+
+    The projections (`linear`, `silu_mul_linear`, `add_rms_norm_linear`) have their one
+    composition here, F.linear and the family's own elementwise ops: implementations subclass
+    FusedOps and inherit it, and the GPU's overrides it with its gemv kernels where they apply.
+    """
 
     name: str
     # True where a call does no host sync and allocates only from torch's caching allocator on
@@ -102,12 +107,12 @@ class FusedOps(Protocol):
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
         """x [T, K], weight [N, K], bias [N] or None -> x @ weight.T (+ bias), [T, N]."""
-        ...
+        return F.linear(x, weight, bias)
 
     def silu_mul_linear(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """gate_up [T, 2 I], weight [N, I] -> linear(silu_mul(gate_up), weight), [T, N]: one
         kernel where the GPU's gemv makes the product as it reads it."""
-        ...
+        return self.linear(self.silu_mul(gate_up), weight, None)
 
     def add_rms_norm_linear(
         self,
@@ -122,7 +127,11 @@ class FusedOps(Protocol):
         h = rms_norm(r) * norm_weight; one kernel where the GPU's gemv norms its input itself.
         r may be residual itself, updated in place, or a new tensor: use the one returned. x
         must not be read afterwards."""
-        ...
+        if residual is None:
+            h, residual = self.rms_norm(x, norm_weight, eps), x
+        else:
+            h = self.add_rms_norm(x, residual, norm_weight, eps)
+        return self.linear(h, weight, bias), residual
 
     def grouped_gemm(
         self, rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor
@@ -144,24 +153,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x32.to(dtype)
 
 
-def add_rms_norm_linear(
-    ops: FusedOps,
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    norm_weight: torch.Tensor,
-    eps: float,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`FusedOps.add_rms_norm_linear` as `ops`' norm then its linear (residual in place)."""
-    if residual is None:
-        h, residual = ops.rms_norm(x, norm_weight, eps), x
-    else:
-        h = ops.add_rms_norm(x, residual, norm_weight, eps)
-    return ops.linear(h, weight, bias), residual
-
-
-class TorchFusedOps:
+class TorchFusedOps(FusedOps):
     """The reference: plain torch ops on any device and dtype (many kernels per op)."""
 
     name = "torch"
@@ -205,25 +197,6 @@ class TorchFusedOps:
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up  # HF's Qwen3MLP: act_fn(gate_proj(x)) * up_proj(x)
-
-    def linear(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-    ) -> torch.Tensor:
-        return F.linear(x, weight, bias)
-
-    def silu_mul_linear(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.silu_mul(gate_up), weight)
-
-    def add_rms_norm_linear(
-        self,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        norm_weight: torch.Tensor,
-        eps: float,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return add_rms_norm_linear(self, x, residual, norm_weight, eps, weight, bias)
 
     def grouped_gemm(
         self, rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor
