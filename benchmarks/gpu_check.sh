@@ -26,7 +26,8 @@
 #      with the Mojo kernels' launches overlapped); Qwen3-30B-A3B (random bf16 weights made
 #      on the device, all 48 layers: 57 GiB + 6 GiB of KV fit an 80 GB H100)
 #      decode TPOT at batch 1 and 10 and tok/s at 64, the engine alone (~45 s); attention
-#      TFLOP/s and GB/s against SDPA; the small-batch GEMVs' variants; `mili serve` TTFT at
+#      TFLOP/s and GB/s against SDPA; the small-batch GEMVs' variants; the sampler's device
+#      time; `mili serve` TTFT at
 #      concurrency 1 (512-token prompts) and tok/s at 64 and 256; cuda-ipc KV GB/s; the fused ops; the JSON-constrained decode step
 #      against the unconstrained one at batch 64; py-spy's profile of `mili serve` under load
 # Logs: every piece appends to one of 8 files under $OUT as it goes (the GPU host hands back at
@@ -189,6 +190,7 @@ if [[ $device == cuda ]]; then
   ENGINE_OVERLAP=(--batches "1,64" --steps 16 --warmup 2 --repeats 2 --prefill-batch 1)
   ATTENTION=()
   GEMV=()
+  SAMPLER=()
   SERVE=(--ttft-requests 30 --warmup 4 --concurrency "64,256")
   SERVE_C1=(--ttft-requests 30 --warmup 4)
   SERVE_FRONTENDS=(--frontends 4 --concurrency 256 --warmup 4)
@@ -212,6 +214,7 @@ else
   ENGINE_OVERLAP=("${ENGINE[@]}")
   ATTENTION=(--lengths 128 --decode 4x256 1x64 --iters 2)
   GEMV=(--preset tiny --repeats 2)
+  SAMPLER=(--batches "1,4" --repeats 2)
   SERVE=(--ttft-requests 3 --warmup 1 --concurrency 4 --output-tokens 16)
   SERVE_C1=(--ttft-requests 3 --warmup 1)
   SERVE_FRONTENDS=(--frontends 2 --concurrency 4 --output-tokens 16 --warmup 1)
@@ -248,6 +251,10 @@ piece attention.log "$(cap 50 40)" "$BUDGET" "$PY" benchmarks/attention_gpu.py -
 # (cuBLAS's backends, the weight as the left operand) reads them fastest, a graph per shape.
 piece attention.log "$(cap 40 30)" "$BUDGET" "$PY" benchmarks/gemv_gpu.py --device "$device" \
   "${GEMV[@]}"
+# Issue 33: the sampler's device time at batch 1, 64 and 256 (random, top-p, greedy rows),
+# beside the whole-row scan its inverse CDF no longer takes.
+piece engine.log "$(cap 30 30)" "$BUDGET" "$PY" benchmarks/sampler.py --device "$device" \
+  "${SAMPLER[@]}"
 # The engine and the services run --attention auto: a kernel this run is the first to try
 # (A1 says whether it passed) and that fails the start-up self-check falls back (that kernel
 # alone where its family can spare it: the split decode, the gemv; else its family to torch)

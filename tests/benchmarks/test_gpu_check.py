@@ -61,8 +61,8 @@ def test_every_piece_runs_and_passes_within_eight_files(check_out: Path) -> None
     run_log = (check_out / "run.log").read_text()
     started = re.findall(r"\] START cap \d+s: (.*)", run_log)
     ended = {command: rc for rc, command in re.findall(r"\] END exit (\d+)[^:]*: (.*)", run_log)}
-    # env, checkpoint, 3 kernel pieces, 3 test pieces, 15 in phase B
-    assert len(started) == 23, run_log
+    # env, checkpoint, 3 kernel pieces, 3 test pieces, 16 in phase B
+    assert len(started) == 24, run_log
     assert {command: ended.get(command) for command in started} == dict.fromkeys(started, "0")
     assert "SKIP" not in run_log
     assert "0 failed, 0 skipped" in run_log.splitlines()[-1]
@@ -106,6 +106,9 @@ def test_each_log_holds_measured_rows(check_out: Path) -> None:
     assert re.search(moe_header, engine, re.M)
     assert re.search(rf"^eager +batch +10: TPOT +{NUMBER} ms", engine, re.M)
     assert '"random_on_device": "True"' in engine
+    # the sampler's time per kind of row, and the whole-row scan beside it
+    for kind in ("random", "top-p", "greedy", "scan"):
+        assert re.search(rf"^batch +4 {kind} *: device +{NUMBER} ms", engine, re.M), kind
     # the JSON-constrained decode step against the unconstrained one, a row per model
     row = rf"^\| demo \(cpu, \d+ mask threads?\) \| 4 \| 3 \| {NUMBER} \| {NUMBER} \| {NUMBER}x \|"
     assert re.search(row, engine, re.M)

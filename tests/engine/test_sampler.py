@@ -14,6 +14,7 @@ from mili.engine.step.sampler import (
     apply_penalties,
     filter_logits,
     min_p_mask,
+    sample_inverse_cdf,
     top_k_mask,
     top_p_mask,
 )
@@ -392,6 +393,53 @@ def test_sampled_frequencies_match_softmax(params: SamplingParams, expected: lis
     assert max(token_ids) < len(expected)  # filtered tokens never drawn
     # 99.9% quantile of chi-square with 4 (resp. 2) degrees of freedom: 18.47 (13.82).
     assert chi_square(token_ids, expected) < {5: 18.47, 3: 13.82}[len(expected)]
+
+
+def drawn_by_definition(probs: torch.Tensor, u: torch.Tensor) -> list[int]:
+    """sample_inverse_cdf's rule over a whole row at once: the first token whose float64
+    cumulative probability exceeds u x the row's total."""
+    cdf = probs.double().cumsum(-1)
+    target = (u.double() * cdf[:, -1]).unsqueeze(-1)
+    return torch.searchsorted(cdf, target, right=True).squeeze(-1).tolist()
+
+
+@pytest.mark.parametrize("vocab", [7, 256, 805, 3 * 256])  # one block, whole blocks, a tail
+def test_inverse_cdf_in_blocks_draws_what_the_whole_row_cdf_draws(vocab: int) -> None:
+    g = torch.Generator().manual_seed(vocab)
+    dense = (torch.randn(512, vocab, generator=g) * 3).softmax(-1)
+    # Sparse rows (a constraint's mask): a few allowed tokens with whole blocks of 0 between
+    # them; half of them allow the last token too (in the tail where there is one).
+    sparse = torch.zeros(512, vocab)
+    for i, row in enumerate(sparse):
+        row[torch.randperm(vocab - 1, generator=g)[:3]] = torch.rand(3, generator=g) + 0.1
+        row[vocab - 1] = 0.5 * (i % 2)
+    probs = torch.cat([dense, sparse])
+    u = torch.rand(len(probs), dtype=torch.float64, generator=g)
+    for first in (0, 512):  # the extremes of u, dense and sparse
+        u[first : first + 16] = 0.0
+        u[first + 16 : first + 32] = 1 - 2**-53  # the largest u the sampler makes
+    drawn = sample_inverse_cdf(probs, u)
+    assert drawn.tolist() == drawn_by_definition(probs, u)
+    assert bool((probs.gather(1, drawn.unsqueeze(1)) > 0).all())  # never a 0-probability one
+
+
+def test_inverse_cdf_stays_inside_a_block_whose_float32_sum_rounds_up() -> None:
+    """The largest u picks the last allowed token, also where the float32 sum of its block is
+    above the float64 running sum of the block's tokens (the target would land past them)."""
+    g = torch.Generator().manual_seed(0)
+    probs = torch.zeros(256, 1024)
+    probs[:, 300:400] = torch.rand(256, 100, generator=g)  # the last token allowed: 399
+    rounds_up = probs[:, 256:512].sum(-1).double() > probs[:, 256:512].double().sum(-1)
+    assert rounds_up.any()  # the case this test is for
+    drawn = sample_inverse_cdf(probs, torch.full((256,), 1 - 2**-53, dtype=torch.float64))
+    assert drawn.tolist() == [399] * 256
+
+
+def test_inverse_cdf_keeps_a_nan_row_in_range() -> None:
+    probs = torch.full((2, 600), float("nan"))
+    probs[1] = 0  # no mass at all
+    drawn = sample_inverse_cdf(probs, torch.tensor([0.5, 0.5], dtype=torch.float64))
+    assert all(0 <= t < 600 for t in drawn.tolist())
 
 
 # -- logprobs -------------------------------------------------------------------------------------

@@ -54,6 +54,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from mili.engine.constraint.mask import FilledMask, apply_token_bitmask
 from mili.engine.sampling_params import SamplingParams
@@ -75,6 +76,8 @@ __all__ = [
 ]
 
 _MASK64 = (1 << 64) - 1
+# Columns a block of sample_inverse_cdf's two-level search: its [B, C] scan stays short.
+_CDF_BLOCK = 256
 
 
 def _step_seed(seed: int, position: int) -> int:
@@ -245,11 +248,39 @@ def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     The first token whose cumulative probability (float64) exceeds u x the row's total: a token
     of probability 0 is never chosen (its cumulative value equals its predecessor's), and the
     total absorbs the rounding of the softmax. -> [B] int64.
+
+    Found in two levels, without a running sum over whole rows (torch's scan of [B, V] rows
+    walks each row's V in turn on one CTA: most of a batch-64 step's sampling on a GPU, and
+    most of it on the CPU too): the running sum of the blocks' sums (_CDF_BLOCK columns each,
+    summed in float32) picks the block where the target falls, and only that block's [B, C]
+    running sum is taken, the target kept below its total: a rounding never carries it past
+    the block, and the token is always one of positive probability.
     """
-    cdf = probs.double().cumsum(-1)  # [B, V]
-    target = (u.double() * cdf[:, -1]).unsqueeze(-1)  # [B, 1], < the total
-    token_ids = torch.searchsorted(cdf, target, right=True).squeeze(-1)
-    return token_ids.clamp_(max=probs.shape[-1] - 1)
+    vocab = probs.shape[1]
+    full = vocab // _CDF_BLOCK
+    # [B, num_blocks] float32: blocks' sums (a view of the whole blocks; the tail its own)
+    sums = probs[:, : full * _CDF_BLOCK].unflatten(1, (full, _CDF_BLOCK)).sum(-1)
+    if full * _CDF_BLOCK < vocab:
+        sums = torch.cat([sums, probs[:, full * _CDF_BLOCK :].sum(-1, keepdim=True)], dim=1)
+    # [B, 1 + num_blocks]: the mass before each block, then the total
+    block_cdf = F.pad(sums.double().cumsum(-1), (1, 0))
+    total = block_cdf[:, -1:]
+    target = u.double().unsqueeze(-1) * total  # < total: u <= 1 - 2**-53 never rounds up to 1
+    # The last block whose mass before it is <= target: [B, 1] in [0, num_blocks)
+    # (The clamps keep a NaN row's indices in range: garbage, but no device-side fault.)
+    block = (torch.searchsorted(block_cdf, target, right=True) - 1).clamp_(0, sums.shape[1] - 1)
+    columns = block * _CDF_BLOCK + torch.arange(_CDF_BLOCK, device=probs.device)  # [B, C]
+    # Columns past the vocabulary read its last token again: a draw reaches them only where
+    # it picks that token (of positive probability), which the last clamp maps them back to.
+    chosen = probs.gather(1, columns.clamp(max=vocab - 1))
+    local_cdf = chosen.double().cumsum(-1)  # [B, C]
+    # The block's float32 sum may round above its float64 running sum: stay below the latter.
+    last = local_cdf[:, -1:]
+    rest = torch.minimum(
+        target - block_cdf.gather(1, block), torch.nextafter(last, last.new_zeros(()))
+    )
+    offset = torch.searchsorted(local_cdf, rest, right=True).clamp_(max=_CDF_BLOCK - 1)
+    return columns.gather(1, offset).squeeze(-1).clamp_(max=vocab - 1)
 
 
 # -- batch assembly -------------------------------------------------------------------------------

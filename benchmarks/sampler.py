@@ -1,0 +1,103 @@
+"""The sampler's device time per decode step (issue 33: "the sampler and the copies around the
+step"), on a Qwen3-sized vocabulary (151,669 tokenizer ids in 151,936 logit columns).
+
+For each batch and kind of row, `Sampler.launch` then its `.result()` on random float32 logits:
+
+    random    temperature 1 (the OpenAI default): softmax, then the inverse-CDF draw
+    top-p     temperature 0.7, top-p 0.95: one sort of each row for the filter, then the draw
+    greedy    temperature 0: argmax alone
+
+On CUDA "device" is the stream's time from before the launch to after it (CUDA events), the
+host's launch time beside it; on the CPU both are the call's wall time. The `scan` line times
+the inverse CDF's rule taken over whole rows, one float64 running sum of [B, V] and a search
+(the sampler did that until 2026-11-27; torch's innermost-dim scan walks each row in turn on
+one CTA): what the two-level search in `sample_inverse_cdf` replaced, in the same run.
+
+    python3 benchmarks/sampler.py --device cuda                     # GPU host, ~10 s
+    .venv/bin/python benchmarks/sampler.py --device cpu --batches 1,64 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mili.engine.sampling_params import SamplingParams
+from mili.engine.step.sampler import Sampler, SequenceSampling
+
+VOCAB = 151_669  # Qwen3's tokenizer ids
+COLUMNS = 151_936  # its logit rows
+KINDS = {
+    "random": SamplingParams(temperature=1.0),
+    "top-p": SamplingParams(temperature=0.7, top_p=0.95),
+    "greedy": SamplingParams(temperature=0.0),
+}
+
+
+def timed(fn: Callable[[], object], device: torch.device, repeats: int) -> tuple[float, float]:
+    """(device ms, host launch ms), medians over `repeats` calls after one warm-up."""
+    cuda = device.type == "cuda"
+    fn()
+    device_ms, host_ms = [], []
+    for _ in range(repeats):
+        if cuda:
+            torch.cuda.synchronize(device)
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+        t0 = time.perf_counter()
+        fn()
+        host_ms.append((time.perf_counter() - t0) * 1e3)
+        if cuda:
+            end.record()
+            end.synchronize()
+            device_ms.append(begin.elapsed_time(end))
+    return statistics.median(device_ms or host_ms), statistics.median(host_ms)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--batches", default="1,64,256", help="comma-separated")
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    sampler = Sampler(VOCAB)
+    print(f"sampler on {device}, vocabulary {VOCAB} of {COLUMNS} columns, float32 logits")
+    for batch in (int(b) for b in args.batches.split(",")):
+        logits = torch.randn(batch, COLUMNS, device=device) * 3
+        for kind, params in KINDS.items():
+            seqs = [SequenceSampling(params, [1, 2, 3], VOCAB) for _ in range(batch)]
+            device_ms, host_ms = timed(
+                functools.partial(draw, sampler, logits, seqs), device, args.repeats
+            )
+            print(
+                f"batch {batch:4} {kind:7}: device {device_ms:7.3f} ms, launch {host_ms:6.3f} ms",
+                flush=True,
+            )
+        probs = logits[:, :VOCAB].softmax(-1)
+        u = torch.rand(batch, dtype=torch.float64, device=device)
+        device_ms, _ = timed(functools.partial(whole_row_scan, probs, u), device, args.repeats)
+        print(f"batch {batch:4} scan   : device {device_ms:7.3f} ms (whole rows, before)")
+
+
+def draw(sampler: Sampler, logits: torch.Tensor, seqs: list[SequenceSampling]) -> None:
+    with torch.inference_mode():
+        sampler.launch(logits, seqs).result()
+
+
+def whole_row_scan(probs: torch.Tensor, u: torch.Tensor) -> None:
+    cdf = probs.double().cumsum(-1)  # [B, V]
+    torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True)
+
+
+if __name__ == "__main__":
+    main()
