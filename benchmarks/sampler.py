@@ -5,6 +5,8 @@ For each batch and kind of row, `Sampler.launch` then its `.result()` on random 
 
     random    temperature 1 (the OpenAI default): softmax, then the inverse-CDF draw
     top-p     temperature 0.7, top-p 0.95: one sort of each row for the filter, then the draw
+    qwen3     temperature 0.6, top-k 20, top-p 0.95 (Qwen3's recommended sampling): the filter
+              read off each row's 20 largest logits (torch.topk), then the draw
     greedy    temperature 0: argmax alone
 
 On CUDA "device" is the stream's time from before the launch to after it (CUDA events), the
@@ -39,6 +41,7 @@ COLUMNS = 151_936  # its logit rows
 KINDS = {
     "random": SamplingParams(temperature=1.0),
     "top-p": SamplingParams(temperature=0.7, top_p=0.95),
+    "qwen3": SamplingParams(temperature=0.6, top_k=20, top_p=0.95),  # its recommended sampling
     "greedy": SamplingParams(temperature=0.0),
 }
 

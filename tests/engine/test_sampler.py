@@ -11,12 +11,10 @@ from mili.engine.step.sampler import (
     Sampler,
     SamplingParams,
     SequenceSampling,
+    _filter_head,
     apply_penalties,
     filter_logits,
-    min_p_mask,
     sample_inverse_cdf,
-    top_k_mask,
-    top_p_mask,
 )
 from mili.errors import InvalidArgument
 from mili.rpc.sampling import sampling_params_to_proto
@@ -50,9 +48,30 @@ def run(sampler: Sampler, logits: torch.Tensor, seqs: list[SequenceSampling]) ->
 # -- masks ----------------------------------------------------------------------------------------
 
 
-def test_top_k_mask_exact_sets() -> None:
+def filtered(
+    logits: torch.Tensor,
+    *,
+    top_k: list[int] | None = None,
+    top_p: list[float] | None = None,
+    min_p: list[float] | None = None,
+    head_size: int | None = None,
+) -> list[set[int]]:
+    """Per row, the token positions filter_logits keeps; a filter not given is off."""
+    rows, vocab = logits.shape
+    out = filter_logits(
+        logits,
+        column(top_k or [vocab] * rows).long(),
+        column(top_p or [1.0] * rows),
+        column(min_p or [0.0] * rows),
+        head_size,
+    )
+    return kept(out.isinf())
+
+
+@pytest.mark.parametrize("head_size", [None, 5])  # a sort of whole rows, or topk's head
+def test_top_k_exact_sets(head_size: int | None) -> None:
     ks = [1, 2, 3, 5]
-    assert kept(top_k_mask(sorted_rows(PROBS, 4), column(ks))) == [
+    assert filtered(sorted_rows(PROBS, 4), top_k=ks, head_size=head_size) == [
         {0},
         {0, 1},
         {0, 1, 2},
@@ -60,16 +79,16 @@ def test_top_k_mask_exact_sets() -> None:
     ]
     # Ties with the k-th token are kept.
     ks = [1, 2, 4]
-    assert kept(top_k_mask(sorted_rows(TIED, 3), column(ks))) == [
+    assert filtered(sorted_rows(TIED, 3), top_k=ks, head_size=head_size) == [
         {0},
         {0, 1, 2},
         {0, 1, 2, 3, 4},
     ]
 
 
-def test_top_p_mask_exact_sets() -> None:
+def test_top_p_exact_sets() -> None:
     ps = [0.3, 0.6, 0.75, 0.9, 0.97, 1.0]
-    assert kept(top_p_mask(sorted_rows(PROBS, 6), column(ps))) == [
+    assert filtered(sorted_rows(PROBS, 6), top_p=ps) == [
         {0},
         {0, 1},
         {0, 1, 2},
@@ -80,18 +99,19 @@ def test_top_p_mask_exact_sets() -> None:
     # Ties with the last token of the nucleus are kept: 0.4 + 0.2 = 0.6 >= 0.5 would stop at
     # token 1, but token 2 has the same probability.
     ps = [0.5, 0.85]
-    assert kept(top_p_mask(sorted_rows(TIED, 2), column(ps))) == [{0, 1, 2}, {0, 1, 2, 3, 4}]
+    assert filtered(sorted_rows(TIED, 2), top_p=ps) == [{0, 1, 2}, {0, 1, 2, 3, 4}]
 
 
 def test_top_p_one_keeps_a_tail_that_float_cumsum_rounds_away() -> None:
     # cumsum reaches 1.0 in float32 long before these 1e-12 tokens.
     probs = torch.tensor([[0.999999] + [1e-12] * 100])
-    assert kept(top_p_mask(probs.log(), column([1.0]))) == [set(range(101))]
+    assert filtered(probs.log(), top_p=[1.0]) == [set(range(101))]
 
 
-def test_min_p_mask_exact_sets() -> None:
+@pytest.mark.parametrize("head_size", [None, 1])
+def test_min_p_exact_sets(head_size: int | None) -> None:
     ms = [0.0, 0.15, 0.25, 0.35, 0.5, 1.0]
-    assert kept(min_p_mask(sorted_rows(PROBS, 6), column(ms))) == [
+    assert filtered(sorted_rows(PROBS, 6), min_p=ms, head_size=head_size) == [
         {0, 1, 2, 3, 4},
         {0, 1, 2, 3},  # threshold 0.075
         {0, 1, 2},  # 0.125
@@ -99,9 +119,39 @@ def test_min_p_mask_exact_sets() -> None:
         {0},  # 0.25
         {0},
     ]
-    assert kept(min_p_mask(torch.tensor([[0.3, 0.3, 0.2, 0.1, 0.1]]).log(), column([1.0]))) == [
-        {0, 1}
-    ]
+    ties = torch.tensor([[0.3, 0.3, 0.2, 0.1, 0.1]]).log()
+    assert filtered(ties, min_p=[1.0], head_size=head_size) == [{0, 1}]
+
+
+def test_filters_read_off_the_topk_head_keep_what_a_sort_of_the_rows_keeps() -> None:
+    """bf16 logits (many ties, some with the k-th), rows a constraint masked down to fewer
+    tokens than their top-k, every filter on: the head of the largest top-k decides the same."""
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(256, 3000, generator=g) * 2).bfloat16().float()
+    logits[:32, 40:] = float("-inf")  # 40 tokens allowed: fewer than some rows' top-k
+    logits[32:64] = logits[32:64].round()  # many ties with the k-th
+    top_k = torch.randint(1, 61, (256, 1), generator=g)
+    top_p = torch.rand(256, 1, generator=g) * 0.8 + 0.2
+    top_p[::7] = 1.0
+    min_p = torch.rand(256, 1, generator=g) * 0.2
+    min_p[::3] = 0.0
+    whole = filter_logits(logits, top_k, top_p, min_p)
+    head = filter_logits(logits, top_k, top_p, min_p, head_size=60)
+    assert torch.equal(head.isinf(), whole.isinf())
+    kept_counts = (~whole.isinf()).sum(-1)
+    assert kept_counts.min() >= 1 and kept_counts.max() > 1  # the filters did work
+    assert bool((kept_counts[32:64] > top_k[32:64, 0]).any())  # ties past the k-th kept
+
+
+def test_filter_head_is_used_only_where_every_nucleus_lies_in_a_top_k() -> None:
+    v = 1000
+    top_k_20 = SamplingParams(top_k=20, top_p=0.95)
+    assert _filter_head([top_k_20, SamplingParams(top_k=50), SamplingParams(min_p=0.1)], v) == 50
+    assert _filter_head([SamplingParams(min_p=0.1)], v) == 1
+    assert _filter_head([top_k_20, SamplingParams(top_p=0.9)], v) is None  # top-p, no top-k
+    assert _filter_head([top_k_20, SamplingParams(temperature=0, top_p=0.9)], v) == 20  # greedy
+    assert _filter_head([SamplingParams(top_k=2000)], 5000) is None  # too large a head
+    assert _filter_head([SamplingParams(top_k=2000, top_p=0.5)], 1500) is None  # k = V: off
 
 
 def test_filter_logits_works_in_vocab_order_and_renormalizes_for_top_p() -> None:
