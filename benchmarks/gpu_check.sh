@@ -19,7 +19,7 @@
 #      the runner, with --require-kernels: missing or stale PTX fails, never skips; and the -m gpu
 #      tests of the paths added since (~20 s, in the shadow of the other two): the MoE experts'
 #      torch._grouped_mm = the naive loop and its CUDA graph replay, the constraint mask on CUDA
-#      = the CPU's numpy path and the sampler under it
+#      = the CPU's numpy path and the sampler under it; the sampler's draw and filters on CUDA
 #   B  one at a time, until BUDGET: the engine with Mojo attention + fused ops + CUDA graphs
 #      against the torch reference (teacher-forced, one line per step); engine speed (TPOT at
 #      batch 1, tok/s at 64 and 256, eager vs graphs, launches per step; then batch 1 and 64
@@ -166,7 +166,7 @@ chain_kernels=$!
 chain_tests=$!
 # The paths added since the plan was made: one short process, its log kept apart while the
 # tests chain writes tests.log, then appended to it (the host hands back 8 files).
-new_paths=(tests/engine/test_moe.py tests/engine/test_mask_gpu.py)
+new_paths=(tests/engine/test_moe.py tests/engine/test_mask_gpu.py tests/engine/test_sampler_gpu.py)
 if [[ $device == cuda ]]; then
   piece "$tmp/new-paths.log" 60 "$A_END" "${PYTEST[@]}" -m gpu "${new_paths[@]}" &
 else  # the GPU tests skip (the log says why) and the MoE file's CPU tests run, less the

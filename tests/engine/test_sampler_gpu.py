@@ -1,0 +1,82 @@
+"""The sampler's draw and filters on a CUDA device, on Qwen3-sized rows: the two-level inverse
+CDF draws what it draws on the CPU, and the filters read off torch.topk's head keep what a sort
+of the rows keeps (torch's CUDA topk and sort are other kernels than the CPU's).
+
+Marked gpu; benchmarks/gpu_check.sh runs it with the other new paths (last: a device-side
+fault would poison the process).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mili.engine.sampling_params import SamplingParams
+from mili.engine.step.sampler import Sampler, SequenceSampling, filter_logits, sample_inverse_cdf
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+VOCAB = 151_669  # Qwen3's tokenizer ids
+
+
+def rows(num_rows: int, seed: int) -> torch.Tensor:
+    """[num_rows, VOCAB] probabilities: half dense, half a constraint's few allowed tokens."""
+    g = torch.Generator().manual_seed(seed)
+    probs = (torch.randn(num_rows, VOCAB, generator=g) * 3).softmax(-1)
+    for row in probs[num_rows // 2 :]:
+        allowed = torch.randperm(VOCAB, generator=g)[:5]
+        row.zero_()[allowed] = torch.rand(5, generator=g) + 0.1
+    return probs
+
+
+@pytest.mark.parametrize("num_rows", [1, 64, 256])
+def test_inverse_cdf_on_cuda_draws_by_the_rule(num_rows: int) -> None:
+    """Each draw is the token where u x total falls in the row's float64 CDF (taken on the CPU,
+    in order), to a rounding of the block sums (float32, summed in another order on the
+    device), and never one of probability 0."""
+    probs = rows(num_rows, num_rows)
+    u = torch.rand(num_rows, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    u[:2] = torch.tensor([0.0, 1 - 2**-53], dtype=torch.float64)[: min(2, num_rows)]
+    drawn = sample_inverse_cdf(probs.cuda(), u.cuda()).cpu().unsqueeze(1)  # [B, 1]
+    cdf = probs.double().cumsum(-1)
+    target = (u * cdf[:, -1]).unsqueeze(1)
+    before = torch.where(drawn > 0, cdf.gather(1, (drawn - 1).clamp(min=0)), 0.0)
+    assert bool((before <= target + 1e-6).all() & (cdf.gather(1, drawn) > target - 1e-6).all())
+    assert bool((probs.gather(1, drawn) > 0).all())
+    exact = sample_inverse_cdf(probs, u).unsqueeze(1)
+    assert (exact == drawn).float().mean() > 0.95  # mostly the very same token as the CPU's
+
+
+def test_filters_from_the_topk_head_keep_what_the_sort_keeps_on_cuda() -> None:
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(64, VOCAB, generator=g) * 2).bfloat16().float()  # ties
+    logits[:8, 40:] = float("-inf")  # fewer allowed than some top-k
+    top_k = torch.randint(1, 61, (64, 1), generator=g)
+    top_p = torch.rand(64, 1, generator=g) * 0.8 + 0.2
+    min_p = torch.rand(64, 1, generator=g) * 0.1
+    args = [t.cuda() for t in (logits, top_k, top_p, min_p)]
+    whole = filter_logits(*args)
+    head = filter_logits(*args, head_size=60)
+    assert torch.equal(head.isinf(), whole.isinf())
+    kept = (~head.isinf()).sum(-1).cpu()
+    assert kept.min() >= 1 and kept.max() > 1  # the filters worked, and kept something
+
+
+def test_qwen3_sampling_draws_inside_each_rows_top_k_on_cuda() -> None:
+    params = SamplingParams(temperature=0.6, top_k=20, top_p=0.95)
+    seqs = [SequenceSampling(params, [1, 2], VOCAB) for _ in range(64)]
+    logits = torch.randn(64, 151_936, device="cuda") * 3
+    drawn = torch.tensor(Sampler(VOCAB)(logits, seqs).token_ids)
+    kth = logits[:, :VOCAB].topk(20, dim=-1).values[:, -1:].cpu()
+    assert bool((logits.cpu().gather(1, drawn.unsqueeze(1)) >= kth).all())
+    assert len(set(drawn.tolist())) > 1
+
+
+def test_a_nan_row_draws_in_range_without_a_device_fault() -> None:
+    probs = torch.full((2, VOCAB), float("nan"), device="cuda")
+    probs[1] = 0
+    drawn = sample_inverse_cdf(probs, torch.full((2,), 0.5, dtype=torch.float64, device="cuda"))
+    torch.cuda.synchronize()
+    assert all(0 <= t < VOCAB for t in drawn.tolist())
