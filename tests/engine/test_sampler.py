@@ -7,15 +7,8 @@ import pytest
 import torch
 
 from mili.engine.sampling_params import GREEDY_TEMPERATURE
-from mili.engine.step.sampler import (
-    Sampler,
-    SamplingParams,
-    SequenceSampling,
-    _filter_head,
-    apply_penalties,
-    filter_logits,
-    sample_inverse_cdf,
-)
+from mili.engine.step.distribution import apply_penalties, filter_logits, sample_inverse_cdf
+from mili.engine.step.sampler import Sampler, SamplingParams, SequenceSampling, _filter_head
 from mili.errors import InvalidArgument
 from mili.rpc.sampling import sampling_params_to_proto
 

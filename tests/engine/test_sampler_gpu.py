@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from mili.engine.sampling_params import SamplingParams
-from mili.engine.step.sampler import Sampler, SequenceSampling, filter_logits, sample_inverse_cdf
+from mili.engine.step.distribution import filter_logits, sample_inverse_cdf
+from mili.engine.step.sampler import Sampler, SequenceSampling
 
 pytestmark = [
     pytest.mark.gpu,

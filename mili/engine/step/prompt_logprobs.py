@@ -9,7 +9,7 @@ prefill chunk's hidden states a slice at a time.
 
 Logits of every position are [T, vocab] float32 (151,936 columns for Qwen3: 594 KiB a token), so
 they are made ROWS_PER_PASS rows at a time and reduced at once to (chosen, top-n) by the
-sampler's rule (sampler.raw_logprobs: the model's raw distribution over the tokenizer's ids,
+sampler's rule (distribution.raw_logprobs: the model's raw distribution over the tokenizer's ids,
 as for generated tokens): the peak is one pass's logits, whatever the chunk's length.
 """
 
@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from mili.engine.logprobs import TokenLogprobs
+from mili.engine.step.distribution import raw_logprobs
 from mili.engine.step.pinned import to_device
-from mili.engine.step.sampler import raw_logprobs
 
 if TYPE_CHECKING:
     from mili.engine.model.kv_cache import KVCache
