@@ -95,9 +95,9 @@ def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     of probability 0 is never chosen (its cumulative value equals its predecessor's), and the
     total absorbs the rounding of the softmax. -> [B] int64.
 
-    Found in two levels, without a running sum over whole rows (torch's scan of [B, V] rows
-    walks each row's V in turn on one CTA: most of a batch-64 step's sampling on a GPU, and
-    most of it on the CPU too): the running sum of the blocks' sums (_CDF_BLOCK columns each,
+    Found in two levels, without a running sum over whole rows (torch's CUDA scan of [B, V]
+    rows walks each row's tiles one after another on one CTA a row; docs/benchmarks.md,
+    "Sampler draw"): the running sum of the blocks' sums (_CDF_BLOCK columns each,
     summed in float32) picks the block where the target falls, and only that block's [B, C]
     running sum is taken, the target kept below its total: a rounding never carries it past
     the block, and the token is always one of positive probability.

@@ -76,7 +76,7 @@ __all__ = [
 
 _MASK64 = (1 << 64) - 1
 # The largest top-k whose filters are read off torch.topk's head instead of a sort of whole
-# rows (a [64, 151,669] sort took 0.33 s on the CPU, topk(1024) 23 ms).
+# rows (the sort was most of a filtered batch's sampling: docs/benchmarks.md, "Sampler draw").
 _MAX_FILTER_HEAD = 1024
 
 
