@@ -460,7 +460,7 @@ def test_inverse_cdf_in_blocks_draws_what_the_whole_row_cdf_draws(vocab: int) ->
     u = torch.rand(len(probs), dtype=torch.float64, generator=g)
     for first in (0, 512):  # the extremes of u, dense and sparse
         u[first : first + 16] = 0.0
-        u[first + 16 : first + 32] = 1 - 2**-53  # the largest u the sampler makes
+        u[first + 16 : first + 32] = 1 - 2**-53  # above any u the sampler makes (52 bits)
     drawn = sample_inverse_cdf(probs, u)
     assert drawn.tolist() == drawn_by_definition(probs, u)
     assert bool((probs.gather(1, drawn.unsqueeze(1)) > 0).all())  # never a 0-probability one

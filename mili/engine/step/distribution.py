@@ -111,7 +111,7 @@ def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     # [B, 1 + num_blocks]: the mass before each block, then the total
     block_cdf = F.pad(sums.double().cumsum(-1), (1, 0))
     total = block_cdf[:, -1:]
-    target = u.double().unsqueeze(-1) * total  # < total: u <= 1 - 2**-53 never rounds up to 1
+    target = u.double().unsqueeze(-1) * total  # < total: u * total never rounds up to it (u < 1)
     # The last block whose mass before it is <= target: [B, 1] in [0, num_blocks)
     # (The clamps keep a NaN row's indices in range: garbage, but no device-side fault.)
     block = (torch.searchsorted(block_cdf, target, right=True) - 1).clamp_(0, sums.shape[1] - 1)
