@@ -194,6 +194,7 @@ if [[ $device == cuda ]]; then
   SERVE=(--ttft-requests 30 --warmup 4 --concurrency "64,256")
   SERVE_C1=(--ttft-requests 30 --warmup 4)
   SERVE_FRONTENDS=(--frontends 4 --concurrency 256 --warmup 4)
+  SERVE_PREFILL=(--frontends 4 --concurrency 256 --warmup 4 --prefill-batch-tokens 8192)
   TTFT=(--requests 20 --warmup 4)
   TTFT_LOAD=(--requests 128 --concurrency 64 --output-tokens 128 --warmup 4)
   KV=(--receivers "decode,decode-shm" --repeats 3)
@@ -218,6 +219,8 @@ else
   SERVE=(--ttft-requests 3 --warmup 1 --concurrency 4 --output-tokens 16)
   SERVE_C1=(--ttft-requests 3 --warmup 1)
   SERVE_FRONTENDS=(--frontends 2 --concurrency 4 --output-tokens 16 --warmup 1)
+  SERVE_PREFILL=(--frontends 2 --concurrency 4 --output-tokens 16 --warmup 1
+    --prefill-batch-tokens 4096)
   TTFT=(--requests 3 --warmup 1)
   TTFT_LOAD=(--requests 8 --concurrency 4 --output-tokens 8 --warmup 1)
   KV=(--receivers "decode,decode-shm" --repeats 2 --prompt-len 256)
@@ -277,6 +280,11 @@ piece serve.log "$(cap 60 60)" "$BUDGET" "$PY" benchmarks/serve_gpu.py "${common
 # connections spread over them by the kernel.
 piece serve.log "$(cap 60 60)" "$BUDGET" "$PY" benchmarks/serve_gpu.py "${common[@]}" \
   --attention auto --ttft-requests 0 "${SERVE_FRONTENDS[@]}"
+# The same with prefill steps of up to 8192 tokens (the service's default 2048): run 6's prefill
+# step took ~38 ms for ~1.9k tokens where the engine's forward takes ~7 ms, a host cost per
+# layer more than per token, and prefill was busy ~80% of the saturated level.
+piece serve.log "$(cap 60 60)" "$BUDGET" "$PY" benchmarks/serve_gpu.py "${common[@]}" \
+  --attention auto --ttft-requests 0 "${SERVE_PREFILL[@]}"
 # Where one request's TTFT goes (issue 33's <= 30 ms), hop by hop from the services' spans:
 # `mili serve --trace-console`, 20 requests one at a time (benchmarks/ttft_trace.py). Before
 # the profile and ncu: it prints only once its server stopped, so a clipped run says nothing.

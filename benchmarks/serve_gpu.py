@@ -23,6 +23,8 @@ wait and TTFT, each with its count, and each process's CPU %); --json has it per
     python3 benchmarks/serve_gpu.py --concurrency '' --overlap-steps off   # decode's steps
                                                                  # not overlapped, c=1 only
     python3 benchmarks/serve_gpu.py --frontends 4 --ttft-requests 0 --concurrency 256
+    python3 benchmarks/serve_gpu.py --frontends 4 --ttft-requests 0 --concurrency 256 \
+        --prefill-batch-tokens 8192                # prefill steps of up to 8192 tokens
     python3 benchmarks/serve_gpu.py --device cpu --preset tiny --ttft-requests 3 --warmup 1 \
         --concurrency 4 --output-tokens 16          # a check of this script on any machine
 """
@@ -106,6 +108,13 @@ def main() -> int:
         help="mili serve --frontends N, on one port; the clients' connections spread over them "
         "(one frontend process streams ~8k tokens/s a core: run 4, docs/benchmarks.md)",
     )
+    parser.add_argument(
+        "--prefill-batch-tokens",
+        type=int,
+        default=None,
+        help="prefill's --max-batch-tokens (default: the service's): the tokens one prefill "
+        "step takes, whose host work per step is mostly per layer, not per token",
+    )
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE)
     parser.add_argument("--json", type=Path, default=None, metavar="OUT")
     args = parser.parse_args()
@@ -123,8 +132,16 @@ def main() -> int:
         "--decode-args",
         f"--max-running {max_running} --overlap-steps {args.overlap_steps}",
     ]
-    extra += ["--prefill-args", f"--max-queued-tokens {max(8192, 128 * args.prompt_tokens)}"]
-    result: dict[str, Any] = {"device": args.device, "prompt_tokens": args.prompt_tokens}
+    queued = max(8192, 128 * args.prompt_tokens, 4 * (args.prefill_batch_tokens or 0))
+    prefill_args = f"--max-queued-tokens {queued}"
+    if args.prefill_batch_tokens is not None:
+        prefill_args += f" --max-batch-tokens {args.prefill_batch_tokens}"
+    extra += ["--prefill-args", prefill_args]
+    result: dict[str, Any] = {
+        "device": args.device,
+        "prompt_tokens": args.prompt_tokens,
+        "prefill_batch_tokens": args.prefill_batch_tokens,
+    }
     with (
         servable(weights) as model_dir,
         mili_serve(
@@ -132,6 +149,7 @@ def main() -> int:
         ) as s,
     ):
         print(f"serving on {s.address} after {time.perf_counter() - started:.0f} s", flush=True)
+        print(f"prefill --max-batch-tokens: {args.prefill_batch_tokens or 'default'}")
         # Under --attention auto a kernel that failed its start-up self-check runs on torch:
         # these numbers are then torch's, and this line says so.
         result["kernels"] = kernels_served(s)

@@ -61,8 +61,8 @@ def test_every_piece_runs_and_passes_within_eight_files(check_out: Path) -> None
     run_log = (check_out / "run.log").read_text()
     started = re.findall(r"\] START cap \d+s: (.*)", run_log)
     ended = {command: rc for rc, command in re.findall(r"\] END exit (\d+)[^:]*: (.*)", run_log)}
-    # env, checkpoint, 3 kernel pieces, 3 test pieces, 16 in phase B
-    assert len(started) == 24, run_log
+    # env, checkpoint, 3 kernel pieces, 3 test pieces, 17 in phase B
+    assert len(started) == 25, run_log
     assert {command: ended.get(command) for command in started} == dict.fromkeys(started, "0")
     assert "SKIP" not in run_log
     assert "0 failed, 0 skipped" in run_log.splitlines()[-1]
@@ -138,12 +138,13 @@ def test_each_log_holds_measured_rows(check_out: Path) -> None:
     kernels = re.findall(
         r"^kernels: decode-0 attention (\w+), .*; prefill-0 attention (\w+)", serve, re.M
     )
-    assert kernels == [("mojo", "mojo")] * 3, serve
+    assert kernels == [("mojo", "mojo")] * 4, serve
     # concurrency 1 again, decode's steps not overlapped, for the side-by-side; and the
-    # saturated level again over two frontends
+    # saturated level again over two frontends, then with prefill steps of 4096 tokens
     assert len(re.findall(r"^concurrency 1 +TTFT p50 ", serve, re.M)) == 2, serve
-    assert len(re.findall(r"^concurrency 4 +TTFT p50 ", serve, re.M)) == 2, serve
-    assert re.search(r"CPU % .*frontend-0 \d+, frontend-1 \d+", serve), serve
+    assert len(re.findall(r"^concurrency 4 +TTFT p50 ", serve, re.M)) == 3, serve
+    assert len(re.findall(r"CPU % .*frontend-0 \d+, frontend-1 \d+", serve)) == 2, serve
+    assert "prefill --max-batch-tokens: 4096" in serve, serve
     # one request's TTFT milestone by milestone (ttft_trace.py), every one found
     assert "3 requests, 512-token prompts, 2 out, concurrency 1, cpu, tiny" in serve, serve
     assert "8 requests, 512-token prompts, 8 out, concurrency 4, cpu, tiny" in serve, serve
