@@ -10,10 +10,11 @@ For each batch and kind of row, `Sampler.launch` then its `.result()` on random 
     greedy    temperature 0: argmax alone
 
 On CUDA "device" is the stream's time from before the launch to after it (CUDA events), the
-host's launch time beside it; on the CPU both are the call's wall time. The `scan` line times
-the inverse CDF's rule taken over whole rows, one float64 running sum of [B, V] and a search
-(the sampler did that until 2026-11-27; torch's innermost-dim scan walks each row in turn on
-one CTA): what the two-level search in `sample_inverse_cdf` replaced, in the same run.
+host's launch time beside it; on the CPU both are the call's wall time. Then the inverse-CDF
+draw alone both ways on the same probabilities: `blocks`, the two levels the sampler takes
+(block sums pick the block), and `scan`, one float64 running sum over whole rows and a search
+(what it took until 2026-11-27, and still takes for a single CUDA row: torch's scan of one row
+is CUB's; of several, each row's tiles one after another on one CTA).
 
     python3 benchmarks/sampler.py --device cuda                     # GPU host, ~10 s
     .venv/bin/python benchmarks/sampler.py --device cpu --batches 1,64 --repeats 3
@@ -34,6 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mili.engine.sampling_params import SamplingParams
+from mili.engine.step.distribution import inverse_cdf_in_blocks, inverse_cdf_whole_rows
 from mili.engine.step.sampler import Sampler, SequenceSampling
 
 VOCAB = 151_669  # Qwen3's tokenizer ids
@@ -88,18 +90,17 @@ def main() -> None:
             )
         probs = logits[:, :VOCAB].softmax(-1)
         u = torch.rand(batch, dtype=torch.float64, device=device)
-        device_ms, _ = timed(functools.partial(whole_row_scan, probs, u), device, args.repeats)
-        print(f"batch {batch:4} scan   : device {device_ms:7.3f} ms (whole rows, before)")
+        for name, draw_fn in (("blocks", inverse_cdf_in_blocks), ("scan", inverse_cdf_whole_rows)):
+            device_ms, host_ms = timed(functools.partial(draw_fn, probs, u), device, args.repeats)
+            print(
+                f"batch {batch:4} {name:7}: device {device_ms:7.3f} ms, launch {host_ms:6.3f} ms",
+                flush=True,
+            )
 
 
 def draw(sampler: Sampler, logits: torch.Tensor, seqs: list[SequenceSampling]) -> None:
     with torch.inference_mode():
         sampler.launch(logits, seqs).result()
-
-
-def whole_row_scan(probs: torch.Tensor, u: torch.Tensor) -> None:
-    cdf = probs.double().cumsum(-1)  # [B, V]
-    torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True)
 
 
 if __name__ == "__main__":

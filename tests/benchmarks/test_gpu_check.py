@@ -107,7 +107,7 @@ def test_each_log_holds_measured_rows(check_out: Path) -> None:
     assert re.search(rf"^eager +batch +10: TPOT +{NUMBER} ms", engine, re.M)
     assert '"random_on_device": "True"' in engine
     # the sampler's time per kind of row, and the whole-row scan beside it
-    for kind in ("random", "top-p", "greedy", "scan"):
+    for kind in ("random", "top-p", "qwen3", "greedy", "blocks", "scan"):
         assert re.search(rf"^batch +4 {kind} *: device +{NUMBER} ms", engine, re.M), kind
     # the JSON-constrained decode step against the unconstrained one, a row per model
     row = rf"^\| demo \(cpu, \d+ mask threads?\) \| 4 \| 3 \| {NUMBER} \| {NUMBER} \| {NUMBER}x \|"

@@ -7,7 +7,13 @@ import pytest
 import torch
 
 from mili.engine.sampling_params import GREEDY_TEMPERATURE
-from mili.engine.step.distribution import apply_penalties, filter_logits, sample_inverse_cdf
+from mili.engine.step.distribution import (
+    apply_penalties,
+    filter_logits,
+    inverse_cdf_in_blocks,
+    inverse_cdf_whole_rows,
+    sample_inverse_cdf,
+)
 from mili.engine.step.sampler import Sampler, SamplingParams, SequenceSampling, _filter_head
 from mili.errors import InvalidArgument
 from mili.rpc.sampling import sampling_params_to_proto
@@ -438,14 +444,6 @@ def test_sampled_frequencies_match_softmax(params: SamplingParams, expected: lis
     assert chi_square(token_ids, expected) < {5: 18.47, 3: 13.82}[len(expected)]
 
 
-def drawn_by_definition(probs: torch.Tensor, u: torch.Tensor) -> list[int]:
-    """sample_inverse_cdf's rule over a whole row at once: the first token whose float64
-    cumulative probability exceeds u x the row's total."""
-    cdf = probs.double().cumsum(-1)
-    target = (u.double() * cdf[:, -1]).unsqueeze(-1)
-    return torch.searchsorted(cdf, target, right=True).squeeze(-1).tolist()
-
-
 @pytest.mark.parametrize("vocab", [7, 256, 805, 3 * 256])  # one block, whole blocks, a tail
 def test_inverse_cdf_in_blocks_draws_what_the_whole_row_cdf_draws(vocab: int) -> None:
     g = torch.Generator().manual_seed(vocab)
@@ -461,8 +459,9 @@ def test_inverse_cdf_in_blocks_draws_what_the_whole_row_cdf_draws(vocab: int) ->
     for first in (0, 512):  # the extremes of u, dense and sparse
         u[first : first + 16] = 0.0
         u[first + 16 : first + 32] = 1 - 2**-53  # above any u the sampler makes (52 bits)
-    drawn = sample_inverse_cdf(probs, u)
-    assert drawn.tolist() == drawn_by_definition(probs, u)
+    drawn = inverse_cdf_in_blocks(probs, u)
+    assert torch.equal(sample_inverse_cdf(probs, u), drawn)  # the CPU takes the blocks
+    assert drawn.tolist() == inverse_cdf_whole_rows(probs, u).tolist()
     assert bool((probs.gather(1, drawn.unsqueeze(1)) > 0).all())  # never a 0-probability one
 
 

@@ -8,11 +8,13 @@ fault would poison the process).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
 from mili.engine.sampling_params import SamplingParams
-from mili.engine.step.distribution import filter_logits, sample_inverse_cdf
+from mili.engine.step.distribution import filter_logits, inverse_cdf_in_blocks, sample_inverse_cdf
 from mili.engine.step.sampler import Sampler, SequenceSampling
 
 pytestmark = [
@@ -32,21 +34,24 @@ def rows(num_rows: int, seed: int) -> torch.Tensor:
     return probs
 
 
+@pytest.mark.parametrize("draw", [sample_inverse_cdf, inverse_cdf_in_blocks])  # 1 row: whole
 @pytest.mark.parametrize("num_rows", [1, 64, 256])
-def test_inverse_cdf_on_cuda_draws_by_the_rule(num_rows: int) -> None:
+def test_inverse_cdf_on_cuda_draws_by_the_rule(
+    num_rows: int, draw: Callable[..., torch.Tensor]
+) -> None:
     """Each draw is the token where u x total falls in the row's float64 CDF (taken on the CPU,
     in order), to a rounding of the block sums (float32, summed in another order on the
     device), and never one of probability 0."""
     probs = rows(num_rows, num_rows)
     u = torch.rand(num_rows, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     u[:2] = torch.tensor([0.0, 1 - 2**-53], dtype=torch.float64)[: min(2, num_rows)]
-    drawn = sample_inverse_cdf(probs.cuda(), u.cuda()).cpu().unsqueeze(1)  # [B, 1]
+    drawn = draw(probs.cuda(), u.cuda()).cpu().unsqueeze(1)  # [B, 1]
     cdf = probs.double().cumsum(-1)
     target = (u * cdf[:, -1]).unsqueeze(1)
     before = torch.where(drawn > 0, cdf.gather(1, (drawn - 1).clamp(min=0)), 0.0)
     assert bool((before <= target + 1e-6).all() & (cdf.gather(1, drawn) > target - 1e-6).all())
     assert bool((probs.gather(1, drawn) > 0).all())
-    exact = sample_inverse_cdf(probs, u).unsqueeze(1)
+    exact = draw(probs, u).unsqueeze(1)
     assert (exact == drawn).float().mean() > 0.95  # mostly the very same token as the CPU's
 
 

@@ -100,8 +100,17 @@ def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     "Sampler draw"): the running sum of the blocks' sums (_CDF_BLOCK columns each,
     summed in float32) picks the block where the target falls, and only that block's [B, C]
     running sum is taken, the target kept below its total: a rounding never carries it past
-    the block, and the token is always one of positive probability.
+    the block, and the token is always one of positive probability (`inverse_cdf_in_blocks`).
+    A single CUDA row is scanned whole instead (`inverse_cdf_whole_rows`): torch hands one row
+    to CUB's device-wide scan (no tiles in turn), one launch against the two levels' twenty-odd.
     """
+    if probs.shape[0] == 1 and probs.is_cuda:
+        return inverse_cdf_whole_rows(probs, u)
+    return inverse_cdf_in_blocks(probs, u)
+
+
+def inverse_cdf_in_blocks(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """sample_inverse_cdf's two levels: [B, V] probabilities and [B] uniforms -> [B] int64."""
     vocab = probs.shape[1]
     full = vocab // _CDF_BLOCK
     # [B, num_blocks] float32: blocks' sums (a view of the whole blocks; the tail its own)
@@ -127,6 +136,14 @@ def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     )
     offset = torch.searchsorted(local_cdf, rest, right=True).clamp_(max=_CDF_BLOCK - 1)
     return columns.gather(1, offset).squeeze(-1).clamp_(max=vocab - 1)
+
+
+def inverse_cdf_whole_rows(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """sample_inverse_cdf's rule by one float64 running sum of whole [B, V] rows and a search
+    (what a single CUDA row takes)."""
+    cdf = probs.double().cumsum(-1)  # [B, V]
+    target = (u.double() * cdf[:, -1]).unsqueeze(-1)  # [B, 1], < the total
+    return torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_(max=probs.shape[1] - 1)
 
 
 def raw_logprobs(
