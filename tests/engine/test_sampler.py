@@ -477,6 +477,16 @@ def test_inverse_cdf_stays_inside_a_block_whose_float32_sum_rounds_up() -> None:
     assert drawn.tolist() == [399] * 256
 
 
+def test_filters_keep_a_nan_row_in_range() -> None:
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    logits[1] = float("nan")
+    ones = torch.ones(3, 1)
+    for head_size in (None, 5):
+        out = filter_logits(logits, torch.full((3, 1), 5), 0.9 * ones, 0 * ones, head_size)
+        kept = (~out[[0, 2]].isinf()).sum(-1)
+        assert bool(((kept >= 1) & (kept <= 5)).all())  # the other rows filtered as ever
+
+
 def test_inverse_cdf_keeps_a_nan_row_in_range() -> None:
     probs = torch.full((2, 600), float("nan"))
     probs[1] = 0  # no mass at all

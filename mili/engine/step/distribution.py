@@ -84,7 +84,8 @@ def filter_logits(
         total += past * (kept - top).exp()
     mass_before = (weights.cumsum(-1) - weights) / total  # 0 for the top token
     num_kept = (head_kept & (mass_before < top_p)).sum(-1, keepdim=True)  # >= 1
-    cutoff = head.gather(-1, num_kept - 1)  # [B, 1], >= kept
+    # (0 only in a NaN row, whose draw is garbage anyway: kept in range, no device fault)
+    cutoff = head.gather(-1, num_kept.clamp_(min=1) - 1)  # [B, 1], >= kept
     return logits.masked_fill(logits < torch.where(top_p < 1, cutoff, kept), float("-inf"))
 
 
