@@ -176,13 +176,18 @@ def _has_filters(p: SamplingParams) -> bool:
     return p.top_k != 0 or p.top_p < 1 or p.min_p > 0
 
 
+def _top_k(p: SamplingParams, vocab_size: int) -> int:
+    """The row's top-k as the filters take it: at most the vocabulary, and 0 (off) = V."""
+    return min(p.top_k, vocab_size) or vocab_size
+
+
 def _filter_head(params: Sequence[SamplingParams], vocab_size: int) -> int | None:
     """How many of each row's largest logits `filter_logits` reads its thresholds off: the
     largest top-k of the sampled rows, where every one with top-p has a top-k and none is
     above _MAX_FILTER_HEAD (None: sort whole rows). Greedy rows' filters do not count: their
     draw is discarded."""
     sampled = [p for p in params if not p.is_greedy]
-    ks = [min(p.top_k, vocab_size) or vocab_size for p in sampled]
+    ks = [_top_k(p, vocab_size) for p in sampled]
     if any(k == vocab_size and p.top_p < 1 for k, p in zip(ks, sampled, strict=True)):
         return None
     n = max((k for k in ks if k < vocab_size), default=1)
@@ -246,7 +251,7 @@ def _param_rows(seqs: Sequence[SequenceSampling], vocab_size: int) -> list[list[
     params = [s.params for s in seqs]
     return [
         [0.0 if p.is_greedy else p.temperature for p in params],  # greedy rows: exactly 0
-        [min(p.top_k, vocab_size) or vocab_size for p in params],
+        [_top_k(p, vocab_size) for p in params],
         [p.top_p for p in params],
         [p.min_p for p in params],
         [p.repetition_penalty for p in params],
