@@ -18,6 +18,7 @@ is CUB's; of several, each row's tiles one after another on one CTA).
 
     python3 benchmarks/sampler.py --device cuda                     # GPU host, ~10 s
     .venv/bin/python benchmarks/sampler.py --device cpu --batches 1,64 --repeats 3
+    .venv/bin/python benchmarks/sampler.py --device cpu --batches 64 --vocab 64 --repeats 200
 """
 
 from __future__ import annotations
@@ -73,14 +74,23 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--batches", default="1,64,256", help="comma-separated")
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument(
+        "--vocab",
+        type=int,
+        default=VOCAB,
+        help="tokenizer ids (Qwen3's by default; a small one, 64 say, leaves the ops nothing to "
+        "do: the launch column is then what dispatching them costs)",
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
-    sampler = Sampler(VOCAB)
-    print(f"sampler on {device}, vocabulary {VOCAB} of {COLUMNS} columns, float32 logits")
+    vocab = args.vocab
+    columns = COLUMNS if vocab == VOCAB else vocab
+    sampler = Sampler(vocab)
+    print(f"sampler on {device}, vocabulary {vocab} of {columns} columns, float32 logits")
     for batch in (int(b) for b in args.batches.split(",")):
-        logits = torch.randn(batch, COLUMNS, device=device) * 3
+        logits = torch.randn(batch, columns, device=device) * 3
         for kind, params in KINDS.items():
-            seqs = [SequenceSampling(params, [1, 2, 3], VOCAB) for _ in range(batch)]
+            seqs = [SequenceSampling(params, [1, 2, 3], vocab) for _ in range(batch)]
             device_ms, host_ms = timed(
                 functools.partial(draw, sampler, logits, seqs), device, args.repeats
             )
@@ -88,7 +98,7 @@ def main() -> None:
                 f"batch {batch:4} {kind:7}: device {device_ms:7.3f} ms, launch {host_ms:6.3f} ms",
                 flush=True,
             )
-        probs = logits[:, :VOCAB].softmax(-1)
+        probs = logits[:, :vocab].softmax(-1)
         u = torch.rand(batch, dtype=torch.float64, device=device)
         for name, draw_fn in (("blocks", inverse_cdf_in_blocks), ("scan", inverse_cdf_whole_rows)):
             device_ms, host_ms = timed(functools.partial(draw_fn, probs, u), device, args.repeats)
