@@ -254,8 +254,9 @@ piece attention.log "$(cap 50 40)" "$BUDGET" "$PY" benchmarks/attention_gpu.py -
 # (cuBLAS's backends, the weight as the left operand) reads them fastest, a graph per shape.
 piece attention.log "$(cap 40 30)" "$BUDGET" "$PY" benchmarks/gemv_gpu.py --device "$device" \
   "${GEMV[@]}"
-# Issue 33: the sampler's device time at batch 1, 64 and 256 (random, top-p, greedy rows),
-# beside the whole-row scan its inverse CDF no longer takes.
+# Issues 33 and 31: the sampler's device and launch time at batch 1, 64 and 256 (random, top-p,
+# qwen3, greedy, masked rows), each eager and replayed from a sampler graph, beside the
+# whole-row scan its inverse CDF no longer takes.
 piece engine.log "$(cap 30 30)" "$BUDGET" "$PY" benchmarks/sampler.py --device "$device" \
   "${SAMPLER[@]}"
 # The engine and the services run --attention auto: a kernel this run is the first to try

@@ -8,9 +8,14 @@ For each batch and kind of row, `Sampler.launch` then its `.result()` on random 
     qwen3     temperature 0.6, top-k 20, top-p 0.95 (Qwen3's recommended sampling): the filter
               read off each row's 20 largest logits (torch.topk), then the draw
     greedy    temperature 0: argmax alone
+    masked    temperature 1 under a constraint's mask on every row (a random quarter of the
+              ids allowed, in pinned int32 words as decode's masker hands them over)
 
-On CUDA "device" is the stream's time from before the launch to after it (CUDA events), the
-host's launch time beside it; on the CPU both are the call's wall time. Then the inverse-CDF
+On CUDA each kind is timed twice: launched eagerly, then as decode's graph steps launch it,
+replayed from a CUDA graph (`+graph`: mili/engine/step/sampler_graphs.py, over a static logits
+buffer like the decode graphs'; two launches first, the eager one and the capture). "device"
+is the stream's time from before the launch to after it (CUDA events), the host's launch time
+beside it; on the CPU both are the call's wall time. Then the inverse-CDF
 draw alone both ways on the same probabilities: `blocks`, the two levels the sampler takes
 (block sums pick the block), and `scan`, one float64 running sum over whole rows and a search
 (what it took until 2026-11-27, and still takes for a single CUDA row: torch's scan of one row
@@ -35,9 +40,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from mili.engine.constraint.mask import FilledMask
 from mili.engine.sampling_params import SamplingParams
 from mili.engine.step.distribution import inverse_cdf_in_blocks, inverse_cdf_whole_rows
-from mili.engine.step.sampler import Sampler, SequenceSampling
+from mili.engine.step.sampler import PendingSample, Sampler, SequenceSampling
+from mili.engine.step.sampler_graphs import SamplerGraphs
 
 VOCAB = 151_669  # Qwen3's tokenizer ids
 COLUMNS = 151_936  # its logit rows
@@ -46,13 +53,17 @@ KINDS = {
     "top-p": SamplingParams(temperature=0.7, top_p=0.95),
     "qwen3": SamplingParams(temperature=0.6, top_k=20, top_p=0.95),  # its recommended sampling
     "greedy": SamplingParams(temperature=0.0),
+    "masked": SamplingParams(temperature=1.0),
 }
 
 
-def timed(fn: Callable[[], object], device: torch.device, repeats: int) -> tuple[float, float]:
-    """(device ms, host launch ms), medians over `repeats` calls after one warm-up."""
+def timed(
+    fn: Callable[[], object], device: torch.device, repeats: int, warm_up: int = 1
+) -> tuple[float, float]:
+    """(device ms, host launch ms), medians over `repeats` calls after `warm_up` calls."""
     cuda = device.type == "cuda"
-    fn()
+    for _ in range(warm_up):
+        fn()
     device_ms, host_ms = [], []
     for _ in range(repeats):
         if cuda:
@@ -86,31 +97,55 @@ def main() -> None:
     vocab = args.vocab
     columns = COLUMNS if vocab == VOCAB else vocab
     sampler = Sampler(vocab)
+    batches = [int(b) for b in args.batches.split(",")]
+    cuda = device.type == "cuda"
+    # The decode graphs' static logits, and a sampler graph per batch and kind over them
+    static = torch.empty(max(batches), columns, device=device) if cuda else None
+    graphs = SamplerGraphs(sampler, static, tuple(sorted(batches))) if static is not None else None
+    words = (columns + 31) // 32
+    mask_buffer = torch.zeros((max(batches), words), dtype=torch.int32, pin_memory=cuda)
     print(f"sampler on {device}, vocabulary {vocab} of {columns} columns, float32 logits")
-    for batch in (int(b) for b in args.batches.split(",")):
+    for batch in batches:
         logits = torch.randn(batch, columns, device=device) * 3
+        bits = torch.randint(-(2**31), 2**31, (2, batch, words), dtype=torch.int64)
+        mask_buffer[:batch] = (bits[0] & bits[1]).int()  # a quarter of the bits set
+        mask = FilledMask(mask_buffer[:batch], list(range(batch)))
         for kind, params in KINDS.items():
             seqs = [SequenceSampling(params, [1, 2, 3], vocab) for _ in range(batch)]
-            device_ms, host_ms = timed(
-                functools.partial(draw, sampler, logits, seqs), device, args.repeats
-            )
-            print(
-                f"batch {batch:4} {kind:7}: device {device_ms:7.3f} ms, launch {host_ms:6.3f} ms",
-                flush=True,
-            )
+            masked = mask if kind == "masked" else None
+            runs = [(kind, functools.partial(draw, sampler.launch, logits, seqs, masked), 1)]
+            if graphs is not None and static is not None:
+                static[:batch] = logits
+                launch = functools.partial(draw, graphs.launch, static[:batch], seqs, masked)
+                runs.append((f"{kind}+graph", launch, 2))
+            for name, fn, warm_up in runs:
+                device_ms, host_ms = timed(fn, device, args.repeats, warm_up)
+                print(
+                    f"batch {batch:4} {name:12}: device {device_ms:7.3f} ms, "
+                    f"launch {host_ms:6.3f} ms",
+                    flush=True,
+                )
+        if graphs is not None:
+            print(f"batch {batch:4} sampler graphs: {graphs.num_graphs}, "
+                  f"replays {graphs.num_replays}", flush=True)  # fmt: skip
         probs = logits[:, :vocab].softmax(-1)
         u = torch.rand(batch, dtype=torch.float64, device=device)
         for name, draw_fn in (("blocks", inverse_cdf_in_blocks), ("scan", inverse_cdf_whole_rows)):
             device_ms, host_ms = timed(functools.partial(draw_fn, probs, u), device, args.repeats)
             print(
-                f"batch {batch:4} {name:7}: device {device_ms:7.3f} ms, launch {host_ms:6.3f} ms",
+                f"batch {batch:4} {name:12}: device {device_ms:7.3f} ms, launch {host_ms:6.3f} ms",
                 flush=True,
             )
 
 
-def draw(sampler: Sampler, logits: torch.Tensor, seqs: list[SequenceSampling]) -> None:
+def draw(
+    launch: Callable[..., PendingSample],
+    logits: torch.Tensor,
+    seqs: list[SequenceSampling],
+    mask: FilledMask | None,
+) -> None:
     with torch.inference_mode():
-        sampler.launch(logits, seqs).result()
+        launch(logits, seqs, mask).result()
 
 
 if __name__ == "__main__":

@@ -176,3 +176,42 @@ def test_graph_steps_launched_ahead_give_the_eager_greedy_tokens(
     assert ahead_tokens == eager_tokens, describe_divergence(
         eager_tokens, ahead_tokens, eager_logits, names=("eager", "graph ahead")
     )
+
+
+@pytest.mark.parametrize("batch", [1, 17])
+def test_sampled_graph_steps_draw_what_eager_sampling_draws(
+    cuda_model: Qwen3ForCausalLM, batch: int
+) -> None:
+    """Seeded temperature-1 and Qwen3-style rows, decoded with graphs: the sampling's graphs
+    (sampler_graphs.py, replayed from the third step of a batch size on) draw the tokens the
+    eager sampler draws on the same runner."""
+    num_blocks = 64 * blocks_needed(40 + MAX_TOKENS, BLOCK_SIZE)
+    runner = ModelRunner.create(cuda_model, num_blocks, BLOCK_SIZE, max_decode_batch=64)
+    assert runner.capture_graphs(), "the capture failed (see the warning)"
+    assert runner.sampler_graphs is not None
+    vocab_size = cuda_model.config.vocab_size
+    params = [
+        SamplingParams(temperature=1.0, seed=7, max_tokens=MAX_TOKENS),
+        SamplingParams(temperature=0.6, top_k=20, top_p=0.95, seed=8, max_tokens=MAX_TOKENS),
+    ]
+    sampler_graphs = runner.sampler_graphs
+    outputs = []
+    for graphs in (sampler_graphs, None):
+        runner.sampler_graphs = graphs
+        pool = BlockPool(runner.num_blocks, null_block=True)
+        seqs = []
+        for i in range(batch):
+            s = Sequence.new([5 + i, 6, 7], params[i % 2], vocab_size=vocab_size, eos_token_ids=[])
+            s.block_table = pool.allocate(blocks_needed(3 + MAX_TOKENS, BLOCK_SIZE))
+            seqs.append(s)
+        logits = runner.prefill([s.prompt_token_ids for s in seqs], [s.block_table for s in seqs],
+                                [0] * batch)  # fmt: skip
+        for s, t in zip(seqs, runner.sample(logits, [s.sampling for s in seqs]).result().token_ids,
+                        strict=True):  # fmt: skip
+            s.append(t)
+        while active := [s for s in seqs if not s.is_finished]:
+            for s, t in zip(active, runner.decode(active).result().token_ids, strict=True):
+                s.append(t)
+        outputs.append([s.output_token_ids for s in seqs])
+    assert outputs[0] == outputs[1]
+    assert sampler_graphs.num_replays >= MAX_TOKENS - 3  # steps 3 on of the decode loop

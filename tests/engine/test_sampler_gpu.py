@@ -86,3 +86,45 @@ def test_a_nan_row_draws_in_range_without_a_device_fault() -> None:
     drawn = sample_inverse_cdf(probs, torch.full((2,), 0.5, dtype=torch.float64, device="cuda"))
     torch.cuda.synchronize()
     assert all(0 <= t < VOCAB for t in drawn.tolist())
+
+
+def test_sampler_graphs_replay_what_the_eager_launch_draws() -> None:
+    """SamplerGraphs over a static logits buffer, as the decode graphs hand it over: a key's
+    first batch eager, its second captured (and checked), the rest replayed; each batch's
+    tokens the eager launch's on the same logits, with the parameters (seeds, positions) and
+    the mask rows of that batch, whatever the padded rows hold (NaN here)."""
+    from mili.engine.constraint.mask import FilledMask
+    from mili.engine.step.sampler_graphs import SamplerGraphs
+
+    model_rows = 151_936
+    sizes = (1, 2, 4, 8, 16, 24)
+    static = torch.full((24, model_rows), float("nan"), device="cuda")
+    sampler = Sampler(VOCAB)
+    graphs = SamplerGraphs(sampler, static, sizes)
+    words = (model_rows + 31) // 32
+    buffer = torch.zeros((24, words), dtype=torch.int32, pin_memory=True)  # the masker's
+    g = torch.Generator().manual_seed(0)
+    kinds = {
+        "random": SamplingParams(temperature=1.0, seed=1),
+        "qwen3": SamplingParams(temperature=0.6, top_k=20, top_p=0.95, seed=2),
+        "top-p": SamplingParams(temperature=0.8, top_p=0.9, seed=3),
+        "greedy": SamplingParams(temperature=0.0),
+    }
+    cases = [("random", 1, False), ("random", 5, True), ("qwen3", 17, False),
+             ("top-p", 3, True), ("greedy", 2, True)]  # fmt: skip
+    for kind, n, masked in cases:
+        seqs = [SequenceSampling(kinds[kind], [1, 2], VOCAB) for _ in range(n)]
+        for _ in range(4):  # eager, capture, replay, replay
+            static[:n] = torch.randn(n, model_rows, generator=g).mul_(3).cuda()
+            mask = None
+            if masked:  # a random quarter of the ids allowed, in every row
+                bits = torch.randint(-(2**31), 2**31, (n, words), generator=g, dtype=torch.int64)
+                buffer[:n] = (bits & torch.randint(-(2**31), 2**31, bits.shape, generator=g)).int()
+                mask = FilledMask(buffer[:n], list(range(n)))
+            eager = sampler.launch(static[:n].clone(), seqs, mask).result().token_ids
+            got = graphs.launch(static[:n], seqs, mask).result().token_ids
+            assert got == eager, (kind, n, masked)
+            for s, t in zip(seqs, got, strict=True):
+                s.append(t)
+    assert graphs.num_graphs == len(cases)
+    assert graphs.num_replays == 2 * len(cases)

@@ -12,8 +12,9 @@ waits for Python. A graph replays all of them with one launch. What a graph need
   attention backend says so with `is_graph_safe` (mili.engine.model.attention), else no graphs.
 
 Sizes are captured largest first into one memory pool, so the smaller graphs reuse the
-largest one's intermediate memory. Sampling stays outside the graphs (eager): its work depends
-on the batch's sampling parameters, and a greedy batch needs only an argmax.
+largest one's intermediate memory. Sampling is not in these graphs (its work depends on the
+batch's sampling parameters): sampler_graphs.py keeps graphs of it per batch size and plan,
+which read the logits from the static buffer.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class DecodeGraphs:
         self, graphs: dict[int, torch.cuda.CUDAGraph], logits: torch.Tensor, memory_bytes: int
     ) -> None:
         self._graphs = graphs
-        self._logits = logits  # [max_rows, vocab] float32, written by every graph
+        self.logits = logits  # [max_rows, vocab] float32, written by every graph
         self.batch_sizes = tuple(sorted(graphs))
         self.memory_bytes = memory_bytes  # device memory the capture took (pool + logits)
 
@@ -90,4 +91,4 @@ class DecodeGraphs:
     def replay(self, size: int) -> torch.Tensor:
         """Run the graph of `size` on what the static inputs hold now: logits [size, vocab]."""
         self._graphs[size].replay()
-        return self._logits[:size]
+        return self.logits[:size]

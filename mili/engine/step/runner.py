@@ -12,7 +12,9 @@ are free is not its business: the services' bookkeeping holds a
     prefill_step(chunks, prompt_logprobs=asks)    the same, with the asking chunks' prompt
         -> PrefillOutput                          logprobs (a pass of logits at a time)
     decode(seqs)    -> PendingSample              inputs staged into static buffers, graph
-                                                  replay (or eager), sampling; no host sync
+                                                  replay (or eager), sampling (a graph replay
+                                                  too where sampler_graphs has one); no host
+                                                  sync (but a sampler graph's capture)
     decode_logits(seqs, ahead=Launched(...))      the forward alone, launched before the
                                                   previous step's ids reach the host: rows in
                                                   both feed its ids; sample() once appended
@@ -60,6 +62,7 @@ from mili.engine.step.prompt_logprobs import (
     prefill_with_prompt_logprobs,
 )
 from mili.engine.step.sampler import PendingSample, Sampler, SequenceSampling
+from mili.engine.step.sampler_graphs import SamplerGraphs
 from mili.engine.step.sequence import Sequence as EngineSequence
 from mili.engine.step.startup import (
     check_device_fits,
@@ -125,6 +128,7 @@ class ModelRunner:
             self.batch_sizes[-1], width, self.block_size, self.null_block_id, model.device
         )
         self.sampler = Sampler(self.vocab_size)
+        self.sampler_graphs: SamplerGraphs | None = None  # with the decode graphs
         self.graphs: DecodeGraphs | None = None
 
     @classmethod
@@ -248,7 +252,7 @@ class ModelRunner:
         `decode_logits` (launched ahead, before this sample's result is in) overwrites. Sampling
         on another stream or thread, or reading the logits lazily in `result()`, would race it."""
         with torch.inference_mode():  # no autograd bookkeeping on the host's path
-            return self.sampler.launch(logits, seqs, mask)
+            return self._launch_sample(logits, seqs, mask)
 
     def decode(
         self,
@@ -267,7 +271,19 @@ class ModelRunner:
         with torch.inference_mode():
             logits = self.decode_logits(seqs)
             mask = masks.result() if isinstance(masks, Future) else masks
-            return self.sampler.launch(logits, [s.sampling for s in seqs], mask)
+            return self._launch_sample(logits, [s.sampling for s in seqs], mask)
+
+    def _launch_sample(
+        self,
+        logits: torch.Tensor,
+        seqs: Sequence[SequenceSampling],
+        mask: FilledMask | None,
+    ) -> PendingSample:
+        """The sampler's launch, as a graph replay where the logits are the decode graphs' and
+        one applies (sampler_graphs.py)."""
+        if self.sampler_graphs is not None:
+            return self.sampler_graphs.launch(logits, list(seqs), mask)
+        return self.sampler.launch(logits, seqs, mask)
 
     def decode_logits(
         self,
@@ -350,6 +366,8 @@ class ModelRunner:
                 e,
             )
             return False
+        # The sampling of graph steps, captured as batches come (sampler_graphs.py)
+        self.sampler_graphs = SamplerGraphs(self.sampler, self.graphs.logits, self.batch_sizes)
         return True
 
     def warm_up(self, max_prefill_tokens: int | None, *, full_width: bool) -> None:

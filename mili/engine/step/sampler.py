@@ -52,6 +52,7 @@ from __future__ import annotations
 import secrets
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -261,6 +262,44 @@ def _param_rows(seqs: Sequence[SequenceSampling], vocab_size: int) -> list[list[
     ]
 
 
+class DrawPlan(NamedTuple):
+    """What a batch's draw launches besides its tensors: the same plan, the same kernels (a
+    CUDA graph of the draw is keyed by it: sampler_graphs.py)."""
+
+    is_random: bool  # some row is not greedy
+    has_filters: bool  # some row has top-k, top-p or min-p
+    head: int | None  # filter_logits' head_size (None: sort whole rows)
+
+
+def draw_plan(params: Sequence[SamplingParams], vocab_size: int) -> DrawPlan:
+    is_random = not all(p.is_greedy for p in params)
+    has_filters = is_random and any(_has_filters(p) for p in params)
+    return DrawPlan(
+        is_random, has_filters, _filter_head(params, vocab_size) if has_filters else None
+    )
+
+
+def choose_tokens(
+    logits: torch.Tensor, columns: torch.Tensor | None, plan: DrawPlan
+) -> torch.Tensor:
+    """Each row's token: logits [B, V] float32 (masked, biased and penalized already),
+    columns [8, B, 1] float64 (_PARAMS; None only where no row is random) -> [B] int64.
+    Greedy rows take the argmax; random ones ride along with T = 1 and draw from their filtered
+    distribution, and keep the draw."""
+    token_ids = logits.argmax(-1)  # [B]; final for greedy rows
+    if not plan.is_random:
+        return token_ids
+    assert columns is not None
+    temperature, top_k, top_p, min_p = columns[:4].float()
+    is_greedy = temperature == 0  # [B, 1]
+    # Greedy rows ride along with T = 1; their sampled token is discarded below.
+    scaled = logits / torch.where(is_greedy, 1.0, temperature)
+    if plan.has_filters:
+        scaled = filter_logits(scaled, top_k.long(), top_p, min_p, plan.head)
+    sampled = sample_inverse_cdf(scaled.softmax(-1), columns[7, :, 0])  # [B]
+    return torch.where(is_greedy[:, 0], token_ids, sampled)
+
+
 class PendingSample:
     """A launched sampling step: `result()` waits for its ids (and logprobs) to reach the host."""
 
@@ -365,21 +404,38 @@ class Sampler:
                 _counts({i: seqs[i].output_id_array() for i in rows}, logits),
                 *columns[4:7].float(),
             )
-        token_ids = penalized.argmax(-1)  # [B]; final for greedy rows
-        if is_random:
-            assert columns is not None
-            temperature, top_k, top_p, min_p = columns[:4].float()
-            is_greedy = temperature == 0  # [B, 1]
-            # Greedy rows ride along with T = 1; their sampled token is discarded below.
-            scaled = penalized / torch.where(is_greedy, 1.0, temperature)
-            if any(_has_filters(p) for p in params):
-                head = _filter_head(params, vocab_size)
-                scaled = filter_logits(scaled, top_k.long(), top_p, min_p, head)
-            sampled = sample_inverse_cdf(scaled.softmax(-1), columns[7, :, 0])  # [B]
-            token_ids = torch.where(is_greedy[:, 0], token_ids, sampled)
+        token_ids = choose_tokens(penalized, columns, draw_plan(params, vocab_size))
 
         wanted = [p.logprobs for p in params]
         return PendingSample(token_ids, _logprobs(raw, token_ids, wanted), wanted)
+
+
+def graph_plan(
+    seqs: Sequence[SequenceSampling], mask: FilledMask | None, vocab_size: int
+) -> DrawPlan | None:
+    """The batch's plan where its sampling is the draw alone, after a mask on every row or on
+    none (what a CUDA graph of it replays: sampler_graphs.py); None where it needs more:
+    penalties, min_tokens' held ids, logit_bias, logprobs, a mask on some rows only."""
+    if mask is not None and mask.row_ids != list(range(len(seqs))):
+        return None
+    for s in seqs:
+        p = s.params
+        if (
+            p.has_penalties
+            or p.logprobs is not None
+            or s.bias_ids.size
+            or (s.held_ids.size and len(s.output_token_ids) < p.min_tokens)
+        ):
+            return None
+    return draw_plan([s.params for s in seqs], vocab_size)
+
+
+def param_block(seqs: Sequence[SequenceSampling], vocab_size: int, out: np.ndarray) -> None:
+    """Write the rows of `_PARAMS` into out [8, >= len(seqs)] float64: the batch's columns,
+    then greedy padding (a padded row of a graph's batch: argmax, no filter, its token unused)."""
+    n = len(seqs)
+    out[:, :n] = _param_rows(seqs, vocab_size)
+    out[:, n:] = np.array([0.0, vocab_size, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0])[:, None]
 
 
 def _logprobs(
