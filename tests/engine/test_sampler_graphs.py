@@ -127,3 +127,18 @@ def test_the_parameter_block_pads_with_greedy_rows() -> None:
     assert out[:, 1].tolist()[:4] == [1.0, VOCAB, 1.0, 0.0]
     assert 0 <= out[7, 0] < 1 and out[7, 0] == seqs[0].uniform()
     assert out[:, 2:].T.tolist() == [[0.0, VOCAB, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0]] * 2
+
+
+def test_the_block_draws_each_rows_uniform_bit_for_bit() -> None:
+    """The u row, made for the whole batch at once (numpy's wrapping uint64), is each row's
+    own `uniform()` (Python's integers), at seeds up to 2^64 - 1 and late positions."""
+    seeds = [0, 1, 2**63, 2**64 - 1, 12345678901234567890, *range(7, 300, 13)]
+    seqs = []
+    for i, seed in enumerate(seeds):
+        s = SequenceSampling(SamplingParams(temperature=0.9, seed=seed), [1], VOCAB)
+        for _ in range(i * 37 % 500):
+            s.append(3)
+        seqs.append(s)
+    out = np.empty((8, len(seqs)))
+    param_block(seqs, VOCAB, out)
+    assert out[7].tolist() == [s.uniform() for s in seqs]

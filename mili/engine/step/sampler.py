@@ -81,12 +81,25 @@ _MASK64 = (1 << 64) - 1
 _MAX_FILTER_HEAD = 1024
 
 
+_GOLDEN, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+
+
 def _step_seed(seed: int, position: int) -> int:
     """splitmix64 of (seed, position): 64 random bits for output token `position`."""
-    x = (seed + (position + 1) * 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    x = (seed + (position + 1) * _GOLDEN) & _MASK64
+    x = ((x ^ (x >> 30)) * _MIX1) & _MASK64
+    x = ((x ^ (x >> 27)) * _MIX2) & _MASK64
     return x ^ (x >> 31)
+
+
+def _uniforms(seeds: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """`SequenceSampling.uniform` of many rows at once: seeds and output positions [B] uint64
+    -> [B] float64, the same bits (numpy's uint64 arithmetic wraps as the masks above do)."""
+    x = seeds + (positions + np.uint64(1)) * np.uint64(_GOLDEN)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(_MIX1)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(_MIX2)
+    x ^= x >> np.uint64(31)
+    return (x >> np.uint64(12)).astype(np.float64) / 2.0**52
 
 
 class SequenceSampling:
@@ -122,6 +135,17 @@ class SequenceSampling:
         self.bias_ids = np.array([i for i, _ in bias], dtype=np.int64)
         self.bias_values = np.array([b for _, b in bias], dtype=np.float32)
         self.seed: int = params.seed if params.seed is not None else secrets.randbits(64)
+        # The row's first seven parameter columns (_PARAMS), fixed for the request: made once
+        # here, not per step (a batch's block is built every step).
+        self.param_column = (
+            0.0 if params.is_greedy else params.temperature,  # greedy rows: exactly 0
+            float(_top_k(params, vocab_size)),
+            params.top_p,
+            params.min_p,
+            params.repetition_penalty,
+            params.presence_penalty,
+            params.frequency_penalty,
+        )
         # Distinct prompt ids, ascending, int64: the prompt-presence mask repetition penalty
         # uses. Arrays, not lists: a penalised batch's index is built from them every step, and
         # from lists that costs ~0.1 us an id on the host (ms for a batch of long prompts).
@@ -247,19 +271,18 @@ _PARAMS = (
 )
 
 
-def _param_rows(seqs: Sequence[SequenceSampling], vocab_size: int) -> list[list[float]]:
-    """The rows of `_PARAMS`, one list each (top-k 0 = off = V; u = 0 for greedy rows)."""
-    params = [s.params for s in seqs]
-    return [
-        [0.0 if p.is_greedy else p.temperature for p in params],  # greedy rows: exactly 0
-        [_top_k(p, vocab_size) for p in params],
-        [p.top_p for p in params],
-        [p.min_p for p in params],
-        [p.repetition_penalty for p in params],
-        [p.presence_penalty for p in params],
-        [p.frequency_penalty for p in params],
-        [0.0 if p.is_greedy else s.uniform() for p, s in zip(params, seqs, strict=True)],
-    ]
+def _param_rows(seqs: Sequence[SequenceSampling]) -> np.ndarray:
+    """The rows of `_PARAMS` [8, B] float64 (top-k 0 = off = V; u = 0 for greedy rows)."""
+    out = np.empty((8, len(seqs)))
+    if not seqs:
+        return out
+    out[:7] = np.array([s.param_column for s in seqs]).T
+    seeds = np.fromiter((s.seed for s in seqs), dtype=np.uint64, count=len(seqs))
+    positions = np.fromiter(
+        (len(s.output_token_ids) for s in seqs), dtype=np.uint64, count=len(seqs)
+    )
+    out[7] = np.where(out[0] == 0, 0.0, _uniforms(seeds, positions))
+    return out
 
 
 class DrawPlan(NamedTuple):
@@ -394,7 +417,7 @@ class Sampler:
         penalized = logits
         columns: torch.Tensor | None = None  # [8, B, 1], see _PARAMS
         if rows or is_random:
-            block = to_device(_param_rows(seqs, vocab_size), torch.float64, device)
+            block = to_device(_param_rows(seqs), torch.float64, device)
             columns = block.unsqueeze(-1)
         if rows:
             assert columns is not None
@@ -434,7 +457,7 @@ def param_block(seqs: Sequence[SequenceSampling], vocab_size: int, out: np.ndarr
     """Write the rows of `_PARAMS` into out [8, >= len(seqs)] float64: the batch's columns,
     then greedy padding (a padded row of a graph's batch: argmax, no filter, its token unused)."""
     n = len(seqs)
-    out[:, :n] = _param_rows(seqs, vocab_size)
+    out[:, :n] = _param_rows(seqs)
     out[:, n:] = np.array([0.0, vocab_size, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0])[:, None]
 
 
