@@ -42,7 +42,8 @@ launches kernels launched per decode step, from one step under torch.profiler: C
          (the profiler's device time of its kernels): wall / kernel time is how much of a step
          the host adds (issue 33's goal: <= 1.2x at batch 1).
 prefill  --prefill-batch prompts of --prefill-tokens tokens in one ModelRunner.prefill;
-         tokens/s = prompt tokens / median wall time.
+         tokens/s = prompt tokens / median wall time. On CUDA also 1 prompt, then both again
+         replayed from the prefill service's graphs (ModelRunner.capture_prefill_graphs).
 hf       transformers.Qwen3ForCausalLM (sdpa attention) `generate` on the same checkpoint and
          dtype, greedy, batch B of the same prompts: TPOT = (time of --steps + 1 new tokens -
          time of 1) / --steps, so its prefill is left out.
@@ -331,23 +332,30 @@ def decode_tpot(
     return statistics.median(times) * 1e3, profiled.launches, profiled.gpu_ms
 
 
-def prefill_tokens_per_s(runner: ModelRunner, args: argparse.Namespace) -> float:
+def prefill_tokens_per_s(
+    runner: ModelRunner, args: argparse.Namespace, batch: int, *, step: bool = False
+) -> float:
+    """Prompt tokens/s of `batch` prompts of --prefill-tokens in one forward: runner.prefill
+    (eager), or with `step` runner.prefill_step (a prefill graph's replay where it holds one)."""
     device = runner.device
     pool = BlockPool(runner.num_blocks, null_block=True)
-    ids = prompts(args.prefill_batch, args.prefill_tokens, runner.model.config.vocab_size, 1)
+    ids = prompts(batch, args.prefill_tokens, runner.model.config.vocab_size, 1)
     tables = [pool.allocate(blocks_needed(len(p), runner.block_size)) for p in ids]
     times = []
     with torch.inference_mode():
         for i in range(args.warmup + args.repeats):
             sync(device)
             t0 = time.perf_counter()
-            runner.prefill(ids, tables, [0] * len(ids))
+            if step:
+                runner.prefill_step(ids, tables, [0] * len(ids))
+            else:
+                runner.prefill(ids, tables, [0] * len(ids))
             sync(device)
             if i >= args.warmup:
                 times.append(time.perf_counter() - t0)
     for t in tables:
         pool.free(t)
-    return args.prefill_batch * args.prefill_tokens / statistics.median(times)
+    return batch * args.prefill_tokens / statistics.median(times)
 
 
 def hf_tpot(
@@ -531,11 +539,27 @@ def main(argv: list[str] | None = None) -> int:
     )
     what = "launches" if device.type == "cuda" else "aten ops"
     eager = ModelRunner.create(model, num_blocks, args.block_size, max_decode_batch=max(batches))
-    prefill = prefill_tokens_per_s(eager, args)
+    prefill = prefill_tokens_per_s(eager, args, args.prefill_batch)
     print(
         f"prefill: {args.prefill_batch} x {args.prefill_tokens} tokens: {prefill:.0f} tok/s",
         flush=True,
     )
+    prefill_graphs = None
+    if device.type == "cuda":  # the prefill service's graphs (prefill_graphs.py), same runner
+        one = prefill_tokens_per_s(eager, args, 1)
+        print(f"prefill: 1 x {args.prefill_tokens} tokens: {one:.0f} tok/s", flush=True)
+        if eager.capture_prefill_graphs(args.prefill_batch * args.prefill_tokens):
+            prefill_graphs = {
+                b: prefill_tokens_per_s(eager, args, b, step=True)
+                for b in sorted({1, args.prefill_batch})
+            }
+            for b, rate in prefill_graphs.items():
+                print(
+                    f"prefill graphs: {b} x {args.prefill_tokens} tokens: {rate:.0f} tok/s",
+                    flush=True,
+                )
+        else:
+            print("prefill graphs: off (the warning above says why)", flush=True)
     rows = [Row(b) for b in batches]
 
     def report(
@@ -642,6 +666,7 @@ def main(argv: list[str] | None = None) -> int:
             "device_name": name,
             "layers": config.num_hidden_layers,
             "prefill_tokens_per_s": prefill,
+            "prefill_graph_tokens_per_s": prefill_graphs,
             "note": note,
             "rows": [asdict(r) for r in rows],
         }

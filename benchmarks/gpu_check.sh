@@ -166,7 +166,8 @@ chain_kernels=$!
 chain_tests=$!
 # The paths added since the plan was made: one short process, its log kept apart while the
 # tests chain writes tests.log, then appended to it (the host hands back 8 files).
-new_paths=(tests/engine/test_moe.py tests/engine/test_mask_gpu.py tests/engine/test_sampler_gpu.py)
+new_paths=(tests/engine/test_moe.py tests/engine/test_mask_gpu.py tests/engine/test_prefill_graphs_gpu.py
+  tests/engine/test_sampler_gpu.py)
 if [[ $device == cuda ]]; then
   piece "$tmp/new-paths.log" 60 "$A_END" "${PYTEST[@]}" -m gpu "${new_paths[@]}" &
 else  # the GPU tests skip (the log says why) and the MoE file's CPU tests run, less the

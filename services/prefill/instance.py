@@ -80,6 +80,7 @@ class PrefillInstance(RunnerInfo):
             fused_ops=kernels.fused_ops,
             max_decode_batch=1,  # prefill runs no decode step
             capture_graphs=False,
+            capture_prefill_graphs=True,
             max_prefill_tokens=config.max_batch_tokens,
             default_num_blocks=config.max_queued_blocks,
             max_useful_blocks=config.max_queued_blocks,

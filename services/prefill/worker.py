@@ -7,6 +7,8 @@
                         │                       runner.prefill_step(step, layer_callback=...)
                         │                         after layer i: gather each chunk's blocks
                         │                         ──▶ sink.send_blocks(i, ...)   (host sinks)
+                        │                         (no host sink: no callback, and on CUDA
+                        │                         the forward is a graph's replay)
                         │                       after the forward: all layers at once
                         │                         ──▶ sink.send_blocks(0, ...)   (cuda-ipc)
                         │                       sample first tokens of finished prompts
@@ -339,6 +341,13 @@ class PrefillWorker:
             ship(layer, layer + 1, device_sinks=False)  # host copies overlap the next layers
             record.layer_done_at.append(time.perf_counter())
 
+        # Only a host sink takes layers as they are computed; without one the forward runs
+        # whole (a CUDA graph's replay, where the runner holds one: prefill_graphs.py).
+        takes_layers = any(
+            shipment is not None and not job.sink.takes_device_tensors
+            for shipment, job in zip(shipments, jobs, strict=True)
+        )
+
         asks = [  # row of the batch -> the prompt logprobs its chunk computes
             PromptLogprobsAsk(row, chunk_targets(task.prompt_token_ids, c.start, c.end), n)
             for row, i in enumerate(computed)
@@ -358,7 +367,7 @@ class PrefillWorker:
             [step.chunks[i].block_table for i in computed],
             [step.chunks[i].start for i in computed],
             prompt_logprobs=asks,
-            layer_callback=on_layer,
+            layer_callback=on_layer if takes_layers else None,
         )
         # Device to device (cuda-ipc) every layer at once, behind the forward on its stream:
         # the copies take microseconds; per layer, their host work took most of a step.

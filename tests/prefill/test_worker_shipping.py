@@ -97,3 +97,31 @@ def test_host_sinks_get_each_layer_as_computed_device_sinks_all_after_the_forwar
     assert whole[0].shape == (num_layers, 2, 3, *runner.kv_cache.k[0].shape[1:])
     assert torch.equal(whole[0], whole[1])
     assert whole[0].abs().sum() > 0
+
+
+def test_a_step_without_host_sinks_runs_without_a_layer_callback(tiny: TinyModel) -> None:
+    """Device sinks alone (cuda-ipc) take every layer after the forward, so the worker asks
+    for no layer callback: on CUDA such a step can replay a prefill graph."""
+    config = tiny.model.config
+    runner = ModelRunner.create(tiny.model, 64, BLOCK_SIZE, vocab_size=config.vocab_size)
+    scheduler = Scheduler(
+        BlockPool(64, null_block=True),
+        block_size=BLOCK_SIZE,
+        max_batch_tokens=512,
+        max_queued_tokens=4096,
+    )
+    worker = PrefillWorker(runner, scheduler)
+    sink = RecordingSink(True, lambda: len(worker.steps[-1].layer_done_at))
+    prompt = random_ids(2 * BLOCK_SIZE + 3, config.vocab_size, seed=2)
+    worker.start()
+    try:
+        task = PrefillTask("r0", prompt, SamplingParams(), "decode:0", [7, 8, 9])
+        worker.reserve(task)
+        worker.submit(task, sink)
+        assert sink.done.wait(30)
+        assert sink.error is None
+    finally:
+        worker.stop()
+    assert worker.steps[-1].layer_done_at == []  # no callback ran
+    num_layers = config.num_hidden_layers
+    assert [(layer, kv.shape[0]) for layer, _, kv, _ in sink.sent] == [(0, num_layers)]

@@ -55,6 +55,9 @@ from mili.engine.step.cuda_graphs import DecodeGraphs
 from mili.engine.step.decode_inputs import DecodeInputs
 from mili.engine.step.device import require_device, use_device
 from mili.engine.step.pinned import is_pinnable
+from mili.engine.step.prefill_graphs import MAX_SEQS as PREFILL_GRAPH_SEQS
+from mili.engine.step.prefill_graphs import PrefillGraphs, prefill_token_sizes
+from mili.engine.step.prefill_inputs import PrefillInputs
 from mili.engine.step.prompt_logprobs import (
     PendingPromptLogprobs,
     PromptLogprobsAsk,
@@ -129,6 +132,7 @@ class ModelRunner:
         )
         self.sampler = Sampler(self.vocab_size)
         self.sampler_graphs: SamplerGraphs | None = None  # with the decode graphs
+        self.prefill_graphs: PrefillGraphs | None = None  # prefill's service, on CUDA
         self.graphs: DecodeGraphs | None = None
 
     @classmethod
@@ -210,7 +214,15 @@ class ModelRunner:
     ) -> PrefillOutput:
         """`prefill`'s last-token logits, and the prompt logprobs of the chunks `prompt_logprobs`
         asks for: only their rows go through the head, a pass at a time (prompt_logprobs.py),
-        so a batch without asks costs what `prefill` does."""
+        so a batch without asks costs what `prefill` does. A step with neither asks nor a
+        `layer_callback` replays a prefill graph where one holds it (prefill_graphs.py)."""
+        graphs = self.prefill_graphs
+        if graphs is not None and not prompt_logprobs and layer_callback is None:
+            size = graphs.size_for(token_ids)
+            if size is not None:
+                with torch.inference_mode():
+                    logits = graphs.run(token_ids, block_tables, start_positions, size)
+                return PrefillOutput(logits, [])
         batch = self._prefill_batch(token_ids, block_tables, start_positions)
         logits, pending = prefill_with_prompt_logprobs(
             self.model,
@@ -370,6 +382,37 @@ class ModelRunner:
         self.sampler_graphs = SamplerGraphs(self.sampler, self.graphs.logits, self.batch_sizes)
         return True
 
+    def capture_prefill_graphs(self, max_tokens: int) -> bool:
+        """Capture the prefill step for padded token counts up to `max_tokens` (CUDA,
+        graph-safe backend), then check a replay against the eager forward. A capture or a
+        check that fails leaves prefill steps eager, with a warning: False."""
+        width = blocks_needed(self.model.config.max_context_tokens, self.block_size)
+        inputs = PrefillInputs(
+            max_tokens, PREFILL_GRAPH_SEQS, width, self.block_size, self.null_block_id,
+            self.device,
+        )  # fmt: skip
+
+        def forward(size: int) -> torch.Tensor:
+            return self.model.prefill(inputs.batch(size), self.kv_cache)
+
+        try:
+            with torch.inference_mode():
+                graphs = PrefillGraphs.capture(
+                    forward,
+                    inputs,
+                    prefill_token_sizes(max_tokens),
+                    self.model.config.vocab_size,
+                    self.device,
+                )
+                why = graphs.check(forward, [self.null_block_id])
+        except Exception as e:  # whatever broke the capture, eager steps still serve
+            why = f"{type(e).__name__}: {e}"
+        if why is not None:
+            _LOG.warning("CUDA graphs of the prefill step off, prefill steps run eagerly: %s", why)
+            return False
+        self.prefill_graphs = graphs
+        return True
+
     def warm_up(self, max_prefill_tokens: int | None, *, full_width: bool) -> None:
         """The most memory a step can take: a prefill of `max_prefill_tokens` (if given) and
         a decode step at the largest batch (padded rows; over the block tables' full width
@@ -411,6 +454,7 @@ class ModelRunner:
         fused_ops: FusedOps | None = None,
         max_decode_batch: int,
         capture_graphs: bool,
+        capture_prefill_graphs: bool = False,
         max_prefill_tokens: int | None = None,
         default_kv_bytes: int | None = None,
         default_num_blocks: int | None = None,
@@ -422,7 +466,9 @@ class ModelRunner:
         (every row of the model without one).
 
         `capture_graphs`: whether this engine runs decode steps (decode: yes, prefill: no);
-        graphs are captured only on CUDA, without --enforce-eager, over a graph-safe backend.
+        `capture_prefill_graphs`: whether its prefill steps of up to `max_prefill_tokens`
+        replay graphs (prefill's service: yes). Graphs are captured only on CUDA, without
+        --enforce-eager, over a graph-safe backend.
         The pool's defaults and cap: kv_memory.plan_kv_pool.
 
         `storage`: given the whole pool's byte count (its blocks plus the null block), a flat
@@ -451,6 +497,12 @@ class ModelRunner:
         log_model(model)
         log_vocab(model_dir, vocab_size, model.config.vocab_size)
         use_graphs = capture_graphs and device.type == "cuda" and graphs_allowed(config, model)
+        use_prefill_graphs = (
+            capture_prefill_graphs
+            and max_prefill_tokens is not None
+            and device.type == "cuda"
+            and graphs_allowed(config, model)
+        )
 
         memory = None
         if device.type == "cuda" and config.num_blocks is None and config.kv_cache_bytes is None:
@@ -486,4 +538,7 @@ class ModelRunner:
         runner = cls(model, cache, max_decode_batch=max_decode_batch, vocab_size=vocab_size)
         if use_graphs:
             runner.capture_graphs()
+        if use_prefill_graphs:
+            assert max_prefill_tokens is not None
+            runner.capture_prefill_graphs(max_prefill_tokens)
         return runner

@@ -48,13 +48,13 @@ def check_device_fits(
 
 
 def graphs_allowed(config: EngineConfig, model: Qwen3ForCausalLM) -> bool:
-    """Whether decode steps may be captured; logs why not."""
+    """Whether steps (decode, prefill) may be captured; logs why not."""
     if config.enforce_eager:
-        _LOG.info("CUDA graphs off (--enforce-eager): decode steps run eagerly")
+        _LOG.info("CUDA graphs off (--enforce-eager): steps run eagerly")
         return False
     if not model.fused_ops.is_graph_safe:
         _LOG.warning(
-            "CUDA graphs off: fused ops %s are not graph-safe; decode steps run eagerly",
+            "CUDA graphs off: fused ops %s are not graph-safe; steps run eagerly",
             model.fused_ops.name,
         )
         return False
@@ -64,7 +64,7 @@ def graphs_allowed(config: EngineConfig, model: Qwen3ForCausalLM) -> bool:
             "CUDA graphs off: the MoE experts' grouped GEMM on %s in %s needs the offsets on "
             "the host (torch._grouped_mm runs graph-safe only in bfloat16 on sm_90/sm_100, "
             "with hidden and expert widths of whole 16-byte units); "
-            "decode steps run eagerly",
+            "steps run eagerly",
             model.device,
             model.dtype,
         )
@@ -72,7 +72,7 @@ def graphs_allowed(config: EngineConfig, model: Qwen3ForCausalLM) -> bool:
     if not getattr(model.attention, "is_graph_safe", False):
         _LOG.warning(
             "CUDA graphs off: attention backend %s is not graph-safe (it allocates, validates "
-            "or sizes its launch from values per call); decode steps run eagerly",
+            "or sizes its launch from values per call); steps run eagerly",
             model.attention.name,
         )
         return False

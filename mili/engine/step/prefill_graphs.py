@@ -1,0 +1,154 @@
+"""The prefill step's forward as CUDA graphs, one per padded token count (prefill's service).
+
+Run 6 on an H200 (docs/benchmarks.md): an eager forward of Qwen3-0.6B is ~300 launches at
+~35 us of host each, so a prefill step of 512 tokens took ~14.5 ms where the device needs a
+few; at c=256 the steps (~1.9k tokens) took 34-38 ms and bounded the service's throughput. A
+graph replays a step's launches with one. What it needs (prefill_inputs.py): fixed addresses
+(the static inputs, and one [S, vocab] float32 logits buffer every graph writes: the last token
+of each of the S sequence rows) and fixed shapes: T tokens run at the smallest captured count
+>= T, always S sequence rows, the padding on the null block.
+
+Which steps replay: those of at most S chunks and the largest count's tokens, with no prompt
+logprobs and no per-layer callback (a host KV sink ships each layer as it is computed: a graph
+has no layers in between); the others run eagerly, as before. Counts are captured largest
+first into one memory pool, so the smaller graphs reuse the largest one's intermediates.
+`check` compares a replay with the eager forward on the same static inputs at start-up.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from mili.engine.step.prefill_inputs import PrefillInputs
+
+_LOG = logging.getLogger("mili.engine")
+# Sequence rows of every graph: prefill steps of a few long prompts (run 6 at c=256: 3.7 chunks
+# a step) fit; a step of more chunks runs eagerly.
+MAX_SEQS = 16
+# Relative to the largest logit: a replay runs the eager forward's kernels on the same inputs.
+_TOLERANCE = 1e-3
+
+
+def prefill_token_sizes(max_tokens: int) -> tuple[int, ...]:
+    """16, 32, ... doubling, with 1.5x steps from 256 on (384, 768, ...), up to and including
+    `max_tokens`: ascending. Padding costs device time, at most a third of a step past 256."""
+    if max_tokens <= 0:
+        raise ValueError(f"max_tokens must be > 0, got {max_tokens}")
+    sizes: list[int] = []
+    size = 16
+    while size < max_tokens:
+        sizes.append(size)
+        if size >= 256 and size * 3 // 2 < max_tokens:
+            sizes.append(size * 3 // 2)
+        size *= 2
+    sizes.append(max_tokens)
+    return tuple(sizes)
+
+
+class PrefillGraphs:
+    """Captured prefill forwards by padded token count; `run` stages a step and replays."""
+
+    def __init__(
+        self,
+        graphs: dict[int, torch.cuda.CUDAGraph],
+        inputs: PrefillInputs,
+        logits: torch.Tensor,
+        memory_bytes: int,
+    ) -> None:
+        self._graphs = graphs
+        self.inputs = inputs
+        self.logits = logits  # [S, vocab] float32, written by every graph
+        self.token_sizes = tuple(sorted(graphs))
+        self.memory_bytes = memory_bytes
+        self.num_replays = 0
+
+    @classmethod
+    def capture(
+        cls,
+        forward: Callable[[int], torch.Tensor],
+        inputs: PrefillInputs,
+        token_sizes: Sequence[int],
+        vocab_size: int,
+        device: torch.device,
+    ) -> PrefillGraphs:
+        """Capture `forward(size)` (the model over tokens [0, size) and every sequence row of
+        `inputs`, returning [S, vocab] logits) for every size, largest first, on padding
+        alone (only the null block is written)."""
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        free_before = torch.cuda.mem_get_info(device)[0]
+        started = time.perf_counter()
+        logits = torch.empty((inputs.max_seqs, vocab_size), dtype=torch.float32, device=device)
+        pool = torch.cuda.graph_pool_handle()
+        graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        side = torch.cuda.Stream(device)
+        for size in sorted(token_sizes, reverse=True):
+            inputs.fill([], [], [], size)
+            # Warm up on a side stream first (torch's advice): no lazy initialisation inside.
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                forward(size)
+            torch.cuda.current_stream(device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits.copy_(forward(size))
+            graphs[size] = graph
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        memory_bytes = free_before - torch.cuda.mem_get_info(device)[0]
+        _LOG.info(
+            "captured %d CUDA graphs of the prefill step (%s tokens, %d sequences) in %.1f s, "
+            "%.0f MiB",
+            len(graphs),
+            ", ".join(map(str, sorted(graphs))),
+            inputs.max_seqs,
+            time.perf_counter() - started,
+            memory_bytes / 2**20,
+        )
+        return cls(graphs, inputs, logits, memory_bytes)
+
+    def size_for(self, token_ids: Sequence[Sequence[int]]) -> int | None:
+        """The captured token count a step of these chunks replays at; None: none (too many
+        chunks or tokens, or no chunk)."""
+        total = sum(len(chunk) for chunk in token_ids)
+        if not token_ids or len(token_ids) > self.inputs.max_seqs:
+            return None
+        return next((size for size in self.token_sizes if size >= total), None)
+
+    def run(
+        self,
+        token_ids: Sequence[Sequence[int]],
+        block_tables: Sequence[Sequence[int]],
+        start_positions: Sequence[int],
+        size: int,
+    ) -> torch.Tensor:
+        """Stage the chunks at `size` tokens (`size_for`) and replay: each chunk's last-token
+        logits [B, vocab], a view of the static buffer (the next replay overwrites it)."""
+        self.inputs.fill(token_ids, block_tables, start_positions, size)
+        self._graphs[size].replay()
+        self.num_replays += 1
+        return self.logits[: len(token_ids)]
+
+    def check(self, forward: Callable[[int], torch.Tensor], block_table: list[int]) -> str | None:
+        """None when a replay gives what the eager `forward` gives on the same static inputs
+        (a prompt of a few tokens in `block_table`'s blocks, padded to the smallest count);
+        else what went wrong."""
+        size = self.token_sizes[0]
+        prompt = [[1, 2, 3, 4, 5][: max(1, min(5, size))]]
+        try:
+            self.inputs.fill(prompt, [block_table], [0], size)
+            eager = forward(size).clone()
+            self._graphs[size].replay()
+            replayed = self.logits.clone()
+            rows = len(prompt)
+            diff = (eager[:rows] - replayed[:rows]).abs().max().item()
+            scale = eager[:rows].abs().max().item()
+        except Exception as e:  # whatever broke, eager prefill steps still serve
+            return f"{type(e).__name__}: {e}"
+        if not diff <= _TOLERANCE * max(scale, 1.0):  # NaN fails too
+            return f"its logits differ from the eager forward's by {diff:.3g} (largest {scale:.3g})"
+        return None
