@@ -384,7 +384,10 @@ class PrefillWorker:
         finished = [jobs[computed[row]] for row in last_rows]
         vocab_size = runner.vocab_size  # the tokenizer's
         seqs = [self._sampling(j.task, vocab_size) for j in finished]
-        out = runner.sample(logits[last_rows], seqs, mask).result()
+        # All rows finishing: the logits as they are (a prefill graph's static rows, whose
+        # sampling can replay a graph too), else a gather of the finishing ones.
+        finishing = logits if last_rows == list(range(logits.shape[0])) else logits[last_rows]
+        out = runner.sample(finishing, seqs, mask).result()
         done_at = time.perf_counter()
         results = []
         for i, job in enumerate(finished):

@@ -19,6 +19,7 @@ from mili.engine.model.config import Qwen3Config
 from mili.engine.model.qwen3 import Qwen3ForCausalLM
 from mili.engine.step.prompt_logprobs import PromptLogprobsAsk, chunk_targets
 from mili.engine.step.runner import ModelRunner
+from mili.engine.step.sampler import SamplingParams, SequenceSampling
 
 pytestmark = [
     pytest.mark.gpu,
@@ -126,6 +127,26 @@ def test_prefill_steps_replayed_from_graphs_compute_the_eager_logits_and_kv(
     graphed.prefill_step([prompt], [[91]], [0], layer_callback=layers.append)
     assert layers == list(range(CONFIG.num_hidden_layers))
     assert graphs.num_replays == len(steps)  # none of the three replayed
+
+
+def test_first_tokens_sampled_from_the_prefill_graphs_logits_replay_too(
+    gpu_model: Qwen3ForCausalLM,
+) -> None:
+    """The first tokens of a step whose chunks all finish are sampled from the prefill graphs'
+    static logits (the worker passes them as they are): by a sampler graph from the third such
+    step of a batch size on (sampler_graphs.py), drawing what the eager sampler draws."""
+    runner = ModelRunner.create(gpu_model, 128, BLOCK_SIZE)
+    assert runner.capture_prefill_graphs(256)
+    sampler_graphs = runner.prefill_sampler_graphs
+    assert sampler_graphs is not None
+    params = SamplingParams(temperature=0.8, top_k=20, top_p=0.9)
+    for step in range(4):
+        chunks = chunks_of([7, 30, 2], 20 + step)
+        logits = runner.prefill_step(chunks, [[0], [1, 2], [3]], [0, 0, 0]).logits
+        seqs = [SequenceSampling(params, chunk, CONFIG.vocab_size) for chunk in chunks]
+        expected = runner.sampler(logits.clone(), seqs).token_ids
+        assert runner.sample(logits, seqs).result().token_ids == expected
+    assert sampler_graphs.num_graphs == 1 and sampler_graphs.num_replays == 2
 
 
 def test_a_runner_loaded_for_prefill_captures_its_graphs(

@@ -133,6 +133,8 @@ class ModelRunner:
         self.sampler = Sampler(self.vocab_size)
         self.sampler_graphs: SamplerGraphs | None = None  # with the decode graphs
         self.prefill_graphs: PrefillGraphs | None = None  # prefill's service, on CUDA
+        # the first tokens' sampling, from the prefill graphs' logits
+        self.prefill_sampler_graphs: SamplerGraphs | None = None
         self.graphs: DecodeGraphs | None = None
 
     @classmethod
@@ -291,10 +293,11 @@ class ModelRunner:
         seqs: Sequence[SequenceSampling],
         mask: FilledMask | None,
     ) -> PendingSample:
-        """The sampler's launch, as a graph replay where the logits are the decode graphs' and
-        one applies (sampler_graphs.py)."""
-        if self.sampler_graphs is not None:
-            return self.sampler_graphs.launch(logits, list(seqs), mask)
+        """The sampler's launch, as a graph replay where the logits are the decode or the
+        prefill graphs' and one applies (sampler_graphs.py)."""
+        for graphs in (self.sampler_graphs, self.prefill_sampler_graphs):
+            if graphs is not None and graphs.reads(logits):
+                return graphs.launch(logits, list(seqs), mask)
         return self.sampler.launch(logits, seqs, mask)
 
     def decode_logits(
@@ -411,6 +414,8 @@ class ModelRunner:
             _LOG.warning("CUDA graphs of the prefill step off, prefill steps run eagerly: %s", why)
             return False
         self.prefill_graphs = graphs
+        sizes = graph_batch_sizes(PREFILL_GRAPH_SEQS)  # 1 2 4 8 16
+        self.prefill_sampler_graphs = SamplerGraphs(self.sampler, graphs.logits, sizes)
         return True
 
     def warm_up(self, max_prefill_tokens: int | None, *, full_width: bool) -> None:

@@ -95,6 +95,10 @@ class SamplerGraphs:
         self._seen: set[tuple[object, ...]] = set()  # keys sampled once, eagerly
         self.num_replays = 0  # launches that were replays (tests, benchmarks)
 
+    def reads(self, logits: torch.Tensor) -> bool:
+        """Whether `logits` are rows of the static buffer these graphs read."""
+        return logits.data_ptr() == self._logits.data_ptr()
+
     @property
     def num_graphs(self) -> int:
         return sum(isinstance(g, _Graph) for g in self._graphs.values())
