@@ -11,15 +11,8 @@ import pytest
 import torch
 
 from mili.engine.constraint.mask import FilledMask
-from mili.engine.step.sampler import (
-    DrawPlan,
-    Sampler,
-    SamplingParams,
-    SequenceSampling,
-    graph_plan,
-    param_block,
-)
-from mili.engine.step.sampler_graphs import sample_padded
+from mili.engine.step.sampler import DrawPlan, Sampler, SamplingParams, SequenceSampling
+from mili.engine.step.sampler_graphs import graph_plan, param_block, sample_padded
 
 VOCAB = 805  # three whole 256-column blocks of the draw and a partial one
 ROWS = 900  # the model's rows: padding columns past the tokenizer's ids

@@ -23,6 +23,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from mili.engine.kv.block_pool import blocks_needed
+from mili.engine.model.kv_cache import KVCache
+from mili.engine.model.qwen3 import Qwen3ForCausalLM
 from mili.engine.step.prefill_inputs import PrefillInputs
 
 _LOG = logging.getLogger("mili.engine")
@@ -152,3 +155,25 @@ class PrefillGraphs:
         if not diff <= _TOLERANCE * max(scale, 1.0):  # NaN fails too
             return f"its logits differ from the eager forward's by {diff:.3g} (largest {scale:.3g})"
         return None
+
+
+def capture_prefill(
+    model: Qwen3ForCausalLM, kv_cache: KVCache, max_tokens: int, null_block_id: int
+) -> PrefillGraphs:
+    """`model`'s prefill over `kv_cache` captured for counts up to `max_tokens`, and checked
+    (a prompt in the null block); RuntimeError naming what went wrong where the check fails."""
+    width = blocks_needed(model.config.max_context_tokens, kv_cache.block_size)
+    inputs = PrefillInputs(
+        max_tokens, MAX_SEQS, width, kv_cache.block_size, null_block_id, kv_cache.device
+    )
+
+    def forward(size: int) -> torch.Tensor:
+        return model.prefill(inputs.batch(size), kv_cache)
+
+    graphs = PrefillGraphs.capture(
+        forward, inputs, prefill_token_sizes(max_tokens), model.config.vocab_size, kv_cache.device
+    )
+    why = graphs.check(forward, [null_block_id])
+    if why is not None:
+        raise RuntimeError(f"the check of a replay against the eager forward: {why}")
+    return graphs

@@ -55,9 +55,7 @@ from mili.engine.step.cuda_graphs import DecodeGraphs
 from mili.engine.step.decode_inputs import DecodeInputs
 from mili.engine.step.device import require_device, use_device
 from mili.engine.step.pinned import is_pinnable
-from mili.engine.step.prefill_graphs import MAX_SEQS as PREFILL_GRAPH_SEQS
-from mili.engine.step.prefill_graphs import PrefillGraphs, prefill_token_sizes
-from mili.engine.step.prefill_inputs import PrefillInputs
+from mili.engine.step.prefill_graphs import PrefillGraphs, capture_prefill
 from mili.engine.step.prompt_logprobs import (
     PendingPromptLogprobs,
     PromptLogprobsAsk,
@@ -387,34 +385,20 @@ class ModelRunner:
 
     def capture_prefill_graphs(self, max_tokens: int) -> bool:
         """Capture the prefill step for padded token counts up to `max_tokens` (CUDA,
-        graph-safe backend), then check a replay against the eager forward. A capture or a
-        check that fails leaves prefill steps eager, with a warning: False."""
-        width = blocks_needed(self.model.config.max_context_tokens, self.block_size)
-        inputs = PrefillInputs(
-            max_tokens, PREFILL_GRAPH_SEQS, width, self.block_size, self.null_block_id,
-            self.device,
-        )  # fmt: skip
-
-        def forward(size: int) -> torch.Tensor:
-            return self.model.prefill(inputs.batch(size), self.kv_cache)
-
+        graph-safe backend), checked against the eager forward (prefill_graphs.py). A capture
+        or a check that fails leaves prefill steps eager, with a warning: False."""
         try:
             with torch.inference_mode():
-                graphs = PrefillGraphs.capture(
-                    forward,
-                    inputs,
-                    prefill_token_sizes(max_tokens),
-                    self.model.config.vocab_size,
-                    self.device,
-                )
-                why = graphs.check(forward, [self.null_block_id])
+                graphs = capture_prefill(self.model, self.kv_cache, max_tokens, self.null_block_id)
         except Exception as e:  # whatever broke the capture, eager steps still serve
-            why = f"{type(e).__name__}: {e}"
-        if why is not None:
-            _LOG.warning("CUDA graphs of the prefill step off, prefill steps run eagerly: %s", why)
+            _LOG.warning(
+                "CUDA graphs of the prefill step off, prefill steps run eagerly: %s: %s",
+                type(e).__name__,
+                e,
+            )
             return False
         self.prefill_graphs = graphs
-        sizes = graph_batch_sizes(PREFILL_GRAPH_SEQS)  # 1 2 4 8 16
+        sizes = graph_batch_sizes(graphs.inputs.max_seqs)  # 1 2 4 8 16
         self.prefill_sampler_graphs = SamplerGraphs(self.sampler, graphs.logits, sizes)
         return True
 

@@ -81,6 +81,7 @@ _MASK64 = (1 << 64) - 1
 _MAX_FILTER_HEAD = 1024
 
 
+# splitmix64's constants
 _GOLDEN, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 
 
@@ -271,7 +272,7 @@ _PARAMS = (
 )
 
 
-def _param_rows(seqs: Sequence[SequenceSampling]) -> np.ndarray:
+def param_rows(seqs: Sequence[SequenceSampling]) -> np.ndarray:
     """The rows of `_PARAMS` [8, B] float64 (top-k 0 = off = V; u = 0 for greedy rows)."""
     out = np.empty((8, len(seqs)))
     if not seqs:
@@ -417,7 +418,7 @@ class Sampler:
         penalized = logits
         columns: torch.Tensor | None = None  # [8, B, 1], see _PARAMS
         if rows or is_random:
-            block = to_device(_param_rows(seqs), torch.float64, device)
+            block = to_device(param_rows(seqs), torch.float64, device)
             columns = block.unsqueeze(-1)
         if rows:
             assert columns is not None
@@ -431,34 +432,6 @@ class Sampler:
 
         wanted = [p.logprobs for p in params]
         return PendingSample(token_ids, _logprobs(raw, token_ids, wanted), wanted)
-
-
-def graph_plan(
-    seqs: Sequence[SequenceSampling], mask: FilledMask | None, vocab_size: int
-) -> DrawPlan | None:
-    """The batch's plan where its sampling is the draw alone, after a mask on every row or on
-    none (what a CUDA graph of it replays: sampler_graphs.py); None where it needs more:
-    penalties, min_tokens' held ids, logit_bias, logprobs, a mask on some rows only."""
-    if mask is not None and mask.row_ids != list(range(len(seqs))):
-        return None
-    for s in seqs:
-        p = s.params
-        if (
-            p.has_penalties
-            or p.logprobs is not None
-            or s.bias_ids.size
-            or (s.held_ids.size and len(s.output_token_ids) < p.min_tokens)
-        ):
-            return None
-    return draw_plan([s.params for s in seqs], vocab_size)
-
-
-def param_block(seqs: Sequence[SequenceSampling], vocab_size: int, out: np.ndarray) -> None:
-    """Write the rows of `_PARAMS` into out [8, >= len(seqs)] float64: the batch's columns,
-    then greedy padding (a padded row of a graph's batch: argmax, no filter, its token unused)."""
-    n = len(seqs)
-    out[:, :n] = _param_rows(seqs)
-    out[:, n:] = np.array([0.0, vocab_size, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0])[:, None]
 
 
 def _logprobs(

@@ -26,8 +26,10 @@ is written only once its previous replay's copy of it has run (an event).
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from mili.engine.constraint.mask import FilledMask, unpack_bitmask
@@ -38,14 +40,42 @@ from mili.engine.step.sampler import (
     Sampler,
     SequenceSampling,
     choose_tokens,
-    graph_plan,
-    param_block,
+    draw_plan,
+    param_rows,
 )
 
 _LOG = logging.getLogger("mili.engine")
 # Most graphs kept: batch sizes x plans x mask buffers seen; past it, new keys run eagerly.
 _MAX_GRAPHS = 512
 _FAILED = object()  # a key whose capture failed or whose graph disagreed: eager from now on
+
+
+def graph_plan(
+    seqs: Sequence[SequenceSampling], mask: FilledMask | None, vocab_size: int
+) -> DrawPlan | None:
+    """The batch's plan where its sampling is the draw alone, after a mask on every row or on
+    none (what a graph of it replays); None where it needs more:
+    penalties, min_tokens' held ids, logit_bias, logprobs, a mask on some rows only."""
+    if mask is not None and mask.row_ids != list(range(len(seqs))):
+        return None
+    for s in seqs:
+        p = s.params
+        if (
+            p.has_penalties
+            or p.logprobs is not None
+            or s.bias_ids.size
+            or (s.held_ids.size and len(s.output_token_ids) < p.min_tokens)
+        ):
+            return None
+    return draw_plan([s.params for s in seqs], vocab_size)
+
+
+def param_block(seqs: Sequence[SequenceSampling], vocab_size: int, out: np.ndarray) -> None:
+    """Write the rows of `_PARAMS` into out [8, >= len(seqs)] float64: the batch's columns,
+    then greedy padding (a padded row of a graph's batch: argmax, no filter, its token unused)."""
+    n = len(seqs)
+    out[:, :n] = param_rows(seqs)
+    out[:, n:] = np.array([0.0, vocab_size, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0])[:, None]
 
 
 def sample_padded(
