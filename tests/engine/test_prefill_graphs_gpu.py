@@ -173,3 +173,37 @@ def test_a_runner_loaded_for_prefill_captures_its_graphs(
         else:
             assert runner.prefill_graphs is not None
             assert runner.prefill_graphs.token_sizes[-1] == 512
+
+
+def test_bf16_steps_replayed_from_graphs_match_the_eager_logits(checkpoint: Path) -> None:
+    """bf16, where flash_prefill (tensor cores) runs: steps padded to the captured counts give
+    the eager steps' logits to bf16's rounding (GEMMs of other shapes round otherwise; a broken
+    padding rule is off by units)."""
+    from mili.engine.model.loader import load_model
+
+    found = select_kernels(
+        "auto", "cuda", CheckShape.of(CONFIG, BLOCK_SIZE, "bfloat16"), isolate=False
+    )
+    if not (getattr(found.attention, "is_graph_safe", False) and found.fused_ops.is_graph_safe):
+        pytest.skip(f"no graph-safe bf16 kernels here: {found.attention}")
+    model = load_model(
+        checkpoint,
+        device="cuda",
+        dtype=torch.bfloat16,
+        attention=found.attention,
+        fused_ops=found.fused_ops,
+    )
+    graphed = ModelRunner.create(model, 128, BLOCK_SIZE)
+    eager = ModelRunner.create(model, 128, BLOCK_SIZE)
+    assert graphed.capture_prefill_graphs(256), "the capture or its check failed (the warning)"
+    for seed, lengths in enumerate([[5], [20, 11, 40], [1] * 16, [200]]):
+        chunks = chunks_of(lengths, seed + 30)
+        tables, first = [], 0
+        for n in lengths:
+            tables.append(list(range(first, first + -(-n // BLOCK_SIZE))))
+            first += len(tables[-1])
+        got = graphed.prefill_step(chunks, tables, [0] * len(chunks)).logits.clone()
+        expected = eager.prefill_step(chunks, tables, [0] * len(chunks)).logits
+        scale = expected.abs().max().item()
+        assert (got - expected).abs().max().item() <= 3e-2 * scale, lengths
+    assert graphed.prefill_graphs is not None and graphed.prefill_graphs.num_replays == 4
