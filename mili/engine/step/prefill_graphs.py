@@ -1,9 +1,9 @@
 """The prefill step's forward as CUDA graphs, one per padded token count (prefill's service).
 
-Run 6 on an H200 (docs/benchmarks.md): an eager forward of Qwen3-0.6B is ~300 launches at
-~35 us of host each, so a prefill step of 512 tokens took ~14.5 ms where the device needs a
-few; at c=256 the steps (~1.9k tokens) took 34-38 ms and bounded the service's throughput. A
-graph replays a step's launches with one. What it needs (prefill_inputs.py): fixed addresses
+An eager forward of Qwen3-0.6B is some 300 launches, each a host call: on the GPU host they,
+not the device, set the prefill step's time and bounded the service's throughput at high
+concurrency (docs/benchmarks.md, run 6 and the checklist). A graph replays a step's launches
+with one. What it needs (prefill_inputs.py): fixed addresses
 (the static inputs, and one [S, vocab] float32 logits buffer every graph writes: the last token
 of each of the S sequence rows) and fixed shapes: T tokens run at the smallest captured count
 >= T, always S sequence rows, the padding on the null block.
@@ -30,8 +30,8 @@ from mili.engine.model.qwen3 import PrefillBatch, Qwen3ForCausalLM
 from mili.engine.step.prefill_inputs import PrefillInputs
 
 _LOG = logging.getLogger("mili.engine")
-# Sequence rows of every graph: prefill steps of a few long prompts (run 6 at c=256: 3.7 chunks
-# a step) fit; a step of more chunks runs eagerly.
+# Sequence rows of every graph: a step of a few long prompts fits (run 6's saturated steps had
+# about four); a step of more chunks runs eagerly. Each row costs its empty tiles' CTAs.
 MAX_SEQS = 16
 # Relative to the largest logit: a replay runs the eager forward's kernels on the same inputs;
 # the prompt's own forward runs GEMMs of other shapes (other roundings in bf16), where a broken

@@ -1,12 +1,12 @@
-"""The decode step's sampling as CUDA graphs, beside the forward's (cuda_graphs.py).
+"""The sampling of graph steps as CUDA graphs, beside the forwards' (cuda_graphs.py for decode,
+prefill_graphs.py for prefill's first tokens).
 
 Eagerly, sampling a batch is some thirty launches (the mask's copy and unpacking, the
-temperature, the filters, the two-level draw: sampler.py), each a host call; run 6's phases
-measured 0.8–1.4 ms of host time a batch-64 step for them on the GPU host, in the constrained
-step as long as the device's forward (docs/benchmarks.md, "Structured output on a GPU"). Where
-the logits are the decode graphs' static buffer and the batch's sampling is the draw alone
-(`sampler.graph_plan`: no penalties, logit_bias, min_tokens hold or logprobs; a mask on every
-row or none), the launch is one replay:
+temperature, the filters, the two-level draw: sampler.py), each a host call; on the GPU host
+that was as long as the constrained step's forward (docs/benchmarks.md, "Structured output on a
+GPU"). Where the logits are rows of a graphs' static buffer and the batch's sampling is the
+draw alone (`graph_plan`: no penalties, logit_bias, min_tokens hold or logprobs; a mask on
+every row or none), the launch is one replay:
 
     key = (padded size, DrawPlan, the mask buffer's address or None)
     1st batch of a key: eager (the capture's warm-up: lazy initialisation happens there)
@@ -54,8 +54,8 @@ def graph_plan(
     seqs: Sequence[SequenceSampling], mask: FilledMask | None, vocab_size: int
 ) -> DrawPlan | None:
     """The batch's plan where its sampling is the draw alone, after a mask on every row or on
-    none (what a graph of it replays); None where it needs more:
-    penalties, min_tokens' held ids, logit_bias, logprobs, a mask on some rows only."""
+    none (what a graph of it replays); None where it needs more: penalties, min_tokens' held
+    ids, logit_bias, logprobs, a mask on some rows only."""
     if mask is not None and mask.row_ids != list(range(len(seqs))):
         return None
     for s in seqs:
@@ -71,7 +71,7 @@ def graph_plan(
 
 
 def param_block(seqs: Sequence[SequenceSampling], vocab_size: int, out: np.ndarray) -> None:
-    """Write the rows of `_PARAMS` into out [8, >= len(seqs)] float64: the batch's columns,
+    """Write the rows of sampler._PARAMS into out [8, >= len(seqs)] float64: the batch's columns,
     then greedy padding (a padded row of a graph's batch: argmax, no filter, its token unused)."""
     n = len(seqs)
     out[:, :n] = param_rows(seqs)
@@ -107,13 +107,14 @@ class _Graph:
 
 
 class SamplerGraphs:
-    """Graph replays of the sampling of decode steps whose logits are `logits`' rows."""
+    """Graph replays of the sampling of steps whose logits are `logits`' rows."""
 
     def __init__(
         self, sampler: Sampler, logits: torch.Tensor, batch_sizes: tuple[int, ...]
     ) -> None:
-        """`logits`: the decode graphs' static output [max_rows, V'] float32 on CUDA;
-        `batch_sizes`: theirs, ascending (a batch of B samples at the padded size)."""
+        """`logits`: the static output [rows, V'] float32 of a set of graphs on CUDA (the
+        decode graphs', the prefill graphs'); `batch_sizes`: ascending, the largest <= rows
+        (a batch of B samples at the smallest >= B)."""
         if sampler.vocab_size is None:
             raise ValueError("a sampler graph needs the sampler's vocab_size")
         self._sampler = sampler
