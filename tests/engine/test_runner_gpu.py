@@ -63,12 +63,18 @@ def started(runner: ModelRunner, batch: int) -> tuple[list[Sequence], torch.Tens
         s = Sequence.new(prompt, greedy, vocab_size=vocab_size, eos_token_ids=[])
         s.block_table = pool.allocate(blocks_needed(len(prompt) + MAX_TOKENS, BLOCK_SIZE))
         seqs.append(s)
+    return seqs, prefill_first_tokens(runner, seqs)
+
+
+def prefill_first_tokens(runner: ModelRunner, seqs: list[Sequence]) -> torch.Tensor:
+    """Prefill `seqs` (their block tables set), append each one's first token; the prefill's
+    logits on the host."""
     logits = runner.prefill([s.prompt_token_ids for s in seqs], [s.block_table for s in seqs],
-                            [0] * batch)  # fmt: skip
+                            [0] * len(seqs))  # fmt: skip
     for s, t in zip(seqs, runner.sample(logits, [s.sampling for s in seqs]).result().token_ids,
                     strict=True):  # fmt: skip
         s.append(t)
-    return seqs, logits.float().cpu()
+    return logits.float().cpu()
 
 
 def greedy_tokens(runner: ModelRunner, batch: int) -> tuple[list[list[int]], list[torch.Tensor]]:
@@ -204,11 +210,7 @@ def test_sampled_graph_steps_draw_what_eager_sampling_draws(
             s = Sequence.new([5 + i, 6, 7], params[i % 2], vocab_size=vocab_size, eos_token_ids=[])
             s.block_table = pool.allocate(blocks_needed(3 + MAX_TOKENS, BLOCK_SIZE))
             seqs.append(s)
-        logits = runner.prefill([s.prompt_token_ids for s in seqs], [s.block_table for s in seqs],
-                                [0] * batch)  # fmt: skip
-        for s, t in zip(seqs, runner.sample(logits, [s.sampling for s in seqs]).result().token_ids,
-                        strict=True):  # fmt: skip
-            s.append(t)
+        prefill_first_tokens(runner, seqs)
         while active := [s for s in seqs if not s.is_finished]:
             for s, t in zip(active, runner.decode(active).result().token_ids, strict=True):
                 s.append(t)

@@ -47,23 +47,29 @@ class RecordingSink:
         self.done.set()
 
 
-@pytest.mark.parametrize("max_gather_layers", [None, 1])
-def test_host_sinks_get_each_layer_as_computed_device_sinks_all_after_the_forward(
-    tiny: TinyModel, monkeypatch: pytest.MonkeyPatch, max_gather_layers: int | None
-) -> None:
-    config = tiny.model.config
-    num_layers = config.num_hidden_layers
-    runner = ModelRunner.create(tiny.model, 64, BLOCK_SIZE, vocab_size=config.vocab_size)
-    if max_gather_layers is not None:  # a gather bound of one layer: one send per layer
-        layer_bytes = 3 * runner.kv_cache.layer_block_bytes
-        monkeypatch.setattr(worker_module, "_MAX_GATHER_BYTES", layer_bytes)
+def new_worker(tiny: TinyModel) -> PrefillWorker:
+    """A worker over the tiny model: 64 blocks, steps of up to 512 tokens."""
+    runner = ModelRunner.create(tiny.model, 64, BLOCK_SIZE, vocab_size=tiny.model.config.vocab_size)
     scheduler = Scheduler(
         BlockPool(64, null_block=True),
         block_size=BLOCK_SIZE,
         max_batch_tokens=512,
         max_queued_tokens=4096,
     )
-    worker = PrefillWorker(runner, scheduler)
+    return PrefillWorker(runner, scheduler)
+
+
+@pytest.mark.parametrize("max_gather_layers", [None, 1])
+def test_host_sinks_get_each_layer_as_computed_device_sinks_all_after_the_forward(
+    tiny: TinyModel, monkeypatch: pytest.MonkeyPatch, max_gather_layers: int | None
+) -> None:
+    config = tiny.model.config
+    num_layers = config.num_hidden_layers
+    worker = new_worker(tiny)
+    runner = worker.runner
+    if max_gather_layers is not None:  # a gather bound of one layer: one send per layer
+        layer_bytes = 3 * runner.kv_cache.layer_block_bytes
+        monkeypatch.setattr(worker_module, "_MAX_GATHER_BYTES", layer_bytes)
 
     def layers_done() -> int:
         return len(worker.steps[-1].layer_done_at)
@@ -103,14 +109,7 @@ def test_a_step_without_host_sinks_runs_without_a_layer_callback(tiny: TinyModel
     """Device sinks alone (cuda-ipc) take every layer after the forward, so the worker asks
     for no layer callback: on CUDA such a step can replay a prefill graph."""
     config = tiny.model.config
-    runner = ModelRunner.create(tiny.model, 64, BLOCK_SIZE, vocab_size=config.vocab_size)
-    scheduler = Scheduler(
-        BlockPool(64, null_block=True),
-        block_size=BLOCK_SIZE,
-        max_batch_tokens=512,
-        max_queued_tokens=4096,
-    )
-    worker = PrefillWorker(runner, scheduler)
+    worker = new_worker(tiny)
     sink = RecordingSink(True, lambda: len(worker.steps[-1].layer_done_at))
     prompt = random_ids(2 * BLOCK_SIZE + 3, config.vocab_size, seed=2)
     worker.start()

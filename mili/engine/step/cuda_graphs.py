@@ -54,31 +54,10 @@ class DecodeGraphs:
         `fill_padding(size)` stages `size` padded rows, so the warm-up and capture run on
         inputs that touch only the null block.
         """
-        # Cached blocks emptied on both sides of the count: entering a capture empties the
-        # cache itself, which once made the count come out negative (-950 MiB).
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-        free_before = torch.cuda.mem_get_info(device)[0]
         started = time.perf_counter()
-        logits = torch.empty((max(batch_sizes), vocab_size), dtype=torch.float32, device=device)
-        pool = torch.cuda.graph_pool_handle()
-        graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        side = torch.cuda.Stream(device)
-        for size in sorted(batch_sizes, reverse=True):
-            fill_padding(size)
-            # Warm up on a side stream first (torch's advice): lazy initialisation (cuBLAS
-            # handles, kernel modules) must not happen inside a capture.
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):
-                forward(size)
-            torch.cuda.current_stream(device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits[:size].copy_(forward(size))
-            graphs[size] = graph
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-        memory_bytes = free_before - torch.cuda.mem_get_info(device)[0]
+        graphs, logits, memory_bytes = capture_sizes(
+            forward, fill_padding, batch_sizes, (max(batch_sizes), vocab_size), device
+        )
         _LOG.info(
             "captured %d CUDA graphs of the decode step (batch %s) in %.1f s, %.0f MiB",
             len(graphs),
@@ -92,3 +71,41 @@ class DecodeGraphs:
         """Run the graph of `size` on what the static inputs hold now: logits [size, vocab]."""
         self._graphs[size].replay()
         return self.logits[:size]
+
+
+def capture_sizes(
+    forward: Callable[[int], torch.Tensor],
+    stage: Callable[[int], None],
+    sizes: Sequence[int],
+    output_shape: tuple[int, int],
+    device: torch.device,
+) -> tuple[dict[int, torch.cuda.CUDAGraph], torch.Tensor, int]:
+    """`forward(size)` captured for every size, largest first, into one memory pool (the
+    smaller graphs reuse the largest one's intermediates), its result copied into rows [0, n)
+    of one static float32 `output_shape` buffer that every graph writes. Before each capture,
+    `stage(size)` stages the inputs and one warm-up runs on a side stream (torch's advice:
+    lazy initialisation, cuBLAS handles and kernel modules, must not happen inside a capture).
+    -> (graphs by size, the output buffer, device memory the captures took: pool + buffer)."""
+    # Cached blocks emptied on both sides of the count: entering a capture empties the
+    # cache itself, which once made the count come out negative (-950 MiB).
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    free_before = torch.cuda.mem_get_info(device)[0]
+    output = torch.empty(output_shape, dtype=torch.float32, device=device)
+    pool = torch.cuda.graph_pool_handle()
+    graphs: dict[int, torch.cuda.CUDAGraph] = {}
+    side = torch.cuda.Stream(device)
+    for size in sorted(sizes, reverse=True):
+        stage(size)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            forward(size)
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            result = forward(size)
+            output[: result.shape[0]].copy_(result)
+        graphs[size] = graph
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    return graphs, output, free_before - torch.cuda.mem_get_info(device)[0]

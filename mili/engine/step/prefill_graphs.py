@@ -27,6 +27,7 @@ import torch
 from mili.engine.kv.block_pool import blocks_needed
 from mili.engine.model.kv_cache import KVCache
 from mili.engine.model.qwen3 import PrefillBatch, Qwen3ForCausalLM
+from mili.engine.step.cuda_graphs import capture_sizes
 from mili.engine.step.prefill_inputs import PrefillInputs
 
 _LOG = logging.getLogger("mili.engine")
@@ -85,28 +86,14 @@ class PrefillGraphs:
         """Capture `forward(size)` (the model over tokens [0, size) and every sequence row of
         `inputs`, returning [S, vocab] logits) for every size, largest first, on padding
         alone (only the null block is written)."""
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-        free_before = torch.cuda.mem_get_info(device)[0]
         started = time.perf_counter()
-        logits = torch.empty((inputs.max_seqs, vocab_size), dtype=torch.float32, device=device)
-        pool = torch.cuda.graph_pool_handle()
-        graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        side = torch.cuda.Stream(device)
-        for size in sorted(token_sizes, reverse=True):
-            inputs.fill([], [], [], size)
-            # Warm up on a side stream first (torch's advice): no lazy initialisation inside.
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):
-                forward(size)
-            torch.cuda.current_stream(device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits.copy_(forward(size))
-            graphs[size] = graph
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-        memory_bytes = free_before - torch.cuda.mem_get_info(device)[0]
+        graphs, logits, memory_bytes = capture_sizes(
+            forward,
+            lambda size: inputs.fill([], [], [], size),
+            token_sizes,
+            (inputs.max_seqs, vocab_size),
+            device,
+        )
         _LOG.info(
             "captured %d CUDA graphs of the prefill step (%s tokens, %d sequences) in %.1f s, "
             "%.0f MiB",
