@@ -42,8 +42,8 @@ launches kernels launched per decode step, from one step under torch.profiler: C
          (the profiler's device time of its kernels): wall / kernel time is how much of a step
          the host adds (issue 33's goal: <= 1.2x at batch 1).
 prefill  --prefill-batch prompts of --prefill-tokens tokens in one ModelRunner.prefill;
-         tokens/s = prompt tokens / median wall time. On CUDA also 1 prompt, then both again
-         replayed from the prefill service's graphs (ModelRunner.capture_prefill_graphs).
+         tokens/s = prompt tokens / median wall time. On CUDA (dense models) also 1 prompt,
+         then both again replayed from the prefill service's graphs (capture_prefill_graphs).
 hf       transformers.Qwen3ForCausalLM (sdpa attention) `generate` on the same checkpoint and
          dtype, greedy, batch B of the same prompts: TPOT = (time of --steps + 1 new tokens -
          time of 1) / --steps, so its prefill is left out.
@@ -545,7 +545,9 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     prefill_graphs = None
-    if device.type == "cuda":  # the prefill service's graphs (prefill_graphs.py), same runner
+    # The prefill service's graphs (prefill_graphs.py), on the same runner; not for the MoE
+    # preset, whose checkpoint leaves the card little room for another memory pool.
+    if device.type == "cuda" and not config.is_moe:
         one = prefill_tokens_per_s(eager, args, 1)
         print(f"prefill: 1 x {args.prefill_tokens} tokens: {one:.0f} tok/s", flush=True)
         if eager.capture_prefill_graphs(args.prefill_batch * args.prefill_tokens):
