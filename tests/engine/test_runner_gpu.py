@@ -195,6 +195,8 @@ def test_sampled_graph_steps_draw_what_eager_sampling_draws(
     runner = ModelRunner.create(cuda_model, num_blocks, BLOCK_SIZE, max_decode_batch=64)
     assert runner.capture_graphs(), "the capture failed (see the warning)"
     assert runner.sampler_graphs is not None
+    # greedy and temperature alone, captured at every size at start-up (`prepare`)
+    assert runner.sampler_graphs.num_graphs == 2 * len(runner.batch_sizes)
     vocab_size = cuda_model.config.vocab_size
     params = [
         SamplingParams(temperature=1.0, seed=7, max_tokens=MAX_TOKENS),

@@ -379,8 +379,16 @@ class ModelRunner:
                 e,
             )
             return False
-        # The sampling of graph steps, captured as batches come (sampler_graphs.py)
-        self.sampler_graphs = SamplerGraphs(self.sampler, self.graphs.logits, self.batch_sizes)
+        # The sampling of graph steps (sampler_graphs.py): the commonest plans now, the others
+        # as batches come.
+        sampler_graphs = SamplerGraphs(self.sampler, self.graphs.logits, self.batch_sizes)
+        try:
+            with torch.inference_mode():
+                sampler_graphs.prepare()
+        except Exception as e:  # the decode graphs stand; the sampling stays eager
+            _LOG.warning("sampler graphs off, sampling runs eagerly: %s: %s", type(e).__name__, e)
+            return True
+        self.sampler_graphs = sampler_graphs
         return True
 
     def capture_prefill_graphs(self, max_tokens: int) -> bool:

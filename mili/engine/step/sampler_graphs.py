@@ -9,6 +9,7 @@ draw alone (`graph_plan`: no penalties, logit_bias, min_tokens hold or logprobs;
 every row or none), the launch is one replay:
 
     key = (padded size, DrawPlan, the mask buffer's address or None)
+    (greedy and temperature alone without a mask: captured at every size at start-up, `prepare`)
     1st batch of a key: eager (the capture's warm-up: lazy initialisation happens there)
     2nd: captured, replayed, and checked token for token against the eager sampling of the
          same logits; a graph that differs is dropped (a warning) and its key stays eager
@@ -38,6 +39,7 @@ from mili.engine.step.sampler import (
     DrawPlan,
     PendingSample,
     Sampler,
+    SamplingParams,
     SequenceSampling,
     choose_tokens,
     draw_plan,
@@ -133,6 +135,22 @@ class SamplerGraphs:
     @property
     def num_graphs(self) -> int:
         return sum(isinstance(g, _Graph) for g in self._graphs.values())
+
+    def prepare(self) -> None:
+        """Capture the two commonest plans, greedy and temperature alone, at every batch size
+        now (start-up), so that a service's first batches of each size do not pay a capture
+        (a device sync in the middle of a step). Over random logits written into the static
+        buffer (the decode graphs' next replay overwrites them), each graph checked as ever."""
+        generator = torch.Generator(device=self._logits.device).manual_seed(0)
+        self._logits.normal_(generator=generator)
+        for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=0)):
+            for size in self._batch_sizes:
+                seqs = [SequenceSampling(params, [0], self._vocab_size) for _ in range(size)]
+                before = self.num_graphs
+                for _ in range(2):  # eager (the warm-up), then the capture
+                    self.launch(self._logits[:size], seqs, None).result()
+                if self.num_graphs == before:
+                    break  # its warning said why; the plan's other sizes would fail alike
 
     def launch(
         self, logits: torch.Tensor, seqs: list[SequenceSampling], mask: FilledMask | None
