@@ -113,7 +113,9 @@ def main() -> None:
         for kind, params in KINDS.items():
             seqs = [SequenceSampling(params, [1, 2, 3], vocab) for _ in range(batch)]
             masked = mask if kind == "masked" else None
-            runs = [(kind, functools.partial(draw, sampler.launch, logits, seqs, masked), 1)]
+            # a mask is applied in place: on a copy, so the draws below see dense rows
+            rows = logits.clone() if masked is not None else logits
+            runs = [(kind, functools.partial(draw, sampler.launch, rows, seqs, masked), 1)]
             if graphs is not None and static is not None:
                 static[:batch] = logits
                 launch = functools.partial(draw, graphs.launch, static[:batch], seqs, masked)
