@@ -148,8 +148,9 @@ class Served:
 
 def kernels_served(served: Served) -> dict[str, str]:
     """What each prefill and decode instance of `served` runs, from its Info: "attention X,
-    fused ops Y" (with --attention auto, "torch" where a Mojo kernel failed its start-up
-    self-check), or "-" with the status when it did not answer."""
+    fused ops Y, N CUDA graphs" (with --attention auto, "torch" where a Mojo kernel failed its
+    start-up self-check; N: the step's captured sizes, 0 eager), or "-" with the status when it
+    did not answer."""
     import grpc
 
     from mili.pb.decode.v1 import decode_pb2, decode_pb2_grpc
@@ -168,7 +169,10 @@ def kernels_served(served: Served) -> dict[str, str]:
         try:
             with grpc.insecure_channel(address) as channel:
                 info = stub(channel).Info(request, timeout=10)
-            found[name] = f"attention {info.attention_backend}, fused ops {info.fused_ops}"
+            found[name] = (
+                f"attention {info.attention_backend}, fused ops {info.fused_ops}, "
+                f"{info.num_cuda_graphs} CUDA graphs"
+            )
         except grpc.RpcError as e:
             found[name] = f"- ({e.code().name})"
     return found

@@ -158,6 +158,11 @@ class PrefillInstance(RunnerInfo):
         """Longest prompt accepted: the model's context, the queue bound and the whole pool."""
         return min(self.model.config.max_context_tokens, self.scheduler.max_prompt_tokens())
 
+    @property
+    def num_cuda_graphs(self) -> int:
+        graphs = self.runner.prefill_graphs
+        return 0 if graphs is None else len(graphs.token_sizes)
+
     def describe(self) -> str:
         config = self.config
         return (

@@ -80,6 +80,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             architecture=instance.architecture,
             num_experts=instance.num_experts,
             num_active_experts=instance.num_active_experts,
+            num_cuda_graphs=instance.num_cuda_graphs,
             tokenizer_file_sha256=instance.tokenizer_file_sha256,
             max_prompt_tokens=self.max_prompt_tokens,
             max_batch_tokens=self.config.max_batch_tokens,

@@ -168,6 +168,7 @@ def test_info_describes_model_layout_limits_and_load(tiny: TinyModel) -> None:
             assert info.model == tiny.path.name
             assert info.dtype == "float32" and info.device == "cpu"
             assert info.attention_backend == "torch"
+            assert info.num_cuda_graphs == 0  # CPU: every prefill step eager
             assert (info.architecture, info.num_experts, info.num_active_experts) == (
                 "Qwen3ForCausalLM", 0, 0,
             )  # fmt: skip

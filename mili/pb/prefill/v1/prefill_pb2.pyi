@@ -61,7 +61,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model", "dtype", "device", "kv_layout", "attention_backend", "max_prompt_tokens", "max_batch_tokens", "num_queued_tokens", "num_total_blocks", "num_free_blocks", "kv_cache_bytes", "prefix_cache", "kv_transports", "fused_ops", "architecture", "num_experts", "num_active_experts", "tokenizer_file_sha256")
+    __slots__ = ("model", "dtype", "device", "kv_layout", "attention_backend", "max_prompt_tokens", "max_batch_tokens", "num_queued_tokens", "num_total_blocks", "num_free_blocks", "kv_cache_bytes", "prefix_cache", "kv_transports", "fused_ops", "architecture", "num_experts", "num_active_experts", "tokenizer_file_sha256", "num_cuda_graphs")
     class KvTransportsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +87,7 @@ class InfoResponse(_message.Message):
     NUM_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     NUM_ACTIVE_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FILE_SHA256_FIELD_NUMBER: _ClassVar[int]
+    NUM_CUDA_GRAPHS_FIELD_NUMBER: _ClassVar[int]
     model: str
     dtype: str
     device: str
@@ -105,4 +106,5 @@ class InfoResponse(_message.Message):
     num_experts: int
     num_active_experts: int
     tokenizer_file_sha256: str
-    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., kv_layout: _Optional[_Union[_kv_pb2.KvLayout, _Mapping]] = ..., attention_backend: _Optional[str] = ..., max_prompt_tokens: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., num_queued_tokens: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., prefix_cache: _Optional[_Union[_kv_pb2.PrefixCacheInfo, _Mapping]] = ..., kv_transports: _Optional[_Mapping[str, str]] = ..., fused_ops: _Optional[str] = ..., architecture: _Optional[str] = ..., num_experts: _Optional[int] = ..., num_active_experts: _Optional[int] = ..., tokenizer_file_sha256: _Optional[str] = ...) -> None: ...
+    num_cuda_graphs: int
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., kv_layout: _Optional[_Union[_kv_pb2.KvLayout, _Mapping]] = ..., attention_backend: _Optional[str] = ..., max_prompt_tokens: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., num_queued_tokens: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., prefix_cache: _Optional[_Union[_kv_pb2.PrefixCacheInfo, _Mapping]] = ..., kv_transports: _Optional[_Mapping[str, str]] = ..., fused_ops: _Optional[str] = ..., architecture: _Optional[str] = ..., num_experts: _Optional[int] = ..., num_active_experts: _Optional[int] = ..., tokenizer_file_sha256: _Optional[str] = ..., num_cuda_graphs: _Optional[int] = ...) -> None: ...
