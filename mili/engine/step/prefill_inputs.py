@@ -22,10 +22,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
-from mili.engine.model.kv_cache import slots_for_range
 from mili.engine.model.qwen3 import PrefillBatch
 
 
@@ -78,31 +76,28 @@ class PrefillInputs:
             raise ValueError(f"a block table is wider than {self.width} blocks")
         if self._copied is not None:
             self._copied.synchronize()  # the last step's copies read the mirrors: long done
-        size, null = self.block_size, self.null_block_id
+        null = self.null_block_id
+        # The chunks' own tokens, positions, slots and sequence bounds, as an eager step has them
+        built = PrefillBatch.build(
+            token_ids, block_tables, self.block_size, start_positions=start_positions
+        )
         tokens = self._tokens_host.numpy()  # [3, N]
+        tokens[0, :total] = built.input_ids.numpy()
+        tokens[1, :total] = built.positions.numpy()
+        tokens[2, :total] = built.slot_mapping.numpy()
+        tokens[0:2, total:num_tokens] = 0
+        tokens[2, total:num_tokens] = null * self.block_size
         s = self.max_seqs
         words = self._seqs_host.numpy()
         cu, starts = words[: s + 1], words[s + 1 : 2 * s + 1]
         tables = words[2 * s + 1 :].reshape(s, self.width)
-        at = 0
-        cu[0] = 0
-        for i, (chunk, start, table) in enumerate(
-            zip(token_ids, start_positions, block_tables, strict=True)
-        ):
-            end = at + len(chunk)
-            tokens[0, at:end] = chunk
-            tokens[1, at:end] = np.arange(start, start + len(chunk))
-            tokens[2, at:end] = slots_for_range(table, start, start + len(chunk), size)
-            cu[i + 1] = end
-            starts[i] = start
-            tables[i, : len(table)] = table
-            tables[i, len(table) :] = null
-            at = end
-        tokens[0:2, total:num_tokens] = 0
-        tokens[2, total:num_tokens] = null * size
+        cu[: n + 1] = built.cu_seqlens.numpy()
         cu[n + 1 :] = total
+        starts[:n] = built.start_positions.numpy()
         starts[n:] = 0
-        tables[n:] = null
+        tables[:] = null
+        for i, table in enumerate(block_tables):
+            tables[i, : len(table)] = table
         self.tokens.copy_(self._tokens_host, non_blocking=True)
         self.seqs.copy_(self._seqs_host, non_blocking=True)
         if self.device.type == "cuda":

@@ -398,7 +398,7 @@ class Sampler:
         logits = logits[:, :vocab_size].float()
         params = [s.params for s in seqs]
         device = logits.device
-        is_random = not all(p.is_greedy for p in params)
+        plan = draw_plan(params, vocab_size)
         rows = [i for i, p in enumerate(params) if p.has_penalties]
 
         raw = logits  # what logprobs describe
@@ -417,7 +417,7 @@ class Sampler:
                 _add_bias(logits, biased)
         penalized = logits
         columns: torch.Tensor | None = None  # [8, B, 1], see _PARAMS
-        if rows or is_random:
+        if rows or plan.is_random:
             block = to_device(param_rows(seqs), torch.float64, device)
             columns = block.unsqueeze(-1)
         if rows:
@@ -428,7 +428,7 @@ class Sampler:
                 _counts({i: seqs[i].output_id_array() for i in rows}, logits),
                 *columns[4:7].float(),
             )
-        token_ids = choose_tokens(penalized, columns, draw_plan(params, vocab_size))
+        token_ids = choose_tokens(penalized, columns, plan)
 
         wanted = [p.logprobs for p in params]
         return PendingSample(token_ids, _logprobs(raw, token_ids, wanted), wanted)
