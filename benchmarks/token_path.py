@@ -297,11 +297,13 @@ def bench(address: str, concurrency: int, args: argparse.Namespace, out: Path) -
     command += ["--num-requests", str(concurrency * args.requests_per_client)]
     command += ["--prompt-tokens", str(args.prompt_tokens)]
     command += ["--output-tokens", str(args.output_tokens), "--json", str(out)]
+    command += ["--processes", str(args.bench_processes)]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     subprocess.run(command, cwd=ROOT, check=False, stdout=subprocess.DEVNULL)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     summary: dict[str, Any] = json.loads(out.read_text())
-    # The client's own CPU: near one core, its TTFT and ITL include its own queueing.
+    # The client's own CPU (all its processes: the spawned ones are waited for): near one
+    # core a process, its TTFT and ITL include its own queueing.
     client_s = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
     summary["client_cpu_share"] = client_s / summary["wall_s"]
     if summary["num_errors"]:  # counted, and left out of the tokens: said in the table
@@ -340,6 +342,13 @@ def main() -> int:
         metavar="MS",
         help="replace decode and prefill by benchmarks/decode_standin.py, one token per "
         "running request every MS (the frontend's ceiling without a model's limits)",
+    )
+    parser.add_argument(
+        "--bench-processes",
+        type=int,
+        default=1,
+        metavar="P",
+        help="`mili bench --processes`: client processes (default: %(default)s)",
     )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()

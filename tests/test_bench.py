@@ -1,6 +1,7 @@
 """`mili bench` against a fake frontend on a real server: it sends a request refused with
-RESOURCE_EXHAUSTED + RetryInfo again after the hinted delay, and skips an address where nothing
-listens."""
+RESOURCE_EXHAUSTED + RetryInfo again after the hinted delay, skips an address where nothing
+listens, and splits a run over client processes (--processes) without losing or repeating a
+request."""
 
 from __future__ import annotations
 
@@ -30,9 +31,11 @@ class BusyFrontend(generation_pb2_grpc.GenerationServiceServicer):
     def __init__(self, num_refusals: int) -> None:
         self.num_refusals = num_refusals
         self.sent_at: list[float] = []  # when each Generate call came
+        self.request_ids: list[str] = []  # of each Generate call, in order
 
     async def Generate(self, request: Any, context: Any) -> AsyncIterator[Any]:
         self.sent_at.append(time.monotonic())
+        self.request_ids.append(request.request_id)
         if len(self.sent_at) <= self.num_refusals:
             raise ResourceExhausted("the frontend is running its limit", RETRY_AFTER_S)
         yield generation_pb2.GenerateResponse(token_ids=[1, 2])
@@ -63,7 +66,9 @@ async def _bench(num_refusals: int, *more: str) -> tuple[dict[str, Any], BusyFro
     dead = f"127.0.0.1:{pick_free('127.0.0.1')}"  # nothing listens there
     try:
         args = _args(f"{dead},{server.address}", "--concurrency", "2", *more)
-        summary = await asyncio.wait_for(bench(args), 30)
+        # On a loop of its own: with --processes the run blocks its loop, and this one serves.
+        run = asyncio.to_thread(asyncio.run, bench(args))
+        summary = await asyncio.wait_for(run, 60)
     finally:
         await server.drain()
     return summary, frontend, dead
@@ -114,11 +119,14 @@ def test_connections_default_to_one_a_client_over_the_addresses_and_must_be_posi
     assert "--connections must be >= 1" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("processes", [1, 2])
 def test_connections_a_frontend_never_answers_fail_the_run_with_a_message(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    processes: int, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A process on the shared port that accepts connections but never speaks (a hung sibling
-    frontend): the run stops before its clock starts, saying which address."""
+    frontend): the run stops before its clock starts, saying which address; with client
+    processes, the one whose connections hang says it and the others stop at their barrier
+    (their connect timeout is the module's own, 10 s: the patch does not reach them)."""
     import socket
 
     import mili.client.bench as bench_module
@@ -145,7 +153,7 @@ def test_connections_a_frontend_never_answers_fail_the_run_with_a_message(
         await server.start()
         try:
             # 16 connections all on the live server: probability 2**-16
-            args = _args(server.address, "--concurrency", "16")
+            args = _args(server.address, "--concurrency", "16", "--processes", str(processes))
             return await asyncio.to_thread(bench_module.run, args)
         finally:
             await server.drain()
@@ -154,5 +162,49 @@ def test_connections_a_frontend_never_answers_fail_the_run_with_a_message(
     assert asyncio.run(main()) == 1
     err = capsys.readouterr().err
     assert f"mili bench: {server.address}: " in err, err
-    assert "of 16 connections not ready within 1 s" in err, err
+    if processes == 1:
+        assert "of 16 connections not ready within 1 s" in err, err
+    else:  # 8 connections a process
+        assert "of 8 connections not ready within 10 s" in err, err
     assert not frontend.sent_at  # no request was sent
+
+
+def test_processes_split_the_clients_and_every_request_runs_once(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    summary, frontend, _ = asyncio.run(
+        _bench(0, "--processes", "3", "--concurrency", "5", "--num-requests", "11")
+    )
+    assert (summary["num_ok"], summary["num_errors"]) == (11, 0)
+    assert sorted(frontend.request_ids) == sorted(f"bench-{i}" for i in range(11))
+    config = summary["config"]
+    assert (config["processes"], config["connections"]) == (3, 2)  # 2, 2 and 1 clients
+    assert len(summary["client_cpu_percent"]) == 3
+    assert all(0 < p < 400 for p in summary["client_cpu_percent"])
+    # 11 requests of 3 tokens each, over the run's wall time (first start to last end)
+    assert summary["output_tokens_per_s"] == pytest.approx(33 / summary["wall_s"])
+    err = capsys.readouterr().err
+    assert "mili bench: 11/11 done, 0 errors," in err, err
+    assert report(summary).count("client     3 processes, ") == 1
+
+    # More processes than clients: one a client.
+    summary, frontend, _ = asyncio.run(_bench(0, "--processes", "4"))
+    assert (summary["config"]["processes"], summary["num_ok"]) == (2, 2)
+    assert sorted(frontend.request_ids) == ["bench-0", "bench-1"]
+
+
+def test_the_client_line_says_when_a_process_was_near_a_whole_core() -> None:
+    from mili.client.bench_report import _client_line
+
+    assert _client_line([41.6]) == "client     1 process, 42% of a core"
+    assert _client_line([30.2, 44.9]) == "client     2 processes, 30-45% of a core each"
+    busy = _client_line([97.0])
+    assert busy.startswith("client     1 process, 97% of a core (near a whole core: ")
+    assert busy.endswith("--processes)")
+
+
+def test_processes_must_be_positive(capsys: pytest.CaptureFixture[str]) -> None:
+    from mili.client.bench import run
+
+    assert run(_args("127.0.0.1:1", "--processes", "0")) == 2
+    assert "--processes must be >= 1" in capsys.readouterr().err

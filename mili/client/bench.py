@@ -37,8 +37,11 @@ import asyncio
 import json
 import math
 import random
+import resource
 import sys
 import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -78,6 +81,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(i // A) mod C of address i mod A; several frontend processes behind one address "
         "(`mili serve --frontends N`) share clients by connection (default: one per client, "
         "at most 64 an address)",
+    )
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        metavar="P",
+        help="client processes: the clients (and the requests) split over P processes, each "
+        "with its own connections, for loads one Python process cannot read; the report "
+        "gives each one's CPU (default: %(default)s)",
     )
     parser.add_argument(
         "--num-requests", type=int, default=16, metavar="M", help="(default: %(default)s)"
@@ -221,75 +233,134 @@ async def _connect(address: str, pool: list[Any]) -> None:
         ) from None
 
 
-async def bench(args: argparse.Namespace, tls: Tls | None = None) -> dict[str, Any]:
-    """`tls`: TLS to every address (None: plaintext)."""
+@dataclass
+class ClientRun:
+    """What one client process measured: its requests' results over [started, ended]
+    (time.monotonic(), comparable across this machine's processes) and the CPU seconds (user +
+    system, all its threads) it spent meanwhile."""
+
+    results: list[RequestResult]
+    started: float
+    ended: float
+    cpu_s: float
+    num_connections: int  # per address
+
+
+def _cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+async def drive(
+    args: argparse.Namespace,
+    tls: Tls | None,
+    addresses: list[str],
+    *,
+    part: int = 0,
+    num_parts: int = 1,
+    on_result: Callable[[RequestResult], None] | None = None,
+    ready: Callable[[], Awaitable[None]] | None = None,
+) -> ClientRun:
+    """Part `part` of `num_parts` of the run: requests i with i % num_parts == part, over its
+    share of --concurrency clients, on connections of its own to `addresses` (frontends that
+    answered Info). Every connection is up before the clock starts, then `ready` is awaited
+    (the other client processes' connections). NotConnected when some do not come up."""
     from mili.pb.common.v1 import sampling_pb2
     from mili.pb.frontend.v1 import generation_pb2, generation_pb2_grpc
     from mili.rpc.client import channel as open_channel
 
     low, high = (int(x) for x in args.token_id_range.split(":"))
-    addresses = list(dict.fromkeys(a.strip() for a in args.address.split(",") if a.strip()))
-    channels = {a: [open_channel(a, tls=tls, own_connection=True)] for a in addresses}
-    try:
-        live, info, skipped = await _live(
-            {a: generation_pb2_grpc.GenerationServiceStub(pool[0]) for a, pool in channels.items()},
-            generation_pb2.InfoRequest(),
-        )
-        # The clients spread over the addresses that answered, not over every one given.
-        num_connections = args.connections or min(
-            math.ceil(args.concurrency / len(live)), MAX_DEFAULT_CONNECTIONS
-        )
-        for a in live:
-            more = num_connections - len(channels[a])
-            channels[a] += [open_channel(a, tls=tls, own_connection=True) for _ in range(more)]
-        # Connected before the clock starts: no client's first TTFT pays a handshake.
-        await asyncio.gather(*(_connect(a, channels[a]) for a in live))
-    except BaseException:
-        for pool in channels.values():
-            for channel in pool:
-                await channel.close()
-        raise
+    concurrency = args.concurrency // num_parts + (part < args.concurrency % num_parts)
+    num_connections = args.connections or min(
+        math.ceil(concurrency / len(addresses)), MAX_DEFAULT_CONNECTIONS
+    )
+    channels = {
+        a: [open_channel(a, tls=tls, own_connection=True) for _ in range(num_connections)]
+        for a in addresses
+    }
     every_channel = [c for pool in channels.values() for c in pool]
-    # client i: connection i // len(live) of address i % len(live)
-    stubs = [
-        generation_pb2_grpc.GenerationServiceStub(channels[a][j])
-        for j in range(num_connections)
-        for a in live
-    ]
-    queue: asyncio.Queue[int] = asyncio.Queue()
-    for i in range(args.num_requests):
-        queue.put_nowait(i)
-    results: list[RequestResult] = []
-    progress = Progress(args.num_requests)
-
-    async def worker(stub: Any) -> None:
-        while not queue.empty():
-            i = queue.get_nowait()
-            request = generation_pb2.GenerateRequest(
-                request_id=f"bench-{i}",
-                token_ids=prompt_ids(i, args.prompt_tokens, low, high, args.seed),
-                sampling=sampling_pb2.SamplingParams(
-                    max_tokens=args.output_tokens, temperature=0.0, ignore_eos=True
-                ),
-            )
-            result = await _one(stub, request, args.timeout, args.max_retries)
-            results.append(result)
-            progress.record(result)
-
-    async def ticker() -> None:
-        while True:
-            await asyncio.sleep(1.0)
-            progress.tick()
-
-    started = time.perf_counter()
-    ticking = asyncio.create_task(ticker())
     try:
-        await asyncio.gather(*(worker(stubs[i % len(stubs)]) for i in range(args.concurrency)))
+        # Connected before the clock starts: no client's first TTFT pays a handshake.
+        await asyncio.gather(*(_connect(a, channels[a]) for a in addresses))
+        if ready is not None:
+            await ready()
+        # client i: connection i // len(addresses) of address i % len(addresses)
+        stubs = [
+            generation_pb2_grpc.GenerationServiceStub(channels[a][j])
+            for j in range(num_connections)
+            for a in addresses
+        ]
+        queue: asyncio.Queue[int] = asyncio.Queue()
+        for i in range(part, args.num_requests, num_parts):
+            queue.put_nowait(i)
+        results: list[RequestResult] = []
+
+        async def worker(stub: Any) -> None:
+            while not queue.empty():
+                i = queue.get_nowait()
+                request = generation_pb2.GenerateRequest(
+                    request_id=f"bench-{i}",
+                    token_ids=prompt_ids(i, args.prompt_tokens, low, high, args.seed),
+                    sampling=sampling_pb2.SamplingParams(
+                        max_tokens=args.output_tokens, temperature=0.0, ignore_eos=True
+                    ),
+                )
+                result = await _one(stub, request, args.timeout, args.max_retries)
+                results.append(result)
+                if on_result is not None:
+                    on_result(result)
+
+        started, cpu_started = time.monotonic(), _cpu_s()
+        await asyncio.gather(*(worker(stubs[i % len(stubs)]) for i in range(concurrency)))
+        ended, cpu_ended = time.monotonic(), _cpu_s()
     finally:
-        ticking.cancel()
         for channel in every_channel:
             await channel.close()
-    wall_s = time.perf_counter() - started
+    return ClientRun(results, started, ended, cpu_ended - cpu_started, num_connections)
+
+
+async def bench(args: argparse.Namespace, tls: Tls | None = None) -> dict[str, Any]:
+    """`tls`: TLS to every address (None: plaintext). With --processes P > 1 the clients run
+    in P processes (mili.client.bench_pool), this one only gathering their results."""
+    from mili.pb.frontend.v1 import generation_pb2, generation_pb2_grpc
+    from mili.rpc.client import channel as open_channel
+
+    addresses = list(dict.fromkeys(a.strip() for a in args.address.split(",") if a.strip()))
+    probes = {a: open_channel(a, tls=tls, own_connection=True) for a in addresses}
+    try:
+        live, info, skipped = await _live(
+            {a: generation_pb2_grpc.GenerationServiceStub(c) for a, c in probes.items()},
+            generation_pb2.InfoRequest(),
+        )
+    finally:
+        for probe in probes.values():
+            await probe.close()
+    # The clients spread over the addresses that answered, not over every one given.
+    num_processes = min(args.processes, args.concurrency)
+    progress = Progress(args.num_requests)
+    if num_processes == 1:
+
+        async def ticker() -> None:
+            while True:
+                await asyncio.sleep(1.0)
+                progress.tick()
+
+        async def start() -> None:
+            progress.start()
+
+        ticking = asyncio.create_task(ticker())
+        try:
+            runs = [await drive(args, tls, list(live), on_result=progress.record, ready=start)]
+        finally:
+            ticking.cancel()
+    else:
+        from mili.client import bench_pool
+
+        # Blocking is fine: this loop has nothing else to do, and Ctrl-C then reaches the
+        # pool's clean-up (its processes terminated) rather than a thread of its own.
+        runs = bench_pool.run(args, tls, list(live), num_processes, progress)
+    wall_s = max(r.ended for r in runs) - min(r.started for r in runs)
+    results = [x for r in runs for x in r.results]
     ok = [r for r in results if r.error is None]
     errors = [r.error for r in results if r.error is not None]
     num_tokens = sum(r.num_completion_tokens for r in ok)
@@ -300,7 +371,8 @@ async def bench(args: argparse.Namespace, tls: Tls | None = None) -> dict[str, A
             "prefill_instances": list(info.prefill_addresses),
             "decode_instances": list(info.decode_addresses),
             "concurrency": args.concurrency,
-            "connections": num_connections,  # per address
+            "connections": runs[0].num_connections,  # per address (and client process)
+            "processes": num_processes,  # client processes
             "num_requests": args.num_requests,
             "prompt_tokens": args.prompt_tokens,
             "output_tokens": args.output_tokens,
@@ -317,6 +389,12 @@ async def bench(args: argparse.Namespace, tls: Tls | None = None) -> dict[str, A
         "ttft": summarize([r.ttft_s for r in ok if r.ttft_s is not None]),
         "itl": summarize([x for r in ok for x in r.itl_s]),
         "latency": summarize([r.latency_s for r in ok]),
+        # % of one core each client process spent over its run (its busiest: near 100, the
+        # client may be what limits the run; --processes)
+        "client_cpu_percent": [
+            round(100 * r.cpu_s / (r.ended - r.started), 1) if r.ended > r.started else 0.0
+            for r in runs
+        ],
         "kv_transfer_gbps": None,
         "kv_transfer_note": KV_NOTE,
     }
@@ -346,6 +424,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.max_retries < 0:
         print("mili bench: error: --max-retries must be >= 0", file=sys.stderr)
+        return 2
+    if args.processes < 1:
+        print("mili bench: error: --processes must be >= 1", file=sys.stderr)
         return 2
     try:
         low, high = (int(x) for x in args.token_id_range.split(":"))

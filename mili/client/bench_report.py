@@ -59,9 +59,13 @@ class Progress:
         self.num_tokens = 0
         self._every = max(1, math.ceil(num_total * step))  # requests between two lines
         self._interval_s = interval_s
+        self.start()
+        self._printed_done = 0
+
+    def start(self) -> None:
+        """The run's clock starts now (the clients are connected)."""
         self._started = time.perf_counter()
         self._printed_at = self._started
-        self._printed_done = 0
 
     def record(self, result: RequestResult) -> None:
         self.num_done += 1
@@ -89,6 +93,8 @@ class Progress:
         self._printed_done = self.num_done
 
 
+CLIENT_BUSY_PERCENT = 90.0  # a client process's CPU, % of one core, that the report flags
+
 _REQUEST_ID = re.compile(r"bench-\d+")
 _MINTED_ID = re.compile(r"\(id [^)\s]+\)")  # the frontend's own id, as services name a request
 
@@ -106,6 +112,19 @@ def _fmt(value: object) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
+def _client_line(cpu_percent: list[float]) -> str:
+    """The client processes' CPU over the run, % of one core each: one near a whole core
+    reads no faster, so the run may have measured the client."""
+    low, high = min(cpu_percent), max(cpu_percent)
+    spread = f"{high:.0f}%" if round(low) == round(high) else f"{low:.0f}-{high:.0f}%"
+    n = len(cpu_percent)
+    plural = "es" if n > 1 else ""
+    line = f"client     {n} process{plural}, {spread} of a core{' each' if n > 1 else ''}"
+    if high >= CLIENT_BUSY_PERCENT:
+        line += " (near a whole core: the client may be what limits this run; --processes)"
+    return line
+
+
 def report(summary: dict[str, Any]) -> str:
     lines = [
         f"requests   {summary['num_ok']} ok, {summary['num_errors']} failed "
@@ -121,6 +140,7 @@ def report(summary: dict[str, Any]) -> str:
             f"p99 {_fmt(stats['p99_ms'])} ms"
         )
     lines.append(f"KV GB/s    {KV_NOTE}")
+    lines.append(_client_line(summary["client_cpu_percent"]))
     if summary["num_retries"]:
         lines.append(
             f"retries    {summary['num_retries']} (of {summary['num_retried_requests']} "

@@ -116,6 +116,26 @@ def test_bench_reports_latencies_and_writes_json(pipeline: Deployment, tmp_path:
     assert summary["kv_transfer_gbps"] is None and summary["kv_transfer_note"]
 
 
+def test_bench_splits_its_clients_over_processes(pipeline: Deployment, tmp_path: Path) -> None:
+    """`mili bench --processes 2`, as typed: the clients run in two spawned processes, the
+    report has both processes' CPU, and every request ran once (greedy: the same tokens a
+    single process gets)."""
+    out = tmp_path / "bench.json"
+    result = mili(
+        "bench", "--address", pipeline.frontend.address, "--concurrency", "3",
+        "--num-requests", "6", "--prompt-tokens", "24", "--output-tokens", "8",
+        "--processes", "2", "--json", str(out),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "client     2 processes, " in result.stdout
+    assert "mili bench: 6/6 done, 0 errors," in result.stderr
+    summary = json.loads(out.read_text())
+    assert (summary["num_ok"], summary["num_errors"]) == (6, 0)
+    assert summary["config"]["processes"] == 2 and len(summary["client_cpu_percent"]) == 2
+    assert summary["output_tokens_per_s"] == pytest.approx(48 / summary["wall_s"])
+    assert 0 < summary["ttft"]["p50_ms"] <= summary["ttft"]["p99_ms"]
+
+
 def test_generate_finish_line_is_a_line_of_its_own_in_a_shared_stream(
     pipeline: Deployment,
 ) -> None:
