@@ -58,22 +58,25 @@ TTFT_TARGET_MS = 30.0
 
 def _line(name: str, summary: dict[str, Any]) -> str:
     ttft, itl = summary["ttft"], summary["itl"]
+    # The client's busiest process, % of one core: near 100, the run measured the client.
+    client = max(summary["client_cpu_percent"])
     return (
         f"{name:<16} TTFT p50 {ttft['p50_ms']:7.1f} p90 {ttft['p90_ms']:7.1f} ms   "
         f"ITL p50 {itl['p50_ms']:6.2f} ms   {summary['output_tokens_per_s']:9.0f} output tok/s"
+        f"   client {summary['config']['processes']} x <= {client:.0f}% CPU"
     )
 
 
 def _measured(s: Served, name: str, ns: argparse.Namespace) -> dict[str, Any]:
     """`mili bench` with `ns`: its summary, printed with the services' breakdown of the run."""
     before = service_metrics.snapshot(s.metrics)
-    start = time.perf_counter()
     summary = run_bench(ns)
-    wall_s = time.perf_counter() - start
     print(_line(name, summary), flush=True)
     try:
         after = service_metrics.snapshot(s.metrics)
-        summary["breakdown"] = service_metrics.breakdown(before, after, wall_s)
+        # CPU % over the run's own wall time: the client processes' start-up before it (a
+        # second or two) is idle time of the services.
+        summary["breakdown"] = service_metrics.breakdown(before, after, summary["wall_s"])
         print("\n".join(service_metrics.lines(summary["breakdown"])), flush=True)
     except Exception as e:  # the measured numbers above matter more
         print(f"  breakdown: - ({type(e).__name__}: {e})", flush=True)
@@ -104,9 +107,17 @@ def main() -> int:
     parser.add_argument(
         "--frontends",
         type=int,
-        default=1,
+        default=None,
         help="mili serve --frontends N, on one port; the clients' connections spread over them "
-        "(one frontend process streams ~8k tokens/s a core: run 4, docs/benchmarks.md)",
+        "(default: mili serve's, with --device cuda one per 4 cores up to 4, else 1)",
+    )
+    parser.add_argument(
+        "--client-processes",
+        type=int,
+        default=4,
+        help="mili bench --processes at each --concurrency level (the TTFT run has one "
+        "client): one Python process reads only so many streamed tokens a second "
+        '(docs/benchmarks.md, "mili bench\'s own CPU")',
     )
     parser.add_argument(
         "--prefill-batch-tokens",
@@ -164,7 +175,7 @@ def main() -> int:
         for level in levels:
             bench = bench_args(
                 s.address, level, 2 * level, args.prompt_tokens, args.output_tokens,
-                seed=1000 + level,
+                seed=1000 + level, processes=args.client_processes,
             )  # fmt: skip
             result[f"concurrency_{level}"] = _measured(s, f"concurrency {level}", bench)
     if "ttft" in result:

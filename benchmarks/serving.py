@@ -233,17 +233,18 @@ def mili_serve(
     extra: list[str],
     *,
     metrics: bool = False,
-    frontends: int = 1,
+    frontends: int | None = 1,
 ) -> Iterator[Served]:
     """`mili serve` on free ports; yields once the frontends are listening; drains it on exit.
 
     metrics: every child serves Prometheus metrics on a free port (--metrics-port 0), their
     URLs in Served.metrics, read from the launcher's summary lines on stdout.
     frontends: `mili serve --frontends`, all on Served.address (`mili bench`'s clients, one
-    connection each, spread over them).
+    connection each, spread over them); None: mili serve's default for the device.
     """
     command = [sys.executable, "-m", "mili", "serve", "--model", str(model_dir), "--port", "0"]
-    command += ["--attention", attention, "--frontends", str(frontends), "--http-port", "0"]
+    command += ["--attention", attention, "--http-port", "0"]
+    command += [] if frontends is None else ["--frontends", str(frontends)]
     command += ["--dtype", dtype, "--log-level", "WARNING", *extra]
     if metrics:
         command += ["--metrics-port", "0"]
@@ -289,13 +290,20 @@ def mili_serve(
 
 
 def bench_args(
-    address: str, concurrency: int, num_requests: int, prompt: int, output: int, seed: int = 0
+    address: str,
+    concurrency: int,
+    num_requests: int,
+    prompt: int,
+    output: int,
+    seed: int = 0,
+    processes: int = 1,
 ) -> argparse.Namespace:
     return argparse.Namespace(
         address=address,
         concurrency=concurrency,
         num_requests=num_requests,
         connections=None,  # one per client, at most 64: several frontends behind one port
+        processes=processes,  # client processes (mili bench --processes)
         prompt_tokens=prompt,
         output_tokens=output,
         token_id_range=TOKEN_ID_RANGE,

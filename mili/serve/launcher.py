@@ -13,9 +13,10 @@ pair); one that exits first has its last log lines printed and `mili serve` exit
 --frontends N runs N frontend processes on one --port (and --http-port), bound with
 SO_REUSEPORT, so the kernel spreads clients' connections over them; they share nothing but the
 downstream services: one process's Python is the limit of the token rate it streams
-(docs/benchmarks.md). A client reaches several only over several connections (each gRPC
-channel is one; `mili bench --connections`); one that dies is restarted on the same port while
-the others keep serving it.
+(docs/benchmarks.md), so with --device cuda the default is one per 4 cores, at most 4 (on the
+CPU, 1: the model is slower than one frontend). A client reaches several only over several
+connections (each gRPC channel is one; `mili bench --connections`); one that dies is restarted
+on the same port while the others keep serving it.
 Children's logs go to stderr, each line prefixed with the child's name.
 
 Supervision: once all are up, a child that exits is restarted on the same address (the
@@ -143,11 +144,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--frontends",
         type=int,
-        default=1,
+        default=None,
         metavar="N",
         help="frontend processes to run, all on --port (and --http-port): the kernel spreads "
         "clients' connections over them (SO_REUSEPORT); they share only the downstream "
-        "services (default: %(default)s)",
+        "services (default: 1; with --device cuda one per 4 cores, at most 4: one "
+        "frontend streams fewer tokens a second than a GPU decodes)",
     )
     parser.add_argument(
         "--fail-fast",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -144,12 +145,31 @@ _WIRED: dict[str, tuple[str, ...]] = {
 }
 
 
+MAX_DEFAULT_FRONTENDS = 4
+
+
+def num_frontends(args: argparse.Namespace, num_cores: int | None = None) -> int:
+    """--frontends, else 1 on the CPU and, with --device cuda, one per 4 of this machine's
+    cores (`num_cores`, default: those this process may run on), 1 to MAX_DEFAULT_FRONTENDS.
+    One frontend's Python streams fewer tokens a second than a GPU decodes at saturation (a
+    message per token and client; docs/benchmarks.md, "mili bench's own CPU, and several
+    frontends by default on CUDA"), while a CPU's decode is slower than one frontend."""
+    if args.frontends is not None:
+        return int(args.frontends)
+    if args.device is None or not args.device.startswith("cuda"):
+        return 1
+    if num_cores is None:
+        num_cores = len(os.sched_getaffinity(0))
+    return max(1, min(MAX_DEFAULT_FRONTENDS, num_cores // 4))
+
+
 def make_plan(
     args: argparse.Namespace, model_dir: Path, demo: dict[str, CertFiles] | None = None
 ) -> Plan:
     """`demo`: --tls-demo's files (mili.rpc.certs.write_demo)."""
     tls = serve_tls.tls_plan(args, demo)
-    if args.prefill_instances < 1 or args.decode_instances < 1 or args.frontends < 1:
+    frontends = num_frontends(args)
+    if args.prefill_instances < 1 or args.decode_instances < 1 or frontends < 1:
         raise StartupError("--prefill-instances, --decode-instances and --frontends must be >= 1")
     if not 0 < args.startup_timeout < float("inf"):  # (0, NaN, inf: a wait that never ends well)
         raise StartupError(
@@ -245,12 +265,12 @@ def make_plan(
                 "--port",
                 str(args.port),
                 *_http(frontend_http_port(args)),
-                *(["--reuse-port"] if args.frontends > 1 else []),
+                *(["--reuse-port"] if frontends > 1 else []),
                 *_metrics(metrics_base, 0 if k == 0 else after_decodes + k - 1),
                 *streaming,
                 *extra("frontend"),
             ]
-            for k in range(args.frontends)
+            for k in range(frontends)
         ],
         startup_timeout_s=args.startup_timeout,
         drain_timeout_s=args.drain_timeout,
@@ -274,7 +294,7 @@ def check_ports(args: argparse.Namespace) -> None:
     ]
     fixed += [("--decode-port", _offset(args.decode_port, i)) for i in range(args.decode_instances)]
     if args.metrics_port:
-        num_children = 1 + args.frontends + args.prefill_instances + args.decode_instances
+        num_children = 1 + num_frontends(args) + args.prefill_instances + args.decode_instances
         fixed += [("--metrics-port", args.metrics_port + i) for i in range(num_children)]
     for flag, port in fixed:
         ports.check_free(args.host, port, flag)

@@ -130,7 +130,7 @@ def test_each_log_holds_measured_rows(check_out: Path) -> None:
 
     serve = log("serve.log")
     for level in (1, 4):
-        row = rf"^concurrency {level} +TTFT p50 +{NUMBER} .* +\d+ output tok/s$"
+        row = rf"^concurrency {level} +TTFT p50 +{NUMBER} .* +\d+ output tok/s   client .*% CPU$"
         assert re.search(row, serve, re.M), serve
     assert '"output_tokens_per_s"' in serve
     # each `mili serve` piece says what its services ran (--attention auto: Mojo where the
@@ -140,10 +140,14 @@ def test_each_log_holds_measured_rows(check_out: Path) -> None:
     )
     assert kernels == [("mojo", "mojo")] * 4, serve
     # concurrency 1 again, decode's steps not overlapped, for the side-by-side; and the
-    # saturated level again over two frontends, then with prefill steps of 4096 tokens
+    # saturated level again with one frontend, then over two with prefill steps of 4096 tokens
     assert len(re.findall(r"^concurrency 1 +TTFT p50 ", serve, re.M)) == 2, serve
     assert len(re.findall(r"^concurrency 4 +TTFT p50 ", serve, re.M)) == 3, serve
-    assert len(re.findall(r"CPU % .*frontend-0 \d+, frontend-1 \d+", serve)) == 2, serve
+    assert len(re.findall(r"CPU % .*frontend-0 \d+, frontend-1 \d+", serve)) == 1, serve
+    # the throughput levels' clients in 4 processes (a level of 4 clients: one each), the
+    # TTFT runs' one client in one
+    assert len(re.findall(r"^concurrency 4 .* client 4 x <= \d+% CPU$", serve, re.M)) == 3
+    assert len(re.findall(r"^concurrency 1 .* client 1 x <= \d+% CPU$", serve, re.M)) == 2
     assert "prefill --max-batch-tokens: 4096" in serve, serve
     # one request's TTFT milestone by milestone (ttft_trace.py), every one found
     assert "3 requests, 512-token prompts, 2 out, concurrency 1, cpu, tiny" in serve, serve

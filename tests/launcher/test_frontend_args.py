@@ -82,3 +82,46 @@ def test_an_unclosed_quote_in_a_childs_args_is_one_line() -> None:
     """Found by a flag review: shlex's ValueError came out as a traceback."""
     with pytest.raises(StartupError, match="--tokenizer-args: No closing quotation"):
         frontends_for(Path("unused"), "--tokenizer-args", "--max-input-chars '5")
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+@pytest.mark.parametrize(
+    ("argv", "num_cores", "expected"),
+    [
+        ((), 16, 1),  # the CPU: its decode is slower than one frontend
+        (("--device", "cpu"), 64, 1),
+        (("--device", "cuda"), 16, 4),  # one per 4 cores
+        (("--device", "cuda:1"), 8, 2),
+        (("--device", "cuda"), 3, 1),  # at least one
+        (("--device", "cuda"), 128, 4),  # at most MAX_DEFAULT_FRONTENDS
+        (("--device", "cuda", "--frontends", "1"), 16, 1),  # as given
+        (("--device", "cpu", "--frontends", "3"), 2, 3),
+    ],
+)
+def test_frontends_default_to_one_on_the_cpu_and_one_per_4_cores_on_cuda(
+    argv: tuple[str, ...], num_cores: int, expected: int
+) -> None:
+    from mili.serve.plan import num_frontends
+
+    assert num_frontends(_args(*argv), num_cores) == expected
+
+
+def test_the_default_frontends_share_the_port(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a 16-core machine (what the OS says this process may run on), `mili serve --device
+    cuda` plans 4 frontends joined on one port, each with its own metrics port."""
+    import mili.serve.plan as plan_module
+
+    monkeypatch.setattr(plan_module.os, "sched_getaffinity", lambda pid: set(range(16)))
+    frontends = frontends_for(tmp_path, "--device", "cuda", "--metrics-port", "9000")
+    assert len(frontends) == 4
+    assert all("--reuse-port" in f and _value(f, "--port") == "50051" for f in frontends)
+    assert len({_value(f, "--metrics-port") for f in frontends}) == 4
+    (alone,) = frontends_for(tmp_path, "--metrics-port", "9000")  # on the CPU
+    assert "--reuse-port" not in alone
