@@ -65,6 +65,7 @@ from typing import Any, TextIO
 import torch
 
 from mili.client import bench as client
+from mili.client import bench_clients
 from mili.client.bench_report import percentile
 from mili.engine.generate import generate
 from mili.engine.model.checkpoint import cached_random_checkpoint
@@ -352,7 +353,7 @@ def measure_batching(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     model = load_model(model_dir, dtype=DTYPES[args.batching_dtype], attention=args.attention)
     low, high = (int(x) for x in TOKEN_ID_RANGE.split(":"))
-    prompts = [client.prompt_ids(i, prompt, low, high, seed=0) for i in range(n)]  # bench's
+    prompts = [bench_clients.prompt_ids(i, prompt, low, high, seed=0) for i in range(n)]  # bench's
     engine_tok_s(model, prompts[:2], 4)  # warm-up
     engine: list[tuple[float, float]] = []
     with mili_serve(model_dir, args.batching_dtype, args.threads, args.attention, extra) as served:
@@ -525,7 +526,7 @@ def measure_overhead(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     weights = checkpoint_dir(args.cache_dir)
     low, high = (int(x) for x in TOKEN_ID_RANGE.split(":"))
-    prompt = client.prompt_ids(0, args.overhead_prompt, low, high, seed=0)
+    prompt = bench_clients.prompt_ids(0, args.overhead_prompt, low, high, seed=0)
     steps = args.overhead_output  # the pipeline's first token is prefill's: output - 1 ITLs
     # One torch thread: the bare run is this thread alone (gRPC's poller thread is not counted).
     cpu_clock = time.thread_time if args.threads == 1 else time.process_time

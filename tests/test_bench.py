@@ -130,8 +130,9 @@ def test_connections_a_frontend_never_answers_fail_the_run_with_a_message(
     import socket
 
     import mili.client.bench as bench_module
+    import mili.client.bench_clients as clients_module
 
-    monkeypatch.setattr(bench_module, "CONNECT_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(clients_module, "CONNECT_TIMEOUT_S", 1.0)
     server = RpcServer(ServerConfig(reuse_port=True, grace_s=0), name="frontend")
     frontend = BusyFrontend(0)
     server.add_service(

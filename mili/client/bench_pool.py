@@ -4,10 +4,10 @@ One Python process reads only so many streamed messages a second (grpc's work pe
 one GIL: docs/benchmarks.md, "mili bench's own CPU"), so a deployment that streams more than
 that would be measured at the client's rate. Each process (spawned: grpc does not survive a
 fork) opens its own connections to the frontends that answered Info and runs part k of the run
-(`bench.drive`: requests i with i % P == k, over its share of the clients); every process starts
-its clock once all of them are connected (a barrier), so the run's wall time is the first start
-to the last end. Finished requests come back on one queue as they end, for the progress line
-printed here, and each process's results, times and CPU when it is done.
+(`bench_clients.drive`: requests i with i % P == k, over its share of the clients); every
+process starts its clock once all of them are connected (a barrier), so the run's wall time is
+the first start to the last end. Finished requests come back on one queue as they end, for
+the progress line printed here, and each process's results, times and CPU when it is done.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import signal
 import threading
 from typing import TYPE_CHECKING, Any
 
-from mili.client.bench import CONNECT_TIMEOUT_S, ClientRun, NotConnected, drive
+from mili.client.bench_clients import CONNECT_TIMEOUT_S, ClientRun, NotConnected, drive
 from mili.client.bench_report import Progress, RequestResult
 
 if TYPE_CHECKING:
