@@ -5,7 +5,10 @@ shared with generate_cpu.py; `tiny`, benchmarks/presets.py, checks this script i
 prompt of --prompt-len tokens (512 tokens x 112 KiB = 58.7 MB of KV in 28 layer chunks of
 2.1 MB). Medians over --repeats runs after one warm-up:
 
-  compute alone   model.prefill in this process: no layer callback, no transfer
+  compute alone   the prompt's prefill as the service computes it for the receiver: replayed
+                  from the service's CUDA graphs (captured on CUDA, as `mili serve-prefill`
+                  does) where the KV goes to a device sink (cuda-ipc), else model.prefill in
+                  this process, eagerly; no layer callback, no transfer
   start -> ack    a Prefill call to the prefill service (in this process, real gRPC on loopback)
                   until the receiver acknowledged the commit; compute alone is measured right
                   before each call so that load from other processes hits both alike
@@ -67,8 +70,11 @@ from mili.engine.model.loader import load_config, load_model
 from mili.engine.model.qwen3 import PrefillBatch, Qwen3ForCausalLM
 from mili.engine.sampling_params import SamplingParams
 from mili.engine.step.pinned import StagingRing
+from mili.engine.step.prefill_graphs import PrefillGraphs
 from mili.engine.step.runner import ModelRunner
+from mili.engine.step.startup import graphs_allowed
 from mili.kv_handoff.codec import ChunkView, decode_chunk, parse_transfer_request, torch_dtype
+from mili.kv_handoff.kv_transport import CUDA_IPC
 from mili.pb.common.v1 import sampling_pb2
 from mili.pb.decode.v1 import decode_pb2, decode_pb2_grpc
 from mili.pb.kv.v1 import kv_pb2, kv_pb2_grpc
@@ -199,9 +205,21 @@ def decode_reservation(
 # ---- measurements ----------------------------------------------------------------------------
 
 
-def compute_alone(model: Qwen3ForCausalLM, prompt: list[int]) -> float:
-    """Seconds of one model.prefill of `prompt`: no layer callback, no transfer."""
+def compute_alone(
+    model: Qwen3ForCausalLM, prompt: list[int], graphs: PrefillGraphs | None = None
+) -> float:
+    """Seconds of one prefill of `prompt`, no layer callback, no transfer, as the service
+    computes it for the receiver at hand: replayed from its CUDA graphs (`graphs`: the
+    service's own, in its pool's first blocks while it idles between calls) where its KV goes
+    to a device sink (cuda-ipc), else one eager model.prefill on a cache of its own."""
     blocks = list(range(-(-len(prompt) // BLOCK_SIZE)))
+    size = None if graphs is None else graphs.size_for([prompt])
+    if graphs is not None and size is not None:
+        _synchronize(model.device)
+        start = time.perf_counter()
+        graphs.run([prompt], [blocks], [0], size)
+        _synchronize(model.device)
+        return time.perf_counter() - start
     cache = KVCache(model.config, len(blocks), BLOCK_SIZE, dtype=model.dtype, device=model.device)
     batch = PrefillBatch.build([prompt], [blocks], BLOCK_SIZE, device=model.device)
     _synchronize(model.device)
@@ -223,12 +241,14 @@ async def compute_and_handoff(
     reserve: Reserve,
     prompt: list[int],
     repeats: int,
+    graphs: PrefillGraphs | None = None,
 ) -> list[tuple[float, float, prefill_pb2.PrefillResponse]]:
-    """(compute alone s, start -> ack s, reply) per run, after one warm-up run."""
+    """(compute alone s, start -> ack s, reply) per run, after one warm-up run. `graphs`: the
+    service's prefill graphs where it replays them for this receiver (compute_alone)."""
     results = []
     for i in range(repeats + 1):
         # In a thread, like the service's worker; the event loop idles meanwhile.
-        alone = await asyncio.to_thread(compute_alone, model, prompt)
+        alone = await asyncio.to_thread(compute_alone, model, prompt, graphs)
         request_id = f"full-{i}-{time.monotonic_ns()}"
         async with reserve(request_id) as admitted:
             request = prefill_pb2.PrefillRequest(
@@ -384,8 +404,13 @@ def prefill_in_process(
         allowed_decodes=(ANY,),  # the receiver's and decode's ports are chosen later
         prefix_caching=False,  # every run computes and sends the whole (repeated) prompt
     )
+    runner = ModelRunner.create(model, num_blocks, BLOCK_SIZE)
+    if device.startswith("cuda") and graphs_allowed(config.engine, model):
+        # As the service's runner: its steps whose KV goes to a device sink replay them.
+        captured = runner.capture_prefill_graphs(config.max_batch_tokens)
+        print(f"prefill graphs: {'captured' if captured else 'off (eager)'}", flush=True)
     instance = PrefillInstance.create(
-        ModelRunner.create(model, num_blocks, BLOCK_SIZE),
+        runner,
         config,
         model_name=path.name,
         fingerprint=model_fingerprint(path),
@@ -444,13 +469,17 @@ async def measure(
                     path_runs, cpu = await kv_path_with_cpu(
                         servicer, address, proc.pid, reserve, prompt, args.repeats
                     )
+                    transport = servicer.peers.transports()[address]
+                    # The service replays its prefill graphs only for a device sink.
+                    graphs = servicer.worker.runner.prefill_graphs
+                    graphs = graphs if transport == CUDA_IPC else None
                     full_runs = None
                     if args.full:
                         full_runs = await compute_and_handoff(
-                            stub, model, address, reserve, prompt, args.repeats
+                            stub, model, address, reserve, prompt, args.repeats, graphs
                         )
                 row = summarize(name, path_runs, full_runs) | cpu
-                row["transport"] = servicer.peers.transports()[address]
+                row["transport"] = transport
                 rows.append(row)
                 on_row(row)
     finally:
