@@ -209,3 +209,20 @@ def test_processes_must_be_positive(capsys: pytest.CaptureFixture[str]) -> None:
 
     assert run(_args("127.0.0.1:1", "--processes", "0")) == 2
     assert "--processes must be >= 1" in capsys.readouterr().err
+
+
+def test_client_processes_do_not_import_the_callers_main_module_again() -> None:
+    """What spawn hands a child while the pool starts its processes: nothing of __main__ (a
+    benchmark script's imports would delay every client process), and afterwards __main__ is
+    as it was."""
+    import sys
+    from multiprocessing import spawn
+
+    from mili.client.bench_pool import _main_not_imported_again
+
+    main = sys.modules["__main__"]
+    before = (main.__dict__.get("__spec__"), main.__dict__.get("__file__"))
+    assert any(key.startswith("init_main") for key in spawn.get_preparation_data("x"))
+    with _main_not_imported_again():
+        assert not any(key.startswith("init_main") for key in spawn.get_preparation_data("x"))
+    assert (main.__dict__.get("__spec__"), main.__dict__.get("__file__")) == before

@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import multiprocessing
 import queue as queue_module
 import signal
+import sys
 import threading
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from mili.client.bench_clients import CONNECT_TIMEOUT_S, ClientRun, NotConnected, drive
@@ -53,8 +56,9 @@ def run(
         )
         for k in range(num_processes)
     ]
-    for process in processes:
-        process.start()
+    with _main_not_imported_again():
+        for process in processes:
+            process.start()
     runs: dict[int, ClientRun] = {}
     num_started = 0
     suspects: set[int] = set()  # dead without results at the last quiet second
@@ -98,6 +102,22 @@ def run(
             process.join(5.0)
         messages.close()
     return [runs[k] for k in range(num_processes)]
+
+
+@contextlib.contextmanager
+def _main_not_imported_again() -> Iterator[None]:
+    """While the processes start: spawn has each child import this process's __main__ again
+    (so that targets defined there unpickle); ours is a module's function, and a benchmark
+    script's imports (torch among them, seconds each) would only delay every child."""
+    main = sys.modules["__main__"]
+    saved: dict[str, Any] = {
+        k: main.__dict__[k] for k in ("__spec__", "__file__") if k in main.__dict__
+    }
+    main.__dict__.update(dict.fromkeys(saved))  # None: multiprocessing leaves main alone
+    try:
+        yield
+    finally:
+        main.__dict__.update(saved)
 
 
 def _client(
