@@ -138,8 +138,9 @@ def _client(
 
     def record(result: RequestResult) -> None:
         # What the progress line needs; the whole result comes with the run.
-        light = RequestResult(num_completion_tokens=result.num_completion_tokens)
-        light.error = result.error
+        light = RequestResult(
+            num_completion_tokens=result.num_completion_tokens, error=result.error
+        )
         messages.put(("result", part, light))
 
     try:
