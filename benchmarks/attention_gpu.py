@@ -8,7 +8,9 @@ where <dir> holds the PTX built on a machine with the Mojo toolchain by
 Prefill: bf16, causal, D=128, 32 q / 8 kv heads, one sequence of T new tokens (start 0) read from a
 paged cache (block 16, random block table), T in 1024 / 4096 / 16384. TFLOP/s counts the causal
 half: 4 * T * T * D * H / 2. The same q/k/v go to torch SDPA restricted to the flash backend
-(contiguous [1, H, T, D], k/v heads repeated to H) in the same run.
+(contiguous [1, H, T, D], k/v heads repeated to H) in the same run. On CUDA each T has a second
+row, `3cta`: flash_prefill's narrow variant (32-key tiles, Q re-read from shared memory, 3 CTAs
+an SM: kernels/mojo/flash_prefill_gpu.mojo's header) on the same inputs, against the same SDPA.
 
 Decode: bf16, 32 q / 8 kv heads, D=128, block 16, random block tables; (batch, context) in
 (64, 4096) and (1, 256) by default. GB/s counts the K and V bytes read: B * context * KVH * D * 2
@@ -115,8 +117,14 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def bench_prefill(
-    kernels: CpuKernels | GpuKernels, dev: torch.device, length: int, args: argparse.Namespace
-) -> dict:
+    kernels: CpuKernels | GpuKernels,
+    dev: torch.device,
+    length: int,
+    args: argparse.Namespace,
+    variant: GpuKernels | None = None,
+) -> list[dict]:
+    """One row for `kernels`' prefill, then one for `variant`'s (its other flash_prefill) if
+    given, each against the same SDPA timing."""
     heads, kv_heads, head_dim, block = 32, 8, 128, 16
     dtype = torch.bfloat16
     gen = torch.Generator().manual_seed(length)
@@ -128,8 +136,8 @@ def bench_prefill(
     starts = torch.zeros(1, dtype=torch.int32, device=dev)
     scale = head_dim**-0.5
 
-    def ours() -> torch.Tensor:
-        return kernels.prefill(q, k[0], v[0], cu, starts, k_cache, v_cache, table, scale=scale)
+    def run(on: CpuKernels | GpuKernels) -> Callable[[], torch.Tensor]:
+        return lambda: on.prefill(q, k[0], v[0], cu, starts, k_cache, v_cache, table, scale=scale)
 
     group = heads // kv_heads
     qs = q.transpose(0, 1).unsqueeze(0).contiguous()  # [1, H, T, D]
@@ -143,19 +151,28 @@ def bench_prefill(
             return F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
 
     reference = sdpa()[0].transpose(0, 1)
-    err = rel_err(ours(), reference)
     iters = args.iters if length <= 4096 else max(2, args.iters // 4)
-    ms_ours = time_ms(ours, dev, iters=iters)
     ms_sdpa = time_ms(sdpa, dev, iters=iters)
     flops = 4 * length * length * head_dim * heads / 2
-    return {
-        "T": length,
-        "ours_ms": ms_ours,
-        "sdpa_ms": ms_sdpa,
-        "ours_tflops": flops / ms_ours / 1e9,
-        "sdpa_tflops": flops / ms_sdpa / 1e9,
-        "max_rel_err": err,
-    }
+    rows = []
+    for name, on in (("ours", kernels), ("3cta", variant)):
+        if on is None:
+            continue
+        ours = run(on)
+        err = rel_err(ours(), reference)
+        ms_ours = time_ms(ours, dev, iters=iters)
+        rows.append(
+            {
+                "kernel": name,
+                "T": length,
+                "ours_ms": ms_ours,
+                "sdpa_ms": ms_sdpa,
+                "ours_tflops": flops / ms_ours / 1e9,
+                "sdpa_tflops": flops / ms_sdpa / 1e9,
+                "max_rel_err": err,
+            }
+        )
+    return rows
 
 
 SPLIT_SWEEP = (1, 2, 3, 4, 6, 8, 16, 32)
@@ -265,9 +282,11 @@ def main() -> int:
             print("no CUDA GPU", file=sys.stderr)
             return 1
         kernels = GpuKernels(args.kernel_dir or gpu_kernel_dir())
+        variant = GpuKernels(kernels.kernel_dir, flash_prefill="flash_prefill_3cta")
         name = torch.cuda.get_device_name()
     else:
         kernels = CpuKernels.from_path(build_cpu())
+        variant = None  # the CPU kernels have one prefill
         name = f"CPU, {torch.get_num_threads()} torch threads"
     measured = copy_bandwidth(dev)
     sheet = datasheet_bandwidth(name) if dev.type == "cuda" else None
@@ -286,13 +305,13 @@ def main() -> int:
         flush=True,
     )
     for length in args.lengths:
-        r = bench_prefill(kernels, dev, length, args)
-        print(
-            f"{r['T']:>6} {r['ours_ms']:>9.3f} {r['ours_tflops']:>10.3g} {r['sdpa_ms']:>9.3f} "
-            f"{r['sdpa_tflops']:>10.3g} {r['ours_tflops'] / r['sdpa_tflops']:>9.2f} "
-            f"{r['max_rel_err']:>12.2e}",
-            flush=True,
-        )
+        for r in bench_prefill(kernels, dev, length, args, variant):
+            print(
+                f"{r['T']:>6} {r['ours_ms']:>9.3f} {r['ours_tflops']:>10.3g} {r['sdpa_ms']:>9.3f} "
+                f"{r['sdpa_tflops']:>10.3g} {r['ours_tflops'] / r['sdpa_tflops']:>9.2f} "
+                f"{r['max_rel_err']:>12.2e}" + ("" if r["kernel"] == "ours" else "  3cta"),
+                flush=True,
+            )
     # GB/s and % of peak: the graph replay where there is one (a captured step's cost), else
     # the eager call.
     print("\ndecode  bf16 H=32 KVH=8 D=128 block 16 (random block tables)")

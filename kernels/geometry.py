@@ -36,8 +36,8 @@ MAX_DECODE_SPLITS = 64
 def dynamic_shared_bytes(kernel: str, head_dim: int) -> int:
     """Dynamic shared memory a launch of `kernel` needs (2-byte dtypes), mirrored from the Mojo
     sources and asserted against them at compile time (kernels/ptx.py's _entry_source)."""
-    if kernel == "flash_prefill":  # Qs [BM][D + 8], 2 x (Ks, Vs) [BN][D + 8], Rb [2][BN] int64
-        block_n = 32 if head_dim == 256 else 64
+    if kernel.startswith("flash_prefill"):  # Qs [BM][D + 8], 2 x (Ks, Vs) [BN][D + 8], Rb [2][BN]
+        block_n = 32 if head_dim == 256 or kernel == "flash_prefill_3cta" else 64
         rows = FLASH_PREFILL_BLOCK_M + 4 * block_n
         return rows * (head_dim + _PAD) * 2 + 2 * block_n * 8
     if kernel.startswith("paged_decode"):  # K/V ring [STAGES][2][TK][D], block ids [512] int32
@@ -45,6 +45,12 @@ def dynamic_shared_bytes(kernel: str, head_dim: int) -> int:
         ring = _PAGED_DECODE_STAGES * 2 * keys_per_tile * head_dim * 2
         return ring + _PAGED_DECODE_IDS_WINDOW * 4
     return 0  # static shared memory only
+
+
+def flash_prefill_min_ctas(head_dim: int) -> int:
+    """CTAs an SM flash_prefill_3cta's launch bounds ask ptxas for (its register cap): 3 where
+    3 fit in shared memory (D <= 128), else 2 (D = 256: the default kernel's occupancy)."""
+    return 3 if head_dim <= 128 else 2
 
 
 @dataclass(frozen=True)

@@ -71,8 +71,14 @@ class GpuKernels:
     name = "mojo"
     is_graph_safe = True  # decode can be captured in a CUDA graph (see the module docstring)
 
-    def __init__(self, kernel_dir: str | Path) -> None:
+    def __init__(self, kernel_dir: str | Path, *, flash_prefill: str = "flash_prefill") -> None:
+        """`flash_prefill`: the bf16/fp16 prefill kernel, "flash_prefill" (what serving runs)
+        or its narrow variant "flash_prefill_3cta" (flash_prefill_gpu.mojo's header: measured
+        beside it by benchmarks/attention_gpu.py)."""
+        if flash_prefill not in ("flash_prefill", "flash_prefill_3cta"):
+            raise ValueError(f"no prefill kernel {flash_prefill!r}")
         self.kernel_dir = Path(kernel_dir)
+        self.flash_prefill = flash_prefill
         self._manifest: dict | None = None
         self._driver: _CudaPythonDriver | None = None
         # (device, kernel, dtype, head_dim) -> (function, dynamic shared bytes)
@@ -213,7 +219,7 @@ class GpuKernels:
         if dims.num_tokens == 0 or dims.num_seqs == 0:
             return out
         if q.dtype in _TENSOR_CORE_DTYPES:
-            kernel = "flash_prefill"  # a CTA: a tile of tokens x a kv group's query heads
+            kernel = self.flash_prefill  # a CTA: a tile of tokens x a kv group's query heads
             grid = prefill_tiling(
                 dims.num_tokens, dims.num_q_heads, dims.num_kv_heads, dims.num_seqs
             ).grid

@@ -18,6 +18,7 @@ KERNELS = (
     "decode",
     "decode_combine",
     "flash_prefill",
+    "flash_prefill_3cta",  # flash_prefill's narrow variant at >= 3 CTAs an SM (an experiment)
     *(f"paged_decode_g{gc}" for gc in DECODE_GROUP_SIZES),
 )
 # Where spills cost the most: a build whose ptxas reports a spill here fails the CI check.
@@ -66,6 +67,7 @@ SIGNATURES: dict[str, tuple[tuple[str, str], ...]] = {
     ),
 }
 SIGNATURES["flash_prefill"] = SIGNATURES["prefill"]
+SIGNATURES["flash_prefill_3cta"] = SIGNATURES["prefill"]
 # paged_decode merges its splits itself: the last split of a (sequence, head group) to finish
 # does, counted in `counters` (int32, one per CTA column, zero between launches).
 _PAGED_DECODE = (*SIGNATURES["decode"][:3], ("counters", "ptr"), *SIGNATURES["decode"][3:])

@@ -55,6 +55,14 @@
 # (and to the row max); rows keep (m, l) in registers, l as a per-lane partial summed over the
 # quad at the end. Causal masking runs only on tiles that reach
 # past the warp's first row (the diagonal ones); tiles past a warp's last row are skipped.
+#
+# Narrow variant (NARROW; entry `flash_prefill_3cta`, kernels/ptx.py): BN = 32 and Q's
+# fragments re-read from Qs every tile, so that under its entry's launch bounds (128 threads,
+# >= 3 CTAs an SM at D <= 128) ptxas fits it in 168 registers without spills and 3 CTAs fit
+# in shared memory (52 KB at D = 128): 12 warps an SM instead of 8, for a kernel ncu found
+# latency-bound with 2 warps a scheduler (docs/benchmarks.md, run 6). More tiles of half
+# the keys each (twice the barriers and O rescales): benchmarks/attention_gpu.py measures it
+# beside the default, which serving keeps until a GPU run says otherwise.
 
 from std.math import exp2, inf
 from std.sys import size_of
@@ -85,21 +93,22 @@ def flash_prefill_block_m(head_dim: Int) -> Int:
     return NUM_WARPS * 16 * flash_prefill_m_tiles(head_dim)
 
 
-def flash_prefill_block_n(head_dim: Int) -> Int:
-    """BN: keys per K/V tile (32 at D = 256: 64 keys' scores next to 128 O registers spill)."""
-    return 32 if head_dim == 256 else 64
+def flash_prefill_block_n(head_dim: Int, narrow: Bool = False) -> Int:
+    """BN: keys per K/V tile (32 at D = 256: 64 keys' scores next to 128 O registers spill;
+    32 everywhere in the narrow variant)."""
+    return 32 if head_dim == 256 or narrow else 64
 
 
-def flash_prefill_smem_bytes(head_dim: Int) -> Int:
+def flash_prefill_smem_bytes(head_dim: Int, narrow: Bool = False) -> Int:
     """Dynamic shared memory of one CTA (2-byte dtypes): Qs, 2 x Ks, 2 x Vs, 2 x Rb."""
     var bm = flash_prefill_block_m(head_dim)
-    var bn = flash_prefill_block_n(head_dim)
+    var bn = flash_prefill_block_n(head_dim, narrow)
     return (bm + 4 * bn) * (head_dim + PAD) * 2 + 2 * bn * 8
 
 
 @always_inline
 def flash_prefill_kernel[
-    dtype: DType, D: Int
+    dtype: DType, D: Int, NARROW: Bool = False
 ](
     out_ptr: Pointer[Scalar[dtype], MutAnyOrigin],
     q: Pointer[Scalar[dtype], MutAnyOrigin],
@@ -119,7 +128,7 @@ def flash_prefill_kernel[
     comptime assert D == 64 or D == 128 or D == 256, "head_dim 64, 128 or 256"
     comptime MT = flash_prefill_m_tiles(D)
     comptime BM = flash_prefill_block_m(D)
-    comptime BN = flash_prefill_block_n(D)
+    comptime BN = flash_prefill_block_n(D, NARROW)
     comptime WM = 16 * MT  # rows per warp
     comptime LD = D + PAD  # shared-memory row stride (elements)
     comptime NT = BN // 8  # S n tiles (8 keys each)
@@ -216,7 +225,7 @@ def flash_prefill_kernel[
     # With one m tile per warp and D <= 128, Q's A fragments fit in registers for the whole loop
     # (D / 16 x 4 registers); else they are re-read from Qs each tile (ldmatrix, cheap) so the
     # registers hold O instead (D = 256 with Q in registers spills: ptxas -v, manifest).
-    comptime Q_IN_REGS = MT == 1 and D <= 128
+    comptime Q_IN_REGS = MT == 1 and D <= 128 and not NARROW
     var q_frag = SIMD[dtype, (D // 16) * MT * 8 if Q_IN_REGS else 8](0)
     comptime if Q_IN_REGS:
         async_copy_wait_group(0)

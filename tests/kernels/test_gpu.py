@@ -23,7 +23,11 @@ import torch
 
 from kernels import build, ptx
 from kernels.fused import ptx as fused_ptx
-from kernels.geometry import PAGED_DECODE_MIN_SPLIT_KEYS, dynamic_shared_bytes
+from kernels.geometry import (
+    PAGED_DECODE_MIN_SPLIT_KEYS,
+    dynamic_shared_bytes,
+    flash_prefill_min_ctas,
+)
 from kernels.gpu import GpuKernels, _pack
 from kernels.manifest import load_manifest
 from kernels.ptx_entry import check_signature, parse_entries
@@ -69,7 +73,11 @@ def test_build_ptx_manifest(built_ptx: Path) -> None:
     assert manifest["format"] == ptx.MANIFEST_FORMAT
     assert manifest["arch"] == "sm_90"
     seen = {(r["kernel"], r["dtype"], r["head_dim"]): r for r in manifest["kernels"]}
-    tensor_core = ("flash_prefill", *(f"paged_decode_g{gc}" for gc in (1, 2, 4, 8)))
+    tensor_core = (
+        "flash_prefill",
+        "flash_prefill_3cta",
+        *(f"paged_decode_g{gc}" for gc in (1, 2, 4, 8)),
+    )
     for kernel in ("prefill", "decode", "decode_combine", *tensor_core):
         dtypes = ("bfloat16", "float16") if kernel in tensor_core else DTYPES
         for dtype in dtypes:
@@ -94,9 +102,13 @@ def test_build_ptx_manifest(built_ptx: Path) -> None:
                 if kernel in tensor_core:  # the whole point of them: tensor cores, async copies
                     assert "cp.async.cg.shared.global" in text
                     assert ".extern .shared" in text  # dynamic shared memory
-                if kernel == "flash_prefill":
+                if kernel.startswith("flash_prefill"):
                     assert "mma.sync.aligned.m16n8k16.row.col.f32" in text
                     assert "ldmatrix.sync.aligned" in text and ".trans" in text
+                # the narrow variant's launch bounds: ptxas sizes its registers for them
+                bounds = kernel == "flash_prefill_3cta"
+                assert (".maxntid 128" in text) == bounds, rec["file"]
+                assert (f".minnctapersm {flash_prefill_min_ctas(head_dim)}" in text) == bounds
     assert not seen, f"unexpected manifest records {sorted(seen)}"
     # No stray build files next to the published ones.
     assert sorted(p.name for p in built_ptx.iterdir()) == sorted(
@@ -286,6 +298,37 @@ def test_tensor_core_kernels_on_the_parity_grid(gpu_kernels, head_dim: int, dtyp
             expected = reference_decode(decode)
             for splits in (0, 1, 3, 64):
                 assert_close(run_decode(gpu_kernels, decode, splits), expected, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=str)
+@pytest.mark.parametrize("head_dim", (64, 128, 256))
+def test_narrow_flash_prefill_on_the_parity_grid(gpu_kernels, head_dim: int, dtype) -> None:
+    """flash_prefill_3cta (32-key tiles, Q from shared memory, >= 3 CTAs an SM) over the grid
+    above: within the tolerance of the reference, and of the default kernel's own output."""
+    narrow = GpuKernels(gpu_kernels.kernel_dir, flash_prefill="flash_prefill_3cta")
+    for ratio in (1, 2, 3, 4, 8, 16):
+        for block_size in (16, 32):
+            case = make_case(
+                [1, 7, 16, 17, 100, 513, 0, 40],
+                [0, 3, 16, 5, 0, 0, 9, 513],
+                num_q_heads=2 * ratio,
+                num_kv_heads=2,
+                head_dim=head_dim,
+                block_size=block_size,
+                dtype=dtype,
+                device="cuda",
+                seed=ratio * 100 + head_dim + block_size,
+            )
+            out = run_prefill(narrow, case)
+            assert_close(out, reference_prefill(case), dtype)
+            assert_close(out, run_prefill(gpu_kernels, case), dtype)
+
+
+def test_the_prefill_kernel_is_one_of_the_built_ones(tmp_path: Path) -> None:
+    assert GpuKernels(tmp_path, flash_prefill="flash_prefill_3cta").flash_prefill.endswith("3cta")
+    with pytest.raises(ValueError, match="no prefill kernel 'flash_prefill_4cta'"):
+        GpuKernels(tmp_path, flash_prefill="flash_prefill_4cta")
 
 
 @pytest.mark.gpu
