@@ -7,7 +7,8 @@ fork) opens its own connections to the frontends that answered Info and runs par
 (`bench_clients.drive`: requests i with i % P == k, over its share of the clients); every
 process starts its clock once all of them are connected (a barrier), so the run's wall time is
 the first start to the last end. Finished requests come back on one queue as they end, for
-the progress line printed here, and each process's results, times and CPU when it is done.
+the progress line printed here, and each process's results, times and CPU when it is done;
+then it exits at once (`_report_and_exit`).
 """
 
 from __future__ import annotations
@@ -16,12 +17,13 @@ import argparse
 import asyncio
 import contextlib
 import multiprocessing
+import os
 import queue as queue_module
 import signal
 import sys
 import threading
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from mili.client.bench_clients import CONNECT_TIMEOUT_S, ClientRun, NotConnected, drive
 from mili.client.bench_report import Progress, RequestResult
@@ -143,9 +145,9 @@ def _client(
         )
         messages.put(("result", part, light))
 
-    try:
-        run = asyncio.run(
-            drive(
+    async def part_of_the_run() -> None:
+        try:
+            run = await drive(
                 args,
                 tls,
                 addresses,
@@ -154,16 +156,29 @@ def _client(
                 on_result=record,
                 ready=ready,
             )
-        )
-    except threading.BrokenBarrierError:
-        messages.put(("aborted", part, None))
-        return
-    except NotConnected as err:
-        messages.put(("not_connected", part, str(err)))
+        except threading.BrokenBarrierError:
+            _report_and_exit(messages, ("aborted", part, None), 1)
+        except NotConnected as err:
+            _report_and_exit(messages, ("not_connected", part, str(err)), 1, barrier)
+        except BaseException as err:  # reported to the parent, which raises it
+            message = ("failed", part, f"{type(err).__name__}: {err}")
+            _report_and_exit(messages, message, 1, barrier)
+        _report_and_exit(messages, ("run", part, run), 0)
+
+    asyncio.run(part_of_the_run())
+
+
+def _report_and_exit(
+    messages: Any, message: tuple[str, int, Any], code: int, barrier: Any = None
+) -> NoReturn:
+    """Put the process's last message, wait until it is written to the pipe (then break the
+    `barrier` the others may wait at: they stop, the parent has the reason first), and exit at
+    once: nothing of this process is needed once its results are out, and skipping the
+    interpreter's teardown (the event loop's, grpc's threads') leaves no window for it to
+    fail after them."""
+    messages.put(message)
+    messages.close()
+    messages.join_thread()  # the queue's feeder thread has written everything
+    if barrier is not None:
         barrier.abort()
-        return
-    except BaseException as err:  # reported to the parent, which raises it
-        messages.put(("failed", part, f"{type(err).__name__}: {err}"))
-        barrier.abort()
-        return
-    messages.put(("run", part, run))
+    os._exit(code)
