@@ -262,6 +262,24 @@ def test_launches_on_the_current_stream(gpu_kernels) -> None:
     assert_close(out, reference_decode(case), torch.bfloat16)
 
 
+def _grid_prefill(
+    ratio: int, head_dim: int, block_size: int, dtype: torch.dtype, seed: int
+) -> PagedCase:
+    """The grid's prefill batch: lengths 1 .. 513 and an empty chunk, fresh and after cached
+    prefixes (mid-block, on a block boundary, a long one)."""
+    return make_case(
+        [1, 7, 16, 17, 100, 513, 0, 7],
+        [0, 3, 16, 5, 0, 0, 9, 513],
+        num_q_heads=2 * ratio,
+        num_kv_heads=2,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        device="cuda",
+        seed=seed,
+    )
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=str)
 @pytest.mark.parametrize("head_dim", (64, 128, 256))
@@ -272,17 +290,7 @@ def test_tensor_core_kernels_on_the_parity_grid(gpu_kernels, head_dim: int, dtyp
     for ratio in (1, 2, 3, 4, 5, 8, 16):
         for block_size in (16, 32):
             seed = ratio * 1000 + head_dim + block_size
-            prefill = make_case(
-                [*lengths, 0, 7],
-                [0, 3, 16, 5, 0, 0, 9, 513],
-                num_q_heads=2 * ratio,
-                num_kv_heads=2,
-                head_dim=head_dim,
-                block_size=block_size,
-                dtype=dtype,
-                device="cuda",
-                seed=seed,
-            )
+            prefill = _grid_prefill(ratio, head_dim, block_size, dtype, seed)
             assert_close(run_prefill(gpu_kernels, prefill), reference_prefill(prefill), dtype)
             decode = make_case(
                 [1] * len(lengths),
@@ -309,17 +317,8 @@ def test_narrow_flash_prefill_on_the_parity_grid(gpu_kernels, head_dim: int, dty
     narrow = GpuKernels(gpu_kernels.kernel_dir, flash_prefill="flash_prefill_3cta")
     for ratio in (1, 2, 3, 4, 8, 16):
         for block_size in (16, 32):
-            case = make_case(
-                [1, 7, 16, 17, 100, 513, 0, 40],
-                [0, 3, 16, 5, 0, 0, 9, 513],
-                num_q_heads=2 * ratio,
-                num_kv_heads=2,
-                head_dim=head_dim,
-                block_size=block_size,
-                dtype=dtype,
-                device="cuda",
-                seed=ratio * 100 + head_dim + block_size,
-            )
+            seed = ratio * 100 + head_dim + block_size
+            case = _grid_prefill(ratio, head_dim, block_size, dtype, seed)
             out = run_prefill(narrow, case)
             assert_close(out, reference_prefill(case), dtype)
             assert_close(out, run_prefill(gpu_kernels, case), dtype)
