@@ -11,7 +11,9 @@ checks the entry's parameter list against `SIGNATURES`, and writes
 
 Kernels: `prefill`, `decode`, `decode_combine` (CUDA cores, every dtype; fp32 runs on them) and the
 tensor-core / FlashInfer-style `flash_prefill` and `paged_decode_g<GC>` (bf16/fp16 only; GC query
-heads per CTA, a compile-time parameter). The latter take dynamic shared memory beyond the 48 KB
+heads per CTA, a compile-time parameter), and `flash_prefill_3cta`, flash_prefill's narrow
+variant, whose wrappers carry launch bounds (`nvvm.maxntid`, `nvvm.minctasm`: ptxas caps its
+registers so that 3 CTAs fit an SM). The latter take dynamic shared memory beyond the 48 KB
 default: the manifest carries each kernel's `dynamic_shared_bytes` (kernels/geometry.py) and the
 loader raises the function's limit to it. Where `ptxas` is installed the build also assembles
 every PTX file for sm_90a and records its registers, spills and shared memory (`ptxas` in each
