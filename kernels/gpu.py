@@ -48,7 +48,7 @@ from kernels.geometry import (
 from kernels.manifest import load_manifest
 from kernels.ptx import MANIFEST_FORMAT
 from kernels.ptx_entry import check_signature, parse_entries
-from kernels.signatures import SIGNATURES
+from kernels.signatures import KERNELS, SIGNATURES
 
 _LOG2E = 1.4426950408889634
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -58,6 +58,10 @@ _TENSOR_CORE_DTYPES = (torch.bfloat16, torch.float16)
 def _pack(kernel: str, values: dict[str, int | float]) -> list[ctypes._SimpleCData]:
     """Launch arguments in the entry's parameter order (kernels.signatures.SIGNATURES)."""
     return pack_arguments(SIGNATURES, kernel, values)
+
+
+# The bf16/fp16 prefill kernels the build makes: the default and its variants.
+_FLASH_PREFILLS = tuple(k for k in KERNELS if k.startswith("flash_prefill"))
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -75,7 +79,7 @@ class GpuKernels:
         """`flash_prefill`: the bf16/fp16 prefill kernel, "flash_prefill" (what serving runs)
         or its narrow variant "flash_prefill_3cta" (flash_prefill_gpu.mojo's header: measured
         beside it by benchmarks/attention_gpu.py)."""
-        if flash_prefill not in ("flash_prefill", "flash_prefill_3cta"):
+        if flash_prefill not in _FLASH_PREFILLS:
             raise ValueError(f"no prefill kernel {flash_prefill!r}")
         self.kernel_dir = Path(kernel_dir)
         self.flash_prefill = flash_prefill
