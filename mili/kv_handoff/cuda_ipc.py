@@ -6,12 +6,13 @@ torch.multiprocessing sends: a cudaIpcMemHandle of the allocation, the pool's of
 the reference-counter and event handles torch uses to keep it alive); prefill maps it once per
 pair and copies prompt blocks device to device on a side stream.
 
-Integrity: `chunk_checksums` runs on the device on both sides over the blocks as they are (a
-position-weighted sum of 32-bit words, wrapping: integer arithmetic, so equal on any GPU in any
-order), read back once per batch of chunks on the caller's own stream, never the model's.
+Integrity: a position-weighted sum of 32-bit words per chunk (wrapping: integer arithmetic, so
+equal on any GPU in any order), computed on the device: prefill's over the KV it copied
+(`kv_checksums`), decode's over its blocks as they are (`chunk_checksums`), each read back once
+per batch of chunks on the caller's own stream, never the model's.
 
 Written for the GPU host; tests/prefill/test_cuda_ipc.py (-m gpu) checks the transport there.
-The checksum is plain torch: tests/kv_handoff/test_chunk_checksums.py checks it on the CPU.
+The checksums are plain torch: tests/kv_handoff/test_chunk_checksums.py checks them on the CPU.
 """
 
 from __future__ import annotations
@@ -92,59 +93,85 @@ def import_pool(blob: bytes) -> torch.Tensor:
 # Word weights repeat with this period (the largest prime below 2^16), so a position's weight
 # is the same however the blocks are split into chunks of a chunk's side.
 _PERIOD = 65521
-_weights: dict[torch.device, torch.Tensor] = {}  # per device: (arange % _PERIOD) + 1, int32
+# per device: [2 (K, V), n] int32, K's row 31 * (p % _PERIOD + 1), V's p % _PERIOD + 2
+_weights: dict[torch.device, torch.Tensor] = {}
 # Tables a larger one replaced, never freed: another thread's stream may still be reading one
 # (the caching allocator would hand its memory out again at once). A few, early in a process.
 _retired: list[torch.Tensor] = []
 _lock = threading.Lock()
-_MAX_RUN_BYTES = 64 << 20  # blocks one checksum pass gathers at once (see chunk_checksums)
+_MAX_RUN_BYTES = 64 << 20  # KV one checksum pass multiplies at once (see kv_checksums)
 
 
 def _word_weights(device: torch.device, n: int) -> torch.Tensor:
-    """The first `n` word weights, int32 on `device` (grown as needed, kept: a transfer's
-    checksums cost no arange)."""
+    """The weights of a chunk's first `n` words on each side, [2, n] int32 on `device` (grown
+    as needed, kept: a transfer's checksums cost no arange). K's carry the 31 its side sum is
+    multiplied by, V's the plain sum added to it, so that one product and one sum make a
+    chunk's value."""
     table = _weights.get(device)
-    if table is None or table.numel() < n:
-        size = max(n, 2 * (0 if table is None else table.numel()))
-        table = torch.arange(size, dtype=torch.int64, device=device) % _PERIOD + 1
-        table = table.to(torch.int32)
+    if table is None or table.shape[1] < n:
+        size = max(n, 2 * (0 if table is None else table.shape[1]))
+        base = torch.arange(size, dtype=torch.int64, device=device) % _PERIOD + 1
+        table = torch.stack([base * 31, base + 1]).to(torch.int32)
         if device.type == "cuda":  # made on this thread's stream; others read it on theirs
             torch.cuda.current_stream(device).synchronize()
         with _lock:  # a racing thread's table is as good: the same values
             if device in _weights:
                 _retired.append(_weights[device])
             _weights[device] = table
-    return table[:n]
+    return table[:, :n]
+
+
+def kv_checksums(parts: Sequence[torch.Tensor]) -> list[int]:
+    """The 32-bit checksum of each layer of each part, a chunk being one layer's; one read
+    back for all of them.
+
+    parts: KV as a transfer hands it over, [num_layers, 2 (K, V), num_blocks, block_size,
+    num_kv_heads, head_dim] (a gather of the blocks in the transfer's order); one value per
+    layer of each part, in order. A chunk's value is sum(x * (p % 65521 + 1 + side)) over the
+    32-bit words x at position p of its K blocks (side 0), times 31, plus the same over its V
+    blocks (side 1), modulo 2^32: integer arithmetic, so equal on any device in any order.
+    Computed as one sum of products with weights that fold in the 31 and the side (products
+    wrap in int32: their low 32 bits are all the result keeps; sums accumulate in int64). Two
+    launches a pass of up to _MAX_RUN_BYTES, and one sync of the current stream at the end
+    (call it on a side stream, never the model's)."""
+    values: list[torch.Tensor] = []
+    for kv in parts:
+        for start, step in _passes(kv.shape[0], kv[0].numel() * kv.element_size()):
+            values.append(_layer_values(kv[start : start + step]))
+    return _read_back(values)
 
 
 def chunk_checksums(runs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[int]:
-    """The 32-bit checksum of each chunk's blocks, a chunk being one layer's; one read back for
-    all of them.
-
-    runs: (blocks, block_ids) per run of layers: blocks [num_layers, 2 (K, V), num_blocks,
-    block_size, num_kv_heads, head_dim] (a slice of `kv_cache.pool_blocks`' view) and the ids
-    (int64, on its device); one value per layer of each run, in order. A chunk's value is
-    sum(x * (p % 65521 + 1 + side)) over the 32-bit words x at position p of its K blocks
-    (side 0), times 31, plus the same over its V blocks (side 1), modulo 2^32: integer
-    arithmetic, so equal on any device in any order. Products wrap in int32 (their low 32 bits
-    are all the result keeps); sums accumulate in int64. About seven launches a run whatever
-    its layers, and one sync of the current stream at the end (call it on a side stream, never
-    the model's)."""
+    """kv_checksums of blocks where they are: runs of (blocks, block_ids), blocks [num_layers,
+    2, num_blocks, block_size, num_kv_heads, head_dim] (a slice of `kv_cache.pool_blocks`'
+    view), ids int64 on its device; one value per layer of each run, in order. A pass's
+    gather is one launch more, and a temporary as large as its products."""
     values: list[torch.Tensor] = []
     for blocks, ids in runs:
-        # A run's gathered words and their products are temporaries on the device: at most
-        # _MAX_RUN_BYTES of blocks at a time, a layer at least.
-        layer_bytes = max(1, 2 * ids.numel() * blocks[0, 0, 0].numel() * blocks.element_size())
-        step = max(1, _MAX_RUN_BYTES // layer_bytes)
-        for start in range(0, blocks.shape[0], step):
-            part = blocks[start : start + step]
-            # [num_layers, 2, n * words per block]
-            words = part.index_select(2, ids).reshape(part.shape[0], 2, -1).view(torch.int32)
-            weights = _word_weights(words.device, words.shape[2])
-            sums = (words * weights).sum(dim=2, dtype=torch.int64)  # [num_layers, 2]
-            # V's weights are K's plus one: its weighted sum and its plain sum once more.
-            v_plain = words[:, 1].sum(dim=1, dtype=torch.int64)
-            values.append(sums[:, 0] * 31 + sums[:, 1] + v_plain)
+        layer_bytes = 2 * ids.numel() * blocks[0, 0, 0].numel() * blocks.element_size()
+        for start, step in _passes(blocks.shape[0], layer_bytes):
+            values.append(_layer_values(blocks[start : start + step].index_select(2, ids)))
+    return _read_back(values)
+
+
+def _passes(num_layers: int, layer_bytes: int) -> list[tuple[int, int]]:
+    """(first layer, number of layers) of each pass over `num_layers` layers of `layer_bytes`
+    each: at most _MAX_RUN_BYTES a pass (the products are a temporary as large), a layer at
+    least."""
+    step = max(1, _MAX_RUN_BYTES // max(1, layer_bytes))
+    return [(start, min(step, num_layers - start)) for start in range(0, num_layers, step)]
+
+
+def _layer_values(kv: torch.Tensor) -> torch.Tensor:
+    """kv [num_layers, 2, ...] -> its layers' checksums before the final modulo, [num_layers]
+    int64 (on kv's device, not read back)."""
+    words = kv.contiguous().reshape(kv.shape[0], 2, -1).view(torch.int32)
+    weights = _word_weights(words.device, words.shape[2])
+    return (words * weights).sum(dim=(1, 2), dtype=torch.int64)
+
+
+def _read_back(values: list[torch.Tensor]) -> list[int]:
     if not values:
         return []
-    return [v & 0xFFFFFFFF for v in torch.cat(values).tolist()]
+    joined = values[0] if len(values) == 1 else torch.cat(values)
+    return [v & 0xFFFFFFFF for v in joined.tolist()]

@@ -14,7 +14,7 @@ from mili.engine.model.kv_cache import pool_blocks, pool_bytes
 from mili.engine.step.pinned import thread_stream
 from mili.errors import DataLoss
 from mili.kv_handoff.codec import Chunk, chunk_name, encode_chunk_in_place, in_place_pools
-from mili.kv_handoff.cuda_ipc import chunk_checksums, import_pool, owner
+from mili.kv_handoff.cuda_ipc import chunk_checksums, import_pool, kv_checksums, owner
 from mili.kv_handoff.kv_part import KvPart
 from mili.kv_handoff.kv_transport import CUDA_IPC
 from mili.kv_handoff.shm_segment import is_alive
@@ -28,7 +28,8 @@ class CudaIpcTransport:
     head_dim]), decode's own (with `export`, what Pair hands out) or mapped by prefill
     (`connect`). A part of several layers costs one copy and one checksum pass for all of them
     (prefill hands cuda-ipc a prompt chunk's every layer at once). Chunks carry the device
-    checksum (cuda_ipc.chunk_checksums) in crc32, whatever the pair's checksum. The GPU tests
+    checksum (cuda_ipc.kv_checksums) of what prefill copied in crc32, whatever the pair's
+    checksum, and decode checks its blocks against it (cuda_ipc.chunk_checksums). The GPU tests
     (tests/prefill/test_cuda_ipc.py, -m gpu) run it between processes; on CPU tensors (no
     stream, no export) tests/kv_handoff/test_cuda_ipc_transport.py runs its copies and checks."""
 
@@ -75,11 +76,11 @@ class CudaIpcTransport:
     ) -> tuple[list[bytes], int]:
         """kv on prefill's GPU (the worker's gathers, complete: the sender called their
         `ready` first), copied into decode's blocks on a side stream, one index_copy_ per part
-        (all its layers; a transfer's block ids rarely run consecutively), then checksummed
-        there, all parts read back at once; blocks until the copies are over, on this encoder
-        thread only. `checksum` does not apply."""
+        (all its layers; a transfer's block ids rarely run consecutively); the chunks carry
+        the checksums of what was copied (the gathers: no gather of the blocks again), all
+        parts read back at once, which decode checks against what its blocks hold; blocks
+        until the copies are over, on this encoder thread only. `checksum` does not apply."""
         num_bytes = 0
-        copied = []
         with torch.inference_mode(), _on(self._stream):
             try:
                 for part in parts:
@@ -88,9 +89,9 @@ class CudaIpcTransport:
                     index = index.to(part.kv.device, non_blocking=True)
                     layers = slice(part.layer, part.layer + part.num_layers)
                     self.blocks[layers].index_copy_(2, index, part.kv)
-                    copied.append((self.blocks[layers], index))
                     num_bytes += part.kv.numel() * part.kv.element_size()
-                values = chunk_checksums(copied)  # waits for the copies
+                # queued behind the copies on this stream: its read back waits for them
+                values = kv_checksums([part.kv for part in parts])
             except BaseException:
                 # Copies already queued read the parts' gathers (the model stream's memory):
                 # they must be over before the caller lets the gathers go.

@@ -84,3 +84,20 @@ def test_a_run_larger_than_one_pass_is_checked_in_passes_to_the_same_values(
     monkeypatch.setattr(cuda_ipc, "_MAX_RUN_BYTES", layer_bytes + 1)  # one layer a pass
     assert chunk_checksums([(blocks, ids)]) == whole
     assert whole == [reference(blocks, layer, ids.tolist()) for layer in range(SHAPE[0])]
+
+
+def test_the_senders_checksums_of_its_gathers_equal_the_blocks_once_copied(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Prefill checksums the KV it copies (kv_checksums), decode its blocks (chunk_checksums):
+    # the same KV must give the same values, in one pass or in passes of a layer.
+    blocks = pool(3, torch.bfloat16)
+    ids = torch.tensor([7, 0, 31, 12])
+    gathered = [blocks[:3].index_select(2, ids), blocks[3:].index_select(2, ids[:2])]
+    expected = [reference(blocks, layer, ids.tolist()) for layer in range(3)]
+    expected += [reference(blocks, 3, ids[:2].tolist())]
+    assert cuda_ipc.kv_checksums(gathered) == expected
+    assert chunk_checksums([(blocks[:3], ids), (blocks[3:], ids[:2])]) == expected
+    layer_bytes = gathered[0][0].numel() * blocks.element_size()
+    monkeypatch.setattr(cuda_ipc, "_MAX_RUN_BYTES", layer_bytes + 1)
+    assert cuda_ipc.kv_checksums(gathered) == expected
