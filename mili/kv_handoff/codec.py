@@ -330,13 +330,15 @@ def rows_digest(
     return digest(checksum, (r[start:stop].data for r in (k_rows, v_rows) for start, stop in runs))
 
 
-def batch_in_place(messages: Sequence[bytes]) -> bytes:
+def batch_in_place(messages: Sequence[bytes], commit: kv_pb2.TransferCommit | None = None) -> bytes:
     """Serialized `TransferKvRequest{chunk}` messages without data (`encode_chunk_in_place`'s)
-    -> one serialized `TransferKvRequest{chunks}` holding the same chunks in the same order:
-    decode then reads, checks and lands them as one message, one landing job.
+    -> one serialized `TransferKvRequest{chunks}` holding the same chunks in the same order,
+    and the transfer's `commit` after them when given: decode then reads, checks and lands
+    them as one message, one landing job.
 
         TransferKvRequest  0x22 len  KvChunks                 (field 4, length-delimited)
         KvChunks           (0x0a len KvChunk)*                (1, repeated message)
+                           [0x12 len TransferCommit]          (2, the commit)
     """
     inner = bytearray()
     for message in messages:
@@ -346,4 +348,7 @@ def batch_in_place(messages: Sequence[bytes]) -> bytes:
         if pos + size != len(message):
             raise ValueError("a TransferKvRequest{chunk} with more than its chunk")
         inner += b"\x0a" + _write_varint(size) + message[pos:]
+    if commit is not None:
+        serialized = commit.SerializeToString()
+        inner += b"\x12" + _write_varint(len(serialized)) + serialized
     return b"\x22" + _write_varint(len(inner)) + bytes(inner)

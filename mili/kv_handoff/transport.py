@@ -61,14 +61,16 @@ class KvTransport(Protocol):
       (request, seq, blocks of its reservation) and with the request's blocks held. It raises
       DataLoss when bytes are short, corrupt or not in place; once it returns, the blocks hold
       exactly what prefill encoded. A job is the unit so that a transport can batch its device
-      work: cuda-ipc reads its checksums back once per job, not per chunk.
+      work: cuda-ipc reads its checksums back once per job (a whole message's), not per chunk.
     - In place (`is_in_place`), chunks carry no data and several may come in one message
       (TransferKvRequest.chunks); otherwise each chunk message carries its bytes.
     """
 
     name: str  # a kv_transport name: what Pair answered and the header carries
     is_in_place: bool  # prefill writes decode's blocks itself
-    takes_device_tensors: bool  # encode takes k, v on prefill's GPU as they are
+    # encode takes k, v on prefill's GPU as they are, and land checks on the device (decode
+    # gives a message's chunks to one landing job: a share per thread would each pay launches)
+    takes_device_tensors: bool
 
     def encode_all(
         self, request_id: str, seq: int, parts: Sequence[KvPart], checksum: str

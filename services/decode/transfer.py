@@ -11,14 +11,17 @@
             meanwhile
     commit  once every chunk has landed: every (layer, prompt block) written exactly once,
             chunk count = header.num_chunks; then the request joins the batch with prefill's
-            first token
+            first token. In place it may come inside the last chunk batch (KvChunks.commit):
+            one message fewer each way
 
 Receiving, checking and scattering overlap: the event loop reads chunk i+1 (and the sender
 keeps streaming) while chunk i is checked and copied on a landing thread (zlib.crc32 and the
 copy release the GIL). At most _MAX_LANDING_BYTES of one transfer's chunks wait to land; past
 that the loop stops reading, and HTTP/2 flow control holds the sender back. In place (shm,
 cuda-ipc) a landing only checks blocks already in the pool and holds no bytes; a batch of such
-chunks is split among the landing threads.
+chunks is split among the landing threads where the checks run on the host (shm: the CPU's
+checksums release the GIL), and stays one job where they run on the device (cuda-ipc: a pass
+of launches and one read back for the whole batch, where each share would pay its own).
 
     event loop   read ─ check order ─ pin ─ submit ─▶ read ─ ...      commit: wait for all
     landing                           └─▶ CRC, length, scatter, unpin
@@ -269,6 +272,7 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
                     await self._land(progress, landing, [message])
                     continue
                 kind = message.WhichOneof("kind")
+                commit = None
                 if kind == "chunk":  # one that parse_transfer_request left to protobuf
                     await self._land(progress, landing, [message.chunk])
                 elif kind == "chunks":
@@ -278,10 +282,18 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
                             "in-place transfers announce several chunks per message)"
                         )
                     await self._land(progress, landing, list(message.chunks.chunks))
+                    if message.chunks.HasField("commit"):  # its last chunks, then the commit
+                        commit = message.chunks.commit
                 elif kind == "commit":
+                    commit = message.commit
+                elif kind == "abort":
+                    raise _aborted(request, message.abort, context.peer())
+                else:
+                    raise DataLoss(f"request {request.name}: a second header mid-transfer")
+                if commit is not None:
                     await landing.wait_all()  # DataLoss of any chunk
                     progress.check_complete()
-                    self._commit(request, message.commit)
+                    self._commit(request, commit)
                     is_committed = True
                     _annotate_span(progress)
                     elapsed = time.perf_counter() - started
@@ -289,10 +301,6 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
                     return kv_pb2.TransferKvResponse(
                         num_blocks=len(request.received_block_ids), num_bytes=progress.num_bytes
                     )
-                elif kind == "abort":
-                    raise _aborted(request, message.abort, context.peer())
-                else:
-                    raise DataLoss(f"request {request.name}: a second header mid-transfer")
             # The stream ended without a commit. A sender that died ends it too, and grpc
             # reports that cancel separately, a moment later: wait for it, so a dead sender is
             # UNAVAILABLE (retry elsewhere) and only a sender that really closed early is
@@ -376,7 +384,8 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
         """Check the chunks' places in the transfer here, in order; hand their bytes to a
         landing job (checksum, length, scatter) and return without waiting for it. Several
         chunks come in one message only in place (TransferKvRequest.chunks): they are split
-        among the landing threads, whose checks then run side by side."""
+        among the landing threads, whose checks then run side by side, unless the transport
+        checks them on the device."""
         request = progress.request
         if not chunks:
             raise DataLoss(f"transfer {request.request_id}: a chunks message without a chunk")
@@ -405,7 +414,9 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
         # the bytes are in the pool already: a job holds none, so none counts against
         # _MAX_LANDING_BYTES (which would run the parts of a batch one after the other).
         held = 0 if transport.is_in_place else num_bytes
-        share = ceil_div(len(chunks), _LANDING_THREADS)
+        # Checks on the device: one job (see the module's docstring).
+        threads = 1 if transport.takes_device_tensors else _LANDING_THREADS
+        share = ceil_div(len(chunks), threads)
         for start in range(0, len(chunks), share):
             part = chunks[start : start + share]
             await landing.make_room(held)  # raises an earlier chunk's failure

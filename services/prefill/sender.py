@@ -328,22 +328,36 @@ class KvSender:
                 else:
                     assert isinstance(item, FirstToken)
                     feed()
-                    while encoding:  # write_first feeds the rest as it goes
-                        await write_first()
+                    # In place, the chunks still encoding go out with the commit, in one
+                    # message (KvChunks.commit); over grpc each as it comes (write_first
+                    # feeds the rest as it goes), then the commit.
+                    last: list[bytes] = []
+                    while encoding:
+                        if not is_in_place:
+                            await write_first()
+                            continue
+                        messages, num_data = await encoding.popleft()  # the encoder's error
+                        last += messages
+                        kv_bytes += num_data
+                        feed()
                     if seq != self._num_chunks:
                         raise AssertionError(f"sent {seq} KV chunks, announced {self._num_chunks}")
                     if self._is_given_up:  # no commit for a transfer given up meanwhile
                         raise _GivenUp
-                    commit = kv_pb2.TransferKvRequest(commit=_commit(item))
+                    first_sent_at = first_sent_at or time.perf_counter()
+                    if last:
+                        message = batch_in_place(last, _commit(item))
+                    else:
+                        message = kv_pb2.TransferKvRequest(commit=_commit(item)).SerializeToString()
                     # Not _write: decode may acknowledge before this write returns (an in-place
                     # transfer's commit lands at once), which is no early end; `await call`
                     # below reads whatever decode answered.
                     with contextlib.suppress(asyncio.InvalidStateError, grpc.aio.AioRpcError):
-                        await call.write(commit.SerializeToString())
+                        await call.write(message)
                         await call.done_writing()
                     await call  # decode's acknowledgement (raises its error status)
-                    sent_at = first_sent_at or time.perf_counter()
-                    return TransferResult(item, kv_bytes, (time.perf_counter() - sent_at) * 1e3)
+                    sent_ms = (time.perf_counter() - first_sent_at) * 1e3
+                    return TransferResult(item, kv_bytes, sent_ms)
         finally:
             for future in encoding:  # the transfer failed: their results are not wanted
                 future.add_done_callback(_retrieve)

@@ -28,7 +28,7 @@ from mili.pb.kv.v1 import kv_pb2
 from mili.rpc.client import insecure_channel
 from mili.rpc.server import ServerConfig
 from services.decode import transfer as transfer_module
-from services.decode.landing import Landing
+from services.decode.landing import Landing, Reader
 from services.decode.transfer import _IN_PLACE_DRAIN_S, _IN_PLACE_GRACE_S, KvTransferServicer
 from services.prefill import sender as sender_module
 from services.prefill.pairing import Peers
@@ -332,12 +332,19 @@ def in_place_messages(
     ]
 
 
+@pytest.mark.parametrize("checks_on_device", [False, True])
 def test_in_place_chunks_announced_together_land_and_decode_goes_on(
-    decode_server: DecodeServerThread, player: PrefillPlayer, monkeypatch: pytest.MonkeyPatch
+    decode_server: DecodeServerThread,
+    player: PrefillPlayer,
+    monkeypatch: pytest.MonkeyPatch,
+    checks_on_device: bool,
 ) -> None:
     """A batch of two in-place chunks is checked by two landing jobs (one per landing thread,
     side by side), neither counted against the landing byte bound (the bytes are in the pool
-    already); decode then generates the reference tokens."""
+    already); by one job where the transport checks on the device (cuda-ipc: each job would
+    pay its own launches and read back). Decode then generates the reference tokens."""
+    if checks_on_device:  # shm's checks, landed as cuda-ipc's are
+        monkeypatch.setattr(ShmTransport, "takes_device_tensors", True)
     jobs: list[int] = []  # bytes each landing job was accounted
     submit = Landing.submit
 
@@ -346,16 +353,17 @@ def test_in_place_chunks_announced_together_land_and_decode_goes_on(
         submit(self, job, num_bytes)
 
     monkeypatch.setattr(Landing, "submit", spy)
-    prompt = random_prompt(21, player.vocab_size, seed=40)
+    prompt = random_prompt(21, player.vocab_size, seed=46 if checks_on_device else 40)
+    request_id = f"batched-{checks_on_device}"
     layers = list(range(TINY.num_hidden_layers))
     assert len(layers) >= 2, "the test wants a batch of several chunks"
     groups = [layers[:2], *([layer] for layer in layers[2:])]
 
     async def body(client: Client) -> None:
-        call, block_ids = await client.admit(generate_request("batched", prompt))
+        call, block_ids = await client.admit(generate_request(request_id, prompt))
         prefilled = await asyncio.to_thread(player.prefill, prompt, SHORT)
         messages = in_place_messages(
-            decode_server, player, "batched", prompt, block_ids, prefilled, groups
+            decode_server, player, request_id, prompt, block_ids, prefilled, groups
         )
         assert messages[1].WhichOneof("kind") == "chunks"
         assert [c.seq for c in messages[1].chunks.chunks] == [0, 1]
@@ -365,9 +373,55 @@ def test_in_place_chunks_announced_together_land_and_decode_goes_on(
         await transfer.done_writing()
         reply = await asyncio.wait_for(transfer, 5)
         assert reply.num_blocks == len(block_ids)
-        assert jobs == [0] * (2 + len(layers[2:]))
+        assert jobs == [0] * ((1 if checks_on_device else 2) + len(layers[2:]))
         outcome = await client.collect(call, Outcome(block_ids=list(block_ids)))
         assert outcome.token_ids == player.reference(prompt, SHORT)
+
+    run(decode_server, body)
+
+
+@pytest.mark.parametrize("is_complete", [True, False])
+def test_a_commit_inside_the_last_chunk_batch_commits_once_they_landed(
+    decode_server: DecodeServerThread, player: PrefillPlayer, is_complete: bool
+) -> None:
+    """KvChunks.commit: an in-place transfer's last chunks and its commit in one message.
+    Decode lands the chunks, then commits (the tokens are the single-process ones, the blocks
+    go back after); a batch with the commit that leaves chunks out is DATA_LOSS, as a
+    commit message after them would be."""
+    prompt = random_prompt(19, player.vocab_size, seed=44 if is_complete else 47)
+    layers = list(range(TINY.num_hidden_layers))
+    request_id = f"commit-in-batch-{is_complete}"
+
+    async def body(client: Client) -> None:
+        free = (await client.info()).num_free_blocks
+        call, block_ids = await client.admit(generate_request(request_id, prompt))
+        prefilled = await asyncio.to_thread(player.prefill, prompt, SHORT)
+        groups = [[layer] for layer in layers]  # lone chunks: the last one then in a batch
+        header, *announced, commit = in_place_messages(
+            decode_server, player, request_id, prompt, block_ids, prefilled, groups
+        )
+        if not is_complete:
+            announced = announced[:-1]  # the second-to-last chunk ends the transfer
+        last = announced.pop().chunk
+        batch = kv_pb2.KvChunks(chunks=[last], commit=commit.commit)
+        batches = [*announced, kv_pb2.TransferKvRequest(chunks=batch)]
+        transfer = client.kv.TransferKv(timeout=10)
+        for message in (header, *batches):
+            await transfer.write(message)
+        await transfer.done_writing()
+        if is_complete:
+            reply = await asyncio.wait_for(transfer, 5)
+            assert reply.num_blocks == len(block_ids)
+            outcome = await client.collect(call, Outcome(block_ids=list(block_ids)))
+            assert outcome.token_ids == player.reference(prompt, SHORT)
+        else:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await asyncio.wait_for(transfer, 5)
+            assert err.value.code() == Code.DATA_LOSS, err.value.details()
+            with pytest.raises(grpc.aio.AioRpcError) as failed:
+                await asyncio.wait_for(call.read(), 5)
+            assert failed.value.code() == Code.DATA_LOSS
+        await blocks_back(client, free)
 
     run(decode_server, body)
 
@@ -602,6 +656,46 @@ def test_the_sender_announces_chunks_encoded_meanwhile_in_one_message(
             )
         assert landed == [list(range(num_layers))]
         assert kv_bytes == sum(k.nbytes + v.nbytes for k, v in prefilled.kv)
+        outcome = await client.collect(call, Outcome(block_ids=list(block_ids)))
+        assert outcome.token_ids == player.reference(prompt, SHORT)
+
+    run(decode_server, body)
+
+
+def test_an_in_place_sender_ends_with_its_last_chunks_and_the_commit_in_one_message(
+    decode_server: DecodeServerThread, player: PrefillPlayer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The chunks still encoding when the first token comes go out with the commit
+    (KvChunks.commit): decode reads the transfer's last message as chunks with the commit and
+    no commit message after it; its tokens are the single-process ones."""
+    if decode_server.instance.segment is None:
+        pytest.skip("this host gave decode no shared-memory pool")
+    kinds: list[str] = []  # what decode read after the header, message by message
+    take = Reader.take
+
+    def spy(self: Reader[Any]) -> Any:
+        message = take(self)
+        if isinstance(message, kv_pb2.TransferKvRequest):
+            kind = message.WhichOneof("kind")
+            has_commit = kind == "chunks" and message.chunks.HasField("commit")
+            kinds.append(f"{kind} + commit" if has_commit else str(kind))
+        elif message is not None:
+            kinds.append("chunk")
+        return message
+
+    monkeypatch.setattr(Reader, "take", spy)
+    prompt = random_prompt(21, player.vocab_size, seed=45)
+
+    async def body(client: Client) -> None:
+        call, block_ids = await client.admit(generate_request("commit-rides", prompt))
+        prefilled = await asyncio.to_thread(player.prefill, prompt, SHORT)
+        chunks = [(layer, 0, k, v) for layer, (k, v) in enumerate(prefilled.kv)]
+        with ThreadPoolExecutor(2) as encoder:  # all handed over at once, then the token
+            await send_over_shm(
+                decode_server, player, "commit-rides", prompt, block_ids, prefilled, chunks, encoder
+            )
+        assert kinds[-1] == "chunks + commit", kinds
+        assert "commit" not in kinds
         outcome = await client.collect(call, Outcome(block_ids=list(block_ids)))
         assert outcome.token_ids == player.reference(prompt, SHORT)
 

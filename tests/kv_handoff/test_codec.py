@@ -13,6 +13,7 @@ from mili.engine.kv.kv_layout import KVLayout
 from mili.errors import DataLoss
 from mili.kv_handoff import checksums, codec
 from mili.kv_handoff.block_rows import block_rows, block_runs
+from mili.pb.common.v1 import sampling_pb2
 from mili.pb.kv.v1 import kv_pb2
 from mili.rpc import kv_layout
 
@@ -347,6 +348,16 @@ def test_chunk_batches_are_what_protobuf_writes() -> None:
         codec.batch_in_place(messages[:1])
         == kv_pb2.TransferKvRequest(chunks=kv_pb2.KvChunks(chunks=chunks[:1])).SerializeToString()
     )
+    # The commit rides after the chunks: one message ends an in-place transfer.
+    commit = kv_pb2.TransferCommit(
+        first_token_id=151_643,
+        first_logprobs=sampling_pb2.Logprobs(chosen=sampling_pb2.TokenLogprob(token_id=151_643)),
+    )
+    with_commit = kv_pb2.TransferKvRequest(chunks=kv_pb2.KvChunks(chunks=chunks, commit=commit))
+    assert codec.batch_in_place(messages, commit) == with_commit.SerializeToString()
+    parsed = codec.parse_transfer_request(codec.batch_in_place(messages, commit))
+    assert isinstance(parsed, kv_pb2.TransferKvRequest) and parsed.chunks.commit == commit
+    assert not expected.chunks.HasField("commit")
     header = kv_pb2.TransferKvRequest(header=kv_pb2.TransferHeader(request_id="r"))
     with pytest.raises(ValueError, match="not a serialized"):
         codec.batch_in_place([header.SerializeToString()])

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from mili.pb.common.v1 import sampling_pb2 as mili_dot_common_dot_v1_dot_sampling__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13mili/kv/v1/kv.proto\x12\nmili.kv.v1\x1a\x1dmili/common/v1/sampling.proto\"{\n\x0bPairRequest\x12\x0f\n\x07host_id\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x12\n\ntransports\x18\x03 \x03(\t\x12$\n\x06layout\x18\x04 \x01(\x0b\x32\x14.mili.kv.v1.KvLayout\x12\x11\n\tchecksums\x18\x05 \x03(\t\"\xb9\x01\n\x0cPairResponse\x12\x11\n\ttransport\x18\x01 \x01(\t\x12\x0f\n\x07host_id\x18\x02 \x01(\t\x12\x10\n\x08shm_path\x18\x03 \x01(\t\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x17\n\x0f\x63uda_ipc_export\x18\x05 \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\x08 \x01(\t\x12\x19\n\x11max_message_bytes\x18\n \x01(\x04J\x04\x08\t\x10\nR\x13takes_chunk_batches\"\x99\x01\n\x08KvLayout\x12\x12\n\nblock_size\x18\x01 \x01(\r\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x13\n\x0b\x62lock_order\x18\x06 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x07 \x01(\t\"\xf1\x01\n\x11TransferKvRequest\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1a.mili.kv.v1.TransferHeaderH\x00\x12$\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x13.mili.kv.v1.KvChunkH\x00\x12,\n\x06\x63ommit\x18\x03 \x01(\x0b\x32\x1a.mili.kv.v1.TransferCommitH\x00\x12&\n\x06\x63hunks\x18\x04 \x01(\x0b\x32\x14.mili.kv.v1.KvChunksH\x00\x12*\n\x05\x61\x62ort\x18\x05 \x01(\x0b\x32\x19.mili.kv.v1.TransferAbortH\x00\x42\x06\n\x04kind\".\n\rTransferAbort\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"/\n\x08KvChunks\x12#\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x13.mili.kv.v1.KvChunk\"\xaf\x01\n\x0eTransferHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x06layout\x18\x02 \x01(\x0b\x32\x14.mili.kv.v1.KvLayout\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x12\n\nnum_chunks\x18\x04 \x01(\r\x12\x16\n\x0etransfer_token\x18\x05 \x01(\t\x12\x11\n\ttransport\x18\x06 \x01(\t\x12\x10\n\x08\x63hecksum\x18\x07 \x01(\t\"z\n\x07KvChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\r\x12\r\n\x05layer\x18\x03 \x01(\r\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x06 \x01(\r\x12\x0f\n\x07xxh3_64\x18\x07 \x01(\x04\"Z\n\x0eTransferCommit\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x30\n\x0e\x66irst_logprobs\x18\x02 \x01(\x0b\x32\x18.mili.common.v1.Logprobs\";\n\x12TransferKvResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x11\n\tnum_bytes\x18\x02 \x01(\x04\"\x7f\n\x0fPrefixCacheInfo\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\x19\n\x11num_cached_blocks\x18\x02 \x01(\r\x12\x14\n\x0cquery_tokens\x18\x03 \x01(\x04\x12\x12\n\nhit_tokens\x18\x04 \x01(\x04\x12\x16\n\x0e\x65victed_blocks\x18\x05 \x01(\x04\x32\x9d\x01\n\x11KvTransferService\x12M\n\nTransferKv\x12\x1d.mili.kv.v1.TransferKvRequest\x1a\x1e.mili.kv.v1.TransferKvResponse(\x01\x12\x39\n\x04Pair\x12\x17.mili.kv.v1.PairRequest\x1a\x18.mili.kv.v1.PairResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13mili/kv/v1/kv.proto\x12\nmili.kv.v1\x1a\x1dmili/common/v1/sampling.proto\"{\n\x0bPairRequest\x12\x0f\n\x07host_id\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x12\n\ntransports\x18\x03 \x03(\t\x12$\n\x06layout\x18\x04 \x01(\x0b\x32\x14.mili.kv.v1.KvLayout\x12\x11\n\tchecksums\x18\x05 \x03(\t\"\xb9\x01\n\x0cPairResponse\x12\x11\n\ttransport\x18\x01 \x01(\t\x12\x0f\n\x07host_id\x18\x02 \x01(\t\x12\x10\n\x08shm_path\x18\x03 \x01(\t\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x17\n\x0f\x63uda_ipc_export\x18\x05 \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\x08 \x01(\t\x12\x19\n\x11max_message_bytes\x18\n \x01(\x04J\x04\x08\t\x10\nR\x13takes_chunk_batches\"\x99\x01\n\x08KvLayout\x12\x12\n\nblock_size\x18\x01 \x01(\r\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x13\n\x0b\x62lock_order\x18\x06 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x07 \x01(\t\"\xf1\x01\n\x11TransferKvRequest\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1a.mili.kv.v1.TransferHeaderH\x00\x12$\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x13.mili.kv.v1.KvChunkH\x00\x12,\n\x06\x63ommit\x18\x03 \x01(\x0b\x32\x1a.mili.kv.v1.TransferCommitH\x00\x12&\n\x06\x63hunks\x18\x04 \x01(\x0b\x32\x14.mili.kv.v1.KvChunksH\x00\x12*\n\x05\x61\x62ort\x18\x05 \x01(\x0b\x32\x19.mili.kv.v1.TransferAbortH\x00\x42\x06\n\x04kind\".\n\rTransferAbort\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"[\n\x08KvChunks\x12#\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x13.mili.kv.v1.KvChunk\x12*\n\x06\x63ommit\x18\x02 \x01(\x0b\x32\x1a.mili.kv.v1.TransferCommit\"\xaf\x01\n\x0eTransferHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x06layout\x18\x02 \x01(\x0b\x32\x14.mili.kv.v1.KvLayout\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x12\n\nnum_chunks\x18\x04 \x01(\r\x12\x16\n\x0etransfer_token\x18\x05 \x01(\t\x12\x11\n\ttransport\x18\x06 \x01(\t\x12\x10\n\x08\x63hecksum\x18\x07 \x01(\t\"z\n\x07KvChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\r\x12\r\n\x05layer\x18\x03 \x01(\r\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x06 \x01(\r\x12\x0f\n\x07xxh3_64\x18\x07 \x01(\x04\"Z\n\x0eTransferCommit\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x30\n\x0e\x66irst_logprobs\x18\x02 \x01(\x0b\x32\x18.mili.common.v1.Logprobs\";\n\x12TransferKvResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x11\n\tnum_bytes\x18\x02 \x01(\x04\"\x7f\n\x0fPrefixCacheInfo\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\x19\n\x11num_cached_blocks\x18\x02 \x01(\r\x12\x14\n\x0cquery_tokens\x18\x03 \x01(\x04\x12\x12\n\nhit_tokens\x18\x04 \x01(\x04\x12\x16\n\x0e\x65victed_blocks\x18\x05 \x01(\x04\x32\x9d\x01\n\x11KvTransferService\x12M\n\nTransferKv\x12\x1d.mili.kv.v1.TransferKvRequest\x1a\x1e.mili.kv.v1.TransferKvResponse(\x01\x12\x39\n\x04Pair\x12\x17.mili.kv.v1.PairRequest\x1a\x18.mili.kv.v1.PairResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,17 +43,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TRANSFERABORT']._serialized_start=779
   _globals['_TRANSFERABORT']._serialized_end=825
   _globals['_KVCHUNKS']._serialized_start=827
-  _globals['_KVCHUNKS']._serialized_end=874
-  _globals['_TRANSFERHEADER']._serialized_start=877
-  _globals['_TRANSFERHEADER']._serialized_end=1052
-  _globals['_KVCHUNK']._serialized_start=1054
-  _globals['_KVCHUNK']._serialized_end=1176
-  _globals['_TRANSFERCOMMIT']._serialized_start=1178
-  _globals['_TRANSFERCOMMIT']._serialized_end=1268
-  _globals['_TRANSFERKVRESPONSE']._serialized_start=1270
-  _globals['_TRANSFERKVRESPONSE']._serialized_end=1329
-  _globals['_PREFIXCACHEINFO']._serialized_start=1331
-  _globals['_PREFIXCACHEINFO']._serialized_end=1458
-  _globals['_KVTRANSFERSERVICE']._serialized_start=1461
-  _globals['_KVTRANSFERSERVICE']._serialized_end=1618
+  _globals['_KVCHUNKS']._serialized_end=918
+  _globals['_TRANSFERHEADER']._serialized_start=921
+  _globals['_TRANSFERHEADER']._serialized_end=1096
+  _globals['_KVCHUNK']._serialized_start=1098
+  _globals['_KVCHUNK']._serialized_end=1220
+  _globals['_TRANSFERCOMMIT']._serialized_start=1222
+  _globals['_TRANSFERCOMMIT']._serialized_end=1312
+  _globals['_TRANSFERKVRESPONSE']._serialized_start=1314
+  _globals['_TRANSFERKVRESPONSE']._serialized_end=1373
+  _globals['_PREFIXCACHEINFO']._serialized_start=1375
+  _globals['_PREFIXCACHEINFO']._serialized_end=1502
+  _globals['_KVTRANSFERSERVICE']._serialized_start=1505
+  _globals['_KVTRANSFERSERVICE']._serialized_end=1662
 # @@protoc_insertion_point(module_scope)

@@ -80,10 +80,12 @@ class TransferAbort(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class KvChunks(_message.Message):
-    __slots__ = ("chunks",)
+    __slots__ = ("chunks", "commit")
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
     chunks: _containers.RepeatedCompositeFieldContainer[KvChunk]
-    def __init__(self, chunks: _Optional[_Iterable[_Union[KvChunk, _Mapping]]] = ...) -> None: ...
+    commit: TransferCommit
+    def __init__(self, chunks: _Optional[_Iterable[_Union[KvChunk, _Mapping]]] = ..., commit: _Optional[_Union[TransferCommit, _Mapping]] = ...) -> None: ...
 
 class TransferHeader(_message.Message):
     __slots__ = ("request_id", "layout", "num_tokens", "num_chunks", "transfer_token", "transport", "checksum")
