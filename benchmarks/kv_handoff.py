@@ -74,6 +74,7 @@ from mili.engine.step.prefill_graphs import PrefillGraphs
 from mili.engine.step.runner import ModelRunner
 from mili.engine.step.startup import graphs_allowed
 from mili.kv_handoff.codec import ChunkView, decode_chunk, parse_transfer_request, torch_dtype
+from mili.kv_handoff.kv_part import KvPart
 from mili.kv_handoff.kv_transport import CUDA_IPC
 from mili.pb.common.v1 import sampling_pb2
 from mili.pb.decode.v1 import decode_pb2, decode_pb2_grpc
@@ -84,6 +85,7 @@ from mili.rpc.kv_layout import check_compatible
 from mili.rpc.server import RpcServer, ServerConfig
 from services.prefill.config import PrefillConfig
 from services.prefill.instance import PrefillInstance
+from services.prefill.pairing import Pairing
 from services.prefill.sender import KvSender
 from services.prefill.server import PrefillServicer, add_to_server
 from services.prefill.task import FirstToken, PrefillTask
@@ -268,22 +270,21 @@ async def compute_and_handoff(
 
 
 async def kv_path_alone(
-    servicer: PrefillServicer, address: str, reserve: Reserve, prompt: list[int], repeats: int
+    servicer: PrefillServicer,
+    address: str,
+    reserve: Reserve,
+    prompt: list[int],
+    repeats: int,
+    phases: list[tuple[float, float]] | None = None,
 ) -> list[tuple[float, int]]:
     """(seconds, KV bytes) per run: every layer's blocks handed to a KvSender at once, over
-    the transport the prefill service pairs with `address`."""
+    the transport the prefill service pairs with `address`. In place, `phases` (when given)
+    gets each run's in_place_phases, timed in its reservation before its transfer."""
     pairing = await servicer.peers.pair(address)
     cache = servicer.worker.kv_cache
-    blocks = list(range(-(-len(prompt) // BLOCK_SIZE)))
-    index = cache.block_index(blocks)
-    # Gathered once, outside the timed runs, as the worker hands them over: each layer alone
-    # (grpc, shm) or every layer at once (cuda-ipc).
+    # Gathered once, outside the timed runs, as the worker hands them over.
     on_device = pairing.kv.takes_device_tensors
-    step = cache.num_layers if on_device else 1
-    gathered = [
-        (layer, cache.gather_layers(layer, layer + step, index))
-        for layer in range(0, cache.num_layers, step)
-    ]
+    gathered = _gathered(cache, on_device, len(prompt))
     # Staging for device -> host copies (GPU, grpc) sized as the worker's, but its own: these
     # copies run on this thread's side stream, the worker's on the worker's, and a span comes
     # round again safely only behind the copies of one stream.
@@ -320,10 +321,45 @@ async def kv_path_alone(
                             sender.send_blocks(layer, 0, *hand_over(kv, on_device, staging))
                         sender.finish(FirstToken(0, None, None, 0.0, 0.0))
 
+                    if phases is not None and pairing.kv.is_in_place:
+                        block_ids = list(admitted.prompt_block_ids)
+                        phases.append(in_place_phases(pairing, gathered, block_ids))
                     start = time.perf_counter()
                     result = await sender.run(push, lambda: None)
                     results.append((time.perf_counter() - start, result.kv_bytes))
     return results[1:]
+
+
+def in_place_phases(
+    pairing: Pairing, gathered: list[tuple[int, torch.Tensor]], block_ids: list[int]
+) -> tuple[float, float]:
+    """An in-place transport's own work for one transfer, timed apart (seconds): the sender's
+    `encode_all` of every layer (the copies into decode's blocks `block_ids` and their
+    checksums, read back: an encoder thread's work), then the receiver's `land_all` of the
+    chunks it announced (the blocks' checksums, read back: a landing thread's work) on this
+    process's mapping of the same blocks. What the KV path takes beyond their sum is the
+    hops: threads, gRPC, the commit."""
+    parts = [KvPart(layer, block_ids[: kv.shape[2]], kv) for layer, kv in gathered]
+    start = time.perf_counter()
+    messages, _ = pairing.kv.encode_all("phases", 0, parts, pairing.checksum)
+    encode = time.perf_counter() - start
+    chunks = [parse_transfer_request(m) for m in messages]
+    start = time.perf_counter()
+    pairing.kv.land_all(chunks, pairing.checksum)
+    return encode, time.perf_counter() - start
+
+
+def _gathered(cache: KVCache, on_device: bool, num_tokens: int) -> list[tuple[int, torch.Tensor]]:
+    """(first layer, KV) as the worker hands a prompt's blocks over: each layer alone (grpc,
+    shm) or every layer at once (cuda-ipc, `on_device`), complete (synchronized)."""
+    index = cache.block_index(list(range(-(-num_tokens // BLOCK_SIZE))))
+    step = cache.num_layers if on_device else 1
+    gathered = [
+        (layer, cache.gather_layers(layer, layer + step, index))
+        for layer in range(0, cache.num_layers, step)
+    ]
+    _synchronize(cache.device)
+    return gathered
 
 
 def process_cpu_s(pid: int) -> float:
@@ -470,6 +506,16 @@ async def measure(
                         servicer, address, proc.pid, reserve, prompt, args.repeats
                     )
                     transport = servicer.peers.transports()[address]
+                    phases: dict[str, float] = {}
+                    if (await servicer.peers.pair(address)).kv.is_in_place:
+                        # More transfers, each with its phases timed apart first (not in the
+                        # CPU per transfer above).
+                        timed: list[tuple[float, float]] = []
+                        await kv_path_alone(servicer, address, reserve, prompt, args.repeats, timed)
+                        phases = {
+                            "encode_ms": statistics.median(e for e, _ in timed[1:]) * 1e3,
+                            "land_ms": statistics.median(land for _, land in timed[1:]) * 1e3,
+                        }
                     # The service replays its prefill graphs only for a device sink.
                     graphs = servicer.worker.runner.prefill_graphs
                     graphs = graphs if transport == CUDA_IPC else None
@@ -478,7 +524,7 @@ async def measure(
                         full_runs = await compute_and_handoff(
                             stub, model, address, reserve, prompt, args.repeats, graphs
                         )
-                row = summarize(name, path_runs, full_runs) | cpu
+                row = summarize(name, path_runs, full_runs) | cpu | phases
                 row["transport"] = transport
                 rows.append(row)
                 on_row(row)
@@ -515,6 +561,13 @@ def print_row(r: dict[str, Any]) -> None:
         ),
         flush=True,
     )
+    if "encode_ms" in r:
+        rest = r["kv_path_ms"] - r["encode_ms"] - r["land_ms"]
+        print(
+            f"{'':<11}in place, timed apart: encode {r['encode_ms']:.2f} ms (copies + "
+            f"checksums), land {r['land_ms']:.2f} ms (checks), the rest {rest:.2f} ms (hops)",
+            flush=True,
+        )
 
 
 def main() -> None:
