@@ -3,7 +3,8 @@
 # prefill, decode and frontend processes while benchmarks/serve_gpu.py runs its saturated
 # level, one collapsed-stack file per process (py-spy's raw format, one line per distinct
 # stack with its sample count; thread names and idle samples kept: a thread waiting on the GPU
-# or the GIL shows where it waits).
+# or the GIL shows where it waits), and decode's again with only its GIL holders' samples
+# (serve-decode-gil.txt): what the first shows busy and the second does not is a GIL wait.
 #
 #   python3 -m pip download --no-deps --only-binary=:all: -d .whl py-spy   # here, with prep
 #   bash benchmarks/serve_profile.sh                   # GPU host (build/gpu-cache/env.sh installs it)
@@ -43,11 +44,20 @@ for name in serve-prefill serve-decode serve-frontend; do
   "$spy" record --pid "$pid" --duration "$seconds" --rate 250 --format raw --idle --threads \
     --nonblocking --output "$out/$name.txt" >>"$out/py-spy.log" 2>&1 &
   spies+=("$!")
+  if [[ $name == serve-decode ]]; then
+    # The same window with only the samples of a thread holding the GIL: a line that is busy
+    # above and rare here (run 6: the batcher's torch calls in DecodeInputs.fill, 20% of its
+    # samples) waits to take the GIL back rather than working. Informative: not in rc.
+    "$spy" record --pid "$pid" --duration "$seconds" --rate 250 --format raw --gil --threads \
+      --nonblocking --output "$out/$name-gil.txt" >>"$out/py-spy.log" 2>&1 &
+    gil_spy=$!
+  fi
 done
 # The samples are what this is for: wait for py-spy alone (serve_gpu's run goes on for half a
 # minute more), then end the run; fail, with py-spy's words, unless every process was sampled.
 rc=0
 for p in "${spies[@]}"; do wait "$p" || rc=1; done
+[[ -n ${gil_spy:-} ]] && { wait "$gil_spy" || echo "py-spy --gil of serve-decode failed (see py-spy.log)"; }
 # serve_gpu.py drains and stops `mili serve` on SIGTERM, its services die with the launcher:
 # wait for all of them (the next piece needs the device's memory), and say if any stay.
 served=$(pgrep -P "$bench" -f -- "-m mili serve")
