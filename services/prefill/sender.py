@@ -18,7 +18,8 @@ tells it from a sender that died (a stream broken off without one).
 
 In-place transports (shm, cuda-ipc) write into decode's blocks themselves: the first write waits
 for decode's acceptance of the header (codec.ACCEPTED_KEY in its initial metadata), which
-arrived while the first layer was computed.
+arrived while the first layer was computed. Their chunks still encoding when the first token
+comes go out with the commit, in one message (KvChunks.commit).
 """
 
 from __future__ import annotations
