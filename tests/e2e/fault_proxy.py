@@ -16,8 +16,9 @@ For TransferKv, each message is parsed; for a request id with a fault armed (`ar
     cut_after_first_chunk          after chunk 0, cancels the call to decode (a broken
                                    connection) and fails prefill's call with UNAVAILABLE
 
-(an in-place sender may announce several chunks in one message, TransferKvRequest.chunks: the
-faults find their chunk inside it, and a cut forwards the chunks before chunk 1 first)
+(an in-place sender may announce several chunks in one message, TransferKvRequest.chunks, the
+last of them with the commit: the faults find their chunk or the commit inside it, and a cut
+forwards the chunks before chunk 1 first)
 
 and records what it did (`events`), so a test can check the fault really happened. Requests
 are named by the caller's request_id: the proxy learns which id the frontend minted for each
@@ -102,6 +103,10 @@ class _Transfer:
                 return kv_pb2.TransferKvRequest(
                     chunks=kv_pb2.KvChunks(chunks=kept)
                 ).SerializeToString()
+            if self.fault == "drop_commit" and message.chunks.HasField("commit"):
+                message.chunks.ClearField("commit")  # the chunks go on, the stream ends
+                self._proxy.record(self.request_id, "dropped the commit")
+                return message.SerializeToString()
             if is_corrupted:
                 return message.SerializeToString()
         if kind == "commit" and self.fault == "drop_commit":
