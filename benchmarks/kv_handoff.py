@@ -13,7 +13,9 @@ prompt of --prompt-len tokens (512 tokens x 112 KiB = 58.7 MB of KV in 28 layer 
                   until the receiver acknowledged the commit; compute alone is measured right
                   before each call so that load from other processes hits both alike
   KV path alone   the same KV, already computed, through the sender (KvSender fed every layer
-                  at once): encode + CRC-32 + gRPC + the receiver's checks and scatter -> GB/s
+                  at once): encode + CRC-32 + gRPC + the receiver's checks and scatter -> GB/s;
+                  in place, a line under the row times the transport's own encode_all and
+                  land_all apart, in this process: the rest of the KV path is its hops
 
 Receivers, each a separate process on loopback:
   checker   validates every chunk (codec.decode_chunk) and scatters it into its own KV
@@ -512,9 +514,10 @@ async def measure(
                         # CPU per transfer above).
                         timed: list[tuple[float, float]] = []
                         await kv_path_alone(servicer, address, reserve, prompt, args.repeats, timed)
+                        timed = timed[1:] or timed  # the warm-up's out
                         phases = {
-                            "encode_ms": statistics.median(e for e, _ in timed[1:]) * 1e3,
-                            "land_ms": statistics.median(land for _, land in timed[1:]) * 1e3,
+                            "encode_ms": statistics.median(e for e, _ in timed) * 1e3,
+                            "land_ms": statistics.median(land for _, land in timed) * 1e3,
                         }
                     # The service replays its prefill graphs only for a device sink.
                     graphs = servicer.worker.runner.prefill_graphs
