@@ -118,13 +118,27 @@ def test_the_parameter_block_pads_with_greedy_rows() -> None:
     param_block(seqs, VOCAB, out)
     assert out[:, 0].tolist()[:4] == [0.6, 20, 0.95, 0.0]
     assert out[:, 1].tolist()[:4] == [1.0, VOCAB, 1.0, 0.0]
-    assert 0 <= out[7, 0] < 1 and out[7, 0] == seqs[0].uniform()
+    assert 0 <= out[7, 0] < 1 and out[7, 0] == uniform(seqs[0])
     assert out[:, 2:].T.tolist() == [[0.0, VOCAB, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0]] * 2
+
+
+def reference_uniform(seed: int, position: int) -> float:
+    """The documented draw of output `position` in Python's integers: splitmix64 of (seed,
+    position), its top 52 bits over 2^52."""
+    mask = (1 << 64) - 1
+    x = (seed + (position + 1) * 0x9E3779B97F4A7C15) & mask
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
+    return ((x ^ (x >> 31)) >> 12) / 2.0**52
+
+
+def uniform(s: SequenceSampling) -> float:
+    return reference_uniform(s.seed, len(s.output_token_ids))
 
 
 def test_the_block_draws_each_rows_uniform_bit_for_bit() -> None:
     """The u row, made for the whole batch at once (numpy's wrapping uint64), is each row's
-    own `uniform()` (Python's integers), at seeds up to 2^64 - 1 and late positions."""
+    reference draw (Python's integers), at seeds up to 2^64 - 1 and late positions."""
     seeds = [0, 1, 2**63, 2**64 - 1, 12345678901234567890, *range(7, 300, 13)]
     seqs = []
     for i, seed in enumerate(seeds):
@@ -134,4 +148,4 @@ def test_the_block_draws_each_rows_uniform_bit_for_bit() -> None:
         seqs.append(s)
     out = np.empty((8, len(seqs)))
     param_block(seqs, VOCAB, out)
-    assert out[7].tolist() == [s.uniform() for s in seqs]
+    assert out[7].tolist() == [uniform(s) for s in seqs]

@@ -75,7 +75,6 @@ __all__ = [
     "SequenceSampling",
 ]
 
-_MASK64 = (1 << 64) - 1
 # The largest top-k whose filters are read off torch.topk's head instead of a sort of whole
 # rows (the sort was most of a filtered batch's sampling: docs/benchmarks.md, "Sampler draw").
 _MAX_FILTER_HEAD = 1024
@@ -85,17 +84,10 @@ _MAX_FILTER_HEAD = 1024
 _GOLDEN, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 
 
-def _step_seed(seed: int, position: int) -> int:
-    """splitmix64 of (seed, position): 64 random bits for output token `position`."""
-    x = (seed + (position + 1) * _GOLDEN) & _MASK64
-    x = ((x ^ (x >> 30)) * _MIX1) & _MASK64
-    x = ((x ^ (x >> 27)) * _MIX2) & _MASK64
-    return x ^ (x >> 31)
-
-
 def _uniforms(seeds: np.ndarray, positions: np.ndarray) -> np.ndarray:
-    """`SequenceSampling.uniform` of many rows at once: seeds and output positions [B] uint64
-    -> [B] float64, the same bits (numpy's uint64 arithmetic wraps as the masks above do)."""
+    """Each row's draw u in [0, 1) for its next output position: seeds and output positions
+    [B] uint64 -> [B] float64, splitmix64 of (seed, position) (numpy's uint64 arithmetic
+    wraps), its top 52 bits, so that u x total stays below total in float64."""
     x = seeds + (positions + np.uint64(1)) * np.uint64(_GOLDEN)
     x = (x ^ (x >> np.uint64(30))) * np.uint64(_MIX1)
     x = (x ^ (x >> np.uint64(27))) * np.uint64(_MIX2)
@@ -178,11 +170,6 @@ class SequenceSampling:
         if not self.params.has_penalties:
             raise ValueError("only a row with penalties keeps its output ids as an array")
         return self._penalty_ids[: len(self.output_token_ids)]
-
-    def uniform(self) -> float:
-        """The draw u in [0, 1) for this request's next output position (52 bits, so that
-        u x total stays below total in float64)."""
-        return (_step_seed(self.seed, len(self.output_token_ids)) >> 12) / 2.0**52
 
 
 @dataclass(frozen=True)
