@@ -318,6 +318,30 @@ def _wait(check: Any, timeout_s: float) -> None:
         time.sleep(0.05)
 
 
+def _one_routed_to(
+    view: Any, generate: Any, pool: ThreadPoolExecutor, seed: int, bias: int = -100_000
+) -> Any:
+    """The future of a `generate(seed)` call the frontend routed to the decode `view` shows,
+    once it is in flight there. The view is made the best choice for the next request (`bias`
+    blocks of room more: lower than another view's to win over that one too); an Info poll
+    (every 0.2 s) landing before the request is routed resets that and it goes elsewhere:
+    then again (up to 20 times), with a new prompt (the same one would follow its cached
+    prefix to where it went)."""
+    before = view.num_in_flight
+    for attempt in range(20):
+        view.num_blocks_since_poll = bias
+        held = pool.submit(generate, seed + attempt)
+        _wait(lambda h=held: view.num_in_flight > before or h.done(), 10)
+        if view.num_in_flight > before:
+            return held
+        held.result(timeout=120)
+    raise AssertionError(f"no request was routed to {view}")
+
+
+def _generate(stub: Any, n: int, max_tokens: int, seed: int) -> list[Any]:
+    return list(stub.Generate(_request(n, max_tokens, seed=seed), timeout=120))
+
+
 def _request(n: int, max_tokens: int, seed: int) -> generation_pb2.GenerateRequest:
     return generation_pb2.GenerateRequest(
         token_ids=[(seed * 31 + 7 * i) % 800 + 3 for i in range(n)],
@@ -384,18 +408,7 @@ def test_a_decode_removed_from_dns_drains_without_failing_its_request(
     view = topology.decode_view(leaving)
     stub = topology.stub()
     with ThreadPoolExecutor(max_workers=1) as pool:
-        for attempt in range(20):
-            # Make it the best choice for the next request; an Info poll (every 0.2 s) landing
-            # in between resets that, and the request goes elsewhere: then try again, with a
-            # new prompt (the same one would follow its cached prefix to where it went).
-            view.num_blocks_since_poll = -100_000
-            request = _request(16, 120, seed=77 + attempt)
-            held = pool.submit(lambda r=request: list(stub.Generate(r, timeout=120)))
-            _wait(lambda h=held: view.num_in_flight == 1 or h.done(), 10)
-            if view.num_in_flight == 1:
-                break
-            held.result(timeout=120)
-        assert view.num_in_flight == 1, "no request was routed to the decode to remove"
+        held = _one_routed_to(view, lambda seed: _generate(stub, 16, 120, seed), pool, seed=77)
         topology.dns.records[DECODE_NAME] = [
             ip for ip in topology.dns.records[DECODE_NAME] if ip != leaving_ip
         ]
@@ -411,30 +424,26 @@ def test_a_decode_killed_mid_stream_fails_only_its_own_request(topology: Topolog
     victim = topology.decodes[victim_address]
     survivor = f"{topology.placement.decode_ips[1]}:{topology.decode_port}"
     stub = topology.stub()
-    outcomes: dict[str, Any] = {}
 
-    def run(name: str, seed: int) -> None:
+    def run(seed: int) -> list[Any] | grpc.RpcError:
         try:
-            outcomes[name] = list(stub.Generate(_request(16, 200, seed=seed), timeout=120))
+            return _generate(stub, 16, 200, seed)
         except grpc.RpcError as e:
-            outcomes[name] = e
+            return e
 
     with ThreadPoolExecutor(max_workers=2) as pool:
-        topology.decode_view(victim_address).num_blocks_since_poll = -100_000
-        first = pool.submit(run, "victim", 91)
-        _wait(lambda: topology.decode_view(victim_address).num_in_flight == 1, 10)
-        topology.decode_view(survivor).num_blocks_since_poll = -200_000
-        second = pool.submit(run, "survivor", 92)
-        _wait(lambda: topology.decode_view(survivor).num_in_flight == 1, 10)
+        first = _one_routed_to(topology.decode_view(victim_address), run, pool, seed=91)
+        # over the victim's room too, should no poll have reset it yet
+        second = _one_routed_to(topology.decode_view(survivor), run, pool, 191, bias=-200_000)
         time.sleep(0.3)  # both streaming
         victim.proc.kill()
-        first.result(timeout=60)
-        second.result(timeout=120)
-    error = outcomes["victim"]
+        error = first.result(timeout=60)
+        survived = second.result(timeout=120)
     assert isinstance(error, grpc.RpcError), error
     assert error.code() == grpc.StatusCode.UNAVAILABLE, error
     assert victim_address in (error.details() or ""), error.details()
-    assert outcomes["survivor"][-1].finish_reason == sampling_pb2.FINISH_REASON_LENGTH
+    assert not isinstance(survived, grpc.RpcError), survived
+    assert survived[-1].finish_reason == sampling_pb2.FINISH_REASON_LENGTH
 
 
 def test_each_instance_runs_where_its_placement_puts_it(topology: Topology) -> None:
