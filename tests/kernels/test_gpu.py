@@ -262,14 +262,19 @@ def test_launches_on_the_current_stream(gpu_kernels) -> None:
     assert_close(out, reference_decode(case), torch.bfloat16)
 
 
-def _grid_prefill(
-    ratio: int, head_dim: int, block_size: int, dtype: torch.dtype, seed: int
+def _grid_case(
+    q_lens: list[int],
+    context_lens: list[int],
+    ratio: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    seed: int,
 ) -> PagedCase:
-    """The grid's prefill batch: lengths 1 .. 513 and an empty chunk, fresh and after cached
-    prefixes (mid-block, on a block boundary, a long one)."""
+    """A batch of the grid on the GPU: 2 kv heads, `ratio` query heads each."""
     return make_case(
-        [1, 7, 16, 17, 100, 513, 0, 7],
-        [0, 3, 16, 5, 0, 0, 9, 513],
+        q_lens,
+        context_lens,
         num_q_heads=2 * ratio,
         num_kv_heads=2,
         head_dim=head_dim,
@@ -277,6 +282,22 @@ def _grid_prefill(
         dtype=dtype,
         device="cuda",
         seed=seed,
+    )
+
+
+def _grid_prefill(
+    ratio: int, head_dim: int, block_size: int, dtype: torch.dtype, seed: int
+) -> PagedCase:
+    """The grid's prefill batch: lengths 1 .. 513 and an empty chunk, fresh and after cached
+    prefixes (mid-block, on a block boundary, a long one)."""
+    return _grid_case(
+        [1, 7, 16, 17, 100, 513, 0, 7],
+        [0, 3, 16, 5, 0, 0, 9, 513],
+        ratio,
+        head_dim,
+        block_size,
+        dtype,
+        seed,
     )
 
 
@@ -292,16 +313,14 @@ def test_tensor_core_kernels_on_the_parity_grid(gpu_kernels, head_dim: int, dtyp
             seed = ratio * 1000 + head_dim + block_size
             prefill = _grid_prefill(ratio, head_dim, block_size, dtype, seed)
             assert_close(run_prefill(gpu_kernels, prefill), reference_prefill(prefill), dtype)
-            decode = make_case(
+            decode = _grid_case(
                 [1] * len(lengths),
                 [n - 1 for n in lengths],
-                num_q_heads=2 * ratio,
-                num_kv_heads=2,
-                head_dim=head_dim,
-                block_size=block_size,
-                dtype=dtype,
-                device="cuda",
-                seed=seed + 1,
+                ratio,
+                head_dim,
+                block_size,
+                dtype,
+                seed + 1,
             )
             expected = reference_decode(decode)
             for splits in (0, 1, 3, 64):
