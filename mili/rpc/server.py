@@ -46,6 +46,9 @@ from mili.telemetry.metrics import (
 )
 
 _LOG = logging.getLogger("mili.rpc")
+# grpc's backlog of calls not yet picked up by the application (see RpcServer.start): above
+# the frontend's default of 4096 running requests and their queue.
+_MAX_PENDING_CALLS = 16_384
 
 Register = Callable[[grpc.aio.Server], None]
 
@@ -247,6 +250,12 @@ class RpcServer:
                 # ... and accept our clients' 30 s keepalive pings (the default floor of 5 min
                 # would answer them with GOAWAY "too_many_pings" on long, quiet streams).
                 ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+                # Calls the Python loop has not picked up yet: past grpc's default of 1000 a
+                # burst (an HTTP request with n=128 choices is 128 Tokenize calls) is cut with
+                # a bare CANCELLED before our admission could answer RESOURCE_EXHAUSTED with a
+                # retry hint. Our own limits bound what runs; these bound only the backlog.
+                ("grpc.server.max_pending_requests", _MAX_PENDING_CALLS),
+                ("grpc.server.max_pending_requests_hard_limit", 2 * _MAX_PENDING_CALLS),
             ],
         )
         self._server = server

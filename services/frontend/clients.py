@@ -37,6 +37,8 @@ class GrpcDownstream:
     def __init__(self, backends: Backends) -> None:
         self._backends = backends
         self._config = backends.config
+        # Tokenize calls running, by (their deadline, the request's bytes): see `tokenize`.
+        self._tokenizing: dict[tuple[int, bytes], asyncio.Future[tuple[int, ...]]] = {}
 
     @property
     def router(self) -> Router:
@@ -50,12 +52,29 @@ class GrpcDownstream:
         return await self._backends.tokenizer.current_facts()
 
     async def tokenize(self, request: ValidRequest, deadline: Deadline) -> tuple[int, ...]:
+        """The prompt's ids. The choices of one HTTP request (n of them, under one deadline)
+        ask for the same prompt at once: one call answers them all, ids and errors alike (a
+        caller that goes away leaves it to the others)."""
+        proto = convert.tokenize_request(request)
+        # The deadline's id is unique while the call runs: the call holds the deadline.
+        key = (id(deadline), proto.SerializeToString(deterministic=True))
+        call = self._tokenizing.get(key)
+        if call is None:
+            call = asyncio.ensure_future(self._tokenize(proto, deadline))
+            self._tokenizing[key] = call
+            call.add_done_callback(lambda done: self._tokenized(key, done))
+        return await asyncio.shield(call)
+
+    def _tokenized(self, key: tuple[int, bytes], call: asyncio.Future[tuple[int, ...]]) -> None:
+        del self._tokenizing[key]
+        if not call.cancelled():
+            call.exception()  # retrieved: every caller may have gone away
+
+    async def _tokenize(self, proto: Any, deadline: Deadline) -> tuple[int, ...]:
         who = self._backends.tokenizer.who
         timeout_s = deadline.remaining() or self._config.tokenize_timeout_s
         try:
-            reply = await self._backends.tokenizer.stub.Tokenize(
-                convert.tokenize_request(request), timeout=timeout_s
-            )
+            reply = await self._backends.tokenizer.stub.Tokenize(proto, timeout=timeout_s)
         except grpc.aio.AioRpcError as err:
             error = error_from(
                 err, who, field_names=_TOKENIZER_FIELDS, is_own_deadline_passed=deadline.has_passed

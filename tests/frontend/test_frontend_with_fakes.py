@@ -8,11 +8,18 @@ import time
 
 import grpc
 import pytest
+from prometheus_client import CollectorRegistry
 
 from mili import errors
 from mili.pb.common.v1 import sampling_pb2
 from mili.pb.frontend.v1 import generation_pb2
 from mili.rpc.status import retry_info_of
+from mili.telemetry.metrics import FrontendMetrics
+from services.frontend.calls import Deadline
+from services.frontend.generations import Generations
+from services.frontend.http_api import choices as choices_of
+from services.frontend.http_api.body import parse
+from services.frontend.http_api.openai_request import completion_request
 from services.frontend.validation import Limits
 from tests.frontend.fakes import (
     EOS,
@@ -388,5 +395,53 @@ def test_a_token_list_longer_than_the_context_is_refused_before_it_is_converted(
             assert "token_ids: more ids than the context window" in (caught.value.details() or "")
             assert time.monotonic() - started < 2
             assert s.decodes[0].requests == [] and s.prefill.requests == []
+
+    asyncio.run(main())
+
+
+class CountingTokenizer(FakeTokenizer):
+    """Counts its Tokenize calls; `gate`, while unset, holds each call (so they overlap)."""
+
+    def __init__(self) -> None:
+        self.num_calls = 0
+        self.gate = asyncio.Event()
+
+    async def Tokenize(self, request: object, context: object) -> object:
+        self.num_calls += 1
+        await self.gate.wait()
+        return await super().Tokenize(request, context)
+
+
+def test_the_choices_of_one_request_tokenize_their_prompt_once() -> None:
+    """An HTTP request with n choices: n generations of one prompt under one deadline share
+    one Tokenize call (n=128 was 128 calls at once); a gRPC caller's request, under a
+    deadline of its own, still makes its own call."""
+
+    async def main() -> None:
+        tokenizer = CountingTokenizer()
+        async with stack(tokenizer=tokenizer) as s:
+            generations = Generations(s.backends, FrontendMetrics(CollectorRegistry()))
+            body = parse(b'{"prompt": "hi", "n": 4, "max_tokens": 3}')
+            request = completion_request(body, Limits(), 4096, "rid")
+            planned = choices_of.plan(generations, request)
+            assert len(planned) == 4
+            downstream = generations._downstream
+            one, other = Deadline(None), Deadline(None)
+            calls = [downstream.tokenize(c.valid, one) for c in planned]
+            calls.append(downstream.tokenize(planned[0].valid, other))
+            running = [asyncio.ensure_future(c) for c in calls]
+            await wait_until(lambda: tokenizer.num_calls == 2)
+            running[1].cancel()  # a choice that goes away leaves the call to the others
+            tokenizer.gate.set()
+            results = await asyncio.gather(*running, return_exceptions=True)
+            assert isinstance(results[1], asyncio.CancelledError)
+            assert [r for i, r in enumerate(results) if i != 1] == [tuple(ids("hi"))] * 4
+            assert tokenizer.num_calls == 2
+
+            # the whole request, as the HTTP API runs it: one call for its four choices
+            tokenizer.num_calls = 0
+            async for _ in choices_of.run(generations, planned, is_stream=False):
+                pass
+            assert tokenizer.num_calls == 1
 
     asyncio.run(main())
