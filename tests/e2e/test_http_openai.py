@@ -81,6 +81,10 @@ def test_models_lists_the_served_model(
         reply = client.completions.create(model=name, prompt=PROMPT, max_tokens=1)
         assert reply.model == SERVED_NAMES[0]
         assert client.models.retrieve(name).id == name  # GET /v1/models/{name}, "/" and all
+    # a hub id or a path ending in a served name: taken by requests, so found here too
+    for named in (f"Org/{SERVED_NAMES[0]}", f"/models/{SERVED_NAMES[0]}/"):
+        assert client.completions.create(model=named, prompt=PROMPT, max_tokens=1).model
+        assert client.models.retrieve(named).id == named
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve(demo_model_dir.resolve().name)
     with pytest.raises(openai.NotFoundError, match="--served-model-name"):

@@ -65,7 +65,8 @@ async def list_models(request: web.Request) -> web.Response:
 async def retrieve_model(request: web.Request) -> web.Response:
     backends = request.app[GENERATIONS].backends
     name = request.match_info["model"]
-    if name not in backends.model_names:
+    # Any name a request may give (a path or hub id ending in a served name too), once known.
+    if not (backends.model and backends.answers_to(name)):
         return model_not_found(name, backends.model)
     return web.json_response(_card(name))
 
