@@ -195,6 +195,26 @@ def test_penalties_match_hand_computed_values() -> None:
     assert penalize(1.0, 0.0, 0.0) == logits[0].tolist()
 
 
+def test_a_tiny_repetition_penalty_makes_the_seen_tokens_likely_not_a_nan_row() -> None:
+    """Any penalty > 0 is valid; 1e-40 divided the seen positive logits past float32 (+inf, a
+    NaN softmax): every draw took the last column, an unseen token, whatever the seed."""
+    logits = torch.tensor([[3.0, -1.0, 2.0, 0.5, 1.0]]).repeat(16, 1)
+    prompt = [0, 2]
+    for penalty in (1e-40, 1e-45):
+        hot = [
+            SequenceSampling(SamplingParams(repetition_penalty=penalty, seed=s), prompt, 5)
+            for s in range(16)
+        ]
+        drawn = Sampler()(logits, hot).token_ids
+        assert set(drawn) <= {0, 2} and len(set(drawn)) == 2  # the seen, boosted tokens
+        greedy = SequenceSampling(
+            SamplingParams(temperature=0, repetition_penalty=penalty), prompt, 5
+        )
+        assert Sampler()(logits[:1], [greedy]).token_ids[0] in (0, 2)
+        low = SamplingParams(temperature=GREEDY_TEMPERATURE, repetition_penalty=penalty, seed=1)
+        assert Sampler()(logits[:1], [SequenceSampling(low, prompt, 5)]).token_ids[0] in (0, 2)
+
+
 def test_sampler_builds_penalty_state_from_prompt_and_outputs() -> None:
     sampler = Sampler()
     logits = torch.tensor([[3.0, 2.9, 2.05, -1.0]]).repeat(3, 1)

@@ -15,6 +15,11 @@ import torch.nn.functional as F
 
 # Columns a block of sample_inverse_cdf's two-level search: its [B, C] scan stays short.
 _CDF_BLOCK = 256
+# The largest logit a repetition penalty may make: any penalty > 0 is valid, and a tiny one
+# (1e-40) divides a positive logit past float32 (+inf, then a NaN softmax whose draw lands on the
+# last column); below this the division by a temperature >= GREEDY_TEMPERATURE (1e-5) stays
+# finite too. Seen tokens past it tie at it: all of them far likelier than the rest.
+MAX_PENALIZED_LOGIT = 1e30
 
 
 def apply_penalties(
@@ -35,6 +40,7 @@ def apply_penalties(
     seen = prompt_mask | is_generated
     # Dividing a positive logit and multiplying a negative one both make the token less likely.
     penalized = torch.where(logits > 0, logits / repetition, logits * repetition)
+    penalized = penalized.clamp_(max=MAX_PENALIZED_LOGIT)
     logits = torch.where(seen, penalized, logits)
     return logits - frequency * output_counts - presence * is_generated
 
