@@ -55,7 +55,7 @@ from mili.engine.step.device import use_device
 from mili.engine.step.runner import Launched, ModelRunner
 from mili.engine.step.sampler import PendingSample
 from mili.engine.step.sequence import Sequence
-from mili.errors import FailedPrecondition, ResourceExhausted, Unavailable
+from mili.errors import FailedPrecondition, MiliError, ResourceExhausted, Unavailable
 from mili.telemetry.metrics import DecodeMetrics
 from mili.telemetry.tracing import start_batch_span
 from services.decode.requests import DecodeRequest, RequestTable
@@ -419,10 +419,11 @@ class Batcher:
             token_id = result.token_ids[i]
             try:
                 reason = r.seq.append(token_id)
-            except (ConstraintError, ResourceExhausted) as e:  # this request alone fails
+            except (ConstraintError, MiliError) as e:  # this request alone fails
                 # (ConstraintError: a bug of the grammar engine's; ResourceExhausted: one of its
-                # limits, the client's grammar too complex)
-                level = logging.INFO if isinstance(e, ResourceExhausted) else logging.ERROR
+                # limits, the client's grammar too complex; InvalidArgument: the grammar at a
+                # dead end, e.g. naming an EOS token)
+                level = logging.INFO if isinstance(e, MiliError) else logging.ERROR
                 _LOG.log(level, "request %s: %s", r.request.name, e)
                 self._end(r, r.seq.written_token_ids(), e, out)
                 ended.add(id(r))

@@ -204,6 +204,7 @@ def test_greedy_constrained_equals_single_process(
             "",
         ),
         (Constraint.grammar("start: ( unclosed"), "sampling.grammar", ""),
+        (Constraint.grammar("start: <|im_end|>"), "sampling.grammar", "an end-of-sequence token"),
         (Constraint.regex("(unbalanced"), "sampling.regex", ""),
         (Constraint.regex("a" * 5000), "sampling.regex", "at most"),
         (
@@ -219,6 +220,7 @@ def test_greedy_constrained_equals_single_process(
         "bad_type",
         "format",
         "grammar",
+        "grammar_eos",
         "regex",
         "regex_size",
         "schema_size",
@@ -240,3 +242,20 @@ def test_bad_constraints_are_invalid_argument(
     # the service still serves the next (constrained) request
     ok = deployment.stub().Complete(request(Constraint.choice(["a", "b"])), timeout=30)
     assert ok.text in ("a", "b") and ok.finish_reason == sampling_pb2.FINISH_REASON_STOP
+
+
+def test_a_grammar_that_reaches_an_end_of_sequence_token_it_names_is_invalid_argument(
+    deployment: Deployment,
+) -> None:
+    """It compiles (its start is fine) and decode reaches the token it names: an empty mask
+    there was a garbage draw and INTERNAL; now INVALID_ARGUMENT naming the field, every block
+    back."""
+    before = deployment.settled_free_blocks()
+    grammar = Constraint.grammar('start: "yes, " NUM " times" <|im_end|>\nNUM: /[0-9]/')
+    with pytest.raises(grpc.RpcError) as info:
+        deployment.stub().Complete(request(grammar), timeout=30)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    bad = bad_request_of(info.value)
+    assert bad is not None and [v.field for v in bad.field_violations] == ["sampling.grammar"]
+    assert "no token can continue it after" in bad.field_violations[0].description
+    assert deployment.settled_free_blocks() == before

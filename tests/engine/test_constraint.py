@@ -321,6 +321,43 @@ def test_a_refused_token_is_too_complex_only_where_a_limit_was_hit(
     assert f"token {a} (first token) breaks the constraint sampling.regex" in str(refused)
 
 
+def test_a_grammar_that_names_an_end_of_sequence_token_is_invalid_argument(
+    compiler: ConstraintCompiler, tokenizer: GrammarTokenizer
+) -> None:
+    """llguidance offers an EOS token a grammar names but its matcher refuses it (EOS is the
+    model's, where the grammar can end): the mask, mended, was empty, the draw garbage and the
+    request INTERNAL. A grammar that starts so is refused at compile; one that gets there is
+    INVALID_ARGUMENT naming the field at its refusal. A special token that is no EOS works."""
+    eos = tokenizer.eos_token_ids[0]
+    name = tokenizer.decode([eos])
+    assert name.startswith("<|")
+    for text in (f"start: <[{eos}]>", f'start: {name} "a"'):
+        with pytest.raises(InvalidArgument) as info:
+            compiler.compile_sync(Constraint.grammar(text))
+        (violation,) = info.value.violations
+        assert violation.field == "sampling.grammar"
+        assert "no token can continue it at its start" in violation.description
+        assert f"it asks for {name}, an end-of-sequence token" in violation.description
+
+    late = compiler.compile_sync(Constraint.grammar(f'start: "yes" {name}')).matcher()
+    assert late.dead_end() is None
+    assert all(late.accept(t) for t in tokenizer.encode("yes"))
+    mask = BatchMasker(tokenizer, 1, num_threads=1).fill([late])
+    assert mask is not None and not unpack_bitmask(mask.bitmask, tokenizer.vocab_rows).any()
+    (x,) = tokenizer.ll.tokenize_str("x")
+    assert not late.accept(x)  # what a draw from the empty row gives
+    refused = late.refusal(x, "output position 1")
+    assert isinstance(refused, InvalidArgument)
+    assert str(refused).startswith(
+        f"sampling.grammar: no token can continue it after {late.num_accepted} tokens: "
+        f"it asks for {name}"
+    )
+
+    special = next(t for t in tokenizer.special_ids if t not in tokenizer.eos_token_ids)
+    named = compiler.compile_sync(Constraint.grammar(f'start: <[{special}]> "a"')).matcher()
+    assert named.dead_end() is None and named.accept(special)
+
+
 def test_cache_hits_on_second_compile(tokenizer: GrammarTokenizer) -> None:
     compiler = ConstraintCompiler(tokenizer)
     schema = {"type": "object", "properties": {"x": {"type": "boolean"}}}

@@ -167,6 +167,9 @@ def build(
             raise InvalidArgument(field_name, constraint.text, schemas.reword(error))
         reason = f"does not compile: {' '.join(error.split())[:300]}"
         raise InvalidArgument(field_name, constraint.text, reason)
+    dead_end = ConstraintMatcher(matcher, tokenizer, field_name).dead_end()
+    if dead_end is not None:
+        raise dead_end
     return matcher, grammar
 
 

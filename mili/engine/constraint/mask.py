@@ -106,13 +106,11 @@ class BatchMasker:
         return FilledMask(bitmask, row_ids)
 
     def _mend(self, bitmask: torch.Tensor, matchers: Sequence[ConstraintMatcher]) -> None:
-        """Where text the grammar forces spells a special token (a regex "<think>abc", a
-        property named "<tool_call>"), llguidance's mask offers that token, tokenized as the
-        model's tokenizer would, but its matcher refuses it: the grammar's text is matched
-        byte by byte and a special token is no text to it. Such a bit is cleared and the
-        forced text's first token spelled in plain pieces allowed instead. Costs a look at the
-        special tokens' few words per row; a validation only where one of their bits is set
-        (EOS where the grammar can end, a token a grammar names)."""
+        """Clear the special tokens llguidance's mask offers but its matcher refuses, and
+        allow the forced text spelled in plain pieces instead (matcher.spelled_alternative).
+        Costs a look at the special tokens' few words per row; a validation only where one of
+        their bits is set (EOS where the grammar can end, a token a grammar names). A row left
+        empty is a grammar at a dead end: its draw is refused, as matcher.dead_end says."""
         specials = self._specials
         if specials is None:
             return
@@ -123,10 +121,9 @@ class BatchMasker:
             if matcher.allowed(int(ids[j])):
                 continue
             rows[i, words[j]] &= ~bits[j]
-            forced = bytes(matcher.ll.compute_ff_bytes()).decode(errors="ignore")
-            spelled = self.tokenizer.ll.greedy_tokenize(forced)[:1]
-            if spelled and matcher.allowed(spelled[0]):
-                rows[i, spelled[0] // 32] |= np.uint32(1 << (spelled[0] % 32))
+            spelled = matcher.spelled_alternative()
+            if spelled is not None:
+                rows[i, spelled // 32] |= np.uint32(1 << (spelled % 32))
 
     def close(self) -> None:
         if self._filler is not None:

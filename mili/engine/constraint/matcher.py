@@ -13,7 +13,9 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Any
 
-from mili.errors import ResourceExhausted
+import numpy as np
+
+from mili.errors import FieldViolation, InvalidArgument, ResourceExhausted
 
 if TYPE_CHECKING:
     from mili.engine.constraint.vocab import GrammarTokenizer
@@ -85,15 +87,54 @@ class ConstraintMatcher:
         """Why the matcher is in its error state ('' when it is not)."""
         return str(self._m.get_error())
 
+    def spelled_alternative(self) -> int | None:
+        """Where the text the grammar forces next spells a special token (a regex "<think>",
+        a property named "<tool_call>"), llguidance offers that token but its matcher refuses
+        it (a special token is no text to the grammar): the forced text's first token spelled
+        in plain pieces, when the matcher takes it (mask.py offers it instead)."""
+        forced = bytes(self._m.compute_ff_bytes()).decode(errors="ignore")
+        spelled = self.tokenizer.ll.greedy_tokenize(forced)[:1]
+        return spelled[0] if spelled and self.allowed(spelled[0]) else None
+
+    def dead_end(self) -> InvalidArgument | None:
+        """InvalidArgument naming the field when no token can continue the match here (the
+        mask, mended, would be empty), else None. llguidance offers only special tokens its
+        matcher refuses: a grammar that names an end-of-sequence token (`<|im_end|>`,
+        `<[151645]>`) asks for one the model writes by itself wherever the grammar can end,
+        and that no grammar can match. Costs a mask; for refusals and the start state."""
+        if self._m.is_error() or self._m.is_stopped():
+            return None
+        bits = np.unpackbits(np.frombuffer(self._m.compute_bitmask(), np.uint8), bitorder="little")
+        offered = np.flatnonzero(bits[: self.tokenizer.vocab_rows]).tolist()
+        specials = set(self.tokenizer.special_ids)
+        if any(t not in specials or self.allowed(t) for t in offered):
+            return None
+        if self.spelled_alternative() is not None:
+            return None
+        names = ", ".join(self.tokenizer.decode([t]) or f"<[{t}]>" for t in offered)
+        where = f"after {self.num_accepted} tokens" if self.num_accepted else "at its start"
+        why = f"no token can continue it {where}"
+        if set(offered) & set(self.tokenizer.eos_token_ids):
+            why += (
+                f": it asks for {names}, an end-of-sequence token, which the model writes by "
+                "itself wherever the grammar can end (a grammar cannot match one: leave it out)"
+            )
+        return InvalidArgument.many([FieldViolation(self.field_name, why)])
+
     def refusal(self, token_id: int, where: str) -> Exception:
         """What to fail the request with when `accept(token_id)` refused a token the mask
         allowed, at `where` ("first token", "output position 5"): the grammar engine out of
         one of its limits (a constraint that compiled but is too complex further in) is
-        RESOURCE_EXHAUSTED naming the field; anything else a ConstraintError (a bug)."""
+        RESOURCE_EXHAUSTED naming the field; a grammar at a dead end (its mask was empty, so
+        the draw was garbage) INVALID_ARGUMENT naming it; anything else a ConstraintError (a
+        bug)."""
         why = self.error or "not among the tokens it allows next"
         limit_hit = too_complex(self.field_name, why)
         if limit_hit is not None:
             return limit_hit
+        dead_end = self.dead_end()
+        if dead_end is not None:
+            return dead_end
         return ConstraintError(
             f"token {token_id} ({where}) breaks the constraint {self.field_name}: "
             f"{' '.join(why.split())[:300]}"

@@ -91,8 +91,9 @@ class Sequence:
     def append(self, token_id: int) -> FinishReason | None:
         """Record the next output token; return the finish reason it causes (also kept in
         `finish_reason`). Raises ValueError for an id outside the vocabulary; for a token the
-        request's constraint does not allow (nothing recorded), ConstraintError, or
-        ResourceExhausted where the grammar engine ran out of one of its limits."""
+        request's constraint does not allow (nothing recorded), ConstraintError,
+        ResourceExhausted where the grammar engine ran out of one of its limits, or
+        InvalidArgument where the grammar is at a dead end (matcher.refusal)."""
         is_constraint_finished = False
         if self.matcher is not None:
             if not self.matcher.accept(token_id):
