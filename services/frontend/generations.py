@@ -15,7 +15,7 @@ import secrets
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
-from mili.errors import ResourceExhausted
+from mili.errors import InvalidArgument, ResourceExhausted
 from mili.telemetry.metrics import FrontendMetrics
 from services.frontend.backends import Backends
 from services.frontend.calls import Deadline, RequestIds
@@ -24,6 +24,7 @@ from services.frontend.observer import RequestObserver
 from services.frontend.pipeline import Delta, Generation
 from services.frontend.prompt import tokenize
 from services.frontend.request_status import RequestStatuses
+from services.frontend.tool_grammar import bad_tool
 from services.frontend.validation import RequestInput, ValidRequest, validate
 
 
@@ -69,7 +70,7 @@ class Generations:
         with observer.span(self.backends.model, valid):
             try:
                 if valid.sampling.constraint is not None:  # refused before any KV is reserved
-                    await self.backends.tokenizer.compile_constraint(valid.sampling.constraint)
+                    await self._compile(valid)
                 prompt = await tokenize(self._downstream, self.config, valid, deadline)
                 observer.tokenized(len(prompt.token_ids))
                 tracked.max_tokens = prompt.sampling.max_tokens  # fitted to the context
@@ -96,3 +97,18 @@ class Generations:
             finally:
                 self._num_running -= 1
                 self.statuses.end(tracked, finish_reason or "error")
+
+    async def _compile(self, valid: ValidRequest) -> None:
+        """Compile the request's constraint (as prefill and decode will): InvalidArgument or
+        ResourceExhausted naming its field; for the constraint of an enforced tool choice,
+        the tool whose parameters do not compile."""
+        assert valid.sampling.constraint is not None
+        try:
+            await self.backends.tokenizer.compile_constraint(valid.sampling.constraint)
+        except (InvalidArgument, ResourceExhausted):
+            if not valid.tool_choice.is_forced:
+                raise
+            bad = await asyncio.to_thread(bad_tool, valid.tools, valid.tool_choice)
+            if bad is None:
+                raise
+            raise bad from None

@@ -30,8 +30,10 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from mili.engine.constraint.schema import close_objects, rebase_refs
-from mili.engine.constraint.spec import Constraint, ConstraintLimits, validate
+import llguidance
+
+from mili.engine.constraint.schema import close_objects, rebase_refs, reword
+from mili.engine.constraint.spec import Constraint, ConstraintLimits, json_depth, validate
 from mili.errors import InvalidArgument
 from services.frontend.tools import FunctionTool, ToolChoice, parse_object
 
@@ -103,3 +105,28 @@ def tool_call_constraint(
             "tools", f"{len(chosen)} tools", f"too large to enforce ({reason})"
         ) from None
     return constraint
+
+
+def bad_tool(
+    tools: Sequence[FunctionTool], choice: ToolChoice, limits: ConstraintLimits = _LIMITS
+) -> InvalidArgument | None:
+    """InvalidArgument naming `tools[i].parameters` for the first enforced tool whose call
+    llguidance cannot compile alone (an unsupported keyword, nesting past the limits), else
+    None. For the error path of a tool constraint that did not compile: the grammar's own
+    error names `sampling.grammar`, which the caller never sent. Compiles each tool: ~1 ms."""
+    for i, tool in enumerate(tools):
+        if not (choice.mode == "required" or tool.name == choice.function_name):
+            continue
+        field = f"tools[{i}].parameters"
+        if tool.parameters and json_depth(parse_object(tool.parameters)) > limits.max_json_depth:
+            return InvalidArgument(
+                field, tool.parameters, f"nested deeper than {limits.max_json_depth} levels"
+            )
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(call_schema(tool))
+            error = llguidance.LLMatcher.validate_grammar(grammar)
+        except ValueError as e:
+            error = str(e)
+        if error:
+            return InvalidArgument(field, tool.parameters, reword(error))
+    return None

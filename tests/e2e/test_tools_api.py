@@ -185,6 +185,46 @@ def test_bad_tools_are_400_naming_the_parameter(
     assert [v.field for v in violations] == ["tools[0].parameters"]
 
 
+def test_an_enforced_tool_that_does_not_compile_is_named(
+    pipeline: Deployment, client: openai.OpenAI
+) -> None:
+    """Under tool_choice required or a named function, a tool's parameters that llguidance
+    cannot enforce (a keyword it lacks, nesting past the limit) are the tool's error: they
+    were the tool-call grammar's (`sampling.grammar`, a field the caller never sent; nesting
+    RESOURCE_EXHAUSTED). Under auto nothing is enforced, and the same tools are taken."""
+    unique = {"type": "object", "properties": {"xs": {"type": "array", "uniqueItems": True}}}
+    deep: dict[str, Any] = {"type": "integer"}
+    for _ in range(80):
+        deep = {"type": "object", "properties": {"a": deep}}
+    tools = [TOOL] + [
+        {"type": "function", "function": {"name": f"f{i}", "parameters": p}}
+        for i, p in enumerate((unique, deep))
+    ]
+    for i, words in ((1, "unsupported JSON Schema keywords: uniqueItems"), (2, "nested deeper")):
+        name = tools[i]["function"]["name"]
+        for choice in ("required", {"type": "function", "function": {"name": name}}):
+            with pytest.raises(openai.BadRequestError) as bad:
+                chat(client, tools=[tools[0], tools[i]], tool_choice=choice, max_tokens=4)
+            assert bad.value.param == "tools[1].function.parameters", bad.value.message
+            assert words in bad.value.message
+        with pytest.raises(grpc.RpcError) as failed:
+            grpc_complete(
+                pipeline,
+                tools=[
+                    chat_pb2.Tool(
+                        name=name, parameters=json.dumps(tools[i]["function"]["parameters"])
+                    )
+                ],
+                tool_choice=generation_pb2.ToolChoice(
+                    mode=generation_pb2.TOOL_CHOICE_MODE_REQUIRED
+                ),
+            )
+        assert failed.value.code() is grpc.StatusCode.INVALID_ARGUMENT, failed.value.details()
+        violations = bad_request_of(failed.value).field_violations
+        assert [v.field for v in violations] == ["tools[0].parameters"]
+        assert chat(client, tools=[tools[0], tools[i]], max_tokens=4).choices  # auto: taken
+
+
 # ---- after constrained decoding is wired in ---------------------------------------------------
 
 

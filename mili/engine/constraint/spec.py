@@ -98,7 +98,7 @@ def field_of(kind: str, prefix: str = "sampling") -> str:
     return f"{prefix}.choice.choices" if kind == "choice" else f"{prefix}.{kind}"
 
 
-def _depth(value: Any) -> int:
+def json_depth(value: Any) -> int:
     """Nesting depth of parsed JSON, without recursion."""
     deepest, stack = 0, [(value, 1)]
     while stack:
@@ -120,7 +120,7 @@ def parse_schema(constraint: Constraint, limits: ConstraintLimits, prefix: str) 
         raise InvalidArgument(field_name, constraint.text, f"not valid JSON ({e})") from None
     if not isinstance(schema, dict):
         raise InvalidArgument(field_name, constraint.text, "a JSON Schema must be a JSON object")
-    if _depth(schema) > limits.max_json_depth:
+    if json_depth(schema) > limits.max_json_depth:
         reason = f"nested deeper than {limits.max_json_depth} levels"
         raise InvalidArgument(field_name, constraint.text, reason)
     return schema
