@@ -95,6 +95,33 @@ class RequestStatuses:
             self._completed.popitem(last=False)
 
     def lookup(self, request_id: str) -> StatusReport:
+        """The newest request under `request_id`; else, for an HTTP request with several
+        choices (tracked per choice as `{id}.{i}`, their ids in logs and traces), its choices
+        together: processing while one is, the tokens of all, the finish reason they share
+        (else each choice's, in order, joined by ",")."""
+        report = self._lookup(request_id)
+        if report.status != "not_found":
+            return report
+        choices = []
+        for i in itertools.count():
+            choice = self._lookup(f"{request_id}.{i}")
+            if choice.status == "not_found":
+                break
+            choices.append(choice)
+        if not choices:
+            return report
+        reasons = [c.finish_reason or "" for c in choices]
+        is_processing = any(c.status == "processing" for c in choices)
+        reason = reasons[0] if len(set(reasons)) == 1 else ",".join(reasons)
+        return StatusReport(
+            request_id,
+            "processing" if is_processing else "completed",
+            sum(c.num_generated for c in choices),
+            sum(c.num_remaining for c in choices),
+            None if is_processing else reason,
+        )
+
+    def _lookup(self, request_id: str) -> StatusReport:
         running = self._in_flight.get(request_id)
         newest = running[-1] if running else None
         done = self._completed.get(request_id)

@@ -106,3 +106,21 @@ def test_ending_twice_is_a_bug_caught() -> None:
         statuses.end(entry, "stop")
     with pytest.raises(ValueError, match="max_completed"):
         RequestStatuses(max_completed=-1)
+
+
+def test_a_request_with_several_choices_reports_them_together() -> None:
+    """The HTTP API tracks choice i of request "r" as "r.i": "r" itself was not_found."""
+    statuses = RequestStatuses()
+    choices = [statuses.start(f"r.{i}", max_tokens=10) for i in range(3)]
+    choices[0].num_generated, choices[1].num_generated = 4, 10
+    statuses.end(choices[1], "length")
+    assert statuses.lookup("r") == StatusReport("r", "processing", 14, 6 + 0 + 10, None)
+    statuses.end(choices[0], "stop")
+    statuses.end(choices[2], "stop")
+    assert statuses.lookup("r") == StatusReport("r", "completed", 14, 0, "stop,length,stop")
+    assert statuses.lookup("r.1") == StatusReport("r.1", "completed", 10, 0, "length")
+    one = [statuses.start(f"s.{i}", max_tokens=1) for i in range(2)]
+    for entry in one:
+        statuses.end(entry, "length")
+    assert statuses.lookup("s") == StatusReport("s", "completed", 0, 0, "length")
+    assert statuses.lookup("r.3").status == statuses.lookup("q").status == "not_found"
