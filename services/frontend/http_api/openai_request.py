@@ -199,8 +199,11 @@ def with_seed(request: RequestInput, seed: int | None) -> RequestInput:
 
 
 def nth_seed(seed: int | None, i: int) -> int | None:
-    """The seed of choice `i`: the caller's + i (kept in 64 bits), or None (a fresh one each)."""
-    return None if seed is None else (seed + i) % 2**64
+    """The seed of choice `i`: the caller's + i (kept in 64 bits), or None (a fresh one each).
+    A seed outside 64 bits stays as it is, for validation to name."""
+    if seed is None or not 0 <= seed < 2**64:
+        return seed
+    return (seed + i) % 2**64
 
 
 def _check_counts(counts: Counts, limits: Limits, window: int | None, param_of: ParamOf) -> None:

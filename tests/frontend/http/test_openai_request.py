@@ -316,6 +316,8 @@ def test_nth_seed() -> None:
     assert [nth_seed(7, i) for i in range(3)] == [7, 8, 9]
     assert nth_seed(2**64 - 1, 1) == 0  # stays in 64 bits
     assert nth_seed(None, 2) is None
+    # outside 64 bits: left for validation to name (it was wrapped into a valid seed)
+    assert nth_seed(-(2**63) - 1, 0) == -(2**63) - 1 and nth_seed(2**64, 1) == 2**64
 
 
 def test_a_negative_seed_is_its_64_bit_twos_complement() -> None:
