@@ -349,6 +349,9 @@ def _messages(body: Body) -> tuple[ChatTurn, ...]:
         role = m.text("role")
         if role is None:
             raise InvalidArgument(m.name("role"), None, "required")
+        if role != "assistant" and m.raw("content") is None:  # as OpenAI: only an assistant
+            # turn may leave it out (its tool calls are the turn)
+            raise InvalidArgument(m.name("content"), None, f"required in a {role} message")
         turns.append(
             ChatTurn(
                 role=_ROLES.get(role, role),

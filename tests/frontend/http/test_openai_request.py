@@ -328,3 +328,31 @@ def test_a_negative_seed_is_its_64_bit_twos_complement() -> None:
     assert validation_param(completion(prompt="a", seed=-(2**63) - 1)) == "seed"
     assert param_of_failure(completion, prompt="a", seed=2**64) == "seed"  # not even 64 bits
     assert validation_param(completion(prompt="a", top_k=2**31)) == "top_k"
+
+
+def test_only_an_assistant_message_may_leave_its_content_out() -> None:
+    """As OpenAI: a user message without content was taken as "" (OpenAI says "Missing
+    required parameter"); an assistant turn that only calls tools has none."""
+    for role in ("user", "system", "developer", "tool"):
+        for message in ({"role": role}, {"role": role, "content": None}):
+            with pytest.raises(InvalidArgument) as info:
+                chat(messages=[message])
+            assert [v.field for v in info.value.violations] == ["messages[0].content"]
+            assert f"required in a {role} message" in str(info.value)
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    turns = (
+        chat(
+            messages=[
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+            ]
+        )
+        .inputs[0]
+        .messages
+    )
+    assert [(t.role, t.content) for t in turns] == [
+        ("user", "hi"),
+        ("assistant", ""),
+        ("tool", "ok"),
+    ]
