@@ -26,7 +26,13 @@ every cut into 2 and 3 pieces), and no tag or block JSON reaches content:
   the calls after a malformed one are still calls;
 - whitespace touching a parsed block is the block's framing (the chat template writes "\\n"
   between content and each call): dropped, so the content and calls render back to the same
-  prompt. Whitespace elsewhere is kept (held back only until the next non-space text).
+  prompt. Whitespace elsewhere is kept (held back only until the next non-space text). Content
+  after parsed blocks that follows content before them is parted from it by the first such
+  block's framing ("Paris.\\n<call>\\nThen Tokyo." is "Paris.\\nThen Tokyo.", not glued);
+  the template renders content before the calls only, so such a turn cannot render back
+  exactly whatever is kept;
+- a call's JSON must be JSON the next turn can send back (mili.text.strict_json: no NaN,
+  no number past a float, no lone surrogate escape), else the block is content.
 
 Arguments are re-serialized from the parsed JSON (json.dumps, non-ASCII kept, key order kept),
 the same text the chat template renders them as when the conversation comes back. Pure Python,
@@ -39,7 +45,10 @@ import json
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple
+
+from mili.text.surrogate import lone_surrogate_path
+from services.frontend.tools import parse_object
 
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"
@@ -86,12 +95,11 @@ def _in_json_string(body: str) -> bool:
 
 
 def parse_call(body: str) -> tuple[str, str] | None:
-    """(name, arguments JSON) of a block's body, or None if it is not a call."""
-    try:
-        value: Any = json.loads(body)
-    except (json.JSONDecodeError, RecursionError):
-        return None
-    if not isinstance(value, dict):
+    """(name, arguments JSON) of a block's body, or None if it is not a call: one whose JSON
+    the next turn could not send back (NaN, a number past a float, a lone surrogate escape:
+    mili.text.strict_json and the tokenizer's rules) is not one either."""
+    value = parse_object(body)
+    if value is None or lone_surrogate_path(value) is not None:
         return None
     name, arguments = value.get("name"), value.get("arguments", {})
     if not isinstance(name, str) or not name or not isinstance(arguments, dict):
@@ -113,6 +121,10 @@ class ToolCallParser:
         self._after_call = False  # whitespace here follows a parsed block: dropped
         self._block: str | None = None  # the open block's body so far; None outside one
         self._framing = ""  # whitespace before the open block's tag (content if it fails)
+        self._is_said = False  # some content was sent
+        # Content after parsed blocks, when content came before them, is parted from it by
+        # the first such block's framing (sent only if more content comes).
+        self._gap = ""
 
     def push(self, text: str) -> ParsedDelta:
         """The content and calls that `text` completes."""
@@ -124,6 +136,7 @@ class ToolCallParser:
                 self._space += text
                 return ParsedDelta("", [])
             said, self._space = self._space + body, text[len(body) :]
+            self._is_said = True
             return ParsedDelta(said, [])
         content: list[str] = []
         calls: list[ToolCallDelta] = []
@@ -186,10 +199,12 @@ class ToolCallParser:
             if not text:
                 return
             self._after_call = False
+            self._space, self._gap = self._gap, ""
         body = text.rstrip()
         if body:
             content.append(self._space + body)
             self._space = ""
+            self._is_said = True
         self._space += text[len(body) :]
 
     def _close(
@@ -199,10 +214,13 @@ class ToolCallParser:
         self._block = None
         parsed = parse_call(body)
         if parsed is None:
-            content.append(self._framing + OPEN + body + (CLOSE if closed else ""))
-            self._after_call = False
+            framing = self._gap if self._after_call else self._framing
+            content.append(framing + OPEN + body + (CLOSE if closed else ""))
+            self._after_call, self._gap, self._is_said = False, "", True
         else:
             calls.append(ToolCallDelta(self.num_calls, self._new_id(), *parsed))
             self.num_calls += 1
+            if self._is_said and not self._after_call:
+                self._gap = self._framing
             self._after_call = True
         self._framing = ""

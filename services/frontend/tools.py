@@ -21,11 +21,12 @@ What each choice does to the output (services/frontend/chat_output.py, tool_gram
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
+
+from mili.text import strict_json
 
 # OpenAI's rule for function names (services/tokenizer/tools.py applies the same one).
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -73,10 +74,10 @@ AUTO = ToolChoice()  # the default
 
 
 def parse_object(text: str) -> dict[str, Any] | None:
-    """`text` as a JSON object, or None when it is not one."""
+    """`text` as a JSON object (mili.text.strict_json), or None when it is not one."""
     try:
-        value = json.loads(text)
-    except (ValueError, RecursionError):
+        value = strict_json.loads(text)
+    except ValueError:
         return None
     return value if isinstance(value, dict) else None
 

@@ -13,28 +13,24 @@ Parsed JSON keeps its key order and integer-vs-float distinction (json.loads), s
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from mili.errors import InvalidArgument
+from mili.text import strict_json
 from mili.text.surrogate import lone_surrogate_path
 
 # OpenAI's rule for function names; it also keeps control-token strings out of them.
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
 def parse_json_object(text: str, field: str) -> dict[str, Any]:
     """`text` as a JSON object (key order kept), or InvalidArgument naming `field`."""
     try:
-        value = json.loads(text, parse_constant=_reject_constant)
-    except (json.JSONDecodeError, ValueError, RecursionError) as e:
+        value = strict_json.loads(text)
+    except ValueError as e:
         raise InvalidArgument(field, _preview(text), f"not valid JSON: {e}") from None
     if not isinstance(value, dict):
         raise InvalidArgument(

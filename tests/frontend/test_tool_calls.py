@@ -99,8 +99,39 @@ CASES = {
         + TOKYO
         + " Done.",
         "",
-        '<tool_call>\n{"name": "ls", "arguments": {"path": "C:\\"}}\n</tool_call>Done.',
+        '<tool_call>\n{"name": "ls", "arguments": {"path": "C:\\"}}\n</tool_call>\nDone.',
         [CALL_TOKYO],
+    ),
+    # content between and after calls stays parted from the content before them by the first
+    # block's framing (it was glued: "Paris.Then Rome.Done.")
+    "content_between_calls": (
+        "I will check Paris.\n" + PARIS + "\nThen Tokyo.\n" + TOKYO + "\n\nDone. ",
+        "",
+        "I will check Paris.\nThen Tokyo.\nDone. ",
+        [CALL_PARIS, CALL_TOKYO],
+    ),
+    "content_after_two_calls": (
+        "Both: " + PARIS + "\n" + TOKYO + "\n Done.",
+        "",
+        "Both: Done.",
+        [CALL_PARIS, CALL_TOKYO],
+    ),
+    "malformed_after_a_call": (
+        "First.\n" + PARIS + "\n" + MALFORMED,
+        "",
+        "First.\n" + MALFORMED,
+        [CALL_PARIS],
+    ),
+    # JSON that Python reads but the next turn could not send back: not a call
+    "not_json_numbers": (
+        '<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>\n'
+        '<tool_call>{"name": "f", "arguments": {"y": 1e400}}</tool_call>\n'
+        '<tool_call>{"name": "f", "arguments": {"z": "\\ud800"}}</tool_call>',
+        "",
+        '<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>\n'
+        '<tool_call>{"name": "f", "arguments": {"y": 1e400}}</tool_call>\n'
+        '<tool_call>{"name": "f", "arguments": {"z": "\\ud800"}}</tool_call>',
+        [],
     ),
 }
 
