@@ -72,12 +72,20 @@ class RequestIds:
 
 
 @dataclass(frozen=True)
+class Tokenized:
+    token_ids: tuple[int, ...]
+    # The chat prompt ends inside a think block its template opened (reasoning.opens_reasoning)
+    starts_in_reasoning: bool = False
+
+
+@dataclass(frozen=True)
 class Prompt:
     token_ids: tuple[int, ...]
     sampling: SamplingParams  # max_tokens fitted to the context, EOS ids among the stop ids
     # The tokenizer's ids, as it said when the prompt was made: what detokenization takes (a
     # tokenizer restarting later, its facts unknown a while, must not fail the request)
     vocab_size: int
+    starts_in_reasoning: bool = False  # Tokenized's
 
 
 @dataclass(frozen=True)
@@ -152,7 +160,7 @@ class Downstream(Protocol):
         """The tokenizer's vocabulary size and EOS ids (cached); raises Unavailable."""
         ...
 
-    async def tokenize(self, request: ValidRequest, deadline: Deadline) -> tuple[int, ...]:
+    async def tokenize(self, request: ValidRequest, deadline: Deadline) -> Tokenized:
         """The prompt of `request` (text, or messages through the chat template) as token ids."""
         ...
 

@@ -56,9 +56,14 @@ class ChatOutput:
     def num_calls(self) -> int:
         return 0 if self._tools is None else self._tools.num_calls
 
-    def push(self, text: str, is_last: bool = False) -> OutputPiece:
+    def push(
+        self, text: str, is_last: bool = False, *, starts_in_reasoning: bool = False
+    ) -> OutputPiece:
         """What `text` (the next delta's) completes; `is_last`: the generation ended with it,
-        and whatever was held back comes out too."""
+        and whatever was held back comes out too; `starts_in_reasoning` (the first delta's):
+        the prompt opened a think block, so the text begins as reasoning."""
+        if starts_in_reasoning and self._splitter is not None:
+            self._splitter.is_reasoning = True
         reasoning, content = ("", text) if self._splitter is None else self._splitter.push(text)
         if is_last and self._splitter is not None:
             rest_reasoning, rest_content = self._splitter.finish()

@@ -21,10 +21,12 @@ from services.frontend.calls import (
     PrefillStats,
     Prompt,
     RequestIds,
+    Tokenized,
     TokenizerFacts,
 )
 from services.frontend.downstream import error_from
 from services.frontend.multiplex import RequestStream
+from services.frontend.reasoning import opens_reasoning
 from services.frontend.router import Route, Router
 from services.frontend.text import LocalTextStream
 from services.frontend.validation import ValidRequest
@@ -38,7 +40,7 @@ class GrpcDownstream:
         self._backends = backends
         self._config = backends.config
         # Tokenize calls running, by (their deadline, the request's bytes): see `tokenize`.
-        self._tokenizing: dict[tuple[int, bytes], asyncio.Future[tuple[int, ...]]] = {}
+        self._tokenizing: dict[tuple[int, bytes], asyncio.Future[Tokenized]] = {}
 
     @property
     def router(self) -> Router:
@@ -51,7 +53,7 @@ class GrpcDownstream:
     async def tokenizer_facts(self) -> TokenizerFacts:
         return await self._backends.tokenizer.current_facts()
 
-    async def tokenize(self, request: ValidRequest, deadline: Deadline) -> tuple[int, ...]:
+    async def tokenize(self, request: ValidRequest, deadline: Deadline) -> Tokenized:
         """The prompt's ids. The choices of one HTTP request (n of them, under one deadline)
         ask for the same prompt at once: one call answers them all, ids and errors alike (a
         caller that goes away leaves it to the others)."""
@@ -65,12 +67,12 @@ class GrpcDownstream:
             call.add_done_callback(lambda done: self._tokenized(key, done))
         return await asyncio.shield(call)
 
-    def _tokenized(self, key: tuple[int, bytes], call: asyncio.Future[tuple[int, ...]]) -> None:
+    def _tokenized(self, key: tuple[int, bytes], call: asyncio.Future[Tokenized]) -> None:
         del self._tokenizing[key]
         if not call.cancelled():
             call.exception()  # retrieved: every caller may have gone away
 
-    async def _tokenize(self, proto: Any, deadline: Deadline) -> tuple[int, ...]:
+    async def _tokenize(self, proto: Any, deadline: Deadline) -> Tokenized:
         who = self._backends.tokenizer.who
         timeout_s = deadline.remaining() or self._config.tokenize_timeout_s
         try:
@@ -82,7 +84,8 @@ class GrpcDownstream:
             if isinstance(error, InstanceDown):
                 self._backends.forget_tokenizer()
             raise error from None
-        return tuple(reply.token_ids)
+        is_chat = len(proto.messages) > 0
+        return Tokenized(tuple(reply.token_ids), is_chat and opens_reasoning(reply.prompt))
 
     async def refresh(self) -> None:
         await self._backends.refresh()

@@ -48,6 +48,7 @@ def merge(deltas: Sequence[Delta]) -> Delta:
         last.num_completion_tokens,
         first.prompt_token_ids,  # the prompt's logprobs ride on the generation's first delta
         first.prompt_logprobs,
+        first.starts_in_reasoning,  # so does this
     )
 
 

@@ -153,7 +153,11 @@ def generate_response(
             request_id=client_request_id, token_ids=delta.token_ids, text=delta.text
         )
     else:
-        piece = output.push(delta.text, is_last=delta.finish_reason is not None)
+        piece = output.push(
+            delta.text,
+            is_last=delta.finish_reason is not None,
+            starts_in_reasoning=delta.starts_in_reasoning,
+        )
         response = generation_pb2.GenerateResponse(
             request_id=client_request_id,
             token_ids=delta.token_ids,
@@ -191,7 +195,8 @@ def complete_response(
     if output is None:
         reply.text = text
         return reply
-    piece = output.push(text, is_last=True)
+    starts_in_reasoning = bool(deltas) and deltas[0].starts_in_reasoning
+    piece = output.push(text, is_last=True, starts_in_reasoning=starts_in_reasoning)
     reply.text, reply.reasoning_text = piece.content, piece.reasoning
     reply.tool_calls.extend(_tool_calls(piece))
     return reply

@@ -81,6 +81,9 @@ class Delta:
     # ids (after chat templating) and prompt_logprobs[i - 1] = log p(prompt[i] | prompt[:i]).
     prompt_token_ids: list[int] | None = None
     prompt_logprobs: list[TokenLogprobs] | None = None
+    # First delta only: the chat prompt ended inside an open think block (Prompt's): the text
+    # starts as reasoning (chat_output.py).
+    starts_in_reasoning: bool = False
 
 
 @dataclass(frozen=True)
@@ -349,6 +352,7 @@ class Generation:
         num_prompt = len(self._prompt.token_ids)
         num_generated = 0
         is_first = sampling.prompt_logprobs is not None  # the first delta still to go out
+        starts_in_reasoning = self._prompt.starts_in_reasoning  # told on the first delta
         read = admission.stream.read
         event: Admitted | Tokens | None
         while True:
@@ -399,6 +403,8 @@ class Generation:
                 delta = Delta(token_ids, out, logprobs)
             else:
                 continue
+            if starts_in_reasoning:
+                delta.starts_in_reasoning, starts_in_reasoning = True, False
             if is_first:
                 delta, is_first = await self._with_prompt_logprobs(admission, delta), False
             yield delta

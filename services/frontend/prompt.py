@@ -13,7 +13,7 @@ from dataclasses import replace
 from mili.engine.sampling_params import SamplingParams
 from mili.errors import FieldViolation, InvalidArgument, Unavailable
 from services.frontend import tools as tool_checks
-from services.frontend.calls import Deadline, Downstream, Prompt
+from services.frontend.calls import Deadline, Downstream, Prompt, Tokenized
 from services.frontend.config import FrontendConfig
 from services.frontend.validation import PromptField, ValidRequest, raise_if_any
 
@@ -27,9 +27,10 @@ async def tokenize(
     check_token_ids(request, facts.vocab_size)
     check_input_chars(request, facts.max_input_chars)  # refused here, not after a round trip
     if request.prompt_field == "token_ids":
-        token_ids = request.token_ids
+        tokenized = Tokenized(request.token_ids)
     else:
-        token_ids = await downstream.tokenize(request, deadline)
+        tokenized = await downstream.tokenize(request, deadline)
+    token_ids = tokenized.token_ids
     router = downstream.router
     context = router.max_context_tokens
     if context is None:  # no decode instance seen yet (just started?): look once more now
@@ -48,7 +49,8 @@ async def tokenize(
         router.max_prompt_tokens,
         may_shrink=request.is_default_max_tokens,
     )
-    return Prompt(token_ids, with_eos(sampling, facts.eos_token_ids), facts.vocab_size)
+    sampling = with_eos(sampling, facts.eos_token_ids)
+    return Prompt(token_ids, sampling, facts.vocab_size, tokenized.starts_in_reasoning)
 
 
 def check_input_chars(request: ValidRequest, max_input_chars: int) -> None:

@@ -7,8 +7,12 @@ emitted only once it cannot be part of a tag: a delta ending in `</thi` holds th
 back until the next one says what they were.
 
     <think>   switches to reasoning (anywhere: a tag never reaches content)
-    </think>  switches to content (one without an opening tag is dropped as well: Qwen3's
-              template never opens the block in the prompt, the model writes <think> itself)
+    </think>  switches to content (one without an opening tag is dropped as well)
+
+Qwen3's hybrid template leaves the block to the model (it writes <think> itself); the
+Thinking-2507 models' templates open it in the generation prompt, and the model writes only the
+reasoning and `</think>`: there the text starts as reasoning (`opens_reasoning` of the prompt,
+`is_reasoning` set before the first push).
 
 Newlines the model puts around its reasoning are trimmed as the chat template trims them when it
 renders an earlier turn (services/tokenizer/chat_template.py): those after either tag, and those
@@ -22,6 +26,18 @@ from __future__ import annotations
 OPEN = "<think>"
 CLOSE = "</think>"
 _TAGS = (OPEN, CLOSE)
+
+
+# Where the chat template's generation prompt begins (ChatML): what follows it is the
+# template's, not a caller's text (a user may write "<think>" in a message).
+_GENERATION_PROMPT = "<|im_start|>assistant"
+
+
+def opens_reasoning(prompt: str) -> bool:
+    """Whether the rendered chat prompt ends inside a think block its generation prompt opened
+    (Qwen3's Thinking-2507 templates end with "<think>\\n"): the output begins as reasoning."""
+    tail = prompt[prompt.rfind(_GENERATION_PROMPT) :] if _GENERATION_PROMPT in prompt else ""
+    return tail.rfind(OPEN) > tail.rfind(CLOSE)
 
 
 def _held_tail(text: str) -> int:

@@ -11,11 +11,11 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from mili import errors
-from mili.pb.common.v1 import sampling_pb2
+from mili.pb.common.v1 import chat_pb2, sampling_pb2
 from mili.pb.frontend.v1 import generation_pb2
 from mili.rpc.status import retry_info_of
 from mili.telemetry.metrics import FrontendMetrics
-from services.frontend.calls import Deadline
+from services.frontend.calls import Deadline, Tokenized
 from services.frontend.generations import Generations
 from services.frontend.http_api import choices as choices_of
 from services.frontend.http_api.body import parse
@@ -435,7 +435,7 @@ def test_the_choices_of_one_request_tokenize_their_prompt_once() -> None:
             tokenizer.gate.set()
             results = await asyncio.gather(*running, return_exceptions=True)
             assert isinstance(results[1], asyncio.CancelledError)
-            assert [r for i, r in enumerate(results) if i != 1] == [tuple(ids("hi"))] * 4
+            assert [r for i, r in enumerate(results) if i != 1] == [Tokenized(tuple(ids("hi")))] * 4
             assert tokenizer.num_calls == 2
 
             # the whole request, as the HTTP API runs it: one call for its four choices
@@ -443,5 +443,43 @@ def test_the_choices_of_one_request_tokenize_their_prompt_once() -> None:
             async for _ in choices_of.run(generations, planned, is_stream=False):
                 pass
             assert tokenizer.num_calls == 1
+
+    asyncio.run(main())
+
+
+class OpenThinkTokenizer(FakeTokenizer):
+    """Renders a chat's generation prompt as Qwen3's Thinking-2507 templates do: the think
+    block opened ("<|im_start|>assistant\n<think>\n")."""
+
+    async def Tokenize(self, request: object, context: object) -> object:
+        reply = await super().Tokenize(request, context)
+        if request.messages:  # type: ignore[attr-defined]
+            reply.prompt += "<|im_start|>assistant\n<think>\n"  # type: ignore[attr-defined]
+        return reply
+
+
+def test_a_prompt_that_opens_the_think_block_starts_the_output_in_reasoning() -> None:
+    """The model writes the reasoning and "</think>" only: its reasoning went to `text`, glued
+    to the answer. Streamed and whole agree; a prompt request (not split) is the text as is."""
+    script = [ids("I think"), ids(".</thi"), ids("nk>Hel"), ids("lo")]
+
+    async def main() -> None:
+        async with stack([FakeDecode(script=script)], tokenizer=OpenThinkTokenizer()) as s:
+            chat = generation_pb2.CompleteRequest(
+                messages=[chat_pb2.ChatMessage(role="user", content="hi")],
+                sampling=sampling_pb2.SamplingParams(max_tokens=64),
+            )
+            reply = await s.stub.Complete(chat, timeout=5)
+            assert (reply.reasoning_text, reply.text) == ("I think.", "Hello")
+            streamed = generation_pb2.GenerateRequest(
+                messages=chat.messages, sampling=chat.sampling
+            )
+            responses = await collect(s.stub.Generate(streamed, timeout=5))
+            assert "".join(r.reasoning_text for r in responses) == "I think."
+            assert "".join(r.text for r in responses) == "Hello"
+            plain = await s.stub.Complete(
+                generation_pb2.CompleteRequest(prompt="hi", sampling=chat.sampling), timeout=5
+            )
+            assert (plain.reasoning_text, plain.text) == ("", "I think.</think>Hello")
 
     asyncio.run(main())

@@ -24,6 +24,7 @@ from services.frontend.calls import (
     PrefillStats,
     Prompt,
     RequestIds,
+    Tokenized,
     TokenizerFacts,
     Tokens,
 )
@@ -109,7 +110,7 @@ class FakeDownstream:
     async def tokenizer_facts(self) -> TokenizerFacts:
         return TokenizerFacts("fake", vocab_size=30, eos_token_ids=(EOS,))
 
-    async def tokenize(self, request: ValidRequest, deadline: Deadline) -> tuple[int, ...]:
+    async def tokenize(self, request: ValidRequest, deadline: Deadline) -> Tokenized:
         raise AssertionError("not used: prompts are given as ids")
 
     async def refresh(self) -> None:

@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from services.frontend.reasoning import ReasoningSplitter
+from services.frontend.reasoning import ReasoningSplitter, opens_reasoning
 
 THINKING = "<think>\nLet me add 2 and 2.\nIt is 4.\n</think>\n\nThe answer is 4."
 CASES = [
@@ -29,8 +29,18 @@ CASES = [
 ]
 
 
-def _split(pieces: list[str]) -> tuple[str, str]:
+# Started in reasoning: the prompt opened the block (Qwen3's Thinking-2507 templates end their
+# generation prompt with "<think>\n"); the model writes the reasoning and "</think>" only.
+STARTED = [
+    ("The user greets me.\n</think>\n\nHello!", "The user greets me.", "Hello!"),
+    ("cut off while thinking\n", "cut off while thinking\n", ""),
+    ("a</think>b</think>c", "a", "bc"),
+]
+
+
+def _split(pieces: list[str], *, started: bool = False) -> tuple[str, str]:
     splitter = ReasoningSplitter()
+    splitter.is_reasoning = started
     reasoning, content = [], []
     for piece in pieces:
         r, c = splitter.push(piece)
@@ -51,6 +61,36 @@ def test_every_cut_gives_the_same_split(text: str, reasoning: str, content: str)
     for i, j in itertools.combinations_with_replacement(range(n + 1), 2):
         pieces = [text[:i], text[i:j], text[j:]]
         assert _split(pieces) == (reasoning, content), pieces
+
+
+@pytest.mark.parametrize(("text", "reasoning", "content"), STARTED)
+def test_a_block_the_prompt_opened_is_reasoning_up_to_its_end(
+    text: str, reasoning: str, content: str
+) -> None:
+    """It went to content, tag dropped, reasoning and answer glued ("...me.\\nHello!")."""
+    n = len(text)
+    for i, j in itertools.combinations_with_replacement(range(n + 1), 2):
+        pieces = [text[:i], text[i:j], text[j:]]
+        assert _split(pieces, started=True) == (reasoning, content), pieces
+
+
+@pytest.mark.parametrize(
+    ("prompt", "is_open"),
+    [
+        ("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n", False),  # hybrid, thinking
+        ("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n", False),
+        ("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n", True),  # 2507
+        # the caller's text is no tag of the template's
+        ("<|im_start|>user\nWhat is <think>?<|im_end|>\n<|im_start|>assistant\n", False),
+        (
+            "<|im_start|>assistant\n<think>\nold</think>\n\nx<|im_end|>\n<|im_start|>assistant\n<think>\n",
+            True,
+        ),
+        ("<think>\n", False),  # no generation prompt: not a chat prompt
+    ],
+)
+def test_opens_reasoning_reads_the_generation_prompt_only(prompt: str, is_open: bool) -> None:
+    assert opens_reasoning(prompt) is is_open
 
 
 def test_no_tag_or_reasoning_reaches_content_in_any_delta() -> None:

@@ -89,7 +89,8 @@ class ChatJson:
         once it finished."""
         text = "".join(d.text for d in deltas)
         is_last = bool(deltas) and deltas[-1].finish_reason is not None
-        return self._outputs[index].push(text, is_last=is_last)
+        starts = any(d.starts_in_reasoning for d in deltas)
+        return self._outputs[index].push(text, is_last=is_last, starts_in_reasoning=starts)
 
     def _logprobs(self, deltas: list[Delta]) -> dict[str, Any] | None:
         if self._pieces is None:
@@ -149,7 +150,9 @@ class ChatJson:
         # Once per streamed delta: the plain case (text on one side, no logprobs, not the
         # last) is written from a template around one json.dumps of the text.
         is_last = delta.finish_reason is not None
-        reasoning, content, calls = self._outputs[index].push(delta.text, is_last)
+        reasoning, content, calls = self._outputs[index].push(
+            delta.text, is_last, starts_in_reasoning=delta.starts_in_reasoning
+        )
         if not is_last and self._pieces is None and not calls:
             if not reasoning:
                 if not content:

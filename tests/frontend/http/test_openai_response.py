@@ -72,6 +72,30 @@ def test_chat_never_streams_reasoning_or_tags_into_content(is_thinking: bool) ->
             assert all(c["object"] == "chat.completion.chunk" for c in chunks)
 
 
+def test_chat_started_in_reasoning_splits_whole_and_streamed_alike() -> None:
+    """The prompt opened the think block (the first delta says so): text up to "</think>" is
+    reasoning, in the whole answer and in every cut of the stream."""
+    text = "plan: say hi\n</think>\n\nHello"
+    whole = ChatJson(request(), choices(1, 1), HEAD, None)
+    ds = deltas_cut(text, [])
+    ds[0].starts_in_reasoning = True
+    (choice,) = json.loads(whole.whole({0: ds}))["choices"]
+    assert (choice["message"]["reasoning_content"], choice["message"]["content"]) == (
+        "plan: say hi",
+        "Hello",
+    )
+    for a in range(len(text) + 1):
+        chat = ChatJson(request(is_stream=True), choices(1, 1), HEAD, None)
+        chunks = events(chat.opening())
+        ds = deltas_cut(text, [a])
+        ds[0].starts_in_reasoning = True
+        for delta in ds:
+            chunks += events(chat.of(0, delta))
+        said = [c["choices"][0]["delta"] for c in chunks[1:]]
+        assert "".join(d.get("reasoning_content", "") for d in said) == "plan: say hi", a
+        assert "".join(d.get("content", "") for d in said) == "Hello", a
+
+
 def test_usage_counts_each_prompt_once_and_every_choice() -> None:
     completion = CompletionJson(request(), choices(2, 2), HEAD, ["A", "B"], None)
     deltas = {i: deltas_cut("ab", [1]) for i in range(4)}  # 4 prompt tokens, 2 generated each
