@@ -31,9 +31,14 @@ def _demo_model(args: argparse.Namespace) -> int:
     from mili.demo.model import build_demo_model, describe
 
     directory = Path(args.dir)
+    if directory.exists() and not directory.is_dir():
+        raise StartupError(f"{directory} exists and is not a directory; choose a new directory")
     if directory.exists() and any(directory.iterdir()):
         raise StartupError(f"{directory} exists and is not empty; choose a new directory")
-    build_demo_model(directory, moe=args.moe)
+    try:
+        build_demo_model(directory, moe=args.moe)
+    except OSError as e:
+        raise StartupError(f"cannot write the demo model to {directory}: {e}") from None
     print(describe(directory))
     return 0
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from mili.cli import COMMANDS, build_parser
+from mili.cli import COMMANDS, build_parser, main
 
 
 def _command_parser(name: str) -> argparse.ArgumentParser:
@@ -46,3 +47,21 @@ def test_a_commands_description_keeps_its_layout() -> None:
         check=True,
     )
     assert "\n    TTFT           send -> first message carrying token ids\n" in result.stdout
+
+
+def test_demo_model_refuses_a_directory_it_cannot_use_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A file, a non-empty directory or a place it cannot create: `mili demo-model: error:`
+    and exit 2 (a file or a path under a file was a traceback)."""
+    (tmp_path / "file").write_text("hi")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("x")
+    for target, words in (
+        (tmp_path / "file", f"{tmp_path / 'file'} exists and is not a directory"),
+        (tmp_path / "full", f"{tmp_path / 'full'} exists and is not empty"),
+        (tmp_path / "file" / "under", "cannot write the demo model to"),
+    ):
+        assert main(["demo-model", str(target)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"mili demo-model: error: {words}") and err.count("\n") == 1, err

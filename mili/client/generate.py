@@ -106,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
     request = build_request(args)
     last = None
     wrote_text = wrote_reasoning = ""
+    is_answered = False  # a response came: a later UNAVAILABLE is no refused connection
     channel = (
         grpc.insecure_channel(args.address)
         if tls is None
@@ -115,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
         stub = generation_pb2_grpc.GenerationServiceStub(channel)
         try:
             for response in stub.Generate(request, timeout=args.timeout):
+                is_answered = True
                 if response.reasoning_text:
                     sys.stderr.write(response.reasoning_text)
                     sys.stderr.flush()
@@ -131,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
         except grpc.RpcError as err:
             code = err.code().name if callable(getattr(err, "code", None)) else "UNKNOWN"
             details = err.details() if callable(getattr(err, "details", None)) else str(err)
-            hint = connection_hint(err, is_tls=tls is not None)
+            hint = "" if is_answered else connection_hint(err, is_tls=tls is not None)
             _end_reasoning(wrote_reasoning)
             _end_text(wrote_text)
             print(f"mili generate: {code}: {details}{hint}", file=sys.stderr)

@@ -6,10 +6,14 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
+from concurrent import futures
 from pathlib import Path
 
+import grpc
 import pytest
 
+from mili.pb.frontend.v1 import generation_pb2, generation_pb2_grpc
 from tests.e2e.conftest import Deployment
 from tests.service_process import ROOT
 
@@ -216,3 +220,30 @@ def test_generate_chat_puts_the_thinking_on_stderr_and_the_answer_on_stdout() ->
     assert code == 0, err
     assert out == "Hi there"
     assert err.startswith("Plan it.\n[finish: "), err
+
+
+class _BrokenMidStream(generation_pb2_grpc.GenerationServiceServicer):
+    """Streams one piece of text, then fails as a frontend whose decode died does."""
+
+    def Generate(self, request: object, context: grpc.ServicerContext) -> Iterator[object]:
+        yield generation_pb2.GenerateResponse(text="Hel")
+        context.abort(
+            grpc.StatusCode.UNAVAILABLE, "decode at 127.0.0.1:1: UNAVAILABLE: Socket closed"
+        )
+
+
+def test_generate_gives_no_connection_hint_once_the_stream_had_answered() -> None:
+    """ "Socket closed" after text came is a peer going away, not a refused TLS handshake: the
+    hint ("does it require TLS? pass --tls-ca") misled there."""
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    generation_pb2_grpc.add_GenerationServiceServicer_to_server(_BrokenMidStream(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        result = mili("generate", "Hi", "--address", f"127.0.0.1:{port}", "--timeout", "30")
+    finally:
+        server.stop(0)
+    assert result.returncode == 1 and result.stdout == "Hel"
+    assert result.stderr.strip().splitlines()[-1] == (
+        "mili generate: UNAVAILABLE: decode at 127.0.0.1:1: UNAVAILABLE: Socket closed"
+    )
