@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import socket
+from collections.abc import Sequence
 
 from mili.discovery import format_address
 from mili.errors import StartupError
@@ -74,11 +75,17 @@ def check_free(host: str, port: int, flag: str = "--port", *, reuse_port: bool =
                 raise StartupError(f"{flag} {port}: cannot listen on {where}: {e}") from None
 
 
-def check_distinct(port: int, http_port: int) -> None:
-    """StartupError when the HTTP API would listen on the gRPC port: bound with SO_REUSEPORT
-    (--frontends N) both binds succeed and the kernel splits connections between them."""
-    if port and port == http_port:
-        raise StartupError(
-            f"--http-port {http_port} is --port too: the HTTP API needs a port of its own "
-            "(another --http-port, or off)"
-        )
+def check_distinct(fixed: Sequence[tuple[str, int]]) -> None:
+    """StartupError when two fixed ports (flag, port; 0: any free one) are one: a child would
+    find its port taken by a sibling once the models loaded, and the HTTP API on the gRPC port
+    binds both with SO_REUSEPORT (--frontends N), the kernel then splitting connections
+    between them."""
+    named: dict[int, str] = {}
+    for flag, port in fixed:
+        if port and port in named:
+            derived = " (--metrics-port counts up from BASE, a port per child)"
+            raise StartupError(
+                f"{flag} {port} is {named[port]} too: each needs a port of its own"
+                + (derived if "--metrics-port" in (flag, named[port]) else "")
+            )
+        named.setdefault(port, flag)

@@ -286,7 +286,6 @@ def check_ports(args: argparse.Namespace) -> None:
     fixed = [("--port", args.port)]  # the frontends share it (and --http-port)
     http = frontend_http_port(args)
     if http:
-        ports.check_distinct(args.port, http)
         fixed += [("--http-port", http)]
     fixed += [("--tokenizer-port", args.tokenizer_port)]
     fixed += [
@@ -296,6 +295,7 @@ def check_ports(args: argparse.Namespace) -> None:
     if args.metrics_port:
         num_children = 1 + num_frontends(args) + args.prefill_instances + args.decode_instances
         fixed += [("--metrics-port", args.metrics_port + i) for i in range(num_children)]
+    ports.check_distinct(fixed)
     for flag, port in fixed:
         ports.check_free(args.host, port, flag)
 

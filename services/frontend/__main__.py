@@ -210,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
     # a taken port fails now, not after start-up work
     flags.check_ports(args, reuse_port=args.reuse_port)
     if args.http_port:
-        ports.check_distinct(args.port, args.http_port)
+        ports.check_distinct([("--port", args.port), ("--http-port", args.http_port)])
         ports.check_free(args.host, args.http_port, "--http-port", reuse_port=args.reuse_port)
     # Imported here: `mili --help` must not pay for the frontend's imports.
     from mili.rpc.server import RpcServer, serve_forever

@@ -123,6 +123,24 @@ def test_the_http_api_may_not_share_the_grpc_port() -> None:
         assert "[tokenizer]" not in result.stderr
 
 
+def test_fixed_ports_that_are_one_fail_before_any_child(demo_model_dir: Path) -> None:
+    """--metrics-port BASE counts up a port per child: BASE+1 (the tokenizer's) on the
+    --http-port failed only once the models loaded, the frontend blaming "another process"."""
+    port, http = pick_free("127.0.0.1"), pick_free("127.0.0.1")
+    while http - 1 == port:  # BASE (the frontend's metrics port) must not be --port here
+        http = pick_free("127.0.0.1")
+    for flags, words in (
+        (["--metrics-port", str(http - 1)], f"--metrics-port {http} is --http-port too"),
+        (["--decode-port", str(port)], f"--decode-port {port} is --port too"),
+    ):
+        result = mili(
+            "serve", "--model", str(demo_model_dir), "--port", str(port), "--http-port",
+            str(http), *flags,
+        )  # fmt: skip
+        assert result.returncode == 2, result.stderr
+        assert words in result.stderr and "[tokenizer]" not in result.stderr
+
+
 def test_a_derived_port_past_the_top_fails_before_any_child(demo_model_dir: Path) -> None:
     """Found by a flag review: --prefill-port 65535 with two instances, or --metrics-port
     65534, started the children, which then failed on port 65536."""
