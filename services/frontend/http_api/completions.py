@@ -27,6 +27,7 @@ from services.frontend.http_api.choices import Choice, Usage
 from services.frontend.http_api.errors import response_of
 from services.frontend.http_api.openai_call import Head, OpenAICall, open_call, respond
 from services.frontend.http_api.openai_logprobs import (
+    TextOffsets,
     TokenPieces,
     completion_logprobs,
     prompt_completion_logprobs,
@@ -99,7 +100,7 @@ class CompletionJson:
         }
         self._plain_tail = ', "logprobs": null, "finish_reason": null}' + self._chunk_tail
         self._echo = {c.index: echoes[c.prompt_index] for c in choices} if echoes else {}
-        self._offsets = {c.index: len(self._echo.get(c.index, "")) for c in choices}
+        self._offsets = {c.index: TextOffsets(len(self._echo.get(c.index, ""))) for c in choices}
 
     def _choice(
         self, index: int, text: str, deltas: list[Delta], *, is_first: bool = False
@@ -108,9 +109,7 @@ class CompletionJson:
         if self._pieces is not None:
             ids = [t for d in deltas for t in d.token_ids]
             lps = [lp for d in deltas for lp in d.logprobs]
-            logprobs, self._offsets[index] = completion_logprobs(
-                self._pieces, ids, lps, self._offsets[index]
-            )
+            logprobs = completion_logprobs(self._pieces, ids, lps, self._offsets[index])
             first = deltas[0] if deltas else None
             if is_first and first is not None and first.prompt_token_ids:
                 # echo with logprobs: the prompt's tokens first (their logprobs from prefill)

@@ -12,6 +12,7 @@ A token's string is its bytes read as UTF-8, U+FFFD where they are only part of 
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,19 +38,33 @@ class TokenPieces:
         return self.piece(token_id)[0]
 
 
+class TextOffsets:
+    """Where each token's text starts in a choice's text, token after token (across deltas):
+    the characters the tokens before it completed, from `start`. A byte-level token may carry
+    only part of a character: it adds none, and the next token starts where that character
+    lands (each part's own string, U+FFFD, is no character of the text)."""
+
+    def __init__(self, start: int = 0) -> None:
+        self.at = start
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def take(self, raw: list[int]) -> int:
+        """The offset of the next token, whose bytes are `raw`."""
+        offset = self.at
+        self.at += len(self._decoder.decode(bytes(raw)))
+        return offset
+
+
 def completion_logprobs(
     pieces: TokenPieces,
     token_ids: Sequence[int],
     logprobs: Sequence[TokenLogprobs],
-    text_offset: int,
-) -> tuple[dict[str, Any], int]:
-    """The completions format for these tokens, and the text offset after them (each token's
-    offset is where its string starts in the choice's text, echoed prompt included)."""
+    offsets: TextOffsets,
+) -> dict[str, Any]:
+    """The completions format for these tokens; `offsets` goes on from where the choice's
+    text (echoed prompt included) is."""
     tokens = [pieces.text(t) for t in token_ids]
-    offsets = []
-    for token in tokens:
-        offsets.append(text_offset)
-        text_offset += len(token)
+    text_offset = [offsets.take(pieces.piece(t)[1]) for t in token_ids]
     tops = []
     for token, lp in zip(tokens, logprobs, strict=True):
         top = {pieces.text(t): value for t, value in lp.top}
@@ -59,9 +74,9 @@ def completion_logprobs(
         "tokens": tokens,
         "token_logprobs": [lp.logprob for lp in logprobs],
         "top_logprobs": tops,
-        "text_offset": offsets,
+        "text_offset": text_offset,
     }
-    return body, text_offset
+    return body
 
 
 def prompt_completion_logprobs(
@@ -70,7 +85,9 @@ def prompt_completion_logprobs(
     """The completions format for an echoed prompt: its first token has no logprob (nothing
     comes before it: null, as OpenAI and vLLM give it), each other token the one prefill
     computed; offsets count from the start of the prompt's text."""
-    rest, _ = completion_logprobs(pieces, token_ids[1:], logprobs, len(pieces.text(token_ids[0])))
+    offsets = TextOffsets()
+    offsets.take(pieces.piece(token_ids[0])[1])
+    rest = completion_logprobs(pieces, token_ids[1:], logprobs, offsets)
     return {
         "tokens": [pieces.text(token_ids[0]), *rest["tokens"]],
         "token_logprobs": [None, *rest["token_logprobs"]],
