@@ -18,6 +18,13 @@ Who frees the blocks:
 The lock also guards the BlockPool: the event loop, the batch thread and scatter threads all
 reach it through this table.
 
+First come, first served across frontends. Each frontend queues its own requests head of line,
+so a large request waiting in one is not protected from small ones another frontend keeps
+sending (`--frontends N`, several replicas): each would take the blocks freed while the large
+one waits. So the table holds room for the earliest request it turned away for blocks: until
+that one is admitted, or has not asked again for HOLD_S (it went elsewhere, or gave up), another
+request is admitted only where the blocks left still cover it.
+
 Prefix cache. With caching on, admission reuses the longest cached run of full blocks of the
 prompt (`num_cached_blocks`, never the block holding the last prompt token: prefill always sends
 that one), so prefill sends only the blocks after them; a request that ran keeps the full blocks
@@ -47,6 +54,20 @@ from mili.errors import InvalidArgument, NotFound, PermissionDenied, ResourceExh
 
 if TYPE_CHECKING:
     from mili.engine.constraint.matcher import ConstraintMatcher
+
+# How long room is held for a request turned away for blocks without it asking again: a waiting
+# request asks at every room its frontend learns of, and at least once a poll (1 s by default).
+HOLD_S = 2.5
+
+
+@dataclass
+class _Hold:
+    """Room held for the earliest request turned away for blocks."""
+
+    request_id: str
+    # every block it needs: its cached ones too, which others could evict while it waits
+    num_blocks: int
+    until: float  # expires unless it asks again (HOLD_S after each ask)
 
 
 class RequestState(enum.Enum):
@@ -117,6 +138,7 @@ class RequestTable:
         self.max_requests = max_requests
         self._lock = threading.Lock()
         self._requests: dict[str, DecodeRequest] = {}
+        self._hold: _Hold | None = None
 
     # ---- counts (for Info) ---------------------------------------------------------------------
 
@@ -182,17 +204,35 @@ class RequestTable:
                 )
             most = max_cached_blocks(len(prompt_token_ids), self.block_size)
             cached = self._cache.match(prompt_token_ids, max_blocks=most, record=False)
-            try:
-                block_table = cached + self._cache.allocate(num_blocks - len(cached))
-            except BlockPoolExhausted as e:
+            needed = num_blocks - len(cached)
+            hold = self._hold if self._hold is not None and self._hold.until > now else None
+            name = client_request_id or request_id
+            if (
+                hold is not None
+                and hold.request_id != request_id
+                and self._cache.num_available - needed < hold.num_blocks
+            ):
                 self._cache.free(cached)
                 raise ResourceExhausted(
-                    f"not enough KV blocks for request {client_request_id or request_id!r}: "
+                    f"not enough KV blocks for request {name!r}: {hold.num_blocks} are held "
+                    "for a request turned away earlier (first come, first served)",
+                    retry_after_s,
+                )
+            try:
+                block_table = cached + self._cache.allocate(needed)
+            except BlockPoolExhausted as e:
+                self._cache.free(cached)
+                if hold is None or hold.request_id == request_id:
+                    self._hold = _Hold(request_id, num_blocks, now + HOLD_S)
+                raise ResourceExhausted(
+                    f"not enough KV blocks for request {name!r}: "
                     f"needs {num_blocks} "
                     f"({len(prompt_token_ids)} prompt tokens + max_tokens {params.max_tokens}), "
                     f"{e.num_free + len(cached)} of {self._pool.num_blocks} free",
                     retry_after_s,
                 ) from None
+            if hold is not None and hold.request_id == request_id:
+                self._hold = None
             self._cache.record(len(prompt_token_ids), len(cached))
             request = DecodeRequest(
                 request_id=request_id,

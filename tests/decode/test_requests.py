@@ -7,7 +7,7 @@ import pytest
 from mili.engine.kv.block_pool import BlockPool
 from mili.engine.sampling_params import SamplingParams
 from mili.errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
-from services.decode.requests import RequestState, RequestTable
+from services.decode.requests import HOLD_S, RequestState, RequestTable
 
 
 def params(max_tokens: int) -> SamplingParams:
@@ -35,7 +35,40 @@ def test_admit_is_all_or_nothing_with_retry_hint() -> None:
         t.admit("b", [1] * 10, params(10), lease_ms=1000, now=0.0, retry_after_s=0.5)
     assert info.value.retry_after_s == 0.5
     assert t.num_free_blocks == 4
-    assert t.admit("c", [1] * 16, params(1), lease_ms=1000, now=0.0).block_table == [2, 3, 4, 5]
+    later = HOLD_S + 0.1  # b never asked again: the room held for it is given up
+    assert t.admit("c", [1] * 16, params(1), lease_ms=1000, now=later).block_table == [2, 3, 4, 5]
+
+
+def test_room_is_held_for_the_earliest_request_turned_away_for_blocks() -> None:
+    """Frontends queue their own requests: another frontend's small requests took every block
+    freed while a large one waited, until its deadline. Now the table holds room for the
+    earliest one it turned away: others get only what is left over it, until it is admitted
+    or stops asking (HOLD_S after its last ask)."""
+    t = table(num_blocks=6)
+    a = t.admit("a", [1] * 4, params(5), lease_ms=1000, now=0.0)  # blocks 0, 1: 4 free
+    with pytest.raises(ResourceExhausted, match="needs 5"):
+        t.admit("big", [1] * 10, params(10), lease_ms=1000, now=0.0)
+    with pytest.raises(ResourceExhausted, match="5 are held for a request turned away earlier"):
+        t.admit("small", [1] * 3, params(1), lease_ms=1000, now=1.0)  # 1 block: 3 left < 5
+    with pytest.raises(ResourceExhausted, match="needs 5"):  # it asks again: held on
+        t.admit("big", [1] * 10, params(10), lease_ms=1000, now=2.0)
+    t.cancel(a)  # 6 free: another may take what the big one leaves, no more
+    with pytest.raises(ResourceExhausted, match="held"):
+        t.admit("two", [1] * 5, params(1), lease_ms=1000, now=HOLD_S + 1.0)  # 2 blocks
+    assert t.admit("small", [1] * 3, params(1), lease_ms=1000, now=HOLD_S + 1.0).block_table
+    big = t.admit("big", [1] * 10, params(10), lease_ms=1000, now=HOLD_S + 1.5)
+    assert len(big.block_table) == 5 and t.num_free_blocks == 0
+    assert a.state is RequestState.DONE
+    # a second request turned away while one is held does not take the hold over
+    t2 = table(num_blocks=4)
+    x = t2.admit("x", [1] * 4, params(5), lease_ms=1000, now=0.0)  # 2 of 4 blocks
+    for name in ("first", "second"):
+        with pytest.raises(ResourceExhausted, match="not enough KV blocks"):
+            t2.admit(name, [1] * 8, params(5), lease_ms=1000, now=0.0)  # 3 blocks each
+    t2.cancel(x)
+    with pytest.raises(ResourceExhausted, match="held"):
+        t2.admit("second", [1] * 8, params(5), lease_ms=1000, now=0.5)
+    assert t2.admit("first", [1] * 8, params(5), lease_ms=1000, now=0.5).block_table
 
 
 def test_admit_refuses_duplicate_ids_and_past_the_request_bound() -> None:
@@ -175,3 +208,20 @@ def test_cached_blocks_are_evicted_when_admission_needs_them() -> None:
     assert t.prefix_cache_reading() == (0, 8 + 13, 0, 3, True)
     with pytest.raises(ResourceExhausted, match="0 of 4 free"):
         t.admit("c", [1], params(1), lease_ms=1000, now=0.0)
+
+
+def test_room_held_counts_the_waiting_requests_cached_blocks_too() -> None:
+    """The held room counted only the blocks the waiting request lacked, not its cached prefix:
+    another request could take what left it one short again, and again (found under load
+    with two frontends: a 60-block request, 2 of them cached, waited out its deadline)."""
+    t = cached_table(num_blocks=8)
+    run_to_end(t, "warm", list(range(8)), list(range(8)))  # tokens 0..7 cached: 2 blocks
+    other = t.admit("other", [9] * 5, params(8), lease_ms=1000, now=0.0)  # 3 blocks
+    big = list(range(8)) + [7] * 12  # + max_tokens 5: 6 blocks, 2 of them cached
+    with pytest.raises(ResourceExhausted, match="needs 6"):
+        t.admit("big", big, params(5), lease_ms=1000, now=0.0)
+    t.cancel(other)  # 8 available (the 2 cached among them): 4 blocks would leave it 4 of 6
+    with pytest.raises(ResourceExhausted, match="6 are held"):
+        t.admit("small", [5] * 9, params(8), lease_ms=1000, now=0.5)
+    admitted = t.admit("big", big, params(5), lease_ms=1000, now=1.0)
+    assert (len(admitted.block_table), admitted.num_cached_blocks) == (6, 2)
