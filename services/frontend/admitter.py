@@ -60,6 +60,9 @@ class Arrival:
 
     seq: int  # arrival order
     num_tokens: int  # prompt tokens
+    # False: it waits past the queue's bounds (a later choice of an HTTP request with several,
+    # taken when its first was: turned away, it would fail the choices already running)
+    is_bounded: bool = True
     waited_s: float = 0.0  # in the queue, all its stays together
     num_queued: int = 0  # stays in the queue
 
@@ -88,9 +91,9 @@ class Admitter:
     def num_waiting_tokens(self) -> int:
         return self.queue.num_tokens
 
-    def arrive(self, num_tokens: int) -> Arrival:
+    def arrive(self, num_tokens: int, *, is_bounded: bool = True) -> Arrival:
         """Take a place in line as the request arrives (before it first tries)."""
-        return Arrival(self.queue.arrive(), num_tokens)
+        return Arrival(self.queue.arrive(), num_tokens, is_bounded=is_bounded)
 
     def notify(self) -> None:
         """Room may have freed on some instance: the head's turn."""
@@ -113,7 +116,7 @@ class Admitter:
         when the request would wait and the queue is full; DeadlineExceeded when the deadline
         passes while it waits.
         """
-        is_return = no_room is not None
+        is_return = no_room is not None or not arrival.is_bounded
         if no_room is None and len(self.queue) == 0:
             try:
                 return await attempt()

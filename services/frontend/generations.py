@@ -74,7 +74,14 @@ class Generations:
                 prompt = await tokenize(self._downstream, self.config, valid, deadline)
                 observer.tokenized(len(prompt.token_ids))
                 tracked.max_tokens = prompt.sampling.max_tokens  # fitted to the context
-                generation = Generation(self._downstream, self.config, ids, prompt, deadline)
+                generation = Generation(
+                    self._downstream,
+                    self.config,
+                    ids,
+                    prompt,
+                    deadline,
+                    is_queue_bounded=not valid.is_later_choice,
+                )
                 async with aclosing(generation.run()) as deltas:
                     async for delta in deltas:
                         tracked.num_generated += len(delta.token_ids)

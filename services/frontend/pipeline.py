@@ -105,7 +105,10 @@ class Generation:
         ids: RequestIds,
         prompt: Prompt,
         deadline: Deadline,
+        *,
+        is_queue_bounded: bool = True,
     ) -> None:
+        """`is_queue_bounded` False: it waits for room past the admission queue's bounds."""
         self._downstream = downstream
         self._config = config
         self._router = downstream.router
@@ -117,7 +120,9 @@ class Generation:
         self._output_token_ids: list[int] = []
         self.served: Served | None = None  # once finished
         self._admitter = downstream.admitter
-        self._placement = Placement(downstream, config, prompt, deadline)
+        self._placement = Placement(
+            downstream, config, prompt, deadline, is_queue_bounded=is_queue_bounded
+        )
         self._first_request_id = ids.request_id
         self._num_tries = 1
         self._num_retries = 0

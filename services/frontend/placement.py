@@ -54,8 +54,15 @@ class Placement:
     admitted it) and the prefix index's lessons from them."""
 
     def __init__(
-        self, downstream: Downstream, config: FrontendConfig, prompt: Prompt, deadline: Deadline
+        self,
+        downstream: Downstream,
+        config: FrontendConfig,
+        prompt: Prompt,
+        deadline: Deadline,
+        *,
+        is_queue_bounded: bool = True,
     ) -> None:
+        """`is_queue_bounded` False: it waits for room past the admission queue's bounds."""
         self._downstream = downstream
         self._config = config
         self._router = downstream.router
@@ -67,7 +74,7 @@ class Placement:
         self._prefix_keys = index.keys(prompt.token_ids)
         self._affinity: dict[str, int] = {}
         self._admitter = downstream.admitter
-        self._arrival = self._admitter.arrive(len(prompt.token_ids))
+        self._arrival = self._admitter.arrive(len(prompt.token_ids), is_bounded=is_queue_bounded)
 
     @property
     def queued_s(self) -> float:

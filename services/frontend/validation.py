@@ -184,6 +184,9 @@ class ValidRequest:
     tools: tuple[FunctionTool, ...] = ()
     tool_choice: ToolChoice = AUTO
     parallel_tool_calls: bool = True
+    # A choice after the first of an HTTP request with several: the request was taken when its
+    # first was, so it waits for room past the admission queue's bounds (http_api/choices.py).
+    is_later_choice: bool = False
 
     @property
     def is_parsing_tools(self) -> bool:

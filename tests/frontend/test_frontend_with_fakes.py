@@ -4,6 +4,7 @@ how it handles full, failing and mismatched instances (see fakes.py for the fake
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import grpc
@@ -481,5 +482,32 @@ def test_a_prompt_that_opens_the_think_block_starts_the_output_in_reasoning() ->
                 generation_pb2.CompleteRequest(prompt="hi", sampling=chat.sampling), timeout=5
             )
             assert (plain.reasoning_text, plain.text) == ("", "I think.</think>Hello")
+
+    asyncio.run(main())
+
+
+def test_the_later_choices_of_a_request_wait_past_the_queues_bound() -> None:
+    """Three choices, decode room for one at a time, a queue of one: the third was turned away
+    (429), failing the two already taken, and every retry met the same bound. Now the later
+    choices wait past it; more choices than the frontend ever runs at once is a 400 naming n."""
+
+    async def main() -> None:
+        decode = FakeDecode(max_running=1)
+        async with stack([decode], max_queued_requests=1) as s:
+            generations = Generations(s.backends, FrontendMetrics(CollectorRegistry()))
+            body = parse(b'{"prompt": "hi", "n": 3, "max_tokens": 3}')
+            planned = choices_of.plan(generations, completion_request(body, Limits(), 4096, "r"))
+            assert [c.valid.is_later_choice for c in planned] == [False, True, True]
+            finished = set()
+            async for index, delta in choices_of.run(generations, planned, is_stream=False):
+                if delta.finish_reason is not None:
+                    finished.add(index)
+            assert finished == {0, 1, 2}
+            assert len(decode.admitted) == 3
+            too_many = parse(b'{"prompt": "hi", "n": 5}')
+            limited = dataclasses.replace(s.backends.config, max_concurrent_requests=4)
+            generations.config = limited
+            with pytest.raises(errors.InvalidArgument, match="more than this frontend runs"):
+                choices_of.plan(generations, completion_request(too_many, Limits(), 4096, "r"))
 
     asyncio.run(main())

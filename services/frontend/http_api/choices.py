@@ -16,6 +16,7 @@ from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, replace
 
+from mili.errors import InvalidArgument
 from services.frontend.calls import Deadline
 from services.frontend.coalescer import coalesced
 from services.frontend.generations import Generations
@@ -33,22 +34,33 @@ class Choice:
 
 def plan(generations: Generations, request: OpenAIRequest) -> list[Choice]:
     """Every choice, validated; InvalidArgument in validation's field names (the request's
-    `param_of` maps them)."""
+    `param_of` maps them), or naming `n` when the frontend could never run them all at once.
+    The choices after the first wait for room past the admission queue's bounds: the request
+    was taken with its first, and a later one turned away would fail those already running
+    (retrying the whole request would meet the same bound)."""
     choices = []
     num_choices = len(request.inputs) * request.n
+    most = generations.config.max_concurrent_requests
+    if num_choices > most:
+        raise InvalidArgument(
+            "n",
+            request.n,
+            f"{num_choices} choices ({len(request.inputs)} prompts x n) are more than this "
+            f"frontend runs at once (--max-concurrent-requests {most})",
+        )
     for p, prompt in enumerate(request.inputs):
         for i in range(request.n):
             index = p * request.n + i
             one = with_seed(prompt, nth_seed(prompt.sampling.seed, i))
             valid = generations.validate(one)
             if num_choices > 1:  # one id per generation in logs and traces: the request's + .i
-                valid = _suffixed(valid, index)
+                valid = replace(
+                    valid,
+                    client_request_id=f"{valid.client_request_id}.{index}",
+                    is_later_choice=index > 0,
+                )
             choices.append(Choice(index, p, valid))
     return choices
-
-
-def _suffixed(valid: ValidRequest, index: int) -> ValidRequest:
-    return replace(valid, client_request_id=f"{valid.client_request_id}.{index}")
 
 
 def run(
