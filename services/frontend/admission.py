@@ -21,7 +21,9 @@ Head of line. Only the head tries, one try at a time: when the head does not fit
 requests wait behind it even where a smaller one would fit (vLLM's first-come-first-served
 waiting queue does the same). Large requests are never starved by a stream of small ones; the
 cost is that a large head holds the others until room frees for it, bounded by its deadline
-(the frontend refuses at once a request that no instance could ever hold).
+(the frontend refuses at once a request that no instance could ever hold). Several frontends
+each have their own queue; across them, a decode instance holds room for the earliest request
+it turned away (services/decode/requests.py).
 
 Turns. `room()` says room may have freed (a request left an instance, an instance's Info was
 polled); the news is kept until the head takes its turn, so room that freed while the head was
