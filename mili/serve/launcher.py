@@ -406,7 +406,8 @@ def run(args: argparse.Namespace) -> int:
     check_ports(args)
     model_dir = flags.resolve_model(args)  # the demo model is built here once, not per child
     if not model_dir.is_dir():
-        raise StartupError(f"model directory {model_dir} does not exist")
+        why = "is not a directory" if model_dir.exists() else "does not exist"
+        raise StartupError(f"model directory {model_dir} {why}")
     with serve_tls.demo_certificates(args, _say) as demo:
         plan = make_plan(args, model_dir, demo)
 

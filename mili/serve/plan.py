@@ -175,6 +175,10 @@ def make_plan(
         raise StartupError(
             f"--startup-timeout must be a number of seconds > 0, got {args.startup_timeout}"
         )
+    if not 0 <= args.drain_timeout < float("inf"):  # refused here, not by each child in turn
+        raise StartupError(
+            f"--drain-timeout must be a number of seconds >= 0, got {args.drain_timeout}"
+        )
     metrics_base: int | None = args.metrics_port
     first_decode = 2 + args.prefill_instances  # metrics port offsets, see the module docstring
     after_decodes = first_decode + args.decode_instances  # frontend k >= 1: after_decodes+k-1

@@ -78,6 +78,14 @@ def test_a_startup_timeout_that_cannot_end_well_is_refused(tmp_path: Path, timeo
         frontends_for(tmp_path, "--startup-timeout", timeout)
 
 
+@pytest.mark.parametrize("timeout", ["-1", "nan", "inf"])
+def test_a_drain_timeout_that_cannot_end_well_is_refused(tmp_path: Path, timeout: str) -> None:
+    """Found by an exploratory test: -1 was refused by a child, after it started, as
+    "drain_timeout_s must be >= 0" (its internal name)."""
+    with pytest.raises(StartupError, match="--drain-timeout must be"):
+        frontends_for(tmp_path, "--drain-timeout", timeout)
+
+
 def test_an_unclosed_quote_in_a_childs_args_is_one_line() -> None:
     """Found by a flag review: shlex's ValueError came out as a traceback."""
     with pytest.raises(StartupError, match="--tokenizer-args: No closing quotation"):

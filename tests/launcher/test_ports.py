@@ -151,3 +151,13 @@ def test_a_derived_port_past_the_top_fails_before_any_child(demo_model_dir: Path
     assert result.returncode == 2
     assert "--prefill-port 65536: a port must be in 1..65535" in result.stderr
     assert "[tokenizer]" not in result.stderr
+
+
+def test_a_model_path_that_is_a_file_is_said_so(tmp_path: Path) -> None:
+    """It said "does not exist" of a file that exists."""
+    (tmp_path / "f").write_text("hi")
+    result = mili("serve", "--model", str(tmp_path / "f"), "--port", "0")
+    assert result.returncode == 2
+    assert f"model directory {tmp_path / 'f'} is not a directory" in result.stderr
+    result = mili("serve", "--model", str(tmp_path / "none"), "--port", "0")
+    assert f"model directory {tmp_path / 'none'} does not exist" in result.stderr
