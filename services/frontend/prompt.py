@@ -49,8 +49,34 @@ async def tokenize(
         router.max_prompt_tokens,
         may_shrink=request.is_default_max_tokens,
     )
+    if request.is_default_max_tokens:
+        sampling = fit_pool(sampling, len(token_ids), largest_pool(downstream))
     sampling = with_eos(sampling, facts.eos_token_ids)
     return Prompt(token_ids, sampling, facts.vocab_size, tokenized.starts_in_reasoning)
+
+
+def largest_pool(downstream: Downstream) -> int | None:
+    """Token positions the largest routable decode instance's KV pool holds (Info), or None
+    while none said."""
+    pools = [
+        view.num_total_blocks * downstream.decode_block_size(view.address)
+        for view in downstream.router.decodes.values()
+        if view.is_routable and view.num_total_blocks > 0
+    ]
+    return max(pools, default=None)
+
+
+def fit_pool(sampling: SamplingParams, num_prompt_tokens: int, pool: int | None) -> SamplingParams:
+    """A default max_tokens (the caller left it unset) shrunk to what the largest decode pool
+    holds after the prompt, as to the context: on a small pool the default alone made the
+    request too large, refused naming a max_tokens the caller never sent. A prompt that
+    leaves no room is left to the placement's refusal (it names what is needed)."""
+    if pool is None:
+        return sampling
+    room = pool - num_prompt_tokens + 1  # positions prompt + max_tokens - 1 (blocks_to_reserve)
+    if 1 <= room < sampling.max_tokens and sampling.min_tokens <= room:
+        return replace(sampling, max_tokens=room)
+    return sampling
 
 
 def check_input_chars(request: ValidRequest, max_input_chars: int) -> None:

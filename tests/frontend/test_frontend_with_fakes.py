@@ -511,3 +511,18 @@ def test_the_later_choices_of_a_request_wait_past_the_queues_bound() -> None:
                 choices_of.plan(generations, completion_request(too_many, Limits(), 4096, "r"))
 
     asyncio.run(main())
+
+
+def test_a_default_max_tokens_is_fitted_to_the_decode_pool_too() -> None:
+    """The fake decode holds 100 blocks of 16 (1,600 positions) in a 4,096-token context: a
+    default of 4,000 fitted the context only, and a real pool then refused the request naming a
+    max_tokens its caller never sent. An explicit one is left as sent (the caller's to fix)."""
+
+    async def main() -> None:
+        async with stack(limits=Limits(default_max_tokens=4000)) as s:
+            await collect(s.stub.Generate(prompt("hi"), timeout=5))
+            assert s.decodes[0].requests[-1].sampling.max_tokens == 1600 - 2 + 1
+            await collect(s.stub.Generate(prompt("hi", max_tokens=4000), timeout=5))
+            assert s.decodes[0].requests[-1].sampling.max_tokens == 4000  # as sent
+
+    asyncio.run(main())
