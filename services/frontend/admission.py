@@ -109,10 +109,11 @@ class AdmissionQueue:
         The token bound lets one waiter in whatever its size when the queue is empty: a bound
         below the longest prompt must not turn that prompt away for good. `why`: why it waits,
         quoted in the refusal; `retry_after_s`: the refusal's hint (None: the queue's).
-        `is_return`: the waiter comes back after it was admitted (prefill turned it away): where
-        the queue takes any, it is not refused, or later arrivals queued meanwhile would keep
-        their places over it (its place was counted when it arrived; returns are bounded by the
-        requests in flight).
+        `is_return`: the waiter comes back after it was admitted (prefill turned it away), or is
+        a later choice of a request taken with its first: where the queue takes any, it is not
+        refused, or later arrivals queued meanwhile would keep their places over it (its place
+        was counted when it arrived; returns are bounded by the requests in flight, choices by
+        n).
         """
         if any(w.seq == waiter.seq for w in self._waiters):
             raise ValueError(f"arrival {waiter.seq} is queued already")

@@ -116,7 +116,7 @@ class Admitter:
         when the request would wait and the queue is full; DeadlineExceeded when the deadline
         passes while it waits.
         """
-        is_return = no_room is not None or not arrival.is_bounded
+        is_past_bounds = no_room is not None or not arrival.is_bounded
         if no_room is None and len(self.queue) == 0:
             try:
                 return await attempt()
@@ -127,7 +127,7 @@ class Admitter:
         else:
             why, retry_after_s = f"{len(self.queue)} requests before it wait for room", None
         waiter = Waiter(arrival.seq, arrival.num_tokens)
-        self.queue.push(waiter, why=why, retry_after_s=retry_after_s, is_return=is_return)
+        self.queue.push(waiter, why=why, retry_after_s=retry_after_s, is_return=is_past_bounds)
         turn = self._turns[waiter] = asyncio.Event()
         span = trace.get_current_span()
         span.add_event(

@@ -195,7 +195,7 @@ def complete_response(
     if output is None:
         reply.text = text
         return reply
-    starts_in_reasoning = bool(deltas) and deltas[0].starts_in_reasoning
+    starts_in_reasoning = any(d.starts_in_reasoning for d in deltas)
     piece = output.push(text, is_last=True, starts_in_reasoning=starts_in_reasoning)
     reply.text, reply.reasoning_text = piece.content, piece.reasoning
     reply.tool_calls.extend(_tool_calls(piece))

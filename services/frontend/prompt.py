@@ -50,12 +50,12 @@ async def tokenize(
         may_shrink=request.is_default_max_tokens,
     )
     if request.is_default_max_tokens:
-        sampling = fit_pool(sampling, len(token_ids), largest_pool(downstream))
+        sampling = _fit_pool(sampling, len(token_ids), _largest_pool(downstream))
     sampling = with_eos(sampling, facts.eos_token_ids)
     return Prompt(token_ids, sampling, facts.vocab_size, tokenized.starts_in_reasoning)
 
 
-def largest_pool(downstream: Downstream) -> int | None:
+def _largest_pool(downstream: Downstream) -> int | None:
     """Token positions the largest routable decode instance's KV pool holds (Info), or None
     while none said."""
     pools = [
@@ -66,7 +66,7 @@ def largest_pool(downstream: Downstream) -> int | None:
     return max(pools, default=None)
 
 
-def fit_pool(sampling: SamplingParams, num_prompt_tokens: int, pool: int | None) -> SamplingParams:
+def _fit_pool(sampling: SamplingParams, num_prompt_tokens: int, pool: int | None) -> SamplingParams:
     """A default max_tokens (the caller left it unset) shrunk to what the largest decode pool
     holds after the prompt, as to the context: on a small pool the default alone made the
     request too large, refused naming a max_tokens the caller never sent. A prompt that
