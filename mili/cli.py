@@ -67,6 +67,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     demo.set_defaults(func=_demo_model)
 
     chosen = next((a for a in (argv or []) if not a.startswith("-")), None)
+    subs = {"demo-model": demo}
     for name, (module_name, help_text) in COMMANDS.items():
         # The module docstring is the description, laid out as written (tables, examples).
         sub = commands.add_parser(
@@ -77,12 +78,27 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
             sub.description = module.__doc__
             module.add_arguments(sub)
             sub.set_defaults(func=module.run)
+        subs[name] = sub
+    parser.set_defaults(subparsers=subs)
     return parser
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    """The arguments; an unknown flag of a command is that command's error, with its usage
+    (argparse leaves a subcommand's leftovers to the top parser, whose usage says nothing
+    of the command's flags: `mili serve-decode --bogus` printed `usage: mili COMMAND ...`)."""
+    parser = build_parser(argv)
+    args, extra = parser.parse_known_args(argv)
+    subparsers = args.subparsers
+    del args.subparsers
+    if extra:
+        subparsers[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser(argv).parse_args(argv)
+    args = _parse(argv)
     try:
         return int(args.func(args))
     except StartupError as e:

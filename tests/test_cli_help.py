@@ -65,3 +65,17 @@ def test_demo_model_refuses_a_directory_it_cannot_use_in_one_line(
         assert main(["demo-model", str(target)]) == 2
         err = capsys.readouterr().err
         assert err.startswith(f"mili demo-model: error: {words}") and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("name", ["serve-decode", "serve", "bench"])
+def test_an_unknown_flag_is_its_commands_error_with_its_usage(
+    name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`mili serve --decode-args "--bogus 1"` started decode, which printed `mili`'s own usage
+    (`mili COMMAND ...`), which says nothing of the flags decode takes."""
+    with pytest.raises(SystemExit) as exited:
+        main([name, "--bogus", "1"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert f"usage: mili {name} " in err
+    assert f"mili {name}: error: unrecognized arguments: --bogus 1" in err
