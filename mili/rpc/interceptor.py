@@ -44,6 +44,7 @@ from typing import Any, NoReturn
 
 import grpc
 
+from mili.cut import cut, taken_back
 from mili.discovery import Callers
 from mili.errors import PermissionDenied
 from mili.rpc.malformed import CheckedRequests, Malformed, Oversized, Refused, guard
@@ -85,6 +86,8 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
         self._receive_limit = SMALL_REQUEST_BYTES  # the server's: grpc refuses more itself
         # Calls whose handler has not started yet, by the task grpc runs each in (see `_wrap`).
         self._unstarted: dict[asyncio.Task[Any], _Call] = {}
+        # The tasks of the application calls in flight (what `cut` cancels).
+        self._running: set[asyncio.Task[Any]] = set()
 
     def set_policies(self, policies: Mapping[str, Policy], receive_limit: int) -> None:
         """Each service's rules, by its full name, and the server's receive limit (before the
@@ -103,6 +106,11 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
     def start_draining(self) -> None:
         """From now on every new application call is refused with UNAVAILABLE."""
         self._is_draining = True
+
+    def cut(self, why: str) -> int:
+        """Cancel every application call in flight with `why` (mili.cut): each ends UNAVAILABLE
+        with it as details. Returns how many were cut."""
+        return cut(list(self._running), why)
 
     async def wait_idle(self) -> None:
         """Return once no application call is in flight (callers bound this with a timeout)."""
@@ -175,7 +183,7 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
         async def run(request: Any, context: grpc.aio.ServicerContext) -> Any:
             self._start()
             await self._admit(context, call)
-            self._enter(call)  # no await between admit and here: nothing can slip in
+            task = self._enter(call)  # no await between admit and here: nothing can slip in
             is_done = False
             try:
                 await self._check_caller(context, call)
@@ -185,13 +193,15 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
                 return response
             except grpc.aio.AbortError:
                 raise  # the servicer chose its status with context.abort
+            except asyncio.CancelledError as exc:
+                await self._answer_cut(exc, context, call)
             except Exception as exc:
                 _raise_if_refused(request)
                 request = None  # its traceback holds this frame: the request must not stay
                 await self._abort_with(exc, context, call.method, call.is_request_streaming)
             finally:
                 self._count(call, context, is_done)
-                self._leave(call)
+                self._leave(call, task)
 
         return run
 
@@ -199,7 +209,7 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
         async def run(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             self._start()
             await self._admit(context, call)
-            self._enter(call)
+            task = self._enter(call)
             is_done = False
             responses: Any = None
             try:
@@ -211,6 +221,8 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
                 is_done = True
             except grpc.aio.AbortError:
                 raise
+            except asyncio.CancelledError as exc:
+                await self._answer_cut(exc, context, call)
             except Exception as exc:
                 _raise_if_refused(request)
                 request = None  # its traceback holds this frame: the request must not stay
@@ -222,7 +234,7 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
                 # now so its `finally` blocks (freeing KV blocks, say) run at once, not at GC.
                 if responses is not None:
                     await responses.aclose()
-                self._leave(call)
+                self._leave(call, task)
 
         return run
 
@@ -296,13 +308,32 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
                 call.is_request_streaming,
             )
 
-    def _enter(self, call: _Call) -> None:
-        if call.is_gated:
-            self._num_in_flight += 1
+    async def _answer_cut(
+        self, exc: asyncio.CancelledError, context: grpc.aio.ServicerContext, call: _Call
+    ) -> NoReturn:
+        """A call this server cut short (mili.cut) ends UNAVAILABLE saying why; any other
+        cancellation (the caller's, grpc's own) stays one."""
+        why = taken_back(exc)
+        if why is None:
+            raise exc
+        code = grpc.StatusCode.UNAVAILABLE
+        await _abort(context, code, str(why), (), call.is_request_streaming)
 
-    def _leave(self, call: _Call) -> None:
+    def _enter(self, call: _Call) -> asyncio.Task[Any] | None:
+        """Count the call in flight; its task (None for an ungated call), for `_leave`."""
+        if not call.is_gated:
+            return None
+        self._num_in_flight += 1
+        task = asyncio.current_task()
+        if task is not None:
+            self._running.add(task)
+        return task
+
+    def _leave(self, call: _Call, task: asyncio.Task[Any] | None) -> None:
         if not call.is_gated:
             return
+        if task is not None:
+            self._running.discard(task)
         self._num_in_flight -= 1
         if self._num_in_flight == 0 and self._idle is not None:
             self._idle.set()

@@ -33,6 +33,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
+from mili.cut import CUT_WAIT_S, drain_ran_out
 from mili.discovery import format_address
 from mili.errors import StartupError
 from mili.rpc.interceptor import CallInterceptor
@@ -439,12 +440,15 @@ class RpcServer:
         left = self.num_in_flight
         _LOG.log(
             logging.WARNING if left else logging.INFO,
-            "%s: drained in %.2f s; %d calls still in flight, stopping with %.1f s grace",
+            "%s: drained in %.2f s; %d calls still in flight, cut short (UNAVAILABLE), "
+            "stopping with %.1f s grace",
             self.name,
             time.monotonic() - started,
             left,
             grace_s,
         )
+        if left:
+            await self._cut(timeout_s)
         try:
             await server.stop(grace_s)
             if self._probe_server is not None:
@@ -456,6 +460,22 @@ class RpcServer:
                 self._metrics_server.close()
             self._stopped.set()
             _LOG.info("%s: stopped", self.name)
+
+    async def _cut(self, timeout_s: float) -> None:
+        """End the calls still in flight UNAVAILABLE, saying why (mili.cut), and give them up
+        to CUT_WAIT_S to send it: grpc's own stop would end them CANCELLED or UNAVAILABLE
+        with nothing said, and their log lines would blame their callers."""
+        assert self._hurry is not None
+        if self._hurry.is_set():
+            why = f"{self.name} stopped before this call finished: a second signal cut its drain"
+        else:
+            why = drain_ran_out(self.name, timeout_s)
+        self._interceptor.cut(why)
+        try:
+            async with asyncio.timeout(CUT_WAIT_S):
+                await self._interceptor.wait_idle()
+        except TimeoutError:
+            pass  # grpc's stop ends what is left
 
 
 def _print_line(line: str) -> None:

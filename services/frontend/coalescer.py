@@ -31,6 +31,7 @@ import contextlib
 from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
 
+from mili.cut import cut_reason
 from services.frontend.pipeline import Delta
 
 
@@ -92,6 +93,7 @@ async def coalesced(
             ready.set()
 
     task = asyncio.create_task(pull())
+    cut: str | None = None
     try:
         while True:
             if not is_done and num_buffered < wake_at:
@@ -108,6 +110,9 @@ async def coalesced(
                 if error is not None:
                     raise error
                 return
+    except asyncio.CancelledError as exc:
+        cut = cut_reason(exc)  # a drain's cut goes on to the generation, for its log line
+        raise
     finally:
         # Cancelling the task is not enough: an await deep in the generation may swallow the
         # cancellation (asyncio.wait_for in Python 3.11 does when its result comes at the same
@@ -115,6 +120,6 @@ async def coalesced(
         # the task at its next delta at the latest; leaving the loop closes the generation.
         is_closing = True
         room.set()
-        task.cancel()
+        task.cancel(cut)
         with contextlib.suppress(asyncio.CancelledError):
             await task

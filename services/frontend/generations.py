@@ -15,6 +15,7 @@ import secrets
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
+from mili.cut import cut_reason
 from mili.errors import InvalidArgument, ResourceExhausted
 from mili.telemetry.metrics import FrontendMetrics
 from services.frontend.backends import Backends
@@ -95,10 +96,10 @@ class Generations:
                 observer.failed(exc)
                 finish_reason = finish_reason or "error"
                 raise
-            except (asyncio.CancelledError, GeneratorExit):
-                # The caller cancelled, went away or its deadline passed (every downstream call
-                # is cancelled on the way out).
-                observer.cancelled(deadline.remaining())
+            except (asyncio.CancelledError, GeneratorExit) as exc:
+                # The caller cancelled, went away or its deadline passed, or a drain cut the
+                # call (every downstream call is cancelled on the way out).
+                observer.cancelled(deadline.remaining(), cut_reason(exc))
                 finish_reason = finish_reason or "cancelled"
                 raise
             finally:

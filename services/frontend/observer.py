@@ -104,13 +104,17 @@ class RequestObserver:
     def failed(self, exc: Exception) -> None:
         self._log("failed after %.1f ms: %s: %s", self._elapsed_ms(), code_of(exc).name, exc)
 
-    def cancelled(self, remaining_s: float | None) -> None:
-        """grpc ended the handler: `remaining_s`, grpc's own clock (which fired the end), says
-        whether the caller cancelled or its deadline passed."""
-        code = cut_short(remaining_s)
-        why = "the caller cancelled"
-        if code is grpc.StatusCode.DEADLINE_EXCEEDED:
-            why = "the caller's deadline passed"
+    def cancelled(self, remaining_s: float | None, cut: str | None = None) -> None:
+        """The handler was cancelled: by the server's own drain (`cut`, its reason: mili.cut),
+        else by grpc or aiohttp, where `remaining_s`, grpc's own clock (which fired the end),
+        says whether the caller cancelled or its deadline passed."""
+        if cut is not None:
+            code, why = grpc.StatusCode.UNAVAILABLE, cut
+        else:
+            code = cut_short(remaining_s)
+            why = "the caller cancelled"
+            if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+                why = "the caller's deadline passed"
         self._log("%s after %.1f ms: %s", code.name, self._elapsed_ms(), why)
 
     def _log(self, what: str, *args: object) -> None:

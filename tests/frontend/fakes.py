@@ -111,6 +111,7 @@ class FakeDecode(decode_pb2_grpc.DecodeServiceServicer):
     kv_landed: asyncio.Event = field(default_factory=asyncio.Event)
     max_running: int | None = None
     hold: asyncio.Event | None = None
+    hold_after: int = 0  # `hold` waits before this many of `script`'s events went out
     admitted: list[str] = field(default_factory=list)  # prompts admitted, in order
     num_reserved: int = 0  # requests admitted and not ended: their blocks are held
     transfer_error: Exception | None = None  # set with kv_landed: the transfer failed
@@ -132,11 +133,11 @@ class FakeDecode(decode_pb2_grpc.DecodeServiceServicer):
                 )
             )
             await self.kv_landed.wait()
-            if self.hold is not None:
-                await self.hold.wait()
             if self.transfer_error is not None:
                 raise self.transfer_error
             for i, token_ids in enumerate(self.script):
+                if self.hold is not None and i == self.hold_after:
+                    await self.hold.wait()
                 if self.fail_after is not None and i >= self.fail_after:
                     raise errors.Unavailable("fake decode lost its device")
                 last = i == len(self.script) - 1
@@ -263,6 +264,7 @@ class Stack:
     prefill: FakePrefill
     servers: dict[str, RpcServer]  # by address
     frontend: RpcServer  # its registry holds the frontend's metrics
+    generations: Generations  # what the gRPC servicer runs (an HTTP app can share it)
 
 
 @contextlib.asynccontextmanager
@@ -329,7 +331,8 @@ async def stack(
     backends = Backends(
         config, Router(config.prefill_addresses, config.decode_addresses), metrics=metrics
     )
-    add_to_server(frontend, GenerationServicer(Generations(backends, metrics)))
+    generations = Generations(backends, metrics)
+    add_to_server(frontend, GenerationServicer(generations))
     await backends.start()
     await frontend.start()
     channel = insecure_channel(frontend.address)
@@ -341,6 +344,7 @@ async def stack(
             prefill,
             servers,
             frontend,
+            generations,
         )
     finally:
         await channel.close()

@@ -110,6 +110,20 @@ def test_an_ended_call_says_whether_the_caller_cancelled_or_its_deadline_passed(
     assert re.fullmatch(r"'client-1' \(id frontend-1\) " + said.format(MS=MS), line), line
 
 
+def test_a_call_its_own_drain_cut_says_so_not_that_the_caller_cancelled(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    observer, _ = _observer()
+    with caplog.at_level(logging.INFO, logger="mili.frontend"):
+        observer.cancelled(3.0, "frontend stopped before this call finished: (why)")
+    (line,) = _lines(caplog)
+    assert re.fullmatch(
+        rf"'client-1' \(id frontend-1\) UNAVAILABLE after {MS}: frontend stopped before this "
+        r"call finished: \(why\)",
+        line,
+    ), line
+
+
 def test_a_client_id_cannot_pass_for_the_line_s_other_fields(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

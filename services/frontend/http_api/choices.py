@@ -16,6 +16,7 @@ from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, replace
 
+from mili.cut import cut_reason
 from mili.errors import InvalidArgument
 from services.frontend.calls import Deadline
 from services.frontend.coalescer import coalesced
@@ -110,6 +111,7 @@ async def fan_in(
         await queue.put((index, None))
 
     tasks = [asyncio.create_task(pull(i, s)) for i, s in zip(indexes, streams, strict=True)]
+    cut: str | None = None
     try:
         num_open = len(tasks)
         while num_open:
@@ -120,10 +122,13 @@ async def fan_in(
                 raise item
             else:
                 yield index, item
+    except asyncio.CancelledError as exc:
+        cut = cut_reason(exc)  # a drain's cut goes on to the generations, for their log lines
+        raise
     finally:
         is_closing = True
         for task in tasks:
-            task.cancel()
+            task.cancel(cut)
         await asyncio.gather(*tasks, return_exceptions=True)
 
 

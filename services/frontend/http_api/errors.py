@@ -16,6 +16,7 @@ once more for HTTP; validation is one rule with two mappings:
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -25,6 +26,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
 from mili import errors
+from mili.cut import taken_back
 from services.frontend.http_api.body import BODY_TIMEOUT_S
 
 _LOG = logging.getLogger("mili.frontend")
@@ -70,6 +72,15 @@ def sampling_param(field: str) -> str:
     """A validation field (the gRPC request's path, `sampling.top_p`) in the OpenAI request's
     names (`top_p`): its sampling parameters sit at the top level."""
     return field.removeprefix("sampling.")
+
+
+def cut_error(exc: asyncio.CancelledError) -> errors.Unavailable:
+    """A drain's cut (mili.cut) as the error the request ends with, a 503 saying why; any
+    other cancellation (the client went away) is raised again."""
+    why = taken_back(exc)
+    if why is None:
+        raise exc
+    return errors.Unavailable(why)
 
 
 def response_of(exc: BaseException, param_of: ParamOf = sampling_param) -> web.Response:

@@ -33,6 +33,7 @@ GET /health                  -> {"status": "ok"|"unavailable", "model_loaded", "
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 from collections.abc import AsyncGenerator
@@ -46,9 +47,9 @@ from services.frontend.calls import Deadline
 from services.frontend.http_api import sse
 from services.frontend.http_api.body import Body, parse, read_body
 from services.frontend.http_api.drain import DRAIN_GATE
-from services.frontend.http_api.errors import response_of
+from services.frontend.http_api.errors import cut_error
 from services.frontend.http_api.keys import GENERATIONS
-from services.frontend.http_api.telemetry import request_id_of, set_request_id, stream_failed
+from services.frontend.http_api.telemetry import request_id_of, set_request_id
 from services.frontend.pipeline import Delta
 from services.frontend.validation import RequestInput, SamplingInput
 
@@ -148,9 +149,10 @@ async def _stream(
     except ConnectionError:  # the client went away: nobody to tell
         return response
     except Exception as exc:  # past the headers, the error is an event
-        error = response_of(exc)
-        stream_failed(request, error.status)
-        await response.write(sse.event(error.text or "{}"))
+        await sse.write_error(request, response, exc)
+        return response
+    except asyncio.CancelledError as exc:  # a drain's cut: said, as an error is
+        await sse.write_error(request, response, cut_error(exc))
         return response
     totals = {"request_id": request_id, **_totals(last)}
     await response.write(sse.event(json.dumps(totals)) + sse.DONE)

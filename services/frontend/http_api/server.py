@@ -19,6 +19,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage
 from aiohttp.web_protocol import RequestPayloadError
 
+from mili.cut import CUT_WAIT_S, drain_ran_out
 from mili.discovery import format_address
 from mili.ports import pick_free
 from mili.rpc.tls import TlsFiles
@@ -174,9 +175,12 @@ class HttpServer:
         gate = self._app.get(DRAIN_GATE)
         if gate is not None:
             gate.start_draining()
-            if not await gate.wait_idle(self.config.drain_timeout_s):
+            timeout_s = self.config.drain_timeout_s
+            if not await gate.wait_idle(timeout_s):
                 _LOG.warning(
-                    "frontend: HTTP drain timed out with %d requests in flight: cancelling them",
+                    "frontend: HTTP drain timed out with %d requests in flight: cut short (503)",
                     gate.num_in_flight,
                 )
+                gate.cut(drain_ran_out("frontend", timeout_s))
+                await gate.wait_idle(CUT_WAIT_S)  # their error events out, then the port
         await runner.cleanup()

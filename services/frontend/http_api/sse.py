@@ -14,6 +14,7 @@ meanwhile) instead of growing a buffer here.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from typing import Protocol
@@ -21,7 +22,7 @@ from typing import Protocol
 from aiohttp import web
 from prometheus_client import Counter
 
-from services.frontend.http_api.errors import ParamOf, response_of
+from services.frontend.http_api.errors import ParamOf, cut_error, response_of, sampling_param
 from services.frontend.http_api.telemetry import stream_failed
 from services.frontend.pipeline import Delta
 
@@ -83,9 +84,9 @@ async def serve(
             except ConnectionResetError:
                 raise
             except Exception as exc:
-                error = response_of(exc, param_of)
-                stream_failed(request, error.status)
-                await response.write(event(error.text or ""))
+                await write_error(request, response, exc, param_of)
+            except asyncio.CancelledError as exc:  # a drain's cut: said, as an error is
+                await write_error(request, response, cut_error(exc), param_of)
             else:
                 for text in chunks.closing():
                     await response.write(event(text))
@@ -94,6 +95,19 @@ async def serve(
         except ConnectionResetError:
             pass  # the client went away; leaving closes the generations
     return response
+
+
+async def write_error(
+    request: web.Request,
+    response: web.StreamResponse,
+    exc: Exception,
+    param_of: ParamOf = sampling_param,
+) -> None:
+    """The event a stream whose headers went out ends with (before its [DONE]): the error
+    body its HTTP response would have had."""
+    error = response_of(exc, param_of)
+    stream_failed(request, error.status)
+    await response.write(event(error.text or "{}"))
 
 
 async def _write(

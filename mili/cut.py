@@ -1,0 +1,57 @@
+"""Work cut short by its own server: a drain's timeout ran out, or a second signal came.
+
+A server that stops cancels the calls still in flight. grpc's and aiohttp's own cancellations
+carry no message, so to a handler and to the request log they looked like the caller going
+away ("the caller cancelled"), and the caller got whatever the transport made of it: a bare
+CANCELLED or UNAVAILABLE on gRPC, an HTTP stream ending without its last chunk. Cancelled with
+a `Cut`, a task's CancelledError carries why (asyncio passes `Task.cancel(msg)` on to the
+error each awaiting frame sees), so the call can end with UNAVAILABLE saying so, which clients
+retry elsewhere, and the log line names the server, not the caller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+
+# How long the calls a drain cut get to send their answer before the server closes them.
+CUT_WAIT_S = 1.0
+
+
+class Cut(str):
+    """Why a server cut the call short: the message its caller gets (a str, so asyncio keeps
+    it as the CancelledError's message)."""
+
+
+def drain_ran_out(server: str, timeout_s: float) -> str:
+    """What a call cut at the end of `server`'s drain is told."""
+    why = f"its drain timeout ({timeout_s:g} s) ran out"
+    return f"{server} stopped before this call finished: {why}"
+
+
+def cut(tasks: Iterable[asyncio.Task[object]], why: str) -> int:
+    """Cancel each of `tasks` with `why`; returns how many were still running."""
+    num_cut = 0
+    for task in tasks:
+        if not task.done():
+            task.cancel(Cut(why))
+            num_cut += 1
+    return num_cut
+
+
+def cut_reason(exc: BaseException) -> Cut | None:
+    """The Cut a cancellation carries; None for any other (the caller's, a timeout's)."""
+    if isinstance(exc, asyncio.CancelledError) and exc.args and isinstance(exc.args[0], Cut):
+        return exc.args[0]
+    return None
+
+
+def taken_back(exc: asyncio.CancelledError) -> Cut | None:
+    """For a handler that answers a cut instead of ending cancelled: the Cut, with the current
+    task's cancellation undone (so a later `asyncio.timeout` in it still works); None for a
+    cancellation that is not a cut (re-raise it)."""
+    why = cut_reason(exc)
+    task = asyncio.current_task()
+    if why is not None and task is not None:
+        task.uncancel()
+    return why

@@ -1,0 +1,110 @@
+"""Requests a drain cuts (its timeout ran out) end UNAVAILABLE / 503 saying so, on both APIs,
+and their log lines blame the drain, not the caller.
+
+A real frontend (gRPC servicer and the HTTP app on one Generations, the HTTP port drained with
+the gRPC server as serve-frontend wires it) over the fakes (fakes.py), whose decode holds each
+request until told: the frontend's drain timeout is 0.5 s. Before the cut, grpc's own stop
+ended a call CANCELLED or UNAVAILABLE with nothing said, an HTTP stream lost its last chunk
+(an incomplete chunked body), and the request log said "the caller cancelled".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import aiohttp
+import grpc
+import pytest
+
+from mili.pb.common.v1 import sampling_pb2
+from mili.pb.frontend.v1 import generation_pb2
+from services.frontend.http_api.app import make_app
+from services.frontend.http_api.server import HttpConfig, HttpServer
+from tests.frontend.fakes import FakeDecode, Stack, ids, stack, wait_until
+
+CUT = "frontend stopped before this call finished: its drain timeout (0.5 s) ran out"
+
+
+@asynccontextmanager
+async def serving(decode: FakeDecode) -> AsyncIterator[tuple[Stack, str]]:
+    async with stack([decode]) as s:
+        config = HttpConfig(port=0, drain_timeout_s=0.5)
+        http = HttpServer(make_app(s.generations, config), config)
+        await http.start()
+        s.frontend.add_drain_hook(http.drain)
+        try:
+            yield s, http.url
+        finally:
+            await http.drain()
+
+
+def _request_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "mili.frontend"]
+
+
+def test_a_grpc_call_the_drain_cuts_is_unavailable_saying_why(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def main() -> None:
+        decode = FakeDecode(hold=asyncio.Event(), hold_after=1, script=[ids("ab"), ids("c")])
+        async with serving(decode) as (s, _):
+            request = generation_pb2.GenerateRequest(
+                prompt="held", sampling=sampling_pb2.SamplingParams(max_tokens=8)
+            )
+            call = s.stub.Generate(request, timeout=30)
+            first = await call.read()
+            assert first.text == "ab"  # streaming, then held at decode
+            await s.frontend.drain()
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await call.read()
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert info.value.details() == CUT
+            await wait_until(lambda: decode.num_closed == 1)  # decode's side ended too
+
+    with caplog.at_level(logging.INFO, logger="mili.frontend"):
+        asyncio.run(main())
+    assert any("UNAVAILABLE after" in m and CUT in m for m in _request_lines(caplog))
+    assert not any("the caller cancelled" in m for m in _request_lines(caplog))
+
+
+def test_an_http_stream_the_drain_cuts_ends_with_an_error_event_then_done(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def main() -> None:
+        decode = FakeDecode(hold=asyncio.Event(), hold_after=1, script=[ids("ab"), ids("c")])
+        async with serving(decode) as (s, url), aiohttp.ClientSession() as session:
+            body = {"model": "fake", "prompt": "held", "max_tokens": 8, "stream": True}
+            async with session.post(f"{url}/v1/completions", json=body) as response:
+                assert response.status == 200
+                first = await response.content.readline()
+                assert json.loads(first.removeprefix(b"data: "))["choices"][0]["text"] == "ab"
+                drain = asyncio.create_task(s.frontend.drain())
+                rest = (await response.content.read()).decode()  # the body is complete
+                await drain
+            events = [e.strip().removeprefix("data: ") for e in rest.split("\n\n") if e.strip()]
+            assert events[-1] == "[DONE]"
+            assert json.loads(events[-2])["error"]["message"] == CUT
+            await wait_until(lambda: decode.num_closed == 1)
+
+    with caplog.at_level(logging.INFO, logger="mili.frontend"):
+        asyncio.run(main())
+    assert any("UNAVAILABLE after" in m and "drain timeout" in m for m in _request_lines(caplog))
+
+
+def test_an_http_request_cut_before_its_answer_is_a_503_saying_why() -> None:
+    async def main() -> None:
+        decode = FakeDecode(hold=asyncio.Event(), hold_after=0)
+        async with serving(decode) as (s, url), aiohttp.ClientSession() as session:
+            body = {"model": "fake", "prompt": "held", "max_tokens": 8}
+            post = asyncio.create_task(session.post(f"{url}/v1/completions", json=body))
+            await wait_until(lambda: decode.num_reserved == 1)
+            await s.frontend.drain()
+            response = await post
+            assert response.status == 503
+            assert (await response.json())["error"]["message"] == CUT
+
+    asyncio.run(main())
