@@ -619,3 +619,45 @@ def test_a_slow_compile_keeps_one_lane(
     assert compiler.stats().running == 0
     assert len(compiled.lanes) == 1
     assert [compiled.matcher().lane for _ in range(3)] == [0, 0, 0]
+
+
+@pytest.mark.parametrize(
+    "constraint",
+    [
+        Constraint.choice(["e\u0301"]),
+        Constraint.choice(["cafe\u0301", "caf\u00e9"]),
+        Constraint.regex("abc\u0301"),
+        Constraint.json_schema('{"const": "cafe\\u0301"}'),
+    ],
+    ids=["choice", "choices-nfd-and-nfc", "regex", "const"],
+)
+def test_text_the_normalizer_would_change_is_forced_as_its_own_bytes(
+    constraint: Constraint, compiler: ConstraintCompiler
+) -> None:
+    """The demo tokenizer normalizes to NFC, as Qwen3's does. A grammar forcing "e" + U+0301
+    was tokenized by that normalizer into the token of "é": offered by the mask, refused by
+    the matcher (INTERNAL). Every token the mask offers is accepted, and the output is the
+    grammar's bytes exactly."""
+    compiled = compiler.compile_sync(constraint)
+    tok = compiled.tokenizer
+    eos = set(tok.eos_token_ids)
+    masker = BatchMasker(tok, max_batch=1)
+    for seed in range(3):
+        matcher = compiled.matcher()
+        rng = torch.Generator().manual_seed(seed)
+        out: list[int] = []
+        while not matcher.is_finished:
+            filled = masker.fill([matcher])
+            assert filled is not None
+            row = unpack_bitmask(filled.bitmask, tok.vocab_rows)[0]
+            offered = row.nonzero().flatten().tolist()
+            assert offered, f"nothing offered after {out}"
+            token = offered[int(torch.randint(len(offered), (1,), generator=rng))]
+            assert matcher.accept(token), f"offered {token} was refused after {out}"
+            if token not in eos:
+                out.append(token)
+            assert len(out) < 40
+        text = tok.decode(out)
+        if constraint.kind == "json_schema":
+            text = json.loads(text)
+        assert text in [*constraint.choices, "abc\u0301", "cafe\u0301"]

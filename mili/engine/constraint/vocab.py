@@ -42,7 +42,7 @@ class GrammarTokenizer:
         # The compile cache's tokenizer half: same file, rows and EOS ids -> same masks.
         self.fingerprint = hashlib.sha256(key.encode()).hexdigest()
         self.ll = llguidance.LLTokenizer(
-            tokenizer_json.decode(), n_vocab=vocab_rows, eos_token=list(self.eos_token_ids)
+            _byte_faithful(tokenizer_json), n_vocab=vocab_rows, eos_token=list(self.eos_token_ids)
         )
         # Tokens llguidance matches only by name, never as text: the special ones and every
         # added token spelled <...> (Qwen3's <think>, <tool_call>, ...), a subset of the added.
@@ -67,6 +67,19 @@ class GrammarTokenizer:
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return str(self.ll.decode_str(list(token_ids)))
+
+
+def _byte_faithful(tokenizer_json: bytes) -> str:
+    """tokenizer.json without its normalizer, for llguidance. llguidance tokenizes the text a
+    grammar forces (a choice, a const) with it; Qwen3's NFC normalizer turned a forced "e" +
+    U+0301 into the token of "é", bytes the grammar does not allow, and the matcher then
+    refused the token its own mask offered (INTERNAL). The model's output is token bytes, never
+    normalized: the forced text must be tokenized as those bytes."""
+    data: dict[str, Any] = json.loads(tokenizer_json)
+    if data.get("normalizer") is None:
+        return tokenizer_json.decode()
+    data["normalizer"] = None
+    return json.dumps(data)
 
 
 def _added_ids(tokenizer_json: bytes) -> list[int]:
