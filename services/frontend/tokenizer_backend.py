@@ -140,4 +140,6 @@ def _compiler(tokenizer_json: bytes, info: tokenizer_pb2.InfoResponse) -> Constr
     except ValueError as e:
         _LOG.warning("constraints are checked by prefill and decode only: %s", e)
         return None
-    return ConstraintCompiler(tokenizer, CompileConfig(field_prefix="sampling"))
+    compiler = ConstraintCompiler(tokenizer, CompileConfig(field_prefix="sampling"))
+    compiler.warm()
+    return compiler

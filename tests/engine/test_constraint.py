@@ -370,24 +370,70 @@ def test_cache_hits_on_second_compile(tokenizer: GrammarTokenizer) -> None:
     assert compiler.stats().misses == 2
 
 
-def test_the_cache_is_bounded_by_its_constraints_text_too(tokenizer: GrammarTokenizer) -> None:
-    """Found by a review: 512 entries of 64 KB schemas were ~2 GB a process (a compiled
-    constraint holds ~60x its text); the cache also keeps its text under cache_text_bytes,
-    least recently used out first, the newest always in."""
-    compiler = ConstraintCompiler(tokenizer, CompileConfig(cache_text_bytes=120))
-    regexes = [f"{letter}{{1,40}}" + "[0-9]" * 10 for letter in "abc"]  # 57 bytes each
-    for regex in regexes:
-        compiler.compile_sync(Constraint.regex(regex))
-    assert compiler.stats().misses == 3
-    compiler.compile_sync(Constraint.regex(regexes[2]))  # the newest two fit: hits
-    compiler.compile_sync(Constraint.regex(regexes[1]))
-    assert (compiler.stats().misses, compiler.stats().hits) == (3, 2)
-    compiler.compile_sync(Constraint.regex(regexes[0]))  # the oldest went: compiled again
-    assert compiler.stats().misses == 4
-    huge = Constraint.regex("d{1,40}" + "[0-9]" * 40)  # alone over the budget: still cached
-    compiler.compile_sync(huge)
-    compiler.compile_sync(huge)
-    assert (compiler.stats().misses, compiler.stats().hits) == (5, 3)
+def test_the_cache_is_bounded_by_the_memory_its_compiles_took(
+    tokenizer: GrammarTokenizer,
+) -> None:
+    """Found by reviews: 512 entries of 64 KB schemas were ~2 GB a process, and a 12-byte regex
+    compiles to megabytes. The cache keeps the memory its constraints' compiles took (measured
+    in the trial's child) under cache_bytes, least recently used out first, the newest always
+    in."""
+    compiler = ConstraintCompiler(tokenizer, CompileConfig(cache_bytes=4 << 20))
+    small = [Constraint.regex(r) for r in ("ab?", "cd?", "x[a-z]{1,5}")]
+    for constraint in small:
+        assert compiler.compile_sync(constraint).num_bytes < 1 << 20
+    for constraint in small:
+        compiler.compile_sync(constraint)
+    assert (compiler.stats().misses, compiler.stats().hits) == (3, 3)
+    big = compiler.compile_sync(Constraint.regex("b{1000}{20}"))  # 20,000 states
+    assert big.num_bytes > 4 << 20  # alone over the budget: the others go, it stays
+    compiler.compile_sync(Constraint.regex("b{1000}{20}"))
+    compiler.compile_sync(small[0])
+    assert (compiler.stats().misses, compiler.stats().hits) == (5, 4)
+
+
+def test_the_memory_budget_counts_each_lane(tokenizer: GrammarTokenizer) -> None:
+    """Each lane holds a whole compiled grammar: a small and a ~7 MB constraint fit 10 MiB in
+    one lane, not in two."""
+    for lanes, misses in ((1, 2), (2, 3)):
+        compiler = ConstraintCompiler(tokenizer, CompileConfig(cache_bytes=10 << 20, lanes=lanes))
+        compiler.compile_sync(Constraint.regex("ab?"))
+        big = compiler.compile_sync(Constraint.regex("b{1000}{20}"))
+        assert 4 << 20 < big.num_bytes / lanes < 10 << 20
+        compiler.compile_sync(Constraint.regex("ab?"))  # evicted by the big one in two lanes
+        assert compiler.stats().misses == misses
+
+
+def test_a_compile_that_never_ends_is_killed_and_frees_its_slot(
+    tokenizer: GrammarTokenizer,
+) -> None:
+    """llguidance never finishes this grammar's first mask (no fuel limit stops it; its
+    memory grows meanwhile). Compiled on a thread of the service, it held a compile slot for
+    good: four such requests refused every new constraint until a restart. Tried in a child
+    process, it is killed at the time limit."""
+    compiler = ConstraintCompiler(tokenizer, CompileConfig(timeout_s=1.0, max_compile_threads=1))
+    never = Constraint.grammar("start: A B\nA: /a+/\nB: /a/\n")
+    for _ in range(2):  # the second is tried again (and killed again), not refused for slots
+        with pytest.raises(ResourceExhausted, match=r"sampling\.grammar: compiling .* over 1\.0 s"):
+            compiler.compile_sync(never)
+        deadline = time.monotonic() + 5  # the caller's wait counted the child's start too
+        while compiler.stats().running and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert compiler.stats().running == 0
+    assert (
+        compiler.compile_sync(Constraint.regex("ab?")).matcher().allowed(tokenizer.encode("a")[0])
+    )
+
+
+def test_a_compile_past_the_memory_limit_is_refused_naming_the_field(
+    tokenizer: GrammarTokenizer,
+) -> None:
+    """`b{1000}{900}`, 12 bytes under every size limit, took ~200 MB a compile in each
+    service, kept in the cache: a handful of requests grew the frontend past a gigabyte."""
+    compiler = ConstraintCompiler(tokenizer)
+    for regex in ("b{1000}{900}", "b{1000}{200}"):
+        with pytest.raises(ResourceExhausted, match=r"sampling\.regex: .* over 64 MiB of memory"):
+            compiler.compile_sync(Constraint.regex(regex))
+    assert compiler.stats().running == 0
 
 
 def test_async_compile_dedupes_concurrent_requests(tokenizer: GrammarTokenizer) -> None:
@@ -559,17 +605,6 @@ def test_lanes_are_separate_compiles_dealt_out_in_turn(tokenizer: GrammarTokeniz
     assert [m.lane for m in matchers] == [0, 1, 2, 0]
     assert all(feed(m, '{"x":true}') for m in matchers)
     assert compiler.stats() == CompileStats(hits=0, misses=1, timeouts=0, running=0)
-
-
-def test_the_text_budget_counts_each_lane(tokenizer: GrammarTokenizer) -> None:
-    """Each lane holds a whole compiled grammar: two 57-byte regexes fit 120 bytes in one
-    lane (the test above this one's budget), not in two."""
-    compiler = ConstraintCompiler(tokenizer, CompileConfig(cache_text_bytes=120, lanes=2))
-    regexes = [f"{letter}{{1,40}}" + "[0-9]" * 10 for letter in "ab"]
-    for regex in regexes:
-        compiler.compile_sync(Constraint.regex(regex))
-    compiler.compile_sync(Constraint.regex(regexes[0]))  # evicted by the second: compiled again
-    assert (compiler.stats().misses, compiler.stats().hits) == (3, 0)
 
 
 def test_a_batch_of_mixed_lanes_fills_each_row_its_own_mask(tokenizer: GrammarTokenizer) -> None:

@@ -3,20 +3,23 @@
     compile(c) ──▶ validate sizes ──▶ LRU hit? ──yes──▶ CompiledConstraint
                                          │ no (or joins a compile already running for c)
                                          ▼
-                  a fresh daemon thread: grammar text -> llguidance.LLMatcher (the GIL dropped)
+                  a fresh daemon thread: tried in a child process first (trial.py: killed past
+                  timeout_s or max_compile_bytes), then grammar text -> llguidance.LLMatcher
+                  here (the GIL dropped)
                                          │
                  wait at most timeout_s ─┴─ late: ResourceExhausted naming the field
 
-A compile cannot be interrupted (llguidance's Rust code has no cancel). Each compile therefore
-runs on a thread of its own that nothing else waits on after the deadline: a caller that times
-out gets ResourceExhausted at once, the thread runs on (llguidance's own fuel limits bound it)
-and its result, if any, still lands in the cache. At most `max_compile_threads` compile threads
-run at a time, late ones included; past that a compile is refused (ResourceExhausted with a retry
-hint) rather than queued behind a hostile one.
+A compile cannot be interrupted (llguidance's Rust code has no cancel), and some never end:
+trial.py runs each first in a child that can be killed, so what runs here is a compile that
+finished there within the limits. The caller still waits at most timeout_s for both: one that
+times out gets ResourceExhausted at once, the thread runs on and its result still lands in the
+cache. At most `max_compile_threads` compile threads (and so children) run at a time; past that
+a compile is refused (ResourceExhausted with a retry hint) rather than queued.
 
 The cache key is (tokenizer fingerprint, constraint key): the compiled grammar depends on the
 tokenizer file, the model's row count and the EOS ids as well as on the constraint. A compiled
-constraint is a pristine matcher; each request gets a deep copy of it (~10 us).
+constraint is a pristine matcher; each request gets a deep copy of it (~10 us). The cache is
+bounded in entries and in the memory its constraints' compiles took (measured in the child).
 
 Lanes: the masks of llguidance's deep copies of one compiled grammar are computed one at a
 time however many threads fill them, those of separate compiles in parallel (measured:
@@ -49,6 +52,7 @@ import llguidance
 from mili.engine.constraint import schema as schemas
 from mili.engine.constraint.matcher import ConstraintMatcher, too_complex
 from mili.engine.constraint.spec import Constraint, ConstraintLimits, parse_schema, validate
+from mili.engine.constraint.trial import CompileTrials
 from mili.engine.constraint.vocab import GrammarTokenizer
 from mili.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 
@@ -76,11 +80,13 @@ class CompileConfig:
     timeout_s: float = 5.0
     max_compile_threads: int = 4
     cache_entries: int = 512
-    # The cached constraints' source text (schemas, regexes, grammars, choices), in bytes: a
-    # compiled one holds tens of times its text (docs/benchmarks.md, "Constraint cache
-    # memory"), and 512 large schemas took ~2 GB a process; 4 MiB of text is ~250 MB.
-    # Counted once per lane.
-    cache_text_bytes: int = 4 << 20
+    # The memory the cached constraints' compiles took, each measured in its trial's child
+    # process (at least its text), once per lane: 512 large schemas took ~2 GB a process
+    # (docs/benchmarks.md, "Constraint cache memory").
+    cache_bytes: int = 256 << 20
+    # A constraint whose compile takes more is refused (ResourceExhausted naming its field):
+    # a schema at the size limit takes a few MB, the regex b{1000}{900} ~200 MB.
+    max_compile_bytes: int = 64 << 20
     limits: ConstraintLimits = field(default_factory=ConstraintLimits)
     field_prefix: str = "sampling"  # errors name `<prefix>.<kind>`
     lanes: int = 1  # independent compiles of each constraint (module docstring)
@@ -90,7 +96,8 @@ class CompileConfig:
             self.timeout_s <= 0
             or self.max_compile_threads < 1
             or self.cache_entries < 1
-            or self.cache_text_bytes < 1
+            or self.cache_bytes < 1
+            or self.max_compile_bytes < 1
             or self.lanes < 1
         ):
             raise ValueError(f"invalid {self}")
@@ -112,6 +119,7 @@ class CompiledConstraint:
     template: Any  # llguidance.LLMatcher in its start state; never advanced
 
     field_name: str = "sampling.constraint"  # the request field, for errors mid-generation
+    num_bytes: int = 0  # what it counts against CompileConfig.cache_bytes (all lanes)
     # every lane's start-state matcher, `template` first; the compile thread appends the rest
     lanes: list[Any] = field(default_factory=list, init=False, repr=False, compare=False)
     _turn: Iterator[int] = field(
@@ -206,7 +214,8 @@ class ConstraintCompiler:
         self.config = config
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple[str, str], CompiledConstraint] = OrderedDict()
-        self._cached_text_bytes = 0  # of the constraints in _cache (_text_bytes)
+        self._cached_bytes = 0  # of the constraints in _cache (their num_bytes)
+        self._trials = CompileTrials(tokenizer)
         # Constraints the library refused (InvalidArgument: the same text is refused every
         # time): a client repeating a bad schema costs a lookup, not a compile thread each.
         self._refused: OrderedDict[tuple[str, str], InvalidArgument] = OrderedDict()
@@ -217,6 +226,14 @@ class ConstraintCompiler:
     def stats(self) -> CompileStats:
         with self._lock:
             return CompileStats(self._hits, self._misses, self._timeouts, self._num_threads)
+
+    def warm(self) -> None:
+        """Start a compile process in the background (services call it at start)."""
+        self._trials.warm()
+
+    def close(self) -> None:
+        """Stop the compile processes (trial.py); also done when this compiler is collected."""
+        self._trials.close()
 
     def compile_sync(self, constraint: Constraint) -> CompiledConstraint:
         """Blocking compile (for worker threads and tests); the same limits as `compile`."""
@@ -292,6 +309,7 @@ class ConstraintCompiler:
     ) -> None:
         started = time.perf_counter()
         try:
+            tried = self._trials.run(constraint, self.config)
             template, grammar = build(constraint, self.tokenizer, self.config)
         except BaseException as e:
             with self._lock:
@@ -305,17 +323,19 @@ class ConstraintCompiler:
                 future.set_exception(e)
             return
         field_name = constraint.field_name(self.config.field_prefix)
-        compiled = CompiledConstraint(constraint, self.tokenizer, template, field_name)
+        text_bytes = len(constraint.text) + sum(len(choice) for choice in constraint.choices)
+        num_bytes = self.config.lanes * max(tried.num_bytes, text_bytes)
+        compiled = CompiledConstraint(constraint, self.tokenizer, template, field_name, num_bytes)
         with self._lock:
             self._running.pop(key, None)
             self._cache[key] = compiled
-            self._cached_text_bytes += self._text_bytes(constraint)
+            self._cached_bytes += num_bytes
             while len(self._cache) > 1 and (
                 len(self._cache) > self.config.cache_entries
-                or self._cached_text_bytes > self.config.cache_text_bytes
+                or self._cached_bytes > self.config.cache_bytes
             ):  # the least recently used go first; the newest stays, however large
                 _, evicted = self._cache.popitem(last=False)
-                self._cached_text_bytes -= self._text_bytes(evicted.constraint)
+                self._cached_bytes -= evicted.num_bytes
         with contextlib.suppress(concurrent.futures.InvalidStateError):  # nobody waits now
             future.set_result(compiled)
         try:  # the thread still counts against max_compile_threads meanwhile
@@ -325,12 +345,6 @@ class ConstraintCompiler:
         finally:
             with self._lock:
                 self._num_threads -= 1
-
-    def _text_bytes(self, constraint: Constraint) -> int:
-        """What a cached constraint counts against cache_text_bytes: its text, per lane."""
-        return self.config.lanes * (
-            len(constraint.text) + sum(len(choice) for choice in constraint.choices)
-        )
 
 
 def load_compiler(
@@ -353,7 +367,9 @@ def load_compiler(
     except (ValueError, OSError) as e:  # llguidance's own reading of the file included
         _LOG.warning("%s: constraints are refused: tokenizer.json: %s", model_dir, e)
         return None
-    return ConstraintCompiler(tokenizer, config)
+    compiler = ConstraintCompiler(tokenizer, config)
+    compiler.warm()
+    return compiler
 
 
 async def compile_for(

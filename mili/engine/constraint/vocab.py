@@ -34,6 +34,7 @@ class GrammarTokenizer:
             raise ValueError(f"vocab_rows {vocab_rows} < the tokenizer's {num_tokens} tokens")
         if not eos_token_ids or not all(0 <= t < num_tokens for t in eos_token_ids):
             raise ValueError(f"eos_token_ids {list(eos_token_ids)} are not tokenizer ids")
+        self.source = tokenizer_json  # what a compile's child process builds its own from
         self.file_sha256 = hashlib.sha256(tokenizer_json).hexdigest()
         self.num_tokens = num_tokens
         self.vocab_rows = vocab_rows
