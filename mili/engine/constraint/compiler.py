@@ -309,7 +309,7 @@ class ConstraintCompiler:
     ) -> None:
         started = time.perf_counter()
         try:
-            tried = self._trials.run(constraint, self.config)
+            tried_bytes = self._trials.run(constraint, self.config)
             template, grammar = build(constraint, self.tokenizer, self.config)
         except BaseException as e:
             with self._lock:
@@ -324,7 +324,7 @@ class ConstraintCompiler:
             return
         field_name = constraint.field_name(self.config.field_prefix)
         text_bytes = len(constraint.text) + sum(len(choice) for choice in constraint.choices)
-        num_bytes = self.config.lanes * max(tried.num_bytes, text_bytes)
+        num_bytes = self.config.lanes * max(tried_bytes, text_bytes)
         compiled = CompiledConstraint(constraint, self.tokenizer, template, field_name, num_bytes)
         with self._lock:
             self._running.pop(key, None)

@@ -13,17 +13,17 @@ what the compile grew its memory by, which weighs the constraint in the cache.
 
     ConstraintCompiler thread            child (python -m mili.engine.constraint.trial)
     start: tokenizer.json, rows, EOS ──▶ builds its GrammarTokenizer once, answers "ready"
-    (constraint, config)             ──▶ compiler.build -> ("ok", grammar, bytes grown)
+    (constraint, config)             ──▶ compiler.build -> ("ok", bytes grown)
                                          | ("invalid", violations) | ("exhausted", message)
     no answer in timeout_s, or its resident memory grown past max_compile_bytes: killed; the
     next trial starts another
 
 Children start on the first compile that needs one (or at `warm`), one per compile running at
-once (at most CompileConfig.max_compile_threads). All are started by one thread of the
-compiler's, and ask Linux to kill them when that thread ends (PR_SET_PDEATHSIG): a child stuck
-in a compile dies with its service however the service dies, and with its compiler when that
-is closed or collected. Messages are length-prefixed pickles on the child's stdin and stdout:
-both ends are this module.
+once (at most CompileConfig.max_compile_threads); one is kept for the next (each holds its own
+tokenizer: ~155 MB for Qwen3's). All are started by one thread of the compiler's, and ask Linux
+to kill them when that thread ends (PR_SET_PDEATHSIG): a child stuck in a compile dies with its
+service however the service dies, and with its compiler when that is closed or collected.
+Messages are length-prefixed pickles on the child's stdin and stdout: both ends are this module.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import IO, TYPE_CHECKING, Any, NamedTuple
+from typing import IO, TYPE_CHECKING, Any
 
 from mili.errors import FieldViolation, InvalidArgument, ResourceExhausted
 
@@ -56,13 +56,6 @@ _LENGTH = struct.Struct("<Q")
 START_TIMEOUT_S = 60.0
 _POLL_S = 0.05  # how often the parent reads a compiling child's memory
 _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
-
-
-class Tried(NamedTuple):
-    """A constraint that compiled in a child: its grammar text and the memory it took."""
-
-    grammar: str
-    num_bytes: int
 
 
 class CompileTrials:
@@ -81,15 +74,14 @@ class CompileTrials:
 
         def started(future: concurrent.futures.Future[_Child]) -> None:
             if future.exception() is None:
-                with self._lock:
-                    self._idle.append(future.result())
+                self._give_back(future.result())
             else:
                 _LOG.warning("starting a constraint compile process failed: %s", future.exception())
 
         self._spawner.submit(_Child, self._tokenizer).add_done_callback(started)
 
-    def run(self, constraint: Constraint, config: CompileConfig) -> Tried:
-        """Compile `constraint` in a child: its grammar and size, or the InvalidArgument /
+    def run(self, constraint: Constraint, config: CompileConfig) -> int:
+        """Compile `constraint` in a child: the memory it took, or the InvalidArgument /
         ResourceExhausted the compile raised, or ResourceExhausted naming the field when it
         ran past the time or memory limit (the child is then killed)."""
         field_name = constraint.field_name(config.field_prefix)
@@ -112,8 +104,7 @@ class CompileTrials:
             raise ResourceExhausted(
                 f"{field_name}: the constraint's compile process ended (exit code {code})"
             ) from None
-        with self._lock:
-            self._idle.append(child)
+        self._give_back(child)
         return _result(answer, field_name, config)
 
     def close(self) -> None:
@@ -123,6 +114,14 @@ class CompileTrials:
             child.kill()
         self._spawner.shutdown(wait=False)  # its thread ends: running children die with it
 
+    def _give_back(self, child: _Child) -> None:
+        """Keep one idle child; stop the others a burst of compiles started."""
+        with self._lock:
+            if not self._idle:
+                self._idle.append(child)
+                return
+        child.kill()
+
     def _take(self) -> _Child:
         with self._lock:
             if self._idle:
@@ -130,19 +129,19 @@ class CompileTrials:
         return self._spawner.submit(_Child, self._tokenizer).result()
 
 
-def _result(answer: Any, field_name: str, config: CompileConfig) -> Tried:
+def _result(answer: Any, field_name: str, config: CompileConfig) -> int:
     kind, *rest = answer
     if kind == "invalid":
         raise InvalidArgument.many([FieldViolation(f, d) for f, d in rest[0]])
     if kind == "exhausted":
         raise ResourceExhausted(rest[0])
-    grammar, num_bytes = rest
+    (num_bytes,) = rest
     if num_bytes > config.max_compile_bytes:  # grown past the limit between two polls
         limit_mb = config.max_compile_bytes / (1 << 20)
         raise ResourceExhausted(
             f"{field_name}: compiling the constraint takes over {limit_mb:g} MiB of memory"
         )
-    return Tried(grammar, num_bytes)
+    return int(num_bytes)
 
 
 class _Child:
@@ -282,8 +281,8 @@ def _serve() -> None:
         before = _rss_bytes(os.getpid())
         answer: tuple[Any, ...]
         try:
-            matcher, grammar = build(constraint, tokenizer, config)
-            answer = ("ok", grammar, max(_rss_bytes(os.getpid()) - before, 0))
+            matcher, _ = build(constraint, tokenizer, config)
+            answer = ("ok", max(_rss_bytes(os.getpid()) - before, 0))
             del matcher
         except InvalidArgument as e:
             answer = ("invalid", [(v.field, v.description) for v in e.violations])
