@@ -507,8 +507,13 @@ def test_the_later_choices_of_a_request_wait_past_the_queues_bound() -> None:
             too_many = parse(b'{"prompt": "hi", "n": 5}')
             limited = dataclasses.replace(s.backends.config, max_concurrent_requests=4)
             generations.config = limited
-            with pytest.raises(errors.InvalidArgument, match="more than this frontend runs"):
+            with pytest.raises(errors.InvalidArgument, match="more than this frontend runs") as n:
                 choices_of.plan(generations, completion_request(too_many, Limits(), 4096, "r"))
+            assert n.value.violations[0].field == "n"
+            prompts = parse(b'{"prompt": ["a", "b", "c", "d", "e"]}')  # n left out: not n's
+            with pytest.raises(errors.InvalidArgument, match="more than this frontend runs") as p:
+                choices_of.plan(generations, completion_request(prompts, Limits(), 4096, "r"))
+            assert p.value.violations[0].field == "prompt"
 
     asyncio.run(main())
 

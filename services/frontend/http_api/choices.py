@@ -44,8 +44,8 @@ def plan(generations: Generations, request: OpenAIRequest) -> list[Choice]:
     most = generations.config.max_concurrent_requests
     if num_choices > most:
         raise InvalidArgument(
-            "n",
-            request.n,
+            "n" if request.n > 1 else "prompt",  # the field the client can lower
+            request.n if request.n > 1 else f"{len(request.inputs)} prompts",
             f"{num_choices} choices ({len(request.inputs)} prompts x n) are more than this "
             f"frontend runs at once (--max-concurrent-requests {most})",
         )

@@ -117,6 +117,10 @@ def completion_request(
         sampling = replace(sampling, prompt_logprobs=logprobs)
     prompts = _prompts(body)
     if len(prompts) * n > MAX_CHOICES:
+        if n == 1:  # the prompts alone are too many: name them, not an n the client never set
+            raise InvalidArgument(
+                "prompt", f"{len(prompts)} prompts", f"over this server's {MAX_CHOICES} choices"
+            )
         raise InvalidArgument(
             "n", n, f"{len(prompts)} prompts x n is over this server's {MAX_CHOICES} choices"
         )

@@ -270,6 +270,8 @@ def test_n_best_of_echo_stream_options() -> None:
     assert completion(prompt="a", n=MAX_N).n == 128  # OpenAI's largest
     assert len(completion(prompt=["a"] * 128, n=2).inputs) == 128  # 256 choices: lm-eval's
     assert param_of_failure(completion, prompt=["a"] * 129, n=2) == "n"  # 258 choices
+    # The prompts alone too many: not an n the client never sent (found by an exploratory test)
+    assert param_of_failure(completion, prompt=["a"] * 5000) == "prompt"
     assert param_of_failure(completion, prompt="a", n=2, best_of=3) == "best_of"
     echoed = completion(prompt="a", echo=True, logprobs=1)
     assert echoed.inputs[0].sampling.prompt_logprobs == 1  # the prompt's logprobs, from prefill
