@@ -53,7 +53,14 @@ _NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 def call_schema(tool: FunctionTool) -> dict[str, Any]:
     """The JSON Schema of one call of `tool`: {"name": its name, "arguments": its parameters}."""
     parameters = parse_object(tool.parameters) if tool.parameters else None
-    arguments = close_objects(parameters if parameters is not None else _NO_PARAMETERS)
+    if parameters is None:
+        parameters = _NO_PARAMETERS
+    elif "type" not in parameters:
+        # Without a type a schema allows any JSON value, and arguments that are not an object
+        # are no call (chat_output.py leaves the block as text). tools.py reads a missing type
+        # as object and refuses any other, so this only states what was meant.
+        parameters = {"type": "object", **parameters}
+    arguments = close_objects(parameters)
     arguments = rebase_refs(arguments, "#/properties/arguments")
     return {
         "type": "object",

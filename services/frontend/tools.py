@@ -108,7 +108,7 @@ def _check_parameters(text: str, field: str, bad: Bad) -> None:
     schema = parse_object(text)
     if schema is None:
         bad(field, _preview(text), "must be a JSON Schema object, in JSON text")
-    elif schema.get("type", "object") != "object":
+    elif schema.get("type", "object") != "object":  # none: an object (tool_grammar.py says so)
         bad(field, _preview(text), "a function's parameters are a schema of type object")
 
 

@@ -265,6 +265,25 @@ def test_forced_tool_choice_always_gives_a_valid_call(
     jsonschema.validate(json.loads(whole.tool_calls[0].arguments), WEATHER)
 
 
+def test_parameters_without_a_type_still_give_calls(client: openai.OpenAI) -> None:
+    """A tool whose parameters name no type (an object, as OpenAI reads them): the forced
+    answer is still a call (the schema was enforced as sent, any JSON value as arguments, and
+    `"arguments": true` came back as text with finish stop)."""
+    untyped = {"properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}}}
+    tool = {"type": "function", "function": {"name": "f", "parameters": untyped}}
+    extra = {"chat_template_kwargs": {"enable_thinking": False}}
+    for seed in range(4):
+        reply = chat(
+            client, tools=[tool], tool_choice="required", temperature=1.0, seed=seed,
+            max_tokens=200, extra_body=extra,
+        )  # fmt: skip
+        (done,) = reply.choices
+        assert done.finish_reason == "tool_calls", done
+        assert done.message.tool_calls and not done.message.content
+        for call in done.message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments), {"type": "object", **untyped})
+
+
 def test_response_format_json_schema_is_valid_json(client: openai.OpenAI) -> None:
     schema = {"name": "weather", "schema": WEATHER, "strict": True}
     for seed in range(4):

@@ -157,6 +157,40 @@ def test_a_tool_with_defs_and_refs_is_called_with_valid_arguments(
 
 @pytest.mark.parametrize(
     "parameters",
+    [{}, {"properties": {"a": {"type": "integer", "maximum": 9}}, "required": ["a"]}],
+)
+def test_parameters_without_a_type_are_called_with_an_object(
+    compiler: ConstraintCompiler,
+    tokenizer: GrammarTokenizer,
+    hf: Tokenizer,
+    parameters: dict[str, Any],
+) -> None:
+    """Parameters that name no type (read as an object, as OpenAI reads them): the arguments
+    are still an object. The schema was embedded as sent, which allows any JSON value, and
+    `"arguments": true` is no call: the answer came back as text with no tool_calls."""
+    tool = FunctionTool("f", "", json.dumps(parameters))
+    constraint = tool_call_constraint([tool], ToolChoice("function", "f"), enable_thinking=False)
+    assert constraint is not None
+    grammar = compiler.compile_sync(constraint)
+    for value in ("true", "null", "-6045", '"a"', "[1]"):
+        call = f'<tool_call>\n{{"name": "f", "arguments": {value}}}\n</tool_call>'
+        assert not accepts(grammar, tokenizer, call), value
+    if parameters:  # {} allows any object: random draws would write keys for long
+        for seed in range(3):
+            run = sample(grammar, hf, seed, max_steps=600)
+            assert all(run.finished)
+            for text in run.texts:
+                _, content, calls = calls_of(text)
+                assert content == "" and calls and all(name == "f" for name, _ in calls), text
+                for _, arguments in calls:
+                    jsonschema.validate(arguments, {"type": "object", **parameters})
+    else:
+        call = '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
+        assert accepts(grammar, tokenizer, call)
+
+
+@pytest.mark.parametrize(
+    "parameters",
     [
         {  # an embedded resource: its refs resolve against its $id, not the call's root
             "$id": "https://example.com/ship.json",
