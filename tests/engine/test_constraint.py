@@ -208,6 +208,20 @@ def test_close_objects_leaves_all_of_branches_open() -> None:
     assert schema["properties"]["c"] == {"type": "object", "properties": {"d": {}}}  # a copy
 
 
+def test_close_objects_leaves_what_an_all_of_branch_names_open() -> None:
+    """What a `$ref` in an allOf branch names is that branch's value: closed, it forbade the
+    other branches' keys. Entries named only from elsewhere are still closed."""
+    closed_def = {"properties": {"q": {}}}
+    schema = {
+        "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"properties": {"x": {}}}, "c": closed_def},
+        "allOf": [{"allOf": [{"$ref": "#/$defs/a"}]}, {"properties": {"y": {}}}],
+        "properties": {"p": {"$ref": "#/$defs/c"}},
+    }
+    closed = schemas.close_objects(schema)
+    assert "additionalProperties" not in closed["$defs"]["b"]
+    assert closed["$defs"]["c"]["additionalProperties"] is False
+
+
 @pytest.mark.parametrize(
     ("schema", "good"),
     [
@@ -237,6 +251,37 @@ def test_close_objects_leaves_all_of_branches_open() -> None:
                 ],
             },
             {"kind": "a", "x": 3},
+        ),
+        (  # an allOf branch that is a $ref: the entry it names stays open
+            {
+                "$defs": {
+                    "b": {
+                        "type": "object",
+                        "properties": {"x": {"type": "integer"}},
+                        "required": ["x"],
+                    }
+                },
+                "allOf": [
+                    {"$ref": "#/$defs/b"},
+                    {"properties": {"y": {"type": "boolean"}}, "required": ["y"]},
+                ],
+            },
+            {"x": 1, "y": True},
+        ),
+        (  # deeper: a nested allOf's $ref to an entry that is a $ref, an anyOf of refs
+            {
+                "$defs": {
+                    "a": {"$ref": "#/$defs/b"},
+                    "b": {"properties": {"x": {"type": "integer"}}, "required": ["x"]},
+                    "c": {"properties": {"z": {"type": "integer"}}, "required": ["z"]},
+                },
+                "allOf": [
+                    {"allOf": [{"$ref": "#/$defs/a"}]},
+                    {"anyOf": [{"$ref": "#/$defs/c"}, {"type": "object"}]},
+                    {"properties": {"y": {"type": "boolean"}}, "required": ["y"]},
+                ],
+            },
+            {"x": 1, "y": True, "z": 2},
         ),
         (  # a required key it does not list
             {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "b"]},

@@ -89,6 +89,23 @@ SCHEMAS: dict[str, dict[str, Any]] = {
         },
         "required": ["p", "v"],
     },
+    # an allOf branch that is a $ref: the entry it names stays open, as an inline branch
+    # (closed, it forbade "y": refused as unsatisfiable); closed by the object's own keys
+    "all_of_ref": {
+        "$defs": {
+            "base": {
+                "type": "object",
+                "properties": {"x": {"type": "integer"}},
+                "required": ["x"],
+            }
+        },
+        "allOf": [
+            {"$ref": "#/$defs/base"},
+            {"properties": {"y": {"type": "boolean"}}, "required": ["y"]},
+        ],
+        "properties": {"x": {}, "y": {}},
+        "additionalProperties": False,
+    },
 }
 
 

@@ -10,8 +10,10 @@ generated still validates against the schema as sent: it only leaves out extra k
 
 Left open, as closing would forbid keys the schema allows: `allOf` branches (each other's keys),
 an object whose `properties` sit beside `allOf`, `anyOf`, `oneOf` or `$ref` (their keys join
-its own: it is not closed, nor are those `anyOf`/`oneOf` branches, nor a `$defs` entry such a
-`$ref` names), and one that requires a key it does not list.
+its own: it is not closed, nor are those `anyOf`/`oneOf` branches), and one that requires a key
+it does not list. What describes the same value as an open subschema stays open with it: its
+`anyOf`/`oneOf` branches and the `$defs` entry its `$ref` names (an `allOf` branch
+`{"$ref": "#/$defs/base"}` leaves `base` open), at any depth.
 """
 
 from __future__ import annotations
@@ -28,35 +30,58 @@ _LIST = ("anyOf", "oneOf", "prefixItems")
 
 def close_objects(schema: dict[str, Any]) -> dict[str, Any]:
     """A copy of `schema` whose listed-property objects allow no other keys."""
-    return _close(schema, closable=True, merged=_merged_refs(schema))
+    # A `$defs` entry stays open when a `$ref` to it sits in an open subschema, which may
+    # itself be an entry left open: walk again until no new one is found.
+    open_refs: frozenset[str] = frozenset()
+    while True:
+        found: set[str] = set()
+        closed = _close(schema, True, open_refs, found)
+        if found <= open_refs:
+            return closed
+        open_refs |= found
 
 
 # Beside `properties`, these bring keys of their own into the same object.
 _JOINING = ("allOf", "anyOf", "oneOf", "$ref")
 
 
-def _close(node: Any, closable: bool, merged: frozenset[str], path: str = "#") -> Any:
+def _close(
+    node: Any, closable: bool, open_refs: frozenset[str], found: set[str], path: str = "#"
+) -> Any:
+    """`node` closed where `closable` (and where its own keys allow); the local `$ref`s whose
+    target must stay open (named from an open subschema or beside `properties`: the target
+    describes this same value) are added to `found`."""
     if not isinstance(node, dict):
         return node
     has_properties = isinstance(node.get("properties"), dict)
     joined = has_properties and _brings_keys(node)
+    ref = node.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#") and (has_properties or not closable):
+        found.add(ref)
     out: dict[str, Any] = {}
     for key, value in node.items():
         where = f"{path}/{key}"
         if key in _ONE:
-            out[key] = _close(value, True, merged, where)
+            out[key] = _close(value, True, open_refs, found, where)
         elif key in _MAP and isinstance(value, dict):
             out[key] = {
-                name: _close(sub, f"{where}/{name}" not in merged, merged, f"{where}/{name}")
+                name: _close(
+                    sub, f"{where}/{name}" not in open_refs, open_refs, found, f"{where}/{name}"
+                )
                 for name, sub in value.items()
             }
         elif key in _LIST and isinstance(value, list):
             # Branches beside properties stay open: closed, each would forbid the object's
-            # other keys.
-            branches_closable = key == "prefixItems" or not has_properties
-            out[key] = [_close(sub, branches_closable, merged) for sub in value]
+            # other keys. So do those of an open subschema (they describe its value).
+            branches_closable = key == "prefixItems" or (closable and not has_properties)
+            out[key] = [
+                _close(sub, branches_closable, open_refs, found, f"{where}/{i}")
+                for i, sub in enumerate(value)
+            ]
         elif key == "allOf" and isinstance(value, list):
-            out[key] = [_close(sub, False, merged) for sub in value]
+            out[key] = [
+                _close(sub, False, open_refs, found, f"{where}/{i}") for i, sub in enumerate(value)
+            ]
         else:
             out[key] = value
     is_open = any(key in node for key in _OPEN_KEYS)
@@ -115,26 +140,6 @@ def _brings_keys(node: dict[str, Any]) -> bool:
             if (set(properties) | set(required)) - listed:
                 return True
     return False
-
-
-def _merged_refs(schema: Any) -> frozenset[str]:
-    """The local `$ref`s that sit beside `properties` (their target's keys join that object's,
-    so the target stays open)."""
-    found: set[str] = set()
-
-    def walk(node: Any) -> None:
-        if isinstance(node, dict):
-            ref = node.get("$ref")
-            if isinstance(ref, str) and ref.startswith("#") and "properties" in node:
-                found.add(ref)
-            for value in node.values():
-                walk(value)
-        elif isinstance(node, list):
-            for item in node:
-                walk(item)
-
-    walk(schema)
-    return frozenset(found)
 
 
 _UNIMPLEMENTED = re.compile(r"Unimplemented keys: \[(.*?)\]")
