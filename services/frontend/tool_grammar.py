@@ -32,7 +32,12 @@ from typing import Any
 
 import llguidance
 
-from mili.engine.constraint.schema import close_objects, rebase_refs, reword
+from mili.engine.constraint.schema import (
+    close_objects,
+    rebase_refs,
+    reword,
+    unenforced_bounds,
+)
 from mili.engine.constraint.spec import Constraint, ConstraintLimits, json_depth, validate
 from mili.errors import InvalidArgument
 from services.frontend.tools import FunctionTool, ToolChoice, parse_object
@@ -97,10 +102,16 @@ def tool_call_constraint(
 ) -> Constraint | None:
     """The constraint that enforces `choice` over `tools` (checked by tools.check_tools), or
     None when nothing is enforced (auto, none). InvalidArgument naming `tools` when the
-    grammar is over the constraint limits."""
+    grammar is over the constraint limits, `tools[i].parameters` for numeric bounds the
+    grammar library would not enforce (schema.unenforced_bounds)."""
     if not choice.is_forced:
         return None
     chosen = [t for t in tools if choice.mode == "required" or t.name == choice.function_name]
+    for i, tool in enumerate(tools):
+        parameters = parse_object(tool.parameters) if tool in chosen and tool.parameters else None
+        unenforced = unenforced_bounds(parameters) if parameters is not None else None
+        if unenforced is not None:
+            raise InvalidArgument(f"tools[{i}].parameters", tool.parameters, unenforced)
     is_thinking = enable_thinking is not False
     text = tool_call_grammar(chosen, is_parallel=is_parallel, is_thinking=is_thinking)
     constraint = Constraint.grammar(text)

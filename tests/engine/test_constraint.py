@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
+import llguidance
 import pytest
 import torch
 
@@ -127,6 +128,69 @@ def test_bad_constraints_are_invalid_argument(
         compiler.compile_sync(constraint)
     assert err.value.violations[0].field == field
     assert words in err.value.violations[0].description, err.value.violations[0].description
+
+
+@pytest.mark.parametrize(
+    ("schema", "words", "outside"),
+    [
+        (
+            {"type": "number", "exclusiveMinimum": 100, "maximum": 100.5},
+            "exclusiveMinimum 100",
+            "100",
+        ),
+        (
+            {"type": "number", "exclusiveMinimum": 5, "exclusiveMaximum": 5.5},
+            "exclusiveMinimum 5",
+            "5",
+        ),
+        ({"type": "number", "exclusiveMinimum": 0, "maximum": 0.5}, "allow 0 itself", "0"),
+        ({"type": "number", "minimum": -0.5, "exclusiveMaximum": 0}, "exclusiveMaximum 0", "-0"),
+        ({"type": "number", "minimum": -1.5, "exclusiveMaximum": -1}, "exclusiveMaximum -1", "-1"),
+        (  # the library merges allOf branches' bounds
+            {"type": "number", "allOf": [{"exclusiveMinimum": 10}, {"maximum": 10.5}]},
+            "exclusiveMinimum 10 with maximum 10.5",
+            "10",
+        ),
+        (
+            {
+                "type": "object",
+                "properties": {"a": {"type": "number", "exclusiveMinimum": 10, "maximum": 10.5}},
+            },
+            "exclusiveMinimum 10",
+            '{"a":10}',
+        ),
+        (
+            {"type": "integer", "minimum": 9007199254740993, "maximum": 9007199254740995},
+            "minimum 9007199254740993",
+            "9007199254740992",
+        ),
+        ({"type": "integer", "maximum": -(2**53) - 1}, "maximum -9007199254740993", None),
+    ],
+)
+def test_bounds_the_library_would_not_enforce_are_refused_by_name(
+    schema: dict[str, Any],
+    words: str,
+    outside: str | None,
+    compiler: ConstraintCompiler,
+    tokenizer: GrammarTokenizer,
+) -> None:
+    """llguidance let through outputs outside these bounds (`outside`; it still does, or the
+    refusal can go): refused naming the keywords, as an unsupported keyword is, instead of
+    enforcing less than was asked."""
+    if outside is not None:
+        jsonschema.validate(json.loads(outside), {"not": schema})
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(
+            schema, overrides=compiler_module.JSON_OPTIONS
+        )
+        assert feed(
+            ConstraintMatcher(llguidance.LLMatcher(tokenizer.ll, grammar), tokenizer), outside
+        )
+    with pytest.raises(InvalidArgument) as err:
+        compiler.compile_sync(Constraint.json_schema(schema))
+    (violation,) = err.value.violations
+    assert violation.field == "sampling.json_schema"
+    assert "unsupported JSON Schema bound" in violation.description
+    assert words in violation.description, violation.description
 
 
 def test_field_prefix_names_the_callers_field(tokenizer: GrammarTokenizer) -> None:

@@ -89,6 +89,19 @@ SCHEMAS: dict[str, dict[str, Any]] = {
         },
         "required": ["p", "v"],
     },
+    # exclusive bounds llguidance enforces (those it does not are refused: test_constraint.py)
+    "exclusive_bounds": {
+        "type": "object",
+        "properties": {
+            "a": {"type": "number", "exclusiveMinimum": 100, "maximum": 101},
+            "b": {"type": "number", "exclusiveMinimum": 1, "exclusiveMaximum": 2},
+            "c": {"type": "number", "minimum": 99.5, "exclusiveMaximum": 100},
+            "d": {"type": "number", "exclusiveMinimum": 100.5, "maximum": 101},
+            "e": {"type": "integer", "exclusiveMinimum": 5, "maximum": 6.5},
+            "f": {"type": "integer", "minimum": 2**53 - 2, "maximum": 2**53},
+        },
+        "required": ["a", "b", "c", "d", "e", "f"],
+    },
     # an allOf branch that is a $ref: the entry it names stays open, as an inline branch
     # (closed, it forbade "y": refused as unsatisfiable); closed by the object's own keys
     "all_of_ref": {

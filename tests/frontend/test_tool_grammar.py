@@ -260,6 +260,22 @@ def test_auto_and_none_enforce_nothing() -> None:
     assert tool_call_constraint(TOOLS, ToolChoice("none")) is None
 
 
+def test_bounds_the_library_would_not_enforce_are_refused_naming_the_tool() -> None:
+    """As for a json_schema constraint (schema.unenforced_bounds): a forced call of this tool
+    could have carried `"x": 100`, which its parameters forbid. Only enforced tools count."""
+    parameters = {
+        "type": "object",
+        "properties": {"x": {"type": "number", "exclusiveMinimum": 100, "maximum": 100.5}},
+    }
+    tools = [*TOOLS, FunctionTool("odd", "", json.dumps(parameters))]
+    with pytest.raises(InvalidArgument) as caught:
+        tool_call_constraint(tools, ToolChoice("required"))
+    (violation,) = caught.value.violations
+    assert violation.field == "tools[3].parameters"
+    assert "exclusiveMinimum 100 with maximum 100.5" in violation.description
+    assert tool_call_constraint(tools, ToolChoice("function", "search")) is not None
+
+
 def test_tools_over_the_size_limit_are_refused_naming_tools() -> None:
     big = FunctionTool("big", "", json.dumps({"type": "object", "description": "x" * 70_000}))
     with pytest.raises(InvalidArgument) as caught:

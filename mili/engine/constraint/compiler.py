@@ -141,7 +141,11 @@ def grammar_text(constraint: Constraint, limits: ConstraintLimits, prefix: str) 
     field_name = constraint.field_name(prefix)
     try:
         if constraint.kind == "json_schema":
-            closed = schemas.close_objects(parse_schema(constraint, limits, prefix))
+            schema = parse_schema(constraint, limits, prefix)
+            unenforced = schemas.unenforced_bounds(schema)
+            if unenforced is not None:
+                raise InvalidArgument(field_name, constraint.text, unenforced)
+            closed = schemas.close_objects(schema)
             return str(
                 llguidance.LLMatcher.grammar_from_json_schema(closed, overrides=JSON_OPTIONS)
             )

@@ -14,12 +14,20 @@ its own: it is not closed, nor are those `anyOf`/`oneOf` branches), and one that
 it does not list. What describes the same value as an open subschema stays open with it: its
 `anyOf`/`oneOf` branches and the `$defs` entry its `$ref` names (an `allOf` branch
 `{"$ref": "#/$defs/base"}` leaves `base` open), at any depth.
+
+Numeric bounds llguidance would not enforce are refused by name (`unenforced_bounds`) rather
+than let through outputs the schema forbids: it reads bounds as 64-bit floats (an integer past
+2**53 moves), and its number expression lets a whole exclusive bound itself through when the
+other bound has the same integer part (exclusiveMinimum 100 with maximum 100.5 allows `100`;
+minimum -0.5 with exclusiveMaximum 0 allows `-0`).
 """
 
 from __future__ import annotations
 
+import math
 import re
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, NamedTuple
 
 _OPEN_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
 # Keywords whose value is one subschema, or a map / list of subschemas.
@@ -140,6 +148,112 @@ def _brings_keys(node: dict[str, Any]) -> bool:
             if (set(properties) | set(required)) - listed:
                 return True
     return False
+
+
+class _Bound(NamedTuple):
+    keyword: str
+    value: int | float
+
+    @property
+    def is_exclusive(self) -> bool:
+        return self.keyword.startswith("exclusive")
+
+
+_LOWER = ("minimum", "exclusiveMinimum")
+_UPPER = ("maximum", "exclusiveMaximum")
+_MAX_EXACT_INTEGER = 2**53  # past it a 64-bit float does not hold every integer
+
+
+def unenforced_bounds(schema: dict[str, Any]) -> str | None:
+    """Why llguidance would let a number outside some subschema's bounds through (the
+    keywords named, for an InvalidArgument), or None. A subschema's bounds include its
+    `allOf` branches' (and what their local `$ref`s name), which the library merges."""
+    for node in _subschemas(schema):
+        bounds = _bounds(node, schema, set())
+        for bound in bounds:
+            if isinstance(bound.value, int) and abs(bound.value) > _MAX_EXACT_INTEGER:
+                return (
+                    f"unsupported JSON Schema bound: {bound.keyword} {bound.value} (the grammar "
+                    "library reads bounds as 64-bit floats: past 2**53 they would not be enforced)"
+                )
+        lower = max(
+            (b for b in bounds if b.keyword in _LOWER),
+            key=lambda b: (b.value, b.is_exclusive),
+            default=None,
+        )
+        upper = min(
+            (b for b in bounds if b.keyword in _UPPER),
+            key=lambda b: (b.value, not b.is_exclusive),
+            default=None,
+        )
+        if lower is None or upper is None:
+            continue
+        for whole, other in ((lower, upper), (upper, lower)):
+            if (
+                whole.is_exclusive
+                and float(whole.value).is_integer()
+                and other.value != whole.value
+                and math.isfinite(other.value)  # json.loads reads Infinity and NaN
+                and math.trunc(other.value) == whole.value
+            ):
+                return (
+                    f"unsupported JSON Schema bounds: {lower.keyword} {lower.value} with "
+                    f"{upper.keyword} {upper.value} (the grammar library would allow "
+                    f"{whole.value} itself: an exclusive whole bound with another of the same "
+                    "integer part is not enforced)"
+                )
+    return None
+
+
+def _bounds(node: dict[str, Any], root: dict[str, Any], seen: set[str]) -> list[_Bound]:
+    """`node`'s numeric bounds and those of its `allOf` branches, through local `$ref`s."""
+    found = [
+        _Bound(key, value)
+        for key in (*_LOWER, *_UPPER)
+        if isinstance(value := node.get(key), (int, float)) and not isinstance(value, bool)
+    ]
+    branches = node.get("allOf")
+    for branch in branches if isinstance(branches, list) else ():
+        if not isinstance(branch, dict):
+            continue
+        found += _bounds(branch, root, seen)
+        ref = branch.get("$ref")
+        if isinstance(ref, str) and ref not in seen:
+            seen.add(ref)
+            target = _local_target(root, ref)
+            if target is not None:
+                found += _bounds(target, root, seen)
+    return found
+
+
+def _local_target(root: dict[str, Any], ref: str) -> dict[str, Any] | None:
+    """The subschema a local `$ref` ("#/$defs/A") names, or None."""
+    if not ref.startswith("#/"):
+        return None
+    node: Any = root
+    for part in ref[2:].split("/"):
+        part = part.replace("~1", "/").replace("~0", "~")
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node if isinstance(node, dict) else None
+
+
+def _subschemas(schema: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """Every subschema of `schema`, itself first, without recursion."""
+    stack: list[Any] = [schema]
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        yield node
+        for key, value in node.items():
+            if key in _ONE:
+                stack.append(value)
+            elif key in _MAP and isinstance(value, dict):
+                stack.extend(value.values())
+            elif (key in _LIST or key == "allOf") and isinstance(value, list):
+                stack.extend(value)
 
 
 _UNIMPLEMENTED = re.compile(r"Unimplemented keys: \[(.*?)\]")
