@@ -1,7 +1,9 @@
 """A failed call to tokenizer, prefill or decode, turned into the error our caller should see.
 
 The caller never talks to those services, so each message names the one that failed and where
-("decode at 127.0.0.1:50054"); rich details (BadRequest, RetryInfo) are carried over.
+("decode at 127.0.0.1:50054"); rich details (BadRequest, RetryInfo) are carried over. An error
+about the request's own field (a violation named in BadRequest, a constraint too complex for
+the grammar engine) is the same on any instance: its message comes as it is, without them.
 """
 
 from __future__ import annotations
@@ -13,6 +15,9 @@ import grpc
 from mili import errors
 from mili.rpc.status import DETAILS_KEY, bad_request_of, retry_info_of, unavailable_peer_of
 from services.frontend.calls import InstanceDown
+
+# How prefill's and decode's messages about a request's field begin ("sampling.grammar: ...").
+_REQUEST_FIELDS = "sampling."
 
 
 def error_from(
@@ -44,6 +49,10 @@ def error_from(
         return errors.InvalidArgument.many([errors.FieldViolation("", text)])
     if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
         info = retry_info_of(err)
+        if info is None and details.startswith(_REQUEST_FIELDS):
+            # a limit of what the request asks (mili.engine.constraint.matcher.too_complex),
+            # not of the instance's capacity, which comes with a retry hint
+            return errors.ResourceExhausted(details)
         retry = None if info is None else info.retry_delay.ToNanoseconds() / 1e9
         return errors.ResourceExhausted(text, retry_after_s=retry)
     if code is grpc.StatusCode.DEADLINE_EXCEEDED:

@@ -430,6 +430,40 @@ def test_a_refused_token_is_too_complex_only_where_a_limit_was_hit(
     assert f"token {a} (first token) breaks the constraint sampling.regex" in str(refused)
 
 
+@pytest.mark.parametrize("text", ['start: "a" start', 'start: x "b"\nx: "a" x'])
+def test_a_grammar_that_never_ends_is_refused_at_compile(
+    text: str, compiler: ConstraintCompiler
+) -> None:
+    """Its first mask looks fine; llguidance runs out of parser items only when a token is
+    taken. The frontend's compile let it through, and prefill refused it at its first token:
+    RESOURCE_EXHAUSTED "too complex (parser error: Too many items ... <non-verbose/>)"."""
+    with pytest.raises(InvalidArgument) as err:
+        compiler.compile_sync(Constraint.grammar(text))
+    (violation,) = err.value.violations
+    assert violation.field == "sampling.grammar"
+    assert "at its start never ends" in violation.description
+    assert "matches no finite string" in violation.description
+
+
+def test_a_limit_hit_reads_without_the_librarys_markup(
+    compiler: ConstraintCompiler, tokenizer: GrammarTokenizer
+) -> None:
+    """Endless only after a choice (not refused at compile): the token that leads there is
+    refused RESOURCE_EXHAUSTED naming the field, on one line, without llguidance's
+    `<non-verbose/>`."""
+    grammar = compiler.compile_sync(Constraint.grammar('start: "b" | "c" x\nx: "a" x'))
+    matcher = grammar.matcher()
+    (c,), (a,) = tokenizer.ll.tokenize_str("c"), tokenizer.ll.tokenize_str("a")
+    assert matcher.accept(c)
+    BatchMasker(tokenizer, 1, num_threads=1).fill([matcher])  # the step's mask
+    assert not matcher.accept(a)  # the first token of the endless forced text
+    limit_hit = matcher.refusal(a, "output position 1")
+    assert isinstance(limit_hit, ResourceExhausted)
+    assert str(limit_hit).startswith("sampling.grammar: the constraint is too complex (parser")
+    assert "<non-verbose/>" in matcher.error
+    assert "<non-verbose/>" not in str(limit_hit) and "\n" not in str(limit_hit)
+
+
 def test_a_grammar_that_names_an_end_of_sequence_token_is_invalid_argument(
     compiler: ConstraintCompiler, tokenizer: GrammarTokenizer
 ) -> None:

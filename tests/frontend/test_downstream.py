@@ -57,6 +57,20 @@ def test_resource_exhausted_keeps_retry_info() -> None:
     assert "decode at d:1" in str(mapped)
 
 
+def test_a_limit_of_the_requests_own_field_comes_without_the_instance() -> None:
+    """A constraint too complex for the grammar engine is so on any instance: the caller gets
+    the field's message, not "prefill at HOST:PORT: RESOURCE_EXHAUSTED: sampling.grammar: ...".
+    Capacity (a retry hint) and other codes still name the instance."""
+    message = "sampling.grammar: the constraint is too complex (parser error: Too many items)"
+    mapped = error_from(FakeError(errors.ResourceExhausted(message)), "prefill at p:1")
+    assert isinstance(mapped, errors.ResourceExhausted) and mapped.retry_after_s is None
+    assert str(mapped) == message
+    busy = errors.ResourceExhausted("sampling.grammar: 4 constraints are compiling", 5.0)
+    assert "prefill at p:1" in str(error_from(FakeError(busy), "prefill at p:1"))
+    full = error_from(FakeError(errors.ResourceExhausted("queue full")), "prefill at p:1")
+    assert "prefill at p:1" in str(full)
+
+
 def test_deadline_is_ours_only_when_our_deadline_passed() -> None:
     err = FakeError(errors.DeadlineExceeded("lease ran out"))
     assert isinstance(error_from(err, "decode at d:1"), errors.Unavailable)

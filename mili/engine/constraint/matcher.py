@@ -106,19 +106,37 @@ class ConstraintMatcher:
             return None
         bits = np.unpackbits(np.frombuffer(self._m.compute_bitmask(), np.uint8), bitorder="little")
         offered = np.flatnonzero(bits[: self.tokenizer.vocab_rows]).tolist()
+        where = f"after {self.num_accepted} tokens" if self.num_accepted else "at its start"
         specials = set(self.tokenizer.special_ids)
         if any(t not in specials or self.allowed(t) for t in offered):
-            return None
+            return self._endless(where)
         if self.spelled_alternative() is not None:
             return None
         names = ", ".join(self.tokenizer.decode([t]) or f"<[{t}]>" for t in offered)
-        where = f"after {self.num_accepted} tokens" if self.num_accepted else "at its start"
         why = f"no token can continue it {where}"
         if set(offered) & set(self.tokenizer.eos_token_ids):
             why += (
                 f": it asks for {names}, an end-of-sequence token, which the model writes by "
                 "itself wherever the grammar can end (a grammar cannot match one: leave it out)"
             )
+        return InvalidArgument.many([FieldViolation(self.field_name, why)])
+
+    def _endless(self, where: str) -> InvalidArgument | None:
+        """InvalidArgument when the text the grammar forces from here never ends (`start: "a"
+        start`: it matches no finite string). The mask shows nothing wrong; llguidance runs out
+        of parser items only when a token is taken and it follows the forced text, which a
+        copy tries here, so the frontend's compile refuses what prefill's first token would."""
+        forced = self._m.compute_ff_tokens()
+        if not forced:
+            return None
+        probe = self._m.deep_copy()
+        if probe.consume_token(forced[0]) or "ff_tokens" not in str(probe.get_error()):
+            return None
+        why = (
+            f"the text it forces {where} never ends, as far as the grammar engine follows it: "
+            "it matches no finite string (a rule that always calls itself again, as in "
+            '`start: "a" start`)'
+        )
         return InvalidArgument.many([FieldViolation(self.field_name, why)])
 
     def refusal(self, token_id: int, where: str) -> Exception:
@@ -142,6 +160,7 @@ class ConstraintMatcher:
 
 
 _QUOTED = re.compile(r"'[^']*'|\"[^\"]*\"")
+_NON_VERBOSE = "<non-verbose/>"
 
 
 def too_complex(field_name: str, error: str) -> ResourceExhausted | None:
@@ -151,7 +170,9 @@ def too_complex(field_name: str, error: str) -> ResourceExhausted | None:
     property named "limit" is not a limit hit)."""
     unquoted = _QUOTED.sub("", error).lower()
     if any(word in unquoted for word in ("fuel", "too complex", "too many", "limit")):
-        return ResourceExhausted(f"{field_name}: the constraint is too complex ({error})")
+        # without the markup its non-verbose errors end with, on one line
+        words = " ".join(error.replace(_NON_VERBOSE, "").split())
+        return ResourceExhausted(f"{field_name}: the constraint is too complex ({words})")
     return None
 
 
