@@ -34,17 +34,25 @@ class InstanceDown(Unavailable):
     another, and re-poll it before routing to it again."""
 
 
+# The longest timeout a downstream call is handed: grpc turns one past what its clock can add
+# (billions of seconds, a `grpc-timeout` of 2562047H) into a deadline already expired, and
+# StreamedGenerate.timeout_ms is a uint32 of milliseconds (whole seconds keep its ceil in range).
+MAX_DOWNSTREAM_TIMEOUT_S = (2**32 - 1) // 1000  # about 49.7 days
+
+
 class Deadline:
-    """The caller's deadline, handed to every downstream call as its timeout."""
+    """The caller's deadline, handed to every downstream call as its timeout (one further off
+    than MAX_DOWNSTREAM_TIMEOUT_S is kept here in full, and handed on as that)."""
 
     def __init__(self, time_remaining_s: float | None) -> None:
         self._at = None if time_remaining_s is None else time.monotonic() + time_remaining_s
 
     def remaining(self) -> float | None:
-        """Seconds left (never 0: grpc treats a timeout of 0 as already expired, as it is)."""
+        """Seconds left, at most MAX_DOWNSTREAM_TIMEOUT_S (never 0: grpc treats a timeout of 0
+        as already expired, as it is)."""
         if self._at is None:
             return None
-        return max(0.001, self._at - time.monotonic())
+        return min(MAX_DOWNSTREAM_TIMEOUT_S, max(0.001, self._at - time.monotonic()))
 
     @property
     def has_passed(self) -> bool:

@@ -38,7 +38,6 @@ from services.frontend.downstream import error_from_status
 
 _LOG = logging.getLogger("mili.frontend")
 _GENERATE = "/mili.decode.v1.DecodeService/Generate"  # the call each request stands for
-_MAX_TIMEOUT_MS = 2**32 - 1  # StreamedGenerate.timeout_ms is a uint32
 
 
 class DecodeMultiplexer:
@@ -146,11 +145,9 @@ class _Session:
         stream = RequestStream(self, request.request_id, deadline)
         stream.span, trace_context = start_carried_call_span(_GENERATE)
         remaining_s = deadline.remaining()
-        # timeout_ms is a uint32: a deadline past ~49.7 days is sent as that far (this side
-        # still keeps the real one).
         timeout_ms = 0  # no deadline
-        if remaining_s is not None:
-            timeout_ms = min(_MAX_TIMEOUT_MS, max(1, math.ceil(remaining_s * 1000)))
+        if remaining_s is not None:  # a uint32: remaining() is capped to fit
+            timeout_ms = max(1, math.ceil(remaining_s * 1000))
         start = convert.streamed_generate(request, timeout_ms, trace_context)
         self._streams[request.request_id] = stream
         self._starts.append(start)

@@ -22,6 +22,7 @@ from services.frontend.http_api import choices as choices_of
 from services.frontend.http_api.body import parse
 from services.frontend.http_api.openai_request import completion_request
 from services.frontend.validation import Limits
+from tests.frontend import raw_grpc
 from tests.frontend.fakes import (
     EOS,
     FakeDecode,
@@ -529,5 +530,29 @@ def test_a_default_max_tokens_is_fitted_to_the_decode_pool_too() -> None:
             assert s.decodes[0].requests[-1].sampling.max_tokens == 1600 - 2 + 1
             await collect(s.stub.Generate(prompt("hi", max_tokens=4000), timeout=5))
             assert s.decodes[0].requests[-1].sampling.max_tokens == 4000  # as sent
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("grpc_timeout", ["2562047H", "9999999H"])
+def test_a_deadline_centuries_away_reaches_every_service_as_one_grpc_can_carry(
+    grpc_timeout: str,
+) -> None:
+    """grpc turns a timeout of billions of seconds into an expired deadline: the frontend once
+    handed its caller's time_remaining() on as it was, and Complete failed at once with the
+    tokenizer's DEADLINE_EXCEEDED (as UNAVAILABLE)."""
+
+    async def main() -> None:
+        async with stack() as s:
+            request = generation_pb2.CompleteRequest(request_id="r1", prompt="hi")
+            reply = await raw_grpc.unary(
+                s.frontend.address,
+                "/mili.frontend.v1.GenerationService/Complete",
+                request.SerializeToString(),
+                {"grpc-timeout": grpc_timeout},
+            )
+            assert reply is not None, "the call ended without a reply"
+            complete = generation_pb2.CompleteResponse.FromString(reply)
+            assert (complete.text, complete.usage.completion_tokens) == ("abc", 3)
 
     asyncio.run(main())
