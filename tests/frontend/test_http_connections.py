@@ -35,7 +35,7 @@ async def _echo(request: web.Request) -> web.Response:
 
 @asynccontextmanager
 async def _served(config: HttpConfig = CONFIG) -> AsyncIterator[int]:
-    app = web.Application(middlewares=[openai_errors])
+    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[openai_errors])
     app[MAX_BODY_BYTES] = config.max_body_bytes
     app[BODY_TIMEOUT_S] = config.body_timeout_s
     app.router.add_post("/echo", _echo)
@@ -84,6 +84,27 @@ def test_a_body_that_does_not_arrive_in_time_is_408() -> None:
             assert head.startswith(b"HTTP/1.1 408"), answer
             error = json.loads(payload)["error"]
             assert error["code"] == "request_timeout" and "0.5 s" in error["message"]
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("length", [CONFIG.max_body_bytes + 1, 99999999999])
+def test_a_body_announced_over_the_limit_is_413_before_it_is_sent(length: int) -> None:
+    """Found by an exploratory test: aiohttp counts the limit only as bytes arrive, so a body
+    announced over it and never sent waited for the body's time and was a 408."""
+
+    async def main() -> None:
+        async with _served() as port:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(_post(b"", length))
+            async with asyncio.timeout(10):
+                answer = await reader.readuntil(b"}}")
+            writer.close()
+            head, _, payload = answer.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 413"), answer
+            error = json.loads(payload)["error"]
+            assert error["code"] == "request_too_large"
+            assert str(CONFIG.max_body_bytes) in error["message"]
 
     asyncio.run(main())
 

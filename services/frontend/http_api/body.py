@@ -31,7 +31,11 @@ BODY_TIMEOUT_S = web.AppKey("body_timeout_s", float)
 async def read_body(request: web.Request) -> bytes:
     """The request's body, within the app's time for it: a client that announced a body and
     sends it slowly (or never) would hold its connection and its handler for as long as it
-    liked. Past it, a 408 (`openai_errors`)."""
+    liked. Past it, a 408 (`openai_errors`). A body announced over the app's limit is a 413
+    before any of it is read: aiohttp counts the limit only as the bytes arrive."""
+    announced = request.content_length or 0
+    if announced > request.client_max_size:
+        raise web.HTTPRequestEntityTooLarge(request.client_max_size, announced)
     try:
         async with asyncio.timeout(request.app[BODY_TIMEOUT_S]):
             return await request.read()
