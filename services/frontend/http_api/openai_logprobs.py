@@ -67,7 +67,11 @@ def completion_logprobs(
     text_offset = [offsets.take(pieces.piece(t)[1]) for t in token_ids]
     tops = []
     for token, lp in zip(tokens, logprobs, strict=True):
-        top = {pieces.text(t): value for t, value in lp.top}
+        # Tokens may read as one string (the parts of characters all read U+FFFD): the dict
+        # keeps the first, the most likely (lp.top is most likely first).
+        top: dict[str, float] = {}
+        for t, value in lp.top:
+            top.setdefault(pieces.text(t), value)
         top.setdefault(token, lp.logprob)
         tops.append(top)
     body = {

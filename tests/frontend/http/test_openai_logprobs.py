@@ -46,3 +46,11 @@ def test_a_token_that_carries_part_of_a_character_starts_where_that_character_la
     assert echoed["text_offset"] == body["text_offset"]
     after_echo = completion_logprobs(pieces(), [6], lps(1), TextOffsets(len(TEXT)))
     assert after_echo["text_offset"] == [5]
+
+
+def test_top_tokens_that_read_as_one_string_keep_the_most_likely_logprob() -> None:
+    """Found by an exploratory test: the byte-level parts of characters all read "\ufffd", and
+    each later (less likely) one overwrote the one before: the top dict showed the lowest."""
+    top = [(1, -0.5), (0, -1.0), (4, -2.0)]  # most likely first; 1 and 4 read "\ufffd"
+    body = completion_logprobs(pieces(), [4], [TokenLogprobs(-2.0, top)], TextOffsets())
+    assert body["top_logprobs"] == [{"\ufffd": -0.5, "a": -1.0}]
