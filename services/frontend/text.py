@@ -41,17 +41,22 @@ class LocalDetokenizer:
             skip: functools.partial(_decode, tokenizer, skip) for skip in (False, True)
         }
         self._is_byte_level = type(tokenizer.decoder) is decoders.ByteLevel
+        # What skip_special_tokens leaves out of a decode.
+        self._special_ids = frozenset(
+            i for i, token in tokenizer.get_added_tokens_decoder().items() if token.special
+        )
 
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
         """All of `token_ids` at once (an echoed prompt's text)."""
         return self._decoders[skip_special_tokens](token_ids)
 
-    def token_bytes(self, token_id: int) -> bytes:
-        """One token's own bytes, special tokens included (b"" for an id it does not know): what
-        OpenAI's logprobs call `bytes`. For a byte-level vocabulary they may be part of a UTF-8
-        character, which only the ids around it complete."""
+    def token_bytes(self, token_id: int, *, skip_special_tokens: bool = False) -> bytes:
+        """One token's own bytes (b"" for an id it does not know, and for a special token when
+        skipping them, as `decode` does): what OpenAI's logprobs call `bytes`. For a byte-level
+        vocabulary they may be part of a UTF-8 character, which only the ids around it
+        complete."""
         token = self._tokenizer.id_to_token(token_id)
-        if token is None:
+        if token is None or (skip_special_tokens and token_id in self._special_ids):
             return b""
         if self._is_byte_level:
             chars = byte_of_char()

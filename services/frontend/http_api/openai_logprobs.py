@@ -37,22 +37,46 @@ class TokenPieces:
     def text(self, token_id: int) -> str:
         return self.piece(token_id)[0]
 
+    def text_bytes(self, token_id: int, *, skip_special_tokens: bool) -> bytes:
+        """What the token adds to a text decoded as `skip_special_tokens` says (a generation's
+        text skips special tokens; an echoed prompt's keeps them)."""
+        if skip_special_tokens:
+            return self._detokenizer.token_bytes(token_id, skip_special_tokens=True)
+        return bytes(self.piece(token_id)[1])
+
 
 class TextOffsets:
     """Where each token's text starts in a choice's text, token after token (across deltas):
-    the characters the tokens before it completed, from `start`. A byte-level token may carry
-    only part of a character: it adds none, and the next token starts where that character
-    lands (each part's own string, U+FFFD, is no character of the text)."""
+    the characters of the text that end before the token's first byte, from `start`. The
+    bytes are those the text is decoded from (`TokenPieces.text_bytes`), read as UTF-8 the
+    same way, U+FFFD for what is not valid. A byte-level token may carry only part of a
+    character: it adds none, and the next token starts where that character lands (each
+    part's own string, U+FFFD, is no character of the text). A token that adds no bytes (a
+    special token the text skips) starts where the text so far ends."""
 
     def __init__(self, start: int = 0) -> None:
         self.at = start
         self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
 
-    def take(self, raw: list[int]) -> int:
+    def take(self, raw: bytes) -> int:
         """The offset of the next token, whose bytes are `raw`."""
         offset = self.at
-        self.at += len(self._decoder.decode(bytes(raw)))
+        held, _ = self._decoder.getstate()
+        if held and raw and not _continues(held, raw[0]):
+            # The bytes held for a character are none: they read as one U+FFFD, which the
+            # decoder writes only now, before this token's text.
+            offset += 1
+        self.at += len(self._decoder.decode(raw))
         return offset
+
+
+def _continues(held: bytes, byte: int) -> bool:
+    """Whether `byte` continues the start of a UTF-8 character `held`."""
+    try:
+        codecs.utf_8_decode(held + bytes([byte]), "strict", False)
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def completion_logprobs(
@@ -60,11 +84,16 @@ def completion_logprobs(
     token_ids: Sequence[int],
     logprobs: Sequence[TokenLogprobs],
     offsets: TextOffsets,
+    *,
+    skip_special_tokens: bool = True,
 ) -> dict[str, Any]:
     """The completions format for these tokens; `offsets` goes on from where the choice's
-    text (echoed prompt included) is."""
+    text (echoed prompt included) is, which skips special tokens or not as said."""
     tokens = [pieces.text(t) for t in token_ids]
-    text_offset = [offsets.take(pieces.piece(t)[1]) for t in token_ids]
+    text_offset = [
+        offsets.take(pieces.text_bytes(t, skip_special_tokens=skip_special_tokens))
+        for t in token_ids
+    ]
     tops = []
     for token, lp in zip(tokens, logprobs, strict=True):
         # Tokens may read as one string (the parts of characters all read U+FFFD): the dict
@@ -89,9 +118,9 @@ def prompt_completion_logprobs(
     """The completions format for an echoed prompt: its first token has no logprob (nothing
     comes before it: null, as OpenAI and vLLM give it), each other token the one prefill
     computed; offsets count from the start of the prompt's text."""
-    offsets = TextOffsets()
-    offsets.take(pieces.piece(token_ids[0])[1])
-    rest = completion_logprobs(pieces, token_ids[1:], logprobs, offsets)
+    offsets = TextOffsets()  # over the prompt's text as echoed: special tokens kept
+    offsets.take(pieces.text_bytes(token_ids[0], skip_special_tokens=False))
+    rest = completion_logprobs(pieces, token_ids[1:], logprobs, offsets, skip_special_tokens=False)
     return {
         "tokens": [pieces.text(token_ids[0]), *rest["tokens"]],
         "token_logprobs": [None, *rest["token_logprobs"]],
