@@ -127,11 +127,11 @@ class Multiplexer:
                 for start in message.starts:
                     rid = start.request.request_id
                     if rid in self._open or rid in self._starting:
-                        # Open: ended in the table, its last events not yet sent.
+                        # Open: ended in the table, its last events not yet sent. An error
+                        # event for this id would read as the open request's end: the stream
+                        # ends instead (`run` raises it), cancelling what is open on it.
                         reason = "already exists: a request with this id is open on this stream"
-                        error = InvalidArgument("request_id", rid, reason)
-                        self._refuse(rid, error, self._server_span(start))
-                        continue
+                        raise InvalidArgument("starts.request.request_id", rid, reason)
                     task = asyncio.create_task(self._start(start))
                     self._starting[rid] = task
                     task.add_done_callback(functools.partial(self._started, rid))

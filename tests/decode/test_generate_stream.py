@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 import grpc
+import pytest
 
 from mili.engine.sampling_params import SamplingParams
 from mili.pb.common.v1 import sampling_pb2
@@ -123,6 +124,48 @@ def test_requests_share_one_stream_and_equal_the_engine_with_errors_per_request(
     decode_server.run(body())
 
 
+def test_a_request_id_started_twice_ends_the_stream_not_the_request(
+    decode_server: DecodeServerThread, player: PrefillPlayer
+) -> None:
+    """Found by an exploratory test: the second start of an open id was refused with an error
+    event for that id, then the first was admitted: an error is a request's last event, so the
+    caller read the open request as ended. The stream now ends INVALID_ARGUMENT naming the id,
+    and what was open on it is freed."""
+    prompt = random_prompt(9, player.vocab_size, seed=3)
+
+    async def body() -> None:
+        async with insecure_channel(decode_server.address) as channel:
+            client = Client(channel)
+            await client.info()
+            # in one message, and in two
+            for messages in ([["other", "twice", "twice"]], [["once"], ["once"]]):
+                stream = _Stream(client)
+                for rids in messages:
+                    starts = [
+                        decode_pb2.StreamedGenerate(
+                            request=decode_pb2.GenerateRequest(
+                                request_id=rid,
+                                prompt_token_ids=prompt,
+                                sampling=sampling(GREEDY),
+                                prefill_layout=client.layout,
+                            )
+                        )
+                        for rid in rids
+                    ]
+                    await stream.call.write(decode_pb2.GenerateStreamRequest(starts=starts))
+                events = []
+                with contextlib.suppress(grpc.aio.AioRpcError):
+                    async for message in stream.call:
+                        events += [(e.request_id, e.WhichOneof("event")) for e in message.events]
+                assert await stream.call.code() == grpc.StatusCode.INVALID_ARGUMENT
+                details = await stream.call.details()
+                assert repr(messages[-1][-1]) in details and "already exists" in details, details
+                assert all(kind == "admitted" for _, kind in events), events
+                await blocks_back(client, NUM_BLOCKS)
+
+    decode_server.run(body())
+
+
 def test_cancel_deadline_and_the_stream_ending_free_each_request(
     decode_server: DecodeServerThread, player: PrefillPlayer
 ) -> None:
@@ -220,13 +263,14 @@ def _driven(admission: Any, table: Any, outlets: Any) -> tuple[asyncio.Queue[Any
     return queue, mux.run(requests())
 
 
-def test_an_id_still_open_on_the_stream_is_refused_and_the_open_one_ends_whole() -> None:
+def test_an_id_still_open_on_the_stream_ends_the_stream_and_frees_the_open_one() -> None:
     """r1 ended in the request table (its last tokens waiting to be sent) when the caller
-    starts another r1 on the same stream: the new start is refused INVALID_ARGUMENT, and the
-    first r1 still delivers its last tokens and finish reason; its deadline timer touches
-    nothing else (before, the new r1 took its place: the last tokens were never sent, and the
-    old timer failed the new request with DEADLINE_EXCEEDED)."""
+    starts another r1 on the same stream: the stream ends INVALID_ARGUMENT (an error event for
+    r1 would read as the open r1's end), r1's blocks are back, and its deadline timer touches
+    nothing (once, the new r1 took its place: the last tokens were never sent, and the old
+    timer failed the new request with DEADLINE_EXCEEDED)."""
     from mili.engine.kv.block_pool import BlockPool
+    from mili.errors import InvalidArgument
     from services.decode.requests import RequestTable
     from services.decode.stream import Outlets, TokenEvent, TokenStream
 
@@ -264,16 +308,14 @@ def test_an_id_still_open_on_the_stream_is_refused_and_the_open_one_ends_whole()
         table.finish(first)
         outlets.of("r1").stream.push(TokenEvent([9], None, "length"))
         await queue.put(start(timeout_ms=0))  # not read yet: r1 is still open here
-        events: list[tuple[str, Any]] = []
-        while len(events) < 2:
-            events += seen(await asyncio.wait_for(anext(stream), 5))
-        invalid = grpc.StatusCode.INVALID_ARGUMENT.value[0]
-        length = sampling_pb2.FINISH_REASON_LENGTH
-        assert sorted(events) == sorted([("error", invalid), ("tokens", length)])
+        with pytest.raises(InvalidArgument, match="already exists"):
+            while True:
+                assert seen(await asyncio.wait_for(anext(stream), 5)) == [
+                    ("tokens", sampling_pb2.FINISH_REASON_LENGTH)
+                ]
         assert table.get("r1") is None and table.num_free_blocks == 16
         await asyncio.sleep(0.4)  # past the first r1's deadline: nothing else to fail
-        await queue.put(None)
-        assert [seen(m) async for m in stream] == []
+        assert table.num_free_blocks == 16
 
     asyncio.run(main())
 
