@@ -16,6 +16,8 @@ from mili.engine.constraint.spec import Constraint
 from mili.errors import InvalidArgument
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit; top-n logprobs cost a [B, n] top-k per step
+# Entries of logit_bias (sampling.proto): each is a scatter per row and step.
+MAX_LOGIT_BIAS = 1024
 # Longest prompt whose prompt logprobs may be asked for: they cost a forward over every position
 # (no prefix-cache reuse) and up to ~280 bytes per prompt token in the reply, which must stay
 # under gRPC's 4 MiB default receive limit of a caller's channel (8192 x 21 entries ~ 2.3 MB).
@@ -145,6 +147,10 @@ class SamplingParams:
         bad_bias = _bad_bias(self.logit_bias)
         if bad_bias is not None:  # named alone: the whole map can be a thousand entries
             errors.append(InvalidArgument("logit_bias", bad_bias, _BIAS_RULE))
+        elif len(self.logit_bias) > MAX_LOGIT_BIAS:
+            num_entries = f"{len(self.logit_bias)} entries"
+            reason = f"more entries than {MAX_LOGIT_BIAS}"
+            errors.append(InvalidArgument("logit_bias", num_entries, reason))
         for field in ("logprobs", "prompt_logprobs"):
             n = getattr(self, field)
             check(
@@ -177,6 +183,25 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """InvalidArgument naming each stop_token_ids entry and logit_bias id not below the
+        tokenizer's `vocab_size` (known to the services, not to these params)."""
+        reason = f"outside the vocabulary (ids 0..{vocab_size - 1})"
+        violations = [
+            v
+            for i, token_id in enumerate(self.stop_token_ids)
+            if token_id >= vocab_size
+            for v in InvalidArgument(f"stop_token_ids[{i}]", token_id, reason).violations
+        ]
+        violations += [
+            v
+            for token_id, _ in self.logit_bias
+            if token_id >= vocab_size
+            for v in InvalidArgument("logit_bias", token_id, reason).violations
+        ]
+        if violations:
+            raise InvalidArgument.many(violations)
 
     def check_prompt(self, num_prompt_tokens: int) -> None:
         """InvalidArgument naming `prompt_logprobs` when they were asked for a prompt longer

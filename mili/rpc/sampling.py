@@ -24,11 +24,12 @@ _FINISH_REASONS = {
 _FINISH_REASONS_FROM_PROTO = {value: reason for reason, value in _FINISH_REASONS.items()}
 
 
-def sampling_params(proto: sampling_pb2.SamplingParams) -> SamplingParams:
-    """The engine's SamplingParams; InvalidArgument names each bad field as `sampling.<field>`."""
+def sampling_params(proto: sampling_pb2.SamplingParams, *, vocab_size: int) -> SamplingParams:
+    """The engine's SamplingParams, its token ids below the tokenizer's `vocab_size`;
+    InvalidArgument names each bad field as `sampling.<field>`."""
     kwargs: dict[str, Any] = {f: getattr(proto, f) for f in OPTIONAL_FIELDS if proto.HasField(f)}
     try:
-        return SamplingParams(
+        params = SamplingParams(
             min_tokens=proto.min_tokens,
             logit_bias=tuple(sorted(proto.logit_bias.items())),
             stop_token_ids=tuple(proto.stop_token_ids),
@@ -36,6 +37,8 @@ def sampling_params(proto: sampling_pb2.SamplingParams) -> SamplingParams:
             constraint=constraint_from_proto(proto),
             **kwargs,
         )
+        params.check_vocabulary(vocab_size)
+        return params
     except InvalidArgument as err:
         raise InvalidArgument.many(
             [FieldViolation(f"sampling.{v.field}", v.description) for v in err.violations]

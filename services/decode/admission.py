@@ -53,7 +53,7 @@ class Admission:
         if not request_id:
             raise InvalidArgument("request_id", request_id, "must be non-empty")
         self._check_prompt(prompt)
-        params = sampling_params(request.sampling)
+        params = sampling_params(request.sampling, vocab_size=inst.vocab_size)
         if len(prompt) + params.max_tokens > inst.max_context_tokens:
             raise InvalidArgument(
                 "sampling.max_tokens",

@@ -107,16 +107,13 @@ def check_token_ids(request: ValidRequest, vocab_size: int) -> None:
     vocab size."""
     violations: list[FieldViolation] = []
     reason = f"outside the vocabulary (ids 0..{vocab_size - 1})"
-    for field, ids in (
-        ("token_ids", request.token_ids),
-        ("sampling.stop_token_ids", request.sampling.stop_token_ids),
-    ):
-        for i, token_id in enumerate(ids):
-            if not 0 <= token_id < vocab_size:
-                violations.extend(InvalidArgument(f"{field}[{i}]", token_id, reason).violations)
-    for token_id, _ in request.sampling.logit_bias:
-        if token_id >= vocab_size:
-            violations.extend(InvalidArgument("sampling.logit_bias", token_id, reason).violations)
+    for i, token_id in enumerate(request.token_ids):
+        if not 0 <= token_id < vocab_size:
+            violations.extend(InvalidArgument(f"token_ids[{i}]", token_id, reason).violations)
+    try:
+        request.sampling.check_vocabulary(vocab_size)  # the rule prefill and decode apply too
+    except InvalidArgument as err:
+        violations += [FieldViolation(f"sampling.{v.field}", v.description) for v in err.violations]
     raise_if_any(violations)
 
 

@@ -26,7 +26,7 @@ from typing import Literal, NamedTuple
 
 from mili.engine.constraint.spec import Constraint, ConstraintLimits
 from mili.engine.constraint.spec import validate as validate_constraint
-from mili.engine.sampling_params import OPTIONAL_FIELDS, SamplingParams
+from mili.engine.sampling_params import MAX_LOGIT_BIAS, OPTIONAL_FIELDS, SamplingParams
 from mili.errors import FieldViolation, InvalidArgument
 from services.frontend import tools as tool_checks
 from services.frontend.tool_grammar import tool_call_constraint
@@ -51,7 +51,7 @@ class Limits:
     max_stop_strings: int = 16
     max_stop_chars: int = 256  # per stop string
     max_stop_token_ids: int = 64
-    max_logit_bias: int = 1024  # entries of sampling.logit_bias
+    max_logit_bias: int = MAX_LOGIT_BIAS  # entries of sampling.logit_bias
     max_client_request_id_chars: int = 256  # GenerateRequest.request_id
     constraint: ConstraintLimits = dataclasses.field(default_factory=ConstraintLimits)
 

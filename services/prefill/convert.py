@@ -75,7 +75,7 @@ def prefill_task(
         )
     sampling = None
     try:
-        sampling = sampling_params(request.sampling)
+        sampling = sampling_params(request.sampling, vocab_size=vocab_size)
     except InvalidArgument as err:
         violations.extend(err.violations)
     try:

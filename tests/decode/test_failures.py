@@ -489,6 +489,25 @@ INVALID: dict[str, tuple[decode_pb2.GenerateRequest, list[str]]] = {
         generate_request("r", [5] * 10, SamplingParams(max_tokens=247)),
         ["sampling.max_tokens"],
     ),
+    # sampling.proto's rules for ids, which decode once took on the frontend's word
+    "stop-id-out-of-vocab": (
+        generate_request("r", [5], SamplingParams(max_tokens=4, stop_token_ids=[7, 2**32 - 1])),
+        ["sampling.stop_token_ids[1]"],
+    ),
+    "bias-id-out-of-vocab": (
+        generate_request("r", [5], SamplingParams(max_tokens=4, logit_bias=((5000, 1.0),))),
+        ["sampling.logit_bias"],
+    ),
+    "bias-too-many": (
+        decode_pb2.GenerateRequest(
+            request_id="r",
+            prompt_token_ids=[5],
+            sampling=sampling_pb2.SamplingParams(
+                max_tokens=4, logit_bias={i: 1.0 for i in range(5000)}
+            ),
+        ),
+        ["sampling.logit_bias"],
+    ),
 }
 
 

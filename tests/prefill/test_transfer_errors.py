@@ -536,6 +536,18 @@ def _bad(tiny: TinyModel, **changes: object) -> prefill_pb2.PrefillRequest:
         ({"address": ""}, ["destination.address"]),
         ({"prompt_block_ids": [0]}, ["destination.prompt_block_ids"]),
         (
+            {"sampling": sampling_pb2.SamplingParams(stop_token_ids=[7, 2**32 - 1])},
+            ["sampling.stop_token_ids[1]"],
+        ),
+        (
+            {"sampling": sampling_pb2.SamplingParams(logit_bias={5000: 1.0})},
+            ["sampling.logit_bias"],
+        ),
+        (
+            {"sampling": sampling_pb2.SamplingParams(logit_bias={i: 1.0 for i in range(1025)})},
+            ["sampling.logit_bias"],
+        ),
+        (
             {"sampling": sampling_pb2.SamplingParams(top_p=2.0, temperature=-1.0)},
             ["sampling.temperature", "sampling.top_p"],
         ),
