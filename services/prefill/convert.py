@@ -58,11 +58,11 @@ def prefill_task(
         bad("destination.address", destination.address, "must be the decode's host:port")
     need = blocks_needed(num_tokens, block_size)
     num_block_ids = len(destination.prompt_block_ids)
-    if not violations and num_block_ids < need:  # judged only for a valid prompt
+    if not violations and num_block_ids != need:  # judged only for a valid prompt
         bad(
             "destination.prompt_block_ids",
             f"{num_block_ids} block ids",
-            f"a {len(token_ids)}-token prompt needs {need} blocks of {block_size} tokens",
+            f"a {len(token_ids)}-token prompt needs exactly {need} blocks of {block_size} tokens",
         )
     num_cached_blocks = destination.num_cached_blocks
     most = max_cached_blocks(len(token_ids), block_size)
@@ -93,7 +93,7 @@ def prefill_task(
         prompt_token_ids=token_ids,
         sampling=sampling,
         address=destination.address,
-        prompt_block_ids=list(destination.prompt_block_ids[:need]),
+        prompt_block_ids=list(destination.prompt_block_ids),
         transfer_token=destination.transfer_token,
         num_cached_blocks=num_cached_blocks,
         client_request_id=request.client_request_id,

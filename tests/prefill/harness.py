@@ -19,6 +19,7 @@ import torch
 
 from mili.discovery import ANY
 from mili.engine.engine_config import EngineConfig
+from mili.engine.kv.block_pool import blocks_needed
 from mili.engine.model.config import Qwen3Config
 from mili.engine.model.kv_cache import KVCache
 from mili.engine.model.qwen3 import DecodeBatch, Qwen3ForCausalLM
@@ -144,14 +145,17 @@ def prefill_request(
     transfer_token: str = "",
     **sampling: Any,
 ) -> prefill_pb2.PrefillRequest:
+    """`block_ids`: what decode reserved (its output's blocks may follow the prompt's); the
+    request names the prompt's, as decode's Admitted.prompt_block_ids does."""
     from mili.pb.common.v1 import sampling_pb2
 
+    prompt_block_ids = block_ids[: blocks_needed(len(token_ids), BLOCK_SIZE)]
     return prefill_pb2.PrefillRequest(
         request_id=request_id,
         prompt_token_ids=token_ids,
         sampling=sampling_pb2.SamplingParams(**{"temperature": 0.0, **sampling}),
         destination=prefill_pb2.KvDestination(
-            address=address, prompt_block_ids=block_ids, transfer_token=transfer_token
+            address=address, prompt_block_ids=prompt_block_ids, transfer_token=transfer_token
         ),
     )
 

@@ -535,6 +535,7 @@ def _bad(tiny: TinyModel, **changes: object) -> prefill_pb2.PrefillRequest:
         ({"prompt_token_ids": [5] * 1025}, ["prompt_token_ids"]),
         ({"address": ""}, ["destination.address"]),
         ({"prompt_block_ids": [0]}, ["destination.prompt_block_ids"]),
+        ({"prompt_block_ids": [0, 1, 2]}, ["destination.prompt_block_ids"]),
         (
             {"sampling": sampling_pb2.SamplingParams(stop_token_ids=[7, 2**32 - 1])},
             ["sampling.stop_token_ids[1]"],
