@@ -293,6 +293,12 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
                 if commit is not None:
                     await landing.wait_all()  # DataLoss of any chunk
                     progress.check_complete()
+                    # The commit ends the stream: a message after it (a chunk, a second
+                    # commit) would otherwise go unread, the call answered OK.
+                    if await self._next(request, reader, landing, ended) is not None:
+                        raise InvalidArgument(
+                            "commit", request.request_id, "must be the transfer's last message"
+                        )
                     self._commit(request, commit)
                     is_committed = True
                     _annotate_span(progress)

@@ -269,6 +269,29 @@ def test_corrupt_transfer_is_data_loss_on_both_calls_and_frees_blocks(
     run(decode_server, body)
 
 
+@pytest.mark.parametrize("after", ["commit", "chunk"])
+def test_a_message_after_the_commit_is_refused_and_the_blocks_freed(
+    decode_server: DecodeServerThread, player: PrefillPlayer, after: str
+) -> None:
+    """Found by an exploratory test: a second commit or a chunk after the commit went unread
+    and the transfer was answered OK."""
+    prompt = random_prompt(13, player.vocab_size, seed=79)
+    request_id = f"after-{after}"
+
+    async def body(client: Client) -> None:
+        call, block_ids = await client.admit(generate_request(request_id, prompt, SHORT))
+        prefilled = await asyncio.to_thread(player.prefill, prompt, SHORT)
+        messages = player.messages(request_id, prompt, block_ids, prefilled)
+        assert messages[-1].WhichOneof("kind") == "commit"
+        messages.append(messages[-1] if after == "commit" else messages[1])
+        err = await expect_error(client.kv.TransferKv(iter(messages)), Code.INVALID_ARGUMENT)
+        assert "last message" in (err.details() or "")
+        await expect_error(call.read(), Code.DATA_LOSS)
+        await blocks_back(client, NUM_BLOCKS)
+
+    run(decode_server, body)
+
+
 @pytest.mark.parametrize("fault", ["malformed-message", "header-token-count"])
 def test_a_transfer_refused_as_malformed_is_data_loss_on_generate(
     decode_server: DecodeServerThread, player: PrefillPlayer, fault: str
