@@ -28,6 +28,10 @@ from dataclasses import dataclass, field
 
 from mili.discovery import Callers
 
+# The longest request_id prefill and decode take (the frontend mints far shorter ones): a
+# longer one is refused before it is looked up, logged or echoed.
+MAX_REQUEST_ID_CHARS = 256
+
 # Info, health, reflection, Pair: a few short fields.
 SMALL_REQUEST_BYTES = 64 * 1024
 # A request's fields besides its token and block ids: request ids, sampling (16 stop strings of

@@ -1,6 +1,7 @@
 """gRPC edge of KV transfer: prefill streams a request's prompt KV into its reserved blocks.
 
-    header  request must be WAITING (-> TRANSFERRING), layouts equal (convert.py), num_tokens =
+    header  request_id of at most MAX_REQUEST_ID_CHARS, request must be WAITING
+            (-> TRANSFERRING), layouts equal (convert.py), num_tokens =
             prompt length, a paired transport, a known checksum (progress.py);
             in-place transports (shm, cuda-ipc): the blocks are held for the call (and a grace
             after a failed one), then the sender is told it may write (codec.ACCEPTED_KEY)
@@ -68,7 +69,9 @@ from mili.errors import (
 from mili.kv_handoff.codec import ACCEPTED_KEY, Chunk, ChunkView
 from mili.kv_handoff.transport import answer, receivers
 from mili.pb.kv.v1 import kv_pb2, kv_pb2_grpc
+from mili.rpc import heap
 from mili.rpc.kv_layout import block_bytes
+from mili.rpc.policy import MAX_REQUEST_ID_CHARS
 from mili.rpc.sampling import logprobs_from_proto
 from services.decode import convert
 from services.decode.instance import DecodeInstance
@@ -219,11 +222,14 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
     ) -> kv_pb2.TransferKvResponse:
         messages = aiter(request_iterator)
         first = await anext(messages, None)
-        if not isinstance(first, kv_pb2.TransferKvRequest) or first.WhichOneof("kind") != "header":
-            raise DataLoss("a KV transfer must start with a header message")
-        header = first.header
-        # NotFound, PermissionDenied (then the request is left as it was)
-        request = self._instance.table.begin_transfer(header.request_id, header.transfer_token)
+        try:
+            header, request = self._begin(first)
+        except BaseException:
+            # A stream's large messages ask for no trim (mili.rpc.malformed), but a refused
+            # first one may be all a caller sends: a 50 MB request_id, a chunk before any
+            # header. Their buffers go back to the OS.
+            heap.release_soon()
+            raise
         outlet = self._instance.outlets.hold(request.request_id)  # open: the request waited
         try:
             return await self._receive(request, header, Reader(messages), context)
@@ -242,6 +248,18 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
             raise
         finally:
             self._instance.outlets.release(request.request_id, outlet)
+
+    def _begin(self, first: Message | None) -> tuple[kv_pb2.TransferHeader, DecodeRequest]:
+        """The transfer's header and its request, now TRANSFERRING."""
+        if not isinstance(first, kv_pb2.TransferKvRequest) or first.WhichOneof("kind") != "header":
+            raise DataLoss("a KV transfer must start with a header message")
+        header = first.header
+        num_chars = len(header.request_id)
+        if num_chars > MAX_REQUEST_ID_CHARS:
+            reason = f"longer than {MAX_REQUEST_ID_CHARS} characters"
+            raise InvalidArgument("header.request_id", f"{num_chars} characters", reason)
+        # NotFound, PermissionDenied (then the request is left as it was)
+        return header, self._instance.table.begin_transfer(header.request_id, header.transfer_token)
 
     async def _receive(
         self,

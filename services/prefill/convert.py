@@ -12,11 +12,10 @@ from mili.engine.kv.block_pool import blocks_needed, max_cached_blocks
 from mili.errors import FieldViolation, InvalidArgument
 from mili.pb.common.v1 import sampling_pb2
 from mili.pb.prefill.v1 import prefill_pb2
+from mili.rpc.policy import MAX_REQUEST_ID_CHARS
 from mili.rpc.sampling import logprobs_to_proto, sampling_params
 from services.prefill.sender import TransferResult, logprobs
 from services.prefill.task import FirstToken, PrefillTask
-
-_MAX_REQUEST_ID_CHARS = 256
 
 
 def prefill_task(
@@ -34,8 +33,8 @@ def prefill_task(
 
     if not request.request_id:
         bad("request_id", request.request_id, "must be set")
-    elif len(request.request_id) > _MAX_REQUEST_ID_CHARS:
-        bad("request_id", request.request_id, f"longer than {_MAX_REQUEST_ID_CHARS} characters")
+    elif len(request.request_id) > MAX_REQUEST_ID_CHARS:
+        bad("request_id", request.request_id, f"longer than {MAX_REQUEST_ID_CHARS} characters")
     # Counted on the protobuf container (O(1)): a prompt too long is never converted.
     num_tokens = len(request.prompt_token_ids)
     token_ids: list[int] = []

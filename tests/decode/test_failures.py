@@ -401,6 +401,34 @@ def test_layout_mismatch_is_refused_naming_both(
     run(decode_server, body)
 
 
+def test_a_transfer_refused_at_its_first_message_names_no_huge_id_and_trims_the_heap(
+    decode_server: DecodeServerThread, player: PrefillPlayer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by an exploratory test: a header with a 50 MB request_id was looked up (NOT_FOUND
+    quoting it), and such refusals, or a 60 MB chunk before any header, left decode's resident
+    memory larger each time (a stream's messages ask for no trim)."""
+    from mili.rpc import heap
+
+    trims: list[None] = []
+    monkeypatch.setattr(heap, "release_soon", lambda: trims.append(None))
+
+    async def body(client: Client) -> None:
+        header = kv_pb2.TransferHeader(
+            request_id="x" * (1 << 20), layout=player.layout(), num_tokens=1
+        )
+        refused = kv_pb2.TransferKvRequest(header=header)
+        err = await refused_at_header(client, refused, Code.INVALID_ARGUMENT)
+        details = err.details() or ""
+        assert "header.request_id" in details and "1048576 characters" in details
+        assert len(details) < 1000
+        assert len(trims) == 1
+        chunk = kv_pb2.TransferKvRequest(chunk=kv_pb2.KvChunk(data=bytes(1 << 20)))
+        await refused_at_header(client, chunk, Code.DATA_LOSS)
+        assert len(trims) == 2
+
+    run(decode_server, body)
+
+
 def test_transfer_for_unknown_or_busy_request_is_not_found(
     decode_server: DecodeServerThread, player: PrefillPlayer
 ) -> None:
