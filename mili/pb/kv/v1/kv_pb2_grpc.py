@@ -64,8 +64,9 @@ class KvTransferServiceServicer:
         layouts differ (both are named), DATA_LOSS for a chunk that is corrupt, short, duplicated or
         out of order, INVALID_ARGUMENT for a message that breaks the transfer's rules (a commit
         whose first token is outside the vocabulary or that lacks the logprobs the request asked
-        for); the decode side then fails the request and frees its blocks. PERMISSION_DENIED
-        when the header's transfer_token is not the request's: nothing about the request changes.
+        for, a message after the commit: the commit takes effect at the end of the stream); the
+        decode side then fails the request and frees its blocks. PERMISSION_DENIED when the
+        header's transfer_token is not the request's: nothing about the request changes.
         With an in-place transport (shm, cuda-ipc) the decode instance sends initial metadata
         "mili-kv-accepted" once it accepted the header; the sender writes no block before that.
         """
