@@ -32,6 +32,9 @@ from dataclasses import dataclass
 DNS_SCHEME = "dns:"
 ANY = "*"  # a peer set that admits everyone (only where every peer is trusted)
 NO_ADDRESS = "resolves to no address"  # the problem of a name that does not exist or has none
+# How long a peer set still admits an address gone from its name's answer: past the frontends'
+# next lookups (--resolve-interval, 5 s) and the KV lease of a request routed before them (30 s).
+LEAVE_GRACE_S = 60.0
 
 _LOG = logging.getLogger("mili.discovery")
 
@@ -185,7 +188,10 @@ class PeerSet:
     host resolves to); a DNS target admits every address its name resolves to. Answers are kept
     `max_age_s`; an address not in the set makes one fresh lookup (at most every `retry_s`)
     before it is refused, so an instance that just appeared in DNS is not refused for a whole
-    `max_age_s`. A lookup that fails keeps the previous answer.
+    `max_age_s`. A lookup that fails keeps the previous answer. An address (and host) gone from
+    a name's answer stays in the set `leave_grace_s`: a pod leaving DNS is draining, and the
+    requests frontends sent it before their own next lookup still hand their KV over (prefill
+    refused them, PERMISSION_DENIED, while another decode was up).
     """
 
     def __init__(
@@ -195,6 +201,7 @@ class PeerSet:
         is_any: bool = False,
         max_age_s: float = 5.0,
         retry_s: float = 0.5,
+        leave_grace_s: float = LEAVE_GRACE_S,
         resolve: Resolve = resolve_host,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -202,6 +209,10 @@ class PeerSet:
         self.is_any = is_any
         self._max_age_s = max_age_s
         self._retry_s = retry_s
+        self._leave_grace_s = leave_grace_s
+        # What left a DNS answer, and when: still in the set until leave_grace_s later.
+        self._left_addresses: dict[str, tuple[Target, float]] = {}
+        self._left_hosts: dict[str, float] = {}
         self._resolve = resolve
         self._clock = clock
         self._fixed = frozenset(t.spec for t in targets if not t.is_dns)
@@ -240,7 +251,12 @@ class PeerSet:
             return True
         if not any(t.is_dns for t in self.targets):
             return False
-        return await self._check(lambda: normal in self._addresses)
+        return await self._check(
+            lambda: (
+                normal in self._addresses
+                or self._is_leaving(self._left_addresses.get(normal, (None, None))[1])
+            )
+        )
 
     async def has_host(self, host: str) -> bool:
         """Whether `host` (a peer's IP; its port is ephemeral) is a host of the set."""
@@ -249,12 +265,18 @@ class PeerSet:
         if not self._is_asked_hosts:  # the fixed targets' hosts were never looked up
             self._is_asked_hosts = True
             self._resolved_at = None
-        return await self._check(lambda: host.lower() in self._hosts)
+        host = host.lower()
+        return await self._check(
+            lambda: host in self._hosts or self._is_leaving(self._left_hosts.get(host))
+        )
 
     def target_of(self, address: str) -> Target | None:
         """The target that `address` came from (its DNS name verifies a TLS peer), if known."""
         normal = normal_address(address)
-        return None if normal is None else self._addresses.get(normal)
+        if normal is None:
+            return None
+        leaving = self._left_addresses.get(normal)
+        return self._addresses.get(normal, leaving[0] if leaving else None)
 
     async def _check(self, is_in: Callable[[], bool]) -> bool:
         now = self._clock()
@@ -282,8 +304,31 @@ class PeerSet:
                     hosts.add(ip.lower())
                     if target.is_dns:
                         addresses[target.address(ip)] = target
+            now = self._clock()
+            self._keep_leaving(addresses, hosts, now)
             self._addresses, self._hosts = addresses, hosts
-            self._resolved_at = self._clock()
+            self._resolved_at = now
+
+    def _keep_leaving(self, addresses: dict[str, Target], hosts: set[str], now: float) -> None:
+        """Note what the fresh answer (`addresses`, `hosts`) lost since the last, and forget
+        what left more than leave_grace_s ago or came back."""
+        for address, target in self._addresses.items():
+            if address not in addresses:
+                self._left_addresses.setdefault(address, (target, now))
+        for host in self._hosts - hosts:
+            self._left_hosts.setdefault(host, now)
+        horizon = now - self._leave_grace_s
+        self._left_addresses = {
+            a: (t, at)
+            for a, (t, at) in self._left_addresses.items()
+            if at > horizon and a not in addresses
+        }
+        self._left_hosts = {
+            h: at for h, at in self._left_hosts.items() if at > horizon and h not in hosts
+        }
+
+    def _is_leaving(self, left_at: float | None) -> bool:
+        return left_at is not None and left_at > self._clock() - self._leave_grace_s
 
 
 class Callers:

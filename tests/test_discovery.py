@@ -8,6 +8,7 @@ import logging
 import pytest
 
 from mili.discovery import (
+    LEAVE_GRACE_S,
     Callers,
     LookupFailed,
     PeerSet,
@@ -119,13 +120,25 @@ def test_peer_sets_look_up_again_when_old_or_on_a_miss_and_keep_answers_through_
         dns.is_down = True
         now[0] = 10.0
         assert await peers.has_address("10.0.0.9:50061")
-        # It comes back without 10.0.0.3: gone once the answer is older than max_age_s.
+        # It comes back without 10.0.0.3: gone from the answer once it is older than max_age_s,
+        # then draining: still admitted for LEAVE_GRACE_S (found by an exploratory test: a
+        # frontend that had not looked up yet routed requests to it, and prefill refused their
+        # KV, PERMISSION_DENIED, while another decode was up).
         dns.is_down = False
         dns.records["decode.test"] = ("10.0.0.9",)
         assert await peers.has_address("10.0.0.3:50061")  # 0 s old: not looked up again
         now[0] = 15.1
+        assert await peers.has_address("10.0.0.3:50061") and await peers.has_host("10.0.0.3")
+        now[0] = 15.1 + LEAVE_GRACE_S - 1  # looked up again (old): still leaving
+        assert await peers.has_address("10.0.0.3:50061") and await peers.has_host("10.0.0.3")
+        now[0] = 15.1 + LEAVE_GRACE_S + 0.1
         assert not await peers.has_address("10.0.0.3:50061")
         assert not await peers.has_host("10.0.0.3")
+        assert await peers.has_address("10.0.0.9:50061")
+        # One that comes back while leaving is simply in the answer again.
+        dns.records["decode.test"] = ("10.0.0.9", "10.0.0.3")
+        now[0] += 5.1
+        assert await peers.has_address("10.0.0.3:50061")
 
     asyncio.run(main())
 
