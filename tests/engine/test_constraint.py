@@ -18,6 +18,7 @@ import torch
 from mili.engine.constraint import compiler as compiler_module
 from mili.engine.constraint import mask as matcher_module
 from mili.engine.constraint import schema as schemas
+from mili.engine.constraint import trial as trial_module
 from mili.engine.constraint.compiler import CompileConfig, CompileStats, ConstraintCompiler
 from mili.engine.constraint.mask import BatchMasker, FilledMask, unpack_bitmask
 from mili.engine.constraint.matcher import ConstraintError, ConstraintMatcher
@@ -839,3 +840,33 @@ def test_text_the_normalizer_would_change_is_forced_as_its_own_bytes(
         if constraint.kind == "json_schema":
             text = json.loads(text)
         assert text in [*constraint.choices, "abc\u0301", "cafe\u0301"]
+
+
+def test_a_burst_keeps_its_compile_processes_and_a_quiet_compiler_one(
+    tokenizer: GrammarTokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Concurrent first compiles each take a child process (trial.py); kept while compiles
+    keep coming (a start costs a second or so on Qwen3's tokenizer), all but one stopped once
+    unused for IDLE_S (each holds its own tokenizer)."""
+    trials = trial_module.CompileTrials(tokenizer)
+    config = CompileConfig()
+    barrier = threading.Barrier(3)
+
+    def compile_one(i: int) -> None:
+        barrier.wait()
+        trials.run(Constraint.regex(f"x{i}[a-z]{{1,{i + 2}}}"), config)
+
+    threads = [threading.Thread(target=compile_one, args=(i,)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    burst = trials.num_idle
+    assert burst >= 2  # at least two ran at once
+    trials.run(Constraint.regex("y"), config)
+    assert trials.num_idle == burst  # used again within IDLE_S: all kept
+    monkeypatch.setattr(trial_module, "IDLE_S", 0.0)
+    trials.run(Constraint.regex("z"), config)
+    assert trials.num_idle == 1
+    trials.close()
+    assert trials.num_idle == 0

@@ -19,10 +19,11 @@ what the compile grew its memory by, which weighs the constraint in the cache.
     next trial starts another
 
 Children start on the first compile that needs one (or at `warm`), one per compile running at
-once (at most CompileConfig.max_compile_threads); one is kept for the next (each holds its own
-tokenizer: ~155 MB for Qwen3's). All are started by one thread of the compiler's, and ask Linux
-to kill them when that thread ends (PR_SET_PDEATHSIG): a child stuck in a compile dies with its
-service however the service dies, and with its compiler when that is closed or collected.
+once (at most CompileConfig.max_compile_threads); those beyond one stop after IDLE_S unused
+(each holds its own tokenizer: ~155 MB for Qwen3's). All are started by one thread of the
+compiler's, and ask Linux to kill them when that thread ends (PR_SET_PDEATHSIG): a child stuck
+in a compile dies with its service however the service dies, and with its compiler when that
+is closed or collected.
 Messages are length-prefixed pickles on the child's stdin and stdout: both ends are this module.
 """
 
@@ -55,6 +56,9 @@ _LENGTH = struct.Struct("<Q")
 # constraint's time: it has a bound of its own.
 START_TIMEOUT_S = 60.0
 _POLL_S = 0.05  # how often the parent reads a compiling child's memory
+# How long a child beyond the first stays unused before it is stopped: a burst of distinct new
+# constraints keeps its children (a start costs a second or so), a quiet service holds one.
+IDLE_S = 60.0
 _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 
 
@@ -64,7 +68,7 @@ class CompileTrials:
     def __init__(self, tokenizer: GrammarTokenizer) -> None:
         self._tokenizer = tokenizer
         self._lock = threading.Lock()
-        self._idle: list[_Child] = []
+        self._idle: list[tuple[_Child, float]] = []  # with when each was last used
         # The one thread every child is started from: they die when it ends (module docstring).
         self._spawner = concurrent.futures.ThreadPoolExecutor(1, "constraint-trial-start")
 
@@ -107,25 +111,34 @@ class CompileTrials:
         self._give_back(child)
         return _result(answer, field_name, config)
 
+    @property
+    def num_idle(self) -> int:
+        """Children started and waiting for a compile."""
+        with self._lock:
+            return len(self._idle)
+
     def close(self) -> None:
         with self._lock:
             children, self._idle = self._idle, []
-        for child in children:
+        for child, _ in children:
             child.kill()
         self._spawner.shutdown(wait=False)  # its thread ends: running children die with it
 
     def _give_back(self, child: _Child) -> None:
-        """Keep one idle child; stop the others a burst of compiles started."""
+        """Keep `child` for the next compile; stop the idle ones a burst of compiles started
+        once they have waited IDLE_S unused (one always stays)."""
+        now = time.monotonic()
         with self._lock:
-            if not self._idle:
-                self._idle.append(child)
-                return
-        child.kill()
+            self._idle.append((child, now))
+            stale = [c for c, used_at in self._idle[:-1] if now - used_at > IDLE_S]
+            self._idle = [(c, at) for c, at in self._idle if c not in stale]
+        for old in stale:
+            old.kill()
 
     def _take(self) -> _Child:
         with self._lock:
             if self._idle:
-                return self._idle.pop()
+                return self._idle.pop()[0]  # the most recently used
         return self._spawner.submit(_Child, self._tokenizer).result()
 
 
