@@ -71,9 +71,12 @@ class Authority:
     def cert_pem(self) -> bytes:
         return self.cert.public_bytes(serialization.Encoding.PEM)
 
-    def issue(self, common_name: str, names: Sequence[str]) -> tuple[bytes, bytes]:
+    def issue(
+        self, common_name: str, names: Sequence[str], valid: datetime.timedelta = _VALID
+    ) -> tuple[bytes, bytes]:
         """(certificate PEM, private key PEM) for `names` (DNS names or IP literals), usable
-        as a server and as a client certificate."""
+        as a server and as a client certificate for `valid` from now (negative: expired, for
+        tests)."""
         key = ec.generate_private_key(ec.SECP256R1())
         sans: list[x509.GeneralName] = []
         for n in names:
@@ -88,8 +91,8 @@ class Authority:
             .issuer_name(self._name)
             .public_key(key.public_key())
             .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + _VALID)
+            .not_valid_before(min(now, now + valid) - datetime.timedelta(minutes=5))
+            .not_valid_after(now + valid)
             .add_extension(x509.SubjectAlternativeName(sans), critical=False)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(
@@ -107,11 +110,17 @@ class Authority:
         )
         return cert.public_bytes(serialization.Encoding.PEM), key_pem
 
-    def write(self, directory: Path, stem: str, names: Sequence[str]) -> CertFiles:
-        """Issue a certificate for `names` and write DIR/STEM.crt, DIR/STEM.key (mode 0600)
-        and DIR/ca.crt."""
+    def write(
+        self,
+        directory: Path,
+        stem: str,
+        names: Sequence[str],
+        valid: datetime.timedelta = _VALID,
+    ) -> CertFiles:
+        """Issue a certificate for `names` (see `issue`) and write DIR/STEM.crt, DIR/STEM.key
+        (mode 0600) and DIR/ca.crt."""
         directory.mkdir(parents=True, exist_ok=True)
-        cert, key = self.issue(stem, names)
+        cert, key = self.issue(stem, names, valid)
         ca = directory / "ca.crt"
         ca.write_bytes(self.cert_pem)
         cert_path = directory / f"{stem}.crt"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Sequence
 
@@ -121,6 +122,13 @@ def connection_hint(err: grpc.RpcError, *, is_tls: bool) -> str:
     if code != grpc.StatusCode.UNAVAILABLE:
         return ""
     lowered = details.lower()
+    if "hostname verification" in lowered:
+        return (
+            " (the server's certificate does not name the host dialed: its subject alternative"
+            " names must include that host or IP, for mili serve its --host)"
+        )
+    if "certificate has expired" in lowered:
+        return " (the server's certificate has expired: renew --tls-cert)"
     if "handshake" in lowered or "ssl" in lowered or "certificate" in lowered:
         return " (TLS handshake failed: check --tls-ca, --tls-cert and --tls-key)"
     if "socket closed" in lowered or "connection reset" in lowered:
@@ -131,6 +139,21 @@ def connection_hint(err: grpc.RpcError, *, is_tls: bool) -> str:
             )
         return " (the server closed the connection at once: does it require TLS? pass --tls-ca)"
     return ""
+
+
+# grpc's details for a failed connection lead with what we already know (that it failed, the
+# address): "failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:5: ...".
+_CONNECT_PREFIX = re.compile(
+    r"^(failed to connect to all addresses; last error: )?([A-Z_]+: )?((ipv4|ipv6|unix):\S+: )?"
+)
+
+
+def brief_details(err: grpc.RpcError, limit: int = 200) -> str:
+    """grpc's details of `err` without the connection boilerplate, cut to `limit` characters:
+    what the last attempt met ("Connection refused", "Hostname Verification Check failed.")."""
+    details = (err.details() or "") if callable(getattr(err, "details", None)) else ""
+    brief = _CONNECT_PREFIX.sub("", details.strip(), count=1)
+    return brief if len(brief) <= limit else brief[: limit - 3] + "..."
 
 
 _STATUS_NAMES = {

@@ -280,13 +280,14 @@ async def _wait_for_health(
     address: str, accepted: tuple[str, ...], timeout_s: float, tls: Tls | None = None
 ) -> str:
     """Poll grpc.health.v1 Check ("" = the whole server) until its status is in `accepted`;
-    returns that status, or the last one seen (an error's code name, with a hint when it
-    looks like TLS) after `timeout_s`. `tls`: dial with it, verifying the address's host."""
+    returns that status, or the last one seen (an error's code name and grpc's details, with a
+    hint when it looks like TLS) after `timeout_s`. `tls`: dial with it, verifying the
+    address's host."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    from mili.rpc.client import brief_details, connection_hint
     from mili.rpc.client import channel as open_channel
-    from mili.rpc.client import connection_hint
 
     channel = open_channel(address, tls=tls)
     stub = health_pb2_grpc.HealthStub(channel)
@@ -299,7 +300,9 @@ async def _wait_for_health(
                 reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=min(left, 1.0))
                 last = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
             except grpc.aio.AioRpcError as err:
-                last = err.code().name + connection_hint(err, is_tls=tls is not None)
+                hint = connection_hint(err, is_tls=tls is not None)
+                brief = brief_details(err)
+                last = f"{err.code().name}{': ' + brief if brief else ''}{hint}"
             if last in accepted:
                 return last
             await asyncio.sleep(min(delay_s, max(0.0, deadline - time.monotonic())))

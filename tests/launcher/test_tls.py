@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
 import subprocess
 import sys
 from pathlib import Path
@@ -132,6 +133,43 @@ def test_health_checks_of_a_child_speak_its_mtls(files: CertFiles) -> None:
     with_tls, plaintext = asyncio.run(main())
     assert with_tls == "SERVING"
     assert plaintext.startswith("UNAVAILABLE") and "require TLS" in plaintext, plaintext
+
+
+@pytest.mark.parametrize(
+    ("names", "valid", "details", "hint"),
+    [
+        (
+            ["wrong.example.com"],
+            datetime.timedelta(days=1),
+            "Hostname Verification Check failed",
+            "does not name the host dialed",
+        ),
+        (["127.0.0.1"], -datetime.timedelta(days=1), "certificate has expired", "has expired"),
+    ],
+)
+def test_health_checks_name_a_certificate_the_dialed_host_cannot_use(
+    tmp_path: Path, names: list[str], valid: datetime.timedelta, details: str, hint: str
+) -> None:
+    authority = Authority()
+    served = TlsFiles(*_paths(authority.write(tmp_path, "served", names, valid))).load()
+    client = TlsFiles(*_paths(authority.write(tmp_path, "client", ["127.0.0.1"]))).load()
+
+    async def main() -> str:
+        config = ServerConfig(tls=ServerTls(served, require_client_auth=True), drain_timeout_s=0.2)
+        server = RpcServer(config, name="t")
+        port = await server.start()
+        try:
+            return await _wait_for_health(f"127.0.0.1:{port}", ("SERVING",), 1.0, client)
+        finally:
+            await server.drain()
+
+    last = asyncio.run(main())
+    assert last.startswith("UNAVAILABLE: ") and details in last and hint in last, last
+    assert "failed to connect to all addresses" not in last  # grpc's detail, briefly
+
+
+def _paths(files: CertFiles) -> tuple[Path, Path, Path]:
+    return files.cert, files.key, files.ca
 
 
 def _mili(*argv: str) -> subprocess.CompletedProcess[str]:
