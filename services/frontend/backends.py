@@ -94,6 +94,7 @@ class Backends:
             config.tokenizer_address,
             tokenizer_pb2_grpc.TokenizerServiceStub(self.instances.tokenizer_channel),
             config.info_timeout_s,
+            is_tls=tls is not None,
         )
         # Requests that found every instance full wait here for room.
         self.admitter = Admitter(

@@ -23,6 +23,7 @@ from mili.engine.constraint.spec import Constraint
 from mili.engine.constraint.vocab import GrammarTokenizer
 from mili.errors import Unavailable
 from mili.pb.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from mili.rpc.client import brief_details, connection_hint
 from services.frontend.calls import TokenizerFacts
 from services.frontend.downstream import error_from
 from services.frontend.text import LocalDetokenizer
@@ -32,10 +33,16 @@ _LOG = logging.getLogger("mili.frontend")
 
 class TokenizerBackend:
     def __init__(
-        self, address: str, stub: tokenizer_pb2_grpc.TokenizerServiceStub, info_timeout_s: float
+        self,
+        address: str,
+        stub: tokenizer_pb2_grpc.TokenizerServiceStub,
+        info_timeout_s: float,
+        *,
+        is_tls: bool = False,
     ) -> None:
         self.stub = stub
         self._info_timeout_s = info_timeout_s
+        self._is_tls = is_tls  # for the hint when it refuses our handshake
         self.who = f"tokenizer at {address}"  # how errors and logs name it
         # None: down, or not asked yet. Once set, `detokenizer` holds the file its digest names.
         self.facts: TokenizerFacts | None = None
@@ -46,6 +53,9 @@ class TokenizerBackend:
         # for their model). None until the file loads, or when it cannot take one.
         self.constraints: ConstraintCompiler | None = None
         self._file_problem = ""  # why the file last failed to load, logged once per reason
+        # Why Info last failed, logged once per reason: a tokenizer that was never up (a wrong
+        # address, a refused handshake) would otherwise leave only health's "is down".
+        self._down_reason = ""
 
     async def current_facts(self) -> TokenizerFacts:
         """The facts as last fetched, fetched now if there are none; raises Unavailable (or the
@@ -61,8 +71,12 @@ class TokenizerBackend:
         try:
             info = await self.stub.Info(tokenizer_pb2.InfoRequest(), timeout=self._info_timeout_s)
         except grpc.aio.AioRpcError as err:
-            if self.facts is not None:
-                _LOG.warning("%s is down: %s: %s", self.who, err.code().name, err.details())
+            reason = f"{err.code().name}: {brief_details(err)}"
+            if self.facts is not None or reason != self._down_reason:
+                what = "is down" if self.facts is not None else "does not answer"
+                hint = connection_hint(err, is_tls=self._is_tls)
+                _LOG.warning("%s %s: %s%s", self.who, what, reason, hint)
+            self._down_reason = reason
             self.facts = None
             raise error_from(err, self.who) from None
         try:
@@ -73,7 +87,7 @@ class TokenizerBackend:
                 _LOG.warning("%s", err)
             self.facts = None
             raise
-        self._file_problem = ""
+        self._file_problem = self._down_reason = ""
         facts = TokenizerFacts(
             model=info.model,
             vocab_size=info.vocab_size,
