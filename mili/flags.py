@@ -307,7 +307,8 @@ def add_transport_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         choices=kv_transport.CHOICES,
         help="how KV bytes move between prefill and decode: auto = the fastest both can use "
-        "(cuda-ipc or shm on one host, else grpc), or force one (default: %(default)s)",
+        "(cuda-ipc or shm on one host, else grpc), or force one: a pair that cannot use it "
+        "warns and takes grpc (default: %(default)s)",
     )
     parser.add_argument(
         "--host-id",

@@ -22,7 +22,7 @@ import torch
 
 from mili.errors import FailedPrecondition
 from mili.kv_handoff import checksums
-from mili.kv_handoff.kv_transport import Endpoint
+from mili.kv_handoff.kv_transport import GRPC, Endpoint
 from mili.kv_handoff.shm_segment import sweep_stale
 from mili.kv_handoff.transport import GrpcTransport, KvTransport, connect
 from mili.pb.kv.v1 import kv_pb2
@@ -166,6 +166,21 @@ class Peers:
                 _LOG.warning(
                     "KV pair with decode at %s: cannot map its pool (%s); grpc", address, e
                 )
+        elif GRPC not in endpoint.transports:
+            # --kv-transport forced shm or cuda-ipc (usable() then offers only that one), and
+            # decode answered grpc: that pair runs, but not as the operator asked.
+            why = (
+                "decode's host id differs from ours: shared memory needs one host (--host-id)"
+                if not endpoint.host_id or response.host_id != endpoint.host_id
+                else "decode does not offer it (its --kv-transport or device), or its KV layout "
+                "differs"
+            )
+            _LOG.warning(
+                "KV pair with decode at %s: --kv-transport %s cannot be used (%s); grpc",
+                address,
+                endpoint.transports[0],
+                why,
+            )
         limit = response.max_message_bytes
         if not pairing.kv.is_in_place and self._largest_message_bytes > limit:
             # Not remembered: the next transfer asks again (decode may be restarted with more).

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -785,6 +786,36 @@ def test_a_grpc_pair_whose_chunks_decode_cannot_receive_is_refused(
         )
     finally:
         server.close()
+
+
+def test_a_forced_transport_decode_cannot_use_warns_and_pairs_over_grpc(
+    decode_server: DecodeServerThread, player: PrefillPlayer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """--kv-transport shm with a decode on another host (its host id differs): the pair runs
+    over grpc, as the module's table says, with a warning naming why, where an INFO line
+    with "transport grpc" was all an operator who forced shm saw."""
+    endpoint = decode_server.instance.endpoint
+
+    async def pair(host_id: str) -> str:
+        peers = Peers(
+            64 << 20,
+            endpoint=endpoint._replace(host_id=host_id, transports=(kv_transport.SHM,)),
+            layout=player.layout(),
+            dtype=decode_server.instance.cache.dtype,
+        )
+        try:
+            return (await peers.pair(decode_server.address)).transport
+        finally:
+            await peers.close()
+
+    with caplog.at_level(logging.WARNING, logger="mili.prefill"):
+        assert decode_server.run(pair("another host")) == kv_transport.GRPC
+        assert decode_server.run(pair(endpoint.host_id)) == kv_transport.SHM  # no warning
+    warnings = [r.getMessage() for r in caplog.records if r.name == "mili.prefill"]
+    assert warnings == [
+        f"KV pair with decode at {decode_server.address}: --kv-transport shm cannot be used "
+        "(decode's host id differs from ours: shared memory needs one host (--host-id)); grpc"
+    ]
 
 
 class GatedFirstJob(ThreadPoolExecutor):
