@@ -36,6 +36,7 @@ from mili.rpc.tls import Tls
 from mili.telemetry.metrics import FrontendMetrics
 from services.frontend.admission import AdmissionQueue
 from services.frontend.admitter import Admitter
+from services.frontend.calls import InstanceDown
 from services.frontend.config import FrontendConfig
 from services.frontend.instances import Instances
 from services.frontend.multiplex import DecodeMultiplexer
@@ -69,7 +70,11 @@ class Backends:
         self.router = router
         self._on_health = on_health
         self.poller = Poller(
-            config, router, tokenizer_file=self._tokenizer_file, is_tls=tls is not None
+            config,
+            router,
+            tokenizer_file=self._tokenizer_file,
+            is_tls=tls is not None,
+            on_down=self._stopped_answering,
         )
         self.prefill_layouts = self.poller.prefill_layouts  # as of each instance's last Info
         self.decode_layouts = self.poller.decode_layouts
@@ -156,6 +161,15 @@ class Backends:
             self._wake.set()  # poll the newcomers' Info now, not at the next interval
         if changes and self._is_health_reported:
             await self._report_health()  # the last instance of a kind may have left
+
+    def _stopped_answering(self, kind: str, address: str, why: str) -> None:
+        """The poller found an instance not answering its Info: a hung one (stopped, not
+        dead) keeps its connection, so the calls out on it would wait for grpc's keepalive
+        (or a KV lease) to fail them. They fail now, as from an instance down."""
+        error = InstanceDown(f"{kind} at {address} stopped answering (its Info: {why})")
+        if kind == "decode":
+            with contextlib.suppress(KeyError):  # dropped meanwhile
+                self.instances.multiplexer(address).cut(error)
 
     def request_refresh(self, down: str | None = None) -> None:
         """An instance failed a request: route around it now and re-poll soon."""

@@ -14,6 +14,9 @@ the stream lagged), then None; what waits is at most the request's max_tokens id
 request's error is raised as the domain error its own Generate call's status would give. The
 call is opened on first use and again after it ended; when it fails, every request on it fails
 with that error (InstanceDown when decode went away), and a new request opens a new call.
+When the Info poller finds the instance stopped answering (hung, not dead: its connection stays
+open, so the call would not fail until keepalive gives up), `cut` ends the call and fails its
+requests at once.
 """
 
 from __future__ import annotations
@@ -60,6 +63,12 @@ class DecodeMultiplexer:
             finally:
                 otel_context.detach(token)
         return self._session.open(request, deadline)
+
+    def cut(self, error: InstanceDown) -> None:
+        """The instance stopped answering: fail every request on the call with `error`
+        (UNAVAILABLE) and cancel it; the next request opens a new one."""
+        if self._session is not None and not self._session.is_ended:
+            self._session.cut(error)
 
     async def close(self) -> None:
         if self._session is not None:
@@ -166,6 +175,10 @@ class _Session:
                 return
             self._cancels.append(rid)
             self._wake.set()
+
+    def cut(self, error: InstanceDown) -> None:
+        self._end(error, grpc.StatusCode.UNAVAILABLE)
+        self._call.cancel()  # the reader and the writer see it and return
 
     async def close(self) -> None:
         self.is_ended = True

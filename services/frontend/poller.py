@@ -7,7 +7,9 @@ one joined; backends.py runs it) fetches every instance's Info concurrently:
                   it forms with the other side re-checked (pairing.py: KV layouts, tokenizer;
                   a refused pair is logged loudly and never routed; a fixed one becomes
                   routable again)
-    no answer  -> router.mark_down: routed around until it answers again
+    no answer  -> router.mark_down: routed around until it answers again; at its first failure
+                  since it last answered, `on_down(kind, address, why)` too: the calls still
+                  out on it will not be answered either (backends.py cuts them)
 
 The tokenizer's Info is polled alongside (backends.py); when it names a new tokenizer file every
 pair is checked again against it (`check_tokenizer_file`). What an instance's Info said is
@@ -45,11 +47,14 @@ class Poller:
         *,
         tokenizer_file: Callable[[], str],
         is_tls: bool,
+        on_down: Callable[[str, str, str], None] | None = None,
     ) -> None:
         """`tokenizer_file()`: the sha256 of the tokenizer service's file ("" while unknown),
         that every pair is checked against. `is_tls`: whether the instances are dialed over
-        TLS (for the hint in a failure's warning)."""
+        TLS (for the hint in a failure's warning). `on_down(kind, address, why)`: an instance
+        stopped answering its Info (called once per outage, when it is logged)."""
         self._config = config
+        self._on_down = on_down
         self._router = router
         self._tokenizer_file = tokenizer_file
         self._is_tls = is_tls
@@ -180,6 +185,8 @@ class Poller:
             _LOG.warning(
                 "%s at %s %s: %s: %s%s", kind, address, what, err.code().name, err.details(), hint
             )
+            if self._on_down is not None:
+                self._on_down(kind, address, f"{err.code().name}: {err.details()}")
 
     def _check_pairs(self, *, prefills: list[str], decodes: list[str]) -> None:
         tokenizer_file = self._paired_tokenizer_file = self._tokenizer_file()

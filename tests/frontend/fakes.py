@@ -9,10 +9,12 @@ streams `script` (lists of token ids, one Tokens event each) and finishes with L
 prefill failed the transfer (`transfer_error`, the error real decode reports then). With
 `max_running` it holds that many reservations at most (more: RESOURCE_EXHAUSTED with RetryInfo,
 as a real decode instance out of blocks or batch places); `hold`, when given, keeps every
-admitted request from streaming until it is set. Its GenerateStream (what the frontend calls)
-runs that Generate per started request.
+admitted request from streaming until it is set; `is_stopped` makes its Info never answer (a
+SIGSTOPped instance: with `hold`, its calls do not either). Its GenerateStream (what the
+frontend calls) runs that Generate per started request.
 Fake prefill: "transfers" after 10 ms; with `max_running` it takes that many calls at once
-(more: RESOURCE_EXHAUSTED with RetryInfo, as a real one with its queue full), `hold` as decode's.
+(more: RESOURCE_EXHAUSTED with RetryInfo, as a real one with its queue full), `hold` and
+`is_stopped` as decode's.
 """
 
 from __future__ import annotations
@@ -115,6 +117,7 @@ class FakeDecode(decode_pb2_grpc.DecodeServiceServicer):
     admitted: list[str] = field(default_factory=list)  # prompts admitted, in order
     num_reserved: int = 0  # requests admitted and not ended: their blocks are held
     transfer_error: Exception | None = None  # set with kv_landed: the transfer failed
+    is_stopped: bool = False  # Info never answers
 
     async def Generate(self, request: Any, context: Any) -> AsyncIterator[Any]:
         self.requests.append(request)
@@ -196,6 +199,8 @@ class FakeDecode(decode_pb2_grpc.DecodeServiceServicer):
                 task.cancel()
 
     async def Info(self, request: Any, context: Any) -> Any:
+        if self.is_stopped:
+            await asyncio.Event().wait()
         return decode_pb2.InfoResponse(
             model="fake",
             kv_layout=self.kv_layout,
@@ -217,6 +222,7 @@ class FakePrefill(prefill_pb2_grpc.PrefillServiceServicer):
     max_running: int | None = None
     hold: asyncio.Event | None = None
     num_running: int = 0  # calls taken and not ended
+    is_stopped: bool = False  # Info never answers
 
     async def Prefill(self, request: Any, context: Any) -> Any:
         self.requests.append(request)
@@ -242,6 +248,8 @@ class FakePrefill(prefill_pb2_grpc.PrefillServiceServicer):
             self.num_running -= 1
 
     async def Info(self, request: Any, context: Any) -> Any:
+        if self.is_stopped:
+            await asyncio.Event().wait()
         return prefill_pb2.InfoResponse(
             model="fake", kv_layout=self.kv_layout, max_prompt_tokens=4096, prefix_cache=CACHING
         )

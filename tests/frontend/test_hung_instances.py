@@ -1,0 +1,65 @@
+"""Instances that hang (SIGSTOPped: their connections stay open, nothing answers) while
+requests are out on them: the Info poller finds them not answering, and the requests there fail
+or move on then, not when grpc's keepalive or decode's KV lease gives up."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from mili.pb.common.v1 import sampling_pb2
+from mili.pb.frontend.v1 import generation_pb2
+from tests.frontend.fakes import FakeDecode, code_of, collect, ids, stack, wait_until
+
+
+def prompt(text: str = "hi") -> generation_pb2.GenerateRequest:
+    return generation_pb2.GenerateRequest(prompt=text, sampling=sampling_pb2.SamplingParams())
+
+
+def test_a_decode_that_stops_answering_mid_stream_fails_its_streams_when_marked_down() -> None:
+    """Found by an exploratory test: the streams on a SIGSTOPped decode stayed open ~90 s
+    (until keepalive ended the channel). Past the first token there is no retry: the request
+    fails UNAVAILABLE naming the instance once the poller marks it down (info_timeout_s 0.5)."""
+
+    async def main() -> None:
+        hung = FakeDecode(hold=asyncio.Event(), hold_after=1)  # one event, then nothing
+        async with stack([hung]) as s:
+            address = s.backends.config.decode_addresses[0]
+            call = s.stub.Generate(prompt(), timeout=10)
+            first = await call.read()
+            assert list(first.token_ids) == ids("ab")
+            began = time.monotonic()
+            hung.is_stopped = True
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await call.read()
+            assert time.monotonic() - began < 3.0
+            assert code_of(info.value) == grpc.StatusCode.UNAVAILABLE
+            assert f"decode at {address} stopped answering" in info.value.details()
+            hung.is_stopped = False
+            hung.hold = None
+            await wait_until(lambda: s.backends.router.decodes[address].is_up)
+            replies = await collect(s.stub.Generate(prompt(), timeout=10))  # a new call
+            assert replies[-1].finish_reason == sampling_pb2.FINISH_REASON_LENGTH
+
+    asyncio.run(main())
+
+
+def test_a_decode_that_stops_answering_before_the_first_token_hands_its_requests_on() -> None:
+    async def main() -> None:
+        hung = FakeDecode(hold=asyncio.Event())  # admits, then holds before any token
+        spare = FakeDecode()
+        async with stack([hung, spare]) as s:
+            calls = [s.stub.Generate(prompt(), timeout=10) for _ in range(2)]
+            reading = [asyncio.ensure_future(collect(c)) for c in calls]
+            await wait_until(lambda: len(hung.admitted) >= 1)
+            hung.is_stopped = True
+            began = time.monotonic()
+            for replies in await asyncio.gather(*reading):
+                assert [t for r in replies for t in r.token_ids] == ids("abc")
+            assert time.monotonic() - began < 3.0
+            assert spare.requests
+
+    asyncio.run(main())
