@@ -84,11 +84,13 @@ class Backends:
         self._wake: asyncio.Event | None = None
         self._polling: asyncio.Task[None] | None = None
         self._resolver: asyncio.Task[None] | None = None
+        # prefill address -> its next outage's error, for the Prefill calls out on it to wait on
+        self._outages: dict[str, asyncio.Future[InstanceDown]] = {}
         self.instances = Instances(
             config,
             router,
             on_changes=self._changed,
-            on_dropped=self.poller.forget,
+            on_dropped=self._dropped,
             interceptors=interceptors,
             tls=tls,
             metrics=metrics,
@@ -170,6 +172,22 @@ class Backends:
         if kind == "decode":
             with contextlib.suppress(KeyError):  # dropped meanwhile
                 self.instances.multiplexer(address).cut(error)
+        else:
+            outage = self._outages.pop(address, None)
+            if outage is not None and not outage.done():
+                outage.set_result(error)
+
+    def outage(self, address: str) -> asyncio.Future[InstanceDown]:
+        """Done, with the error to fail them with, when the poller next finds prefill instance
+        `address` not answering: what its Prefill calls out wait on besides their answer."""
+        outage = self._outages.get(address)
+        if outage is None:
+            outage = self._outages[address] = asyncio.get_running_loop().create_future()
+        return outage
+
+    def _dropped(self, address: str) -> None:
+        self.poller.forget(address)
+        self._outages.pop(address, None)
 
     def request_refresh(self, down: str | None = None) -> None:
         """An instance failed a request: route around it now and re-poll soon."""

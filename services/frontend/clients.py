@@ -114,7 +114,9 @@ class GrpcDownstream:
     ) -> asyncio.Future[PrefillStats]:
         request = convert.prefill_request(ids, prompt, route.decode, admitted)
         call = self._backends.prefill(route.prefill).Prefill(request, timeout=deadline.remaining())
-        task = asyncio.ensure_future(_prefill_reply(call, f"prefill at {route.prefill}", deadline))
+        who = f"prefill at {route.prefill}"
+        outage = self._backends.outage(route.prefill)
+        task = asyncio.ensure_future(_prefill_reply_or_outage(call, who, deadline, outage))
         # Cancelling the task before it first ran would leave the call running: cancel it too.
         task.add_done_callback(lambda t: call.cancel() if t.cancelled() else None)
         return task
@@ -124,6 +126,26 @@ class GrpcDownstream:
         if tokenizer.detokenizer is None:  # facts were never fetched: the pipeline asks first
             raise Unavailable(f"{tokenizer.who}: its tokenizer file is not loaded yet")
         return tokenizer.detokenizer.stream(vocab_size)
+
+
+async def _prefill_reply_or_outage(
+    call: Any, who: str, deadline: Deadline, outage: asyncio.Future[InstanceDown]
+) -> PrefillStats:
+    """Prefill's reply, or `outage`'s error once the poller finds the instance not answering:
+    a hung one (stopped, not dead) keeps its connection open, and the call would wait for its
+    deadline while decode waited out its KV lease. The call is cancelled then; the request
+    starts again on another prefill if it has no token yet (pipeline.py)."""
+    reply = asyncio.ensure_future(_prefill_reply(call, who, deadline))
+    watched: set[asyncio.Future[Any]] = {reply, outage}
+    try:
+        await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
+        if reply.done():
+            return reply.result()
+        raise outage.result()
+    finally:
+        if not reply.done():
+            call.cancel()
+            reply.cancel()
 
 
 async def _prefill_reply(call: Any, who: str, deadline: Deadline) -> PrefillStats:

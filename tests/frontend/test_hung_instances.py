@@ -12,7 +12,7 @@ import pytest
 
 from mili.pb.common.v1 import sampling_pb2
 from mili.pb.frontend.v1 import generation_pb2
-from tests.frontend.fakes import FakeDecode, code_of, collect, ids, stack, wait_until
+from tests.frontend.fakes import FakeDecode, FakePrefill, code_of, collect, ids, stack, wait_until
 
 
 def prompt(text: str = "hi") -> generation_pb2.GenerateRequest:
@@ -61,5 +61,29 @@ def test_a_decode_that_stops_answering_before_the_first_token_hands_its_requests
                 assert [t for r in replies for t in r.token_ids] == ids("abc")
             assert time.monotonic() - began < 3.0
             assert spare.requests
+
+    asyncio.run(main())
+
+
+def test_a_prefill_that_stops_answering_hands_its_requests_to_another_when_marked_down() -> None:
+    """Found by an exploratory test: the requests on a SIGSTOPped prefill failed 31 s later
+    (decode's KV lease, blamed on decode) though another prefill was up. Before its first
+    token a request starts again there once the poller marks the hung one down, decode's
+    reservation of the first try released."""
+
+    async def main() -> None:
+        hung = FakePrefill(hold=asyncio.Event())  # takes the call, never answers it
+        spare = FakePrefill()
+        async with stack(prefill=hung, spare_prefills=[spare]) as s:
+            reading = asyncio.ensure_future(collect(s.stub.Generate(prompt(), timeout=5)))
+            await wait_until(lambda: hung.num_running == 1)
+            hung.is_stopped = True
+            began = time.monotonic()
+            replies = await reading
+            assert [t for r in replies for t in r.token_ids] == ids("abc")
+            assert time.monotonic() - began < 3.0
+            assert spare.requests
+            assert hung.num_running == 0  # its call was cancelled
+            await wait_until(lambda: s.decodes[0].num_reserved == 0)
 
     asyncio.run(main())
