@@ -23,6 +23,10 @@ class FrontendConfig:
     resolve_interval_s: float = 5.0
     # Timeout of one Info call; an instance slower than this counts as down until it answers.
     info_timeout_s: float = 2.0
+    # How long an instance answers no Info before the calls out on it are cut (a hung one keeps
+    # its connection, so they would wait for keepalive or the KV lease): several polls, so
+    # one slow answer of a busy instance cuts nothing.
+    hung_after_s: float = 10.0
     # How long a decode instance gets to admit or refuse a request (it answers at once unless
     # it is stuck); past it, the instance counts as down and the next one is tried.
     admit_timeout_s: float = 5.0
@@ -93,6 +97,7 @@ class FrontendConfig:
             "poll_interval_s",
             "resolve_interval_s",
             "info_timeout_s",
+            "hung_after_s",
             "admit_timeout_s",
             "tokenize_timeout_s",
         ):

@@ -7,9 +7,9 @@ one joined; backends.py runs it) fetches every instance's Info concurrently:
                   it forms with the other side re-checked (pairing.py: KV layouts, tokenizer;
                   a refused pair is logged loudly and never routed; a fixed one becomes
                   routable again)
-    no answer  -> router.mark_down: routed around until it answers again; at its first failure
-                  since it last answered, `on_down(kind, address, why)` too: the calls still
-                  out on it will not be answered either (backends.py cuts them)
+    no answer  -> router.mark_down: routed around until it answers again; once it has not
+                  answered for hung_after_s (several polls), `on_down(kind, address, why)` too:
+                  the calls still out on it will not be answered either (backends.py cuts them)
 
 The tokenizer's Info is polled alongside (backends.py); when it names a new tokenizer file every
 pair is checked again against it (`check_tokenizer_file`). What an instance's Info said is
@@ -20,6 +20,7 @@ is logged with its reason once (a TLS handshake refused, say), not at every poll
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Coroutine
 
 import grpc
@@ -59,6 +60,8 @@ class Poller:
         self._tokenizer_file = tokenizer_file
         self._is_tls = is_tls
         self._unreachable: set[str] = set()  # instances whose failure to answer was logged
+        self._answered_at: dict[str, float] = {}  # each instance's last Info answer
+        self._hung: set[str] = set()  # instances on_down was called for since they answered
         self.prefill_layouts: dict[str, kv_pb2.KvLayout] = {}
         self.decode_layouts: dict[str, kv_pb2.KvLayout] = {}
         self.models: dict[str, str] = {}  # address -> model name its Info reported
@@ -87,6 +90,8 @@ class Poller:
         self.models.pop(address, None)
         self.tokenizer_files.pop(address, None)
         self._unreachable.discard(address)
+        self._answered_at.pop(address, None)
+        self._hung.discard(address)
 
     async def _poll_prefill(self, instances: Instances, address: str) -> None:
         try:
@@ -160,6 +165,8 @@ class Poller:
             return None
         was_up = view.is_up
         self._unreachable.discard(address)
+        self._answered_at[address] = time.monotonic()
+        self._hung.discard(address)
         self.models[address] = info.model
         self.tokenizer_files[address] = info.tokenizer_file_sha256
         if kind == "prefill":
@@ -185,8 +192,18 @@ class Poller:
             _LOG.warning(
                 "%s at %s %s: %s: %s%s", kind, address, what, err.code().name, err.details(), hint
             )
-            if self._on_down is not None:
-                self._on_down(kind, address, f"{err.code().name}: {err.details()}")
+        answered_at = self._answered_at.get(address)
+        if (
+            self._on_down is not None
+            and answered_at is not None
+            and time.monotonic() - answered_at >= self._config.hung_after_s
+            and address not in self._hung
+        ):
+            self._hung.add(address)
+            silent_s = time.monotonic() - answered_at
+            self._on_down(
+                kind, address, f"none for {silent_s:.0f} s, last {err.code().name}: {err.details()}"
+            )
 
     def _check_pairs(self, *, prefills: list[str], decodes: list[str]) -> None:
         tokenizer_file = self._paired_tokenizer_file = self._tokenizer_file()

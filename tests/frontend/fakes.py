@@ -329,6 +329,7 @@ async def stack(
         limits=limits or Limits(default_max_tokens=16),
         poll_interval_s=poll_interval_s,
         info_timeout_s=0.5,
+        hung_after_s=1.0,  # two polls past their timeout
         max_buffered_tokens=max_buffered_tokens,
         stream_interval=stream_interval,
         max_queued_requests=max_queued_requests,

@@ -87,3 +87,28 @@ def test_a_prefill_that_stops_answering_hands_its_requests_to_another_when_marke
             await wait_until(lambda: s.decodes[0].num_reserved == 0)
 
     asyncio.run(main())
+
+
+def test_one_slow_info_answer_cuts_nothing() -> None:
+    """The poller routes around an instance at its first Info past info_timeout_s, but a busy
+    instance may answer one poll late: its streams are cut only once it answered none for
+    hung_after_s (1 s here: two polls)."""
+
+    async def main() -> None:
+        decode = FakeDecode(hold=asyncio.Event(), hold_after=1)
+        async with stack([decode]) as s:
+            address = s.backends.config.decode_addresses[0]
+            call = s.stub.Generate(prompt(), timeout=10)
+            assert list((await call.read()).token_ids) == ids("ab")
+            decode.is_stopped = True  # one poll times out (0.5 s) ...
+            await wait_until(lambda: not s.backends.router.decodes[address].is_up)
+            decode.is_stopped = False  # ... the next answers
+            await wait_until(lambda: s.backends.router.decodes[address].is_up)
+            await asyncio.sleep(1.0)
+            assert decode.hold is not None
+            decode.hold.set()
+            rest = await call.read()
+            assert list(rest.token_ids) == ids("c")
+            assert rest.finish_reason == sampling_pb2.FINISH_REASON_LENGTH
+
+    asyncio.run(main())
