@@ -165,9 +165,9 @@ class Backends:
             await self._report_health()  # the last instance of a kind may have left
 
     def _stopped_answering(self, kind: str, address: str, why: str) -> None:
-        """The poller found an instance not answering its Info: a hung one (stopped, not
-        dead) keeps its connection, so the calls out on it would wait for grpc's keepalive
-        (or a KV lease) to fail them. They fail now, as from an instance down."""
+        """The poller found an instance answering no Info for hung_after_s: a hung one
+        (stopped, not dead) keeps its connection, so the calls out on it would wait for grpc's
+        keepalive (or a KV lease) to fail them. They fail now, as from an instance down."""
         error = InstanceDown(f"{kind} at {address} stopped answering (its Info: {why})")
         if kind == "decode":
             with contextlib.suppress(KeyError):  # dropped meanwhile
