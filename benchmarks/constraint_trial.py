@@ -24,14 +24,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.grammar import SCHEMAS, tokenizer_dir
+from benchmarks.grammar import SCHEMAS, qwen3_grammar_tokenizer
 from benchmarks.presets import DEFAULT_CACHE
 from mili.engine.constraint.compiler import CompileConfig, ConstraintCompiler, build
 from mili.engine.constraint.spec import Constraint
 from mili.engine.constraint.trial import CompileTrials
-from mili.engine.constraint.vocab import GrammarTokenizer
-
-ROWS = 151_936
 
 
 def variant(schema: dict[str, Any], i: int) -> Constraint:
@@ -49,10 +46,7 @@ def main() -> None:
     parser.add_argument("--variants", type=int, default=10, help="distinct schemas per kind")
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE)
     args = parser.parse_args()
-    directory, _ = tokenizer_dir("qwen3", args.cache_dir)
-    path = directory / "tokenizer.json"
-    vocab = GrammarTokenizer.from_file(path, ROWS, [0]).num_tokens
-    tokenizer = GrammarTokenizer.from_file(path, ROWS, [vocab - 1])
+    tokenizer = qwen3_grammar_tokenizer(args.cache_dir)
     config = CompileConfig()
     trials = CompileTrials(tokenizer)
     started = time.perf_counter()

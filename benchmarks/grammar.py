@@ -152,6 +152,17 @@ def tokenizer_dir(name: str, cache: Path) -> tuple[Path, int]:
     return directory, rows
 
 
+def qwen3_grammar_tokenizer(cache: Path) -> Any:
+    """llguidance's view (GrammarTokenizer) of the Qwen3-sized tokenizer, its last token the
+    EOS id (as constrained_decode.py's model has it)."""
+    from mili.engine.constraint.vocab import GrammarTokenizer
+
+    directory, rows = tokenizer_dir("qwen3", cache)
+    path = directory / "tokenizer.json"
+    vocab = GrammarTokenizer.from_file(path, rows, [0]).num_tokens
+    return GrammarTokenizer.from_file(path, rows, [vocab - 1])
+
+
 def _rss_mib() -> float:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmRSS:"):

@@ -29,7 +29,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.constrained_decode import SCHEMA
-from benchmarks.grammar import tokenizer_dir
+from benchmarks.grammar import qwen3_grammar_tokenizer
 from benchmarks.presets import DEFAULT_CACHE
 from mili.engine.constraint.compiler import CompileConfig, ConstraintCompiler, grammar_text
 from mili.engine.constraint.mask import BatchMasker, unpack_bitmask
@@ -134,10 +134,7 @@ def main() -> None:
     parser.add_argument("--states", type=int, default=3000, help="states walked in `masks`")
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE)
     args = parser.parse_args()
-    directory, _ = tokenizer_dir("qwen3", args.cache_dir)
-    path = directory / "tokenizer.json"
-    vocab = GrammarTokenizer.from_file(path, ROWS, [0]).num_tokens
-    tokenizer = GrammarTokenizer.from_file(path, ROWS, [vocab - 1])  # as constrained_decode.py
+    tokenizer = qwen3_grammar_tokenizer(args.cache_dir)
     compiler = ConstraintCompiler(tokenizer)
     constraint = Constraint.json_schema(SCHEMA)
     compiled = compiler.compile_sync(constraint)

@@ -66,6 +66,22 @@ def chat(client: openai.OpenAI, **args: Any) -> Any:
     return client.chat.completions.create(model=model_of(client), **args)
 
 
+def forced_calls(client: openai.OpenAI, tool: Any, choice: Any, *, num_seeds: int) -> list[Any]:
+    """The calls of `num_seeds` sampled answers (temperature 1, thinking off) under a forced
+    `choice`: each answer must be calls alone, finish reason tool_calls."""
+    calls = []
+    for seed in range(num_seeds):
+        reply = chat(
+            client, tools=[tool], tool_choice=choice, temperature=1.0, seed=seed,
+            max_tokens=200, extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+        )  # fmt: skip
+        (done,) = reply.choices
+        assert done.finish_reason == "tool_calls", done
+        assert done.message.tool_calls and not done.message.content
+        calls += done.message.tool_calls
+    return calls
+
+
 def model_of(client: openai.OpenAI) -> str:
     return client.models.list().data[0].id
 
@@ -236,17 +252,9 @@ def test_forced_tool_choice_always_gives_a_valid_call(
     if tool_choice == "named":
         choice = {"type": "function", "function": {"name": "get_weather"}}
     extra = {"chat_template_kwargs": {"enable_thinking": False}}
-    for seed in range(6):
-        reply = chat(
-            client, tools=[TOOL], tool_choice=choice, temperature=1.0, seed=seed,
-            max_tokens=200, extra_body=extra,
-        )  # fmt: skip
-        (done,) = reply.choices
-        assert done.finish_reason == "tool_calls", done
-        assert done.message.tool_calls and not done.message.content
-        for call in done.message.tool_calls:
-            assert call.function.name == "get_weather"
-            jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+    for call in forced_calls(client, TOOL, choice, num_seeds=6):
+        assert call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER)
     streamed = list(
         chat(
             client, tools=[TOOL], tool_choice=choice, max_tokens=200, extra_body=extra, stream=True
@@ -271,17 +279,8 @@ def test_parameters_without_a_type_still_give_calls(client: openai.OpenAI) -> No
     `"arguments": true` came back as text with finish stop)."""
     untyped = {"properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}}}
     tool = {"type": "function", "function": {"name": "f", "parameters": untyped}}
-    extra = {"chat_template_kwargs": {"enable_thinking": False}}
-    for seed in range(4):
-        reply = chat(
-            client, tools=[tool], tool_choice="required", temperature=1.0, seed=seed,
-            max_tokens=200, extra_body=extra,
-        )  # fmt: skip
-        (done,) = reply.choices
-        assert done.finish_reason == "tool_calls", done
-        assert done.message.tool_calls and not done.message.content
-        for call in done.message.tool_calls:
-            jsonschema.validate(json.loads(call.function.arguments), {"type": "object", **untyped})
+    for call in forced_calls(client, tool, "required", num_seeds=4):
+        jsonschema.validate(json.loads(call.function.arguments), {"type": "object", **untyped})
 
 
 def test_response_format_json_schema_is_valid_json(client: openai.OpenAI) -> None:
