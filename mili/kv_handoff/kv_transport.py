@@ -17,9 +17,11 @@ and mount namespaces (/dev/shm). Two processes with equal ids see the same /dev/
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import NamedTuple
 
+_LOG = logging.getLogger("mili.kv_handoff")
 GRPC = "grpc"
 SHM = "shm"
 CUDA_IPC = "cuda-ipc"
@@ -56,7 +58,15 @@ def usable(device: str, allowed: str = AUTO) -> tuple[str, ...]:
         return offered
     if allowed not in TRANSPORTS:
         raise ValueError(f"--kv-transport must be one of {', '.join(CHOICES)}, got {allowed!r}")
-    return (allowed,) if allowed in offered else (GRPC,)
+    if allowed not in offered:  # forced, so said: every pair would quietly take grpc
+        _LOG.warning(
+            "--kv-transport %s cannot be used on %s (it offers %s): every transfer takes grpc",
+            allowed,
+            device,
+            " and ".join(offered),
+        )
+        return (GRPC,)
+    return (allowed,)
 
 
 def choose(sender: Endpoint, receiver: Endpoint) -> str:
