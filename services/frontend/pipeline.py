@@ -117,6 +117,9 @@ class Generation:
         self._deadline = deadline
         self._prefill: asyncio.Future[PrefillStats] | None = None
         self._prefill_reply: PrefillStats | None = None
+        # Prefill went down after decode's first token, no prompt logprobs asked: its KV had
+        # landed, only its statistics are lost; it is no longer watched.
+        self._is_prefill_reply_lost = False
         self._output_token_ids: list[int] = []
         self.served: Served | None = None  # once finished
         self._admitter = downstream.admitter
@@ -197,6 +200,7 @@ class Generation:
 
     def _start_prefill(self, admission: Admission) -> None:
         self._prefill_reply = None
+        self._is_prefill_reply_lost = False
         address = admission.route.prefill
         admission.prefill_clock = self._router.room_clock(address)
         self._prefill = prefill = self._downstream.prefill(
@@ -216,12 +220,16 @@ class Generation:
         """Store prefill's reply once it is in; raise its error if it failed, NoRoom if it
         turned the request away for room before any token (the request waits again)."""
         prefill = self._prefill
-        if prefill is None or not prefill.done() or self._prefill_reply is not None:
+        if prefill is None or not prefill.done() or not self._is_prefill_watched:
             return
         try:
             self._prefill_reply = prefill.result()
         except InstanceDown as error:
             self._downstream.request_refresh(down=admission.route.prefill)
+            if self._output_token_ids and self._prompt.sampling.prompt_logprobs is None:
+                # Decode streams: the KV landed (a hung prefill cut after its commit).
+                self._is_prefill_reply_lost = True
+                return
             raise self._elsewhere(error, self._pair_without(admission.route.prefill)) from None
         except ResourceExhausted as error:
             if not is_refused_for_room(error) or self._output_token_ids:
@@ -229,6 +237,11 @@ class Generation:
             address = admission.route.prefill
             self._router.mark_full(address, str(error), seen_clock=admission.prefill_clock)
             raise NoRoom(str(error), error.retry_after_s) from None
+
+    @property
+    def _is_prefill_watched(self) -> bool:
+        """Whether prefill's reply is still to come (or to be read)."""
+        return self._prefill_reply is None and not self._is_prefill_reply_lost
 
     def _elsewhere(self, error: InstanceDown, is_another_up: bool) -> Exception:
         """What to raise for an instance down: `_Elsewhere` before any token (down or draining,
@@ -275,7 +288,7 @@ class Generation:
 
     async def _next_event(self, admission: Admission) -> Admitted | Tokens:
         """decode's next event, while watching prefill: its failure ends the request now."""
-        if self._prefill_reply is None:
+        if self._is_prefill_watched:
             event = await self._read_watching_prefill(admission)
         else:
             # Prefill is done (the usual case past the first token): a plain read, without the
@@ -302,12 +315,12 @@ class Generation:
     async def _read_watching_prefill(self, admission: Admission) -> Admitted | Tokens | None:
         read = asyncio.ensure_future(admission.stream.read())
         try:
-            while not read.done() and self._prefill_reply is None:
+            while not read.done() and self._is_prefill_watched:
                 assert self._prefill is not None
                 watched: set[asyncio.Future[Any]] = {read, self._prefill}
                 await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
                 self._check_prefill(admission)  # raises prefill's error
-            if self._prefill_reply is None and not read.cancelled() and read.exception():
+            if self._is_prefill_watched and not read.cancelled() and read.exception():
                 # Decode failed while prefill was still on: its error may echo prefill's (a
                 # transfer prefill broke off when it turned the request away, seen by decode as
                 # UNAVAILABLE); prefill's own answer says why, and decode is not down for it.
@@ -361,7 +374,7 @@ class Generation:
         read = admission.stream.read
         event: Admitted | Tokens | None
         while True:
-            if self._prefill_reply is None:
+            if self._is_prefill_watched:
                 event = await self._next_event(admission)
             else:
                 # Prefill is done (the usual case past the first token): the read inlined, as

@@ -221,6 +221,7 @@ class FakePrefill(prefill_pb2_grpc.PrefillServiceServicer):
     requests: list[Any] = field(default_factory=list)
     max_running: int | None = None
     hold: asyncio.Event | None = None
+    hold_reply: asyncio.Event | None = None  # the KV sent, the reply waits for it
     num_running: int = 0  # calls taken and not ended
     is_stopped: bool = False  # Info never answers
 
@@ -241,6 +242,8 @@ class FakePrefill(prefill_pb2_grpc.PrefillServiceServicer):
                     await asyncio.sleep(0.1)  # decode's error reaches the frontend first
                 raise self.error
             self.decodes[request.destination.address].kv_landed.set()
+            if self.hold_reply is not None:
+                await self.hold_reply.wait()
             return prefill_pb2.PrefillResponse(
                 num_prompt_tokens=len(request.prompt_token_ids), kv_bytes=64
             )

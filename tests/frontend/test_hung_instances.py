@@ -112,3 +112,27 @@ def test_one_slow_info_answer_cuts_nothing() -> None:
             assert rest.finish_reason == sampling_pb2.FINISH_REASON_LENGTH
 
     asyncio.run(main())
+
+
+def test_a_prefill_that_hangs_after_its_kv_landed_costs_only_its_statistics() -> None:
+    """Its KV is in decode, which streams: cut once the poller finds it hung, the request
+    goes on (it failed UNAVAILABLE when prefill's cut was read as the request's error). Only
+    prefill's statistics are lost."""
+
+    async def main() -> None:
+        hung = FakePrefill(hold_reply=asyncio.Event())
+        decode = FakeDecode(hold=asyncio.Event(), hold_after=1)
+        async with stack([decode], prefill=hung) as s:
+            call = s.stub.Generate(prompt(), timeout=10)
+            assert list((await call.read()).token_ids) == ids("ab")
+            hung.is_stopped = True
+            address = s.backends.config.prefill_addresses[0]
+            await wait_until(lambda: hung.num_running == 0, timeout_s=5.0)  # cut
+            assert not s.backends.router.prefills[address].is_up
+            assert decode.hold is not None
+            decode.hold.set()
+            last = await call.read()
+            assert list(last.token_ids) == ids("c")
+            assert last.finish_reason == sampling_pb2.FINISH_REASON_LENGTH
+
+    asyncio.run(main())
