@@ -43,7 +43,8 @@ once all are up lists every child's metrics URL.
 
 TLS: --tls-cert/--tls-key/--tls-ca go to every child (mTLS between them, the frontend's public
 port as its --public-tls says) and serve `mili serve`'s own health checks of them, which dial
-each child's announced address: the certificate must name --host (an IP SAN for an address).
+each child's announced address: the certificate must name --host (an IP SAN for an address);
+that, its dates and its CA are checked before any child starts.
 --tls-demo instead makes a throwaway CA and a certificate per service in a temporary directory
 (removed on exit): mTLS between the services, plain TLS on the frontend's port (clients need
 only the CA), and prints the grpcurl and `mili generate` command lines that use it.

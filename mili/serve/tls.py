@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ipaddress
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from mili.errors import StartupError
 from mili.rpc.tls import Tls, TlsFiles
@@ -85,12 +86,66 @@ def tls_plan(args: argparse.Namespace, demo: dict[str, CertFiles] | None) -> Chi
         tls = TlsFiles(args.tls_cert, args.tls_key, args.tls_ca).load()
     except ValueError as e:
         raise StartupError(str(e)) from None
+    if tls.cert is not None:
+        problem = certificate_problem(tls.cert, tls.ca, args.host)
+        if problem is not None:
+            raise StartupError(f"--tls-cert {args.tls_cert}: {problem}")
     same: list[str] = []
     if args.tls_cert is not None:
         same += ["--tls-cert", str(args.tls_cert), "--tls-key", str(args.tls_key)]
     if args.tls_ca is not None:
         same += ["--tls-ca", str(args.tls_ca)]
     return ChildTls({kind: list(same) for kind in CHILD_KINDS}, tls)
+
+
+def certificate_problem(cert_pem: bytes, ca_pem: bytes | None, host: str) -> str | None:
+    """Why every child's certificate cannot work, found before any child starts: expired (or
+    not valid yet), not naming `host` (which the children announce and are dialed at), or not
+    signed by the CA. Each only made every health check fail until the start-up timeout."""
+    import datetime
+
+    from cryptography import x509  # here: only with --tls-cert
+    from cryptography.exceptions import InvalidSignature
+
+    cert = x509.load_pem_x509_certificates(cert_pem)[0]
+    now = datetime.datetime.now(datetime.UTC)
+    if cert.not_valid_after_utc <= now:
+        return f"expired on {cert.not_valid_after_utc:%Y-%m-%d %H:%M} UTC"
+    if cert.not_valid_before_utc > now:
+        return f"not valid before {cert.not_valid_before_utc:%Y-%m-%d %H:%M} UTC"
+    host = host.strip("[]")
+    if host not in _ANY_HOST and not _names(cert, host):
+        return f"it does not name --host {host} (its subject alternative names must)"
+    if ca_pem is not None:
+        ca = x509.load_pem_x509_certificates(ca_pem)[0]
+        try:
+            cert.verify_directly_issued_by(ca)
+        except (ValueError, TypeError, InvalidSignature):
+            return f"not signed by --tls-ca ({ca.subject.rfc4514_string()})"
+    return None
+
+
+_ANY_HOST = ("0.0.0.0", "::", "")  # every address: the children announce another one
+
+
+def _names(cert: Any, host: str) -> bool:
+    """Whether `cert`'s subject alternative names cover `host` (an IP literal or a name; a
+    leading "*." label matches one label, as TLS does)."""
+    from cryptography import x509
+
+    try:
+        sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return False
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        names = [n.lower() for n in sans.get_values_for_type(x509.DNSName)]
+        host = host.lower()
+        return any(
+            n == host or (n.startswith("*.") and host.partition(".")[2] == n[2:]) for n in names
+        )
+    return ip in sans.get_values_for_type(x509.IPAddress)
 
 
 def _tls_flags(files: CertFiles) -> list[str]:

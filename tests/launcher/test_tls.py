@@ -206,3 +206,27 @@ def test_bench_with_bad_tls_flags_fails_in_one_line(argv: list[str], line: str) 
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("mili bench: error: ") and line in lines[0]
+
+
+def test_a_certificate_that_cannot_work_fails_before_any_child_starts(tmp_path: Path) -> None:
+    """Found by an exploratory test: each waited out the start-up timeout (60 s), then said
+    only that the tokenizer was not SERVING."""
+    ca = Authority()
+    other = Authority("another CA")
+    good = ca.write(tmp_path / "good", "services", ["127.0.0.1"])
+    wildcard = ca.write(tmp_path / "wild", "services", ["*.mili.test"])
+    for files, host, problem in [
+        (ca.write(tmp_path / "wrong", "services", ["wrong.example.com"]), "127.0.0.1",
+         "it does not name --host 127.0.0.1"),
+        (ca.write(tmp_path / "old", "services", ["127.0.0.1"], datetime.timedelta(hours=-1)),
+         "127.0.0.1", "expired on "),
+        (other.write(tmp_path / "other", "services", ["127.0.0.1"]), "127.0.0.1",
+         "not signed by --tls-ca"),
+        (wildcard, "deep.a.mili.test", "it does not name --host deep.a.mili.test"),
+    ]:  # fmt: skip
+        tls = ("--tls-cert", str(files.cert), "--tls-key", str(files.key), "--tls-ca", str(good.ca))
+        with pytest.raises(StartupError, match=f"--tls-cert {files.cert}: {problem}"):
+            make_plan(_args("--host", host, *tls), tmp_path)
+    for files, host in [(good, "127.0.0.1"), (wildcard, "a.mili.test"), (good, "0.0.0.0")]:
+        tls = ("--tls-cert", str(files.cert), "--tls-key", str(files.key), "--tls-ca", str(good.ca))
+        make_plan(_args("--host", host, *tls), tmp_path)  # fine
