@@ -847,26 +847,34 @@ def test_a_burst_keeps_its_compile_processes_and_a_quiet_compiler_one(
 ) -> None:
     """Concurrent first compiles each take a child process (trial.py); kept while compiles
     keep coming (a start costs a second or so on Qwen3's tokenizer), all but one stopped once
-    unused for IDLE_S (each holds its own tokenizer)."""
+    unused for IDLE_S (each holds its own tokenizer), with no compile to notice it."""
+
+    def burst(trials: trial_module.CompileTrials) -> int:
+        barrier = threading.Barrier(3)
+
+        def compile_one(i: int) -> None:
+            barrier.wait()
+            trials.run(Constraint.regex(f"x{i}[a-z]{{1,{i + 2}}}"), CompileConfig())
+
+        threads = [threading.Thread(target=compile_one, args=(i,)) for i in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        return trials.num_idle
+
     trials = trial_module.CompileTrials(tokenizer)
-    config = CompileConfig()
-    barrier = threading.Barrier(3)
-
-    def compile_one(i: int) -> None:
-        barrier.wait()
-        trials.run(Constraint.regex(f"x{i}[a-z]{{1,{i + 2}}}"), config)
-
-    threads = [threading.Thread(target=compile_one, args=(i,)) for i in range(3)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(30)
-    burst = trials.num_idle
-    assert burst >= 2  # at least two ran at once
-    trials.run(Constraint.regex("y"), config)
-    assert trials.num_idle == burst  # used again within IDLE_S: all kept
-    monkeypatch.setattr(trial_module, "IDLE_S", 0.0)
-    trials.run(Constraint.regex("z"), config)
-    assert trials.num_idle == 1
+    started = burst(trials)
+    assert started >= 2  # at least two ran at once
+    trials.run(Constraint.regex("y"), CompileConfig())
+    assert trials.num_idle == started  # used again within IDLE_S: all kept
     trials.close()
     assert trials.num_idle == 0
+    monkeypatch.setattr(trial_module, "IDLE_S", 0.2)
+    quiet = trial_module.CompileTrials(tokenizer)
+    assert burst(quiet) >= 2
+    deadline = time.monotonic() + 5
+    while quiet.num_idle > 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert quiet.num_idle == 1
+    quiet.close()

@@ -69,6 +69,7 @@ class CompileTrials:
         self._tokenizer = tokenizer
         self._lock = threading.Lock()
         self._idle: list[tuple[_Child, float]] = []  # with when each was last used
+        self._is_reap_due = False  # a timer will look for unused children (_reap)
         # The one thread every child is started from: they die when it ends (module docstring).
         self._spawner = concurrent.futures.ThreadPoolExecutor(1, "constraint-trial-start")
 
@@ -125,15 +126,31 @@ class CompileTrials:
         self._spawner.shutdown(wait=False)  # its thread ends: running children die with it
 
     def _give_back(self, child: _Child) -> None:
-        """Keep `child` for the next compile; stop the idle ones a burst of compiles started
-        once they have waited IDLE_S unused (one always stays)."""
+        """Keep `child` for the next compile; the idle ones a burst of compiles started stop
+        once they have waited IDLE_S unused (one always stays): checked now and, while more
+        than one waits, again a little after IDLE_S (a quiet service compiles nothing more)."""
+        with self._lock:
+            self._idle.append((child, time.monotonic()))
+        self._reap()
+
+    def _reap(self) -> None:
         now = time.monotonic()
         with self._lock:
-            self._idle.append((child, now))
             stale = [c for c, used_at in self._idle[:-1] if now - used_at > IDLE_S]
             self._idle = [(c, at) for c, at in self._idle if c not in stale]
+            recheck = len(self._idle) > 1 and not self._is_reap_due
+            self._is_reap_due = self._is_reap_due or recheck
         for old in stale:
             old.kill()
+        if recheck:
+            timer = threading.Timer(IDLE_S + 1.0, self._reap_due)
+            timer.daemon = True
+            timer.start()
+
+    def _reap_due(self) -> None:
+        with self._lock:
+            self._is_reap_due = False
+        self._reap()
 
     def _take(self) -> _Child:
         with self._lock:
