@@ -29,6 +29,11 @@ def drain_ran_out(server: str, timeout_s: float) -> str:
     return f"{server} stopped before this call finished: {why}"
 
 
+def second_signal(server: str) -> str:
+    """What a call cut by a second signal during `server`'s drain is told."""
+    return f"{server} stopped before this call finished: a second signal cut its drain"
+
+
 def cut(tasks: Iterable[asyncio.Task[object]], why: str) -> int:
     """Cancel each of `tasks` with `why`; returns how many were still running."""
     num_cut = 0

@@ -33,7 +33,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
-from mili.cut import CUT_WAIT_S, drain_ran_out
+from mili.cut import CUT_WAIT_S, drain_ran_out, second_signal
 from mili.discovery import format_address
 from mili.errors import StartupError
 from mili.rpc.interceptor import CallInterceptor
@@ -440,11 +440,11 @@ class RpcServer:
         left = self.num_in_flight
         _LOG.log(
             logging.WARNING if left else logging.INFO,
-            "%s: drained in %.2f s; %d calls still in flight, cut short (UNAVAILABLE), "
-            "stopping with %.1f s grace",
+            "%s: drained in %.2f s; %d gRPC calls still in flight%s, stopping with %.1f s grace",
             self.name,
             time.monotonic() - started,
             left,
+            ", cut short (UNAVAILABLE)" if left else "",
             grace_s,
         )
         if left:
@@ -467,7 +467,7 @@ class RpcServer:
         with nothing said, and their log lines would blame their callers."""
         assert self._hurry is not None
         if self._hurry.is_set():
-            why = f"{self.name} stopped before this call finished: a second signal cut its drain"
+            why = second_signal(self.name)
         else:
             why = drain_ran_out(self.name, timeout_s)
         self._interceptor.cut(why)

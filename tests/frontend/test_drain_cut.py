@@ -30,14 +30,16 @@ CUT = "frontend stopped before this call finished: its drain timeout (0.5 s) ran
 
 
 @asynccontextmanager
-async def serving(decode: FakeDecode) -> AsyncIterator[tuple[Stack, str]]:
+async def serving(
+    decode: FakeDecode, drain_timeout_s: float = 0.5
+) -> AsyncIterator[tuple[Stack, HttpServer]]:
     async with stack([decode]) as s:
-        config = HttpConfig(port=0, drain_timeout_s=0.5)
+        config = HttpConfig(port=0, drain_timeout_s=drain_timeout_s)
         http = HttpServer(make_app(s.generations, config), config)
         await http.start()
         s.frontend.add_drain_hook(http.drain)
         try:
-            yield s, http.url
+            yield s, http
         finally:
             await http.drain()
 
@@ -76,7 +78,8 @@ def test_an_http_stream_the_drain_cuts_ends_with_an_error_event_then_done(
 ) -> None:
     async def main() -> None:
         decode = FakeDecode(hold=asyncio.Event(), hold_after=1, script=[ids("ab"), ids("c")])
-        async with serving(decode) as (s, url), aiohttp.ClientSession() as session:
+        async with serving(decode) as (s, http), aiohttp.ClientSession() as session:
+            url = http.url
             body = {"model": "fake", "prompt": "held", "max_tokens": 8, "stream": True}
             async with session.post(f"{url}/v1/completions", json=body) as response:
                 assert response.status == 200
@@ -98,7 +101,8 @@ def test_an_http_stream_the_drain_cuts_ends_with_an_error_event_then_done(
 def test_an_http_request_cut_before_its_answer_is_a_503_saying_why() -> None:
     async def main() -> None:
         decode = FakeDecode(hold=asyncio.Event(), hold_after=0)
-        async with serving(decode) as (s, url), aiohttp.ClientSession() as session:
+        async with serving(decode) as (s, http), aiohttp.ClientSession() as session:
+            url = http.url
             body = {"model": "fake", "prompt": "held", "max_tokens": 8}
             post = asyncio.create_task(session.post(f"{url}/v1/completions", json=body))
             await wait_until(lambda: decode.num_reserved == 1)
@@ -106,5 +110,35 @@ def test_an_http_request_cut_before_its_answer_is_a_503_saying_why() -> None:
             response = await post
             assert response.status == 503
             assert (await response.json())["error"]["message"] == CUT
+
+    asyncio.run(main())
+
+
+def test_an_http_stream_a_second_signal_cuts_says_so() -> None:
+    """A second signal cancels the drain hooks (RpcServer._await_hooks): the HTTP drain then
+    cut nothing, and its requests died with the channels behind them, blamed on decode ('decode
+    at ...: the frontend is closing'). Found by an exploratory test."""
+
+    async def main() -> None:
+        decode = FakeDecode(hold=asyncio.Event(), hold_after=1, script=[ids("ab"), ids("c")])
+        async with serving(decode, drain_timeout_s=30) as (_, http):
+            async with aiohttp.ClientSession() as session:
+                body = {"model": "fake", "prompt": "held", "max_tokens": 8, "stream": True}
+                async with session.post(f"{http.url}/v1/completions", json=body) as response:
+                    await response.content.readline()  # the first token's event
+                    drain = asyncio.create_task(http.drain())
+                    await asyncio.sleep(0.2)
+                    drain.cancel()  # as the second signal does
+                    async with asyncio.timeout(10):  # it hung: nothing cut the request
+                        rest = (await response.content.read()).decode()
+                    with pytest.raises(asyncio.CancelledError):
+                        await drain
+            events = [e.strip().removeprefix("data: ") for e in rest.split("\n\n") if e.strip()]
+            assert events[-1] == "[DONE]"
+            message = json.loads(events[-2])["error"]["message"]
+            assert (
+                message
+                == "frontend stopped before this call finished: a second signal cut its drain"
+            )
 
     asyncio.run(main())

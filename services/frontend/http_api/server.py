@@ -10,6 +10,7 @@ tokenization).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import resource
 import ssl
@@ -19,7 +20,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage
 from aiohttp.web_protocol import RequestPayloadError
 
-from mili.cut import CUT_WAIT_S, drain_ran_out
+from mili.cut import CUT_WAIT_S, drain_ran_out, second_signal
 from mili.discovery import format_address
 from mili.ports import pick_free
 from mili.rpc.tls import TlsFiles
@@ -176,7 +177,14 @@ class HttpServer:
         if gate is not None:
             gate.start_draining()
             timeout_s = self.config.drain_timeout_s
-            if not await gate.wait_idle(timeout_s):
+            try:
+                is_idle = await gate.wait_idle(timeout_s)
+            except asyncio.CancelledError:  # a second signal: cut what runs, then go
+                gate.cut(second_signal("frontend"))
+                await gate.wait_idle(CUT_WAIT_S)
+                await runner.cleanup()
+                raise
+            if not is_idle:
                 _LOG.warning(
                     "frontend: HTTP drain timed out with %d requests in flight: cut short (503)",
                     gate.num_in_flight,
