@@ -252,12 +252,15 @@ class ConstraintCompiler:
         future = self._submit(constraint)
         if future.done():
             return future.result()
+        waited = asyncio.wrap_future(future)
         try:
             # shield: a timed-out waiter must not cancel the compile others may be joining.
             # (asyncio.timeout, not wait_for: 3.11's wait_for can drop the caller's cancel.)
             async with asyncio.timeout(self.config.timeout_s):
-                return await asyncio.shield(asyncio.wrap_future(future))
+                return await asyncio.shield(waited)
         except TimeoutError:
+            # Its late end is nobody's now: read, or asyncio logs it as never retrieved.
+            waited.add_done_callback(lambda f: f.cancelled() or f.exception())
             raise self._timed_out(constraint) from None
 
     def _timed_out(self, constraint: Constraint) -> ResourceExhausted:

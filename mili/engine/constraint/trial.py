@@ -77,13 +77,13 @@ class CompileTrials:
         """Start a child now, in the background, so the first constraint does not wait for it
         (a second or so for a Qwen3-sized vocabulary)."""
 
-        def started(future: concurrent.futures.Future[_Child]) -> None:
-            if future.exception() is None:
-                self._give_back(future.result())
-            else:
-                _LOG.warning("starting a constraint compile process failed: %s", future.exception())
+        def start() -> None:
+            try:
+                self._give_back(self._spawn().start(self._tokenizer))
+            except Exception as e:
+                _LOG.warning("starting a constraint compile process failed: %s", e)
 
-        self._spawner.submit(_Child, self._tokenizer).add_done_callback(started)
+        threading.Thread(target=start, name="constraint-trial-warm", daemon=True).start()
 
     def run(self, constraint: Constraint, config: CompileConfig) -> int:
         """Compile `constraint` in a child: the memory it took, or the InvalidArgument /
@@ -156,7 +156,10 @@ class CompileTrials:
         with self._lock:
             if self._idle:
                 return self._idle.pop()[0]  # the most recently used
-        return self._spawner.submit(_Child, self._tokenizer).result()
+        return self._spawn().start(self._tokenizer)
+
+    def _spawn(self) -> _Child:
+        return self._spawner.submit(_Child).result()
 
 
 def _result(answer: Any, field_name: str, config: CompileConfig) -> int:
@@ -177,12 +180,17 @@ def _result(answer: Any, field_name: str, config: CompileConfig) -> int:
 class _Child:
     """One child process: started, asked one constraint at a time, killed."""
 
-    def __init__(self, tokenizer: GrammarTokenizer) -> None:
+    def __init__(self) -> None:
+        """The process, on the spawner's thread (a fork and exec: quick); `start` then waits
+        for it to be ready on the caller's, so several start at once."""
         self._process = subprocess.Popen(
             [sys.executable, "-m", "mili.engine.constraint.trial", str(threading.get_native_id())],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
         )
+
+    def start(self, tokenizer: GrammarTokenizer) -> _Child:
+        """Hand it the tokenizer and wait until it is ready (killed if it fails)."""
         try:
             start = (tokenizer.source, tokenizer.vocab_rows, tokenizer.eos_token_ids)
             answer = self.ask(start, START_TIMEOUT_S, max_bytes=None)
@@ -192,6 +200,7 @@ class _Child:
         if answer != "ready":
             self.kill()
             raise RuntimeError(f"a constraint compile process did not start: {answer!r}")
+        return self
 
     def ask(self, message: object, timeout_s: float, max_bytes: int | None) -> Any:
         """Send `message`, return the answer. TimeoutError past `timeout_s`, MemoryError once
