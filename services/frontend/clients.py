@@ -146,6 +146,10 @@ async def _prefill_reply_or_outage(
         if not reply.done():
             call.cancel()
             reply.cancel()
+        elif not reply.cancelled():
+            # Read: an error that came as the request went (its deadline, its caller) is
+            # nobody's, and asyncio would log it with a traceback.
+            reply.exception()
 
 
 async def _prefill_reply(call: Any, who: str, deadline: Deadline) -> PrefillStats:
