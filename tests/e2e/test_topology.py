@@ -33,6 +33,7 @@ import grpc
 import pytest
 import torch
 
+from mili.demo.model import MAX_POSITION_EMBEDDINGS
 from mili.engine.generate import generate
 from mili.engine.model.loader import load_model, tokenizer_vocab_size
 from mili.engine.sampling_params import SamplingParams
@@ -425,16 +426,22 @@ def test_a_decode_killed_mid_stream_fails_only_its_own_request(topology: Topolog
     survivor = f"{topology.placement.decode_ips[1]}:{topology.decode_port}"
     stub = topology.stub()
 
-    def run(seed: int) -> list[Any] | grpc.RpcError:
+    def run(seed: int, max_tokens: int) -> list[Any] | grpc.RpcError:
         try:
-            return _generate(stub, 16, 200, seed)
+            return _generate(stub, 16, max_tokens, seed)
         except grpc.RpcError as e:
             return e
 
+    def long(seed: int) -> list[Any] | grpc.RpcError:
+        # still streaming when the kill lands, however long routing the second one takes
+        return run(seed, MAX_POSITION_EMBEDDINGS - 16)
+
     with ThreadPoolExecutor(max_workers=2) as pool:
-        first = _one_routed_to(topology.decode_view(victim_address), run, pool, seed=91)
+        first = _one_routed_to(topology.decode_view(victim_address), long, pool, seed=91)
         # over the victim's room too, should no poll have reset it yet
-        second = _one_routed_to(topology.decode_view(survivor), run, pool, 191, bias=-200_000)
+        second = _one_routed_to(
+            topology.decode_view(survivor), lambda seed: run(seed, 200), pool, 191, bias=-200_000
+        )
         time.sleep(0.3)  # both streaming
         victim.proc.kill()
         error = first.result(timeout=60)
