@@ -21,6 +21,11 @@ class FieldViolation:
     field: str
     description: str
 
+    @classmethod
+    def of(cls, field: str, value: object, reason: str) -> FieldViolation:
+        """`field` refused for `reason`, quoting the (shortened) value it had."""
+        return cls(field, f"{reason} (got {_show(value)})")
+
 
 def _show(value: object, limit: int = 80) -> str:
     text = repr(value)
@@ -31,9 +36,9 @@ class InvalidArgument(MiliError):
     """The request itself is wrong (INVALID_ARGUMENT); each violation names its field."""
 
     def __init__(self, field: str, value: object, reason: str) -> None:
-        description = f"{reason} (got {_show(value)})"
-        self.violations = [FieldViolation(field, description)]
-        super().__init__(f"{field}: {description}")
+        violation = FieldViolation.of(field, value, reason)
+        self.violations = [violation]
+        super().__init__(f"{field}: {violation.description}")
 
     @classmethod
     def many(cls, violations: list[FieldViolation]) -> InvalidArgument:

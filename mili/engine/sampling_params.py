@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 
 from mili.engine.constraint.spec import Constraint
-from mili.errors import InvalidArgument
+from mili.errors import FieldViolation, InvalidArgument
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit; top-n logprobs cost a [B, n] top-k per step
 # Entries of logit_bias (sampling.proto): each is a scatter per row and step.
@@ -36,6 +36,9 @@ OPTIONAL_FIELDS = (
     "logprobs",
     "prompt_logprobs",
 )
+# Those a checkpoint's generation_config.json may give defaults for (vLLM's list, less
+# max_new_tokens: the frontend's --default-max-tokens decides that); same names as HF's.
+MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 # Temperatures below this are greedy (argmax), as in vLLM (its _SAMPLING_EPS): dividing logits
 # by a smaller one overflows float32 (1e-44, a subnormal, makes every logit +-inf and the
@@ -189,16 +192,14 @@ class SamplingParams:
         tokenizer's `vocab_size` (known to the services, not to these params)."""
         reason = f"outside the vocabulary (ids 0..{vocab_size - 1})"
         violations = [
-            v
+            FieldViolation.of(f"stop_token_ids[{i}]", token_id, reason)
             for i, token_id in enumerate(self.stop_token_ids)
             if token_id >= vocab_size
-            for v in InvalidArgument(f"stop_token_ids[{i}]", token_id, reason).violations
         ]
         violations += [
-            v
+            FieldViolation.of("logit_bias", token_id, reason)
             for token_id, _ in self.logit_bias
             if token_id >= vocab_size
-            for v in InvalidArgument("logit_bias", token_id, reason).violations
         ]
         if violations:
             raise InvalidArgument.many(violations)

@@ -40,6 +40,7 @@ FRONTEND = Borrowed(
     frontend_main.add_arguments,
     (
         "--served-model-name",
+        "--sampling-defaults",
         "--default-max-tokens",
         "--max-buffered-tokens",
         "--stream-interval",

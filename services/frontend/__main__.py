@@ -91,6 +91,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the model names requests may name, comma-separated; the first is the one the "
         "APIs report (default: the tokenizer's, the model directory's name)",
     )
+    api.add_argument(
+        "--sampling-defaults",
+        choices=("model", "none"),
+        default="model",
+        help="what a request's unset temperature, top_p, top_k, min_p and repetition_penalty "
+        "become: model: the checkpoint's generation_config.json values, as vLLM and SGLang "
+        "use them (Qwen3's: temperature 0.6, top_p 0.95, top_k 20), SamplingParams' own for "
+        "fields it does not set; none: SamplingParams' own (temperature 1, no truncation) "
+        "(default: %(default)s)",
+    )
     limits = parser.add_argument_group("limits")
     limits.add_argument(
         "--default-max-tokens",
@@ -244,6 +254,7 @@ def run(args: argparse.Namespace) -> int:
             stream_interval=args.stream_interval,
             status_history=args.status_history,
             served_model_names=_names(args.served_model_name),
+            model_sampling_defaults=args.sampling_defaults == "model",
         )
         tls = flags.client_tls(args)
         server_config = _server_config(args)

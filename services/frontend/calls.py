@@ -67,6 +67,8 @@ class TokenizerFacts:
     max_input_chars: int = 0  # the longest text (or messages' content) it tokenizes; 0: unknown
     # SHA-256 of the tokenizer file it hands out, loaded to detokenize here.
     tokenizer_file_sha256: str = ""
+    # The model's sampling defaults (generation_config.json): (field, value) pairs.
+    sampling_defaults: tuple[tuple[str, float | int], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -68,6 +68,9 @@ class FrontendConfig:
     # The model names the public APIs answer to, the first the one they report (Info,
     # /v1/models, each response's `model`); empty: the tokenizer's, the model directory's name.
     served_model_names: tuple[str, ...] = ()
+    # Requests' unset temperature, top_p, top_k, min_p and repetition_penalty take the model's
+    # generation_config.json values (vLLM's and SGLang's default); False: SamplingParams' own.
+    model_sampling_defaults: bool = True
 
     def __post_init__(self) -> None:
         if not self.tokenizer_address:

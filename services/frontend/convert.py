@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from mili.errors import InvalidArgument
 from mili.pb.common.v1 import chat_pb2, sampling_pb2
@@ -60,6 +61,14 @@ def sampling_input(s: sampling_pb2.SamplingParams) -> SamplingInput:
         prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
         constraint=constraint_from_proto(s),
     )
+
+
+def sampling_defaults(
+    defaults: Sequence[tuple[str, float | int]],
+) -> sampling_pb2.SamplingParams:
+    """The (field, value) defaults as the Info reply's SamplingParams (those fields set)."""
+    fields: dict[str, Any] = dict(defaults)
+    return sampling_pb2.SamplingParams(**fields)
 
 
 def request_input(

@@ -73,7 +73,7 @@ class Generations:
                 if valid.sampling.constraint is not None:  # refused before any KV is reserved
                     await self._compile(valid)
                 prompt = await tokenize(self._downstream, self.config, valid, deadline)
-                observer.tokenized(len(prompt.token_ids))
+                observer.tokenized(prompt)
                 tracked.max_tokens = prompt.sampling.max_tokens  # fitted to the context
                 generation = Generation(
                     self._downstream,

@@ -19,7 +19,7 @@ from opentelemetry.trace import Span
 from mili.rpc.status import code_of, cut_short
 from mili.telemetry.metrics import FrontendMetrics
 from mili.telemetry.tracing import trace_ids
-from services.frontend.calls import RequestIds
+from services.frontend.calls import Prompt, RequestIds
 from services.frontend.pipeline import Delta, Served
 from services.frontend.validation import ValidRequest
 
@@ -45,8 +45,6 @@ class RequestObserver:
             "gen_ai.system": "mili",
             "gen_ai.request.model": model,
             "gen_ai.request.max_tokens": valid.sampling.max_tokens,
-            "gen_ai.request.temperature": valid.sampling.temperature,
-            "gen_ai.request.top_p": valid.sampling.top_p,
             "gen_ai.response.id": valid.client_request_id,
             "mili.request_id": self._ids.request_id,
         }
@@ -54,8 +52,18 @@ class RequestObserver:
             self._span = span
             yield
 
-    def tokenized(self, num_prompt_tokens: int) -> None:
-        self._span.set_attribute("gen_ai.usage.input_tokens", num_prompt_tokens)
+    def tokenized(self, prompt: Prompt) -> None:
+        """The prompt's length, and the sampling it runs with: known only now (the context
+        window may lower a default max_tokens; the model's sampling defaults fill unset fields)."""
+        self._span.set_attributes(
+            {
+                "gen_ai.usage.input_tokens": len(prompt.token_ids),
+                "gen_ai.request.max_tokens": prompt.sampling.max_tokens,
+                "gen_ai.request.temperature": prompt.sampling.temperature,
+                "gen_ai.request.top_p": prompt.sampling.top_p,
+                "gen_ai.request.top_k": prompt.sampling.top_k,
+            }
+        )
 
     def delta(self, delta: Delta) -> None:
         if self._first_at is None and delta.token_ids:

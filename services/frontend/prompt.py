@@ -9,11 +9,12 @@ import asyncio
 import contextlib
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import Any
 
 from mili.engine.sampling_params import SamplingParams
 from mili.errors import FieldViolation, InvalidArgument, Unavailable
 from services.frontend import tools as tool_checks
-from services.frontend.calls import Deadline, Downstream, Prompt, Tokenized
+from services.frontend.calls import Deadline, Downstream, Prompt, Tokenized, TokenizerFacts
 from services.frontend.config import FrontendConfig
 from services.frontend.validation import PromptField, ValidRequest, raise_if_any
 
@@ -51,6 +52,7 @@ async def tokenize(
     )
     if request.is_default_max_tokens:
         sampling = _fit_pool(sampling, len(token_ids), _largest_pool(downstream))
+    sampling = with_defaults(sampling, request.unset_sampling, sampling_defaults(config, facts))
     sampling = with_eos(sampling, facts.eos_token_ids)
     return Prompt(token_ids, sampling, facts.vocab_size, tokenized.starts_in_reasoning)
 
@@ -109,7 +111,7 @@ def check_token_ids(request: ValidRequest, vocab_size: int) -> None:
     reason = f"outside the vocabulary (ids 0..{vocab_size - 1})"
     for i, token_id in enumerate(request.token_ids):
         if not 0 <= token_id < vocab_size:
-            violations.extend(InvalidArgument(f"token_ids[{i}]", token_id, reason).violations)
+            violations.append(FieldViolation.of(f"token_ids[{i}]", token_id, reason))
     try:
         request.sampling.check_vocabulary(vocab_size)  # the rule prefill and decode apply too
     except InvalidArgument as err:
@@ -172,6 +174,25 @@ def fit_context(
         f"prompt ({num_prompt_tokens} tokens) + max_tokens ({sampling.max_tokens}) exceeds the "
         f"context window of {max_context_tokens} tokens; at most {room} fits",
     )
+
+
+def sampling_defaults(
+    config: FrontendConfig, facts: TokenizerFacts | None
+) -> tuple[tuple[str, float | int], ...]:
+    """The (field, value) defaults requests' unset sampling fields take: the model's
+    (generation_config.json, as vLLM and SGLang apply them; Qwen3's are the settings its model
+    card recommends, and it warns that greedy decoding can repeat endlessly), unless turned off."""
+    if facts is None or not config.model_sampling_defaults:
+        return ()
+    return facts.sampling_defaults
+
+
+def with_defaults(
+    sampling: SamplingParams, unset: frozenset[str], defaults: Sequence[tuple[str, float | int]]
+) -> SamplingParams:
+    """`defaults` (sampling_defaults) for the fields the caller left `unset`."""
+    given: dict[str, Any] = {f: v for f, v in defaults if f in unset}
+    return replace(sampling, **given) if given else sampling
 
 
 def with_eos(sampling: SamplingParams, eos_token_ids: Sequence[int]) -> SamplingParams:

@@ -26,6 +26,7 @@ from services.frontend.chat_output import ChatOutput
 from services.frontend.coalescer import coalesced
 from services.frontend.generations import Generations
 from services.frontend.pipeline import Delta
+from services.frontend.prompt import sampling_defaults
 from services.frontend.validation import ValidRequest
 
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
@@ -92,6 +93,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 for t, problem in self._backends.lookup_problems.by_target.items()
             ],
             server_version=__version__,
+            sampling_defaults=convert.sampling_defaults(
+                sampling_defaults(self._config, self._backends.tokenizer.facts)
+            ),
         )
 
     def _generate(

@@ -21,6 +21,7 @@ import grpc
 from mili.engine.constraint.compiler import CompileConfig, ConstraintCompiler
 from mili.engine.constraint.spec import Constraint
 from mili.engine.constraint.vocab import GrammarTokenizer
+from mili.engine.sampling_params import MODEL_DEFAULT_FIELDS
 from mili.errors import Unavailable
 from mili.pb.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from mili.rpc.client import brief_details, connection_hint
@@ -94,14 +95,20 @@ class TokenizerBackend:
             eos_token_ids=tuple(info.eos_token_ids),
             max_input_chars=info.max_input_chars,
             tokenizer_file_sha256=info.tokenizer_file_sha256,
+            sampling_defaults=tuple(
+                (f, getattr(info.sampling_defaults, f))
+                for f in MODEL_DEFAULT_FIELDS
+                if info.sampling_defaults.HasField(f)
+            ),
         )
         if facts != self.facts:
             _LOG.info(
-                "%s is up: model %s, vocab %d, eos %s",
+                "%s is up: model %s, vocab %d, eos %s, sampling defaults %s",
                 self.who,
                 info.model,
                 info.vocab_size,
                 list(info.eos_token_ids),
+                " ".join(f"{f}={v:.6g}" for f, v in facts.sampling_defaults) or "none",
             )
         self.facts = facts
 

@@ -26,7 +26,12 @@ from typing import Literal, NamedTuple
 
 from mili.engine.constraint.spec import Constraint, ConstraintLimits
 from mili.engine.constraint.spec import validate as validate_constraint
-from mili.engine.sampling_params import MAX_LOGIT_BIAS, OPTIONAL_FIELDS, SamplingParams
+from mili.engine.sampling_params import (
+    MAX_LOGIT_BIAS,
+    MODEL_DEFAULT_FIELDS,
+    OPTIONAL_FIELDS,
+    SamplingParams,
+)
 from mili.errors import FieldViolation, InvalidArgument
 from services.frontend import tools as tool_checks
 from services.frontend.tool_grammar import tool_call_constraint
@@ -161,7 +166,7 @@ def check_counts(counts: Counts, limits: Limits, max_context_tokens: int | None)
         if count > limit:
             if field.startswith("sampling."):
                 reason = f"{reason} this server's limit of {limit}"
-            violations.extend(InvalidArgument(field, f"{count} items", reason).violations)
+            violations.append(FieldViolation.of(field, f"{count} items", reason))
     raise_if_any(violations)
 
 
@@ -175,10 +180,14 @@ class ValidRequest:
     prompt: str
     messages: tuple[ChatTurn, ...]
     token_ids: tuple[int, ...]
-    sampling: SamplingParams  # every field resolved: what prefill and decode receive
+    # Every field resolved (what prefill and decode receive), but for the model's defaults
+    # (prompt.py gives them to `unset_sampling`, known only from the tokenizer's Info).
+    sampling: SamplingParams
     enable_thinking: bool | None
     # The caller left max_tokens unset: fit_context may lower it to what the context leaves.
     is_default_max_tokens: bool = False
+    # The MODEL_DEFAULT_FIELDS the caller left unset.
+    unset_sampling: frozenset[str] = frozenset()
     # Chat: tokenize special-token strings in the messages as special tokens (default: text).
     allow_special_tokens: bool = False
     tools: tuple[FunctionTool, ...] = ()
@@ -217,7 +226,7 @@ def validate(
     violations: list[FieldViolation] = []
 
     def bad(field: str, value: object, reason: str) -> None:
-        violations.extend(InvalidArgument(field, value, reason).violations)
+        violations.append(FieldViolation.of(field, value, reason))
 
     if len(request.client_request_id) > limits.max_client_request_id_chars:
         bad(
@@ -261,6 +270,9 @@ def validate(
         sampling=sampling,
         enable_thinking=request.enable_thinking,
         is_default_max_tokens=request.sampling.max_tokens is None,
+        unset_sampling=frozenset(
+            f for f in MODEL_DEFAULT_FIELDS if getattr(request.sampling, f) is None
+        ),
         allow_special_tokens=request.allow_special_tokens,
         tools=request.tools,
         tool_choice=request.tool_choice,

@@ -29,7 +29,7 @@ def prefill_task(
     violations: list[FieldViolation] = []
 
     def bad(field: str, value: object, reason: str) -> None:
-        violations.extend(InvalidArgument(field, value, reason).violations)
+        violations.append(FieldViolation.of(field, value, reason))
 
     if not request.request_id:
         bad("request_id", request.request_id, "must be set")

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import grpc
 
 from mili.errors import InvalidArgument
-from mili.pb.common.v1 import chat_pb2
+from mili.pb.common.v1 import chat_pb2, sampling_pb2
 from mili.pb.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from mili.rpc.policy import REQUEST_FIELDS_BYTES, Policy, uint32s_bytes
 from mili.rpc.server import RpcServer
@@ -201,6 +201,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
             max_input_chars=self._limits.max_input_chars,
             max_token_ids=self._limits.max_token_ids,
             tokenizer_file_sha256=tok.file_sha256,
+            sampling_defaults=sampling_pb2.SamplingParams(**tok.sampling_defaults),
         )
 
     async def GetTokenizerFile(

@@ -4,7 +4,9 @@ Loads from an HF model directory:
     tokenizer.json          required: the fast tokenizer (vocabulary, merges, added tokens)
     chat_template.jinja     optional: the chat template (before tokenizer_config.json's)
     tokenizer_config.json   optional: chat_template, eos_token
-    generation_config.json  optional: eos_token_id (int or list), which ends generation
+    generation_config.json  optional: eos_token_id (int or list), which ends generation;
+                            temperature, top_p, top_k, min_p, repetition_penalty: the
+                            model's sampling defaults (the frontend fills unset fields)
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 
 from tokenizers import Encoding, Tokenizer
 
+from mili.engine.sampling_params import MODEL_DEFAULT_FIELDS, SamplingParams
 from mili.errors import InvalidArgument, StartupError
 from services.tokenizer.chat_content import ChatPrompt, ContentGuard
 from services.tokenizer.chat_template import ChatTemplate, Message
@@ -40,6 +43,19 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     if not isinstance(data, dict):
         raise StartupError(f"{path} must hold a JSON object, found {type(data).__name__}")
     return data
+
+
+def _sampling_defaults(generation: dict[str, Any], model_dir: Path) -> dict[str, Any]:
+    """The sampling fields generation_config.json sets, checked as a request's would be: a
+    checkpoint whose defaults every request would be refused for fails the start instead."""
+    defaults = {f: generation[f] for f in MODEL_DEFAULT_FIELDS if generation.get(f) is not None}
+    if defaults.get("top_k") == -1:  # some configs write vLLM's "off"
+        defaults["top_k"] = 0
+    try:
+        SamplingParams(**defaults)
+    except InvalidArgument as e:
+        raise StartupError(f"{model_dir / 'generation_config.json'}: {e}") from None
+    return defaults
 
 
 class ModelTokenizer:
@@ -71,6 +87,7 @@ class ModelTokenizer:
             key=lambda t: t.id,
         )
         self.eos_token_ids = self._eos_ids(config, generation, path)
+        self.sampling_defaults = _sampling_defaults(generation, model_dir)
         self._guard = ContentGuard(
             (t.content, i)
             for i, t in self._tokenizer.get_added_tokens_decoder().items()

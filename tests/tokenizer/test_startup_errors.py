@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -61,6 +62,17 @@ def test_corrupt_tokenizer_config(demo_model_dir: Path, tmp_path: Path) -> None:
     (model / "tokenizer_config.json").write_text("[1, 2")
     line = _one_line_error(_start(model))
     assert "tokenizer_config.json" in line and "not valid JSON" in line
+
+
+def test_sampling_defaults_no_request_could_use_stop_the_start(
+    demo_model_dir: Path, tmp_path: Path
+) -> None:
+    model = tmp_path / "bad-generation-config"
+    shutil.copytree(demo_model_dir, model)
+    path = model / "generation_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "top_p": 1.5}))
+    line = _one_line_error(_start(model))
+    assert "generation_config.json" in line and "top_p" in line and "1.5" in line
 
 
 @pytest.mark.parametrize(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,6 +11,7 @@ import grpc
 import pytest
 from tokenizers import Tokenizer
 
+from mili.engine.sampling_params import MODEL_DEFAULT_FIELDS
 from mili.pb.common.v1 import chat_pb2
 from mili.pb.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from mili.rpc.status import bad_request_of
@@ -102,6 +104,23 @@ def test_info(stub, reference: Tokenizer) -> None:
     assert list(info.eos_token_ids) == [specials["<|im_end|>"], specials["<|endoftext|>"]]
     assert info.chat_template_source == "checkpoint"
     assert (info.max_input_chars, info.max_token_ids) == (5000, 4096)
+
+
+def test_info_gives_the_sampling_defaults_of_generation_config(stub, demo_model_dir: Path) -> None:
+    info = stub.Info(tokenizer_pb2.InfoRequest())
+    written = json.loads((demo_model_dir / "generation_config.json").read_text())
+    given = {f for f in MODEL_DEFAULT_FIELDS if info.sampling_defaults.HasField(f)}
+    assert (
+        given
+        == {f for f in MODEL_DEFAULT_FIELDS if f in written}
+        == {
+            "temperature",
+            "top_p",
+            "top_k",
+        }
+    )
+    for f in given:  # float32 on the wire
+        assert getattr(info.sampling_defaults, f) == pytest.approx(written[f], rel=1e-6)
 
 
 def _invalid(call, request) -> tuple[str, str]:

@@ -155,7 +155,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model", "max_context_tokens", "max_tokens_limit", "default_max_tokens", "prefill_addresses", "decode_addresses", "prefill_targets", "decode_targets", "instances", "target_problems", "server_version")
+    __slots__ = ("model", "max_context_tokens", "max_tokens_limit", "default_max_tokens", "prefill_addresses", "decode_addresses", "prefill_targets", "decode_targets", "instances", "target_problems", "server_version", "sampling_defaults")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_LIMIT_FIELD_NUMBER: _ClassVar[int]
@@ -167,6 +167,7 @@ class InfoResponse(_message.Message):
     INSTANCES_FIELD_NUMBER: _ClassVar[int]
     TARGET_PROBLEMS_FIELD_NUMBER: _ClassVar[int]
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_DEFAULTS_FIELD_NUMBER: _ClassVar[int]
     model: str
     max_context_tokens: int
     max_tokens_limit: int
@@ -178,7 +179,8 @@ class InfoResponse(_message.Message):
     instances: _containers.RepeatedCompositeFieldContainer[Instance]
     target_problems: _containers.RepeatedCompositeFieldContainer[TargetProblem]
     server_version: str
-    def __init__(self, model: _Optional[str] = ..., max_context_tokens: _Optional[int] = ..., max_tokens_limit: _Optional[int] = ..., default_max_tokens: _Optional[int] = ..., prefill_addresses: _Optional[_Iterable[str]] = ..., decode_addresses: _Optional[_Iterable[str]] = ..., prefill_targets: _Optional[_Iterable[str]] = ..., decode_targets: _Optional[_Iterable[str]] = ..., instances: _Optional[_Iterable[_Union[Instance, _Mapping]]] = ..., target_problems: _Optional[_Iterable[_Union[TargetProblem, _Mapping]]] = ..., server_version: _Optional[str] = ...) -> None: ...
+    sampling_defaults: _sampling_pb2.SamplingParams
+    def __init__(self, model: _Optional[str] = ..., max_context_tokens: _Optional[int] = ..., max_tokens_limit: _Optional[int] = ..., default_max_tokens: _Optional[int] = ..., prefill_addresses: _Optional[_Iterable[str]] = ..., decode_addresses: _Optional[_Iterable[str]] = ..., prefill_targets: _Optional[_Iterable[str]] = ..., decode_targets: _Optional[_Iterable[str]] = ..., instances: _Optional[_Iterable[_Union[Instance, _Mapping]]] = ..., target_problems: _Optional[_Iterable[_Union[TargetProblem, _Mapping]]] = ..., server_version: _Optional[str] = ..., sampling_defaults: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class TargetProblem(_message.Message):
     __slots__ = ("target", "problem")

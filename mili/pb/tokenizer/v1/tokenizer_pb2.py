@@ -23,37 +23,38 @@ _sym_db = _symbol_database.Default()
 
 
 from mili.pb.common.v1 import chat_pb2 as mili_dot_common_dot_v1_dot_chat__pb2
+from mili.pb.common.v1 import sampling_pb2 as mili_dot_common_dot_v1_dot_sampling__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!mili/tokenizer/v1/tokenizer.proto\x12\x11mili.tokenizer.v1\x1a\x19mili/common/v1/chat.proto\"\x81\x02\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12-\n\x08messages\x18\x02 \x03(\x0b\x32\x1b.mili.common.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x03 \x01(\x08H\x00\x88\x01\x01\x12\x1c\n\x0f\x65nable_thinking\x18\x04 \x01(\x08H\x01\x88\x01\x01\x12\x1c\n\x14\x61llow_special_tokens\x18\x05 \x01(\x08\x12#\n\x05tools\x18\x06 \x03(\x0b\x32\x14.mili.common.v1.ToolB\x18\n\x16_add_generation_promptB\x12\n\x10_enable_thinking\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06prompt\x18\x02 \x01(\t\"C\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"X\n\x17\x44\x65tokenizeStreamRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\x12\r\n\x05\x66inal\x18\x03 \x01(\x08\"(\n\x18\x44\x65tokenizeStreamResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\r\n\x0bInfoRequest\"+\n\x0cSpecialToken\x12\x0f\n\x07\x63ontent\x18\x01 \x01(\t\x12\n\n\x02id\x18\x02 \x01(\r\"\xee\x01\n\x0cInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x37\n\x0especial_tokens\x18\x03 \x03(\x0b\x32\x1f.mili.tokenizer.v1.SpecialToken\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x1c\n\x14\x63hat_template_source\x18\x05 \x01(\t\x12\x17\n\x0fmax_input_chars\x18\x06 \x01(\r\x12\x15\n\rmax_token_ids\x18\x07 \x01(\r\x12\x1d\n\x15tokenizer_file_sha256\x18\x08 \x01(\t\"\x19\n\x17GetTokenizerFileRequest\"B\n\x18GetTokenizerFileResponse\x12\x16\n\x0etokenizer_json\x18\x01 \x01(\x0c\x12\x0e\n\x06sha256\x18\x02 \x01(\t2\xe9\x03\n\x10TokenizerService\x12S\n\x08Tokenize\x12\".mili.tokenizer.v1.TokenizeRequest\x1a#.mili.tokenizer.v1.TokenizeResponse\x12Y\n\nDetokenize\x12$.mili.tokenizer.v1.DetokenizeRequest\x1a%.mili.tokenizer.v1.DetokenizeResponse\x12o\n\x10\x44\x65tokenizeStream\x12*.mili.tokenizer.v1.DetokenizeStreamRequest\x1a+.mili.tokenizer.v1.DetokenizeStreamResponse(\x01\x30\x01\x12G\n\x04Info\x12\x1e.mili.tokenizer.v1.InfoRequest\x1a\x1f.mili.tokenizer.v1.InfoResponse\x12k\n\x10GetTokenizerFile\x12*.mili.tokenizer.v1.GetTokenizerFileRequest\x1a+.mili.tokenizer.v1.GetTokenizerFileResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!mili/tokenizer/v1/tokenizer.proto\x12\x11mili.tokenizer.v1\x1a\x19mili/common/v1/chat.proto\x1a\x1dmili/common/v1/sampling.proto\"\x81\x02\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12-\n\x08messages\x18\x02 \x03(\x0b\x32\x1b.mili.common.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x03 \x01(\x08H\x00\x88\x01\x01\x12\x1c\n\x0f\x65nable_thinking\x18\x04 \x01(\x08H\x01\x88\x01\x01\x12\x1c\n\x14\x61llow_special_tokens\x18\x05 \x01(\x08\x12#\n\x05tools\x18\x06 \x03(\x0b\x32\x14.mili.common.v1.ToolB\x18\n\x16_add_generation_promptB\x12\n\x10_enable_thinking\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06prompt\x18\x02 \x01(\t\"C\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"X\n\x17\x44\x65tokenizeStreamRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\x12\r\n\x05\x66inal\x18\x03 \x01(\x08\"(\n\x18\x44\x65tokenizeStreamResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\r\n\x0bInfoRequest\"+\n\x0cSpecialToken\x12\x0f\n\x07\x63ontent\x18\x01 \x01(\t\x12\n\n\x02id\x18\x02 \x01(\r\"\xa9\x02\n\x0cInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x37\n\x0especial_tokens\x18\x03 \x03(\x0b\x32\x1f.mili.tokenizer.v1.SpecialToken\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x1c\n\x14\x63hat_template_source\x18\x05 \x01(\t\x12\x17\n\x0fmax_input_chars\x18\x06 \x01(\r\x12\x15\n\rmax_token_ids\x18\x07 \x01(\r\x12\x1d\n\x15tokenizer_file_sha256\x18\x08 \x01(\t\x12\x39\n\x11sampling_defaults\x18\t \x01(\x0b\x32\x1e.mili.common.v1.SamplingParams\"\x19\n\x17GetTokenizerFileRequest\"B\n\x18GetTokenizerFileResponse\x12\x16\n\x0etokenizer_json\x18\x01 \x01(\x0c\x12\x0e\n\x06sha256\x18\x02 \x01(\t2\xe9\x03\n\x10TokenizerService\x12S\n\x08Tokenize\x12\".mili.tokenizer.v1.TokenizeRequest\x1a#.mili.tokenizer.v1.TokenizeResponse\x12Y\n\nDetokenize\x12$.mili.tokenizer.v1.DetokenizeRequest\x1a%.mili.tokenizer.v1.DetokenizeResponse\x12o\n\x10\x44\x65tokenizeStream\x12*.mili.tokenizer.v1.DetokenizeStreamRequest\x1a+.mili.tokenizer.v1.DetokenizeStreamResponse(\x01\x30\x01\x12G\n\x04Info\x12\x1e.mili.tokenizer.v1.InfoRequest\x1a\x1f.mili.tokenizer.v1.InfoResponse\x12k\n\x10GetTokenizerFile\x12*.mili.tokenizer.v1.GetTokenizerFileRequest\x1a+.mili.tokenizer.v1.GetTokenizerFileResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'mili.tokenizer.v1.tokenizer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TOKENIZEREQUEST']._serialized_start=84
-  _globals['_TOKENIZEREQUEST']._serialized_end=341
-  _globals['_TOKENIZERESPONSE']._serialized_start=343
-  _globals['_TOKENIZERESPONSE']._serialized_end=396
-  _globals['_DETOKENIZEREQUEST']._serialized_start=398
-  _globals['_DETOKENIZEREQUEST']._serialized_end=465
-  _globals['_DETOKENIZERESPONSE']._serialized_start=467
-  _globals['_DETOKENIZERESPONSE']._serialized_end=501
-  _globals['_DETOKENIZESTREAMREQUEST']._serialized_start=503
-  _globals['_DETOKENIZESTREAMREQUEST']._serialized_end=591
-  _globals['_DETOKENIZESTREAMRESPONSE']._serialized_start=593
-  _globals['_DETOKENIZESTREAMRESPONSE']._serialized_end=633
-  _globals['_INFOREQUEST']._serialized_start=635
-  _globals['_INFOREQUEST']._serialized_end=648
-  _globals['_SPECIALTOKEN']._serialized_start=650
-  _globals['_SPECIALTOKEN']._serialized_end=693
-  _globals['_INFORESPONSE']._serialized_start=696
-  _globals['_INFORESPONSE']._serialized_end=934
-  _globals['_GETTOKENIZERFILEREQUEST']._serialized_start=936
-  _globals['_GETTOKENIZERFILEREQUEST']._serialized_end=961
-  _globals['_GETTOKENIZERFILERESPONSE']._serialized_start=963
-  _globals['_GETTOKENIZERFILERESPONSE']._serialized_end=1029
-  _globals['_TOKENIZERSERVICE']._serialized_start=1032
-  _globals['_TOKENIZERSERVICE']._serialized_end=1521
+  _globals['_TOKENIZEREQUEST']._serialized_start=115
+  _globals['_TOKENIZEREQUEST']._serialized_end=372
+  _globals['_TOKENIZERESPONSE']._serialized_start=374
+  _globals['_TOKENIZERESPONSE']._serialized_end=427
+  _globals['_DETOKENIZEREQUEST']._serialized_start=429
+  _globals['_DETOKENIZEREQUEST']._serialized_end=496
+  _globals['_DETOKENIZERESPONSE']._serialized_start=498
+  _globals['_DETOKENIZERESPONSE']._serialized_end=532
+  _globals['_DETOKENIZESTREAMREQUEST']._serialized_start=534
+  _globals['_DETOKENIZESTREAMREQUEST']._serialized_end=622
+  _globals['_DETOKENIZESTREAMRESPONSE']._serialized_start=624
+  _globals['_DETOKENIZESTREAMRESPONSE']._serialized_end=664
+  _globals['_INFOREQUEST']._serialized_start=666
+  _globals['_INFOREQUEST']._serialized_end=679
+  _globals['_SPECIALTOKEN']._serialized_start=681
+  _globals['_SPECIALTOKEN']._serialized_end=724
+  _globals['_INFORESPONSE']._serialized_start=727
+  _globals['_INFORESPONSE']._serialized_end=1024
+  _globals['_GETTOKENIZERFILEREQUEST']._serialized_start=1026
+  _globals['_GETTOKENIZERFILEREQUEST']._serialized_end=1051
+  _globals['_GETTOKENIZERFILERESPONSE']._serialized_start=1053
+  _globals['_GETTOKENIZERFILERESPONSE']._serialized_end=1119
+  _globals['_TOKENIZERSERVICE']._serialized_start=1122
+  _globals['_TOKENIZERSERVICE']._serialized_end=1611
 # @@protoc_insertion_point(module_scope)

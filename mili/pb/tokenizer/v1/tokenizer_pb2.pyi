@@ -1,4 +1,5 @@
 from mili.pb.common.v1 import chat_pb2 as _chat_pb2
+from mili.pb.common.v1 import sampling_pb2 as _sampling_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -74,7 +75,7 @@ class SpecialToken(_message.Message):
     def __init__(self, content: _Optional[str] = ..., id: _Optional[int] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model", "vocab_size", "special_tokens", "eos_token_ids", "chat_template_source", "max_input_chars", "max_token_ids", "tokenizer_file_sha256")
+    __slots__ = ("model", "vocab_size", "special_tokens", "eos_token_ids", "chat_template_source", "max_input_chars", "max_token_ids", "tokenizer_file_sha256", "sampling_defaults")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +84,7 @@ class InfoResponse(_message.Message):
     MAX_INPUT_CHARS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FILE_SHA256_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_DEFAULTS_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     special_tokens: _containers.RepeatedCompositeFieldContainer[SpecialToken]
@@ -91,7 +93,8 @@ class InfoResponse(_message.Message):
     max_input_chars: int
     max_token_ids: int
     tokenizer_file_sha256: str
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., special_tokens: _Optional[_Iterable[_Union[SpecialToken, _Mapping]]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., chat_template_source: _Optional[str] = ..., max_input_chars: _Optional[int] = ..., max_token_ids: _Optional[int] = ..., tokenizer_file_sha256: _Optional[str] = ...) -> None: ...
+    sampling_defaults: _sampling_pb2.SamplingParams
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., special_tokens: _Optional[_Iterable[_Union[SpecialToken, _Mapping]]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., chat_template_source: _Optional[str] = ..., max_input_chars: _Optional[int] = ..., max_token_ids: _Optional[int] = ..., tokenizer_file_sha256: _Optional[str] = ..., sampling_defaults: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class GetTokenizerFileRequest(_message.Message):
     __slots__ = ()
