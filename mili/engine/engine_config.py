@@ -27,6 +27,7 @@ from mili.engine.kv.kv_layout import DEFAULT_BLOCK_SIZE, DTYPES
 ATTENTION_CHOICES = ("auto", "mojo", "torch")
 DEFAULT_ATTENTION = "auto"
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+DEFAULT_WATCHDOG_TIMEOUT_S = 300.0  # SGLang's default for the same watchdog
 _DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 
 
@@ -44,6 +45,9 @@ class EngineConfig:
     # KV pool, CUDA graphs). Two processes on one GPU each get their share (mili serve).
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     enforce_eager: bool = False  # CUDA: never capture CUDA graphs
+    # Seconds the engine thread may spend in one step before the service stops itself
+    # (mili/watchdog.py); 0: never. Long enough for a CPU prefill step of a full batch.
+    watchdog_timeout_s: float = DEFAULT_WATCHDOG_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if not _DEVICE.match(self.device):
@@ -61,6 +65,8 @@ class EngineConfig:
             raise ValueError(f"--num-blocks must be > 0, got {self.num_blocks}")
         if self.kv_cache_bytes is not None and self.num_blocks is not None:
             raise ValueError("--kv-cache-bytes and --num-blocks both size the KV pool; give one")
+        if not self.watchdog_timeout_s >= 0:  # NaN too
+            raise ValueError(f"--watchdog-timeout must be >= 0, got {self.watchdog_timeout_s}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
                 f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}"
@@ -81,6 +87,7 @@ class EngineConfig:
             num_blocks=args.num_blocks,
             gpu_memory_utilization=args.gpu_memory_utilization,
             enforce_eager=args.enforce_eager,
+            watchdog_timeout_s=args.watchdog_timeout,
         )
 
 
@@ -144,4 +151,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, default_pool: str) 
         "--enforce-eager",
         action="store_true",
         help="CUDA: run every decode step eagerly, capturing no CUDA graphs",
+    )
+    group.add_argument(
+        "--watchdog-timeout",
+        type=float,
+        default=defaults.watchdog_timeout_s,
+        metavar="SECONDS",
+        help="an engine step (a forward and its sampling) still running after SECONDS means "
+        "the engine is stuck (a kernel or driver that never returns): the service logs it "
+        "and exits 1, for mili serve or Kubernetes to start a fresh one; 0: never "
+        "(default: %(default)s)",
     )

@@ -34,7 +34,7 @@ EVERY_CHILD = Borrowed(
 )
 ENGINE = Borrowed(
     functools.partial(add_engine_arguments, default_pool="the service's default"),
-    ("--device", "--dtype", "--attention", "--no-prefix-cache"),
+    ("--device", "--dtype", "--attention", "--no-prefix-cache", "--watchdog-timeout"),
 )
 FRONTEND = Borrowed(
     frontend_main.add_arguments,

@@ -52,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
     from mili.rpc.server import RpcServer, drain_on_death, serve_forever
     from mili.telemetry.metrics import DecodeMetrics
     from mili.telemetry.tracing import start_tracing
+    from mili.watchdog import watch
     from services.decode.instance import DecodeInstance
     from services.decode.server import add_to_server
 
@@ -67,9 +68,12 @@ def run(args: argparse.Namespace) -> int:
     add_to_server(server, instance, frontends=frontends, prefills=prefills)
     # logs model, device, dtype, KV pool, CUDA graphs and attention backend
     instance.start(on_death=drain_on_death("decode"))
+    watchdog = watch(instance.batcher.progress, config.engine.watchdog_timeout_s, "decode")
     try:
         asyncio.run(serve_forever(server))
     finally:
+        if watchdog is not None:
+            watchdog.stop()  # the batch thread's last step may take its time now
         instance.stop()  # fails what is left and frees its blocks
         tracing.shutdown()  # last: flushes the spans of the final steps too
     if instance.batcher.death is not None:

@@ -58,6 +58,7 @@ from mili.engine.step.sequence import Sequence
 from mili.errors import FailedPrecondition, MiliError, ResourceExhausted, Unavailable
 from mili.telemetry.metrics import DecodeMetrics
 from mili.telemetry.tracing import start_batch_span
+from mili.watchdog import Progress
 from services.decode.requests import DecodeRequest, RequestTable
 from services.decode.stream import Delivery, Outlet, TokenEvent, deliver_threadsafe
 
@@ -149,6 +150,7 @@ class Batcher:
         self._out: list[Delivery] = []  # batch thread only: this iteration's events so far
         self._thread = threading.Thread(target=self._run, name="decode-batcher", daemon=True)
         # Observability (written by the batch thread, read anywhere).
+        self.progress = Progress()  # read by the instance's watchdog
         self.num_steps = 0
         self.num_steps_ahead = 0  # launched before the previous step's ids were in
         self.max_batch_size = 0
@@ -207,6 +209,7 @@ class Batcher:
             while True:
                 with self._cond:
                     while not (self._inbox or self._running or self._steps or self._is_stopping):
+                        self.progress.idle()
                         self._cond.wait()
                     is_stopping = self._is_stopping
                 out = self._out = []  # kept on self: a death mid-iteration still sends it
@@ -216,6 +219,7 @@ class Batcher:
                     return
                 self._take_joins()
                 self._drop_cancelled()
+                self.progress.busy(f"a decode step of {len(self._running)} requests")
                 self._advance(out)
                 deliver_threadsafe(out)
                 self._out = []

@@ -104,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
     from mili.rpc.server import RpcServer, drain_on_death, serve_forever
     from mili.telemetry.metrics import PrefillMetrics
     from mili.telemetry.tracing import start_tracing
+    from mili.watchdog import watch
     from services.prefill.instance import PrefillInstance
     from services.prefill.server import PrefillServicer, add_to_server
 
@@ -121,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise StartupError(str(e)) from None
     _LOG.info("prefill for %s %s", model_dir, instance.describe())
+    watchdog = watch(instance.worker.progress, config.engine.watchdog_timeout_s, "prefill")
     server = RpcServer(
         server_config,
         name="prefill",
@@ -133,6 +135,8 @@ def run(args: argparse.Namespace) -> int:
         try:
             await serve_forever(server)
         finally:
+            if watchdog is not None:
+                watchdog.stop()  # the worker's last step may take its time now
             await servicer.close()
 
     try:

@@ -51,6 +51,7 @@ from mili.engine.stop import stop_token_set
 from mili.errors import Unavailable
 from mili.telemetry.metrics import PrefillMetrics
 from mili.telemetry.tracing import start_batch_span
+from mili.watchdog import Progress
 from services.prefill.scheduler import ScheduledChunk, Scheduler, Step
 from services.prefill.task import FirstToken, KvSink, PrefillTask
 
@@ -118,6 +119,7 @@ class PrefillWorker:
         self._on_death: Callable[[BaseException], None] | None = None
         self.death: BaseException | None = None  # what killed the worker thread (a bug)
         self.steps: deque[StepRecord] = deque(maxlen=_HISTORY)
+        self.progress = Progress()  # read by the service's watchdog
         self._thread = threading.Thread(target=self._run, name="prefill-worker", daemon=True)
 
     # ---- called from the event loop ----------------------------------------------------------
@@ -258,10 +260,12 @@ class PrefillWorker:
             with self._cond:
                 step = None
                 while not self._is_stopping and (step := self._scheduler.schedule()) is None:
+                    self.progress.idle()
                     self._cond.wait()
                 if step is None:
                     return
                 jobs = [self._jobs[chunk.request_id] for chunk in step.chunks]
+            self.progress.busy(f"a prefill step of {step.num_tokens} tokens")
             started = time.perf_counter()
             span = self._start_span(step, jobs)
             try:

@@ -130,6 +130,7 @@ def test_drain_fails_requests_waiting_for_kv_and_exits_zero(service: ServiceProc
     ("args", "message"),
     [
         (["--num-blocks", "0"], "--num-blocks must be > 0"),
+        (["--watchdog-timeout", "-5"], "--watchdog-timeout must be >= 0, got -5.0"),
         (["--model", "/nonexistent/model"], "/nonexistent/model"),
         (["--frontend", "decode-0"], "--frontend: 'decode-0' needs a port"),
     ],

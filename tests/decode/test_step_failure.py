@@ -19,6 +19,7 @@ import pytest
 from mili.engine.step.sampler import PendingSample
 from mili.pb.common.v1 import sampling_pb2
 from mili.rpc.client import insecure_channel
+from mili.watchdog import Watchdog
 from tests.decode.conftest import NUM_BLOCKS, tiny_decode_config
 from tests.decode.harness import (
     Client,
@@ -299,3 +300,49 @@ def test_a_join_the_thread_breaks_on_ends_and_frees_its_blocks(
             await blocks_back(client, NUM_BLOCKS)
 
     server.run(body())
+
+
+def test_a_stuck_step_is_seen_by_the_watchdog(
+    server: DecodeServerThread, player: PrefillPlayer
+) -> None:
+    """A step whose forward never returns (injected: a hung kernel cannot be made on the
+    CPU): the batch thread's progress stops moving while a request waits on it, and the
+    watchdog the process runs over it reports it, naming the step."""
+    runner = server.instance.runner
+    release = threading.Event()
+    real = runner.decode_logits
+    calls = 0
+
+    def stuck_on_the_fifth(*args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 5:
+            release.wait(30)
+        return real(*args, **kwargs)
+
+    runner.decode_logits = stuck_on_the_fifth  # type: ignore[method-assign]
+    stalls: list[str] = []
+    watchdog = Watchdog(server.instance.batcher.progress, 1.0, stalls.append, "decode")
+    watchdog.start()
+
+    async def body() -> None:
+        async with insecure_channel(server.address) as channel:
+            client = Client(channel)
+            request = asyncio.ensure_future(outcome(client, player, "stuck", 20))
+            for _ in range(200):
+                if stalls:
+                    break
+                await asyncio.sleep(0.05)
+            assert stalls and stalls[0].startswith("decode: a decode step of 1 requests has")
+            assert not request.done()
+            release.set()  # the step returns after all: the request finishes
+            done = await request
+            assert not isinstance(done, grpc.aio.AioRpcError) and len(done.token_ids) == 20
+            await blocks_back(client, NUM_BLOCKS)
+
+    try:
+        server.run(body())
+    finally:
+        release.set()
+        watchdog.stop()
+    assert len(stalls) == 1

@@ -20,7 +20,7 @@ GIVEN = [
     "--trace-console", "--stream-interval", "4", "--max-buffered-tokens", "16",
     "--max-queued-requests", "64", "--max-queued-tokens", "4096", "--host", "127.0.0.2",
     "--served-model-name", "qwen3,Qwen/Qwen3-0.6B", "--default-max-tokens", "4096",
-    "--max-concurrent-requests", "100", "--sampling-defaults", "none",
+    "--max-concurrent-requests", "100", "--sampling-defaults", "none", "--watchdog-timeout", "60",
 ]  # fmt: skip
 
 

@@ -25,6 +25,7 @@ from mili.pb.prefill.v1 import prefill_pb2
 from mili.rpc.client import insecure_channel
 from mili.rpc.status import bad_request_of, retry_info_of
 from mili.telemetry.tracing import client_interceptors
+from mili.watchdog import Watchdog
 from services.prefill import sender as sender_module
 from services.prefill.sender import KvSender
 from services.prefill.task import FirstToken, PrefillTask
@@ -592,5 +593,44 @@ def test_prompt_longer_than_the_pool_is_invalid_argument(tiny: TinyModel) -> Non
             err = await failed(h.stub.Prefill(prefill_request("r", ids, "x:1", list(range(5)))))
         assert err.code() is grpc.StatusCode.INVALID_ARGUMENT, err.details()
         assert "max_prompt_tokens 64" in err.details()
+
+    asyncio.run(main())
+
+
+def test_a_stuck_step_is_seen_by_the_watchdog(
+    tiny: TinyModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prefill step whose forward never returns (injected): the worker's progress stops
+    moving and the watchdog the process runs over it reports it, naming the step's tokens;
+    while the worker waits for work (before the prompt came) it reports nothing."""
+    release = threading.Event()
+    stalls: list[str] = []
+
+    async def main() -> None:
+        async with prefill_service(tiny) as h, receiver_for(h) as (receiver, server):
+            worker = h.servicer.worker
+            real = worker.runner.prefill_step
+
+            def stuck(*args: Any, **kwargs: Any) -> Any:
+                release.wait(30)
+                return real(*args, **kwargs)
+
+            monkeypatch.setattr(worker.runner, "prefill_step", stuck)
+            watchdog = Watchdog(worker.progress, 0.5, stalls.append, "prefill")
+            watchdog.start()
+            try:
+                await asyncio.sleep(1.0)  # idle, twice the timeout
+                assert stalls == []
+                receiver.reserve("r", [0, 1, 2])
+                call = h.stub.Prefill(prefill_request("r", prompt(tiny), server.address, [0, 1, 2]))
+                await until(lambda: bool(stalls))
+                n = len(prompt(tiny))
+                assert stalls[0].startswith(f"prefill: a prefill step of {n} tokens has made no")
+                release.set()
+                reply = await call  # the step returned after all
+                assert reply.num_prompt_tokens == n
+            finally:
+                release.set()
+                watchdog.stop()
 
     asyncio.run(main())
