@@ -12,7 +12,9 @@ tag is held back until the next delta settles it, and a call comes out whole onc
 closes. Prompt requests (not chat) are not split: their callers get the text as generated.
 
 Finish reason: a generation that stopped (`stop`) after making calls ends in `tool_calls`, as
-OpenAI's API says; one cut short (`length`) keeps its reason, and the calls it completed.
+OpenAI's API says; one cut short (`length`) keeps its reason, and the calls it completed. Under
+tool_choice required or named the answer can only be calls: a call cut short is dropped, never
+content (vLLM clears the content of a forced choice too), so such an answer has no content.
 Pure Python, per delta.
 """
 
@@ -37,7 +39,8 @@ class OutputPiece(NamedTuple):
 class ChatOutput:
     """One chat generation's output, delta by delta. `is_parsing_tools`: the request offered
     tools and tool_choice is not none; `is_parallel` False (parallel_tool_calls false): its
-    first call only, as vLLM answers it (under tool_choice auto nothing else stops a second)."""
+    first call only, as vLLM answers it (under tool_choice auto nothing else stops a second);
+    `is_forced` (tool_choice required or named): a call the generation's end cut is dropped."""
 
     def __init__(
         self,
@@ -45,10 +48,13 @@ class ChatOutput:
         *,
         is_parallel: bool = True,
         is_thinking: bool = True,
+        is_forced: bool = False,
     ) -> None:
         # Without thinking, a "<think>" the model writes is the answer's text.
         self._splitter = ReasoningSplitter() if is_thinking else None
-        self._tools = ToolCallParser(new_call_id) if is_parsing_tools else None
+        self._tools = (
+            ToolCallParser(new_call_id, drops_cut_call=is_forced) if is_parsing_tools else None
+        )
         self._max_calls = None if is_parallel else 1
         self._num_sent = 0
 
@@ -96,6 +102,7 @@ class ChatOutput:
             valid.is_parsing_tools,
             is_parallel=valid.parallel_tool_calls,
             is_thinking=valid.enable_thinking is not False and not has_own_constraint,
+            is_forced=valid.tool_choice.is_forced,
         )
 
     def finish_reason(self, reason: FinishReason) -> str:

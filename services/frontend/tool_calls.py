@@ -19,7 +19,10 @@ every cut into 2 and 3 pieces), and no tag or block JSON reaches content:
 - a block whose JSON does not parse as {"name": "...", "arguments": {...}} is returned as
   content, tags and all, as vLLM does: the text is not lost, and nothing malformed is
   presented as a call. A block still open when the generation ends (max_tokens, or the model
-  stopped before `</tool_call>`) is a call if its JSON parses, else content;
+  stopped before `</tool_call>`) is a call if its JSON parses, else content; with
+  `drops_cut_call` (tool_choice required or named: the answer can only be calls) it is
+  dropped instead, with its framing: the finish reason (`length`) says the answer was cut,
+  and a half call is neither a call nor text the caller asked for;
 - a `</tool_call>` inside one of the block's JSON strings (an argument holding code or markup)
   is text, not the block's end, unless a new `<tool_call>` follows it (blanks aside): then the
   string was never closed (malformed JSON, `"C:\\"}}`) and the block ended at that tag, so
@@ -113,8 +116,11 @@ class ToolCallParser:
     Make one per generation, only when the request offers tools; after finish(), `num_calls`
     > 0 means the generation ended in tool calls (finish reason "tool_calls")."""
 
-    def __init__(self, new_id: Callable[[], str] = new_call_id) -> None:
+    def __init__(
+        self, new_id: Callable[[], str] = new_call_id, *, drops_cut_call: bool = False
+    ) -> None:
         self._new_id = new_id
+        self._drops_cut_call = drops_cut_call
         self.num_calls = 0
         self._pending = ""  # unread text: a possible tag's beginning, outside a block
         self._space = ""  # trailing whitespace of the content, held until text follows it
@@ -210,10 +216,13 @@ class ToolCallParser:
     def _close(
         self, body: str, content: list[str], calls: list[ToolCallDelta], *, closed: bool
     ) -> None:
-        """End the open block: a call if its body parses, else content as written."""
+        """End the open block: a call if its body parses, else content as written (a block cut
+        by the generation's end, under drops_cut_call: nothing)."""
         self._block = None
         parsed = parse_call(body)
-        if parsed is None:
+        if parsed is None and not closed and self._drops_cut_call:
+            self._framing = ""  # its framing goes with it
+        elif parsed is None:
             framing = self._gap if self._after_call else self._framing
             content.append(framing + OPEN + body + (CLOSE if closed else ""))
             self._after_call, self._gap, self._is_said = False, "", True

@@ -293,3 +293,34 @@ def test_response_format_json_schema_is_valid_json(client: openai.OpenAI) -> Non
         )  # fmt: skip
         assert reply.choices[0].finish_reason == "stop"
         jsonschema.validate(json.loads(reply.choices[0].message.content or ""), WEATHER)
+
+
+@pytest.mark.parametrize("tool_choice", ["required", "named"])
+def test_a_forced_call_cut_by_max_tokens_is_dropped_on_both_apis(
+    pipeline: Deployment, client: openai.OpenAI, tool_choice: str
+) -> None:
+    """max_tokens ends a forced answer inside its call: finish reason length, no call and no
+    content (the half block came back as content, '<tool_call>' and all), whole, streamed
+    and on gRPC alike."""
+    choice: Any = tool_choice
+    grpc_choice = generation_pb2.ToolChoice(mode=generation_pb2.TOOL_CHOICE_MODE_REQUIRED)
+    if tool_choice == "named":
+        choice = {"type": "function", "function": {"name": "get_weather"}}
+        grpc_choice = generation_pb2.ToolChoice(
+            mode=generation_pb2.TOOL_CHOICE_MODE_FUNCTION, function_name="get_weather"
+        )
+    extra = {"chat_template_kwargs": {"enable_thinking": False}}
+    args: dict[str, Any] = {"tools": [TOOL], "tool_choice": choice, "max_tokens": 8}
+    (whole,) = chat(client, extra_body=extra, **args).choices
+    assert whole.finish_reason == "length"
+    assert whole.message.content is None and not whole.message.tool_calls
+    chunks = list(chat(client, extra_body=extra, stream=True, **args))
+    deltas = [c.choices[0] for c in chunks if c.choices]
+    assert not "".join(d.delta.content or "" for d in deltas)
+    assert not [t for d in deltas for t in d.delta.tool_calls or []]
+    assert deltas[-1].finish_reason == "length"
+    reply = grpc_complete(
+        pipeline, max_tokens=8, tools=[GRPC_TOOL], enable_thinking=False, tool_choice=grpc_choice
+    )
+    assert reply.text == "" and not reply.tool_calls
+    assert reply.finish_reason == sampling_pb2.FINISH_REASON_LENGTH

@@ -69,6 +69,21 @@ def test_parallel_tool_calls_false_returns_the_first_call_only() -> None:
         assert output.finish_reason(FinishReason.STOP) == "tool_calls"
 
 
+def test_a_forced_call_cut_short_is_dropped_not_content() -> None:
+    """Under tool_choice required or named the answer can only be calls: one cut by max_tokens
+    is neither a call nor content (its '<tool_call>' and half JSON were the answer's text),
+    however the text is cut; the calls before it stay. Under auto the cut block stays text."""
+    cut = CALLING[: CALLING.rindex('"now"') + 3]
+    for parts in cuts(cut, step=3):
+        output = ChatOutput(is_parsing_tools=True, is_forced=True)
+        assert run(output, parts) == ("Need the weather.", "Let me check.", CALLS[:1]), parts
+        assert output.finish_reason(FinishReason.LENGTH) == "length"
+    first = '<tool_call>\n{"name": "get_we'
+    for parts in cuts(first, step=1):
+        assert run(ChatOutput(is_parsing_tools=True, is_forced=True), parts) == ("", "", [])
+        assert run(ChatOutput(is_parsing_tools=True), parts) == ("", first, [])
+
+
 @pytest.mark.parametrize("fields", [{"constraint": "json"}, {"enable_thinking": False}])
 def test_a_think_tag_is_answer_text_where_no_thinking_can_come(fields: dict[str, object]) -> None:
     """A constraint of the caller's makes the whole output its answer (a JSON string holding

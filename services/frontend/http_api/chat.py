@@ -13,8 +13,9 @@ did not think (as vLLM has it). With tools offered (tool_choice not none), each
 `<tool_call>` block becomes one entry of `message.tool_calls` ({id, type: function,
 function: {name, arguments: JSON text}}; streamed whole in one `delta.tool_calls` entry with its
 index), and a generation that stopped after calls ends in finish_reason `tool_calls`; content
-is then null when the model wrote nothing else. The split is services/frontend/chat_output.py,
-the one the gRPC API runs.
+is then null when the model wrote nothing else (always under tool_choice required or named,
+whose call cut by max_tokens is dropped: finish_reason `length`). The split is
+services/frontend/chat_output.py, the one the gRPC API runs.
 """
 
 from __future__ import annotations
@@ -111,9 +112,11 @@ class ChatJson:
         for c in self._choices:
             ds = deltas[c.index]
             reasoning, content, calls = self._split(c.index, ds)
+            # An answer of calls (or of a forced tool choice, all calls) has null content.
+            is_calls = bool(calls) or c.valid.tool_choice.is_forced
             message: dict[str, Any] = {
                 "role": "assistant",
-                "content": content or None if calls else content,
+                "content": content or None if is_calls else content,
                 "reasoning_content": reasoning or None,
             }
             if calls:
