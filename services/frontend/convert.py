@@ -95,7 +95,16 @@ def request_input(
         sampling=sampling_input(request.sampling),
         enable_thinking=request.enable_thinking if request.HasField("enable_thinking") else None,
         allow_special_tokens=request.allow_special_tokens,
-        tools=tuple(FunctionTool(t.name, t.description, t.parameters) for t in request.tools),
+        tools=tuple(
+            FunctionTool(
+                t.name,
+                t.description,
+                t.parameters,
+                t.strict if t.HasField("strict") else None,
+                tuple(t.function_keys),
+            )
+            for t in request.tools
+        ),
         tool_choice=ToolChoice(
             _tool_choice_mode(request.tool_choice.mode), request.tool_choice.function_name
         ),
@@ -219,6 +228,17 @@ def _tool_calls(piece: OutputPiece) -> list[chat_pb2.ToolCall]:
 # ---- downstream -------------------------------------------------------------------------------
 
 
+def tool_proto(tool: FunctionTool) -> chat_pb2.Tool:
+    """A tool as the tokenizer renders it: `strict` and the key order reach the prompt."""
+    return chat_pb2.Tool(
+        name=tool.name,
+        description=tool.description,
+        parameters=tool.parameters,
+        strict=tool.strict,
+        function_keys=tool.keys,
+    )
+
+
 def tokenize_request(request: ValidRequest) -> tokenizer_pb2.TokenizeRequest:
     """The tokenizer's request for a text prompt, or for messages through the chat template."""
     if request.prompt_field != "messages":
@@ -227,10 +247,7 @@ def tokenize_request(request: ValidRequest) -> tokenizer_pb2.TokenizeRequest:
         messages=chat_messages(request.messages),
         add_generation_prompt=True,
         allow_special_tokens=request.allow_special_tokens,
-        tools=[
-            chat_pb2.Tool(name=t.name, description=t.description, parameters=t.parameters)
-            for t in request.tools
-        ],
+        tools=[tool_proto(t) for t in request.tools],
     )
     if request.enable_thinking is not None:
         proto.enable_thinking = request.enable_thinking

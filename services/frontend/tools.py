@@ -30,6 +30,8 @@ from mili.text import strict_json
 
 # OpenAI's rule for function names (services/tokenizer/tools.py applies the same one).
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+# The keys of OpenAI's function object that reach the prompt (the tokenizer's FUNCTION_KEYS).
+FUNCTION_KEYS = ("name", "description", "parameters", "strict")
 
 ToolChoiceMode = Literal["auto", "none", "required", "function"]
 TOOL_CHOICE_MODES: tuple[str, ...] = get_args(ToolChoiceMode)
@@ -44,6 +46,10 @@ class FunctionTool:
     name: str
     description: str = ""
     parameters: str = ""  # a JSON Schema object, as JSON text; "" when it takes none
+    strict: bool | None = None  # OpenAI's flag, only shown in the prompt; None: unset
+    # The function object's keys in the caller's order, for the prompt to list them as HF
+    # renders the caller's dict (chat.proto's Tool.function_keys); (): the default order.
+    keys: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -55,7 +55,15 @@ def _messages(protos: list[chat_pb2.ChatMessage]) -> list[Message]:
 
 def _tools(protos: list[chat_pb2.Tool]) -> list[Tool]:
     return [
-        Tool.parse(t.name, t.description, t.parameters, f"tools[{i}]") for i, t in enumerate(protos)
+        Tool.parse(
+            t.name,
+            t.description,
+            t.parameters,
+            f"tools[{i}]",
+            strict=t.strict if t.HasField("strict") else None,
+            keys=tuple(t.function_keys),
+        )
+        for i, t in enumerate(protos)
     ]
 
 

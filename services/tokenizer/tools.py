@@ -4,7 +4,8 @@ Both carry JSON as text on the wire (a tool's JSON-Schema parameters, a call's a
 parsed once here, with the field named in the error, into the structures HF's
 `apply_chat_template(messages, tools=...)` hands a template:
 
-    tool       {"type": "function", "function": {"name", "description"?, "parameters"?}}
+    tool       {"type": "function", "function": {"name", "description"?, "parameters"?,
+                "strict"?}}, the function's keys in the caller's order (function_keys)
     tool call  {"id", "type": "function", "function": {"name", "arguments": {...}}}
 
 Parsed JSON keeps its key order and integer-vs-float distinction (json.loads), so a template's
@@ -24,6 +25,8 @@ from mili.text.surrogate import lone_surrogate_path
 
 # OpenAI's rule for function names; it also keeps control-token strings out of them.
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+# A function object's keys as OpenAI defines them, in the order written when none is given.
+FUNCTION_KEYS = ("name", "description", "parameters", "strict")
 
 
 def parse_json_object(text: str, field: str) -> dict[str, Any]:
@@ -74,14 +77,28 @@ def strings_in(value: Any) -> Iterator[str]:
 
 @dataclass(frozen=True)
 class Tool:
-    """A function offered to the model; `parameters` is a parsed JSON Schema object or None."""
+    """A function offered to the model; `parameters` is a parsed JSON Schema object or None,
+    `strict` OpenAI's flag or None (unset), `keys` the function object's keys in the caller's
+    order (of FUNCTION_KEYS). Rendered: the listed keys in their order (an empty description
+    too), then the others that are set (a description unless empty) in FUNCTION_KEYS' order."""
 
     name: str
     description: str = ""
     parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+    keys: tuple[str, ...] = ()
 
     @classmethod
-    def parse(cls, name: str, description: str, parameters: str, field: str) -> Tool:
+    def parse(
+        cls,
+        name: str,
+        description: str,
+        parameters: str,
+        field: str,
+        *,
+        strict: bool | None = None,
+        keys: tuple[str, ...] = (),
+    ) -> Tool:
         """From the wire form (parameters as JSON text, "" for none); `field` is "tools[i]"."""
         if not name:
             raise InvalidArgument(f"{field}.name", name, "required: the function's name")
@@ -89,8 +106,15 @@ class Tool:
             raise InvalidArgument(
                 f"{field}.name", name, "must be 1 to 64 letters, digits, '_' or '-'"
             )
+        for j, key in enumerate(keys):
+            if key not in FUNCTION_KEYS or key in keys[:j]:
+                raise InvalidArgument(
+                    f"{field}.function_keys[{j}]",
+                    key,
+                    f"must be one of {', '.join(FUNCTION_KEYS)}, each at most once",
+                )
         schema = parse_json_object(parameters, f"{field}.parameters") if parameters else None
-        return cls(name, description, schema)
+        return cls(name, description, schema, strict, keys)
 
     def texts(self) -> Iterator[str]:
         yield self.name
@@ -98,14 +122,24 @@ class Tool:
         yield from strings_in(self.parameters)
 
     def map_text(self, fn: Callable[[str], str]) -> Tool:
-        return Tool(fn(self.name), fn(self.description), map_strings(self.parameters, fn))
+        parameters = map_strings(self.parameters, fn)
+        return Tool(fn(self.name), fn(self.description), parameters, self.strict, self.keys)
 
     def as_dict(self) -> dict[str, Any]:
-        function: dict[str, Any] = {"name": self.name}
-        if self.description:
-            function["description"] = self.description
-        if self.parameters is not None:
-            function["parameters"] = self.parameters
+        """The OpenAI tool dict HF's apply_chat_template is handed: the function's keys in the
+        caller's order, so a template's `tojson` writes what it would for the caller's dict."""
+        values = {
+            "name": self.name,
+            "description": self.description,
+            "parameters": self.parameters,
+            "strict": self.strict,
+        }
+        order = [*self.keys, *(k for k in FUNCTION_KEYS if k not in self.keys)]
+        function = {
+            k: values[k]
+            for k in order
+            if values[k] is not None and (values[k] != "" or k in self.keys)  # "" if listed
+        }
         return {"type": "function", "function": function}
 
 

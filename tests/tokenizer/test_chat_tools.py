@@ -21,7 +21,11 @@ from pathlib import Path
 import pytest
 
 from mili.errors import InvalidArgument
+from services.frontend.convert import tool_proto
+from services.frontend.http_api.body import Body
+from services.frontend.http_api.openai_tools import tools_of
 from services.tokenizer.chat_template import ChatTemplate, Message, render_chatml
+from services.tokenizer.server import _tools as tokenizer_tools
 from services.tokenizer.tokenizer import ModelTokenizer
 from services.tokenizer.tools import Tool, ToolCall
 from tests.tokenizer import qwen3_template
@@ -144,6 +148,57 @@ def test_demo_template_renders_as_qwen3(
     messages = CONVERSATIONS[conversation]
     expected = qwen3.render_chat(messages, True, thinking, TOOLS)
     assert renderers["demo"][0].render_chat(messages, True, thinking, TOOLS) == expected
+
+
+_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+# OpenAI tool dicts as callers send them: openai.pydantic_function_tool's key order (name,
+# strict, parameters, description), a strict flag, an empty description, parameters first.
+OPENAI_TOOLS: dict[str, dict] = {
+    "pydantic": {"name": "f", "strict": True, "parameters": _SCHEMA, "description": "Weather."},
+    "strict_false": {
+        "name": "f",
+        "description": "Weather.",
+        "parameters": _SCHEMA,
+        "strict": False,
+    },
+    "empty_description": {"name": "f", "description": "", "parameters": _SCHEMA},
+    "parameters_first": {"parameters": _SCHEMA, "name": "f", "description": "Weather."},
+    "name_only": {"name": "f"},
+}
+
+
+@pytest.mark.parametrize("name", ["builtin", "demo", "qwen3"])
+@pytest.mark.parametrize("case", sorted(OPENAI_TOOLS))
+def test_openai_tool_dicts_render_as_hf_renders_them(
+    hf, renderers: dict, name: str, case: str
+) -> None:
+    """A tool sent to the HTTP API reaches the prompt as HF's apply_chat_template(tools=[the
+    caller's dict]) renders it: through the HTTP API's reading, the frontend's proto and the
+    tokenizer service's parsing. `strict` and an empty description were dropped, and the keys
+    put in one fixed order, so the prompt was not HF's."""
+    tokenizer, template = _renderer(renderers, name)
+    sent = {"type": "function", "function": OPENAI_TOOLS[case]}
+    (function_tool,) = tools_of(Body({"tools": [sent]}))
+    tools = tokenizer_tools([tool_proto(function_tool)])
+    messages = [Message("user", "Weather in Paris?")]
+    ours = tokenizer.tokenize_chat(messages, True, None, tools=tools)
+    theirs = hf.apply_chat_template(
+        [m.as_dict() for m in messages],
+        tools=[sent],
+        chat_template=template,
+        add_generation_prompt=True,
+        tokenize=True,
+    )
+    assert ours.token_ids == list(theirs["input_ids"] if hasattr(theirs, "keys") else theirs)
+
+
+def test_function_keys_are_checked() -> None:
+    with pytest.raises(InvalidArgument) as err:
+        Tool.parse("f", "", "", "tools[0]", keys=("name", "title"))
+    assert err.value.violations[0].field == "tools[0].function_keys[1]"
+    with pytest.raises(InvalidArgument) as err:
+        Tool.parse("f", "", "", "tools[0]", keys=("name", "name"))
+    assert err.value.violations[0].field == "tools[0].function_keys[1]"
 
 
 def test_layout_of_tools_and_calls(renderers: dict) -> None:

@@ -12,8 +12,9 @@
 Types are checked here, naming OpenAI's parameter; what the values mean (names, schemas, the
 chosen function being offered) is validation's (tools.check_tools), whose field names `param`
 maps back (`tools[0].parameters` -> `tools[0].function.parameters`). `strict` is accepted and
-changes nothing: calls are parsed the same way, and enforced only with tool_choice required or
-a named function.
+only reaches the prompt (Qwen3's template writes each tool dict as sent, as HF renders it, key
+order and an empty description included): calls are parsed the same way, and enforced only
+with tool_choice required or a named function.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 
 from mili.errors import InvalidArgument
 from services.frontend.http_api.body import Body
-from services.frontend.tools import AUTO, FunctionTool, ToolCallInput, ToolChoice
+from services.frontend.tools import AUTO, FUNCTION_KEYS, FunctionTool, ToolCallInput, ToolChoice
 
 _MODES = ("auto", "none", "required")
 
@@ -39,13 +40,17 @@ def tools_of(body: Body) -> tuple[FunctionTool, ...]:
         function = Body(tool, where).object("function")
         if function is None:
             raise InvalidArgument(f"{where}.function", None, "required")
-        function.flag("strict")  # a boolean if given; enforcement is tool_choice's
         parameters = function.object("parameters")
         out.append(
             FunctionTool(
                 name=function.text("name") or "",
                 description=function.text("description") or "",
                 parameters="" if parameters is None else json.dumps(parameters.data),
+                strict=function.flag("strict"),  # shown in the prompt; enforcing is tool_choice's
+                # The prompt lists them as HF renders this dict: in its order, "" shown.
+                keys=tuple(
+                    k for k, v in function.data.items() if k in FUNCTION_KEYS and v is not None
+                ),
             )
         )
     return tuple(out)

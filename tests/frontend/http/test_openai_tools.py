@@ -72,7 +72,8 @@ def test_tools_choice_and_tool_turns_are_read() -> None:
         parallel_tool_calls=False,
     )
     (given,) = request.inputs
-    assert given.tools == (FunctionTool("get_weather", "d", json.dumps(WEATHER)),)
+    keys = ("name", "parameters", "description", "strict")  # as sent: the prompt's order
+    assert given.tools == (FunctionTool("get_weather", "d", json.dumps(WEATHER), True, keys),)
     assert given.tool_choice == ToolChoice("function", "get_weather")
     assert not given.parallel_tool_calls
     call = ToolCallInput("call_1", "get_weather", '{"city": "Paris"}')

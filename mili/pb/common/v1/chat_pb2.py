@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19mili/common/v1/chat.proto\x12\x0emili.common.v1\"\xa6\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x1e\n\x11reasoning_content\x18\x03 \x01(\tH\x00\x88\x01\x01\x12,\n\ntool_calls\x18\x04 \x03(\x0b\x32\x18.mili.common.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x05 \x01(\tB\x14\n\x12_reasoning_content\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19mili/common/v1/chat.proto\x12\x0emili.common.v1\"\xa6\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x1e\n\x11reasoning_content\x18\x03 \x01(\tH\x00\x88\x01\x01\x12,\n\ntool_calls\x18\x04 \x03(\x0b\x32\x18.mili.common.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x05 \x01(\tB\x14\n\x12_reasoning_content\"t\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\x12\x13\n\x06strict\x18\x04 \x01(\x08H\x00\x88\x01\x01\x12\x15\n\rfunction_keys\x18\x05 \x03(\tB\t\n\x07_strict\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,7 +34,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGE']._serialized_start=46
   _globals['_CHATMESSAGE']._serialized_end=212
   _globals['_TOOL']._serialized_start=214
-  _globals['_TOOL']._serialized_end=275
-  _globals['_TOOLCALL']._serialized_start=277
-  _globals['_TOOLCALL']._serialized_end=332
+  _globals['_TOOL']._serialized_end=330
+  _globals['_TOOLCALL']._serialized_start=332
+  _globals['_TOOLCALL']._serialized_end=387
 # @@protoc_insertion_point(module_scope)
