@@ -35,7 +35,12 @@ every cut into 2 and 3 pieces), and no tag or block JSON reaches content:
   the template renders content before the calls only, so such a turn cannot render back
   exactly whatever is kept;
 - a call's JSON must be JSON the next turn can send back (mili.text.strict_json: no NaN,
-  no number past a float, no lone surrogate escape), else the block is content.
+  no number past a float, no lone surrogate escape), else the block is content;
+- a call's name is not checked against the offered tools (tool_choice auto; required and
+  named allow only those): a call of another is still a call, as vLLM returns it. As content,
+  the raw block would reach the end user as the answer, while a caller dispatching calls
+  must refuse an unknown name anyway, and can say so in the tool result for the model's next
+  turn.
 
 Arguments are re-serialized from the parsed JSON (json.dumps, non-ASCII kept, key order kept),
 the same text the chat template renders them as when the conversation comes back. Pure Python,
