@@ -41,6 +41,7 @@ FRONTEND = Borrowed(
     (
         "--served-model-name",
         "--sampling-defaults",
+        "--hung-after",
         "--default-max-tokens",
         "--max-buffered-tokens",
         "--stream-interval",

@@ -177,6 +177,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="how often each instance's Info (load, layout) is polled (default: %(default)s)",
     )
     routing.add_argument(
+        "--hung-after",
+        type=float,
+        default=10.0,  # FrontendConfig.hung_after_s says why
+        metavar="SECONDS",
+        help="an instance that answered no Info poll for SECONDS is hung (stopped, not dead: "
+        "its connection stays open): the calls out on it are cut, those without a token yet "
+        "start again elsewhere (default: %(default)s)",
+    )
+    routing.add_argument(
         "--kv-lease-ms",
         type=int,
         default=0,
@@ -245,6 +254,7 @@ def run(args: argparse.Namespace) -> int:
                 max_tokens_limit=args.max_tokens_limit,
             ),
             poll_interval_s=args.poll_interval,
+            hung_after_s=args.hung_after,
             resolve_interval_s=args.resolve_interval,
             kv_lease_ms=args.kv_lease_ms,
             max_concurrent_requests=args.max_concurrent_requests,

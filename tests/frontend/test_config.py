@@ -28,6 +28,8 @@ def test_the_flags_defaults_are_the_configs() -> None:
         "kv_lease_ms",
     ):
         assert getattr(args, name) == getattr(config, name), name
+    assert args.hung_after == config.hung_after_s
+    assert (args.sampling_defaults == "model") == config.model_sampling_defaults
 
 
 @pytest.mark.parametrize("address", ["::::", "127.0.0.1:70000", "localhost"])

@@ -21,6 +21,7 @@ GIVEN = [
     "--max-queued-requests", "64", "--max-queued-tokens", "4096", "--host", "127.0.0.2",
     "--served-model-name", "qwen3,Qwen/Qwen3-0.6B", "--default-max-tokens", "4096",
     "--max-concurrent-requests", "100", "--sampling-defaults", "none", "--watchdog-timeout", "60",
+    "--hung-after", "20",
 ]  # fmt: skip
 
 
