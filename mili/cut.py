@@ -7,6 +7,9 @@ CANCELLED or UNAVAILABLE on gRPC, an HTTP stream ending without its last chunk. 
 a `Cut`, a task's CancelledError carries why (asyncio passes `Task.cancel(msg)` on to the
 error each awaiting frame sees), so the call can end with UNAVAILABLE saying so, which clients
 retry elsewhere, and the log line names the server, not the caller.
+
+A call grpc itself ended (the caller cancelled, its deadline passed) is told apart by
+`cut_short`, one rule for its metrics, its log line and its span.
 """
 
 from __future__ import annotations
@@ -14,6 +17,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterable
 
+import grpc
+
+# A call grpc ends this close to its deadline ended because of it (clocks differ a little).
+_DEADLINE_SLACK_S = 0.05
 # How long the calls a drain cut get to send their answer before the server closes them.
 CUT_WAIT_S = 1.0
 
@@ -60,3 +67,13 @@ def taken_back(exc: asyncio.CancelledError) -> Cut | None:
     if why is not None and task is not None:
         task.uncancel()
     return why
+
+
+def cut_short(remaining_s: float | None) -> grpc.StatusCode:
+    """Why grpc ended a handler before it returned, from the time its call had left then
+    (ServicerContext.time_remaining(): None for no deadline): DEADLINE_EXCEEDED within
+    _DEADLINE_SLACK_S of the deadline, else CANCELLED (the caller went away). One rule for the
+    requests' metrics, log lines and spans."""
+    if remaining_s is not None and remaining_s < _DEADLINE_SLACK_S:
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+    return grpc.StatusCode.CANCELLED

@@ -43,13 +43,14 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import grpc
+from opentelemetry import trace
 
-from mili.cut import cut, taken_back
+from mili.cut import cut, cut_short, taken_back
 from mili.discovery import Callers
 from mili.errors import PermissionDenied
 from mili.rpc.malformed import CheckedRequests, Malformed, Oversized, Refused, guard
 from mili.rpc.policy import OPEN, SMALL_REQUEST_BYTES, Policy
-from mili.rpc.status import cut_short, is_internal, status_header, status_of
+from mili.rpc.status import is_internal, status_header, status_of
 from mili.telemetry.metrics import RequestMetrics
 
 _LOG = logging.getLogger("mili.rpc")
@@ -371,6 +372,9 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
         self, exc: Exception, context: grpc.aio.ServicerContext, method: str, streaming: bool
     ) -> NoReturn:
         status = status_of(exc, method)
+        # The call's span (mili.telemetry.server_spans) records what it failed with, once:
+        # outside this interceptor only the abort shows, not the servicer's exception.
+        trace.get_current_span().record_exception(exc)
         if is_internal(exc):
             # The one place a bug's traceback is logged; the caller only gets a pointer to it.
             _LOG.error("%s: %s", self._name, status.details, exc_info=exc)

@@ -43,8 +43,6 @@ from grpc_status import rpc_status
 from mili import errors
 
 DETAILS_KEY = "grpc-status-details-bin"
-# A call grpc ends this close to its deadline ended because of it (clocks differ a little).
-_DEADLINE_SLACK_S = 0.05
 STATUS_HEADER_KEY = "mili-status-bin"  # initial metadata: the status, as DETAILS_KEY carries it
 
 # Status text travels twice in the trailers (grpc-message and inside grpc-status-details-bin) and
@@ -250,13 +248,3 @@ def retry_info_of(err: grpc.RpcError) -> error_details_pb2.RetryInfo | None:
     """The RetryInfo detail (how long to back off) of a RESOURCE_EXHAUSTED failure, if any."""
     found = [d for d in details_of(err) if isinstance(d, error_details_pb2.RetryInfo)]
     return found[0] if found else None
-
-
-def cut_short(remaining_s: float | None) -> grpc.StatusCode:
-    """Why grpc ended a handler before it returned, from the time its call had left then
-    (ServicerContext.time_remaining(): None for no deadline): DEADLINE_EXCEEDED within
-    _DEADLINE_SLACK_S of the deadline, else CANCELLED (the caller went away). One rule for the
-    requests' metrics and their log lines."""
-    if remaining_s is not None and remaining_s < _DEADLINE_SLACK_S:
-        return grpc.StatusCode.DEADLINE_EXCEEDED
-    return grpc.StatusCode.CANCELLED

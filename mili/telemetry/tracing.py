@@ -103,13 +103,13 @@ class Tracing:
         self.provider = provider  # opentelemetry.sdk.trace.TracerProvider when on
 
     def server_interceptors(self) -> list[grpc.aio.ServerInterceptor]:
-        """[] when off; else the OpenTelemetry server interceptor (put it first, so its span
-        also sees the status our error-mapping interceptor sets)."""
+        """[] when off; else the server span interceptor (put it first, so its span also sees
+        the status our error-mapping interceptor sets)."""
         if self.provider is None:
             return []
-        from opentelemetry.instrumentation.grpc import aio_server_interceptor
+        from mili.telemetry.server_spans import ServerSpans
 
-        return [aio_server_interceptor(tracer_provider=self.provider, filter_=_is_traced_call)]
+        return [ServerSpans(self.provider.get_tracer("mili.rpc.server"), _is_traced_call)]
 
     def client_interceptors(self) -> list[grpc.aio.ClientInterceptor]:
         """[] when off; else interceptors that span and propagate every call kind."""

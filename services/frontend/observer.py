@@ -14,9 +14,10 @@ from contextlib import contextmanager
 
 import grpc
 from opentelemetry import trace
-from opentelemetry.trace import Span
+from opentelemetry.trace import Span, Status, StatusCode
 
-from mili.rpc.status import code_of, cut_short
+from mili.cut import cut_short
+from mili.rpc.status import code_of
 from mili.telemetry.metrics import FrontendMetrics
 from mili.telemetry.tracing import trace_ids
 from services.frontend.calls import Prompt, RequestIds
@@ -123,6 +124,8 @@ class RequestObserver:
             why = "the caller cancelled"
             if code is grpc.StatusCode.DEADLINE_EXCEEDED:
                 why = "the caller's deadline passed"
+        # Nothing escapes the span's block as an Exception here, so it would end unset.
+        self._span.set_status(Status(StatusCode.ERROR, f"{code.name}: {why}"))
         self._log("%s after %.1f ms: %s", code.name, self._elapsed_ms(), why)
 
     def _log(self, what: str, *args: object) -> None:

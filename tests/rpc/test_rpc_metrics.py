@@ -19,9 +19,9 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from mili.cut import cut_short
 from mili.errors import InvalidArgument
 from mili.rpc.server import ServerConfig
-from mili.rpc.status import cut_short
 from tests.rpc.conftest import SERVICE, EchoServer
 
 
@@ -88,7 +88,7 @@ def test_a_call_its_deadline_ended_is_counted_deadline_exceeded(
 ) -> None:
     """Found by a review: of 8 calls whose caller saw DEADLINE_EXCEEDED, 5 were counted
     CANCELLED (grpc ends the handler a moment before time_remaining() reaches 0); the rule is
-    the request log line's (mili.rpc.status.cut_short)."""
+    the request log line's (mili.cut.cut_short)."""
 
     async def main() -> None:
         async with echo_server() as h:

@@ -248,3 +248,100 @@ def test_config_from_flags_and_environment() -> None:
     assert config.otlp_endpoint == "http://flag:4317" and config.is_console
     off = TracingConfig.from_args(flagged, {**env, "OTEL_SDK_DISABLED": "true"}, "frontend")
     assert not off.is_enabled
+
+
+def test_failed_and_cut_calls_say_so_in_their_spans(
+    demo_model_dir: Path, receiver: tuple[Receiver, int]
+) -> None:
+    """A refused call's span carries its exception once; a call its caller cancelled or let
+    run past its deadline ends with that code on the frontend's spans, not as OK, and every
+    span of its trace still ends (is exported)."""
+    collector, port = receiver
+    serve = ServiceProcess(
+        "serve",
+        "--model",
+        str(demo_model_dir),
+        "--port",
+        "0",
+        "--otlp-endpoint",
+        f"http://127.0.0.1:{port}",
+        "--decode-args",
+        "--num-blocks 512 --block-size 16",
+        timeout_s=180,
+    )
+
+    def request(request_id: str, **sampling: float) -> generation_pb2.GenerateRequest:
+        return generation_pb2.GenerateRequest(
+            request_id=request_id, prompt="Hello", sampling=sampling_pb2.SamplingParams(**sampling)
+        )
+
+    long = {"max_tokens": 4000, "temperature": 0, "ignore_eos": True}  # still running when cut
+    try:
+        with grpc.insecure_channel(serve.address) as channel:
+            stub = generation_pb2_grpc.GenerationServiceStub(channel)
+            with pytest.raises(grpc.RpcError) as refused:
+                list(stub.Generate(request("refused", temperature=-1), timeout=60))
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            with pytest.raises(grpc.RpcError) as late:
+                list(stub.Generate(request("late", **long), timeout=1.0))
+            assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            stream = stub.Generate(request("cancelled", **long), timeout=60)
+            next(stream)
+            stream.cancel()
+            deadline = time.monotonic() + 30
+            while not any(
+                "'cancelled'" in line and "CANCELLED" in line for line in serve.stderr_lines
+            ):
+                assert time.monotonic() < deadline, serve.stderr[-3000:]
+                time.sleep(0.1)
+    finally:
+        code = serve.terminate(timeout_s=90)
+    assert code == 0, serve.stderr[-3000:]
+
+    deadline = time.monotonic() + 15
+    while True:
+        spans = collector.snapshot()
+        names = {s.name for _, s in spans}
+        if {"decode request", "kv transfer"} <= names or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    servers = [
+        s
+        for svc, s in spans
+        if svc == "mili-frontend" and s.name == "/mili.frontend.v1.GenerationService/Generate"
+    ]
+    requests = {
+        _attrs(s)["gen_ai.response.id"]: s
+        for svc, s in spans
+        if svc == "mili-frontend" and s.name == f"generate {demo_model_dir.name}"
+    }
+    assert set(requests) == {"late", "cancelled"}  # the refused one never got that far
+    server_of = {
+        name: _one([("f", s) for s in servers if s.trace_id == r.trace_id], "f", servers[0].name)
+        for name, r in requests.items()
+    }
+
+    # The refused call: INVALID_ARGUMENT, its exception recorded once.
+    (refused_span,) = [
+        s for s in servers if s.trace_id not in {r.trace_id for r in requests.values()}
+    ]
+    assert _attrs(refused_span)["rpc.grpc.status_code"] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert [e.name for e in refused_span.events] == ["exception"]
+
+    error = trace_pb2.Status.STATUS_CODE_ERROR
+    late_server, cancelled_server = server_of["late"], server_of["cancelled"]
+    assert _attrs(late_server)["rpc.grpc.status_code"] == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+    assert late_server.status.code == error
+    assert _attrs(cancelled_server)["rpc.grpc.status_code"] == grpc.StatusCode.CANCELLED.value[0]
+    assert requests["late"].status.code == error
+    assert requests["late"].status.message.startswith("DEADLINE_EXCEEDED")
+    assert requests["cancelled"].status.code == error
+    assert requests["cancelled"].status.message.startswith("CANCELLED")
+    for name, request_span in requests.items():
+        in_trace = [(svc, s) for svc, s in spans if s.trace_id == request_span.trace_id]
+        for service, span_name in [
+            ("mili-tokenizer", "/mili.tokenizer.v1.TokenizerService/Tokenize"),
+            ("mili-prefill", "kv transfer"),
+            ("mili-decode", "decode request"),
+        ]:
+            assert _one(in_trace, service, span_name).end_time_unix_nano > 0, name
