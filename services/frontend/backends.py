@@ -169,6 +169,9 @@ class Backends:
         (stopped, not dead) keeps its connection, so the calls out on it would wait for grpc's
         keepalive (or a KV lease) to fail them. They fail now, as from an instance down."""
         error = InstanceDown(f"{kind} at {address} stopped answering (its Info: {why})")
+        # Once per outage (the poller calls this once until the instance answers again): the
+        # requests cut here fail or move on now, and only this line says why.
+        _LOG.warning("%s; cutting the calls still out on it", error)
         if kind == "decode":
             with contextlib.suppress(KeyError):  # dropped meanwhile
                 self.instances.multiplexer(address).cut(error)

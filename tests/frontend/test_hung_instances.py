@@ -5,6 +5,7 @@ or move on then, not when grpc's keepalive or decode's KV lease gives up."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import grpc
@@ -134,5 +135,28 @@ def test_a_prefill_that_hangs_after_its_kv_landed_costs_only_its_statistics() ->
             last = await call.read()
             assert list(last.token_ids) == ids("c")
             assert last.finish_reason == sampling_pb2.FINISH_REASON_LENGTH
+
+    asyncio.run(main())
+
+
+def test_the_cut_of_a_hung_instance_is_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    """Found by an operator's pass over the logs: the frontend cut a hung decode's calls with
+    no line saying so (only "is down", at its first slow poll, seconds before). The cut is
+    one WARNING line naming the instance, however many polls it then misses."""
+
+    async def main() -> None:
+        hung = FakeDecode(hold=asyncio.Event(), hold_after=1)
+        async with stack([hung]) as s:
+            address = s.backends.config.decode_addresses[0]
+            call = s.stub.Generate(prompt(), timeout=10)
+            await call.read()
+            with caplog.at_level(logging.WARNING, logger="mili.frontend"):
+                hung.is_stopped = True
+                with pytest.raises(grpc.aio.AioRpcError):
+                    await call.read()
+                await asyncio.sleep(2.0)  # several more polls, still not answered
+            cuts = [r.getMessage() for r in caplog.records if "cutting the calls" in r.getMessage()]
+            assert len(cuts) == 1, cuts
+            assert cuts[0].startswith(f"decode at {address} stopped answering (its Info: none for")
 
     asyncio.run(main())
