@@ -97,10 +97,11 @@ class RequestObserver:
         ttft = "-" if first_at is None else f"{(first_at - self._received_at) * 1e3:.1f} ms"
         queued = f", queued {served.queued_s * 1e3:.1f} ms" if served.queued_s else ""
         self._log(
-            "done: prefill %s -> decode %s, %d prompt tokens, %d output tokens, finish %s, "
+            "done: prefill %s -> decode %s%s, %d prompt tokens, %d output tokens, finish %s, "
             "ttft %s%s, total %.1f ms%s",
             served.route.prefill,
             served.route.decode,
+            _retried(served.retried),
             last.num_prompt_tokens,
             last.num_completion_tokens,
             last.finish_reason,
@@ -143,3 +144,16 @@ class RequestObserver:
 
     def _elapsed_ms(self) -> float:
         return (time.monotonic() - self._received_at) * 1e3
+
+
+def _retried(whys: tuple[str, ...]) -> str:
+    """` (retried N times: why; ...)` for a request that ran elsewhere or waited again before
+    the try that served it (those tries are DEBUG lines of their own), each distinct reason
+    once with its count; "" for one that ran where it was first sent."""
+    if not whys:
+        return ""
+    counts = dict.fromkeys(whys, 0)
+    for why in whys:
+        counts[why] += 1
+    reasons = "; ".join(why if n == 1 else f"{n}x {why}" for why, n in counts.items())
+    return f" (retried {len(whys)} time{'s' if len(whys) > 1 else ''}: {reasons})"

@@ -95,6 +95,9 @@ class Served:
     prefill_stats: PrefillStats | None
     num_cached_blocks: int  # leading prompt blocks decode already held (its prefix cache)
     queued_s: float = 0.0  # in the frontend's admission queue, all its stays together
+    retried: tuple[
+        str, ...
+    ] = ()  # why each earlier try ended (instance down, no room), oldest first
 
 
 class Generation:
@@ -129,6 +132,7 @@ class Generation:
         self._first_request_id = ids.request_id
         self._num_tries = 1
         self._num_retries = 0
+        self._retried: list[str] = []  # why each earlier try ended, for the request's log line
 
     async def run(self) -> AsyncGenerator[Delta, None]:
         no_room: NoRoom | None = None
@@ -152,6 +156,7 @@ class Generation:
         late event of that one must not reach the next."""
         old = self._ids
         self._num_tries += 1
+        self._retried.append(str(why))
         self._ids = RequestIds(f"{self._first_request_id}.{self._num_tries}", old.client_request_id)
         _LOG.debug(
             "%s (id %s) waits again, as id %s: %s",
@@ -183,6 +188,7 @@ class Generation:
                     reply,
                     admission.admitted.num_cached_blocks,
                     self._placement.queued_s,
+                    tuple(self._retried),
                 )
         finally:
             admission.stream.cancel()  # no-op when decode already finished

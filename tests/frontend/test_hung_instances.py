@@ -160,3 +160,33 @@ def test_the_cut_of_a_hung_instance_is_logged_once(caplog: pytest.LogCaptureFixt
             assert cuts[0].startswith(f"decode at {address} stopped answering (its Info: none for")
 
     asyncio.run(main())
+
+
+def test_the_line_of_a_request_served_on_its_retry_says_why(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Found by an operator's pass over the logs: a request handed on from a hung decode was
+    logged as any other, naming only the pair that served it (its first try was a DEBUG line).
+    Its done line says it was retried, how often and why."""
+
+    async def main() -> None:
+        hung = FakeDecode(hold=asyncio.Event())  # admits, then holds before any token
+        spare = FakeDecode()
+        async with stack([hung, spare]) as s:
+            hung_address = s.backends.config.decode_addresses[0]
+            with caplog.at_level(logging.INFO, logger="mili.frontend"):
+                calls = [s.stub.Generate(prompt(), timeout=10) for _ in range(2)]
+                reading = [asyncio.ensure_future(collect(c)) for c in calls]
+                await wait_until(lambda: len(hung.admitted) >= 1)
+                hung.is_stopped = True
+                await asyncio.gather(*reading)
+            done = [r.getMessage() for r in caplog.records if " done: " in r.getMessage()]
+            assert len(done) == 2, done
+            retried = [line for line in done if "retried" in line]
+            assert len(retried) == len(hung.admitted), done
+            for line in retried:
+                assert (
+                    f"(retried 1 time: decode at {hung_address} stopped answering (its Info: none"
+                ) in line
+
+    asyncio.run(main())

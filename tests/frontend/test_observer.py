@@ -80,6 +80,22 @@ def test_a_request_without_output_tokens_logs_no_ttft_and_observes_nothing(
     assert _count(metrics, "time_to_first_token") == _count(metrics, "time_per_output_token") == 0
 
 
+def test_a_retried_request_says_how_often_and_why(caplog: pytest.LogCaptureFixture) -> None:
+    """Each distinct reason once, with its count when it repeats, oldest first."""
+    observer, _ = _observer()
+    last = Delta([], "", [], FinishReason.LENGTH, num_prompt_tokens=2, num_completion_tokens=0)
+    whys = ("decode at d:2 is down", "prefill at p:2 is full", "prefill at p:2 is full")
+    with caplog.at_level(logging.INFO, logger="mili.frontend"):
+        observer.done(Served(ROUTE, last, None, num_cached_blocks=0, retried=whys[:1]))
+        observer.done(Served(ROUTE, last, None, num_cached_blocks=0, retried=whys))
+    once, thrice = _lines(caplog)
+    assert " done: prefill p:1 -> decode d:1 (retried 1 time: decode at d:2 is down), 2 " in once
+    assert (
+        " done: prefill p:1 -> decode d:1 (retried 3 times: decode at d:2 is down; "
+        "2x prefill at p:2 is full), 2 prompt tokens"
+    ) in thrice
+
+
 def test_a_failure_logs_its_status_and_error(caplog: pytest.LogCaptureFixture) -> None:
     observer, _ = _observer()
     with caplog.at_level(logging.INFO, logger="mili.frontend"):
