@@ -397,7 +397,10 @@ class DecodeMetrics:
 def _pool_gauges(
     registry: CollectorRegistry, service: str, num_total: Read, num_free: Read
 ) -> None:
-    _callback_gauge(registry, f"mili_{service}_kv_blocks_total", "KV blocks in the pool", num_total)
+    # Not `_total`: that suffix is a counter's (promtool rejects a gauge named so).
+    _callback_gauge(
+        registry, f"mili_{service}_kv_blocks_capacity", "KV blocks in the pool", num_total
+    )
     _callback_gauge(registry, f"mili_{service}_kv_blocks_free", "KV blocks free", num_free)
     _callback_gauge(
         registry,

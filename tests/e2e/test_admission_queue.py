@@ -100,7 +100,7 @@ def test_load_past_every_limit_waits_and_finishes(demo_model_dir: Path, tmp_path
             frontend = _metrics(urls["frontend"])
             free = _sample(decode, "mili_decode_kv_blocks_free")
             is_idle = (
-                free == _sample(decode, "mili_decode_kv_blocks_total")
+                free == _sample(decode, "mili_decode_kv_blocks_capacity")
                 and _sample(decode, "mili_decode_waiting_requests") == 0
                 and _sample(decode, "mili_decode_running_requests") == 0
                 and _sample(frontend, "mili_frontend_queued_requests") == 0

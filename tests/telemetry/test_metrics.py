@@ -6,6 +6,8 @@ exactly what it did, and an invalid request is counted under its status. Without
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
 import sys
 import time
 import urllib.request
@@ -122,7 +124,7 @@ def test_one_generation_moves_every_metric_by_what_it_did(
         after.update({name: scrape(url) for name, url in urls.items()})
         return all(
             value(after[name], f"mili_{kind}_kv_blocks_free")
-            == value(after[name], f"mili_{kind}_kv_blocks_total")
+            == value(after[name], f"mili_{kind}_kv_blocks_capacity")
             for name, kind in (("prefill-0", "prefill"), ("decode-0", "decode"))
         ) and value(
             after["prefill-0"],
@@ -214,7 +216,7 @@ def test_one_generation_moves_every_metric_by_what_it_did(
 
     # Gauges back at rest: every block free, nothing queued, waiting or running.
     for child, kind in (("prefill-0", "prefill"), ("decode-0", "decode")):
-        assert value(after[child], f"mili_{kind}_kv_blocks_total") == 64
+        assert value(after[child], f"mili_{kind}_kv_blocks_capacity") == 64
         assert value(after[child], f"mili_{kind}_kv_blocks_free") == 64
         assert value(after[child], f"mili_{kind}_kv_blocks_used") == 0
     assert value(after["prefill-0"], "mili_prefill_queued_tokens") == 0
@@ -222,6 +224,35 @@ def test_one_generation_moves_every_metric_by_what_it_did(
     assert value(after["prefill-0"], "mili_prefill_waiting_requests") == 0
     assert value(after["decode-0"], "mili_decode_waiting_requests") == 0
     assert value(after["decode-0"], "mili_decode_running_requests") == 0
+
+
+def test_every_service_s_metrics_follow_prometheus_naming(
+    serve: tuple[ServiceProcess, dict[str, str]],
+) -> None:
+    """Found by `promtool check metrics` on each /metrics: prefill's and decode's pool size was
+    a gauge named `..._kv_blocks_total`, a counter's suffix. What promtool checks, here without
+    it (and promtool too where it is installed): help text on every family, `_total` on
+    counters only, units spelled out; no label that grows with traffic (ids)."""
+    _, urls = serve
+    for child, url in urls.items():
+        with urllib.request.urlopen(url, timeout=10) as reply:
+            text = reply.read().decode()
+        for family in text_string_to_metric_families(text):
+            name = family.name
+            assert family.documentation, f"{child}: {name} has no help text"
+            if family.type == "gauge" and not name.endswith("_created"):
+                assert not name.endswith("_total"), f"{child}: gauge {name} ends in _total"
+            assert not re.search(r"_(ms|millis|milliseconds|kb|mb|gb|bits)(_|$)", name), name
+            for sample in family.samples:
+                assert not {"request_id", "id", "trace_id", "prompt"} & set(sample.labels), (
+                    f"{child}: {sample.name} labelled {sample.labels}"
+                )
+        promtool = shutil.which("promtool")
+        if promtool is not None:
+            checked = subprocess.run(
+                [promtool, "check", "metrics"], input=text, capture_output=True, text=True
+            )
+            assert checked.returncode == 0, f"{child}: {checked.stdout}{checked.stderr}"
 
 
 def test_a_refused_request_is_counted_under_its_status(
