@@ -12,8 +12,9 @@ For each call it
       and before a request stream's first message is read,
   (c) counts the call as in flight until its handler returns, so a drain knows when to stop,
   (d) refuses it with UNAVAILABLE once the server is draining, so clients retry elsewhere,
-  (e) counts it once it ends, by service, method and final status code: the code it was
-      aborted with, OK when the handler returned, else CANCELLED or DEADLINE_EXCEEDED; a call
+  (e) counts it once, by service, method and final status code, before its caller can see
+      that status: the code it was aborted with (counted before the abort sends it), OK when
+      the handler returned, else CANCELLED or DEADLINE_EXCEEDED; a call
       with one request message that grpc ended before the handler ran is REQUEST_UNREAD, with
       one INFO line (see `_count_unread`),
   (f) when the client streams requests, announces the status it fails with (a, b, d, g) in the
@@ -185,23 +186,24 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
             self._start()
             await self._admit(context, call)
             task = self._enter(call)  # no await between admit and here: nothing can slip in
+            tally = _Tally(self._metrics, call)
             is_done = False
             try:
                 await self._check_caller(context, call)
-                request = await self._checked(request, context, call)
+                request = await self._checked(request, context, call, tally)
                 response = await behavior(request, context)
                 is_done = True
                 return response
             except grpc.aio.AbortError:
                 raise  # the servicer chose its status with context.abort
             except asyncio.CancelledError as exc:
-                await self._answer_cut(exc, context, call)
+                await self._answer_cut(exc, context, call, tally)
             except Exception as exc:
                 _raise_if_refused(request)
                 request = None  # its traceback holds this frame: the request must not stay
-                await self._abort_with(exc, context, call.method, call.is_request_streaming)
+                await self._abort_with(exc, context, call, tally)
             finally:
-                self._count(call, context, is_done)
+                _count(tally, context, is_done)
                 self._leave(call, task)
 
         return run
@@ -211,11 +213,12 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
             self._start()
             await self._admit(context, call)
             task = self._enter(call)
+            tally = _Tally(self._metrics, call)
             is_done = False
             responses: Any = None
             try:
                 await self._check_caller(context, call)
-                request = await self._checked(request, context, call)
+                request = await self._checked(request, context, call, tally)
                 responses = behavior(request, context)
                 async for response in responses:
                     yield response
@@ -223,14 +226,15 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
             except grpc.aio.AbortError:
                 raise
             except asyncio.CancelledError as exc:
-                await self._answer_cut(exc, context, call)
+                await self._answer_cut(exc, context, call, tally)
             except Exception as exc:
                 _raise_if_refused(request)
                 request = None  # its traceback holds this frame: the request must not stay
-                await self._abort_with(exc, context, call.method, call.is_request_streaming)
+                await self._abort_with(exc, context, call, tally)
             finally:
-                # Counted before grpc sends the status: a caller that saw it can see the count.
-                self._count(call, context, is_done)
+                # Counted before grpc sends the status (an abort: before it, in _abort): a
+                # caller that saw it can see the count.
+                _count(tally, context, is_done)
                 # If grpc stops iterating early (cancelled call), close the servicer's generator
                 # now so its `finally` blocks (freeing KV blocks, say) run at once, not at GC.
                 if responses is not None:
@@ -256,13 +260,15 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
             f"{call.method} takes calls only from {callers}; {peer} is not one{hint}"
         )
 
-    async def _checked(self, request: Any, context: grpc.aio.ServicerContext, call: _Call) -> Any:
+    async def _checked(
+        self, request: Any, context: grpc.aio.ServicerContext, call: _Call, tally: _Tally
+    ) -> Any:
         """The request to hand the servicer: a unary one that is over its limit or did not parse
         is refused here; a request stream is checked message by message as the servicer reads
         it."""
 
         async def refuse(refused: Refused) -> NoReturn:
-            await self._refuse(refused, context, call.method, call.is_request_streaming)
+            await self._refuse(refused, context, call, tally)
 
         if call.is_request_streaming:
             return CheckedRequests(request, refuse)
@@ -307,10 +313,15 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
                 f"{self._name} is draining; retry on another instance",
                 (),
                 call.is_request_streaming,
+                None,  # counted above: the call never enters the handler's count
             )
 
     async def _answer_cut(
-        self, exc: asyncio.CancelledError, context: grpc.aio.ServicerContext, call: _Call
+        self,
+        exc: asyncio.CancelledError,
+        context: grpc.aio.ServicerContext,
+        call: _Call,
+        tally: _Tally,
     ) -> NoReturn:
         """A call this server cut short (mili.cut) ends UNAVAILABLE saying why; any other
         cancellation (the caller's, grpc's own) stays one."""
@@ -318,7 +329,7 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
         if why is None:
             raise exc
         code = grpc.StatusCode.UNAVAILABLE
-        await _abort(context, code, str(why), (), call.is_request_streaming)
+        await _abort(context, code, str(why), (), call.is_request_streaming, tally)
 
     def _enter(self, call: _Call) -> asyncio.Task[Any] | None:
         """Count the call in flight; its task (None for an ungated call), for `_leave`."""
@@ -339,22 +350,10 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
         if self._num_in_flight == 0 and self._idle is not None:
             self._idle.set()
 
-    def _count(self, call: _Call, context: grpc.aio.ServicerContext, is_done: bool) -> None:
-        """Record the call's final status: the one set by an abort (ours or the servicer's),
-        else OK when its handler returned, else it was cut short (caller gone, deadline)."""
-        code = context.code()
-        if code is None:
-            code = grpc.StatusCode.OK if is_done else cut_short(context.time_remaining())
-        status = code.name if isinstance(code, grpc.StatusCode) else str(code)
-        self._metrics.record(call.method, status, is_control=call.is_control)
-
     async def _refuse(
-        self,
-        refused: Refused,
-        context: grpc.aio.ServicerContext,
-        method: str,
-        is_request_streaming: bool,
+        self, refused: Refused, context: grpc.aio.ServicerContext, call: _Call, tally: _Tally
     ) -> NoReturn:
+        method = call.method
         peer = context.peer()
         if isinstance(refused, Oversized):
             code = grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -366,11 +365,12 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
             line = f"malformed request to {method} from {peer}: {refused.reason}"
         # One line, no traceback: the caller's mistake (or probe), not our bug.
         _LOG.warning("%s: %s", self._name, line)
-        await _abort(context, code, details, (), is_request_streaming)
+        await _abort(context, code, details, (), call.is_request_streaming, tally)
 
     async def _abort_with(
-        self, exc: Exception, context: grpc.aio.ServicerContext, method: str, streaming: bool
+        self, exc: Exception, context: grpc.aio.ServicerContext, call: _Call, tally: _Tally
     ) -> NoReturn:
+        method = call.method
         status = status_of(exc, method)
         # The call's span (mili.telemetry.server_spans) records what it failed with, once:
         # outside this interceptor only the abort shows, not the servicer's exception.
@@ -381,7 +381,14 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
         else:
             _LOG.debug("%s %s -> %s: %s", self._name, method, status.code.name, status.details)
         _drop_tracebacks(exc)
-        await _abort(context, status.code, status.details, status.trailing_metadata, streaming)
+        await _abort(
+            context,
+            status.code,
+            status.details,
+            status.trailing_metadata,
+            call.is_request_streaming,
+            tally,
+        )
 
 
 @dataclass(frozen=True)
@@ -393,6 +400,32 @@ class _Call:
     is_control: bool  # counted in mili_control_requests_total, not mili_requests_total
     is_request_streaming: bool
     callers: Callers | None  # who may call it; None: any caller that reaches the port
+
+
+class _Tally:
+    """One call's count by final status, recorded once: as this interceptor aborts it, before
+    the status goes out (grpc sends it inside `context.abort`, so a count made after, as the
+    handler's `finally` ran, could miss a caller who had seen its status and scraped), else
+    when its handler ends (`_count`)."""
+
+    def __init__(self, metrics: RequestMetrics, call: _Call) -> None:
+        self._metrics = metrics
+        self._call = call
+        self._is_recorded = False
+
+    def record(self, status: str) -> None:
+        if not self._is_recorded:
+            self._is_recorded = True
+            self._metrics.record(self._call.method, status, is_control=self._call.is_control)
+
+
+def _count(tally: _Tally, context: grpc.aio.ServicerContext, is_done: bool) -> None:
+    """Record the call's final status (a no-op once `_abort` did): the one set by an abort,
+    else OK when its handler returned, else it was cut short (caller gone, deadline)."""
+    code = context.code()
+    if code is None:
+        code = grpc.StatusCode.OK if is_done else cut_short(context.time_remaining())
+    tally.record(code.name if isinstance(code, grpc.StatusCode) else str(code))
 
 
 def _drop_tracebacks(exc: BaseException) -> None:
@@ -426,9 +459,13 @@ async def _abort(
     details: str,
     trailing_metadata: Any,
     is_request_streaming: bool,
+    tally: _Tally | None,
 ) -> NoReturn:
-    """End the call with this status; first announce it in the initial metadata when the client
-    streams requests (a write of theirs racing the status would lose it, see mili.rpc.status)."""
+    """End the call with this status, counted first (`tally`, None when counted already);
+    first announce it in the initial metadata when the client streams requests (a write of
+    theirs racing the status would lose it, see mili.rpc.status)."""
+    if tally is not None:
+        tally.record(code.name)
     if is_request_streaming:
         # Fails when the initial metadata already went out (a bidi call that had answered) or
         # the call is over (the client went away): the status alone is all we can still send.

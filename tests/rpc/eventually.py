@@ -1,5 +1,6 @@
-"""Reading what a server records after its reply: a status reaches the client a moment before
-the server's interceptor counts the call, so a test reads the count once it is there."""
+"""Reading what a server records as a call ends: a call is counted before its status goes out,
+but what its handler does after (leaving flight, a cut call's count) may come a moment after
+the client saw the end, so a test reads it once it is there."""
 
 from __future__ import annotations
 
