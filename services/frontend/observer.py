@@ -37,6 +37,7 @@ class RequestObserver:
         self._ids = ids
         self._received_at = time.monotonic()  # time to first token and total count from here
         self._first_at: float | None = None
+        self._num_output_tokens = 0  # handed on so far: what a request cut short got
         self._span: Span = trace.INVALID_SPAN
 
     @contextmanager
@@ -67,6 +68,7 @@ class RequestObserver:
         )
 
     def delta(self, delta: Delta) -> None:
+        self._num_output_tokens += len(delta.token_ids)
         if self._first_at is None and delta.token_ids:
             self._first_at = time.monotonic()
             ttft_s = self._first_at - self._received_at
@@ -112,7 +114,13 @@ class RequestObserver:
         )
 
     def failed(self, exc: Exception) -> None:
-        self._log("failed after %.1f ms: %s: %s", self._elapsed_ms(), code_of(exc).name, exc)
+        self._log(
+            "failed after %.1f ms%s: %s: %s",
+            self._elapsed_ms(),
+            self._output_so_far(),
+            code_of(exc).name,
+            exc,
+        )
 
     def cancelled(self, remaining_s: float | None, cut: str | None = None) -> None:
         """The handler was cancelled: by the server's own drain (`cut`, its reason: mili.cut),
@@ -127,7 +135,16 @@ class RequestObserver:
                 why = "the caller's deadline passed"
         # Nothing escapes the span's block as an Exception here, so it would end unset.
         self._span.set_status(Status(StatusCode.ERROR, f"{code.name}: {why}"))
-        self._log("%s after %.1f ms: %s", code.name, self._elapsed_ms(), why)
+        self._log(
+            "%s after %.1f ms%s: %s", code.name, self._elapsed_ms(), self._output_so_far(), why
+        )
+
+    def _output_so_far(self) -> str:
+        """A request that ended without its last delta: how far it got, on its span (the
+        finish sets it otherwise) and as `, N output tokens` in its line ("" for none)."""
+        num_tokens = self._num_output_tokens
+        self._span.set_attribute("gen_ai.usage.output_tokens", num_tokens)
+        return f", {num_tokens} output tokens" if num_tokens else ""
 
     def _log(self, what: str, *args: object) -> None:
         """The request's one log line: its ids, `what`, the trace's ids. The caller's id is

@@ -108,6 +108,25 @@ def test_a_failure_logs_its_status_and_error(caplog: pytest.LogCaptureFixture) -
     ), line
 
 
+def test_a_request_cut_short_says_how_many_output_tokens_it_got(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Found by an operator's pass: a request that failed or was cancelled mid-stream said
+    nothing of how far it got (its span had no output token count either)."""
+    with caplog.at_level(logging.INFO, logger="mili.frontend"):
+        for end in ("failed", "cancelled"):
+            observer, _ = _observer()
+            observer.delta(Delta([5, 6], "ab"))
+            observer.delta(Delta([7], "c"))
+            if end == "failed":
+                observer.failed(ResourceExhausted("full"))
+            else:
+                observer.cancelled(None)
+    failed, cancelled = _lines(caplog)
+    assert re.search(rf" failed after {MS}, 3 output tokens: RESOURCE_EXHAUSTED: full$", failed)
+    assert re.search(rf" CANCELLED after {MS}, 3 output tokens: the caller cancelled$", cancelled)
+
+
 @pytest.mark.parametrize(
     ("remaining_s", "said"),
     [

@@ -337,6 +337,9 @@ def test_failed_and_cut_calls_say_so_in_their_spans(
     assert requests["late"].status.message.startswith("DEADLINE_EXCEEDED")
     assert requests["cancelled"].status.code == error
     assert requests["cancelled"].status.message.startswith("CANCELLED")
+    # How far each got: at least the response the client read before cancelling.
+    assert _attrs(requests["cancelled"])["gen_ai.usage.output_tokens"] >= 1
+    assert "gen_ai.usage.output_tokens" in _attrs(requests["late"])
     for name, request_span in requests.items():
         in_trace = [(svc, s) for svc, s in spans if s.trace_id == request_span.trace_id]
         for service, span_name in [
