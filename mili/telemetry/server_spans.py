@@ -31,6 +31,7 @@ from opentelemetry import propagate, trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from mili.cut import cut_short
+from mili.discovery import host_of
 
 Behavior = Callable[..., Any]
 
@@ -126,11 +127,15 @@ class ServerSpans(grpc.aio.ServerInterceptor):
     def _span(self, method: str, context: grpc.aio.ServicerContext) -> Iterator[Span]:
         carrier = {key: value for key, value in context.invocation_metadata() or ()}
         service, _, name = method.lstrip("/").partition("/")
+        attributes = {"rpc.system": "grpc", "rpc.service": service, "rpc.method": name}
+        caller = host_of(context.peer())
+        if caller is not None:  # which frontend (or prefill) called: a unix socket has none
+            attributes["network.peer.address"] = caller
         with self._tracer.start_as_current_span(
             method,
             context=propagate.extract(carrier),
             kind=SpanKind.SERVER,
-            attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": name},
+            attributes=attributes,
             record_exception=False,  # _record does, once
             set_status_on_exception=False,  # _end_status does, from the call's code
         ) as span:

@@ -330,6 +330,7 @@ def test_failed_and_cut_calls_say_so_in_their_spans(
 
     error = trace_pb2.Status.STATUS_CODE_ERROR
     late_server, cancelled_server = server_of["late"], server_of["cancelled"]
+    assert _attrs(late_server)["network.peer.address"] == "127.0.0.1"  # who called
     assert _attrs(late_server)["rpc.grpc.status_code"] == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
     assert late_server.status.code == error
     assert _attrs(cancelled_server)["rpc.grpc.status_code"] == grpc.StatusCode.CANCELLED.value[0]
