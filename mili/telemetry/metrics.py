@@ -145,6 +145,12 @@ class FrontendMetrics:
             "request cut short counts what it sent",
             registry=registry,
         )
+        self.prompt_tokens = Counter(
+            "mili_frontend_prompt_tokens_total",
+            "Prompt tokens of the requests tokenized (each of an HTTP request's n choices "
+            "counts its prompt), whether they then finished or not",
+            registry=registry,
+        )
         self.time_to_first_token = Histogram(
             "mili_frontend_time_to_first_token_seconds",
             "From the frontend receiving a request to its first generated token being ready "

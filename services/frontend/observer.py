@@ -57,6 +57,7 @@ class RequestObserver:
     def tokenized(self, prompt: Prompt) -> None:
         """The prompt's length, and the sampling it runs with: known only now (the context
         window may lower a default max_tokens; the model's sampling defaults fill unset fields)."""
+        self._metrics.prompt_tokens.inc(len(prompt.token_ids))
         self._span.set_attributes(
             {
                 "gen_ai.usage.input_tokens": len(prompt.token_ids),

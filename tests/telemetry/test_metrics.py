@@ -172,7 +172,8 @@ def test_one_generation_moves_every_metric_by_what_it_did(
         )
         assert polls > 0, child
 
-    # Tokens streamed to the client; nothing left in flight.
+    # Tokens in and streamed to the client; nothing left in flight.
+    assert moved("frontend", "mili_frontend_prompt_tokens_total") == _PROMPT_TOKENS
     assert moved("frontend", "mili_frontend_generated_tokens_total") == _MAX_TOKENS
     assert value(after["frontend"], "mili_frontend_in_flight_requests") == 0
 
