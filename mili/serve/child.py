@@ -50,6 +50,16 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+def to_stderr(text: str) -> None:
+    """Write `text` to our stderr, or drop it once that is gone (the terminal closed, the pipe's
+    reader exited): a write that raised there stopped the launcher's signal handler before it
+    began the shut-down, and the forwarding of a child's lines, whose pipe then filled and
+    blocked the child's logging."""
+    with contextlib.suppress(OSError):  # BrokenPipeError, EIO
+        sys.stderr.write(text)
+        sys.stderr.flush()
+
+
 def describe_exit(code: int | None) -> str:
     """`exited with code 1`, `exited with code -9 (SIGKILL)`."""
     if code is not None and code < 0:
@@ -174,8 +184,7 @@ class Child:
                 return
             line = raw.decode(errors="replace").rstrip("\n")
             self.tail.append(line)
-            sys.stderr.write(f"[{self.name}] {line}\n")
-            sys.stderr.flush()
+            to_stderr(f"[{self.name}] {line}\n")
             if on_line is not None:
                 on_line(line)
 

@@ -63,7 +63,6 @@ import argparse
 import asyncio
 import contextlib
 import signal
-import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -72,7 +71,7 @@ from mili.engine.engine_config import DEFAULT_GPU_MEMORY_UTILIZATION
 from mili.errors import StartupError
 from mili.serve import tls as serve_tls
 from mili.serve.backoff import Backoff
-from mili.serve.child import Child, describe_exit
+from mili.serve.child import Child, describe_exit, to_stderr
 from mili.serve.plan import (
     DEFAULT_HTTP_PORT,
     DEFAULT_PREFILL_MEMORY_SHARE,
@@ -194,7 +193,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _say(message: str) -> None:
-    print(f"mili serve: {message}", file=sys.stderr, flush=True)
+    to_stderr(f"mili serve: {message}\n")
 
 
 class Launcher:
@@ -219,9 +218,9 @@ class Launcher:
     def _on_signal(self, signum: int) -> None:
         self._signals.append(signum)
         if len(self._signals) == 1:
+            self._stop.set()
             name = signal.Signals(signum).name
             _say(f"got {name}: stopping frontend, then prefill/decode, then tokenizer")
-            self._stop.set()
         else:
             _say("got another signal: hurrying every drain (calls in flight are cut off)")
             for child in self.children:

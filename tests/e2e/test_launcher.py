@@ -272,3 +272,42 @@ def test_frontends_share_the_port_and_get_metrics_ports_after_the_rest(tmp_path:
     # tokenizer 7001, prefill 7002, decode 7003: the extra frontends come after them
     assert [flag(a, "--metrics-port") for a in plan.frontends] == ["7000", "7004", "7005"]
     assert plan.frontend == plan.frontends[0]
+
+
+def test_serve_stops_on_sigterm_after_its_output_is_gone(demo_model_dir: Path) -> None:
+    """Found by an operator's pass (a `mili serve` whose reader exited): its stderr a broken
+    pipe, `mili serve` ignored SIGTERM for good (the signal handler's "got SIGTERM" line raised
+    BrokenPipeError before the stop began) and its children's forwarded lines stopped being
+    read. With its output gone it still drains and exits, children and all."""
+    read, write = os.pipe()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mili", "serve", "--model", str(demo_model_dir), "--port", "0"],
+        stdout=write,
+        stderr=write,
+        stdin=subprocess.DEVNULL,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    os.close(write)
+    try:
+        seen = b""
+        deadline = time.monotonic() + 180
+        while b"\nfrontend service listening on" not in seen:
+            assert time.monotonic() < deadline and proc.poll() is None, seen[-3000:]
+            seen += os.read(read, 65536)
+        children = [int(pid) for pid in re.findall(rb"mili serve: \S+ +\S+ pid (\d+)", seen)]
+        assert len(children) == 4, seen[-3000:]
+    finally:
+        os.close(read)  # every later write of the launcher's fails: EPIPE
+    proc.send_signal(signal.SIGTERM)
+    try:
+        code = proc.wait(timeout=90)
+    finally:
+        proc.kill()
+    assert code in (0, 120), code  # 120: Python could not flush its output at exit
+    for pid in children:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        raise AssertionError(f"child {pid} outlived mili serve")
