@@ -35,7 +35,6 @@ SERVING_MODULES = (
     "grpc_reflection",
     "grpc_status",
     "opentelemetry.sdk",
-    "opentelemetry.instrumentation.grpc",
     "prometheus_client",
     "xxhash",
     "transformers",
