@@ -138,8 +138,9 @@ class DecodeStream(Protocol):
         """The next event; None when decode ended the stream. Raises decode's error."""
         ...
 
-    def cancel(self) -> None:
-        """End the call (decode frees the request's blocks); a no-op once it ended."""
+    def cancel(self, why: str) -> None:
+        """End the call (decode frees the request's blocks); a no-op once it ended. `why`
+        says so in its span: "" when the frontend has the whole answer (a stop string)."""
         ...
 
 

@@ -104,11 +104,13 @@ class RequestStream:
             raise self._error
         return None
 
-    def cancel(self) -> None:
+    def cancel(self, why: str) -> None:
+        """Stop decode's work on the request: `why` ends its span; "" when the frontend has
+        the whole answer already (a stop string matched), which ends it OK."""
         if not self._is_ended:
             self._is_ended = True
             self._session.cancel(self)
-            self._end_span(grpc.StatusCode.CANCELLED)
+            self._end_span(grpc.StatusCode.CANCELLED if why else grpc.StatusCode.OK, why)
 
     # ---- the session's side ------------------------------------------------------------------
 
@@ -123,16 +125,16 @@ class RequestStream:
         if not self._is_ended:
             self._error = error
             self._is_ended = True
-            self._end_span(code)
+            self._end_span(code, str(error))
             self._wake()
 
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
-    def _end_span(self, code: grpc.StatusCode) -> None:
+    def _end_span(self, code: grpc.StatusCode, details: str | None = None) -> None:
         if self.span is not None:
-            end_carried_call_span(self.span, code)
+            end_carried_call_span(self.span, code, details)
             self.span = None
 
 

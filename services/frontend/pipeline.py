@@ -191,7 +191,8 @@ class Generation:
                     tuple(self._retried),
                 )
         finally:
-            admission.stream.cancel()  # no-op when decode already finished
+            # a no-op when decode already finished
+            admission.stream.cancel("" if is_finished else "the request ended before its answer")
             if text is not None:
                 text.cancel()
             prefill = self._prefill

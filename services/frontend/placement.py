@@ -181,7 +181,7 @@ class Placement:
                 raise Unavailable(f"{who} did not admit the request (no Admitted event first)")
         except BaseException as exc:
             self._router.finish(ticket, is_refused=True)
-            stream.cancel()
+            stream.cancel(f"not admitted: {exc!r}")
             if isinstance(exc, TimeoutError):
                 self._downstream.request_refresh(down=route.decode)
                 timeout_s = self._config.admit_timeout_s

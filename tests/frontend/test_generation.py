@@ -62,7 +62,7 @@ class ScriptedDecode:
         assert isinstance(event, Admitted | Tokens)
         return event
 
-    def cancel(self) -> None:
+    def cancel(self, why: str) -> None:
         self.is_cancelled = True
 
 

@@ -70,12 +70,12 @@ def test_a_request_cancelled_before_its_start_went_out_never_reaches_decode() ->
         decode = FakeDecode()
         async with _multiplexer(decode) as mux:
             gone = mux.open(decode_pb2.GenerateRequest(request_id="gone"), Deadline(5.0))
-            gone.cancel()  # before the writer ran: its start is still queued
+            gone.cancel("the caller left")  # before the writer ran: its start is still queued
             session = mux._session
             assert session is not None and (session._starts, session._cancels) == ([], [])
             kept = mux.open(decode_pb2.GenerateRequest(request_id="kept"), Deadline(5.0))
             assert await asyncio.wait_for(kept.read(), 5) is not None  # admitted
-            kept.cancel()
+            kept.cancel("the caller left")
             await asyncio.sleep(0.1)
             assert [r.request_id for r in decode.requests] == ["kept"]
 
@@ -95,6 +95,6 @@ def test_a_deadline_past_what_timeout_ms_holds_is_sent_as_its_largest() -> None:
             (start,) = session._starts
             assert start.timeout_ms == MAX_DOWNSTREAM_TIMEOUT_S * 1000 <= 2**32 - 1
             assert await asyncio.wait_for(far.read(), 5) is not None  # admitted
-            far.cancel()
+            far.cancel("the caller left")
 
     asyncio.run(main())

@@ -250,6 +250,9 @@ def test_config_from_flags_and_environment() -> None:
     assert not off.is_enabled
 
 
+_DECODE_CALL = "mili.decode.v1.DecodeService/Generate"  # carried on GenerateStream
+
+
 def test_failed_and_cut_calls_say_so_in_their_spans(
     demo_model_dir: Path, receiver: tuple[Receiver, int]
 ) -> None:
@@ -343,6 +346,13 @@ def test_failed_and_cut_calls_say_so_in_their_spans(
     assert "gen_ai.usage.output_tokens" in _attrs(requests["late"])
     for name, request_span in requests.items():
         in_trace = [(svc, s) for svc, s in spans if s.trace_id == request_span.trace_id]
+        # The decode call, carried on the shared stream, says why it ended, not only how.
+        (decode_call,) = [
+            s for svc, s in in_trace if svc == "mili-frontend" and s.name == _DECODE_CALL
+        ]
+        assert decode_call.status.code == error, name
+        code, _, why = decode_call.status.message.partition(": ")
+        assert code in ("DEADLINE_EXCEEDED", "CANCELLED") and why, decode_call.status.message
         for service, span_name in [
             ("mili-tokenizer", "/mili.tokenizer.v1.TokenizerService/Tokenize"),
             ("mili-prefill", "kv transfer"),
