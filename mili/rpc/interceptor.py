@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -49,6 +48,7 @@ from opentelemetry import trace
 from mili.cut import cut, cut_short, taken_back
 from mili.discovery import Callers
 from mili.errors import PermissionDenied
+from mili.handler_kind import Behavior, rewrapped
 from mili.rpc.malformed import CheckedRequests, Malformed, Oversized, Refused, guard
 from mili.rpc.policy import OPEN, SMALL_REQUEST_BYTES, Policy
 from mili.rpc.status import is_internal, status_header, status_of
@@ -68,8 +68,6 @@ _CONTROL_SUFFIX = "/Info"
 # The status label of a call grpc ended before its handler could read the request (see
 # `CallInterceptor._count_unread`): not a gRPC code, since the server cannot tell which it was.
 _REQUEST_UNREAD = "REQUEST_UNREAD"
-
-Behavior = Callable[[Any, Any], Any]
 
 
 class CallInterceptor(grpc.aio.ServerInterceptor):
@@ -148,21 +146,17 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
             is_request_streaming=handler.request_streaming,
             callers=None if is_infrastructure else policy.callers.get(name),
         )
-        if handler.request_streaming and handler.response_streaming:
-            behavior, make = handler.stream_stream, grpc.stream_stream_rpc_method_handler
-        elif handler.request_streaming:
-            behavior, make = handler.stream_unary, grpc.stream_unary_rpc_method_handler
-        elif handler.response_streaming:
-            behavior, make = handler.unary_stream, grpc.unary_stream_rpc_method_handler
-        else:
-            behavior, make = handler.unary_unary, grpc.unary_unary_rpc_method_handler
-        # grpc picks how to drive a handler (await it, iterate it, or run it in a thread) from
-        # the function's kind, so the wrapper must be of the same kind as what it wraps.
-        if inspect.isasyncgenfunction(behavior):
-            wrapped: Behavior = self._wrap_generator(behavior, call)
-        elif inspect.iscoroutinefunction(behavior):
-            wrapped = self._wrap_coroutine(behavior, call)
-        else:
+        wrapped = rewrapped(
+            handler,
+            lambda behavior: self._wrap_generator(behavior, call),
+            lambda behavior: self._wrap_coroutine(behavior, call),
+            guard(
+                handler.request_deserializer,
+                max_request_bytes,
+                is_request_streaming=handler.request_streaming,
+            ),
+        )
+        if wrapped is None:
             return handler
         if not handler.request_streaming:
             # grpc reads a unary request between this and the handler, in this same task, and
@@ -171,15 +165,7 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
             if task is not None:
                 self._unstarted[task] = call
                 task.add_done_callback(self._count_unread)
-        return make(
-            wrapped,
-            request_deserializer=guard(
-                handler.request_deserializer,
-                max_request_bytes,
-                is_request_streaming=handler.request_streaming,
-            ),
-            response_serializer=handler.response_serializer,
-        )
+        return wrapped
 
     def _wrap_coroutine(self, behavior: Behavior, call: _Call) -> Behavior:
         async def run(request: Any, context: grpc.aio.ServicerContext) -> Any:

@@ -21,7 +21,6 @@ OpenTelemetry gRPC conventions call a server's error (_SERVER_ERRORS) with `CODE
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -32,8 +31,7 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from mili.cut import cut_short
 from mili.discovery import host_of
-
-Behavior = Callable[..., Any]
+from mili.handler_kind import Behavior, rewrapped
 
 # Server-side errors per the OpenTelemetry gRPC conventions: the others (INVALID_ARGUMENT,
 # NOT_FOUND, CANCELLED, ...) are the caller's doing, left UNSET with their code attribute.
@@ -65,26 +63,12 @@ class ServerSpans(grpc.aio.ServerInterceptor):
         if handler is None or not self._is_traced(handler_call_details):
             return handler
         method: str = handler_call_details.method
-        if handler.request_streaming and handler.response_streaming:
-            behavior, make = handler.stream_stream, grpc.stream_stream_rpc_method_handler
-        elif handler.request_streaming:
-            behavior, make = handler.stream_unary, grpc.stream_unary_rpc_method_handler
-        elif handler.response_streaming:
-            behavior, make = handler.unary_stream, grpc.unary_stream_rpc_method_handler
-        else:
-            behavior, make = handler.unary_unary, grpc.unary_unary_rpc_method_handler
-        # grpc picks how to drive a handler from the function's kind: keep it.
-        if inspect.isasyncgenfunction(behavior):
-            wrapped: Behavior = self._wrap_generator(behavior, method)
-        elif inspect.iscoroutinefunction(behavior):
-            wrapped = self._wrap_coroutine(behavior, method)
-        else:
-            return handler
-        return make(
-            wrapped,
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
+        wrapped = rewrapped(
+            handler,
+            lambda behavior: self._wrap_generator(behavior, method),
+            lambda behavior: self._wrap_coroutine(behavior, method),
         )
+        return handler if wrapped is None else wrapped
 
     def _wrap_coroutine(self, behavior: Behavior, method: str) -> Behavior:
         async def run(request: Any, context: grpc.aio.ServicerContext) -> Any:
