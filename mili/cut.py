@@ -77,3 +77,13 @@ def cut_short(remaining_s: float | None) -> grpc.StatusCode:
     if remaining_s is not None and remaining_s < _DEADLINE_SLACK_S:
         return grpc.StatusCode.DEADLINE_EXCEEDED
     return grpc.StatusCode.CANCELLED
+
+
+def final_code(context: grpc.aio.ServicerContext, is_done: bool) -> grpc.StatusCode | int:
+    """A server call's status as its caller sees it, once its handler ended: the code an abort
+    set (ours or the servicer's; grpc keeps whatever abort was given), else OK when the handler
+    returned (`is_done`), else `cut_short`'s. One rule for the call's count and its span."""
+    code = context.code()
+    if code is not None:
+        return code
+    return grpc.StatusCode.OK if is_done else cut_short(context.time_remaining())

@@ -45,7 +45,7 @@ from typing import Any, NoReturn
 import grpc
 from opentelemetry import trace
 
-from mili.cut import cut, cut_short, taken_back
+from mili.cut import cut, final_code, taken_back
 from mili.discovery import Callers
 from mili.errors import PermissionDenied
 from mili.handler_kind import Behavior, rewrapped
@@ -408,9 +408,7 @@ class _Tally:
 def _count(tally: _Tally, context: grpc.aio.ServicerContext, is_done: bool) -> None:
     """Record the call's final status (a no-op once `_abort` did): the one set by an abort,
     else OK when its handler returned, else it was cut short (caller gone, deadline)."""
-    code = context.code()
-    if code is None:
-        code = grpc.StatusCode.OK if is_done else cut_short(context.time_remaining())
+    code = final_code(context, is_done)
     tally.record(code.name if isinstance(code, grpc.StatusCode) else str(code))
 
 

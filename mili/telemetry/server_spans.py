@@ -29,7 +29,7 @@ import grpc
 from opentelemetry import propagate, trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
-from mili.cut import cut_short
+from mili.cut import final_code
 from mili.discovery import host_of
 from mili.handler_kind import Behavior, rewrapped
 
@@ -133,9 +133,7 @@ def _record(span: Span, exc: Exception) -> None:
 
 
 def _end_status(span: Span, context: grpc.aio.ServicerContext, is_done: bool) -> None:
-    code = context.code()
-    if code is None:
-        code = grpc.StatusCode.OK if is_done else cut_short(context.time_remaining())
+    code = final_code(context, is_done)
     if not isinstance(code, grpc.StatusCode):  # grpc keeps what abort was given
         span.set_attribute("rpc.grpc.status_code", int(code))
         return

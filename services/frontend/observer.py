@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -170,8 +171,6 @@ def _retried(whys: tuple[str, ...]) -> str:
     once with its count; "" for one that ran where it was first sent."""
     if not whys:
         return ""
-    counts = dict.fromkeys(whys, 0)
-    for why in whys:
-        counts[why] += 1
+    counts = Counter(whys)  # first seen first
     reasons = "; ".join(why if n == 1 else f"{n}x {why}" for why, n in counts.items())
     return f" (retried {len(whys)} time{'s' if len(whys) > 1 else ''}: {reasons})"

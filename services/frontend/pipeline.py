@@ -95,9 +95,8 @@ class Served:
     prefill_stats: PrefillStats | None
     num_cached_blocks: int  # leading prompt blocks decode already held (its prefix cache)
     queued_s: float = 0.0  # in the frontend's admission queue, all its stays together
-    retried: tuple[
-        str, ...
-    ] = ()  # why each earlier try ended (instance down, no room), oldest first
+    # Why each earlier try ended (instance down, no room), oldest first.
+    retried: tuple[str, ...] = ()
 
 
 class Generation:
@@ -130,7 +129,6 @@ class Generation:
             downstream, config, prompt, deadline, is_queue_bounded=is_queue_bounded
         )
         self._first_request_id = ids.request_id
-        self._num_tries = 1
         self._num_retries = 0
         self._retried: list[str] = []  # why each earlier try ended, for the request's log line
 
@@ -155,9 +153,9 @@ class Generation:
         one it cancelled yet (a start and a cancel naming one id would collide there), and a
         late event of that one must not reach the next."""
         old = self._ids
-        self._num_tries += 1
         self._retried.append(str(why))
-        self._ids = RequestIds(f"{self._first_request_id}.{self._num_tries}", old.client_request_id)
+        num_tries = len(self._retried) + 1
+        self._ids = RequestIds(f"{self._first_request_id}.{num_tries}", old.client_request_id)
         _LOG.debug(
             "%s (id %s) waits again, as id %s: %s",
             old.client_request_id,
