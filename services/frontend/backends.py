@@ -102,6 +102,7 @@ class Backends:
             tokenizer_pb2_grpc.TokenizerServiceStub(self.instances.tokenizer_channel),
             config.info_timeout_s,
             is_tls=tls is not None,
+            applies_sampling_defaults=config.model_sampling_defaults,
         )
         # Requests that found every instance full wait here for room.
         self.admitter = Admitter(

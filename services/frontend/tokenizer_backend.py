@@ -40,10 +40,14 @@ class TokenizerBackend:
         info_timeout_s: float,
         *,
         is_tls: bool = False,
+        applies_sampling_defaults: bool = True,
     ) -> None:
         self.stub = stub
         self._info_timeout_s = info_timeout_s
         self._is_tls = is_tls  # for the hint when it refuses our handshake
+        # Whether requests get the model's sampling defaults (--sampling-defaults): its log
+        # line says the model's and whether they apply.
+        self._applies_sampling_defaults = applies_sampling_defaults
         self.who = f"tokenizer at {address}"  # how errors and logs name it
         # None: down, or not asked yet. Once set, `detokenizer` holds the file its digest names.
         self.facts: TokenizerFacts | None = None
@@ -102,13 +106,16 @@ class TokenizerBackend:
             ),
         )
         if facts != self.facts:
+            defaults = " ".join(f"{f}={v:.6g}" for f, v in facts.sampling_defaults) or "none"
+            if facts.sampling_defaults and not self._applies_sampling_defaults:
+                defaults += " (not applied: --sampling-defaults none)"
             _LOG.info(
-                "%s is up: model %s, vocab %d, eos %s, sampling defaults %s",
+                "%s is up: model %s, vocab %d, eos %s, the model's sampling defaults %s",
                 self.who,
                 info.model,
                 info.vocab_size,
                 list(info.eos_token_ids),
-                " ".join(f"{f}={v:.6g}" for f, v in facts.sampling_defaults) or "none",
+                defaults,
             )
         self.facts = facts
 
