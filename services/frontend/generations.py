@@ -68,6 +68,7 @@ class Generations:
         finish_reason: str | None = None  # as the last delta says; else how it ended
         # Metrics, span and the request's one log line: the observer is told what happens.
         observer = RequestObserver(self.metrics, ids)
+        generation: Generation | None = None
         with observer.span(self.backends.model, valid):
             try:
                 if valid.sampling.constraint is not None:  # refused before any KV is reserved
@@ -93,13 +94,14 @@ class Generations:
                 if generation.served is not None:
                     observer.done(generation.served)
             except Exception as exc:
-                observer.failed(exc)
+                observer.failed(exc, () if generation is None else generation.retried)
                 finish_reason = finish_reason or "error"
                 raise
             except (asyncio.CancelledError, GeneratorExit) as exc:
                 # The caller cancelled, went away or its deadline passed, or a drain cut the
                 # call (every downstream call is cancelled on the way out).
-                observer.cancelled(deadline.remaining(), cut_reason(exc))
+                retried = () if generation is None else generation.retried
+                observer.cancelled(deadline.remaining(), cut_reason(exc), retried)
                 finish_reason = finish_reason or "cancelled"
                 raise
             finally:

@@ -115,19 +115,23 @@ class RequestObserver:
             kv,
         )
 
-    def failed(self, exc: Exception) -> None:
+    def failed(self, exc: Exception, retried: tuple[str, ...] = ()) -> None:
+        """`retried`: why each earlier try ended (Generation.retried)."""
         self._log(
-            "failed after %.1f ms%s: %s: %s",
+            "failed after %.1f ms%s%s: %s: %s",
             self._elapsed_ms(),
             self._output_so_far(),
+            _retried(retried),
             code_of(exc).name,
             exc,
         )
 
-    def cancelled(self, remaining_s: float | None, cut: str | None = None) -> None:
+    def cancelled(
+        self, remaining_s: float | None, cut: str | None = None, retried: tuple[str, ...] = ()
+    ) -> None:
         """The handler was cancelled: by the server's own drain (`cut`, its reason: mili.cut),
         else by grpc or aiohttp, where `remaining_s`, grpc's own clock (which fired the end),
-        says whether the caller cancelled or its deadline passed."""
+        says whether the caller cancelled or its deadline passed. `retried` as for `failed`."""
         if cut is not None:
             code, why = grpc.StatusCode.UNAVAILABLE, cut
         else:
@@ -138,7 +142,12 @@ class RequestObserver:
         # Nothing escapes the span's block as an Exception here, so it would end unset.
         self._span.set_status(Status(StatusCode.ERROR, f"{code.name}: {why}"))
         self._log(
-            "%s after %.1f ms%s: %s", code.name, self._elapsed_ms(), self._output_so_far(), why
+            "%s after %.1f ms%s%s: %s",
+            code.name,
+            self._elapsed_ms(),
+            self._output_so_far(),
+            _retried(retried),
+            why,
         )
 
     def _output_so_far(self) -> str:

@@ -132,6 +132,11 @@ class Generation:
         self._num_retries = 0
         self._retried: list[str] = []  # why each earlier try ended, for the request's log line
 
+    @property
+    def retried(self) -> tuple[str, ...]:
+        """Why each earlier try ended (instance down, no room), oldest first."""
+        return tuple(self._retried)
+
     async def run(self) -> AsyncGenerator[Delta, None]:
         no_room: NoRoom | None = None
         while True:
@@ -186,7 +191,7 @@ class Generation:
                     reply,
                     admission.admitted.num_cached_blocks,
                     self._placement.queued_s,
-                    tuple(self._retried),
+                    self.retried,
                 )
         finally:
             # a no-op when decode already finished

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
+import re
 import time
 
 import grpc
@@ -210,6 +212,28 @@ def test_a_decode_down_before_the_first_token_hands_the_request_to_another() -> 
             await wait_until(lambda: all(d.num_reserved == 0 for d in s.decodes))
 
     asyncio.run(main())
+
+
+def test_a_request_failing_after_a_retry_says_so_in_its_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Both decodes fail before the first token: the request is retried on the second, then
+    fails. Its failed line says it was retried and why, as a done line does (an operator's
+    pass: a failure after retries looked like a first try)."""
+
+    async def main() -> None:
+        decodes = [FakeDecode(fail_after=0), FakeDecode(fail_after=0)]
+        async with stack(decodes, poll_interval_s=5.0) as s:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await collect(s.stub.Generate(prompt(), timeout=10))
+            assert code_of(info.value) == grpc.StatusCode.UNAVAILABLE
+            assert all(d.requests for d in decodes)
+
+    with caplog.at_level(logging.INFO, logger="mili.frontend"):
+        asyncio.run(main())
+    [line] = [r.getMessage() for r in caplog.records if " failed after " in r.getMessage()]
+    said = r" failed after [\d.]+ ms \(retried \d times?: decode at \S+: UNAVAILABLE: fake "
+    assert re.search(said + r"decode lost its device.*\): UNAVAILABLE: decode at ", line), line
 
 
 def _record_marked_down(s: Stack) -> list[str]:

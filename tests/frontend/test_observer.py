@@ -96,6 +96,17 @@ def test_a_retried_request_says_how_often_and_why(caplog: pytest.LogCaptureFixtu
     ) in thrice
 
 
+def test_a_failed_or_cancelled_request_says_its_retries(caplog: pytest.LogCaptureFixture) -> None:
+    whys = ("decode at d:2 is down",)
+    with caplog.at_level(logging.INFO, logger="mili.frontend"):
+        _observer()[0].failed(ResourceExhausted("full"), whys)
+        _observer()[0].cancelled(None, retried=whys)
+    failed, cancelled = _lines(caplog)
+    said = r" \(retried 1 time: decode at d:2 is down\): "
+    assert re.search(rf" failed after {MS}{said}RESOURCE_EXHAUSTED: full$", failed), failed
+    assert re.search(rf" CANCELLED after {MS}{said}the caller cancelled$", cancelled), cancelled
+
+
 def test_a_failure_logs_its_status_and_error(caplog: pytest.LogCaptureFixture) -> None:
     observer, _ = _observer()
     with caplog.at_level(logging.INFO, logger="mili.frontend"):
