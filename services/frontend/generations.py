@@ -56,13 +56,7 @@ class Generations:
     async def run(self, valid: ValidRequest, deadline: Deadline) -> AsyncGenerator[Delta, None]:
         """The request's deltas, the last one with its finish reason and usage. Closing the
         generator early (the caller went away) cancels every downstream call."""
-        if self._num_running >= self.config.max_concurrent_requests:
-            raise ResourceExhausted(
-                f"the frontend is running its limit of {self.config.max_concurrent_requests} "
-                "requests",
-                retry_after_s=self.config.retry_after_s,
-            )
-        self._num_running += 1
+        self._num_running += 1  # this one included; refused below (logged) past the limit
         ids = RequestIds(f"{self._id_prefix}-{next(self._id_counter)}", valid.client_request_id)
         tracked = self.statuses.start(valid.client_request_id, valid.sampling.max_tokens)
         finish_reason: str | None = None  # as the last delta says; else how it ended
@@ -71,6 +65,12 @@ class Generations:
         generation: Generation | None = None
         with observer.span(self.backends.model, valid):
             try:
+                if self._num_running > self.config.max_concurrent_requests:
+                    raise ResourceExhausted(
+                        "the frontend is running its limit of "
+                        f"{self.config.max_concurrent_requests} requests",
+                        retry_after_s=self.config.retry_after_s,
+                    )
                 if valid.sampling.constraint is not None:  # refused before any KV is reserved
                     await self._compile(valid)
                 prompt = await tokenize(self._downstream, self.config, valid, deadline)

@@ -543,6 +543,47 @@ def test_the_later_choices_of_a_request_wait_past_the_queues_bound() -> None:
     asyncio.run(main())
 
 
+def test_a_request_past_the_frontends_limit_is_refused_with_its_log_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """--max-concurrent-requests 1: while one request runs a second is RESOURCE_EXHAUSTED with
+    a retry hint, and it has its log line as every other failure does (an operator's pass: a
+    429 at this limit was counted only); the first finishes, and the next one runs."""
+
+    async def main() -> None:
+        hold = asyncio.Event()
+        async with stack([FakeDecode(hold=hold, hold_after=1)]) as s:
+            generations = Generations(s.backends, FrontendMetrics(CollectorRegistry()))
+            generations.config = dataclasses.replace(s.backends.config, max_concurrent_requests=1)
+            body = parse(b'{"prompt": "hi", "max_tokens": 3}')
+            [choice] = choices_of.plan(
+                generations, completion_request(body, Limits(), 4096, "first")
+            )
+            running = generations.run(choice.valid, Deadline(10))
+            assert (await anext(running)).token_ids  # decode holds after its first event
+            [refused] = choices_of.plan(
+                generations, completion_request(body, Limits(), 4096, "second")
+            )
+            with pytest.raises(errors.ResourceExhausted, match="its limit of 1 requests") as info:
+                await anext(generations.run(refused.valid, Deadline(10)))
+            assert info.value.retry_after_s is not None
+            hold.set()
+            async for _ in running:
+                pass
+            async for _ in generations.run(refused.valid, Deadline(10)):
+                pass
+
+    with caplog.at_level(logging.INFO, logger="mili.frontend"):
+        asyncio.run(main())
+    lines = [r.getMessage() for r in caplog.records if r.name == "mili.frontend"]
+    [refused] = [line for line in lines if line.startswith("'second'") and " failed " in line]
+    assert re.search(
+        r" failed after [\d.]+ ms: RESOURCE_EXHAUSTED: the frontend is running its limit of 1 ",
+        refused,
+    ), refused
+    assert [line for line in lines if line.startswith("'second'") and " done: " in line]
+
+
 def test_a_default_max_tokens_is_fitted_to_the_decode_pool_too() -> None:
     """The fake decode holds 100 blocks of 16 (1,600 positions) in a 4,096-token context: a
     default of 4,000 fitted the context only, and a real pool then refused the request naming a
