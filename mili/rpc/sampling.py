@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, cast
 
-from mili.engine.constraint.spec import Constraint, ConstraintKind
+from mili.engine.constraint.spec import Constraint, ConstraintKind, ThinkBlock
 from mili.engine.logprobs import TokenLogprobs
 from mili.engine.sampling_params import OPTIONAL_FIELDS, SamplingParams
 from mili.engine.stop import FinishReason
@@ -72,27 +72,43 @@ def sampling_params_to_proto(params: SamplingParams) -> sampling_pb2.SamplingPar
     return proto
 
 
+_THINK_BLOCKS: dict[ThinkBlock, sampling_pb2.ThinkBlock] = {
+    "none": sampling_pb2.THINK_BLOCK_UNSPECIFIED,
+    "optional": sampling_pb2.THINK_BLOCK_OPTIONAL,
+    "open": sampling_pb2.THINK_BLOCK_OPEN,
+}
+_THINK_BLOCKS_FROM_PROTO = {value: think for think, value in _THINK_BLOCKS.items()}
+
+
 def constraint_from_proto(proto: sampling_pb2.SamplingParams) -> Constraint | None:
-    """The `constraint` oneof as a Constraint (json_object false: none). Sizes are checked
+    """The `constraint` oneof as a Constraint (json_object false: none), behind its
+    `think_block` (InvalidArgument naming `think_block` for an unknown one). Sizes are checked
     where it is compiled (mili.engine.constraint.spec.validate)."""
     kind = proto.WhichOneof("constraint")
     if kind is None or (kind == "json_object" and not proto.json_object):
         return None
     if kind == "json_object":
-        return Constraint.json_object()
-    if kind == "choice":
-        return Constraint.choice(tuple(proto.choice.choices))
-    return Constraint(cast(ConstraintKind, kind), getattr(proto, kind))
+        constraint = Constraint.json_object()
+    elif kind == "choice":
+        constraint = Constraint.choice(tuple(proto.choice.choices))
+    else:
+        constraint = Constraint(cast(ConstraintKind, kind), getattr(proto, kind))
+    # A value this build does not know (a newer sender's) is refused, not read as none.
+    think = _THINK_BLOCKS_FROM_PROTO.get(proto.think_block)
+    if think is None:
+        raise InvalidArgument("think_block", proto.think_block, "not a ThinkBlock")
+    return constraint.after_think(think)
 
 
 def set_constraint(proto: sampling_pb2.SamplingParams, constraint: Constraint) -> None:
-    """Set the `constraint` oneof of `proto` to `constraint`."""
+    """Set the `constraint` oneof of `proto` to `constraint`, and its `think_block`."""
     if constraint.kind == "json_object":
         proto.json_object = True
     elif constraint.kind == "choice":
         proto.choice.choices.extend(constraint.choices)
     else:
         setattr(proto, constraint.kind, constraint.text)
+    proto.think_block = _THINK_BLOCKS[constraint.think]
 
 
 def logprobs_from_proto(proto: sampling_pb2.Logprobs) -> TokenLogprobs:

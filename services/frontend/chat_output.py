@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from mili.engine.stop import FinishReason
-from services.frontend.reasoning import ReasoningSplitter
+from services.frontend.reasoning import ReasoningSplitter, ThinkFirstSplitter
 from services.frontend.tool_calls import ToolCallDelta, ToolCallParser, new_call_id
 from services.frontend.validation import ValidRequest
 
@@ -49,9 +49,13 @@ class ChatOutput:
         is_parallel: bool = True,
         is_thinking: bool = True,
         is_forced: bool = False,
+        is_constrained: bool = False,
     ) -> None:
-        # Without thinking, a "<think>" the model writes is the answer's text.
-        self._splitter = ReasoningSplitter() if is_thinking else None
+        # Without thinking, a "<think>" the model writes is the answer's text; under a
+        # constraint only a block at the start is thinking (reasoning.ThinkFirstSplitter).
+        self._splitter: ReasoningSplitter | ThinkFirstSplitter | None = None
+        if is_thinking:
+            self._splitter = ThinkFirstSplitter() if is_constrained else ReasoningSplitter()
         self._tools = (
             ToolCallParser(new_call_id, drops_cut_call=is_forced) if is_parsing_tools else None
         )
@@ -90,19 +94,19 @@ class ChatOutput:
 
     @classmethod
     def of(cls, valid: ValidRequest) -> ChatOutput:
-        """A chat request's splitter. It splits thinking off unless none can come: thinking
-        off (enable_thinking false), or a constraint of the caller's (response_format, a
-        regex...), whose output is the answer from its first token: a "<think>" inside, a
-        JSON string's say, is text (split, it broke the JSON). The grammar of a forced tool
-        choice allows a think block first."""
-        has_own_constraint = (
-            valid.sampling.constraint is not None and not valid.tool_choice.is_forced
-        )
+        """A chat request's splitter. It splits thinking off unless none can come (thinking
+        off: enable_thinking false). Under a constraint (a caller's: response_format, a
+        regex...; or a forced tool choice's) with thinking on, the grammar allows one think
+        block at the start of the output, then the constrained answer
+        (mili.engine.constraint.think, `reasoning.think_block`): that block alone is split
+        off, and the content is the answer as generated: a "<think>" inside it, a JSON
+        string's say, is its text."""
         return cls(
             valid.is_parsing_tools,
             is_parallel=valid.parallel_tool_calls,
-            is_thinking=valid.enable_thinking is not False and not has_own_constraint,
+            is_thinking=valid.enable_thinking is not False,
             is_forced=valid.tool_choice.is_forced,
+            is_constrained=valid.sampling.constraint is not None,
         )
 
     def finish_reason(self, reason: FinishReason) -> str:

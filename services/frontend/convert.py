@@ -42,6 +42,12 @@ from services.frontend.validation import (
 
 
 def sampling_input(s: sampling_pb2.SamplingParams) -> SamplingInput:
+    if s.think_block:  # prompt.py sets it for prefill and decode
+        raise InvalidArgument(
+            "sampling.think_block",
+            s.think_block,
+            "is set by the frontend (from enable_thinking and the chat template): leave it unset",
+        )
     return SamplingInput(
         max_tokens=s.max_tokens if s.HasField("max_tokens") else None,
         temperature=s.temperature if s.HasField("temperature") else None,

@@ -16,6 +16,7 @@ from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
 from mili.cut import cut_reason
+from mili.engine.constraint.spec import Constraint
 from mili.errors import InvalidArgument, ResourceExhausted
 from mili.telemetry.metrics import FrontendMetrics
 from services.frontend.backends import Backends
@@ -71,10 +72,12 @@ class Generations:
                         f"{self.config.max_concurrent_requests} requests",
                         retry_after_s=self.config.retry_after_s,
                     )
-                if valid.sampling.constraint is not None:  # refused before any KV is reserved
-                    await self._compile(valid)
                 prompt = await tokenize(self._downstream, self.config, valid, deadline)
                 observer.tokenized(prompt)
+                # Refused before any KV is reserved; compiled as prefill and decode will, behind
+                # its think block (known once the prompt is rendered).
+                if prompt.sampling.constraint is not None:
+                    await self._compile(valid, prompt.sampling.constraint)
                 tracked.max_tokens = prompt.sampling.max_tokens  # fitted to the context
                 generation = Generation(
                     self._downstream,
@@ -108,13 +111,12 @@ class Generations:
                 self._num_running -= 1
                 self.statuses.end(tracked, finish_reason or "error")
 
-    async def _compile(self, valid: ValidRequest) -> None:
-        """Compile the request's constraint (as prefill and decode will): InvalidArgument or
-        ResourceExhausted naming its field; for the constraint of an enforced tool choice,
-        the tool whose parameters do not compile."""
-        assert valid.sampling.constraint is not None
+    async def _compile(self, valid: ValidRequest, constraint: Constraint) -> None:
+        """Compile `valid`'s constraint: InvalidArgument or ResourceExhausted naming its field;
+        for the constraint of an enforced tool choice, the tool whose parameters do not
+        compile."""
         try:
-            await self.backends.tokenizer.compile_constraint(valid.sampling.constraint)
+            await self.backends.tokenizer.compile_constraint(constraint)
         except (InvalidArgument, ResourceExhausted):
             if not valid.tool_choice.is_forced:
                 raise

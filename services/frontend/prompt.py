@@ -1,6 +1,7 @@
 """A request's prompt as token ids, checked against what the services behind it report: the
 tokenizer's vocabulary and character limit, prefill's prompt limit, the context window; the
-model's EOS ids join its stop ids.
+model's EOS ids join its stop ids, and its constraint goes behind the think block the rendered
+prompt leaves the model.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from mili.errors import FieldViolation, InvalidArgument, Unavailable
 from services.frontend import tools as tool_checks
 from services.frontend.calls import Deadline, Downstream, Prompt, Tokenized, TokenizerFacts
 from services.frontend.config import FrontendConfig
+from services.frontend.reasoning import think_block
 from services.frontend.validation import PromptField, ValidRequest, raise_if_any
 
 
@@ -54,7 +56,20 @@ async def tokenize(
         sampling = _fit_pool(sampling, len(token_ids), _largest_pool(downstream))
     sampling = with_defaults(sampling, request.unset_sampling, sampling_defaults(config, facts))
     sampling = with_eos(sampling, facts.eos_token_ids)
+    sampling = with_think_block(sampling, request, tokenized.starts_in_reasoning)
     return Prompt(token_ids, sampling, facts.vocab_size, tokenized.starts_in_reasoning)
+
+
+def with_think_block(
+    sampling: SamplingParams, request: ValidRequest, starts_in_reasoning: bool
+) -> SamplingParams:
+    """The constraint (if any) behind the think block the prompt leaves the model
+    (reasoning.think_block): known once the chat template has rendered the prompt."""
+    if sampling.constraint is None:
+        return sampling
+    is_chat = request.prompt_field == "messages"
+    think = think_block(is_chat, request.enable_thinking, starts_in_reasoning)
+    return replace(sampling, constraint=sampling.constraint.after_think(think))
 
 
 def _largest_pool(downstream: Downstream) -> int | None:

@@ -19,9 +19,20 @@ renders an earlier turn (services/tokenizer/chat_template.py): those after eithe
 before `</think>` (held back in reasoning until something other than a newline or the closing
 tag follows). The result is the same for any cut of the same text (tests/frontend/
 test_reasoning.py tries every one). Pure Python, per delta: no regex, no copy of the whole text.
+
+Under a constraint (a caller's, or a forced tool choice's) with thinking on, the grammar lets
+the model think first (mili.engine.constraint.think: `think_block` says which shape), and the
+output is at most one think block at its very start, then the answer: `ThinkFirstSplitter`
+splits off that block only, and passes the answer through as it was generated (a "<think>"
+inside a JSON string is the string's text).
 """
 
 from __future__ import annotations
+
+from typing import Literal
+
+from mili.engine.constraint.spec import ThinkBlock
+from mili.engine.constraint.think import SEPARATOR
 
 OPEN = "<think>"
 CLOSE = "</think>"
@@ -117,3 +128,72 @@ class ReasoningSplitter:
         kept = part if is_end else part.rstrip("\n")
         reasoning.append(kept)
         self._held = part[len(kept) :] + self._held
+
+
+def think_block(
+    is_chat: bool, enable_thinking: bool | None, starts_in_reasoning: bool
+) -> ThinkBlock:
+    """What comes before a request's constraint: a chat answer with thinking on (unset or true)
+    may think first; when its prompt opened the block (`opens_reasoning`) it starts inside it.
+    Prompts and chat with thinking off are constrained from their first token."""
+    if not is_chat or enable_thinking is False:
+        return "none"
+    return "open" if starts_in_reasoning else "optional"
+
+
+class ThinkFirstSplitter:
+    """The text of a constraint's output with its think block (module docstring), as
+    (reasoning, content) delta by delta: the block's reasoning trimmed as ReasoningSplitter
+    trims it; the answer exactly as generated, past the SEPARATOR. Set `is_reasoning` before
+    the first push when the prompt opened the block."""
+
+    def __init__(self) -> None:
+        self.is_reasoning = False
+        self._block = ReasoningSplitter()
+        self._at: Literal["start", "block", "separator", "answer"] = "start"
+        self._pending = ""  # text not settled yet: a tag's possible beginning, the separator's
+        self._separator = SEPARATOR  # what of it is still to drop
+
+    def push(self, text: str) -> tuple[str, str]:
+        """The (reasoning, content) that `text` completes; either may be ""."""
+        if self._at == "answer":
+            return "", text
+        self._pending += text
+        return self._advance(is_end=False)
+
+    def finish(self) -> tuple[str, str]:
+        """Whatever was held back, at the end of the generation."""
+        return self._advance(is_end=True)
+
+    def _advance(self, *, is_end: bool) -> tuple[str, str]:
+        reasoning = ""
+        if self._at == "start":
+            if self.is_reasoning or self._pending.startswith(OPEN):
+                self._block.is_reasoning = self.is_reasoning
+                self._at = "block"  # the block splitter reads the tag itself
+            elif OPEN.startswith(self._pending) and not is_end:
+                return "", ""
+            else:
+                self._at = "answer"
+        if self._at == "block":
+            at = self._pending.find(CLOSE)
+            if at < 0:
+                held = 0 if is_end else _held_tail(self._pending)
+                cut = len(self._pending) - held
+                part, self._pending = self._pending[:cut], self._pending[cut:]
+                reasoning = self._block.push(part)[0]
+                if is_end:
+                    reasoning += self._block.finish()[0]
+                return reasoning, ""
+            end = at + len(CLOSE)
+            reasoning = self._block.push(self._pending[:end])[0]
+            self._pending = self._pending[end:]
+            self._at = "separator"
+        if self._at == "separator":
+            while self._separator and self._pending[:1] == self._separator[0]:
+                self._pending, self._separator = self._pending[1:], self._separator[1:]
+            if self._separator and not self._pending and not is_end:
+                return reasoning, ""
+            self._at = "answer"
+        content, self._pending = self._pending, ""
+        return reasoning, content

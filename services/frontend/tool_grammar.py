@@ -10,14 +10,15 @@ The constraint is a grammar in llguidance's Lark dialect (the `grammar` kind of
 mili.engine.constraint.spec) that accepts exactly that: each call's JSON is an embedded JSON
 Schema (`%json`), `{"name": <one of the offered names>, "arguments": <that tool's parameters>}`,
 written with Qwen3's own separators (", " and ": ", as its template's `tojson` renders calls
-back) and no other whitespace. `<think>`, `</think>`, `<tool_call>` and `</tool_call>` are single
-tokens of Qwen3's vocabulary (llguidance treats them as special: the grammar names them bare,
+back) and no other whitespace. `<tool_call>` and `</tool_call>` are single tokens of Qwen3's
+vocabulary (llguidance treats them as special: the grammar names them bare,
 so the model must write the token, as it does, not the tag spelled in pieces).
 
 Thinking. With thinking on (enable_thinking unset or true) the model thinks before it calls:
-the grammar allows an optional think block of any text, then requires the calls, so the
-constraint leaves the reasoning alone and a call still always follows. With thinking off the
-template has closed an empty think block in the prompt and the answer is the calls alone.
+as for any constraint of a chat request, the frontend puts a think block of any text before
+the calls (prompt.with_think_block, mili.engine.constraint.think), so the constraint leaves
+the reasoning alone and a call still always follows. With thinking off the template has
+closed an empty think block in the prompt and the answer is the calls alone.
 
 Objects in the schemas are closed (mili.engine.constraint.schema.close_objects: no keys
 beyond those listed) as for a json_schema constraint, so bounded parameters give bounded
@@ -76,16 +77,12 @@ def call_schema(tool: FunctionTool) -> dict[str, Any]:
     }
 
 
-def tool_call_grammar(
-    tools: Sequence[FunctionTool], *, is_parallel: bool, is_thinking: bool
-) -> str:
-    """Lark text: [think] call ("\\n" call)* (or one call), each call one of `tools`."""
+def tool_call_grammar(tools: Sequence[FunctionTool], *, is_parallel: bool) -> str:
+    """Lark text: call ("\\n" call)* (or one call), each call one of `tools`."""
     calls = 'call ("\\n" call)*' if is_parallel else "call"
-    think = "think? " if is_thinking else ""
     functions = " | ".join(f"fn_{i}" for i in range(len(tools)))
     lines = [
-        f"start: {think}{calls}",
-        'think: <think> /(.|\\n)*/ </think> "\\n\\n"',
+        f"start: {calls}",
         f'call: <tool_call> "\\n" ({functions}) "\\n" </tool_call>',
     ]
     lines += [f"fn_{i}: %json {json.dumps(call_schema(t))}" for i, t in enumerate(tools)]
@@ -97,7 +94,6 @@ def tool_call_constraint(
     choice: ToolChoice,
     *,
     is_parallel: bool = True,
-    enable_thinking: bool | None = None,
     limits: ConstraintLimits = _LIMITS,
 ) -> Constraint | None:
     """The constraint that enforces `choice` over `tools` (checked by tools.check_tools), or
@@ -112,8 +108,7 @@ def tool_call_constraint(
         unenforced = unenforced_bounds(parameters) if parameters is not None else None
         if unenforced is not None:
             raise InvalidArgument(f"tools[{i}].parameters", tool.parameters, unenforced)
-    is_thinking = enable_thinking is not False
-    text = tool_call_grammar(chosen, is_parallel=is_parallel, is_thinking=is_thinking)
+    text = tool_call_grammar(chosen, is_parallel=is_parallel)
     constraint = Constraint.grammar(text)
     try:
         validate(constraint, limits)

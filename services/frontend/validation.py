@@ -243,7 +243,6 @@ def validate(
         request.tools,
         request.tool_choice,
         is_parallel=request.parallel_tool_calls,
-        enable_thinking=request.enable_thinking,
     )
     if tool_constraint is not None:
         if sampling.constraint is not None:

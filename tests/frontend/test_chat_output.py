@@ -86,9 +86,9 @@ def test_a_forced_call_cut_short_is_dropped_not_content() -> None:
 
 @pytest.mark.parametrize("fields", [{"constraint": "json"}, {"enable_thinking": False}])
 def test_a_think_tag_is_answer_text_where_no_thinking_can_come(fields: dict[str, object]) -> None:
-    """A constraint of the caller's makes the whole output its answer (a JSON string holding
-    "<think>" once came back cut into reasoning: invalid JSON); so does thinking off. The
-    grammar of a forced tool choice allows a think block: that one is split."""
+    """Under a constraint of the caller's only a think block at the start is thinking: the
+    answer is its text (a JSON string holding "<think>" once came back cut into reasoning:
+    invalid JSON); with thinking off all of it is. A forced tool choice's block is split."""
     sampling = SamplingInput(
         constraint=Constraint.json_object() if fields.get("constraint") else None
     )

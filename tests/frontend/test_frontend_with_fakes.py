@@ -621,3 +621,37 @@ def test_a_deadline_centuries_away_reaches_every_service_as_one_grpc_can_carry(
             assert (complete.text, complete.usage.completion_tokens) == ("abc", 3)
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    ("tokenizer", "enable_thinking", "is_chat", "think_block"),
+    [
+        (FakeTokenizer, None, True, sampling_pb2.THINK_BLOCK_OPTIONAL),  # Qwen3's hybrid template
+        (OpenThinkTokenizer, None, True, sampling_pb2.THINK_BLOCK_OPEN),  # Thinking-2507's
+        (FakeTokenizer, False, True, sampling_pb2.THINK_BLOCK_UNSPECIFIED),  # thinking off
+        (OpenThinkTokenizer, None, False, sampling_pb2.THINK_BLOCK_UNSPECIFIED),  # a prompt
+    ],
+)
+def test_a_chats_constraint_goes_after_the_think_block_its_prompt_leaves(
+    tokenizer: type[FakeTokenizer], enable_thinking: bool | None, is_chat: bool, think_block: int
+) -> None:
+    """Prefill and decode are told where the constraint starts: after a think block the model
+    may open (thinking on), inside one the prompt opened, or at the first token. It was always
+    the first token: Qwen3 was made to write "{" where it writes <think>."""
+
+    async def main() -> None:
+        async with stack(tokenizer=tokenizer()) as s:
+            sampling = sampling_pb2.SamplingParams(max_tokens=8, json_object=True)
+            if is_chat:
+                request = generation_pb2.CompleteRequest(
+                    messages=[chat_pb2.ChatMessage(role="user", content="hi")], sampling=sampling
+                )
+                if enable_thinking is not None:
+                    request.enable_thinking = enable_thinking
+            else:
+                request = generation_pb2.CompleteRequest(prompt="hi", sampling=sampling)
+            await s.stub.Complete(request, timeout=5)
+            for sent in (s.prefill.requests[0].sampling, s.decodes[0].requests[0].sampling):
+                assert sent.json_object and sent.think_block == think_block
+
+    asyncio.run(main())

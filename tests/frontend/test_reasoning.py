@@ -7,7 +7,12 @@ import itertools
 
 import pytest
 
-from services.frontend.reasoning import ReasoningSplitter, opens_reasoning
+from services.frontend.reasoning import (
+    ReasoningSplitter,
+    ThinkFirstSplitter,
+    opens_reasoning,
+    think_block,
+)
 
 THINKING = "<think>\nLet me add 2 and 2.\nIt is 4.\n</think>\n\nThe answer is 4."
 CASES = [
@@ -113,3 +118,59 @@ def test_token_deltas_of_the_real_tokenizer(demo_model_dir: object) -> None:
     pieces = [tokenizer.decode([i], skip_special_tokens=False) for i in ids]
     assert "".join(pieces) == THINKING
     assert _split(pieces) == CASES[0][1:]
+
+
+# A constraint's output with its think block (mili.engine.constraint.think): one block at the
+# start at most, then the answer exactly as generated.
+THINK_FIRST = [
+    # (generated text, started in reasoning, reasoning, content)
+    (
+        '<think>\nthe user wants JSON\n</think>\n\n{"a": 1}',
+        False,
+        "the user wants JSON",
+        '{"a": 1}',
+    ),
+    ('{"a": 1}', False, "", '{"a": 1}'),  # the model thought nothing
+    ("<think>\n\n</think>\n\nyes", False, "", "yes"),  # an empty block
+    # tags and newlines inside the answer are its text (a JSON string, a regex's match)
+    ('<think>x</think>\n\n{"t": "<think>a</think>"}', False, "x", '{"t": "<think>a</think>"}'),
+    ('{"t": "<think>"}', False, "", '{"t": "<think>"}'),
+    ("<think>x</think>\n\n\n\nab\n", False, "x", "\n\nab\n"),  # only the separator goes
+    ("<thin", False, "", "<thin"),  # cut short: a tag's beginning is text
+    ("<think>\nstill thinking\n", False, "still thinking\n", ""),  # cut short in the block
+    ("<think>x</think>\n", False, "x", ""),  # cut inside the separator
+    # the prompt opened the block: the model writes the reasoning and </think> only
+    ("the user greets me\n</think>\n\nhi <think>", True, "the user greets me", "hi <think>"),
+    ("cut off\n", True, "cut off\n", ""),
+]
+
+
+def _split_think_first(pieces: list[str], *, started: bool) -> tuple[str, str]:
+    splitter = ThinkFirstSplitter()
+    splitter.is_reasoning = started
+    reasoning, content = [], []
+    for piece in pieces:
+        r, c = splitter.push(piece)
+        reasoning.append(r)
+        content.append(c)
+    r, c = splitter.finish()
+    return "".join([*reasoning, r]), "".join([*content, c])
+
+
+@pytest.mark.parametrize(("text", "started", "reasoning", "content"), THINK_FIRST)
+def test_a_constraints_think_block_alone_is_split_off_in_any_cut(
+    text: str, started: bool, reasoning: str, content: str
+) -> None:
+    """The answer of a constraint is passed through whole: ReasoningSplitter read a tag inside
+    it (a JSON string's "<think>") as one, and the newlines it begins with as trimmable."""
+    n = len(text)
+    for i, j in itertools.combinations_with_replacement(range(n + 1), 2):
+        pieces = [text[:i], text[i:j], text[j:]]
+        assert _split_think_first(pieces, started=started) == (reasoning, content), pieces
+
+
+def test_what_comes_before_a_constraint() -> None:
+    assert think_block(is_chat=True, enable_thinking=None, starts_in_reasoning=False) == "optional"
+    assert think_block(is_chat=True, enable_thinking=True, starts_in_reasoning=True) == "open"
+    assert think_block(is_chat=True, enable_thinking=False, starts_in_reasoning=False) == "none"
+    assert think_block(is_chat=False, enable_thinking=None, starts_in_reasoning=False) == "none"

@@ -16,6 +16,7 @@ from tokenizers import Tokenizer
 
 from mili.engine.constraint.compiler import CompiledConstraint, ConstraintCompiler
 from mili.engine.constraint.mask import BatchMasker, apply_token_bitmask
+from mili.engine.constraint.spec import ThinkBlock
 from mili.engine.constraint.vocab import GrammarTokenizer
 from mili.errors import InvalidArgument
 from services.frontend.chat_output import ChatOutput
@@ -67,10 +68,14 @@ def compiler(tokenizer: GrammarTokenizer) -> ConstraintCompiler:
     return ConstraintCompiler(tokenizer)
 
 
-def compiled(compiler: ConstraintCompiler, choice: ToolChoice, **kwargs: Any) -> CompiledConstraint:
+def compiled(
+    compiler: ConstraintCompiler, choice: ToolChoice, think: ThinkBlock = "none", **kwargs: Any
+) -> CompiledConstraint:
+    """The tool choice's constraint behind `think` (what the frontend adds for chat with
+    thinking on: prompt.with_think_block), compiled."""
     constraint = tool_call_constraint(TOOLS, choice, **kwargs)
     assert constraint is not None and constraint.kind == "grammar"
-    return compiler.compile_sync(constraint)
+    return compiler.compile_sync(constraint.after_think(think))
 
 
 def calls_of(text: str) -> tuple[str, str, list[tuple[str, dict[str, Any]]]]:
@@ -98,9 +103,7 @@ def check_calls(text: str, names: set[str], max_calls: int | None) -> int:
 def test_required_outputs_are_valid_calls(
     is_parallel: bool, compiler: ConstraintCompiler, hf: Tokenizer
 ) -> None:
-    grammar = compiled(
-        compiler, ToolChoice("required"), is_parallel=is_parallel, enable_thinking=False
-    )
+    grammar = compiled(compiler, ToolChoice("required"), is_parallel=is_parallel)
     names: set[str] = set()
     num_calls = []
     for seed in range(4):
@@ -114,7 +117,7 @@ def test_required_outputs_are_valid_calls(
 
 
 def test_named_function_outputs_call_it(compiler: ConstraintCompiler, hf: Tokenizer) -> None:
-    grammar = compiled(compiler, ToolChoice("function", "search"), enable_thinking=False)
+    grammar = compiled(compiler, ToolChoice("function", "search"))
     for seed in range(3):
         run = sample(grammar, hf, seed, max_steps=600)
         assert all(run.finished)
@@ -141,7 +144,7 @@ def test_a_tool_with_defs_and_refs_is_called_with_valid_arguments(
         "required": ["to", "n"],
     }
     tool = FunctionTool("ship", "", json.dumps(ship))
-    constraint = tool_call_constraint([tool], ToolChoice("function", "ship"), enable_thinking=False)
+    constraint = tool_call_constraint([tool], ToolChoice("function", "ship"))
     assert constraint is not None
     grammar = compiler.compile_sync(constraint)
     for seed in range(3):
@@ -169,7 +172,7 @@ def test_parameters_without_a_type_are_called_with_an_object(
     are still an object. The schema was embedded as sent, which allows any JSON value, and
     `"arguments": true` is no call: the answer came back as text with no tool_calls."""
     tool = FunctionTool("f", "", json.dumps(parameters))
-    constraint = tool_call_constraint([tool], ToolChoice("function", "f"), enable_thinking=False)
+    constraint = tool_call_constraint([tool], ToolChoice("function", "f"))
     assert constraint is not None
     grammar = compiler.compile_sync(constraint)
     for value in ("true", "null", "-6045", '"a"', "[1]"):
@@ -211,7 +214,7 @@ def test_ids_and_anchors_in_parameters_still_resolve(
     compiler: ConstraintCompiler, tokenizer: GrammarTokenizer, parameters: dict[str, Any]
 ) -> None:
     tool = FunctionTool("ship", "", json.dumps(parameters))
-    constraint = tool_call_constraint([tool], ToolChoice("function", "ship"), enable_thinking=False)
+    constraint = tool_call_constraint([tool], ToolChoice("function", "ship"))
     assert constraint is not None
     grammar = compiler.compile_sync(constraint)
     call = '<tool_call>\n{"name": "ship", "arguments": {"to": 3}}\n</tool_call>'
@@ -221,7 +224,7 @@ def test_ids_and_anchors_in_parameters_still_resolve(
 def test_thinking_on_allows_a_think_block_then_requires_calls(
     compiler: ConstraintCompiler, tokenizer: GrammarTokenizer, hf: Tokenizer
 ) -> None:
-    grammar = compiled(compiler, ToolChoice("function", "get_weather"), enable_thinking=None)
+    grammar = compiled(compiler, ToolChoice("function", "get_weather"), "optional")
     think_id, close_id = tokenizer.encode("<think>")[0], tokenizer.encode("</think>")[0]
     texts = sample_biased(grammar, hf, seed=0, bias={think_id: 4.0, close_id: 6.0})
     thought = 0
@@ -238,7 +241,7 @@ def test_thinking_on_allows_a_think_block_then_requires_calls(
 def test_a_matcher_takes_a_real_answer_and_refuses_others(
     compiler: ConstraintCompiler, tokenizer: GrammarTokenizer
 ) -> None:
-    grammar = compiled(compiler, ToolChoice("required"), enable_thinking=True)
+    grammar = compiled(compiler, ToolChoice("required"), "optional")
     good = (
         "<think>\nParis, so get_weather.\n</think>\n\n"
         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n'

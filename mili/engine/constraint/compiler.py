@@ -52,6 +52,7 @@ import llguidance
 from mili.engine.constraint import schema as schemas
 from mili.engine.constraint.matcher import ConstraintMatcher, too_complex
 from mili.engine.constraint.spec import Constraint, ConstraintLimits, parse_schema, validate
+from mili.engine.constraint.think import after_think
 from mili.engine.constraint.trial import CompileTrials
 from mili.engine.constraint.vocab import GrammarTokenizer
 from mili.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
@@ -137,7 +138,12 @@ class CompiledConstraint:
 
 
 def grammar_text(constraint: Constraint, limits: ConstraintLimits, prefix: str) -> str:
-    """llguidance's grammar for `constraint`; InvalidArgument when it cannot be written."""
+    """llguidance's grammar for `constraint`, behind its think block (think.py);
+    InvalidArgument when it cannot be written."""
+    return after_think(_own_grammar(constraint, limits, prefix), constraint.think)
+
+
+def _own_grammar(constraint: Constraint, limits: ConstraintLimits, prefix: str) -> str:
     field_name = constraint.field_name(prefix)
     try:
         if constraint.kind == "json_schema":

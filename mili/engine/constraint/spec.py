@@ -15,10 +15,22 @@ Kinds:
     grammar       a context-free grammar in llguidance's Lark dialect (`start: ...`), or in
                   llama.cpp's GBNF (`root ::= ...`, recognised by `::=`), converted by llguidance
     choice        exactly one of a list of strings
+
+Where it starts (`think`): a chat answer of Qwen3's with thinking on begins with its reasoning,
+which no constraint of the caller's should touch. The frontend, which knows the thinking switch
+and the prompt, says which shape the output has; the compiler puts the think block before the
+constraint's grammar (think.py):
+
+    none       the constraint from the first token (prompts, chat with thinking off)
+    optional   `<think>` any text `</think>` "\n\n", or nothing, then the constraint (Qwen3's
+               hybrid template: the model opens the block itself)
+    open       any text `</think>` "\n\n", then the constraint (the template opened the block
+               in the prompt: the output starts inside it)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections.abc import Sequence
@@ -29,6 +41,8 @@ from mili.errors import InvalidArgument
 
 ConstraintKind = Literal["json_schema", "json_object", "regex", "grammar", "choice"]
 KINDS: tuple[str, ...] = get_args(ConstraintKind)
+ThinkBlock = Literal["none", "optional", "open"]
+THINK_BLOCKS: tuple[str, ...] = get_args(ThinkBlock)
 
 
 @dataclass(frozen=True)
@@ -52,18 +66,23 @@ class ConstraintLimits:
 @dataclass(frozen=True)
 class Constraint:
     """One request's output constraint. `text` is the schema, regex or grammar as sent (empty
-    for json_object and choice); `choices` holds a choice's strings. Equal constraints have
-    equal `key`s, which key the compile cache."""
+    for json_object and choice); `choices` holds a choice's strings; `think` the think block
+    before it (module docstring). Equal constraints have equal `key`s, which key the compile
+    cache: the same schema after a think block and without one are two grammars."""
 
     kind: ConstraintKind
     text: str = ""
     choices: tuple[str, ...] = ()
+    think: ThinkBlock = "none"
     key: str = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"constraint kind must be one of {KINDS}, got {self.kind!r}")
-        digest = hashlib.sha256(json.dumps([self.kind, self.text, list(self.choices)]).encode())
+        if self.think not in THINK_BLOCKS:
+            raise ValueError(f"constraint think must be one of {THINK_BLOCKS}, got {self.think!r}")
+        fields = [self.kind, self.text, list(self.choices), self.think]
+        digest = hashlib.sha256(json.dumps(fields).encode())
         object.__setattr__(self, "key", digest.hexdigest())
 
     @classmethod
@@ -86,6 +105,10 @@ class Constraint:
     @classmethod
     def choice(cls, choices: Sequence[str]) -> Constraint:
         return cls("choice", choices=tuple(choices))
+
+    def after_think(self, think: ThinkBlock) -> Constraint:
+        """This constraint with `think` before it."""
+        return dataclasses.replace(self, think=think)
 
     def field_name(self, prefix: str = "sampling") -> str:
         """The request field this constraint came from, for error messages (`field_of`)."""

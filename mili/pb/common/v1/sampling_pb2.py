@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dmili/common/v1/sampling.proto\x12\x0emili.common.v1\"\xa7\x06\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x08\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x04H\t\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\x05H\n\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0e \x01(\x05H\x0b\x88\x01\x01\x12\x15\n\x0bjson_schema\x18\x0f \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x10 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x11 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x12 \x01(\tH\x00\x12\x32\n\x06\x63hoice\x18\x13 \x01(\x0b\x32 .mili.common.v1.ChoiceConstraintH\x00\x12\x12\n\nmin_tokens\x18\x14 \x01(\r\x12\x41\n\nlogit_bias\x18\x15 \x03(\x0b\x32-.mili.common.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0c\n\nconstraintB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"#\n\x10\x43hoiceConstraint\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"c\n\x08Logprobs\x12,\n\x06\x63hosen\x18\x01 \x01(\x0b\x32\x1c.mili.common.v1.TokenLogprob\x12)\n\x03top\x18\x02 \x03(\x0b\x32\x1c.mili.common.v1.TokenLogprob*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dmili/common/v1/sampling.proto\x12\x0emili.common.v1\"\xd8\x06\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x08\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x04H\t\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\x05H\n\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0e \x01(\x05H\x0b\x88\x01\x01\x12\x15\n\x0bjson_schema\x18\x0f \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x10 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x11 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x12 \x01(\tH\x00\x12\x32\n\x06\x63hoice\x18\x13 \x01(\x0b\x32 .mili.common.v1.ChoiceConstraintH\x00\x12\x12\n\nmin_tokens\x18\x14 \x01(\r\x12\x41\n\nlogit_bias\x18\x15 \x03(\x0b\x32-.mili.common.v1.SamplingParams.LogitBiasEntry\x12/\n\x0bthink_block\x18\x16 \x01(\x0e\x32\x1a.mili.common.v1.ThinkBlock\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0c\n\nconstraintB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"#\n\x10\x43hoiceConstraint\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"c\n\x08Logprobs\x12,\n\x06\x63hosen\x18\x01 \x01(\x0b\x32\x1c.mili.common.v1.TokenLogprob\x12)\n\x03top\x18\x02 \x03(\x0b\x32\x1c.mili.common.v1.TokenLogprob*Y\n\nThinkBlock\x12\x1b\n\x17THINK_BLOCK_UNSPECIFIED\x10\x00\x12\x18\n\x14THINK_BLOCK_OPTIONAL\x10\x01\x12\x14\n\x10THINK_BLOCK_OPEN\x10\x02*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,16 +33,18 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1048
-  _globals['_FINISHREASON']._serialized_end=1143
+  _globals['_THINKBLOCK']._serialized_start=1097
+  _globals['_THINKBLOCK']._serialized_end=1186
+  _globals['_FINISHREASON']._serialized_start=1188
+  _globals['_FINISHREASON']._serialized_end=1283
   _globals['_SAMPLINGPARAMS']._serialized_start=50
-  _globals['_SAMPLINGPARAMS']._serialized_end=857
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=626
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=674
-  _globals['_CHOICECONSTRAINT']._serialized_start=859
-  _globals['_CHOICECONSTRAINT']._serialized_end=894
-  _globals['_TOKENLOGPROB']._serialized_start=896
-  _globals['_TOKENLOGPROB']._serialized_end=945
-  _globals['_LOGPROBS']._serialized_start=947
-  _globals['_LOGPROBS']._serialized_end=1046
+  _globals['_SAMPLINGPARAMS']._serialized_end=906
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=675
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=723
+  _globals['_CHOICECONSTRAINT']._serialized_start=908
+  _globals['_CHOICECONSTRAINT']._serialized_end=943
+  _globals['_TOKENLOGPROB']._serialized_start=945
+  _globals['_TOKENLOGPROB']._serialized_end=994
+  _globals['_LOGPROBS']._serialized_start=996
+  _globals['_LOGPROBS']._serialized_end=1095
 # @@protoc_insertion_point(module_scope)
