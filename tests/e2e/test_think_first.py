@@ -159,6 +159,20 @@ def test_thinking_off_and_completions_are_constrained_from_the_first_token(
         jsonschema.validate(json.loads(completion.choices[0].text), SCHEMA)
 
 
+def test_a_forced_tool_choice_thinks_then_calls(
+    client: openai.OpenAI, tags: tuple[int, int]
+) -> None:
+    """The tool choice's constraint goes behind the same think block as any chat constraint."""
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA}}
+    for seed in SEEDS[:2]:
+        (done,) = http_chat(client, tags, seed, tools=[tool], tool_choice="required").choices
+        assert done.finish_reason == "tool_calls" and not done.message.content, done
+        for call in done.message.tool_calls:
+            assert call.function.name == "get_weather"
+            jsonschema.validate(json.loads(call.function.arguments), SCHEMA)
+        assert "think>" not in (getattr(done.message, "reasoning_content", None) or "")
+
+
 def test_a_callers_think_block_is_refused(pipeline: Deployment) -> None:
     """The frontend sets it from enable_thinking and the chat template, never a caller."""
     sampling = sampling_pb2.SamplingParams(
