@@ -113,9 +113,9 @@ def check_tools(tools: Sequence[FunctionTool], choice: ToolChoice, is_chat: bool
 def _check_parameters(text: str, field: str, bad: Bad) -> None:
     schema = parse_object(text)
     if schema is None:
-        bad(field, _preview(text), "must be a JSON Schema object, in JSON text")
+        bad(field, text, "must be a JSON Schema object, in JSON text")
     elif schema.get("type", "object") != "object":  # none: an object (tool_grammar.py says so)
-        bad(field, _preview(text), "a function's parameters are a schema of type object")
+        bad(field, text, "a function's parameters are a schema of type object")
 
 
 def check_tool_calls(calls: Sequence[ToolCallInput], role: str, field: str, bad: Bad) -> None:
@@ -126,7 +126,7 @@ def check_tool_calls(calls: Sequence[ToolCallInput], role: str, field: str, bad:
         if not call.name:
             bad(f"{field}[{j}].name", call.name, "required: the called function's name")
         if parse_object(call.arguments) is None:
-            bad(f"{field}[{j}].arguments", _preview(call.arguments), "must be a JSON object")
+            bad(f"{field}[{j}].arguments", call.arguments, "must be a JSON object")
 
 
 def num_chars(tools: Sequence[FunctionTool], calls: Sequence[ToolCallInput]) -> int:
@@ -134,7 +134,3 @@ def num_chars(tools: Sequence[FunctionTool], calls: Sequence[ToolCallInput]) -> 
     return sum(len(t.name) + len(t.description) + len(t.parameters) for t in tools) + sum(
         len(c.id) + len(c.name) + len(c.arguments) for c in calls
     )
-
-
-def _preview(text: str, limit: int = 80) -> str:
-    return text if len(text) <= limit else text[:limit] + "..."

@@ -34,21 +34,15 @@ def parse_json_object(text: str, field: str) -> dict[str, Any]:
     try:
         value = strict_json.loads(text)
     except ValueError as e:
-        raise InvalidArgument(field, _preview(text), f"not valid JSON: {e}") from None
+        raise InvalidArgument(field, text, f"not valid JSON: {e}") from None
     if not isinstance(value, dict):
-        raise InvalidArgument(
-            field, _preview(text), f"must be a JSON object, found {type(value).__name__}"
-        )
+        raise InvalidArgument(field, text, f"must be a JSON object, found {type(value).__name__}")
     where = lone_surrogate_path(value)
     if where is not None:
         raise InvalidArgument(
-            f"{field}.{where}", _preview(text), "holds a lone UTF-16 surrogate escape: not text"
+            f"{field}.{where}", text, "holds a lone UTF-16 surrogate escape: not text"
         )
     return value
-
-
-def _preview(text: str, limit: int = 80) -> str:
-    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def map_strings(value: Any, fn: Callable[[str], str]) -> Any:
