@@ -28,9 +28,7 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
 
-from mili.discovery import Resolve, Target, resolve_host
-from mili.pb.decode.v1 import decode_pb2_grpc
-from mili.pb.prefill.v1 import prefill_pb2_grpc
+from mili.discovery import Resolve, resolve_host
 from mili.pb.tokenizer.v1 import tokenizer_pb2_grpc
 from mili.rpc.tls import Tls
 from mili.telemetry.metrics import FrontendMetrics
@@ -39,7 +37,6 @@ from services.frontend.admitter import Admitter
 from services.frontend.calls import InstanceDown
 from services.frontend.config import FrontendConfig
 from services.frontend.instances import Instances
-from services.frontend.multiplex import DecodeMultiplexer
 from services.frontend.poller import Poller
 from services.frontend.readiness import NOT_POLLED, Readiness, readiness_of
 from services.frontend.router import MemberChanges, Router
@@ -118,23 +115,6 @@ class Backends:
                 num_tokens=lambda: self.admitter.num_waiting_tokens,
             )
             self.admitter.on_wait = metrics.queue_wait.observe
-
-    def prefill(self, address: str) -> prefill_pb2_grpc.PrefillServiceStub:
-        return self.instances.prefill(address)
-
-    def decode(self, address: str) -> decode_pb2_grpc.DecodeServiceStub:
-        return self.instances.decode(address)
-
-    def targets(self, kind: str) -> tuple[Target, ...]:
-        """The --prefill or --decode targets, as configured."""
-        return self.instances.targets(kind)
-
-    def target_of(self, address: str) -> str:
-        """The target (as configured) that instance `address` came from."""
-        return self.instances.target_of(address)
-
-    def multiplexer(self, address: str) -> DecodeMultiplexer:
-        return self.instances.multiplexer(address)
 
     async def start(self) -> None:
         """One round of lookups and Info polls (instances not up yet are found by later

@@ -102,7 +102,7 @@ class GrpcDownstream:
         request = convert.decode_request(
             ids, prompt, self._backends.prefill_layouts[route.prefill], self._config.kv_lease_ms
         )
-        return self._backends.multiplexer(route.decode).open(request, deadline)
+        return self._backends.instances.multiplexer(route.decode).open(request, deadline)
 
     def prefill(
         self,
@@ -113,7 +113,9 @@ class GrpcDownstream:
         deadline: Deadline,
     ) -> asyncio.Future[PrefillStats]:
         request = convert.prefill_request(ids, prompt, route.decode, admitted)
-        call = self._backends.prefill(route.prefill).Prefill(request, timeout=deadline.remaining())
+        call = self._backends.instances.prefill(route.prefill).Prefill(
+            request, timeout=deadline.remaining()
+        )
         who = f"prefill at {route.prefill}"
         outage = self._backends.outage(route.prefill)
         task = asyncio.ensure_future(_prefill_reply_or_outage(call, who, deadline, outage))

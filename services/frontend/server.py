@@ -85,9 +85,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             default_max_tokens=self._config.limits.default_max_tokens,
             prefill_addresses=[m.address for m in members if m.kind == "prefill"],
             decode_addresses=[m.address for m in members if m.kind == "decode"],
-            prefill_targets=[t.spec for t in self._backends.targets("prefill")],
-            decode_targets=[t.spec for t in self._backends.targets("decode")],
-            instances=[convert.instance(m, self._backends.target_of(m.address)) for m in members],
+            prefill_targets=[t.spec for t in self._backends.instances.targets("prefill")],
+            decode_targets=[t.spec for t in self._backends.instances.targets("decode")],
+            instances=[
+                convert.instance(m, self._backends.instances.target_of(m.address)) for m in members
+            ],
             target_problems=[
                 generation_pb2.TargetProblem(target=t.spec, problem=problem)
                 for t, problem in self._backends.lookup_problems.by_target.items()

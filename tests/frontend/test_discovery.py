@@ -322,7 +322,7 @@ def test_a_name_that_never_resolves_is_logged_once_and_shown_in_info(
             c.dns.is_down = True
             await asyncio.sleep(0.35)
             failed = "lookup failed (keeping its last answer): {}: timed out"
-            named = c.backends.targets("decode")[0].spec
+            named = c.backends.instances.targets("decode")[0].spec
             assert sorted(problems(await c.info())) == [
                 (named, failed.format(NAME)),  # its instances stay
                 (typo, failed.format("decode.typo.test")),

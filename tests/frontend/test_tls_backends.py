@@ -105,7 +105,7 @@ def test_an_instance_found_by_name_is_verified_as_that_name(tmp_path: Path) -> N
         backends = await _backends_against(tmp_path, ca, ca)
         try:
             await backends.start()
-            decode = f"{IP}:{backends.targets('decode')[0].port}"
+            decode = f"{IP}:{backends.instances.targets('decode')[0].port}"
             await wait_until(lambda: backends.router.decodes[decode].is_routable, 2.0)
             assert backends.problem is None
         finally:
@@ -123,7 +123,7 @@ def test_an_instance_refusing_our_certificate_is_logged_once(
             with caplog.at_level(logging.WARNING, logger="mili.frontend"):
                 await backends.start()
                 await asyncio.sleep(0.6)  # a dozen polls, each refused at the handshake
-            decode = f"{IP}:{backends.targets('decode')[0].port}"
+            decode = f"{IP}:{backends.instances.targets('decode')[0].port}"
             assert not backends.router.decodes[decode].is_up
             lines = [r.getMessage() for r in caplog.records if decode in r.getMessage()]
             refusals = [line for line in lines if "UNAVAILABLE" in line]
