@@ -66,7 +66,6 @@ class Watchdog:
         self._interval_s = timeout_s / checks_per_timeout
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"{name}-watchdog", daemon=True)
-        self.fired = False
 
     def start(self) -> None:
         self._thread.start()
@@ -80,7 +79,6 @@ class Watchdog:
         while not self._stop.wait(self._interval_s):
             stalled = self._progress.stalled(time.monotonic())
             if stalled is not None and stalled[0] >= self._timeout_s:
-                self.fired = True
                 seconds, what = stalled
                 self._on_stall(
                     f"{self._name}: {what} has made no progress for {seconds:.0f} s "

@@ -40,7 +40,7 @@ def test_a_thread_stuck_in_its_work_is_reported_once_naming_it() -> None:
         while not stalls and time.monotonic() < deadline:
             time.sleep(0.02)
         time.sleep(0.3)  # a second report would come within this
-        assert len(stalls) == 1 and watchdog.fired
+        assert len(stalls) == 1
         assert stalls[0].startswith("decode: a decode step of 3 requests has made no progress")
         assert "--watchdog-timeout 0.3" in stalls[0]
     finally:
@@ -70,7 +70,7 @@ def test_a_thread_moving_on_or_waiting_for_work_is_never_reported(kind: str) -> 
     stop.set()
     thread.join()
     watchdog.stop()
-    assert stalls == [] and not watchdog.fired
+    assert stalls == []
 
 
 def test_zero_or_less_is_no_timeout() -> None:
