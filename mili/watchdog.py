@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 
 _LOG = logging.getLogger("mili.watchdog")
+CHECKS_PER_TIMEOUT = 10
 
 
 class Progress:
@@ -46,7 +47,7 @@ class Progress:
 
 class Watchdog:
     """Calls `on_stall(message)` once when `progress` has been busy `timeout_s` without moving
-    on; checks `checks_per_timeout` times a timeout (so it fires within 1/checks of a
+    on; checks CHECKS_PER_TIMEOUT times a timeout (so it fires within 1/CHECKS_PER_TIMEOUT of a
     timeout late). `name` is the service's, for the message."""
 
     def __init__(
@@ -55,7 +56,6 @@ class Watchdog:
         timeout_s: float,
         on_stall: Callable[[str], None],
         name: str,
-        checks_per_timeout: int = 10,
     ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"watchdog timeout must be > 0 s, got {timeout_s}")
@@ -63,7 +63,7 @@ class Watchdog:
         self._timeout_s = timeout_s
         self._on_stall = on_stall
         self._name = name
-        self._interval_s = timeout_s / checks_per_timeout
+        self._interval_s = timeout_s / CHECKS_PER_TIMEOUT
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"{name}-watchdog", daemon=True)
 
