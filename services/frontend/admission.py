@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from mili.errors import ResourceExhausted
 
@@ -48,7 +48,6 @@ class Waiter:
 
     seq: int  # arrival number from `AdmissionQueue.arrive`: lower arrived first
     num_tokens: int  # prompt tokens, counted against the queue's token bound
-    is_trying: bool = field(default=False, init=False)
 
 
 class AdmissionQueue:
@@ -149,7 +148,6 @@ class AdmissionQueue:
         self.num_tokens -= waiter.num_tokens
         if self._trying is waiter:
             self._trying = None
-            waiter.is_trying = False
         if was_head:
             self._has_news = True
         return True
@@ -168,7 +166,6 @@ class AdmissionQueue:
             return None
         self._has_news = False
         self._trying = head
-        head.is_trying = True
         return head
 
     def end_try(self, waiter: Waiter, *, is_admitted: bool) -> None:
@@ -177,7 +174,6 @@ class AdmissionQueue:
         if self._trying is not waiter:
             raise ValueError(f"arrival {waiter.seq} is not trying")
         self._trying = None
-        waiter.is_trying = False
         if is_admitted:
             self.remove(waiter)
             self._has_news = True  # the next waiter may fit too
