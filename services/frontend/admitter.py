@@ -64,7 +64,6 @@ class Arrival:
     # taken when its first was: turned away, it would fail the choices already running)
     is_bounded: bool = True
     waited_s: float = 0.0  # in the queue, all its stays together
-    num_queued: int = 0  # stays in the queue
 
 
 class Admitter:
@@ -165,7 +164,6 @@ class Admitter:
             self.queue.remove(waiter)  # no-op when admitted
             waited_s = self._clock() - queued_at
             arrival.waited_s += waited_s
-            arrival.num_queued += 1
             if self.on_wait is not None:
                 self.on_wait(waited_s)
             span.add_event(

@@ -262,6 +262,6 @@ def test_a_request_pushed_back_keeps_its_place_by_arrival() -> None:
         adm.notify()
         assert await again == "first" and await b == "b"
         assert instances.admitted == ["first", "b"]
-        assert first.num_queued == 1 and first.waited_s > 0
+        assert first.waited_s > 0
 
     asyncio.run(main())
