@@ -107,7 +107,6 @@ class CompileConfig:
 class CompileStats(NamedTuple):
     hits: int
     misses: int  # compiles started
-    timeouts: int
     running: int  # compile threads alive now (late ones included)
 
 
@@ -231,11 +230,11 @@ class ConstraintCompiler:
         self._refused: OrderedDict[tuple[str, str], InvalidArgument] = OrderedDict()
         self._running: dict[tuple[str, str], concurrent.futures.Future[CompiledConstraint]] = {}
         self._num_threads = 0
-        self._hits = self._misses = self._timeouts = 0
+        self._hits = self._misses = 0
 
     def stats(self) -> CompileStats:
         with self._lock:
-            return CompileStats(self._hits, self._misses, self._timeouts, self._num_threads)
+            return CompileStats(self._hits, self._misses, self._num_threads)
 
     def warm(self) -> None:
         """Start a compile process in the background (services call it at start)."""
@@ -270,8 +269,6 @@ class ConstraintCompiler:
             raise self._timed_out(constraint) from None
 
     def _timed_out(self, constraint: Constraint) -> ResourceExhausted:
-        with self._lock:
-            self._timeouts += 1
         field_name = constraint.field_name(self.config.field_prefix)
         limit = self.config.timeout_s
         return ResourceExhausted(f"{field_name}: compiling the constraint took over {limit} s")
