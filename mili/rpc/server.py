@@ -478,16 +478,10 @@ class RpcServer:
             pass  # grpc's stop ends what is left
 
 
-def _print_line(line: str) -> None:
-    print(line, flush=True)  # flushed: tests and launchers read the port from this line
+async def serve_forever(server: RpcServer) -> None:
+    """Start `server`, print `<name> service listening on HOST:PORT`, serve until a signal.
 
-
-async def serve_forever(
-    server: RpcServer, *, announce: Callable[[str], None] = _print_line
-) -> None:
-    """Start `server`, announce `<name> service listening on HOST:PORT`, serve until a signal.
-
-    With a metrics_port, `<name> metrics on http://HOST:PORT/metrics` is announced first.
+    With a metrics_port, `<name> metrics on http://HOST:PORT/metrics` is printed first.
 
     For a service's `__main__`: `asyncio.run(serve_forever(server))` returns after a SIGTERM
     or SIGINT drain, so the process exits 0.
@@ -495,11 +489,12 @@ async def serve_forever(
     await server.start()
 
     def ready() -> None:
+        # flushed: tests and launchers read the port from these lines
         if server.metrics_url is not None:
-            announce(f"{server.name} metrics on {server.metrics_url}")
+            print(f"{server.name} metrics on {server.metrics_url}", flush=True)
         if server.health_address is not None:
-            announce(f"{server.name} health on {server.health_address}")
-        announce(f"{server.name} service listening on {server.address}")
+            print(f"{server.name} health on {server.health_address}", flush=True)
+        print(f"{server.name} service listening on {server.address}", flush=True)
 
     await server.run_until_signal(ready)
 
