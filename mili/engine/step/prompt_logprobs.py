@@ -68,14 +68,11 @@ def compute_prompt_logprobs(
     target_ids: Sequence[int],
     vocab_size: int,
     num_top: int,
-    *,
-    rows_per_pass: int | None = None,
 ) -> PendingPromptLogprobs:
     """Queue the logprobs of `target_ids` given hidden rows [t, hidden] (row j predicts
     target j; rows past the targets are ignored), `logits_of` mapping hidden rows to float32
-    logits [n, V' >= vocab_size], `rows_per_pass` of them at a time (default ROWS_PER_PASS).
+    logits [n, V' >= vocab_size], ROWS_PER_PASS of them at a time.
     Nothing here waits for the device."""
-    rows_per_pass = rows_per_pass or ROWS_PER_PASS
     num_targets = len(target_ids)
     device = hidden.device
     if num_targets > hidden.shape[0]:
@@ -85,8 +82,8 @@ def compute_prompt_logprobs(
         return PendingPromptLogprobs(torch.empty(0, device=device), empty, empty.long())
     targets = to_device(list(target_ids), torch.int64, device)
     parts = []
-    for first in range(0, num_targets, rows_per_pass):
-        last = min(first + rows_per_pass, num_targets)
+    for first in range(0, num_targets, ROWS_PER_PASS):
+        last = min(first + ROWS_PER_PASS, num_targets)
         logits = logits_of(hidden[first:last])[:, :vocab_size].float()  # [n, V]
         parts.append(raw_logprobs(logits, targets[first:last], num_top))
         del logits
