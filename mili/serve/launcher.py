@@ -352,7 +352,7 @@ class Launcher:
 
     async def _watch(self, child: Child) -> None:
         """Restart `child` whenever it exits (with backoff); return only under --fail-fast."""
-        backoff = Backoff(self.plan.restart)
+        backoff = Backoff()
         while True:
             pid = child.pid
             code = await child.wait_exit()

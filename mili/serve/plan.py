@@ -9,7 +9,7 @@ import argparse
 import functools
 import os
 import shlex
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -19,7 +19,6 @@ from mili.engine.engine_config import add_engine_arguments
 from mili.errors import StartupError
 from mili.rpc.tls import Tls
 from mili.serve import tls as serve_tls
-from mili.serve.backoff import RestartPolicy
 from mili.serve.forwarded_flags import Borrowed
 from services.frontend import __main__ as frontend_main
 
@@ -68,7 +67,6 @@ class Plan:
     startup_timeout_s: float
     drain_timeout_s: float
     fail_fast: bool = False  # a child that exits stops everything (exit 1) instead of restarting
-    restart: RestartPolicy = field(default_factory=RestartPolicy)
     health_tls: Tls | None = None  # what our health checks of the children dial with
     frontend_health_tls: Tls | None = None  # the frontends': none with --public-tls off
     tls_demo: CertFiles | None = None  # --tls-demo: the files a client outside uses
