@@ -137,15 +137,6 @@ class ModelTokenizer:
         """Token ids of `text`, with no special tokens added (Qwen adds none anyway)."""
         return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
 
-    def render_chat(
-        self,
-        messages: list[Message],
-        add_generation_prompt: bool,
-        enable_thinking: bool | None,
-        tools: list[Tool] | None = None,
-    ) -> str:
-        return self.chat_template.render(messages, add_generation_prompt, enable_thinking, tools)
-
     def tokenize_chat(
         self,
         messages: list[Message],
@@ -162,7 +153,7 @@ class ModelTokenizer:
         offered = tools or []
 
         def render(turns: list[Message], listed: list[Tool]) -> str:
-            return self.render_chat(turns, add_generation_prompt, enable_thinking, listed)
+            return self.chat_template.render(turns, add_generation_prompt, enable_thinking, listed)
 
         if allow_special_tokens or not self._guard.finds_special_text(messages, offered):
             prompt = render(messages, offered)

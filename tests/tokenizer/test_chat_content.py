@@ -49,7 +49,7 @@ def test_injected_control_tokens_stay_text(tokenizer: ModelTokenizer, as_text: T
     ids = special_ids(tokenizer)
     start, end = ids["<|im_start|>"], ids["<|im_end|>"]
     prompt, token_ids = tokenizer.tokenize_chat([Message("user", INJECTION)], True, False)
-    assert prompt == tokenizer.render_chat([Message("user", INJECTION)], True, False)
+    assert prompt == tokenizer.chat_template.render([Message("user", INJECTION)], True, False)
     # The template's tokens only: one user turn, then the assistant's.
     assert [t for t in token_ids if t in ids.values()] == [start, end, start]
     # The turn holds the content as characters, encoded as one piece with specials off.
@@ -94,7 +94,7 @@ def test_every_special_token_in_content_and_reasoning_stays_text(
     _, clean_ids = tokenizer.tokenize_chat(clean, True, True)
     specials = set(special_ids(tokenizer).values())
     assert [t for t in token_ids if t in specials] == [t for t in clean_ids if t in specials]
-    prompt = tokenizer.render_chat(messages, True, True)
+    prompt = tokenizer.chat_template.render(messages, True, True)
     assert tokenizer.decode(token_ids) == prompt
 
 

@@ -66,7 +66,7 @@ def test_three_turn_conversation_layout(
 ) -> None:
     tokenizer = tokenizers[kind]
     assert tokenizer.chat_template.source == ("builtin" if kind == "builtin" else "checkpoint")
-    prompt = tokenizer.render_chat(CONVERSATION, add_generation_prompt, enable_thinking)
+    prompt = tokenizer.chat_template.render(CONVERSATION, add_generation_prompt, enable_thinking)
     assert prompt == EXPECTED[(add_generation_prompt, enable_thinking)]
 
 
@@ -83,7 +83,7 @@ def test_matches_hf_apply_chat_template(
         add_generation_prompt=add_generation_prompt,
         **kwargs,
     )
-    ours = ModelTokenizer(demo_model_dir).render_chat(
+    ours = ModelTokenizer(demo_model_dir).chat_template.render(
         CONVERSATION, add_generation_prompt, enable_thinking
     )
     assert ours == expected
@@ -105,13 +105,15 @@ def test_reasoning_kept_after_last_query_and_tool_turns_grouped(tokenizers: dict
         "<|im_start|>assistant\n<think>\nIt is mild.\n</think>\n\nMild, 21 degrees.<|im_end|>\n"
     )
     assert render_chatml(messages, False, None) == expected
-    assert tokenizers["jinja"].render_chat(messages, False, None) == expected
+    assert tokenizers["jinja"].chat_template.render(messages, False, None) == expected
 
 
 @pytest.mark.parametrize("kind", ["builtin", "jinja"])
 def test_unknown_role_names_the_field(tokenizers: dict, kind: str) -> None:
     with pytest.raises(InvalidArgument) as err:
-        tokenizers[kind].render_chat([Message("user", "hi"), Message("robot", "beep")], True, None)
+        tokenizers[kind].chat_template.render(
+            [Message("user", "hi"), Message("robot", "beep")], True, None
+        )
     assert err.value.violations[0].field == "messages[1].role"
     assert "'robot'" in err.value.violations[0].description
 
@@ -146,7 +148,7 @@ def test_a_checkpoint_saved_by_transformers_keeps_its_template(
     expected = transformers.AutoTokenizer.from_pretrained(tmp_path).apply_chat_template(
         [m.as_dict() for m in messages], tokenize=False, add_generation_prompt=True
     )
-    assert ours.render_chat(messages, True, None) == expected
+    assert ours.chat_template.render(messages, True, None) == expected
     assert expected.startswith("saved:<|im_start|>user")
 
 
@@ -167,5 +169,5 @@ def test_a_template_marking_the_assistants_part_renders_as_hf(
     expected = transformers.AutoTokenizer.from_pretrained(checkpoint).apply_chat_template(
         [m.as_dict() for m in messages], tokenize=False, add_generation_prompt=True
     )
-    assert ModelTokenizer(checkpoint).render_chat(messages, True, None) == expected
+    assert ModelTokenizer(checkpoint).chat_template.render(messages, True, None) == expected
     assert "Hello!<|im_end|>" in expected

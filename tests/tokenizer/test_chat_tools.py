@@ -146,8 +146,8 @@ def test_demo_template_renders_as_qwen3(
 ) -> None:
     qwen3, _ = _renderer(renderers, "qwen3")
     messages = CONVERSATIONS[conversation]
-    expected = qwen3.render_chat(messages, True, thinking, TOOLS)
-    assert renderers["demo"][0].render_chat(messages, True, thinking, TOOLS) == expected
+    expected = qwen3.chat_template.render(messages, True, thinking, TOOLS)
+    assert renderers["demo"][0].chat_template.render(messages, True, thinking, TOOLS) == expected
 
 
 _SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
@@ -204,7 +204,7 @@ def test_function_keys_are_checked() -> None:
 def test_layout_of_tools_and_calls(renderers: dict) -> None:
     """Qwen3's format, spelled out once: tools in the system turn, calls after the content."""
     messages = CONVERSATIONS["two_calls_with_content"]
-    prompt = renderers["demo"][0].render_chat(messages, True, None, [TIME])
+    prompt = renderers["demo"][0].chat_template.render(messages, True, None, [TIME])
     assert prompt == (
         "<|im_start|>system\nBe brief.\n\n# Tools\n\nYou may call one or more functions to "
         "assist with the user query.\n\nYou are provided with function signatures within "
