@@ -42,7 +42,6 @@ from mili.rpc.tls import Tls
 from mili.telemetry.metrics import (
     MetricsServer,
     RequestMetrics,
-    start_metrics_server,
     watch_process,
 )
 
@@ -287,7 +286,7 @@ class RpcServer:
             await self._start_probe_server()
         if self.config.metrics_port is not None:
             try:
-                self._metrics_server = start_metrics_server(
+                self._metrics_server = MetricsServer(
                     self.registry, self.config.host, self.config.metrics_port
                 )
             except OSError as exc:

@@ -58,7 +58,8 @@ Read = Callable[[], float]
 
 
 class MetricsServer:
-    """The `/metrics` HTTP endpoint of one registry, served from a daemon thread."""
+    """The `/metrics` HTTP endpoint of one registry, served from a daemon thread on
+    http://HOST:PORT/metrics (port 0: a free one, see `.port`)."""
 
     def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
         self._httpd, self._thread = start_http_server(port, addr=host, registry=registry)
@@ -73,11 +74,6 @@ class MetricsServer:
         self._httpd.shutdown()
         self._httpd.server_close()
         self._thread.join(timeout=5.0)
-
-
-def start_metrics_server(registry: CollectorRegistry, host: str, port: int) -> MetricsServer:
-    """Serve `registry` on http://HOST:PORT/metrics (port 0: a free one, see `.port`)."""
-    return MetricsServer(registry, host, port)
 
 
 def _callback_gauge(registry: CollectorRegistry, name: str, documentation: str, read: Read) -> None:
