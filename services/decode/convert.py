@@ -5,19 +5,14 @@ from __future__ import annotations
 
 import grpc
 
-from mili.engine.kv.kv_layout import KVLayout
 from mili.pb.decode.v1 import decode_pb2
 from mili.pb.kv.v1 import kv_pb2
-from mili.rpc.kv_layout import check_compatible, layout_to_proto
+from mili.rpc.kv_layout import check_compatible
 from mili.rpc.sampling import finish_reason_to_proto, logprobs_to_proto
 from mili.rpc.status import DETAILS_KEY
 from services.decode.progress import Header
 from services.decode.requests import DecodeRequest
 from services.decode.stream import TokenEvent
-
-
-def layout(kv_layout: KVLayout, model_fingerprint: str) -> kv_pb2.KvLayout:
-    return layout_to_proto(kv_layout, model_fingerprint)
 
 
 def transfer_header(header: kv_pb2.TransferHeader, layout: kv_pb2.KvLayout) -> Header:

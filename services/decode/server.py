@@ -18,6 +18,7 @@ from mili.errors import Cancelled, Unavailable
 from mili.kv_handoff.codec import parse_transfer_request
 from mili.pb.decode.v1 import decode_pb2, decode_pb2_grpc
 from mili.pb.kv.v1 import kv_pb2
+from mili.rpc.kv_layout import layout_to_proto
 from mili.rpc.policy import (
     GENERATE_STREAM_BATCH_BYTES,
     REQUEST_FIELDS_BYTES,
@@ -56,7 +57,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         request_metrics: RequestMetrics | None = None,
     ) -> None:
         self._instance = instance
-        self._layout = convert.layout(instance.layout, instance.fingerprint)
+        self._layout = layout_to_proto(instance.layout, instance.fingerprint)
         self._admission = Admission(instance, self._layout, clock=clock)
         self._is_draining = is_draining
         self._clock = clock

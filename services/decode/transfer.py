@@ -70,7 +70,7 @@ from mili.kv_handoff.codec import ACCEPTED_KEY, Chunk, ChunkView
 from mili.kv_handoff.transport import answer, receivers
 from mili.pb.kv.v1 import kv_pb2, kv_pb2_grpc
 from mili.rpc import heap
-from mili.rpc.kv_layout import block_bytes
+from mili.rpc.kv_layout import block_bytes, layout_to_proto
 from mili.rpc.policy import MAX_REQUEST_ID_CHARS
 from mili.rpc.sampling import logprobs_from_proto
 from services.decode import convert
@@ -184,7 +184,7 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
         self._instance = instance
         self._max_message_bytes = max_message_bytes
         self._is_draining = is_draining
-        self._layout = convert.layout(instance.layout, instance.fingerprint)
+        self._layout = layout_to_proto(instance.layout, instance.fingerprint)
         self._block_bytes = block_bytes(self._layout)
         # Threads start on first use and idle between transfers.
         self._landing = ThreadPoolExecutor(_LANDING_THREADS, thread_name_prefix="kv-landing")
