@@ -97,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from mili.flags import client_tls
     from mili.rpc.client import connection_hint
+    from mili.rpc.status import code_and_details
 
     try:
         tls = client_tls(args)
@@ -131,12 +132,11 @@ def run(args: argparse.Namespace) -> int:
                 if response.finish_reason:
                     last = response
         except grpc.RpcError as err:
-            code = err.code().name if callable(getattr(err, "code", None)) else "UNKNOWN"
-            details = err.details() if callable(getattr(err, "details", None)) else str(err)
+            code, details = code_and_details(err)
             hint = "" if is_answered else connection_hint(err, is_tls=tls is not None)
             _end_reasoning(wrote_reasoning)
             _end_text(wrote_text)
-            print(f"mili generate: {code}: {details}{hint}", file=sys.stderr)
+            print(f"mili generate: {code.name}: {details}{hint}", file=sys.stderr)
             return 1
     _end_reasoning(wrote_reasoning)  # all thinking (cut at max_tokens): said, not lost
     _end_text(wrote_text)

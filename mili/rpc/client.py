@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from mili.rpc.status import code_and_details
 from mili.rpc.tls import Tls
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -117,8 +118,7 @@ def channel(
 def connection_hint(err: grpc.RpcError, *, is_tls: bool) -> str:
     """A sentence for an UNAVAILABLE that looks like a TLS mismatch (grpc only says "Socket
     closed" when a handshake was refused), else ""."""
-    details = (err.details() or "") if callable(getattr(err, "details", None)) else ""
-    code = err.code() if callable(getattr(err, "code", None)) else None
+    code, details = code_and_details(err)
     if code != grpc.StatusCode.UNAVAILABLE:
         return ""
     lowered = details.lower()
@@ -151,7 +151,7 @@ _CONNECT_PREFIX = re.compile(
 def brief_details(err: grpc.RpcError, limit: int = 200) -> str:
     """grpc's details of `err` without the connection boilerplate, cut to `limit` characters:
     what the last attempt met ("Connection refused", "Hostname Verification Check failed.")."""
-    details = (err.details() or "") if callable(getattr(err, "details", None)) else ""
+    _, details = code_and_details(err)
     brief = _CONNECT_PREFIX.sub("", details.strip(), count=1)
     return brief if len(brief) <= limit else brief[: limit - 3] + "..."
 

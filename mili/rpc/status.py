@@ -89,8 +89,9 @@ def is_internal(exc: BaseException) -> bool:
 
 def _describe(exc: BaseException) -> str:
     """`ValueError: boom`; a downstream gRPC failure shows its code and details, not a repr."""
-    if isinstance(exc, grpc.RpcError) and callable(getattr(exc, "code", None)):
-        return f"{type(exc).__name__}: {exc.code().name}: {exc.details()}"
+    if isinstance(exc, grpc.RpcError):
+        code, details = code_and_details(exc)
+        return f"{type(exc).__name__}: {code.name}: {details}"
     text = str(exc)
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
@@ -156,6 +157,14 @@ def status_header(
 
 
 # ---- client side ------------------------------------------------------------------------------
+
+
+def code_and_details(err: grpc.RpcError) -> tuple[grpc.StatusCode, str]:
+    """A failed call's code and details; UNKNOWN and the error's text for a hand-made RpcError,
+    which need not be a Call."""
+    if not callable(getattr(err, "code", None)):
+        return grpc.StatusCode.UNKNOWN, str(err)
+    return err.code(), err.details() or ""
 
 
 def _status_proto(err: grpc.RpcError) -> status_pb2.Status | None:

@@ -13,7 +13,13 @@ from collections.abc import Mapping
 import grpc
 
 from mili import errors
-from mili.rpc.status import DETAILS_KEY, bad_request_of, retry_info_of, unavailable_peer_of
+from mili.rpc.status import (
+    DETAILS_KEY,
+    bad_request_of,
+    code_and_details,
+    retry_info_of,
+    unavailable_peer_of,
+)
 from services.frontend.calls import InstanceDown
 
 # How prefill's and decode's messages about a request's field begin ("sampling.grammar: ...").
@@ -33,8 +39,7 @@ def error_from(
     "prompt"). DEADLINE_EXCEEDED is ours only when our caller's deadline passed; otherwise a
     downstream timeout (a KV lease running out) means a peer is stuck: UNAVAILABLE.
     """
-    code = err.code() if callable(getattr(err, "code", None)) else grpc.StatusCode.UNKNOWN
-    details = err.details() if callable(getattr(err, "details", None)) else str(err)
+    code, details = code_and_details(err)
     text = f"{who}: {code.name}: {details}"
     if code is grpc.StatusCode.INVALID_ARGUMENT:
         bad = bad_request_of(err)
