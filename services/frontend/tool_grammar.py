@@ -94,7 +94,6 @@ def tool_call_constraint(
     choice: ToolChoice,
     *,
     is_parallel: bool = True,
-    limits: ConstraintLimits = _LIMITS,
 ) -> Constraint | None:
     """The constraint that enforces `choice` over `tools` (checked by tools.check_tools), or
     None when nothing is enforced (auto, none). InvalidArgument naming `tools` when the
@@ -111,7 +110,7 @@ def tool_call_constraint(
     text = tool_call_grammar(chosen, is_parallel=is_parallel)
     constraint = Constraint.grammar(text)
     try:
-        validate(constraint, limits)
+        validate(constraint, _LIMITS)
     except InvalidArgument as err:
         reason = "; ".join(v.description for v in err.violations)
         raise InvalidArgument(
@@ -120,9 +119,7 @@ def tool_call_constraint(
     return constraint
 
 
-def bad_tool(
-    tools: Sequence[FunctionTool], choice: ToolChoice, limits: ConstraintLimits = _LIMITS
-) -> InvalidArgument | None:
+def bad_tool(tools: Sequence[FunctionTool], choice: ToolChoice) -> InvalidArgument | None:
     """InvalidArgument naming `tools[i].parameters` for the first enforced tool whose call
     llguidance cannot compile alone (an unsupported keyword, nesting past the limits), else
     None. For the error path of a tool constraint that did not compile: the grammar's own
@@ -131,9 +128,9 @@ def bad_tool(
         if not (choice.mode == "required" or tool.name == choice.function_name):
             continue
         field = f"tools[{i}].parameters"
-        if tool.parameters and json_depth(parse_object(tool.parameters)) > limits.max_json_depth:
+        if tool.parameters and json_depth(parse_object(tool.parameters)) > _LIMITS.max_json_depth:
             return InvalidArgument(
-                field, tool.parameters, f"nested deeper than {limits.max_json_depth} levels"
+                field, tool.parameters, f"nested deeper than {_LIMITS.max_json_depth} levels"
             )
         try:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(call_schema(tool))
