@@ -76,11 +76,11 @@ class Message:
         )
 
 
-def check_roles(messages: list[Message], field: str = "messages") -> None:
+def check_roles(messages: list[Message]) -> None:
     for i, message in enumerate(messages):
         if message.role not in ROLES:
             raise InvalidArgument(
-                f"{field}[{i}].role", message.role, f"must be one of {', '.join(ROLES)}"
+                f"messages[{i}].role", message.role, f"must be one of {', '.join(ROLES)}"
             )
 
 

@@ -172,12 +172,12 @@ class ModelTokenizer:
                 self._as_text = tokenizer
         return [list(self._as_text.encode(t, add_special_tokens=False).ids) for t in texts]
 
-    def check_ids(self, token_ids: list[int], field: str = "token_ids") -> None:
+    def check_ids(self, token_ids: list[int]) -> None:
         """Raise InvalidArgument naming the first id outside the vocabulary."""
         for i, token_id in enumerate(token_ids):
             if not 0 <= token_id < self.vocab_size:
                 raise InvalidArgument(
-                    f"{field}[{i}]",
+                    f"token_ids[{i}]",
                     token_id,
                     f"outside the vocabulary (ids 0..{self.vocab_size - 1})",
                 )

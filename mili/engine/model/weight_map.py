@@ -93,9 +93,9 @@ def target_view(param: torch.Tensor, target: WeightTarget) -> torch.Tensor:
     return view if target.rows is None else view[target.rows]
 
 
-def hf_tensor(model: nn.Module, name: str, *, fused_experts: bool = False) -> torch.Tensor:
+def hf_tensor(model: nn.Module, name: str) -> torch.Tensor:
     """The model's values of HF tensor `name` (a view into a merged parameter where merged)."""
-    target = weight_map(model, fused_experts=fused_experts)[name]
+    target = weight_map(model)[name]
     return target_view(model.get_parameter(target.parameter), target)
 
 
