@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
 import re
-import time
 from collections.abc import Sequence
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from mili.rpc.status import code_and_details
 from mili.rpc.tls import Tls
@@ -154,39 +151,3 @@ def brief_details(err: grpc.RpcError, limit: int = 200) -> str:
     _, details = code_and_details(err)
     brief = _CONNECT_PREFIX.sub("", details.strip(), count=1)
     return brief if len(brief) <= limit else brief[: limit - 3] + "..."
-
-
-_STATUS_NAMES = {
-    value: name for name, value in health_pb2.HealthCheckResponse.ServingStatus.items()
-}
-
-
-async def wait_for_serving(
-    channel: grpc.aio.Channel, service: str = "", timeout_s: float = 10.0
-) -> None:
-    """Poll grpc.health.v1 Check on `channel` until `service` ("" = whole server) is SERVING.
-
-    Raises TimeoutError naming the last status seen (e.g. connection refused, NOT_FOUND for an
-    unregistered service, NOT_SERVING while draining) after `timeout_s`.
-    """
-    stub = health_pb2_grpc.HealthStub(channel)
-    request = health_pb2.HealthCheckRequest(service=service)
-    deadline = time.monotonic() + timeout_s
-    delay_s = 0.02
-    last = "no answer"
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            break
-        try:
-            reply = await stub.Check(request, timeout=min(left, 1.0))
-        except grpc.aio.AioRpcError as err:
-            last = f"{err.code().name}: {err.details()}"
-        else:
-            if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                return
-            last = _STATUS_NAMES.get(reply.status, str(reply.status))
-        await asyncio.sleep(min(delay_s, max(0.0, deadline - time.monotonic())))
-        delay_s = min(delay_s * 2, 0.5)
-    what = f"service {service!r}" if service else "server"
-    raise TimeoutError(f"{what} not SERVING after {timeout_s:.1f} s; last health check: {last}")

@@ -13,7 +13,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from mili.discovery import format_address
 from mili.errors import StartupError
-from mili.rpc.client import channel_options, insecure_channel, wait_for_serving
+from mili.rpc.client import channel_options, insecure_channel
 from mili.rpc.server import RpcServer, ServerConfig
 
 SERVICE = "mili.test.v1.EchoService"
@@ -68,7 +68,6 @@ def test_health_serving_after_start(echo_server: Any) -> None:
             assert h.server.port > 0
             assert await h.health("") == "SERVING"
             assert await h.health(SERVICE) == "SERVING"
-            await wait_for_serving(h.channel, SERVICE, timeout_s=2.0)
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await h.health("mili.test.v1.NoSuchService")
             assert info.value.code() is grpc.StatusCode.NOT_FOUND
@@ -134,28 +133,6 @@ def test_set_serving_before_start_is_where_it_starts() -> None:
                 assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
         finally:
             await server.drain()
-
-    asyncio.run(main())
-
-
-def test_wait_for_serving_times_out_with_last_status(echo_server: Any) -> None:
-    async def main() -> None:
-        async with echo_server() as h:
-            with pytest.raises(TimeoutError, match=r"'mili.test.v1.Nope' not SERVING.*NOT_FOUND"):
-                await wait_for_serving(h.channel, "mili.test.v1.Nope", timeout_s=0.2)
-
-    asyncio.run(main())
-
-
-def test_wait_for_serving_without_server_times_out() -> None:
-    async def main() -> None:
-        # Bind then stop a server to learn a port nobody listens on.
-        server = RpcServer(ServerConfig(grace_s=0), name="gone")
-        port = await server.start()
-        await server.drain()
-        async with insecure_channel(f"127.0.0.1:{port}") as channel:
-            with pytest.raises(TimeoutError, match=r"server not SERVING.*UNAVAILABLE"):
-                await wait_for_serving(channel, timeout_s=0.3)
 
     asyncio.run(main())
 
