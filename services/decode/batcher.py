@@ -319,7 +319,7 @@ class Batcher:
         ids, appended; then the next step's sampling, which reads them (penalties, masks,
         the seeded draw's position)."""
         in_done = {id(r) for r in done.running}
-        batch = [r for r in self._running if not (id(r) in in_done and r.seq.is_length_bound(1))]
+        batch = [r for r in self._running if not (id(r) in in_done and r.seq.is_length_bound())]
         if not batch:
             self._collect(done, out)
             return

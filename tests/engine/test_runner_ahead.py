@@ -32,7 +32,7 @@ def run_ahead(runner: ModelRunner, seqs: list[Sequence]) -> int:
         batch = [
             s
             for s in seqs
-            if not s.is_finished and not (id(s) in in_flight and s.is_length_bound(1))
+            if not s.is_finished and not (id(s) in in_flight and s.is_length_bound())
         ]
         logits = None
         if batch:

@@ -315,7 +315,7 @@ class ModelRunner:
         token it sampled there, on the device, at position num_tokens, so this forward runs
         while the host waits for those ids; append them before sampling these logits
         (`sample`: penalties, constraint masks and the seeded draw's position read them).
-        Such a sequence must not be `is_length_bound(1)` (its reservation ends there); one the
+        Such a sequence must not be `is_length_bound()` (its reservation ends there); one the
         pending token stops is the caller's to discard.
         """
         sources = self._sources(seqs, ahead)
@@ -342,7 +342,7 @@ class ModelRunner:
         if all(i < 0 for i in sources):
             return None
         for seq, i in zip(seqs, sources, strict=True):
-            if i >= 0 and seq.is_length_bound(1):
+            if i >= 0 and seq.is_length_bound():
                 raise ValueError("a sequence its pending token ends cannot run another step")
         return sources
 

@@ -80,13 +80,13 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.finish_reason is not None
 
-    def is_length_bound(self, ahead: int) -> bool:
-        """Whether `ahead` more tokens, whichever they are, reach a length limit (max_tokens,
-        the context): a step launched before they reach the host must leave this one out."""
-        if len(self.output_token_ids) + ahead >= self.params.max_tokens:
+    def is_length_bound(self) -> bool:
+        """Whether the next token, whichever it is, reaches a length limit (max_tokens, the
+        context): a step launched before it reaches the host must leave this one out."""
+        if len(self.output_token_ids) + 1 >= self.params.max_tokens:
             return True
         limit = self.max_context_tokens
-        return limit is not None and self.num_tokens + ahead >= limit
+        return limit is not None and self.num_tokens + 1 >= limit
 
     def append(self, token_id: int) -> FinishReason | None:
         """Record the next output token; return the finish reason it causes (also kept in
