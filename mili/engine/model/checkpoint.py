@@ -30,7 +30,6 @@ from mili.engine.model.config import Qwen3Config
 from mili.engine.model.kv_cache import dtype_name
 
 _LOG = logging.getLogger("mili.engine")
-_SHORT_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -103,28 +102,23 @@ def write_random_checkpoint(
 
 
 def cached_random_checkpoint(
-    config: Qwen3Config,
-    name: str,
-    cache_dir: Path,
-    *,
-    seed: int = 0,
-    dtype: torch.dtype = torch.bfloat16,
+    config: Qwen3Config, name: str, cache_dir: Path, *, seed: int = 0
 ) -> Path:
-    """`config` with random weights in `cache_dir/<name>-<dtype>-seed<seed>`, written on first
+    """`config` with random bf16 weights in `cache_dir/<name>-bf16-seed<seed>`, written on first
     use (into a staging directory, then renamed: no reader sees half a checkpoint).
 
     Safe for concurrent callers, processes included: each writes its own staging directory,
     the first rename wins, and a caller whose rename finds the target already in place uses
     that one (the same bytes: the weights depend on the seed only) and drops its own.
     """
-    target = Path(cache_dir) / f"{name}-{_SHORT_DTYPE[dtype]}-seed{seed}"
+    target = Path(cache_dir) / f"{name}-bf16-seed{seed}"
     if (target / CONFIG_FILE).exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=target.parent))
     try:
         start = time.perf_counter()
-        write_random_checkpoint(staging, config, seed=seed, dtype=dtype)
+        write_random_checkpoint(staging, config, seed=seed, dtype=torch.bfloat16)
         try:
             # rename(2) of a directory is atomic, and fails (ENOTEMPTY or EEXIST) when the
             # target is a directory with files in it: another writer got there first.
