@@ -39,7 +39,7 @@ from mili.engine.constraint.schema import (
     reword,
     unenforced_bounds,
 )
-from mili.engine.constraint.spec import Constraint, ConstraintLimits, json_depth, validate
+from mili.engine.constraint.spec import MAX_JSON_DEPTH, Constraint, json_depth, validate
 from mili.errors import InvalidArgument
 from services.frontend.tools import FunctionTool, ToolChoice, parse_object
 
@@ -52,7 +52,6 @@ CALL_JSON_OPTIONS = {
     "lenient": False,
     "coerce_one_of": False,
 }
-_LIMITS = ConstraintLimits()
 _NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
 
@@ -110,7 +109,7 @@ def tool_call_constraint(
     text = tool_call_grammar(chosen, is_parallel=is_parallel)
     constraint = Constraint.grammar(text)
     try:
-        validate(constraint, _LIMITS)
+        validate(constraint)
     except InvalidArgument as err:
         reason = "; ".join(v.description for v in err.violations)
         raise InvalidArgument(
@@ -128,9 +127,9 @@ def bad_tool(tools: Sequence[FunctionTool], choice: ToolChoice) -> InvalidArgume
         if not (choice.mode == "required" or tool.name == choice.function_name):
             continue
         field = f"tools[{i}].parameters"
-        if tool.parameters and json_depth(parse_object(tool.parameters)) > _LIMITS.max_json_depth:
+        if tool.parameters and json_depth(parse_object(tool.parameters)) > MAX_JSON_DEPTH:
             return InvalidArgument(
-                field, tool.parameters, f"nested deeper than {_LIMITS.max_json_depth} levels"
+                field, tool.parameters, f"nested deeper than {MAX_JSON_DEPTH} levels"
             )
         try:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(call_schema(tool))

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
-from mili.engine.constraint.spec import Constraint, ConstraintLimits
+from mili.engine.constraint.spec import Constraint
 from mili.engine.constraint.spec import validate as validate_constraint
 from mili.engine.sampling_params import (
     MAX_LOGIT_BIAS,
@@ -58,7 +58,6 @@ class Limits:
     max_stop_token_ids: int = 64
     max_logit_bias: int = MAX_LOGIT_BIAS  # entries of sampling.logit_bias
     max_client_request_id_chars: int = 256  # GenerateRequest.request_id
-    constraint: ConstraintLimits = dataclasses.field(default_factory=ConstraintLimits)
 
     def __post_init__(self) -> None:
         # Both are uint32 fields of Info (an overflow failed every Info call).
@@ -328,7 +327,7 @@ def _resolve_sampling(
     _check_stops(s, limits, bad)
     if s.constraint is not None:
         try:
-            validate_constraint(s.constraint, limits.constraint, "sampling")
+            validate_constraint(s.constraint, "sampling")
         except InvalidArgument as err:
             violations.extend(err.violations)
     given = {f: getattr(s, f) for f in _DEFAULTED_FIELDS if getattr(s, f) is not None}

@@ -22,7 +22,7 @@ from mili.engine.constraint import trial as trial_module
 from mili.engine.constraint.compiler import CompileConfig, CompileStats, ConstraintCompiler
 from mili.engine.constraint.mask import BatchMasker, FilledMask, unpack_bitmask
 from mili.engine.constraint.matcher import ConstraintError, ConstraintMatcher
-from mili.engine.constraint.spec import Constraint, ConstraintLimits, validate
+from mili.engine.constraint.spec import MAX_JSON_DEPTH, Constraint, validate
 from mili.engine.constraint.vocab import GrammarTokenizer
 from mili.errors import InvalidArgument, ResourceExhausted
 from tests.engine.constraint_helpers import demo_grammar_tokenizer
@@ -83,9 +83,14 @@ def test_spec_limits_name_the_field(
 
 
 def test_json_depth_limit() -> None:
-    deep = json.dumps({"type": "object", "properties": {"a": {"x": [[[[[]]]]]}}})
-    with pytest.raises(InvalidArgument, match="nested deeper than 5"):
-        validate(Constraint.json_schema(deep), ConstraintLimits(max_json_depth=5))
+    nested: list[object] = []
+    for _ in range(MAX_JSON_DEPTH - 4):
+        nested = [nested]
+    at_limit = {"type": "object", "properties": {"a": {"x": nested}}}  # MAX_JSON_DEPTH deep
+    validate(Constraint.json_schema(at_limit))
+    deeper = {"type": "object", "properties": {"a": {"x": [nested]}}}
+    with pytest.raises(InvalidArgument, match=f"nested deeper than {MAX_JSON_DEPTH}"):
+        validate(Constraint.json_schema(deeper))
 
 
 @pytest.mark.parametrize(

@@ -51,7 +51,7 @@ import llguidance
 
 from mili.engine.constraint import schema as schemas
 from mili.engine.constraint.matcher import ConstraintMatcher, too_complex
-from mili.engine.constraint.spec import Constraint, ConstraintLimits, parse_schema, validate
+from mili.engine.constraint.spec import Constraint, parse_schema, validate
 from mili.engine.constraint.think import after_think
 from mili.engine.constraint.trial import CompileTrials
 from mili.engine.constraint.vocab import GrammarTokenizer
@@ -88,7 +88,6 @@ class CompileConfig:
     # A constraint whose compile takes more is refused (ResourceExhausted naming its field):
     # a schema at the size limit takes a few MB, the regex b{1000}{900} ~200 MB.
     max_compile_bytes: int = 64 << 20
-    limits: ConstraintLimits = field(default_factory=ConstraintLimits)
     field_prefix: str = "sampling"  # errors name `<prefix>.<kind>`
     lanes: int = 1  # independent compiles of each constraint (module docstring)
 
@@ -136,17 +135,17 @@ class CompiledConstraint:
         return ConstraintMatcher(lanes[lane].deep_copy(), self.tokenizer, self.field_name, lane)
 
 
-def grammar_text(constraint: Constraint, limits: ConstraintLimits, prefix: str) -> str:
+def grammar_text(constraint: Constraint, prefix: str) -> str:
     """llguidance's grammar for `constraint`, behind its think block (think.py);
     InvalidArgument when it cannot be written."""
-    return after_think(_own_grammar(constraint, limits, prefix), constraint.think)
+    return after_think(_own_grammar(constraint, prefix), constraint.think)
 
 
-def _own_grammar(constraint: Constraint, limits: ConstraintLimits, prefix: str) -> str:
+def _own_grammar(constraint: Constraint, prefix: str) -> str:
     field_name = constraint.field_name(prefix)
     try:
         if constraint.kind == "json_schema":
-            schema = parse_schema(constraint, limits, prefix)
+            schema = parse_schema(constraint, prefix)
             unenforced = schemas.unenforced_bounds(schema)
             if unenforced is not None:
                 raise InvalidArgument(field_name, constraint.text, unenforced)
@@ -172,7 +171,7 @@ def build(
 ) -> tuple[Any, str]:
     """Compile on this thread (blocking): the start-state llguidance.LLMatcher, and the
     grammar text it was compiled from (for the other lanes)."""
-    grammar = grammar_text(constraint, config.limits, config.field_prefix)
+    grammar = grammar_text(constraint, config.field_prefix)
     field_name = constraint.field_name(config.field_prefix)
     matcher = _start_state(grammar, tokenizer)
     if matcher.is_error():
@@ -274,7 +273,7 @@ class ConstraintCompiler:
         return ResourceExhausted(f"{field_name}: compiling the constraint took over {limit} s")
 
     def _submit(self, constraint: Constraint) -> concurrent.futures.Future[CompiledConstraint]:
-        validate(constraint, self.config.limits, self.config.field_prefix)
+        validate(constraint, self.config.field_prefix)
         key = (self.tokenizer.fingerprint, constraint.key)
         with self._lock:
             refused = self._refused.get(key)

@@ -45,22 +45,12 @@ ThinkBlock = Literal["none", "optional", "open"]
 THINK_BLOCKS: tuple[str, ...] = get_args(ThinkBlock)
 
 
-@dataclass(frozen=True)
-class ConstraintLimits:
-    """Bounds on a constraint's size, checked before any compile (INVALID_ARGUMENT past them)."""
-
-    max_json_schema_bytes: int = 64 * 1024
-    max_regex_bytes: int = 4 * 1024
-    max_grammar_bytes: int = 64 * 1024
-    max_choices: int = 256
-    max_choice_chars: int = 256
-    # Nesting of the schema's JSON: our own walk of it (compiler.py) recurses once per level.
-    max_json_depth: int = 64
-
-    def __post_init__(self) -> None:
-        for name, value in vars(self).items():
-            if value < 1:
-                raise ValueError(f"ConstraintLimits.{name} must be >= 1, got {value}")
+# Bounds on a constraint's size, checked before any compile (INVALID_ARGUMENT past them).
+MAX_TEXT_BYTES = {"json_schema": 64 * 1024, "regex": 4 * 1024, "grammar": 64 * 1024}
+MAX_CHOICES = 256
+MAX_CHOICE_CHARS = 256
+# Nesting of the schema's JSON: our own walk of it (compiler.py) recurses once per level.
+MAX_JSON_DEPTH = 64
 
 
 @dataclass(frozen=True)
@@ -134,7 +124,7 @@ def json_depth(value: Any) -> int:
     return deepest
 
 
-def parse_schema(constraint: Constraint, limits: ConstraintLimits, prefix: str) -> dict[str, Any]:
+def parse_schema(constraint: Constraint, prefix: str) -> dict[str, Any]:
     """The json_schema constraint's schema as a dict; InvalidArgument when it is not one."""
     field_name = constraint.field_name(prefix)
     try:
@@ -143,25 +133,19 @@ def parse_schema(constraint: Constraint, limits: ConstraintLimits, prefix: str) 
         raise InvalidArgument(field_name, constraint.text, f"not valid JSON ({e})") from None
     if not isinstance(schema, dict):
         raise InvalidArgument(field_name, constraint.text, "a JSON Schema must be a JSON object")
-    if json_depth(schema) > limits.max_json_depth:
-        reason = f"nested deeper than {limits.max_json_depth} levels"
+    if json_depth(schema) > MAX_JSON_DEPTH:
+        reason = f"nested deeper than {MAX_JSON_DEPTH} levels"
         raise InvalidArgument(field_name, constraint.text, reason)
     return schema
 
 
-def validate(
-    constraint: Constraint, limits: ConstraintLimits = ConstraintLimits(), prefix: str = "sampling"
-) -> None:
-    """Check `constraint` against `limits` (and that a schema is a JSON object): InvalidArgument
-    naming the field (`field_of`) otherwise. Cheap; the compiler calls it first."""
+def validate(constraint: Constraint, prefix: str = "sampling") -> None:
+    """Check `constraint` against the size limits above (and that a schema is a JSON object):
+    InvalidArgument naming the field (`field_of`) otherwise. Cheap; the compiler calls it first."""
     field_name = constraint.field_name(prefix)
     size = len(constraint.text.encode())
-    max_bytes = {
-        "json_schema": limits.max_json_schema_bytes,
-        "regex": limits.max_regex_bytes,
-        "grammar": limits.max_grammar_bytes,
-    }.get(constraint.kind, 0)
-    if constraint.kind in ("json_schema", "regex", "grammar"):
+    max_bytes = MAX_TEXT_BYTES.get(constraint.kind)
+    if max_bytes is not None:
         if not constraint.text.strip():
             raise InvalidArgument(field_name, constraint.text, "must not be empty")
         if size > max_bytes:
@@ -170,14 +154,14 @@ def validate(
         raise InvalidArgument(field_name, constraint.text, f"{constraint.kind} takes no text")
     if constraint.kind == "choice":
         choices = constraint.choices
-        if not choices or len(choices) > limits.max_choices:
-            reason = f"between 1 and {limits.max_choices} strings"
+        if not choices or len(choices) > MAX_CHOICES:
+            reason = f"between 1 and {MAX_CHOICES} strings"
             raise InvalidArgument(field_name, f"<{len(choices)} strings>", reason)
         for i, choice in enumerate(choices):
-            if not choice or len(choice) > limits.max_choice_chars:
-                reason = f"each choice 1 to {limits.max_choice_chars} characters"
+            if not choice or len(choice) > MAX_CHOICE_CHARS:
+                reason = f"each choice 1 to {MAX_CHOICE_CHARS} characters"
                 raise InvalidArgument(f"{field_name}[{i}]", choice, reason)
     elif constraint.choices:
         raise InvalidArgument(field_name, constraint.choices, f"{constraint.kind} takes no choices")
     if constraint.kind == "json_schema":
-        parse_schema(constraint, limits, prefix)
+        parse_schema(constraint, prefix)
