@@ -138,7 +138,7 @@ def main() -> None:
     compiler = ConstraintCompiler(tokenizer)
     constraint = Constraint.json_schema(SCHEMA)
     compiled = compiler.compile_sync(constraint)
-    grammar = grammar_text(constraint, compiler.config.field_prefix)
+    grammar = grammar_text(constraint)
     masks(compiled, tokenizer, args.states)
     copies(compiled, tokenizer, grammar)
     lanes(tokenizer, args.lanes, args.steps)

@@ -168,6 +168,6 @@ def _compiler(tokenizer_json: bytes, info: tokenizer_pb2.InfoResponse) -> Constr
     except ValueError as e:
         _LOG.warning("constraints are checked by prefill and decode only: %s", e)
         return None
-    compiler = ConstraintCompiler(tokenizer, CompileConfig(field_prefix="sampling"))
+    compiler = ConstraintCompiler(tokenizer, CompileConfig())
     compiler.warm()
     return compiler

@@ -327,7 +327,7 @@ def _resolve_sampling(
     _check_stops(s, limits, bad)
     if s.constraint is not None:
         try:
-            validate_constraint(s.constraint, "sampling")
+            validate_constraint(s.constraint)
         except InvalidArgument as err:
             violations.extend(err.violations)
     given = {f: getattr(s, f) for f in _DEFAULTED_FIELDS if getattr(s, f) is not None}

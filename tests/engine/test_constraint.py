@@ -199,13 +199,6 @@ def test_bounds_the_library_would_not_enforce_are_refused_by_name(
     assert words in violation.description, violation.description
 
 
-def test_field_prefix_names_the_callers_field(tokenizer: GrammarTokenizer) -> None:
-    compiler = ConstraintCompiler(tokenizer, CompileConfig(field_prefix="response_format"))
-    with pytest.raises(InvalidArgument) as err:
-        compiler.compile_sync(Constraint.json_schema({"not": {}}))
-    assert err.value.violations[0].field == "response_format.json_schema"
-
-
 # keyword: (schema, a valid instance, an instance only that keyword forbids)
 ENFORCED: dict[str, tuple[dict[str, Any], Any, Any]] = {
     "pattern": ({"type": "string", "pattern": "^[a-c]+$"}, "abc", "xyz"),

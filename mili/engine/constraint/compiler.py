@@ -88,7 +88,6 @@ class CompileConfig:
     # A constraint whose compile takes more is refused (ResourceExhausted naming its field):
     # a schema at the size limit takes a few MB, the regex b{1000}{900} ~200 MB.
     max_compile_bytes: int = 64 << 20
-    field_prefix: str = "sampling"  # errors name `<prefix>.<kind>`
     lanes: int = 1  # independent compiles of each constraint (module docstring)
 
     def __post_init__(self) -> None:
@@ -135,17 +134,17 @@ class CompiledConstraint:
         return ConstraintMatcher(lanes[lane].deep_copy(), self.tokenizer, self.field_name, lane)
 
 
-def grammar_text(constraint: Constraint, prefix: str) -> str:
+def grammar_text(constraint: Constraint) -> str:
     """llguidance's grammar for `constraint`, behind its think block (think.py);
     InvalidArgument when it cannot be written."""
-    return after_think(_own_grammar(constraint, prefix), constraint.think)
+    return after_think(_own_grammar(constraint), constraint.think)
 
 
-def _own_grammar(constraint: Constraint, prefix: str) -> str:
-    field_name = constraint.field_name(prefix)
+def _own_grammar(constraint: Constraint) -> str:
+    field_name = constraint.field_name()
     try:
         if constraint.kind == "json_schema":
-            schema = parse_schema(constraint, prefix)
+            schema = parse_schema(constraint)
             unenforced = schemas.unenforced_bounds(schema)
             if unenforced is not None:
                 raise InvalidArgument(field_name, constraint.text, unenforced)
@@ -171,8 +170,8 @@ def build(
 ) -> tuple[Any, str]:
     """Compile on this thread (blocking): the start-state llguidance.LLMatcher, and the
     grammar text it was compiled from (for the other lanes)."""
-    grammar = grammar_text(constraint, config.field_prefix)
-    field_name = constraint.field_name(config.field_prefix)
+    grammar = grammar_text(constraint)
+    field_name = constraint.field_name()
     matcher = _start_state(grammar, tokenizer)
     if matcher.is_error():
         error = str(matcher.get_error())
@@ -268,12 +267,12 @@ class ConstraintCompiler:
             raise self._timed_out(constraint) from None
 
     def _timed_out(self, constraint: Constraint) -> ResourceExhausted:
-        field_name = constraint.field_name(self.config.field_prefix)
+        field_name = constraint.field_name()
         limit = self.config.timeout_s
         return ResourceExhausted(f"{field_name}: compiling the constraint took over {limit} s")
 
     def _submit(self, constraint: Constraint) -> concurrent.futures.Future[CompiledConstraint]:
-        validate(constraint, self.config.field_prefix)
+        validate(constraint)
         key = (self.tokenizer.fingerprint, constraint.key)
         with self._lock:
             refused = self._refused.get(key)
@@ -295,7 +294,7 @@ class ConstraintCompiler:
                 self._hits += 1  # joins a compile in flight: no second compile
                 return running
             if self._num_threads >= self.config.max_compile_threads:
-                field_name = constraint.field_name(self.config.field_prefix)
+                field_name = constraint.field_name()
                 raise ResourceExhausted(
                     f"{field_name}: {self._num_threads} constraints are compiling; retry shortly",
                     retry_after_s=self.config.timeout_s,
@@ -331,7 +330,7 @@ class ConstraintCompiler:
             with contextlib.suppress(concurrent.futures.InvalidStateError):
                 future.set_exception(e)
             return
-        field_name = constraint.field_name(self.config.field_prefix)
+        field_name = constraint.field_name()
         text_bytes = len(constraint.text) + sum(len(choice) for choice in constraint.choices)
         num_bytes = self.config.lanes * max(tried_bytes, text_bytes)
         compiled = CompiledConstraint(constraint, self.tokenizer, template, field_name, num_bytes)
@@ -389,7 +388,7 @@ async def compile_for(
     if constraint is None:
         return None
     if compiler is None:
-        field_name = constraint.field_name(CompileConfig().field_prefix)
+        field_name = constraint.field_name()
         raise FailedPrecondition(
             f"{field_name}: this instance has no tokenizer.json to compile constraints with"
         )

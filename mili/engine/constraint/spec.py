@@ -100,15 +100,15 @@ class Constraint:
         """This constraint with `think` before it."""
         return dataclasses.replace(self, think=think)
 
-    def field_name(self, prefix: str = "sampling") -> str:
+    def field_name(self) -> str:
         """The request field this constraint came from, for error messages (`field_of`)."""
-        return field_of(self.kind, prefix)
+        return field_of(self.kind)
 
 
-def field_of(kind: str, prefix: str = "sampling") -> str:
+def field_of(kind: str) -> str:
     """The request field a constraint of `kind` comes from, for error messages:
     `sampling.regex`; a choice's strings are `sampling.choice.choices`."""
-    return f"{prefix}.choice.choices" if kind == "choice" else f"{prefix}.{kind}"
+    return "sampling.choice.choices" if kind == "choice" else f"sampling.{kind}"
 
 
 def json_depth(value: Any) -> int:
@@ -124,9 +124,9 @@ def json_depth(value: Any) -> int:
     return deepest
 
 
-def parse_schema(constraint: Constraint, prefix: str) -> dict[str, Any]:
+def parse_schema(constraint: Constraint) -> dict[str, Any]:
     """The json_schema constraint's schema as a dict; InvalidArgument when it is not one."""
-    field_name = constraint.field_name(prefix)
+    field_name = constraint.field_name()
     try:
         schema = json.loads(constraint.text)
     except (ValueError, RecursionError) as e:
@@ -139,10 +139,10 @@ def parse_schema(constraint: Constraint, prefix: str) -> dict[str, Any]:
     return schema
 
 
-def validate(constraint: Constraint, prefix: str = "sampling") -> None:
+def validate(constraint: Constraint) -> None:
     """Check `constraint` against the size limits above (and that a schema is a JSON object):
     InvalidArgument naming the field (`field_of`) otherwise. Cheap; the compiler calls it first."""
-    field_name = constraint.field_name(prefix)
+    field_name = constraint.field_name()
     size = len(constraint.text.encode())
     max_bytes = MAX_TEXT_BYTES.get(constraint.kind)
     if max_bytes is not None:
@@ -164,4 +164,4 @@ def validate(constraint: Constraint, prefix: str = "sampling") -> None:
     elif constraint.choices:
         raise InvalidArgument(field_name, constraint.choices, f"{constraint.kind} takes no choices")
     if constraint.kind == "json_schema":
-        parse_schema(constraint, prefix)
+        parse_schema(constraint)

@@ -89,7 +89,7 @@ class CompileTrials:
         """Compile `constraint` in a child: the memory it took, or the InvalidArgument /
         ResourceExhausted the compile raised, or ResourceExhausted naming the field when it
         ran past the time or memory limit (the child is then killed)."""
-        field_name = constraint.field_name(config.field_prefix)
+        field_name = constraint.field_name()
         child = self._take()
         try:
             answer = child.ask((constraint, config), config.timeout_s, config.max_compile_bytes)
