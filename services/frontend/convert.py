@@ -31,7 +31,6 @@ from services.frontend.tools import FunctionTool, ToolCallInput, ToolChoice, Too
 from services.frontend.validation import (
     ChatTurn,
     Counts,
-    Limits,
     RequestInput,
     SamplingInput,
     ValidRequest,
@@ -79,7 +78,6 @@ def sampling_defaults(
 
 def request_input(
     request: generation_pb2.GenerateRequest | generation_pb2.CompleteRequest,
-    limits: Limits,
     max_context_tokens: int | None,
 ) -> RequestInput:
     """The request as sent, once its lists are known to be no longer than any valid request's
@@ -92,7 +90,7 @@ def request_input(
         len(sampling.stop_token_ids),
         len(sampling.logit_bias),
     )
-    check_counts(counts, limits, max_context_tokens)
+    check_counts(counts, max_context_tokens)
     return RequestInput(
         client_request_id=request.request_id,
         prompt=request.prompt,

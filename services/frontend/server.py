@@ -106,8 +106,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         context: grpc.aio.ServicerContext,
     ) -> tuple[ValidRequest, AsyncGenerator[Delta, None]]:
         """Validate now (so the caller's request id is known), generate lazily."""
-        limits, window = self._config.limits, self._backends.router.max_context_tokens
-        valid = self._generations.validate(convert.request_input(request, limits, window))
+        window = self._backends.router.max_context_tokens
+        valid = self._generations.validate(convert.request_input(request, window))
         deadline = Deadline(context.time_remaining())
         return valid, self._generations.run(valid, deadline)
 

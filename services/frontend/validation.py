@@ -3,7 +3,7 @@
 In stages, because the frontend learns what it needs step by step (and a first look at the
 request as it came, before any of it is converted):
 
-    check_counts(counts, limits, ...)  the lengths of its lists, before they are converted
+    check_counts(counts, ...)          the lengths of its lists, before they are converted
     validate(request, limits)          before anything else: shape of the input, sampling ranges
     check_token_ids(ids, vocab_size)   once the tokenizer's vocabulary is known (prompt.py)
     fit_context(sampling, n, context)  once the prompt is tokenized and the context is known
@@ -42,6 +42,12 @@ _MAX_VIOLATIONS = 16  # a caller fixes a few at a time; the status trailer stays
 
 PromptField = Literal["prompt", "messages", "token_ids"]
 
+# What the frontend takes beyond SamplingParams' own rules (its MAX_LOGIT_BIAS entries).
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256  # per stop string
+MAX_STOP_TOKEN_IDS = 64
+MAX_CLIENT_REQUEST_ID_CHARS = 256  # GenerateRequest.request_id
+
 # The largest context of a Qwen3 model: the bound on a prompt's ids before any decode instance
 # reported its own context window.
 MAX_CONTEXT_TOKENS = 262_144
@@ -53,11 +59,6 @@ class Limits:
 
     default_max_tokens: int = 256
     max_tokens_limit: int | None = None  # None: only the context window bounds max_tokens
-    max_stop_strings: int = 16
-    max_stop_chars: int = 256  # per stop string
-    max_stop_token_ids: int = 64
-    max_logit_bias: int = MAX_LOGIT_BIAS  # entries of sampling.logit_bias
-    max_client_request_id_chars: int = 256  # GenerateRequest.request_id
 
     def __post_init__(self) -> None:
         # Both are uint32 fields of Info (an overflow failed every Info call).
@@ -73,9 +74,6 @@ class Limits:
                 f"max_tokens_limit ({limit}) must be >= default_max_tokens "
                 f"({self.default_max_tokens})"
             )
-        for name in ("max_stop_strings", "max_stop_chars", "max_stop_token_ids", "max_logit_bias"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0")
 
 
 # ---- what the caller sent (None = left unset) --------------------------------------------------
@@ -141,7 +139,7 @@ class Counts(NamedTuple):
     logit_bias: int = 0
 
 
-def check_counts(counts: Counts, limits: Limits, max_context_tokens: int | None) -> None:
+def check_counts(counts: Counts, max_context_tokens: int | None) -> None:
     """Refuse lists longer than any valid request's before any item is converted (a 7.5 MB
     list of ids would take a second and 120 MB as Python ints): a prompt of more ids than the
     context window (`max_context_tokens`, MAX_CONTEXT_TOKENS while unknown), a chat of more
@@ -158,9 +156,9 @@ def check_counts(counts: Counts, limits: Limits, max_context_tokens: int | None)
             context,
             f"more messages than {window} (1 token each at least)",
         ),
-        ("sampling.stop", counts.stop, limits.max_stop_strings, "more strings than"),
-        ("sampling.stop_token_ids", counts.stop_token_ids, limits.max_stop_token_ids, "more than"),
-        ("sampling.logit_bias", counts.logit_bias, limits.max_logit_bias, "more entries than"),
+        ("sampling.stop", counts.stop, MAX_STOP_STRINGS, "more strings than"),
+        ("sampling.stop_token_ids", counts.stop_token_ids, MAX_STOP_TOKEN_IDS, "more than"),
+        ("sampling.logit_bias", counts.logit_bias, MAX_LOGIT_BIAS, "more entries than"),
     ):
         if count > limit:
             if field.startswith("sampling."):
@@ -227,11 +225,11 @@ def validate(
     def bad(field: str, value: object, reason: str) -> None:
         violations.append(FieldViolation.of(field, value, reason))
 
-    if len(request.client_request_id) > limits.max_client_request_id_chars:
+    if len(request.client_request_id) > MAX_CLIENT_REQUEST_ID_CHARS:
         bad(
             "request_id",
             f"{len(request.client_request_id)} characters",
-            f"longer than {limits.max_client_request_id_chars} characters",
+            f"longer than {MAX_CLIENT_REQUEST_ID_CHARS} characters",
         )
     prompt_field = _check_input(request, bad)
     tool_checks.check_tools(request.tools, request.tool_choice, bool(request.messages), bad)
@@ -324,7 +322,7 @@ def _resolve_sampling(
         max_tokens = max(limits.default_max_tokens, min_tokens)
         if limit is not None and max_tokens > limit:
             bad("sampling.min_tokens", s.min_tokens, f"must be <= {limit}, this server's limit")
-    _check_stops(s, limits, bad)
+    _check_stops(s, bad)
     if s.constraint is not None:
         try:
             validate_constraint(s.constraint)
@@ -350,15 +348,15 @@ def _resolve_sampling(
         return None
 
 
-def _check_stops(s: SamplingInput, limits: Limits, bad: Bad) -> None:
+def _check_stops(s: SamplingInput, bad: Bad) -> None:
     """Each stop string's length; their numbers (and the stop ids') are check_counts', run on
     every request before it is converted."""
     for i, stop in enumerate(s.stop):  # empty ones are SamplingParams' to refuse
-        if len(stop) > limits.max_stop_chars:
+        if len(stop) > MAX_STOP_CHARS:
             bad(
                 f"sampling.stop[{i}]",
                 f"{len(stop)} characters",
-                f"longer than {limits.max_stop_chars} characters",
+                f"longer than {MAX_STOP_CHARS} characters",
             )
 
 

@@ -167,7 +167,7 @@ def test_grpc_request_maps_tools_choice_and_turns_to_the_tokenizer() -> None:
         ),
         parallel_tool_calls=False,
     )
-    given = convert.request_input(request, Limits(), None)
+    given = convert.request_input(request, None)
     assert given.tools == (FunctionTool("get_weather", "", WEATHER.parameters),)
     assert given.tool_choice == ToolChoice("function", "get_weather")
     assert not given.parallel_tool_calls
@@ -178,12 +178,12 @@ def test_grpc_request_maps_tools_choice_and_turns_to_the_tokenizer() -> None:
     asked = convert.tokenize_request(valid)
     assert [t.name for t in asked.tools] == ["get_weather"]
     assert asked.messages[1].tool_calls[0].id == "c1" and asked.messages[2].tool_call_id == "c1"
-    default = convert.request_input(generation_pb2.GenerateRequest(prompt="x"), Limits(), None)
+    default = convert.request_input(generation_pb2.GenerateRequest(prompt="x"), None)
     assert default.tool_choice == ToolChoice("auto") and default.parallel_tool_calls
     unknown = generation_pb2.GenerateRequest(prompt="x", tool_choice=generation_pb2.ToolChoice())
     unknown.tool_choice.mode = 7  # a number the enum lacks: proto3 keeps it as sent
     with pytest.raises(InvalidArgument) as refused:
-        convert.request_input(unknown, Limits(), None)
+        convert.request_input(unknown, None)
     assert [v.field for v in refused.value.violations] == ["tool_choice.mode"]
 
 

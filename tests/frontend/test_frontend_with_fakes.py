@@ -448,7 +448,7 @@ def test_the_choices_of_one_request_tokenize_their_prompt_once() -> None:
         async with stack(tokenizer=tokenizer) as s:
             generations = Generations(s.backends, FrontendMetrics(CollectorRegistry()))
             body = parse(b'{"prompt": "hi", "n": 4, "max_tokens": 3}')
-            request = completion_request(body, Limits(), 4096, "rid")
+            request = completion_request(body, 4096, "rid")
             planned = choices_of.plan(generations, request)
             assert len(planned) == 4
             downstream = generations._downstream
@@ -521,7 +521,7 @@ def test_the_later_choices_of_a_request_wait_past_the_queues_bound() -> None:
         async with stack([decode], max_queued_requests=1) as s:
             generations = Generations(s.backends, FrontendMetrics(CollectorRegistry()))
             body = parse(b'{"prompt": "hi", "n": 3, "max_tokens": 3}')
-            planned = choices_of.plan(generations, completion_request(body, Limits(), 4096, "r"))
+            planned = choices_of.plan(generations, completion_request(body, 4096, "r"))
             assert [c.valid.is_later_choice for c in planned] == [False, True, True]
             finished = set()
             async for index, delta in choices_of.run(generations, planned, is_stream=False):
@@ -533,11 +533,11 @@ def test_the_later_choices_of_a_request_wait_past_the_queues_bound() -> None:
             limited = dataclasses.replace(s.backends.config, max_concurrent_requests=4)
             generations.config = limited
             with pytest.raises(errors.InvalidArgument, match="more than this frontend runs") as n:
-                choices_of.plan(generations, completion_request(too_many, Limits(), 4096, "r"))
+                choices_of.plan(generations, completion_request(too_many, 4096, "r"))
             assert n.value.violations[0].field == "n"
             prompts = parse(b'{"prompt": ["a", "b", "c", "d", "e"]}')  # n left out: not n's
             with pytest.raises(errors.InvalidArgument, match="more than this frontend runs") as p:
-                choices_of.plan(generations, completion_request(prompts, Limits(), 4096, "r"))
+                choices_of.plan(generations, completion_request(prompts, 4096, "r"))
             assert p.value.violations[0].field == "prompt"
 
     asyncio.run(main())

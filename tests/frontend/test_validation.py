@@ -266,9 +266,9 @@ def test_text_over_the_tokenizers_limit_is_refused_before_tokenizing() -> None:
 
 
 def test_lists_longer_than_any_valid_request_are_refused_by_their_counts() -> None:
-    check_counts(Counts(40_960, 40_960, 16, 64, 1024), LIMITS, 40_960)  # each at its bound
+    check_counts(Counts(40_960, 40_960, 16, 64, 1024), 40_960)  # each at its bound
     with pytest.raises(InvalidArgument) as caught:
-        check_counts(Counts(1_500_000, 40_961, 17, 65, 1025), LIMITS, 40_960)
+        check_counts(Counts(1_500_000, 40_961, 17, 65, 1025), 40_960)
     assert fields_of(caught.value) == [
         "token_ids",
         "messages",
@@ -282,9 +282,9 @@ def test_lists_longer_than_any_valid_request_are_refused_by_their_counts() -> No
     )
     assert "this server's limit of 16" in descriptions[2]
     # Before any decode instance reported its context: the largest Qwen3's.
-    check_counts(Counts(MAX_CONTEXT_TOKENS, 0, 0, 0), LIMITS, None)
+    check_counts(Counts(MAX_CONTEXT_TOKENS, 0, 0, 0), None)
     with pytest.raises(InvalidArgument, match="262144 tokens"):
-        check_counts(Counts(MAX_CONTEXT_TOKENS + 1, 0, 0, 0), LIMITS, None)
+        check_counts(Counts(MAX_CONTEXT_TOKENS + 1, 0, 0, 0), None)
 
 
 def test_min_tokens_with_a_forced_tool_call_is_refused_naming_it() -> None:

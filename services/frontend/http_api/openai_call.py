@@ -27,10 +27,9 @@ from services.frontend.http_api.errors import model_not_found, response_of
 from services.frontend.http_api.openai_request import OpenAIRequest
 from services.frontend.http_api.telemetry import request_id_of
 from services.frontend.pipeline import Delta
-from services.frontend.validation import Limits
 
 _LOG = logging.getLogger("mili.frontend")
-Parse = Callable[[body.Body, Limits, int | None, str], OpenAIRequest]
+Parse = Callable[[body.Body, int | None, str], OpenAIRequest]
 
 
 @dataclass(frozen=True)
@@ -64,9 +63,8 @@ async def open_call(
     """The call, its choices validated; or the error response (400 naming the parameter, 404
     for another model). InvalidArgument of the body's types is raised in the caller's names."""
     request_id = request_id_of(http_request)
-    limits = generations.config.limits
     window = generations.backends.router.max_context_tokens
-    request = parse(body.parse(await read_body(http_request)), limits, window, request_id)
+    request = parse(body.parse(await read_body(http_request)), window, request_id)
     model = generations.model
     # "" is "the served one" too, as vLLM takes it (some clients and tools send it).
     if request.model and not generations.backends.answers_to(request.model):

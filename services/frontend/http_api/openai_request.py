@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from mili.engine.constraint.spec import KINDS, field_of
+from mili.engine.sampling_params import MAX_LOGIT_BIAS
 from mili.errors import FieldViolation, InvalidArgument
 from services.frontend.http_api import openai_tools
 from services.frontend.http_api.body import Body, is_int
@@ -33,7 +34,6 @@ from services.frontend.http_api.openai_constraint import Requested, constraint_o
 from services.frontend.validation import (
     ChatTurn,
     Counts,
-    Limits,
     RequestInput,
     SamplingInput,
     check_counts,
@@ -91,9 +91,7 @@ def _check_unsupported(body: Body, unsupported: dict[str, Callable[[Any], bool]]
             raise InvalidArgument(key, value, "not supported by this server")
 
 
-def completion_request(
-    body: Body, limits: Limits, window: int | None, client_id: str
-) -> OpenAIRequest:
+def completion_request(body: Body, window: int | None, client_id: str) -> OpenAIRequest:
     """POST /v1/completions' body; InvalidArgument naming the first bad parameter."""
     _check_unsupported(body, _UNSUPPORTED)
     if body.array("tools"):
@@ -109,7 +107,7 @@ def completion_request(
     is_prompt_only = max_tokens == 0 and echo
     if max_tokens == 0 and not echo:
         raise InvalidArgument("max_tokens", 0, "must be >= 1 (0 only with echo: the prompt alone)")
-    sampling = _sampling(body, 1 if is_prompt_only else max_tokens, logprobs, requested, limits)
+    sampling = _sampling(body, 1 if is_prompt_only else max_tokens, logprobs, requested)
     if is_prompt_only and sampling.min_tokens:
         raise InvalidArgument("min_tokens", sampling.min_tokens, "must be 0 with max_tokens 0")
     if echo and logprobs is not None:
@@ -130,7 +128,7 @@ def completion_request(
         counts = Counts(
             len(ids), 0, len(sampling.stop), len(sampling.stop_token_ids), len(sampling.logit_bias)
         )
-        _check_counts(counts, limits, window, _completion_param)
+        _check_counts(counts, window, _completion_param)
         inputs.append(
             RequestInput(client_request_id=client_id, prompt=text, token_ids=ids, sampling=sampling)
         )
@@ -147,7 +145,7 @@ def completion_request(
     )
 
 
-def chat_request(body: Body, limits: Limits, window: int | None, client_id: str) -> OpenAIRequest:
+def chat_request(body: Body, window: int | None, client_id: str) -> OpenAIRequest:
     """POST /v1/chat/completions' body; InvalidArgument naming the first bad parameter."""
     _check_unsupported(body, _UNSUPPORTED | _UNSUPPORTED_IN_CHAT)
     n = _n(body)
@@ -159,13 +157,13 @@ def chat_request(body: Body, limits: Limits, window: int | None, client_id: str)
     tool_choice = openai_tools.tool_choice_of(body)
     requested = constraint_of(body, tool_choice)
     sampling = _sampling(
-        body, body.integer(max_key), (top or 0) if is_logprobs else None, requested, limits
+        body, body.integer(max_key), (top or 0) if is_logprobs else None, requested
     )
     messages = _messages(body)
     counts = Counts(
         0, len(messages), len(sampling.stop), len(sampling.stop_token_ids), len(sampling.logit_bias)
     )
-    _check_counts(counts, limits, window, _common_param)
+    _check_counts(counts, window, _common_param)
     kwargs = body.object("chat_template_kwargs")
     enable_thinking = None if kwargs is None else kwargs.flag("enable_thinking")
 
@@ -210,10 +208,10 @@ def nth_seed(seed: int | None, i: int) -> int | None:
     return (seed + i) % 2**64
 
 
-def _check_counts(counts: Counts, limits: Limits, window: int | None, param_of: ParamOf) -> None:
+def _check_counts(counts: Counts, window: int | None, param_of: ParamOf) -> None:
     """validation.check_counts, its errors naming this request's parameters."""
     try:
-        check_counts(counts, limits, window)
+        check_counts(counts, window)
     except InvalidArgument as exc:
         mapped = [FieldViolation(param_of(v.field), v.description) for v in exc.violations]
         raise InvalidArgument.many(mapped) from None
@@ -249,7 +247,6 @@ def _sampling(
     max_tokens: int | None,
     logprobs: int | None,
     requested: Requested | None,
-    limits: Limits,
 ) -> SamplingInput:
     """The sampling parameters both endpoints share, as sent; ranges are validation's."""
     return SamplingInput(
@@ -267,23 +264,23 @@ def _sampling(
         stop_token_ids=body.integers("stop_token_ids"),
         ignore_eos=body.flag("ignore_eos") or False,
         min_tokens=_min_tokens(body),
-        logit_bias=_logit_bias(body, limits.max_logit_bias),
+        logit_bias=_logit_bias(body),
         logprobs=logprobs,
     )
 
 
-def _logit_bias(body: Body, max_entries: int) -> tuple[tuple[int, float], ...]:
+def _logit_bias(body: Body) -> tuple[tuple[int, float], ...]:
     """logit_bias: {"token id": bias} (JSON keys are strings) -> (id, bias) pairs; the ranges
     are SamplingParams' and the vocabulary's. Counted before any entry is read (the body may
     hold megabytes of them); validation counts the gRPC API's the same way."""
     bias = body.object("logit_bias")
     if bias is None:
         return ()
-    if len(bias.data) > max_entries:
+    if len(bias.data) > MAX_LOGIT_BIAS:
         raise InvalidArgument(
             "logit_bias",
             f"{len(bias.data)} items",
-            f"more entries than this server's limit of {max_entries}",
+            f"more entries than this server's limit of {MAX_LOGIT_BIAS}",
         )
     pairs = []
     for key in bias.data:

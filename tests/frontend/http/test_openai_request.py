@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from mili.engine.sampling_params import MAX_LOGIT_BIAS
 from mili.errors import InvalidArgument
 from services.frontend.http_api.body import parse
 from services.frontend.http_api.errors import response_of
@@ -26,12 +27,12 @@ WINDOW = 4096
 
 
 def completion(**fields: Any) -> OpenAIRequest:
-    return completion_request(parse(json.dumps(fields).encode()), LIMITS, WINDOW, "rid")
+    return completion_request(parse(json.dumps(fields).encode()), WINDOW, "rid")
 
 
 def chat(**fields: Any) -> OpenAIRequest:
     fields.setdefault("messages", [{"role": "user", "content": "hi"}])
-    return chat_request(parse(json.dumps(fields).encode()), LIMITS, WINDOW, "rid")
+    return chat_request(parse(json.dumps(fields).encode()), WINDOW, "rid")
 
 
 def error_of(
@@ -252,7 +253,7 @@ def test_logit_bias_is_read_with_its_keys_as_ids() -> None:
     assert param_of_failure(completion, prompt="a", logit_bias={"5": None}) == "logit_bias.5"
     assert param_of_failure(completion, prompt="a", logit_bias=[1]) == "logit_bias"
     # counted before any entry is read: a bad key past the limit is not what is reported
-    many = {str(i): 1 for i in range(LIMITS.max_logit_bias)} | {"x": 1}
+    many = {str(i): 1 for i in range(MAX_LOGIT_BIAS)} | {"x": 1}
     with pytest.raises(InvalidArgument, match="limit of 1024"):
         chat(logit_bias=many)
 

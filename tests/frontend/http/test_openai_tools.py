@@ -34,7 +34,7 @@ CALLING = (
 
 def chat(**fields: Any) -> OpenAIRequest:
     fields.setdefault("messages", [{"role": "user", "content": "hi"}])
-    return chat_request(parse(json.dumps(fields).encode()), LIMITS, 4096, "rid")
+    return chat_request(parse(json.dumps(fields).encode()), 4096, "rid")
 
 
 def param_of_failure(**fields: Any) -> str | None:
