@@ -59,7 +59,7 @@ def main() -> None:
         for i in range(args.variants):
             constraint = variant(schema, i)
             t = time.perf_counter()
-            build(constraint, tokenizer, config)
+            build(constraint, tokenizer)
             here.append(time.perf_counter() - t)
             t = time.perf_counter()
             sizes.append(trials.run(constraint, config))

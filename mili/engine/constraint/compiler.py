@@ -165,9 +165,7 @@ def _own_grammar(constraint: Constraint) -> str:
         raise InvalidArgument(field_name, constraint.text, f"does not parse: {e}") from None
 
 
-def build(
-    constraint: Constraint, tokenizer: GrammarTokenizer, config: CompileConfig
-) -> tuple[Any, str]:
+def build(constraint: Constraint, tokenizer: GrammarTokenizer) -> tuple[Any, str]:
     """Compile on this thread (blocking): the start-state llguidance.LLMatcher, and the
     grammar text it was compiled from (for the other lanes)."""
     grammar = grammar_text(constraint)
@@ -318,7 +316,7 @@ class ConstraintCompiler:
         started = time.perf_counter()
         try:
             tried_bytes = self._trials.run(constraint, self.config)
-            template, grammar = build(constraint, self.tokenizer, self.config)
+            template, grammar = build(constraint, self.tokenizer)
         except BaseException as e:
             with self._lock:
                 self._running.pop(key, None)

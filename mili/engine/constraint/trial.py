@@ -13,7 +13,7 @@ what the compile grew its memory by, which weighs the constraint in the cache.
 
     ConstraintCompiler thread            child (python -m mili.engine.constraint.trial)
     start: tokenizer.json, rows, EOS ──▶ builds its GrammarTokenizer once, answers "ready"
-    (constraint, config)             ──▶ compiler.build -> ("ok", bytes grown)
+    constraint                       ──▶ compiler.build -> ("ok", bytes grown)
                                          | ("invalid", violations) | ("exhausted", message)
     no answer in timeout_s, or its resident memory grown past max_compile_bytes: killed; the
     next trial starts another
@@ -92,7 +92,7 @@ class CompileTrials:
         field_name = constraint.field_name()
         child = self._take()
         try:
-            answer = child.ask((constraint, config), config.timeout_s, config.max_compile_bytes)
+            answer = child.ask(constraint, config.timeout_s, config.max_compile_bytes)
         except TimeoutError:
             child.kill()
             raise ResourceExhausted(
@@ -300,7 +300,7 @@ def _die_with(starter_tid: int) -> None:
 def _serve() -> None:
     _die_with(int(sys.argv[1]))
     # compiler imports this module: the child's half imports it when it runs.
-    from mili.engine.constraint.compiler import CompileConfig, build
+    from mili.engine.constraint.compiler import build
     from mili.engine.constraint.spec import Constraint
     from mili.engine.constraint.vocab import GrammarTokenizer
 
@@ -309,18 +309,18 @@ def _serve() -> None:
     source, vocab_rows, eos_token_ids = _read_blocking(channel_in)
     tokenizer = GrammarTokenizer(source, vocab_rows, eos_token_ids)
     # A first compile sets up what llguidance builds once (~0.7 MB): not a constraint's size.
-    build(Constraint.regex("a"), tokenizer, CompileConfig())
+    build(Constraint.regex("a"), tokenizer)
     _write(channel_out, "ready")
     trim = _malloc_trim()
     while True:
         try:
-            constraint, config = _read_blocking(channel_in)
+            constraint = _read_blocking(channel_in)
         except EOFError:
             return
         before = _rss_bytes(os.getpid())
         answer: tuple[Any, ...]
         try:
-            matcher, _ = build(constraint, tokenizer, config)
+            matcher, _ = build(constraint, tokenizer)
             answer = ("ok", max(_rss_bytes(os.getpid()) - before, 0))
             del matcher
         except InvalidArgument as e:
