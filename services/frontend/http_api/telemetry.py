@@ -136,7 +136,7 @@ def telemetry_middleware(metrics: FrontendMetrics, tracer: trace.Tracer = _TRACE
                 response = await handler(request)
                 status = response.status
                 if not response.prepared and _SENT_STATUS in request:
-                    _cut_short(request, span, response.status)
+                    _cut_short(request, response.status)
                 elif not response.prepared:
                     # Send it here, so the span and the duration cover its body too (a
                     # stream's handler sent it all already).
@@ -161,7 +161,7 @@ def telemetry_middleware(metrics: FrontendMetrics, tracer: trace.Tracer = _TRACE
     return telemetry
 
 
-def _cut_short(request: web.Request, span: Span, status: int) -> None:
+def _cut_short(request: web.Request, status: int) -> None:
     """A stream failed after its headers went out, and an error response (openai_errors')
     came back in its place: it cannot follow them on the wire (it would land inside the
     stream's body), so the connection is closed instead and the client sees the stream cut
