@@ -33,6 +33,7 @@ from services.frontend.validation import ValidRequest
 
 # Tokenizer's name for a field -> ours (it tokenizes `text`; callers send `prompt`).
 _TOKENIZER_FIELDS = {"text": "prompt"}
+_TOKENIZE_TIMEOUT_S = 30.0  # a Tokenize call's timeout when the caller set no deadline
 
 
 class GrpcDownstream:
@@ -74,7 +75,7 @@ class GrpcDownstream:
 
     async def _tokenize(self, proto: Any, deadline: Deadline) -> Tokenized:
         who = self._backends.tokenizer.who
-        timeout_s = deadline.remaining() or self._config.tokenize_timeout_s
+        timeout_s = deadline.remaining() or _TOKENIZE_TIMEOUT_S
         try:
             reply = await self._backends.tokenizer.stub.Tokenize(proto, timeout=timeout_s)
         except grpc.aio.AioRpcError as err:

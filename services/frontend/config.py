@@ -30,8 +30,6 @@ class FrontendConfig:
     # How long a decode instance gets to admit or refuse a request (it answers at once unless
     # it is stuck); past it, the instance counts as down and the next one is tried.
     admit_timeout_s: float = 5.0
-    # Timeout of a Tokenize call when the caller set no deadline.
-    tokenize_timeout_s: float = 30.0
     # How long decode holds a reservation waiting for the KV (0 = decode's own default).
     kv_lease_ms: int = 0
     # Requests running through this frontend at once, waiting in its admission queue
@@ -57,11 +55,6 @@ class FrontendConfig:
     # Token ids a streamed request gathers before it sends a message (its first and last go out
     # at once): fewer, larger messages for less CPU per token, tokens waiting up to N-1 steps.
     stream_interval: int = 1
-    # HTTP/2 receive window of the channels to decode instances (no BDP probing): how far
-    # decode's GenerateStream may run ahead of this frontend's reading. With BDP probing it grew
-    # to megabytes, seconds of tokens queued in front of new requests' admissions when this
-    # frontend fell behind; at this size a backlog waits at decode, merged per request.
-    decode_receive_window_bytes: int = 64 * 1024
     # Ended requests whose status GET /status/{request_id} still reports (request_status.py),
     # the oldest forgotten first; requests in flight are always reported.
     status_history: int = 1024
@@ -102,7 +95,6 @@ class FrontendConfig:
             "info_timeout_s",
             "hung_after_s",
             "admit_timeout_s",
-            "tokenize_timeout_s",
         ):
             # NaN passed a `<= 0` check; a poll every nanosecond busy-looped on Info calls.
             if not 0.01 <= getattr(self, name) < float("inf"):
@@ -122,7 +114,5 @@ class FrontendConfig:
             )
         if self.status_history < 0:
             raise ValueError(f"status_history must be >= 0, got {self.status_history}")
-        if self.decode_receive_window_bytes < 1:
-            raise ValueError("decode_receive_window_bytes must be >= 1")
         if self.retry_after_s < 0 or self.prefill_reply_grace_s < 0:
             raise ValueError("retry_after_s and prefill_reply_grace_s must be >= 0")

@@ -43,6 +43,11 @@ from services.frontend.multiplex import DecodeMultiplexer
 from services.frontend.router import MemberChanges, Router
 
 _LOG = logging.getLogger("mili.frontend")
+# HTTP/2 receive window of the channels to decode instances (no BDP probing): how far decode's
+# GenerateStream may run ahead of this frontend's reading. With BDP probing it grew to
+# megabytes, seconds of tokens queued in front of new requests' admissions when this frontend
+# fell behind; at this size a backlog waits at decode, merged per request.
+DECODE_RECEIVE_WINDOW_BYTES = 64 * 1024
 
 
 class Instances:
@@ -224,7 +229,7 @@ class Instances:
         # Decode's GenerateStream carries every request's admissions and tokens in order: a
         # small window keeps a backlog at decode (merged per request) instead of in front of
         # the next admission here (docs/benchmarks.md, "Token path", TTFT).
-        window = self._config.decode_receive_window_bytes if kind == "decode" else None
+        window = DECODE_RECEIVE_WINDOW_BYTES if kind == "decode" else None
         ch = self.channel(address, window)
         if kind == "prefill":
             self._prefills[address] = prefill_pb2_grpc.PrefillServiceStub(ch)
