@@ -556,14 +556,10 @@ def test_a_request_past_the_frontends_limit_is_refused_with_its_log_line(
             generations = Generations(s.backends, FrontendMetrics(CollectorRegistry()))
             generations.config = dataclasses.replace(s.backends.config, max_concurrent_requests=1)
             body = parse(b'{"prompt": "hi", "max_tokens": 3}')
-            [choice] = choices_of.plan(
-                generations, completion_request(body, Limits(), 4096, "first")
-            )
+            [choice] = choices_of.plan(generations, completion_request(body, 4096, "first"))
             running = generations.run(choice.valid, Deadline(10))
             assert (await anext(running)).token_ids  # decode holds after its first event
-            [refused] = choices_of.plan(
-                generations, completion_request(body, Limits(), 4096, "second")
-            )
+            [refused] = choices_of.plan(generations, completion_request(body, 4096, "second"))
             with pytest.raises(errors.ResourceExhausted, match="its limit of 1 requests") as info:
                 await anext(generations.run(refused.valid, Deadline(10)))
             assert info.value.retry_after_s is not None
