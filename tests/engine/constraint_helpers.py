@@ -75,3 +75,31 @@ def sample(
                 done[i] = matchers[i].is_finished
     texts = [hf.decode(row_ids, skip_special_tokens=False) for row_ids in ids]
     return Run(texts, [m.is_finished for m in matchers], steps)
+
+
+def sample_biased(
+    compiled: CompiledConstraint, hf: Tokenizer, seed: int, bias: dict[int, float], batch: int = 8
+) -> list[str]:
+    """Random logits with a few tokens favoured (random text would run for about the
+    vocabulary's size in tokens before </think> is drawn)."""
+    tokenizer = compiled.tokenizer
+    matchers = [compiled.matcher() for _ in range(batch)]
+    masker = BatchMasker(tokenizer, batch, num_threads=1)
+    gen = torch.Generator().manual_seed(seed)
+    rows: list[list[int]] = [[] for _ in range(batch)]
+    for _ in range(800):
+        if all(m.is_finished for m in matchers):
+            break
+        logits = torch.randn(batch, tokenizer.vocab_rows, generator=gen)
+        for token, add in bias.items():
+            logits[:, token] += add
+        apply_token_bitmask(logits, masker.fill([None if m.is_finished else m for m in matchers]))
+        tokens = torch.multinomial(torch.softmax(logits, -1), 1, generator=gen).flatten()
+        for i, token in enumerate(tokens.tolist()):
+            if matchers[i].is_finished:
+                continue
+            assert matchers[i].accept(token), matchers[i].error
+            if token not in tokenizer.eos_token_ids:
+                rows[i].append(token)
+    assert all(m.is_finished for m in matchers)
+    return [hf.decode(row, skip_special_tokens=False) for row in rows]

@@ -11,18 +11,16 @@ from typing import Any
 
 import jsonschema
 import pytest
-import torch
 from tokenizers import Tokenizer
 
 from mili.engine.constraint.compiler import CompiledConstraint, ConstraintCompiler
-from mili.engine.constraint.mask import BatchMasker, apply_token_bitmask
 from mili.engine.constraint.spec import ThinkBlock
 from mili.engine.constraint.vocab import GrammarTokenizer
 from mili.errors import InvalidArgument
 from services.frontend.chat_output import ChatOutput
 from services.frontend.tool_grammar import tool_call_constraint
 from services.frontend.tools import FunctionTool, ToolChoice
-from tests.engine.constraint_helpers import demo_grammar_tokenizer, sample
+from tests.engine.constraint_helpers import demo_grammar_tokenizer, sample, sample_biased
 
 WEATHER = {
     "type": "object",
@@ -290,31 +288,3 @@ def accepts(grammar: CompiledConstraint, tokenizer: GrammarTokenizer, text: str)
     matcher = grammar.matcher()
     ids = tokenizer.encode(text)
     return all(matcher.accept(t) for t in ids) and matcher.can_finish
-
-
-def sample_biased(
-    grammar: CompiledConstraint, hf: Tokenizer, seed: int, bias: dict[int, float], batch: int = 8
-) -> list[str]:
-    """Random logits with a few tokens favoured (a think block of random text would otherwise
-    run for ~the vocabulary's size in tokens before </think> is drawn)."""
-    tokenizer = grammar.tokenizer
-    matchers = [grammar.matcher() for _ in range(batch)]
-    masker = BatchMasker(tokenizer, batch, num_threads=1)
-    gen = torch.Generator().manual_seed(seed)
-    ids: list[list[int]] = [[] for _ in range(batch)]
-    for _ in range(800):
-        if all(m.is_finished for m in matchers):
-            break
-        logits = torch.randn(batch, tokenizer.vocab_rows, generator=gen)
-        for token, add in bias.items():
-            logits[:, token] += add
-        apply_token_bitmask(logits, masker.fill([None if m.is_finished else m for m in matchers]))
-        tokens = torch.multinomial(torch.softmax(logits, -1), 1, generator=gen).flatten()
-        for i, token in enumerate(tokens.tolist()):
-            if matchers[i].is_finished:
-                continue
-            assert matchers[i].accept(token), matchers[i].error
-            if token not in tokenizer.eos_token_ids:
-                ids[i].append(token)
-    assert all(m.is_finished for m in matchers)
-    return [hf.decode(row, skip_special_tokens=False) for row in ids]
