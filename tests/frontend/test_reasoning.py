@@ -43,8 +43,10 @@ STARTED = [
 ]
 
 
-def _split(pieces: list[str], *, started: bool = False) -> tuple[str, str]:
-    splitter = ReasoningSplitter()
+def _split(
+    pieces: list[str], *, started: bool = False, splitter_type: type = ReasoningSplitter
+) -> tuple[str, str]:
+    splitter = splitter_type()
     splitter.is_reasoning = started
     reasoning, content = [], []
     for piece in pieces:
@@ -145,18 +147,6 @@ THINK_FIRST = [
 ]
 
 
-def _split_think_first(pieces: list[str], *, started: bool) -> tuple[str, str]:
-    splitter = ThinkFirstSplitter()
-    splitter.is_reasoning = started
-    reasoning, content = [], []
-    for piece in pieces:
-        r, c = splitter.push(piece)
-        reasoning.append(r)
-        content.append(c)
-    r, c = splitter.finish()
-    return "".join([*reasoning, r]), "".join([*content, c])
-
-
 @pytest.mark.parametrize(("text", "started", "reasoning", "content"), THINK_FIRST)
 def test_a_constraints_think_block_alone_is_split_off_in_any_cut(
     text: str, started: bool, reasoning: str, content: str
@@ -166,7 +156,10 @@ def test_a_constraints_think_block_alone_is_split_off_in_any_cut(
     n = len(text)
     for i, j in itertools.combinations_with_replacement(range(n + 1), 2):
         pieces = [text[:i], text[i:j], text[j:]]
-        assert _split_think_first(pieces, started=started) == (reasoning, content), pieces
+        assert _split(pieces, started=started, splitter_type=ThinkFirstSplitter) == (
+            reasoning,
+            content,
+        ), pieces
 
 
 def test_what_comes_before_a_constraint() -> None:
