@@ -173,6 +173,20 @@ def test_a_forced_tool_choice_thinks_then_calls(
         assert "think>" not in (getattr(done.message, "reasoning_content", None) or "")
 
 
+def test_a_grammar_at_a_dead_end_after_the_think_block_is_refused_up_front(
+    client: openai.OpenAI, tags: tuple[int, int]
+) -> None:
+    """Refused before any token, as with thinking off: it compiled, the model thought, and the
+    request failed only then (streamed: after the 200 and the reasoning), or its reasoning ran
+    to max_tokens and no error came at all."""
+    for stream in (True, False):
+        with pytest.raises(openai.BadRequestError) as err:
+            http_chat(
+                client, tags, 0, stream=stream, extra_body={"guided_grammar": "start: <|im_end|>"}
+            )
+        assert "no token can continue it at its start" in err.value.message
+
+
 def test_a_callers_think_block_is_refused(pipeline: Deployment) -> None:
     """The frontend sets it from enable_thinking and the chat template, never a caller."""
     sampling = sampling_pb2.SamplingParams(

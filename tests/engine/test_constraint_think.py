@@ -123,6 +123,28 @@ def test_a_schema_error_still_names_the_schema(compiler: ConstraintCompiler) -> 
     assert [v.field for v in err.value.violations] == ["sampling.json_schema"]
 
 
+@pytest.mark.parametrize(
+    ("grammar", "words"),
+    [
+        ('start: "a" start', "the text it forces at its start never ends"),
+        ("start: <|im_end|>", "no token can continue it at its start: it asks for <|im_end|>"),
+    ],
+)
+@pytest.mark.parametrize("think", ["optional", "open"])
+def test_a_dead_end_after_the_think_block_is_refused_at_compile(
+    compiler: ConstraintCompiler, grammar: str, words: str, think: ThinkBlock
+) -> None:
+    """Behind a think block the start state always has a way on (the block): a grammar that
+    thinking off refuses at compile went through, and failed only once the model had thought
+    (mid-stream, after a 200), or never (its reasoning ran to max_tokens)."""
+    for shape in ("none", think):
+        with pytest.raises(InvalidArgument) as err:
+            compiler.compile_sync(Constraint.grammar(grammar).after_think(shape))
+        (violation,) = err.value.violations
+        assert violation.field == "sampling.grammar"
+        assert words in violation.description
+
+
 @pytest.mark.parametrize("think", ["optional", "open"])
 def test_sampled_answers_split_into_reasoning_and_valid_json(
     compiler: ConstraintCompiler, tokenizer: GrammarTokenizer, hf: Tokenizer, think: ThinkBlock

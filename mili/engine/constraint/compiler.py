@@ -52,7 +52,7 @@ import llguidance
 from mili.engine.constraint import schema as schemas
 from mili.engine.constraint.matcher import ConstraintMatcher, too_complex
 from mili.engine.constraint.spec import Constraint, parse_schema, validate
-from mili.engine.constraint.think import after_think
+from mili.engine.constraint.think import after_think, shortest_block
 from mili.engine.constraint.trial import CompileTrials
 from mili.engine.constraint.vocab import GrammarTokenizer
 from mili.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
@@ -181,9 +181,28 @@ def build(constraint: Constraint, tokenizer: GrammarTokenizer) -> tuple[Any, str
         reason = f"does not compile: {' '.join(error.split())[:300]}"
         raise InvalidArgument(field_name, constraint.text, reason)
     dead_end = ConstraintMatcher(matcher, tokenizer, field_name).dead_end()
+    if dead_end is None and constraint.think != "none":
+        answer = _answer_start(matcher, constraint, tokenizer)
+        dead_end = None if answer is None else answer.dead_end()
     if dead_end is not None:
         raise dead_end
     return matcher, grammar
+
+
+def _answer_start(
+    matcher: Any, constraint: Constraint, tokenizer: GrammarTokenizer
+) -> ConstraintMatcher | None:
+    """A copy of the start-state `matcher` past the shortest think block, where the
+    constraint's own grammar starts. The start state behind a think block always has a way on
+    (the block), so a dead end or endless forced text at the answer's start would show only
+    once the model had thought, mid-generation: checked there at compile, as without the block.
+    None (logged) if the block does not go through, which it always should."""
+    answer = matcher.deep_copy()
+    for token_id in tokenizer.encode(shortest_block(constraint.think)):
+        if not answer.consume_token(token_id):
+            _LOG.warning("the think block's grammar refused a token: %s", answer.get_error())
+            return None
+    return ConstraintMatcher(answer, tokenizer, constraint.field_name())
 
 
 def _start_state(grammar: str, tokenizer: GrammarTokenizer) -> Any:

@@ -31,6 +31,13 @@ _STARTS: dict[str, str] = {
     "open": f"start: REASONING {_CLOSE} @answer\n{_REASONING}\n",
 }
 _ANSWER = "answer"
+# The shortest text each shape lets the model write before the answer: where the constraint's
+# own grammar starts (compiler.build checks that start as it checks a bare grammar's).
+_SHORTEST: dict[str, str] = {
+    "none": "",
+    "optional": f"<think></think>{SEPARATOR}",
+    "open": f"</think>{SEPARATOR}",
+}
 
 
 def after_think(grammar: str, think: ThinkBlock) -> str:
@@ -46,3 +53,9 @@ def after_think(grammar: str, think: ThinkBlock) -> str:
     grammars[0]["name"] = _ANSWER  # the top of the constraint's own (compiler.py writes one)
     top = {"name": "start", "lark_grammar": _STARTS[think]}
     return json.dumps({"grammars": [top, *grammars]})
+
+
+def shortest_block(think: ThinkBlock) -> str:
+    """The shortest text `think` allows before the answer ("" for "none"), tags as Qwen3's
+    single tokens: past it, a matcher of `after_think`'s grammar is at the answer's start."""
+    return _SHORTEST[think]

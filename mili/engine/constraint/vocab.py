@@ -63,7 +63,8 @@ class GrammarTokenizer:
         return (self.vocab_rows + 31) // 32
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of `text` (llguidance's tokenization of the same file; for tests)."""
+        """Token ids of `text` (llguidance's tokenization of the same file; special tokens'
+        names, `<think>`, as their single tokens)."""
         return list(self.ll.tokenize_str(text))
 
     def decode(self, token_ids: Sequence[int]) -> str:
