@@ -42,10 +42,12 @@ from services.frontend.validation import (
 
 def sampling_input(s: sampling_pb2.SamplingParams) -> SamplingInput:
     if s.think_block:  # prompt.py sets it for prefill and decode
+        known = s.think_block in sampling_pb2.ThinkBlock.values()
         raise InvalidArgument(
             "sampling.think_block",
-            s.think_block,
-            "is set by the frontend (from enable_thinking and the chat template): leave it unset",
+            sampling_pb2.ThinkBlock.Name(s.think_block) if known else s.think_block,
+            "the frontend sets it from enable_thinking (a chat with thinking on thinks before "
+            "its constraint; false: constrained from the first token): leave it unset",
         )
     return SamplingInput(
         max_tokens=s.max_tokens if s.HasField("max_tokens") else None,

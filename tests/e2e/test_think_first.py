@@ -198,3 +198,6 @@ def test_a_callers_think_block_is_refused(pipeline: Deployment) -> None:
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     violations = bad_request_of(err.value).field_violations  # type: ignore[arg-type]
     assert [v.field for v in violations] == ["sampling.think_block"]
+    # What to do instead, and the value by the name the caller wrote (grpcurl: the enum's)
+    assert "enable_thinking" in violations[0].description
+    assert violations[0].description.endswith("(got 'THINK_BLOCK_OPTIONAL')")
