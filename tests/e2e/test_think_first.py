@@ -187,6 +187,16 @@ def test_a_grammar_at_a_dead_end_after_the_think_block_is_refused_up_front(
         assert "no token can continue it at its start" in err.value.message
 
 
+def test_a_regex_too_big_to_compile_is_refused_with_thinking_on(
+    client: openai.OpenAI, tags: tuple[int, int]
+) -> None:
+    """Refused as with thinking off: behind the think block llguidance built the regex's lexer
+    only once the output reached it, so it compiled, and the request failed after thinking."""
+    with pytest.raises(openai.BadRequestError) as err:
+        http_chat(client, tags, 0, extra_body={"guided_regex": "b{1000}{200}"})
+    assert "over 64 MiB of memory" in err.value.message
+
+
 def test_a_callers_think_block_is_refused(pipeline: Deployment) -> None:
     """The frontend sets it from enable_thinking and the chat template, never a caller."""
     sampling = sampling_pb2.SamplingParams(

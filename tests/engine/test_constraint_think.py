@@ -15,7 +15,7 @@ from tokenizers import Tokenizer
 from mili.engine.constraint.compiler import CompiledConstraint, ConstraintCompiler
 from mili.engine.constraint.spec import Constraint, ThinkBlock
 from mili.engine.constraint.vocab import GrammarTokenizer
-from mili.errors import InvalidArgument
+from mili.errors import InvalidArgument, ResourceExhausted
 from services.frontend.chat_output import ChatOutput
 from tests.engine.constraint_helpers import demo_grammar_tokenizer, sample_biased
 
@@ -143,6 +143,38 @@ def test_a_dead_end_after_the_think_block_is_refused_at_compile(
         (violation,) = err.value.violations
         assert violation.field == "sampling.grammar"
         assert words in violation.description
+
+
+@pytest.mark.parametrize("think", ["optional", "open"])
+def test_a_constraint_too_big_alone_is_too_big_behind_the_think_block(
+    compiler: ConstraintCompiler, think: ThinkBlock
+) -> None:
+    """llguidance builds a nested grammar's lexer only when the output reaches it: behind the
+    block, a regex whose compile takes over the memory limit compiled in a moment, and its
+    lexer was built in decode's step once the model had thought."""
+    big = Constraint.regex("b{1000}{200}")
+    for shape in ("none", think):
+        with pytest.raises(ResourceExhausted, match=r"sampling\.regex: .* over 64 MiB of memory"):
+            compiler.compile_sync(big.after_think(shape))
+
+
+def test_a_compiled_constraint_behind_the_think_block_takes_the_block_and_its_answer(
+    compiler: ConstraintCompiler, tokenizer: GrammarTokenizer
+) -> None:
+    """Built lazily, this regex's lexer used up llguidance's lexer limits, which the copies of
+    a compile share: the first request thought, then failed at its answer's first token
+    (RESOURCE_EXHAUSTED), every later one at its first token. Refused at compile instead, or
+    usable: never compiled and unusable."""
+    regex = Constraint.regex("b{1000}{100}")
+    assert compiler.compile_sync(regex).matcher().accept(ids(tokenizer, "b")[0])  # alone: fine
+    try:
+        compiled = compiler.compile_sync(regex.after_think("optional"))
+    except ResourceExhausted as err:
+        assert str(err).startswith("sampling.regex: the constraint is too complex")
+        return
+    for _ in range(2):
+        matcher = compiled.matcher()
+        assert all(matcher.accept(t) for t in ids(tokenizer, "<think>hm</think>\n\nb"))
 
 
 @pytest.mark.parametrize("think", ["optional", "open"])

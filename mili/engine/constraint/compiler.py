@@ -167,8 +167,26 @@ def _own_grammar(constraint: Constraint) -> str:
 
 def build(constraint: Constraint, tokenizer: GrammarTokenizer) -> tuple[Any, str]:
     """Compile on this thread (blocking): the start-state llguidance.LLMatcher, and the
-    grammar text it was compiled from (for the other lanes)."""
-    grammar = grammar_text(constraint)
+    grammar text it was compiled from (for the other lanes).
+
+    Behind a think block the constraint's own grammar is compiled alone first, as thinking off
+    compiles it, and thrown away: llguidance builds a nested grammar's lexer only when the
+    output reaches it, and the start state always has a way on (the block), so a grammar too
+    big, too complex or at a dead end at its start would compile behind the block and fail
+    only once the model had thought. Its answer's lexer is then built here (`_build_answer`)."""
+    own = _own_grammar(constraint)
+    if constraint.think != "none":
+        _checked_start(own, constraint, tokenizer)
+    grammar = after_think(own, constraint.think)
+    matcher = _checked_start(grammar, constraint, tokenizer)
+    if constraint.think != "none":
+        _build_answer(matcher, constraint, tokenizer)
+    return matcher, grammar
+
+
+def _checked_start(grammar: str, constraint: Constraint, tokenizer: GrammarTokenizer) -> Any:
+    """`grammar`'s start state; InvalidArgument or ResourceExhausted naming the constraint's
+    field when it does not compile or cannot go on from there."""
     field_name = constraint.field_name()
     matcher = _start_state(grammar, tokenizer)
     if matcher.is_error():
@@ -181,28 +199,29 @@ def build(constraint: Constraint, tokenizer: GrammarTokenizer) -> tuple[Any, str
         reason = f"does not compile: {' '.join(error.split())[:300]}"
         raise InvalidArgument(field_name, constraint.text, reason)
     dead_end = ConstraintMatcher(matcher, tokenizer, field_name).dead_end()
-    if dead_end is None and constraint.think != "none":
-        answer = _answer_start(matcher, constraint, tokenizer)
-        dead_end = None if answer is None else answer.dead_end()
     if dead_end is not None:
         raise dead_end
-    return matcher, grammar
+    return matcher
 
 
-def _answer_start(
-    matcher: Any, constraint: Constraint, tokenizer: GrammarTokenizer
-) -> ConstraintMatcher | None:
-    """A copy of the start-state `matcher` past the shortest think block, where the
-    constraint's own grammar starts. The start state behind a think block always has a way on
-    (the block), so a dead end or endless forced text at the answer's start would show only
-    once the model had thought, mid-generation: checked there at compile, as without the block.
-    None (logged) if the block does not go through, which it always should."""
+def _build_answer(matcher: Any, constraint: Constraint, tokenizer: GrammarTokenizer) -> None:
+    """Build the answer's lexer of `matcher` (behind a think block) now, off the decode step and
+    where the compile is measured, on a copy moved past the shortest block; deep copies share
+    it. They share llguidance's lexer limits too: an answer whose lexer used them up leaves no
+    copy able to take even the block, so a fresh copy must still take it: RESOURCE_EXHAUSTED
+    naming the field otherwise, not a failure at every request's first token."""
+    block = tokenizer.encode(shortest_block(constraint.think))
     answer = matcher.deep_copy()
-    for token_id in tokenizer.encode(shortest_block(constraint.think)):
-        if not answer.consume_token(token_id):
-            _LOG.warning("the think block's grammar refused a token: %s", answer.get_error())
-            return None
-    return ConstraintMatcher(answer, tokenizer, constraint.field_name())
+    if all(answer.consume_token(t) for t in block):
+        answer.compute_bitmask()
+    probe = matcher.deep_copy()
+    if all(probe.consume_token(t) for t in block) and not answer.is_error():
+        return
+    error = str(probe.get_error() or answer.get_error())
+    limit_hit = too_complex(constraint.field_name(), error)
+    if limit_hit is not None:
+        raise limit_hit
+    raise RuntimeError(f"the think block's grammar refused its own block: {error}")
 
 
 def _start_state(grammar: str, tokenizer: GrammarTokenizer) -> Any:
