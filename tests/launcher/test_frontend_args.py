@@ -133,3 +133,21 @@ def test_the_default_frontends_share_the_port(
     assert len({_value(f, "--metrics-port") for f in frontends}) == 4
     (alone,) = frontends_for(tmp_path, "--metrics-port", "9000")  # on the CPU
     assert "--reuse-port" not in alone
+
+
+def test_metrics_ports_are_where_the_readme_says(tmp_path: Path) -> None:
+    """README's Metrics: frontend BASE, tokenizer BASE+1, prefill i BASE+2+i, decode j
+    BASE+2+P+j, frontend k >= 1 BASE+2+P+D+k-1."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    argv = ["--decode-port", "1", "--metrics-port", "9100", "--frontends", "3"]
+    argv += ["--prefill-instances", "2", "--decode-instances", "2"]
+    plan = make_plan(parser.parse_args(argv), tmp_path)
+
+    def ports(children: list[list[str]]) -> list[str | None]:
+        return [_value(argv, "--metrics-port") for argv in children]
+
+    assert ports([plan.tokenizer]) == ["9101"]
+    assert ports(plan.prefills) == ["9102", "9103"]
+    assert ports(plan.decodes) == ["9104", "9105"]
+    assert ports(plan.frontends) == ["9100", "9106", "9107"]
