@@ -95,7 +95,7 @@ class Generations:
                         observer.delta(delta)
                         yield delta
                 if generation.served is not None:
-                    observer.done(generation.served)
+                    observer.done(generation.served, generation.retried)
             except Exception as exc:
                 observer.failed(exc, () if generation is None else generation.retried)
                 finish_reason = finish_reason or "error"

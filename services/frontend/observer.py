@@ -86,7 +86,8 @@ class RequestObserver:
                 per_token_s = (time.monotonic() - self._first_at) / (num_tokens - 1)
                 self._metrics.time_per_output_token.observe(per_token_s)
 
-    def done(self, served: Served) -> None:
+    def done(self, served: Served, retried: tuple[str, ...] = ()) -> None:
+        """`retried`: why each earlier try ended (Generation.retried)."""
         reply, last = served.prefill_stats, served.last
         kv = ""
         if reply is not None:
@@ -105,7 +106,7 @@ class RequestObserver:
             "ttft %s%s, total %.1f ms%s",
             served.route.prefill,
             served.route.decode,
-            _retried(served.retried),
+            _retried(retried),
             last.num_prompt_tokens,
             last.num_completion_tokens,
             last.finish_reason,

@@ -95,8 +95,6 @@ class Served:
     prefill_stats: PrefillStats | None
     num_cached_blocks: int  # leading prompt blocks decode already held (its prefix cache)
     queued_s: float = 0.0  # in the frontend's admission queue, all its stays together
-    # Why each earlier try ended (instance down, no room), oldest first.
-    retried: tuple[str, ...] = ()
 
 
 class Generation:
@@ -191,7 +189,6 @@ class Generation:
                     reply,
                     admission.admitted.num_cached_blocks,
                     self._placement.queued_s,
-                    self.retried,
                 )
         finally:
             # a no-op when decode already finished

@@ -86,8 +86,8 @@ def test_a_retried_request_says_how_often_and_why(caplog: pytest.LogCaptureFixtu
     last = Delta([], "", [], FinishReason.LENGTH, num_prompt_tokens=2, num_completion_tokens=0)
     whys = ("decode at d:2 is down", "prefill at p:2 is full", "prefill at p:2 is full")
     with caplog.at_level(logging.INFO, logger="mili.frontend"):
-        observer.done(Served(ROUTE, last, None, num_cached_blocks=0, retried=whys[:1]))
-        observer.done(Served(ROUTE, last, None, num_cached_blocks=0, retried=whys))
+        observer.done(Served(ROUTE, last, None, num_cached_blocks=0), whys[:1])
+        observer.done(Served(ROUTE, last, None, num_cached_blocks=0), whys)
     once, thrice = _lines(caplog)
     assert " done: prefill p:1 -> decode d:1 (retried 1 time: decode at d:2 is down), 2 " in once
     assert (
