@@ -26,7 +26,7 @@ from collections import deque
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TextIO
 from urllib.parse import urlsplit
 
 from mili.errors import StartupError
@@ -55,9 +55,20 @@ def to_stderr(text: str) -> None:
     reader exited): a write that raised there stopped the launcher's signal handler before it
     began the shut-down, and the forwarding of a child's lines, whose pipe then filled and
     blocked the child's logging."""
+    _write(sys.stderr, text)
+
+
+def to_stdout(text: str) -> None:
+    """Write `text` to our stdout, or drop it once that is gone: a reader that exited after the
+    `frontend service listening on` line (`mili serve | head`) made the write of its newline
+    raise BrokenPipeError, and `mili serve` exit 1 with every child stopped."""
+    _write(sys.stdout, text)
+
+
+def _write(stream: TextIO, text: str) -> None:
     with contextlib.suppress(OSError):  # BrokenPipeError, EIO
-        sys.stderr.write(text)
-        sys.stderr.flush()
+        stream.write(text)
+        stream.flush()
 
 
 def describe_exit(code: int | None) -> str:

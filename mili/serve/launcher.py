@@ -71,7 +71,7 @@ from mili.engine.engine_config import DEFAULT_GPU_MEMORY_UTILIZATION
 from mili.errors import StartupError
 from mili.serve import tls as serve_tls
 from mili.serve.backoff import Backoff
-from mili.serve.child import Child, describe_exit, to_stderr
+from mili.serve.child import Child, describe_exit, to_stderr, to_stdout
 from mili.serve.plan import (
     DEFAULT_HTTP_PORT,
     DEFAULT_PREFILL_MEMORY_SHARE,
@@ -279,19 +279,18 @@ class Launcher:
         for child in [*backends, *self.frontends]:
             metrics = "" if child.metrics_url is None else f" metrics {child.metrics_url}"
             http = "" if child.http_url is None else f" http {child.http_url}"
-            print(
-                f"mili serve: {child.name:<10} {child.address} pid {child.pid}{http}{metrics}",
-                flush=True,
+            to_stdout(
+                f"mili serve: {child.name:<10} {child.address} pid {child.pid}{http}{metrics}\n"
             )
         first = self.frontends[0]
         if first.http_url is not None:  # every frontend's: they share the port
-            print(f"mili serve: OpenAI-compatible API on {first.http_url}/v1", flush=True)
+            to_stdout(f"mili serve: OpenAI-compatible API on {first.http_url}/v1\n")
         if self.plan.tls_demo is not None:
             usage = serve_tls.demo_usage(self.plan.tls_demo, self._address(first), first.http_url)
             for line in usage:
-                print(f"mili serve: {line}", flush=True)
+                to_stdout(f"mili serve: {line}\n")
         # Last, in the form every service announces itself: scripts and tests read this line.
-        print(f"frontend service listening on {first.address}", flush=True)
+        to_stdout(f"frontend service listening on {first.address}\n")
         return True
 
     @staticmethod

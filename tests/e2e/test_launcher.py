@@ -278,27 +278,37 @@ def test_serve_stops_on_sigterm_after_its_output_is_gone(demo_model_dir: Path) -
     """Found by an operator's pass (a `mili serve` whose reader exited): its stderr a broken
     pipe, `mili serve` ignored SIGTERM for good (the signal handler's "got SIGTERM" line raised
     BrokenPipeError before the stop began) and its children's forwarded lines stopped being
-    read. With its output gone it still drains and exits, children and all."""
+    read. Its stdout a broken pipe, the lines it prints once all are up raised BrokenPipeError
+    and it exited 1, stopping every child (found by CI: the reader of the last line exited
+    between that line's text and its newline). With its output gone it still serves, drains
+    and exits, children and all."""
+    out_read, out_write = os.pipe()
+    os.close(out_read)  # every write to stdout fails: EPIPE
     read, write = os.pipe()
     proc = subprocess.Popen(
         [sys.executable, "-m", "mili", "serve", "--model", str(demo_model_dir), "--port", "0"],
-        stdout=write,
+        stdout=out_write,
         stderr=write,
         stdin=subprocess.DEVNULL,
         cwd=ROOT,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
+    os.close(out_write)
     os.close(write)
     try:
         seen = b""
         deadline = time.monotonic() + 180
-        while b"\nfrontend service listening on" not in seen:
+        while b"] frontend service listening on" not in seen:
             assert time.monotonic() < deadline and proc.poll() is None, seen[-3000:]
             seen += os.read(read, 65536)
-        children = [int(pid) for pid in re.findall(rb"mili serve: \S+ +\S+ pid (\d+)", seen)]
-        assert len(children) == 4, seen[-3000:]
+        time.sleep(2.0)  # the launcher's health check of the frontend, then its stdout lines
+        # `mili serve` is the parent of the four services (Linux)
+        family = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text()
+        children = [int(pid) for pid in family.split()]
+        assert len(children) == 4, (family, seen[-3000:])
     finally:
-        os.close(read)  # every later write of the launcher's fails: EPIPE
+        os.close(read)  # every later write to stderr fails: EPIPE
+    assert proc.poll() is None, proc.returncode  # still serving, its stdout gone
     proc.send_signal(signal.SIGTERM)
     try:
         code = proc.wait(timeout=90)
