@@ -33,6 +33,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
+from mili.console import to_stdout
 from mili.cut import CUT_WAIT_S, drain_ran_out, second_signal
 from mili.discovery import format_address
 from mili.errors import StartupError
@@ -490,10 +491,10 @@ async def serve_forever(server: RpcServer) -> None:
     def ready() -> None:
         # flushed: tests and launchers read the port from these lines
         if server.metrics_url is not None:
-            print(f"{server.name} metrics on {server.metrics_url}", flush=True)
+            to_stdout(f"{server.name} metrics on {server.metrics_url}\n")
         if server.health_address is not None:
-            print(f"{server.name} health on {server.health_address}", flush=True)
-        print(f"{server.name} service listening on {server.address}", flush=True)
+            to_stdout(f"{server.name} health on {server.health_address}\n")
+        to_stdout(f"{server.name} service listening on {server.address}\n")
 
     await server.run_until_signal(ready)
 

@@ -26,9 +26,10 @@ from collections import deque
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
+from mili.console import to_stderr
 from mili.errors import StartupError
 
 if TYPE_CHECKING:
@@ -48,27 +49,6 @@ def die_with_parent() -> None:
     SIGTERM when the thread that started it dies, however it dies (SIGKILL included)."""
     with contextlib.suppress(Exception):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-def to_stderr(text: str) -> None:
-    """Write `text` to our stderr, or drop it once that is gone (the terminal closed, the pipe's
-    reader exited): a write that raised there stopped the launcher's signal handler before it
-    began the shut-down, and the forwarding of a child's lines, whose pipe then filled and
-    blocked the child's logging."""
-    _write(sys.stderr, text)
-
-
-def to_stdout(text: str) -> None:
-    """Write `text` to our stdout, or drop it once that is gone: a reader that exited after the
-    `frontend service listening on` line (`mili serve | head`) made the write of its newline
-    raise BrokenPipeError, and `mili serve` exit 1 with every child stopped."""
-    _write(sys.stdout, text)
-
-
-def _write(stream: TextIO, text: str) -> None:
-    with contextlib.suppress(OSError):  # BrokenPipeError, EIO
-        stream.write(text)
-        stream.flush()
 
 
 def describe_exit(code: int | None) -> str:

@@ -67,11 +67,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from mili import flags
+from mili.console import to_stderr, to_stdout
 from mili.engine.engine_config import DEFAULT_GPU_MEMORY_UTILIZATION
 from mili.errors import StartupError
 from mili.serve import tls as serve_tls
 from mili.serve.backoff import Backoff
-from mili.serve.child import Child, describe_exit, to_stderr, to_stdout
+from mili.serve.child import Child, describe_exit
 from mili.serve.plan import (
     DEFAULT_HTTP_PORT,
     DEFAULT_PREFILL_MEMORY_SHARE,

@@ -10,6 +10,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from mili import flags, ports
+from mili.console import to_stdout
 from mili.errors import StartupError
 from mili.rpc.server import ServerConfig
 
@@ -304,7 +305,7 @@ def run(args: argparse.Namespace) -> int:
                 http = HttpServer(make_app(generations, http_config), http_config)
                 await http.start()
                 server.add_drain_hook(http.drain)
-                print(f"frontend http on {http.url}", flush=True)  # before the port's line
+                to_stdout(f"frontend http on {http.url}\n")  # before the port's line
             await serve_forever(server)
         finally:
             if http is not None:

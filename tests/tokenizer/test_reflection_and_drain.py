@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import queue
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -89,3 +92,37 @@ def test_drain_reports_not_serving_and_finishes_in_flight_call(demo_model_dir: P
     finally:
         if service.proc.poll() is None:
             service.proc.kill()
+
+
+def test_service_serves_with_its_stdout_gone(demo_model_dir: Path) -> None:
+    """A service whose stdout reader exited (`mili serve-tokenizer | grep -m1 listening`): the
+    address lines it prints once serving raised BrokenPipeError and it exited 1 at its start.
+    It serves, and drains on SIGTERM, with no one reading them."""
+    out_read, out_write = os.pipe()
+    os.close(out_read)  # every write to stdout fails: EPIPE
+    command = ["serve-tokenizer", "--model", str(demo_model_dir), "--port", "0"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mili", *command, "--metrics-port", "0"],
+        stdout=out_write,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    os.close(out_write)
+    try:
+        assert proc.stderr is not None
+        logged = []
+        for line in proc.stderr:  # the log line of its start, written before the address lines
+            logged.append(line.decode())
+            if " serving mili.tokenizer.v1" in logged[-1]:
+                break
+        else:
+            raise AssertionError("".join(logged[-20:]))
+        time.sleep(1.0)
+        assert proc.poll() is None, (proc.returncode, proc.stderr.read().decode()[-3000:])
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=60)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert code in (0, 120), code  # 120: Python could not flush its output at exit
