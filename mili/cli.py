@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from pathlib import Path
 
@@ -97,7 +98,20 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    try:
+        return _run(sys.argv[1:] if argv is None else argv)
+    except BrokenPipeError:
+        # The reader of our output is gone (`mili generate "..." | head -c 100`, `mili serve
+        # --help | head`): stop without a traceback, as a tool that SIGPIPE ends does. Both
+        # streams point at /dev/null from here, so the interpreter's own flush at exit has
+        # nothing left to fail on.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        for stream in (sys.stdout, sys.stderr):
+            os.dup2(devnull, stream.fileno())
+        return 1
+
+
+def _run(argv: list[str]) -> int:
     args = _parse(argv)
     try:
         return int(args.func(args))

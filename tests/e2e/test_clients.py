@@ -247,3 +247,23 @@ def test_generate_gives_no_connection_hint_once_the_stream_had_answered() -> Non
     assert result.stderr.strip().splitlines()[-1] == (
         "mili generate: UNAVAILABLE: decode at 127.0.0.1:1: UNAVAILABLE: Socket closed"
     )
+
+
+def test_generate_stops_quietly_once_its_reader_is_gone(pipeline: Deployment) -> None:
+    """`mili generate "..." | head -c 100`: the text's reader exited, and `mili generate`
+    printed a BrokenPipeError traceback. It stops as a tool that SIGPIPE ends: no traceback,
+    exit 1."""
+    read, write = os.pipe()
+    os.close(read)  # every write to stdout fails: EPIPE
+    result = subprocess.run(
+        [sys.executable, "-m", "mili", "generate", "Hello", "--address", pipeline.frontend.address,
+         "--max-tokens", "64", "--temperature", "0", "--ignore-eos"],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        stdout=write,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=120,
+    )  # fmt: skip
+    os.close(write)
+    assert (result.returncode, result.stderr) == (1, "")
