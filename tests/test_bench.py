@@ -194,6 +194,22 @@ def test_processes_split_the_clients_and_every_request_runs_once(
     assert sorted(frontend.request_ids) == ["bench-0", "bench-1"]
 
 
+def test_the_progress_line_and_the_report_say_a_count_of_one_in_the_singular(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Found by an operator's pass: "1 errors" in the progress line, "of 1 requests refused"
+    in the report."""
+    from mili.client.bench_report import Progress, RequestResult
+
+    progress = Progress(1)
+    progress.record(RequestResult(error="UNAVAILABLE: down"))
+    assert "mili bench: 1/1 done, 1 error, " in capsys.readouterr().err
+    summary, _, _ = asyncio.run(_bench(1, "--num-requests", "1"))
+    assert "retries    1 (of 1 request refused RESOURCE_EXHAUSTED with RetryInfo, " in report(
+        summary
+    )
+
+
 def test_the_client_line_says_when_a_process_was_near_a_whole_core() -> None:
     from mili.client.bench_report import _client_line
 

@@ -57,7 +57,7 @@ def test_a_thread_moving_on_or_waiting_for_work_is_never_reported(kind: str) -> 
     def engine() -> None:
         while not stop.is_set():
             if kind == "moving on":
-                progress.busy("a decode step of 1 requests")
+                progress.busy("a decode step of 1 request")
                 time.sleep(0.01)
             else:
                 progress.idle()

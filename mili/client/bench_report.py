@@ -11,6 +11,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from mili.plural import plural
+
 KV_NOTE = (
     "not measurable from a client: KV moves prefill -> decode directly; the frontend logs "
     "each request's KV bytes, transfer ms and GB/s"
@@ -84,7 +86,8 @@ class Progress:
         elapsed = now - self._started
         rate = self.num_tokens / elapsed if elapsed > 0 else 0.0
         print(
-            f"mili bench: {self.num_done}/{self.num_total} done, {self.num_errors} errors, "
+            f"mili bench: {self.num_done}/{self.num_total} done, "
+            f"{plural(self.num_errors, 'error')}, "
             f"{rate:.1f} output tokens/s, {elapsed:.1f} s",
             file=sys.stderr,
             flush=True,
@@ -118,8 +121,9 @@ def _client_line(cpu_percent: list[float]) -> str:
     low, high = min(cpu_percent), max(cpu_percent)
     spread = f"{high:.0f}%" if round(low) == round(high) else f"{low:.0f}-{high:.0f}%"
     n = len(cpu_percent)
-    plural = "es" if n > 1 else ""
-    line = f"client     {n} process{plural}, {spread} of a core{' each' if n > 1 else ''}"
+    line = f"client     {plural(n, 'process', 'processes')}, {spread} of a core"
+    if n > 1:
+        line += " each"
     if high >= CLIENT_BUSY_PERCENT:
         line += " (near a whole core: the client may be what limits this run; --processes)"
     return line
@@ -143,8 +147,9 @@ def report(summary: dict[str, Any]) -> str:
     lines.append(_client_line(summary["client_cpu_percent"]))
     if summary["num_retries"]:
         lines.append(
-            f"retries    {summary['num_retries']} (of {summary['num_retried_requests']} "
-            "requests refused RESOURCE_EXHAUSTED with RetryInfo, sent again after its delay)"
+            f"retries    {summary['num_retries']} (of "
+            f"{plural(summary['num_retried_requests'], 'request')} refused RESOURCE_EXHAUSTED "
+            "with RetryInfo, sent again after its delay)"
         )
     for skip in summary["skipped_addresses"]:
         lines.append(f"skipped    {skip['address']}: {skip['error']}")

@@ -37,6 +37,7 @@ from mili.console import to_stdout
 from mili.cut import CUT_WAIT_S, drain_ran_out, second_signal
 from mili.discovery import format_address
 from mili.errors import StartupError
+from mili.plural import plural
 from mili.rpc.interceptor import CallInterceptor
 from mili.rpc.policy import OPEN, SMALL_REQUEST_BYTES, Policy
 from mili.rpc.tls import Tls
@@ -422,9 +423,9 @@ class RpcServer:
             await self._probe_health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         timeout_s = self.config.drain_timeout_s
         _LOG.info(
-            "%s: draining; %d calls in flight, waiting up to %.1f s",
+            "%s: draining; %s in flight, waiting up to %.1f s",
             self.name,
-            self.num_in_flight,
+            plural(self.num_in_flight, "call"),
             timeout_s,
         )
         hooks = [asyncio.create_task(hook()) for hook in self._drain_hooks]
@@ -440,10 +441,10 @@ class RpcServer:
         left = self.num_in_flight
         _LOG.log(
             logging.WARNING if left else logging.INFO,
-            "%s: drained in %.2f s; %d gRPC calls still in flight%s, stopping with %.1f s grace",
+            "%s: drained in %.2f s; %s still in flight%s, stopping with %.1f s grace",
             self.name,
             time.monotonic() - started,
-            left,
+            plural(left, "gRPC call"),
             ", cut short (UNAVAILABLE)" if left else "",
             grace_s,
         )

@@ -70,6 +70,7 @@ from mili import flags
 from mili.console import to_stderr, to_stdout
 from mili.engine.engine_config import DEFAULT_GPU_MEMORY_UTILIZATION
 from mili.errors import StartupError
+from mili.plural import plural
 from mili.serve import tls as serve_tls
 from mili.serve.backoff import Backoff
 from mili.serve.child import Child, describe_exit
@@ -362,7 +363,8 @@ class Launcher:
             else:
                 when = f"after {up_s:.1f} s up"
             what = f"{child.name} (pid {pid}) {describe_exit(code)} {when}"
-            lines = f"its last {len(child.tail)} log lines since it started:\n{child.tail.format()}"
+            last = plural(len(child.tail), "log line")
+            lines = f"its last {last} since it started:\n{child.tail.format()}"
             if self.plan.fail_fast:
                 _say(f"{what}; {lines}")
                 _say("stopping the others (--fail-fast)")

@@ -12,6 +12,7 @@ from mili.engine.constraint.compiler import compile_for
 from mili.errors import DeadlineExceeded, InvalidArgument
 from mili.pb.decode.v1 import decode_pb2
 from mili.pb.kv.v1 import kv_pb2
+from mili.plural import plural
 from mili.rpc.kv_layout import check_compatible
 from mili.rpc.sampling import sampling_params
 from services.decode.instance import DecodeInstance
@@ -107,5 +108,5 @@ def lease_expired(request: DecodeRequest) -> DeadlineExceeded:
     """The error of a request whose KV did not arrive within its lease (its blocks are freed)."""
     return DeadlineExceeded(
         f"the KV of request {request.name} did not arrive within its lease of "
-        f"{request.lease_ms} ms; its {len(request.block_table)} KV blocks were released"
+        f"{request.lease_ms} ms; released its {plural(len(request.block_table), 'KV block')}"
     )

@@ -56,6 +56,7 @@ from mili.engine.step.runner import Launched, ModelRunner
 from mili.engine.step.sampler import PendingSample
 from mili.engine.step.sequence import Sequence
 from mili.errors import FailedPrecondition, MiliError, ResourceExhausted, Unavailable
+from mili.plural import plural
 from mili.telemetry.metrics import DecodeMetrics
 from mili.telemetry.tracing import start_batch_span
 from mili.watchdog import Progress
@@ -219,7 +220,7 @@ class Batcher:
                     return
                 self._take_joins()
                 self._drop_cancelled()
-                self.progress.busy(f"a decode step of {len(self._running)} requests")
+                self.progress.busy(f"a decode step of {plural(len(self._running), 'request')}")
                 self._advance(out)
                 deliver_threadsafe(out)
                 self._out = []
@@ -481,7 +482,7 @@ class Batcher:
         if span is not None:
             span.record_exception(error)
             span.end()
-        _LOG.error("decode step over %d sequences failed", len(batch), exc_info=error)
+        _LOG.error("decode step over %s failed", plural(len(batch), "sequence"), exc_info=error)
         failed = {id(r) for r in batch}
         for r in batch:
             self._end(r, [], error, out)

@@ -51,6 +51,7 @@ from mili.engine.kv.block_pool import (
 from mili.engine.kv.prefix_cache import PrefixCache, PrefixCacheReading
 from mili.engine.sampling_params import SamplingParams
 from mili.errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
+from mili.plural import plural
 
 if TYPE_CHECKING:
     from mili.engine.constraint.matcher import ConstraintMatcher
@@ -198,7 +199,7 @@ class RequestTable:
                 )
             if len(self._requests) >= self.max_requests:
                 raise ResourceExhausted(
-                    f"decode instance is full: {len(self._requests)} requests admitted "
+                    f"decode instance is full: {plural(len(self._requests), 'request')} admitted "
                     f"(limit {self.max_requests}); retry later or on another instance",
                     retry_after_s,
                 )

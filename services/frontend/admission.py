@@ -40,6 +40,7 @@ import itertools
 from dataclasses import dataclass
 
 from mili.errors import ResourceExhausted
+from mili.plural import plural
 
 
 @dataclass(eq=False)
@@ -99,7 +100,7 @@ class AdmissionQueue:
         self,
         waiter: Waiter,
         *,
-        why: str = "requests before it wait for room",
+        why: str = "requests ahead of it in the queue",
         retry_after_s: float | None = None,
         is_return: bool = False,
     ) -> None:
@@ -131,10 +132,10 @@ class AdmissionQueue:
                 retry_after_s,
             )
         if self._waiters and self.num_tokens + waiter.num_tokens > self.max_tokens:
+            waiting = plural(self.num_tokens, "prompt token")
             raise ResourceExhausted(
-                f"{why}, and the admission queue is full ({self.num_tokens} prompt tokens "
-                f"waiting, {waiter.num_tokens} more would pass its limit of {self.max_tokens}); "
-                "retry later",
+                f"{why}, and the admission queue is full ({waiting} waiting, "
+                f"{waiter.num_tokens} more would pass its limit of {self.max_tokens}); retry later",
                 retry_after_s,
             )
 

@@ -33,6 +33,7 @@ from typing import TypeVar
 from opentelemetry import trace
 
 from mili.errors import DeadlineExceeded, ResourceExhausted
+from mili.plural import plural
 from services.frontend.admission import AdmissionQueue, Waiter
 from services.frontend.calls import Deadline
 
@@ -124,7 +125,8 @@ class Admitter:
         if no_room is not None:
             why, retry_after_s = str(no_room), no_room.retry_after_s
         else:
-            why, retry_after_s = f"{len(self.queue)} requests before it wait for room", None
+            ahead = plural(len(self.queue), "request")
+            why, retry_after_s = f"{ahead} ahead of it in the queue", None
         waiter = Waiter(arrival.seq, arrival.num_tokens)
         self.queue.push(waiter, why=why, retry_after_s=retry_after_s, is_return=is_past_bounds)
         turn = self._turns[waiter] = asyncio.Event()

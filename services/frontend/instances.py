@@ -35,6 +35,7 @@ from mili.discovery import (
 )
 from mili.pb.decode.v1 import decode_pb2_grpc
 from mili.pb.prefill.v1 import prefill_pb2_grpc
+from mili.plural import plural
 from mili.rpc.client import channel
 from mili.rpc.tls import Tls
 from mili.telemetry.metrics import FrontendMetrics
@@ -216,7 +217,9 @@ class Instances:
             num = (
                 self._router.prefills.get(address) or self._router.decodes[address]
             ).num_in_flight
-            _LOG.info("%s at %s left: draining its %d requests in flight", kind, address, num)
+            _LOG.info(
+                "%s at %s left: draining its %s in flight", kind, address, plural(num, "request")
+            )
         for address in changes.returned:
             kind = "prefill" if address in self._router.prefills else "decode"
             self._count(kind, "returned")

@@ -18,6 +18,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, Status, StatusCode
 
 from mili.cut import cut_short
+from mili.plural import plural
 from mili.rpc.status import code_of
 from mili.telemetry.metrics import FrontendMetrics
 from mili.telemetry.tracing import trace_ids
@@ -95,20 +96,19 @@ class RequestObserver:
             kv = (
                 f"; prefill queue {reply.queue_ms:.1f} ms, compute {reply.compute_ms:.1f} ms, "
                 f"KV {reply.kv_bytes} B in {reply.transfer_ms:.1f} ms ({rate:.3f} GB/s); "
-                f"prefix cached: {reply.num_cached_tokens} tokens on prefill, "
-                f"{served.num_cached_blocks} blocks on decode"
+                f"prefix cached: {plural(reply.num_cached_tokens, 'token')} on prefill, "
+                f"{plural(served.num_cached_blocks, 'block')} on decode"
             )
         first_at = self._first_at
         ttft = "-" if first_at is None else f"{(first_at - self._received_at) * 1e3:.1f} ms"
         queued = f", queued {served.queued_s * 1e3:.1f} ms" if served.queued_s else ""
         self._log(
-            "done: prefill %s -> decode %s%s, %d prompt tokens, %d output tokens, finish %s, "
-            "ttft %s%s, total %.1f ms%s",
+            "done: prefill %s -> decode %s%s, %s, %s, finish %s, ttft %s%s, total %.1f ms%s",
             served.route.prefill,
             served.route.decode,
             _retried(retried),
-            last.num_prompt_tokens,
-            last.num_completion_tokens,
+            plural(last.num_prompt_tokens, "prompt token"),
+            plural(last.num_completion_tokens, "output token"),
             last.finish_reason,
             ttft,
             queued,
@@ -156,7 +156,7 @@ class RequestObserver:
         finish sets it otherwise) and as `, N output tokens` in its line ("" for none)."""
         num_tokens = self._num_output_tokens
         self._span.set_attribute("gen_ai.usage.output_tokens", num_tokens)
-        return f", {num_tokens} output tokens" if num_tokens else ""
+        return f", {plural(num_tokens, 'output token')}" if num_tokens else ""
 
     def _log(self, what: str, *args: object) -> None:
         """The request's one log line: its ids, `what`, the trace's ids. The caller's id is
@@ -183,4 +183,4 @@ def _retried(whys: tuple[str, ...]) -> str:
         return ""
     counts = Counter(whys)  # first seen first
     reasons = "; ".join(why if n == 1 else f"{n}x {why}" for why, n in counts.items())
-    return f" (retried {len(whys)} time{'s' if len(whys) > 1 else ''}: {reasons})"
+    return f" (retried {plural(len(whys), 'time')}: {reasons})"

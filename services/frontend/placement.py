@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from mili.engine.kv.block_pool import blocks_to_reserve
 from mili.errors import InvalidArgument, ResourceExhausted, Unavailable
+from mili.plural import plural
 from services.frontend.admitter import NoRoom, is_refused_for_room
 from services.frontend.calls import (
     Admitted,
@@ -134,12 +135,13 @@ class Placement:
         if not totals or any(self._blocks_needed_on(a) <= n for a, n in totals.items()):
             return
         sampling = self._prompt.sampling
+        prompt = plural(len(self._prompt.token_ids), "prompt token")
+        blocks = plural(min(self._blocks_needed_on(a) for a in totals), "KV block")
         raise InvalidArgument(
             "sampling.max_tokens",
             sampling.max_tokens,
-            f"{len(self._prompt.token_ids)} prompt tokens + max_tokens need "
-            f"{min(self._blocks_needed_on(a) for a in totals)} KV blocks, more than any decode "
-            f"instance has in all (at most {max(totals.values())})",
+            f"{prompt} + max_tokens need {blocks}, more than any decode instance has in all "
+            f"(at most {max(totals.values())})",
         )
 
     def _next_route(self, tried: set[str]) -> Route | None:
@@ -190,10 +192,10 @@ class Placement:
                 self._downstream.request_refresh(down=route.decode)
             raise
         _LOG.debug(
-            "%r (id %s): %d prompt tokens, prefill %s -> decode %s, blocks %s (%d cached)",
+            "%r (id %s): %s, prefill %s -> decode %s, blocks %s (%d cached)",
             ids.client_request_id,
             ids.request_id,
-            len(prompt.token_ids),
+            plural(len(prompt.token_ids), "prompt token"),
             route.prefill,
             route.decode,
             first.prompt_block_ids,

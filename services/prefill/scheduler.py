@@ -47,6 +47,7 @@ from mili.arith import ceil_div
 from mili.engine.kv.block_pool import BlockPool, blocks_needed, max_cached_blocks
 from mili.engine.kv.prefix_cache import PrefixCache
 from mili.errors import InvalidArgument, ResourceExhausted
+from mili.plural import plural
 
 
 class ScheduledChunk(NamedTuple):
@@ -221,9 +222,10 @@ class Scheduler:
                 f"must be 1 to {self.max_prompt_tokens()} tokens on this instance",
             )
         if self.num_queued_tokens + num_tokens > self.max_queued_tokens:
+            queued = plural(self.num_queued_tokens, "prompt token")
             raise ResourceExhausted(
-                f"prefill queue is full: {self.num_queued_tokens} prompt tokens queued or in "
-                f"flight, {num_tokens} more would pass the limit of {self.max_queued_tokens}; "
+                f"prefill queue is full: {queued} queued or in flight, {num_tokens} more would "
+                f"pass the limit of {self.max_queued_tokens}; "
                 "retry later or on another prefill instance",
                 retry_after_s=retry_after_s,
             )

@@ -49,6 +49,7 @@ from mili.engine.step.runner import ModelRunner
 from mili.engine.step.sampler import SequenceSampling
 from mili.engine.stop import stop_token_set
 from mili.errors import Unavailable
+from mili.plural import plural
 from mili.telemetry.metrics import PrefillMetrics
 from mili.telemetry.tracing import start_batch_span
 from mili.watchdog import Progress
@@ -265,7 +266,7 @@ class PrefillWorker:
                 if step is None:
                     return
                 jobs = [self._jobs[chunk.request_id] for chunk in step.chunks]
-            self.progress.busy(f"a prefill step of {step.num_tokens} tokens")
+            self.progress.busy(f"a prefill step of {plural(step.num_tokens, 'token')}")
             started = time.perf_counter()
             span = self._start_span(step, jobs)
             try:
@@ -274,7 +275,7 @@ class PrefillWorker:
                 if span is not None:
                     span.record_exception(exc)
                     span.end()
-                _LOG.exception("prefill step of %d tokens failed", step.num_tokens)
+                _LOG.exception("prefill step of %s failed", plural(step.num_tokens, "token"))
                 with self._cond:
                     for job in jobs:
                         # Not a newer request that took a removed one's id meanwhile.

@@ -183,3 +183,22 @@ def test_a_client_id_cannot_pass_for_the_line_s_other_fields(
     # The id is one Python literal (quotes and newline escaped) ahead of the frontend's own id.
     assert line.startswith(f"{forged!r} (id frontend-1) failed after "), line
     assert "\n" not in line and line.count(" (id ") == 2 and line.count(" done: ") == 1
+
+
+def test_counts_of_one_are_singular_in_every_line(caplog: pytest.LogCaptureFixture) -> None:
+    """Found by an operator's pass: a one-token request logged "1 prompt tokens, 1 output
+    tokens" (and "1 tokens on prefill, 1 blocks on decode"); every count takes its noun from
+    mili.plural."""
+    observer, _ = _observer()
+    last = Delta([7], "c", [], FinishReason.LENGTH, num_prompt_tokens=1, num_completion_tokens=1)
+    observer.delta(last)
+    stats = PrefillStats(1.0, 2.0, 4.0, 8_000_000, num_cached_tokens=1)
+    with caplog.at_level(logging.INFO, logger="mili.frontend"):
+        observer.done(Served(ROUTE, last, stats, num_cached_blocks=1))
+        cut, _ = _observer()
+        cut.delta(Delta([5], "a"))
+        cut.failed(ResourceExhausted("full"))
+    done, failed = _lines(caplog)
+    assert " done: prefill p:1 -> decode d:1, 1 prompt token, 1 output token, finish " in done
+    assert done.endswith("; prefix cached: 1 token on prefill, 1 block on decode"), done
+    assert re.search(rf" failed after {MS}, 1 output token: RESOURCE_EXHAUSTED: full$", failed)

@@ -132,7 +132,7 @@ def test_a_full_queue_is_resource_exhausted_with_retry_info() -> None:
                 await generate(s, "third")
             assert code_of(info.value) == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert info.value.details() == (
-                "1 requests before it wait for room, and the admission queue is full (1 of 1 "
+                "1 request ahead of it in the queue, and the admission queue is full (1 of 1 "
                 "requests waiting); retry later"
             )
             retry = retry_info_of(info.value)  # FrontendConfig.retry_after_s

@@ -101,9 +101,9 @@ def test_drain_timeout_stops_stuck_call(
     with caplog.at_level(logging.INFO, logger="mili.rpc"):
         asyncio.run(main())
     messages = [r.getMessage() for r in caplog.records if r.name == "mili.rpc"]
-    assert any("draining; 1 calls in flight, waiting up to 0.3 s" in m for m in messages)
+    assert any("draining; 1 call in flight, waiting up to 0.3 s" in m for m in messages)
     assert any(
-        "1 gRPC calls still in flight, cut short (UNAVAILABLE), stopping with 0.1 s grace" in m
+        "1 gRPC call still in flight, cut short (UNAVAILABLE), stopping with 0.1 s grace" in m
         for m in messages
     )
 

@@ -25,6 +25,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from mili.plural import plural
+
 _LOG = logging.getLogger("mili.engine")
 
 
@@ -59,8 +61,8 @@ class DecodeGraphs:
             forward, fill_padding, batch_sizes, (max(batch_sizes), vocab_size), device
         )
         _LOG.info(
-            "captured %d CUDA graphs of the decode step (batch %s) in %.1f s, %.0f MiB",
-            len(graphs),
+            "captured %s of the decode step (batch %s) in %.1f s, %.0f MiB",
+            plural(len(graphs), "CUDA graph"),
             ", ".join(map(str, sorted(graphs))),
             time.perf_counter() - started,
             memory_bytes / 2**20,

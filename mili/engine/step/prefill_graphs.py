@@ -29,6 +29,7 @@ from mili.engine.model.kv_cache import KVCache
 from mili.engine.model.qwen3 import PrefillBatch, Qwen3ForCausalLM
 from mili.engine.step.cuda_graphs import capture_sizes
 from mili.engine.step.prefill_inputs import PrefillInputs
+from mili.plural import plural
 
 _LOG = logging.getLogger("mili.engine")
 # Sequence rows of every graph: a step of a few long prompts fits (run 6's saturated steps had
@@ -95,11 +96,10 @@ class PrefillGraphs:
             device,
         )
         _LOG.info(
-            "captured %d CUDA graphs of the prefill step (%s tokens, %d sequences) in %.1f s, "
-            "%.0f MiB",
-            len(graphs),
+            "captured %s of the prefill step (%s tokens, %s) in %.1f s, %.0f MiB",
+            plural(len(graphs), "CUDA graph"),
             ", ".join(map(str, sorted(graphs))),
-            inputs.max_seqs,
+            plural(inputs.max_seqs, "sequence"),
             time.perf_counter() - started,
             memory_bytes / 2**20,
         )

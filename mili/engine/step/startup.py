@@ -18,6 +18,7 @@ from mili.engine.model.config import Qwen3Config
 from mili.engine.model.kv_cache import KVCache, bytes_per_block, dtype_name
 from mili.engine.model.qwen3 import Qwen3ForCausalLM
 from mili.engine.model.sizing import num_parameters, weight_bytes
+from mili.plural import plural
 
 if TYPE_CHECKING:
     from mili.engine.step.runner import ModelRunner  # it imports this module
@@ -111,7 +112,7 @@ def log_model(model: Qwen3ForCausalLM) -> None:
     """The architecture, and for MoE its experts and how they run (start-up log)."""
     config = model.config
     if not config.is_moe:
-        _LOG.info("model: %s, %d layers", config.architecture, config.num_hidden_layers)
+        _LOG.info("model: %s, %s", config.architecture, plural(config.num_hidden_layers, "layer"))
         return
     _LOG.info(
         "model: %s, %d of %d layers with %d experts of %d (%d active per token, %s); "
@@ -139,17 +140,17 @@ def log_vocab(model_dir: Path, vocab_size: int | None, num_rows: int) -> None:
         )
     elif vocab_size < num_rows:
         _LOG.info(
-            "sampling the tokenizer's %d token ids; the model's %d padding rows are never drawn",
+            "sampling the tokenizer's %d token ids; the model's %s are never drawn",
             vocab_size,
-            num_rows - vocab_size,
+            plural(num_rows - vocab_size, "padding row"),
         )
 
 
 def log_pool(size: KvPoolSize, block_size: int) -> None:
     _LOG.info(
-        "KV pool: %d blocks of %d tokens, %.2f GiB (%s)",
-        size.num_blocks,
-        block_size,
+        "KV pool: %s of %s, %.2f GiB (%s)",
+        plural(size.num_blocks, "block"),
+        plural(block_size, "token"),
         size.num_bytes / GIB,
         size.reason,
     )

@@ -22,6 +22,7 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from mili.cut import CUT_WAIT_S, drain_ran_out, second_signal
 from mili.discovery import format_address
+from mili.plural import plural
 from mili.ports import pick_free
 from mili.rpc.tls import TlsFiles
 from services.frontend.http_api.connections import ConnectionLimit, LimitedSite
@@ -186,8 +187,8 @@ class HttpServer:
                 raise
             if not is_idle:
                 _LOG.warning(
-                    "frontend: HTTP drain timed out with %d requests in flight: cut short (503)",
-                    gate.num_in_flight,
+                    "frontend: HTTP drain timed out with %s in flight: cut short (503)",
+                    plural(gate.num_in_flight, "request"),
                 )
                 gate.cut(drain_ran_out("frontend", timeout_s))
                 await gate.wait_idle(CUT_WAIT_S)  # their error events out, then the port
