@@ -100,10 +100,8 @@ def test_retries_are_bounded() -> None:
     assert (summary["num_ok"], summary["num_errors"]) == (0, 2)
     assert summary["num_retries"] == 2 and len(frontend.sent_at) == 4
     (group,) = summary["errors"]
-    assert group == {
-        "error": "RESOURCE_EXHAUSTED: the frontend is running its limit",
-        "count": 2,
-    }
+    error = "RESOURCE_EXHAUSTED: the frontend is running its limit"
+    assert group == {"cause": error, "count": 2, "error": error}
 
 
 def test_connections_default_to_one_a_client_over_the_addresses_and_must_be_positive(

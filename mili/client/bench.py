@@ -20,7 +20,10 @@ Against a TLS port: --tls-ca verifies the frontend (else the system roots), --tl
 
 While it runs, a progress line goes to stderr at every 10% of the requests and at least every
 5 s: requests done of all, errors, output tokens/s so far. Failed requests are grouped by
-their error (status and message, request ids masked) and counted, in the report and the JSON.
+cause: status and message with what is particular to one request masked (ids, token ids,
+counts; an instance's address kept), a repeated part (a field violation per bad token id) once.
+The JSON has every group, its count and one example message; the report the 10 largest, each
+example cut at 300 characters, and one line for the rest.
 
 A request refused with RESOURCE_EXHAUSTED carrying a RetryInfo (the frontend is at its
 concurrency limit) is sent again after the hinted delay, up to --max-retries times, as a
@@ -213,7 +216,8 @@ async def bench(args: argparse.Namespace, tls: Tls | None = None) -> dict[str, A
         },
         "num_ok": len(ok),
         "num_errors": len(errors),
-        "errors": group_errors(errors),  # [{"error": ..., "count": ...}], most frequent first
+        # [{"cause": masked, "count": ..., "error": an example}], most frequent first
+        "errors": group_errors(errors),
         "num_retries": sum(r.num_retries for r in results),  # sends again after RetryInfo
         "num_retried_requests": sum(1 for r in results if r.num_retries),
         "skipped_addresses": skipped,  # [{"address": ..., "error": ...}]: Info UNAVAILABLE

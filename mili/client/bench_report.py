@@ -98,17 +98,64 @@ class Progress:
 
 CLIENT_BUSY_PERCENT = 90.0  # a client process's CPU, % of one core, that the report flags
 
-_REQUEST_ID = re.compile(r"bench-\d+")
-_MINTED_ID = re.compile(r"\(id [^)\s]+\)")  # the frontend's own id, as services name a request
+# What one request's error says of itself alone, masked so that one cause is one group: an
+# address (which instance) is kept; the id the frontend minted (`(id 3f9a0c1b2d4e-17.1)`, as
+# services name a request) and any other id of hex digits (a uuid) become *, any other number
+# # (a token id, a count, our bench-N ids, a duration).
+_DETAIL = re.compile(
+    r"(?P<minted>\(id [^)\s]+\))|"
+    r"(?P<address>\[[0-9A-Fa-f:.]+\]:\d+|\b(?:\d{1,3}\.){3}\d{1,3}(?::\d+)?|\b[A-Za-z][\w.-]*:\d+\b)"
+    r"|(?P<hex>\b(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{8,}\b)"
+    r"|(?P<number>\d+)"
+)
+MAX_SHOWN_GROUPS = 10  # error lines in the report; the JSON has every group
+MAX_SHOWN_CHARS = 300  # of an example message in the report
+
+
+def _masked(match: re.Match[str]) -> str:
+    if match["minted"] is not None:
+        return "(id *)"
+    if match["address"] is not None:
+        return match["address"]
+    return "*" if match["hex"] is not None else "#"
+
+
+def cause(error: str) -> str:
+    """`error` with what is particular to its request masked (ids, numbers; addresses kept),
+    and a part that repeats once masked said once: a status's field violations, one per bad
+    token id, read `token_ids[#]: outside the vocabulary (ids #..#) (got #)` however many."""
+    code, colon, message = _DETAIL.sub(_masked, error).partition(": ")  # the status's name
+    return code + colon + "; ".join(dict.fromkeys(message.split("; ")))
 
 
 def group_errors(errors: list[str]) -> list[dict[str, Any]]:
-    """Distinct errors with how often each happened, most frequent first; request ids (ours and
-    the ones the frontend mints) are masked so one failure mode is one group."""
-    counts = Counter(_MINTED_ID.sub("(id *)", _REQUEST_ID.sub("bench-*", e)) for e in errors)
-    return [
-        {"error": e, "count": n} for e, n in sorted(counts.items(), key=lambda x: (-x[1], x[0]))
-    ]
+    """Failed requests grouped by `cause`, most frequent first: each group's cause, count and
+    one example (the first error of that cause, as it was)."""
+    counts: Counter[str] = Counter()
+    examples: dict[str, str] = {}
+    for error in errors:
+        key = cause(error)
+        counts[key] += 1
+        examples.setdefault(key, error)
+    ordered = sorted(counts.items(), key=lambda x: (-x[1], x[0]))
+    return [{"cause": key, "count": n, "error": examples[key]} for key, n in ordered]
+
+
+def _error_lines(groups: list[dict[str, Any]]) -> list[str]:
+    """The largest groups' count and example, each example cut at MAX_SHOWN_CHARS, and one
+    line for the rest: a run whose every request failed differently stays a few lines."""
+    lines = []
+    for group in groups[:MAX_SHOWN_GROUPS]:
+        error = group["error"]
+        if len(error) > MAX_SHOWN_CHARS:
+            error = f"{error[:MAX_SHOWN_CHARS]}... ({len(error)} characters)"
+        lines.append(f"error      {group['count']} x {error}")
+    rest = groups[MAX_SHOWN_GROUPS:]
+    if rest:
+        num_requests = plural(sum(g["count"] for g in rest), "request")
+        more = plural(len(rest), "more cause")
+        lines.append(f"error      {more} ({num_requests}); --json lists every one")
+    return lines
 
 
 def _fmt(value: object) -> str:
@@ -153,6 +200,5 @@ def report(summary: dict[str, Any]) -> str:
         )
     for skip in summary["skipped_addresses"]:
         lines.append(f"skipped    {skip['address']}: {skip['error']}")
-    for group in summary["errors"]:
-        lines.append(f"error      {group['count']} x {group['error']}")
+    lines.extend(_error_lines(summary["errors"]))
     return "\n".join(lines)

@@ -178,23 +178,86 @@ def test_bench_shows_progress_and_counts_each_error(pipeline: Deployment, tmp_pa
     assert f"error      4 x {group['error']}" in result.stdout
 
 
-def test_bench_errors_group_with_request_ids_masked() -> None:
+def test_bench_groups_errors_by_cause_not_by_request(pipeline: Deployment, tmp_path: Path) -> None:
+    """Found by an operator's pass: errors were grouped by their exact message, so a run whose
+    requests all failed for one cause printed a group per request when the message named the
+    request's own token ids (here: prompt ids drawn past the demo model's vocabulary, a field
+    violation per bad id, a different number of them per request). One cause is one group,
+    its count and one example as the frontend said it."""
+    from mili.client.bench_report import MAX_SHOWN_CHARS
+
+    out = tmp_path / "bench.json"
+    result = mili(
+        "bench", "--address", pipeline.frontend.address, "--concurrency", "4",
+        "--num-requests", "24", "--prompt-tokens", "6", "--output-tokens", "2",
+        "--token-id-range", "700:1400", "--json", str(out),
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr
+    summary = json.loads(out.read_text())
+    examples = [g["error"] for g in summary["errors"]]
+    assert summary["num_errors"] >= 20, summary  # (some prompts may draw only in-vocab ids)
+    [group] = summary["errors"]
+    assert group["count"] == summary["num_errors"], examples
+    assert group["cause"] == (
+        "INVALID_ARGUMENT: token_ids[#]: outside the vocabulary (ids #..#) (got #)"
+    )
+    assert group["error"].startswith("INVALID_ARGUMENT: token_ids[")  # as it was sent
+    assert "(got " in group["error"] and "#" not in group["error"]
+    [line] = [x for x in result.stdout.splitlines() if x.startswith("error ")]
+    assert line.startswith(f"error      {group['count']} x {group['error'][:MAX_SHOWN_CHARS]}")
+
+
+def test_bench_errors_group_by_cause_with_ids_and_numbers_masked() -> None:
     from mili.client.bench_report import group_errors
 
     errors = [
         "UNAVAILABLE: decode at 127.0.0.1:1 is down",
         "DEADLINE_EXCEEDED: request bench-3 timed out",
         "UNAVAILABLE: decode at 127.0.0.1:1 is down",
+        "UNAVAILABLE: decode at 127.0.0.1:2 is down",  # another instance: another cause
         "DEADLINE_EXCEEDED: request bench-12 timed out",
         "DEADLINE_EXCEEDED: request bench-7 timed out",
         "DATA_LOSS: KV transfer of request 'bench-4' (id 3f9a0c1b2d4e-17) failed",
-        "DATA_LOSS: KV transfer of request 'bench-9' (id 3f9a0c1b2d4e-22) failed",
+        "DATA_LOSS: KV transfer of request 'bench-9' (id 3f9a0c1b2d4e-22.1) failed",
     ]
     assert group_errors(errors) == [
-        {"error": "DEADLINE_EXCEEDED: request bench-* timed out", "count": 3},
-        {"error": "DATA_LOSS: KV transfer of request 'bench-*' (id *) failed", "count": 2},
-        {"error": "UNAVAILABLE: decode at 127.0.0.1:1 is down", "count": 2},
+        {
+            "cause": "DEADLINE_EXCEEDED: request bench-# timed out",
+            "count": 3,
+            "error": "DEADLINE_EXCEEDED: request bench-3 timed out",
+        },
+        {
+            "cause": "DATA_LOSS: KV transfer of request 'bench-#' (id *) failed",
+            "count": 2,
+            "error": "DATA_LOSS: KV transfer of request 'bench-4' (id 3f9a0c1b2d4e-17) failed",
+        },
+        {
+            "cause": "UNAVAILABLE: decode at 127.0.0.1:1 is down",
+            "count": 2,
+            "error": "UNAVAILABLE: decode at 127.0.0.1:1 is down",
+        },
+        {
+            "cause": "UNAVAILABLE: decode at 127.0.0.1:2 is down",
+            "count": 1,
+            "error": "UNAVAILABLE: decode at 127.0.0.1:2 is down",
+        },
     ]
+
+
+def test_the_report_shows_a_bounded_number_of_error_lines() -> None:
+    """However many causes, the report prints the largest few, each example cut short, and one
+    line for the rest; the JSON keeps every group whole."""
+    from mili.client.bench_report import MAX_SHOWN_CHARS, MAX_SHOWN_GROUPS, _error_lines
+
+    long = "INTERNAL: " + "x" * 1000
+    groups = [{"cause": long, "count": 50, "error": long}] + [
+        {"cause": f"UNKNOWN: failure mode {chr(97 + k)}", "count": 2, "error": "UNKNOWN: …"}
+        for k in range(MAX_SHOWN_GROUPS + 4)
+    ]
+    lines = _error_lines(groups)
+    assert len(lines) == MAX_SHOWN_GROUPS + 1
+    assert lines[0] == f"error      50 x {long[:MAX_SHOWN_CHARS]}... (1010 characters)"
+    assert lines[-1] == "error      5 more causes (10 requests); --json lists every one"
 
 
 def test_generate_chat_puts_the_thinking_on_stderr_and_the_answer_on_stdout() -> None:
