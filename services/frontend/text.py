@@ -65,6 +65,12 @@ class LocalDetokenizer:
             return b"".join(bytes([chars[c]]) if c in chars else c.encode() for c in token)
         return self._tokenizer.decode([token_id], skip_special_tokens=False).encode()
 
+    def normalize(self, text: str) -> str:
+        """`text` as the tokenizer's normalizer makes it before splitting it into tokens
+        (Qwen3's: NFC), so as the tokens' own text reads it."""
+        normalizer = self._tokenizer.normalizer
+        return text if normalizer is None else normalizer.normalize_str(text)
+
     def stream(self, vocab_size: int, *, skip_special_tokens: bool = True) -> LocalTextStream:
         return LocalTextStream(self._decoders[skip_special_tokens], vocab_size)
 

@@ -8,6 +8,7 @@ import http.client
 import json
 import re
 import time
+import unicodedata
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -218,6 +219,55 @@ def test_echo_with_logprobs_gives_the_prompts_logprobs(
     assert values[num_prompt:] == pytest.approx([lp.chosen.logprob for lp in grpc.logprobs])
     for top, value in zip(tops[1:], values[1:], strict=True):
         assert 1 <= len(top) <= 2 and max(top.values()) >= value - 1e-6
+
+
+# Prompts whose text the demo tokenizer changes (NFC) or splits inside characters (its
+# byte-level vocabulary has no CJK or emoji tokens: each is several byte tokens).
+ECHO_PROMPTS = {
+    "nfd": "cafe\u0301 de\u0301ja\u0300 vu, n\u0303o",
+    "cjk": "日本語のテキスト",
+    "emoji": "hi 😀 there 👍🏽!",
+    "mixed": "e\u0301 日 😀 ok",
+}
+
+
+@pytest.mark.parametrize("is_stream", [False, True])
+@pytest.mark.parametrize("name", list(ECHO_PROMPTS))
+def test_echo_text_offsets_index_the_returned_text(
+    client: openai.OpenAI, model: str, name: str, is_stream: bool
+) -> None:
+    """Found by an earlier session: with echo and logprobs, `text_offset` counted the prompt's
+    tokens' own text, which the tokenizer had normalized ("e\u0301" -> "é", NFC), while the
+    echoed text is the prompt as sent: from the first decomposed character on, every offset
+    was short by one per composed character. Each token must read where its offset points in
+    the returned text: its text from there, as the normalizer reads it (a composed token
+    starts at its base character); a token that is part of a character (U+FFFD) its whole
+    characters before that."""
+    prompt = ECHO_PROMPTS[name]
+    args: dict[str, Any] = dict(
+        model=model, prompt=prompt, max_tokens=4, temperature=0, echo=True, logprobs=1
+    )
+    if is_stream:
+        chunks = list(client.completions.create(**args, stream=True))
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        pieces = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+        tokens = [t for p in pieces for t in (p.tokens or [])]
+        offsets = [o for p in pieces for o in (p.text_offset or [])]
+    else:
+        reply = client.completions.create(**args)
+        text, logprobs = reply.choices[0].text, reply.choices[0].logprobs
+        assert logprobs is not None
+        tokens, offsets = logprobs.tokens or [], logprobs.text_offset or []
+    assert text.startswith(prompt)  # echoed as sent, not normalized
+    assert len(offsets) == len(tokens) > 4 and offsets == sorted(offsets)
+    assert offsets[0] >= 0 and offsets[-1] <= len(text)
+    for token, offset in zip(tokens, offsets, strict=True):
+        whole = token.split("\ufffd")[0]  # the characters the token has whole
+        rest = text[offset:]
+        reads = rest.startswith(whole) or unicodedata.normalize("NFC", rest).startswith(whole)
+        assert reads, (token, offset, rest[:8], list(zip(tokens, offsets, strict=True)))
+    if name == "nfd":  # the composed tokens start at their base characters, as sent
+        assert [o for t, o in zip(tokens, offsets, strict=True) if t == "é"] == [3, 7]
 
 
 @pytest.mark.parametrize("is_stream", [False, True])

@@ -100,6 +100,7 @@ class CompletionJson:
         }
         self._plain_tail = ', "logprobs": null, "finish_reason": null}' + self._chunk_tail
         self._echo = {c.index: echoes[c.prompt_index] for c in choices} if echoes else {}
+        self._echoed = dict(self._echo)  # kept: what the prompt's text_offset indexes
         self._offsets = {c.index: TextOffsets(len(self._echo.get(c.index, ""))) for c in choices}
 
     def _choice(
@@ -114,7 +115,10 @@ class CompletionJson:
             if is_first and first is not None and first.prompt_token_ids:
                 # echo with logprobs: the prompt's tokens first (their logprobs from prefill)
                 prompt = prompt_completion_logprobs(
-                    self._pieces, first.prompt_token_ids, first.prompt_logprobs or []
+                    self._pieces,
+                    first.prompt_token_ids,
+                    first.prompt_logprobs or [],
+                    self._echoed.get(index),
                 )
                 logprobs = {key: prompt[key] + logprobs[key] for key in prompt}
         finish = deltas[-1].finish_reason if deltas else None

@@ -7,7 +7,10 @@ detokenizer (text.py: the tokenizer service's file, loaded here).
                   "logprob", "bytes"}]}], "refusal": null}
 
 A token's string is its bytes read as UTF-8, U+FFFD where they are only part of a character
-(a byte-level token may be); `bytes` keeps them exact.
+(a byte-level token may be); `bytes` keeps them exact. `text_offset` indexes the choice's text
+as returned: an echoed prompt is the prompt as sent, which the tokenizer's normalizer may have
+changed before its tokens were made ("e\u0301" -> "é"), so the prompt's offsets are mapped back
+onto it (mili/text/alignment.py).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from mili.engine.logprobs import TokenLogprobs
+from mili.text.alignment import align
 from services.frontend.text import LocalDetokenizer
 
 
@@ -36,6 +40,9 @@ class TokenPieces:
 
     def text(self, token_id: int) -> str:
         return self.piece(token_id)[0]
+
+    def normalize(self, text: str) -> str:
+        return self._detokenizer.normalize(text)
 
     def text_bytes(self, token_id: int, *, skip_special_tokens: bool) -> bytes:
         """What the token adds to a text decoded as `skip_special_tokens` says (a generation's
@@ -113,19 +120,32 @@ def completion_logprobs(
 
 
 def prompt_completion_logprobs(
-    pieces: TokenPieces, token_ids: Sequence[int], logprobs: Sequence[TokenLogprobs]
+    pieces: TokenPieces,
+    token_ids: Sequence[int],
+    logprobs: Sequence[TokenLogprobs],
+    echoed: str | None = None,
 ) -> dict[str, Any]:
     """The completions format for an echoed prompt: its first token has no logprob (nothing
     comes before it: null, as OpenAI and vLLM give it), each other token the one prefill
-    computed; offsets count from the start of the prompt's text."""
-    offsets = TextOffsets()  # over the prompt's text as echoed: special tokens kept
+    computed; offsets count from the start of the prompt's text, `echoed` (the prompt as sent)
+    where it is not the tokens' own text (None: it is)."""
+    offsets = TextOffsets()  # over the tokens' text: special tokens kept, as echoed
     offsets.take(pieces.text_bytes(token_ids[0], skip_special_tokens=False))
     rest = completion_logprobs(pieces, token_ids[1:], logprobs, offsets, skip_special_tokens=False)
+    text_offset = [0, *rest["text_offset"]]
+    if echoed is not None:
+        raw = b"".join(pieces.text_bytes(t, skip_special_tokens=False) for t in token_ids)
+        tokens_text = raw.decode("utf-8", "replace")  # as `offsets` read it
+        if echoed != tokens_text:
+            # Normalized (NFD sent, NFC tokens): each offset to where its characters were sent.
+            positions = align(echoed, tokens_text, pieces.normalize)
+            if positions is not None:
+                text_offset = [positions[i] for i in text_offset]
     return {
         "tokens": [pieces.text(token_ids[0]), *rest["tokens"]],
         "token_logprobs": [None, *rest["token_logprobs"]],
         "top_logprobs": [None, *rest["top_logprobs"]],
-        "text_offset": [0, *rest["text_offset"]],
+        "text_offset": text_offset,
     }
 
 

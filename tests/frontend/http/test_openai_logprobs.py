@@ -7,6 +7,7 @@ import asyncio
 import codecs
 import hashlib
 import random
+import unicodedata
 from typing import Any
 
 import pytest
@@ -151,3 +152,26 @@ def test_offsets_are_where_each_token_begins_in_the_text_the_frontend_writes(
             else:
                 echoed = prompt_completion_logprobs(TokenPieces(demo), ids, lps(len(ids) - 1))
                 assert echoed["text_offset"] == expected, ids
+
+
+def test_an_echoed_prompt_the_normalizer_changed_is_indexed_as_it_was_sent(
+    demo: LocalDetokenizer,
+) -> None:
+    """The demo tokenizer (as Qwen3's) normalizes to NFC: an NFD prompt's tokens read "é" where
+    the prompt as sent, which echo returns, has "e" + U+0301. Offsets counted the tokens' text
+    and fell one short per composed character; each now points where its characters were
+    sent. A prompt the normalizer leaves alone keeps the offsets of its tokens' text."""
+    sent = "cafe\u0301 de\u0301ja\u0300 vu"
+    ids = demo._tokenizer.encode(sent).ids
+    assert demo.decode(ids) == unicodedata.normalize("NFC", sent) != sent
+    echoed = prompt_completion_logprobs(TokenPieces(demo), ids, lps(len(ids) - 1), sent)
+    pairs = list(zip(echoed["tokens"], echoed["text_offset"], strict=True))
+    for token, offset in pairs:  # a part of a character (U+FFFD): its whole ones before it
+        whole = token.split("\ufffd")[0]
+        assert unicodedata.normalize("NFC", sent[offset:]).startswith(whole), pairs
+    assert [o for t, o in pairs if t == "é"] == [3, 7]
+    assert [o for t, o in pairs if t == "\ufffd"] == [10, 10]  # "à", in two byte tokens
+    plain = "déjà vu 日本"
+    ids = demo._tokenizer.encode(plain).ids
+    as_sent = prompt_completion_logprobs(TokenPieces(demo), ids, lps(len(ids) - 1), plain)
+    assert as_sent == prompt_completion_logprobs(TokenPieces(demo), ids, lps(len(ids) - 1))
