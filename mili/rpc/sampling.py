@@ -112,13 +112,15 @@ def set_constraint(proto: sampling_pb2.SamplingParams, constraint: Constraint) -
 
 
 def logprobs_from_proto(proto: sampling_pb2.Logprobs) -> TokenLogprobs:
-    return TokenLogprobs(proto.chosen.logprob, [(t.token_id, t.logprob) for t in proto.top])
+    top = [(t.token_id, t.logprob) for t in proto.top]
+    return TokenLogprobs(proto.chosen.logprob, top, proto.chosen_rank)
 
 
 def logprobs_to_proto(token_id: int, logprobs: TokenLogprobs) -> sampling_pb2.Logprobs:
     return sampling_pb2.Logprobs(
         chosen=sampling_pb2.TokenLogprob(token_id=token_id, logprob=logprobs.logprob),
         top=[sampling_pb2.TokenLogprob(token_id=t, logprob=lp) for t, lp in logprobs.top],
+        chosen_rank=logprobs.rank,
     )
 
 

@@ -7,10 +7,12 @@ cores that is most of an e2e test's time), the frontend last, with the others' a
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 import pytest
@@ -20,6 +22,9 @@ from mili.pb.frontend.v1 import generation_pb2, generation_pb2_grpc
 from mili.pb.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from mili.ports import pick_free_ports
 from tests.service_process import ServiceProcess
+
+if TYPE_CHECKING:
+    import torch
 
 # Small KV pools: the defaults (1 GiB per decode instance) are for real serving, not for tests.
 DECODE_ARGS = ("--num-blocks", "1024")
@@ -232,3 +237,42 @@ def pipeline(demo_model_dir: Path, e2e_tokenizer: ServiceProcess) -> Iterator[De
     )
     yield d
     d.stop()
+
+
+# The services run the Mojo kernels, HF its eager attention: float32 rounding apart, the same.
+HF_TOL = 2e-4
+
+
+@pytest.fixture(scope="session")
+def hf_logprobs(demo_model_dir: Path) -> Callable[[list[int]], torch.Tensor]:
+    """HF transformers' prompt logprobs on the demo model in float32, the oracle of the
+    services' (`pipeline` runs float32 too)."""
+    import torch
+
+    transformers = pytest.importorskip("transformers")
+    from mili.engine.model.loader import tokenizer_vocab_size
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        transformers.logging.set_verbosity_error()
+        hf = transformers.Qwen3ForCausalLM.from_pretrained(
+            demo_model_dir, dtype=torch.float32, attn_implementation="eager"
+        ).eval()
+    vocab_size = tokenizer_vocab_size(demo_model_dir) or hf.config.vocab_size
+
+    def logprobs(prompt: list[int]) -> torch.Tensor:
+        """[len(prompt) - 1, vocab]: row i - 1 is the distribution of prompt token i, over the
+        tokenizer's ids (the ones the services report)."""
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt])).logits[0, :-1, :vocab_size].float()
+        return logits.log_softmax(-1)
+
+    return logprobs
+
+
+def hf_rank_bounds(row: torch.Tensor, token: int) -> tuple[int, int]:
+    """The ranks (vLLM's: the entries whose logprob is >= the token's, itself included)
+    `token` may have in HF's `row`, given HF_TOL of rounding between the two: entries within
+    it of the token's may fall either side."""
+    value = row[token].item()
+    return int((row > value + HF_TOL).sum()) + 1, int((row >= value - HF_TOL).sum())

@@ -1,46 +1,21 @@
 """Prompt logprobs end to end (tokenizer, prefill, decode and frontend processes, float32): gRPC
 Complete and Generate return one entry per prompt token after the first, equal to HF
-transformers' on the demo model, also for a prompt whose prefix prefill has cached."""
+transformers' on the demo model (logprobs, top tokens and the prompt token's rank), also for a
+prompt whose prefix prefill has cached."""
 
 from __future__ import annotations
 
-import warnings
-from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 import torch
 
-from mili.engine.model.loader import tokenizer_vocab_size
 from mili.pb.common.v1 import sampling_pb2
 from mili.pb.frontend.v1 import generation_pb2
 from mili.rpc.status import bad_request_of
-from tests.e2e.conftest import Deployment
-
-# The services run the Mojo kernels, HF its eager attention: float32 rounding apart, the same.
-TOL = 2e-4
-
-
-@pytest.fixture(scope="module")
-def hf_logprobs(demo_model_dir: Path) -> Any:
-    transformers = pytest.importorskip("transformers")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        transformers.logging.set_verbosity_error()
-        hf = transformers.Qwen3ForCausalLM.from_pretrained(
-            demo_model_dir, dtype=torch.float32, attn_implementation="eager"
-        ).eval()
-    vocab_size = tokenizer_vocab_size(demo_model_dir) or hf.config.vocab_size
-
-    def logprobs(prompt: list[int]) -> torch.Tensor:
-        """[len(prompt) - 1, vocab]: row i - 1 is the distribution of prompt token i, over the
-        tokenizer's ids (the ones the services report)."""
-        with torch.no_grad():
-            logits = hf(torch.tensor([prompt])).logits[0, :-1, :vocab_size].float()
-        return logits.log_softmax(-1)
-
-    return logprobs
+from tests.e2e.conftest import HF_TOL as TOL
+from tests.e2e.conftest import Deployment, hf_rank_bounds
 
 
 def random_prompt(n: int, seed: int, vocab: int = 800) -> list[int]:
@@ -64,6 +39,8 @@ def check_against(ref: torch.Tensor, prompt: list[int], entries: Any, num_top: i
         assert [t.logprob for t in lp.top] == pytest.approx(ref[i].topk(num_top).values, abs=TOL)
         for t in lp.top:
             assert t.logprob == pytest.approx(ref[i, t.token_id].item(), abs=TOL)
+        low, high = hf_rank_bounds(ref[i], prompt[i + 1])
+        assert low <= lp.chosen_rank <= high, (i, lp.chosen_rank, low, high)
 
 
 def test_complete_returns_prompt_logprobs_equal_to_hf_even_with_a_cached_prefix(

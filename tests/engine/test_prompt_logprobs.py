@@ -11,6 +11,7 @@ import torch
 from mili.engine.kv.block_pool import blocks_needed
 from mili.engine.model.qwen3 import Qwen3ForCausalLM
 from mili.engine.step import prompt_logprobs as prompt_logprobs_module
+from mili.engine.step.distribution import ranked_raw_logprobs
 from mili.engine.step.prompt_logprobs import PromptLogprobsAsk, chunk_targets
 from mili.engine.step.runner import ModelRunner
 
@@ -28,6 +29,22 @@ def hf_logprobs(hf: Any, prompt: list[int], vocab_size: int) -> torch.Tensor:
     with torch.no_grad():
         logits = hf(torch.tensor([prompt])).logits[0, :-1, :vocab_size].float()
     return logits.log_softmax(-1)
+
+
+def hf_rank_bounds(row: torch.Tensor, token: int) -> tuple[int, int]:
+    """The ranks (vLLM's: entries >= the token's logprob, itself included) `token` may have in
+    HF's `row` given TOL of float32 rounding between the two: ties within TOL either way."""
+    value = row[token].item()
+    return int((row > value + TOL).sum()) + 1, int((row >= value - TOL).sum())
+
+
+def test_ranks_count_every_entry_at_least_as_likely_ties_included() -> None:
+    logits = torch.tensor([[1.0, 3.0, 2.0, 3.0], [0.0, 0.0, 0.0, 0.0], [5.0, 1.0, 1.0, 0.5]])
+    chosen, top_values, top_ids, ranks = ranked_raw_logprobs(logits, torch.tensor([2, 0, 0]), 2)
+    # row 0: token 2 is below the two tied 3.0s: rank 3; row 1: all tie: 4; row 2: the top: 1
+    assert ranks.tolist() == [3, 4, 1]
+    assert chosen.tolist() == pytest.approx(logits.log_softmax(-1)[[0, 1, 2], [2, 0, 0]].tolist())
+    assert top_ids[2].tolist()[0] == 0 and top_values.shape == (3, 2)
 
 
 def test_chunk_targets_cover_every_position_after_the_first_once() -> None:
@@ -77,6 +94,8 @@ def test_prompt_logprobs_match_hf_across_chunks_and_passes(
         assert [t for t, _ in lp.top] == ids.tolist(), i
         assert [v for _, v in lp.top] == pytest.approx(values.tolist(), abs=TOL)
         assert all(t < vocab for t, _ in lp.top)
+        low, high = hf_rank_bounds(ref[i], token)
+        assert low <= lp.rank <= high, (i, lp.rank, low, high)
 
 
 def test_a_one_token_prompt_and_top_zero_give_what_they_ask(
@@ -100,3 +119,6 @@ def test_a_one_token_prompt_and_top_zero_give_what_they_ask(
     assert [lp.logprob for lp in got] == pytest.approx(
         [ref[i, t].item() for i, t in enumerate(prompt[1:])], abs=TOL
     )
+    for i, (lp, token) in enumerate(zip(got, prompt[1:], strict=True)):  # top 0: ranks still
+        low, high = hf_rank_bounds(ref[i], token)
+        assert low <= lp.rank <= high

@@ -6,6 +6,7 @@ assembles the columns and calls them in order; its docstring says why each rule 
     filter_logits        top-k, min-p, then top-p: thresholds read off each row's largest logits
     sample_inverse_cdf   one token a row for uniforms u, in two levels (no scan of whole rows)
     raw_logprobs         the one logprob rule (generated and prompt tokens alike)
+    ranked_raw_logprobs  the same with the chosen tokens' ranks (prompt tokens)
 """
 
 from __future__ import annotations
@@ -159,7 +160,24 @@ def raw_logprobs(
     """The one logprob rule, for generated and prompt tokens alike: log_softmax of the raw
     float32 logits [B, V] (the tokenizer's columns only), the logprob of token_ids [B] -> [B],
     and the num_top most likely (values, ids) [B, num_top], most likely first."""
+    return _chosen_and_top(logits.log_softmax(-1), token_ids, num_top)
+
+
+def ranked_raw_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """raw_logprobs, and each chosen token's rank in its row [B] int64: how many of the row's
+    logprobs are >= its own, itself included (vLLM's rank: 1 for the most likely token; a
+    token tied with others counts them all, so two tied at the top both rank 2)."""
     logprobs = logits.log_softmax(-1)  # [B, V]
+    chosen, top_values, top_ids = _chosen_and_top(logprobs, token_ids, num_top)
+    ranks = (logprobs >= chosen.unsqueeze(-1)).sum(-1)  # [B]
+    return chosen, top_values, top_ids, ranks
+
+
+def _chosen_and_top(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     chosen = logprobs.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)  # [B]
     top_values, top_ids = logprobs.topk(num_top, dim=-1)  # [B, num_top]
     return chosen, top_values, top_ids

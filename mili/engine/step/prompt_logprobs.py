@@ -8,9 +8,11 @@ prefill chunk's hidden states a slice at a time.
     N = 7, chunks [0, 4) [4, 7):   targets p1 p2 p3 p4 | p5 p6      (N - 1 = 6 in all)
 
 Logits of every position are [T, vocab] float32 (151,936 columns for Qwen3: 594 KiB a token), so
-they are made ROWS_PER_PASS rows at a time and reduced at once to (chosen, top-n) by the
-sampler's rule (distribution.raw_logprobs: the model's raw distribution over the tokenizer's ids,
-as for generated tokens): the peak is one pass's logits, whatever the chunk's length.
+they are made ROWS_PER_PASS rows at a time and reduced at once to (chosen, its rank, top-n) by
+the sampler's rule (distribution.ranked_raw_logprobs: the model's raw distribution over the
+tokenizer's ids, as for generated tokens): the peak is one pass's logits, whatever the chunk's
+length. The rank (vLLM's, which its OpenAI API reports for prompt tokens) needs the whole row,
+so it is taken here, where the row is.
 """
 
 from __future__ import annotations
@@ -21,14 +23,16 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from mili.engine.logprobs import TokenLogprobs
-from mili.engine.step.distribution import raw_logprobs
+from mili.engine.step.distribution import ranked_raw_logprobs
 from mili.engine.step.pinned import to_device
 
 if TYPE_CHECKING:
     from mili.engine.model.kv_cache import KVCache
     from mili.engine.model.qwen3 import PrefillBatch, Qwen3ForCausalLM
 
-ROWS_PER_PASS = 256  # 256 x 151,936 x 4 B = 148 MiB of logits (and as much for log_softmax)
+# 256 x 151,936 x 4 B = 148 MiB of logits a pass (as much for log_softmax, a quarter of that for
+# the ranks' comparison)
+ROWS_PER_PASS = 256
 
 
 class PromptLogprobsAsk(NamedTuple):
@@ -45,14 +49,15 @@ class PendingPromptLogprobs(NamedTuple):
     chosen: torch.Tensor  # [t] float32: logprob of each target
     top_values: torch.Tensor  # [t, n] float32, most likely first
     top_ids: torch.Tensor  # [t, n] int64
+    ranks: torch.Tensor  # [t] int64: each target's rank in its row (1: the most likely)
 
     def result(self) -> list[TokenLogprobs]:
         """One TokenLogprobs per target, in order (waits for the device)."""
-        chosen = self.chosen.tolist()
+        chosen, ranks = self.chosen.tolist(), self.ranks.tolist()
         top_values, top_ids = self.top_values.tolist(), self.top_ids.tolist()
         return [
-            TokenLogprobs(lp, list(zip(ids, values, strict=True)))
-            for lp, ids, values in zip(chosen, top_ids, top_values, strict=True)
+            TokenLogprobs(lp, list(zip(ids, values, strict=True)), rank)
+            for lp, ids, values, rank in zip(chosen, top_ids, top_values, ranks, strict=True)
         ]
 
 
@@ -79,16 +84,17 @@ def compute_prompt_logprobs(
         raise ValueError(f"{num_targets} targets for {hidden.shape[0]} hidden rows")
     if num_targets == 0:
         empty = torch.empty(0, num_top, device=device)
-        return PendingPromptLogprobs(torch.empty(0, device=device), empty, empty.long())
+        no_ranks = torch.empty(0, dtype=torch.int64, device=device)
+        return PendingPromptLogprobs(torch.empty(0, device=device), empty, empty.long(), no_ranks)
     targets = to_device(list(target_ids), torch.int64, device)
     parts = []
     for first in range(0, num_targets, ROWS_PER_PASS):
         last = min(first + ROWS_PER_PASS, num_targets)
         logits = logits_of(hidden[first:last])[:, :vocab_size].float()  # [n, V]
-        parts.append(raw_logprobs(logits, targets[first:last], num_top))
+        parts.append(ranked_raw_logprobs(logits, targets[first:last], num_top))
         del logits
-    chosen, top_values, top_ids = (torch.cat(p) for p in zip(*parts, strict=True))
-    return PendingPromptLogprobs(chosen, top_values, top_ids)
+    chosen, top_values, top_ids, ranks = (torch.cat(p) for p in zip(*parts, strict=True))
+    return PendingPromptLogprobs(chosen, top_values, top_ids, ranks)
 
 
 def prefill_with_prompt_logprobs(

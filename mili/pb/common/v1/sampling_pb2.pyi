@@ -95,9 +95,11 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class Logprobs(_message.Message):
-    __slots__ = ("chosen", "top")
+    __slots__ = ("chosen", "top", "chosen_rank")
     CHOSEN_FIELD_NUMBER: _ClassVar[int]
     TOP_FIELD_NUMBER: _ClassVar[int]
+    CHOSEN_RANK_FIELD_NUMBER: _ClassVar[int]
     chosen: TokenLogprob
     top: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    def __init__(self, chosen: _Optional[_Union[TokenLogprob, _Mapping]] = ..., top: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+    chosen_rank: int
+    def __init__(self, chosen: _Optional[_Union[TokenLogprob, _Mapping]] = ..., top: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., chosen_rank: _Optional[int] = ...) -> None: ...
