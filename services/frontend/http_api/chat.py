@@ -15,7 +15,9 @@ function: {name, arguments: JSON text}}; streamed whole in one `delta.tool_calls
 index), and a generation that stopped after calls ends in finish_reason `tool_calls`; content
 is then null when the model wrote nothing else (always under tool_choice required or named,
 whose call cut by max_tokens is dropped: finish_reason `length`). The split is
-services/frontend/chat_output.py, the one the gRPC API runs.
+services/frontend/chat_output.py, the one the gRPC API runs. vLLM's `prompt_logprobs` k adds
+the response's `prompt_logprobs`, the templated prompt's (openai_logprobs.vllm_prompt_logprobs;
+never streamed, as in vLLM).
 """
 
 from __future__ import annotations
@@ -33,7 +35,11 @@ from services.frontend.http_api.choices import Choice, Usage
 from services.frontend.http_api.completions import detokenizer_of
 from services.frontend.http_api.errors import response_of
 from services.frontend.http_api.openai_call import Head, open_call, respond
-from services.frontend.http_api.openai_logprobs import TokenPieces, chat_logprobs
+from services.frontend.http_api.openai_logprobs import (
+    TokenPieces,
+    chat_logprobs,
+    prompt_logprobs_of,
+)
 from services.frontend.http_api.openai_request import OpenAIRequest, chat_request
 from services.frontend.pipeline import Delta
 from services.frontend.tool_calls import ToolCallDelta
@@ -46,7 +52,7 @@ async def create_chat_completion(
     if isinstance(call, web.Response):
         return call
     pieces = None
-    if call.request.is_chat_logprobs:
+    if call.request.is_chat_logprobs or call.request.prompt_logprobs is not None:
         try:
             pieces = TokenPieces(detokenizer_of(generations))
         except Unavailable as exc:
@@ -94,7 +100,7 @@ class ChatJson:
         return self._outputs[index].push(text, is_last=is_last, starts_in_reasoning=starts)
 
     def _logprobs(self, deltas: list[Delta]) -> dict[str, Any] | None:
-        if self._pieces is None:
+        if self._pieces is None or not self._request.is_chat_logprobs:
             return None
         ids = [t for d in deltas for t in d.token_ids]
         lps = [lp for d in deltas for lp in d.logprobs]
@@ -129,7 +135,16 @@ class ChatJson:
                     "finish_reason": self._finish(c.index, ds),
                 }
             )
-        return json.dumps({**self._head, "choices": choices, "usage": self._usage.as_json()})
+        whole = {**self._head, "choices": choices, "usage": self._usage.as_json()}
+        if self._request.prompt_logprobs is not None:
+            # One prompt for every choice (each computed it: the first one's)
+            whole["prompt_logprobs"] = self._prompt_logprobs(deltas[self._choices[0].index])
+        return json.dumps(whole)
+
+    def _prompt_logprobs(self, deltas: list[Delta]) -> list[Any] | None:
+        """vLLM's prompt_logprobs of the prompt of a choice (`deltas`: its own)."""
+        assert self._pieces is not None and self._request.prompt_logprobs is not None
+        return prompt_logprobs_of(self._pieces, deltas, self._request.prompt_logprobs)
 
     # ---- streamed ----
 
@@ -156,7 +171,7 @@ class ChatJson:
         reasoning, content, calls = self._outputs[index].push(
             delta.text, is_last, starts_in_reasoning=delta.starts_in_reasoning
         )
-        if not is_last and self._pieces is None and not calls:
+        if not is_last and not self._request.is_chat_logprobs and not calls:
             if not reasoning:
                 if not content:
                     return []  # only held-back text (a tag's beginning): nothing to say yet

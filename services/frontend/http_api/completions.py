@@ -8,7 +8,9 @@ each choice's (its ids' text for a prompt of ids); `logprobs` k gives each token
 most likely (openai_logprobs.py), `text_offset` counting from the start of the choice's text;
 with both, the prompt's tokens come first with the logprobs prefill computed for them (the
 first one null). `max_tokens: 0` with `echo` returns the prompt alone (finish_reason "length",
-no completion tokens): the token prefill samples to get there is left out.
+no completion tokens): the token prefill samples to get there is left out. vLLM's
+`prompt_logprobs` k (or echo with logprobs) adds each choice's `prompt_logprobs`, its prompt's
+(openai_logprobs.vllm_prompt_logprobs), to a whole response (vLLM streams none).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from services.frontend.http_api.openai_logprobs import (
     TokenPieces,
     completion_logprobs,
     prompt_completion_logprobs,
+    prompt_logprobs_of,
 )
 from services.frontend.http_api.openai_request import OpenAIRequest, completion_request
 from services.frontend.pipeline import Delta
@@ -71,7 +74,8 @@ def _prompt_texts(call: OpenAICall) -> list[str]:
 
 
 def _pieces(call: OpenAICall) -> TokenPieces | None:
-    if call.request.inputs[0].sampling.logprobs is None:
+    """Token strings, where logprobs or prompt logprobs are asked for."""
+    if call.request.inputs[0].sampling.logprobs is None and call.request.prompt_logprobs is None:
         return None
     return TokenPieces(detokenizer_of(call.generations))
 
@@ -90,6 +94,8 @@ class CompletionJson:
         self._request = request
         self._choices = choices
         self._pieces = pieces
+        # logprobs k: the generated tokens' (and an echoed prompt's) top k
+        self._num_top = request.inputs[0].sampling.logprobs
         self._usage = Usage(choices)
         self._head = head.json("cmpl", "text_completion")
         # Each chunk is this head, its choices and the tail: one json.dumps per chunk.
@@ -107,18 +113,19 @@ class CompletionJson:
         self, index: int, text: str, deltas: list[Delta], *, is_first: bool = False
     ) -> dict[str, Any]:
         logprobs = None
-        if self._pieces is not None:
+        if self._pieces is not None and self._num_top is not None:
             ids = [t for d in deltas for t in d.token_ids]
             lps = [lp for d in deltas for lp in d.logprobs]
             logprobs = completion_logprobs(self._pieces, ids, lps, self._offsets[index])
             first = deltas[0] if deltas else None
-            if is_first and first is not None and first.prompt_token_ids:
-                # echo with logprobs: the prompt's tokens first (their logprobs from prefill)
+            if is_first and self._request.echo and first is not None and first.prompt_token_ids:
+                # echo with logprobs: the prompt's tokens first (their logprobs from prefill,
+                # which computed as many top ones as prompt_logprobs asked, if more)
+                top = [
+                    lp._replace(top=lp.top[: self._num_top]) for lp in first.prompt_logprobs or []
+                ]
                 prompt = prompt_completion_logprobs(
-                    self._pieces,
-                    first.prompt_token_ids,
-                    first.prompt_logprobs or [],
-                    self._echoed.get(index),
+                    self._pieces, first.prompt_token_ids, top, self._echoed.get(index)
                 )
                 logprobs = {key: prompt[key] + logprobs[key] for key in prompt}
         finish = deltas[-1].finish_reason if deltas else None
@@ -130,6 +137,11 @@ class CompletionJson:
             "logprobs": logprobs,
             "finish_reason": None if finish is None else str(finish),
         }
+
+    def _prompt_logprobs(self, deltas: list[Delta]) -> list[Any] | None:
+        """vLLM's prompt_logprobs of the prompt of a choice (`deltas`: its own)."""
+        assert self._pieces is not None and self._request.prompt_logprobs is not None
+        return prompt_logprobs_of(self._pieces, deltas, self._request.prompt_logprobs)
 
     def _shown(self, delta: Delta) -> Delta:
         """The part of `delta` the caller gets: with max_tokens 0, its prompt part alone, ended
@@ -151,7 +163,10 @@ class CompletionJson:
         for c in self._choices:
             ds = [self._shown(d) for d in deltas[c.index]]
             text = self._echo.get(c.index, "") + "".join(d.text for d in ds)
-            choices.append(self._choice(c.index, text, ds, is_first=True))
+            choice = self._choice(c.index, text, ds, is_first=True)
+            if self._request.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = self._prompt_logprobs(ds)
+            choices.append(choice)
         return json.dumps({**self._head, "choices": choices, "usage": self._usage.as_json()})
 
     # ---- streamed ----
@@ -161,7 +176,7 @@ class CompletionJson:
 
     def of(self, index: int, delta: Delta) -> list[str]:
         delta = self._shown(delta)
-        if delta.finish_reason is None and self._pieces is None and not self._echo:
+        if delta.finish_reason is None and self._num_top is None and not self._echo:
             # Once per streamed delta: the plain case from a template around its text.
             return [self._text_heads[index] + json.dumps(delta.text) + self._plain_tail]
         is_first = index in self._echo

@@ -6,6 +6,10 @@ detokenizer (text.py: the tokenizer service's file, loaded here).
     chat         {"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token",
                   "logprob", "bytes"}]}], "refusal": null}
 
+and vLLM's `prompt_logprobs` (either endpoint), one entry per prompt token:
+
+    [null, {"<token id>": {"logprob", "rank", "decoded_token"}, ...}, ...]
+
 A token's string is its bytes read as UTF-8, U+FFFD where they are only part of a character
 (a byte-level token may be); `bytes` keeps them exact. `text_offset` indexes the choice's text
 as returned: an echoed prompt is the prompt as sent, which the tokenizer's normalizer may have
@@ -21,6 +25,7 @@ from typing import Any
 
 from mili.engine.logprobs import TokenLogprobs
 from mili.text.alignment import align
+from services.frontend.pipeline import Delta
 from services.frontend.text import LocalDetokenizer
 
 
@@ -164,3 +169,43 @@ def chat_logprobs(
         item["top_logprobs"] = [entry(t, value) for t, value in lp.top]
         content.append(item)
     return {"content": content, "refusal": None}
+
+
+# What vLLM writes for a logprob of -inf (which JSON cannot carry) in prompt_logprobs.
+_LOWEST_LOGPROB = -9999.0
+
+
+def vllm_prompt_logprobs(
+    pieces: TokenPieces, token_ids: Sequence[int], logprobs: Sequence[TokenLogprobs], num_top: int
+) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's prompt_logprobs of a prompt (`logprobs`: those of its tokens after the first):
+    null for the first token (nothing comes before it), then for each token a dict keyed by
+    token id (a string, as JSON has it): the prompt token with its rank in the vocabulary,
+    then the `num_top` most likely with ranks 1 to num_top. A prompt token among them is one
+    entry, first, with the rank of its place in the top (vLLM writes the top over it: they
+    differ only for a token tied with others). `decoded_token` is the token alone as text."""
+
+    def entry(token_id: int, logprob: float, rank: int) -> dict[str, Any]:
+        value = max(logprob, _LOWEST_LOGPROB)
+        return {"logprob": value, "rank": rank, "decoded_token": pieces.text(token_id)}
+
+    entries: list[dict[str, dict[str, Any]] | None] = [None]
+    for token_id, lp in zip(token_ids[1:], logprobs, strict=True):
+        at = {str(token_id): entry(token_id, lp.logprob, lp.rank)}
+        for rank, (t, value) in enumerate(lp.top[:num_top], start=1):
+            at[str(t)] = entry(t, value, rank)
+        entries.append(at)
+    return entries
+
+
+def prompt_logprobs_of(
+    pieces: TokenPieces, deltas: Sequence[Delta], num_top: int
+) -> list[dict[str, dict[str, Any]] | None] | None:
+    """vLLM's prompt_logprobs of a generation's prompt, from its first delta (which carries the
+    prompt's ids and logprobs when they were asked for); null without them."""
+    first = deltas[0] if deltas else None
+    if first is None or not first.prompt_token_ids:
+        return None
+    return vllm_prompt_logprobs(
+        pieces, first.prompt_token_ids, first.prompt_logprobs or [], num_top
+    )

@@ -6,7 +6,7 @@
                                 tool calls and tool results; tools, tool_choice
                                 (openai_tools.py)
     both                        response_format, guided_* / structured_outputs: one
-                                Constraint (openai_constraint.py)
+                                Constraint (openai_constraint.py); vLLM's prompt_logprobs
 
 Types are checked here (body.py); ranges and limits by the same validation the gRPC API runs
 (validation.py), whose field names (`sampling.top_p`, `token_ids[3]`) `param_of` maps back to
@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from mili.engine.constraint.spec import KINDS, field_of
-from mili.engine.sampling_params import MAX_LOGIT_BIAS
+from mili.engine.sampling_params import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
 from mili.errors import FieldViolation, InvalidArgument
 from services.frontend.http_api import openai_tools
 from services.frontend.http_api.body import Body, is_int
@@ -59,6 +59,10 @@ class OpenAIRequest:
     # its logprobs if asked; one token is generated (prefill's) and not returned
     is_prompt_only: bool = False
     is_chat_logprobs: bool = False  # chat: logprobs=true (top_logprobs in sampling.logprobs)
+    # vLLM's prompt_logprobs k: each prompt token's logprob and rank with the k most likely at
+    # its position, in vLLM's format (completions: each choice's; chat: the response's); never
+    # streamed. Completions with echo and logprobs and without it: logprobs (as vLLM).
+    prompt_logprobs: int | None = None
     user: str | None = None
     param_of: ParamOf = lambda field: field  # a validation field -> this request's parameter
 
@@ -68,7 +72,6 @@ _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "suffix": lambda v: v == "",
     "skip_special_tokens": lambda v: v is True,
     "include_stop_str_in_output": lambda v: v is False,
-    "prompt_logprobs": lambda v: False,
     "use_beam_search": lambda v: v is False,
     "functions": lambda v: v == [],  # the deprecated spelling of tools
 }
@@ -103,6 +106,8 @@ def completion_request(body: Body, window: int | None, client_id: str) -> OpenAI
         raise InvalidArgument("best_of", best_of, f"not supported unless equal to n ({n})")
     echo = body.flag("echo") or False
     logprobs = body.integer("logprobs")
+    is_stream = _is_stream(body)
+    prompt_logprobs = _prompt_logprobs(body, is_stream)
     max_tokens = body.integer("max_tokens")
     is_prompt_only = max_tokens == 0 and echo
     if max_tokens == 0 and not echo:
@@ -111,8 +116,13 @@ def completion_request(body: Body, window: int | None, client_id: str) -> OpenAI
     if is_prompt_only and sampling.min_tokens:
         raise InvalidArgument("min_tokens", sampling.min_tokens, "must be 0 with max_tokens 0")
     if echo and logprobs is not None:
-        # The echoed prompt's tokens get theirs too: prefill computes them when asked.
-        sampling = replace(sampling, prompt_logprobs=logprobs)
+        # The echoed prompt's tokens get theirs too: prefill computes them when asked (as many
+        # top ones as either needs; each takes its own).
+        sampling = replace(sampling, prompt_logprobs=max(logprobs, prompt_logprobs or 0))
+        if prompt_logprobs is None and not is_stream:
+            prompt_logprobs = logprobs  # vLLM answers prompt_logprobs here too
+    elif prompt_logprobs is not None:
+        sampling = replace(sampling, prompt_logprobs=prompt_logprobs)
     prompts = _prompts(body)
     if len(prompts) * n > MAX_CHOICES:
         if n == 1:  # the prompts alone are too many: name them, not an n the client never set
@@ -136,10 +146,11 @@ def completion_request(body: Body, window: int | None, client_id: str) -> OpenAI
         model=body.text("model"),
         inputs=tuple(inputs),
         n=n,
-        is_stream=_is_stream(body),
+        is_stream=is_stream,
         include_usage=_include_usage(body),
         echo=echo,
         is_prompt_only=is_prompt_only,
+        prompt_logprobs=prompt_logprobs,
         user=body.text("user"),
         param_of=_with_constraint(_completion_param, requested),
     )
@@ -159,6 +170,9 @@ def chat_request(body: Body, window: int | None, client_id: str) -> OpenAIReques
     sampling = _sampling(
         body, body.integer(max_key), (top or 0) if is_logprobs else None, requested
     )
+    prompt_logprobs = _prompt_logprobs(body, _is_stream(body))
+    if prompt_logprobs is not None:
+        sampling = replace(sampling, prompt_logprobs=prompt_logprobs)
     messages = _messages(body)
     counts = Counts(
         0, len(messages), len(sampling.stop), len(sampling.stop_token_ids), len(sampling.logit_bias)
@@ -190,6 +204,7 @@ def chat_request(body: Body, window: int | None, client_id: str) -> OpenAIReques
         is_stream=_is_stream(body),
         include_usage=_include_usage(body),
         is_chat_logprobs=is_logprobs,
+        prompt_logprobs=prompt_logprobs,
         user=body.text("user"),
         param_of=_with_constraint(param_of, requested),
     )
@@ -231,6 +246,26 @@ def _n(body: Body) -> int:
 
 def _is_stream(body: Body) -> bool:
     return body.flag("stream") or False
+
+
+def _prompt_logprobs(body: Body, is_stream: bool) -> int | None:
+    """vLLM's prompt_logprobs: k in [0, 20], the limit of `logprobs` (vLLM's default
+    --max-logprobs is the same 20). Its -1, the whole vocabulary, is over that limit, as vLLM
+    finds it by default; with stream a k > 0 is refused, as vLLM refuses it (no chunk would
+    carry them), and 0 is answered with nothing, as vLLM answers it."""
+    k = body.integer("prompt_logprobs")
+    if k is None:
+        return None
+    if k == -1:
+        reason = f"-1 (the whole vocabulary) is over this server's limit of {MAX_TOP_LOGPROBS}"
+        raise InvalidArgument("prompt_logprobs", k, reason)
+    if not 0 <= k <= MAX_TOP_LOGPROBS:
+        raise InvalidArgument("prompt_logprobs", k, f"must be in [0, {MAX_TOP_LOGPROBS}]")
+    if is_stream:
+        if k > 0:
+            raise InvalidArgument("prompt_logprobs", k, "not available with stream: true")
+        return None
+    return k
 
 
 def _include_usage(body: Body) -> bool:

@@ -213,7 +213,6 @@ def test_chat_fields() -> None:
     [
         ("suffix", "x"),
         ("skip_special_tokens", False),
-        ("prompt_logprobs", 1),
         ("functions", [{"name": "f"}]),
         ("tools", [{"type": "function", "function": {"name": "f"}}]),  # completions: no chat
     ],
@@ -282,6 +281,42 @@ def test_n_best_of_echo_stream_options() -> None:
     )
     streamed = completion(prompt="a", stream=True, stream_options={"include_usage": True})
     assert streamed.is_stream and streamed.include_usage
+
+
+def test_prompt_logprobs_as_vllm_takes_them() -> None:
+    """vLLM's prompt_logprobs k on both endpoints: asked of prefill, never streamed (k > 0 with
+    stream is a 400, 0 answers nothing), -1 (the whole vocabulary) over the limit of 20."""
+    for endpoint, args in ((completion, {"prompt": "a"}), (chat, {})):
+        asked = endpoint(**args, prompt_logprobs=3)
+        assert asked.prompt_logprobs == 3 and asked.inputs[0].sampling.prompt_logprobs == 3
+        assert endpoint(**args, prompt_logprobs=0).inputs[0].sampling.prompt_logprobs == 0
+        assert endpoint(**args, prompt_logprobs=20).prompt_logprobs == 20
+        streamed = endpoint(**args, prompt_logprobs=0, stream=True)
+        assert streamed.prompt_logprobs is None
+        assert streamed.inputs[0].sampling.prompt_logprobs is None
+        for bad, says in ((-1, "whole vocabulary"), (-2, r"\[0, 20\]"), (21, r"\[0, 20\]")):
+            with pytest.raises(InvalidArgument, match=says) as caught:
+                endpoint(**args, prompt_logprobs=bad)
+            assert error_of(caught.value)[1]["param"] == "prompt_logprobs"
+        for bad_value in (1.5, "2", True):
+            assert param_of_failure(endpoint, **args, prompt_logprobs=bad_value) == (
+                "prompt_logprobs"
+            )
+        with pytest.raises(InvalidArgument, match="stream: true"):
+            endpoint(**args, prompt_logprobs=1, stream=True)
+    # echo with logprobs: the prompt's logprobs in vLLM's format too (k = logprobs), prefill
+    # asked for the larger top of the two; a stream has the echoed ones only
+    echoed = completion(prompt="a", echo=True, logprobs=2)
+    assert echoed.prompt_logprobs == 2
+    both = completion(prompt="a", echo=True, logprobs=2, prompt_logprobs=5)
+    assert both.prompt_logprobs == 5 and both.inputs[0].sampling.prompt_logprobs == 5
+    assert both.inputs[0].sampling.logprobs == 2
+    fewer = completion(prompt="a", echo=True, logprobs=4, prompt_logprobs=1)
+    assert fewer.prompt_logprobs == 1 and fewer.inputs[0].sampling.prompt_logprobs == 4
+    echo_streamed = completion(prompt="a", echo=True, logprobs=2, stream=True)
+    assert echo_streamed.prompt_logprobs is None
+    assert echo_streamed.inputs[0].sampling.prompt_logprobs == 2
+    assert completion(prompt="a", logprobs=2).prompt_logprobs is None
 
 
 def test_bodies_that_are_not_json_objects() -> None:
