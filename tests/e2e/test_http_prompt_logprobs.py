@@ -118,6 +118,7 @@ def test_each_prompt_of_a_batch_gets_its_own_at_every_choice(
         max_tokens=1,
         n=2,
         temperature=0,
+        logprobs=1,
         extra_body={"prompt_logprobs": 0},
     )
     assert len(reply.choices) == 4
@@ -125,6 +126,8 @@ def test_each_prompt_of_a_batch_gets_its_own_at_every_choice(
         prompt = prompts[choice.index // 2]
         entries = (choice.model_extra or {})["prompt_logprobs"]
         check_vllm_format(entries, prompt, hf_logprobs(prompt), 0, tokenizer)
+        # without echo, logprobs are the generated token's alone (the prompt's are not echoed)
+        assert choice.logprobs is not None and len(choice.logprobs.tokens or []) == 1
 
 
 def test_chat_prompt_logprobs_sit_at_the_response(
