@@ -166,12 +166,13 @@ def raw_logprobs(
 def ranked_raw_logprobs(
     logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """raw_logprobs, and each chosen token's rank in its row [B] int64: how many of the row's
+    """raw_logprobs, and each chosen token's rank in its row, [B] int32: how many of the row's
     logprobs are >= its own, itself included (vLLM's rank: 1 for the most likely token; a
     token tied with others counts them all, so two tied at the top both rank 2)."""
     logprobs = logits.log_softmax(-1)  # [B, V]
     chosen, top_values, top_ids = _chosen_and_top(logprobs, token_ids, num_top)
-    ranks = (logprobs >= chosen.unsqueeze(-1)).sum(-1)  # [B]
+    # int32: torch's default int64 sum of bools is the slower one on the CPU
+    ranks = (logprobs >= chosen.unsqueeze(-1)).sum(-1, dtype=torch.int32)  # [B]
     return chosen, top_values, top_ids, ranks
 
 

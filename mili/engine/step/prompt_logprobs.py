@@ -49,7 +49,7 @@ class PendingPromptLogprobs(NamedTuple):
     chosen: torch.Tensor  # [t] float32: logprob of each target
     top_values: torch.Tensor  # [t, n] float32, most likely first
     top_ids: torch.Tensor  # [t, n] int64
-    ranks: torch.Tensor  # [t] int64: each target's rank in its row (1: the most likely)
+    ranks: torch.Tensor  # [t] int32: each target's rank in its row (1: the most likely)
 
     def result(self) -> list[TokenLogprobs]:
         """One TokenLogprobs per target, in order (waits for the device)."""
@@ -84,7 +84,7 @@ def compute_prompt_logprobs(
         raise ValueError(f"{num_targets} targets for {hidden.shape[0]} hidden rows")
     if num_targets == 0:
         empty = torch.empty(0, num_top, device=device)
-        no_ranks = torch.empty(0, dtype=torch.int64, device=device)
+        no_ranks = torch.empty(0, dtype=torch.int32, device=device)
         return PendingPromptLogprobs(torch.empty(0, device=device), empty, empty.long(), no_ranks)
     targets = to_device(list(target_ids), torch.int64, device)
     parts = []
