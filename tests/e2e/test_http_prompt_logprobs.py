@@ -167,17 +167,21 @@ def test_echo_with_logprobs_answers_them_too_each_with_its_own_top(
     echoed = client.completions.create(**args, logprobs=1)
     entries = (echoed.choices[0].model_extra or {})["prompt_logprobs"]
     check_vllm_format(entries, prompt, hf_logprobs(prompt), 1, tokenizer)
-    both = client.completions.create(**args, logprobs=1, extra_body={"prompt_logprobs": 4})
-    entries = (both.choices[0].model_extra or {})["prompt_logprobs"]
-    check_vllm_format(entries, prompt, hf_logprobs(prompt), 4, tokenizer)
-    logprobs = both.choices[0].logprobs
-    assert logprobs is not None and logprobs.top_logprobs is not None
-    tops = logprobs.top_logprobs
-    assert tops[0] is None and all(1 <= len(top) <= 2 for top in tops[1:])  # k = 1, + itself
-    assert logprobs.token_logprobs is not None
-    assert logprobs.token_logprobs[1 : len(prompt)] == pytest.approx(
-        [e[str(t)]["logprob"] for e, t in zip(entries[1:], prompt[1:], strict=True)]
-    )
+    # n = 2: only the first choice computes the prompt's logprobs; both show them
+    both = client.completions.create(**args, n=2, logprobs=1, extra_body={"prompt_logprobs": 4})
+    assert len(both.choices) == 2
+    for choice in both.choices:
+        entries = (choice.model_extra or {})["prompt_logprobs"]
+        check_vllm_format(entries, prompt, hf_logprobs(prompt), 4, tokenizer)
+        logprobs = choice.logprobs
+        assert logprobs is not None and logprobs.top_logprobs is not None
+        assert logprobs.tokens is not None and len(logprobs.tokens) == len(prompt) + 1
+        tops = logprobs.top_logprobs
+        assert tops[0] is None and all(1 <= len(top) <= 2 for top in tops[1:])  # k = 1, + itself
+        assert logprobs.token_logprobs is not None
+        assert logprobs.token_logprobs[1 : len(prompt)] == pytest.approx(
+            [e[str(t)]["logprob"] for e, t in zip(entries[1:], prompt[1:], strict=True)]
+        )
 
 
 def test_vllms_400s_and_a_stream_of_zero(client: openai.OpenAI) -> None:

@@ -511,6 +511,32 @@ def test_a_prompt_that_opens_the_think_block_starts_the_output_in_reasoning() ->
     asyncio.run(main())
 
 
+def test_only_the_first_choice_of_a_prompt_computes_its_prompt_logprobs_for_a_whole_reply() -> None:
+    """n choices of a prompt with prompt_logprobs (or echo with logprobs) each recomputed the
+    whole prompt's logprobs (prefill's cache unused for them); a whole response shows the
+    first choice's at every choice, so only it asks. Streamed, each choice's first chunk
+    echoes the prompt with its own, so all ask."""
+
+    async def main() -> None:
+        async with stack() as s:
+            generations = Generations(s.backends, FrontendMetrics(CollectorRegistry()))
+
+            def asked(raw: bytes) -> list[int | None]:
+                request = completion_request(parse(raw), 4096, "r")
+                return [
+                    c.valid.sampling.prompt_logprobs for c in choices_of.plan(generations, request)
+                ]
+
+            two_prompts = b'{"prompt": ["a", "b"], "n": 2, "prompt_logprobs": 3}'
+            assert asked(two_prompts) == [3, None, 3, None]
+            echoed = b'{"prompt": "a", "n": 3, "echo": true, "logprobs": 1}'
+            assert asked(echoed) == [1, None, None]
+            streamed = b'{"prompt": "a", "n": 3, "echo": true, "logprobs": 1, "stream": true}'
+            assert asked(streamed) == [1, 1, 1]
+
+    asyncio.run(main())
+
+
 def test_the_later_choices_of_a_request_wait_past_the_queues_bound() -> None:
     """Three choices, decode room for one at a time, a queue of one: the third was turned away
     (429), failing the two already taken, and every retry met the same bound. Now the later

@@ -110,24 +110,25 @@ class CompletionJson:
         self._offsets = {c.index: TextOffsets(len(self._echo.get(c.index, ""))) for c in choices}
 
     def _choice(
-        self, index: int, text: str, deltas: list[Delta], *, is_first: bool = False
+        self, index: int, text: str, deltas: list[Delta], prompt: Delta | None = None
     ) -> dict[str, Any]:
+        """A choice's JSON from its `deltas`; with echo, `prompt` (the delta that carries the
+        prompt's ids and logprobs) puts the prompt's tokens first."""
         logprobs = None
         if self._pieces is not None and self._num_top is not None:
             ids = [t for d in deltas for t in d.token_ids]
             lps = [lp for d in deltas for lp in d.logprobs]
             logprobs = completion_logprobs(self._pieces, ids, lps, self._offsets[index])
-            first = deltas[0] if deltas else None
-            if is_first and self._request.echo and first is not None and first.prompt_token_ids:
+            if self._request.echo and prompt is not None and prompt.prompt_token_ids:
                 # echo with logprobs: the prompt's tokens first (their logprobs from prefill,
                 # which computed as many top ones as prompt_logprobs asked, if more)
                 top = [
-                    lp._replace(top=lp.top[: self._num_top]) for lp in first.prompt_logprobs or []
+                    lp._replace(top=lp.top[: self._num_top]) for lp in prompt.prompt_logprobs or []
                 ]
-                prompt = prompt_completion_logprobs(
-                    self._pieces, first.prompt_token_ids, top, self._echoed.get(index)
+                echoed = prompt_completion_logprobs(
+                    self._pieces, prompt.prompt_token_ids, top, self._echoed.get(index)
                 )
-                logprobs = {key: prompt[key] + logprobs[key] for key in prompt}
+                logprobs = {key: echoed[key] + logprobs[key] for key in echoed}
         finish = deltas[-1].finish_reason if deltas else None
         if finish is not None:
             self._usage.add(index, deltas[-1])
@@ -163,9 +164,12 @@ class CompletionJson:
         for c in self._choices:
             ds = [self._shown(d) for d in deltas[c.index]]
             text = self._echo.get(c.index, "") + "".join(d.text for d in ds)
-            choice = self._choice(c.index, text, ds, is_first=True)
+            # A whole response's prompt logprobs come from its prompt's first choice alone
+            # (choices.plan: the others do not ask for them).
+            first = deltas[c.prompt_index * self._request.n]
+            choice = self._choice(c.index, text, ds, first[0] if first else None)
             if self._request.prompt_logprobs is not None:
-                choice["prompt_logprobs"] = self._prompt_logprobs(ds)
+                choice["prompt_logprobs"] = self._prompt_logprobs(first)
             choices.append(choice)
         return json.dumps({**self._head, "choices": choices, "usage": self._usage.as_json()})
 
@@ -179,9 +183,9 @@ class CompletionJson:
         if delta.finish_reason is None and self._num_top is None and not self._echo:
             # Once per streamed delta: the plain case from a template around its text.
             return [self._text_heads[index] + json.dumps(delta.text) + self._plain_tail]
-        is_first = index in self._echo
+        prompt = delta if index in self._echo else None
         text = self._echo.pop(index, "") + delta.text  # the prompt before the first delta
-        choice = self._choice(index, text, [delta], is_first=is_first)
+        choice = self._choice(index, text, [delta], prompt)
         return [self._chunk_head + json.dumps(choice) + self._chunk_tail]
 
     def closing(self) -> list[str]:
