@@ -23,6 +23,21 @@ A step (one forward) is built from:
 A prompt gets all of its blocks when admitted and keeps them until `remove` (the transfer was
 acknowledged, failed or cancelled): a running prompt can never deadlock waiting for blocks.
 
+Short prompts first, once. A long prompt's chunk takes the whole budget, so in that order a
+short prompt arriving behind it would wait for every one of its chunks (a 16k-token prompt at
+the default budget: 8 forwards) before its first token. So when a waiting prompt of one chunk
+does not fit beside the running prompts' next chunks, the step takes the order 2, 1 instead,
+admitting only prompts computed whole in it (never a second long one); running chunks fill
+what is left. A step that left a running chunk out is followed by one in the order 1, 2: a
+long prompt computes at least every other step, and a short one (given room in the budget,
+behind earlier short ones, and blocks) waits for at most the step in flight and one more.
+
+    C = 16, a long prompt of 64 tokens, a short one of 7 arriving during step 1:
+    1, 2 always:  | long [0,16) | long [16,32) | long [32,48) | long [48,64) | short [0,7) |
+    2, 1 once:    | long [0,16) | short [0,7)  | long [16,32) | long [32,48) | long [48,64) |
+
+Steps never pass the budget either way, and a lone prompt's steps are those of its plan.
+
 Prefix cache. A prompt added with its token ids reuses the longest cached run of full blocks
 (`PrefixCache`, at most all but the last token, whose logits the first token needs). The chunk
 plan does not change: chunks wholly inside the cached prefix are *ship-only* (nothing to
@@ -138,6 +153,9 @@ class Scheduler:
         # Queue room held by `reserve` for a prompt not added yet: request id -> its tokens.
         self._reserved: dict[str, int] = {}
         self.num_queued_tokens = 0  # tokens of every prompt reserved or added, not yet removed
+        # The last step left a running chunk out for short waiting prompts: the next one puts
+        # running prompts first again, so a long prompt computes at least every other step.
+        self._has_yielded = False
 
     # ---- chunk plan --------------------------------------------------------------------------
 
@@ -273,13 +291,45 @@ class Scheduler:
 
     def schedule(self) -> Step | None:
         """The next forward's chunks (admitting waiting prompts), or None when idle."""
-        budget = self.max_batch_tokens
+        running = list(self._running.values())  # before this step admits anyone
         chunks: list[ScheduledChunk] = []
-        for prompt in self._running.values():
+        is_yielding = not self._has_yielded and self._is_short_one_held_back(running)
+        budget = self.max_batch_tokens
+        if not is_yielding:
+            budget = self._add_running(running, chunks, budget)
+        budget = self._admit(chunks, budget, only_done_now=is_yielding)
+        if is_yielding:
+            num_before = len(chunks)
+            self._add_running(running, chunks, budget)
+            # Only a yield that left a running chunk out counts: that prompt goes first next.
+            self._has_yielded = len(chunks) - num_before < len(running)
+        else:
+            self._has_yielded = False
+        return Step(chunks) if chunks else None
+
+    def _is_short_one_held_back(self, running: list[_Prompt]) -> bool:
+        """Whether a waiting prompt of one chunk would not fit beside the running prompts'
+        next chunks (its length alone, before any prefix-cache match: a cheap upper bound)."""
+        if not running:
+            return False
+        budget = self._add_running(running, [], self.max_batch_tokens)
+        return any(budget < p.num_tokens <= self.chunk_tokens for p in self._waiting.values())
+
+    def _add_running(
+        self, running: list[_Prompt], chunks: list[ScheduledChunk], budget: int
+    ) -> int:
+        """Append the next chunk of each running prompt that fits, oldest first; the budget left."""
+        for prompt in running:
             chunk = self._next_chunk(prompt)
             if chunk.end - chunk.start <= budget:
                 chunks.append(chunk)
                 budget -= chunk.end - chunk.start
+        return budget
+
+    def _admit(self, chunks: list[ScheduledChunk], budget: int, *, only_done_now: bool) -> int:
+        """Admit waiting prompts, FIFO and first fit, appending their first chunks (and any
+        ship-only ones before them); the budget left. `only_done_now`: only prompts computed
+        whole in this step (a yield to short prompts admits no long one)."""
         skipped = False  # a waiting prompt did not fit the budget left
         for prompt in list(self._waiting.values()):
             if budget == 0:  # every chunk computes a token at least: none fits (and no match)
@@ -292,7 +342,7 @@ class Scheduler:
             # Past a skipped prompt, only prompts done in this step: one that ran on would take
             # part of the next budgets too, and a stream of them could starve the skipped one.
             is_done_now = num_cached_tokens + size == prompt.num_tokens
-            is_over_budget = size > budget or (skipped and not is_done_now)
+            is_over_budget = size > budget or ((skipped or only_done_now) and not is_done_now)
             if is_over_budget or need > self.prefix_cache.num_available:
                 self.prefix_cache.free(cached)
                 if is_over_budget:
@@ -317,7 +367,7 @@ class Scheduler:
                 )
             chunks.append(self._next_chunk(prompt))
             budget -= size
-        return Step(chunks) if chunks else None
+        return budget
 
     def _match(self, prompt: _Prompt) -> list[int]:
         """Cached leading blocks for a waiting prompt (one reference each); [] without ids."""

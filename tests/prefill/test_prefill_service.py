@@ -107,9 +107,9 @@ def test_min_tokens_holds_the_models_eos_back_from_the_first_token(tiny: TinyMod
 
 def test_concurrent_prompts_share_forwards(tiny: TinyModel) -> None:
     vocab = tiny.model.config.vocab_size
-    # "long" keeps the worker busy for four full forwards (chunks of 64); the others arrive
-    # meanwhile, wait (running chunks go first and fill the budget), then all ride in one
-    # forward with long's last 8 tokens: 8 + 9 + 17 + 20 = 54 <= 64.
+    # "long" keeps the worker busy for four full forwards (chunks of 64) and a last one of 8;
+    # the others arrive during its first and all ride in the next forward (9 + 17 + 20 = 46
+    # <= 64), ahead of long's second chunk: they do not wait for every chunk of long.
     lengths = {"long": 264, "a": 9, "b": 17, "c": 20}
     prompts = {rid: random_ids(n, vocab, seed=100 + n) for rid, n in lengths.items()}
 
@@ -130,9 +130,12 @@ def test_concurrent_prompts_share_forwards(tiny: TinyModel) -> None:
                         await until(lambda: len(worker.steps) >= 1)
                 replies = {rid: await call for rid, call in calls.items()}
             steps = [s.chunks for s in worker.steps]
-        assert steps[:4] == [(("long", s, s + 64),) for s in range(0, 256, 64)]
-        assert len(steps) == 5
-        assert sorted(steps[4]) == [("a", 0, 9), ("b", 0, 17), ("c", 0, 20), ("long", 256, 264)]
+        assert steps[0] == (("long", 0, 64),)
+        assert sorted(steps[1]) == [("a", 0, 9), ("b", 0, 17), ("c", 0, 20)]
+        assert steps[2:] == [
+            *((("long", s, s + 64),) for s in range(64, 256, 64)),
+            (("long", 256, 264),),
+        ]
         return replies
 
     replies = asyncio.run(main())

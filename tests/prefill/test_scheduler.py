@@ -67,14 +67,69 @@ def test_concurrent_prompts_share_one_forward_under_the_budget() -> None:
 def test_long_prompt_is_chunked_and_its_last_chunk_shares_a_forward() -> None:
     s = make()
     s.add("long", 40)
+    s.add("big", 30)  # two chunks: waits for the budget, never skips ahead of long
+    for expected in ([("long", 0, 16)], [("long", 16, 32)]):  # the whole budget, twice
+        step = s.schedule()
+        assert plan(step) == expected
+        assert step is not None
+        s.complete(step)
+    s.add("short", 7)
+    # short (7) fills what long's last chunk (8) leaves; big's first chunk (16) does not fit.
+    assert run_all(s) == [
+        [("long", 32, 40), ("short", 0, 7)],
+        [("big", 0, 16)],
+        [("big", 16, 30)],
+    ]
+
+
+def test_a_short_prompt_behind_a_long_one_goes_first_once() -> None:
+    """Short prompts queued behind a running long one do not wait for all of its chunks: the
+    next step is theirs (only prompts computed whole in it are admitted, never the long big),
+    then the running prompt goes first again."""
+    s = make()
+    s.add("long", 40)
+    s.add("big", 30)
     s.add("short", 7)
     s.add("tiny", 1)
-    # long takes the whole budget twice; short (7) and tiny (1) fill what its last chunk leaves.
     assert run_all(s) == [
         [("long", 0, 16)],
+        [("short", 0, 7), ("tiny", 0, 1)],  # long's next chunk (16) no longer fits
         [("long", 16, 32)],
-        [("long", 32, 40), ("short", 0, 7), ("tiny", 0, 1)],
+        [("long", 32, 40)],
+        [("big", 0, 16)],
+        [("big", 16, 30)],
     ]
+
+
+def test_short_prompts_arriving_during_a_long_prompt_wait_one_step_at_most() -> None:
+    """A short prompt used to wait for every chunk of a long prompt running ahead of it (10
+    steps here; a 16k-token prompt at the default budget: 8). Now, with a short prompt arriving
+    before every step, each is scheduled within two steps of its arrival (the step that comes
+    first is the long prompt's), and the long prompt still computes every other step."""
+    s = make(max_batch_tokens=16)
+    s.add("long", 160)  # 10 chunks of 16
+    waited: dict[str, int] = {}  # short prompt -> schedule() calls until it was in a step
+    arrived: dict[str, int] = {}
+    long_steps = []
+    for n in range(40):
+        s.add(f"s{n}", 6)
+        arrived[f"s{n}"] = n
+        step = s.schedule()
+        assert step is not None and step.num_tokens <= 16
+        for c in step.chunks:
+            if c.request_id == "long":
+                long_steps.append(n)
+            else:
+                waited[c.request_id] = n - arrived[c.request_id]
+        for request_id in s.complete(step):
+            s.remove(request_id)
+        if "long" not in s and n >= 20:
+            break
+    assert len(long_steps) == 10
+    assert long_steps[-1] <= 19, long_steps  # long computes at least every other step
+    assert waited["s1"] == 0  # arrived while long's first chunk ran: scheduled next
+    assert max(waited.values()) <= 1, waited
+    assert all(f"s{k}" in waited for k in range(n)), "a short prompt was never scheduled"
 
 
 def test_running_prompts_go_first_then_waiting_ones_first_fit() -> None:
@@ -82,7 +137,7 @@ def test_running_prompts_go_first_then_waiting_ones_first_fit() -> None:
     s.add("a", 20)  # 16 + 4
     step = s.schedule()
     assert plan(step) == [("a", 0, 16)]
-    s.add("big", 14)  # does not fit the 12 tokens a's last chunk leaves: skipped
+    s.add("big", 30)  # its first chunk (16) does not fit the 12 tokens a's last chunk leaves
     s.add("small", 10)  # fits: jumps ahead of big for this forward only
     assert step is not None
     s.complete(step)
@@ -90,7 +145,7 @@ def test_running_prompts_go_first_then_waiting_ones_first_fit() -> None:
     assert plan(step) == [("a", 16, 20), ("small", 0, 10)]
     assert step is not None
     s.complete(step)
-    assert plan(s.schedule()) == [("big", 0, 14)]
+    assert plan(s.schedule()) == [("big", 0, 16)]
 
 
 def test_blocks_run_out_and_waiting_prompts_wait_for_removed_ones() -> None:
@@ -338,8 +393,8 @@ def test_no_waiting_prompt_is_looked_up_once_the_budget_is_spent() -> None:
     assert plan(step) == [("long", 0, 16)]
     assert step is not None
     s.complete(step)
-    for i in range(3):
-        s.add(f"w{i}", 8, prompt_token_ids=[100 + i] * 8)
+    for i in range(3):  # of two chunks each: no short prompt to make room for
+        s.add(f"w{i}", 20, prompt_token_ids=[100 + i] * 20)
     looked_up: list[int] = []
     match_keys = s.prefix_cache.match_keys
 
