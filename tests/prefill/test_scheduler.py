@@ -132,6 +132,17 @@ def test_short_prompts_arriving_during_a_long_prompt_wait_one_step_at_most() -> 
     assert all(f"s{k}" in waited for k in range(n)), "a short prompt was never scheduled"
 
 
+def test_a_short_prompt_without_blocks_does_not_hold_a_long_one_back() -> None:
+    """Making room for a short prompt that cannot get its blocks would be a wasted step: the
+    long prompt's chunks go on every step, and the short one waits for memory (FIFO by memory)."""
+    s = make(num_blocks=12)  # 48 tokens
+    s.add("long", 40)  # 10 blocks
+    s.add("short", 12)  # 3 blocks, 2 free
+    assert run_all(s) == [[("long", 0, 16)], [("long", 16, 32)], [("long", 32, 40)]]
+    s.remove("long")
+    assert run_all(s) == [[("short", 0, 12)]]
+
+
 def test_running_prompts_go_first_then_waiting_ones_first_fit() -> None:
     s = make()
     s.add("a", 20)  # 16 + 4
