@@ -12,7 +12,8 @@ the prompt as sent, each position of the normalized text is mapped back:
 Walked character by character: equal characters map one to one; where they differ, the sent
 text's next cluster (a character and the combining marks after it), normalized alone, must be
 what the normalized text has there, or a few clusters together (a composition that spans
-clusters: Hangul jamo); every position inside that piece maps to where the cluster starts.
+clusters: Hangul jamo); the characters the normalizer kept at either end of that piece map to
+where they were sent, the ones it changed to where the change begins.
 Where nothing matches (a normalizer this does not follow), None: no mapping is guessed.
 """
 
@@ -44,7 +45,7 @@ def align(sent: str, normalized: str, normalize: Callable[[str], str]) -> list[i
             end = _cluster_end(sent, end)
             piece = normalize(sent[s:end])
             if normalized.startswith(piece, d):
-                positions.extend([s] * len(piece))
+                positions.extend(_piece_positions(sent[s:end], piece, s))
                 s = end
                 break
             if end == len(sent):
@@ -55,6 +56,27 @@ def align(sent: str, normalized: str, normalize: Callable[[str], str]) -> list[i
         return None
     positions.append(len(sent))
     return positions
+
+
+def _piece_positions(sent: str, piece: str, start: int) -> list[int]:
+    """Where each character of `piece` (`sent`, which starts at `start`, normalized) starts:
+    what the normalizer kept at either end of it stays where it was sent, what it changed
+    between maps to where the change begins. A mark the normalizer left alone may be a token
+    of its own (its base another), so it must not point at the base:
+
+        sent   e  ◌́  ◌́    ->   é  ◌́        positions  s, s + 2
+        sent   q  ◌́  ◌̣    ->   q  ◌̣  ◌́     positions  s, s + 1, s + 1  (marks reordered)
+    """
+    size = min(len(sent), len(piece))
+    head = 0
+    while head < size and sent[head] == piece[head]:
+        head += 1
+    tail = 0
+    while tail < size - head and sent[-1 - tail] == piece[-1 - tail]:
+        tail += 1
+    changed = [start + head] * (len(piece) - head - tail)
+    kept_tail = range(start + len(sent) - tail, start + len(sent))
+    return [*range(start, start + head), *changed, *kept_tail]
 
 
 def _cluster_end(text: str, start: int) -> int:

@@ -31,9 +31,21 @@ def test_compositions_that_span_clusters_and_reorderings() -> None:
     jamo = "\u1100\u1161\u11a8x"  # Hangul L V T (each its own cluster) -> one syllable
     assert nfc(jamo) == "\uac01x"
     assert align(jamo, nfc(jamo), nfc) == [0, 3, 4]
-    marks = "q\u0301\u0323!"  # marks reordered, nothing composed: the cluster maps to its base
+    marks = "q\u0301\u0323!"  # marks reordered, nothing composed: to where the marks begin
     assert nfc(marks) == "q\u0323\u0301!"
-    assert align(marks, nfc(marks), nfc) == [0, 0, 0, 3, 4]
+    assert align(marks, nfc(marks), nfc) == [0, 1, 1, 3, 4]
+
+
+def test_marks_the_normalizer_leaves_alone_keep_their_own_positions() -> None:
+    """A cluster the normalizer matched mapped every character to its base: "q\u0301" (no
+    composed form) read [0, 0] once another part of the prompt was composed (in a prompt NFC
+    leaves alone the mark's offset is its own), and in "e\u0301\u0301" the second mark, left
+    after "é", pointed at the "e". A mark may be a token of its own, whose offset then read
+    its base."""
+    sent = "e\u0301 q\u0301 e\u0301\u0301x"
+    assert nfc(sent) == "é q\u0301 é\u0301x"
+    #                          é  ␣  q  ◌́  ␣  é  ◌́  x  end
+    assert align(sent, nfc(sent), nfc) == [0, 2, 3, 4, 5, 6, 8, 9, 10]
 
 
 def test_other_normalizers_of_the_tokenizers_library() -> None:

@@ -175,3 +175,21 @@ def test_an_echoed_prompt_the_normalizer_changed_is_indexed_as_it_was_sent(
     ids = demo._tokenizer.encode(plain).ids
     as_sent = prompt_completion_logprobs(TokenPieces(demo), ids, lps(len(ids) - 1), plain)
     assert as_sent == prompt_completion_logprobs(TokenPieces(demo), ids, lps(len(ids) - 1))
+
+
+def test_a_mark_the_normalizer_left_alone_keeps_its_offset_when_another_was_composed(
+    demo: LocalDetokenizer,
+) -> None:
+    """ "q\u0301" has no composed form: in a prompt NFC leaves alone, the mark's byte tokens
+    start at the mark. Once another character of the prompt was composed ("e\u0301" -> "é"),
+    the alignment mapped the mark's tokens to the "q" (one offset short of where they start in
+    the same prompt sent precomposed, shifted by the one extra character sent)."""
+    composed = "caf\u00e9 q\u0301 ok"  # NFC already: offsets of its tokens' own text
+    sent = "cafe\u0301 q\u0301 ok"  # the same tokens; one character more before the "q"
+    ids = demo._tokenizer.encode(sent).ids
+    assert ids == demo._tokenizer.encode(composed).ids
+    plain = prompt_completion_logprobs(TokenPieces(demo), ids, lps(len(ids) - 1), composed)
+    echoed = prompt_completion_logprobs(TokenPieces(demo), ids, lps(len(ids) - 1), sent)
+    shifted = [o + 1 if o > 3 else o for o in plain["text_offset"]]
+    pairs = list(zip(echoed["tokens"], echoed["text_offset"], strict=True))
+    assert echoed["text_offset"] == shifted, pairs
