@@ -14,6 +14,7 @@ from typing import Any
 
 from mili.engine.sampling_params import SamplingParams
 from mili.errors import FieldViolation, InvalidArgument, Unavailable
+from mili.plural import plural
 from services.frontend import tools as tool_checks
 from services.frontend.calls import Deadline, Downstream, Prompt, Tokenized, TokenizerFacts
 from services.frontend.config import FrontendConfig
@@ -178,16 +179,16 @@ def fit_context(
         raise InvalidArgument(
             "sampling.min_tokens",
             sampling.min_tokens,
-            f"prompt ({num_prompt_tokens} tokens) + min_tokens ({sampling.min_tokens}) exceeds "
-            f"the context window of {max_context_tokens} tokens; at most {room} fits",
+            f"prompt ({plural(num_prompt_tokens, 'token')}) + min_tokens ({sampling.min_tokens}) "
+            f"exceeds the context window of {max_context_tokens} tokens; at most {room} fits",
         )
     if may_shrink:
         return replace(sampling, max_tokens=room)
     raise InvalidArgument(
         "sampling.max_tokens",
         sampling.max_tokens,
-        f"prompt ({num_prompt_tokens} tokens) + max_tokens ({sampling.max_tokens}) exceeds the "
-        f"context window of {max_context_tokens} tokens; at most {room} fits",
+        f"prompt ({plural(num_prompt_tokens, 'token')}) + max_tokens ({sampling.max_tokens}) "
+        f"exceeds the context window of {max_context_tokens} tokens; at most {room} fits",
     )
 
 

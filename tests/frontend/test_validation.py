@@ -232,6 +232,19 @@ def test_fit_context() -> None:
     assert "at most 96 fits" in str(info.value)
 
 
+def test_a_one_token_prompt_over_the_window_is_counted_in_the_singular() -> None:
+    """The 400 for a one-token prompt whose max_tokens (or min_tokens) passes the window read
+    'prompt (1 tokens)': these two messages were left out when counts took mili/plural.py."""
+    explicit = check(sampled(max_tokens=100)).sampling
+    with pytest.raises(InvalidArgument) as info:
+        fit_context(explicit, 1, 50, "prompt")
+    assert "prompt (1 token) + max_tokens (100) exceeds" in str(info.value)
+    held = check(RequestInput(prompt="x", sampling=SamplingInput(min_tokens=100)))
+    with pytest.raises(InvalidArgument) as info:
+        fit_context(held.sampling, 1, 50, "prompt", may_shrink=held.is_default_max_tokens)
+    assert "prompt (1 token) + min_tokens (100) exceeds" in str(info.value)
+
+
 def test_prompt_logprobs_are_carried_and_bounded_by_the_prompt_length() -> None:
     sampling = check(sampled(prompt_logprobs=3, max_tokens=1)).sampling
     assert sampling.prompt_logprobs == 3
