@@ -6,10 +6,15 @@ check the model, validate every choice; then respond, streaming the choices' del
                             (`cmpl-`/`chatcmpl-` + it); a fresh one when absent
                             (telemetry.request_id_of: the one the response header echoes)
     model                -> the served one, or unset or ""; another is 404 model_not_found
+
+A whole body with many logprob entries (vLLM's prompt_logprobs 20 of a long prompt: megabytes of
+JSON) is built in a worker thread, not on the event loop every other request of this process
+is served from.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -93,7 +98,24 @@ async def respond(http_request: web.Request, call: OpenAICall, shape: Shape) -> 
     deltas = await _gather(call)
     if isinstance(deltas, web.Response):
         return deltas
-    return web.Response(text=shape.whole(deltas), content_type="application/json")
+    return web.Response(text=await whole_body(shape, deltas), content_type="application/json")
+
+
+# Logprob entries (prompt and generated tokens', each with its top ones) past which a whole
+# body is built in a worker thread: its JSON grows with them, and built on the loop it would
+# hold up every stream and request this process serves until done (the GIL lets the loop run
+# between the thread's bytecodes). Below it, the thread's hop would cost more than it saves.
+MAX_LOOP_LOGPROBS = 1024
+
+
+async def whole_body(shape: Shape, deltas: dict[int, list[Delta]]) -> str:
+    """`shape.whole(deltas)`, off the event loop when the body is a large one."""
+    num_logprobs = sum(
+        len(d.logprobs) + len(d.prompt_logprobs or ()) for ds in deltas.values() for d in ds
+    )
+    if num_logprobs <= MAX_LOOP_LOGPROBS:
+        return shape.whole(deltas)
+    return await asyncio.to_thread(shape.whole, deltas)
 
 
 async def _gather(call: OpenAICall) -> dict[int, list[Delta]] | web.Response:
