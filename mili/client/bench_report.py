@@ -99,12 +99,16 @@ class Progress:
 CLIENT_BUSY_PERCENT = 90.0  # a client process's CPU, % of one core, that the report flags
 
 # What one request's error says of itself alone, masked so that one cause is one group: an
-# address (which instance) is kept; the id the frontend minted (`(id 3f9a0c1b2d4e-17.1)`, as
-# services name a request) and any other id of hex digits (a uuid) become *, any other number
-# # (a token id, a count, our bench-N ids, a duration).
+# address (which instance) is kept, in gRPC's own spelling too (`ipv4:127.0.0.1:50051`,
+# `ipv6:%5B::1%5D:50051`: tried before host:port, which would take `ipv4:127` for one); the id
+# the frontend minted (`(id 3f9a0c1b2d4e-17.1)`, as services name a request) and any other id
+# of hex digits (a uuid) become *, any other number # (a token id, a count, our bench-N ids, a
+# duration).
 _DETAIL = re.compile(
     r"(?P<minted>\(id [^)\s]+\))|"
-    r"(?P<address>\[[0-9A-Fa-f:.]+\]:\d+|\b(?:\d{1,3}\.){3}\d{1,3}(?::\d+)?|\b[A-Za-z][\w.-]*:\d+\b)"
+    r"(?P<address>\b(?:ipv4:)?(?:\d{1,3}\.){3}\d{1,3}(?::\d+)?"
+    r"|(?:\bipv6:)?(?:\[|%5B)[0-9A-Fa-f:.]+(?:\]|%5D):\d+"
+    r"|\b[A-Za-z][\w.-]*:\d+\b(?![.\d]))"
     r"|(?P<hex>\b(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{8,}\b)"
     r"|(?P<number>\d+)"
 )

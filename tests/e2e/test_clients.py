@@ -244,6 +244,24 @@ def test_bench_errors_group_by_cause_with_ids_and_numbers_masked() -> None:
     ]
 
 
+def test_bench_keeps_the_address_in_grpcs_own_connection_errors() -> None:
+    """mili bench against mili serve on the demo model, its frontend killed mid-run: 230
+    requests failed with gRPC's 'ipv4:127.0.0.1:47130: ... Connection refused', grouped as
+    'ipv4:127.#.#.#:#' (the host:port rule took 'ipv4:127' for an address and the rest was
+    numbers), so with --address A,B the two frontends' failures were one cause."""
+    from mili.client.bench_report import cause
+
+    def refused(address: str) -> str:
+        return (
+            "UNAVAILABLE: failed to connect to all addresses; last error: UNKNOWN: "
+            f"{address}: Failed to connect to remote host: Connection refused"
+        )
+
+    for address in ["ipv4:127.0.0.1:47130", "ipv6:%5B::1%5D:47130", "ipv6:[::1]:47130"]:
+        assert cause(refused(address)) == refused(address)
+    assert cause(refused("ipv4:127.0.0.1:47130")) != cause(refused("ipv4:127.0.0.1:47131"))
+
+
 def test_the_report_shows_a_bounded_number_of_error_lines() -> None:
     """However many causes, the report prints the largest few, each example cut short, and one
     line for the rest; the JSON keeps every group whole."""
