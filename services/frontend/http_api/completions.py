@@ -161,6 +161,8 @@ class CompletionJson:
 
     def whole(self, deltas: dict[int, list[Delta]]) -> str:
         choices = []
+        # Each prompt's vLLM prompt_logprobs, built once and shown at each of its n choices
+        prompt_logprobs: dict[int, list[Any] | None] = {}
         for c in self._choices:
             ds = [self._shown(d) for d in deltas[c.index]]
             text = self._echo.get(c.index, "") + "".join(d.text for d in ds)
@@ -169,7 +171,9 @@ class CompletionJson:
             first = deltas[c.prompt_index * self._request.n]
             choice = self._choice(c.index, text, ds, first[0] if first else None)
             if self._request.prompt_logprobs is not None:
-                choice["prompt_logprobs"] = self._prompt_logprobs(first)
+                if c.prompt_index not in prompt_logprobs:
+                    prompt_logprobs[c.prompt_index] = self._prompt_logprobs(first)
+                choice["prompt_logprobs"] = prompt_logprobs[c.prompt_index]
             choices.append(choice)
         return json.dumps({**self._head, "choices": choices, "usage": self._usage.as_json()})
 
