@@ -128,7 +128,7 @@ class AdmissionQueue:
         if len(self._waiters) >= self.max_requests:
             raise ResourceExhausted(
                 f"{why}, and the admission queue is full ({len(self._waiters)} of "
-                f"{self.max_requests} requests waiting); retry later",
+                f"{plural(self.max_requests, 'request')} waiting); retry later",
                 retry_after_s,
             )
         if self._waiters and self.num_tokens + waiter.num_tokens > self.max_tokens:

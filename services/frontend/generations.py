@@ -18,6 +18,7 @@ from contextlib import aclosing
 from mili.cut import cut_reason
 from mili.engine.constraint.spec import Constraint
 from mili.errors import InvalidArgument, ResourceExhausted
+from mili.plural import plural
 from mili.telemetry.metrics import FrontendMetrics
 from services.frontend.backends import Backends
 from services.frontend.calls import Deadline, RequestIds
@@ -69,7 +70,7 @@ class Generations:
                 if self._num_running > self.config.max_concurrent_requests:
                     raise ResourceExhausted(
                         "the frontend is running its limit of "
-                        f"{self.config.max_concurrent_requests} requests",
+                        f"{plural(self.config.max_concurrent_requests, 'request')}",
                         retry_after_s=self.config.retry_after_s,
                     )
                 prompt = await tokenize(self._downstream, self.config, valid, deadline)

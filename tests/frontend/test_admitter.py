@@ -97,7 +97,7 @@ def test_a_full_queue_is_resource_exhausted_with_the_instances_retry_hint() -> N
             await b
         assert str(info.value) == (
             "1 request ahead of it in the queue, and the admission queue is full (1 of 1 "
-            "requests waiting); retry later"
+            "request waiting); retry later"
         )
         assert info.value.retry_after_s == 0.5  # the queue's hint: b asked no instance
         a.cancel()

@@ -133,7 +133,7 @@ def test_a_full_queue_is_resource_exhausted_with_retry_info() -> None:
             assert code_of(info.value) == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert info.value.details() == (
                 "1 request ahead of it in the queue, and the admission queue is full (1 of 1 "
-                "requests waiting); retry later"
+                "request waiting); retry later"
             )
             retry = retry_info_of(info.value)  # FrontendConfig.retry_after_s
             assert retry is not None and retry.retry_delay.ToNanoseconds() == 500_000_000
