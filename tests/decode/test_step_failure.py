@@ -333,7 +333,7 @@ def test_a_stuck_step_is_seen_by_the_watchdog(
                 if stalls:
                     break
                 await asyncio.sleep(0.05)
-            assert stalls and stalls[0].startswith("decode: a decode step of 1 requests has")
+            assert stalls and stalls[0].startswith("decode: a decode step of 1 request has")
             assert not request.done()
             release.set()  # the step returns after all: the request finishes
             done = await request

@@ -160,7 +160,7 @@ def test_a_second_signal_aborts_in_flight_calls_and_exits_non_zero(demo_model_di
         assert first_token.wait(timeout=60)
         serve.proc.send_signal(signal.SIGINT)
         deadline = time.monotonic() + 30
-        while not any("draining; 1 calls in flight" in line for line in serve.stderr_lines):
+        while not any("draining; 1 call in flight" in line for line in serve.stderr_lines):
             assert time.monotonic() < deadline, serve.stderr[-3000:]
             time.sleep(0.05)
         serve.proc.send_signal(signal.SIGINT)  # the impatient operator's second Ctrl-C
