@@ -25,12 +25,14 @@ acknowledged, failed or cancelled): a running prompt can never deadlock waiting 
 
 Short prompts first, once. A long prompt's chunk takes the whole budget, so in that order a
 short prompt arriving behind it would wait for every one of its chunks (a 16k-token prompt at
-the default budget: 8 forwards) before its first token. So when a waiting prompt of one chunk
-does not fit beside the running prompts' next chunks, the step takes the order 2, 1 instead,
-admitting only prompts computed whole in it (never a second long one); running chunks fill
-what is left. A step that left a running chunk out is followed by one in the order 1, 2: a
-long prompt computes at least every other step, and a short one (given room in the budget,
-behind earlier short ones, and blocks) waits for at most the step in flight and one more.
+the default budget: 8 forwards) before its first token. So when a waiting prompt computed whole
+in one step (one of one chunk, or a longer one whose cached prefix leaves only its last chunk
+to compute: a chat's next turn) does not fit beside the running prompts' next chunks, the step
+takes the order 2, 1 instead, admitting only prompts computed whole in it (never a second long
+one); running chunks fill what is left. A step that left a running chunk out is followed by
+one in the order 1, 2: a long prompt computes at least every other step, and a short one
+(given room in the budget, behind earlier short ones, and blocks) waits for at most the step in
+flight and one more.
 
     C = 16, a long prompt of 64 tokens, a short one of 7 arriving during step 1:
     1, 2 always:  | long [0,16) | long [16,32) | long [32,48) | long [48,64) | short [0,7) |
@@ -308,12 +310,22 @@ class Scheduler:
         return Step(chunks) if chunks else None
 
     def _is_short_one_held_back(self, running: list[_Prompt]) -> bool:
-        """Whether a waiting prompt of one chunk would not fit beside the running prompts'
-        next chunks (its length alone, before any prefix-cache match: a cheap upper bound)."""
+        """Whether a waiting prompt computed whole in one step would not fit beside the running
+        prompts' next chunks: one of one chunk (its length, a cheap upper bound), or a longer
+        one whose cached prefix leaves only its last chunk to compute (a chat's next turn)."""
         if not running:
             return False
         budget = self._add_running(running, [], self.max_batch_tokens)
-        return any(budget < p.num_tokens <= self.chunk_tokens for p in self._waiting.values())
+        for prompt in self._waiting.values():
+            if prompt.num_tokens <= self.chunk_tokens:
+                if budget < prompt.num_tokens:
+                    return True
+                continue
+            num_cached_tokens = self._num_cached_now(prompt)
+            size = self._first_size(prompt, num_cached_tokens)
+            if budget < size and num_cached_tokens + size == prompt.num_tokens:
+                return True
+        return False
 
     def _add_running(
         self, running: list[_Prompt], chunks: list[ScheduledChunk], budget: int
@@ -337,7 +349,7 @@ class Scheduler:
             cached = self._match(prompt)
             num_cached_tokens = len(cached) * self.block_size
             c = self.chunk_tokens
-            size = min((num_cached_tokens // c + 1) * c, prompt.num_tokens) - num_cached_tokens
+            size = self._first_size(prompt, num_cached_tokens)
             need = blocks_needed(prompt.num_tokens, self.block_size) - len(cached)
             # Past a skipped prompt, only prompts done in this step: one that ran on would take
             # part of the next budgets too, and a stream of them could starve the skipped one.
@@ -369,12 +381,26 @@ class Scheduler:
             budget -= size
         return budget
 
+    def _first_size(self, prompt: _Prompt, num_cached_tokens: int) -> int:
+        """Tokens the step that admits `prompt` computes: from the end of its cached prefix to
+        the end of the fixed chunk that holds it."""
+        c = self.chunk_tokens
+        return min((num_cached_tokens // c + 1) * c, prompt.num_tokens) - num_cached_tokens
+
     def _match(self, prompt: _Prompt) -> list[int]:
         """Cached leading blocks for a waiting prompt (one reference each); [] without ids."""
         if prompt.block_keys is None or not prompt.reuse_cached:
             return []
         max_blocks = max_cached_blocks(prompt.num_tokens, self.block_size)
         return self.prefix_cache.match_keys(prompt.block_keys, max_blocks=max_blocks)
+
+    def _num_cached_now(self, prompt: _Prompt) -> int:
+        """The tokens `_match` would find cached for a waiting prompt now, taking nothing."""
+        if prompt.block_keys is None or not prompt.reuse_cached:
+            return 0
+        max_blocks = max_cached_blocks(prompt.num_tokens, self.block_size)
+        num_blocks = self.prefix_cache.num_matching(prompt.block_keys, max_blocks=max_blocks)
+        return num_blocks * self.block_size
 
     def complete(self, step: Step) -> list[str]:
         """Record a finished forward; return the request ids whose whole prompt is now computed.

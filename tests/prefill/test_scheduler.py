@@ -416,3 +416,29 @@ def test_no_waiting_prompt_is_looked_up_once_the_budget_is_spent() -> None:
     s.prefix_cache.match_keys = spy  # type: ignore[method-assign]
     assert plan(s.schedule()) == [("long", 16, 32)]
     assert looked_up == []
+
+
+def test_a_prompt_whose_cached_prefix_leaves_one_chunk_goes_first_like_a_short_one() -> None:
+    """A chat's next turn is long by its length but short by what it computes: its history is
+    cached. Only prompts of one chunk by length made a step yield, so such a prompt waited for
+    every chunk of a long prompt running ahead of it (through mili serve on the demo model at
+    --max-batch-tokens 512: a 2,016-token follow-up of a cached 2,000-token prompt, 32 tokens to
+    compute, waited for a 4,000-token prompt's remaining chunks, where a 64-token prompt got the
+    next step). Now it goes in the next step as a short one does; the long one first again."""
+    s = make_cached(num_blocks=128, max_batch_tokens=16)
+    history = list(range(100, 132))  # 32 tokens: 8 blocks, two chunks
+    s.add("history", 32, prompt_token_ids=history)
+    assert run_all(s) == [[("history", 0, 16)], [("history", 16, 32)]]
+    s.remove("history")  # its blocks stay cached
+    s.add("long", 48, prompt_token_ids=list(range(48)))
+    assert plan(s.schedule()) == [("long", 0, 16)]
+    s.complete(Step([ScheduledChunk("long", 0, 16, 48, [])]))
+    s.add("turn", 37, prompt_token_ids=[*history, 1, 2, 3, 4, 5])  # [32, 37) to compute
+    steps = run_all(s)
+    # Cached chunks [0, 16) and [16, 32) are shipped with the computed [32, 37) in one step.
+    assert steps[0] == [("turn", 16, 16), ("turn", 32, 32), ("turn", 32, 37)]
+    assert steps[1:] == [[("long", 16, 32)], [("long", 32, 48)]]
+    for request_id in ("long", "turn"):
+        s.remove(request_id)
+    s.prefix_cache.clear()  # the yield's look at the cache took no reference: every block back
+    assert s.prefix_cache.num_available == 128 and s.prefix_cache.num_cached == 0

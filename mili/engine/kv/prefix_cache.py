@@ -115,6 +115,15 @@ class PrefixCache:
 
     def match_keys(self, keys: Sequence[bytes], *, max_blocks: int | None = None) -> list[int]:
         """`match` on keys already computed (`keys`); counts nothing."""
+        matched = self._cached_blocks(keys, max_blocks)
+        self._acquire(matched)
+        return matched
+
+    def num_matching(self, keys: Sequence[bytes], *, max_blocks: int | None = None) -> int:
+        """How many blocks `match_keys` would return now; takes no reference, counts nothing."""
+        return len(self._cached_blocks(keys, max_blocks))
+
+    def _cached_blocks(self, keys: Sequence[bytes], max_blocks: int | None) -> list[int]:
         if not self.enabled:
             return []
         matched: list[int] = []
@@ -125,7 +134,6 @@ class PrefixCache:
             if block_id is None:
                 break
             matched.append(block_id)
-        self._acquire(matched)
         return matched
 
     def allocate(self, n: int) -> list[int]:
