@@ -442,3 +442,23 @@ def test_a_prompt_whose_cached_prefix_leaves_one_chunk_goes_first_like_a_short_o
         s.remove(request_id)
     s.prefix_cache.clear()  # the yield's look at the cache took no reference: every block back
     assert s.prefix_cache.num_available == 128 and s.prefix_cache.num_cached == 0
+
+
+def test_a_prompt_whose_cached_prefix_leaves_more_than_one_chunk_waits_its_turn() -> None:
+    """Sharing a cached prefix is not enough: a prompt whose uncached part spans two chunks is
+    not computed whole in one step, so it is admitted as a long one, after the running one."""
+    s = make_cached(num_blocks=128, max_batch_tokens=16)
+    history = list(range(100, 132))
+    s.add("history", 32, prompt_token_ids=history)
+    run_all(s)
+    s.remove("history")
+    s.add("long", 48, prompt_token_ids=list(range(48)))
+    assert plan(s.schedule()) == [("long", 0, 16)]
+    s.complete(Step([ScheduledChunk("long", 0, 16, 48, [])]))
+    s.add("other", 52, prompt_token_ids=[*history, *range(20)])  # [32, 52): two chunks
+    steps = run_all(s)
+    assert steps[:2] == [[("long", 16, 32)], [("long", 32, 48)]]
+    assert steps[2:] == [
+        [("other", 16, 16), ("other", 32, 32), ("other", 32, 48)],
+        [("other", 48, 52)],
+    ]

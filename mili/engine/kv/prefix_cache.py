@@ -119,6 +119,10 @@ class PrefixCache:
         self._acquire(matched)
         return matched
 
+    def is_cached(self, key: bytes) -> bool:
+        """Whether a block of `key` is cached now (a match may still stop before it)."""
+        return self.enabled and key in self._block_of_key
+
     def num_matching(self, keys: Sequence[bytes], *, max_blocks: int | None = None) -> int:
         """How many blocks `match_keys` would return now; takes no reference, counts nothing."""
         return len(self._cached_blocks(keys, max_blocks))
