@@ -213,3 +213,28 @@ def test_vllms_400s_and_a_stream_of_zero(client: openai.OpenAI) -> None:
     )
     assert chunks and all("prompt_logprobs" not in (c.choices[0].model_extra or {})
                           for c in chunks if c.choices)  # fmt: skip
+
+
+def test_a_whole_body_of_too_many_logprob_entries_is_refused(client: openai.OpenAI) -> None:
+    """n x a 4,000-token prompt's prompt_logprobs 20 (and with echo and logprobs, a second copy
+    in each choice) past openai_call.MAX_WHOLE_LOGPROBS (1,048,576 entries): a 400 naming the
+    limit, where it built 13 copies of 84,000 entries (~90 MB of JSON, several times that in
+    objects) in the frontend. Fewer copies of the same prompt still answer."""
+    prompt = random_prompt(4000, seed=7)
+    asks = [  # (n, echo and logprobs): copies x 4,000 x 21 entries
+        (13, False),  # 1,092,000
+        (7, True),  # 14 copies: 1,176,000
+    ]
+    for n, echo in asks:
+        extra: dict[str, Any] = {"logprobs": 20, "echo": True} if echo else {}
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(
+                model="", prompt=prompt, max_tokens=1, n=n, **extra,
+                extra_body={"prompt_logprobs": 20},
+            )  # fmt: skip
+        assert refused.value.code == "limit_exceeded", refused.value
+        assert "over 1,048,576 logprob entries" in refused.value.message
+    answered = client.completions.create(
+        model="", prompt=prompt, max_tokens=1, n=2, extra_body={"prompt_logprobs": 20}
+    )
+    assert [len(c.model_extra["prompt_logprobs"]) for c in answered.choices] == [4000, 4000]

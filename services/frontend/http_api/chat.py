@@ -74,6 +74,7 @@ class ChatJson:
         self._request = request
         self._choices = choices
         self._pieces = pieces
+        self.prompt_logprobs_copies = 1  # the response's prompt_logprobs, once
         self._usage = Usage(choices)
         self._outputs = {c.index: ChatOutput.of(c.valid) for c in choices}
         self._head = head.json("chatcmpl", "chat.completion")

@@ -96,6 +96,10 @@ class CompletionJson:
         self._pieces = pieces
         # logprobs k: the generated tokens' (and an echoed prompt's) top k
         self._num_top = request.inputs[0].sampling.logprobs
+        # Each prompt's logprobs are shown at each of its n choices: in `logprobs` with echo,
+        # and in `prompt_logprobs` (openai_call.MAX_WHOLE_LOGPROBS counts every copy).
+        shown = (request.echo and self._num_top is not None) + (request.prompt_logprobs is not None)
+        self.prompt_logprobs_copies = request.n * shown
         self._usage = Usage(choices)
         self._head = head.json("cmpl", "text_completion")
         # Each chunk is this head, its choices and the tail: one json.dumps per chunk.

@@ -17,13 +17,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Protocol
 
 from aiohttp import web
 
+from mili.engine.logprobs import TokenLogprobs
+from mili.errors import ResourceExhausted
 from services.frontend.generations import Generations
 from services.frontend.http_api import body, sse
 from services.frontend.http_api.body import read_body
@@ -86,6 +88,10 @@ async def open_call(
 class Shape(sse.Chunks, Protocol):
     """An endpoint's response JSON: as stream chunks (sse.Chunks), or whole."""
 
+    # How many times a whole body shows each prompt token's logprobs (the first choice of each
+    # prompt carries them: choices.plan)
+    prompt_logprobs_copies: int
+
     def whole(self, deltas: dict[int, list[Delta]]) -> str: ...
 
 
@@ -95,7 +101,7 @@ async def respond(http_request: web.Request, call: OpenAICall, shape: Shape) -> 
         events = run(call.generations, call.choices, is_stream=True)
         metric = call.generations.metrics.generated_tokens
         return await sse.serve(http_request, events, shape, call.request.param_of, metric)
-    deltas = await _gather(call)
+    deltas = await _gather(call, shape.prompt_logprobs_copies)
     if isinstance(deltas, web.Response):
         return deltas
     return web.Response(text=await whole_body(shape, deltas), content_type="application/json")
@@ -118,16 +124,39 @@ async def whole_body(shape: Shape, deltas: dict[int, list[Delta]]) -> str:
     return await asyncio.to_thread(shape.whole, deltas)
 
 
-async def _gather(call: OpenAICall) -> dict[int, list[Delta]] | web.Response:
-    """Every choice's deltas, by choice index, once all finished; or the error response."""
+# Logprob entries (a token's own and each of its top ones, counted in every place the body shows
+# them) a whole body may hold. Past it the request fails (400, limit_exceeded) and its
+# generations are cancelled: n 128 x 4,096 tokens x 21 would be 11M entries, hundreds of MB of
+# JSON and several times that in objects, in the process that serves every other request. A
+# stream sends generated tokens' logprobs as they come, so holds none of them.
+MAX_WHOLE_LOGPROBS = 1 << 20
+
+
+async def _gather(call: OpenAICall, prompt_copies: int) -> dict[int, list[Delta]] | web.Response:
+    """Every choice's deltas, by choice index, once all finished; or the error response.
+    `prompt_copies`: how many times the body shows each prompt token's logprobs."""
     deltas: dict[int, list[Delta]] = {c.index: [] for c in call.choices}
     events = run(call.generations, call.choices, is_stream=False)
     generated = call.generations.metrics.generated_tokens
+    left = MAX_WHOLE_LOGPROBS
     try:
         async with aclosing(events):
             async for index, delta in events:
                 deltas[index].append(delta)
+                left -= _entries(delta.logprobs)
+                left -= prompt_copies * _entries(delta.prompt_logprobs or ())
+                if left < 0:
+                    raise ResourceExhausted(
+                        f"the response would hold over {MAX_WHOLE_LOGPROBS:,} logprob entries "
+                        "(each token's and its top ones, in every choice that shows them); ask "
+                        "for fewer choices, tokens or top logprobs, or stream the generated "
+                        "tokens' (stream: true)"
+                    )
     except Exception as exc:
         return response_of(exc, call.request.param_of)
     generated.inc(sum(len(d.token_ids) for ds in deltas.values() for d in ds))
     return deltas
+
+
+def _entries(logprobs: Sequence[TokenLogprobs]) -> int:
+    return sum(1 + len(lp.top) for lp in logprobs)
