@@ -798,6 +798,34 @@ def test_a_slow_compile_keeps_one_lane(
     assert [compiled.matcher().lane for _ in range(3)] == [0, 0, 0]
 
 
+@pytest.mark.parametrize("waiter", ["sync", "async"])
+def test_a_slow_child_start_is_not_the_constraints_time(
+    tokenizer: GrammarTokenizer, monkeypatch: pytest.MonkeyPatch, waiter: str
+) -> None:
+    """A child's start (1.2-1.35 s on Qwen3's tokenizer, more on a loaded host) counted against
+    timeout_s: a trivial constraint was refused as taking over the limit, and its start counted
+    as the first compile's time, so it kept one lane (test_a_slow_compile_keeps_one_lane failed
+    so under load). The limit counts from the constraint reaching a started child (the start has
+    a bound of its own), the lanes from the compile here."""
+    compiler = ConstraintCompiler(tokenizer, CompileConfig(timeout_s=0.5, lanes=3))
+    trials = compiler._trials
+    spawn = trials._spawn
+
+    def slow_start() -> Any:
+        time.sleep(1.0)  # twice the limit
+        return spawn()
+
+    monkeypatch.setattr(trials, "_spawn", slow_start)
+    constraint = Constraint.regex("[0-9]+")
+    if waiter == "sync":
+        compiled = compiler.compile_sync(constraint)
+    else:
+        compiled = asyncio.run(compiler.compile(constraint))
+    _lanes_built(compiled, 3)
+    assert all(feed(compiled.matcher(), "42") for _ in range(3))
+    compiler.close()
+
+
 @pytest.mark.parametrize(
     "constraint",
     [

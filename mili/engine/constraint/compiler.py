@@ -11,10 +11,13 @@
 
 A compile cannot be interrupted (llguidance's Rust code has no cancel), and some never end:
 trial.py runs each first in a child that can be killed, so what runs here is a compile that
-finished there within the limits. The caller still waits at most timeout_s for both: one that
-times out gets ResourceExhausted at once, the thread runs on and its result still lands in the
-cache. At most `max_compile_threads` compile threads (and so children) run at a time; past that
-a compile is refused (ResourceExhausted with a retry hint) rather than queued.
+finished there within the limits. The caller still waits at most timeout_s for both, counted
+from when the constraint reached a started child: a child's start (a second or so for Qwen3's
+tokenizer, more on a loaded host) is not the constraint's time and has a bound of its own
+(trial.START_TIMEOUT_S). One that times out gets ResourceExhausted at once, the thread runs on
+and its result still lands in the cache. At most `max_compile_threads` compile threads (and so
+children) run at a time; past that a compile is refused (ResourceExhausted with a retry hint)
+rather than queued.
 
 The cache key is (tokenizer fingerprint, constraint key): the compiled grammar depends on the
 tokenizer file, the model's row count and the EOS ids as well as on the constraint. A compiled
@@ -28,7 +31,7 @@ docs/benchmarks.md, "Structured output on a GPU"). A compiler configured with `l
 constraint and deals requests out over them in turn. The first lane is the compile the caller
 waits for; the others are compiled after it, on the same thread (still counted against
 max_compile_threads), while requests already run on the first; a constraint whose first
-compile took over timeout_s / (lanes - 1) keeps its one lane.
+compile here took over timeout_s / (lanes - 1) keeps its one lane.
 """
 
 from __future__ import annotations
@@ -100,6 +103,23 @@ class CompileConfig:
             or self.lanes < 1
         ):
             raise ValueError(f"invalid {self}")
+
+
+class _Compile:
+    """A compile in flight, for its caller and any that join it."""
+
+    def __init__(self, result: concurrent.futures.Future[CompiledConstraint]) -> None:
+        self.result = result
+        # time.monotonic() when the constraint reached a started child (set by the compile
+        # thread): callers' timeout_s counts from there (module docstring).
+        self.asked_at: float | None = None
+
+    def left_s(self, timeout_s: float) -> float:
+        """How long a caller waits on from now: until timeout_s after the ask, or another
+        timeout_s while the child still starts (its start has a bound of its own)."""
+        if self.asked_at is None:
+            return timeout_s
+        return self.asked_at + timeout_s - time.monotonic()
 
 
 class CompileStats(NamedTuple):
@@ -262,7 +282,7 @@ class ConstraintCompiler:
         # Constraints the library refused (InvalidArgument: the same text is refused every
         # time): a client repeating a bad schema costs a lookup, not a compile thread each.
         self._refused: OrderedDict[tuple[str, str], InvalidArgument] = OrderedDict()
-        self._running: dict[tuple[str, str], concurrent.futures.Future[CompiledConstraint]] = {}
+        self._running: dict[tuple[str, str], _Compile] = {}
         self._num_threads = 0
         self._hits = self._misses = 0
 
@@ -280,34 +300,42 @@ class ConstraintCompiler:
 
     def compile_sync(self, constraint: Constraint) -> CompiledConstraint:
         """Blocking compile (for worker threads and tests); the same limits as `compile`."""
-        future = self._submit(constraint)
-        try:
-            return future.result(timeout=self.config.timeout_s)
-        except concurrent.futures.TimeoutError:
-            raise self._timed_out(constraint) from None
+        running = self._submit(constraint)
+        left = running.left_s(self.config.timeout_s)
+        while True:
+            try:
+                return running.result.result(timeout=max(left, 0.0))
+            except concurrent.futures.TimeoutError:
+                left = running.left_s(self.config.timeout_s)
+                if left <= 0:
+                    raise self._timed_out(constraint) from None
 
     async def compile(self, constraint: Constraint) -> CompiledConstraint:
         """Compile without blocking the event loop (a cache hit returns at once)."""
-        future = self._submit(constraint)
-        if future.done():
-            return future.result()
-        waited = asyncio.wrap_future(future)
-        try:
-            # shield: a timed-out waiter must not cancel the compile others may be joining.
-            # (asyncio.timeout, not wait_for: 3.11's wait_for can drop the caller's cancel.)
-            async with asyncio.timeout(self.config.timeout_s):
-                return await asyncio.shield(waited)
-        except TimeoutError:
-            # Its late end is nobody's now: read, or asyncio logs it as never retrieved.
-            waited.add_done_callback(lambda f: f.cancelled() or f.exception())
-            raise self._timed_out(constraint) from None
+        running = self._submit(constraint)
+        if running.result.done():
+            return running.result.result()
+        waited = asyncio.wrap_future(running.result)
+        left = running.left_s(self.config.timeout_s)
+        while True:
+            try:
+                # shield: a timed-out waiter must not cancel the compile others may be joining.
+                # (asyncio.timeout, not wait_for: 3.11's wait_for can drop the caller's cancel.)
+                async with asyncio.timeout(max(left, 0.0)):
+                    return await asyncio.shield(waited)
+            except TimeoutError:
+                left = running.left_s(self.config.timeout_s)
+                if left <= 0:
+                    # Its late end is nobody's now: read, or asyncio logs it as never retrieved.
+                    waited.add_done_callback(lambda f: f.cancelled() or f.exception())
+                    raise self._timed_out(constraint) from None
 
     def _timed_out(self, constraint: Constraint) -> ResourceExhausted:
         field_name = constraint.field_name()
         limit = self.config.timeout_s
         return ResourceExhausted(f"{field_name}: compiling the constraint took over {limit} s")
 
-    def _submit(self, constraint: Constraint) -> concurrent.futures.Future[CompiledConstraint]:
+    def _submit(self, constraint: Constraint) -> _Compile:
         validate(constraint)
         key = (self.tokenizer.fingerprint, constraint.key)
         with self._lock:
@@ -317,14 +345,14 @@ class ConstraintCompiler:
                 self._refused.move_to_end(key)
                 failed: concurrent.futures.Future[CompiledConstraint] = concurrent.futures.Future()
                 failed.set_exception(InvalidArgument.many(refused.violations))
-                return failed
+                return _Compile(failed)
             cached = self._cache.get(key)
             if cached is not None:
                 self._hits += 1
                 self._cache.move_to_end(key)
                 done: concurrent.futures.Future[CompiledConstraint] = concurrent.futures.Future()
                 done.set_result(cached)
-                return done
+                return _Compile(done)
             running = self._running.get(key)
             if running is not None:
                 self._hits += 1  # joins a compile in flight: no second compile
@@ -337,24 +365,33 @@ class ConstraintCompiler:
                 )
             self._misses += 1
             self._num_threads += 1
-            future = concurrent.futures.Future[CompiledConstraint]()
-            self._running[key] = future
+            running = _Compile(concurrent.futures.Future())
+            self._running[key] = running
         thread = threading.Thread(
-            target=self._run, args=(constraint, key, future), name="constraint-compile", daemon=True
+            target=self._run,
+            args=(constraint, key, running),
+            name="constraint-compile",
+            daemon=True,
         )
         thread.start()
-        return future
+        return running
 
     def _run(
         self,
         constraint: Constraint,
         key: tuple[str, str],
-        future: concurrent.futures.Future[CompiledConstraint],
+        running: _Compile,
     ) -> None:
-        started = time.perf_counter()
+        def asked() -> None:
+            running.asked_at = time.monotonic()
+
+        future = running.result
         try:
-            tried_bytes = self._trials.run(constraint, self.config)
+            tried_bytes = self._trials.run(constraint, self.config, asked)
+            # Timed alone: the other lanes are compiles here, not a child's start and trial.
+            started = time.perf_counter()
             template, grammar = build(constraint, self.tokenizer)
+            first_s = time.perf_counter() - started
         except BaseException as e:
             with self._lock:
                 self._running.pop(key, None)
@@ -383,7 +420,7 @@ class ConstraintCompiler:
         with contextlib.suppress(concurrent.futures.InvalidStateError):  # nobody waits now
             future.set_result(compiled)
         try:  # the thread still counts against max_compile_threads meanwhile
-            _add_lanes(compiled, grammar, self.config, time.perf_counter() - started)
+            _add_lanes(compiled, grammar, self.config, first_s)
         except Exception:  # not expected (the first lane compiled); its lanes so far serve
             _LOG.exception("compiling another lane of %s failed", field_name)
         finally:

@@ -41,6 +41,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import IO, TYPE_CHECKING, Any
 
 from mili.errors import FieldViolation, InvalidArgument, ResourceExhausted
@@ -85,12 +86,19 @@ class CompileTrials:
 
         threading.Thread(target=start, name="constraint-trial-warm", daemon=True).start()
 
-    def run(self, constraint: Constraint, config: CompileConfig) -> int:
+    def run(
+        self,
+        constraint: Constraint,
+        config: CompileConfig,
+        on_asked: Callable[[], None] = lambda: None,
+    ) -> int:
         """Compile `constraint` in a child: the memory it took, or the InvalidArgument /
         ResourceExhausted the compile raised, or ResourceExhausted naming the field when it
-        ran past the time or memory limit (the child is then killed)."""
+        ran past the time or memory limit (the child is then killed). `on_asked` is called as
+        the constraint goes to a started child, where its time limit starts."""
         field_name = constraint.field_name()
         child = self._take()
+        on_asked()
         try:
             answer = child.ask(constraint, config.timeout_s, config.max_compile_bytes)
         except TimeoutError:
