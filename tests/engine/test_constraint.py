@@ -24,7 +24,7 @@ from mili.engine.constraint.mask import BatchMasker, FilledMask, unpack_bitmask
 from mili.engine.constraint.matcher import ConstraintError, ConstraintMatcher
 from mili.engine.constraint.spec import MAX_JSON_DEPTH, Constraint, validate
 from mili.engine.constraint.vocab import GrammarTokenizer
-from mili.errors import InvalidArgument, ResourceExhausted
+from mili.errors import InvalidArgument, ResourceExhausted, Unavailable
 from tests.engine.constraint_helpers import demo_grammar_tokenizer
 
 
@@ -823,6 +823,52 @@ def test_a_slow_child_start_is_not_the_constraints_time(
         compiled = asyncio.run(compiler.compile(constraint))
     _lanes_built(compiled, 3)
     assert all(feed(compiled.matcher(), "42") for _ in range(3))
+    compiler.close()
+
+
+@pytest.mark.parametrize("waiter", ["sync", "async"])
+def test_a_compile_ending_in_timeout_error_ends_its_waiters(
+    tokenizer: GrammarTokenizer, monkeypatch: pytest.MonkeyPatch, waiter: str
+) -> None:
+    """A waiter tells its own wait running out from a compile that ended in TimeoutError (one
+    class since Python 3.11): it gets that error, where it could wait again for ever."""
+
+    def fails(*args: Any) -> Any:
+        raise TimeoutError("raised by the compile")
+
+    monkeypatch.setattr(compiler_module, "build", fails)
+    compiler = ConstraintCompiler(tokenizer, CompileConfig(timeout_s=0.5))
+    constraint = Constraint.regex("ab?")
+    ended: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            if waiter == "sync":
+                compiler.compile_sync(constraint)
+            else:
+                asyncio.run(compiler.compile(constraint))
+        except BaseException as e:
+            ended.append(e)
+
+    thread = threading.Thread(target=wait, daemon=True)  # a waiter that loops is left behind
+    thread.start()
+    thread.join(10)
+    assert [str(e) for e in ended] == ["raised by the compile"]
+    compiler.close()
+
+
+def test_a_compile_process_that_cannot_start_is_unavailable_naming_the_field(
+    tokenizer: GrammarTokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The caller waits for a child's start (not the constraint's time); one that fails, here
+    past its bound, reached the caller as a bare TimeoutError (INTERNAL)."""
+    monkeypatch.setattr(trial_module, "START_TIMEOUT_S", 0.001)
+    compiler = ConstraintCompiler(tokenizer)
+    could_not = r"sampling\.regex: no constraint compile process could start \(TimeoutError\)"
+    for _ in range(2):  # tried again, not remembered as the constraint's refusal
+        with pytest.raises(Unavailable, match=could_not):
+            compiler.compile_sync(Constraint.regex("ab?"))
+    assert compiler.stats() == CompileStats(hits=0, misses=2, running=0)
     compiler.close()
 
 

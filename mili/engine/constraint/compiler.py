@@ -306,6 +306,8 @@ class ConstraintCompiler:
             try:
                 return running.result.result(timeout=max(left, 0.0))
             except concurrent.futures.TimeoutError:
+                if running.result.done():  # its own end, be it a TimeoutError: not our wait's
+                    return running.result.result()
                 left = running.left_s(self.config.timeout_s)
                 if left <= 0:
                     raise self._timed_out(constraint) from None
@@ -324,6 +326,8 @@ class ConstraintCompiler:
                 async with asyncio.timeout(max(left, 0.0)):
                     return await asyncio.shield(waited)
             except TimeoutError:
+                if waited.done():  # its own end, be it a TimeoutError: not our wait's
+                    return waited.result()
                 left = running.left_s(self.config.timeout_s)
                 if left <= 0:
                     # Its late end is nobody's now: read, or asyncio logs it as never retrieved.

@@ -44,7 +44,7 @@ import time
 from collections.abc import Callable
 from typing import IO, TYPE_CHECKING, Any
 
-from mili.errors import FieldViolation, InvalidArgument, ResourceExhausted
+from mili.errors import FieldViolation, InvalidArgument, ResourceExhausted, Unavailable
 
 if TYPE_CHECKING:
     from mili.engine.constraint.compiler import CompileConfig
@@ -94,10 +94,18 @@ class CompileTrials:
     ) -> int:
         """Compile `constraint` in a child: the memory it took, or the InvalidArgument /
         ResourceExhausted the compile raised, or ResourceExhausted naming the field when it
-        ran past the time or memory limit (the child is then killed). `on_asked` is called as
-        the constraint goes to a started child, where its time limit starts."""
+        ran past the time or memory limit (the child is then killed); Unavailable when no child
+        could start. `on_asked` is called as the constraint goes to a started child, where its
+        time limit starts."""
         field_name = constraint.field_name()
-        child = self._take()
+        try:
+            child = self._take()
+        except (OSError, EOFError, RuntimeError) as e:  # TimeoutError is an OSError
+            # Not the constraint's fault: its caller waited for the start (compiler.py).
+            why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            raise Unavailable(
+                f"{field_name}: no constraint compile process could start ({why})"
+            ) from None
         on_asked()
         try:
             answer = child.ask(constraint, config.timeout_s, config.max_compile_bytes)
