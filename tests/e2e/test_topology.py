@@ -23,11 +23,11 @@ import os
 import re
 import threading
 import time
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 import pytest
@@ -319,28 +319,70 @@ def _wait(check: Any, timeout_s: float) -> None:
         time.sleep(0.05)
 
 
+class _Try(NamedTuple):
+    """A streaming call read on a pool thread."""
+
+    responses: Future[list[Any] | grpc.RpcError]  # all of them, or the error it ended with
+    is_streaming: threading.Event  # set at its first response
+
+
+def _read(call: Any, is_streaming: threading.Event) -> list[Any] | grpc.RpcError:
+    responses: list[Any] = []
+    try:
+        for response in call:
+            responses.append(response)
+            is_streaming.set()
+    except grpc.RpcError as e:
+        return e
+    return responses
+
+
+def _in_flight(decodes: dict[str, Any]) -> dict[str, int]:
+    """The frontend's requests in flight on each decode (its router's views)."""
+    return {address: view.num_in_flight for address, view in list(decodes.items())}
+
+
+def _routed_since(decodes: dict[str, Any], before: dict[str, int]) -> set[str]:
+    """The decodes the frontend routed a request to since `_in_flight` gave `before`."""
+    return {address for address, n in _in_flight(decodes).items() if n > before.get(address, 0)}
+
+
 def _one_routed_to(
-    view: Any, generate: Any, pool: ThreadPoolExecutor, seed: int, bias: int = -100_000
-) -> Any:
-    """The future of a `generate(seed)` call the frontend routed to the decode `view` shows,
-    once it is in flight there. The view is made the best choice for the next request (`bias`
-    blocks of room more: lower than another view's to win over that one too); an Info poll
-    (every 0.2 s) landing before the request is routed resets that and it goes elsewhere:
-    then again (up to 20 times), with a new prompt (the same one would follow its cached
-    prefix to where it went)."""
-    before = view.num_in_flight
+    topology: Topology,
+    view: Any,
+    open_call: Callable[[int], Any],
+    pool: ThreadPoolExecutor,
+    seed: int,
+    bias: int = -100_000,
+) -> _Try:
+    """The call `open_call(seed)` opens, read on `pool`, once the frontend routed it to the
+    decode `view` shows. The view is made the best choice for the next request (`bias` blocks
+    of room more: lower than another view's to win over that one too); an Info poll (every
+    0.2 s) landing before the request is routed resets that and it goes elsewhere: then that
+    try is cancelled (a long one held its pool thread for minutes, and its 10 s wait ran out:
+    seen under load) and another sent (up to 20 times), with a new prompt (the same one
+    would follow its cached prefix to where it went)."""
+    decodes = topology.frontend.backends.router.decodes
     for attempt in range(20):
+        before = _in_flight(decodes)
         view.num_blocks_since_poll = bias
-        held = pool.submit(generate, seed + attempt)
-        _wait(lambda h=held: view.num_in_flight > before or h.done(), 10)
-        if view.num_in_flight > before:
-            return held
+        call = open_call(seed + attempt)
+        is_streaming = threading.Event()
+        held = pool.submit(_read, call, is_streaming)
+        _wait(lambda h=held, b=before: bool(_routed_since(decodes, b)) or h.done(), 10)
+        if view.address in _routed_since(decodes, before):
+            return _Try(held, is_streaming)
+        call.cancel()
         held.result(timeout=120)
     raise AssertionError(f"no request was routed to {view}")
 
 
 def _generate(stub: Any, n: int, max_tokens: int, seed: int) -> list[Any]:
-    return list(stub.Generate(_request(n, max_tokens, seed=seed), timeout=120))
+    return list(_open(stub, n, max_tokens, seed))
+
+
+def _open(stub: Any, n: int, max_tokens: int, seed: int) -> Any:
+    return stub.Generate(_request(n, max_tokens, seed=seed), timeout=120)
 
 
 def _request(n: int, max_tokens: int, seed: int) -> generation_pb2.GenerateRequest:
@@ -409,43 +451,54 @@ def test_a_decode_removed_from_dns_drains_without_failing_its_request(
     view = topology.decode_view(leaving)
     stub = topology.stub()
     with ThreadPoolExecutor(max_workers=1) as pool:
-        held = _one_routed_to(view, lambda seed: _generate(stub, 16, 120, seed), pool, seed=77)
+        held = _one_routed_to(
+            topology, view, lambda seed: _open(stub, 16, 120, seed), pool, seed=77
+        )
         topology.dns.records[DECODE_NAME] = [
             ip for ip in topology.dns.records[DECODE_NAME] if ip != leaving_ip
         ]
         _wait(lambda: view.is_draining, 5)
-        responses = held.result(timeout=120)
+        responses = held.responses.result(timeout=120)
+    assert not isinstance(responses, grpc.RpcError), responses
     assert responses[-1].finish_reason == sampling_pb2.FINISH_REASON_LENGTH
     assert len(_token_ids(responses)) == 120
     _wait(lambda: topology.decode_view(leaving) is None, 5)  # dropped once drained
 
 
 def test_a_decode_killed_mid_stream_fails_only_its_own_request(topology: Topology) -> None:
-    victim_address = f"{topology.placement.spare_decode_ip}:{topology.decode_port}"
+    spare_ip = topology.placement.spare_decode_ip
+    victim_address = f"{spare_ip}:{topology.decode_port}"
     victim = topology.decodes[victim_address]
     survivor = f"{topology.placement.decode_ips[1]}:{topology.decode_port}"
+    records = topology.dns.records[DECODE_NAME]
+    if spare_ip not in records:  # run without the test that adds it
+        topology.dns.records[DECODE_NAME] = [*records, spare_ip]
+    _wait(lambda: (v := topology.decode_view(victim_address)) is not None and v.is_routable, 10)
     stub = topology.stub()
-
-    def run(seed: int, max_tokens: int) -> list[Any] | grpc.RpcError:
-        try:
-            return _generate(stub, 16, max_tokens, seed)
-        except grpc.RpcError as e:
-            return e
-
-    def long(seed: int) -> list[Any] | grpc.RpcError:
-        # still streaming when the kill lands, however long routing the second one takes
-        return run(seed, MAX_POSITION_EMBEDDINGS - 16)
+    # still streaming when the kill lands, however long routing the second one takes
+    whole_context = MAX_POSITION_EMBEDDINGS - 16
 
     with ThreadPoolExecutor(max_workers=2) as pool:
-        first = _one_routed_to(topology.decode_view(victim_address), long, pool, seed=91)
+        first = _one_routed_to(
+            topology,
+            topology.decode_view(victim_address),
+            lambda seed: _open(stub, 16, whole_context, seed),
+            pool,
+            seed=91,
+        )
         # over the victim's room too, should no poll have reset it yet
         second = _one_routed_to(
-            topology.decode_view(survivor), lambda seed: run(seed, 200), pool, 191, bias=-200_000
+            topology,
+            topology.decode_view(survivor),
+            lambda seed: _open(stub, 16, 200, seed),
+            pool,
+            191,
+            bias=-200_000,
         )
-        time.sleep(0.3)  # both streaming
+        assert first.is_streaming.wait(60) and second.is_streaming.wait(60)
         victim.proc.kill()
-        error = first.result(timeout=60)
-        survived = second.result(timeout=120)
+        error = first.responses.result(timeout=60)
+        survived = second.responses.result(timeout=120)
     assert isinstance(error, grpc.RpcError), error
     assert error.code() == grpc.StatusCode.UNAVAILABLE, error
     assert victim_address in (error.details() or ""), error.details()
