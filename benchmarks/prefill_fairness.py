@@ -33,13 +33,9 @@ import json
 import os
 import platform
 import random
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -47,52 +43,14 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.serving, as a script
 
-from benchmarks.serving import die_with_parent, thread_env
+from benchmarks.serving import mili_serve
+from mili.demo.model import default_model_dir
 from mili.pb.common.v1 import sampling_pb2
 from mili.pb.frontend.v1 import generation_pb2, generation_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
 VOCAB = 800  # ids the demo tokenizer knows
 MAX_QUEUED_TOKENS = 16384  # room for the long prompt and every short one, twice over
-
-
-@contextlib.contextmanager
-def serve(tree: Path, max_batch_tokens: int, attention: str) -> Iterator[str]:
-    """`mili serve` of `tree` on free ports; yields the frontend's address; drains it on exit."""
-    command = [sys.executable, "-m", "mili", "serve", "--port", "0", "--http-port", "off"]
-    command += ["--attention", attention, "--log-level", "WARNING"]
-    # the queue bound (4x the budget by default) would refuse the long prompt
-    prefill = f"--max-batch-tokens {max_batch_tokens} --max-queued-tokens {MAX_QUEUED_TOKENS}"
-    command += ["--prefill-args", prefill]
-    env = {**thread_env(1), "PYTHONPATH": str(tree)}
-    with tempfile.TemporaryFile("w+") as log:  # children's logs: shown only if start-up fails
-        proc = subprocess.Popen(
-            command,
-            stdout=subprocess.PIPE,
-            stderr=log,
-            text=True,
-            cwd=tree,
-            env=env,
-            preexec_fn=die_with_parent if sys.platform == "linux" else None,
-        )
-        try:
-            assert proc.stdout is not None
-            address = None
-            for line in proc.stdout:
-                if line.startswith("frontend service listening on "):
-                    address = line.split()[-1]
-                    break
-            if address is None:
-                log.seek(0)
-                tail = "".join(log.readlines()[-30:])
-                raise RuntimeError(f"mili serve in {tree} exited {proc.wait()}:\n{tail}")
-            yield address
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(90)
-            except subprocess.TimeoutExpired:
-                proc.kill()
 
 
 async def ttft_ms(stub: generation_pb2_grpc.GenerationServiceStub, prompt: list[int]) -> float:
@@ -158,8 +116,17 @@ def main() -> None:
     print(f"load average {os.getloadavg()}, {platform.node()}", flush=True)
     results: list[list[dict[str, Any]]] = [[] for _ in trees]
     with contextlib.ExitStack() as stack:
+        # the queue bound (4x the budget by default) would refuse the long prompt
+        prefill = (
+            f"--max-batch-tokens {args.max_batch_tokens} --max-queued-tokens {MAX_QUEUED_TOKENS}"
+        )
+        extra = ["--prefill-args", prefill]
+        model_dir = default_model_dir()  # one model for every tree
         addresses = [
-            stack.enter_context(serve(t, args.max_batch_tokens, args.attention)) for t in trees
+            stack.enter_context(
+                mili_serve(model_dir, "float32", 1, args.attention, extra, tree=t)
+            ).address
+            for t in trees
         ]
         for i, address in enumerate(addresses):  # warm-up: first calls load and compile lazily
             asyncio.run(one_round(address, args, random.Random(-1 - i)))

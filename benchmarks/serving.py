@@ -235,8 +235,12 @@ def mili_serve(
     *,
     metrics: bool = False,
     frontends: int | None = 1,
+    tree: Path = ROOT,
 ) -> Iterator[Served]:
     """`mili serve` on free ports; yields once the frontends are listening; drains it on exit.
+
+    tree: the source tree it runs from (its working directory and PYTHONPATH; another checkout
+    to measure a change side by side).
 
     metrics: every child serves Prometheus metrics on a free port (--metrics-port 0), their
     URLs in Served.metrics, read from the launcher's summary lines on stdout.
@@ -255,8 +259,8 @@ def mili_serve(
             stdout=subprocess.PIPE,
             stderr=log,
             text=True,
-            cwd=ROOT,
-            env=thread_env(threads),
+            cwd=tree,
+            env={**thread_env(threads), "PYTHONPATH": str(tree)},
             # a benchmark killed (a piece's timeout) must not leave `mili serve` holding the
             # device's memory and ports for the next piece: it drains and stops with us
             preexec_fn=die_with_parent if sys.platform == "linux" else None,
@@ -279,7 +283,7 @@ def mili_serve(
             if address is None:
                 log.seek(0)
                 tail = "".join(log.readlines()[-30:])
-                raise RuntimeError(f"mili serve exited {proc.wait()} before listening:\n{tail}")
+                raise RuntimeError(f"mili serve in {tree} exited {proc.wait()}:\n{tail}")
             yield Served(address, proc, log, urls, children)
         finally:
             proc.send_signal(signal.SIGTERM)
