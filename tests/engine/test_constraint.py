@@ -412,8 +412,9 @@ def test_a_refused_token_is_too_complex_only_where_a_limit_was_hit(
     compiler: ConstraintCompiler, tokenizer: GrammarTokenizer
 ) -> None:
     """A regex that compiles but runs the lexer past llguidance's limits five tokens in: the
-    refusal is RESOURCE_EXHAUSTED naming the field (the client's grammar), where a token the
-    grammar simply forbids is a ConstraintError (the mask allowed it: a bug)."""
+    refusal is RESOURCE_EXHAUSTED naming the field (the client's grammar), on one line without
+    llguidance's `<non-verbose/>`, where a token the grammar simply forbids is a
+    ConstraintError (the mask allowed it: a bug)."""
     (a,) = tokenizer.ll.tokenize_str("a")
     heavy = compiler.compile_sync(Constraint.regex("[0-9]{5}((a{90}){90}){90}")).matcher()
     assert all(heavy.accept(t) for t in tokenizer.encode("12345"))
@@ -422,6 +423,8 @@ def test_a_refused_token_is_too_complex_only_where_a_limit_was_hit(
     limit_hit = heavy.refusal(a, "output position 5")
     assert isinstance(limit_hit, ResourceExhausted)
     assert str(limit_hit).startswith("sampling.regex: the constraint is too complex (")
+    assert "<non-verbose/>" in heavy.error
+    assert "<non-verbose/>" not in str(limit_hit) and "\n" not in str(limit_hit)
     digits = compiler.compile_sync(Constraint.regex("[0-9]+")).matcher()
     assert not digits.accept(a)
     refused = digits.refusal(a, "first token")
@@ -444,23 +447,26 @@ def test_a_grammar_that_never_ends_is_refused_at_compile(
     assert "matches no finite string" in violation.description
 
 
-def test_a_limit_hit_reads_without_the_librarys_markup(
+def test_a_grammar_endless_past_a_choice_is_invalid_argument_where_it_gets_there(
     compiler: ConstraintCompiler, tokenizer: GrammarTokenizer
 ) -> None:
-    """Endless only after a choice (not refused at compile): the token that leads there is
-    refused RESOURCE_EXHAUSTED naming the field, on one line, without llguidance's
-    `<non-verbose/>`."""
+    """Endless only after a choice (compile sees the start's forced text end): the token into
+    the endless branch is refused as the start's endless grammar is at compile,
+    INVALID_ARGUMENT naming the field and saying why, not RESOURCE_EXHAUSTED "too complex
+    (parser error: Too many items (limit 50000; ff_tokens) ...)", which read as a grammar too
+    large to a caller whose grammar is three rules."""
     grammar = compiler.compile_sync(Constraint.grammar('start: "b" | "c" x\nx: "a" x'))
     matcher = grammar.matcher()
     (c,), (a,) = tokenizer.ll.tokenize_str("c"), tokenizer.ll.tokenize_str("a")
     assert matcher.accept(c)
     BatchMasker(tokenizer, 1, num_threads=1).fill([matcher])  # the step's mask
     assert not matcher.accept(a)  # the first token of the endless forced text
-    limit_hit = matcher.refusal(a, "output position 1")
-    assert isinstance(limit_hit, ResourceExhausted)
-    assert str(limit_hit).startswith("sampling.grammar: the constraint is too complex (parser")
-    assert "<non-verbose/>" in matcher.error
-    assert "<non-verbose/>" not in str(limit_hit) and "\n" not in str(limit_hit)
+    refused = matcher.refusal(a, "output position 1")
+    assert isinstance(refused, InvalidArgument)
+    (violation,) = refused.violations
+    assert violation.field == "sampling.grammar"
+    assert violation.description.startswith("the text it forces after 1 token never ends")
+    assert "matches no finite string" in violation.description
 
 
 def test_a_grammar_that_names_an_end_of_sequence_token_is_invalid_argument(

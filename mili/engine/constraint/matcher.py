@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from mili.errors import FieldViolation, InvalidArgument, ResourceExhausted
+from mili.plural import plural
 
 if TYPE_CHECKING:
     from mili.engine.constraint.vocab import GrammarTokenizer
@@ -106,14 +107,13 @@ class ConstraintMatcher:
             return None
         bits = np.unpackbits(np.frombuffer(self._m.compute_bitmask(), np.uint8), bitorder="little")
         offered = np.flatnonzero(bits[: self.tokenizer.vocab_rows]).tolist()
-        where = f"after {self.num_accepted} tokens" if self.num_accepted else "at its start"
         specials = set(self.tokenizer.special_ids)
         if any(t not in specials or self.allowed(t) for t in offered):
-            return self._endless(where)
+            return self._endless()
         if self.spelled_alternative() is not None:
             return None
         names = ", ".join(self.tokenizer.decode([t]) or f"<[{t}]>" for t in offered)
-        why = f"no token can continue it {where}"
+        why = f"no token can continue it {self._where}"
         if set(offered) & set(self.tokenizer.eos_token_ids):
             why += (
                 f": it asks for {names}, an end-of-sequence token, which the model writes by "
@@ -121,7 +121,14 @@ class ConstraintMatcher:
             )
         return InvalidArgument.many([FieldViolation(self.field_name, why)])
 
-    def _endless(self, where: str) -> InvalidArgument | None:
+    @property
+    def _where(self) -> str:
+        """Where the match stands, for messages: "at its start", "after 3 tokens"."""
+        if not self.num_accepted:
+            return "at its start"
+        return f"after {plural(self.num_accepted, 'token')}"
+
+    def _endless(self) -> InvalidArgument | None:
         """InvalidArgument when the text the grammar forces from here never ends (`start: "a"
         start`: it matches no finite string). The mask shows nothing wrong; llguidance runs out
         of parser items only when a token is taken and it follows the forced text, which a
@@ -130,23 +137,30 @@ class ConstraintMatcher:
         if not forced:
             return None
         probe = self._m.deep_copy()
-        if probe.consume_token(forced[0]) or "ff_tokens" not in str(probe.get_error()):
+        if probe.consume_token(forced[0]) or _FORCED_TEXT_LIMIT not in str(probe.get_error()):
             return None
+        return self._never_ends()
+
+    def _never_ends(self) -> InvalidArgument:
         why = (
-            f"the text it forces {where} never ends, as far as the grammar engine follows it: "
-            "it matches no finite string (a rule that always calls itself again, as in "
+            f"the text it forces {self._where} never ends, as far as the grammar engine follows "
+            "it: it matches no finite string (a rule that always calls itself again, as in "
             '`start: "a" start`)'
         )
         return InvalidArgument.many([FieldViolation(self.field_name, why)])
 
     def refusal(self, token_id: int, where: str) -> Exception:
         """What to fail the request with when `accept(token_id)` refused a token the mask
-        allowed, at `where` ("first token", "output position 5"): the grammar engine out of
-        one of its limits (a constraint that compiled but is too complex further in) is
-        RESOURCE_EXHAUSTED naming the field; a grammar at a dead end (its mask was empty, so
-        the draw was garbage) INVALID_ARGUMENT naming it; anything else a ConstraintError (a
-        bug)."""
+        allowed, at `where` ("first token", "output position 5"): a grammar whose forced text
+        never ends from here, or at a dead end (its mask was empty, so the draw was garbage),
+        is INVALID_ARGUMENT naming the field; the grammar engine out of one of its other limits
+        (a constraint that compiled but is too complex further in) RESOURCE_EXHAUSTED naming
+        it; anything else a ConstraintError (a bug)."""
         why = self.error or "not among the tokens it allows next"
+        if _FORCED_TEXT_LIMIT in why:
+            # a grammar endless only past a choice (`start: "b" | "c" x`, `x: "a" x`): compile
+            # saw the start's forced text end, the token into the endless branch hit the limit
+            return self._never_ends()
         limit_hit = too_complex(self.field_name, why)
         if limit_hit is not None:
             return limit_hit
@@ -159,6 +173,8 @@ class ConstraintMatcher:
         )
 
 
+# llguidance's words when following the text a grammar forces ran out of parser items
+_FORCED_TEXT_LIMIT = "ff_tokens"
 _QUOTED = re.compile(r"'[^']*'|\"[^\"]*\"")
 _NON_VERBOSE = "<non-verbose/>"
 
