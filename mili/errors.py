@@ -27,8 +27,14 @@ class FieldViolation:
         return cls(field, f"{reason} (got {_show(value)})")
 
 
+class Summary(str):
+    """What a value too large to quote is said as (`3000000 tokens`, `<70000 bytes>`): shown
+    as it is, where a value is quoted (`got 3000000 tokens`, not a string `'3000000 tokens'`
+    the caller never sent)."""
+
+
 def _show(value: object, limit: int = 80) -> str:
-    text = repr(value)
+    text = value if isinstance(value, Summary) else repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 

@@ -32,7 +32,8 @@ from mili.engine.sampling_params import (
     OPTIONAL_FIELDS,
     SamplingParams,
 )
-from mili.errors import FieldViolation, InvalidArgument
+from mili.errors import FieldViolation, InvalidArgument, Summary
+from mili.plural import plural
 from services.frontend import tools as tool_checks
 from services.frontend.tool_grammar import tool_call_constraint
 from services.frontend.tools import AUTO, FunctionTool, ToolCallInput, ToolChoice
@@ -163,7 +164,7 @@ def check_counts(counts: Counts, max_context_tokens: int | None) -> None:
         if count > limit:
             if field.startswith("sampling."):
                 reason = f"{reason} this server's limit of {limit}"
-            violations.append(FieldViolation.of(field, f"{count} items", reason))
+            violations.append(FieldViolation.of(field, Summary(plural(count, "item")), reason))
     raise_if_any(violations)
 
 

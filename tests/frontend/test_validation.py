@@ -291,7 +291,7 @@ def test_lists_longer_than_any_valid_request_are_refused_by_their_counts() -> No
     ]
     descriptions = [v.description for v in caught.value.violations]
     assert descriptions[0] == (
-        "more ids than the context window of 40960 tokens (got '1500000 items')"
+        "more ids than the context window of 40960 tokens (got 1500000 items)"
     )
     assert "this server's limit of 16" in descriptions[2]
     # Before any decode instance reported its context: the largest Qwen3's.
