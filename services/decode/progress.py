@@ -18,6 +18,7 @@ from typing import NamedTuple, Protocol
 
 from mili.errors import DataLoss, InvalidArgument
 from mili.kv_handoff import checksums, kv_transport
+from mili.plural import plural
 from services.decode.requests import DecodeRequest
 
 
@@ -103,7 +104,8 @@ class TransferProgress:
                 f"{where}: expected chunk {self.num_chunks} (chunk lost, duplicated or reordered)"
             )
         if chunk.seq >= self.num_chunks_expected:
-            raise DataLoss(f"{where}: the header announced {self.num_chunks_expected} chunks")
+            announced = plural(self.num_chunks_expected, "chunk")
+            raise DataLoss(f"{where}: the header announced {announced}")
         if chunk.request_id != self.request.request_id:
             raise DataLoss(f"{where}: carries request id {chunk.request_id!r}")
         if chunk.layer >= self._num_layers:
@@ -136,7 +138,7 @@ class TransferProgress:
         where = f"request {self.request.name}"
         if self.num_chunks != self.num_chunks_expected:
             raise DataLoss(
-                f"{where}: commit after {self.num_chunks} chunks, the header announced "
+                f"{where}: commit after {plural(self.num_chunks, 'chunk')}, the header announced "
                 f"{self.num_chunks_expected}"
             )
         missing = [

@@ -69,6 +69,7 @@ from mili.errors import (
 from mili.kv_handoff.codec import ACCEPTED_KEY, Chunk, ChunkView
 from mili.kv_handoff.transport import answer, receivers
 from mili.pb.kv.v1 import kv_pb2, kv_pb2_grpc
+from mili.plural import plural
 from mili.rpc import heap
 from mili.rpc.kv_layout import block_bytes, layout_to_proto
 from mili.rpc.policy import MAX_REQUEST_ID_CHARS
@@ -333,7 +334,7 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServiceServicer):
             landing.raise_failure()
             raise DataLoss(
                 f"the KV transfer of request {request.name} ended after "
-                f"{progress.num_chunks} chunks without a commit"
+                f"{plural(progress.num_chunks, 'chunk')} without a commit"
             )
         except Exception as e:
             if transport.is_in_place:

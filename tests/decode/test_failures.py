@@ -234,7 +234,7 @@ CORRUPTIONS: dict[str, tuple[Mangle, str]] = {
     "short-data": (_mangle_chunk(2, _truncate), "bytes for"),
     "duplicate": (lambda m: [m[0], m[1], m[1], m[2], m[3]], "expected chunk 1"),
     "reordered": (lambda m: [m[0], m[2], m[1], m[3]], "expected chunk 0"),
-    "missing-chunk": (lambda m: [m[0], m[1], m[3]], "commit after 1 chunks"),
+    "missing-chunk": (lambda m: [m[0], m[1], m[3]], "commit after 1 chunk,"),
     "no-commit": (lambda m: m[:3], "without a commit"),
     "wrong-request-id": (_set_chunk(1, request_id="someone-else"), "carries request id"),
     "foreign-block": (_mangle_chunk(2, _foreign_block), "not among"),

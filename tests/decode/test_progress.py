@@ -91,14 +91,14 @@ def test_a_block_sent_again_in_a_later_chunk_is_refused() -> None:
 def test_chunks_beyond_the_header_are_refused() -> None:
     progress = _progress(num_layers=2, num_chunks=1)
     _send(progress, _Chunk("r1", 0, 0, [4, 5, 6]))
-    with pytest.raises(DataLoss, match="the header announced 1 chunks"):
+    with pytest.raises(DataLoss, match=r"the header announced 1 chunk$"):
         progress.check_chunk(_Chunk("r1", 1, 1, [4, 5, 6]))
 
 
 def test_a_commit_before_every_chunk_is_refused() -> None:
     progress = _progress()
     _send(progress, _Chunk("r1", 0, 0, [4, 5, 6]))
-    with pytest.raises(DataLoss, match="commit after 1 chunks, the header announced 2"):
+    with pytest.raises(DataLoss, match="commit after 1 chunk, the header announced 2"):
         progress.check_complete()
 
 

@@ -16,7 +16,8 @@ from typing import Any
 
 from aiohttp import web
 
-from mili.errors import InvalidArgument
+from mili.errors import InvalidArgument, Summary
+from mili.plural import plural
 from mili.text.surrogate import SURROGATE_ESCAPE, lone_surrogate_path
 
 # Integer fields must fit in 64 bits (seed is the widest: unsigned); larger ones are refused
@@ -48,11 +49,11 @@ def parse(raw: bytes) -> Body:
     try:
         data = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise InvalidArgument(
-            "", f"{len(raw)} bytes", f"the body is not valid JSON: {err}"
-        ) from None
+        why = f"the body is not valid JSON: {err}"
+        raise InvalidArgument("", Summary(plural(len(raw), "byte")), why) from None
     except RecursionError:
-        raise InvalidArgument("", f"{len(raw)} bytes", "the body nests too deeply") from None
+        why = "the body nests too deeply"
+        raise InvalidArgument("", Summary(plural(len(raw), "byte")), why) from None
     if not isinstance(data, dict):
         raise InvalidArgument("", type(data).__name__, "the body must be a JSON object")
     if SURROGATE_ESCAPE.search(raw):  # rare: the walk only for a body that may hold one

@@ -325,6 +325,8 @@ def test_bodies_that_are_not_json_objects() -> None:
             parse(raw)
         status, error = error_of(caught.value)
         assert status == 400 and error["param"] is None, raw
+    with pytest.raises(InvalidArgument, match=r"\(got 2 bytes\)$"):  # not a quoted '2 bytes'
+        parse(b"{]")
 
 
 def test_a_body_nested_too_deeply_is_a_400_not_a_500() -> None:
