@@ -458,6 +458,81 @@ def test_errors_name_the_parameter(client: openai.OpenAI, model: str) -> None:
         client.completions.create(model=f"/models/{model}/other", prompt=PROMPT)
 
 
+def test_every_optional_field_sent_as_null_is_unset(client: openai.OpenAI, model: str) -> None:
+    """Clients built on pydantic models send every optional field, unset ones as JSON null (at
+    the top and inside tools and messages): the answer is the one without them, as OpenAI's and
+    vLLM's."""
+    shared: dict[str, Any] = dict(
+        frequency_penalty=None,
+        logit_bias=None,
+        n=None,
+        presence_penalty=None,
+        seed=None,
+        stop=None,
+        stream_options=None,
+        top_p=None,
+        user=None,
+    )
+    extras = dict.fromkeys(
+        [
+            *("top_k", "min_p", "repetition_penalty", "stop_token_ids", "ignore_eos"),
+            *("min_tokens", "prompt_logprobs", "response_format", "guided_json"),
+            "structured_outputs",
+        ]
+    )
+    plain = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0)
+    nulls = client.completions.create(
+        model=model,
+        prompt=PROMPT,
+        max_tokens=8,
+        temperature=0,
+        best_of=None,
+        echo=None,
+        logprobs=None,
+        suffix=None,
+        **shared,
+        extra_body=extras,
+    )
+    assert nulls.choices[0].text == plain.choices[0].text
+
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    turns: list[dict[str, Any]] = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Call f."},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "done", "tool_call_id": "call_1"},
+    ]
+    unset = dict.fromkeys(("name", "tool_calls", "tool_call_id", "reasoning_content", "refusal"))
+    with_nulls = [unset | turn for turn in turns]
+    tool_nulls = dict.fromkeys(("description", "parameters", "strict"))
+    args: dict[str, Any] = dict(model=model, max_tokens=8, temperature=0)
+    plain_chat = client.chat.completions.create(
+        messages=turns,  # type: ignore[arg-type]
+        tools=[{"type": "function", "function": {"name": "f"}}],
+        **args,
+    )
+    for is_stream in (False, True):
+        reply = client.chat.completions.create(
+            messages=with_nulls,
+            tools=[{"type": "function", "function": {"name": "f", **tool_nulls}}],
+            logprobs=None,
+            top_logprobs=None,
+            max_completion_tokens=None,
+            response_format=None,
+            tool_choice=None,
+            parallel_tool_calls=None,
+            stream=is_stream,
+            **shared,
+            **args,
+            extra_body=extras | {"chat_template_kwargs": None},
+        )
+        if is_stream:
+            content = "".join(c.choices[0].delta.content or "" for c in reply if c.choices)
+        else:
+            content = reply.choices[0].message.content
+        assert content == plain_chat.choices[0].message.content, is_stream
+
+
 def test_more_choices_than_the_frontend_ever_runs_is_400_naming_n(
     client: openai.OpenAI, model: str
 ) -> None:
