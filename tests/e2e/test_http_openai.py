@@ -108,6 +108,8 @@ def test_completion_plain_streamed_and_grpc_agree(
         grpc.usage.completion_tokens,
     )
     assert plain.usage.total_tokens == plain.usage.prompt_tokens + plain.usage.completion_tokens
+    # vLLM writes its choice's every field: prompt_logprobs null when not asked (never streamed)
+    assert (choice.model_extra or {}).get("prompt_logprobs", "absent") is None
 
     chunks = list(
         client.completions.create(**args, stream=True, stream_options={"include_usage": True})
@@ -116,6 +118,7 @@ def test_completion_plain_streamed_and_grpc_agree(
     assert "".join(c.choices[0].text for c in text_chunks) == choice.text
     assert [c.choices[0].finish_reason for c in text_chunks][-1] == choice.finish_reason
     assert all(c.usage is None for c in text_chunks) and len({c.id for c in chunks}) == 1
+    assert all("prompt_logprobs" not in (c.choices[0].model_extra or {}) for c in text_chunks)
     assert usage_chunk.choices == [] and usage_chunk.usage == plain.usage
 
 
@@ -131,6 +134,7 @@ def test_chat_plain_and_streamed_agree(client: openai.OpenAI, model: str) -> Non
     reasoning = getattr(choice.message, "reasoning_content", None)
     assert "<think>" not in (choice.message.content or "")
     assert "</think>" not in (choice.message.content or "")
+    assert (plain.model_extra or {}).get("prompt_logprobs", "absent") is None  # as vLLM's
 
     chunks = list(
         client.chat.completions.create(**args, stream=True, stream_options={"include_usage": True})
@@ -142,6 +146,7 @@ def test_chat_plain_and_streamed_agree(client: openai.OpenAI, model: str) -> Non
     assert streamed == choice.message.content and (thought or None) == reasoning
     assert deltas[-1].choices[0].finish_reason == choice.finish_reason
     assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert all("prompt_logprobs" not in (c.model_extra or {}) for c in chunks)
     assert usage_chunk.choices == [] and usage_chunk.usage == plain.usage
 
 

@@ -3,7 +3,7 @@
     {"id": "chatcmpl-<request id>", "object": "chat.completion", "created", "model",
      "choices": [{"index", "message": {"role": "assistant", "content", "reasoning_content",
                                        "tool_calls"?},
-                  "logprobs", "finish_reason"}], "usage"}
+                  "logprobs", "finish_reason"}], "usage", "prompt_logprobs"}
 
 Streamed: a `chat.completion.chunk` per choice with `delta.role` first, then content, reasoning
 and tool-call deltas, the last with finish_reason; a usage chunk (no choices) with
@@ -15,9 +15,9 @@ function: {name, arguments: JSON text}}; streamed whole in one `delta.tool_calls
 index), and a generation that stopped after calls ends in finish_reason `tool_calls`; content
 is then null when the model wrote nothing else (always under tool_choice required or named,
 whose call cut by max_tokens is dropped: finish_reason `length`). The split is
-services/frontend/chat_output.py, the one the gRPC API runs. vLLM's `prompt_logprobs` k adds
-the response's `prompt_logprobs`, the templated prompt's (openai_logprobs.vllm_prompt_logprobs;
-never streamed, as in vLLM).
+services/frontend/chat_output.py, the one the gRPC API runs. vLLM's `prompt_logprobs` k fills
+the response's `prompt_logprobs` with the templated prompt's (openai_logprobs.vllm_prompt_logprobs;
+null when not asked, never streamed, as in vLLM).
 """
 
 from __future__ import annotations
@@ -136,10 +136,17 @@ class ChatJson:
                     "finish_reason": self._finish(c.index, ds),
                 }
             )
-        whole = {**self._head, "choices": choices, "usage": self._usage.as_json()}
+        # One prompt for every choice (the first one computed its logprobs: choices.plan);
+        # null when not asked, as vLLM writes it
+        prompt_logprobs = None
         if self._request.prompt_logprobs is not None:
-            # One prompt for every choice (each computed it: the first one's)
-            whole["prompt_logprobs"] = self._prompt_logprobs(deltas[self._choices[0].index])
+            prompt_logprobs = self._prompt_logprobs(deltas[self._choices[0].index])
+        whole = {
+            **self._head,
+            "choices": choices,
+            "usage": self._usage.as_json(),
+            "prompt_logprobs": prompt_logprobs,
+        }
         return json.dumps(whole)
 
     def _prompt_logprobs(self, deltas: list[Delta]) -> list[Any] | None:

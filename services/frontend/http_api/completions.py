@@ -1,7 +1,7 @@
 """POST /v1/completions: OpenAI's (legacy) text completions, plain or streamed.
 
     {"id": "cmpl-<request id>", "object": "text_completion", "created", "model",
-     "choices": [{"index", "text", "logprobs", "finish_reason"}], "usage"}
+     "choices": [{"index", "text", "logprobs", "finish_reason", "prompt_logprobs"}], "usage"}
 
 A batch of prompts x n choices: choice `prompt * n + i`. `echo` puts the prompt's text before
 each choice's (its ids' text for a prompt of ids); `logprobs` k gives each token's and the k
@@ -9,8 +9,9 @@ most likely (openai_logprobs.py), `text_offset` counting from the start of the c
 with both, the prompt's tokens come first with the logprobs prefill computed for them (the
 first one null). `max_tokens: 0` with `echo` returns the prompt alone (finish_reason "length",
 no completion tokens): the token prefill samples to get there is left out. vLLM's
-`prompt_logprobs` k (or echo with logprobs) adds each choice's `prompt_logprobs`, its prompt's
-(openai_logprobs.vllm_prompt_logprobs), to a whole response (vLLM streams none).
+`prompt_logprobs` k (or echo with logprobs) fills each choice's `prompt_logprobs` with its
+prompt's (openai_logprobs.vllm_prompt_logprobs) in a whole response, null otherwise (as vLLM
+writes it; vLLM streams none).
 """
 
 from __future__ import annotations
@@ -174,10 +175,10 @@ class CompletionJson:
             # (choices.plan: the others do not ask for them).
             first = deltas[c.prompt_index * self._request.n]
             choice = self._choice(c.index, text, ds, first[0] if first else None)
-            if self._request.prompt_logprobs is not None:
-                if c.prompt_index not in prompt_logprobs:
-                    prompt_logprobs[c.prompt_index] = self._prompt_logprobs(first)
-                choice["prompt_logprobs"] = prompt_logprobs[c.prompt_index]
+            if self._request.prompt_logprobs is not None and c.prompt_index not in prompt_logprobs:
+                prompt_logprobs[c.prompt_index] = self._prompt_logprobs(first)
+            # null when not asked: vLLM writes every field of its choice
+            choice["prompt_logprobs"] = prompt_logprobs.get(c.prompt_index)
             choices.append(choice)
         return json.dumps({**self._head, "choices": choices, "usage": self._usage.as_json()})
 
