@@ -226,6 +226,41 @@ def test_echo_with_logprobs_gives_the_prompts_logprobs(
         assert 1 <= len(top) <= 2 and max(top.values()) >= value - 1e-6
 
 
+def test_streamed_choices_of_an_echo_share_one_computation_of_its_logprobs(
+    deployment: Deployment, client: openai.OpenAI, model: str
+) -> None:
+    """Streamed echo + logprobs with n: each choice asked prefill for the prompt's logprobs,
+    computing every position of it again (prompt logprobs leave the prefix cache unused). Now
+    the first choice alone asks, the others reuse the prompt's blocks an earlier request left
+    in prefill's cache (their log lines say so), and every choice still opens with the prompt
+    and its logprobs."""
+    block_size = deployment.decode_info().kv_layout.block_size
+    prompt = [10 + (7 * i) % 500 for i in range(3 * block_size + 5)]
+    args: dict[str, Any] = dict(model=model, prompt=prompt, max_tokens=3, temperature=0)
+    client.completions.create(**args)  # prefill caches the prompt's full blocks
+    start = len(deployment.frontend.stderr_lines)
+    chunks = client.completions.create(
+        **args, n=3, echo=True, logprobs=1, stream=True, extra_headers={"X-Request-Id": "echo-n"}
+    )
+    firsts: dict[int, Any] = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            firsts.setdefault(choice.index, choice)
+    whole = client.completions.create(**args, echo=True, logprobs=1).choices[0].logprobs
+    assert whole is not None and whole.tokens is not None and whole.token_logprobs is not None
+    assert sorted(firsts) == [0, 1, 2]
+    for first in firsts.values():
+        logprobs = first.logprobs
+        assert logprobs.tokens[: len(prompt)] == whole.tokens[: len(prompt)], first.index
+        values = logprobs.token_logprobs[: len(prompt)]
+        assert values[0] is None and len(values) == len(prompt), first.index
+        assert values[1:] == pytest.approx(whole.token_logprobs[1 : len(prompt)], abs=2e-4)
+    done = re.compile(r"'echo-n\.\d' .* done: .*prefix cached: (\d+) tokens? on prefill")
+    lines = deployment.frontend.lines_matching(done, 3, start=start)
+    cached = sorted(int(m.group(1)) for line in lines if (m := done.search(line)))
+    assert cached == [0, 3 * block_size, 3 * block_size], lines
+
+
 # Prompts whose text the demo tokenizer changes (NFC) or splits inside characters (its
 # byte-level vocabulary has no CJK or emoji tokens: each is several byte tokens).
 ECHO_PROMPTS = {

@@ -4,10 +4,11 @@
 
 Each choice is validated as the gRPC API validates a request (Generations.validate: one rule),
 draws from its own seed (the caller's + i, or a fresh one) and runs through Generations.run in
-this process (no extra hop); in a whole (not streamed) response only the first choice of each
-prompt computes the prompt's logprobs, which all its choices show. Their deltas come out
-through one generator, tagged with the choice's index; closing it (the client went away)
-closes every generation, so decode frees their blocks. An error of any choice ends them all.
+this process (no extra hop); only the first choice of each prompt computes the prompt's
+logprobs, which all its choices show (streamed, the others' chunks wait for its first:
+completions.py). Their deltas come out through one generator, tagged with the choice's index;
+closing it (the client went away) closes every generation, so decode frees their blocks. An
+error of any choice ends them all.
 """
 
 from __future__ import annotations
@@ -54,8 +55,8 @@ def plan(generations: Generations, request: OpenAIRequest) -> list[Choice]:
         for i in range(request.n):
             index = p * request.n + i
             one = with_seed(prompt, nth_seed(prompt.sampling.seed, i))
-            if i > 0 and not request.is_stream and one.sampling.prompt_logprobs is not None:
-                # A whole response takes the prompt's logprobs from its first choice: the
+            if i > 0 and one.sampling.prompt_logprobs is not None:
+                # Every choice of a prompt shows its first choice's prompt logprobs: the
                 # others skip computing them (each over the whole prompt, its cache unused).
                 one = replace(one, sampling=replace(one.sampling, prompt_logprobs=None))
             valid = generations.validate(one)

@@ -7,7 +7,8 @@ A batch of prompts x n choices: choice `prompt * n + i`. `echo` puts the prompt'
 each choice's (its ids' text for a prompt of ids); `logprobs` k gives each token's and the k
 most likely (openai_logprobs.py), `text_offset` counting from the start of the choice's text;
 with both, the prompt's tokens come first with the logprobs prefill computed for them (the
-first one null). `max_tokens: 0` with `echo` returns the prompt alone (finish_reason "length",
+first one null; once per prompt, by its first choice: streamed, the other choices' chunks wait
+for its first). `max_tokens: 0` with `echo` returns the prompt alone (finish_reason "length",
 no completion tokens): the token prefill samples to get there is left out. vLLM's
 `prompt_logprobs` k (or echo with logprobs) fills each choice's `prompt_logprobs` with its
 prompt's (openai_logprobs.vllm_prompt_logprobs) in a whole response, null otherwise (as vLLM
@@ -111,6 +112,15 @@ class CompletionJson:
         }
         self._plain_tail = ', "logprobs": null, "finish_reason": null}' + self._chunk_tail
         self._echo = {c.index: echoes[c.prompt_index] for c in choices} if echoes else {}
+        # Streamed with echo and logprobs, a prompt's first choice alone computes the prompt's
+        # logprobs (choices.plan); its other choices' deltas are held here until its first
+        # delta brings them, so that each choice still opens with the prompt and its logprobs.
+        prompt_logprobs = request.inputs[0].sampling.prompt_logprobs
+        self._is_shared = request.is_stream and request.n > 1 and prompt_logprobs is not None
+        self._held: dict[int, list[tuple[int, Delta]]] = (
+            {p: [] for p in range(len(request.inputs))} if self._is_shared else {}
+        )
+        self._prompt_deltas: dict[int, Delta] = {}  # prompt -> the delta carrying its logprobs
         self._echoed = dict(self._echo)  # kept: what the prompt's text_offset indexes
         self._offsets = {c.index: TextOffsets(len(self._echo.get(c.index, ""))) for c in choices}
 
@@ -192,10 +202,26 @@ class CompletionJson:
         if delta.finish_reason is None and self._num_top is None and not self._echo:
             # Once per streamed delta: the plain case from a template around its text.
             return [self._text_heads[index] + json.dumps(delta.text) + self._plain_tail]
-        prompt = delta if index in self._echo else None
-        text = self._echo.pop(index, "") + delta.text  # the prompt before the first delta
+        prompt_index, nth = divmod(index, self._request.n)
+        held = self._held.get(prompt_index)
+        if held is not None and nth > 0:  # its prompt's logprobs are still to come
+            held.append((index, delta))
+            return []
+        chunks = [self._streamed(index, delta)]
+        if held is not None:  # the first choice's first delta brought them: the others go on
+            del self._held[prompt_index]
+            chunks += [self._streamed(i, d) for i, d in held]
+        return chunks
+
+    def _streamed(self, index: int, delta: Delta) -> str:
+        prompt = None
+        if index in self._echo:  # the choice's first chunk: the prompt's text first
+            prompt = delta  # with its logprobs, on the generation's first delta
+            if self._is_shared:  # the first choice's (whose first delta the others waited for)
+                prompt = self._prompt_deltas.setdefault(index // self._request.n, delta)
+        text = self._echo.pop(index, "") + delta.text
         choice = self._choice(index, text, [delta], prompt)
-        return [self._chunk_head + json.dumps(choice) + self._chunk_tail]
+        return self._chunk_head + json.dumps(choice) + self._chunk_tail
 
     def closing(self) -> list[str]:
         if not self._request.include_usage:

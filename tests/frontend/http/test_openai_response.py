@@ -21,7 +21,7 @@ from services.frontend.http_api.completions import CompletionJson
 from services.frontend.http_api.openai_call import Head
 from services.frontend.http_api.openai_request import OpenAIRequest
 from services.frontend.pipeline import Delta
-from services.frontend.validation import Limits, RequestInput, validate
+from services.frontend.validation import Limits, RequestInput, SamplingInput, validate
 
 HEAD = Head("r1", 1700000000, "m")
 THOUGHT = "<think>\nplan: say hi\n</think>\n\nHello <b>there</b>"
@@ -181,6 +181,12 @@ class DigitPieces:
     def text(self, token_id: int) -> str:
         return str(token_id)
 
+    def text_bytes(self, token_id: int, *, skip_special_tokens: bool) -> bytes:
+        return str(token_id).encode()
+
+    def normalize(self, text: str) -> str:
+        return text
+
 
 def test_the_n_choices_of_a_prompt_share_its_prompt_logprobs() -> None:
     """vLLM's prompt_logprobs k of one prompt were built anew at each of its n choices: a
@@ -225,3 +231,37 @@ def test_the_n_choices_of_a_prompt_share_its_prompt_logprobs() -> None:
     }
     assert all(c["prompt_logprobs"] == entries for c in replies["choices"])
     assert eight < 3.5 * one  # eight copies of the objects: 5x; one and eight strings: 2.5x
+
+
+def test_streamed_choices_wait_for_the_first_ones_prompt_logprobs() -> None:
+    """Streamed with echo and logprobs, a prompt's first choice alone computes the prompt's
+    logprobs (choices.plan): another choice's deltas that come before its first are held, then
+    each choice opens with the prompt and the first choice's logprobs for it."""
+    sampling = SamplingInput(logprobs=1, prompt_logprobs=1)
+    shared = OpenAIRequest(
+        model=None,
+        inputs=(RequestInput(prompt="12", sampling=sampling),),
+        n=3,
+        is_stream=True,
+        echo=True,
+    )
+    completion = CompletionJson(shared, choices(1, 3), HEAD, ["12"], DigitPieces())  # type: ignore[arg-type]
+
+    def generated(token_id: int) -> Delta:
+        return Delta([token_id], str(token_id), [TokenLogprobs(-0.5, [(token_id, -0.5)])])
+
+    assert completion.of(1, generated(4)) == []  # before the first choice's first delta
+    assert completion.of(1, generated(5)) == []
+    first = generated(3)
+    first.prompt_token_ids = [1, 2]
+    first.prompt_logprobs = [TokenLogprobs(-0.25, [(2, -0.25)], 1)]
+    chunks = [c["choices"][0] for c in events(completion.of(0, first))]
+    assert [(c["index"], c["text"]) for c in chunks] == [(0, "123"), (1, "124"), (1, "5")]
+    for c, token in zip(chunks[:2], "34", strict=True):
+        assert c["logprobs"]["tokens"] == ["1", "2", token]
+        assert c["logprobs"]["token_logprobs"] == [None, -0.25, -0.5]
+        assert c["logprobs"]["text_offset"] == [0, 1, 2]
+    assert chunks[2]["logprobs"]["tokens"] == ["5"]
+    # A choice whose first delta comes after the first choice's opens with the prompt too
+    (late,) = [c["choices"][0] for c in events(completion.of(2, generated(6)))]
+    assert (late["text"], late["logprobs"]["tokens"]) == ("126", ["1", "2", "6"])
