@@ -261,11 +261,12 @@ def hf_logprobs(demo_model_dir: Path) -> Callable[[list[int]], torch.Tensor]:
     vocab_size = tokenizer_vocab_size(demo_model_dir) or hf.config.vocab_size
 
     def logprobs(prompt: list[int]) -> torch.Tensor:
-        """[len(prompt) - 1, vocab]: row i - 1 is the distribution of prompt token i, over the
-        tokenizer's ids (the ones the services report)."""
+        """[len(prompt) - 1, vocab]: row i - 1 is the distribution of prompt token i, normalized
+        over all the model's rows and read at the tokenizer's ids (the ones the services
+        report)."""
         with torch.no_grad():
-            logits = hf(torch.tensor([prompt])).logits[0, :-1, :vocab_size].float()
-        return logits.log_softmax(-1)
+            logits = hf(torch.tensor([prompt])).logits[0, :-1].float()
+        return logits.log_softmax(-1)[:, :vocab_size]
 
     return logprobs
 

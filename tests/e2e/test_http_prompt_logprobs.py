@@ -239,3 +239,37 @@ def test_a_whole_body_of_too_many_logprob_entries_is_refused(client: openai.Open
         model="", prompt=prompt, max_tokens=1, n=2, extra_body={"prompt_logprobs": 20}
     )
     assert [len(c.model_extra["prompt_logprobs"]) for c in answered.choices] == [4000, 4000]
+
+
+def test_lm_eval_loglikelihood_requests_score_what_hf_scores(
+    client: openai.OpenAI, hf_logprobs: HfLogprobs
+) -> None:
+    """lm-eval's `local-completions` loglikelihood batch (prompts of ids, echo, logprobs 1,
+    max_tokens 1, temperature 0, a seed): each prompt token's logprob is HF's log_softmax over
+    all the model's rows (the demo model's 60 padding rows hold ~7% of the mass: normalized
+    over the tokenizer's ids alone it was ~0.07 higher a token) and lm-eval's is_greedy (the
+    token's logprob is the top one's) is HF's argmax; so is the generated token's."""
+    greedy = random_prompt(4, seed=94)
+    for _ in range(4):  # a continuation that is the model's greedy one: is_greedy holds
+        greedy.append(int(hf_logprobs([*greedy, 0])[-1].argmax()))
+    prompts = [greedy, random_prompt(9, seed=95)]
+    reply = client.completions.create(
+        model="", prompt=prompts, max_tokens=1, temperature=0, logprobs=1, echo=True, seed=1234
+    )
+    assert sorted(c.index for c in reply.choices) == [0, 1]
+    for choice in reply.choices:
+        prompt = prompts[choice.index]
+        ref = hf_logprobs(prompt)  # [n - 1, vocab]
+        logprobs = choice.logprobs
+        assert logprobs is not None and logprobs.token_logprobs and logprobs.top_logprobs
+        values, tops = logprobs.token_logprobs, logprobs.top_logprobs
+        assert len(values) == len(prompt) + 1 and values[0] is None
+        expected = ref.gather(1, torch.tensor(prompt[1:]).unsqueeze(-1)).squeeze(-1).tolist()
+        assert values[1 : len(prompt)] == pytest.approx(expected, abs=HF_TOL)
+        is_greedy = [v == max(top.values()) for v, top in zip(values[1:], tops[1:], strict=True)]
+        hf_greedy = (ref.argmax(-1) == torch.tensor(prompt[1:])).tolist()
+        assert is_greedy[: len(prompt) - 1] == hf_greedy
+        last = hf_logprobs([*prompt, 0])[-1]  # the generated (greedy) token's distribution
+        assert values[-1] == pytest.approx(last.max().item(), abs=HF_TOL) and is_greedy[-1]
+        if choice.index == 0:
+            assert all(is_greedy[3:7])  # the 4 greedy tokens appended

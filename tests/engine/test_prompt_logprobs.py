@@ -25,10 +25,11 @@ def random_ids(n: int, vocab_size: int, seed: int) -> list[int]:
 
 
 def hf_logprobs(hf: Any, prompt: list[int], vocab_size: int) -> torch.Tensor:
-    """[len(prompt) - 1, vocab_size]: row i - 1 is the distribution of prompt token i."""
+    """[len(prompt) - 1, vocab_size]: row i - 1 is the distribution of prompt token i, HF's
+    log_softmax over all the model's rows read at the tokenizer's ids."""
     with torch.no_grad():
-        logits = hf(torch.tensor([prompt])).logits[0, :-1, :vocab_size].float()
-    return logits.log_softmax(-1)
+        logits = hf(torch.tensor([prompt])).logits[0, :-1].float()
+    return logits.log_softmax(-1)[:, :vocab_size]
 
 
 def hf_rank_bounds(row: torch.Tensor, token: int) -> tuple[int, int]:
@@ -40,11 +41,22 @@ def hf_rank_bounds(row: torch.Tensor, token: int) -> tuple[int, int]:
 
 def test_ranks_count_every_entry_at_least_as_likely_ties_included() -> None:
     logits = torch.tensor([[1.0, 3.0, 2.0, 3.0], [0.0, 0.0, 0.0, 0.0], [5.0, 1.0, 1.0, 0.5]])
-    chosen, top_values, top_ids, ranks = ranked_raw_logprobs(logits, torch.tensor([2, 0, 0]), 2)
+    chosen, top_values, top_ids, ranks = ranked_raw_logprobs(logits, torch.tensor([2, 0, 0]), 2, 4)
     # row 0: token 2 is below the two tied 3.0s: rank 3; row 1: all tie: 4; row 2: the top: 1
     assert ranks.tolist() == [3, 4, 1]
     assert chosen.tolist() == pytest.approx(logits.log_softmax(-1)[[0, 1, 2], [2, 0, 0]].tolist())
     assert top_ids[2].tolist()[0] == 0 and top_values.shape == (3, 2)
+
+
+def test_a_padding_row_counts_in_the_normalizer_but_is_never_named() -> None:
+    """Columns past the tokenizer's ids (an embedding table's padding) take their share of the
+    row's probability, as in HF's log_softmax, but are never listed nor counted in a rank."""
+    logits = torch.tensor([[1.0, 3.0, 2.0, 5.0]])  # column 3: padding, the most likely
+    chosen, top_values, top_ids, ranks = ranked_raw_logprobs(logits, torch.tensor([1]), 3, 3)
+    expected = logits.log_softmax(-1)[0]
+    assert chosen.tolist() == pytest.approx([expected[1].item()])
+    assert top_ids.tolist() == [[1, 2, 0]] and ranks.tolist() == [1]
+    assert top_values[0].tolist() == pytest.approx(expected[[1, 2, 0]].tolist())
 
 
 def test_chunk_targets_cover_every_position_after_the_first_once() -> None:

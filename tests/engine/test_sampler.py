@@ -366,8 +366,8 @@ def test_temperature_2_never_draws_a_padding_row() -> None:
         assert out.top_logprobs is not None and out.logprobs is not None
         top = [i for row in out.top_logprobs for i, _ in row]
         assert top and max(top) < NUM_TOKENS  # logprobs never list a padding row either
-        # ... and are normalized over the tokenizer's ids alone.
-        expected = logits[:, :NUM_TOKENS].log_softmax(-1)
+        # ... but are normalized over every row, as HF's log_softmax and vLLM's logprobs.
+        expected = logits.log_softmax(-1)
         chosen = expected.gather(-1, torch.tensor(out.token_ids).unsqueeze(-1)).squeeze(-1)
         assert torch.allclose(torch.tensor(out.logprobs), chosen)
     assert max(drawn) < NUM_TOKENS

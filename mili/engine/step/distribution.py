@@ -7,6 +7,7 @@ assembles the columns and calls them in order; its docstring says why each rule 
     sample_inverse_cdf   one token a row for uniforms u, in two levels (no scan of whole rows)
     raw_logprobs         the one logprob rule (generated and prompt tokens alike)
     ranked_raw_logprobs  the same with the chosen tokens' ranks (prompt tokens)
+    token_logprobs       the tokenizer's ids' logprobs, normalized over the model's every row
 """
 
 from __future__ import annotations
@@ -155,25 +156,34 @@ def inverse_cdf_whole_rows(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor
 
 
 def raw_logprobs(
-    logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
+    logits: torch.Tensor, token_ids: torch.Tensor, num_top: int, vocab_size: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The one logprob rule, for generated and prompt tokens alike: log_softmax of the raw
-    float32 logits [B, V] (the tokenizer's columns only), the logprob of token_ids [B] -> [B],
-    and the num_top most likely (values, ids) [B, num_top], most likely first."""
-    return _chosen_and_top(logits.log_softmax(-1), token_ids, num_top)
+    float32 logits [B, V'] over all the model's rows, read at the tokenizer's first
+    `vocab_size` ids only (token_logprobs): the logprob of token_ids [B] -> [B], and the
+    num_top most likely (values, ids) [B, num_top], most likely first."""
+    return _chosen_and_top(token_logprobs(logits, vocab_size), token_ids, num_top)
 
 
 def ranked_raw_logprobs(
-    logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
+    logits: torch.Tensor, token_ids: torch.Tensor, num_top: int, vocab_size: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """raw_logprobs, and each chosen token's rank in its row, [B] int32: how many of the row's
-    logprobs are >= its own, itself included (vLLM's rank: 1 for the most likely token; a
-    token tied with others counts them all, so two tied at the top both rank 2)."""
-    logprobs = logits.log_softmax(-1)  # [B, V]
+    tokens' logprobs are >= its own, itself included (vLLM's rank: 1 for the most likely token;
+    a token tied with others counts them all, so two tied at the top both rank 2)."""
+    logprobs = token_logprobs(logits, vocab_size)  # [B, V]
     chosen, top_values, top_ids = _chosen_and_top(logprobs, token_ids, num_top)
     # int32: torch's default int64 sum of bools is the slower one on the CPU
     ranks = (logprobs >= chosen.unsqueeze(-1)).sum(-1, dtype=torch.int32)  # [B]
     return chosen, top_values, top_ids, ranks
+
+
+def token_logprobs(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[B, V'] raw logits -> [B, V] logprobs of the tokenizer's ids (a view). The normalizer
+    is the whole row's, an embedding table's padding rows included, as in HF transformers'
+    log_softmax and vLLM's logprobs, so an evaluation harness scores what it scores there.
+    Ids past vocab_size are never named (nor sampled)."""
+    return logits.log_softmax(-1)[:, :vocab_size]
 
 
 def _chosen_and_top(

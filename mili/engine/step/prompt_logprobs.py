@@ -9,8 +9,8 @@ prefill chunk's hidden states a slice at a time.
 
 Logits of every position are [T, vocab] float32 (151,936 columns for Qwen3: 594 KiB a token), so
 they are made ROWS_PER_PASS rows at a time and reduced at once to (chosen, its rank, top-n) by
-the sampler's rule (distribution.ranked_raw_logprobs: the model's raw distribution over the
-tokenizer's ids, as for generated tokens): the peak is one pass's logits, whatever the chunk's
+the sampler's rule (distribution.ranked_raw_logprobs: the model's raw distribution, read at
+the tokenizer's ids, as for generated tokens): the peak is one pass's logits, whatever the chunk's
 length. The rank (vLLM's, which its OpenAI API reports for prompt tokens) needs the whole row,
 so it is taken here, where the row is.
 """
@@ -90,8 +90,8 @@ def compute_prompt_logprobs(
     parts = []
     for first in range(0, num_targets, ROWS_PER_PASS):
         last = min(first + ROWS_PER_PASS, num_targets)
-        logits = logits_of(hidden[first:last])[:, :vocab_size].float()  # [n, V]
-        parts.append(ranked_raw_logprobs(logits, targets[first:last], num_top))
+        logits = logits_of(hidden[first:last]).float()  # [n, V']
+        parts.append(ranked_raw_logprobs(logits, targets[first:last], num_top, vocab_size))
         del logits
     chosen, top_values, top_ids, ranks = (torch.cat(p) for p in zip(*parts, strict=True))
     return PendingPromptLogprobs(chosen, top_values, top_ids, ranks)

@@ -17,13 +17,15 @@ Choices worth knowing:
   padding rows carry logits like any other. The sampler reads the first `vocab_size` columns
   (a view of the logits: no copy, no host sync, the same shape every step, so CUDA graphs are
   unaffected), so no id at or past the tokenizer's size can be drawn, chosen by argmax or
-  listed in top logprobs, and probabilities are normalized over real tokens only.
+  listed in top logprobs, and sampling probabilities are normalized over real tokens only.
+  Logprobs keep the model's normalizer, every row's (below).
 - Greedy means temperature below `sampling_params.GREEDY_TEMPERATURE` (1e-5, as vLLM), not
   just 0: a smaller temperature turns the scaled logits into +-inf (1e-44, a float32 subnormal,
   does) and the softmax into NaN, whose inverse CDF lands on the last column.
-- Logprobs describe the model's raw distribution: log_softmax of the logits before penalties,
-  temperature and filters (vLLM's default too). They stay comparable across requests with
-  different sampling settings, and equal what HF transformers reports for the same weights.
+- Logprobs describe the model's raw distribution: log_softmax of the logits, over all the
+  model's rows, before penalties, temperature and filters (vLLM's default too). They stay
+  comparable across requests with different sampling settings, and equal what HF
+  transformers reports for the same weights (an evaluation harness's loglikelihoods too).
 - Random rows draw by inverse CDF: the first token, in vocabulary order, whose cumulative
   probability (float64) exceeds u x the row's total, which draws exactly from `probs` (a token
   of probability 0 is never chosen). u in [0, 1) is a counter-based draw: splitmix64 of (seed,
@@ -380,15 +382,16 @@ class Sampler:
             raise ValueError(f"logits have {logits.shape[1]} columns, fewer than {vocab_size}")
         if any(s.vocab_size != vocab_size for s in seqs):
             raise ValueError(f"not every row's vocab_size is the sampler's {vocab_size}")
-        # [B, V]: a view, so the padding columns cost nothing; float() is a no-op for float32,
-        # and nothing below writes into it.
-        logits = logits[:, :vocab_size].float()
+        # raw: [B, V'], what logprobs describe (normalized over every row); logits: [B, V], a
+        # view, so the padding columns cost nothing. float() is a no-op for float32, and
+        # nothing below writes into raw.
+        raw = logits.float()
+        logits = raw[:, :vocab_size]
         params = [s.params for s in seqs]
         device = logits.device
         plan = draw_plan(params, vocab_size)
         rows = [i for i, p in enumerate(params) if p.has_penalties]
 
-        raw = logits  # what logprobs describe
         held = [
             (i, s.held_ids)
             for i, s in enumerate(seqs)
@@ -418,14 +421,14 @@ class Sampler:
         token_ids = choose_tokens(penalized, columns, plan)
 
         wanted = [p.logprobs for p in params]
-        return PendingSample(token_ids, _logprobs(raw, token_ids, wanted), wanted)
+        return PendingSample(token_ids, _logprobs(raw, token_ids, wanted, vocab_size), wanted)
 
 
 def _logprobs(
-    logits: torch.Tensor, token_ids: torch.Tensor, wanted: list[int | None]
+    logits: torch.Tensor, token_ids: torch.Tensor, wanted: list[int | None], vocab_size: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """Chosen-token [B] and top-n [B, n_max] logprobs (values, ids) of the raw logits, when
-    any row asked (see the module docstring); rows cut their own n on the host."""
+    """Chosen-token [B] and top-n [B, n_max] logprobs (values, ids) of the raw logits [B, V'],
+    when any row asked (see the module docstring); rows cut their own n on the host."""
     if all(n is None for n in wanted):
         return None
-    return raw_logprobs(logits, token_ids, max(n or 0 for n in wanted))
+    return raw_logprobs(logits, token_ids, max(n or 0 for n in wanted), vocab_size)
