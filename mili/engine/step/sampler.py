@@ -383,8 +383,8 @@ class Sampler:
         if any(s.vocab_size != vocab_size for s in seqs):
             raise ValueError(f"not every row's vocab_size is the sampler's {vocab_size}")
         # raw: [B, V'], what logprobs describe (normalized over every row); logits: [B, V], a
-        # view, so the padding columns cost nothing. float() is a no-op for float32, and
-        # nothing below writes into raw.
+        # view, so the padding columns cost nothing (float() is a no-op for float32). A mask,
+        # hold or bias below writes into a copy when logprobs are asked: raw stays raw.
         raw = logits.float()
         logits = raw[:, :vocab_size]
         params = [s.params for s in seqs]
