@@ -69,12 +69,14 @@ class _Elsewhere(Exception):
 
 @dataclass
 class Delta:
-    """What one GenerateResponse carries; the last one has finish_reason and usage set."""
+    """What one GenerateResponse carries; the last one has finish_reason set."""
 
     token_ids: list[int]
     text: str
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per token id, if asked
     finish_reason: FinishReason | None = None
+    # Usage so far, on every delta (the last one's is the request's): the HTTP API's
+    # stream_options.continuous_usage_stats shows it on each chunk
     num_prompt_tokens: int = 0
     num_completion_tokens: int = 0
     # First delta only, when SamplingParams.prompt_logprobs was set (else None): the prompt's
@@ -422,12 +424,9 @@ class Generation:
             elif finish:
                 rest = matcher.push(await text.finish())
                 out += rest.text if rest.is_stopped else rest.text + matcher.flush()
-            if finish:
-                delta = Delta(token_ids, out, logprobs, finish, num_prompt, num_generated)
-            elif token_ids or out:
-                delta = Delta(token_ids, out, logprobs)
-            else:
+            if not (finish or token_ids or out):
                 continue
+            delta = Delta(token_ids, out, logprobs, finish, num_prompt, num_generated)
             if starts_in_reasoning:
                 delta.starts_in_reasoning, starts_in_reasoning = True, False
             if is_first:

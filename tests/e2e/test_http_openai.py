@@ -150,6 +150,51 @@ def test_chat_plain_and_streamed_agree(client: openai.OpenAI, model: str) -> Non
     assert usage_chunk.choices == [] and usage_chunk.usage == plain.usage
 
 
+def test_continuous_usage_counts_the_tokens_streamed_so_far(
+    client: openai.OpenAI, model: str
+) -> None:
+    """vLLM's stream_options.continuous_usage_stats, which guidellm always sends and aiperf
+    --per-chunk-usage reads (the tokens of the chunk that ends TTFT): every chunk carries the
+    usage so far; include_usage is on unless set false, as vLLM reads stream_options. Each
+    token has one logprobs entry, so the count is checked chunk by chunk. It was ignored: no
+    usage but the last chunk's, and none at all without include_usage."""
+    options: Any = {"continuous_usage_stats": True}
+    args: dict[str, Any] = dict(model=model, temperature=0, stream=True, stream_options=options)
+    args["extra_body"] = {"ignore_eos": True}
+    completion = list(client.completions.create(**args, prompt=PROMPT, max_tokens=12, logprobs=0))
+    chat = list(
+        client.chat.completions.create(
+            **args, messages=[{"role": "user", "content": "Hi"}], max_tokens=12, logprobs=True
+        )
+    )
+    role, *chat_chunks = chat
+    assert role.choices[0].delta.role == "assistant"
+    assert role.usage is not None and role.usage.completion_tokens == 0
+    for chunks, num_tokens in (
+        (completion, lambda c: len(c.choices[0].logprobs.tokens)),
+        (chat_chunks, lambda c: len(c.choices[0].logprobs.content or [])),
+    ):
+        *streamed, last = chunks
+        assert last.choices == [] and last.usage is not None
+        assert (last.usage.completion_tokens, last.usage.total_tokens) == (
+            12,
+            last.usage.prompt_tokens + 12,
+        )
+        so_far = 0
+        for chunk in streamed:
+            so_far += num_tokens(chunk)
+            assert chunk.usage is not None
+            assert chunk.usage.prompt_tokens == last.usage.prompt_tokens
+            assert chunk.usage.completion_tokens == so_far
+        assert so_far == 12
+    assert role.usage.prompt_tokens == chat_chunks[-1].usage.prompt_tokens
+
+    off: Any = {"include_usage": False, "continuous_usage_stats": True}
+    args["stream_options"] = off
+    quiet = list(client.completions.create(**args, prompt=PROMPT, max_tokens=3))
+    assert quiet and all(c.usage is None and c.choices for c in quiet)
+
+
 def test_chat_with_thinking_off_greedy_equals_grpc(
     deployment: Deployment, client: openai.OpenAI, model: str
 ) -> None:

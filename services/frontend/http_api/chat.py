@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
@@ -31,7 +32,7 @@ from aiohttp import web
 from mili.errors import Unavailable
 from services.frontend.chat_output import ChatOutput, OutputPiece
 from services.frontend.generations import Generations
-from services.frontend.http_api.choices import Choice, Usage
+from services.frontend.http_api.choices import Choice, Usage, chunk_tail
 from services.frontend.http_api.completions import detokenizer_of
 from services.frontend.http_api.errors import response_of
 from services.frontend.http_api.openai_call import Head, open_call, respond
@@ -81,7 +82,6 @@ class ChatJson:
         # Each chunk is this head, its choices and the tail: one json.dumps per chunk.
         chunk_head = {**self._head, "object": "chat.completion.chunk"}
         self._chunk_head = json.dumps(chunk_head)[:-1] + ', "choices": ['
-        self._chunk_tail = "]" + (', "usage": null}' if request.include_usage else "}")
         self._content_heads = {
             c.index: f'{self._chunk_head}{{"index": {c.index}, "delta": {{"content": '
             for c in choices
@@ -90,7 +90,6 @@ class ChatJson:
             c.index: f'{self._chunk_head}{{"index": {c.index}, "delta": {{"reasoning_content": '
             for c in choices
         }
-        self._plain_tail = '}, "logprobs": null, "finish_reason": null}' + self._chunk_tail
 
     def _split(self, index: int, deltas: list[Delta]) -> OutputPiece:
         """Reasoning, content and calls of these deltas of choice `index`; all that is left
@@ -156,10 +155,12 @@ class ChatJson:
 
     # ---- streamed ----
 
-    def _chunk(self, choice: dict[str, Any]) -> str:
-        return self._chunk_head + json.dumps(choice) + self._chunk_tail
+    def _chunk(self, choice: dict[str, Any], delta: Delta | None) -> str:
+        return self._chunk_head + json.dumps(choice) + chunk_tail(self._request, delta)
 
-    def opening(self) -> list[str]:
+    def opening(self, first: Delta | None = None) -> list[str]:
+        # Sent with the first delta: its prompt tokens, none generated (vLLM's usage there)
+        before = None if first is None else replace(first, num_completion_tokens=0)
         return [
             self._chunk(
                 {
@@ -167,7 +168,8 @@ class ChatJson:
                     "delta": {"role": "assistant", "content": ""},
                     "logprobs": None,
                     "finish_reason": None,
-                }
+                },
+                before,
             )
             for c in self._choices
         ]
@@ -180,12 +182,13 @@ class ChatJson:
             delta.text, is_last, starts_in_reasoning=delta.starts_in_reasoning
         )
         if not is_last and not self._request.is_chat_logprobs and not calls:
+            tail = '}, "logprobs": null, "finish_reason": null}' + chunk_tail(self._request, delta)
             if not reasoning:
                 if not content:
                     return []  # only held-back text (a tag's beginning): nothing to say yet
-                return [self._content_heads[index] + json.dumps(content) + self._plain_tail]
+                return [self._content_heads[index] + json.dumps(content) + tail]
             if not content:
-                return [self._reasoning_heads[index] + json.dumps(reasoning) + self._plain_tail]
+                return [self._reasoning_heads[index] + json.dumps(reasoning) + tail]
         logprobs = self._logprobs([delta]) if delta.token_ids else None
         finish = self._finish(index, [delta])
         if not (reasoning or content or calls or logprobs or finish):
@@ -198,7 +201,7 @@ class ChatJson:
         if calls:
             fields["tool_calls"] = [{"index": c.index, **_call_json(c)} for c in calls]
         choice = {"index": index, "delta": fields, "logprobs": logprobs, "finish_reason": finish}
-        return [self._chunk(choice)]
+        return [self._chunk(choice, delta)]
 
     def closing(self) -> list[str]:
         if not self._request.include_usage:

@@ -14,6 +14,7 @@ error of any choice ends them all.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, replace
@@ -153,10 +154,22 @@ class Usage:
         self._completion_tokens += last.num_completion_tokens
 
     def as_json(self) -> dict[str, int]:
-        prompt = sum(self._prompt_tokens.values())
-        completion = self._completion_tokens
-        return {
-            "prompt_tokens": prompt,
-            "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-        }
+        return usage_json(sum(self._prompt_tokens.values()), self._completion_tokens)
+
+
+def usage_json(num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": num_prompt_tokens,
+        "completion_tokens": num_completion_tokens,
+        "total_tokens": num_prompt_tokens + num_completion_tokens,
+    }
+
+
+def chunk_tail(request: OpenAIRequest, delta: Delta | None) -> str:
+    """What closes a stream chunk after its choices: `"usage": null` with include_usage (the
+    usage comes in a chunk of its own at the end); with continuous_usage_stats, the usage so
+    far of the choice whose `delta` the chunk carries, as vLLM gives it."""
+    if request.is_continuous_usage and delta is not None:
+        usage = usage_json(delta.num_prompt_tokens, delta.num_completion_tokens)
+        return f'], "usage": {json.dumps(usage)}}}'
+    return '], "usage": null}' if request.include_usage else "]}"

@@ -27,7 +27,7 @@ from aiohttp import web
 from mili.engine.stop import FinishReason
 from mili.errors import Unavailable
 from services.frontend.generations import Generations
-from services.frontend.http_api.choices import Choice, Usage
+from services.frontend.http_api.choices import Choice, Usage, chunk_tail
 from services.frontend.http_api.errors import response_of
 from services.frontend.http_api.openai_call import Head, OpenAICall, open_call, respond
 from services.frontend.http_api.openai_logprobs import (
@@ -106,11 +106,9 @@ class CompletionJson:
         self._head = head.json("cmpl", "text_completion")
         # Each chunk is this head, its choices and the tail: one json.dumps per chunk.
         self._chunk_head = json.dumps(self._head)[:-1] + ', "choices": ['
-        self._chunk_tail = "]" + (', "usage": null}' if request.include_usage else "}")
         self._text_heads = {
             c.index: f'{self._chunk_head}{{"index": {c.index}, "text": ' for c in choices
         }
-        self._plain_tail = ', "logprobs": null, "finish_reason": null}' + self._chunk_tail
         self._echo = {c.index: echoes[c.prompt_index] for c in choices} if echoes else {}
         # Streamed with echo and logprobs, a prompt's first choice alone computes the prompt's
         # logprobs (choices.plan); its other choices' deltas are held here until its first
@@ -194,14 +192,18 @@ class CompletionJson:
 
     # ---- streamed ----
 
-    def opening(self) -> list[str]:
+    def opening(self, first: Delta | None = None) -> list[str]:
         return []
 
     def of(self, index: int, delta: Delta) -> list[str]:
         delta = self._shown(delta)
         if delta.finish_reason is None and self._num_top is None and not self._echo:
             # Once per streamed delta: the plain case from a template around its text.
-            return [self._text_heads[index] + json.dumps(delta.text) + self._plain_tail]
+            text = json.dumps(delta.text)
+            tail = chunk_tail(self._request, delta)
+            return [
+                f'{self._text_heads[index]}{text}, "logprobs": null, "finish_reason": null}}{tail}'
+            ]
         prompt_index, nth = divmod(index, self._request.n)
         held = self._held.get(prompt_index)
         if held is not None and nth > 0:  # its prompt's logprobs are still to come
@@ -221,7 +223,7 @@ class CompletionJson:
                 prompt = self._prompt_deltas.setdefault(index // self._request.n, delta)
         text = self._echo.pop(index, "") + delta.text
         choice = self._choice(index, text, [delta], prompt)
-        return self._chunk_head + json.dumps(choice) + self._chunk_tail
+        return self._chunk_head + json.dumps(choice) + chunk_tail(self._request, delta)
 
     def closing(self) -> list[str]:
         if not self._request.include_usage:

@@ -54,6 +54,8 @@ class OpenAIRequest:
     n: int = 1
     is_stream: bool = False
     include_usage: bool = False  # stream_options.include_usage: a last chunk with usage
+    # vLLM's stream_options.continuous_usage_stats: every chunk with the usage so far too
+    is_continuous_usage: bool = False
     echo: bool = False  # completions: the prompt's text before each choice's
     # completions, max_tokens 0 with echo (how lm-eval scores a prompt): the prompt alone, with
     # its logprobs if asked; one token is generated (prefill's) and not returned
@@ -107,6 +109,7 @@ def completion_request(body: Body, window: int | None, client_id: str) -> OpenAI
     echo = body.flag("echo") or False
     logprobs = body.integer("logprobs")
     is_stream = _is_stream(body)
+    include_usage, is_continuous_usage = _usage_options(body)
     prompt_logprobs = _prompt_logprobs(body, is_stream)
     max_tokens = body.integer("max_tokens")
     is_prompt_only = max_tokens == 0 and echo
@@ -147,7 +150,8 @@ def completion_request(body: Body, window: int | None, client_id: str) -> OpenAI
         inputs=tuple(inputs),
         n=n,
         is_stream=is_stream,
-        include_usage=_include_usage(body),
+        include_usage=include_usage,
+        is_continuous_usage=is_continuous_usage,
         echo=echo,
         is_prompt_only=is_prompt_only,
         prompt_logprobs=prompt_logprobs,
@@ -173,6 +177,7 @@ def chat_request(body: Body, window: int | None, client_id: str) -> OpenAIReques
     prompt_logprobs = _prompt_logprobs(body, _is_stream(body))
     if prompt_logprobs is not None:
         sampling = replace(sampling, prompt_logprobs=prompt_logprobs)
+    include_usage, is_continuous_usage = _usage_options(body)
     messages = _messages(body)
     counts = Counts(
         0, len(messages), len(sampling.stop), len(sampling.stop_token_ids), len(sampling.logit_bias)
@@ -202,7 +207,8 @@ def chat_request(body: Body, window: int | None, client_id: str) -> OpenAIReques
         inputs=(chat,),
         n=n,
         is_stream=_is_stream(body),
-        include_usage=_include_usage(body),
+        include_usage=include_usage,
+        is_continuous_usage=is_continuous_usage,
         is_chat_logprobs=is_logprobs,
         prompt_logprobs=prompt_logprobs,
         user=body.text("user"),
@@ -268,13 +274,18 @@ def _prompt_logprobs(body: Body, is_stream: bool) -> int | None:
     return k
 
 
-def _include_usage(body: Body) -> bool:
+def _usage_options(body: Body) -> tuple[bool, bool]:
+    """stream_options as vLLM reads them: (include_usage, continuous_usage_stats). Given
+    stream_options, include_usage is on unless set false (vLLM's default; OpenAI's is off);
+    continuous_usage_stats, a vLLM extra that load generators send (guidellm always, aiperf
+    --per-chunk-usage, to count the tokens of the chunk that ends TTFT), needs it."""
     options = body.object("stream_options")
     if options is None:
-        return False
+        return False, False
     if not _is_stream(body):
         raise InvalidArgument("stream_options", options.data, "only allowed with stream: true")
-    return options.flag("include_usage") or False
+    include_usage = options.flag("include_usage") is not False
+    return include_usage, include_usage and bool(options.flag("continuous_usage_stats"))
 
 
 def _sampling(

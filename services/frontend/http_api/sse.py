@@ -47,9 +47,10 @@ async def start(request: web.Request) -> web.StreamResponse:
 
 
 class Chunks(Protocol):
-    """An endpoint's chunks, as JSON text: what opens the stream, each delta's, what closes it."""
+    """An endpoint's chunks, as JSON text: what opens the stream (sent with the first delta,
+    None when it ended without one), each delta's, what closes it."""
 
-    def opening(self) -> list[str]: ...
+    def opening(self, first: Delta | None) -> list[str]: ...
 
     def of(self, index: int, delta: Delta) -> list[str]: ...
 
@@ -74,7 +75,7 @@ async def serve(
             return response_of(exc, param_of)
         response = await start(request)
         try:
-            for text in chunks.opening():
+            for text in chunks.opening(None if first is None else first[1]):
                 await response.write(event(text))
             if first is not None:
                 await _write(response, chunks, *first, generated_tokens)

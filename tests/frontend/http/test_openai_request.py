@@ -280,7 +280,16 @@ def test_n_best_of_echo_stream_options() -> None:
         "stream_options"
     )
     streamed = completion(prompt="a", stream=True, stream_options={"include_usage": True})
-    assert streamed.is_stream and streamed.include_usage
+    assert streamed.is_stream and streamed.include_usage and not streamed.is_continuous_usage
+    # As vLLM reads stream_options: include_usage on unless set false; continuous_usage_stats
+    # (usage on every chunk) only with it
+    for endpoint, args in ((completion, {"prompt": "a"}), (chat, {})):
+        usage = {"continuous_usage_stats": True}
+        given = endpoint(**args, stream=True, stream_options=usage)
+        assert given.include_usage and given.is_continuous_usage
+        assert endpoint(**args, stream=True, stream_options={}).include_usage
+        off = endpoint(**args, stream=True, stream_options={**usage, "include_usage": False})
+        assert not off.include_usage and not off.is_continuous_usage
 
 
 def test_prompt_logprobs_as_vllm_takes_them() -> None:
