@@ -47,6 +47,7 @@ def merge(deltas: Sequence[Delta]) -> Delta:
         last.finish_reason,
         last.num_prompt_tokens,
         last.num_completion_tokens,
+        last.num_cached_tokens,
         first.prompt_token_ids,  # the prompt's logprobs ride on the generation's first delta
         first.prompt_logprobs,
         first.starts_in_reasoning,  # so does this

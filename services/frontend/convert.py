@@ -198,6 +198,7 @@ def generate_response(
         response.finish_reason = finish_reason_to_proto(delta.finish_reason)
         response.usage.prompt_tokens = delta.num_prompt_tokens
         response.usage.completion_tokens = delta.num_completion_tokens
+        response.usage.cached_prompt_tokens = delta.num_cached_tokens
     return response
 
 
@@ -215,6 +216,7 @@ def complete_response(
             reply.finish_reason = finish_reason_to_proto(delta.finish_reason)
             reply.usage.prompt_tokens = delta.num_prompt_tokens
             reply.usage.completion_tokens = delta.num_completion_tokens
+            reply.usage.cached_prompt_tokens = delta.num_cached_tokens
     text = "".join(d.text for d in deltas)
     if output is None:
         reply.text = text

@@ -79,6 +79,8 @@ class Delta:
     # stream_options.continuous_usage_stats shows it on each chunk
     num_prompt_tokens: int = 0
     num_completion_tokens: int = 0
+    # Last delta only: the prompt tokens prefill took from its prefix cache (not computed)
+    num_cached_tokens: int = 0
     # First delta only, when SamplingParams.prompt_logprobs was set (else None): the prompt's
     # ids (after chat templating) and prompt_logprobs[i - 1] = log p(prompt[i] | prompt[:i]).
     prompt_token_ids: list[int] | None = None
@@ -181,8 +183,7 @@ class Generation:
                 async for delta in deltas:
                     is_finished = delta.finish_reason is not None
                     yield delta
-            if is_finished:
-                await self._await_prefill_reply()
+            if is_finished:  # prefill's reply awaited before the last delta (_stream)
                 reply = self._prefill_reply
                 self._placement.learn_finished(admission, self._output_token_ids, reply)
                 self.served = Served(
@@ -427,6 +428,10 @@ class Generation:
             if not (finish or token_ids or out):
                 continue
             delta = Delta(token_ids, out, logprobs, finish, num_prompt, num_generated)
+            if finish:
+                await self._await_prefill_reply()  # its cache count is the usage's too
+                if self._prefill_reply is not None:
+                    delta.num_cached_tokens = self._prefill_reply.num_cached_tokens
             if starts_in_reasoning:
                 delta.starts_in_reasoning, starts_in_reasoning = True, False
             if is_first:

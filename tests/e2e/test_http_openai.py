@@ -195,6 +195,39 @@ def test_continuous_usage_counts_the_tokens_streamed_so_far(
     assert quiet and all(c.usage is None and c.choices for c in quiet)
 
 
+def test_usage_counts_the_prompt_tokens_found_in_prefills_cache(
+    deployment: Deployment, client: openai.OpenAI, model: str
+) -> None:
+    """usage.prompt_tokens_details.cached_tokens (OpenAI's field, vLLM's with
+    --enable-prompt-tokens-details), which aiperf's prompt-cache metrics read: it was absent
+    (aiperf warned so on every run) though prefill's prefix cache served the prompt. A prompt
+    sent again finds its blocks there; gRPC's Usage.cached_prompt_tokens says the same."""
+    prompt = "A prompt that only this test sends, long enough to fill a few blocks. " * 4
+    args: dict[str, Any] = dict(model=model, prompt=prompt, max_tokens=2, temperature=0)
+    first = client.completions.create(**args)
+    again = client.completions.create(**args)
+    streamed = list(
+        client.completions.create(**args, stream=True, stream_options={"include_usage": True})
+    )
+    request = generation_pb2.CompleteRequest(
+        prompt=prompt, sampling=sampling_pb2.SamplingParams(max_tokens=2, temperature=0)
+    )
+    grpc = deployment.stub().Complete(request, timeout=60).usage
+    assert cached_of(first) == 0
+    cached = cached_of(again)
+    assert again.usage is not None and 0 < cached < again.usage.prompt_tokens
+    assert cached_of(streamed[-1]) == cached == grpc.cached_prompt_tokens
+    assert grpc.prompt_tokens == again.usage.prompt_tokens
+
+
+def cached_of(reply: Any) -> int:
+    """A reply's (or a usage chunk's) usage.prompt_tokens_details.cached_tokens."""
+    assert reply.usage is not None and reply.usage.prompt_tokens_details is not None
+    cached = reply.usage.prompt_tokens_details.cached_tokens
+    assert isinstance(cached, int)
+    return cached
+
+
 def test_chat_with_thinking_off_greedy_equals_grpc(
     deployment: Deployment, client: openai.OpenAI, model: str
 ) -> None:

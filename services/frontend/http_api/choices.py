@@ -18,6 +18,7 @@ import json
 from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, replace
+from typing import Any
 
 from mili.cut import cut_reason
 from mili.errors import InvalidArgument
@@ -141,20 +142,31 @@ async def fan_in(
 
 class Usage:
     """OpenAI's usage: each prompt's tokens once (not once per choice), every choice's
-    completion tokens."""
+    completion tokens; prompt_tokens_details.cached_tokens, the prompt tokens prefill took
+    from its prefix cache (OpenAI's field; vLLM's with --enable-prompt-tokens-details), which
+    aiperf's prompt-cache metrics read."""
 
     def __init__(self, choices: Sequence[Choice]) -> None:
         self._prompt_of = {c.index: c.prompt_index for c in choices}
         self._prompt_tokens: dict[int, int] = {}
+        self._cached_tokens: dict[int, int] = {}
         self._completion_tokens = 0
 
     def add(self, index: int, last: Delta) -> None:
         """A choice's last delta (its usage)."""
-        self._prompt_tokens[self._prompt_of[index]] = last.num_prompt_tokens
+        prompt = self._prompt_of[index]
+        self._prompt_tokens[prompt] = last.num_prompt_tokens
+        # Each choice runs its prompt on its own: counted as cached, what all of them found
+        cached = self._cached_tokens.get(prompt, last.num_cached_tokens)
+        self._cached_tokens[prompt] = min(cached, last.num_cached_tokens)
         self._completion_tokens += last.num_completion_tokens
 
-    def as_json(self) -> dict[str, int]:
-        return usage_json(sum(self._prompt_tokens.values()), self._completion_tokens)
+    def as_json(self) -> dict[str, Any]:
+        usage: dict[str, Any] = usage_json(
+            sum(self._prompt_tokens.values()), self._completion_tokens
+        )
+        usage["prompt_tokens_details"] = {"cached_tokens": sum(self._cached_tokens.values())}
+        return usage
 
 
 def usage_json(num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, int]:

@@ -101,8 +101,17 @@ def test_chat_started_in_reasoning_splits_whole_and_streamed_alike() -> None:
 def test_usage_counts_each_prompt_once_and_every_choice() -> None:
     completion = CompletionJson(request(), choices(2, 2), HEAD, ["A", "B"], None)
     deltas = {i: deltas_cut("ab", [1]) for i in range(4)}  # 4 prompt tokens, 2 generated each
+    # Prompt A's choices found 3 and 2 of its tokens in prefill's cache, B's 1 and 0: what all
+    # of a prompt's choices found counts, once per prompt
+    for i, cached in enumerate([3, 2, 1, 0]):
+        deltas[i][-1].num_cached_tokens = cached
     reply = json.loads(completion.whole(deltas))
-    assert reply["usage"] == {"prompt_tokens": 8, "completion_tokens": 8, "total_tokens": 16}
+    assert reply["usage"] == {
+        "prompt_tokens": 8,
+        "completion_tokens": 8,
+        "total_tokens": 16,
+        "prompt_tokens_details": {"cached_tokens": 2},
+    }
     assert [c["text"] for c in reply["choices"]] == ["Aab", "Aab", "Bab", "Bab"]  # echo
     assert reply["id"] == "cmpl-r1" and reply["object"] == "text_completion"
 
@@ -135,7 +144,12 @@ def test_prompt_only_hides_the_token_run_to_get_there(is_stream: bool) -> None:
         (choice,) = reply["choices"]
         text, finish, usage = choice["text"], choice["finish_reason"], reply["usage"]
     assert (text, finish) == ("P", "length")
-    assert usage == {"prompt_tokens": 4, "completion_tokens": 0, "total_tokens": 4}
+    assert usage == {
+        "prompt_tokens": 4,
+        "completion_tokens": 0,
+        "total_tokens": 4,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
 
 
 async def stream(name: str, n: int, closed: list[str], fail: bool = False) -> AsyncGenerator[Delta]:

@@ -98,7 +98,12 @@ def test_a_finished_stream_with_usage() -> None:
     parsed = [json.loads(c.removeprefix(b"data: ")) for c in chunks]
     assert [c["choices"][0]["text"] for c in parsed[:-1]] == ["a", "b"]
     assert parsed[-2]["choices"][0]["finish_reason"] == "length"
-    assert parsed[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert parsed[-1]["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 2,
+        "total_tokens": 5,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
 
 
 def test_a_stream_ended_by_an_error_counts_under_its_status() -> None:

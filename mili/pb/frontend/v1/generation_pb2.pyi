@@ -89,12 +89,14 @@ class GenerateResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_sampling_pb2.Logprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[_sampling_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_sampling_pb2.Logprobs, _Mapping]]] = ..., reasoning_text: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[_chat_pb2.ToolCall, _Mapping]]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
+    cached_prompt_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class CompleteRequest(_message.Message):
     __slots__ = ("request_id", "prompt", "messages", "token_ids", "sampling", "enable_thinking", "allow_special_tokens", "tools", "tool_choice", "parallel_tool_calls")
