@@ -7,9 +7,10 @@
 
 Streamed: a `chat.completion.chunk` per choice with `delta.role` first, then content, reasoning
 and tool-call deltas, the last with finish_reason; a usage chunk (no choices) with
-stream_options.include_usage. Qwen3's thinking (`<think>...</think>`) goes to
-`reasoning_content`, never to `content`, however the text was cut; it is null when the model
-did not think (as vLLM has it). With tools offered (tool_choice not none), each
+stream_options.include_usage (with continuous_usage_stats, every chunk has its choice's so
+far). Qwen3's thinking (`<think>...</think>`) goes to `reasoning_content`, never to
+`content`, however the text was cut; it is null when the model did not think (as vLLM has
+it). With tools offered (tool_choice not none), each
 `<tool_call>` block becomes one entry of `message.tool_calls` ({id, type: function,
 function: {name, arguments: JSON text}}; streamed whole in one `delta.tool_calls` entry with its
 index), and a generation that stopped after calls ends in finish_reason `tool_calls`; content
