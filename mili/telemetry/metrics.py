@@ -30,6 +30,7 @@ counters moved at most once per step or per response message, and gauges that mi
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from wsgiref.types import StartResponse, WSGIApplication, WSGIEnvironment
 
 from prometheus_client import (
     CollectorRegistry,
@@ -37,6 +38,7 @@ from prometheus_client import (
     Gauge,
     Histogram,
     ProcessCollector,
+    make_wsgi_app,
     start_http_server,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -63,6 +65,7 @@ class MetricsServer:
 
     def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
         self._httpd, self._thread = start_http_server(port, addr=host, registry=registry)
+        self._httpd.set_app(_head_as_get(make_wsgi_app(registry)))
         self.host = host
         self.port: int = self._httpd.server_port  # the bound one when `port` was 0
 
@@ -74,6 +77,31 @@ class MetricsServer:
         self._httpd.shutdown()
         self._httpd.server_close()
         self._thread.join(timeout=5.0)
+
+
+def _head_as_get(app: WSGIApplication) -> WSGIApplication:
+    """`app` answering HEAD as it answers GET, without the body. prometheus_client answers HEAD
+    with a 405 and a body, which HTTP forbids: a client that checks the URL with HEAD before it
+    scrapes (aiperf's --server-metrics probe, on aiohttp) takes that for a broken response and
+    drops the endpoint, never trying GET."""
+
+    def answer(environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
+        if environ.get("REQUEST_METHOD") != "HEAD":
+            return app(environ, start_response)
+        got: list[tuple[str, list[tuple[str, str]]]] = []
+
+        def keep(
+            status: str, headers: list[tuple[str, str]], exc_info: object = None
+        ) -> Callable[[bytes], object]:
+            got.append((status, headers))
+            return len  # WSGI's write(): unused, prometheus_client returns its body
+
+        body = b"".join(app({**environ, "REQUEST_METHOD": "GET"}, keep))
+        status, headers = got[0]
+        start_response(status, [*headers, ("Content-Length", str(len(body)))])
+        return [b""]  # the GET's length, none of its bytes
+
+    return answer
 
 
 def _callback_gauge(registry: CollectorRegistry, name: str, documentation: str, read: Read) -> None:

@@ -5,6 +5,7 @@ exactly what it did, and an invalid request is counted under its status. Without
 
 from __future__ import annotations
 
+import asyncio
 import re
 import shutil
 import subprocess
@@ -14,13 +15,16 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import aiohttp
 import grpc
 import pytest
+from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.parser import text_string_to_metric_families
 
 from mili.pb.common.v1 import sampling_pb2
 from mili.pb.frontend.v1 import generation_pb2, generation_pb2_grpc
 from mili.pb.prefill.v1 import prefill_pb2, prefill_pb2_grpc
+from mili.telemetry.metrics import MetricsServer
 from tests.service_process import ServiceProcess
 
 # A sample's name plus its labels, e.g. ("mili_requests_total", (("grpc_method", ...), ...)).
@@ -329,3 +333,28 @@ def test_metrics_listen_only_when_asked(demo_model_dir: Path, with_metrics: bool
         assert not any(name == "mili_requests_total" for name, _ in samples)
     finally:
         assert service.terminate() == 0, service.stderr
+
+
+def test_head_is_answered_as_get_without_the_body() -> None:
+    """aiperf's --server-metrics probe (aiohttp, one session): HEAD, then GET only where HEAD
+    did not answer 200. prometheus_client answered HEAD with a 405 and a body, which aiohttp
+    rejects as a broken response ("Data after `Connection: close`"), so aiperf dropped every
+    MILI metrics endpoint it was given."""
+    registry = CollectorRegistry()
+    Counter("mili_probes", "HEAD probes", registry=registry).inc()
+    server = MetricsServer(registry, "127.0.0.1", 0)
+
+    async def probe() -> tuple[int, bytes, str, str, bytes]:
+        async with aiohttp.ClientSession() as session:
+            async with session.head(server.url, allow_redirects=False) as head:
+                status, head_body = head.status, await head.read()
+                length = head.headers["Content-Length"]
+            async with session.get(server.url) as get:
+                return status, head_body, length, get.headers["Content-Length"], await get.read()
+
+    try:
+        status, head_body, head_length, get_length, body = asyncio.run(probe())
+    finally:
+        server.close()
+    assert (status, head_body, head_length) == (200, b"", get_length)
+    assert b"mili_probes_total 1.0" in body
