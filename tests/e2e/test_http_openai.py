@@ -271,6 +271,27 @@ def test_completion_logprobs_equal_grpc(
     assert offsets == sorted(offsets)
 
 
+def test_completion_logprobs_true_is_one_as_vllm_takes_it(
+    client: openai.OpenAI, model: str
+) -> None:
+    """evalscope perf --logprobs sends the chat API's `"logprobs": true` to /v1/completions as
+    well; vLLM reads it as 1. It was a 400 here, and evalscope stopped at its connection test."""
+    args: dict[str, Any] = {"model": model, "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+    one = client.completions.create(**args, logprobs=1).choices[0].logprobs
+    assert one is not None and one.top_logprobs
+    asked = {"logprobs": True}
+    whole = client.completions.create(**args, extra_body=asked).choices
+    streamed = client.completions.create(**args, stream=True, extra_body=asked)
+    for choices in (whole, [c for chunk in streamed for c in chunk.choices]):
+        pieces = [c.logprobs for c in choices if c.logprobs is not None]
+        chosen = [lp for p in pieces for lp in p.token_logprobs or []]
+        assert chosen == pytest.approx(one.token_logprobs)
+        tops = [sorted(t) for p in pieces for t in p.top_logprobs or []]
+        assert tops == [sorted(t) for t in one.top_logprobs]  # the tokens: 1 or 2 each
+    none = client.completions.create(**args, extra_body={"logprobs": False})
+    assert none.choices[0].logprobs is None
+
+
 @pytest.mark.parametrize("is_stream", [False, True])
 def test_echo_with_logprobs_gives_the_prompts_logprobs(
     deployment: Deployment, client: openai.OpenAI, model: str, is_stream: bool

@@ -107,7 +107,7 @@ def completion_request(body: Body, window: int | None, client_id: str) -> OpenAI
     if best_of is not None and best_of != n:
         raise InvalidArgument("best_of", best_of, f"not supported unless equal to n ({n})")
     echo = body.flag("echo") or False
-    logprobs = body.integer("logprobs")
+    logprobs = _completion_logprobs(body)
     is_stream = _is_stream(body)
     include_usage, is_continuous_usage = _usage_options(body)
     prompt_logprobs = _prompt_logprobs(body, is_stream)
@@ -343,6 +343,17 @@ def _min_tokens(body: Body) -> int:
     """min_tokens (vLLM's extra): unset is 0; the range is SamplingParams'."""
     n = body.integer("min_tokens")
     return 0 if n is None else n
+
+
+def _completion_logprobs(body: Body) -> int | None:
+    """A completion's logprobs k. `true` is 1, as vLLM's pydantic reads a boolean there (evalscope
+    perf --logprobs sends the chat API's `true` to both endpoints); `false` asks for none, as in
+    the chat API."""
+    if body.raw("logprobs") is True:
+        return 1
+    if body.raw("logprobs") is False:
+        return None
+    return body.integer("logprobs")
 
 
 def _seed(body: Body) -> int | None:

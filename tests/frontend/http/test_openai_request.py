@@ -154,6 +154,15 @@ def test_max_tokens_zero_only_with_echo_and_then_the_prompt_alone() -> None:
     )
 
 
+def test_a_completions_boolean_logprobs_reads_as_vllm_reads_it() -> None:
+    """evalscope perf --logprobs sends `"logprobs": true` to /v1/completions too; vLLM's
+    pydantic takes it as 1, so it asks for the sampled token's logprob and the top one; false
+    asks for none. Any other non-integer is still the caller's error."""
+    assert completion(prompt="a", logprobs=True).inputs[0].sampling.logprobs == 1
+    assert completion(prompt="a", logprobs=False).inputs[0].sampling.logprobs is None
+    assert param_of_failure(completion, prompt="a", logprobs="1") == "logprobs"
+
+
 def test_chat_names_its_own_parameters() -> None:
     assert validation_param(chat(logprobs=True, top_logprobs=25)) == "top_logprobs"
     assert validation_param(chat(max_tokens=5000)) == "max_tokens"
