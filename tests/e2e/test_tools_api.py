@@ -198,7 +198,7 @@ def test_bad_tools_are_400_naming_the_parameter(
         chat(client, tools=[TOOL], tool_choice={"type": "function", "function": {"name": "nope"}})
     assert bad.value.param == "tool_choice"
     with pytest.raises(openai.BadRequestError) as bad:
-        chat(client, tools=[TOOL], tool_choice="required", response_format={"type": "json_object"})
+        chat(client, tools=[TOOL], tool_choice="required", extra_body={"guided_json": WEATHER})
     assert bad.value.param == "tool_choice"
     with pytest.raises(grpc.RpcError) as failed:
         grpc_complete(pipeline, tools=[chat_pb2.Tool(name="f", parameters="[1]")])
@@ -277,6 +277,53 @@ def test_forced_tool_choice_always_gives_a_valid_call(
     )
     assert whole.tool_calls and whole.text == "" and whole.finish_reason == 1  # STOP
     jsonschema.validate(json.loads(whole.tool_calls[0].arguments), WEATHER)
+
+
+@pytest.mark.parametrize("tool_choice", ["required", "named"])
+def test_a_response_format_beside_a_forced_tool_choice_still_gives_calls(
+    client: openai.OpenAI, tool_choice: str
+) -> None:
+    """openai-agents sends an agent's output type as response_format with every turn, its
+    forced tool calls (ModelSettings tool_choice "required") included; OpenAI and vLLM answer
+    that turn with calls (the format shapes content, and there is none). This body is the one
+    openai-agents 0.20 sent; a bad response_format is still a 400 naming it."""
+    choice: Any = tool_choice
+    if tool_choice == "named":
+        choice = {"type": "function", "function": {"name": "get_weather"}}
+    answer = {
+        "type": "object",
+        "properties": {
+            "city": {"maxLength": 8, "title": "City", "type": "string"},
+            "temp": {"maximum": 50, "minimum": -50, "title": "Temp", "type": "integer"},
+        },
+        "required": ["city", "temp"],
+        "title": "Answer",
+        "additionalProperties": False,
+    }
+    output_type = {
+        "type": "json_schema",
+        "json_schema": {"name": "final_output", "strict": True, "schema": answer},
+    }
+    tool = {"type": "function", "function": {**TOOL["function"], "strict": True}}
+    args: dict[str, Any] = {
+        "messages": [{"content": "use tools", "role": "system"}, *ASK],
+        "tools": [tool],
+        "tool_choice": choice,
+        "response_format": output_type,
+        "max_tokens": 200,
+        "extra_body": {"chat_template_kwargs": {"enable_thinking": False}},
+    }
+    (whole,) = chat(client, **args).choices
+    assert whole.finish_reason == "tool_calls" and whole.message.content is None
+    (call,) = whole.message.tool_calls
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+    chunks = list(chat(client, stream=True, **args))
+    streamed = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or []]
+    assert [t.function.arguments for t in streamed] == [call.function.arguments]
+    with pytest.raises(openai.BadRequestError) as bad:
+        chat(client, **{**args, "response_format": {"type": "json_schema", "json_schema": {}}})
+    assert bad.value.param == "response_format.json_schema.schema"
 
 
 def test_parameters_without_a_type_still_give_calls(client: openai.OpenAI) -> None:

@@ -12,9 +12,12 @@
                          "json_object": true}                               of the guided_* ones)
 
 One constraint per request: two of these at once (say response_format and guided_regex), or
-two keys of structured_outputs, are refused naming the second; so is one of them with
+two keys of structured_outputs, are refused naming the second; so is a vLLM one with
 tool_choice required or a named function, which is enforced by a constraint of its own
-(services/frontend/tool_grammar.py). `strict` is accepted either way: a schema is always
+(services/frontend/tool_grammar.py). A response_format there is checked but not applied: it
+shapes the answer's content, and that answer is calls alone, so there is nothing to shape (as
+OpenAI and vLLM take it: agent libraries send an agent's output type with every turn, its
+forced tool calls included). `strict` is accepted either way: a schema is always
 enforced, and a keyword the grammar engine would not enforce is refused, never ignored.
 Sizes are checked here (mili.engine.constraint.spec.validate), so a schema over the limits is a
 400 naming its parameter before anything runs; compile errors come from prefill and decode.
@@ -73,13 +76,14 @@ def constraint_of(body: Body, tool_choice: ToolChoice | None = None) -> Requeste
         raise InvalidArgument(second, body.raw(second.split(".")[0]), reason)
     if not found:
         return None
-    if tool_choice is not None and tool_choice.is_forced:
-        reason = (
-            f"tool_choice {tool_choice.mode} is enforced with a constraint of its own; "
-            f"drop {found[0].param} or use tool_choice auto"
-        )
-        raise InvalidArgument("tool_choice", tool_choice.mode, reason)
     requested = found[0]
+    forced = tool_choice if tool_choice is not None and tool_choice.is_forced else None
+    if forced is not None and requested.param != "response_format":
+        reason = (
+            f"tool_choice {forced.mode} is enforced with a constraint of its own; "
+            f"drop {requested.param} or use tool_choice auto"
+        )
+        raise InvalidArgument("tool_choice", forced.mode, reason)
     try:
         validate(requested.constraint)
     except InvalidArgument as err:
@@ -90,7 +94,7 @@ def constraint_of(body: Body, tool_choice: ToolChoice | None = None) -> Requeste
             for v in err.violations
         ]
         raise InvalidArgument.many(violations) from None
-    return requested
+    return None if forced is not None else requested
 
 
 def _response_format(response_format: Body) -> Constraint | None:
