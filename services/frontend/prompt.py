@@ -115,7 +115,7 @@ def check_input_chars(request: ValidRequest, max_input_chars: int) -> None:
     if max_input_chars and num_chars > max_input_chars:
         raise InvalidArgument(
             request.prompt_field,
-            f"{num_chars} characters",
+            Summary(plural(num_chars, "character")),
             f"longer than the tokenizer's limit of {max_input_chars} characters",
         )
 

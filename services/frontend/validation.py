@@ -229,7 +229,7 @@ def validate(
     if len(request.client_request_id) > MAX_CLIENT_REQUEST_ID_CHARS:
         bad(
             "request_id",
-            f"{len(request.client_request_id)} characters",
+            Summary(plural(len(request.client_request_id), "character")),
             f"longer than {MAX_CLIENT_REQUEST_ID_CHARS} characters",
         )
     prompt_field = _check_input(request, bad)
@@ -356,7 +356,7 @@ def _check_stops(s: SamplingInput, bad: Bad) -> None:
         if len(stop) > MAX_STOP_CHARS:
             bad(
                 f"sampling.stop[{i}]",
-                f"{len(stop)} characters",
+                Summary(plural(len(stop), "character")),
                 f"longer than {MAX_STOP_CHARS} characters",
             )
 

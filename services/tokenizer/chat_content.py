@@ -32,7 +32,8 @@ from typing import NamedTuple
 
 from tokenizers import Encoding
 
-from mili.errors import InvalidArgument
+from mili.errors import InvalidArgument, Summary
+from mili.plural import plural
 from services.tokenizer.chat_template import Message
 from services.tokenizer.tools import Tool
 
@@ -96,7 +97,7 @@ class ContentGuard:
             if marker in restored:  # the template cut a marker in two (sliced the content)
                 raise InvalidArgument(
                     "messages",
-                    f"{len(messages)} messages",
+                    Summary(plural(len(messages), "message")),
                     "the chat template does not keep the special-token strings of this "
                     "content whole; remove them, or set allow_special_tokens",
                 )

@@ -8,9 +8,10 @@ from dataclasses import dataclass
 
 import grpc
 
-from mili.errors import InvalidArgument
+from mili.errors import InvalidArgument, Summary
 from mili.pb.common.v1 import chat_pb2, sampling_pb2
 from mili.pb.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from mili.plural import plural
 from mili.rpc.policy import REQUEST_FIELDS_BYTES, Policy, uint32s_bytes
 from mili.rpc.server import RpcServer
 from mili.text.detokenizer import IncrementalDetokenizer
@@ -93,7 +94,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
         if num_chars > self._limits.max_input_chars:
             raise InvalidArgument(
                 field,
-                f"{num_chars} characters",
+                Summary(plural(num_chars, "character")),
                 f"longer than the limit of {self._limits.max_input_chars} characters",
             )
 
@@ -114,7 +115,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
             if request.text:
                 raise InvalidArgument(
                     "text",
-                    f"{len(request.text)} characters",
+                    Summary(plural(len(request.text), "character")),
                     "set either text or messages, not both",
                 )
             self._check_count("tools", len(request.tools), "tools")

@@ -124,7 +124,9 @@ def test_an_admission_over_its_size_or_the_context_is_refused_before_conversion(
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 await client.generate(long, timeout=10).read()
             assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT
-            assert "longer than the model's context of 256 tokens" in (caught.value.details() or "")
+            assert caught.value.details() == (
+                "prompt_token_ids: longer than the model's context of 256 tokens (got 257 ids)"
+            )
             assert time.monotonic() - started < 5
             after = await client.info()
             assert after.num_free_blocks == before.num_free_blocks

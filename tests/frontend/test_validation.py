@@ -269,13 +269,27 @@ def test_text_over_the_tokenizers_limit_is_refused_before_tokenizing() -> None:
     check_input_chars(check(RequestInput(prompt="x" * 10)), max_input_chars=10)
     with pytest.raises(InvalidArgument) as info:
         check_input_chars(check(RequestInput(prompt="x" * 11)), max_input_chars=10)
-    assert fields_of(info.value) == ["prompt"] and "10 characters" in str(info.value)
+    # The count is quoted as a count, not as a string the caller never sent.
+    assert str(info.value) == (
+        "prompt: longer than the tokenizer's limit of 10 characters (got 11 characters)"
+    )
     turns = (ChatTurn("user", "abcdef"), ChatTurn("assistant", "ghij", reasoning_content="k"))
     with pytest.raises(InvalidArgument) as info:
         check_input_chars(check(RequestInput(messages=turns)), max_input_chars=10)
     assert fields_of(info.value) == ["messages"] and "11 characters" in str(info.value)
     check_input_chars(check(RequestInput(prompt="x" * 11)), max_input_chars=0)  # unknown: sent
     check_input_chars(check(RequestInput(token_ids=(1,) * 50)), max_input_chars=10)  # no text
+
+
+def test_a_long_request_id_and_stop_string_are_quoted_by_their_lengths() -> None:
+    request = RequestInput(prompt="Hello", client_request_id="r" * 257)
+    request = dataclasses.replace(request, sampling=SamplingInput(stop=("s" * 300,)))
+    with pytest.raises(InvalidArgument) as info:
+        check(request)
+    assert [v.description for v in info.value.violations] == [
+        "longer than 256 characters (got 257 characters)",
+        "longer than 256 characters (got 300 characters)",
+    ]
 
 
 def test_lists_longer_than_any_valid_request_are_refused_by_their_counts() -> None:

@@ -26,7 +26,8 @@ from typing import Any
 
 from mili.engine.constraint.spec import KINDS, field_of
 from mili.engine.sampling_params import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
-from mili.errors import FieldViolation, InvalidArgument
+from mili.errors import FieldViolation, InvalidArgument, Summary
+from mili.plural import plural
 from services.frontend.http_api import openai_tools
 from services.frontend.http_api.body import Body, is_int
 from services.frontend.http_api.errors import ParamOf
@@ -325,7 +326,7 @@ def _logit_bias(body: Body) -> tuple[tuple[int, float], ...]:
     if len(bias.data) > MAX_LOGIT_BIAS:
         raise InvalidArgument(
             "logit_bias",
-            f"{len(bias.data)} items",
+            Summary(plural(len(bias.data), "item")),
             f"more entries than this server's limit of {MAX_LOGIT_BIAS}",
         )
     pairs = []
