@@ -19,9 +19,9 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	touch $@
 
 node_modules/.installed: package.json package-lock.json
-	# npm ci rejects the lock file over optional per-platform buf packages (npm 11); the
-	# version is pinned exactly in package.json, so a no-save install is reproducible.
-	npm install --no-save --no-audit --no-fund --loglevel=error
+	# Exactly the lock file's packages (it lists buf's binary for every platform, as npm ci
+	# needs): buf for the protos, grpc-js and proto-loader for the Node client test.
+	npm ci --no-audit --no-fund --loglevel=error
 	touch $@
 
 setup: $(VENV)/.installed node_modules/.installed
@@ -49,7 +49,7 @@ lint: $(VENV)/.installed
 typecheck: $(VENV)/.installed
 	$(VENV)/bin/mypy
 
-pytest: $(VENV)/.installed kernels
+pytest: $(VENV)/.installed node_modules/.installed kernels
 	$(VENV)/bin/pytest -q
 
 test: check-protos lint typecheck pytest
