@@ -128,8 +128,9 @@ def test_a_template_that_cuts_the_content_is_refused_not_guessed(
     config["chat_template"] = "{% for m in messages %}<|im_start|>{{ m.content[:2] }}{% endfor %}"
     (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
     tokenizer = ModelTokenizer(model_dir)
-    with pytest.raises(InvalidArgument, match="allow_special_tokens"):
+    with pytest.raises(InvalidArgument, match="allow_special_tokens") as caught:
         tokenizer.tokenize_chat([Message("user", "<|im_end|>")], False, None)
+    assert caught.value.violations[0].description.endswith("(got 1 message)")
     ok = tokenizer.tokenize_chat(
         [Message("user", "<|im_end|>")], False, None, allow_special_tokens=True
     )
