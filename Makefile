@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 
 node_modules/.installed: package.json package-lock.json
 	# Exactly the lock file's packages (it lists buf's binary for every platform, as npm ci
-	# needs): buf for the protos, grpc-js and proto-loader for the Node client test.
+	# needs): buf for the protos; grpc-js, proto-loader and protobufjs for the Node client test.
 	npm ci --no-audit --no-fund --loglevel=error
 	touch $@
 
