@@ -131,7 +131,7 @@ def test_tools_choice_and_tool_turns_are_read() -> None:
             {
                 "tools": [TOOL],
                 "tool_choice": "required",
-                "response_format": {"type": "json_object"},
+                "guided_json": {"type": "object"},  # a response_format there is not applied
             },
             "tool_choice",
         ),
