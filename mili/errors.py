@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mili.plural import plural
+
 
 class MiliError(Exception):
     """Base of every error a caller should see as a gRPC status other than INTERNAL."""
@@ -27,14 +29,18 @@ class FieldViolation:
         return cls(field, f"{reason} (got {_show(value)})")
 
 
-class Summary(str):
-    """What a value too large to quote is said as (`3000000 tokens`, `<70000 bytes>`): shown
-    as it is, where a value is quoted (`got 3000000 tokens`, not a string `'3000000 tokens'`
-    the caller never sent)."""
+def count_of(num: int, noun: str) -> object:
+    """What a value too large to quote is said as, its size: quoted as `got 3000000 tokens`,
+    not as a string `'3000000 tokens'` the caller never sent."""
+    return _Count(plural(num, noun))
+
+
+class _Count(str):
+    """A count_of: shown as it is where a value is quoted."""
 
 
 def _show(value: object, limit: int = 80) -> str:
-    text = value if isinstance(value, Summary) else repr(value)
+    text = value if isinstance(value, _Count) else repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 

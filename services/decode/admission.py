@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 
 from mili.engine.constraint.compiler import compile_for
-from mili.errors import DeadlineExceeded, InvalidArgument, Summary
+from mili.errors import DeadlineExceeded, InvalidArgument, count_of
 from mili.pb.decode.v1 import decode_pb2
 from mili.pb.kv.v1 import kv_pb2
 from mili.plural import plural
@@ -47,7 +47,7 @@ class Admission:
         if num_prompt_tokens > inst.max_context_tokens:
             raise InvalidArgument(
                 "prompt_token_ids",
-                Summary(plural(num_prompt_tokens, "id")),
+                count_of(num_prompt_tokens, "id"),
                 f"longer than the model's context of {inst.max_context_tokens} tokens",
             )
         prompt = list(request.prompt_token_ids)

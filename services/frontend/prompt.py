@@ -13,7 +13,7 @@ from dataclasses import replace
 from typing import Any
 
 from mili.engine.sampling_params import SamplingParams
-from mili.errors import FieldViolation, InvalidArgument, Summary, Unavailable
+from mili.errors import FieldViolation, InvalidArgument, Unavailable, count_of
 from mili.plural import plural
 from services.frontend import tools as tool_checks
 from services.frontend.calls import Deadline, Downstream, Prompt, Tokenized, TokenizerFacts
@@ -115,7 +115,7 @@ def check_input_chars(request: ValidRequest, max_input_chars: int) -> None:
     if max_input_chars and num_chars > max_input_chars:
         raise InvalidArgument(
             request.prompt_field,
-            Summary(plural(num_chars, "character")),
+            count_of(num_chars, "character"),
             f"longer than the tokenizer's limit of {max_input_chars} characters",
         )
 
@@ -162,14 +162,14 @@ def fit_context(
     if max_prompt_tokens is not None and num_prompt_tokens > max_prompt_tokens:
         raise InvalidArgument(
             prompt_field,
-            Summary(plural(num_prompt_tokens, "token")),
+            count_of(num_prompt_tokens, "token"),
             f"too long: prefill accepts at most {max_prompt_tokens} prompt tokens",
         )
     room = max_context_tokens - num_prompt_tokens
     if room < 1:
         raise InvalidArgument(
             prompt_field,
-            Summary(plural(num_prompt_tokens, "token")),
+            count_of(num_prompt_tokens, "token"),
             f"too long: the context window is {max_context_tokens} tokens, and the prompt "
             "must leave room for at least one generated token",
         )

@@ -32,8 +32,7 @@ from mili.engine.sampling_params import (
     OPTIONAL_FIELDS,
     SamplingParams,
 )
-from mili.errors import FieldViolation, InvalidArgument, Summary
-from mili.plural import plural
+from mili.errors import FieldViolation, InvalidArgument, count_of
 from services.frontend import tools as tool_checks
 from services.frontend.tool_grammar import tool_call_constraint
 from services.frontend.tools import AUTO, FunctionTool, ToolCallInput, ToolChoice
@@ -164,7 +163,7 @@ def check_counts(counts: Counts, max_context_tokens: int | None) -> None:
         if count > limit:
             if field.startswith("sampling."):
                 reason = f"{reason} this server's limit of {limit}"
-            violations.append(FieldViolation.of(field, Summary(plural(count, "item")), reason))
+            violations.append(FieldViolation.of(field, count_of(count, "item"), reason))
     raise_if_any(violations)
 
 
@@ -229,7 +228,7 @@ def validate(
     if len(request.client_request_id) > MAX_CLIENT_REQUEST_ID_CHARS:
         bad(
             "request_id",
-            Summary(plural(len(request.client_request_id), "character")),
+            count_of(len(request.client_request_id), "character"),
             f"longer than {MAX_CLIENT_REQUEST_ID_CHARS} characters",
         )
     prompt_field = _check_input(request, bad)
@@ -356,7 +355,7 @@ def _check_stops(s: SamplingInput, bad: Bad) -> None:
         if len(stop) > MAX_STOP_CHARS:
             bad(
                 f"sampling.stop[{i}]",
-                Summary(plural(len(stop), "character")),
+                count_of(len(stop), "character"),
                 f"longer than {MAX_STOP_CHARS} characters",
             )
 

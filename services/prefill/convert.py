@@ -9,10 +9,9 @@ with BadRequest details.
 from __future__ import annotations
 
 from mili.engine.kv.block_pool import blocks_needed, max_cached_blocks
-from mili.errors import FieldViolation, InvalidArgument, Summary
+from mili.errors import FieldViolation, InvalidArgument, count_of
 from mili.pb.common.v1 import sampling_pb2
 from mili.pb.prefill.v1 import prefill_pb2
-from mili.plural import plural
 from mili.rpc.policy import MAX_REQUEST_ID_CHARS
 from mili.rpc.sampling import logprobs_to_proto, sampling_params
 from services.prefill.sender import TransferResult, logprobs
@@ -44,7 +43,7 @@ def prefill_task(
     elif num_tokens > max_prompt_tokens:
         bad(
             "prompt_token_ids",
-            Summary(plural(num_tokens, "token")),
+            count_of(num_tokens, "token"),
             f"longer than this instance's max_prompt_tokens {max_prompt_tokens}",
         )
     else:

@@ -63,7 +63,7 @@ from typing import NamedTuple
 from mili.arith import ceil_div
 from mili.engine.kv.block_pool import BlockPool, blocks_needed, max_cached_blocks
 from mili.engine.kv.prefix_cache import PrefixCache
-from mili.errors import InvalidArgument, ResourceExhausted, Summary
+from mili.errors import InvalidArgument, ResourceExhausted, count_of
 from mili.plural import plural
 
 
@@ -238,7 +238,7 @@ class Scheduler:
         if not 0 < num_tokens <= self.max_prompt_tokens():
             raise InvalidArgument(
                 "token_ids",
-                Summary(plural(num_tokens, "token")),
+                count_of(num_tokens, "token"),
                 f"must be 1 to {self.max_prompt_tokens()} tokens on this instance",
             )
         if self.num_queued_tokens + num_tokens > self.max_queued_tokens:

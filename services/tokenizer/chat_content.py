@@ -32,8 +32,7 @@ from typing import NamedTuple
 
 from tokenizers import Encoding
 
-from mili.errors import InvalidArgument, Summary
-from mili.plural import plural
+from mili.errors import InvalidArgument, count_of
 from services.tokenizer.chat_template import Message
 from services.tokenizer.tools import Tool
 
@@ -97,7 +96,7 @@ class ContentGuard:
             if marker in restored:  # the template cut a marker in two (sliced the content)
                 raise InvalidArgument(
                     "messages",
-                    Summary(plural(len(messages), "message")),
+                    count_of(len(messages), "message"),
                     "the chat template does not keep the special-token strings of this "
                     "content whole; remove them, or set allow_special_tokens",
                 )

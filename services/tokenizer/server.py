@@ -8,10 +8,9 @@ from dataclasses import dataclass
 
 import grpc
 
-from mili.errors import InvalidArgument, Summary
+from mili.errors import InvalidArgument, count_of
 from mili.pb.common.v1 import chat_pb2, sampling_pb2
 from mili.pb.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
-from mili.plural import plural
 from mili.rpc.policy import REQUEST_FIELDS_BYTES, Policy, uint32s_bytes
 from mili.rpc.server import RpcServer
 from mili.text.detokenizer import IncrementalDetokenizer
@@ -94,7 +93,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
         if num_chars > self._limits.max_input_chars:
             raise InvalidArgument(
                 field,
-                Summary(plural(num_chars, "character")),
+                count_of(num_chars, "character"),
                 f"longer than the limit of {self._limits.max_input_chars} characters",
             )
 
@@ -115,7 +114,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
             if request.text:
                 raise InvalidArgument(
                     "text",
-                    Summary(plural(len(request.text), "character")),
+                    count_of(len(request.text), "character"),
                     "set either text or messages, not both",
                 )
             self._check_count("tools", len(request.tools), "tools")

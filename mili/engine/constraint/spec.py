@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-from mili.errors import InvalidArgument, Summary
+from mili.errors import InvalidArgument, count_of
 
 ConstraintKind = Literal["json_schema", "json_object", "regex", "grammar", "choice"]
 KINDS: tuple[str, ...] = get_args(ConstraintKind)
@@ -149,7 +149,7 @@ def validate(constraint: Constraint) -> None:
         if not constraint.text.strip():
             raise InvalidArgument(field_name, constraint.text, "must not be empty")
         if size > max_bytes:
-            too_large = Summary(f"<{size} bytes>")
+            too_large = count_of(size, "byte")
             raise InvalidArgument(field_name, too_large, f"at most {max_bytes} bytes")
     elif constraint.text:
         raise InvalidArgument(field_name, constraint.text, f"{constraint.kind} takes no text")

@@ -16,8 +16,7 @@ from typing import Any
 
 from aiohttp import web
 
-from mili.errors import InvalidArgument, Summary
-from mili.plural import plural
+from mili.errors import InvalidArgument, count_of
 from mili.text.surrogate import SURROGATE_ESCAPE, lone_surrogate_path
 
 # Integer fields must fit in 64 bits (seed is the widest: unsigned); larger ones are refused
@@ -50,10 +49,10 @@ def parse(raw: bytes) -> Body:
         data = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         why = f"the body is not valid JSON: {err}"
-        raise InvalidArgument("", Summary(plural(len(raw), "byte")), why) from None
+        raise InvalidArgument("", count_of(len(raw), "byte"), why) from None
     except RecursionError:
         why = "the body nests too deeply"
-        raise InvalidArgument("", Summary(plural(len(raw), "byte")), why) from None
+        raise InvalidArgument("", count_of(len(raw), "byte"), why) from None
     if not isinstance(data, dict):
         raise InvalidArgument("", type(data).__name__, "the body must be a JSON object")
     if SURROGATE_ESCAPE.search(raw):  # rare: the walk only for a body that may hold one

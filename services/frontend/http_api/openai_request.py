@@ -26,8 +26,7 @@ from typing import Any
 
 from mili.engine.constraint.spec import KINDS, field_of
 from mili.engine.sampling_params import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
-from mili.errors import FieldViolation, InvalidArgument, Summary
-from mili.plural import plural
+from mili.errors import FieldViolation, InvalidArgument, count_of
 from services.frontend.http_api import openai_tools
 from services.frontend.http_api.body import Body, is_int
 from services.frontend.http_api.errors import ParamOf
@@ -326,7 +325,7 @@ def _logit_bias(body: Body) -> tuple[tuple[int, float], ...]:
     if len(bias.data) > MAX_LOGIT_BIAS:
         raise InvalidArgument(
             "logit_bias",
-            Summary(plural(len(bias.data), "item")),
+            count_of(len(bias.data), "item"),
             f"more entries than this server's limit of {MAX_LOGIT_BIAS}",
         )
     pairs = []
