@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
+from dataclasses import replace
 
 import grpc
 
@@ -25,10 +26,13 @@ from services.frontend.calls import Deadline
 from services.frontend.chat_output import ChatOutput
 from services.frontend.coalescer import coalesced
 from services.frontend.generations import Generations
+from services.frontend.http_api.telemetry import is_header_safe
 from services.frontend.pipeline import Delta
 from services.frontend.prompt import sampling_defaults
 from services.frontend.validation import ValidRequest
 
+# gRPC metadata keys are lower case (HTTP/2): the HTTP API's X-Request-Id
+REQUEST_ID_METADATA = "x-request-id"
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
 
 
@@ -107,9 +111,22 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     ) -> tuple[ValidRequest, AsyncGenerator[Delta, None]]:
         """Validate now (so the caller's request id is known), generate lazily."""
         window = self._backends.router.max_context_tokens
-        valid = self._generations.validate(convert.request_input(request, window))
+        given = convert.request_input(request, window)
+        if not given.client_request_id:
+            given = replace(given, client_request_id=_header_request_id(context))
+        valid = self._generations.validate(given)
         deadline = Deadline(context.time_remaining())
         return valid, self._generations.run(valid, deadline)
+
+
+def _header_request_id(context: grpc.aio.ServicerContext) -> str:
+    """The call's `x-request-id` metadata when it is printable ASCII (as the HTTP API takes
+    its X-Request-Id), else "" (a fresh id): the id a gateway (Envoy, an ingress) gave the
+    call, so that its logs and MILI's name the request alike when `request_id` is empty."""
+    for key, value in context.invocation_metadata() or ():
+        if key == REQUEST_ID_METADATA and isinstance(value, str):
+            return value if is_header_safe(value) else ""
+    return ""
 
 
 def _chat_output(valid: ValidRequest) -> ChatOutput | None:

@@ -335,6 +335,32 @@ def test_two_callers_with_the_same_request_id_both_succeed(
     assert len(minted) == len(batch)  # one internal id per request, each logged with the label
 
 
+def test_a_gateways_x_request_id_names_a_call_that_sent_none(
+    deployment: Deployment, prompts: list[list[int]]
+) -> None:
+    """Gateways (Envoy, ingresses) put `x-request-id` on the calls they forward: a caller that
+    leaves request_id empty gets that id back in every response and in the frontend's log, as
+    the HTTP API takes X-Request-Id (it was ignored: a fresh id no gateway log could be matched
+    with). The field, when set, wins."""
+    stub = deployment.stub()
+    gateway = [("x-request-id", "envoy-7f3a")]
+    responses = list(stub.Generate(greedy(prompts[0], 4), metadata=gateway, timeout=60))
+    assert {r.request_id for r in responses} == {"envoy-7f3a"}
+    assert " done:" in _wait_for_log(deployment, "'envoy-7f3a' (id ")
+    complete = stub.Complete(
+        generation_pb2.CompleteRequest(
+            token_ids=prompts[0], sampling=greedy(prompts[0], 4).sampling
+        ),
+        metadata=gateway,
+        timeout=60,
+    )
+    assert complete.request_id == "envoy-7f3a"
+    named = greedy(prompts[0], 4)
+    named.request_id = "mine"
+    responses = list(stub.Generate(named, metadata=gateway, timeout=60))
+    assert {r.request_id for r in responses} == {"mine"}
+
+
 def _wait_for_log(deployment: Deployment, text: str, timeout_s: float = 5.0) -> str:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
