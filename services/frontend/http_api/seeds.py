@@ -46,6 +46,7 @@ from mili.errors import InvalidArgument
 from services.frontend.calls import Deadline
 from services.frontend.http_api import sse
 from services.frontend.http_api.body import Body, parse, read_body
+from services.frontend.http_api.choices import usage_json
 from services.frontend.http_api.drain import DRAIN_GATE
 from services.frontend.http_api.errors import cut_error
 from services.frontend.http_api.keys import GENERATIONS
@@ -167,11 +168,8 @@ async def _send_delta(response: web.StreamResponse, request_id: str, delta: Delt
 
 
 def _totals(last: Delta) -> dict[str, Any]:
-    num_prompt, num_completion = last.num_prompt_tokens, last.num_completion_tokens
     return {
-        "prompt_tokens": num_prompt,
-        "completion_tokens": num_completion,
-        "total_tokens": num_prompt + num_completion,
+        **usage_json(last.num_prompt_tokens, last.num_completion_tokens),
         "finish_reason": None if last.finish_reason is None else last.finish_reason.value,
     }
 
