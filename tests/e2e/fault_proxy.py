@@ -114,6 +114,14 @@ class _Transfer:
             return None
         return raw
 
+    def end(self) -> None:
+        """The sender half-closed. A cut still pending (the message that held chunk 1 was the
+        last, its commit in it) happens now, or decode would see a stream that ended cleanly
+        without its commit (DATA_LOSS), not a broken connection."""
+        if self._cut_next:
+            self._proxy.record(self.request_id, "cut before chunk 1")
+            self.is_cut = True
+
     def _corrupt(self, chunk: kv_pb2.KvChunk) -> bool:
         """Damage `chunk` if it is the one the fault names; whether it was."""
         last = self.num_chunks - 1
@@ -359,6 +367,9 @@ class _Handler(grpc.GenericRpcHandler):
                     if call.done():
                         return
                     await call.write(out)
+                else:
+                    if transfer is not None:
+                        transfer.end()
                 if transfer is not None and transfer.is_cut:
                     call.cancel()  # the connection to decode "breaks"
                     return
