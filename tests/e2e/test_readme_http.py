@@ -47,6 +47,11 @@ def _check(command: str, out: str) -> None:
         if '"response_format"' in command:  # the schema's JSON, whatever the weights
             assert choice["finish_reason"] == "stop", choice
             assert isinstance(json.loads(choice["message"]["content"])["name"], str)
+    elif "/v1/responses" in command:
+        reply = json.loads(out)
+        assert reply["object"] == "response" and reply["status"] in ("completed", "incomplete")
+        (message,) = reply["output"]  # thinking off: the answer alone
+        assert message["type"] == "message" and isinstance(message["content"][0]["text"], str)
     elif '"stream": true' in command:
         events = [e for e in out.split("\n\n") if e]
         assert events[-1] == "data: [DONE]", out[-200:]

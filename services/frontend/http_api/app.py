@@ -5,6 +5,7 @@ GET  /v1/models/{model}            one of them (the SDK's models.retrieve)
 GET  /version                      {"version": MILI's version}, as vLLM answers it
 POST /v1/completions               text completions (completions.py)
 POST /v1/chat/completions          chat completions (chat.py)
+POST /v1/responses                 OpenAI's Responses API, stateless (responses.py)
 POST /generate, GET /status/{request_id}, GET /health    the seeds' endpoints (seeds.py)
 
 Every route's errors are OpenAI's JSON (errors.py); while the frontend drains, new POSTs are
@@ -26,6 +27,7 @@ from services.frontend.http_api.completions import create_completion
 from services.frontend.http_api.drain import DRAIN_GATE, DrainGate
 from services.frontend.http_api.errors import MAX_BODY_BYTES, model_not_found, openai_errors
 from services.frontend.http_api.keys import GENERATIONS
+from services.frontend.http_api.responses import create_response
 from services.frontend.http_api.server import HttpConfig
 from services.frontend.http_api.telemetry import add_telemetry
 
@@ -47,6 +49,7 @@ def make_app(generations: Generations, config: HttpConfig) -> web.Application:
     app.router.add_get("/v1/models/{model:.+}", retrieve_model)  # names may hold a "/"
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/responses", responses)
     app.router.add_get("/version", version)
     seeds.add_routes(app)
     return app
@@ -81,3 +84,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await create_chat_completion(request, request.app[GENERATIONS])
+
+
+async def responses(request: web.Request) -> web.StreamResponse:
+    return await create_response(request, request.app[GENERATIONS])
