@@ -1,9 +1,10 @@
 """OpenAI's tool parameters -> the frontend's tool types (services/frontend/tools.py).
 
     tools                [{"type": "function", "function": {"name", "description"?,
-                           "parameters"?, "strict"?}}]
+                           "parameters"?, "strict"?}}] (type may be left out, as vLLM
+                           defaults it)
     tool_choice          "auto" | "none" | "required" | {"type": "function",
-                           "function": {"name"}}
+                           "function": {"name"}} (type likewise)
     parallel_tool_calls  true (default) | false
     messages[i]          assistant: "tool_calls": [{"id", "type": "function",
                            "function": {"name", "arguments": JSON text}}], content may be null;
@@ -35,7 +36,8 @@ def tools_of(body: Body) -> tuple[FunctionTool, ...]:
     out = []
     for i, tool in enumerate(tools):
         where = f"tools[{i}]"
-        if not isinstance(tool, dict) or tool.get("type") != "function":
+        # A tool without its type is a function, as vLLM reads it (its type's default)
+        if not isinstance(tool, dict) or tool.get("type") not in (None, "function"):
             raise InvalidArgument(f"{where}.type", tool, 'each tool must be {"type": "function"}')
         function = Body(tool, where).object("function")
         if function is None:
@@ -62,7 +64,7 @@ def tool_choice_of(body: Body) -> ToolChoice:
         return AUTO
     if isinstance(choice, str) and choice in _MODES:
         return ToolChoice(choice)  # type: ignore[arg-type]
-    if isinstance(choice, dict) and choice.get("type") == "function":
+    if isinstance(choice, dict) and choice.get("type") in (None, "function"):
         function = Body(choice, "tool_choice").object("function")
         name = function.text("name") if function is not None else None
         if name:

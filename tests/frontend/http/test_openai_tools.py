@@ -82,6 +82,12 @@ def test_tools_choice_and_tool_turns_are_read() -> None:
     assert validate(given, LIMITS).sampling.constraint is not None
     assert chat(tools=[TOOL], tool_choice="required").inputs[0].tool_choice.mode == "required"
     assert chat(tools=[TOOL]).inputs[0].tool_choice.mode == "auto"
+    # Without their type, a tool and a named choice are functions, as vLLM defaults them
+    untyped = chat(
+        tools=[{"function": TOOL["function"]}], tool_choice={"function": {"name": "get_weather"}}
+    )
+    assert untyped.inputs[0].tools == chat(tools=[TOOL]).inputs[0].tools
+    assert untyped.inputs[0].tool_choice == ToolChoice("function", "get_weather")
 
 
 @pytest.mark.parametrize(
@@ -104,6 +110,7 @@ def test_tools_choice_and_tool_turns_are_read() -> None:
             "tools[0].function.name",
         ),
         ({"tools": [{"type": "code_interpreter"}]}, "tools[0].type"),
+        ({"tools": ["get_weather"]}, "tools[0].type"),
         ({"tools": [TOOL], "tool_choice": "sometimes"}, "tool_choice"),
         (
             {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
