@@ -78,6 +78,9 @@ def test_models_lists_the_served_model(
     listed = client.models.list().data
     assert [m.id for m in listed] == list(SERVED_NAMES) and listed[0].object == "model"
     assert info.model == SERVED_NAMES[0]
+    # vLLM's fields, which clients size requests by: the window as gRPC Info says it
+    assert {(m.model_extra or {}).get("max_model_len") for m in listed} == {info.max_context_tokens}
+    assert {(m.model_extra or {}).get("root") for m in listed} == {SERVED_NAMES[0]}
     for name in SERVED_NAMES:
         reply = client.completions.create(model=name, prompt=PROMPT, max_tokens=1)
         assert reply.model == SERVED_NAMES[0]

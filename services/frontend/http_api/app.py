@@ -55,14 +55,27 @@ def make_app(generations: Generations, config: HttpConfig) -> web.Application:
     return app
 
 
-def _card(name: str) -> dict[str, object]:
-    return {"id": name, "object": "model", "created": _STARTED_AT, "owned_by": "mili"}
+def _card(name: str, generations: Generations) -> dict[str, object]:
+    """OpenAI's model object, with vLLM's `root` (the served model's reported name) and
+    `max_model_len` (the context window, prompt and output; null until a decode instance is
+    known), which clients read to size their requests."""
+    backends = generations.backends
+    return {
+        "id": name,
+        "object": "model",
+        "created": _STARTED_AT,
+        "owned_by": "mili",
+        "root": backends.model,
+        "parent": None,
+        "max_model_len": backends.router.max_context_tokens,
+    }
 
 
 async def list_models(request: web.Request) -> web.Response:
     """The served model under each name it answers to, the reported one first."""
-    names = request.app[GENERATIONS].backends.model_names
-    return web.json_response({"object": "list", "data": [_card(n) for n in names]})
+    generations = request.app[GENERATIONS]
+    cards = [_card(n, generations) for n in generations.backends.model_names]
+    return web.json_response({"object": "list", "data": cards})
 
 
 async def retrieve_model(request: web.Request) -> web.Response:
@@ -71,7 +84,7 @@ async def retrieve_model(request: web.Request) -> web.Response:
     # Any name a request may give (a path or hub id ending in a served name too), once known.
     if not (backends.model and backends.answers_to(name)):
         return model_not_found(name, backends.model)
-    return web.json_response(_card(name))
+    return web.json_response(_card(name, request.app[GENERATIONS]))
 
 
 async def version(request: web.Request) -> web.Response:
