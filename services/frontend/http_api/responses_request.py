@@ -141,6 +141,7 @@ def _chat_body(body: Body) -> tuple[dict[str, Any], _Names]:
         if value is not None and not is_harmless(value):
             reason = _REASONS.get(key, "not supported by this server")
             raise InvalidArgument(key, value, reason)
+    body.flag("store")  # any: nothing is kept (answered false)
     for i, entry in enumerate(body.texts("include")):
         if entry not in _INCLUDABLE:
             raise InvalidArgument(f"include[{i}]", entry, "not supported by this server")
@@ -151,7 +152,10 @@ def _chat_body(body: Body) -> tuple[dict[str, Any], _Names]:
     if instructions is not None:
         messages.append({"role": "system", "content": instructions})
         names.messages.append("instructions")
+    num_before = len(messages)
     _add_input(body, messages, names)
+    if len(messages) == num_before:  # reasoning items alone
+        raise InvalidArgument("input", body.raw("input"), "holds no message, call or call output")
     chat["messages"] = messages
     if body.has("max_output_tokens"):
         chat["max_tokens"] = body.raw("max_output_tokens")
@@ -294,15 +298,13 @@ def _tools(body: Body) -> list[dict[str, Any]]:
 
 
 def _tool_choice(choice: Any) -> Any:
+    if choice in ("auto", "none", "required"):
+        return choice
     if isinstance(choice, dict) and choice.get("type") == "function" and "name" in choice:
         return {"type": "function", "function": {"name": choice["name"]}}
-    if isinstance(choice, dict):
-        raise InvalidArgument(
-            "tool_choice",
-            choice,
-            'must be "auto", "none", "required" or {"type": "function", "name": ...}',
-        )
-    return choice
+    raise InvalidArgument(
+        "tool_choice", choice, 'must be "auto", "none", "required" or {"type": "function", "name"}'
+    )
 
 
 def _response_format(body: Body) -> dict[str, Any] | None:

@@ -132,6 +132,9 @@ def test_reasoning_effort_none_turns_thinking_off() -> None:
         ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
         ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
         ({"input": [{"type": "web_search_call"}]}, "input[0].type"),
+        ({"input": [{"type": "reasoning", "summary": []}]}, "input"),
+        ({"tool_choice": 5}, "tool_choice"),
+        ({"store": "no"}, "store"),
         ({"previous_response_id": "resp_1"}, "previous_response_id"),
         ({"conversation": "conv_1"}, "conversation"),
         ({"background": True}, "background"),
@@ -149,6 +152,12 @@ def test_reasoning_effort_none_turns_thinking_off() -> None:
 )
 def test_bad_fields_are_named_as_the_caller_wrote_them(fields: dict[str, Any], param: str) -> None:
     assert param_of_failure(**fields) == param
+
+
+def test_a_bad_tool_choice_is_told_in_the_responses_shape() -> None:
+    with pytest.raises(InvalidArgument) as caught:
+        responses(tool_choice=5)
+    assert '{"type": "function", "name"}' in str(caught.value)  # not chat's nested function
 
 
 def test_validation_errors_are_named_as_the_caller_wrote_them() -> None:
