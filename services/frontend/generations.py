@@ -25,7 +25,7 @@ from services.frontend.calls import Deadline, RequestIds
 from services.frontend.clients import GrpcDownstream
 from services.frontend.observer import RequestObserver
 from services.frontend.pipeline import Delta, Generation
-from services.frontend.prompt import tokenize
+from services.frontend.prompt import check_input_chars, check_token_ids, tokenize
 from services.frontend.request_status import RequestStatuses
 from services.frontend.tool_grammar import bad_tool
 from services.frontend.validation import RequestInput, ValidRequest, validate
@@ -54,6 +54,16 @@ class Generations:
         """The request checked against the limits and the context window; InvalidArgument
         naming each bad field."""
         return validate(request, self.config.limits)
+
+    async def tokenize(self, valid: ValidRequest) -> tuple[int, ...]:
+        """The prompt of `valid` as token ids (messages through the chat template), checked as
+        a generation's is (vocabulary, the tokenizer's character limit), without running it."""
+        facts = await self._downstream.tokenizer_facts()
+        check_token_ids(valid, facts.vocab_size)
+        check_input_chars(valid, facts.max_input_chars)
+        if valid.prompt_field == "token_ids":
+            return valid.token_ids
+        return (await self._downstream.tokenize(valid, Deadline(None))).token_ids
 
     async def run(self, valid: ValidRequest, deadline: Deadline) -> AsyncGenerator[Delta, None]:
         """The request's deltas, the last one with its finish reason and usage. Closing the

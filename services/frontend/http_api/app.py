@@ -6,6 +6,7 @@ GET  /version                      {"version": MILI's version}, as vLLM answers 
 POST /v1/completions               text completions (completions.py)
 POST /v1/chat/completions          chat completions (chat.py)
 POST /v1/responses                 OpenAI's Responses API, stateless (responses.py)
+POST /tokenize, POST /detokenize   a prompt's token ids, ids' text, as vLLM has them (tokens.py)
 POST /generate, GET /status/{request_id}, GET /health    the seeds' endpoints (seeds.py)
 
 Every route's errors are OpenAI's JSON (errors.py); while the frontend drains, new POSTs are
@@ -30,6 +31,7 @@ from services.frontend.http_api.keys import GENERATIONS
 from services.frontend.http_api.responses import create_response
 from services.frontend.http_api.server import HttpConfig
 from services.frontend.http_api.telemetry import add_telemetry
+from services.frontend.http_api.tokens import detokenize, tokenize
 
 _STARTED_AT = int(time.time())
 
@@ -50,6 +52,8 @@ def make_app(generations: Generations, config: HttpConfig) -> web.Application:
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/responses", responses)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/version", version)
     seeds.add_routes(app)
     return app

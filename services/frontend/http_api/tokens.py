@@ -1,0 +1,74 @@
+"""POST /tokenize and POST /detokenize, vLLM's utility endpoints (and TGI's /tokenize): what a
+client counts a prompt with before sending it, with the server's own tokenizer and template.
+
+    /tokenize     {"prompt": text} or {"messages": [...], "tools"?, "chat_template_kwargs"?}
+                  (read as /v1/completions and /v1/chat/completions read them; the chat
+                  template adds the assistant turn's opening, as vLLM's add_generation_prompt
+                  default)  ->  {"count", "max_model_len", "tokens": [ids], "token_strs": null}
+    /detokenize   {"tokens": [ids]}  ->  {"prompt": text}
+
+Checked as a generation is (vocabulary, character limit; errors name the parameter), nothing
+run. vLLM's `return_token_strs` is refused: it names BPE pieces ("Ġthe"), which this server
+never shows; /detokenize gives the text.
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from mili.errors import InvalidArgument
+from services.frontend.http_api import body as bodies
+from services.frontend.http_api.body import read_body
+from services.frontend.http_api.completions import detokenizer_of
+from services.frontend.http_api.errors import model_not_found, response_of
+from services.frontend.http_api.keys import GENERATIONS
+from services.frontend.http_api.openai_request import chat_request, completion_request
+from services.frontend.http_api.telemetry import request_id_of
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    generations = request.app[GENERATIONS]
+    body = bodies.parse(await read_body(request))
+    if body.flag("return_token_strs"):
+        raise InvalidArgument("return_token_strs", True, "not supported by this server")
+    if body.has("prompt") and body.has("messages"):
+        raise InvalidArgument("messages", body.raw("messages"), "give prompt or messages, not both")
+    read = chat_request if body.has("messages") else completion_request
+    window = generations.backends.router.max_context_tokens
+    asked = read(body, window, request_id_of(request))
+    if asked.model and not generations.backends.answers_to(asked.model):
+        return model_not_found(asked.model, generations.model)
+    if len(asked.inputs) != 1:
+        raise InvalidArgument("prompt", f"{len(asked.inputs)} prompts", "one prompt at a time")
+    try:
+        token_ids = await generations.tokenize(generations.validate(asked.inputs[0]))
+    except Exception as exc:
+        return response_of(exc, asked.param_of)
+    reply = {
+        "count": len(token_ids),
+        "max_model_len": generations.backends.router.max_context_tokens,
+        "tokens": list(token_ids),
+        "token_strs": None,
+    }
+    return web.json_response(reply)
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    generations = request.app[GENERATIONS]
+    body = bodies.parse(await read_body(request))
+    model = body.text("model")
+    if model and not generations.backends.answers_to(model):
+        return model_not_found(model, generations.model)
+    if body.raw("tokens") is None:
+        raise InvalidArgument("tokens", None, "required")
+    token_ids = body.integers("tokens")
+    try:
+        detokenizer = detokenizer_of(generations)
+        vocab_size = (await generations.backends.tokenizer.current_facts()).vocab_size
+    except Exception as exc:
+        return response_of(exc)
+    for i, token_id in enumerate(token_ids):
+        if not 0 <= token_id < vocab_size:
+            reason = f"outside the vocabulary (ids 0..{vocab_size - 1})"
+            raise InvalidArgument(f"tokens[{i}]", token_id, reason)
+    return web.json_response({"prompt": detokenizer.decode(token_ids)})
