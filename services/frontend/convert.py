@@ -101,22 +101,41 @@ def request_input(
         sampling=sampling_input(request.sampling),
         enable_thinking=request.enable_thinking if request.HasField("enable_thinking") else None,
         allow_special_tokens=request.allow_special_tokens,
-        tools=tuple(
-            FunctionTool(
-                t.name,
-                t.description,
-                t.parameters,
-                t.strict if t.HasField("strict") else None,
-                tuple(t.function_keys),
-            )
-            for t in request.tools
-        ),
+        tools=_tools(request.tools),
         tool_choice=ToolChoice(
             _tool_choice_mode(request.tool_choice.mode), request.tool_choice.function_name
         ),
         parallel_tool_calls=(
             request.parallel_tool_calls if request.HasField("parallel_tool_calls") else True
         ),
+    )
+
+
+def tokenize_input(
+    request: generation_pb2.TokenizeRequest, max_context_tokens: int | None
+) -> RequestInput:
+    """A Tokenize call's prompt as a request's input, its lists counted first (request_input)."""
+    check_counts(Counts(0, len(request.messages), 0, 0, 0), max_context_tokens)
+    return RequestInput(
+        client_request_id=request.request_id,
+        prompt=request.prompt,
+        messages=tuple(_chat_turn(m) for m in request.messages),
+        enable_thinking=request.enable_thinking if request.HasField("enable_thinking") else None,
+        allow_special_tokens=request.allow_special_tokens,
+        tools=_tools(request.tools),
+    )
+
+
+def _tools(tools: Sequence[chat_pb2.Tool]) -> tuple[FunctionTool, ...]:
+    return tuple(
+        FunctionTool(
+            t.name,
+            t.description,
+            t.parameters,
+            t.strict if t.HasField("strict") else None,
+            tuple(t.function_keys),
+        )
+        for t in tools
     )
 
 

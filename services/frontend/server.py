@@ -3,6 +3,7 @@
 Generate: validate -> Generations.run (tokenize, route, hand off, stream; generations.py) ->
 GenerateResponse, several deltas in one when the client lags (coalescer.py).
 Complete: the same deltas gathered into one CompleteResponse. Info: model, limits, instances.
+Tokenize: validate -> Generations.tokenize (the prompt's ids, nothing run).
 A chat request's text is split into reasoning, answer and tool calls (chat_output.py, the same
 code the HTTP API runs).
 Exceptions become statuses in the server interceptor (mili.rpc): INVALID_ARGUMENT with the
@@ -104,6 +105,20 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             ),
         )
 
+    async def Tokenize(
+        self, request: generation_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> generation_pb2.TokenizeResponse:
+        window = self._backends.router.max_context_tokens
+        given = convert.tokenize_input(request, window)
+        if not given.client_request_id:
+            given = replace(given, client_request_id=_header_request_id(context))
+        valid = self._generations.validate(given)
+        return generation_pb2.TokenizeResponse(
+            request_id=valid.client_request_id,
+            token_ids=await self._generations.tokenize(valid),
+            max_context_tokens=self._backends.router.max_context_tokens or 0,
+        )
+
     def _generate(
         self,
         request: generation_pb2.GenerateRequest | generation_pb2.CompleteRequest,
@@ -137,11 +152,11 @@ def _chat_output(valid: ValidRequest) -> ChatOutput | None:
 
 
 def add_to_server(server: RpcServer, servicer: GenerationServicer) -> None:
-    """Register GenerationService: the public API, open to any caller; Generate and Complete
-    take requests up to the server's receive limit (--max-receive-message-bytes), Info a few
-    bytes."""
+    """Register GenerationService: the public API, open to any caller; Generate, Complete and
+    Tokenize take requests up to the server's receive limit (--max-receive-message-bytes), Info
+    a few bytes."""
     limit = server.config.receive_limit
-    policy = Policy(max_request_bytes={"Generate": limit, "Complete": limit})
+    policy = Policy(max_request_bytes={"Generate": limit, "Complete": limit, "Tokenize": limit})
     server.add_service(
         SERVICE_NAME,
         lambda s: generation_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, s),

@@ -152,6 +152,32 @@ class ToolChoice(_message.Message):
     function_name: str
     def __init__(self, mode: _Optional[_Union[ToolChoiceMode, str]] = ..., function_name: _Optional[str] = ...) -> None: ...
 
+class TokenizeRequest(_message.Message):
+    __slots__ = ("request_id", "prompt", "messages", "enable_thinking", "allow_special_tokens", "tools")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    ENABLE_THINKING_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt: str
+    messages: _containers.RepeatedCompositeFieldContainer[_chat_pb2.ChatMessage]
+    enable_thinking: bool
+    allow_special_tokens: bool
+    tools: _containers.RepeatedCompositeFieldContainer[_chat_pb2.Tool]
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_chat_pb2.ChatMessage, _Mapping]]] = ..., enable_thinking: _Optional[bool] = ..., allow_special_tokens: _Optional[bool] = ..., tools: _Optional[_Iterable[_Union[_chat_pb2.Tool, _Mapping]]] = ...) -> None: ...
+
+class TokenizeResponse(_message.Message):
+    __slots__ = ("request_id", "token_ids", "max_context_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    max_context_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., max_context_tokens: _Optional[int] = ...) -> None: ...
+
 class InfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -61,6 +61,11 @@ class GenerationServiceStub:
                 request_serializer=mili_dot_frontend_dot_v1_dot_generation__pb2.InfoRequest.SerializeToString,
                 response_deserializer=mili_dot_frontend_dot_v1_dot_generation__pb2.InfoResponse.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/mili.frontend.v1.GenerationService/Tokenize',
+                request_serializer=mili_dot_frontend_dot_v1_dot_generation__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=mili_dot_frontend_dot_v1_dot_generation__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServiceServicer:
@@ -102,6 +107,16 @@ class GenerationServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """A prompt as the token ids a generation of it would run, with the model's tokenizer and chat
+        template, checked as a generation's input is (vocabulary, character limit); nothing runs.
+        For callers that fit a conversation to max_context_tokens before sending it.
+        Example: {"messages": [{"role": "user", "content": "Hi"}]}
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -119,6 +134,11 @@ def add_GenerationServiceServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=mili_dot_frontend_dot_v1_dot_generation__pb2.InfoRequest.FromString,
                     response_serializer=mili_dot_frontend_dot_v1_dot_generation__pb2.InfoResponse.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=mili_dot_frontend_dot_v1_dot_generation__pb2.TokenizeRequest.FromString,
+                    response_serializer=mili_dot_frontend_dot_v1_dot_generation__pb2.TokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -214,6 +234,33 @@ class GenerationService:
             '/mili.frontend.v1.GenerationService/Info',
             mili_dot_frontend_dot_v1_dot_generation__pb2.InfoRequest.SerializeToString,
             mili_dot_frontend_dot_v1_dot_generation__pb2.InfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mili.frontend.v1.GenerationService/Tokenize',
+            mili_dot_frontend_dot_v1_dot_generation__pb2.TokenizeRequest.SerializeToString,
+            mili_dot_frontend_dot_v1_dot_generation__pb2.TokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,7 +1,8 @@
-"""POST /tokenize and /detokenize (vLLM's) against the real services on the demo model: the
-ids are the tokenizer's (HF `tokenizers` on the same file is the oracle), a chat's count is
-the prompt_tokens a chat completion of the same messages reports, the text round-trips, and bad
-input is a 400 naming the parameter."""
+"""Tokenizing without generating, on both APIs, against the real services on the demo model:
+HTTP POST /tokenize and /detokenize (vLLM's) and gRPC GenerationService.Tokenize. The ids are the
+tokenizer's (HF `tokenizers` on the same file is the oracle), a chat's count is the
+prompt_tokens a generation of the same messages reports, the text round-trips, and bad input is
+a 400 / INVALID_ARGUMENT naming the parameter."""
 
 from __future__ import annotations
 
@@ -11,10 +12,13 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 from tokenizers import Tokenizer
 
+from mili.pb.common.v1 import chat_pb2, sampling_pb2
 from mili.pb.frontend.v1 import generation_pb2
+from mili.rpc.status import bad_request_of
 from tests.e2e.conftest import Deployment
 
 pytestmark = pytest.mark.slow
@@ -91,3 +95,44 @@ def test_another_model_is_404(pipeline: Deployment) -> None:
     for path, body in (("/tokenize", {"prompt": "a"}), ("/detokenize", {"tokens": [1]})):
         status, reply = post(pipeline, path, {**body, "model": "not-served"})
         assert status == 404 and reply["error"]["code"] == "model_not_found", reply
+
+
+def test_grpc_tokenize_counts_as_a_generation_counts_its_prompt(
+    pipeline: Deployment, hf: Tokenizer
+) -> None:
+    stub = pipeline.stub()
+    text = "Hello world"
+    plain = stub.Tokenize(generation_pb2.TokenizeRequest(prompt=text), timeout=30)
+    assert list(plain.token_ids) == hf.encode(text, add_special_tokens=False).ids
+    info = stub.Info(generation_pb2.InfoRequest(), timeout=5)
+    assert plain.max_context_tokens == info.max_context_tokens and plain.request_id
+    _, http = post(pipeline, "/tokenize", {"prompt": text})
+    assert http["tokens"] == list(plain.token_ids)  # one tokenization behind both APIs
+    messages = [chat_pb2.ChatMessage(role="user", content="Weather in Paris?")]
+    tool = chat_pb2.Tool(name="get_weather", parameters='{"type": "object"}')
+    for fields in ({}, {"tools": [tool]}, {"enable_thinking": False}):
+        asked = generation_pb2.TokenizeRequest(request_id="tok-1", messages=messages, **fields)
+        chat = stub.Tokenize(asked, timeout=30)
+        assert chat.request_id == "tok-1"
+        sampling = sampling_pb2.SamplingParams(max_tokens=1)
+        done = stub.Complete(
+            generation_pb2.CompleteRequest(messages=messages, sampling=sampling, **fields),
+            timeout=60,
+        )
+        assert len(chat.token_ids) == done.usage.prompt_tokens, fields
+
+
+def test_grpc_tokenize_refuses_bad_input_naming_the_field(pipeline: Deployment) -> None:
+    stub = pipeline.stub()
+    bad_tool = chat_pb2.Tool(name="get_weather", parameters="[1]")
+    message = chat_pb2.ChatMessage(role="user", content="x")
+    with_bad_tool = generation_pb2.TokenizeRequest(messages=[message], tools=[bad_tool])
+    for request, field in [
+        (generation_pb2.TokenizeRequest(), "prompt"),
+        (with_bad_tool, "tools[0].parameters"),
+    ]:
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.Tokenize(request, timeout=30)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        fields = [v.field for v in bad_request_of(caught.value).field_violations]
+        assert field in fields, fields
