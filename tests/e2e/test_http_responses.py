@@ -274,3 +274,19 @@ def test_what_needs_a_stored_response_or_a_hosted_tool_is_refused(
             client.responses.create(model=model, **args)
         error = caught.value.body
         assert isinstance(error, dict) and error["param"] == param, error
+
+
+def test_closing_a_stream_frees_its_blocks(
+    pipeline: Deployment, client: openai.OpenAI, model: str
+) -> None:
+    before = pipeline.settled_free_blocks()
+    stream = client.responses.create(
+        model=model, input=ASK, max_output_tokens=2000, stream=True,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    events = iter(stream)
+    while next(events).type != "response.output_text.delta":
+        pass  # decoding
+    assert pipeline.free_blocks() != before  # decode holds the request's blocks
+    stream.close()
+    pipeline.wait_free_blocks(before)
