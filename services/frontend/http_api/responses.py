@@ -68,6 +68,7 @@ class ResponsesJson:
         self._echo = echo
         self._items: list[dict[str, Any]] = []  # the output so far
         self._open: dict[str, Any] | None = None  # the text item being written (last one)
+        self._open_text: list[str] = []  # its text so far
         self._sequence_number = 0
         self._finish: str | None = None
         self._has_reasoning = False
@@ -109,8 +110,7 @@ class ResponsesJson:
             events += self._open_item(kind)
         item = self._open
         assert item is not None
-        part = item["content"][0]
-        part["text"] += text
+        self._open_text.append(text)  # joined at the item's close: += would copy it all each time
         where = self._where(item)
         if kind == "reasoning":
             events.append({"type": "response.reasoning_text.delta", **where, "delta": text})
@@ -155,6 +155,7 @@ class ResponsesJson:
             return []
         item["status"] = self._status()
         part = item["content"][0]
+        part["text"], self._open_text = "".join(self._open_text), []
         where = self._where(item)
         if item["type"] == "reasoning":
             done = {"type": "response.reasoning_text.done", **where, "text": part["text"]}
