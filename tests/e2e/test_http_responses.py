@@ -290,3 +290,15 @@ def test_closing_a_stream_frees_its_blocks(
     assert pipeline.free_blocks() != before  # decode holds the request's blocks
     stream.close()
     pipeline.wait_free_blocks(before)
+
+
+def test_a_stored_response_asked_by_id_is_404_saying_none_is_kept(client: openai.OpenAI) -> None:
+    calls = [
+        lambda: client.responses.retrieve("resp_1"),
+        lambda: client.responses.delete("resp_1"),
+        lambda: client.responses.cancel("resp_1"),
+        lambda: client.responses.input_items.list("resp_1"),
+    ]
+    for call in calls:
+        with pytest.raises(openai.NotFoundError, match="keeps no responses"):
+            call()

@@ -5,7 +5,9 @@ GET  /v1/models/{model}            one of them (the SDK's models.retrieve)
 GET  /version                      {"version": MILI's version}, as vLLM answers it
 POST /v1/completions               text completions (completions.py)
 POST /v1/chat/completions          chat completions (chat.py)
-POST /v1/responses                 OpenAI's Responses API, stateless (responses.py)
+POST /v1/responses                 OpenAI's Responses API, stateless (responses.py); a stored
+                                   one asked for by id (GET, DELETE, .../cancel, .../input_items)
+                                   is 404, saying none is kept
 POST /tokenize, POST /detokenize   a prompt's token ids, ids' text, as vLLM has them (tokens.py)
 POST /generate, GET /status/{request_id}, GET /health    the seeds' endpoints (seeds.py)
 
@@ -26,7 +28,12 @@ from services.frontend.http_api.body import BODY_TIMEOUT_S
 from services.frontend.http_api.chat import create_chat_completion
 from services.frontend.http_api.completions import create_completion
 from services.frontend.http_api.drain import DRAIN_GATE, DrainGate
-from services.frontend.http_api.errors import MAX_BODY_BYTES, model_not_found, openai_errors
+from services.frontend.http_api.errors import (
+    MAX_BODY_BYTES,
+    error_response,
+    model_not_found,
+    openai_errors,
+)
 from services.frontend.http_api.keys import GENERATIONS
 from services.frontend.http_api.responses import create_response
 from services.frontend.http_api.server import HttpConfig
@@ -52,6 +59,8 @@ def make_app(generations: Generations, config: HttpConfig) -> web.Application:
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/responses", responses)
+    for method in ("GET", "DELETE", "POST"):
+        app.router.add_route(method, "/v1/responses/{response_id}{rest:(/.*)?}", stored_response)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/version", version)
@@ -89,6 +98,17 @@ async def retrieve_model(request: web.Request) -> web.Response:
     if not (backends.model and backends.answers_to(name)):
         return model_not_found(name, backends.model)
     return web.json_response(_card(name, request.app[GENERATIONS]))
+
+
+async def stored_response(request: web.Request) -> web.Response:
+    response_id = request.match_info["response_id"]
+    return error_response(
+        404,
+        f"no response {response_id!r}: this server keeps no responses (store is answered "
+        "false); send the whole conversation in each request's input",
+        "invalid_request_error",
+        code="not_found",
+    )
 
 
 async def version(request: web.Request) -> web.Response:

@@ -124,8 +124,6 @@ class _Names:
         if name.startswith("response_format"):
             rest = name.removeprefix("response_format").replace(".json_schema", "", 1)
             return "text.format" + rest
-        if name == "chat_template_kwargs.enable_thinking":
-            return name
         return re.sub(r"^tools\[(\d+)\]\.function", r"tools[\1]", name)
 
 
