@@ -106,7 +106,18 @@ def check_events(events: list[Any], final: Any) -> None:
         if kind == "done":
             assert [facts(e.item) for e in told] == [facts(item) for item in final.output]
     assert all(item.status in ("completed", "incomplete") for item in final.output)
+    # A part opens empty: its text comes in the deltas, which a client adds to it (the SDK's
+    # snapshot of the text so far, carried by each output_text delta, ends as the text)
+    parts = [e.part for e in events if e.type == "response.content_part.added"]
+    assert [part.text for part in parts] == [""] * len(parts)
     for index, (kind, text) in enumerate(items(final)):
+        snapshots = [
+            e.snapshot
+            for e in events
+            if e.type == "response.output_text.delta" and e.output_index == index
+        ]
+        if snapshots:
+            assert snapshots[-1] == text
         deltas = [
             e.delta
             for e in events

@@ -145,7 +145,11 @@ class ResponsesJson:
         self._open = item
         events = [self._item_event("response.output_item.added", item)]
         item["content"].append(part)
-        events.append({"type": "response.content_part.added", **self._where(item), "part": part})
+        # A copy, empty: the part's text grows before this event is written, and a client adds
+        # every delta to the part it was given (the SDK's stream snapshot doubled the first)
+        events.append(
+            {"type": "response.content_part.added", **self._where(item), "part": {**part}}
+        )
         return events
 
     def _close(self) -> list[dict[str, Any]]:
