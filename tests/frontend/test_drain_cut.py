@@ -142,3 +142,33 @@ def test_an_http_stream_a_second_signal_cuts_says_so() -> None:
             )
 
     asyncio.run(main())
+
+
+def test_a_responses_stream_the_drain_cuts_ends_with_openais_error_event() -> None:
+    """/v1/responses ends a failed stream with OpenAI's event: the error object typed "error"
+    and numbered after the events before it. The bare {"error"} that chat streams end with failed
+    the Vercel AI SDK's check of the event ("Type validation failed"), hiding the message; the
+    openai SDK raises it either way."""
+
+    async def main() -> None:
+        decode = FakeDecode(hold=asyncio.Event(), hold_after=1, script=[ids("ab"), ids("c")])
+        async with serving(decode) as (s, http), aiohttp.ClientSession() as session:
+            body = {"model": "fake", "input": "held", "max_output_tokens": 8, "stream": True}
+            async with session.post(f"{http.url}/v1/responses", json=body) as response:
+                assert response.status == 200
+                head = b""
+                while b"response.output_text.delta" not in head:  # streaming, then held
+                    head += await response.content.readline()
+                drain = asyncio.create_task(s.frontend.drain())
+                rest = await response.content.read()
+                await drain
+            raw = (head + rest).decode()
+            events = [e.strip().removeprefix("data: ") for e in raw.split("\n\n") if e.strip()]
+            assert events[-1] == "[DONE]"
+            *before, failed = [json.loads(e) for e in events[:-1]]
+            assert failed["type"] == "error"
+            assert failed["sequence_number"] == before[-1]["sequence_number"] + 1
+            assert failed["error"]["message"] == CUT
+            assert failed["error"]["type"] == "service_unavailable_error"
+
+    asyncio.run(main())

@@ -210,6 +210,9 @@ class ChatJson:
         chunk = {**self._head, "object": "chat.completion.chunk"}
         return [json.dumps({**chunk, "choices": [], "usage": self._usage.as_json()})]
 
+    def failed(self, error: str) -> str:
+        return error  # the error body as it is, as vLLM and OpenAI stream it
+
 
 def _call_json(call: ToolCallDelta) -> dict[str, Any]:
     function = {"name": call.name, "arguments": call.arguments}

@@ -229,3 +229,6 @@ class CompletionJson:
         if not self._request.include_usage:
             return []
         return [json.dumps({**self._head, "choices": [], "usage": self._usage.as_json()})]
+
+    def failed(self, error: str) -> str:
+        return error  # the error body as it is, as vLLM and OpenAI stream it

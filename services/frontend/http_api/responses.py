@@ -19,10 +19,11 @@ folds back into a Response: response.created and response.in_progress; per item
 response.output_item.added, its content part's added, its text's deltas and done
 (response.reasoning_text.* / response.output_text.*, response.function_call_arguments.* for a
 call, which comes whole), the part's and the item's done; then response.completed holding the
-whole Response (its status "incomplete" when max_output_tokens cut it). Every event has
-its `type` and a `sequence_number` from 0. reasoning_tokens counts the tokens before the
-answer's first text when the model thought (the think block's tags and the blank line after
-it included).
+whole Response (its status "incomplete" when max_output_tokens cut it); or, failing after
+the headers, {"type": "error", "error": {the error body's}} as OpenAI ends a stream that
+fails. Every event has its `type` and a `sequence_number` from 0. reasoning_tokens counts the
+tokens before the answer's first text when the model thought (the think block's tags and the
+blank line after it included).
 """
 
 from __future__ import annotations
@@ -271,6 +272,12 @@ class ResponsesJson:
 
     def of(self, index: int, delta: Delta) -> list[str]:
         return self._numbered(self._push(delta))
+
+    def failed(self, error: str) -> str:
+        # OpenAI's error event: the HTTP error body's object, typed and numbered as events are
+        # (a bare {"error"} fails the Vercel AI SDK's check of the event before its message shows)
+        (text,) = self._numbered([{"type": "error", **json.loads(error)}])
+        return text
 
     def closing(self) -> list[str]:
         # response.completed even when incomplete (its status says so), as vLLM ends every

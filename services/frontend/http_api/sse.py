@@ -15,7 +15,7 @@ meanwhile) instead of growing a buffer here.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from typing import Protocol
 
@@ -48,13 +48,16 @@ async def start(request: web.Request) -> web.StreamResponse:
 
 class Chunks(Protocol):
     """An endpoint's chunks, as JSON text: what opens the stream (sent with the first delta,
-    None when it ended without one), each delta's, what closes it."""
+    None when it ended without one), each delta's, what closes it, and the event an error
+    after the headers is (`error`: the body its HTTP response would have had)."""
 
     def opening(self, first: Delta | None) -> list[str]: ...
 
     def of(self, index: int, delta: Delta) -> list[str]: ...
 
     def closing(self) -> list[str]: ...
+
+    def failed(self, error: str) -> str: ...
 
 
 async def serve(
@@ -85,9 +88,9 @@ async def serve(
             except ConnectionResetError:
                 raise
             except Exception as exc:
-                await write_error(request, response, exc, param_of)
+                await write_error(request, response, exc, param_of, chunks.failed)
             except asyncio.CancelledError as exc:  # a drain's cut: said, as an error is
-                await write_error(request, response, cut_error(exc), param_of)
+                await write_error(request, response, cut_error(exc), param_of, chunks.failed)
             else:
                 for text in chunks.closing():
                     await response.write(event(text))
@@ -103,12 +106,13 @@ async def write_error(
     response: web.StreamResponse,
     exc: Exception,
     param_of: ParamOf = sampling_param,
+    failed: Callable[[str], str] = str,
 ) -> None:
     """The event a stream whose headers went out ends with (before its [DONE]): the error
-    body its HTTP response would have had."""
+    body its HTTP response would have had, as `failed` frames it (as it is by default)."""
     error = response_of(exc, param_of)
     stream_failed(request, error.status)
-    await response.write(event(error.text or "{}"))
+    await response.write(event(failed(error.text or "{}")))
 
 
 async def _write(
