@@ -78,6 +78,11 @@ def items(response: Any) -> list[tuple[str, str]]:
     return out
 
 
+def summaries(response: Any) -> list[list[str]]:
+    """Each reasoning item's summary texts."""
+    return [[p.text for p in item.summary] for item in response.output if item.type == "reasoning"]
+
+
 def facts(item: Any) -> tuple[str, str, str, str]:
     """What an item says: its id, type, status and text (a call's arguments)."""
     if item.type == "function_call":
@@ -118,15 +123,22 @@ def check_events(events: list[Any], final: Any) -> None:
         ]
         if snapshots:
             assert snapshots[-1] == text
-        deltas = [
-            e.delta
-            for e in events
-            if e.type.endswith(".delta") and getattr(e, "output_index", None) == index
-        ]
+        deltas = {
+            summary: "".join(
+                e.delta
+                for e in events
+                if e.type.endswith(".delta")
+                and ("summary" in e.type) == summary
+                and getattr(e, "output_index", None) == index
+            )
+            for summary in (False, True)
+        }
         if kind == "function_call":
-            assert f"{final.output[index].name}({''.join(deltas)})" == text
+            assert f"{final.output[index].name}({deltas[False]})" == text
         else:
-            assert "".join(deltas) == text
+            assert deltas[False] == text
+        if kind == "reasoning":  # a summary's deltas (reasoning.summary asked for one)
+            assert deltas[True] == "".join(part.text for part in final.output[index].summary)
 
 
 def test_a_response_is_the_chat_completion_as_items(client: openai.OpenAI, model: str) -> None:
@@ -177,9 +189,11 @@ def test_thinking_is_a_reasoning_item_before_the_answer(
     num_thought = 0
     for seed in range(4):
         sampling: dict[str, Any] = dict(temperature=1.0, seed=seed, logit_bias=think_bias)
+        # Asked for a summary (the Vercel AI SDK and langchain read nothing else):
+        # the thinking is its own summary, the reasoning item's text in both places
         whole = client.responses.create(
             model=model, input=ASK, max_output_tokens=300, text={"format": FORMAT},
-            extra_body=sampling,
+            reasoning={"summary": "auto"}, extra_body=sampling,
         )  # fmt: skip
         (choice,) = client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": ASK}], max_tokens=300,
@@ -189,6 +203,7 @@ def test_thinking_is_a_reasoning_item_before_the_answer(
         reasoning = getattr(choice.message, "reasoning_content", None)
         expected = [("reasoning", reasoning)] if reasoning else []
         assert items(whole) == [*expected, ("message", choice.message.content)]
+        assert summaries(whole) == [[reasoning]] * len(expected)
         assert whole.status == "completed" and whole.incomplete_details is None
         jsonschema.validate(json.loads(whole.output_text), SCHEMA)
         assert whole.usage is not None
@@ -204,11 +219,12 @@ def test_thinking_is_a_reasoning_item_before_the_answer(
             extra_body=sampling,
         )  # fmt: skip
         assert isinstance(parsed.output_parsed, Weather) and parsed.status == "completed"
+        assert all(summary == [] for summary in summaries(parsed))  # none asked for
         final, events = streamed(
             client, model=model, input=ASK, max_output_tokens=300,
-            text={"format": FORMAT}, extra_body=sampling,
+            text={"format": FORMAT}, reasoning={"summary": "detailed"}, extra_body=sampling,
         )  # fmt: skip
-        assert items(final) == items(whole)
+        assert items(final) == items(whole) and summaries(final) == summaries(whole)
         check_events(events, final)
     assert num_thought > 0
 

@@ -9,6 +9,7 @@
 
     items   {"type": "reasoning", "content": [{"type": "reasoning_text", "text"}],
              "summary": []}                                     Qwen3's thinking
+             (with reasoning.summary, "summary": [{"type": "summary_text", "text"}] too)
             {"type": "message", "role": "assistant", "status",
              "content": [{"type": "output_text", "text", "annotations": []}]}    the answer
             {"type": "function_call", "call_id", "name", "arguments", "status"}  each call
@@ -18,7 +19,8 @@ reasoning, content and calls, here as items. Streamed (stream: true), the events
 folds back into a Response: response.created and response.in_progress; per item
 response.output_item.added, its content part's added, its text's deltas and done
 (response.reasoning_text.* / response.output_text.*, response.function_call_arguments.* for a
-call, which comes whole), the part's and the item's done; then response.completed holding the
+call, which comes whole; a summarized reasoning item's response.reasoning_summary_part.* and
+_text.* as well), the part's and the item's done; then response.completed holding the
 whole Response (its status "incomplete" when max_output_tokens cut it); or, failing after
 the headers, {"type": "error", "error": {the error body's}} as OpenAI ends a stream that
 fails. Every event has its `type` and a `sequence_number` from 0. reasoning_tokens counts the
@@ -37,7 +39,7 @@ from services.frontend.chat_output import ChatOutput
 from services.frontend.generations import Generations
 from services.frontend.http_api.choices import Choice, Usage
 from services.frontend.http_api.openai_call import Head, open_call, respond
-from services.frontend.http_api.responses_request import ResponsesParse
+from services.frontend.http_api.responses_request import SUMMARIES, ResponsesParse
 from services.frontend.pipeline import Delta
 from services.frontend.tool_calls import ToolCallDelta
 
@@ -67,6 +69,9 @@ class ResponsesJson:
             "model": head.model,
         }
         self._echo = echo
+        # A summary asked for is the thinking itself, in both places: OpenAI's models give a
+        # summary, vLLM the text (content), and clients read one or the other
+        self._is_summarized = echo["reasoning"]["summary"] in SUMMARIES
         self._items: list[dict[str, Any]] = []  # the output so far
         self._open: dict[str, Any] | None = None  # the text item being written (last one)
         self._open_text: list[str] = []  # its text so far
@@ -115,6 +120,12 @@ class ResponsesJson:
         where = self._where(item)
         if kind == "reasoning":
             events.append({"type": "response.reasoning_text.delta", **where, "delta": text})
+            if self._is_summarized:
+                item["summary"][0]["text"] += text
+                at = self._summary_where(item)
+                events.append(
+                    {"type": "response.reasoning_summary_text.delta", **at, "delta": text}
+                )
         else:
             events.append(
                 {"type": "response.output_text.delta", **where, "delta": text, "logprobs": []}
@@ -151,6 +162,13 @@ class ResponsesJson:
         events.append(
             {"type": "response.content_part.added", **self._where(item), "part": {**part}}
         )
+        if kind == "reasoning" and self._is_summarized:
+            summary = {"type": "summary_text", "text": ""}
+            item["summary"].append(summary)
+            at = self._summary_where(item)
+            events.append(
+                {"type": "response.reasoning_summary_part.added", **at, "part": {**summary}}
+            )
         return events
 
     def _close(self) -> list[dict[str, Any]]:
@@ -162,12 +180,20 @@ class ResponsesJson:
         part = item["content"][0]
         part["text"], self._open_text = "".join(self._open_text), []
         where = self._where(item)
+        events = []
         if item["type"] == "reasoning":
             done = {"type": "response.reasoning_text.done", **where, "text": part["text"]}
+            if self._is_summarized:
+                summary, at = item["summary"][0], self._summary_where(item)
+                events += [
+                    {"type": "response.reasoning_summary_text.done", **at, "text": summary["text"]},
+                    {"type": "response.reasoning_summary_part.done", **at, "part": summary},
+                ]
         else:
             done = {"type": "response.output_text.done", **where, "text": part["text"]}
             done["logprobs"] = []
         return [
+            *events,
             done,
             {"type": "response.content_part.done", **where, "part": part},
             self._item_event("response.output_item.done", item),
@@ -205,6 +231,9 @@ class ResponsesJson:
 
     def _where(self, item: dict[str, Any]) -> dict[str, Any]:
         return {"item_id": item["id"], "output_index": self._items.index(item), "content_index": 0}
+
+    def _summary_where(self, item: dict[str, Any]) -> dict[str, Any]:
+        return {"item_id": item["id"], "output_index": self._items.index(item), "summary_index": 0}
 
     def _item_event(self, kind: str, item: dict[str, Any]) -> dict[str, Any]:
         # A copy: the item goes on changing after an "added" event is written.

@@ -17,6 +17,9 @@
     max_output_tokens  max_tokens; temperature, top_p and vLLM's sampling extras as in chat
     reasoning.effort   "none": Qwen3 does not think (enable_thinking false); any other effort
                        thinks as the model does (it has no budget to set)
+    reasoning.summary  "auto" | "concise" | "detailed": reasoning items carry the thinking as
+                       their summary too (Qwen3 has no summarizer), for the clients that read
+                       only a summary (the Vercel AI SDK, langchain)
 
 The request is rewritten into a chat completions body and read by the one reader of those
 (openai_request.chat_request): one set of rules, limits and validation. Its errors name the
@@ -82,6 +85,7 @@ _INCLUDABLE = ("reasoning.encrypted_content",)
 _ROLES = ("user", "system", "developer", "assistant")
 _TEXT_PARTS = ("input_text", "output_text", "text")
 _EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+SUMMARIES = ("auto", "concise", "detailed")
 
 
 @dataclass
@@ -317,8 +321,16 @@ def _response_format(body: Body) -> dict[str, Any] | None:
 
 
 def _effort(body: Body) -> str | None:
+    """reasoning.effort, once reasoning (its summary too) is checked."""
     reasoning = body.object("reasoning")
-    effort = None if reasoning is None else reasoning.text("effort")
+    if reasoning is None:
+        return None
+    summary = reasoning.text("summary")
+    if summary is not None and summary not in SUMMARIES:
+        raise InvalidArgument(
+            "reasoning.summary", summary, f"must be one of {', '.join(SUMMARIES)}"
+        )
+    effort = reasoning.text("effort")
     if effort is not None and effort not in _EFFORTS:
         raise InvalidArgument("reasoning.effort", effort, f"must be one of {', '.join(_EFFORTS)}")
     return effort

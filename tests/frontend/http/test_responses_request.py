@@ -115,6 +115,7 @@ def test_reasoning_effort_none_turns_thinking_off() -> None:
     assert responses(reasoning={"effort": "high"}).inputs[0].enable_thinking is None
     assert responses().inputs[0].enable_thinking is None
     assert param_of_failure(reasoning={"effort": "max"}) == "reasoning.effort"
+    assert param_of_failure(reasoning={"summary": "brief"}) == "reasoning.summary"
 
 
 @pytest.mark.parametrize(
