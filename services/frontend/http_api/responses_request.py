@@ -64,6 +64,11 @@ _PASSED = (
     "chat_template_kwargs",
 )
 _NO_STORE = "this server keeps no responses (store): send the whole conversation in input"
+# The Vercel AI SDK sends an earlier turn's output as references to it unless told store: false
+_NO_REFERENCE = (
+    "this server keeps no responses (store): send the item itself, not a reference to it "
+    "(a client that references earlier output sends it whole with store: false)"
+)
 # A known field we do not do -> whether its value is one we can answer anyway.
 _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "previous_response_id": lambda v: False,
@@ -231,7 +236,7 @@ def _add_input(body: Body, messages: list[dict[str, Any]], names: _Names) -> Non
         elif kind == "reasoning":
             reasoning = _reasoning_text(it)
         elif kind == "item_reference":
-            raise InvalidArgument(it.name("type"), kind, _NO_STORE)
+            raise InvalidArgument(it.name("type"), kind, _NO_REFERENCE)
         else:
             raise InvalidArgument(
                 it.name("type"),

@@ -161,6 +161,16 @@ def test_a_bad_tool_choice_is_told_in_the_responses_shape() -> None:
     assert '{"type": "function", "name"}' in str(caught.value)  # not chat's nested function
 
 
+def test_an_item_reference_is_refused_saying_how_to_send_it_whole() -> None:
+    """The Vercel AI SDK sends an earlier turn's output as item_reference unless its request
+    says store: false (providerOptions.openai.store); the message says so."""
+    with pytest.raises(InvalidArgument) as caught:
+        responses(input=[{"role": "user", "content": "hi"}, {"type": "item_reference", "id": "m"}])
+    (violation,) = caught.value.violations
+    assert violation.field == "input[1].type"
+    assert "store: false" in violation.description
+
+
 def test_validation_errors_are_named_as_the_caller_wrote_them() -> None:
     assert validation_param(responses(max_output_tokens=0)) == "max_output_tokens"
     bad_tool = responses(tools=[{"type": "function", "name": "no spaces allowed"}])
