@@ -120,8 +120,7 @@ class ResponsesJson:
         where = self._where(item)
         if kind == "reasoning":
             events.append({"type": "response.reasoning_text.delta", **where, "delta": text})
-            if self._is_summarized:
-                item["summary"][0]["text"] += text
+            if self._is_summarized:  # its text, too, joined at the close
                 at = self._summary_where(item)
                 events.append(
                     {"type": "response.reasoning_summary_text.delta", **at, "delta": text}
@@ -185,6 +184,7 @@ class ResponsesJson:
             done = {"type": "response.reasoning_text.done", **where, "text": part["text"]}
             if self._is_summarized:
                 summary, at = item["summary"][0], self._summary_where(item)
+                summary["text"] = part["text"]
                 events += [
                     {"type": "response.reasoning_summary_text.done", **at, "text": summary["text"]},
                     {"type": "response.reasoning_summary_part.done", **at, "part": summary},
