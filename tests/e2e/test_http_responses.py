@@ -35,6 +35,7 @@ TOOL = {"type": "function", "name": "get_weather", "parameters": SCHEMA}
 CHAT_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA}}
 FORMAT = {"type": "json_schema", "name": "weather", "schema": SCHEMA}  # text.format
 RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "weather", "schema": SCHEMA}}
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}  # chat's extra_body
 ARGUMENTS = '{"city": "Paris", "days": 2}'
 CALL = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": ARGUMENTS}
 FORCED = {"type": "function", "name": "get_weather"}  # tool_choice
@@ -329,3 +330,55 @@ def test_a_stored_response_asked_by_id_is_404_saying_none_is_kept(client: openai
     for call in calls:
         with pytest.raises(openai.NotFoundError, match="keeps no responses"):
             call()
+
+
+def same_logprobs(got: list[dict[str, Any]], expected: list[dict[str, Any]]) -> bool:
+    """The same tokens, bytes and top ones, logprobs equal but for float32 rounding (a prompt
+    prefilled whole or after a prefix-cache hit rounds differently)."""
+
+    def shape(entries: list[dict[str, Any]]) -> list[Any]:
+        return [
+            (e["token"], e["bytes"], [(t["token"], t["bytes"]) for t in e["top_logprobs"]])
+            for e in entries
+        ]
+
+    def values(entries: list[dict[str, Any]]) -> list[float]:
+        return [
+            v for e in entries for v in (e["logprob"], *(t["logprob"] for t in e["top_logprobs"]))
+        ]
+
+    return shape(got) == shape(expected) and values(got) == pytest.approx(
+        values(expected), abs=1e-4
+    )
+
+
+def test_logprobs_are_the_answers_tokens_as_chat_gives_them(
+    client: openai.OpenAI, model: str
+) -> None:
+    """include message.output_text.logprobs with top_logprobs: the message's tokens, each with
+    its logprob, bytes and top ones, as chat completions gives them (thinking off: every token
+    is the answer's); streamed, the deltas' logprobs add up to the whole's."""
+    asked: dict[str, Any] = dict(
+        model=model, input=ASK, temperature=0, max_output_tokens=6, top_logprobs=2,
+        include=["message.output_text.logprobs"], reasoning={"effort": "none"},
+    )  # fmt: skip
+    whole = client.responses.create(**asked)
+    (choice,) = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": ASK}], temperature=0, max_tokens=6,
+        logprobs=True, top_logprobs=2, extra_body=NO_THINKING,
+    ).choices  # fmt: skip
+    (message,) = whole.output
+    (part,) = message.content  # type: ignore[union-attr]
+    expected = [entry.model_dump() for entry in choice.logprobs.content]  # type: ignore[union-attr]
+    got = [entry.model_dump() for entry in part.logprobs]
+    assert len(got) == 6 and [len(e["top_logprobs"]) for e in got] == [2] * 6
+    assert same_logprobs(got, expected)
+    final, events = streamed(client, **asked)
+    assert final.output_text == whole.output_text
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert same_logprobs([entry.model_dump() for d in deltas for entry in d.logprobs], got)
+    (done,) = [e for e in events if e.type == "response.output_text.done"]
+    assert same_logprobs([entry.model_dump() for entry in done.logprobs], got)
+    # Not asked: none
+    plain = client.responses.create(**{**asked, "include": None, "top_logprobs": None})
+    assert plain.output[0].content[0].logprobs == []  # type: ignore[union-attr]

@@ -35,10 +35,14 @@ from typing import Any
 
 from aiohttp import web
 
+from mili.errors import Unavailable
 from services.frontend.chat_output import ChatOutput
 from services.frontend.generations import Generations
 from services.frontend.http_api.choices import Choice, Usage
+from services.frontend.http_api.completions import detokenizer_of
+from services.frontend.http_api.errors import response_of
 from services.frontend.http_api.openai_call import Head, open_call, respond
+from services.frontend.http_api.openai_logprobs import TokenPieces, chat_logprobs
 from services.frontend.http_api.responses_request import SUMMARIES, ResponsesParse
 from services.frontend.pipeline import Delta
 from services.frontend.tool_calls import ToolCallDelta
@@ -49,7 +53,14 @@ async def create_response(request: web.Request, generations: Generations) -> web
     call = await open_call(request, generations, parse)
     if isinstance(call, web.Response):
         return call
-    return await respond(request, call, ResponsesJson(call.choices[0], call.head, parse.echo))
+    pieces = None
+    if call.request.is_chat_logprobs:
+        try:
+            pieces = TokenPieces(detokenizer_of(generations))
+        except Unavailable as exc:
+            return response_of(exc)
+    shape = ResponsesJson(call.choices[0], call.head, parse.echo, pieces)
+    return await respond(request, call, shape)
 
 
 class ResponsesJson:
@@ -57,8 +68,19 @@ class ResponsesJson:
 
     prompt_logprobs_copies = 0  # no prompt logprobs in this API
 
-    def __init__(self, choice: Choice, head: Head, echo: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        choice: Choice,
+        head: Head,
+        echo: dict[str, Any],
+        pieces: TokenPieces | None = None,
+    ) -> None:
         self._choice = choice
+        self._pieces = pieces  # logprobs asked for: the answer's tokens get theirs
+        # The logprobs of the open message, and of tokens whose text is not out yet (held back
+        # until the next delta settles it): the answer's if it comes next
+        self._open_logprobs: list[dict[str, Any]] = []
+        self._pending_logprobs: list[dict[str, Any]] = []
         self._output = ChatOutput.of(choice.valid)
         self._usage = Usage([choice])
         self._id = head.request_id
@@ -94,11 +116,18 @@ class ResponsesJson:
             self._is_answering = bool(content or calls)
             if not self._is_answering:
                 self._num_before_answer += len(delta.token_ids)
+        logprobs = self._logprobs(delta)
+        if not (content or reasoning or calls):
+            self._pending_logprobs += logprobs
+        elif content:
+            logprobs, self._pending_logprobs = self._pending_logprobs + logprobs, []
+        else:  # thinking or calls: no logprobs of theirs in the answer
+            self._pending_logprobs = []
         events = []
         if reasoning:
             events += self._text("reasoning", reasoning)
         if content:
-            events += self._text("message", content)
+            events += self._text("message", content, logprobs)
         for call in calls:
             events += self._call(call)
         if is_last:
@@ -108,8 +137,20 @@ class ResponsesJson:
             events += self._close()
         return events
 
-    def _text(self, kind: str, text: str) -> list[dict[str, Any]]:
-        """`text` added to the open item of `kind`, opened first (closing another) if need be."""
+    def _logprobs(self, delta: Delta) -> list[dict[str, Any]]:
+        """The delta's tokens' logprobs in the Responses shape (chat's entries), if asked."""
+        if self._pieces is None or not delta.token_ids:
+            return []
+        entries: list[dict[str, Any]] = chat_logprobs(
+            self._pieces, delta.token_ids, delta.logprobs
+        )["content"]
+        return entries
+
+    def _text(
+        self, kind: str, text: str, logprobs: list[dict[str, Any]] | None = None
+    ) -> list[dict[str, Any]]:
+        """`text` added to the open item of `kind`, opened first (closing another) if need be;
+        a message's with its tokens' `logprobs`."""
         events = []
         if self._open is None or self._open["type"] != kind:
             events += self._close()
@@ -126,8 +167,14 @@ class ResponsesJson:
                     {"type": "response.reasoning_summary_text.delta", **at, "delta": text}
                 )
         else:
+            self._open_logprobs += logprobs or []
             events.append(
-                {"type": "response.output_text.delta", **where, "delta": text, "logprobs": []}
+                {
+                    "type": "response.output_text.delta",
+                    **where,
+                    "delta": text,
+                    "logprobs": logprobs or [],
+                }
             )
         return events
 
@@ -190,8 +237,9 @@ class ResponsesJson:
                     {"type": "response.reasoning_summary_part.done", **at, "part": summary},
                 ]
         else:
+            part["logprobs"], self._open_logprobs = self._open_logprobs, []
             done = {"type": "response.output_text.done", **where, "text": part["text"]}
-            done["logprobs"] = []
+            done["logprobs"] = part["logprobs"]
         return [
             *events,
             done,

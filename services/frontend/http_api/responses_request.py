@@ -26,8 +26,10 @@ The request is rewritten into a chat completions body and read by the one reader
 Responses parameter the caller wrote (`input[2].arguments`, `text.format.schema`,
 `max_output_tokens`). This server keeps no responses, as vLLM by default: `store` is
 answered false, and what needs a stored one (previous_response_id, conversation,
-item_reference, background) is refused, never ignored; so are hosted tools (web search, files),
-prompt templates and logprobs (`include` of message.output_text.logprobs).
+item_reference, background) is refused, never ignored; so are hosted tools (web search, files)
+and prompt templates. `include` of message.output_text.logprobs (or top_logprobs k > 0) gives
+the answer's tokens their logprobs, with the k most likely at each (chat's logprobs and
+top_logprobs).
 """
 
 from __future__ import annotations
@@ -77,7 +79,6 @@ _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "prompt": lambda v: False,  # a stored prompt template
     "truncation": lambda v: v == "disabled",
     "max_tool_calls": lambda v: False,
-    "top_logprobs": lambda v: v == 0,
 }
 _REASONS = {
     "previous_response_id": _NO_STORE,
@@ -85,8 +86,10 @@ _REASONS = {
     "background": _NO_STORE,
     "truncation": 'only "disabled": a conversation over the context window is refused',
 }
-# `include` entries that need nothing from us: reasoning items carry their text, unencrypted.
-_INCLUDABLE = ("reasoning.encrypted_content",)
+LOGPROBS = "message.output_text.logprobs"  # the `include` entry that asks for them
+# `include` entries we answer: reasoning items carry their text, unencrypted, so the first
+# needs nothing.
+_INCLUDABLE = ("reasoning.encrypted_content", LOGPROBS)
 _ROLES = ("user", "system", "developer", "assistant")
 _TEXT_PARTS = ("input_text", "output_text", "text")
 _EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
@@ -153,6 +156,9 @@ def _chat_body(body: Body) -> tuple[dict[str, Any], _Names]:
         if entry not in _INCLUDABLE:
             raise InvalidArgument(f"include[{i}]", entry, "not supported by this server")
     chat = {key: body.raw(key) for key in _PASSED if body.has(key)}
+    top = body.integer("top_logprobs")
+    if LOGPROBS in body.texts("include") or top:
+        chat["logprobs"], chat["top_logprobs"] = True, top
     names = _Names()
     messages: list[dict[str, Any]] = []
     instructions = body.text("instructions")
@@ -362,6 +368,7 @@ def _echo(body: Body) -> dict[str, Any]:
         "tool_choice": body.raw("tool_choice") or "auto",
         "tools": body.array("tools") or [],
         "top_p": body.number("top_p"),
+        "top_logprobs": body.integer("top_logprobs"),
         "truncation": "disabled",
         "user": body.text("user"),
     }

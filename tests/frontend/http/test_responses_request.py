@@ -110,6 +110,17 @@ def test_tools_text_format_and_sampling_become_the_chat_ones() -> None:
     assert responses(text={"format": {"type": "text"}}).inputs[0].sampling.constraint is None
 
 
+def test_logprobs_are_asked_by_include_or_top_logprobs() -> None:
+    asked = responses(include=["message.output_text.logprobs"], top_logprobs=3)
+    assert asked.is_chat_logprobs and asked.inputs[0].sampling.logprobs == 3
+    alone = responses(include=["message.output_text.logprobs"])
+    assert alone.is_chat_logprobs and alone.inputs[0].sampling.logprobs == 0
+    assert responses(top_logprobs=2).inputs[0].sampling.logprobs == 2
+    unasked = responses(top_logprobs=0)
+    assert not unasked.is_chat_logprobs and unasked.inputs[0].sampling.logprobs is None
+    assert validation_param(responses(top_logprobs=21)) == "top_logprobs"
+
+
 def test_reasoning_effort_none_turns_thinking_off() -> None:
     assert responses(reasoning={"effort": "none"}).inputs[0].enable_thinking is False
     assert responses(reasoning={"effort": "high"}).inputs[0].enable_thinking is None
@@ -140,8 +151,8 @@ def test_reasoning_effort_none_turns_thinking_off() -> None:
         ({"conversation": "conv_1"}, "conversation"),
         ({"background": True}, "background"),
         ({"truncation": "auto"}, "truncation"),
-        ({"include": ["message.output_text.logprobs"]}, "include[0]"),
-        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"include": ["file_search_call.results"]}, "include[0]"),
+        ({"top_logprobs": "2"}, "top_logprobs"),
         ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
         ({"tool_choice": {"type": "file_search"}}, "tool_choice"),
         ({"tool_choice": "sometimes"}, "tool_choice"),
