@@ -131,6 +131,10 @@ class ToolCallParser:
         self._space = ""  # trailing whitespace of the content, held until text follows it
         self._after_call = False  # whitespace here follows a parsed block: dropped
         self._block: str | None = None  # the open block's body so far; None outside one
+        # Whether the open block's body holds a `<tool_call>`: only then can a quoted
+        # `</tool_call>` end it (_block_end), whose search from the body's start is skipped
+        # otherwise (repeated on every delta, it made a long call's parse quadratic)
+        self._has_open_tag = False
         self._framing = ""  # whitespace before the open block's tag (content if it fails)
         self._is_said = False  # some content was sent
         # Content after parsed blocks, when content came before them, is parted from it by
@@ -155,7 +159,9 @@ class ToolCallParser:
         while text:
             if self._block is not None:
                 start = max(0, len(self._block) - len(CLOSE) + 1)  # a tag cut by the last delta
+                open_from = max(0, len(self._block) - len(OPEN) + 1)
                 self._block += text
+                self._has_open_tag = self._has_open_tag or self._block.find(OPEN, open_from) >= 0
                 at = self._block_end(start)
                 if at < 0:
                     break
@@ -170,6 +176,7 @@ class ToolCallParser:
                 break
             self._text(text[:at], content)
             self._block, self._framing, self._space = "", self._space, ""
+            self._has_open_tag = False
             text = text[at + len(OPEN) :]
         return ParsedDelta("".join(content), calls)
 
@@ -183,6 +190,8 @@ class ToolCallParser:
         # A quoted tag followed, blanks aside, by a new block's tag ended a block whose string
         # never closed; one followed by anything else is an argument's text (code that splits
         # on the tags, say).
+        if not self._has_open_tag:
+            return at  # no new block's tag to follow one
         quoted = block.find(CLOSE)
         while quoted >= 0 and (at < 0 or quoted < at):
             rest = block[quoted + len(CLOSE) :].lstrip()
