@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 ROOT = Path(__file__).resolve().parent.parent
 _LISTENING = re.compile(r"(\w+) service listening on (\S+)")
 _HTTP = re.compile(r"(\w+) http on (\S+)")
+_SERVE_HTTP = re.compile(r"OpenAI-compatible API on (\S+)/v1")  # `mili serve`'s summary
 
 
 class ServiceProcess:
@@ -78,11 +79,15 @@ class ServiceProcess:
 
     @property
     def http_url(self) -> str:
-        """The frontend's HTTP API (`http://HOST:PORT`), announced before its gRPC port."""
+        """The frontend's HTTP API (`http://HOST:PORT`), announced before its gRPC port (by
+        `mili serve`, in its summary)."""
         for line in self.stdout_lines:
             match = _HTTP.search(line)
             if match:
                 return match.group(2)
+            match = _SERVE_HTTP.search(line)
+            if match:
+                return match.group(1)
         raise AssertionError(f"mili {' '.join(self.args)} announced no HTTP port")
 
     @property

@@ -13,9 +13,13 @@ served, and tries again when room may have freed; only past the queue's bound is
                                    │full
                                    └──▶ end_try(not admitted): waits for the next room()
 
-Order. Waiters are kept by arrival number (`arrive`), not by when they were pushed: one that
+Order. Waiters are kept by priority (lower first: vLLM's sense of its `priority`; 0 unless the
+caller set one), then by arrival number (`arrive`), not by when they were pushed: one that
 tried at once and found every instance full, or one whose prefill turned it away after decode
-admitted it (it is pushed again), takes its place among the others by when it arrived.
+admitted it (it is pushed again), takes its place among the others by when it arrived. A
+request that would be the head tries at once: one of a lower priority number than every
+waiter does not wait behind them. Priority orders the wait only: a running request is never
+stopped for one.
 
 Head of line. Only the head tries, one try at a time: when the head does not fit, later
 requests wait behind it even where a smaller one would fit (vLLM's first-come-first-served
@@ -49,11 +53,17 @@ class Waiter:
 
     seq: int  # arrival number from `AdmissionQueue.arrive`: lower arrived first
     num_tokens: int  # prompt tokens, counted against the queue's token bound
+    priority: int = 0  # lower waits ahead of higher; arrival order within one
+
+    @property
+    def place(self) -> tuple[int, int]:
+        return self.priority, self.seq
 
 
 class AdmissionQueue:
-    """FIFO of `Waiter`s, bounded by count and prompt tokens (a waiter that comes back after
-    it was admitted, `push(is_return=True)`, is let in past them)."""
+    """`Waiter`s by priority, then first come first served; bounded by count and prompt tokens
+    (a waiter that comes back after it was admitted, `push(is_return=True)`, is let in past
+    them)."""
 
     def __init__(
         self, max_requests: int, max_tokens: int, *, retry_after_s: float | None = None
@@ -65,7 +75,7 @@ class AdmissionQueue:
         self.max_requests = max_requests
         self.max_tokens = max_tokens
         self.retry_after_s = retry_after_s
-        self._waiters: list[Waiter] = []  # by seq
+        self._waiters: list[Waiter] = []  # by place: priority, then seq
         self._trying: Waiter | None = None
         self._has_news = False  # room may have freed since the last try began
         self._arrivals = itertools.count(1)
@@ -90,6 +100,15 @@ class AdmissionQueue:
         """A request's arrival number (take one as it arrives, before it first tries)."""
         return next(self._arrivals)
 
+    def is_first(self, priority: int) -> bool:
+        """Whether a request of `priority` arriving now would be the head (no one waits ahead of
+        it): then it tries at once."""
+        return self.num_ahead(priority) == 0
+
+    def num_ahead(self, priority: int) -> int:
+        """Waiters a request of `priority` arriving now would wait behind."""
+        return sum(1 for w in self._waiters if w.priority <= priority)
+
     def position(self, waiter: Waiter) -> int:
         """0 for the head."""
         return next(i for i, w in enumerate(self._waiters) if w is waiter)
@@ -104,7 +123,8 @@ class AdmissionQueue:
         retry_after_s: float | None = None,
         is_return: bool = False,
     ) -> None:
-        """Queue `waiter` in arrival order; ResourceExhausted (nothing queued) past a bound.
+        """Queue `waiter` in its place (priority, then arrival); ResourceExhausted (nothing
+        queued) past a bound.
 
         The token bound lets one waiter in whatever its size when the queue is empty: a bound
         below the longest prompt must not turn that prompt away for good. `why`: why it waits,
@@ -121,7 +141,7 @@ class AdmissionQueue:
             self._check_room(
                 waiter, why, self.retry_after_s if retry_after_s is None else retry_after_s
             )
-        bisect.insort(self._waiters, waiter, key=lambda w: w.seq)
+        bisect.insort(self._waiters, waiter, key=lambda w: w.place)
         self.num_tokens += waiter.num_tokens
 
     def _check_room(self, waiter: Waiter, why: str, retry_after_s: float | None) -> None:

@@ -64,6 +64,7 @@ class Arrival:
     # False: it waits past the queue's bounds (a later choice of an HTTP request with several,
     # taken when its first was: turned away, it would fail the choices already running)
     is_bounded: bool = True
+    priority: int = 0  # lower waits ahead of higher (admission.py)
     waited_s: float = 0.0  # in the queue, all its stays together
 
 
@@ -91,9 +92,9 @@ class Admitter:
     def num_waiting_tokens(self) -> int:
         return self.queue.num_tokens
 
-    def arrive(self, num_tokens: int, *, is_bounded: bool = True) -> Arrival:
+    def arrive(self, num_tokens: int, *, is_bounded: bool = True, priority: int = 0) -> Arrival:
         """Take a place in line as the request arrives (before it first tries)."""
-        return Arrival(self.queue.arrive(), num_tokens, is_bounded=is_bounded)
+        return Arrival(self.queue.arrive(), num_tokens, is_bounded=is_bounded, priority=priority)
 
     def notify(self) -> None:
         """Room may have freed on some instance: the head's turn."""
@@ -117,7 +118,8 @@ class Admitter:
         passes while it waits.
         """
         is_past_bounds = no_room is not None or not arrival.is_bounded
-        if no_room is None and len(self.queue) == 0:
+        # No one waits, or only requests it goes ahead of (a lower priority): it tries at once
+        if no_room is None and self.queue.is_first(arrival.priority):
             try:
                 return await attempt()
             except NoRoom as refused:
@@ -125,9 +127,9 @@ class Admitter:
         if no_room is not None:
             why, retry_after_s = str(no_room), no_room.retry_after_s
         else:
-            ahead = plural(len(self.queue), "request")
+            ahead = plural(self.queue.num_ahead(arrival.priority), "request")
             why, retry_after_s = f"{ahead} ahead of it in the queue", None
-        waiter = Waiter(arrival.seq, arrival.num_tokens)
+        waiter = Waiter(arrival.seq, arrival.num_tokens, arrival.priority)
         self.queue.push(waiter, why=why, retry_after_s=retry_after_s, is_return=is_past_bounds)
         turn = self._turns[waiter] = asyncio.Event()
         span = trace.get_current_span()

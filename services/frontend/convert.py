@@ -108,6 +108,7 @@ def request_input(
         parallel_tool_calls=(
             request.parallel_tool_calls if request.HasField("parallel_tool_calls") else True
         ),
+        priority=request.priority,
     )
 
 

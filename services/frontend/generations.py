@@ -97,6 +97,7 @@ class Generations:
                     prompt,
                     deadline,
                     is_queue_bounded=not valid.is_later_choice,
+                    priority=valid.priority,
                 )
                 async with aclosing(generation.run()) as deltas:
                     async for delta in deltas:

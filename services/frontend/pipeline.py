@@ -111,8 +111,10 @@ class Generation:
         deadline: Deadline,
         *,
         is_queue_bounded: bool = True,
+        priority: int = 0,
     ) -> None:
-        """`is_queue_bounded` False: it waits for room past the admission queue's bounds."""
+        """`is_queue_bounded` False: it waits for room past the admission queue's bounds;
+        `priority`: its place among waiting requests (lower first)."""
         self._downstream = downstream
         self._config = config
         self._router = downstream.router
@@ -128,7 +130,12 @@ class Generation:
         self.served: Served | None = None  # once finished
         self._admitter = downstream.admitter
         self._placement = Placement(
-            downstream, config, prompt, deadline, is_queue_bounded=is_queue_bounded
+            downstream,
+            config,
+            prompt,
+            deadline,
+            is_queue_bounded=is_queue_bounded,
+            priority=priority,
         )
         self._first_request_id = ids.request_id
         self._num_retries = 0

@@ -62,8 +62,10 @@ class Placement:
         deadline: Deadline,
         *,
         is_queue_bounded: bool = True,
+        priority: int = 0,
     ) -> None:
-        """`is_queue_bounded` False: it waits for room past the admission queue's bounds."""
+        """`is_queue_bounded` False: it waits for room past the admission queue's bounds;
+        `priority`: its place among waiting requests (lower first)."""
         self._downstream = downstream
         self._config = config
         self._router = downstream.router
@@ -75,7 +77,9 @@ class Placement:
         self._prefix_keys = index.keys(prompt.token_ids)
         self._affinity: dict[str, int] = {}
         self._admitter = downstream.admitter
-        self._arrival = self._admitter.arrive(len(prompt.token_ids), is_bounded=is_queue_bounded)
+        self._arrival = self._admitter.arrive(
+            len(prompt.token_ids), is_bounded=is_queue_bounded, priority=priority
+        )
 
     @property
     def queued_s(self) -> float:

@@ -47,6 +47,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256  # per stop string
 MAX_STOP_TOKEN_IDS = 64
 MAX_CLIENT_REQUEST_ID_CHARS = 256  # GenerateRequest.request_id
+PRIORITIES = range(-(2**31), 2**31)  # GenerateRequest.priority is an int32; HTTP's the same
 
 # The largest context of a Qwen3 model: the bound on a prompt's ids before any decode instance
 # reported its own context window.
@@ -127,6 +128,7 @@ class RequestInput:
     tools: tuple[FunctionTool, ...] = ()  # chat: functions the model may call
     tool_choice: ToolChoice = AUTO
     parallel_tool_calls: bool = True  # several calls in one answer
+    priority: int = 0  # its place among waiting requests: lower goes first (vLLM's sense)
 
 
 class Counts(NamedTuple):
@@ -193,6 +195,7 @@ class ValidRequest:
     # A choice after the first of an HTTP request with several: the request was taken when its
     # first was, so it waits for room past the admission queue's bounds (http_api/choices.py).
     is_later_choice: bool = False
+    priority: int = 0  # lower is admitted first among waiting requests (admission.py)
 
     @property
     def is_parsing_tools(self) -> bool:
@@ -232,6 +235,8 @@ def validate(
             f"longer than {MAX_CLIENT_REQUEST_ID_CHARS} characters",
         )
     prompt_field = _check_input(request, bad)
+    if request.priority not in PRIORITIES:
+        bad("priority", request.priority, "must fit in 32 bits (a signed integer)")
     tool_checks.check_tools(request.tools, request.tool_choice, bool(request.messages), bad)
     sampling = _resolve_sampling(request.sampling, limits, new_seed, bad, violations)
     raise_if_any(violations)
@@ -273,6 +278,7 @@ def validate(
         tools=request.tools,
         tool_choice=request.tool_choice,
         parallel_tool_calls=request.parallel_tool_calls,
+        priority=request.priority,
     )
 
 

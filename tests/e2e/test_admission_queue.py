@@ -114,3 +114,76 @@ def test_load_past_every_limit_waits_and_finishes(demo_model_dir: Path, tmp_path
         code = serve.terminate(timeout_s=90)
     assert code == 0, serve.stderr[-3000:]
     assert "Traceback" not in serve.stderr, serve.stderr[-3000:]
+
+
+def test_a_lower_priority_number_is_admitted_first(demo_model_dir: Path) -> None:
+    """Decode runs one request at a time: while it runs, two requests of priority 0 queue
+    (gRPC), then one of priority -1 (HTTP, vLLM's `priority`); the running one is cancelled,
+    and the -1 is admitted first, then the others in arrival order."""
+    serve = ServiceProcess(
+        "serve", "--model", str(demo_model_dir), "--port", "0", "--metrics-port", "0",
+        "--http-port", "0", "--decode-args", "--max-running 1",
+        timeout_s=180,
+    )  # fmt: skip
+    finished: list[str] = []
+
+    def grpc_call(name: str) -> None:
+        with grpc.insecure_channel(serve.address) as channel:
+            stub = generation_pb2_grpc.GenerationServiceStub(channel)
+            request = generation_pb2.CompleteRequest(
+                token_ids=list(range(40, 56)),
+                sampling=sampling_pb2.SamplingParams(max_tokens=4, ignore_eos=True),
+            )
+            stub.Complete(request, timeout=60)
+        finished.append(name)
+
+    def http_call(name: str, priority: int) -> None:
+        body = {"prompt": [40, 41, 42], "max_tokens": 4, "ignore_eos": True, "priority": priority}
+        request = urllib.request.Request(
+            f"{serve.http_url}/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            assert reply.status == 200
+        finished.append(name)
+
+    try:
+        summary = "".join(serve.stdout_lines)
+        frontend_metrics = dict(re.findall(r"mili serve: (\S+)\s.*metrics (\S+)", summary))[
+            "frontend"
+        ]
+
+        def queued() -> float:
+            return _sample(_metrics(frontend_metrics), "mili_frontend_queued_requests")
+
+        def wait_queued(n: int) -> None:
+            deadline = time.monotonic() + 30
+            while queued() < n:
+                assert time.monotonic() < deadline, f"{queued()} queued, not {n}"
+                time.sleep(0.05)
+
+        with grpc.insecure_channel(serve.address) as channel:
+            stub = generation_pb2_grpc.GenerationServiceStub(channel)
+            running = stub.Generate(
+                generation_pb2.GenerateRequest(
+                    token_ids=list(range(60, 76)),
+                    sampling=sampling_pb2.SamplingParams(max_tokens=4000, ignore_eos=True),
+                ),
+                timeout=120,
+            )
+            next(running)  # decoding: decode's one place is taken
+            with ThreadPoolExecutor(max_workers=3) as pool:
+                calls = [pool.submit(grpc_call, "first")]
+                wait_queued(1)
+                calls.append(pool.submit(grpc_call, "second"))
+                wait_queued(2)
+                calls.append(pool.submit(http_call, "urgent", -1))
+                wait_queued(3)
+                running.cancel()
+                for call in calls:
+                    call.result(timeout=60)
+        assert finished == ["urgent", "first", "second"]
+    finally:
+        code = serve.terminate(timeout_s=90)
+    assert code == 0, serve.stderr[-3000:]

@@ -147,8 +147,7 @@ def test_a_generation_over_http_is_a_child_of_the_http_requests_span(
         timeout_s=240,
     )  # fmt: skip
     try:
-        api = next(line for line in serve.stdout_lines if "OpenAI-compatible API on " in line)
-        url = api.split(" on ")[1].strip().removesuffix("/v1")
+        url = serve.http_url
         _, _, body = _get(f"{url}/v1/models")
         model = json.loads(body)["data"][0]["id"]
         trace_id, parent_id = "a" * 32, "b" * 16

@@ -47,6 +47,25 @@ def test_a_waiter_takes_its_place_by_arrival_not_by_when_it_was_pushed() -> None
         queue.push(Waiter(first, 1))
 
 
+def test_a_lower_priority_number_waits_ahead_then_arrival_order() -> None:
+    queue = AdmissionQueue(8, 1000)
+    low, mid, high, mid_later = (queue.arrive() for _ in range(4))
+    assert queue.is_first(0) and queue.num_ahead(0) == 0
+    queue.push(Waiter(low, 1, priority=5))
+    queue.push(Waiter(mid, 1))
+    assert queue.num_ahead(0) == 1 and queue.num_ahead(-1) == 0 and queue.num_ahead(9) == 2
+    assert queue.is_first(-1) and not queue.is_first(0)
+    queue.push(Waiter(mid_later, 1))
+    queue.push(Waiter(high, 1, priority=-3))  # arrived before mid_later, and goes first
+    assert seqs(queue) == [high, mid, mid_later, low]
+    order = []
+    queue.room()
+    while (turn := queue.take_turn()) is not None:
+        order.append(turn.seq)
+        queue.end_try(turn, is_admitted=True)
+    assert order == [high, mid, mid_later, low]
+
+
 def test_only_the_head_tries_one_try_at_a_time_and_only_after_news_of_room() -> None:
     queue, (a, b) = queue_of(4, 1)
     assert queue.take_turn() is None  # no room freed since they were pushed

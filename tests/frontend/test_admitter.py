@@ -43,10 +43,14 @@ def admitter(max_requests: int = 8, waits: list[float] | None = None) -> Admitte
 
 
 async def start(
-    adm: Admitter, instances: Instances, name: str, deadline_s: float | None = 5.0
+    adm: Admitter,
+    instances: Instances,
+    name: str,
+    deadline_s: float | None = 5.0,
+    priority: int = 0,
 ) -> asyncio.Task[str]:
     """Start `name`'s admission and let it run until it tried once or waits."""
-    arrival = adm.arrive(num_tokens=4)
+    arrival = adm.arrive(num_tokens=4, priority=priority)
     task = asyncio.create_task(adm.admit(arrival, instances.attempt(name), Deadline(deadline_s)))
     for _ in range(5):
         await asyncio.sleep(0)
@@ -84,6 +88,26 @@ def test_waiters_are_admitted_first_come_first_served_as_room_frees() -> None:
         assert await c == "c"
         assert instances.admitted == ["a", "b", "c"]
         assert len(waits) == 3 and adm.num_waiting == 0
+
+    asyncio.run(main())
+
+
+def test_a_lower_priority_number_is_admitted_before_those_waiting_longer() -> None:
+    async def main() -> None:
+        adm, instances = admitter(), Instances(room=0)
+        a = await start(adm, instances, "a", priority=1)  # tries at once, finds no room
+        b = await start(adm, instances, "b", priority=1)  # waits behind a without trying
+        urgent = await start(adm, instances, "urgent", priority=-1)  # would be the head: tries
+        assert instances.tries == ["a", "urgent"] and adm.num_waiting == 3
+        instances.room = 1
+        adm.notify()
+        assert await urgent == "urgent"
+        await asyncio.sleep(0.01)
+        assert not a.done() and not b.done()
+        instances.room = 2
+        adm.notify()
+        assert (await a, await b) == ("a", "b")
+        assert instances.admitted == ["urgent", "a", "b"]
 
     asyncio.run(main())
 

@@ -143,7 +143,13 @@ def completion_request(body: Body, window: int | None, client_id: str) -> OpenAI
         )
         _check_counts(counts, window, _completion_param)
         inputs.append(
-            RequestInput(client_request_id=client_id, prompt=text, token_ids=ids, sampling=sampling)
+            RequestInput(
+                client_request_id=client_id,
+                prompt=text,
+                token_ids=ids,
+                sampling=sampling,
+                priority=_priority(body),
+            )
         )
     return OpenAIRequest(
         model=body.text("model"),
@@ -201,6 +207,7 @@ def chat_request(body: Body, window: int | None, client_id: str) -> OpenAIReques
         tools=openai_tools.tools_of(body),
         tool_choice=tool_choice,
         parallel_tool_calls=openai_tools.parallel_of(body),
+        priority=_priority(body),
     )
     return OpenAIRequest(
         model=body.text("model"),
@@ -337,6 +344,12 @@ def _logit_bias(body: Body) -> tuple[tuple[int, float], ...]:
             raise bias.wrong(key, None, "a number")
         pairs.append((int(key), value))
     return tuple(sorted(pairs))
+
+
+def _priority(body: Body) -> int:
+    """vLLM's priority: unset is 0, a lower number is admitted first; the range is validation's."""
+    n = body.integer("priority")
+    return 0 if n is None else n
 
 
 def _min_tokens(body: Body) -> int:

@@ -64,6 +64,7 @@ _PASSED = (
     "min_tokens",
     "logit_bias",
     "chat_template_kwargs",
+    "priority",
 )
 _NO_STORE = "this server keeps no responses (store): send the whole conversation in input"
 # The Vercel AI SDK sends an earlier turn's output as references to it unless told store: false

@@ -26,43 +26,43 @@ from mili.pb.common.v1 import chat_pb2 as mili_dot_common_dot_v1_dot_chat__pb2
 from mili.pb.common.v1 import sampling_pb2 as mili_dot_common_dot_v1_dot_sampling__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!mili/frontend/v1/generation.proto\x12\x10mili.frontend.v1\x1a\x19mili/common/v1/chat.proto\x1a\x1dmili/common/v1/sampling.proto\"\x8b\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12-\n\x08messages\x18\x03 \x03(\x0b\x32\x1b.mili.common.v1.ChatMessage\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x30\n\x08sampling\x18\x05 \x01(\x0b\x32\x1e.mili.common.v1.SamplingParams\x12\x1c\n\x0f\x65nable_thinking\x18\x06 \x01(\x08H\x00\x88\x01\x01\x12\x1c\n\x14\x61llow_special_tokens\x18\x07 \x01(\x08\x12#\n\x05tools\x18\x08 \x03(\x0b\x32\x14.mili.common.v1.Tool\x12\x31\n\x0btool_choice\x18\t \x01(\x0b\x32\x1c.mili.frontend.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\n \x01(\x08H\x01\x88\x01\x01\x42\x12\n\x10_enable_thinkingB\x16\n\x14_parallel_tool_calls\"\xc9\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.mili.common.v1.Logprobs\x12\x33\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1c.mili.common.v1.FinishReason\x12&\n\x05usage\x18\x06 \x01(\x0b\x32\x17.mili.frontend.v1.Usage\x12\x31\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x18.mili.common.v1.Logprobs\x12\x16\n\x0ereasoning_text\x18\x08 \x01(\t\x12,\n\ntool_calls\x18\t \x03(\x0b\x32\x18.mili.common.v1.ToolCall\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\x8b\x03\n\x0f\x43ompleteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12-\n\x08messages\x18\x03 \x03(\x0b\x32\x1b.mili.common.v1.ChatMessage\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x30\n\x08sampling\x18\x05 \x01(\x0b\x32\x1e.mili.common.v1.SamplingParams\x12\x1c\n\x0f\x65nable_thinking\x18\x06 \x01(\x08H\x00\x88\x01\x01\x12\x1c\n\x14\x61llow_special_tokens\x18\x07 \x01(\x08\x12#\n\x05tools\x18\x08 \x03(\x0b\x32\x14.mili.common.v1.Tool\x12\x31\n\x0btool_choice\x18\t \x01(\x0b\x32\x1c.mili.frontend.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\n \x01(\x08H\x01\x88\x01\x01\x42\x12\n\x10_enable_thinkingB\x16\n\x14_parallel_tool_calls\"\xc9\x02\n\x10\x43ompleteResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.mili.common.v1.Logprobs\x12\x33\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1c.mili.common.v1.FinishReason\x12&\n\x05usage\x18\x06 \x01(\x0b\x32\x17.mili.frontend.v1.Usage\x12\x31\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x18.mili.common.v1.Logprobs\x12\x16\n\x0ereasoning_text\x18\x08 \x01(\t\x12,\n\ntool_calls\x18\t \x03(\x0b\x32\x18.mili.common.v1.ToolCall\"S\n\nToolChoice\x12.\n\x04mode\x18\x01 \x01(\x0e\x32 .mili.frontend.v1.ToolChoiceMode\x12\x15\n\rfunction_name\x18\x02 \x01(\t\"\xd9\x01\n\x0fTokenizeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12-\n\x08messages\x18\x03 \x03(\x0b\x32\x1b.mili.common.v1.ChatMessage\x12\x1c\n\x0f\x65nable_thinking\x18\x04 \x01(\x08H\x00\x88\x01\x01\x12\x1c\n\x14\x61llow_special_tokens\x18\x05 \x01(\x08\x12#\n\x05tools\x18\x06 \x03(\x0b\x32\x14.mili.common.v1.ToolB\x12\n\x10_enable_thinking\"U\n\x10TokenizeResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x1a\n\x12max_context_tokens\x18\x03 \x01(\r\"\r\n\x0bInfoRequest\"\x91\x03\n\x0cInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x1a\n\x12max_context_tokens\x18\x02 \x01(\r\x12\x18\n\x10max_tokens_limit\x18\x03 \x01(\r\x12\x1a\n\x12\x64\x65\x66\x61ult_max_tokens\x18\x04 \x01(\r\x12\x19\n\x11prefill_addresses\x18\x05 \x03(\t\x12\x18\n\x10\x64\x65\x63ode_addresses\x18\x06 \x03(\t\x12\x17\n\x0fprefill_targets\x18\x07 \x03(\t\x12\x16\n\x0e\x64\x65\x63ode_targets\x18\x08 \x03(\t\x12-\n\tinstances\x18\t \x03(\x0b\x32\x1a.mili.frontend.v1.Instance\x12\x38\n\x0ftarget_problems\x18\n \x03(\x0b\x32\x1f.mili.frontend.v1.TargetProblem\x12\x16\n\x0eserver_version\x18\x0b \x01(\t\x12\x39\n\x11sampling_defaults\x18\x0c \x01(\x0b\x32\x1e.mili.common.v1.SamplingParams\"0\n\rTargetProblem\x12\x0e\n\x06target\x18\x01 \x01(\t\x12\x0f\n\x07problem\x18\x02 \x01(\t\"\xa0\x01\n\x08Instance\x12,\n\x04kind\x18\x01 \x01(\x0e\x32\x1e.mili.frontend.v1.InstanceKind\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12.\n\x05state\x18\x03 \x01(\x0e\x32\x1f.mili.frontend.v1.InstanceState\x12\x0e\n\x06target\x18\x04 \x01(\t\x12\x15\n\rnum_in_flight\x18\x05 \x01(\r*\xa6\x01\n\x0eToolChoiceMode\x12 \n\x1cTOOL_CHOICE_MODE_UNSPECIFIED\x10\x00\x12\x19\n\x15TOOL_CHOICE_MODE_AUTO\x10\x01\x12\x19\n\x15TOOL_CHOICE_MODE_NONE\x10\x02\x12\x1d\n\x19TOOL_CHOICE_MODE_REQUIRED\x10\x03\x12\x1d\n\x19TOOL_CHOICE_MODE_FUNCTION\x10\x04*b\n\x0cInstanceKind\x12\x1d\n\x19INSTANCE_KIND_UNSPECIFIED\x10\x00\x12\x19\n\x15INSTANCE_KIND_PREFILL\x10\x01\x12\x18\n\x14INSTANCE_KIND_DECODE\x10\x02*|\n\rInstanceState\x12\x1e\n\x1aINSTANCE_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11INSTANCE_STATE_UP\x10\x01\x12\x17\n\x13INSTANCE_STATE_DOWN\x10\x02\x12\x1b\n\x17INSTANCE_STATE_DRAINING\x10\x03\x32\xd5\x02\n\x11GenerationService\x12S\n\x08Generate\x12!.mili.frontend.v1.GenerateRequest\x1a\".mili.frontend.v1.GenerateResponse0\x01\x12Q\n\x08\x43omplete\x12!.mili.frontend.v1.CompleteRequest\x1a\".mili.frontend.v1.CompleteResponse\x12\x45\n\x04Info\x12\x1d.mili.frontend.v1.InfoRequest\x1a\x1e.mili.frontend.v1.InfoResponse\x12Q\n\x08Tokenize\x12!.mili.frontend.v1.TokenizeRequest\x1a\".mili.frontend.v1.TokenizeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!mili/frontend/v1/generation.proto\x12\x10mili.frontend.v1\x1a\x19mili/common/v1/chat.proto\x1a\x1dmili/common/v1/sampling.proto\"\x9d\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12-\n\x08messages\x18\x03 \x03(\x0b\x32\x1b.mili.common.v1.ChatMessage\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x30\n\x08sampling\x18\x05 \x01(\x0b\x32\x1e.mili.common.v1.SamplingParams\x12\x1c\n\x0f\x65nable_thinking\x18\x06 \x01(\x08H\x00\x88\x01\x01\x12\x1c\n\x14\x61llow_special_tokens\x18\x07 \x01(\x08\x12#\n\x05tools\x18\x08 \x03(\x0b\x32\x14.mili.common.v1.Tool\x12\x31\n\x0btool_choice\x18\t \x01(\x0b\x32\x1c.mili.frontend.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\n \x01(\x08H\x01\x88\x01\x01\x12\x10\n\x08priority\x18\x0b \x01(\x05\x42\x12\n\x10_enable_thinkingB\x16\n\x14_parallel_tool_calls\"\xc9\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.mili.common.v1.Logprobs\x12\x33\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1c.mili.common.v1.FinishReason\x12&\n\x05usage\x18\x06 \x01(\x0b\x32\x17.mili.frontend.v1.Usage\x12\x31\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x18.mili.common.v1.Logprobs\x12\x16\n\x0ereasoning_text\x18\x08 \x01(\t\x12,\n\ntool_calls\x18\t \x03(\x0b\x32\x18.mili.common.v1.ToolCall\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\x9d\x03\n\x0f\x43ompleteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12-\n\x08messages\x18\x03 \x03(\x0b\x32\x1b.mili.common.v1.ChatMessage\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x30\n\x08sampling\x18\x05 \x01(\x0b\x32\x1e.mili.common.v1.SamplingParams\x12\x1c\n\x0f\x65nable_thinking\x18\x06 \x01(\x08H\x00\x88\x01\x01\x12\x1c\n\x14\x61llow_special_tokens\x18\x07 \x01(\x08\x12#\n\x05tools\x18\x08 \x03(\x0b\x32\x14.mili.common.v1.Tool\x12\x31\n\x0btool_choice\x18\t \x01(\x0b\x32\x1c.mili.frontend.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\n \x01(\x08H\x01\x88\x01\x01\x12\x10\n\x08priority\x18\x0b \x01(\x05\x42\x12\n\x10_enable_thinkingB\x16\n\x14_parallel_tool_calls\"\xc9\x02\n\x10\x43ompleteResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.mili.common.v1.Logprobs\x12\x33\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1c.mili.common.v1.FinishReason\x12&\n\x05usage\x18\x06 \x01(\x0b\x32\x17.mili.frontend.v1.Usage\x12\x31\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x18.mili.common.v1.Logprobs\x12\x16\n\x0ereasoning_text\x18\x08 \x01(\t\x12,\n\ntool_calls\x18\t \x03(\x0b\x32\x18.mili.common.v1.ToolCall\"S\n\nToolChoice\x12.\n\x04mode\x18\x01 \x01(\x0e\x32 .mili.frontend.v1.ToolChoiceMode\x12\x15\n\rfunction_name\x18\x02 \x01(\t\"\xd9\x01\n\x0fTokenizeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12-\n\x08messages\x18\x03 \x03(\x0b\x32\x1b.mili.common.v1.ChatMessage\x12\x1c\n\x0f\x65nable_thinking\x18\x04 \x01(\x08H\x00\x88\x01\x01\x12\x1c\n\x14\x61llow_special_tokens\x18\x05 \x01(\x08\x12#\n\x05tools\x18\x06 \x03(\x0b\x32\x14.mili.common.v1.ToolB\x12\n\x10_enable_thinking\"U\n\x10TokenizeResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x1a\n\x12max_context_tokens\x18\x03 \x01(\r\"\r\n\x0bInfoRequest\"\x91\x03\n\x0cInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x1a\n\x12max_context_tokens\x18\x02 \x01(\r\x12\x18\n\x10max_tokens_limit\x18\x03 \x01(\r\x12\x1a\n\x12\x64\x65\x66\x61ult_max_tokens\x18\x04 \x01(\r\x12\x19\n\x11prefill_addresses\x18\x05 \x03(\t\x12\x18\n\x10\x64\x65\x63ode_addresses\x18\x06 \x03(\t\x12\x17\n\x0fprefill_targets\x18\x07 \x03(\t\x12\x16\n\x0e\x64\x65\x63ode_targets\x18\x08 \x03(\t\x12-\n\tinstances\x18\t \x03(\x0b\x32\x1a.mili.frontend.v1.Instance\x12\x38\n\x0ftarget_problems\x18\n \x03(\x0b\x32\x1f.mili.frontend.v1.TargetProblem\x12\x16\n\x0eserver_version\x18\x0b \x01(\t\x12\x39\n\x11sampling_defaults\x18\x0c \x01(\x0b\x32\x1e.mili.common.v1.SamplingParams\"0\n\rTargetProblem\x12\x0e\n\x06target\x18\x01 \x01(\t\x12\x0f\n\x07problem\x18\x02 \x01(\t\"\xa0\x01\n\x08Instance\x12,\n\x04kind\x18\x01 \x01(\x0e\x32\x1e.mili.frontend.v1.InstanceKind\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12.\n\x05state\x18\x03 \x01(\x0e\x32\x1f.mili.frontend.v1.InstanceState\x12\x0e\n\x06target\x18\x04 \x01(\t\x12\x15\n\rnum_in_flight\x18\x05 \x01(\r*\xa6\x01\n\x0eToolChoiceMode\x12 \n\x1cTOOL_CHOICE_MODE_UNSPECIFIED\x10\x00\x12\x19\n\x15TOOL_CHOICE_MODE_AUTO\x10\x01\x12\x19\n\x15TOOL_CHOICE_MODE_NONE\x10\x02\x12\x1d\n\x19TOOL_CHOICE_MODE_REQUIRED\x10\x03\x12\x1d\n\x19TOOL_CHOICE_MODE_FUNCTION\x10\x04*b\n\x0cInstanceKind\x12\x1d\n\x19INSTANCE_KIND_UNSPECIFIED\x10\x00\x12\x19\n\x15INSTANCE_KIND_PREFILL\x10\x01\x12\x18\n\x14INSTANCE_KIND_DECODE\x10\x02*|\n\rInstanceState\x12\x1e\n\x1aINSTANCE_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11INSTANCE_STATE_UP\x10\x01\x12\x17\n\x13INSTANCE_STATE_DOWN\x10\x02\x12\x1b\n\x17INSTANCE_STATE_DRAINING\x10\x03\x32\xd5\x02\n\x11GenerationService\x12S\n\x08Generate\x12!.mili.frontend.v1.GenerateRequest\x1a\".mili.frontend.v1.GenerateResponse0\x01\x12Q\n\x08\x43omplete\x12!.mili.frontend.v1.CompleteRequest\x1a\".mili.frontend.v1.CompleteResponse\x12\x45\n\x04Info\x12\x1d.mili.frontend.v1.InfoRequest\x1a\x1e.mili.frontend.v1.InfoResponse\x12Q\n\x08Tokenize\x12!.mili.frontend.v1.TokenizeRequest\x1a\".mili.frontend.v1.TokenizeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'mili.frontend.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TOOLCHOICEMODE']._serialized_start=2687
-  _globals['_TOOLCHOICEMODE']._serialized_end=2853
-  _globals['_INSTANCEKIND']._serialized_start=2855
-  _globals['_INSTANCEKIND']._serialized_end=2953
-  _globals['_INSTANCESTATE']._serialized_start=2955
-  _globals['_INSTANCESTATE']._serialized_end=3079
+  _globals['_TOOLCHOICEMODE']._serialized_start=2723
+  _globals['_TOOLCHOICEMODE']._serialized_end=2889
+  _globals['_INSTANCEKIND']._serialized_start=2891
+  _globals['_INSTANCEKIND']._serialized_end=2989
+  _globals['_INSTANCESTATE']._serialized_start=2991
+  _globals['_INSTANCESTATE']._serialized_end=3115
   _globals['_GENERATEREQUEST']._serialized_start=114
-  _globals['_GENERATEREQUEST']._serialized_end=509
-  _globals['_GENERATERESPONSE']._serialized_start=512
-  _globals['_GENERATERESPONSE']._serialized_end=841
-  _globals['_USAGE']._serialized_start=843
-  _globals['_USAGE']._serialized_end=930
-  _globals['_COMPLETEREQUEST']._serialized_start=933
-  _globals['_COMPLETEREQUEST']._serialized_end=1328
-  _globals['_COMPLETERESPONSE']._serialized_start=1331
-  _globals['_COMPLETERESPONSE']._serialized_end=1660
-  _globals['_TOOLCHOICE']._serialized_start=1662
-  _globals['_TOOLCHOICE']._serialized_end=1745
-  _globals['_TOKENIZEREQUEST']._serialized_start=1748
-  _globals['_TOKENIZEREQUEST']._serialized_end=1965
-  _globals['_TOKENIZERESPONSE']._serialized_start=1967
-  _globals['_TOKENIZERESPONSE']._serialized_end=2052
-  _globals['_INFOREQUEST']._serialized_start=2054
-  _globals['_INFOREQUEST']._serialized_end=2067
-  _globals['_INFORESPONSE']._serialized_start=2070
-  _globals['_INFORESPONSE']._serialized_end=2471
-  _globals['_TARGETPROBLEM']._serialized_start=2473
-  _globals['_TARGETPROBLEM']._serialized_end=2521
-  _globals['_INSTANCE']._serialized_start=2524
-  _globals['_INSTANCE']._serialized_end=2684
-  _globals['_GENERATIONSERVICE']._serialized_start=3082
-  _globals['_GENERATIONSERVICE']._serialized_end=3423
+  _globals['_GENERATEREQUEST']._serialized_end=527
+  _globals['_GENERATERESPONSE']._serialized_start=530
+  _globals['_GENERATERESPONSE']._serialized_end=859
+  _globals['_USAGE']._serialized_start=861
+  _globals['_USAGE']._serialized_end=948
+  _globals['_COMPLETEREQUEST']._serialized_start=951
+  _globals['_COMPLETEREQUEST']._serialized_end=1364
+  _globals['_COMPLETERESPONSE']._serialized_start=1367
+  _globals['_COMPLETERESPONSE']._serialized_end=1696
+  _globals['_TOOLCHOICE']._serialized_start=1698
+  _globals['_TOOLCHOICE']._serialized_end=1781
+  _globals['_TOKENIZEREQUEST']._serialized_start=1784
+  _globals['_TOKENIZEREQUEST']._serialized_end=2001
+  _globals['_TOKENIZERESPONSE']._serialized_start=2003
+  _globals['_TOKENIZERESPONSE']._serialized_end=2088
+  _globals['_INFOREQUEST']._serialized_start=2090
+  _globals['_INFOREQUEST']._serialized_end=2103
+  _globals['_INFORESPONSE']._serialized_start=2106
+  _globals['_INFORESPONSE']._serialized_end=2507
+  _globals['_TARGETPROBLEM']._serialized_start=2509
+  _globals['_TARGETPROBLEM']._serialized_end=2557
+  _globals['_INSTANCE']._serialized_start=2560
+  _globals['_INSTANCE']._serialized_end=2720
+  _globals['_GENERATIONSERVICE']._serialized_start=3118
+  _globals['_GENERATIONSERVICE']._serialized_end=3459
 # @@protoc_insertion_point(module_scope)
