@@ -130,7 +130,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=2048,  # FrontendConfig says why
         metavar="N",
         help="requests that found every decode instance full wait for room in the admission "
-        "queue, first come first served, until their deadline; past N waiting (or "
+        "queue, by priority then first come first served, until their deadline; past N waiting (or "
         "--max-queued-tokens) a request gets RESOURCE_EXHAUSTED with a retry hint (one that "
         "prefill turned away after decode admitted it goes back in line even past it); 0: "
         "none waits (default: %(default)s)",

@@ -38,8 +38,9 @@ class FrontendConfig:
     # load reaches (it was 512 too, so the queue never filled).
     max_concurrent_requests: int = 4096
     # The admission queue (admission.py): requests that found every decode instance full wait
-    # for room, first come first served, up to these many requests and prompt tokens (past
-    # them: RESOURCE_EXHAUSTED with RetryInfo). 0 requests: no waiting, refused at once.
+    # for room, by priority then first come first served, up to these many requests and prompt
+    # tokens (past them: RESOURCE_EXHAUSTED with RetryInfo). 0 requests: no waiting, refused at
+    # once.
     # Sized for the load generators users measure with (vllm bench serve and SGLang's
     # bench_serving send 1000 requests at once by default, about 1M prompt tokens, and count
     # a 429 as a failure); 4M prompt tokens waiting are ~150 MB of ids at most.
