@@ -79,8 +79,8 @@ def test_every_method_refuses_malformed_bytes_with_one_warning(pipeline: Deploym
                 assert code is grpc.StatusCode.INVALID_ARGUMENT, (path, code, details)
                 assert details.startswith(f"malformed request to {path}: "), details
                 sent[name].append(path)
-    # every method of every service (12, plus GenerateStream, GetTokenizerFile and Pair)
-    assert sum(len(paths) for paths in sent.values()) == 15
+    # every method of every service (13, plus GenerateStream, GetTokenizerFile and Pair)
+    assert sum(len(paths) for paths in sent.values()) == 16
     for name, paths in sent.items():
         lines = _wait_for_lines(processes[name], starts[name], "malformed request to", len(paths))
         warnings = [line for line in lines if "malformed request to" in line]
