@@ -1,5 +1,6 @@
 """Tokenizing without generating, on both APIs, against the real services on the demo model:
-HTTP POST /tokenize and /detokenize (vLLM's) and gRPC GenerationService.Tokenize. The ids are the
+HTTP POST /tokenize and /detokenize (vLLM's), POST /v1/responses/input_tokens (OpenAI's) and
+gRPC GenerationService.Tokenize. The ids are the
 tokenizer's (HF `tokenizers` on the same file is the oracle), a chat's count is the
 prompt_tokens a generation of the same messages reports, the text round-trips, and bad input is
 a 400 / INVALID_ARGUMENT naming the parameter."""
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import openai
 import pytest
 from tokenizers import Tokenizer
 
@@ -91,8 +93,33 @@ def test_bad_input_is_a_400_naming_the_parameter(
     assert reply["error"]["param"] == param, reply
 
 
+def test_responses_input_tokens_count_what_the_response_reports(pipeline: Deployment) -> None:
+    """OpenAI's input token count, as the openai SDK asks it (and LiteLLM's token counting asks
+    an `openai/` deployment): the input_tokens a Responses request of the same body reports.
+    Its path is not a stored response's id."""
+    client = openai.OpenAI(base_url=pipeline.frontend.http_url + "/v1", api_key="unused")
+    tool = {"type": "function", "name": "get_weather", "parameters": {"type": "object"}}
+    asks: list[dict[str, Any]] = [
+        {"input": "Hi"},
+        {"input": [{"role": "user", "content": "Hi"}], "instructions": "Be brief."},
+        {"input": "Weather?", "tools": [tool], "reasoning": {"effort": "none"}},
+    ]
+    for ask in asks:
+        counted = client.responses.input_tokens.count(**ask)
+        assert counted.object == "response.input_tokens"
+        done = client.responses.create(**ask, max_output_tokens=1)
+        assert done.usage is not None
+        assert counted.input_tokens == done.usage.input_tokens, ask
+    status, reply = post(pipeline, "/v1/responses/input_tokens", {"input": []})
+    assert status == 400 and reply["error"]["param"] == "input", reply
+
+
 def test_another_model_is_404(pipeline: Deployment) -> None:
-    for path, body in (("/tokenize", {"prompt": "a"}), ("/detokenize", {"tokens": [1]})):
+    for path, body in (
+        ("/tokenize", {"prompt": "a"}),
+        ("/detokenize", {"tokens": [1]}),
+        ("/v1/responses/input_tokens", {"input": "a"}),
+    ):
         status, reply = post(pipeline, path, {**body, "model": "not-served"})
         assert status == 404 and reply["error"]["code"] == "model_not_found", reply
 

@@ -8,6 +8,7 @@ POST /v1/chat/completions          chat completions (chat.py)
 POST /v1/responses                 OpenAI's Responses API, stateless (responses.py); a stored
                                    one asked for by id (GET, DELETE, .../cancel, .../input_items)
                                    is 404, saying none is kept
+POST /v1/responses/input_tokens    what a Responses request's input counts (tokens.py)
 POST /tokenize, POST /detokenize   a prompt's token ids, ids' text, as vLLM has them (tokens.py)
 POST /generate, GET /status/{request_id}, GET /health    the seeds' endpoints (seeds.py)
 
@@ -38,7 +39,7 @@ from services.frontend.http_api.keys import GENERATIONS
 from services.frontend.http_api.responses import create_response
 from services.frontend.http_api.server import HttpConfig
 from services.frontend.http_api.telemetry import add_telemetry
-from services.frontend.http_api.tokens import detokenize, tokenize
+from services.frontend.http_api.tokens import count_input_tokens, detokenize, tokenize
 
 _STARTED_AT = int(time.time())
 
@@ -59,6 +60,8 @@ def make_app(generations: Generations, config: HttpConfig) -> web.Application:
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/responses", responses)
+    # Before the stored responses' route, whose {response_id} it would otherwise be
+    app.router.add_post("/v1/responses/input_tokens", count_input_tokens)
     for method in ("GET", "DELETE", "POST"):
         app.router.add_route(method, "/v1/responses/{response_id}{rest:(/.*)?}", stored_response)
     app.router.add_post("/tokenize", tokenize)

@@ -6,6 +6,10 @@ client counts a prompt with before sending it, with the server's own tokenizer a
                   template adds the assistant turn's opening, as vLLM's add_generation_prompt
                   default)  ->  {"count", "max_model_len", "tokens": [ids], "token_strs": null}
     /detokenize   {"tokens": [ids]}  ->  {"prompt": text}
+    /v1/responses/input_tokens   a Responses request's body (OpenAI's input token count: the
+                  openai SDK's responses.input_tokens.count, what LiteLLM's token counting asks
+                  an `openai/` deployment)  ->  {"object": "response.input_tokens",
+                  "input_tokens": the input_tokens its response would report}
 
 Checked as a generation is (vocabulary, character limit; errors name the parameter), nothing
 run. vLLM's `return_token_strs` is refused: it names BPE pieces ("Ġthe"), which this server
@@ -22,7 +26,12 @@ from services.frontend.http_api.body import read_body
 from services.frontend.http_api.completions import detokenizer_of
 from services.frontend.http_api.errors import model_not_found, response_of
 from services.frontend.http_api.keys import GENERATIONS
-from services.frontend.http_api.openai_request import chat_request, completion_request
+from services.frontend.http_api.openai_request import (
+    OpenAIRequest,
+    chat_request,
+    completion_request,
+)
+from services.frontend.http_api.responses_request import ResponsesParse
 from services.frontend.http_api.telemetry import request_id_of
 
 
@@ -36,14 +45,11 @@ async def tokenize(request: web.Request) -> web.Response:
     read = chat_request if body.has("messages") else completion_request
     window = generations.backends.router.max_context_tokens
     asked = read(body, window, request_id_of(request))
-    if asked.model and not generations.backends.answers_to(asked.model):
-        return model_not_found(asked.model, generations.model)
     if len(asked.inputs) != 1:
         raise InvalidArgument("prompt", f"{len(asked.inputs)} prompts", "one prompt at a time")
-    try:
-        token_ids = await generations.tokenize(generations.validate(asked.inputs[0]))
-    except Exception as exc:
-        return response_of(exc, asked.param_of)
+    token_ids = await _token_ids(request, asked)
+    if isinstance(token_ids, web.Response):
+        return token_ids
     reply = {
         "count": len(token_ids),
         "max_model_len": generations.backends.router.max_context_tokens,
@@ -51,6 +57,29 @@ async def tokenize(request: web.Request) -> web.Response:
         "token_strs": None,
     }
     return web.json_response(reply)
+
+
+async def count_input_tokens(request: web.Request) -> web.Response:
+    """POST /v1/responses/input_tokens: read as /v1/responses reads its body (its errors name
+    the Responses parameters), counted as /tokenize counts a chat."""
+    window = request.app[GENERATIONS].backends.router.max_context_tokens
+    body = bodies.parse(await read_body(request))
+    asked = ResponsesParse()(body, window, request_id_of(request))
+    token_ids = await _token_ids(request, asked)
+    if isinstance(token_ids, web.Response):
+        return token_ids
+    return web.json_response({"object": "response.input_tokens", "input_tokens": len(token_ids)})
+
+
+async def _token_ids(request: web.Request, asked: OpenAIRequest) -> tuple[int, ...] | web.Response:
+    """The ids of `asked`'s one prompt; or the error response (404 for another model)."""
+    generations = request.app[GENERATIONS]
+    if asked.model and not generations.backends.answers_to(asked.model):
+        return model_not_found(asked.model, generations.model)
+    try:
+        return await generations.tokenize(generations.validate(asked.inputs[0]))
+    except Exception as exc:
+        return response_of(exc, asked.param_of)
 
 
 async def detokenize(request: web.Request) -> web.Response:
