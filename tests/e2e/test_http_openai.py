@@ -256,6 +256,35 @@ def test_chat_with_thinking_off_greedy_equals_grpc(
     assert plain.usage.completion_tokens == grpc.usage.completion_tokens
 
 
+def test_reasoning_effort_none_turns_thinking_off(client: openai.OpenAI, model: str) -> None:
+    """OpenAI's reasoning_effort "none" (LiteLLM's one way to turn reasoning off, sent as it
+    is to an OpenAI-compatible server) is enable_thinking false: the same prompt, with the empty
+    think block the template writes then. Any other effort thinks (Qwen3 has no budget); a value
+    OpenAI does not have, or "none" beside enable_thinking true, is a 400 naming it."""
+    ask: dict[str, Any] = dict(
+        model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=1, temperature=0
+    )
+    off = client.chat.completions.create(
+        **ask, extra_body={"chat_template_kwargs": {"enable_thinking": False}}
+    )
+    prompt_tokens = {}
+    for effort in ("none", "low", None):
+        extra = {} if effort is None else {"reasoning_effort": effort}
+        usage = client.chat.completions.create(**ask, extra_body=extra).usage
+        assert usage is not None
+        prompt_tokens[effort or "unset"] = usage.prompt_tokens
+    assert off.usage is not None
+    assert prompt_tokens["none"] == off.usage.prompt_tokens
+    assert prompt_tokens["low"] == prompt_tokens["unset"] != off.usage.prompt_tokens
+    for extra in (
+        {"reasoning_effort": "max"},
+        {"reasoning_effort": "none", "chat_template_kwargs": {"enable_thinking": True}},
+    ):
+        with pytest.raises(openai.BadRequestError) as bad:
+            client.chat.completions.create(**ask, extra_body=extra)
+        assert bad.value.param == "reasoning_effort", extra
+
+
 def test_completion_logprobs_equal_grpc(
     deployment: Deployment, client: openai.OpenAI, model: str
 ) -> None:

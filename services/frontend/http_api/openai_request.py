@@ -4,7 +4,8 @@
                                 or an array of arrays of ids (a batch: one RequestInput each)
     POST /v1/chat/completions   messages: role + content (a string or text parts), assistant
                                 tool calls and tool results; tools, tool_choice
-                                (openai_tools.py)
+                                (openai_tools.py); reasoning_effort "none" or
+                                chat_template_kwargs.enable_thinking false: no thinking
     both                        response_format, guided_* / structured_outputs: one
                                 Constraint (openai_constraint.py); vLLM's prompt_logprobs
 
@@ -43,6 +44,8 @@ from services.frontend.validation import (
 # allows n up to 128, and lm-eval batches up to its batch_size prompts in one request.
 MAX_N = 128  # choices per prompt
 MAX_CHOICES = 256  # prompts x n in one request
+# OpenAI's reasoning efforts (chat's reasoning_effort, the Responses API's reasoning.effort)
+_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 
 
 @dataclass(frozen=True)
@@ -189,8 +192,7 @@ def chat_request(body: Body, window: int | None, client_id: str) -> OpenAIReques
         0, len(messages), len(sampling.stop), len(sampling.stop_token_ids), len(sampling.logit_bias)
     )
     _check_counts(counts, window, _common_param)
-    kwargs = body.object("chat_template_kwargs")
-    enable_thinking = None if kwargs is None else kwargs.flag("enable_thinking")
+    enable_thinking = _enable_thinking(body)
 
     def param_of(field: str) -> str:
         if field == "sampling.logprobs":
@@ -246,6 +248,24 @@ def _check_counts(counts: Counts, window: int | None, param_of: ParamOf) -> None
 
 
 # ---- fields ------------------------------------------------------------------------------------
+
+
+def _enable_thinking(body: Body) -> bool | None:
+    """chat_template_kwargs.enable_thinking, or false for OpenAI's reasoning_effort "none".
+    Qwen3 has no thinking budget: any other effort thinks as the model does. LiteLLM sends
+    reasoning_effort (its one way to turn reasoning off across providers); vLLM hands it to
+    the chat template, which Qwen3's ignores, and the model thinks anyway."""
+    kwargs = body.object("chat_template_kwargs")
+    enable_thinking = None if kwargs is None else kwargs.flag("enable_thinking")
+    effort = body.text("reasoning_effort")
+    if effort is not None and effort not in _EFFORTS:
+        raise InvalidArgument("reasoning_effort", effort, f"must be one of {', '.join(_EFFORTS)}")
+    if effort != "none":
+        return enable_thinking
+    if enable_thinking:
+        reason = "none turns thinking off, which chat_template_kwargs.enable_thinking turns on"
+        raise InvalidArgument("reasoning_effort", effort, reason)
+    return False
 
 
 def _n(body: Body) -> int:

@@ -126,6 +126,11 @@ def test_reasoning_effort_none_turns_thinking_off() -> None:
     assert responses(reasoning={"effort": "high"}).inputs[0].enable_thinking is None
     assert responses().inputs[0].enable_thinking is None
     assert param_of_failure(reasoning={"effort": "max"}) == "reasoning.effort"
+    thinking_on = {"enable_thinking": True}  # contradicted: a 400, not one of the two ignored
+    assert (
+        param_of_failure(reasoning={"effort": "none"}, chat_template_kwargs=thinking_on)
+        == "reasoning.effort"
+    )
     assert param_of_failure(reasoning={"summary": "brief"}) == "reasoning.summary"
 
 
