@@ -285,6 +285,40 @@ def test_reasoning_effort_none_turns_thinking_off(client: openai.OpenAI, model: 
         assert bad.value.param == "reasoning_effort", extra
 
 
+def test_streamed_logprobs_come_with_the_text_they_make(client: openai.OpenAI, model: str) -> None:
+    """A token whose text is held back (a character's first bytes: the demo model draws many)
+    sends its logprob with the chunk holding its text, never alone in a chunk without text,
+    which LiteLLM drops, logprobs and all. Each token's logprob still comes once."""
+    num_held = 0
+    for seed in range(12):
+        chunks = list(
+            client.chat.completions.create(
+                model=model,
+                messages=[{"role": "user", "content": "Hi"}],
+                max_tokens=6,
+                temperature=1.0,
+                seed=seed,
+                logprobs=True,
+                top_logprobs=1,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+            )
+        )
+        num_entries = 0
+        for chunk in chunks:
+            if not chunk.choices or chunk.choices[0].logprobs is None:
+                continue
+            choice = chunk.choices[0]
+            assert choice.delta.content or choice.finish_reason, chunk
+            entries = choice.logprobs.content or []  # type: ignore[union-attr]
+            num_entries += len(entries)
+            num_held += len(entries) > 1
+        usage = chunks[-1].usage
+        assert usage is not None and num_entries == usage.completion_tokens, seed
+    assert num_held, "no token's text was held back: nothing was tested"
+
+
 def test_completion_logprobs_equal_grpc(
     deployment: Deployment, client: openai.OpenAI, model: str
 ) -> None:

@@ -79,6 +79,8 @@ class ChatJson:
         self.prompt_logprobs_copies = 1  # the response's prompt_logprobs, once
         self._usage = Usage(choices)
         self._outputs = {c.index: ChatOutput.of(c.valid) for c in choices}
+        # Streamed: each choice's deltas whose logprobs wait for the text they make
+        self._unsent: dict[int, list[Delta]] = {c.index: [] for c in choices}
         self._head = head.json("chatcmpl", "chat.completion")
         # Each chunk is this head, its choices and the tail: one json.dumps per chunk.
         chunk_head = {**self._head, "object": "chat.completion.chunk"}
@@ -190,10 +192,17 @@ class ChatJson:
                 return [self._content_heads[index] + json.dumps(content) + tail]
             if not content:
                 return [self._reasoning_heads[index] + json.dumps(reasoning) + tail]
-        logprobs = self._logprobs([delta]) if delta.token_ids else None
         finish = self._finish(index, [delta])
-        if not (reasoning or content or calls or logprobs or finish):
+        unsent = self._unsent[index]
+        if self._request.is_chat_logprobs and delta.token_ids:
+            unsent.append(delta)
+        if not (reasoning or content or calls or finish):
+            # A token whose text is held back (a character's first bytes, a tag's beginning)
+            # sends its logprobs with the text it makes: a chunk with logprobs and no text is
+            # one LiteLLM drops, logprobs and all.
             return []
+        logprobs = self._logprobs(unsent) if unsent else None
+        unsent.clear()
         fields: dict[str, Any] = {}
         if reasoning:
             fields["reasoning_content"] = reasoning
