@@ -149,7 +149,10 @@ def fit_context(
 
     Raises InvalidArgument naming the prompt (when it alone is too long for prefill, or leaves
     no room for one token), `sampling.max_tokens`, or `sampling.prompt_logprobs` (asked for a
-    prompt longer than their limit), with the numbers a caller needs to fix it.
+    prompt longer than their limit), with the numbers a caller needs to fix it. A context
+    overflow says "this model's maximum context length is N tokens", as vLLM and OpenAI word
+    it: gateways (LiteLLM) recognize an overflow by those words alone, to fall back to a model
+    with a longer context or have the client compact its conversation.
     """
     if num_prompt_tokens == 0:
         raise InvalidArgument(prompt_field, "", "tokenizes to no tokens")
@@ -163,15 +166,16 @@ def fit_context(
         raise InvalidArgument(
             prompt_field,
             count_of(num_prompt_tokens, "token"),
-            f"too long: prefill accepts at most {max_prompt_tokens} prompt tokens",
+            f"too long: prefill accepts at most {max_prompt_tokens} prompt tokens (this "
+            f"model's maximum context length is {max_context_tokens} tokens)",
         )
     room = max_context_tokens - num_prompt_tokens
     if room < 1:
         raise InvalidArgument(
             prompt_field,
             count_of(num_prompt_tokens, "token"),
-            f"too long: the context window is {max_context_tokens} tokens, and the prompt "
-            "must leave room for at least one generated token",
+            f"too long: this model's maximum context length is {max_context_tokens} tokens, "
+            "and the prompt must leave room for at least one generated token",
         )
     if sampling.max_tokens <= room:
         return sampling
@@ -179,16 +183,18 @@ def fit_context(
         raise InvalidArgument(
             "sampling.min_tokens",
             sampling.min_tokens,
-            f"prompt ({plural(num_prompt_tokens, 'token')}) + min_tokens ({sampling.min_tokens}) "
-            f"exceeds the context window of {max_context_tokens} tokens; at most {room} fits",
+            f"this model's maximum context length is {max_context_tokens} tokens: prompt "
+            f"({plural(num_prompt_tokens, 'token')}) + min_tokens ({sampling.min_tokens}) is "
+            f"over it; at most {room} fits",
         )
     if may_shrink:
         return replace(sampling, max_tokens=room)
     raise InvalidArgument(
         "sampling.max_tokens",
         sampling.max_tokens,
-        f"prompt ({plural(num_prompt_tokens, 'token')}) + max_tokens ({sampling.max_tokens}) "
-        f"exceeds the context window of {max_context_tokens} tokens; at most {room} fits",
+        f"this model's maximum context length is {max_context_tokens} tokens: prompt "
+        f"({plural(num_prompt_tokens, 'token')}) + max_tokens ({sampling.max_tokens}) is over "
+        f"it; at most {room} fits",
     )
 
 

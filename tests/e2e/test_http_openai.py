@@ -319,6 +319,21 @@ def test_streamed_logprobs_come_with_the_text_they_make(client: openai.OpenAI, m
     assert num_held, "no token's text was held back: nothing was tested"
 
 
+def test_a_context_overflow_is_worded_as_vllm_words_it(client: openai.OpenAI, model: str) -> None:
+    """A prompt, or prompt + max_tokens, over the context window is a 400 naming the parameter
+    whose message says "this model's maximum context length is N tokens", as vLLM's and
+    OpenAI's do: LiteLLM tells an overflow by those words alone (ContextWindowExceededError,
+    its context_window_fallbacks, "prompt is too long" to Claude Code), else a plain 400."""
+    window = client.models.list().data[0].model_extra["max_model_len"]  # type: ignore[index]
+    hi = [{"role": "user", "content": "Hi"}]
+    too_long = [{"role": "user", "content": "hello " * window}]
+    for messages, max_tokens, param in ((too_long, 8, "messages"), (hi, window, "max_tokens")):
+        with pytest.raises(openai.BadRequestError) as bad:
+            client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens)  # type: ignore[arg-type]
+        assert bad.value.param == param
+        assert f"this model's maximum context length is {window} tokens" in bad.value.message
+
+
 def test_completion_logprobs_equal_grpc(
     deployment: Deployment, client: openai.OpenAI, model: str
 ) -> None:

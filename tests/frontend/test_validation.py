@@ -238,11 +238,11 @@ def test_a_one_token_prompt_over_the_window_is_counted_in_the_singular() -> None
     explicit = check(sampled(max_tokens=100)).sampling
     with pytest.raises(InvalidArgument) as info:
         fit_context(explicit, 1, 50, "prompt")
-    assert "prompt (1 token) + max_tokens (100) exceeds" in str(info.value)
+    assert "prompt (1 token) + max_tokens (100) is over" in str(info.value)
     held = check(RequestInput(prompt="x", sampling=SamplingInput(min_tokens=100)))
     with pytest.raises(InvalidArgument) as info:
         fit_context(held.sampling, 1, 50, "prompt", may_shrink=held.is_default_max_tokens)
-    assert "prompt (1 token) + min_tokens (100) exceeds" in str(info.value)
+    assert "prompt (1 token) + min_tokens (100) is over" in str(info.value)
 
 
 def test_prompt_logprobs_are_carried_and_bounded_by_the_prompt_length() -> None:
