@@ -166,8 +166,8 @@ def fit_context(
         raise InvalidArgument(
             prompt_field,
             count_of(num_prompt_tokens, "token"),
-            f"too long: prefill accepts at most {max_prompt_tokens} prompt tokens (this "
-            f"model's maximum context length is {max_context_tokens} tokens)",
+            f"too long: prefill accepts at most {max_prompt_tokens} prompt tokens; this "
+            f"model's maximum context length is {max_context_tokens} tokens",
         )
     room = max_context_tokens - num_prompt_tokens
     if room < 1:
