@@ -120,14 +120,22 @@ def check_input_chars(request: ValidRequest, max_input_chars: int) -> None:
         )
 
 
+def out_of_vocabulary(
+    token_ids: Sequence[int], vocab_size: int, field: str
+) -> list[FieldViolation]:
+    """A violation for each id of `field` (`field[i]`) outside the tokenizer's vocabulary."""
+    reason = f"outside the vocabulary (ids 0..{vocab_size - 1})"
+    return [
+        FieldViolation.of(f"{field}[{i}]", token_id, reason)
+        for i, token_id in enumerate(token_ids)
+        if not 0 <= token_id < vocab_size
+    ]
+
+
 def check_token_ids(request: ValidRequest, vocab_size: int) -> None:
     """Every id the caller sent (prompt, stop ids, logit_bias) must be below the tokenizer's
     vocab size."""
-    violations: list[FieldViolation] = []
-    reason = f"outside the vocabulary (ids 0..{vocab_size - 1})"
-    for i, token_id in enumerate(request.token_ids):
-        if not 0 <= token_id < vocab_size:
-            violations.append(FieldViolation.of(f"token_ids[{i}]", token_id, reason))
+    violations = out_of_vocabulary(request.token_ids, vocab_size, "token_ids")
     try:
         request.sampling.check_vocabulary(vocab_size)  # the rule prefill and decode apply too
     except InvalidArgument as err:

@@ -64,6 +64,15 @@ class OpenAICall:
     head: Head
 
 
+def other_model(generations: Generations, model: str | None) -> web.Response | None:
+    """The 404 for a request naming a model this server does not answer to; None when it names
+    a served one, or none ("" is "the served one" too, as vLLM takes it: some clients and tools
+    send it)."""
+    if model and not generations.backends.answers_to(model):
+        return model_not_found(model, generations.model)
+    return None
+
+
 async def open_call(
     http_request: web.Request, generations: Generations, parse: Parse
 ) -> OpenAICall | web.Response:
@@ -72,17 +81,18 @@ async def open_call(
     request_id = request_id_of(http_request)
     window = generations.backends.router.max_context_tokens
     request = parse(body.parse(await read_body(http_request)), window, request_id)
-    model = generations.model
-    # "" is "the served one" too, as vLLM takes it (some clients and tools send it).
-    if request.model and not generations.backends.answers_to(request.model):
-        return model_not_found(request.model, model)
+    refusal = other_model(generations, request.model)
+    if refusal is not None:
+        return refusal
     if request.user is not None:
         _LOG.debug("request %s is from user %r", request_id, request.user[:200])  # any size
     try:
         choices = plan(generations, request)
     except Exception as exc:
         return response_of(exc, request.param_of)
-    return OpenAICall(generations, request, choices, Head(request_id, int(time.time()), model))
+    return OpenAICall(
+        generations, request, choices, Head(request_id, int(time.time()), generations.model)
+    )
 
 
 class Shape(sse.Chunks, Protocol):

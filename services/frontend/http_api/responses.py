@@ -30,6 +30,7 @@ blank line after it included).
 
 from __future__ import annotations
 
+import copy
 import json
 from typing import Any
 
@@ -288,7 +289,7 @@ class ResponsesJson:
         return {
             "type": kind,
             "output_index": self._items.index(item),
-            "item": json.loads(json.dumps(item)),
+            "item": copy.deepcopy(item),
         }
 
     def _status(self) -> str:

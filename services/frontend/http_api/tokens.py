@@ -24,8 +24,9 @@ from mili.errors import InvalidArgument
 from services.frontend.http_api import body as bodies
 from services.frontend.http_api.body import read_body
 from services.frontend.http_api.completions import detokenizer_of
-from services.frontend.http_api.errors import model_not_found, response_of
+from services.frontend.http_api.errors import response_of
 from services.frontend.http_api.keys import GENERATIONS
+from services.frontend.http_api.openai_call import other_model
 from services.frontend.http_api.openai_request import (
     OpenAIRequest,
     chat_request,
@@ -33,6 +34,8 @@ from services.frontend.http_api.openai_request import (
 )
 from services.frontend.http_api.responses_request import ResponsesParse
 from services.frontend.http_api.telemetry import request_id_of
+from services.frontend.prompt import out_of_vocabulary
+from services.frontend.validation import raise_if_any
 
 
 async def tokenize(request: web.Request) -> web.Response:
@@ -74,8 +77,9 @@ async def count_input_tokens(request: web.Request) -> web.Response:
 async def _token_ids(request: web.Request, asked: OpenAIRequest) -> tuple[int, ...] | web.Response:
     """The ids of `asked`'s one prompt; or the error response (404 for another model)."""
     generations = request.app[GENERATIONS]
-    if asked.model and not generations.backends.answers_to(asked.model):
-        return model_not_found(asked.model, generations.model)
+    refusal = other_model(generations, asked.model)
+    if refusal is not None:
+        return refusal
     try:
         return await generations.tokenize(generations.validate(asked.inputs[0]))
     except Exception as exc:
@@ -85,9 +89,9 @@ async def _token_ids(request: web.Request, asked: OpenAIRequest) -> tuple[int, .
 async def detokenize(request: web.Request) -> web.Response:
     generations = request.app[GENERATIONS]
     body = bodies.parse(await read_body(request))
-    model = body.text("model")
-    if model and not generations.backends.answers_to(model):
-        return model_not_found(model, generations.model)
+    refusal = other_model(generations, body.text("model"))
+    if refusal is not None:
+        return refusal
     if body.raw("tokens") is None:
         raise InvalidArgument("tokens", None, "required")
     token_ids = body.integers("tokens")
@@ -96,8 +100,5 @@ async def detokenize(request: web.Request) -> web.Response:
         vocab_size = (await generations.backends.tokenizer.current_facts()).vocab_size
     except Exception as exc:
         return response_of(exc)
-    for i, token_id in enumerate(token_ids):
-        if not 0 <= token_id < vocab_size:
-            reason = f"outside the vocabulary (ids 0..{vocab_size - 1})"
-            raise InvalidArgument(f"tokens[{i}]", token_id, reason)
+    raise_if_any(out_of_vocabulary(token_ids, vocab_size, "tokens"))
     return web.json_response({"prompt": detokenizer.decode(token_ids)})
