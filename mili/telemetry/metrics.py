@@ -390,6 +390,12 @@ class DecodeMetrics:
             buckets=TRANSFER_BUCKETS,
             registry=registry,
         )
+        self.preemptions = Counter(
+            "mili_decode_preemptions_total",
+            "Running requests whose KV blocks were taken back for others (computed again on "
+            "resuming)",
+            registry=registry,
+        )
 
     def record_step(self, seconds: float, batch_size: int) -> None:
         self.step_seconds.observe(seconds)

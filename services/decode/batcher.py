@@ -25,6 +25,18 @@ device computes instead of between its steps. What that costs: a request step n'
 stops has already been put in step n+1, whose token for it is discarded; a request step n's
 token ends by length is left out of step n+1.
 
+Blocks grow as requests run: admission reserved a request's prompt and first outputs
+(blocks_to_reserve); before each step the batch thread `grow`s every table over the position
+that step writes. Where the pool is a block short, it preempts the newest request (the last
+admitted goes first, as vLLM's recompute preemption): its blocks go back (full ones into the
+prefix cache) and it waits, its sequence kept, with no new admission meanwhile; once blocks
+for all it wrote are free again (with one spare per running request, so that it is not the
+next preempted at once) it gets them, the K/V its cached blocks do not hold is computed again
+by a prefill forward here, and it runs on as if never stopped: the same tokens, penalties,
+constraint state and seeded draws. With overlap, a step that would need a block the pool
+lacks is not launched ahead: the step in flight is collected first, so a preempted request's
+blocks go back with no step writing them.
+
 Blocks are freed (`RequestTable.finish`) before a request's last event is handed over, so a
 caller that reads its last token and then asks Info sees the blocks back; and only once no
 step in flight still writes the request's KV (with overlap, that is one step later).
@@ -64,6 +76,12 @@ from services.decode.requests import DecodeRequest, RequestTable
 from services.decode.stream import Delivery, Outlet, TokenEvent, deliver_threadsafe
 
 _LOG = logging.getLogger("mili.decode")
+# Prompt tokens per forward when a resumed request's K/V is computed again: a bounded
+# activation size, as a prefill chunk.
+RECOMPUTE_CHUNK_TOKENS = 512
+# How often a batch with only preempted requests looks for freed blocks: a lease that expires
+# or a transfer that fails frees them without a word to this thread.
+RESUME_POLL_S = 0.05
 _TRACER = trace.get_tracer("mili.decode")  # a no-op until tracing installs a provider
 
 
@@ -93,6 +111,7 @@ class _Running:
     request: DecodeRequest
     seq: Sequence
     outlet: Outlet  # where its events go (kept here: its call may end before it leaves)
+    order: int  # when it joined: the newest running request is the one preempted
     # The newest launched step it is in whose ids are not in yet: until that step is done its
     # blocks stay taken (the step writes its KV), even once the request has ended.
     step: _Step | None = None
@@ -146,6 +165,9 @@ class Batcher:
         self._on_death: Callable[[BaseException], None] | None = None
         self.death: BaseException | None = None  # what killed the batch thread (a bug)
         self._running: list[_Running] = []  # batch thread only
+        # batch thread only: preempted (RequestTable.preempt), by `order`, oldest first
+        self._preempted: list[_Running] = []
+        self._num_joined = 0  # batch thread only
         self._steps: list[_Step] = []  # batch thread only: launched, ids not in yet; oldest first
         self._collected_at = 0.0  # batch thread only: perf_counter() of the last step's ids
         self._out: list[Delivery] = []  # batch thread only: this iteration's events so far
@@ -154,6 +176,7 @@ class Batcher:
         self.progress = Progress()  # read by the instance's watchdog
         self.num_steps = 0
         self.num_steps_ahead = 0  # launched before the previous step's ids were in
+        self.num_preemptions = 0
         self.max_batch_size = 0
 
     @property
@@ -211,6 +234,9 @@ class Batcher:
                 with self._cond:
                     while not (self._inbox or self._running or self._steps or self._is_stopping):
                         self.progress.idle()
+                        if self._preempted:  # look again for blocks soon
+                            self._cond.wait(RESUME_POLL_S)
+                            break
                         self._cond.wait()
                     is_stopping = self._is_stopping
                 out = self._out = []  # kept on self: a death mid-iteration still sends it
@@ -220,6 +246,7 @@ class Batcher:
                     return
                 self._take_joins()
                 self._drop_cancelled()
+                self._resume(out)
                 self.progress.busy(f"a decode step of {plural(len(self._running), 'request')}")
                 self._advance(out)
                 deliver_threadsafe(out)
@@ -286,7 +313,8 @@ class Batcher:
         if reason or request.is_cancelled:
             self._table.finish(request, seq.written_token_ids())
         else:
-            self._running.append(_Running(request, seq, join.outlet))
+            self._num_joined += 1
+            self._running.append(_Running(request, seq, join.outlet, self._num_joined))
         logprobs = None
         if params.logprobs is not None and join.first_logprobs is not None:
             logprobs = [join.first_logprobs]
@@ -300,6 +328,84 @@ class Batcher:
             else:
                 kept.append(running)
         self._running = kept
+        waiting = []
+        for preempted in self._preempted:
+            if preempted.request.is_cancelled:
+                self._end(preempted, [], None, [])  # it holds no block
+            else:
+                waiting.append(preempted)
+        self._preempted = waiting
+
+    def _preempt(self, r: _Running) -> None:
+        """Take `r` (in no step in flight) out of the batch and its blocks back."""
+        written = r.seq.written_token_ids()
+        num_blocks = self._table.preempt(r.request, written)
+        self._running.remove(r)
+        self._preempted.append(r)
+        self._preempted.sort(key=lambda p: p.order)
+        self.num_preemptions += 1
+        self._metrics.preemptions.inc()
+        _LOG.info(
+            "request %s preempted after %s: %s back; it resumes once blocks free",
+            r.request.name,
+            plural(len(r.seq.output_token_ids), "output token"),
+            plural(num_blocks, "KV block"),
+        )
+
+    def _resume(self, out: list[Delivery]) -> None:
+        """Blocks again for the preempted requests, oldest first, until one does not fit (the
+        rest wait behind it); the K/V of what each wrote that the prefix cache no longer
+        holds is computed again, and it runs from the next step."""
+        while self._preempted:
+            r = self._preempted[0]
+            written = r.seq.written_token_ids()
+            num_cached = self._table.resume(r.request, written, spare_blocks=len(self._running))
+            if num_cached is None:
+                return
+            del self._preempted[0]
+            r.seq.block_table = r.request.block_table
+            started = time.perf_counter()
+            try:
+                self._recompute(r.seq.block_table, written, num_cached)
+            except Exception as e:  # this request alone fails
+                _LOG.error("request %s: its K/V could not be computed again", r.request.name)
+                self._end(r, [], e, out)
+                continue
+            self._running.append(r)
+            _LOG.info(
+                "request %s resumed: %s computed again in %.1f ms (%s from the prefix cache)",
+                r.request.name,
+                plural(len(written) - num_cached, "token"),
+                (time.perf_counter() - started) * 1000,
+                plural(num_cached, "token"),
+            )
+
+    def _recompute(self, block_table: list[int], token_ids: list[int], start: int) -> None:
+        """Write the K/V of token_ids[start:] (positions start..) into `block_table`'s blocks,
+        a chunk per forward; the logits are not read."""
+        with torch.inference_mode():
+            for begin in range(start, len(token_ids), RECOMPUTE_CHUNK_TOKENS):
+                chunk = token_ids[begin : begin + RECOMPUTE_CHUNK_TOKENS]
+                self._runner.prefill([chunk], [block_table], [begin])
+
+    def _grow(self, batch: list[_Running]) -> bool:
+        """Cover the position the next step writes for each of `batch`: its newest token's,
+        or, for a row in the step in flight (its token not in yet), the one after; False
+        when the pool was a block short (the rows before grew)."""
+        return all(
+            self._table.grow(r.request, r.seq.num_tokens + (r.step is not None)) for r in batch
+        )
+
+    def _make_room(self) -> None:
+        """No step in flight: cover the position the next step writes for every running
+        request, oldest first, preempting the newest while the pool is a block short (the
+        one asking, when it is the newest)."""
+        by_age = sorted(self._running, key=lambda r: r.order)
+        while by_age:
+            if self._grow(by_age[:1]):
+                del by_age[0]
+            else:
+                self._preempt(by_age.pop())
 
     def _advance(self, out: list[Delivery]) -> None:
         """Take the step in flight's tokens and launch the next step; with overlap the next
@@ -308,6 +414,8 @@ class Batcher:
         thread dies, `_fail_all` still waits for each before their requests' blocks go back."""
         if self._steps:  # only with overlap: without, a step is collected where it launched
             self._step_ahead(self._steps[0], out)
+        if not self._steps and self._running:
+            self._make_room()
         if not self._steps and self._running:
             step = self._launch(list(self._running), out)
             if step is not None and not self._overlap:
@@ -321,7 +429,7 @@ class Batcher:
         the seeded draw's position)."""
         in_done = {id(r) for r in done.running}
         batch = [r for r in self._running if not (id(r) in in_done and r.seq.is_length_bound())]
-        if not batch:
+        if not batch or not self._grow(batch):  # a block short: `_make_room` after this step
             self._collect(done, out)
             return
         assert done.sample is not None  # a step without its sampling was aborted
@@ -511,8 +619,10 @@ class Batcher:
         with self._cond:
             joins, self._inbox = self._inbox, []
         ended = [(r.request, r.outlet) for r in self._running if not r.is_done]
+        ended += [(r.request, r.outlet) for r in self._preempted]
         ended += [(j.request, j.outlet) for j in joins]
         self._running = []
+        self._preempted = []
         for request, outlet in ended:
             self._table.finish(request)
             out.append((outlet.stream, error))

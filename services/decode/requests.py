@@ -15,6 +15,14 @@ Who frees the blocks:
 - RUNNING: only the batch thread (`finish`), after it has dropped the request from its batch: the
   model may be writing a new token's K/V into those blocks right now.
 
+Growth and preemption. Admission reserves the blocks of the prompt and of the first outputs
+(block_pool.blocks_to_reserve); the batch thread `grow`s a RUNNING request's table as it
+writes past them. When the pool has no block left for that, the batch thread `preempt`s its
+newest request: its blocks go back (their full ones into the prefix cache) and it waits,
+still RUNNING, until `resume` finds blocks for all it wrote, which the batch thread then
+computes again. While a request waits so, no new request is admitted: the blocks that free
+are its first.
+
 The lock also guards the BlockPool: the event loop, the batch thread and scatter threads all
 reach it through this table.
 
@@ -44,6 +52,7 @@ from typing import TYPE_CHECKING
 from mili.engine.kv.block_pool import (
     BlockPool,
     BlockPoolExhausted,
+    blocks_at_longest,
     blocks_needed,
     blocks_to_reserve,
     max_cached_blocks,
@@ -105,6 +114,7 @@ class DecodeRequest:
     # params.constraint's state, in its start state until the batch accepts prefill's first
     # token; set by admission (compiled off the event loop), None when unconstrained.
     matcher: ConstraintMatcher | None = None
+    is_preempted: bool = False  # RUNNING, its blocks taken back until `resume`
 
     @property
     def name(self) -> str:
@@ -140,6 +150,7 @@ class RequestTable:
         self._lock = threading.Lock()
         self._requests: dict[str, DecodeRequest] = {}
         self._hold: _Hold | None = None
+        self._num_preempted = 0  # requests preempted and not resumed (or ended) since
 
     # ---- counts (for Info) ---------------------------------------------------------------------
 
@@ -169,6 +180,11 @@ class RequestTable:
     def num_running(self) -> int:
         return self._count(RequestState.RUNNING)
 
+    @property
+    def num_preempted(self) -> int:
+        with self._lock:
+            return self._num_preempted
+
     def get(self, request_id: str) -> DecodeRequest | None:
         with self._lock:
             return self._requests.get(request_id)
@@ -186,12 +202,22 @@ class RequestTable:
         retry_after_s: float | None = None,
         client_request_id: str = "",
     ) -> DecodeRequest:
-        """Reserve blocks for the whole generation (all or nothing) and register the request.
+        """Reserve the request's blocks (blocks_to_reserve: all or nothing) and register it.
 
         Raises InvalidArgument for an id already active, ResourceExhausted (with
-        `retry_after_s`) when the request bound is reached or the blocks do not fit.
+        `retry_after_s`) when the request bound is reached, a preempted request waits for
+        blocks, or the blocks do not fit.
         """
         num_blocks = blocks_to_reserve(len(prompt_token_ids), params.max_tokens, self.block_size)
+        longest = blocks_at_longest(len(prompt_token_ids), params.max_tokens, self.block_size)
+        if longest > self._pool.num_blocks:  # it would wait, preempted, for room never there
+            raise InvalidArgument(
+                "sampling.max_tokens",
+                params.max_tokens,
+                f"{plural(len(prompt_token_ids), 'prompt token')} + max_tokens need "
+                f"{plural(longest, 'KV block')}, more than this decode instance has in all "
+                f"({self._pool.num_blocks})",
+            )
         with self._lock:
             if request_id in self._requests:
                 raise InvalidArgument(
@@ -201,6 +227,13 @@ class RequestTable:
                 raise ResourceExhausted(
                     f"decode instance is full: {plural(len(self._requests), 'request')} admitted "
                     f"(limit {self.max_requests}); retry later or on another instance",
+                    retry_after_s,
+                )
+            if self._num_preempted:
+                raise ResourceExhausted(
+                    f"decode instance is out of KV blocks: "
+                    f"{plural(self._num_preempted, 'preempted request')} wait for blocks first; "
+                    "retry later or on another instance",
                     retry_after_s,
                 )
             most = max_cached_blocks(len(prompt_token_ids), self.block_size)
@@ -332,10 +365,64 @@ class RequestTable:
         prefix cache.
         """
         with self._lock:
-            if request.state is RequestState.RUNNING and written_token_ids:
+            if request.is_preempted:  # its blocks went back when it was preempted
+                request.is_preempted = False
+                self._num_preempted -= 1
+            elif request.state is RequestState.RUNNING and written_token_ids:
                 self._cache.insert(written_token_ids, request.block_table)
             if request.state is not RequestState.DONE:
                 self._end(request)
+
+    def grow(self, request: DecodeRequest, num_positions: int) -> bool:
+        """Batch thread: make a RUNNING request's block_table cover `num_positions` positions,
+        extending the list in place (its running sequence holds the same list). False, taking
+        nothing, when the pool has too few blocks, free or evictable."""
+        missing = blocks_needed(num_positions, self.block_size) - len(request.block_table)
+        if missing <= 0:
+            return True
+        with self._lock:
+            try:
+                request.block_table.extend(self._cache.allocate(missing))
+            except BlockPoolExhausted:
+                return False
+        return True
+
+    def preempt(self, request: DecodeRequest, written_token_ids: Sequence[int]) -> int:
+        """Batch thread: take a RUNNING request's blocks back (no step in flight may write
+        them); it stays RUNNING, preempted, until `resume` or `finish`. The full blocks of
+        `written_token_ids` (the tokens whose K/V they hold) join the prefix cache, where
+        `resume` may find them still. Returns how many blocks it held."""
+        with self._lock:
+            table = request.block_table
+            if written_token_ids:
+                self._cache.insert(written_token_ids, table)
+            self._cache.free(table)
+            request.block_table = []
+            request.is_preempted = True
+            self._num_preempted += 1
+            return len(table)
+
+    def resume(
+        self, request: DecodeRequest, written_token_ids: Sequence[int], *, spare_blocks: int = 0
+    ) -> int | None:
+        """Batch thread: blocks again for a preempted request, covering `written_token_ids`
+        and the position after them (the next step's), its longest cached run of full blocks
+        taken from the prefix cache; `block_table` is a new list (the device's copy of the old
+        one is stale). Returns how many leading tokens' K/V those cached blocks hold (the rest
+        is the caller's to compute); None, taking nothing, when fewer than the blocks it needs
+        plus `spare_blocks` (room for the running requests to grow) are available."""
+        num_blocks = blocks_needed(len(written_token_ids) + 1, self.block_size)
+        with self._lock:
+            most = len(written_token_ids) // self.block_size
+            cached = self._cache.match(written_token_ids, max_blocks=most, record=False)
+            needed = num_blocks - len(cached)
+            if self._cache.num_available < needed + spare_blocks:
+                self._cache.free(cached)
+                return None
+            request.block_table = cached + self._cache.allocate(needed)
+            request.is_preempted = False
+            self._num_preempted -= 1
+            return len(cached) * self.block_size
 
     # ---- internals (lock held) -----------------------------------------------------------------
 

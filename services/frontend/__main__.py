@@ -106,9 +106,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     limits.add_argument(
         "--default-max-tokens",
         type=int,
-        default=256,
+        default=None,
         metavar="N",
-        help="max_tokens of a request that leaves it unset (default: %(default)s)",
+        help="max_tokens of a request that leaves it unset (default: what the context window "
+        "leaves after the prompt, as vLLM's; decode reserves KV for a request's first outputs "
+        "and grows it as it runs, preempting the newest request when it runs out)",
     )
     limits.add_argument(
         "--max-tokens-limit",

@@ -19,7 +19,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from mili.engine.kv.block_pool import blocks_to_reserve
+from mili.engine.kv.block_pool import blocks_at_longest, blocks_to_reserve
 from mili.errors import InvalidArgument, ResourceExhausted, Unavailable
 from mili.plural import plural
 from services.frontend.admitter import NoRoom, is_refused_for_room
@@ -136,11 +136,11 @@ class Placement:
             for d in self._router.decodes.values()
             if d.is_routable and d.num_total_blocks > 0
         }
-        if not totals or any(self._blocks_needed_on(a) <= n for a, n in totals.items()):
+        if not totals or any(self._blocks_at_longest_on(a) <= n for a, n in totals.items()):
             return
         sampling = self._prompt.sampling
         prompt = plural(len(self._prompt.token_ids), "prompt token")
-        blocks = plural(min(self._blocks_needed_on(a) for a in totals), "KV block")
+        blocks = plural(min(self._blocks_at_longest_on(a) for a in totals), "KV block")
         raise InvalidArgument(
             "sampling.max_tokens",
             sampling.max_tokens,
@@ -209,11 +209,17 @@ class Placement:
         return Admission(route, ticket, stream, first)
 
     def _blocks_needed_on(self, decode: str) -> int:
-        """Blocks the request holds on `decode` at its longest (what decode reserves at
-        admission), in that instance's block size from its Info."""
+        """Blocks `decode` reserves for the request at admission, in that instance's block
+        size from its Info."""
         prompt = self._prompt
         block_size = self._downstream.decode_block_size(decode)
         return blocks_to_reserve(len(prompt.token_ids), prompt.sampling.max_tokens, block_size)
+
+    def _blocks_at_longest_on(self, decode: str) -> int:
+        """Blocks the request holds on `decode` at its longest."""
+        prompt = self._prompt
+        block_size = self._downstream.decode_block_size(decode)
+        return blocks_at_longest(len(prompt.token_ids), prompt.sampling.max_tokens, block_size)
 
     def _learn_admitted(self, route: Route, admitted: Admitted, block_size: int) -> None:
         """Decode said how much of the prompt it holds: correct the index, then count the

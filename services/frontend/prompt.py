@@ -91,7 +91,7 @@ def _fit_pool(sampling: SamplingParams, num_prompt_tokens: int, pool: int | None
     leaves no room is left to the placement's refusal (it names what is needed)."""
     if pool is None:
         return sampling
-    room = pool - num_prompt_tokens + 1  # positions prompt + max_tokens - 1 (blocks_to_reserve)
+    room = pool - num_prompt_tokens + 1  # positions prompt + max_tokens - 1 (blocks_at_longest)
     if 1 <= room < sampling.max_tokens and sampling.min_tokens <= room:
         return replace(sampling, max_tokens=room)
     return sampling

@@ -87,7 +87,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             model=self._backends.model,
             max_context_tokens=context_tokens,
             max_tokens_limit=limit,
-            default_max_tokens=self._config.limits.default_max_tokens,
+            default_max_tokens=self._config.limits.default_max_tokens or 0,
             prefill_addresses=[m.address for m in members if m.kind == "prefill"],
             decode_addresses=[m.address for m in members if m.kind == "decode"],
             prefill_targets=[t.spec for t in self._backends.instances.targets("prefill")],

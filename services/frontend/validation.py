@@ -58,19 +58,21 @@ MAX_CONTEXT_TOKENS = 262_144
 class Limits:
     """What the frontend accepts; see `FrontendConfig` for where each comes from."""
 
-    default_max_tokens: int = 256
+    # None: what the context window (and the largest decode pool) leaves after the prompt, up
+    # to max_tokens_limit, as vLLM's default: fitted once the prompt is tokenized
+    # (prompt.fit_context shrinks a default max_tokens).
+    default_max_tokens: int | None = None
     max_tokens_limit: int | None = None  # None: only the context window bounds max_tokens
 
     def __post_init__(self) -> None:
         # Both are uint32 fields of Info (an overflow failed every Info call).
-        if not 1 <= self.default_max_tokens < 2**32:
-            raise ValueError(
-                f"default_max_tokens must be in [1, 2^32), got {self.default_max_tokens}"
-            )
+        default = self.default_max_tokens
+        if default is not None and not 1 <= default < 2**32:
+            raise ValueError(f"default_max_tokens must be in [1, 2^32), got {default}")
         limit = self.max_tokens_limit
         if limit is not None and limit >= 2**32:
             raise ValueError(f"max_tokens_limit must be below 2^32, got {limit}")
-        if limit is not None and limit < self.default_max_tokens:
+        if limit is not None and default is not None and limit < default:
             raise ValueError(
                 f"max_tokens_limit ({limit}) must be >= default_max_tokens "
                 f"({self.default_max_tokens})"
@@ -325,7 +327,10 @@ def _resolve_sampling(
     max_tokens = s.max_tokens
     if max_tokens is None:  # this server's default, or what min_tokens asks for above it
         min_tokens = s.min_tokens if isinstance(s.min_tokens, int) else 0
-        max_tokens = max(limits.default_max_tokens, min_tokens)
+        default = limits.default_max_tokens
+        if default is None:  # the most there is: fit_context shrinks it to the room left
+            default = limit if limit is not None else 2**32 - 1
+        max_tokens = max(default, min_tokens)
         if limit is not None and max_tokens > limit:
             bad("sampling.min_tokens", s.min_tokens, f"must be <= {limit}, this server's limit")
     _check_stops(s, bad)

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from mili.engine.kv import block_pool
 from mili.engine.kv.block_pool import BlockPool
 from mili.engine.sampling_params import SamplingParams
 from mili.errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
-from services.decode.requests import HOLD_S, RequestState, RequestTable
+from services.decode.requests import HOLD_S, DecodeRequest, RequestState, RequestTable
 
 
 def params(max_tokens: int) -> SamplingParams:
@@ -225,3 +226,51 @@ def test_room_held_counts_the_waiting_requests_cached_blocks_too() -> None:
         t.admit("small", [5] * 9, params(8), lease_ms=1000, now=0.5)
     admitted = t.admit("big", big, params(5), lease_ms=1000, now=1.0)
     assert (len(admitted.block_table), admitted.num_cached_blocks) == (6, 2)
+
+
+def running(t: RequestTable, request_id: str, prompt: list[int], max_tokens: int) -> DecodeRequest:
+    r = t.admit(request_id, prompt, params(max_tokens), lease_ms=1000, now=0.0)
+    t.begin_transfer(request_id, r.transfer_token)
+    assert t.start_running(r)
+    return r
+
+
+def test_admission_reserves_the_first_outputs_and_a_running_table_grows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(block_pool, "ADMISSION_OUTPUT_TOKENS", 4)
+    t = table(num_blocks=6)
+    a = running(t, "a", [1] * 5, 16)  # 5 + 4 - 1 positions at admission: 2 blocks, not 5
+    assert a.block_table == [0, 1] and t.num_free_blocks == 4
+    same = a.block_table
+    assert t.grow(a, 8) and a.block_table == [0, 1]  # covered: nothing taken
+    assert t.grow(a, 9) and a.block_table == [0, 1, 2]
+    assert a.block_table is same  # in place: the running sequence holds this list
+    assert not t.grow(a, 100) and a.block_table == [0, 1, 2]  # all or nothing
+    with pytest.raises(InvalidArgument, match="need 7 KV blocks, more than this decode"):
+        t.admit("long", [1] * 5, params(21), lease_ms=1000, now=0.0)  # 25 positions
+
+
+def test_a_preempted_request_gives_its_blocks_back_and_holds_admission_until_it_resumes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(block_pool, "ADMISSION_OUTPUT_TOKENS", 4)
+    t = cached_table()
+    prompt = list(range(10))
+    a = running(t, "a", prompt, 20)  # 13 positions: blocks 0-3
+    written = [*prompt, 50, 51, 52]  # 13 tokens' K/V: 3 full blocks
+    assert t.preempt(a, written) == 4
+    assert (a.block_table, a.is_preempted, t.num_preempted) == ([], True, 1)
+    assert t.num_free_blocks == 10 and t.num_running == 1  # still running, its blocks back
+    with pytest.raises(ResourceExhausted, match="1 preempted request wait for blocks first"):
+        t.admit("b", [9] * 4, params(2), lease_ms=1000, now=0.0)
+    assert t.resume(a, written, spare_blocks=7) is None  # 4 needed + 7 spare > 10
+    assert t.num_free_blocks == 10 and t.num_preempted == 1  # nothing taken
+    assert t.resume(a, written, spare_blocks=6) == 12  # its 3 full blocks were still cached
+    assert a.block_table[:3] == [0, 1, 2] and len(a.block_table) == 4  # 14 positions
+    assert (a.is_preempted, t.num_preempted, t.num_free_blocks) == (False, 0, 6)
+    t.admit("b", [9] * 4, params(2), lease_ms=1000, now=0.0)
+    assert t.preempt(a, written) == 4
+    t.cancel(a)
+    t.finish(a)  # ended while preempted: no block to give back twice
+    assert (t.num_preempted, t.num_running, t.num_free_blocks) == (0, 0, 8)  # b holds 2

@@ -3,8 +3,10 @@ from __future__ import annotations
 import pytest
 
 from mili.engine.kv.block_pool import (
+    ADMISSION_OUTPUT_TOKENS,
     BlockPool,
     BlockPoolExhausted,
+    blocks_at_longest,
     blocks_needed,
     blocks_to_reserve,
     max_cached_blocks,
@@ -164,11 +166,19 @@ def test_null_block_is_never_allocated_freed_or_shared() -> None:
     ("prompt", "max_tokens", "blocks"),
     [(5, 4, 2), (1, 1, 1), (4, 1, 1), (4, 2, 2), (3, 6, 2), (8, 1, 2), (8, 2, 3)],
 )
-def test_blocks_to_reserve_covers_every_written_position(
+def test_blocks_at_longest_cover_every_written_position(
     prompt: int, max_tokens: int, blocks: int
 ) -> None:
     # Positions written: prompt + max_tokens - 1 (the last token is never fed back).
-    assert blocks_to_reserve(prompt, max_tokens, block_size=4) == blocks
+    assert blocks_at_longest(prompt, max_tokens, block_size=4) == blocks
+    assert blocks_to_reserve(prompt, max_tokens, block_size=4) == blocks  # few outputs: all
+
+
+def test_admission_reserves_the_first_outputs_only() -> None:
+    first = ADMISSION_OUTPUT_TOKENS
+    assert blocks_to_reserve(10, first, block_size=4) == blocks_at_longest(10, first, 4)
+    assert blocks_to_reserve(10, 4 * first, block_size=4) == blocks_at_longest(10, first, 4)
+    assert blocks_at_longest(10, 4 * first, block_size=4) == (10 + 4 * first - 1 + 3) // 4
 
 
 @pytest.mark.parametrize(("prompt", "most"), [(1, 0), (4, 0), (5, 1), (8, 1), (9, 2)])

@@ -335,3 +335,16 @@ def test_an_unset_max_tokens_is_raised_to_min_tokens() -> None:
     a caller asking for at least 300 tokens is not refused over a default it never set."""
     assert check(sampled(min_tokens=300)).sampling.max_tokens == 300
     assert check(sampled(min_tokens=10)).sampling.max_tokens == 256
+
+
+def test_without_a_server_default_an_unset_max_tokens_is_the_room_the_context_leaves() -> None:
+    """The frontend's default (no --default-max-tokens), as vLLM's: whatever the context
+    window leaves after the prompt, or the server's limit when it has one."""
+    unset = check(sampled(), Limits())
+    assert unset.is_default_max_tokens
+    fitted = fit_context(unset.sampling, 4000, 4096, "prompt", may_shrink=True)
+    assert fitted.max_tokens == 96
+    assert fit_context(unset.sampling, 10, 4096, "prompt", may_shrink=True).max_tokens == 4086
+    limited = check(sampled(), Limits(max_tokens_limit=1000)).sampling
+    assert fit_context(limited, 10, 4096, "prompt", may_shrink=True).max_tokens == 1000
+    assert check(sampled(max_tokens=7), Limits()).sampling.max_tokens == 7

@@ -156,10 +156,9 @@ def max_cached_blocks(num_prompt_tokens: int, block_size: int) -> int:
     return (num_prompt_tokens - 1) // block_size
 
 
-def blocks_to_reserve(num_prompt_tokens: int, max_tokens: int, block_size: int) -> int:
+def blocks_at_longest(num_prompt_tokens: int, max_tokens: int, block_size: int) -> int:
     """Blocks a request holds at its longest: one for every position whose K/V is ever written,
-    prompt + max_tokens - 1. What decode reserves at admission and the frontend counts when it
-    routes (with the decode instance's block size): the one rule.
+    prompt + max_tokens - 1. A decode instance whose pool is smaller can never finish it.
 
     The last generated token is streamed but never fed back, so its K/V is never written::
 
@@ -169,3 +168,19 @@ def blocks_to_reserve(num_prompt_tokens: int, max_tokens: int, block_size: int) 
         -> 8 positions, 2 blocks
     """
     return blocks_needed(num_prompt_tokens + max_tokens - 1, block_size)
+
+
+# Output tokens a request's blocks cover at admission; past them its block table grows a block
+# at a time as it runs (decode's batch thread), preempting the newest request when none is free.
+# Small enough that a request left with the whole context as its max_tokens does not hold a
+# context's worth of blocks it may never use; a request asking for fewer holds exactly its need.
+ADMISSION_OUTPUT_TOKENS = 256
+
+
+def blocks_to_reserve(num_prompt_tokens: int, max_tokens: int, block_size: int) -> int:
+    """Blocks a request gets at admission: `blocks_at_longest` of its first
+    ADMISSION_OUTPUT_TOKENS output tokens. What decode reserves at admission and the frontend
+    counts when it routes (with the decode instance's block size): the one rule."""
+    return blocks_at_longest(
+        num_prompt_tokens, min(max_tokens, ADMISSION_OUTPUT_TOKENS), block_size
+    )

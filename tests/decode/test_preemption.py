@@ -1,0 +1,174 @@
+"""Blocks that grow as requests run, and preemption when the pool runs dry, over real gRPC:
+requests that together outgrow decode's pool are preempted (the newest first), computed again
+when blocks free, and still give the single-process engine's tokens; every block comes back.
+
+Admission here reserves one block of outputs (block_pool.ADMISSION_OUTPUT_TOKENS, 256 in
+service, shrunk so the tiny model's short generations grow past it), in both step modes."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from mili.engine.kv import block_pool
+from mili.engine.sampling_params import SamplingParams
+from mili.pb.decode.v1 import decode_pb2
+from mili.rpc.client import insecure_channel
+from tests.decode.conftest import BLOCK_SIZE, tiny_decode_config
+from tests.decode.harness import (
+    Client,
+    DecodeServerThread,
+    Outcome,
+    PrefillPlayer,
+    Reserved,
+    blocks_back,
+    random_prompt,
+    sampling,
+)
+from tests.decode.test_generate import GREEDY
+
+NUM_BLOCKS = 12  # 96 positions: each request below needs 10 blocks at its longest
+
+
+@pytest.fixture(scope="module", params=["off", "on"], ids=["sync", "overlap"])
+def small_server(
+    tiny_model_dir: Path, request: pytest.FixtureRequest
+) -> Iterator[DecodeServerThread]:
+    config = tiny_decode_config(tiny_model_dir, request.param)
+    engine = dataclasses.replace(config.engine, num_blocks=NUM_BLOCKS)
+    server = DecodeServerThread(dataclasses.replace(config, engine=engine))
+    yield server
+    server.close()
+
+
+@pytest.fixture(autouse=True)
+def one_block_of_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(block_pool, "ADMISSION_OUTPUT_TOKENS", BLOCK_SIZE)
+
+
+async def _admit_all(
+    client: Client, asks: list[tuple[str, list[int], SamplingParams]]
+) -> list[tuple[object, Reserved]]:
+    """Admit every request before any runs: once they run, the pool they fill is gone."""
+    admitted = []
+    for request_id, prompt, params in asks:
+        request = decode_pb2.GenerateRequest(
+            request_id=request_id, prompt_token_ids=prompt, sampling=sampling(params)
+        )
+        admitted.append(await client.admit(request))
+    return admitted
+
+
+async def _transfer_and_collect(
+    client: Client,
+    player: PrefillPlayer,
+    ask: tuple[str, list[int], SamplingParams],
+    admitted: tuple[object, Reserved],
+) -> Outcome:
+    request_id, prompt, params = ask
+    call, block_ids = admitted
+    prefilled = await asyncio.to_thread(player.prefill, prompt, params)
+    transfer = client.kv.TransferKv(timeout=30)
+    for message in player.messages(request_id, prompt, block_ids, prefilled):
+        await transfer.write(message)
+    await transfer.done_writing()
+    await transfer
+    return await client.collect(call, Outcome(block_ids=list(block_ids)))
+
+
+def test_requests_that_outgrow_the_pool_are_preempted_and_give_the_engines_tokens(
+    small_server: DecodeServerThread, player: PrefillPlayer
+) -> None:
+    # 20-token prompts: 4 blocks each at admission (positions 0..26), the 12 there are; 10
+    # each at their longest (20 + 60 - 1 positions)
+    asks = [
+        (
+            "oldest",
+            random_prompt(20, player.vocab_size, 1),
+            dataclasses.replace(GREEDY, max_tokens=60),
+        ),
+        (
+            "seeded",
+            random_prompt(20, player.vocab_size, 2),
+            SamplingParams(temperature=1.0, max_tokens=60, seed=7, ignore_eos=True, logprobs=1),
+        ),
+        (
+            "penalized",
+            random_prompt(20, player.vocab_size, 3),
+            SamplingParams(temperature=0, repetition_penalty=1.3, max_tokens=60, ignore_eos=True),
+        ),
+    ]
+    expected = [player.reference(prompt, params) for _, prompt, params in asks]
+    batcher = small_server.instance.batcher
+    preemptions = batcher.num_preemptions
+
+    async def body() -> None:
+        async with insecure_channel(small_server.address) as channel:
+            client = Client(channel)
+            admitted = await _admit_all(client, asks)
+            info = await client.info()
+            assert info.num_free_blocks == 0  # admission took 4 blocks each, not 10
+            outcomes = await asyncio.gather(
+                *(
+                    _transfer_and_collect(client, player, ask, a)
+                    for ask, a in zip(asks, admitted, strict=True)
+                )
+            )
+            assert [o.token_ids for o in outcomes] == expected
+            assert len(outcomes[1].logprobs) == 60
+            await blocks_back(client, NUM_BLOCKS)
+
+    small_server.run(body())
+    assert batcher.num_preemptions - preemptions >= 2  # every growth past the pool preempted
+
+
+def test_no_request_is_admitted_while_one_waits_preempted(
+    small_server: DecodeServerThread, player: PrefillPlayer
+) -> None:
+    """The blocks that free go to the preempted request first: a newcomer is refused
+    (RESOURCE_EXHAUSTED, retry later) until it has resumed, then admitted."""
+    asks = [
+        (
+            f"fill-{i}",
+            random_prompt(20, player.vocab_size, 10 + i),
+            dataclasses.replace(GREEDY, max_tokens=60),
+        )
+        for i in range(3)
+    ]
+    late = random_prompt(20, player.vocab_size, 20)
+    table = small_server.instance.table
+
+    async def body() -> None:
+        async with insecure_channel(small_server.address) as channel:
+            client = Client(channel)
+            admitted = await _admit_all(client, asks)
+            runs = [
+                asyncio.create_task(_transfer_and_collect(client, player, ask, a))
+                for ask, a in zip(asks, admitted, strict=True)
+            ]
+            while not table.num_preempted:
+                assert not all(r.done() for r in runs), "no request was preempted"
+                await asyncio.sleep(0.005)
+            request = decode_pb2.GenerateRequest(
+                request_id="late", prompt_token_ids=late, sampling=sampling(GREEDY)
+            )
+            call = client.generate(request, timeout=30)
+            with pytest.raises(Exception, match="preempted request"):
+                await call.read()
+            outcomes = await asyncio.gather(*runs)
+            assert all(len(o.token_ids) == 60 for o in outcomes)
+            await blocks_back(client, NUM_BLOCKS)
+            call, reserved = await client.admit(
+                decode_pb2.GenerateRequest(
+                    request_id="late-again", prompt_token_ids=late, sampling=sampling(GREEDY)
+                )
+            )
+            assert len(reserved) == 3  # its prompt's blocks
+            call.cancel()
+            await blocks_back(client, NUM_BLOCKS)
+
+    small_server.run(body())
