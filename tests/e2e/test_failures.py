@@ -5,7 +5,8 @@ that finds the decode instance full waits in the frontend's admission queue unti
 request within seconds while decode gives back the reserved blocks.
 
 prefill-0 matches the decode instance; prefill-1 runs with another block size. The decode
-instance has 300 blocks of 16 tokens: one request of 4000 max_tokens fills it.
+instance has 270 blocks of 16 tokens: a request of a 3800-token prompt needs 254 of them at
+admission, more than are left beside one that runs (its blocks growing as it does).
 """
 
 from __future__ import annotations
@@ -37,16 +38,15 @@ def deployment(demo_model_dir: Path, e2e_tokenizer: ServiceProcess) -> Iterator[
         e2e_tokenizer,
         num_prefills=2,
         prefill_args=lambda i: ("--block-size", "32") if i == 1 else (),
-        decode_args=("--num-blocks", "300"),
+        decode_args=("--num-blocks", "270"),
     )
     yield d
     d.stop()
 
 
-def request(max_tokens: int = 4) -> generation_pb2.GenerateRequest:
-    """40 prompt tokens: with max_tokens 4000, 253 of the decode instance's 300 blocks."""
+def request(max_tokens: int = 4, num_prompt_tokens: int = 40) -> generation_pb2.GenerateRequest:
     return generation_pb2.GenerateRequest(
-        token_ids=list(range(100, 140)),
+        token_ids=[100 + i % 700 for i in range(num_prompt_tokens)],  # the demo has 836 ids
         sampling=sampling_pb2.SamplingParams(
             max_tokens=max_tokens, temperature=0.0, ignore_eos=True
         ),
@@ -70,16 +70,18 @@ def test_mismatched_pair_is_refused_loudly_and_never_routed(deployment: Deployme
 def test_a_request_finding_decode_full_waits_for_room(deployment: Deployment) -> None:
     start = deployment.settled_free_blocks()
     stub = deployment.stub()
+    # 40 prompt tokens: admitted with 19 blocks (and the first 256 outputs), 253 at the end
     holder = stub.Generate(request(4000), timeout=60)
     assert next(holder).token_ids
     # A request that fits still goes through beside it.
     assert list(stub.Generate(request(4), timeout=30))[-1].usage.completion_tokens == 4
-    # One that does not fit waits, reserving nothing: its deadline passes in the queue...
+    # One that does not fit (3800 + 250 tokens: 254 blocks) waits, reserving nothing: its
+    # deadline passes in the queue...
     with pytest.raises(grpc.RpcError) as info:
-        list(stub.Generate(request(4000), timeout=1.0))
+        list(stub.Generate(request(250, 3800), timeout=1.0))
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, info.value.details()
     # ...or room frees (the holder goes) and it runs.
-    waiter = stub.Generate(request(4000), timeout=60)
+    waiter = stub.Generate(request(250, 3800), timeout=60)
     with ThreadPoolExecutor(max_workers=1) as pool:
         first = pool.submit(next, waiter)
         time.sleep(1.0)

@@ -395,6 +395,9 @@ def test_a_tokenizer_without_its_file_is_unavailable_naming_it() -> None:
 
 def test_info_reports_limits_and_instances() -> None:
     async def main() -> None:
+        async with stack(limits=Limits()) as s:  # no default: the room the context leaves
+            reply = await s.stub.Info(generation_pb2.InfoRequest(), timeout=5)
+            assert (reply.default_max_tokens, reply.max_tokens_limit) == (0, 4096)
         async with stack(limits=Limits(default_max_tokens=16, max_tokens_limit=64)) as s:
             reply = await s.stub.Info(generation_pb2.InfoRequest(), timeout=5)
             assert (reply.model, reply.max_context_tokens) == ("fake", 4096)
