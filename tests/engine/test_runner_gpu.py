@@ -219,3 +219,43 @@ def test_sampled_graph_steps_draw_what_eager_sampling_draws(
         outputs.append([s.output_token_ids for s in seqs])
     assert outputs[0] == outputs[1]
     assert sampler_graphs.num_replays >= MAX_TOKENS - 3  # steps 3 on of the decode loop
+
+
+def recomputed_midway(runner: ModelRunner, batch: int, at_step: int) -> list[list[int]]:
+    """`greedy_tokens`' run, but before decode step `at_step` sequence 0 is preempted and
+    resumed as decode's batch thread does it: a new block_table list of other blocks
+    (RequestTable.resume), its K/V computed again by an eager prefill over what it wrote."""
+    seqs, _ = started(runner, batch)
+    num_used = sum(len(s.block_table) for s in seqs)
+    step = 0
+    while active := [s for s in seqs if not s.is_finished]:
+        if step == at_step:
+            first = seqs[0]
+            written = first.written_token_ids()
+            first.block_table = list(range(num_used, num_used + len(first.block_table)))
+            with torch.inference_mode():
+                runner.prefill([written], [first.block_table], [0])
+        with torch.inference_mode():
+            logits = runner.decode_logits(active)
+            sampled = runner.sample(logits, [s.sampling for s in active]).result().token_ids
+        for s, t in zip(active, sampled, strict=True):
+            s.append(t)
+        step += 1
+    return [s.output_token_ids for s in seqs]
+
+
+def test_graph_steps_after_a_sequences_kv_is_computed_again_give_the_same_tokens(
+    cuda_model: Qwen3ForCausalLM,
+) -> None:
+    """Decode's preemption on the device: a sequence resumed on new blocks (the graphs' block
+    table row copied again, as its list is new) with its K/V from an eager prefill goes on to
+    the tokens of the run never stopped."""
+    num_blocks = 64 * blocks_needed(40 + MAX_TOKENS, BLOCK_SIZE)
+    eager = ModelRunner.create(cuda_model, num_blocks, BLOCK_SIZE, max_decode_batch=64)
+    graphs = ModelRunner.create(cuda_model, num_blocks, BLOCK_SIZE, max_decode_batch=64)
+    assert graphs.capture_graphs(), "the capture failed (see the warning)"
+    eager_tokens, eager_logits = greedy_tokens(eager, 17)  # one capture: the piece's time
+    resumed_tokens = recomputed_midway(graphs, 17, at_step=3)
+    assert resumed_tokens == eager_tokens, describe_divergence(
+        eager_tokens, resumed_tokens, eager_logits, names=("eager", "graph, resumed")
+    )
