@@ -27,15 +27,11 @@ token ends by length is left out of step n+1.
 
 Blocks grow as requests run: admission reserved a request's prompt and first outputs
 (blocks_to_reserve); before each step the batch thread `grow`s every table over the position
-that step writes. Where the pool is a block short, it preempts the newest request (the last
-admitted goes first, as vLLM's recompute preemption): its blocks go back (full ones into the
-prefix cache) and it waits, its sequence kept, with no new admission meanwhile; once blocks
-for all it wrote are free again (with one spare per running request, so that it is not the
-next preempted at once) it gets them, the K/V its cached blocks do not hold is computed again
-by a prefill forward here, and it runs on as if never stopped: the same tokens, penalties,
-constraint state and seeded draws. With overlap, a step that would need a block the pool
-lacks is not launched ahead: the step in flight is collected first, so a preempted request's
-blocks go back with no step writing them.
+that step writes. Where the pool is a block short, it preempts the request that joined last
+(as vLLM's recompute preemption), which waits in `Preempted` (preemption.py) until it resumes,
+its K/V computed again. With overlap, a step that would need a block the pool lacks is not
+launched ahead: the step in flight is collected first, so a preempted request's blocks go back
+with no step writing them.
 
 Blocks are freed (`RequestTable.finish`) before a request's last event is handed over, so a
 caller that reads its last token and then asks Info sees the blocks back; and only once no
@@ -72,13 +68,11 @@ from mili.plural import plural
 from mili.telemetry.metrics import DecodeMetrics
 from mili.telemetry.tracing import start_batch_span
 from mili.watchdog import Progress
+from services.decode.preemption import Preempted
 from services.decode.requests import DecodeRequest, RequestTable
 from services.decode.stream import Delivery, Outlet, TokenEvent, deliver_threadsafe
 
 _LOG = logging.getLogger("mili.decode")
-# Prompt tokens per forward when a resumed request's K/V is computed again: a bounded
-# activation size, as a prefill chunk.
-RECOMPUTE_CHUNK_TOKENS = 512
 # How often a batch with only preempted requests looks for freed blocks: a lease that expires
 # or a transfer that fails frees them without a word to this thread.
 RESUME_POLL_S = 0.05
@@ -165,8 +159,7 @@ class Batcher:
         self._on_death: Callable[[BaseException], None] | None = None
         self.death: BaseException | None = None  # what killed the batch thread (a bug)
         self._running: list[_Running] = []  # batch thread only
-        # batch thread only: preempted (RequestTable.preempt), by `order`, oldest first
-        self._preempted: list[_Running] = []
+        self._preempted: Preempted[_Running] = Preempted(runner, table, self._metrics)
         self._num_joined = 0  # batch thread only
         self._steps: list[_Step] = []  # batch thread only: launched, ids not in yet; oldest first
         self._collected_at = 0.0  # batch thread only: perf_counter() of the last step's ids
@@ -176,7 +169,6 @@ class Batcher:
         self.progress = Progress()  # read by the instance's watchdog
         self.num_steps = 0
         self.num_steps_ahead = 0  # launched before the previous step's ids were in
-        self.num_preemptions = 0
         self.max_batch_size = 0
 
     @property
@@ -328,65 +320,20 @@ class Batcher:
             else:
                 kept.append(running)
         self._running = kept
-        waiting = []
-        for preempted in self._preempted:
-            if preempted.request.is_cancelled:
-                self._end(preempted, [], None, [])  # it holds no block
-            else:
-                waiting.append(preempted)
-        self._preempted = waiting
+        for preempted in self._preempted.take_cancelled():
+            self._end(preempted, [], None, [])  # it holds no block
 
-    def _preempt(self, r: _Running) -> None:
-        """Take `r` (in no step in flight) out of the batch and its blocks back."""
-        written = r.seq.written_token_ids()
-        num_blocks = self._table.preempt(r.request, written)
-        self._running.remove(r)
-        self._preempted.append(r)
-        self._preempted.sort(key=lambda p: p.order)
-        self.num_preemptions += 1
-        self._metrics.preemptions.inc()
-        _LOG.info(
-            "request %s preempted after %s: %s back; it resumes once blocks free",
-            r.request.name,
-            plural(len(r.seq.output_token_ids), "output token"),
-            plural(num_blocks, "KV block"),
-        )
+    @property
+    def num_preemptions(self) -> int:
+        return self._preempted.num_preemptions
 
     def _resume(self, out: list[Delivery]) -> None:
-        """Blocks again for the preempted requests, oldest first, until one does not fit (the
-        rest wait behind it); the K/V of what each wrote that the prefix cache no longer
-        holds is computed again, and it runs from the next step."""
-        while self._preempted:
-            r = self._preempted[0]
-            written = r.seq.written_token_ids()
-            num_cached = self._table.resume(r.request, written, spare_blocks=len(self._running))
-            if num_cached is None:
-                return
-            del self._preempted[0]
-            r.seq.block_table = r.request.block_table
-            started = time.perf_counter()
-            try:
-                self._recompute(r.seq.block_table, written, num_cached)
-            except Exception as e:  # this request alone fails
-                _LOG.error("request %s: its K/V could not be computed again", r.request.name)
-                self._end(r, [], e, out)
-                continue
-            self._running.append(r)
-            _LOG.info(
-                "request %s resumed: %s computed again in %.1f ms (%s from the prefix cache)",
-                r.request.name,
-                plural(len(written) - num_cached, "token"),
-                (time.perf_counter() - started) * 1000,
-                plural(num_cached, "token"),
-            )
-
-    def _recompute(self, block_table: list[int], token_ids: list[int], start: int) -> None:
-        """Write the K/V of token_ids[start:] (positions start..) into `block_table`'s blocks,
-        a chunk per forward; the logits are not read."""
-        with torch.inference_mode():
-            for begin in range(start, len(token_ids), RECOMPUTE_CHUNK_TOKENS):
-                chunk = token_ids[begin : begin + RECOMPUTE_CHUNK_TOKENS]
-                self._runner.prefill([chunk], [block_table], [begin])
+        """Preempted requests that fit again run from the next step."""
+        for r, error in self._preempted.resume(len(self._running)):
+            if error is None:
+                self._running.append(r)
+            else:
+                self._end(r, [], error, out)
 
     def _grow(self, batch: list[_Running]) -> bool:
         """Cover the position the next step writes for each of `batch`: its newest token's,
@@ -405,7 +352,9 @@ class Batcher:
             if self._grow(by_age[:1]):
                 del by_age[0]
             else:
-                self._preempt(by_age.pop())
+                victim = by_age.pop()
+                self._running.remove(victim)
+                self._preempted.add(victim)
 
     def _advance(self, out: list[Delivery]) -> None:
         """Take the step in flight's tokens and launch the next step; with overlap the next
@@ -619,10 +568,9 @@ class Batcher:
         with self._cond:
             joins, self._inbox = self._inbox, []
         ended = [(r.request, r.outlet) for r in self._running if not r.is_done]
-        ended += [(r.request, r.outlet) for r in self._preempted]
+        ended += [(r.request, r.outlet) for r in self._preempted.take_all()]
         ended += [(j.request, j.outlet) for j in joins]
         self._running = []
-        self._preempted = []
         for request, outlet in ended:
             self._table.finish(request)
             out.append((outlet.stream, error))

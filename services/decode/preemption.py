@@ -1,0 +1,125 @@
+"""Requests decode's batch thread preempted when the KV pool ran dry, until they run again.
+Batch thread only.
+
+Preempting takes a running request's blocks back (`RequestTable.preempt`: full ones join the
+prefix cache) and keeps its engine sequence: its tokens, penalties, constraint state and seeded
+draws. While any request waits here the request table admits no new one, so the blocks that
+free are theirs first. Each batch iteration `resume`s them, oldest first, until one does not
+fit: a request gets blocks for all it wrote and the next position, with one spare per running
+request (so that it is not the next one preempted at once); the K/V its cached blocks no
+longer hold is computed again by prefill forwards on decode's runner, a chunk at a time, and it
+runs from the next step as if it had never stopped.
+
+    running ──preempt (a block short; the newest)──▶ waiting here ──resume──▶ running
+                                                          │
+                                                          └── cancelled: ends, holding no block
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from typing import Generic, Protocol, TypeVar
+
+import torch
+
+from mili.engine.step.runner import ModelRunner
+from mili.engine.step.sequence import Sequence
+from mili.plural import plural
+from mili.telemetry.metrics import DecodeMetrics
+from services.decode.requests import DecodeRequest, RequestTable
+
+_LOG = logging.getLogger("mili.decode")
+
+# Tokens per forward when a resumed request's K/V is computed again: a bounded activation size,
+# as a prefill chunk.
+RECOMPUTE_CHUNK_TOKENS = 512
+
+
+class Preemptable(Protocol):
+    """What the batch thread keeps of a running request (batcher's `_Running`)."""
+
+    request: DecodeRequest
+    seq: Sequence
+    order: int  # when it joined the batch: the newest is preempted first, the oldest resumed
+
+
+P = TypeVar("P", bound=Preemptable)
+
+
+class Preempted(Generic[P]):
+    """The preempted requests, oldest (by `order`) first."""
+
+    def __init__(self, runner: ModelRunner, table: RequestTable, metrics: DecodeMetrics) -> None:
+        self._runner = runner
+        self._table = table
+        self._metrics = metrics
+        self.waiting: list[P] = []
+        self.num_preemptions = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.waiting)
+
+    def add(self, r: P) -> None:
+        """Take the blocks of `r` (out of the batch, in no step in flight) back; it waits here."""
+        num_blocks = self._table.preempt(r.request, r.seq.written_token_ids())
+        self.waiting.append(r)
+        self.waiting.sort(key=lambda p: p.order)
+        self.num_preemptions += 1
+        self._metrics.preemptions.inc()
+        _LOG.info(
+            "request %s preempted after %s: %s back; it resumes once blocks free",
+            r.request.name,
+            plural(len(r.seq.output_token_ids), "output token"),
+            plural(num_blocks, "KV block"),
+        )
+
+    def take_cancelled(self) -> list[P]:
+        """The cancelled ones, no longer waiting (each holds no block)."""
+        cancelled = [r for r in self.waiting if r.request.is_cancelled]
+        if cancelled:
+            self.waiting = [r for r in self.waiting if not r.request.is_cancelled]
+        return cancelled
+
+    def take_all(self) -> list[P]:
+        waiting, self.waiting = self.waiting, []
+        return waiting
+
+    def resume(self, num_running: int) -> Iterator[tuple[P, Exception | None]]:
+        """Resume the waiting requests, oldest first, until one does not fit (the rest wait
+        behind it: first come, first served) beside `num_running` running ones; yields each
+        with None, ready to run, or with the error that failed its recompute (its blocks are
+        its own again: the caller ends it)."""
+        while self.waiting:
+            r = self.waiting[0]
+            written = r.seq.written_token_ids()
+            num_cached = self._table.resume(r.request, written, spare_blocks=num_running)
+            if num_cached is None:
+                return
+            del self.waiting[0]
+            r.seq.block_table = r.request.block_table  # a new list (the device's copy is stale)
+            started = time.perf_counter()
+            try:
+                self._recompute(r.seq.block_table, written, num_cached)
+            except Exception as e:  # this request alone fails
+                _LOG.error("request %s: its K/V could not be computed again", r.request.name)
+                yield r, e
+                continue
+            _LOG.info(
+                "request %s resumed: %s computed again in %.1f ms (%s from the prefix cache)",
+                r.request.name,
+                plural(len(written) - num_cached, "token"),
+                (time.perf_counter() - started) * 1000,
+                plural(num_cached, "token"),
+            )
+            num_running += 1
+            yield r, None
+
+    def _recompute(self, block_table: list[int], token_ids: list[int], start: int) -> None:
+        """Write the K/V of token_ids[start:] (positions start..) into `block_table`'s blocks,
+        a chunk per forward; the logits are not read."""
+        with torch.inference_mode():
+            for begin in range(start, len(token_ids), RECOMPUTE_CHUNK_TOKENS):
+                chunk = token_ids[begin : begin + RECOMPUTE_CHUNK_TOKENS]
+                self._runner.prefill([chunk], [block_table], [begin])
