@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -26,6 +28,7 @@ from tests.decode.harness import (
     PrefillPlayer,
     Reserved,
     blocks_back,
+    eventually,
     random_prompt,
     sampling,
 )
@@ -169,6 +172,93 @@ def test_no_request_is_admitted_while_one_waits_preempted(
             )
             assert len(reserved) == 3  # its prompt's blocks
             call.cancel()
+            await blocks_back(client, NUM_BLOCKS)
+
+    small_server.run(body())
+
+
+def _fill(
+    player: PrefillPlayer, name: str, seed: int
+) -> list[tuple[str, list[int], SamplingParams]]:
+    """Three requests that fill the pool at admission and outgrow it together."""
+    return [
+        (
+            f"{name}-{i}",
+            random_prompt(20, player.vocab_size, seed + i),
+            dataclasses.replace(GREEDY, max_tokens=60),
+        )
+        for i in range(3)
+    ]
+
+
+def test_a_request_cancelled_while_preempted_ends_and_the_rest_finish(
+    small_server: DecodeServerThread, player: PrefillPlayer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It ends where it waits, never resumed: here no request may resume until the cancelled
+    one has ended (it leaves the table while resuming is held)."""
+    asks = _fill(player, "cancel", 30)
+    table = small_server.instance.table
+    resume = table.resume
+    may_resume = threading.Event()
+
+    def held(*args: Any, **kwargs: Any) -> int | None:
+        return resume(*args, **kwargs) if may_resume.is_set() else None
+
+    monkeypatch.setattr(table, "resume", held)
+
+    async def body() -> None:
+        async with insecure_channel(small_server.address) as channel:
+            client = Client(channel)
+            admitted = await _admit_all(client, asks)
+            runs = [
+                asyncio.create_task(_transfer_and_collect(client, player, ask, a))
+                for ask, a in zip(asks, admitted, strict=True)
+            ]
+            await eventually(lambda: table.num_preempted > 0)
+            victim = next(i for i, a in enumerate(asks) if _is_preempted(table, a[0]))
+            admitted[victim][0].cancel()  # type: ignore[attr-defined]
+            await eventually(lambda: table.get(asks[victim][0]) is None)  # ended
+            may_resume.set()
+            outcomes = await asyncio.gather(*runs, return_exceptions=True)
+            assert isinstance(outcomes[victim], BaseException)
+            kept = [o for i, o in enumerate(outcomes) if i != victim]
+            assert all(isinstance(o, Outcome) and len(o.token_ids) == 60 for o in kept), kept
+            await blocks_back(client, NUM_BLOCKS)
+            assert table.num_preempted == 0
+
+    small_server.run(body())
+
+
+def _is_preempted(table: object, request_id: str) -> bool:
+    request = table.get(request_id)  # type: ignore[attr-defined]
+    return request is not None and request.is_preempted
+
+
+def test_a_recompute_that_fails_fails_its_request_alone(
+    small_server: DecodeServerThread, player: PrefillPlayer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    asks = _fill(player, "broken", 40)
+    runner = small_server.instance.runner
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("the device is gone")
+
+    async def body() -> None:
+        async with insecure_channel(small_server.address) as channel:
+            client = Client(channel)
+            admitted = await _admit_all(client, asks)
+            monkeypatch.setattr(runner, "prefill", broken)  # decode runs prefill to resume only
+            outcomes = await asyncio.gather(
+                *(
+                    _transfer_and_collect(client, player, ask, a)
+                    for ask, a in zip(asks, admitted, strict=True)
+                ),
+                return_exceptions=True,
+            )
+            failed = [o for o in outcomes if isinstance(o, BaseException)]
+            assert failed and all("the device is gone" in str(e) for e in failed), outcomes
+            finished = [o for o in outcomes if isinstance(o, Outcome)]
+            assert finished and all(len(o.token_ids) == 60 for o in finished)
             await blocks_back(client, NUM_BLOCKS)
 
     small_server.run(body())
