@@ -1,9 +1,9 @@
 """Requests without max_tokens on a decode pool they outgrow together, through `mili serve`
-(demo model) and the openai SDK, as an agent library sends them: each may use what the pool
-leaves after its prompt (the context is larger), so decode reserves only their first outputs,
-grows them as they run, preempts the one that joined last when the pool runs dry and resumes
-it once blocks free. Every one finishes whole; decode's metrics count the preemptions and
-every block comes back."""
+(demo model) and the openai SDK's chat completions, as an agent library sends them: each may
+use what the pool leaves after its prompt (the context is larger), so decode reserves only
+their first outputs, grows them as they run, preempts the one that joined last when the pool
+runs dry and resumes it once blocks free. Every one finishes whole; decode's metrics count the
+preemptions and every block comes back."""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ from openai import OpenAI
 from tests.service_process import ServiceProcess
 
 NUM_BLOCKS = 64  # of 16 tokens: 1024 positions, a quarter of the demo model's context
-PROMPT = list(range(40, 60))
 
 
 def _sample(url: str, name: str) -> float:
@@ -45,24 +44,24 @@ def test_requests_without_max_tokens_outgrow_the_pool_and_all_finish(
         client = OpenAI(base_url=f"{serve.http_url}/v1", api_key="none", max_retries=0)
         model = client.models.list().data[0].id
 
-        def complete(_: int) -> tuple[int, str | None]:
-            reply = client.completions.create(
+        def chat(_: int) -> tuple[int, str | None]:
+            reply = client.chat.completions.create(
                 model=model,
-                prompt=PROMPT,
+                messages=[{"role": "user", "content": "Tell me a long story"}],
                 temperature=0,
                 extra_body={"ignore_eos": True},
                 timeout=240,
             )
             assert reply.usage is not None
-            return reply.usage.completion_tokens, reply.choices[0].finish_reason
+            room = NUM_BLOCKS * 16 - reply.usage.prompt_tokens + 1  # prompt + max_tokens - 1
+            return reply.usage.completion_tokens - room, reply.choices[0].finish_reason
 
         started = time.monotonic()
-        # Each is admitted with 18 blocks (20 + 256 - 1 positions) and needs all 64 at its
-        # longest: the three fill the pool at once and outgrow it together.
+        # Each is admitted with the blocks of its prompt and first 256 outputs, and needs all
+        # 64 at its longest: the three fill the pool at once and outgrow it together.
         with ThreadPoolExecutor(3) as pool:
-            results = list(pool.map(complete, range(3)))
-        room = NUM_BLOCKS * 16 - len(PROMPT) + 1  # positions prompt + max_tokens - 1
-        assert results == [(room, "length")] * 3, f"after {time.monotonic() - started:.0f} s"
+            results = list(pool.map(chat, range(3)))
+        assert results == [(0, "length")] * 3, f"after {time.monotonic() - started:.0f} s"
         assert _sample(decode_metrics, "mili_decode_preemptions_total") >= 2
         assert _sample(decode_metrics, "mili_decode_kv_blocks_free") == NUM_BLOCKS
     finally:

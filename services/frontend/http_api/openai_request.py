@@ -44,6 +44,10 @@ from services.frontend.validation import (
 # allows n up to 128, and lm-eval batches up to its batch_size prompts in one request.
 MAX_N = 128  # choices per prompt
 MAX_CHOICES = 256  # prompts x n in one request
+# max_tokens of a completion that leaves it unset: OpenAI's documented default for this
+# endpoint, kept by vLLM and SGLang (a chat's unset max_tokens is the server's default: the
+# room the context leaves).
+COMPLETION_MAX_TOKENS = 16
 # OpenAI's reasoning efforts (chat's reasoning_effort, the Responses API's reasoning.effort)
 _EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 
@@ -115,6 +119,8 @@ def completion_request(body: Body, window: int | None, client_id: str) -> OpenAI
     include_usage, is_continuous_usage = _usage_options(body)
     prompt_logprobs = _prompt_logprobs(body, is_stream)
     max_tokens = body.integer("max_tokens")
+    if max_tokens is None:
+        max_tokens = COMPLETION_MAX_TOKENS
     is_prompt_only = max_tokens == 0 and echo
     if max_tokens == 0 and not echo:
         raise InvalidArgument("max_tokens", 0, "must be >= 1 (0 only with echo: the prompt alone)")

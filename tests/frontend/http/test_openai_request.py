@@ -417,3 +417,12 @@ def test_only_an_assistant_message_may_leave_its_content_out() -> None:
         ("assistant", ""),
         ("tool", "ok"),
     ]
+
+
+def test_an_unset_max_tokens_is_16_for_a_completion_and_the_servers_default_for_a_chat() -> None:
+    """OpenAI's documented default for /v1/completions, as vLLM and SGLang keep it; a chat
+    leaves it to the server (the room the context leaves, fitted once tokenized)."""
+    assert completion(prompt="hi").inputs[0].sampling.max_tokens == 16
+    assert completion(prompt="hi", max_tokens=300).inputs[0].sampling.max_tokens == 300
+    assert chat().inputs[0].sampling.max_tokens is None
+    assert validate(chat().inputs[0], Limits()).is_default_max_tokens
