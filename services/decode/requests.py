@@ -412,8 +412,10 @@ class RequestTable:
         is the caller's to compute); None, taking nothing, when fewer than the blocks it needs
         plus `spare_blocks` (room for the running requests to grow) are available."""
         num_blocks = blocks_needed(len(written_token_ids) + 1, self.block_size)
+        most = len(written_token_ids) // self.block_size
         with self._lock:
-            most = len(written_token_ids) // self.block_size
+            if self._cache.num_available + most < num_blocks + spare_blocks:
+                return None  # short even if all were cached: not worth hashing its tokens
             cached = self._cache.match(written_token_ids, max_blocks=most, record=False)
             needed = num_blocks - len(cached)
             if self._cache.num_available < needed + spare_blocks:

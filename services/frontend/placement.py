@@ -97,12 +97,20 @@ class Placement:
         """Try decode instances, best first, until one admits; nothing is reserved on those
         that refused, so moving on is safe. Raises NoRoom when every one is full (those that
         refused this time, and those known to be full, which are not asked)."""
+        self._check_fits()
         index = self._router.prefix_index
         self._affinity = index.matches(self._prefix_keys, time.monotonic())
+        # Decode admits a request's first outputs and grows it as it runs: one whose pool
+        # could never hold the request whole is never asked.
+        too_small = {
+            d.address
+            for d in self._router.decodes.values()
+            if 0 < d.num_total_blocks < self._blocks_at_longest_on(d.address)
+        }
         tried: set[str] = set()
         full: list[ResourceExhausted] = []
         down: list[InstanceDown] = []
-        while (route := self._next_route(tried)) is not None:
+        while (route := self._next_route(tried | too_small)) is not None:
             tried.add(route.decode)
             seen_clock = self._router.room_clock(route.decode)
             try:
@@ -116,7 +124,6 @@ class Placement:
                 down.append(error)
         known_full = self._router.full_instances()
         if full or known_full:
-            self._check_fits()
             reasons = [str(e) for e in full]
             reasons += [why for address, why in known_full.items() if address not in tried]
             retry = [e.retry_after_s for e in full if e.retry_after_s is not None]

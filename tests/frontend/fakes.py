@@ -118,6 +118,8 @@ class FakeDecode(decode_pb2_grpc.DecodeServiceServicer):
     num_reserved: int = 0  # requests admitted and not ended: their blocks are held
     transfer_error: Exception | None = None  # set with kv_landed: the transfer failed
     is_stopped: bool = False  # Info never answers
+    num_total_blocks: int = 100  # what Info says of its KV pool (of 16-token blocks)
+    num_free_blocks: int = 100
 
     async def Generate(self, request: Any, context: Any) -> AsyncIterator[Any]:
         self.requests.append(request)
@@ -205,8 +207,8 @@ class FakeDecode(decode_pb2_grpc.DecodeServiceServicer):
             model="fake",
             kv_layout=self.kv_layout,
             max_context_tokens=4096,
-            num_total_blocks=100,
-            num_free_blocks=100,
+            num_total_blocks=self.num_total_blocks,
+            num_free_blocks=self.num_free_blocks,
             prefix_cache=CACHING,
         )
 

@@ -612,14 +612,19 @@ def test_a_request_past_the_frontends_limit_is_refused_with_its_log_line(
 def test_a_default_max_tokens_is_fitted_to_the_decode_pool_too() -> None:
     """The fake decode holds 100 blocks of 16 (1,600 positions) in a 4,096-token context: a
     default of 4,000 fitted the context only, and a real pool then refused the request naming a
-    max_tokens its caller never sent. An explicit one is left as sent (the caller's to fix)."""
+    max_tokens its caller never sent. An explicit one is not shrunk: it is refused, naming
+    max_tokens (the caller's to fix), before any decode is asked."""
 
     async def main() -> None:
         async with stack(limits=Limits(default_max_tokens=4000)) as s:
             await collect(s.stub.Generate(prompt("hi"), timeout=5))
             assert s.decodes[0].requests[-1].sampling.max_tokens == 1600 - 2 + 1
-            await collect(s.stub.Generate(prompt("hi", max_tokens=4000), timeout=5))
-            assert s.decodes[0].requests[-1].sampling.max_tokens == 4000  # as sent
+            asked = len(s.decodes[0].requests)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await collect(s.stub.Generate(prompt("hi", max_tokens=4000), timeout=5))
+            assert code_of(info.value) == grpc.StatusCode.INVALID_ARGUMENT
+            assert "sampling.max_tokens" in (info.value.details() or "")
+            assert len(s.decodes[0].requests) == asked
 
     asyncio.run(main())
 
@@ -678,5 +683,30 @@ def test_a_chats_constraint_goes_after_the_think_block_its_prompt_leaves(
             await s.stub.Complete(request, timeout=5)
             for sent in (s.prefill.requests[0].sampling, s.decodes[0].requests[0].sampling):
                 assert sent.json_object and sent.think_block == think_block
+
+    asyncio.run(main())
+
+
+def test_a_decode_whose_pool_could_never_hold_the_request_whole_is_never_asked() -> None:
+    """Decode admits a request's first outputs and grows its blocks as it runs, so the routing
+    rule (blocks at admission) fits a decode whose whole pool is smaller than the request at
+    its longest; that one, first by its free blocks, would refuse it (INVALID_ARGUMENT). The
+    request goes to the one that can hold it; one no decode can hold is a 400 at once."""
+
+    async def main() -> None:
+        small = FakeDecode(num_total_blocks=20, num_free_blocks=20)
+        large = FakeDecode(num_total_blocks=100, num_free_blocks=15)
+        async with stack(decodes=[small, large]) as s:
+            # 2 prompt tokens + 400: 18 blocks at admission, 26 at its longest
+            await collect(s.stub.Generate(prompt("hi", max_tokens=400), timeout=5))
+            assert (small.admitted, large.admitted) == ([], ["hi"])
+            await collect(s.stub.Generate(prompt("hi", max_tokens=4), timeout=5))
+            assert small.admitted == ["hi"]  # a small one still goes to the freer pool
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await collect(s.stub.Generate(prompt("hi", max_tokens=1700), timeout=5))
+            assert code_of(info.value) == grpc.StatusCode.INVALID_ARGUMENT
+            assert "more than any decode instance has in all (at most 100)" in (
+                info.value.details() or ""
+            )
 
     asyncio.run(main())
