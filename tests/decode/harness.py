@@ -245,6 +245,24 @@ class Client:
                 outcome.finish_reason = tokens.finish_reason
         return outcome
 
+    async def transfer_and_collect(
+        self,
+        player: PrefillPlayer,
+        request_id: str,
+        prompt: Sequence[int],
+        admitted: tuple[Any, Reserved],
+        prefilled: Prefilled,
+    ) -> Outcome:
+        """Prefill's side of an admitted request (`admitted`: `admit`'s call and reservation):
+        its KV and the commit; then its tokens to the end."""
+        call, block_ids = admitted
+        transfer = self.kv.TransferKv(timeout=30)
+        for message in player.messages(request_id, prompt, block_ids, prefilled):
+            await transfer.write(message)
+        await transfer.done_writing()
+        await transfer
+        return await self.collect(call, Outcome(block_ids=list(block_ids)))
+
     async def run_request(
         self,
         player: PrefillPlayer,

@@ -67,15 +67,10 @@ async def run(
     request = decode_pb2.GenerateRequest(
         request_id=rid, prompt_token_ids=PROMPT, sampling=sampling(params)
     )
-    call, block_ids = await client.admit(request)
+    admitted = await client.admit(request)
     prefilled = await asyncio.to_thread(player.prefill, PROMPT, params)
     prefilled = dataclasses.replace(prefilled, first_token_id=first)
-    transfer = client.kv.TransferKv(timeout=30)
-    for message in player.messages(rid, PROMPT, block_ids, prefilled):
-        await transfer.write(message)
-    await transfer.done_writing()
-    await transfer
-    return await client.collect(call, Outcome(block_ids=list(block_ids)))
+    return await client.transfer_and_collect(player, rid, PROMPT, admitted, prefilled)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

@@ -73,14 +73,34 @@ async def _transfer_and_collect(
     admitted: tuple[object, Reserved],
 ) -> Outcome:
     request_id, prompt, params = ask
-    call, block_ids = admitted
     prefilled = await asyncio.to_thread(player.prefill, prompt, params)
-    transfer = client.kv.TransferKv(timeout=30)
-    for message in player.messages(request_id, prompt, block_ids, prefilled):
-        await transfer.write(message)
-    await transfer.done_writing()
-    await transfer
-    return await client.collect(call, Outcome(block_ids=list(block_ids)))
+    return await client.transfer_and_collect(player, request_id, prompt, admitted, prefilled)
+
+
+def _fill(
+    player: PrefillPlayer, name: str, seed: int
+) -> list[tuple[str, list[int], SamplingParams]]:
+    """Three requests that fill the pool at admission and outgrow it together."""
+    return [
+        (
+            f"{name}-{i}",
+            random_prompt(20, player.vocab_size, seed + i),
+            dataclasses.replace(GREEDY, max_tokens=60),
+        )
+        for i in range(3)
+    ]
+
+
+async def _start_all(
+    client: Client, player: PrefillPlayer, asks: list[tuple[str, list[int], SamplingParams]]
+) -> tuple[list[tuple[object, Reserved]], list[asyncio.Task[Outcome]]]:
+    """Admit every request, then transfer each one's KV and collect its tokens in a task."""
+    admitted = await _admit_all(client, asks)
+    runs = [
+        asyncio.create_task(_transfer_and_collect(client, player, ask, a))
+        for ask, a in zip(asks, admitted, strict=True)
+    ]
+    return admitted, runs
 
 
 def test_requests_that_outgrow_the_pool_are_preempted_and_give_the_engines_tokens(
@@ -134,25 +154,14 @@ def test_no_request_is_admitted_while_one_waits_preempted(
 ) -> None:
     """The blocks that free go to the preempted request first: a newcomer is refused
     (RESOURCE_EXHAUSTED, retry later) until it has resumed, then admitted."""
-    asks = [
-        (
-            f"fill-{i}",
-            random_prompt(20, player.vocab_size, 10 + i),
-            dataclasses.replace(GREEDY, max_tokens=60),
-        )
-        for i in range(3)
-    ]
+    asks = _fill(player, "fill", 10)
     late = random_prompt(20, player.vocab_size, 20)
     table = small_server.instance.table
 
     async def body() -> None:
         async with insecure_channel(small_server.address) as channel:
             client = Client(channel)
-            admitted = await _admit_all(client, asks)
-            runs = [
-                asyncio.create_task(_transfer_and_collect(client, player, ask, a))
-                for ask, a in zip(asks, admitted, strict=True)
-            ]
+            _, runs = await _start_all(client, player, asks)
             while not table.num_preempted:
                 assert not all(r.done() for r in runs), "no request was preempted"
                 await asyncio.sleep(0.005)
@@ -177,20 +186,6 @@ def test_no_request_is_admitted_while_one_waits_preempted(
     small_server.run(body())
 
 
-def _fill(
-    player: PrefillPlayer, name: str, seed: int
-) -> list[tuple[str, list[int], SamplingParams]]:
-    """Three requests that fill the pool at admission and outgrow it together."""
-    return [
-        (
-            f"{name}-{i}",
-            random_prompt(20, player.vocab_size, seed + i),
-            dataclasses.replace(GREEDY, max_tokens=60),
-        )
-        for i in range(3)
-    ]
-
-
 def test_a_request_cancelled_while_preempted_ends_and_the_rest_finish(
     small_server: DecodeServerThread, player: PrefillPlayer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -209,11 +204,7 @@ def test_a_request_cancelled_while_preempted_ends_and_the_rest_finish(
     async def body() -> None:
         async with insecure_channel(small_server.address) as channel:
             client = Client(channel)
-            admitted = await _admit_all(client, asks)
-            runs = [
-                asyncio.create_task(_transfer_and_collect(client, player, ask, a))
-                for ask, a in zip(asks, admitted, strict=True)
-            ]
+            admitted, runs = await _start_all(client, player, asks)
             await eventually(lambda: table.num_preempted > 0)
             victim = next(i for i, a in enumerate(asks) if _is_preempted(table, a[0]))
             admitted[victim][0].cancel()  # type: ignore[attr-defined]
