@@ -86,6 +86,7 @@ class Admission:
             now=self._clock(),
             retry_after_s=inst.config.retry_after_s,
             client_request_id=request.client_request_id,
+            priority=request.priority,
         )
         if compiled is not None:
             req.matcher = compiled.matcher()

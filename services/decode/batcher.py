@@ -27,11 +27,11 @@ token ends by length is left out of step n+1.
 
 Blocks grow as requests run: admission reserved a request's prompt and first outputs
 (blocks_to_reserve); before each step the batch thread `grow`s every table over the position
-that step writes. Where the pool is a block short, it preempts the request that joined last
-(as vLLM's recompute preemption), which waits in `Preempted` (preemption.py) until it resumes,
-its K/V computed again. With overlap, a step that would need a block the pool lacks is not
-launched ahead: the step in flight is collected first, so a preempted request's blocks go back
-with no step writing them.
+that step writes. Where the pool is a block short, it preempts the request of the largest
+priority value that joined last (as vLLM's recompute preemption), which waits in `Preempted`
+(preemption.py) until it resumes, its K/V computed again. With overlap, a step that would need
+a block the pool lacks is not launched ahead: the step in flight is collected first, so a
+preempted request's blocks go back with no step writing them.
 
 Blocks are freed (`RequestTable.finish`) before a request's last event is handed over, so a
 caller that reads its last token and then asks Info sees the blocks back; and only once no
@@ -68,7 +68,7 @@ from mili.plural import plural
 from mili.telemetry.metrics import DecodeMetrics
 from mili.telemetry.tracing import start_batch_span
 from mili.watchdog import Progress
-from services.decode.preemption import Preempted
+from services.decode.preemption import Preempted, rank
 from services.decode.requests import DecodeRequest, RequestTable
 from services.decode.stream import Delivery, Outlet, TokenEvent, deliver_threadsafe
 
@@ -105,7 +105,7 @@ class _Running:
     request: DecodeRequest
     seq: Sequence
     outlet: Outlet  # where its events go (kept here: its call may end before it leaves)
-    order: int  # when it joined: the newest running request is the one preempted
+    order: int  # when it joined (preemption.rank: the last of equal priority goes first)
     # The newest launched step it is in whose ids are not in yet: until that step is done its
     # blocks stay taken (the step writes its KV), even once the request has ended.
     step: _Step | None = None
@@ -345,14 +345,14 @@ class Batcher:
 
     def _make_room(self) -> None:
         """No step in flight: cover the position the next step writes for every running
-        request, oldest first, preempting the newest while the pool is a block short (the
-        one asking, when it is the newest)."""
-        by_age = sorted(self._running, key=lambda r: r.order)
-        while by_age:
-            if self._grow(by_age[:1]):
-                del by_age[0]
+        request, first ranked first (preemption.rank), preempting the last ranked while the
+        pool is a block short (the one asking, when it is the last)."""
+        by_rank = sorted(self._running, key=rank)
+        while by_rank:
+            if self._grow(by_rank[:1]):
+                del by_rank[0]
             else:
-                victim = by_age.pop()
+                victim = by_rank.pop()
                 self._running.remove(victim)
                 self._preempted.add(victim)
 

@@ -1,18 +1,21 @@
 """Requests decode's batch thread preempted when the KV pool ran dry, until they run again.
 Batch thread only.
 
-Preempting takes a running request's blocks back (`RequestTable.preempt`: full ones join the
-prefix cache) and keeps its engine sequence: its tokens, penalties, constraint state and seeded
-draws. While any request waits here the request table admits no new one, so the blocks that
-free are theirs first. Each batch iteration `resume`s them, oldest first, until one does not
-fit: a request gets blocks for all it wrote and the next position, with one spare per running
-request (so that it is not the next one preempted at once); the K/V its cached blocks no
-longer hold is computed again by prefill forwards on decode's runner, a chunk at a time, and it
-runs from the next step as if it had never stopped.
+The request preempted is the running one of the largest priority value (the caller's, lower
+first, vLLM's sense), among equals the one that joined last; preempted requests resume in the
+reverse order (`rank`). Preempting takes a running request's blocks back
+(`RequestTable.preempt`: full ones join the prefix cache) and keeps its engine sequence: its
+tokens, penalties, constraint state and seeded draws. While any request waits here the request
+table admits no new one, so the blocks that free are theirs first. Each batch iteration
+`resume`s them, first ranked first, until one does not fit: a request gets blocks for all it
+wrote and the next position, with one spare per running request (so that it is not the next
+one preempted at once); the K/V its cached blocks no longer hold is computed again by prefill
+forwards on decode's runner, a chunk at a time, and it runs from the next step as if it had
+never stopped.
 
-    running ──preempt (a block short; the newest)──▶ waiting here ──resume──▶ running
-                                                          │
-                                                          └── cancelled: ends, holding no block
+    running ──preempt (a block short; the last ranked)──▶ waiting here ──resume──▶ running
+                                                             │
+                                                             └── cancelled: ends, holding no block
 """
 
 from __future__ import annotations
@@ -42,14 +45,19 @@ class Preemptable(Protocol):
 
     request: DecodeRequest
     seq: Sequence
-    order: int  # when it joined the batch: the newest is preempted first, the oldest resumed
+    order: int  # when it joined the batch
 
 
 P = TypeVar("P", bound=Preemptable)
 
 
+def rank(r: Preemptable) -> tuple[int, int]:
+    """Sort key, first to keep (and resume) first: priority, then when it joined."""
+    return r.request.priority, r.order
+
+
 class Preempted(Generic[P]):
-    """The preempted requests, oldest (by `order`) first."""
+    """The preempted requests, by `rank`."""
 
     def __init__(self, runner: ModelRunner, table: RequestTable, metrics: DecodeMetrics) -> None:
         self._runner = runner
@@ -65,7 +73,7 @@ class Preempted(Generic[P]):
         """Take the blocks of `r` (out of the batch, in no step in flight) back; it waits here."""
         num_blocks = self._table.preempt(r.request, r.seq.written_token_ids())
         self.waiting.append(r)
-        self.waiting.sort(key=lambda p: p.order)
+        self.waiting.sort(key=rank)
         self.num_preemptions += 1
         self._metrics.preemptions.inc()
         _LOG.info(
@@ -87,7 +95,7 @@ class Preempted(Generic[P]):
         return waiting
 
     def resume(self, num_running: int) -> Iterator[tuple[P, Exception | None]]:
-        """Resume the waiting requests, oldest first, until one does not fit (the rest wait
+        """Resume the waiting requests by `rank` until one does not fit (the rest wait
         behind it: first come, first served) beside `num_running` running ones; yields each
         with None, ready to run, or with the error that failed its recompute (its blocks are
         its own again: the caller ends it)."""

@@ -115,6 +115,7 @@ class DecodeRequest:
     # token; set by admission (compiled off the event loop), None when unconstrained.
     matcher: ConstraintMatcher | None = None
     is_preempted: bool = False  # RUNNING, its blocks taken back until `resume`
+    priority: int = 0  # the caller's (lower first): the largest is preempted first
 
     @property
     def name(self) -> str:
@@ -201,6 +202,7 @@ class RequestTable:
         now: float,
         retry_after_s: float | None = None,
         client_request_id: str = "",
+        priority: int = 0,
     ) -> DecodeRequest:
         """Reserve the request's blocks (blocks_to_reserve: all or nothing) and register it.
 
@@ -278,6 +280,7 @@ class RequestTable:
                 lease_ms=lease_ms,
                 client_request_id=client_request_id,
                 num_cached_blocks=len(cached),
+                priority=priority,
             )
             self._requests[request_id] = request
             return request

@@ -188,9 +188,10 @@ class Downstream(Protocol):
         ...
 
     def generate(
-        self, route: Route, ids: RequestIds, prompt: Prompt, deadline: Deadline
+        self, route: Route, ids: RequestIds, prompt: Prompt, deadline: Deadline, priority: int
     ) -> DecodeStream:
-        """Open decode's Generate for `route` (with route.prefill's KV layout to check)."""
+        """Open decode's Generate for `route` (with route.prefill's KV layout to check);
+        `priority`: the request's (decode preempts by it)."""
         ...
 
     def prefill(

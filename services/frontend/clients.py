@@ -98,11 +98,10 @@ class GrpcDownstream:
         return self._backends.decode_layouts[address].block_size or 1
 
     def generate(
-        self, route: Route, ids: RequestIds, prompt: Prompt, deadline: Deadline
+        self, route: Route, ids: RequestIds, prompt: Prompt, deadline: Deadline, priority: int
     ) -> RequestStream:
-        request = convert.decode_request(
-            ids, prompt, self._backends.prefill_layouts[route.prefill], self._config.kv_lease_ms
-        )
+        layout = self._backends.prefill_layouts[route.prefill]
+        request = convert.decode_request(ids, prompt, layout, self._config.kv_lease_ms, priority)
         return self._backends.instances.multiplexer(route.decode).open(request, deadline)
 
     def prefill(

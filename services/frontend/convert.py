@@ -300,7 +300,11 @@ def chat_messages(turns: tuple[ChatTurn, ...]) -> list[chat_pb2.ChatMessage]:
 
 
 def decode_request(
-    ids: RequestIds, prompt: Prompt, prefill_layout: kv_pb2.KvLayout, kv_lease_ms: int
+    ids: RequestIds,
+    prompt: Prompt,
+    prefill_layout: kv_pb2.KvLayout,
+    kv_lease_ms: int,
+    priority: int,
 ) -> decode_pb2.GenerateRequest:
     return decode_pb2.GenerateRequest(
         request_id=ids.request_id,
@@ -309,6 +313,7 @@ def decode_request(
         sampling=sampling_params_to_proto(prompt.sampling),
         prefill_layout=prefill_layout,
         kv_lease_ms=kv_lease_ms,
+        priority=priority,
     )
 
 

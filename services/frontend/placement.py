@@ -71,6 +71,7 @@ class Placement:
         self._router = downstream.router
         self._prompt = prompt
         self._deadline = deadline
+        self._priority = priority
         # Cache-aware routing: the prompt's prefix keys and which instances probably hold them
         # (looked up at each admission try: a request that waited may find them elsewhere).
         index = self._router.prefix_index
@@ -179,7 +180,7 @@ class Placement:
             route, len(prompt.token_ids), self._blocks_needed_on(route.decode)
         )
         try:
-            stream = self._downstream.generate(route, ids, prompt, self._deadline)
+            stream = self._downstream.generate(route, ids, prompt, self._deadline, self._priority)
         except BaseException:
             self._router.finish(ticket, is_refused=True)  # the instance's count stays true
             raise

@@ -20,6 +20,7 @@ from mili.engine.kv import block_pool
 from mili.engine.sampling_params import SamplingParams
 from mili.pb.decode.v1 import decode_pb2
 from mili.rpc.client import insecure_channel
+from services.decode.requests import RequestState
 from tests.decode.conftest import BLOCK_SIZE, tiny_decode_config
 from tests.decode.harness import (
     Client,
@@ -250,6 +251,52 @@ def test_a_recompute_that_fails_fails_its_request_alone(
             assert failed and all("the device is gone" in str(e) for e in failed), outcomes
             finished = [o for o in outcomes if isinstance(o, Outcome)]
             assert finished and all(len(o.token_ids) == 60 for o in finished)
+            await blocks_back(client, NUM_BLOCKS)
+
+    small_server.run(body())
+
+
+def test_the_largest_priority_value_is_preempted_first_whenever_it_joined(
+    small_server: DecodeServerThread, player: PrefillPlayer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The caller's priority (lower first) picks the request preempted, before when it joined:
+    here the priority-1 request joins first and is still the one preempted (resuming held
+    until the test has looked)."""
+    asks = _fill(player, "rank", 50)
+    priorities = [1, 0, 0]
+    table = small_server.instance.table
+    resume = table.resume
+    may_resume = threading.Event()
+
+    def held(*args: Any, **kwargs: Any) -> int | None:
+        return resume(*args, **kwargs) if may_resume.is_set() else None
+
+    monkeypatch.setattr(table, "resume", held)
+    expected = [player.reference(prompt, params) for _, prompt, params in asks]
+
+    async def body() -> None:
+        async with insecure_channel(small_server.address) as channel:
+            client = Client(channel)
+            admitted = []
+            for (request_id, prompt, params), priority in zip(asks, priorities, strict=True):
+                request = decode_pb2.GenerateRequest(
+                    request_id=request_id,
+                    prompt_token_ids=prompt,
+                    sampling=sampling(params),
+                    priority=priority,
+                )
+                admitted.append(await client.admit(request))
+            first = asyncio.create_task(_transfer_and_collect(client, player, asks[0], admitted[0]))
+            await eventually(lambda: table.get(asks[0][0]).state is RequestState.RUNNING)
+            rest = [
+                asyncio.create_task(_transfer_and_collect(client, player, ask, a))
+                for ask, a in zip(asks[1:], admitted[1:], strict=True)
+            ]
+            await eventually(lambda: table.num_preempted > 0)
+            assert [_is_preempted(table, a[0]) for a in asks] == [True, False, False]
+            may_resume.set()
+            outcomes = await asyncio.gather(first, *rest)
+            assert [o.token_ids for o in outcomes] == expected
             await blocks_back(client, NUM_BLOCKS)
 
     small_server.run(body())

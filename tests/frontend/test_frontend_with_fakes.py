@@ -68,6 +68,9 @@ def test_streams_text_and_sends_fully_resolved_sampling_downstream() -> None:
             assert last.finish_reason == sampling_pb2.FINISH_REASON_LENGTH
             assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (2, 3)
             assert len({r.request_id for r in responses}) == 1
+            urgent = generation_pb2.GenerateRequest(prompt="hi", priority=-2)
+            await collect(s.stub.Generate(urgent, timeout=5))
+            assert s.decodes[0].requests[1].priority == -2  # decode preempts by it
 
             decoded = s.decodes[0].requests[0]
             prefilled = s.prefill.requests[0]
@@ -82,6 +85,7 @@ def test_streams_text_and_sends_fully_resolved_sampling_downstream() -> None:
             assert prefilled.destination.transfer_token == "token-of-fake-decode"
             assert list(decoded.prompt_token_ids) == list(prefilled.prompt_token_ids) == ids("hi")
             assert decoded.prefill_layout == layout()
+            assert decoded.priority == 0
             assert list(prefilled.destination.prompt_block_ids) == [1, 2]
             assert prefilled.destination.address in s.servers
 

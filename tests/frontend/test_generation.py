@@ -123,7 +123,7 @@ class FakeDownstream:
         return 4
 
     def generate(
-        self, route: Route, ids: RequestIds, prompt: Prompt, deadline: Deadline
+        self, route: Route, ids: RequestIds, prompt: Prompt, deadline: Deadline, priority: int
     ) -> ScriptedDecode:
         assert ids == IDS
         self.calls.append(("decode", route.decode))
@@ -462,7 +462,7 @@ def test_decode_ending_without_a_finish_reason_is_unavailable() -> None:
 
 class _UnsendableDownstream(FakeDownstream):
     def generate(
-        self, route: Route, ids: RequestIds, prompt: Prompt, deadline: Deadline
+        self, route: Route, ids: RequestIds, prompt: Prompt, deadline: Deadline, priority: int
     ) -> ScriptedDecode:
         raise ValueError("Value out of range")  # as a proto field past its type once did
 

@@ -26,7 +26,7 @@ from mili.pb.common.v1 import sampling_pb2 as mili_dot_common_dot_v1_dot_samplin
 from mili.pb.kv.v1 import kv_pb2 as mili_dot_kv_dot_v1_dot_kv__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bmili/decode/v1/decode.proto\x12\x0emili.decode.v1\x1a\x1dmili/common/v1/sampling.proto\x1a\x13mili/kv/v1/kv.proto\"\xcf\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.mili.common.v1.SamplingParams\x12,\n\x0eprefill_layout\x18\x04 \x01(\x0b\x32\x14.mili.kv.v1.KvLayout\x12\x13\n\x0bkv_lease_ms\x18\x05 \x01(\r\x12\x19\n\x11\x63lient_request_id\x18\x06 \x01(\t\"e\n\x15GenerateStreamRequest\x12\x30\n\x06starts\x18\x01 \x03(\x0b\x32 .mili.decode.v1.StreamedGenerate\x12\x1a\n\x12\x63\x61ncel_request_ids\x18\x02 \x03(\t\"\xd8\x01\n\x10StreamedGenerate\x12\x30\n\x07request\x18\x01 \x01(\x0b\x32\x1f.mili.decode.v1.GenerateRequest\x12\x12\n\ntimeout_ms\x18\x02 \x01(\r\x12I\n\rtrace_context\x18\x03 \x03(\x0b\x32\x32.mili.decode.v1.StreamedGenerate.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"G\n\x16GenerateStreamResponse\x12-\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x1d.mili.decode.v1.StreamedEvent\"\xb3\x01\n\rStreamedEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12,\n\x08\x61\x64mitted\x18\x02 \x01(\x0b\x32\x18.mili.decode.v1.AdmittedH\x00\x12(\n\x06tokens\x18\x03 \x01(\x0b\x32\x16.mili.decode.v1.TokensH\x00\x12-\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x1c.mili.decode.v1.RequestErrorH\x00\x42\x07\n\x05\x65vent\"E\n\x0cRequestError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x16\n\x0estatus_details\x18\x03 \x01(\x0c\"s\n\x10GenerateResponse\x12,\n\x08\x61\x64mitted\x18\x01 \x01(\x0b\x32\x18.mili.decode.v1.AdmittedH\x00\x12(\n\x06tokens\x18\x02 \x01(\x0b\x32\x16.mili.decode.v1.TokensH\x00\x42\x07\n\x05\x65vent\"}\n\x08\x41\x64mitted\x12\x13\n\x0bkv_lease_ms\x18\x02 \x01(\r\x12\x18\n\x10prompt_block_ids\x18\x03 \x03(\r\x12\x16\n\x0etransfer_token\x18\x04 \x01(\t\x12\x19\n\x11num_cached_blocks\x18\x05 \x01(\rJ\x04\x08\x01\x10\x02R\tblock_ids\"|\n\x06Tokens\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12*\n\x08logprobs\x18\x02 \x03(\x0b\x32\x18.mili.common.v1.Logprobs\x12\x33\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1c.mili.common.v1.FinishReason\"\r\n\x0bInfoRequest\"\x82\x04\n\x0cInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\'\n\tkv_layout\x18\x04 \x01(\x0b\x32\x14.mili.kv.v1.KvLayout\x12\x19\n\x11\x61ttention_backend\x18\x05 \x01(\t\x12\x1a\n\x12max_context_tokens\x18\x06 \x01(\r\x12\x13\n\x0bmax_running\x18\x07 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x08 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\t \x01(\r\x12\x13\n\x0bnum_running\x18\n \x01(\r\x12\x13\n\x0bnum_waiting\x18\x0b \x01(\r\x12\x16\n\x0ekv_cache_bytes\x18\x0c \x01(\x04\x12\x17\n\x0fnum_cuda_graphs\x18\r \x01(\r\x12\x31\n\x0cprefix_cache\x18\x0e \x01(\x0b\x32\x1b.mili.kv.v1.PrefixCacheInfo\x12\x15\n\rkv_transports\x18\x0f \x03(\t\x12\x11\n\tfused_ops\x18\x10 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x11 \x01(\t\x12\x13\n\x0bnum_experts\x18\x12 \x01(\r\x12\x1a\n\x12num_active_experts\x18\x13 \x01(\r\x12\x1d\n\x15tokenizer_file_sha256\x18\x14 \x01(\t2\x88\x02\n\rDecodeService\x12O\n\x08Generate\x12\x1f.mili.decode.v1.GenerateRequest\x1a .mili.decode.v1.GenerateResponse0\x01\x12\x63\n\x0eGenerateStream\x12%.mili.decode.v1.GenerateStreamRequest\x1a&.mili.decode.v1.GenerateStreamResponse(\x01\x30\x01\x12\x41\n\x04Info\x12\x1b.mili.decode.v1.InfoRequest\x1a\x1c.mili.decode.v1.InfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bmili/decode/v1/decode.proto\x12\x0emili.decode.v1\x1a\x1dmili/common/v1/sampling.proto\x1a\x13mili/kv/v1/kv.proto\"\xe1\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.mili.common.v1.SamplingParams\x12,\n\x0eprefill_layout\x18\x04 \x01(\x0b\x32\x14.mili.kv.v1.KvLayout\x12\x13\n\x0bkv_lease_ms\x18\x05 \x01(\r\x12\x19\n\x11\x63lient_request_id\x18\x06 \x01(\t\x12\x10\n\x08priority\x18\x07 \x01(\x05\"e\n\x15GenerateStreamRequest\x12\x30\n\x06starts\x18\x01 \x03(\x0b\x32 .mili.decode.v1.StreamedGenerate\x12\x1a\n\x12\x63\x61ncel_request_ids\x18\x02 \x03(\t\"\xd8\x01\n\x10StreamedGenerate\x12\x30\n\x07request\x18\x01 \x01(\x0b\x32\x1f.mili.decode.v1.GenerateRequest\x12\x12\n\ntimeout_ms\x18\x02 \x01(\r\x12I\n\rtrace_context\x18\x03 \x03(\x0b\x32\x32.mili.decode.v1.StreamedGenerate.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"G\n\x16GenerateStreamResponse\x12-\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x1d.mili.decode.v1.StreamedEvent\"\xb3\x01\n\rStreamedEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12,\n\x08\x61\x64mitted\x18\x02 \x01(\x0b\x32\x18.mili.decode.v1.AdmittedH\x00\x12(\n\x06tokens\x18\x03 \x01(\x0b\x32\x16.mili.decode.v1.TokensH\x00\x12-\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x1c.mili.decode.v1.RequestErrorH\x00\x42\x07\n\x05\x65vent\"E\n\x0cRequestError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x16\n\x0estatus_details\x18\x03 \x01(\x0c\"s\n\x10GenerateResponse\x12,\n\x08\x61\x64mitted\x18\x01 \x01(\x0b\x32\x18.mili.decode.v1.AdmittedH\x00\x12(\n\x06tokens\x18\x02 \x01(\x0b\x32\x16.mili.decode.v1.TokensH\x00\x42\x07\n\x05\x65vent\"}\n\x08\x41\x64mitted\x12\x13\n\x0bkv_lease_ms\x18\x02 \x01(\r\x12\x18\n\x10prompt_block_ids\x18\x03 \x03(\r\x12\x16\n\x0etransfer_token\x18\x04 \x01(\t\x12\x19\n\x11num_cached_blocks\x18\x05 \x01(\rJ\x04\x08\x01\x10\x02R\tblock_ids\"|\n\x06Tokens\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12*\n\x08logprobs\x18\x02 \x03(\x0b\x32\x18.mili.common.v1.Logprobs\x12\x33\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1c.mili.common.v1.FinishReason\"\r\n\x0bInfoRequest\"\x82\x04\n\x0cInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\'\n\tkv_layout\x18\x04 \x01(\x0b\x32\x14.mili.kv.v1.KvLayout\x12\x19\n\x11\x61ttention_backend\x18\x05 \x01(\t\x12\x1a\n\x12max_context_tokens\x18\x06 \x01(\r\x12\x13\n\x0bmax_running\x18\x07 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x08 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\t \x01(\r\x12\x13\n\x0bnum_running\x18\n \x01(\r\x12\x13\n\x0bnum_waiting\x18\x0b \x01(\r\x12\x16\n\x0ekv_cache_bytes\x18\x0c \x01(\x04\x12\x17\n\x0fnum_cuda_graphs\x18\r \x01(\r\x12\x31\n\x0cprefix_cache\x18\x0e \x01(\x0b\x32\x1b.mili.kv.v1.PrefixCacheInfo\x12\x15\n\rkv_transports\x18\x0f \x03(\t\x12\x11\n\tfused_ops\x18\x10 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x11 \x01(\t\x12\x13\n\x0bnum_experts\x18\x12 \x01(\r\x12\x1a\n\x12num_active_experts\x18\x13 \x01(\r\x12\x1d\n\x15tokenizer_file_sha256\x18\x14 \x01(\t2\x88\x02\n\rDecodeService\x12O\n\x08Generate\x12\x1f.mili.decode.v1.GenerateRequest\x1a .mili.decode.v1.GenerateResponse0\x01\x12\x63\n\x0eGenerateStream\x12%.mili.decode.v1.GenerateStreamRequest\x1a&.mili.decode.v1.GenerateStreamResponse(\x01\x30\x01\x12\x41\n\x04Info\x12\x1b.mili.decode.v1.InfoRequest\x1a\x1c.mili.decode.v1.InfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,29 +36,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STREAMEDGENERATE_TRACECONTEXTENTRY']._loaded_options = None
   _globals['_STREAMEDGENERATE_TRACECONTEXTENTRY']._serialized_options = b'8\001'
   _globals['_GENERATEREQUEST']._serialized_start=100
-  _globals['_GENERATEREQUEST']._serialized_end=307
-  _globals['_GENERATESTREAMREQUEST']._serialized_start=309
-  _globals['_GENERATESTREAMREQUEST']._serialized_end=410
-  _globals['_STREAMEDGENERATE']._serialized_start=413
-  _globals['_STREAMEDGENERATE']._serialized_end=629
-  _globals['_STREAMEDGENERATE_TRACECONTEXTENTRY']._serialized_start=578
-  _globals['_STREAMEDGENERATE_TRACECONTEXTENTRY']._serialized_end=629
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=631
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=702
-  _globals['_STREAMEDEVENT']._serialized_start=705
-  _globals['_STREAMEDEVENT']._serialized_end=884
-  _globals['_REQUESTERROR']._serialized_start=886
-  _globals['_REQUESTERROR']._serialized_end=955
-  _globals['_GENERATERESPONSE']._serialized_start=957
-  _globals['_GENERATERESPONSE']._serialized_end=1072
-  _globals['_ADMITTED']._serialized_start=1074
-  _globals['_ADMITTED']._serialized_end=1199
-  _globals['_TOKENS']._serialized_start=1201
-  _globals['_TOKENS']._serialized_end=1325
-  _globals['_INFOREQUEST']._serialized_start=1327
-  _globals['_INFOREQUEST']._serialized_end=1340
-  _globals['_INFORESPONSE']._serialized_start=1343
-  _globals['_INFORESPONSE']._serialized_end=1857
-  _globals['_DECODESERVICE']._serialized_start=1860
-  _globals['_DECODESERVICE']._serialized_end=2124
+  _globals['_GENERATEREQUEST']._serialized_end=325
+  _globals['_GENERATESTREAMREQUEST']._serialized_start=327
+  _globals['_GENERATESTREAMREQUEST']._serialized_end=428
+  _globals['_STREAMEDGENERATE']._serialized_start=431
+  _globals['_STREAMEDGENERATE']._serialized_end=647
+  _globals['_STREAMEDGENERATE_TRACECONTEXTENTRY']._serialized_start=596
+  _globals['_STREAMEDGENERATE_TRACECONTEXTENTRY']._serialized_end=647
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=649
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=720
+  _globals['_STREAMEDEVENT']._serialized_start=723
+  _globals['_STREAMEDEVENT']._serialized_end=902
+  _globals['_REQUESTERROR']._serialized_start=904
+  _globals['_REQUESTERROR']._serialized_end=973
+  _globals['_GENERATERESPONSE']._serialized_start=975
+  _globals['_GENERATERESPONSE']._serialized_end=1090
+  _globals['_ADMITTED']._serialized_start=1092
+  _globals['_ADMITTED']._serialized_end=1217
+  _globals['_TOKENS']._serialized_start=1219
+  _globals['_TOKENS']._serialized_end=1343
+  _globals['_INFOREQUEST']._serialized_start=1345
+  _globals['_INFOREQUEST']._serialized_end=1358
+  _globals['_INFORESPONSE']._serialized_start=1361
+  _globals['_INFORESPONSE']._serialized_end=1875
+  _globals['_DECODESERVICE']._serialized_start=1878
+  _globals['_DECODESERVICE']._serialized_end=2142
 # @@protoc_insertion_point(module_scope)

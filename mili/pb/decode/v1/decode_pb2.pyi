@@ -9,20 +9,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "prefill_layout", "kv_lease_ms", "client_request_id")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "prefill_layout", "kv_lease_ms", "client_request_id", "priority")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PREFILL_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     KV_LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     CLIENT_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _sampling_pb2.SamplingParams
     prefill_layout: _kv_pb2.KvLayout
     kv_lease_ms: int
     client_request_id: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., prefill_layout: _Optional[_Union[_kv_pb2.KvLayout, _Mapping]] = ..., kv_lease_ms: _Optional[int] = ..., client_request_id: _Optional[str] = ...) -> None: ...
+    priority: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., prefill_layout: _Optional[_Union[_kv_pb2.KvLayout, _Mapping]] = ..., kv_lease_ms: _Optional[int] = ..., client_request_id: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class GenerateStreamRequest(_message.Message):
     __slots__ = ("starts", "cancel_request_ids")
