@@ -410,6 +410,7 @@ class DecodeMetrics:
         *,
         num_waiting_requests: Read,
         num_running_requests: Read,
+        num_preempted_requests: Read,
         num_total_blocks: Read,
         num_free_blocks: Read,
     ) -> None:
@@ -426,6 +427,12 @@ class DecodeMetrics:
             "mili_decode_running_requests",
             "Requests in the running batch",
             num_running_requests,
+        )
+        _callback_gauge(
+            r,
+            "mili_decode_preempted_requests",
+            "Requests preempted when the KV pool ran dry, waiting for blocks to resume",
+            num_preempted_requests,
         )
         _pool_gauges(r, "decode", num_total_blocks, num_free_blocks)
 

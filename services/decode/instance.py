@@ -110,6 +110,7 @@ class DecodeInstance(RunnerInfo):
         metrics.watch(
             num_waiting_requests=lambda: table.num_waiting,
             num_running_requests=lambda: table.num_running,
+            num_preempted_requests=lambda: table.num_preempted,
             num_total_blocks=lambda: table.num_total_blocks,
             num_free_blocks=lambda: table.num_free_blocks,
         )

@@ -179,7 +179,12 @@ class RequestTable:
 
     @property
     def num_running(self) -> int:
-        return self._count(RequestState.RUNNING)
+        """In the running batch: RUNNING and not preempted."""
+        with self._lock:
+            return sum(
+                r.state is RequestState.RUNNING and not r.is_preempted
+                for r in self._requests.values()
+            )
 
     @property
     def num_preempted(self) -> int:

@@ -207,6 +207,7 @@ def test_a_request_cancelled_while_preempted_ends_and_the_rest_finish(
             client = Client(channel)
             admitted, runs = await _start_all(client, player, asks)
             await eventually(lambda: table.num_preempted > 0)
+            assert table.num_running + table.num_preempted == 3
             victim = next(i for i, a in enumerate(asks) if _is_preempted(table, a[0]))
             admitted[victim][0].cancel()  # type: ignore[attr-defined]
             await eventually(lambda: table.get(asks[victim][0]) is None)  # ended

@@ -64,5 +64,6 @@ def test_requests_without_max_tokens_outgrow_the_pool_and_all_finish(
         assert results == [(0, "length")] * 3, f"after {time.monotonic() - started:.0f} s"
         assert _sample(decode_metrics, "mili_decode_preemptions_total") >= 2
         assert _sample(decode_metrics, "mili_decode_kv_blocks_free") == NUM_BLOCKS
+        assert _sample(decode_metrics, "mili_decode_preempted_requests") == 0
     finally:
         serve.terminate()
