@@ -3,7 +3,7 @@
 use what the pool leaves after its prompt (the context is larger), so decode reserves only
 their first outputs, grows them as they run, preempts the one that joined last when the pool
 runs dry and resumes it once blocks free. Every one finishes whole; decode's metrics count the
-preemptions and every block comes back."""
+preemptions, every block comes back, and each request says (greedy) what it says alone."""
 
 from __future__ import annotations
 
@@ -44,25 +44,33 @@ def test_requests_without_max_tokens_outgrow_the_pool_and_all_finish(
         client = OpenAI(base_url=f"{serve.http_url}/v1", api_key="none", max_retries=0)
         model = client.models.list().data[0].id
 
-        def chat(_: int) -> tuple[int, str | None]:
+        def chat(topic: str) -> tuple[int, str | None, str]:
             reply = client.chat.completions.create(
                 model=model,
-                messages=[{"role": "user", "content": "Tell me a long story"}],
+                messages=[{"role": "user", "content": f"Tell me a long story about {topic}"}],
                 temperature=0,
                 extra_body={"ignore_eos": True},
                 timeout=240,
             )
             assert reply.usage is not None
             room = NUM_BLOCKS * 16 - reply.usage.prompt_tokens + 1  # prompt + max_tokens - 1
-            return reply.usage.completion_tokens - room, reply.choices[0].finish_reason
+            message = reply.choices[0].message
+            text = f"{getattr(message, 'reasoning_content', None)}|{message.content}"
+            return reply.usage.completion_tokens - room, reply.choices[0].finish_reason, text
 
         started = time.monotonic()
         # Each is admitted with the blocks of its prompt and first 256 outputs, and needs all
         # 64 at its longest: the three fill the pool at once and outgrow it together.
+        topics = ["ships", "trains", "kites"]
         with ThreadPoolExecutor(3) as pool:
-            results = list(pool.map(chat, range(3)))
-        assert results == [(0, "length")] * 3, f"after {time.monotonic() - started:.0f} s"
-        assert _sample(decode_metrics, "mili_decode_preemptions_total") >= 2
+            results = list(pool.map(chat, topics))
+        took = f"after {time.monotonic() - started:.0f} s"
+        assert [r[:2] for r in results] == [(0, "length")] * 3, took
+        preemptions = _sample(decode_metrics, "mili_decode_preemptions_total")
+        assert preemptions >= 2
+        # Greedy: each alone (never preempted) says what it said when preempted and resumed.
+        assert [chat(topic) for topic in topics] == results
+        assert _sample(decode_metrics, "mili_decode_preemptions_total") == preemptions
         assert _sample(decode_metrics, "mili_decode_kv_blocks_free") == NUM_BLOCKS
         assert _sample(decode_metrics, "mili_decode_preempted_requests") == 0
     finally:
