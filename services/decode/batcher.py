@@ -159,7 +159,6 @@ class Batcher:
         self._on_death: Callable[[BaseException], None] | None = None
         self.death: BaseException | None = None  # what killed the batch thread (a bug)
         self._running: list[_Running] = []  # batch thread only
-        self._preempted: Preempted[_Running] = Preempted(runner, table, self._metrics)
         self._num_joined = 0  # batch thread only
         self._steps: list[_Step] = []  # batch thread only: launched, ids not in yet; oldest first
         self._collected_at = 0.0  # batch thread only: perf_counter() of the last step's ids
@@ -167,6 +166,9 @@ class Batcher:
         self._thread = threading.Thread(target=self._run, name="decode-batcher", daemon=True)
         # Observability (written by the batch thread, read anywhere).
         self.progress = Progress()  # read by the instance's watchdog
+        self._preempted: Preempted[_Running] = Preempted(
+            runner, table, self._metrics, self.progress
+        )  # batch thread only
         self.num_steps = 0
         self.num_steps_ahead = 0  # launched before the previous step's ids were in
         self.max_batch_size = 0

@@ -31,6 +31,7 @@ from mili.engine.step.runner import ModelRunner
 from mili.engine.step.sequence import Sequence
 from mili.plural import plural
 from mili.telemetry.metrics import DecodeMetrics
+from mili.watchdog import Progress
 from services.decode.requests import DecodeRequest, RequestTable
 
 _LOG = logging.getLogger("mili.decode")
@@ -59,10 +60,19 @@ def rank(r: Preemptable) -> tuple[int, int]:
 class Preempted(Generic[P]):
     """The preempted requests, by `rank`."""
 
-    def __init__(self, runner: ModelRunner, table: RequestTable, metrics: DecodeMetrics) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        table: RequestTable,
+        metrics: DecodeMetrics,
+        progress: Progress,
+    ) -> None:
+        """`progress`: the batch thread's (the watchdog's), moved on at every recomputed chunk:
+        a long context computed again is work, not a stall."""
         self._runner = runner
         self._table = table
         self._metrics = metrics
+        self._progress = progress
         self.waiting: list[P] = []
         self.num_preemptions = 0
 
@@ -130,4 +140,8 @@ class Preempted(Generic[P]):
         with torch.inference_mode():
             for begin in range(start, len(token_ids), RECOMPUTE_CHUNK_TOKENS):
                 chunk = token_ids[begin : begin + RECOMPUTE_CHUNK_TOKENS]
+                self._progress.busy(
+                    f"computing again a resumed request's K/V at position {begin} "
+                    f"({len(chunk)} of {len(token_ids)} tokens)"
+                )
                 self._runner.prefill([chunk], [block_table], [begin])

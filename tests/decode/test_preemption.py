@@ -105,7 +105,7 @@ async def _start_all(
 
 
 def test_requests_that_outgrow_the_pool_are_preempted_and_give_the_engines_tokens(
-    small_server: DecodeServerThread, player: PrefillPlayer
+    small_server: DecodeServerThread, player: PrefillPlayer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # 20-token prompts: 4 blocks each at admission (positions 0..26), the 12 there are; 10
     # each at their longest (20 + 60 - 1 positions)
@@ -129,6 +129,9 @@ def test_requests_that_outgrow_the_pool_are_preempted_and_give_the_engines_token
     expected = [player.reference(prompt, params) for _, prompt, params in asks]
     batcher = small_server.instance.batcher
     preemptions = batcher.num_preemptions
+    said: list[str] = []  # what the batch thread told its watchdog it was doing
+    busy = batcher.progress.busy
+    monkeypatch.setattr(batcher.progress, "busy", lambda what: (said.append(what), busy(what)))
 
     async def body() -> None:
         async with insecure_channel(small_server.address) as channel:
@@ -148,6 +151,7 @@ def test_requests_that_outgrow_the_pool_are_preempted_and_give_the_engines_token
 
     small_server.run(body())
     assert batcher.num_preemptions - preemptions >= 2  # every growth past the pool preempted
+    assert any(w.startswith("computing again a resumed request's K/V") for w in said), said
 
 
 def test_no_request_is_admitted_while_one_waits_preempted(
