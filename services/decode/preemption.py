@@ -13,6 +13,9 @@ one preempted at once); the K/V its cached blocks no longer hold is computed aga
 forwards on decode's runner, a chunk at a time, and it runs from the next step as if it had
 never stopped.
 
+A traced request's wait is a `decode preempted` span beneath its `decode request` span, from
+the preemption to the end of its recompute (or its end), with what it held and recomputed.
+
     running ──preempt (a block short; the last ranked)──▶ waiting here ──resume──▶ running
                                                              │
                                                              └── cancelled: ends, holding no block
@@ -26,6 +29,8 @@ from collections.abc import Iterator
 from typing import Generic, Protocol, TypeVar
 
 import torch
+from opentelemetry import trace
+from opentelemetry.trace import NonRecordingSpan, Span
 
 from mili.engine.step.runner import ModelRunner
 from mili.engine.step.sequence import Sequence
@@ -33,8 +38,10 @@ from mili.plural import plural
 from mili.telemetry.metrics import DecodeMetrics
 from mili.watchdog import Progress
 from services.decode.requests import DecodeRequest, RequestTable
+from services.decode.stream import Outlet
 
 _LOG = logging.getLogger("mili.decode")
+_TRACER = trace.get_tracer("mili.decode")  # a no-op until tracing installs a provider
 
 # Tokens per forward when a resumed request's K/V is computed again: a bounded activation size,
 # as a prefill chunk.
@@ -46,6 +53,7 @@ class Preemptable(Protocol):
 
     request: DecodeRequest
     seq: Sequence
+    outlet: Outlet  # its span context, when traced
     order: int  # when it joined the batch
 
 
@@ -75,6 +83,7 @@ class Preempted(Generic[P]):
         self._progress = progress
         self.waiting: list[P] = []
         self.num_preemptions = 0
+        self._spans: dict[int, Span] = {}  # id(r) -> its `decode preempted` span, when traced
 
     def __bool__(self) -> bool:
         return bool(self.waiting)
@@ -82,6 +91,16 @@ class Preempted(Generic[P]):
     def add(self, r: P) -> None:
         """Take the blocks of `r` (out of the batch, in no step in flight) back; it waits here."""
         num_blocks = self._table.preempt(r.request, r.seq.written_token_ids())
+        parent = r.outlet.span_context
+        if parent is not None:
+            self._spans[id(r)] = _TRACER.start_span(
+                "decode preempted",
+                context=trace.set_span_in_context(NonRecordingSpan(parent)),
+                attributes={
+                    "mili.decode.output_tokens": len(r.seq.output_token_ids),
+                    "mili.decode.blocks_back": num_blocks,
+                },
+            )
         self.waiting.append(r)
         self.waiting.sort(key=rank)
         self.num_preemptions += 1
@@ -98,11 +117,23 @@ class Preempted(Generic[P]):
         cancelled = [r for r in self.waiting if r.request.is_cancelled]
         if cancelled:
             self.waiting = [r for r in self.waiting if not r.request.is_cancelled]
+        for r in cancelled:
+            self._end_span(r)
         return cancelled
 
     def take_all(self) -> list[P]:
         waiting, self.waiting = self.waiting, []
+        for r in waiting:
+            self._end_span(r)
         return waiting
+
+    def _end_span(self, r: P, error: Exception | None = None, **attributes: int) -> None:
+        span = self._spans.pop(id(r), None)
+        if span is not None:
+            span.set_attributes({f"mili.decode.{k}": v for k, v in attributes.items()})
+            if error is not None:
+                span.record_exception(error)
+            span.end()
 
     def resume(self, num_running: int) -> Iterator[tuple[P, Exception | None]]:
         """Resume the waiting requests by `rank` until one does not fit (the rest wait
@@ -118,16 +149,19 @@ class Preempted(Generic[P]):
             del self.waiting[0]
             r.seq.block_table = r.request.block_table  # a new list (the device's copy is stale)
             started = time.perf_counter()
+            recomputed = len(written) - num_cached
             try:
                 self._recompute(r.seq.block_table, written, num_cached)
             except Exception as e:  # this request alone fails
                 _LOG.error("request %s: its K/V could not be computed again", r.request.name)
+                self._end_span(r, e)
                 yield r, e
                 continue
+            self._end_span(r, recomputed_tokens=recomputed, cached_tokens=num_cached)
             _LOG.info(
                 "request %s resumed: %s computed again in %.1f ms (%s from the prefix cache)",
                 r.request.name,
-                plural(len(written) - num_cached, "token"),
+                plural(recomputed, "token"),
                 (time.perf_counter() - started) * 1000,
                 plural(num_cached, "token"),
             )

@@ -3,19 +3,26 @@
 use what the pool leaves after its prompt (the context is larger), so decode reserves only
 their first outputs, grows them as they run, preempts the one that joined last when the pool
 runs dry and resumes it once blocks free. Every one finishes whole; decode's metrics count the
-preemptions, every block comes back, and each request says (greedy) what it says alone."""
+preemptions, every block comes back, each request says (greedy) what it says alone, and each
+preemption is a span of the request's trace."""
 
 from __future__ import annotations
 
 import re
 import time
 import urllib.request
+from collections.abc import Iterator
+from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import grpc
+import pytest
 from openai import OpenAI
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
 
 from tests.service_process import ServiceProcess
+from tests.telemetry.test_tracing import Receiver
 
 NUM_BLOCKS = 64  # of 16 tokens: 1024 positions, a quarter of the demo model's context
 
@@ -28,12 +35,28 @@ def _sample(url: str, name: str) -> float:
     return float(match.group(1))
 
 
+@pytest.fixture
+def collector() -> Iterator[tuple[Receiver, int]]:
+    """An OTLP trace receiver on a free port."""
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    receiver = Receiver()
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(receiver, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield receiver, port
+    finally:
+        server.stop(0)
+
+
 def test_requests_without_max_tokens_outgrow_the_pool_and_all_finish(
-    demo_model_dir: Path,
+    demo_model_dir: Path, collector: tuple[Receiver, int]
 ) -> None:
+    receiver, port = collector
     serve = ServiceProcess(
         "serve", "--model", str(demo_model_dir), "--port", "0", "--metrics-port", "0",
         "--http-port", "0", "--decode-args", f"--num-blocks {NUM_BLOCKS}",
+        "--otlp-endpoint", f"http://127.0.0.1:{port}",
         timeout_s=180,
     )  # fmt: skip
     try:
@@ -44,6 +67,8 @@ def test_requests_without_max_tokens_outgrow_the_pool_and_all_finish(
         client = OpenAI(base_url=f"{serve.http_url}/v1", api_key="none", max_retries=0)
         model = client.models.list().data[0].id
 
+        prompt_tokens: set[int] = set()
+
         def chat(topic: str) -> tuple[int, str | None, str]:
             reply = client.chat.completions.create(
                 model=model,
@@ -53,6 +78,7 @@ def test_requests_without_max_tokens_outgrow_the_pool_and_all_finish(
                 timeout=240,
             )
             assert reply.usage is not None
+            prompt_tokens.add(reply.usage.prompt_tokens)
             room = NUM_BLOCKS * 16 - reply.usage.prompt_tokens + 1  # prompt + max_tokens - 1
             message = reply.choices[0].message
             text = f"{getattr(message, 'reasoning_content', None)}|{message.content}"
@@ -74,4 +100,18 @@ def test_requests_without_max_tokens_outgrow_the_pool_and_all_finish(
         assert _sample(decode_metrics, "mili_decode_kv_blocks_free") == NUM_BLOCKS
         assert _sample(decode_metrics, "mili_decode_preempted_requests") == 0
     finally:
-        serve.terminate()
+        assert serve.terminate(timeout_s=90) == 0  # SIGTERM: every child drains, then flushes
+    # Each preemption is a `decode preempted` span beneath its request's `decode request`.
+    spans = [s for service, s in receiver.snapshot() if service == "mili-decode"]
+    requests = {s.span_id for s in spans if s.name == "decode request"}
+    waits = [s for s in spans if s.name == "decode preempted"]
+    assert len(waits) == preemptions and all(s.parent_span_id in requests for s in waits)
+    for wait in waits:
+        attributes = {a.key: a.value.int_value for a in wait.attributes}
+        assert attributes["mili.decode.output_tokens"] > 0
+        assert attributes["mili.decode.blocks_back"] > 0
+        # it wrote prompt + outputs - 1 tokens' K/V: all of them back, computed or cached
+        written = (
+            attributes["mili.decode.recomputed_tokens"] + attributes["mili.decode.cached_tokens"]
+        )
+        assert written - attributes["mili.decode.output_tokens"] + 1 in prompt_tokens
