@@ -341,9 +341,13 @@ class Batcher:
         """Cover the position the next step writes for each of `batch`: its newest token's,
         or, for a row in the step in flight (its token not in yet), the one after; False
         when the pool was a block short (the rows before grew)."""
-        return all(
-            self._table.grow(r.request, r.seq.num_tokens + (r.step is not None)) for r in batch
-        )
+        size = self._table.block_size
+        for r in batch:  # every step, every row: the common case (covered) stays inline
+            positions = r.seq.num_tokens + (r.step is not None)
+            covered = len(r.request.block_table) * size
+            if positions > covered and not self._table.grow(r.request, positions):
+                return False
+        return True
 
     def _make_room(self) -> None:
         """No step in flight: cover the position the next step writes for every running
