@@ -353,6 +353,8 @@ class Batcher:
         """No step in flight: cover the position the next step writes for every running
         request, first ranked first (preemption.rank), preempting the last ranked while the
         pool is a block short (the one asking, when it is the last)."""
+        if self._grow(self._running):  # the common case: nothing to preempt
+            return
         by_rank = sorted(self._running, key=rank)
         while by_rank:
             if self._grow(by_rank[:1]):
