@@ -137,7 +137,7 @@ class Preempted(Generic[P]):
 
     def resume(self, num_running: int) -> Iterator[tuple[P, Exception | None]]:
         """Resume the waiting requests by `rank` until one does not fit (the rest wait
-        behind it: first come, first served) beside `num_running` running ones; yields each
+        behind it) beside `num_running` running ones; yields each
         with None, ready to run, or with the error that failed its recompute (its blocks are
         its own again: the caller ends it)."""
         while self.waiting:

@@ -171,7 +171,7 @@ def blocks_at_longest(num_prompt_tokens: int, max_tokens: int, block_size: int) 
 
 
 # Output tokens a request's blocks cover at admission; past them its block table grows a block
-# at a time as it runs (decode's batch thread), preempting the newest request when none is free.
+# at a time as it runs (decode's batch thread), preempting another request when none is free.
 # Small enough that a request left with the whole context as its max_tokens does not hold a
 # context's worth of blocks it may never use; a request asking for fewer holds exactly its need.
 ADMISSION_OUTPUT_TOKENS = 256
