@@ -237,9 +237,10 @@ class RequestTable:
                     retry_after_s,
                 )
             if self._num_preempted:
+                waiting = plural(self._num_preempted, "preempted request")
+                verb = "waits" if self._num_preempted == 1 else "wait"
                 raise ResourceExhausted(
-                    f"decode instance is out of KV blocks: "
-                    f"{plural(self._num_preempted, 'preempted request')} wait for blocks first; "
+                    f"decode instance is out of KV blocks: {waiting} {verb} for blocks first; "
                     "retry later or on another instance",
                     retry_after_s,
                 )

@@ -262,7 +262,7 @@ def test_a_preempted_request_gives_its_blocks_back_and_holds_admission_until_it_
     assert t.preempt(a, written) == 4
     assert (a.block_table, a.is_preempted, t.num_preempted) == ([], True, 1)
     assert t.num_free_blocks == 10 and t.num_running == 0  # out of the batch, its blocks back
-    with pytest.raises(ResourceExhausted, match="1 preempted request wait for blocks first"):
+    with pytest.raises(ResourceExhausted, match="1 preempted request waits for blocks first"):
         t.admit("b", [9] * 4, params(2), lease_ms=1000, now=0.0)
     assert t.resume(a, written, spare_blocks=7) is None  # 4 needed + 7 spare > 10
     assert t.num_free_blocks == 10 and t.num_preempted == 1  # nothing taken
