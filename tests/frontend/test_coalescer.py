@@ -166,7 +166,7 @@ def test_a_stop_string_split_across_coalesced_messages_is_matched_once() -> None
         async with stack([FakeDecode(script=script)], max_buffered_tokens=64) as s:
             request = generation_pb2.GenerateRequest(
                 prompt="x",
-                sampling=sampling_pb2.SamplingParams(max_tokens=2000, stop=["STOP"]),
+                sampling=sampling_pb2.SamplingParams(max_tokens=1500, stop=["STOP"]),
             )
             responses = await _read_slowly(s.frontend.address, request)
         assert "".join(r.text for r in responses) == "ab" * 300 + "x"
