@@ -42,7 +42,6 @@ Nothing here waits for the event loop and nothing on the event loop waits for th
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -50,7 +49,6 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-import torch
 from opentelemetry import trace
 from opentelemetry.trace import Span
 from prometheus_client import CollectorRegistry
@@ -59,7 +57,7 @@ from mili.engine.constraint.compiler import ConstraintCompiler
 from mili.engine.constraint.mask import BatchMasker, FilledMask
 from mili.engine.constraint.matcher import ConstraintError, ConstraintMatcher
 from mili.engine.logprobs import TokenLogprobs
-from mili.engine.step.device import use_device
+from mili.engine.step.device import settle, use_device
 from mili.engine.step.runner import Launched, ModelRunner
 from mili.engine.step.sampler import PendingSample
 from mili.engine.step.sequence import Sequence
@@ -456,10 +454,7 @@ class Batcher:
 
     def _settle(self) -> None:
         """Wait until the device has run everything this thread launched (CUDA)."""
-        device = self._runner.kv_cache.device
-        if device.type == "cuda":
-            with contextlib.suppress(Exception):  # a broken device: nothing more to wait for
-                torch.cuda.current_stream(device).synchronize()
+        settle(self._runner.kv_cache.device)
 
     def _collect(self, step: _Step, out: list[Delivery]) -> None:
         """Wait for `step` (the oldest in flight)'s ids and append them: each request that

@@ -32,6 +32,7 @@ import torch
 from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan, Span
 
+from mili.engine.step.device import settle
 from mili.engine.step.runner import ModelRunner
 from mili.engine.step.sequence import Sequence
 from mili.plural import plural
@@ -170,12 +171,18 @@ class Preempted(Generic[P]):
 
     def _recompute(self, block_table: list[int], token_ids: list[int], start: int) -> None:
         """Write the K/V of token_ids[start:] (positions start..) into `block_table`'s blocks,
-        a chunk per forward; the logits are not read."""
-        with torch.inference_mode():
-            for begin in range(start, len(token_ids), RECOMPUTE_CHUNK_TOKENS):
-                chunk = token_ids[begin : begin + RECOMPUTE_CHUNK_TOKENS]
-                self._progress.busy(
-                    f"computing again a resumed request's K/V at position {begin} "
-                    f"({len(chunk)} of {len(token_ids)} tokens)"
-                )
-                self._runner.prefill([chunk], [block_table], [begin])
+        a chunk per forward; the logits are not read. Returns once the device has written
+        them (or failed): the request may end before any step of it is launched, and its
+        blocks then go back at once, to an owner prefill's transfer may write from another
+        process."""
+        try:
+            with torch.inference_mode():
+                for begin in range(start, len(token_ids), RECOMPUTE_CHUNK_TOKENS):
+                    chunk = token_ids[begin : begin + RECOMPUTE_CHUNK_TOKENS]
+                    self._progress.busy(
+                        f"computing again a resumed request's K/V at position {begin} "
+                        f"({len(chunk)} of {len(token_ids)} tokens)"
+                    )
+                    self._runner.prefill([chunk], [block_table], [begin])
+        finally:
+            settle(self._runner.kv_cache.device)

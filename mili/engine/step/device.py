@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from mili.errors import StartupError
@@ -15,6 +17,15 @@ def use_device(device: torch.device) -> None:
         # torch 2.11 refuses a device without an index here; plain "cuda" means the current one.
         index = device.index if device.index is not None else torch.cuda.current_device()
         torch.cuda.set_device(index)
+
+
+def settle(device: torch.device) -> None:
+    """Wait until `device` has run everything the calling thread queued on it (CUDA; nothing
+    on the CPU, where the work is done when the call returns). Before blocks the queued work
+    writes go back to a pool whose next owner may be written from another stream or process."""
+    if device.type == "cuda":
+        with contextlib.suppress(Exception):  # a broken device: nothing more to wait for
+            torch.cuda.current_stream(device).synchronize()
 
 
 def require_device(device: str) -> None:
