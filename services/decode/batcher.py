@@ -224,7 +224,13 @@ class Batcher:
         try:
             while True:
                 with self._cond:
-                    while not (self._inbox or self._running or self._steps or self._is_stopping):
+                    while not (
+                        self._inbox
+                        or self._running
+                        or self._steps
+                        or self._is_stopping
+                        or self._preempted.is_resuming
+                    ):
                         self.progress.idle()
                         if self._preempted:  # look again for blocks soon
                             self._cond.wait(RESUME_POLL_S)

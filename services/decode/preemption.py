@@ -10,8 +10,9 @@ table admits no new one, so the blocks that free are theirs first. Each batch it
 `resume`s them, first ranked first, until one does not fit: a request gets blocks for all it
 wrote and the next position, with one spare per running request (so that it is not the next
 one preempted at once); the K/V its cached blocks no longer hold is computed again by prefill
-forwards on decode's runner, a chunk at a time, and it runs from the next step as if it had
-never stopped.
+forwards on decode's runner, one chunk a batch iteration (the others' steps go on between its
+chunks, as with a chunked prefill), and then it runs from the next step as if it had never
+stopped. One request resumes at a time.
 
 A traced request's wait is a `decode preempted` span beneath its `decode request` span, from
 the preemption to the end of its recompute (or its end), with what it held and recomputed.
@@ -26,6 +27,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
 import torch
@@ -85,9 +87,10 @@ class Preempted(Generic[P]):
         self.waiting: list[P] = []
         self.num_preemptions = 0
         self._spans: dict[int, Span] = {}  # id(r) -> its `decode preempted` span, when traced
+        self._resuming: _Resuming[P] | None = None
 
     def __bool__(self) -> bool:
-        return bool(self.waiting)
+        return bool(self.waiting) or self._resuming is not None
 
     def add(self, r: P) -> None:
         """Take the blocks of `r` (out of the batch, in no step in flight) back; it waits here."""
@@ -113,17 +116,33 @@ class Preempted(Generic[P]):
             plural(num_blocks, "KV block"),
         )
 
+    @property
+    def is_resuming(self) -> bool:
+        """A request has its blocks and its K/V is being computed again: work each iteration."""
+        return self._resuming is not None
+
     def take_cancelled(self) -> list[P]:
-        """The cancelled ones, no longer waiting (each holds no block)."""
+        """The cancelled ones, no longer here: the waiting hold no block; one resuming holds
+        its blocks, with no write of its recompute still queued (the caller ends it)."""
         cancelled = [r for r in self.waiting if r.request.is_cancelled]
         if cancelled:
             self.waiting = [r for r in self.waiting if not r.request.is_cancelled]
+        resuming = self._resuming
+        if resuming is not None and resuming.r.request.is_cancelled:
+            settle(self._runner.kv_cache.device)
+            self._resuming = None
+            cancelled.append(resuming.r)
         for r in cancelled:
             self._end_span(r)
         return cancelled
 
     def take_all(self) -> list[P]:
+        """Everything here, gone (a batch thread that stops)."""
         waiting, self.waiting = self.waiting, []
+        if self._resuming is not None:
+            settle(self._runner.kv_cache.device)
+            waiting.append(self._resuming.r)
+            self._resuming = None
         for r in waiting:
             self._end_span(r)
         return waiting
@@ -137,52 +156,86 @@ class Preempted(Generic[P]):
             span.end()
 
     def resume(self, num_running: int) -> Iterator[tuple[P, Exception | None]]:
-        """Resume the waiting requests by `rank` until one does not fit (the rest wait
-        behind it) beside `num_running` running ones; yields each
-        with None, ready to run, or with the error that failed its recompute (its blocks are
-        its own again: the caller ends it)."""
-        while self.waiting:
-            r = self.waiting[0]
-            written = r.seq.written_token_ids()
-            num_cached = self._table.resume(r.request, written, spare_blocks=num_running)
-            if num_cached is None:
-                return
-            del self.waiting[0]
-            r.seq.block_table = r.request.block_table  # a new list (the device's copy is stale)
-            started = time.perf_counter()
-            recomputed = len(written) - num_cached
-            try:
-                self._recompute(r.seq.block_table, written, num_cached)
-            except Exception as e:  # this request alone fails
-                _LOG.error("request %s: its K/V could not be computed again", r.request.name)
-                self._end_span(r, e)
-                yield r, e
-                continue
-            self._end_span(r, recomputed_tokens=recomputed, cached_tokens=num_cached)
+        """One batch iteration's resuming: requests get blocks by `rank` until one does not
+        fit beside `num_running` running ones (the rest wait behind it), and one chunk of
+        RECOMPUTE_CHUNK_TOKENS is computed again, so that a long context resumes over several
+        iterations with the batch's steps between its chunks, as a chunked prefill. Yields
+        each request whose K/V is all back, with None (it runs from the next step), or with
+        the error that failed its recompute (its blocks are its own again: the caller ends
+        it)."""
+        chunks = 1  # this iteration's
+        while True:
+            if self._resuming is None:
+                self._resuming = self._start(num_running)
+                if self._resuming is None:
+                    return
+            resuming = self._resuming
+            r = resuming.r
+            if resuming.position < len(resuming.written):
+                if not chunks:
+                    return
+                chunks -= 1
+                try:
+                    self._compute_chunk(resuming)
+                except Exception as e:  # this request alone fails
+                    _LOG.error("request %s: its K/V could not be computed again", r.request.name)
+                    settle(self._runner.kv_cache.device)
+                    self._resuming = None
+                    self._end_span(r, e)
+                    yield r, e
+                    continue
+                if resuming.position < len(resuming.written):
+                    return  # more next iteration
+            # The request may end before a step of it is launched, its blocks then back at
+            # once to an owner whose KV prefill may write from another process: no write of
+            # ours may still be queued.
+            settle(self._runner.kv_cache.device)
+            self._resuming = None
+            recomputed = len(resuming.written) - resuming.num_cached
+            self._end_span(r, recomputed_tokens=recomputed, cached_tokens=resuming.num_cached)
             _LOG.info(
-                "request %s resumed: %s computed again in %.1f ms (%s from the prefix cache)",
+                "request %s resumed: %s computed again over %.1f ms (%s from the prefix cache)",
                 r.request.name,
                 plural(recomputed, "token"),
-                (time.perf_counter() - started) * 1000,
-                plural(num_cached, "token"),
+                (time.perf_counter() - resuming.started) * 1000,
+                plural(resuming.num_cached, "token"),
             )
             num_running += 1
             yield r, None
 
-    def _recompute(self, block_table: list[int], token_ids: list[int], start: int) -> None:
-        """Write the K/V of token_ids[start:] (positions start..) into `block_table`'s blocks,
-        a chunk per forward; the logits are not read. Returns once the device has written
-        them (or failed): the request may end before any step of it is launched, and its
-        blocks then go back at once, to an owner prefill's transfer may write from another
-        process."""
-        try:
-            with torch.inference_mode():
-                for begin in range(start, len(token_ids), RECOMPUTE_CHUNK_TOKENS):
-                    chunk = token_ids[begin : begin + RECOMPUTE_CHUNK_TOKENS]
-                    self._progress.busy(
-                        f"computing again a resumed request's K/V at position {begin} "
-                        f"({len(chunk)} of {len(token_ids)} tokens)"
-                    )
-                    self._runner.prefill([chunk], [block_table], [begin])
-        finally:
-            settle(self._runner.kv_cache.device)
+    def _start(self, num_running: int) -> _Resuming[P] | None:
+        """Blocks for the first waiting request, or None when it does not fit."""
+        if not self.waiting:
+            return None
+        r = self.waiting[0]
+        written = r.seq.written_token_ids()
+        num_cached = self._table.resume(r.request, written, spare_blocks=num_running)
+        if num_cached is None:
+            return None
+        del self.waiting[0]
+        r.seq.block_table = r.request.block_table  # a new list (the device's copy is stale)
+        return _Resuming(r, written, num_cached, num_cached, time.perf_counter())
+
+    def _compute_chunk(self, resuming: _Resuming[P]) -> None:
+        """Write the K/V of the next chunk of `resuming`'s tokens into its blocks (one prefill
+        forward, queued; the logits are not read)."""
+        begin = resuming.position
+        chunk = resuming.written[begin : begin + RECOMPUTE_CHUNK_TOKENS]
+        self._progress.busy(
+            f"computing again a resumed request's K/V at position {begin} "
+            f"({len(chunk)} of {len(resuming.written)} tokens)"
+        )
+        with torch.inference_mode():
+            self._runner.prefill([chunk], [resuming.r.seq.block_table], [begin])
+        resuming.position += len(chunk)
+
+
+@dataclass(eq=False)
+class _Resuming(Generic[P]):
+    """A request given its blocks again, its K/V computed back a chunk per iteration."""
+
+    r: P
+    written: list[int]  # the tokens whose K/V it held: all but its newest
+    num_cached: int  # leading tokens the prefix cache still held
+    position: int  # the next token to compute
+    started: float  # perf_counter() when it got its blocks

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
+import logging
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +22,7 @@ from mili.engine.kv import block_pool
 from mili.engine.sampling_params import SamplingParams
 from mili.pb.decode.v1 import decode_pb2
 from mili.rpc.client import insecure_channel
+from services.decode import preemption
 from services.decode.requests import RequestState
 from tests.decode.conftest import BLOCK_SIZE, tiny_decode_config
 from tests.decode.harness import (
@@ -129,6 +132,7 @@ def test_requests_that_outgrow_the_pool_are_preempted_and_give_the_engines_token
     expected = [player.reference(prompt, params) for _, prompt, params in asks]
     batcher = small_server.instance.batcher
     preemptions = batcher.num_preemptions
+    monkeypatch.setattr(preemption, "RECOMPUTE_CHUNK_TOKENS", 8)  # resumes of several chunks
     said: list[str] = []  # what the batch thread told its watchdog it was doing
     busy = batcher.progress.busy
     monkeypatch.setattr(batcher.progress, "busy", lambda what: (said.append(what), busy(what)))
@@ -151,7 +155,16 @@ def test_requests_that_outgrow_the_pool_are_preempted_and_give_the_engines_token
 
     small_server.run(body())
     assert batcher.num_preemptions - preemptions >= 2  # every growth past the pool preempted
-    assert any(w.startswith("computing again a resumed request's K/V") for w in said), said
+    chunks = [i for i, w in enumerate(said) if w.startswith("computing again")]
+    assert chunks, said
+    # A resume's chunks come an iteration apart, the batch's steps between them.
+    for i, j in itertools.pairwise(chunks):
+        if _position(said[j]) > _position(said[i]):  # the same resume's next chunk
+            assert any(w.startswith("a decode step of") for w in said[i:j]), said[i : j + 1]
+
+
+def _position(what: str) -> int:
+    return int(what.split(" at position ")[1].split()[0])
 
 
 def test_no_request_is_admitted_while_one_waits_preempted(
@@ -305,3 +318,52 @@ def test_the_largest_priority_value_is_preempted_first_whenever_it_joined(
             await blocks_back(client, NUM_BLOCKS)
 
     small_server.run(body())
+
+
+def test_a_request_cancelled_while_resuming_stops_computing_and_the_rest_finish(
+    small_server: DecodeServerThread,
+    player: PrefillPlayer,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Its K/V computed back a chunk an iteration, a request cancelled between two chunks
+    ends there: its blocks come back and it is never said to have resumed."""
+    monkeypatch.setattr(preemption, "RECOMPUTE_CHUNK_TOKENS", 8)
+    asks = _fill(player, "halfway", 60)
+    table = small_server.instance.table
+    runner = small_server.instance.runner
+    prefill = runner.prefill
+    in_chunk, go_on = threading.Event(), threading.Event()
+    chunked: list[list[int]] = []  # the block table of the first request computed back
+
+    def first_chunk_held(chunks: Any, block_tables: Any, starts: Any, **kwargs: Any) -> Any:
+        if not chunked:
+            chunked.append(block_tables[0])
+            in_chunk.set()
+            assert go_on.wait(10), "the test never let the chunk go on"
+        return prefill(chunks, block_tables, starts, **kwargs)
+
+    monkeypatch.setattr(runner, "prefill", first_chunk_held)
+
+    async def body() -> str:
+        async with insecure_channel(small_server.address) as channel:
+            client = Client(channel)
+            admitted, runs = await _start_all(client, player, asks)
+            await eventually(in_chunk.is_set, timeout_s=10)
+            held = [table.get(a[0]) for a in asks]  # None: ended already
+            victim = next(i for i, r in enumerate(held) if r and r.block_table is chunked[0])
+            admitted[victim][0].cancel()  # type: ignore[attr-defined]
+            await eventually(lambda: table.get(asks[victim][0]).is_cancelled)
+            go_on.set()
+            outcomes = await asyncio.gather(*runs, return_exceptions=True)
+            assert isinstance(outcomes[victim], BaseException)
+            kept = [o for i, o in enumerate(outcomes) if i != victim]
+            assert all(isinstance(o, Outcome) and len(o.token_ids) == 60 for o in kept), kept
+            await blocks_back(client, NUM_BLOCKS)
+            return asks[victim][0]
+
+    with caplog.at_level(logging.INFO, logger="mili.decode"):
+        name = small_server.run(body())
+    said = [r.getMessage() for r in caplog.records if f"'{name}'" in r.getMessage()]
+    assert any("preempted after" in line for line in said), said
+    assert not any(" resumed: " in line for line in said), said
