@@ -23,7 +23,7 @@ from mili.engine.sampling_params import SamplingParams
 from mili.pb.decode.v1 import decode_pb2
 from mili.rpc.client import insecure_channel
 from services.decode import preemption
-from services.decode.requests import RequestState
+from services.decode.requests import RequestState, RequestTable
 from tests.decode.conftest import BLOCK_SIZE, tiny_decode_config
 from tests.decode.harness import (
     Client,
@@ -204,13 +204,8 @@ def test_no_request_is_admitted_while_one_waits_preempted(
     small_server.run(body())
 
 
-def test_a_request_cancelled_while_preempted_ends_and_the_rest_finish(
-    small_server: DecodeServerThread, player: PrefillPlayer, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """It ends where it waits, never resumed: here no request may resume until the cancelled
-    one has ended (it leaves the table while resuming is held)."""
-    asks = _fill(player, "cancel", 30)
-    table = small_server.instance.table
+def _hold_resumes(table: RequestTable, monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """No preempted request gets its blocks back until the event returned is set."""
     resume = table.resume
     may_resume = threading.Event()
 
@@ -218,6 +213,17 @@ def test_a_request_cancelled_while_preempted_ends_and_the_rest_finish(
         return resume(*args, **kwargs) if may_resume.is_set() else None
 
     monkeypatch.setattr(table, "resume", held)
+    return may_resume
+
+
+def test_a_request_cancelled_while_preempted_ends_and_the_rest_finish(
+    small_server: DecodeServerThread, player: PrefillPlayer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It ends where it waits, never resumed: here no request may resume until the cancelled
+    one has ended (it leaves the table while resuming is held)."""
+    asks = _fill(player, "cancel", 30)
+    table = small_server.instance.table
+    may_resume = _hold_resumes(table, monkeypatch)
 
     async def body() -> None:
         async with insecure_channel(small_server.address) as channel:
@@ -283,13 +289,7 @@ def test_the_largest_priority_value_is_preempted_first_whenever_it_joined(
     asks = _fill(player, "rank", 50)
     priorities = [1, 0, 0]
     table = small_server.instance.table
-    resume = table.resume
-    may_resume = threading.Event()
-
-    def held(*args: Any, **kwargs: Any) -> int | None:
-        return resume(*args, **kwargs) if may_resume.is_set() else None
-
-    monkeypatch.setattr(table, "resume", held)
+    may_resume = _hold_resumes(table, monkeypatch)
     expected = [player.reference(prompt, params) for _, prompt, params in asks]
 
     async def body() -> None:

@@ -15,17 +15,15 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
-from concurrent import futures
 from pathlib import Path
 
 import grpc
 import pytest
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
 from opentelemetry.proto.trace.v1 import trace_pb2
 
 from mili.pb.frontend.v1 import generation_pb2, generation_pb2_grpc
+from tests.otlp_receiver import Receiver, serving
 from tests.service_process import ServiceProcess
-from tests.telemetry.test_tracing import Receiver
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_ID = "00f067aa0ba902b7"
@@ -34,15 +32,8 @@ SERVER = trace_pb2.Span.SpanKind.SPAN_KIND_SERVER
 
 @pytest.fixture(scope="module")
 def receiver() -> Iterator[tuple[Receiver, int]]:
-    server = grpc.server(futures.ThreadPoolExecutor(4))
-    collector = Receiver()
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(collector, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    try:
-        yield collector, port
-    finally:
-        server.stop(0)
+    with serving() as served:
+        yield served
 
 
 def _get(url: str, method: str = "GET", body: dict[str, object] | None = None, **headers: str):  # type: ignore[no-untyped-def]

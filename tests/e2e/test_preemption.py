@@ -12,17 +12,14 @@ import re
 import time
 import urllib.request
 from collections.abc import Iterator
-from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import grpc
 import pytest
 from openai import OpenAI
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
 
+from tests.otlp_receiver import Receiver, serving
 from tests.service_process import ServiceProcess
-from tests.telemetry.test_tracing import Receiver
 
 NUM_BLOCKS = 64  # of 16 tokens: 1024 positions, a quarter of the demo model's context
 
@@ -37,16 +34,8 @@ def _sample(url: str, name: str) -> float:
 
 @pytest.fixture
 def collector() -> Iterator[tuple[Receiver, int]]:
-    """An OTLP trace receiver on a free port."""
-    server = grpc.server(futures.ThreadPoolExecutor(4))
-    receiver = Receiver()
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(receiver, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    try:
-        yield receiver, port
-    finally:
-        server.stop(0)
+    with serving() as served:
+        yield served
 
 
 def test_requests_without_max_tokens_outgrow_the_pool_and_all_finish(

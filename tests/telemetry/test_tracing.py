@@ -4,68 +4,30 @@ to a real OTLP/gRPC receiver, and with tracing off nothing is installed."""
 from __future__ import annotations
 
 import argparse
-import threading
 import time
 from collections.abc import Iterator
-from concurrent import futures
 from pathlib import Path
 
 import grpc
 import pytest
 import torch
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.trace.v1 import trace_pb2
 
 from mili.engine.model.config import Qwen3Config
 from mili.pb.common.v1 import sampling_pb2
 from mili.pb.frontend.v1 import generation_pb2, generation_pb2_grpc
 from mili.telemetry.tracing import TracingConfig, setup_tracing
+from tests.otlp_receiver import Receiver, serving
 from tests.service_process import ServiceProcess
 
 BLOCK_SIZE = 4  # small: the 1-token demo prompt still spans a block boundary or two
 SERVICES = ("mili-frontend", "mili-tokenizer", "mili-prefill", "mili-decode")
 
 
-class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
-    """An OTLP trace collector keeping every span with its resource's service.name."""
-
-    def __init__(self) -> None:
-        self.spans: list[tuple[str, trace_pb2.Span]] = []
-        self._lock = threading.Lock()
-
-    def Export(
-        self, request: trace_service_pb2.ExportTraceServiceRequest, context: grpc.ServicerContext
-    ) -> trace_service_pb2.ExportTraceServiceResponse:
-        with self._lock:
-            for resource_spans in request.resource_spans:
-                service = next(
-                    (
-                        a.value.string_value
-                        for a in resource_spans.resource.attributes
-                        if a.key == "service.name"
-                    ),
-                    "",
-                )
-                for scope_spans in resource_spans.scope_spans:
-                    self.spans.extend((service, span) for span in scope_spans.spans)
-        return trace_service_pb2.ExportTraceServiceResponse()
-
-    def snapshot(self) -> list[tuple[str, trace_pb2.Span]]:
-        with self._lock:
-            return list(self.spans)
-
-
 @pytest.fixture
 def receiver() -> Iterator[tuple[Receiver, int]]:
-    server = grpc.server(futures.ThreadPoolExecutor(4))
-    collector = Receiver()
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(collector, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    try:
-        yield collector, port
-    finally:
-        server.stop(0)
+    with serving() as served:
+        yield served
 
 
 def _attrs(span: trace_pb2.Span) -> dict[str, object]:
