@@ -335,6 +335,8 @@ class Batcher:
 
     def _resume(self, out: list[Delivery]) -> None:
         """Preempted requests that fit again run from the next step."""
+        if not self._preempted:  # every iteration: no generator when nothing waits
+            return
         for r, error in self._preempted.resume(len(self._running)):
             if error is None:
                 self._running.append(r)
