@@ -12,6 +12,9 @@ temperature 0. Measured at the client, so it works against any deployment:
                    counts k gaps of gap/k)
     output tok/s   completion tokens of all requests / wall time of the whole run
 
+Each is reported as p50, p90, p99 and max: a few long gaps among thousands (a request's KV
+computed again between decode steps after a preemption) stay under p99 and show in the max.
+
 KV transfer GB/s is not visible to a client (the KV moves between prefill and decode); the
 frontend logs it per request (prefill's kv_bytes / transfer_ms).
 
