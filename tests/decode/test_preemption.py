@@ -11,11 +11,13 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import random
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
 from mili.engine.kv import block_pool
@@ -367,3 +369,100 @@ def test_a_request_cancelled_while_resuming_stops_computing_and_the_rest_finish(
     said = [r.getMessage() for r in caplog.records if f"'{name}'" in r.getMessage()]
     assert any("preempted after" in line for line in said), said
     assert not any(" resumed: " in line for line in said), said
+
+
+def test_random_traffic_through_a_small_pool_loses_no_block_and_keeps_greedy_tokens(
+    small_server: DecodeServerThread, player: PrefillPlayer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The paths together, as a frontend's traffic meets them: 16 requests arriving at random
+    moments, of random lengths and priorities, refused while the pool is full or a request
+    waits preempted and sent again (as the frontend does), some cancelled before their KV
+    comes, some after a few tokens, some late in their run. Every request run to its end gives
+    the engine's greedy tokens, every block comes back, and the run preempted and resumed."""
+    monkeypatch.setattr(preemption, "RECOMPUTE_CHUNK_TOKENS", 8)  # resumes of several chunks
+    rng = random.Random(5)
+    fates = ["finish"] * 4 + ["cancel before the KV", "cancel after a few", "cancel late"]
+    fates += ["cancel at a moment"] * 2  # whatever it is doing then: often waiting preempted
+    plans = []
+    for i in range(16):
+        num_prompt = rng.randint(4, 30)
+        max_tokens = rng.randint(8, NUM_BLOCKS * BLOCK_SIZE + 1 - num_prompt)  # fits at its longest
+        fate = rng.choice(fates)
+        cancel_at = {"cancel after a few": rng.randint(1, 3), "cancel late": max_tokens - 2}
+        cancel_s = rng.uniform(0.05, 0.5) if fate == "cancel at a moment" else None
+        plans.append(
+            (
+                f"soak-{i}",
+                random_prompt(num_prompt, player.vocab_size, 100 + i),
+                dataclasses.replace(GREEDY, max_tokens=max_tokens),
+                rng.randint(0, 2),  # priority
+                rng.uniform(0, 0.3),  # when it arrives, s
+                fate,
+                cancel_at.get(fate),
+                cancel_s,  # after its KV went, s
+            )
+        )
+    expected = {
+        plan[0]: player.reference(plan[1], plan[2]) for plan in plans if plan[5] == "finish"
+    }
+    batcher = small_server.instance.batcher
+    preemptions = batcher.num_preemptions
+    refusals: list[str] = []
+
+    async def one(client: Client, plan: tuple[Any, ...]) -> list[int] | None:
+        request_id, prompt, params, priority, arrives_s, fate, cancel_at, cancel_s = plan
+        await asyncio.sleep(arrives_s)
+        request = decode_pb2.GenerateRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            sampling=sampling(params),
+            priority=priority,
+        )
+        while True:
+            try:
+                call, reserved = await client.admit(request)
+                break
+            except grpc.aio.AioRpcError as e:  # full, or a request waits preempted
+                assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e
+                refusals.append(e.details() or "")
+                await asyncio.sleep(0.02)
+        if fate == "cancel before the KV":
+            call.cancel()
+            return None
+        prefilled = await asyncio.to_thread(player.prefill, prompt, params)
+        transfer = client.kv.TransferKv(timeout=30)
+        for message in player.messages(request_id, prompt, reserved, prefilled):
+            await transfer.write(message)
+        await transfer.done_writing()
+        await transfer
+        if cancel_s is not None:
+            asyncio.get_running_loop().call_later(cancel_s, call.cancel)
+        tokens: list[int] = []
+        try:
+            while (response := await call.read()) is not grpc.aio.EOF:
+                tokens.extend(response.tokens.token_ids)
+                if cancel_at is not None and len(tokens) >= cancel_at:
+                    call.cancel()
+                    return None
+        except asyncio.CancelledError:  # its moment came
+            assert cancel_s is not None
+            return None
+        return None if cancel_s is not None else tokens
+
+    async def body() -> None:
+        async with insecure_channel(small_server.address) as channel:
+            client = Client(channel)
+            await client.info()
+            outcomes = await asyncio.gather(*(one(client, plan) for plan in plans))
+            finished = {
+                plan[0]: tokens
+                for plan, tokens in zip(plans, outcomes, strict=True)
+                if plan[5] == "finish"
+            }
+            assert finished == expected
+            await blocks_back(client, NUM_BLOCKS)
+
+    small_server.run(body(), timeout_s=120)
+    assert small_server.instance.table.num_preempted == 0
+    assert batcher.num_preemptions - preemptions >= 2
+    assert any("preempted request" in r for r in refusals), refusals
