@@ -12,7 +12,8 @@ tokens. A round: an observer (priority 0, a short prompt, greedy, ignore_eos) st
 a second later --requests heavy requests (priority 1, --prompt-tokens random ids,
 --max-tokens each, ignore_eos) start at once and outgrow the pool together, so the heavy ones
 are preempted and resumed while the observer runs; the observer is cancelled when the last
-heavy one ends. Only the observer's gaps while heavy requests ran are kept. Rounds alternate
+heavy one ends (or ends first: `observed` says how much of their run it saw). Only the
+observer's gaps while heavy requests ran are kept. Rounds alternate
 the trees, order flipped every round; per round and tree: the heavy requests' output tok/s,
 the observer's gap p50 / p99 / max, the count over 100 ms and the five largest, and the
 preemptions decode counted.
@@ -88,8 +89,6 @@ async def one_round(address: str, args: argparse.Namespace, seed: int) -> dict[s
         started = time.perf_counter()
         counts = await asyncio.gather(*(stream(stub, p, args.max_tokens, 1) for p in heavy_prompts))
         ended = time.perf_counter()
-        if observer.done():
-            raise SystemExit("the observer ended before the heavy requests: --observer-tokens")
         observer.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await observer
@@ -97,6 +96,8 @@ async def one_round(address: str, args: argparse.Namespace, seed: int) -> dict[s
     gaps = sorted(b - a for a, b in itertools.pairwise(during))
     return {
         "heavy_tok_s": sum(counts) / (ended - started),
+        # how much of the heavy requests' run the observer saw (it may end first)
+        "observed": (during[-1] - started) / (ended - started),
         "num_gaps": len(gaps),
         "gap_p50_ms": statistics.median(gaps) * 1e3,
         "gap_p99_ms": gaps[int(0.99 * (len(gaps) - 1))] * 1e3,
@@ -114,7 +115,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=6, help="heavy requests")
     parser.add_argument("--prompt-tokens", type=int, default=1024, help="of each heavy one")
     parser.add_argument("--max-tokens", type=int, default=1500, help="of each heavy one")
-    parser.add_argument("--observer-tokens", type=int, default=3500)
+    parser.add_argument("--observer-tokens", type=int, default=4000)
     parser.add_argument("--attention", default="torch", help="every tree's --attention")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -146,12 +147,16 @@ def main() -> None:
         f"token prompts, {args.max_tokens} tokens, priority 1); decode pool {args.num_blocks}"
         " blocks of 16; per round"
     )
-    print("| tree | round | heavy tok/s | gap p50 / p99 / max ms | gaps > 100 ms | preemptions |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print(
+        "| tree | round | heavy tok/s | observed | gap p50 / p99 / max ms | gaps > 100 ms "
+        "| preemptions |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for i, tree in enumerate(trees):
         for r, o in enumerate(rounds[i]):
             print(
-                f"| tree{i} {tree} | {r} | {o['heavy_tok_s']:.1f} | {o['gap_p50_ms']:.1f} / "
+                f"| tree{i} {tree} | {r} | {o['heavy_tok_s']:.1f} | {o['observed']:.0%} | "
+                f"{o['gap_p50_ms']:.1f} / "
                 f"{o['gap_p99_ms']:.1f} / {o['gap_max_ms']:.0f} | {o['gaps_over_100ms']} | "
                 f"{o['preemptions']:.0f} |"
             )

@@ -157,6 +157,9 @@ class Batcher:
         self._on_death: Callable[[BaseException], None] | None = None
         self.death: BaseException | None = None  # what killed the batch thread (a bug)
         self._running: list[_Running] = []  # batch thread only
+        # batch thread only: no running request could step, the blocks being another's to
+        # come (see `_make_room`): the loop waits for a join (or RESUME_POLL_S)
+        self._is_waiting_for_room = False
         self._num_joined = 0  # batch thread only
         self._steps: list[_Step] = []  # batch thread only: launched, ids not in yet; oldest first
         self._collected_at = 0.0  # batch thread only: perf_counter() of the last step's ids
@@ -226,13 +229,13 @@ class Batcher:
                 with self._cond:
                     while not (
                         self._inbox
-                        or self._running
+                        or (self._running and not self._is_waiting_for_room)
                         or self._steps
                         or self._is_stopping
                         or self._preempted.is_resuming
                     ):
                         self.progress.idle()
-                        if self._preempted:  # look again for blocks soon
+                        if self._preempted or self._is_waiting_for_room:  # look again soon
                             self._cond.wait(RESUME_POLL_S)
                             break
                         self._cond.wait()
@@ -355,35 +358,55 @@ class Batcher:
                 return False
         return True
 
-    def _make_room(self) -> None:
+    def _make_room(self) -> list[_Running]:
         """No step in flight: cover the position the next step writes for every running
-        request, first ranked first (preemption.rank), preempting the last ranked while the
-        pool is a block short (the one asking, when it is the last)."""
+        request, first ranked first (preemption.rank), while the pool is a block short
+        preempting the last ranked of the running ones and the one resuming. The one asking,
+        when it is the last, sits the next step out if a request ranked after it is about to
+        join (its blocks are taken: it is the one to preempt once it runs), and is preempted
+        itself if not. Returns the requests that sit the next step out."""
         if self._grow(self._running):  # the common case: nothing to preempt
-            return
+            return []
         by_rank = sorted(self._running, key=rank)
         while by_rank:
             if self._grow(by_rank[:1]):
                 del by_rank[0]
+            elif self._preempted.add_resuming_if_after(by_rank[-1]):
+                continue  # its blocks are back: try again
+            elif len(by_rank) == 1 and self._is_joining_after(by_rank[0]):
+                return by_rank
             else:
                 victim = by_rank.pop()
                 self._running.remove(victim)
                 self._preempted.add(victim)
+        return []
+
+    def _is_joining_after(self, r: _Running) -> bool:
+        """Whether a request that will rank after `r` is about to join: admitted with its KV
+        on its way, or joined since this iteration took the joins."""
+        priority = r.request.priority
+        with self._cond:
+            if any(join.request.priority >= priority for join in self._inbox):
+                return True
+        return self._table.is_joining_at_or_after(priority)
 
     def _advance(self, out: list[Delivery]) -> None:
         """Take the step in flight's tokens and launch the next step; with overlap the next
         step's forward first (the device then never waits for this thread's work between
         steps). Every launched step stays in `self._steps` until collected, so that if this
         thread dies, `_fail_all` still waits for each before their requests' blocks go back."""
+        self._is_waiting_for_room = False
         if self._steps:  # only with overlap: without, a step is collected where it launched
             self._step_ahead(self._steps[0], out)
         if not self._steps and self._running:
-            self._make_room()
-        if not self._steps and self._running:
-            step = self._launch(list(self._running), out)
-            if step is not None and not self._overlap:
-                self._take_joins()  # while the device computes: they run from the next step
-                self._collect(step, out)
+            sitting_out = self._make_room()
+            batch = [r for r in self._running if r not in sitting_out]
+            self._is_waiting_for_room = not batch
+            if batch:
+                step = self._launch(batch, out)
+                if step is not None and not self._overlap:
+                    self._take_joins()  # while the device computes: they run from the next step
+                    self._collect(step, out)
 
     def _step_ahead(self, done: _Step, out: list[Delivery]) -> None:
         """The next step's forward over the running requests, launched before `done`'s ids

@@ -12,13 +12,17 @@ wrote and the next position, with one spare per running request (so that it is n
 one preempted at once); the K/V its cached blocks no longer hold is computed again by prefill
 forwards on decode's runner, one chunk a batch iteration (the others' steps go on between its
 chunks, as with a chunked prefill), and then it runs from the next step as if it had never
-stopped. One request resumes at a time.
+stopped. One request resumes at a time, and its blocks are lent: a running request ranked
+before it that is a block short mid-resume preempts it again (what its chunks computed so far
+stays in the prefix cache).
 
 A traced request's wait is a `decode preempted` span beneath its `decode request` span, from
 the preemption to the end of its recompute (or its end), with what it held and recomputed.
 
     running ──preempt (a block short; the last ranked)──▶ waiting here ──resume──▶ running
-                                                             │
+                                                             │   ▲            │
+                                                             │   └────────────┘ one ranked before
+                                                             │                  it a block short
                                                              └── cancelled: ends, holding no block
 """
 
@@ -115,6 +119,31 @@ class Preempted(Generic[P]):
             plural(len(r.seq.output_token_ids), "output token"),
             plural(num_blocks, "KV block"),
         )
+
+    def add_resuming_if_after(self, r: Preemptable) -> bool:
+        """When the request resuming ranks after `r` (the last ranked running one, a block
+        short), it is preempted again: its blocks go back (those of the chunks computed so far
+        into the prefix cache) and it waits here; True. Its blocks were lent for its resume,
+        not taken from requests ranked before it."""
+        resuming = self._resuming
+        if resuming is None or rank(resuming.r) <= rank(r):
+            return False
+        settle(self._runner.kv_cache.device)  # no queued write of its recompute may land later
+        self._resuming = None
+        computed = resuming.written[: resuming.position]
+        num_blocks = self._table.preempt(resuming.r.request, computed)
+        self.waiting.append(resuming.r)
+        self.waiting.sort(key=rank)
+        self.num_preemptions += 1
+        self._metrics.preemptions.inc()
+        _LOG.info(
+            "request %s preempted while resuming (%s of %s computed again): %s back",
+            resuming.r.request.name,
+            plural(resuming.position - resuming.num_cached, "token"),
+            len(resuming.written) - resuming.num_cached,
+            plural(num_blocks, "KV block"),
+        )
+        return True
 
     @property
     def is_resuming(self) -> bool:

@@ -18,7 +18,7 @@ Who frees the blocks:
 Growth and preemption. Admission reserves the blocks of the prompt and of the first outputs
 (block_pool.blocks_to_reserve); the batch thread `grow`s a RUNNING request's table as it
 writes past them. When the pool has no block left for that, the batch thread `preempt`s its
-newest request: its blocks go back (their full ones into the prefix cache) and it waits,
+last ranked request (services/decode/preemption.py): its blocks go back (their full ones into the prefix cache) and it waits,
 still RUNNING, until `resume` finds blocks for all it wrote, which the batch thread then
 computes again. While a request waits so, no new request is admitted: the blocks that free
 are its first.
@@ -395,6 +395,17 @@ class RequestTable:
             except BlockPoolExhausted:
                 return False
         return True
+
+    def is_joining_at_or_after(self, priority: int) -> bool:
+        """Batch thread: whether a request admitted and not running yet (its KV on its way)
+        has a priority value of at least `priority`: it joins the batch ranked after every
+        running request of that priority (preemption.rank), its blocks taken already."""
+        with self._lock:
+            return any(
+                r.state in (RequestState.WAITING, RequestState.TRANSFERRING)
+                and r.priority >= priority
+                for r in self._requests.values()
+            )
 
     def preempt(self, request: DecodeRequest, written_token_ids: Sequence[int]) -> int:
         """Batch thread: take a RUNNING request's blocks back (no step in flight may write

@@ -466,3 +466,111 @@ def test_random_traffic_through_a_small_pool_loses_no_block_and_keeps_greedy_tok
     assert small_server.instance.table.num_preempted == 0
     assert batcher.num_preemptions - preemptions >= 2
     assert any("preempted request" in r for r in refusals), refusals
+
+
+def _record_preemptions(table: RequestTable, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The ids of the requests preempted from now on, in order."""
+    preempt = table.preempt
+    preempted: list[str] = []
+
+    def recorded(request: Any, *args: Any) -> int:
+        preempted.append(request.request_id)
+        return preempt(request, *args)
+
+    monkeypatch.setattr(table, "preempt", recorded)
+    return preempted
+
+
+def _ask(
+    player: PrefillPlayer, request_id: str, num_prompt: int, max_tokens: int, seed: int
+) -> Any:
+    prompt = random_prompt(num_prompt, player.vocab_size, seed)
+    return request_id, prompt, dataclasses.replace(GREEDY, max_tokens=max_tokens)
+
+
+def _request(ask: Any, priority: int) -> decode_pb2.GenerateRequest:
+    request_id, prompt, params = ask
+    return decode_pb2.GenerateRequest(
+        request_id=request_id, prompt_token_ids=prompt, sampling=sampling(params), priority=priority
+    )
+
+
+def test_a_request_short_of_a_block_waits_for_one_admitted_after_it_rather_than_preempt_itself(
+    small_server: DecodeServerThread, player: PrefillPlayer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The blocks are all taken by a request admitted after it whose KV is still on its way:
+    the running one (the only one) sits its steps out until that one joins, which is then the
+    one preempted (it ranks after). It was preempting itself, and waited for the newcomer's
+    whole run before it resumed."""
+    first = _ask(player, "first", 20, 60, 60)  # 4 blocks at admission
+    second = _ask(player, "second", 50, 40, 61)  # the other 8
+    expected = [player.reference(prompt, params) for _, prompt, params in (first, second)]
+    table = small_server.instance.table
+    preempted = _record_preemptions(table, monkeypatch)
+
+    async def body() -> None:
+        async with insecure_channel(small_server.address) as channel:
+            client = Client(channel)
+            await client.info()
+            admitted_first = await client.admit(_request(first, 0))
+            admitted_second = await client.admit(_request(second, 1))
+            assert (await client.info()).num_free_blocks == 0
+            run_first = asyncio.create_task(
+                _transfer_and_collect(client, player, first, admitted_first)
+            )
+            await eventually(lambda: table.get("first").state is RequestState.RUNNING)
+            # its 13th output (position 32) needs a block the pool lacks: long before this
+            await asyncio.sleep(0.5)
+            assert not run_first.done() and not preempted, preempted
+            assert len(table.get("first").block_table) == 4
+            run_second = asyncio.create_task(
+                _transfer_and_collect(client, player, second, admitted_second)
+            )
+            outcomes = await asyncio.gather(run_first, run_second)
+            assert [o.token_ids for o in outcomes] == expected
+            await blocks_back(client, NUM_BLOCKS)
+
+    small_server.run(body())
+    assert preempted[:1] == ["second"] and "first" not in preempted, preempted
+
+
+def test_a_request_resuming_is_preempted_again_for_a_running_one_ranked_before_it(
+    small_server: DecodeServerThread, player: PrefillPlayer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its blocks were lent for its resume: when the running request ranked before it is a
+    block short mid-resume (here a token a chunk, so the resume outlasts the spare block),
+    the resuming one goes back to waiting, not the running one. It was preempting the running
+    one (the last of the batch), a priority-0 request for a priority-1 one.
+
+    The blocks come and go at the test's word: a request admitted and never sent its KV holds
+    5 of the 12 until it is cancelled."""
+    monkeypatch.setattr(preemption, "RECOMPUTE_CHUNK_TOKENS", 1)
+    holder = _ask(player, "holder", 30, 8, 80)  # 5 blocks at admission
+    long = _ask(player, "long", 10, 80, 81)  # 3 blocks at admission, 12 at its longest
+    low = _ask(player, "low", 10, 60, 82)  # 3 blocks at admission; the one preempted
+    expected = [player.reference(prompt, params) for _, prompt, params in (long, low)]
+    table = small_server.instance.table
+    preempted = _record_preemptions(table, monkeypatch)
+
+    async def body() -> None:
+        async with insecure_channel(small_server.address) as channel:
+            client = Client(channel)
+            await client.info()
+            held, _ = await client.admit(_request(holder, 0))
+            admitted = [await client.admit(_request(long, 0)), await client.admit(_request(low, 1))]
+            runs = [
+                asyncio.create_task(_transfer_and_collect(client, player, ask, a))
+                for ask, a in zip((long, low), admitted, strict=True)
+            ]
+            # low preempted at position 24; long then grows to the pool's end (7 blocks) and
+            # sits out, waiting for the holder to join
+            await eventually(lambda: len(table.get("long").block_table) == 7)
+            await asyncio.sleep(0.3)
+            assert preempted == ["low"] and len(table.get("long").block_table) == 7
+            held.cancel()  # 5 blocks back: low resumes (4 and a spare), long grows into them
+            outcomes = await asyncio.gather(*runs)
+            assert [o.token_ids for o in outcomes] == expected
+            await blocks_back(client, NUM_BLOCKS)
+
+    small_server.run(body())
+    assert preempted == ["low", "low"], preempted
