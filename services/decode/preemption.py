@@ -96,9 +96,11 @@ class Preempted(Generic[P]):
     def __bool__(self) -> bool:
         return bool(self.waiting) or self._resuming is not None
 
-    def add(self, r: P) -> None:
-        """Take the blocks of `r` (out of the batch, in no step in flight) back; it waits here."""
-        num_blocks = self._table.preempt(r.request, r.seq.written_token_ids())
+    def add(self, r: P, computed: list[int] | None = None) -> None:
+        """Take the blocks of `r` (out of the batch, in no step in flight) back; it waits here.
+        `computed`: the tokens whose K/V its blocks hold (default: all it wrote)."""
+        written = r.seq.written_token_ids() if computed is None else computed
+        num_blocks = self._table.preempt(r.request, written)
         parent = r.outlet.span_context
         if parent is not None:
             self._spans[id(r)] = _TRACER.start_span(
@@ -122,27 +124,24 @@ class Preempted(Generic[P]):
 
     def add_resuming_if_after(self, r: Preemptable) -> bool:
         """When the request resuming ranks after `r` (the last ranked running one, a block
-        short), it is preempted again: its blocks go back (those of the chunks computed so far
-        into the prefix cache) and it waits here; True. Its blocks were lent for its resume,
-        not taken from requests ranked before it."""
+        short), it is preempted again, keeping in the prefix cache the blocks its chunks
+        computed so far; True. Its blocks were lent for its resume, not taken from requests
+        ranked before it."""
         resuming = self._resuming
         if resuming is None or rank(resuming.r) <= rank(r):
             return False
         settle(self._runner.kv_cache.device)  # no queued write of its recompute may land later
         self._resuming = None
-        computed = resuming.written[: resuming.position]
-        num_blocks = self._table.preempt(resuming.r.request, computed)
-        self.waiting.append(resuming.r)
-        self.waiting.sort(key=rank)
-        self.num_preemptions += 1
-        self._metrics.preemptions.inc()
+        recomputed = resuming.position - resuming.num_cached
+        self._end_span(resuming.r, recomputed_tokens=recomputed, cached_tokens=resuming.num_cached)
         _LOG.info(
-            "request %s preempted while resuming (%s of %s computed again): %s back",
+            "request %s stops resuming (%s of %s computed again): a request ranked before it "
+            "is a block short",
             resuming.r.request.name,
-            plural(resuming.position - resuming.num_cached, "token"),
+            plural(recomputed, "token"),
             len(resuming.written) - resuming.num_cached,
-            plural(num_blocks, "KV block"),
         )
+        self.add(resuming.r, resuming.written[: resuming.position])
         return True
 
     @property

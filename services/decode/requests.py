@@ -18,10 +18,10 @@ Who frees the blocks:
 Growth and preemption. Admission reserves the blocks of the prompt and of the first outputs
 (block_pool.blocks_to_reserve); the batch thread `grow`s a RUNNING request's table as it
 writes past them. When the pool has no block left for that, the batch thread `preempt`s its
-last ranked request (services/decode/preemption.py): its blocks go back (their full ones into the prefix cache) and it waits,
-still RUNNING, until `resume` finds blocks for all it wrote, which the batch thread then
-computes again. While a request waits so, no new request is admitted: the blocks that free
-are its first.
+last ranked request (services/decode/preemption.py): its blocks go back (their full ones into
+the prefix cache) and it waits, still RUNNING, until `resume` finds blocks for all it wrote,
+which the batch thread then computes again. While a request waits so, no new request is
+admitted: the blocks that free are its first.
 
 The lock also guards the BlockPool: the event loop, the batch thread and scatter threads all
 reach it through this table.
