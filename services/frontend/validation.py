@@ -96,6 +96,9 @@ class SamplingInput:
     """SamplingParams as sent: a field the caller left unset is None."""
 
     max_tokens: int | None = None
+    # The API's own default for an unset max_tokens (HTTP completions: OpenAI's 16), within
+    # this server's limit; None: the server's default (the room the context leaves).
+    default_max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -327,9 +330,11 @@ def _resolve_sampling(
     max_tokens = s.max_tokens
     if max_tokens is None:  # this server's default, or what min_tokens asks for above it
         min_tokens = s.min_tokens if isinstance(s.min_tokens, int) else 0
-        default = limits.default_max_tokens
+        default = s.default_max_tokens or limits.default_max_tokens
         if default is None:  # the most there is: fit_context shrinks it to the room left
             default = limit if limit is not None else 2**32 - 1
+        elif limit is not None:  # an API's default is no request for more than the limit
+            default = min(default, limit)
         max_tokens = max(default, min_tokens)
         if limit is not None and max_tokens > limit:
             bad("sampling.min_tokens", s.min_tokens, f"must be <= {limit}, this server's limit")

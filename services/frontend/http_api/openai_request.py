@@ -45,8 +45,9 @@ from services.frontend.validation import (
 MAX_N = 128  # choices per prompt
 MAX_CHOICES = 256  # prompts x n in one request
 # max_tokens of a completion that leaves it unset: OpenAI's documented default for this
-# endpoint, kept by vLLM and SGLang (a chat's unset max_tokens is the server's default: the
-# room the context leaves).
+# endpoint, kept by vLLM and SGLang, within the server's --max-tokens-limit and the room the
+# prompt leaves (a chat's unset max_tokens is the server's default: the room the context
+# leaves).
 COMPLETION_MAX_TOKENS = 16
 # OpenAI's reasoning efforts (chat's reasoning_effort, the Responses API's reasoning.effort)
 _EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
@@ -119,12 +120,11 @@ def completion_request(body: Body, window: int | None, client_id: str) -> OpenAI
     include_usage, is_continuous_usage = _usage_options(body)
     prompt_logprobs = _prompt_logprobs(body, is_stream)
     max_tokens = body.integer("max_tokens")
-    if max_tokens is None:
-        max_tokens = COMPLETION_MAX_TOKENS
     is_prompt_only = max_tokens == 0 and echo
     if max_tokens == 0 and not echo:
         raise InvalidArgument("max_tokens", 0, "must be >= 1 (0 only with echo: the prompt alone)")
     sampling = _sampling(body, 1 if is_prompt_only else max_tokens, logprobs, requested)
+    sampling = replace(sampling, default_max_tokens=COMPLETION_MAX_TOKENS)
     if is_prompt_only and sampling.min_tokens:
         raise InvalidArgument("min_tokens", sampling.min_tokens, "must be 0 with max_tokens 0")
     if echo and logprobs is not None:

@@ -420,9 +420,15 @@ def test_only_an_assistant_message_may_leave_its_content_out() -> None:
 
 
 def test_an_unset_max_tokens_is_16_for_a_completion_and_the_servers_default_for_a_chat() -> None:
-    """OpenAI's documented default for /v1/completions, as vLLM and SGLang keep it; a chat
-    leaves it to the server (the room the context leaves, fitted once tokenized)."""
-    assert completion(prompt="hi").inputs[0].sampling.max_tokens == 16
+    """OpenAI's documented default for /v1/completions, as vLLM and SGLang keep it, within the
+    server's limit (found by test_http_fuzz: under --max-tokens-limit 8, every completion and
+    /tokenize of a prompt without max_tokens was a 400 naming the max_tokens it never sent); a
+    chat leaves it to the server (the room the context leaves, fitted once tokenized)."""
+    unset = completion(prompt="hi").inputs[0]
+    assert validate(unset, Limits()).sampling.max_tokens == 16
+    assert validate(unset, Limits(max_tokens_limit=8)).sampling.max_tokens == 8
+    assert validate(unset, Limits(default_max_tokens=4)).sampling.max_tokens == 16
+    assert validate(unset, Limits()).is_default_max_tokens  # the prompt's room may lower it
     assert completion(prompt="hi", max_tokens=300).inputs[0].sampling.max_tokens == 300
     assert chat().inputs[0].sampling.max_tokens is None
     assert validate(chat().inputs[0], Limits()).is_default_max_tokens
