@@ -1,8 +1,16 @@
-"""Bad input on the HTTP API, as clients get it wrong: 400 bodies of seeded random mutations of
-valid requests (a value swapped for one of another type or out of range, a key dropped or
-added, the JSON cut short or a byte changed) against a real frontend, tokenizer, prefill and
-decode on the demo model. No request may get a 5xx or a body that is not the OpenAI error
-shape, and after all of them the deployment still answers and every KV block is free."""
+"""Bad input, as clients get it wrong, against a real frontend, tokenizer, prefill and decode on
+the demo model: seeded random mutations of valid requests.
+
+- HTTP: 400 bodies (a value swapped for one of another type or out of range, a key dropped or
+  added, the JSON cut short or a byte changed). None may get a 5xx or a body that is not the
+  OpenAI error shape.
+- gRPC: 400 messages (a field set to an extreme of its type: NaN and infinities, the ends of
+  its integer range, an enum number no one defined, an empty or huge string, a JSON schema
+  that refers to itself; a list cleared or made long; a message cleared). Each answer is OK or
+  a status that names the caller's error (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, ...), never
+  UNKNOWN, INTERNAL or UNAVAILABLE.
+
+After each, the deployment still answers and every KV block is free."""
 
 from __future__ import annotations
 
@@ -15,8 +23,13 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import grpc
 import pytest
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
 
+from mili.pb.common.v1 import chat_pb2, sampling_pb2
+from mili.pb.frontend.v1 import generation_pb2
 from tests.e2e.conftest import Deployment, deploy
 from tests.service_process import ServiceProcess
 
@@ -204,4 +217,145 @@ def test_mutated_requests_get_4xx_errors_and_leave_the_deployment_whole(
     for path, body in bases:  # still serving
         status, data = _post(url, path, json.dumps(body).encode())
         assert status == 200, (path, data[:500])
+    assert deployment.settled_free_blocks() == free
+
+
+# gRPC ----------------------------------------------------------------------------------------
+
+GRPC_BASES: list[Message] = [
+    generation_pb2.CompleteRequest(
+        prompt="Hello",
+        sampling=sampling_pb2.SamplingParams(
+            max_tokens=3,
+            temperature=0.7,
+            top_p=0.9,
+            top_k=20,
+            seed=1,
+            stop=["\n"],
+            stop_token_ids=[5],
+            logprobs=2,
+            logit_bias={5: 1.0},
+            json_schema=json.dumps(SCHEMA),
+        ),
+        priority=1,
+    ),
+    generation_pb2.CompleteRequest(
+        messages=[
+            chat_pb2.ChatMessage(role="user", content="Weather?"),
+            chat_pb2.ChatMessage(
+                role="assistant",
+                tool_calls=[chat_pb2.ToolCall(id="c1", name="weather", arguments='{"city": "x"}')],
+            ),
+            chat_pb2.ChatMessage(role="tool", content="sunny", tool_call_id="c1"),
+        ],
+        tools=[chat_pb2.Tool(name="weather", description="w", parameters=json.dumps(SCHEMA))],
+        tool_choice=generation_pb2.ToolChoice(mode=generation_pb2.TOOL_CHOICE_MODE_REQUIRED),
+        sampling=sampling_pb2.SamplingParams(max_tokens=4, prompt_logprobs=1),
+        enable_thinking=False,
+    ),
+    generation_pb2.CompleteRequest(
+        token_ids=[9, 10, 11],
+        sampling=sampling_pb2.SamplingParams(
+            max_tokens=2,
+            choice=sampling_pb2.ChoiceConstraint(choices=["yes", "no"]),
+            repetition_penalty=1.1,
+        ),
+    ),
+]
+_INTS = {
+    FieldDescriptor.TYPE_INT32: [-(2**31), -1, 0, 2**31 - 1],
+    FieldDescriptor.TYPE_UINT32: [0, 1, 2**32 - 1],
+    FieldDescriptor.TYPE_INT64: [-(2**63), -1, 2**63 - 1],
+    FieldDescriptor.TYPE_UINT64: [0, 2**64 - 1],
+}
+_FLOATS = [float("nan"), float("inf"), float("-inf"), -0.0, -5.0, 1e30, 1e-30]
+_STRINGS = [
+    "", "x", "\x00", "é" * 3000, "{", "[" * 2000,
+    '{"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}',
+    '{"type": "string", "pattern": "(a+)+$", "minLength": 100000}',
+]  # fmt: skip
+OK_CODES = {
+    grpc.StatusCode.OK,
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.OUT_OF_RANGE,
+    grpc.StatusCode.NOT_FOUND,
+}
+
+
+def _fields(message: Message) -> Iterator[tuple[Message, FieldDescriptor]]:
+    """Every field of `message` and of the messages set inside it."""
+    for field in message.DESCRIPTOR.fields:
+        yield message, field
+        if field.type != FieldDescriptor.TYPE_MESSAGE or field.message_type.GetOptions().map_entry:
+            continue
+        if field.is_repeated:
+            for item in getattr(message, field.name):
+                yield from _fields(item)
+        elif message.HasField(field.name):
+            yield from _fields(getattr(message, field.name))
+
+
+def _odd_value(rng: random.Random, field: FieldDescriptor) -> Any:
+    if field.type in _INTS:
+        return rng.choice(_INTS[field.type])
+    if field.type in (FieldDescriptor.TYPE_FLOAT, FieldDescriptor.TYPE_DOUBLE):
+        return rng.choice(_FLOATS)
+    if field.type == FieldDescriptor.TYPE_BOOL:
+        return rng.random() < 0.5
+    if field.type == FieldDescriptor.TYPE_ENUM:
+        return rng.choice([0, 1, 3, 99])
+    return rng.choice(_STRINGS)
+
+
+def _mutate(rng: random.Random, message: Message) -> None:
+    for _ in range(rng.randint(1, 3)):
+        parent, field = rng.choice(list(_fields(message)))
+        value = getattr(parent, field.name)
+        if field.type == FieldDescriptor.TYPE_MESSAGE:
+            if field.message_type.GetOptions().map_entry:  # logit_bias: an id and a bias
+                value[rng.choice(_INTS[FieldDescriptor.TYPE_UINT32])] = rng.choice(_FLOATS)
+            elif field.is_repeated and len(value) and rng.random() < 0.5:
+                for _ in range(rng.choice([1, 300])):
+                    value.add().CopyFrom(value[0])
+            else:
+                parent.ClearField(field.name)
+        elif field.is_repeated:
+            del value[:]
+            if rng.random() < 0.7:
+                value.extend([_odd_value(rng, field)] * rng.choice([1, 3, 5000]))
+        else:
+            setattr(parent, field.name, _odd_value(rng, field))
+
+
+def test_mutated_grpc_requests_get_statuses_that_name_the_callers_error(
+    deployment: Deployment,
+) -> None:
+    stub = deployment.stub()
+    free = deployment.settled_free_blocks()
+    for base in GRPC_BASES:  # the bases themselves are valid
+        stub.Complete(base, timeout=60)
+    rng = random.Random(0)
+    codes: dict[str, int] = {}
+    for i in range(NUM_REQUESTS):
+        request = generation_pb2.CompleteRequest()
+        request.CopyFrom(rng.choice(GRPC_BASES))
+        _mutate(rng, request)
+        try:
+            if i % 4:
+                stub.Complete(request, timeout=60)
+            else:  # the streaming call: its own path to the same validation
+                streamed = generation_pb2.GenerateRequest.FromString(request.SerializeToString())
+                list(stub.Generate(streamed, timeout=60))
+            code = grpc.StatusCode.OK
+        except grpc.RpcError as e:
+            code = e.code()
+            assert code in OK_CODES, (request, e.details())
+            assert e.details(), request
+        codes[code.name] = codes.get(code.name, 0) + 1
+    assert codes.get("INVALID_ARGUMENT", 0) > NUM_REQUESTS // 4, codes
+    assert codes.get("OK", 0) > 0, codes
+    for base in GRPC_BASES:  # still serving
+        stub.Complete(base, timeout=60)
     assert deployment.settled_free_blocks() == free
