@@ -31,7 +31,9 @@ so a large request waiting in one is not protected from small ones another front
 sending (`--frontends N`, several replicas): each would take the blocks freed while the large
 one waits. So the table holds room for the earliest request it turned away for blocks: until
 that one is admitted, or has not asked again for HOLD_S (it went elsewhere, or gave up), another
-request is admitted only where the blocks left still cover it.
+request is admitted only where the blocks left still cover it. Priority comes before arrival,
+as in each frontend's queue: a request of a lower priority value than the held one's passes
+the hold, and takes it over when it is turned away too.
 
 Prefix cache. With caching on, admission reuses the longest cached run of full blocks of the
 prompt (`num_cached_blocks`, never the block holding the last prompt token: prefill always sends
@@ -78,6 +80,7 @@ class _Hold:
     # every block it needs: its cached ones too, which others could evict while it waits
     num_blocks: int
     until: float  # expires unless it asks again (HOLD_S after each ask)
+    priority: int  # its priority: a request of a lower value goes ahead of it
 
 
 class RequestState(enum.Enum):
@@ -252,6 +255,7 @@ class RequestTable:
             if (
                 hold is not None
                 and hold.request_id != request_id
+                and priority >= hold.priority
                 and self._cache.num_available - needed < hold.num_blocks
             ):
                 self._cache.free(cached)
@@ -264,8 +268,8 @@ class RequestTable:
                 block_table = cached + self._cache.allocate(needed)
             except BlockPoolExhausted as e:
                 self._cache.free(cached)
-                if hold is None or hold.request_id == request_id:
-                    self._hold = _Hold(request_id, num_blocks, now + HOLD_S)
+                if hold is None or hold.request_id == request_id or priority < hold.priority:
+                    self._hold = _Hold(request_id, num_blocks, now + HOLD_S, priority)
                 raise ResourceExhausted(
                     f"not enough KV blocks for request {name!r}: "
                     f"needs {num_blocks} "

@@ -72,6 +72,24 @@ def test_room_is_held_for_the_earliest_request_turned_away_for_blocks() -> None:
     assert t2.admit("first", [1] * 8, params(5), lease_ms=1000, now=0.5).block_table
 
 
+def test_a_request_of_a_lower_priority_value_goes_ahead_of_the_room_held() -> None:
+    """The hold is first come, first served among equals; a more urgent request (another
+    frontend's, whose queue put it first) passes it, and takes it over when turned away."""
+    t = table(num_blocks=6)
+    a = t.admit("a", [1] * 4, params(5), lease_ms=1000, now=0.0)  # blocks 0, 1: 4 free
+    with pytest.raises(ResourceExhausted, match="needs 5"):
+        t.admit("big", [1] * 10, params(10), lease_ms=1000, now=0.0, priority=1)
+    with pytest.raises(ResourceExhausted, match="held"):  # as urgent: behind the held one
+        t.admit("same", [1] * 3, params(1), lease_ms=1000, now=1.0, priority=1)
+    assert t.admit("urgent", [1] * 3, params(1), lease_ms=1000, now=1.0, priority=0).block_table
+    with pytest.raises(ResourceExhausted, match="needs 5"):  # 3 free: the urgent one's turn
+        t.admit("urgent-big", [1] * 10, params(10), lease_ms=1000, now=1.0, priority=0)
+    t.cancel(a)  # 5 free: held for urgent-big now, not for big
+    with pytest.raises(ResourceExhausted, match="held"):
+        t.admit("big", [1] * 10, params(10), lease_ms=1000, now=1.5, priority=1)
+    assert t.admit("urgent-big", [1] * 10, params(10), lease_ms=1000, now=1.5, priority=0)
+
+
 def test_admit_refuses_duplicate_ids_and_past_the_request_bound() -> None:
     t = table(max_requests=2)
     t.admit("a", [1], params(1), lease_ms=1000, now=0.0)
