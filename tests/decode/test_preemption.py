@@ -377,8 +377,9 @@ def test_random_traffic_through_a_small_pool_loses_no_block_and_keeps_greedy_tok
     """The paths together, as a frontend's traffic meets them: 16 requests arriving at random
     moments, of random lengths and priorities, refused while the pool is full or a request
     waits preempted and sent again (as the frontend does), some cancelled before their KV
-    comes, some after a few tokens, some late in their run. Every request run to its end gives
-    the engine's greedy tokens, every block comes back, and the run preempted and resumed."""
+    comes, some after a few tokens, some late in their run, some at a random moment (often
+    while preempted or resuming). Every request run to its end gives the engine's greedy
+    tokens, every block comes back, and the run preempted and resumed."""
     monkeypatch.setattr(preemption, "RECOMPUTE_CHUNK_TOKENS", 8)  # resumes of several chunks
     rng = random.Random(5)
     fates = ["finish"] * 4 + ["cancel before the KV", "cancel after a few", "cancel late"]
