@@ -1,14 +1,14 @@
 """Bad input, as clients get it wrong, against a real frontend, tokenizer, prefill and decode on
-the demo model: seeded random mutations of valid requests.
+the demo model: seeded random mutations of valid requests, NUM_REQUESTS on each API.
 
-- HTTP: 400 bodies (a value swapped for one of another type or out of range, a key dropped or
-  added, the JSON cut short or a byte changed). None may get a 5xx or a body that is not the
-  OpenAI error shape.
-- gRPC: 400 messages (a field set to an extreme of its type: NaN and infinities, the ends of
-  its integer range, an enum number no one defined, an empty or huge string, a JSON schema
-  that refers to itself; a list cleared or made long; a message cleared). Each answer is OK or
-  a status that names the caller's error (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, ...), never
-  UNKNOWN, INTERNAL or UNAVAILABLE.
+- HTTP: a value swapped for one of another type or out of range, a key dropped or added, the
+  JSON cut short or a byte changed. None may get a 5xx or a body that is not the OpenAI error
+  shape.
+- gRPC: a field set to an extreme of its type (NaN and infinities, the ends of its integer
+  range, an enum number no one defined, an empty or huge string, a JSON schema that refers to
+  itself), a list cleared or made long, a message cleared. Each answer is OK or a status that
+  names the caller's error (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, ...), never UNKNOWN,
+  INTERNAL or UNAVAILABLE.
 
 After each, the deployment still answers and every KV block is free."""
 
