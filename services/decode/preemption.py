@@ -130,8 +130,7 @@ class Preempted(Generic[P]):
         resuming = self._resuming
         if resuming is None or rank(resuming.r) <= rank(r):
             return False
-        settle(self._runner.kv_cache.device)  # no queued write of its recompute may land later
-        self._resuming = None
+        self._stop_resuming()
         recomputed = resuming.position - resuming.num_cached
         self._end_span(resuming.r, recomputed_tokens=recomputed, cached_tokens=resuming.num_cached)
         _LOG.info(
@@ -157,8 +156,7 @@ class Preempted(Generic[P]):
             self.waiting = [r for r in self.waiting if not r.request.is_cancelled]
         resuming = self._resuming
         if resuming is not None and resuming.r.request.is_cancelled:
-            settle(self._runner.kv_cache.device)
-            self._resuming = None
+            self._stop_resuming()
             cancelled.append(resuming.r)
         for r in cancelled:
             self._end_span(r)
@@ -168,9 +166,7 @@ class Preempted(Generic[P]):
         """Everything here, gone (a batch thread that stops)."""
         waiting, self.waiting = self.waiting, []
         if self._resuming is not None:
-            settle(self._runner.kv_cache.device)
-            waiting.append(self._resuming.r)
-            self._resuming = None
+            waiting.append(self._stop_resuming().r)
         for r in waiting:
             self._end_span(r)
         return waiting
@@ -207,18 +203,13 @@ class Preempted(Generic[P]):
                     self._compute_chunk(resuming)
                 except Exception as e:  # this request alone fails
                     _LOG.error("request %s: its K/V could not be computed again", r.request.name)
-                    settle(self._runner.kv_cache.device)
-                    self._resuming = None
+                    self._stop_resuming()
                     self._end_span(r, e)
                     yield r, e
                     continue
                 if resuming.position < len(resuming.written):
                     return  # more next iteration
-            # The request may end before a step of it is launched, its blocks then back at
-            # once to an owner whose KV prefill may write from another process: no write of
-            # ours may still be queued.
-            settle(self._runner.kv_cache.device)
-            self._resuming = None
+            self._stop_resuming()
             recomputed = len(resuming.written) - resuming.num_cached
             self._end_span(r, recomputed_tokens=recomputed, cached_tokens=resuming.num_cached)
             _LOG.info(
@@ -230,6 +221,16 @@ class Preempted(Generic[P]):
             )
             num_running += 1
             yield r, None
+
+    def _stop_resuming(self) -> _Resuming[P]:
+        """The request resuming, no longer here, once the device has run every write of its
+        recompute queued so far: its blocks may go back at once (it ends, or is preempted
+        again) to an owner whose KV prefill writes from another stream or process."""
+        resuming = self._resuming
+        assert resuming is not None
+        settle(self._runner.kv_cache.device)
+        self._resuming = None
+        return resuming
 
     def _start(self, num_running: int) -> _Resuming[P] | None:
         """Blocks for the first waiting request, or None when it does not fit."""
