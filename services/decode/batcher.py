@@ -46,27 +46,22 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
-from dataclasses import dataclass, field
 
-from opentelemetry import trace
 from opentelemetry.trace import Span
 from prometheus_client import CollectorRegistry
 
 from mili.engine.constraint.compiler import ConstraintCompiler
-from mili.engine.constraint.mask import BatchMasker, FilledMask
-from mili.engine.constraint.matcher import ConstraintError, ConstraintMatcher
+from mili.engine.constraint.mask import BatchMasker
+from mili.engine.constraint.matcher import ConstraintError
 from mili.engine.logprobs import TokenLogprobs
 from mili.engine.step.device import settle, use_device
 from mili.engine.step.runner import Launched, ModelRunner
-from mili.engine.step.sampler import PendingSample
-from mili.engine.step.sequence import Sequence
-from mili.errors import FailedPrecondition, MiliError, ResourceExhausted, Unavailable
+from mili.errors import MiliError, Unavailable
 from mili.plural import plural
 from mili.telemetry.metrics import DecodeMetrics
-from mili.telemetry.tracing import start_batch_span
 from mili.watchdog import Progress
-from services.decode.preemption import Preempted, rank
+from services.decode.batch import Join, Running, Step, grow, matchers, start_step_span
+from services.decode.preemption import Preempted
 from services.decode.requests import DecodeRequest, RequestTable
 from services.decode.stream import Delivery, Outlet, TokenEvent, deliver_threadsafe
 
@@ -74,55 +69,6 @@ _LOG = logging.getLogger("mili.decode")
 # How often a batch with only preempted requests looks for freed blocks: a lease that expires
 # or a transfer that fails frees them without a word to this thread.
 RESUME_POLL_S = 0.05
-_TRACER = trace.get_tracer("mili.decode")  # a no-op until tracing installs a provider
-
-
-def _start_step_span(outlets: list[Outlet], step: int) -> Span | None:
-    """One span per batched step, linked to the `decode request` span of every traced request
-    in it (a step serves many requests: none of them is its parent). None when none is traced,
-    so with tracing off a step costs one scan of the batch and no span."""
-    contexts = [o.span_context for o in outlets if o.span_context is not None]
-    if not contexts:
-        return None
-    attributes = {"mili.decode.step": step, "mili.batch_size": len(outlets)}
-    return start_batch_span(_TRACER, "decode step", contexts, attributes)
-
-
-@dataclass(frozen=True)
-class _Join:
-    request: DecodeRequest
-    first_token_id: int
-    first_logprobs: TokenLogprobs | None
-    outlet: Outlet
-
-
-@dataclass(eq=False)
-class _Running:
-    """A request in the batch and its engine sequence (block_table: the request's)."""
-
-    request: DecodeRequest
-    seq: Sequence
-    outlet: Outlet  # where its events go (kept here: its call may end before it leaves)
-    order: int  # when it joined (preemption.rank: the last of equal priority goes first)
-    # The newest launched step it is in whose ids are not in yet: until that step is done its
-    # blocks stay taken (the step writes its KV), even once the request has ended.
-    step: _Step | None = None
-    is_done: bool = False  # ended: its rows in steps still in flight are discarded
-
-
-@dataclass(eq=False)
-class _Step:
-    """A launched decode step, until its ids are appended."""
-
-    running: list[_Running]  # its rows, in order
-    started: float  # perf_counter() at launch
-    span: Span | None
-    sample: PendingSample | None = None  # its ids: set once its sampling is launched
-    # Requests that ended while the step was in flight, with the tokens whose KV they hold
-    # and their last event (None: the caller is gone): released once the step is done.
-    releases: list[tuple[_Running, list[int], TokenEvent | BaseException | None]] = field(
-        default_factory=list
-    )
 
 
 class Batcher:
@@ -152,22 +98,22 @@ class Batcher:
         self._max_context_tokens = max_context_tokens
         self._metrics = DecodeMetrics(CollectorRegistry()) if metrics is None else metrics
         self._cond = threading.Condition()
-        self._inbox: list[_Join] = []  # guarded by _cond
+        self._inbox: list[Join] = []  # guarded by _cond
         self._is_stopping = False  # guarded by _cond
         self._on_death: Callable[[BaseException], None] | None = None
         self.death: BaseException | None = None  # what killed the batch thread (a bug)
-        self._running: list[_Running] = []  # batch thread only
+        self._running: list[Running] = []  # batch thread only
         # batch thread only: no running request could step, the blocks being another's to
-        # come (see `_make_room`): the loop waits for a join (or RESUME_POLL_S)
+        # come (see `Preempted.make_room`): the loop waits for a join (or RESUME_POLL_S)
         self._is_waiting_for_room = False
         self._num_joined = 0  # batch thread only
-        self._steps: list[_Step] = []  # batch thread only: launched, ids not in yet; oldest first
+        self._steps: list[Step] = []  # batch thread only: launched, ids not in yet; oldest first
         self._collected_at = 0.0  # batch thread only: perf_counter() of the last step's ids
         self._out: list[Delivery] = []  # batch thread only: this iteration's events so far
         self._thread = threading.Thread(target=self._run, name="decode-batcher", daemon=True)
         # Observability (written by the batch thread, read anywhere).
         self.progress = Progress()  # read by the instance's watchdog
-        self._preempted: Preempted[_Running] = Preempted(
+        self._preempted: Preempted = Preempted(
             runner, table, self._metrics, self.progress
         )  # batch thread only
         self.num_steps = 0
@@ -208,7 +154,7 @@ class Batcher:
         with self._cond:
             if self._is_stopping:
                 raise Unavailable("decode instance is shutting down")
-            self._inbox.append(_Join(request, first_token_id, first_logprobs, outlet))
+            self._inbox.append(Join(request, first_token_id, first_logprobs, outlet))
             self._cond.notify()
 
     # ---- batch thread --------------------------------------------------------------------------
@@ -279,47 +225,25 @@ class Batcher:
         finally:
             deliver_threadsafe(out)
 
-    def _add(self, join: _Join, out: list[Delivery]) -> None:
+    def _add(self, join: Join, out: list[Delivery]) -> None:
         """Stream prefill's first token; keep the request unless that token already ends it."""
         request = join.request
-        params = request.params
         try:
-            seq = Sequence.new(
-                request.prompt_token_ids,
-                params,
+            seq, event = join.start(
                 vocab_size=self._runner.vocab_size,
                 eos_token_ids=self._eos_token_ids,
                 max_context_tokens=self._max_context_tokens,
-                # The whole reservation: the runner copies it to the device once, and reads
-                # only the blocks under each step's position.
-                block_table=request.block_table,
-                matcher=request.matcher,
             )
-            reason = seq.append(join.first_token_id)
-        except (ValueError, ResourceExhausted) as e:  # ValueError: validated at the transfer
-            # edge, a bug if it happens; ResourceExhausted: the grammar is too complex here
+        except Exception as e:  # this request alone fails (`Join.start`)
             self._table.finish(request)
             out.append((join.outlet.stream, e))
             return
-        except ConstraintError as e:  # prefill masked it by the same grammar: they disagree
-            self._table.finish(request)
-            why = f"prefill's first token does not fit the constraint here: {e}"
-            out.append((join.outlet.stream, FailedPrecondition(why)))
-            return
-        except Exception as e:  # a bug (the grammar engine's, say): this request alone fails
-            _LOG.exception("request %s could not join the batch", request.name)
-            self._table.finish(request)
-            out.append((join.outlet.stream, e))
-            return
-        if reason or request.is_cancelled:
+        if event.finish_reason or request.is_cancelled:
             self._table.finish(request, seq.written_token_ids())
         else:
             self._num_joined += 1
-            self._running.append(_Running(request, seq, join.outlet, self._num_joined))
-        logprobs = None
-        if params.logprobs is not None and join.first_logprobs is not None:
-            logprobs = [join.first_logprobs]
-        out.append((join.outlet.stream, TokenEvent([join.first_token_id], logprobs, reason)))
+            self._running.append(Running(request, seq, join.outlet, self._num_joined))
+        out.append((join.outlet.stream, event))
 
     def _drop_cancelled(self) -> None:
         kept = []
@@ -346,42 +270,7 @@ class Batcher:
             else:
                 self._end(r, [], error, out)
 
-    def _grow(self, batch: list[_Running]) -> bool:
-        """Cover the position the next step writes for each of `batch`: its newest token's,
-        or, for a row in the step in flight (its token not in yet), the one after; False
-        when the pool was a block short (the rows before grew)."""
-        size = self._table.block_size
-        for r in batch:  # every step, every row: the common case (covered) stays inline
-            positions = r.seq.num_tokens + (r.step is not None)
-            covered = len(r.request.block_table) * size
-            if positions > covered and not self._table.grow(r.request, positions):
-                return False
-        return True
-
-    def _make_room(self) -> list[_Running]:
-        """No step in flight: cover the position the next step writes for every running
-        request, first ranked first (preemption.rank), while the pool is a block short
-        preempting the last ranked of the running ones and the one resuming. The one asking,
-        when it is the last, sits the next step out if a request ranked after it is about to
-        join (its blocks are taken: it is the one to preempt once it runs), and is preempted
-        itself if not. Returns the requests that sit the next step out."""
-        if self._grow(self._running):  # the common case: nothing to preempt
-            return []
-        by_rank = sorted(self._running, key=rank)
-        while by_rank:
-            if self._grow(by_rank[:1]):
-                del by_rank[0]
-            elif self._preempted.add_resuming_if_after(by_rank[-1]):
-                continue  # its blocks are back: try again
-            elif len(by_rank) == 1 and self._is_joining_after(by_rank[0]):
-                return by_rank
-            else:
-                victim = by_rank.pop()
-                self._running.remove(victim)
-                self._preempted.add(victim)
-        return []
-
-    def _is_joining_after(self, r: _Running) -> bool:
+    def _is_joining_after(self, r: Running) -> bool:
         """Whether a request that will rank after `r` is about to join: admitted with its KV
         on its way, or joined since this iteration took the joins."""
         priority = r.request.priority
@@ -399,7 +288,7 @@ class Batcher:
         if self._steps:  # only with overlap: without, a step is collected where it launched
             self._step_ahead(self._steps[0], out)
         if not self._steps and self._running:
-            sitting_out = self._make_room()
+            sitting_out = self._preempted.make_room(self._running, self._is_joining_after)
             batch = [r for r in self._running if r not in sitting_out]
             self._is_waiting_for_room = not batch
             if batch:
@@ -408,14 +297,14 @@ class Batcher:
                     self._take_joins()  # while the device computes: they run from the next step
                     self._collect(step, out)
 
-    def _step_ahead(self, done: _Step, out: list[Delivery]) -> None:
+    def _step_ahead(self, done: Step, out: list[Delivery]) -> None:
         """The next step's forward over the running requests, launched before `done`'s ids
         reach the host (a request `done`'s token ends by length is left out); then `done`'s
         ids, appended; then the next step's sampling, which reads them (penalties, masks,
         the seeded draw's position)."""
         in_done = {id(r) for r in done.running}
         batch = [r for r in self._running if not (id(r) in in_done and r.seq.is_length_bound())]
-        if not batch or not self._grow(batch):  # a block short: `_make_room` after this step
+        if not batch or not grow(self._table, batch):  # a block short: make room after it
             self._collect(done, out)
             return
         assert done.sample is not None  # a step without its sampling was aborted
@@ -432,45 +321,39 @@ class Batcher:
         try:
             mask = None
             if self._masker is not None:  # the forward runs meanwhile: no thread hop
-                mask = self._masker.fill(_matchers(batch))
+                mask = self._masker.fill(matchers(batch))
             step.sample = self._runner.sample(logits, [r.seq.sampling for r in batch], mask)
         except Exception as e:
             self._abort(step, e, out, previous=None)
 
-    def _launch(self, batch: list[_Running], out: list[Delivery]) -> _Step | None:
+    def _launch(self, batch: list[Running], out: list[Delivery]) -> Step | None:
         """Launch one decode step of `batch` and its sampling; None when that failed, which
         fails its requests."""
         step = self._begin(batch)
         try:
             # The masks of the constrained rows, filled on the masker's thread while the
             # forward runs (None: no constrained row, no thread hop, no mask tensor).
-            masks = self._masks(batch)
+            masks = None if self._masker is None else self._masker.start(matchers(batch))
             step.sample = self._runner.decode([r.seq for r in batch], masks)
         except Exception as e:
             self._abort(step, e, out, previous=None)
             return None
         return step
 
-    def _begin(self, batch: list[_Running]) -> _Step:
+    def _begin(self, batch: list[Running]) -> Step:
         """A step of `batch`, in flight from now on (its rows' KV is written from its
         launch until its ids are in)."""
         self.num_steps += 1
         self.max_batch_size = max(self.max_batch_size, len(batch))
-        span = _start_step_span([r.outlet for r in batch], self.num_steps)
-        step = _Step(batch, time.perf_counter(), span)
+        span = start_step_span([r.outlet for r in batch], self.num_steps)
+        step = Step(batch, time.perf_counter(), span)
         for r in batch:
             r.step = step
         self._steps.append(step)
         return step
 
-    def _masks(self, batch: list[_Running]) -> Future[FilledMask] | None:
-        """The constrained rows' masks, filling on the masker's thread (None: none)."""
-        if self._masker is None:
-            return None
-        return self._masker.start(_matchers(batch))
-
     def _abort(
-        self, step: _Step, error: Exception, out: list[Delivery], *, previous: _Step | None
+        self, step: Step, error: Exception, out: list[Delivery], *, previous: Step | None
     ) -> None:
         """Launching `step` failed: wait for what it launched, then fail its requests. Those
         also in `previous` (a step still in flight) wait for it instead."""
@@ -487,7 +370,7 @@ class Batcher:
         """Wait until the device has run everything this thread launched (CUDA)."""
         settle(self._runner.kv_cache.device)
 
-    def _collect(self, step: _Step, out: list[Delivery]) -> None:
+    def _collect(self, step: Step, out: list[Delivery]) -> None:
         """Wait for `step` (the oldest in flight)'s ids and append them: each request that
         stops ends; then release what ended while the step was in flight (it wrote their KV
         until now)."""
@@ -543,7 +426,7 @@ class Batcher:
 
     def _end(
         self,
-        r: _Running,
+        r: Running,
         written_token_ids: list[int],
         last: TokenEvent | BaseException | None,
         out: list[Delivery],
@@ -559,7 +442,7 @@ class Batcher:
         if last is not None:
             out.append((r.outlet.stream, last))
 
-    def _release(self, step: _Step, out: list[Delivery]) -> None:
+    def _release(self, step: Step, out: list[Delivery]) -> None:
         releases, step.releases = step.releases, []
         for r, written_token_ids, last in releases:
             self._table.finish(r.request, written_token_ids)
@@ -567,7 +450,7 @@ class Batcher:
                 out.append((r.outlet.stream, last))
 
     def _fail_step(
-        self, batch: list[_Running], error: Exception, span: Span | None, out: list[Delivery]
+        self, batch: list[Running], error: Exception, span: Span | None, out: list[Delivery]
     ) -> None:
         """A step failed: every request in it fails with `error`; the others go on."""
         if span is not None:
@@ -609,9 +492,3 @@ class Batcher:
             self._table.finish(request)
             out.append((outlet.stream, error))
         deliver_threadsafe(out)
-
-
-def _matchers(batch: list[_Running]) -> list[ConstraintMatcher | None]:
-    """Each row's constraint state to mask by (None: unconstrained, or ended: its token is
-    discarded)."""
-    return [None if r.is_done else r.seq.matcher for r in batch]

@@ -30,9 +30,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Generic, Protocol, TypeVar
 
 import torch
 from opentelemetry import trace
@@ -40,12 +39,11 @@ from opentelemetry.trace import NonRecordingSpan, Span
 
 from mili.engine.step.device import settle
 from mili.engine.step.runner import ModelRunner
-from mili.engine.step.sequence import Sequence
 from mili.plural import plural
 from mili.telemetry.metrics import DecodeMetrics
 from mili.watchdog import Progress
-from services.decode.requests import DecodeRequest, RequestTable
-from services.decode.stream import Outlet
+from services.decode.batch import Running, grow
+from services.decode.requests import RequestTable
 
 _LOG = logging.getLogger("mili.decode")
 _TRACER = trace.get_tracer("mili.decode")  # a no-op until tracing installs a provider
@@ -55,24 +53,12 @@ _TRACER = trace.get_tracer("mili.decode")  # a no-op until tracing installs a pr
 RECOMPUTE_CHUNK_TOKENS = 512
 
 
-class Preemptable(Protocol):
-    """What the batch thread keeps of a running request (batcher's `_Running`)."""
-
-    request: DecodeRequest
-    seq: Sequence
-    outlet: Outlet  # its span context, when traced
-    order: int  # when it joined the batch
-
-
-P = TypeVar("P", bound=Preemptable)
-
-
-def rank(r: Preemptable) -> tuple[int, int]:
+def rank(r: Running) -> tuple[int, int]:
     """Sort key, first to keep (and resume) first: priority, then when it joined."""
     return r.request.priority, r.order
 
 
-class Preempted(Generic[P]):
+class Preempted:
     """The preempted requests, by `rank`."""
 
     def __init__(
@@ -88,15 +74,41 @@ class Preempted(Generic[P]):
         self._table = table
         self._metrics = metrics
         self._progress = progress
-        self.waiting: list[P] = []
+        self.waiting: list[Running] = []
         self.num_preemptions = 0
         self._spans: dict[int, Span] = {}  # id(r) -> its `decode preempted` span, when traced
-        self._resuming: _Resuming[P] | None = None
+        self._resuming: _Resuming | None = None
 
     def __bool__(self) -> bool:
         return bool(self.waiting) or self._resuming is not None
 
-    def add(self, r: P, computed: list[int] | None = None) -> None:
+    def make_room(
+        self, running: list[Running], is_joining_after: Callable[[Running], bool]
+    ) -> list[Running]:
+        """No step in flight: cover the position the next step writes for every one of
+        `running`, first ranked first, while the pool is a block short preempting the last
+        ranked of them (taken out of `running`) and the one resuming. The one asking, when it
+        is the last, sits the next step out if `is_joining_after` it (a request that will rank
+        after it is about to join: its blocks are taken, and it is the one to preempt once it
+        runs), and is preempted itself if not. Returns the requests that sit the next step
+        out."""
+        if grow(self._table, running):  # the common case: nothing to preempt
+            return []
+        by_rank = sorted(running, key=rank)
+        while by_rank:
+            if grow(self._table, by_rank[:1]):
+                del by_rank[0]
+            elif self.add_resuming_if_after(by_rank[-1]):
+                continue  # its blocks are back: try again
+            elif len(by_rank) == 1 and is_joining_after(by_rank[0]):
+                return by_rank
+            else:
+                victim = by_rank.pop()
+                running.remove(victim)
+                self.add(victim)
+        return []
+
+    def add(self, r: Running, computed: list[int] | None = None) -> None:
         """Take the blocks of `r` (out of the batch, in no step in flight) back; it waits here.
         `computed`: the tokens whose K/V its blocks hold (default: all it wrote)."""
         written = r.seq.written_token_ids() if computed is None else computed
@@ -122,7 +134,7 @@ class Preempted(Generic[P]):
             plural(num_blocks, "KV block"),
         )
 
-    def add_resuming_if_after(self, r: Preemptable) -> bool:
+    def add_resuming_if_after(self, r: Running) -> bool:
         """When the request resuming ranks after `r` (the last ranked running one, a block
         short), it is preempted again, keeping in the prefix cache the blocks its chunks
         computed so far; True. Its blocks were lent for its resume, not taken from requests
@@ -148,7 +160,7 @@ class Preempted(Generic[P]):
         """A request has its blocks and its K/V is being computed again: work each iteration."""
         return self._resuming is not None
 
-    def take_cancelled(self) -> list[P]:
+    def take_cancelled(self) -> list[Running]:
         """The cancelled ones, no longer here: the waiting hold no block; one resuming holds
         its blocks, with no write of its recompute still queued (the caller ends it)."""
         cancelled = [r for r in self.waiting if r.request.is_cancelled]
@@ -162,7 +174,7 @@ class Preempted(Generic[P]):
             self._end_span(r)
         return cancelled
 
-    def take_all(self) -> list[P]:
+    def take_all(self) -> list[Running]:
         """Everything here, gone (a batch thread that stops)."""
         waiting, self.waiting = self.waiting, []
         if self._resuming is not None:
@@ -171,7 +183,7 @@ class Preempted(Generic[P]):
             self._end_span(r)
         return waiting
 
-    def _end_span(self, r: P, error: Exception | None = None, **attributes: int) -> None:
+    def _end_span(self, r: Running, error: Exception | None = None, **attributes: int) -> None:
         span = self._spans.pop(id(r), None)
         if span is not None:
             span.set_attributes({f"mili.decode.{k}": v for k, v in attributes.items()})
@@ -179,7 +191,7 @@ class Preempted(Generic[P]):
                 span.record_exception(error)
             span.end()
 
-    def resume(self, num_running: int) -> Iterator[tuple[P, Exception | None]]:
+    def resume(self, num_running: int) -> Iterator[tuple[Running, Exception | None]]:
         """One batch iteration's resuming: requests get blocks by `rank` until one does not
         fit beside `num_running` running ones (the rest wait behind it), and one chunk of
         RECOMPUTE_CHUNK_TOKENS is computed again, so that a long context resumes over several
@@ -222,7 +234,7 @@ class Preempted(Generic[P]):
             num_running += 1
             yield r, None
 
-    def _stop_resuming(self) -> _Resuming[P]:
+    def _stop_resuming(self) -> _Resuming:
         """The request resuming, no longer here, once the device has run every write of its
         recompute queued so far: its blocks may go back at once (it ends, or is preempted
         again) to an owner whose KV prefill writes from another stream or process."""
@@ -232,7 +244,7 @@ class Preempted(Generic[P]):
         self._resuming = None
         return resuming
 
-    def _start(self, num_running: int) -> _Resuming[P] | None:
+    def _start(self, num_running: int) -> _Resuming | None:
         """Blocks for the first waiting request, or None when it does not fit."""
         if not self.waiting:
             return None
@@ -245,7 +257,7 @@ class Preempted(Generic[P]):
         r.seq.block_table = r.request.block_table  # a new list (the device's copy is stale)
         return _Resuming(r, written, num_cached, num_cached, time.perf_counter())
 
-    def _compute_chunk(self, resuming: _Resuming[P]) -> None:
+    def _compute_chunk(self, resuming: _Resuming) -> None:
         """Write the K/V of the next chunk of `resuming`'s tokens into its blocks (one prefill
         forward, queued; the logits are not read)."""
         begin = resuming.position
@@ -260,10 +272,10 @@ class Preempted(Generic[P]):
 
 
 @dataclass(eq=False)
-class _Resuming(Generic[P]):
+class _Resuming:
     """A request given its blocks again, its K/V computed back a chunk per iteration."""
 
-    r: P
+    r: Running
     written: list[int]  # the tokens whose K/V it held: all but its newest
     num_cached: int  # leading tokens the prefix cache still held
     position: int  # the next token to compute
