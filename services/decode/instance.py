@@ -24,6 +24,7 @@ from mili.engine.step.ahead_check import check_ahead
 from mili.engine.step.device import require_device
 from mili.engine.step.runner import ModelRunner
 from mili.engine.step.runner_info import RunnerInfo
+from mili.engine.step.startup import load_runner
 from mili.errors import StartupError
 from mili.kv_handoff import kv_transport
 from mili.kv_handoff.cuda_ipc import export_pool
@@ -86,7 +87,7 @@ class DecodeInstance(RunnerInfo):
         # The KV pool (its blocks and the runner's null block) in memory a prefill can map.
         pool = _PoolStorage(endpoint, config.kv_transport, engine.device)
         try:
-            runner = ModelRunner.load(
+            runner = load_runner(
                 config.model_dir,
                 engine,
                 attention=kernels.attention,
@@ -205,7 +206,7 @@ class DecodeInstance(RunnerInfo):
 
 
 class _PoolStorage:
-    """ModelRunner.load's `storage` hook for decode: the KV pool in one exported CUDA
+    """load_runner's `storage` hook for decode: the KV pool in one exported CUDA
     allocation ("cuda-ipc") or in a POSIX shared-memory segment ("shm"), else None (the runner
     allocates it). A segment that cannot be made falls back to grpc unless shm was forced."""
 

@@ -26,6 +26,7 @@ from mili.engine.model.loader import CheckpointError, load_config
 from mili.engine.step.device import require_device
 from mili.engine.step.runner import ModelRunner
 from mili.engine.step.runner_info import RunnerInfo
+from mili.engine.step.startup import load_runner
 from mili.errors import StartupError
 from mili.telemetry.metrics import PrefillMetrics, PrefixCacheCollector
 from services.prefill.config import PrefillConfig
@@ -73,7 +74,7 @@ class PrefillInstance(RunnerInfo):
             raise StartupError(f"--attention {engine.attention}: {e}") from None
         except (CheckpointError, ConfigError, OSError) as e:
             raise StartupError(f"cannot load model from {model_dir}: {e}") from None
-        runner = ModelRunner.load(
+        runner = load_runner(
             model_dir,
             engine,
             attention=kernels.attention,

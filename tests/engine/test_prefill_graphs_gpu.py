@@ -20,6 +20,7 @@ from mili.engine.model.qwen3 import Qwen3ForCausalLM
 from mili.engine.step.prompt_logprobs import PromptLogprobsAsk, chunk_targets
 from mili.engine.step.runner import ModelRunner
 from mili.engine.step.sampler import SamplingParams, SequenceSampling
+from mili.engine.step.startup import load_runner
 
 pytestmark = [
     pytest.mark.gpu,
@@ -152,13 +153,13 @@ def test_first_tokens_sampled_from_the_prefill_graphs_logits_replay_too(
 def test_a_runner_loaded_for_prefill_captures_its_graphs(
     checkpoint: Path, kernels: Kernels
 ) -> None:
-    """ModelRunner.load(capture_prefill_graphs=True), as the prefill service loads it: graphs up
+    """load_runner(capture_prefill_graphs=True), as the prefill service loads it: graphs up
     to its max_prefill_tokens, checked at start-up; with --enforce-eager none."""
     for enforce_eager in (False, True):
         config = EngineConfig(
             device="cuda", dtype="float32", num_blocks=64, enforce_eager=enforce_eager
         )
-        runner = ModelRunner.load(
+        runner = load_runner(
             checkpoint,
             config,
             attention=kernels.attention,

@@ -18,6 +18,7 @@ from mili.engine.step.device import use_device
 from mili.engine.step.runner import ModelRunner
 from mili.engine.step.sampler import SequenceSampling, param_rows
 from mili.engine.step.sequence import Sequence
+from mili.engine.step.startup import load_runner
 
 BLOCK_SIZE = 4
 
@@ -136,7 +137,7 @@ def test_a_runner_loaded_from_a_checkpoint_samples_only_its_tokenizers_ids(
 ) -> None:
     # The demo model pads its embedding table like Qwen3 does: 896 rows for 836 token ids.
     config = EngineConfig(dtype="float32", attention="torch", num_blocks=64, block_size=BLOCK_SIZE)
-    runner = ModelRunner.load(
+    runner = load_runner(
         demo_model_dir, config, attention=TorchAttention(), max_decode_batch=8, capture_graphs=False
     )
     assert (runner.vocab_size, runner.model.config.vocab_size) == (836, 896)

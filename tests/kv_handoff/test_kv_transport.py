@@ -1,5 +1,5 @@
 """The KV transport choice (pure) and the shared-memory KV pool: layout, mapping, leaks, and
-ModelRunner.load carving its pool from a storage hook."""
+load_runner carving its pool from a storage hook."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from mili.engine.engine_config import EngineConfig
 from mili.engine.model.checkpoint import write_random_checkpoint
 from mili.engine.model.config import Qwen3Config
 from mili.engine.model.kv_cache import KVCache, pool_bytes
-from mili.engine.step.runner import ModelRunner
+from mili.engine.step.startup import load_runner
 from mili.kv_handoff import kv_transport
 from mili.kv_handoff.kv_transport import Endpoint, choose, usable
 from mili.kv_handoff.shm_segment import PREFIX, Segment, segments_of, sweep_stale
@@ -194,7 +194,7 @@ def test_sweep_unlinks_only_segments_whose_owner_died(tmp_path: Path) -> None:
 
 
 def test_runner_carves_its_pool_and_null_block_from_the_storage_hook(tmp_path: Path) -> None:
-    """ModelRunner.load's `storage` hook (decode's shm segment, or exported CUDA pool) gets
+    """load_runner's `storage` hook (decode's shm segment, or exported CUDA pool) gets
     the byte count of the pool's blocks plus the null block, and the cache lives in it."""
     model_dir = write_random_checkpoint(tmp_path / "model", CONFIG, seed=0)
     dtype = torch.float32
@@ -206,7 +206,7 @@ def test_runner_carves_its_pool_and_null_block_from_the_storage_hook(tmp_path: P
 
     engine = EngineConfig(block_size=4, dtype="float32", attention="torch", num_blocks=5)
     try:
-        runner = ModelRunner.load(
+        runner = load_runner(
             model_dir,
             engine,
             attention=select_attention("torch", "cpu", head_dim=CONFIG.head_dim),
@@ -221,7 +221,7 @@ def test_runner_carves_its_pool_and_null_block_from_the_storage_hook(tmp_path: P
         segment.tensor.view(dtype)[: 6 * 4 * 2 * 8] = 3.0  # layer 0's K, null block included
         assert bool((runner.kv_cache.k[0][runner.null_block_id] == 3.0).all())
         # A hook that declines (None) leaves the allocation to the runner.
-        plain = ModelRunner.load(
+        plain = load_runner(
             model_dir,
             engine,
             attention=select_attention("torch", "cpu", head_dim=CONFIG.head_dim),

@@ -1,29 +1,137 @@
-"""ModelRunner.load's start-up steps that are not the runner's own: whether decode steps may be
-captured, the device memory a warm-up takes (for sizing the KV pool), and the start-up logs."""
+"""A ModelRunner's start-up (`load_runner`): the checkpoint loaded, the KV pool sized (after a
+warm-up that measures the device memory a step takes) and allocated, the steps' CUDA graphs
+captured where they may be; and the start-up logs."""
 
 from __future__ import annotations
 
 import gc
 import logging
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from mili.engine.engine_config import EngineConfig
 from mili.engine.kv.block_pool import blocks_needed
-from mili.engine.kv_memory import GIB, DeviceMemory, KvPoolSize, check_weights_fit
+from mili.engine.kv_memory import GIB, DeviceMemory, KvPoolSize, check_weights_fit, plan_kv_pool
 from mili.engine.model import grouped_gemm
-from mili.engine.model.config import Qwen3Config
+from mili.engine.model.attention import AttentionBackend
+from mili.engine.model.config import ConfigError, Qwen3Config
+from mili.engine.model.fused_ops import FusedOps
 from mili.engine.model.kv_cache import KVCache, bytes_per_block, dtype_name
+from mili.engine.model.loader import (
+    CheckpointError,
+    load_config,
+    load_model,
+    resolve_dtype,
+    tokenizer_vocab_size,
+)
 from mili.engine.model.qwen3 import Qwen3ForCausalLM
 from mili.engine.model.sizing import num_parameters, weight_bytes
+from mili.engine.step.device import require_device, use_device
+from mili.engine.step.runner import ModelRunner
+from mili.errors import StartupError
 from mili.plural import plural
 
-if TYPE_CHECKING:
-    from mili.engine.step.runner import ModelRunner  # it imports this module
-
 _LOG = logging.getLogger("mili.engine")
+
+
+def load_runner(
+    model_dir: Path,
+    config: EngineConfig,
+    *,
+    attention: AttentionBackend,
+    fused_ops: FusedOps | None = None,
+    max_decode_batch: int,
+    capture_graphs: bool,
+    capture_prefill_graphs: bool = False,
+    max_prefill_tokens: int | None = None,
+    default_kv_bytes: int | None = None,
+    default_num_blocks: int | None = None,
+    max_useful_blocks: int | None = None,
+    storage: Callable[[int], torch.Tensor | None] | None = None,
+) -> ModelRunner:
+    """Load the checkpoint, size and allocate the KV pool, capture graphs; StartupError
+    naming what is wrong. The sampler draws only the ids of the directory's tokenizer.json
+    (every row of the model without one).
+
+    `capture_graphs`: whether this engine runs decode steps (decode: yes, prefill: no);
+    `capture_prefill_graphs`: whether its prefill steps of up to `max_prefill_tokens`
+    replay graphs (prefill's service: yes). Graphs are captured only on CUDA, without
+    --enforce-eager, over a graph-safe backend.
+    The pool's defaults and cap: kv_memory.plan_kv_pool.
+
+    `storage`: given the whole pool's byte count (its blocks plus the null block), a flat
+    zero-filled uint8 tensor to carve the KV cache from (a shared-memory segment, an
+    exported CUDA allocation: KVCache's `storage`), or None to allocate it here.
+    """
+    require_device(config.device)
+    device = torch.device(config.device)
+    use_device(device)  # graph capture and the pool's events below
+    try:
+        dtype = resolve_dtype(config.dtype) if config.dtype is not None else None
+        model_config = load_config(model_dir)
+        weights_dtype = dtype or resolve_dtype(model_config.torch_dtype)
+        check_device_fits(model_config, config, device, weights_dtype)
+        model = load_model(
+            model_dir, device=device, dtype=dtype, attention=attention, fused_ops=fused_ops
+        )
+        vocab_size = tokenizer_vocab_size(model_dir)
+    except (CheckpointError, ConfigError, OSError, RuntimeError, ValueError) as e:
+        raise StartupError(f"cannot load model from {model_dir}: {e}") from None
+    if vocab_size is not None and vocab_size > model.config.vocab_size:
+        raise StartupError(
+            f"{model_dir}: tokenizer.json has {vocab_size} token ids, more than the "
+            f"model's {model.config.vocab_size} embedding rows"
+        )
+    log_model(model)
+    log_vocab(model_dir, vocab_size, model.config.vocab_size)
+    use_graphs = capture_graphs and device.type == "cuda" and graphs_allowed(config, model)
+    use_prefill_graphs = (
+        capture_prefill_graphs
+        and max_prefill_tokens is not None
+        and device.type == "cuda"
+        and graphs_allowed(config, model)
+    )
+
+    memory = None
+    if device.type == "cuda" and config.num_blocks is None and config.kv_cache_bytes is None:
+        memory = measure_memory(
+            model, config, max_decode_batch, max_prefill_tokens, full_width=use_graphs
+        )
+    block_bytes = bytes_per_block(model.config, config.block_size, model.dtype)
+    try:
+        size = plan_kv_pool(
+            config,
+            block_bytes,
+            memory=memory,
+            default_bytes=default_kv_bytes,
+            default_num_blocks=default_num_blocks,
+            max_useful_blocks=max_useful_blocks,
+        )
+    except ValueError as e:
+        raise StartupError(str(e)) from None
+    log_pool(size, config.block_size)
+    try:
+        flat = None
+        if storage is not None:
+            flat = storage((size.num_blocks + 1) * block_bytes)
+        cache = KVCache(
+            model.config, size.num_blocks + 1, config.block_size, dtype=model.dtype,
+            device=device, storage=flat,
+        )  # fmt: skip
+    except (torch.OutOfMemoryError, RuntimeError, OSError) as e:
+        raise StartupError(
+            f"cannot allocate {size.num_blocks} KV blocks ({size.num_bytes} bytes) on "
+            f"{config.device}: {e}; lower --num-blocks or --kv-cache-bytes"
+        ) from None
+    runner = ModelRunner(model, cache, max_decode_batch=max_decode_batch, vocab_size=vocab_size)
+    if use_graphs:
+        runner.capture_graphs()
+    if use_prefill_graphs:
+        assert max_prefill_tokens is not None
+        runner.capture_prefill_graphs(max_prefill_tokens)
+    return runner
 
 
 def check_device_fits(
@@ -81,7 +189,6 @@ def graphs_allowed(config: EngineConfig, model: Qwen3ForCausalLM) -> bool:
 
 
 def measure_memory(
-    cls: type[ModelRunner],
     model: Qwen3ForCausalLM,
     config: EngineConfig,
     max_decode_batch: int,
@@ -97,7 +204,7 @@ def measure_memory(
     torch.cuda.reset_peak_memory_stats(device)
     cache = KVCache(model.config, warm_blocks, config.block_size, dtype=model.dtype, device=device)
     cache_bytes = warm_blocks * bytes_per_block(model.config, config.block_size, model.dtype)
-    runner = cls(model, cache, max_decode_batch=max_decode_batch)
+    runner = ModelRunner(model, cache, max_decode_batch=max_decode_batch)
     runner.warm_up(max_prefill_tokens, full_width=full_width)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_reserved(device) - cache_bytes
