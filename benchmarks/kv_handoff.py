@@ -84,7 +84,8 @@ from mili.pb.kv.v1 import kv_pb2, kv_pb2_grpc
 from mili.pb.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from mili.rpc.client import insecure_channel
 from mili.rpc.kv_layout import check_compatible
-from mili.rpc.server import RpcServer, ServerConfig
+from mili.rpc.server import RpcServer
+from mili.rpc.server_config import ServerConfig
 from services.prefill.config import PrefillConfig
 from services.prefill.instance import PrefillInstance
 from services.prefill.pairing import Pairing

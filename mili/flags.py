@@ -11,7 +11,7 @@ from typing import Any
 from mili import ports
 from mili.discovery import ANY, Callers
 from mili.kv_handoff import kv_transport
-from mili.rpc.server import ServerConfig, ServerTls
+from mili.rpc.server_config import ServerConfig, ServerTls
 from mili.rpc.tls import Tls, TlsFiles
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -19,7 +19,8 @@ from mili.errors import ResourceExhausted
 from mili.pb.common.v1 import sampling_pb2
 from mili.pb.frontend.v1 import generation_pb2, generation_pb2_grpc
 from mili.ports import pick_free
-from mili.rpc.server import RpcServer, ServerConfig
+from mili.rpc.server import RpcServer
+from mili.rpc.server_config import ServerConfig
 
 SERVICE = "mili.frontend.v1.GenerationService"
 RETRY_AFTER_S = 0.2

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from mili import flags, ports
 from mili.console import to_stdout
 from mili.errors import StartupError
-from mili.rpc.server import ServerConfig
+from mili.rpc.server_config import ServerConfig
 
 if TYPE_CHECKING:
     from services.frontend.http_api.server import HttpConfig

@@ -36,7 +36,8 @@ from mili.pb.decode.v1 import decode_pb2, decode_pb2_grpc
 from mili.pb.kv.v1 import kv_pb2, kv_pb2_grpc
 from mili.rpc.kv_layout import layout_to_proto
 from mili.rpc.sampling import sampling_params_to_proto
-from mili.rpc.server import RpcServer, ServerConfig
+from mili.rpc.server import RpcServer
+from mili.rpc.server_config import ServerConfig
 from services.decode.config import DecodeConfig
 from services.decode.instance import DecodeInstance
 from services.decode.server import add_to_server

@@ -19,7 +19,7 @@ from mili.pb.decode.v1 import decode_pb2
 from mili.pb.kv.v1 import kv_pb2
 from mili.rpc.certs import Authority, CertFiles
 from mili.rpc.client import channel, insecure_channel
-from mili.rpc.server import ServerConfig, ServerTls
+from mili.rpc.server_config import ServerConfig, ServerTls
 from mili.rpc.tls import Tls, TlsFiles
 from services.decode.config import DecodeConfig
 from tests.decode.conftest import BLOCK_SIZE, NUM_BLOCKS

@@ -27,7 +27,7 @@ from mili.kv_handoff.transport import ShmTransport
 from mili.pb.decode.v1 import decode_pb2
 from mili.pb.kv.v1 import kv_pb2
 from mili.rpc.client import insecure_channel
-from mili.rpc.server import ServerConfig
+from mili.rpc.server_config import ServerConfig
 from services.decode import transfer as transfer_module
 from services.decode.landing import Landing, Reader
 from services.decode.transfer import _IN_PLACE_DRAIN_S, _IN_PLACE_GRACE_S, KvTransferServicer

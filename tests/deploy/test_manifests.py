@@ -19,7 +19,8 @@ import yaml
 
 from mili.cli import build_parser
 from mili.discovery import parse_target, parse_targets
-from mili.rpc.server import LIVENESS, ServerConfig
+from mili.rpc.server import LIVENESS
+from mili.rpc.server_config import ServerConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = ROOT / "deploy" / "kubernetes" / "base"

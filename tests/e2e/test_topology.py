@@ -42,7 +42,8 @@ from mili.pb.frontend.v1 import generation_pb2, generation_pb2_grpc
 from mili.pb.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from mili.ports import pick_free
 from mili.rpc.certs import Authority, CertFiles
-from mili.rpc.server import RpcServer, ServerConfig, ServerTls
+from mili.rpc.server import RpcServer
+from mili.rpc.server_config import ServerConfig, ServerTls
 from mili.rpc.tls import Tls, TlsFiles
 from mili.telemetry.metrics import FrontendMetrics
 from services.frontend.backends import Backends

@@ -38,7 +38,8 @@ from mili.pb.kv.v1 import kv_pb2
 from mili.pb.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from mili.pb.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from mili.rpc.client import insecure_channel
-from mili.rpc.server import RpcServer, ServerConfig
+from mili.rpc.server import RpcServer
+from mili.rpc.server_config import ServerConfig
 from mili.rpc.status import DETAILS_KEY, status_of
 from mili.telemetry.metrics import FrontendMetrics
 from services.frontend.backends import Backends

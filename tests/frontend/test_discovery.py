@@ -25,7 +25,8 @@ from mili.pb.prefill.v1 import prefill_pb2_grpc
 from mili.pb.tokenizer.v1 import tokenizer_pb2_grpc
 from mili.ports import pick_free
 from mili.rpc.client import insecure_channel
-from mili.rpc.server import RpcServer, ServerConfig
+from mili.rpc.server import RpcServer
+from mili.rpc.server_config import ServerConfig
 from mili.telemetry.metrics import FrontendMetrics
 from services.frontend.backends import Backends
 from services.frontend.config import FrontendConfig

@@ -12,7 +12,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from mili.rpc.server import RpcServer, ServerConfig
+from mili.rpc.server import RpcServer
+from mili.rpc.server_config import ServerConfig
 from services.frontend.http_api.server import HttpConfig, HttpServer
 
 

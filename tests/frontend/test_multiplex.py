@@ -11,7 +11,8 @@ from collections.abc import AsyncIterator
 from mili.pb.decode.v1 import decode_pb2, decode_pb2_grpc
 from mili.rpc.client import insecure_channel
 from mili.rpc.policy import GENERATE_STREAM_BATCH_BYTES
-from mili.rpc.server import RpcServer, ServerConfig
+from mili.rpc.server import RpcServer
+from mili.rpc.server_config import ServerConfig
 from services.frontend.calls import MAX_DOWNSTREAM_TIMEOUT_S, Deadline
 from services.frontend.multiplex import DecodeMultiplexer, _messages
 from tests.frontend.fakes import FakeDecode

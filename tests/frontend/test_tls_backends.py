@@ -17,7 +17,8 @@ from mili.pb.prefill.v1 import prefill_pb2_grpc
 from mili.pb.tokenizer.v1 import tokenizer_pb2_grpc
 from mili.ports import pick_free
 from mili.rpc.certs import Authority
-from mili.rpc.server import RpcServer, ServerConfig, ServerTls
+from mili.rpc.server import RpcServer
+from mili.rpc.server_config import ServerConfig, ServerTls
 from mili.rpc.tls import Tls, TlsFiles
 from services.frontend.backends import Backends
 from services.frontend.config import FrontendConfig

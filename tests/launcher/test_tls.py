@@ -15,7 +15,8 @@ import pytest
 
 from mili.errors import StartupError
 from mili.rpc.certs import DEMO_STEMS, Authority, CertFiles, write_demo
-from mili.rpc.server import RpcServer, ServerConfig, ServerTls
+from mili.rpc.server import RpcServer
+from mili.rpc.server_config import ServerConfig, ServerTls
 from mili.rpc.tls import TlsFiles
 from mili.serve.child import _wait_for_health
 from mili.serve.launcher import add_arguments

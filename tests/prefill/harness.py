@@ -27,7 +27,8 @@ from mili.engine.step.runner import ModelRunner
 from mili.pb.kv.v1 import kv_pb2
 from mili.pb.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from mili.rpc.client import insecure_channel
-from mili.rpc.server import RpcServer, ServerConfig
+from mili.rpc.server import RpcServer
+from mili.rpc.server_config import ServerConfig
 from services.prefill.config import PrefillConfig
 from services.prefill.instance import PrefillInstance
 from services.prefill.server import PrefillServicer, add_to_server

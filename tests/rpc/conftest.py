@@ -19,7 +19,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from mili import errors
 from mili.rpc.client import insecure_channel
-from mili.rpc.server import RpcServer, ServerConfig
+from mili.rpc.server import RpcServer
+from mili.rpc.server_config import ServerConfig
 
 SERVICE = "mili.test.v1.EchoService"
 

@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from mili.rpc.client import insecure_channel
-from mili.rpc.server import ServerConfig
+from mili.rpc.server_config import ServerConfig
 
 SERVICE = "mili.test.v1.EchoService"
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -129,7 +129,8 @@ import asyncio
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from mili.rpc.server import RpcServer, ServerConfig, serve_forever
+from mili.rpc.server import RpcServer, serve_forever
+from mili.rpc.server_config import ServerConfig
 
 
 async def unary(request, context):

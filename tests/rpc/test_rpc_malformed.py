@@ -20,7 +20,8 @@ from mili.kv_handoff.codec import parse_transfer_request
 from mili.pb.kv.v1 import kv_pb2
 from mili.pb.tokenizer.v1 import tokenizer_pb2
 from mili.rpc.client import insecure_channel
-from mili.rpc.server import RpcServer, ServerConfig
+from mili.rpc.server import RpcServer
+from mili.rpc.server_config import ServerConfig
 from tests.rpc.eventually import eventually
 
 SERVICE = "mili.test.v1.ProtoService"

@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from mili.cut import cut_short
 from mili.errors import InvalidArgument
-from mili.rpc.server import ServerConfig
+from mili.rpc.server_config import ServerConfig
 from tests.rpc.conftest import SERVICE, EchoServer
 
 

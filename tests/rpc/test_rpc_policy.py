@@ -24,7 +24,8 @@ from mili.rpc import heap
 from mili.rpc.client import insecure_channel
 from mili.rpc.malformed import Oversized, guard
 from mili.rpc.policy import SMALL_REQUEST_BYTES, Policy
-from mili.rpc.server import RpcServer, ServerConfig
+from mili.rpc.server import RpcServer
+from mili.rpc.server_config import ServerConfig
 from mili.rpc.status import server_status_of
 from tests.rpc.conftest import SERVICE, Echo
 from tests.rpc.eventually import eventually

@@ -14,7 +14,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from mili.discovery import format_address
 from mili.errors import StartupError
 from mili.rpc.client import channel_options, insecure_channel
-from mili.rpc.server import RpcServer, ServerConfig
+from mili.rpc.server import RpcServer
+from mili.rpc.server_config import ServerConfig
 
 SERVICE = "mili.test.v1.EchoService"
 

@@ -14,7 +14,7 @@ from google.protobuf import duration_pb2
 from google.rpc import error_details_pb2, status_pb2
 
 from mili import errors
-from mili.rpc.server import ServerConfig
+from mili.rpc.server_config import ServerConfig
 from mili.rpc.status import (
     STATUS_HEADER_KEY,
     bad_request_of,

@@ -18,7 +18,8 @@ from mili import flags
 from mili.client import generate
 from mili.rpc.certs import Authority, CertFiles
 from mili.rpc.client import channel, connection_hint
-from mili.rpc.server import LIVENESS, RpcServer, ServerConfig, ServerTls
+from mili.rpc.server import LIVENESS, RpcServer
+from mili.rpc.server_config import ServerConfig, ServerTls
 from mili.rpc.tls import Tls, TlsFiles
 from tests.rpc.conftest import EchoServer, eventually
 
