@@ -4,7 +4,7 @@
                                 or an array of arrays of ids (a batch: one RequestInput each)
     POST /v1/chat/completions   messages: role + content (a string or text parts), assistant
                                 tool calls and tool results; tools, tool_choice
-                                (openai_tools.py); reasoning_effort "none" or
+                                (openai_messages.py, openai_tools.py); reasoning_effort "none" or
                                 chat_template_kwargs.enable_thinking false: no thinking
     both                        response_format, guided_* / structured_outputs: one
                                 Constraint (openai_constraint.py); vLLM's prompt_logprobs
@@ -32,8 +32,8 @@ from services.frontend.http_api import openai_tools
 from services.frontend.http_api.body import Body, is_int
 from services.frontend.http_api.errors import ParamOf
 from services.frontend.http_api.openai_constraint import Requested, constraint_of
+from services.frontend.http_api.openai_messages import messages_of
 from services.frontend.validation import (
-    ChatTurn,
     Counts,
     RequestInput,
     SamplingInput,
@@ -193,7 +193,7 @@ def chat_request(body: Body, window: int | None, client_id: str) -> OpenAIReques
     if prompt_logprobs is not None:
         sampling = replace(sampling, prompt_logprobs=prompt_logprobs)
     include_usage, is_continuous_usage = _usage_options(body)
-    messages = _messages(body)
+    messages = messages_of(body)
     counts = Counts(
         0, len(messages), len(sampling.stop), len(sampling.stop_token_ids), len(sampling.logit_bias)
     )
@@ -429,53 +429,6 @@ def _prompts(body: Body) -> list[str | tuple[int, ...]]:
         "must be a non-empty string, array of strings, array of token ids or array of arrays "
         "of token ids",
     )
-
-
-_ROLES = {"developer": "system"}  # OpenAI's newer name for the system turn
-
-
-def _messages(body: Body) -> tuple[ChatTurn, ...]:
-    messages = body.array("messages")
-    if not messages:
-        raise InvalidArgument("messages", messages, "must be a non-empty array")
-    turns = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise InvalidArgument(f"messages[{i}]", message, "must be an object")
-        m = Body(message, f"messages[{i}]")
-        role = m.text("role")
-        if role is None:
-            raise InvalidArgument(m.name("role"), None, "required")
-        if role != "assistant" and m.raw("content") is None:  # as OpenAI: only an assistant
-            # turn may leave it out (its tool calls are the turn)
-            raise InvalidArgument(m.name("content"), None, f"required in a {role} message")
-        turns.append(
-            ChatTurn(
-                role=_ROLES.get(role, role),
-                content=_content(m),
-                reasoning_content=m.text("reasoning_content"),
-                **openai_tools.message_fields(m),
-            )
-        )
-    return tuple(turns)
-
-
-def _content(message: Body) -> str:
-    """A message's content: a string, or text parts joined by newlines (as vLLM joins them)."""
-    content = message.raw("content")
-    if content is None or isinstance(content, str):
-        return content or ""
-    parts = message.array("content")
-    assert parts is not None
-    texts = []
-    for j, part in enumerate(parts):
-        where = f"{message.name('content')}[{j}]"
-        if not isinstance(part, dict) or part.get("type") != "text":
-            kind = part.get("type") if isinstance(part, dict) else part
-            raise InvalidArgument(where, kind, "only text parts ({type: text, text}) are supported")
-        text = Body(part, where).text("text")
-        texts.append(text or "")
-    return "\n".join(texts)
 
 
 # ---- validation's fields -> parameters --------------------------------------------------------
