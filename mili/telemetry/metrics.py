@@ -55,6 +55,8 @@ TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64,
 TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # sequences
 BATCH_TOKEN_BUCKETS = (16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384)  # tokens
+# A request's prompt or output length, up to the longest contexts Qwen3 has (tokens)
+LENGTH_BUCKETS = (1, 8, 32, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 131072)
 
 Read = Callable[[], float]
 
@@ -187,6 +189,35 @@ class FrontendMetrics:
             "Per request with at least 2 output tokens: (last token time - first token time) "
             "/ (output tokens - 1)",
             buckets=TOKEN_BUCKETS,
+            registry=registry,
+        )
+
+        # Once per generation as it ends (each of an HTTP request's n choices is one).
+        self.requests_finished = Counter(
+            "mili_frontend_requests_finished_total",
+            "Generations ended, by outcome: the finish reason of a whole answer (stop, length), "
+            "or the gRPC status code name of one that failed or was cut short (CANCELLED: the "
+            "caller went away; DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, UNAVAILABLE, ...)",
+            ["outcome"],
+            registry=registry,
+        )
+        self.request_duration = Histogram(
+            "mili_frontend_request_duration_seconds",
+            "Per whole answer: from the frontend receiving the request to its last token (the "
+            "end-to-end latency, queueing included)",
+            buckets=HTTP_BUCKETS,
+            registry=registry,
+        )
+        self.request_prompt_tokens = Histogram(
+            "mili_frontend_request_prompt_tokens",
+            "Per request tokenized: its prompt's length in tokens",
+            buckets=LENGTH_BUCKETS,
+            registry=registry,
+        )
+        self.request_output_tokens = Histogram(
+            "mili_frontend_request_output_tokens",
+            "Per whole answer: the tokens it generated",
+            buckets=LENGTH_BUCKETS,
             registry=registry,
         )
 

@@ -1,8 +1,9 @@
 """One request's telemetry at the frontend, all in one place: its span (`generate {model}`, the
 trace's root on our side, current while it runs so every downstream call is its child), its
-time to first token and per output token (observed once per request, never per token: the
-histograms' cost stays off the streaming path) and its one log line (INFO: done, failed or
-cancelled, with the trace's ids when tracing is on). The servicer tells it what happens.
+metrics (time to first token and per output token; how it ended, its end-to-end latency and
+lengths: each observed once per request, never per token, so the histograms' cost stays off
+the streaming path) and its one log line (INFO: done, failed or cancelled, with the trace's ids
+when tracing is on). The servicer tells it what happens.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ class RequestObserver:
         """The prompt's length, and the sampling it runs with: known only now (the context
         window may lower a default max_tokens; the model's sampling defaults fill unset fields)."""
         self._metrics.prompt_tokens.inc(len(prompt.token_ids))
+        self._metrics.request_prompt_tokens.observe(len(prompt.token_ids))
         self._span.set_attributes(
             {
                 "gen_ai.usage.input_tokens": len(prompt.token_ids),
@@ -90,6 +92,10 @@ class RequestObserver:
     def done(self, served: Served, retried: tuple[str, ...] = ()) -> None:
         """`retried`: why each earlier try ended (Generation.retried)."""
         reply, last = served.prefill_stats, served.last
+        metrics = self._metrics
+        metrics.requests_finished.labels(str(last.finish_reason)).inc()
+        metrics.request_duration.observe(time.monotonic() - self._received_at)
+        metrics.request_output_tokens.observe(last.num_completion_tokens)
         kv = ""
         if reply is not None:
             rate = reply.kv_bytes / (reply.transfer_ms * 1e6) if reply.transfer_ms > 0 else 0.0
@@ -118,6 +124,7 @@ class RequestObserver:
 
     def failed(self, exc: Exception, retried: tuple[str, ...] = ()) -> None:
         """`retried`: why each earlier try ended (Generation.retried)."""
+        self._metrics.requests_finished.labels(code_of(exc).name).inc()
         self._log(
             "failed after %.1f ms%s%s: %s: %s",
             self._elapsed_ms(),
@@ -140,6 +147,7 @@ class RequestObserver:
             why = "the caller cancelled"
             if code is grpc.StatusCode.DEADLINE_EXCEEDED:
                 why = "the caller's deadline passed"
+        self._metrics.requests_finished.labels(code.name).inc()
         # Nothing escapes the span's block as an Exception here, so it would end unset.
         self._span.set_status(Status(StatusCode.ERROR, f"{code.name}: {why}"))
         self._log(

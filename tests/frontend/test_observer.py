@@ -31,6 +31,18 @@ def _count(metrics: FrontendMetrics, name: str) -> float | None:
     return metrics.registry.get_sample_value(f"mili_frontend_{name}_seconds_count")
 
 
+def _sample(metrics: FrontendMetrics, name: str, **labels: str) -> float | None:
+    return metrics.registry.get_sample_value(name, labels)
+
+
+def _outcomes(metrics: FrontendMetrics) -> dict[str, float]:
+    """mili_frontend_requests_finished_total by outcome."""
+    (family,) = (
+        f for f in metrics.registry.collect() if f.name == "mili_frontend_requests_finished"
+    )
+    return {s.labels["outcome"]: s.value for s in family.samples if s.name.endswith("_total")}
+
+
 def _lines(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == "mili.frontend"]
 
@@ -47,9 +59,13 @@ def test_latencies_are_observed_once_per_request_and_the_done_line_says_it_all(
     observer.delta(last)
     assert _count(metrics, "time_to_first_token") == 1
     assert _count(metrics, "time_per_output_token") == 1
+    assert _outcomes(metrics) == {}  # until it is done
     stats = PrefillStats(queue_ms=1.0, compute_ms=2.0, transfer_ms=4.0, kv_bytes=8_000_000)
     with caplog.at_level(logging.INFO, logger="mili.frontend"):
         observer.done(Served(ROUTE, last, stats, num_cached_blocks=2))
+    assert _outcomes(metrics) == {"stop": 1}
+    assert _count(metrics, "request_duration") == 1
+    assert _sample(metrics, "mili_frontend_request_output_tokens_sum") == 3
     (line,) = _lines(caplog)
     assert re.fullmatch(
         rf"'client-1' \(id frontend-1\) done: prefill p:1 -> decode d:1, 4 prompt tokens, "
@@ -60,7 +76,7 @@ def test_latencies_are_observed_once_per_request_and_the_done_line_says_it_all(
     ), line
 
 
-def test_a_request_without_output_tokens_logs_no_ttft_and_observes_nothing(
+def test_a_request_without_output_tokens_logs_no_ttft_and_observes_no_token_latency(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     observer, metrics = _observer()
@@ -78,6 +94,10 @@ def test_a_request_without_output_tokens_logs_no_ttft_and_observes_nothing(
     # A request that waited in the admission queue says how long.
     assert ", ttft -, queued 250.0 ms, total " in queued, queued
     assert _count(metrics, "time_to_first_token") == _count(metrics, "time_per_output_token") == 0
+    # Each ended whole, with no output: counted as answers of 0 tokens.
+    assert _outcomes(metrics) == {"length": 2}
+    assert _count(metrics, "request_duration") == 2
+    assert _sample(metrics, "mili_frontend_request_output_tokens_bucket", le="1.0") == 2
 
 
 def test_a_retried_request_says_how_often_and_why(caplog: pytest.LogCaptureFixture) -> None:
@@ -105,6 +125,24 @@ def test_a_failed_or_cancelled_request_says_its_retries(caplog: pytest.LogCaptur
     said = r" \(retried 1 time: decode at d:2 is down\): "
     assert re.search(rf" failed after {MS}{said}RESOURCE_EXHAUSTED: full$", failed), failed
     assert re.search(rf" CANCELLED after {MS}{said}the caller cancelled$", cancelled), cancelled
+
+
+def test_every_end_counts_once_by_outcome() -> None:
+    """Failed: its status; cut short: CANCELLED (the caller), DEADLINE_EXCEEDED (grpc's clock
+    ran out) or UNAVAILABLE (this server's drain). Only whole answers have a duration."""
+    metrics = FrontendMetrics(CollectorRegistry())
+    RequestObserver(metrics, IDS).failed(ResourceExhausted("full"))
+    RequestObserver(metrics, IDS).cancelled(5.0)
+    RequestObserver(metrics, IDS).cancelled(0.0)
+    RequestObserver(metrics, IDS).cancelled(None, cut="the server drained")
+    RequestObserver(metrics, IDS).cancelled(None)
+    assert _outcomes(metrics) == {
+        "RESOURCE_EXHAUSTED": 1,
+        "CANCELLED": 2,
+        "DEADLINE_EXCEEDED": 1,
+        "UNAVAILABLE": 1,
+    }
+    assert _count(metrics, "request_duration") == 0
 
 
 def test_a_failure_logs_its_status_and_error(caplog: pytest.LogCaptureFixture) -> None:

@@ -195,6 +195,11 @@ def test_one_generation_moves_every_metric_by_what_it_did(
     tpot = "mili_frontend_time_per_output_token_seconds"
     assert moved("frontend", f"{tpot}_count") == 1
     assert moved("frontend", f"{tpot}_sum") > 0
+    # Its end: a whole answer cut by max_tokens, its latency and lengths.
+    assert moved("frontend", "mili_frontend_requests_finished_total", outcome="length") == 1
+    assert moved("frontend", "mili_frontend_request_duration_seconds_count") == 1
+    assert moved("frontend", "mili_frontend_request_output_tokens_sum") == _MAX_TOKENS
+    assert moved("frontend", "mili_frontend_request_prompt_tokens_sum") == _PROMPT_TOKENS
 
     # Prefill: the 21-token prompt in one forward of one chunk.
     assert moved("prefill-0", "mili_prefill_tokens_total") == _PROMPT_TOKENS
