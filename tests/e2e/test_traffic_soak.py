@@ -26,6 +26,7 @@ import random
 import re
 import time
 import urllib.request
+from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -36,6 +37,7 @@ import grpc
 import jsonschema
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from mili.engine.generate import generate
 from mili.engine.model.loader import load_model, tokenizer_vocab_size
@@ -61,6 +63,14 @@ ENDS = {
     "greedy": ("FINISH_REASON_LENGTH",),
     "cancel": ("cancelled by the caller",),
     "deadline": ("FINISH_REASON_LENGTH", "DEADLINE_EXCEEDED"),
+}
+# A call's end as the frontend's mili_frontend_requests_finished_total counts it
+OUTCOMES = {
+    "FINISH_REASON_LENGTH": "length",
+    "FINISH_REASON_STOP": "stop",
+    "cancelled by the caller": "CANCELLED",
+    "closed by the client": "CANCELLED",
+    "given up by the client": "CANCELLED",
 }
 SCHEMA = {
     "type": "object",
@@ -111,7 +121,7 @@ def busy(
         num_decodes=2,
         engine_args=("--dtype", "float32"),
         decode_args=("--num-blocks", str(NUM_BLOCKS), "--metrics-port", "0", *traces),
-        frontend_args=("--http-port", "0"),
+        frontend_args=("--http-port", "0", "--metrics-port", "0"),
     )
     yield d
     d.stop()
@@ -240,11 +250,25 @@ def decode_tokens(receiver: Receiver) -> dict[str, int]:
     return made
 
 
-def metrics_urls(d: Deployment) -> list[str]:
-    pattern = re.compile(r"metrics on (\S+)")
-    found = [pattern.search("".join(s.stdout_lines)) for s in d.decodes]
-    assert all(found), [s.stdout_lines for s in d.decodes]
-    return [m.group(1) for m in found if m is not None]
+def metrics_url(service: ServiceProcess) -> str:
+    found = re.search(r"metrics on (\S+)", "".join(service.stdout_lines))
+    assert found is not None, service.stdout_lines
+    return found.group(1)
+
+
+def outcomes(url: str) -> Counter[str]:
+    """The frontend's mili_frontend_requests_finished_total by outcome."""
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        text = reply.read().decode()
+    name = "mili_frontend_requests_finished_total"
+    return Counter(
+        {
+            sample.labels["outcome"]: int(sample.value)
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == name
+        }
+    )
 
 
 @pytest.fixture(scope="module")
@@ -315,9 +339,12 @@ def test_a_seeded_mix_of_callers_gets_whole_answers_and_leaves_every_block_free(
 
     # Everything ended: every block back, nothing running, waiting or preempted.
     assert busy.settled_free_blocks(timeout_s=30) == start
-    urls = metrics_urls(busy)
+    urls = [metrics_url(d) for d in busy.decodes]
     assert sum(counted(u, "mili_decode_preempted_requests") for u in urls) == 0
     assert sum(counted(u, "mili_decode_preemptions_total") for u in urls) >= 1, took
+    # The frontend counted how each call ended as its caller saw it.
+    expected = Counter(OUTCOMES.get(c.finish, c.finish) for c in calls)
+    assert outcomes(metrics_url(busy.frontend)) == expected
     # and the deployment serves on
     after = replace(calls[0], request_id="after", max_tokens=8, tokens=[])
     grpc_call(busy, after)
