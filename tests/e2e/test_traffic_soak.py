@@ -9,8 +9,10 @@ together (refusals the frontend queues, preemptions, resumes), prompts that shar
   before the end must be the start of those tokens;
 - HTTP streams whose client closes the connection after a few chunks, and unstreamed HTTP
   calls whose client stops waiting;
-- seeded sampling, each request sent twice (twins must agree whatever their batches);
-- JSON-schema constrained answers at temperature 1 over gRPC and HTTP: each must validate.
+- seeded sampling, each request sent twice (twins must agree whatever their batches), and
+  HTTP completions of n=2 whose second choice must be what gRPC draws with the seed + 1;
+- JSON-schema constrained answers at temperature 1 over gRPC and HTTP, and HTTP chats whose
+  tool_choice is required: each answer, each call's arguments, must validate.
 
 Afterwards every KV block is back on every instance, nothing runs or waits, nothing is left
 preempted, and the decode instances did preempt (the traffic reached what it is meant to).
@@ -31,6 +33,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import grpc
@@ -68,6 +71,7 @@ ENDS = {
 OUTCOMES = {
     "FINISH_REASON_LENGTH": "length",
     "FINISH_REASON_STOP": "stop",
+    "tool_calls": "stop",
     "cancelled by the caller": "CANCELLED",
     "closed by the client": "CANCELLED",
     "given up by the client": "CANCELLED",
@@ -98,7 +102,7 @@ class Call:
     # gone: how long the caller waits for a whole (unstreamed) answer; both in milliseconds
     after: int = 0
     tokens: list[int] = field(default_factory=list)
-    text: str = ""
+    text: str = ""  # an HTTP chat's tool calls: their JSON; n=2: the choices' texts, \n-joined
     num_tokens: int = 0  # got; over HTTP as the usage says (a stream cut short: so far)
     finish: str = ""  # a finish reason, or the status code that ended the call
 
@@ -148,6 +152,10 @@ def plan(rng: random.Random) -> list[Call]:
         rest += [twin, replace(twin, tokens=[])]  # a list of its own
     rest += [call("json", 200, seed=rng.randrange(2**32)) for _ in range(3)]
     rest += [call("json_http", 200, seed=rng.randrange(2**32)) for _ in range(2)]
+    rest += [call("tools", 200, seed=rng.randrange(2**32)) for _ in range(2)]
+    for _ in range(2):
+        n2 = call("n2", 16, seed=rng.randrange(2**32 - 1))
+        rest += [n2, replace(n2, kind="choice1", seed=n2.seed + 1, tokens=[])]
     rng.shuffle(rest)
     calls += rest
     for i, c in enumerate(calls):
@@ -157,9 +165,9 @@ def plan(rng: random.Random) -> list[Call]:
 
 def grpc_call(d: Deployment, call: Call) -> None:
     sampling = sampling_pb2.SamplingParams(max_tokens=call.max_tokens, ignore_eos=True)
-    if call.kind in ("seeded", "json"):
+    if call.kind in ("seeded", "choice1", "json"):
         sampling.temperature, sampling.top_k, sampling.seed = 1.0, 40, call.seed
-        sampling.ignore_eos = call.kind == "seeded"
+        sampling.ignore_eos = call.kind != "json"
     else:
         sampling.temperature = 0.0
     if call.kind == "json":
@@ -203,6 +211,20 @@ def http_call(url: str, model: str, call: Call) -> None:
             "chat_template_kwargs": {"enable_thinking": False},
             "temperature": 1.0, "seed": call.seed, "max_tokens": call.max_tokens,
         }  # fmt: skip
+    elif call.kind == "tools":
+        path, body = "/v1/chat/completions", {
+            "model": model,
+            "messages": [{"role": "user", "content": f"Weather? {call.prompt[:8]}"}],
+            "tools": [{"type": "function", "function": {"name": "weather", "parameters": SCHEMA}}],
+            "tool_choice": "required",
+            "chat_template_kwargs": {"enable_thinking": False},
+            "temperature": 1.0, "seed": call.seed, "max_tokens": call.max_tokens,
+        }  # fmt: skip
+    elif call.kind == "n2":  # sampled as the gRPC calls are: choice i draws from seed + i
+        path, body = "/v1/completions", {
+            "model": model, "prompt": call.prompt, "max_tokens": call.max_tokens, "n": 2,
+            "temperature": 1.0, "top_k": 40, "seed": call.seed, "ignore_eos": True,
+        }  # fmt: skip
     else:
         path, body = "/v1/completions", {
             "model": model, "prompt": call.prompt, "max_tokens": call.max_tokens,
@@ -227,7 +249,12 @@ def http_call(url: str, model: str, call: Call) -> None:
         payload = json.loads(reply.read())
         assert reply.status == 200, payload
         choice = payload["choices"][0]
-        call.text = choice["message"]["content"] if "message" in choice else choice["text"]
+        if call.kind == "tools":
+            call.text = json.dumps(choice["message"]["tool_calls"])
+        elif call.kind == "n2":
+            call.text = "\n".join(c["text"] for c in sorted(payload["choices"], key=_index))
+        else:
+            call.text = choice["message"]["content"] if "message" in choice else choice["text"]
         call.finish, call.num_tokens = (
             choice["finish_reason"],
             payload["usage"]["completion_tokens"],
@@ -236,6 +263,10 @@ def http_call(url: str, model: str, call: Call) -> None:
         call.finish = "given up by the client"
     finally:
         conn.close()  # the socket goes, what is left unread
+
+
+def _index(choice: dict[str, Any]) -> int:
+    return int(choice["index"])
 
 
 def decode_tokens(receiver: Receiver) -> dict[str, int]:
@@ -304,7 +335,7 @@ def test_a_seeded_mix_of_callers_gets_whole_answers_and_leaves_every_block_free(
     model = served_model(url)
 
     def run(call: Call) -> None:
-        if call.kind in ("disconnect", "gone", "json_http"):
+        if call.kind in ("disconnect", "gone", "json_http", "tools", "n2"):
             http_call(url, model, call)
         else:
             grpc_call(busy, call)
@@ -331,6 +362,17 @@ def test_a_seeded_mix_of_callers_gets_whole_answers_and_leaves_every_block_free(
         elif call.kind in ("json", "json_http"):
             assert call.finish in ("FINISH_REASON_STOP", "stop"), what
             jsonschema.validate(json.loads(call.text), SCHEMA)
+        elif call.kind == "tools":
+            assert call.finish == "tool_calls", what
+            for tool_call in json.loads(call.text):
+                assert tool_call["function"]["name"] == "weather", what
+                jsonschema.validate(json.loads(tool_call["function"]["arguments"]), SCHEMA)
+        elif call.kind == "n2":
+            assert call.finish == "length", what
+            (choice1,) = (c for c in calls if c.kind == "choice1" and c.prompt == call.prompt)
+            assert call.text.split("\n", 1)[1] == choice1.text, what
+        elif call.kind == "choice1":
+            assert call.finish == "FINISH_REASON_LENGTH", what
         elif call.kind == "disconnect":
             assert call.finish == "closed by the client", what
         else:
@@ -344,6 +386,7 @@ def test_a_seeded_mix_of_callers_gets_whole_answers_and_leaves_every_block_free(
     assert sum(counted(u, "mili_decode_preemptions_total") for u in urls) >= 1, took
     # The frontend counted how each call ended as its caller saw it.
     expected = Counter(OUTCOMES.get(c.finish, c.finish) for c in calls)
+    expected["length"] += sum(c.kind == "n2" for c in calls)  # its second choice
     assert outcomes(metrics_url(busy.frontend)) == expected
     # and the deployment serves on
     after = replace(calls[0], request_id="after", max_tokens=8, tokens=[])
@@ -355,6 +398,8 @@ def test_a_seeded_mix_of_callers_gets_whole_answers_and_leaves_every_block_free(
     made = decode_tokens(collector[0])
     for call in calls:
         rid = call.request_id
+        if call.kind == "n2":  # its choices' generations: `{rid}.0` and `{rid}.1`
+            made[rid] = made[f"{rid}.0"] + made[f"{rid}.1"]
         what = (
             f"{call.kind} {rid}: {call.finish}, decode made {made.get(rid)}, {call.num_tokens} got"
         )
