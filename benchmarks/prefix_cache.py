@@ -50,9 +50,9 @@ from typing import Any
 
 import grpc
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.serving, as a script
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.served, as a script
 
-from benchmarks.serving import mili_serve
+from benchmarks.served import mili_serve
 from mili.engine.kv.block_hash import block_hashes
 from mili.pb.common.v1 import sampling_pb2
 from mili.pb.frontend.v1 import generation_pb2, generation_pb2_grpc

@@ -39,11 +39,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.serving, as a script
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.served, as a script
 
 from benchmarks import service_metrics
 from benchmarks.presets import CHOICES, DEFAULT_CACHE, preset_checkpoint
-from benchmarks.serving import (
+from benchmarks.served import (
     Served,
     bench_args,
     kernels_served,

@@ -28,10 +28,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.serving, as a script
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.served, as a script
 
 from benchmarks.presets import CHOICES, DEFAULT_CACHE, preset_checkpoint
-from benchmarks.serving import bench_args, mili_serve, run_bench, servable
+from benchmarks.served import bench_args, mili_serve, run_bench, servable
 from mili.client.bench_report import percentile
 
 # (milestone, span name ("generate " a prefix: "generate <model>"), "start" | "end" | an event)
