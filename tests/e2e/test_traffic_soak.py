@@ -15,10 +15,12 @@ together (refusals the frontend queues, preemptions, resumes), prompts that shar
   tool_choice is required: each answer, each call's arguments, must validate.
 
 Afterwards every KV block is back on every instance, nothing runs or waits, nothing is left
-preempted, and the decode instances did preempt (the traffic reached what it is meant to).
-Decode's trace says how many tokens it made for each request: as many as the caller got for a
-whole answer, and hardly more for one the caller left (cut calls ask CUT_TOKENS, so a request
-decode went on with after its caller left would show hundreds more)."""
+preempted, and the traffic reached what it is meant to: decode preempted, prefill's prefix
+cache served the shared prefixes. The frontend counted each end as its caller saw it
+(mili_frontend_requests_finished_total), and decode's trace says how many tokens it made for
+each request: as many as the caller got for a whole answer, and hardly more for one the caller
+left (cut calls ask CUT_TOKENS, so a request decode went on with after its caller left would
+show hundreds more)."""
 
 from __future__ import annotations
 
@@ -384,6 +386,8 @@ def test_a_seeded_mix_of_callers_gets_whole_answers_and_leaves_every_block_free(
     urls = [metrics_url(d) for d in busy.decodes]
     assert sum(counted(u, "mili_decode_preempted_requests") for u in urls) == 0
     assert sum(counted(u, "mili_decode_preemptions_total") for u in urls) >= 1, took
+    hits = [busy.prefill_info(i).prefix_cache.hit_tokens for i in range(len(busy.prefills))]
+    assert sum(hits) > 0, hits  # the shared prefixes came from prefill's cache
     # The frontend counted how each call ended as its caller saw it.
     expected = Counter(OUTCOMES.get(c.finish, c.finish) for c in calls)
     expected["length"] += sum(c.kind == "n2" for c in calls)  # its second choice
