@@ -113,9 +113,8 @@ class Batcher:
         self._thread = threading.Thread(target=self._run, name="decode-batcher", daemon=True)
         # Observability (written by the batch thread, read anywhere).
         self.progress = Progress()  # read by the instance's watchdog
-        self._preempted: Preempted = Preempted(
-            runner, table, self._metrics, self.progress
-        )  # batch thread only
+        # batch thread only
+        self._preempted = Preempted(runner, table, self._metrics, self.progress)
         self.num_steps = 0
         self.num_steps_ahead = 0  # launched before the previous step's ids were in
         self.max_batch_size = 0
