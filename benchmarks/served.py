@@ -263,6 +263,7 @@ def bench_args(
         address=address,
         concurrency=concurrency,
         num_requests=num_requests,
+        request_rate=None,  # closed loop
         connections=None,  # one per client, at most 64: several frontends behind one port
         processes=processes,  # client processes (mili bench --processes)
         prompt_tokens=prompt,

@@ -247,6 +247,46 @@ def test_processes_must_be_positive(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--processes must be >= 1" in capsys.readouterr().err
 
 
+def test_an_open_loop_sends_each_request_at_its_arrival() -> None:
+    """--request-rate: 8 requests over ~0.35 s of Poisson arrivals (seed 0), 8 clients free
+    for them: each is sent at its arrival, not all at once as 8 closed-loop clients send."""
+    from mili.client.bench_clients import arrivals
+
+    summary, frontend, _ = asyncio.run(
+        _bench(0, "--num-requests", "8", "--concurrency", "8", "--request-rate", "20")
+    )
+    assert (summary["num_ok"], summary["num_sent_late"]) == (8, 0)
+    assert summary["config"]["request_rate"] == 20
+    spread = arrivals(8, 20, 0)[-1]
+    received = sorted(frontend.sent_at)
+    assert received[-1] - received[0] >= spread / 2, (received, spread)
+    order = [int(rid.removeprefix("bench-")) for rid in frontend.request_ids]
+    assert order == sorted(order)  # sent in the order they arrived
+    (line,) = [x for x in report(summary).splitlines() if x.startswith("arrivals ")]
+    assert line == "arrivals   20/s (Poisson, open loop), 0 sent late"
+
+
+def test_an_open_loop_counts_the_wait_for_a_busy_client() -> None:
+    """One client, requests of ~0.2 s arriving at 20 a second: all but the first are sent
+    late, and their TTFT counts the wait from their arrival (a closed loop would hide it)."""
+    more = ("--num-requests", "4", "--concurrency", "1", "--request-rate", "20")
+    summary, _, _ = asyncio.run(_bench(0, *more, "--output-tokens", "203", stall_s=0.01))
+    assert summary["num_ok"] == 4 and summary["num_sent_late"] >= 2
+    late = summary["late"]
+    assert late["max_ms"] > 100  # the last waited for three requests of >= 0.2 s
+    assert summary["ttft"]["max_ms"] >= late["max_ms"]
+    (line,) = [x for x in report(summary).splitlines() if x.startswith("arrivals ")]
+    assert f"{summary['num_sent_late']} sent late (every client busy; p50 " in line
+
+
+def test_the_request_rate_must_be_positive_and_finite(capsys: pytest.CaptureFixture[str]) -> None:
+    from mili.client.bench import run
+
+    for rate in ("0", "-1", "inf", "nan"):
+        assert run(_args("127.0.0.1:1", "--request-rate", rate)) == 2
+        assert "--request-rate must be > 0 and finite" in capsys.readouterr().err
+
+
 def test_client_processes_do_not_import_the_callers_main_module_again() -> None:
     """What spawn hands a child while the pool starts its processes: nothing of __main__ (a
     benchmark script's imports would delay every client process), and afterwards __main__ is

@@ -7,13 +7,21 @@ N workers share M requests; each request is a token_ids prompt of P random ids (
 request, so runs repeat and no two prompts share a prefix), ignore_eos, max_tokens O,
 temperature 0. Measured at the client, so it works against any deployment:
 
-    TTFT           send -> first message carrying token ids
+    TTFT           send (open loop: arrival) -> first message carrying token ids
     ITL            gap between messages carrying tokens, per token (a message with k tokens
                    counts k gaps of gap/k)
     output tok/s   completion tokens of all requests / wall time of the whole run
 
 Each is reported as p50, p90, p99 and max: a few long gaps among thousands (a request's KV
 computed again between decode steps after a preemption) stay under p99 and show in the max.
+
+With --request-rate R the run is open loop, as a service's callers are: request i arrives at
+its time in a Poisson process of R requests per second (seeded by --seed, the same every run)
+and is sent then by a free client; --concurrency caps the requests in flight. TTFT and latency
+count from the arrival, so a request that waited for a free client counts that wait, instead of
+the load easing off when the server is slow (what a closed loop does); the report says how many
+were sent late and by how much. Set --concurrency above R x the latency to send every request on
+time.
 
 KV transfer GB/s is not visible to a client (the KV moves between prefill and decode); the
 frontend logs it per request (prefill's kv_bytes / transfer_ms).
@@ -41,6 +49,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -49,6 +58,7 @@ from mili.client import DEFAULT_ADDRESS, timeout_problem
 from mili.client.bench_clients import NotConnected, drive
 from mili.client.bench_report import (
     KV_NOTE,
+    LATE_S,
     Progress,
     group_errors,
     report,
@@ -87,6 +97,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="client processes: the clients (and the requests) split over P processes, each "
         "with its own connections, for loads one Python process cannot read; the report "
         "gives each one's CPU (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--request-rate",
+        type=float,
+        default=None,
+        metavar="R",
+        help="open loop: requests arrive as a Poisson process of R a second, each sent at its "
+        "arrival by a free client (--concurrency caps those in flight), timed from its arrival "
+        "(default: closed loop, each client sending its next request when the last ends)",
     )
     parser.add_argument(
         "--num-requests", type=int, default=16, metavar="M", help="(default: %(default)s)"
@@ -214,6 +233,7 @@ async def bench(args: argparse.Namespace, tls: Tls | None = None) -> dict[str, A
             "connections": runs[0].num_connections,  # per address (and client process)
             "processes": num_processes,  # client processes
             "num_requests": args.num_requests,
+            "request_rate": args.request_rate,  # requests/s, open loop; None: closed loop
             "prompt_tokens": args.prompt_tokens,
             "output_tokens": args.output_tokens,
         },
@@ -230,6 +250,9 @@ async def bench(args: argparse.Namespace, tls: Tls | None = None) -> dict[str, A
         "ttft": summarize([r.ttft_s for r in ok if r.ttft_s is not None]),
         "itl": summarize([x for r in ok for x in r.itl_s]),
         "latency": summarize([r.latency_s for r in ok]),
+        # open loop: requests sent after their arrival (every client busy), and by how much
+        "num_sent_late": sum(r.late_s > LATE_S for r in results),
+        "late": summarize([r.late_s for r in results if r.late_s > LATE_S]),
         # % of one core each client process spent over its run (its busiest: near 100, the
         # client may be what limits the run; --processes)
         "client_cpu_percent": [
@@ -268,6 +291,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.processes < 1:
         print("mili bench: error: --processes must be >= 1", file=sys.stderr)
+        return 2
+    if args.request_rate is not None and not 0 < args.request_rate < math.inf:
+        print("mili bench: error: --request-rate must be > 0 and finite", file=sys.stderr)
         return 2
     try:
         low, high = (int(x) for x in args.token_id_range.split(":"))

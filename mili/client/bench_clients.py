@@ -1,7 +1,8 @@
 """The clients of one `mili bench` process (mili.client.bench, and each of bench_pool's
 processes): every connection up before the clock starts, then each client sends requests one
-after another from a shared queue, each streamed to its end and timed (bench.py's docstring
-says what is measured)."""
+after another from a shared queue (open loop: each at its arrival, or as soon as a client is
+free after it), each streamed to its end and timed (bench.py's docstring says what is
+measured)."""
 
 from __future__ import annotations
 
@@ -24,22 +25,39 @@ MAX_DEFAULT_CONNECTIONS = 64  # per address, without --connections
 CONNECT_TIMEOUT_S = 10.0  # every connection up before the run, or the run fails
 
 
+def arrivals(num_requests: int, rate: float, seed: int) -> list[float]:
+    """Each request's arrival, seconds after the run's start, in a Poisson process of `rate`
+    requests a second: the first at 0, then exponential gaps (seeded: every client process
+    computes the same)."""
+    rng = random.Random(seed * 1_000_003 - 1)
+    times = [0.0]
+    for _ in range(num_requests - 1):
+        times.append(times[-1] + rng.expovariate(rate))
+    return times
+
+
 def prompt_ids(index: int, num_tokens: int, low: int, high: int, seed: int) -> list[int]:
     rng = random.Random(seed * 1_000_003 + index)
     return [rng.randrange(low, high) for _ in range(num_tokens)]
 
 
 async def _one(
-    stub: object, request: object, timeout_s: float, max_retries: int = 0
+    stub: object,
+    request: object,
+    timeout_s: float,
+    max_retries: int = 0,
+    arrival: float | None = None,
 ) -> RequestResult:
     """One request, sent again (at most `max_retries` times) after the delay a
-    RESOURCE_EXHAUSTED with RetryInfo asks for, while no token came and its deadline allows."""
+    RESOURCE_EXHAUSTED with RetryInfo asks for, while no token came and its deadline allows.
+    `arrival` (perf_counter; open loop): when it arrived, the start of its TTFT and latency.
+    None: it arrives now."""
     import grpc
 
     from mili.rpc.status import retry_info_of
 
     result = RequestResult()
-    start = time.perf_counter()
+    start = time.perf_counter() if arrival is None else arrival
     last: float | None = None
     while True:
         remaining_s = timeout_s - (time.perf_counter() - start)
@@ -156,10 +174,20 @@ async def drive(
         for i in range(part, args.num_requests, num_parts):
             queue.put_nowait(i)
         results: list[RequestResult] = []
+        # open loop: every request's arrival after `opened` (the same in every process)
+        schedule = None
+        if args.request_rate is not None:
+            schedule = arrivals(args.num_requests, args.request_rate, args.seed)
 
         async def worker(stub: Any) -> None:
             while not queue.empty():
                 i = queue.get_nowait()
+                arrival = late_s = None
+                if schedule is not None:
+                    arrival = opened + schedule[i]
+                    # taken after its arrival: no client was free for it
+                    late_s = max(0.0, time.perf_counter() - arrival)
+                    await asyncio.sleep(arrival - time.perf_counter())
                 request = generation_pb2.GenerateRequest(
                     request_id=f"bench-{i}",
                     token_ids=prompt_ids(i, args.prompt_tokens, low, high, args.seed),
@@ -167,12 +195,13 @@ async def drive(
                         max_tokens=args.output_tokens, temperature=0.0, ignore_eos=True
                     ),
                 )
-                result = await _one(stub, request, args.timeout, args.max_retries)
+                result = await _one(stub, request, args.timeout, args.max_retries, arrival)
+                result.late_s = late_s or 0.0
                 results.append(result)
                 if on_result is not None:
                     on_result(result)
 
-        started, cpu_started = time.monotonic(), _cpu_s()
+        started, cpu_started, opened = time.monotonic(), _cpu_s(), time.perf_counter()
         await asyncio.gather(*(worker(stubs[i % len(stubs)]) for i in range(concurrency)))
         ended, cpu_ended = time.monotonic(), _cpu_s()
     finally:

@@ -13,6 +13,7 @@ from typing import Any
 
 from mili.plural import plural
 
+LATE_S = 0.001  # an open-loop request a client took more than this after its arrival: late
 KV_NOTE = (
     "not measurable from a client: KV moves prefill -> decode directly; the frontend logs "
     "each request's KV bytes, transfer ms and GB/s"
@@ -28,6 +29,7 @@ class RequestResult:
     num_completion_tokens: int = 0
     error: str | None = None
     num_retries: int = 0  # sends again after RESOURCE_EXHAUSTED with RetryInfo
+    late_s: float = 0.0  # open loop: from its arrival to a client taking it (none was free)
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -196,6 +198,14 @@ def report(summary: dict[str, Any]) -> str:
             f"{name:<10} p50 {_fmt(stats['p50_ms'])} ms, p90 {_fmt(stats['p90_ms'])} ms, "
             f"p99 {_fmt(stats['p99_ms'])} ms, max {_fmt(stats['max_ms'])} ms"
         )
+    rate = summary["config"]["request_rate"]
+    if rate is not None:
+        late = summary["late"]
+        sent = f"{summary['num_sent_late']} sent late"
+        if summary["num_sent_late"]:
+            late_ms = f"p50 {_fmt(late['p50_ms'])} ms, max {_fmt(late['max_ms'])} ms"
+            sent += f" (every client busy; {late_ms})"
+        lines.append(f"arrivals   {rate:g}/s (Poisson, open loop), {sent}")
     lines.append(f"KV GB/s    {KV_NOTE}")
     lines.append(_client_line(summary["client_cpu_percent"]))
     if summary["num_retries"]:
