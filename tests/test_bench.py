@@ -247,21 +247,24 @@ def test_processes_must_be_positive(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--processes must be >= 1" in capsys.readouterr().err
 
 
-def test_an_open_loop_sends_each_request_at_its_arrival() -> None:
+@pytest.mark.parametrize("processes", [1, 2])
+def test_an_open_loop_sends_each_request_at_its_arrival(processes: int) -> None:
     """--request-rate: 8 requests over ~0.35 s of Poisson arrivals (seed 0), 8 clients free
-    for them: each is sent at its arrival, not all at once as 8 closed-loop clients send."""
+    for them: each is sent at its arrival, not all at once as 8 closed-loop clients send (in
+    2 client processes, each sends its half at the same arrivals)."""
     from mili.client.bench_clients import arrivals
 
-    summary, frontend, _ = asyncio.run(
-        _bench(0, "--num-requests", "8", "--concurrency", "8", "--request-rate", "20")
-    )
+    more = ("--num-requests", "8", "--concurrency", "8", "--processes", str(processes))
+    summary, frontend, _ = asyncio.run(_bench(0, *more, "--request-rate", "20"))
     assert (summary["num_ok"], summary["num_sent_late"]) == (8, 0)
+    assert sorted(frontend.request_ids) == sorted(f"bench-{i}" for i in range(8))
     assert summary["config"]["request_rate"] == 20
     spread = arrivals(8, 20, 0)[-1]
     received = sorted(frontend.sent_at)
     assert received[-1] - received[0] >= spread / 2, (received, spread)
-    order = [int(rid.removeprefix("bench-")) for rid in frontend.request_ids]
-    assert order == sorted(order)  # sent in the order they arrived
+    if processes == 1:
+        order = [int(rid.removeprefix("bench-")) for rid in frontend.request_ids]
+        assert order == sorted(order)  # sent in the order they arrived
     (line,) = [x for x in report(summary).splitlines() if x.startswith("arrivals ")]
     assert line == "arrivals   20/s (Poisson, open loop), 0 sent late"
 
