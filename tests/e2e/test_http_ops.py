@@ -20,6 +20,7 @@ from pathlib import Path
 import grpc
 import pytest
 from opentelemetry.proto.trace.v1 import trace_pb2
+from prometheus_client.parser import text_string_to_metric_families
 
 from mili.pb.frontend.v1 import generation_pb2, generation_pb2_grpc
 from tests.otlp_receiver import Receiver, serving
@@ -113,6 +114,16 @@ def test_the_frontend_traces_counts_and_identifies_http_requests(
         return all(sample in text for sample in expected)
 
     _wait_for(scraped, timeout_s=5)
+    # The same registry on the HTTP port's /metrics, as vLLM serves it (aiperf looks there).
+    status, headers, body = _get(f"{url}/metrics")
+    with urllib.request.urlopen(metrics_url, timeout=10) as response:
+        own, own_type = response.read().decode(), response.headers["Content-Type"]
+    assert status == 200 and headers["Content-Type"] == own_type
+    names = {family.name for family in text_string_to_metric_families(body.decode())}
+    assert names == {family.name for family in text_string_to_metric_families(own)}
+    assert {"mili_frontend_requests_finished", "mili_http_requests"} <= names
+    status, _, body = _get(f"{url}/metrics", method="HEAD")
+    assert status == 200 and body == b""
     # The batch processor exports every few seconds.
     _wait_for(lambda: len(_server_spans(collector, TRACE_ID)) == 2)
     spans = {s.name: s for s in _server_spans(collector, TRACE_ID)}

@@ -14,10 +14,13 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import grpc
 import openai
+import pytest
 
 from mili.pb.common.v1 import sampling_pb2
 from mili.pb.frontend.v1 import generation_pb2, generation_pb2_grpc
@@ -239,6 +242,11 @@ def test_several_frontends_share_one_port_and_clients_spread_over_them(
             for m in (metrics0, metrics1)
         ]
         assert sum(completions) == 16 and min(completions) > 0, completions
+        # /metrics on the shared HTTP port would answer from either: it says where to look
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(f"{http}/metrics", timeout=10)
+        assert refused.value.code == 404
+        assert "scrape each frontend's --metrics-port" in refused.value.read().decode()
     finally:
         code = serve.terminate(timeout_s=90)
     assert code == 0, serve.stderr[-3000:]

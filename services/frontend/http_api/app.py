@@ -11,6 +11,10 @@ POST /v1/responses                 OpenAI's Responses API, stateless (responses.
 POST /v1/responses/input_tokens    what a Responses request's input counts (tokens.py)
 POST /tokenize, POST /detokenize   a prompt's token ids, ids' text, as vLLM has them (tokens.py)
 POST /generate, GET /status/{request_id}, GET /health    the seeds' endpoints (seeds.py)
+GET  /metrics                      this frontend's Prometheus metrics, as vLLM serves its own on
+                                   its API port (aiperf looks there); 404 naming --metrics-port
+                                   where sibling frontends share the port (--frontends N): a
+                                   scrape would reach any one of them
 
 Every route's errors are OpenAI's JSON (errors.py); while the frontend drains, new POSTs are
 refused with 503 and /health says 503 (drain.py).
@@ -21,6 +25,7 @@ from __future__ import annotations
 import time
 
 from aiohttp import web
+from prometheus_client.exposition import choose_encoder
 
 from mili import __version__
 from services.frontend.generations import Generations
@@ -67,6 +72,7 @@ def make_app(generations: Generations, config: HttpConfig) -> web.Application:
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/version", version)
+    app.router.add_get("/metrics", shared_port_metrics if config.reuse_port else metrics)
     seeds.add_routes(app)
     return app
 
@@ -109,6 +115,25 @@ async def stored_response(request: web.Request) -> web.Response:
         404,
         f"no response {response_id!r}: this server keeps no responses (store is answered "
         "false); send the whole conversation in each request's input",
+        "invalid_request_error",
+        code="not_found",
+    )
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """The registry the frontend's --metrics-port serves (gRPC, HTTP, generations, process),
+    read on the event loop (a few dozen series)."""
+    registry = request.app[GENERATIONS].metrics.registry
+    # The format the scraper accepts (OpenMetrics or Prometheus text), as --metrics-port picks.
+    encode, content_type = choose_encoder(request.headers.get("Accept", ""))
+    return web.Response(body=encode(registry), headers={"Content-Type": content_type})
+
+
+async def shared_port_metrics(request: web.Request) -> web.Response:
+    return error_response(
+        404,
+        "this HTTP port is shared by several frontend processes (--frontends), so a scrape "
+        "here would reach any one of them: scrape each frontend's --metrics-port",
         "invalid_request_error",
         code="not_found",
     )
