@@ -104,7 +104,7 @@ class Call:
     # gone: how long the caller waits for a whole (unstreamed) answer; both in milliseconds
     after: int = 0
     tokens: list[int] = field(default_factory=list)
-    text: str = ""  # an HTTP chat's tool calls: their JSON; n=2: the choices' texts, \n-joined
+    text: str = ""  # an HTTP chat's tool calls, as JSON; n=2: the choices' texts, a JSON list
     num_tokens: int = 0  # got; over HTTP as the usage says (a stream cut short: so far)
     finish: str = ""  # a finish reason, or the status code that ended the call
 
@@ -254,7 +254,7 @@ def http_call(url: str, model: str, call: Call) -> None:
         if call.kind == "tools":
             call.text = json.dumps(choice["message"]["tool_calls"])
         elif call.kind == "n2":
-            call.text = "\n".join(c["text"] for c in sorted(payload["choices"], key=_index))
+            call.text = json.dumps([c["text"] for c in sorted(payload["choices"], key=_index)])
         else:
             call.text = choice["message"]["content"] if "message" in choice else choice["text"]
         call.finish, call.num_tokens = (
@@ -372,7 +372,7 @@ def test_a_seeded_mix_of_callers_gets_whole_answers_and_leaves_every_block_free(
         elif call.kind == "n2":
             assert call.finish == "length", what
             (choice1,) = (c for c in calls if c.kind == "choice1" and c.prompt == call.prompt)
-            assert call.text.split("\n", 1)[1] == choice1.text, what
+            assert json.loads(call.text)[1] == choice1.text, what
         elif call.kind == "choice1":
             assert call.finish == "FINISH_REASON_LENGTH", what
         elif call.kind == "disconnect":
