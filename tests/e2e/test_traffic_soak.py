@@ -5,8 +5,9 @@ together (refusals the frontend queues, preemptions, resumes), prompts that shar
 
 - gRPC streams read to the end, at random priorities: greedy, so each must give the tokens the
   single-process engine gives its prompt alone;
-- streams the caller cancels after a few responses, or cut by a short deadline: what came
-  before the end must be the start of those tokens;
+- streams the caller cancels after a few responses, or cut by a short deadline (some while
+  prefill computes their prompts chunk by chunk): what came before the end must be the start
+  of those tokens;
 - HTTP streams whose client closes the connection after a few chunks, and unstreamed HTTP
   calls whose client stops waiting;
 - seeded sampling, each request sent twice (twins must agree whatever their batches), and
@@ -59,6 +60,7 @@ SEED = 20261128
 NUM_BLOCKS = 48  # of 16 tokens a decode instance: two long requests outgrow it together
 LONG_TOKENS = 400  # a long request's max_tokens: past the 256 outputs admission reserves
 CUT_TOKENS = 600  # the max_tokens of a call its caller cuts short
+PREFILL_CHUNK = 128  # prefill's --max-batch-tokens: the longer prompts (up to 448) take chunks
 # Tokens decode may make for a request after its caller left, before the cancel reaches it (0 or
 # 1 in runs here; a request never cancelled makes hundreds more).
 SLACK = 32
@@ -124,6 +126,12 @@ def busy(
         demo_model_dir,
         e2e_tokenizer,
         num_prefills=2,
+        prefill_args=lambda i: (
+            "--max-batch-tokens",
+            str(PREFILL_CHUNK),
+            "--max-queued-tokens",
+            "8192",
+        ),
         num_decodes=2,
         engine_args=("--dtype", "float32"),
         decode_args=("--num-blocks", str(NUM_BLOCKS), "--metrics-port", "0", *traces),
@@ -137,11 +145,11 @@ def plan(rng: random.Random) -> list[Call]:
     """The long requests first (they start together and outgrow the pools), the rest shuffled."""
     prefixes = [[rng.randrange(800) for _ in range(48)] for _ in range(3)]
 
-    def prompt() -> list[int]:
-        return rng.choice(prefixes) + [rng.randrange(800) for _ in range(rng.randint(1, 24))]
+    def prompt(longest: int) -> list[int]:
+        return rng.choice(prefixes) + [rng.randrange(800) for _ in range(rng.randint(1, longest))]
 
-    def call(kind: str, max_tokens: int, **given: int) -> Call:
-        return Call(kind, "", prompt(), max_tokens, **given)
+    def call(kind: str, max_tokens: int, longest: int = 24, **given: int) -> Call:
+        return Call(kind, "", prompt(longest), max_tokens, **given)
 
     calls = [call("greedy", LONG_TOKENS, priority=rng.randint(0, 2)) for _ in range(4)]
     rest = [call("greedy", rng.randint(4, 48), priority=rng.randint(0, 2)) for _ in range(12)]
@@ -149,6 +157,9 @@ def plan(rng: random.Random) -> list[Call]:
     rest += [call("deadline", CUT_TOKENS, after=rng.randint(200, 2500)) for _ in range(6)]
     rest += [call("disconnect", CUT_TOKENS, after=rng.randint(1, 4)) for _ in range(5)]
     rest += [call("gone", CUT_TOKENS, after=rng.randint(300, 1200)) for _ in range(3)]
+    # prompts prefill computes in several chunks, read to the end or cut on the way
+    rest += [call("greedy", rng.randint(4, 32), longest=400) for _ in range(3)]
+    rest += [call("deadline", 64, longest=400, after=rng.randint(20, 400)) for _ in range(3)]
     for _ in range(3):
         twin = call("seeded", 32, seed=rng.randrange(2**32))
         rest += [twin, replace(twin, tokens=[])]  # a list of its own
