@@ -46,7 +46,10 @@ def test_a_commands_description_keeps_its_layout() -> None:
         timeout=60,
         check=True,
     )
-    assert "\n    TTFT           send -> first message carrying token ids\n" in result.stdout
+    assert (
+        "\n    TTFT           send (open loop: arrival) -> first message carrying token ids\n"
+        in result.stdout
+    )
 
 
 def test_demo_model_refuses_a_directory_it_cannot_use_in_one_line(
