@@ -182,7 +182,7 @@ async def drive(
         async def worker(stub: Any) -> None:
             while not queue.empty():
                 i = queue.get_nowait()
-                arrival = late_s = None
+                arrival, late_s = None, 0.0
                 if schedule is not None:
                     arrival = opened + schedule[i]
                     # taken after its arrival: no client was free for it
@@ -196,7 +196,7 @@ async def drive(
                     ),
                 )
                 result = await _one(stub, request, args.timeout, args.max_retries, arrival)
-                result.late_s = late_s or 0.0
+                result.late_s = late_s
                 results.append(result)
                 if on_result is not None:
                     on_result(result)
