@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 ROOT = Path(__file__).resolve().parent.parent
 _LISTENING = re.compile(r"(\w+) service listening on (\S+)")
 _HTTP = re.compile(r"(\w+) http on (\S+)")
+_METRICS = re.compile(r" metrics on (\S+)")
 _SERVE_HTTP = re.compile(r"OpenAI-compatible API on (\S+)/v1")  # `mili serve`'s summary
 
 
@@ -91,6 +93,15 @@ class ServiceProcess:
         raise AssertionError(f"mili {' '.join(self.args)} announced no HTTP port")
 
     @property
+    def metrics_url(self) -> str:
+        """Its Prometheus endpoint (`--metrics-port`), announced before its gRPC port."""
+        for line in self.stdout_lines:
+            match = _METRICS.search(line)
+            if match:
+                return match.group(1)
+        raise AssertionError(f"mili {' '.join(self.args)} announced no metrics port")
+
+    @property
     def stderr(self) -> str:
         return "".join(self.stderr_lines)
 
@@ -131,3 +142,15 @@ def counted(metrics_url: str, name: str, **labels: str) -> float:
         for sample in family.samples
         if sample.name == name and labels.items() <= sample.labels.items()
     )
+
+
+def counted_by(metrics_url: str, name: str, label: str) -> Counter[str]:
+    """`name`'s samples on one process's /metrics, by the value of their `label`."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as reply:
+        text = reply.read().decode()
+    counts: Counter[str] = Counter()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name:
+                counts[sample.labels[label]] += int(sample.value)
+    return counts

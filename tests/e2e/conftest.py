@@ -277,3 +277,33 @@ def hf_rank_bounds(row: torch.Tensor, token: int) -> tuple[int, int]:
     it of the token's may fall either side."""
     value = row[token].item()
     return int((row > value + HF_TOL).sum()) + 1, int((row >= value - HF_TOL).sum())
+
+
+@pytest.fixture(scope="session")
+def reference(demo_model_dir: Path) -> Callable[[list[int], int], list[int]]:
+    """The single-process engine's greedy tokens of a prompt alone, on the demo model in
+    float32 (as the deployments here run it); the oracle of a deployment's greedy answers."""
+    import torch
+
+    from mili.engine.generate import generate
+    from mili.engine.model.loader import load_model, tokenizer_vocab_size
+    from mili.engine.sampling_params import SamplingParams
+
+    model = load_model(demo_model_dir, dtype=torch.float32)
+    vocab_size = tokenizer_vocab_size(demo_model_dir)
+    done: dict[tuple[int, ...], list[int]] = {}
+
+    def tokens(prompt: list[int], max_tokens: int) -> list[int]:
+        """The greedy tokens of `prompt` alone (greedy: a shorter run is a prefix of a longer)."""
+        key = tuple(prompt)
+        if len(done.get(key, ())) < max_tokens:
+            params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)  # beside the services' processes (test_pipeline.py)
+            try:
+                done[key] = generate(model, [prompt], params, vocab_size=vocab_size)[0].token_ids
+            finally:
+                torch.set_num_threads(threads)
+        return done.get(key, [])[:max_tokens]
+
+    return tokens

@@ -42,17 +42,12 @@ from urllib.parse import urlsplit
 import grpc
 import jsonschema
 import pytest
-import torch
-from prometheus_client.parser import text_string_to_metric_families
 
-from mili.engine.generate import generate
-from mili.engine.model.loader import load_model, tokenizer_vocab_size
-from mili.engine.sampling_params import SamplingParams
 from mili.pb.common.v1 import sampling_pb2
 from mili.pb.frontend.v1 import generation_pb2
 from tests.e2e.conftest import Deployment, deploy
 from tests.otlp_receiver import Receiver, serving
-from tests.service_process import ServiceProcess, counted
+from tests.service_process import ServiceProcess, counted, counted_by
 
 pytestmark = pytest.mark.slow
 
@@ -299,49 +294,6 @@ def decode_tokens(receiver: Receiver) -> dict[str, int]:
     return made
 
 
-def metrics_url(service: ServiceProcess) -> str:
-    found = re.search(r"metrics on (\S+)", "".join(service.stdout_lines))
-    assert found is not None, service.stdout_lines
-    return found.group(1)
-
-
-def outcomes(url: str) -> Counter[str]:
-    """The frontend's mili_frontend_requests_finished_total by outcome."""
-    with urllib.request.urlopen(url, timeout=10) as reply:
-        text = reply.read().decode()
-    name = "mili_frontend_requests_finished_total"
-    return Counter(
-        {
-            sample.labels["outcome"]: int(sample.value)
-            for family in text_string_to_metric_families(text)
-            for sample in family.samples
-            if sample.name == name
-        }
-    )
-
-
-@pytest.fixture(scope="module")
-def reference(demo_model_dir: Path) -> Callable[[list[int], int], list[int]]:
-    model = load_model(demo_model_dir, dtype=torch.float32)
-    vocab_size = tokenizer_vocab_size(demo_model_dir)
-    done: dict[tuple[int, ...], list[int]] = {}
-
-    def tokens(prompt: list[int], max_tokens: int) -> list[int]:
-        """The greedy tokens of `prompt` alone (greedy: a shorter run is a prefix of a longer)."""
-        key = tuple(prompt)
-        if len(done.get(key, ())) < max_tokens:
-            params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-            threads = torch.get_num_threads()
-            torch.set_num_threads(1)  # beside the services' processes (test_pipeline.py)
-            try:
-                done[key] = generate(model, [prompt], params, vocab_size=vocab_size)[0].token_ids
-            finally:
-                torch.set_num_threads(threads)
-        return done.get(key, [])[:max_tokens]
-
-    return tokens
-
-
 def test_a_seeded_mix_of_callers_gets_whole_answers_and_leaves_every_block_free(
     busy: Deployment,
     collector: tuple[Receiver, int],
@@ -399,7 +351,7 @@ def test_a_seeded_mix_of_callers_gets_whole_answers_and_leaves_every_block_free(
 
     # Everything ended: every block back, nothing running, waiting or preempted.
     assert busy.settled_free_blocks(timeout_s=30) == start
-    urls = [metrics_url(d) for d in busy.decodes]
+    urls = [d.metrics_url for d in busy.decodes]
     assert sum(counted(u, "mili_decode_preempted_requests") for u in urls) == 0
     assert sum(counted(u, "mili_decode_preemptions_total") for u in urls) >= 1, took
     hits = [busy.prefill_info(i).prefix_cache.hit_tokens for i in range(len(busy.prefills))]
@@ -419,7 +371,8 @@ def test_a_seeded_mix_of_callers_gets_whole_answers_and_leaves_every_block_free(
         ):
             timed = call.finish in ("DEADLINE_EXCEEDED", "given up by the client")
             assert ends[rid] == seen or (timed and ends[rid] == "length"), (rid, seen, ends[rid])
-    assert outcomes(metrics_url(busy.frontend)) == Counter(ends.values())
+    finished = "mili_frontend_requests_finished_total"
+    assert counted_by(busy.frontend.metrics_url, finished, "outcome") == Counter(ends.values())
     # and the deployment serves on
     after = replace(calls[0], request_id="after", max_tokens=8, tokens=[])
     grpc_call(busy, after)
