@@ -71,10 +71,11 @@ def error_from(
     if code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.UNIMPLEMENTED):
         return DownstreamBug(text)
     if code is grpc.StatusCode.UNAVAILABLE:
-        if unavailable_peer_of(err) is not None:
+        peer = unavailable_peer_of(err)
+        if peer is not None:
             # The instance is fine; one it called for this request is not (prefill's KV
             # destination went away): retry, but keep routing to the instance.
-            return errors.Unavailable(text)
+            return errors.PeerUnavailable(text, peer=peer)
         return InstanceDown(text)  # down, draining, connection lost: route around it
     # CANCELLED (not by our caller: the peer went away), NOT_FOUND (a reservation vanished with
     # its peer), ABORTED...: retrying may work.

@@ -36,7 +36,7 @@ from typing import Any
 
 from mili.engine.logprobs import TokenLogprobs
 from mili.engine.stop import FinishReason
-from mili.errors import ResourceExhausted, Unavailable
+from mili.errors import PeerUnavailable, ResourceExhausted, Unavailable
 from services.frontend.admitter import NoRoom, is_refused_for_room
 from services.frontend.calls import (
     Admitted,
@@ -336,7 +336,15 @@ class Generation:
                 assert self._prefill is not None
                 watched: set[asyncio.Future[Any]] = {read, self._prefill}
                 await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
-                self._check_prefill(admission)  # raises prefill's error
+                try:
+                    self._check_prefill(admission)  # raises prefill's error
+                except PeerUnavailable:
+                    # Prefill's KV destination went away, seen by prefill before this stream
+                    # broke: if decode's stream breaks too, decode is the one down, and a
+                    # request with no token yet goes elsewhere rather than failing.
+                    await asyncio.wait({read}, timeout=self._config.prefill_reply_grace_s)
+                    self._raise_if_decode_down(read, admission)
+                    raise
             if self._is_prefill_watched and not read.cancelled() and read.exception():
                 # Decode failed while prefill was still on: its error may echo prefill's (a
                 # transfer prefill broke off when it turned the request away, seen by decode as
@@ -348,10 +356,7 @@ class Generation:
                 except InstanceDown:  # prefill itself is down
                     raise
                 except Unavailable:
-                    decode_error = read.exception()
-                    if isinstance(decode_error, InstanceDown):
-                        # Prefill lost its KV destination: decode is the one down.
-                        raise self._decode_down(decode_error, admission) from None
+                    self._raise_if_decode_down(read, admission)
                     raise
             return await self._read(admission, read)
         finally:
@@ -361,6 +366,16 @@ class Generation:
                 # When prefill's failure wins the race, decode's read may have failed too;
                 # retrieve it so asyncio does not log it as an unhandled task error.
                 read.exception()
+
+    def _raise_if_decode_down(
+        self, read: asyncio.Future[Admitted | Tokens | None], admission: Admission
+    ) -> None:
+        """Prefill failed for want of its KV destination: when decode's read failed as down,
+        decode is the one down (`_decode_down`'s error is raised)."""
+        if read.done() and not read.cancelled():
+            error = read.exception()
+            if isinstance(error, InstanceDown):
+                raise self._decode_down(error, admission) from None
 
     async def _match_stops(
         self, matcher: StopMatcher, text: TextStream, token_ids: list[int], num_generated: int

@@ -221,6 +221,9 @@ class FakePrefill(prefill_pb2_grpc.PrefillServiceServicer):
     error: Exception | None = None
     # With `error`: the error decode reports for the broken transfer, before ours arrives
     decode_error: Exception | None = None
+    # A decode instance that dies while we send it KV: we answer first (our KV destination went
+    # away: PEER_UNAVAILABLE naming it), its Generate stream breaks (UNAVAILABLE) 0.1 s later
+    lost: FakeDecode | None = None
     requests: list[Any] = field(default_factory=list)
     max_running: int | None = None
     hold: asyncio.Event | None = None
@@ -237,6 +240,18 @@ class FakePrefill(prefill_pb2_grpc.PrefillServiceServicer):
             await asyncio.sleep(0.01)
             if self.hold is not None:
                 await self.hold.wait()
+            address = request.destination.address
+            lost = self.lost
+            if lost is not None and self.decodes[address] is lost:
+
+                def break_off() -> None:
+                    lost.transfer_error = errors.Unavailable("fake decode went away")
+                    lost.kv_landed.set()
+
+                asyncio.get_running_loop().call_later(0.1, break_off)
+                raise errors.PeerUnavailable(
+                    f"the KV transfer to decode at {address} broke off", peer=address
+                )
             if self.error is not None:
                 if self.decode_error is not None:
                     decode = self.decodes[request.destination.address]

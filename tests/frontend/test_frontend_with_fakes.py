@@ -218,6 +218,24 @@ def test_a_decode_down_before_the_first_token_hands_the_request_to_another() -> 
     asyncio.run(main())
 
 
+def test_a_decode_gone_mid_transfer_is_routed_around_when_prefill_tells_it_first() -> None:
+    """Decode dies while prefill sends it the KV, and prefill's answer (its KV destination went
+    away, PEER_UNAVAILABLE) comes before decode's stream breaks: the request, no token out yet,
+    goes to another decode instead of failing with prefill's answer (found by
+    tests/e2e/test_fault_soak.py: the order of the two is a race)."""
+
+    async def main() -> None:
+        victim, spare = FakeDecode(), FakeDecode(num_free_blocks=50)  # the victim tried first
+        async with stack([victim, spare], prefill=FakePrefill(lost=victim)) as s:
+            replies = await collect(s.stub.Generate(prompt(), timeout=10))
+            assert replies[-1].finish_reason == sampling_pb2.FINISH_REASON_LENGTH
+            assert [t for r in replies for t in r.token_ids] == ids("abc")
+            assert victim.requests and spare.requests
+            await wait_until(lambda: all(d.num_reserved == 0 for d in s.decodes))
+
+    asyncio.run(main())
+
+
 def test_a_request_failing_after_a_retry_says_so_in_its_line(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
