@@ -6,7 +6,9 @@ cores that is most of an e2e test's time), the frontend last, with the others' a
 
 from __future__ import annotations
 
+import json
 import time
+import urllib.request
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -277,6 +279,12 @@ def hf_rank_bounds(row: torch.Tensor, token: int) -> tuple[int, int]:
     it of the token's may fall either side."""
     value = row[token].item()
     return int((row > value + HF_TOL).sum()) + 1, int((row >= value - HF_TOL).sum())
+
+
+def served_model(url: str) -> str:
+    """The model name the frontend's HTTP API at `url` serves (its first)."""
+    with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as reply:
+        return str(json.loads(reply.read())["data"][0]["id"])
 
 
 @pytest.fixture(scope="session")

@@ -30,7 +30,6 @@ import json
 import random
 import re
 import time
-import urllib.request
 from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -45,7 +44,7 @@ import pytest
 
 from mili.pb.common.v1 import sampling_pb2
 from mili.pb.frontend.v1 import generation_pb2
-from tests.e2e.conftest import Deployment, deploy
+from tests.e2e.conftest import Deployment, deploy, served_model
 from tests.otlp_receiver import Receiver, serving
 from tests.service_process import ServiceProcess, counted, counted_by
 
@@ -203,11 +202,6 @@ def grpc_call(d: Deployment, call: Call) -> None:
                 return
     except grpc.RpcError as e:
         call.finish = e.code().name
-
-
-def served_model(url: str) -> str:
-    with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as reply:
-        return str(json.loads(reply.read())["data"][0]["id"])
 
 
 def http_call(url: str, model: str, call: Call) -> None:
