@@ -99,6 +99,22 @@ def plan(rng: random.Random) -> list[Call]:
     return calls
 
 
+def until_busy(d: Deployment, victim: ServiceProcess) -> None:
+    """Until `victim` has work: prompt tokens queued or computing (prefill), requests running or
+    waiting for their KV (decode)."""
+    deadline = time.monotonic() + HANG_S
+    while time.monotonic() < deadline:
+        if victim in d.prefills:
+            if d.prefill_info(d.prefills.index(victim)).num_queued_tokens > 0:
+                return
+        else:
+            info = d.decode_info(d.decodes.index(victim))
+            if info.num_running + info.num_waiting > 0:
+                return
+        time.sleep(0.005)
+    pytest.fail(f"{victim.address} had no work for {HANG_S} s")
+
+
 def grpc_call(d: Deployment, call: Call) -> None:
     sampling = sampling_pb2.SamplingParams(
         max_tokens=call.max_tokens, temperature=0.0, ignore_eos=True
@@ -177,8 +193,9 @@ def test_callers_get_whole_answers_or_a_clear_error_when_instances_die_under_loa
         for after, victim in victims:
             with progress:
                 progress.wait_for(lambda: num_done >= after, timeout=HANG_S)  # noqa: B023
-            # Frozen a moment first, so that calls are caught there whatever its pace: those
-            # routed to it meanwhile (the frontend polls every 0.5 s) wait on it when it dies.
+            until_busy(d, victim)
+            # Frozen a moment first, with its work and the calls routed to it meanwhile (the
+            # frontend polls every 0.5 s), so that those calls are there when it dies.
             victim.proc.send_signal(signal.SIGSTOP)
             time.sleep(FROZEN_S)
             victim.proc.kill()
@@ -215,7 +232,8 @@ def test_callers_get_whole_answers_or_a_clear_error_when_instances_die_under_loa
     failed = [c.request_id for c in calls if c.end not in ("FINISH_REASON_LENGTH", "length")]
     for _, victim in victims:
         met = [line for line in lines if f" at {victim.address}: UNAVAILABLE" in line]
-        assert met, f"no call met {victim.address} ({took}):\n{''.join(lines)}"
+        moved = [line for line in lines if "retried" in line or "failed" in line]
+        assert met, f"no call met {victim.address} ({took}):\n{''.join(moved)}"
     # The frontend logged and counted each end as its caller saw it.
     for call in calls:
         m = ends[call.request_id]
