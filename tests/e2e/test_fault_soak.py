@@ -10,7 +10,11 @@ alone, or UNAVAILABLE naming the instance that went (an error event then [DONE] 
 at least one token, the tokens before it the start of that answer. A call that had no token yet
 starts again on the instances left (pipeline.py), so it never fails; no call hangs. Afterwards
 the instances left hold no block and run nothing, the frontend counted each end as its caller
-saw it, and the deployment serves on."""
+saw it, and the deployment serves on.
+
+A rolling restart under the same traffic: a decode instance, then a prefill instance stopped
+with SIGTERM (each drains its calls) and started again on its address. With another of each
+kind up, no caller sees an error at all, and both instances take work again."""
 
 from __future__ import annotations
 
@@ -47,7 +51,7 @@ FROZEN_S = 0.3  # how long an instance is stopped (SIGSTOP) before it is killed
 # The frontend's one log line a request: how it ended (a finish reason, or a status code)
 _END = re.compile(
     r"'(?P<rid>fault-\d+)' \(id \S+\) (?:done: .*?, finish (?P<finish>\w+),"
-    r"|failed after .*?: (?P<code>[A-Z][A-Z_]+): )"
+    r"|failed after [\d.]+ ms(?:, \d+ output tokens?)?(?: \(retried .*\))?: (?P<code>[A-Z_]+): )"
 )
 
 
@@ -66,11 +70,10 @@ class Call:
     details: str = ""  # the error's message
 
 
-@pytest.fixture(scope="module")
-def fragile(demo_model_dir: Path, e2e_tokenizer: ServiceProcess) -> Iterator[Deployment]:
-    d = deploy(
+def two_of_each(demo_model_dir: Path, tokenizer: ServiceProcess) -> Deployment:
+    return deploy(
         demo_model_dir,
-        e2e_tokenizer,
+        tokenizer,
         num_prefills=2,
         prefill_args=lambda i: ("--max-batch-tokens", str(PREFILL_CHUNK)),
         num_decodes=2,
@@ -78,6 +81,11 @@ def fragile(demo_model_dir: Path, e2e_tokenizer: ServiceProcess) -> Iterator[Dep
         decode_args=("--num-blocks", str(NUM_BLOCKS)),
         frontend_args=("--http-port", "0", "--metrics-port", "0"),
     )
+
+
+@pytest.fixture
+def fragile(demo_model_dir: Path, e2e_tokenizer: ServiceProcess) -> Iterator[Deployment]:
+    d = two_of_each(demo_model_dir, e2e_tokenizer)
     yield d
     d.stop()
 
@@ -166,16 +174,16 @@ def http_call(url: str, model: str, call: Call) -> None:
         conn.close()
 
 
-def test_callers_get_whole_answers_or_a_clear_error_when_instances_die_under_load(
-    fragile: Deployment, reference: Callable[[list[int], int], list[int]]
-) -> None:
-    d = fragile
+def send(
+    d: Deployment,
+    calls: list[Call],
+    act: Callable[[ServiceProcess], None],
+    victims: list[ServiceProcess],
+) -> str:
+    """`calls` from NUM_CALLERS callers at once, while `act` is done to the first of `victims`
+    once a quarter of the calls are done and to the second once half are (each in a thread of
+    its own); returns how long it all took, for messages."""
     model = served_model(d.frontend.http_url)
-    calls = plan(random.Random(SEED))
-    victims = [(len(calls) // 4, d.decodes[0]), (len(calls) // 2, d.prefills[1])]
-    survivors = [d.prefills[0], d.decodes[1]]
-    settled = d.settled_free_blocks()
-    start = {s.address: settled[s.address] for s in survivors}
     num_done = 0
     progress = threading.Condition()
 
@@ -189,25 +197,46 @@ def test_callers_get_whole_answers_or_a_clear_error_when_instances_die_under_loa
             num_done += 1
             progress.notify_all()
 
-    def kill() -> None:
-        for after, victim in victims:
-            with progress:
-                progress.wait_for(lambda: num_done >= after, timeout=HANG_S)  # noqa: B023
-            until_busy(d, victim)
-            # Frozen a moment first, with its work and the calls routed to it meanwhile (the
-            # frontend polls every 0.5 s), so that those calls are there when it dies.
-            victim.proc.send_signal(signal.SIGSTOP)
-            time.sleep(FROZEN_S)
-            victim.proc.kill()
+    def happen(after: int, victim: ServiceProcess) -> None:
+        with progress:
+            progress.wait_for(lambda: num_done >= after, timeout=HANG_S)
+        act(victim)
 
-    killer = threading.Thread(target=kill)
     began = time.monotonic()
-    killer.start()
+    acts = [
+        threading.Thread(target=happen, args=(after, victim))
+        for after, victim in zip((len(calls) // 4, len(calls) // 2), victims, strict=True)
+    ]
+    for thread in acts:
+        thread.start()
     with ThreadPoolExecutor(NUM_CALLERS) as callers:
         list(callers.map(run, calls))
-    killer.join(timeout=HANG_S)
-    took = f"traffic took {time.monotonic() - began:.0f} s"
-    assert all(victim.proc.poll() is not None for _, victim in victims)
+    for thread in acts:
+        thread.join(timeout=HANG_S)
+        assert not thread.is_alive()
+    return f"traffic took {time.monotonic() - began:.0f} s"
+
+
+def test_callers_get_whole_answers_or_a_clear_error_when_instances_die_under_load(
+    fragile: Deployment, reference: Callable[[list[int], int], list[int]]
+) -> None:
+    d = fragile
+    calls = plan(random.Random(SEED))
+    victims = [d.decodes[0], d.prefills[1]]
+    survivors = [d.prefills[0], d.decodes[1]]
+    settled = d.settled_free_blocks()
+    start = {s.address: settled[s.address] for s in survivors}
+
+    def kill(victim: ServiceProcess) -> None:
+        until_busy(d, victim)
+        # Frozen a moment first, with its work and the calls routed to it meanwhile (the
+        # frontend polls every 0.5 s), so that those calls are there when it dies.
+        victim.proc.send_signal(signal.SIGSTOP)
+        time.sleep(FROZEN_S)
+        victim.proc.kill()
+
+    took = send(d, calls, kill, victims)
+    assert all(victim.proc.poll() is not None for victim in victims)
 
     # Every call ended whole, or with UNAVAILABLE naming what went after a token came.
     for call in calls:
@@ -230,7 +259,7 @@ def test_callers_get_whole_answers_or_a_clear_error_when_instances_die_under_loa
     ends = {m["rid"]: m for m in map(_END.search, lines) if m}
     assert sorted(ends) == sorted(c.request_id for c in calls), lines
     failed = [c.request_id for c in calls if c.end not in ("FINISH_REASON_LENGTH", "length")]
-    for _, victim in victims:
+    for victim in victims:
         met = [line for line in lines if f" at {victim.address}: UNAVAILABLE" in line]
         moved = [line for line in lines if "retried" in line or "failed" in line]
         assert met, f"no call met {victim.address} ({took}):\n{''.join(moved)}"
@@ -257,3 +286,54 @@ def test_callers_get_whole_answers_or_a_clear_error_when_instances_die_under_loa
             else:
                 assert again.text.startswith(call.text), call.request_id
     d.wait_free_blocks(start, survivors, timeout_s=30)
+
+
+def test_a_rolling_restart_under_load_fails_no_call(
+    fragile: Deployment, reference: Callable[[list[int], int], list[int]]
+) -> None:
+    """A decode, then a prefill instance is stopped (SIGTERM: it drains) and started again on
+    its address, as a rolling restart does, under the same traffic: with another of each kind
+    up, no caller sees an error, and the instances started again take work."""
+    d = fragile
+    calls = plan(random.Random(SEED + 1))
+    restarted: dict[str, int] = {}  # address -> the frontend's log lines before it came back
+
+    def restart(victim: ServiceProcess) -> None:
+        until_busy(d, victim)
+        assert victim.terminate(timeout_s=60) == 0, victim.stderr[-3000:]
+        args = list(victim.args)
+        args[args.index("--port") + 1] = victim.address.rsplit(":", 1)[1]  # prefill's was 0
+        kind = d.prefills if victim in d.prefills else d.decodes
+        kind[kind.index(victim)] = ServiceProcess(*args)
+        restarted[victim.address] = len(d.frontend.stderr_lines)
+
+    took = send(d, calls, restart, [d.decodes[0], d.prefills[1]])
+    for call in calls:
+        what = f"{call.kind} {call.request_id} ({took}): {call.end} {call.details!r}"
+        if call.kind == "grpc":
+            assert call.end == "FINISH_REASON_LENGTH", what
+            assert call.tokens == reference(call.prompt, call.max_tokens), what
+        else:
+            assert (call.end, call.num_tokens) == ("length", call.max_tokens), what
+
+    # Both came back and serve: calls go to them again (more if the traffic was over first).
+    def served(address: str) -> bool:
+        route = re.compile(rf" done: .*(prefill|decode) {re.escape(address)}[ ,]")
+        return any(route.search(line) for line in d.frontend.stderr_lines[restarted[address] :])
+
+    for round_ in range(10):
+        if all(served(address) for address in restarted):
+            break
+        more = [replace_id(c, f"again-{round_}-{i}") for i, c in enumerate(calls[:NUM_CALLERS])]
+        with ThreadPoolExecutor(NUM_CALLERS) as callers:
+            list(callers.map(lambda c: grpc_call(d, c), more))
+        assert all(c.end == "FINISH_REASON_LENGTH" for c in more), more
+    assert all(served(address) for address in restarted), "".join(
+        d.frontend.stderr_lines[min(restarted.values()) :]
+    )
+    d.settled_free_blocks(timeout_s=30)
+
+
+def replace_id(call: Call, request_id: str) -> Call:
+    """`call` sent again over gRPC under another id."""
+    return Call("grpc", request_id, call.prompt, call.max_tokens)

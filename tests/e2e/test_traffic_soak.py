@@ -68,7 +68,8 @@ ENDS = {
 # The frontend's one log line a request: how it ended (a finish reason, or a status code)
 _END = re.compile(
     r"'(?P<rid>soak-[\d.]+)' \(id \S+\) (?:done: .*?, finish (?P<finish>\w+),"
-    r"|failed after .*?: (?P<code>[A-Z][A-Z_]+): |(?P<cut>[A-Z][A-Z_]+) after )"
+    r"|failed after [\d.]+ ms(?:, \d+ output tokens?)?(?: \(retried .*\))?: (?P<code>[A-Z_]+): "
+    r"|(?P<cut>[A-Z][A-Z_]+) after )"
 )
 # A call's end as the frontend counts it (mili_frontend_requests_finished_total) and logs it
 OUTCOMES = {
