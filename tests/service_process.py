@@ -11,10 +11,11 @@ import threading
 import time
 import urllib.request
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 ROOT = Path(__file__).resolve().parent.parent
 _LISTENING = re.compile(r"(\w+) service listening on (\S+)")
@@ -131,26 +132,24 @@ class ServiceProcess:
         return code
 
 
+def samples(metrics_url: str, name: str) -> Iterator[Sample]:
+    """`name`'s samples on one process's /metrics."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as reply:
+        text = reply.read().decode()
+    for family in text_string_to_metric_families(text):
+        yield from (sample for sample in family.samples if sample.name == name)
+
+
 def counted(metrics_url: str, name: str, **labels: str) -> float:
     """The sum of `name`'s samples whose labels include `labels`, on one process's /metrics
     (0 when none is there yet)."""
-    with urllib.request.urlopen(metrics_url, timeout=10) as reply:
-        text = reply.read().decode()
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == name and labels.items() <= sample.labels.items()
-    )
+    found = samples(metrics_url, name)
+    return sum(sample.value for sample in found if labels.items() <= sample.labels.items())
 
 
 def counted_by(metrics_url: str, name: str, label: str) -> Counter[str]:
-    """`name`'s samples on one process's /metrics, by the value of their `label`."""
-    with urllib.request.urlopen(metrics_url, timeout=10) as reply:
-        text = reply.read().decode()
+    """`name`'s samples on one process's /metrics, summed by the value of their `label`."""
     counts: Counter[str] = Counter()
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name:
-                counts[sample.labels[label]] += int(sample.value)
+    for sample in samples(metrics_url, name):
+        counts[sample.labels[label]] += int(sample.value)
     return counts

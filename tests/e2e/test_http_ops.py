@@ -100,8 +100,7 @@ def test_the_frontend_traces_counts_and_identifies_http_requests(
     status, headers, body = _get(f"{url}/v1/nope?x=1", traceparent=traceparent)
     assert status == 404 and json.loads(body)["error"]["type"] == "invalid_request_error"
     assert len(headers["X-Request-Id"]) == 32  # a fresh one
-    metrics_line = next(line for line in frontend.stdout_lines if " metrics on " in line)
-    metrics_url = metrics_line.split(" metrics on ")[1].strip()
+    metrics_url = frontend.metrics_url
     expected = (
         'mili_http_requests_total{method="GET",route="/v1/models",status="200"} 1.0',
         'mili_http_requests_total{method="GET",route="unmatched",status="404"} 1.0',

@@ -117,8 +117,7 @@ def test_the_body_request_id_is_echoed_and_the_tokens_counted(seeds: Deployment)
     tokens count in mili_frontend_generated_tokens_total as the other APIs' do, and a header
     id that is not printable ASCII is replaced by a fresh one, not a 500."""
     url = seeds.frontend.http_url
-    line = next(x for x in seeds.frontend.stdout_lines if " metrics on " in x)
-    metrics = line.split(" metrics on ")[1].strip()
+    metrics = seeds.frontend.metrics_url
     before = counted(metrics, "mili_frontend_generated_tokens_total")
     for stream in (False, True):
         conn = connect(url)
