@@ -51,7 +51,8 @@ FROZEN_S = 0.3  # how long an instance is stopped (SIGSTOP) before it is killed
 # The frontend's one log line a request: how it ended (a finish reason, or a status code)
 _END = re.compile(
     r"'(?P<rid>fault-\d+)' \(id \S+\) (?:done: .*?, finish (?P<finish>\w+),"
-    r"|failed after [\d.]+ ms(?:, \d+ output tokens?)?(?: \(retried .*\))?: (?P<code>[A-Z_]+): )"
+    r"|failed after [\d.]+ ms(?:, (?P<made>\d+) output tokens?)?(?: \(retried .*\))?: "
+    r"(?P<code>[A-Z_]+): )"
 )
 
 
@@ -59,13 +60,13 @@ _END = re.compile(
 class Call:
     """One caller's request and what came back."""
 
-    kind: str  # grpc, http
+    kind: str  # grpc; http (streamed), http_whole (not streamed)
     request_id: str
     prompt: list[int]
     max_tokens: int
     tokens: list[int] = field(default_factory=list)  # gRPC
     text: str = ""
-    num_tokens: int = 0  # got: the usage's count over HTTP
+    num_tokens: int = 0  # got: the usage's count over HTTP (0 for an unstreamed failure)
     end: str = ""  # length, or the status code that ended the call (HTTP: the error's type)
     details: str = ""  # the error's message
 
@@ -100,7 +101,8 @@ def plan(rng: random.Random) -> list[Call]:
     calls = [call("grpc", rng.randint(8, 160)) for _ in range(34)]
     calls += [call("grpc", 300) for _ in range(4)]
     calls += [call("grpc", rng.randint(8, 48), longest=400) for _ in range(6)]
-    calls += [call("http", rng.randint(8, 96)) for _ in range(8)]
+    calls += [call("http", rng.randint(8, 96)) for _ in range(6)]
+    calls += [call("http_whole", rng.randint(8, 96)) for _ in range(4)]
     rng.shuffle(calls)
     for i, c in enumerate(calls):
         c.request_id = f"fault-{i}"
@@ -146,14 +148,24 @@ def http_call(url: str, model: str, call: Call) -> None:
     assert parts.hostname is not None and parts.port is not None
     body = {
         "model": model, "prompt": call.prompt, "max_tokens": call.max_tokens, "temperature": 0,
-        "ignore_eos": True, "stream": True,
-        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        "ignore_eos": True, "stream": call.kind == "http",
     }  # fmt: skip
+    if call.kind == "http":
+        body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
     conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=HANG_S)
     headers = {"Content-Type": "application/json", "X-Request-Id": call.request_id}
     try:
         conn.request("POST", "/v1/completions", json.dumps(body), headers)
         reply = conn.getresponse()
+        if call.kind == "http_whole":
+            payload = json.loads(reply.read())
+            if reply.status == 200:
+                (choice,) = payload["choices"]
+                call.text, call.end = choice["text"], choice["finish_reason"]
+                call.num_tokens = payload["usage"]["completion_tokens"]
+            else:
+                call.end, call.details = payload["error"]["type"], payload["error"]["message"]
+            return
         assert reply.status == 200, reply.read()
         for line in reply.fp:
             if line == b"data: [DONE]\n":
@@ -189,7 +201,7 @@ def send(
 
     def run(call: Call) -> None:
         nonlocal num_done
-        if call.kind == "http":
+        if call.kind != "grpc":
             http_call(d.frontend.http_url, model, call)
         else:
             grpc_call(d, call)
@@ -238,7 +250,11 @@ def test_callers_get_whole_answers_or_a_clear_error_when_instances_die_under_loa
     took = send(d, calls, kill, victims)
     assert all(victim.proc.poll() is not None for victim in victims)
 
-    # Every call ended whole, or with UNAVAILABLE naming what went after a token came.
+    # Every call ended whole, or with UNAVAILABLE naming what went after a token came (the
+    # frontend's line says how many it had: an unstreamed call's caller sees none of them).
+    lines = d.frontend.lines_matching(_END, len(calls), timeout_s=30)
+    ends = {m["rid"]: m for m in map(_END.search, lines) if m}
+    assert sorted(ends) == sorted(c.request_id for c in calls), lines
     for call in calls:
         what = f"{call.kind} {call.request_id} ({took}): {call.end} {call.details!r}"
         if call.kind == "grpc":
@@ -252,12 +268,11 @@ def test_callers_get_whole_answers_or_a_clear_error_when_instances_die_under_loa
             continue
         assert call.end in ("UNAVAILABLE", "service_unavailable_error"), what
         assert re.search(r"\b(prefill|decode)\b", call.details), what
-        assert call.num_tokens >= 1, f"failed before its first token, not retried: {what}"
+        made = int(ends[call.request_id]["made"] or 0)
+        assert made >= 1, f"failed before its first token, not retried: {what}"
+        assert call.kind == "http_whole" or call.num_tokens >= 1, what
 
     # Each killed instance met calls: they failed naming it, or went elsewhere for it.
-    lines = d.frontend.lines_matching(_END, len(calls), timeout_s=30)
-    ends = {m["rid"]: m for m in map(_END.search, lines) if m}
-    assert sorted(ends) == sorted(c.request_id for c in calls), lines
     failed = [c.request_id for c in calls if c.end not in ("FINISH_REASON_LENGTH", "length")]
     for victim in victims:
         met = [line for line in lines if f" at {victim.address}: UNAVAILABLE" in line]
@@ -277,7 +292,7 @@ def test_callers_get_whole_answers_or_a_clear_error_when_instances_die_under_loa
     info = d.decode_info(1)
     assert (info.num_running, info.num_waiting) == (0, 0)
     for call in calls:
-        if call.kind == "http":  # the whole answer's text, as gRPC gets it now
+        if call.kind != "grpc":  # the whole answer's text, as gRPC gets it now
             again = Call("grpc", f"again-{call.request_id}", call.prompt, call.max_tokens)
             grpc_call(d, again)
             assert again.end == "FINISH_REASON_LENGTH", again
