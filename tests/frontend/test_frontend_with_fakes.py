@@ -199,34 +199,26 @@ def test_a_prefill_down_before_the_first_token_hands_the_request_to_another() ->
     asyncio.run(main())
 
 
-def test_a_decode_down_before_the_first_token_hands_the_request_to_another() -> None:
+@pytest.mark.parametrize("seen_first_by", ["decode", "prefill"])
+def test_a_decode_down_before_the_first_token_hands_the_request_to_another(
+    seen_first_by: str,
+) -> None:
     """Decode fails a request it admitted before its first token (killed, or draining in a
     rolling restart): the request goes to another decode that is up instead of failing (found
     by a read-only review: only a down prefill was retried); once a token went out, decode's
-    error is the answer (test_decode_failure_mid_stream_names_decode)."""
-
-    async def main() -> None:
-        failing = FakeDecode(fail_after=0)  # admits, then fails before any token
-        spare = FakeDecode()
-        async with stack([failing, spare], poll_interval_s=5.0) as s:
-            replies = await collect(s.stub.Generate(prompt(), timeout=10))
-            assert replies[-1].finish_reason == sampling_pb2.FINISH_REASON_LENGTH
-            assert [t for r in replies for t in r.token_ids] == ids("abc")
-            assert failing.requests and spare.requests
-            await wait_until(lambda: all(d.num_reserved == 0 for d in s.decodes))
-
-    asyncio.run(main())
-
-
-def test_a_decode_gone_mid_transfer_is_routed_around_when_prefill_tells_it_first() -> None:
-    """Decode dies while prefill sends it the KV, and prefill's answer (its KV destination went
-    away, PEER_UNAVAILABLE) comes before decode's stream breaks: the request, no token out yet,
-    goes to another decode instead of failing with prefill's answer (found by
+    error is the answer (test_decode_failure_mid_stream_names_decode). Also when decode dies
+    while prefill sends it the KV and prefill's answer (its KV destination went away,
+    PEER_UNAVAILABLE) comes before decode's stream breaks (found by
     tests/e2e/test_fault_soak.py: the order of the two is a race)."""
 
     async def main() -> None:
-        victim, spare = FakeDecode(), FakeDecode(num_free_blocks=50)  # the victim tried first
-        async with stack([victim, spare], prefill=FakePrefill(lost=victim)) as s:
+        if seen_first_by == "decode":
+            victim, prefill = FakeDecode(fail_after=0), None  # admits, then fails
+        else:
+            victim = FakeDecode()
+            prefill = FakePrefill(lost=victim)
+        spare = FakeDecode(num_free_blocks=50)  # the victim is tried first
+        async with stack([victim, spare], prefill=prefill, poll_interval_s=5.0) as s:
             replies = await collect(s.stub.Generate(prompt(), timeout=10))
             assert replies[-1].finish_reason == sampling_pb2.FINISH_REASON_LENGTH
             assert [t for r in replies for t in r.token_ids] == ids("abc")
