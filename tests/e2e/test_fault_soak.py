@@ -198,21 +198,27 @@ def send(
     model = served_model(d.frontend.http_url)
     num_done = 0
     progress = threading.Condition()
+    errors: list[BaseException] = []  # what the acts raised (a thread's own is only a warning)
 
     def run(call: Call) -> None:
         nonlocal num_done
-        if call.kind != "grpc":
-            http_call(d.frontend.http_url, model, call)
-        else:
-            grpc_call(d, call)
-        with progress:
-            num_done += 1
-            progress.notify_all()
+        try:
+            if call.kind != "grpc":
+                http_call(d.frontend.http_url, model, call)
+            else:
+                grpc_call(d, call)
+        finally:
+            with progress:
+                num_done += 1
+                progress.notify_all()
 
     def happen(after: int, victim: ServiceProcess) -> None:
         with progress:
             progress.wait_for(lambda: num_done >= after, timeout=HANG_S)
-        act(victim)
+        try:
+            act(victim)
+        except BaseException as e:
+            errors.append(e)
 
     began = time.monotonic()
     acts = [
@@ -221,11 +227,15 @@ def send(
     ]
     for thread in acts:
         thread.start()
-    with ThreadPoolExecutor(NUM_CALLERS) as callers:
-        list(callers.map(run, calls))
-    for thread in acts:
-        thread.join(timeout=HANG_S)
-        assert not thread.is_alive()
+    try:
+        with ThreadPoolExecutor(NUM_CALLERS) as callers:
+            list(callers.map(run, calls))
+    finally:  # the acts done before the deployment is stopped: nothing they start outlives it
+        for thread in acts:
+            thread.join(timeout=2 * HANG_S)
+    assert not any(thread.is_alive() for thread in acts)
+    if errors:
+        raise errors[0]
     return f"traffic took {time.monotonic() - began:.0f} s"
 
 
