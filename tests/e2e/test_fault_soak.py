@@ -1,13 +1,14 @@
 """Instances killed under load, against real processes on the demo model: two prefill and two
 decode instances, a frontend, and 8 callers sending a seeded mix of greedy calls (gRPC streams,
-and HTTP streams read to the end; some prompts long enough for prefill to compute them in
+HTTP completions streamed and not; some prompts long enough for prefill to compute them in
 chunks, some answers long enough to outgrow decode's small pools). One decode instance is
 frozen and then killed with SIGKILL once a quarter of the calls are done, one prefill instance
 once half are.
 
 What each caller must see: a whole answer, the tokens the single-process engine gives its prompt
-alone, or UNAVAILABLE naming the instance that went (an error event then [DONE] over HTTP) after
-at least one token, the tokens before it the start of that answer. A call that had no token yet
+alone, or UNAVAILABLE naming the instance that went (over HTTP a 503, or an error event then
+[DONE] once streaming) after the frontend had at least one token, the tokens before it the start
+of that answer. A call that had no token yet
 starts again on the instances left (pipeline.py), so it never fails; no call hangs. Afterwards
 the instances left hold no block and run nothing, the frontend counted each end as its caller
 saw it, and the deployment serves on.
