@@ -357,7 +357,10 @@ def test_a_rolling_restart_under_load_fails_no_call(
     assert all(served(address) for address in restarted), "".join(
         d.frontend.stderr_lines[min(restarted.values()) :]
     )
-    d.settled_free_blocks(timeout_s=30)
+    # Every block of every instance is free again (those drained restarted with fresh pools).
+    totals = [d.prefill_info(i).num_total_blocks for i in range(len(d.prefills))]
+    totals += [d.decode_info(i).num_total_blocks for i in range(len(d.decodes))]
+    assert list(d.settled_free_blocks(timeout_s=30).values()) == totals
 
 
 def replace_id(call: Call, request_id: str) -> Call:
