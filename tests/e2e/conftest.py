@@ -7,6 +7,7 @@ cores that is most of an e2e test's time), the frontend last, with the others' a
 from __future__ import annotations
 
 import json
+import re
 import time
 import urllib.request
 import warnings
@@ -287,8 +288,20 @@ def served_model(url: str) -> str:
         return str(json.loads(reply.read())["data"][0]["id"])
 
 
+def end_lines(prefix: str) -> re.Pattern[str]:
+    """The frontend's one log line of a request whose caller's id is `prefix-N`: how it ended,
+    a finish reason (`finish`), a status code (`code`, with the output tokens it had: `made`)
+    or a cut (`cut`: the caller cancelled, or its deadline passed). A retried request's reasons
+    hold status codes of their own: the pattern steps over them."""
+    return re.compile(
+        rf"'(?P<rid>{prefix}-[\d.]+)' \(id \S+\) (?:done: .*?, finish (?P<finish>\w+),"
+        r"|failed after [\d.]+ ms(?:, (?P<made>\d+) output tokens?)?(?: \(retried .*\))?: "
+        r"(?P<code>[A-Z_]+): |(?P<cut>[A-Z][A-Z_]+) after )"
+    )
+
+
 @pytest.fixture(scope="session")
-def reference(demo_model_dir: Path) -> Callable[[list[int], int], list[int]]:
+def engine_greedy(demo_model_dir: Path) -> Callable[[list[int], int], list[int]]:
     """The single-process engine's greedy tokens of a prompt alone, on the demo model in
     float32 (as the deployments here run it); the oracle of a deployment's greedy answers."""
     import torch

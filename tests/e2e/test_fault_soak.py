@@ -38,7 +38,7 @@ import pytest
 
 from mili.pb.common.v1 import sampling_pb2
 from mili.pb.frontend.v1 import generation_pb2
-from tests.e2e.conftest import Deployment, deploy, served_model
+from tests.e2e.conftest import Deployment, deploy, end_lines, served_model
 from tests.service_process import ServiceProcess, counted_by
 
 pytestmark = pytest.mark.slow
@@ -49,12 +49,7 @@ NUM_BLOCKS = 64  # of 16 tokens a decode instance: the long answers outgrow it t
 PREFILL_CHUNK = 128  # prefill's --max-batch-tokens: prompts of up to 400 tokens take chunks
 HANG_S = 90  # every call's deadline: a call that reaches it hung
 FROZEN_S = 0.3  # how long an instance is stopped (SIGSTOP) before it is killed
-# The frontend's one log line a request: how it ended (a finish reason, or a status code)
-_END = re.compile(
-    r"'(?P<rid>fault-\d+)' \(id \S+\) (?:done: .*?, finish (?P<finish>\w+),"
-    r"|failed after [\d.]+ ms(?:, (?P<made>\d+) output tokens?)?(?: \(retried .*\))?: "
-    r"(?P<code>[A-Z_]+): )"
-)
+_END = end_lines("fault")  # the frontend's one log line a request: how it ended
 
 
 @dataclass
@@ -72,10 +67,12 @@ class Call:
     details: str = ""  # the error's message
 
 
-def two_of_each(demo_model_dir: Path, tokenizer: ServiceProcess) -> Deployment:
-    return deploy(
+@pytest.fixture
+def fragile(demo_model_dir: Path, e2e_tokenizer: ServiceProcess) -> Iterator[Deployment]:
+    """A deployment of its own for each test: both take instances down."""
+    d = deploy(
         demo_model_dir,
-        tokenizer,
+        e2e_tokenizer,
         num_prefills=2,
         prefill_args=lambda i: ("--max-batch-tokens", str(PREFILL_CHUNK)),
         num_decodes=2,
@@ -83,11 +80,6 @@ def two_of_each(demo_model_dir: Path, tokenizer: ServiceProcess) -> Deployment:
         decode_args=("--num-blocks", str(NUM_BLOCKS)),
         frontend_args=("--http-port", "0", "--metrics-port", "0"),
     )
-
-
-@pytest.fixture
-def fragile(demo_model_dir: Path, e2e_tokenizer: ServiceProcess) -> Iterator[Deployment]:
-    d = two_of_each(demo_model_dir, e2e_tokenizer)
     yield d
     d.stop()
 
@@ -241,7 +233,7 @@ def send(
 
 
 def test_callers_get_whole_answers_or_a_clear_error_when_instances_die_under_load(
-    fragile: Deployment, reference: Callable[[list[int], int], list[int]]
+    fragile: Deployment, engine_greedy: Callable[[list[int], int], list[int]]
 ) -> None:
     d = fragile
     calls = plan(random.Random(SEED))
@@ -270,7 +262,7 @@ def test_callers_get_whole_answers_or_a_clear_error_when_instances_die_under_loa
         what = f"{call.kind} {call.request_id} ({took}): {call.end} {call.details!r}"
         if call.kind == "grpc":
             whole = call.end == "FINISH_REASON_LENGTH"
-            expected = reference(call.prompt, call.max_tokens if whole else len(call.tokens))
+            expected = engine_greedy(call.prompt, call.max_tokens if whole else len(call.tokens))
             assert call.tokens == expected, what
         else:
             whole = call.end == "length"
@@ -315,7 +307,7 @@ def test_callers_get_whole_answers_or_a_clear_error_when_instances_die_under_loa
 
 
 def test_a_rolling_restart_under_load_fails_no_call(
-    fragile: Deployment, reference: Callable[[list[int], int], list[int]]
+    fragile: Deployment, engine_greedy: Callable[[list[int], int], list[int]]
 ) -> None:
     """A decode, then a prefill instance is stopped (SIGTERM: it drains) and started again on
     its address, as a rolling restart does, under the same traffic: with another of each kind
@@ -338,7 +330,7 @@ def test_a_rolling_restart_under_load_fails_no_call(
         what = f"{call.kind} {call.request_id} ({took}): {call.end} {call.details!r}"
         if call.kind == "grpc":
             assert call.end == "FINISH_REASON_LENGTH", what
-            assert call.tokens == reference(call.prompt, call.max_tokens), what
+            assert call.tokens == engine_greedy(call.prompt, call.max_tokens), what
         else:
             assert (call.end, call.num_tokens) == ("length", call.max_tokens), what
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 import http.client
 import json
 import random
-import re
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -44,7 +43,7 @@ import pytest
 
 from mili.pb.common.v1 import sampling_pb2
 from mili.pb.frontend.v1 import generation_pb2
-from tests.e2e.conftest import Deployment, deploy, served_model
+from tests.e2e.conftest import Deployment, deploy, end_lines, served_model
 from tests.otlp_receiver import Receiver, serving
 from tests.service_process import ServiceProcess, counted, counted_by
 
@@ -65,12 +64,7 @@ ENDS = {
     "cancel": ("cancelled by the caller",),
     "deadline": ("FINISH_REASON_LENGTH", "DEADLINE_EXCEEDED"),
 }
-# The frontend's one log line a request: how it ended (a finish reason, or a status code)
-_END = re.compile(
-    r"'(?P<rid>soak-[\d.]+)' \(id \S+\) (?:done: .*?, finish (?P<finish>\w+),"
-    r"|failed after [\d.]+ ms(?:, \d+ output tokens?)?(?: \(retried .*\))?: (?P<code>[A-Z_]+): "
-    r"|(?P<cut>[A-Z][A-Z_]+) after )"
-)
+_END = end_lines("soak")  # the frontend's one log line a request: how it ended
 # A call's end as the frontend counts it (mili_frontend_requests_finished_total) and logs it
 OUTCOMES = {
     "FINISH_REASON_LENGTH": "length",
@@ -292,7 +286,7 @@ def decode_tokens(receiver: Receiver) -> dict[str, int]:
 def test_a_seeded_mix_of_callers_gets_whole_answers_and_leaves_every_block_free(
     busy: Deployment,
     collector: tuple[Receiver, int],
-    reference: Callable[[list[int], int], list[int]],
+    engine_greedy: Callable[[list[int], int], list[int]],
 ) -> None:
     start = busy.settled_free_blocks()
     calls = plan(random.Random(SEED))
@@ -317,7 +311,7 @@ def test_a_seeded_mix_of_callers_gets_whole_answers_and_leaves_every_block_free(
             assert call.finish in ENDS[call.kind], what
             # read to the end, or what came before the end the caller set
             whole = call.finish == "FINISH_REASON_LENGTH"
-            expected = reference(call.prompt, call.max_tokens if whole else len(call.tokens))
+            expected = engine_greedy(call.prompt, call.max_tokens if whole else len(call.tokens))
             assert call.tokens == expected, what
         elif call.kind == "seeded":
             assert call.finish == "FINISH_REASON_LENGTH", what
@@ -371,7 +365,7 @@ def test_a_seeded_mix_of_callers_gets_whole_answers_and_leaves_every_block_free(
     # and the deployment serves on
     after = replace(calls[0], request_id="after", max_tokens=8, tokens=[])
     grpc_call(busy, after)
-    assert after.tokens == reference(after.prompt, 8)
+    assert after.tokens == engine_greedy(after.prompt, 8)
 
     # Decode stopped making tokens for every caller that left.
     busy.stop()  # decode flushes its spans as it exits
